@@ -1,0 +1,31 @@
+"""Training data: text sources, token packing and the step sampler."""
+
+from .dataset import (
+    PackedData,
+    build_packed_data,
+    data_fingerprint,
+    load_packed,
+    micro_batch_tensors,
+    packed_cache_path,
+    save_packed,
+    tokenize_documents,
+)
+from .sampler import StepSampler
+from .text import DataError, botchan_text, read_documents, read_text_source, strip_gutenberg
+
+__all__ = [
+    "DataError",
+    "PackedData",
+    "StepSampler",
+    "botchan_text",
+    "build_packed_data",
+    "data_fingerprint",
+    "load_packed",
+    "micro_batch_tensors",
+    "packed_cache_path",
+    "read_documents",
+    "read_text_source",
+    "save_packed",
+    "strip_gutenberg",
+    "tokenize_documents",
+]

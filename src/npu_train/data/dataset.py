@@ -1,0 +1,296 @@
+"""Fixed-length packing of a tokenized text source into train / validation rows.
+
+The documents of a text source (see ``text.read_documents``) are tokenized without
+special tokens and concatenated into one token stream, with ``eos_id`` between
+documents when it is given (without it, documents are joined by a blank line before
+tokenizing). The stream is cut into non-overlapping rows of ``seq_len + 1`` tokens (the
+tail that does not fill a row is dropped); for a row, ``input_ids = row[:-1]`` and
+``labels = row[1:]``. The last ``val_fraction`` of rows (at least one when
+``val_fraction > 0``) are held out for validation, so train and validation never share
+a token position.
+
+The packed result is cached as safetensors in ``cache_dir`` under a key that covers the
+text, the tokenizer (its full serialization), ``seq_len``, ``val_fraction`` and
+``eos_id``, so a second call (for example by another worker process) loads the file
+instead of re-tokenizing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .text import DataError, read_documents
+
+__all__ = [
+    "PackedData",
+    "build_packed_data",
+    "data_fingerprint",
+    "packed_cache_path",
+    "save_packed",
+    "load_packed",
+    "tokenize_documents",
+    "micro_batch_tensors",
+]
+
+_FORMAT = "npu-train-packed-v1"
+_CHUNK_CHARS = 32_768
+
+
+@dataclass
+class PackedData:
+    """Packed token rows. ``train``/``val``: ``[N, seq_len + 1]`` int64.
+
+    ``n_tokens`` is the length of the full token stream (including inter-document EOS
+    tokens) before the tail that does not fill a row was dropped. ``fingerprint`` is
+    the cache key (hex sha256) of the inputs that produced the data.
+    """
+
+    train: torch.Tensor
+    val: torch.Tensor
+    seq_len: int
+    n_tokens: int
+    fingerprint: str
+
+    @property
+    def n_train(self) -> int:
+        return int(self.train.shape[0])
+
+    @property
+    def n_val(self) -> int:
+        return int(self.val.shape[0])
+
+
+# ----------------------------------------------------------------------------- tokenize
+
+
+def _split_chunks(doc: str, size: int = _CHUNK_CHARS) -> list[str]:
+    """Cut ``doc`` into ~``size``-char pieces at line starts that begin with a non-space."""
+    if len(doc) <= size:
+        return [doc]
+    chunks, start = [], 0
+    while len(doc) - start > size:
+        cut = start + size
+        while True:
+            nl = doc.find("\n", cut)
+            if nl < 0 or nl + 1 >= len(doc):
+                cut = -1
+                break
+            if not doc[nl + 1].isspace():
+                cut = nl + 1
+                break
+            cut = nl + 1
+        if cut < 0:
+            break
+        chunks.append(doc[start:cut])
+        start = cut
+    chunks.append(doc[start:])
+    return chunks
+
+
+def _encode_doc(tokenizer, doc: str) -> list[int]:
+    chunks = _split_chunks(doc)
+    if len(chunks) == 1:
+        return tokenizer.encode(doc, add_special_tokens=False).ids
+    # Chunking at line starts is exact for byte-level BPE (a pre-token never crosses a
+    # "\n" followed by a non-space), but not for every tokenizer (e.g. one that prepends
+    # a space marker to its input). Check on the first boundary; otherwise encode whole.
+    first_two = tokenizer.encode(chunks[0] + chunks[1], add_special_tokens=False).ids
+    encs = tokenizer.encode_batch(chunks, add_special_tokens=False)
+    if first_two != encs[0].ids + encs[1].ids:
+        return tokenizer.encode(doc, add_special_tokens=False).ids
+    return [i for e in encs for i in e.ids]
+
+
+def tokenize_documents(tokenizer, docs: list[str], eos_id: int | None) -> list[int]:
+    """One token stream for ``docs`` (no special tokens; ``eos_id`` between documents)."""
+    if eos_id is None and len(docs) > 1:
+        docs = ["\n\n".join(docs)]
+    stream: list[int] = []
+    for k, doc in enumerate(docs):
+        if k and eos_id is not None:
+            stream.append(int(eos_id))
+        stream.extend(_encode_doc(tokenizer, doc))
+    return stream
+
+
+# ----------------------------------------------------------------------------- caching
+
+
+def _tokenizer_hash(tokenizer) -> str:
+    try:
+        blob = tokenizer.to_str()
+    except Exception as e:  # pragma: no cover - every tokenizers.Tokenizer has to_str
+        raise DataError(f"cannot fingerprint tokenizer {type(tokenizer).__name__}: {e}") from e
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()
+
+
+def data_fingerprint(
+    docs: list[str], tokenizer, seq_len: int, val_fraction: float, eos_id: int | None
+) -> str:
+    """sha256 hex key over the text, the tokenizer serialization and the packing knobs."""
+    h = hashlib.sha256()
+    h.update(f"{_FORMAT}\n".encode())
+    for d in docs:
+        b = d.encode("utf-8")
+        h.update(f"doc {len(b)}\n".encode())
+        h.update(b)
+    h.update(f"\ntokenizer {_tokenizer_hash(tokenizer)}\n".encode())
+    h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\neos_id {eos_id}\n".encode())
+    return h.hexdigest()
+
+
+def packed_cache_path(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
+    return Path(cache_dir) / f"packed-{fingerprint[:32]}.safetensors"
+
+
+def save_packed(data: PackedData, path: str | os.PathLike) -> Path:
+    """Write ``data`` to ``path`` atomically (temp file + rename; safe with concurrent writers)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file(
+        {"train": data.train.contiguous(), "val": data.val.contiguous()},
+        str(tmp),
+        metadata={
+            "format": _FORMAT,
+            "seq_len": str(int(data.seq_len)),
+            "n_tokens": str(int(data.n_tokens)),
+            "fingerprint": data.fingerprint,
+        },
+    )
+    os.replace(tmp, path)
+    return path
+
+
+def load_packed(path: str | os.PathLike) -> PackedData:
+    """Read a file written by ``save_packed``."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"packed data file {path} does not exist; build it with build_packed_data")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    if meta.get("format") != _FORMAT:
+        raise DataError(
+            f"{path}: not a packed-data file of format {_FORMAT!r} (got {meta.get('format')!r}); "
+            "delete it so it is rebuilt"
+        )
+    tensors = load_file(str(path))
+    seq_len = int(meta["seq_len"])
+    train, val = tensors["train"], tensors["val"]
+    for name, t in (("train", train), ("val", val)):
+        if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != seq_len + 1:
+            raise DataError(
+                f"{path}: tensor {name!r} has shape {tuple(t.shape)} / {t.dtype}, expected "
+                f"[N, {seq_len + 1}] int64; delete the file so it is rebuilt"
+            )
+    return PackedData(train=train, val=val, seq_len=seq_len, n_tokens=int(meta["n_tokens"]),
+                      fingerprint=meta["fingerprint"])
+
+
+# ----------------------------------------------------------------------------- packing
+
+
+def _check_vocab(data: PackedData, vocab_size: int | None) -> None:
+    if vocab_size is None:
+        return
+    mx = max(
+        int(data.train.max()) if data.train.numel() else -1,
+        int(data.val.max()) if data.val.numel() else -1,
+    )
+    if mx >= vocab_size:
+        raise DataError(
+            f"tokenizer produced id {mx} but the model's vocabulary has {vocab_size} entries: "
+            "the tokenizer does not match the model (use the tokenizer that ships with the model)"
+        )
+
+
+def _n_val(n_seq: int, val_fraction: float) -> int:
+    if val_fraction <= 0:
+        return 0
+    return min(max(1, int(round(n_seq * val_fraction))), n_seq - 1)
+
+
+def build_packed_data(
+    text_spec: str,
+    tokenizer,
+    seq_len: int,
+    val_fraction: float = 0.05,
+    eos_id: int | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+) -> PackedData:
+    """Tokenize and pack ``text_spec`` (see ``text.read_text_source``) into rows.
+
+    ``tokenizer`` is a ``tokenizers.Tokenizer``. With ``cache_dir`` the result is
+    loaded from / saved to ``packed_cache_path(cache_dir, fingerprint)``. With
+    ``vocab_size`` every token id is checked to be ``< vocab_size``.
+    """
+    seq_len = int(seq_len)
+    if seq_len < 2:
+        raise DataError(f"data.seq_len={seq_len} is too small; it must be at least 2")
+    val_fraction = float(val_fraction)
+    if not (0.0 <= val_fraction < 1.0):
+        raise DataError(f"data.val_fraction={val_fraction} must be in [0, 1), e.g. 0.05")
+    if eos_id is not None and vocab_size is not None and not (0 <= int(eos_id) < vocab_size):
+        raise DataError(
+            f"eos_id {eos_id} is outside the model's vocabulary of {vocab_size} entries: "
+            "the tokenizer does not match the model"
+        )
+
+    docs = read_documents(text_spec)
+    fingerprint = data_fingerprint(docs, tokenizer, seq_len, val_fraction, eos_id)
+    cache_path = packed_cache_path(cache_dir, fingerprint) if cache_dir is not None else None
+    if cache_path is not None and cache_path.is_file():
+        try:
+            data = load_packed(cache_path)
+        except Exception:
+            data = None  # unreadable / partial cache file: rebuild below
+        if data is not None and data.fingerprint == fingerprint and data.seq_len == seq_len:
+            _check_vocab(data, vocab_size)
+            return data
+
+    stream = tokenize_documents(tokenizer, docs, eos_id)
+    n_tokens = len(stream)
+    row = seq_len + 1
+    n_seq = n_tokens // row
+    if n_seq < 2:
+        raise DataError(
+            f"dataset too short: {n_tokens} tokens, need at least {2 * row} "
+            f"(2 sequences of seq_len+1) for seq_len={seq_len}; lower data.seq_len or add text"
+        )
+    rows = torch.tensor(stream[: n_seq * row], dtype=torch.int64).view(n_seq, row)
+    n_val = _n_val(n_seq, val_fraction)
+    data = PackedData(
+        train=rows[: n_seq - n_val].clone(),
+        val=rows[n_seq - n_val :].clone(),
+        seq_len=seq_len,
+        n_tokens=n_tokens,
+        fingerprint=fingerprint,
+    )
+    _check_vocab(data, vocab_size)
+    if cache_path is not None:
+        save_packed(data, cache_path)
+    return data
+
+
+def micro_batch_tensors(
+    data: PackedData, indices: torch.Tensor, split: str = "train"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, labels)``, both ``[len(indices), seq_len]`` int64, for rows ``indices``
+    of ``data.train`` (or ``data.val`` with ``split="val"``)."""
+    if split == "train":
+        src = data.train
+    elif split == "val":
+        src = data.val
+    else:
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    rows = src.index_select(0, torch.as_tensor(indices, dtype=torch.int64).reshape(-1))
+    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()

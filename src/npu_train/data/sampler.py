@@ -1,0 +1,140 @@
+"""Seeded, resumable sampler whose output is a pure function of the step number.
+
+Epoch ``e`` visits the training rows in the order
+``torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed + e))``.
+Optimizer step ``k`` consumes the next ``micro_batch * micro_batches * dp_size``
+indices (the *global batch*) of that stream; data-parallel rank ``r`` takes the
+``r``-th contiguous block of ``micro_batch * micro_batches`` of them, cut into
+``micro_batches`` micro-batches of ``micro_batch`` indices.
+
+Epoch boundaries: when the global batch fits in an epoch, each epoch yields
+``n_sequences // global_batch`` whole steps and the remaining
+``n_sequences % global_batch`` indices of its permutation are dropped, so a step never
+straddles two epochs (and never repeats a row). When the global batch is larger than
+the data set (allowed: rows are then reused), each epoch yields
+``n_sequences // micro_batch`` whole micro-batches (the remainder is dropped) and a
+step takes micro-batches from consecutive epochs; a single micro-batch never straddles
+an epoch, so it never contains the same row twice.
+
+Because nothing depends on history, any process calling ``micro_batches_for_step(k)``
+gets the same indices, and resuming needs only the step number (plus a check that
+``state_dict()`` matches, see ``load_state_dict``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .text import DataError
+
+__all__ = ["StepSampler"]
+
+_STATE_KEYS = ("seed", "n_sequences", "micro_batch", "micro_batches", "dp_size")
+
+
+class StepSampler:
+    def __init__(
+        self,
+        n_sequences: int,
+        micro_batch: int,
+        micro_batches: int,
+        seed: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
+        self.n_sequences = int(n_sequences)
+        self.micro_batch = int(micro_batch)
+        self.micro_batches = int(micro_batches)
+        self.seed = int(seed)
+        self.dp_rank = int(dp_rank)
+        self.dp_size = int(dp_size)
+        if self.micro_batch < 1 or self.micro_batches < 1:
+            raise ValueError(
+                f"micro_batch={self.micro_batch} and micro_batches={self.micro_batches} must both be >= 1"
+            )
+        if self.dp_size < 1 or not (0 <= self.dp_rank < self.dp_size):
+            raise ValueError(f"need dp_size >= 1 and 0 <= dp_rank < dp_size, got dp_rank={dp_rank}, dp_size={dp_size}")
+        if self.n_sequences < self.micro_batch:
+            raise DataError(
+                f"only {self.n_sequences} training sequences, fewer than one micro-batch of "
+                f"{self.micro_batch}; lower the micro-batch size or data.seq_len, or add text"
+            )
+        self._units_per_step = self.micro_batches * self.dp_size
+        full_steps = self.n_sequences // self.global_batch
+        if full_steps >= 1:
+            self._units_per_epoch = full_steps * self._units_per_step
+        else:
+            self._units_per_epoch = self.n_sequences // self.micro_batch
+        self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
+
+    # ------------------------------------------------------------------ shape
+    @property
+    def global_batch(self) -> int:
+        """Rows consumed per optimizer step over all data-parallel ranks."""
+        return self.micro_batch * self.micro_batches * self.dp_size
+
+    @property
+    def steps_per_epoch(self) -> int:
+        """Whole steps per epoch: ``n_sequences // global_batch``, at least 1 (when the
+        global batch exceeds the data set, one step spans more than one epoch)."""
+        return max(1, self.n_sequences // self.global_batch)
+
+    def epoch_of_step(self, step: int) -> int:
+        """The epoch the first micro-batch of ``step`` is drawn from."""
+        return (int(step) * self._units_per_step) // self._units_per_epoch
+
+    # ------------------------------------------------------------------ sampling
+    def _perm(self, epoch: int) -> torch.Tensor:
+        p = self._perms.get(epoch)
+        if p is None:
+            g = torch.Generator().manual_seed(self.seed + epoch)
+            p = torch.randperm(self.n_sequences, generator=g)
+            self._perms[epoch] = p
+            while len(self._perms) > 4:
+                self._perms.popitem(last=False)
+        else:
+            self._perms.move_to_end(epoch)
+        return p
+
+    def _unit(self, u: int) -> torch.Tensor:
+        epoch, j = divmod(u, self._units_per_epoch)
+        return self._perm(epoch)[j * self.micro_batch : (j + 1) * self.micro_batch].clone()
+
+    def micro_batches_for_step(self, step: int) -> list[torch.Tensor]:
+        """``micro_batches`` int64 index tensors of ``micro_batch`` rows each: this rank's
+        share of optimizer step ``step`` (0-based)."""
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        first = step * self._units_per_step + self.dp_rank * self.micro_batches
+        return [self._unit(first + m) for m in range(self.micro_batches)]
+
+    # ------------------------------------------------------------------ resume
+    def state_dict(self) -> dict:
+        return {k: getattr(self, k) for k in _STATE_KEYS}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Check that a checkpointed sampler state matches this sampler.
+
+        The sampler is stateless by position, so nothing is restored; a mismatch means
+        the resumed run would see a different data order and raises ``ValueError``.
+        """
+        missing = [k for k in _STATE_KEYS if k not in state]
+        if missing:
+            raise ValueError(f"sampler state is missing {missing}; the checkpoint is incomplete or not from npu-train")
+        diffs = [f"{k}: checkpoint {state[k]!r} != now {getattr(self, k)!r}"
+                 for k in _STATE_KEYS if int(state[k]) != getattr(self, k)]
+        if diffs:
+            raise ValueError(
+                "cannot resume: the data/batch layout differs from the checkpoint ("
+                + "; ".join(diffs)
+                + "); resume with the same data.text/data.seq_len/val_fraction, seed, micro-batch size, "
+                "number of micro-batches and data-parallel size, or start a fresh run without resuming"
+            )
+
+    def __repr__(self) -> str:
+        return (f"StepSampler(n_sequences={self.n_sequences}, micro_batch={self.micro_batch}, "
+                f"micro_batches={self.micro_batches}, seed={self.seed}, dp_rank={self.dp_rank}, "
+                f"dp_size={self.dp_size})")

@@ -1,0 +1,119 @@
+"""Named Llama-family architectures (values copied from the published Hugging Face ``config.json``).
+
+Parameter counts (exact, ``LlamaConfig.total_params()``; tied embeddings counted once), checked in
+``tests/unit/test_placement.py`` against the published sizes:
+
+=================  ==============  =====
+preset             parameters      tied
+=================  ==============  =====
+llama-3.1-8b        8,030,261,248  no
+llama-3.1-70b      70,553,706,496  no
+llama-3.2-1b        1,235,814,400  yes
+llama-3.2-3b        3,212,749,824  yes
+smollm2-135m          134,515,008  yes
+=================  ==============  =====
+
+``get_preset`` also accepts the Hugging Face repository ids (e.g. ``"meta-llama/Llama-3.1-8B"``),
+case-insensitively.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+from npu_train.model.config import LlamaConfig
+
+__all__ = ["PRESETS", "ALIASES", "get_preset", "preset_names"]
+
+
+def _llama3_rope(factor: float) -> dict:
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+
+
+PRESETS: dict[str, LlamaConfig] = {
+    # meta-llama/Llama-3.1-8B
+    "llama-3.1-8b": LlamaConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=_llama3_rope(8.0), rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        name="llama-3.1-8b",
+    ),
+    # meta-llama/Llama-3.1-70B
+    "llama-3.1-70b": LlamaConfig(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80,
+        num_heads=64, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=_llama3_rope(8.0), rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001,
+        name="llama-3.1-70b",
+    ),
+    # meta-llama/Llama-3.2-1B
+    "llama-3.2-1b": LlamaConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, head_dim=64, rope_theta=500000.0,
+        rope_scaling=_llama3_rope(32.0), rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        name="llama-3.2-1b",
+    ),
+    # meta-llama/Llama-3.2-3B
+    "llama-3.2-3b": LlamaConfig(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+        num_heads=24, num_kv_heads=8, head_dim=128, rope_theta=500000.0,
+        rope_scaling=_llama3_rope(32.0), rms_norm_eps=1e-5, max_position_embeddings=131072,
+        tie_word_embeddings=True, bos_token_id=128000, eos_token_id=128001,
+        name="llama-3.2-3b",
+    ),
+    # HuggingFaceTB/SmolLM2-135M
+    "smollm2-135m": LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+        num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, rope_scaling=None,
+        rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
+        bos_token_id=0, eos_token_id=0, name="smollm2-135m",
+    ),
+}
+
+#: Hugging Face repository ids (lower-cased) -> preset name.
+ALIASES: dict[str, str] = {
+    "meta-llama/llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/llama-3.1-8b-instruct": "llama-3.1-8b",
+    "meta-llama/meta-llama-3.1-8b": "llama-3.1-8b",
+    "meta-llama/llama-3.1-70b": "llama-3.1-70b",
+    "meta-llama/llama-3.1-70b-instruct": "llama-3.1-70b",
+    "meta-llama/llama-3.2-1b": "llama-3.2-1b",
+    "meta-llama/llama-3.2-1b-instruct": "llama-3.2-1b",
+    "meta-llama/llama-3.2-3b": "llama-3.2-3b",
+    "meta-llama/llama-3.2-3b-instruct": "llama-3.2-3b",
+    "huggingfacetb/smollm2-135m": "smollm2-135m",
+    "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+}
+
+
+def preset_names() -> list[str]:
+    """Sorted preset names accepted by :func:`get_preset`."""
+    return sorted(PRESETS)
+
+
+def get_preset(name: str) -> LlamaConfig:
+    """The :class:`LlamaConfig` of preset ``name`` (a key of :data:`PRESETS`, or a Hugging Face
+    repository id from :data:`ALIASES`; case-insensitive).
+
+    Returns a copy, so mutating its ``rope_scaling`` dict cannot corrupt the registry.
+
+    Raises:
+        KeyError: unknown name; the message lists the known preset names.
+    """
+    key = str(name).strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in PRESETS:
+        raise KeyError(
+            f"unknown model preset {name!r}; known presets: {', '.join(preset_names())} "
+            f"(or a Hugging Face id: {', '.join(sorted(ALIASES))})"
+        )
+    cfg = PRESETS[key]
+    return dataclasses.replace(cfg, rope_scaling=copy.deepcopy(cfg.rope_scaling))
