@@ -1,0 +1,63 @@
+#!/usr/bin/env python
+"""npu-train launcher (Hydra app): ``python launch/run.py [key=value ...]``.
+
+Examples::
+
+    python launch/run.py                                   # default: SmolLM2-135M on Botchan, backend=cpu,cpu
+    python launch/run.py backend=furiosa:auto,furiosa:auto # two RNGD cards
+    python launch/run.py plan=true model.path=llama-3.1-8b backend=furiosa:auto,furiosa:auto  # dry-run plan
+    python launch/run.py -m train.lr=1e-4,3e-4             # Hydra multirun sweep (one job per value)
+    python launch/run.py -m 'backend=choice([cpu],[cpu,cpu])'  # sweep over card lists
+
+``backend=a,b`` (without brackets) always means ONE job with the cards a and b: the launcher
+rewrites it to ``backend=[a,b]`` before Hydra parses the command line (plain Hydra would read it
+as an ambiguous sweep). To sweep over card lists in multirun mode use ``choice(...)`` of lists.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+
+_SWEEP_FUNCS = ("choice(", "range(", "glob(", "interval(", "sort(", "shuffle(", "tag(")
+
+
+def rewrite_backend_args(argv: list[str]) -> list[str]:
+    """Turn ``backend=a,b`` into ``backend=[a,b]`` (one job, two cards); leave lists and sweep functions alone."""
+    out = []
+    for a in argv:
+        m = re.match(r"^(\+{0,2}backend)=(.*)$", a)
+        if m:
+            val = m.group(2).strip()
+            if val.startswith(("'", '"')) and val.endswith(val[0]) and len(val) >= 2:
+                val = val[1:-1]
+            if "," in val and not val.startswith("[") and not val.startswith(_SWEEP_FUNCS):
+                a = f"{m.group(1)}=[{val}]"
+        out.append(a)
+    return out
+
+
+def _main() -> None:
+    sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+
+    from npu_train.config import register
+
+    register()
+
+    @hydra.main(version_base=None, config_path="../conf", config_name="config")
+    def app(cfg) -> None:
+        from npu_train.runtime.launcher import main
+
+        code = main(cfg, HydraConfig.get().runtime.output_dir)
+        if code:
+            sys.exit(code)
+
+    app()
+
+
+if __name__ == "__main__":
+    _main()

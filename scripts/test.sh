@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Install test dependencies and run the whole suite: fast tests first, then the heavy marker.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh --test
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+echo "== fast tests =="
+.venv/bin/python -m pytest -q -m "not heavy and not contract" "$@"
+echo "== heavy tests (real SmolLM2 model, end-to-end default job, soak) =="
+.venv/bin/python -m pytest -q -m heavy "$@"
+echo "== furiosa-torch contract tests (skipped without furiosa-torch) =="
+.venv/bin/python -m pytest -q -m contract "$@" || [ $? -eq 5 ]

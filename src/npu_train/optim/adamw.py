@@ -1,0 +1,176 @@
+"""Stage optimizer: AdamW over fp32 master weights, per layer *resident* or *offloaded*.
+
+- Resident parameters keep their fp32 master copy and the AdamW moments ``m``/``v`` on the card
+  (12 bytes/param) and are updated there; the compute-dtype weights are refreshed on the card.
+- Offloaded parameters keep master + moments in host RAM and are updated by a host AdamW
+  (``torch.optim.AdamW(fused=True)`` on the CPU); the new weights are cast to the compute dtype and
+  uploaded to the card (as in ZeRO-Offload, Ren et al. 2021).
+
+Gradients are the compute-dtype ``.grad`` of the card's parameters (accumulated over the
+micro-batches of a step); they are scaled by the global clip coefficient and cast to fp32 as they
+are moved to the masters. AdamW follows Loshchilov & Hutter 2019 as implemented by
+``torch.optim.AdamW``; weight decay applies to tensors with ``ndim >= 2`` only (norm weights are
+not decayed), see :func:`decays`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Iterable
+
+import torch
+
+
+def decays(name: str, tensor: torch.Tensor) -> bool:
+    """Whether AdamW weight decay applies to parameter ``name`` (matrices yes, norm vectors no)."""
+    return tensor.ndim >= 2
+
+
+def _fused_ok(device: torch.device) -> bool:
+    return device.type in ("cpu", "cuda")
+
+
+class _Group:
+    """One AdamW instance over a set of masters living on one device."""
+
+    def __init__(self, masters: dict[str, torch.Tensor], device: torch.device, lr: float, betas, eps, wd):
+        self.masters = masters
+        dec = [t for n, t in masters.items() if decays(n, t)]
+        nodec = [t for n, t in masters.items() if not decays(n, t)]
+        groups = [g for g in ({"params": dec, "weight_decay": wd}, {"params": nodec, "weight_decay": 0.0})
+                  if g["params"]]
+        self.opt = None
+        if groups:
+            kw = {"fused": True} if _fused_ok(device) else {"foreach": False}
+            self.opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, **kw)
+
+    def set_lr(self, lr: float) -> None:
+        if self.opt is not None:
+            for g in self.opt.param_groups:
+                g["lr"] = lr
+
+    def step(self) -> None:
+        if self.opt is not None:
+            self.opt.step()
+
+
+class StageOptimizer:
+    """AdamW with fp32 master weights for the parameters of one pipeline stage.
+
+    Args:
+        params: ``{hf_name: parameter}`` of the stage, in compute dtype on the card.
+        masters_init: ``{hf_name: fp32 CPU tensor}`` exact initial master weights (the loaded
+            checkpoint, before any cast to bf16). Must cover every name in ``params``.
+        resident: names whose master + moments live on the card; all others are offloaded.
+        backend: the card's :class:`npu_train.backends.base.Backend` (upload/download/device).
+        lr, betas, eps, weight_decay: AdamW hyper-parameters (``lr`` is overwritten every step).
+    """
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
+                 resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.params = params
+        self.backend = backend
+        self.resident = set(resident) & set(params)
+        self.offloaded = set(params) - self.resident
+        dev = backend.device()
+        res_m = {n: backend.upload(masters_init[n].float().contiguous()).clone() for n in params if n in self.resident}
+        off_m = {n: masters_init[n].float().contiguous().clone() for n in params if n in self.offloaded}
+        self.dev_group = _Group(res_m, dev, lr, betas, eps, weight_decay)
+        self.host_group = _Group(off_m, torch.device("cpu"), lr, betas, eps, weight_decay)
+        self.step_count = 0
+
+    # ------------------------------------------------------------------ gradients
+    def zero_grad(self) -> None:
+        for p in self.params.values():
+            p.grad = None
+
+    def grad_sq_sum(self, exclude: Iterable[str] = ()) -> torch.Tensor:
+        """Sum of squares of this stage's gradients, fp32 CPU scalar (for the global grad norm)."""
+        ex = set(exclude)
+        total = torch.zeros((), dtype=torch.float32)
+        for n, p in self.params.items():
+            if n in ex or p.grad is None:
+                continue
+            total += self.backend.download(p.grad.detach().float().pow(2).sum()).to(torch.float32)
+        return total
+
+    # ------------------------------------------------------------------ update
+    def step(self, lr: float, clip_coef: float) -> dict[str, float]:
+        """Apply one AdamW step with gradients scaled by ``clip_coef``; refresh the card's weights.
+
+        Returns seconds spent: ``{"device_optimizer", "host_optimizer", "transfer"}``.
+        """
+        t0 = time.perf_counter()
+        for n, m in self.dev_group.masters.items():
+            g = self.params[n].grad
+            m.grad = torch.zeros_like(m) if g is None else g.detach().float().mul_(clip_coef)
+        self.dev_group.set_lr(lr)
+        self.dev_group.step()
+        with torch.no_grad():
+            for n, m in self.dev_group.masters.items():
+                self.params[n].copy_(m)
+                m.grad = None
+        self.backend.synchronize()
+        t1 = time.perf_counter()
+        xfer = 0.0
+        for n, m in self.host_group.masters.items():
+            g = self.params[n].grad
+            ta = time.perf_counter()
+            hg = None if g is None else self.backend.download(g.detach())
+            xfer += time.perf_counter() - ta
+            m.grad = torch.zeros_like(m) if hg is None else hg.float().mul_(clip_coef)
+        self.host_group.set_lr(lr)
+        th = time.perf_counter()
+        self.host_group.step()
+        host_opt = time.perf_counter() - th
+        ta = time.perf_counter()
+        with torch.no_grad():
+            for n, m in self.host_group.masters.items():
+                p = self.params[n]
+                p.copy_(self.backend.upload(m.to(p.dtype)))
+                m.grad = None
+        self.backend.synchronize()
+        xfer += time.perf_counter() - ta
+        self.step_count += 1
+        return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": xfer}
+
+    # ------------------------------------------------------------------ state
+    def _all(self):
+        yield from self.dev_group.masters.items()
+        yield from self.host_group.masters.items()
+
+    def _opt_of(self, name: str) -> _Group:
+        return self.dev_group if name in self.dev_group.masters else self.host_group
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """fp32 CPU tensors to checkpoint: ``master.<name>``, ``exp_avg.<name>``, ``exp_avg_sq.<name>``."""
+        out: dict[str, torch.Tensor] = {}
+        for n, m in self._all():
+            out[f"master.{n}"] = self.backend.download(m).contiguous()
+            g = self._opt_of(n)
+            st = g.opt.state.get(m, {}) if g.opt is not None else {}
+            for k in ("exp_avg", "exp_avg_sq"):
+                t = st.get(k)
+                out[f"{k}.{n}"] = (self.backend.download(t) if t is not None else torch.zeros_like(out[f"master.{n}"])).contiguous()
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """Restore masters, moments and the AdamW step count ``step``; refresh the card's weights.
+
+        ``tensors`` maps ``master.<name>`` etc. to fp32 CPU tensors for every parameter of the stage.
+        """
+        self.step_count = step
+        with torch.no_grad():
+            for n, m in self._all():
+                g = self._opt_of(n)
+                dev = m.device
+                m.copy_(tensors[f"master.{n}"].to(dev))
+                if step > 0 and g.opt is not None:
+                    g.opt.state[m] = {
+                        "step": torch.tensor(float(step), dtype=torch.float32, device=dev if g is self.dev_group and _fused_ok(dev) else "cpu"),
+                        "exp_avg": tensors[f"exp_avg.{n}"].to(dev).clone(),
+                        "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(dev).clone(),
+                    }
+                p = self.params[n]
+                p.copy_(self.backend.upload(m.detach().to("cpu").to(p.dtype)) if g is self.host_group else m.to(p.dtype))
+

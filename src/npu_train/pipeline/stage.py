@@ -1,0 +1,130 @@
+"""Run one pipeline stage's schedule for one optimizer step.
+
+:class:`StageRunner` executes the list of actions from :mod:`npu_train.pipeline.schedule` on the
+stage's module. It knows nothing of processes or transport: the boundary traffic goes through a
+:class:`BoundaryComm` object with four calls (``recv_act``, ``send_act``, ``recv_grad``,
+``send_grad``), which the worker implements over shared memory + ZeroMQ and tests may implement
+with in-process queues.
+
+Loss normalisation: the last stage computes the summed token cross-entropy of each micro-batch and
+divides by the number of target tokens of the *whole step* (all micro-batches), so the gradient
+equals that of one big batch, independent of how the step is cut into micro-batches.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional, Protocol
+
+import torch
+
+from npu_train.model.llama import causal_lm_loss_sum
+from npu_train.pipeline.schedule import build_schedule
+
+
+class BoundaryComm(Protocol):
+    """Stage-boundary transport as seen by one stage. Tensors are CPU or device tensors of shape
+    ``[micro_batch, seq_len, hidden]`` in the compute dtype; received tensors are already on the card."""
+
+    def recv_act(self, step: int, micro: int) -> torch.Tensor: ...
+    def send_act(self, step: int, micro: int, t: torch.Tensor) -> None: ...
+    def recv_grad(self, step: int, micro: int) -> torch.Tensor: ...
+    def send_grad(self, step: int, micro: int, t: torch.Tensor) -> None: ...
+
+
+class StageRunner:
+    """Executes GPipe/1F1B for one stage.
+
+    Args:
+        module: the stage's :class:`npu_train.model.llama.StageModule` (on the card).
+        backend: the card's backend (``upload``/``synchronize``).
+        num_stages, stage: pipeline size P and this stage's index.
+        schedule: ``"1f1b"`` or ``"gpipe"``.
+        comm: the boundary transport (unused when P == 1).
+    """
+
+    def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm]):
+        self.module = module
+        self.backend = backend
+        self.P = num_stages
+        self.s = stage
+        self.schedule = schedule
+        self.comm = comm
+        self.first = stage == 0
+        self.last = stage == num_stages - 1
+
+    def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]]) -> dict:
+        """Forward and backward all micro-batches of optimizer step ``step``; gradients accumulate in ``.grad``.
+
+        Args:
+            inputs: first stage only: M int64 CPU tensors ``[micro_batch, seq_len]``.
+            labels: last stage only: M int64 CPU tensors ``[micro_batch, seq_len]`` (-100 = ignored).
+
+        Returns:
+            ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int,
+            "compute_s", "wait_s", "send_s"}`` (seconds).
+        """
+        M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
+        if M is None:
+            raise ValueError("a middle stage needs the number of micro-batches: pass inputs=None, labels=None via run_middle")
+        return self._run(step, M, inputs, labels)
+
+    def run_middle(self, step: int, num_micro: int) -> dict:
+        """:meth:`run_step` for a stage that is neither first nor last."""
+        return self._run(step, num_micro, None, None)
+
+    def _run(self, step, M, inputs, labels) -> dict:
+        total_tokens = None
+        if self.last:
+            total_tokens = int(sum(int((l != -100).sum()) for l in labels))
+            if total_tokens == 0:
+                raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
+        saved: dict[int, tuple] = {}
+        loss_sum = 0.0
+        t_compute = t_wait = t_send = 0.0
+        for a in build_schedule(self.schedule, self.P, M, self.s):
+            m = a.micro
+            if a.kind == "F":
+                t0 = time.perf_counter()
+                if self.first:
+                    x = self.backend.upload(inputs[m])
+                else:
+                    x = self.comm.recv_act(step, m)
+                    x.requires_grad_(True)
+                t1 = time.perf_counter()
+                out = self.module(x)
+                if self.last:
+                    ls, _ = causal_lm_loss_sum(out, self.backend.upload(labels[m]))
+                    loss = ls / total_tokens
+                    loss_sum += float(ls.detach())
+                    saved[m] = (x, loss)
+                    t2 = t3 = time.perf_counter()
+                else:
+                    saved[m] = (x, out)
+                    t2 = time.perf_counter()
+                    self.comm.send_act(step, m, out.detach())
+                    t3 = time.perf_counter()
+                t_wait += t1 - t0
+                t_compute += t2 - t1
+                t_send += t3 - t2
+            else:
+                x, out = saved.pop(m)
+                t0 = time.perf_counter()
+                if self.last:
+                    t1 = t0
+                    out.backward()
+                else:
+                    g = self.comm.recv_grad(step, m)
+                    t1 = time.perf_counter()
+                    out.backward(g)
+                t2 = time.perf_counter()
+                if not self.first:
+                    self.comm.send_grad(step, m, x.grad)
+                t3 = time.perf_counter()
+                t_wait += t1 - t0
+                t_compute += t2 - t1
+                t_send += t3 - t2
+                del x, out
+        assert not saved, f"schedule left micro-batches without backward: {sorted(saved)}"
+        self.backend.synchronize()
+        return {"loss_sum": loss_sum, "n_tokens": total_tokens or 0,
+                "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send}

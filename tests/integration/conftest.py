@@ -1,0 +1,73 @@
+"""Fixtures for multi-process integration tests: a tiny Llama in HF layout with its own tokenizer."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from npu_train.config import Config  # noqa: E402
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=256)
+
+
+def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: int = 6, seed: int = 0) -> str:
+    """Write a tiny random Llama (config.json, model.safetensors, tokenizer.json trained on Botchan)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from npu_train.data.text import botchan_text
+    from npu_train.model.config import LlamaConfig
+
+    os.makedirs(path, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([botchan_text()], trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(os.path.join(path, "tokenizer.json"))
+    v = tok.get_vocab_size()
+    hf = dict(TINY, num_hidden_layers=layers, architectures=["LlamaForCausalLM"], model_type="llama",
+              vocab_size=v, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, hidden_act="silu")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf, f)
+    cfg = LlamaConfig(vocab_size=v, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=tied)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    shapes = dict(cfg.param_shapes(None))
+    for i in range(layers):
+        shapes.update(cfg.param_shapes(i))
+    for n, s in shapes.items():
+        tensors[n] = (torch.ones(s) + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.08 * torch.randn(s, generator=g)
+    save_file(tensors, os.path.join(path, "model.safetensors"))
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_tied")))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_untied(tmp_path_factory) -> str:
+    return make_tiny_model(str(tmp_path_factory.mktemp("tiny_untied")), tied=False)
+
+
+def make_cfg(model_path: str, *overrides: str):
+    """The launcher's config (structured defaults) with test-sized settings and dotlist overrides."""
+    base = OmegaConf.structured(Config)
+    test = OmegaConf.from_dotlist([
+        f"model.path={model_path}", "data.seq_len=32", "train.steps=3", "train.micro_batch=2", "train.accum=4",
+        "train.lr=1e-3", "train.warmup_steps=1", "train.clip=0.5", "train.dtype=fp32", "train.weight_decay=0.01",
+        "runtime.heartbeat_timeout_s=20", "runtime.startup_timeout_s=120", "runtime.threads=1",
+    ])
+    cfg = OmegaConf.merge(base, test, OmegaConf.from_dotlist(list(overrides)))
+    return cfg

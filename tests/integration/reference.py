@@ -1,0 +1,53 @@
+"""Single-process reference trainer: the whole model in one process, torch.optim.AdamW, clip_grad_norm_.
+
+Independent of the pipeline runtime (no schedules, no transport, no master/compute split): it is
+what the multi-process runs must reproduce, with the same seed, data order, loss normalisation
+(summed token cross-entropy / target tokens of the whole step), LR schedule and weight-decay
+grouping.
+"""
+from __future__ import annotations
+
+import torch
+
+from npu_train.data.dataset import micro_batch_tensors
+from npu_train.data.sampler import StepSampler
+from npu_train.model.llama import causal_lm_loss_sum, full_model
+from npu_train.model.loading import load_config, load_tensors
+from npu_train.optim.adamw import decays
+from npu_train.optim.lr import lr_at
+
+
+def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum: int, lr: float,
+                  warmup_steps: int, min_lr_ratio: float, weight_decay: float, clip: float, seed: int,
+                  betas=(0.9, 0.95), eps=1e-8, dtype=torch.float32):
+    """Train ``steps`` optimizer steps; returns (per-step losses, {hf_name: fp32 weight})."""
+    torch.manual_seed(seed)
+    cfg = load_config(model_path)
+    model = full_model(cfg)
+    names = model.param_names()
+    model.load_named_tensors(load_tensors(model_path, cfg, names))
+    model = model.to(dtype)
+    params = dict(model.named_parameters())
+    dec = [p for n, p in params.items() if decays(n, p)]
+    nodec = [p for n, p in params.items() if not decays(n, p)]
+    opt = torch.optim.AdamW([{"params": dec, "weight_decay": weight_decay},
+                             {"params": nodec, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
+                            foreach=False)
+    sampler = StepSampler(data.train.shape[0], micro_batch, accum, seed)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        mbs = [micro_batch_tensors(data, i) for i in sampler.micro_batches_for_step(step)]
+        n_tok = sum(int((y != -100).sum()) for _, y in mbs)
+        tot = 0.0
+        for x, y in mbs:
+            ls, _ = causal_lm_loss_sum(model(x), y)
+            (ls / n_tok).backward()
+            tot += float(ls)
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=min_lr_ratio)
+        opt.step()
+        losses.append(tot / n_tok)
+    return losses, {n: p.detach().float().clone() for n, p in params.items()}
