@@ -1,0 +1,405 @@
+"""Pure-PyTorch Llama decoder, split into pipeline stages with HF parameter names.
+
+Numerics follow Hugging Face ``transformers/models/llama/modeling_llama.py``:
+
+- RMSNorm computed in fp32 and cast back, ``weight * x_normed.to(input_dtype)``;
+- RoPE in the "rotate_half" convention (first half / second half of each head are the
+  real / imaginary parts), optionally with Llama-3 frequency scaling (Llama 3 paper /
+  HF ``modeling_rope_utils._compute_llama3_parameters``) or linear position interpolation;
+- grouped-query causal attention (k/v heads repeated ``num_heads // num_kv_heads`` times,
+  ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``);
+- SwiGLU MLP ``down(silu(gate(x)) * up(x))``; no biases anywhere.
+
+Parameter names are the HF ``LlamaForCausalLM`` names with *global* layer indices (see
+:mod:`npu_train.model.config`), so a :class:`StageModule` holding layers ``[first, last)``
+exposes e.g. ``model.layers.{first}.self_attn.q_proj.weight`` directly from
+``named_parameters()``.  No ``transformers`` import here.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from .config import LlamaConfig
+
+__all__ = [
+    "RMSNorm",
+    "rope_inv_freq",
+    "rope_cos_sin",
+    "apply_rope",
+    "Attention",
+    "MLP",
+    "DecoderLayer",
+    "StageModule",
+    "stage_param_names",
+    "checkpoint_source_name",
+    "causal_lm_loss_sum",
+    "full_model",
+]
+
+IGNORE_INDEX = -100
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm
+# ----------------------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm (HF ``LlamaRMSNorm``).
+
+    ``y = weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``; the statistics are computed
+    in fp32 whatever the input dtype.  ``weight``: [hidden], initialised to ones.
+    Input/output: [..., hidden], output dtype = promote(weight.dtype, x.dtype) as in HF.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.to(torch.float32)
+        var = xf.pow(2).mean(-1, keepdim=True)
+        xf = xf * torch.rsqrt(var + self.eps)
+        return self.weight * xf.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+# ----------------------------------------------------------------------------------------------
+# RoPE
+# ----------------------------------------------------------------------------------------------
+def _rope_type(scaling: Optional[dict]) -> str:
+    if not scaling:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse RoPE frequencies, fp32 CPU tensor [head_dim // 2].
+
+    ``inv_freq[i] = rope_theta ** (-2i / head_dim)`` (RoFormer), then, when
+    ``cfg.rope_scaling`` is Llama-3 style (``rope_type == "llama3"``), the piecewise rescaling of
+    the Llama 3 paper, exactly as HF ``_compute_llama3_parameters``: wavelengths shorter than
+    ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
+    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and the band
+    in between is interpolated with ``smooth = (orig / wavelen - low) / (high - low)``.
+    ``rope_type == "linear"`` divides all frequencies by ``factor`` (position interpolation).
+    """
+    dim = int(cfg.head_dim)
+    base = float(cfg.rope_theta)
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
+    kind = _rope_type(cfg.rope_scaling)
+    if kind == "default":
+        return inv_freq
+    sc = cfg.rope_scaling
+    if kind == "linear":
+        return inv_freq / float(sc["factor"])
+    if kind != "llama3":
+        raise ValueError(
+            f"unsupported rope_scaling type {kind!r}; npu-train supports None/'default', 'linear' "
+            f"and 'llama3'"
+        )
+    factor = float(sc["factor"])
+    low = float(sc["low_freq_factor"])
+    high = float(sc["high_freq_factor"])
+    old_ctx = sc.get("original_max_position_embeddings", cfg.max_position_embeddings)
+    old_ctx = float(old_ctx)
+    low_wavelen = old_ctx / low
+    high_wavelen = old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_l = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+    is_medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+    return torch.where(is_medium, smoothed, inv_l)
+
+
+def rope_cos_sin(cfg: LlamaConfig, seq_len: int, device=None, dtype=torch.float32):
+    """RoPE tables for positions ``0 .. seq_len-1``.
+
+    Returns ``(cos, sin)``, each [seq_len, head_dim] in ``dtype`` on ``device``; the angles are
+    computed in fp32 as HF ``LlamaRotaryEmbedding.forward`` does
+    (``emb = cat(pos * inv_freq, pos * inv_freq)``), i.e. rotate-half layout.
+    """
+    inv_freq = rope_inv_freq(cfg).to(device=device)
+    pos = torch.arange(seq_len, device=device, dtype=torch.int64).to(torch.float32)
+    freqs = pos[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [B, heads, S, head_dim] with ``cos``/``sin`` [S, head_dim] (HF rotate_half)."""
+    return x * cos + _rotate_half(x) * sin
+
+
+# ----------------------------------------------------------------------------------------------
+# Attention / MLP / decoder layer
+# ----------------------------------------------------------------------------------------------
+class Attention(nn.Module):
+    """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases).
+
+    Submodules ``q_proj`` [heads*D, H], ``k_proj``/``v_proj`` [kv_heads*D, H],
+    ``o_proj`` [H, heads*D].  ``forward(h [B,S,H], cos, sin [S,D]) -> [B,S,H]``.
+    """
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = D
+        self.q_proj = nn.Linear(H, cfg.num_heads * D, bias=False)
+        self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
+        self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, S, _ = h.shape
+        D = self.head_dim
+        q = self.q_proj(h).view(B, S, self.num_heads, D).transpose(1, 2)
+        k = self.k_proj(h).view(B, S, self.num_kv_heads, D).transpose(1, 2)
+        v = self.v_proj(h).view(B, S, self.num_kv_heads, D).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        rep = self.num_heads // self.num_kv_heads
+        if rep > 1:  # HF repeat_kv: kv head j serves query heads j*rep .. j*rep+rep-1
+            k = k[:, :, None].expand(B, self.num_kv_heads, rep, S, D).reshape(B, self.num_heads, S, D)
+            v = v[:, :, None].expand(B, self.num_kv_heads, rep, S, D).reshape(B, self.num_heads, S, D)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5)
+        o = o.transpose(1, 2).reshape(B, S, self.num_heads * D)
+        return self.o_proj(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down_proj(silu(gate_proj(x)) * up_proj(x))``, no biases."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        H, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(H, I, bias=False)
+        self.up_proj = nn.Linear(H, I, bias=False)
+        self.down_proj = nn.Linear(I, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm Llama decoder layer (HF ``LlamaDecoderLayer``).
+
+    ``state_dict()`` keys, in order: ``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``,
+    ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight`` — the HF names
+    without the ``model.layers.{i}.`` prefix.
+
+    ``forward(h [B,S,H], cos [S,D], sin [S,D]) -> [B,S,H]`` (same dtype as ``h``):
+    ``h = h + attn(norm1(h)); h = h + mlp(norm2(h))``.
+    """
+
+    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+# ----------------------------------------------------------------------------------------------
+# Pipeline stage
+# ----------------------------------------------------------------------------------------------
+def stage_param_names(cfg: LlamaConfig, first: int, last: int, has_embed: bool,
+                      has_head: bool) -> list[str]:
+    """HF names of the parameters a stage owns, in ``named_parameters()`` order, without building it.
+
+    ``[model.embed_tokens.weight]`` (if ``has_embed``) + the 9 tensors of each global layer in
+    ``[first, last)`` + ``[model.norm.weight, lm_head.weight]`` (if ``has_head``).  On a tied
+    model a stage holding both embed and head owns the embedding only (``lm_head`` is the same
+    Parameter); a head-only stage of a tied model owns ``lm_head.weight``, which checkpoint files
+    do not contain: map it with :func:`checkpoint_source_name` (``load_tensors`` does so).
+    """
+    _check_range(cfg, first, last)
+    names: list[str] = []
+    if has_embed:
+        names.append("model.embed_tokens.weight")
+    for i in range(first, last):
+        names.extend(cfg.layer_param_names(i))
+    if has_head:
+        names.append("model.norm.weight")
+        if not (cfg.tie_word_embeddings and has_embed):
+            names.append("lm_head.weight")
+    return names
+
+
+def checkpoint_source_name(cfg: LlamaConfig, name: str) -> str:
+    """Name under which parameter ``name`` is stored in a checkpoint file.
+
+    Identity, except ``lm_head.weight`` -> ``model.embed_tokens.weight`` when
+    ``cfg.tie_word_embeddings`` (HF and GGUF files omit the tied output matrix).
+    """
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return "model.embed_tokens.weight"
+    return name
+
+
+def _check_range(cfg: LlamaConfig, first: int, last: int) -> None:
+    if not (0 <= first <= last <= cfg.num_layers):
+        raise ValueError(
+            f"invalid layer range [{first}, {last}) for a model with {cfg.num_layers} layers"
+        )
+
+
+class StageModule(nn.Module):
+    """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``,
+    optional final norm + LM head.
+
+    ``named_parameters()`` yields exactly :func:`stage_param_names` (HF global names):
+    ``model.embed_tokens.weight`` [V,H], ``model.layers.{i}.*`` (``self.model.layers`` is an
+    ``nn.ModuleDict`` keyed by ``str(i)``), ``model.norm.weight`` [H], ``lm_head.weight`` [V,H].
+    If ``cfg.tie_word_embeddings`` and the stage has both embed and head, ``lm_head.weight`` *is*
+    ``model.embed_tokens.weight`` (one Parameter, listed once, under the embedding name).
+
+    ``forward(x)``:
+      - ``x``: int64 token ids [B,S] if ``has_embed``, else hidden states [B,S,H] (float);
+      - returns hidden states [B,S,H] (parameter dtype) if not ``has_head``, else fp32 logits
+        [B,S,V] = ``lm_head(norm(h)).float()``.
+    RoPE tables are computed for positions ``0..S-1`` and cached per (S, device, dtype).
+    With ``recompute=True`` every layer runs under
+    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` while autograd is enabled.
+    Parameters are randomly initialised (normal std 0.02, norms = 1) — load real weights with
+    :meth:`load_named_tensors`.
+    """
+
+    def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
+                 has_head: bool, recompute: bool = False) -> None:
+        super().__init__()
+        _check_range(cfg, first_layer, last_layer)
+        self.cfg = cfg
+        self.first_layer = first_layer
+        self.last_layer = last_layer
+        self.has_embed = has_embed
+        self.has_head = has_head
+        self.recompute = recompute
+
+        self.model = nn.Module()
+        if has_embed:
+            self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.model.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, i) for i in range(first_layer, last_layer)}
+        )
+        if has_head:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.reset_parameters()
+        if has_head and has_embed and cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    # -- init / bookkeeping ------------------------------------------------------------------
+    @torch.no_grad()
+    def reset_parameters(self, std: float = 0.02) -> None:
+        """HF-style init: linear/embedding weights ~ N(0, std), RMSNorm weights = 1."""
+        for mod in self.modules():
+            if isinstance(mod, (nn.Linear, nn.Embedding)):
+                mod.weight.normal_(0.0, std)
+            elif isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+
+    def param_names(self) -> list[str]:
+        """HF global names of this stage's parameters (``named_parameters()`` order)."""
+        return [n for n, _ in self.named_parameters()]
+
+    @torch.no_grad()
+    def load_named_tensors(self, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Copy ``tensors`` (HF names -> tensors, any float dtype/device) into the parameters.
+
+        With ``strict`` every parameter of the stage must be present and no extra name may be
+        given; shapes must match exactly.  Values are cast to each parameter's dtype/device.
+        """
+        params = dict(self.named_parameters())
+        if strict:
+            missing = [n for n in params if n not in tensors]
+            extra = [n for n in tensors if n not in params]
+            if missing or extra:
+                raise KeyError(f"load_named_tensors: missing={missing[:5]} unexpected={extra[:5]}")
+        for n, t in tensors.items():
+            if n not in params:
+                continue
+            p = params[n]
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{n}: expected shape {tuple(p.shape)}, got {tuple(t.shape)}")
+            p.copy_(t.to(device=p.device, dtype=p.dtype))
+
+    def _apply(self, fn, *args, **kwargs):  # device/dtype moves invalidate the RoPE cache
+        self._rope_cache = {}
+        return super()._apply(fn, *args, **kwargs)
+
+    def rope(self, seq_len: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached :func:`rope_cos_sin` for this stage's config."""
+        key = (int(seq_len), torch.device(device), dtype)
+        hit = self._rope_cache.get(key)
+        if hit is None:
+            hit = rope_cos_sin(self.cfg, seq_len, device, dtype)
+            self._rope_cache[key] = hit
+        return hit
+
+    # -- forward -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.has_embed:
+            h = self.model.embed_tokens(x)
+        else:
+            h = x
+        S = h.shape[1]
+        cos, sin = self.rope(S, h.device, h.dtype)
+        use_ckpt = self.recompute and torch.is_grad_enabled()
+        for layer in self.model.layers.values():
+            if use_ckpt:
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        if not self.has_head:
+            return h
+        return self.lm_head(self.model.norm(h)).float()
+
+    def extra_repr(self) -> str:
+        return (f"layers=[{self.first_layer}, {self.last_layer}), embed={self.has_embed}, "
+                f"head={self.has_head}, recompute={self.recompute}")
+
+
+def full_model(cfg: LlamaConfig) -> StageModule:
+    """The whole model as one stage: ``StageModule(cfg, 0, cfg.num_layers, True, True)``."""
+    return StageModule(cfg, 0, cfg.num_layers, True, True)
+
+
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed next-token cross-entropy.
+
+    Args:
+        logits: [B,S,V] (fp32 expected; upcast otherwise).
+        labels: [B,S] int64, *already shifted*: ``labels[b,t]`` is the target of position ``t``;
+            ``-100`` marks positions that do not count.
+    Returns:
+        ``(loss_sum, n_tokens)``: fp32 scalar tensor (differentiable) = sum of the token losses,
+        and the python int number of counted tokens (0 -> ``loss_sum == 0``).
+    """
+    V = logits.shape[-1]
+    loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="sum")
+    n = int((labels != IGNORE_INDEX).sum().item())
+    return loss, n
