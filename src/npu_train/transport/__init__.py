@@ -1,0 +1,53 @@
+"""Inter-stage tensor transport (shared memory + ZeroMQ). See :mod:`.channel` for the design."""
+
+from .channel import (
+    MAX_HEADER_BYTES,
+    Endpoint,
+    Mailbox,
+    Outbox,
+    TensorLink,
+    TransportError,
+    TransportTimeout,
+    new_token,
+    pack_header,
+)
+from .shm import (
+    DTYPES,
+    SEGMENT_PREFIX,
+    SHM_DIR,
+    ShmSegment,
+    ShmTooSmallError,
+    SlotRing,
+    dtype_from_str,
+    dtype_to_str,
+    segment_name,
+    segment_names_for_job,
+    shm_free_bytes,
+    unlink_job_segments,
+    validate_job_id,
+)
+
+__all__ = [
+    "MAX_HEADER_BYTES",
+    "Endpoint",
+    "Mailbox",
+    "Outbox",
+    "TensorLink",
+    "TransportError",
+    "TransportTimeout",
+    "new_token",
+    "pack_header",
+    "DTYPES",
+    "SEGMENT_PREFIX",
+    "SHM_DIR",
+    "ShmSegment",
+    "ShmTooSmallError",
+    "SlotRing",
+    "dtype_from_str",
+    "dtype_to_str",
+    "segment_name",
+    "segment_names_for_job",
+    "shm_free_bytes",
+    "unlink_job_segments",
+    "validate_job_id",
+]
