@@ -71,3 +71,41 @@ def make_cfg(model_path: str, *overrides: str):
     ])
     cfg = OmegaConf.merge(base, test, OmegaConf.from_dotlist(list(overrides)))
     return cfg
+
+
+def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int = 0):
+    """Run the real launcher in-process (card processes spawned); returns (losses, CheckpointReader|None)."""
+    from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
+    from npu_train.runtime.launcher import main
+
+    cfg = make_cfg(model_path, *overrides)
+    rc = main(cfg, run_dir)
+    assert rc == expect_rc, f"launcher exit status {rc}, expected {expect_rc}"
+    losses = []
+    mpath = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(mpath):
+        with open(mpath) as f:
+            losses = [json.loads(l)["loss"] for l in f if l.strip()]
+    root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
+    ck = complete_checkpoints(root)
+    return losses, (CheckpointReader(ck[-1]) if ck else None)
+
+
+def reference_for(model_path: str, *overrides: str):
+    """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``."""
+    from npu_train.runtime.launcher import prepare_data
+    from npu_train.model.loading import load_config
+    from reference import reference_run
+
+    cfg = make_cfg(model_path, *overrides)
+    t = cfg.train
+    data = prepare_data(cfg, model_path, load_config(model_path), None)
+    return reference_run(model_path, data, steps=t.steps, micro_batch=t.micro_batch, accum=t.accum, lr=t.lr,
+                         warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay,
+                         clip=t.clip, seed=t.seed, betas=(t.beta1, t.beta2), eps=t.eps)
+
+
+def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in fp64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -43,7 +43,7 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
         for x, y in mbs:
             ls, _ = causal_lm_loss_sum(model(x), y)
             (ls / n_tok).backward()
-            tot += float(ls)
+            tot += float(ls.detach())
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         for g in opt.param_groups:
