@@ -8,9 +8,10 @@
 # Why a separate venv: the main .venv uses a CPU torch 2.13 wheel; furiosa-torch's compiled
 # extension (furiosa/torch/_C.*.so) links against libtorch of exactly torch 2.10.0.
 #
-# SIZE WARNING (measured 2026-xx on x86_64 Linux, Python 3.11, PyPI only):
+# SIZE WARNING (measured on x86_64 Linux, Python 3.11, PyPI only):
 #   torch==2.10.0 from PyPI is the CUDA 12.8 build and depends on ~15 nvidia-*-cu12 wheels,
-#   triton and cuda-bindings: about 4.0 GB of downloads, about 7.5 GB installed.
+#   triton and cuda-bindings: about 4.0 GB of downloads, about 7.3 GB installed. Took 100 s
+#   here with a warm pip cache (the 4 GB download alone took ~30 s on a fast mirror).
 #   A CPU-only torch 2.10.0 wheel is not on PyPI (only on the PyTorch wheel index).
 #   Installing torch with --no-deps (skipping the nvidia libs) does NOT work: `import torch`
 #   then fails with "libcudart.so.12: cannot open shared object file" / "libcublasLt.so.*
@@ -58,6 +59,16 @@ LIGHT_DEPS=(
   "pytest>=8" "pytest-timeout>=2.3"
 )
 
+# editable install of the project; setuptools' deprecation chatter only shown on failure
+install_project() {
+  local logf
+  logf="$(mktemp)"
+  if ! "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT" >"$logf" 2>&1; then
+    cat "$logf" >&2; rm -f "$logf"; return 1
+  fi
+  rm -f "$logf"
+}
+
 check_env() {
   "$VENV/bin/python" - <<'EOF' >/dev/null 2>&1
 import torch, furiosa.torch, npu_train.backends  # noqa: F401
@@ -73,7 +84,7 @@ fi
 
 if [[ -x "$VENV/bin/python" ]] && check_env; then
   echo "[setup_furiosa_env] $VENV already has furiosa-torch; refreshing the editable install only"
-  "$VENV/bin/python" -m pip install -q --no-deps -e "$ROOT"
+  install_project
   exit 0
 fi
 
@@ -89,12 +100,12 @@ trap 'rm -f "$CONSTRAINTS"' EXIT
 echo "${TORCH_SPEC}" > "$CONSTRAINTS"
 
 echo "[setup_furiosa_env] installing ${TORCH_SPEC} + furiosa-torch==${FURIOSA_TORCH_VERSION}" \
-     "(PyPI torch 2.10.0 is the CUDA build: ~4 GB download, ~7.5 GB on disk)"
+     "(PyPI torch 2.10.0 is the CUDA build: ~4 GB download, ~7.3 GB on disk)"
 "${PIP[@]}" install -c "$CONSTRAINTS" "${TORCH_SPEC}" "furiosa-torch==${FURIOSA_TORCH_VERSION}"
 
 echo "[setup_furiosa_env] installing npu-train (-e ., --no-deps) and its light deps"
 "${PIP[@]}" install -q -c "$CONSTRAINTS" "${LIGHT_DEPS[@]}"
-"${PIP[@]}" install -q --no-deps -e "$ROOT"
+install_project
 
 echo "[setup_furiosa_env] checking imports"
 "$VENV/bin/python" - <<'EOF'

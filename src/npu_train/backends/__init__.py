@@ -1,0 +1,20 @@
+"""Card backends (cpu, cuda, furiosa/RNGD): one process per card.
+
+Importing this package never imports furiosa-torch; the furiosa backend imports it in ``setup()``.
+"""
+
+from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError, make_backend
+from npu_train.backends.furiosa import FURIOSA_CAPACITY_BYTES
+from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend_list, resolve_cards
+
+__all__ = [
+    "AllocLock",
+    "Backend",
+    "BackendSpecError",
+    "BackendUnavailableError",
+    "CardRequest",
+    "FURIOSA_CAPACITY_BYTES",
+    "make_backend",
+    "parse_backend_list",
+    "resolve_cards",
+]

@@ -1,0 +1,258 @@
+"""Backend abstraction: one object per card, one card per OS process.
+
+A :class:`Backend` wraps the device runtime of one card (``cpu``, ``cuda:N``, ``furiosa:N``):
+device placement, host<->device copies, synchronization and memory figures. The worker process
+of a card builds it with :func:`make_backend` from a resolved
+:class:`~npu_train.backends.spec.CardRequest` and calls :meth:`Backend.setup` once, before its
+first device call.
+
+Copies: :meth:`Backend.upload` / :meth:`Backend.download` always return a tensor that does not
+share memory with their argument, on every backend (the CPU backend clones), so callers can reuse
+host staging buffers freely.
+
+Allocation lock: :meth:`Backend.alloc_lock` is a real lock only where the device runtime keeps its
+device-memory type (DRAM / DRAM_SHARED) in a process-wide flag that compiled-graph calls flip
+(furiosa-torch 2026.2); there every thread that allocates device memory, and every compiled-graph
+call that may run while another thread allocates, must hold it. Everywhere else it is a no-op
+``contextlib.nullcontext()``.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import os
+import threading
+from typing import TYPE_CHECKING, ContextManager, Union
+
+import torch
+
+if TYPE_CHECKING:  # pragma: no cover
+    from npu_train.backends.spec import CardRequest
+
+
+class BackendUnavailableError(RuntimeError):
+    """The device runtime a backend entry needs is missing on this machine (no driver / library /
+    device nodes / package), or the device cannot be used at all. The message says what to do."""
+
+
+class AllocLock:
+    """A re-entrant process-local lock (``threading.RLock``) used as the allocation lock.
+
+    Re-entrant so that ``with backend.alloc_lock(): backend.upload(t)`` (upload takes the lock
+    itself) does not deadlock. Adds :meth:`locked` (``threading.RLock`` lacks it before 3.14).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._depth = 0  # only changed while holding _lock
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        ok = self._lock.acquire(blocking, timeout)
+        if ok:
+            self._depth += 1
+        return ok
+
+    def release(self) -> None:
+        self._depth -= 1
+        self._lock.release()
+
+    def locked(self) -> bool:
+        """True while some thread holds the lock."""
+        if self._lock.acquire(blocking=False):
+            try:
+                return self._depth > 0  # we hold it now: locked iff we held it before (re-entry)
+            finally:
+                self._lock.release()
+        return True
+
+    def __enter__(self) -> "AllocLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        return f"<AllocLock locked={self.locked()}>"
+
+
+class Backend(abc.ABC):
+    """One card's device runtime. Subclasses: CPUBackend, CUDABackend, FuriosaBackend.
+
+    Attributes:
+        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"``.
+        index: device index (``None`` for cpu).
+        name: ``"cpu"``, ``"cuda:0"``, ``"furiosa:1"``.
+        memory_flag_thread_local: whether the device-memory-type flag of the runtime is
+            thread-local (``True`` for cpu/cuda, which have no such flag; probed for furiosa in
+            :meth:`setup`; ``None`` for furiosa before setup).
+        memory_accounting: how :meth:`memory_allocated` is measured (``"rss"``,
+            ``"cuda-caching-allocator"``, ``"tracked"``...), for reports.
+    """
+
+    kind: str = ""
+    memory_accounting: str = ""
+
+    def __init__(self, index: int | None = None) -> None:
+        self.index = index
+        self.memory_flag_thread_local: bool | None = True
+        self._alloc_lock: AllocLock | None = None
+        self._setup_pid: int | None = None
+        self._setup_guard = threading.Lock()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def name(self) -> str:
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name}>"
+
+    # ------------------------------------------------------------------ per-process setup
+    @property
+    def is_setup(self) -> bool:
+        return self._setup_pid == os.getpid()
+
+    def setup(self) -> None:
+        """Set up the device context of this process; idempotent, once per process (a forked
+        child sets up again). Call before the first device call."""
+        if self.is_setup:
+            return
+        with self._setup_guard:
+            if self.is_setup:
+                return
+            self._setup()
+            self._setup_pid = os.getpid()
+
+    def _setup(self) -> None:
+        """Backend-specific setup; default: nothing."""
+
+    def _ensure_setup(self) -> None:
+        if not self.is_setup:
+            self.setup()
+
+    # pickling: locks do not travel, and a copy in another process must set up again.
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_setup_guard"] = None
+        state["_alloc_lock"] = state["_alloc_lock"] is not None  # remember only whether one was needed
+        state["_setup_pid"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        needed = state.pop("_alloc_lock")
+        self.__dict__.update(state)
+        self._setup_guard = threading.Lock()
+        self._alloc_lock = AllocLock() if needed else None
+
+    # ------------------------------------------------------------------ device
+    @abc.abstractmethod
+    def device(self) -> torch.device:
+        """The ``torch.device`` of this card."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Block until all work queued on this card has finished."""
+
+    # ------------------------------------------------------------------ memory
+    @abc.abstractmethod
+    def capacity_bytes(self) -> int:
+        """Total usable memory of the card (cpu: host RAM; cuda: total memory; furiosa: 47.5 GiB)."""
+
+    @abc.abstractmethod
+    def memory_allocated(self) -> int:
+        """Bytes currently allocated on the card (see :attr:`memory_accounting`)."""
+
+    @abc.abstractmethod
+    def max_memory_allocated(self) -> int:
+        """Peak of :meth:`memory_allocated` since the last :meth:`reset_peak_memory`."""
+
+    @abc.abstractmethod
+    def reset_peak_memory(self) -> None:
+        """Restart the peak tracking of :meth:`max_memory_allocated` at the current value."""
+
+    # ------------------------------------------------------------------ allocation lock
+    def alloc_lock(self) -> ContextManager:
+        """Context manager to hold while allocating device memory (and, where the runtime's
+        memory-type flag is process-wide, around compiled-graph calls).
+
+        The same re-entrant :class:`AllocLock` object on every call when the runtime's
+        device-memory-type flag is process-wide, else a fresh ``contextlib.nullcontext()``.
+        """
+        if self._alloc_lock is not None:
+            return self._alloc_lock
+        return contextlib.nullcontext()
+
+    @property
+    def needs_alloc_lock(self) -> bool:
+        return self._alloc_lock is not None
+
+    # ------------------------------------------------------------------ copies
+    def upload(self, t: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+        """Copy host tensor ``t`` to this card (under :meth:`alloc_lock`). Never aliases ``t``."""
+        self._ensure_setup()
+        with self.alloc_lock():
+            return self._upload(t, non_blocking)
+
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        """Copy device tensor ``t`` to host CPU memory (blocking). Never aliases ``t``."""
+        self._ensure_setup()
+        return self._download(t)
+
+    @abc.abstractmethod
+    def _upload(self, t: torch.Tensor, non_blocking: bool) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _download(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    # ------------------------------------------------------------------ reporting
+    def describe(self) -> dict:
+        """Small dict for logs/metrics."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "index": self.index,
+            "capacity_bytes": self.capacity_bytes(),
+            "memory_accounting": self.memory_accounting,
+            "memory_flag_thread_local": self.memory_flag_thread_local,
+            "alloc_lock": self.needs_alloc_lock,
+        }
+
+
+def make_backend(req: Union["CardRequest", str], **kwargs) -> Backend:
+    """Build the backend for one resolved card request (``index`` set for cuda/furiosa).
+
+    ``req`` may also be a single backend entry string (``"cpu"``, ``"cuda:0"``, ``"furiosa:1"``).
+    Extra keyword arguments go to the backend class (e.g. ``num_fusion`` for furiosa).
+    Does not touch the device; call :meth:`Backend.setup` in the card's process.
+    """
+    from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend_list
+
+    if isinstance(req, str):
+        reqs = parse_backend_list(req)
+        if len(reqs) != 1:
+            raise BackendSpecError(f"make_backend takes one backend entry, got {req!r}")
+        req = reqs[0]
+    if not isinstance(req, CardRequest):
+        raise TypeError(f"make_backend expects a CardRequest or a backend entry string, got {type(req).__name__}")
+    kind = req.kind
+    if kind == "rngd":
+        kind = "furiosa"
+    if kind == "cpu":
+        from npu_train.backends.cpu import CPUBackend
+
+        return CPUBackend(**kwargs)
+    if kind not in ("cuda", "furiosa"):
+        raise BackendSpecError(f"unknown device kind {req.kind!r} in backend entry {req.text!r}: "
+                               "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto")
+    if req.index is None:
+        raise BackendSpecError(f"backend entry {req.text!r} has no device index yet: "
+                               "call npu_train.backends.spec.resolve_cards() before make_backend()")
+    if kind == "cuda":
+        from npu_train.backends.cuda import CUDABackend
+
+        return CUDABackend(req.index, **kwargs)
+    from npu_train.backends.furiosa import FuriosaBackend
+
+    return FuriosaBackend(req.index, **kwargs)

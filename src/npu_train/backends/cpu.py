@@ -1,0 +1,81 @@
+"""CPU backend: the host as a "card" (tests, small runs, CPU pipeline stages).
+
+Memory figures are the process's resident set size (RSS, ``psutil``), not tensor bytes: they
+include the interpreter, libraries and every host buffer of the process. The peak is sampled
+cheaply — at every backend call (upload, download, synchronize and the memory queries) — so a
+spike between two calls can be missed; it is never below the last sampled RSS.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import psutil
+import torch
+
+from npu_train.backends.base import Backend
+
+
+class CPUBackend(Backend):
+    kind = "cpu"
+    memory_accounting = "rss"
+
+    def __init__(self) -> None:
+        super().__init__(None)
+        self.memory_flag_thread_local = True  # no device-memory-type flag at all
+        self._proc = psutil.Process()
+        self._peak = 0
+        self._peak_lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_proc"] = None
+        state["_peak_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._proc = psutil.Process()
+        self._peak_lock = threading.Lock()
+
+    def _sample(self) -> int:
+        rss = int(self._proc.memory_info().rss)
+        if rss > self._peak:
+            with self._peak_lock:
+                if rss > self._peak:
+                    self._peak = rss
+        return rss
+
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def synchronize(self) -> None:
+        self._sample()
+
+    def capacity_bytes(self) -> int:
+        """Total host RAM (``psutil.virtual_memory().total``)."""
+        return int(psutil.virtual_memory().total)
+
+    def memory_allocated(self) -> int:
+        """Resident set size of this process (bytes)."""
+        return self._sample()
+
+    def max_memory_allocated(self) -> int:
+        """Largest RSS sampled since the last :meth:`reset_peak_memory`."""
+        return max(self._peak, self._sample())
+
+    def reset_peak_memory(self) -> None:
+        rss = int(self._proc.memory_info().rss)
+        with self._peak_lock:
+            self._peak = rss
+
+    def _upload(self, t: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        # .to("cpu") would alias a host tensor; clone so that upload never shares memory.
+        out = t.clone() if t.device.type == "cpu" else t.to("cpu")
+        self._sample()
+        return out
+
+    def _download(self, t: torch.Tensor) -> torch.Tensor:
+        out = t.clone() if t.device.type == "cpu" else t.to("cpu")
+        self._sample()
+        return out

@@ -1,0 +1,501 @@
+"""FuriosaAI RNGD backend, written against furiosa-torch 2026.4.0 (pins torch==2.10.0).
+
+furiosa-torch is imported lazily (in :meth:`FuriosaBackend.setup` / the probe helpers), so this
+module imports fine in an environment without it (the main .venv: torch 2.13 CPU).
+
+Facts about the real API used here, with where they are in the 2026.4.0 wheel
+(``furiosa_torch-2026.4.0-cp311-cp311-manylinux_2_34_x86_64.whl``):
+
+* Registration: ``furiosa/torch/_register.py::_register`` renames PrivateUse1 to ``"furiosa"``
+  and registers ``torch.furiosa``; it runs on ``import furiosa.torch`` and, through the
+  ``[torch.backends] furiosa = furiosa.torch._register:_register`` entry point, already on
+  ``import torch`` in an environment that has furiosa-torch. Devices are ``torch.device("furiosa", N)``
+  (2026.2 called them ``"rngd"``; we read the name from ``torch._C._get_privateuse1_backend_name()``).
+* Host<->device copies are plain ``t.to(device)`` / ``t.to("cpu")``: PrivateUse1 ``_to_copy`` is
+  ``furiosa/torch/_custom_ops/copy_from.py::aten_to_copy`` (allocates with
+  ``torch.furiosa.empty(FlatDramShape, device)`` then ``copy_``).
+* Device context (``furiosa/torch/_C/device/__init__.pyi``, re-exported by ``furiosa.torch``):
+  ``set_fusion(num_fusion) -> Fusion`` ("must be set before get_device is called, and only once
+  globally"; RNGD has 8 PEs per chip, so ``set_fusion(8)`` makes ``furiosa:N`` one whole card —
+  measured: 8 PE-fusion gives ``MeshId(npuN)`` / ``ClusterId(npuNpe0-3)``), ``get_fusion()``
+  (CAUTION: calling it first fixes fusion at 1 and a later ``set_fusion(8)`` raises
+  ``RuntimeError("num_fusion is already set, ...")``), ``MeshKind.Single()`` / ``MeshKind.Mesh(k)``,
+  ``set_mesh_kind``/``get_mesh_kind`` (Single: no copies between fused devices, default),
+  ``get_available_devices() -> list[str]`` (WITHOUT hardware it still lists 64 devices at fusion 1,
+  8 at fusion 8, so it cannot tell whether cards exist), ``exchange_device`` /
+  ``current_device`` (thread-local current device).
+* ``furiosa.torch.is_available(device=None)`` (``_C/_ext``): ``True`` without a device argument
+  even without hardware; ``is_available("furiosa:0")`` is ``False`` without hardware.
+* Streams (``furiosa/torch/config/_stream.py``, ``_C/stream``): ``current_stream(device)`` (per
+  thread), ``default_stream(device)``, ``Stream.synchronize()``. Without the runtime they raise
+  ``RuntimeError("Failed to get device index 0 ... HAL error ... librenegade.so: cannot open shared
+  object file")``.
+* Memory type flag (``furiosa/torch/_C/memory/__init__.pyi``): ``MemoryType.{Dram, DramShared,
+  Cpu}``, ``_get_memory_type()``, ``_set_memory_type(t) -> previous``; the public context manager
+  is ``furiosa.torch.with_memory_type(t)`` (``furiosa/torch/_tensor/__init__.py``). In 2026.2
+  the same lived in ``furiosa.native_torch.memory`` (ints; ``_set_dram_shared_mode()``).
+  Measured on 2026.4.0: the flag is thread-local.
+* Memory statistics: none. furiosa-torch 2026.4 has no ``memory_allocated``; and
+  ``torch.accelerator.memory_allocated(0)`` raises "Allocator for furiosa is not a
+  DeviceAllocator". So this backend counts the bytes of live device tensors it created or was
+  told about (:meth:`FuriosaBackend.track`), see ``memory_accounting = "tracked"``.
+* No hardware: ``import furiosa.torch`` works, but the first allocation logs
+  ``furiosa_torch::cpp::allocator: Failed to initialize device for index 0 ... HAL error ...
+  librenegade.so: cannot open shared object file`` and raises ``torch.OutOfMemoryError("failed
+  to allocate 4 bytes")``. The runtime library is dlopen'ed by name ``librenegade.so`` (string in
+  ``furiosa/torch/_C.cpython-311-x86_64-linux-gnu.so``); device nodes are ``/dev/rngd/npu*mgmt``
+  (same binary, ``furiosa-hal2/src/npu/open.rs``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import glob
+import importlib.util
+import logging
+import os
+import re
+import sys
+import threading
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
+
+log = logging.getLogger(__name__)
+
+FURIOSA_CAPACITY_BYTES = int(47.5 * 2**30)
+RUNTIME_LIBRARY = "librenegade.so"
+DEFAULT_NUM_FUSION = 8  # 8 PEs = one whole RNGD chip per logical device
+FUSION_ENV = "NPU_TRAIN_FURIOSA_FUSION"
+SETUP_HINT = "install the Furiosa runtime / check /dev/rngd*"
+ENV_HINT = "run `bash scripts/setup_furiosa_env.sh` and use .venv-furiosa/bin/python"
+
+
+# ============================================================================ runtime probes
+def find_runtime_library() -> str | None:
+    """Path (or soname) of the RNGD runtime library ``librenegade.so``, or None when the dynamic
+    loader cannot find it (then furiosa-torch's device init fails the same way)."""
+    path = ctypes.util.find_library("renegade")
+    if path:
+        return path
+    try:
+        ctypes.CDLL(RUNTIME_LIBRARY)
+    except OSError:
+        return None
+    return RUNTIME_LIBRARY
+
+
+def list_rngd_cards(dev_root: str = "/dev") -> list[int]:
+    """Indices of the RNGD cards whose device nodes exist (``/dev/rngd/npu<N>mgmt``; also
+    accepts other ``/dev/rngd/npu<N>*`` nodes and ``/dev/rngd<N>``)."""
+    found: set[int] = set()
+    for p in glob.glob(os.path.join(dev_root, "rngd", "npu*mgmt")):
+        m = re.match(r"npu(\d+)mgmt$", os.path.basename(p))
+        if m:
+            found.add(int(m.group(1)))
+    if not found:
+        for p in glob.glob(os.path.join(dev_root, "rngd", "npu*")):
+            m = re.match(r"npu(\d+)", os.path.basename(p))
+            if m:
+                found.add(int(m.group(1)))
+        for p in glob.glob(os.path.join(dev_root, "rngd[0-9]*")):
+            m = re.match(r"rngd(\d+)$", os.path.basename(p))
+            if m:
+                found.add(int(m.group(1)))
+    return sorted(found)
+
+
+def furiosa_torch_importable() -> bool:
+    """True if ``furiosa.torch`` can be found (without importing it)."""
+    if "furiosa.torch" in sys.modules:
+        return True
+    try:
+        return importlib.util.find_spec("furiosa.torch") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _dev_nodes_text(dev_root: str = "/dev") -> str:
+    nodes = sorted(glob.glob(os.path.join(dev_root, "rngd*")) + glob.glob(os.path.join(dev_root, "rngd", "*")))
+    return ", ".join(nodes[:8]) + (" ..." if len(nodes) > 8 else "") if nodes else "none"
+
+
+def runtime_problem(dev_root: str = "/dev") -> str | None:
+    """Why RNGD cards cannot be used in this process (one sentence with the fix), or None."""
+    if not furiosa_torch_importable():
+        return (f"furiosa-torch is not installed in this Python ({sys.executable}): {ENV_HINT}")
+    if find_runtime_library() is None:
+        return (f"no RNGD device/runtime: {RUNTIME_LIBRARY} not found by the dynamic loader "
+                f"(ldconfig cache / LD_LIBRARY_PATH); {SETUP_HINT}")
+    if not list_rngd_cards(dev_root):
+        return (f"no RNGD device/runtime: no RNGD device nodes {dev_root}/rngd/npu*mgmt "
+                f"({dev_root}/rngd* found: {_dev_nodes_text(dev_root)}); {SETUP_HINT}")
+    return None
+
+
+# ============================================================================ memory-type flag
+def memory_type_api(ft: Any = None) -> Any:
+    """The module holding furiosa-torch's memory-type flag: ``furiosa.torch._C.memory`` (2026.4)
+    or ``furiosa.native_torch.memory`` (2026.2); None if neither exists."""
+    for name in ("furiosa.torch._C.memory", "furiosa.native_torch.memory"):
+        mod = sys.modules.get(name)
+        if mod is None:
+            try:
+                import importlib
+
+                mod = importlib.import_module(name)
+            except Exception:
+                mod = None
+        if mod is not None and hasattr(mod, "_get_memory_type") and hasattr(mod, "_set_memory_type"):
+            return mod
+    return None
+
+
+def probe_memory_flag_scope(mem: Any, timeout: float = 5.0) -> tuple[bool, str]:
+    """Is the device-memory-type flag thread-local? Returns ``(thread_local, detail)``.
+
+    A helper thread flips the flag (``_set_memory_type(MemoryType.DramShared)``, or
+    ``_set_dram_shared_mode()`` on the 2026.2 API) and holds it while this thread reads it with
+    ``_get_memory_type()``; then the helper restores it. If this thread sees the change, the flag
+    is process-wide. Anything inconclusive (no API, errors, no visible effect, timeout) returns
+    ``False``: assume process-wide and serialize, which is always safe. Run it before other
+    threads use the device (it flips the flag for a moment).
+    """
+    if mem is None:
+        return False, "no memory-type getter/setter in furiosa-torch; assuming a process-wide flag"
+    get: Callable = getattr(mem, "_get_memory_type", None)
+    set_: Callable = getattr(mem, "_set_memory_type", None)
+    if get is None or set_ is None:
+        return False, f"{getattr(mem, '__name__', mem)} lacks _get/_set_memory_type; assuming a process-wide flag"
+    try:
+        baseline = get()
+    except Exception as e:  # noqa: BLE001
+        return False, f"_get_memory_type() failed ({e!r}); assuming a process-wide flag"
+    mt = getattr(mem, "MemoryType", None)
+    if mt is not None and hasattr(mt, "DramShared") and hasattr(mt, "Dram"):
+        other = mt.DramShared if baseline != mt.DramShared else mt.Dram
+
+        def flip():
+            return set_(other)
+    elif hasattr(mem, "_set_dram_shared_mode"):
+        flip = mem._set_dram_shared_mode
+    else:
+        return False, "no way to change the memory type (no MemoryType.DramShared); assuming a process-wide flag"
+
+    state: dict = {}
+    flipped, read_done = threading.Event(), threading.Event()
+
+    def helper() -> None:
+        try:
+            state["prev"] = flip()
+            state["in_thread"] = get()
+        except BaseException as e:  # noqa: BLE001
+            state["error"] = e
+        finally:
+            flipped.set()
+            read_done.wait(timeout)
+            if "prev" in state:
+                try:
+                    set_(state["prev"])
+                except BaseException as e:  # noqa: BLE001
+                    state.setdefault("error", e)
+
+    th = threading.Thread(target=helper, name="npu-train-memflag-probe", daemon=True)
+    th.start()
+    ok = flipped.wait(timeout)
+    seen = get() if ok else None
+    read_done.set()
+    th.join(timeout)
+    try:
+        if get() != baseline:  # process-wide flag left changed (helper died?): put it back
+            set_(baseline)
+    except Exception:  # noqa: BLE001
+        pass
+    if not ok:
+        return False, "memory-type probe thread timed out; assuming a process-wide flag"
+    if "error" in state:
+        return False, f"memory-type probe failed ({state['error']!r}); assuming a process-wide flag"
+    if state.get("in_thread") == baseline:
+        return False, (f"setting the memory type had no visible effect (stays {baseline}); "
+                       "assuming a process-wide flag")
+    thread_local = seen == baseline
+    detail = (f"helper thread set the memory type to {state['in_thread']}; main thread saw {seen} "
+              f"(baseline {baseline}): {'thread-local' if thread_local else 'PROCESS-WIDE'}")
+    return thread_local, detail
+
+
+# ============================================================================ process context
+_PROCESS_LOCK = threading.Lock()
+_PROCESS_STATE: dict = {"pid": None, "num_fusion": None}
+
+
+def _reset_process_state_for_tests() -> None:
+    with _PROCESS_LOCK:
+        _PROCESS_STATE.update(pid=None, num_fusion=None)
+
+
+def _device_api(ft: Any) -> Any:
+    """The module with set_fusion/set_mesh_kind/...: ``furiosa.torch`` (2026.4) or
+    ``furiosa.native_torch.device`` (2026.2)."""
+    if hasattr(ft, "set_fusion"):
+        return ft
+    try:
+        import importlib
+
+        return importlib.import_module("furiosa.native_torch.device")
+    except Exception:  # noqa: BLE001
+        return ft
+
+
+def _fusion_value(f: Any) -> int | None:
+    if isinstance(f, int):
+        return f
+    return getattr(f, "num_fusion", None)
+
+
+def _configure_process(ft: Any, num_fusion: int) -> None:
+    """set_fusion + set_mesh_kind(Single), once per process (the API allows one call)."""
+    with _PROCESS_LOCK:
+        if _PROCESS_STATE["pid"] == os.getpid():
+            if _PROCESS_STATE["num_fusion"] != num_fusion:
+                raise BackendUnavailableError(
+                    f"furiosa-torch fusion is already set to {_PROCESS_STATE['num_fusion']} in this process; "
+                    f"cannot use num_fusion={num_fusion} too (one card per process)")
+            return
+        api = _device_api(ft)
+        try:
+            api.set_fusion(num_fusion)
+        except Exception as e:  # noqa: BLE001  "num_fusion is already set, Fusion { num_fusion: 1 ..."
+            current = None
+            try:
+                current = _fusion_value(api.get_fusion())
+            except Exception:  # noqa: BLE001
+                pass
+            if current != num_fusion:
+                raise BackendUnavailableError(
+                    f"cannot set furiosa-torch fusion to {num_fusion} ({e}): something in this process "
+                    f"touched the device or called get_fusion() before FuriosaBackend.setup(); call "
+                    f"setup() first (or set {FUSION_ENV}={current})") from e
+        mesh_kind = getattr(api, "MeshKind", None)
+        if mesh_kind is not None and hasattr(api, "set_mesh_kind"):
+            try:
+                api.set_mesh_kind(mesh_kind.Single())
+            except Exception as e:  # noqa: BLE001  already set: fine if it is Single
+                log.debug("set_mesh_kind(Single) failed (%r); current mesh kind: %r", e,
+                          getattr(api, "get_mesh_kind", lambda: None)())
+        _PROCESS_STATE.update(pid=os.getpid(), num_fusion=num_fusion)
+
+
+def _import_furiosa_torch() -> Any:
+    try:
+        import furiosa.torch as ft  # noqa: F401  (also registers the "furiosa" device)
+    except Exception as e:  # noqa: BLE001  ImportError, or OSError/undefined symbol on a torch mismatch
+        raise BackendUnavailableError(
+            f"furiosa-torch is not importable in this Python ({sys.executable}, torch "
+            f"{torch.__version__}): {type(e).__name__}: {e}; {ENV_HINT}") from e
+    return ft
+
+
+def _to_device(t: torch.Tensor, device: torch.device, non_blocking: bool = False) -> torch.Tensor:
+    """Host -> device copy. furiosa-torch implements ``Tensor.to`` for PrivateUse1
+    (``_custom_ops/copy_from.py::aten_to_copy``). One place, so tests can stand in for it."""
+    return t.to(device, non_blocking=non_blocking)
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """Device -> host copy (``aten_to_copy`` with a cpu target: ``empty_like`` + ``copy_``)."""
+    return t.to("cpu")
+
+
+def _looks_like_missing_runtime(e: BaseException) -> bool:
+    text = str(e)
+    return (isinstance(e, torch.OutOfMemoryError) or "failed to allocate" in text
+            or RUNTIME_LIBRARY in text or "HAL error" in text or "Failed to get device" in text)
+
+
+# ============================================================================ backend
+class FuriosaBackend(Backend):
+    """One RNGD card (``furiosa:N``, one whole chip: ``set_fusion(8)``), one process."""
+
+    kind = "furiosa"
+    memory_accounting = "tracked"
+
+    def __init__(self, index: int, *, num_fusion: int | None = None, dev_root: str = "/dev") -> None:
+        super().__init__(index)
+        if num_fusion is None:
+            num_fusion = int(os.environ.get(FUSION_ENV, DEFAULT_NUM_FUSION))
+        self.num_fusion = num_fusion
+        self.dev_root = dev_root
+        self.memory_flag_thread_local = None  # unknown until setup() probes it
+        self.memory_flag_probe_detail = ""
+        self.device_type = "furiosa"
+        self._ft: Any = None
+        self._tracked: dict[int, int] = {}
+        self._tracked_lock = threading.Lock()
+        self._tracked_bytes = 0
+        self._peak = 0
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state["_ft"] = None
+        state["_tracked_lock"] = None
+        state["_tracked"] = {}
+        state["_tracked_bytes"] = 0
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._tracked_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ setup
+    def _unavailable(self, detail: str, cause: BaseException | None = None) -> BackendUnavailableError:
+        return BackendUnavailableError(
+            f"no RNGD device/runtime: {self.name}: {detail}; {SETUP_HINT} "
+            f"(device nodes: {_dev_nodes_text(self.dev_root)})")
+
+    def _setup(self) -> None:
+        ft = _import_furiosa_torch()
+        self._ft = ft
+        self.device_type = torch._C._get_privateuse1_backend_name() or "furiosa"
+
+        # 1. device context, once per process, before anything touches the device.
+        _configure_process(ft, self.num_fusion)
+
+        # 2. is the device-memory-type flag thread-local? If not, serialize allocations. Needs no
+        #    device, so the result is known even when the checks below fail.
+        thread_local, detail = probe_memory_flag_scope(memory_type_api(ft))
+        self.memory_flag_thread_local = thread_local
+        self.memory_flag_probe_detail = detail
+        self._alloc_lock = None if thread_local else AllocLock()
+        (log.info if thread_local else log.warning)("%s memory-type flag probe: %s", self.name, detail)
+
+        # 3. the runtime library: without it every allocation fails as "out of memory".
+        if find_runtime_library() is None:
+            raise self._unavailable(
+                f"{RUNTIME_LIBRARY} not found by the dynamic loader (ldconfig cache / LD_LIBRARY_PATH), "
+                f"so furiosa-torch would report every allocation as 'failed to allocate N bytes' "
+                f"(OutOfMemoryError)")
+
+        # 4. index range as furiosa-torch sees it at this fusion.
+        try:
+            devices = list(_device_api(ft).get_available_devices())
+        except Exception:  # noqa: BLE001
+            devices = None
+        if devices is not None and self.index >= len(devices):
+            from npu_train.backends.spec import BackendSpecError
+
+            raise BackendSpecError(
+                f"backend entry '{self.name}' names a device that does not exist: furiosa-torch sees "
+                f"{len(devices)} RNGD devices at num_fusion={self.num_fusion}")
+
+        dev = self.device()
+        try:  # thread-local current device for this (the worker's main) thread
+            ft.exchange_device(dev)
+        except Exception:  # noqa: BLE001
+            pass
+
+        # 5. a 1-element round trip: the first real allocation on the card.
+        try:
+            probe = _to_host(_to_device(torch.ones(1), dev))
+        except Exception as e:  # noqa: BLE001
+            avail = None
+            try:
+                avail = bool(ft.is_available(dev))
+            except Exception:  # noqa: BLE001
+                pass
+            raise self._unavailable(
+                f"a 1-element probe allocation failed with {type(e).__name__}: {e} (furiosa-torch "
+                f"reports a missing device/runtime as an out-of-memory error; "
+                f"furiosa.torch.is_available({str(dev)!r}) = {avail})", e) from e
+        if float(probe[0]) != 1.0:
+            raise self._unavailable(f"1-element probe round trip returned {float(probe[0])} instead of 1.0")
+
+
+    def alloc_lock(self):
+        if self.memory_flag_thread_local is None:  # not probed yet: be safe
+            if self._alloc_lock is None:
+                self._alloc_lock = AllocLock()
+        return super().alloc_lock()
+
+    # ------------------------------------------------------------------ device
+    def device(self) -> torch.device:
+        return torch.device(self.device_type, self.index)
+
+    def synchronize(self) -> None:
+        """Wait for this thread's current stream and the default stream of the card
+        (``furiosa.torch.current_stream(dev).synchronize()``, ``default_stream(dev)``)."""
+        self._ensure_setup()
+        dev = self.device()
+        try:
+            cur = self._ft.current_stream(dev)
+            cur.synchronize()
+            default = self._ft.default_stream(dev)
+            if getattr(default, "stream_id", None) != getattr(cur, "stream_id", None):
+                default.synchronize()
+        except Exception as e:  # noqa: BLE001
+            if find_runtime_library() is None or RUNTIME_LIBRARY in str(e):
+                raise self._unavailable(f"synchronize failed: {e}", e) from e
+            raise
+
+    # ------------------------------------------------------------------ memory
+    def capacity_bytes(self) -> int:
+        return FURIOSA_CAPACITY_BYTES
+
+    def track(self, t: torch.Tensor) -> torch.Tensor:
+        """Count ``t`` (a tensor on this card) in :meth:`memory_allocated` until it is garbage
+        collected. :meth:`upload` tracks its results; call this for tensors made on the device
+        otherwise (``module.to_empty(device=...)`` parameters, optimizer state...)."""
+        nbytes = int(t.untyped_storage().nbytes()) if t.device.type != "meta" else 0
+        key = id(t)
+        with self._tracked_lock:
+            if key in self._tracked:
+                return t
+            self._tracked[key] = nbytes
+            self._tracked_bytes += nbytes
+            self._peak = max(self._peak, self._tracked_bytes)
+        weakref.finalize(t, self._untrack, key)
+        return t
+
+    def _untrack(self, key: int) -> None:
+        lock = self._tracked_lock
+        if lock is None:
+            return
+        with lock:
+            nbytes = self._tracked.pop(key, 0)
+            self._tracked_bytes -= nbytes
+
+    def memory_allocated(self) -> int:
+        """Bytes of live tracked device tensors (furiosa-torch 2026.4 has no allocator statistics):
+        results of :meth:`upload` plus tensors passed to :meth:`track`. Views keep storage alive
+        after the tracked tensor object dies, so this can under-count."""
+        return self._tracked_bytes
+
+    def max_memory_allocated(self) -> int:
+        return max(self._peak, self._tracked_bytes)
+
+    def reset_peak_memory(self) -> None:
+        self._peak = self._tracked_bytes
+
+    # ------------------------------------------------------------------ copies
+    def _upload(self, t: torch.Tensor, non_blocking: bool) -> torch.Tensor:
+        try:
+            out = _to_device(t, self.device(), non_blocking)
+        except Exception as e:  # noqa: BLE001
+            if _looks_like_missing_runtime(e) and (find_runtime_library() is None or RUNTIME_LIBRARY in str(e)):
+                raise self._unavailable(f"upload of {tuple(t.shape)} {t.dtype} failed with "
+                                        f"{type(e).__name__}: {e}", e) from e
+            raise
+        return self.track(out)
+
+    def _download(self, t: torch.Tensor) -> torch.Tensor:
+        return _to_host(t)
+
+    def describe(self) -> dict:
+        d = super().describe()
+        d.update(num_fusion=self.num_fusion, memory_flag_probe=self.memory_flag_probe_detail,
+                 device_type=self.device_type)
+        return d

@@ -1,0 +1,219 @@
+"""Parsing and resolution of the ``backend`` list: which cards a job runs on, one process each.
+
+Entries (case-insensitive, whitespace ignored)::
+
+    cpu                       one CPU "card" (repeat it for several CPU stages: cpu,cpu)
+    cuda | cuda:auto          the first CUDA device not named elsewhere in the list
+    cuda:N                    CUDA device N
+    furiosa | furiosa:auto    the first RNGD card not named elsewhere in the list
+    furiosa:N                 RNGD card N (``rngd`` is an alias of ``furiosa``)
+
+:func:`parse_backend_list` checks the syntax only; :func:`resolve_cards` numbers the auto entries
+and, with ``probe=True``, checks that the devices exist on this machine.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import Iterable, Sequence
+
+from npu_train.backends.base import BackendUnavailableError
+
+KINDS = ("cpu", "cuda", "furiosa")
+ALIASES = {"rngd": "furiosa", "gpu": None}  # None: recognised but refused with a hint
+_VALID = "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto"
+_ENTRY_RE = re.compile(r"^(?P<kind>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<arg>.*))?$")
+
+
+class BackendSpecError(ValueError):
+    """A malformed or impossible ``backend`` list; the message names the entry and the fix."""
+
+
+@dataclass(frozen=True)
+class CardRequest:
+    """One entry of the backend list.
+
+    kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"``.
+    index: device index; ``None`` = auto (always ``None`` for cpu).
+    text: the entry as written (whitespace stripped), for messages.
+    """
+
+    kind: str
+    index: int | None
+    text: str
+
+    @property
+    def name(self) -> str:
+        return self.kind if self.index is None and self.kind == "cpu" else (
+            f"{self.kind}:{'auto' if self.index is None else self.index}")
+
+
+def _as_entries(value) -> list[str]:
+    """Flatten a list / ListConfig / tuple of strings or one comma-separated string."""
+    if value is None:
+        raise BackendSpecError(f"backend list is empty: {_VALID} (e.g. backend=[furiosa:0,furiosa:1])")
+    if isinstance(value, str):
+        items: Iterable = [value]
+    else:
+        try:  # OmegaConf ListConfig, list, tuple ...
+            items = list(value)
+        except TypeError:
+            raise BackendSpecError(f"backend list must be a list of strings or a comma-separated "
+                                   f"string, got {type(value).__name__} {value!r}: {_VALID}") from None
+    entries: list[str] = []
+    for item in items:
+        if not isinstance(item, str):
+            raise BackendSpecError(f"backend entry {item!r} is not a string: {_VALID}")
+        parts = item.split(",")
+        if len(parts) > 1 and all(not p.strip() for p in parts):
+            parts = [""]
+        entries.extend(p.strip() for p in parts)
+    if not entries or all(not e for e in entries):
+        raise BackendSpecError(f"backend list is empty: {_VALID} (e.g. backend=[furiosa:0,furiosa:1])")
+    for pos, e in enumerate(entries, 1):
+        if not e:
+            raise BackendSpecError(f"backend entry #{pos} is empty in {value!r}: "
+                                   f"remove the stray comma; {_VALID}")
+    return entries
+
+
+def _parse_entry(text: str) -> CardRequest:
+    m = _ENTRY_RE.match(text)
+    if not m:
+        raise BackendSpecError(f"backend entry {text!r} is malformed: {_VALID}")
+    raw_kind, arg = m.group("kind").lower(), m.group("arg")
+    kind = ALIASES.get(raw_kind, raw_kind)
+    if raw_kind in ALIASES and kind is None:
+        raise BackendSpecError(f"unknown device kind {raw_kind!r} in backend entry {text!r}: "
+                               f"write cuda:N for an NVIDIA GPU; {_VALID}")
+    if kind not in KINDS:
+        raise BackendSpecError(f"unknown device kind {raw_kind!r} in backend entry {text!r}: {_VALID}")
+    if kind == "cpu":
+        if arg is not None:
+            raise BackendSpecError(f"backend entry {text!r} is malformed: cpu takes no index "
+                                   f"(repeat 'cpu' once per CPU stage, e.g. cpu,cpu); {_VALID}")
+        return CardRequest("cpu", None, text)
+    if arg is None or arg.strip().lower() == "auto":
+        return CardRequest(kind, None, text)
+    arg = arg.strip()
+    if not arg.isdigit():  # rejects '', 'x', '-1', '+1', '1.0'
+        hint = " (device indices start at 0)" if arg.startswith("-") else ""
+        raise BackendSpecError(f"backend entry {text!r} is malformed{hint}: {_VALID}")
+    return CardRequest(kind, int(arg), text)
+
+
+def parse_backend_list(value) -> list[CardRequest]:
+    """Parse the backend list (list of strings, OmegaConf ListConfig, or ``"a,b,c"``).
+
+    Raises :class:`BackendSpecError` for an empty list, an unknown kind, a malformed entry or the
+    same explicit device named twice.
+    """
+    reqs = [_parse_entry(e) for e in _as_entries(value)]
+    seen: dict[tuple[str, int], tuple[int, str]] = {}
+    for pos, r in enumerate(reqs, 1):
+        if r.index is None:
+            continue
+        key = (r.kind, r.index)
+        if key in seen:
+            first_pos, first_text = seen[key]
+            raise BackendSpecError(
+                f"backend entry {r.text!r} (#{pos}) names {r.kind}:{r.index}, already named by entry "
+                f"{first_text!r} (#{first_pos}): each card runs one stage, list it once "
+                f"(use {r.kind}:auto for 'any other card')")
+        seen[key] = (pos, r.text)
+    return reqs
+
+
+# ---------------------------------------------------------------------------- probing
+def _cuda_device_count(entry: str) -> int:
+    """Number of visible CUDA devices; BackendUnavailableError when this torch has no CUDA."""
+    import torch
+
+    if not torch.backends.cuda.is_built():
+        raise BackendUnavailableError(
+            f"backend entry {entry!r} names a device that does not exist: this machine has 0 CUDA "
+            f"devices (this PyTorch build, {torch.__version__}, has no CUDA support): use cpu or "
+            f"furiosa:N, or install a CUDA build of torch")
+    n = int(torch.cuda.device_count())
+    if n == 0:
+        raise BackendUnavailableError(
+            f"backend entry {entry!r} names a device that does not exist: this machine has 0 CUDA "
+            f"devices (torch.cuda.is_available() is False: no NVIDIA GPU/driver visible; check "
+            f"nvidia-smi and CUDA_VISIBLE_DEVICES), or use cpu / furiosa:N")
+    return n
+
+
+def _furiosa_device_count(entry: str) -> int:
+    """Number of RNGD cards; BackendUnavailableError when furiosa-torch/runtime/devices are missing."""
+    from npu_train.backends import furiosa as fur
+
+    problem = fur.runtime_problem()
+    if problem:
+        raise BackendUnavailableError(f"backend entry {entry!r}: {problem}")
+    return len(fur.list_rngd_cards())
+
+
+_COUNTERS = {"cuda": _cuda_device_count, "furiosa": _furiosa_device_count}
+_LABEL = {"cuda": "CUDA", "furiosa": "RNGD"}
+
+
+def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> list[CardRequest]:
+    """Give every auto entry a concrete index: the lowest index of its kind not named elsewhere.
+
+    With ``probe=True`` also check that every device exists on this machine (cuda:
+    ``torch.cuda.device_count()``; furiosa: the ``/dev/rngd/npu<N>mgmt`` device nodes, see
+    :func:`npu_train.backends.furiosa.list_rngd_cards`) and raise
+    :class:`~npu_train.backends.base.BackendUnavailableError` when a kind's runtime is missing
+    altogether, :class:`BackendSpecError` when an index is out of range. With ``probe=False``
+    (dry-run planning on another machine) nothing is checked. cpu entries pass through.
+    """
+    reqs = list(requests)
+    if not reqs:
+        raise BackendSpecError(f"backend list is empty: {_VALID}")
+    taken: dict[str, set[int]] = {}
+    for r in reqs:
+        if r.kind not in KINDS:
+            raise BackendSpecError(f"unknown device kind {r.kind!r} in backend entry {r.text!r}: {_VALID}")
+        if r.index is not None:
+            if r.index < 0:
+                raise BackendSpecError(f"backend entry {r.text!r} is malformed (device indices start at 0): {_VALID}")
+            if r.index in taken.setdefault(r.kind, set()):
+                raise BackendSpecError(f"backend entry {r.text!r} names {r.kind}:{r.index} twice: list each card once")
+            taken[r.kind].add(r.index)
+
+    counts: dict[str, int] = {}
+    if probe:
+        for r in reqs:
+            if r.kind != "cpu" and r.kind not in counts:
+                counts[r.kind] = _COUNTERS[r.kind](r.text)
+
+    out: list[CardRequest] = []
+    for r in reqs:
+        if r.kind == "cpu":
+            out.append(r)
+            continue
+        used = taken.setdefault(r.kind, set())
+        label = _LABEL[r.kind]
+        if r.index is None:
+            idx = 0
+            while idx in used:
+                idx += 1
+            if probe and idx >= counts[r.kind]:
+                n = counts[r.kind]
+                named = ", ".join(f"{r.kind}:{i}" for i in sorted(used)) or "none"
+                raise BackendSpecError(
+                    f"backend entry {r.text!r} cannot be placed: this machine has {n} {label} "
+                    f"device{'s' if n != 1 else ''} and all are taken (already used: {named}); "
+                    f"remove entries or add cards")
+            used.add(idx)
+            out.append(replace(r, index=idx))
+        else:
+            if probe and r.index >= counts[r.kind]:
+                n = counts[r.kind]
+                valid = f" (valid: {r.kind}:0..{r.kind}:{n - 1})" if n else ""
+                raise BackendSpecError(
+                    f"backend entry {r.text!r} names a device that does not exist: this machine has "
+                    f"{n} {label} device{'s' if n != 1 else ''}{valid}")
+            out.append(r)
+    return out

@@ -1,0 +1,234 @@
+"""Contract tests against the REAL furiosa-torch (2026.4.0, torch 2.10.0).
+
+They pin down the facts npu_train/backends/furiosa.py relies on. They run only where
+furiosa-torch is importable; elsewhere (the main .venv) the whole module is skipped:
+
+    bash scripts/setup_furiosa_env.sh && .venv-furiosa/bin/pytest -m contract tests/contract
+
+Without an RNGD card they check the no-hardware behaviour (clear "no RNGD device/runtime" error);
+with a card (``librenegade.so`` loadable and ``/dev/rngd/npu*mgmt`` present) they check a real
+round trip instead. Device-touching checks run in fresh subprocesses: furiosa-torch's fusion and
+device context can be set only once per process, like in a real card worker.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+pytestmark = pytest.mark.contract
+
+try:
+    _FOUND = importlib.util.find_spec("furiosa.torch") is not None
+except (ImportError, ValueError):
+    _FOUND = False
+if not _FOUND:
+    pytest.skip("furiosa-torch is not installed in this Python; run "
+                "`bash scripts/setup_furiosa_env.sh && .venv-furiosa/bin/pytest -m contract tests/contract`",
+                allow_module_level=True)
+
+import torch  # noqa: E402
+
+import furiosa.torch as ft  # noqa: E402  (a broken install fails here, on purpose)
+
+from npu_train.backends import (  # noqa: E402
+    BackendUnavailableError,
+    FURIOSA_CAPACITY_BYTES,
+    make_backend,
+    parse_backend_list,
+    resolve_cards,
+)
+from npu_train.backends import furiosa as fur  # noqa: E402
+
+HAVE_RNGD = fur.find_runtime_library() is not None and bool(fur.list_rngd_cards())
+no_hw = pytest.mark.skipif(HAVE_RNGD, reason="an RNGD runtime and device are present")
+hw_only = pytest.mark.skipif(not HAVE_RNGD, reason="needs an RNGD card (librenegade.so + /dev/rngd/npu*mgmt)")
+
+
+def _run(code: str, timeout: float = 180) -> dict:
+    """Run ``code`` in a fresh interpreter; it must print one JSON line last."""
+    env = dict(os.environ)
+    env.setdefault("FURIOSA_TORCH_LOG", "furiosa_torch=error")
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert proc.returncode == 0 and lines, f"rc={proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    return json.loads(lines[-1])
+
+
+# ============================================================================ import / versions
+def test_versions():
+    assert torch.__version__.startswith("2.10.0"), torch.__version__
+    assert "furiosa-torch 2026.4" in ft.version(), ft.version()
+
+
+def test_device_name_registered_as_furiosa():
+    assert torch._C._get_privateuse1_backend_name() == "furiosa"
+    assert hasattr(torch, "furiosa")
+    b = make_backend("furiosa:1")
+    assert b.device() == torch.device("furiosa", 1) == torch.device("furiosa:1")
+    assert b.capacity_bytes() == FURIOSA_CAPACITY_BYTES == int(47.5 * 2**30)
+
+
+def test_real_api_surface_used_by_the_backend():
+    from furiosa.torch._C import memory
+
+    for name in ("set_fusion", "get_fusion", "set_mesh_kind", "get_mesh_kind", "get_available_devices",
+                 "exchange_device", "current_device", "is_available", "current_stream", "default_stream",
+                 "with_memory_type", "MemoryType", "Stream", "Event"):
+        assert hasattr(ft, name), name
+    assert callable(ft.MeshKind.Single)
+    assert hasattr(ft.Stream, "synchronize")
+    assert {"Dram", "DramShared", "Cpu"} <= set(dir(memory.MemoryType))
+    assert callable(memory._get_memory_type) and callable(memory._set_memory_type)
+    assert fur.memory_type_api(ft) is memory
+    assert issubclass(torch.OutOfMemoryError, RuntimeError)
+    # no allocator statistics in 2026.4 (why FuriosaBackend tracks bytes itself)
+    assert not hasattr(ft, "memory_allocated")
+
+
+# ============================================================================ device resolution
+def test_resolve_cards_without_probe():
+    out = resolve_cards(parse_backend_list("furiosa:auto,rngd:auto,furiosa:5"), probe=False)
+    assert [(r.kind, r.index) for r in out] == [("furiosa", 0), ("furiosa", 1), ("furiosa", 5)]
+
+
+@no_hw
+def test_resolve_cards_probe_without_hardware():
+    with pytest.raises(BackendUnavailableError) as ei:
+        resolve_cards(parse_backend_list("furiosa:0"), probe=True)
+    assert "backend entry 'furiosa:0': no RNGD device/runtime" in str(ei.value)
+
+
+@hw_only
+def test_resolve_cards_probe_with_hardware():
+    cards = fur.list_rngd_cards()
+    out = resolve_cards(parse_backend_list(["furiosa:auto"] * len(cards)), probe=True)
+    assert sorted(r.index for r in out) == list(range(len(cards)))
+
+
+# ============================================================================ memory-type flag
+def test_memory_type_flag_probe_result():
+    """2026.2 kept the DRAM/DRAM_SHARED flag process-wide; 2026.4 made it thread-local."""
+    from furiosa.torch._C import memory
+
+    before = memory._get_memory_type()
+    thread_local, detail = fur.probe_memory_flag_scope(fur.memory_type_api(ft))
+    print("memory-type flag probe:", detail)
+    assert memory._get_memory_type() == before
+    assert thread_local is True, detail
+    # the public context manager changes it for this thread only
+    with ft.with_memory_type(memory.MemoryType.DramShared):
+        assert memory._get_memory_type() == memory.MemoryType.DramShared
+    assert memory._get_memory_type() == before
+
+
+def test_memory_type_flag_probe_in_fresh_process():
+    r = _run("""
+        import json, torch
+        import furiosa.torch as ft
+        from npu_train.backends import furiosa as fur
+        tl, detail = fur.probe_memory_flag_scope(fur.memory_type_api(ft))
+        print(json.dumps({"thread_local": tl, "detail": detail}))
+    """)
+    assert r["thread_local"] is True, r["detail"]
+
+
+# ============================================================================ no hardware
+@no_hw
+def test_raw_runtime_reports_missing_runtime_as_oom():
+    """The behaviour the backend translates: a missing librenegade.so surfaces as OutOfMemoryError."""
+    r = _run("""
+        import json, torch
+        import furiosa.torch as ft
+        ft.set_fusion(8)
+        try:
+            torch.ones(1).to("furiosa:0")
+            out = {"raised": None}
+        except BaseException as e:
+            out = {"raised": type(e).__name__, "oom": isinstance(e, torch.OutOfMemoryError), "msg": str(e)}
+        out["is_available"] = ft.is_available("furiosa:0")
+        out["n_devices"] = len(ft.get_available_devices())
+        print(json.dumps(out))
+    """)
+    assert r["raised"] == "OutOfMemoryError" and r["oom"], r
+    assert "failed to allocate" in r["msg"]
+    assert r["is_available"] is False
+    assert r["n_devices"] == 8  # listed even without hardware: not a device count
+
+
+@no_hw
+def test_backend_setup_without_hardware_is_clear():
+    r = _run("""
+        import json
+        from npu_train.backends import make_backend, BackendUnavailableError
+        b = make_backend("furiosa:0")
+        try:
+            b.setup()
+            out = {"raised": None}
+        except BackendUnavailableError as e:
+            out = {"raised": "BackendUnavailableError", "msg": str(e)}
+        out["thread_local"] = b.memory_flag_thread_local
+        print(json.dumps(out))
+    """)
+    assert r["raised"] == "BackendUnavailableError", r
+    assert r["msg"].startswith("no RNGD device/runtime:")
+    assert "librenegade.so not found" in r["msg"]
+    assert "install the Furiosa runtime / check /dev/rngd*" in r["msg"]
+    assert r["thread_local"] is True
+
+
+@no_hw
+def test_backend_translates_the_real_runtime_oom():
+    """Pretend the library is there, so the real 1-element probe allocation runs and fails."""
+    r = _run("""
+        import json, torch
+        from npu_train.backends import make_backend, BackendUnavailableError
+        from npu_train.backends import furiosa as fur
+        fur.find_runtime_library = lambda: "/pretend/librenegade.so"
+        b = make_backend("furiosa:0")
+        try:
+            b.setup()
+            out = {"raised": None}
+        except BackendUnavailableError as e:
+            out = {"raised": "BackendUnavailableError", "msg": str(e),
+                   "cause_oom": isinstance(e.__cause__, torch.OutOfMemoryError)}
+        print(json.dumps(out))
+    """)
+    assert r["raised"] == "BackendUnavailableError", r
+    assert r["msg"].startswith("no RNGD device/runtime: furiosa:0:")
+    assert "failed to allocate" in r["msg"] and r["cause_oom"]
+
+
+# ============================================================================ hardware
+@hw_only
+def test_backend_round_trip_on_hardware():
+    r = _run("""
+        import json, threading, torch
+        from npu_train.backends import make_backend
+        b = make_backend("furiosa:0")
+        b.setup()
+        x = torch.arange(1024, dtype=torch.float32)
+        d = b.upload(x)
+        b.synchronize()
+        back = b.download(d)
+        # uploads from two threads at once (what the flag bug broke on 2026.2)
+        outs = []
+        def up():
+            outs.append(b.download(b.upload(torch.full((4096,), 7.0))))
+        ts = [threading.Thread(target=up) for _ in range(4)]
+        [t.start() for t in ts]; [t.join() for t in ts]
+        print(json.dumps({"ok": torch.equal(back, x), "dev": str(d.device),
+                          "threads_ok": all(float(o.sum()) == 7.0 * 4096 for o in outs) and len(outs) == 4,
+                          "thread_local": b.memory_flag_thread_local, "alloc": b.memory_allocated()}))
+    """, timeout=600)
+    assert r["ok"] and r["dev"] == "furiosa:0", r
+    assert r["threads_ok"], r
+    assert r["thread_local"] is True
+    assert r["alloc"] >= 4096
