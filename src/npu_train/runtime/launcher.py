@@ -306,8 +306,13 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(_as_list(cfg.backend)), probe=probe)
-    model_path = resolve_model_path(cfg.model.path)
-    mcfg = load_config(model_path)
+    mcfg, model_path = _preset_config(cfg.model.path), None
+    if mcfg is None:
+        model_path = resolve_model_path(cfg.model.path)
+        mcfg = load_config(model_path)
+    elif not cfg.plan:
+        raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
+                          "or point model.path at an HF directory or a GGUF file")
     tr = cfg.train
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
@@ -341,10 +346,24 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
         host_ram = psutil.virtual_memory().total
     except Exception:
         host_ram = None
+    # A dry run plans for the target server, not this machine: its host RAM is not checked then
+    # (the table shows the host GiB the offloaded state needs).
     plan = make_plan(mcfg, shape, cards, rates, split=_as_list(tr.split), resident_layers=resident,
-                     host_ram_bytes=host_ram)
+                     host_ram_bytes=None if cfg.plan else host_ram)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
             "dtype": dtype, "model_path": model_path}
+
+
+def _preset_config(path: str):
+    """The preset's LlamaConfig when ``path`` names a preset (and no such file exists), else None."""
+    from npu_train.model.presets import get_preset
+
+    if os.path.exists(os.path.expanduser(path)) or path in ("embedded", "smollm2"):
+        return None
+    try:
+        return get_preset(path)
+    except KeyError:
+        return None
 
 
 def resident_param_names(model_cfg, stage) -> list[str]:
