@@ -2,7 +2,7 @@
 
 One line per optimizer step, printed by the coordinator once every card has reported the step::
 
-    step   3/20 | loss 3.1416 | lr 1.00e-04 | gnorm 1.234 | 1,024 tok/s | 2.31 s
+    step   3/20 | loss 3.1416 | lr 1.00e-04 | gnorm 1.234 | 1,024 tok/s | 2.31 s (plan 2.50)
       [fwd/bwd 1.90 opt 0.20 xfer 0.01 idle 0.20] | mem GiB 0.61/0.72 (plan 0.70/0.80)
 
 Time split (seconds, the slowest card's view): fwd/bwd = compute of the stage's forwards and
@@ -88,9 +88,10 @@ class Reporter:
         pred = ""
         if self.pred_mem:
             pred = " (plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem) + ")"
+        plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
         self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
-                  f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s "
+                  f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
                   f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
                   f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred}")
         return rec

@@ -146,6 +146,10 @@ def build_stage(spec: dict, backend, dtype: torch.dtype):
         module = module.to_empty(device=backend.device())
     if st["has_embed"] and st["has_head"] and cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight  # to_empty breaks parameter sharing
+    track = getattr(backend, "track", None)  # furiosa: no allocator stats, count our own tensors
+    if track is not None:
+        for p in module.parameters():
+            track(p)
     names = module.param_names()
     masters = load_tensors(spec["model_path"], cfg, names)
     with torch.no_grad():
