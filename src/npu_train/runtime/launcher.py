@@ -503,7 +503,9 @@ def run_job(cfg, run_dir: str) -> dict:
     manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
                      "split": [[s.first_layer, s.last_layer] for s in plan.stages],
                      "sampler": StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).state_dict(),
-                     "data_fingerprint": data.fingerprint, "train": train_d}
+                     "data_fingerprint": data.fingerprint, "train": train_d,
+                     "model_path": prep["model_path"],
+                     "tokenizer_path": cfg.model.tokenizer or prep["model_path"]}
     coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=job_id, token=token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,

@@ -1,0 +1,89 @@
+"""Export a checkpoint to a merged Hugging Face directory that ``transformers`` loads.
+
+``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32]`` writes
+
+- ``model.safetensors``: every parameter (HF names) from the fp32 master weights of all stages,
+  cast to ``--dtype``; with tied embeddings only ``model.embed_tokens.weight`` is written;
+- ``config.json``: a ``LlamaForCausalLM`` config (``transformers.LlamaConfig`` keys);
+- ``tokenizer.json``: the training run's tokenizer, when the manifest names the model it came from.
+
+Load it with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+
+from npu_train.checkpoint.store import CheckpointReader
+from npu_train.model.config import LlamaConfig
+from npu_train.model.llama import stage_param_names
+
+
+def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
+    """``config.json`` contents for ``cfg`` in transformers' LlamaConfig format."""
+    d = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        "attention_bias": False, "mlp_bias": False, "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+    }
+    if cfg.rope_scaling:
+        d["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.bos_token_id is not None:
+        d["bos_token_id"] = cfg.bos_token_id
+    if cfg.eos_token_id is not None:
+        d["eos_token_id"] = cfg.eos_token_id
+    return d
+
+
+def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
+    """Merge the stage shards of ``ckpt_dir`` into an HF directory ``out_dir``; returns ``out_dir``.
+
+    Raises:
+        CheckpointError: ``ckpt_dir`` is not a complete checkpoint or lacks a tensor.
+        ValueError: unknown ``dtype``.
+    """
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
+    reader = CheckpointReader(ckpt_dir)
+    cfg = LlamaConfig.from_dict(reader.manifest["model"])
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
+    tensors = {n: reader.get(f"master.{n}").to(tdt).contiguous() for n in names}
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg, dtype), f, indent=1)
+    src = reader.manifest.get("tokenizer_path")
+    if src:
+        from npu_train.model.loading import load_tokenizer
+
+        load_tokenizer(src).save(os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint", help="a step_XXXXXX checkpoint directory")
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    a = ap.parse_args(argv)
+    try:
+        out = export_hf(a.checkpoint, a.out, a.dtype)
+    except Exception as e:  # user-facing CLI: one line
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {a.checkpoint} -> {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
