@@ -39,24 +39,59 @@ def rewrite_backend_args(argv: list[str]) -> list[str]:
     return out
 
 
+def _one_line_hydra_error(text: str) -> str:
+    """Hydra's multi-line composition error (e.g. ``Value 'abc' could not be converted to Integer``) as one line."""
+    # (Hydra's "+key=value to append" hint is wrong for our structured config: unknown keys are errors)
+    skip = ("Set the environment variable HYDRA_FULL_ERROR", "reference_type=", "object_type=",
+            "To append to your config use")
+    lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith(skip)]
+    return "; ".join(lines) if lines else "invalid command line"
+
+
 def _main() -> None:
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
+    import io
+
     import hydra
     from hydra.core.hydra_config import HydraConfig
 
     from npu_train.config import register
 
     register()
+    # Bad overrides (train.accum=abc, unknown keys) fail while Hydra composes the config, before
+    # our code runs; Hydra prints a multi-line message and exits 1. Capture stderr until the job
+    # starts, so such errors follow the launcher's bad-input convention: one "error:" line, exit 2.
+    real_stderr, captured, started = sys.stderr, io.StringIO(), [False]
 
     @hydra.main(version_base=None, config_path="../conf", config_name="config")
     def app(cfg) -> None:
+        if not started[0]:
+            started[0] = True
+            sys.stderr = real_stderr
+            real_stderr.write(captured.getvalue())
         from npu_train.runtime.launcher import main
 
         code = main(cfg, HydraConfig.get().runtime.output_dir)
         if code:
             sys.exit(code)
 
-    app()
+    sys.stderr = captured
+    try:
+        app()
+    except SystemExit as e:
+        sys.stderr, text = real_stderr, captured.getvalue()
+        if started[0] or e.code != 1 or "Traceback (most recent call last)" in text:
+            if not started[0]:
+                real_stderr.write(text)
+            raise
+        print(f"error: {_one_line_hydra_error(text)} -- fix the key=value override (each key's type and "
+              "meaning: src/npu_train/config.py; list them with --cfg job)", file=real_stderr, flush=True)
+        sys.exit(2)
+    finally:
+        if sys.stderr is captured:
+            sys.stderr = real_stderr
+            if not started[0]:
+                real_stderr.write(captured.getvalue())
 
 
 if __name__ == "__main__":

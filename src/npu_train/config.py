@@ -69,6 +69,10 @@ class TrainConf:
     save_on_interrupt: bool = True
     #: null | latest | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
     resume: Optional[str] = None
+    #: stop after this many optimizer steps of this launch and save a checkpoint (0 = run to
+    #: train.steps). The LR schedule still follows train.steps, so a later train.resume=latest
+    #: continues exactly where this launch stopped (split a long run into several launches).
+    stop_after: int = 0
 
 
 @dataclass
@@ -150,6 +154,8 @@ def validate(cfg) -> None:
         raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b or gpipe")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:
         raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
+    if t.stop_after < 0:
+        raise ConfigError(f"train.stop_after={t.stop_after} must be >= 0 (0 = run to train.steps)")
     if cfg.runtime.transport not in ("shm", "inline"):
         raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
     if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:

@@ -21,6 +21,10 @@ from npu_train.model.llama import causal_lm_loss_sum
 from npu_train.pipeline.schedule import build_schedule
 
 
+#: micro-batch ids of evaluation passes start here (training micro-batches are 0..M-1).
+EVAL_MICRO_BASE = 1 << 20
+
+
 class BoundaryComm(Protocol):
     """Stage-boundary transport as seen by one stage. Tensors are CPU or device tensors of shape
     ``[micro_batch, seq_len, hidden]`` in the compute dtype; received tensors are already on the card."""
@@ -71,6 +75,29 @@ class StageRunner:
     def run_middle(self, step: int, num_micro: int) -> dict:
         """:meth:`run_step` for a stage that is neither first nor last."""
         return self._run(step, num_micro, None, None)
+
+    @torch.no_grad()
+    def run_eval(self, step: int, num_micro: int, inputs: Optional[list[torch.Tensor]],
+                 labels: Optional[list[torch.Tensor]]) -> dict:
+        """Forward-only pass over ``num_micro`` held-out micro-batches (no gradients, no backward).
+
+        Boundary traffic uses the same links as training, with the micro-batch index offset by
+        ``EVAL_MICRO_BASE`` so evaluation messages can never be confused with training ones.
+
+        Returns ``{"loss_sum": float (last stage), "n_tokens": int (last stage)}``.
+        """
+        loss_sum, n_tok = 0.0, 0
+        for m in range(num_micro):
+            tag = EVAL_MICRO_BASE + m
+            x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(step, tag)
+            out = self.module(x)
+            if self.last:
+                ls, n = causal_lm_loss_sum(out, self.backend.upload(labels[m]))
+                loss_sum += float(ls)
+                n_tok += int(n)
+            else:
+                self.comm.send_act(step, tag, out)
+        return {"loss_sum": loss_sum, "n_tokens": n_tok}
 
     def _run(self, step, M, inputs, labels) -> dict:
         total_tokens = None

@@ -10,9 +10,31 @@ socket (msgpack dicts carrying the job's random token), prints progress, publish
 - every other card process is terminated (SIGTERM, then SIGKILL after a grace period);
 - the job's shared-memory segments, IPC sockets and checkpoint staging directories are removed;
 - the launcher exits with status 1 (2 for bad input detected before start).
+
+When several card processes fail together (one is killed, its neighbours then see broken
+collectives), the coordinator names the root cause: a process that died without reporting
+(killed by a signal, exited silently) or stopped answering beats one that reported an error,
+and among reported errors the first one received wins (after a short grace period, so that a
+peer's death that caused the error is seen first).
+
+SIGINT/SIGTERM (Ctrl-C, ``kubectl delete``): with ``train.save_on_interrupt`` the card processes
+finish the current step, agree on it through the all-reduce stop flag and save a checkpoint; the
+launcher then exits 128 + signal number (130 / 143). A second signal aborts at once.
+
+If the launcher itself is killed (``kill -9``), every card process notices within a heartbeat
+interval that its parent changed, removes the job's ``/dev/shm/npt_<job_id>_*`` segments and IPC
+directory, and exits. Only if the launcher and all card processes die at once (``kill -9`` of
+the whole process group, the OOM killer) can segments remain; the next launch does not remove
+other jobs' segments (it cannot tell a dead job from a live one in another PID namespace), so
+remove them with ``rm /dev/shm/npt_<job_id>_*`` (the job id is printed at start and is in
+``job.json``).
+
+While a job runs, ``<run_dir>/job.json`` describes it (job id, launcher and card process ids,
+socket addresses, shared-memory prefix; never the token) for tools and tests.
 """
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import multiprocessing as mp
@@ -64,10 +86,21 @@ class RankState:
     done: bool = False
     phase: str = "start"
     steps: dict = field(default_factory=dict)
+    error: Optional[str] = None       # cause reported by the card process itself
+    error_at: float = 0.0             # when the report arrived (monotonic)
 
 
 class JobFailed(Exception):
     """The job was brought down; ``str(self)`` names the card, its stage and the cause."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM stopped the job; ``signum`` gives the exit status 128 + signum."""
+
+    def __init__(self, signum: int = signal.SIGINT, message: str = ""):
+        super().__init__(message)
+        self.signum = int(signum)
+        self.message = message
 
 
 class Coordinator:
@@ -92,6 +125,7 @@ class Coordinator:
         self.ranks = [RankState(s["rank"], s["card"]["name"], s["stage"]["label"]) for s in specs]
         self.ckpt_reports: dict[int, dict[int, str]] = {}
         self.interrupted = 0
+        self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
         self.stop_sent_at: Optional[float] = None
         self.last_ckpt: Optional[str] = None
         self.rejected = 0
@@ -108,14 +142,35 @@ class Coordinator:
                 rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
                 rs.proc.start()
                 rs.last_seen = now
+            self._write_job_file()
             self._loop()
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
             self.teardown()
 
+    #: after the first error report, wait this long for a peer's death to show (root cause)
+    ERROR_GRACE_S = 0.5
+
     def _on_signal(self, signum, frame) -> None:
         self.interrupted += 1
+        self.signum = int(signum)
+
+    def _write_job_file(self) -> None:
+        """``<run_dir>/job.json``: ids, pids and addresses of this job (no token), written atomically."""
+        info = {
+            "job_id": self.job_id, "launcher_pid": os.getpid(), "run_dir": self.run_dir,
+            "ipc_dir": self.ipc_dir, "coord_addr": self.specs[0]["coord_addr"],
+            "transport": self.specs[0]["runtime"]["transport"], "shm_prefix": f"npt_{self.job_id}_",
+            "ckpt_root": self.ckpt_root,
+            "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "pid": rs.proc.pid,
+                       "inbox": spec["inbox"][rs.rank] if self.P > 1 else None}
+                      for rs, spec in zip(self.ranks, self.specs)],
+        }
+        path = os.path.join(self.run_dir, "job.json")
+        with open(path + ".part", "w") as f:
+            json.dump(info, f, indent=1)
+        os.replace(path + ".part", path)
 
     def _describe(self, rs: RankState) -> str:
         return f"card {rs.card} (stage {rs.rank}, layers {rs.layers})"
@@ -138,45 +193,65 @@ class Coordinator:
                 return
             if self.interrupted:
                 self._handle_interrupt(now)
-            for rs in self.ranks:
-                code = rs.proc.exitcode
-                if code is not None and not (rs.done and code == 0):
-                    # drain pending messages first: an error report explains the exit better
-                    while poller.poll(50):
-                        self._handle(self.sock.recv_multipart())
-                    if rs.done and code == 0:
-                        continue
-                    self._fail(rs, _exit_cause(code))
-                limit = self.hb_timeout if rs.ready else max(self.hb_timeout, self.startup_timeout)
-                if code is None and now - rs.last_seen > limit:
-                    self._fail(rs, f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
-                                   f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} hung or stopped)")
+            self._check_failures(poller, now)
+
+    def _check_failures(self, poller, now: float) -> None:
+        """Raise :class:`JobFailed` naming the root cause if any card process failed."""
+        codes = {rs.rank: rs.proc.exitcode for rs in self.ranks}
+        if any(c is not None and not (self.ranks[r].done and c == 0) for r, c in codes.items()):
+            # drain pending messages first: an error report explains an exit better than its status
+            while poller.poll(50):
+                self._handle(self.sock.recv_multipart())
+        primary = []  # died without a report (signal, silent exit) or hung: a root cause
+        for rs in self.ranks:
+            code = codes[rs.rank]
+            if code is not None and not (rs.done and code == 0) and rs.error is None:
+                primary.append((rs, _exit_cause(code)))
+            limit = self.hb_timeout if rs.ready else max(self.hb_timeout, self.startup_timeout)
+            if code is None and now - rs.last_seen > limit:
+                primary.append((rs, f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
+                                    f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} "
+                                    f"hung or stopped)"))
+        if primary:
+            self._fail(*primary[0])
+        reported = sorted((rs for rs in self.ranks if rs.error is not None), key=lambda r: r.error_at)
+        if reported:
+            settled = all(rs.error is not None or codes[rs.rank] is not None for rs in self.ranks)
+            if settled or now - reported[0].error_at >= self.ERROR_GRACE_S:
+                self._fail(reported[0], reported[0].error)
 
     def _handle_interrupt(self, now: float) -> None:
         started = all(rs.ready for rs in self.ranks)
         if self.interrupted >= 2 or not started or not self.save_on_interrupt:
-            raise KeyboardInterrupt
+            raise Interrupted(self.signum)
         if self.stop_sent_at is None:
-            print("\ninterrupt: finishing the current step and saving a checkpoint (Ctrl-C again to abort)",
-                  file=sys.stderr, flush=True)
+            print(f"\ninterrupt ({signal.Signals(self.signum).name}): finishing the current step and saving a "
+                  "checkpoint (Ctrl-C again to abort)", file=sys.stderr, flush=True)
             for rs in self.ranks:
                 self._send(rs.rank, {"type": "stop"})
             self.stop_sent_at = now
         elif now - self.stop_sent_at > max(60.0, self.hb_timeout):
-            raise KeyboardInterrupt
+            raise Interrupted(self.signum)
 
     def _send(self, rank: int, msg: dict) -> None:
         self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
 
     def _handle(self, frames: list[bytes]) -> None:
         try:
+            # never unpickled: msgpack only, and a size limit keeps strangers from exhausting memory
+            if len(frames) != 2 or len(frames[-1]) > 1 << 20:
+                raise ValueError("unexpected frames")
             msg = msgpack.unpackb(frames[-1], raw=False)
-            ok = isinstance(msg, dict) and msg.get("tok") == self.token and 0 <= int(msg.get("rank", -1)) < self.P
+            tok = msg.get("tok") if isinstance(msg, dict) else None
+            ok = (isinstance(tok, str) and hmac.compare_digest(tok.encode(), self.token.encode())
+                  and 0 <= int(msg.get("rank", -1)) < self.P)
         except Exception:
             ok = False
         if not ok:
             self.rejected += 1
-            log.warning("coordinator: ignored a message from an unauthenticated peer")
+            if self.rejected <= 20 or self.rejected % 1000 == 0:
+                log.warning("coordinator: ignored a message from an unauthenticated peer "
+                            "(%d so far; wrong or missing job token, or not msgpack)", self.rejected)
             return
         rs = self.ranks[int(msg["rank"])]
         rs.last_seen = time.monotonic()
@@ -187,7 +262,9 @@ class Coordinator:
             rs.phase = "model load"
         elif t == "ready":
             rs.ready = True
-            rs.phase = "training"
+            rs.phase = f"step {self.start_step + 1}"
+        elif t == "phase":
+            rs.phase = str(msg.get("phase", rs.phase))
         elif t == "step":
             s = int(msg["step"])
             rs.phase = f"step {s + 1}"
@@ -208,8 +285,10 @@ class Coordinator:
             rs.phase = msg.get("phase", rs.phase)
             with open(os.path.join(self.run_dir, f"card{rs.rank}.traceback.txt"), "w") as f:
                 f.write(msg.get("traceback", ""))
-            self._fail(rs, f"{msg.get('etype')}: {msg.get('message')} "
-                           f"(traceback: {os.path.join(self.run_dir, f'card{rs.rank}.traceback.txt')})")
+            if rs.error is None:  # decided in _check_failures: a peer's death may be the root cause
+                rs.error = (f"{msg.get('etype')}: {msg.get('message')} "
+                            f"(traceback: {os.path.join(self.run_dir, f'card{rs.rank}.traceback.txt')})")
+                rs.error_at = time.monotonic()
 
     def _publish(self, step: int, staging: str) -> None:
         from npu_train.checkpoint.store import finalize
@@ -310,6 +389,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     if mcfg is None:
         model_path = resolve_model_path(cfg.model.path)
         mcfg = load_config(model_path)
+        if not cfg.plan:
+            check_model_files(model_path, mcfg)
     elif not cfg.plan:
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
@@ -366,6 +447,78 @@ def _preset_config(path: str):
         return None
 
 
+def check_model_files(model_path: str, mcfg) -> None:
+    """Check that the weights file(s) hold every parameter with the right shape (headers only).
+
+    Without this, a missing or mis-shaped tensor is only found by the card process that loads
+    it, after every process has started (exit 1, a run directory with partial artifacts); here
+    it is a user error (exit 2) before anything is spawned. Reads safetensors headers
+    (``safe_open`` keys and ``get_slice().get_shape()``) or the GGUF tensor table: no tensor data.
+    Raises :class:`~npu_train.model.loading.ModelFormatError`.
+    """
+    from npu_train.model import loading as L
+    from npu_train.model.llama import checkpoint_source_name
+
+    names = list(mcfg.param_shapes(None))
+    for i in range(mcfg.num_layers):
+        names += list(mcfg.param_shapes(i))
+    wanted = {checkpoint_source_name(mcfg, n): (n, L._expected_shape(mcfg, n)) for n in names}
+    path = os.path.expanduser(model_path)
+    if L._is_gguf_path(path):
+        by_name = {t.name: t for t in L._gguf_reader(path).tensors}
+        for src, (n, shape) in wanted.items():
+            t = by_name.get(L._hf_to_gguf_name(src))
+            if t is None:
+                raise L.ModelFormatError(f"tensor {src!r} (GGUF {L._hf_to_gguf_name(src)!r}) not found in {path}: "
+                                         "the file is incomplete or not this model; re-download or re-convert it")
+            found = tuple(int(x) for x in reversed(t.shape))
+            if found != tuple(shape):
+                raise _shape_mismatch(L, n, src, path, shape, found)
+        return
+    from safetensors import safe_open
+
+    where, source = L._safetensors_index(L._hf_dir(path))
+    by_file: dict[str, list[str]] = {}
+    for src in wanted:
+        fp = where.get(src)
+        if fp is None:
+            raise L.ModelFormatError(f"tensor {src!r} not found in {source}: the weights do not match "
+                                     "config.json (incomplete download or another model); re-download the model")
+        by_file.setdefault(fp, []).append(src)
+    for fp, srcs in by_file.items():
+        if not os.path.isfile(fp):
+            raise L.ModelFormatError(f"{fp}: shard listed in the index is missing; re-download the model")
+        try:
+            with safe_open(fp, framework="pt") as f:
+                keys = set(f.keys())
+                for src in srcs:
+                    n, shape = wanted[src]
+                    if src not in keys:
+                        raise L.ModelFormatError(f"tensor {src!r} not found in {fp}; re-download the model")
+                    found = tuple(f.get_slice(src).get_shape())
+                    if found != tuple(shape):
+                        raise _shape_mismatch(L, n, src, fp, shape, found)
+        except L.ModelFormatError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unreadable header
+            raise L.ModelFormatError(f"{fp}: not a readable safetensors file ({e}); re-download the model") from e
+
+
+def _shape_mismatch(L, name, src, where, expected, found):
+    e = L._shape_error(name, src, where, expected, found)
+    return L.ModelFormatError(f"{e}: the weights do not match config.json (another model or a corrupt file); "
+                              "re-download the model or fix config.json")
+
+
+def _shm_free_bytes() -> int:
+    """Free bytes in /dev/shm; ``NPT_SHM_FREE_BYTES`` overrides the figure (test-only: simulates
+    a small /dev/shm, e.g. Docker's 64 MB default, for the pre-spawn check)."""
+    from npu_train.transport.shm import shm_free_bytes
+
+    override = os.environ.get("NPT_SHM_FREE_BYTES")
+    return int(override) if override else shm_free_bytes()
+
+
 def resident_param_names(model_cfg, stage) -> list[str]:
     """HF names of a stage's parameters that are resident (master + moments on the card).
 
@@ -415,7 +568,7 @@ def run_job(cfg, run_dir: str) -> dict:
     from npu_train.data.dataset import save_packed
     from npu_train.data.sampler import StepSampler
     from npu_train.metrics.report import Reporter
-    from npu_train.transport.shm import ShmTooSmallError, shm_free_bytes
+    from npu_train.transport.shm import ShmTooSmallError
 
     os.makedirs(run_dir, exist_ok=True)
     if cfg.plan:
@@ -442,15 +595,11 @@ def run_job(cfg, run_dir: str) -> dict:
         if start_step >= tr.steps:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: "
                               "raise train.steps to continue training")
-    os.makedirs(ckpt_root, exist_ok=True)
-    remove_stale_staging(ckpt_root)
 
+    # Every check that can reject the job runs before anything is written (checkpoint dir,
+    # packed data file, IPC dir, metrics): a rejected job leaves only Hydra's own files.
     job_id = secrets.token_hex(6)
     token = secrets.token_hex(16)
-    ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
-    os.chmod(ipc_dir, 0o700)
-    data_file = os.path.join(run_dir, "data.safetensors")
-    save_packed(data, data_file)
     rt = cfg.runtime
     host = rt.host
     if rt.port:
@@ -461,9 +610,16 @@ def run_job(cfg, run_dir: str) -> dict:
     slots = rt.slots or (min(tr.accum, P) + 1)
     if P > 1 and rt.transport == "shm":
         need = 2 * (P - 1) * slots * (slot_bytes + 64)
-        avail = shm_free_bytes()
+        avail = _shm_free_bytes()
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
+
+    os.makedirs(ckpt_root, exist_ok=True)
+    remove_stale_staging(ckpt_root)
+    ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
+    os.chmod(ipc_dir, 0o700)
+    data_file = os.path.join(run_dir, "data.safetensors")
+    save_packed(data, data_file)
     threads = rt.threads or max(1, (os.cpu_count() or 1) // max(1, sum(1 for c in prep["cards"] if c.kind == "cpu") or 1))
     if rt.transport == "shm":
         inbox = [f"ipc://{ipc_dir}/r{r}.sock" for r in range(P)]
@@ -473,7 +629,7 @@ def run_job(cfg, run_dir: str) -> dict:
         coord_addr = f"tcp://{host}:{free_port(host)}"
     train_d = {k: getattr(tr, k) for k in ("steps", "micro_batch", "accum", "lr", "min_lr_ratio", "warmup_steps",
                                            "weight_decay", "beta1", "beta2", "eps", "clip", "schedule",
-                                           "recompute", "seed", "save_every", "save_on_interrupt")}
+                                           "recompute", "seed", "save_every", "save_on_interrupt", "stop_after")}
     train_d["dtype"] = prep["dtype"]
     specs = []
     for r, st in enumerate(plan.stages):
@@ -486,7 +642,7 @@ def run_job(cfg, run_dir: str) -> dict:
                       "has_head": st.has_head, "label": layers_label(st)},
             "resident_names": resident_param_names(mcfg, st),
             "data_file": data_file, "train": train_d, "start_step": start_step, "resume_dir": resume_dir,
-            "ckpt_root": ckpt_root, "coord_addr": coord_addr, "inbox": inbox,
+            "ckpt_root": ckpt_root, "coord_addr": coord_addr, "inbox": inbox, "ipc_dir": ipc_dir,
             "slot_bytes": slot_bytes, "slots": slots, "dist_init": f"tcp://{host}:{port}",
             "runtime": {"heartbeat_interval_s": rt.heartbeat_interval_s, "transport": rt.transport,
                         "threads": threads, "recv_timeout_s": max(120.0, 2 * rt.heartbeat_timeout_s),
@@ -522,15 +678,20 @@ def run_job(cfg, run_dir: str) -> dict:
     summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep["cards"]],
                             "predicted_step_s": plan.step_time_s,
                             "predicted_mem_bytes": [s.mem["total"] for s in plan.stages]})
+    if coord.rejected:
+        print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
+              "(wrong or missing job token)", file=sys.stderr, flush=True)
     if coord.interrupted:
-        raise KeyboardInterrupt
+        where = (f"checkpoint {coord.last_ckpt} saved; resume with train.resume=latest "
+                 f"checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
+        raise Interrupted(coord.signum, where)
     print(f"done: {summ['steps_run']} steps, loss {summ['first_loss']:.4f} -> {summ['last_loss']:.4f}; "
           f"checkpoint {coord.last_ckpt}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return summ
 
 
 def main(cfg, run_dir: str) -> int:
-    """CLI body: run the job, map errors to exit codes (0 ok, 1 job failure, 2 bad input, 130 interrupt)."""
+    """CLI body: run the job, map errors to exit codes (0 ok, 1 job failure, 2 bad input, 130/143 SIGINT/SIGTERM)."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
         run_job(cfg, run_dir)
@@ -538,9 +699,12 @@ def main(cfg, run_dir: str) -> int:
     except JobFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:
-        print("interrupted: all card processes stopped", file=sys.stderr, flush=True)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143), see Interrupted
+        signum = getattr(e, "signum", int(signal.SIGINT))
+        extra = getattr(e, "message", "")
+        print(f"interrupted by {signal.Signals(signum).name}: all card processes stopped"
+              + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
+        return 128 + signum
     except user_error_types() as e:
         msg = str(e)
         if isinstance(e, FileNotFoundError) and e.filename and msg.startswith("[Errno"):

@@ -11,7 +11,27 @@ Started by the launcher with the ``spawn`` start method (``worker_main(spec)``).
 6. runs ``train.steps`` optimizer steps with the chosen schedule, saving shards when asked.
 
 Any exception is reported to the coordinator (type, message, traceback) before exiting with
-status 1; the coordinator then brings the whole job down.
+status 1; the coordinator then brings the whole job down. If the launcher dies (even ``kill -9``),
+the heartbeat thread notices that the parent process changed, removes the job's shared-memory
+segments and IPC directory, and exits (status 3) instead of lingering as an orphan.
+
+Test-only fault injection
+=========================
+``NPT_FAULT`` (environment variable, inherited by the spawned card processes) makes one card
+process fail at a precise point, so the tests in ``tests/integration/test_faults.py`` can hit
+every phase of a step. It is read once at start-up and does nothing when unset; it is not a
+user feature. Format: comma-separated ``key=value`` pairs::
+
+    NPT_FAULT="rank=1,phase=backward,step=2,action=kill"
+
+- ``rank``: the stage/card process that fails (0-based);
+- ``step``: the 1-based optimizer step (as printed: ``step 2/N``), default 1;
+- ``phase``: ``forward`` (first stage forward of the step), ``backward`` (first gradient of
+  the stage's first parameter), ``collective`` (just before the step's gloo all-reduce),
+  ``optimizer`` (just before the AdamW update), ``checkpoint`` (after this stage wrote its
+  shard into the staging directory, before reporting it);
+- ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung process), ``raise``
+  (RuntimeError), ``sleep:S`` (sleep S seconds, then continue normally).
 """
 from __future__ import annotations
 
@@ -29,6 +49,60 @@ import torch
 import zmq
 
 log = logging.getLogger("npu_train.worker")
+
+
+# ---------------------------------------------------------------------------- fault injection (tests)
+_FAULT_PHASES = ("forward", "backward", "collective", "optimizer", "checkpoint")
+
+
+class FaultHook:
+    """Test-only: fires the ``NPT_FAULT`` action once at (rank, phase, step); see the module docstring."""
+
+    def __init__(self, text: str, rank: int):
+        kv = dict(p.split("=", 1) for p in text.replace(" ", "").split(",") if p)
+        self.active = int(kv.get("rank", 0)) == rank
+        self.phase = kv.get("phase", "forward")
+        self.step = int(kv.get("step", 1))
+        self.action = kv.get("action", "kill")
+        if self.phase not in _FAULT_PHASES:
+            raise ValueError(f"NPT_FAULT: phase={self.phase!r}, use one of {_FAULT_PHASES}")
+        self.current_step = 0  # 1-based step being run, set by the training loop
+        self.fired = False
+
+    @classmethod
+    def from_env(cls, rank: int) -> "FaultHook | None":
+        text = os.environ.get("NPT_FAULT", "")
+        return cls(text, rank) if text else None
+
+    def __call__(self, phase: str) -> None:
+        if not self.active or self.fired or phase != self.phase or self.current_step != self.step:
+            return
+        self.fired = True
+        log.warning("NPT_FAULT: %s at step %d %s", self.action, self.step, phase)
+        sys.stderr.flush()
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.action == "raise":
+            raise RuntimeError(f"NPT_FAULT: injected failure at step {self.step} {phase}")
+        elif self.action.startswith("sleep:"):
+            time.sleep(float(self.action.split(":", 1)[1]))
+        else:
+            raise ValueError(f"NPT_FAULT: unknown action {self.action!r}")
+
+    def install(self, module) -> None:
+        """Forward pre-hook on the stage module and a gradient hook on its first parameter."""
+        if not self.active:
+            return
+        module.register_forward_pre_hook(lambda *_: self("forward"))
+        first = next(iter(module.parameters()))
+
+        def on_grad(g):
+            self("backward")
+            return g
+
+        first.register_hook(on_grad)
 
 
 # ---------------------------------------------------------------------------- control plane
@@ -58,7 +132,25 @@ class Control:
         return stop
 
 
-def _heartbeat_loop(ctx, addr, token, rank, interval, stop_evt, parent_pid):
+def _cleanup_orphaned_job(job_id: str, ipc_dir: str) -> None:
+    """The launcher is gone (e.g. ``kill -9``): remove what it would have removed at teardown.
+
+    Every card process does this (idempotent, races are harmless): the job's ``/dev/shm``
+    segments (peers that still map one keep their mapping) and the private IPC socket directory.
+    """
+    import shutil
+
+    from npu_train.transport.shm import unlink_job_segments
+
+    try:
+        unlink_job_segments(job_id)
+    except Exception:
+        pass
+    if ipc_dir:
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _heartbeat_loop(ctx, addr, token, rank, interval, stop_evt, parent_pid, job_id, ipc_dir):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"hb{rank}".encode())
     sock.setsockopt(zmq.LINGER, 0)
@@ -66,6 +158,7 @@ def _heartbeat_loop(ctx, addr, token, rank, interval, stop_evt, parent_pid):
     payload = msgpack.packb({"tok": token, "rank": rank, "type": "hb"}, use_bin_type=True)
     while not stop_evt.wait(interval):
         if os.getppid() != parent_pid:  # launcher died: do not linger as an orphan
+            _cleanup_orphaned_job(job_id, ipc_dir)
             os._exit(3)
         try:
             sock.send(payload, zmq.NOBLOCK)
@@ -163,14 +256,18 @@ def worker_main(spec: dict) -> None:
     rank = spec["rank"]
     logging.basicConfig(level=logging.INFO, format=f"[card {spec['card']['name']} stage {rank}] %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what Ctrl-C means
-    signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+    # Default action (immediate termination) rather than a Python handler: a handler only runs
+    # when the main thread returns to the interpreter, which never happens while it is blocked
+    # in a gloo collective, so the coordinator's SIGTERM would always need the SIGKILL fallback.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     torch.set_num_threads(max(1, int(spec["runtime"]["threads"])))
     ctx = zmq.Context()
     ctrl = Control(ctx, spec["coord_addr"], spec["token"], rank)
     hb_stop = threading.Event()
     hb = threading.Thread(target=_heartbeat_loop, daemon=True,
                           args=(ctx, spec["coord_addr"], spec["token"], rank,
-                                float(spec["runtime"]["heartbeat_interval_s"]), hb_stop, spec["parent_pid"]))
+                                float(spec["runtime"]["heartbeat_interval_s"]), hb_stop, spec["parent_pid"],
+                                spec["job_id"], spec.get("ipc_dir")))
     hb.start()
     phase = ["start"]
     try:
@@ -212,6 +309,7 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
     rank, P = spec["rank"], spec["world_size"]
     tr = spec["train"]
     st = spec["stage"]
+    fault = FaultHook.from_env(rank)  # test-only (NPT_FAULT); None in normal runs
     phase[0] = "device setup"
     card = spec["card"]
     backend = make_backend(CardRequest(card["kind"], card["index"], card["name"]))
@@ -221,6 +319,8 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
     phase[0] = "model load"
     module, masters = build_stage(spec, backend, dtype)
     params = dict(module.named_parameters())
+    if fault is not None:
+        fault.install(module)
     opt = StageOptimizer(params, masters, spec["resident_names"], backend, lr=tr["lr"],
                          betas=(tr["beta1"], tr["beta2"]), eps=tr["eps"], weight_decay=tr["weight_decay"])
     del masters
@@ -258,10 +358,14 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
     ckpt_root = spec["ckpt_root"]
     ctrl.send("ready", params=sum(p.numel() for p in params.values()))
 
+    stop_after = int(tr.get("stop_after") or 0)
     for step in range(start, tr["steps"]):
+        # phases are named with the 1-based step number, as printed by the coordinator
+        if fault is not None:
+            fault.current_step = step + 1
         t0 = time.perf_counter()
         backend.reset_peak_memory()
-        phase[0] = f"step {step} forward/backward"
+        phase[0] = f"step {step + 1} forward/backward"
         idx = sampler.micro_batches_for_step(step)
         mbs = [micro_batch_tensors(data, i) for i in idx]
         inputs = [x for x, _ in mbs] if first else None
@@ -272,7 +376,9 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
         else:
             res = runner.run_middle(step, tr["accum"])
         t1 = time.perf_counter()
-        phase[0] = f"step {step} collectives"
+        phase[0] = f"step {step + 1} collectives"
+        if fault is not None:
+            fault("collective")
         if tied_pair and rank in (0, P - 1):
             g = params[tied_name].grad
             gh = backend.download(g).float()
@@ -289,9 +395,11 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
         if tr["clip"] > 0:
             clip_coef = min(1.0, tr["clip"] / (grad_norm + 1e-6))
         t2 = time.perf_counter()
-        phase[0] = f"step {step} optimizer"
+        phase[0] = f"step {step + 1} optimizer"
         lr = lr_at(step, lr=tr["lr"], warmup_steps=tr["warmup_steps"], total_steps=tr["steps"],
                    min_lr_ratio=tr["min_lr_ratio"])
+        if fault is not None:
+            fault("optimizer")
         ot = opt.step(lr, clip_coef)
         t3 = time.perf_counter()
         done = step + 1
@@ -300,16 +408,21 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
                   send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                   host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                   mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated())
-        stop = red[3] > 0
+        interrupted = bool(red[3] > 0)
+        # train.stop_after=K: stop after K steps of this launch (same on every rank, no vote needed)
+        stop = interrupted or bool(stop_after and done - start >= stop_after)
         want_save = (tr["save_every"] and done % tr["save_every"] == 0) or done == tr["steps"] or \
-            (stop and tr["save_on_interrupt"])
+            (interrupted and tr["save_on_interrupt"]) or (stop and not interrupted)
         if want_save:
             phase[0] = f"checkpoint save of step {done}"
+            ctrl.send("phase", phase=phase[0])
             tensors = opt.state_tensors()
             tensors[f"rng.{rank}"] = torch.get_rng_state()
             staging = tmp_dir(ckpt_root, done, spec["job_id"])
             save_shard(staging, rank, tensors, {"rank": rank, "card": spec["card"], "stage": st,
                                                 "resident": sorted(spec["resident_names"]), "step": done})
+            if fault is not None:
+                fault("checkpoint")
             ctrl.send("ckpt", step=done, staging=staging)
         if stop:
             ctrl.send("stopped", step=done)

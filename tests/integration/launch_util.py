@@ -1,0 +1,168 @@
+"""Run ``launch/run.py`` as a real subprocess and watch it (fault, bad-input and security tests).
+
+The launcher is started exactly as a user would (``python launch/run.py key=value ...``) with
+the tiny-model test settings of ``conftest.make_cfg``; stdout/stderr go to files in the run's
+temporary directory so a test can poll them (and ``metrics.jsonl`` / ``job.json``) while the job
+runs without ever blocking on a pipe.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import psutil
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+LAUNCH = os.path.join(REPO, "launch", "run.py")
+
+#: the same test-sized settings as ``conftest.make_cfg`` (so ``reference_for`` matches)
+BASE = ["data.seq_len=32", "train.micro_batch=2", "train.accum=4", "train.lr=1e-3", "train.warmup_steps=1",
+        "train.clip=0.5", "train.dtype=fp32", "train.weight_decay=0.01", "runtime.heartbeat_timeout_s=20",
+        "runtime.startup_timeout_s=120", "runtime.threads=1"]
+
+
+class Job:
+    """One launcher subprocess. ``overrides`` come after the base settings (later ones win)."""
+
+    def __init__(self, tmp_path, model: str, *overrides: str, name: str = "run", env: Optional[dict] = None,
+                 backend: str = "cpu,cpu"):
+        self.dir = os.path.join(str(tmp_path), name)
+        self.run_dir = os.path.join(self.dir, "out")
+        os.makedirs(self.dir, exist_ok=True)
+        self.out_path = os.path.join(self.dir, "stdout.txt")
+        self.err_path = os.path.join(self.dir, "stderr.txt")
+        e = dict(os.environ)
+        e.pop("NPT_FAULT", None)
+        e.update(env or {})
+        self.cmd = [sys.executable, LAUNCH, f"model.path={model}", f"backend={backend}", *BASE, *overrides,
+                    f"hydra.run.dir={self.run_dir}"]
+        with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=e, cwd=REPO)
+        self.t_start = time.monotonic()
+        self.t_exit: Optional[float] = None
+        self.family: list[psutil.Process] = []
+
+    # ------------------------------------------------------------------ waiting
+    def wait(self, timeout: float = 120.0) -> int:
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise AssertionError(f"launcher still running after {timeout} s\n{self.tail()}")
+        if self.t_exit is None:
+            self.t_exit = time.monotonic()
+        return rc
+
+    def poll_exit(self) -> Optional[int]:
+        rc = self.proc.poll()
+        if rc is not None and self.t_exit is None:
+            self.t_exit = time.monotonic()
+        return rc
+
+    def wait_for(self, cond, timeout: float, what: str, interval: float = 0.02):
+        """Poll ``cond()`` until truthy (returned); fail if the launcher exits first or on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            v = cond()
+            if v:
+                return v
+            if self.poll_exit() is not None:
+                v = cond()
+                if v:
+                    return v
+                raise AssertionError(f"launcher exited ({self.proc.returncode}) before {what}\n{self.tail()}")
+            time.sleep(interval)
+        self.kill_all()
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.tail()}")
+
+    def job_info(self, timeout: float = 90.0) -> dict:
+        """``job.json`` once the card processes are spawned; also records the launcher's process family."""
+        path = os.path.join(self.run_dir, "job.json")
+
+        def read():
+            try:
+                with open(path) as f:
+                    return json.load(f)
+            except (OSError, ValueError):
+                return None
+
+        info = self.wait_for(read, timeout, "job.json")
+        try:
+            self.family = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        return info
+
+    def wait_steps(self, n: int, timeout: float = 90.0) -> int:
+        return self.wait_for(lambda: len(self.losses()) >= n and len(self.losses()), timeout, f"{n} steps")
+
+    # ------------------------------------------------------------------ results
+    def losses(self) -> list[float]:
+        try:
+            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+                return [json.loads(l)["loss"] for l in f if l.strip().endswith("}")]
+        except OSError:
+            return []
+
+    @property
+    def stderr(self) -> str:
+        with open(self.err_path, errors="replace") as f:
+            return f.read()
+
+    @property
+    def stdout(self) -> str:
+        with open(self.out_path, errors="replace") as f:
+            return f.read()
+
+    def error_lines(self) -> list[str]:
+        return [l for l in self.stderr.splitlines() if l.startswith("error:")]
+
+    def tail(self, n: int = 3000) -> str:
+        return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"
+
+    # ------------------------------------------------------------------ processes
+    def card_pids(self, info: dict) -> list[int]:
+        return [c["pid"] for c in info["cards"]]
+
+    def survivors(self) -> list[psutil.Process]:
+        """Processes of the job's family (launcher + its children seen at job.json) still alive."""
+        out = []
+        for p in self.family:
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    out.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return out
+
+    def kill_all(self) -> None:
+        """Clean up after a failed test: SIGKILL the launcher and every child it had (by pid)."""
+        for p in self.family:
+            try:
+                if p.is_running():
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def pid_gone(pid: int) -> bool:
+    """True if ``pid`` has exited (a zombie counts as gone)."""
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def job_segments(job_id: str) -> list[str]:
+    from npu_train.transport.shm import segment_names_for_job
+
+    return segment_names_for_job(job_id)

