@@ -33,7 +33,8 @@ class DataConf:
     source: str = "botchan"
     seq_len: int = 128
     val_fraction: float = 0.05
-    #: evaluate the held-out split at the end (and every eval_every steps when > 0).
+    #: held-out evaluation (eval_batches micro-batches of the validation split; 0 = off): before
+    #: training, after the last step, and every eval_every steps when > 0.
     eval_every: int = 0
     eval_batches: int = 4
 

@@ -78,3 +78,34 @@ def test_micro_batch_counts(tiny_model, tmp_path, backend, accum):
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5
     _check_weights(reader, ref_w, 1e-5)
+
+
+def test_eval_loss_matches_reference(tiny_model, tmp_path):
+    """Held-out loss computed through the 3-stage pipeline equals the reference model's on the same batches."""
+    import json
+
+    from npu_train.data.dataset import micro_batch_tensors
+    from npu_train.model.llama import causal_lm_loss_sum, full_model
+    from npu_train.model.loading import load_config, load_tensors
+    from npu_train.runtime.launcher import prepare_data
+    from conftest import make_cfg
+
+    _, ref_w = _ref(tiny_model)
+    run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu,cpu]", "data.eval_batches=3")
+    with open(tmp_path / "eval.jsonl") as f:
+        evals = [json.loads(l) for l in f]
+    assert [e["step"] for e in evals] == [0, 3]
+    cfg = load_config(tiny_model)
+    data = prepare_data(make_cfg(tiny_model), tiny_model, cfg, None)
+    batches = [micro_batch_tensors(data, torch.arange(2 * m, 2 * m + 2), split="val") for m in range(3)]
+
+    def val_loss(weights):
+        model = full_model(cfg)
+        model.load_named_tensors(weights)
+        with torch.no_grad():
+            sums = [causal_lm_loss_sum(model(x), y) for x, y in batches]
+        return sum(float(s) for s, _ in sums) / sum(n for _, n in sums)
+
+    init = load_tensors(tiny_model, cfg, full_model(cfg).param_names())
+    assert abs(evals[0]["val_loss"] - val_loss(init)) / val_loss(init) < 1e-5
+    assert abs(evals[1]["val_loss"] - val_loss(ref_w)) / val_loss(ref_w) < 1e-5

@@ -42,6 +42,7 @@ class Reporter:
         self.pred_step = predicted_step_s
         self.stream = stream or sys.stdout
         self.history: list[dict] = []
+        self.evals: list[dict] = []
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.tb = None
         if tensorboard:
@@ -96,6 +97,17 @@ class Reporter:
                   f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred}")
         return rec
 
+    def eval(self, step: int, val_loss: float, tokens: int) -> None:
+        """Record a held-out evaluation (mean token cross-entropy in nats) after ``step`` optimizer steps."""
+        rec = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "tokens": tokens,
+               "time": time.time()}
+        self.evals.append(rec)
+        with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if self.tb is not None:
+            self.tb.add_scalar("eval/loss", val_loss, step)
+        self.note(f"eval after step {step}: val loss {val_loss:.4f} (ppl {rec['val_ppl']:.2f}) on {tokens:,} held-out tokens")
+
     def finish(self, extra: Optional[dict] = None) -> dict:
         """Write ``summary.json`` and ``loss.png`` (if matplotlib is installed); return the summary."""
         h = self.history
@@ -107,6 +119,8 @@ class Reporter:
             "mean_tokens_per_s": (sum(r["tokens_per_s"] for r in h[1:]) / (len(h) - 1)) if len(h) > 1 else None,
             "peak_mem_bytes": [max(r["mem_peak_bytes"][i] for r in h) for i in range(len(h[0]["mem_peak_bytes"]))] if h else [],
             "wall_s": time.time() - self.t_start,
+            "first_val_loss": self.evals[0]["val_loss"] if self.evals else None,
+            "last_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
         }
         if extra:
             summ.update(extra)

@@ -271,6 +271,8 @@ class Coordinator:
             rs.steps[s] = msg
             if all(s in r.steps for r in self.ranks):
                 self.reporter.step([r.steps.pop(s) for r in self.ranks])
+        elif t == "eval":
+            self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]))
         elif t == "ckpt":
             s = int(msg["step"])
             rep = self.ckpt_reports.setdefault(s, {})
@@ -631,6 +633,7 @@ def run_job(cfg, run_dir: str) -> dict:
                                            "weight_decay", "beta1", "beta2", "eps", "clip", "schedule",
                                            "recompute", "seed", "save_every", "save_on_interrupt", "stop_after")}
     train_d["dtype"] = prep["dtype"]
+    train_d["eval_every"], train_d["eval_batches"] = cfg.data.eval_every, cfg.data.eval_batches
     specs = []
     for r, st in enumerate(plan.stages):
         card = prep["cards"][r]

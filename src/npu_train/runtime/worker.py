@@ -358,6 +358,26 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
     ckpt_root = spec["ckpt_root"]
     ctrl.send("ready", params=sum(p.numel() for p in params.values()))
 
+    # held-out evaluation: the first eval_batches micro-batches of the validation split
+    n_eval = min(int(tr.get("eval_batches") or 0), data.val.shape[0] // tr["micro_batch"])
+    ev = [micro_batch_tensors(data, torch.arange(m * tr["micro_batch"], (m + 1) * tr["micro_batch"]), split="val")
+          for m in range(n_eval)]
+
+    def evaluate(after_step: int) -> None:
+        """Forward-only pass over the held-out micro-batches; the last stage reports the mean loss."""
+        phase[0] = f"evaluation after step {after_step}"
+        module.eval()
+        er = runner.run_eval(after_step, n_eval, [x for x, _ in ev] if first else None,
+                             [y for _, y in ev] if last else None)
+        module.train()
+        red_e = torch.tensor([er["loss_sum"], float(er["n_tokens"])], dtype=torch.float64)
+        dist.all_reduce(red_e)
+        if last:
+            ctrl.send("eval", step=after_step, val_loss=float(red_e[0] / max(float(red_e[1]), 1.0)),
+                      tokens=int(red_e[1]))
+
+    if n_eval and start == 0:
+        evaluate(0)
     stop_after = int(tr.get("stop_after") or 0)
     for step in range(start, tr["steps"]):
         # phases are named with the 1-based step number, as printed by the coordinator
@@ -411,6 +431,8 @@ def _train(spec: dict, ctx, ctrl: Control, phase: list) -> None:
         interrupted = bool(red[3] > 0)
         # train.stop_after=K: stop after K steps of this launch (same on every rank, no vote needed)
         stop = interrupted or bool(stop_after and done - start >= stop_after)
+        if n_eval and not interrupted and ((tr["eval_every"] and done % tr["eval_every"] == 0) or done == tr["steps"]):
+            evaluate(done)
         want_save = (tr["save_every"] and done % tr["save_every"] == 0) or done == tr["steps"] or \
             (interrupted and tr["save_on_interrupt"]) or (stop and not interrupted)
         if want_save:
