@@ -41,7 +41,12 @@ class Reporter:
         self.pred_mem = predicted_mem
         self.pred_step = predicted_step_s
         self.stream = stream or sys.stdout
-        self.history: list[dict] = []
+        # O(1) per step beyond one (step, loss) pair for the plot: long runs must not grow the launcher
+        self.losses: list[tuple[int, float]] = []
+        self._n = 0
+        self._sum_step_s = self._sum_tps = 0.0  # over steps after the first (start-up excluded)
+        self._first_step_s: Optional[float] = None
+        self._peak: list[int] = []
         self.evals: list[dict] = []
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.tb = None
@@ -77,7 +82,14 @@ class Reporter:
             rec["mem_pred_bytes"] = list(self.pred_mem)
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
-        self.history.append(rec)
+        self.losses.append((step, float(rec["loss"])))
+        if self._n == 0:
+            self._first_step_s = wall
+        else:
+            self._sum_step_s += wall
+            self._sum_tps += rec["tokens_per_s"]
+        self._n += 1
+        self._peak = [max(a, b) for a, b in zip(self._peak, rec["mem_peak_bytes"])] or list(rec["mem_peak_bytes"])
         self.jsonl.write(json.dumps(rec) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
@@ -110,14 +122,14 @@ class Reporter:
 
     def finish(self, extra: Optional[dict] = None) -> dict:
         """Write ``summary.json`` and ``loss.png`` (if matplotlib is installed); return the summary."""
-        h = self.history
+        n, losses = self._n, self.losses
         summ = {
-            "steps_run": len(h),
-            "first_loss": h[0]["loss"] if h else None,
-            "last_loss": h[-1]["loss"] if h else None,
-            "mean_step_s": (sum(r["step_s"] for r in h[1:]) / (len(h) - 1)) if len(h) > 1 else (h[0]["step_s"] if h else None),
-            "mean_tokens_per_s": (sum(r["tokens_per_s"] for r in h[1:]) / (len(h) - 1)) if len(h) > 1 else None,
-            "peak_mem_bytes": [max(r["mem_peak_bytes"][i] for r in h) for i in range(len(h[0]["mem_peak_bytes"]))] if h else [],
+            "steps_run": n,
+            "first_loss": losses[0][1] if losses else None,
+            "last_loss": losses[-1][1] if losses else None,
+            "mean_step_s": self._sum_step_s / (n - 1) if n > 1 else self._first_step_s,
+            "mean_tokens_per_s": self._sum_tps / (n - 1) if n > 1 else None,
+            "peak_mem_bytes": self._peak,
             "wall_s": time.time() - self.t_start,
             "first_val_loss": self.evals[0]["val_loss"] if self.evals else None,
             "last_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
@@ -126,7 +138,7 @@ class Reporter:
             summ.update(extra)
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             json.dump(summ, f, indent=1)
-        if h:
+        if losses:
             try:
                 import matplotlib
 
@@ -134,7 +146,12 @@ class Reporter:
                 import matplotlib.pyplot as plt
 
                 fig, ax = plt.subplots(figsize=(6, 3.5))
-                ax.plot([r["step"] for r in h], [r["loss"] for r in h], marker="o")
+                ax.plot([a for a, _ in losses], [b for _, b in losses], marker="o" if len(losses) <= 100 else None,
+                        label="train")
+                if self.evals:
+                    ax.plot([e["step"] for e in self.evals], [e["val_loss"] for e in self.evals], marker="s",
+                            label="held-out")
+                    ax.legend()
                 ax.set_xlabel("optimizer step")
                 ax.set_ylabel("train loss (nats/token)")
                 ax.grid(alpha=0.3)

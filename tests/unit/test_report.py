@@ -1,0 +1,35 @@
+"""Reporter: progress line fields, JSONL records, summary aggregates, held-out evals."""
+from __future__ import annotations
+
+import io
+import json
+import os
+
+from npu_train.metrics.report import Reporter
+
+
+def _rep(step, loss, t, mem):
+    return {"step": step, "loss": loss, "lr": 1e-4, "grad_norm": 0.5, "tokens": 1000, "time_s": t,
+            "compute_s": 0.5, "optimizer_s": 0.1, "transfer_s": 0.0, "send_s": 0.0, "mem_peak": mem}
+
+
+def test_reporter_lines_records_and_summary(tmp_path):
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 3, predicted_mem=[2 ** 30, 2 ** 30], predicted_step_s=1.5, stream=out,
+                 tensorboard=False)
+    r.eval(0, 3.0, 64)
+    for i, (t, m) in enumerate([(4.0, 10), (1.0, 30), (2.0, 20)], start=1):
+        r.step([_rep(i, 4.0 - i, t, m), _rep(i, 4.0 - i, t / 2, 2 * m)])
+    r.eval(3, 2.0, 64)
+    summ = r.finish()
+    text = out.getvalue()
+    assert "step 2/3 | loss 2.0000 | lr 1.00e-04 | gnorm 0.500 | 1,000 tok/s | 1.00 s (plan 1.50)" in text
+    assert "eval after step 3: val loss 2.0000" in text
+    assert summ["steps_run"] == 3 and summ["first_loss"] == 3.0 and summ["last_loss"] == 1.0
+    assert summ["mean_step_s"] == 1.5  # steps after the first: (1 + 2) / 2
+    assert summ["peak_mem_bytes"] == [30, 60]
+    assert summ["first_val_loss"] == 3.0 and summ["last_val_loss"] == 2.0
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert [x["step"] for x in rows] == [1, 2, 3] and rows[0]["step_s"] == 4.0
+    assert len(open(tmp_path / "eval.jsonl").readlines()) == 2
+    assert os.path.exists(tmp_path / "summary.json")
