@@ -157,6 +157,14 @@ def validate(cfg) -> None:
         raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
     if t.stop_after < 0:
         raise ConfigError(f"train.stop_after={t.stop_after} must be >= 0 (0 = run to train.steps)")
+    if not (0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0) or t.eps <= 0 or t.weight_decay < 0:
+        raise ConfigError(f"AdamW settings out of range (train.beta1={t.beta1}, train.beta2={t.beta2}, "
+                          f"train.eps={t.eps}, train.weight_decay={t.weight_decay}): need 0 <= beta < 1, eps > 0, "
+                          "weight_decay >= 0")
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (final LR = lr * min_lr_ratio)")
+    if d.eval_every < 0 or d.eval_batches < 0 or cfg.checkpoint.keep < 0:
+        raise ConfigError("data.eval_every, data.eval_batches and checkpoint.keep must be >= 0 (0 = off / keep all)")
     if cfg.runtime.transport not in ("shm", "inline"):
         raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
     if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:

@@ -42,7 +42,8 @@ class Job:
         self.cmd = [sys.executable, LAUNCH, f"model.path={model}", f"backend={backend}", *BASE, *overrides,
                     f"hydra.run.dir={self.run_dir}"]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=e, cwd=REPO)
+            # own session/process group, so a test can signal the whole group like `timeout` or Slurm do
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=e, cwd=REPO, start_new_session=True)
         self.t_start = time.monotonic()
         self.t_exit: Optional[float] = None
         self.family: list[psutil.Process] = []

@@ -161,10 +161,12 @@ def test_kill9_during_checkpoint_keeps_previous(tiny_model, tmp_path):
     assert [os.path.basename(p) for p in complete_checkpoints(ck)] == ["step_000002", "step_000004"]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig):
-    """SIGTERM (Kubernetes) / Ctrl-C to the launcher only: the cards finish the step, agree on it,
-    save a checkpoint, and everything stops; the checkpoint resumes (SIGTERM case)."""
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-process-group"])
+def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
+    """SIGTERM (Kubernetes) / Ctrl-C to the launcher, or SIGTERM to the whole process group (what
+    `timeout`, systemd and Slurm send): the cards finish the step, agree on it, save a checkpoint,
+    and everything stops; the checkpoint resumes (SIGTERM cases)."""
     from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
 
     ck = str(tmp_path / "ckpt")
@@ -173,13 +175,16 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig):
         info = job.job_info()
         job.wait_steps(3)
         t_sig = time.monotonic()
-        os.kill(job.proc.pid, sig)
+        if group:
+            os.killpg(os.getpgid(job.proc.pid), sig)
+        else:
+            os.kill(job.proc.pid, sig)
         rc = job.wait(60)
     finally:
         job.kill_all()
     assert rc == 128 + sig, job.tail()
     assert job.t_exit - t_sig < TEARDOWN_S
-    assert f"interrupted by {sig.name}" in job.stderr and "resume with train.resume=latest" in job.stderr
+    assert f"interrupted by {sig.name}" in job.stderr and "train.resume=latest" in job.stderr
     assert "Traceback" not in job.stderr
     _assert_cleaned_up(job, info)
     cks = complete_checkpoints(ck)

@@ -130,8 +130,8 @@ class StepSampler:
             raise ValueError(
                 "cannot resume: the data/batch layout differs from the checkpoint ("
                 + "; ".join(diffs)
-                + "); resume with the same data.text/data.seq_len/val_fraction, seed, micro-batch size, "
-                "number of micro-batches and data-parallel size, or start a fresh run without resuming"
+                + "); resume with the same data.source, data.seq_len, data.val_fraction, train.seed, "
+                "train.micro_batch and train.accum, or start a fresh run without resuming"
             )
 
     def __repr__(self) -> str:

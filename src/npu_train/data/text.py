@@ -1,6 +1,6 @@
 """Training text sources.
 
-``read_text_source(spec)`` turns a ``data.text`` config value into text:
+``read_text_source(spec)`` turns a ``data.source`` config value into text:
 
 * ``"botchan"`` -- the embedded public-domain novel *Botchan* (Project Gutenberg
   #8868, see ``assets/SOURCE.md``), Gutenberg header/footer stripped;
@@ -125,7 +125,7 @@ def _read_file(path: Path) -> list[str]:
     if suffix in _JSONL_SUFFIXES:
         return _read_jsonl(path)
     raise DataError(
-        f"{path}: unsupported file type {path.suffix!r}; data.text must be 'botchan', "
+        f"{path}: unsupported file type {path.suffix!r}; data.source must be 'botchan', "
         "a .txt file (UTF-8), a .jsonl file (one {\"text\": ...} object per line) or a "
         "directory of those"
     )
@@ -145,7 +145,7 @@ def read_documents(spec: str) -> list[str]:
         path = Path(spec).expanduser()
         if not path.exists():
             raise FileNotFoundError(
-                f"data.text={spec!r}: no such file or directory ({path.resolve()}); "
+                f"data.source={spec!r}: no such file or directory ({path.resolve()}); "
                 f"use one of the built-in texts {list(BUILTIN_SOURCES)}, or a path to a "
                 ".txt/.jsonl file or a directory of them"
             )

@@ -255,11 +255,11 @@ def worker_main(spec: dict) -> None:
     """Entry point of a card process (``multiprocessing`` spawn target). Never returns normally on error."""
     rank = spec["rank"]
     logging.basicConfig(level=logging.INFO, format=f"[card {spec['card']['name']} stage {rank}] %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher decides what Ctrl-C means
-    # Default action (immediate termination) rather than a Python handler: a handler only runs
-    # when the main thread returns to the interpreter, which never happens while it is blocked
-    # in a gloo collective, so the coordinator's SIGTERM would always need the SIGKILL fallback.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # The launcher decides what Ctrl-C / SIGTERM mean (finish the step, checkpoint, stop). A signal
+    # sent to the whole process group (timeout, Slurm, a terminal) must not kill the card processes
+    # first; the coordinator stops them with SIGKILL at teardown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     torch.set_num_threads(max(1, int(spec["runtime"]["threads"])))
     ctx = zmq.Context()
     ctrl = Control(ctx, spec["coord_addr"], spec["token"], rank)
