@@ -127,7 +127,13 @@ def _dev_nodes_text(dev_root: str = "/dev") -> str:
 def runtime_problem(dev_root: str = "/dev") -> str | None:
     """Why RNGD cards cannot be used in this process (one sentence with the fix), or None."""
     if not furiosa_torch_importable():
-        return (f"furiosa-torch is not installed in this Python ({sys.executable}): {ENV_HINT}")
+        # Say first whether this machine has cards at all: installing furiosa-torch (~7 GB) is
+        # pointless on a host without RNGD device nodes or runtime.
+        hw = "although RNGD cards are present" if list_rngd_cards(dev_root) else (
+            f"and this machine has no RNGD device nodes ({dev_root}/rngd/npu*mgmt: none)")
+        prefix = "" if list_rngd_cards(dev_root) else "no RNGD device/runtime: "
+        return (f"{prefix}furiosa-torch is not installed in this Python ({sys.executable}) {hw}; "
+                f"on an RNGD server: {ENV_HINT}")
     if find_runtime_library() is None:
         return (f"no RNGD device/runtime: {RUNTIME_LIBRARY} not found by the dynamic loader "
                 f"(ldconfig cache / LD_LIBRARY_PATH); {SETUP_HINT}")

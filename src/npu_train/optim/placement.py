@@ -11,53 +11,103 @@ Units are explicit everywhere: ``*_bytes`` are bytes, ``gb()`` converts to decim
 GiB figures (RNGD: 48 GB HBM of which 47.5 GiB is usable = 51.0 GB).
 
 Memory model, per card (= pipeline stage), ``e`` = bytes of the compute dtype (2 for bf16, 4 for
-fp32):
+fp32). It follows what the trainer's code allocates (``runtime/worker.py``, ``optim/adamw.py``,
+``model/llama.py``); every term is a separate key of ``StagePlan.mem``:
 
+- ``baseline``: ``Rates.process_baseline_bytes``. For ``cpu`` cards the "device memory" is the
+  card process's resident set size (RSS), so everything the process holds before it allocates
+  model state counts: interpreter, torch and other libraries, gloo/ZeroMQ, the model-file reader
+  (a GGUF reader stays cached with its parsed metadata and mapped file pages). ``calibrate``
+  measures it in a fresh subprocess; the default is 0.35 GiB. For ``cuda``/``furiosa`` it is 0:
+  their memory figures exclude the host process.
 - ``weights``: ``e`` B/param for every parameter the stage computes with: its decoder layers,
   the input embedding on the first stage, the final norm and ``lm_head`` on the last stage. With
   tied embeddings and more than one stage the last stage holds a *copy* of the embedding matrix as
   its ``lm_head`` (the first stage owns it).
 - ``grads``: gradient accumulators in the compute dtype, same size as ``weights`` (gradients are
   accumulated on the card over the M micro-batches, then handed to the optimizer once per step).
-- ``optimizer``: for *resident* parameters only: fp32 master + AdamW m + v = 12 B/param (bf16
-  compute). With fp32 compute the weights are the master: 8 B/param (m + v). The tied ``lm_head``
-  copy never has optimizer state (its gradient is sent to the owner, the first stage).
-- ``activations``: saved activations of the micro-batches in flight (see
-  :func:`activation_bytes_per_layer` and :func:`in_flight_micro_batches`), plus the last stage's
-  fp32 logits and their gradient, ``b*s*V*4*2`` bytes per micro-batch in flight.
+- ``optimizer``: fp32 master + AdamW m + v = 12 B/param for the parameters whose optimizer state
+  lives on the card. The master is always a separate fp32 copy (``StageOptimizer`` clones the
+  loaded weights), also with fp32 compute. The tied ``lm_head`` copy has its own master and
+  moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
+  or offloaded like the stage's other non-layer parameters. On the card: the *resident*
+  parameters; on a ``cpu`` card *all* of them, since the host RAM that holds "offloaded" state is
+  the same RAM the card process's RSS counts.
+- ``activations``: tensors autograd saves for the micro-batches in flight (see
+  :func:`activation_bytes_per_layer` and :func:`in_flight_micro_batches`), plus on the last stage
+  the fp32 log-probabilities that ``cross_entropy`` saves, ``b*s*V*4`` bytes per micro-batch in
+  flight (:func:`saved_logits_bytes`). ``ATTENTION[kind]`` selects the attention term: ``"sdpa"``
+  (cpu, cuda: ``scaled_dot_product_attention``'s fused kernels save only the log-sum-exp) or
+  ``"eager"`` (furiosa, conservative: the attention probabilities are saved).
+- ``transient``: what the peak phase of a step adds on top, ``max(fwd/bwd, optimizer) + held``:
+
+  * fwd/bwd phase, last stage: ``max(2*b*s*V*4, acc)``: the log-softmax backward holds its
+    incoming and outgoing gradient (two fp32 logits-sized tensors), the ``lm_head`` backward
+    the weight-gradient temporary ``acc``. Other stages: ``max(0, acc - A)``, where ``acc = e *``
+    (largest parameter of the stage) is the temporary of gradient accumulation (from the second
+    micro-batch on, autograd computes a fresh gradient and adds it to ``.grad``); for the first
+    stage that is the embedding, whose gradient appears at the end of a micro-batch's backward,
+    when that micro-batch's activations ``A`` are already freed.
+  * optimizer phase (activations freed, gradients alive): the larger of the gradient-norm
+    temporary (``4 B`` or, for bf16, ``8 B`` x largest parameter) and the fp32 master-gradient
+    copies: 4 B/param for offloaded parameters (a copy of the downloaded gradient; counted on
+    ``cpu`` cards only, elsewhere it is host RAM) and, with bf16 compute, 4 B/param for resident
+    parameters (``grad.float()``), plus one upload temporary.
+  * held: with tied embeddings on more than one stage, the first and last stage keep the
+    previous step's tied gradient and its fp32 host copy referenced until the next step's
+    exchange (loop variables in the worker): ``(e + 4) * V*H`` bytes on a ``cpu`` card, the
+    ``e * V*H`` device part elsewhere.
 - ``workspace``: ``WORKSPACE[kind] = (constant_bytes, fraction)``: the constant covers runtime /
   compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers), the fraction
-  of the four terms above covers allocator fragmentation and transient temporaries. These are
-  assumed values, not measurements.
+  of the five terms above allocator slack and temporaries not modelled. For ``cpu`` the constant
+  is 0 (the process baseline replaces it) and the fraction is glibc's allocator slack: freed heap
+  blocks stay resident and autograd's churn of activation-sized blocks fragments the heap;
+  measured with ``mallinfo2`` on SmolLM2-135M stages (fp32, 1-2 threads): free-but-resident heap
+  at the RSS peak = 6-17 % of the live bytes, 12 % used. The other kinds' figures are assumed.
 
-Non-layer parameters (embedding, final norm, untied ``lm_head``) follow the ``nonlayer_resident``
-flag of :func:`make_plan`; the default (``None``) makes them resident exactly when *all* the card's
-decoder layers are resident, i.e. offloading starts with them (they are the largest single tensors
-and a card that offloads anything already pays the host-optimizer path).
+Non-layer parameters (embedding, final norm, ``lm_head`` and its tied copy) follow the
+``nonlayer_resident`` flag of :func:`make_plan`; the default (``None``) makes them resident exactly
+when *all* the card's decoder layers are resident, i.e. offloading starts with them (they are the
+largest single tensors and a card that offloads anything already pays the host-optimizer path).
 
 Within a card the resident layers are the *first* ones of the card's range and the offloaded ones
 the last: backward runs last-to-first, so the offloaded layers' gradients are complete earliest,
 which lets a trainer start their host optimizer soonest.
 
-Host memory: ``host_bytes`` = 12 B/param (fp32 master + m + v) for the stage's offloaded params.
+Host memory: ``host_bytes`` = 12 B/param (fp32 master + m + v) for the stage's offloaded params
+(0 for ``cpu`` cards, whose offloaded state is already in the card's ``optimizer`` term).
 
 Time model (per optimizer step of ``M`` micro-batches on ``P`` stages):
 
 - ``t_i`` = compute time of stage i per micro-batch = FLOPs / ``Rates.device_flops``, FLOPs =
   ``6 * tokens * (params of the stage's layers + lm_head)`` + attention scores
   ``12 * s * (heads*head_dim) * tokens`` per layer, times 8/6 with recompute (one extra forward).
-  The embedding lookup and norms count no FLOPs.
+  The embedding lookup and norms count no FLOPs. ``device_flops`` is the *sustained training*
+  rate (``calibrate`` measures it on a decoder layer's forward + backward, so element-wise work
+  and framework overhead are in it); ``Rates.flops_by_dtype`` may give it per compute dtype. The
+  ``lm_head`` + loss runs at ``device_flops * Rates.head_flops_ratio`` (measured: its GEMMs have
+  one small dimension and the log-softmax spans the vocabulary).
 - Pipeline phase (1F1B and GPipe alike): ``(M + P - 1) * max_i t_i``; the slowest stage sets the
   pace, so every stage is busy ``compute = M * t_i`` and idle ``bubble = (M+P-1)*max t - M*t_i``
   (for balanced stages that is the classical bubble fraction ``(P-1)/(M+P-1)`` of the step).
 - ``host_optimizer`` = offloaded params / ``Rates.host_adamw_params_per_s`` (each stage's process
   runs its own host AdamW, concurrently with the other stages').
+- ``device_optimizer`` = resident params / ``Rates.device_adamw_params_per_s`` (the card's AdamW
+  over its resident masters; on a ``cpu`` card that is the same fused CPU AdamW as the host's).
 - ``transfer`` = offloaded params * ``e`` / ``h2d_bytes_per_s`` (updated weights back to the card)
-  + offloaded params * ``e`` / ``d2h_bytes_per_s`` (accumulated gradients to the host), plus the
-  tied ``lm_head`` copy's gradient and weights each step. Stage-boundary activations (``s*b*h*e``
-  bytes per micro-batch and boundary, ~4 MB for 8B at S=512) are ignored.
+  + offloaded params * ``e`` / ``d2h_bytes_per_s`` (accumulated gradients to the host), plus, with
+  tied embeddings on more than one stage, the tied gradient's download and upload on the first and
+  last stage. Stage-boundary activations (``s*b*h*e`` bytes per micro-batch and boundary, ~4 MB
+  for 8B at S=512), the gloo all-reduce of the tied gradient and the gradient-norm pass are
+  ignored.
 - Conservatively, the optimizer and the transfers are *not* overlapped with the pipeline:
-  stage total = pipeline phase + host_optimizer + transfer; step time = max over stages.
+  stage total = pipeline phase + host_optimizer + device_optimizer + transfer; step time = max
+  over stages.
+- ``cpu`` cards share the host's cores: each card process runs ``threads`` torch threads
+  (the launcher's default ``max(1, cores // number of cpu cards)``, or ``make_plan(cpu_threads=)``);
+  rates measured at that thread count are used when the profile has them
+  (``Rates.by_threads``), and when the cards together run more threads than there are cores
+  their compute and optimizer rates are scaled by ``cores / (cards * threads)``.
 """
 from __future__ import annotations
 
@@ -75,9 +125,9 @@ from npu_train.model.config import LlamaConfig
 
 __all__ = [
     "PlacementError", "CardSpec", "Rates", "RunShape", "StagePlan", "Plan",
-    "DEFAULT_RATES", "WORKSPACE", "KINDS",
+    "DEFAULT_RATES", "WORKSPACE", "ATTENTION", "KINDS",
     "gb", "gib", "default_capacity", "make_cards", "calibration_path", "load_rates",
-    "activation_bytes_per_layer", "logits_bytes", "in_flight_micro_batches",
+    "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes", "in_flight_micro_batches",
     "balanced_split", "make_plan", "format_plan",
 ]
 
@@ -170,43 +220,122 @@ def make_cards(kind: str, n: int, capacity_bytes: Optional[int] = None) -> list[
 
 @dataclass
 class Rates:
-    """Throughput figures of one card kind (and its host), used for step-time prediction.
+    """Throughput figures of one card kind (and its host), used for step-time prediction, plus the
+    card process's memory baseline.
 
     Attributes:
-        device_flops: sustained training FLOP/s of one card (nominal * assumed utilization).
+        device_flops: sustained training FLOP/s of one card (forward + backward of decoder layers
+            in the compute dtype; nominal * assumed utilization when not calibrated).
         h2d_bytes_per_s: host -> card copy bandwidth, B/s.
         d2h_bytes_per_s: card -> host copy bandwidth, B/s.
         host_adamw_params_per_s: fp32 AdamW updates per second on the host, one process.
+        device_adamw_params_per_s: fp32 AdamW updates per second of the card's own optimizer over
+            its resident masters; 0 means "same as ``host_adamw_params_per_s``" (a cpu card's
+            optimizer *is* the host's fused CPU AdamW).
+        head_flops_ratio: sustained FLOP/s of the ``lm_head`` + loss forward/backward relative
+            to ``device_flops`` (its GEMMs have one small dimension and stream the ``V x H``
+            matrix, and the log-softmax runs over the vocabulary); 1.0 = same rate.
+        process_baseline_bytes: card memory a card process holds before any model state. cpu:
+            the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the
+            model-file reader); cuda/furiosa: 0 (their memory figures exclude the host process).
+        threads: cpu only: torch intra-op threads the figures above were measured with
+            (0 = unknown; then no thread scaling is applied).
+        flops_by_dtype: optional ``{"fp32": ..., "bf16": ...}`` sustained FLOP/s per compute dtype;
+            ``device_flops`` is used for a dtype that is not listed.
+        by_threads: cpu only: optional ``{threads: {field: value}}`` figures measured at other
+            thread counts (see :meth:`resolve`).
     """
 
     device_flops: float
     h2d_bytes_per_s: float
     d2h_bytes_per_s: float
     host_adamw_params_per_s: float
+    device_adamw_params_per_s: float = 0.0
+    head_flops_ratio: float = 1.0
+    process_baseline_bytes: float = 0.0
+    threads: int = 0
+    flops_by_dtype: dict = field(default_factory=dict)
+    by_threads: dict = field(default_factory=dict)
+
+    @property
+    def device_adamw(self) -> float:
+        """``device_adamw_params_per_s``, or the host figure when that is 0."""
+        return self.device_adamw_params_per_s or self.host_adamw_params_per_s
+
+    def flops(self, dtype: str) -> float:
+        """Sustained FLOP/s for compute dtype ``dtype`` (``flops_by_dtype`` or ``device_flops``)."""
+        return float(self.flops_by_dtype.get(dtype, self.device_flops))
+
+    def resolve(self, dtype: Optional[str] = None, threads: Optional[int] = None) -> "Rates":
+        """Flat rates for one card: ``device_flops`` for ``dtype``, and for ``threads`` the
+        ``by_threads`` entry measured at that thread count; without one, when ``self.threads`` is
+        known, the compute-bound figures (FLOP/s, AdamW rates) are scaled by
+        ``threads / self.threads`` (assumed linear) and the bandwidths kept."""
+        base = {k: getattr(self, k) for k in _RATE_NUMBERS}
+        by_dtype = dict(self.flops_by_dtype)
+        t = int(threads) if threads else 0
+        if t and t != self.threads:
+            entry = self.by_threads.get(t, self.by_threads.get(str(t)))
+            if isinstance(entry, dict):
+                for k in _RATE_NUMBERS:
+                    if k in entry:
+                        base[k] = float(entry[k])
+                if isinstance(entry.get("flops_by_dtype"), dict):
+                    by_dtype = dict(entry["flops_by_dtype"])
+                elif "device_flops" in entry:
+                    by_dtype = {}  # the top level's per-dtype figures belong to another count
+            elif self.threads:
+                f = t / self.threads
+                for k in ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s"):
+                    # head_flops_ratio is a ratio of two rates: kept
+                    base[k] *= f
+                by_dtype = {d: v * f for d, v in by_dtype.items()}
+        if dtype is not None and dtype in by_dtype:
+            base["device_flops"] = float(by_dtype[dtype])
+        return Rates(**base, threads=t or self.threads)
+
+
+#: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
+_RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
+                 "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes")
+#: Fields that may be 0 (0 has a meaning: "same as host" / "no baseline").
+_RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
 
 
 #: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
 #:
 #: - furiosa: RNGD spec sheet 512 TFLOPS FP8 / 256 TFLOPS BF16; 0.4 assumed utilization.
 #:   h2d 6e9 B/s as measured on an earlier RNGD deployment (one 117 MB tensor); d2h assumed equal.
-#: - cuda: H100/H200-class 989 TFLOPS dense BF16 * 0.4 assumed; 25e9 B/s PCIe Gen5 pinned copies.
-#: - cpu: 50 GFLOP/s per process; copies are memcpy (~10e9 B/s).
+#:   Device AdamW (unfused, one tensor at a time) 1e10 params/s assumed.
+#: - cuda: H100/H200-class 989 TFLOPS dense BF16 * 0.4 assumed; 25e9 B/s PCIe Gen5 pinned copies;
+#:   fused device AdamW 5e10 params/s (HBM-bound, ~28 B moved per param).
+#: - cpu: 50 GFLOP/s per process; copies are memcpy (~10e9 B/s); process baseline 0.35 GiB
+#:   (python + torch + npu_train + gloo/ZeroMQ measured at ~0.25 GiB RSS, plus a model-file
+#:   reader); the card's optimizer is the host AdamW.
 #: - host AdamW 2e8 params/s per process for every kind (assumed, fp32, multi-threaded torch).
 DEFAULT_RATES: dict[str, Rates] = {
     "furiosa": Rates(device_flops=256e12 * 0.4, h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9,
-                     host_adamw_params_per_s=2e8),
+                     host_adamw_params_per_s=2e8, device_adamw_params_per_s=1e10),
     "cuda": Rates(device_flops=989e12 * 0.4, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9,
-                  host_adamw_params_per_s=2e8),
+                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10),
     "cpu": Rates(device_flops=50e9, h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
-                 host_adamw_params_per_s=2e8),
+                 host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB),
 }
 
-#: Per-kind workspace: (constant bytes, fraction of weights+grads+optimizer+activations). Assumed.
+#: Per-kind workspace: (constant bytes, fraction of weights+grads+optimizer+activations+transient).
+#: cpu: no constant (``Rates.process_baseline_bytes`` covers the process), 12 % glibc allocator
+#: slack (measured, see the module docstring); cuda/furiosa: assumed.
 WORKSPACE: dict[str, tuple[int, float]] = {
     "furiosa": (1 * GIB, 0.05),
     "cuda": (1 * GIB, 0.05),
-    "cpu": (GIB // 4, 0.05),
+    "cpu": (0, 0.12),
 }
+
+#: Attention implementation assumed for the activation memory of each kind (see
+#: :func:`activation_bytes_per_layer`): the model calls ``scaled_dot_product_attention``, whose CPU
+#: and CUDA kernels are fused (flash / memory-efficient: only the log-sum-exp is saved); for
+#: furiosa the compiled kernel is not known, so the eager (probabilities saved) figure is kept.
+ATTENTION: dict[str, str] = {"cpu": "sdpa", "cuda": "sdpa", "furiosa": "eager"}
 
 
 def calibration_path(kind: str) -> Path:
@@ -214,16 +343,31 @@ def calibration_path(kind: str) -> Path:
     return Path.home() / ".cache" / "npu-train" / "calibration" / f"{kind}.json"
 
 
+def _profile_number(path: Path, key: str, value, may_be_zero: bool) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"calibration profile {path}: {key}={value!r} is not a number") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not may_be_zero):
+        raise ValueError(f"calibration profile {path}: {key}={value!r} must be "
+                         + (">= 0" if may_be_zero else "> 0"))
+    return v
+
+
 def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None) -> Rates:
     """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by a calibration profile when present.
 
     The profile is a JSON object whose keys (top level, or under ``"rates"``) are :class:`Rates`
-    field names with numbers as values; other keys are ignored, missing ones keep the default.
-    A missing file gives the defaults; an unreadable or malformed one raises ``ValueError``.
+    field names with numbers as values (``flops_by_dtype``: an object of numbers; ``by_threads``:
+    an object ``{"<threads>": {field: number}}``); other keys are ignored, missing ones keep the
+    default. A missing file gives the defaults; an unreadable or malformed one raises
+    ``ValueError``. :func:`npu_train.optim.calibrate.save_profile` writes this format.
     """
     if kind not in DEFAULT_RATES:
         raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
-    values = asdict(DEFAULT_RATES[kind])
+    d = DEFAULT_RATES[kind]
+    values = {k: getattr(d, k) for k in _RATE_NUMBERS}
+    threads, by_dtype, by_threads = d.threads, dict(d.flops_by_dtype), dict(d.by_threads)
     path = Path(profile_path) if profile_path is not None else calibration_path(kind)
     if path.is_file():
         try:
@@ -236,11 +380,25 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None) ->
             raise ValueError(f"calibration profile {path} is not a JSON object")
         for k in values:
             if k in data:
-                v = float(data[k])
-                if not (v > 0 and math.isfinite(v)):
-                    raise ValueError(f"calibration profile {path}: {k}={data[k]!r} must be > 0")
-                values[k] = v
-    return Rates(**values)
+                values[k] = _profile_number(path, k, data[k], k in _RATE_MAY_BE_ZERO)
+        if "threads" in data:
+            threads = int(_profile_number(path, "threads", data["threads"], True))
+        if isinstance(data.get("flops_by_dtype"), dict):
+            by_dtype = {str(dt): _profile_number(path, f"flops_by_dtype.{dt}", v, False)
+                        for dt, v in data["flops_by_dtype"].items()}
+        if isinstance(data.get("by_threads"), dict):
+            by_threads = {}
+            for t, entry in data["by_threads"].items():
+                if not isinstance(entry, dict):
+                    raise ValueError(f"calibration profile {path}: by_threads.{t} is not an object")
+                e = {k: _profile_number(path, f"by_threads.{t}.{k}", entry[k], k in _RATE_MAY_BE_ZERO)
+                     for k in _RATE_NUMBERS if k in entry}
+                if isinstance(entry.get("flops_by_dtype"), dict):
+                    e["flops_by_dtype"] = {
+                        str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
+                        for dt, v in entry["flops_by_dtype"].items()}
+                by_threads[int(t)] = e
+    return Rates(**values, threads=threads, flops_by_dtype=by_dtype, by_threads=by_threads)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -298,13 +456,14 @@ def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, sch
     raise ValueError(f"schedule must be '1f1b' or 'gpipe', got {schedule!r}")
 
 
-def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
+def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: str = "eager") -> int:
     """Saved activations of one decoder layer for one micro-batch *without* recompute, bytes.
 
-    Adapted from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-    Models"), whose ``s*b*h*(34 + 5*a*s/h)`` is for 16-bit GPT layers with dropout and a 4h GeLU
-    MLP. For a Llama layer (no dropout, RMSNorm, grouped-query attention, SwiGLU) with ``e`` bytes
-    per compute-dtype element, q = heads*head_dim, kv = kv_heads*head_dim, i = intermediate size:
+    ``attention="eager"`` (default; the figure used for furiosa): adapted from Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models"), whose
+    ``s*b*h*(34 + 5*a*s/h)`` is for 16-bit GPT layers with dropout and a 4h GeLU MLP. For a Llama
+    layer (no dropout, RMSNorm, grouped-query attention, SwiGLU) with ``e`` bytes per
+    compute-dtype element, q = heads*head_dim, kv = kv_heads*head_dim, i = intermediate size:
 
     - two RMSNorms, input + output each: ``4*s*b*h*e``
     - rotated Q and the attention output (input of o_proj): ``2*s*b*q*e``
@@ -317,19 +476,47 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
 
     For Llama-3.1-8B in bf16 that is ``s*b*h*(41 + 6*a*s/h)`` (Korthikanti: 34 + 5*a*s/h),
     136.3 MB at S=512, b=1.
+
+    ``attention="sdpa"`` (cpu, cuda): exactly what autograd saves for
+    :class:`npu_train.model.llama.DecoderLayer` when ``scaled_dot_product_attention`` runs a fused
+    kernel (checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks``, fp32 and
+    bf16, excluding parameters and the shared RoPE tables), per token:
+
+    - each RMSNorm: its fp32 input (the upcast; the input itself for fp32), the normalized value
+      cast to the compute dtype and the output (input of the next projections): ``(4 + 2e)*h``,
+      plus the fp32 ``rsqrt`` statistic, 4 B
+    - attention: rotated Q, K and V as fed to the kernel (the model's ``repeat_kv`` expands K and
+      V to q width) and the output (input of o_proj): ``4*e*q``, plus the fp32 log-sum-exp per
+      head, ``4*a``
+    - SwiGLU as above: ``4*e*i``
+
+    i.e. ``s*b*(2*(4 + 2e)*h + 8 + 4*e*q + 4*a + 4*e*i)``: 12.20 MB for SmolLM2-135M at fp32,
+    S=128, b=2 (the eager figure is 11.40 MB there: no s*s term, but wider norms and K/V).
     """
     s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
     h, i = model.hidden_size, model.intermediate_size
+    a = model.num_heads
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
+    if attention == "sdpa":
+        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + 4 * e * i)
+    if attention != "eager":
+        raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
     linear = e * s * b * (4 * h + 2 * q + 2 * kv + 4 * i)
-    scores = model.num_heads * b * s * s * (4 + (e if e != 4 else 0))
+    scores = a * b * s * s * (4 + (e if e != 4 else 0))
     return linear + scores
 
 
 def logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
-    """Last stage, per micro-batch: fp32 logits and their gradient, ``b*s*V*4*2`` bytes."""
+    """Last stage, per micro-batch: fp32 logits and their gradient, ``b*s*V*4*2`` bytes (the
+    log-softmax backward's two logits-sized fp32 tensors, see the ``transient`` term)."""
     return shape.micro_batch * shape.seq_len * model.vocab_size * 4 * 2
+
+
+def saved_logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
+    """Last stage, per micro-batch in flight: the fp32 log-probabilities ``cross_entropy`` saves
+    for its backward, ``b*s*V*4`` bytes (also with bf16 compute: the logits are cast to fp32)."""
+    return shape.micro_batch * shape.seq_len * model.vocab_size * 4
 
 
 def balanced_split(num_layers: int, num_cards: int) -> list[int]:
@@ -344,17 +531,20 @@ def balanced_split(num_layers: int, num_cards: int) -> list[int]:
 # ------------------------------------------------------------------------------------------------
 # plan data
 # ------------------------------------------------------------------------------------------------
-MEM_KEYS = ("weights", "grads", "optimizer", "activations", "workspace", "total")
-TIME_KEYS = ("compute", "bubble", "host_optimizer", "transfer", "total")
+MEM_KEYS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace",
+            "total")
+TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "total")
 
 
 @dataclass
 class StagePlan:
     """One card's share of the model and its predicted cost.
 
-    ``mem`` (bytes) has keys weights, grads, optimizer, activations, workspace, total; ``time``
-    (seconds per optimizer step) has keys compute, bubble, host_optimizer, transfer, total;
-    ``host_bytes`` is the host RAM for the stage's offloaded fp32 master + AdamW moments;
+    ``mem`` (bytes) has keys baseline, weights, grads, optimizer, activations, transient,
+    workspace, total; ``time`` (seconds per optimizer step) has keys compute, bubble,
+    host_optimizer, device_optimizer, transfer, total (see the module docstring);
+    ``host_bytes`` is the host RAM for the stage's offloaded fp32 master + AdamW moments (0 on a
+    cpu card, where that state is part of ``mem``);
     ``in_flight`` the micro-batches whose activations the stage holds at peak.
     """
 
@@ -452,11 +642,13 @@ class Plan:
         cols = [
             ("card", "total", "left"), ("layers", f"{self.model.num_layers} layers", "left"),
             ("res", "", "right"), ("off", "", "right"),
-            ("weights\nGiB", "", "right"), ("grads\nGiB", "", "right"),
-            ("optim\nGiB", "", "right"), ("act\nGiB", "", "right"), ("ws\nGiB", "", "right"),
+            ("base\nGiB", "", "right"), ("weights\nGiB", "", "right"),
+            ("grads\nGiB", "", "right"), ("optim\nGiB", "", "right"), ("act\nGiB", "", "right"),
+            ("trans\nGiB", "", "right"), ("ws\nGiB", "", "right"),
             ("total\nGiB", "", "right"), ("cap\nGiB", "", "right"),
             ("compute\ns", "", "right"), ("bubble\ns", "", "right"),
-            ("host-opt\ns", "", "right"), ("xfer\ns", "", "right"), ("stage\ns", "", "right"),
+            ("host-opt\ns", "", "right"), ("dev-opt\ns", "", "right"), ("xfer\ns", "", "right"),
+            ("stage\ns", "", "right"),
             ("host\nGiB", "", "right"),
         ]
         tot_mem = {k: sum(st.mem[k] for st in self.stages) for k in MEM_KEYS}
@@ -467,7 +659,8 @@ class Plan:
             "stage\ns": f"step {self.step_time_s:.2f}",
             "host\nGiB": f"{gib(self.host_bytes):.2f}",
         }
-        for key, mk in zip(("weights", "grads", "optim", "act", "ws", "total"), MEM_KEYS):
+        for key, mk in zip(("base", "weights", "grads", "optim", "act", "trans", "ws", "total"),
+                           MEM_KEYS):
             footers[f"{key}\nGiB"] = f"{gib(tot_mem[mk]):.2f}"
         for name, footer, justify in cols:
             t.add_column(name, footer=footers.get(name, footer), justify=justify, no_wrap=True)
@@ -476,11 +669,13 @@ class Plan:
             total = f"{gib(m['total']):.2f}" + ("" if st.fits else " !")
             t.add_row(
                 st.card.name, st.layers_label, str(len(st.resident)), str(len(st.offloaded)),
-                f"{gib(m['weights']):.2f}", f"{gib(m['grads']):.2f}", f"{gib(m['optimizer']):.2f}",
-                f"{gib(m['activations']):.2f}", f"{gib(m['workspace']):.2f}", total,
+                f"{gib(m['baseline']):.2f}", f"{gib(m['weights']):.2f}", f"{gib(m['grads']):.2f}",
+                f"{gib(m['optimizer']):.2f}", f"{gib(m['activations']):.2f}",
+                f"{gib(m['transient']):.2f}", f"{gib(m['workspace']):.2f}", total,
                 f"{gib(st.card.capacity_bytes):.1f}",
                 f"{tm['compute']:.2f}", f"{tm['bubble']:.2f}", f"{tm['host_optimizer']:.2f}",
-                f"{tm['transfer']:.2f}", f"{tm['total']:.2f}", f"{gib(st.host_bytes):.2f}",
+                f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm['total']:.2f}",
+                f"{gib(st.host_bytes):.2f}",
             )
         buf = io.StringIO()
         Console(file=buf, width=width, color_system=None, force_terminal=False,
@@ -508,32 +703,53 @@ class _StageCost:
     resident: int
     nonlayer_resident: bool
     mem: dict
-    host_params: int      # params whose optimizer runs on the host
+    host_params: int      # params whose optimizer runs on the host (offloaded)
+    device_params: int    # params whose optimizer runs on the card (resident)
     xfer_params: int      # params moved card<->host each step (each direction)
     t_mb: float           # compute seconds per micro-batch
     in_flight: int
+    host_state_on_card: bool = False   # cpu card: the offloaded state is in the card's memory
 
     @property
     def host_bytes(self) -> int:
-        return 12 * self.host_params
+        return 0 if self.host_state_on_card else 12 * self.host_params
 
 
 class _Model:
     """Per-plan constants, so the split search evaluates stages cheaply."""
 
     def __init__(self, model: LlamaConfig, shape: RunShape, cards: list[CardSpec],
-                 rates: list[Rates], nonlayer_resident: Optional[bool]):
-        self.model, self.shape, self.cards, self.rates = model, shape, cards, rates
+                 rates: list[Rates], nonlayer_resident: Optional[bool],
+                 cpu_threads: Optional[int] = None, host_cores: Optional[int] = None):
+        self.model, self.shape, self.cards = model, shape, cards
         self.P = len(cards)
         self.Pl = model.params_per_layer()
         self.E = model.embedding_params()
         self.H = model.hidden_size
         self.e = shape.dtype_bytes
-        self.opt_b = 12 if shape.dtype == "bf16" else 8
+        self.tied = bool(model.tie_word_embeddings)
         self.nl_flag = nonlayer_resident
-        self.act_layer = activation_bytes_per_layer(model, shape)
+        # cpu cards share the host's cores (see the module docstring)
+        n_cpu = sum(1 for c in cards if c.kind == "cpu")
+        cores = int(host_cores or os.cpu_count() or 1)
+        self.cpu_threads = int(cpu_threads) if cpu_threads else max(1, cores // max(1, n_cpu))
+        self.cpu_share = min(1.0, cores / (n_cpu * self.cpu_threads)) if n_cpu else 1.0
+        self.rates = []
+        for card, rt in zip(cards, rates):
+            if card.kind == "cpu":
+                r = rt.resolve(shape.dtype, self.cpu_threads)
+                r.device_flops *= self.cpu_share
+                r.host_adamw_params_per_s *= self.cpu_share
+                r.device_adamw_params_per_s *= self.cpu_share
+            else:
+                r = rt.resolve(shape.dtype)
+            self.rates.append(r)
+        self.act_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
         self.layer_input = shape.seq_len * shape.micro_batch * self.H * self.e
-        self.logits = logits_bytes(model, shape)
+        self.saved_logits = saved_logits_bytes(model, shape)
+        # largest single tensor of a decoder layer (gate/up/down or q/o projection)
+        q = model.num_heads * model.head_dim
+        self.layer_maxp = max(self.H * model.intermediate_size, self.H * q)
         tok = shape.tokens_per_micro_batch
         rc = 8.0 / 6.0 if shape.recompute else 1.0
         self.layer_flops = rc * (6.0 * tok * self.Pl
@@ -548,7 +764,7 @@ class _Model:
             owned += self.E
         if i == self.P - 1:
             owned += self.H
-            if not self.model.tie_word_embeddings:
+            if not self.tied:
                 owned += self.E
             elif self.P > 1:
                 copy += self.E
@@ -560,38 +776,69 @@ class _Model:
         if c is not None:
             return c
         kind = self.cards[i].kind
+        cpu = kind == "cpu"
+        e, E, P, sh = self.e, self.E, self.P, self.shape
+        first, last = i == 0, i == P - 1
         owned, copy = self.nonlayer(i)
         nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
-        sh = self.shape
-        weights = self.e * (n * self.Pl + owned + copy)
+        params = n * self.Pl + owned + copy
+        res_params = r * self.Pl + (owned + copy if nl_res else 0)
+        off_params = params - res_params
+        weights = e * params
         grads = weights
-        res_params = r * self.Pl + (owned if nl_res else 0)
-        optimizer = self.opt_b * res_params
-        k = in_flight_micro_batches(i, self.P, sh.micro_batches, sh.schedule)
+        optimizer = 12 * (params if cpu else res_params)
+        # activations: saved tensors of the micro-batches in flight
+        k = in_flight_micro_batches(i, P, sh.micro_batches, sh.schedule)
+        act_layer = self.act_layer[ATTENTION[kind]]
         if sh.recompute:
-            acts = k * n * self.layer_input + (self.act_layer if n else 0)
+            acts = k * n * self.layer_input + (act_layer if n else 0)
+            one_mb = n * self.layer_input
         else:
-            acts = k * n * self.act_layer
-        if i == self.P - 1:
-            acts += k * self.logits
+            acts = k * n * act_layer
+            one_mb = n * act_layer
+        if last:
+            acts += k * self.saved_logits
+        # transient: peak-phase temporaries beyond the saved activations
+        maxp = max(self.layer_maxp if n else 0, E if (first or last) else 0)
+        accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
+        acc = e * maxp if accumulates else 0
+        if last:
+            fwd_bwd = acts + max(2 * self.saved_logits, acc)
+        else:
+            fwd_bwd = acts + max(0, acc - one_mb)
+        norm_tmp = (4 if e == 4 else 8) * maxp
+        master_grads = (4 * off_params if cpu else 0) + (4 * res_params if e != 4 else 0)
+        if cpu and off_params:
+            master_grads += e * maxp            # one upload temporary
+        opt_phase = max(norm_tmp, master_grads)
+        held = 0
+        if self.tied and P > 1 and (first or last):
+            held = (e + 4) * E if cpu else e * E
+        transient = max(fwd_bwd, opt_phase) - acts + held
         const, frac = WORKSPACE[kind]
-        ws = int(const + frac * (weights + grads + optimizer + acts))
-        mem = {"weights": weights, "grads": grads, "optimizer": optimizer, "activations": acts,
-               "workspace": ws}
-        mem["total"] = weights + grads + optimizer + acts + ws
-        host_params = (n - r) * self.Pl + (0 if nl_res else owned)
-        flops = n * self.layer_flops + (self.head_flops if i == self.P - 1 else 0.0)
-        c = _StageCost(r, nl_res, mem, host_params, host_params + copy,
-                       flops / self.rates[i].device_flops, k)
+        body = weights + grads + optimizer + acts + transient
+        ws = int(const + frac * body)
+        baseline = int(self.rates[i].process_baseline_bytes)
+        mem = {"baseline": baseline, "weights": weights, "grads": grads, "optimizer": optimizer,
+               "activations": acts, "transient": transient, "workspace": ws}
+        mem["total"] = baseline + body + ws
+        xfer = off_params + (E if self.tied and P > 1 and (first or last) else 0)
+        rt = self.rates[i]
+        t_mb = n * self.layer_flops / rt.device_flops
+        if last:
+            t_mb += self.head_flops / (rt.device_flops * rt.head_flops_ratio)
+        c = _StageCost(r, nl_res, mem, off_params, res_params, xfer, t_mb, k,
+                       host_state_on_card=cpu)
         self._cache[key] = c
         return c
 
-    def side_time(self, i: int, c: _StageCost) -> tuple[float, float]:
-        """(host optimizer seconds, transfer seconds) per step."""
+    def side_time(self, i: int, c: _StageCost) -> tuple[float, float, float]:
+        """(host optimizer, device optimizer, transfer) seconds per step."""
         rt = self.rates[i]
         host = c.host_params / rt.host_adamw_params_per_s
+        dev = c.device_params / rt.device_adamw
         xfer = self.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
-        return host, xfer
+        return host, dev, xfer
 
     def max_resident(self, i: int, n: int) -> int:
         """Most resident layers (0..n) that fit card i with n layers, or -1 if not even 0 fits."""
@@ -614,10 +861,11 @@ class _Model:
         phase = (M + self.P - 1) * t_max
         stages, first = [], 0
         for i, (n, c) in enumerate(zip(split, costs)):
-            host, xfer = self.side_time(i, c)
+            host, dev, xfer = self.side_time(i, c)
             compute = M * c.t_mb
             time = {"compute": compute, "bubble": phase - compute, "host_optimizer": host,
-                    "transfer": xfer, "total": phase + host + xfer}
+                    "device_optimizer": dev, "transfer": xfer,
+                    "total": phase + host + dev + xfer}
             stages.append(StagePlan(
                 card=self.cards[i], first_layer=first, last_layer=first + n,
                 has_embed=(i == 0), has_head=(i == self.P - 1),
@@ -651,8 +899,11 @@ def _over_capacity_message(pm: _Model, plan: Plan, st_index: int) -> str:
               f"(now {plan.shape.seq_len})"]
     return (
         f"{_card_label(st_index, st.card)} holding layers {st.layers_label}: predicted "
-        f"{gib(m['total']):.2f} GiB (weights {gib(m['weights']):.2f} + grads {gib(m['grads']):.2f}"
+        f"{gib(m['total']):.2f} GiB ("
+        + (f"baseline {gib(m['baseline']):.2f} + " if m["baseline"] else "")
+        + f"weights {gib(m['weights']):.2f} + grads {gib(m['grads']):.2f}"
         f" + optimizer {gib(m['optimizer']):.2f} + activations {gib(m['activations']):.2f}"
+        f" + transient {gib(m['transient']):.2f}"
         f" + workspace {gib(m['workspace']):.2f}) > capacity {gib(st.card.capacity_bytes):.2f} GiB"
         f"; fix: " + ", ".join(f for f in fixes if f)
     )
@@ -675,7 +926,7 @@ def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan
 
 
 def _search_split(pm: _Model, L: int) -> Optional[list[int]]:
-    """Split minimizing ``(M+P-1) * max_i t_i + max_i (host_i + xfer_i)`` with every stage at its
+    """Split minimizing ``(M+P-1) * max_i t_i + max_i (host_i + dev_i + xfer_i)`` with every stage at its
     auto resident count; ``None`` if no split fits. Exact: for a stage, t, host+xfer and memory at
     0 resident are all non-decreasing in its layer count, so for bounds (T, X) each stage admits
     n in [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
@@ -690,9 +941,9 @@ def _search_split(pm: _Model, L: int) -> Optional[list[int]]:
             if r < 0:
                 break
             c = pm.cost(i, n, r)
-            h, x = pm.side_time(i, c)
+            h, d, x = pm.side_time(i, c)
             ts.append(c.t_mb)
-            xs.append(h + x)
+            xs.append(h + d + x)
             fit = n
         if fit == 0:
             return None
@@ -756,6 +1007,8 @@ def make_plan(
     *,
     nonlayer_resident: Optional[bool] = None,
     strict: bool = True,
+    cpu_threads: Optional[int] = None,
+    host_cores: Optional[int] = None,
 ) -> Plan:
     """Place ``model`` on ``cards`` (pipeline order) and predict memory and step time.
 
@@ -777,6 +1030,9 @@ def make_plan(
             when all of that card's layers are resident.
         strict: keyword-only. If False, an infeasible placement returns a plan with
             ``fits=False`` instead of raising (layout errors always raise).
+        cpu_threads: keyword-only. torch threads per cpu card process (``runtime.threads``);
+            ``None``: the launcher's default ``max(1, host_cores // number of cpu cards)``.
+        host_cores: keyword-only. Cores the cpu cards share; ``None``: ``os.cpu_count()``.
 
     Returns:
         The :class:`Plan`; ``plan.table()`` / :func:`format_plan` render it.
@@ -820,7 +1076,7 @@ def make_plan(
         if len(rates_l) != P:
             raise ValueError(f"got {len(rates_l)} Rates for {P} cards")
 
-    pm = _Model(model, shape, cards, rates_l, nonlayer_resident)
+    pm = _Model(model, shape, cards, rates_l, nonlayer_resident, cpu_threads, host_cores)
 
     if split is not None:
         split_l = [int(n) for n in split]
@@ -908,9 +1164,13 @@ def format_plan(plan: Plan, width: int = 180) -> str:
         plan.table(width=width),
         "",
         "assumptions: weights+grads in compute dtype; resident params +12 B/param (fp32 master "
-        "+ AdamW m, v); offloaded: host AdamW + card<->host copies each step, not overlapped; "
-        f"activations {gb(activation_bytes_per_layer(m, s)) * 1e3:.1f} MB/layer/micro-batch "
-        "(no recompute); workspace = const + 5% per kind.",
+        "+ AdamW m, v; on cpu cards all params); offloaded: host AdamW + card<->host copies each "
+        "step, not overlapped; activations "
+        + ", ".join(f"{k} {gb(activation_bytes_per_layer(m, s, ATTENTION[k])) * 1e3:.1f}"
+                    for k in sorted({st.card.kind for st in plan.stages}))
+        + " MB/layer/micro-batch (no recompute); transient = peak-phase temporaries; "
+        "workspace = const + fraction per kind (cpu: 12% allocator slack); base = process "
+        "baseline (cpu: RSS).",
     ]
     seen = set()
     for st, rt in zip(plan.stages, plan.rates or []):
@@ -918,8 +1178,12 @@ def format_plan(plan: Plan, width: int = 180) -> str:
             continue
         seen.add(st.card.kind)
         head.append(
-            f"rates {st.card.kind}: {rt.device_flops / 1e12:.1f} TFLOP/s, h2d "
+            f"rates {st.card.kind}: {rt.device_flops / 1e12:.3g} TFLOP/s, h2d "
             f"{rt.h2d_bytes_per_s / 1e9:.1f} GB/s, d2h {rt.d2h_bytes_per_s / 1e9:.1f} GB/s, "
-            f"host AdamW {rt.host_adamw_params_per_s / 1e6:.0f} M params/s"
+            f"host AdamW {rt.host_adamw_params_per_s / 1e6:.0f} M params/s, device AdamW "
+            f"{rt.device_adamw / 1e6:.0f} M params/s"
+            + (f", baseline {gib(rt.process_baseline_bytes):.2f} GiB"
+               if rt.process_baseline_bytes else "")
+            + (f", {rt.threads} thread(s)" if st.card.kind == "cpu" and rt.threads else "")
         )
     return "\n".join(head)

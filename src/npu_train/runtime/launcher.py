@@ -305,19 +305,18 @@ class Coordinator:
         from npu_train.transport.shm import unlink_job_segments
 
         alive = [rs.proc for rs in self.ranks if rs.proc is not None and rs.proc.is_alive()]
+        # Card processes ignore SIGINT/SIGTERM (a signal to the whole process group, e.g. from
+        # `timeout` or Slurm, must reach only the launcher, which stops them after a checkpoint),
+        # and they hold nothing that needs flushing (checkpoints are published atomically by the
+        # coordinator), so teardown kills them outright.
         for p in alive:
             try:
-                os.kill(p.pid, signal.SIGCONT)  # a SIGSTOPped process must run to die from SIGTERM
-                p.terminate()
+                p.kill()
+                os.kill(p.pid, signal.SIGCONT)  # a SIGSTOPped process is reaped promptly too
             except (ProcessLookupError, OSError):
                 pass
-        deadline = time.monotonic() + 3.0
         for p in alive:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
-        for p in alive:
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5)
+            p.join(timeout=5)
         unlink_job_segments(self.job_id)
         self.sock.close(linger=0)
         self.ctx.term()
@@ -573,6 +572,15 @@ def run_job(cfg, run_dir: str) -> dict:
     from npu_train.transport.shm import ShmTooSmallError
 
     os.makedirs(run_dir, exist_ok=True)
+    if cfg.calibrate:
+        from npu_train.backends.spec import parse_backend_list, resolve_cards
+        from npu_train.optim.calibrate import main_calibrate
+
+        reqs = resolve_cards(parse_backend_list(_as_list(cfg.backend)))
+        kinds = [r.kind if r.index is None else f"{r.kind}:{r.index}" for r in reqs]
+        saved = main_calibrate(kinds, model_path=cfg.model.path if _preset_config(cfg.model.path) is None else None,
+                               profile=cfg.placement.profile)
+        return {"calibrate": saved}
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
         print(prep["plan"].table())
@@ -591,8 +599,13 @@ def run_job(cfg, run_dir: str) -> dict:
         resume_dir = find_checkpoint(tr.resume, ckpt_root)
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
-        StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).load_state_dict(
-            reader.manifest.get("sampler", {}))
+        try:
+            StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).load_state_dict(
+                reader.manifest.get("sampler", {}))
+        except ValueError as e:
+            raise ConfigError(f"{e}. The checkpoint's run settings are in {resume_dir}/manifest.json ('train'); "
+                              "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
+                              "train.seed, train.micro_batch, train.accum) together with train.resume") from None
         start_step = reader.step
         if start_step >= tr.steps:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: "
@@ -685,8 +698,8 @@ def run_job(cfg, run_dir: str) -> dict:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)
     if coord.interrupted:
-        where = (f"checkpoint {coord.last_ckpt} saved; resume with train.resume=latest "
-                 f"checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
+        where = (f"checkpoint {coord.last_ckpt} saved; resume by rerunning the same command with "
+                 f"train.resume=latest checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
         raise Interrupted(coord.signum, where)
     print(f"done: {summ['steps_run']} steps, loss {summ['first_loss']:.4f} -> {summ['last_loss']:.4f}; "
           f"checkpoint {coord.last_ckpt}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
