@@ -53,7 +53,9 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
     """
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
-    reader = CheckpointReader(ckpt_dir)
+    from npu_train.checkpoint.store import find_checkpoint
+
+    reader = CheckpointReader(find_checkpoint(ckpt_dir, None))  # a step_XXXXXX dir or a checkpoint root
     cfg = LlamaConfig.from_dict(reader.manifest["model"])
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
@@ -72,9 +74,10 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("checkpoint", help="a step_XXXXXX checkpoint directory")
+    ap.add_argument("checkpoint", help="a step_XXXXXX checkpoint directory, or a checkpoint root (newest is used)")
     ap.add_argument("out", help="output directory")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
+                    help="tensor dtype written (default bf16; fp32 keeps the master weights exactly)")
     a = ap.parse_args(argv)
     try:
         out = export_hf(a.checkpoint, a.out, a.dtype)

@@ -584,6 +584,16 @@ def run_job(cfg, run_dir: str) -> dict:
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
         print(prep["plan"].table())
+        host_need = sum(st.host_bytes for st in prep["plan"].stages)
+        try:
+            import psutil
+
+            here = psutil.virtual_memory().total
+            if host_need > here:
+                print(f"note: the offloaded optimizer state needs {host_need / 2**30:.1f} GiB of host RAM on the "
+                      f"training server; this machine has {here / 2**30:.1f} GiB (not checked in a dry run)")
+        except ImportError:
+            pass
         return {"plan": True}
     prep = prepare(cfg, run_dir)
     plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
