@@ -6,8 +6,9 @@ card kind of the job with :func:`calibrate`, prints a table and writes one profi
 :func:`~npu_train.optim.placement.load_rates` reads; ``placement.profile=<path>`` selects another).
 
 What is measured, through the card's backend (:func:`npu_train.backends.make_backend`), each in a
-time-bounded loop (well under a second per figure; the median of the repetitions is kept, so a
-short burst of other load on a shared machine does not decide the figure):
+time-bounded loop (about 0.6 s per figure, at most 3 s; the median of the repetitions is kept, so
+a short burst of other load on a shared machine does not decide the figure; a whole cpu
+calibration takes ~25 s on 2 cores):
 
 - ``device_flops``: *sustained training* FLOP/s = forward + backward of one
   :class:`npu_train.model.llama.DecoderLayer` (the trainer's own layer, in the planner's compute
@@ -45,7 +46,12 @@ card process ``max(1, cores // number of cpu cards)`` threads (``runtime.threads
 measures every count in ``{1, 2, 4, ..., cores}`` (``torch.set_num_threads(n)`` around the
 measurement); the profile's top level holds the figures for ``cores`` threads and ``by_threads``
 the others, and the planner picks the entry of the job's thread count (see
-:meth:`npu_train.optim.placement.Rates.resolve`).
+:meth:`npu_train.optim.placement.Rates.resolve`). Multi-thread figures collapse while another
+process holds a core (an OpenMP team waits for its descheduled thread: 5-40 instead of 145
+GFLOP/s on 2 cores), so the largest count is measured first, a count that comes out slower than
+a smaller one is re-measured (best of up to 4 per figure), and if it stays slower the smaller
+count's figures are used (a lower bound) and a warning is printed and saved: calibrate on a quiet
+machine.
 
 ``quick=True`` shrinks every size (for tests): positive, finite, but not meaningful figures.
 """

@@ -88,7 +88,7 @@ Time model (per optimizer step of ``M`` micro-batches on ``P`` stages):
   ``lm_head`` + loss runs at ``device_flops * Rates.head_flops_ratio`` (measured: its GEMMs have
   one small dimension and the log-softmax spans the vocabulary).
 - Pipeline phase (1F1B and GPipe alike): ``(M + P - 1) * max_i t_i``; the slowest stage sets the
-  pace, so every stage is busy ``compute = M * t_i`` and idle ``bubble = (M+P-1)*max t - M*t_i``
+  pace, so every stage is busy ``compute = M * t_i`` and idle ``bubble = phase - M*t_i``
   (for balanced stages that is the classical bubble fraction ``(P-1)/(M+P-1)`` of the step).
 - ``host_optimizer`` = offloaded params / ``Rates.host_adamw_params_per_s`` (each stage's process
   runs its own host AdamW, concurrently with the other stages').
@@ -106,8 +106,13 @@ Time model (per optimizer step of ``M`` micro-batches on ``P`` stages):
 - ``cpu`` cards share the host's cores: each card process runs ``threads`` torch threads
   (the launcher's default ``max(1, cores // number of cpu cards)``, or ``make_plan(cpu_threads=)``);
   rates measured at that thread count are used when the profile has them
-  (``Rates.by_threads``), and when the cards together run more threads than there are cores
-  their compute and optimizer rates are scaled by ``cores / (cards * threads)``.
+  (``Rates.by_threads``). When the cards together run more threads than there are cores (3 cpu
+  cards on 2 cores), the pipeline phase counts its ``M + P - 1`` slots by occupancy: in slot j
+  only the stages holding a micro-batch compute, and a slot whose computing cpu stages run
+  ``a * threads > cores`` threads takes ``a * threads / cores`` times longer (so the
+  ``(M+P-1)`` factor becomes the sum of the slots' stretch factors); the optimizers, which all
+  run at the same time, get ``cores / (cards * threads)`` of their rate. ``compute`` then includes
+  the phase's average slowdown (``M * t_i * slots / (M + P - 1)``).
 """
 from __future__ import annotations
 
@@ -733,17 +738,26 @@ class _Model:
         n_cpu = sum(1 for c in cards if c.kind == "cpu")
         cores = int(host_cores or os.cpu_count() or 1)
         self.cpu_threads = int(cpu_threads) if cpu_threads else max(1, cores // max(1, n_cpu))
+        # all cpu cards run their optimizers at the same time: each gets its share of the cores
         self.cpu_share = min(1.0, cores / (n_cpu * self.cpu_threads)) if n_cpu else 1.0
         self.rates = []
         for card, rt in zip(cards, rates):
             if card.kind == "cpu":
                 r = rt.resolve(shape.dtype, self.cpu_threads)
-                r.device_flops *= self.cpu_share
                 r.host_adamw_params_per_s *= self.cpu_share
                 r.device_adamw_params_per_s *= self.cpu_share
             else:
                 r = rt.resolve(shape.dtype)
             self.rates.append(r)
+        # pipeline phase = slots * max_i t_i. Slot j (0 .. M+P-2) of a wave has the stages
+        # max(0, j-M+1) .. min(j, P-1) computing; when the cpu ones among them run more threads
+        # than there are cores, the slot stretches by (cpu stages * threads / cores).
+        M, P = shape.micro_batches, self.P
+        cpu_stage = [c.kind == "cpu" for c in cards]
+        self.slots = 0.0
+        for j in range(M + P - 1):
+            active = sum(1 for st in range(max(0, j - M + 1), min(j, P - 1) + 1) if cpu_stage[st])
+            self.slots += max(1.0, active * self.cpu_threads / cores)
         self.act_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
         self.layer_input = shape.seq_len * shape.micro_batch * self.H * self.e
         self.saved_logits = saved_logits_bytes(model, shape)
@@ -858,11 +872,12 @@ class _Model:
         costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
         M = self.shape.micro_batches
         t_max = max(c.t_mb for c in costs)
-        phase = (M + self.P - 1) * t_max
+        phase = self.slots * t_max
         stages, first = [], 0
         for i, (n, c) in enumerate(zip(split, costs)):
             host, dev, xfer = self.side_time(i, c)
-            compute = M * c.t_mb
+            # with cpu cards sharing cores: including the phase's average slowdown
+            compute = M * c.t_mb * self.slots / (M + self.P - 1)
             time = {"compute": compute, "bubble": phase - compute, "host_optimizer": host,
                     "device_optimizer": dev, "transfer": xfer,
                     "total": phase + host + dev + xfer}
@@ -931,7 +946,7 @@ def _search_split(pm: _Model, L: int) -> Optional[list[int]]:
     0 resident are all non-decreasing in its layer count, so for bounds (T, X) each stage admits
     n in [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
     P, M = pm.P, pm.shape.micro_batches
-    A = M + P - 1
+    A = pm.slots
     nmax = L - P + 1
     t_tab, x_tab, ufit = [], [], []
     for i in range(P):
