@@ -52,14 +52,9 @@ from typing import Optional
 import msgpack
 import zmq
 
+from npu_train.transport.channel import Endpoint
+
 log = logging.getLogger("npu_train")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """An unused TCP port on ``host`` (bind to port 0 and release)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def check_port(host: str, port: int) -> None:
@@ -523,14 +518,13 @@ def _shm_free_bytes() -> int:
 def resident_param_names(model_cfg, stage) -> list[str]:
     """HF names of a stage's parameters that are resident (master + moments on the card).
 
-    Decoder layers follow the plan; the embedding, final norm and LM head are resident exactly
-    when every decoder layer of the stage is resident (as the placement model assumes).
+    Decoder layers follow the plan; the embedding, final norm and LM head follow the plan's
+    ``nonlayer_resident`` flag (the placement model's choice, so memory is predicted for what runs).
     """
     names = []
     for i in stage.resident:
         names += model_cfg.layer_param_names(i)
-    all_res = len(stage.resident) == stage.last_layer - stage.first_layer
-    if all_res:
+    if stage.nonlayer_resident:
         if stage.has_embed:
             names.append("model.embed_tokens.weight")
         if stage.has_head:
@@ -547,15 +541,6 @@ def prepare_data(cfg, model_path: str, model_cfg, run_dir: str):
     cache = os.path.join(os.path.expanduser("~"), ".cache", "npu-train", "data")
     return build_packed_data(cfg.data.source, tok, cfg.data.seq_len, cfg.data.val_fraction,
                              eos_id=model_cfg.eos_token_id, cache_dir=cache, vocab_size=model_cfg.vocab_size)
-
-
-def layers_label(st) -> str:
-    s = f"{st.first_layer}-{st.last_layer - 1}" if st.last_layer > st.first_layer else "none"
-    if st.has_embed:
-        s += " +emb"
-    if st.has_head:
-        s += " +head"
-    return s
 
 
 def run_job(cfg, run_dir: str) -> dict:
@@ -629,7 +614,7 @@ def run_job(cfg, run_dir: str) -> dict:
     host = rt.host
     if rt.port:
         check_port(host, rt.port)
-    port = rt.port or free_port(host)
+    port = rt.port or Endpoint.free_tcp_port(host)
     elem = 2 if prep["dtype"] == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
@@ -650,8 +635,8 @@ def run_job(cfg, run_dir: str) -> dict:
         inbox = [f"ipc://{ipc_dir}/r{r}.sock" for r in range(P)]
         coord_addr = f"ipc://{ipc_dir}/coord.sock"
     else:
-        inbox = [f"tcp://{host}:{free_port(host)}" for _ in range(P)]
-        coord_addr = f"tcp://{host}:{free_port(host)}"
+        inbox = [f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(P)]
+        coord_addr = f"tcp://{host}:{Endpoint.free_tcp_port(host)}"
     train_d = {k: getattr(tr, k) for k in ("steps", "micro_batch", "accum", "lr", "min_lr_ratio", "warmup_steps",
                                            "weight_decay", "beta1", "beta2", "eps", "clip", "schedule",
                                            "recompute", "seed", "save_every", "save_on_interrupt", "stop_after")}
@@ -665,7 +650,7 @@ def run_job(cfg, run_dir: str) -> dict:
             "card": {"kind": card.kind, "index": card.index, "name": card.name},
             "model_path": prep["model_path"], "model_cfg": mcfg.to_dict(),
             "stage": {"first": st.first_layer, "last": st.last_layer, "has_embed": st.has_embed,
-                      "has_head": st.has_head, "label": layers_label(st)},
+                      "has_head": st.has_head, "label": st.layers_label},
             "resident_names": resident_param_names(mcfg, st),
             "data_file": data_file, "train": train_d, "start_step": start_step, "resume_dir": resume_dir,
             "ckpt_root": ckpt_root, "coord_addr": coord_addr, "inbox": inbox, "ipc_dir": ipc_dir,
