@@ -10,12 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
-class UserError(Exception):
-    """Base of errors caused by the user's input; printed without a traceback, exit status 2."""
-
-
-class ConfigError(UserError, ValueError):
-    """A configuration value is invalid; the message names the key and the fix."""
+from npu_train.errors import ConfigError, UserError  # noqa: F401  (re-exported: their home is errors.py)
 
 
 @dataclass

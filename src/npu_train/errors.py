@@ -1,0 +1,62 @@
+"""The one base of every user-facing error.
+
+Anything the user can fix (a bad override, a missing model file, a malformed backend entry, an
+infeasible placement, a too-small ``/dev/shm``, a checkpoint from another model, ...) raises a
+subclass of :class:`UserError`. The entry point (``launch/run.py``) prints such an error as one
+``error: ...`` line without a traceback and exits with status 2 (:data:`EXIT_USER_ERROR`);
+nothing is written before the check that raises it. Every subclass's message names the fix.
+
+Exit statuses of ``launch/run.py`` (mapped in :func:`exit_code_for`):
+
+=====  ===========================================================
+0      the job finished
+1      a card process failed (the message names card, stage, phase)
+2      bad input (:class:`UserError`), found before any card process started
+130    interrupted by SIGINT (Ctrl-C), after a checkpoint when possible
+143    interrupted by SIGTERM (``kubectl delete``), likewise
+=====  ===========================================================
+"""
+from __future__ import annotations
+
+import signal
+
+EXIT_OK = 0
+EXIT_JOB_FAILED = 1
+EXIT_USER_ERROR = 2
+
+
+class UserError(Exception):
+    """Base of errors caused by the user's input; printed as one line, exit status 2."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration value is invalid; the message names the key and the fix."""
+
+
+class JobFailed(Exception):
+    """The job was brought down by a failed card process; ``str(self)`` names card, stage, phase and cause."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT/SIGTERM stopped the job; the exit status is ``128 + signum`` (130 / 143).
+
+    Args:
+        signum: the signal received last.
+        message: where the job stopped (checkpoint saved, how to resume), printed after the signal name.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT, message: str = ""):
+        super().__init__(message)
+        self.signum = int(signum)
+        self.message = message
+
+
+def exit_code_for(exc: BaseException) -> int:
+    """Exit status of ``launch/run.py`` for an exception that ended the job (see the module table)."""
+    if isinstance(exc, JobFailed):
+        return EXIT_JOB_FAILED
+    if isinstance(exc, KeyboardInterrupt):
+        return 128 + int(getattr(exc, "signum", signal.SIGINT))
+    if isinstance(exc, (UserError, FileNotFoundError)):
+        return EXIT_USER_ERROR
+    raise TypeError(f"not a job-ending error: {type(exc).__name__}")

@@ -1,0 +1,20 @@
+"""Hardware facts with one home (torch-free, so the planner's dry run imports no torch).
+
+Sources:
+
+- RNGD (FuriosaAI): 48 GB HBM3 per card, of which 47.5 GiB is usable by a process (the
+  figure ``furiosa-smi`` reports as the card's total, ``0.00 / 47.50 GiB``; field record of
+  the predecessor system on RNGD, see ``experiments/rngd-runbook.md``).
+"""
+from __future__ import annotations
+
+#: 2**30 bytes. Memory figures printed by npu-train are GiB unless they say GB.
+GIB = 1 << 30
+#: 10**9 bytes (vendor capacities and the design notes' "2.62 GB per layer").
+GB = 10**9
+
+#: the device kinds a ``backend=`` entry can name (``cpu``, ``cuda:N``, ``furiosa:N``).
+KINDS = ("cpu", "cuda", "furiosa")
+
+#: RNGD usable HBM per card: 47.5 GiB (= 51.0 GB) of the 48 GB HBM3.
+FURIOSA_CAPACITY_BYTES = int(47.5 * GIB)
