@@ -48,6 +48,35 @@ def _one_line_hydra_error(text: str) -> str:
     return "; ".join(lines) if lines else "invalid command line"
 
 
+def main(cfg, run_dir: str) -> int:
+    """Run one job and map how it ended to the exit status (``npu_train.errors``: 0 ok, 1 a card
+    process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2."""
+    import logging
+    import signal
+
+    from npu_train.errors import JobFailed, UserError, exit_code_for
+    from npu_train.runtime.job import run_job
+
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    try:
+        run_job(cfg, run_dir)
+        return 0
+    except JobFailed as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return exit_code_for(e)
+    except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143), see npu_train.errors.Interrupted
+        extra = getattr(e, "message", "")
+        print(f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}: all card processes stopped"
+              + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
+        return exit_code_for(e)
+    except (UserError, FileNotFoundError) as e:
+        msg = str(e)
+        if isinstance(e, FileNotFoundError) and e.filename and msg.startswith("[Errno"):
+            msg = f"file not found: {e.filename}"
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return exit_code_for(e)
+
+
 def _main() -> None:
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
     import io
@@ -69,8 +98,6 @@ def _main() -> None:
             started[0] = True
             sys.stderr = real_stderr
             real_stderr.write(captured.getvalue())
-        from npu_train.runtime.launcher import main
-
         code = main(cfg, HydraConfig.get().runtime.output_dir)
         if code:
             sys.exit(code)

@@ -73,13 +73,22 @@ def make_cfg(model_path: str, *overrides: str):
     return cfg
 
 
+def launcher_main():
+    """``main(cfg, run_dir) -> exit status`` of ``launch/run.py`` (the entry point maps errors to exit codes)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "run.py")
+    spec = importlib.util.spec_from_file_location("npt_launch_run", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
 def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int = 0):
     """Run the real launcher in-process (card processes spawned); returns (losses, CheckpointReader|None)."""
     from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
-    from npu_train.runtime.launcher import main
-
     cfg = make_cfg(model_path, *overrides)
-    rc = main(cfg, run_dir)
+    rc = launcher_main()(cfg, run_dir)
     assert rc == expect_rc, f"launcher exit status {rc}, expected {expect_rc}"
     losses = []
     mpath = os.path.join(run_dir, "metrics.jsonl")
@@ -93,7 +102,7 @@ def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int 
 
 def reference_for(model_path: str, *overrides: str):
     """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``."""
-    from npu_train.runtime.launcher import prepare_data
+    from npu_train.runtime.job import prepare_data
     from npu_train.model.loading import load_config
     from reference import reference_run
 

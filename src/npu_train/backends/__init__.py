@@ -3,9 +3,10 @@
 Importing this package never imports furiosa-torch; the furiosa backend imports it in ``setup()``.
 """
 
-from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError, make_backend
-from npu_train.backends.furiosa import FURIOSA_CAPACITY_BYTES
+from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
+from npu_train.backends.registry import make_backend
 from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend_list, resolve_cards
+from npu_train.hardware import FURIOSA_CAPACITY_BYTES
 
 __all__ = [
     "AllocLock",

@@ -23,15 +23,13 @@ import abc
 import contextlib
 import os
 import threading
-from typing import TYPE_CHECKING, ContextManager, Union
+from typing import ContextManager
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from npu_train.backends.spec import CardRequest
+from npu_train.errors import UserError
 
-
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(UserError, RuntimeError):
     """The device runtime a backend entry needs is missing on this machine (no driver / library /
     device nodes / package), or the device cannot be used at all. The message says what to do."""
 
@@ -218,41 +216,3 @@ class Backend(abc.ABC):
             "memory_flag_thread_local": self.memory_flag_thread_local,
             "alloc_lock": self.needs_alloc_lock,
         }
-
-
-def make_backend(req: Union["CardRequest", str], **kwargs) -> Backend:
-    """Build the backend for one resolved card request (``index`` set for cuda/furiosa).
-
-    ``req`` may also be a single backend entry string (``"cpu"``, ``"cuda:0"``, ``"furiosa:1"``).
-    Extra keyword arguments go to the backend class (e.g. ``num_fusion`` for furiosa).
-    Does not touch the device; call :meth:`Backend.setup` in the card's process.
-    """
-    from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend_list
-
-    if isinstance(req, str):
-        reqs = parse_backend_list(req)
-        if len(reqs) != 1:
-            raise BackendSpecError(f"make_backend takes one backend entry, got {req!r}")
-        req = reqs[0]
-    if not isinstance(req, CardRequest):
-        raise TypeError(f"make_backend expects a CardRequest or a backend entry string, got {type(req).__name__}")
-    kind = req.kind
-    if kind == "rngd":
-        kind = "furiosa"
-    if kind == "cpu":
-        from npu_train.backends.cpu import CPUBackend
-
-        return CPUBackend(**kwargs)
-    if kind not in ("cuda", "furiosa"):
-        raise BackendSpecError(f"unknown device kind {req.kind!r} in backend entry {req.text!r}: "
-                               "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto")
-    if req.index is None:
-        raise BackendSpecError(f"backend entry {req.text!r} has no device index yet: "
-                               "call npu_train.backends.spec.resolve_cards() before make_backend()")
-    if kind == "cuda":
-        from npu_train.backends.cuda import CUDABackend
-
-        return CUDABackend(req.index, **kwargs)
-    from npu_train.backends.furiosa import FuriosaBackend
-
-    return FuriosaBackend(req.index, **kwargs)

@@ -64,13 +64,14 @@ from typing import Any, Callable
 import torch
 
 from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
+from npu_train.env import getenv
+from npu_train.hardware import FURIOSA_CAPACITY_BYTES
 
 log = logging.getLogger(__name__)
 
-FURIOSA_CAPACITY_BYTES = int(47.5 * 2**30)
 RUNTIME_LIBRARY = "librenegade.so"
 DEFAULT_NUM_FUSION = 8  # 8 PEs = one whole RNGD chip per logical device
-FUSION_ENV = "NPU_TRAIN_FURIOSA_FUSION"
+FUSION_ENV = "NPT_FURIOSA_FUSION"  # (the deprecated NPU_TRAIN_FURIOSA_FUSION is still read)
 SETUP_HINT = "install the Furiosa runtime / check /dev/rngd*"
 ENV_HINT = "run `bash scripts/setup_furiosa_env.sh` and use .venv-furiosa/bin/python"
 
@@ -333,7 +334,7 @@ class FuriosaBackend(Backend):
     def __init__(self, index: int, *, num_fusion: int | None = None, dev_root: str = "/dev") -> None:
         super().__init__(index)
         if num_fusion is None:
-            num_fusion = int(os.environ.get(FUSION_ENV, DEFAULT_NUM_FUSION))
+            num_fusion = int(getenv("FURIOSA_FUSION", str(DEFAULT_NUM_FUSION)))
         self.num_fusion = num_fusion
         self.dev_root = dev_root
         self.memory_flag_thread_local = None  # unknown until setup() probes it

@@ -47,6 +47,8 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from npu_train.errors import UserError
+
 try:  # CPython's private module behind multiprocessing.shared_memory (POSIX only).
     import _posixshmem
 except ImportError:  # pragma: no cover - non-POSIX platforms
@@ -95,7 +97,7 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9.-]{0,63}$")
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class ShmTooSmallError(RuntimeError):
+class ShmTooSmallError(UserError, RuntimeError):
     """``/dev/shm`` has less free space than a segment needs.
 
     Attributes:

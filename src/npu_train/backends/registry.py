@@ -1,0 +1,47 @@
+"""Backend registry: one backend entry (``cpu``, ``cuda:N``, ``furiosa:N``) -> its :class:`Backend` class.
+
+The only module of the package that knows every concrete backend; ``base.py`` (the interface) imports
+none of them, so there is no import circle inside ``backends/``.
+"""
+from __future__ import annotations
+
+from typing import Union
+
+from npu_train.backends.base import Backend
+from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend_list
+
+
+def make_backend(req: Union["CardRequest", str], **kwargs) -> Backend:
+    """Build the backend for one resolved card request (``index`` set for cuda/furiosa).
+
+    ``req`` may also be a single backend entry string (``"cpu"``, ``"cuda:0"``, ``"furiosa:1"``).
+    Extra keyword arguments go to the backend class (e.g. ``num_fusion`` for furiosa).
+    Does not touch the device; call :meth:`Backend.setup` in the card's process.
+    """
+    if isinstance(req, str):
+        reqs = parse_backend_list(req)
+        if len(reqs) != 1:
+            raise BackendSpecError(f"make_backend takes one backend entry, got {req!r}")
+        req = reqs[0]
+    if not isinstance(req, CardRequest):
+        raise TypeError(f"make_backend expects a CardRequest or a backend entry string, got {type(req).__name__}")
+    kind = req.kind
+    if kind == "rngd":
+        kind = "furiosa"
+    if kind == "cpu":
+        from npu_train.backends.cpu import CPUBackend
+
+        return CPUBackend(**kwargs)
+    if kind not in ("cuda", "furiosa"):
+        raise BackendSpecError(f"unknown device kind {req.kind!r} in backend entry {req.text!r}: "
+                               "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto")
+    if req.index is None:
+        raise BackendSpecError(f"backend entry {req.text!r} has no device index yet: "
+                               "call npu_train.backends.spec.resolve_cards() before make_backend()")
+    if kind == "cuda":
+        from npu_train.backends.cuda import CUDABackend
+
+        return CUDABackend(req.index, **kwargs)
+    from npu_train.backends.furiosa import FuriosaBackend
+
+    return FuriosaBackend(req.index, **kwargs)

@@ -1,0 +1,312 @@
+"""Coordinator (process supervision): spawn one process per card, watch them, tear the job down.
+
+Job preparation (cards, plan, data, worker specs) is :mod:`npu_train.runtime.job`.
+
+The coordinator is not on the per-micro-batch data path: it receives hellos, heartbeats,
+per-step metrics, checkpoint reports and errors from the card processes over a ZeroMQ ROUTER
+socket (msgpack dicts carrying the job's random token), prints progress, publishes checkpoints
+(manifest + atomic rename), and on any failure brings the whole job down:
+
+- a card process that exits non-zero, is killed by a signal, reports an exception, or sends no
+  heartbeat for ``runtime.heartbeat_timeout_s`` is named (card, stage, layers, phase, cause);
+- every other card process is terminated (SIGTERM, then SIGKILL after a grace period);
+- the job's shared-memory segments, IPC sockets and checkpoint staging directories are removed;
+- the launcher exits with status 1 (2 for bad input detected before start).
+
+When several card processes fail together (one is killed, its neighbours then see broken
+collectives), the coordinator names the root cause: a process that died without reporting
+(killed by a signal, exited silently) or stopped answering beats one that reported an error,
+and among reported errors the first one received wins (after a short grace period, so that a
+peer's death that caused the error is seen first).
+
+SIGINT/SIGTERM (Ctrl-C, ``kubectl delete``): with ``train.save_on_interrupt`` the card processes
+finish the current step, agree on it through the all-reduce stop flag and save a checkpoint; the
+launcher then exits 128 + signal number (130 / 143). A second signal aborts at once.
+
+If the launcher itself is killed (``kill -9``), every card process notices within a heartbeat
+interval that its parent changed, removes the job's ``/dev/shm/npt_<job_id>_*`` segments and IPC
+directory, and exits. Only if the launcher and all card processes die at once (``kill -9`` of
+the whole process group, the OOM killer) can segments remain; the next launch does not remove
+other jobs' segments (it cannot tell a dead job from a live one in another PID namespace), so
+remove them with ``rm /dev/shm/npt_<job_id>_*`` (the job id is printed at start and is in
+``job.json``).
+
+While a job runs, ``<run_dir>/job.json`` describes it (job id, launcher and card process ids,
+socket addresses, shared-memory prefix; never the token) for tools and tests.
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import msgpack
+import zmq
+
+from npu_train.errors import Interrupted, JobFailed
+from npu_train.runtime.spec import WorkerSpec
+
+log = logging.getLogger("npu_train")
+
+
+@dataclass
+class RankState:
+    rank: int
+    card: str
+    layers: str
+    proc: Optional[mp.Process] = None
+    last_seen: float = 0.0
+    ready: bool = False
+    done: bool = False
+    phase: str = "start"
+    steps: dict = field(default_factory=dict)
+    error: Optional[str] = None       # cause reported by the card process itself
+    error_at: float = 0.0             # when the report arrived (monotonic)
+
+
+class Coordinator:
+    """Spawns the card processes for ``specs`` and supervises them until done or failed."""
+
+    def __init__(self, specs: list[WorkerSpec], *, run_dir: str, ipc_dir: str, job_id: str, token: str,
+                 heartbeat_timeout_s: float, startup_timeout_s: float, steps: int, start_step: int,
+                 ckpt_root: str, ckpt_keep: int, manifest_base: dict, save_on_interrupt: bool,
+                 reporter, coord_addr: str):
+        self.specs = specs
+        self.P = len(specs)
+        self.run_dir, self.ipc_dir, self.job_id, self.token = run_dir, ipc_dir, job_id, token
+        self.hb_timeout, self.startup_timeout = heartbeat_timeout_s, startup_timeout_s
+        self.steps, self.start_step = steps, start_step
+        self.ckpt_root, self.ckpt_keep, self.manifest_base = ckpt_root, ckpt_keep, manifest_base
+        self.save_on_interrupt = save_on_interrupt
+        self.reporter = reporter
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(coord_addr)
+        self.ranks = [RankState(s.rank, s.card.name, s.stage.label) for s in specs]
+        self.ckpt_reports: dict[int, dict[int, str]] = {}
+        self.interrupted = 0
+        self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
+        self.stop_sent_at: Optional[float] = None
+        self.last_ckpt: Optional[str] = None
+        self.rejected = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def run(self) -> None:
+        ctx = mp.get_context("spawn")
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        for s in old:
+            signal.signal(s, self._on_signal)
+        try:
+            now = time.monotonic()
+            for spec, rs in zip(self.specs, self.ranks):
+                rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
+                rs.proc.start()
+                rs.last_seen = now
+            self._write_job_file()
+            self._loop()
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+            self.teardown()
+
+    #: after the first error report, wait this long for a peer's death to show (root cause)
+    ERROR_GRACE_S = 0.5
+
+    def _on_signal(self, signum, frame) -> None:
+        self.interrupted += 1
+        self.signum = int(signum)
+
+    def _write_job_file(self) -> None:
+        """``<run_dir>/job.json``: ids, pids and addresses of this job (no token), written atomically."""
+        info = {
+            "job_id": self.job_id, "launcher_pid": os.getpid(), "run_dir": self.run_dir,
+            "ipc_dir": self.ipc_dir, "coord_addr": self.specs[0].coord_addr,
+            "transport": self.specs[0].runtime.transport, "shm_prefix": f"npt_{self.job_id}_",
+            "ckpt_root": self.ckpt_root,
+            "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "pid": rs.proc.pid,
+                       "inbox": spec.inbox[rs.rank] if self.P > 1 else None}
+                      for rs, spec in zip(self.ranks, self.specs)],
+        }
+        path = os.path.join(self.run_dir, "job.json")
+        with open(path + ".part", "w") as f:
+            json.dump(info, f, indent=1)
+        os.replace(path + ".part", path)
+
+    def _describe(self, rs: RankState) -> str:
+        return f"card {rs.card} (stage {rs.rank}, layers {rs.layers})"
+
+    def _fail(self, rs: RankState, cause: str) -> None:
+        raise JobFailed(f"{self._describe(rs)} failed during {rs.phase}: {cause}")
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while True:
+            for _ in range(256):
+                if not poller.poll(0 if _ else 200):
+                    break
+                self._handle(self.sock.recv_multipart())
+            now = time.monotonic()
+            if all(rs.done for rs in self.ranks):
+                for rs in self.ranks:
+                    rs.proc.join(timeout=30)
+                return
+            if self.interrupted:
+                self._handle_interrupt(now)
+            self._check_failures(poller, now)
+
+    def _check_failures(self, poller, now: float) -> None:
+        """Raise :class:`JobFailed` naming the root cause if any card process failed."""
+        codes = {rs.rank: rs.proc.exitcode for rs in self.ranks}
+        if any(c is not None and not (self.ranks[r].done and c == 0) for r, c in codes.items()):
+            # drain pending messages first: an error report explains an exit better than its status
+            while poller.poll(50):
+                self._handle(self.sock.recv_multipart())
+        primary = []  # died without a report (signal, silent exit) or hung: a root cause
+        for rs in self.ranks:
+            code = codes[rs.rank]
+            if code is not None and not (rs.done and code == 0) and rs.error is None:
+                primary.append((rs, _exit_cause(code)))
+            limit = self.hb_timeout if rs.ready else max(self.hb_timeout, self.startup_timeout)
+            if code is None and now - rs.last_seen > limit:
+                primary.append((rs, f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
+                                    f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} "
+                                    f"hung or stopped)"))
+        if primary:
+            self._fail(*primary[0])
+        reported = sorted((rs for rs in self.ranks if rs.error is not None), key=lambda r: r.error_at)
+        if reported:
+            settled = all(rs.error is not None or codes[rs.rank] is not None for rs in self.ranks)
+            if settled or now - reported[0].error_at >= self.ERROR_GRACE_S:
+                self._fail(reported[0], reported[0].error)
+
+    def _handle_interrupt(self, now: float) -> None:
+        started = all(rs.ready for rs in self.ranks)
+        if self.interrupted >= 2 or not started or not self.save_on_interrupt:
+            raise Interrupted(self.signum)
+        if self.stop_sent_at is None:
+            print(f"\ninterrupt ({signal.Signals(self.signum).name}): finishing the current step and saving a "
+                  "checkpoint (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+            for rs in self.ranks:
+                self._send(rs.rank, {"type": "stop"})
+            self.stop_sent_at = now
+        elif now - self.stop_sent_at > max(60.0, self.hb_timeout):
+            raise Interrupted(self.signum)
+
+    def _send(self, rank: int, msg: dict) -> None:
+        self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
+
+    def _handle(self, frames: list[bytes]) -> None:
+        try:
+            # never unpickled: msgpack only, and a size limit keeps strangers from exhausting memory
+            if len(frames) != 2 or len(frames[-1]) > 1 << 20:
+                raise ValueError("unexpected frames")
+            msg = msgpack.unpackb(frames[-1], raw=False)
+            tok = msg.get("tok") if isinstance(msg, dict) else None
+            ok = (isinstance(tok, str) and hmac.compare_digest(tok.encode(), self.token.encode())
+                  and 0 <= int(msg.get("rank", -1)) < self.P)
+        except Exception:
+            ok = False
+        if not ok:
+            self.rejected += 1
+            if self.rejected <= 20 or self.rejected % 1000 == 0:
+                log.warning("coordinator: ignored a message from an unauthenticated peer "
+                            "(%d so far; wrong or missing job token, or not msgpack)", self.rejected)
+            return
+        rs = self.ranks[int(msg["rank"])]
+        rs.last_seen = time.monotonic()
+        t = msg.get("type")
+        if t == "hb":
+            return
+        if t == "hello":
+            rs.phase = "model load"
+        elif t == "ready":
+            rs.ready = True
+            rs.phase = f"step {self.start_step + 1}"
+        elif t == "phase":
+            rs.phase = str(msg.get("phase", rs.phase))
+        elif t == "step":
+            s = int(msg["step"])
+            rs.phase = f"step {s + 1}"
+            rs.steps[s] = msg
+            if all(s in r.steps for r in self.ranks):
+                self.reporter.step([r.steps.pop(s) for r in self.ranks])
+        elif t == "eval":
+            self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]))
+        elif t == "ckpt":
+            s = int(msg["step"])
+            rep = self.ckpt_reports.setdefault(s, {})
+            rep[rs.rank] = msg["staging"]
+            if len(rep) == self.P:
+                self._publish(s, rep[0])
+        elif t in ("done", "stopped"):
+            if t == "done":
+                rs.done = True
+            rs.phase = "shutdown"
+        elif t == "error":
+            rs.phase = msg.get("phase", rs.phase)
+            with open(os.path.join(self.run_dir, f"card{rs.rank}.traceback.txt"), "w") as f:
+                f.write(msg.get("traceback", ""))
+            if rs.error is None:  # decided in _check_failures: a peer's death may be the root cause
+                rs.error = (f"{msg.get('etype')}: {msg.get('message')} "
+                            f"(traceback: {os.path.join(self.run_dir, f'card{rs.rank}.traceback.txt')})")
+                rs.error_at = time.monotonic()
+
+    def _publish(self, step: int, staging: str) -> None:
+        from npu_train.checkpoint.store import finalize
+
+        t0 = time.perf_counter()
+        final = finalize(self.ckpt_root, staging, step, self.manifest_base, keep=self.ckpt_keep)
+        self.last_ckpt = final
+        self.reporter.note(f"checkpoint step {step} saved to {final} ({time.perf_counter() - t0:.1f} s to publish)")
+
+    def teardown(self) -> None:
+        """Stop every card process, remove shared memory, sockets and this job's staging dirs."""
+        from npu_train.transport.shm import unlink_job_segments
+
+        alive = [rs.proc for rs in self.ranks if rs.proc is not None and rs.proc.is_alive()]
+        # Card processes ignore SIGINT/SIGTERM (a signal to the whole process group, e.g. from
+        # `timeout` or Slurm, must reach only the launcher, which stops them after a checkpoint),
+        # and they hold nothing that needs flushing (checkpoints are published atomically by the
+        # coordinator), so teardown kills them outright.
+        for p in alive:
+            try:
+                p.kill()
+                os.kill(p.pid, signal.SIGCONT)  # a SIGSTOPped process is reaped promptly too
+            except (ProcessLookupError, OSError):
+                pass
+        for p in alive:
+            p.join(timeout=5)
+        unlink_job_segments(self.job_id)
+        self.sock.close(linger=0)
+        self.ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+        if os.path.isdir(self.ckpt_root):
+            for fn in os.listdir(self.ckpt_root):
+                if fn.startswith(".tmp-") and fn.endswith(self.job_id):
+                    shutil.rmtree(os.path.join(self.ckpt_root, fn), ignore_errors=True)
+
+
+def _worker_entry(spec: WorkerSpec) -> None:
+    from npu_train.runtime.worker import worker_main
+
+    worker_main(spec)
+
+
+def _exit_cause(code: int) -> str:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = str(-code)
+        return f"process killed by signal {name}"
+    return f"process exited with status {code}"

@@ -1,0 +1,80 @@
+"""Test-only fault injection in a card process (``NPT_FAULT``).
+
+``NPT_FAULT`` (environment variable, inherited by the spawned card processes) makes one card
+process fail at a precise point, so the tests in ``tests/integration/test_faults.py`` can hit
+every phase of a step. It is read once at start-up and does nothing when unset; it is not a
+user feature. Format: comma-separated ``key=value`` pairs::
+
+    NPT_FAULT="rank=1,phase=backward,step=2,action=kill"
+
+- ``rank``: the stage/card process that fails (0-based);
+- ``step``: the 1-based optimizer step (as printed: ``step 2/N``), default 1;
+- ``phase``: ``forward`` (first stage forward of the step), ``backward`` (first gradient of
+  the stage's first parameter), ``collective`` (just before the step's gloo all-reduce),
+  ``optimizer`` (just before the AdamW update), ``checkpoint`` (after this stage wrote its
+  shard into the staging directory, before reporting it);
+- ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung process), ``raise``
+  (RuntimeError), ``sleep:S`` (sleep S seconds, then continue normally).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import time
+
+log = logging.getLogger("npu_train.worker")
+
+
+_FAULT_PHASES = ("forward", "backward", "collective", "optimizer", "checkpoint")
+
+
+class FaultHook:
+    """Test-only: fires the ``NPT_FAULT`` action once at (rank, phase, step); see the module docstring."""
+
+    def __init__(self, text: str, rank: int):
+        kv = dict(p.split("=", 1) for p in text.replace(" ", "").split(",") if p)
+        self.active = int(kv.get("rank", 0)) == rank
+        self.phase = kv.get("phase", "forward")
+        self.step = int(kv.get("step", 1))
+        self.action = kv.get("action", "kill")
+        if self.phase not in _FAULT_PHASES:
+            raise ValueError(f"NPT_FAULT: phase={self.phase!r}, use one of {_FAULT_PHASES}")
+        self.current_step = 0  # 1-based step being run, set by the training loop
+        self.fired = False
+
+    @classmethod
+    def from_env(cls, rank: int) -> "FaultHook | None":
+        text = os.environ.get("NPT_FAULT", "")
+        return cls(text, rank) if text else None
+
+    def __call__(self, phase: str) -> None:
+        if not self.active or self.fired or phase != self.phase or self.current_step != self.step:
+            return
+        self.fired = True
+        log.warning("NPT_FAULT: %s at step %d %s", self.action, self.step, phase)
+        sys.stderr.flush()
+        if self.action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif self.action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif self.action == "raise":
+            raise RuntimeError(f"NPT_FAULT: injected failure at step {self.step} {phase}")
+        elif self.action.startswith("sleep:"):
+            time.sleep(float(self.action.split(":", 1)[1]))
+        else:
+            raise ValueError(f"NPT_FAULT: unknown action {self.action!r}")
+
+    def install(self, module) -> None:
+        """Forward pre-hook on the stage module and a gradient hook on its first parameter."""
+        if not self.active:
+            return
+        module.register_forward_pre_hook(lambda *_: self("forward"))
+        first = next(iter(module.parameters()))
+
+        def on_grad(g):
+            self("backward")
+            return g
+
+        first.register_hook(on_grad)

@@ -1,0 +1,135 @@
+"""The typed, frozen input of a card process: :class:`WorkerSpec`.
+
+Built in exactly one place (:func:`npu_train.runtime.job.build_worker_specs`) from the job's
+configuration and placement plan, pickled by ``multiprocessing`` (spawn) into the card process and
+read by :class:`npu_train.runtime.trainer.StageTrainer`. A misspelt field is an ``AttributeError``
+at the line that reads it (and a type checker's error), not a silent ``KeyError`` in another process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class CardInfo:
+    """One card: ``kind`` (``cpu`` | ``cuda`` | ``furiosa``), device ``index`` (None for cpu) and the
+    ``name`` printed in messages (``cpu:1``, ``cuda:0``, ``furiosa:3``)."""
+
+    kind: str
+    index: Optional[int]
+    name: str
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """The stage's decoder layers ``[first, last)`` and whether it holds the embedding / final norm + LM head.
+
+    ``label`` is the human-readable layer range printed in messages (e.g. ``19-29 +head``).
+    """
+
+    first: int
+    last: int
+    has_embed: bool
+    has_head: bool
+    label: str
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Optimisation settings of the run (``train.*`` and ``data.eval_*`` after validation).
+
+    Units: ``lr`` per step, ``steps``/``warmup_steps``/``save_every``/``stop_after``/``eval_every`` in
+    optimizer steps, ``micro_batch`` in sequences, ``accum`` = micro-batches M per optimizer step,
+    ``clip`` = max global grad norm (0: off), ``dtype`` the resolved compute dtype (``bf16`` | ``fp32``).
+    """
+
+    steps: int
+    micro_batch: int
+    accum: int
+    lr: float
+    min_lr_ratio: float
+    warmup_steps: int
+    weight_decay: float
+    beta1: float
+    beta2: float
+    eps: float
+    clip: float
+    schedule: str
+    recompute: bool
+    seed: int
+    save_every: int
+    save_on_interrupt: bool
+    stop_after: int
+    dtype: str
+    eval_every: int
+    eval_batches: int
+
+    def to_dict(self) -> dict:
+        """Plain dict (written into the checkpoint manifest's ``train`` entry)."""
+        from dataclasses import asdict
+
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """Process-level settings: heartbeat interval (s), boundary transport (``shm`` | ``inline``),
+    torch intra-op ``threads`` of this card process (the same figure the planner used for its step
+    time, see :func:`npu_train.planner.threads_per_card`), and the receive / collective timeouts (s)."""
+
+    heartbeat_interval_s: float
+    transport: str
+    threads: int
+    recv_timeout_s: float
+    collective_timeout_s: float
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything one card process needs; frozen and picklable.
+
+    Attributes:
+        rank, world_size: this stage's index and the number of stages P.
+        job_id, token: the job's random id (names shm segments and staging dirs) and the secret every
+            control and boundary message carries (never printed or written to disk).
+        parent_pid: the launcher's pid (a card process whose parent changes cleans up and exits).
+        card, stage: the card and the layers it runs.
+        model_path: HF directory or GGUF file; ``model_cfg``: ``LlamaConfig.to_dict()``.
+        resident_names: HF names of the parameters whose fp32 master + AdamW moments stay on the card.
+        data_file: the packed token data (safetensors) written by the launcher.
+        train, runtime: see :class:`TrainSpec`, :class:`RuntimeSpec`.
+        start_step, resume_dir: 0-based step to start at and the checkpoint to restore (None: fresh).
+        ckpt_root: the checkpoint root (shards go to a staging dir under it).
+        coord_addr: the coordinator's ZeroMQ address; ``inbox``: every stage's boundary mailbox address.
+        ipc_dir: the private 0700 directory of the job's ipc sockets ('' with the inline transport).
+        slot_bytes, slots: bytes per shared-memory slot (``micro_batch x seq_len x hidden x element``)
+            and slots per ring.
+        dist_init: the gloo rendezvous URL (``tcp://host:port``).
+    """
+
+    rank: int
+    world_size: int
+    job_id: str
+    token: str
+    parent_pid: int
+    card: CardInfo
+    model_path: str
+    model_cfg: dict
+    stage: StageInfo
+    resident_names: tuple
+    data_file: str
+    train: TrainSpec
+    runtime: RuntimeSpec
+    start_step: int
+    resume_dir: Optional[str]
+    ckpt_root: str
+    coord_addr: str
+    inbox: tuple
+    ipc_dir: str
+    slot_bytes: int
+    slots: int
+    dist_init: str
+
+    def __repr__(self) -> str:  # never show the token
+        return f"WorkerSpec(rank={self.rank}/{self.world_size}, card={self.card.name}, job={self.job_id})"

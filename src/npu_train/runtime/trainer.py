@@ -1,0 +1,298 @@
+"""The train loop of one card process: :class:`StageTrainer`.
+
+One optimizer step on one stage (:meth:`StageTrainer.train_step`):
+
+1. the step's micro-batches come from the seeded, resumable :class:`~npu_train.data.sampler.StepSampler`
+   (every stage draws the same indices; stage 0 uses the inputs, the last stage the labels);
+2. :class:`~npu_train.pipeline.stage.StageRunner` runs the schedule (1F1B / GPipe) over the
+   micro-batches, exchanging activations and their gradients with the neighbouring stages through
+   :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in the parameters' ``.grad``;
+3. the tied embedding's gradient is summed between the first and last stage (gloo);
+4. one gloo all-reduce carries the squared gradient norm of every stage, the summed loss, the number
+   of target tokens and the stop flag: global grad norm = sqrt(sum), loss = sum / tokens;
+5. clip coefficient ``min(1, clip / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), LR from
+   warm-up + cosine (:func:`~npu_train.optim.lr.lr_at`), then AdamW on the fp32 master weights of
+   resident (on the card) and offloaded (host) layers (:class:`~npu_train.optim.adamw.StageOptimizer`);
+6. metrics go to the coordinator; :meth:`StageTrainer.maybe_save` writes this stage's checkpoint
+   shard into the staging directory when a save is due.
+
+The process around it (signals, heartbeats, the control socket, error reports) is
+:mod:`npu_train.runtime.worker`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from npu_train.runtime.spec import WorkerSpec
+
+log = logging.getLogger("npu_train.worker")
+
+
+def compute_dtype(name: str) -> torch.dtype:
+    """``"bf16"`` -> ``torch.bfloat16``, ``"fp32"`` -> ``torch.float32``."""
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
+    """Build this stage's module on the card and its fp32 masters from the model file (own tensors only).
+
+    Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
+    ``dtype`` on ``backend.device()``, and a dict of HF name -> fp32 CPU master tensor.
+    """
+    from npu_train.model.config import LlamaConfig
+    from npu_train.model.llama import StageModule
+    from npu_train.model.loading import load_tensors
+
+    cfg = LlamaConfig.from_dict(spec.model_cfg)
+    st = spec.stage
+    with torch.device("meta"):
+        module = StageModule(cfg, st.first, st.last, st.has_embed, st.has_head, recompute=spec.train.recompute)
+    module = module.to(dtype)
+    with backend.alloc_lock():
+        module = module.to_empty(device=backend.device())
+    if st.has_embed and st.has_head and cfg.tie_word_embeddings:
+        module.lm_head.weight = module.model.embed_tokens.weight  # to_empty breaks parameter sharing
+    track = getattr(backend, "track", None)  # furiosa: no allocator stats, count our own tensors
+    if track is not None:
+        for p in module.parameters():
+            track(p)
+    masters = load_tensors(spec.model_path, cfg, module.param_names())
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(backend.upload(masters[n].to(dtype)))
+    return module, masters
+
+
+class StageTrainer:
+    """Trains one pipeline stage on one card for ``spec.train.steps`` optimizer steps.
+
+    Args:
+        spec: this card process's :class:`~npu_train.runtime.spec.WorkerSpec`.
+        ctx: the process's ZeroMQ context (boundary links).
+        ctrl: the control channel to the coordinator (``send(type, **fields)``, ``poll_stop()``).
+        phase: a one-element list holding the current phase's name; the worker reports it when an
+            exception escapes (``"step 3 forward/backward"``, ``"checkpoint save of step 4"``, ...).
+        fault: test-only fault hook (``NPT_FAULT``, :mod:`npu_train.runtime.faults`) or None.
+
+    Use: :meth:`setup` once, then :meth:`run` (or :meth:`train_step` / :meth:`evaluate` /
+    :meth:`maybe_save` one by one, as :meth:`run` does), then :meth:`close`.
+    """
+
+    def __init__(self, spec: WorkerSpec, ctx, ctrl, phase: list, fault=None):
+        self.spec, self.ctx, self.ctrl, self.phase, self.fault = spec, ctx, ctrl, phase, fault
+        self.rank, self.P = spec.rank, spec.world_size
+        self.tr = spec.train
+        self.first, self.last = self.rank == 0, self.rank == self.P - 1
+        self.comm = None
+        self.tied_group = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Device context, model load (own tensors), optimizer, gloo group, boundary links, resume, data.
+
+        Raises whatever the backend raises for a missing device (``BackendUnavailableError``), and
+        ``TransportError`` / gloo errors when a peer is gone.
+        """
+        import torch.distributed as dist
+
+        from npu_train.backends import make_backend
+        from npu_train.backends.spec import CardRequest
+        from npu_train.checkpoint.store import CheckpointReader
+        from npu_train.data.dataset import load_packed, micro_batch_tensors
+        from npu_train.data.sampler import StepSampler
+        from npu_train.optim.adamw import StageOptimizer
+        from npu_train.pipeline.stage import StageRunner
+        from npu_train.runtime.links import LinkComm
+
+        spec, tr = self.spec, self.tr
+        self.phase[0] = "device setup"
+        card = spec.card
+        self.backend = backend = make_backend(CardRequest(card.kind, card.index, card.name))
+        backend.setup()
+
+        self.phase[0] = "model load"
+        self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
+        self.params = dict(self.module.named_parameters())
+        if self.fault is not None:
+            self.fault.install(self.module)
+        self.opt = StageOptimizer(self.params, masters, list(spec.resident_names), backend, lr=tr.lr,
+                                  betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
+        del masters
+
+        self.phase[0] = "rendezvous"
+        dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=self.P,
+                                timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
+        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1
+        self.tied_group = dist.new_group([0, self.P - 1]) if self.tied_pair else None
+        if self.P > 1:
+            self.comm = LinkComm(spec, self.ctx, backend)
+            dist.barrier()  # every ring exists before anyone receives
+
+        self.start = int(spec.start_step)
+        if spec.resume_dir:
+            self.phase[0] = "resume"
+            reader = CheckpointReader(spec.resume_dir)
+            want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in self.params
+                    for k in ("master", "exp_avg", "exp_avg_sq")}
+            self.opt.load_state_tensors(want, reader.step)
+            if reader.has(f"rng.{self.rank}"):
+                torch.set_rng_state(reader.get(f"rng.{self.rank}"))
+        else:
+            torch.manual_seed(tr.seed + self.rank)
+
+        self.data = load_packed(spec.data_file)
+        self.micro_batch_tensors = micro_batch_tensors
+        self.sampler = StepSampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed)
+        self.runner = StageRunner(self.module, backend, self.P, self.rank, tr.schedule, self.comm)
+        self.tied_name = "model.embed_tokens.weight" if self.first else "lm_head.weight"
+        # held-out evaluation: the first eval_batches micro-batches of the validation split
+        mb = tr.micro_batch
+        self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
+        self.eval_batches = [micro_batch_tensors(self.data, torch.arange(m * mb, (m + 1) * mb), split="val")
+                             for m in range(self.n_eval)]
+        self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
+
+    # ------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> dict:
+        """Run 0-based optimizer step ``step`` (forward/backward of all micro-batches, collectives, AdamW).
+
+        Returns ``{"loss", "grad_norm", "lr", "tokens", "interrupted"}`` (loss in nats per target token
+        over the whole step and all stages; ``interrupted``: some rank was asked to stop) and sends the
+        step's metrics (seconds per phase, bytes of device memory) to the coordinator.
+        """
+        import torch.distributed as dist
+
+        from npu_train.optim.lr import lr_at
+
+        tr, fault, backend = self.tr, self.fault, self.backend
+        # phases are named with the 1-based step number, as printed by the coordinator
+        if fault is not None:
+            fault.current_step = step + 1
+        t0 = time.perf_counter()
+        backend.reset_peak_memory()
+        self.phase[0] = f"step {step + 1} forward/backward"
+        mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
+        self.opt.zero_grad()
+        if self.first or self.last:
+            res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
+                                       [y for _, y in mbs] if self.last else None)
+        else:
+            res = self.runner.run_middle(step, tr.accum)
+        t1 = time.perf_counter()
+        self.phase[0] = f"step {step + 1} collectives"
+        if fault is not None:
+            fault("collective")
+        if self.tied_pair and (self.first or self.last):
+            g = self.params[self.tied_name].grad
+            gh = backend.download(g).float()
+            dist.all_reduce(gh, group=self.tied_group)
+            with torch.no_grad():
+                g.copy_(backend.upload(gh.to(g.dtype)))
+            del g, gh
+        stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
+        exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
+        red = torch.tensor([float(self.opt.grad_sq_sum(exclude=exclude)), res["loss_sum"], float(res["n_tokens"]),
+                            stop_req], dtype=torch.float64)
+        dist.all_reduce(red)
+        grad_norm = float(red[0]) ** 0.5
+        loss = float(red[1] / max(red[2], 1.0))
+        clip_coef = min(1.0, tr.clip / (grad_norm + 1e-6)) if tr.clip > 0 else 1.0
+        t2 = time.perf_counter()
+        self.phase[0] = f"step {step + 1} optimizer"
+        lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
+        if fault is not None:
+            fault("optimizer")
+        ot = self.opt.step(lr, clip_coef)
+        t3 = time.perf_counter()
+        self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
+                       time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
+                       send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
+                       host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
+                       mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated())
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self, after_step: int) -> Optional[float]:
+        """Forward-only pass over the held-out micro-batches; returns the mean loss per target token
+        (every rank gets it through the all-reduce; the last stage reports it to the coordinator)."""
+        import torch.distributed as dist
+
+        self.phase[0] = f"evaluation after step {after_step}"
+        self.module.eval()
+        er = self.runner.run_eval(after_step, self.n_eval, [x for x, _ in self.eval_batches] if self.first else None,
+                                  [y for _, y in self.eval_batches] if self.last else None)
+        self.module.train()
+        red = torch.tensor([er["loss_sum"], float(er["n_tokens"])], dtype=torch.float64)
+        dist.all_reduce(red)
+        val = float(red[0] / max(float(red[1]), 1.0))
+        if self.last:
+            self.ctrl.send("eval", step=after_step, val_loss=val, tokens=int(red[1]))
+        return val
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_due(self, done: int, interrupted: bool, stopping: bool) -> bool:
+        """Whether a checkpoint is written after ``done`` steps: every ``save_every``, at the last step,
+        on an interrupt (``save_on_interrupt``) and when ``stop_after`` ends this launch."""
+        tr = self.tr
+        return bool((tr.save_every and done % tr.save_every == 0) or done == tr.steps
+                    or (interrupted and tr.save_on_interrupt) or (stopping and not interrupted))
+
+    def maybe_save(self, done: int, interrupted: bool = False, stopping: bool = False) -> Optional[str]:
+        """Write this stage's shard (fp32 masters, AdamW moments, step counts, RNG) into the step's staging
+        directory when :meth:`save_due`, and report it; the coordinator publishes the checkpoint (manifest
+        + atomic rename) once every stage reported. Returns the staging directory, or None."""
+        from npu_train.checkpoint.store import save_shard, tmp_dir
+
+        if not self.save_due(done, interrupted, stopping):
+            return None
+        spec = self.spec
+        self.phase[0] = f"checkpoint save of step {done}"
+        self.ctrl.send("phase", phase=self.phase[0])
+        tensors = self.opt.state_tensors()
+        tensors[f"rng.{self.rank}"] = torch.get_rng_state()
+        staging = tmp_dir(spec.ckpt_root, done, spec.job_id)
+        card = {"kind": spec.card.kind, "index": spec.card.index, "name": spec.card.name}
+        st = spec.stage
+        stage = {"first": st.first, "last": st.last, "has_embed": st.has_embed, "has_head": st.has_head,
+                 "label": st.label}
+        save_shard(staging, self.rank, tensors, {"rank": self.rank, "card": card, "stage": stage,
+                                                 "resident": sorted(spec.resident_names), "step": done})
+        if self.fault is not None:
+            self.fault("checkpoint")
+        self.ctrl.send("ckpt", step=done, staging=staging)
+        return staging
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> None:
+        """Train from ``start_step`` to ``train.steps`` (or until stopped), evaluating and saving as configured."""
+        tr = self.tr
+        if self.n_eval and self.start == 0:
+            self.evaluate(0)
+        stop_after = int(tr.stop_after or 0)
+        for step in range(self.start, tr.steps):
+            out = self.train_step(step)
+            done = step + 1
+            interrupted = out["interrupted"]
+            # train.stop_after=K: stop after K steps of this launch (same on every rank, no vote needed)
+            stop = interrupted or bool(stop_after and done - self.start >= stop_after)
+            if self.n_eval and not interrupted and ((tr.eval_every and done % tr.eval_every == 0) or done == tr.steps):
+                self.evaluate(done)
+            self.maybe_save(done, interrupted, stop)
+            if stop:
+                self.ctrl.send("stopped", step=done)
+                break
+
+    def close(self) -> None:
+        """Barrier with every stage, close the boundary links, leave the gloo group."""
+        import torch.distributed as dist
+
+        self.phase[0] = "shutdown"
+        dist.barrier()
+        if self.comm is not None:
+            self.comm.close()
+        dist.destroy_process_group()
