@@ -13,7 +13,7 @@ import torch
 
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import PRESETS, get_preset
-from npu_train.optim.placement import (
+from npu_train.planner import (
     ATTENTION,
     DEFAULT_RATES,
     CardSpec,
@@ -343,11 +343,11 @@ def test_dry_run_needs_no_torch_and_is_fast():
         "import sys, time\n"
         "t = time.perf_counter()\n"
         "from npu_train.model.presets import get_preset\n"
-        "from npu_train.optim.placement import *\n"
+        "from npu_train.planner import *\n"
         "p = make_plan(get_preset('llama-3.1-8b'), RunShape(512, 1, 4), make_cards('furiosa', 2),"
         " load_rates('furiosa', '/nonexistent.json'))\n"
         "text = format_plan(p)\n"
-        "assert 'torch' not in sys.modules, 'placement imported torch'\n"
+        "assert 'torch' not in sys.modules, 'the planner imported torch'\n"
         "print(time.perf_counter() - t)\n"
     )
     env = dict(os.environ)
