@@ -167,3 +167,27 @@ def test_load_rates_rejects_bad_profiles(tmp_path):
     p.write_text(json.dumps({"rates": {"process_baseline_bytes": 0, "device_adamw_params_per_s": 0}}))
     r = load_rates("cpu", p)
     assert r.process_baseline_bytes == 0 and r.device_adamw == r.host_adamw_params_per_s
+
+
+def test_process_baseline_imports_the_given_modules():
+    from npu_train.planner import measure_process_baseline
+    from npu_train.planner.calibration import CARD_PROCESS_MODULES
+
+    # the list is a parameter: a module that does not exist makes the card-like process fail
+    with pytest.raises(RuntimeError, match="npu_train.no_such_module"):
+        measure_process_baseline(None, 1, modules=["npu_train.no_such_module"])
+    # the default names only modules below the planner's layer (the runtime passes its own)
+    assert CARD_PROCESS_MODULES and not any(m.startswith(("npu_train.runtime", "npu_train.launch"))
+                                            for m in CARD_PROCESS_MODULES)
+
+
+def test_planner_names_no_higher_layer():
+    """Not even inside a code string: the planner is below the runtime and the launcher."""
+    from pathlib import Path
+
+    import npu_train.planner
+
+    root = Path(npu_train.planner.__file__).parent
+    for f in sorted(root.glob("*.py")):
+        text = f.read_text()
+        assert "npu_train.runtime" not in text and "npu_train.launch" not in text, f.name
