@@ -475,7 +475,7 @@ def test_threads_per_card_honours_affinity_and_cgroup_quota(monkeypatch):
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
     monkeypatch.setattr(planner_threads, "read_sys_file", lambda path: files.get(path))
     assert planner_threads.usable_cores() == 6
-    assert threads_per_card(0, 1) == 6
+    assert threads_per_card(0, 1) == 6 == threads_per_card(None, 1)   # runtime.threads unset
     assert threads_per_card(0, 4) == 1                 # 6 // 4; cpu and accelerator cards alike
     assert threads_per_card(0, 8) == 1                 # at least 1
     assert threads_per_card(3, 4) == 3                 # runtime.threads wins

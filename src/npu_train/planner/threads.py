@@ -68,11 +68,12 @@ def usable_cores() -> int:
     return max(1, cores)
 
 
-def threads_per_card(requested: int, cards_on_host: int, cores: Optional[int] = None) -> int:
+def threads_per_card(requested: Optional[int], cards_on_host: int,
+                     cores: Optional[int] = None) -> int:
     """torch intra-op threads of each card process on this host.
 
     Args:
-        requested: ``runtime.threads``; used as is when > 0.
+        requested: ``runtime.threads``; used as is when > 0 (``None`` or 0: not set).
         cards_on_host: card processes on this host, cpu and accelerator cards alike (an
             accelerator card's process runs the host AdamW of its offloaded layers and the
             copies on the CPU too).
@@ -84,11 +85,12 @@ def threads_per_card(requested: int, cards_on_host: int, cores: Optional[int] = 
     Raises:
         ValueError: ``requested < 0`` or ``cards_on_host < 1``.
     """
+    requested = int(requested or 0)
     if requested < 0:
         raise ValueError(f"threads must be >= 0 (0 = divide the cores), got {requested}")
     if cards_on_host < 1:
         raise ValueError(f"need at least one card process on the host, got {cards_on_host}")
     if requested > 0:
-        return int(requested)
+        return requested
     cores = usable_cores() if cores is None else int(cores)
     return max(1, cores // cards_on_host)
