@@ -127,6 +127,7 @@ def machine_info(kind: Optional[str] = None, backend=None) -> dict:
         "hostname": socket.gethostname(),
         "cpu_model": _cpu_model(),
         "cores_logical": os.cpu_count(),
+        "cores_usable": usable_cores(),
         "cores_physical": psutil.cpu_count(logical=False),
         "ram_bytes": int(psutil.virtual_memory().total),
         "python": platform.python_version(),

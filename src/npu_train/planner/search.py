@@ -171,6 +171,8 @@ def make_plan(
         PlacementError: a card over capacity (message: card, predicted GiB, capacity GiB, fixes),
             nothing fits in auto mode, host RAM too small, more cards than layers, resident count
             above a card's layer count, a bad ``split``.
+        ValueError: a ``rates`` list whose length is not the number of cards, an unknown
+            ``resident_layers`` string.
 
     Reference figures (Llama-3.1-8B, S=512, micro-batch 1, M=4, bf16, 1F1B, RNGD 47.5 GiB =
     51.0 GB), from an earlier RNGD deployment, reproduced by ``tests/unit/test_placement.py``:
