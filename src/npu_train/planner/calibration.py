@@ -18,10 +18,10 @@ calibration takes ~25 s on 2 cores):
   ``b*s`` tokens (cpu 2x128 as the default job, accelerators 1x512), counted as the placement
   model counts them (``6 * tokens * params + 12 * s * heads*head_dim * tokens``). The layer has
   the shapes of the model being calibrated for (``model_path``) when one repetition stays within
-  a FLOP budget (:mod:`npu_train.planner.measure`), else a reference Llama layer. A bare matmul runs faster (about 100 vs 85
-  GFLOP/s fp32 per core on an AMD EPYC Zen 4) because a training step also spends time in norms,
-  RoPE, SwiGLU, attention and autograd; the planner divides training FLOPs by this rate, so it
-  must be the training rate. The bare square-matmul FLOP/s are recorded too
+  a FLOP budget (:mod:`npu_train.planner.measure`), else a reference Llama layer. A bare matmul
+  runs faster (about 100 vs 85 GFLOP/s fp32 per core on an AMD EPYC Zen 4) because a training
+  step also spends time in norms, RoPE, SwiGLU, attention and autograd; the planner divides
+  training FLOPs by this rate, so it must be the training rate. The bare square-matmul FLOP/s are recorded too
   (``matmul_flops_by_dtype``, not used by the planner).
 - ``head_flops_ratio``: FLOP/s of final norm + ``lm_head`` + ``causal_lm_loss_sum`` forward +
   backward (the model's vocabulary and width when given) divided by ``device_flops``: about 0.8

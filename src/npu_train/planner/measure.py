@@ -253,11 +253,10 @@ def note_load(m: dict) -> None:
         pass
 
 
-
 def reference_shapes(kind: str, quick: bool, model_cfg) -> tuple[tuple, tuple, str]:
     """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
     the model's own layer and head when ``model_cfg`` is given and one repetition stays within
-    ``_FLOP_BUDGET``, else the per-kind reference."""
+    the per-kind FLOP budget, else the per-kind reference."""
     if quick:
         H, I, a, kv, b, S = _LAYER_QUICK
         return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"

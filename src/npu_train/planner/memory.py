@@ -57,9 +57,10 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
   at the RSS peak = 6-17 % of the live bytes, 12 % used. The other kinds' figures are assumed.
 
 Non-layer parameters (embedding, final norm, ``lm_head`` and its tied copy) follow the
-``nonlayer_resident`` flag of :func:`~npu_train.planner.search.make_plan`; the default (``None``) makes them resident exactly
-when *all* the card's decoder layers are resident, i.e. offloading starts with them (they are the
-largest single tensors and a card that offloads anything already pays the host-optimizer path).
+``nonlayer_resident`` flag of :func:`~npu_train.planner.search.make_plan`; the default (``None``)
+makes them resident exactly when *all* the card's decoder layers are resident, i.e. offloading
+starts with them (they are the largest single tensors and a card that offloads anything already
+pays the host-optimizer path).
 
 Within a card the resident layers are the *first* ones of the card's range and the offloaded ones
 the last: backward runs last-to-first, so the offloaded layers' gradients are complete earliest,

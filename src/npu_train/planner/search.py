@@ -53,9 +53,10 @@ def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan
 def search_split(pm: CostModel, L: int) -> Optional[list[int]]:
     """Layers per card (``L`` layers in all) for the lowest predicted step time: the split
     minimizing ``slots * max_i t_i + max_i (host_i + dev_i + xfer_i)`` (``slots`` = ``M + P - 1``
-    without oversubscribed cpu cores) with every stage at its auto resident count; ``None`` if no split fits. Exact: for a stage, t, host+xfer and memory at
-    0 resident are all non-decreasing in its layer count, so for bounds (T, X) each stage admits
-    n in [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
+    without oversubscribed cpu cores) with every stage at its auto resident count; ``None`` if
+    no split fits. Exact: for a stage, t, host+xfer and memory at 0 resident are all
+    non-decreasing in its layer count, so for bounds (T, X) each stage admits n in
+    [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
     P = pm.P
     A = pm.slots
     nmax = L - P + 1
