@@ -11,7 +11,7 @@ and the plan's prediction (``mem_pred_bytes``), the step time (``step_s``) and t
     predicted step s | measured mean step s (steps 2..N; step 1 allocates the AdamW moments and
     warms up) | ratio
 
-First the machine is calibrated (``npu_train.optim.calibrate.main_calibrate``, profile written to
+First the machine is calibrated (``npu_train.planner.main_calibrate``, profile written to
 the output directory) unless ``--profile`` names an existing profile. Ratios only, no assertions.
 On a shared machine other processes slow the cpu "cards" down (an OpenMP team with a
 descheduled thread stalls), so for each job the CPU used by *other* processes is reported
@@ -170,7 +170,7 @@ def main(argv=None) -> int:
         profile = str(Path(args.profile).expanduser())
         print(f"profile: {profile} (existing)", flush=True)
     else:
-        from npu_train.optim.calibrate import main_calibrate
+        from npu_train.planner import main_calibrate
 
         if args.wait_idle is not None:
             wait_idle(args.wait_idle, args.max_wait)

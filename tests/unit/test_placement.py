@@ -13,7 +13,7 @@ import torch
 
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import PRESETS, get_preset
-from npu_train.optim.placement import (
+from npu_train.planner import (
     ATTENTION,
     DEFAULT_RATES,
     CardSpec,
@@ -32,7 +32,10 @@ from npu_train.optim.placement import (
     make_cards,
     saved_logits_bytes,
     make_plan,
+    threads_per_card,
 )
+from npu_train.planner import threads as planner_threads
+from npu_train.pipeline.schedule import SCHEDULES, build_schedule, peak_in_flight
 
 PUBLISHED = {
     "llama-3.1-8b": 8_030_261_248,
@@ -343,11 +346,11 @@ def test_dry_run_needs_no_torch_and_is_fast():
         "import sys, time\n"
         "t = time.perf_counter()\n"
         "from npu_train.model.presets import get_preset\n"
-        "from npu_train.optim.placement import *\n"
+        "from npu_train.planner import *\n"
         "p = make_plan(get_preset('llama-3.1-8b'), RunShape(512, 1, 4), make_cards('furiosa', 2),"
         " load_rates('furiosa', '/nonexistent.json'))\n"
         "text = format_plan(p)\n"
-        "assert 'torch' not in sys.modules, 'placement imported torch'\n"
+        "assert 'torch' not in sys.modules, 'the planner imported torch'\n"
         "print(time.perf_counter() - t)\n"
     )
     env = dict(os.environ)
@@ -382,3 +385,123 @@ def test_per_card_rates_list():
     assert plan.stages[1].time["compute"] > plan.stages[0].time["compute"]
     with pytest.raises(ValueError):
         make_plan(m, RunShape(seq_len=32), cards, [slow])
+
+
+# ---------------------------------------------------------------- schedule facts
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_in_flight_is_the_schedules_peak(schedule):
+    assert schedule in SCHEDULES
+    for P in range(1, 5):
+        for M in range(1, 9):
+            for s in range(P):
+                # 1F1B: min(M, P - s) (Narayanan et al. 2021, sec. 2.2); GPipe: all M
+                k = min(M, P - s) if schedule == "1f1b" else M
+                sched = peak_in_flight(build_schedule(schedule, P, M, s))
+                assert in_flight_micro_batches(s, P, M, schedule) == sched == k, (P, M, s)
+
+
+# ---------------------------------------------------------------- threads: one fact
+F1, F8 = 10e9, 75e9        # training FLOP/s at 1 and 8 threads (7.5x: sublinear, like a real host)
+A1, A8 = 1e8, 5e8          # host AdamW params/s at 1 and 8 threads
+
+
+def _two_count_profile(tmp_path) -> Path:
+    """A cpu profile in save_profile's format, measured at 8 (top level) and 1 thread(s)."""
+    doc = {
+        "version": 1, "kind": "cpu",
+        "rates": {
+            "device_flops": F8, "h2d_bytes_per_s": 1e10, "d2h_bytes_per_s": 1e10,
+            "host_adamw_params_per_s": A8, "device_adamw_params_per_s": 0.0,
+            "head_flops_ratio": 1.0, "process_baseline_bytes": 0, "threads": 8,
+            "flops_by_dtype": {"fp32": F8, "bf16": F8 / 2},
+            "by_threads": {"1": {"device_flops": F1, "h2d_bytes_per_s": 1e10,
+                                 "d2h_bytes_per_s": 1e10, "host_adamw_params_per_s": A1,
+                                 "device_adamw_params_per_s": 0.0, "head_flops_ratio": 1.0,
+                                 "flops_by_dtype": {"fp32": F1, "bf16": F1 / 2}}},
+        },
+        "machine": {}, "details": {},
+    }
+    p = tmp_path / "cpu.json"
+    p.write_text(json.dumps(doc))
+    return p
+
+
+def test_plan_uses_the_profile_figures_of_its_thread_count(tmp_path):
+    m = tiny(tie_word_embeddings=True)
+    M, S, b = 4, 32, 2
+    shape = RunShape(seq_len=S, micro_batch=b, micro_batches=M, dtype="fp32")
+    cards = make_cards("cpu", 1, 2**40)
+    rates = load_rates("cpu", _two_count_profile(tmp_path))
+    plans = {t: make_plan(m, shape, cards, rates, split=[8], resident_layers=8, threads=t,
+                          host_cores=8) for t in (1, 8)}
+    # one stage: step = M micro-batches x (8 layers + head) FLOPs / FLOP/s (no bubble, P = 1)
+    tok = S * b
+    layer = 6.0 * tok * m.params_per_layer() + 12.0 * S * tok * m.num_heads * m.head_dim
+    flops = M * (8 * layer + 6.0 * tok * m.embedding_params())
+    params = m.total_params()
+    for t, f, a in ((1, F1, A1), (8, F8, A8)):
+        st = plans[t].stages[0]
+        assert st.time["compute"] == pytest.approx(flops / f, rel=1e-12)
+        assert st.time["device_optimizer"] == pytest.approx(params / a, rel=1e-12)
+        assert plans[t].threads == t
+        assert f"threads: {t} torch thread(s) per card process" in plans[t].table()
+    c1, c8 = (plans[t].stages[0].time["compute"] for t in (1, 8))
+    assert c1 / c8 == pytest.approx(F8 / F1, rel=1e-12)          # 7.5x longer with 1 thread
+    # default: the cores divided among the cards (8 cores, 1 card -> 8 threads)
+    assert make_plan(m, shape, cards, rates, split=[8], host_cores=8).threads == 8
+
+
+def test_load_rates_threads_rule(tmp_path):
+    p = _two_count_profile(tmp_path)
+    assert load_rates("cpu", p, threads=1).device_flops == F1
+    assert load_rates("cpu", p, threads=8).device_flops == F8
+    # unmeasured counts: the nearest measured count, compute-bound figures scaled linearly
+    r4 = load_rates("cpu", p, threads=4)                          # |4-1| < |4-8|: from 1 thread
+    assert r4.device_flops == pytest.approx(4 * F1) and r4.host_adamw_params_per_s == pytest.approx(4 * A1)
+    assert r4.flops("bf16") == pytest.approx(4 * F1 / 2) and r4.h2d_bytes_per_s == 1e10
+    r6 = load_rates("cpu", p, threads=6)                          # from 8 threads
+    assert r6.device_flops == pytest.approx(6 / 8 * F8) and r6.threads == 6
+    r16 = load_rates("cpu", p, threads=16)
+    assert r16.device_flops == pytest.approx(2 * F8)
+    # a tie goes to the larger count (scaling down is the conservative direction)
+    tie = Rates(60e9, 1e10, 1e10, 3e8, threads=6, by_threads={2: {"device_flops": 30e9}})
+    assert tie.resolve(threads=4).device_flops == pytest.approx(4 / 6 * 60e9)
+    # no thread count known (accelerator profiles): unchanged
+    assert load_rates("furiosa", tmp_path / "none.json", threads=3).device_flops == FURIOSA.device_flops
+
+
+def test_threads_per_card_honours_affinity_and_cgroup_quota(monkeypatch):
+    files: dict[str, str] = {}
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)), raising=False)
+    monkeypatch.setattr(planner_threads, "read_sys_file", lambda path: files.get(path))
+    assert planner_threads.usable_cores() == 6
+    assert threads_per_card(0, 1) == 6 == threads_per_card(None, 1)   # runtime.threads unset
+    assert threads_per_card(0, 4) == 1                 # 6 // 4; cpu and accelerator cards alike
+    assert threads_per_card(0, 8) == 1                 # at least 1
+    assert threads_per_card(3, 4) == 3                 # runtime.threads wins
+    files["/sys/fs/cgroup/cpu.max"] = "250000 100000"  # cgroup v2: 2.5 CPUs -> 2 cores
+    assert planner_threads.usable_cores() == 2 and threads_per_card(0, 1) == 2
+    files["/sys/fs/cgroup/cpu.max"] = "max 100000"     # no limit
+    assert threads_per_card(0, 2) == 3
+    del files["/sys/fs/cgroup/cpu.max"]                # cgroup v1
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "400000"
+    files["/sys/fs/cgroup/cpu/cpu.cfs_period_us"] = "100000"
+    assert threads_per_card(0, 1) == 4 and threads_per_card(0, 2) == 2
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "-1"
+    assert threads_per_card(0, 1) == 6
+    files["/sys/fs/cgroup/cpu/cpu.cfs_quota_us"] = "50000"  # half a CPU: still one thread
+    assert threads_per_card(0, 1) == 1
+    # the planner's default uses the same rule
+    m = tiny()
+    plan = make_plan(m, RunShape(seq_len=32), make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"])
+    assert plan.threads == threads_per_card(0, 2) == 1 and plan.host_cores == 1
+    with pytest.raises(ValueError):
+        threads_per_card(-1, 1)
+    with pytest.raises(ValueError):
+        threads_per_card(0, 0)
+
+
+def test_placement_error_is_a_user_error():
+    from npu_train.errors import UserError
+
+    assert issubclass(PlacementError, UserError) and issubclass(PlacementError, ValueError)

@@ -1,9 +1,11 @@
-"""Calibration: measure the :class:`~npu_train.optim.placement.Rates` of a card kind on this machine.
+"""Calibration: measure the :class:`~npu_train.planner.rates.Rates` of a card kind on this machine.
 
 ``python launch/run.py calibrate=true`` ends up in :func:`main_calibrate`, which measures every
 card kind of the job with :func:`calibrate`, prints a table and writes one profile per kind with
-:func:`save_profile` (default ``~/.cache/npu-train/calibration/<kind>.json``, the file
-:func:`~npu_train.optim.placement.load_rates` reads; ``placement.profile=<path>`` selects another).
+:func:`save_profile` (default ``$NPT_CACHE/calibration/<kind>.json``, i.e.
+``~/.cache/npu-train/calibration/<kind>.json``: :func:`~npu_train.planner.rates.calibration_path`,
+the file :func:`~npu_train.planner.rates.load_rates` reads; ``placement.profile=<path>`` selects
+another). The benchmarks themselves are in :mod:`npu_train.planner.measure`.
 
 What is measured, through the card's backend (:func:`npu_train.backends.make_backend`), each in a
 time-bounded loop (about 0.6 s per figure, at most 3 s; the median of the repetitions is kept, so
@@ -16,10 +18,10 @@ calibration takes ~25 s on 2 cores):
   ``b*s`` tokens (cpu 2x128 as the default job, accelerators 1x512), counted as the placement
   model counts them (``6 * tokens * params + 12 * s * heads*head_dim * tokens``). The layer has
   the shapes of the model being calibrated for (``model_path``) when one repetition stays within
-  ``_FLOP_BUDGET``, else a reference Llama layer. A bare matmul runs faster (about 100 vs 85
-  GFLOP/s fp32 per core on an AMD EPYC Zen 4) because a training step also spends time in norms,
-  RoPE, SwiGLU, attention and autograd; the planner divides training FLOPs by this rate, so it
-  must be the training rate. The bare square-matmul FLOP/s are recorded too
+  a FLOP budget (:mod:`npu_train.planner.measure`), else a reference Llama layer. A bare matmul
+  runs faster (about 100 vs 85 GFLOP/s fp32 per core on an AMD EPYC Zen 4) because a training
+  step also spends time in norms, RoPE, SwiGLU, attention and autograd; the planner divides
+  training FLOPs by this rate, so it must be the training rate. The bare square-matmul FLOP/s are recorded too
   (``matmul_flops_by_dtype``, not used by the planner).
 - ``head_flops_ratio``: FLOP/s of final norm + ``lm_head`` + ``causal_lm_loss_sum`` forward +
   backward (the model's vocabulary and width when given) divided by ``device_flops``: about 0.8
@@ -35,18 +37,20 @@ calibration takes ~25 s on 2 cores):
   the trainer configures it for the device (cpu: the same fused CPU AdamW as the host's; cuda:
   fused; furiosa: ``foreach=False``) and the refresh of the compute-dtype weights.
 - ``process_baseline_bytes`` (cpu only): RSS of a fresh subprocess that does what a card process
-  does before it allocates model state: imports torch and the trainer's modules, sets up the cpu
+  does before it allocates model state: imports torch and the trainer's modules (the ``modules``
+  argument of :func:`measure_process_baseline`, default :data:`CARD_PROCESS_MODULES`), sets up the cpu
   backend, a ZeroMQ context and a one-rank gloo process group, and (with ``model_path``) opens the
   model file with the trainer's loader; a GGUF reader stays cached in the card process with its
   parsed metadata and memory-mapped file, so its pages are touched too (an upper bound: a stage
   touches only its own tensors' pages).
 
-Threads: on cpu the figures depend on the torch thread count, and the launcher gives each cpu
-card process ``max(1, cores // number of cpu cards)`` threads (``runtime.threads``). Calibration
-measures every count in ``{1, 2, 4, ..., cores}`` (``torch.set_num_threads(n)`` around the
+Threads: on cpu the figures depend on the torch thread count, and the launcher gives each card
+process :func:`npu_train.planner.threads.threads_per_card` threads (``runtime.threads``, else the
+usable cores divided among the host's card processes). Calibration measures every count in
+``{1, 2, 4, ..., cores}`` (:func:`thread_counts`) (``torch.set_num_threads(n)`` around the
 measurement); the profile's top level holds the figures for ``cores`` threads and ``by_threads``
 the others, and the planner picks the entry of the job's thread count (see
-:meth:`npu_train.optim.placement.Rates.resolve`). Multi-thread figures collapse while another
+:meth:`npu_train.planner.rates.Rates.resolve`). Multi-thread figures collapse while another
 process holds a core (an OpenMP team waits for its descheduled thread: 5-40 instead of 145
 GFLOP/s on 2 cores), so the largest count is measured first, a count that comes out slower than
 a smaller one is re-measured (best of up to 4 per figure), and if it stays slower the smaller
@@ -67,84 +71,32 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from statistics import median
-from typing import Callable, Optional, Union
+from typing import Optional, Sequence, Union
 
-from npu_train.optim.placement import (
-    DEFAULT_RATES,
-    KINDS,
-    Rates,
-    calibration_path,
-    gib,
-    load_rates,
+from npu_train.hardware import KINDS
+from npu_train.planner.measure import (
+    RETRIES,
+    best_of,
+    measure_at,
+    note_load,
+    planner_dtype,
+    rate_fields,
+    slower,
 )
+from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
+from npu_train.planner.spec import gib
+from npu_train.planner.threads import usable_cores
 
 __all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "thread_counts",
-           "measure_process_baseline", "COPY_BYTES", "PROFILE_VERSION"]
+           "measure_process_baseline", "CARD_PROCESS_MODULES", "PROFILE_VERSION"]
 
-#: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
-COPY_BYTES = 117_000_000
 PROFILE_VERSION = 1
-
-# reference decoder layer for the training-FLOP/s measurement: (hidden, intermediate, heads,
-# kv_heads, micro_batch, seq_len) per kind; cpu is Llama-like at 256 tokens per micro-batch (the
-# default job's b*s), accelerators a Llama-3.1-8B layer at S=512.
-_LAYER = {
-    "cpu": (1024, 2816, 16, 4, 2, 128),
-    "cuda": (4096, 14336, 32, 8, 1, 512),
-    "furiosa": (4096, 14336, 32, 8, 1, 512),
-}
-_LAYER_QUICK = (128, 352, 4, 2, 1, 32)
-# reference lm_head (vocab, hidden) when no model is given
-_HEAD = {"cpu": (32000, 1024), "cuda": (128256, 4096), "furiosa": (128256, 4096)}
-_HEAD_QUICK = (1000, 128)
-# most FLOPs one repetition of the layer / head benchmark may take (the model's own dims are used
-# when they fit, else the reference ones): ~0.2 s on one CPU core, milliseconds on accelerators
-_FLOP_BUDGET = {"cpu": 20e9, "cuda": 2e12, "furiosa": 2e12}
-_MATMUL_N = {"cpu": 1024, "cuda": 8192, "furiosa": 4096}
-_ADAMW_PARAMS = 20_000_000
-_RETRIES = 3  # re-measurements of a thread count disturbed by other load
-
-
-# ------------------------------------------------------------------------------------------------
-# helpers
-# ------------------------------------------------------------------------------------------------
-def _dtype(name: str):
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def _planner_dtype(kind: str) -> str:
-    """The compute dtype ``train.dtype=auto`` picks for ``kind`` (fp32 on cpu, bf16 elsewhere)."""
-    return "fp32" if kind == "cpu" else "bf16"
-
-
-def _timed(fn: Callable[[], None], sync: Callable[[], None], *, min_time: float,
-           max_reps: int, min_reps: int = 3, warmup: int = 1, max_time: Optional[float] = None) -> float:
-    """Median seconds of ``fn`` (``sync`` after each call), repeated until ``min_time`` has passed
-    (at least ``min_reps``, at most ``max_reps`` repetitions), but never past ``max_time``
-    (default ``5 * min_time``) once one repetition is done."""
-    max_time = 5 * min_time if max_time is None else max_time
-    t_start = time.perf_counter()
-    for _ in range(warmup):
-        fn()
-        sync()
-    times: list[float] = []
-    t_end = time.perf_counter() + min_time
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < t_end):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() - t_start > max_time:
-            break
-    return median(times)
 
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:
-    """cpu thread counts calibration measures: ``{1, 2, 4, ...} <= cores``, plus ``cores``."""
-    cores = int(cores or os.cpu_count() or 1)
+    """cpu thread counts calibration measures: ``{1, 2, 4, ...} <= cores``, plus ``cores``
+    (default :func:`npu_train.planner.threads.usable_cores`: affinity and cgroup quota)."""
+    cores = int(cores or usable_cores())
     out, t = set(), 1
     while t <= cores:
         out.add(t)
@@ -175,6 +127,7 @@ def machine_info(kind: Optional[str] = None, backend=None) -> dict:
         "hostname": socket.gethostname(),
         "cpu_model": _cpu_model(),
         "cores_logical": os.cpu_count(),
+        "cores_usable": usable_cores(),
         "cores_physical": psutil.cpu_count(logical=False),
         "ram_bytes": int(psutil.virtual_memory().total),
         "python": platform.python_version(),
@@ -204,202 +157,27 @@ def machine_info(kind: Optional[str] = None, backend=None) -> dict:
     return info
 
 
-# ------------------------------------------------------------------------------------------------
-# measurements
-# ------------------------------------------------------------------------------------------------
-def _layer_flops(backend, dtype_name: str, dims, min_time: float, max_reps: int) -> float:
-    """Sustained training FLOP/s of one DecoderLayer forward + backward on the card."""
-    import torch
 
-    from npu_train.model.config import LlamaConfig
-    from npu_train.model.llama import DecoderLayer, rope_cos_sin
+#: Modules a card process imports before it allocates model state, all below the planner's
+#: layer (the runtime passes its own list, which adds its card-process module).
+CARD_PROCESS_MODULES: tuple[str, ...] = (
+    "npu_train.backends", "npu_train.optim.adamw", "npu_train.optim.lr",
+    "npu_train.pipeline.schedule", "npu_train.pipeline.stage", "npu_train.model.llama",
+    "npu_train.model.loading", "npu_train.data.dataset", "npu_train.checkpoint.store",
+    "npu_train.transport",
+)
 
-    H, I, heads, kv, b, S = dims
-    cfg = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=I, num_layers=1,
-                      num_heads=heads, num_kv_heads=kv, name="calibration-layer")
-    dt = _dtype(dtype_name)
-    dev = backend.device()
-    with backend.alloc_lock():
-        layer = DecoderLayer(cfg, 0).to(dtype=dt).to(dev)
-        cos, sin = rope_cos_sin(cfg, S, dev, dt)
-        x = torch.randn(b, S, H, dtype=dt, device=dev, requires_grad=True)
-        g = torch.randn(b, S, H, dtype=dt, device=dev)
-
-    def step() -> None:
-        with backend.alloc_lock():
-            layer(x, cos, sin).backward(g)
-            # like the trainer: gradients accumulate into .grad between optimizer steps
-
-    sec = _timed(step, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
-    tok = b * S
-    flops = 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
-    return flops / sec
-
-
-def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int, min_time: float,
-                max_reps: int) -> float:
-    """Sustained FLOP/s (``6 * tokens * V * H``) of the trainer's head path: final RMSNorm,
-    ``lm_head`` and ``causal_lm_loss_sum`` (fp32 log-softmax + NLL), forward + backward."""
-    import torch
-
-    from npu_train.model.llama import RMSNorm, causal_lm_loss_sum
-
-    dt = _dtype(dtype_name)
-    dev = backend.device()
-    with backend.alloc_lock():
-        norm = RMSNorm(hidden).to(dtype=dt).to(dev)
-        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype=dt).to(dev)
-        x = torch.randn(1, tokens, hidden, dtype=dt, device=dev, requires_grad=True)
-        labels = torch.randint(0, vocab, (1, tokens), device=dev)
-
-    def step() -> None:
-        with backend.alloc_lock():
-            loss, _ = causal_lm_loss_sum(head(norm(x)).float(), labels)
-            loss.backward()
-
-    sec = _timed(step, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
-    return 6.0 * tokens * vocab * hidden / sec
-
-
-def _matmul_flops(backend, dtype_name: str, n: int, min_time: float, max_reps: int) -> float:
-    import torch
-
-    dt = _dtype(dtype_name)
-    dev = backend.device()
-    with backend.alloc_lock():
-        a = torch.randn(n, n, dtype=dt, device=dev)
-        b = torch.randn(n, n, dtype=dt, device=dev)
-
-    def mm() -> None:
-        with backend.alloc_lock():
-            a @ b
-
-    sec = _timed(mm, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
-    return 2.0 * n ** 3 / sec
-
-
-def _copy_bandwidth(backend, dtype_name: str, nbytes: int, min_time: float,
-                    max_reps: int) -> tuple[float, float]:
-    """(host->device, device->host) bytes/s for one ``nbytes`` tensor."""
-    import torch
-
-    dt = _dtype(dtype_name)
-    elem = torch.empty((), dtype=dt).element_size()
-    host = torch.randn(max(1, nbytes // elem), dtype=torch.float32).to(dt)
-    nb = host.numel() * elem
-    dev_t = [backend.upload(host)]
-    backend.synchronize()
-
-    def up() -> None:
-        dev_t[0] = backend.upload(host)  # the previous copy is freed, as in the trainer
-
-    def down() -> None:
-        backend.download(dev_t[0])
-
-    t_up = _timed(up, backend.synchronize, min_time=min_time, max_reps=max_reps)
-    t_down = _timed(down, backend.synchronize, min_time=min_time, max_reps=max_reps)
-    return nb / t_up, nb / t_down
-
-
-def _adamw_rate(device, n_params: int, min_time: float, max_reps: int, backend=None) -> float:
-    """fp32 AdamW params/s: fused on cpu/cuda, one tensor at a time elsewhere (as StageOptimizer)."""
-    import torch
-
-    n_t = 8
-    per = max(1, n_params // n_t)
-    lock = backend.alloc_lock if backend is not None else None
-    with (lock() if lock else _null()):
-        params = [torch.nn.Parameter(torch.randn(per, device=device)) for _ in range(n_t)]
-        for p in params:
-            p.grad = torch.randn(per, device=device) * 1e-3
-    kw = {"fused": True} if torch.device(device).type in ("cpu", "cuda") else {"foreach": False}
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **kw)
-    sync = backend.synchronize if backend is not None else (lambda: None)
-
-    def step() -> None:
-        with (lock() if lock else _null()):
-            opt.step()
-
-    sec = _timed(step, sync, min_time=min_time, max_reps=max_reps, warmup=2)
-    return per * n_t / sec
-
-
-def _stage_optimizer_rate(backend, n_params: int, min_time: float, max_reps: int) -> float:
-    """params/s of ``StageOptimizer.step`` over resident parameters on the card: the trainer's
-    device-optimizer path (gradient scaling, AdamW as the trainer configures it for the device,
-    refresh of the compute weights; fp32 weights as on cpu, the planner dtype elsewhere)."""
-    import torch
-
-    from npu_train.optim.adamw import StageOptimizer
-
-    n_t = 8
-    per = max(1, n_params // n_t)
-    dt = _dtype(_planner_dtype(backend.kind))
-    masters = {f"w{i}": torch.randn(per // 64 or 1, 64) for i in range(n_t)}
-    params = {}
-    with backend.alloc_lock():
-        for n, m in masters.items():
-            params[n] = torch.nn.Parameter(backend.upload(m.to(dt)))
-            params[n].grad = backend.upload((m * 1e-3).to(dt))
-    opt = StageOptimizer(params, masters, list(params), backend, lr=1e-4)
-    secs: list[float] = []
-
-    def step() -> None:
-        secs.append(opt.step(1e-4, 0.5)["device_optimizer"])
-
-    _timed(step, lambda: None, min_time=min_time, max_reps=max_reps, warmup=2)
-    return sum(m.numel() for m in masters.values()) / median(secs[2:] or secs)
-
-
-#: figures that must not drop when threads are added (else the measurement was disturbed)
-_MONOTONE = ("device_flops", "head_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
-
-
-def _slower(m: dict, lower: dict) -> list[str]:
-    """Names of the compute-bound figures of ``m`` below those of ``lower`` (fewer threads)."""
-    return [k for k in _MONOTONE if m[k] < lower[k]]
-
-
-def _best_of(a: dict, b: dict, kind: str, only=None) -> dict:
-    """Per-figure maximum of two measurements at the same thread count (``only``: just these,
-    plus what derives from them)."""
-    out = dict(a)
-    keys = only or (*_MONOTONE, "h2d_bytes_per_s", "d2h_bytes_per_s")
-    for k in keys:
-        out[k] = max(a[k], b[k])
-    if only is None or "device_flops" in only:
-        out["flops_by_dtype"] = {d: max(v, b["flops_by_dtype"].get(d, 0.0))
-                                 for d, v in a["flops_by_dtype"].items()}
-        out["flops_by_dtype"][_planner_dtype(kind)] = out["device_flops"]
-    out["head_flops_ratio"] = out["head_flops"] / out["device_flops"]
-    return out
-
-
-def _note_load(m: dict) -> None:
-    try:
-        m["loadavg_1"] = round(os.getloadavg()[0], 2)
-    except OSError:
-        pass
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
+# argv: threads, comma-separated modules, [model path]. A GGUF file's pages are touched through a
+# memory map of the whole file, as the card process's cached reader maps it (same RSS).
 _BASELINE_CODE = r"""
-import gc, json, os, socket, sys
+import gc, importlib, json, os, socket, sys
 import psutil
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 import msgpack, zmq
 import torch.distributed as dist
-import npu_train.runtime.worker, npu_train.backends, npu_train.optim.adamw, npu_train.pipeline.stage
-import npu_train.model.llama, npu_train.model.loading, npu_train.data.dataset
-import npu_train.checkpoint.store, npu_train.transport
+for name in filter(None, sys.argv[2].split(",")):
+    importlib.import_module(name)
 from npu_train.backends import make_backend
 be = make_backend("cpu"); be.setup()
 x = torch.ones(64, 64); (x @ x).sum()             # first op: thread pools, kernels
@@ -408,17 +186,20 @@ with socket.socket() as so:
     so.bind(("127.0.0.1", 0)); port = so.getsockname()[1]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 t = torch.ones(4); dist.all_reduce(t)
-path = sys.argv[2] if len(sys.argv) > 2 else ""
+path = sys.argv[3] if len(sys.argv) > 3 else ""
 touched = 0
 if path:
-    from npu_train.model.loading import load_config, resolve_model_path, _gguf_reader, _is_gguf_path
+    from npu_train.model.loading import load_config, resolve_model_path
     p = resolve_model_path(path)
-    load_config(p)
-    if _is_gguf_path(p):
-        import numpy as np
-        data = _gguf_reader(p).data                # np.memmap of the whole file, kept cached
-        step = data[::4096]
-        touched = int(step.size) * 4096 if int(np.add.reduce(step, dtype=np.uint64)) >= 0 else 0
+    load_config(p)                                  # a GGUF reader stays cached with its metadata
+    if os.path.isfile(p):
+        with open(p, "rb") as f:
+            gguf = f.read(4) == b"GGUF"
+        if gguf:
+            import numpy as np
+            data = np.memmap(p, dtype=np.uint8, mode="r")
+            step = data[::4096]
+            touched = int(step.size) * 4096 if int(np.add.reduce(step, dtype=np.uint64)) >= 0 else 0
 gc.collect()
 rss = psutil.Process().memory_info().rss
 dist.destroy_process_group()
@@ -427,16 +208,31 @@ print(json.dumps({"rss": rss, "touched": touched}))
 
 
 def measure_process_baseline(model_path: Optional[str] = None, threads: int = 1,
-                             timeout: float = 120.0) -> int:
+                             timeout: float = 120.0,
+                             modules: Sequence[str] = CARD_PROCESS_MODULES) -> int:
     """RSS (bytes) of a fresh card-like process before model state (see the module docstring).
 
-    Runs ``sys.executable`` with ``src`` on ``PYTHONPATH``; raises ``RuntimeError`` with the
-    subprocess's stderr when it fails.
+    Args:
+        model_path: the job's ``model.path`` (its file is opened and, for GGUF, its pages
+            touched, as a card process does); ``None``: imports and runtime only.
+        threads: torch threads of the process.
+        timeout: seconds before the subprocess is killed.
+        modules: the modules a card process imports (default :data:`CARD_PROCESS_MODULES`);
+            the runtime passes its own list, which names its card-process module.
+
+    Runs ``sys.executable`` with ``src`` on ``PYTHONPATH``.
+
+    Raises:
+        RuntimeError: the subprocess failed (with its stderr).
+        ValueError: a module name contains a comma.
     """
+    mods = [str(m) for m in modules]
+    if any("," in m for m in mods):
+        raise ValueError(f"module names must not contain commas: {mods}")
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in [env.get("PYTHONPATH")] if p])
-    args = [sys.executable, "-c", _BASELINE_CODE, str(int(threads))]
+    args = [sys.executable, "-c", _BASELINE_CODE, str(int(threads)), ",".join(mods)]
     if model_path:
         args.append(str(model_path))
     out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
@@ -447,65 +243,9 @@ def measure_process_baseline(model_path: Optional[str] = None, threads: int = 1,
     return int(json.loads(line)["rss"])
 
 
-# ------------------------------------------------------------------------------------------------
-# public entry points
-# ------------------------------------------------------------------------------------------------
-def _reference_shapes(kind: str, quick: bool, model_cfg) -> tuple[tuple, tuple, str]:
-    """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
-    the model's own layer and head when ``model_cfg`` is given and one repetition stays within
-    ``_FLOP_BUDGET``, else the per-kind reference."""
-    if quick:
-        H, I, a, kv, b, S = _LAYER_QUICK
-        return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"
-    H, I, a, kv, b, S = _LAYER[kind]
-    tok = b * S
-    layer, head, what = _LAYER[kind], (_HEAD[kind][0], _HEAD[kind][1], tok), "reference"
-    if model_cfg is not None:
-        m = model_cfg
-        if 6.0 * tok * m.params_per_layer() <= _FLOP_BUDGET[kind] and m.head_dim * m.num_heads > 0:
-            layer = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, b, S)
-            what = f"model {m.name}"
-        if 6.0 * tok * m.vocab_size * m.hidden_size <= 4 * _FLOP_BUDGET[kind]:
-            head = (m.vocab_size, m.hidden_size, tok)
-    return layer, head, what
-
-
-def _measure_at(kind: str, backend, quick: bool, model_cfg=None) -> dict:
-    """All rate figures of ``kind`` at the current torch thread count."""
-    import torch
-
-    min_time = 0.02 if quick else 0.6
-    max_reps = 3 if quick else 50
-    dims, head_shape, what = _reference_shapes(kind, quick, model_cfg)
-    n_mm = 128 if quick else _MATMUL_N[kind]
-    nbytes = 1_000_000 if quick else COPY_BYTES
-    n_adamw = 200_000 if quick else _ADAMW_PARAMS
-    main = _planner_dtype(kind)
-    out: dict = {"flops_by_dtype": {}, "matmul_flops_by_dtype": {},
-                 "shapes": {"layer_H_I_heads_kv_b_s": list(dims),
-                            "head_V_H_tokens": list(head_shape), "source": what}}
-    for dt in (main, "bf16" if main == "fp32" else "fp32"):
-        try:
-            out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, min_time, max_reps)
-            out["matmul_flops_by_dtype"][dt] = _matmul_flops(backend, dt, n_mm, min_time, max_reps)
-        except Exception as exc:  # noqa: BLE001 - the second dtype is optional (e.g. fp32 on RNGD)
-            if dt == main:
-                raise
-            out.setdefault("errors", {})[dt] = f"{type(exc).__name__}: {exc}"[:300]
-    out["device_flops"] = out["flops_by_dtype"][main]
-    head = _head_flops(backend, main, *head_shape, min_time=min_time, max_reps=max_reps)
-    out["head_flops"] = head
-    out["head_flops_ratio"] = head / out["device_flops"]
-    out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(
-        backend, main, nbytes, min_time, max_reps)
-    out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, min_time, max_reps)
-    n_dev = n_adamw if kind != "furiosa" else max(1, n_adamw // 5)
-    out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, min_time, max_reps)
-    return out
-
-
 def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
-              model_path: Optional[str] = None, threads: Optional[list[int]] = None) -> Rates:
+              model_path: Optional[str] = None, threads: Optional[list[int]] = None,
+              modules: Optional[Sequence[str]] = None) -> Rates:
     """Measure :class:`Rates` of card kind ``kind`` (``"cpu"``, ``"cuda"``, ``"furiosa"``) on this
     machine, through the backend of card ``index`` (default 0; ignored for cpu).
 
@@ -517,6 +257,8 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
             ``process_baseline_bytes``. ``None``: reference shapes, imports/runtime only.
         threads: cpu only: torch thread counts to measure (default :func:`thread_counts`); the
             largest goes to the top level, the others to ``by_threads``.
+        modules: cpu only: the modules a card process imports, for the process baseline
+            (:func:`measure_process_baseline`; ``None``: :data:`CARD_PROCESS_MODULES`).
 
     Returns:
         The measured :class:`Rates`. Its attribute ``calibration`` (not a dataclass field) holds
@@ -536,7 +278,7 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
     backend = make_backend(entry)
     backend.setup()
     details: dict = {"kind": kind, "card": backend.name, "quick": bool(quick),
-                     "planner_dtype": _planner_dtype(kind)}
+                     "planner_dtype": planner_dtype(kind)}
     model_cfg = None
     if model_path:
         from npu_train.model.loading import load_config, resolve_model_path
@@ -554,34 +296,34 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
             # when one of its threads is descheduled), so they go first, right after start-up
             for t in sorted(counts, reverse=True):
                 torch.set_num_threads(t)
-                per[t] = _measure_at(kind, backend, quick, model_cfg)
-                _note_load(per[t])
+                per[t] = measure_at(kind, backend, quick, model_cfg)
+                note_load(per[t])
             for t in counts:
                 prev = [u for u in per if u < t]
                 if not prev or quick:
                     continue
                 lower = per[max(prev)]
-                if not _slower(per[t], lower):
+                if not slower(per[t], lower):
                     continue
                 # more threads but slower: disturbed by other load. The figures wanted are what
                 # the machine does for the job alone: re-measure a few times, keep the best of
                 # each figure.
                 torch.set_num_threads(t)
-                for _ in range(_RETRIES):
+                for _ in range(RETRIES):
                     time.sleep(2.0)
-                    again = _measure_at(kind, backend, quick, model_cfg)
-                    _note_load(again)
-                    per[t] = _best_of(per[t], again, kind)
-                    if not _slower(per[t], lower):
+                    again = measure_at(kind, backend, quick, model_cfg)
+                    note_load(again)
+                    per[t] = best_of(per[t], again, kind)
+                    if not slower(per[t], lower):
                         break
-                bad = _slower(per[t], lower)
+                bad = slower(per[t], lower)
                 if bad:
                     # keep a lower bound instead: t threads are at least as fast as fewer
                     details.setdefault("warnings", []).append(
                         f"{t} threads measured slower than {max(prev)} for {', '.join(bad)} "
                         "(other load on the machine?): the lower thread count's figures are used "
                         "for those (a lower bound); rerun calibration on an idle machine")
-                    per[t] = _best_of(per[t], lower, kind, only=bad)
+                    per[t] = best_of(per[t], lower, kind, only=bad)
                     per[t]["disturbed"] = bad
         finally:
             torch.set_num_threads(old)
@@ -589,17 +331,19 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         top = per[top_t]
         baseline_threads = min(counts)
         try:
-            baseline = measure_process_baseline(model_path, baseline_threads)
+            baseline = measure_process_baseline(
+                model_path, baseline_threads,
+                modules=CARD_PROCESS_MODULES if modules is None else modules)
             details["process_baseline"] = {"model_path": model_path, "threads": baseline_threads,
                                            "rss_bytes": baseline}
         except Exception as exc:  # noqa: BLE001 - keep the other figures, report the failure
             baseline = DEFAULT_RATES["cpu"].process_baseline_bytes
             details["process_baseline"] = {"error": str(exc)[:2000], "used_default": baseline}
-        by_threads = {t: _rate_fields(v) for t, v in per.items() if t != top_t}
+        by_threads = {t: rate_fields(v) for t, v in per.items() if t != top_t}
         details["by_threads"] = {str(t): v for t, v in per.items()}
     else:
         top_t = 0
-        top = _measure_at(kind, backend, quick, model_cfg)
+        top = measure_at(kind, backend, quick, model_cfg)
         baseline = 0
         by_threads = {}
         details["measured"] = top
@@ -622,17 +366,11 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
     return rates
 
 
-def _rate_fields(m: dict) -> dict:
-    keys = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
-            "device_adamw_params_per_s", "head_flops_ratio")
-    out = {k: float(m[k]) for k in keys}
-    out["flops_by_dtype"] = {k: float(v) for k, v in m["flops_by_dtype"].items()}
-    return out
 
 
 def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = None,
                  *, details: Optional[dict] = None) -> Path:
-    """Write ``rates`` as a calibration profile that :func:`~npu_train.optim.placement.load_rates`
+    """Write ``rates`` as a calibration profile that :func:`~npu_train.planner.rates.load_rates`
     reads (``{"rates": {...}}``), with the machine facts and measurement details of
     ``details`` (default: ``rates.calibration`` when :func:`calibrate` made it, else machine info
     only). Atomic (temp file + rename); creates the directory. Returns the path."""
@@ -706,7 +444,8 @@ def _fmt_rates(kind: str, r: Rates) -> list[str]:
 
 
 def main_calibrate(kinds: list[str], *, quick: bool = False, model_path: Optional[str] = "embedded",
-                   profile: Union[str, os.PathLike, None] = None) -> list[str]:
+                   profile: Union[str, os.PathLike, None] = None,
+                   modules: Optional[Sequence[str]] = None) -> list[str]:
     """Calibrate every distinct kind in ``kinds`` (``"cpu"``, ``"cuda:1"``, ``"furiosa:0"``...;
     the first index given for a kind is the card measured), print the measured rates and where
     they were saved, and return the saved paths.
@@ -714,7 +453,11 @@ def main_calibrate(kinds: list[str], *, quick: bool = False, model_path: Optiona
     ``model_path`` (default the embedded SmolLM2): the job's ``model.path``; its layer and head
     shapes are benchmarked and its file reader is part of the cpu process baseline (``None``:
     reference shapes, imports only). ``profile``: write to this path instead of the default (only
-    with a single kind).
+    with a single kind). ``modules``: the modules a card process imports, passed to
+    :func:`calibrate` (``None``: :data:`CARD_PROCESS_MODULES`).
+
+    Raises:
+        ValueError: an unknown kind, or one ``profile`` path for several kinds.
     """
     seen: dict[str, Optional[int]] = {}
     for k in kinds:
@@ -730,7 +473,7 @@ def main_calibrate(kinds: list[str], *, quick: bool = False, model_path: Optiona
     for kind, idx in seen.items():
         print(f"calibrating {kind}{'' if idx is None else f':{idx}'}"
               f"{' (quick)' if quick else ''} ...", flush=True)
-        r = calibrate(kind, idx, quick=quick, model_path=model_path)
+        r = calibrate(kind, idx, quick=quick, model_path=model_path, modules=modules)
         path = save_profile(kind, r, profile)
         det = getattr(r, "calibration", {})
         print(f"{kind}: measured in {det.get('seconds', 0):.1f} s on "
@@ -748,3 +491,4 @@ def main_calibrate(kinds: list[str], *, quick: bool = False, model_path: Optiona
         print(f"  saved to {path}", flush=True)
         saved.append(str(path))
     return saved
+

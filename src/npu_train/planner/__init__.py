@@ -1,0 +1,63 @@
+"""The planner: where the model's layers go, what each card holds, how long a step takes, and
+how fast this machine is.
+
+Modules (dependencies point down the list; none imports torch at import time, so a dry run
+``plan=true`` stays torch-free; only :func:`default_capacity` for ``cuda`` and calibration use it):
+
+- :mod:`~npu_train.planner.spec`: :class:`CardSpec`, :class:`RunShape`, :class:`PlacementError`,
+  card capacities, GB/GiB conversion.
+- :mod:`~npu_train.planner.threads`: torch threads per card process (:func:`threads_per_card`),
+  usable cores (affinity, cgroup quota).
+- :mod:`~npu_train.planner.rates`: :class:`Rates`, defaults per card kind, calibration profiles
+  (:func:`load_rates`, :func:`calibration_path`), the thread-count rule.
+- :mod:`~npu_train.planner.memory`: the memory model (per-stage terms, activations, logits,
+  in-flight micro-batches from the schedule).
+- :mod:`~npu_train.planner.plan`: :class:`Plan`, :class:`StagePlan`.
+- :mod:`~npu_train.planner.cost`: the step-time model.
+- :mod:`~npu_train.planner.report`: the plan table and the dry-run report.
+- :mod:`~npu_train.planner.search`: :func:`make_plan` (split and resident-layer search).
+- :mod:`~npu_train.planner.measure` / :mod:`~npu_train.planner.calibration`: measuring a card
+  kind's :class:`Rates` and writing the profile (torch is imported when a measurement runs).
+"""
+from __future__ import annotations
+
+from npu_train.planner.calibration import (
+    calibrate,
+    machine_info,
+    main_calibrate,
+    measure_process_baseline,
+    save_profile,
+    thread_counts,
+)
+from npu_train.planner.memory import (
+    ATTENTION,
+    WORKSPACE,
+    activation_bytes_per_layer,
+    in_flight_micro_batches,
+    logits_bytes,
+    saved_logits_bytes,
+)
+from npu_train.planner.plan import Plan, StagePlan
+from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
+from npu_train.planner.report import format_plan
+from npu_train.planner.search import balanced_split, make_plan
+from npu_train.planner.spec import (
+    CardSpec,
+    PlacementError,
+    RunShape,
+    default_capacity,
+    gb,
+    gib,
+    make_cards,
+)
+from npu_train.planner.threads import threads_per_card, usable_cores
+
+__all__ = [
+    "PlacementError", "CardSpec", "RunShape", "Plan", "StagePlan", "Rates", "DEFAULT_RATES",
+    "ATTENTION", "WORKSPACE", "gb", "gib", "default_capacity", "make_cards", "calibration_path",
+    "load_rates", "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes",
+    "in_flight_micro_batches", "balanced_split", "make_plan", "format_plan", "threads_per_card",
+    "usable_cores",
+    "calibrate", "main_calibrate", "save_profile", "thread_counts", "machine_info",
+    "measure_process_baseline",
+]

@@ -1,0 +1,199 @@
+"""Cost model: predicted seconds per optimizer step of ``M`` micro-batches on ``P`` stages.
+
+- ``t_i`` = compute time of stage i per micro-batch = FLOPs / ``Rates.device_flops``, FLOPs =
+  ``6 * tokens * (params of the stage's layers + lm_head)`` + attention scores
+  ``12 * s * (heads*head_dim) * tokens`` per layer, times 8/6 with recompute (one extra forward).
+  The embedding lookup and norms count no FLOPs. ``device_flops`` is the *sustained training*
+  rate (``calibrate`` measures it on a decoder layer's forward + backward, so element-wise work
+  and framework overhead are in it); ``Rates.flops_by_dtype`` may give it per compute dtype. The
+  ``lm_head`` + loss runs at ``device_flops * Rates.head_flops_ratio`` (measured: its GEMMs have
+  one small dimension and the log-softmax spans the vocabulary).
+- Pipeline phase (1F1B and GPipe alike): ``(M + P - 1) * max_i t_i``; the slowest stage sets the
+  pace, so every stage is busy ``compute = M * t_i`` and idle ``bubble = phase - M*t_i``
+  (for balanced stages that is the classical bubble fraction ``(P-1)/(M+P-1)`` of the step).
+- ``host_optimizer`` = offloaded params / ``Rates.host_adamw_params_per_s`` (each stage's process
+  runs its own host AdamW, concurrently with the other stages').
+- ``device_optimizer`` = resident params / ``Rates.device_adamw_params_per_s`` (the card's AdamW
+  over its resident masters; on a ``cpu`` card that is the same fused CPU AdamW as the host's).
+- ``transfer`` = offloaded params * ``e`` / ``h2d_bytes_per_s`` (updated weights back to the card)
+  + offloaded params * ``e`` / ``d2h_bytes_per_s`` (accumulated gradients to the host), plus, with
+  tied embeddings on more than one stage, the tied gradient's download and upload on the first and
+  last stage. Stage-boundary activations (``s*b*h*e`` bytes per micro-batch and boundary, ~4 MB
+  for 8B at S=512), the gloo all-reduce of the tied gradient and the gradient-norm pass are
+  ignored.
+- Conservatively, the optimizer and the transfers are *not* overlapped with the pipeline:
+  stage total = pipeline phase + host_optimizer + device_optimizer + transfer; step time = max
+  over stages.
+- Threads: every card process runs ``threads`` torch threads (one number for the job,
+  :func:`npu_train.planner.threads.threads_per_card`, which the launcher also gives the card
+  processes); each card's :class:`~npu_train.planner.rates.Rates` are resolved for that count
+  (:meth:`Rates.resolve <npu_train.planner.rates.Rates.resolve>`: the profile's figures measured
+  at that count, else the nearest measured count scaled linearly). ``cpu`` cards share the
+  host's ``host_cores``: when the cpu cards together run more threads than there are cores (3
+  cpu cards on 2 cores), the pipeline phase counts its ``M + P - 1`` slots by occupancy: in slot
+  j only the stages holding a micro-batch compute, and a slot whose computing cpu stages run
+  ``a * threads > cores`` threads takes ``a * threads / cores`` times longer (so the
+  ``(M+P-1)`` factor becomes the sum of the slots' stretch factors); the optimizers, which all
+  run at the same time, get ``cores / (cpu cards * threads)`` of their rate. ``compute`` then
+  includes the phase's average slowdown (``M * t_i * slots / (M + P - 1)``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from npu_train.model.config import LlamaConfig
+from npu_train.planner.memory import MemoryModel
+from npu_train.planner.plan import Plan, StagePlan
+from npu_train.planner.rates import Rates
+from npu_train.planner.spec import CardSpec, RunShape
+
+__all__ = ["StageCost", "CostModel"]
+
+
+@dataclass
+class StageCost:
+    """Memory and compute of one stage at one (layers, resident layers) choice.
+
+    Attributes:
+        resident: resident decoder layers.
+        nonlayer_resident: where the non-layer parameters' optimizer state lives.
+        mem: memory terms, bytes (:mod:`npu_train.planner.memory`).
+        host_params: params whose optimizer runs on the host (offloaded).
+        device_params: params whose optimizer runs on the card (resident).
+        xfer_params: params moved card<->host each step (each direction).
+        t_mb: compute seconds per micro-batch.
+        in_flight: micro-batches whose activations the stage holds at peak.
+        host_state_on_card: cpu card: the offloaded state is in the card's memory.
+    """
+
+    resident: int
+    nonlayer_resident: bool
+    mem: dict
+    host_params: int
+    device_params: int
+    xfer_params: int
+    t_mb: float
+    in_flight: int
+    host_state_on_card: bool = False
+
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM for the offloaded fp32 master + AdamW m, v: 12 B/param (0 on a cpu card)."""
+        return 0 if self.host_state_on_card else 12 * self.host_params
+
+
+class CostModel:
+    """Per-plan constants of the memory and time model, so the split search evaluates stages
+    cheaply (results are cached per (stage, layers, resident layers)).
+
+    Args:
+        model, shape, cards: what is planned.
+        rates: one :class:`Rates` per card (unresolved profiles or flat rates).
+        nonlayer_resident: see :func:`~npu_train.planner.search.make_plan`.
+        threads: torch threads per card process (>= 1).
+        host_cores: cores the cpu cards share (>= 1).
+    """
+
+    def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
+                 rates: Sequence[Rates], nonlayer_resident: Optional[bool], threads: int,
+                 host_cores: int):
+        self.model, self.shape, self.cards = model, shape, list(cards)
+        self.P = len(self.cards)
+        self.memory = MemoryModel(model, shape, self.cards, nonlayer_resident)
+        self.threads, self.host_cores = int(threads), int(host_cores)
+        cores = self.host_cores
+        n_cpu = sum(1 for c in self.cards if c.kind == "cpu")
+        # all cpu cards run their optimizers at the same time: each gets its share of the cores
+        self.cpu_share = min(1.0, cores / (n_cpu * self.threads)) if n_cpu else 1.0
+        self.rates = []
+        for card, rt in zip(self.cards, rates):
+            r = rt.resolve(shape.dtype, self.threads)
+            if card.kind == "cpu":
+                r.host_adamw_params_per_s *= self.cpu_share
+                r.device_adamw_params_per_s *= self.cpu_share
+            self.rates.append(r)
+        # pipeline phase = slots * max_i t_i. Slot j (0 .. M+P-2) of a wave has the stages
+        # max(0, j-M+1) .. min(j, P-1) computing; when the cpu ones among them run more threads
+        # than there are cores, the slot stretches by (cpu stages * threads / cores).
+        M, P = shape.micro_batches, self.P
+        cpu_stage = [c.kind == "cpu" for c in self.cards]
+        self.slots = 0.0
+        for j in range(M + P - 1):
+            active = sum(1 for st in range(max(0, j - M + 1), min(j, P - 1) + 1) if cpu_stage[st])
+            self.slots += max(1.0, active * self.threads / cores)
+        tok = shape.tokens_per_micro_batch
+        rc = 8.0 / 6.0 if shape.recompute else 1.0
+        self.layer_flops = rc * (6.0 * tok * model.params_per_layer()
+                                 + 12.0 * shape.seq_len * tok * model.num_heads * model.head_dim)
+        self.head_flops = rc * 6.0 * tok * model.embedding_params()
+        self._cache: dict = {}
+
+    def cost(self, i: int, n: int, r: int) -> StageCost:
+        """Memory and per-micro-batch compute of stage ``i`` with ``n`` layers, ``r`` resident."""
+        key = (i, n, r)
+        c = self._cache.get(key)
+        if c is not None:
+            return c
+        mm = self.memory
+        rt = self.rates[i]
+        sm = mm.stage(i, n, r, rt.process_baseline_bytes)
+        first, last = i == 0, i == self.P - 1
+        xfer = sm.offloaded_params + (mm.E if mm.tied and self.P > 1 and (first or last) else 0)
+        t_mb = n * self.layer_flops / rt.device_flops
+        if last:
+            t_mb += self.head_flops / (rt.device_flops * rt.head_flops_ratio)
+        c = StageCost(r, sm.nonlayer_resident, sm.mem, sm.offloaded_params, sm.resident_params,
+                      xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu")
+        self._cache[key] = c
+        return c
+
+    def side_time(self, i: int, c: StageCost) -> tuple[float, float, float]:
+        """(host optimizer, device optimizer, transfer) seconds per step of stage ``i``."""
+        rt = self.rates[i]
+        host = c.host_params / rt.host_adamw_params_per_s
+        dev = c.device_params / rt.device_adamw
+        xfer = self.memory.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
+        return host, dev, xfer
+
+    def max_resident(self, i: int, n: int) -> int:
+        """Most resident layers (0..n) that fit card i with n layers, or -1 if not even 0 fits."""
+        cap = self.cards[i].capacity_bytes
+        if self.cost(i, n, 0).mem["total"] > cap:
+            return -1
+        lo, hi = 0, n  # memory is non-decreasing in r
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.cost(i, n, mid).mem["total"] <= cap:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def build(self, split: list[int], resident: list[int]) -> Plan:
+        """The :class:`Plan` of ``split`` (layers per card) with ``resident`` layers per card."""
+        costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
+        M = self.shape.micro_batches
+        t_max = max(c.t_mb for c in costs)
+        phase = self.slots * t_max
+        stages, first = [], 0
+        for i, (n, c) in enumerate(zip(split, costs)):
+            host, dev, xfer = self.side_time(i, c)
+            # with cpu cards sharing cores: including the phase's average slowdown
+            compute = M * c.t_mb * self.slots / (M + self.P - 1)
+            time = {"compute": compute, "bubble": phase - compute, "host_optimizer": host,
+                    "device_optimizer": dev, "transfer": xfer,
+                    "total": phase + host + dev + xfer}
+            stages.append(StagePlan(
+                card=self.cards[i], first_layer=first, last_layer=first + n,
+                has_embed=(i == 0), has_head=(i == self.P - 1),
+                resident=list(range(first, first + c.resident)),
+                offloaded=list(range(first + c.resident, first + n)),
+                mem=dict(c.mem), time=time, host_bytes=c.host_bytes, in_flight=c.in_flight,
+                nonlayer_resident=c.nonlayer_resident,
+            ))
+            first += n
+        step = max(st.time["total"] for st in stages)
+        fits = all(st.fits for st in stages)
+        return Plan(self.model, self.shape, stages, step, self.shape.tokens_per_step, fits,
+                    rates=list(self.rates), threads=self.threads, host_cores=self.host_cores)

@@ -1,0 +1,319 @@
+"""Measurements behind calibration (:mod:`npu_train.planner.calibration`): each figure of
+:class:`~npu_train.planner.rates.Rates` timed through a card's backend at the current torch
+thread count. What each figure means and how it is measured: see the calibration module's
+docstring. torch is imported inside the functions (the planner package imports without it).
+"""
+from __future__ import annotations
+
+import os
+import time
+from contextlib import nullcontext
+from statistics import median
+from typing import Callable, Optional
+
+__all__ = ["COPY_BYTES", "RETRIES", "planner_dtype", "measure_at", "slower", "best_of",
+           "note_load", "rate_fields"]
+
+#: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
+COPY_BYTES = 117_000_000
+
+# reference decoder layer for the training-FLOP/s measurement: (hidden, intermediate, heads,
+# kv_heads, micro_batch, seq_len) per kind; cpu is Llama-like at 256 tokens per micro-batch (the
+# default job's b*s), accelerators a Llama-3.1-8B layer at S=512.
+_LAYER = {
+    "cpu": (1024, 2816, 16, 4, 2, 128),
+    "cuda": (4096, 14336, 32, 8, 1, 512),
+    "furiosa": (4096, 14336, 32, 8, 1, 512),
+}
+_LAYER_QUICK = (128, 352, 4, 2, 1, 32)
+# reference lm_head (vocab, hidden) when no model is given
+_HEAD = {"cpu": (32000, 1024), "cuda": (128256, 4096), "furiosa": (128256, 4096)}
+_HEAD_QUICK = (1000, 128)
+# most FLOPs one repetition of the layer / head benchmark may take (the model's own dims are used
+# when they fit, else the reference ones): ~0.2 s on one CPU core, milliseconds on accelerators
+_FLOP_BUDGET = {"cpu": 20e9, "cuda": 2e12, "furiosa": 2e12}
+_MATMUL_N = {"cpu": 1024, "cuda": 8192, "furiosa": 4096}
+_ADAMW_PARAMS = 20_000_000
+RETRIES = 3  # re-measurements of a thread count disturbed by other load
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers
+# ------------------------------------------------------------------------------------------------
+def _dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def planner_dtype(kind: str) -> str:
+    """The compute dtype ``train.dtype=auto`` picks for ``kind`` (fp32 on cpu, bf16 elsewhere)."""
+    return "fp32" if kind == "cpu" else "bf16"
+
+
+def _timed(fn: Callable[[], None], sync: Callable[[], None], *, min_time: float,
+           max_reps: int, min_reps: int = 3, warmup: int = 1, max_time: Optional[float] = None) -> float:
+    """Median seconds of ``fn`` (``sync`` after each call), repeated until ``min_time`` has passed
+    (at least ``min_reps``, at most ``max_reps`` repetitions), but never past ``max_time``
+    (default ``5 * min_time``) once one repetition is done."""
+    max_time = 5 * min_time if max_time is None else max_time
+    t_start = time.perf_counter()
+    for _ in range(warmup):
+        fn()
+        sync()
+    times: list[float] = []
+    t_end = time.perf_counter() + min_time
+    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < t_end):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+        if time.perf_counter() - t_start > max_time:
+            break
+    return median(times)
+
+
+
+# ------------------------------------------------------------------------------------------------
+# measurements
+# ------------------------------------------------------------------------------------------------
+def _layer_flops(backend, dtype_name: str, dims, min_time: float, max_reps: int) -> float:
+    """Sustained training FLOP/s of one DecoderLayer forward + backward on the card."""
+    import torch
+
+    from npu_train.model.config import LlamaConfig
+    from npu_train.model.llama import DecoderLayer, rope_cos_sin
+
+    H, I, heads, kv, b, S = dims
+    cfg = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=I, num_layers=1,
+                      num_heads=heads, num_kv_heads=kv, name="calibration-layer")
+    dt = _dtype(dtype_name)
+    dev = backend.device()
+    with backend.alloc_lock():
+        layer = DecoderLayer(cfg, 0).to(dtype=dt).to(dev)
+        cos, sin = rope_cos_sin(cfg, S, dev, dt)
+        x = torch.randn(b, S, H, dtype=dt, device=dev, requires_grad=True)
+        g = torch.randn(b, S, H, dtype=dt, device=dev)
+
+    def step() -> None:
+        with backend.alloc_lock():
+            layer(x, cos, sin).backward(g)
+            # like the trainer: gradients accumulate into .grad between optimizer steps
+
+    sec = _timed(step, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
+    tok = b * S
+    flops = 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
+    return flops / sec
+
+
+def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int, min_time: float,
+                max_reps: int) -> float:
+    """Sustained FLOP/s (``6 * tokens * V * H``) of the trainer's head path: final RMSNorm,
+    ``lm_head`` and ``causal_lm_loss_sum`` (fp32 log-softmax + NLL), forward + backward."""
+    import torch
+
+    from npu_train.model.llama import RMSNorm, causal_lm_loss_sum
+
+    dt = _dtype(dtype_name)
+    dev = backend.device()
+    with backend.alloc_lock():
+        norm = RMSNorm(hidden).to(dtype=dt).to(dev)
+        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype=dt).to(dev)
+        x = torch.randn(1, tokens, hidden, dtype=dt, device=dev, requires_grad=True)
+        labels = torch.randint(0, vocab, (1, tokens), device=dev)
+
+    def step() -> None:
+        with backend.alloc_lock():
+            loss, _ = causal_lm_loss_sum(head(norm(x)).float(), labels)
+            loss.backward()
+
+    sec = _timed(step, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
+    return 6.0 * tokens * vocab * hidden / sec
+
+
+def _matmul_flops(backend, dtype_name: str, n: int, min_time: float, max_reps: int) -> float:
+    import torch
+
+    dt = _dtype(dtype_name)
+    dev = backend.device()
+    with backend.alloc_lock():
+        a = torch.randn(n, n, dtype=dt, device=dev)
+        b = torch.randn(n, n, dtype=dt, device=dev)
+
+    def mm() -> None:
+        with backend.alloc_lock():
+            a @ b
+
+    sec = _timed(mm, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
+    return 2.0 * n ** 3 / sec
+
+
+def _copy_bandwidth(backend, dtype_name: str, nbytes: int, min_time: float,
+                    max_reps: int) -> tuple[float, float]:
+    """(host->device, device->host) bytes/s for one ``nbytes`` tensor."""
+    import torch
+
+    dt = _dtype(dtype_name)
+    elem = torch.empty((), dtype=dt).element_size()
+    host = torch.randn(max(1, nbytes // elem), dtype=torch.float32).to(dt)
+    nb = host.numel() * elem
+    dev_t = [backend.upload(host)]
+    backend.synchronize()
+
+    def up() -> None:
+        dev_t[0] = backend.upload(host)  # the previous copy is freed, as in the trainer
+
+    def down() -> None:
+        backend.download(dev_t[0])
+
+    t_up = _timed(up, backend.synchronize, min_time=min_time, max_reps=max_reps)
+    t_down = _timed(down, backend.synchronize, min_time=min_time, max_reps=max_reps)
+    return nb / t_up, nb / t_down
+
+
+def _adamw_rate(device, n_params: int, min_time: float, max_reps: int, backend=None) -> float:
+    """fp32 AdamW params/s: fused on cpu/cuda, one tensor at a time elsewhere (as StageOptimizer)."""
+    import torch
+
+    n_t = 8
+    per = max(1, n_params // n_t)
+    lock = backend.alloc_lock if backend is not None else None
+    with (lock() if lock else nullcontext()):
+        params = [torch.nn.Parameter(torch.randn(per, device=device)) for _ in range(n_t)]
+        for p in params:
+            p.grad = torch.randn(per, device=device) * 1e-3
+    kw = {"fused": True} if torch.device(device).type in ("cpu", "cuda") else {"foreach": False}
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, **kw)
+    sync = backend.synchronize if backend is not None else (lambda: None)
+
+    def step() -> None:
+        with (lock() if lock else nullcontext()):
+            opt.step()
+
+    sec = _timed(step, sync, min_time=min_time, max_reps=max_reps, warmup=2)
+    return per * n_t / sec
+
+
+def _stage_optimizer_rate(backend, n_params: int, min_time: float, max_reps: int) -> float:
+    """params/s of ``StageOptimizer.step`` over resident parameters on the card: the trainer's
+    device-optimizer path (gradient scaling, AdamW as the trainer configures it for the device,
+    refresh of the compute weights; fp32 weights as on cpu, the planner dtype elsewhere)."""
+    import torch
+
+    from npu_train.optim.adamw import StageOptimizer
+
+    n_t = 8
+    per = max(1, n_params // n_t)
+    dt = _dtype(planner_dtype(backend.kind))
+    masters = {f"w{i}": torch.randn(per // 64 or 1, 64) for i in range(n_t)}
+    params = {}
+    with backend.alloc_lock():
+        for n, m in masters.items():
+            params[n] = torch.nn.Parameter(backend.upload(m.to(dt)))
+            params[n].grad = backend.upload((m * 1e-3).to(dt))
+    opt = StageOptimizer(params, masters, list(params), backend, lr=1e-4)
+    secs: list[float] = []
+
+    def step() -> None:
+        secs.append(opt.step(1e-4, 0.5)["device_optimizer"])
+
+    _timed(step, lambda: None, min_time=min_time, max_reps=max_reps, warmup=2)
+    return sum(m.numel() for m in masters.values()) / median(secs[2:] or secs)
+
+
+#: figures that must not drop when threads are added (else the measurement was disturbed)
+_MONOTONE = ("device_flops", "head_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
+
+
+def slower(m: dict, lower: dict) -> list[str]:
+    """Names of the compute-bound figures of ``m`` below those of ``lower`` (fewer threads)."""
+    return [k for k in _MONOTONE if m[k] < lower[k]]
+
+
+def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
+    """Per-figure maximum of two measurements at the same thread count (``only``: just these,
+    plus what derives from them)."""
+    out = dict(a)
+    keys = only or (*_MONOTONE, "h2d_bytes_per_s", "d2h_bytes_per_s")
+    for k in keys:
+        out[k] = max(a[k], b[k])
+    if only is None or "device_flops" in only:
+        out["flops_by_dtype"] = {d: max(v, b["flops_by_dtype"].get(d, 0.0))
+                                 for d, v in a["flops_by_dtype"].items()}
+        out["flops_by_dtype"][planner_dtype(kind)] = out["device_flops"]
+    out["head_flops_ratio"] = out["head_flops"] / out["device_flops"]
+    return out
+
+
+def note_load(m: dict) -> None:
+    """Record the 1-minute load average in ``m["loadavg_1"]`` (when the platform has one)."""
+    try:
+        m["loadavg_1"] = round(os.getloadavg()[0], 2)
+    except OSError:
+        pass
+
+
+def reference_shapes(kind: str, quick: bool, model_cfg) -> tuple[tuple, tuple, str]:
+    """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
+    the model's own layer and head when ``model_cfg`` is given and one repetition stays within
+    the per-kind FLOP budget, else the per-kind reference."""
+    if quick:
+        H, I, a, kv, b, S = _LAYER_QUICK
+        return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"
+    H, I, a, kv, b, S = _LAYER[kind]
+    tok = b * S
+    layer, head, what = _LAYER[kind], (_HEAD[kind][0], _HEAD[kind][1], tok), "reference"
+    if model_cfg is not None:
+        m = model_cfg
+        if 6.0 * tok * m.params_per_layer() <= _FLOP_BUDGET[kind] and m.head_dim * m.num_heads > 0:
+            layer = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, b, S)
+            what = f"model {m.name}"
+        if 6.0 * tok * m.vocab_size * m.hidden_size <= 4 * _FLOP_BUDGET[kind]:
+            head = (m.vocab_size, m.hidden_size, tok)
+    return layer, head, what
+
+
+def measure_at(kind: str, backend, quick: bool, model_cfg=None) -> dict:
+    """All rate figures of ``kind`` at the current torch thread count."""
+    import torch
+
+    min_time = 0.02 if quick else 0.6
+    max_reps = 3 if quick else 50
+    dims, head_shape, what = reference_shapes(kind, quick, model_cfg)
+    n_mm = 128 if quick else _MATMUL_N[kind]
+    nbytes = 1_000_000 if quick else COPY_BYTES
+    n_adamw = 200_000 if quick else _ADAMW_PARAMS
+    main = planner_dtype(kind)
+    out: dict = {"flops_by_dtype": {}, "matmul_flops_by_dtype": {},
+                 "shapes": {"layer_H_I_heads_kv_b_s": list(dims),
+                            "head_V_H_tokens": list(head_shape), "source": what}}
+    for dt in (main, "bf16" if main == "fp32" else "fp32"):
+        try:
+            out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, min_time, max_reps)
+            out["matmul_flops_by_dtype"][dt] = _matmul_flops(backend, dt, n_mm, min_time, max_reps)
+        except Exception as exc:  # noqa: BLE001 - the second dtype is optional (e.g. fp32 on RNGD)
+            if dt == main:
+                raise
+            out.setdefault("errors", {})[dt] = f"{type(exc).__name__}: {exc}"[:300]
+    out["device_flops"] = out["flops_by_dtype"][main]
+    head = _head_flops(backend, main, *head_shape, min_time=min_time, max_reps=max_reps)
+    out["head_flops"] = head
+    out["head_flops_ratio"] = head / out["device_flops"]
+    out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(
+        backend, main, nbytes, min_time, max_reps)
+    out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, min_time, max_reps)
+    n_dev = n_adamw if kind != "furiosa" else max(1, n_adamw // 5)
+    out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, min_time, max_reps)
+    return out
+
+
+
+def rate_fields(m: dict) -> dict:
+    """The :class:`~npu_train.planner.rates.Rates` fields of one :func:`measure_at` result, as a
+    profile's ``by_threads`` entry (floats; ``flops_by_dtype`` included)."""
+    keys = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
+            "device_adamw_params_per_s", "head_flops_ratio")
+    out = {k: float(m[k]) for k in keys}
+    out["flops_by_dtype"] = {k: float(v) for k, v in m["flops_by_dtype"].items()}
+    return out
+

@@ -1,0 +1,293 @@
+"""Memory model: what one card (= pipeline stage) holds, term by term.
+
+Pure arithmetic, no tensors. It follows what the trainer's code allocates (the card process,
+``optim/adamw.py``, ``model/llama.py``). ``e`` = bytes of the compute dtype (2 for bf16, 4 for
+fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
+
+- ``baseline``: ``Rates.process_baseline_bytes``. For ``cpu`` cards the "device memory" is the
+  card process's resident set size (RSS), so everything the process holds before it allocates
+  model state counts: interpreter, torch and other libraries, gloo/ZeroMQ, the model-file reader
+  (a GGUF reader stays cached with its parsed metadata and mapped file pages). ``calibrate``
+  measures it in a fresh subprocess; the default is 0.35 GiB. For ``cuda``/``furiosa`` it is 0:
+  their memory figures exclude the host process.
+- ``weights``: ``e`` B/param for every parameter the stage computes with: its decoder layers,
+  the input embedding on the first stage, the final norm and ``lm_head`` on the last stage. With
+  tied embeddings and more than one stage the last stage holds a *copy* of the embedding matrix as
+  its ``lm_head`` (the first stage owns it).
+- ``grads``: gradient accumulators in the compute dtype, same size as ``weights`` (gradients are
+  accumulated on the card over the M micro-batches, then handed to the optimizer once per step).
+- ``optimizer``: fp32 master + AdamW m + v = 12 B/param for the parameters whose optimizer state
+  lives on the card. The master is always a separate fp32 copy (``StageOptimizer`` clones the
+  loaded weights), also with fp32 compute. The tied ``lm_head`` copy has its own master and
+  moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
+  or offloaded like the stage's other non-layer parameters. On the card: the *resident*
+  parameters; on a ``cpu`` card *all* of them, since the host RAM that holds "offloaded" state is
+  the same RAM the card process's RSS counts.
+- ``activations``: tensors autograd saves for the micro-batches in flight (see
+  :func:`activation_bytes_per_layer`; :func:`in_flight_micro_batches` takes the count from the
+  schedule's action list, :mod:`npu_train.pipeline.schedule`), plus on the last stage
+  the fp32 log-probabilities that ``cross_entropy`` saves, ``b*s*V*4`` bytes per micro-batch in
+  flight (:func:`saved_logits_bytes`). ``ATTENTION[kind]`` selects the attention term: ``"sdpa"``
+  (cpu, cuda: ``scaled_dot_product_attention``'s fused kernels save only the log-sum-exp) or
+  ``"eager"`` (furiosa, conservative: the attention probabilities are saved).
+- ``transient``: what the peak phase of a step adds on top, ``max(fwd/bwd, optimizer) + held``:
+
+  * fwd/bwd phase, last stage: ``max(2*b*s*V*4, acc)``: the log-softmax backward holds its
+    incoming and outgoing gradient (two fp32 logits-sized tensors), the ``lm_head`` backward
+    the weight-gradient temporary ``acc``. Other stages: ``max(0, acc - A)``, where ``acc = e *``
+    (largest parameter of the stage) is the temporary of gradient accumulation (from the second
+    micro-batch on, autograd computes a fresh gradient and adds it to ``.grad``); for the first
+    stage that is the embedding, whose gradient appears at the end of a micro-batch's backward,
+    when that micro-batch's activations ``A`` are already freed.
+  * optimizer phase (activations freed, gradients alive): the larger of the gradient-norm
+    temporary (``4 B`` or, for bf16, ``8 B`` x largest parameter) and the fp32 master-gradient
+    copies: 4 B/param for offloaded parameters (a copy of the downloaded gradient; counted on
+    ``cpu`` cards only, elsewhere it is host RAM) and, with bf16 compute, 4 B/param for resident
+    parameters (``grad.float()``), plus one upload temporary.
+  * held: with tied embeddings on more than one stage, the first and last stage keep the
+    previous step's tied gradient and its fp32 host copy referenced until the next step's
+    exchange (loop variables in the worker): ``(e + 4) * V*H`` bytes on a ``cpu`` card, the
+    ``e * V*H`` device part elsewhere.
+- ``workspace``: ``WORKSPACE[kind] = (constant_bytes, fraction)``: the constant covers runtime /
+  compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers), the fraction
+  of the five terms above allocator slack and temporaries not modelled. For ``cpu`` the constant
+  is 0 (the process baseline replaces it) and the fraction is glibc's allocator slack: freed heap
+  blocks stay resident and autograd's churn of activation-sized blocks fragments the heap;
+  measured with ``mallinfo2`` on SmolLM2-135M stages (fp32, 1-2 threads): free-but-resident heap
+  at the RSS peak = 6-17 % of the live bytes, 12 % used. The other kinds' figures are assumed.
+
+Non-layer parameters (embedding, final norm, ``lm_head`` and its tied copy) follow the
+``nonlayer_resident`` flag of :func:`~npu_train.planner.search.make_plan`; the default (``None``)
+makes them resident exactly when *all* the card's decoder layers are resident, i.e. offloading
+starts with them (they are the largest single tensors and a card that offloads anything already
+pays the host-optimizer path).
+
+Within a card the resident layers are the *first* ones of the card's range and the offloaded ones
+the last: backward runs last-to-first, so the offloaded layers' gradients are complete earliest,
+which lets a trainer start their host optimizer soonest.
+
+Host memory: ``host_bytes`` = 12 B/param (fp32 master + m + v) for the stage's offloaded params
+(0 for ``cpu`` cards, whose offloaded state is already in the card's ``optimizer`` term).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from npu_train.hardware import GIB
+from npu_train.model.config import LlamaConfig
+from npu_train.pipeline.schedule import build_schedule, peak_in_flight
+from npu_train.planner.spec import CardSpec, RunShape
+
+__all__ = ["ATTENTION", "WORKSPACE", "activation_bytes_per_layer", "logits_bytes",
+           "saved_logits_bytes", "in_flight_micro_batches", "StageMemory", "MemoryModel"]
+
+#: Per-kind workspace: (constant bytes, fraction of weights+grads+optimizer+activations+transient).
+#: cpu: no constant (``Rates.process_baseline_bytes`` covers the process), 12 % glibc allocator
+#: slack (measured, see the module docstring); cuda/furiosa: assumed.
+WORKSPACE: dict[str, tuple[int, float]] = {
+    "furiosa": (1 * GIB, 0.05),
+    "cuda": (1 * GIB, 0.05),
+    "cpu": (0, 0.12),
+}
+
+#: Attention implementation assumed for the activation memory of each kind (see
+#: :func:`activation_bytes_per_layer`): the model calls ``scaled_dot_product_attention``, whose CPU
+#: and CUDA kernels are fused (flash / memory-efficient: only the log-sum-exp is saved); for
+#: furiosa the compiled kernel is not known, so the eager (probabilities saved) figure is kept.
+ATTENTION: dict[str, str] = {"cpu": "sdpa", "cuda": "sdpa", "furiosa": "eager"}
+
+
+def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, schedule: str) -> int:
+    """Micro-batches whose activations stage ``stage`` (0-based) of ``num_stages`` holds at peak.
+
+    Taken from the schedule itself: the peak of (forwards run - backwards run) over the stage's
+    action list (:func:`npu_train.pipeline.schedule.build_schedule` and ``peak_in_flight``), i.e.
+    1F1B ``min(M, P - stage)``, GPipe ``M``.
+
+    Raises:
+        ValueError: unknown schedule or out-of-range arguments.
+    """
+    return peak_in_flight(build_schedule(schedule, num_stages, micro_batches, stage))
+
+
+def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: str = "eager") -> int:
+    """Saved activations of one decoder layer for one micro-batch *without* recompute, bytes.
+
+    ``attention="eager"`` (default; the figure used for furiosa): adapted from Korthikanti et al.
+    2022 ("Reducing Activation Recomputation in Large Transformer Models"), whose
+    ``s*b*h*(34 + 5*a*s/h)`` is for 16-bit GPT layers with dropout and a 4h GeLU MLP. For a Llama
+    layer (no dropout, RMSNorm, grouped-query attention, SwiGLU) with ``e`` bytes per
+    compute-dtype element, q = heads*head_dim, kv = kv_heads*head_dim, i = intermediate size:
+
+    - two RMSNorms, input + output each: ``4*s*b*h*e``
+    - rotated Q and the attention output (input of o_proj): ``2*s*b*q*e``
+    - K and V at kv width (GQA-aware attention; an eager ``repeat_kv`` would save them at q width):
+      ``2*s*b*kv*e``
+    - attention probabilities, fp32 softmax output plus its compute-dtype copy for P@V
+      (eager attention; a flash kernel would save only O(s) statistics): ``a*b*s*s*(4 + e)``
+      (``4*a*b*s*s`` for fp32 compute, where the copy is the same tensor)
+    - SwiGLU: gate output, up output, silu(gate), product (input of down_proj): ``4*s*b*i*e``
+
+    For Llama-3.1-8B in bf16 that is ``s*b*h*(41 + 6*a*s/h)`` (Korthikanti: 34 + 5*a*s/h),
+    136.3 MB at S=512, b=1.
+
+    ``attention="sdpa"`` (cpu, cuda): exactly what autograd saves for
+    :class:`npu_train.model.llama.DecoderLayer` when ``scaled_dot_product_attention`` runs a fused
+    kernel (checked tensor by tensor with ``torch.autograd.graph.saved_tensors_hooks``, fp32 and
+    bf16, excluding parameters and the shared RoPE tables), per token:
+
+    - each RMSNorm: its fp32 input (the upcast; the input itself for fp32), the normalized value
+      cast to the compute dtype and the output (input of the next projections): ``(4 + 2e)*h``,
+      plus the fp32 ``rsqrt`` statistic, 4 B
+    - attention: rotated Q, K and V as fed to the kernel (the model's ``repeat_kv`` expands K and
+      V to q width) and the output (input of o_proj): ``4*e*q``, plus the fp32 log-sum-exp per
+      head, ``4*a``
+    - SwiGLU as above: ``4*e*i``
+
+    i.e. ``s*b*(2*(4 + 2e)*h + 8 + 4*e*q + 4*a + 4*e*i)``: 12.20 MB for SmolLM2-135M at fp32,
+    S=128, b=2 (the eager figure is 11.40 MB there: no s*s term, but wider norms and K/V).
+
+    Raises:
+        ValueError: ``attention`` is neither ``"eager"`` nor ``"sdpa"``.
+    """
+    s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
+    h, i = model.hidden_size, model.intermediate_size
+    a = model.num_heads
+    q = model.num_heads * model.head_dim
+    kv = model.num_kv_heads * model.head_dim
+    if attention == "sdpa":
+        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + 4 * e * i)
+    if attention != "eager":
+        raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
+    linear = e * s * b * (4 * h + 2 * q + 2 * kv + 4 * i)
+    scores = a * b * s * s * (4 + (e if e != 4 else 0))
+    return linear + scores
+
+
+def logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
+    """Last stage, per micro-batch: fp32 logits and their gradient, ``b*s*V*4*2`` bytes (the
+    log-softmax backward's two logits-sized fp32 tensors, see the ``transient`` term)."""
+    return shape.micro_batch * shape.seq_len * model.vocab_size * 4 * 2
+
+
+def saved_logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
+    """Last stage, per micro-batch in flight: the fp32 log-probabilities ``cross_entropy`` saves
+    for its backward, ``b*s*V*4`` bytes (also with bf16 compute: the logits are cast to fp32)."""
+    return shape.micro_batch * shape.seq_len * model.vocab_size * 4
+
+
+@dataclass
+class StageMemory:
+    """Memory terms of one stage at one (layers, resident layers) choice.
+
+    Attributes:
+        mem: bytes per term (module docstring) plus ``"total"``.
+        params: parameters the stage computes with (layers, owned non-layer, tied copy).
+        resident_params: those whose master + moments live on the card.
+        offloaded_params: those whose master + moments live on the host.
+        nonlayer_resident: where the non-layer parameters' optimizer state lives.
+        in_flight: micro-batches whose activations the stage holds at peak.
+    """
+
+    mem: dict
+    params: int
+    resident_params: int
+    offloaded_params: int
+    nonlayer_resident: bool
+    in_flight: int
+
+
+class MemoryModel:
+    """Per-plan constants of the memory model (so a split search evaluates stages cheaply).
+
+    Args:
+        model: architecture.
+        shape: the run shape.
+        cards: one card per stage, pipeline order.
+        nonlayer_resident: see :func:`~npu_train.planner.search.make_plan`.
+    """
+
+    def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
+                 nonlayer_resident: Optional[bool]):
+        self.model, self.shape, self.cards = model, shape, list(cards)
+        self.P = len(self.cards)
+        self.Pl = model.params_per_layer()
+        self.E = model.embedding_params()
+        self.H = model.hidden_size
+        self.e = shape.dtype_bytes
+        self.tied = bool(model.tie_word_embeddings)
+        self.nl_flag = nonlayer_resident
+        self.act_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
+        self.layer_input = shape.seq_len * shape.micro_batch * self.H * self.e
+        self.saved_logits = saved_logits_bytes(model, shape)
+        # largest single tensor of a decoder layer (gate/up/down or q/o projection)
+        q = model.num_heads * model.head_dim
+        self.layer_maxp = max(self.H * model.intermediate_size, self.H * q)
+        self.in_flight = [in_flight_micro_batches(i, self.P, shape.micro_batches, shape.schedule)
+                          for i in range(self.P)]
+
+    def nonlayer(self, i: int) -> tuple[int, int]:
+        """(owned non-layer params, tied-copy params) of stage ``i``."""
+        owned, copy = 0, 0
+        if i == 0:
+            owned += self.E
+        if i == self.P - 1:
+            owned += self.H
+            if not self.tied:
+                owned += self.E
+            elif self.P > 1:
+                copy += self.E
+        return owned, copy
+
+    def stage(self, i: int, n: int, r: int, baseline_bytes: float) -> StageMemory:
+        """Memory terms of stage ``i`` holding ``n`` decoder layers of which ``r`` are resident;
+        ``baseline_bytes`` is the card process's ``Rates.process_baseline_bytes``."""
+        kind = self.cards[i].kind
+        cpu = kind == "cpu"
+        e, E, P, sh = self.e, self.E, self.P, self.shape
+        first, last = i == 0, i == P - 1
+        owned, copy = self.nonlayer(i)
+        nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
+        params = n * self.Pl + owned + copy
+        res_params = r * self.Pl + (owned + copy if nl_res else 0)
+        off_params = params - res_params
+        weights = e * params
+        grads = weights
+        optimizer = 12 * (params if cpu else res_params)
+        # activations: saved tensors of the micro-batches in flight
+        k = self.in_flight[i]
+        act_layer = self.act_layer[ATTENTION[kind]]
+        if sh.recompute:
+            acts = k * n * self.layer_input + (act_layer if n else 0)
+            one_mb = n * self.layer_input
+        else:
+            acts = k * n * act_layer
+            one_mb = n * act_layer
+        if last:
+            acts += k * self.saved_logits
+        # transient: peak-phase temporaries beyond the saved activations
+        maxp = max(self.layer_maxp if n else 0, E if (first or last) else 0)
+        accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
+        acc = e * maxp if accumulates else 0
+        if last:
+            fwd_bwd = acts + max(2 * self.saved_logits, acc)
+        else:
+            fwd_bwd = acts + max(0, acc - one_mb)
+        norm_tmp = (4 if e == 4 else 8) * maxp
+        master_grads = (4 * off_params if cpu else 0) + (4 * res_params if e != 4 else 0)
+        if cpu and off_params:
+            master_grads += e * maxp            # one upload temporary
+        opt_phase = max(norm_tmp, master_grads)
+        held = 0
+        if self.tied and P > 1 and (first or last):
+            held = (e + 4) * E if cpu else e * E
+        transient = max(fwd_bwd, opt_phase) - acts + held
+        const, frac = WORKSPACE[kind]
+        body = weights + grads + optimizer + acts + transient
+        ws = int(const + frac * body)
+        baseline = int(baseline_bytes)
+        mem = {"baseline": baseline, "weights": weights, "grads": grads, "optimizer": optimizer,
+               "activations": acts, "transient": transient, "workspace": ws}
+        mem["total"] = baseline + body + ws
+        return StageMemory(mem, params, res_params, off_params, nl_res, k)

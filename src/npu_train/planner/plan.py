@@ -1,0 +1,129 @@
+"""The planner's result: :class:`Plan` (one :class:`StagePlan` per card, pipeline order)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from npu_train.model.config import LlamaConfig
+from npu_train.planner.rates import Rates
+from npu_train.planner.spec import CardSpec, RunShape
+
+__all__ = ["MEM_KEYS", "TIME_KEYS", "StagePlan", "Plan"]
+
+MEM_KEYS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace",
+            "total")
+TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "total")
+
+
+@dataclass
+class StagePlan:
+    """One card's share of the model and its predicted cost.
+
+    ``mem`` (bytes) has keys baseline, weights, grads, optimizer, activations, transient,
+    workspace, total (:mod:`npu_train.planner.memory`); ``time`` (seconds per optimizer step) has
+    keys compute, bubble, host_optimizer, device_optimizer, transfer, total
+    (:mod:`npu_train.planner.cost`); ``host_bytes`` is the host RAM for the stage's offloaded fp32
+    master + AdamW moments (0 on a cpu card, where that state is part of ``mem``);
+    ``in_flight`` the micro-batches whose activations the stage holds at peak.
+    """
+
+    card: CardSpec
+    first_layer: int
+    last_layer: int
+    has_embed: bool
+    has_head: bool
+    resident: list[int]
+    offloaded: list[int]
+    mem: dict[str, int]
+    time: dict[str, float]
+    host_bytes: int
+    in_flight: int = 0
+    nonlayer_resident: bool = False
+
+    @property
+    def num_layers(self) -> int:
+        return self.last_layer - self.first_layer
+
+    @property
+    def fits(self) -> bool:
+        return self.mem["total"] <= self.card.capacity_bytes
+
+    @property
+    def layers_label(self) -> str:
+        """E.g. ``"0-15 +emb"``, ``"16-31 +head"``."""
+        s = f"{self.first_layer}-{self.last_layer - 1}"
+        if self.has_embed:
+            s += " +emb"
+        if self.has_head:
+            s += " +head"
+        return s
+
+
+@dataclass
+class Plan:
+    """A full placement: one :class:`StagePlan` per card, in pipeline order.
+
+    ``rates`` are the flat per-card rates the prediction used (resolved for ``threads`` and the
+    compute dtype); ``threads`` the torch threads of every card process and ``host_cores`` the
+    cores they share (:mod:`npu_train.planner.threads`).
+    """
+
+    model: LlamaConfig
+    shape: RunShape
+    stages: list[StagePlan]
+    step_time_s: float
+    tokens_per_step: int
+    fits: bool
+    rates: list[Rates] = field(default_factory=list)
+    host_ram_bytes: Optional[int] = None
+    threads: int = 0
+    host_cores: int = 0
+
+    @property
+    def split(self) -> list[int]:
+        return [st.num_layers for st in self.stages]
+
+    @property
+    def resident_counts(self) -> list[int]:
+        return [len(st.resident) for st in self.stages]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else float("inf")
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(st.host_bytes for st in self.stages)
+
+    def to_dict(self) -> dict:
+        """JSON-friendly summary (for run directories and ``--dry-run --json``)."""
+        return {
+            "model": self.model.name,
+            "shape": asdict(self.shape),
+            "split": self.split,
+            "threads": self.threads,
+            "host_cores": self.host_cores,
+            "step_time_s": self.step_time_s,
+            "tokens_per_step": self.tokens_per_step,
+            "tokens_per_s": self.tokens_per_s,
+            "fits": self.fits,
+            "host_bytes": self.host_bytes,
+            "stages": [
+                {
+                    "card": st.card.name, "capacity_bytes": st.card.capacity_bytes,
+                    "first_layer": st.first_layer, "last_layer": st.last_layer,
+                    "has_embed": st.has_embed, "has_head": st.has_head,
+                    "resident": list(st.resident), "offloaded": list(st.offloaded),
+                    "nonlayer_resident": st.nonlayer_resident, "in_flight": st.in_flight,
+                    "mem": dict(st.mem), "time": dict(st.time), "host_bytes": st.host_bytes,
+                }
+                for st in self.stages
+            ],
+        }
+
+    def table(self, width: int = 180) -> str:
+        """Per-card text table (GiB and seconds) under a header naming the threads per card
+        process, with a totals line and predicted tokens/s (:func:`npu_train.planner.report.plan_table`)."""
+        from npu_train.planner.report import plan_table
+
+        return plan_table(self, width=width)

@@ -1,0 +1,255 @@
+"""Throughput figures of a card kind (:class:`Rates`), their uncalibrated defaults, and the
+calibration profiles :mod:`npu_train.planner.calibrate` writes (``<cache>/calibration/<kind>.json``,
+:func:`calibration_path`; read by :func:`load_rates`).
+
+Thread counts. A cpu card's figures depend on the torch threads of its process; a profile holds
+the figures measured at ``threads`` at its top level and those measured at other counts in
+``by_threads``. :meth:`Rates.resolve` (and ``load_rates(..., threads=N)``) picks the figures of
+the run's thread count (:func:`npu_train.planner.threads.threads_per_card`):
+
+1. a count that was measured: its figures (a ``by_threads`` entry's missing fields fall back to
+   the top level's);
+2. else the *nearest* measured count ``c`` (ties: the larger one), with the compute-bound
+   figures scaled by ``N / c``: ``device_flops`` and ``flops_by_dtype``,
+   ``host_adamw_params_per_s`` and ``device_adamw_params_per_s`` (a cpu card's device optimizer
+   is the host's fused CPU AdamW). Bandwidths, ``head_flops_ratio`` (a ratio of two rates) and the
+   process baseline are kept.
+3. a profile without any thread count (``threads = 0``: the accelerator kinds, whose figures do
+   not depend on the host's threads, or hand-written profiles): unchanged.
+
+Limits of rule 2: it is linear, so it is optimistic above the largest measured count (more
+threads gain less than linearly: memory bandwidth, shared caches, SMT siblings, and an OpenMP team
+stalls while one of its threads is descheduled) and conservative below the smallest one. Threads
+beyond the host's cores are not this rule's concern: the cost model stretches the pipeline
+slots of oversubscribed cpu stages (:mod:`npu_train.planner.cost`). Calibrate on the machine
+and thread counts of the job when the prediction matters.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from npu_train.env import cache_dir
+from npu_train.hardware import GIB, KINDS
+from npu_train.planner.spec import PlacementError
+
+__all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "calibration_path",
+           "load_rates"]
+
+#: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
+RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
+                "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes")
+#: Fields that may be 0 (0 has a meaning: "same as host" / "no baseline").
+RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
+#: Compute-bound fields scaled linearly with the thread count (rule 2 of the module docstring).
+THREAD_SCALED = ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
+
+
+@dataclass
+class Rates:
+    """Throughput figures of one card kind (and its host), used for step-time prediction, plus the
+    card process's memory baseline.
+
+    Attributes:
+        device_flops: sustained training FLOP/s of one card (forward + backward of decoder layers
+            in the compute dtype; nominal * assumed utilization when not calibrated).
+        h2d_bytes_per_s: host -> card copy bandwidth, B/s.
+        d2h_bytes_per_s: card -> host copy bandwidth, B/s.
+        host_adamw_params_per_s: fp32 AdamW updates per second on the host, one process.
+        device_adamw_params_per_s: fp32 AdamW updates per second of the card's own optimizer over
+            its resident masters; 0 means "same as ``host_adamw_params_per_s``" (a cpu card's
+            optimizer *is* the host's fused CPU AdamW).
+        head_flops_ratio: sustained FLOP/s of the ``lm_head`` + loss forward/backward relative
+            to ``device_flops`` (its GEMMs have one small dimension and stream the ``V x H``
+            matrix, and the log-softmax runs over the vocabulary); 1.0 = same rate.
+        process_baseline_bytes: card memory a card process holds before any model state. cpu:
+            the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the
+            model-file reader); cuda/furiosa: 0 (their memory figures exclude the host process).
+        threads: torch intra-op threads the figures above are for (0 = unknown; then no thread
+            scaling is applied).
+        flops_by_dtype: optional ``{"fp32": ..., "bf16": ...}`` sustained FLOP/s per compute dtype;
+            ``device_flops`` is used for a dtype that is not listed.
+        by_threads: optional ``{threads: {field: value}}`` figures measured at other thread
+            counts (see :meth:`resolve`).
+    """
+
+    device_flops: float
+    h2d_bytes_per_s: float
+    d2h_bytes_per_s: float
+    host_adamw_params_per_s: float
+    device_adamw_params_per_s: float = 0.0
+    head_flops_ratio: float = 1.0
+    process_baseline_bytes: float = 0.0
+    threads: int = 0
+    flops_by_dtype: dict = field(default_factory=dict)
+    by_threads: dict = field(default_factory=dict)
+
+    @property
+    def device_adamw(self) -> float:
+        """``device_adamw_params_per_s``, or the host figure when that is 0."""
+        return self.device_adamw_params_per_s or self.host_adamw_params_per_s
+
+    def flops(self, dtype: str) -> float:
+        """Sustained FLOP/s for compute dtype ``dtype`` (``flops_by_dtype`` or ``device_flops``)."""
+        return float(self.flops_by_dtype.get(dtype, self.device_flops))
+
+    def measured_threads(self) -> list[int]:
+        """Thread counts with measured figures: ``threads`` (when known) and ``by_threads``'s keys."""
+        counts = {int(t) for t in self.by_threads}
+        if self.threads:
+            counts.add(int(self.threads))
+        return sorted(counts)
+
+    def _figures_at(self, t: int) -> tuple[dict, dict]:
+        """(numeric fields, flops_by_dtype) measured at ``t`` threads (``t`` must be measured)."""
+        base = {k: float(getattr(self, k)) for k in RATE_NUMBERS}
+        by_dtype = dict(self.flops_by_dtype)
+        entry = self.by_threads.get(t, self.by_threads.get(str(t)))
+        if isinstance(entry, dict) and t != self.threads:
+            for k in RATE_NUMBERS:
+                if k in entry:
+                    base[k] = float(entry[k])
+            if isinstance(entry.get("flops_by_dtype"), dict):
+                by_dtype = {str(d): float(v) for d, v in entry["flops_by_dtype"].items()}
+            elif "device_flops" in entry:
+                by_dtype = {}  # the top level's per-dtype figures belong to another count
+        return base, by_dtype
+
+    def resolve(self, dtype: Optional[str] = None, threads: Optional[int] = None) -> "Rates":
+        """Flat rates for one card process running ``threads`` torch threads, in ``dtype``.
+
+        The thread rule is the module docstring's: the measured count's figures, else the
+        nearest measured count's with ``THREAD_SCALED`` figures times ``threads / count``, else
+        (no count known) unchanged. With ``dtype`` given and listed in ``flops_by_dtype``,
+        ``device_flops`` becomes that dtype's figure.
+
+        Returns:
+            A new :class:`Rates` with ``by_threads`` empty and ``threads`` = the count the figures
+            are for (``threads`` when a count was known, else ``self.threads``).
+        """
+        t = int(threads) if threads else 0
+        counts = self.measured_threads()
+        if t and counts:
+            c = t if t in counts else min(counts, key=lambda u: (abs(u - t), -u))
+            base, by_dtype = self._figures_at(c)
+            if c != t:
+                f = t / c
+                for k in THREAD_SCALED:
+                    base[k] *= f
+                by_dtype = {d: v * f for d, v in by_dtype.items()}
+            out_t = t
+        else:
+            base, by_dtype = self._figures_at(self.threads) if self.threads else (
+                {k: float(getattr(self, k)) for k in RATE_NUMBERS}, dict(self.flops_by_dtype))
+            out_t = self.threads
+        if dtype is not None and dtype in by_dtype:
+            base["device_flops"] = float(by_dtype[dtype])
+        return Rates(**base, threads=out_t, flops_by_dtype=by_dtype)
+
+
+#: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
+#:
+#: - furiosa: RNGD spec sheet 512 TFLOPS FP8 / 256 TFLOPS BF16; 0.4 assumed utilization.
+#:   h2d 6e9 B/s as measured on an earlier RNGD deployment (one 117 MB tensor); d2h assumed equal.
+#:   Device AdamW (unfused, one tensor at a time) 1e10 params/s assumed.
+#: - cuda: H100/H200-class 989 TFLOPS dense BF16 * 0.4 assumed; 25e9 B/s PCIe Gen5 pinned copies;
+#:   fused device AdamW 5e10 params/s (HBM-bound, ~28 B moved per param).
+#: - cpu: 50 GFLOP/s per process; copies are memcpy (~10e9 B/s); process baseline 0.35 GiB
+#:   (python + torch + npu_train + gloo/ZeroMQ measured at ~0.25 GiB RSS, plus a model-file
+#:   reader); the card's optimizer is the host AdamW.
+#: - host AdamW 2e8 params/s per process for every kind (assumed, fp32, multi-threaded torch).
+DEFAULT_RATES: dict[str, Rates] = {
+    "furiosa": Rates(device_flops=256e12 * 0.4, h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9,
+                     host_adamw_params_per_s=2e8, device_adamw_params_per_s=1e10),
+    "cuda": Rates(device_flops=989e12 * 0.4, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9,
+                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10),
+    "cpu": Rates(device_flops=50e9, h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
+                 host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB),
+}
+
+
+def calibration_path(kind: str) -> Path:
+    """Default calibration profile of ``kind``: ``cache_dir("calibration") / "<kind>.json"``
+    (``$NPT_CACHE/calibration/<kind>.json``, default ``~/.cache/npu-train/calibration/``)."""
+    return cache_dir("calibration") / f"{kind}.json"
+
+
+def _bad_profile(path: Path, what: str) -> PlacementError:
+    return PlacementError(f"calibration profile {path}: {what}; fix: recalibrate "
+                          f"(calibrate=true) or remove the file to use the defaults")
+
+
+def _profile_number(path: Path, key: str, value, may_be_zero: bool) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise _bad_profile(path, f"{key}={value!r} is not a number") from None
+    if not math.isfinite(v) or v < 0 or (v == 0 and not may_be_zero):
+        raise _bad_profile(path, f"{key}={value!r} must be " + (">= 0" if may_be_zero else "> 0"))
+    return v
+
+
+def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
+               threads: Optional[int] = None) -> Rates:
+    """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by a calibration profile when present.
+
+    Args:
+        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"``.
+        profile_path: the profile; ``None``: :func:`calibration_path` (``kind``).
+        threads: keyword-only. The torch threads of the card process
+            (:func:`~npu_train.planner.threads.threads_per_card`): the result is
+            ``rates.resolve(threads=threads)`` (the profile's ``by_threads[threads]`` entry, else
+            the nearest measured count scaled linearly, see the module docstring), flat
+            (``by_threads`` empty). ``None``: the whole profile, unresolved.
+
+    The profile is a JSON object whose keys (top level, or under ``"rates"``) are :class:`Rates`
+    field names with numbers as values (``flops_by_dtype``: an object of numbers; ``by_threads``:
+    an object ``{"<threads>": {field: number}}``); other keys are ignored, missing ones keep the
+    default. :func:`npu_train.planner.calibrate.save_profile` writes this format.
+
+    Raises:
+        ValueError: unknown ``kind``.
+        PlacementError: (a ``ValueError`` and ``UserError``) the file is unreadable or malformed.
+            A missing file gives the defaults.
+    """
+    if kind not in DEFAULT_RATES:
+        raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
+    d = DEFAULT_RATES[kind]
+    values = {k: getattr(d, k) for k in RATE_NUMBERS}
+    n_threads, by_dtype, by_threads = d.threads, dict(d.flops_by_dtype), dict(d.by_threads)
+    path = Path(profile_path) if profile_path is not None else calibration_path(kind)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise _bad_profile(path, f"unreadable ({exc})") from exc
+        if isinstance(data, dict) and isinstance(data.get("rates"), dict):
+            data = data["rates"]
+        if not isinstance(data, dict):
+            raise _bad_profile(path, "not a JSON object")
+        for k in values:
+            if k in data:
+                values[k] = _profile_number(path, k, data[k], k in RATE_MAY_BE_ZERO)
+        if "threads" in data:
+            n_threads = int(_profile_number(path, "threads", data["threads"], True))
+        if isinstance(data.get("flops_by_dtype"), dict):
+            by_dtype = {str(dt): _profile_number(path, f"flops_by_dtype.{dt}", v, False)
+                        for dt, v in data["flops_by_dtype"].items()}
+        if isinstance(data.get("by_threads"), dict):
+            by_threads = {}
+            for t, entry in data["by_threads"].items():
+                if not isinstance(entry, dict):
+                    raise _bad_profile(path, f"by_threads.{t} is not an object")
+                e = {k: _profile_number(path, f"by_threads.{t}.{k}", entry[k], k in RATE_MAY_BE_ZERO)
+                     for k in RATE_NUMBERS if k in entry}
+                if isinstance(entry.get("flops_by_dtype"), dict):
+                    e["flops_by_dtype"] = {
+                        str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
+                        for dt, v in entry["flops_by_dtype"].items()}
+                by_threads[int(t)] = e
+    rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads)
+    return rates if threads is None else rates.resolve(threads=threads)

@@ -1,0 +1,146 @@
+"""Text reports of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`,
+``Plan.table()``), the dry-run report (:func:`format_plan`) and the over-capacity message of a
+:class:`~npu_train.planner.spec.PlacementError`. Memory in GiB (2**30 B), time in seconds."""
+from __future__ import annotations
+
+import io
+
+from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
+from npu_train.planner.plan import MEM_KEYS, Plan
+from npu_train.planner.spec import CardSpec, gb, gib
+
+__all__ = ["plan_table", "format_plan", "card_label", "over_capacity_message"]
+
+
+def card_label(i: int, card: CardSpec) -> str:
+    """``"card <i> (<name>)"``: how messages name a card."""
+    return f"card {i} ({card.name})"
+
+
+def over_capacity_message(plan: Plan, st_index: int, max_resident: int) -> str:
+    """One line: which card is over capacity by how much (every memory term in GiB) and the fixes;
+    ``max_resident`` is the most resident layers that fit that card (-1: not even 0)."""
+    st = plan.stages[st_index]
+    m = st.mem
+    r = len(st.resident)
+    fixes = []
+    if r:
+        fixes.append(f"fewer resident layers on this card (now {r}; "
+                     + (f"at most {max_resident} fit)" if max_resident >= 0 else "even 0 does not fit)"))
+    fixes += ["more cards", "recompute=True" if not plan.shape.recompute else None,
+              f"smaller micro_batch (now {plan.shape.micro_batch}) or seq_len "
+              f"(now {plan.shape.seq_len})"]
+    return (
+        f"{card_label(st_index, st.card)} holding layers {st.layers_label}: predicted "
+        f"{gib(m['total']):.2f} GiB ("
+        + (f"baseline {gib(m['baseline']):.2f} + " if m["baseline"] else "")
+        + f"weights {gib(m['weights']):.2f} + grads {gib(m['grads']):.2f}"
+        f" + optimizer {gib(m['optimizer']):.2f} + activations {gib(m['activations']):.2f}"
+        f" + transient {gib(m['transient']):.2f}"
+        f" + workspace {gib(m['workspace']):.2f}) > capacity {gib(st.card.capacity_bytes):.2f} GiB"
+        f"; fix: " + ", ".join(f for f in fixes if f)
+    )
+
+
+def plan_table(plan: Plan, width: int = 180) -> str:
+    """Header (threads per card process, host cores), per-card table (GiB and seconds) with a
+    totals line, and the predicted step time and tokens/s."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(show_footer=True, box=None, pad_edge=False, padding=(0, 1))
+    cols = [
+        ("card", "total", "left"), ("layers", f"{plan.model.num_layers} layers", "left"),
+        ("res", "", "right"), ("off", "", "right"),
+        ("base\nGiB", "", "right"), ("weights\nGiB", "", "right"),
+        ("grads\nGiB", "", "right"), ("optim\nGiB", "", "right"), ("act\nGiB", "", "right"),
+        ("trans\nGiB", "", "right"), ("ws\nGiB", "", "right"),
+        ("total\nGiB", "", "right"), ("cap\nGiB", "", "right"),
+        ("compute\ns", "", "right"), ("bubble\ns", "", "right"),
+        ("host-opt\ns", "", "right"), ("dev-opt\ns", "", "right"), ("xfer\ns", "", "right"),
+        ("stage\ns", "", "right"),
+        ("host\nGiB", "", "right"),
+    ]
+    tot_mem = {k: sum(st.mem[k] for st in plan.stages) for k in MEM_KEYS}
+    footers = {
+        "res": str(sum(len(st.resident) for st in plan.stages)),
+        "off": str(sum(len(st.offloaded) for st in plan.stages)),
+        "cap\nGiB": f"{gib(sum(st.card.capacity_bytes for st in plan.stages)):.1f}",
+        "stage\ns": f"step {plan.step_time_s:.2f}",
+        "host\nGiB": f"{gib(plan.host_bytes):.2f}",
+    }
+    for key, mk in zip(("base", "weights", "grads", "optim", "act", "trans", "ws", "total"),
+                       MEM_KEYS):
+        footers[f"{key}\nGiB"] = f"{gib(tot_mem[mk]):.2f}"
+    for name, footer, justify in cols:
+        t.add_column(name, footer=footers.get(name, footer), justify=justify, no_wrap=True)
+    for st in plan.stages:
+        m, tm = st.mem, st.time
+        total = f"{gib(m['total']):.2f}" + ("" if st.fits else " !")
+        t.add_row(
+            st.card.name, st.layers_label, str(len(st.resident)), str(len(st.offloaded)),
+            f"{gib(m['baseline']):.2f}", f"{gib(m['weights']):.2f}", f"{gib(m['grads']):.2f}",
+            f"{gib(m['optimizer']):.2f}", f"{gib(m['activations']):.2f}",
+            f"{gib(m['transient']):.2f}", f"{gib(m['workspace']):.2f}", total,
+            f"{gib(st.card.capacity_bytes):.1f}",
+            f"{tm['compute']:.2f}", f"{tm['bubble']:.2f}", f"{tm['host_optimizer']:.2f}",
+            f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm['total']:.2f}",
+            f"{gib(st.host_bytes):.2f}",
+        )
+    buf = io.StringIO()
+    Console(file=buf, width=width, color_system=None, force_terminal=False,
+            highlight=False, emoji=False).print(t)
+    lines = [f"threads: {plan.threads} torch thread(s) per card process, {plan.host_cores} "
+             f"usable host core(s)", buf.getvalue().rstrip("\n")]
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    over = [st.card.name for st in plan.stages if not st.fits]
+    if over:
+        verdict += f" (over capacity: {', '.join(over)})"
+    if plan.host_ram_bytes is not None and plan.host_bytes > plan.host_ram_bytes:
+        verdict += (f" (host RAM {gib(plan.host_bytes):.2f} GiB needed > "
+                    f"{gib(plan.host_ram_bytes):.2f} GiB)")
+    lines.append(
+        f"predicted: step {plan.step_time_s:.2f} s, {plan.tokens_per_step} tokens/step, "
+        f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
+    )
+    return "\n".join(lines)
+
+
+def format_plan(plan: Plan, width: int = 180) -> str:
+    """Dry-run report: model and run shape, the per-card table, and the model's assumptions."""
+    m, s = plan.model, plan.shape
+    head = [
+        f"model {m.name}: {m.total_params():,} params ({m.num_layers} layers x "
+        f"{m.params_per_layer():,} + embedding {m.embedding_params():,}"
+        f"{' tied' if m.tie_word_embeddings else ' x2 (untied)'})",
+        f"run: seq_len {s.seq_len}, micro_batch {s.micro_batch}, micro_batches {s.micro_batches}, "
+        f"schedule {s.schedule}, dtype {s.dtype}, recompute {'on' if s.recompute else 'off'}; "
+        f"split {plan.split}, resident {plan.resident_counts}; {plan.threads} thread(s) per card "
+        f"process on {plan.host_cores} core(s)",
+        "",
+        plan.table(width=width),
+        "",
+        "assumptions: weights+grads in compute dtype; resident params +12 B/param (fp32 master "
+        "+ AdamW m, v; on cpu cards all params); offloaded: host AdamW + card<->host copies each "
+        "step, not overlapped; activations "
+        + ", ".join(f"{k} {gb(activation_bytes_per_layer(m, s, ATTENTION[k])) * 1e3:.1f}"
+                    for k in sorted({st.card.kind for st in plan.stages}))
+        + " MB/layer/micro-batch (no recompute); transient = peak-phase temporaries; "
+        "workspace = const + fraction per kind (cpu: 12% allocator slack); base = process "
+        "baseline (cpu: RSS).",
+    ]
+    seen = set()
+    for st, rt in zip(plan.stages, plan.rates or []):
+        if st.card.kind in seen:
+            continue
+        seen.add(st.card.kind)
+        head.append(
+            f"rates {st.card.kind}: {rt.device_flops / 1e12:.3g} TFLOP/s, h2d "
+            f"{rt.h2d_bytes_per_s / 1e9:.1f} GB/s, d2h {rt.d2h_bytes_per_s / 1e9:.1f} GB/s, "
+            f"host AdamW {rt.host_adamw_params_per_s / 1e6:.0f} M params/s, device AdamW "
+            f"{rt.device_adamw / 1e6:.0f} M params/s"
+            + (f", baseline {gib(rt.process_baseline_bytes):.2f} GiB"
+               if rt.process_baseline_bytes else "")
+            + (f", at {rt.threads} thread(s)" if rt.threads else "")
+        )
+    return "\n".join(head)

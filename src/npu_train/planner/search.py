@@ -1,0 +1,287 @@
+"""Placement search: which decoder layers go to which card, and which of them keep their
+optimizer state on the card ("resident") or on the host ("offloaded"); :func:`make_plan` is the
+entry point. Pure arithmetic (planning Llama-3.1-70B on 8 cards takes milliseconds), torch-free
+except :func:`~npu_train.planner.spec.default_capacity` for ``cuda``.
+"""
+from __future__ import annotations
+
+import numbers
+from bisect import bisect_right
+from typing import Optional, Sequence, Union
+
+from npu_train.model.config import LlamaConfig
+from npu_train.planner.cost import CostModel
+from npu_train.planner.plan import Plan
+from npu_train.planner.rates import Rates
+from npu_train.planner.report import card_label, over_capacity_message
+from npu_train.planner.spec import CardSpec, PlacementError, RunShape, gib
+from npu_train.planner.threads import threads_per_card, usable_cores
+
+__all__ = ["balanced_split", "search_split", "make_plan"]
+
+
+def balanced_split(num_layers: int, num_cards: int) -> list[int]:
+    """``num_layers`` spread over ``num_cards`` as evenly as possible; the remainder goes to the
+    first cards (the last card also carries the lm_head). Raises ``ValueError`` for no cards."""
+    if num_cards < 1:
+        raise ValueError(f"need at least one card, got {num_cards}")
+    q, r = divmod(num_layers, num_cards)
+    return [q + (1 if k < r else 0) for k in range(num_cards)]
+
+
+def _over_capacity(pm: CostModel, plan: Plan, i: int) -> str:
+    st = plan.stages[i]
+    return over_capacity_message(plan, i, pm.max_resident(i, st.num_layers))
+
+
+def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan:
+    plan.host_ram_bytes = host_ram_bytes
+    if host_ram_bytes is None or plan.host_bytes <= host_ram_bytes:
+        return plan
+    plan.fits = False
+    if strict:
+        per = ", ".join(f"{card_label(i, st.card)} {gib(st.host_bytes):.2f} GiB"
+                        for i, st in enumerate(plan.stages) if st.host_bytes)
+        raise PlacementError(
+            f"host RAM too small for the offloaded optimizer state: predicted "
+            f"{gib(plan.host_bytes):.2f} GiB ({per}) > host RAM {gib(host_ram_bytes):.2f} GiB; "
+            f"fix: more resident layers, more cards, or a host with more RAM"
+        )
+    return plan
+
+
+def search_split(pm: CostModel, L: int) -> Optional[list[int]]:
+    """Layers per card (``L`` layers in all) for the lowest predicted step time: the split
+    minimizing ``slots * max_i t_i + max_i (host_i + dev_i + xfer_i)`` (``slots`` = ``M + P - 1``
+    without oversubscribed cpu cores) with every stage at its auto resident count; ``None`` if
+    no split fits. Exact: for a stage, t, host+xfer and memory at 0 resident are all
+    non-decreasing in its layer count, so for bounds (T, X) each stage admits n in
+    [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
+    P = pm.P
+    A = pm.slots
+    nmax = L - P + 1
+    t_tab, x_tab, ufit = [], [], []
+    for i in range(P):
+        ts, xs, fit = [], [], 0
+        for n in range(1, nmax + 1):
+            r = pm.max_resident(i, n)
+            if r < 0:
+                break
+            c = pm.cost(i, n, r)
+            h, d, x = pm.side_time(i, c)
+            ts.append(c.t_mb)
+            xs.append(h + d + x)
+            fit = n
+        if fit == 0:
+            return None
+        # enforce monotonicity against float noise / the non-layer step
+        for j in range(1, len(ts)):
+            ts[j] = max(ts[j], ts[j - 1])
+            xs[j] = max(xs[j], xs[j - 1])
+        t_tab.append(ts)
+        x_tab.append(xs)
+        ufit.append(fit)
+    if sum(ufit) < L:
+        return None
+    t_vals = sorted({t for ts in t_tab for t in ts})
+    x_vals = sorted({x for xs in x_tab for x in xs})
+
+    def upper(T: float, X: float) -> list[int]:
+        return [min(ufit[i], bisect_right(t_tab[i], T), bisect_right(x_tab[i], X))
+                for i in range(P)]
+
+    def ok(U: list[int]) -> bool:
+        return min(U) >= 1 and sum(U) >= L
+
+    best = None
+    for T in t_vals:
+        lo, hi = 0, len(x_vals) - 1
+        if not ok(upper(T, x_vals[hi])):
+            continue
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if ok(upper(T, x_vals[mid])):
+                hi = mid
+            else:
+                lo = mid + 1
+        obj = A * T + x_vals[lo]
+        if best is None or obj < best[0] * (1 - 1e-12):
+            best = (obj, T, x_vals[lo])
+    if best is None:
+        return None
+    U = upper(best[1], best[2])
+    # fill: one layer each, then grow the stage whose next layer costs the least
+    split = [1] * P
+    for _ in range(L - P):
+        cand = [(A * t_tab[i][split[i]] + x_tab[i][split[i]], i)
+                for i in range(P) if split[i] < U[i]]
+        _, i = min(cand)
+        split[i] += 1
+    return split
+
+
+def make_plan(
+    model: LlamaConfig,
+    shape: RunShape,
+    cards: Sequence[CardSpec],
+    rates: Union[Rates, Sequence[Rates]],
+    split: Optional[Sequence[int]] = None,
+    resident_layers: Union[str, int, Sequence[int]] = "auto",
+    host_ram_bytes: Optional[int] = None,
+    *,
+    nonlayer_resident: Optional[bool] = None,
+    strict: bool = True,
+    threads: Optional[int] = None,
+    host_cores: Optional[int] = None,
+) -> Plan:
+    """Place ``model`` on ``cards`` (pipeline order) and predict memory and step time.
+
+    Args:
+        model: architecture.
+        shape: sequence length, micro-batch, accumulation steps, schedule, dtype, recompute.
+        cards: one :class:`CardSpec` per pipeline stage.
+        rates: one :class:`Rates` for all cards, or one per card.
+        split: decoder layers per card (sums to ``model.num_layers``). ``None``: balanced
+            (:func:`balanced_split`), except with ``resident_layers="auto"``, which searches all
+            splits (e.g. fewer layers on the last card, which computes the lm_head, or on the
+            first, which stores the embedding) for the lowest predicted step time.
+        resident_layers: ``"auto"`` (per card the most resident layers that fit, since resident
+            layers remove host-optimizer and transfer time), an int N (N on every card; more than
+            a card's layers is an error) or a per-card list.
+        host_ram_bytes: if given, the offloaded master + moments of all cards must fit in it.
+        nonlayer_resident: keyword-only. Optimizer state of embedding / final norm / untied
+            lm_head on the card (True), on the host (False), or (None, default) on the card exactly
+            when all of that card's layers are resident.
+        strict: keyword-only. If False, an infeasible placement returns a plan with
+            ``fits=False`` instead of raising (layout errors always raise).
+        threads: keyword-only. torch threads of every card process, the number the card
+            processes are started with: ``threads_per_card(runtime.threads, cards on the host)``
+            (:func:`npu_train.planner.threads.threads_per_card`). Every card's rates are
+            resolved for it (:meth:`Rates.resolve <npu_train.planner.rates.Rates.resolve>`: the
+            profile's ``by_threads`` entry of that count, else the nearest measured count scaled
+            linearly) and ``plan.threads`` records it. ``None``: ``threads_per_card(0, len(cards),
+            host_cores)`` (the cores divided among the cards).
+        host_cores: keyword-only. Cores the cpu cards share; ``None``:
+            :func:`npu_train.planner.threads.usable_cores` (affinity and cgroup quota).
+
+    Returns:
+        The :class:`~npu_train.planner.plan.Plan`; ``plan.table()`` /
+        :func:`~npu_train.planner.report.format_plan` render it.
+
+    Raises:
+        PlacementError: a card over capacity (message: card, predicted GiB, capacity GiB, fixes),
+            nothing fits in auto mode, host RAM too small, more cards than layers, resident count
+            above a card's layer count, a bad ``split``.
+        ValueError: a ``rates`` list whose length is not the number of cards, an unknown
+            ``resident_layers`` string.
+
+    Reference figures (Llama-3.1-8B, S=512, micro-batch 1, M=4, bf16, 1F1B, RNGD 47.5 GiB =
+    51.0 GB), from an earlier RNGD deployment, reproduced by ``tests/unit/test_placement.py``:
+
+    1. fp32 master + AdamW m, v of one resident decoder layer: 218,112,000 params * 12 B
+       = 2.617 GB (2.44 GiB): ``optimizer`` term only.
+    2. One card, all 32 layers, 8 resident (24 offloaded + embedding/lm_head offloaded by the
+       default rule): "~50 GB, does not fit". Reproduced by the *static state*
+       weights + grads + optimizer = 16.06 + 16.06 + 20.94 GB = 53.06 GB = **49.4 GiB**: the
+       deployment's "GB" were binary (in decimal it would be 6 % above 50). That alone exceeds
+       47.5 GiB; the full plan adds activations (4.9 GB) and workspace (4.0 GB) for 57.7 GiB
+       (61.9 GB) total -> ``PlacementError`` / ``fits=False``.
+    3. Two cards, 16 layers each, nothing resident: "~15 GB per card". Reproduced by the static
+       state weights + grads = 16.06 GB = **14.96 GiB** per card (first: 16 layers + embedding;
+       last: 16 layers + norm + lm_head), again binary units (decimal 16.06 GB is within 10 %).
+       The full plan adds activations (first card: 2 micro-batches in flight * 16 layers *
+       136.3 MB = 4.36 GB; last: 1 * 16 * 136.3 MB + 0.53 GB logits) and workspace (~2 GB):
+       22.5 GB (21.0 GiB) on the first card, 20.8 GB (19.4 GiB) on the last.
+    """
+    cards = list(cards)
+    P, L = len(cards), model.num_layers
+    if P < 1:
+        raise PlacementError("no cards given")
+    if P > L:
+        raise PlacementError(
+            f"more cards ({P}) than decoder layers ({L}) of {model.name}: every card needs at "
+            f"least one layer; fix: use at most {L} cards"
+        )
+    if isinstance(rates, Rates):
+        rates_l = [rates] * P
+    else:
+        rates_l = list(rates)
+        if len(rates_l) != P:
+            raise ValueError(f"got {len(rates_l)} Rates for {P} cards")
+
+    cores = int(host_cores) if host_cores else usable_cores()
+    n_threads = int(threads) if threads else threads_per_card(0, P, cores)
+    pm = CostModel(model, shape, cards, rates_l, nonlayer_resident, n_threads, cores)
+
+    if split is not None:
+        split_l = [int(n) for n in split]
+        if len(split_l) != P:
+            raise PlacementError(f"split {split_l} has {len(split_l)} entries for {P} cards")
+        if any(n < 1 for n in split_l):
+            raise PlacementError(f"split {split_l}: every card needs at least one layer")
+        if sum(split_l) != L:
+            raise PlacementError(
+                f"split {split_l} sums to {sum(split_l)} layers; {model.name} has {L}")
+    else:
+        split_l = None
+
+    # ---- explicit resident counts ----
+    if not isinstance(resident_layers, str):
+        if split_l is None:
+            split_l = balanced_split(L, P)
+        if isinstance(resident_layers, numbers.Integral):
+            res_l = [resident_layers] * P
+        else:
+            res_l = [int(r) for r in resident_layers]
+            if len(res_l) != P:
+                raise PlacementError(
+                    f"resident_layers {res_l} has {len(res_l)} entries for {P} cards")
+        for i, (n, r) in enumerate(zip(split_l, res_l)):
+            if r < 0:
+                raise PlacementError(f"{card_label(i, cards[i])}: resident layers {r} < 0")
+            if r > n:
+                raise PlacementError(
+                    f"{card_label(i, cards[i])} holds {n} layers but {r} resident layers were "
+                    f"requested; fix: resident_layers <= {n} on this card (split {split_l})")
+        plan = pm.build(split_l, res_l)
+        if strict:
+            for i, st in enumerate(plan.stages):
+                if not st.fits:
+                    raise PlacementError(_over_capacity(pm, plan, i))
+        return _check_host(plan, host_ram_bytes, strict)
+
+    if resident_layers != "auto":
+        raise ValueError(
+            f"resident_layers must be 'auto', an int or a list, got {resident_layers!r}")
+
+    # ---- auto ----
+    if split_l is None:
+        found = search_split(pm, L)
+        if found is not None:
+            bal = balanced_split(L, P)
+            rb = [pm.max_resident(i, n) for i, n in enumerate(bal)]
+            if min(rb) >= 0:
+                # keep the balanced split unless the search is strictly faster
+                pb = pm.build(bal, rb)
+                pf = pm.build(found, [pm.max_resident(i, n) for i, n in enumerate(found)])
+                if pb.step_time_s <= pf.step_time_s * (1 + 1e-9):
+                    found = bal
+            split_l = found
+    if split_l is not None:
+        res_l = [pm.max_resident(i, n) for i, n in enumerate(split_l)]
+        if min(res_l) >= 0:
+            return _check_host(pm.build(split_l, res_l), host_ram_bytes, strict)
+    # nothing fits: explain with the given (or balanced) split at 0 resident layers
+    split_e = split_l if split_l is not None else balanced_split(L, P)
+    plan = pm.build(split_e, [0] * P)
+    plan.fits = False
+    if not strict:
+        return _check_host(plan, host_ram_bytes, strict=False)
+    bad = [i for i, st in enumerate(plan.stages) if not st.fits] or [0]
+    raise PlacementError(
+        "no placement fits even with no resident layers"
+        + ("" if split is not None else " on any split")
+        + ": " + "; ".join(_over_capacity(pm, plan, i) for i in bad)
+    )
+
+

@@ -1,0 +1,146 @@
+"""What is planned: the cards (:class:`CardSpec`), the run shape (:class:`RunShape`), and the
+planner's user error (:class:`PlacementError`). Units: ``*_bytes`` are bytes; :func:`gb` converts
+to decimal gigabytes (1e9 B), :func:`gib` to binary gibibytes (2**30 B); the plan table prints
+GiB. Card capacities are GiB figures (RNGD: 47.5 GiB usable = 51.0 GB, :mod:`npu_train.hardware`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from npu_train.errors import UserError
+from npu_train.hardware import FURIOSA_CAPACITY_BYTES, GB, GIB, KINDS
+from npu_train.pipeline.schedule import SCHEDULES
+
+__all__ = ["PlacementError", "CardSpec", "RunShape", "default_capacity", "make_cards", "gb", "gib"]
+
+
+def gb(x: float) -> float:
+    """Bytes -> decimal gigabytes (1 GB = 1e9 B)."""
+    return x / GB
+
+
+def gib(x: float) -> float:
+    """Bytes -> binary gibibytes (1 GiB = 2**30 B)."""
+    return x / GIB
+
+
+class PlacementError(UserError, ValueError):
+    """A placement that cannot work: over a card's capacity, too little host RAM, or an
+    impossible layout (more cards than layers, more resident layers than a card holds).
+    The message names the card, the predicted and available GiB and the fixes."""
+
+
+@dataclass
+class CardSpec:
+    """One accelerator card = one pipeline stage.
+
+    Attributes:
+        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"`` (:data:`npu_train.hardware.KINDS`).
+        index: device index (``None`` for cpu).
+        capacity_bytes: usable memory of the card, bytes.
+        name: display name, default ``"<kind>:<index>"`` (``"cpu"`` when index is None).
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+
+    kind: str
+    index: Optional[int]
+    capacity_bytes: int
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"card kind must be one of {KINDS}, got {self.kind!r}")
+        if not self.name:
+            self.name = self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+
+def default_capacity(kind: str, index: Optional[int] = None) -> int:
+    """Usable memory of one card of ``kind``, bytes.
+
+    - ``furiosa``: :data:`npu_train.hardware.FURIOSA_CAPACITY_BYTES` (47.5 GiB). No device call.
+    - ``cuda``: ``torch.cuda.get_device_properties(index or 0).total_memory`` when CUDA is
+      available, else 80 GiB (H100-class). The only planner call that may import torch.
+    - ``cpu``: total host RAM (``psutil``); dividing it among several CPU "cards" is the
+      caller's job.
+
+    Raises:
+        ValueError: unknown ``kind``.
+    """
+    if kind == "furiosa":
+        return FURIOSA_CAPACITY_BYTES
+    if kind == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return int(torch.cuda.get_device_properties(index or 0).total_memory)
+        except Exception:  # pragma: no cover - torch without CUDA support
+            pass
+        return 80 * GIB
+    if kind == "cpu":
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
+
+
+def make_cards(kind: str, n: int, capacity_bytes: Optional[int] = None) -> list[CardSpec]:
+    """``n`` cards of ``kind`` with indices ``0..n-1``. Default capacity: :func:`default_capacity`
+    (for ``cpu``: host RAM divided by ``n``). Raises ``ValueError`` for ``n < 1``."""
+    if n < 1:
+        raise ValueError(f"need at least one card, got {n}")
+    if capacity_bytes is None:
+        capacity_bytes = default_capacity(kind)
+        if kind == "cpu":
+            capacity_bytes //= n
+    return [CardSpec(kind, i, int(capacity_bytes)) for i in range(n)]
+
+
+@dataclass
+class RunShape:
+    """What one optimizer step processes.
+
+    Attributes:
+        seq_len: tokens per sequence S.
+        micro_batch: sequences per micro-batch b.
+        micro_batches: micro-batches per step M (= gradient-accumulation steps).
+        schedule: a pipeline schedule of :data:`npu_train.pipeline.schedule.SCHEDULES`
+            (``"1f1b"``, ``"gpipe"``).
+        dtype: compute dtype, ``"bf16"`` or ``"fp32"``.
+        recompute: activation recomputation (checkpoint each decoder layer's input).
+
+    Raises:
+        ValueError: a count below 1, an unknown schedule or dtype.
+    """
+
+    seq_len: int
+    micro_batch: int = 1
+    micro_batches: int = 1
+    schedule: str = "1f1b"
+    dtype: str = "bf16"
+    recompute: bool = False
+
+    def __post_init__(self) -> None:
+        for k in ("seq_len", "micro_batch", "micro_batches"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"RunShape.{k} must be >= 1, got {getattr(self, k)!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"RunShape.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.dtype not in ("bf16", "fp32"):
+            raise ValueError(f"RunShape.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+
+    @property
+    def dtype_bytes(self) -> int:
+        """Bytes per compute-dtype element: 2 (bf16) or 4 (fp32)."""
+        return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        return self.seq_len * self.micro_batch
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.seq_len * self.micro_batch * self.micro_batches
