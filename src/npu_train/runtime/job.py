@@ -61,7 +61,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model.loading import load_config, resolve_model_path
-    from npu_train.optim.placement import CardSpec, RunShape, default_capacity, load_rates, make_plan
+    from npu_train.planner import CardSpec, RunShape, default_capacity, load_rates, make_plan, threads_per_card
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
@@ -94,7 +94,9 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
             cap = int(cfg.placement.capacity_gib * 2 ** 30)
         name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
         cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=name))
-    rates = [load_rates(r.kind, cfg.placement.profile) for r in reqs]
+    # one thread count for the plan's step time and the card processes (WorkerSpec.runtime.threads)
+    threads = threads_per_card(cfg.runtime.threads, len(cards))
+    rates = [load_rates(r.kind, cfg.placement.profile, threads=threads) for r in reqs]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
         try:
@@ -110,9 +112,9 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs).
     plan = make_plan(mcfg, shape, cards, rates, split=as_list(tr.split), resident_layers=resident,
-                     host_ram_bytes=None if cfg.plan else host_ram)
+                     host_ram_bytes=None if cfg.plan else host_ram, threads=threads)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
-            "dtype": dtype, "model_path": model_path}
+            "dtype": dtype, "model_path": model_path, "threads": threads}
 
 
 def _preset_config(path: str):
@@ -227,10 +229,10 @@ def prepare_data(cfg, model_path: str, model_cfg, run_dir: str):
                              eos_id=model_cfg.eos_token_id, cache_dir=cache, vocab_size=model_cfg.vocab_size)
 
 
-def worker_threads(requested, cards) -> int:
-    """torch intra-op threads of each card process: ``runtime.threads`` if set, else the host's cores
-    divided among its CPU card processes (at least 1)."""
-    return int(requested or max(1, (os.cpu_count() or 1) // max(1, sum(1 for c in cards if c.kind == "cpu") or 1)))
+#: modules a card process imports (calibration measures their resident memory as the process baseline)
+CARD_PROCESS_MODULES = ("npu_train.runtime.worker", "npu_train.runtime.trainer", "npu_train.backends",
+                        "npu_train.optim.adamw", "npu_train.pipeline.stage", "npu_train.data.dataset",
+                        "npu_train.checkpoint.store", "npu_train.transport")
 
 
 def train_spec(cfg, dtype: str) -> TrainSpec:
@@ -289,11 +291,11 @@ def run_job(cfg, run_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     if cfg.calibrate:
         from npu_train.backends.spec import parse_backend_list, resolve_cards
-        from npu_train.optim.calibrate import main_calibrate
+        from npu_train.planner import main_calibrate
 
         reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)))
         kinds = [r.kind if r.index is None else f"{r.kind}:{r.index}" for r in reqs]
-        saved = main_calibrate(kinds, model_path=cfg.model.path if _preset_config(cfg.model.path) is None else None,
+        saved = main_calibrate(kinds, modules=CARD_PROCESS_MODULES, model_path=cfg.model.path if _preset_config(cfg.model.path) is None else None,
                                profile=cfg.placement.profile)
         return {"calibrate": saved}
     if cfg.plan:
@@ -360,7 +362,7 @@ def run_job(cfg, run_dir: str) -> dict:
     os.chmod(ipc_dir, 0o700)
     data_file = os.path.join(run_dir, "data.safetensors")
     save_packed(data, data_file)
-    threads = worker_threads(rt.threads, prep["cards"])
+    threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
     train = train_spec(cfg, prep["dtype"])
     specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
         heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
