@@ -94,7 +94,7 @@ def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int 
 def reference_for(model_path: str, *overrides: str):
     """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``."""
     from npu_train.runtime.launcher import prepare_data
-    from npu_train.model.loading import load_config
+    from npu_train.model import load_config
     from reference import reference_run
 
     cfg = make_cfg(model_path, *overrides)

@@ -86,7 +86,7 @@ def test_eval_loss_matches_reference(tiny_model, tmp_path):
 
     from npu_train.data.dataset import micro_batch_tensors
     from npu_train.model.llama import causal_lm_loss_sum, full_model
-    from npu_train.model.loading import load_config, load_tensors
+    from npu_train.model import load_config, load_tensors
     from npu_train.runtime.launcher import prepare_data
     from conftest import make_cfg
 
