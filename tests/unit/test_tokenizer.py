@@ -55,14 +55,13 @@ B2U = _bytes_to_unicode()
 
 @pytest.fixture(scope="module")
 def smol_tok(tmp_path_factory):
-    import os
-
-    os.environ["NPT_CACHE"] = str(tmp_path_factory.mktemp("cache"))
     try:
         path = embedded_model_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    return load_tokenizer(path)
+    with pytest.MonkeyPatch.context() as mp:  # build it afresh, not from the user's cache
+        mp.setenv("NPT_CACHE", str(tmp_path_factory.mktemp("cache")))
+        yield load_tokenizer(path)
 
 
 def test_embedded_gguf_uses_smollm_rule(smol_tok):

@@ -534,13 +534,8 @@ def resident_param_names(model_cfg, stage) -> list[str]:
 
 def prepare_data(cfg, model_path: str, model_cfg, run_dir: str):
     """Tokenize and pack the dataset once (cached under ``~/.cache/npu-train/data``) and return it."""
-    from npu_train.data.dataset import build_packed_data
-    from npu_train.model.loading import load_tokenizer, resolve_model_path
-
-    tok = load_tokenizer(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer else model_path)
-    cache = os.path.join(os.path.expanduser("~"), ".cache", "npu-train", "data")
-    return build_packed_data(cfg.data.source, tok, cfg.data.seq_len, cfg.data.val_fraction,
-                             eos_id=model_cfg.eos_token_id, cache_dir=cache, vocab_size=model_cfg.vocab_size)
+    from npu_train.data.prepare import prepare_data as prepare_job_data
+    return prepare_job_data(cfg, model_path, model_cfg)
 
 
 def run_job(cfg, run_dir: str) -> dict:
