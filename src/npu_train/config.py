@@ -24,8 +24,15 @@ class ModelConf:
 
 @dataclass
 class DataConf:
-    #: "botchan" (shipped public-domain novel), a .txt/.jsonl file or a directory of them.
+    #: "botchan" (shipped public-domain novel), a .txt/.jsonl file or a directory of them;
+    #: with format=chat|prompt_completion: "botchan-chat" (shipped) or a .jsonl file / directory.
     source: str = "botchan"
+    #: text (packed raw text) | chat (JSONL rows {"messages": [{role, content}, ...]}) |
+    #: prompt_completion (JSONL rows {"prompt", "completion"}); chat data trains the assistant
+    #: tokens only, one sample per sequence (see npu_train/data/chat.py).
+    format: str = "text"
+    #: chat/prompt_completion samples longer than seq_len+1 tokens: drop | truncate (keep the start).
+    truncation: str = "drop"
     seq_len: int = 128
     val_fraction: float = 0.05
     #: held-out evaluation (eval_batches micro-batches of the validation split; 0 = off): before

@@ -102,13 +102,13 @@ def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int 
 
 def reference_for(model_path: str, *overrides: str):
     """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``."""
-    from npu_train.runtime.job import prepare_data
-    from npu_train.model.loading import load_config
+    from npu_train.data.prepare import prepare_data
+    from npu_train.model import load_config
     from reference import reference_run
 
     cfg = make_cfg(model_path, *overrides)
     t = cfg.train
-    data = prepare_data(cfg, model_path, load_config(model_path), None)
+    data = prepare_data(cfg, model_path, load_config(model_path))
     return reference_run(model_path, data, steps=t.steps, micro_batch=t.micro_batch, accum=t.accum, lr=t.lr,
                          warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay,
                          clip=t.clip, seed=t.seed, betas=(t.beta1, t.beta2), eps=t.eps)

@@ -12,7 +12,7 @@ import torch
 from npu_train.data.dataset import micro_batch_tensors
 from npu_train.data.sampler import StepSampler
 from npu_train.model.llama import causal_lm_loss_sum, full_model
-from npu_train.model.loading import load_config, load_tensors
+from npu_train.model import load_config, load_tensors
 from npu_train.optim.adamw import decays
 from npu_train.optim.lr import lr_at
 

@@ -28,7 +28,7 @@ def bad(tiny_model, tmp_path_factory):
 
     from npu_train.data.text import botchan_text
     from npu_train.model.config import LlamaConfig
-    from npu_train.model.loading import embedded_model_path
+    from npu_train.model import embedded_model_path
 
     root = tmp_path_factory.mktemp("bad")
 

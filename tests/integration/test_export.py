@@ -28,7 +28,7 @@ def test_export_loads_in_transformers(request, tmp_path, fixture):
         diff = (hf(ids).logits.float() - ours(ids)).abs().max().item()
     assert diff < 1e-4, diff
     # weights changed by training (the export is not just the initial model)
-    from npu_train.model.loading import load_tensors
+    from npu_train.model import load_tensors
     init = load_tensors(model, cfg, ["model.norm.weight"])["model.norm.weight"]
     assert not torch.equal(init, reader.get("master.model.norm.weight"))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))

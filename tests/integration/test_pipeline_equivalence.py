@@ -86,8 +86,8 @@ def test_eval_loss_matches_reference(tiny_model, tmp_path):
 
     from npu_train.data.dataset import micro_batch_tensors
     from npu_train.model.llama import causal_lm_loss_sum, full_model
-    from npu_train.model.loading import load_config, load_tensors
-    from npu_train.runtime.job import prepare_data
+    from npu_train.model import load_config, load_tensors
+    from npu_train.data.prepare import prepare_data
     from conftest import make_cfg
 
     _, ref_w = _ref(tiny_model)
@@ -96,7 +96,7 @@ def test_eval_loss_matches_reference(tiny_model, tmp_path):
         evals = [json.loads(l) for l in f]
     assert [e["step"] for e in evals] == [0, 3]
     cfg = load_config(tiny_model)
-    data = prepare_data(make_cfg(tiny_model), tiny_model, cfg, None)
+    data = prepare_data(make_cfg(tiny_model), tiny_model, cfg)
     batches = [micro_batch_tensors(data, torch.arange(2 * m, 2 * m + 2), split="val") for m in range(3)]
 
     def val_loss(weights):

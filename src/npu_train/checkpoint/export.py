@@ -66,7 +66,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
         json.dump(hf_config_dict(cfg, dtype), f, indent=1)
     src = reader.manifest.get("tokenizer_path")
     if src:
-        from npu_train.model.loading import load_tokenizer
+        from npu_train.model import load_tokenizer
 
         load_tokenizer(src).save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir

@@ -1,4 +1,4 @@
-"""Training data: text sources, token packing and the step sampler."""
+"""Training data: text sources, token packing, chat / prompt-completion samples and the step sampler."""
 
 from .dataset import (
     PackedData,
@@ -10,10 +10,15 @@ from .dataset import (
     save_packed,
     tokenize_documents,
 )
+from .chat import FORMATS, ChatRenderer
 from .sampler import StepSampler
+from .sft import build_sft_data
 from .text import DataError, botchan_text, read_documents, read_text_source, strip_gutenberg
 
 __all__ = [
+    "ChatRenderer",
+    "FORMATS",
+    "build_sft_data",
     "DataError",
     "PackedData",
     "StepSampler",

@@ -47,8 +47,11 @@ class PackedData:
     """Packed token rows. ``train``/``val``: ``[N, seq_len + 1]`` int64.
 
     ``n_tokens`` is the length of the full token stream (including inter-document EOS
-    tokens) before the tail that does not fill a row was dropped. ``fingerprint`` is
-    the cache key (hex sha256) of the inputs that produced the data.
+    tokens) before the tail that does not fill a row was dropped (chat data: the number of
+    real, unpadded tokens). ``fingerprint`` is the cache key (hex sha256) of the inputs that
+    produced the data. ``train_labels``/``val_labels`` (chat / prompt_completion data only):
+    ``[N, seq_len + 1]`` int64 aligned with the rows, the row's token where it is trained and
+    ``IGNORE_INDEX`` elsewhere; ``None`` for text data (every token is a target).
     """
 
     train: torch.Tensor
@@ -56,6 +59,8 @@ class PackedData:
     seq_len: int
     n_tokens: int
     fingerprint: str
+    train_labels: torch.Tensor | None = None
+    val_labels: torch.Tensor | None = None
 
     @property
     def n_train(self) -> int:
@@ -154,8 +159,12 @@ def save_packed(data: PackedData, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tensors = {"train": data.train.contiguous(), "val": data.val.contiguous()}
+    if data.train_labels is not None:
+        tensors["train_labels"] = data.train_labels.contiguous()
+        tensors["val_labels"] = data.val_labels.contiguous()
     save_file(
-        {"train": data.train.contiguous(), "val": data.val.contiguous()},
+        tensors,
         str(tmp),
         metadata={
             "format": _FORMAT,
@@ -185,14 +194,16 @@ def load_packed(path: str | os.PathLike) -> PackedData:
     tensors = load_file(str(path))
     seq_len = int(meta["seq_len"])
     train, val = tensors["train"], tensors["val"]
-    for name, t in (("train", train), ("val", val)):
+    tl, vl = tensors.get("train_labels"), tensors.get("val_labels")
+    checks = [("train", train), ("val", val)] + ([("train_labels", tl), ("val_labels", vl)] if tl is not None else [])
+    for name, t in checks:
         if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != seq_len + 1:
             raise DataError(
                 f"{path}: tensor {name!r} has shape {tuple(t.shape)} / {t.dtype}, expected "
                 f"[N, {seq_len + 1}] int64; delete the file so it is rebuilt"
             )
     return PackedData(train=train, val=val, seq_len=seq_len, n_tokens=int(meta["n_tokens"]),
-                      fingerprint=meta["fingerprint"])
+                      fingerprint=meta["fingerprint"], train_labels=tl, val_labels=vl)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -285,12 +296,15 @@ def micro_batch_tensors(
     data: PackedData, indices: torch.Tensor, split: str = "train"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``[len(indices), seq_len]`` int64, for rows ``indices``
-    of ``data.train`` (or ``data.val`` with ``split="val"``)."""
+    of ``data.train`` (or ``data.val`` with ``split="val"``). ``labels[b, t]`` is the target of
+    position ``t`` (the next token); chat data has ``IGNORE_INDEX`` where nothing is trained."""
     if split == "train":
-        src = data.train
+        src, lab = data.train, data.train_labels
     elif split == "val":
-        src = data.val
+        src, lab = data.val, data.val_labels
     else:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    rows = src.index_select(0, torch.as_tensor(indices, dtype=torch.int64).reshape(-1))
-    return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+    idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+    rows = src.index_select(0, idx)
+    targets = rows if lab is None else lab.index_select(0, idx)
+    return rows[:, :-1].contiguous(), targets[:, 1:].contiguous()

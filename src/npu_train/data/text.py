@@ -19,6 +19,8 @@ import re
 from importlib import resources
 from pathlib import Path
 
+from npu_train.errors import UserError
+
 __all__ = [
     "DataError",
     "strip_gutenberg",
@@ -40,7 +42,7 @@ _END_RE = re.compile(r"^\*\*\*\s*END OF\b.*\*\*\*[ \t]*\r?$", re.MULTILINE | re.
 _END_LINE_RE = re.compile(r"\n[ \t]*End of (the )?Project Gutenberg\S*\s[^\n]*\s*\Z", re.IGNORECASE)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """The training data cannot be used as given; the message says how to fix it."""
 
 

@@ -163,7 +163,7 @@ def machine_info(kind: Optional[str] = None, backend=None) -> dict:
 CARD_PROCESS_MODULES: tuple[str, ...] = (
     "npu_train.backends", "npu_train.optim.adamw", "npu_train.optim.lr",
     "npu_train.pipeline.schedule", "npu_train.pipeline.stage", "npu_train.model.llama",
-    "npu_train.model.loading", "npu_train.data.dataset", "npu_train.checkpoint.store",
+    "npu_train.model", "npu_train.data.dataset", "npu_train.checkpoint.store",
     "npu_train.transport",
 )
 
@@ -189,7 +189,7 @@ t = torch.ones(4); dist.all_reduce(t)
 path = sys.argv[3] if len(sys.argv) > 3 else ""
 touched = 0
 if path:
-    from npu_train.model.loading import load_config, resolve_model_path
+    from npu_train.model import load_config, resolve_model_path
     p = resolve_model_path(path)
     load_config(p)                                  # a GGUF reader stays cached with its metadata
     if os.path.isfile(p):
@@ -281,7 +281,7 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
                      "planner_dtype": planner_dtype(kind)}
     model_cfg = None
     if model_path:
-        from npu_train.model.loading import load_config, resolve_model_path
+        from npu_train.model import load_config, resolve_model_path
 
         model_cfg = load_config(resolve_model_path(model_path))
         details["model"] = {"path": str(model_path), "name": model_cfg.name}

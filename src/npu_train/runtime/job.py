@@ -60,7 +60,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     """
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
-    from npu_train.model.loading import load_config, resolve_model_path
+    from npu_train.model import check_weights, load_config, resolve_model_path
     from npu_train.planner import CardSpec, RunShape, default_capacity, load_rates, make_plan, threads_per_card
 
     validate(cfg)
@@ -70,7 +70,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
         model_path = resolve_model_path(cfg.model.path)
         mcfg = load_config(model_path)
         if not cfg.plan:
-            check_model_files(model_path, mcfg)
+            check_weights(model_path, mcfg)
     elif not cfg.plan:
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
@@ -129,69 +129,6 @@ def _preset_config(path: str):
         return None
 
 
-def check_model_files(model_path: str, mcfg) -> None:
-    """Check that the weights file(s) hold every parameter with the right shape (headers only).
-
-    Without this, a missing or mis-shaped tensor is only found by the card process that loads
-    it, after every process has started (exit 1, a run directory with partial artifacts); here
-    it is a user error (exit 2) before anything is spawned. Reads safetensors headers
-    (``safe_open`` keys and ``get_slice().get_shape()``) or the GGUF tensor table: no tensor data.
-    Raises :class:`~npu_train.model.loading.ModelFormatError`.
-    """
-    from npu_train.model import loading as L
-    from npu_train.model.llama import checkpoint_source_name
-
-    names = list(mcfg.param_shapes(None))
-    for i in range(mcfg.num_layers):
-        names += list(mcfg.param_shapes(i))
-    wanted = {checkpoint_source_name(mcfg, n): (n, L._expected_shape(mcfg, n)) for n in names}
-    path = os.path.expanduser(model_path)
-    if L._is_gguf_path(path):
-        by_name = {t.name: t for t in L._gguf_reader(path).tensors}
-        for src, (n, shape) in wanted.items():
-            t = by_name.get(L._hf_to_gguf_name(src))
-            if t is None:
-                raise L.ModelFormatError(f"tensor {src!r} (GGUF {L._hf_to_gguf_name(src)!r}) not found in {path}: "
-                                         "the file is incomplete or not this model; re-download or re-convert it")
-            found = tuple(int(x) for x in reversed(t.shape))
-            if found != tuple(shape):
-                raise _shape_mismatch(L, n, src, path, shape, found)
-        return
-    from safetensors import safe_open
-
-    where, source = L._safetensors_index(L._hf_dir(path))
-    by_file: dict[str, list[str]] = {}
-    for src in wanted:
-        fp = where.get(src)
-        if fp is None:
-            raise L.ModelFormatError(f"tensor {src!r} not found in {source}: the weights do not match "
-                                     "config.json (incomplete download or another model); re-download the model")
-        by_file.setdefault(fp, []).append(src)
-    for fp, srcs in by_file.items():
-        if not os.path.isfile(fp):
-            raise L.ModelFormatError(f"{fp}: shard listed in the index is missing; re-download the model")
-        try:
-            with safe_open(fp, framework="pt") as f:
-                keys = set(f.keys())
-                for src in srcs:
-                    n, shape = wanted[src]
-                    if src not in keys:
-                        raise L.ModelFormatError(f"tensor {src!r} not found in {fp}; re-download the model")
-                    found = tuple(f.get_slice(src).get_shape())
-                    if found != tuple(shape):
-                        raise _shape_mismatch(L, n, src, fp, shape, found)
-        except L.ModelFormatError:
-            raise
-        except Exception as e:  # noqa: BLE001 - unreadable header
-            raise L.ModelFormatError(f"{fp}: not a readable safetensors file ({e}); re-download the model") from e
-
-
-def _shape_mismatch(L, name, src, where, expected, found):
-    e = L._shape_error(name, src, where, expected, found)
-    return L.ModelFormatError(f"{e}: the weights do not match config.json (another model or a corrupt file); "
-                              "re-download the model or fix config.json")
-
-
 def _shm_free_bytes() -> int:
     """Free bytes in /dev/shm; ``NPT_SHM_FREE_BYTES`` overrides the figure (test-only: simulates
     a small /dev/shm, e.g. Docker's 64 MB default, for the pre-spawn check)."""
@@ -216,17 +153,6 @@ def resident_param_names(model_cfg, stage) -> list[str]:
         if stage.has_head:
             names += ["model.norm.weight", "lm_head.weight"]
     return names
-
-
-def prepare_data(cfg, model_path: str, model_cfg, run_dir: str):
-    """Tokenize and pack the dataset once (cached under ``$NPT_CACHE/data``, default ``~/.cache/npu-train/data``) and return it."""
-    from npu_train.data.dataset import build_packed_data
-    from npu_train.model.loading import load_tokenizer, resolve_model_path
-
-    tok = load_tokenizer(resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer else model_path)
-    cache = str(cache_dir("data"))
-    return build_packed_data(cfg.data.source, tok, cfg.data.seq_len, cfg.data.val_fraction,
-                             eos_id=model_cfg.eos_token_id, cache_dir=cache, vocab_size=model_cfg.vocab_size)
 
 
 #: modules a card process imports (calibration measures their resident memory as the process baseline)
@@ -283,6 +209,7 @@ def run_job(cfg, run_dir: str) -> dict:
     (exit 1) when a card process fails, :class:`~npu_train.errors.Interrupted` (130/143) on SIGINT/SIGTERM.
     """
     from npu_train.checkpoint.store import CheckpointReader, find_checkpoint, remove_stale_staging
+    from npu_train.data.prepare import prepare_data
     from npu_train.data.dataset import save_packed
     from npu_train.data.sampler import StepSampler
     from npu_train.metrics.report import Reporter
@@ -315,7 +242,7 @@ def run_job(cfg, run_dir: str) -> dict:
     prep = prepare(cfg, run_dir)
     plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
     P = len(plan.stages)
-    data = prepare_data(cfg, prep["model_path"], mcfg, run_dir)
+    data = prepare_data(cfg, prep["model_path"], mcfg)
     if data.train.shape[0] < tr.micro_batch:
         raise ConfigError(f"the training split has {data.train.shape[0]} sequences, fewer than "
                           f"train.micro_batch={tr.micro_batch}: lower train.micro_batch or data.seq_len")

@@ -46,7 +46,7 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     """
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import StageModule
-    from npu_train.model.loading import load_tensors
+    from npu_train.model import load_tensors
 
     cfg = LlamaConfig.from_dict(spec.model_cfg)
     st = spec.stage

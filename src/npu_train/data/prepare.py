@@ -1,0 +1,60 @@
+"""Job-side data preparation: the tokenized training data of a run (``data.*`` config keys).
+
+``data.format=text`` packs a text source into fixed-length rows (:mod:`npu_train.data.dataset`);
+``chat`` / ``prompt_completion`` render JSONL rows with the model's chat template and give one
+padded, label-masked sample per sequence (:mod:`npu_train.data.sft`). Either way the result is a
+:class:`~npu_train.data.dataset.PackedData` cached under ``npu_train.env.cache_dir("data")``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from npu_train.env import cache_dir
+
+from .chat import FORMATS
+from .text import DataError
+
+__all__ = ["prepare_data"]
+
+
+def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print):
+    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached, and return the ``PackedData``.
+
+    Args:
+        cfg: the run config (``cfg.data.{source, format, truncation, seq_len, val_fraction}``,
+            ``cfg.model.tokenizer``).
+        model_path: the resolved model path (HF directory or GGUF file).
+        model_cfg: its ``LlamaConfig`` (``eos_token_id``, ``vocab_size``).
+        log: where the sample counts of chat data are printed.
+
+    Raises :class:`DataError` (a ``UserError``) for bad data or an unknown ``data.format`` /
+    ``data.truncation``, and ``FileNotFoundError`` for a missing source.
+    """
+    from npu_train.model import chat_template, load_tokenizer, resolve_model_path, special_tokens
+
+    d = cfg.data
+    fmt = str(getattr(d, "format", "text") or "text")
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r}: use one of {list(FORMATS)}")
+    tok_path = resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer else model_path
+    tok = load_tokenizer(tok_path)
+    cache = str(cache_dir("data"))
+    if fmt == "text":
+        from .dataset import build_packed_data
+
+        return build_packed_data(d.source, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
+                                 cache_dir=cache, vocab_size=model_cfg.vocab_size)
+    from .chat import ChatRenderer
+    from .sft import build_sft_data
+
+    src = tok_path
+    template = chat_template(tok_path)
+    if template is None and tok_path != model_path:
+        src, template = model_path, chat_template(model_path)
+    specials = special_tokens(src)
+    eos = model_cfg.eos_token_id
+    renderer = ChatRenderer(tok, template, eos_id=eos, **specials)
+    return build_sft_data(d.source, fmt, renderer, d.seq_len, d.val_fraction,
+                          truncation=str(getattr(d, "truncation", "drop") or "drop"),
+                          pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
+                          vocab_size=model_cfg.vocab_size, log=log)

