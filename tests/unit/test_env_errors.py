@@ -1,0 +1,50 @@
+"""One env prefix (NPT_), one cache root, one user-error base with its exit codes."""
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+
+from npu_train import env
+from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, exit_code_for
+
+
+def test_cache_root_default_and_override(monkeypatch, tmp_path):
+    monkeypatch.delenv("NPT_CACHE", raising=False)
+    monkeypatch.delenv("NPU_TRAIN_CACHE", raising=False)
+    assert env.cache_root() == Path.home() / ".cache" / "npu-train"
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path))
+    assert env.cache_dir("data") == tmp_path / "data"
+
+
+def test_old_prefix_still_read_with_deprecation(monkeypatch, tmp_path):
+    monkeypatch.delenv("NPT_CACHE", raising=False)
+    monkeypatch.setenv("NPU_TRAIN_CACHE", str(tmp_path))
+    with pytest.warns(DeprecationWarning, match="NPT_CACHE"):
+        assert env.cache_root() == tmp_path
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "new"))  # the new name wins
+    assert env.cache_root() == tmp_path / "new"
+
+
+def test_no_source_reads_the_old_prefix_or_home_cache_directly():
+    src = Path(__file__).resolve().parents[2] / "src" / "npu_train"
+    bad = []
+    for p in src.rglob("*.py"):
+        if p.name == "env.py":
+            continue
+        text = p.read_text()
+        if 'environ.get("NPU_TRAIN' in text or "'.cache', 'npu-train'" in text or '".cache", "npu-train"' in text:
+            bad.append(str(p.relative_to(src)))
+    assert not bad, f"use npu_train.env.getenv / cache_dir in {bad}"
+
+
+def test_exit_codes():
+    assert exit_code_for(ConfigError("x")) == 2
+    assert exit_code_for(FileNotFoundError("x")) == 2
+    assert exit_code_for(JobFailed("x")) == 1
+    assert exit_code_for(Interrupted(signal.SIGINT)) == 130
+    assert exit_code_for(Interrupted(signal.SIGTERM)) == 143
+    assert issubclass(ConfigError, UserError) and issubclass(ConfigError, ValueError)
+    with pytest.raises(TypeError):
+        exit_code_for(RuntimeError("a bug is not a job outcome"))
