@@ -23,7 +23,7 @@ def test_reporter_lines_records_and_summary(tmp_path):
     r.eval(3, 2.0, 64)
     summ = r.finish()
     text = out.getvalue()
-    assert "step 2/3 | loss 2.0000 | lr 1.00e-04 | gnorm 0.500 | 1,000 tok/s | 1.00 s (plan 1.50)" in text
+    assert "step 2/3 | loss 2.0000 (avg 2.4737) | lr 1.00e-04 | gnorm 0.500 | 1,000 tok/s | 1.00 s (plan 1.50)" in text
     assert "eval after step 3: val loss 2.0000" in text
     assert summ["steps_run"] == 3 and summ["first_loss"] == 3.0 and summ["last_loss"] == 1.0
     assert summ["mean_step_s"] == 1.5  # steps after the first: (1 + 2) / 2
@@ -33,3 +33,18 @@ def test_reporter_lines_records_and_summary(tmp_path):
     assert [x["step"] for x in rows] == [1, 2, 3] and rows[0]["step_s"] == 4.0
     assert len(open(tmp_path / "eval.jsonl").readlines()) == 2
     assert os.path.exists(tmp_path / "summary.json")
+
+
+def test_smoothed_loss_and_eta(tmp_path):
+    """avg = bias-corrected EMA (beta 0.9) of the step losses; ETA = steps left x mean step time after step 1."""
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 10, stream=out, tensorboard=False)
+    losses, times = [5.0, 3.0, 4.0], [30.0, 2.0, 4.0]
+    recs = [r.step([_rep(i + 1, l, t, 1)]) for i, (l, t) in enumerate(zip(losses, times))]
+    ema = 0.0
+    for n, (l, rec) in enumerate(zip(losses, recs), start=1):
+        ema = 0.9 * ema + 0.1 * l
+        assert abs(rec["loss_smoothed"] - ema / (1 - 0.9 ** n)) < 1e-12
+    assert recs[0]["eta_s"] == 9 * 30.0           # only the first step known
+    assert recs[2]["eta_s"] == 7 * (2.0 + 4.0) / 2  # start-up step excluded
+    assert "ETA 21s" in out.getvalue().splitlines()[-1]

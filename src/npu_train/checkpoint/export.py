@@ -5,7 +5,9 @@
 - ``model.safetensors``: every parameter (HF names) from the fp32 master weights of all stages,
   cast to ``--dtype``; with tied embeddings only ``model.embed_tokens.weight`` is written;
 - ``config.json``: a ``LlamaForCausalLM`` config (``transformers.LlamaConfig`` keys);
-- ``tokenizer.json``: the training run's tokenizer, when the manifest names the model it came from.
+- ``tokenizer.json``: the training run's tokenizer, when the manifest names the model it came from,
+  and ``tokenizer_config.json`` with the model's chat template and bos/eos tokens (so
+  ``AutoTokenizer.apply_chat_template`` and ``python -m npu_train.generate`` work on the export).
 
 Load it with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``.
 """
@@ -68,7 +70,16 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
     if src:
         from npu_train.model import load_tokenizer
 
+        from npu_train.model import chat_template, special_tokens
+
         load_tokenizer(src).save(os.path.join(out_dir, "tokenizer.json"))
+        tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
+              **{k: v for k, v in special_tokens(src).items() if v}}
+        template = chat_template(src)
+        if template:
+            tc["chat_template"] = template
+        with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
+            json.dump(tc, f, indent=1)
     return out_dir
 
 

@@ -58,6 +58,10 @@ class Reporter:
             except Exception:  # tensorboard missing: JSONL still written
                 self.tb = None
         self.t_start = time.time()
+        self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
+
+    #: smoothing of the printed loss: exponential moving average with this beta, bias-corrected
+    LOSS_EMA_BETA = 0.9
 
     def note(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
@@ -83,12 +87,19 @@ class Reporter:
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
         self.losses.append((step, float(rec["loss"])))
+        b = self.LOSS_EMA_BETA
+        self._ema = b * self._ema + (1 - b) * float(rec["loss"])
+        rec["loss_smoothed"] = self._ema / (1 - b ** (self._n + 1))
         if self._n == 0:
             self._first_step_s = wall
         else:
             self._sum_step_s += wall
             self._sum_tps += rec["tokens_per_s"]
         self._n += 1
+        # ETA: remaining steps x mean step time (the first step, with start-up and compilation, excluded
+        # once another step was measured)
+        mean_s = self._sum_step_s / (self._n - 1) if self._n > 1 else wall
+        rec["eta_s"] = max(0, self.total - step) * mean_s
         self._peak = [max(a, b) for a, b in zip(self._peak, rec["mem_peak_bytes"])] or list(rec["mem_peak_bytes"])
         self.jsonl.write(json.dumps(rec) + "\n")
         self.jsonl.flush()
@@ -103,10 +114,10 @@ class Reporter:
             pred = " (plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem) + ")"
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
-        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | "
+        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} (avg {rec['loss_smoothed']:.4f}) | lr {rec['lr']:.2e} | "
                   f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
                   f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
-                  f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred}")
+                  f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}")
         return rec
 
     def eval(self, step: int, val_loss: float, tokens: int) -> None:
@@ -169,6 +180,16 @@ class Reporter:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+
+
+def fmt_duration(seconds: float) -> str:
+    """``75.3`` -> ``"1m15s"``, ``4000`` -> ``"1h06m"``, ``8`` -> ``"8s"``."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
 def fmt_loss(x: Optional[float]) -> str:

@@ -1,0 +1,133 @@
+"""See what a model says: ``python -m npu_train.generate <model> --prompt "..."``.
+
+``<model>`` is any of
+
+- a checkpoint directory (``.../checkpoints/step_000020``) or a checkpoint root (its newest step):
+  exported first to a temporary Hugging Face directory (fp32 master weights, :mod:`npu_train.checkpoint.export`);
+- an exported Hugging Face directory (``config.json`` + ``model.safetensors`` + tokenizer files), or any
+  Llama HF directory;
+- ``embedded`` (the bundled SmolLM2-135M-Instruct, before fine-tuning) or a ``.gguf`` file (loaded by
+  transformers' GGUF reader).
+
+The prompt is wrapped in the model's chat template (``--no-chat`` sends it raw) and generation is
+transformers' own ``model.generate`` (greedy with ``--temperature 0``, else sampling with temperature and
+nucleus ``--top-p``). Prints the completion only. Errors are one ``error:`` line, exit status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from typing import Optional
+
+
+def _is_checkpoint(path: str) -> bool:
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return True
+    return os.path.isdir(path) and any(n.startswith("step_") for n in os.listdir(path))
+
+
+def load_for_generation(model: str, workdir: Optional[str] = None):
+    """``(transformers model, transformers tokenizer)`` for ``model`` (see the module docstring), on the CPU in fp32.
+
+    Raises :class:`~npu_train.errors.UserError` (via the loaders) for a missing or malformed model.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    from npu_train.model import chat_template, resolve_model_path, special_tokens
+
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) and _is_checkpoint(path):
+        from npu_train.checkpoint.export import export_hf
+
+        path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32")
+    else:
+        from npu_train.model.files import check_exists
+
+        path = resolve_model_path(model)
+        check_exists(path)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        d, f = os.path.dirname(path), os.path.basename(path)
+        m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        from npu_train.model import load_tokenizer
+
+        tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))
+    else:
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        from npu_train.model import load_tokenizer
+
+        tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path),
+                                      **{k: v for k, v in special_tokens(path).items() if v})
+    tmpl = chat_template(path)
+    if tmpl:
+        tok.chat_template = tmpl
+    m.eval()
+    return m, tok
+
+
+def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str] = None, max_new_tokens: int = 64,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
+    """The completion of ``prompt`` (decoded text without the prompt).
+
+    Args:
+        chat: wrap the prompt as a user turn in the tokenizer's chat template (with the generation prompt).
+        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) restricted to the top-p nucleus.
+        max_new_tokens: tokens generated at most (stops early at the end-of-turn / eos token).
+    Raises:
+        ValueError: ``chat`` is requested but the model has no chat template (use ``--no-chat``).
+    """
+    import torch
+
+    if chat:
+        if not tok.chat_template:
+            raise ValueError("the model has no chat template: pass --no-chat to send the prompt as raw text")
+        msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    else:
+        text = prompt
+    ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    torch.manual_seed(seed)
+    kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.eos_token_id if tok.eos_token_id is not None else 0)
+    if tok.eos_token_id is not None:
+        kw["eos_token_id"] = tok.eos_token_id
+    if temperature > 0:
+        kw.update(do_sample=True, temperature=temperature, top_p=top_p)
+    else:
+        kw.update(do_sample=False)
+    with torch.no_grad():
+        out = model.generate(**ids, **kw)
+    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m npu_train.generate", description=__doc__.splitlines()[0])
+    ap.add_argument("model", help="checkpoint dir or root, HF/export dir, .gguf file, or 'embedded'")
+    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--system", default=None, help="system message (chat mode)")
+    ap.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from npu_train.errors import UserError
+
+    try:
+        with tempfile.TemporaryDirectory(prefix="npt-gen-") as wd:
+            m, tok = load_for_generation(a.model, wd)
+            print(generate(m, tok, a.prompt, chat=not a.no_chat, system=a.system, max_new_tokens=a.max_new_tokens,
+                           temperature=a.temperature, top_p=a.top_p, seed=a.seed))
+    except (UserError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
