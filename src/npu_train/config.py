@@ -41,6 +41,21 @@ class DataConf:
     eval_batches: int = 4
 
 
+#: Llama's attention and MLP projections, the modules LoRA adapters can target (PEFT's names)
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConf:
+    """LoRA adapter settings (``train.mode=lora``): rank, alpha (scaling alpha / rank), dropout on the
+    adapter input, target modules (default: attention q,k,v,o and the MLP gate,up,down)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class TrainConf:
     steps: int = 20
@@ -66,6 +81,9 @@ class TrainConf:
     #: layers per card: null = chosen by the placement model (balanced unless auto finds faster), or a list.
     split: Any = None
     recompute: bool = False
+    #: full (every weight trained: fp32 masters + AdamW moments for all) | lora (frozen base in the
+    #: compute dtype, fp32 LoRA adapters with AdamW; settings under ``lora.*``)
+    mode: str = "full"
     seed: int = 1234
     #: checkpoint every N steps (0 = only at the end).
     save_every: int = 0
@@ -120,6 +138,7 @@ class Config:
     model: ModelConf = field(default_factory=ModelConf)
     data: DataConf = field(default_factory=DataConf)
     train: TrainConf = field(default_factory=TrainConf)
+    lora: LoraConf = field(default_factory=LoraConf)
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     placement: PlanConf = field(default_factory=PlanConf)
@@ -153,6 +172,16 @@ def validate(cfg) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 0.5)")
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
+    if t.mode not in ("full", "lora"):
+        raise ConfigError(f"train.mode={t.mode!r}: use full or lora")
+    if t.mode == "lora":
+        lo = cfg.lora
+        if lo.rank < 1 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
+            raise ConfigError(f"LoRA settings out of range (lora.rank={lo.rank}, lora.alpha={lo.alpha}, "
+                              f"lora.dropout={lo.dropout}): need rank >= 1, alpha > 0, 0 <= dropout < 1")
+        bad = [x for x in lo.targets if x not in LORA_TARGETS]
+        if bad or not lo.targets:
+            raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}")
     if t.schedule not in ("1f1b", "gpipe"):
         raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b or gpipe")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:

@@ -5,6 +5,9 @@
 - ``model.safetensors``: every parameter (HF names) from the fp32 master weights of all stages,
   cast to ``--dtype``; with tied embeddings only ``model.embed_tokens.weight`` is written;
 - ``config.json``: a ``LlamaForCausalLM`` config (``transformers.LlamaConfig`` keys);
+- for a LoRA run (``train.mode=lora``): ``model.safetensors`` holds the merged weights ``W + (alpha/r) B A``
+  and ``adapter/`` the adapters in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``,
+  loadable with ``peft.PeftModel.from_pretrained(base, "<out>/adapter")``);
 - ``tokenizer.json``: the training run's tokenizer, when the manifest names the model it came from,
   and ``tokenizer_config.json`` with the model's chat template and bos/eos tokens (so
   ``AutoTokenizer.apply_chat_template`` and ``python -m npu_train.generate`` work on the export).
@@ -46,6 +49,28 @@ def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
     return d
 
 
+def _export_lora(reader, cfg, names, train: dict, out_dir: str, tdt) -> dict:
+    """LoRA checkpoint: write ``<out_dir>/adapter`` in PEFT's layout and return the merged weights
+    ``W + (alpha / r) * B @ A`` (base weights from the training run's model file)."""
+    from npu_train.model import load_tensors
+    from npu_train.model.lora import LoraSpec, merge_adapters, peft_config, peft_state_dict
+
+    spec = LoraSpec(r=int(train["lora_rank"]), alpha=float(train["lora_alpha"]),
+                    dropout=float(train["lora_dropout"]), targets=tuple(train["lora_targets"]))
+    adapters = {k[len("master."):]: reader.get(k) for k in reader.manifest["index"]
+                if k.startswith("master.") and ".lora_" in k}
+    model_path = reader.manifest["model_path"]
+    base = load_tensors(model_path, cfg, names)
+    adir = os.path.join(out_dir, "adapter")
+    os.makedirs(adir, exist_ok=True)
+    save_file({k: v.to(tdt).contiguous() for k, v in peft_state_dict(adapters).items()},
+              os.path.join(adir, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(adir, "adapter_config.json"), "w") as f:
+        json.dump(peft_config(spec, model_path), f, indent=1)
+    merged = merge_adapters(base, adapters, spec, names)
+    return {n: t.to(tdt).contiguous() for n, t in merged.items()}
+
+
 def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
     """Merge the stage shards of ``ckpt_dir`` into an HF directory ``out_dir``; returns ``out_dir``.
 
@@ -61,8 +86,12 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
     cfg = LlamaConfig.from_dict(reader.manifest["model"])
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
-    tensors = {n: reader.get(f"master.{n}").to(tdt).contiguous() for n in names}
+    train = reader.manifest.get("train") or {}
     os.makedirs(out_dir, exist_ok=True)
+    if train.get("mode") == "lora":
+        tensors = _export_lora(reader, cfg, names, train, out_dir, tdt)
+    else:
+        tensors = {n: reader.get(f"master.{n}").to(tdt).contiguous() for n in names}
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, dtype), f, indent=1)

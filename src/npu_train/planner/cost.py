@@ -124,9 +124,13 @@ class CostModel:
             self.slots += max(1.0, active * self.threads / cores)
         tok = shape.tokens_per_micro_batch
         rc = 8.0 / 6.0 if shape.recompute else 1.0
-        self.layer_flops = rc * (6.0 * tok * model.params_per_layer()
+        # 6 FLOPs/param/token: forward 2 + input gradient 2 + weight gradient 2 (Kaplan et al. 2020);
+        # LoRA computes no weight gradient of the frozen base: 4 (+ 6 per adapter parameter)
+        La = shape.lora_params_per_layer
+        per_param = 6.0 * model.params_per_layer() if not La else 4.0 * model.params_per_layer() + 6.0 * La
+        self.layer_flops = rc * (per_param * tok
                                  + 12.0 * shape.seq_len * tok * model.num_heads * model.head_dim)
-        self.head_flops = rc * 6.0 * tok * model.embedding_params()
+        self.head_flops = rc * (4.0 if La else 6.0) * tok * model.embedding_params()
         self._cache: dict = {}
 
     def cost(self, i: int, n: int, r: int) -> StageCost:
@@ -139,7 +143,8 @@ class CostModel:
         rt = self.rates[i]
         sm = mm.stage(i, n, r, rt.process_baseline_bytes)
         first, last = i == 0, i == self.P - 1
-        xfer = sm.offloaded_params + (mm.E if mm.tied and self.P > 1 and (first or last) else 0)
+        lora = self.shape.lora_params_per_layer > 0
+        xfer = sm.offloaded_params + (mm.E if mm.tied and self.P > 1 and (first or last) and not lora else 0)
         t_mb = n * self.layer_flops / rt.device_flops
         if last:
             t_mb += self.head_flops / (rt.device_flops * rt.head_flops_ratio)

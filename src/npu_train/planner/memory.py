@@ -249,12 +249,21 @@ class MemoryModel:
         first, last = i == 0, i == P - 1
         owned, copy = self.nonlayer(i)
         nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
-        params = n * self.Pl + owned + copy
-        res_params = r * self.Pl + (owned + copy if nl_res else 0)
-        off_params = params - res_params
-        weights = e * params
-        grads = weights
-        optimizer = 12 * (params if cpu else res_params)
+        La = sh.lora_params_per_layer
+        if La:  # LoRA: frozen base (weights only); gradients and optimizer state of the adapters only
+            params = n * (self.Pl + La) + owned + copy
+            res_params = r * La
+            off_params = n * La - res_params
+            weights = e * params
+            grads = e * n * La
+            optimizer = 12 * (n * La if cpu else res_params)
+        else:
+            params = n * self.Pl + owned + copy
+            res_params = r * self.Pl + (owned + copy if nl_res else 0)
+            off_params = params - res_params
+            weights = e * params
+            grads = weights
+            optimizer = 12 * (params if cpu else res_params)
         # activations: saved tensors of the micro-batches in flight
         k = self.in_flight[i]
         act_layer = self.act_layer[ATTENTION[kind]]
@@ -268,6 +277,8 @@ class MemoryModel:
             acts += k * self.saved_logits
         # transient: peak-phase temporaries beyond the saved activations
         maxp = max(self.layer_maxp if n else 0, E if (first or last) else 0)
+        if La:  # only adapter gradients are accumulated / normed
+            maxp = La if n else 0
         accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
         acc = e * maxp if accumulates else 0
         if last:
@@ -280,7 +291,7 @@ class MemoryModel:
             master_grads += e * maxp            # one upload temporary
         opt_phase = max(norm_tmp, master_grads)
         held = 0
-        if self.tied and P > 1 and (first or last):
+        if self.tied and P > 1 and (first or last) and not La:
             held = (e + 4) * E if cpu else e * E
         transient = max(fwd_bwd, opt_phase) - acts + held
         const, frac = WORKSPACE[kind]

@@ -111,6 +111,9 @@ class RunShape:
             (``"1f1b"``, ``"gpipe"``).
         dtype: compute dtype, ``"bf16"`` or ``"fp32"``.
         recompute: activation recomputation (checkpoint each decoder layer's input).
+        lora_params_per_layer: 0 = full fine-tuning; > 0 = LoRA with this many trainable adapter
+            parameters per decoder layer (frozen base in the compute dtype, no gradient or optimizer
+            state for it; embedding, norms and head frozen).
 
     Raises:
         ValueError: a count below 1, an unknown schedule or dtype.
@@ -122,6 +125,7 @@ class RunShape:
     schedule: str = "1f1b"
     dtype: str = "bf16"
     recompute: bool = False
+    lora_params_per_layer: int = 0
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):

@@ -71,7 +71,7 @@ class FaultHook:
         if not self.active:
             return
         module.register_forward_pre_hook(lambda *_: self("forward"))
-        first = next(iter(module.parameters()))
+        first = next(p for p in module.parameters() if p.requires_grad)
 
         def on_grad(g):
             self("backward")

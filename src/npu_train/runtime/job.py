@@ -82,8 +82,15 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
         raise ConfigError(f"{len(reqs)} cards but the model has only {mcfg.num_layers} layers: "
                           f"use at most {mcfg.num_layers} backend entries")
     dtype = compute_dtype(tr.dtype, [r.kind for r in reqs])
+    lora_pl = 0
+    if tr.mode == "lora":
+        from npu_train.model.lora import LoraSpec
+
+        q_out, kv_out = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+        lora_pl = LoraSpec(r=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets)).params_per_layer(
+            mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
-                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute)
+                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl)
     n_cpu = sum(1 for r in reqs if r.kind == "cpu")
     cards = []
     for r in reqs:
@@ -138,15 +145,21 @@ def _shm_free_bytes() -> int:
     return int(override) if override else shm_free_bytes()
 
 
-def resident_param_names(model_cfg, stage) -> list[str]:
+def resident_param_names(model_cfg, stage, lora_targets=()) -> list[str]:
     """HF names of a stage's parameters that are resident (master + moments on the card).
 
     Decoder layers follow the plan; the embedding, final norm and LM head follow the plan's
     ``nonlayer_resident`` flag (the placement model's choice, so memory is predicted for what runs).
+    With LoRA (``lora_targets`` non-empty) the resident layers' adapter names are listed as well (the
+    frozen base weights have no optimizer state, so listing them is harmless).
     """
+    from npu_train.model.lora import lora_param_names
+
     names = []
     for i in stage.resident:
         names += model_cfg.layer_param_names(i)
+        if lora_targets:
+            names += lora_param_names(i, lora_targets)
     if stage.nonlayer_resident:
         if stage.has_embed:
             names.append("model.embed_tokens.weight")
@@ -169,7 +182,9 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      beta1=tr.beta1, beta2=tr.beta2, eps=tr.eps, clip=tr.clip, schedule=tr.schedule,
                      recompute=tr.recompute, seed=tr.seed, save_every=tr.save_every,
                      save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
-                     eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches)
+                     eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
+                     lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
+                     lora_targets=tuple(cfg.lora.targets))
 
 
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
@@ -196,7 +211,7 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
             rank=r, world_size=P, job_id=job_id, token=token, parent_pid=os.getpid(),
             card=CardInfo(card.kind, card.index, card.name), model_path=prep["model_path"], model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
-            resident_names=tuple(resident_param_names(mcfg, st)), data_file=data_file, train=train, runtime=runtime,
+            resident_names=tuple(resident_param_names(mcfg, st, train.lora_targets if train.mode == "lora" else ())), data_file=data_file, train=train, runtime=runtime,
             start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr, inbox=inbox,
             ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=f"tcp://{host}:{port}"))
     return specs
@@ -299,7 +314,8 @@ def run_job(cfg, run_dir: str) -> dict:
     print(plan.table(), flush=True)
     print(f"job {job_id}: {P} card process(es), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
           f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
-          f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
+          + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
+          + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
     if resume_dir:
         print(f"resuming from {resume_dir} at step {start_step}", flush=True)
     reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages],

@@ -64,6 +64,21 @@ class TrainSpec:
     dtype: str
     eval_every: int
     eval_batches: int
+    #: ``full`` or ``lora`` (then the ``lora_*`` fields give rank, alpha, dropout and target modules)
+    mode: str = "full"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple = ()
+
+    def lora_spec(self):
+        """The :class:`~npu_train.model.lora.LoraSpec` of a ``lora`` run (None for ``full``)."""
+        if self.mode != "lora":
+            return None
+        from npu_train.model.lora import LoraSpec
+
+        return LoraSpec(r=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
+                        targets=tuple(self.lora_targets))
 
     def to_dict(self) -> dict:
         """Plain dict (written into the checkpoint manifest's ``train`` entry)."""

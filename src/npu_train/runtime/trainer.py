@@ -117,7 +117,18 @@ class StageTrainer:
 
         self.phase[0] = "model load"
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
-        self.params = dict(self.module.named_parameters())
+        lora = tr.lora_spec()
+        if lora is not None:  # frozen base in the compute dtype; only the adapters have masters and moments
+            from npu_train.model.lora import apply_lora
+
+            del masters
+            with backend.alloc_lock():
+                masters = apply_lora(self.module, lora, tr.seed)
+            track = getattr(backend, "track", None)
+            for n, p in self.module.named_parameters():
+                if p.requires_grad and track is not None:
+                    track(p)
+        self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         if self.fault is not None:
             self.fault.install(self.module)
         self.opt = StageOptimizer(self.params, masters, list(spec.resident_names), backend, lr=tr.lr,
@@ -127,7 +138,8 @@ class StageTrainer:
         self.phase[0] = "rendezvous"
         dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=self.P,
                                 timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
-        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1
+        # tied embeddings are trained (and their gradients summed) only in full fine-tuning
+        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1 and tr.mode == "full"
         self.tied_group = dist.new_group([0, self.P - 1]) if self.tied_pair else None
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, backend)
