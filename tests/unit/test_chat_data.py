@@ -74,9 +74,9 @@ def test_only_assistant_content_and_eot_trained(smol, msgs):
 
 
 def test_prompt_completion_row(smol):
-    from npu_train.data.chat import _messages_of
+    from npu_train.data.chat import row_messages
 
-    msgs = _messages_of({"prompt": "Name a colour.", "completion": "Blue."}, "prompt_completion", "f:1")
+    msgs = row_messages({"prompt": "Name a colour.", "completion": "Blue."}, "prompt_completion", "f:1")
     s = _renderer(smol).sample(msgs, "f:1", "prompt_completion")
     assert _trained_spans(smol["tok"], s.labels) == ["Blue." + EOT]
 

@@ -26,6 +26,7 @@ the row: it is never silently all-masked or all-trained.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -33,14 +34,15 @@ from typing import Optional
 
 from npu_train.model.llama import IGNORE_INDEX
 
-from .text import DataError, _decode_utf8
+from .text import DataError, decode_utf8
 
-__all__ = ["FORMATS", "ROLES", "ChatRenderer", "Sample", "read_rows", "BUILTIN_CHAT_SOURCES"]
+__all__ = ["FORMATS", "ROLES", "ChatRenderer", "Sample", "read_rows", "row_messages", "BUILTIN_CHAT_SOURCES"]
 
 FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant")
 #: built-in chat data sets: name -> asset file (see assets/SOURCE.md)
 BUILTIN_CHAT_SOURCES = {"botchan-chat": "botchan_chat.jsonl"}
+_GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclass
@@ -55,7 +57,7 @@ class Sample:
 
 # ------------------------------------------------------------------------------- reading rows
 def _rows_of_file(path: Path, fmt: str) -> list[tuple[list[dict], str]]:
-    text = _decode_utf8(path.read_bytes(), path)
+    text = decode_utf8(path.read_bytes(), path)
     out = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
@@ -66,7 +68,7 @@ def _rows_of_file(path: Path, fmt: str) -> list[tuple[list[dict], str]]:
         except json.JSONDecodeError as e:
             raise DataError(f"{where}: malformed JSON line ({e.msg} at column {e.colno}); "
                             f"each line must be one JSON object ({_shape_hint(fmt)})") from None
-        out.append((_messages_of(obj, fmt, where), where))
+        out.append((row_messages(obj, fmt, where), where))
     return out
 
 
@@ -76,7 +78,9 @@ def _shape_hint(fmt: str) -> str:
     return '{"prompt": "...", "completion": "..."}'
 
 
-def _messages_of(obj, fmt: str, where: str) -> list[dict]:
+def row_messages(obj, fmt: str, where: str) -> list[dict]:
+    """The validated ``messages`` of one JSONL row (``prompt_completion``: user + assistant);
+    :class:`DataError` naming ``where`` (``file:line``) otherwise."""
     if not isinstance(obj, dict):
         raise DataError(f"{where}: expected a JSON object like {_shape_hint(fmt)}, got {type(obj).__name__}")
     if fmt == "prompt_completion":
@@ -155,8 +159,7 @@ class ChatRenderer:
             kw = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token)) if v}
             self._hf = PreTrainedTokenizerFast(tokenizer_object=tokenizer, **kw)
             self._hf.chat_template = template
-        self.has_generation_markers = bool(template) and "{% generation %}" in template.replace("{%-", "{%") \
-            .replace("-%}", "%}")
+        self.has_generation_markers = bool(template) and _GENERATION_RE.search(template) is not None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages`` (no tokenization)."""

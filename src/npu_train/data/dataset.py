@@ -36,6 +36,8 @@ __all__ = [
     "load_packed",
     "tokenize_documents",
     "micro_batch_tensors",
+    "n_val_rows",
+    "tokenizer_hash",
 ]
 
 _FORMAT = "npu-train-packed-v1"
@@ -127,7 +129,8 @@ def tokenize_documents(tokenizer, docs: list[str], eos_id: int | None) -> list[i
 # ----------------------------------------------------------------------------- caching
 
 
-def _tokenizer_hash(tokenizer) -> str:
+def tokenizer_hash(tokenizer) -> str:
+    """sha256 hex of the tokenizer's full JSON serialization (a cache-key part)."""
     try:
         blob = tokenizer.to_str()
     except Exception as e:  # pragma: no cover - every tokenizers.Tokenizer has to_str
@@ -145,7 +148,7 @@ def data_fingerprint(
         b = d.encode("utf-8")
         h.update(f"doc {len(b)}\n".encode())
         h.update(b)
-    h.update(f"\ntokenizer {_tokenizer_hash(tokenizer)}\n".encode())
+    h.update(f"\ntokenizer {tokenizer_hash(tokenizer)}\n".encode())
     h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\neos_id {eos_id}\n".encode())
     return h.hexdigest()
 
@@ -223,7 +226,8 @@ def _check_vocab(data: PackedData, vocab_size: int | None) -> None:
         )
 
 
-def _n_val(n_seq: int, val_fraction: float) -> int:
+def n_val_rows(n_seq: int, val_fraction: float) -> int:
+    """Validation rows of ``n_seq``: ``round(n_seq * val_fraction)``, at least 1 when > 0, at most ``n_seq - 1``."""
     if val_fraction <= 0:
         return 0
     return min(max(1, int(round(n_seq * val_fraction))), n_seq - 1)
@@ -278,7 +282,7 @@ def build_packed_data(
             f"(2 sequences of seq_len+1) for seq_len={seq_len}; lower data.seq_len or add text"
         )
     rows = torch.tensor(stream[: n_seq * row], dtype=torch.int64).view(n_seq, row)
-    n_val = _n_val(n_seq, val_fraction)
+    n_val = n_val_rows(n_seq, val_fraction)
     data = PackedData(
         train=rows[: n_seq - n_val].clone(),
         val=rows[n_seq - n_val :].clone(),

@@ -26,7 +26,7 @@ import torch
 from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ChatRenderer, read_rows
-from .dataset import PackedData, _n_val, _tokenizer_hash, load_packed, packed_cache_path, save_packed
+from .dataset import PackedData, n_val_rows, tokenizer_hash, load_packed, packed_cache_path, save_packed
 from .text import DataError
 
 __all__ = ["TRUNCATION", "build_sft_data", "sft_fingerprint"]
@@ -40,7 +40,7 @@ def sft_fingerprint(rows: list, fmt: str, renderer: ChatRenderer, seq_len: int, 
     """sha256 hex key over the rows, format, template, tokenizer and the sequence knobs."""
     h = hashlib.sha256()
     h.update(f"{_FORMAT}\nformat {fmt}\ntruncation {truncation}\n".encode())
-    h.update(f"template {renderer.template!r}\ntokenizer {_tokenizer_hash(renderer.tok)}\n".encode())
+    h.update(f"template {renderer.template!r}\ntokenizer {tokenizer_hash(renderer.tok)}\n".encode())
     h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\npad {pad_id}\n".encode())
     for msgs, _ in rows:
         b = json.dumps(msgs, ensure_ascii=False, sort_keys=True).encode("utf-8")
@@ -108,7 +108,7 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
                         f"raise data.seq_len (now {seq_len}), use data.truncation=truncate, or add rows")
     t = torch.tensor(ids_rows, dtype=torch.int64)
     lab = torch.tensor(lab_rows, dtype=torch.int64)
-    n_val = _n_val(kept, float(val_fraction))
+    n_val = n_val_rows(kept, float(val_fraction))
     data = PackedData(train=t[: kept - n_val].clone(), val=t[kept - n_val:].clone(), seq_len=seq_len,
                       n_tokens=n_tokens, fingerprint=fp, train_labels=lab[: kept - n_val].clone(),
                       val_labels=lab[kept - n_val:].clone())

@@ -27,6 +27,7 @@ __all__ = [
     "botchan_text",
     "read_documents",
     "read_text_source",
+    "decode_utf8",
     "BUILTIN_SOURCES",
 ]
 
@@ -72,7 +73,8 @@ def botchan_text() -> str:
     return strip_gutenberg(text.replace("\r\n", "\n"))
 
 
-def _decode_utf8(raw: bytes, path: Path) -> str:
+def decode_utf8(raw: bytes, path: Path) -> str:
+    """``raw`` as strict UTF-8 (a leading BOM dropped); :class:`DataError` naming byte offset, line and the fix."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -89,11 +91,11 @@ def _decode_utf8(raw: bytes, path: Path) -> str:
 
 
 def _read_txt(path: Path) -> list[str]:
-    return [_decode_utf8(path.read_bytes(), path)]
+    return [decode_utf8(path.read_bytes(), path)]
 
 
 def _read_jsonl(path: Path) -> list[str]:
-    text = _decode_utf8(path.read_bytes(), path)
+    text = decode_utf8(path.read_bytes(), path)
     docs: list[str] = []
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
