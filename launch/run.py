@@ -94,8 +94,9 @@ class _ErrorLineTee:
         return getattr(self.inner, name)
 
 
-def write_status(run_dir: str, code: int, error: str, overrides: list) -> None:
-    """``<run_dir>/status.json``: exit code, ok/failed and the error line (read by the sweep summary)."""
+def write_status(run_dir: str, code: int, error: str, overrides: list, started: float) -> None:
+    """``<run_dir>/status.json``: exit code, ok/failed, the error line, the job's overrides and its
+    start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep)."""
     import json
     import time
 
@@ -103,7 +104,8 @@ def write_status(run_dir: str, code: int, error: str, overrides: list) -> None:
     path = os.path.join(run_dir, "status.json")
     with open(path + ".part", "w") as f:
         json.dump({"exit_code": int(code), "status": "ok" if code == 0 else "failed", "error": error,
-                   "overrides": list(overrides), "time": time.time()}, f, indent=1)
+                   "overrides": list(overrides), "started": started, "finished": time.time(),
+                   "pid": os.getpid()}, f, indent=1)
     os.replace(path + ".part", path)
 
 
@@ -143,6 +145,9 @@ def run_one(cfg) -> int:
 
     from npu_train.runtime.launcher import main
 
+    import time
+
+    t0 = time.time()
     hc = HydraConfig.get()
     run_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
@@ -164,7 +169,7 @@ def run_one(cfg) -> int:
     finally:
         sys.stderr = tee.inner
     if multirun or code != 2:
-        write_status(run_dir, code, tee.last, overrides)
+        write_status(run_dir, code, tee.last, overrides, t0)
     return code
 
 
