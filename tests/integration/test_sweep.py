@@ -189,3 +189,18 @@ def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
     assert [r["overrides"] for r in rows] == ["train.lr=0.001", "train.lr=0.002"]
     assert all(len(r["peak mem GiB per card"].split("/")) == 2 for r in rows)
     assert not leaked, leaked
+
+
+def test_sweep_sharing_a_card_is_rejected_before_any_job(tmp_path, tiny_model):
+    """n_jobs=2 with both jobs on furiosa:0: one error line naming the fix, exit 2, no job dir.
+    (The check plans without touching a device, so it runs on any host.)"""
+    sd = os.path.join(str(tmp_path), "sweep")
+    p = subprocess.run([sys.executable, LAUNCH, "-m", f"model.path={tiny_model}", "backend=furiosa:0",
+                        "train.lr=1e-3,2e-3", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sd}"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [l for l in p.stderr.splitlines() if l.strip()]
+    assert errors == ["error: hydra.launcher.n_jobs=2: jobs #0 and #1 of the sweep both use card furiosa:0, and a "
+                      "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
+                      "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)"], p.stderr
+    assert not os.path.exists(sd) or not [n for n in os.listdir(sd) if n.isdigit()]
