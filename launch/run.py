@@ -12,6 +12,12 @@ Examples::
 ``backend=a,b`` (without brackets) always means ONE job with the cards a and b: the launcher
 rewrites it to ``backend=[a,b]`` before Hydra parses the command line (plain Hydra would read it
 as an ambiguous sweep). To sweep over card lists in multirun mode use ``choice(...)`` of lists.
+
+Every run writes ``<run dir>/status.json`` (exit status, error line; not for a single run rejected
+as bad input, which writes nothing). A multirun runs its jobs concurrently (hydra-joblib-launcher,
+``hydra.launcher.n_jobs``, checked by ``npu_train.metrics.sweep``), reports failed jobs in
+``summary.md``/``summary.csv``/``loss_curves.png`` of the sweep dir and exits 0 when every job
+finished, 130/143 if a job was interrupted, else 1 (docs/launch.md).
 """
 from __future__ import annotations
 
@@ -138,7 +144,11 @@ def run_one(cfg) -> int:
     Single run: the exit status becomes the process's (0/1/2/130/143, see npu_train.errors);
     a bad-input rejection (2) writes no status.json (nothing is written for rejected input).
     Multirun: the status is returned, never raised, so a failed job (any exception or exit
-    status) does not stop the other jobs; the sweep summary reports it.
+    status) does not stop the other jobs; the sweep summary reports it. Why: Hydra 1.3's
+    ``run_job`` catches ``Exception`` only (a ``sys.exit`` escapes it and ends the sweep: in a
+    joblib worker it is re-raised in the parent), and its ``BasicSweeper`` reads every job's
+    ``return_value`` after a batch, which re-raises a job's exception, so the remaining jobs never
+    run and ``on_multirun_end`` (the summary) is skipped.
     """
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
