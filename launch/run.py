@@ -12,6 +12,12 @@ Examples::
 ``backend=a,b`` (without brackets) always means ONE job with the cards a and b: the launcher
 rewrites it to ``backend=[a,b]`` before Hydra parses the command line (plain Hydra would read it
 as an ambiguous sweep). To sweep over card lists in multirun mode use ``choice(...)`` of lists.
+
+Every run writes ``<run dir>/status.json`` (exit status, error line; not for a single run rejected
+as bad input, which writes nothing). A multirun runs its jobs concurrently (hydra-joblib-launcher,
+``hydra.launcher.n_jobs``, checked by ``npu_train.metrics.sweep``), reports failed jobs in
+``summary.md``/``summary.csv``/``loss_curves.png`` of the sweep dir and exits 0 when every job
+finished, 130/143 if a job was interrupted, else 1 (docs/launch.md).
 """
 from __future__ import annotations
 
@@ -77,38 +83,182 @@ def main(cfg, run_dir: str) -> int:
         return exit_code_for(e)
 
 
+class _StderrCapture:
+    """Holds Hydra's composition errors until the job starts (see ``_main``).
+
+    Hydra's joblib launcher pickles the task function (and so this object) into its worker
+    processes; there the copy is inert (already released), the worker's stderr is the real one.
+    """
+
+    def __init__(self) -> None:
+        import io
+
+        self.real, self.buf, self.started = sys.stderr, io.StringIO(), False
+
+    def __reduce__(self):
+        return (_StderrCapture._inert, ())
+
+    @staticmethod
+    def _inert() -> "_StderrCapture":
+        c = _StderrCapture.__new__(_StderrCapture)
+        c.real, c.buf, c.started = None, None, True
+        return c
+
+    def release(self) -> None:
+        if not self.started:
+            self.started = True
+            sys.stderr = self.real
+            self.real.write(self.buf.getvalue())
+
+
+class _ErrorLineTee:
+    """Wraps stderr: passes everything through and remembers the last ``error:``/``interrupted`` line."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.last, self._part = inner, "", ""
+
+    def write(self, s: str) -> int:
+        self._part += s
+        *lines, self._part = self._part.split("\n")
+        for line in lines:
+            if line.startswith(("error:", "interrupted")):
+                self.last = line
+        return self.inner.write(s)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def write_status(run_dir: str, code: int, error: str, overrides: list, started: float) -> None:
+    """``<run_dir>/status.json``: exit code, ok/failed, the error line, the job's overrides and its
+    start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep)."""
+    import json
+    import time
+
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "status.json")
+    with open(path + ".part", "w") as f:
+        json.dump({"exit_code": int(code), "status": "ok" if code == 0 else "failed", "error": error,
+                   "overrides": list(overrides), "started": started, "finished": time.time(),
+                   "pid": os.getpid()}, f, indent=1)
+    os.replace(path + ".part", path)
+
+
+def _sweep_threads(cfg, n_jobs: int) -> None:
+    """Concurrent sweep jobs share the host: ``runtime.threads=null`` becomes cores // (jobs x cpu cards)."""
+    from omegaconf import open_dict
+
+    from npu_train.metrics.sweep import host_cores
+
+    if cfg.runtime.threads is not None or n_jobs <= 1:
+        return
+    backend = cfg.backend if not isinstance(cfg.backend, str) else [cfg.backend]
+    n_cpu = max(1, sum(1 for b in backend if str(b).strip().lower() == "cpu"))
+    with open_dict(cfg):
+        cfg.runtime.threads = max(1, host_cores() // (n_jobs * n_cpu))
+
+
+def _plain_start_method() -> None:
+    """In a joblib (loky) worker the default start method is 'loky', which the launcher's spawned
+    card processes cannot restore (``cannot find context for 'loky'``): use the platform's default."""
+    import multiprocessing as mp
+
+    if mp.get_start_method(allow_none=True) not in (None, *mp.get_all_start_methods()):
+        mp.set_start_method(mp.get_all_start_methods()[0], force=True)
+
+
+def run_one(cfg) -> int:
+    """Hydra task: run one job, write its ``status.json``, return its exit status.
+
+    Single run: the exit status becomes the process's (0/1/2/130/143, see npu_train.errors);
+    a bad-input rejection (2) writes no status.json (nothing is written for rejected input).
+    Multirun: the status is returned, never raised, so a failed job (any exception or exit
+    status) does not stop the other jobs; the sweep summary reports it. Why: Hydra 1.3's
+    ``run_job`` catches ``Exception`` only (a ``sys.exit`` escapes it and ends the sweep: in a
+    joblib worker it is re-raised in the parent), and its ``BasicSweeper`` reads every job's
+    ``return_value`` after a batch, which re-raises a job's exception, so the remaining jobs never
+    run and ``on_multirun_end`` (the summary) is skipped.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    import time
+
+    t0 = time.time()
+    hc = HydraConfig.get()
+    run_dir = hc.runtime.output_dir
+    multirun = hc.mode == RunMode.MULTIRUN
+    overrides = list(hc.overrides.task)
+    tee = _ErrorLineTee(sys.stderr)
+    sys.stderr = tee
+    try:
+        if multirun:
+            _sweep_threads(cfg, int(hc.launcher.get("n_jobs", 1) or 1))
+            _plain_start_method()
+        code = main(cfg, run_dir)
+    except BaseException as e:  # noqa: BLE001 - multirun: any job error is this job's status
+        if not multirun:
+            raise
+        code = 130 if isinstance(e, KeyboardInterrupt) else (e.code if isinstance(e, SystemExit) and
+                                                            isinstance(e.code, int) and e.code else 1)
+        tee.last = tee.last or f"error: {type(e).__name__}: {e}".splitlines()[0]
+        print(tee.last, file=tee.inner, flush=True)
+    finally:
+        sys.stderr = tee.inner
+    if multirun or code != 2:
+        write_status(run_dir, code, tee.last, overrides, t0)
+    return code
+
+
+def _needs(cfg):
+    """Sweep concurrency check: what one job takes from the host, from the placement plan (or None)."""
+    from npu_train.metrics.sweep import JobNeeds
+    from npu_train.runtime.job import prepare
+
+    try:
+        prep = prepare(cfg, "", probe=False)
+    except Exception:  # noqa: BLE001 - an invalid job fails (and is reported) by itself
+        return None
+    stages = prep["plan"].stages
+    host = sum(s.host_bytes + (s.mem["total"] if s.card.kind == "cpu" else 0) for s in stages)
+    return JobNeeds(card_procs=len(stages), host_bytes=int(host),
+                    accel_cards=[f"{c.kind}:{c.index}" for c in prep["cards"] if c.kind != "cpu"])
+
+
 def _main() -> None:
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
-    import io
 
     import hydra
-    from hydra.core.hydra_config import HydraConfig
 
     from npu_train.config import register
+    from npu_train.metrics import sweep
 
     register()
+    sweep.needs_hook = _needs
     # Bad overrides (train.accum=abc, unknown keys) fail while Hydra composes the config, before
     # our code runs; Hydra prints a multi-line message and exits 1. Capture stderr until the job
     # starts, so such errors follow the launcher's bad-input convention: one "error:" line, exit 2.
-    real_stderr, captured, started = sys.stderr, io.StringIO(), [False]
+    cap = _StderrCapture()
 
     @hydra.main(version_base=None, config_path="../conf", config_name="config")
-    def app(cfg) -> None:
-        if not started[0]:
-            started[0] = True
-            sys.stderr = real_stderr
-            real_stderr.write(captured.getvalue())
-        code = main(cfg, HydraConfig.get().runtime.output_dir)
-        if code:
-            sys.exit(code)
+    def app(cfg) -> int:
+        cap.release()
+        code = run_one(cfg)
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
 
+        if code and HydraConfig.get().mode != RunMode.MULTIRUN:
+            sys.exit(code)
+        return code
+
+    real_stderr, captured = cap.real, cap.buf
     sys.stderr = captured
     try:
         app()
     except SystemExit as e:
         sys.stderr, text = real_stderr, captured.getvalue()
-        if started[0] or e.code != 1 or "Traceback (most recent call last)" in text:
-            if not started[0]:
+        if cap.started or e.code != 1 or "Traceback (most recent call last)" in text:
+            if not cap.started:
                 real_stderr.write(text)
             raise
         print(f"error: {_one_line_hydra_error(text)} -- fix the key=value override (each key's type and "
@@ -117,8 +267,10 @@ def _main() -> None:
     finally:
         if sys.stderr is captured:
             sys.stderr = real_stderr
-            if not started[0]:
+            if not cap.started:
                 real_stderr.write(captured.getvalue())
+    if sweep.last_rows is not None:  # a multirun: 0 when every job finished (rule: sweep.exit_status)
+        sys.exit(sweep.exit_status(sweep.last_rows))
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ class TrainConf:
     #: checkpoint every N steps (0 = only at the end).
     save_every: int = 0
     save_on_interrupt: bool = True
-    #: null | latest | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
+    #: null | latest | auto (latest if checkpoint.dir holds one, else a fresh start) | path to a checkpoint dir or root.
     resume: Optional[str] = None
     #: stop after this many optimizer steps of this launch and save a checkpoint (0 = run to
     #: train.steps). The LR schedule still follows train.steps, so a later train.resume=latest

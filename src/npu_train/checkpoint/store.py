@@ -149,12 +149,20 @@ def remove_stale_staging(root: str) -> None:
                 shutil.rmtree(os.path.join(root, fn), ignore_errors=True)
 
 
-def find_checkpoint(spec: str, root: Optional[str]) -> str:
-    """Resolve ``train.resume``: ``latest`` (newest complete under ``root``), a checkpoint dir, or a root.
+def find_checkpoint(spec: str, root: Optional[str]) -> Optional[str]:
+    """Resolve ``train.resume``: ``latest`` or ``auto`` (newest complete under ``root``), a checkpoint dir, or a root.
+
+    ``auto`` is for jobs that restart themselves (a Kubernetes pod after a node loss, a re-queued
+    batch job): it returns the newest complete checkpoint under ``root`` if there is one, else
+    ``None``, which the caller treats as a fresh start (step 0, no state loaded). Every other
+    spec returns a path or raises.
 
     Raises:
-        CheckpointError: nothing complete found, or the named directory is incomplete.
+        CheckpointError: nothing complete found (``latest`` or a path), or the named directory is incomplete.
     """
+    if spec == "auto":
+        cands = complete_checkpoints(root) if root else []
+        return cands[-1] if cands else None
     if spec == "latest":
         cands = complete_checkpoints(root) if root else []
         if not cands:

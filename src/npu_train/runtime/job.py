@@ -264,8 +264,9 @@ def run_job(cfg, run_dir: str) -> dict:
 
     ckpt_root = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
     start_step, resume_dir = 0, None
-    if tr.resume:
-        resume_dir = find_checkpoint(tr.resume, ckpt_root)
+    # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
+    resume_dir = find_checkpoint(tr.resume, ckpt_root) if tr.resume else None
+    if resume_dir is not None:
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
         try:

@@ -1,0 +1,375 @@
+"""Hydra multirun sweeps: the concurrency check before the jobs start and the summary after them.
+
+``python launch/run.py -m train.lr=1e-4,3e-4`` runs one job per value. ``conf/config.yaml``
+selects the ``hydra-joblib-launcher`` plugin (``hydra/launcher=joblib``: jobs run in parallel
+worker processes) and registers :class:`SweepCallback` under ``hydra.callbacks``.
+
+Before any job starts (``on_multirun_start``) the callback composes every job's config and asks
+the planner (a hook installed by ``launch/run.py``, see :data:`needs_hook`) what each job needs:
+
+- cores: one per card process (each card process runs its own compute loop);
+- host RAM: the plan's host bytes (offloaded fp32 masters + moments; all of a cpu card's state);
+- cards: the resolved accelerator cards (``furiosa:N``, ``cuda:N``; ``auto`` entries resolve to
+  the lowest free index of the job's own list, so two jobs with ``furiosa:auto`` use card 0 both).
+
+``hydra.launcher.n_jobs=-1`` (the default, "auto") becomes the largest concurrency that fits:
+``min(jobs, cores // max cores per job, available RAM // max RAM per job)``, and 1 if any two jobs
+name the same accelerator card (joblib hands the next job to whichever worker is free, so any two
+jobs of a sweep may overlap). An explicit ``n_jobs`` > 1 that does not fit is rejected with
+:class:`SweepError` (one line naming the fix, e.g. ``hydra.launcher.n_jobs=1``), before any job starts.
+
+After the sweep (``on_multirun_end``) it reads every job directory (``.hydra/overrides.yaml``,
+``status.json`` written by ``launch/run.py``, ``summary.json``/``metrics.jsonl``/``eval.jsonl`` of
+:mod:`npu_train.metrics.report`) and writes ``summary.md``, ``summary.csv`` and ``loss_curves.png``
+into the sweep directory, and prints the table. :func:`exit_status` gives the sweep's exit status.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from npu_train.errors import UserError
+
+GIB = 2 ** 30
+STATUS_FILE = "status.json"
+
+
+class SweepError(UserError):
+    """The sweep's concurrent jobs do not fit the host (cores, RAM) or would share a card."""
+
+
+@dataclass
+class JobNeeds:
+    """What one job of a sweep takes from the host while it runs.
+
+    Args:
+        card_procs: card processes (one OS process, and at least one core, each).
+        accel_cards: resolved accelerator card names, e.g. ``["furiosa:0", "furiosa:1"]`` (cpu excluded).
+        host_bytes: host RAM in bytes the plan predicts for the job (0 = unknown).
+    """
+
+    card_procs: int
+    accel_cards: list[str] = field(default_factory=list)
+    host_bytes: int = 0
+
+
+#: ``cfg -> JobNeeds | None`` (None: the job is invalid and will fail by itself); installed by the
+#: entry point (``launch/run.py``) so this module does not depend on the runtime layer.
+needs_hook: Optional[Callable[[Any], Optional[JobNeeds]]] = None
+
+#: rows of the last summarised sweep (set in the process that ran ``on_multirun_end``)
+last_rows: Optional[list[dict]] = None
+
+
+def host_cores() -> int:
+    """CPU cores this process may run on (``sched_getaffinity``, else ``os.cpu_count()``)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def host_available_ram() -> int:
+    """Available host RAM in bytes (``psutil.virtual_memory().available``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, ram_bytes: int) -> int:
+    """Concurrent jobs for a sweep: the requested ``n_jobs`` if it fits, the largest that fits for -1.
+
+    Args:
+        needs: one entry per job (None = the job is invalid and fails on its own; not counted).
+        n_jobs: ``hydra.launcher.n_jobs``; -1 (or any value < 1) = auto.
+        cores: host cores (:func:`host_cores`).
+        ram_bytes: available host RAM in bytes (:func:`host_available_ram`).
+
+    Returns:
+        the number of jobs to run at once (>= 1).
+
+    Raises:
+        SweepError: an explicit ``n_jobs`` > 1 would oversubscribe cores or RAM, or let two jobs share
+        an accelerator card.
+    """
+    valid = [n for n in needs if n is not None]
+    total = max(1, len(needs))
+    if not valid:
+        return 1 if n_jobs < 1 else min(n_jobs, total)
+    per_cores = max(n.card_procs for n in valid)
+    per_ram = max(n.host_bytes for n in valid)
+    limits = {"cores": max(1, cores // max(1, per_cores))}
+    if per_ram > 0:
+        limits["RAM"] = max(1, ram_bytes // per_ram)
+    seen: dict[str, int] = {}
+    shared = None
+    for i, n in enumerate(needs):
+        for c in (n.accel_cards if n else []):
+            if c in seen and shared is None:
+                shared = (c, seen[c], i)
+            seen.setdefault(c, i)
+    if shared:
+        limits["cards"] = 1
+    fit = min([total] + list(limits.values()))
+    if n_jobs < 1:
+        return fit
+    want = min(n_jobs, total)
+    if want <= fit:
+        return want
+    if shared and want > 1:
+        c, a, b = shared
+        raise SweepError(f"hydra.launcher.n_jobs={n_jobs}: jobs #{a} and #{b} of the sweep both use card {c}, and a "
+                         "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
+                         "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)")
+    why = []
+    if want > limits["cores"]:
+        why.append(f"{want} jobs x {per_cores} card process(es) need {want * per_cores} cores, the host has {cores}")
+    if "RAM" in limits and want > limits["RAM"]:
+        why.append(f"{want} jobs x {per_ram / GIB:.2f} GiB host RAM exceed the {ram_bytes / GIB:.2f} GiB available")
+    raise SweepError(f"hydra.launcher.n_jobs={n_jobs}: {'; '.join(why)}; use hydra.launcher.n_jobs={fit} "
+                     "(or -1 = as many as fit)")
+
+
+def sweep_job_overrides(task_overrides: list[str]) -> list[list[str]]:
+    """Expand a multirun command line into the override list of every job (Hydra's basic sweep order)."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parsed = OverridesParser.create().parse_overrides(list(task_overrides))
+    batches = BasicSweeper.split_arguments(parsed, None)
+    return [list(job) for batch in batches for job in batch]
+
+
+# ============================================================================ summary
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _read_jsonl(path: str) -> list[dict]:
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                line = line.strip()
+                if line.endswith("}"):
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        pass
+    except OSError:
+        pass
+    return out
+
+
+def _job_dirs(sweep_dir: str) -> list[str]:
+    """Job directories under ``sweep_dir`` (any depth <= 3): those holding ``.hydra/overrides.yaml``."""
+    out = []
+    base = os.path.normpath(sweep_dir)
+    for root, dirs, files in os.walk(base):
+        if os.path.isfile(os.path.join(root, ".hydra", "overrides.yaml")) and root != base:
+            out.append(root)
+            dirs[:] = []
+        elif root[len(base):].count(os.sep) >= 3:
+            dirs[:] = []
+        dirs[:] = [d for d in dirs if d not in (".hydra", "checkpoints", "tb")]
+    return out
+
+
+def _error_from_files(job_dir: str) -> str:
+    for fn in sorted(os.listdir(job_dir)):
+        if fn.startswith("card") and fn.endswith(".traceback.txt"):
+            try:
+                with open(os.path.join(job_dir, fn)) as f:
+                    lines = [l.strip() for l in f if l.strip()]
+                if lines:
+                    return f"{fn}: {lines[-1]}"
+            except OSError:
+                pass
+    return "no status.json: the job process died before it could report"
+
+
+def collect(sweep_dir: str) -> list[dict]:
+    """One row per job directory of the sweep, ordered by job number.
+
+    Row keys: ``num`` (int), ``dir``, ``overrides`` (list of str), ``status`` (ok | failed),
+    ``exit_code`` (int or None), ``error`` (one line, "" when ok), ``train_loss``, ``val_loss``
+    (nats/token, None when not measured), ``tokens_per_s`` (mean over steps after the first),
+    ``peak_mem_gib`` (list per card, GiB = 2**30 bytes), ``losses`` (list of (step, loss)).
+    """
+    import yaml
+
+    rows = []
+    for d in _job_dirs(sweep_dir):
+        try:
+            with open(os.path.join(d, ".hydra", "overrides.yaml")) as f:
+                overrides = [str(o) for o in (yaml.safe_load(f) or [])]
+        except (OSError, ValueError):
+            overrides = []
+        hyd = {}
+        try:
+            with open(os.path.join(d, ".hydra", "hydra.yaml")) as f:
+                hyd = yaml.safe_load(f) or {}
+        except (OSError, ValueError):
+            pass
+        num = ((hyd.get("hydra") or {}).get("job") or {}).get("num")
+        st = _read_json(os.path.join(d, STATUS_FILE))
+        summ = _read_json(os.path.join(d, "summary.json")) or {}
+        metrics = _read_jsonl(os.path.join(d, "metrics.jsonl"))
+        evals = _read_jsonl(os.path.join(d, "eval.jsonl"))
+        code = st.get("exit_code") if st else None
+        ok = code == 0
+        error = "" if ok else ((st or {}).get("error") or (f"exit status {code}" if st else _error_from_files(d)))
+        error = error[len("error: "):] if error.startswith("error: ") else error
+        tps = summ.get("mean_tokens_per_s")
+        if tps is None and metrics:
+            tps = sum(m["tokens_per_s"] for m in metrics) / len(metrics)
+        peak = summ.get("peak_mem_bytes") or (metrics[-1].get("mem_peak_bytes") if metrics else None) or []
+        rows.append({
+            "num": int(num) if num is not None else len(rows), "dir": d, "overrides": overrides,
+            "status": "ok" if ok else "failed", "exit_code": code, "error": error,
+            "train_loss": summ.get("last_loss", metrics[-1]["loss"] if metrics else None),
+            "val_loss": summ.get("last_val_loss", evals[-1]["val_loss"] if evals else None),
+            "tokens_per_s": tps, "peak_mem_gib": [p / GIB for p in peak],
+            "losses": [(m["step"], m["loss"]) for m in metrics],
+        })
+    rows.sort(key=lambda r: r["num"])
+    return rows
+
+
+def swept_overrides(rows: list[dict]) -> list[list[str]]:
+    """Per row, only the overrides that differ between jobs (all of them when there is one job)."""
+    if len(rows) <= 1:
+        return [r["overrides"] for r in rows]
+    common = set(rows[0]["overrides"]).intersection(*[set(r["overrides"]) for r in rows[1:]])
+    return [[o for o in r["overrides"] if o not in common] or r["overrides"] for r in rows]
+
+
+def _fmt(x: Optional[float], spec: str = ".4f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+HEADER = ["job", "overrides", "train loss", "val loss", "tokens/s", "peak mem GiB per card", "status", "error"]
+
+
+def table_rows(rows: list[dict], plain: bool = False) -> list[list[str]]:
+    """The summary table as strings, one list per job, columns :data:`HEADER` (``plain``: no thousands separators)."""
+    out = []
+    for r, ov in zip(rows, swept_overrides(rows)):
+        out.append([str(r["num"]), " ".join(ov), _fmt(r["train_loss"]), _fmt(r["val_loss"]),
+                    _fmt(r["tokens_per_s"], ".0f" if plain else ",.0f"), "/".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "n/a",
+                    r["status"], r["error"]])
+    return out
+
+
+def write_summary(sweep_dir: str, rows: list[dict]) -> str:
+    """Write ``summary.md``, ``summary.csv`` and ``loss_curves.png`` into ``sweep_dir``; return the Markdown."""
+    body = table_rows(rows)
+    esc = [[c.replace("|", "\\|") for c in row] for row in body]
+    md = "| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER) + "\n"
+    md += "".join("| " + " | ".join(row) + " |\n" for row in esc)
+    n_ok = sum(r["status"] == "ok" for r in rows)
+    md = f"# Sweep summary: {n_ok} ok, {len(rows) - n_ok} failed\n\n" + md
+    with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
+        f.write(md)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(HEADER)
+    w.writerows(table_rows(rows, plain=True))
+    with open(os.path.join(sweep_dir, "summary.csv"), "w", newline="") as f:
+        f.write(buf.getvalue())
+    plot_losses(os.path.join(sweep_dir, "loss_curves.png"), rows)
+    return md
+
+
+def plot_losses(path: str, rows: list[dict]) -> None:
+    """One figure with every job's per-step train loss (nats/token), labelled by its swept overrides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r, ov in zip(rows, swept_overrides(rows)):
+        if r["losses"]:
+            ax.plot([a for a, _ in r["losses"]], [b for _, b in r["losses"]], marker="o" if len(r["losses"]) <= 50 else None,
+                    label=f"#{r['num']} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else " (failed)"))
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("train loss (nats/token)")
+    ax.grid(alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    else:
+        ax.text(0.5, 0.5, "no job recorded a step", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def exit_status(rows: list[dict]) -> int:
+    """Exit status of a sweep: 0 when every job finished; else 130/143 if a job was interrupted by
+    SIGINT/SIGTERM; else 1 (some job failed, whatever its own status); 1 also for a sweep without jobs."""
+    if rows and all(r["status"] == "ok" for r in rows):
+        return 0
+    for sig in (130, 143):
+        if any(r["exit_code"] == sig for r in rows):
+            return sig
+    return 1
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra is a dependency
+    _HydraCallback = object
+
+
+class SweepCallback(_HydraCallback):
+    """Hydra callback (``hydra.callbacks.sweep`` in conf/config.yaml): concurrency check, then summary."""
+
+    def on_multirun_start(self, config, **kwargs: Any) -> None:
+        import sys
+
+        from hydra.core.global_hydra import GlobalHydra
+        from omegaconf import OmegaConf, flag_override
+
+        launcher = config.hydra.launcher
+        if "n_jobs" not in launcher:
+            return  # a sequential launcher (hydra/launcher=basic)
+        jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+        n_jobs = int(launcher.n_jobs)
+        if n_jobs == 1 or len(jobs) <= 1:
+            return
+        loader = GlobalHydra.instance().config_loader()
+        needs = []
+        for ov in jobs:
+            try:
+                job_cfg = loader.load_sweep_config(config, ov)
+                needs.append(needs_hook(job_cfg) if needs_hook else None)
+            except Exception:  # noqa: BLE001 - an invalid job fails (and is reported) by itself
+                needs.append(None)
+        try:
+            fit = check_concurrency(needs, n_jobs, host_cores(), host_available_ram())
+        except SweepError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+        with flag_override(config, ["readonly", "struct"], [False, False]):
+            config.hydra.launcher.n_jobs = fit
+        print(f"sweep: {len(jobs)} job(s), {fit} at a time", flush=True)
+
+    def on_multirun_end(self, config, **kwargs: Any) -> None:
+        global last_rows
+        sweep_dir = str(config.hydra.sweep.dir)
+        rows = collect(sweep_dir) if os.path.isdir(sweep_dir) else []
+        last_rows = rows
+        if os.path.isdir(sweep_dir):
+            md = write_summary(sweep_dir, rows)
+            print("\n" + md + f"\nsummary: {os.path.join(sweep_dir, 'summary.md')} (and summary.csv, loss_curves.png)",
+                  flush=True)

@@ -1,0 +1,206 @@
+"""Hydra multirun sweeps (``launch/run.py -m``): concurrent jobs, a failing job, the summary.
+
+Fast checks: the concurrency rule (cores, RAM, shared cards) on synthetic job needs, the sweep
+expansion of card lists, and the summary of a hand-made sweep directory. Heavy checks run the
+real launcher as a subprocess on the tiny test model (launch_util's settings):
+
+- two concurrent one-card jobs, one with a missing ``data.source``: the other finishes, the
+  summary names one ok and one failed job, the launcher exits 1, no shm segment is left;
+- ``backend=cpu,cpu`` next to a swept key: two jobs with two cards each, own ids and run dirs.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from launch_util import BASE, LAUNCH, REPO
+from npu_train.metrics import sweep
+from npu_train.metrics.sweep import JobNeeds, SweepError, check_concurrency
+
+GIB = 2 ** 30
+
+
+# ============================================================================ fast
+def test_concurrency_auto_fits_cores_ram_and_cards():
+    one = JobNeeds(card_procs=1, host_bytes=2 * GIB)
+    two = JobNeeds(card_procs=2, host_bytes=2 * GIB)
+    assert check_concurrency([one] * 4, -1, cores=2, ram_bytes=100 * GIB) == 2  # 2 cores / 1 card
+    assert check_concurrency([two] * 4, -1, cores=8, ram_bytes=100 * GIB) == 4  # 8 // 2 = 4 = jobs
+    assert check_concurrency([two] * 4, -1, cores=8, ram_bytes=5 * GIB) == 2  # 5 GiB // 2 GiB
+    assert check_concurrency([one, None], -1, cores=16, ram_bytes=100 * GIB) == 2  # invalid job: fails alone
+    acc = [JobNeeds(2, ["furiosa:0", "furiosa:1"]), JobNeeds(2, ["furiosa:0", "furiosa:1"])]
+    assert check_concurrency(acc, -1, cores=64, ram_bytes=100 * GIB) == 1  # same cards: one at a time
+    own = [JobNeeds(1, ["furiosa:0"]), JobNeeds(1, ["furiosa:1"])]
+    assert check_concurrency(own, -1, cores=64, ram_bytes=100 * GIB) == 2
+    assert check_concurrency(own, 1, cores=1, ram_bytes=0) == 1
+
+
+def test_concurrency_explicit_n_jobs_rejected_with_the_fix():
+    acc = [JobNeeds(1, ["furiosa:0"]), JobNeeds(1, ["furiosa:0"])]
+    with pytest.raises(SweepError, match=r"both use card furiosa:0.*hydra.launcher.n_jobs=1"):
+        check_concurrency(acc, 2, cores=64, ram_bytes=100 * GIB)
+    with pytest.raises(SweepError, match=r"2 jobs x 2 card process\(es\) need 4 cores, the host has 2; "
+                                         r"use hydra.launcher.n_jobs=1"):
+        check_concurrency([JobNeeds(2)] * 2, 2, cores=2, ram_bytes=100 * GIB)
+    with pytest.raises(SweepError, match=r"3 jobs x 4.00 GiB host RAM exceed the 9.00 GiB available; "
+                                         r"use hydra.launcher.n_jobs=2"):
+        check_concurrency([JobNeeds(1, host_bytes=4 * GIB)] * 3, 3, cores=64, ram_bytes=9 * GIB)
+    assert check_concurrency([JobNeeds(1)] * 3, 2, cores=2, ram_bytes=GIB) == 2
+
+
+def _load_run():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("npt_run_script", LAUNCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_card_lists_in_a_sweep_expand_as_documented():
+    run = _load_run()
+    argv = run.rewrite_backend_args(["backend=cpu,cpu", "train.lr=1e-3,2e-3"])
+    assert sweep.sweep_job_overrides(argv) == [["backend=[cpu,cpu]", "train.lr=0.001"],
+                                               ["backend=[cpu,cpu]", "train.lr=0.002"]]
+    argv = run.rewrite_backend_args(["backend=choice([cpu],[cpu,cpu])"])
+    assert sweep.sweep_job_overrides(argv) == [["backend=[cpu]"], ["backend=[cpu,cpu]"]]
+
+
+def _fake_job(d, num, overrides, code, losses=(), error="", summary=None):
+    os.makedirs(os.path.join(d, ".hydra"))
+    with open(os.path.join(d, ".hydra", "overrides.yaml"), "w") as f:
+        f.write("".join(f"- {o}\n" for o in overrides))
+    with open(os.path.join(d, ".hydra", "hydra.yaml"), "w") as f:
+        f.write(f"hydra:\n  job:\n    num: {num}\n")
+    if code is not None:
+        with open(os.path.join(d, "status.json"), "w") as f:
+            json.dump({"exit_code": code, "error": error}, f)
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        for i, l in enumerate(losses):
+            f.write(json.dumps({"step": i + 1, "loss": l, "tokens_per_s": 100.0 * (i + 1),
+                                "mem_peak_bytes": [GIB, GIB // 2]}) + "\n")
+    if summary:
+        with open(os.path.join(d, "summary.json"), "w") as f:
+            json.dump(summary, f)
+
+
+def test_summary_of_a_sweep_dir(tmp_path):
+    sd = str(tmp_path)
+    _fake_job(os.path.join(sd, "0"), 0, ["model.path=m", "train.lr=0.001"], 0, [5.0, 4.0],
+              summary={"last_loss": 4.0, "last_val_loss": 4.5, "mean_tokens_per_s": 200.0,
+                       "peak_mem_bytes": [GIB, GIB // 2]})
+    _fake_job(os.path.join(sd, "1"), 1, ["model.path=m", "train.lr=0.002"], 1, [5.0],
+              error="error: card cpu:1 (stage 1, layers 3-5 +head) failed during step 2: process killed by signal SIGKILL")
+    _fake_job(os.path.join(sd, "2"), 2, ["model.path=m", "train.lr=0.003"], None)  # died without a status
+    rows = sweep.collect(sd)
+    assert [r["status"] for r in rows] == ["ok", "failed", "failed"]
+    md = sweep.write_summary(sd, rows)
+    assert md.startswith("# Sweep summary: 1 ok, 2 failed")
+    with open(os.path.join(sd, "summary.csv")) as f:
+        table = list(csv.reader(f))
+    assert table[0] == sweep.HEADER
+    assert table[1] == ["0", "train.lr=0.001", "4.0000", "4.5000", "200", "1.00/0.50", "ok", ""]
+    assert table[2][:3] == ["1", "train.lr=0.002", "5.0000"] and table[2][6] == "failed"
+    assert table[2][7] == "card cpu:1 (stage 1, layers 3-5 +head) failed during step 2: process killed by signal SIGKILL"
+    assert table[3][6] == "failed" and "no status.json" in table[3][7]
+    assert os.path.getsize(os.path.join(sd, "loss_curves.png")) > 0
+    assert sweep.exit_status(rows) == 1 and sweep.exit_status(rows[:1]) == 0
+    rows[1]["exit_code"] = 143
+    assert sweep.exit_status(rows) == 143
+
+
+# ============================================================================ heavy (real launcher)
+def _run_sweep(tmp_path, model, *overrides, timeout=600):
+    sweep_dir = os.path.join(str(tmp_path), "sweep")
+    cmd = [sys.executable, LAUNCH, "-m", f"model.path={model}", *BASE, "train.steps=3",
+           *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    env = {k: v for k, v in os.environ.items() if k != "NPT_FAULT"}
+    before = {f for f in os.listdir("/dev/shm") if f.startswith("npt_")}
+    p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+    after = {f for f in os.listdir("/dev/shm") if f.startswith("npt_")}
+    return p, sweep_dir, after - before
+
+
+def _jobs(sweep_dir):
+    out = {}
+    for n in sorted(os.listdir(sweep_dir)):
+        d = os.path.join(sweep_dir, n)
+        if n.isdigit():
+            with open(os.path.join(d, "status.json")) as f:
+                st = json.load(f)
+            info = None
+            if os.path.exists(os.path.join(d, "job.json")):
+                with open(os.path.join(d, "job.json")) as f:
+                    info = json.load(f)
+            out[int(n)] = (st, info)
+    return out
+
+
+@pytest.mark.heavy
+def test_concurrent_sweep_with_a_failing_job(tmp_path, tiny_model):
+    if sweep.host_cores() < 2:
+        pytest.skip("two concurrent one-card jobs need 2 cores")
+    missing = os.path.join(str(tmp_path), "no-such-corpus.txt")
+    p, sd, leaked = _run_sweep(tmp_path, tiny_model, "backend=cpu", f"data.source=botchan,{missing}",
+                               "hydra.launcher.n_jobs=2")
+    out = p.stdout + p.stderr
+    assert p.returncode == 1, out[-4000:]  # rule: a sweep with a failed job exits 1
+    assert "sweep: 2 job(s), 2 at a time" in p.stdout
+    jobs = _jobs(sd)
+    (ok_st, ok_info), (bad_st, bad_info) = jobs[0], jobs[1]
+    assert ok_st["exit_code"] == 0 and bad_st["exit_code"] == 2 and bad_info is None
+    assert "no-such-corpus.txt" in bad_st["error"]
+    # ran at the same time, in two worker processes: the intervals overlap
+    assert ok_st["pid"] != bad_st["pid"]
+    assert bad_st["started"] < ok_st["finished"] and ok_st["started"] < bad_st["finished"]
+    with open(os.path.join(sd, "summary.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed")]
+    assert rows[0]["overrides"] == "data.source=botchan" and float(rows[0]["train loss"]) > 0
+    assert float(rows[0]["val loss"]) > 0 and float(rows[0]["tokens/s"]) > 0 and rows[0]["peak mem GiB per card"]
+    assert "no-such-corpus.txt" in rows[1]["error"] and rows[1]["train loss"] == "n/a"
+    with open(os.path.join(sd, "summary.md")) as f:
+        assert f.read().startswith("# Sweep summary: 1 ok, 1 failed")
+    assert os.path.getsize(os.path.join(sd, "loss_curves.png")) > 0
+    assert "| 1 | data.source=" in p.stdout  # the table is printed too
+    assert not leaked, leaked
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(ok_info["shm_prefix"])]
+
+
+@pytest.mark.heavy
+def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
+    """``backend=cpu,cpu`` with ``-m`` next to a swept key: two jobs of two cards each."""
+    p, sd, leaked = _run_sweep(tmp_path, tiny_model, "backend=cpu,cpu", "train.lr=1e-3,2e-3")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    jobs = _jobs(sd)
+    assert sorted(jobs) == [0, 1]
+    infos = [jobs[i][1] for i in (0, 1)]
+    assert [len(i["cards"]) for i in infos] == [2, 2]
+    for key in ("job_id", "run_dir", "ipc_dir", "shm_prefix", "ckpt_root"):
+        assert infos[0][key] != infos[1][key], key
+    with open(os.path.join(sd, "summary.csv")) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["status"] for r in rows] == ["ok", "ok"]
+    assert [r["overrides"] for r in rows] == ["train.lr=0.001", "train.lr=0.002"]
+    assert all(len(r["peak mem GiB per card"].split("/")) == 2 for r in rows)
+    assert not leaked, leaked
+
+
+def test_sweep_sharing_a_card_is_rejected_before_any_job(tmp_path, tiny_model):
+    """n_jobs=2 with both jobs on furiosa:0: one error line naming the fix, exit 2, no job dir.
+    (The check plans without touching a device, so it runs on any host.)"""
+    sd = os.path.join(str(tmp_path), "sweep")
+    p = subprocess.run([sys.executable, LAUNCH, "-m", f"model.path={tiny_model}", "backend=furiosa:0",
+                        "train.lr=1e-3,2e-3", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sd}"],
+                       capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert p.returncode == 2, p.stdout + p.stderr
+    errors = [l for l in p.stderr.splitlines() if l.strip()]
+    assert errors == ["error: hydra.launcher.n_jobs=2: jobs #0 and #1 of the sweep both use card furiosa:0, and a "
+                      "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
+                      "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)"], p.stderr
+    assert not os.path.exists(sd) or not [n for n in os.listdir(sd) if n.isdigit()]
