@@ -51,7 +51,8 @@ class TrainConf:
     clip: float = 1.0
     #: compute dtype: bf16 | fp32 | auto (fp32 on cpu, bf16 on accelerators). Masters are fp32.
     dtype: str = "auto"
-    #: 1f1b | gpipe
+    #: 1f1b | gpipe | zb (zero bubble: backward split into input- and weight-gradient passes,
+    #: weight gradients deferred into the bubble; 1F1B's activation memory; not with recompute)
     schedule: str = "1f1b"
     #: layers per card whose master weights + AdamW moments stay on the card:
     #: auto | N (every card) | [N0, N1, ...] (per card).
@@ -146,8 +147,11 @@ def validate(cfg) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 0.5)")
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
-    if t.schedule not in ("1f1b", "gpipe"):
-        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b or gpipe")
+    if t.schedule not in ("1f1b", "gpipe", "zb"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b, gpipe or zb")
+    if t.schedule == "zb" and t.recompute:
+        raise ConfigError("train.schedule=zb does not combine with train.recompute=true: "
+                          "use train.schedule=1f1b for activation recompute")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:
         raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
     if t.stop_after < 0:
