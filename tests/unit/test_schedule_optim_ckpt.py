@@ -37,13 +37,14 @@ def test_schedule_complete_and_deadlock_free(kind, P, M):
     assert bubble_fraction(kind, P, M) == pytest.approx((P - 1) / (M + P - 1))
 
 
+@pytest.mark.parametrize("kind", ["zb", "zb-h1"])
 @pytest.mark.parametrize("P", [1, 2, 3, 4])
 @pytest.mark.parametrize("M", range(1, 9))
-def test_zero_bubble_schedule(P, M):
+def test_zero_bubble_schedule(kind, P, M):
     for s in range(P):
-        acts = build_schedule("zb", P, M, s)
-        for kind in "FBW":  # exactly one F, one B, one W per micro-batch
-            assert sorted(a.micro for a in acts if a.kind == kind) == list(range(M)), (kind, acts)
+        acts = build_schedule(kind, P, M, s)
+        for k in "FBW":  # exactly one F, one B, one W per micro-batch
+            assert sorted(a.micro for a in acts if a.kind == k) == list(range(M)), (k, acts)
         pos = {(a.kind, a.micro): i for i, a in enumerate(acts)}
         for m in range(M):
             assert pos[("F", m)] < pos[("B", m)] < pos[("W", m)], acts
@@ -55,22 +56,32 @@ def test_zero_bubble_schedule(P, M):
             elif a.kind == "W":
                 held.remove(a.micro)
             peak = max(peak, len(held))
-        assert peak == peak_in_flight("zb", s, P, M) <= peak_in_flight("1f1b", s, P, M) == min(M, P - s)
-        assert peak_pending_weight_grads("zb", s, P, M) == (0 if s == 0 else 1)
+        assert peak == peak_in_flight(kind, s, P, M)
+        if kind == "zb":  # 1F1B's memory on every stage
+            assert peak <= peak_in_flight("1f1b", s, P, M) == min(M, P - s)
+            assert peak_pending_weight_grads(kind, s, P, M) == (0 if s == 0 else 1)
+        else:  # ZB-H1: 1F1B's largest (stage 0's) memory on every stage
+            assert peak == min(M, P) == max(peak_in_flight("1f1b", r, P, M) for r in range(P))
+            assert peak_pending_weight_grads(kind, s, P, M) == (0 if s == 0 else min(M, s + 1))
     for slots in (None, 1, 2, 3):
-        simulate("zb", P, M, slots=slots)
-    # unit F/B/W: 1F1B idles (P-1)(F+B+W) per stage, zb (P-1)(F+B)
+        simulate(kind, P, M, slots=slots)
+    # unit F/B/W: 1F1B idles (P-1)(F+B+W) per stage, zb (P-1)(F+B), zb-h1 (P-1)(F+B-W)
     assert bubble_fraction("1f1b", P, M) == pytest.approx((P - 1) / (M + P - 1))
-    assert bubble_fraction("zb", P, M) == pytest.approx(2 * (P - 1) / (3 * M + 2 * (P - 1)))
+    if kind == "zb":
+        assert bubble_fraction(kind, P, M) == pytest.approx(2 * (P - 1) / (3 * M + 2 * (P - 1)))
+    elif M >= P:
+        assert bubble_fraction(kind, P, M) == pytest.approx((P - 1) / (3 * M + P - 1))
     if P > 1 and M >= P:
-        assert bubble_fraction("zb", P, M) < bubble_fraction("1f1b", P, M)
-        assert step_time("zb", P, M, 1.0, 1.2, 0.8) < step_time("1f1b", P, M, 1.0, 1.2, 0.8)
+        assert bubble_fraction(kind, P, M) < bubble_fraction("1f1b", P, M)
+        assert step_time(kind, P, M, 1.0, 1.2, 0.8) < step_time("1f1b", P, M, 1.0, 1.2, 0.8)
 
 
 def test_zero_bubble_order_example():
     want = "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3".split()
     assert build_schedule("zb", 3, 4, 0) == [Action(a[0], int(a[1:])) for a in want]
     assert build_schedule("zb", 3, 2, 2) == [Action(k, m) for m in range(2) for k in "FBW"]
+    want = "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3".split()  # last stage of 3: W two micro-batches late
+    assert build_schedule("zb-h1", 3, 4, 2) == [Action(a[0], int(a[1:])) for a in want]
 
 
 def test_step_time_per_stage_durations():

@@ -164,7 +164,7 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "zb-h1"])
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("M", [1, 2, 4, 5])
 def test_stage_gradients_match_single_module(schedule, P, M):

@@ -24,22 +24,26 @@ al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3 for the B/W split)
   once) and ``W`` (weight gradient): ``w`` warm-up forwards, then ``F B W`` triples, then ``B W``
   pairs. The upstream stages get their gradients after ``B`` instead of ``B + W``, so the tail
   of the step shrinks by ``(P-1)`` weight-gradient passes. ``W(m)`` runs before the next forward,
-  so stage ``s`` holds at most ``min(M, P-s)`` micro-batches, exactly as 1F1B (the paper's ZB-H1
-  lets every stage hold ``P`` and reaches a bubble of ``(P-1)(t_F+t_B-t_W)``; this variant keeps
-  1F1B's per-stage memory, which the planner's per-card budgets rely on, and reaches
-  ``(P-1)(t_F+t_B)``).
+  so stage ``s`` holds at most ``min(M, P-s)`` micro-batches, exactly as 1F1B; each stage idles
+  about ``(P-1)(t_F+t_B)`` per step instead of 1F1B's ``(P-1)(t_F+t_B+t_W)``.
+- ``zb-h1``: the paper's ZB-H1 (its Figure 3): as ``zb``, but stage ``s`` runs its ``W`` passes
+  ``s`` micro-batches late (the deferred ones fill the tail of the step), so every stage holds up
+  to ``min(M, P)`` micro-batches: the *largest* per-stage memory of 1F1B (stage 0's), not each
+  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``. (Not a ``train.schedule`` value yet: offered to
+  the planner, which can weigh its memory on the later stages.)
 
 With unit forward, input-gradient and weight-gradient times (``t_F = t_B = t_W``, the paper's
-assumption) the bubble fraction of the step is ``(P-1)/(M+P-1)`` for ``1f1b`` and ``gpipe`` and
-``2(P-1)/(3M+2(P-1))`` for ``zb``; :func:`bubble_fraction` computes it from the action lists.
+assumption) the bubble fraction of the step is ``(P-1)/(M+P-1)`` for ``1f1b`` and ``gpipe``,
+``2(P-1)/(3M+2(P-1))`` for ``zb`` and, for ``M >= P``, ``(P-1)/(3M+P-1)`` for ``zb-h1``;
+:func:`bubble_fraction` computes it from the action lists.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence, Union
 
-SCHEDULES = ("1f1b", "gpipe", "zb")
+SCHEDULES = ("1f1b", "gpipe", "zb", "zb-h1")
 #: schedules whose backward is split into B (input gradient) and W (weight gradient).
-SPLIT_BACKWARD = ("zb",)
+SPLIT_BACKWARD = ("zb", "zb-h1")
 
 Durations = Union[float, Sequence[float]]
 
@@ -66,7 +70,7 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
     """Return the actions of ``stage`` (0-based) for one optimizer step.
 
     Args:
-        kind: ``"1f1b"``, ``"gpipe"`` or ``"zb"``.
+        kind: one of :data:`SCHEDULES`.
         num_stages: P >= 1.
         num_micro: M >= 1 micro-batches per optimizer step (gradient accumulation steps).
         stage: 0 <= stage < P.
@@ -81,15 +85,20 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
     if kind == "gpipe":
         return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
     split = kind in SPLIT_BACKWARD
+    lag = stage if kind == "zb-h1" else 0  # W passes deferred past their B
     warmup = min(num_stages - stage - 1, M)
     actions = [Action("F", m) for m in range(warmup)]
+    w = 0  # next W
     for b in range(M):
         f = warmup + b
         if f < M:
             actions.append(Action("F", f))
         actions.append(Action("B", b))
-        if split:
-            actions.append(Action("W", b))
+        if split and b - w >= lag:
+            actions.append(Action("W", w))
+            w += 1
+    if split:
+        actions.extend(Action("W", m) for m in range(w, M))
     return actions
 
 
@@ -116,7 +125,8 @@ def in_flight_profile(actions: Sequence[Action]) -> list[int]:
 def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
     """Largest number of micro-batches whose activations stage ``stage`` holds at once (forward
     done, last backward action not yet), from the action list: ``1f1b`` and ``zb``
-    ``min(M, P - stage)``, ``gpipe`` ``M``. Raises ``ValueError`` as :func:`build_schedule`."""
+    ``min(M, P - stage)``, ``zb-h1`` ``min(M, P)``, ``gpipe`` ``M``. Raises ``ValueError`` as
+    :func:`build_schedule`."""
     return max(in_flight_profile(build_schedule(kind, num_stages, num_micro, stage)))
 
 
@@ -124,8 +134,8 @@ def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro:
     """Largest number of micro-batches between their ``B`` and ``W`` on stage ``stage`` (0 for
     schedules without a split backward). Each such micro-batch keeps, besides its activations,
     the output gradients of the stage's weight-bearing ops (for a Llama layer about the size of
-    its linear layers' outputs) until its ``W``. ``zb``: 1 (0 on the first stage, whose ``B`` is
-    the full backward since nothing waits for its input gradient)."""
+    its linear layers' outputs) until its ``W``. ``zb``: 1, ``zb-h1``: ``min(M, stage + 1)``; 0 on
+    the first stage, whose ``B`` is the full backward since nothing waits for its input gradient."""
     acts = build_schedule(kind, num_stages, num_micro, stage)
     if kind not in SPLIT_BACKWARD or stage == 0:
         return 0
@@ -265,7 +275,7 @@ def bubble_fraction(kind: str, num_stages: int, num_micro: int, t_f: Durations =
                     t_w: Durations = 1.0) -> float:
     """Idle share of the step over all stages: ``1 - sum(busy) / (P * step_time)``, from
     :func:`stage_timeline`. With the default unit times: ``(P-1)/(M+P-1)`` for ``1f1b``/``gpipe``,
-    ``2(P-1)/(3M+2(P-1))`` for ``zb``."""
+    ``2(P-1)/(3M+2(P-1))`` for ``zb``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` when ``M >= P``."""
     end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)
     T = max(end)
     return 1.0 - sum(busy) / (num_stages * T) if T > 0 else 0.0

@@ -40,7 +40,7 @@ class BoundaryComm(Protocol):
 class StageRunner:
     """Executes GPipe/1F1B/zero-bubble for one stage.
 
-    In ``zb`` (:data:`npu_train.pipeline.schedule.SPLIT_BACKWARD`) a ``B`` action computes only
+    In ``zb``/``zb-h1`` (:data:`npu_train.pipeline.schedule.SPLIT_BACKWARD`) a ``B`` action computes only
     the gradient w.r.t. the stage input and sends it upstream at once; the matching ``W`` adds
     the weight gradients to ``p.grad`` later (:mod:`npu_train.pipeline.backward`). On the first
     stage the input is token ids, no stage waits for its input gradient, so there ``B`` is the
@@ -50,7 +50,7 @@ class StageRunner:
         module: the stage's :class:`npu_train.model.llama.StageModule` (on the card).
         backend: the card's backend (``upload``/``synchronize``).
         num_stages, stage: pipeline size P and this stage's index.
-        schedule: ``"1f1b"``, ``"gpipe"`` or ``"zb"``.
+        schedule: one of :data:`npu_train.pipeline.schedule.SCHEDULES`.
         comm: the boundary transport (unused when P == 1).
 
     Raises:
