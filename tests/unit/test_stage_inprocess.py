@@ -191,3 +191,19 @@ def test_zb_refuses_recompute():
     mod = StageModule(_cfg(False), 0, 2, True, False, recompute=True)
     with pytest.raises(ConfigError, match="recompute"):
         StageRunner(mod, _Cpu(), 2, 0, "zb", None)
+
+
+def test_config_accepts_zb_and_refuses_it_with_recompute():
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config, validate
+    from npu_train.errors import ConfigError
+
+    def cfg(*dotlist):
+        return OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(list(dotlist)))
+
+    validate(cfg("train.schedule=zb"))
+    with pytest.raises(ConfigError, match="train.recompute"):
+        validate(cfg("train.schedule=zb", "train.recompute=true"))
+    with pytest.raises(ConfigError, match="use 1f1b, gpipe or zb"):
+        validate(cfg("train.schedule=zbv"))
