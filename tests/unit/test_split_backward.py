@@ -87,3 +87,28 @@ def test_weight_grads_accumulate_over_micro_batches():
         w.run()
     for (n, p), q in zip(mod.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=0, msg=n)
+
+
+def test_weight_used_at_two_depths():
+    """A weight applied twice on the input chain (two boundary nodes, one group): no double count."""
+    torch.manual_seed(5)
+    lin, other = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6, bias=False)
+    params = [lin.weight, lin.bias, other.weight]
+    x0, g = torch.randn(3, 6), torch.randn(3, 6)
+
+    def f(x):
+        return lin(torch.tanh(other(lin(x))))
+
+    x = x0.clone().requires_grad_(True)
+    f(x).backward(g)
+    want = [p.grad.clone() for p in params]
+    want_dx = x.grad.clone()
+    for p in params:
+        p.grad = None
+    x = x0.clone().requires_grad_(True)
+    dx, work = backward_input(f(x), g, x, params)
+    assert all(p.grad is None for p in params)
+    work.run()
+    torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=0)
+    for p, w in zip(params, want):
+        torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)

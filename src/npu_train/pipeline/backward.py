@@ -19,7 +19,7 @@ How (the approach of ``torch.distributed.pipelining._backward``'s ``stage_backwa
 3. W: for each group of boundary nodes sharing parameters, one
    ``torch.autograd.grad(GradientEdge(node, k) ..., params, grad_outputs=recorded)``: the engine
    runs only the weight-side outputs of the boundary nodes and the weight-only subgraphs below
-   them, then the graph is released (``retain_graph=False``). The results are added to
+   them; the caller drops the micro-batch's graph afterwards. The results are added to
    ``p.grad`` exactly as ``backward()`` would have accumulated them.
 
 When a group has several boundary nodes one of which lies below another on the input chain (a
@@ -39,7 +39,8 @@ class WeightGradWork:
     """The deferred weight-gradient pass (W) of one micro-batch, made by :func:`backward_input`.
 
     :meth:`run` adds the weight gradients to ``p.grad`` of the parameters given to
-    :func:`backward_input` (same dtype/device as the parameters) and frees the micro-batch's graph.
+    :func:`backward_input` (same dtype/device as the parameters), then drops its references to the
+    micro-batch's graph.
     """
 
     def __init__(self, groups: list, params_by_node: dict):
@@ -64,7 +65,10 @@ class WeightGradWork:
                 for n in nodes:
                     handles.append(n.register_prehook(lambda _go, g=grads.get(n): g))
             try:
-                dws = torch.autograd.grad(roots, params, grad_outputs=root_grads, allow_unused=True)
+                # retain: a later group may pass through this group's nodes on the input chain
+                # (shared parameters); the graph is released when the caller drops it after W
+                dws = torch.autograd.grad(roots, params, grad_outputs=root_grads, retain_graph=True,
+                                          allow_unused=True)
             finally:
                 for h in handles:
                     h.remove()
@@ -156,18 +160,18 @@ def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], in
                 ps |= params_below(c)
         if ps:
             boundary[n] = ps
-    # group boundary nodes that share parameters (union-find over parameters)
-    owner: dict = {}
-    groups: list = []
-    for n, ps in boundary.items():
-        hits = {owner[p] for p in ps if p in owner}
-        g = [[n], set(ps)]
-        for i in sorted(hits, reverse=True):
-            other = groups.pop(i)
-            g[0] += other[0]
-            g[1] |= other[1]
-        groups.append(g)
-        owner = {p: i for i, (_, pset) in enumerate(groups) for p in pset}
+    # group boundary nodes that share parameters (merging groups as shared parameters appear)
+    owner: dict = {}   # parameter node -> group id
+    groups: dict = {}  # group id -> (boundary nodes, parameter nodes)
+    for gid, (n, ps) in enumerate(boundary.items()):
+        nodes, pset = [n], set(ps)
+        for old in {owner[p] for p in ps if p in owner}:
+            old_nodes, old_ps = groups.pop(old)
+            nodes += old_nodes
+            pset |= old_ps
+        groups[gid] = (nodes, pset)
+        for p in pset:
+            owner[p] = gid
     if root not in x_dep:  # the output does not depend on the input: nothing to split
         output.backward(grad_output)
         return torch.zeros_like(inp), WeightGradWork([], {})
@@ -182,6 +186,6 @@ def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], in
             h.remove()
     if dx is None:
         dx = torch.zeros_like(inp)
-    work = WeightGradWork([(nodes, {n: recorded.get(n) for n in nodes}, sorted(ps, key=id)) for nodes, ps in groups],
+    work = WeightGradWork([(nodes, {n: recorded.get(n) for n in nodes}, list(ps)) for nodes, ps in groups.values()],
                           params_by_node)
     return dx, work
