@@ -73,7 +73,10 @@ class TrainConf:
     clip: float = 1.0
     #: compute dtype: bf16 | fp32 | auto (fp32 on cpu, bf16 on accelerators). Masters are fp32.
     dtype: str = "auto"
-    #: 1f1b | gpipe
+    #: 1f1b | gpipe | zb (zero bubble: backward split into input- and weight-gradient passes,
+    #: weight gradients deferred into the bubble; 1F1B's activation memory; not with recompute)
+    #: | zb-h1 (the paper's ZB-H1: stage s defers W by s micro-batches, smaller bubble, every stage
+    #: holds min(M, P) micro-batches — stage 0's 1F1B memory)
     schedule: str = "1f1b"
     #: layers per card whose master weights + AdamW moments stay on the card:
     #: auto | N (every card) | [N0, N1, ...] (per card).
@@ -182,8 +185,11 @@ def validate(cfg) -> None:
         bad = [x for x in lo.targets if x not in LORA_TARGETS]
         if bad or not lo.targets:
             raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}")
-    if t.schedule not in ("1f1b", "gpipe"):
-        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b or gpipe")
+    if t.schedule not in ("1f1b", "gpipe", "zb", "zb-h1"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b, gpipe, zb or zb-h1")
+    if t.schedule in ("zb", "zb-h1") and t.recompute:
+        raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
+                          "use train.schedule=1f1b for activation recompute")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:
         raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
     if t.stop_after < 0:

@@ -10,7 +10,8 @@ import torch
 from npu_train.checkpoint.store import (CheckpointError, CheckpointReader, complete_checkpoints, finalize,
                                         find_checkpoint, remove_stale_staging, save_shard, tmp_dir)
 from npu_train.optim.lr import lr_at
-from npu_train.pipeline.schedule import Action, build_schedule, peak_in_flight, simulate
+from npu_train.pipeline.schedule import (Action, bubble_fraction, build_schedule, peak_in_flight,
+                                         peak_pending_weight_grads, simulate, step_time)
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe"])
@@ -28,9 +29,69 @@ def test_schedule_complete_and_deadlock_free(kind, P, M):
             else:
                 assert a.micro in seen
         expect = min(M, P - s) if kind == "1f1b" else M
-        assert peak_in_flight(acts) == expect
+        assert peak_in_flight(kind, s, P, M) == expect
     ticks = simulate(kind, P, M)
     assert ticks == 2 * (M + P - 1)  # unit-time actions: 2(M+P-1) ticks, bubble (P-1)/(M+P-1)
+    for slots in (1, 2):
+        simulate(kind, P, M, slots=slots)  # finite boundary rings: no deadlock either
+    assert bubble_fraction(kind, P, M) == pytest.approx((P - 1) / (M + P - 1))
+
+
+@pytest.mark.parametrize("kind", ["zb", "zb-h1"])
+@pytest.mark.parametrize("P", [1, 2, 3, 4])
+@pytest.mark.parametrize("M", range(1, 9))
+def test_zero_bubble_schedule(kind, P, M):
+    for s in range(P):
+        acts = build_schedule(kind, P, M, s)
+        for k in "FBW":  # exactly one F, one B, one W per micro-batch
+            assert sorted(a.micro for a in acts if a.kind == k) == list(range(M)), (k, acts)
+        pos = {(a.kind, a.micro): i for i, a in enumerate(acts)}
+        for m in range(M):
+            assert pos[("F", m)] < pos[("B", m)] < pos[("W", m)], acts
+        # activations held from F to W, never more than 1F1B holds from F to B
+        held, peak = set(), 0
+        for a in acts:
+            if a.kind == "F":
+                held.add(a.micro)
+            elif a.kind == "W":
+                held.remove(a.micro)
+            peak = max(peak, len(held))
+        assert peak == peak_in_flight(kind, s, P, M)
+        if kind == "zb":  # 1F1B's memory on every stage
+            assert peak <= peak_in_flight("1f1b", s, P, M) == min(M, P - s)
+            assert peak_pending_weight_grads(kind, s, P, M) == (0 if s == 0 else 1)
+        else:  # ZB-H1: 1F1B's largest (stage 0's) memory on every stage
+            assert peak == min(M, P) == max(peak_in_flight("1f1b", r, P, M) for r in range(P))
+            assert peak_pending_weight_grads(kind, s, P, M) == (0 if s == 0 else min(M, s + 1))
+    for slots in (None, 1, 2, 3):
+        simulate(kind, P, M, slots=slots)
+    # unit F/B/W: 1F1B idles (P-1)(F+B+W) per stage, zb (P-1)(F+B), zb-h1 (P-1)(F+B-W)
+    assert bubble_fraction("1f1b", P, M) == pytest.approx((P - 1) / (M + P - 1))
+    if kind == "zb":
+        assert bubble_fraction(kind, P, M) == pytest.approx(2 * (P - 1) / (3 * M + 2 * (P - 1)))
+    elif M >= P:
+        assert bubble_fraction(kind, P, M) == pytest.approx((P - 1) / (3 * M + P - 1))
+    if P > 1 and M >= P:
+        assert bubble_fraction(kind, P, M) < bubble_fraction("1f1b", P, M)
+        assert step_time(kind, P, M, 1.0, 1.2, 0.8) < step_time("1f1b", P, M, 1.0, 1.2, 0.8)
+
+
+def test_zero_bubble_order_example():
+    want = "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3".split()
+    assert build_schedule("zb", 3, 4, 0) == [Action(a[0], int(a[1:])) for a in want]
+    assert build_schedule("zb", 3, 2, 2) == [Action(k, m) for m in range(2) for k in "FBW"]
+    want = "F0 B0 F1 B1 F2 B2 W0 F3 B3 W1 W2 W3".split()  # last stage of 3: W two micro-batches late
+    assert build_schedule("zb-h1", 3, 4, 2) == [Action(a[0], int(a[1:])) for a in want]
+
+
+def test_step_time_per_stage_durations():
+    """Two stages, stage 1 twice as slow: 1F1B's steady state runs at the slow stage's pace."""
+    t = step_time("1f1b", 2, 4, t_f=[1.0, 2.0], t_b=[1.0, 2.0], t_w=[1.0, 2.0])
+    # stage 1 starts after stage 0's first forward (1) and then is busy 4 * (2 + 4) = 24;
+    # stage 0 ends with B3 (2) right after stage 1's B3
+    assert t == pytest.approx(1 + 24 + 2)
+    with pytest.raises(ValueError, match="one value per stage"):
+        step_time("zb", 2, 4, t_f=[1.0])
 
 
 def test_1f1b_order_example():
@@ -41,9 +102,11 @@ def test_1f1b_order_example():
 
 def test_schedule_errors():
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        build_schedule("zb", 2, 2, 0)
+        build_schedule("zbv", 2, 2, 0)
     with pytest.raises(ValueError):
         build_schedule("1f1b", 2, 0, 0)
+    with pytest.raises(ValueError):
+        simulate("zb", 2, 2, slots=0)
 
 
 def test_lr_schedule():

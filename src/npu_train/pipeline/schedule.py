@@ -1,4 +1,4 @@
-"""Pipeline schedules as pure lists of actions.
+"""Pipeline schedules as pure lists of actions (no torch here: the planner imports this module).
 
 A schedule is the ordered list of ``Action``s one stage executes for the ``M`` micro-batches of
 one optimizer step. Communication is implicit in the actions:
@@ -6,27 +6,51 @@ one optimizer step. Communication is implicit in the actions:
 - ``F(m)`` on stage ``s > 0`` first receives the activation of micro-batch ``m`` from stage
   ``s-1``; on stage ``s < P-1`` it ends by sending its output activation to stage ``s+1``.
 - ``B(m)`` on stage ``s < P-1`` first receives the gradient w.r.t. its output from stage ``s+1``;
-  on stage ``s > 0`` it ends by sending the gradient w.r.t. its input to stage ``s-1``.
+  on stage ``s > 0`` it ends by sending the gradient w.r.t. its input to stage ``s-1``. In
+  ``1f1b``/``gpipe`` it is the full backward (input and weight gradients); in ``zb`` only the
+  input gradient (the critical path).
+- ``W(m)`` (``zb`` only) computes the weight gradients of micro-batch ``m`` that its ``B(m)`` left
+  out; no communication. The stage holds micro-batch ``m``'s activations until ``W(m)``.
 
 Schedules (Huang et al. 2019, "GPipe"; Narayanan et al. 2021, "Efficient Large-Scale Language
-Model Training on GPU Clusters Using Megatron-LM", section 2.2 for 1F1B / PipeDream-Flush):
+Model Training on GPU Clusters Using Megatron-LM", section 2.2 for 1F1B / PipeDream-Flush; Qi et
+al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3 for the B/W split):
 
 - ``gpipe``: all forwards, then all backwards. Stage ``s`` holds activations of all ``M``
   micro-batches at its peak.
-- ``1f1b``: ``min(P-s-1, M)`` warm-up forwards, then alternate one forward / one backward, then
-  the remaining backwards. Stage ``s`` holds at most ``min(M, P-s)`` micro-batches of activations.
+- ``1f1b``: ``w = min(P-s-1, M)`` warm-up forwards, then alternate one forward / one backward,
+  then the remaining backwards. Stage ``s`` holds at most ``min(M, P-s)`` micro-batches.
+- ``zb``: 1F1B's order with each backward split into ``B`` (input gradient, sent upstream at
+  once) and ``W`` (weight gradient): ``w`` warm-up forwards, then ``F B W`` triples, then ``B W``
+  pairs. The upstream stages get their gradients after ``B`` instead of ``B + W``, so the tail
+  of the step shrinks by ``(P-1)`` weight-gradient passes. ``W(m)`` runs before the next forward,
+  so stage ``s`` holds at most ``min(M, P-s)`` micro-batches, exactly as 1F1B; each stage idles
+  about ``(P-1)(t_F+t_B)`` per step instead of 1F1B's ``(P-1)(t_F+t_B+t_W)``.
+- ``zb-h1``: the paper's ZB-H1 (its Figure 3): as ``zb``, but stage ``s`` runs its ``W`` passes
+  ``s`` micro-batches late (the deferred ones fill the tail of the step), so every stage holds up
+  to ``min(M, P)`` micro-batches: the *largest* per-stage memory of 1F1B (stage 0's), not each
+  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``. (Not a ``train.schedule`` value yet: offered to
+  the planner, which can weigh its memory on the later stages.)
 
-Both have the same bubble fraction ``(P-1) / (M+P-1)`` of the step.
+With unit forward, input-gradient and weight-gradient times (``t_F = t_B = t_W``, the paper's
+assumption) the bubble fraction of the step is ``(P-1)/(M+P-1)`` for ``1f1b`` and ``gpipe``,
+``2(P-1)/(3M+2(P-1))`` for ``zb`` and, for ``M >= P``, ``(P-1)/(3M+P-1)`` for ``zb-h1``;
+:func:`bubble_fraction` computes it from the action lists.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional, Sequence, Union
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "zb", "zb-h1")
+#: schedules whose backward is split into B (input gradient) and W (weight gradient).
+SPLIT_BACKWARD = ("zb", "zb-h1")
+
+Durations = Union[float, Sequence[float]]
 
 
 class Action(NamedTuple):
-    """One schedule step: ``kind`` is ``"F"`` (forward) or ``"B"`` (backward) of micro-batch ``micro``."""
+    """One schedule step: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; input gradient only in a
+    split-backward schedule) or ``"W"`` (weight gradient) of micro-batch ``micro``."""
 
     kind: str
     micro: int
@@ -35,11 +59,18 @@ class Action(NamedTuple):
         return f"{self.kind}{self.micro}"
 
 
+def _check(kind: str, num_stages: int, num_micro: int) -> None:
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
+    if num_stages < 1 or num_micro < 1:
+        raise ValueError(f"bad schedule arguments: P={num_stages}, M={num_micro}")
+
+
 def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> list[Action]:
     """Return the actions of ``stage`` (0-based) for one optimizer step.
 
     Args:
-        kind: ``"1f1b"`` or ``"gpipe"``.
+        kind: one of :data:`SCHEDULES`.
         num_stages: P >= 1.
         num_micro: M >= 1 micro-batches per optimizer step (gradient accumulation steps).
         stage: 0 <= stage < P.
@@ -47,64 +78,204 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
     Raises:
         ValueError: unknown schedule or out-of-range arguments.
     """
-    if kind not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
-    if num_stages < 1 or num_micro < 1 or not 0 <= stage < num_stages:
+    _check(kind, num_stages, num_micro)
+    if not 0 <= stage < num_stages:
         raise ValueError(f"bad schedule arguments: P={num_stages}, M={num_micro}, stage={stage}")
+    M = num_micro
     if kind == "gpipe":
-        return [Action("F", m) for m in range(num_micro)] + [Action("B", m) for m in range(num_micro)]
-    warmup = min(num_stages - stage - 1, num_micro)
+        return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
+    split = kind in SPLIT_BACKWARD
+    lag = stage if kind == "zb-h1" else 0  # W passes deferred past their B
+    warmup = min(num_stages - stage - 1, M)
     actions = [Action("F", m) for m in range(warmup)]
-    f, b = warmup, 0
-    while f < num_micro:
-        actions.append(Action("F", f))
-        f += 1
+    w = 0  # next W
+    for b in range(M):
+        f = warmup + b
+        if f < M:
+            actions.append(Action("F", f))
         actions.append(Action("B", b))
-        b += 1
-    while b < num_micro:
-        actions.append(Action("B", b))
-        b += 1
+        if split and b - w >= lag:
+            actions.append(Action("W", w))
+            w += 1
+    if split:
+        actions.extend(Action("W", m) for m in range(w, M))
     return actions
 
 
-def peak_in_flight(actions: list[Action]) -> int:
-    """Largest number of micro-batches whose forward ran but whose backward has not (activations held)."""
-    live = peak = 0
-    for a in actions:
-        live += 1 if a.kind == "F" else -1
-        peak = max(peak, live)
+def in_flight_profile(actions: Sequence[Action]) -> list[int]:
+    """Micro-batches whose activations the stage holds after each action.
+
+    A micro-batch is held from its ``F`` until its last backward action: its ``W`` when the list
+    has one for it (the autograd graph is kept between ``B`` and ``W``), else its ``B``.
+    """
+    last = {}
+    for i, a in enumerate(actions):
+        if a.kind != "F":
+            last[a.micro] = i
+    live, out = 0, []
+    for i, a in enumerate(actions):
+        if a.kind == "F":
+            live += 1
+        elif last.get(a.micro) == i:
+            live -= 1
+        out.append(live)
+    return out
+
+
+def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
+    """Largest number of micro-batches whose activations stage ``stage`` holds at once (forward
+    done, last backward action not yet), from the action list: ``1f1b`` and ``zb``
+    ``min(M, P - stage)``, ``zb-h1`` ``min(M, P)``, ``gpipe`` ``M``. Raises ``ValueError`` as
+    :func:`build_schedule`."""
+    return max(in_flight_profile(build_schedule(kind, num_stages, num_micro, stage)))
+
+
+def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
+    """Largest number of micro-batches between their ``B`` and ``W`` on stage ``stage`` (0 for
+    schedules without a split backward). Each such micro-batch keeps, besides its activations,
+    the output gradients of the stage's weight-bearing ops (for a Llama layer about the size of
+    its linear layers' outputs) until its ``W``. ``zb``: 1, ``zb-h1``: ``min(M, stage + 1)``; 0 on
+    the first stage, whose ``B`` is the full backward since nothing waits for its input gradient."""
+    acts = build_schedule(kind, num_stages, num_micro, stage)
+    if kind not in SPLIT_BACKWARD or stage == 0:
+        return 0
+    pending = peak = 0
+    for a in acts:
+        pending += 1 if a.kind == "B" else -1 if a.kind == "W" else 0
+        peak = max(peak, pending)
     return peak
 
 
-def simulate(kind: str, num_stages: int, num_micro: int) -> int:
-    """Run all stages' schedules against each other with unit-time actions and unbounded buffers.
+def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = None) -> int:
+    """Run all stages' schedules against each other with unit-time actions.
+
+    ``slots`` is the number of tensors that may be in flight on one boundary link and direction
+    before the sender blocks (the transport's ring of K shared-memory slots with credits,
+    ``runtime.slots``); ``None`` means unbounded. A stage starts ``F``/``B`` only when its input
+    has arrived and its outgoing link has a free slot (conservative: credits returned in a tick
+    are seen in the next one).
 
     Returns the number of time ticks the step takes. Raises ``RuntimeError`` on deadlock (used by
-    the tests to prove every (P, M) combination completes).
+    the tests to prove every (P, M, slots) combination completes).
     """
-    scheds = [build_schedule(kind, num_stages, num_micro, s) for s in range(num_stages)]
-    pos = [0] * num_stages
-    done_f = [set() for _ in range(num_stages)]
-    done_b = [set() for _ in range(num_stages)]
+    P = num_stages
+    scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
+    pos = [0] * P
+    done = {k: [set() for _ in range(P)] for k in "FBW"}
+    act_link = [0] * P   # act_link[s]: tensors sent s -> s+1, not yet received
+    grad_link = [0] * P  # grad_link[s]: tensors sent s -> s-1, not yet received
+    cap = float("inf") if slots is None else int(slots)
+    if cap < 1:
+        raise ValueError(f"slots must be >= 1 or None, got {slots}")
     ticks = 0
-    while any(pos[s] < len(scheds[s]) for s in range(num_stages)):
-        progressed = False
+    while any(pos[s] < len(scheds[s]) for s in range(P)):
         finished = []
-        for s in range(num_stages):
+        for s in range(P):
             if pos[s] >= len(scheds[s]):
                 continue
             a = scheds[s][pos[s]]
             if a.kind == "F":
-                ready = s == 0 or a.micro in done_f[s - 1]
+                ready = (s == 0 or a.micro in done["F"][s - 1]) and (s == P - 1 or act_link[s] < cap)
+            elif a.kind == "B":
+                ready = (a.micro in done["F"][s] and (s == P - 1 or a.micro in done["B"][s + 1])
+                         and (s == 0 or grad_link[s] < cap))
             else:
-                ready = a.micro in done_f[s] and (s == num_stages - 1 or a.micro in done_b[s + 1])
+                ready = a.micro in done["B"][s]
             if ready:
                 finished.append((s, a))
+        if not finished:
+            raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}, slots={slots} at {pos}")
         for s, a in finished:
-            (done_f if a.kind == "F" else done_b)[s].add(a.micro)
+            done[a.kind][s].add(a.micro)
             pos[s] += 1
-            progressed = True
-        if not progressed:
-            raise RuntimeError(f"schedule {kind} deadlocks for P={num_stages}, M={num_micro} at {pos}")
+            if a.kind == "F":
+                if s > 0:
+                    act_link[s - 1] -= 1
+                if s < P - 1:
+                    act_link[s] += 1
+            elif a.kind == "B":
+                if s < P - 1:
+                    grad_link[s + 1] -= 1
+                if s > 0:
+                    grad_link[s] += 1
         ticks += 1
     return ticks
+
+
+def _per_stage(v: Durations, P: int, name: str) -> list[float]:
+    if isinstance(v, (int, float)):
+        return [float(v)] * P
+    out = [float(x) for x in v]
+    if len(out) != P:
+        raise ValueError(f"{name}: need one value per stage ({P}), got {len(out)}")
+    return out
+
+
+def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
+                   t_w: Durations = 1.0) -> tuple[list[float], list[float]]:
+    """Earliest-start execution of the schedule with given per-micro-batch action times.
+
+    Args:
+        t_f, t_b, t_w: seconds (or any unit) per micro-batch of the forward, the input-gradient
+            and the weight-gradient pass; one number for all stages or one per stage.
+            Schedules without a split backward run ``t_b + t_w`` per ``B``; in ``zb`` the first
+            stage's ``B`` is its full backward (``t_b + t_w``) and its ``W`` takes no time, as
+            :class:`npu_train.pipeline.stage.StageRunner` runs it. Transfers take no time.
+
+    Returns:
+        ``(end, busy)``: per stage, the time its last action ends and its total compute time.
+    """
+    P = num_stages
+    tf, tb, tw = (_per_stage(v, P, n) for v, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
+    split = kind in SPLIT_BACKWARD
+    scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
+
+    def dur(s: int, k: str) -> float:
+        if k == "F":
+            return tf[s]
+        if k == "B":
+            return tb[s] if split and s > 0 else tb[s] + tw[s]
+        return tw[s] if s > 0 else 0.0
+
+    end: dict[tuple[str, int, int], float] = {}
+    pos, free, busy = [0] * P, [0.0] * P, [0.0] * P
+    progressed = True
+    while progressed:
+        progressed = False
+        for s in range(P):
+            while pos[s] < len(scheds[s]):
+                a = scheds[s][pos[s]]
+                if a.kind == "F":
+                    deps = [("F", s - 1, a.micro)] if s > 0 else []
+                elif a.kind == "B":
+                    deps = [("F", s, a.micro)] + ([("B", s + 1, a.micro)] if s < P - 1 else [])
+                else:
+                    deps = [("B", s, a.micro)]
+                if any(d not in end for d in deps):
+                    break
+                start = max([free[s]] + [end[d] for d in deps])
+                d = dur(s, a.kind)
+                end[(a.kind, s, a.micro)] = free[s] = start + d
+                busy[s] += d
+                pos[s] += 1
+                progressed = True
+    if any(pos[s] < len(scheds[s]) for s in range(P)):
+        raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}")
+    return free, busy
+
+
+def step_time(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
+              t_w: Durations = 1.0) -> float:
+    """Predicted time of one optimizer step's forward/backward (same unit as ``t_*``), from
+    :func:`stage_timeline`: the latest stage end."""
+    return max(stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)[0])
+
+
+def bubble_fraction(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
+                    t_w: Durations = 1.0) -> float:
+    """Idle share of the step over all stages: ``1 - sum(busy) / (P * step_time)``, from
+    :func:`stage_timeline`. With the default unit times: ``(P-1)/(M+P-1)`` for ``1f1b``/``gpipe``,
+    ``2(P-1)/(3M+2(P-1))`` for ``zb``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` when ``M >= P``."""
+    end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)
+    T = max(end)
+    return 1.0 - sum(busy) / (num_stages * T) if T > 0 else 0.0

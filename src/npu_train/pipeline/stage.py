@@ -17,8 +17,10 @@ from typing import Optional, Protocol
 
 import torch
 
-from npu_train.model.llama import causal_lm_loss_sum
-from npu_train.pipeline.schedule import build_schedule
+from npu_train.errors import ConfigError
+from npu_train.model.llama import IGNORE_INDEX, causal_lm_loss_sum
+from npu_train.pipeline.backward import backward_input
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, build_schedule
 
 
 #: micro-batch ids of evaluation passes start here (training micro-batches are 0..M-1).
@@ -36,17 +38,30 @@ class BoundaryComm(Protocol):
 
 
 class StageRunner:
-    """Executes GPipe/1F1B for one stage.
+    """Executes GPipe/1F1B/zero-bubble for one stage.
+
+    In ``zb``/``zb-h1`` (:data:`npu_train.pipeline.schedule.SPLIT_BACKWARD`) a ``B`` action computes only
+    the gradient w.r.t. the stage input and sends it upstream at once; the matching ``W`` adds
+    the weight gradients to ``p.grad`` later (:mod:`npu_train.pipeline.backward`). On the first
+    stage the input is token ids, no stage waits for its input gradient, so there ``B`` is the
+    full backward and ``W`` does nothing (fewer graph walks, the graph is freed sooner).
 
     Args:
         module: the stage's :class:`npu_train.model.llama.StageModule` (on the card).
         backend: the card's backend (``upload``/``synchronize``).
         num_stages, stage: pipeline size P and this stage's index.
-        schedule: ``"1f1b"`` or ``"gpipe"``.
+        schedule: one of :data:`npu_train.pipeline.schedule.SCHEDULES`.
         comm: the boundary transport (unused when P == 1).
+
+    Raises:
+        ConfigError: ``zb`` with a module built with ``recompute=True`` (W would recompute
+            every layer's forward a second time).
     """
 
     def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm]):
+        if schedule in SPLIT_BACKWARD and getattr(module, "recompute", False):
+            raise ConfigError(f"train.schedule={schedule} does not combine with train.recompute=true: "
+                              "use train.schedule=1f1b for activation recompute")
         self.module = module
         self.backend = backend
         self.P = num_stages
@@ -61,7 +76,8 @@ class StageRunner:
 
         Args:
             inputs: first stage only: M int64 CPU tensors ``[micro_batch, seq_len]``.
-            labels: last stage only: M int64 CPU tensors ``[micro_batch, seq_len]`` (-100 = ignored).
+            labels: last stage only: M int64 CPU tensors ``[micro_batch, seq_len]``
+                (``IGNORE_INDEX`` = ignored).
 
         Returns:
             ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int,
@@ -102,10 +118,13 @@ class StageRunner:
     def _run(self, step, M, inputs, labels) -> dict:
         total_tokens = None
         if self.last:
-            total_tokens = int(sum(int((l != -100).sum()) for l in labels))
+            total_tokens = int(sum(int((l != IGNORE_INDEX).sum()) for l in labels))
             if total_tokens == 0:
                 raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
         saved: dict[int, tuple] = {}
+        split = self.schedule in SPLIT_BACKWARD
+        pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
+        params = [p for p in self.module.parameters() if p.requires_grad] if split else []
         loss_sum = 0.0
         t_compute = t_wait = t_send = 0.0
         for a in build_schedule(self.schedule, self.P, M, self.s):
@@ -133,25 +152,38 @@ class StageRunner:
                 t_wait += t1 - t0
                 t_compute += t2 - t1
                 t_send += t3 - t2
-            else:
-                x, out = saved.pop(m)
+            elif a.kind == "B":
+                x, out = saved.pop(m) if not split else saved[m]
                 t0 = time.perf_counter()
-                if self.last:
-                    t1 = t0
-                    out.backward()
-                else:
+                g = None
+                if not self.last:
                     g = self.comm.recv_grad(step, m)
-                    t1 = time.perf_counter()
+                t1 = time.perf_counter()
+                if split and not self.first:
+                    dx, pending[m] = backward_input(out, g, x, params)
+                else:  # full backward (first stage of zb: nothing waits for an input gradient)
                     out.backward(g)
+                    dx = x.grad if not self.first else None
+                    if split:
+                        pending[m] = None
                 t2 = time.perf_counter()
                 if not self.first:
-                    self.comm.send_grad(step, m, x.grad)
+                    self.comm.send_grad(step, m, dx)
                 t3 = time.perf_counter()
                 t_wait += t1 - t0
                 t_compute += t2 - t1
                 t_send += t3 - t2
-                del x, out
-        assert not saved, f"schedule left micro-batches without backward: {sorted(saved)}"
+                del x, out, g, dx
+            else:  # "W": weight gradients deferred by this micro-batch's B
+                t0 = time.perf_counter()
+                work = pending.pop(m)
+                del saved[m]
+                if work is not None:
+                    work.run()
+                t_compute += time.perf_counter() - t0
+                del work
+        assert not saved and not pending, \
+            f"schedule left micro-batches without backward: {sorted(saved)} {sorted(pending)}"
         self.backend.synchronize()
         return {"loss_sum": loss_sum, "n_tokens": total_tokens or 0,
                 "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send}

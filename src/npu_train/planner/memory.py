@@ -76,7 +76,7 @@ from typing import Optional, Sequence
 
 from npu_train.hardware import GIB
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import build_schedule, peak_in_flight
+from npu_train.pipeline.schedule import peak_in_flight
 from npu_train.planner.spec import CardSpec, RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "activation_bytes_per_layer", "logits_bytes",
@@ -108,7 +108,7 @@ def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, sch
     Raises:
         ValueError: unknown schedule or out-of-range arguments.
     """
-    return peak_in_flight(build_schedule(schedule, num_stages, micro_batches, stage))
+    return peak_in_flight(schedule, stage, num_stages, micro_batches)
 
 
 def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: str = "eager") -> int:

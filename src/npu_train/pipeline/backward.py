@@ -1,0 +1,191 @@
+"""Backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W).
+
+Zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR) send the
+gradient w.r.t. a stage's input upstream as soon as it is known and compute the weight gradients
+later, in what would be the pipeline bubble. Both passes together must cost about one ordinary
+backward: W must not redo the input-gradient chain.
+
+How (the approach of ``torch.distributed.pipelining._backward``'s ``stage_backward_input`` /
+``stage_backward_weight``, written anew here on public autograd APIs):
+
+1. Walk the autograd graph from the stage output. Nodes from which the stage input's gradient
+   accumulator is reachable are *input-dependent*. An input-dependent node with an edge to a
+   non-input-dependent subgraph that reaches parameters is a *boundary* node (e.g. the ``mm`` of a
+   linear layer: one edge to its input activation, one to ``weight.t()``).
+2. B: ``torch.autograd.grad(output, [input], grad_output, retain_graph=True)``. The engine
+   evaluates only the input-dependent chain and, in each boundary node, only the outputs on that
+   chain (``dX = dY @ W``, not ``dW = dY^T X``). A pre-hook on every boundary node records the
+   gradient flowing into it (its ``grad_outputs``).
+3. W: for each group of boundary nodes sharing parameters, one
+   ``torch.autograd.grad(GradientEdge(node, k) ..., params, grad_outputs=recorded)``: the engine
+   runs only the weight-side outputs of the boundary nodes and the weight-only subgraphs below
+   them; the caller drops the micro-batch's graph afterwards. The results are added to
+   ``p.grad`` exactly as ``backward()`` would have accumulated them.
+
+When a group has several boundary nodes one of which lies below another on the input chain (a
+parameter used at two depths), a second pre-hook replaces that node's incoming gradient by the
+recorded one, so nothing is counted twice (the chain between them is then evaluated again; no
+layer of :mod:`npu_train.model.llama` does this: every weight is used once per stage).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+
+class WeightGradWork:
+    """The deferred weight-gradient pass (W) of one micro-batch, made by :func:`backward_input`.
+
+    :meth:`run` adds the weight gradients to ``p.grad`` of the parameters given to
+    :func:`backward_input` (same dtype/device as the parameters), then drops its references to the
+    micro-batch's graph.
+    """
+
+    def __init__(self, groups: list, params_by_node: dict):
+        self._groups = groups  # [(boundary nodes, {node: grad_outputs}, parameter nodes)]
+        self._params = params_by_node
+
+    def run(self) -> None:
+        """Compute and accumulate the weight gradients; call once."""
+        groups, self._groups = self._groups, []
+        for nodes, grads, pnodes in groups:
+            roots, root_grads = [], []
+            for n in nodes:
+                for k, g in enumerate(grads.get(n) or ()):
+                    if g is not None:
+                        roots.append(GradientEdge(n, k))
+                        root_grads.append(g)
+            if not roots:
+                continue  # no gradient reached these weights (unused output): as backward()
+            params = [self._params[pn] for pn in pnodes]
+            handles = []
+            if len(nodes) > 1:  # clamp: a boundary node below another gets only its recorded grad
+                for n in nodes:
+                    handles.append(n.register_prehook(lambda _go, g=grads.get(n): g))
+            try:
+                # retain: a later group may pass through this group's nodes on the input chain
+                # (shared parameters); the graph is released when the caller drops it after W
+                dws = torch.autograd.grad(roots, params, grad_outputs=root_grads, retain_graph=True,
+                                          allow_unused=True)
+            finally:
+                for h in handles:
+                    h.remove()
+            for p, dw in zip(params, dws):
+                if dw is None:
+                    continue
+                if p.grad is None:
+                    p.grad = dw
+                else:
+                    p.grad += dw
+        self._params = {}
+
+
+def _graph(root) -> dict:
+    """{node: [child node or None, ...]} of the autograd graph below ``root``."""
+    children: dict = {}
+    stack = [root]
+    while stack:
+        n = stack.pop()
+        if n in children:
+            continue
+        kids = [c for c, _ in n.next_functions]
+        children[n] = kids
+        stack.extend(c for c in kids if c is not None and c not in children)
+    return children
+
+
+def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], inp: torch.Tensor,
+                   params: Sequence[torch.nn.Parameter]) -> tuple[torch.Tensor, WeightGradWork]:
+    """B: gradient of ``output`` w.r.t. the stage input only; the weight part is deferred.
+
+    Args:
+        output: the stage output ``[b, S, H]`` (with ``grad_output`` of the same shape and dtype)
+            or a scalar loss (``grad_output=None``).
+        inp: the stage input, a leaf with ``requires_grad`` (``[b, S, H]``).
+        params: the stage's parameters whose gradients :meth:`WeightGradWork.run` accumulates.
+
+    Returns:
+        ``(d_input, work)``: ``d_input`` shaped like ``inp`` (zeros if the output does not depend
+        on it), and the deferred W of this micro-batch. ``inp.grad`` and ``p.grad`` are untouched.
+    """
+    root = output.grad_fn
+    if root is None:  # the output is the input itself (a stage without layers)
+        g = grad_output if grad_output is not None else torch.ones_like(output)
+        return g, WeightGradWork([], {})
+    children = _graph(root)
+    x_node = get_gradient_edge(inp).node
+    params_by_node = {}
+    for p in params:
+        if p.requires_grad:
+            params_by_node[get_gradient_edge(p).node] = p
+
+    parents: dict = {}
+    for n, kids in children.items():
+        for c in kids:
+            if c is not None:
+                parents.setdefault(c, []).append(n)
+    x_dep = set()
+    stack = [x_node] if x_node in parents else []
+    while stack:  # ancestors of the input's accumulator = input-dependent nodes
+        n = stack.pop()
+        if n in x_dep:
+            continue
+        x_dep.add(n)
+        stack.extend(parents.get(n, ()))
+
+    reach: dict = {}
+
+    def params_below(n) -> frozenset:  # parameters reachable from a non-input-dependent node
+        hit = reach.get(n)
+        if hit is None:
+            found, seen, st = set(), {n}, [n]
+            while st:
+                m = st.pop()
+                if m in params_by_node:
+                    found.add(m)
+                for c in children.get(m, ()):
+                    if c is not None and c not in seen:
+                        seen.add(c)
+                        st.append(c)
+            hit = reach[n] = frozenset(found)
+        return hit
+
+    boundary: dict = {}  # node -> parameter nodes it feeds
+    for n in x_dep:
+        ps = set()
+        for c in children.get(n, ()):
+            if c is not None and c not in x_dep:
+                ps |= params_below(c)
+        if ps:
+            boundary[n] = ps
+    # group boundary nodes that share parameters (merging groups as shared parameters appear)
+    owner: dict = {}   # parameter node -> group id
+    groups: dict = {}  # group id -> (boundary nodes, parameter nodes)
+    for gid, (n, ps) in enumerate(boundary.items()):
+        nodes, pset = [n], set(ps)
+        for old in {owner[p] for p in ps if p in owner}:
+            old_nodes, old_ps = groups.pop(old)
+            nodes += old_nodes
+            pset |= old_ps
+        groups[gid] = (nodes, pset)
+        for p in pset:
+            owner[p] = gid
+    if root not in x_dep:  # the output does not depend on the input: nothing to split
+        output.backward(grad_output)
+        return torch.zeros_like(inp), WeightGradWork([], {})
+    recorded: dict = {}
+    handles = []
+    for n in boundary:
+        handles.append(n.register_prehook(lambda go, n=n: recorded.__setitem__(n, go)))
+    try:
+        (dx,) = torch.autograd.grad(output, [inp], grad_output, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if dx is None:
+        dx = torch.zeros_like(inp)
+    work = WeightGradWork([(nodes, {n: recorded.get(n) for n in nodes}, list(ps)) for nodes, ps in groups.values()],
+                          params_by_node)
+    return dx, work
