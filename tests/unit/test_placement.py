@@ -388,15 +388,16 @@ def test_per_card_rates_list():
 
 
 # ---------------------------------------------------------------- schedule facts
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb", "zb-h1"])
 def test_in_flight_is_the_schedules_peak(schedule):
     assert schedule in SCHEDULES
     for P in range(1, 5):
         for M in range(1, 9):
             for s in range(P):
-                # 1F1B: min(M, P - s) (Narayanan et al. 2021, sec. 2.2); GPipe: all M
-                k = min(M, P - s) if schedule == "1f1b" else M
-                sched = peak_in_flight(build_schedule(schedule, P, M, s))
+                # 1F1B and zb: min(M, P - s) (Narayanan et al. 2021, sec. 2.2); GPipe: all M;
+                # ZB-H1 (Qi et al. 2024): every stage min(M, P)
+                k = {"1f1b": min(M, P - s), "zb": min(M, P - s), "gpipe": M, "zb-h1": min(M, P)}[schedule]
+                sched = peak_in_flight(schedule, s, P, M)
                 assert in_flight_micro_batches(s, P, M, schedule) == sched == k, (P, M, s)
 
 

@@ -5,13 +5,20 @@ Layout: ``config.py`` (LlamaConfig), ``llama.py`` (stage modules, loss, ``IGNORE
 ``gguf.py`` (GGUF reading, dequantization, q/k un-permute), ``weights.py`` (format dispatch,
 :func:`check_weights`), ``tokenizer.py`` (tokenizers, chat templates), ``presets.py``.
 """
-from .files import ModelFormatError, embedded_model_path, resolve_model_path
-from .gguf import clear_gguf_cache, gguf_unpermute
-from .tokenizer import chat_template, load_tokenizer, special_tokens
-from .weights import check_weights, load_config, load_tensors
+import importlib
 
-__all__ = [
-    "ModelFormatError", "check_weights", "load_config", "load_tensors", "load_tokenizer",
-    "chat_template", "special_tokens", "embedded_model_path", "resolve_model_path",
-    "gguf_unpermute", "clear_gguf_cache",
-]
+#: public name -> submodule. Loaded on first use (PEP 562), so ``import npu_train.model.config``
+#: (what the planner's dry run needs) does not import torch.
+_EXPORTS = {
+    "ModelFormatError": "files", "embedded_model_path": "files", "resolve_model_path": "files",
+    "clear_gguf_cache": "gguf", "gguf_unpermute": "gguf",
+    "chat_template": "tokenizer", "load_tokenizer": "tokenizer", "special_tokens": "tokenizer",
+    "check_weights": "weights", "load_config": "weights", "load_tensors": "weights",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
