@@ -82,6 +82,14 @@ def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: 
     return st
 
 
+def missing_shards(staging: str, world_size: int) -> list[int]:
+    """Stages ``0 .. world_size-1`` whose shard (safetensors + JSON) is not in ``staging`` (multi-node:
+    a node that wrote into another, unshared checkpoint root)."""
+    return [r for r in range(world_size)
+            if not (os.path.isfile(os.path.join(staging, f"stage_{r:03d}.safetensors"))
+                    and os.path.isfile(os.path.join(staging, f"stage_{r:03d}.json")))]
+
+
 def finalize(root: str, staging: str, step: int, manifest: dict, keep: int = 0) -> str:
     """Write the manifest (index of all shard tensors), atomically publish the checkpoint, prune old ones.
 
