@@ -274,6 +274,7 @@ class Coordinator:
             self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]))
         elif t == "ckpt":
             s = int(msg["step"])
+            rs.phase = f"step {s + 1}"  # the shard is written: the card process goes on with the next step
             rep = self.ckpt_reports.setdefault(s, {})
             rep[rs.rank] = msg["staging"]
             if len(rep) == len(self.ranks):
