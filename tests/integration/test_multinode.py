@@ -190,3 +190,29 @@ def test_kill9_card_on_node1_brings_both_nodes_down(two_nodes, tiny_model, tmp_p
     r = CheckpointReader(last)
     assert r.manifest["world_size"] == 3 and r.get("master.model.norm.weight").numel() == 64
     assert not [d for d in os.listdir(root) if d.startswith(".tmp-")]
+
+
+def test_kill9_node_agent_brings_the_other_node_down(two_nodes, tiny_model, tmp_path):
+    """kill -9 of node 1's launcher (its node agent): its card processes clean up and exit, node 0
+    declares node 1 dead after the heartbeat timeout, names it, and leaves nothing behind."""
+    common = ("train.steps=200",)
+    n0 = _node_job(tmp_path, tiny_model, two_nodes, 0, "cpu", *common)
+    n1 = _node_job(tmp_path, tiny_model, two_nodes, 1, "cpu,cpu", *common)
+    jobs = [n0, n1]
+    try:
+        info0, info1 = n0.job_info(), n1.job_info()
+        n0.wait_steps(2, 180)
+        os.kill(n1.proc.pid, 9)
+        t_kill = time.monotonic()
+        rc0 = n0.wait(120)
+    finally:
+        for j in jobs:
+            j.kill_all()
+    assert rc0 == 1, n0.tail()
+    # silence is only "dead" after runtime.heartbeat_timeout_s; then the teardown takes a moment
+    assert n0.t_exit - t_kill < HB_TIMEOUT_S + 10, f"node 0 exited {n0.t_exit - t_kill:.1f} s after the kill"
+    errs = n0.error_lines()
+    assert len(errs) == 1 and "node 1 stopped responding" in errs[0], n0.tail()
+    assert not _survivors_gone(jobs), "processes left running"
+    assert job_segments(info0["job_id"]) == [], "shared-memory segments left in /dev/shm"
+    assert not os.path.exists(info0["ipc_dir"]) and not os.path.exists(info1["ipc_dir"])
