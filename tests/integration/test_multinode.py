@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import time
 
@@ -216,3 +217,20 @@ def test_kill9_node_agent_brings_the_other_node_down(two_nodes, tiny_model, tmp_
     assert not _survivors_gone(jobs), "processes left running"
     assert job_segments(info0["job_id"]) == [], "shared-memory segments left in /dev/shm"
     assert not os.path.exists(info0["ipc_dir"]) and not os.path.exists(info1["ipc_dir"])
+
+
+def test_nodes_with_different_settings_fail_naming_the_keys(tiny_model, tmp_path):
+    """The rendezvous compares the model/data/train settings: both launchers exit 2 naming the key
+    (two launchers on this host's loopback; no namespaces needed before any card process starts)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    n0 = Job(tmp_path, tiny_model, "train.lr=1e-3", name="node0", env=dict(env, NODE_RANK="0"), backend="cpu")
+    n1 = Job(tmp_path, tiny_model, "train.lr=2e-3", name="node1", env=dict(env, NODE_RANK="1"), backend="cpu")
+    rcs = _wait_both([n0, n1], 180)
+    assert rcs == [2, 2], n0.tail() + n1.tail()
+    for j in (n0, n1):
+        errs = j.error_lines()
+        assert len(errs) == 1 and "node 1 differs from node 0 in train.lr (node 0: 0.001, node 1: 0.002)" in errs[0], j.tail()
+        assert not os.path.exists(os.path.join(j.run_dir, "checkpoints")), "nothing is written before the check"

@@ -341,8 +341,8 @@ def _join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: 
         mine[str(r)] = (Endpoint.tcp(host, Endpoint.free_tcp_port(host)) if remote or rt.transport != "shm"
                         else f"ipc://{ipc_dir}/r{r}.sock")
     inbox = {}
-    for d in rdv.exchange("inbox", mine):
-        inbox.update(d)
+    for d in rdv.exchange("inbox", {"host": host, "inbox": mine}):
+        inbox.update(d["inbox"])
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         ifname = interface_of(host)
         if ifname:

@@ -24,7 +24,12 @@ node publishes JSON under ``<topic>/<node>`` and reads the others'. Topics, in o
 3. ``plan``: the plan's split + resident layers, the data fingerprint and the resume point, compared
    like ``config`` (a different calibration profile on one node would otherwise give another split);
 4. ``job`` (node 0 only): the job id, token, gloo port and the node agents' channel address;
-5. ``inbox``: the boundary mailbox address of every stage of the node.
+5. ``inbox``: the node's host address (``runtime.host``) and the boundary mailbox address of every
+   stage of the node.
+
+gloo: every card process joins one process group through ``tcp://MASTER_ADDR:<port>``, the port
+picked by node 0 and published in ``job`` (global rank 0, on node 0, hosts gloo's own store there);
+``GLOO_SOCKET_IFNAME`` defaults to the interface holding ``runtime.host``.
 
 A node that fails during preparation publishes ``abort/<node>`` with its error, so the others stop
 waiting at once and name it. Waiting for a node is bounded by ``runtime.startup_timeout_s``.
