@@ -180,6 +180,8 @@ class Coordinator:
                 self.link.pump(now, lambda step: self._publish(step, self.ckpt_reports.pop(step)[min(self.by_rank)]))
             if all(rs.done for rs in self.ranks):
                 if self.link is not None and not self.link.all_done(self.last_ckpt):
+                    if self.interrupted:  # a second Ctrl-C still aborts the wait
+                        self._handle_interrupt(now)
                     continue  # wait for the other nodes (their failures still bring this one down)
                 if self.link is not None and self.link.last_ckpt:
                     self.last_ckpt = self.link.last_ckpt
