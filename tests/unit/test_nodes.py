@@ -194,3 +194,18 @@ def test_node_link_silent_node_is_declared_dead():
             _pump_until([n0], lambda: False)
     finally:
         n0.close()
+
+
+def test_exchange_cards_gives_every_node_the_same_global_card_list():
+    from npu_train.planner import CardSpec
+    from npu_train.runtime.nodes import exchange_cards
+
+    r0, r1 = _two_rendezvous()
+    c0 = [CardSpec(kind="cpu", index=None, capacity_bytes=100, name="cpu")]
+    c1 = [CardSpec(kind="cpu", index=None, capacity_bytes=40, name=f"cpu:{i}") for i in range(2)]
+    a, b = _both(lambda: exchange_cards(r0, c0, 4, 1000), lambda: exchange_cards(r1, c1, 2, 500))
+    assert a == b
+    cards, counts, threads, ram = a
+    # node order, then card order; each card keeps its own node's capacity; the smallest thread count
+    assert [(c.name, c.capacity_bytes) for c in cards] == [("node0/cpu", 100), ("node1/cpu:0", 40), ("node1/cpu:1", 40)]
+    assert (counts, threads, ram) == ([1, 2], 2, [1000, 500])

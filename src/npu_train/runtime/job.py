@@ -9,7 +9,6 @@ anything is written, and raises a :class:`~npu_train.errors.UserError` naming th
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import secrets
 import socket
@@ -89,7 +88,6 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model.loading import load_config, resolve_model_path
-    from npu_train.backends.spec import CardRequest
     from npu_train.planner import RunShape, load_rates, make_plan, threads_per_card
 
     validate(cfg)
@@ -102,21 +100,11 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
         host_ram = psutil.virtual_memory().total
     except Exception:
         host_ram = None
-    node_counts = [len(reqs)]
-    if nodes is not None:
-        # each node's cards with the capacities that node computed (a CPU card's share of ITS RAM)
-        mine = {"cards": [[c.kind, c.index, c.capacity_bytes] for c in card_specs(reqs, cfg)],
-                "threads": threads, "host_ram": host_ram}
-        everyone = nodes.exchange("cards", mine)
-        node_reqs = [[CardRequest(k, i, f"{k}:{i}" if i is not None else k) for k, i, _ in e["cards"]] for e in everyone]
-        node_counts = [len(nr) for nr in node_reqs]
-        plan_threads = min(e["threads"] for e in everyone)
-        cards = [dataclasses.replace(c, capacity_bytes=e["cards"][j][2])
-                 for n, (nr, e) in enumerate(zip(node_reqs, everyone))
-                 for j, c in enumerate(card_specs(nr, cfg, prefix=f"node{n}/"))]
-        reqs = [r for nr in node_reqs for r in nr]
-    else:
-        cards = card_specs(reqs, cfg)
+    cards, node_counts, node_ram = card_specs(reqs, cfg), [len(reqs)], [host_ram]
+    if nodes is not None:  # every node's cards, in node order (runtime/nodes.py)
+        from npu_train.runtime.nodes import exchange_cards
+
+        cards, node_counts, plan_threads, node_ram = exchange_cards(nodes, cards, threads, host_ram)
     mcfg, model_path = _preset_config(cfg.model.path), None
     if mcfg is None:
         model_path = resolve_model_path(cfg.model.path)
@@ -130,13 +118,13 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
                           f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
-    if len(reqs) > mcfg.num_layers:
-        raise ConfigError(f"{len(reqs)} cards but the model has only {mcfg.num_layers} layers: "
+    if len(cards) > mcfg.num_layers:
+        raise ConfigError(f"{len(cards)} cards but the model has only {mcfg.num_layers} layers: "
                           f"use at most {mcfg.num_layers} backend entries")
-    dtype = compute_dtype(tr.dtype, [r.kind for r in reqs])
+    dtype = compute_dtype(tr.dtype, [c.kind for c in cards])
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute)
-    rates = [load_rates(r.kind, cfg.placement.profile, threads=plan_threads) for r in reqs]
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
         try:
@@ -150,7 +138,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     if nodes is not None:
         from npu_train.runtime.nodes import check_node_host_ram
 
-        check_node_host_ram(plan, node_counts, [e["host_ram"] for e in everyone])
+        check_node_host_ram(plan, node_counts, node_ram)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
             "dtype": dtype, "model_path": model_path, "threads": threads, "node_counts": node_counts}
 
@@ -320,41 +308,6 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     return specs
 
 
-def _join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: str, host: str, job: dict, rt):
-    """Multi-node: publish this node's stages' mailbox addresses, collect everyone's, and open the node
-    agents' channel. Returns ``(NodePlan, NodeLink)``.
-
-    A stage with a boundary to another node (or with ``runtime.transport=inline``) gets a ``tcp://``
-    mailbox on ``host``; the others an ipc socket in this node's private ``ipc_dir``. If ``GLOO_SOCKET_IFNAME``
-    is unset, it is set to the interface holding ``host`` for the card processes (gloo would otherwise
-    use the address of this machine's host name, which other nodes may not reach).
-    """
-    from npu_train.runtime.agent import NodeLink
-    from npu_train.runtime.nodes import NodePlan, interface_of
-
-    P = len(node_of_rank)
-    mine = {}
-    for r in range(P):
-        if node_of_rank[r] != layout.node_rank:
-            continue
-        remote = any(boundary[b] == "inline" for b in (r - 1, r) if 0 <= b < P - 1)
-        mine[str(r)] = (Endpoint.tcp(host, Endpoint.free_tcp_port(host)) if remote or rt.transport != "shm"
-                        else f"ipc://{ipc_dir}/r{r}.sock")
-    inbox = {}
-    for d in rdv.exchange("inbox", {"host": host, "inbox": mine}):
-        inbox.update(d["inbox"])
-    if "GLOO_SOCKET_IFNAME" not in os.environ:
-        ifname = interface_of(host)
-        if ifname:
-            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the spawned card processes
-    plan = NodePlan(node=layout.node_rank, nnodes=layout.nnodes, node_of_rank=tuple(node_of_rank),
-                    inbox=tuple(inbox[str(r)] for r in range(P)), boundary_transport=boundary,
-                    dist_init=Endpoint.tcp(layout.master_addr, job["gloo_port"]), link_addr=job["link"])
-    link = NodeLink(layout.node_rank, layout.nnodes, job["link"], job["token"], interval_s=rt.heartbeat_interval_s,
-                    timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s)
-    return plan, link
-
-
 def run_job(cfg, run_dir: str) -> dict:
     """Run one training job described by ``cfg`` (an OmegaConf ``Config``) in ``run_dir``.
 
@@ -460,11 +413,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         rdv.check_same("plan", N.plan_digest(plan, data.fingerprint, start_step, resume_dir), "placement plans, data or "
                        "resume points", "give every node the same data and checkpoint files and calibration profiles "
                        "(placement.profile), or fix the split with train.split")
-        if layout.is_master:  # one job id, token, gloo port and node channel for all nodes
-            job = {"job_id": job_id, "token": token, "gloo_port": port,
-                   "link": Endpoint.tcp(host, Endpoint.free_tcp_port(host))}
-            rdv.publish("job", job)
-        job = rdv.collect("job", [0])[0]
+        job = N.share_job(rdv, job_id=job_id, token=token, gloo_port=port, host=host)
         job_id, token = job["job_id"], job["token"]
     elem = 2 if prep["dtype"] == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
@@ -482,7 +431,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     os.chmod(ipc_dir, 0o700)
     node_plan = link = None
     if rdv is not None:
-        node_plan, link = _join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
+        node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
     data_file = os.path.join(run_dir, "data.safetensors")
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)

@@ -268,6 +268,23 @@ class Rendezvous:
             raise RendezvousError(f"{what} differ between nodes: {' | '.join(diffs)}: {fix}")
 
 
+def exchange_cards(rdv: Rendezvous, local_cards: list, threads: int, host_ram: Optional[int]):
+    """Publish this node's cards (planner ``CardSpec``: kind, index, capacity in bytes, name), thread
+    count and host RAM (bytes); return every node's, in node order: ``(cards, cards per node, plan
+    threads, host RAM per node)``. Card names get a ``node<n>/`` prefix (``node1/cpu:0``); each card
+    keeps the capacity its own node computed (a CPU card's share of THAT node's RAM); the plan uses
+    the smallest thread count of any node, so every node plans with the same figures."""
+    from npu_train.planner import CardSpec
+
+    mine = {"cards": [[c.kind, c.index, c.capacity_bytes, c.name] for c in local_cards],
+            "threads": threads, "host_ram": host_ram}
+    everyone = rdv.exchange("cards", mine)
+    cards = [CardSpec(kind=k, index=i, capacity_bytes=cap, name=f"node{n}/{name}")
+             for n, e in enumerate(everyone) for k, i, cap, name in e["cards"]]
+    return (cards, [len(e["cards"]) for e in everyone], min(e["threads"] for e in everyone),
+            [e["host_ram"] for e in everyone])
+
+
 def check_node_host_ram(plan, node_counts: list[int], host_ram: list[Optional[int]]) -> None:
     """Each node's offloaded optimizer state (fp32 master + AdamW moments of its stages' offloaded
     layers, ``Stage.host_bytes``) must fit in that node's RAM. Raises :class:`ConfigError` naming the node."""
@@ -332,3 +349,50 @@ class NodePlan:
         """Boundaries with both stages on this node using shared memory (each has two rings)."""
         return sum(1 for b, m in enumerate(self.boundary_transport)
                    if m == "shm" and self.node_of_rank[b] == self.node)
+
+
+def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int, host: str) -> dict:
+    """One job id, token, gloo port and node channel address for all nodes: node 0 publishes its own
+    (the channel on a free port of its ``host``), every node returns node 0's
+    ``{"job_id", "token", "gloo_port", "link"}``."""
+    from npu_train.transport.channel import Endpoint
+
+    if rdv.layout.is_master:
+        rdv.publish("job", {"job_id": job_id, "token": token, "gloo_port": gloo_port,
+                            "link": Endpoint.tcp(host, Endpoint.free_tcp_port(host))})
+    return rdv.collect("job", [0])[0]
+
+
+def join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: str, host: str, job: dict, rt):
+    """Multi-node: publish this node's stages' mailbox addresses, collect everyone's, and open the node
+    agents' channel. Returns ``(NodePlan, NodeLink)``.
+
+    A stage with a boundary to another node (or with ``runtime.transport=inline``) gets a ``tcp://``
+    mailbox on ``host``; the others an ipc socket in this node's private ``ipc_dir``. If ``GLOO_SOCKET_IFNAME``
+    is unset, it is set to the interface holding ``host`` for the card processes (gloo would otherwise
+    use the address of this machine's host name, which other nodes may not reach).
+    """
+    from npu_train.runtime.agent import NodeLink
+    from npu_train.transport.channel import Endpoint
+
+    P = len(node_of_rank)
+    mine = {}
+    for r in range(P):
+        if node_of_rank[r] != layout.node_rank:
+            continue
+        remote = any(boundary[b] == "inline" for b in (r - 1, r) if 0 <= b < P - 1)
+        mine[str(r)] = (Endpoint.tcp(host, Endpoint.free_tcp_port(host)) if remote or rt.transport != "shm"
+                        else f"ipc://{ipc_dir}/r{r}.sock")
+    inbox = {}
+    for d in rdv.exchange("inbox", {"host": host, "inbox": mine}):
+        inbox.update(d["inbox"])
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = interface_of(host)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the spawned card processes
+    plan = NodePlan(node=layout.node_rank, nnodes=layout.nnodes, node_of_rank=tuple(node_of_rank),
+                    inbox=tuple(inbox[str(r)] for r in range(P)), boundary_transport=boundary,
+                    dist_init=Endpoint.tcp(layout.master_addr, job["gloo_port"]), link_addr=job["link"])
+    link = NodeLink(layout.node_rank, layout.nnodes, job["link"], job["token"], interval_s=rt.heartbeat_interval_s,
+                    timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s)
+    return plan, link
