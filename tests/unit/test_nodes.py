@@ -209,3 +209,16 @@ def test_exchange_cards_gives_every_node_the_same_global_card_list():
     # node order, then card order; each card keeps its own node's capacity; the smallest thread count
     assert [(c.name, c.capacity_bytes) for c in cards] == [("node0/cpu", 100), ("node1/cpu:0", 40), ("node1/cpu:1", 40)]
     assert (counts, threads, ram) == ([1, 2], 2, [1000, 500])
+
+
+def test_missing_shards_finds_stages_written_elsewhere(tmp_path):
+    """Node 0 publishes only when every stage's shard is in the shared staging dir (not a shared root: error)."""
+    import torch
+
+    from npu_train.checkpoint.store import missing_shards, save_shard
+
+    for r in (0, 2):
+        save_shard(str(tmp_path), r, {"x": torch.zeros(1)}, {"rank": r})
+    assert missing_shards(str(tmp_path), 3) == [1]
+    save_shard(str(tmp_path), 1, {"x": torch.zeros(1)}, {"rank": 1})
+    assert missing_shards(str(tmp_path), 3) == []
