@@ -112,8 +112,9 @@ class RuntimeConf:
     transport: str = "shm"
     #: torch intra-op threads per card process (null = host cores / local cards).
     threads: Optional[int] = None
-    #: gloo/ZeroMQ host for this node (multi-node: the pod IP); rendezvous from MASTER_ADDR/PORT.
-    host: str = "127.0.0.1"
+    #: address this node's sockets listen on (boundary mailboxes, gloo); null = 127.0.0.1 on one node,
+    #: and on a multi-node job (NNODES > 1) the IP of the interface that routes to MASTER_ADDR.
+    host: Optional[str] = None
     #: base TCP port for gloo; 0 = pick a free one.
     port: int = 0
 

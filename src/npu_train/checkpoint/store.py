@@ -16,6 +16,14 @@ write-then-rename. A directory without ``manifest.json`` or with a ``.tmp-`` pre
 considered a checkpoint, so a crash (even ``kill -9``) during a save leaves the previous checkpoint
 as the latest complete one.
 
+Multi-node (one launcher per node): every node's card processes write their shards into the same
+staging directory of ONE shared checkpoint root (``checkpoint.dir`` on a shared filesystem mounted at
+the same path on every node; in Kubernetes a ReadWriteMany volume); node 0's launcher writes the
+manifest and renames once every node has reported its shards, and only node 0 removes staging
+directories. Per-node roots are not merged: node 0 refuses to publish a checkpoint whose staging
+directory lacks a stage's shard (:func:`missing_shards`), and the job fails naming the stages and the
+fix, so a non-shared root never yields an incomplete checkpoint.
+
 Because tensor keys are global HF parameter names, a checkpoint can be loaded with any other
 stage split, card count or resident/offloaded split (resharding is a lookup in the index).
 """
@@ -80,6 +88,14 @@ def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: 
         f.flush()
         os.fsync(f.fileno())
     return st
+
+
+def missing_shards(staging: str, world_size: int) -> list[int]:
+    """Stages ``0 .. world_size-1`` whose shard (safetensors + JSON) is not in ``staging`` (multi-node:
+    a node that wrote into another, unshared checkpoint root)."""
+    return [r for r in range(world_size)
+            if not (os.path.isfile(os.path.join(staging, f"stage_{r:03d}.safetensors"))
+                    and os.path.isfile(os.path.join(staging, f"stage_{r:03d}.json")))]
 
 
 def finalize(root: str, staging: str, step: int, manifest: dict, keep: int = 0) -> str:

@@ -31,6 +31,15 @@ other jobs' segments (it cannot tell a dead job from a live one in another PID n
 remove them with ``rm /dev/shm/npt_<job_id>_*`` (the job id is printed at start and is in
 ``job.json``).
 
+Multi-node (:mod:`npu_train.runtime.nodes`): each node's launcher runs one coordinator for its own
+card processes (``specs`` holds only this node's stages, with global ranks) and a
+:class:`~npu_train.runtime.agent.NodeLink` to the other nodes' launchers. A failure decided here is
+sent to every node; a failure notice from another node (or its silence) ends this one with the same
+message. An error *reported* by a local card process (a broken gloo connection, a transport timeout)
+waits :attr:`Coordinator.REMOTE_GRACE_S` (or, while a node is silent, until it is declared dead) for
+a notice from another node, which names the root cause better. Checkpoint reports flow to node 0,
+which publishes once every node's shards are written.
+
 While a job runs, ``<run_dir>/job.json`` describes it (job id, launcher and card process ids,
 socket addresses, shared-memory prefix; never the token) for tools and tests.
 """
@@ -78,9 +87,10 @@ class Coordinator:
     def __init__(self, specs: list[WorkerSpec], *, run_dir: str, ipc_dir: str, job_id: str, token: str,
                  heartbeat_timeout_s: float, startup_timeout_s: float, steps: int, start_step: int,
                  ckpt_root: str, ckpt_keep: int, manifest_base: dict, save_on_interrupt: bool,
-                 reporter, coord_addr: str):
+                 reporter, coord_addr: str, node_link=None, node: int = 0, nnodes: int = 1):
         self.specs = specs
-        self.P = len(specs)
+        self.P = specs[0].world_size   # stages of the whole job (all nodes)
+        self.link, self.node, self.nnodes = node_link, node, nnodes
         self.run_dir, self.ipc_dir, self.job_id, self.token = run_dir, ipc_dir, job_id, token
         self.hb_timeout, self.startup_timeout = heartbeat_timeout_s, startup_timeout_s
         self.steps, self.start_step = steps, start_step
@@ -92,6 +102,7 @@ class Coordinator:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(coord_addr)
         self.ranks = [RankState(s.rank, s.card.name, s.stage.label) for s in specs]
+        self.by_rank = {rs.rank: rs for rs in self.ranks}
         self.ckpt_reports: dict[int, dict[int, str]] = {}
         self.interrupted = 0
         self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
@@ -112,7 +123,13 @@ class Coordinator:
                 rs.proc.start()
                 rs.last_seen = now
             self._write_job_file()
-            self._loop()
+            try:
+                self._loop()
+            except BaseException as e:
+                if self.link is not None:  # every other node goes down with the same message
+                    self.link.fail(str(e) if isinstance(e, JobFailed) else
+                                   f"node {self.node}: the launcher stopped ({type(e).__name__}: {e})")
+                raise
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
@@ -120,6 +137,8 @@ class Coordinator:
 
     #: after the first error report, wait this long for a peer's death to show (root cause)
     ERROR_GRACE_S = 0.5
+    #: multi-node: after a local error report, wait this long for another node's failure notice
+    REMOTE_GRACE_S = 3.0
 
     def _on_signal(self, signum, frame) -> None:
         self.interrupted += 1
@@ -131,7 +150,8 @@ class Coordinator:
             "job_id": self.job_id, "launcher_pid": os.getpid(), "run_dir": self.run_dir,
             "ipc_dir": self.ipc_dir, "coord_addr": self.specs[0].coord_addr,
             "transport": self.specs[0].runtime.transport, "shm_prefix": f"npt_{self.job_id}_",
-            "ckpt_root": self.ckpt_root,
+            "ckpt_root": self.ckpt_root, "node": self.node, "nnodes": self.nnodes,
+            "boundaries": [self.specs[0].boundary_mode(b) for b in range(self.P - 1)],
             "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "pid": rs.proc.pid,
                        "inbox": spec.inbox[rs.rank] if self.P > 1 else None}
                       for rs, spec in zip(self.ranks, self.specs)],
@@ -156,7 +176,15 @@ class Coordinator:
                     break
                 self._handle(self.sock.recv_multipart())
             now = time.monotonic()
+            if self.link is not None:
+                self.link.pump(now, lambda step: self._publish(step, self.ckpt_reports.pop(step)[min(self.by_rank)]))
             if all(rs.done for rs in self.ranks):
+                if self.link is not None and not self.link.all_done(self.last_ckpt):
+                    if self.interrupted:  # a second Ctrl-C still aborts the wait
+                        self._handle_interrupt(now)
+                    continue  # wait for the other nodes (their failures still bring this one down)
+                if self.link is not None and self.link.last_ckpt:
+                    self.last_ckpt = self.link.last_ckpt
                 for rs in self.ranks:
                     rs.proc.join(timeout=30)
                 return
@@ -167,7 +195,7 @@ class Coordinator:
     def _check_failures(self, poller, now: float) -> None:
         """Raise :class:`JobFailed` naming the root cause if any card process failed."""
         codes = {rs.rank: rs.proc.exitcode for rs in self.ranks}
-        if any(c is not None and not (self.ranks[r].done and c == 0) for r, c in codes.items()):
+        if any(c is not None and not (self.by_rank[r].done and c == 0) for r, c in codes.items()):
             # drain pending messages first: an error report explains an exit better than its status
             while poller.poll(50):
                 self._handle(self.sock.recv_multipart())
@@ -186,7 +214,11 @@ class Coordinator:
         reported = sorted((rs for rs in self.ranks if rs.error is not None), key=lambda r: r.error_at)
         if reported:
             settled = all(rs.error is not None or codes[rs.rank] is not None for rs in self.ranks)
-            if settled or now - reported[0].error_at >= self.ERROR_GRACE_S:
+            if self.link is None:
+                due = settled or now - reported[0].error_at >= self.ERROR_GRACE_S
+            else:  # another node may know the root cause (a card killed there breaks our collectives)
+                due = now - reported[0].error_at >= self.REMOTE_GRACE_S and not self.link.quiet_peers(now)
+            if due:
                 self._fail(reported[0], reported[0].error)
 
     def _handle_interrupt(self, now: float) -> None:
@@ -213,7 +245,7 @@ class Coordinator:
             msg = msgpack.unpackb(frames[-1], raw=False)
             tok = msg.get("tok") if isinstance(msg, dict) else None
             ok = (isinstance(tok, str) and hmac.compare_digest(tok.encode(), self.token.encode())
-                  and 0 <= int(msg.get("rank", -1)) < self.P)
+                  and int(msg.get("rank", -1)) in self.by_rank)
         except Exception:
             ok = False
         if not ok:
@@ -222,7 +254,7 @@ class Coordinator:
                 log.warning("coordinator: ignored a message from an unauthenticated peer "
                             "(%d so far; wrong or missing job token, or not msgpack)", self.rejected)
             return
-        rs = self.ranks[int(msg["rank"])]
+        rs = self.by_rank[int(msg["rank"])]
         rs.last_seen = time.monotonic()
         t = msg.get("type")
         if t == "hb":
@@ -244,10 +276,14 @@ class Coordinator:
             self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]))
         elif t == "ckpt":
             s = int(msg["step"])
+            rs.phase = f"step {s + 1}"  # the shard is written: the card process goes on with the next step
             rep = self.ckpt_reports.setdefault(s, {})
             rep[rs.rank] = msg["staging"]
-            if len(rep) == self.P:
-                self._publish(s, rep[0])
+            if len(rep) == len(self.ranks):
+                if self.link is None:
+                    self._publish(s, rep[0])
+                else:  # node 0 publishes once every node's shards are written (NodeLink.pump)
+                    self.link.shards_written(s)
         elif t in ("done", "stopped"):
             if t == "done":
                 rs.done = True
@@ -262,9 +298,14 @@ class Coordinator:
                 rs.error_at = time.monotonic()
 
     def _publish(self, step: int, staging: str) -> None:
-        from npu_train.checkpoint.store import finalize
+        from npu_train.checkpoint.store import finalize, missing_shards
 
         t0 = time.perf_counter()
+        missing = missing_shards(staging, self.P)
+        if missing:  # multi-node: a node wrote its shards elsewhere (checkpoint.dir not shared)
+            raise JobFailed(f"checkpoint of step {step}: the shards of stage(s) {missing} are missing from {staging}; "
+                            "every node must write into one shared checkpoint.dir (a shared filesystem / RWX "
+                            "volume mounted at the same path on every node)")
         final = finalize(self.ckpt_root, staging, step, self.manifest_base, keep=self.ckpt_keep)
         self.last_ckpt = final
         self.reporter.note(f"checkpoint step {step} saved to {final} ({time.perf_counter() - t0:.1f} s to publish)")
@@ -289,8 +330,11 @@ class Coordinator:
         unlink_job_segments(self.job_id)
         self.sock.close(linger=0)
         self.ctx.term()
+        if self.link is not None:
+            self.link.close()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
-        if os.path.isdir(self.ckpt_root):
+        # multi-node: the staging dirs are shared; only node 0 (which publishes) removes them
+        if self.node == 0 and os.path.isdir(self.ckpt_root):
             for fn in os.listdir(self.ckpt_root):
                 if fn.startswith(".tmp-") and fn.endswith(self.job_id):
                     shutil.rmtree(os.path.join(self.ckpt_root, fn), ignore_errors=True)

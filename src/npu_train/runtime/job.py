@@ -17,7 +17,7 @@ import tempfile
 from typing import Optional
 
 from npu_train.env import cache_dir, getenv
-from npu_train.errors import ConfigError, Interrupted
+from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
@@ -52,19 +52,59 @@ def as_list(v):
     return v
 
 
-def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
+def card_specs(reqs, cfg, prefix: str = "") -> list:
+    """Planner :class:`~npu_train.planner.CardSpec` of one node's resolved card requests.
+
+    Capacity: the backend's (``placement.capacity_gib`` overrides it); CPU cards share the node's
+    RAM equally. Names: ``cpu`` (one CPU card) or ``cpu:<i>``, ``<kind>:<index>``, after ``prefix``
+    (multi-node: ``node1/``, so every card of the job has a distinct name).
+    """
+    from npu_train.planner import CardSpec, default_capacity
+
+    n_cpu = sum(1 for r in reqs if r.kind == "cpu")
+    cards = []
+    for r in reqs:
+        cap = default_capacity(r.kind)
+        if r.kind == "cpu" and n_cpu:
+            cap = cap // n_cpu
+        if cfg.placement.capacity_gib:
+            cap = int(cfg.placement.capacity_gib * 2 ** 30)
+        name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
+        cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=prefix + name))
+    return cards
+
+
+def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     """Validate ``cfg`` and build everything needed before a card process starts.
 
     Returns a dict with ``cards``, ``model_cfg`` (LlamaConfig), ``plan`` (placement Plan),
-    ``shape``, ``dtype`` and ``model_path``. Raises a :class:`~npu_train.errors.UserError` on bad input.
+    ``shape``, ``dtype``, ``model_path``, ``threads`` (this node's per card process) and
+    ``node_counts`` (cards per node). Multi-node (``nodes``: a
+    :class:`~npu_train.runtime.nodes.Rendezvous`): the nodes exchange their cards, thread counts and
+    host RAM, and every node plans over ALL cards of the job (node order, then card order), with the
+    smallest thread count of any node, so the same inputs give every node the same plan.
+    Raises a :class:`~npu_train.errors.UserError` on bad input.
     """
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
-    from npu_train.planner import CardSpec, RunShape, default_capacity, load_rates, make_plan, threads_per_card
+    from npu_train.planner import RunShape, load_rates, make_plan, threads_per_card
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
+    # one thread count for the plan's step time and the card processes (WorkerSpec.runtime.threads)
+    threads = plan_threads = threads_per_card(cfg.runtime.threads, len(reqs))
+    try:
+        import psutil
+
+        host_ram = psutil.virtual_memory().total
+    except Exception:
+        host_ram = None
+    cards, node_counts, node_ram = card_specs(reqs, cfg), [len(reqs)], [host_ram]
+    if nodes is not None:  # every node's cards, in node order (runtime/nodes.py)
+        from npu_train.runtime.nodes import exchange_cards
+
+        cards, node_counts, plan_threads, node_ram = exchange_cards(nodes, cards, threads, host_ram)
     mcfg, model_path = _preset_config(cfg.model.path), None
     if mcfg is None:
         model_path = resolve_model_path(cfg.model.path)
@@ -78,10 +118,10 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
                           f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
-    if len(reqs) > mcfg.num_layers:
-        raise ConfigError(f"{len(reqs)} cards but the model has only {mcfg.num_layers} layers: "
+    if len(cards) > mcfg.num_layers:
+        raise ConfigError(f"{len(cards)} cards but the model has only {mcfg.num_layers} layers: "
                           f"use at most {mcfg.num_layers} backend entries")
-    dtype = compute_dtype(tr.dtype, [r.kind for r in reqs])
+    dtype = compute_dtype(tr.dtype, [c.kind for c in cards])
     lora_pl = 0
     if tr.mode == "lora":
         from npu_train.model.lora import LoraSpec
@@ -91,37 +131,23 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
             mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl)
-    n_cpu = sum(1 for r in reqs if r.kind == "cpu")
-    cards = []
-    for r in reqs:
-        cap = default_capacity(r.kind)
-        if r.kind == "cpu" and n_cpu:
-            cap = cap // n_cpu
-        if cfg.placement.capacity_gib:
-            cap = int(cfg.placement.capacity_gib * 2 ** 30)
-        name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
-        cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=name))
-    # one thread count for the plan's step time and the card processes (WorkerSpec.runtime.threads)
-    threads = threads_per_card(cfg.runtime.threads, len(cards))
-    rates = [load_rates(r.kind, cfg.placement.profile, threads=threads) for r in reqs]
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
         try:
             resident = int(resident)
         except ValueError:
             raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
-    try:
-        import psutil
-
-        host_ram = psutil.virtual_memory().total
-    except Exception:
-        host_ram = None
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
-    # (the table shows the host GiB the offloaded state needs).
+    # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     plan = make_plan(mcfg, shape, cards, rates, split=as_list(tr.split), resident_layers=resident,
-                     host_ram_bytes=None if cfg.plan else host_ram, threads=threads)
+                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, threads=plan_threads)
+    if nodes is not None:
+        from npu_train.runtime.nodes import check_node_host_ram
+
+        check_node_host_ram(plan, node_counts, node_ram)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
-            "dtype": dtype, "model_path": model_path, "threads": threads}
+            "dtype": dtype, "model_path": model_path, "threads": threads, "node_counts": node_counts}
 
 
 def _preset_config(path: str):
@@ -189,11 +215,14 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
 
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
                        data_file: str, start_step: int, resume_dir: Optional[str], ckpt_root: str, ipc_dir: str,
-                       host: str, port: int, slot_bytes: int, slots: int) -> list[WorkerSpec]:
+                       host: str, port: int, slot_bytes: int, slots: int, nodes=None) -> list[WorkerSpec]:
     """One :class:`~npu_train.runtime.spec.WorkerSpec` per stage of ``plan`` (the only place they are built).
 
     Addresses: with the ``shm`` transport the boundary mailboxes and the coordinator are ipc sockets in
     ``ipc_dir``; with ``inline`` they are TCP ports on ``host``. gloo rendezvous: ``tcp://host:port``.
+    Multi-node (``nodes``: this node's :class:`~npu_train.runtime.nodes.NodePlan`): specs for this
+    node's stages only (global ranks), with the job's mailbox addresses, per-boundary transports
+    (``inline`` across nodes) and gloo rendezvous from ``nodes``; the coordinator socket is local.
     """
 
     P = len(plan.stages)
@@ -204,16 +233,19 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     else:
         inbox = tuple(f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(P))
         coord_addr = f"tcp://{host}:{Endpoint.free_tcp_port(host)}"
+    ranks, boundary, dist_init = range(P), (), f"tcp://{host}:{port}"
+    if nodes is not None:
+        ranks, inbox, boundary, dist_init = nodes.local_ranks, nodes.inbox, nodes.boundary_transport, nodes.dist_init
     specs = []
-    for r, st in enumerate(plan.stages):
-        card = prep["cards"][r]
+    for r in ranks:
+        st, card = plan.stages[r], prep["cards"][r]
         specs.append(WorkerSpec(
             rank=r, world_size=P, job_id=job_id, token=token, parent_pid=os.getpid(),
             card=CardInfo(card.kind, card.index, card.name), model_path=prep["model_path"], model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
             resident_names=tuple(resident_param_names(mcfg, st, train.lora_targets if train.mode == "lora" else ())), data_file=data_file, train=train, runtime=runtime,
             start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr, inbox=inbox,
-            ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=f"tcp://{host}:{port}"))
+            ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init, boundary_transport=boundary))
     return specs
 
 
@@ -222,14 +254,11 @@ def run_job(cfg, run_dir: str) -> dict:
 
     Returns the run summary dict. Raises a :class:`~npu_train.errors.UserError` (exit 2) for bad input, :class:`~npu_train.errors.JobFailed`
     (exit 1) when a card process fails, :class:`~npu_train.errors.Interrupted` (130/143) on SIGINT/SIGTERM.
-    """
-    from npu_train.checkpoint.store import CheckpointReader, find_checkpoint, remove_stale_staging
-    from npu_train.data.prepare import prepare_data
-    from npu_train.data.dataset import save_packed
-    from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter
-    from npu_train.transport.shm import ShmTooSmallError
 
+    Multi-node (``NNODES`` > 1 in the environment, :mod:`npu_train.runtime.nodes`): this launcher runs
+    this node's cards (``backend=``) as global ranks after the cards of the lower ``NODE_RANK`` nodes;
+    the nodes rendezvous through node 0's ``TCPStore`` and must be given the same settings.
+    """
     os.makedirs(run_dir, exist_ok=True)
     if cfg.calibrate:
         from npu_train.backends.spec import parse_backend_list, resolve_cards
@@ -254,7 +283,36 @@ def run_job(cfg, run_dir: str) -> dict:
         except ImportError:
             pass
         return {"plan": True}
-    prep = prepare(cfg, run_dir)
+    from npu_train.runtime.nodes import NodeLayout, Rendezvous, route_address
+
+    layout = NodeLayout.from_env()
+    if layout is None:
+        return _train(cfg, run_dir, None, None, cfg.runtime.host or "127.0.0.1")
+    # multi-node: this node's listening address (the interface that routes to MASTER_ADDR by default)
+    host = cfg.runtime.host or route_address(layout.master_addr)
+    rdv = Rendezvous(layout, cfg.runtime.startup_timeout_s)
+    try:
+        return _train(cfg, run_dir, layout, rdv, host)
+    except UserError as e:  # the other nodes stop waiting and name this node's error
+        rdv.abort(str(e))
+        raise
+
+
+def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
+    """The training part of :func:`run_job`; ``layout``/``rdv`` are None on a single node."""
+    from npu_train.checkpoint.store import CheckpointReader, find_checkpoint, remove_stale_staging
+    from npu_train.data.dataset import save_packed
+    from npu_train.data.prepare import prepare_data
+    from npu_train.data.sampler import StepSampler
+    from npu_train.metrics.report import Reporter
+    from npu_train.runtime import nodes as N
+    from npu_train.transport.shm import ShmTooSmallError
+
+    if rdv is not None:
+        rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
+                       "give every node's launcher the same overrides (only backend=, runtime.host, "
+                       "runtime.port, runtime.threads and checkpoint.* may differ)")
+    prep = prepare(cfg, run_dir, nodes=rdv)
     plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
     P = len(plan.stages)
     data = prepare_data(cfg, prep["model_path"], mcfg)
@@ -286,23 +344,37 @@ def run_job(cfg, run_dir: str) -> dict:
     job_id = secrets.token_hex(6)
     token = secrets.token_hex(16)
     rt = cfg.runtime
-    host = rt.host
-    if rt.port:
+    if rt.port and (rdv is None or layout.is_master):
         check_port(host, rt.port)
     port = rt.port or Endpoint.free_tcp_port(host)
+    node_of_rank = [n for n, c in enumerate(prep["node_counts"]) for _ in range(c)]
+    boundary = N.boundary_transports(node_of_rank, rt.transport)
+    # shared-memory boundaries of this node (both stages here; the ring pair of boundary b is counted at stage b)
+    n_shm = sum(1 for b, m in enumerate(boundary) if m == "shm" and (rdv is None or node_of_rank[b] == layout.node_rank))
+    job = {}
+    if rdv is not None:
+        rdv.check_same("plan", N.plan_digest(plan, data.fingerprint, start_step, resume_dir), "placement plans, data or "
+                       "resume points", "give every node the same data and checkpoint files and calibration profiles "
+                       "(placement.profile), or fix the split with train.split")
+        job = N.share_job(rdv, job_id=job_id, token=token, gloo_port=port, host=host)
+        job_id, token = job["job_id"], job["token"]
     elem = 2 if prep["dtype"] == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
-    if P > 1 and rt.transport == "shm":
-        need = 2 * (P - 1) * slots * (slot_bytes + 64)
+    if n_shm:
+        need = 2 * n_shm * slots * (slot_bytes + 64)
         avail = _shm_free_bytes()
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
 
     os.makedirs(ckpt_root, exist_ok=True)
-    remove_stale_staging(ckpt_root)
+    if rdv is None or layout.is_master:  # multi-node: the root is shared; node 0 owns the staging dirs
+        remove_stale_staging(ckpt_root)
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
+    node_plan = link = None
+    if rdv is not None:
+        node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
     data_file = os.path.join(run_dir, "data.safetensors")
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
@@ -311,9 +383,11 @@ def run_job(cfg, run_dir: str) -> dict:
         heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
         recv_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s), collective_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s)),
         job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
-        ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots)
+        ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
+        nodes=node_plan)
     print(plan.table(), flush=True)
-    print(f"job {job_id}: {P} card process(es), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
+    where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
+    print(f"job {job_id}: {where}{P} card process(es), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
           f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
           + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
           + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
@@ -331,7 +405,8 @@ def run_job(cfg, run_dir: str) -> dict:
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,
                         manifest_base=manifest_base, save_on_interrupt=tr.save_on_interrupt,
-                        reporter=reporter, coord_addr=specs[0].coord_addr)
+                        reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
+                        node=layout.node_rank if layout else 0, nnodes=layout.nnodes if layout else 1)
     try:
         coord.run()
     finally:
@@ -341,6 +416,7 @@ def run_job(cfg, run_dir: str) -> dict:
         except OSError:
             pass
     summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep["cards"]],
+                            "node": layout.node_rank if layout else 0, "nnodes": layout.nnodes if layout else 1,
                             "predicted_step_s": plan.step_time_s,
                             "predicted_mem_bytes": [s.mem["total"] for s in plan.stages]})
     if coord.rejected:

@@ -14,7 +14,8 @@ log = logging.getLogger("npu_train.worker")
 class LinkComm:
     """:class:`npu_train.pipeline.stage.BoundaryComm` over the shared-memory/ZeroMQ transport.
 
-    Links per boundary ``r|r+1``: ``act<r>`` (r -> r+1) and ``grad<r+1>`` (r+1 -> r); each is
+    Links per boundary ``r|r+1``: ``act<r>`` (r -> r+1) and ``grad<r+1>`` (r+1 -> r), over the
+    boundary's transport (:meth:`~npu_train.runtime.spec.WorkerSpec.boundary_mode`); each is
     created (shared-memory ring owned) by its sender in the constructor; receivers attach on
     first use, after the start-up barrier.
     """
@@ -23,14 +24,17 @@ class LinkComm:
         self.rank, self.P = r, P = spec.rank, spec.world_size
         self.timeout = float(spec.runtime.recv_timeout_s)
         self.backend = backend
-        mode, job, nb, k = spec.runtime.transport, spec.job_id, spec.slot_bytes, spec.slots
+        job, nb, k = spec.job_id, spec.slot_bytes, spec.slots
+        # per boundary: shm within a node, inline (payload as a ZeroMQ TCP frame) across nodes
+        up = spec.boundary_mode(r - 1) if r > 0 else None        # boundary r-1 | r
+        down = spec.boundary_mode(r) if r < P - 1 else None      # boundary r | r+1
         self.mailbox = Mailbox(ctx, spec.inbox[r], spec.token, logger=log,
-                               max_msg_bytes=nb + 65536 if mode == "inline" else None)
+                               max_msg_bytes=nb + 65536 if "inline" in (up, down) else None)
         self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r) for p in (r - 1, r + 1) if 0 <= p < P}
-        self.act_out = TensorLink(mode, job, f"act{r}", nb, k).open_sender() if r < P - 1 else None
-        self.grad_out = TensorLink(mode, job, f"grad{r}", nb, k).open_sender() if r > 0 else None
-        self.act_in = TensorLink(mode, job, f"act{r - 1}", nb, k) if r > 0 else None
-        self.grad_in = TensorLink(mode, job, f"grad{r + 1}", nb, k) if r < P - 1 else None
+        self.act_out = TensorLink(down, job, f"act{r}", nb, k).open_sender() if r < P - 1 else None
+        self.grad_out = TensorLink(up, job, f"grad{r}", nb, k).open_sender() if r > 0 else None
+        self.act_in = TensorLink(up, job, f"act{r - 1}", nb, k) if r > 0 else None
+        self.grad_in = TensorLink(down, job, f"grad{r + 1}", nb, k) if r < P - 1 else None
 
     def recv_act(self, step, micro):
         return self.act_in.recv("act", step, micro, self.mailbox, self.out[self.rank - 1], self.timeout,

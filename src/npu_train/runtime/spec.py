@@ -121,6 +121,9 @@ class WorkerSpec:
         slot_bytes, slots: bytes per shared-memory slot (``micro_batch x seq_len x hidden x element``)
             and slots per ring.
         dist_init: the gloo rendezvous URL (``tcp://host:port``).
+        boundary_transport: per stage boundary ``b`` (stages ``b | b+1``) its transport, ``shm`` (both
+            stages on one node) or ``inline`` (ZeroMQ TCP frames: across nodes); empty = every boundary
+            uses ``runtime.transport``.
     """
 
     rank: int
@@ -145,6 +148,11 @@ class WorkerSpec:
     slot_bytes: int
     slots: int
     dist_init: str
+    boundary_transport: tuple = ()
+
+    def boundary_mode(self, b: int) -> str:
+        """Transport of boundary ``b`` (between stages ``b`` and ``b + 1``): ``shm`` or ``inline``."""
+        return self.boundary_transport[b] if self.boundary_transport else self.runtime.transport
 
     def __repr__(self) -> str:  # never show the token
         return f"WorkerSpec(rank={self.rank}/{self.world_size}, card={self.card.name}, job={self.job_id})"

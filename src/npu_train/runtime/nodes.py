@@ -1,0 +1,398 @@
+"""Multi-node layout and rendezvous: which node this launcher is, and what the other nodes have.
+
+One launcher (node agent) runs per node (``python launch/run.py backend=<this node's cards> ...``).
+The global layout comes from the standard environment, as in ``torchrun`` and Kubernetes Indexed Jobs:
+
+=====================  ============================================================================
+``NNODES``             number of nodes (unset or 1: a single node, exactly as without these variables)
+``NODE_RANK``          this node's index 0 .. NNODES-1; falls back to ``JOB_COMPLETION_INDEX`` (the
+                       index of the pod in an Indexed Job) when unset
+``MASTER_ADDR``        host name or address of node 0 (a headless Service name in Kubernetes)
+``MASTER_PORT``        TCP port on node 0 of the rendezvous store (``torch.distributed.TCPStore``)
+=====================  ============================================================================
+
+Global ranks: node ``n``'s cards get the next contiguous global ranks in ``NODE_RANK`` order, so the
+pipeline's stages are split across nodes in order (node 0 holds the first stages).
+
+Rendezvous (:class:`Rendezvous`): node 0 hosts a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``; every
+node publishes JSON under ``<topic>/<node>`` and reads the others'. Topics, in order:
+
+1. ``config``: the flattened model / data / train / placement / runtime settings (:func:`config_digest`);
+   every node compares them with node 0's and fails naming the differing keys;
+2. ``cards``: this node's cards (kind, index), its thread count and host RAM: every node then plans
+   the placement over ALL cards of the job, identically;
+3. ``plan``: the plan's split + resident layers, the data fingerprint and the resume point, compared
+   like ``config`` (a different calibration profile on one node would otherwise give another split);
+4. ``job`` (node 0 only): the job id, token, gloo port and the node agents' channel address;
+5. ``inbox``: the node's host address (``runtime.host``) and the boundary mailbox address of every
+   stage of the node.
+
+gloo: every card process joins one process group through ``tcp://MASTER_ADDR:<port>``, the port
+picked by node 0 and published in ``job`` (global rank 0, on node 0, hosts gloo's own store there);
+``GLOO_SOCKET_IFNAME`` defaults to the interface holding ``runtime.host``.
+
+A node that fails during preparation publishes ``abort/<node>`` with its error, so the others stop
+waiting at once and name it. Waiting for a node is bounded by ``runtime.startup_timeout_s``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Mapping, Optional
+
+from npu_train.errors import ConfigError, UserError
+
+
+class RendezvousError(UserError):
+    """The nodes of a multi-node job cannot agree (unreachable node 0, a node missing, a node that
+    failed its preparation, different settings or plans); the message names the node and the fix."""
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """This launcher's place in the job: ``nnodes`` nodes, this is ``node_rank``; node 0 hosts the
+    rendezvous store on ``master_addr:master_port``."""
+
+    nnodes: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def is_master(self) -> bool:
+        return self.node_rank == 0
+
+    @classmethod
+    def from_env(cls, env: Optional[Mapping[str, str]] = None) -> Optional["NodeLayout"]:
+        """The layout from ``NNODES``, ``NODE_RANK`` / ``JOB_COMPLETION_INDEX``, ``MASTER_ADDR``,
+        ``MASTER_PORT``; None when ``NNODES`` is unset or 1 (single node).
+
+        Raises:
+            ConfigError: a variable is missing or malformed (the message names it).
+        """
+        env = os.environ if env is None else env
+        raw = env.get("NNODES", "").strip()
+        if not raw:
+            return None
+        nnodes = _int_var("NNODES", raw)
+        if nnodes < 1:
+            raise ConfigError(f"NNODES={raw}: the number of nodes must be at least 1")
+        if nnodes == 1:
+            return None
+        name = "NODE_RANK" if env.get("NODE_RANK", "").strip() else "JOB_COMPLETION_INDEX"
+        if not env.get(name, "").strip():
+            raise ConfigError(f"NNODES={nnodes} but neither NODE_RANK nor JOB_COMPLETION_INDEX is set: "
+                              "set NODE_RANK to this node's index 0..NNODES-1")
+        node = _int_var(name, env[name].strip())
+        if not 0 <= node < nnodes:
+            raise ConfigError(f"{name}={node} is outside 0..{nnodes - 1} (NNODES={nnodes})")
+        addr = env.get("MASTER_ADDR", "").strip()
+        if not addr:
+            raise ConfigError(f"NNODES={nnodes} but MASTER_ADDR is not set: set it to node 0's host name or address")
+        port = _int_var("MASTER_PORT", env.get("MASTER_PORT", "").strip() or "missing")
+        if not 0 < port < 65536:
+            raise ConfigError(f"MASTER_PORT={port} is not a TCP port (1..65535)")
+        return cls(nnodes, node, addr, port)
+
+    def ranks_of(self, counts: list[int]) -> list[range]:
+        """Global ranks of every node's cards: node ``n`` gets ``sum(counts[:n]) .. + counts[n]``."""
+        out, start = [], 0
+        for c in counts:
+            out.append(range(start, start + c))
+            start += c
+        return out
+
+
+def _int_var(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not an integer") from None
+
+
+def route_address(dest: str, port: int = 9) -> str:
+    """This host's source address for packets to ``dest``: the IP of the interface the kernel routes
+    ``dest`` through (a connected UDP socket; no packet is sent). On node 0 itself this is the address
+    ``MASTER_ADDR`` resolves to. Raises :class:`ConfigError` if ``dest`` does not resolve or is unreachable.
+    """
+    try:
+        infos = socket.getaddrinfo(dest, port, type=socket.SOCK_DGRAM)
+    except socket.gaierror as e:
+        raise ConfigError(f"MASTER_ADDR={dest!r} does not resolve ({e.strerror}): set it to node 0's address") from None
+    fam, _, _, _, sa = infos[0]
+    with socket.socket(fam, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(sa)
+        except OSError as e:
+            raise ConfigError(f"no route to MASTER_ADDR={dest!r} ({e.strerror}): set runtime.host to this "
+                              "node's address that the other nodes reach") from None
+        return s.getsockname()[0]
+
+
+def interface_of(addr: str) -> Optional[str]:
+    """Name of the network interface holding ``addr`` (e.g. ``eth0``), or None (psutil)."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == addr for a in addrs):
+            return name
+    return None
+
+
+#: settings every node must be given identically (sections of the config, and runtime keys)
+SHARED_SECTIONS = ("model", "data", "train", "placement")
+SHARED_RUNTIME = ("heartbeat_interval_s", "heartbeat_timeout_s", "startup_timeout_s", "slots", "transport")
+
+
+def config_digest(cfg) -> dict[str, str]:
+    """The settings that must be equal on every node, flattened to ``{"train.lr": "0.001", ...}``
+    (values JSON-encoded). ``backend`` (this node's cards), ``runtime.host/port/threads`` and
+    ``checkpoint.*`` may differ between nodes."""
+    from omegaconf import OmegaConf
+
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, v: Any) -> None:
+        if isinstance(v, dict):
+            for k in sorted(v):
+                walk(f"{prefix}.{k}", v[k])
+        else:
+            out[prefix] = json.dumps(v, sort_keys=True, default=str)
+
+    for sec in SHARED_SECTIONS:
+        walk(sec, OmegaConf.to_container(cfg[sec], resolve=True))
+    for k in SHARED_RUNTIME:
+        walk(f"runtime.{k}", cfg.runtime[k])
+    return out
+
+
+def differing_keys(mine: dict, theirs: dict) -> list[str]:
+    """Keys whose values differ (or exist on one side only), sorted."""
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+class Rendezvous:
+    """Discovery between the node agents through ``torch.distributed.TCPStore`` (node 0 hosts it).
+
+    Args:
+        layout: this node's :class:`NodeLayout`.
+        timeout_s: how long to wait for node 0's store and for the other nodes' entries (seconds).
+
+    Raises:
+        RendezvousError: node 0's store port is taken (on node 0) or unreachable within ``timeout_s``.
+    """
+
+    POLL_S = 0.1
+
+    def __init__(self, layout: NodeLayout, timeout_s: float):
+        from torch.distributed import TCPStore
+
+        self.layout, self.timeout_s = layout, float(timeout_s)
+        lo = layout
+        try:
+            self.store = TCPStore(lo.master_addr, lo.master_port, world_size=None, is_master=lo.is_master,
+                                  timeout=timedelta(seconds=self.timeout_s), wait_for_workers=False)
+        except Exception as e:  # noqa: BLE001 - DistNetworkError / RuntimeError / TimeoutError
+            what = (f"cannot host the rendezvous store on port MASTER_PORT={lo.master_port}" if lo.is_master else
+                    f"cannot reach node 0's rendezvous store at MASTER_ADDR:MASTER_PORT={lo.master_addr}:{lo.master_port} "
+                    f"within runtime.startup_timeout_s={self.timeout_s:g}")
+            fix = ("pick a free MASTER_PORT" if lo.is_master else
+                   "start node 0's launcher, and check MASTER_ADDR/MASTER_PORT and the network")
+            raise RendezvousError(f"node {lo.node_rank}: {what} ({str(e).splitlines()[0][:200]}): {fix}") from None
+
+    # ------------------------------------------------------------------ primitives
+    def publish(self, topic: str, value: Any) -> None:
+        """Set ``<topic>/<this node>`` to ``value`` (JSON)."""
+        self.store.set(f"{topic}/{self.layout.node_rank}", json.dumps(value))
+
+    def abort(self, message: str) -> None:
+        """Tell the other nodes that this node failed its preparation (they stop waiting and name it)."""
+        try:
+            self.store.set(f"abort/{self.layout.node_rank}", message[:2000])
+        except Exception:  # noqa: BLE001 - best effort: node 0's store may be gone
+            pass
+
+    def _check_aborts(self) -> None:
+        for n in range(self.layout.nnodes):
+            if n != self.layout.node_rank and self.store.check([f"abort/{n}"]):
+                msg = self.store.get(f"abort/{n}").decode(errors="replace")
+                raise RendezvousError(f"node {n} failed while preparing the job: {msg}")
+
+    def collect(self, topic: str, nodes: Optional[list[int]] = None) -> list[Any]:
+        """The values published under ``topic`` by ``nodes`` (default: all, in node order).
+
+        Raises:
+            RendezvousError: a node failed (``abort``) or did not publish within the timeout.
+        """
+        nodes = list(range(self.layout.nnodes)) if nodes is None else nodes
+        keys = [f"{topic}/{n}" for n in nodes]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            self._check_aborts()
+            if self.store.check(keys):
+                break
+            if time.monotonic() > deadline:
+                missing = [n for n, k in zip(nodes, keys) if not self.store.check([k])]
+                raise RendezvousError(
+                    f"node(s) {', '.join(map(str, missing))} did not publish {topic!r} within "
+                    f"runtime.startup_timeout_s={self.timeout_s:g} s: start one launcher per node with "
+                    f"NNODES={self.layout.nnodes} and NODE_RANK=0..{self.layout.nnodes - 1}")
+            time.sleep(self.POLL_S)
+        return [json.loads(self.store.get(k)) for k in keys]
+
+    def exchange(self, topic: str, value: Any) -> list[Any]:
+        """Publish ``value`` and return every node's (index = node rank)."""
+        self.publish(topic, value)
+        return self.collect(topic)
+
+    def check_same(self, topic: str, flat: dict, what: str, fix: str) -> None:
+        """Publish ``flat`` and compare every node's with node 0's.
+
+        Raises:
+            RendezvousError: naming the nodes and keys that differ (with both values), and ``fix``.
+        """
+        all_ = self.exchange(topic, flat)
+        diffs = []
+        for n, other in enumerate(all_[1:], start=1):
+            keys = differing_keys(all_[0], other)
+            if keys:
+                shown = "; ".join(f"{k} (node 0: {all_[0].get(k, 'unset')}, node {n}: {other.get(k, 'unset')})"
+                                  for k in keys[:8])
+                more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
+                diffs.append(f"node {n} differs from node 0 in {shown}{more}")
+        if diffs:
+            raise RendezvousError(f"{what} differ between nodes: {' | '.join(diffs)}: {fix}")
+
+
+def exchange_cards(rdv: Rendezvous, local_cards: list, threads: int, host_ram: Optional[int]):
+    """Publish this node's cards (planner ``CardSpec``: kind, index, capacity in bytes, name), thread
+    count and host RAM (bytes); return every node's, in node order: ``(cards, cards per node, plan
+    threads, host RAM per node)``. Card names get a ``node<n>/`` prefix (``node1/cpu:0``); each card
+    keeps the capacity its own node computed (a CPU card's share of THAT node's RAM); the plan uses
+    the smallest thread count of any node, so every node plans with the same figures."""
+    from npu_train.planner import CardSpec
+
+    mine = {"cards": [[c.kind, c.index, c.capacity_bytes, c.name] for c in local_cards],
+            "threads": threads, "host_ram": host_ram}
+    everyone = rdv.exchange("cards", mine)
+    cards = [CardSpec(kind=k, index=i, capacity_bytes=cap, name=f"node{n}/{name}")
+             for n, e in enumerate(everyone) for k, i, cap, name in e["cards"]]
+    return (cards, [len(e["cards"]) for e in everyone], min(e["threads"] for e in everyone),
+            [e["host_ram"] for e in everyone])
+
+
+def check_node_host_ram(plan, node_counts: list[int], host_ram: list[Optional[int]]) -> None:
+    """Each node's offloaded optimizer state (fp32 master + AdamW moments of its stages' offloaded
+    layers, ``Stage.host_bytes``) must fit in that node's RAM. Raises :class:`ConfigError` naming the node."""
+    start = 0
+    for n, (c, ram) in enumerate(zip(node_counts, host_ram)):
+        need = sum(st.host_bytes for st in plan.stages[start:start + c])
+        start += c
+        if ram is not None and need > ram:
+            raise ConfigError(f"node {n}: the offloaded optimizer state of its stages needs {need / 2**30:.2f} GiB "
+                              f"of host RAM, the node has {ram / 2**30:.2f} GiB: add cards, make more layers "
+                              "resident (train.resident_layers) or move layers to other nodes (train.split)")
+
+
+def plan_digest(plan, data_fingerprint: str, start_step: int, resume_dir: Optional[str]) -> dict[str, str]:
+    """What every node must agree on after planning: each stage's layers and resident layers, the
+    packed data's fingerprint and the resume point (flat, JSON-encoded, for :meth:`Rendezvous.check_same`)."""
+    out = {f"stage{r}.layers": json.dumps([st.first_layer, st.last_layer]) for r, st in enumerate(plan.stages)}
+    out.update({f"stage{r}.resident": json.dumps(sorted(st.resident)) for r, st in enumerate(plan.stages)})
+    out.update({f"stage{r}.card": json.dumps(st.card.name) for r, st in enumerate(plan.stages)})
+    out.update({f"stage{r}.nonlayer_resident": json.dumps(st.nonlayer_resident) for r, st in enumerate(plan.stages)})
+    out["data.fingerprint"] = json.dumps(data_fingerprint)
+    out["resume.step"] = json.dumps(start_step)
+    out["resume.dir"] = json.dumps(resume_dir)
+    return out
+
+
+def boundary_transports(node_of_rank: list[int], local_mode: str) -> tuple:
+    """Transport per stage boundary ``b`` (stages ``b | b+1``): ``inline`` across nodes (ZeroMQ TCP,
+    payload as its own frame), ``local_mode`` (``runtime.transport``, default ``shm``) within a node."""
+    return tuple("inline" if node_of_rank[b] != node_of_rank[b + 1] else local_mode
+                 for b in range(len(node_of_rank) - 1))
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """This node's share of a multi-node job, as :func:`~npu_train.runtime.job.build_worker_specs` needs it.
+
+    Attributes:
+        node, nnodes: this node's rank and the number of nodes.
+        node_of_rank: the node of every global stage rank.
+        inbox: every stage's boundary mailbox address (``tcp://`` for stages with a boundary to another
+            node, ``ipc://`` in this node's private directory otherwise).
+        boundary_transport: see :func:`boundary_transports`.
+        dist_init: gloo rendezvous ``tcp://MASTER_ADDR:<port picked by node 0>`` (global rank 0, on node
+            0, hosts gloo's store there).
+        link_addr: node 0's :class:`~npu_train.runtime.agent.NodeLink` address.
+    """
+
+    node: int
+    nnodes: int
+    node_of_rank: tuple
+    inbox: tuple
+    boundary_transport: tuple
+    dist_init: str
+    link_addr: str
+
+    @property
+    def local_ranks(self) -> list[int]:
+        return [r for r, n in enumerate(self.node_of_rank) if n == self.node]
+
+    def local_shm_boundaries(self) -> int:
+        """Boundaries with both stages on this node using shared memory (each has two rings)."""
+        return sum(1 for b, m in enumerate(self.boundary_transport)
+                   if m == "shm" and self.node_of_rank[b] == self.node)
+
+
+def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int, host: str) -> dict:
+    """One job id, token, gloo port and node channel address for all nodes: node 0 publishes its own
+    (the channel on a free port of its ``host``), every node returns node 0's
+    ``{"job_id", "token", "gloo_port", "link"}``."""
+    from npu_train.transport.channel import Endpoint
+
+    if rdv.layout.is_master:
+        rdv.publish("job", {"job_id": job_id, "token": token, "gloo_port": gloo_port,
+                            "link": Endpoint.tcp(host, Endpoint.free_tcp_port(host))})
+    return rdv.collect("job", [0])[0]
+
+
+def join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: str, host: str, job: dict, rt):
+    """Multi-node: publish this node's stages' mailbox addresses, collect everyone's, and open the node
+    agents' channel. Returns ``(NodePlan, NodeLink)``.
+
+    A stage with a boundary to another node (or with ``runtime.transport=inline``) gets a ``tcp://``
+    mailbox on ``host``; the others an ipc socket in this node's private ``ipc_dir``. If ``GLOO_SOCKET_IFNAME``
+    is unset, it is set to the interface holding ``host`` for the card processes (gloo would otherwise
+    use the address of this machine's host name, which other nodes may not reach).
+    """
+    from npu_train.runtime.agent import NodeLink
+    from npu_train.transport.channel import Endpoint
+
+    P = len(node_of_rank)
+    mine = {}
+    for r in range(P):
+        if node_of_rank[r] != layout.node_rank:
+            continue
+        remote = any(boundary[b] == "inline" for b in (r - 1, r) if 0 <= b < P - 1)
+        mine[str(r)] = (Endpoint.tcp(host, Endpoint.free_tcp_port(host)) if remote or rt.transport != "shm"
+                        else f"ipc://{ipc_dir}/r{r}.sock")
+    inbox = {}
+    for d in rdv.exchange("inbox", {"host": host, "inbox": mine}):
+        inbox.update(d["inbox"])
+    if "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = interface_of(host)
+        if ifname:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the spawned card processes
+    plan = NodePlan(node=layout.node_rank, nnodes=layout.nnodes, node_of_rank=tuple(node_of_rank),
+                    inbox=tuple(inbox[str(r)] for r in range(P)), boundary_transport=boundary,
+                    dist_init=Endpoint.tcp(layout.master_addr, job["gloo_port"]), link_addr=job["link"])
+    link = NodeLink(layout.node_rank, layout.nnodes, job["link"], job["token"], interval_s=rt.heartbeat_interval_s,
+                    timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s)
+    return plan, link
