@@ -299,6 +299,7 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), f"backend={cards}", f"data.seq_len={args.seq_len}",
            "train.micro_batch=1", f"train.accum={M}", f"train.steps={args.steps}", f"runtime.threads={args.threads}",
            "train.dtype=fp32", f"train.schedule={schedule}", f"model.path={args.model}", f"hydra.run.dir={run_dir}",
+           "data.eval_batches=0",  # no held-out evaluation before/after training: not measured, saves wall time
            *args.project_args]
     log = run_dir / "launcher.log"
     t0 = time.time()
