@@ -30,7 +30,8 @@ process, one process per stage pinned to its own core (round-robin when P > core
   micro-batch count it does not support) is reported with its error and left out.
 
 Figures: median of steps 2..N of each run (step 1 allocates moments and warms up), then median,
-min and max over rounds; ratios are against ``torch 1F1B even`` measured in the same run, and the
+min and max over rounds; ratios are against ``torch 1F1B even`` measured in the same run (``torch
+GPipe even`` where M < P: torch's ``Schedule1F1B`` refuses M < P, so GPipe is added there), and the
 project's best against the fastest torch entry of the cell. Systems run interleaved (every round
 runs every system once, in a rotated order). Step-1 losses of both sides are printed as a check
 that they train the same thing.
@@ -423,7 +424,10 @@ def main(argv=None) -> int:
         for M in args.M:
             proj_split: list[int] | None = None
             systems = [("npu-train " + s, None, None) for s in args.project_schedules]
-            for kind in args.torch_schedules:
+            kinds = list(args.torch_schedules)
+            if M < P and "1F1B" in kinds and "GPipe" not in kinds:
+                kinds.append("GPipe")  # torch's Schedule1F1B needs M >= P: GPipe is the baseline there
+            for kind in kinds:
                 for sp in args.splits:
                     systems.append((f"torch {kind} {sp}", kind, sp))
             for rnd in range(args.rounds):
@@ -477,15 +481,18 @@ def summarize(results: list[dict], args) -> list[dict]:
                         "idle": spread([r.get("idle_share") for r in ok]),
                         "loss1": spread([r.get("loss1") for r in ok]),
                         "errors": sorted({r["error"] for r in rs if "error" in r})}
-        base = stats.get(BASELINE, {}).get("tps", {}).get("median")
+        base_name = BASELINE
+        if not stats.get(BASELINE, {}).get("tps", {}).get("n") and stats.get("torch GPipe even", {}).get("tps", {}).get("n"):
+            base_name = "torch GPipe even"  # e.g. M < P: Schedule1F1B refuses to run
+        base = stats.get(base_name, {}).get("tps", {}).get("median")
         torch_ok = {n: s["tps"]["median"] for n, s in stats.items() if n.startswith("torch") and s["tps"]["n"]}
         best_torch = max(torch_ok, key=torch_ok.get) if torch_ok else None
-        print(f"\nP={P} M={M}  (baseline: {BASELINE}; fastest torch: {best_torch})")
+        print(f"\nP={P} M={M}  (baseline: {base_name}; fastest torch: {best_torch})")
         print(f"  {'system':<36} {'tok/s median':>12} {'[min-max]':>17} {'vs base':>8} {'vs best':>8} "
               f"{'idle %':>7} {'loss1':>8}")
         for n, s in stats.items():
             t = s["tps"]
-            rec = {"P": P, "M": M, "system": n, **s}
+            rec = {"P": P, "M": M, "system": n, "baseline": base_name, **s}
             if t["n"]:
                 rb = t["median"] / base if base else None
                 rt = t["median"] / torch_ok[best_torch] if best_torch else None
