@@ -33,8 +33,9 @@ Figures: median of steps 2..N of each run (step 1 allocates moments and warms up
 min and max over rounds; ratios are against ``torch 1F1B even`` measured in the same run (``torch
 GPipe even`` where M < P: torch's ``Schedule1F1B`` refuses M < P, so GPipe is added there), and the
 project's best against the fastest torch entry of the cell. Systems run interleaved (every round
-runs every system once, in a rotated order). Step-1 losses of both sides are printed as a check
-that they train the same thing.
+runs every system once, in a rotated order). The losses of the first and the last step of both
+sides are printed (7 decimals) as a check that they train the same thing: same forward (step 1)
+and the same update (last step).
 
 Usage (from the repository root)::
 
@@ -480,6 +481,7 @@ def summarize(results: list[dict], args) -> list[dict]:
             stats[n] = {"tps": spread([r["tokens_per_s"] for r in ok]),
                         "idle": spread([r.get("idle_share") for r in ok]),
                         "loss1": spread([r.get("loss1") for r in ok]),
+                        "lossN": spread([r["loss"][-1] if r.get("loss") else None for r in ok]),
                         "errors": sorted({r["error"] for r in rs if "error" in r})}
         base_name = BASELINE
         if not stats.get(BASELINE, {}).get("tps", {}).get("n") and stats.get("torch GPipe even", {}).get("tps", {}).get("n"):
@@ -489,7 +491,7 @@ def summarize(results: list[dict], args) -> list[dict]:
         best_torch = max(torch_ok, key=torch_ok.get) if torch_ok else None
         print(f"\nP={P} M={M}  (baseline: {base_name}; fastest torch: {best_torch})")
         print(f"  {'system':<36} {'tok/s median':>12} {'[min-max]':>17} {'vs base':>8} {'vs best':>8} "
-              f"{'idle %':>7} {'loss1':>8}")
+              f"{'idle %':>7} {'loss step 1':>11} {'last':>10}")
         for n, s in stats.items():
             t = s["tps"]
             rec = {"P": P, "M": M, "system": n, "baseline": base_name, **s}
@@ -500,7 +502,7 @@ def summarize(results: list[dict], args) -> list[dict]:
                 idle = f"{100 * s['idle']['median']:.1f}" if s["idle"]["n"] else "n/a"
                 print(f"  {n:<36} {t['median']:12.1f} {t['min']:8.1f}-{t['max']:<8.1f} "
                       f"{(f'{rb:.2f}x' if rb else 'n/a'):>8} {(f'{rt:.2f}x' if rt else 'n/a'):>8} {idle:>7} "
-                      f"{s['loss1']['median']:8.4f}")
+                      f"{s['loss1']['median']:11.7f} {s['lossN']['median']:10.7f}")
             elif any("skipped" in r for r in rows if r["system"] == n):
                 print(f"  {n:<36} {'skipped':>12}: same layers as the even split")
             else:
