@@ -1,37 +1,58 @@
 #!/usr/bin/env python
-"""Host AdamW step on CPU: fused vs foreach vs for-loop, and the cost of emitting a bf16 copy.
+"""Host AdamW step on CPU: fused vs foreach vs for-loop, the cost of emitting a bf16 copy, the bf16
+emission fused into the step, and two processes stepping at once.
 
 The host optimizer of offloaded layers (``npu_train.optim.adamw``) is
 ``torch.optim.AdamW(fused=True)`` over fp32 masters on the CPU; after the step the trainer casts
 each master to the compute dtype and uploads it (``m.to(p.dtype)`` then ``backend.upload``). This
-benchmark times, on ~50M fp32 params:
+benchmark times, on ~50M fp32 params (SmolLM2-like tensor shapes by default):
 
-- ``AdamW(fused=True)`` (baseline), ``AdamW(foreach=True)``, ``AdamW(foreach=False)`` (for-loop);
+- ``AdamW(fused=True)`` (the baseline), ``AdamW(foreach=True)``, ``AdamW(foreach=False)`` (for-loop);
 - emitting the bf16 copy after the step: ``m.to(torch.bfloat16)`` per tensor (fresh allocations,
   what the trainer does), ``buf.copy_(m)`` into preallocated bf16 buffers, and
-  ``torch._foreach_copy_`` into preallocated buffers.
+  ``torch._foreach_copy_`` into preallocated buffers;
+- step + emission together: the fused step followed by ``_foreach_copy_`` (two passes over the
+  masters); the fused kernel (``torch._fused_adamw_``, what ``AdamW(fused=True)`` calls) run on
+  chunks of ``--chunk-kib`` KiB of each tensor, each chunk's bf16 copy made right after its
+  update while the chunk is still in cache (one pass over memory; bit-identical to the fused
+  step); and the AdamW update with the bf16 output written by one ``torch.compile``d (inductor,
+  C++) kernel per tensor (``--no-compile`` skips it; its rounding differs from the fused kernel's
+  by a few ulp, the maximum difference is printed);
+- two processes at once: the fused step (+ ``_foreach_copy_`` emission) in two processes, each
+  pinned to its own core with ``--pair-threads`` threads, started together, against one process
+  alone measured in the same rounds (as two card processes on one host would share its memory
+  bandwidth).
 
 Each figure is the median of ``--reps`` steps after two warm-up steps (the first allocates the
-moments), for every thread count in ``--threads`` (default 1 and all cores; with two cpu card
-processes on two cores each process runs one thread). Ratios are against the fused step measured
-in the same run at the same thread count.
+moments); rounds (``--rounds``) repeat every variant in a rotated order; reported: the median over
+rounds, [min-max] over rounds, params/s (1e6 params per second), and the ratio to the fused step
+measured in the same round set at the same thread count.
 
 Usage::
 
-    .venv/bin/python experiments/bench/host_adamw.py [--params 50e6] [--threads 1 2] [--reps 7]
+    .venv/bin/python experiments/bench/host_adamw.py [--params 50e6] [--threads 1 2] [--reps 7] [--rounds 5]
+    .venv/bin/python experiments/bench/host_adamw.py --quick
 """
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing as mp
 import os
-import platform
+import sys
 import time
+from pathlib import Path
 from statistics import median
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import core_for, machine_info, print_machine, spread, usable_cores, write_json  # noqa: E402
 
-def make_params(n_params: int, layout: str) -> list[torch.nn.Parameter]:
+LR, BETAS, EPS, WD = 1e-4, (0.9, 0.95), 1e-8, 0.1
+
+
+def make_params(n_params: int, layout: str, seed: int = 0) -> list[torch.nn.Parameter]:
     """fp32 parameters with gradients. ``model``: SmolLM2-like tensors (576x1536 MLP matrices,
     576x576 / 192x576 attention matrices, 576 norms) until ``n_params``; ``uniform``: 16 equal
     tensors."""
@@ -46,7 +67,7 @@ def make_params(n_params: int, layout: str) -> list[torch.nn.Parameter]:
             for s in layer:
                 shapes.append(s)
                 total += int(torch.Size(s).numel())
-    g = torch.Generator().manual_seed(0)
+    g = torch.Generator().manual_seed(seed)
     ps = []
     for s in shapes:
         p = torch.nn.Parameter(torch.randn(s, generator=g) * 0.02)
@@ -66,57 +87,254 @@ def timed(fn, reps: int, warmup: int = 2) -> float:
     return median(ts)
 
 
-def bench(n_params: int, threads: int, reps: int, layout: str) -> list[tuple[str, float, int]]:
-    torch.set_num_threads(threads)
-    out = []
-    n = None
-    for name, kw in (("AdamW fused=True", {"fused": True}),
-                     ("AdamW foreach=True", {"foreach": True}),
-                     ("AdamW foreach=False (for-loop)", {"foreach": False})):
+# ----------------------------------------------------------------------------- fused step + bf16
+class ChunkedFusedAdamW:
+    """AdamW over fp32 ``params`` with the bf16 copy emitted chunk by chunk, fused into the step.
+
+    Every tensor is cut into contiguous chunks of ``chunk_bytes`` (fp32); for each chunk,
+    ``torch._fused_adamw_`` (the kernel of ``torch.optim.AdamW(fused=True)``, elementwise, so
+    chunking changes no bit) updates parameter and moments, then the chunk's bf16 copy is written
+    while it is still in cache. ``out``: the bf16 tensors (same shapes as ``params``).
+    """
+
+    def __init__(self, params, chunk_bytes: int, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD):
+        self.lr, self.betas, self.eps, self.wd = lr, betas, eps, weight_decay
+        self.params = [p.detach() for p in params]
+        self.grads = [p.grad for p in params]
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.out = [torch.empty_like(p, dtype=torch.bfloat16) for p in self.params]
+        self.step_t = torch.zeros((), dtype=torch.float32)
+        n = max(1, chunk_bytes // 4)
+        self.chunks = []
+        for p, g, m, v, o in zip(self.params, self.grads, self.m, self.v, self.out):
+            views = [t.view(-1).split(n) for t in (p, g, m, v, o)]
+            self.chunks.extend(zip(*views))
+
+    def step(self) -> None:
+        self.step_t += 1
+        b1, b2 = self.betas
+        for p, g, m, v, o in self.chunks:
+            torch._fused_adamw_([p], [g], [m], [v], [], [self.step_t], amsgrad=False, lr=self.lr, beta1=b1,
+                                beta2=b2, weight_decay=self.wd, eps=self.eps, maximize=False,
+                                grad_scale=None, found_inf=None)
+            o.copy_(p)
+
+
+class CompiledAdamWBf16:
+    """AdamW (decoupled weight decay, bias-corrected, as ``torch.optim.AdamW``) with the bf16 copy
+    written in the same loop: one ``torch.compile``d (inductor) kernel per tensor. Scalars are
+    0-d tensors so the kernel compiles once (``dynamic=True`` for the shapes)."""
+
+    def __init__(self, params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD):
+        self.params = [p.detach() for p in params]
+        self.grads = [p.grad for p in params]
+        self.m = [torch.zeros_like(p) for p in self.params]
+        self.v = [torch.zeros_like(p) for p in self.params]
+        self.out = [torch.empty_like(p, dtype=torch.bfloat16) for p in self.params]
+        self.lr, self.betas, self.eps, self.wd, self.n = lr, betas, eps, weight_decay, 0
+        self.fn = torch.compile(_adamw_bf16_kernel, dynamic=True)
+
+    def step(self) -> None:
+        self.n += 1
+        b1, b2 = self.betas
+        sc = torch.tensor([1.0 - self.lr * self.wd, b1, 1.0 - b1, b2, 1.0 - b2,
+                           self.lr / (1.0 - b1 ** self.n), math.sqrt(1.0 - b2 ** self.n), self.eps])
+        for p, g, m, v, o in zip(self.params, self.grads, self.m, self.v, self.out):
+            self.fn(p, g, m, v, o, sc)
+
+
+def _adamw_bf16_kernel(p, g, m, v, o, sc):
+    m_new = m * sc[1] + g * sc[2]
+    v_new = v * sc[3] + g * g * sc[4]
+    p_new = p * sc[0] - sc[5] * m_new / (v_new.sqrt() / sc[6] + sc[7])
+    m.copy_(m_new)
+    v.copy_(v_new)
+    p.copy_(p_new)
+    o.copy_(p_new.to(torch.bfloat16))
+
+
+def check_equal(n_params: int, layout: str, chunk_bytes: int, compile_: bool) -> dict:
+    """Three steps from the same start: max |difference| of the masters and bf16 copies of the
+    fused-by-chunks and compiled variants against AdamW(fused=True) + ``_foreach_copy_``."""
+    ref = make_params(n_params, layout)
+    opt = torch.optim.AdamW(ref, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    for _ in range(3):
+        opt.step()
+    ref_bf = [p.detach().to(torch.bfloat16) for p in ref]
+    out = {}
+    variants = [("chunked", lambda ps: ChunkedFusedAdamW(ps, chunk_bytes))]
+    if compile_:
+        variants.append(("compiled", CompiledAdamWBf16))
+    for name, mk in variants:
+        try:
+            o = mk(make_params(n_params, layout))
+            for _ in range(3):
+                o.step()
+            dp = max(float((a - b.detach()).abs().max()) for a, b in zip(o.params, ref))
+            db = max(float((a.float() - b.float()).abs().max()) for a, b in zip(o.out, ref_bf))
+            out[name] = {"max_abs_diff_master": dp, "max_abs_diff_bf16": db}
+        except Exception as e:  # noqa: BLE001 - reported
+            out[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"}
+    return out
+
+
+# ----------------------------------------------------------------------------- variants
+def variants(n_params: int, layout: str, chunk_kib: list[int], compile_: bool):
+    """``[(name, setup)]``: ``setup()`` returns the function timed (one step)."""
+    def adamw(**kw):
+        def setup():
+            ps = make_params(n_params, layout)
+            opt = torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
+            return opt.step
+        return setup
+
+    def emit(kind):
+        def setup():
+            masters = [p.detach() for p in make_params(n_params, layout)]
+            bufs = [torch.empty_like(m, dtype=torch.bfloat16) for m in masters]
+            if kind == "to":
+                return lambda: [m.to(torch.bfloat16) for m in masters]
+            if kind == "copy":
+                def into():
+                    for b, m in zip(bufs, masters):
+                        b.copy_(m)
+                return into
+            return lambda: torch._foreach_copy_(bufs, masters)
+        return setup
+
+    def step_then_copy():
         ps = make_params(n_params, layout)
-        n = sum(p.numel() for p in ps)
-        opt = torch.optim.AdamW(ps, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, **kw)
-        out.append((name, timed(opt.step, reps), n))
-        del opt, ps
-    ps = make_params(n_params, layout)
+        opt = torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+        masters = [p.detach() for p in ps]
+        bufs = [torch.empty_like(m, dtype=torch.bfloat16) for m in masters]
+
+        def f():
+            opt.step()
+            torch._foreach_copy_(bufs, masters)
+        return f
+
+    out = [("AdamW fused=True", adamw(fused=True)),
+           ("AdamW foreach=True", adamw(foreach=True)),
+           ("AdamW foreach=False (for-loop)", adamw(foreach=False)),
+           ("bf16 copy: m.to(bf16) per tensor (trainer)", emit("to")),
+           ("bf16 copy: buf.copy_(m) preallocated", emit("copy")),
+           ("bf16 copy: _foreach_copy_ preallocated", emit("foreach")),
+           ("step+bf16: fused, then _foreach_copy_", step_then_copy)]
+    for c in chunk_kib:
+        out.append((f"step+bf16: fused per {c} KiB chunk + copy", lambda c=c: ChunkedFusedAdamW(
+            make_params(n_params, layout), c * 1024).step))
+    if compile_:
+        out.append(("step+bf16: torch.compile one kernel", lambda: CompiledAdamWBf16(make_params(n_params, layout)).step))
+    return out
+
+
+def _pair_child(rank, core, n_params, layout, threads, reps, barrier, q, pin):
+    if pin:
+        os.sched_setaffinity(0, {core})
+    torch.set_num_threads(threads)
+    ps = make_params(n_params, layout, seed=rank)
+    opt = torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     masters = [p.detach() for p in ps]
-    out.append(("bf16 copy: m.to(bf16) per tensor (trainer)",
-                timed(lambda: [m.to(torch.bfloat16) for m in masters], reps), n))
     bufs = [torch.empty_like(m, dtype=torch.bfloat16) for m in masters]
 
-    def into():
-        for b, m in zip(bufs, masters):
-            b.copy_(m)
+    def f():
+        opt.step()
+        torch._foreach_copy_(bufs, masters)
+    f()
+    f()
+    barrier.wait()
+    q.put((rank, timed(f, reps, warmup=0)))
 
-    out.append(("bf16 copy: buf.copy_(m) preallocated", timed(into, reps), n))
-    out.append(("bf16 copy: _foreach_copy_ preallocated",
-                timed(lambda: torch._foreach_copy_(bufs, masters), reps), n))
-    return out
+
+def run_procs(n_procs: int, n_params, layout, threads, reps, cores, pin) -> list[float]:
+    """Fused step + emission in ``n_procs`` spawned processes started together; s/step of each."""
+    ctx = mp.get_context("spawn")
+    barrier, q = ctx.Barrier(n_procs), ctx.Queue()
+    ps = [ctx.Process(target=_pair_child, args=(r, core_for(r, cores), n_params, layout, threads, reps,
+                                                barrier, q, pin)) for r in range(n_procs)]
+    for p in ps:
+        p.start()
+    res = dict(q.get(timeout=3600) for _ in ps)
+    for p in ps:
+        p.join()
+    return [res[r] for r in range(n_procs)]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=float, default=50e6)
-    ap.add_argument("--threads", type=int, nargs="*", default=sorted({1, os.cpu_count() or 1}))
+    ap.add_argument("--threads", type=int, nargs="*", default=sorted({1, len(usable_cores())}))
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--layout", choices=("model", "uniform"), default="model")
+    ap.add_argument("--chunk-kib", type=int, nargs="*", default=[256, 2048])
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile variant")
+    ap.add_argument("--pair-threads", type=int, default=1, help="threads per process in the two-process runs")
+    ap.add_argument("--no-pin", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2M params, 1 round, 2 reps, 1 thread")
+    ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.lower().startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    print(f"torch {torch.__version__}, {cpu}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.2f}, "
-          f"{args.params / 1e6:.0f}M fp32 params ({args.layout} layout), median of {args.reps}")
+    if args.quick:
+        args.params, args.rounds, args.reps, args.threads = 2e6, 1, 2, [1]
+    info = machine_info()
+    print_machine(info)
+    cores = usable_cores()
+    n = int(args.params)
+    print(f"{args.params / 1e6:.0f}M fp32 params ({args.layout} layout), median of {args.reps} steps per round, "
+          f"{args.rounds} round(s)")
+    eq = check_equal(min(n, int(2e6)), args.layout, args.chunk_kib[0] * 1024 if args.chunk_kib else 256 * 1024,
+                     not args.no_compile)
+    print("check (3 steps vs AdamW fused + bf16 copy, max |diff|): " + ", ".join(
+        f"{k}: " + (v["error"] if "error" in v else f"master {v['max_abs_diff_master']:.1e}, bf16 "
+                    f"{v['max_abs_diff_bf16']:.1e}") for k, v in eq.items()))
+    results: dict = {"machine": info, "args": vars(args), "check": eq, "single": [], "pair": []}
     for t in args.threads:
-        rows = bench(int(args.params), t, args.reps, args.layout)
-        base = rows[0][1]
-        n = rows[0][2]
-        print(f"\nthreads {t} ({n / 1e6:.1f}M params in tensors; load {os.getloadavg()[0]:.2f})")
-        print(f"  {'variant':<44} {'s/step':>8} {'M params/s':>11} {'vs fused':>9}")
-        for name, sec, n in rows:
-            print(f"  {name:<44} {sec:8.4f} {n / sec / 1e6:11.0f} {sec / base:8.2f}x")
+        torch.set_num_threads(t)
+        vs = variants(n, args.layout, args.chunk_kib, not args.no_compile)
+        per: dict[str, list] = {name: [] for name, _ in vs}
+        errors: dict[str, str] = {}
+        for rnd in range(args.rounds):
+            k = rnd % len(vs)
+            for name, setup in vs[k:] + vs[:k]:
+                if name in errors:
+                    continue
+                try:
+                    per[name].append(timed(setup(), args.reps))
+                except Exception as e:  # noqa: BLE001 - e.g. no compiler for torch.compile
+                    errors[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        base = spread(per["AdamW fused=True"])["median"]
+        print(f"\nthreads {t} (load {os.getloadavg()[0]:.2f})")
+        print(f"  {'variant':<46} {'s/step median':>13} {'[min-max]':>17} {'M params/s':>10} {'vs fused':>8}")
+        for name, _ in vs:
+            s = spread(per[name])
+            rec = {"threads": t, "variant": name, "s": s, "errors": errors.get(name)}
+            if s["n"]:
+                rec["vs_fused"] = s["median"] / base
+                print(f"  {name:<46} {s['median']:13.4f} {s['min']:8.4f}-{s['max']:<8.4f} "
+                      f"{n / s['median'] / 1e6:10.0f} {s['median'] / base:7.2f}x")
+            else:
+                print(f"  {name:<46} failed: {errors.get(name)}")
+            results["single"].append(rec)
+
+    pin = not args.no_pin
+    pcores = [core_for(r, cores) for r in range(2)]
+    print(f"\ntwo processes at once: fused step + _foreach_copy_ bf16, {args.pair_threads} thread(s) each, "
+          f"pinned to cores {pcores if pin else 'none'}" + (" (one usable core: both share it)" if len(cores) < 2 else ""))
+    alone, pair = [], []
+    for rnd in range(args.rounds):
+        for kind in (("alone", "pair") if rnd % 2 == 0 else ("pair", "alone")):
+            r = run_procs(1 if kind == "alone" else 2, n, args.layout, args.pair_threads, args.reps, cores, pin)
+            (alone if kind == "alone" else pair).append(r)
+    sa = spread([r[0] for r in alone])
+    sp = spread([max(r) for r in pair])
+    agg = spread([2 * n / max(r) for r in pair])
+    print(f"  one process alone:            {sa['median']:.4f} s/step [{sa['min']:.4f}-{sa['max']:.4f}], "
+          f"{n / sa['median'] / 1e6:.0f} M params/s")
+    print(f"  two at once (slower of two):  {sp['median']:.4f} s/step [{sp['min']:.4f}-{sp['max']:.4f}], "
+          f"{sp['median'] / sa['median']:.2f}x the time alone; both together {agg['median'] / 1e6:.0f} M params/s")
+    results["pair"] = {"alone_s": alone, "pair_s": pair, "alone": sa, "pair_slower": sp, "aggregate_params_per_s": agg}
+    write_json(args.json, results)
     return 0
 
 
