@@ -3,7 +3,7 @@
 
 For every cell (P card processes, M micro-batches per optimizer step) and every round, each
 system trains the same model (the embedded SmolLM2-135M, weights loaded with
-``npu_train.model.loading.load_config/load_tensors``) on the same micro-batches (the project's
+``npu_train.model.load_config/load_tensors``) on the same micro-batches (the project's
 packed Botchan rows and its seeded ``StepSampler``), fp32, ``--threads`` intra-op threads per
 process, one process per stage pinned to its own core (round-robin when P > cores):
 
@@ -152,7 +152,7 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
     from npu_train.data.dataset import load_packed, micro_batch_tensors
     from npu_train.data.sampler import StepSampler
     from npu_train.model.llama import IGNORE_INDEX, StageModule
-    from npu_train.model.loading import load_config, load_tensors, resolve_model_path
+    from npu_train.model import load_config, load_tensors, resolve_model_path
     from npu_train.optim.lr import lr_at
 
     torch.set_num_threads(int(cfg["threads"]))
@@ -348,19 +348,20 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
 
 # ----------------------------------------------------------------------------- driver
 def prepare_data(args, work: Path) -> tuple[str, int]:
-    """The project's packed rows for ``--seq-len`` (``npu_train.runtime.job.prepare_data``: the
+    """The project's packed rows for ``--seq-len`` (``npu_train.data.prepare.prepare_data``: the
     launcher's tokenizer, cache and defaults), saved for the torch workers; returns (file, layers)."""
     from types import SimpleNamespace
 
     from npu_train.data.dataset import save_packed
-    from npu_train.model.loading import load_config, resolve_model_path
-    from npu_train.runtime.job import prepare_data as project_data
+    from npu_train.model import load_config, resolve_model_path
+    from npu_train.data.prepare import prepare_data as project_data
 
     path = resolve_model_path(args.model)
     mcfg = load_config(path)
     cfg = SimpleNamespace(model=SimpleNamespace(tokenizer=None),
-                          data=SimpleNamespace(source="botchan", seq_len=args.seq_len, val_fraction=0.05))
-    data = project_data(cfg, path, mcfg, str(work))
+                          data=SimpleNamespace(source="botchan", format="text", seq_len=args.seq_len,
+                                               val_fraction=0.05))
+    data = project_data(cfg, path, mcfg)
     f = work / "data.safetensors"
     save_packed(data, f)
     return str(f), mcfg.num_layers

@@ -240,3 +240,21 @@ def test_nodes_with_different_settings_fail_naming_the_keys(tiny_model, tmp_path
         errs = j.error_lines()
         assert len(errs) == 1 and "node 1 differs from node 0 in train.lr (node 0: 0.001, node 1: 0.002)" in errs[0], j.tail()
         assert not os.path.exists(os.path.join(j.run_dir, "checkpoints")), "nothing is written before the check"
+
+
+def test_unshared_checkpoint_dir_is_refused_before_training(tiny_model, tmp_path):
+    """Each node with its own checkpoint.dir would train every step and then fail to publish; the rendezvous
+    refuses it first (node 0's marker is not visible in node 1's root): exit 2 on node 1, naming the fix,
+    and node 0 stops too (two launchers on loopback)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"NNODES": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    n0 = Job(tmp_path, tiny_model, f"checkpoint.dir={tmp_path / 'ck0'}", name="node0", env=dict(env, NODE_RANK="0"),
+             backend="cpu")
+    n1 = Job(tmp_path, tiny_model, f"checkpoint.dir={tmp_path / 'ck1'}", name="node1", env=dict(env, NODE_RANK="1"),
+             backend="cpu")
+    rcs = _wait_both([n0, n1], 180)
+    assert rcs[1] == 2 and rcs[0] != 0, n0.tail() + n1.tail()
+    assert any("one shared checkpoint.dir" in e for e in n1.error_lines()), n1.tail()
+    assert not os.path.exists(os.path.join(n0.run_dir, "metrics.jsonl"))  # no step was trained

@@ -356,8 +356,14 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         rdv.check_same("plan", N.plan_digest(plan, data.fingerprint, start_step, resume_dir), "placement plans, data or "
                        "resume points", "give every node the same data and checkpoint files and calibration profiles "
                        "(placement.profile), or fix the split with train.split")
+        marker = os.path.join(ckpt_root, f".npt-shared-{job_id}")
+        if layout.is_master:  # the checkpoint root must be one directory seen by every node
+            os.makedirs(ckpt_root, exist_ok=True)
+            open(marker, "w").close()
         job = N.share_job(rdv, job_id=job_id, token=token, gloo_port=port, host=host)
         job_id, token = job["job_id"], job["token"]
+        if not layout.is_master:
+            N.check_shared_root(ckpt_root, job_id)
     elem = 2 if prep["dtype"] == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
@@ -375,6 +381,11 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     node_plan = link = None
     if rdv is not None:
         node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
+        if layout.is_master:  # every node passed check_shared_root before it joined
+            try:
+                os.remove(os.path.join(ckpt_root, f".npt-shared-{job_id}"))
+            except OSError:
+                pass
     data_file = os.path.join(run_dir, "data.safetensors")
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)

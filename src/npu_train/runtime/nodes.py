@@ -351,6 +351,24 @@ class NodePlan:
                    if m == "shm" and self.node_of_rank[b] == self.node)
 
 
+def check_shared_root(ckpt_root: str, job_id: str, wait_s: float = 10.0) -> None:
+    """Raise ConfigError unless node 0's marker ``.npt-shared-<job_id>`` is visible in ``ckpt_root``
+    (every node writes its stages' shards into one shared checkpoint root; node 0 publishes them).
+    Waits up to ``wait_s`` seconds for a network filesystem's attribute cache."""
+    import time
+
+    from npu_train.errors import ConfigError
+
+    path = os.path.join(ckpt_root, f".npt-shared-{job_id}")
+    t_end = time.monotonic() + wait_s
+    while not os.path.exists(path):
+        if time.monotonic() > t_end:
+            raise ConfigError(f"checkpoint.dir={ckpt_root} is not the directory node 0 uses (its marker {path} is "
+                              "not visible here): every node must write into one shared checkpoint.dir (a shared "
+                              "filesystem, or a ReadWriteMany volume in Kubernetes)")
+        time.sleep(0.2)
+
+
 def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int, host: str) -> dict:
     """One job id, token, gloo port and node channel address for all nodes: node 0 publishes its own
     (the channel on a free port of its ``host``), every node returns node 0's
