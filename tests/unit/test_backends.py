@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import pickle
 import sys
 import threading
@@ -31,7 +32,9 @@ from npu_train.backends import (
     parse_backend_list,
     resolve_cards,
 )
+from npu_train.backends import accounting as acct
 from npu_train.backends import furiosa as fur
+from npu_train.backends.furiosa_compile import FURIOSA_LOGGER, FuriosaCompileOptions
 from npu_train.backends.cpu import CPUBackend
 from npu_train.backends.cuda import CUDABackend
 from npu_train.backends.furiosa import FuriosaBackend
@@ -414,8 +417,29 @@ class FakeFuriosa:
         ft.current_stream = lambda dev: _Stream(self.calls, 0)
         ft.default_stream = lambda dev: _Stream(self.calls, 0)
         ft.version = lambda: "furiosa-torch 2026.4.0 (fake)"
+        # furiosa.torch.config (config/__init__.py, _cache.py, _cpu_fallback.py, _C/config/cache)
+        cfg = types.ModuleType("furiosa.torch.config")
+        self.settings = {"root_dir": "/home/u/.cache/furiosa", "num_load": 32, "cpu_fallback": True}
+
+        def set_cache_config(cache_config=None, root_dir=None, summary=None, ensure=None,
+                             failure_link_dir=None):
+            prev = types.SimpleNamespace(root_dir=self.settings["root_dir"])
+            self.settings["root_dir"] = root_dir
+            return prev
+
+        def set_cpu_fallback(v):
+            prev, self.settings["cpu_fallback"] = self.settings["cpu_fallback"], bool(v)
+            return prev
+
+        cfg.set_cache_config = set_cache_config
+        cfg.get_cache_config = lambda: types.SimpleNamespace(root_dir=self.settings["root_dir"])
+        cfg.set_eager_cache_size = lambda num_exported_program=8192, num_compiled=8192, num_load=2048: \
+            self.settings.update(num_load=num_load)
+        cfg.set_cpu_fallback = set_cpu_fallback
+        cfg.get_cpu_fallback = lambda: self.settings["cpu_fallback"]
+        ft.config = cfg
         self.modules = {"furiosa": furiosa, "furiosa.torch": ft, "furiosa.torch._C": c,
-                        "furiosa.torch._C.memory": mem}
+                        "furiosa.torch._C.memory": mem, "furiosa.torch.config": cfg}
         self.ft, self.mem = ft, mem
 
     # real behaviour: only one set_fusion per process; get_fusion() first fixes fusion at 1
@@ -476,6 +500,9 @@ def fake_furiosa(monkeypatch):
         return fake
 
     yield install
+    acct.uninstall_all()  # the backends' dispatch-mode accounting of this thread
+    for f in list(logging.getLogger(FURIOSA_LOGGER).filters):
+        logging.getLogger(FURIOSA_LOGGER).removeFilter(f)
     fur._reset_process_state_for_tests()
 
 
@@ -604,9 +631,17 @@ def test_furiosa_index_out_of_range(fake_furiosa):
         FuriosaBackend(8).setup()  # fusion 8 -> 8 devices (0..7)
 
 
+class CpuStandIn(FuriosaBackend):
+    """The furiosa backend whose fake "device" tensors live on the CPU: its accounting counts
+    CPU storages."""
+
+    def _ledger_device_type(self) -> str:
+        return "cpu"
+
+
 def test_furiosa_tracked_memory(fake_furiosa):
     fake_furiosa()
-    b = FuriosaBackend(0)
+    b = CpuStandIn(0, accounting="uploads")
     b.setup()
     base = b.memory_allocated()
     b.reset_peak_memory()
