@@ -83,7 +83,7 @@ class FallbackCounter(logging.Filter):
         if op is None:
             msg = record.getMessage()
             if "fallback to CPU" in msg or "fell back to CPU" in msg:
-                op = msg.split()[4] if msg.startswith("failed to compile & run") else msg.split()[0]
+                op = msg.split()[5] if msg.startswith("failed to compile & run") else msg.split()[0]
         if op is not None:
             with self._lock:
                 self.total += 1
