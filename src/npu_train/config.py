@@ -91,6 +91,9 @@ class FuriosaConf:
     #: device-memory accounting: dispatch (every device tensor, a TorchDispatchMode) or uploads
     #: (only uploaded / tracked tensors; cheaper, misses masters, moments, grads, activations).
     accounting: str = "dispatch"
+    #: measurement only (experiments/rngd-runbook.md, memory calibration): after every step fill
+    #: the card's free memory until the runtime refuses, and report it (card_free_bytes).
+    probe_free: bool = False
 
 
 @dataclass

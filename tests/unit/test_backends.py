@@ -915,3 +915,32 @@ def test_loaded_module_stats_reads_the_lru_cache():
     mod = types.SimpleNamespace(_compile_and_load_cached=cached)
     assert loaded_module_stats(mod) == {"loaded": 3, "capacity": 4, "misses": 3}
     assert loaded_module_stats(types.SimpleNamespace()) is None
+
+
+def test_probe_free_bytes_fills_until_the_runtime_refuses():
+    from npu_train.backends.furiosa_compile import probe_free_bytes
+
+    free = 1000 * 2**20 + 40 * 2**20            # 1040 MiB free on a pretend card
+    live = []
+
+    def alloc(n):
+        if sum(live) + n > free:
+            raise torch.OutOfMemoryError(f"failed to allocate {n} bytes")
+        live.append(n)
+        return n
+
+    assert probe_free_bytes(alloc, 47 * 2**30) == 3 * 256 * 2**20 + 17 * 16 * 2**20  # 16 MiB resolution
+    assert probe_free_bytes(lambda n: n, 300 * 2**20) == 256 * 2**20 + 2 * 16 * 2**20  # stops at the limit
+
+
+def test_furiosa_step_stats_with_probe_free(fake_furiosa, monkeypatch):
+    fake_furiosa()
+    b = CpuStandIn(0, accounting="uploads", compile_options=FuriosaCompileOptions(probe_free=True))
+    monkeypatch.setattr(b, "device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(b, "capacity_bytes", lambda: 64 * 2**20)        # a 64 MiB "card"
+    b.setup()
+    x = b.upload(torch.ones(2**20))                                      # 4 MiB
+    stats = b.step_stats()
+    assert stats["card_free"] == 64 * 2**20 and stats["mem_quiet"] == 4 * 2**20
+    assert b.max_memory_allocated() == 4 * 2**20                         # the probe is not a peak
+    del x

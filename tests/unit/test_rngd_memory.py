@@ -182,3 +182,53 @@ def test_fp32_accumulators_cost_four_bytes_per_param():
         plan(1, 4, shape=fp32)
     with pytest.raises(ValueError, match="grad_accum"):
         RunShape(seq_len=512, grad_accum="bf16")
+
+
+# ---------------------------------------------------------------- memory calibration from runs
+def _fake_run(d, plan_obj, steps):
+    d.mkdir()
+    (d / "plan.json").write_text(json.dumps(plan_obj.to_dict()))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in steps))
+
+
+def test_memfit_reads_runs_and_writes_the_profile(tmp_path):
+    """Synthetic runs whose real peak is c + f * body + modules: the fit recovers c and f, writes the
+    profile, and the next plan reads the measured figures."""
+    from npu_train.planner.memfit import main, samples_from_run
+
+    c, f, mods = 0.7 * GIB, 0.01, 512 * 2**20
+    runs = []
+    for cards, res in ((1, 4), (2, 8), (2, 4)):
+        p = plan(cards, res)
+        steps = []
+        for step in (1, 2, 3):
+            free, peak, quiet = [], [], []
+            for st in p.stages:
+                body = sum(st.mem[k] for k in ("weights", "grads", "optimizer", "activations", "transient"))
+                real = c + f * body + mods
+                q = body - st.mem["activations"] - st.mem["transient"]       # after the step
+                extra = 10 * GIB if step == 1 else 0                        # step 1 is skipped
+                free.append(int(st.card.capacity_bytes - (real - (body - q)) - extra))
+                peak.append(int(body))
+                quiet.append(int(q))
+            steps.append({"step": step, "mem_peak_bytes": peak, "mem_quiet_bytes": quiet,
+                          "card_free_bytes": free})
+        d = tmp_path / f"run{cards}x{res}"
+        _fake_run(d, p, steps)
+        runs.append(str(d))
+    s = samples_from_run(runs[0])
+    assert len(s) == 1 and s[0]["layout"] == "1 cards, resident 4"
+    prof = tmp_path / "furiosa.json"
+    assert main(runs + ["--profile", str(prof)]) == 0
+    t = load_memory_terms("furiosa", prof)
+    assert t.workspace_bytes == pytest.approx(c, rel=1e-3)
+    assert t.workspace_fraction == pytest.approx(f, rel=1e-3)
+    assert "measured" in t.sources["workspace_bytes"]
+
+
+def test_memfit_refuses_runs_without_the_probe(tmp_path):
+    from npu_train.planner.memfit import samples_from_run
+
+    _fake_run(tmp_path / "r", plan(1, 4), [{"step": 1, "mem_peak_bytes": [1]}])
+    with pytest.raises(ValueError, match="runtime.furiosa.probe_free=true"):
+        samples_from_run(str(tmp_path / "r"))

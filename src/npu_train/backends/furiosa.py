@@ -73,7 +73,7 @@ import torch
 from npu_train.backends import accounting as acct
 from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
 from npu_train.backends.furiosa_compile import (FuriosaCompileOptions, apply_compile_options,
-                                                loaded_module_stats)
+                                                loaded_module_stats, probe_free_bytes)
 from npu_train.env import getenv
 from npu_train.hardware import FURIOSA_CAPACITY_BYTES
 
@@ -522,7 +522,24 @@ class FuriosaBackend(Backend):
             out["compiles"] = stats["misses"] - self._misses_seen
             out["loaded_modules"] = stats["loaded"]
             self._misses_seen = stats["misses"]
+        if self.compile_options.probe_free:
+            out["card_free"] = self.free_bytes()
+            out["mem_quiet"] = self.memory_allocated()
         return out
+
+    def free_bytes(self) -> int:
+        """Free card memory now, bytes (16 MiB resolution), by allocating it until the runtime
+        refuses (:func:`~npu_train.backends.furiosa_compile.probe_free_bytes`); the probe's own
+        allocations are left out of :meth:`max_memory_allocated`. Measurement only."""
+        self._ensure_setup()
+        dev = self.device()
+        peak = self._ledger.peak if self._ledger is not None else 0
+        with self.alloc_lock():
+            free = probe_free_bytes(lambda n: torch.empty(n, dtype=torch.uint8, device=dev),
+                                    self.capacity_bytes())
+        if self._ledger is not None:
+            self._ledger.peak = peak
+        return free
 
     # ------------------------------------------------------------------ copies
     def _upload(self, t: torch.Tensor, non_blocking: bool) -> torch.Tensor:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = ["FuriosaCompileOptions", "FallbackCounter", "apply_compile_options",
-           "loaded_module_stats", "warm_up"]
+           "loaded_module_stats", "probe_free_bytes", "warm_up"]
 
 log = logging.getLogger(__name__)
 
@@ -54,11 +54,16 @@ class FuriosaCompileOptions:
             the number the plan counted in its ``modules`` memory term; 0: leave furiosa-torch's.
         cpu_fallback: let ops furiosa cannot compile run on the host (counted per step by
             :class:`FallbackCounter`); default off: such an op is an error.
+        probe_free: measurement only (the runbook's memory calibration): after every step,
+            allocate the card's free memory in chunks until the runtime refuses
+            (:func:`probe_free_bytes`) and report it, so the real peak of the step is known
+            (``furiosa-smi`` shows 0.00 GiB used on RNGD).
     """
 
     compiler_cache_dir: str = ""
     loaded_modules: int = 0
     cpu_fallback: bool = False
+    probe_free: bool = False
 
 
 class FallbackCounter(logging.Filter):
@@ -142,6 +147,27 @@ def loaded_module_stats(aten_module: Any = None) -> Optional[dict]:
     except Exception:  # noqa: BLE001
         return None
     return {"loaded": int(info.currsize), "capacity": int(info.maxsize or 0), "misses": int(info.misses)}
+
+
+def probe_free_bytes(alloc: Callable[[int], Any], limit_bytes: int,
+                     chunk_bytes: int = 256 << 20, fine_bytes: int = 16 << 20) -> int:
+    """Free card memory, bytes, measured by allocating it: ``alloc(n)`` (a ``uint8`` tensor of
+    ``n`` bytes on the card) in ``chunk_bytes`` pieces until it raises (furiosa-torch:
+    ``torch.OutOfMemoryError("failed to allocate N bytes")``) or ``limit_bytes`` is reached, then in
+    ``fine_bytes`` pieces; everything is freed before returning. Resolution: ``fine_bytes``.
+    Used only for measuring (``probe_free``): a card run out of memory on purpose."""
+    held, total = [], 0
+    try:
+        for size in (chunk_bytes, fine_bytes):
+            while total + size <= limit_bytes:
+                try:
+                    held.append(alloc(size))
+                except (RuntimeError, MemoryError):  # torch.OutOfMemoryError is a RuntimeError
+                    break
+                total += size
+    finally:
+        held.clear()
+    return total
 
 
 def warm_up(step: Callable[[], Any], restore: Callable[[], Any]) -> float:

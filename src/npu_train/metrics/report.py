@@ -85,6 +85,9 @@ class Reporter:
             vals = [r[key] for r in reports if key in r]
             if vals:
                 rec[key] = merge(vals)
+        if any("card_free" in r for r in reports):  # runtime.furiosa.probe_free (memory calibration)
+            rec["card_free_bytes"] = [int(r.get("card_free", -1)) for r in reports]
+            rec["mem_quiet_bytes"] = [int(r.get("mem_quiet", -1)) for r in reports]
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
         self.losses.append((step, float(rec["loss"])))
