@@ -94,6 +94,9 @@ class FuriosaConf:
     #: measurement only (experiments/rngd-runbook.md, memory calibration): after every step fill
     #: the card's free memory until the runtime refuses, and report it (card_free_bytes).
     probe_free: bool = False
+    #: run each decoder layer as one compiled forward + one compiled backward graph
+    #: (furiosa.torch DfgModule + its autograd builder) instead of eager ops; experimental.
+    compiled_layers: bool = False
 
 
 @dataclass

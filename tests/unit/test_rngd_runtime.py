@@ -123,3 +123,61 @@ def test_first_step_line_says_how_long_compilation_took(tmp_path):
     lines = out.getvalue().splitlines()
     assert "compiled before the step in 150.0 s" in lines[0] and "3 op(s) fell back to the CPU" in lines[0]
     assert "compiled" not in lines[1] and rec2["compile_s"] == 0.0
+
+
+# ---------------------------------------------------------------- whole-layer compiled path (stand-in)
+def test_compiled_layers_wiring_matches_eager_with_stand_in_builders():
+    """furiosa-torch's DfgModule + autograd builder replaced by stand-ins that run the given
+    function eagerly (forward) and differentiate it with torch.autograd (backward): the stage's
+    output and every gradient equal the eager stage's, parameter names stay, one graph per shape,
+    and the saved tensors and outputs go to ``track``."""
+    from npu_train.backends.furiosa_layer import install_compiled_layers
+
+    built = []
+
+    def dfg_from_module(fn, example):
+        assert all(t.device.type == "cpu" for t in example)          # furiosa: CPU example args
+        return fn
+
+    def build_autograd(fn, name):
+        built.append(name)
+
+        class Fn(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, *args):
+                ctx.save_for_backward(*args)
+                return (fn(*args),)
+
+            @staticmethod
+            def backward(ctx, g):
+                args = [a.detach().requires_grad_(a.is_floating_point()) for a in ctx.saved_tensors]
+                with torch.enable_grad():
+                    out = fn(*args)
+                grads = torch.autograd.grad(out, args, g, allow_unused=True)
+                return tuple(grads)
+
+        return Fn
+
+    torch.manual_seed(0)
+    ref = StageModule(_tiny(), 0, 3, True, True)
+    test = StageModule(_tiny(), 0, 3, True, True)
+    test.load_state_dict(ref.state_dict())
+    names = [n for n, _ in test.named_parameters()]
+    tracked = []
+    n = install_compiled_layers(test, lambda t: tracked.append(t) or t, (dfg_from_module, build_autograd))
+    assert n == 3 and [n for n, _ in test.named_parameters()] == names
+    x = torch.randint(0, 128, (2, 8))
+    for m in (ref, test):
+        m(x).float().pow(2).mean().backward()
+    assert torch.allclose(test(x), ref(x), rtol=1e-5, atol=1e-6)
+    for (na, a), (nb, b) in zip(ref.named_parameters(), test.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), na
+    assert built == ["npu_train_decoder_layer"]                         # 3 layers, one shape
+    assert len(tracked) >= 3 * (3 + 9 + 1)                               # h, cos, sin, 9 weights, out
+
+
+def test_compiled_layers_off_by_default():
+    from npu_train.backends.furiosa import FuriosaBackend
+
+    assert FuriosaBackend(0).prepare_module(StageModule(_tiny(), 0, 1, True, False)) == 0
+    assert CPUBackend().prepare_module(None) == 0

@@ -510,6 +510,17 @@ class FuriosaBackend(Backend):
         if self._ledger is not None:
             self._ledger.reset_peak()
 
+    def prepare_module(self, module) -> int:
+        """With ``compile_options.compiled_layers``: every decoder layer of ``module`` runs as one
+        compiled forward and one compiled backward graph
+        (:func:`~npu_train.backends.furiosa_layer.install_compiled_layers`). Returns the number of
+        layers switched (0 when off)."""
+        if not self.compile_options.compiled_layers:
+            return 0
+        from npu_train.backends.furiosa_layer import install_compiled_layers
+
+        return install_compiled_layers(module, self.track)
+
     def step_stats(self) -> dict:
         """Per-step runtime facts since the previous call: ``cpu_fallbacks`` (ops that ran on the
         host), ``compiles`` (loaded-module cache misses: ops compiled/loaded) and

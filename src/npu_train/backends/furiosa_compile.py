@@ -58,12 +58,15 @@ class FuriosaCompileOptions:
             allocate the card's free memory in chunks until the runtime refuses
             (:func:`probe_free_bytes`) and report it, so the real peak of the step is known
             (``furiosa-smi`` shows 0.00 GiB used on RNGD).
+        compiled_layers: run each decoder layer as one compiled forward and one compiled backward
+            graph instead of eager ops (:mod:`npu_train.backends.furiosa_layer`); off by default.
     """
 
     compiler_cache_dir: str = ""
     loaded_modules: int = 0
     cpu_fallback: bool = False
     probe_free: bool = False
+    compiled_layers: bool = False
 
 
 class FallbackCounter(logging.Filter):

@@ -142,7 +142,8 @@ def furiosa_runtime_fields(cfg, plan) -> dict:
     n = max((t.loaded_modules for t, st in zip(plan.memory_terms, plan.stages)
              if st.card.kind == "furiosa"), default=int(fur.loaded_modules))
     return {"furiosa": FuriosaCompileOptions(compiler_cache_dir=furiosa_cache_dir(cfg), loaded_modules=int(n),
-                                             cpu_fallback=bool(fur.cpu_fallback), probe_free=bool(fur.probe_free)),
+                                             cpu_fallback=bool(fur.cpu_fallback), probe_free=bool(fur.probe_free),
+                                             compiled_layers=bool(fur.compiled_layers)),
             "furiosa_accounting": str(fur.accounting), "warmup": bool(fur.warmup)}
 
 

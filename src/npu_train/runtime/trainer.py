@@ -119,6 +119,7 @@ class StageTrainer:
         self.phase[0] = "model load"
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
         self.params = dict(self.module.named_parameters())
+        backend.prepare_module(self.module)  # furiosa: whole-layer compiled graphs when configured
         if self.fault is not None:
             self.fault.install(self.module)
         self.compile_s = 0.0
