@@ -24,8 +24,14 @@ so the dispatch-mode accounting would not see them; the layer output and every t
 Function saves for backward (``torch.autograd.graph.saved_tensors_hooks``) are registered with
 the backend's ledger explicitly.
 
-Untested on a card here: ``tests/contract`` builds the graphs without a card where furiosa-torch
-allows it, and the runbook (step 7e) runs it on RNGD.
+Status (2026-11-30, furiosa-torch 2026.4.0 without a card): step 2 fails for the model's layer:
+furiosa-torch's decomposition pass cannot turn the attention output's
+``o.transpose(1, 2).reshape(B, S, heads * D)`` (``model/llama.py``) into a view ("Cannot view a
+tensor with shape [1, 32, 4, 16] and strides (2048, 16, 512, 1) as (1, 32, 64)"). With that line
+written ``torch.einsum("bnsd->bsnd", o).clone(memory_format=torch.contiguous_format).reshape(...)``
+(the same values) the graph imports; differentiating and compiling it then did not finish within
+600 s on a 2-core machine. ``tests/contract`` records this (xfail); the runbook (step 7e) has the
+hardware steps. The switch stays off by default.
 """
 from __future__ import annotations
 
