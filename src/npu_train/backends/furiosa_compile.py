@@ -29,12 +29,11 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 __all__ = ["FuriosaCompileOptions", "FallbackCounter", "apply_compile_options",
-           "loaded_module_stats", "probe_free_bytes", "warm_up"]
+           "loaded_module_stats", "probe_free_bytes"]
 
 log = logging.getLogger(__name__)
 
@@ -171,15 +170,3 @@ def probe_free_bytes(alloc: Callable[[int], Any], limit_bytes: int,
     finally:
         held.clear()
     return total
-
-
-def warm_up(step: Callable[[], Any], restore: Callable[[], Any]) -> float:
-    """Run ``step`` once (one untimed forward/backward/optimizer pass that compiles and loads
-    every graph of a training step), then ``restore`` (put weights, moments and gradients back as
-    they were, so the real step 1 is unchanged). Returns the seconds ``step`` took (compilation
-    dominated: 150 s for one resident AdamW graph in the field record)."""
-    t0 = time.perf_counter()
-    step()
-    dt = time.perf_counter() - t0
-    restore()
-    return dt
