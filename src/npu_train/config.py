@@ -100,6 +100,34 @@ class TrainConf:
 
 
 @dataclass
+class FuriosaConf:
+    """RNGD card processes (``backend=furiosa:N``); see ``backends/furiosa_compile.py``."""
+
+    #: furiosa-torch's compiler cache, shared by the card processes of a host and kept across runs
+    #: (in Kubernetes: on a volume); null = <cache root>/furiosa/compiler ($NPT_CACHE, default
+    #: ~/.cache/npu-train/furiosa/compiler). Shown in the plan.
+    compiler_cache_dir: Optional[str] = None
+    #: loaded-module cache entries on each card (furiosa.torch.config.set_eager_cache_size
+    #: num_load); the plan counts them in the card's workspace (x an assumed 1 MiB each).
+    loaded_modules: int = 512
+    #: let ops furiosa-torch cannot compile run on the host; off: such an op is an error. When
+    #: on, every fallen-back op is counted and reported per step (cpu_fallbacks).
+    cpu_fallback: bool = False
+    #: before step 1, run one untimed forward/backward of a micro-batch and the optimizer's ops
+    #: on every parameter shape, so compilation is not inside step 1 (its seconds: compile_s).
+    warmup: bool = True
+    #: device-memory accounting: dispatch (every device tensor, a TorchDispatchMode) or uploads
+    #: (only uploaded / tracked tensors; cheaper, misses masters, moments, grads, activations).
+    accounting: str = "dispatch"
+    #: measurement only (experiments/rngd-runbook.md, memory calibration): after every step fill
+    #: the card's free memory until the runtime refuses, and report it (card_free_bytes).
+    probe_free: bool = False
+    #: run each decoder layer as one compiled forward + one compiled backward graph
+    #: (furiosa.torch DfgModule + its autograd builder) instead of eager ops; experimental.
+    compiled_layers: bool = False
+
+
+@dataclass
 class RuntimeConf:
     heartbeat_interval_s: float = 1.0
     #: a card process silent for this long is declared hung and the job is brought down.
@@ -117,6 +145,8 @@ class RuntimeConf:
     host: Optional[str] = None
     #: base TCP port for gloo; 0 = pick a free one.
     port: int = 0
+    #: RNGD settings (compiler cache, loaded-module cache, CPU fallback, warm-up, accounting).
+    furiosa: FuriosaConf = field(default_factory=FuriosaConf)
 
 
 @dataclass
@@ -133,6 +163,8 @@ class PlanConf:
     profile: Optional[str] = None
     #: per-card capacity override in GiB (null = the backend's).
     capacity_gib: Optional[float] = None
+    #: fraction of every card's capacity that resident_layers=auto keeps free (printed in the plan).
+    headroom: float = 0.05
 
 
 @dataclass
@@ -209,6 +241,15 @@ def validate(cfg) -> None:
         raise ConfigError("runtime.heartbeat_timeout_s must exceed runtime.heartbeat_interval_s")
     if cfg.runtime.slots is not None and cfg.runtime.slots < 1:
         raise ConfigError("runtime.slots must be >= 1")
+    if not 0.0 <= cfg.placement.headroom < 0.5:
+        raise ConfigError(f"placement.headroom={cfg.placement.headroom} must be in [0, 0.5) "
+                          "(fraction of each card's capacity that auto keeps free)")
+    fur = cfg.runtime.furiosa
+    if fur.loaded_modules < 0:
+        raise ConfigError(f"runtime.furiosa.loaded_modules={fur.loaded_modules} must be >= 0 "
+                          "(0 = furiosa-torch's default)")
+    if fur.accounting not in ("dispatch", "uploads"):
+        raise ConfigError(f"runtime.furiosa.accounting={fur.accounting!r}: use dispatch or uploads")
 
 
 def compute_dtype(dtype: str, kinds: list[str]) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 import pickle
 import sys
 import threading
@@ -31,7 +32,9 @@ from npu_train.backends import (
     parse_backend_list,
     resolve_cards,
 )
+from npu_train.backends import accounting as acct
 from npu_train.backends import furiosa as fur
+from npu_train.backends.furiosa_compile import FURIOSA_LOGGER, FuriosaCompileOptions
 from npu_train.backends.cpu import CPUBackend
 from npu_train.backends.cuda import CUDABackend
 from npu_train.backends.furiosa import FuriosaBackend
@@ -414,8 +417,29 @@ class FakeFuriosa:
         ft.current_stream = lambda dev: _Stream(self.calls, 0)
         ft.default_stream = lambda dev: _Stream(self.calls, 0)
         ft.version = lambda: "furiosa-torch 2026.4.0 (fake)"
+        # furiosa.torch.config (config/__init__.py, _cache.py, _cpu_fallback.py, _C/config/cache)
+        cfg = types.ModuleType("furiosa.torch.config")
+        self.settings = {"root_dir": "/home/u/.cache/furiosa", "num_load": 32, "cpu_fallback": True}
+
+        def set_cache_config(cache_config=None, root_dir=None, summary=None, ensure=None,
+                             failure_link_dir=None):
+            prev = types.SimpleNamespace(root_dir=self.settings["root_dir"])
+            self.settings["root_dir"] = root_dir
+            return prev
+
+        def set_cpu_fallback(v):
+            prev, self.settings["cpu_fallback"] = self.settings["cpu_fallback"], bool(v)
+            return prev
+
+        cfg.set_cache_config = set_cache_config
+        cfg.get_cache_config = lambda: types.SimpleNamespace(root_dir=self.settings["root_dir"])
+        cfg.set_eager_cache_size = lambda num_exported_program=8192, num_compiled=8192, num_load=2048: \
+            self.settings.update(num_load=num_load)
+        cfg.set_cpu_fallback = set_cpu_fallback
+        cfg.get_cpu_fallback = lambda: self.settings["cpu_fallback"]
+        ft.config = cfg
         self.modules = {"furiosa": furiosa, "furiosa.torch": ft, "furiosa.torch._C": c,
-                        "furiosa.torch._C.memory": mem}
+                        "furiosa.torch._C.memory": mem, "furiosa.torch.config": cfg}
         self.ft, self.mem = ft, mem
 
     # real behaviour: only one set_fusion per process; get_fusion() first fixes fusion at 1
@@ -476,6 +500,9 @@ def fake_furiosa(monkeypatch):
         return fake
 
     yield install
+    acct.uninstall_all()  # the backends' dispatch-mode accounting of this thread
+    for f in list(logging.getLogger(FURIOSA_LOGGER).filters):
+        logging.getLogger(FURIOSA_LOGGER).removeFilter(f)
     fur._reset_process_state_for_tests()
 
 
@@ -604,9 +631,17 @@ def test_furiosa_index_out_of_range(fake_furiosa):
         FuriosaBackend(8).setup()  # fusion 8 -> 8 devices (0..7)
 
 
+class CpuStandIn(FuriosaBackend):
+    """The furiosa backend whose fake "device" tensors live on the CPU: its accounting counts
+    CPU storages."""
+
+    def _ledger_device_type(self) -> str:
+        return "cpu"
+
+
 def test_furiosa_tracked_memory(fake_furiosa):
     fake_furiosa()
-    b = FuriosaBackend(0)
+    b = CpuStandIn(0, accounting="uploads")
     b.setup()
     base = b.memory_allocated()
     b.reset_peak_memory()
@@ -681,3 +716,231 @@ def test_probe_inconclusive_means_process_wide():
 def test_memory_type_api_finds_fake_module(fake_furiosa):
     fake = fake_furiosa()
     assert fur.memory_type_api() is fake.mem
+
+
+# ============================================================================ device accounting
+def test_storage_ledger_counts_each_storage_once_until_freed():
+    led = acct.StorageLedger("cpu")
+    a = torch.ones(1000)                       # 4000 B
+    led.add(a)
+    led.add(a[10:])                            # a view: same storage
+    led.add(a.mul_(2))                         # in place: same storage
+    assert led.bytes == 4000 and len(led) == 1
+    led.add(torch.ones(3, device="meta"))      # other device: ignored
+    led.add("not a tensor")
+    b = torch.ones(500, dtype=torch.float64)   # 4000 B
+    led.add_all({"x": [b, (b.view(-1),)]})
+    assert led.bytes == 8000 and led.peak == 8000
+    v = a[:10]
+    del a                                      # the view keeps the storage alive
+    assert led.bytes == 8000
+    del v
+    assert led.bytes == 4000 and led.peak == 8000
+    led.reset_peak()
+    assert led.peak == 4000
+    del b
+    assert led.bytes == 0
+
+
+def test_dispatch_mode_sees_factories_results_and_backward():
+    led = acct.StorageLedger("cpu")
+    w = torch.ones(64, 64, requires_grad=True)         # made before: not counted
+    with acct.DeviceAllocationMode(led):
+        z = torch.zeros(256)                           # factory: 1 KiB
+        y = (w * 2).sum()                              # result of compute (+ 16 KiB temporary)
+        y.backward()                                   # w.grad: 16 KiB, made by autograd
+    assert led.bytes == 1024 + 4 + 64 * 64 * 4         # z, y and w.grad are alive
+    del z, y
+    w.grad = None
+    assert led.bytes == 0 and led.peak >= 1024 + 4 + 64 * 64 * 4
+
+
+def _tiny_stage_cfg():
+    from npu_train.model.config import LlamaConfig
+
+    return LlamaConfig(vocab_size=1024, hidden_size=256, intermediate_size=688, num_layers=2,
+                       num_heads=4, num_kv_heads=2, tie_word_embeddings=False, name="tiny")
+
+
+def _run_stage_on(backend_factory, fake_furiosa):
+    """A real stage (both ends, 2 layers, fp32, all parameters resident) for two optimizer steps of
+    M=2 micro-batches on a CPU stand-in of the furiosa backend. Returns (backend, params, quiet
+    bytes after step 2, peak bytes of step 2, saved-activation bytes of one micro-batch)."""
+    from npu_train.model.llama import StageModule
+    from npu_train.optim.adamw import StageOptimizer
+    from npu_train.pipeline.stage import StageRunner
+
+    fake_furiosa()
+    cfg = _tiny_stage_cfg()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        module = StageModule(cfg, 0, 2, True, True)
+    masters = {n: torch.randn(p.shape) * 0.02 for n, p in module.named_parameters()}  # host, before setup
+    xs = [torch.randint(0, 1024, (2, 64)) for _ in range(2)]
+    ys = [torch.randint(0, 1024, (2, 64)) for _ in range(2)]
+    b = backend_factory()
+    b.setup()
+    module = module.to_empty(device=b.device())
+    for p in module.parameters():
+        b.track(p)                                   # what build_stage does
+    with torch.no_grad():
+        for n, p in module.named_parameters():
+            p.copy_(b.upload(masters[n]))
+    params = dict(module.named_parameters())
+    opt = StageOptimizer(params, masters, list(params), b, lr=1e-3, weight_decay=0.1)
+    runner = StageRunner(module, b, 1, 0, "1f1b", None)
+    for step in range(2):
+        b.reset_peak_memory()
+        opt.zero_grad()
+        runner.run_step(step, xs, ys)
+        opt.grad_sq_sum()
+        opt.step(1e-3, 1.0)
+    quiet, peak = b.memory_allocated(), b.max_memory_allocated()
+    # saved activations of one micro-batch, measured by autograd's own hooks (not the ledger)
+    pstores = {p.untyped_storage()._cdata for p in params.values()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st._cdata not in pstores:
+            saved[st._cdata] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        from npu_train.model.llama import causal_lm_loss_sum
+
+        loss, _ = causal_lm_loss_sum(module(xs[0]), ys[0])
+    del loss
+    return b, params, quiet, peak, sum(saved.values())
+
+
+def test_furiosa_accounting_sees_every_device_tensor_on_a_stand_in(fake_furiosa):
+    """The issue's stand-in: 'tracked' memory counted only uploads and parameters (8 MiB of 56).
+    With the dispatch accounting, after a step the card holds fp32 weights, gradients, masters
+    and AdamW m and v: 5 x 4 B/param; at the step's peak one micro-batch's saved activations on
+    top (1F1B with P = 1 holds one micro-batch in flight).
+
+    Mutation check: make ``DeviceAllocationMode.__torch_dispatch__`` skip ``ledger.add_all`` and
+    the quiet figure drops to the weights (4 B/param): this test fails."""
+    acct.uninstall_all()
+
+    class StandIn(CpuStandIn):
+        def device(self):
+            return torch.device("cpu")
+
+    b, params, quiet, peak, act = _run_stage_on(lambda: StandIn(0), fake_furiosa)
+    n = sum(p.numel() for p in params.values())
+    expect = 20 * n                                   # weights, grads, master, exp_avg, exp_avg_sq
+    assert abs(quiet - expect) / expect < 0.10, (quiet, expect)
+    assert abs(peak - (expect + act)) / (expect + act) < 0.10, (peak, expect, act)
+    assert b.describe()["memory_accounting"] == "dispatch"
+    acct.uninstall_all()
+
+
+def test_furiosa_uploads_accounting_misses_what_the_card_makes(fake_furiosa):
+    """The old figure, kept behind ``accounting="uploads"``: the masters' on-card clone, moments,
+    gradients and activations are not in it (what issue 12 measured)."""
+    acct.uninstall_all()
+
+    class StandIn(CpuStandIn):
+        def device(self):
+            return torch.device("cpu")
+
+    b, params, quiet, peak, act = _run_stage_on(lambda: StandIn(0, accounting="uploads"), fake_furiosa)
+    n = sum(p.numel() for p in params.values())
+    assert quiet < 0.3 * 20 * n
+
+
+def test_furiosa_setup_keeps_the_thread_count(fake_furiosa, monkeypatch):
+    fake = fake_furiosa()
+    before = torch.get_num_threads()
+
+    def import_that_changes_threads():  # as if furiosa-torch's import set torch threads
+        torch.set_num_threads(before + 3)
+        return fake.ft
+
+    monkeypatch.setattr(fur, "_import_furiosa_torch", import_that_changes_threads)
+    b = FuriosaBackend(0)
+    b.setup()
+    assert torch.get_num_threads() == before
+    assert b.threads_restored == (before + 3, before)
+
+
+def test_furiosa_compile_options_applied_and_fallbacks_counted(fake_furiosa, tmp_path, monkeypatch):
+    fake = fake_furiosa()
+    monkeypatch.setattr(logging.getLogger(FURIOSA_LOGGER), "level", logging.INFO)  # as in a card process
+    cache = tmp_path / "furiosa" / "compiler"
+    b = FuriosaBackend(0, compile_options=FuriosaCompileOptions(
+        compiler_cache_dir=str(cache), loaded_modules=300, cpu_fallback=False))
+    b.setup()
+    assert cache.is_dir()
+    assert fake.settings == {"root_dir": str(cache), "num_load": 300, "cpu_fallback": False}
+    assert b.describe()["compile"] == {"compiler_cache_dir": str(cache), "loaded_modules": 300,
+                                       "cpu_fallback": False}
+    lg = logging.getLogger(FURIOSA_LOGGER)
+    got = []
+    handler = logging.Handler()
+    handler.emit = got.append
+    lg.addHandler(handler)
+    try:
+        lg.debug("failed to compile & run aten::foo on Furiosa, fallback to CPU")   # eager.py
+        lg.warning("aten::uniform_ fell back to CPU: unsupported dtype %s", "x",
+                   extra={"furiosa_cpu_fallback": "aten::uniform_"})            # prng.py
+        lg.debug("graph compiled successfully")                                    # not a fallback
+    finally:
+        lg.removeHandler(handler)
+    assert [r.levelno for r in got] == [logging.WARNING]    # no new DEBUG output reaches handlers
+    stats = b.step_stats()
+    assert stats["cpu_fallbacks"] == 2
+    assert b._fallbacks.by_op == {"aten::foo": 1, "aten::uniform_": 1}
+    assert b.step_stats()["cpu_fallbacks"] == 0              # per step
+
+
+def test_furiosa_default_turns_cpu_fallback_off(fake_furiosa):
+    fake = fake_furiosa()
+    assert fake.settings["cpu_fallback"] is True             # furiosa-torch's default
+    FuriosaBackend(0).setup()
+    assert fake.settings["cpu_fallback"] is False
+    assert fake.settings["num_load"] == 32                   # not touched without a count
+
+
+def test_loaded_module_stats_reads_the_lru_cache():
+    import functools
+
+    from npu_train.backends.furiosa_compile import loaded_module_stats
+
+    cached = functools.lru_cache(maxsize=4)(lambda k: k)
+    for k in (1, 2, 1, 3):
+        cached(k)
+    mod = types.SimpleNamespace(_compile_and_load_cached=cached)
+    assert loaded_module_stats(mod) == {"loaded": 3, "capacity": 4, "misses": 3}
+    assert loaded_module_stats(types.SimpleNamespace()) is None
+
+
+def test_probe_free_bytes_fills_until_the_runtime_refuses():
+    from npu_train.backends.furiosa_compile import probe_free_bytes
+
+    free = 1000 * 2**20 + 40 * 2**20            # 1040 MiB free on a pretend card
+    live = []
+
+    def alloc(n):
+        if sum(live) + n > free:
+            raise torch.OutOfMemoryError(f"failed to allocate {n} bytes")
+        live.append(n)
+        return n
+
+    assert probe_free_bytes(alloc, 47 * 2**30) == 3 * 256 * 2**20 + 17 * 16 * 2**20  # 16 MiB resolution
+    assert probe_free_bytes(lambda n: n, 300 * 2**20) == 256 * 2**20 + 2 * 16 * 2**20  # stops at the limit
+
+
+def test_furiosa_step_stats_with_probe_free(fake_furiosa, monkeypatch):
+    fake_furiosa()
+    b = CpuStandIn(0, accounting="uploads", compile_options=FuriosaCompileOptions(probe_free=True))
+    monkeypatch.setattr(b, "device", lambda: torch.device("cpu"))
+    monkeypatch.setattr(b, "capacity_bytes", lambda: 64 * 2**20)        # a 64 MiB "card"
+    b.setup()
+    x = b.upload(torch.ones(2**20))                                      # 4 MiB
+    stats = b.step_stats()
+    assert stats["card_free"] == 64 * 2**20 and stats["mem_quiet"] == 4 * 2**20
+    assert b.max_memory_allocated() == 4 * 2**20                         # the probe is not a peak
+    del x

@@ -170,6 +170,16 @@ class Backend(abc.ABC):
     def reset_peak_memory(self) -> None:
         """Restart the peak tracking of :meth:`max_memory_allocated` at the current value."""
 
+    def prepare_module(self, module) -> int:
+        """Adapt the stage module to this card before training (furiosa: whole-layer compiled
+        execution when configured). Returns the number of layers changed; default: none."""
+        return 0
+
+    def step_stats(self) -> dict:
+        """Runtime facts of the last step for the step metrics (furiosa: CPU fallbacks, compiled
+        modules); ``{}`` for backends without any."""
+        return {}
+
     # ------------------------------------------------------------------ allocation lock
     def alloc_lock(self) -> ContextManager:
         """Context manager to hold while allocating device memory (and, where the runtime's

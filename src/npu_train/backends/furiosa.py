@@ -37,8 +37,16 @@ Facts about the real API used here, with where they are in the 2026.4.0 wheel
   Measured on 2026.4.0: the flag is thread-local.
 * Memory statistics: none. furiosa-torch 2026.4 has no ``memory_allocated``; and
   ``torch.accelerator.memory_allocated(0)`` raises "Allocator for furiosa is not a
-  DeviceAllocator". So this backend counts the bytes of live device tensors it created or was
-  told about (:meth:`FuriosaBackend.track`), see ``memory_accounting = "tracked"``.
+  DeviceAllocator". So this backend counts the storages of every device tensor the process
+  creates after :meth:`FuriosaBackend.setup` (``accounting="dispatch"``, default: a
+  ``TorchDispatchMode`` sees every ATen op output, :mod:`npu_train.backends.accounting`), or only
+  uploads and tensors passed to :meth:`FuriosaBackend.track` (``accounting="uploads"``, for a
+  ``torch.compile`` path, which dynamo refuses under a dispatch mode).
+* Compiled execution (compiler cache, loaded-module cache, CPU fallback): see
+  :mod:`npu_train.backends.furiosa_compile`.
+* Threads: furiosa-torch 2026.4's Python sources never call ``torch.set_num_threads``; the card
+  process sets the job's one thread count (:func:`npu_train.planner.threads_per_card`) before
+  :meth:`FuriosaBackend.setup`, and setup puts it back if importing furiosa-torch changed it.
 * No hardware: ``import furiosa.torch`` works, but the first allocation logs
   ``furiosa_torch::cpp::allocator: Failed to initialize device for index 0 ... HAL error ...
   librenegade.so: cannot open shared object file`` and raises ``torch.OutOfMemoryError("failed
@@ -58,12 +66,14 @@ import os
 import re
 import sys
 import threading
-import weakref
 from typing import Any, Callable
 
 import torch
 
+from npu_train.backends import accounting as acct
 from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
+from npu_train.backends.furiosa_compile import (FuriosaCompileOptions, apply_compile_options,
+                                                loaded_module_stats, probe_free_bytes)
 from npu_train.env import getenv
 from npu_train.hardware import FURIOSA_CAPACITY_BYTES
 
@@ -329,34 +339,39 @@ class FuriosaBackend(Backend):
     """One RNGD card (``furiosa:N``, one whole chip: ``set_fusion(8)``), one process."""
 
     kind = "furiosa"
-    memory_accounting = "tracked"
+    memory_accounting = "dispatch"
 
-    def __init__(self, index: int, *, num_fusion: int | None = None, dev_root: str = "/dev") -> None:
+    def __init__(self, index: int, *, num_fusion: int | None = None, dev_root: str = "/dev",
+                 accounting: str = "dispatch", compile_options: FuriosaCompileOptions | None = None) -> None:
+        """Args: ``index`` (card), ``num_fusion`` (default ``$NPT_FURIOSA_FUSION`` or 8),
+        ``dev_root``, ``accounting`` (``"dispatch"``: every device tensor, ``"uploads"``: uploads and
+        :meth:`track` only; see the module docstring), ``compile_options``
+        (:class:`~npu_train.backends.furiosa_compile.FuriosaCompileOptions`; default: CPU fallback
+        off, furiosa-torch's cache settings). Raises ``ValueError`` for another ``accounting``."""
         super().__init__(index)
         if num_fusion is None:
             num_fusion = int(getenv("FURIOSA_FUSION", str(DEFAULT_NUM_FUSION)))
+        if accounting not in ("dispatch", "uploads"):
+            raise ValueError(f"accounting must be 'dispatch' or 'uploads', got {accounting!r}")
         self.num_fusion = num_fusion
         self.dev_root = dev_root
+        self.accounting = accounting
+        self.memory_accounting = accounting
+        self.compile_options = compile_options or FuriosaCompileOptions()
+        self.compile_settings: dict = {}
         self.memory_flag_thread_local = None  # unknown until setup() probes it
         self.memory_flag_probe_detail = ""
         self.device_type = "furiosa"
+        self.threads_restored: tuple[int, int] | None = None
         self._ft: Any = None
-        self._tracked: dict[int, int] = {}
-        self._tracked_lock = threading.Lock()
-        self._tracked_bytes = 0
-        self._peak = 0
+        self._ledger: acct.StorageLedger | None = None
+        self._fallbacks = None
+        self._misses_seen = 0
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
-        state["_ft"] = None
-        state["_tracked_lock"] = None
-        state["_tracked"] = {}
-        state["_tracked_bytes"] = 0
+        state.update(_ft=None, _ledger=None, _fallbacks=None)
         return state
-
-    def __setstate__(self, state: dict) -> None:
-        super().__setstate__(state)
-        self._tracked_lock = threading.Lock()
 
     # ------------------------------------------------------------------ setup
     def _unavailable(self, detail: str, cause: BaseException | None = None) -> BackendUnavailableError:
@@ -365,9 +380,16 @@ class FuriosaBackend(Backend):
             f"(device nodes: {_dev_nodes_text(self.dev_root)})")
 
     def _setup(self) -> None:
+        threads = torch.get_num_threads()
         ft = _import_furiosa_torch()
+        if torch.get_num_threads() != threads:  # one thread rule for every card kind
+            self.threads_restored = (torch.get_num_threads(), threads)
+            log.warning("%s: importing furiosa-torch changed torch threads %d -> %d; set back to %d",
+                        self.name, threads, torch.get_num_threads(), threads)
+            torch.set_num_threads(threads)
         self._ft = ft
         self.device_type = torch._C._get_privateuse1_backend_name() or "furiosa"
+        self._ledger = acct.StorageLedger(self._ledger_device_type())
 
         # 1. device context, once per process, before anything touches the device.
         _configure_process(ft, self.num_fusion)
@@ -421,6 +443,15 @@ class FuriosaBackend(Backend):
         if float(probe[0]) != 1.0:
             raise self._unavailable(f"1-element probe round trip returned {float(probe[0])} instead of 1.0")
 
+        # 6. compiler cache, loaded-module cache, CPU fallback (furiosa_compile.py).
+        self.compile_settings, self._fallbacks = apply_compile_options(ft, self.compile_options)
+        stats = loaded_module_stats()
+        self._misses_seen = stats["misses"] if stats else 0
+
+        # 7. from here on every device tensor of this thread is counted (accounting.py).
+        if self.accounting == "dispatch":
+            acct.install(self._ledger)
+
 
     def alloc_lock(self):
         if self.memory_flag_thread_local is None:  # not probed yet: be safe
@@ -452,40 +483,74 @@ class FuriosaBackend(Backend):
     def capacity_bytes(self) -> int:
         return FURIOSA_CAPACITY_BYTES
 
+    def _ledger_device_type(self) -> str:
+        """The device type whose storages :meth:`memory_allocated` counts (the card's; a CPU
+        stand-in in the tests overrides this with ``"cpu"``)."""
+        return self.device_type
+
     def track(self, t: torch.Tensor) -> torch.Tensor:
-        """Count ``t`` (a tensor on this card) in :meth:`memory_allocated` until it is garbage
-        collected. :meth:`upload` tracks its results; call this for tensors made on the device
-        otherwise (``module.to_empty(device=...)`` parameters, optimizer state...)."""
-        nbytes = int(t.untyped_storage().nbytes()) if t.device.type != "meta" else 0
-        key = id(t)
-        with self._tracked_lock:
-            if key in self._tracked:
-                return t
-            self._tracked[key] = nbytes
-            self._tracked_bytes += nbytes
-            self._peak = max(self._peak, self._tracked_bytes)
-        weakref.finalize(t, self._untrack, key)
+        """Count ``t``'s storage (a tensor on this card) in :meth:`memory_allocated` until it is
+        freed; once per storage. With ``accounting="dispatch"`` every tensor made after setup is
+        counted anyway; this is for tensors made before or in other threads."""
+        if self._ledger is not None:
+            self._ledger.add(t)
         return t
 
-    def _untrack(self, key: int) -> None:
-        lock = self._tracked_lock
-        if lock is None:
-            return
-        with lock:
-            nbytes = self._tracked.pop(key, 0)
-            self._tracked_bytes -= nbytes
-
     def memory_allocated(self) -> int:
-        """Bytes of live tracked device tensors (furiosa-torch 2026.4 has no allocator statistics):
-        results of :meth:`upload` plus tensors passed to :meth:`track`. Views keep storage alive
-        after the tracked tensor object dies, so this can under-count."""
-        return self._tracked_bytes
+        """Bytes of the live device storages this process made or uploaded since setup
+        (:class:`~npu_train.backends.accounting.StorageLedger`; furiosa-torch 2026.4 has no
+        allocator statistics). Not included: the runtime's own buffers and its loaded-module
+        cache (the plan's ``workspace`` and ``modules`` terms)."""
+        return self._ledger.bytes if self._ledger is not None else 0
 
     def max_memory_allocated(self) -> int:
-        return max(self._peak, self._tracked_bytes)
+        return self._ledger.peak if self._ledger is not None else 0
 
     def reset_peak_memory(self) -> None:
-        self._peak = self._tracked_bytes
+        if self._ledger is not None:
+            self._ledger.reset_peak()
+
+    def prepare_module(self, module) -> int:
+        """With ``compile_options.compiled_layers``: every decoder layer of ``module`` runs as one
+        compiled forward and one compiled backward graph
+        (:func:`~npu_train.backends.furiosa_layer.install_compiled_layers`). Returns the number of
+        layers switched (0 when off)."""
+        if not self.compile_options.compiled_layers:
+            return 0
+        from npu_train.backends.furiosa_layer import install_compiled_layers
+
+        return install_compiled_layers(module, self.track)
+
+    def step_stats(self) -> dict:
+        """Per-step runtime facts since the previous call: ``cpu_fallbacks`` (ops that ran on the
+        host), ``compiles`` (loaded-module cache misses: ops compiled/loaded) and
+        ``loaded_modules`` (cache entries now), when furiosa-torch exposes them."""
+        out: dict = {}
+        if self._fallbacks is not None:
+            out["cpu_fallbacks"] = self._fallbacks.since_last()
+        stats = loaded_module_stats()
+        if stats is not None:
+            out["compiles"] = stats["misses"] - self._misses_seen
+            out["loaded_modules"] = stats["loaded"]
+            self._misses_seen = stats["misses"]
+        if self.compile_options.probe_free:
+            out["card_free"] = self.free_bytes()
+            out["mem_quiet"] = self.memory_allocated()
+        return out
+
+    def free_bytes(self) -> int:
+        """Free card memory now, bytes (16 MiB resolution), by allocating it until the runtime
+        refuses (:func:`~npu_train.backends.furiosa_compile.probe_free_bytes`); the probe's own
+        allocations are left out of :meth:`max_memory_allocated`. Measurement only."""
+        self._ensure_setup()
+        dev = self.device()
+        peak = self._ledger.peak if self._ledger is not None else 0
+        with self.alloc_lock():
+            free = probe_free_bytes(lambda n: torch.empty(n, dtype=torch.uint8, device=dev),
+                                    self.capacity_bytes())
+        if self._ledger is not None:
+            self._ledger.peak = peak
+        return free
 
     # ------------------------------------------------------------------ copies
     def _upload(self, t: torch.Tensor, non_blocking: bool) -> torch.Tensor:
@@ -496,7 +561,7 @@ class FuriosaBackend(Backend):
                 raise self._unavailable(f"upload of {tuple(t.shape)} {t.dtype} failed with "
                                         f"{type(e).__name__}: {e}", e) from e
             raise
-        return self.track(out)
+        return self.track(out)  # from another thread the dispatch mode may not see it
 
     def _download(self, t: torch.Tensor) -> torch.Tensor:
         return _to_host(t)
@@ -504,5 +569,5 @@ class FuriosaBackend(Backend):
     def describe(self) -> dict:
         d = super().describe()
         d.update(num_fusion=self.num_fusion, memory_flag_probe=self.memory_flag_probe_detail,
-                 device_type=self.device_type)
+                 device_type=self.device_type, compile=dict(self.compile_settings))
         return d

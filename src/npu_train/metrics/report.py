@@ -84,6 +84,14 @@ class Reporter:
         }
         if self.pred_mem:
             rec["mem_pred_bytes"] = list(self.pred_mem)
+        # RNGD: graph compilation before the step (warm-up, first step only) and CPU-fallback ops
+        for key, merge in (("compile_s", max), ("cpu_fallbacks", sum), ("compiles", sum)):
+            vals = [r[key] for r in reports if key in r]
+            if vals:
+                rec[key] = merge(vals)
+        if any("card_free" in r for r in reports):  # runtime.furiosa.probe_free (memory calibration)
+            rec["card_free_bytes"] = [int(r.get("card_free", -1)) for r in reports]
+            rec["mem_quiet_bytes"] = [int(r.get("mem_quiet", -1)) for r in reports]
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
         self.losses.append((step, float(rec["loss"])))
@@ -117,7 +125,9 @@ class Reporter:
         self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} (avg {rec['loss_smoothed']:.4f}) | lr {rec['lr']:.2e} | "
                   f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
                   f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
-                  f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}")
+                  f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
+                  + (f" | compiled before the step in {rec['compile_s']:.1f} s" if rec.get("compile_s") else "")
+                  + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else ""))
         return rec
 
     def eval(self, step: int, val_loss: float, tokens: int) -> None:

@@ -10,6 +10,9 @@ Modules (dependencies point down the list; none imports torch at import time, so
   usable cores (affinity, cgroup quota).
 - :mod:`~npu_train.planner.rates`: :class:`Rates`, defaults per card kind, calibration profiles
   (:func:`load_rates`, :func:`calibration_path`), the thread-count rule.
+- :mod:`~npu_train.planner.memterms`: the per-kind workspace / loaded-module-cache constants and
+  where each comes from (measured, fitted, assumed), memory calibration profiles;
+  :mod:`~npu_train.planner.memfit`: fitting them from real runs.
 - :mod:`~npu_train.planner.memory`: the memory model (per-stage terms, activations, logits,
   in-flight micro-batches from the schedule).
 - :mod:`~npu_train.planner.plan`: :class:`Plan`, :class:`StagePlan`.
@@ -37,10 +40,17 @@ from npu_train.planner.memory import (
     logits_bytes,
     saved_logits_bytes,
 )
+from npu_train.planner.memterms import (
+    DEFAULT_MEMORY_TERMS,
+    MemoryTerms,
+    fit_memory_terms,
+    load_memory_terms,
+    save_memory_terms,
+)
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
 from npu_train.planner.report import format_plan
-from npu_train.planner.search import balanced_split, make_plan
+from npu_train.planner.search import DEFAULT_HEADROOM, balanced_split, make_plan
 from npu_train.planner.spec import (
     CardSpec,
     PlacementError,
@@ -59,5 +69,6 @@ __all__ = [
     "in_flight_micro_batches", "balanced_split", "make_plan", "format_plan", "threads_per_card",
     "usable_cores",
     "calibrate", "main_calibrate", "save_profile", "thread_counts", "machine_info",
-    "measure_process_baseline",
+    "measure_process_baseline", "DEFAULT_HEADROOM", "DEFAULT_MEMORY_TERMS", "MemoryTerms",
+    "load_memory_terms", "fit_memory_terms", "save_memory_terms",
 ]

@@ -93,14 +93,18 @@ class CostModel:
         nonlayer_resident: see :func:`~npu_train.planner.search.make_plan`.
         threads: torch threads per card process (>= 1).
         host_cores: cores the cpu cards share (>= 1).
+        terms: one :class:`~npu_train.planner.memterms.MemoryTerms` per card (``None``: defaults).
+        headroom: fraction of each card's capacity that :meth:`max_resident` (the ``auto``
+            choice) keeps free, 0 <= headroom < 1.
     """
 
     def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
                  rates: Sequence[Rates], nonlayer_resident: Optional[bool], threads: int,
-                 host_cores: int):
+                 host_cores: int, terms: Optional[Sequence] = None, headroom: float = 0.0):
         self.model, self.shape, self.cards = model, shape, list(cards)
         self.P = len(self.cards)
-        self.memory = MemoryModel(model, shape, self.cards, nonlayer_resident)
+        self.memory = MemoryModel(model, shape, self.cards, nonlayer_resident, terms)
+        self.headroom = float(headroom)
         self.threads, self.host_cores = int(threads), int(host_cores)
         cores = self.host_cores
         n_cpu = sum(1 for c in self.cards if c.kind == "cpu")
@@ -161,9 +165,16 @@ class CostModel:
         xfer = self.memory.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
         return host, dev, xfer
 
-    def max_resident(self, i: int, n: int) -> int:
-        """Most resident layers (0..n) that fit card i with n layers, or -1 if not even 0 fits."""
+    def limit(self, i: int, headroom: bool = True) -> int:
+        """Bytes card ``i`` may be filled to: ``capacity * (1 - headroom)`` (``headroom=False``:
+        the capacity)."""
         cap = self.cards[i].capacity_bytes
+        return int(cap * (1.0 - self.headroom)) if headroom else cap
+
+    def max_resident(self, i: int, n: int, headroom: bool = True) -> int:
+        """Most resident layers (0..n) whose predicted total stays within :meth:`limit` of card
+        ``i`` with ``n`` layers, or -1 if not even 0 does."""
+        cap = self.limit(i, headroom)
         if self.cost(i, n, 0).mem["total"] > cap:
             return -1
         lo, hi = 0, n  # memory is non-decreasing in r
@@ -201,4 +212,5 @@ class CostModel:
         step = max(st.time["total"] for st in stages)
         fits = all(st.fits for st in stages)
         return Plan(self.model, self.shape, stages, step, self.shape.tokens_per_step, fits,
-                    rates=list(self.rates), threads=self.threads, host_cores=self.host_cores)
+                    rates=list(self.rates), threads=self.threads, host_cores=self.host_cores,
+                    headroom=self.headroom, memory_terms=list(self.memory.terms))

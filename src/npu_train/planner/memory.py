@@ -14,8 +14,10 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
   the input embedding on the first stage, the final norm and ``lm_head`` on the last stage. With
   tied embeddings and more than one stage the last stage holds a *copy* of the embedding matrix as
   its ``lm_head`` (the first stage owns it).
-- ``grads``: gradient accumulators in the compute dtype, same size as ``weights`` (gradients are
-  accumulated on the card over the M micro-batches, then handed to the optimizer once per step).
+- ``grads``: gradient accumulators, ``RunShape.grad_bytes`` B/param for the same parameters as
+  ``weights`` (gradients are accumulated on the card over the M micro-batches, then handed to
+  the optimizer once per step): 4 B with fp32 accumulators (``grad_accum="fp32"``, default),
+  ``e`` B when the ``.grad`` of the compute-dtype parameters accumulates (``"compute"``).
 - ``optimizer``: fp32 master + AdamW m + v = 12 B/param for the parameters whose optimizer state
   lives on the card. The master is always a separate fp32 copy (``StageOptimizer`` clones the
   loaded weights), also with fp32 compute. The tied ``lm_head`` copy has its own master and
@@ -40,21 +42,29 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     stage that is the embedding, whose gradient appears at the end of a micro-batch's backward,
     when that micro-batch's activations ``A`` are already freed.
   * optimizer phase (activations freed, gradients alive): the larger of the gradient-norm
-    temporary (``4 B`` or, for bf16, ``8 B`` x largest parameter) and the fp32 master-gradient
-    copies: 4 B/param for offloaded parameters (a copy of the downloaded gradient; counted on
-    ``cpu`` cards only, elsewhere it is host RAM) and, with bf16 compute, 4 B/param for resident
-    parameters (``grad.float()``), plus one upload temporary.
+    temporary (``4 B`` or, for bf16 gradients, ``8 B`` x largest parameter) and the fp32
+    master-gradient copies: 4 B/param for offloaded parameters (a copy of the downloaded
+    gradient; counted on ``cpu`` cards only, elsewhere it is host RAM) and, with bf16 gradients,
+    4 B/param for resident parameters (``grad.float()``; fp32 accumulators are used in place),
+    plus one upload temporary. With fp32 accumulators and bf16 compute the fwd/bwd phase's
+    accumulation temporary ``acc`` is ``(e + 4)`` B x largest parameter (the micro-batch's
+    compute-dtype gradient and its fp32 cast).
   * held: with tied embeddings on more than one stage, the first and last stage keep the
     previous step's tied gradient and its fp32 host copy referenced until the next step's
     exchange (loop variables in the worker): ``(e + 4) * V*H`` bytes on a ``cpu`` card, the
     ``e * V*H`` device part elsewhere.
-- ``workspace``: ``WORKSPACE[kind] = (constant_bytes, fraction)``: the constant covers runtime /
-  compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers), the fraction
-  of the five terms above allocator slack and temporaries not modelled. For ``cpu`` the constant
-  is 0 (the process baseline replaces it) and the fraction is glibc's allocator slack: freed heap
-  blocks stay resident and autograd's churn of activation-sized blocks fragments the heap;
-  measured with ``mallinfo2`` on SmolLM2-135M stages (fp32, 1-2 threads): free-but-resident heap
-  at the RSS peak = 6-17 % of the live bytes, 12 % used. The other kinds' figures are assumed.
+- ``workspace``: :class:`~npu_train.planner.memterms.MemoryTerms` of the card's kind
+  (``DEFAULT_MEMORY_TERMS``, or a calibration profile's measured ``"memory"``): a constant for
+  runtime / compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers),
+  a fraction of the five terms above for allocator slack and temporaries not modelled, and the
+  loaded-module cache of compiled execution (furiosa: ``loaded_modules * module_bytes``, also
+  reported alone as ``mem["modules"]``, which is part of ``workspace``, not added again). For
+  ``cpu`` the constant is 0 (the process baseline replaces it) and the fraction is glibc's
+  allocator slack: freed heap blocks stay resident and autograd's churn of activation-sized
+  blocks fragments the heap; measured with ``mallinfo2`` on SmolLM2-135M stages (fp32, 1-2
+  threads): free-but-resident heap at the RSS peak = 6-17 % of the live bytes, 12 % used. The
+  furiosa figures are fitted to the field record and named in the plan
+  (:mod:`npu_train.planner.memterms`).
 
 Non-layer parameters (embedding, final norm, ``lm_head`` and its tied copy) follow the
 ``nonlayer_resident`` flag of :func:`~npu_train.planner.search.make_plan`; the default (``None``)
@@ -74,22 +84,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from npu_train.hardware import GIB
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight
+from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.spec import CardSpec, RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "activation_bytes_per_layer", "logits_bytes",
            "saved_logits_bytes", "in_flight_micro_batches", "StageMemory", "MemoryModel"]
 
-#: Per-kind workspace: (constant bytes, fraction of weights+grads+optimizer+activations+transient).
-#: cpu: no constant (``Rates.process_baseline_bytes`` covers the process), 12 % glibc allocator
-#: slack (measured, see the module docstring); cuda/furiosa: assumed.
+#: Per-kind workspace defaults: (constant bytes, fraction of
+#: weights+grads+optimizer+activations+transient), from
+#: :data:`~npu_train.planner.memterms.DEFAULT_MEMORY_TERMS` (which also holds the furiosa
+#: loaded-module cache and the source of every figure).
 WORKSPACE: dict[str, tuple[int, float]] = {
-    "furiosa": (1 * GIB, 0.05),
-    "cuda": (1 * GIB, 0.05),
-    "cpu": (0, 0.12),
-}
+    k: (int(t.workspace_bytes), t.workspace_fraction) for k, t in DEFAULT_MEMORY_TERMS.items()}
 
 #: Attention implementation assumed for the activation memory of each kind (see
 #: :func:`activation_bytes_per_layer`): the model calls ``scaled_dot_product_attention``, whose CPU
@@ -206,11 +214,16 @@ class MemoryModel:
         shape: the run shape.
         cards: one card per stage, pipeline order.
         nonlayer_resident: see :func:`~npu_train.planner.search.make_plan`.
+        terms: one :class:`~npu_train.planner.memterms.MemoryTerms` per card (``None``: the
+            kind's defaults).
     """
 
     def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
-                 nonlayer_resident: Optional[bool]):
+                 nonlayer_resident: Optional[bool],
+                 terms: Optional[Sequence[MemoryTerms]] = None):
         self.model, self.shape, self.cards = model, shape, list(cards)
+        self.terms = list(terms) if terms is not None else [DEFAULT_MEMORY_TERMS[c.kind]
+                                                           for c in self.cards]
         self.P = len(self.cards)
         self.Pl = model.params_per_layer()
         self.E = model.embedding_params()
@@ -246,6 +259,7 @@ class MemoryModel:
         kind = self.cards[i].kind
         cpu = kind == "cpu"
         e, E, P, sh = self.e, self.E, self.P, self.shape
+        g = sh.grad_bytes
         first, last = i == 0, i == P - 1
         owned, copy = self.nonlayer(i)
         nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
@@ -255,14 +269,14 @@ class MemoryModel:
             res_params = r * La
             off_params = n * La - res_params
             weights = e * params
-            grads = e * n * La
+            grads = g * n * La
             optimizer = 12 * (n * La if cpu else res_params)
         else:
             params = n * self.Pl + owned + copy
             res_params = r * self.Pl + (owned + copy if nl_res else 0)
             off_params = params - res_params
             weights = e * params
-            grads = weights
+            grads = g * params
             optimizer = 12 * (params if cpu else res_params)
         # activations: saved tensors of the micro-batches in flight
         k = self.in_flight[i]
@@ -280,25 +294,26 @@ class MemoryModel:
         if La:  # only adapter gradients are accumulated / normed
             maxp = La if n else 0
         accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
-        acc = e * maxp if accumulates else 0
+        acc = (e if g == e else e + 4) * maxp if accumulates else 0
         if last:
             fwd_bwd = acts + max(2 * self.saved_logits, acc)
         else:
             fwd_bwd = acts + max(0, acc - one_mb)
-        norm_tmp = (4 if e == 4 else 8) * maxp
-        master_grads = (4 * off_params if cpu else 0) + (4 * res_params if e != 4 else 0)
+        norm_tmp = (4 if g == 4 else 8) * maxp
+        master_grads = (4 * off_params if cpu else 0) + (4 * res_params if g != 4 else 0)
         if cpu and off_params:
             master_grads += e * maxp            # one upload temporary
         opt_phase = max(norm_tmp, master_grads)
         held = 0
         if self.tied and P > 1 and (first or last) and not La:
-            held = (e + 4) * E if cpu else e * E
+            held = (g + 4) * E if cpu else g * E
         transient = max(fwd_bwd, opt_phase) - acts + held
-        const, frac = WORKSPACE[kind]
+        terms = self.terms[i]
         body = weights + grads + optimizer + acts + transient
-        ws = int(const + frac * body)
+        ws = terms.workspace(body)
         baseline = int(baseline_bytes)
         mem = {"baseline": baseline, "weights": weights, "grads": grads, "optimizer": optimizer,
                "activations": acts, "transient": transient, "workspace": ws}
         mem["total"] = baseline + body + ws
+        mem["modules"] = terms.modules_bytes  # part of workspace
         return StageMemory(mem, params, res_params, off_params, nl_res, k)

@@ -65,7 +65,10 @@ class Plan:
 
     ``rates`` are the flat per-card rates the prediction used (resolved for ``threads`` and the
     compute dtype); ``threads`` the torch threads of every card process and ``host_cores`` the
-    cores they share (:mod:`npu_train.planner.threads`).
+    cores they share (:mod:`npu_train.planner.threads`); ``headroom`` the fraction of capacity the
+    ``auto`` choice keeps free; ``memory_terms`` the per-card
+    :class:`~npu_train.planner.memterms.MemoryTerms` (workspace, loaded-module cache, sources);
+    ``compiler_cache_dir`` where RNGD card processes keep compiled graphs ("" when not set).
     """
 
     model: LlamaConfig
@@ -78,6 +81,9 @@ class Plan:
     host_ram_bytes: Optional[int] = None
     threads: int = 0
     host_cores: int = 0
+    headroom: float = 0.0
+    memory_terms: list = field(default_factory=list)
+    compiler_cache_dir: str = ""
 
     @property
     def split(self) -> list[int]:
@@ -108,6 +114,8 @@ class Plan:
             "tokens_per_s": self.tokens_per_s,
             "fits": self.fits,
             "host_bytes": self.host_bytes,
+            "headroom": self.headroom,
+            "compiler_cache_dir": self.compiler_cache_dir,
             "stages": [
                 {
                     "card": st.card.name, "capacity_bytes": st.card.capacity_bytes,

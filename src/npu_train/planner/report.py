@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import io
+from typing import Optional
 
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import CardSpec, gb, gib
 
-__all__ = ["plan_table", "format_plan", "card_label", "over_capacity_message"]
+__all__ = ["plan_table", "format_plan", "card_label", "over_capacity_message", "memory_sources"]
 
 
 def card_label(i: int, card: CardSpec) -> str:
@@ -17,9 +18,12 @@ def card_label(i: int, card: CardSpec) -> str:
     return f"card {i} ({card.name})"
 
 
-def over_capacity_message(plan: Plan, st_index: int, max_resident: int) -> str:
+def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
+                          limit_bytes: Optional[int] = None) -> str:
     """One line: which card is over capacity by how much (every memory term in GiB) and the fixes;
-    ``max_resident`` is the most resident layers that fit that card (-1: not even 0)."""
+    ``max_resident`` is the most resident layers that fit that card (-1: not even 0);
+    ``limit_bytes``: the ``auto`` limit ``capacity * (1 - headroom)`` when that is what was
+    exceeded (named with ``placement.headroom``), else the capacity."""
     st = plan.stages[st_index]
     m = st.mem
     r = len(st.resident)
@@ -37,9 +41,33 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int) -> str:
         + f"weights {gib(m['weights']):.2f} + grads {gib(m['grads']):.2f}"
         f" + optimizer {gib(m['optimizer']):.2f} + activations {gib(m['activations']):.2f}"
         f" + transient {gib(m['transient']):.2f}"
-        f" + workspace {gib(m['workspace']):.2f}) > capacity {gib(st.card.capacity_bytes):.2f} GiB"
-        f"; fix: " + ", ".join(f for f in fixes if f)
+        f" + workspace {gib(m['workspace']):.2f}) > "
+        + (f"{gib(limit_bytes):.2f} GiB = capacity {gib(st.card.capacity_bytes):.2f} GiB less "
+           f"placement.headroom={plan.headroom:g}" if limit_bytes is not None
+           else f"capacity {gib(st.card.capacity_bytes):.2f} GiB")
+        + "; fix: " + ", ".join(f for f in fixes if f)
     )
+
+
+def memory_sources(plan: Plan) -> list[str]:
+    """Lines naming where the memory figures come from: per card kind the attention assumption of
+    the activations and each workspace figure (measured / fitted / assumed, with its source), the
+    gradient accumulators, and the RNGD compiler cache directory when set."""
+    s = plan.shape
+    out, seen = [], set()
+    for st, terms in zip(plan.stages, plan.memory_terms or []):
+        k = st.card.kind
+        if k in seen:
+            continue
+        seen.add(k)
+        out.append(f"memory {k}: weights/grads/optimizer exact by parameter count; activations "
+                   f"{ATTENTION[k]} attention (formula, assumed kernel); workspace "
+                   f"{terms.describe()}")
+    out.append("gradients: " + ("fp32 accumulators, 4 B/param" if s.grad_accum == "fp32"
+                                else f"{s.dtype} .grad, {s.dtype_bytes} B/param"))
+    if plan.compiler_cache_dir:
+        out.append(f"compiler cache (runtime.furiosa.compiler_cache_dir): {plan.compiler_cache_dir}")
+    return out
 
 
 def plan_table(plan: Plan, width: int = 180) -> str:
@@ -91,7 +119,9 @@ def plan_table(plan: Plan, width: int = 180) -> str:
     Console(file=buf, width=width, color_system=None, force_terminal=False,
             highlight=False, emoji=False).print(t)
     lines = [f"threads: {plan.threads} torch thread(s) per card process, {plan.host_cores} "
-             f"usable host core(s)", buf.getvalue().rstrip("\n")]
+             f"usable host core(s); headroom {plan.headroom * 100:g}% of capacity kept free by "
+             f"auto (placement.headroom)", buf.getvalue().rstrip("\n")]
+    lines += memory_sources(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     over = [st.card.name for st in plan.stages if not st.fits]
     if over:
@@ -120,15 +150,15 @@ def format_plan(plan: Plan, width: int = 180) -> str:
         "",
         plan.table(width=width),
         "",
-        "assumptions: weights+grads in compute dtype; resident params +12 B/param (fp32 master "
+        "assumptions: weights in compute dtype; resident params +12 B/param (fp32 master "
         "+ AdamW m, v; on cpu cards all params); offloaded: host AdamW + card<->host copies each "
         "step, not overlapped; activations "
         + ", ".join(f"{k} {gb(activation_bytes_per_layer(m, s, ATTENTION[k])) * 1e3:.1f}"
                     for k in sorted({st.card.kind for st in plan.stages}))
         + " MB/layer/micro-batch (no recompute); transient = peak-phase temporaries; "
-        "workspace = const + fraction per kind (cpu: 12% allocator slack); base = process "
-        "baseline (cpu: RSS).",
+        "base = process baseline (cpu: RSS).",
     ]
+
     seen = set()
     for st, rt in zip(plan.stages, plan.rates or []):
         if st.card.kind in seen:

@@ -11,13 +11,18 @@ from typing import Optional, Sequence, Union
 
 from npu_train.model.config import LlamaConfig
 from npu_train.planner.cost import CostModel
+from npu_train.planner.memterms import MemoryTerms
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
 from npu_train.planner.report import card_label, over_capacity_message
 from npu_train.planner.spec import CardSpec, PlacementError, RunShape, gib
 from npu_train.planner.threads import threads_per_card, usable_cores
 
-__all__ = ["balanced_split", "search_split", "make_plan"]
+__all__ = ["DEFAULT_HEADROOM", "balanced_split", "search_split", "make_plan"]
+
+#: fraction of each card's capacity the ``auto`` placement keeps free (``placement.headroom``):
+#: the model's assumed terms are not exact (issue 12: the old model put 2 cards at 47.42 of 47.5 GiB)
+DEFAULT_HEADROOM = 0.05
 
 
 def balanced_split(num_layers: int, num_cards: int) -> list[int]:
@@ -29,9 +34,10 @@ def balanced_split(num_layers: int, num_cards: int) -> list[int]:
     return [q + (1 if k < r else 0) for k in range(num_cards)]
 
 
-def _over_capacity(pm: CostModel, plan: Plan, i: int) -> str:
+def _over_capacity(pm: CostModel, plan: Plan, i: int, headroom: bool = False) -> str:
     st = plan.stages[i]
-    return over_capacity_message(plan, i, pm.max_resident(i, st.num_layers))
+    return over_capacity_message(plan, i, pm.max_resident(i, st.num_layers, headroom),
+                                 pm.limit(i, headroom) if headroom else None)
 
 
 def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan:
@@ -133,6 +139,8 @@ def make_plan(
     strict: bool = True,
     threads: Optional[int] = None,
     host_cores: Optional[int] = None,
+    headroom: float = DEFAULT_HEADROOM,
+    memory_terms: Optional[Sequence[MemoryTerms]] = None,
 ) -> Plan:
     """Place ``model`` on ``cards`` (pipeline order) and predict memory and step time.
 
@@ -163,6 +171,13 @@ def make_plan(
             host_cores)`` (the cores divided among the cards).
         host_cores: keyword-only. Cores the cpu cards share; ``None``:
             :func:`npu_train.planner.threads.usable_cores` (affinity and cgroup quota).
+        headroom: keyword-only. Fraction of every card's capacity that ``auto`` keeps free
+            (``placement.headroom``, default :data:`DEFAULT_HEADROOM` = 5 %): the auto choice never
+            predicts a card above ``capacity * (1 - headroom)``. Explicit resident counts are
+            checked against the full capacity. Printed with the plan.
+        memory_terms: keyword-only. One :class:`~npu_train.planner.memterms.MemoryTerms` per card
+            (workspace constant and fraction, loaded-module cache, their sources), e.g. from
+            :func:`~npu_train.planner.memterms.load_memory_terms`; ``None``: the kinds' defaults.
 
     Returns:
         The :class:`~npu_train.planner.plan.Plan`; ``plan.table()`` /
@@ -209,9 +224,14 @@ def make_plan(
         if len(rates_l) != P:
             raise ValueError(f"got {len(rates_l)} Rates for {P} cards")
 
+    if not 0.0 <= float(headroom) < 1.0:
+        raise ValueError(f"headroom must be in [0, 1), got {headroom!r}")
+    if memory_terms is not None and len(memory_terms) != P:
+        raise ValueError(f"got {len(memory_terms)} MemoryTerms for {P} cards")
     cores = int(host_cores) if host_cores else usable_cores()
     n_threads = int(threads) if threads else threads_per_card(0, P, cores)
-    pm = CostModel(model, shape, cards, rates_l, nonlayer_resident, n_threads, cores)
+    pm = CostModel(model, shape, cards, rates_l, nonlayer_resident, n_threads, cores,
+                   memory_terms, headroom)
 
     if split is not None:
         split_l = [int(n) for n in split]
@@ -277,11 +297,11 @@ def make_plan(
     plan.fits = False
     if not strict:
         return _check_host(plan, host_ram_bytes, strict=False)
-    bad = [i for i, st in enumerate(plan.stages) if not st.fits] or [0]
+    bad = [i for i, st in enumerate(plan.stages) if st.mem["total"] > pm.limit(i)] or [0]
     raise PlacementError(
         "no placement fits even with no resident layers"
         + ("" if split is not None else " on any split")
-        + ": " + "; ".join(_over_capacity(pm, plan, i) for i in bad)
+        + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad)
     )
 
 

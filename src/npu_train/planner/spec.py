@@ -114,9 +114,13 @@ class RunShape:
         lora_params_per_layer: 0 = full fine-tuning; > 0 = LoRA with this many trainable adapter
             parameters per decoder layer (frozen base in the compute dtype, no gradient or optimizer
             state for it; embedding, norms and head frozen).
+        grad_accum: where gradients accumulate over the M micro-batches: ``"fp32"`` (default:
+            fp32 accumulators on the card, 4 B/param, whatever the compute dtype) or
+            ``"compute"`` (the parameters' ``.grad`` in the compute dtype, ``e`` B/param: what
+            the predecessor system on RNGD did, the condition of the field record).
 
     Raises:
-        ValueError: a count below 1, an unknown schedule or dtype.
+        ValueError: a count below 1, an unknown schedule, dtype or grad_accum.
     """
 
     seq_len: int
@@ -126,6 +130,7 @@ class RunShape:
     dtype: str = "bf16"
     recompute: bool = False
     lora_params_per_layer: int = 0
+    grad_accum: str = "fp32"
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):
@@ -135,11 +140,18 @@ class RunShape:
             raise ValueError(f"RunShape.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"RunShape.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.grad_accum not in ("fp32", "compute"):
+            raise ValueError(f"RunShape.grad_accum must be 'fp32' or 'compute', got {self.grad_accum!r}")
 
     @property
     def dtype_bytes(self) -> int:
         """Bytes per compute-dtype element: 2 (bf16) or 4 (fp32)."""
         return 2 if self.dtype == "bf16" else 4
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient-accumulator element: 4 (``grad_accum="fp32"``) or ``dtype_bytes``."""
+        return 4 if self.grad_accum == "fp32" else self.dtype_bytes
 
     @property
     def tokens_per_micro_batch(self) -> int:

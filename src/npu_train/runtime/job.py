@@ -9,6 +9,7 @@ anything is written, and raises a :class:`~npu_train.errors.UserError` naming th
 """
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -89,6 +90,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
     from npu_train.planner import RunShape, load_rates, make_plan, threads_per_card
+    from npu_train.planner.memterms import load_memory_terms
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
@@ -132,6 +134,10 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards]
+    fur = cfg.runtime.furiosa
+    terms = [load_memory_terms(c.kind, cfg.placement.profile,
+                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
+             for c in cards]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
         try:
@@ -141,13 +147,37 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     plan = make_plan(mcfg, shape, cards, rates, split=as_list(tr.split), resident_layers=resident,
-                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, threads=plan_threads)
+                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, threads=plan_threads,
+                     headroom=float(cfg.placement.headroom), memory_terms=terms)
+    if any(c.kind == "furiosa" for c in cards):
+        plan.compiler_cache_dir = furiosa_cache_dir(cfg)
     if nodes is not None:
         from npu_train.runtime.nodes import check_node_host_ram
 
         check_node_host_ram(plan, node_counts, node_ram)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
             "dtype": dtype, "model_path": model_path, "threads": threads, "node_counts": node_counts}
+
+
+def furiosa_cache_dir(cfg) -> str:
+    """``runtime.furiosa.compiler_cache_dir``, default ``<cache root>/furiosa/compiler``
+    (:func:`npu_train.env.cache_dir`: ``$NPT_CACHE``, else ``~/.cache/npu-train``), absolute."""
+    d = cfg.runtime.furiosa.compiler_cache_dir
+    return os.path.abspath(os.path.expanduser(d)) if d else str(cache_dir("furiosa", "compiler"))
+
+
+def furiosa_runtime_fields(cfg, plan) -> dict:
+    """The RNGD fields of :class:`~npu_train.runtime.spec.RuntimeSpec`: compile options (the cache
+    directory, the plan's loaded-module count, CPU fallback), accounting, warm-up."""
+    from npu_train.backends.furiosa_compile import FuriosaCompileOptions
+
+    fur = cfg.runtime.furiosa
+    n = max((t.loaded_modules for t, st in zip(plan.memory_terms, plan.stages)
+             if st.card.kind == "furiosa"), default=int(fur.loaded_modules))
+    return {"furiosa": FuriosaCompileOptions(compiler_cache_dir=furiosa_cache_dir(cfg), loaded_modules=int(n),
+                                             cpu_fallback=bool(fur.cpu_fallback), probe_free=bool(fur.probe_free),
+                                             compiled_layers=bool(fur.compiled_layers)),
+            "furiosa_accounting": str(fur.accounting), "warmup": bool(fur.warmup)}
 
 
 def _preset_config(path: str):
@@ -392,11 +422,14 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     train = train_spec(cfg, prep["dtype"])
     specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
         heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
-        recv_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s), collective_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s)),
+        recv_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s), collective_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s),
+        **furiosa_runtime_fields(cfg, plan)),
         job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
         ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
         nodes=node_plan)
     print(plan.table(), flush=True)
+    with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
+        json.dump(plan.to_dict(), f, indent=1)
     where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
     print(f"job {job_id}: {where}{P} card process(es), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
           f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "

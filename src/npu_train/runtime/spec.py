@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from npu_train.backends.furiosa_compile import FuriosaCompileOptions
+
 
 @dataclass(frozen=True)
 class CardInfo:
@@ -91,13 +93,25 @@ class TrainSpec:
 class RuntimeSpec:
     """Process-level settings: heartbeat interval (s), boundary transport (``shm`` | ``inline``),
     torch intra-op ``threads`` of this card process (the same figure the planner used for its step
-    time, see :func:`npu_train.planner.threads_per_card`), and the receive / collective timeouts (s)."""
+    time, see :func:`npu_train.planner.threads_per_card`), the receive / collective timeouts (s),
+    the RNGD compile settings (``runtime.furiosa.*``, with ``loaded_modules`` as planned),
+    the RNGD memory accounting and whether the card process warms up (compiles) before step 1."""
 
     heartbeat_interval_s: float
     transport: str
     threads: int
     recv_timeout_s: float
     collective_timeout_s: float
+    furiosa: FuriosaCompileOptions = FuriosaCompileOptions()
+    furiosa_accounting: str = "dispatch"
+    warmup: bool = False
+
+    def backend_kwargs(self, kind: str) -> dict:
+        """Keyword arguments of :func:`~npu_train.backends.make_backend` for a card of ``kind``
+        (furiosa: ``accounting`` and ``compile_options``; others: none)."""
+        if kind == "furiosa":
+            return {"accounting": self.furiosa_accounting, "compile_options": self.furiosa}
+        return {}
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,8 @@ class StageTrainer:
         spec, tr = self.spec, self.tr
         self.phase[0] = "device setup"
         card = spec.card
-        self.backend = backend = make_backend(CardRequest(card.kind, card.index, card.name))
+        self.backend = backend = make_backend(CardRequest(card.kind, card.index, card.name),
+                                              **spec.runtime.backend_kwargs(card.kind))
         backend.setup()
 
         self.phase[0] = "model load"
@@ -129,8 +130,20 @@ class StageTrainer:
                 if p.requires_grad and track is not None:
                     track(p)
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        backend.prepare_module(self.module)  # furiosa: whole-layer compiled graphs when configured
         if self.fault is not None:
             self.fault.install(self.module)
+        self.compile_s = 0.0
+        if spec.runtime.warmup and card.kind == "furiosa":  # before the optimizer exists: no state to touch
+            from npu_train.runtime.warmup import warm_up_stage
+
+            self.phase[0] = "warm-up (graph compilation)"
+            self.ctrl.send("phase", phase=self.phase[0])
+            dt, hid = compute_dtype(tr.dtype), int(spec.model_cfg["hidden_size"])
+            seq_len = spec.slot_bytes // (tr.micro_batch * hid * dt.itemsize)  # slot = b x S x H x element
+            self.compile_s = warm_up_stage(self.module, backend, first=self.first, last=self.last,
+                                           micro_batch=tr.micro_batch, seq_len=seq_len, hidden_size=hid,
+                                           dtype=dt, betas=(tr.beta1, tr.beta2), eps=tr.eps)
         self.opt = StageOptimizer(self.params, masters, list(spec.resident_names), backend, lr=tr.lr,
                                   betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
         del masters
@@ -225,7 +238,8 @@ class StageTrainer:
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
                        send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
-                       mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated())
+                       mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
+                       compile_s=self.compile_s if step == self.start else 0.0, **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
 
     # ------------------------------------------------------------------ evaluation

@@ -1,0 +1,220 @@
+"""The memory model's per-kind constants (:class:`MemoryTerms`): which are measured, which assumed.
+
+``workspace = workspace_bytes + workspace_fraction * body + loaded_modules * module_bytes``, where
+body = weights + grads + optimizer + activations + transient (:mod:`npu_train.planner.memory`).
+
+Defaults (:data:`DEFAULT_MEMORY_TERMS`) and their sources:
+
+- ``cpu``: constant 0 (``Rates.process_baseline_bytes``, measured by ``calibrate``, covers the
+  process), fraction 0.12 = glibc allocator slack, *measured* with ``mallinfo2`` on SmolLM2-135M
+  stages (free-but-resident heap at the RSS peak 6-17 % of the live bytes). No module cache.
+- ``cuda``: constant 1 GiB (CUDA context + cuBLAS workspace) and 5 %: *assumed*.
+- ``furiosa``: *fitted to the field record* of the predecessor on RNGD (Llama-3.1-8B, S=512,
+  micro-batch 1, accumulation 4, gradients accumulated in bf16; issue 12): one card with 4 resident
+  layers ran 25 steps three times, so its peak was at most the 47.5 GiB usable. The model's
+  weights + grads + optimizer there are 39.67 GiB and its activations + transient 5.29 GiB
+  (activations with eager attention: furiosa-torch 2026.4 decomposes
+  ``scaled_dot_product_attention`` into ``_scaled_dot_product_attention_math``, which saves the
+  probabilities, ``_db/decomp_rules_db.py``), which leaves at most 2.54 GiB for the runtime. The
+  earlier assumed 1 GiB + 5 % (3.25 GiB) predicted 48.2 GiB for a layout that ran. Now: constant
+  0.5 GiB (runtime buffers, *assumed*), fraction 2 % (allocator slack, *fitted*: the largest round
+  figure that keeps the field's 1 x 4 layout inside the card with the module cache below), and
+  the loaded-module cache ``512 x 1 MiB`` (both *assumed*: furiosa-torch keeps one loaded module
+  per distinct eager op and shape, ``_backend/aten.py::_compile_and_load``; a step of one stage
+  has a few hundred; the card process sets the cache to ``loaded_modules`` entries). 1 x 4 then
+  predicts 46.85 GiB.
+
+A calibration profile (``<cache>/calibration/<kind>.json``, :func:`npu_train.planner.rates.calibration_path`)
+may carry a ``"memory"`` object with any of the four fields, written by :func:`fit_memory_terms` /
+:func:`save_memory_terms` from measured peaks (``experiments/rngd-runbook.md``, step
+"Memory calibration"); :func:`load_memory_terms` reads it and marks those figures measured.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from npu_train.hardware import GIB
+from npu_train.planner.spec import PlacementError
+
+__all__ = ["MemoryTerms", "DEFAULT_MEMORY_TERMS", "MEMORY_FIELDS", "load_memory_terms",
+           "fit_memory_terms", "save_memory_terms"]
+
+MIB = 1 << 20
+#: the numeric fields of :class:`MemoryTerms` a profile's ``"memory"`` object may set
+MEMORY_FIELDS = ("workspace_bytes", "workspace_fraction", "module_bytes", "loaded_modules")
+
+
+@dataclass(frozen=True)
+class MemoryTerms:
+    """Per-kind constants of the memory model.
+
+    Attributes:
+        workspace_bytes: runtime / library buffers per card, bytes.
+        workspace_fraction: allocator slack and unmodelled temporaries, fraction of the body.
+        module_bytes: card memory of one loaded compiled module, bytes (furiosa eager cache).
+        loaded_modules: loaded-module cache entries the card process keeps (0: no such cache).
+        sources: field -> where the figure comes from (``"assumed"``, ``"fitted: ..."``,
+            ``"measured: <profile>"``), printed by the plan.
+    """
+
+    workspace_bytes: float
+    workspace_fraction: float
+    module_bytes: float = 0.0
+    loaded_modules: int = 0
+    sources: dict = field(default_factory=dict)
+
+    @property
+    def modules_bytes(self) -> int:
+        """Bytes of the loaded-module cache: ``loaded_modules * module_bytes``."""
+        return int(self.loaded_modules * self.module_bytes)
+
+    def workspace(self, body: float) -> int:
+        """``workspace_bytes + workspace_fraction * body + modules_bytes`` (bytes)."""
+        return int(self.workspace_bytes + self.workspace_fraction * body + self.modules_bytes)
+
+    def describe(self) -> str:
+        """One line: each figure with its source, e.g. for the plan's assumptions."""
+        parts = [f"const {self.workspace_bytes / GIB:.2f} GiB ({self.sources.get('workspace_bytes', 'assumed')})",
+                 f"{self.workspace_fraction * 100:.0f}% of the rest "
+                 f"({self.sources.get('workspace_fraction', 'assumed')})"]
+        if self.loaded_modules:
+            parts.append(f"loaded-module cache {self.loaded_modules} x {self.module_bytes / MIB:.1f} MiB "
+                         f"({self.sources.get('loaded_modules', 'assumed')}; "
+                         f"{self.sources.get('module_bytes', 'assumed')})")
+        return ", ".join(parts)
+
+
+_FIELD = "fitted to the field record: 1 card x 4 resident ran (issue 12)"
+DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
+    "cpu": MemoryTerms(0, 0.12, sources={"workspace_bytes": "none: process baseline instead",
+                                         "workspace_fraction": "measured: mallinfo2, SmolLM2-135M"}),
+    "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
+                                                "workspace_fraction": "assumed"}),
+    "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,
+                           sources={"workspace_bytes": "assumed", "workspace_fraction": _FIELD,
+                                    "module_bytes": "assumed", "loaded_modules": "assumed"}),
+}
+
+
+def _bad(path: Path, what: str) -> PlacementError:
+    return PlacementError(f"calibration profile {path}: memory: {what}; fix: rerun the memory "
+                          f"calibration (experiments/rngd-runbook.md) or remove the 'memory' entry")
+
+
+def load_memory_terms(kind: str, profile_path: Union[str, os.PathLike, None] = None,
+                      loaded_modules: Optional[int] = None) -> MemoryTerms:
+    """:data:`DEFAULT_MEMORY_TERMS` of ``kind``, overridden by the profile's ``"memory"`` object.
+
+    Args:
+        kind: card kind.
+        profile_path: the profile; ``None``: ``calibration_path(kind)``. A missing file or one
+            without ``"memory"`` gives the defaults.
+        loaded_modules: a configured loaded-module cache size (``runtime.furiosa.loaded_modules``)
+            that replaces the default / profile figure (source: ``"configured"``).
+
+    Raises:
+        PlacementError: a malformed ``"memory"`` object (not an object, a negative or non-finite
+            number, a fraction >= 1).
+    """
+    from npu_train.planner.rates import calibration_path
+
+    terms = DEFAULT_MEMORY_TERMS[kind]
+    path = Path(profile_path) if profile_path is not None else calibration_path(kind)
+    values, sources = {}, dict(terms.sources)
+    if path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = None  # load_rates reports an unreadable profile
+        mem = doc.get("memory") if isinstance(doc, dict) else None
+        if mem is not None:
+            if not isinstance(mem, dict):
+                raise _bad(path, "not a JSON object")
+            for k in MEMORY_FIELDS:
+                if k not in mem:
+                    continue
+                try:
+                    v = float(mem[k])
+                except (TypeError, ValueError):
+                    raise _bad(path, f"{k}={mem[k]!r} is not a number") from None
+                if not math.isfinite(v) or v < 0 or (k == "workspace_fraction" and v >= 1):
+                    raise _bad(path, f"{k}={mem[k]!r} out of range")
+                values[k] = int(v) if k == "loaded_modules" else v
+                sources[k] = f"measured: {path}"
+    if loaded_modules is not None and loaded_modules > 0:
+        values["loaded_modules"] = int(loaded_modules)
+        sources["loaded_modules"] = "configured"
+    return replace(terms, **values, sources=sources)
+
+
+def fit_memory_terms(samples: Sequence[tuple[float, float]], base: MemoryTerms) -> MemoryTerms:
+    """Fit ``workspace_bytes`` and ``workspace_fraction`` to measured peaks.
+
+    Args:
+        samples: ``(body_bytes, measured_peak_bytes)`` per card and layout: the plan's
+            weights + grads + optimizer + activations + transient of that card, and the peak the
+            card process reported (``summary.json`` ``peak_mem_bytes``, the backend's accounting,
+            plus the loaded-module cache the runtime reports).
+        base: the terms to start from (module cache figures are kept).
+
+    Returns:
+        ``base`` with the least-squares line ``peak - modules = c + f * body`` (two or more
+        distinct bodies; ``c`` and ``f`` clamped at >= 0), or with one sample only the constant
+        ``c = peak - modules - f * body`` at ``base``'s fraction. Sources say "measured".
+
+    Raises:
+        ValueError: no samples.
+    """
+    if not samples:
+        raise ValueError("fit_memory_terms needs at least one (body, peak) sample")
+    mods = base.modules_bytes
+    xs = [float(b) for b, _ in samples]
+    ys = [float(p) - mods for _, p in samples]
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if n >= 2 and sxx > 0:
+        f = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx)
+        c = max(0.0, my - f * mx)
+    else:
+        f = base.workspace_fraction
+        c = max(0.0, max(y - f * x for x, y in zip(xs, ys)))
+    src = dict(base.sources)
+    src["workspace_bytes"] = f"measured: {n} peak(s)"
+    if n >= 2 and sxx > 0:
+        src["workspace_fraction"] = f"measured: {n} peak(s)"
+    return replace(base, workspace_bytes=c, workspace_fraction=min(f, 0.99), sources=src)
+
+
+def save_memory_terms(kind: str, terms: MemoryTerms, samples: Sequence[dict],
+                      path: Union[str, os.PathLike, None] = None) -> Path:
+    """Write ``terms`` as the ``"memory"`` object of ``kind``'s calibration profile, keeping the
+    rest of the file (rates); ``samples`` (dicts: layout, body/peak bytes) are stored beside it
+    for the record. Atomic (temp file + rename); creates the directory. Returns the path."""
+    from npu_train.planner.rates import calibration_path
+
+    path = Path(path) if path is not None else calibration_path(kind)
+    doc: dict = {}
+    if path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+        except (OSError, ValueError):
+            doc = {}
+        if not isinstance(doc, dict):
+            doc = {}
+    doc.setdefault("kind", kind)
+    doc["memory"] = {"workspace_bytes": int(terms.workspace_bytes),
+                     "workspace_fraction": float(terms.workspace_fraction),
+                     "module_bytes": int(terms.module_bytes),
+                     "loaded_modules": int(terms.loaded_modules),
+                     "samples": list(samples)}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=float) + "\n")
+    os.replace(tmp, path)
+    return path
