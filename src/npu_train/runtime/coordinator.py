@@ -62,6 +62,7 @@ class RankState:
     rank: int
     card: str
     layers: str
+    where: str = ""                   # "stage 1" or "replica 1, stage 0" (ParallelLayout)
     proc: Optional[mp.Process] = None
     last_seen: float = 0.0
     ready: bool = False
@@ -91,7 +92,7 @@ class Coordinator:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(coord_addr)
-        self.ranks = [RankState(s.rank, s.card.name, s.stage.label) for s in specs]
+        self.ranks = [RankState(s.rank, s.card.name, s.stage.label, s.layout.where(s.rank)) for s in specs]
         self.ckpt_reports: dict[int, dict[int, str]] = {}
         self.interrupted = 0
         self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
@@ -132,7 +133,7 @@ class Coordinator:
             "ipc_dir": self.ipc_dir, "coord_addr": self.specs[0].coord_addr,
             "transport": self.specs[0].runtime.transport, "shm_prefix": f"npt_{self.job_id}_",
             "ckpt_root": self.ckpt_root,
-            "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "pid": rs.proc.pid,
+            "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "where": rs.where, "pid": rs.proc.pid,
                        "inbox": spec.inbox[rs.rank] if self.P > 1 else None}
                       for rs, spec in zip(self.ranks, self.specs)],
         }
@@ -142,7 +143,7 @@ class Coordinator:
         os.replace(path + ".part", path)
 
     def _describe(self, rs: RankState) -> str:
-        return f"card {rs.card} (stage {rs.rank}, layers {rs.layers})"
+        return f"card {rs.card} ({rs.where}, layers {rs.layers})"
 
     def _fail(self, rs: RankState, cause: str) -> None:
         raise JobFailed(f"{self._describe(rs)} failed during {rs.phase}: {cause}")

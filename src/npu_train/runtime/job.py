@@ -55,16 +55,24 @@ def as_list(v):
 def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     """Validate ``cfg`` and build everything needed before a card process starts.
 
-    Returns a dict with ``cards``, ``model_cfg`` (LlamaConfig), ``plan`` (placement Plan),
+    Returns a dict with ``cards`` (every card of the job, global-rank order), ``model_cfg``
+    (LlamaConfig), ``plan`` (placement Plan of one pipeline, ``plan.dp`` replicas), ``dp``, ``zero``,
     ``shape``, ``dtype`` and ``model_path``. Raises a :class:`~npu_train.errors.UserError` on bad input.
     """
     from npu_train.backends.spec import parse_backend_list, resolve_cards
-    from npu_train.config import compute_dtype, validate
+    from npu_train.config import check_dp_cards, compute_dtype, validate
     from npu_train.model.loading import load_config, resolve_model_path
     from npu_train.planner import CardSpec, RunShape, default_capacity, load_rates, make_plan, threads_per_card
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
+    dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
+    P = check_dp_cards(len(reqs), dp)
+    kinds = [r.kind for r in reqs]
+    for k in range(1, dp):
+        if kinds[k * P:(k + 1) * P] != kinds[:P]:
+            raise ConfigError(f"parallel.dp={dp}: replica {k} has cards {kinds[k * P:(k + 1) * P]} but replica 0 "
+                              f"has {kinds[:P]}: list the same card kinds, stage by stage, for every replica")
     mcfg, model_path = _preset_config(cfg.model.path), None
     if mcfg is None:
         model_path = resolve_model_path(cfg.model.path)
@@ -78,9 +86,9 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
                           f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
-    if len(reqs) > mcfg.num_layers:
-        raise ConfigError(f"{len(reqs)} cards but the model has only {mcfg.num_layers} layers: "
-                          f"use at most {mcfg.num_layers} backend entries")
+    if P > mcfg.num_layers:
+        raise ConfigError(f"{P} stages per pipeline but the model has only {mcfg.num_layers} layers: "
+                          f"use at most {mcfg.num_layers} backend entries per replica (parallel.dp={dp})")
     dtype = compute_dtype(tr.dtype, [r.kind for r in reqs])
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute)
@@ -96,7 +104,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
         cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=name))
     # one thread count for the plan's step time and the card processes (WorkerSpec.runtime.threads)
     threads = threads_per_card(cfg.runtime.threads, len(cards))
-    rates = [load_rates(r.kind, cfg.placement.profile, threads=threads) for r in reqs]
+    rates = [load_rates(r.kind, cfg.placement.profile, threads=threads) for r in reqs[:P]]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
         try:
@@ -111,10 +119,11 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
         host_ram = None
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs).
-    plan = make_plan(mcfg, shape, cards, rates, split=as_list(tr.split), resident_layers=resident,
-                     host_ram_bytes=None if cfg.plan else host_ram, threads=threads)
+    # one pipeline is planned (replica 0's cards; every replica has the same kinds), for dp replicas
+    plan = make_plan(mcfg, shape, cards[:P], rates, split=as_list(tr.split), resident_layers=resident,
+                     host_ram_bytes=None if cfg.plan else host_ram, threads=threads, dp=dp, zero=zero)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
-            "dtype": dtype, "model_path": model_path, "threads": threads}
+            "dtype": dtype, "model_path": model_path, "threads": threads, "dp": dp, "zero": zero}
 
 
 def _preset_config(path: str):
@@ -249,25 +258,32 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
                        data_file: str, start_step: int, resume_dir: Optional[str], ckpt_root: str, ipc_dir: str,
                        host: str, port: int, slot_bytes: int, slots: int) -> list[WorkerSpec]:
-    """One :class:`~npu_train.runtime.spec.WorkerSpec` per stage of ``plan`` (the only place they are built).
+    """One :class:`~npu_train.runtime.spec.WorkerSpec` per card (the only place they are built): global rank
+    ``r = replica * P + stage`` runs stage ``r % P`` of ``plan`` on ``prep["cards"][r]``, for ``prep["dp"]``
+    replicas (:class:`~npu_train.runtime.layout.ParallelLayout`).
 
     Addresses: with the ``shm`` transport the boundary mailboxes and the coordinator are ipc sockets in
     ``ipc_dir``; with ``inline`` they are TCP ports on ``host``. gloo rendezvous: ``tcp://host:port``.
     """
 
+    from npu_train.runtime.layout import ParallelLayout
+
     P = len(plan.stages)
+    dp, zero = int(prep.get("dp", 1)), int(prep.get("zero", 0))
+    layout = ParallelLayout(dp, P)
     mcfg = prep["model_cfg"]
     if runtime.transport == "shm":
-        inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(P))
+        inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(layout.world))
         coord_addr = f"ipc://{ipc_dir}/coord.sock"
     else:
-        inbox = tuple(f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(P))
+        inbox = tuple(f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(layout.world))
         coord_addr = f"tcp://{host}:{Endpoint.free_tcp_port(host)}"
     specs = []
-    for r, st in enumerate(plan.stages):
+    for r in range(layout.world):
+        st = plan.stages[layout.stage(r)]
         card = prep["cards"][r]
         specs.append(WorkerSpec(
-            rank=r, world_size=P, job_id=job_id, token=token, parent_pid=os.getpid(),
+            rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
             card=CardInfo(card.kind, card.index, card.name), model_path=prep["model_path"], model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
             resident_names=tuple(resident_param_names(mcfg, st)), data_file=data_file, train=train, runtime=runtime,
@@ -301,7 +317,7 @@ def run_job(cfg, run_dir: str) -> dict:
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
         print(prep["plan"].table())
-        host_need = sum(st.host_bytes for st in prep["plan"].stages)
+        host_need = prep["plan"].host_bytes_all  # every replica's offloaded state (one node)
         try:
             import psutil
 
@@ -314,11 +330,13 @@ def run_job(cfg, run_dir: str) -> dict:
         return {"plan": True}
     prep = prepare(cfg, run_dir)
     plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
-    P = len(plan.stages)
+    P, dp = len(plan.stages), prep["dp"]
     data = prepare_data(cfg, prep["model_path"], mcfg, run_dir)
     if data.train.shape[0] < tr.micro_batch:
         raise ConfigError(f"the training split has {data.train.shape[0]} sequences, fewer than "
                           f"train.micro_batch={tr.micro_batch}: lower train.micro_batch or data.seq_len")
+    # the sampler every card process uses (replica k takes the k-th share of each step's global batch)
+    sampler = StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=dp)
 
     ckpt_root = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
     start_step, resume_dir = 0, None
@@ -327,12 +345,11 @@ def run_job(cfg, run_dir: str) -> dict:
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
         try:
-            StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).load_state_dict(
-                reader.manifest.get("sampler", {}))
+            sampler.load_state_dict(reader.manifest.get("sampler", {}))
         except ValueError as e:
             raise ConfigError(f"{e}. The checkpoint's run settings are in {resume_dir}/manifest.json ('train'); "
                               "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
-                              "train.seed, train.micro_batch, train.accum) together with train.resume") from None
+                              "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
         start_step = reader.step
         if start_step >= tr.steps:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: "
@@ -351,7 +368,7 @@ def run_job(cfg, run_dir: str) -> dict:
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
     if P > 1 and rt.transport == "shm":
-        need = 2 * (P - 1) * slots * (slot_bytes + 64)
+        need = 2 * (P - 1) * dp * slots * (slot_bytes + 64)
         avail = _shm_free_bytes()
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
@@ -370,16 +387,17 @@ def run_job(cfg, run_dir: str) -> dict:
         job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
         ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots)
     print(plan.table(), flush=True)
-    print(f"job {job_id}: {P} card process(es), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
+    print(f"job {job_id}: {P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
           f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
           f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
     if resume_dir:
         print(f"resuming from {resume_dir} at step {start_step}", flush=True)
-    reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages],
+    reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * dp,
                         predicted_step_s=plan.step_time_s)
     manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
+                     "parallel": {"dp": dp, "pp": P, "zero": prep["zero"]},
                      "split": [[s.first_layer, s.last_layer] for s in plan.stages],
-                     "sampler": StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).state_dict(),
+                     "sampler": sampler.state_dict(),
                      "data_fingerprint": data.fingerprint, "train": train.to_dict(),
                      "model_path": prep["model_path"],
                      "tokenizer_path": cfg.model.tokenizer or prep["model_path"]}
@@ -398,7 +416,7 @@ def run_job(cfg, run_dir: str) -> dict:
             pass
     summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep["cards"]],
                             "predicted_step_s": plan.step_time_s,
-                            "predicted_mem_bytes": [s.mem["total"] for s in plan.stages]})
+                            "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * dp})
     if coord.rejected:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)
