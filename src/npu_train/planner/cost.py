@@ -29,7 +29,9 @@
   ``1/dp`` of its stage's fp32 master + AdamW moments (``optimizer`` and ``host_bytes`` divided by
   ``dp``, the workspace fraction of the removed bytes with them) and runs ``1/dp`` of the stage's
   AdamW (``host_optimizer``, ``device_optimizer``; the card<->host transfers of offloaded layers
-  are kept whole, conservatively). ``dp_comm`` = the gloo ring all-reduce of the stage's gradient
+  are kept whole, conservatively; so is the optimizer phase's ``transient``, which still counts
+  fp32 gradient copies for all of the stage's resident masters, not only the card's 1/dp: with
+  bf16 and many resident layers ZeRO-1's total is over-estimated). ``dp_comm`` = the gloo ring all-reduce of the stage's gradient
   in fp32 on the host, ``2 (dp-1)/dp * 4 B * params / Rates.dp_bytes_per_s`` (each process sends and
   receives that much; Patarasuk & Yuan 2009), plus on an accelerator the gradient's download and
   upload (``e * params`` each way at ``d2h``/``h2d``), plus with ZeRO-1 the broadcast of the updated
