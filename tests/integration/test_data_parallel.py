@@ -95,3 +95,16 @@ def test_dp_must_divide_cards(tiny_model, tmp_path):
     cfg = make_cfg(tiny_model, "backend=[cpu,cpu,cpu]", "parallel.dp=2")
     with pytest.raises(ConfigError, match=r"parallel.dp=2 does not divide the 3 card\(s\)"):
         prepare(cfg, str(tmp_path), probe=False)
+
+
+def test_dp1_resume_onto_dp2_zero1(tiny_model, tmp_path):
+    """The other direction: 2 steps on one pipeline (accum 8), then 2 on dp=2 x 2 stages with ZeRO-1
+    (each replica loads only the optimizer state it owns, the other weights from the masters)."""
+    N = 4
+    ref_losses, ref_w = _ref(tiny_model, "train.accum=8", f"train.steps={N}")
+    ck = str(tmp_path / "ckpt")
+    l1, _ = run_pipeline(tiny_model, str(tmp_path / "a"), "backend=[cpu,cpu]", "train.accum=8", f"train.steps={N}",
+                         f"train.stop_after={N // 2}", f"checkpoint.dir={ck}")
+    l2, r2 = run_pipeline(tiny_model, str(tmp_path / "b"), *DP2, "parallel.zero=1", f"train.steps={N}",
+                          "train.resume=latest", f"checkpoint.dir={ck}")
+    _check(l1 + l2, r2, ref_losses, ref_w)
