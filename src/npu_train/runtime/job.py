@@ -87,8 +87,12 @@ def prepare(cfg, run_dir: str, *, probe: bool = True) -> dict:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
                           f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
     if P > mcfg.num_layers:
-        raise ConfigError(f"{P} stages per pipeline but the model has only {mcfg.num_layers} layers: "
-                          f"use at most {mcfg.num_layers} backend entries per replica (parallel.dp={dp})")
+        if dp == 1:
+            raise ConfigError(f"{P} cards but the model has only {mcfg.num_layers} layers: "
+                              f"use at most {mcfg.num_layers} backend entries")
+        raise ConfigError(f"{P} stages per pipeline ({len(reqs)} cards / parallel.dp={dp}) but the model has only "
+                          f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
+                          "or raise parallel.dp")
     dtype = compute_dtype(tr.dtype, [r.kind for r in reqs])
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute)
