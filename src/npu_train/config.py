@@ -168,6 +168,16 @@ class PlanConf:
 
 
 @dataclass
+class ParallelConf:
+    #: data-parallel replicas of the pipeline: the cards of ``backend=`` (global-rank order) form
+    #: ``dp`` pipelines of ``len(cards) / dp`` stages each (global rank = replica * P + stage).
+    dp: int = 1
+    #: ZeRO stage: 0 = every replica keeps the stage's whole fp32 master + AdamW moments; 1 = they
+    #: are sharded across the stage's replicas (ZeRO-1, by parameter).
+    zero: int = 0
+
+
+@dataclass
 class Config:
     #: cards, one process each: cpu, cuda:N, cuda:auto, furiosa:N, furiosa:auto (comma list).
     backend: Any = field(default_factory=lambda: ["cpu", "cpu"])
@@ -178,6 +188,7 @@ class Config:
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     placement: PlanConf = field(default_factory=PlanConf)
+    parallel: ParallelConf = field(default_factory=ParallelConf)
     #: print the placement plan and exit (no device, no weights loaded).
     plan: bool = False
     #: measure device/host rates on this machine and save a calibration profile, then exit.
@@ -250,6 +261,27 @@ def validate(cfg) -> None:
                           "(0 = furiosa-torch's default)")
     if fur.accounting not in ("dispatch", "uploads"):
         raise ConfigError(f"runtime.furiosa.accounting={fur.accounting!r}: use dispatch or uploads")
+    par = cfg.get("parallel") if hasattr(cfg, "get") else getattr(cfg, "parallel", None)
+    if par is not None:
+        _positive("parallel.dp", par.dp, " (data-parallel replicas of the pipeline; 1 = none)")
+        if par.zero not in (0, 1):
+            raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "
+                              "sharded across the replicas)")
+        if par.zero == 1 and par.dp == 1:
+            raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across "
+                              "replicas): raise parallel.dp or use parallel.zero=0")
+
+
+def check_dp_cards(n_cards: int, dp: int) -> int:
+    """Stages per pipeline ``P = n_cards / dp`` for ``parallel.dp=dp`` over ``n_cards`` cards.
+
+    Raises :class:`ConfigError` (naming the fix) when ``n_cards`` is not a multiple of ``dp``.
+    """
+    if dp < 1 or n_cards % dp:
+        raise ConfigError(f"parallel.dp={dp} does not divide the {n_cards} card(s) of backend=: list "
+                          f"dp x stages cards (e.g. {dp * max(1, n_cards // dp or 1)}) or pick a parallel.dp "
+                          f"that divides {n_cards}")
+    return n_cards // dp
 
 
 def compute_dtype(dtype: str, kinds: list[str]) -> str:

@@ -120,18 +120,26 @@ class StepSampler:
 
         The sampler is stateless by position, so nothing is restored; a mismatch means
         the resumed run would see a different data order and raises ``ValueError``.
+        The data order depends on ``micro_batches * dp_size`` (micro-batches per global
+        step), not on each factor: a run may resume with another data-parallel size
+        when the global batch is kept (dp=2, accum=4 -> dp=1, accum=8).
         """
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"sampler state is missing {missing}; the checkpoint is incomplete or not from npu-train")
         diffs = [f"{k}: checkpoint {state[k]!r} != now {getattr(self, k)!r}"
-                 for k in _STATE_KEYS if int(state[k]) != getattr(self, k)]
+                 for k in ("seed", "n_sequences", "micro_batch") if int(state[k]) != getattr(self, k)]
+        units = int(state["micro_batches"]) * int(state["dp_size"])
+        if units != self._units_per_step:
+            diffs.append(f"micro-batches per global step (micro_batches x dp_size): checkpoint "
+                         f"{state['micro_batches']} x {state['dp_size']} = {units} != now "
+                         f"{self.micro_batches} x {self.dp_size} = {self._units_per_step}")
         if diffs:
             raise ValueError(
                 "cannot resume: the data/batch layout differs from the checkpoint ("
                 + "; ".join(diffs)
                 + "); resume with the same data.source, data.seq_len, data.val_fraction, train.seed, "
-                "train.micro_batch and train.accum, or start a fresh run without resuming"
+                "train.micro_batch and train.accum x parallel.dp, or start a fresh run without resuming"
             )
 
     def __repr__(self) -> str:

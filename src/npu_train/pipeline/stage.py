@@ -7,8 +7,9 @@ stage's module. It knows nothing of processes or transport: the boundary traffic
 with in-process queues.
 
 Loss normalisation: the last stage computes the summed token cross-entropy of each micro-batch and
-divides by the number of target tokens of the *whole step* (all micro-batches), so the gradient
-equals that of one big batch, independent of how the step is cut into micro-batches.
+divides by the number of target tokens of the *whole step* (all micro-batches; with data-parallel
+replicas, the micro-batches of every replica: ``total_tokens``), so the gradient equals that of one
+big batch, independent of how the step is cut into micro-batches and replicas.
 """
 from __future__ import annotations
 
@@ -71,22 +72,26 @@ class StageRunner:
         self.first = stage == 0
         self.last = stage == num_stages - 1
 
-    def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]]) -> dict:
+    def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
+                 total_tokens: Optional[int] = None) -> dict:
         """Forward and backward all micro-batches of optimizer step ``step``; gradients accumulate in ``.grad``.
 
         Args:
             inputs: first stage only: M int64 CPU tensors ``[micro_batch, seq_len]``.
             labels: last stage only: M int64 CPU tensors ``[micro_batch, seq_len]``
                 (``IGNORE_INDEX`` = ignored).
+            total_tokens: last stage: the loss divisor, target tokens of the whole global step (all
+                data-parallel replicas); None = the target tokens of ``labels``.
 
         Returns:
-            ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int,
+            ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int (last
+            stage: target tokens of ``labels``, this replica's share),
             "compute_s", "wait_s", "send_s"}`` (seconds).
         """
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
             raise ValueError("a middle stage needs the number of micro-batches: pass inputs=None, labels=None via run_middle")
-        return self._run(step, M, inputs, labels)
+        return self._run(step, M, inputs, labels, total_tokens)
 
     def run_middle(self, step: int, num_micro: int) -> dict:
         """:meth:`run_step` for a stage that is neither first nor last."""
@@ -115,10 +120,12 @@ class StageRunner:
                 self.comm.send_act(step, tag, out)
         return {"loss_sum": loss_sum, "n_tokens": n_tok}
 
-    def _run(self, step, M, inputs, labels) -> dict:
-        total_tokens = None
+    def _run(self, step, M, inputs, labels, total_tokens=None) -> dict:
+        local_tokens = 0
         if self.last:
-            total_tokens = int(sum(int((l != IGNORE_INDEX).sum()) for l in labels))
+            local_tokens = int(sum(int((l != IGNORE_INDEX).sum()) for l in labels))
+            if total_tokens is None:
+                total_tokens = local_tokens
             if total_tokens == 0:
                 raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
         saved: dict[int, tuple] = {}
@@ -185,5 +192,5 @@ class StageRunner:
         assert not saved and not pending, \
             f"schedule left micro-batches without backward: {sorted(saved)} {sorted(pending)}"
         self.backend.synchronize()
-        return {"loss_sum": loss_sum, "n_tokens": total_tokens or 0,
+        return {"loss_sum": loss_sum, "n_tokens": local_tokens,
                 "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send}

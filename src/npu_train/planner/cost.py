@@ -24,6 +24,20 @@
 - Conservatively, the optimizer and the transfers are *not* overlapped with the pipeline:
   stage total = pipeline phase + host_optimizer + device_optimizer + transfer; step time = max
   over stages.
+- Data parallelism (``dp`` replicas of the pipeline, each card of a replica planned like replica
+  0's): the per-card memory is unchanged, except that with ZeRO-1 (``zero=1``) each card keeps
+  ``1/dp`` of its stage's fp32 master + AdamW moments (``optimizer`` and ``host_bytes`` divided by
+  ``dp``, the workspace fraction of the removed bytes with them) and runs ``1/dp`` of the stage's
+  AdamW (``host_optimizer``, ``device_optimizer``; the card<->host transfers of offloaded layers
+  are kept whole, conservatively; so is the optimizer phase's ``transient``, which still counts
+  fp32 gradient copies for all of the stage's resident masters, not only the card's 1/dp: with
+  bf16 and many resident layers ZeRO-1's total is over-estimated). ``dp_comm`` = the gloo ring all-reduce of the stage's gradient
+  in fp32 on the host, ``2 (dp-1)/dp * 4 B * params / Rates.dp_bytes_per_s`` (each process sends and
+  receives that much; Patarasuk & Yuan 2009), plus on an accelerator the gradient's download and
+  upload (``e * params`` each way at ``d2h``/``h2d``), plus with ZeRO-1 the broadcast of the updated
+  compute-dtype weights, ``(dp-1)/dp * e * params / dp_bytes_per_s`` received per card. Not
+  overlapped with anything (added to the stage total). Tokens per step are ``dp`` times one
+  pipeline's.
 - Threads: every card process runs ``threads`` torch threads (one number for the job,
   :func:`npu_train.planner.threads.threads_per_card`, which the launcher also gives the card
   processes); each card's :class:`~npu_train.planner.rates.Rates` are resolved for that count
@@ -43,7 +57,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from npu_train.model.config import LlamaConfig
-from npu_train.planner.memory import MemoryModel
+from npu_train.planner.memory import WORKSPACE, MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
 from npu_train.planner.spec import CardSpec, RunShape
@@ -65,6 +79,9 @@ class StageCost:
         t_mb: compute seconds per micro-batch.
         in_flight: micro-batches whose activations the stage holds at peak.
         host_state_on_card: cpu card: the offloaded state is in the card's memory.
+        params: every parameter the stage computes with (what the data-parallel all-reduce moves).
+        state_share: the fraction of the stage's optimizer state (and host bytes) this card holds:
+            1, or ``1/dp`` with ZeRO-1.
     """
 
     resident: int
@@ -76,11 +93,13 @@ class StageCost:
     t_mb: float
     in_flight: int
     host_state_on_card: bool = False
+    params: int = 0
+    state_share: float = 1.0
 
     @property
     def host_bytes(self) -> int:
         """Host RAM for the offloaded fp32 master + AdamW m, v: 12 B/param (0 on a cpu card)."""
-        return 0 if self.host_state_on_card else 12 * self.host_params
+        return 0 if self.host_state_on_card else int(12 * self.host_params * self.state_share)
 
 
 class CostModel:
@@ -96,18 +115,23 @@ class CostModel:
         terms: one :class:`~npu_train.planner.memterms.MemoryTerms` per card (``None``: defaults).
         headroom: fraction of each card's capacity that :meth:`max_resident` (the ``auto``
             choice) keeps free, 0 <= headroom < 1.
+        dp, zero: data-parallel replicas of the pipeline and the ZeRO stage (0 or 1); ``cards`` are
+            one replica's.
     """
 
     def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
                  rates: Sequence[Rates], nonlayer_resident: Optional[bool], threads: int,
-                 host_cores: int, terms: Optional[Sequence] = None, headroom: float = 0.0):
+                 host_cores: int, terms: Optional[Sequence] = None, headroom: float = 0.0,
+                 dp: int = 1, zero: int = 0):
         self.model, self.shape, self.cards = model, shape, list(cards)
         self.P = len(self.cards)
+        self.dp, self.zero = int(dp), int(zero)
         self.memory = MemoryModel(model, shape, self.cards, nonlayer_resident, terms)
         self.headroom = float(headroom)
         self.threads, self.host_cores = int(threads), int(host_cores)
         cores = self.host_cores
-        n_cpu = sum(1 for c in self.cards if c.kind == "cpu")
+        # every replica's cpu cards share the host (one node)
+        n_cpu = self.dp * sum(1 for c in self.cards if c.kind == "cpu")
         # all cpu cards run their optimizers at the same time: each gets its share of the cores
         self.cpu_share = min(1.0, cores / (n_cpu * self.threads)) if n_cpu else 1.0
         self.rates = []
@@ -125,7 +149,7 @@ class CostModel:
         self.slots = 0.0
         for j in range(M + P - 1):
             active = sum(1 for st in range(max(0, j - M + 1), min(j, P - 1) + 1) if cpu_stage[st])
-            self.slots += max(1.0, active * self.threads / cores)
+            self.slots += max(1.0, self.dp * active * self.threads / cores)  # dp replicas at once
         tok = shape.tokens_per_micro_batch
         rc = 8.0 / 6.0 if shape.recompute else 1.0
         # 6 FLOPs/param/token: forward 2 + input gradient 2 + weight gradient 2 (Kaplan et al. 2020);
@@ -152,18 +176,44 @@ class CostModel:
         t_mb = n * self.layer_flops / rt.device_flops
         if last:
             t_mb += self.head_flops / (rt.device_flops * rt.head_flops_ratio)
-        c = StageCost(r, sm.nonlayer_resident, sm.mem, sm.offloaded_params, sm.resident_params,
-                      xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu")
+        mem = dict(sm.mem)
+        share = 1.0
+        if self.zero and self.dp > 1:  # ZeRO-1: this card keeps 1/dp of the stage's optimizer state
+            share = 1.0 / self.dp
+            cut = mem["optimizer"] - int(mem["optimizer"] * share)
+            ws_cut = int(cut * WORKSPACE[self.cards[i].kind][1])
+            mem["optimizer"] -= cut
+            mem["workspace"] -= ws_cut
+            mem["total"] -= cut + ws_cut
+        c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
+                      xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
+                      params=sm.params, state_share=share)
         self._cache[key] = c
         return c
 
     def side_time(self, i: int, c: StageCost) -> tuple[float, float, float]:
-        """(host optimizer, device optimizer, transfer) seconds per step of stage ``i``."""
+        """(host optimizer, device optimizer, transfer + data-parallel communication) seconds per
+        step of stage ``i`` (the last term splits as :meth:`dp_time` + the card<->host transfer)."""
         rt = self.rates[i]
-        host = c.host_params / rt.host_adamw_params_per_s
-        dev = c.device_params / rt.device_adamw
+        host = c.host_params * c.state_share / rt.host_adamw_params_per_s
+        dev = c.device_params * c.state_share / rt.device_adamw
         xfer = self.memory.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
-        return host, dev, xfer
+        return host, dev, xfer + self.dp_time(i, c)
+
+    def dp_time(self, i: int, c: StageCost) -> float:
+        """Seconds per step of stage ``i``'s data-parallel communication (module docstring): fp32
+        ring all-reduce of the gradient, its card<->host copies on an accelerator, and with ZeRO-1
+        the broadcast of the updated weights. 0 for ``dp == 1``."""
+        dp = self.dp
+        if dp <= 1:
+            return 0.0
+        rt, e, n = self.rates[i], self.memory.e, c.params
+        t = 2.0 * (dp - 1) / dp * 4.0 * n / rt.dp_bytes_per_s
+        if self.cards[i].kind != "cpu":
+            t += e * n * (1.0 / rt.d2h_bytes_per_s + 1.0 / rt.h2d_bytes_per_s)
+        if self.zero:
+            t += (dp - 1) / dp * e * n / rt.dp_bytes_per_s
+        return t
 
     def limit(self, i: int, headroom: bool = True) -> int:
         """Bytes card ``i`` may be filled to: ``capacity * (1 - headroom)`` (``headroom=False``:
@@ -195,10 +245,11 @@ class CostModel:
         stages, first = [], 0
         for i, (n, c) in enumerate(zip(split, costs)):
             host, dev, xfer = self.side_time(i, c)
+            dpt = self.dp_time(i, c)
             # with cpu cards sharing cores: including the phase's average slowdown
             compute = M * c.t_mb * self.slots / (M + self.P - 1)
             time = {"compute": compute, "bubble": phase - compute, "host_optimizer": host,
-                    "device_optimizer": dev, "transfer": xfer,
+                    "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt,
                     "total": phase + host + dev + xfer}
             stages.append(StagePlan(
                 card=self.cards[i], first_layer=first, last_layer=first + n,
@@ -211,6 +262,6 @@ class CostModel:
             first += n
         step = max(st.time["total"] for st in stages)
         fits = all(st.fits for st in stages)
-        return Plan(self.model, self.shape, stages, step, self.shape.tokens_per_step, fits,
+        return Plan(self.model, self.shape, stages, step, self.shape.tokens_per_step * self.dp, fits,
                     rates=list(self.rates), threads=self.threads, host_cores=self.host_cores,
-                    headroom=self.headroom, memory_terms=list(self.memory.terms))
+                    headroom=self.headroom, memory_terms=list(self.memory.terms), dp=self.dp, zero=self.zero)

@@ -12,7 +12,7 @@ __all__ = ["MEM_KEYS", "TIME_KEYS", "StagePlan", "Plan"]
 
 MEM_KEYS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace",
             "total")
-TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "total")
+TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "dp_comm", "total")
 
 
 @dataclass
@@ -21,8 +21,8 @@ class StagePlan:
 
     ``mem`` (bytes) has keys baseline, weights, grads, optimizer, activations, transient,
     workspace, total (:mod:`npu_train.planner.memory`); ``time`` (seconds per optimizer step) has
-    keys compute, bubble, host_optimizer, device_optimizer, transfer, total
-    (:mod:`npu_train.planner.cost`); ``host_bytes`` is the host RAM for the stage's offloaded fp32
+    keys compute, bubble, host_optimizer, device_optimizer, transfer, dp_comm (data-parallel gradient
+    all-reduce + ZeRO-1 weight broadcast), total (:mod:`npu_train.planner.cost`); ``host_bytes`` is the host RAM for the stage's offloaded fp32
     master + AdamW moments (0 on a cpu card, where that state is part of ``mem``);
     ``in_flight`` the micro-batches whose activations the stage holds at peak.
     """
@@ -61,7 +61,11 @@ class StagePlan:
 
 @dataclass
 class Plan:
-    """A full placement: one :class:`StagePlan` per card, in pipeline order.
+    """A full placement: one :class:`StagePlan` per card of one pipeline, in pipeline order, for
+    ``dp`` data-parallel replicas of that pipeline (``zero``: 1 = ZeRO-1 optimizer-state sharding).
+    Memory and time are per card (every replica's card ``i`` is like ``stages[i]``);
+    ``tokens_per_step`` counts all replicas and ``host_bytes`` is per pipeline
+    (:attr:`host_bytes_all`: all replicas).
 
     ``rates`` are the flat per-card rates the prediction used (resolved for ``threads`` and the
     compute dtype); ``threads`` the torch threads of every card process and ``host_cores`` the
@@ -84,6 +88,8 @@ class Plan:
     headroom: float = 0.0
     memory_terms: list = field(default_factory=list)
     compiler_cache_dir: str = ""
+    dp: int = 1
+    zero: int = 0
 
     @property
     def split(self) -> list[int]:
@@ -101,12 +107,19 @@ class Plan:
     def host_bytes(self) -> int:
         return sum(st.host_bytes for st in self.stages)
 
+    @property
+    def host_bytes_all(self) -> int:
+        """Host RAM of the offloaded optimizer state of all ``dp`` replicas (one node: all of it)."""
+        return self.dp * self.host_bytes
+
     def to_dict(self) -> dict:
         """JSON-friendly summary (for run directories and ``--dry-run --json``)."""
         return {
             "model": self.model.name,
             "shape": asdict(self.shape),
             "split": self.split,
+            "dp": self.dp,
+            "zero": self.zero,
             "threads": self.threads,
             "host_cores": self.host_cores,
             "step_time_s": self.step_time_s,

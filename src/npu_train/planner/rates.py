@@ -42,7 +42,8 @@ __all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "calibrati
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
 RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
-                "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes")
+                "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes",
+                "dp_bytes_per_s")
 #: Fields that may be 0 (0 has a meaning: "same as host" / "no baseline").
 RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
 #: Compute-bound fields scaled linearly with the thread count (rule 2 of the module docstring).
@@ -69,6 +70,11 @@ class Rates:
         process_baseline_bytes: card memory a card process holds before any model state. cpu:
             the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the
             model-file reader); cuda/furiosa: 0 (their memory figures exclude the host process).
+        dp_bytes_per_s: host bandwidth of the data-parallel gloo collectives (gradient all-reduce,
+            ZeRO-1 weight broadcast) between the card processes of one stage, B/s per process and
+            direction. Default 1.25e9 B/s = 10 Gb/s Ethernet, an assumed floor for replicas on
+            different nodes (gloo over TCP); on one node (loopback) gloo is usually faster, so the
+            figure is conservative there. A calibration profile may set it.
         threads: torch intra-op threads the figures above are for (0 = unknown; then no thread
             scaling is applied).
         flops_by_dtype: optional ``{"fp32": ..., "bf16": ...}`` sustained FLOP/s per compute dtype;
@@ -84,6 +90,7 @@ class Rates:
     device_adamw_params_per_s: float = 0.0
     head_flops_ratio: float = 1.0
     process_baseline_bytes: float = 0.0
+    dp_bytes_per_s: float = 1.25e9
     threads: int = 0
     flops_by_dtype: dict = field(default_factory=dict)
     by_threads: dict = field(default_factory=dict)

@@ -86,7 +86,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
         ("total\nGiB", "", "right"), ("cap\nGiB", "", "right"),
         ("compute\ns", "", "right"), ("bubble\ns", "", "right"),
         ("host-opt\ns", "", "right"), ("dev-opt\ns", "", "right"), ("xfer\ns", "", "right"),
-        ("stage\ns", "", "right"),
+        ("dp-comm\ns", "", "right"), ("stage\ns", "", "right"),
         ("host\nGiB", "", "right"),
     ]
     tot_mem = {k: sum(st.mem[k] for st in plan.stages) for k in MEM_KEYS}
@@ -112,7 +112,8 @@ def plan_table(plan: Plan, width: int = 180) -> str:
             f"{gib(m['transient']):.2f}", f"{gib(m['workspace']):.2f}", total,
             f"{gib(st.card.capacity_bytes):.1f}",
             f"{tm['compute']:.2f}", f"{tm['bubble']:.2f}", f"{tm['host_optimizer']:.2f}",
-            f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm['total']:.2f}",
+            f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
+            f"{tm['total']:.2f}",
             f"{gib(st.host_bytes):.2f}",
         )
     buf = io.StringIO()
@@ -120,7 +121,14 @@ def plan_table(plan: Plan, width: int = 180) -> str:
             highlight=False, emoji=False).print(t)
     lines = [f"threads: {plan.threads} torch thread(s) per card process, {plan.host_cores} "
              f"usable host core(s); headroom {plan.headroom * 100:g}% of capacity kept free by "
-             f"auto (placement.headroom)", buf.getvalue().rstrip("\n")]
+             f"auto (placement.headroom)"]
+    if plan.dp > 1:
+        lines.append(f"parallel: dp={plan.dp} x pp={len(plan.stages)} ({plan.dp * len(plan.stages)} cards), "
+                     + ("ZeRO-1 (each card holds 1/dp of its stage's optimizer state)" if plan.zero
+                        else "no ZeRO (every replica holds its stages' whole optimizer state)")
+                     + f"; one replica shown, every replica's cards alike; host GiB all replicas "
+                     f"{gib(plan.host_bytes_all):.2f}")
+    lines.append(buf.getvalue().rstrip("\n"))
     lines += memory_sources(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     over = [st.card.name for st in plan.stages if not st.fits]
@@ -130,7 +138,8 @@ def plan_table(plan: Plan, width: int = 180) -> str:
         verdict += (f" (host RAM {gib(plan.host_bytes):.2f} GiB needed > "
                     f"{gib(plan.host_ram_bytes):.2f} GiB)")
     lines.append(
-        f"predicted: step {plan.step_time_s:.2f} s, {plan.tokens_per_step} tokens/step, "
+        f"predicted: step {plan.step_time_s:.2f} s, {plan.tokens_per_step} tokens/step"
+        + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )
     return "\n".join(lines)
@@ -145,7 +154,8 @@ def format_plan(plan: Plan, width: int = 180) -> str:
         f"{' tied' if m.tie_word_embeddings else ' x2 (untied)'})",
         f"run: seq_len {s.seq_len}, micro_batch {s.micro_batch}, micro_batches {s.micro_batches}, "
         f"schedule {s.schedule}, dtype {s.dtype}, recompute {'on' if s.recompute else 'off'}; "
-        f"split {plan.split}, resident {plan.resident_counts}; {plan.threads} thread(s) per card "
+        + (f"dp {plan.dp} x pp {len(plan.stages)}{' ZeRO-1' if plan.zero else ''}; " if plan.dp > 1 else "")
+        + f"split {plan.split}, resident {plan.resident_counts}; {plan.threads} thread(s) per card "
         f"process on {plan.host_cores} core(s)",
         "",
         plan.table(width=width),

@@ -141,6 +141,8 @@ def make_plan(
     host_cores: Optional[int] = None,
     headroom: float = DEFAULT_HEADROOM,
     memory_terms: Optional[Sequence[MemoryTerms]] = None,
+    dp: int = 1,
+    zero: int = 0,
 ) -> Plan:
     """Place ``model`` on ``cards`` (pipeline order) and predict memory and step time.
 
@@ -178,6 +180,10 @@ def make_plan(
         memory_terms: keyword-only. One :class:`~npu_train.planner.memterms.MemoryTerms` per card
             (workspace constant and fraction, loaded-module cache, their sources), e.g. from
             :func:`~npu_train.planner.memterms.load_memory_terms`; ``None``: the kinds' defaults.
+        dp: keyword-only. Data-parallel replicas of the pipeline: ``cards`` are one replica's
+            stages (every replica has the same kinds); the job has ``dp * len(cards)`` cards and
+            ``dp`` times the tokens per step (:mod:`npu_train.planner.cost`: ``dp_comm``).
+        zero: keyword-only. 1 = ZeRO-1, each card keeps ``1/dp`` of its stage's optimizer state.
 
     Returns:
         The :class:`~npu_train.planner.plan.Plan`; ``plan.table()`` /
@@ -212,6 +218,8 @@ def make_plan(
     P, L = len(cards), model.num_layers
     if P < 1:
         raise PlacementError("no cards given")
+    if int(dp) < 1 or int(zero) not in (0, 1):
+        raise ValueError(f"make_plan needs dp >= 1 and zero in (0, 1), got dp={dp}, zero={zero}")
     if P > L:
         raise PlacementError(
             f"more cards ({P}) than decoder layers ({L}) of {model.name}: every card needs at "
@@ -229,9 +237,9 @@ def make_plan(
     if memory_terms is not None and len(memory_terms) != P:
         raise ValueError(f"got {len(memory_terms)} MemoryTerms for {P} cards")
     cores = int(host_cores) if host_cores else usable_cores()
-    n_threads = int(threads) if threads else threads_per_card(0, P, cores)
+    n_threads = int(threads) if threads else threads_per_card(0, P * int(dp), cores)
     pm = CostModel(model, shape, cards, rates_l, nonlayer_resident, n_threads, cores,
-                   memory_terms, headroom)
+                   memory_terms, headroom, dp=int(dp), zero=int(zero))
 
     if split is not None:
         split_l = [int(n) for n in split]

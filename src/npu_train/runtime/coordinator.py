@@ -71,6 +71,7 @@ class RankState:
     rank: int
     card: str
     layers: str
+    where: str = ""                   # "stage 1" or "replica 1, stage 0" (ParallelLayout)
     proc: Optional[mp.Process] = None
     last_seen: float = 0.0
     ready: bool = False
@@ -101,7 +102,7 @@ class Coordinator:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(coord_addr)
-        self.ranks = [RankState(s.rank, s.card.name, s.stage.label) for s in specs]
+        self.ranks = [RankState(s.rank, s.card.name, s.stage.label, s.layout.where(s.rank)) for s in specs]
         self.by_rank = {rs.rank: rs for rs in self.ranks}
         self.ckpt_reports: dict[int, dict[int, str]] = {}
         self.interrupted = 0
@@ -152,7 +153,7 @@ class Coordinator:
             "transport": self.specs[0].runtime.transport, "shm_prefix": f"npt_{self.job_id}_",
             "ckpt_root": self.ckpt_root, "node": self.node, "nnodes": self.nnodes,
             "boundaries": [self.specs[0].boundary_mode(b) for b in range(self.P - 1)],
-            "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "pid": rs.proc.pid,
+            "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "where": rs.where, "pid": rs.proc.pid,
                        "inbox": spec.inbox[rs.rank] if self.P > 1 else None}
                       for rs, spec in zip(self.ranks, self.specs)],
         }
@@ -162,7 +163,7 @@ class Coordinator:
         os.replace(path + ".part", path)
 
     def _describe(self, rs: RankState) -> str:
-        return f"card {rs.card} (stage {rs.rank}, layers {rs.layers})"
+        return f"card {rs.card} ({rs.where}, layers {rs.layers})"
 
     def _fail(self, rs: RankState, cause: str) -> None:
         raise JobFailed(f"{self._describe(rs)} failed during {rs.phase}: {cause}")

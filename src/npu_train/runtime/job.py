@@ -87,7 +87,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     Raises a :class:`~npu_train.errors.UserError` on bad input.
     """
     from npu_train.backends.spec import parse_backend_list, resolve_cards
-    from npu_train.config import compute_dtype, validate
+    from npu_train.config import check_dp_cards, compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
     from npu_train.planner import RunShape, load_rates, make_plan, threads_per_card
     from npu_train.planner.memterms import load_memory_terms
@@ -120,9 +120,21 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     if cfg.data.seq_len > mcfg.max_position_embeddings:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
                           f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
-    if len(cards) > mcfg.num_layers:
-        raise ConfigError(f"{len(cards)} cards but the model has only {mcfg.num_layers} layers: "
-                          f"use at most {mcfg.num_layers} backend entries")
+    # data parallelism: dp replicas of a P-stage pipeline, global rank = replica * P + stage (runtime/layout.py)
+    dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
+    P = check_dp_cards(len(cards), dp)
+    kinds = [c.kind for c in cards]
+    for k in range(1, dp):
+        if kinds[k * P:(k + 1) * P] != kinds[:P]:
+            raise ConfigError(f"parallel.dp={dp}: replica {k} has cards {kinds[k * P:(k + 1) * P]} but replica 0 "
+                              f"has {kinds[:P]}: list the same card kinds, stage by stage, for every replica")
+    if P > mcfg.num_layers:
+        if dp == 1:
+            raise ConfigError(f"{P} cards but the model has only {mcfg.num_layers} layers: "
+                              f"use at most {mcfg.num_layers} backend entries")
+        raise ConfigError(f"{P} stages per pipeline ({len(cards)} cards / parallel.dp={dp}) but the model has only "
+                          f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
+                          "or raise parallel.dp")
     dtype = compute_dtype(tr.dtype, [c.kind for c in cards])
     lora_pl = 0
     if tr.mode == "lora":
@@ -133,11 +145,11 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
             mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl)
-    rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards]
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
                                loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
-             for c in cards]
+             for c in cards[:P]]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
         try:
@@ -146,9 +158,10 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
             raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
-    plan = make_plan(mcfg, shape, cards, rates, split=as_list(tr.split), resident_layers=resident,
+    # one pipeline is planned (replica 0's cards; every replica has the same kinds), for dp replicas
+    plan = make_plan(mcfg, shape, cards[:P], rates, split=as_list(tr.split), resident_layers=resident,
                      host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, threads=plan_threads,
-                     headroom=float(cfg.placement.headroom), memory_terms=terms)
+                     headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero)
     if any(c.kind == "furiosa" for c in cards):
         plan.compiler_cache_dir = furiosa_cache_dir(cfg)
     if nodes is not None:
@@ -156,7 +169,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
 
         check_node_host_ram(plan, node_counts, node_ram)
     return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
-            "dtype": dtype, "model_path": model_path, "threads": threads, "node_counts": node_counts}
+            "dtype": dtype, "model_path": model_path, "threads": threads, "node_counts": node_counts,
+            "dp": dp, "zero": zero}
 
 
 def furiosa_cache_dir(cfg) -> str:
@@ -246,36 +260,43 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
                        data_file: str, start_step: int, resume_dir: Optional[str], ckpt_root: str, ipc_dir: str,
                        host: str, port: int, slot_bytes: int, slots: int, nodes=None) -> list[WorkerSpec]:
-    """One :class:`~npu_train.runtime.spec.WorkerSpec` per stage of ``plan`` (the only place they are built).
+    """One :class:`~npu_train.runtime.spec.WorkerSpec` per card (the only place they are built): global rank
+    ``r = replica * P + stage`` runs stage ``r % P`` of ``plan`` on ``prep["cards"][r]``, for ``prep["dp"]``
+    replicas (:class:`~npu_train.runtime.layout.ParallelLayout`).
 
     Addresses: with the ``shm`` transport the boundary mailboxes and the coordinator are ipc sockets in
     ``ipc_dir``; with ``inline`` they are TCP ports on ``host``. gloo rendezvous: ``tcp://host:port``.
     Multi-node (``nodes``: this node's :class:`~npu_train.runtime.nodes.NodePlan`): specs for this
-    node's stages only (global ranks), with the job's mailbox addresses, per-boundary transports
+    node's cards only (global ranks), with the job's mailbox addresses, per-boundary transports
     (``inline`` across nodes) and gloo rendezvous from ``nodes``; the coordinator socket is local.
     """
+    from npu_train.runtime.layout import ParallelLayout
 
     P = len(plan.stages)
+    dp, zero = int(prep.get("dp", 1)), int(prep.get("zero", 0))
+    layout = ParallelLayout(dp, P)
     mcfg = prep["model_cfg"]
     if runtime.transport == "shm":
-        inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(P))
+        inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(layout.world))
         coord_addr = f"ipc://{ipc_dir}/coord.sock"
     else:
-        inbox = tuple(f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(P))
+        inbox = tuple(f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(layout.world))
         coord_addr = f"tcp://{host}:{Endpoint.free_tcp_port(host)}"
-    ranks, boundary, dist_init = range(P), (), f"tcp://{host}:{port}"
+    ranks, boundary, dist_init = range(layout.world), (), f"tcp://{host}:{port}"
     if nodes is not None:
         ranks, inbox, boundary, dist_init = nodes.local_ranks, nodes.inbox, nodes.boundary_transport, nodes.dist_init
+    lora_targets = train.lora_targets if train.mode == "lora" else ()
     specs = []
     for r in ranks:
-        st, card = plan.stages[r], prep["cards"][r]
+        st, card = plan.stages[layout.stage(r)], prep["cards"][r]
         specs.append(WorkerSpec(
-            rank=r, world_size=P, job_id=job_id, token=token, parent_pid=os.getpid(),
+            rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
             card=CardInfo(card.kind, card.index, card.name), model_path=prep["model_path"], model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
-            resident_names=tuple(resident_param_names(mcfg, st, train.lora_targets if train.mode == "lora" else ())), data_file=data_file, train=train, runtime=runtime,
-            start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr, inbox=inbox,
-            ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init, boundary_transport=boundary))
+            resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
+            runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
+            inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,
+            boundary_transport=boundary))
     return specs
 
 
@@ -302,7 +323,7 @@ def run_job(cfg, run_dir: str) -> dict:
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
         print(prep["plan"].table())
-        host_need = sum(st.host_bytes for st in prep["plan"].stages)
+        host_need = prep["plan"].host_bytes_all  # every replica's offloaded state (one node)
         try:
             import psutil
 
@@ -344,12 +365,14 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                        "runtime.port, runtime.threads and checkpoint.* may differ)")
     prep = prepare(cfg, run_dir, nodes=rdv)
     plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
-    P = len(plan.stages)
+    P, dp = len(plan.stages), prep["dp"]
     data = prepare_data(cfg, prep["model_path"], mcfg)
     if data.train.shape[0] < tr.micro_batch:
         raise ConfigError(f"the training split has {data.train.shape[0]} sequences, fewer than "
                           f"train.micro_batch={tr.micro_batch}: lower train.micro_batch or data.seq_len")
 
+    # the sampler every card process uses (replica k takes the k-th share of each step's global batch)
+    sampler = StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=dp)
     ckpt_root = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
     start_step, resume_dir = 0, None
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
@@ -358,12 +381,11 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
         try:
-            StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).load_state_dict(
-                reader.manifest.get("sampler", {}))
+            sampler.load_state_dict(reader.manifest.get("sampler", {}))
         except ValueError as e:
             raise ConfigError(f"{e}. The checkpoint's run settings are in {resume_dir}/manifest.json ('train'); "
                               "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
-                              "train.seed, train.micro_batch, train.accum) together with train.resume") from None
+                              "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
         start_step = reader.step
         if start_step >= tr.steps:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: "
@@ -431,17 +453,18 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
         json.dump(plan.to_dict(), f, indent=1)
     where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
-    print(f"job {job_id}: {where}{P} card process(es), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
+    print(f"job {job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
           f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
           + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
           + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
     if resume_dir:
         print(f"resuming from {resume_dir} at step {start_step}", flush=True)
-    reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages],
+    reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * dp,
                         predicted_step_s=plan.step_time_s)
     manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
                      "split": [[s.first_layer, s.last_layer] for s in plan.stages],
-                     "sampler": StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).state_dict(),
+                     "parallel": {"dp": dp, "pp": P, "zero": prep["zero"]},
+                     "sampler": sampler.state_dict(),
                      "data_fingerprint": data.fingerprint, "train": train.to_dict(),
                      "model_path": prep["model_path"],
                      "tokenizer_path": cfg.model.tokenizer or prep["model_path"]}
@@ -462,7 +485,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep["cards"]],
                             "node": layout.node_rank if layout else 0, "nnodes": layout.nnodes if layout else 1,
                             "predicted_step_s": plan.step_time_s,
-                            "predicted_mem_bytes": [s.mem["total"] for s in plan.stages]})
+                            "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * dp})
     if coord.rejected:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)

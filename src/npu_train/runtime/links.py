@@ -14,41 +14,48 @@ log = logging.getLogger("npu_train.worker")
 class LinkComm:
     """:class:`npu_train.pipeline.stage.BoundaryComm` over the shared-memory/ZeroMQ transport.
 
-    Links per boundary ``r|r+1``: ``act<r>`` (r -> r+1) and ``grad<r+1>`` (r+1 -> r), over the
-    boundary's transport (:meth:`~npu_train.runtime.spec.WorkerSpec.boundary_mode`); each is
-    created (shared-memory ring owned) by its sender in the constructor; receivers attach on
-    first use, after the start-up barrier.
+    Links per boundary ``s|s+1`` of one replica: ``act<s>`` (s -> s+1) and ``grad<s+1>`` (s+1 -> s),
+    suffixed ``r<k>`` in replica k > 0 (:meth:`~npu_train.runtime.layout.ParallelLayout.link_name`),
+    so replicas never share a ring, each over its boundary's transport
+    (:meth:`~npu_train.runtime.spec.WorkerSpec.boundary_mode`: shm within a node, inline across nodes);
+    each is created (shared-memory ring owned) by its sender in the constructor; receivers attach on
+    first use, after the start-up barrier. Neighbours are the previous / next stage of the same replica
+    (global ranks, ``spec.inbox`` is indexed by them).
     """
 
     def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend):
-        self.rank, self.P = r, P = spec.rank, spec.world_size
+        lay = spec.layout
+        r, s, k, P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
+        self.rank, self.prev, self.next = r, lay.prev(r), lay.next(r)
         self.timeout = float(spec.runtime.recv_timeout_s)
         self.backend = backend
-        job, nb, k = spec.job_id, spec.slot_bytes, spec.slots
-        # per boundary: shm within a node, inline (payload as a ZeroMQ TCP frame) across nodes
-        up = spec.boundary_mode(r - 1) if r > 0 else None        # boundary r-1 | r
-        down = spec.boundary_mode(r) if r < P - 1 else None      # boundary r | r+1
+        job, nb, n = spec.job_id, spec.slot_bytes, spec.slots
+        # per boundary (indexed by the lower global rank of the pair): shm within a node, inline
+        # (payload as a ZeroMQ TCP frame) across nodes
+        up = spec.boundary_mode(self.prev) if self.prev is not None else None
+        down = spec.boundary_mode(r) if self.next is not None else None
         self.mailbox = Mailbox(ctx, spec.inbox[r], spec.token, logger=log,
                                max_msg_bytes=nb + 65536 if "inline" in (up, down) else None)
-        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r) for p in (r - 1, r + 1) if 0 <= p < P}
-        self.act_out = TensorLink(down, job, f"act{r}", nb, k).open_sender() if r < P - 1 else None
-        self.grad_out = TensorLink(up, job, f"grad{r}", nb, k).open_sender() if r > 0 else None
-        self.act_in = TensorLink(up, job, f"act{r - 1}", nb, k) if r > 0 else None
-        self.grad_in = TensorLink(down, job, f"grad{r + 1}", nb, k) if r < P - 1 else None
+        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r) for p in (self.prev, self.next) if p is not None}
+        name = lay.link_name
+        self.act_out = TensorLink(down, job, name("act", s, k), nb, n).open_sender() if s < P - 1 else None
+        self.grad_out = TensorLink(up, job, name("grad", s, k), nb, n).open_sender() if s > 0 else None
+        self.act_in = TensorLink(up, job, name("act", s - 1, k), nb, n) if s > 0 else None
+        self.grad_in = TensorLink(down, job, name("grad", s + 1, k), nb, n) if s < P - 1 else None
 
     def recv_act(self, step, micro):
-        return self.act_in.recv("act", step, micro, self.mailbox, self.out[self.rank - 1], self.timeout,
+        return self.act_in.recv("act", step, micro, self.mailbox, self.out[self.prev], self.timeout,
                                 device=self.backend.device())
 
     def send_act(self, step, micro, t):
-        self.act_out.send(t, "act", step, micro, self.out[self.rank + 1], self.mailbox, self.timeout)
+        self.act_out.send(t, "act", step, micro, self.out[self.next], self.mailbox, self.timeout)
 
     def recv_grad(self, step, micro):
-        return self.grad_in.recv("grad", step, micro, self.mailbox, self.out[self.rank + 1], self.timeout,
+        return self.grad_in.recv("grad", step, micro, self.mailbox, self.out[self.next], self.timeout,
                                  device=self.backend.device())
 
     def send_grad(self, step, micro, t):
-        self.grad_out.send(t, "grad", step, micro, self.out[self.rank - 1], self.mailbox, self.timeout)
+        self.grad_out.send(t, "grad", step, micro, self.out[self.prev], self.mailbox, self.timeout)
 
     def close(self) -> None:
         for l in (self.act_out, self.grad_out, self.act_in, self.grad_in):

@@ -119,7 +119,8 @@ class WorkerSpec:
     """Everything one card process needs; frozen and picklable.
 
     Attributes:
-        rank, world_size: this stage's index and the number of stages P.
+        rank, world_size: this card process's global rank ``replica * P + stage`` and the number of
+            card processes ``dp * P`` (:class:`~npu_train.runtime.layout.ParallelLayout`).
         job_id, token: the job's random id (names shm segments and staging dirs) and the secret every
             control and boundary message carries (never printed or written to disk).
         parent_pid: the launcher's pid (a card process whose parent changes cleans up and exits).
@@ -138,6 +139,8 @@ class WorkerSpec:
         boundary_transport: per stage boundary ``b`` (stages ``b | b+1``) its transport, ``shm`` (both
             stages on one node) or ``inline`` (ZeroMQ TCP frames: across nodes); empty = every boundary
             uses ``runtime.transport``.
+        dp, zero: data-parallel replicas of the pipeline (``parallel.dp``) and the ZeRO stage
+            (``parallel.zero``: 0, or 1 = optimizer state sharded across the stage's replicas).
     """
 
     rank: int
@@ -167,6 +170,30 @@ class WorkerSpec:
     def boundary_mode(self, b: int) -> str:
         """Transport of boundary ``b`` (between stages ``b`` and ``b + 1``): ``shm`` or ``inline``."""
         return self.boundary_transport[b] if self.boundary_transport else self.runtime.transport
+    dp: int = 1
+    zero: int = 0
+
+    @property
+    def layout(self):
+        """The job's :class:`~npu_train.runtime.layout.ParallelLayout` (``dp`` x ``world_size / dp``)."""
+        from npu_train.runtime.layout import ParallelLayout
+
+        return ParallelLayout(self.dp, self.world_size // self.dp)
+
+    @property
+    def stage_index(self) -> int:
+        """This process's stage in its pipeline (``rank % P``)."""
+        return self.rank % (self.world_size // self.dp)
+
+    @property
+    def replica(self) -> int:
+        """This process's replica (``rank // P``)."""
+        return self.rank // (self.world_size // self.dp)
+
+    @property
+    def num_stages(self) -> int:
+        """Stages per pipeline P."""
+        return self.world_size // self.dp
 
     def __repr__(self) -> str:  # never show the token
         return f"WorkerSpec(rank={self.rank}/{self.world_size}, card={self.card.name}, job={self.job_id})"

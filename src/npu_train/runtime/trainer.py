@@ -3,16 +3,22 @@
 One optimizer step on one stage (:meth:`StageTrainer.train_step`):
 
 1. the step's micro-batches come from the seeded, resumable :class:`~npu_train.data.sampler.StepSampler`
-   (every stage draws the same indices; stage 0 uses the inputs, the last stage the labels);
+   (every stage draws the same indices; stage 0 uses the inputs, the last stage the labels); with
+   ``parallel.dp`` replicas, replica k takes the k-th block of ``accum`` micro-batches of the step's
+   global batch, and the last stage divides its loss by the target tokens of all replicas' blocks;
 2. :class:`~npu_train.pipeline.stage.StageRunner` runs the schedule (1F1B / GPipe) over the
    micro-batches, exchanging activations and their gradients with the neighbouring stages through
    :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in the parameters' ``.grad``;
-3. the tied embedding's gradient is summed between the first and last stage (gloo);
-4. one gloo all-reduce carries the squared gradient norm of every stage, the summed loss, the number
+3. the tied embedding's gradient is summed between the first and last stage of the replica (gloo);
+   with dp > 1, every stage's gradient is summed over its replicas (the stage group,
+   :mod:`npu_train.runtime.replicas`);
+4. one gloo all-reduce over all ranks carries the squared gradient norm of every stage (counted once
+   per stage: by replica 0, or with ZeRO-1 by each parameter's owner), the summed loss, the number
    of target tokens and the stop flag: global grad norm = sqrt(sum), loss = sum / tokens;
 5. clip coefficient ``min(1, clip / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), LR from
    warm-up + cosine (:func:`~npu_train.optim.lr.lr_at`), then AdamW on the fp32 master weights of
    resident (on the card) and offloaded (host) layers (:class:`~npu_train.optim.adamw.StageOptimizer`);
+   with ZeRO-1 each replica updates only the parameters it owns and broadcasts their new weights;
 6. metrics go to the coordinator; :meth:`StageTrainer.maybe_save` writes this stage's checkpoint
    shard into the staging directory when a save is due.
 
@@ -85,11 +91,14 @@ class StageTrainer:
 
     def __init__(self, spec: WorkerSpec, ctx, ctrl, phase: list, fault=None):
         self.spec, self.ctx, self.ctrl, self.phase, self.fault = spec, ctx, ctrl, phase, fault
-        self.rank, self.P = spec.rank, spec.world_size
+        # rank: global rank; stage / replica / P: this pipeline position (ParallelLayout)
+        self.rank, self.stage, self.replica, self.P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
+        self.dp, self.zero = spec.dp, spec.zero
         self.tr = spec.train
-        self.first, self.last = self.rank == 0, self.rank == self.P - 1
+        self.first, self.last = self.stage == 0, self.stage == self.P - 1
         self.comm = None
         self.tied_group = None
+        self.stage_group = None
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -108,6 +117,7 @@ class StageTrainer:
         from npu_train.optim.adamw import StageOptimizer
         from npu_train.pipeline.stage import StageRunner
         from npu_train.runtime.links import LinkComm
+        from npu_train.runtime.replicas import zero_owners
 
         spec, tr = self.spec, self.tr
         self.phase[0] = "device setup"
@@ -144,16 +154,31 @@ class StageTrainer:
             self.compile_s = warm_up_stage(self.module, backend, first=self.first, last=self.last,
                                            micro_batch=tr.micro_batch, seq_len=seq_len, hidden_size=hid,
                                            dtype=dt, betas=(tr.beta1, tr.beta2), eps=tr.eps)
-        self.opt = StageOptimizer(self.params, masters, list(spec.resident_names), backend, lr=tr.lr,
-                                  betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
+        # ZeRO-1: this replica keeps master + moments only of the parameters it owns
+        self.owners = zero_owners({n: p.numel() for n, p in self.params.items()}, self.dp) if self.zero else None
+        owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners[n] == self.replica}
+        self.opt = StageOptimizer(owned, {n: masters[n] for n in owned}, list(spec.resident_names), backend,
+                                  lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
         del masters
 
         self.phase[0] = "rendezvous"
-        dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=self.P,
+        lay = spec.layout
+        dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=lay.world,
                                 timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
+        # every rank creates every subgroup, in the same order (a torch.distributed requirement)
+        self.stage_ranks = lay.stage_group(self.stage)
+        if self.dp > 1:
+            for ranks in lay.stage_groups():
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.stage_group = g
         # tied embeddings are trained (and their gradients summed) only in full fine-tuning
         self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1 and tr.mode == "full"
-        self.tied_group = dist.new_group([0, self.P - 1]) if self.tied_pair else None
+        if self.tied_pair:
+            for ranks in lay.tied_groups():
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.tied_group = g
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, backend)
             dist.barrier()  # every ring exists before anyone receives
@@ -162,18 +187,25 @@ class StageTrainer:
         if spec.resume_dir:
             self.phase[0] = "resume"
             reader = CheckpointReader(spec.resume_dir)
-            want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in self.params
+            want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in owned
                     for k in ("master", "exp_avg", "exp_avg_sq")}
             self.opt.load_state_tensors(want, reader.step)
-            if reader.has(f"rng.{self.rank}"):
-                torch.set_rng_state(reader.get(f"rng.{self.rank}"))
+            with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
+                for n in set(self.params) - set(owned):
+                    p = self.params[n]
+                    p.copy_(backend.upload(reader.get(f"master.{n}").to(p.dtype)))
+            if reader.has(f"rng.{self.stage}"):
+                torch.set_rng_state(reader.get(f"rng.{self.stage}"))
         else:
-            torch.manual_seed(tr.seed + self.rank)
+            torch.manual_seed(tr.seed + self.stage)
 
         self.data = load_packed(spec.data_file)
         self.micro_batch_tensors = micro_batch_tensors
-        self.sampler = StepSampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed)
-        self.runner = StageRunner(self.module, backend, self.P, self.rank, tr.schedule, self.comm)
+        # one sampler per replica: this replica's share, and (last stage) the others' for the loss divisor
+        self.samplers = [StepSampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed,
+                                     dp_rank=k, dp_size=self.dp) for k in range(self.dp)]
+        self.sampler = self.samplers[self.replica]
+        self.runner = StageRunner(self.module, backend, self.P, self.stage, tr.schedule, self.comm)
         self.tied_name = "model.embed_tokens.weight" if self.first else "lm_head.weight"
         # held-out evaluation: the first eval_batches micro-batches of the validation split
         mb = tr.micro_batch
@@ -183,6 +215,15 @@ class StageTrainer:
         self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
 
     # ------------------------------------------------------------------ one step
+    def global_tokens(self, step: int) -> int:
+        """Target tokens (labels != -100) of step ``step``'s whole global batch, all replicas' shares
+        (computed locally from the deterministic samplers: no collective)."""
+        n = 0
+        for smp in self.samplers:
+            for i in smp.micro_batches_for_step(step):
+                n += int((self.micro_batch_tensors(self.data, i)[1] != -100).sum())
+        return n
+
     def train_step(self, step: int) -> dict:
         """Run 0-based optimizer step ``step`` (forward/backward of all micro-batches, collectives, AdamW).
 
@@ -202,10 +243,12 @@ class StageTrainer:
         backend.reset_peak_memory()
         self.phase[0] = f"step {step + 1} forward/backward"
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
-        self.opt.zero_grad()
+        for p in self.params.values():
+            p.grad = None
         if self.first or self.last:
             res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
-                                       [y for _, y in mbs] if self.last else None)
+                                       [y for _, y in mbs] if self.last else None,
+                                       total_tokens=self.global_tokens(step) if self.last else None)
         else:
             res = self.runner.run_middle(step, tr.accum)
         t1 = time.perf_counter()
@@ -219,10 +262,16 @@ class StageTrainer:
             with torch.no_grad():
                 g.copy_(backend.upload(gh.to(g.dtype)))
             del g, gh
+        if self.dp > 1:
+            from npu_train.runtime.replicas import allreduce_grads
+
+            allreduce_grads(self.params, backend, self.stage_group)
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
-        red = torch.tensor([float(self.opt.grad_sq_sum(exclude=exclude)), res["loss_sum"], float(res["n_tokens"]),
-                            stop_req], dtype=torch.float64)
+        # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
+        counts = self.zero or self.replica == 0
+        sq = float(self.opt.grad_sq_sum(exclude=exclude)) if counts else 0.0
+        red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req], dtype=torch.float64)
         dist.all_reduce(red)
         grad_norm = float(red[0]) ** 0.5
         loss = float(red[1] / max(red[2], 1.0))
@@ -233,6 +282,12 @@ class StageTrainer:
         if fault is not None:
             fault("optimizer")
         ot = self.opt.step(lr, clip_coef)
+        if self.zero:
+            from npu_train.runtime.replicas import broadcast_weights
+
+            ta = time.perf_counter()
+            broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, backend, self.stage_group)
+            ot["transfer"] += time.perf_counter() - ta
         t3 = time.perf_counter()
         self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
@@ -249,14 +304,17 @@ class StageTrainer:
         import torch.distributed as dist
 
         self.phase[0] = f"evaluation after step {after_step}"
-        self.module.eval()
-        er = self.runner.run_eval(after_step, self.n_eval, [x for x, _ in self.eval_batches] if self.first else None,
-                                  [y for _, y in self.eval_batches] if self.last else None)
-        self.module.train()
+        er = {"loss_sum": 0.0, "n_tokens": 0}
+        if self.replica == 0:  # the replicas hold the same weights: replica 0 evaluates, the others add zeros
+            self.module.eval()
+            er = self.runner.run_eval(after_step, self.n_eval,
+                                      [x for x, _ in self.eval_batches] if self.first else None,
+                                      [y for _, y in self.eval_batches] if self.last else None)
+            self.module.train()
         red = torch.tensor([er["loss_sum"], float(er["n_tokens"])], dtype=torch.float64)
         dist.all_reduce(red)
         val = float(red[0] / max(float(red[1]), 1.0))
-        if self.last:
+        if self.last and self.replica == 0:
             self.ctrl.send("eval", step=after_step, val_loss=val, tokens=int(red[1]))
         return val
 
@@ -271,7 +329,12 @@ class StageTrainer:
     def maybe_save(self, done: int, interrupted: bool = False, stopping: bool = False) -> Optional[str]:
         """Write this stage's shard (fp32 masters, AdamW moments, step counts, RNG) into the step's staging
         directory when :meth:`save_due`, and report it; the coordinator publishes the checkpoint (manifest
-        + atomic rename) once every stage reported. Returns the staging directory, or None."""
+        + atomic rename) once every rank reported. Returns the staging directory, or None.
+
+        Data parallelism: replica 0 writes the stage's shard (``stage_<s>``, the same format as dp=1,
+        so a checkpoint resumes with any ``parallel.dp``); with ZeRO-1 it first gathers the other
+        replicas' optimizer-state shards (:func:`~npu_train.runtime.replicas.gather_state`). The other
+        replicas write nothing and only report."""
         from npu_train.checkpoint.store import save_shard, tmp_dir
 
         if not self.save_due(done, interrupted, stopping):
@@ -279,15 +342,24 @@ class StageTrainer:
         spec = self.spec
         self.phase[0] = f"checkpoint save of step {done}"
         self.ctrl.send("phase", phase=self.phase[0])
-        tensors = self.opt.state_tensors()
-        tensors[f"rng.{self.rank}"] = torch.get_rng_state()
+        tensors = self.opt.state_tensors() if (self.zero or self.replica == 0) else {}
+        if self.zero:
+            from npu_train.runtime.replicas import gather_state
+
+            tensors = gather_state(tensors, {n: tuple(p.shape) for n, p in self.params.items()}, self.owners,
+                                   self.replica, self.stage_ranks)
         staging = tmp_dir(spec.ckpt_root, done, spec.job_id)
+        if self.replica != 0:
+            self.ctrl.send("ckpt", step=done, staging=staging)
+            return staging
+        tensors[f"rng.{self.stage}"] = torch.get_rng_state()
         card = {"kind": spec.card.kind, "index": spec.card.index, "name": spec.card.name}
         st = spec.stage
         stage = {"first": st.first, "last": st.last, "has_embed": st.has_embed, "has_head": st.has_head,
                  "label": st.label}
-        save_shard(staging, self.rank, tensors, {"rank": self.rank, "card": card, "stage": stage,
-                                                 "resident": sorted(spec.resident_names), "step": done})
+        save_shard(staging, self.stage, tensors, {"rank": self.stage, "card": card, "stage": stage,
+                                                  "resident": sorted(spec.resident_names), "step": done,
+                                                  "dp": self.dp, "zero": self.zero})
         if self.fault is not None:
             self.fault("checkpoint")
         self.ctrl.send("ckpt", step=done, staging=staging)

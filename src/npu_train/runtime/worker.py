@@ -102,7 +102,7 @@ def _heartbeat_loop(ctx, addr, token, rank, interval, stop_evt, parent_pid, job_
 def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a card process (``multiprocessing`` spawn target). Never returns normally on error."""
     rank = spec.rank
-    logging.basicConfig(level=logging.INFO, format=f"[card {spec.card.name} stage {rank}] %(message)s")
+    logging.basicConfig(level=logging.INFO, format=f"[card {spec.card.name} {spec.layout.where(rank)}] %(message)s")
     # The launcher decides what Ctrl-C / SIGTERM mean (finish the step, checkpoint, stop). A signal
     # sent to the whole process group (timeout, Slurm, a terminal) must not kill the card processes
     # first; the coordinator stops them with SIGKILL at teardown.
