@@ -64,7 +64,7 @@ def _plan(dp, zero, resident):
 
 def test_planner_dp_terms():
     rt = DEFAULT_RATES["furiosa"]
-    one, four = _plan(1, 0, 9), _plan(4, 0, 9)
+    one, four = _plan(1, 0, 5), _plan(4, 0, 5)
     assert four.tokens_per_step == 4 * one.tokens_per_step == 4 * 512 * 4
     for a, b in zip(one.stages, four.stages):
         assert a.mem == b.mem  # no ZeRO: every replica's card holds the same as a single pipeline's

@@ -302,7 +302,7 @@ class Coordinator:
         from npu_train.checkpoint.store import finalize, missing_shards
 
         t0 = time.perf_counter()
-        missing = missing_shards(staging, self.P)
+        missing = missing_shards(staging, self.specs[0].num_stages)  # replica 0 writes one shard per stage
         if missing:  # multi-node: a node wrote its shards elsewhere (checkpoint.dir not shared)
             raise JobFailed(f"checkpoint of step {step}: the shards of stage(s) {missing} are missing from {staging}; "
                             "every node must write into one shared checkpoint.dir (a shared filesystem / RWX "
