@@ -74,9 +74,12 @@ class TrainConf:
 @dataclass
 class RuntimeConf:
     heartbeat_interval_s: float = 1.0
-    #: a card process silent for this long is declared hung and the job is brought down.
+    #: a card process silent for this long is declared hung and the job is brought down. This is
+    #: the only liveness limit: card processes wait for a heart-beating peer (receives, collectives,
+    #: rendezvous, first-step compilation, checkpoint writes) as long as it takes.
     heartbeat_timeout_s: float = 60.0
-    #: first contact (process start, imports, model load) may take this long.
+    #: a card process's first message (interpreter start, imports) may take this long; from then on
+    #: its heartbeats decide.
     startup_timeout_s: float = 300.0
     #: slots per stage-boundary ring (null = min(M, P) + 1).
     slots: Optional[int] = None

@@ -21,12 +21,15 @@ class LinkComm:
 
     def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend):
         self.rank, self.P = r, P = spec.rank, spec.world_size
-        self.timeout = float(spec.runtime.recv_timeout_s)
+        # None: wait while the peer lives (the coordinator's heartbeat check ends a job whose peer died)
+        rt = spec.runtime.recv_timeout_s
+        self.timeout = None if rt is None else float(rt)
         self.backend = backend
         mode, job, nb, k = spec.runtime.transport, spec.job_id, spec.slot_bytes, spec.slots
         self.mailbox = Mailbox(ctx, spec.inbox[r], spec.token, logger=log,
                                max_msg_bytes=nb + 65536 if mode == "inline" else None)
-        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r) for p in (r - 1, r + 1) if 0 <= p < P}
+        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r, send_timeout_s=self.timeout)
+                    for p in (r - 1, r + 1) if 0 <= p < P}
         self.act_out = TensorLink(mode, job, f"act{r}", nb, k).open_sender() if r < P - 1 else None
         self.grad_out = TensorLink(mode, job, f"grad{r}", nb, k).open_sender() if r > 0 else None
         self.act_in = TensorLink(mode, job, f"act{r - 1}", nb, k) if r > 0 else None

@@ -91,6 +91,12 @@ class StageTrainer:
         self.comm = None
         self.tied_group = None
 
+    def enter(self, phase: str) -> None:
+        """Record ``phase`` (named in error reports) and tell the coordinator, which names it if this
+        card process dies or hangs there."""
+        self.phase[0] = phase
+        self.ctrl.send("phase", phase=phase)
+
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Device context, model load (own tensors), optimizer, gloo group, boundary links, resume, data.
@@ -110,21 +116,22 @@ class StageTrainer:
         from npu_train.runtime.links import LinkComm
 
         spec, tr = self.spec, self.tr
-        self.phase[0] = "device setup"
+        self.enter("device setup")
         card = spec.card
         self.backend = backend = make_backend(CardRequest(card.kind, card.index, card.name))
         backend.setup()
 
-        self.phase[0] = "model load"
+        self.enter("model load")
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
         self.params = dict(self.module.named_parameters())
         if self.fault is not None:
             self.fault.install(self.module)
+            self.fault("load")
         self.opt = StageOptimizer(self.params, masters, list(spec.resident_names), backend, lr=tr.lr,
                                   betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
         del masters
 
-        self.phase[0] = "rendezvous"
+        self.enter("rendezvous")
         dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=self.P,
                                 timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
         self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1
@@ -135,7 +142,7 @@ class StageTrainer:
 
         self.start = int(spec.start_step)
         if spec.resume_dir:
-            self.phase[0] = "resume"
+            self.enter("resume")
             reader = CheckpointReader(spec.resume_dir)
             want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in self.params
                     for k in ("master", "exp_avg", "exp_avg_sq")}
@@ -175,7 +182,7 @@ class StageTrainer:
             fault.current_step = step + 1
         t0 = time.perf_counter()
         backend.reset_peak_memory()
-        self.phase[0] = f"step {step + 1} forward/backward"
+        self.enter(f"step {step + 1} forward/backward")
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
         self.opt.zero_grad()
         if self.first or self.last:
@@ -184,7 +191,7 @@ class StageTrainer:
         else:
             res = self.runner.run_middle(step, tr.accum)
         t1 = time.perf_counter()
-        self.phase[0] = f"step {step + 1} collectives"
+        self.enter(f"step {step + 1} collectives")
         if fault is not None:
             fault("collective")
         if self.tied_pair and (self.first or self.last):
@@ -203,7 +210,7 @@ class StageTrainer:
         loss = float(red[1] / max(red[2], 1.0))
         clip_coef = min(1.0, tr.clip / (grad_norm + 1e-6)) if tr.clip > 0 else 1.0
         t2 = time.perf_counter()
-        self.phase[0] = f"step {step + 1} optimizer"
+        self.enter(f"step {step + 1} optimizer")
         lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
         if fault is not None:
             fault("optimizer")
@@ -222,7 +229,7 @@ class StageTrainer:
         (every rank gets it through the all-reduce; the last stage reports it to the coordinator)."""
         import torch.distributed as dist
 
-        self.phase[0] = f"evaluation after step {after_step}"
+        self.enter(f"evaluation after step {after_step}")
         self.module.eval()
         er = self.runner.run_eval(after_step, self.n_eval, [x for x, _ in self.eval_batches] if self.first else None,
                                   [y for _, y in self.eval_batches] if self.last else None)
@@ -251,8 +258,7 @@ class StageTrainer:
         if not self.save_due(done, interrupted, stopping):
             return None
         spec = self.spec
-        self.phase[0] = f"checkpoint save of step {done}"
-        self.ctrl.send("phase", phase=self.phase[0])
+        self.enter(f"checkpoint save of step {done}")
         tensors = self.opt.state_tensors()
         tensors[f"rng.{self.rank}"] = torch.get_rng_state()
         staging = tmp_dir(spec.ckpt_root, done, spec.job_id)
@@ -291,7 +297,7 @@ class StageTrainer:
         """Barrier with every stage, close the boundary links, leave the gloo group."""
         import torch.distributed as dist
 
-        self.phase[0] = "shutdown"
+        self.enter("shutdown")
         dist.barrier()
         if self.comm is not None:
             self.comm.close()
