@@ -69,6 +69,10 @@ class TrainConf:
     #: train.steps). The LR schedule still follows train.steps, so a later train.resume=latest
     #: continues exactly where this launch stopped (split a long run into several launches).
     stop_after: int = 0
+    #: a non-finite (nan/inf) loss or global grad norm: stop (exit 1 naming the step and stage; the
+    #: update is never applied, so masters, moments and checkpoints stay finite) | skip (all stages
+    #: skip that step's update; counted as skipped_steps in the metrics and summary).
+    nonfinite: str = "stop"
 
 
 @dataclass
@@ -149,6 +153,8 @@ def validate(cfg) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 0.5)")
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
+    if t.nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     if t.schedule not in ("1f1b", "gpipe"):
         raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b or gpipe")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:

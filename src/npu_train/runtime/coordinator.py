@@ -310,7 +310,7 @@ class Coordinator:
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
         if os.path.isdir(self.ckpt_root):
             for fn in os.listdir(self.ckpt_root):
-                if fn.startswith(".tmp-") and fn.endswith(self.job_id):
+                if fn.startswith((".tmp-", ".new-")) and fn.endswith(self.job_id):
                     shutil.rmtree(os.path.join(self.ckpt_root, fn), ignore_errors=True)
 
 

@@ -243,7 +243,7 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      beta1=tr.beta1, beta2=tr.beta2, eps=tr.eps, clip=tr.clip, schedule=tr.schedule,
                      recompute=tr.recompute, seed=tr.seed, save_every=tr.save_every,
                      save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
-                     eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches)
+                     eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, nonfinite=tr.nonfinite)
 
 
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
@@ -285,7 +285,7 @@ def run_job(cfg, run_dir: str) -> dict:
     from npu_train.checkpoint.store import CheckpointReader, find_checkpoint, remove_stale_staging
     from npu_train.data.dataset import save_packed
     from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter
+    from npu_train.metrics.report import Reporter, fmt_loss
     from npu_train.transport.shm import ShmTooSmallError
 
     os.makedirs(run_dir, exist_ok=True)
@@ -406,6 +406,8 @@ def run_job(cfg, run_dir: str) -> dict:
         where = (f"checkpoint {coord.last_ckpt} saved; resume by rerunning the same command with "
                  f"train.resume=latest checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
         raise Interrupted(coord.signum, where)
-    print(f"done: {summ['steps_run']} steps, loss {summ['first_loss']:.4f} -> {summ['last_loss']:.4f}; "
+    skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
+    print(f"done: {summ['steps_run']} steps{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
+          f"{fmt_loss(summ['last_loss'])}; "
           f"checkpoint {coord.last_ckpt}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return summ

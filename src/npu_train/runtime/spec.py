@@ -41,7 +41,9 @@ class TrainSpec:
 
     Units: ``lr`` per step, ``steps``/``warmup_steps``/``save_every``/``stop_after``/``eval_every`` in
     optimizer steps, ``micro_batch`` in sequences, ``accum`` = micro-batches M per optimizer step,
-    ``clip`` = max global grad norm (0: off), ``dtype`` the resolved compute dtype (``bf16`` | ``fp32``).
+    ``clip`` = max global grad norm (0: off), ``dtype`` the resolved compute dtype (``bf16`` | ``fp32``),
+    ``nonfinite`` what a non-finite loss or global grad norm does (``stop`` | ``skip``, see
+    :class:`npu_train.config.TrainConf`).
     """
 
     steps: int
@@ -64,6 +66,7 @@ class TrainSpec:
     dtype: str
     eval_every: int
     eval_batches: int
+    nonfinite: str = "stop"
 
     def to_dict(self) -> dict:
         """Plain dict (written into the checkpoint manifest's ``train`` entry)."""

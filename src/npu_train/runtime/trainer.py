@@ -6,10 +6,15 @@ One optimizer step on one stage (:meth:`StageTrainer.train_step`):
    (every stage draws the same indices; stage 0 uses the inputs, the last stage the labels);
 2. :class:`~npu_train.pipeline.stage.StageRunner` runs the schedule (1F1B / GPipe) over the
    micro-batches, exchanging activations and their gradients with the neighbouring stages through
-   :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in the parameters' ``.grad``;
+   :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in fp32
+   (:meth:`~npu_train.optim.adamw.StageOptimizer.grad`, also with bf16 compute);
 3. the tied embedding's gradient is summed between the first and last stage (gloo);
 4. one gloo all-reduce carries the squared gradient norm of every stage, the summed loss, the number
-   of target tokens and the stop flag: global grad norm = sqrt(sum), loss = sum / tokens;
+   of target tokens, the stop flag and one non-finite flag per stage: global grad norm = sqrt(sum),
+   loss = sum / tokens. A non-finite loss or grad norm (every rank sees the same reduced values)
+   stops the job naming the step and stage (:class:`NonFiniteError`, ``train.nonfinite=stop``) or
+   skips the step's update on every stage (``skip``); either way nothing reaches the masters,
+   moments or a checkpoint;
 5. clip coefficient ``min(1, clip / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), LR from
    warm-up + cosine (:func:`~npu_train.optim.lr.lr_at`), then AdamW on the fp32 master weights of
    resident (on the card) and offloaded (host) layers (:class:`~npu_train.optim.adamw.StageOptimizer`);
@@ -22,6 +27,7 @@ The process around it (signals, heartbeats, the control socket, error reports) i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import timedelta
 from typing import Optional
@@ -31,6 +37,11 @@ import torch
 from npu_train.runtime.spec import WorkerSpec
 
 log = logging.getLogger("npu_train.worker")
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite (nan/inf) loss or global gradient norm with ``train.nonfinite=stop``; the message
+    names the step, the stage(s) where the non-finite values appeared, and the fix."""
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -62,10 +73,25 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
         for p in module.parameters():
             track(p)
     masters = load_tensors(spec.model_path, cfg, module.param_names())
+    check_finite_weights(masters, spec.model_path)
     with torch.no_grad():
         for n, p in module.named_parameters():
             p.copy_(backend.upload(masters[n].to(dtype)))
     return module, masters
+
+
+def check_finite_weights(tensors: dict, model_path: str) -> None:
+    """Raise :class:`~npu_train.model.loading.ModelFormatError` naming the first tensor of ``tensors``
+    (HF name -> tensor) that holds a nan or inf: training from it would fill masters and moments with
+    NaN from the first step."""
+    from npu_train.model.loading import ModelFormatError
+
+    for n, t in tensors.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ModelFormatError(f"model file {model_path}: tensor {n!r} holds {bad} non-finite value(s) "
+                                   "(nan/inf): the file is corrupt or was saved from a diverged run; "
+                                   "re-download or re-export the model")
 
 
 class StageTrainer:
@@ -195,7 +221,7 @@ class StageTrainer:
         if fault is not None:
             fault("collective")
         if self.tied_pair and (self.first or self.last):
-            g = self.params[self.tied_name].grad
+            g = self.opt.grad(self.tied_name)  # fp32 accumulator with bf16 compute
             gh = backend.download(g).float()
             dist.all_reduce(gh, group=self.tied_group)
             with torch.no_grad():
@@ -203,25 +229,52 @@ class StageTrainer:
             del g, gh
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
-        red = torch.tensor([float(self.opt.grad_sq_sum(exclude=exclude)), res["loss_sum"], float(res["n_tokens"]),
-                            stop_req], dtype=torch.float64)
+        sq = float(self.opt.grad_sq_sum(exclude=exclude))
+        flags = [0.0] * self.P  # flags[r] = 1: stage r holds a non-finite loss or gradient
+        flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
+        red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req] + flags, dtype=torch.float64)
         dist.all_reduce(red)
         grad_norm = float(red[0]) ** 0.5
         loss = float(red[1] / max(red[2], 1.0))
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
         clip_coef = min(1.0, tr.clip / (grad_norm + 1e-6)) if tr.clip > 0 else 1.0
         t2 = time.perf_counter()
-        self.enter(f"step {step + 1} optimizer")
         lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
-        if fault is not None:
-            fault("optimizer")
-        ot = self.opt.step(lr, clip_coef)
+        if not finite:
+            self.nonfinite(step, loss, grad_norm, [r for r in range(self.P) if red[4 + r] > 0])
+            ot = {"device_optimizer": 0.0, "host_optimizer": 0.0, "transfer": 0.0}
+        else:
+            self.enter(f"step {step + 1} optimizer")
+            if fault is not None:
+                fault("optimizer")
+            ot = self.opt.step(lr, clip_coef)
         t3 = time.perf_counter()
-        self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
+        self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]), skipped=not finite,
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
                        send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
+
+    def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:
+        """A non-finite loss or global grad norm in 0-based ``step`` (``stages``: where it appeared).
+
+        ``train.nonfinite=stop``: raise :class:`NonFiniteError` on the stages that hold the non-finite
+        values (on every stage if none does: a finite sum that overflowed); the others wait until
+        the coordinator ends the job. ``skip``: return, and the caller skips the update.
+        """
+        what = " and ".join(w for w, v in (("loss", loss), ("global grad norm", grad_norm)) if not math.isfinite(v))
+        where = f"stage(s) {', '.join(map(str, stages))}" if stages else "no single stage (the global sum overflowed)"
+        if self.tr.nonfinite == "skip":
+            log.warning("step %d: non-finite %s (loss %s, grad norm %s) from %s: update skipped "
+                        "(train.nonfinite=skip)", step + 1, what, loss, grad_norm, where)
+            return
+        if stages and self.rank not in stages:
+            return  # the stage that holds the non-finite values reports it
+        raise NonFiniteError(
+            f"step {step + 1}: non-finite {what} (loss {loss}, grad norm {grad_norm}), first seen on {where}; "
+            f"the update was not applied (masters, moments and checkpoints hold step {step}): lower train.lr, "
+            "check the data and the model file, or set train.nonfinite=skip to skip such steps")
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, after_step: int) -> Optional[float]:
@@ -261,13 +314,15 @@ class StageTrainer:
         self.enter(f"checkpoint save of step {done}")
         tensors = self.opt.state_tensors()
         tensors[f"rng.{self.rank}"] = torch.get_rng_state()
-        staging = tmp_dir(spec.ckpt_root, done, spec.job_id)
+        staging = tmp_dir(spec.ckpt_root, done, spec.job_id, owner_pid=spec.parent_pid)
+        finite = all(bool(torch.isfinite(t).all()) for k, t in tensors.items() if not k.startswith("rng."))
         card = {"kind": spec.card.kind, "index": spec.card.index, "name": spec.card.name}
         st = spec.stage
         stage = {"first": st.first, "last": st.last, "has_embed": st.has_embed, "has_head": st.has_head,
                  "label": st.label}
         save_shard(staging, self.rank, tensors, {"rank": self.rank, "card": card, "stage": stage,
-                                                 "resident": sorted(spec.resident_names), "step": done})
+                                                 "resident": sorted(spec.resident_names), "step": done,
+                                                 "finite": finite})
         if self.fault is not None:
             self.fault("checkpoint")
         self.ctrl.send("ckpt", step=done, staging=staging)
