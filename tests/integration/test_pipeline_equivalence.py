@@ -1,7 +1,8 @@
 """Multi-process pipeline runs vs the single-process reference (same seed, same data order).
 
 Tolerances: fp32 per-step loss and final master weights relative difference < 1e-5
-(||a-b||/||b|| per tensor); bf16 compute (fp32 masters) per-step loss relative difference < 2e-2.
+(||a-b||/||b|| per tensor); bf16 compute (fp32 masters) against the fp32 reference: per-step loss
+< 1e-3 and final master weights < 4e-3 per tensor (see the bf16 test for the measured figures).
 Every run uses accumulation 4 (unless stated), clipping by the global norm (clip=0.5 is active:
 the tiny model's grad norms are > 2) and, by default, tied input/output embeddings.
 """
@@ -52,11 +53,19 @@ def test_untied_gpipe_three_stages(tiny_model_untied, tmp_path):
 
 
 def test_bf16_pipeline_loss_close_to_fp32_reference(tiny_model, tmp_path):
-    ref_losses, _ = _ref(tiny_model)
+    """bf16 compute, fp32 masters, 2 stages, 3 steps against the fp32 reference.
+
+    Measured (CPU, torch 2.13): loss rel diff <= 1.4e-4, final master weights <= 3.1e-3 per tensor
+    (``model.layers.5.self_attn.k_proj.weight``). Mutation check (run, seen failing): bf16 compute weights
+    never refreshed from the masters (the ``copy_`` of the masters into the parameters removed in
+    ``StageOptimizer.step``, resident and offloaded) gives loss rel diff 1.1e-2 at step 3 and weights
+    5.2e-3; the old loss-only tolerance of 2e-2 let that pass."""
+    ref_losses, ref_w = _ref(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.dtype=bf16")
     for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 2e-2, (losses, ref_losses)
+        assert abs(a - b) / abs(b) < 1e-3, (losses, ref_losses)
     assert reader.get("master.model.norm.weight").dtype == torch.float32  # masters stay fp32
+    _check_weights(reader, ref_w, 4e-3)
 
 
 def test_resident_vs_offloaded_same_weights(tiny_model, tmp_path):
