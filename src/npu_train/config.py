@@ -63,8 +63,12 @@ class TrainConf:
     #: checkpoint every N steps (0 = only at the end).
     save_every: int = 0
     save_on_interrupt: bool = True
-    #: null | latest | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
+    #: null | latest (the checkpoint written last under checkpoint.dir) | path to a checkpoint
+    #: directory (step_XXXXXX) or a checkpoint root.
     resume: Optional[str] = None
+    #: refuse | allow: resuming onto other data (data fingerprint) or a changed train.steps, lr,
+    #: warmup_steps or min_lr_ratio is refused unless allow.
+    resume_mismatch: str = "refuse"
     #: stop after this many optimizer steps of this launch and save a checkpoint (0 = run to
     #: train.steps). The LR schedule still follows train.steps, so a later train.resume=latest
     #: continues exactly where this launch stopped (split a long run into several launches).
@@ -153,6 +157,8 @@ def validate(cfg) -> None:
         raise ConfigError(f"data.val_fraction={d.val_fraction} must be in [0, 0.5)")
     if t.dtype not in ("auto", "bf16", "fp32"):
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
+    if t.resume_mismatch not in ("refuse", "allow"):
+        raise ConfigError(f"train.resume_mismatch={t.resume_mismatch!r}: use refuse or allow")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     if t.schedule not in ("1f1b", "gpipe"):

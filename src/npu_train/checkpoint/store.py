@@ -44,6 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from npu_train.config import UserError
+from npu_train.ownership import owner_alive, process_identity
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 MANIFEST = "manifest.json"
@@ -74,33 +75,6 @@ def step_dirname(step: int) -> str:
 
 
 OWNER = "owner.json"
-
-
-def process_identity(pid: int) -> Optional[dict]:
-    """``{"pid", "start", "host"}`` of a running process (start: its creation time in seconds since the
-    epoch, from psutil, so a recycled pid is not mistaken for it), or None if there is no such process."""
-    import socket
-
-    import psutil
-
-    try:
-        start = psutil.Process(pid).create_time()
-    except (psutil.NoSuchProcess, psutil.AccessDenied):
-        return None
-    return {"pid": int(pid), "start": round(start, 2), "host": socket.gethostname()}
-
-
-def owner_alive(owner: Optional[dict]) -> Optional[bool]:
-    """Whether the process recorded by :func:`process_identity` still runs: True / False, or None when it
-    ran on another host (cannot tell from here)."""
-    import socket
-
-    if not isinstance(owner, dict) or "pid" not in owner:
-        return False
-    if owner.get("host") != socket.gethostname():
-        return None
-    now = process_identity(int(owner["pid"]))
-    return now is not None and abs(now["start"] - float(owner.get("start", now["start"]))) < 1.0
 
 
 def tmp_dir(root: str, step: int, job_id: str, owner_pid: Optional[int] = None) -> str:
@@ -301,6 +275,27 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
         with safe_open(os.path.join(self.path, self.index[key]), "pt") as f:
             return f.get_tensor(key)
+
+    #: run settings a resume must repeat (the LR schedule depends on all of them)
+    RUN_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+
+    def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False) -> list[str]:
+        """Compare this run's ``train`` settings (:data:`RUN_KEYS`) and data fingerprint with the
+        checkpoint's manifest. Returns the differences (one string each); raises :class:`CheckpointError`
+        naming them and the override ``train.resume_mismatch=allow`` unless ``allow``."""
+        saved = self.manifest.get("train") or {}
+        diff = [f"train.{k}: checkpoint {saved[k]!r}, now {train.get(k)!r}" for k in self.RUN_KEYS
+                if k in saved and saved[k] != train.get(k)]
+        fp = self.manifest.get("data_fingerprint")
+        if fp is not None and data_fingerprint is not None and fp != data_fingerprint:
+            diff.append("the data (data.source, data.seq_len, data.val_fraction or the tokenizer) differs from "
+                        "the checkpoint's run: its data fingerprint does not match")
+        if diff and not allow:
+            raise CheckpointError(f"train.resume: {self.path} was written by a run with other settings "
+                                  f"({'; '.join(diff)}): repeat the original run's settings "
+                                  f"(in {os.path.join(self.path, MANIFEST)}), or set train.resume_mismatch=allow "
+                                  "to continue with the new ones")
+        return diff
 
     def check_model(self, model_cfg: dict) -> None:
         """Raise :class:`CheckpointError` if the checkpoint was saved for a different model shape."""

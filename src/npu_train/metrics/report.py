@@ -45,6 +45,28 @@ def dumps(obj, **kw) -> str:
     return json.dumps(json_safe(obj), allow_nan=False, **kw)
 
 
+#: what a launch writes into its run directory (moved aside by :func:`rotate_previous_run`)
+RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb")
+
+
+def rotate_previous_run(run_dir: str) -> Optional[str]:
+    """If ``run_dir`` already holds metrics of an earlier launch (a relaunch with the same
+    ``hydra.run.dir``), move that launch's outputs (:data:`RUN_OUTPUTS` and ``card*.traceback.txt``)
+    into ``<run_dir>/previous-<k>/`` (k = 1, 2, ...) so a new launch never appends to them.
+    Returns that directory, or None when there was nothing to move."""
+    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and not os.path.exists(os.path.join(run_dir, "summary.json")):
+        return None
+    k = 1
+    while os.path.exists(os.path.join(run_dir, f"previous-{k}")):
+        k += 1
+    dest = os.path.join(run_dir, f"previous-{k}")
+    os.makedirs(dest)
+    for fn in sorted(os.listdir(run_dir)):
+        if fn in RUN_OUTPUTS or (fn.startswith("card") and fn.endswith(".traceback.txt")):
+            os.replace(os.path.join(run_dir, fn), os.path.join(dest, fn))
+    return dest
+
+
 class Reporter:
     """Collects per-step reports of all cards; writes ``metrics.jsonl``, TensorBoard and a summary.
 

@@ -285,7 +285,8 @@ def run_job(cfg, run_dir: str) -> dict:
     from npu_train.checkpoint.store import CheckpointReader, find_checkpoint, remove_stale_staging
     from npu_train.data.dataset import save_packed
     from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter, fmt_loss
+    from npu_train.metrics.report import Reporter, fmt_loss, rotate_previous_run
+    from npu_train.runtime.leftovers import sweep_dead_jobs, write_job_owner
     from npu_train.transport.shm import ShmTooSmallError
 
     os.makedirs(run_dir, exist_ok=True)
@@ -326,6 +327,10 @@ def run_job(cfg, run_dir: str) -> dict:
         resume_dir = find_checkpoint(tr.resume, ckpt_root)
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
+        allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
+                                   allow=tr.resume_mismatch == "allow")
+        for d in allowed:
+            print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
         try:
             StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed).load_state_dict(
                 reader.manifest.get("sampler", {}))
@@ -350,6 +355,10 @@ def run_job(cfg, run_dir: str) -> dict:
     elem = 2 if prep["dtype"] == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
+    # leftovers of jobs whose launcher is gone (kill -9 of a whole process group) free /dev/shm first
+    swept = sweep_dead_jobs()
+    if swept:
+        print(f"removed shared memory and IPC directories of {len(swept)} dead job(s): {', '.join(swept)}", flush=True)
     if P > 1 and rt.transport == "shm":
         need = 2 * (P - 1) * slots * (slot_bytes + 64)
         avail = _shm_free_bytes()
@@ -357,9 +366,14 @@ def run_job(cfg, run_dir: str) -> dict:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
 
     os.makedirs(ckpt_root, exist_ok=True)
-    remove_stale_staging(ckpt_root)
+    for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
+        print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
+    write_job_owner(job_id, ipc_dir)
+    moved = rotate_previous_run(run_dir)
+    if moved:
+        print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
     data_file = os.path.join(run_dir, "data.safetensors")
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
