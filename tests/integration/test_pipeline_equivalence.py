@@ -55,14 +55,27 @@ def test_untied_gpipe_three_stages(tiny_model_untied, tmp_path):
 def test_bf16_pipeline_loss_close_to_fp32_reference(tiny_model, tmp_path):
     """bf16 compute, fp32 masters, 2 stages, 3 steps against the fp32 reference.
 
-    Measured (CPU, torch 2.13): loss rel diff <= 1.4e-4, final master weights <= 3.1e-3 per tensor
-    (``model.layers.5.self_attn.k_proj.weight``). Mutation check (run, seen failing): bf16 compute weights
-    never refreshed from the masters (the ``copy_`` of the masters into the parameters removed in
-    ``StageOptimizer.step``, resident and offloaded) gives loss rel diff 1.1e-2 at step 3 and weights
-    5.2e-3; the old loss-only tolerance of 2e-2 let that pass."""
+    Checks, with the figures measured on CPU (torch 2.13) for the real pipeline / with stale bf16
+    compute weights (never refreshed from the masters):
+
+    - the training update over all parameters, ``||w - w_ref|| / ||w_ref - w_init||``: 0.094 / 0.19,
+      tolerance 0.13;
+    - final master weights per tensor: max 3.1e-3 / 5.2e-3, tolerance 4e-3;
+    - per-step loss: max 1.4e-4 / 1.1e-2, tolerance 1e-3 (the old loss-only tolerance of 2e-2 let
+      stale compute weights pass).
+
+    Mutation check (run, seen failing on the update check and, ordered first, on the per-tensor check):
+    the ``copy_`` of the masters into the compute-dtype parameters removed from ``StageOptimizer.step``
+    (resident and offloaded)."""
+    from npu_train.model.loading import load_config, load_tensors
+
     ref_losses, ref_w = _ref(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.dtype=bf16")
     assert reader.get("master.model.norm.weight").dtype == torch.float32  # masters stay fp32
+    init = load_tensors(tiny_model, load_config(tiny_model), list(ref_w))
+    num = sum(float((reader.get(f"master.{n}").double() - w.double()).norm() ** 2) for n, w in ref_w.items())
+    den = sum(float((w.double() - init[n].double()).norm() ** 2) for n, w in ref_w.items())
+    assert (num / den) ** 0.5 < 0.13, f"update rel diff {(num / den) ** 0.5:.3f}"
     _check_weights(reader, ref_w, 4e-3)
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-3, (losses, ref_losses)

@@ -35,10 +35,9 @@ launcher then exits 128 + signal number (130 / 143). A second signal aborts at o
 If the launcher itself is killed (``kill -9``), every card process notices within a heartbeat
 interval that its parent changed, removes the job's ``/dev/shm/npt_<job_id>_*`` segments and IPC
 directory, and exits. Only if the launcher and all card processes die at once (``kill -9`` of
-the whole process group, the OOM killer) can segments remain; the next launch does not remove
-other jobs' segments (it cannot tell a dead job from a live one in another PID namespace), so
-remove them with ``rm /dev/shm/npt_<job_id>_*`` (the job id is printed at start and is in
-``job.json``).
+the whole process group, the OOM killer) can segments remain; the next launch on the host removes
+them (and the IPC directory) because the job's owner record ``/dev/shm/npt_<job_id>_owner`` names a
+launcher that is gone (:mod:`npu_train.runtime.leftovers`); live jobs' are never touched.
 
 While a job runs, ``<run_dir>/job.json`` describes it (job id, launcher and card process ids,
 socket addresses, shared-memory prefix; never the token) for tools and tests.
