@@ -54,7 +54,7 @@ def rotate_previous_run(run_dir: str) -> Optional[str]:
     ``hydra.run.dir``), move that launch's outputs (:data:`RUN_OUTPUTS` and ``card*.traceback.txt``)
     into ``<run_dir>/previous-<k>/`` (k = 1, 2, ...) so a new launch never appends to them.
     Returns that directory, or None when there was nothing to move."""
-    if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")) and not os.path.exists(os.path.join(run_dir, "summary.json")):
+    if not any(os.path.exists(os.path.join(run_dir, fn)) for fn in ("metrics.jsonl", "summary.json")):
         return None
     k = 1
     while os.path.exists(os.path.join(run_dir, f"previous-{k}")):

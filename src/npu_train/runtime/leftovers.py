@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import tempfile
+from typing import Optional
 
 from npu_train.ownership import owner_alive, process_identity
 from npu_train.transport.shm import SEGMENT_PREFIX, SHM_DIR, unlink_job_segments, validate_job_id
@@ -30,9 +31,11 @@ def owner_path(job_id: str) -> str:
     return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{validate_job_id(job_id)}{OWNER_SUFFIX}")
 
 
-def write_job_owner(job_id: str, ipc_dir: str) -> str:
+def write_job_owner(job_id: str, ipc_dir: str) -> Optional[str]:
     """Record this process (the launcher) as the owner of ``job_id``'s segments and ``ipc_dir`` (mode 0600);
-    returns the record's path."""
+    returns the record's path (None where there is no ``/dev/shm``: nothing to record)."""
+    if not os.path.isdir(SHM_DIR):
+        return None
     path = owner_path(job_id)
     rec = dict(process_identity(os.getpid()) or {}, job_id=job_id, ipc_dir=ipc_dir)
     fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
