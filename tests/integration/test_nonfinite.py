@@ -5,6 +5,9 @@ weights up); an injected ``inf`` gradient (``NPT_FAULT=...,action=inf``) makes t
 norm non-finite while the loss is finite. ``train.nonfinite=stop`` (default) exits 1 naming the
 step and the stage; ``skip`` skips the update on every stage and counts the step. The metrics files
 stay strict JSON (parsed with a ``parse_constant`` that raises on ``NaN``/``Infinity``).
+
+Mutation check (run, seen failing): ``finite = True`` in ``StageTrainer.train_step`` (non-finite
+values ignored, the pre-issue behaviour) makes the injected-inf job exit 0 instead of 1.
 """
 from __future__ import annotations
 
