@@ -91,12 +91,20 @@ class TrainConf:
     #: checkpoint every N steps (0 = only at the end).
     save_every: int = 0
     save_on_interrupt: bool = True
-    #: null | latest | auto (latest if checkpoint.dir holds one, else a fresh start) | path to a checkpoint dir or root.
+    #: null | latest (the checkpoint written last under checkpoint.dir) | auto (latest if checkpoint.dir
+    #: holds one, else a fresh start) | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
     resume: Optional[str] = None
+    #: refuse | allow: resuming onto other data (data fingerprint) or a changed train.steps, lr,
+    #: warmup_steps or min_lr_ratio is refused unless allow.
+    resume_mismatch: str = "refuse"
     #: stop after this many optimizer steps of this launch and save a checkpoint (0 = run to
     #: train.steps). The LR schedule still follows train.steps, so a later train.resume=latest
     #: continues exactly where this launch stopped (split a long run into several launches).
     stop_after: int = 0
+    #: a non-finite (nan/inf) loss or global grad norm: stop (exit 1 naming the step and stage; the
+    #: update is never applied, so masters, moments and checkpoints stay finite) | skip (all stages
+    #: skip that step's update; counted as skipped_steps in the metrics and summary).
+    nonfinite: str = "stop"
 
 
 @dataclass
@@ -130,9 +138,12 @@ class FuriosaConf:
 @dataclass
 class RuntimeConf:
     heartbeat_interval_s: float = 1.0
-    #: a card process silent for this long is declared hung and the job is brought down.
+    #: a card process silent for this long is declared hung and the job is brought down. This is
+    #: the only liveness limit: card processes wait for a heart-beating peer (receives, collectives,
+    #: rendezvous, first-step compilation, checkpoint writes) as long as it takes.
     heartbeat_timeout_s: float = 60.0
-    #: first contact (process start, imports, model load) may take this long.
+    #: a card process's first message (interpreter start, imports) may take this long; from then on
+    #: its heartbeats decide.
     startup_timeout_s: float = 300.0
     #: slots per stage-boundary ring (null = min(M, P) + 1).
     slots: Optional[int] = None
@@ -234,6 +245,10 @@ def validate(cfg) -> None:
     if t.schedule in ("zb", "zb-h1") and t.recompute:
         raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
                           "use train.schedule=1f1b for activation recompute")
+    if t.resume_mismatch not in ("refuse", "allow"):
+        raise ConfigError(f"train.resume_mismatch={t.resume_mismatch!r}: use refuse or allow")
+    if t.nonfinite not in ("stop", "skip"):
+        raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:
         raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
     if t.stop_after < 0:

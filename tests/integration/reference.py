@@ -3,9 +3,12 @@
 Independent of the pipeline runtime (no schedules, no transport, no master/compute split): it is
 what the multi-process runs must reproduce, with the same seed, data order, loss normalisation
 (summed token cross-entropy / target tokens of the whole step), LR schedule and weight-decay
-grouping.
+grouping. The LR schedule and the decay grouping are written here from their definitions, not
+imported from the product (a shared bug would cancel out): see :func:`ref_lr` and :func:`ref_decays`.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -13,8 +16,24 @@ from npu_train.data.dataset import micro_batch_tensors
 from npu_train.data.sampler import StepSampler
 from npu_train.model.llama import causal_lm_loss_sum, full_model
 from npu_train.model import load_config, load_tensors
-from npu_train.optim.adamw import decays
-from npu_train.optim.lr import lr_at
+
+
+def ref_decays(name: str) -> bool:
+    """Weight decay applies to the weight matrices (attention, MLP, embedding, LM head), not to the
+    RMSNorm gains (``*norm.weight``: ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``),
+    as in the Llama recipe; decided by name, independently of the product's ``ndim`` rule."""
+    return not name.endswith("norm.weight")
+
+
+def ref_lr(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """Linear warm-up to ``lr`` over ``warmup_steps`` (step s uses ``lr (s + 1) / warmup``), then half a
+    cosine from ``lr`` at ``warmup_steps`` down to ``min_lr_ratio lr`` at ``total_steps`` (SGDR without
+    restarts, Loshchilov & Hutter 2017; warm-up as Goyal et al. 2017)."""
+    if step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    t = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    lo = min_lr_ratio * lr
+    return lo + (lr - lo) * (1.0 + math.cos(math.pi * t)) / 2.0
 
 
 def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum: int, lr: float,
@@ -28,8 +47,8 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
     model.load_named_tensors(load_tensors(model_path, cfg, names))
     model = model.to(dtype)
     params = dict(model.named_parameters())
-    dec = [p for n, p in params.items() if decays(n, p)]
-    nodec = [p for n, p in params.items() if not decays(n, p)]
+    dec = [p for n, p in params.items() if ref_decays(n)]
+    nodec = [p for n, p in params.items() if not ref_decays(n)]
     opt = torch.optim.AdamW([{"params": dec, "weight_decay": weight_decay},
                              {"params": nodec, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps,
                             foreach=False)
@@ -47,7 +66,7 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=min_lr_ratio)
+            g["lr"] = ref_lr(step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=min_lr_ratio)
         opt.step()
         losses.append(tot / n_tok)
     return losses, {n: p.detach().float().clone() for n, p in params.items()}

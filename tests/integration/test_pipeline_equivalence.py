@@ -1,7 +1,8 @@
 """Multi-process pipeline runs vs the single-process reference (same seed, same data order).
 
 Tolerances: fp32 per-step loss and final master weights relative difference < 1e-5
-(||a-b||/||b|| per tensor); bf16 compute (fp32 masters) per-step loss relative difference < 2e-2.
+(||a-b||/||b|| per tensor); bf16 compute (fp32 masters) against the fp32 reference: per-step loss
+< 1e-3 and final master weights < 4e-3 per tensor (see the bf16 test for the measured figures).
 Every run uses accumulation 4 (unless stated), clipping by the global norm (clip=0.5 is active:
 the tiny model's grad norms are > 2) and, by default, tied input/output embeddings.
 """
@@ -29,8 +30,8 @@ def _check_weights(reader, ref_w, tol):
         got = reader.get(f"master.{name}")
         assert rel_diff(got, w) < tol, f"{name}: rel diff {rel_diff(got, w):.2e}"
     if reader.has("master.lm_head.weight") and "lm_head.weight" not in ref_w:  # tied, P > 1
-        torch.testing.assert_close(reader.get("master.lm_head.weight"), ref_w["model.embed_tokens.weight"],
-                                   rtol=1e-5, atol=1e-6)
+        got = reader.get("master.lm_head.weight")
+        assert rel_diff(got, ref_w["model.embed_tokens.weight"]) < tol, f"tied lm_head: {rel_diff(got, ref_w['model.embed_tokens.weight']):.2e}"
 
 
 @pytest.mark.parametrize("backend", ["[cpu]", "[cpu,cpu]", "[cpu,cpu,cpu]"])
@@ -63,11 +64,32 @@ def test_untied_gpipe_three_stages(tiny_model_untied, tmp_path):
 
 
 def test_bf16_pipeline_loss_close_to_fp32_reference(tiny_model, tmp_path):
-    ref_losses, _ = _ref(tiny_model)
+    """bf16 compute, fp32 masters, 2 stages, 3 steps against the fp32 reference.
+
+    Checks, with the figures measured on CPU (torch 2.13) for the real pipeline / with stale bf16
+    compute weights (never refreshed from the masters):
+
+    - the training update over all parameters, ``||w - w_ref|| / ||w_ref - w_init||``: 0.094 / 0.19,
+      tolerance 0.13;
+    - final master weights per tensor: max 3.1e-3 / 5.2e-3, tolerance 4e-3;
+    - per-step loss: max 1.4e-4 / 1.1e-2, tolerance 1e-3 (the old loss-only tolerance of 2e-2 let
+      stale compute weights pass).
+
+    Mutation check (run, seen failing on the update check and, ordered first, on the per-tensor check):
+    the ``copy_`` of the masters into the compute-dtype parameters removed from ``StageOptimizer.step``
+    (resident and offloaded)."""
+    from npu_train.model.loading import load_config, load_tensors
+
+    ref_losses, ref_w = _ref(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.dtype=bf16")
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 2e-2, (losses, ref_losses)
     assert reader.get("master.model.norm.weight").dtype == torch.float32  # masters stay fp32
+    init = load_tensors(tiny_model, load_config(tiny_model), list(ref_w))
+    num = sum(float((reader.get(f"master.{n}").double() - w.double()).norm() ** 2) for n, w in ref_w.items())
+    den = sum(float((w.double() - init[n].double()).norm() ** 2) for n, w in ref_w.items())
+    assert (num / den) ** 0.5 < 0.13, f"update rel diff {(num / den) ** 0.5:.3f}"
+    _check_weights(reader, ref_w, 4e-3)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < 1e-3, (losses, ref_losses)
 
 
 def test_resident_vs_offloaded_same_weights(tiny_model, tmp_path):

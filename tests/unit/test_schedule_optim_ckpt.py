@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -203,7 +205,10 @@ def test_checkpoint_publish_and_latest(tmp_path):
 def test_partial_save_is_never_latest(tmp_path):
     root = str(tmp_path)
     finalize(root, _save(root, 2), 2, {})
-    _save(root, 4)  # shards written, manifest never: a crash mid-save
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    st = tmp_dir(root, 4, "j1", owner_pid=dead.pid)  # shards written, manifest never: a crash mid-save
+    save_shard(st, 0, {"master.p0": torch.zeros(2)}, {"rank": 0})
     os.makedirs(os.path.join(root, "step_000008"))  # a directory without manifest
     assert os.path.basename(find_checkpoint("latest", root)) == "step_000002"
     remove_stale_staging(root)

@@ -24,6 +24,17 @@ directories. Per-node roots are not merged: node 0 refuses to publish a checkpoi
 directory lacks a stage's shard (:func:`missing_shards`), and the job fails naming the stages and the
 fix, so a non-shared root never yields an incomplete checkpoint.
 
+Order and rotation: the manifest records ``seq`` (1 + the largest ``seq`` under the root) and
+``saved_at``; "latest" (:func:`find_checkpoint`) and "oldest first" (:func:`complete_checkpoints`)
+follow that write order, not the step number (a fresh run writing into a root that holds a longer
+run's checkpoints must not resume from the old run). Each stage records whether its tensors are all
+finite (``stage_NNN.json``: ``finite``) and the manifest whether every stage's are; rotation
+(``checkpoint.keep``) never deletes the newest finite checkpoint.
+
+Staging directories record their owner (``owner.json``: launcher pid, its start time and host), so
+a launch removes only staging directories of jobs that are gone (:func:`remove_stale_staging`),
+never those of another live job writing into the same root.
+
 Because tensor keys are global HF parameter names, a checkpoint can be loaded with any other
 stage split, card count or resident/offloaded split (resharding is a lookup in the index).
 """
@@ -41,6 +52,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from npu_train.config import UserError
+from npu_train.ownership import owner_alive, process_identity
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
 MANIFEST = "manifest.json"
@@ -70,10 +82,28 @@ def step_dirname(step: int) -> str:
     return f"step_{step:06d}"
 
 
-def tmp_dir(root: str, step: int, job_id: str) -> str:
-    """Staging directory for the checkpoint of ``step`` (created if needed)."""
+OWNER = "owner.json"
+
+
+def tmp_dir(root: str, step: int, job_id: str, owner_pid: Optional[int] = None) -> str:
+    """Staging directory for the checkpoint of ``step`` (created if needed).
+
+    ``owner_pid`` (the job's launcher) is recorded in ``owner.json`` inside the directory; the
+    directory is first created under a hidden ``.new-`` name and renamed into place with its owner
+    file, so another launch never sees it without an owner.
+    """
     d = os.path.join(root, f".tmp-{step_dirname(step)}-{job_id}")
-    os.makedirs(d, exist_ok=True)
+    if os.path.isdir(d):
+        return d
+    ident = process_identity(owner_pid if owner_pid is not None else os.getpid()) or {}
+    new = os.path.join(root, f".new-{os.getpid()}-{step_dirname(step)}-{job_id}")
+    os.makedirs(new, exist_ok=True)
+    with open(os.path.join(new, OWNER), "w") as f:
+        json.dump(dict(ident, job_id=job_id), f)
+    try:
+        os.rename(new, d)
+    except OSError:  # another stage of the job created it first
+        shutil.rmtree(new, ignore_errors=True)
     return d
 
 
@@ -109,7 +139,18 @@ def finalize(root: str, staging: str, step: int, manifest: dict, keep: int = 0) 
             with safe_open(os.path.join(staging, fn), "pt") as f:
                 for k in f.keys():
                     index[k] = fn
-    manifest = dict(manifest, step=step, format=FORMAT_VERSION, index=index, saved_at=time.time())
+    finite = True
+    for fn in sorted(os.listdir(staging)):
+        if fn.startswith("stage_") and fn.endswith(".json"):
+            with open(os.path.join(staging, fn)) as f:
+                finite = finite and bool(json.load(f).get("finite", True))
+    seq = 1 + max((_manifest(p).get("seq", 0) for p in complete_checkpoints(root)), default=0)
+    manifest = dict(manifest, step=step, format=FORMAT_VERSION, index=index, saved_at=time.time(), seq=seq,
+                    finite=finite)
+    try:
+        os.remove(os.path.join(staging, OWNER))
+    except OSError:
+        pass
     mp = os.path.join(staging, MANIFEST)
     with open(mp + ".part", "w") as f:
         json.dump(manifest, f, indent=1)
@@ -134,9 +175,22 @@ def finalize(root: str, staging: str, step: int, manifest: dict, keep: int = 0) 
     os.replace(latest + ".part", latest)
     _fsync_dir(root)
     if keep > 0:
-        for d in complete_checkpoints(root)[:-keep]:
-            shutil.rmtree(d, ignore_errors=True)
+        done = complete_checkpoints(root)
+        finite = [p for p in done if _manifest(p).get("finite", True)]
+        spare = finite[-1] if finite else None  # the newest finite checkpoint is never deleted
+        for d in done[:-keep]:
+            if d != spare:
+                shutil.rmtree(d, ignore_errors=True)
     return final
+
+
+def _manifest(path: str) -> dict:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            m = json.load(f)
+        return m if isinstance(m, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def is_complete(path: str) -> bool:
@@ -145,7 +199,8 @@ def is_complete(path: str) -> bool:
 
 
 def complete_checkpoints(root: str) -> list[str]:
-    """Complete checkpoints under ``root``, oldest first."""
+    """Complete checkpoints under ``root``, oldest first in write order (manifest ``seq``, then
+    ``saved_at``, then step; checkpoints of older versions without ``seq`` come first)."""
     if not os.path.isdir(root):
         return []
     out = []
@@ -153,16 +208,34 @@ def complete_checkpoints(root: str) -> list[str]:
         m = STEP_RE.match(fn)
         p = os.path.join(root, fn)
         if m and is_complete(p):
-            out.append((int(m.group(1)), p))
-    return [p for _, p in sorted(out)]
+            man = _manifest(p)
+            out.append((int(man.get("seq", 0) or 0), float(man.get("saved_at", 0.0) or 0.0), int(m.group(1)), p))
+    return [t[-1] for t in sorted(out)]
 
 
-def remove_stale_staging(root: str) -> None:
-    """Delete ``.tmp-*`` staging directories left by crashed saves (never complete checkpoints)."""
+def remove_stale_staging(root: str) -> list[str]:
+    """Delete staging directories (``.tmp-*``, ``.new-*``) left by crashed saves of jobs that are gone.
+
+    A staging directory whose ``owner.json`` names a live process on this host (pid + start time) is
+    kept: another job is writing into the same root. Directories without an owner (older versions)
+    or with a dead owner are removed; those owned on another host are kept. Never touches complete
+    checkpoints. Returns the removed paths.
+    """
+    removed = []
     if os.path.isdir(root):
         for fn in os.listdir(root):
-            if fn.startswith(".tmp-"):
-                shutil.rmtree(os.path.join(root, fn), ignore_errors=True)
+            if not fn.startswith((".tmp-", ".new-")):
+                continue
+            p = os.path.join(root, fn)
+            try:
+                with open(os.path.join(p, OWNER)) as f:
+                    owner = json.load(f)
+            except (OSError, ValueError):
+                owner = None
+            if owner_alive(owner) is False:
+                shutil.rmtree(p, ignore_errors=True)
+                removed.append(p)
+    return removed
 
 
 def find_checkpoint(spec: str, root: Optional[str]) -> Optional[str]:
@@ -176,10 +249,10 @@ def find_checkpoint(spec: str, root: Optional[str]) -> Optional[str]:
     Raises:
         CheckpointError: nothing complete found (``latest`` or a path), or the named directory is incomplete.
     """
-    if spec == "auto":
+    if spec == "auto":  # the last one written if there is one, else None (a fresh start)
         cands = complete_checkpoints(root) if root else []
         return cands[-1] if cands else None
-    if spec == "latest":
+    if spec == "latest":  # the last one written (manifest seq), not the highest step
         cands = complete_checkpoints(root) if root else []
         if not cands:
             raise CheckpointError(f"train.resume=latest: no complete checkpoint under {root!r}; "
@@ -226,6 +299,27 @@ class CheckpointReader:
                 raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
         with safe_open(os.path.join(self.path, self.index[key]), "pt") as f:
             return f.get_tensor(key)
+
+    #: run settings a resume must repeat (the LR schedule depends on all of them)
+    RUN_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
+
+    def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False) -> list[str]:
+        """Compare this run's ``train`` settings (:data:`RUN_KEYS`) and data fingerprint with the
+        checkpoint's manifest. Returns the differences (one string each); raises :class:`CheckpointError`
+        naming them and the override ``train.resume_mismatch=allow`` unless ``allow``."""
+        saved = self.manifest.get("train") or {}
+        diff = [f"train.{k}: checkpoint {saved[k]!r}, now {train.get(k)!r}" for k in self.RUN_KEYS
+                if k in saved and saved[k] != train.get(k)]
+        fp = self.manifest.get("data_fingerprint")
+        if fp is not None and data_fingerprint is not None and fp != data_fingerprint:
+            diff.append("the data (data.source, data.seq_len, data.val_fraction or the tokenizer) differs from "
+                        "the checkpoint's run: its data fingerprint does not match")
+        if diff and not allow:
+            raise CheckpointError(f"train.resume: {self.path} was written by a run with other settings "
+                                  f"({'; '.join(diff)}): repeat the original run's settings "
+                                  f"(in {os.path.join(self.path, MANIFEST)}), or set train.resume_mismatch=allow "
+                                  "to continue with the new ones")
+        return diff
 
     def check_model(self, model_cfg: dict) -> None:
         """Raise :class:`CheckpointError` if the checkpoint was saved for a different model shape."""

@@ -10,6 +10,11 @@ backwards; opt = AdamW (device + host); xfer = host<->device copies of offloaded
 stage-boundary sends; idle = waiting for neighbours and collectives (pipeline bubble included).
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
 model's prediction.
+
+``metrics.jsonl``, ``eval.jsonl`` and ``summary.json`` are strict JSON: a non-finite value (a step
+whose loss or grad norm was nan/inf and whose update was skipped, ``train.nonfinite=skip``) is
+written as ``null`` and the record carries ``"skipped": true``; the summary counts
+``skipped_steps`` and its first/last loss are over finite steps only.
 """
 from __future__ import annotations
 
@@ -21,6 +26,45 @@ import time
 from typing import Optional
 
 GIB = 2 ** 30
+
+
+def json_safe(obj):
+    """``obj`` with every non-finite float (nan, inf) replaced by None, recursively (dicts, lists):
+    what :func:`dumps` writes as ``null`` instead of the bare ``NaN`` that strict JSON parsers reject."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+def dumps(obj, **kw) -> str:
+    """Strict JSON (``allow_nan=False``) of :func:`json_safe` ``(obj)``."""
+    return json.dumps(json_safe(obj), allow_nan=False, **kw)
+
+
+#: what a launch writes into its run directory (moved aside by :func:`rotate_previous_run`)
+RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb")
+
+
+def rotate_previous_run(run_dir: str) -> Optional[str]:
+    """If ``run_dir`` already holds metrics of an earlier launch (a relaunch with the same
+    ``hydra.run.dir``), move that launch's outputs (:data:`RUN_OUTPUTS` and ``card*.traceback.txt``)
+    into ``<run_dir>/previous-<k>/`` (k = 1, 2, ...) so a new launch never appends to them.
+    Returns that directory, or None when there was nothing to move."""
+    if not any(os.path.exists(os.path.join(run_dir, fn)) for fn in ("metrics.jsonl", "summary.json")):
+        return None
+    k = 1
+    while os.path.exists(os.path.join(run_dir, f"previous-{k}")):
+        k += 1
+    dest = os.path.join(run_dir, f"previous-{k}")
+    os.makedirs(dest)
+    for fn in sorted(os.listdir(run_dir)):
+        if fn in RUN_OUTPUTS or (fn.startswith("card") and fn.endswith(".traceback.txt")):
+            os.replace(os.path.join(run_dir, fn), os.path.join(dest, fn))
+    return dest
 
 
 class Reporter:
@@ -47,6 +91,7 @@ class Reporter:
         self._sum_step_s = self._sum_tps = 0.0  # over steps after the first (start-up excluded)
         self._first_step_s: Optional[float] = None
         self._peak: list[int] = []
+        self.skipped = 0  # steps whose update was skipped (non-finite loss or grad norm)
         self.evals: list[dict] = []
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         self.tb = None
@@ -58,6 +103,7 @@ class Reporter:
             except Exception:  # tensorboard missing: JSONL still written
                 self.tb = None
         self.t_start = time.time()
+        self._n_ema = 0  # finite losses folded into the EMA
         self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
 
     #: smoothing of the printed loss: exponential moving average with this beta, bias-corrected
@@ -82,6 +128,10 @@ class Reporter:
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
             "time": time.time(),
         }
+        skipped = any(bool(r.get("skipped")) for r in reports)
+        if skipped:
+            rec["skipped"] = True
+            self.skipped += 1
         if self.pred_mem:
             rec["mem_pred_bytes"] = list(self.pred_mem)
         # RNGD: graph compilation before the step (warm-up, first step only) and CPU-fallback ops
@@ -94,10 +144,12 @@ class Reporter:
             rec["mem_quiet_bytes"] = [int(r.get("mem_quiet", -1)) for r in reports]
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
-        self.losses.append((step, float(rec["loss"])))
-        b = self.LOSS_EMA_BETA
-        self._ema = b * self._ema + (1 - b) * float(rec["loss"])
-        rec["loss_smoothed"] = self._ema / (1 - b ** (self._n + 1))
+        if math.isfinite(float(rec["loss"])):
+            self.losses.append((step, float(rec["loss"])))
+            b = self.LOSS_EMA_BETA
+            self._ema = b * self._ema + (1 - b) * float(rec["loss"])
+            self._n_ema += 1
+        rec["loss_smoothed"] = self._ema / (1 - self.LOSS_EMA_BETA ** self._n_ema) if self._n_ema else None
         if self._n == 0:
             self._first_step_s = wall
         else:
@@ -109,11 +161,12 @@ class Reporter:
         mean_s = self._sum_step_s / (self._n - 1) if self._n > 1 else wall
         rec["eta_s"] = max(0, self.total - step) * mean_s
         self._peak = [max(a, b) for a, b in zip(self._peak, rec["mem_peak_bytes"])] or list(rec["mem_peak_bytes"])
-        self.jsonl.write(json.dumps(rec) + "\n")
+        self.jsonl.write(dumps(rec) + "\n")
         self.jsonl.flush()
         if self.tb is not None:
             for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
-                self.tb.add_scalar(f"train/{k}", rec[k], step)
+                if math.isfinite(float(rec[k])):
+                    self.tb.add_scalar(f"train/{k}", rec[k], step)
             for i, m in enumerate(rec["mem_peak_bytes"]):
                 self.tb.add_scalar(f"memory/card{i}_peak_gib", m / GIB, step)
         mem = "/".join(f"{m / GIB:.2f}" for m in rec["mem_peak_bytes"])
@@ -122,12 +175,14 @@ class Reporter:
             pred = " (plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem) + ")"
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
-        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} (avg {rec['loss_smoothed']:.4f}) | lr {rec['lr']:.2e} | "
+        avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
+        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} {avg} | lr {rec['lr']:.2e} | "
                   f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
                   f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
                   f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
                   + (f" | compiled before the step in {rec['compile_s']:.1f} s" if rec.get("compile_s") else "")
-                  + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else ""))
+                  + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else "")
+                  + (" | SKIPPED: non-finite loss or grad norm, no update (train.nonfinite=skip)" if skipped else ""))
         return rec
 
     def eval(self, step: int, val_loss: float, tokens: int) -> None:
@@ -136,8 +191,8 @@ class Reporter:
                "time": time.time()}
         self.evals.append(rec)
         with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if self.tb is not None:
+            f.write(dumps(rec) + "\n")
+        if self.tb is not None and math.isfinite(val_loss):
             self.tb.add_scalar("eval/loss", val_loss, step)
         self.note(f"eval after step {step}: val loss {val_loss:.4f} (ppl {rec['val_ppl']:.2f}) on {tokens:,} held-out tokens")
 
@@ -154,11 +209,12 @@ class Reporter:
             "wall_s": time.time() - self.t_start,
             "first_val_loss": self.evals[0]["val_loss"] if self.evals else None,
             "last_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
+            "skipped_steps": self.skipped,
         }
         if extra:
             summ.update(extra)
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            json.dump(summ, f, indent=1)
+            f.write(dumps(summ, indent=1))
         if losses:
             try:
                 import matplotlib

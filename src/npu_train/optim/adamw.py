@@ -6,14 +6,23 @@
   (``torch.optim.AdamW(fused=True)`` on the CPU); the new weights are cast to the compute dtype and
   uploaded to the card (as in ZeRO-Offload, Ren et al. 2021).
 
-Gradients are the compute-dtype ``.grad`` of the card's parameters (accumulated over the
-micro-batches of a step); they are scaled by the global clip coefficient and cast to fp32 as they
-are moved to the masters. AdamW follows Loshchilov & Hutter 2019 as implemented by
+Gradient accumulation is in fp32: with a bf16 compute dtype, each micro-batch's ``.grad`` (bf16,
+one rounding) is folded into an fp32 accumulator on the card as soon as autograd has accumulated it
+(``register_post_accumulate_grad_hook``), and ``.grad`` is freed again. Summing M bf16 gradients in
+bf16 instead costs one rounding per micro-batch: relative error 9.8e-3 at M = 64 against 1.7e-3 for
+a single rounding (issue 12); in fp32 the sum stays at the one-rounding level of the bf16 inputs.
+With fp32 compute, ``.grad`` itself is the fp32 accumulator (no extra memory). Gradient memory per
+parameter on the card: 4 bytes (the fp32 accumulator) for either compute dtype, plus, for bf16,
+a transient 2-byte ``.grad`` of the parameter whose backward is running.
+
+The accumulated gradients (:meth:`StageOptimizer.grad`) are scaled by the global clip coefficient
+as they are moved to the masters. AdamW follows Loshchilov & Hutter 2019 as implemented by
 ``torch.optim.AdamW``; weight decay applies to tensors with ``ndim >= 2`` only (norm weights are
 not decayed), see :func:`decays`.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Iterable
 
@@ -78,31 +87,89 @@ class StageOptimizer:
         self.dev_group = _Group(res_m, dev, lr, betas, eps, weight_decay)
         self.host_group = _Group(off_m, torch.device("cpu"), lr, betas, eps, weight_decay)
         self.step_count = 0
+        # fp32 gradient accumulators for low-precision compute (see the module docstring)
+        self.accumulators: dict[str, torch.Tensor] = {}
+        self._touched: set[str] = set()
+        low = [n for n, p in params.items() if p.dtype != torch.float32]
+        if low:
+            track = getattr(backend, "track", None)
+            lock = getattr(backend, "alloc_lock", None)
+            with lock() if lock is not None else contextlib.nullcontext():
+                for n in low:
+                    p = params[n]
+                    self.accumulators[n] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                    if track is not None:
+                        track(self.accumulators[n])
+            for n in low:
+                params[n].register_post_accumulate_grad_hook(self._folder(n))
 
     # ------------------------------------------------------------------ gradients
+    def _fold(self, name: str, p: torch.Tensor) -> None:
+        """Add ``p.grad`` (compute dtype) into the fp32 accumulator of ``name`` and free it."""
+        acc = self.accumulators[name]
+        with torch.no_grad():
+            if name in self._touched:
+                acc.add_(p.grad)
+            else:
+                acc.copy_(p.grad)
+                self._touched.add(name)
+        p.grad = None
+
+    def _folder(self, name: str):
+        return lambda p: self._fold(name, p)
+
     def zero_grad(self) -> None:
+        """Forget the gradients of the previous step (before the first micro-batch of a step)."""
         for p in self.params.values():
             p.grad = None
+        self._touched.clear()
+
+    def grad_buffer(self, name: str) -> torch.Tensor:
+        """The tensor holding parameter ``name``'s step gradient, to be changed in place (e.g. summed over
+        data-parallel replicas): the fp32 accumulator (bf16 compute) or ``.grad``; zeros if the
+        parameter got no gradient this step."""
+        if name in self.accumulators:
+            if self.grad(name) is None:
+                self.accumulators[name].zero_()
+                self._touched.add(name)
+            return self.accumulators[name]
+        p = self.params[name]
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        return p.grad
+
+    def grad(self, name: str):
+        """The step's accumulated gradient of parameter ``name`` (fp32 with bf16 compute, else the
+        ``.grad`` in the compute dtype), on the card; None if the parameter got no gradient."""
+        if name in self.accumulators:
+            if self.params[name].grad is not None:  # set without a backward pass (no hook ran)
+                self._fold(name, self.params[name])
+            return self.accumulators[name] if name in self._touched else None
+        g = self.params[name].grad
+        return None if g is None else g.detach()
 
     def grad_sq_sum(self, exclude: Iterable[str] = ()) -> torch.Tensor:
         """Sum of squares of this stage's gradients, fp32 CPU scalar (for the global grad norm)."""
         ex = set(exclude)
         total = torch.zeros((), dtype=torch.float32)
-        for n, p in self.params.items():
-            if n in ex or p.grad is None:
+        for n in self.params:
+            g = self.grad(n)
+            if n in ex or g is None:
                 continue
-            total += self.backend.download(p.grad.detach().float().pow(2).sum()).to(torch.float32)
+            total += self.backend.download(g.float().pow(2).sum()).to(torch.float32)
         return total
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float, clip_coef: float) -> dict[str, float]:
         """Apply one AdamW step with gradients scaled by ``clip_coef``; refresh the card's weights.
 
+        Consumes the step's gradients (scaled in place, then cleared as by :meth:`zero_grad`).
+
         Returns seconds spent: ``{"device_optimizer", "host_optimizer", "transfer"}``.
         """
         t0 = time.perf_counter()
         for n, m in self.dev_group.masters.items():
-            g = self.params[n].grad
+            g = self.grad(n)
             m.grad = torch.zeros_like(m) if g is None else g.detach().float().mul_(clip_coef)
         self.dev_group.set_lr(lr)
         self.dev_group.step()
@@ -114,7 +181,7 @@ class StageOptimizer:
         t1 = time.perf_counter()
         xfer = 0.0
         for n, m in self.host_group.masters.items():
-            g = self.params[n].grad
+            g = self.grad(n)
             ta = time.perf_counter()
             hg = None if g is None else self.backend.download(g.detach())
             xfer += time.perf_counter() - ta
@@ -131,6 +198,7 @@ class StageOptimizer:
                 m.grad = None
         self.backend.synchronize()
         xfer += time.perf_counter() - ta
+        self.zero_grad()  # the step consumed the gradients (resident ones were scaled in place)
         self.step_count += 1
         return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": xfer}
 

@@ -8,10 +8,19 @@ socket (msgpack dicts carrying the job's random token), prints progress, publish
 (manifest + atomic rename), and on any failure brings the whole job down:
 
 - a card process that exits non-zero, is killed by a signal, reports an exception, or sends no
-  heartbeat for ``runtime.heartbeat_timeout_s`` is named (card, stage, layers, phase, cause);
+  heartbeat for ``runtime.heartbeat_timeout_s`` is named (card, stage, layers, phase, cause); a
+  process never heard from (interpreter start, imports) gets ``runtime.startup_timeout_s`` for its
+  first message, and the message names whichever of the two timeouts fired;
 - every other card process is terminated (SIGTERM, then SIGKILL after a grace period);
 - the job's shared-memory segments, IPC sockets and checkpoint staging directories are removed;
 - the launcher exits with status 1 (2 for bad input detected before start).
+
+Liveness is decided by heartbeats only: the card processes wait for each other (stage-boundary
+receives, gloo collectives, rendezvous, a long first-step compilation, a slow checkpoint write)
+without a timeout of their own, for as long as the peer heart-beats; when a peer dies or hangs, the
+coordinator notices within the heartbeat timeout and kills every card process of the job. Card
+processes report each phase they enter (device setup, model load, rendezvous, resume, the phases
+of a step, checkpoint save), so a failure names where the card was.
 
 When several card processes fail together (one is killed, its neighbours then see broken
 collectives), the coordinator names the root cause: a process that died without reporting
@@ -26,10 +35,9 @@ launcher then exits 128 + signal number (130 / 143). A second signal aborts at o
 If the launcher itself is killed (``kill -9``), every card process notices within a heartbeat
 interval that its parent changed, removes the job's ``/dev/shm/npt_<job_id>_*`` segments and IPC
 directory, and exits. Only if the launcher and all card processes die at once (``kill -9`` of
-the whole process group, the OOM killer) can segments remain; the next launch does not remove
-other jobs' segments (it cannot tell a dead job from a live one in another PID namespace), so
-remove them with ``rm /dev/shm/npt_<job_id>_*`` (the job id is printed at start and is in
-``job.json``).
+the whole process group, the OOM killer) can segments remain; the next launch on the host removes
+them (and the IPC directory) because the job's owner record ``/dev/shm/npt_<job_id>_owner`` names a
+launcher that is gone (:mod:`npu_train.runtime.leftovers`); live jobs' are never touched.
 
 Multi-node (:mod:`npu_train.runtime.nodes`): each node's launcher runs one coordinator for its own
 card processes (``specs`` holds only this node's stages, with global ranks) and a
@@ -80,6 +88,8 @@ class RankState:
     steps: dict = field(default_factory=dict)
     error: Optional[str] = None       # cause reported by the card process itself
     error_at: float = 0.0             # when the report arrived (monotonic)
+    heard: bool = False               # any authenticated message received (the process is up)
+    started_at: float = 0.0           # spawn time (monotonic)
 
 
 class Coordinator:
@@ -122,7 +132,7 @@ class Coordinator:
             for spec, rs in zip(self.specs, self.ranks):
                 rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
                 rs.proc.start()
-                rs.last_seen = now
+                rs.last_seen = rs.started_at = now
             self._write_job_file()
             try:
                 self._loop()
@@ -205,8 +215,14 @@ class Coordinator:
             code = codes[rs.rank]
             if code is not None and not (rs.done and code == 0) and rs.error is None:
                 primary.append((rs, _exit_cause(code)))
-            limit = self.hb_timeout if rs.ready else max(self.hb_timeout, self.startup_timeout)
-            if code is None and now - rs.last_seen > limit:
+            if code is not None:
+                continue
+            if not rs.heard and now - rs.started_at > max(self.hb_timeout, self.startup_timeout):
+                primary.append((rs, f"no message {now - rs.started_at:.0f} s after the process was started "
+                                    f"(runtime.startup_timeout_s={self.startup_timeout:g}: process {rs.proc.pid} "
+                                    "hung in interpreter start-up or imports; raise runtime.startup_timeout_s "
+                                    "on a slow file system)"))
+            elif rs.heard and now - rs.last_seen > self.hb_timeout:
                 primary.append((rs, f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
                                     f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} "
                                     f"hung or stopped)"))
@@ -232,8 +248,8 @@ class Coordinator:
             for rs in self.ranks:
                 self._send(rs.rank, {"type": "stop"})
             self.stop_sent_at = now
-        elif now - self.stop_sent_at > max(60.0, self.hb_timeout):
-            raise Interrupted(self.signum)
+        # no fixed limit on finishing the step and saving: the heartbeat check ends a hung job,
+        # and a second signal aborts at once
 
     def _send(self, rank: int, msg: dict) -> None:
         self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
@@ -257,11 +273,12 @@ class Coordinator:
             return
         rs = self.by_rank[int(msg["rank"])]
         rs.last_seen = time.monotonic()
+        rs.heard = True
         t = msg.get("type")
         if t == "hb":
             return
         if t == "hello":
-            rs.phase = "model load"
+            rs.phase = "device setup"
         elif t == "ready":
             rs.ready = True
             rs.phase = f"step {self.start_step + 1}"
@@ -337,7 +354,7 @@ class Coordinator:
         # multi-node: the staging dirs are shared; only node 0 (which publishes) removes them
         if self.node == 0 and os.path.isdir(self.ckpt_root):
             for fn in os.listdir(self.ckpt_root):
-                if fn.startswith(".tmp-") and fn.endswith(self.job_id):
+                if fn.startswith((".tmp-", ".new-")) and fn.endswith(self.job_id):
                     shutil.rmtree(os.path.join(self.ckpt_root, fn), ignore_errors=True)
 
 

@@ -9,12 +9,15 @@ user feature. Format: comma-separated ``key=value`` pairs::
 
 - ``rank``: the stage/card process that fails (0-based);
 - ``step``: the 1-based optimizer step (as printed: ``step 2/N``), default 1;
-- ``phase``: ``forward`` (first stage forward of the step), ``backward`` (first gradient of
-  the stage's first parameter), ``collective`` (just before the step's gloo all-reduce),
-  ``optimizer`` (just before the AdamW update), ``checkpoint`` (after this stage wrote its
-  shard into the staging directory, before reporting it);
+- ``phase``: ``load`` (start-up, right after the model load; ``step`` is ignored), ``forward``
+  (first stage forward of the step), ``backward`` (first gradient of the stage's first
+  parameter), ``collective`` (just before the step's gloo all-reduce), ``optimizer`` (just before
+  the AdamW update), ``checkpoint`` (after this stage wrote its shard into the staging
+  directory, before reporting it);
 - ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung process), ``raise``
-  (RuntimeError), ``sleep:S`` (sleep S seconds, then continue normally).
+  (RuntimeError), ``sleep:S`` (sleep S seconds, then continue normally: a slow phase such as a
+  150 s first-step compilation or a long checkpoint write), ``inf`` (phase ``backward`` only:
+  the stage's first parameter gets an all-``inf`` gradient in that step).
 """
 from __future__ import annotations
 
@@ -24,10 +27,13 @@ import signal
 import sys
 import time
 
+import torch
+
 log = logging.getLogger("npu_train.worker")
 
 
-_FAULT_PHASES = ("forward", "backward", "collective", "optimizer", "checkpoint")
+_FAULT_PHASES = ("load", "forward", "backward", "collective", "optimizer", "checkpoint")
+_SETUP_PHASES = ("load",)  # fired before the first step: the step number is not checked
 
 
 class FaultHook:
@@ -50,7 +56,9 @@ class FaultHook:
         return cls(text, rank) if text else None
 
     def __call__(self, phase: str) -> None:
-        if not self.active or self.fired or phase != self.phase or self.current_step != self.step:
+        if not self.active or self.fired or phase != self.phase:
+            return
+        if phase not in _SETUP_PHASES and self.current_step != self.step:
             return
         self.fired = True
         log.warning("NPT_FAULT: %s at step %d %s", self.action, self.step, phase)
@@ -61,6 +69,8 @@ class FaultHook:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif self.action == "raise":
             raise RuntimeError(f"NPT_FAULT: injected failure at step {self.step} {phase}")
+        elif self.action == "inf":
+            pass  # applied to the gradient by the hook installed in install()
         elif self.action.startswith("sleep:"):
             time.sleep(float(self.action.split(":", 1)[1]))
         else:
@@ -74,7 +84,10 @@ class FaultHook:
         first = next(p for p in module.parameters() if p.requires_grad)
 
         def on_grad(g):
+            fired = self.fired
             self("backward")
+            if self.action == "inf" and self.fired and not fired:
+                return torch.full_like(g, float("inf"))
             return g
 
         first.register_hook(on_grad)

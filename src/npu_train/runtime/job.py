@@ -254,7 +254,7 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
                      eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
-                     lora_targets=tuple(cfg.lora.targets))
+                     lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite)
 
 
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
@@ -355,8 +355,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter
+    from npu_train.metrics.report import Reporter, fmt_loss, rotate_previous_run
     from npu_train.runtime import nodes as N
+    from npu_train.runtime.leftovers import sweep_dead_jobs, write_job_owner
     from npu_train.transport.shm import ShmTooSmallError
 
     if rdv is not None:
@@ -380,6 +381,10 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if resume_dir is not None:
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
+        allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
+                                   allow=tr.resume_mismatch == "allow")
+        for d in allowed:
+            print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
         try:
             sampler.load_state_dict(reader.manifest.get("sampler", {}))
         except ValueError as e:
@@ -419,6 +424,10 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     elem = 2 if prep["dtype"] == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
+    # leftovers of jobs whose launcher is gone (kill -9 of a whole process group) free /dev/shm first
+    swept = sweep_dead_jobs()
+    if swept:
+        print(f"removed shared memory and IPC directories of {len(swept)} dead job(s): {', '.join(swept)}", flush=True)
     if n_shm:
         need = 2 * n_shm * slots * (slot_bytes + 64)
         avail = _shm_free_bytes()
@@ -427,9 +436,14 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
 
     os.makedirs(ckpt_root, exist_ok=True)
     if rdv is None or layout.is_master:  # multi-node: the root is shared; node 0 owns the staging dirs
-        remove_stale_staging(ckpt_root)
+        for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
+            print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
+    write_job_owner(job_id, ipc_dir)
+    moved = rotate_previous_run(run_dir)
+    if moved:
+        print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
     node_plan = link = None
     if rdv is not None:
         node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
@@ -442,9 +456,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
     train = train_spec(cfg, prep["dtype"])
+    # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
     specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
         heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
-        recv_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s), collective_timeout_s=max(120.0, 2 * rt.heartbeat_timeout_s),
         **furiosa_runtime_fields(cfg, plan)),
         job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
         ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
@@ -493,6 +507,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         where = (f"checkpoint {coord.last_ckpt} saved; resume by rerunning the same command with "
                  f"train.resume=latest checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
         raise Interrupted(coord.signum, where)
-    print(f"done: {summ['steps_run']} steps, loss {summ['first_loss']:.4f} -> {summ['last_loss']:.4f}; "
+    skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
+    print(f"done: {summ['steps_run']} steps{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
+          f"{fmt_loss(summ['last_loss'])}; "
           f"checkpoint {coord.last_ckpt}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return summ

@@ -27,7 +27,9 @@ class LinkComm:
         lay = spec.layout
         r, s, k, P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
         self.rank, self.prev, self.next = r, lay.prev(r), lay.next(r)
-        self.timeout = float(spec.runtime.recv_timeout_s)
+        # None: wait while the peer lives (the coordinator's heartbeat check ends a job whose peer died)
+        rt = spec.runtime.recv_timeout_s
+        self.timeout = None if rt is None else float(rt)
         self.backend = backend
         job, nb, n = spec.job_id, spec.slot_bytes, spec.slots
         # per boundary (indexed by the lower global rank of the pair): shm within a node, inline
@@ -36,7 +38,8 @@ class LinkComm:
         down = spec.boundary_mode(r) if self.next is not None else None
         self.mailbox = Mailbox(ctx, spec.inbox[r], spec.token, logger=log,
                                max_msg_bytes=nb + 65536 if "inline" in (up, down) else None)
-        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r) for p in (self.prev, self.next) if p is not None}
+        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r, send_timeout_s=self.timeout)
+                    for p in (self.prev, self.next) if p is not None}
         name = lay.link_name
         self.act_out = TensorLink(down, job, name("act", s, k), nb, n).open_sender() if s < P - 1 else None
         self.grad_out = TensorLink(up, job, name("grad", s, k), nb, n).open_sender() if s > 0 else None

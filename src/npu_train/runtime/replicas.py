@@ -23,19 +23,20 @@ from __future__ import annotations
 import torch
 
 
-def allreduce_grads(params: dict, backend, group, bucket_elems: int = 1 << 24) -> None:
-    """Sum ``.grad`` of every parameter in ``params`` over ``group`` (in place, on the card).
+def allreduce_grads(grads: dict, backend, group, bucket_elems: int = 1 << 24) -> None:
+    """Sum the gradient buffers ``grads`` over ``group`` (in place, on the card).
 
-    ``params``: ``{hf_name: parameter}`` (same names and shapes on every member). A missing
-    ``.grad`` counts as zeros (and is created). Buckets: fp32 host tensors of at most
-    ``bucket_elems`` elements (64 MiB by default), one ``all_reduce(SUM)`` each.
+    ``grads``: ``{hf_name: tensor}`` holding each parameter's step gradient (the optimizer's fp32
+    accumulator with bf16 compute, else ``.grad``; :meth:`~npu_train.optim.adamw.StageOptimizer.grad_buffer`),
+    same names and shapes on every member. Buckets: fp32 host tensors of at most ``bucket_elems`` elements
+    (64 MiB by default), one ``all_reduce(SUM)`` each.
     """
     import torch.distributed as dist
 
-    names = sorted(params)
+    names = sorted(grads)
     buckets, cur, size = [], [], 0
     for n in names:
-        k = params[n].numel()
+        k = grads[n].numel()
         if cur and size + k > bucket_elems:
             buckets.append(cur)
             cur, size = [], 0
@@ -44,19 +45,12 @@ def allreduce_grads(params: dict, backend, group, bucket_elems: int = 1 << 24) -
     if cur:
         buckets.append(cur)
     for b in buckets:
-        parts = []
-        for n in b:
-            p = params[n]
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            parts.append(backend.download(p.grad.detach()).float().reshape(-1))
-        flat = torch.cat(parts)
-        del parts
+        flat = torch.cat([backend.download(grads[n].detach()).float().reshape(-1) for n in b])
         dist.all_reduce(flat, group=group)
         off = 0
         with torch.no_grad():
             for n in b:
-                g = params[n].grad
+                g = grads[n]
                 k = g.numel()
                 g.copy_(backend.upload(flat[off:off + k].view(g.shape).to(g.dtype)))
                 off += k

@@ -43,7 +43,9 @@ class TrainSpec:
 
     Units: ``lr`` per step, ``steps``/``warmup_steps``/``save_every``/``stop_after``/``eval_every`` in
     optimizer steps, ``micro_batch`` in sequences, ``accum`` = micro-batches M per optimizer step,
-    ``clip`` = max global grad norm (0: off), ``dtype`` the resolved compute dtype (``bf16`` | ``fp32``).
+    ``clip`` = max global grad norm (0: off), ``dtype`` the resolved compute dtype (``bf16`` | ``fp32``),
+    ``nonfinite`` what a non-finite loss or global grad norm does (``stop`` | ``skip``, see
+    :class:`npu_train.config.TrainConf`).
     """
 
     steps: int
@@ -66,6 +68,7 @@ class TrainSpec:
     dtype: str
     eval_every: int
     eval_batches: int
+    nonfinite: str = "stop"
     #: ``full`` or ``lora`` (then the ``lora_*`` fields give rank, alpha, dropout and target modules)
     mode: str = "full"
     lora_rank: int = 8
@@ -89,19 +92,33 @@ class TrainSpec:
         return asdict(self)
 
 
+#: gloo needs a finite timeout: 7 days (in seconds) stands for "never". Liveness is decided by the
+#: coordinator from heartbeats (``runtime.heartbeat_timeout_s``), which kills every card process of
+#: the job when one dies or hangs; a wait on a live peer (a 150 s first-step compilation, a long
+#: checkpoint write) must not time out on its own. 7 days in nanoseconds (6e14) is far from int64
+#: overflow in the C++ deadline arithmetic.
+WAIT_FOREVER_S = 7 * 24 * 3600.0
+
+
 @dataclass(frozen=True)
 class RuntimeSpec:
     """Process-level settings: heartbeat interval (s), boundary transport (``shm`` | ``inline``),
     torch intra-op ``threads`` of this card process (the same figure the planner used for its step
     time, see :func:`npu_train.planner.threads_per_card`), the receive / collective timeouts (s),
     the RNGD compile settings (``runtime.furiosa.*``, with ``loaded_modules`` as planned),
-    the RNGD memory accounting and whether the card process warms up (compiles) before step 1."""
+    the RNGD memory accounting and whether the card process warms up (compiles) before step 1.
+
+    ``recv_timeout_s`` None: stage-boundary receives and sends wait as long as it takes;
+    ``collective_timeout_s``: the gloo timeout (rendezvous, all-reduce, barrier), by default
+    :data:`WAIT_FOREVER_S`. A dead or hung peer is detected by the coordinator's heartbeat
+    timeout instead, which tears the whole job down (see :mod:`npu_train.runtime.coordinator`).
+    """
 
     heartbeat_interval_s: float
     transport: str
     threads: int
-    recv_timeout_s: float
-    collective_timeout_s: float
+    recv_timeout_s: Optional[float] = None
+    collective_timeout_s: float = WAIT_FOREVER_S
     furiosa: FuriosaCompileOptions = FuriosaCompileOptions()
     furiosa_accounting: str = "dispatch"
     warmup: bool = False

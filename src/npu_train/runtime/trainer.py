@@ -8,13 +8,18 @@ One optimizer step on one stage (:meth:`StageTrainer.train_step`):
    global batch, and the last stage divides its loss by the target tokens of all replicas' blocks;
 2. :class:`~npu_train.pipeline.stage.StageRunner` runs the schedule (1F1B / GPipe) over the
    micro-batches, exchanging activations and their gradients with the neighbouring stages through
-   :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in the parameters' ``.grad``;
+   :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in fp32
+   (:meth:`~npu_train.optim.adamw.StageOptimizer.grad`, also with bf16 compute);
 3. the tied embedding's gradient is summed between the first and last stage of the replica (gloo);
    with dp > 1, every stage's gradient is summed over its replicas (the stage group,
    :mod:`npu_train.runtime.replicas`);
 4. one gloo all-reduce over all ranks carries the squared gradient norm of every stage (counted once
    per stage: by replica 0, or with ZeRO-1 by each parameter's owner), the summed loss, the number
-   of target tokens and the stop flag: global grad norm = sqrt(sum), loss = sum / tokens;
+   of target tokens, the stop flag and one non-finite flag per stage: global grad norm = sqrt(sum),
+   loss = sum / tokens. A non-finite loss or grad norm (every rank sees the same reduced values)
+   stops the job naming the step and stage (:class:`NonFiniteError`, ``train.nonfinite=stop``) or
+   skips the step's update on every stage (``skip``); either way nothing reaches the masters,
+   moments or a checkpoint;
 5. clip coefficient ``min(1, clip / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), LR from
    warm-up + cosine (:func:`~npu_train.optim.lr.lr_at`), then AdamW on the fp32 master weights of
    resident (on the card) and offloaded (host) layers (:class:`~npu_train.optim.adamw.StageOptimizer`);
@@ -28,6 +33,7 @@ The process around it (signals, heartbeats, the control socket, error reports) i
 from __future__ import annotations
 
 import logging
+import math
 import time
 from datetime import timedelta
 from typing import Optional
@@ -37,6 +43,11 @@ import torch
 from npu_train.runtime.spec import WorkerSpec
 
 log = logging.getLogger("npu_train.worker")
+
+
+class NonFiniteError(RuntimeError):
+    """A non-finite (nan/inf) loss or global gradient norm with ``train.nonfinite=stop``; the message
+    names the step, the stage(s) where the non-finite values appeared, and the fix."""
 
 
 def compute_dtype(name: str) -> torch.dtype:
@@ -68,10 +79,32 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
         for p in module.parameters():
             track(p)
     masters = load_tensors(spec.model_path, cfg, module.param_names())
+    check_finite_weights(masters, spec.model_path)
     with torch.no_grad():
         for n, p in module.named_parameters():
             p.copy_(backend.upload(masters[n].to(dtype)))
     return module, masters
+
+
+def check_finite_weights(tensors: dict, model_path: str) -> None:
+    """Raise :class:`~npu_train.model.loading.ModelFormatError` naming the first tensor of ``tensors``
+    (HF name -> tensor) that holds a nan or inf: training from it would fill masters and moments with
+    NaN from the first step."""
+    from npu_train.model.loading import ModelFormatError
+
+    for n, t in tensors.items():
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ModelFormatError(f"model file {model_path}: tensor {n!r} holds {bad} non-finite value(s) "
+                                   "(nan/inf): the file is corrupt or was saved from a diverged run; "
+                                   "re-download or re-export the model")
+
+
+def grad_buffer(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p.grad``, created as zeros if the parameter got no gradient this step (to be reduced in place)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
 
 
 class StageTrainer:
@@ -100,6 +133,12 @@ class StageTrainer:
         self.tied_group = None
         self.stage_group = None
 
+    def enter(self, phase: str) -> None:
+        """Record ``phase`` (named in error reports) and tell the coordinator, which names it if this
+        card process dies or hangs there."""
+        self.phase[0] = phase
+        self.ctrl.send("phase", phase=phase)
+
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Device context, model load (own tensors), optimizer, gloo group, boundary links, resume, data.
@@ -120,13 +159,13 @@ class StageTrainer:
         from npu_train.runtime.replicas import zero_owners
 
         spec, tr = self.spec, self.tr
-        self.phase[0] = "device setup"
+        self.enter("device setup")
         card = spec.card
         self.backend = backend = make_backend(CardRequest(card.kind, card.index, card.name),
                                               **spec.runtime.backend_kwargs(card.kind))
         backend.setup()
 
-        self.phase[0] = "model load"
+        self.enter("model load")
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
         lora = tr.lora_spec()
         if lora is not None:  # frozen base in the compute dtype; only the adapters have masters and moments
@@ -143,12 +182,12 @@ class StageTrainer:
         backend.prepare_module(self.module)  # furiosa: whole-layer compiled graphs when configured
         if self.fault is not None:
             self.fault.install(self.module)
+            self.fault("load")
         self.compile_s = 0.0
         if spec.runtime.warmup and card.kind == "furiosa":  # before the optimizer exists: no state to touch
             from npu_train.runtime.warmup import warm_up_stage
 
-            self.phase[0] = "warm-up (graph compilation)"
-            self.ctrl.send("phase", phase=self.phase[0])
+            self.enter("warm-up (graph compilation)")
             dt, hid = compute_dtype(tr.dtype), int(spec.model_cfg["hidden_size"])
             seq_len = spec.slot_bytes // (tr.micro_batch * hid * dt.itemsize)  # slot = b x S x H x element
             self.compile_s = warm_up_stage(self.module, backend, first=self.first, last=self.last,
@@ -161,7 +200,7 @@ class StageTrainer:
                                   lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
         del masters
 
-        self.phase[0] = "rendezvous"
+        self.enter("rendezvous")
         lay = spec.layout
         dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=lay.world,
                                 timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
@@ -185,7 +224,7 @@ class StageTrainer:
 
         self.start = int(spec.start_step)
         if spec.resume_dir:
-            self.phase[0] = "resume"
+            self.enter("resume")
             reader = CheckpointReader(spec.resume_dir)
             want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in owned
                     for k in ("master", "exp_avg", "exp_avg_sq")}
@@ -241,7 +280,7 @@ class StageTrainer:
             fault.current_step = step + 1
         t0 = time.perf_counter()
         backend.reset_peak_memory()
-        self.phase[0] = f"step {step + 1} forward/backward"
+        self.enter(f"step {step + 1} forward/backward")
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
         for p in self.params.values():
             p.grad = None
@@ -252,11 +291,11 @@ class StageTrainer:
         else:
             res = self.runner.run_middle(step, tr.accum)
         t1 = time.perf_counter()
-        self.phase[0] = f"step {step + 1} collectives"
+        self.enter(f"step {step + 1} collectives")
         if fault is not None:
             fault("collective")
         if self.tied_pair and (self.first or self.last):
-            g = self.params[self.tied_name].grad
+            g = self.opt.grad(self.tied_name)  # fp32 accumulator with bf16 compute
             gh = backend.download(g).float()
             dist.all_reduce(gh, group=self.tied_group)
             with torch.no_grad():
@@ -265,31 +304,43 @@ class StageTrainer:
         if self.dp > 1:
             from npu_train.runtime.replicas import allreduce_grads
 
-            allreduce_grads(self.params, backend, self.stage_group)
+            # the buffers holding each parameter's step gradient: fp32 accumulators (bf16 compute) or .grad
+            allreduce_grads({n: self.opt.grad_buffer(n) if n in self.opt.params else grad_buffer(p)
+                             for n, p in self.params.items()}, backend, self.stage_group)
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
         # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
         counts = self.zero or self.replica == 0
         sq = float(self.opt.grad_sq_sum(exclude=exclude)) if counts else 0.0
-        red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req], dtype=torch.float64)
+        world = self.spec.world_size
+        flags = [0.0] * world  # flags[r] = 1: rank r holds a non-finite loss or gradient
+        flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
+        red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req] + flags, dtype=torch.float64)
         dist.all_reduce(red)
         grad_norm = float(red[0]) ** 0.5
         loss = float(red[1] / max(red[2], 1.0))
+        finite = math.isfinite(grad_norm) and math.isfinite(loss)
         clip_coef = min(1.0, tr.clip / (grad_norm + 1e-6)) if tr.clip > 0 else 1.0
         t2 = time.perf_counter()
-        self.phase[0] = f"step {step + 1} optimizer"
         lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
-        if fault is not None:
-            fault("optimizer")
-        ot = self.opt.step(lr, clip_coef)
-        if self.zero:
-            from npu_train.runtime.replicas import broadcast_weights
+        if not finite:
+            self.nonfinite(step, loss, grad_norm, [r for r in range(self.spec.world_size) if red[4 + r] > 0])
+            ot = {"device_optimizer": 0.0, "host_optimizer": 0.0, "transfer": 0.0}
+        else:
+            self.enter(f"step {step + 1} optimizer")
+            if fault is not None:
+                fault("optimizer")
+            ot = self.opt.step(lr, clip_coef)
+            if self.zero:
+                from npu_train.runtime.replicas import broadcast_weights
 
-            ta = time.perf_counter()
-            broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, backend, self.stage_group)
-            ot["transfer"] += time.perf_counter() - ta
+                ta = time.perf_counter()
+                broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, backend,
+                                  self.stage_group)
+                ot["transfer"] += time.perf_counter() - ta
         t3 = time.perf_counter()
         self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
+                       skipped=not finite,
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
                        send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
@@ -297,13 +348,33 @@ class StageTrainer:
                        compile_s=self.compile_s if step == self.start else 0.0, **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
 
+    def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:
+        """A non-finite loss or global grad norm in 0-based ``step`` (``stages``: where it appeared).
+
+        ``train.nonfinite=stop``: raise :class:`NonFiniteError` on the stages that hold the non-finite
+        values (on every stage if none does: a finite sum that overflowed); the others wait until
+        the coordinator ends the job. ``skip``: return, and the caller skips the update.
+        """
+        what = " and ".join(w for w, v in (("loss", loss), ("global grad norm", grad_norm)) if not math.isfinite(v))
+        where = f"stage(s) {', '.join(map(str, stages))}" if stages else "no single stage (the global sum overflowed)"
+        if self.tr.nonfinite == "skip":
+            log.warning("step %d: non-finite %s (loss %s, grad norm %s) from %s: update skipped "
+                        "(train.nonfinite=skip)", step + 1, what, loss, grad_norm, where)
+            return
+        if stages and self.rank not in stages:
+            return  # the stage that holds the non-finite values reports it
+        raise NonFiniteError(
+            f"step {step + 1}: non-finite {what} (loss {loss}, grad norm {grad_norm}), first seen on {where}; "
+            f"the update was not applied (masters, moments and checkpoints hold step {step}): lower train.lr, "
+            "check the data and the model file, or set train.nonfinite=skip to skip such steps")
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, after_step: int) -> Optional[float]:
         """Forward-only pass over the held-out micro-batches; returns the mean loss per target token
         (every rank gets it through the all-reduce; the last stage reports it to the coordinator)."""
         import torch.distributed as dist
 
-        self.phase[0] = f"evaluation after step {after_step}"
+        self.enter(f"evaluation after step {after_step}")
         er = {"loss_sum": 0.0, "n_tokens": 0}
         if self.replica == 0:  # the replicas hold the same weights: replica 0 evaluates, the others add zeros
             self.module.eval()
@@ -340,26 +411,26 @@ class StageTrainer:
         if not self.save_due(done, interrupted, stopping):
             return None
         spec = self.spec
-        self.phase[0] = f"checkpoint save of step {done}"
-        self.ctrl.send("phase", phase=self.phase[0])
+        self.enter(f"checkpoint save of step {done}")
         tensors = self.opt.state_tensors() if (self.zero or self.replica == 0) else {}
         if self.zero:
             from npu_train.runtime.replicas import gather_state
 
             tensors = gather_state(tensors, {n: tuple(p.shape) for n, p in self.params.items()}, self.owners,
                                    self.replica, self.stage_ranks)
-        staging = tmp_dir(spec.ckpt_root, done, spec.job_id)
+        staging = tmp_dir(spec.ckpt_root, done, spec.job_id, owner_pid=spec.parent_pid)
         if self.replica != 0:
             self.ctrl.send("ckpt", step=done, staging=staging)
             return staging
         tensors[f"rng.{self.stage}"] = torch.get_rng_state()
+        finite = all(bool(torch.isfinite(t).all()) for k, t in tensors.items() if not k.startswith("rng."))
         card = {"kind": spec.card.kind, "index": spec.card.index, "name": spec.card.name}
         st = spec.stage
         stage = {"first": st.first, "last": st.last, "has_embed": st.has_embed, "has_head": st.has_head,
                  "label": st.label}
         save_shard(staging, self.stage, tensors, {"rank": self.stage, "card": card, "stage": stage,
                                                   "resident": sorted(spec.resident_names), "step": done,
-                                                  "dp": self.dp, "zero": self.zero})
+                                                  "dp": self.dp, "zero": self.zero, "finite": finite})
         if self.fault is not None:
             self.fault("checkpoint")
         self.ctrl.send("ckpt", step=done, staging=staging)
@@ -389,7 +460,7 @@ class StageTrainer:
         """Barrier with every stage, close the boundary links, leave the gloo group."""
         import torch.distributed as dist
 
-        self.phase[0] = "shutdown"
+        self.enter("shutdown")
         dist.barrier()
         if self.comm is not None:
             self.comm.close()

@@ -1,0 +1,42 @@
+"""Resume onto other settings or other data is refused before anything starts (issue 12), unless
+``train.resume_mismatch=allow``; the unit side (write-order ``latest``, staging owners, leftovers,
+run-dir rotation) is ``tests/unit/test_resume_safety.py``."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from conftest import run_pipeline
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_resume_refuses_changed_lr_or_data_unless_allowed(tiny_model, tmp_path, capsys):
+    from npu_train.data.text import botchan_text
+
+    ck = str(tmp_path / "ckpt")
+    common = ("backend=[cpu]", "train.steps=3", f"checkpoint.dir={ck}")
+    run_pipeline(tiny_model, str(tmp_path / "first"), *common, "train.stop_after=1")
+    capsys.readouterr()
+
+    run_pipeline(tiny_model, str(tmp_path / "lr"), *common, "train.resume=latest", "train.lr=2e-3", expect_rc=2)
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "train.lr: checkpoint 0.001, now 0.002" in err[0], err
+    assert "train.resume_mismatch=allow" in err[0]
+
+    # the same text with one word changed: same number of sequences, another fingerprint
+    text = botchan_text()
+    i = text.index(" the ", 5000)
+    src = tmp_path / "other.txt"
+    src.write_text(text[:i] + " thy " + text[i + 5:])
+    run_pipeline(tiny_model, str(tmp_path / "data"), *common, "train.resume=latest", f"data.source={src}",
+                 expect_rc=2)
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "data fingerprint does not match" in err[0], err
+    assert not os.path.exists(tmp_path / "data" / "metrics.jsonl")  # refused before anything ran
+
+    losses, reader = run_pipeline(tiny_model, str(tmp_path / "allowed"), *common, "train.resume=latest",
+                                  "train.lr=2e-3", "train.resume_mismatch=allow")
+    assert len(losses) == 2 and reader.step == 3
+    assert "resuming with a changed setting (train.resume_mismatch=allow): train.lr" in capsys.readouterr().out

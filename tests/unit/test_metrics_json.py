@@ -1,0 +1,46 @@
+"""Metrics files stay strict JSON with non-finite values (issue 12): no bare NaN / Infinity."""
+from __future__ import annotations
+
+import io
+import json
+import math
+
+import pytest
+
+
+def _rep(step, loss, gnorm, skipped=False):
+    return {"step": step, "loss": loss, "lr": 1e-3, "grad_norm": gnorm, "tokens": 64, "time_s": 1.0,
+            "compute_s": 0.5, "wait_s": 0.1, "send_s": 0.0, "optimizer_s": 0.2, "host_optimizer_s": 0.0,
+            "transfer_s": 0.0, "mem_peak": 1, "mem_now": 1, "skipped": skipped}
+
+
+def _strict(text):
+    def bad(c):
+        raise ValueError(f"non-JSON constant {c}")
+    return json.loads(text, parse_constant=bad)
+
+
+def test_nonfinite_values_are_written_as_null(tmp_path):
+    from npu_train.metrics.report import Reporter
+
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 3, stream=out, tensorboard=False)
+    r.step([_rep(1, 5.0, 1.0), _rep(1, 5.0, 1.0)])
+    r.step([_rep(2, float("nan"), float("inf"), True), _rep(2, float("nan"), float("inf"), True)])
+    r.step([_rep(3, 4.0, 1.0), _rep(3, 4.0, 1.0)])
+    r.eval(3, float("nan"), 128)
+    summ = r.finish({"note": float("-inf")})
+    with open(tmp_path / "metrics.jsonl") as f:
+        recs = [_strict(l) for l in f]
+    assert recs[1]["loss"] is None and recs[1]["grad_norm"] is None and recs[1]["skipped"] is True
+    assert "skipped" not in recs[0]
+    with open(tmp_path / "eval.jsonl") as f:
+        ev = _strict(f.read())
+    assert ev["val_loss"] is None and ev["val_ppl"] is None
+    with open(tmp_path / "summary.json") as f:
+        s = _strict(f.read())
+    assert s["skipped_steps"] == 1 and s["first_loss"] == 5.0 and s["last_loss"] == 4.0 and s["note"] is None
+    assert summ["skipped_steps"] == 1
+    assert "SKIPPED" in out.getvalue().splitlines()[1]
+    with pytest.raises(ValueError):  # the strict parser really rejects what json.dumps writes by default
+        _strict(json.dumps({"x": math.nan}))

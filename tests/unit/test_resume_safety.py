@@ -1,0 +1,132 @@
+"""Resume safety (issue 12), pure units: settings/data comparison, write-order ``latest``, rotation that
+keeps the newest finite checkpoint, staging directories and shm/IPC leftovers removed only for dead
+owners, and run directories never appended to."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from npu_train.checkpoint.store import (CheckpointError, CheckpointReader, complete_checkpoints, finalize,
+                                        find_checkpoint, remove_stale_staging, save_shard, tmp_dir)
+
+
+def _dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def _save(root, step, *, finite=True, job="j1", base=None):
+    st = tmp_dir(root, step, job)
+    save_shard(st, 0, {"master.w": torch.full((2,), float(step))}, {"rank": 0, "finite": finite})
+    return finalize(root, st, step, dict(base or {}), keep=0)
+
+
+TRAIN = {"steps": 10, "lr": 1e-3, "warmup_steps": 2, "min_lr_ratio": 0.1, "seed": 1}
+
+
+def test_resume_refuses_changed_settings_and_data(tmp_path):
+    root = str(tmp_path)
+    path = _save(root, 4, base={"train": TRAIN, "data_fingerprint": "abc"})
+    r = CheckpointReader(path)
+    assert r.check_run(dict(TRAIN, seed=2), "abc") == []  # other keys (seed here) are not compared
+    for key, val in (("steps", 20), ("lr", 2e-3), ("warmup_steps", 0), ("min_lr_ratio", 0.0)):
+        with pytest.raises(CheckpointError, match=rf"train\.{key}: checkpoint .* now .*train\.resume_mismatch=allow"):
+            r.check_run(dict(TRAIN, **{key: val}), "abc")
+    with pytest.raises(CheckpointError, match=r"data fingerprint does not match.*train\.resume_mismatch=allow"):
+        r.check_run(TRAIN, "other")
+    assert len(r.check_run(dict(TRAIN, lr=2e-3), "other", allow=True)) == 2
+
+
+def test_latest_is_last_written_not_highest_step(tmp_path):
+    root = str(tmp_path)
+    _save(root, 10)
+    _save(root, 2)  # a fresh run writing into the same root
+    assert [os.path.basename(p) for p in complete_checkpoints(root)] == ["step_000010", "step_000002"]
+    assert os.path.basename(find_checkpoint("latest", root)) == "step_000002"
+    st = tmp_dir(root, 4, "j2")
+    save_shard(st, 0, {"master.w": torch.zeros(2)}, {"rank": 0})
+    finalize(root, st, 4, {}, keep=1)  # rotation follows write order too
+    assert [os.path.basename(p) for p in complete_checkpoints(root)] == ["step_000004"]
+
+
+def test_rotation_never_deletes_newest_finite_checkpoint(tmp_path):
+    root = str(tmp_path)
+    _save(root, 2)
+    _save(root, 4, finite=False)
+    st = tmp_dir(root, 6, "j1")
+    save_shard(st, 0, {"master.w": torch.full((2,), float("nan"))}, {"rank": 0, "finite": False})
+    finalize(root, st, 6, {}, keep=1)
+    assert [os.path.basename(p) for p in complete_checkpoints(root)] == ["step_000002", "step_000006"]
+    assert CheckpointReader(os.path.join(root, "step_000002")).manifest["finite"] is True
+    assert CheckpointReader(os.path.join(root, "step_000006")).manifest["finite"] is False
+
+
+def test_staging_of_live_job_is_kept(tmp_path):
+    root = str(tmp_path)
+    live = tmp_dir(root, 2, "live1")                             # owner: this (live) process
+    dead = tmp_dir(root, 2, "dead1", owner_pid=_dead_pid())      # owner gone: a crashed job
+    legacy = os.path.join(root, ".tmp-step_000002-old1")         # no owner record (older version)
+    os.makedirs(legacy)
+    with open(os.path.join(live, "owner.json")) as f:
+        assert json.load(f)["pid"] == os.getpid()
+    removed = remove_stale_staging(root)
+    assert sorted(removed) == sorted([dead, legacy])
+    assert os.path.isdir(live) and not os.path.exists(dead) and not os.path.exists(legacy)
+    other_host = tmp_dir(root, 4, "far1")
+    with open(os.path.join(other_host, "owner.json"), "w") as f:
+        json.dump({"pid": _dead_pid(), "start": 0.0, "host": "some-other-host"}, f)
+    remove_stale_staging(root)
+    assert os.path.isdir(other_host)  # cannot tell from here: kept
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_sweep_removes_only_dead_jobs_leftovers(tmp_path, monkeypatch):
+    import tempfile
+
+    from npu_train.runtime import leftovers
+    from npu_train.transport.shm import segment_names_for_job
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    jobs = {}
+    for name in ("deadjob1", "livejob1"):
+        ipc = tempfile.mkdtemp(prefix=f"npt-{name}-")
+        with open(f"/dev/shm/npt_{name}_act0", "wb") as f:
+            f.write(b"x")
+        leftovers.write_job_owner(name, ipc)
+        jobs[name] = ipc
+    try:
+        with open(leftovers.owner_path("deadjob1")) as f:
+            rec = json.load(f)
+        rec["pid"] = _dead_pid()
+        with open(leftovers.owner_path("deadjob1"), "w") as f:
+            json.dump(rec, f)
+        assert "deadjob1" in leftovers.sweep_dead_jobs()
+        assert segment_names_for_job("deadjob1") == [] and not os.path.exists(jobs["deadjob1"])
+        assert segment_names_for_job("livejob1") == ["npt_livejob1_act0", "npt_livejob1_owner"]
+        assert os.path.isdir(jobs["livejob1"])
+    finally:
+        for name in jobs:
+            for seg in segment_names_for_job(name):
+                os.remove(f"/dev/shm/{seg}")
+
+
+def test_run_dir_with_metrics_is_rotated_not_appended(tmp_path):
+    from npu_train.metrics.report import rotate_previous_run
+
+    d = str(tmp_path)
+    assert rotate_previous_run(d) is None
+    for fn in ("metrics.jsonl", "summary.json", "card1.traceback.txt", "job.json"):
+        with open(os.path.join(d, fn), "w") as f:
+            f.write("{}\n")
+    assert rotate_previous_run(d) == os.path.join(d, "previous-1")
+    assert sorted(os.listdir(os.path.join(d, "previous-1"))) == ["card1.traceback.txt", "metrics.jsonl", "summary.json"]
+    assert not os.path.exists(os.path.join(d, "metrics.jsonl")) and os.path.exists(os.path.join(d, "job.json"))
+    with open(os.path.join(d, "metrics.jsonl"), "w") as f:
+        f.write("{}\n")
+    assert rotate_previous_run(d) == os.path.join(d, "previous-2")
