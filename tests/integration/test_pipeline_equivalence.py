@@ -78,7 +78,7 @@ def test_bf16_pipeline_loss_close_to_fp32_reference(tiny_model, tmp_path):
     Mutation check (run, seen failing on the update check and, ordered first, on the per-tensor check):
     the ``copy_`` of the masters into the compute-dtype parameters removed from ``StageOptimizer.step``
     (resident and offloaded)."""
-    from npu_train.model.loading import load_config, load_tensors
+    from npu_train.model import load_config, load_tensors
 
     ref_losses, ref_w = _ref(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.dtype=bf16")

@@ -87,10 +87,10 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
 
 
 def check_finite_weights(tensors: dict, model_path: str) -> None:
-    """Raise :class:`~npu_train.model.loading.ModelFormatError` naming the first tensor of ``tensors``
+    """Raise :class:`~npu_train.model.ModelFormatError` naming the first tensor of ``tensors``
     (HF name -> tensor) that holds a nan or inf: training from it would fill masters and moments with
     NaN from the first step."""
-    from npu_train.model.loading import ModelFormatError
+    from npu_train.model import ModelFormatError
 
     for n, t in tensors.items():
         bad = int((~torch.isfinite(t)).sum())
