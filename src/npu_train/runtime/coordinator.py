@@ -173,7 +173,7 @@ class Coordinator:
         os.replace(path + ".part", path)
 
     def _describe(self, rs: RankState) -> str:
-        return f"card {rs.card} ({rs.where}, layers {rs.layers})"
+        return f"card {rs.card} ({rs.where or f'stage {rs.rank}'}, layers {rs.layers})"
 
     def _fail(self, rs: RankState, cause: str) -> None:
         raise JobFailed(f"{self._describe(rs)} failed during {rs.phase}: {cause}")
