@@ -105,6 +105,10 @@ class TrainConf:
     #: update is never applied, so masters, moments and checkpoints stay finite) | skip (all stages
     #: skip that step's update; counted as skipped_steps in the metrics and summary).
     nonfinite: str = "stop"
+    #: where gradients accumulate over the micro-batches with bf16 compute: fp32 (fp32 accumulators,
+    #: 4 B/param, one rounding per step) | compute (the bf16 .grad, 2 B/param: half the gradient memory,
+    #: what the RNGD field layouts ran with, e.g. Llama-3.1-8B 1 card x 4 resident layers)
+    grad_accum: str = "fp32"
 
 
 @dataclass
@@ -247,6 +251,8 @@ def validate(cfg) -> None:
                           "use train.schedule=1f1b for activation recompute")
     if t.resume_mismatch not in ("refuse", "allow"):
         raise ConfigError(f"train.resume_mismatch={t.resume_mismatch!r}: use refuse or allow")
+    if t.grad_accum not in ("fp32", "compute"):
+        raise ConfigError(f"train.grad_accum={t.grad_accum!r}: use fp32 or compute")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:

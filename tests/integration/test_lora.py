@@ -127,3 +127,15 @@ def test_lora_export_peft_and_merged(tiny_model, tmp_path):
         c = LlamaForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)(input_ids=x).logits
     assert rel_diff(a, b) < 1e-5
     assert rel_diff(c, b) > 1e-4  # the adapter changes the model
+
+
+def test_lora_resume_is_exact(tiny_model, tmp_path):
+    """LoRA stop after 1 step + train.resume=latest equals the uninterrupted run (losses and adapters)."""
+    ck = f"checkpoint.dir={tmp_path / 'ck'}"
+    full, r_full = run_pipeline(tiny_model, str(tmp_path / "full"), "backend=[cpu,cpu]", *LORA)
+    first, _ = run_pipeline(tiny_model, str(tmp_path / "a"), "backend=[cpu,cpu]", *LORA, ck, "train.stop_after=1")
+    rest, r_res = run_pipeline(tiny_model, str(tmp_path / "b"), "backend=[cpu,cpu]", *LORA, ck, "train.resume=latest")
+    assert first + rest == full
+    for k in r_full.manifest["index"]:
+        if k.startswith(("master.", "exp_avg")):
+            assert torch.equal(r_full.get(k), r_res.get(k)), k

@@ -149,3 +149,41 @@ def test_weight_decay_policy(resident):
     torch.testing.assert_close(st[f"master.{w}"], init[w] * (1 - lr * wd), rtol=1e-6, atol=0)
     for n in ("model.layers.0.input_layernorm.weight", "model.norm.weight"):
         assert torch.equal(st[f"master.{n}"], init[n]), n
+
+
+def test_grad_accum_compute_keeps_bf16_grad():
+    """``train.grad_accum=compute`` (``fp32_grad_accum=False``): no fp32 accumulator, the step's gradient is
+    the bf16 ``.grad`` autograd accumulated (half the gradient memory; what the RNGD field layouts ran)."""
+    from npu_train.optim.adamw import StageOptimizer
+
+    torch.set_num_threads(1)
+    xs, ys = _batches(4, mb=1, S=16)
+    model = _model(torch.bfloat16)
+    params = dict(model.named_parameters())
+    masters = {n: p.detach().float() for n, p in params.items()}
+    opt = StageOptimizer(params, masters, [], _Cpu(), lr=1e-3, fp32_grad_accum=False)
+    assert opt.accumulators == {}
+    opt.zero_grad()
+    _run_stage(model, xs, ys)
+    for n, p in params.items():
+        assert opt.grad(n).dtype == torch.bfloat16 and p.grad is not None
+
+
+def test_plan_grad_accum_setting_reaches_the_planner():
+    """The RNGD field layout (Llama-3.1-8B, 1 card x 4 resident, S=512, M=4) fits with bf16 gradient
+    accumulation (train.grad_accum=compute, as it ran) and not with fp32 accumulators (+2 B/param)."""
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config
+    from npu_train.runtime.job import prepare
+
+    def plan(acc):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([
+            "plan=true", "model.path=llama-3.1-8b", "backend=[furiosa:auto]", "data.seq_len=512",
+            "train.micro_batch=1", "train.accum=4", "train.resident_layers=4", f"train.grad_accum={acc}"]))
+        return prepare(cfg, "", probe=False)["plan"]
+
+    compute = plan("compute")
+    assert compute.fits and compute.shape.grad_accum == "compute"
+    with pytest.raises(Exception, match="capacity"):
+        plan("fp32")

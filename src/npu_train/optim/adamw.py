@@ -76,7 +76,7 @@ class StageOptimizer:
 
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, fp32_grad_accum: bool = True):
         self.params = params
         self.backend = backend
         self.resident = set(resident) & set(params)
@@ -90,7 +90,9 @@ class StageOptimizer:
         # fp32 gradient accumulators for low-precision compute (see the module docstring)
         self.accumulators: dict[str, torch.Tensor] = {}
         self._touched: set[str] = set()
-        low = [n for n, p in params.items() if p.dtype != torch.float32]
+        # fp32_grad_accum=False (train.grad_accum=compute): gradients accumulate in the compute dtype's
+        # .grad, as the predecessor system on RNGD did (half the gradient memory, one rounding per micro-batch)
+        low = [n for n, p in params.items() if p.dtype != torch.float32] if fp32_grad_accum else []
         if low:
             track = getattr(backend, "track", None)
             lock = getattr(backend, "alloc_lock", None)

@@ -144,7 +144,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
         lora_pl = LoraSpec(r=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets)).params_per_layer(
             mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
-                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl)
+                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
+                     grad_accum=tr.grad_accum)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
@@ -254,7 +255,8 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
                      eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
-                     lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite)
+                     lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
+                     grad_accum=tr.grad_accum)
 
 
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,

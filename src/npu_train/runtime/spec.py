@@ -69,6 +69,8 @@ class TrainSpec:
     eval_every: int
     eval_batches: int
     nonfinite: str = "stop"
+    #: ``fp32`` accumulators or ``compute`` (the compute dtype's ``.grad``), ``train.grad_accum``
+    grad_accum: str = "fp32"
     #: ``full`` or ``lora`` (then the ``lora_*`` fields give rank, alpha, dropout and target modules)
     mode: str = "full"
     lora_rank: int = 8

@@ -197,7 +197,8 @@ class StageTrainer:
         self.owners = zero_owners({n: p.numel() for n, p in self.params.items()}, self.dp) if self.zero else None
         owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners[n] == self.replica}
         self.opt = StageOptimizer(owned, {n: masters[n] for n in owned}, list(spec.resident_names), backend,
-                                  lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay)
+                                  lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
+                                  fp32_grad_accum=tr.grad_accum == "fp32")
         del masters
 
         self.enter("rendezvous")
