@@ -20,7 +20,7 @@ from conftest import make_cfg, rel_diff, run_pipeline
 
 peft = pytest.importorskip("peft")
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.heavy]
 LORA = ["train.mode=lora", "lora.rank=4", "lora.alpha=8", "train.lr=5e-3", "train.weight_decay=0.01"]
 
 
