@@ -176,7 +176,7 @@ class Reporter:
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
         avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
-        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f} {avg} | lr {rec['lr']:.2e} | "
+        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
                   f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
                   f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
                   f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"

@@ -133,6 +133,11 @@ class StageTrainer:
         self.tied_group = None
         self.stage_group = None
 
+    def grad_buf(self, name: str) -> torch.Tensor:
+        """The tensor holding parameter ``name``'s step gradient (the optimizer's fp32 accumulator, or
+        ``.grad`` for a parameter this replica's optimizer does not own under ZeRO-1), to change in place."""
+        return self.opt.grad_buffer(name) if name in self.opt.params else grad_buffer(self.params[name])
+
     def enter(self, phase: str) -> None:
         """Record ``phase`` (named in error reports) and tell the coordinator, which names it if this
         card process dies or hangs there."""
@@ -296,7 +301,7 @@ class StageTrainer:
         if fault is not None:
             fault("collective")
         if self.tied_pair and (self.first or self.last):
-            g = self.opt.grad(self.tied_name)  # fp32 accumulator with bf16 compute
+            g = self.grad_buf(self.tied_name)  # fp32 accumulator with bf16 compute (or .grad)
             gh = backend.download(g).float()
             dist.all_reduce(gh, group=self.tied_group)
             with torch.no_grad():
@@ -306,8 +311,7 @@ class StageTrainer:
             from npu_train.runtime.replicas import allreduce_grads
 
             # the buffers holding each parameter's step gradient: fp32 accumulators (bf16 compute) or .grad
-            allreduce_grads({n: self.opt.grad_buffer(n) if n in self.opt.params else grad_buffer(p)
-                             for n, p in self.params.items()}, backend, self.stage_group)
+            allreduce_grads({n: self.grad_buf(n) for n in self.params}, backend, self.stage_group)
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
         # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
