@@ -115,6 +115,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
+    if a.temperature < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1:
+        print("error: need --temperature >= 0 (0 = greedy), 0 < --top-p <= 1 and --max-new-tokens >= 1",
+              file=sys.stderr)
+        return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from npu_train.errors import UserError
 

@@ -148,6 +148,8 @@ def read_documents(spec: str) -> list[str]:
     else:
         path = Path(spec).expanduser()
         if not path.exists():
+            if spec == "botchan-chat":  # the shipped chat set, named in text mode
+                raise DataError("data.source=botchan-chat is the shipped chat set: add data.format=chat")
             raise FileNotFoundError(
                 f"data.source={spec!r}: no such file or directory ({path.resolve()}); "
                 f"use one of the built-in texts {list(BUILTIN_SOURCES)}, or a path to a "

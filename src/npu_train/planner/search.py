@@ -249,7 +249,8 @@ def make_plan(
             raise PlacementError(f"split {split_l}: every card needs at least one layer")
         if sum(split_l) != L:
             raise PlacementError(
-                f"split {split_l} sums to {sum(split_l)} layers; {model.name} has {L}")
+                f"split {split_l} sums to {sum(split_l)} layers; {model.name} has {L}: give train.split "
+                f"layers per card summing to {L}, or drop train.split (the planner chooses)")
     else:
         split_l = None
 

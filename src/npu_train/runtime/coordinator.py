@@ -131,7 +131,15 @@ class Coordinator:
             now = time.monotonic()
             for spec, rs in zip(self.specs, self.ranks):
                 rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
-                rs.proc.start()
+                # a Ctrl-C during start-up belongs to the launcher: the card process starts with SIGINT/SIGTERM
+                # ignored (an ignored disposition survives exec, and Python then installs no handler), so
+                # its imports are not interrupted with a KeyboardInterrupt traceback
+                prev = {sg: signal.signal(sg, signal.SIG_IGN) for sg in (signal.SIGINT, signal.SIGTERM)}
+                try:
+                    rs.proc.start()
+                finally:
+                    for sg, h in prev.items():
+                        signal.signal(sg, h)
                 rs.last_seen = rs.started_at = now
             self._write_job_file()
             try:
