@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "npu_train"
 
 #: layer of each sub-package / top-level module (higher imports lower)
 LAYERS = {
-    "errors": 0, "hardware": 0, "env": 0,
+    "errors": 0, "hardware": 0, "env": 0, "ownership": 0,
     "config": 1,
     "model": 2, "transport": 2, "optim": 2, "backends": 2, "data": 2,
     "pipeline": 3, "planner": 3, "checkpoint": 3, "metrics": 3,

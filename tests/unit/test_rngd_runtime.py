@@ -68,7 +68,8 @@ def test_config_validation(key, value, match):
 
 
 def test_dry_run_plan_carries_headroom_cache_dir_and_module_cache(tmp_path, monkeypatch):
-    from npu_train.runtime.job import furiosa_runtime_fields, prepare
+    from npu_train.runtime.job import prepare
+    from npu_train.runtime.specs import furiosa_runtime_fields
 
     monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
     cfg = _cfg(**{"plan": True, "model.path": "llama-3.1-8b", "backend": ["furiosa:auto", "furiosa:auto"],

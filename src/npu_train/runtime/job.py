@@ -17,10 +17,11 @@ import sys
 import tempfile
 from typing import Optional
 
-from npu_train.env import cache_dir, getenv
+from npu_train.env import getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
+from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, train_spec
 from npu_train.transport.channel import Endpoint
 
 
@@ -174,27 +175,6 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
             "dp": dp, "zero": zero}
 
 
-def furiosa_cache_dir(cfg) -> str:
-    """``runtime.furiosa.compiler_cache_dir``, default ``<cache root>/furiosa/compiler``
-    (:func:`npu_train.env.cache_dir`: ``$NPT_CACHE``, else ``~/.cache/npu-train``), absolute."""
-    d = cfg.runtime.furiosa.compiler_cache_dir
-    return os.path.abspath(os.path.expanduser(d)) if d else str(cache_dir("furiosa", "compiler"))
-
-
-def furiosa_runtime_fields(cfg, plan) -> dict:
-    """The RNGD fields of :class:`~npu_train.runtime.spec.RuntimeSpec`: compile options (the cache
-    directory, the plan's loaded-module count, CPU fallback), accounting, warm-up."""
-    from npu_train.backends.furiosa_compile import FuriosaCompileOptions
-
-    fur = cfg.runtime.furiosa
-    n = max((t.loaded_modules for t, st in zip(plan.memory_terms, plan.stages)
-             if st.card.kind == "furiosa"), default=int(fur.loaded_modules))
-    return {"furiosa": FuriosaCompileOptions(compiler_cache_dir=furiosa_cache_dir(cfg), loaded_modules=int(n),
-                                             cpu_fallback=bool(fur.cpu_fallback), probe_free=bool(fur.probe_free),
-                                             compiled_layers=bool(fur.compiled_layers)),
-            "furiosa_accounting": str(fur.accounting), "warmup": bool(fur.warmup)}
-
-
 def _preset_config(path: str):
     """The preset's LlamaConfig when ``path`` names a preset (and no such file exists), else None."""
     from npu_train.model.presets import get_preset
@@ -243,20 +223,6 @@ def resident_param_names(model_cfg, stage, lora_targets=()) -> list[str]:
 CARD_PROCESS_MODULES = ("npu_train.runtime.worker", "npu_train.runtime.trainer", "npu_train.backends",
                         "npu_train.optim.adamw", "npu_train.pipeline.stage", "npu_train.data.dataset",
                         "npu_train.checkpoint.store", "npu_train.transport")
-
-
-def train_spec(cfg, dtype: str) -> TrainSpec:
-    """The :class:`~npu_train.runtime.spec.TrainSpec` of ``cfg`` with the resolved compute ``dtype``."""
-    tr = cfg.train
-    return TrainSpec(steps=tr.steps, micro_batch=tr.micro_batch, accum=tr.accum, lr=tr.lr,
-                     min_lr_ratio=tr.min_lr_ratio, warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay,
-                     beta1=tr.beta1, beta2=tr.beta2, eps=tr.eps, clip=tr.clip, schedule=tr.schedule,
-                     recompute=tr.recompute, seed=tr.seed, save_every=tr.save_every,
-                     save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
-                     eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
-                     lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
-                     lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
-                     grad_accum=tr.grad_accum)
 
 
 def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
