@@ -202,7 +202,7 @@ def test_card_fault_on_node1_brings_both_nodes_down(two_nodes, tiny_model, tmp_p
 def test_kill9_node_agent_brings_the_other_node_down(two_nodes, tiny_model, tmp_path):
     """kill -9 of node 1's launcher (its node agent): its card processes clean up and exit, node 0
     declares node 1 dead after the heartbeat timeout, names it, and leaves nothing behind."""
-    common = ("train.steps=200",)
+    common = ("train.steps=200", f"checkpoint.dir={tmp_path / 'shared_ckpt'}")
     n0 = _node_job(tmp_path, tiny_model, two_nodes, 0, "cpu", *common)
     n1 = _node_job(tmp_path, tiny_model, two_nodes, 1, "cpu,cpu", *common)
     jobs = [n0, n1]

@@ -123,7 +123,13 @@ def _run_sweep(tmp_path, model, *overrides, timeout=600):
     before = {f for f in os.listdir("/dev/shm") if f.startswith("npt_")}
     p = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
     after = {f for f in os.listdir("/dev/shm") if f.startswith("npt_")}
-    return p, sweep_dir, after - before
+    # only this sweep's jobs count (other jobs on the machine may create segments meanwhile)
+    ids = set()
+    for root, _, files in os.walk(sweep_dir):
+        if "job.json" in files:
+            with open(os.path.join(root, "job.json")) as f:
+                ids.add(json.load(f)["job_id"])
+    return p, sweep_dir, {f for f in after - before if any(f.startswith(f"npt_{i}_") for i in ids)}
 
 
 def _jobs(sweep_dir):
