@@ -18,7 +18,7 @@ import torch
 
 from launch_util import Job, job_segments, pid_gone
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]  # multi-process fault runs: CI's heavy step
 
 TEARDOWN_S = 10.0  # issue #4: the job exits within 10 s of the fault
 

@@ -21,7 +21,7 @@ import pytest
 
 from launch_util import Job
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]  # multi-process fault runs: CI's heavy step
 
 HB = 3.0
 SLOW_S = 4 * HB

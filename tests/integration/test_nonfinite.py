@@ -19,7 +19,7 @@ import torch
 
 from launch_util import Job
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]  # multi-process runs: CI's heavy step
 
 
 def _strict(text: str):
