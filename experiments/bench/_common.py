@@ -21,6 +21,7 @@ from statistics import median
 from typing import Optional
 
 
+
 def usable_cores() -> list[int]:
     """The cores this process may run on (its affinity mask), sorted."""
     try:
@@ -57,21 +58,12 @@ def pin_pid_tree(pid: int, core: int) -> int:
     return n
 
 
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(device: str = "cpu") -> dict:
     """What the figures were measured on: CPU model, logical CPUs, usable cores (affinity), torch
     version, 1-minute load average at the start, and the GPU's name when ``device`` is cuda."""
     import torch
+
+    from npu_train.planner.calibration import cpu_model  # the calibration profile's record of the CPU
 
     info = {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cores": usable_cores(),
             "torch": torch.__version__, "python": platform.python_version(),

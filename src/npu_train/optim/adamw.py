@@ -62,6 +62,13 @@ class _Group:
             self.opt.step()
 
 
+def grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
+    """``p.grad``, created as zeros if the parameter got no gradient this step (to be changed in place)."""
+    if p.grad is None:
+        p.grad = torch.zeros_like(p)
+    return p.grad
+
+
 class StageOptimizer:
     """AdamW with fp32 master weights for the parameters of one pipeline stage.
 
@@ -135,10 +142,7 @@ class StageOptimizer:
                 self.accumulators[name].zero_()
                 self._touched.add(name)
             return self.accumulators[name]
-        p = self.params[name]
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        return p.grad
+        return grad_or_zeros(self.params[name])
 
     def grad(self, name: str):
         """The step's accumulated gradient of parameter ``name`` (fp32 with bf16 compute, else the

@@ -105,7 +105,8 @@ def thread_counts(cores: Optional[int] = None) -> list[int]:
     return sorted(out)
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model name (``/proc/cpuinfo``'s ``model name``, else ``platform``'s), for machine records."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -125,7 +126,7 @@ def machine_info(kind: Optional[str] = None, backend=None) -> dict:
     info = {
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cores_logical": os.cpu_count(),
         "cores_usable": usable_cores(),
         "cores_physical": psutil.cpu_count(logical=False),

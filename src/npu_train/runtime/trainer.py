@@ -100,13 +100,6 @@ def check_finite_weights(tensors: dict, model_path: str) -> None:
                                    "re-download or re-export the model")
 
 
-def grad_buffer(p: torch.nn.Parameter) -> torch.Tensor:
-    """``p.grad``, created as zeros if the parameter got no gradient this step (to be reduced in place)."""
-    if p.grad is None:
-        p.grad = torch.zeros_like(p)
-    return p.grad
-
-
 class StageTrainer:
     """Trains one pipeline stage on one card for ``spec.train.steps`` optimizer steps.
 
@@ -136,7 +129,9 @@ class StageTrainer:
     def grad_buf(self, name: str) -> torch.Tensor:
         """The tensor holding parameter ``name``'s step gradient (the optimizer's fp32 accumulator, or
         ``.grad`` for a parameter this replica's optimizer does not own under ZeRO-1), to change in place."""
-        return self.opt.grad_buffer(name) if name in self.opt.params else grad_buffer(self.params[name])
+        from npu_train.optim.adamw import grad_or_zeros
+
+        return self.opt.grad_buffer(name) if name in self.opt.params else grad_or_zeros(self.params[name])
 
     def enter(self, phase: str) -> None:
         """Record ``phase`` (named in error reports) and tell the coordinator, which names it if this
