@@ -82,7 +82,9 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
     from npu_train.checkpoint.store import find_checkpoint
 
-    reader = CheckpointReader(find_checkpoint(ckpt_dir, None))  # a step_XXXXXX dir or a checkpoint root
+    # a step_XXXXXX dir or a checkpoint root (never the trainer's keywords latest/auto)
+    arg = f"python -m npu_train.checkpoint.export <checkpoint>={ckpt_dir!r}"
+    reader = CheckpointReader(find_checkpoint(os.path.abspath(ckpt_dir), None, arg=arg))
     cfg = LlamaConfig.from_dict(reader.manifest["model"])
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     names = stage_param_names(cfg, 0, cfg.num_layers, True, True)

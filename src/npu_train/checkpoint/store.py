@@ -238,13 +238,14 @@ def remove_stale_staging(root: str) -> list[str]:
     return removed
 
 
-def find_checkpoint(spec: str, root: Optional[str]) -> Optional[str]:
+def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -> Optional[str]:
     """Resolve ``train.resume``: ``latest`` or ``auto`` (newest complete under ``root``), a checkpoint dir, or a root.
 
     ``auto`` is for jobs that restart themselves (a Kubernetes pod after a node loss, a re-queued
     batch job): it returns the newest complete checkpoint under ``root`` if there is one, else
     ``None``, which the caller treats as a fresh start (step 0, no state loaded). Every other
-    spec returns a path or raises.
+    spec returns a path or raises. ``arg`` names where ``spec`` came from in the error messages
+    (default ``train.resume=<spec>``; another tool, e.g. the export CLI, names its own argument).
 
     Raises:
         CheckpointError: nothing complete found (``latest`` or a path), or the named directory is incomplete.
@@ -258,16 +259,18 @@ def find_checkpoint(spec: str, root: Optional[str]) -> Optional[str]:
             raise CheckpointError(f"train.resume=latest: no complete checkpoint under {root!r}; "
                                   "set checkpoint.dir to the run's checkpoint directory or drop train.resume")
         return cands[-1]
+    arg = arg or f"train.resume={spec!r}"
     path = os.path.abspath(os.path.expanduser(spec))
     if is_complete(path):
         return path
     cands = complete_checkpoints(path)
     if cands:
         return cands[-1]
+    fix = ("give a step_XXXXXX directory with a manifest.json, or a checkpoint root holding one "
+           "(the run's checkpoint.dir, default <run dir>/checkpoints)")
     if os.path.isdir(path):
-        raise CheckpointError(f"train.resume={spec!r}: {path} holds no complete checkpoint (no manifest.json); "
-                              "pick a step_XXXXXX directory with a manifest")
-    raise CheckpointError(f"train.resume={spec!r}: {path} does not exist")
+        raise CheckpointError(f"{arg}: {path} holds no complete checkpoint (no manifest.json); {fix}")
+    raise CheckpointError(f"{arg}: {path} does not exist; {fix}")
 
 
 class CheckpointReader:
