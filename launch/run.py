@@ -54,9 +54,11 @@ def _one_line_hydra_error(text: str) -> str:
     return "; ".join(lines) if lines else "invalid command line"
 
 
-def main(cfg, run_dir: str) -> int:
+def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     """Run one job and map how it ended to the exit status (``npu_train.errors``: 0 ok, 1 a card
-    process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2."""
+    process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2.
+    An interrupted job puts ``checkpoint`` (saved by this launch, or None) and ``checkpoint_dir``
+    (its checkpoint root) into ``report`` when given (for ``status.json``)."""
     import logging
     import signal
 
@@ -72,6 +74,8 @@ def main(cfg, run_dir: str) -> int:
         return exit_code_for(e)
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143), see npu_train.errors.Interrupted
         extra = getattr(e, "message", "")
+        if report is not None:
+            report.update(checkpoint=getattr(e, "checkpoint", None), checkpoint_dir=getattr(e, "checkpoint_dir", None))
         print(f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}: all card processes stopped"
               + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
         return exit_code_for(e)
@@ -129,18 +133,37 @@ class _ErrorLineTee:
         return getattr(self.inner, name)
 
 
-def write_status(run_dir: str, code: int, error: str, overrides: list, started: float) -> None:
-    """``<run_dir>/status.json``: exit code, ok/failed, the error line, the job's overrides and its
-    start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep)."""
+def resume_command(overrides: list, checkpoint_dir: str) -> str:
+    """The shell command that continues an interrupted job: this launcher with the job's overrides,
+    ``train.resume=latest`` and ``checkpoint.dir=<checkpoint_dir>`` (replacing any given before)."""
+    import shlex
+
+    keep = [o for o in overrides if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
+    argv = [sys.executable, os.path.abspath(__file__), *keep, "train.resume=latest", f"checkpoint.dir={checkpoint_dir}"]
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def write_status(run_dir: str, code: int, error: str, overrides: list, started: float,
+                 interrupted: "dict | None" = None) -> None:
+    """``<run_dir>/status.json``: exit code, status, the error line, the job's overrides and its
+    start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep).
+
+    ``status``: ``ok`` (exit 0), ``interrupted`` (130/143: SIGINT/SIGTERM; then ``checkpoint``, the
+    checkpoint this launch saved or null, and ``resume``, the command that continues it or null; from
+    ``interrupted``, what :func:`main` reported) or ``failed`` (any other exit status)."""
     import json
+    import signal
     import time
 
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "status.json")
+    rec = {"exit_code": int(code), "status": "ok" if code == 0 else "failed", "error": error}
+    if code - 128 in (signal.SIGINT, signal.SIGTERM):
+        ck, root = (interrupted or {}).get("checkpoint"), (interrupted or {}).get("checkpoint_dir")
+        rec.update(status="interrupted", checkpoint=ck, resume=resume_command(overrides, root) if ck and root else None)
+    rec.update(overrides=list(overrides), started=started, finished=time.time(), pid=os.getpid())
     with open(path + ".part", "w") as f:
-        json.dump({"exit_code": int(code), "status": "ok" if code == 0 else "failed", "error": error,
-                   "overrides": list(overrides), "started": started, "finished": time.time(),
-                   "pid": os.getpid()}, f, indent=1)
+        json.dump(rec, f, indent=1)
     os.replace(path + ".part", path)
 
 
@@ -191,11 +214,12 @@ def run_one(cfg) -> int:
     overrides = list(hc.overrides.task)
     tee = _ErrorLineTee(sys.stderr)
     sys.stderr = tee
+    report: dict = {}
     try:
         if multirun:
             _sweep_threads(cfg, int(hc.launcher.get("n_jobs", 1) or 1))
             _plain_start_method()
-        code = main(cfg, run_dir)
+        code = main(cfg, run_dir, report)
     except BaseException as e:  # noqa: BLE001 - multirun: any job error is this job's status
         if not multirun:
             raise
@@ -206,7 +230,7 @@ def run_one(cfg) -> int:
     finally:
         sys.stderr = tee.inner
     if multirun or code != 2:
-        write_status(run_dir, code, tee.last, overrides, t0)
+        write_status(run_dir, code, tee.last, overrides, t0, report)
     return code
 
 

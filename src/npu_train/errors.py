@@ -19,6 +19,7 @@ Exit statuses of ``launch/run.py`` (mapped in :func:`exit_code_for`):
 from __future__ import annotations
 
 import signal
+from typing import Optional
 
 EXIT_OK = 0
 EXIT_JOB_FAILED = 1
@@ -43,12 +44,17 @@ class Interrupted(KeyboardInterrupt):
     Args:
         signum: the signal received last.
         message: where the job stopped (checkpoint saved, how to resume), printed after the signal name.
+        checkpoint: the checkpoint directory saved by this launch (None: none saved).
+        checkpoint_dir: the job's checkpoint root (``checkpoint.dir``), what a resume names.
     """
 
-    def __init__(self, signum: int = signal.SIGINT, message: str = ""):
+    def __init__(self, signum: int = signal.SIGINT, message: str = "", checkpoint: Optional[str] = None,
+                 checkpoint_dir: Optional[str] = None):
         super().__init__(message)
         self.signum = int(signum)
         self.message = message
+        self.checkpoint = checkpoint
+        self.checkpoint_dir = checkpoint_dir
 
 
 def exit_code_for(exc: BaseException) -> int:

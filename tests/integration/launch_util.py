@@ -28,10 +28,11 @@ BASE = ["data.seq_len=32", "train.micro_batch=2", "train.accum=4", "train.lr=1e-
 
 class Job:
     """One launcher subprocess. ``overrides`` come after the base settings (later ones win); ``env``
-    entries are added to the launcher's environment; ``prefix`` runs it through another command."""
+    entries are added to the launcher's environment; ``prefix`` runs it through another command;
+    ``argv`` (e.g. a recorded resume command) replaces the launcher command and its settings."""
 
     def __init__(self, tmp_path, model: str, *overrides: str, name: str = "run", env: Optional[dict] = None,
-                 backend: str = "cpu,cpu", prefix: Optional[list] = None):
+                 backend: str = "cpu,cpu", prefix: Optional[list] = None, argv: Optional[list] = None):
         self.dir = os.path.join(str(tmp_path), name)
         self.run_dir = os.path.join(self.dir, "out")
         os.makedirs(self.dir, exist_ok=True)
@@ -41,8 +42,8 @@ class Job:
         e.pop("NPT_FAULT", None)
         e.update(env or {})
         # prefix: e.g. ["ip", "netns", "exec", "<ns>"] (a "node" in a network namespace; it execs python)
-        self.cmd = [*(prefix or []), sys.executable, LAUNCH, f"model.path={model}", f"backend={backend}", *BASE, *overrides,
-                    f"hydra.run.dir={self.run_dir}"]
+        argv = argv or [sys.executable, LAUNCH, f"model.path={model}", f"backend={backend}", *BASE, *overrides]
+        self.cmd = [*(prefix or []), *argv, f"hydra.run.dir={self.run_dir}"]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             # own session/process group, so a test can signal the whole group like `timeout` or Slurm do
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=e, cwd=REPO, start_new_session=True)

@@ -8,7 +8,9 @@ job's private IPC directory and checkpoint staging directories are gone.
 """
 from __future__ import annotations
 
+import json
 import os
+import shlex
 import signal
 import time
 
@@ -191,9 +193,15 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
     assert len(cks) == 1, os.listdir(ck)
     step = CheckpointReader(cks[0]).step
     assert step == len(job.losses()) >= 3  # the checkpoint is of the last step run
+    with open(os.path.join(job.run_dir, "status.json")) as f:  # not "failed": interrupted, saved, resumable
+        status = json.load(f)
+    assert status["status"] == "interrupted" and status["exit_code"] == 128 + sig, status
+    assert status["checkpoint"] == cks[0], status
+    assert "launch/run.py" in status["resume"] and f"checkpoint.dir={ck}" in status["resume"], status
+    assert "train.resume=latest" in status["resume"] and "train.steps=5000" in status["resume"], status
     if sig == signal.SIGTERM:
-        again = Job(tmp_path, tiny_model, "train.steps=5000", f"checkpoint.dir={ck}", "train.resume=latest",
-                    "train.stop_after=1", name="resume")
+        # the resume command recorded in status.json continues the job
+        again = Job(tmp_path, tiny_model, name="resume", argv=[*shlex.split(status["resume"]), "train.stop_after=1"])
         try:
             assert again.wait(120) == 0, again.tail()
         finally:

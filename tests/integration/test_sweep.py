@@ -112,6 +112,12 @@ def test_summary_of_a_sweep_dir(tmp_path):
     assert sweep.exit_status(rows) == 1 and sweep.exit_status(rows[:1]) == 0
     rows[1]["exit_code"] = 143
     assert sweep.exit_status(rows) == 143
+    _fake_job(os.path.join(sd, "3"), 3, ["model.path=m", "train.lr=0.004"], 143, [5.0],
+              error="interrupted by SIGTERM: all card processes stopped")
+    rows = sweep.collect(sd)
+    assert [r["status"] for r in rows] == ["ok", "failed", "failed", "interrupted"]
+    assert sweep.write_summary(sd, rows).startswith("# Sweep summary: 1 ok, 1 interrupted, 2 failed")
+    assert sweep.exit_status(rows) == 143
 
 
 # ============================================================================ heavy (real launcher)

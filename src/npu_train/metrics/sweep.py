@@ -200,7 +200,8 @@ def _error_from_files(job_dir: str) -> str:
 def collect(sweep_dir: str) -> list[dict]:
     """One row per job directory of the sweep, ordered by job number.
 
-    Row keys: ``num`` (int), ``dir``, ``overrides`` (list of str), ``status`` (ok | failed),
+    Row keys: ``num`` (int), ``dir``, ``overrides`` (list of str), ``status`` (ok | interrupted: exit
+    130/143, SIGINT/SIGTERM | failed),
     ``exit_code`` (int or None), ``error`` (one line, "" when ok), ``train_loss``, ``val_loss``
     (nats/token, None when not measured), ``tokens_per_s`` (mean over steps after the first),
     ``peak_mem_gib`` (list per card, GiB = 2**30 bytes), ``losses`` (list of (step, loss)).
@@ -235,7 +236,7 @@ def collect(sweep_dir: str) -> list[dict]:
         peak = summ.get("peak_mem_bytes") or (metrics[-1].get("mem_peak_bytes") if metrics else None) or []
         rows.append({
             "num": int(num) if num is not None else len(rows), "dir": d, "overrides": overrides,
-            "status": "ok" if ok else "failed", "exit_code": code, "error": error,
+            "status": "ok" if ok else ("interrupted" if code in (130, 143) else "failed"), "exit_code": code, "error": error,
             "train_loss": summ.get("last_loss", metrics[-1]["loss"] if metrics else None),
             "val_loss": summ.get("last_val_loss", evals[-1]["val_loss"] if evals else None),
             "tokens_per_s": tps, "peak_mem_gib": [p / GIB for p in peak],
@@ -276,8 +277,9 @@ def write_summary(sweep_dir: str, rows: list[dict]) -> str:
     esc = [[c.replace("|", "\\|") for c in row] for row in body]
     md = "| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER) + "\n"
     md += "".join("| " + " | ".join(row) + " |\n" for row in esc)
-    n_ok = sum(r["status"] == "ok" for r in rows)
-    md = f"# Sweep summary: {n_ok} ok, {len(rows) - n_ok} failed\n\n" + md
+    n_ok, n_int = (sum(r["status"] == s for r in rows) for s in ("ok", "interrupted"))
+    md = (f"# Sweep summary: {n_ok} ok, " + (f"{n_int} interrupted, " if n_int else "")
+          + f"{len(rows) - n_ok - n_int} failed\n\n" + md)
     with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
         f.write(md)
     buf = io.StringIO()
@@ -301,7 +303,7 @@ def plot_losses(path: str, rows: list[dict]) -> None:
     for r, ov in zip(rows, swept_overrides(rows)):
         if r["losses"]:
             ax.plot([a for a, _ in r["losses"]], [b for _, b in r["losses"]], marker="o" if len(r["losses"]) <= 50 else None,
-                    label=f"#{r['num']} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else " (failed)"))
+                    label=f"#{r['num']} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else f" ({r['status']})"))
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("train loss (nats/token)")
     ax.grid(alpha=0.3)

@@ -474,7 +474,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if coord.interrupted:
         where = (f"checkpoint {coord.last_ckpt} saved; resume by rerunning the same command with "
                  f"train.resume=latest checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
-        raise Interrupted(coord.signum, where)
+        raise Interrupted(coord.signum, where, checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
     print(f"done: {summ['steps_run']} steps{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
           f"{fmt_loss(summ['last_loss'])}; "
