@@ -170,6 +170,10 @@ class CheckpointConf:
     dir: Optional[str] = None
     #: keep this many most recent checkpoints (0 = all).
     keep: int = 2
+    #: a new run whose checkpoint dir already holds another run's checkpoints (a fresh start, no
+    #: train.resume; or a resume from a checkpoint elsewhere): refuse (exit 2, naming train.resume=auto
+    #: to continue that run) | set_aside (move them and ``latest`` to <dir>/previous-<k>/; deletes nothing).
+    existing: str = "refuse"
 
 
 @dataclass
@@ -267,6 +271,8 @@ def validate(cfg) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (final LR = lr * min_lr_ratio)")
     if d.eval_every < 0 or d.eval_batches < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("data.eval_every, data.eval_batches and checkpoint.keep must be >= 0 (0 = off / keep all)")
+    if cfg.checkpoint.existing not in ("refuse", "set_aside"):
+        raise ConfigError(f"checkpoint.existing={cfg.checkpoint.existing!r}: use refuse or set_aside")
     if cfg.runtime.transport not in ("shm", "inline"):
         raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
     if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:

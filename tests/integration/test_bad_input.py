@@ -135,6 +135,8 @@ CASES = [
     ("checkpoint-other-model", lambda b: [f"checkpoint.dir={b.other_ckpt}", "train.resume=latest"], None,
      ["is from another model", "num_layers: checkpoint 4 vs model 6", "resume with the same model.path"]),
     ("resume-nothing", lambda b: ["train.resume=latest"], None, ["no complete checkpoint", "checkpoint.dir"]),
+    ("checkpoint-dir-of-another-run", lambda b: [f"checkpoint.dir={b.other_ckpt}"], None,
+     ["already holds 1 checkpoint(s) of an earlier run", "train.resume=auto", "checkpoint.existing=set_aside"]),
     ("port-in-use", lambda b: [f"runtime.port={b.port}"], None, ["is in use", "runtime.port=0"]),
     ("shm-too-small", lambda b: [], {"NPT_SHM_FREE_BYTES": "65536"}, ["/dev/shm has only 65536 bytes", "--shm-size"]),
 ]

@@ -1,6 +1,10 @@
 """``train.resume=auto`` (what a restarted Kubernetes pod passes): a fresh start when the checkpoint
-directory holds no complete checkpoint, else an exact continuation from the newest one."""
+directory holds no complete checkpoint, else an exact continuation from the newest one. A fresh run
+(no ``train.resume``) in that directory is refused (``tests/integration/test_bad_input.py``) unless
+``checkpoint.existing=set_aside``, which moves the earlier run's checkpoints to ``previous-1/``."""
 from __future__ import annotations
+
+import os
 
 from conftest import run_pipeline
 
@@ -14,3 +18,10 @@ def test_resume_auto_fresh_then_continue(tiny_model, tmp_path):
     rest, r2 = run_pipeline(tiny_model, str(tmp_path / "b"), "backend=[cpu,cpu]", ck, "train.resume=auto")
     assert r2.step == 3
     assert first + rest == full  # bit-identical on CPU fp32, as resume from a named checkpoint
+    # a new run in the same directory: refused, then started afresh with the old checkpoints set aside
+    run_pipeline(tiny_model, str(tmp_path / "c"), "backend=[cpu,cpu]", ck, expect_rc=2)
+    again, r3 = run_pipeline(tiny_model, str(tmp_path / "d"), "backend=[cpu,cpu]", ck, "checkpoint.existing=set_aside")
+    assert again == full and r3.manifest["job_id"] != r2.manifest["job_id"]
+    old = tmp_path / "ckpt" / "previous-1"
+    assert sorted(os.listdir(old)) == ["latest", "step_000001", "step_000003"]  # moved, not deleted
+    assert sorted(d for d in os.listdir(tmp_path / "ckpt") if d.startswith("step_")) == ["step_000003"]

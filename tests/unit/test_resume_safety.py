@@ -130,3 +130,47 @@ def test_run_dir_with_metrics_is_rotated_not_appended(tmp_path):
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         f.write("{}\n")
     assert rotate_previous_run(d) == os.path.join(d, "previous-2")
+
+
+def test_reused_checkpoint_dir_is_refused_or_set_aside(tmp_path):
+    """A fresh run (or a resume from elsewhere) in a checkpoint root holding another run's checkpoints
+    is refused naming both fixes; train.resume into the same root continues it; set_aside moves the
+    old checkpoints (and ``latest``) to previous-<k>/ and deletes nothing."""
+    from npu_train.checkpoint.store import check_reused_root, set_aside
+
+    root = str(tmp_path / "ck")
+    assert check_reused_root(root, None, "refuse") == []  # no root yet: a fresh start
+    _save(root, 2)
+    last = _save(root, 4)
+    with pytest.raises(CheckpointError) as e:
+        check_reused_root(root, None, "refuse")
+    msg = str(e.value)
+    assert "\n" not in msg and root in msg and "step_000004" in msg, msg
+    assert "train.resume=auto" in msg and "checkpoint.existing=set_aside" in msg, msg
+    elsewhere = _save(str(tmp_path / "other"), 6)
+    with pytest.raises(CheckpointError, match="checkpoint.existing=set_aside"):
+        check_reused_root(root, elsewhere, "refuse")
+    assert check_reused_root(root, last, "refuse") == []  # train.resume=latest/auto: the same run goes on
+    assert check_reused_root(root, find_checkpoint("auto", root), "refuse") == []
+    assert [os.path.basename(p) for p in check_reused_root(root, None, "set_aside")] == ["step_000002", "step_000004"]
+    assert sorted(os.listdir(root)) == ["latest", "step_000002", "step_000004"]  # the check moves nothing
+
+    assert set_aside(root) == os.path.join(root, "previous-1")
+    assert complete_checkpoints(root) == [] and find_checkpoint("auto", root) is None
+    assert sorted(os.listdir(os.path.join(root, "previous-1"))) == ["latest", "step_000002", "step_000004"]
+    assert CheckpointReader(find_checkpoint(os.path.join(root, "previous-1"), None)).step == 4  # still resumable
+    _save(root, 1)
+    assert set_aside(root) == os.path.join(root, "previous-2")
+    assert set_aside(root) is None  # nothing left to move
+
+
+def test_checkpoint_existing_takes_refuse_or_set_aside():
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config, ConfigError, validate
+
+    cfg = OmegaConf.structured(Config)
+    assert cfg.checkpoint.existing == "refuse"  # the default never moves anything
+    validate(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["checkpoint.existing=set_aside"])))
+    with pytest.raises(ConfigError, match="checkpoint.existing='overwrite': use refuse or set_aside"):
+        validate(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["checkpoint.existing=overwrite"])))

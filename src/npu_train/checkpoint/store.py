@@ -31,6 +31,11 @@ run's checkpoints must not resume from the old run). Each stage records whether 
 finite (``stage_NNN.json``: ``finite``) and the manifest whether every stage's are; rotation
 (``checkpoint.keep``) never deletes the newest finite checkpoint.
 
+One root, one run: a new run does not write into a root holding another run's checkpoints (a fresh
+start, or a resume from elsewhere): :func:`check_reused_root` refuses it (``checkpoint.existing=refuse``,
+naming ``train.resume=auto``) or :func:`set_aside` moves them to ``<root>/previous-<k>/`` first
+(``set_aside``); a resume from a checkpoint of the root (``train.resume=latest|auto``) continues it.
+
 Staging directories record their owner (``owner.json``: launcher pid, its start time and host), so
 a launch removes only staging directories of jobs that are gone (:func:`remove_stale_staging`),
 never those of another live job writing into the same root.
@@ -271,6 +276,56 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -
     if os.path.isdir(path):
         raise CheckpointError(f"{arg}: {path} holds no complete checkpoint (no manifest.json); {fix}")
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")
+
+
+#: ``checkpoint.existing``: what a new run does with another run's checkpoints in its checkpoint root
+EXISTING = ("refuse", "set_aside")
+
+
+def check_reused_root(root: str, resume_dir: Optional[str], existing: str = "refuse") -> list[str]:
+    """The complete checkpoints under ``root`` that belong to another run than the one starting.
+
+    A run continues the checkpoints of ``root`` only when it resumes from one of them (``resume_dir``
+    directly under ``root``: ``train.resume=latest|auto`` or a path there). A fresh start
+    (``resume_dir`` None) or a resume from elsewhere would mix its checkpoints with them (``latest``,
+    rotation and a later resume would pick either run's), so with ``existing="refuse"`` this raises;
+    with ``"set_aside"`` it returns them for :func:`set_aside`. Moves and deletes nothing.
+
+    Raises:
+        CheckpointError: ``root`` holds such checkpoints and ``existing`` is ``"refuse"`` (one line naming
+            ``train.resume=auto`` and ``checkpoint.existing=set_aside``).
+    """
+    cks = complete_checkpoints(root)
+    if not cks or (resume_dir is not None
+                   and os.path.realpath(os.path.dirname(os.path.abspath(resume_dir))) == os.path.realpath(root)):
+        return []
+    if existing == "refuse":
+        start = "a fresh run" if resume_dir is None else f"a run resuming from {resume_dir}"
+        raise CheckpointError(
+            f"{root} (checkpoint.dir) already holds {len(cks)} checkpoint(s) of an earlier run (newest "
+            f"{os.path.basename(cks[-1])}), which {start} would mix with its own: continue that run with "
+            "train.resume=auto, or start anew with checkpoint.existing=set_aside (moves them to "
+            f"{os.path.join(root, 'previous-<k>')}/, deletes nothing) or another checkpoint.dir / hydra.run.dir")
+    return cks
+
+
+def set_aside(root: str) -> Optional[str]:
+    """Move the ``step_*`` directories and the ``latest`` pointer of ``root`` into ``<root>/previous-<k>/``
+    (k = 1, 2, ...; the first free one), so a new run starts with an empty root; nothing is deleted
+    and the moved checkpoints stay resumable by path. Returns that directory, or None if there was
+    nothing to move. Staging directories are left to :func:`remove_stale_staging`."""
+    names = sorted(fn for fn in os.listdir(root) if STEP_RE.match(fn) or fn == "latest") if os.path.isdir(root) else []
+    if not names:
+        return None
+    k = 1
+    while os.path.exists(os.path.join(root, f"previous-{k}")):
+        k += 1
+    dest = os.path.join(root, f"previous-{k}")
+    os.makedirs(dest)
+    for fn in names:
+        os.replace(os.path.join(root, fn), os.path.join(dest, fn))
+    _fsync_dir(root)
+    return dest
 
 
 class CheckpointReader:

@@ -319,7 +319,8 @@ def run_job(cfg, run_dir: str) -> dict:
 
 def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     """The training part of :func:`run_job`; ``layout``/``rdv`` are None on a single node."""
-    from npu_train.checkpoint.store import CheckpointReader, find_checkpoint, remove_stale_staging
+    from npu_train.checkpoint.store import (CheckpointReader, check_reused_root, find_checkpoint, remove_stale_staging,
+                                            set_aside)
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
@@ -363,6 +364,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         if start_step >= tr.steps:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: "
                               "raise train.steps to continue training")
+    # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in
+    earlier = check_reused_root(ckpt_root, resume_dir, cfg.checkpoint.existing)
 
     # Every check that can reject the job runs before anything is written (checkpoint dir,
     # packed data file, IPC dir, metrics): a rejected job leaves only Hydra's own files.
@@ -406,6 +409,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if rdv is None or layout.is_master:  # multi-node: the root is shared; node 0 owns the staging dirs
         for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
             print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
+        if earlier:  # checkpoint.existing=set_aside
+            print(f"note: moved {len(earlier)} checkpoint(s) of an earlier run to {set_aside(ckpt_root)}", flush=True)
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
     write_job_owner(job_id, ipc_dir)
