@@ -83,3 +83,50 @@ def test_tokenizer_json_file_path(tmp_path):
     t.save(str(p))
     assert load_tokenizer(str(p)).encode("a").ids == [0]
     assert os.path.isfile(p)
+
+
+def _sharded(d: str) -> None:
+    """Split ``d``'s model.safetensors into two shards with a transformers-style index."""
+    from safetensors.torch import load_file
+
+    ts = load_file(os.path.join(d, "model.safetensors"))
+    os.remove(os.path.join(d, "model.safetensors"))
+    names = sorted(ts)
+    parts = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for fn, ns in parts.items():
+        save_file({n: ts[n] for n in ns}, os.path.join(d, fn))
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {n: fn for fn, ns in parts.items() for n in ns}}, f)
+
+
+@pytest.mark.parametrize("case", ["missing", "shape", "shard-gone", "not-in-shard"])
+def test_check_and_load_walk_shards_with_one_message(tmp_path, case):
+    """The header check (check_weights) and the loader (load_tensors) walk the shards the same way
+    (model.hf.safetensors_walk): the same one-line error, naming the tensor or file and the fix."""
+    drop = "model.layers.1.mlp.up_proj.weight" if case == "missing" else None
+    d, mcfg, names = _tiny_dir(tmp_path, drop=drop, reshape="model.norm.weight" if case == "shape" else None)
+    if drop:
+        names.remove(drop)
+        names.append(drop)  # the loader is asked for it like any stage would be
+    if case in ("shard-gone", "not-in-shard"):
+        _sharded(d)
+        if case == "shard-gone":
+            os.remove(os.path.join(d, "model-00002-of-00002.safetensors"))
+        else:  # the index names a shard that does not hold the tensor
+            idx = os.path.join(d, "model.safetensors.index.json")
+            with open(idx) as f:
+                wm = json.load(f)
+            here = wm["weight_map"]["model.norm.weight"]
+            wm["weight_map"]["model.norm.weight"] = next(fn for fn in set(wm["weight_map"].values()) if fn != here)
+            with open(idx, "w") as f:
+                json.dump(wm, f)
+    with pytest.raises(ModelFormatError) as checked:
+        check_weights(d, mcfg)
+    with pytest.raises(ModelFormatError) as loaded:
+        load_tensors(d, mcfg, names)
+    msg = str(checked.value)
+    assert str(loaded.value) == msg
+    assert "\n" not in msg and "re-download" in msg, msg
+    want = {"missing": drop, "shape": "has shape (3, 3), expected (16,)", "shard-gone": "shard listed in the index is missing",
+            "not-in-shard": "'model.norm.weight' not found in"}[case]
+    assert want in msg, msg

@@ -132,10 +132,11 @@ def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
 
 
 def shape_error(name: str, src: str, where: str, expected, found) -> ModelFormatError:
-    """The error for a tensor whose stored shape differs from the config's."""
+    """The error for a tensor whose stored shape differs from the config's (names the fix)."""
     via = f" (stored as {src!r})" if src != name else ""
     return ModelFormatError(f"{where}: tensor {name!r}{via} has shape {tuple(found)}, expected "
-                            f"{tuple(expected)} from the model config")
+                            f"{tuple(expected)} from the model config: the weights do not match config.json "
+                            "(another model or a corrupt file); re-download the model or fix config.json")
 
 
 def check_finite(t: torch.Tensor, name: str, where: str) -> None:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from .config import LlamaConfig
 from .files import ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 
-__all__ = ["hf_config", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_tensors"]
+__all__ = ["hf_config", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_walk",
+           "safetensors_tensors"]
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -151,11 +152,18 @@ def safetensors_index(d: str) -> tuple[dict[str, str], str]:
     return out, (files[0] if len(files) == 1 else f"{files}")
 
 
-def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
-    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d``.
+def safetensors_walk(d: str, wanted: dict) -> Iterator[tuple[str, str, str, Any]]:
+    """Walk the safetensors shards of the HF directory ``d`` for ``wanted = {name: (stored_name, shape)}``,
+    one open shard at a time, checking each tensor from the file headers only (no tensor data read).
 
-    Returns ``{name: fp32 contiguous CPU tensor}``. Raises :class:`ModelFormatError` for a
-    missing tensor or shard, a wrong shape, or a non-finite value (naming the tensor).
+    Yields ``(name, stored_name, shard path, open safe_open handle)`` for every wanted tensor that
+    is in its shard with ``shape``; the caller reads the data (``handle.get_tensor(stored_name)``)
+    only if it needs it. Used by the loader (:func:`safetensors_tensors`) and by the header check
+    before any card process starts (``model.weights.check_weights``), so both name the same error.
+
+    Raises :class:`ModelFormatError` (one line naming the tensor or file and the fix) for a tensor in
+    no shard, a shard listed in the index that is missing, a tensor absent from its shard, a wrong
+    shape, or an unreadable safetensors header.
     """
     from safetensors import safe_open
 
@@ -164,24 +172,38 @@ def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
     for name, (src, _) in wanted.items():
         fp = where.get(src)
         if fp is None:
-            raise ModelFormatError(f"tensor {src!r} not found in {source}")
+            raise ModelFormatError(f"tensor {src!r} not found in {source}: the weights do not match config.json "
+                                   "(incomplete download or another model); re-download the model")
         by_file.setdefault(fp, []).append(name)
-    out: dict[str, torch.Tensor] = {}
-    for fp, ns in by_file.items():
+    for fp, names in by_file.items():
         if not os.path.isfile(fp):
-            raise ModelFormatError(f"{fp}: shard listed in the index is missing")
-        with safe_open(fp, framework="pt") as f:
+            raise ModelFormatError(f"{fp}: shard listed in the index is missing; re-download the model")
+        try:
+            f = safe_open(fp, framework="pt")
             keys = set(f.keys())
-            for name in ns:
+            shapes = {src: tuple(f.get_slice(src).get_shape()) for src, _ in map(wanted.get, names) if src in keys}
+        except Exception as e:  # noqa: BLE001 - unreadable header
+            raise ModelFormatError(f"{fp}: not a readable safetensors file ({e}); re-download the model") from e
+        with f:
+            for name in names:
                 src, shape = wanted[name]
                 if src not in keys:
-                    raise ModelFormatError(f"tensor {src!r} not found in {fp}")
-                found = tuple(f.get_slice(src).get_shape())
-                if found != tuple(shape):
-                    raise shape_error(name, src, fp, shape, found)
-                t = f.get_tensor(src).to(torch.float32).contiguous()
-                check_finite(t, src, fp)
-                out[name] = t
+                    raise ModelFormatError(f"tensor {src!r} not found in {fp}; re-download the model")
+                if shapes[src] != tuple(shape):
+                    raise shape_error(name, src, fp, shape, shapes[src])
+                yield name, src, fp, f
+
+
+def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
+    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d``.
+
+    Returns ``{name: fp32 contiguous CPU tensor}``. Raises :class:`ModelFormatError` for a
+    missing tensor or shard, a wrong shape (:func:`safetensors_walk`), or a non-finite value
+    (naming the tensor).
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, src, fp, f in safetensors_walk(d, wanted):
+        t = f.get_tensor(src).to(torch.float32).contiguous()
+        check_finite(t, src, fp)
+        out[name] = t
     return out
-
-
