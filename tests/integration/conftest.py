@@ -100,6 +100,22 @@ def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int 
     return losses, (CheckpointReader(ck[-1]) if ck else None)
 
 
+def launch_to_end(tmp_path, model: str, *overrides: str, expect_rc: int = 0, timeout: float = 120.0, **job_kw):
+    """Run ``launch/run.py`` as a subprocess (:class:`launch_util.Job`; ``job_kw``: ``env``, ``name``,
+    ``backend``, ...) until it exits, within ``timeout`` seconds; whatever happens, every process it
+    started is killed afterwards. Asserts the exit status is ``expect_rc`` (the job's output tail on
+    failure) and returns the finished :class:`~launch_util.Job` (stdout, stderr, error lines, run dir)."""
+    from launch_util import Job
+
+    job = Job(tmp_path, model, *overrides, **job_kw)
+    try:
+        rc = job.wait(timeout)
+    finally:
+        job.kill_all()
+    assert rc == expect_rc, f"launcher exit status {rc}, expected {expect_rc}\n{job.tail()}"
+    return job
+
+
 def reference_for(model_path: str, *overrides: str):
     """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``."""
     from npu_train.data.prepare import prepare_data

@@ -18,6 +18,7 @@ import psutil
 import pytest
 import torch
 
+from conftest import launch_to_end
 from launch_util import Job, job_segments, pid_gone
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]  # multi-process fault runs: CI's heavy step
@@ -82,11 +83,7 @@ def test_kill9_card_process(tiny_model, tmp_path, phase, rank, backend):
     _assert_cleaned_up(job, info)
     if phase == "optimizer":
         # an immediate relaunch with the same config (same run dir) starts cleanly
-        again = Job(tmp_path, tiny_model, "train.steps=4", backend=backend)
-        try:
-            assert again.wait(120) == 0, again.tail()
-        finally:
-            again.kill_all()
+        again = launch_to_end(tmp_path, tiny_model, "train.steps=4", backend=backend)
         assert "done: 4 steps" in again.stdout
 
 
@@ -153,11 +150,7 @@ def test_kill9_during_checkpoint_keeps_previous(tiny_model, tmp_path):
     for k in r.manifest["index"]:
         assert torch.isfinite(r.get(k).float()).all(), k
     # relaunch immediately from the surviving checkpoint
-    again = Job(tmp_path, tiny_model, *common, "train.resume=latest", name="resume")
-    try:
-        assert again.wait(120) == 0, again.tail()
-    finally:
-        again.kill_all()
+    again = launch_to_end(tmp_path, tiny_model, *common, "train.resume=latest", name="resume")
     assert "resuming from" in again.stdout and "at step 2" in again.stdout
     assert len(again.losses()) == 2
     assert [os.path.basename(p) for p in complete_checkpoints(ck)] == ["step_000002", "step_000004"]
@@ -201,11 +194,7 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
     assert "train.resume=latest" in status["resume"] and "train.steps=5000" in status["resume"], status
     if sig == signal.SIGTERM:
         # the resume command recorded in status.json continues the job
-        again = Job(tmp_path, tiny_model, name="resume", argv=[*shlex.split(status["resume"]), "train.stop_after=1"])
-        try:
-            assert again.wait(120) == 0, again.tail()
-        finally:
-            again.kill_all()
+        again = launch_to_end(tmp_path, tiny_model, name="resume", argv=[*shlex.split(status["resume"]), "train.stop_after=1"])
         assert f"at step {step}" in again.stdout and len(again.losses()) == 1
         assert CheckpointReader(complete_checkpoints(ck)[-1]).step == step + 1
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from launch_util import Job
+from conftest import launch_to_end
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.heavy]  # multi-process fault runs: CI's heavy step
 
@@ -32,26 +32,17 @@ SLOW_S = 4 * HB
     f"rank=0,phase=forward,step=1,action=sleep:{SLOW_S:g}",      # slow first step; rank 1 waits in a receive
 ], ids=["checkpoint", "first-forward"])
 def test_slow_phase_on_live_card_completes(tiny_model, tmp_path, fault):
-    job = Job(tmp_path, tiny_model, "train.steps=3", "train.save_every=2", f"runtime.heartbeat_timeout_s={HB:g}",
-              "runtime.heartbeat_interval_s=0.5", env={"NPT_FAULT": fault})
-    try:
-        rc = job.wait(150)
-    finally:
-        job.kill_all()
-    assert rc == 0, job.tail()
+    job = launch_to_end(tmp_path, tiny_model, "train.steps=3", "train.save_every=2",
+                        f"runtime.heartbeat_timeout_s={HB:g}", "runtime.heartbeat_interval_s=0.5",
+                        env={"NPT_FAULT": fault}, timeout=150)
     assert "NPT_FAULT: sleep" in job.stderr, job.tail()  # the slow phase really ran
     assert "done: 3 steps" in job.stdout
 
 
 def test_hang_during_startup_names_phase_and_timeout(tiny_model, tmp_path):
     """A card SIGSTOPped right after its model load: the message names the phase and the timeout."""
-    job = Job(tmp_path, tiny_model, "train.steps=3", f"runtime.heartbeat_timeout_s={HB:g}",
-              env={"NPT_FAULT": "rank=1,phase=load,action=stop"})
-    try:
-        rc = job.wait(120)
-    finally:
-        job.kill_all()
-    assert rc == 1, job.tail()
+    job = launch_to_end(tmp_path, tiny_model, "train.steps=3", f"runtime.heartbeat_timeout_s={HB:g}",
+                        env={"NPT_FAULT": "rank=1,phase=load,action=stop"}, expect_rc=1)
     (err,) = job.error_lines()
     assert "card cpu:1 (stage 1" in err and "during model load" in err, err
     assert f"runtime.heartbeat_timeout_s={HB:g}" in err and "stopped responding" in err, err

@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from launch_util import Job
+from conftest import launch_to_end
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.heavy]  # multi-process runs: CI's heavy step
 
@@ -41,13 +41,8 @@ def _all_finite(reader) -> None:
 
 def test_injected_inf_gradient_stops_with_step_and_stage(tiny_model, tmp_path):
     ck = str(tmp_path / "ckpt")
-    job = Job(tmp_path, tiny_model, "train.steps=4", "train.save_every=1", f"checkpoint.dir={ck}", "checkpoint.keep=1",
-              env={"NPT_FAULT": "rank=1,phase=backward,step=3,action=inf"})
-    try:
-        rc = job.wait(120)
-    finally:
-        job.kill_all()
-    assert rc == 1, job.tail()
+    job = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.save_every=1", f"checkpoint.dir={ck}",
+                        "checkpoint.keep=1", env={"NPT_FAULT": "rank=1,phase=backward,step=3,action=inf"}, expect_rc=1)
     (err,) = job.error_lines()
     assert "card cpu:1 (stage 1" in err and "NonFiniteError: step 3: non-finite global grad norm" in err, err
     assert "first seen on stage(s) 1" in err and "train.nonfinite=skip" in err, err
@@ -67,13 +62,8 @@ def test_huge_lr_skip_keeps_state_finite_and_json_valid(tiny_model, tmp_path):
     from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
 
     ck = str(tmp_path / "ckpt")
-    job = Job(tmp_path, tiny_model, "train.steps=4", "train.lr=1e30", "train.nonfinite=skip", "train.save_every=1",
-              f"checkpoint.dir={ck}", "checkpoint.keep=2", "data.eval_batches=2")
-    try:
-        rc = job.wait(120)
-    finally:
-        job.kill_all()
-    assert rc == 0, job.tail()
+    job = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.lr=1e30", "train.nonfinite=skip",
+                        "train.save_every=1", f"checkpoint.dir={ck}", "checkpoint.keep=2", "data.eval_batches=2")
     recs = _strict_lines(os.path.join(job.run_dir, "metrics.jsonl"))
     skipped = [r["step"] for r in recs if r.get("skipped")]
     assert skipped and 1 not in skipped, recs
@@ -100,12 +90,7 @@ def test_huge_lr_skip_keeps_state_finite_and_json_valid(tiny_model, tmp_path):
 
 
 def test_huge_lr_stop_is_default(tiny_model, tmp_path):
-    job = Job(tmp_path, tiny_model, "train.steps=4", "train.lr=1e30")
-    try:
-        rc = job.wait(120)
-    finally:
-        job.kill_all()
-    assert rc == 1, job.tail()
+    job = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.lr=1e30", expect_rc=1)
     (err,) = job.error_lines()
     # step 1's update is finite (clipped gradient, Adam's bounded step) but makes the weights ~1e30:
     # step 2 is the first non-finite one (grad norm nan; the loss may still be finite)
@@ -125,12 +110,7 @@ def test_model_with_inf_weight_is_a_clear_error(tiny_model, tmp_path):
     t = load_file(os.path.join(bad, "model.safetensors"))
     t["model.layers.4.mlp.up_proj.weight"][3, 5] = float("inf")
     save_file(t, os.path.join(bad, "model.safetensors"))
-    job = Job(tmp_path, bad, "train.steps=2")
-    try:
-        rc = job.wait(120)
-    finally:
-        job.kill_all()
-    assert rc == 1, job.tail()
+    job = launch_to_end(tmp_path, bad, "train.steps=2", expect_rc=1)
     (err,) = job.error_lines()
     assert "card cpu:1 (stage 1" in err and "during model load" in err, err
     assert "'model.layers.4.mlp.up_proj.weight' holds 1 non-finite value(s)" in err, err
