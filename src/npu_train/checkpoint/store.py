@@ -314,17 +314,12 @@ def set_aside(root: str) -> Optional[str]:
     (k = 1, 2, ...; the first free one), so a new run starts with an empty root; nothing is deleted
     and the moved checkpoints stay resumable by path. Returns that directory, or None if there was
     nothing to move. Staging directories are left to :func:`remove_stale_staging`."""
-    names = sorted(fn for fn in os.listdir(root) if STEP_RE.match(fn) or fn == "latest") if os.path.isdir(root) else []
-    if not names:
-        return None
-    k = 1
-    while os.path.exists(os.path.join(root, f"previous-{k}")):
-        k += 1
-    dest = os.path.join(root, f"previous-{k}")
-    os.makedirs(dest)
-    for fn in names:
-        os.replace(os.path.join(root, fn), os.path.join(dest, fn))
-    _fsync_dir(root)
+    from npu_train.metrics.report import move_to_previous
+
+    names = [fn for fn in os.listdir(root) if STEP_RE.match(fn) or fn == "latest"] if os.path.isdir(root) else []
+    dest = move_to_previous(root, names)
+    if dest:
+        _fsync_dir(root)
     return dest
 
 

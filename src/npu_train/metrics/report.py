@@ -56,14 +56,24 @@ def rotate_previous_run(run_dir: str) -> Optional[str]:
     Returns that directory, or None when there was nothing to move."""
     if not any(os.path.exists(os.path.join(run_dir, fn)) for fn in ("metrics.jsonl", "summary.json")):
         return None
+    return move_to_previous(run_dir, [fn for fn in os.listdir(run_dir) if fn in RUN_OUTPUTS
+                                      or (fn.startswith("card") and fn.endswith(".traceback.txt"))])
+
+
+def move_to_previous(parent: str, names: list[str]) -> Optional[str]:
+    """Move the entries ``names`` of the directory ``parent`` into its first free ``previous-<k>/``
+    (k = 1, 2, ...), created here; returns that directory, or None (nothing created) when ``names``
+    is empty. Nothing is deleted. Used for an earlier launch's outputs (:func:`rotate_previous_run`)
+    and an earlier run's checkpoints (``checkpoint.store.set_aside``)."""
+    if not names:
+        return None
     k = 1
-    while os.path.exists(os.path.join(run_dir, f"previous-{k}")):
+    while os.path.exists(os.path.join(parent, f"previous-{k}")):
         k += 1
-    dest = os.path.join(run_dir, f"previous-{k}")
+    dest = os.path.join(parent, f"previous-{k}")
     os.makedirs(dest)
-    for fn in sorted(os.listdir(run_dir)):
-        if fn in RUN_OUTPUTS or (fn.startswith("card") and fn.endswith(".traceback.txt")):
-            os.replace(os.path.join(run_dir, fn), os.path.join(dest, fn))
+    for fn in sorted(names):
+        os.replace(os.path.join(parent, fn), os.path.join(dest, fn))
     return dest
 
 
