@@ -13,6 +13,8 @@ BASE=(data.seq_len=32 train.micro_batch=2 train.accum=4 train.lr=1e-3 train.warm
       train.clip=0.5 train.dtype=fp32 train.weight_decay=0.01 runtime.heartbeat_timeout_s=20
       runtime.startup_timeout_s=120 runtime.threads=1 train.steps=4 model.path=$MODEL)
 mkdir -p "$OUT"
+# fresh runs: a checkpoint.dir holding an earlier run's checkpoints is refused (checkpoint.existing)
+rm -rf "$OUT/single" "$OUT/node0" "$OUT/node1" "$OUT/shared_ckpt"
 
 cleanup() { ip netns del "$NS0" 2>/dev/null || true; ip netns del "$NS1" 2>/dev/null || true; }
 trap cleanup EXIT
