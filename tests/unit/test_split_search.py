@@ -118,3 +118,37 @@ def test_phase_is_the_schedules_timeline(schedule):
     for st, f, b, w in zip(plan.stages, tf, tb, tw):
         assert st.time["compute"] == pytest.approx(M * (f + b + w), rel=1e-12)
         assert st.time["compute"] + st.time["bubble"] == pytest.approx(phase, rel=1e-12)
+
+
+def test_plan_table_shows_the_schedules_bubble():
+    m = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=176, num_layers=6, num_heads=4,
+                    num_kv_heads=2, tie_word_embeddings=False, name="tiny")
+    for schedule, unit in (("1f1b", 2 / 10), ("zb-h2", 2 / 26)):  # (P-1)/(M+P-1), (P-1)/(3M+P-1)
+        plan = make_plan(m, RunShape(seq_len=64, micro_batches=8, schedule=schedule), make_cards("cpu", 3, 2**40),
+                         DEFAULT_RATES["cpu"], split=[2, 2, 2], resident_layers=0, threads=1, host_cores=8)
+        phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
+        idle = sum(st.time["bubble"] for st in plan.stages) / (3 * phase)
+        line = next(l for l in plan.table().splitlines() if l.startswith(f"schedule {schedule}:"))
+        assert f"bubble {idle * 100:.1f} % of it" in line
+        assert f"equal unit F/B/W times: {unit * 100:.1f} %" in line
+
+
+def test_split_backward_memory_counts_pending_weight_gradients():
+    """zb-h2 keeps, per micro-batch between B and W, the output gradients of the linear layers
+    (s b e (q + 2 kv + 2 h + 2 i) per layer, + s b e V of the lm_head on the last stage), for
+    2s+1 micro-batches on stage s (M >= 2P-1), on top of the activations of 2P-1 micro-batches."""
+    m = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=176, num_layers=6, num_heads=4,
+                    num_kv_heads=2, tie_word_embeddings=False, name="tiny")
+    S, M, P = 64, 8, 3
+    cards = make_cards("cpu", P, 2**40)
+    h2 = make_plan(m, RunShape(seq_len=S, micro_batches=M, schedule="zb-h2", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
+                   split=[2, 2, 2], resident_layers=0)
+    gp = make_plan(m, RunShape(seq_len=S, micro_batches=M, schedule="gpipe", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
+                   split=[2, 2, 2], resident_layers=0)  # gpipe holds all M = 8 micro-batches, no B/W split
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    per_layer = S * 4 * (q + 2 * kv + 2 * m.hidden_size + 2 * m.intermediate_size)  # fp32
+    for s, (a, g) in enumerate(zip(h2.stages, gp.stages)):
+        assert a.in_flight == 2 * P - 1 and g.in_flight == M
+        pend = (2 * s + 1) * (2 * per_layer + (S * 4 * m.vocab_size if s == P - 1 else 0)) if s else 0
+        # activations scale with the micro-batches held; the pending gradients come on top
+        assert a.mem["activations"] - pend == pytest.approx(g.mem["activations"] * (2 * P - 1) / M, rel=1e-12)
