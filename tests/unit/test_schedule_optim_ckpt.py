@@ -107,6 +107,9 @@ def test_zb_h2_schedule(P, M):
             assert ppeak == 2 * s + 1
     for slots in (None, 1, 2, min(M, P) + 1):
         simulate("zb-h2", P, M, slots=slots)
+    # the launcher's default ring (runtime.slots = min(M, P) + 1) never holds the extra warm-up
+    # forwards back: the same unit-time ticks as unbounded rings
+    assert simulate("zb-h2", P, M, slots=min(M, P) + 1) == simulate("zb-h2", P, M)
     for t in [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (1.0, 1.0, 1.2), ([1.0] * (P - 1) + [1.4], 1.3, 0.7)]:
         assert step_time("zb-h2", P, M, *t) <= step_time("zb-h1", P, M, *t) + 1e-9
     if h2_regime:
