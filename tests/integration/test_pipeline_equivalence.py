@@ -8,6 +8,8 @@ the tiny model's grad norms are > 2) and, by default, tied input/output embeddin
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -55,6 +57,10 @@ def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend, schedule, extr
     losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}",
                                   f"train.schedule={schedule}", *extra)
     assert len(losses) == 3 and reader.step == 3
+    with open(tmp_path / "metrics.jsonl") as f:  # the idle split of the step (issue 9)
+        recs = [json.loads(l) for l in f if l.strip()]
+    for r in recs:
+        assert 0 <= r["bubble_s"] and 0 <= r["collective_s"] and r["bubble_s"] + r["collective_s"] <= r["step_s"]
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     _check_weights(reader, ref_w, 1e-5)
