@@ -29,8 +29,7 @@ al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3 for the B/W split)
 - ``zb-h1``: the paper's ZB-H1 (its Figure 3): as ``zb``, but stage ``s`` runs its ``W`` passes
   ``s`` micro-batches late (the deferred ones fill the tail of the step), so every stage holds up
   to ``min(M, P)`` micro-batches: the *largest* per-stage memory of 1F1B (stage 0's), not each
-  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``. (Not a ``train.schedule`` value yet: offered to
-  the planner, which can weigh its memory on the later stages.)
+  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``.
 
 - ``zb-h2``: the paper's ZB-H2 (its section 3.1, Figure 4): ``min(2(P-s)-1, M)`` warm-up
   forwards on stage ``s`` fill the wait for the first gradient, and each ``W`` is deferred ``2s``
