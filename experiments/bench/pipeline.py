@@ -9,7 +9,9 @@ process, one process per stage pinned to its own core (round-robin when P > core
 
 - ``npu-train <schedule>``: the real launcher as a subprocess, ``launch/run.py backend=cpu,...
   data.seq_len=S train.micro_batch=1 train.accum=M train.steps=N runtime.threads=T train.dtype=fp32
-  train.schedule=<1f1b|zb|gpipe>``; tokens/s and the idle share (``idle_s / step_s``) per step come
+  train.schedule=<1f1b|gpipe|zb|zb-h1|zb-h2>``; tokens/s and the idle share (``idle_s / step_s``), split
+  into the pipeline bubble (``bubble_s / step_s``) and the end-of-step collectives (``collective_s /
+  step_s``), per step come
   from the run dir's ``metrics.jsonl`` (fields of ``npu_train.metrics.report.Reporter.step``: the
   step's wall time is the slowest card's ``time_s``). The card processes are pinned from outside
   (pids from the run's ``job.json``, every thread, repeated while the job runs); the launcher
@@ -75,6 +77,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(HERE))
 
 from _common import core_for, free_port, machine_info, pin_pid_tree, print_machine, spread, usable_cores, write_json  # noqa: E402
+from npu_train.pipeline.schedule import SCHEDULES  # noqa: E402  (torch-free)
 
 SINGLE = ("1F1B", "GPipe")
 LOOPED = ("Interleaved1F1B", "InterleavedZeroBubble")
@@ -335,6 +338,10 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
         later = recs[1:] or recs
         res.update({"step_s": [r["step_s"] for r in recs], "tokens_per_s": spread([r["tokens_per_s"] for r in later])["median"],
                     "idle_share": spread([r["idle_s"] / r["step_s"] for r in later])["median"],
+                    # the idle split (metrics.jsonl of newer runs): pipeline bubble and end-of-step collectives
+                    "bubble_share": spread([r["bubble_s"] / r["step_s"] for r in later if "bubble_s" in r])["median"],
+                    "collective_share": spread([r["collective_s"] / r["step_s"] for r in later
+                                                if "collective_s" in r])["median"],
                     "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"]})
         mans = sorted(glob.glob(str(run_dir / "checkpoints" / "*" / "manifest.json")))
         if mans:
@@ -380,7 +387,8 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--torch-pg", default=None, help="process group backend of the torch side (default gloo on "
                     "cpu, nccl on cuda)")
-    ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], help="train.schedule values")
+    ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], choices=SCHEDULES,
+                    help="train.schedule values")
     ap.add_argument("--torch-schedules", nargs="+", default=["1F1B", *LOOPED, *VSHAPE],
                     help="torch.distributed.pipelining schedules (class name without 'Schedule')")
     ap.add_argument("--splits", nargs="+", choices=("even", "project"), default=["even", "project"])
@@ -456,6 +464,10 @@ def main(argv=None) -> int:
                     else:
                         tps = f"{r['tokens_per_s']:8.1f} tok/s" if "tokens_per_s" in r else "  failed: " + r["error"]
                     idle = f" idle {100 * r['idle_share']:.1f}%" if r.get("idle_share") is not None else ""
+                    if r.get("bubble_share") is not None:
+                        idle += f" (bubble {100 * r['bubble_share']:.1f}%"
+                        idle += (f", collectives {100 * r['collective_share']:.1f}%)"
+                                 if r.get("collective_share") is not None else ")")
                     loss = f" loss1 {r['loss1']:.4f}" if r.get("loss1") is not None else ""
                     print(f"[{time.time() - t_start:6.0f}s] P={P} M={M} round {rnd}: {name:<36} {tps}{idle}{loss}",
                           flush=True)
@@ -481,6 +493,8 @@ def summarize(results: list[dict], args) -> list[dict]:
             ok = [r for r in rs if "tokens_per_s" in r]
             stats[n] = {"tps": spread([r["tokens_per_s"] for r in ok]),
                         "idle": spread([r.get("idle_share") for r in ok]),
+                        "bubble": spread([r.get("bubble_share") for r in ok]),
+                        "collective": spread([r.get("collective_share") for r in ok]),
                         "loss1": spread([r.get("loss1") for r in ok]),
                         "lossN": spread([r["loss"][-1] if r.get("loss") else None for r in ok]),
                         "errors": sorted({r["error"] for r in rs if "error" in r})}
@@ -492,7 +506,7 @@ def summarize(results: list[dict], args) -> list[dict]:
         best_torch = max(torch_ok, key=torch_ok.get) if torch_ok else None
         print(f"\nP={P} M={M}  (baseline: {base_name}; fastest torch: {best_torch})")
         print(f"  {'system':<36} {'tok/s median':>12} {'[min-max]':>17} {'vs base':>8} {'vs best':>8} "
-              f"{'idle %':>7} {'loss step 1':>11} {'last':>10}")
+              f"{'idle %':>7} {'bubble %':>8} {'coll %':>7} {'loss step 1':>11} {'last':>10}")
         for n, s in stats.items():
             t = s["tps"]
             rec = {"P": P, "M": M, "system": n, "baseline": base_name, **s}
@@ -501,8 +515,10 @@ def summarize(results: list[dict], args) -> list[dict]:
                 rt = t["median"] / torch_ok[best_torch] if best_torch else None
                 rec.update({"vs_baseline": rb, "vs_best_torch": rt})
                 idle = f"{100 * s['idle']['median']:.1f}" if s["idle"]["n"] else "n/a"
+                bub = f"{100 * s['bubble']['median']:.1f}" if s["bubble"]["n"] else "n/a"
+                col = f"{100 * s['collective']['median']:.1f}" if s["collective"]["n"] else "n/a"
                 print(f"  {n:<36} {t['median']:12.1f} {t['min']:8.1f}-{t['max']:<8.1f} "
-                      f"{(f'{rb:.2f}x' if rb else 'n/a'):>8} {(f'{rt:.2f}x' if rt else 'n/a'):>8} {idle:>7} "
+                      f"{(f'{rb:.2f}x' if rb else 'n/a'):>8} {(f'{rt:.2f}x' if rt else 'n/a'):>8} {idle:>7} {bub:>8} {col:>7} "
                       f"{s['loss1']['median']:11.7f} {s['lossN']['median']:10.7f}")
             elif any("skipped" in r for r in rows if r["system"] == n):
                 print(f"  {n:<36} {'skipped':>12}: same layers as the even split")

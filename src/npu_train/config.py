@@ -76,7 +76,8 @@ class TrainConf:
     #: 1f1b | gpipe | zb (zero bubble: backward split into input- and weight-gradient passes,
     #: weight gradients deferred into the bubble; 1F1B's activation memory; not with recompute)
     #: | zb-h1 (the paper's ZB-H1: stage s defers W by s micro-batches, smaller bubble, every stage
-    #: holds min(M, P) micro-batches — stage 0's 1F1B memory)
+    #: holds min(M, P) micro-batches — stage 0's 1F1B memory) | zb-h2 (the paper's ZB-H2: 2(P-s)-1
+    #: warm-up forwards, W deferred 2s micro-batches; every stage holds up to 2P-1 micro-batches)
     schedule: str = "1f1b"
     #: layers per card whose master weights + AdamW moments stay on the card:
     #: auto | N (every card) | [N0, N1, ...] (per card).
@@ -248,9 +249,9 @@ def validate(cfg) -> None:
         bad = [x for x in lo.targets if x not in LORA_TARGETS]
         if bad or not lo.targets:
             raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}")
-    if t.schedule not in ("1f1b", "gpipe", "zb", "zb-h1"):
-        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b, gpipe, zb or zb-h1")
-    if t.schedule in ("zb", "zb-h1") and t.recompute:
+    if t.schedule not in ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b, gpipe, zb, zb-h1 or zb-h2")
+    if t.schedule in ("zb", "zb-h1", "zb-h2") and t.recompute:
         raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
                           "use train.schedule=1f1b for activation recompute")
     if t.resume_mismatch not in ("refuse", "allow"):

@@ -8,6 +8,8 @@ the tiny model's grad norms are > 2) and, by default, tied input/output embeddin
 """
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -44,12 +46,21 @@ def test_fp32_pipeline_matches_reference(tiny_model, tmp_path, backend):
     _check_weights(reader, ref_w, 1e-5)
 
 
-@pytest.mark.parametrize("backend", ["[cpu,cpu]", "[cpu,cpu,cpu]"])
-def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend):
-    """train.schedule=zb (B/W split backward) reproduces the reference as 1F1B does."""
-    ref_losses, ref_w = _ref(tiny_model)
-    losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}", "train.schedule=zb")
+@pytest.mark.parametrize("backend,schedule,extra", [
+    ("[cpu,cpu]", "zb", ()), ("[cpu,cpu,cpu]", "zb", ()),
+    ("[cpu,cpu]", "zb-h2", ()),  # M = 4 >= 2P-1: ZB-H2's warm-up and 2s-deferred W passes
+    ("[cpu,cpu,cpu]", "zb-h2", ("train.accum=5",)),  # M = 5 = 2P-1: stage 0 holds 5 micro-batches
+])
+def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend, schedule, extra):
+    """train.schedule=zb / zb-h2 (B/W split backward) reproduce the reference as 1F1B does."""
+    ref_losses, ref_w = _ref(tiny_model, *extra)
+    losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}",
+                                  f"train.schedule={schedule}", *extra)
     assert len(losses) == 3 and reader.step == 3
+    with open(tmp_path / "metrics.jsonl") as f:  # the idle split of the step (issue 9)
+        recs = [json.loads(l) for l in f if l.strip()]
+    for r in recs:
+        assert 0 <= r["bubble_s"] and 0 <= r["collective_s"] and r["bubble_s"] + r["collective_s"] <= r["step_s"]
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     _check_weights(reader, ref_w, 1e-5)

@@ -111,8 +111,9 @@ def test_cpu_card_holds_all_optimizer_state_and_sums():
     m = tiny()
     shape = RunShape(seq_len=32, micro_batch=2, micro_batches=4, dtype="fp32")
     cards = make_cards("cpu", 2, 2**40)
-    res = make_plan(m, shape, cards, DEFAULT_RATES["cpu"], resident_layers=4, host_cores=2)
-    off = make_plan(m, shape, cards, DEFAULT_RATES["cpu"], resident_layers=0, host_cores=2)
+    # the same split for both (without it, resident 0 gets its own fastest split)
+    res = make_plan(m, shape, cards, DEFAULT_RATES["cpu"], split=[4, 4], resident_layers=4, host_cores=2)
+    off = make_plan(m, shape, cards, DEFAULT_RATES["cpu"], split=[4, 4], resident_layers=0, host_cores=2)
     for a, b in zip(res.stages, off.stages):
         n = a.mem["weights"] // 4
         # fp32 compute: master (separate copy) + m + v = 12 B/param, resident or offloaded

@@ -44,3 +44,21 @@ def test_nonfinite_values_are_written_as_null(tmp_path):
     assert "SKIPPED" in out.getvalue().splitlines()[1]
     with pytest.raises(ValueError):  # the strict parser really rejects what json.dumps writes by default
         _strict(json.dumps({"x": math.nan}))
+
+
+def test_idle_split_into_bubble_and_collectives(tmp_path):
+    """metrics.jsonl carries the slowest card's bubble_s (waits inside the schedule) and
+    collective_s (end-of-step collectives) next to idle_s; reports without them (older cards)
+    leave the fields out."""
+    from npu_train.metrics.report import Reporter
+
+    r = Reporter(str(tmp_path), 2, stream=io.StringIO(), tensorboard=False)
+    fast = dict(_rep(1, 5.0, 1.0), time_s=1.0, bubble_s=0.05, collective_s=0.3)
+    slow = dict(_rep(1, 5.0, 1.0), time_s=1.5, bubble_s=0.2, collective_s=0.1)
+    r.step([fast, slow])
+    r.step([_rep(2, 4.0, 1.0), _rep(2, 4.0, 1.0)])
+    with open(tmp_path / "metrics.jsonl") as f:
+        recs = [_strict(l) for l in f]
+    assert recs[0]["bubble_s"] == 0.2 and recs[0]["collective_s"] == 0.1  # the slowest card's
+    assert recs[0]["idle_s"] == pytest.approx(1.5 - 0.5 - 0.2 - 0.0 - 0.0)
+    assert "bubble_s" not in recs[1] and "collective_s" not in recs[1] and "idle_s" in recs[1]

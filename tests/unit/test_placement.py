@@ -212,8 +212,15 @@ def test_bubble_fraction_balanced():
     plan = make_plan(m, RunShape(seq_len=64, micro_batches=M), make_cards("cpu", P, 2**40),
                      DEFAULT_RATES["cpu"], split=[2, 2, 2, 2], resident_layers=2)
     st = plan.stages[1]                                   # a middle stage: no head FLOPs
-    t_max = max(s.time["compute"] for s in plan.stages) / M
-    assert st.time["compute"] + st.time["bubble"] == pytest.approx((M + P - 1) * t_max)
+    t_mid = st.time["compute"] / M
+    t_last = plan.stages[-1].time["compute"] / M          # + lm_head: the slowest stage
+    assert t_last > t_mid == pytest.approx(plan.stages[0].time["compute"] / M)
+    # 1F1B timeline with F = t/3, B = 2t/3 on every stage (2 of 6 FLOPs/param/token, 4 of 12 of
+    # attention): the last stage starts after P-1 forwards, then computes M (F+B) without a gap;
+    # the last micro-batch's gradient then crosses P-1 stages: (P-1)/3 t_mid + M t_last + (P-1) 2/3 t_mid
+    assert st.time["compute"] + st.time["bubble"] == pytest.approx((P - 1) * t_mid + M * t_last)
+    # equal stages would give the classical (M + P - 1) t: the head's extra time is paid M times, not M+P-1
+    assert st.time["compute"] + st.time["bubble"] < (M + P - 1) * t_last
     assert plan.step_time_s == pytest.approx(
         max(s.time["total"] for s in plan.stages))
 

@@ -78,6 +78,57 @@ def test_zero_bubble_schedule(kind, P, M):
         assert step_time(kind, P, M, 1.0, 1.2, 0.8) < step_time("1f1b", P, M, 1.0, 1.2, 0.8)
 
 
+@pytest.mark.parametrize("P", range(1, 7))
+@pytest.mark.parametrize("M", range(1, 17))
+def test_zb_h2_schedule(P, M):
+    """ZB-H2 (Qi et al. 2024, section 3.1): complete, F < B < W per micro-batch, warm-up
+    min(2(P-s)-1, M) forwards, memory 2P-1 micro-batches (when M >= 2P-1), deadlock-free with
+    1-slot rings and the launcher's default min(M, P) + 1 slots, never slower than ZB-H1."""
+    h2_regime = M >= 2 * P - 1
+    for s in range(P):
+        acts = build_schedule("zb-h2", P, M, s)
+        for k in "FBW":
+            assert sorted(a.micro for a in acts if a.kind == k) == list(range(M)), (k, acts)
+        pos = {(a.kind, a.micro): i for i, a in enumerate(acts)}
+        for m in range(M):
+            assert pos[("F", m)] < pos[("B", m)] < pos[("W", m)], acts
+        warm = next(i for i, a in enumerate(acts) if a.kind != "F")
+        assert warm == min(2 * (P - s) - 1, M)
+        # held from F to W, counted here from the formula's definition
+        held, peak, pend, ppeak = 0, 0, 0, 0
+        for a in acts:
+            held += {"F": 1, "B": 0, "W": -1}[a.kind]
+            pend += {"F": 0, "B": 1, "W": -1}[a.kind]
+            peak, ppeak = max(peak, held), max(ppeak, pend)
+        assert peak == peak_in_flight("zb-h2", s, P, M)
+        assert peak_pending_weight_grads("zb-h2", s, P, M) == (0 if s == 0 else ppeak)
+        if h2_regime:
+            assert peak == 2 * P - 1  # the paper's (2p-1) M_B, on every stage
+            assert ppeak == 2 * s + 1
+    for slots in (None, 1, 2, min(M, P) + 1):
+        simulate("zb-h2", P, M, slots=slots)
+    # the launcher's default ring (runtime.slots = min(M, P) + 1) never holds the extra warm-up
+    # forwards back: the same unit-time ticks as unbounded rings
+    assert simulate("zb-h2", P, M, slots=min(M, P) + 1) == simulate("zb-h2", P, M)
+    for t in [(1.0, 1.0, 1.0), (1.0, 1.3, 0.7), (1.0, 1.0, 1.2), ([1.0] * (P - 1) + [1.4], 1.3, 0.7)]:
+        assert step_time("zb-h2", P, M, *t) <= step_time("zb-h1", P, M, *t) + 1e-9
+    if h2_regime:
+        # unit times: the lower bound (P-1) t_F + 3M of the last stage, as ZB-H1
+        assert bubble_fraction("zb-h2", P, M) == pytest.approx((P - 1) / (3 * M + P - 1))
+        # t_B > t_W: the deferred W passes cover the input gradient's way back to stage 0
+        assert step_time("zb-h2", P, M, 1.0, 1.3, 0.7) == pytest.approx((P - 1) + 3.0 * M)
+
+
+def test_zb_h2_order_example():
+    want = "F0 F1 F2 F3 F4 B0 W0 F5 B1 W1 B2 W2 B3 W3 B4 W4 B5 W5".split()  # stage 0 of 3: 2P-1 warm-up
+    assert build_schedule("zb-h2", 3, 6, 0) == [Action(a[0], int(a[1:])) for a in want]
+    want = "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 W0 F5 B5 W1 W2 W3 W4 W5".split()  # last: W 4 = 2s late
+    assert build_schedule("zb-h2", 3, 6, 2) == [Action(a[0], int(a[1:])) for a in want]
+    # P=3, M=8, unit times: 1F1B 30, ZB-H1 26, ZB-H2 26; t_B=1.3, t_W=0.7: ZB-H1 27.2, ZB-H2 26
+    assert [step_time(k, 3, 8) for k in ("1f1b", "zb-h1", "zb-h2")] == pytest.approx([30, 26, 26])
+    assert [step_time(k, 3, 8, 1.0, 1.3, 0.7) for k in ("zb-h1", "zb-h2")] == pytest.approx([27.2, 26.0])
+
+
 def test_zero_bubble_order_example():
     want = "F0 F1 F2 B0 W0 F3 B1 W1 B2 W2 B3 W3".split()
     assert build_schedule("zb", 3, 4, 0) == [Action(a[0], int(a[1:])) for a in want]

@@ -164,7 +164,7 @@ def _rel(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "zb-h1"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb", "zb-h1", "zb-h2"])
 @pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("M", [1, 2, 4, 5])
 def test_stage_gradients_match_single_module(schedule, P, M):
@@ -205,5 +205,5 @@ def test_config_accepts_zb_and_refuses_it_with_recompute():
     validate(cfg("train.schedule=zb"))
     with pytest.raises(ConfigError, match="train.recompute"):
         validate(cfg("train.schedule=zb", "train.recompute=true"))
-    with pytest.raises(ConfigError, match="use 1f1b, gpipe, zb or zb-h1"):
+    with pytest.raises(ConfigError, match="use 1f1b, gpipe, zb, zb-h1 or zb-h2"):
         validate(cfg("train.schedule=zbv"))

@@ -8,6 +8,11 @@ One line per optimizer step, printed by the coordinator once every card has repo
 Time split (seconds, the slowest card's view): fwd/bwd = compute of the stage's forwards and
 backwards; opt = AdamW (device + host); xfer = host<->device copies of offloaded layers and
 stage-boundary sends; idle = waiting for neighbours and collectives (pipeline bubble included).
+``metrics.jsonl`` also splits the slowest card's waits: ``bubble_s`` (waiting inside the schedule for
+a neighbour's activation or gradient: the pipeline bubble) and ``collective_s`` (the end-of-step
+collectives: tied-embedding / replica all-reduce and the grad-norm + loss all-reduce, which also
+absorbs the wait for the slowest stage); ``idle_s`` stays the wall time not spent computing,
+optimizing or transferring, so it includes both and any other overhead.
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
 model's prediction.
 
@@ -136,6 +141,7 @@ class Reporter:
             "transfer_s": slow["transfer_s"] + slow["send_s"],
             "idle_s": max(0.0, wall - slow["compute_s"] - slow["optimizer_s"] - slow["transfer_s"] - slow["send_s"]),
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
+            **{k: slow[k] for k in ("bubble_s", "collective_s") if k in slow},
             "time": time.time(),
         }
         skipped = any(bool(r.get("skipped")) for r in reports)

@@ -29,21 +29,33 @@ al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3 for the B/W split)
 - ``zb-h1``: the paper's ZB-H1 (its Figure 3): as ``zb``, but stage ``s`` runs its ``W`` passes
   ``s`` micro-batches late (the deferred ones fill the tail of the step), so every stage holds up
   to ``min(M, P)`` micro-batches: the *largest* per-stage memory of 1F1B (stage 0's), not each
-  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``. (Not a ``train.schedule`` value yet: offered to
-  the planner, which can weigh its memory on the later stages.)
+  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``.
+
+- ``zb-h2``: the paper's ZB-H2 (its section 3.1, Figure 4): ``min(2(P-s)-1, M)`` warm-up
+  forwards on stage ``s`` fill the wait for the first gradient, and each ``W`` is deferred ``2s``
+  micro-batches so the deferred ones fill the tail (:func:`_zb_h2`); every stage holds up to
+  ``min(M, 2P-1)`` micro-batches (the paper's ``(2p-1) M_B``), ``2s+1`` of them between ``B``
+  and ``W``. The paper's bubble ``(P-1)(t_F+t_B-2t_W)`` assumes each stage's step ends on its own
+  (its "bypassing optimizer synchronizations"); here every stage starts the step together and
+  the step ends with the last stage, which cannot start before ``(P-1) t_F`` and then computes
+  ``M(t_F+t_B+t_W)``. With unit times ZB-H1 already reaches that bound for ``M >= P``, so
+  ``zb-h2`` ties it there; it is faster when ``t_B > t_W`` (the usual case: attention's backward
+  costs more than its forward) or the stages are unequal, e.g. P=3, M=8, ``t_F, t_B, t_W = 1,
+  1.3, 0.7``: 26.0 against ZB-H1's 27.2 (the bound: 26).
 
 With unit forward, input-gradient and weight-gradient times (``t_F = t_B = t_W``, the paper's
 assumption) the bubble fraction of the step is ``(P-1)/(M+P-1)`` for ``1f1b`` and ``gpipe``,
-``2(P-1)/(3M+2(P-1))`` for ``zb`` and, for ``M >= P``, ``(P-1)/(3M+P-1)`` for ``zb-h1``;
-:func:`bubble_fraction` computes it from the action lists.
+``2(P-1)/(3M+2(P-1))`` for ``zb`` and, for ``M >= P``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` and
+``zb-h2`` (verified with :func:`stage_timeline` in the tests); :func:`bubble_fraction` computes it
+from the action lists.
 """
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence, Union
 
-SCHEDULES = ("1f1b", "gpipe", "zb", "zb-h1")
+SCHEDULES = ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2")
 #: schedules whose backward is split into B (input gradient) and W (weight gradient).
-SPLIT_BACKWARD = ("zb", "zb-h1")
+SPLIT_BACKWARD = ("zb", "zb-h1", "zb-h2")
 
 Durations = Union[float, Sequence[float]]
 
@@ -84,6 +96,8 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
     M = num_micro
     if kind == "gpipe":
         return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
+    if kind == "zb-h2":
+        return _zb_h2(num_stages, M, stage)
     split = kind in SPLIT_BACKWARD
     lag = stage if kind == "zb-h1" else 0  # W passes deferred past their B
     warmup = min(num_stages - stage - 1, M)
@@ -99,6 +113,32 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
             w += 1
     if split:
         actions.extend(Action("W", m) for m in range(w, M))
+    return actions
+
+
+def _zb_h2(P: int, M: int, s: int) -> list[Action]:
+    """ZB-H2 (Qi et al. 2024, section 3.1 and Figure 4): ``min(2(P-s)-1, M)`` warm-up forwards (they
+    fill the time until the first gradient comes back: stage ``P-1``'s first ``B`` ends at ``P``
+    units, stage ``s``'s first ``B`` can start ``P-1-s`` backward passes later, at ``2P-1-s``, and
+    stage ``s`` starts at ``s``), then ``B W F`` steps with each ``W`` deferred ``2s`` micro-batches
+    past its ``B`` (the deferred ``W`` passes fill the tail, while the last micro-batch's input
+    gradient travels to stage 0: the paper's parallelogram). Every stage holds up to ``2P-1``
+    micro-batches (the paper's ``(2p-1) M_B``). When ``M < 2P-1`` the warm-up does not fit and the
+    ``W`` passes are deferred ``s`` micro-batches, as in ZB-H1 (a longer deferral there only
+    lengthens the tail: checked with :func:`stage_timeline` for P <= 6, M <= 16)."""
+    warmup = min(2 * (P - s) - 1, M)
+    lag = 2 * s if M >= 2 * P - 1 else s
+    actions = [Action("F", m) for m in range(warmup)]
+    w, f = 0, warmup
+    for b in range(M):
+        actions.append(Action("B", b))
+        if b + 1 - w > lag:
+            actions.append(Action("W", w))
+            w += 1
+        if f < M:
+            actions.append(Action("F", f))
+            f += 1
+    actions.extend(Action("W", m) for m in range(w, M))
     return actions
 
 
@@ -125,7 +165,8 @@ def in_flight_profile(actions: Sequence[Action]) -> list[int]:
 def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
     """Largest number of micro-batches whose activations stage ``stage`` holds at once (forward
     done, last backward action not yet), from the action list: ``1f1b`` and ``zb``
-    ``min(M, P - stage)``, ``zb-h1`` ``min(M, P)``, ``gpipe`` ``M``. Raises ``ValueError`` as
+    ``min(M, P - stage)``, ``zb-h1`` ``min(M, P)``, ``zb-h2`` ``2P-1`` for ``M >= 2P-1``,
+    ``gpipe`` ``M``. Raises ``ValueError`` as
     :func:`build_schedule`."""
     return max(in_flight_profile(build_schedule(kind, num_stages, num_micro, stage)))
 
@@ -134,7 +175,8 @@ def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro:
     """Largest number of micro-batches between their ``B`` and ``W`` on stage ``stage`` (0 for
     schedules without a split backward). Each such micro-batch keeps, besides its activations,
     the output gradients of the stage's weight-bearing ops (for a Llama layer about the size of
-    its linear layers' outputs) until its ``W``. ``zb``: 1, ``zb-h1``: ``min(M, stage + 1)``; 0 on
+    its linear layers' outputs) until its ``W``. ``zb``: 1, ``zb-h1``: ``min(M, stage + 1)``,
+    ``zb-h2``: ``2 stage + 1`` for ``M >= 2P-1``; 0 on
     the first stage, whose ``B`` is the full backward since nothing waits for its input gradient."""
     acts = build_schedule(kind, num_stages, num_micro, stage)
     if kind not in SPLIT_BACKWARD or stage == 0:
@@ -275,7 +317,8 @@ def bubble_fraction(kind: str, num_stages: int, num_micro: int, t_f: Durations =
                     t_w: Durations = 1.0) -> float:
     """Idle share of the step over all stages: ``1 - sum(busy) / (P * step_time)``, from
     :func:`stage_timeline`. With the default unit times: ``(P-1)/(M+P-1)`` for ``1f1b``/``gpipe``,
-    ``2(P-1)/(3M+2(P-1))`` for ``zb``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` when ``M >= P``."""
+    ``2(P-1)/(3M+2(P-1))`` for ``zb``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` when ``M >= P`` and for
+    ``zb-h2`` when ``M >= 2P-1``."""
     end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)
     T = max(end)
     return 1.0 - sum(busy) / (num_stages * T) if T > 0 else 0.0

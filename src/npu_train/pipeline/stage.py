@@ -41,7 +41,7 @@ class BoundaryComm(Protocol):
 class StageRunner:
     """Executes GPipe/1F1B/zero-bubble for one stage.
 
-    In ``zb``/``zb-h1`` (:data:`npu_train.pipeline.schedule.SPLIT_BACKWARD`) a ``B`` action computes only
+    In ``zb``/``zb-h1``/``zb-h2`` (:data:`npu_train.pipeline.schedule.SPLIT_BACKWARD`) a ``B`` action computes only
     the gradient w.r.t. the stage input and sends it upstream at once; the matching ``W`` adds
     the weight gradients to ``p.grad`` later (:mod:`npu_train.pipeline.backward`). On the first
     stage the input is token ids, no stage waits for its input gradient, so there ``B`` is the

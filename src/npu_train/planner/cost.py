@@ -8,9 +8,18 @@
   and framework overhead are in it); ``Rates.flops_by_dtype`` may give it per compute dtype. The
   ``lm_head`` + loss runs at ``device_flops * Rates.head_flops_ratio`` (measured: its GEMMs have
   one small dimension and the log-softmax spans the vocabulary).
-- Pipeline phase (1F1B and GPipe alike): ``(M + P - 1) * max_i t_i``; the slowest stage sets the
-  pace, so every stage is busy ``compute = M * t_i`` and idle ``bubble = phase - M*t_i``
-  (for balanced stages that is the classical bubble fraction ``(P-1)/(M+P-1)`` of the step).
+- Per micro-batch, ``t_i`` splits into the forward ``t_F``, the input-gradient pass ``t_B`` and the
+  weight-gradient pass ``t_W`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1):
+  a decoder layer's linear layers cost 2 FLOPs/param/token in each (LoRA: the frozen base has no
+  W; the adapters 2 each), attention's two matmuls ``4 s tokens q`` in F and ``8 s tokens q`` in B
+  (it has no weights); recompute adds one forward to B. The last stage's ``lm_head`` + loss
+  likewise (2/2/2 per param per token, at ``head_flops_ratio``); the first stage's embedding is a
+  lookup (no FLOPs; its gradient is a scatter of ``tokens x h`` elements, ignored).
+- Pipeline phase: the configured schedule's own timeline
+  (:func:`npu_train.pipeline.schedule.stage_timeline` with every stage's ``t_F, t_B, t_W``: the
+  schedule that runs, with unequal stages), the latest stage's end. Stage ``i`` is busy
+  ``compute = M * t_i`` and idle ``bubble = phase - compute``; for equal stages under 1F1B that is
+  the classical ``(M + P - 1) * t`` and bubble fraction ``(P-1)/(M+P-1)``.
 - ``host_optimizer`` = offloaded params / ``Rates.host_adamw_params_per_s`` (each stage's process
   runs its own host AdamW, concurrently with the other stages').
 - ``device_optimizer`` = resident params / ``Rates.device_adamw_params_per_s`` (the card's AdamW
@@ -47,9 +56,10 @@
   cpu cards on 2 cores), the pipeline phase counts its ``M + P - 1`` slots by occupancy: in slot
   j only the stages holding a micro-batch compute, and a slot whose computing cpu stages run
   ``a * threads > cores`` threads takes ``a * threads / cores`` times longer (so the
-  ``(M+P-1)`` factor becomes the sum of the slots' stretch factors); the optimizers, which all
-  run at the same time, get ``cores / (cpu cards * threads)`` of their rate. ``compute`` then
-  includes the phase's average slowdown (``M * t_i * slots / (M + P - 1)``).
+  sum of the slots' stretch factors, ``slots``, divided by ``M + P - 1`` is the average stretch
+  that multiplies the schedule's timeline); the optimizers, which all run at the same time, get
+  ``cores / (cpu cards * threads)`` of their rate. ``compute`` then includes the phase's average
+  slowdown (``M * t_i * slots / (M + P - 1)``).
 """
 from __future__ import annotations
 
@@ -57,6 +67,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from npu_train.model.config import LlamaConfig
+from npu_train.pipeline.schedule import stage_timeline
 from npu_train.planner.memory import WORKSPACE, MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
@@ -76,7 +87,9 @@ class StageCost:
         host_params: params whose optimizer runs on the host (offloaded).
         device_params: params whose optimizer runs on the card (resident).
         xfer_params: params moved card<->host each step (each direction).
-        t_mb: compute seconds per micro-batch.
+        t_mb: compute seconds per micro-batch (``t_f + t_b + t_w``).
+        t_f, t_b, t_w: seconds per micro-batch of the forward, the input-gradient and the
+            weight-gradient pass (module docstring).
         in_flight: micro-batches whose activations the stage holds at peak.
         host_state_on_card: cpu card: the offloaded state is in the card's memory.
         params: every parameter the stage computes with (what the data-parallel all-reduce moves).
@@ -95,6 +108,9 @@ class StageCost:
     host_state_on_card: bool = False
     params: int = 0
     state_share: float = 1.0
+    t_f: float = 0.0
+    t_b: float = 0.0
+    t_w: float = 0.0
 
     @property
     def host_bytes(self) -> int:
@@ -141,7 +157,7 @@ class CostModel:
                 r.host_adamw_params_per_s *= self.cpu_share
                 r.device_adamw_params_per_s *= self.cpu_share
             self.rates.append(r)
-        # pipeline phase = slots * max_i t_i. Slot j (0 .. M+P-2) of a wave has the stages
+        # stretch of the pipeline phase = slots / (M + P - 1). Slot j (0 .. M+P-2) of a wave has the stages
         # max(0, j-M+1) .. min(j, P-1) computing; when the cpu ones among them run more threads
         # than there are cores, the slot stretches by (cpu stages * threads / cores).
         M, P = shape.micro_batches, self.P
@@ -155,10 +171,18 @@ class CostModel:
         # 6 FLOPs/param/token: forward 2 + input gradient 2 + weight gradient 2 (Kaplan et al. 2020);
         # LoRA computes no weight gradient of the frozen base: 4 (+ 6 per adapter parameter)
         La = shape.lora_params_per_layer
-        per_param = 6.0 * model.params_per_layer() if not La else 4.0 * model.params_per_layer() + 6.0 * La
-        self.layer_flops = rc * (per_param * tok
-                                 + 12.0 * shape.seq_len * tok * model.num_heads * model.head_dim)
-        self.head_flops = rc * (4.0 if La else 6.0) * tok * model.embedding_params()
+        Pl = model.params_per_layer()
+        attn = shape.seq_len * tok * model.num_heads * model.head_dim
+        lin = 2.0 * (Pl + La) * tok  # one pass over the linear layers (base + adapters)
+        f = lin + 4.0 * attn
+        #: FLOPs per micro-batch of one decoder layer: (forward, input gradient, weight gradient)
+        self.layer_fbw = (f, lin + 8.0 * attn + (f if shape.recompute else 0.0),
+                          2.0 * (La if La else Pl) * tok)
+        self.layer_flops = sum(self.layer_fbw)
+        E2 = 2.0 * tok * model.embedding_params()
+        #: FLOPs per micro-batch of the lm_head (+ loss): (forward, input gradient, weight gradient)
+        self.head_fbw = (E2, E2 + (E2 if shape.recompute else 0.0), 0.0 if La else E2)
+        self.head_flops = sum(self.head_fbw)
         self._cache: dict = {}
 
     def cost(self, i: int, n: int, r: int) -> StageCost:
@@ -173,9 +197,10 @@ class CostModel:
         first, last = i == 0, i == self.P - 1
         lora = self.shape.lora_params_per_layer > 0
         xfer = sm.offloaded_params + (mm.E if mm.tied and self.P > 1 and (first or last) and not lora else 0)
-        t_mb = n * self.layer_flops / rt.device_flops
+        fbw = [n * x / rt.device_flops for x in self.layer_fbw]
         if last:
-            t_mb += self.head_flops / (rt.device_flops * rt.head_flops_ratio)
+            fbw = [t + x / (rt.device_flops * rt.head_flops_ratio) for t, x in zip(fbw, self.head_fbw)]
+        t_mb = sum(fbw)
         mem = dict(sm.mem)
         share = 1.0
         if self.zero and self.dp > 1:  # ZeRO-1: this card keeps 1/dp of the stage's optimizer state
@@ -187,7 +212,7 @@ class CostModel:
             mem["total"] -= cut + ws_cut
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
-                      params=sm.params, state_share=share)
+                      params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2])
         self._cache[key] = c
         return c
 
@@ -236,12 +261,29 @@ class CostModel:
                 hi = mid - 1
         return lo
 
+    def phase(self, costs: Sequence[StageCost]) -> float:
+        """Seconds of the pipeline phase (all forwards and backwards of a step) for one
+        :class:`StageCost` per stage: the end of the configured schedule's
+        :func:`~npu_train.pipeline.schedule.stage_timeline` with the stages' ``t_f, t_b, t_w``,
+        times the average slot stretch of oversubscribed cpu cores (``slots / (M + P - 1)``, 1
+        without oversubscription)."""
+        M = self.shape.micro_batches
+        end, _ = stage_timeline(self.shape.schedule, self.P, M, [c.t_f for c in costs],
+                                [c.t_b for c in costs], [c.t_w for c in costs])
+        return max(end) * self.slots / (M + self.P - 1)
+
+    def step_time(self, split: Sequence[int], resident: Sequence[int]) -> float:
+        """Predicted seconds per optimizer step of ``split`` with ``resident`` layers per card:
+        :meth:`phase` + the largest per-stage optimizer, transfer and data-parallel time (what
+        :meth:`build` reports as ``Plan.step_time_s``)."""
+        costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
+        return self.phase(costs) + max(sum(self.side_time(i, c)) for i, c in enumerate(costs))
+
     def build(self, split: list[int], resident: list[int]) -> Plan:
         """The :class:`Plan` of ``split`` (layers per card) with ``resident`` layers per card."""
         costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
         M = self.shape.micro_batches
-        t_max = max(c.t_mb for c in costs)
-        phase = self.slots * t_max
+        phase = self.phase(costs)
         stages, first = [], 0
         for i, (n, c) in enumerate(zip(split, costs)):
             host, dev, xfer = self.side_time(i, c)

@@ -29,7 +29,11 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
   :func:`activation_bytes_per_layer`; :func:`in_flight_micro_batches` takes the count from the
   schedule's action list, :mod:`npu_train.pipeline.schedule`), plus on the last stage
   the fp32 log-probabilities that ``cross_entropy`` saves, ``b*s*V*4`` bytes per micro-batch in
-  flight (:func:`saved_logits_bytes`). ``ATTENTION[kind]`` selects the attention term: ``"sdpa"``
+  flight (:func:`saved_logits_bytes`). With a split backward (``zb``, ``zb-h1``, ``zb-h2``) a
+  micro-batch between its ``B`` and ``W`` also keeps the gradients w.r.t. the outputs of the
+  stage's linear layers until ``W`` (:func:`pending_grad_bytes_per_layer`), for the schedule's
+  peak count of such micro-batches (``peak_pending_weight_grads`` of the action list; ZB-H2:
+  ``2s+1`` on stage ``s``). ``ATTENTION[kind]`` selects the attention term: ``"sdpa"``
   (cpu, cuda: ``scaled_dot_product_attention``'s fused kernels save only the log-sum-exp) or
   ``"eager"`` (furiosa, conservative: the attention probabilities are saved).
 - ``transient``: what the peak phase of a step adds on top, ``max(fwd/bwd, optimizer) + held``:
@@ -85,12 +89,12 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import peak_in_flight
+from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.spec import CardSpec, RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "activation_bytes_per_layer", "logits_bytes",
-           "saved_logits_bytes", "in_flight_micro_batches", "StageMemory", "MemoryModel"]
+           "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageMemory", "MemoryModel"]
 
 #: Per-kind workspace defaults: (constant bytes, fraction of
 #: weights+grads+optimizer+activations+transient), from
@@ -173,6 +177,20 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     return linear + scores
 
 
+def pending_grad_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
+    """Bytes one micro-batch keeps per decoder layer between its input-gradient pass ``B`` and its
+    weight-gradient pass ``W`` (:mod:`npu_train.pipeline.backward`: the gradient w.r.t. the output
+    of every linear layer, recorded in ``B`` for ``dW = dY^T X`` in ``W``), in the compute dtype:
+    ``s*b*e*(q + 2*kv + 2*h + 2*i)`` (q, k, v, o, gate, up, down projections); Qi et al. 2024,
+    "Zero Bubble Pipeline Parallelism", section 3.1 keeps the same tensors for W. The last stage
+    adds the ``lm_head``'s, ``s*b*e*V`` (:class:`MemoryModel`). With LoRA the recorded tensors are
+    the adapters' outputs, smaller: the figure is then an upper estimate."""
+    s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
+    q = model.num_heads * model.head_dim
+    kv = model.num_kv_heads * model.head_dim
+    return s * b * e * (q + 2 * kv + 2 * model.hidden_size + 2 * model.intermediate_size)
+
+
 def logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
     """Last stage, per micro-batch: fp32 logits and their gradient, ``b*s*V*4*2`` bytes (the
     log-softmax backward's two logits-sized fp32 tensors, see the ``transient`` term)."""
@@ -239,6 +257,11 @@ class MemoryModel:
         self.layer_maxp = max(self.H * model.intermediate_size, self.H * q)
         self.in_flight = [in_flight_micro_batches(i, self.P, shape.micro_batches, shape.schedule)
                           for i in range(self.P)]
+        #: micro-batches between B and W at peak, per stage (0 without a split backward)
+        self.pending = [peak_pending_weight_grads(shape.schedule, i, self.P, shape.micro_batches)
+                        for i in range(self.P)]
+        self.pending_layer = pending_grad_bytes_per_layer(model, shape)
+        self.pending_head = shape.seq_len * shape.micro_batch * self.e * model.vocab_size
 
     def nonlayer(self, i: int) -> tuple[int, int]:
         """(owned non-layer params, tied-copy params) of stage ``i``."""
@@ -289,6 +312,8 @@ class MemoryModel:
             one_mb = n * act_layer
         if last:
             acts += k * self.saved_logits
+        if self.pending[i]:  # split backward: output gradients kept from B to W
+            acts += self.pending[i] * (n * self.pending_layer + (self.pending_head if last else 0))
         # transient: peak-phase temporaries beyond the saved activations
         maxp = max(self.layer_maxp if n else 0, E if (first or last) else 0)
         if La:  # only adapter gradients are accumulated / normed

@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 from typing import Optional
 
+from npu_train.pipeline.schedule import bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import CardSpec, gb, gib
@@ -137,12 +138,27 @@ def plan_table(plan: Plan, width: int = 180) -> str:
     if plan.host_ram_bytes is not None and plan.host_bytes > plan.host_ram_bytes:
         verdict += (f" (host RAM {gib(plan.host_bytes):.2f} GiB needed > "
                     f"{gib(plan.host_ram_bytes):.2f} GiB)")
+    lines.append(schedule_line(plan))
     lines.append(
         f"predicted: step {plan.step_time_s:.2f} s, {plan.tokens_per_step} tokens/step"
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )
     return "\n".join(lines)
+
+
+def schedule_line(plan: Plan) -> str:
+    """One line: the schedule, its pipeline phase (seconds) and bubble, the idle share of the phase
+    over all stages (``sum bubble / (P * phase)``, from the stages' own ``t_F, t_B, t_W`` in the
+    schedule's timeline), next to the same schedule's bubble with equal unit times
+    (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the activation micro-batches it holds."""
+    s, P = plan.shape, len(plan.stages)
+    phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
+    idle = sum(st.time["bubble"] for st in plan.stages) / (P * phase) if phase > 0 else 0.0
+    unit = bubble_fraction(s.schedule, P, s.micro_batches)
+    held = "/".join(str(st.in_flight) for st in plan.stages)
+    return (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
+            f"(equal unit F/B/W times: {unit * 100:.1f} %); micro-batches held per card {held}")
 
 
 def format_plan(plan: Plan, width: int = 180) -> str:

@@ -18,7 +18,11 @@ from npu_train.planner.report import card_label, over_capacity_message
 from npu_train.planner.spec import CardSpec, PlacementError, RunShape, gib
 from npu_train.planner.threads import threads_per_card, usable_cores
 
-__all__ = ["DEFAULT_HEADROOM", "balanced_split", "search_split", "make_plan"]
+__all__ = ["DEFAULT_HEADROOM", "balanced_split", "search_split", "fastest_split", "make_plan"]
+
+#: most schedule timelines :func:`fastest_split` evaluates (about 0.1 ms each for P = 4, M = 8)
+#: before it returns the best split found so far
+MAX_TIMELINES = 20000
 
 #: fraction of each card's capacity the ``auto`` placement keeps free (``placement.headroom``):
 #: the model's assumed terms are not exact (issue 12: the old model put 2 cards at 47.42 of 47.5 GiB)
@@ -57,10 +61,11 @@ def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan
 
 
 def search_split(pm: CostModel, L: int) -> Optional[list[int]]:
-    """Layers per card (``L`` layers in all) for the lowest predicted step time: the split
-    minimizing ``slots * max_i t_i + max_i (host_i + dev_i + xfer_i)`` (``slots`` = ``M + P - 1``
-    without oversubscribed cpu cores) with every stage at its auto resident count; ``None`` if
-    no split fits. Exact: for a stage, t, host+xfer and memory at 0 resident are all
+    """Layers per card (``L`` layers in all) minimizing the 1F1B-style bound
+    ``slots * max_i t_i + max_i (host_i + dev_i + xfer_i)`` (``slots`` = ``M + P - 1`` without
+    oversubscribed cpu cores) with every stage at its auto resident count; ``None`` if no split
+    fits. :func:`fastest_split` starts from it (the plan's step time is the schedule's timeline,
+    which this bound over-estimates for unequal stages). Exact for the bound: for a stage, t, host+xfer and memory at 0 resident are all
     non-decreasing in its layer count, so for bounds (T, X) each stage admits n in
     [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
     P = pm.P
@@ -126,6 +131,115 @@ def search_split(pm: CostModel, L: int) -> Optional[list[int]]:
     return split
 
 
+def _resident_for(pm: CostModel, i: int, n: int, resident) -> int:
+    """Resident layers of stage ``i`` holding ``n`` layers under ``resident`` ("auto" or a per-card
+    list), or -1 when that does not fit (auto: within the headroom; explicit counts: r <= n and
+    within the full capacity, as :func:`make_plan` checks them)."""
+    if resident == "auto":
+        return pm.max_resident(i, n)
+    r = int(resident[i])
+    if r > n or pm.cost(i, n, r).mem["total"] > pm.limit(i, headroom=False):
+        return -1
+    return r
+
+
+def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "auto",
+                  max_timelines: int = MAX_TIMELINES) -> Optional[list[int]]:
+    """Layers per card (``L`` in all, every card >= 1) with the lowest predicted step time
+    (:meth:`CostModel.step_time <npu_train.planner.cost.CostModel.step_time>`: the configured
+    schedule's timeline + the largest optimizer / transfer time) among the splits that fit, with
+    ``resident`` layers per card (``"auto"``: per card the most that fit within the headroom,
+    :meth:`~npu_train.planner.cost.CostModel.max_resident`; a list: those counts, each <= the
+    card's layers and within its capacity). ``None`` if no split fits.
+
+    Ties (within a relative 1e-9) go to the balanced split (:func:`balanced_split`) when it is
+    among them, else to the lexicographically smallest split, so the answer does not depend on
+    the search order.
+
+    Branch and bound over the cards in pipeline order: stage ``i`` cannot start before the
+    forwards of the stages before it (``sum_{j<i} t_F,j``) and then computes ``M t_i``, so
+    ``(sum_{j<i} t_F,j + M t_i) * stretch + max side time`` of the cards placed so far bounds the
+    step time from below; branches whose bound exceeds the best step time found are cut. Exact
+    unless more than ``max_timelines`` timelines would be evaluated (then the best found, which
+    starts from the balanced split and :func:`search_split`'s).
+    """
+    P, M = pm.P, pm.shape.micro_batches
+    stretch = pm.slots / (M + P - 1)
+    nmax = L - P + 1
+    opts = []  # per stage: [(n, r, cost, side seconds)]
+    for i in range(P):
+        o = []
+        for n in range(1, nmax + 1):
+            r = _resident_for(pm, i, n, resident)
+            if r >= 0:
+                c = pm.cost(i, n, r)
+                o.append((n, r, c, sum(pm.side_time(i, c))))
+        if not o:
+            return None
+        opts.append(o)
+    lo_rest = [0] * (P + 1)
+    hi_rest = [0] * (P + 1)
+    for i in range(P - 1, -1, -1):
+        lo_rest[i] = lo_rest[i + 1] + opts[i][0][0]
+        hi_rest[i] = hi_rest[i + 1] + opts[i][-1][0]
+    if lo_rest[0] > L or hi_rest[0] < L:
+        return None
+    tol = 1e-9
+    best = [float("inf")]
+    ties: list[tuple[float, list[int]]] = []
+    evals = [0]
+
+    def leaf(split: list[int], costs: list) -> None:
+        evals[0] += 1
+        obj = pm.phase(costs) + max(sum(pm.side_time(i, c)) for i, c in enumerate(costs))
+        if obj <= best[0] * (1 + tol):
+            best[0] = min(best[0], obj)
+            ties.append((obj, list(split)))
+
+    def evaluate(split: Optional[list[int]]) -> None:
+        if split is None or len(split) != P or sum(split) != L or min(split) < 1:
+            return
+        rs = [_resident_for(pm, i, n, resident) for i, n in enumerate(split)]
+        if min(rs) >= 0:
+            leaf(split, [pm.cost(i, n, r) for i, (n, r) in enumerate(zip(split, rs))])
+
+    bal = balanced_split(L, P)
+    evaluate(bal)  # seeds: a good first bound cuts most branches
+    if resident == "auto":
+        evaluate(search_split(pm, L))
+    split: list[int] = []
+    costs: list = []
+
+    def dfs(i: int, left: int, f_before: float, lb_phase: float, side: float) -> None:
+        if evals[0] >= max_timelines:
+            return
+        if i == P:
+            if left == 0:
+                leaf(split, costs)
+            return
+        for n, r, c, sd in opts[i]:
+            rest = left - n
+            if rest < lo_rest[i + 1]:
+                break
+            if rest > hi_rest[i + 1]:
+                continue
+            lb = max(lb_phase, (f_before + M * c.t_mb) * stretch)
+            sdm = max(side, sd)
+            if lb + sdm > best[0] * (1 + tol):
+                continue  # t and side time grow with n, but a larger n leaves fewer layers to the rest
+            split.append(n)
+            costs.append(c)
+            dfs(i + 1, rest, f_before + c.t_f, lb, sdm)
+            split.pop()
+            costs.pop()
+
+    dfs(0, L, 0.0, 0.0, 0.0)
+    if not ties:
+        return None
+    cand = sorted(sp for obj, sp in ties if obj <= best[0] * (1 + tol))
+    return bal if bal in cand else cand[0]
+
+
 def make_plan(
     model: LlamaConfig,
     shape: RunShape,
@@ -151,10 +265,11 @@ def make_plan(
         shape: sequence length, micro-batch, accumulation steps, schedule, dtype, recompute.
         cards: one :class:`CardSpec` per pipeline stage.
         rates: one :class:`Rates` for all cards, or one per card.
-        split: decoder layers per card (sums to ``model.num_layers``). ``None``: balanced
-            (:func:`balanced_split`), except with ``resident_layers="auto"``, which searches all
-            splits (e.g. fewer layers on the last card, which computes the lm_head, or on the
-            first, which stores the embedding) for the lowest predicted step time.
+        split: decoder layers per card (sums to ``model.num_layers``). ``None``: the split with
+            the lowest predicted step time among those that fit, for the given
+            ``resident_layers`` (auto, a number or a list) and ``shape.schedule``
+            (:func:`fastest_split`: e.g. fewer layers on the last card, which computes the
+            lm_head); ties go to the balanced split (:func:`balanced_split`).
         resident_layers: ``"auto"`` (per card the most resident layers that fit, since resident
             layers remove host-optimizer and transfer time), an int N (N on every card; more than
             a card's layers is an error) or a per-card list.
@@ -256,15 +371,16 @@ def make_plan(
 
     # ---- explicit resident counts ----
     if not isinstance(resident_layers, str):
-        if split_l is None:
-            split_l = balanced_split(L, P)
         if isinstance(resident_layers, numbers.Integral):
-            res_l = [resident_layers] * P
+            res_l = [int(resident_layers)] * P
         else:
             res_l = [int(r) for r in resident_layers]
             if len(res_l) != P:
                 raise PlacementError(
                     f"resident_layers {res_l} has {len(res_l)} entries for {P} cards")
+        if split_l is None:
+            # the fastest split that holds these resident counts; none: the balanced split explains why
+            split_l = (fastest_split(pm, L, res_l) if min(res_l) >= 0 else None) or balanced_split(L, P)
         for i, (n, r) in enumerate(zip(split_l, res_l)):
             if r < 0:
                 raise PlacementError(f"{card_label(i, cards[i])}: resident layers {r} < 0")
@@ -285,17 +401,7 @@ def make_plan(
 
     # ---- auto ----
     if split_l is None:
-        found = search_split(pm, L)
-        if found is not None:
-            bal = balanced_split(L, P)
-            rb = [pm.max_resident(i, n) for i, n in enumerate(bal)]
-            if min(rb) >= 0:
-                # keep the balanced split unless the search is strictly faster
-                pb = pm.build(bal, rb)
-                pf = pm.build(found, [pm.max_resident(i, n) for i, n in enumerate(found)])
-                if pb.step_time_s <= pf.step_time_s * (1 + 1e-9):
-                    found = bal
-            split_l = found
+        split_l = fastest_split(pm, L, "auto")
     if split_l is not None:
         res_l = [pm.max_resident(i, n) for i, n in enumerate(split_l)]
         if min(res_l) >= 0:

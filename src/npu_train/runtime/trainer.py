@@ -342,6 +342,10 @@ class StageTrainer:
         self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
                        skipped=not finite,
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
+                       # wait_s split: waits for a neighbour's activation / gradient inside the
+                       # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
+                       # all-reduce, grad norm + loss all-reduce, including the wait for the slowest stage)
+                       bubble_s=res["wait_s"], collective_s=t2 - t1,
                        send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
