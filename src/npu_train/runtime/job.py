@@ -346,6 +346,10 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     start_step, resume_dir = 0, None
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
     resume_dir = find_checkpoint(tr.resume, ckpt_root) if tr.resume else None
+    if resume_dir is not None and tr.offload_update == "delayed":
+        raise ConfigError(f"train.offload_update=delayed cannot resume from {resume_dir} exactly (the card "
+                          "weights one update behind the masters are not checkpointed): resume with "
+                          "train.offload_update=sync, or start fresh without train.resume")
     if resume_dir is not None:
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())
