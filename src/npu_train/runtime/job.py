@@ -146,7 +146,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
             mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
-                     grad_accum=tr.grad_accum)
+                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
+                     "delayed" if tr.offload_update == "delayed" else "overlap")
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
