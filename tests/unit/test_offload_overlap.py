@@ -19,6 +19,9 @@ CFG = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layer
 
 
 class _Cpu:
+    def __init__(self):
+        self.downloads = 0
+
     def device(self):
         return torch.device("cpu")
 
@@ -26,6 +29,7 @@ class _Cpu:
         return t.clone()
 
     def download(self, t):
+        self.downloads += 1
         return t.detach().clone()
 
     def synchronize(self):
@@ -39,12 +43,13 @@ def _train(dtype, overlap, steps=3, M=2, resident=()):
     model = StageModule(CFG, 0, CFG.num_layers, True, True).to(dtype)
     params = dict(model.named_parameters())
     masters = {n: p.detach().float().clone() for n, p in params.items()}
-    opt = StageOptimizer(params, masters, list(resident), _Cpu(), lr=1e-2, weight_decay=0.1,
+    be = _Cpu()
+    opt = StageOptimizer(params, masters, list(resident), be, lr=1e-2, weight_decay=0.1,
                          layers=layer_groups(params), overlap=overlap)
     if overlap:
         install_waits(model, opt, list(opt.host_groups))
     g = torch.Generator().manual_seed(1)
-    norms, queued, orders = [], [], []
+    norms, queued, orders, downloads = [], [], [], []
     for step in range(steps):
         opt.begin_step(M)
         for _ in range(M):
@@ -52,17 +57,19 @@ def _train(dtype, overlap, steps=3, M=2, resident=()):
             ls, _ = causal_lm_loss_sum(model(x), x)
             (ls / 32).backward()
         queued.append(set(opt.host.queued()))  # downloads queued by the backward hooks
+        be.downloads = 0
         sq = opt.grad_sq_sum()
         norms.append(sq)
         coef = min(1.0, 0.5 / (float(sq) ** 0.5 + 1e-6))
         opt.step(1e-2, coef)
+        downloads.append(be.downloads)  # downloads after the backward (incl. the resident norms' scalars)
         if step:
             orders.append([k for k, *_ in opt.host.take_stats()["timeline"]])
     opt.wait_all()
     state = opt.state_tensors()
     opt.close()
     weights = {n: p.detach().clone() for n, p in params.items()}
-    return norms, weights, state, queued, orders
+    return norms, weights, state, queued, orders, downloads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -87,14 +94,21 @@ def test_downloads_start_in_backward_and_layers_update_in_forward_order():
     (before the grad norm is asked for); without it none is. The host update runs layer by layer in
     forward order (embedding, layers 0..2, head); a resident layer has no host update.
 
-    Mutation check (run, seen failing): ``_final_after = micro_batches + 1`` in ``begin_step`` (the
-    hook never sees the final count) leaves nothing queued."""
-    _, _, _, queued, orders = _train(torch.float32, overlap=True, resident=CFG.layer_param_names(1))
-    offloaded = {n for n, _ in StageModule(CFG, 0, 3, True, True).named_parameters()} - set(CFG.layer_param_names(1))
+    Mutation checks (run, seen failing): ``_final_after = micro_batches + 1`` in ``begin_step`` (the
+    hook never sees the final count) leaves nothing queued; comparing the queued gradient by tensor
+    identity in ``HostUpdater.collect`` (``grad()`` returns a new ``detach()`` view each call) downloads
+    every gradient a second time after the backward."""
+    res = CFG.layer_param_names(1)
+    _, _, _, queued, orders, downloads = _train(torch.float32, overlap=True, resident=res)
+    offloaded = {n for n, _ in StageModule(CFG, 0, 3, True, True).named_parameters()} - set(res)
     assert all(q == offloaded for q in queued)
     assert orders and all(o == ["embed", "layer0", "layer2", "head"] for o in orders)
-    _, _, _, queued_off, _ = _train(torch.float32, overlap=False)
+    # each offloaded gradient is downloaded once per step, in the backward: after it only the resident
+    # parameters' squared norms (one scalar each) come down
+    assert all(d == len(res) for d in downloads), downloads
+    _, _, _, queued_off, _, downloads_off = _train(torch.float32, overlap=False, resident=res)
     assert all(not q for q in queued_off)
+    assert all(d == len(res) + len(offloaded) for d in downloads_off), downloads_off
 
 
 def test_layer_keys():

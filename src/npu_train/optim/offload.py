@@ -67,7 +67,7 @@ class HostUpdater:
         self.params, self.groups, self.optimizers, self.backend = params, groups, optimizers, backend
         self.overlap, self.delayed = bool(overlap), bool(delayed) and bool(overlap)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-adamw") if self.overlap else None
-        self._dl: dict[str, tuple] = {}      # name -> (future of (host fp32 grad | None, sq), tensor, version)
+        self._dl: dict[str, tuple] = {}  # name -> (future of (host fp32 grad | None, sq), (data_ptr, version))
         self._layer: dict[str, Future] = {}  # layer key -> its pending update
         self._staged: dict[str, torch.Tensor] = {}  # delayed: name -> compute-dtype host weights to upload
         self.timeline: list = []  # the last finished update: [(layer, start, adamw_end, upload_end)] perf_counter s
@@ -93,8 +93,8 @@ class HostUpdater:
     def grad_final(self, name: str, g: Optional[torch.Tensor]) -> None:
         """Queue the download + squared norm of ``name``'s final step gradient ``g`` (called when no
         later micro-batch or collective changes it; see :meth:`collect` for the safety net)."""
-        ver = None if g is None else g._version
-        self._dl[name] = (self._submit(self._fetch, g), g, ver)
+        key = None if g is None else (g.data_ptr(), g._version)
+        self._dl[name] = (self._submit(self._fetch, g), key)
 
     def queued(self) -> list[str]:
         """Names whose gradient download is queued or done this step (in queuing order)."""
@@ -102,17 +102,18 @@ class HostUpdater:
 
     def collect(self, grads: dict) -> dict:
         """Wait for every offloaded gradient's download; ``grads``: ``{name: current gradient tensor
-        or None}``. A gradient not queued yet, or changed since it was queued (another tensor or a
-        newer version counter), is (re)queued now. Returns ``{name: squared sum (fp32 scalar)}``."""
+        or None}``. A gradient not queued yet, or changed since it was queued (other storage or a
+        newer version counter, which views such as ``detach()`` share), is (re)queued now.
+        Returns ``{name: squared sum (fp32 scalar)}``."""
         for n, g in grads.items():
             got = self._dl.get(n)
-            if got is None or got[1] is not g or (g is not None and got[2] != g._version):
+            if got is None or got[1] != (None if g is None else (g.data_ptr(), g._version)):
                 self.grad_final(n, g)
         return {n: self._dl[n][0].result()[1] for n in grads}
 
     def discard(self) -> None:
         """Forget the step's downloaded gradients (skipped step, or after the update consumed them)."""
-        for f, _, _ in self._dl.values():
+        for f, _ in self._dl.values():
             f.result()
         self._dl.clear()
 
