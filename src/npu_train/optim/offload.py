@@ -32,11 +32,13 @@ Threads: the background thread's torch ops use the process's intra-op thread cou
 card the main thread mostly queues device work while the host thread computes, so the card's
 cores are not oversubscribed; on a ``cpu`` card the two threads share the card's cores while they
 overlap (up to twice the thread count for that time: the overlap there only hides waits).
-Device allocations made from the background thread (the upload) hold the backend's
-``alloc_lock`` (RNGD: the memory-type flag is process-wide); ``backend.upload`` takes it itself.
+Device allocations and copies made from the background thread (each layer's upload and the copy
+into the card's weights) hold the backend's ``alloc_lock`` where it has one (RNGD: the memory-type
+flag is process-wide, and the main thread holds the same re-entrant lock around its allocations).
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
@@ -118,17 +120,18 @@ class HostUpdater:
         self._dl.clear()
 
     # ------------------------------------------------------------------ update
-    def _layer_task(self, key: str, names: list, lr: float, clip_coef: float) -> tuple:
+    def _layer_task(self, key: str, names: list, lr: float, clip_coef: float, grads: dict) -> tuple:
         t0 = time.perf_counter()
         opt = self.optimizers[key]
         for n in names:
             m = opt.masters[n]
-            hg = self._grads[n]
+            hg = grads[n]
             m.grad = torch.zeros_like(m) if hg is None else hg.mul_(clip_coef)
         opt.set_lr(lr)
         opt.step()
         t1 = time.perf_counter()
-        with torch.no_grad():
+        lock = getattr(self.backend, "alloc_lock", None)  # RNGD: process-wide memory-type flag
+        with torch.no_grad(), (lock() if lock is not None else contextlib.nullcontext()):
             for n in names:
                 m = opt.masters[n]
                 m.grad = None
@@ -157,13 +160,13 @@ class HostUpdater:
         wait for the previous step's update and upload its weights (see the module docstring).
         """
         self.collect(grads)
-        self._grads = {n: self._dl[n][0].result()[0] for n in grads}
+        host_grads = {n: self._dl[n][0].result()[0] for n in grads}  # this update's own (tasks get it)
         self._dl.clear()
         self.wait_all()  # the previous update (done by now unless delayed): records its timeline
         if self.delayed:
             self._apply_staged()
         self._next_start = time.perf_counter()
-        self._layer = {key: self._submit(self._layer_task, key, names, lr, clip_coef)
+        self._layer = {key: self._submit(self._layer_task, key, names, lr, clip_coef, host_grads)
                        for key, names in self.groups}
 
     def wait_layer(self, key: str) -> None:
@@ -208,10 +211,6 @@ class HostUpdater:
         ov = max(0.0, upd - wait) if self.overlap else 0.0
         return {"update_s": upd, "wait_s": wait, "overlap_s": ov, "hidden": ov / upd if upd > 0 else 0.0,
                 "start": self.update_start, "timeline": tl}
-
-    def pending_staged(self) -> bool:
-        """Delayed mode: whether an update's weights are staged but not yet on the card."""
-        return bool(self._staged) or bool(self._layer)
 
     def close(self) -> None:
         """Finish the queued tasks and stop the background thread (the staged weights of a delayed
