@@ -4,7 +4,11 @@
   (12 bytes/param) and are updated there; the compute-dtype weights are refreshed on the card.
 - Offloaded parameters keep master + moments in host RAM and are updated by a host AdamW
   (``torch.optim.AdamW(fused=True)`` on the CPU); the new weights are cast to the compute dtype and
-  uploaded to the card (as in ZeRO-Offload, Ren et al. 2021).
+  uploaded to the card (as in ZeRO-Offload, Ren et al. 2021), one AdamW per layer, by
+  :class:`~npu_train.optim.offload.HostUpdater`: inline, or overlapped on a background thread
+  (bit-identical), or as a delayed update one step stale (see :mod:`npu_train.optim.offload`).
+  Their squared gradient norms are taken on the host from the downloaded fp32 gradient (the same
+  copy feeds the update: one download per step).
 
 Gradient accumulation is in fp32: with a bf16 compute dtype, each micro-batch's ``.grad`` (bf16,
 one rounding) is folded into an fp32 accumulator on the card as soon as autograd has accumulated it
