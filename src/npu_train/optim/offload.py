@@ -24,7 +24,10 @@ embedding, decoder layers in order, final norm + head), in one of three modes:
   step ``t`` runs on the background thread during step ``t+1``'s forward/backward and its weights
   are uploaded at step ``t+1``'s :meth:`update` call (after step ``t+1``'s backward), so they are
   used from step ``t+2`` on. The gradient ``g_t`` is thus taken at weights one update stale
-  (``g_t = grad L_t(cast(m_{t-1}))``). Resident layers are not affected.
+  (``g_t = grad L_t(cast(m_{t-1}))``). Resident layers are not affected; staleness is per parameter
+  copy, so a tied embedding offloaded on one end of the pipeline and resident on the other is used
+  at two different ages. A checkpoint holds the masters after every queued update (``m_{t+1}``); the
+  stale card weights are not saved, so such a run does not resume (refused at job preparation).
 
 Threads: the background thread's torch ops use the process's intra-op thread count
 (``torch.get_num_threads()``, which the launcher sets per card process from
