@@ -37,7 +37,7 @@ def _metrics(run_dir):
 @pytest.mark.heavy
 def test_overlap_on_off_identical(tiny_model, tmp_path):
     """Two runs, ~40 s on the shared 2-core machine (the in-process unit test
-    tests/unit/test_offload_overlap.py covers the same bit-identity fast). Mutation check (run, seen failing): the background task scaling by ``clip_coef * (1 + 1e-7)``."""
+    tests/unit/test_host_overlap_unit.py covers the same bit-identity fast). Mutation check (run, seen failing): the background task scaling by ``clip_coef * (1 + 1e-7)``."""
     ov = ("backend=[cpu,cpu]", "train.resident_layers=[1,2]")
     on = run_pipeline(tiny_model, str(tmp_path / "on"), *ov)
     off = run_pipeline(tiny_model, str(tmp_path / "off"), *ov, "train.offload_overlap=false")
