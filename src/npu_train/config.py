@@ -110,6 +110,13 @@ class TrainConf:
     #: 4 B/param, one rounding per step) | compute (the bf16 .grad, 2 B/param: half the gradient memory,
     #: what the RNGD field layouts ran with, e.g. Llama-3.1-8B 1 card x 4 resident layers)
     grad_accum: str = "fp32"
+    #: offloaded layers: download gradients and run the host AdamW + upload on a background thread,
+    #: overlapping the backward and the next step's forward (bit-identical to false)
+    offload_overlap: bool = True
+    #: sync (each step's host update is on the card before the next forward uses it) | delayed (the
+    #: host update of step t runs during step t+1, its weights are used from step t+2: offloaded
+    #: layers train one step stale, ZeRO-Offload's DPU; needs offload_overlap; does not resume)
+    offload_update: str = "sync"
 
 
 @dataclass
@@ -258,6 +265,11 @@ def validate(cfg) -> None:
         raise ConfigError(f"train.resume_mismatch={t.resume_mismatch!r}: use refuse or allow")
     if t.grad_accum not in ("fp32", "compute"):
         raise ConfigError(f"train.grad_accum={t.grad_accum!r}: use fp32 or compute")
+    if t.offload_update not in ("sync", "delayed"):
+        raise ConfigError(f"train.offload_update={t.offload_update!r}: use sync or delayed")
+    if t.offload_update == "delayed" and not t.offload_overlap:
+        raise ConfigError("train.offload_update=delayed needs train.offload_overlap=true (the delayed update "
+                          "runs on the background thread)")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:

@@ -158,6 +158,14 @@ class Reporter:
         if any("card_free" in r for r in reports):  # runtime.furiosa.probe_free (memory calibration)
             rec["card_free_bytes"] = [int(r.get("card_free", -1)) for r in reports]
             rec["mem_quiet_bytes"] = [int(r.get("mem_quiet", -1)) for r in reports]
+        if any((r.get("host") or {}).get("timeline") for r in reports):
+            # offloaded layers: the previous step's host update per card (npu_train.optim.offload
+            # HostUpdater.take_stats) and this step's marks [start, backward end, clip known]
+            # (time.perf_counter s); host_hidden: share of the host update hidden behind other work
+            rec["host_overlap_s"] = [float((r.get("host") or {}).get("overlap_s", 0.0)) for r in reports]
+            rec["host_hidden"] = [float((r.get("host") or {}).get("hidden", 0.0)) for r in reports]
+            rec["host"] = [r.get("host") for r in reports]
+            rec["marks"] = [r.get("marks") for r in reports]
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
         if math.isfinite(float(rec["loss"])):

@@ -4,7 +4,11 @@
   (12 bytes/param) and are updated there; the compute-dtype weights are refreshed on the card.
 - Offloaded parameters keep master + moments in host RAM and are updated by a host AdamW
   (``torch.optim.AdamW(fused=True)`` on the CPU); the new weights are cast to the compute dtype and
-  uploaded to the card (as in ZeRO-Offload, Ren et al. 2021).
+  uploaded to the card (as in ZeRO-Offload, Ren et al. 2021), one AdamW per layer, by
+  :class:`~npu_train.optim.offload.HostUpdater`: inline, or overlapped on a background thread
+  (bit-identical), or as a delayed update one step stale (see :mod:`npu_train.optim.offload`).
+  Their squared gradient norms are taken on the host from the downloaded fp32 gradient (the same
+  copy feeds the update: one download per step).
 
 Gradient accumulation is in fp32: with a bf16 compute dtype, each micro-batch's ``.grad`` (bf16,
 one rounding) is folded into an fp32 accumulator on the card as soon as autograd has accumulated it
@@ -27,6 +31,8 @@ import time
 from typing import Iterable
 
 import torch
+
+from npu_train.optim.offload import HostUpdater
 
 
 def decays(name: str, tensor: torch.Tensor) -> bool:
@@ -79,11 +85,18 @@ class StageOptimizer:
         resident: names whose master + moments live on the card; all others are offloaded.
         backend: the card's :class:`npu_train.backends.base.Backend` (upload/download/device).
         lr, betas, eps, weight_decay: AdamW hyper-parameters (``lr`` is overwritten every step).
+        layers: ``[(layer_key, [hf_name, ...]), ...]`` in forward order (embedding, decoder layers,
+            head); the offloaded parameters get one host AdamW per layer and are updated layer by
+            layer (:mod:`npu_train.optim.offload`). None: one layer holding every parameter.
+        overlap, delayed: host-update mode of the offloaded layers (:class:`~npu_train.optim.offload.
+            HostUpdater`): ``overlap`` runs the gradient downloads and the host AdamW on a background
+            thread (bit-identical results), ``delayed`` applies each host update one step late (DPU).
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
-                 weight_decay: float = 0.0, fp32_grad_accum: bool = True):
+                 weight_decay: float = 0.0, fp32_grad_accum: bool = True, layers=None,
+                 overlap: bool = False, delayed: bool = False):
         self.params = params
         self.backend = backend
         self.resident = set(resident) & set(params)
@@ -92,7 +105,21 @@ class StageOptimizer:
         res_m = {n: backend.upload(masters_init[n].float().contiguous()).clone() for n in params if n in self.resident}
         off_m = {n: masters_init[n].float().contiguous().clone() for n in params if n in self.offloaded}
         self.dev_group = _Group(res_m, dev, lr, betas, eps, weight_decay)
-        self.host_group = _Group(off_m, torch.device("cpu"), lr, betas, eps, weight_decay)
+        if layers is None:
+            layers = [("all", list(params))]
+        groups = [(k, [n for n in names if n in off_m]) for k, names in layers]
+        groups = [(k, names) for k, names in groups if names]
+        missing = set(off_m) - {n for _, names in groups for n in names}
+        if missing:
+            raise ValueError(f"StageOptimizer: offloaded parameters in no layer: {sorted(missing)[:5]}")
+        self.host_groups = {k: _Group({n: off_m[n] for n in names}, torch.device("cpu"), lr, betas, eps,
+                                      weight_decay) for k, names in groups}
+        self.host_layer = {n: k for k, names in groups for n in names}
+        self.host = HostUpdater({n: params[n] for n in off_m}, groups, self.host_groups, backend,
+                                overlap=overlap, delayed=delayed)
+        self._counts: dict[str, int] = {}
+        self._final_after = 0  # micro-batches after which a gradient is final (0: not tracked this step)
+        self._late: set[str] = set()
         self.step_count = 0
         # fp32 gradient accumulators for low-precision compute (see the module docstring)
         self.accumulators: dict[str, torch.Tensor] = {}
@@ -111,6 +138,9 @@ class StageOptimizer:
                         track(self.accumulators[n])
             for n in low:
                 params[n].register_post_accumulate_grad_hook(self._folder(n))
+        if overlap:  # after the fold hooks: sees the folded fp32 accumulator
+            for n in self.host_layer:
+                params[n].register_post_accumulate_grad_hook(self._counter(n))
 
     # ------------------------------------------------------------------ gradients
     def _fold(self, name: str, p: torch.Tensor) -> None:
@@ -127,11 +157,31 @@ class StageOptimizer:
     def _folder(self, name: str):
         return lambda p: self._fold(name, p)
 
+    def _counter(self, name: str):
+        def hook(p):
+            c = self._counts.get(name, 0) + 1
+            self._counts[name] = c
+            if c == self._final_after and name not in self._late:
+                self.host.grad_final(name, self.accumulators[name] if name in self.accumulators else p.grad)
+        return hook
+
+    def begin_step(self, micro_batches: int, late=()) -> None:
+        """Before a step's first backward (overlap mode): a gradient is final after ``micro_batches``
+        accumulations, except for the names in ``late`` (changed later by a collective: the tied
+        embedding pair, data-parallel replicas), whose download starts in :meth:`grad_sq_sum`.
+        Gradients that reach ``.grad`` without an accumulation hook (zero-bubble W passes) are
+        downloaded there too (:meth:`HostUpdater.collect`)."""
+        self._counts.clear()
+        self._final_after = int(micro_batches)
+        self._late = set(late)
+
     def zero_grad(self) -> None:
         """Forget the gradients of the previous step (before the first micro-batch of a step)."""
         for p in self.params.values():
             p.grad = None
         self._touched.clear()
+        self._counts.clear()
+        self._final_after = 0
 
     def grad_buffer(self, name: str) -> torch.Tensor:
         """The tensor holding parameter ``name``'s step gradient, to be changed in place (e.g. summed over
@@ -157,13 +207,23 @@ class StageOptimizer:
     def grad_sq_sum(self, exclude: Iterable[str] = ()) -> torch.Tensor:
         """Sum of squares of this stage's gradients, fp32 CPU scalar (for the global grad norm)."""
         ex = set(exclude)
+        host_sq = self.host.collect({n: self.grad(n) for n in self.host_layer})
         total = torch.zeros((), dtype=torch.float32)
         for n in self.params:
+            if n in host_sq:  # offloaded: from the host copy (downloaded once, also for the update)
+                if n not in ex and self.grad(n) is not None:
+                    total += host_sq[n]
+                continue
             g = self.grad(n)
             if n in ex or g is None:
                 continue
             total += self.backend.download(g.float().pow(2).sum()).to(torch.float32)
         return total
+
+    def discard_grads(self) -> None:
+        """A skipped step: drop the gradients (also the downloaded host copies)."""
+        self.host.discard()
+        self.zero_grad()
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float, clip_coef: float) -> dict[str, float]:
@@ -171,7 +231,10 @@ class StageOptimizer:
 
         Consumes the step's gradients (scaled in place, then cleared as by :meth:`zero_grad`).
 
-        Returns seconds spent: ``{"device_optimizer", "host_optimizer", "transfer"}``.
+        Returns seconds spent on this thread: ``{"device_optimizer", "host_optimizer", "transfer"}``
+        (``host_optimizer``: the offloaded layers' downloads, host AdamW and uploads when run inline,
+        else the time to queue them and, delayed, to apply the previous update; ``transfer``: 0,
+        counted in ``host_optimizer``).
         """
         t0 = time.perf_counter()
         for n, m in self.dev_group.masters.items():
@@ -185,39 +248,36 @@ class StageOptimizer:
                 m.grad = None
         self.backend.synchronize()
         t1 = time.perf_counter()
-        xfer = 0.0
-        for n, m in self.host_group.masters.items():
-            g = self.grad(n)
-            ta = time.perf_counter()
-            hg = None if g is None else self.backend.download(g.detach())
-            xfer += time.perf_counter() - ta
-            m.grad = torch.zeros_like(m) if hg is None else hg.float().mul_(clip_coef)
-        self.host_group.set_lr(lr)
-        th = time.perf_counter()
-        self.host_group.step()
-        host_opt = time.perf_counter() - th
-        ta = time.perf_counter()
-        with torch.no_grad():
-            for n, m in self.host_group.masters.items():
-                p = self.params[n]
-                p.copy_(self.backend.upload(m.to(p.dtype)))
-                m.grad = None
-        self.backend.synchronize()
-        xfer += time.perf_counter() - ta
+        self.host.update(lr, clip_coef, {n: self.grad(n) for n in self.host_layer})
+        host_opt = time.perf_counter() - t1  # without overlap: downloads, host AdamW and uploads
         self.zero_grad()  # the step consumed the gradients (resident ones were scaled in place)
         self.step_count += 1
-        return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": xfer}
+        return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": 0.0}
+
+    def wait_layer(self, key: str) -> None:
+        """Block until layer ``key``'s pending host update is on the card (forward pre-hook)."""
+        self.host.wait_layer(key)
+
+    def wait_all(self) -> None:
+        """Block until every pending host update is finished (checkpoint, evaluation, end)."""
+        self.host.wait_all()
+
+    def close(self) -> None:
+        """Finish pending host work and stop the background thread."""
+        self.host.close()
 
     # ------------------------------------------------------------------ state
     def _all(self):
         yield from self.dev_group.masters.items()
-        yield from self.host_group.masters.items()
+        for g in self.host_groups.values():
+            yield from g.masters.items()
 
     def _opt_of(self, name: str) -> _Group:
-        return self.dev_group if name in self.dev_group.masters else self.host_group
+        return self.dev_group if name in self.dev_group.masters else self.host_groups[self.host_layer[name]]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """fp32 CPU tensors to checkpoint: ``master.<name>``, ``exp_avg.<name>``, ``exp_avg_sq.<name>``."""
+        self.wait_all()  # no torn checkpoint: every pending host update finished
         out: dict[str, torch.Tensor] = {}
         for n, m in self._all():
             out[f"master.{n}"] = self.backend.download(m).contiguous()
@@ -233,6 +293,7 @@ class StageOptimizer:
 
         ``tensors`` maps ``master.<name>`` etc. to fp32 CPU tensors for every parameter of the stage.
         """
+        self.wait_all()
         self.step_count = step
         with torch.no_grad():
             for n, m in self._all():
@@ -246,5 +307,5 @@ class StageOptimizer:
                         "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(dev).clone(),
                     }
                 p = self.params[n]
-                p.copy_(self.backend.upload(m.detach().to("cpu").to(p.dtype)) if g is self.host_group else m.to(p.dtype))
+                p.copy_(self.backend.upload(m.detach().to("cpu").to(p.dtype)) if g is not self.dev_group else m.to(p.dtype))
 

@@ -30,9 +30,12 @@
   last stage. Stage-boundary activations (``s*b*h*e`` bytes per micro-batch and boundary, ~4 MB
   for 8B at S=512), the gloo all-reduce of the tied gradient and the gradient-norm pass are
   ignored.
-- Conservatively, the optimizer and the transfers are *not* overlapped with the pipeline:
-  stage total = pipeline phase + host_optimizer + device_optimizer + transfer; step time = max
-  over stages.
+- The device optimizer, the gradient downloads and the data-parallel communication are *not*
+  overlapped with the pipeline (conservative). The offloaded layers' host AdamW + upload is, in part
+  (``RunShape.offload``, :func:`exposed_host_time`): ``host_hidden`` = the part of
+  ``host_optimizer + upload`` hidden behind the next step's forward (or, delayed, its whole step):
+  stage total = pipeline phase + host_optimizer + device_optimizer + transfer - host_hidden; step
+  time = max over stages.
 - Data parallelism (``dp`` replicas of the pipeline, each card of a replica planned like replica
   0's): the per-card memory is unchanged, except that with ZeRO-1 (``zero=1``) each card keeps
   ``1/dp`` of its stage's fp32 master + AdamW moments (``optimizer`` and ``host_bytes`` divided by
@@ -116,6 +119,40 @@ class StageCost:
     def host_bytes(self) -> int:
         """Host RAM for the offloaded fp32 master + AdamW m, v: 12 B/param (0 on a cpu card)."""
         return 0 if self.host_state_on_card else int(12 * self.host_params * self.state_share)
+
+
+def exposed_host_time(mode: str, host_s: float, *, offloaded_layers: int, resident_layers: int,
+                      fwd_layer_s: float, first_input_s: float, idle_s: float, cpu_card: bool) -> float:
+    """Seconds of one stage's host update (``host_s`` = host AdamW + upload of its offloaded layers,
+    per step) that the step still waits for, by ``RunShape.offload`` mode:
+
+    - ``serial``: ``host_s`` (the update runs between the backward and the next forward).
+    - ``overlap``: the update runs layer by layer in forward order from the moment the clip
+      coefficient is known, ``h = host_s / o`` per offloaded layer (``o = max(1, offloaded_layers)``;
+      the plan places the ``r = resident_layers`` resident layers first on the stage). The next
+      step's forward reaches the stage after ``A = first_input_s`` (the upstream stages' forwards
+      of the first micro-batch) and the k-th offloaded layer after ``A + (r + k) f``
+      (``f = fwd_layer_s``, one layer's forward of one micro-batch); layer k is ready at
+      ``(k + 1) h``. The forward's delay is ``D = max(0, max_k((k + 1) h - A - (r + k) f))``; the
+      term is linear in k, so ``D = max(0, h - A - r f, o h - A - (r + o - 1) f)``. On a ``cpu``
+      card the forward and the host AdamW share the card's cores, so only the idle wait hides host
+      work: ``D = max(0, host_s - A)``.
+    - ``delayed``: step t's update runs during step t+1's forward/backward (ZeRO-Offload's DPU):
+      ``D = max(0, host_s - idle_s)`` with ``idle_s`` the time the host is free during the step (the
+      pipeline phase on an accelerator card, the stage's bubble on a ``cpu`` card).
+
+    Returns D in seconds (``0 <= D <= host_s``).
+    """
+    if host_s <= 0.0 or mode == "serial":
+        return max(0.0, host_s)
+    if mode == "delayed":
+        return max(0.0, host_s - idle_s)
+    a = first_input_s
+    if cpu_card:
+        return max(0.0, host_s - a)
+    o, r, f = max(1, int(offloaded_layers)), int(resident_layers), fwd_layer_s
+    h = host_s / o
+    return min(host_s, max(0.0, h - a - r * f, o * h - a - (r + o - 1) * f))
 
 
 class CostModel:
@@ -225,6 +262,22 @@ class CostModel:
         xfer = self.memory.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
         return host, dev, xfer + self.dp_time(i, c)
 
+    def host_hidden(self, i: int, n: int, c: StageCost, host: float, t_max: float, phase: float,
+                    bubble: float) -> float:
+        """Seconds of stage ``i``'s host AdamW + upload hidden behind other work
+        (:func:`exposed_host_time`; ``n`` layers, ``host`` its host-AdamW seconds, ``t_max`` the
+        slowest stage's seconds per micro-batch). The forward is taken as 2 of the 6 FLOPs per
+        parameter and token of a micro-batch's forward + backward (2 of 8 with recompute)."""
+        e, rt = self.memory.e, self.rates[i]
+        up = e * c.xfer_params / rt.h2d_bytes_per_s if c.host_params else 0.0
+        work = host + up
+        fwd = 1.0 / (4.0 if self.shape.recompute else 3.0)
+        cpu = self.cards[i].kind == "cpu"
+        exposed = exposed_host_time(self.shape.offload, work, offloaded_layers=n - c.resident,
+                                    resident_layers=c.resident, fwd_layer_s=fwd * c.t_mb / max(1, n),
+                                    first_input_s=i * fwd * t_max, idle_s=bubble if cpu else phase, cpu_card=cpu)
+        return work - exposed
+
     def dp_time(self, i: int, c: StageCost) -> float:
         """Seconds per step of stage ``i``'s data-parallel communication (module docstring): fp32
         ring all-reduce of the gradient, its card<->host copies on an accelerator, and with ZeRO-1
@@ -290,9 +343,10 @@ class CostModel:
             dpt = self.dp_time(i, c)
             # with cpu cards sharing cores: including the phase's average slowdown
             compute = M * c.t_mb * self.slots / (M + self.P - 1)
+            hidden = self.host_hidden(i, n, c, host, t_max, phase, phase - compute)
             time = {"compute": compute, "bubble": phase - compute, "host_optimizer": host,
-                    "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt,
-                    "total": phase + host + dev + xfer}
+                    "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt, "host_hidden": hidden,
+                    "total": phase + host + dev + xfer - hidden}
             stages.append(StagePlan(
                 card=self.cards[i], first_layer=first, last_layer=first + n,
                 has_embed=(i == 0), has_head=(i == self.P - 1),

@@ -86,7 +86,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
         ("trans\nGiB", "", "right"), ("ws\nGiB", "", "right"),
         ("total\nGiB", "", "right"), ("cap\nGiB", "", "right"),
         ("compute\ns", "", "right"), ("bubble\ns", "", "right"),
-        ("host-opt\ns", "", "right"), ("dev-opt\ns", "", "right"), ("xfer\ns", "", "right"),
+        ("host-opt\ns", "", "right"), ("hidden\ns", "", "right"), ("dev-opt\ns", "", "right"), ("xfer\ns", "", "right"),
         ("dp-comm\ns", "", "right"), ("stage\ns", "", "right"),
         ("host\nGiB", "", "right"),
     ]
@@ -113,7 +113,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
             f"{gib(m['transient']):.2f}", f"{gib(m['workspace']):.2f}", total,
             f"{gib(st.card.capacity_bytes):.1f}",
             f"{tm['compute']:.2f}", f"{tm['bubble']:.2f}", f"{tm['host_optimizer']:.2f}",
-            f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
+            f"{tm.get('host_hidden', 0.0):.2f}", f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
             f"{tm['total']:.2f}",
             f"{gib(st.host_bytes):.2f}",
         )
@@ -178,7 +178,7 @@ def format_plan(plan: Plan, width: int = 180) -> str:
         "",
         "assumptions: weights in compute dtype; resident params +12 B/param (fp32 master "
         "+ AdamW m, v; on cpu cards all params); offloaded: host AdamW + card<->host copies each "
-        "step, not overlapped; activations "
+        f"step, host AdamW + upload {s.offload} (hidden: the part overlapped with the pipeline); activations "
         + ", ".join(f"{k} {gb(activation_bytes_per_layer(m, s, ATTENTION[k])) * 1e3:.1f}"
                     for k in sorted({st.card.kind for st in plan.stages}))
         + " MB/layer/micro-batch (no recompute); transient = peak-phase temporaries; "

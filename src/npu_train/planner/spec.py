@@ -118,9 +118,13 @@ class RunShape:
             fp32 accumulators on the card, 4 B/param, whatever the compute dtype) or
             ``"compute"`` (the parameters' ``.grad`` in the compute dtype, ``e`` B/param: what
             the predecessor system on RNGD did, the condition of the field record).
+        offload: how the offloaded layers' host AdamW + upload meet the pipeline
+            (:func:`npu_train.planner.cost.hidden_host_time`): ``"serial"``
+            (``train.offload_overlap=false``), ``"overlap"`` (the default) or ``"delayed"``
+            (``train.offload_update=delayed``).
 
     Raises:
-        ValueError: a count below 1, an unknown schedule, dtype or grad_accum.
+        ValueError: a count below 1, an unknown schedule, dtype, grad_accum or offload.
     """
 
     seq_len: int
@@ -131,6 +135,7 @@ class RunShape:
     recompute: bool = False
     lora_params_per_layer: int = 0
     grad_accum: str = "fp32"
+    offload: str = "overlap"
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):
@@ -140,6 +145,8 @@ class RunShape:
             raise ValueError(f"RunShape.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"RunShape.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
+        if self.offload not in ("serial", "overlap", "delayed"):
+            raise ValueError(f"RunShape.offload must be 'serial', 'overlap' or 'delayed', got {self.offload!r}")
         if self.grad_accum not in ("fp32", "compute"):
             raise ValueError(f"RunShape.grad_accum must be 'fp32' or 'compute', got {self.grad_accum!r}")
 

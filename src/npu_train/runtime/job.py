@@ -146,7 +146,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
             mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
-                     grad_accum=tr.grad_accum)
+                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
+                     "delayed" if tr.offload_update == "delayed" else "overlap")
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
@@ -347,6 +348,10 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     start_step, resume_dir = 0, None
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
     resume_dir = find_checkpoint(tr.resume, ckpt_root) if tr.resume else None
+    if resume_dir is not None and tr.offload_update == "delayed":
+        raise ConfigError(f"train.offload_update=delayed cannot resume from {resume_dir} exactly (the card "
+                          "weights one update behind the masters are not checkpointed): resume with "
+                          "train.offload_update=sync, or start fresh without train.resume")
     if resume_dir is not None:
         reader = CheckpointReader(resume_dir)
         reader.check_model(mcfg.to_dict())

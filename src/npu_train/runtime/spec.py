@@ -71,6 +71,10 @@ class TrainSpec:
     nonfinite: str = "stop"
     #: ``fp32`` accumulators or ``compute`` (the compute dtype's ``.grad``), ``train.grad_accum``
     grad_accum: str = "fp32"
+    #: host-optimizer overlap of offloaded layers (``train.offload_overlap``) and ``sync`` | ``delayed``
+    #: update (``train.offload_update``), see :mod:`npu_train.optim.offload`
+    offload_overlap: bool = True
+    offload_update: str = "sync"
     #: ``full`` or ``lora`` (then the ``lora_*`` fields give rank, alpha, dropout and target modules)
     mode: str = "full"
     lora_rank: int = 8

@@ -22,7 +22,8 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
                      lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
-                     grad_accum=tr.grad_accum)
+                     grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
+                     offload_update=tr.offload_update)
 
 
 def furiosa_cache_dir(cfg) -> str:

@@ -24,6 +24,9 @@ One optimizer step on one stage (:meth:`StageTrainer.train_step`):
    warm-up + cosine (:func:`~npu_train.optim.lr.lr_at`), then AdamW on the fp32 master weights of
    resident (on the card) and offloaded (host) layers (:class:`~npu_train.optim.adamw.StageOptimizer`);
    with ZeRO-1 each replica updates only the parameters it owns and broadcasts their new weights;
+   offloaded layers' gradient downloads start in the backward and their host AdamW + upload run on a
+   background thread, the next forward through a layer waiting for that layer only
+   (``train.offload_overlap``, ``train.offload_update``: :mod:`npu_train.optim.offload`);
 6. metrics go to the coordinator; :meth:`StageTrainer.maybe_save` writes this stage's checkpoint
    shard into the staging directory when a save is due.
 
@@ -156,6 +159,7 @@ class StageTrainer:
         from npu_train.optim.adamw import StageOptimizer
         from npu_train.pipeline.stage import StageRunner
         from npu_train.runtime.links import LinkComm
+        from npu_train.runtime.overlap import install_waits, layer_groups
         from npu_train.runtime.replicas import zero_owners
 
         spec, tr = self.spec, self.tr
@@ -198,8 +202,11 @@ class StageTrainer:
         owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners[n] == self.replica}
         self.opt = StageOptimizer(owned, {n: masters[n] for n in owned}, list(spec.resident_names), backend,
                                   lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
-                                  fp32_grad_accum=tr.grad_accum == "fp32")
+                                  fp32_grad_accum=tr.grad_accum == "fp32", layers=layer_groups(owned),
+                                  overlap=tr.offload_overlap, delayed=tr.offload_update == "delayed")
         del masters
+        if tr.offload_overlap:  # the forward through an offloaded layer waits for its host update only
+            install_waits(self.module, self.opt, list(self.opt.host_groups))
 
         self.enter("rendezvous")
         lay = spec.layout
@@ -285,6 +292,9 @@ class StageTrainer:
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
         for p in self.params.values():
             p.grad = None
+        # gradients changed by a collective after the backward are final only after it
+        late = self.params if self.dp > 1 else [self.tied_name] if self.tied_pair else []
+        self.opt.begin_step(tr.accum, late)
         if self.first or self.last:
             res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
                                        [y for _, y in mbs] if self.last else None,
@@ -326,6 +336,7 @@ class StageTrainer:
         if not finite:
             self.nonfinite(step, loss, grad_norm, [r for r in range(self.spec.world_size) if red[4 + r] > 0])
             ot = {"device_optimizer": 0.0, "host_optimizer": 0.0, "transfer": 0.0}
+            self.opt.discard_grads()
         else:
             self.enter(f"step {step + 1} optimizer")
             if fault is not None:
@@ -335,6 +346,7 @@ class StageTrainer:
                 from npu_train.runtime.replicas import broadcast_weights
 
                 ta = time.perf_counter()
+                self.opt.wait_all()  # the owned weights are on the card before they are sent
                 broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, backend,
                                   self.stage_group)
                 ot["transfer"] += time.perf_counter() - ta
@@ -349,7 +361,8 @@ class StageTrainer:
                        send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
-                       compile_s=self.compile_s if step == self.start else 0.0, **backend.step_stats())
+                       compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
+                       marks=[t0, t1, t2], **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
 
     def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:
@@ -379,6 +392,7 @@ class StageTrainer:
         import torch.distributed as dist
 
         self.enter(f"evaluation after step {after_step}")
+        self.opt.wait_all()
         er = {"loss_sum": 0.0, "n_tokens": 0}
         if self.replica == 0:  # the replicas hold the same weights: replica 0 evaluates, the others add zeros
             self.module.eval()
@@ -465,6 +479,7 @@ class StageTrainer:
         import torch.distributed as dist
 
         self.enter("shutdown")
+        self.opt.close()
         dist.barrier()
         if self.comm is not None:
             self.comm.close()

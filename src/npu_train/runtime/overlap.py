@@ -1,0 +1,53 @@
+"""Wiring of the host-optimizer overlap (:mod:`npu_train.optim.offload`) into a stage's module.
+
+The offloaded parameters are grouped per *layer* in forward order (``embed``: the embedding,
+``layer<i>``: decoder layer i, ``head``: final norm + LM head), and a forward pre-hook on each
+layer's module makes the forward through that layer wait for that layer's pending host update
+only, so the host AdamW of the later layers overlaps the forward of the earlier ones.
+"""
+from __future__ import annotations
+
+import re
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def layer_key(name: str) -> str:
+    """The layer of HF parameter ``name``: ``"embed"``, ``"layer<i>"`` or ``"head"``."""
+    m = _LAYER.match(name)
+    if m:
+        return f"layer{int(m.group(1))}"
+    return "embed" if name.startswith("model.embed_tokens.") else "head"
+
+
+def _order(key: str) -> tuple:
+    return (0, 0) if key == "embed" else (2, 0) if key == "head" else (1, int(key[5:]))
+
+
+def layer_groups(names) -> list[tuple[str, list[str]]]:
+    """``[(layer_key, [names...]), ...]`` in forward order (the parameters' order kept within a layer)."""
+    out: dict[str, list[str]] = {}
+    for n in names:
+        out.setdefault(layer_key(n), []).append(n)
+    return sorted(out.items(), key=lambda kv: _order(kv[0]))
+
+
+def layer_modules(module) -> dict:
+    """``{layer_key: submodule}`` of a :class:`~npu_train.model.llama.StageModule` whose forward is
+    the first use of that layer's parameters (``head``: the final norm, before the LM head)."""
+    mods = {f"layer{int(i)}": m for i, m in module.model.layers.items()}
+    if getattr(module, "has_embed", False):
+        mods["embed"] = module.model.embed_tokens
+    if getattr(module, "has_head", False):
+        mods["head"] = module.model.norm
+    return mods
+
+
+def install_waits(module, opt, keys) -> list:
+    """Register, on each layer in ``keys``, a forward pre-hook calling ``opt.wait_layer(key)``.
+    Returns the hook handles. Raises ``KeyError`` for a key without a module."""
+    mods = layer_modules(module)
+    handles = []
+    for k in keys:
+        handles.append(mods[k].register_forward_pre_hook(lambda _m, _a, k=k: opt.wait_layer(k)))
+    return handles
