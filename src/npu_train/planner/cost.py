@@ -262,20 +262,28 @@ class CostModel:
         xfer = self.memory.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
         return host, dev, xfer + self.dp_time(i, c)
 
-    def host_hidden(self, i: int, n: int, c: StageCost, host: float, t_max: float, phase: float,
+    def hideable(self, i: int, c: StageCost, host: Optional[float] = None) -> float:
+        """Seconds of stage ``i``'s step that the host-optimizer overlap can hide at most: its host
+        AdamW (``host``, default from :meth:`side_time`) + the upload of the offloaded layers'
+        weights; 0 with ``train.offload_overlap=false`` (``RunShape.offload == "serial"``)."""
+        if self.shape.offload == "serial" or not c.host_params:
+            return 0.0
+        if host is None:
+            host = self.side_time(i, c)[0]
+        return host + self.memory.e * c.xfer_params / self.rates[i].h2d_bytes_per_s
+
+    def host_hidden(self, i: int, n: int, c: StageCost, host: float, first_input: float, phase: float,
                     bubble: float) -> float:
         """Seconds of stage ``i``'s host AdamW + upload hidden behind other work
-        (:func:`exposed_host_time`; ``n`` layers, ``host`` its host-AdamW seconds, ``t_max`` the
-        slowest stage's seconds per micro-batch). The forward is taken as 2 of the 6 FLOPs per
+        (:func:`exposed_host_time`; ``n`` layers, ``host`` its host-AdamW seconds, ``first_input``
+        the seconds until its first input arrives: the earlier stages' forward of one micro-batch). The forward is taken as 2 of the 6 FLOPs per
         parameter and token of a micro-batch's forward + backward (2 of 8 with recompute)."""
-        e, rt = self.memory.e, self.rates[i]
-        up = e * c.xfer_params / rt.h2d_bytes_per_s if c.host_params else 0.0
-        work = host + up
+        work = self.hideable(i, c, host)
         fwd = 1.0 / (4.0 if self.shape.recompute else 3.0)
         cpu = self.cards[i].kind == "cpu"
         exposed = exposed_host_time(self.shape.offload, work, offloaded_layers=n - c.resident,
                                     resident_layers=c.resident, fwd_layer_s=fwd * c.t_mb / max(1, n),
-                                    first_input_s=i * fwd * t_max, idle_s=bubble if cpu else phase, cpu_card=cpu)
+                                    first_input_s=first_input, idle_s=bubble if cpu else phase, cpu_card=cpu)
         return work - exposed
 
     def dp_time(self, i: int, c: StageCost) -> float:
@@ -330,23 +338,33 @@ class CostModel:
         :meth:`phase` + the largest per-stage optimizer, transfer and data-parallel time (what
         :meth:`build` reports as ``Plan.step_time_s``)."""
         costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
-        return self.phase(costs) + max(sum(self.side_time(i, c)) for i, c in enumerate(costs))
+        return max(t["total"] for t in self.stage_times(split, costs))
 
-    def build(self, split: list[int], resident: list[int]) -> Plan:
-        """The :class:`Plan` of ``split`` (layers per card) with ``resident`` layers per card."""
-        costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
+    def stage_times(self, split: Sequence[int], costs: Sequence[StageCost]) -> list[dict]:
+        """Per stage, seconds per step: ``compute``, ``bubble``, ``host_optimizer``,
+        ``device_optimizer``, ``transfer``, ``dp_comm``, ``host_hidden`` and their ``total``
+        (phase + optimizers + transfers - the host time hidden by the overlap); the step is the
+        largest ``total``. One formula for :meth:`step_time` (the split search) and :meth:`build`."""
         M = self.shape.micro_batches
         phase = self.phase(costs)
-        stages, first = [], 0
+        out = []
         for i, (n, c) in enumerate(zip(split, costs)):
             host, dev, xfer = self.side_time(i, c)
             dpt = self.dp_time(i, c)
             # with cpu cards sharing cores: including the phase's average slowdown
             compute = M * c.t_mb * self.slots / (M + self.P - 1)
-            hidden = self.host_hidden(i, n, c, host, t_max, phase, phase - compute)
-            time = {"compute": compute, "bubble": phase - compute, "host_optimizer": host,
-                    "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt, "host_hidden": hidden,
-                    "total": phase + host + dev + xfer - hidden}
+            first_input = sum(costs[j].t_f for j in range(i))  # the earlier stages' forward of micro-batch 0
+            hidden = self.host_hidden(i, n, c, host, first_input, phase, phase - compute)
+            out.append({"compute": compute, "bubble": phase - compute, "host_optimizer": host,
+                        "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt, "host_hidden": hidden,
+                        "total": phase + host + dev + xfer - hidden})
+        return out
+
+    def build(self, split: list[int], resident: list[int]) -> Plan:
+        """The :class:`Plan` of ``split`` (layers per card) with ``resident`` layers per card."""
+        costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
+        stages, first = [], 0
+        for i, (n, c, time) in enumerate(zip(split, costs, self.stage_times(split, costs))):
             stages.append(StagePlan(
                 card=self.cards[i], first_layer=first, last_layer=first + n,
                 has_embed=(i == 0), has_head=(i == self.P - 1),

@@ -158,7 +158,8 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
 
     Branch and bound over the cards in pipeline order: stage ``i`` cannot start before the
     forwards of the stages before it (``sum_{j<i} t_F,j``) and then computes ``M t_i``, so
-    ``(sum_{j<i} t_F,j + M t_i) * stretch + max side time`` of the cards placed so far bounds the
+    ``(sum_{j<i} t_F,j + M t_i) * stretch + max side time`` of the cards placed so far (side time
+    less the host work the optimizer overlap may hide, :meth:`CostModel.hideable`) bounds the
     step time from below; branches whose bound exceeds the best step time found are cut. Exact
     unless more than ``max_timelines`` timelines would be evaluated (then the best found, which
     starts from the balanced split and :func:`search_split`'s).
@@ -173,7 +174,8 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
             r = _resident_for(pm, i, n, resident)
             if r >= 0:
                 c = pm.cost(i, n, r)
-                o.append((n, r, c, sum(pm.side_time(i, c))))
+                # a lower bound of the stage's side time: the host work the overlap may hide left out
+                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c)))
         if not o:
             return None
         opts.append(o)
@@ -191,7 +193,7 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
 
     def leaf(split: list[int], costs: list) -> None:
         evals[0] += 1
-        obj = pm.phase(costs) + max(sum(pm.side_time(i, c)) for i, c in enumerate(costs))
+        obj = max(t["total"] for t in pm.stage_times(split, costs))  # = CostModel.step_time
         if obj <= best[0] * (1 + tol):
             best[0] = min(best[0], obj)
             ties.append((obj, list(split)))
