@@ -66,6 +66,8 @@ AUTO_ADAMW_PARAMS = 8_000_000
 #: the wall time printed in the "calibrating" line, seconds (measured on the 2-core CPU machine:
 #: experiments/2026-11-30-first-run-calibration.md; accelerators: an estimate)
 EXPECTED_SECONDS = {"cpu": 12, "cuda": 10, "furiosa": 30}
+#: 1-minute load average per usable core above which a calibration warns that the machine was busy
+BUSY_LOAD = 0.5
 #: seconds a launcher waits for another launcher's calibration before measuring itself
 LOCK_TIMEOUT_S = 300.0
 
@@ -136,6 +138,13 @@ def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bo
     elif dtype not in rates.flops_by_dtype:
         return "partial", f"no {dtype} figures"
     return "ok", "cached"
+
+
+def _loadavg() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
 
 
 @contextlib.contextmanager
@@ -288,6 +297,7 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
         if mode == "always":
             why = "placement.calibrate=always"
         log(f"calibrating {kind} ({why}, ~{EXPECTED_SECONDS.get(kind, 15)} s; cached in {path})")
+        load = _loadavg()
         # adding a thread count to this machine's profile keeps its process baseline
         need_baseline = status != "partial" or "baseline" in why or mode == "always"
         entry, baseline, det = measure_for_job(kind, index, threads, dtype, quick=quick,
@@ -298,7 +308,12 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
         details = {"machine": det.pop("machine"), "kind": kind, "quick": bool(quick),
                    "auto": det, "model": getattr(model_cfg, "name", None),
                    "assumed_fields": assumed}
+        details["loadavg_1_before"] = load
         save_profile(kind, rates, path, details=details)
+        if not quick and load is not None and load > BUSY_LOAD * usable_cores():
+            log(f"warning: the machine was busy while calibrating {kind} (load average {load:.1f} on "
+                f"{usable_cores()} core(s)): its figures may be low and the plan's step time too long; "
+                "rerun with placement.calibrate=always on a quiet machine")
     return {"path": str(path), "calibrated": True, "why": why, "seconds": det["seconds"]}
 
 
