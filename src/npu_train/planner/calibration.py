@@ -1,6 +1,8 @@
 """Calibration: measure the :class:`~npu_train.planner.rates.Rates` of a card kind on this machine.
 
-``python launch/run.py calibrate=true`` ends up in :func:`main_calibrate`, which measures every
+A training run's launcher calibrates the figures its plan needs by itself on the first run on a
+machine (:mod:`npu_train.planner.autocal`, ~12 s for cpu). ``python launch/run.py calibrate=true``
+measures everything and ends up in :func:`main_calibrate`, which measures every
 card kind of the job with :func:`calibrate`, prints a table and writes one profile per kind with
 :func:`save_profile` (default ``$NPT_CACHE/calibration/<kind>.json``, i.e.
 ``~/.cache/npu-train/calibration/<kind>.json``: :func:`~npu_train.planner.rates.calibration_path`,
