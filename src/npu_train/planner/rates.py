@@ -190,12 +190,18 @@ class Rates:
 #:   reader); the card's optimizer is the host AdamW.
 #: - host AdamW 2e8 params/s per process for every kind (assumed, fp32, multi-threaded torch).
 _RNGD_H2D = "assumed: measured on an earlier RNGD deployment, not this machine"
+_HOST_ADAMW = "assumed: 2e8, multi-threaded torch"
 DEFAULT_RATES: dict[str, Rates] = {
     "furiosa": Rates(device_flops=256e12 * 0.4, h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9,
                      host_adamw_params_per_s=2e8, device_adamw_params_per_s=1e10,
-                     sources={"h2d_bytes_per_s": _RNGD_H2D}),
+                     sources={"device_flops": "assumed: spec 256 TFLOPS bf16 x 0.4",
+                              "h2d_bytes_per_s": _RNGD_H2D, "d2h_bytes_per_s": "assumed: = h2d",
+                              "host_adamw_params_per_s": _HOST_ADAMW}),
     "cuda": Rates(device_flops=989e12 * 0.4, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9,
-                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10),
+                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10,
+                  sources={"device_flops": "assumed: H100 989 TFLOPS bf16 x 0.4",
+                           "h2d_bytes_per_s": "assumed: PCIe Gen5", "d2h_bytes_per_s": "assumed: PCIe Gen5",
+                           "host_adamw_params_per_s": _HOST_ADAMW}),
     "cpu": Rates(device_flops=50e9, h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
                  host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB),
 }

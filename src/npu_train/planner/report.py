@@ -99,6 +99,8 @@ def rate_sources(plan: Plan) -> list[str]:
             v = rt.device_adamw if name == "device_adamw_params_per_s" else getattr(rt, name)
             src = rt.source("host_adamw_params_per_s" if name == "device_adamw_params_per_s"
                             and not rt.device_adamw_params_per_s else name)
+            if unit == "GFLOP/s" and v >= 1e12:
+                scale, unit = 1e12, "TFLOP/s"
             parts.append(f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}"
                          f"{' ' + unit if unit else ''} [{src}]")
         measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
