@@ -195,13 +195,18 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     measure_baseline = kind == "cpu" and not quick and need_baseline
     if measure_baseline:
         if spare_core:  # alongside the measurements, on the core the job leaves free
-            proc = start_process_baseline(model_path, 1, **kw)
+            proc = start_process_baseline(model_path, int(threads), **kw)
     old = torch.get_num_threads()
     try:
         torch.set_num_threads(int(threads))
         m = measure_at(kind, backend, quick, model_cfg, loop=QUICK if quick else AUTO, dtypes=(dtype,),
                        matmul=False, batch_seq=batch_seq,
                        adamw_params=None if quick else AUTO_ADAMW_PARAMS)
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.communicate()
+        raise
     finally:
         torch.set_num_threads(old)
     note_load(m)
@@ -210,7 +215,7 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     if measure_baseline:
         try:
             if proc is None:
-                proc = start_process_baseline(model_path, 1, **kw)
+                proc = start_process_baseline(model_path, int(threads), **kw)
             baseline = finish_process_baseline(proc) if proc is not None else None
         except Exception as exc:  # noqa: BLE001 - keep the rates; the baseline stays assumed
             details["process_baseline_error"] = str(exc)[:2000]
@@ -223,18 +228,17 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
 def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
             baseline: Optional[int]) -> tuple[Rates, list[str]]:
     """The profile's :class:`Rates` with ``entry`` (measured at ``threads``) merged in: a profile of
-    this machine (``status`` stale for missing threads/dtype) keeps its other thread counts;
-    otherwise a new one. The top level stays the profile's largest measured count. Also returns
+    this machine (``status`` ``"partial"``) keeps its other thread counts and dtypes; otherwise a
+    new one. The top level stays the profile's largest measured count. Also returns
     the fields left at their assumed default (the process baseline when not measured)."""
     keep = status == "partial"
     old = load_rates(kind, path) if keep else None
     t = int(threads) if kind == "cpu" else 0
     counts: dict[int, dict] = {}
-    if old is not None and kind == "cpu":
+    if old is not None:
         counts = {int(u): dict(e) for u, e in old.by_threads.items()}
-        if old.threads:
-            top = {k: getattr(old, k) for k in entry if k != "flops_by_dtype"}
-            counts[int(old.threads)] = dict(top, flops_by_dtype=dict(old.flops_by_dtype))
+        top = {k: getattr(old, k) for k in entry if k != "flops_by_dtype"}
+        counts[int(old.threads)] = dict(top, flops_by_dtype=dict(old.flops_by_dtype))
     prev = counts.get(t, {})
     new = dict(prev, **entry)
     new["flops_by_dtype"] = {**prev.get("flops_by_dtype", {}), **entry["flops_by_dtype"]}
