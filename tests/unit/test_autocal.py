@@ -267,3 +267,11 @@ def test_plan_names_the_source_of_every_rate(tmp_path):
     scaled = make_plan(model, shape, make_cards("cpu", 1, capacity_bytes=8 * 2**30),
                        [load_rates("cpu", path)], threads=2).table()
     assert "compute" in scaled and "[measured, scaled from 1 thread(s)]" in scaled
+
+
+def test_others_cores_subtracts_this_process_and_its_children():
+    # 10 s wall; the machine used 12 CPU s, this process and its children 5: others used 0.7 cores
+    assert autocal.others_cores((100.0, 50.0, 3.0), (110.0, 62.0, 8.0)) == pytest.approx(0.7)
+    assert autocal.others_cores((0.0, 0.0, 0.0), (1.0, 1.0, 2.0)) == 0.0  # never negative
+    wall, machine, own = autocal.cpu_snapshot()
+    assert wall > 0 and machine >= own >= 0

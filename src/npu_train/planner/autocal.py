@@ -57,7 +57,8 @@ from npu_train.planner.spec import PlacementError
 from npu_train.planner.threads import usable_cores
 
 __all__ = ["MODES", "AUTO_ADAMW_PARAMS", "EXPECTED_SECONDS", "LOCK_TIMEOUT_S", "calibrate_mode", "auto_calibrate",
-           "here_fingerprint", "profile_status", "ensure_profile", "measure_for_job"]
+           "here_fingerprint", "profile_status", "ensure_profile", "measure_for_job", "cpu_snapshot",
+           "others_cores"]
 
 MODES = ("auto", "never", "always")
 #: parameters of the two AdamW benchmarks in the automatic calibration (8M: 96 MB of fp32
@@ -66,8 +67,9 @@ AUTO_ADAMW_PARAMS = 8_000_000
 #: the wall time printed in the "calibrating" line, seconds (measured on the 2-core CPU machine:
 #: experiments/2026-11-30-first-run-calibration.md; accelerators: an estimate)
 EXPECTED_SECONDS = {"cpu": 12, "cuda": 10, "furiosa": 30}
-#: 1-minute load average per usable core above which a calibration warns that the machine was busy
-BUSY_LOAD = 0.5
+#: cores per usable core that other processes may use during a calibration before it warns that
+#: the machine was busy (their load slows the measured figures: experiments/2026-11-30-first-run-calibration.md)
+BUSY_OTHERS = 0.1
 #: seconds a launcher waits for another launcher's calibration before measuring itself
 LOCK_TIMEOUT_S = 300.0
 
@@ -145,6 +147,24 @@ def _loadavg() -> Optional[float]:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, CPU seconds of the whole machine, CPU seconds of this process and its waited-for
+    children) now; two snapshots give :func:`others_cores`."""
+    import psutil
+
+    t = psutil.cpu_times()
+    machine = sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = os.times()
+    return time.monotonic(), machine, own.user + own.system + own.children_user + own.children_system
+
+
+def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores other processes used on average between two :func:`cpu_snapshot` s: the machine's
+    CPU time minus this process's (and its children's), divided by the wall time."""
+    wall = max(after[0] - before[0], 1e-9)
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
 
 
 @contextlib.contextmanager
@@ -301,7 +321,7 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
         if mode == "always":
             why = "placement.calibrate=always"
         log(f"calibrating {kind} ({why}, ~{EXPECTED_SECONDS.get(kind, 15)} s; cached in {path})")
-        load = _loadavg()
+        load, snap = _loadavg(), cpu_snapshot()
         # adding a thread count to this machine's profile keeps its process baseline
         need_baseline = status != "partial" or "baseline" in why or mode == "always"
         entry, baseline, det = measure_for_job(kind, index, threads, dtype, quick=quick,
@@ -312,11 +332,12 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
         details = {"machine": det.pop("machine"), "kind": kind, "quick": bool(quick),
                    "auto": det, "model": getattr(model_cfg, "name", None),
                    "assumed_fields": assumed}
-        details["loadavg_1_before"] = load
+        others = round(others_cores(snap, cpu_snapshot()), 2)
+        details.update(loadavg_1_before=load, others_cores=others)
         save_profile(kind, rates, path, details=details)
-        if not quick and load is not None and load > BUSY_LOAD * usable_cores():
-            log(f"warning: the machine was busy while calibrating {kind} (load average {load:.1f} on "
-                f"{usable_cores()} core(s)): its figures may be low and the plan's step time too long; "
+        if not quick and others > BUSY_OTHERS * usable_cores():
+            log(f"warning: other processes used {others:.2f} of {usable_cores()} core(s) while "
+                f"calibrating {kind}: its figures may be low and the plan's step time too long; "
                 "rerun with placement.calibrate=always on a quiet machine")
     return {"path": str(path), "calibrated": True, "why": why, "seconds": det["seconds"]}
 
