@@ -44,5 +44,7 @@ def test_no_calibration_for_never_a_chosen_profile_or_a_dry_run(tiny_model, tmp_
         assert "calibrating" not in capsys.readouterr().out and not auto_env.exists()
         assert prep["plan"].rates[0].source("device_flops") == "assumed"
         assert "no calibration profile: assumed defaults" in prep["plan"].table()
+    prepare(make_cfg(tiny_model), str(tmp_path / "run"), probe=False)  # a sweep's pre-check
+    assert "calibrating" not in capsys.readouterr().out and not auto_env.exists()
     with pytest.raises(ConfigError, match="placement.calibrate='sometimes'"):
         prepare(make_cfg(tiny_model, "placement.calibrate=sometimes"), str(tmp_path / "run"))

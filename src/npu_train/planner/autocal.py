@@ -18,8 +18,8 @@ a profile of another machine is replaced, one of this machine gains the thread c
 defaults, each labelled "assumed" in the plan); ``always`` measures again. ``$NPT_CALIBRATE``
 (``auto``/``never``/``always``) replaces a configured ``auto`` (the test suite sets ``never``).
 ``placement.profile=<file>`` (a profile the user chose), dry runs (``plan=true``: they plan for
-another machine) and multi-node jobs (every node must plan with the same figures) never
-calibrate automatically.
+another machine), a sweep's pre-check of its jobs (it plans without probing devices) and
+multi-node jobs (every node must plan with the same figures) never calibrate automatically.
 
 Concurrency: launchers of a sweep may start together. The profile is written atomically (temp
 file + ``os.replace``: a reader sees the old or the new file, never a torn one) under an

@@ -147,7 +147,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
                      grad_accum=tr.grad_accum)
-    if not cfg.plan and nodes is None and cfg.placement.profile is None:  # first run on this machine
+    # first run on this machine (not for a dry run or the sweep's pre-check, which pass probe=False)
+    if probe and not cfg.plan and nodes is None and cfg.placement.profile is None:
         from npu_train.planner.autocal import auto_calibrate
 
         auto_calibrate(cards[:P], cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
