@@ -12,7 +12,11 @@ and the plan's prediction (``mem_pred_bytes``), the step time (``step_s``) and t
     warms up) | ratio
 
 First the machine is calibrated (``npu_train.planner.main_calibrate``, profile written to
-the output directory) unless ``--profile`` names an existing profile. Ratios only, no assertions.
+the output directory) unless ``--profile`` names an existing profile. ``--auto`` instead checks
+what a user gets without any manual step: no ``placement.profile``, a calibration cache of its
+own (``<out-dir>/cache``, the rest of ``$NPT_CACHE`` linked in) and ``NPT_CALIBRATE`` unset, so
+the first job calibrates automatically (``placement.calibrate=auto``); the calibration's wall
+time is read from the profile it wrote. Ratios only, no assertions.
 On a shared machine other processes slow the cpu "cards" down (an OpenMP team with a
 descheduled thread stalls), so for each job the CPU used by *other* processes is reported
 ("others", in cores: the machine's busy time from ``/proc/stat`` minus the job's own CPU time);
@@ -23,6 +27,7 @@ Usage (from the repository root)::
     .venv/bin/python experiments/bench/plan_vs_measured.py                  # calibrate + all layouts
     .venv/bin/python experiments/bench/plan_vs_measured.py --profile ~/.cache/npu-train/calibration/cpu.json \\
         --layouts default single --steps 4 --out /tmp/pvm.json
+    .venv/bin/python experiments/bench/plan_vs_measured.py --auto --layouts default   # first-run calibration
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
@@ -86,16 +92,32 @@ def wait_idle(max_pct: float, max_wait_s: float) -> float:
         print(f"   machine busy ({pct:.0f}% CPU), waiting ...", flush=True)
 
 
-def run_layout(name: str, overrides: list[str], profile: str, steps: int, out_dir: Path,
-               python: str, timeout: float, keep: bool = False) -> dict:
+def auto_cache(out_dir: Path) -> Path:
+    """A cache root for ``--auto``: the user's cache entries linked in, except ``calibration``."""
+    from npu_train.env import cache_root
+
+    root = out_dir / "cache"
+    root.mkdir(parents=True, exist_ok=True)
+    user = cache_root()
+    if user.is_dir():
+        for entry in user.iterdir():
+            if entry.name != "calibration" and not (root / entry.name).exists():
+                (root / entry.name).symlink_to(entry)
+    return root
+
+
+def run_layout(name: str, overrides: list[str], profile: Optional[str], steps: int, out_dir: Path,
+               python: str, timeout: float, keep: bool = False, env: Optional[dict] = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     run_dir = out_dir / name
     log = out_dir / f"{name}.log"
     cmd = [python, str(ROOT / "launch" / "run.py"), f"train.steps={steps}",
-           f"hydra.run.dir={run_dir}", f"placement.profile={profile}", *overrides]
+           f"hydra.run.dir={run_dir}", *([f"placement.profile={profile}"] if profile else []),
+           *overrides]
     la0, t0, busy0, own0 = loadavg(), time.time(), busy_seconds(), children_seconds()
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=timeout,
+                              env=env)
     wall = time.time() - t0
     other = max(0.0, (busy_seconds() - busy0) - (children_seconds() - own0))
     cores = os.cpu_count() or 1
@@ -119,7 +141,8 @@ def run_layout(name: str, overrides: list[str], profile: str, steps: int, out_di
     res["pred_step_s"] = recs[0].get("step_s_pred")
     res["meas_step_s"] = sum(r["step_s"] for r in later) / len(later)
     res["plan"] = [ln for ln in log.read_text().splitlines()
-                   if ln.startswith(("cpu", "card ", "total ", "predicted:", "rates "))][:8]
+                   if ln.startswith(("cpu", "card ", "total ", "predicted:", "rates ", "calibrating",
+                                     "warning: the machine"))][:10]
     return res
 
 
@@ -145,6 +168,9 @@ def fmt_table(results: list[dict]) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="existing calibration profile (default: calibrate first)")
+    ap.add_argument("--auto", action="store_true",
+                    help="no profile: the first job calibrates itself (placement.calibrate=auto) "
+                         "into <out-dir>/cache")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out-dir", help="where run dirs and logs go (default: a new temp dir)")
@@ -166,7 +192,13 @@ def main(argv=None) -> int:
     out_dir = Path(args.out_dir or tempfile.mkdtemp(prefix="plan-vs-measured-"))
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"output: {out_dir}", flush=True)
-    if args.profile:
+    env = None
+    if args.auto:
+        env = dict(os.environ, NPT_CACHE=str(auto_cache(out_dir)))
+        env.pop("NPT_CALIBRATE", None)
+        profile = None
+        print(f"profile: none; the first job calibrates into {env['NPT_CACHE']}/calibration", flush=True)
+    elif args.profile:
         profile = str(Path(args.profile).expanduser())
         print(f"profile: {profile} (existing)", flush=True)
     else:
@@ -177,8 +209,9 @@ def main(argv=None) -> int:
 
         profile = main_calibrate(["cpu"], model_path="embedded",
                                  profile=out_dir / "cpu-calibration.json")[0]
-    prof = json.loads(Path(profile).read_text())
-    print(f"machine: {json.dumps(prof.get('machine', {}))}", flush=True)
+    prof = json.loads(Path(profile).read_text()) if profile else {}
+    if prof:
+        print(f"machine: {json.dumps(prof.get('machine', {}))}", flush=True)
 
     results = []
     for name in args.layouts:
@@ -188,7 +221,7 @@ def main(argv=None) -> int:
             if args.wait_idle is not None:
                 wait_idle(args.wait_idle, args.max_wait)
             a = run_layout(name, LAYOUTS[name], profile, args.steps, out_dir / f"try{k}",
-                           args.python, args.timeout, args.keep_checkpoints)
+                           args.python, args.timeout, args.keep_checkpoints, env)
             attempts.append(a)
             if "error" not in a:
                 print(f"   attempt {k + 1}: steps " + ", ".join(f"{s['step_s']:.2f}s" for s in a["steps"])
@@ -213,6 +246,15 @@ def main(argv=None) -> int:
           f"steps; step time = mean of steps 2..{args.steps}; others = cores used by other "
           "processes during the job)")
     print(fmt_table(results))
+    if args.auto:
+        auto = Path(env["NPT_CACHE"]) / "calibration" / "cpu.json"
+        if auto.is_file():
+            prof = json.loads(auto.read_text())
+            det = prof.get("details", {}).get("auto", {})
+            print(f"automatic calibration: {det.get('seconds')} s wall (measurements "
+                  f"{det.get('measure_seconds')} s; per figure {det.get('measured', {}).get('seconds')}); "
+                  f"load before {prof.get('details', {}).get('loadavg_1_before')}; profile {auto}")
+            profile = str(auto)
     if args.out:
         Path(args.out).write_text(json.dumps({"profile": profile, "calibration": prof,
                                               "results": results}, indent=1))

@@ -192,6 +192,12 @@ class PlanConf:
     capacity_gib: Optional[float] = None
     #: fraction of every card's capacity that resident_layers=auto keeps free (printed in the plan).
     headroom: float = 0.05
+    #: auto: before planning a training job, measure each card kind on this machine (~12 s for cpu,
+    #: once; cached in $NPT_CACHE/calibration/<kind>.json) when no cached profile fits this machine,
+    #: torch version and thread count; never: use the cached profile or the assumed defaults;
+    #: always: measure again. $NPT_CALIBRATE replaces auto. Not with placement.profile, plan=true
+    #: or multi-node jobs (npu_train.planner.autocal).
+    calibrate: str = "auto"
 
 
 @dataclass
@@ -292,6 +298,8 @@ def validate(cfg) -> None:
         raise ConfigError("runtime.heartbeat_timeout_s must exceed runtime.heartbeat_interval_s")
     if cfg.runtime.slots is not None and cfg.runtime.slots < 1:
         raise ConfigError("runtime.slots must be >= 1")
+    if cfg.placement.calibrate not in ("auto", "never", "always"):
+        raise ConfigError(f"placement.calibrate={cfg.placement.calibrate!r}: use auto, never or always")
     if not 0.0 <= cfg.placement.headroom < 0.5:
         raise ConfigError(f"placement.headroom={cfg.placement.headroom} must be in [0, 0.5) "
                           "(fraction of each card's capacity that auto keeps free)")

@@ -6,6 +6,9 @@
                            (deprecated, with a warning).
 ``NPT_FURIOSA_FUSION``     RNGD fusion setting for every card process (see ``backends/furiosa.py``);
                            ``NPU_TRAIN_FURIOSA_FUSION`` is still read (deprecated).
+``NPT_CALIBRATE``          ``auto``/``never``/``always``: replaces ``placement.calibrate=auto``
+                           (the test suite sets ``never``, ``tests/conftest.py``).
+``NPT_CALIBRATE_QUICK``    tests only: ``1`` = the automatic calibration uses tiny sizes.
 ``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes.
 ``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``).
 ``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install.

@@ -21,6 +21,9 @@ Modules (dependencies point down the list; none imports torch at import time, so
 - :mod:`~npu_train.planner.search`: :func:`make_plan` (split and resident-layer search).
 - :mod:`~npu_train.planner.measure` / :mod:`~npu_train.planner.calibration`: measuring a card
   kind's :class:`Rates` and writing the profile (torch is imported when a measurement runs).
+- :mod:`~npu_train.planner.machine`: what a profile records about its machine, and whether a
+  cached profile still fits this one; :mod:`~npu_train.planner.autocal`: the launcher's automatic
+  first-run calibration (``placement.calibrate``).
 """
 from __future__ import annotations
 

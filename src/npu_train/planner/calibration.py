@@ -1,6 +1,8 @@
 """Calibration: measure the :class:`~npu_train.planner.rates.Rates` of a card kind on this machine.
 
-``python launch/run.py calibrate=true`` ends up in :func:`main_calibrate`, which measures every
+A training run's launcher calibrates the figures its plan needs by itself on the first run on a
+machine (:mod:`npu_train.planner.autocal`, ~12 s for cpu). ``python launch/run.py calibrate=true``
+measures everything and ends up in :func:`main_calibrate`, which measures every
 card kind of the job with :func:`calibrate`, prints a table and writes one profile per kind with
 :func:`save_profile` (default ``$NPT_CACHE/calibration/<kind>.json``, i.e.
 ``~/.cache/npu-train/calibration/<kind>.json``: :func:`~npu_train.planner.rates.calibration_path`,
@@ -65,8 +67,6 @@ import datetime as _dt
 import json
 import math
 import os
-import platform
-import socket
 import subprocess
 import sys
 import time
@@ -74,6 +74,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from npu_train.hardware import KINDS
+from npu_train.planner.machine import cpu_model, machine_info  # noqa: F401 - re-exported
 from npu_train.planner.measure import (
     RETRIES,
     best_of,
@@ -88,7 +89,7 @@ from npu_train.planner.spec import gib
 from npu_train.planner.threads import usable_cores
 
 __all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "thread_counts",
-           "measure_process_baseline", "CARD_PROCESS_MODULES", "PROFILE_VERSION"]
+           "measure_process_baseline", "start_process_baseline", "finish_process_baseline", "CARD_PROCESS_MODULES", "PROFILE_VERSION"]
 
 PROFILE_VERSION = 1
 
@@ -103,60 +104,6 @@ def thread_counts(cores: Optional[int] = None) -> list[int]:
         t *= 2
     out.add(cores)
     return sorted(out)
-
-
-def cpu_model() -> str:
-    """The CPU model name (``/proc/cpuinfo``'s ``model name``, else ``platform``'s), for machine records."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def machine_info(kind: Optional[str] = None, backend=None) -> dict:
-    """Facts recorded with a profile: cpu model, cores, RAM, torch / python versions, date,
-    load average, and the device name for cuda."""
-    import psutil
-    import torch
-
-    info = {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "hostname": socket.gethostname(),
-        "cpu_model": cpu_model(),
-        "cores_logical": os.cpu_count(),
-        "cores_usable": usable_cores(),
-        "cores_physical": psutil.cpu_count(logical=False),
-        "ram_bytes": int(psutil.virtual_memory().total),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-    }
-    try:
-        info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        pass
-    try:
-        from importlib.metadata import version
-
-        info["npu_train"] = version("npu-train")
-    except Exception:  # noqa: BLE001 - not installed as a distribution
-        pass
-    if kind == "cuda":
-        try:
-            info["device"] = torch.cuda.get_device_name(backend.index if backend else 0)
-        except Exception:  # noqa: BLE001
-            pass
-    if kind == "furiosa":
-        try:
-            info["device"] = str(backend.device()) if backend is not None else "furiosa"
-        except Exception:  # noqa: BLE001
-            pass
-    return info
-
 
 
 #: Modules a card process imports before it allocates model state, all below the planner's
@@ -208,6 +155,39 @@ print(json.dumps({"rss": rss, "touched": touched}))
 """
 
 
+def start_process_baseline(model_path: Optional[str] = None, threads: int = 1,
+                           modules: Sequence[str] = CARD_PROCESS_MODULES) -> subprocess.Popen:
+    """Start the process-baseline subprocess (see :func:`measure_process_baseline`) without
+    waiting; :func:`finish_process_baseline` collects its figure. Raises ``ValueError`` when a
+    module name contains a comma."""
+    mods = [str(m) for m in modules]
+    if any("," in m for m in mods):
+        raise ValueError(f"module names must not contain commas: {mods}")
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in [env.get("PYTHONPATH")] if p])
+    args = [sys.executable, "-c", _BASELINE_CODE, str(int(threads)), ",".join(mods)]
+    if model_path:
+        args.append(str(model_path))
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+
+def finish_process_baseline(proc: subprocess.Popen, timeout: float = 120.0) -> int:
+    """RSS bytes reported by a :func:`start_process_baseline` subprocess (killed after ``timeout``
+    seconds). Raises ``RuntimeError`` (with its stderr) when it failed or timed out."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise RuntimeError(f"process-baseline measurement took more than {timeout:g} s") from None
+    if proc.returncode != 0:
+        raise RuntimeError(f"process-baseline measurement failed (exit {proc.returncode}): "
+                           f"{err.strip()[-2000:]}")
+    line = [ln for ln in out.splitlines() if ln.startswith("{")][-1]
+    return int(json.loads(line)["rss"])
+
+
 def measure_process_baseline(model_path: Optional[str] = None, threads: int = 1,
                              timeout: float = 120.0,
                              modules: Sequence[str] = CARD_PROCESS_MODULES) -> int:
@@ -227,21 +207,7 @@ def measure_process_baseline(model_path: Optional[str] = None, threads: int = 1,
         RuntimeError: the subprocess failed (with its stderr).
         ValueError: a module name contains a comma.
     """
-    mods = [str(m) for m in modules]
-    if any("," in m for m in mods):
-        raise ValueError(f"module names must not contain commas: {mods}")
-    env = dict(os.environ)
-    src = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in [env.get("PYTHONPATH")] if p])
-    args = [sys.executable, "-c", _BASELINE_CODE, str(int(threads)), ",".join(mods)]
-    if model_path:
-        args.append(str(model_path))
-    out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
-    if out.returncode != 0:
-        raise RuntimeError(f"process-baseline measurement failed (exit {out.returncode}): "
-                           f"{out.stderr.strip()[-2000:]}")
-    line = [ln for ln in out.stdout.splitlines() if ln.startswith("{")][-1]
-    return int(json.loads(line)["rss"])
+    return finish_process_baseline(start_process_baseline(model_path, threads, modules), timeout)
 
 
 def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
@@ -340,6 +306,7 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         except Exception as exc:  # noqa: BLE001 - keep the other figures, report the failure
             baseline = DEFAULT_RATES["cpu"].process_baseline_bytes
             details["process_baseline"] = {"error": str(exc)[:2000], "used_default": baseline}
+            details["assumed_fields"] = ["process_baseline_bytes"]
         by_threads = {t: rate_fields(v) for t, v in per.items() if t != top_t}
         details["by_threads"] = {str(t): v for t, v in per.items()}
     else:

@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Optional
 
-__all__ = ["COPY_BYTES", "RETRIES", "planner_dtype", "measure_at", "slower", "best_of",
+__all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "planner_dtype",
+           "measure_at", "reference_shapes", "slower", "best_of",
            "note_load", "rate_fields"]
 
 #: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
@@ -51,33 +53,57 @@ def planner_dtype(kind: str) -> str:
     return "fp32" if kind == "cpu" else "bf16"
 
 
-def _timed(fn: Callable[[], None], sync: Callable[[], None], *, min_time: float,
-           max_reps: int, min_reps: int = 3, warmup: int = 1, max_time: Optional[float] = None) -> float:
-    """Median seconds of ``fn`` (``sync`` after each call), repeated until ``min_time`` has passed
-    (at least ``min_reps``, at most ``max_reps`` repetitions), but never past ``max_time``
-    (default ``5 * min_time``) once one repetition is done."""
-    max_time = 5 * min_time if max_time is None else max_time
+@dataclass(frozen=True)
+class LoopBounds:
+    """How long one figure's timing loop runs (:func:`timed`).
+
+    Attributes:
+        min_time: seconds the repetitions run at least (once ``min_reps`` are done, the loop stops
+            at the first repetition that ends after ``min_time``).
+        max_time: seconds (warm-up included) after which the loop stops once one repetition is done.
+        max_reps: most repetitions.
+        min_reps: fewest repetitions (unless ``max_time`` passes first).
+        warmup: untimed calls first (the first call allocates; the figure is the median after it).
+    """
+
+    min_time: float
+    max_time: float
+    max_reps: int
+    min_reps: int = 3
+    warmup: int = 2
+
+
+#: ``calibrate=true``: about 0.6 s per figure, at most 3 s (a whole cpu calibration ~25-45 s on 2 cores)
+FULL = LoopBounds(min_time=0.6, max_time=3.0, max_reps=50, min_reps=3, warmup=2)
+#: tests (``quick=True``): tiny sizes, a few repetitions
+QUICK = LoopBounds(min_time=0.02, max_time=0.1, max_reps=3, min_reps=3, warmup=2)
+#: automatic first-run calibration (:mod:`npu_train.planner.autocal`): one thread count, only the
+#: figures the plan needs; 6 figures x at most 1.2 s + set-up stays within the 15 s budget
+AUTO = LoopBounds(min_time=0.3, max_time=1.2, max_reps=20, min_reps=2, warmup=1)
+
+
+def timed(fn: Callable[[], None], sync: Callable[[], None], loop: LoopBounds) -> float:
+    """Median seconds of ``fn`` (``sync`` after each call) within ``loop``'s bounds."""
     t_start = time.perf_counter()
-    for _ in range(warmup):
+    for _ in range(loop.warmup):
         fn()
         sync()
     times: list[float] = []
-    t_end = time.perf_counter() + min_time
-    while len(times) < max_reps and (len(times) < min_reps or time.perf_counter() < t_end):
+    t_end = time.perf_counter() + loop.min_time
+    while len(times) < loop.max_reps and (len(times) < loop.min_reps or time.perf_counter() < t_end):
         t0 = time.perf_counter()
         fn()
         sync()
         times.append(time.perf_counter() - t0)
-        if time.perf_counter() - t_start > max_time:
+        if time.perf_counter() - t_start > loop.max_time:
             break
     return median(times)
-
 
 
 # ------------------------------------------------------------------------------------------------
 # measurements
 # ------------------------------------------------------------------------------------------------
-def _layer_flops(backend, dtype_name: str, dims, min_time: float, max_reps: int) -> float:
+def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
     """Sustained training FLOP/s of one DecoderLayer forward + backward on the card."""
     import torch
 
@@ -100,14 +126,14 @@ def _layer_flops(backend, dtype_name: str, dims, min_time: float, max_reps: int)
             layer(x, cos, sin).backward(g)
             # like the trainer: gradients accumulate into .grad between optimizer steps
 
-    sec = _timed(step, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
+    sec = timed(step, backend.synchronize, loop)
     tok = b * S
     flops = 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
     return flops / sec
 
 
-def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int, min_time: float,
-                max_reps: int) -> float:
+def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int,
+                loop: LoopBounds) -> float:
     """Sustained FLOP/s (``6 * tokens * V * H``) of the trainer's head path: final RMSNorm,
     ``lm_head`` and ``causal_lm_loss_sum`` (fp32 log-softmax + NLL), forward + backward."""
     import torch
@@ -127,11 +153,11 @@ def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int, 
             loss, _ = causal_lm_loss_sum(head(norm(x)).float(), labels)
             loss.backward()
 
-    sec = _timed(step, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
+    sec = timed(step, backend.synchronize, loop)
     return 6.0 * tokens * vocab * hidden / sec
 
 
-def _matmul_flops(backend, dtype_name: str, n: int, min_time: float, max_reps: int) -> float:
+def _matmul_flops(backend, dtype_name: str, n: int, loop: LoopBounds) -> float:
     import torch
 
     dt = _dtype(dtype_name)
@@ -144,12 +170,11 @@ def _matmul_flops(backend, dtype_name: str, n: int, min_time: float, max_reps: i
         with backend.alloc_lock():
             a @ b
 
-    sec = _timed(mm, backend.synchronize, min_time=min_time, max_reps=max_reps, warmup=2)
+    sec = timed(mm, backend.synchronize, loop)
     return 2.0 * n ** 3 / sec
 
 
-def _copy_bandwidth(backend, dtype_name: str, nbytes: int, min_time: float,
-                    max_reps: int) -> tuple[float, float]:
+def _copy_bandwidth(backend, dtype_name: str, nbytes: int, loop: LoopBounds) -> tuple[float, float]:
     """(host->device, device->host) bytes/s for one ``nbytes`` tensor."""
     import torch
 
@@ -166,12 +191,12 @@ def _copy_bandwidth(backend, dtype_name: str, nbytes: int, min_time: float,
     def down() -> None:
         backend.download(dev_t[0])
 
-    t_up = _timed(up, backend.synchronize, min_time=min_time, max_reps=max_reps)
-    t_down = _timed(down, backend.synchronize, min_time=min_time, max_reps=max_reps)
+    t_up = timed(up, backend.synchronize, loop)
+    t_down = timed(down, backend.synchronize, loop)
     return nb / t_up, nb / t_down
 
 
-def _adamw_rate(device, n_params: int, min_time: float, max_reps: int, backend=None) -> float:
+def _adamw_rate(device, n_params: int, loop: LoopBounds, backend=None) -> float:
     """fp32 AdamW params/s: fused on cpu/cuda, one tensor at a time elsewhere (as StageOptimizer)."""
     import torch
 
@@ -190,11 +215,11 @@ def _adamw_rate(device, n_params: int, min_time: float, max_reps: int, backend=N
         with (lock() if lock else nullcontext()):
             opt.step()
 
-    sec = _timed(step, sync, min_time=min_time, max_reps=max_reps, warmup=2)
+    sec = timed(step, sync, loop)
     return per * n_t / sec
 
 
-def _stage_optimizer_rate(backend, n_params: int, min_time: float, max_reps: int) -> float:
+def _stage_optimizer_rate(backend, n_params: int, loop: LoopBounds) -> float:
     """params/s of ``StageOptimizer.step`` over resident parameters on the card: the trainer's
     device-optimizer path (gradient scaling, AdamW as the trainer configures it for the device,
     refresh of the compute weights; fp32 weights as on cpu, the planner dtype elsewhere)."""
@@ -217,8 +242,8 @@ def _stage_optimizer_rate(backend, n_params: int, min_time: float, max_reps: int
     def step() -> None:
         secs.append(opt.step(1e-4, 0.5)["device_optimizer"])
 
-    _timed(step, lambda: None, min_time=min_time, max_reps=max_reps, warmup=2)
-    return sum(m.numel() for m in masters.values()) / median(secs[2:] or secs)
+    timed(step, lambda: None, loop)
+    return sum(m.numel() for m in masters.values()) / median(secs[loop.warmup:] or secs)
 
 
 #: figures that must not drop when threads are added (else the measurement was disturbed)
@@ -253,16 +278,24 @@ def note_load(m: dict) -> None:
         pass
 
 
-def reference_shapes(kind: str, quick: bool, model_cfg) -> tuple[tuple, tuple, str]:
+def reference_shapes(kind: str, quick: bool, model_cfg,
+                     batch_seq: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, str]:
     """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
     the model's own layer and head when ``model_cfg`` is given and one repetition stays within
-    the per-kind FLOP budget, else the per-kind reference."""
+    the per-kind FLOP budget, else the per-kind reference. ``batch_seq``: the job's (micro-batch,
+    sequence length) instead of the per-kind reference's; when the model's layer at that shape is
+    over the budget, the micro-batch, then the sequence length, are halved until it fits."""
     if quick:
         H, I, a, kv, b, S = _LAYER_QUICK
         return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"
     H, I, a, kv, b, S = _LAYER[kind]
+    if batch_seq is not None:
+        b, S = max(1, int(batch_seq[0])), max(2, int(batch_seq[1]))
+    if model_cfg is not None and batch_seq is not None:
+        while 6.0 * b * S * model_cfg.params_per_layer() > _FLOP_BUDGET[kind] and b * S > 2:
+            b, S = (b // 2, S) if b > 1 else (b, max(2, S // 2))
     tok = b * S
-    layer, head, what = _LAYER[kind], (_HEAD[kind][0], _HEAD[kind][1], tok), "reference"
+    layer, head, what = (H, I, a, kv, b, S), (_HEAD[kind][0], _HEAD[kind][1], tok), "reference"
     if model_cfg is not None:
         m = model_cfg
         if 6.0 * tok * m.params_per_layer() <= _FLOP_BUDGET[kind] and m.head_dim * m.num_heads > 0:
@@ -273,39 +306,70 @@ def reference_shapes(kind: str, quick: bool, model_cfg) -> tuple[tuple, tuple, s
     return layer, head, what
 
 
-def measure_at(kind: str, backend, quick: bool, model_cfg=None) -> dict:
-    """All rate figures of ``kind`` at the current torch thread count."""
+def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optional[LoopBounds] = None,
+               dtypes: Optional[tuple] = None, matmul: bool = True,
+               batch_seq: Optional[tuple[int, int]] = None,
+               adamw_params: Optional[int] = None) -> dict:
+    """The rate figures of ``kind`` at the current torch thread count.
+
+    Args:
+        quick: tiny sizes (tests). ``loop``: the timing bounds of every figure (default
+            :data:`QUICK` when ``quick``, else :data:`FULL`).
+        dtypes: compute dtypes whose training FLOP/s are measured (default: the planner's dtype
+            of ``kind`` and the other one, which may fail); ``device_flops`` is the planner dtype's
+            figure when measured, else the first listed.
+        matmul: also measure the bare square-matmul FLOP/s (recorded, not used by the planner).
+        batch_seq: the job's (micro-batch, sequence length) for the layer and head benchmarks
+            (:func:`reference_shapes`).
+        adamw_params: parameters of the AdamW benchmarks (default 20M; quick: 200k).
+    """
     import torch
 
-    min_time = 0.02 if quick else 0.6
-    max_reps = 3 if quick else 50
-    dims, head_shape, what = reference_shapes(kind, quick, model_cfg)
+    loop = loop or (QUICK if quick else FULL)
+    dims, head_shape, what = reference_shapes(kind, quick, model_cfg, batch_seq)
     n_mm = 128 if quick else _MATMUL_N[kind]
     nbytes = 1_000_000 if quick else COPY_BYTES
-    n_adamw = 200_000 if quick else _ADAMW_PARAMS
+    n_adamw = 200_000 if quick else int(adamw_params or _ADAMW_PARAMS)
     main = planner_dtype(kind)
+    dts = tuple(dtypes) if dtypes else (main, "bf16" if main == "fp32" else "fp32")
     out: dict = {"flops_by_dtype": {}, "matmul_flops_by_dtype": {},
                  "shapes": {"layer_H_I_heads_kv_b_s": list(dims),
                             "head_V_H_tokens": list(head_shape), "source": what}}
-    for dt in (main, "bf16" if main == "fp32" else "fp32"):
+    secs: dict = {}
+    out["seconds"] = secs  # wall seconds per figure, set-up included
+
+    def lap(name: str, t0: float) -> None:
+        secs[name] = round(time.perf_counter() - t0, 3)
+
+    for dt in dts:
         try:
-            out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, min_time, max_reps)
-            out["matmul_flops_by_dtype"][dt] = _matmul_flops(backend, dt, n_mm, min_time, max_reps)
+            t0 = time.perf_counter()
+            out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, loop)
+            lap(f"layer_{dt}", t0)
+            if matmul:
+                out["matmul_flops_by_dtype"][dt] = _matmul_flops(backend, dt, n_mm, loop)
         except Exception as exc:  # noqa: BLE001 - the second dtype is optional (e.g. fp32 on RNGD)
-            if dt == main:
+            if dt == dts[0]:
                 raise
             out.setdefault("errors", {})[dt] = f"{type(exc).__name__}: {exc}"[:300]
-    out["device_flops"] = out["flops_by_dtype"][main]
-    head = _head_flops(backend, main, *head_shape, min_time=min_time, max_reps=max_reps)
+    first = main if main in out["flops_by_dtype"] else dts[0]
+    out["device_flops"] = out["flops_by_dtype"][first]
+    t0 = time.perf_counter()
+    head = _head_flops(backend, first, *head_shape, loop=loop)
+    lap("head", t0)
     out["head_flops"] = head
     out["head_flops_ratio"] = head / out["device_flops"]
-    out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(
-        backend, main, nbytes, min_time, max_reps)
-    out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, min_time, max_reps)
+    t0 = time.perf_counter()
+    out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(backend, first, nbytes, loop)
+    lap("copies", t0)
+    t0 = time.perf_counter()
+    out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, loop)
+    lap("host_adamw", t0)
     n_dev = n_adamw if kind != "furiosa" else max(1, n_adamw // 5)
-    out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, min_time, max_reps)
+    t0 = time.perf_counter()
+    out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, loop)
+    lap("device_adamw", t0)
     return out
-
 
 
 def rate_fields(m: dict) -> dict:

@@ -81,6 +81,11 @@ class Rates:
             ``device_flops`` is used for a dtype that is not listed.
         by_threads: optional ``{threads: {field: value}}`` figures measured at other thread
             counts (see :meth:`resolve`).
+        sources: field name -> where its figure comes from: ``"measured"`` (the calibration
+            profile ``origin``), ``"assumed"`` (:data:`DEFAULT_RATES`), ``"scaled from N
+            threads"`` (:meth:`resolve`'s rule 2) or any other text (e.g. ``"fitted: <record>"``);
+            a field not listed is assumed.
+        origin: the profile the measured figures come from (``"<path> (<date>)"``), or ``""``.
     """
 
     device_flops: float
@@ -94,6 +99,16 @@ class Rates:
     threads: int = 0
     flops_by_dtype: dict = field(default_factory=dict)
     by_threads: dict = field(default_factory=dict)
+    sources: dict = field(default_factory=dict)
+    origin: str = ""
+
+    def source(self, name: str) -> str:
+        """Where field ``name``'s figure comes from (see ``sources``; default ``"assumed"``)."""
+        return str(self.sources.get(name, "assumed"))
+
+    def assumed_fields(self) -> list[str]:
+        """The :data:`RATE_NUMBERS` fields whose figure is assumed (not measured)."""
+        return [k for k in RATE_NUMBERS if self.source(k).startswith("assumed")]
 
     @property
     def device_adamw(self) -> float:
@@ -140,6 +155,7 @@ class Rates:
         """
         t = int(threads) if threads else 0
         counts = self.measured_threads()
+        sources = dict(self.sources)
         if t and counts:
             c = t if t in counts else min(counts, key=lambda u: (abs(u - t), -u))
             base, by_dtype = self._figures_at(c)
@@ -147,6 +163,7 @@ class Rates:
                 f = t / c
                 for k in THREAD_SCALED:
                     base[k] *= f
+                    sources[k] = f"{self.source(k)}, scaled from {c} thread(s)"
                 by_dtype = {d: v * f for d, v in by_dtype.items()}
             out_t = t
         else:
@@ -155,7 +172,10 @@ class Rates:
             out_t = self.threads
         if dtype is not None and dtype in by_dtype:
             base["device_flops"] = float(by_dtype[dtype])
-        return Rates(**base, threads=out_t, flops_by_dtype=by_dtype)
+        elif dtype is not None and by_dtype and sources.get("device_flops"):
+            sources["device_flops"] += f" for {'/'.join(sorted(by_dtype))}, not {dtype}"
+        return Rates(**base, threads=out_t, flops_by_dtype=by_dtype, sources=sources,
+                     origin=self.origin)
 
 
 #: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
@@ -169,11 +189,19 @@ class Rates:
 #:   (python + torch + npu_train + gloo/ZeroMQ measured at ~0.25 GiB RSS, plus a model-file
 #:   reader); the card's optimizer is the host AdamW.
 #: - host AdamW 2e8 params/s per process for every kind (assumed, fp32, multi-threaded torch).
+_RNGD_H2D = "assumed: measured on an earlier RNGD deployment, not this machine"
+_HOST_ADAMW = "assumed: 2e8, multi-threaded torch"
 DEFAULT_RATES: dict[str, Rates] = {
     "furiosa": Rates(device_flops=256e12 * 0.4, h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9,
-                     host_adamw_params_per_s=2e8, device_adamw_params_per_s=1e10),
+                     host_adamw_params_per_s=2e8, device_adamw_params_per_s=1e10,
+                     sources={"device_flops": "assumed: spec 256 TFLOPS bf16 x 0.4",
+                              "h2d_bytes_per_s": _RNGD_H2D, "d2h_bytes_per_s": "assumed: = h2d",
+                              "host_adamw_params_per_s": _HOST_ADAMW}),
     "cuda": Rates(device_flops=989e12 * 0.4, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9,
-                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10),
+                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10,
+                  sources={"device_flops": "assumed: H100 989 TFLOPS bf16 x 0.4",
+                           "h2d_bytes_per_s": "assumed: PCIe Gen5", "d2h_bytes_per_s": "assumed: PCIe Gen5",
+                           "host_adamw_params_per_s": _HOST_ADAMW}),
     "cpu": Rates(device_flops=50e9, h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
                  host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB),
 }
@@ -229,18 +257,27 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     values = {k: getattr(d, k) for k in RATE_NUMBERS}
     n_threads, by_dtype, by_threads = d.threads, dict(d.flops_by_dtype), dict(d.by_threads)
     path = Path(profile_path) if profile_path is not None else calibration_path(kind)
+    sources, origin = dict(d.sources), ""
     if path.is_file():
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError) as exc:
             raise _bad_profile(path, f"unreadable ({exc})") from exc
+        assumed: list = []
         if isinstance(data, dict) and isinstance(data.get("rates"), dict):
+            created = data.get("created") or (data.get("machine") or {}).get("date") or "undated"
+            origin = f"{path} ({created})"
+            det = data.get("details")
+            assumed = det.get("assumed_fields") or [] if isinstance(det, dict) else []
             data = data["rates"]
+        else:
+            origin = f"{path} (hand-written)"
         if not isinstance(data, dict):
             raise _bad_profile(path, "not a JSON object")
         for k in values:
             if k in data:
                 values[k] = _profile_number(path, k, data[k], k in RATE_MAY_BE_ZERO)
+                sources[k] = "assumed (profile)" if k in assumed else "measured"
         if "threads" in data:
             n_threads = int(_profile_number(path, "threads", data["threads"], True))
         if isinstance(data.get("flops_by_dtype"), dict):
@@ -258,5 +295,6 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                         str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
                         for dt, v in entry["flops_by_dtype"].items()}
                 by_threads[int(t)] = e
-    rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads)
+    rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads,
+                  sources=sources, origin=origin)
     return rates if threads is None else rates.resolve(threads=threads)

@@ -11,7 +11,8 @@ from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import CardSpec, gb, gib
 
-__all__ = ["plan_table", "format_plan", "card_label", "over_capacity_message", "memory_sources"]
+__all__ = ["plan_table", "format_plan", "card_label", "over_capacity_message", "memory_sources",
+           "rate_sources"]
 
 
 def card_label(i: int, card: CardSpec) -> str:
@@ -68,6 +69,47 @@ def memory_sources(plan: Plan) -> list[str]:
                                 else f"{s.dtype} .grad, {s.dtype_bytes} B/param"))
     if plan.compiler_cache_dir:
         out.append(f"compiler cache (runtime.furiosa.compiler_cache_dir): {plan.compiler_cache_dir}")
+    return out
+
+
+#: (field, label, unit scale, unit) of the rates the plan prints with their sources
+_RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", "lm_head+loss x", 1.0, ""),
+              ("h2d_bytes_per_s", "h2d", 1e9, "GB/s"), ("d2h_bytes_per_s", "d2h", 1e9, "GB/s"),
+              ("host_adamw_params_per_s", "host AdamW", 1e6, "M params/s"),
+              ("device_adamw_params_per_s", "device AdamW", 1e6, "M params/s"),
+              ("process_baseline_bytes", "process baseline", 2 ** 30, "GiB"),
+              ("dp_bytes_per_s", "dp all-reduce", 1e9, "GB/s"))
+
+
+def rate_sources(plan: Plan) -> list[str]:
+    """One line per card kind: every rate the step time and memory use, with where it comes from
+    (``measured`` = this machine's calibration profile, named with its date at the line's end;
+    ``assumed`` = the planner's default; ``scaled from N thread(s)``; ``fitted: ...``)."""
+    out, seen = [], set()
+    for st, rt in zip(plan.stages, plan.rates or []):
+        k = st.card.kind
+        if k in seen:
+            continue
+        seen.add(k)
+        parts = []
+        for name, label, scale, unit in _RATE_ROWS:
+            if name == "process_baseline_bytes" and k != "cpu":
+                continue
+            if name == "dp_bytes_per_s" and plan.dp <= 1:
+                continue
+            v = rt.device_adamw if name == "device_adamw_params_per_s" else getattr(rt, name)
+            src = rt.source("host_adamw_params_per_s" if name == "device_adamw_params_per_s"
+                            and not rt.device_adamw_params_per_s else name)
+            if unit == "GFLOP/s" and v >= 1e12:
+                scale, unit = 1e12, "TFLOP/s"
+            parts.append(f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}"
+                         f"{' ' + unit if unit else ''} [{src}]")
+        measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
+        where = (f"measured = calibration profile {rt.origin}" if measured and rt.origin
+                 else "no calibration profile: assumed defaults (placement.calibrate=auto measures "
+                      "them on a training run's first launch)")
+        out.append(f"rates {k}" + (f" at {rt.threads} thread(s)" if rt.threads else "") + ": "
+                   + ", ".join(parts) + f"; {where}")
     return out
 
 
@@ -130,6 +172,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
                      + f"; one replica shown, every replica's cards alike; host GiB all replicas "
                      f"{gib(plan.host_bytes_all):.2f}")
     lines.append(buf.getvalue().rstrip("\n"))
+    lines += rate_sources(plan)
     lines += memory_sources(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     over = [st.card.name for st in plan.stages if not st.fits]

@@ -148,6 +148,12 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
                      schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
                      grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                      "delayed" if tr.offload_update == "delayed" else "overlap")
+    # first run on this machine (not for a dry run or the sweep's pre-check, which pass probe=False)
+    if probe and not cfg.plan and nodes is None and cfg.placement.profile is None:
+        from npu_train.planner.autocal import auto_calibrate
+
+        auto_calibrate(cards[:P], cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
+                       model_path=model_path, batch_seq=(tr.micro_batch, cfg.data.seq_len), modules=CARD_PROCESS_MODULES)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,

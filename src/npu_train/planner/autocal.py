@@ -1,0 +1,363 @@
+"""Automatic first-run calibration (``placement.calibrate=auto``, the default).
+
+Before a training job plans its placement, :func:`ensure_profile` makes sure each card kind of the
+job has a calibration profile (``$NPT_CACHE/calibration/<kind>.json``,
+:func:`~npu_train.planner.rates.calibration_path`) that describes *this* machine at the job's
+thread count and compute dtype (:func:`profile_status`): written on a machine with the same
+fingerprint (:mod:`npu_train.planner.machine`: CPU model and flags, usable cores, torch version,
+device name), with figures measured at ``threads`` torch threads (the top level or a
+``by_threads`` entry) in the job's dtype, and (cpu) a measured process baseline. When it has
+one, nothing is measured. When not, the launcher measures only what the plan needs, in a few
+seconds (:data:`~npu_train.planner.measure.AUTO` loop bounds: 6 figures, each at most 1.2 s, the
+job's own layer and head shapes, one thread count, one dtype, no bare-matmul figure; on cpu the
+process-baseline subprocess runs alongside when the job leaves a core free), prints one line
+``calibrating <kind> (<why>, ~N s; cached in <path>)`` and merges the figures into the profile:
+a profile of another machine is replaced, one of this machine gains the thread count.
+
+``placement.calibrate=never`` keeps the profile as it is (missing: the planner's assumed
+defaults, each labelled "assumed" in the plan); ``always`` measures again. ``$NPT_CALIBRATE``
+(``auto``/``never``/``always``) replaces a configured ``auto`` (the test suite sets ``never``).
+``placement.profile=<file>`` (a profile the user chose), dry runs (``plan=true``: they plan for
+another machine), a sweep's pre-check of its jobs (it plans without probing devices) and
+multi-node jobs (every node must plan with the same figures) never calibrate automatically.
+
+Concurrency: launchers of a sweep may start together. The profile is written atomically (temp
+file + ``os.replace``: a reader sees the old or the new file, never a torn one) under an
+exclusive ``fcntl`` lock on ``<path>.lock``; a launcher that waited for the lock re-reads the
+profile and reuses what the other one measured. A profile that cannot be read (a torn or
+hand-broken file) is measured again with a warning.
+
+The model behind the rates is not part of the check: the profile's FLOP/s were measured on the
+first job's layer shapes; another model on the same machine reuses them (``calibrate=true`` or
+``placement.calibrate=always`` measures again).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import fcntl
+import json
+import os
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+from npu_train.env import getenv
+from npu_train.errors import ConfigError
+from npu_train.planner.calibration import (
+    PROFILE_VERSION,
+    finish_process_baseline,
+    save_profile,
+    start_process_baseline,
+)
+from npu_train.planner.machine import cpu_flags_digest, cpu_model, machine_info, same_machine
+from npu_train.planner.measure import AUTO, QUICK, measure_at, note_load, rate_fields
+from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
+from npu_train.planner.spec import PlacementError
+from npu_train.planner.threads import usable_cores
+
+__all__ = ["MODES", "AUTO_ADAMW_PARAMS", "EXPECTED_SECONDS", "LOCK_TIMEOUT_S", "calibrate_mode", "auto_calibrate",
+           "here_fingerprint", "profile_status", "ensure_profile", "measure_for_job", "cpu_snapshot",
+           "others_cores"]
+
+MODES = ("auto", "never", "always")
+#: parameters of the two AdamW benchmarks in the automatic calibration (8M: 96 MB of fp32
+#: master + moments, far beyond any cache, as the real optimizer's state)
+AUTO_ADAMW_PARAMS = 8_000_000
+#: the wall time printed in the "calibrating" line, seconds (measured on the 2-core CPU machine:
+#: experiments/2026-11-30-first-run-calibration.md; accelerators: an estimate)
+EXPECTED_SECONDS = {"cpu": 12, "cuda": 10, "furiosa": 30}
+#: cores per usable core that other processes may use during a calibration before it warns that
+#: the machine was busy (their load slows the measured figures: experiments/2026-11-30-first-run-calibration.md)
+BUSY_OTHERS = 0.1
+#: seconds a launcher waits for another launcher's calibration before measuring itself
+LOCK_TIMEOUT_S = 300.0
+
+
+def calibrate_mode(configured: str) -> str:
+    """The effective mode: ``$NPT_CALIBRATE`` when set and ``configured`` is ``auto``, else
+    ``configured``. Raises :class:`~npu_train.errors.ConfigError` for a value not in :data:`MODES`."""
+    mode = str(configured)
+    if mode not in MODES:
+        raise ConfigError(f"placement.calibrate={mode!r}: use auto, never or always")
+    env = getenv("CALIBRATE")
+    if env and mode == "auto":
+        if env not in MODES:
+            raise ConfigError(f"$NPT_CALIBRATE={env!r}: use auto, never or always (or unset it)")
+        mode = env
+    return mode
+
+
+def here_fingerprint(kind: str, index: Optional[int] = None) -> dict:
+    """This machine's :func:`~npu_train.planner.machine.fingerprint` for card kind ``kind``
+    (cuda: the device name of card ``index``; furiosa: no device name)."""
+    import torch
+
+    fp = {"cpu_model": cpu_model(), "cpu_flags": cpu_flags_digest(), "cores_usable": usable_cores(),
+          "torch": torch.__version__}
+    if kind == "cuda":
+        with contextlib.suppress(Exception):
+            fp["device"] = torch.cuda.get_device_name(int(index or 0))
+    return fp
+
+
+def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bool = False,
+                   here: Optional[dict] = None) -> tuple[str, str]:
+    """(status, why) for the profile at ``path`` and a job of ``kind`` with ``threads`` torch
+    threads per card process in ``dtype``. Status: ``"ok"`` (fits), ``"missing"``, ``"corrupt"``
+    (unreadable), ``"stale"`` (another machine, profile version or quick-ness: replaced) or
+    ``"partial"`` (this machine, but no figures for the thread count or dtype, or no measured
+    process baseline: the measurement is merged in).
+
+    ``quick``: only a quick (test) profile is ok, and only a full one otherwise. ``here``: this
+    machine's fingerprint (default :func:`here_fingerprint`)."""
+    if not path.is_file():
+        return "missing", "first run on this machine"
+    try:
+        doc = json.loads(path.read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("rates"), dict):
+            raise ValueError("no 'rates' object")
+        rates = load_rates(kind, path)
+    except (OSError, ValueError, PlacementError) as exc:
+        return "corrupt", f"unreadable profile ({str(exc)[:200]})"
+    if doc.get("version") != PROFILE_VERSION:
+        return "stale", f"profile version {doc.get('version')} != {PROFILE_VERSION}"
+    if bool((doc.get("details") or {}).get("quick")) != bool(quick):
+        return "stale", "a quick (test) profile" if not quick else "not a quick profile"
+    diff = same_machine(doc.get("machine") or {}, here or here_fingerprint(kind))
+    if diff:
+        return "stale", "machine changed: " + "; ".join(diff)
+    if kind == "cpu":
+        t = int(threads)
+        if t not in rates.measured_threads():
+            return "partial", f"no figures for {t} thread(s)"
+        entry = rates.by_threads.get(t) if t != rates.threads else None
+        dts = entry.get("flops_by_dtype", {}) if isinstance(entry, dict) else rates.flops_by_dtype
+        if dtype not in dts:
+            return "partial", f"no {dtype} figures at {t} thread(s)"
+        if not quick and "process_baseline_bytes" in rates.assumed_fields():
+            return "partial", "no measured process baseline"
+    elif dtype not in rates.flops_by_dtype:
+        return "partial", f"no {dtype} figures"
+    return "ok", "cached"
+
+
+def _loadavg() -> Optional[float]:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, CPU seconds of the whole machine, CPU seconds of this process and its waited-for
+    children) now; two snapshots give :func:`others_cores`."""
+    import psutil
+
+    t = psutil.cpu_times()
+    machine = sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = os.times()
+    return time.monotonic(), machine, own.user + own.system + own.children_user + own.children_system
+
+
+def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores other processes used on average between two :func:`cpu_snapshot` s: the machine's
+    CPU time minus this process's (and its children's), divided by the wall time."""
+    wall = max(after[0] - before[0], 1e-9)
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
+
+
+@contextlib.contextmanager
+def _locked(lock_path: Path, timeout: float):
+    """An exclusive ``fcntl.flock`` on ``lock_path`` (created), polled for ``timeout`` seconds;
+    yields True when held, False when the wait timed out (the caller proceeds unlocked)."""
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    held = False
+    try:
+        t_end = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                held = True
+                break
+            except BlockingIOError:
+                if time.monotonic() > t_end:
+                    break
+                time.sleep(0.1)
+        yield held
+    finally:
+        if held:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *,
+                    quick: bool = False, model_cfg=None, model_path: Optional[str] = None,
+                    batch_seq: Optional[tuple[int, int]] = None,
+                    modules: Optional[Sequence[str]] = None,
+                    need_baseline: bool = True) -> tuple[dict, Optional[int], dict]:
+    """Measure the figures a job's plan needs for card kind ``kind`` at ``threads`` torch threads
+    in ``dtype``: (rate fields as a ``by_threads`` entry, process baseline bytes (cpu with
+    ``need_baseline``; ``None`` elsewhere or when its subprocess failed), details). Loop bounds :data:`~npu_train.planner.measure.AUTO`
+    (``quick``: :data:`~npu_train.planner.measure.QUICK` and tiny sizes)."""
+    import torch
+
+    from npu_train.backends import make_backend
+
+    t0 = time.perf_counter()
+    backend = make_backend("cpu" if kind == "cpu" else f"{kind}:{int(index or 0)}")
+    backend.setup()
+    details: dict = {"threads": int(threads), "dtype": dtype}
+    proc, baseline = None, None
+    spare_core = int(threads) < usable_cores()
+    kw = {"modules": modules} if modules is not None else {}
+    measure_baseline = kind == "cpu" and not quick and need_baseline
+    if measure_baseline:
+        if spare_core:  # alongside the measurements, on the core the job leaves free
+            proc = start_process_baseline(model_path, int(threads), **kw)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(int(threads))
+        m = measure_at(kind, backend, quick, model_cfg, loop=QUICK if quick else AUTO, dtypes=(dtype,),
+                       matmul=False, batch_seq=batch_seq,
+                       adamw_params=None if quick else AUTO_ADAMW_PARAMS)
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.communicate()
+        raise
+    finally:
+        torch.set_num_threads(old)
+    note_load(m)
+    details["measured"] = m
+    details["measure_seconds"] = round(time.perf_counter() - t0, 2)
+    if measure_baseline:
+        try:
+            if proc is None:
+                proc = start_process_baseline(model_path, int(threads), **kw)
+            baseline = finish_process_baseline(proc) if proc is not None else None
+        except Exception as exc:  # noqa: BLE001 - keep the rates; the baseline stays assumed
+            details["process_baseline_error"] = str(exc)[:2000]
+        details["process_baseline_alongside"] = bool(spare_core)
+    details["seconds"] = round(time.perf_counter() - t0, 2)
+    details["machine"] = machine_info(kind, backend)
+    return rate_fields(m), baseline, details
+
+
+def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
+            baseline: Optional[int]) -> tuple[Rates, list[str]]:
+    """The profile's :class:`Rates` with ``entry`` (measured at ``threads``) merged in: a profile of
+    this machine (``status`` ``"partial"``) keeps its other thread counts and dtypes; otherwise a
+    new one. The top level stays the profile's largest measured count. Also returns
+    the fields left at their assumed default (the process baseline when not measured)."""
+    keep = status == "partial"
+    old = load_rates(kind, path) if keep else None
+    t = int(threads) if kind == "cpu" else 0
+    counts: dict[int, dict] = {}
+    if old is not None:
+        counts = {int(u): dict(e) for u, e in old.by_threads.items()}
+        top = {k: getattr(old, k) for k in entry if k != "flops_by_dtype"}
+        counts[int(old.threads)] = dict(top, flops_by_dtype=dict(old.flops_by_dtype))
+    prev = counts.get(t, {})
+    new = dict(prev, **entry)
+    new["flops_by_dtype"] = {**prev.get("flops_by_dtype", {}), **entry["flops_by_dtype"]}
+    counts[t] = new
+    top_t = max(counts)
+    top = counts.pop(top_t)
+    assumed: list[str] = []
+    if baseline is not None:
+        base = float(baseline)
+    elif old is not None and "process_baseline_bytes" not in old.assumed_fields():
+        base = old.process_baseline_bytes
+    else:
+        base = DEFAULT_RATES[kind].process_baseline_bytes
+        assumed.append("process_baseline_bytes")
+    rates = Rates(**{k: v for k, v in top.items() if k != "flops_by_dtype"},
+                  process_baseline_bytes=base, threads=top_t,
+                  flops_by_dtype=dict(top["flops_by_dtype"]), by_threads=counts)
+    return rates, assumed
+
+
+def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtype: str,
+                   mode: str = "auto", quick: bool = False, model_cfg=None,
+                   model_path: Optional[str] = None, batch_seq: Optional[tuple[int, int]] = None,
+                   modules: Optional[Sequence[str]] = None, path: Optional[Path] = None,
+                   log=None) -> dict:
+    """Make the calibration profile of ``kind`` at ``path`` (default
+    :func:`~npu_train.planner.rates.calibration_path`) fit this machine and job (module docstring),
+    measuring when it does not (``mode="auto"``) or always (``"always"``; ``"never"``: no-op).
+
+    Args:
+        threads, dtype: the job's torch threads per card process and compute dtype.
+        quick: tiny sizes (tests); such a profile only satisfies quick runs.
+        model_cfg / model_path: the job's model (layer and head shapes; the file the process
+            baseline opens). batch_seq: the job's (micro-batch, sequence length).
+        modules: the modules a card process imports (process baseline).
+        log: where the one-line messages go (default: ``print`` with flush).
+
+    Returns:
+        ``{"path", "calibrated": bool, "why", "seconds"}`` (``seconds`` when measured).
+    """
+    path = Path(path) if path is not None else calibration_path(kind)
+    log = log or functools.partial(print, flush=True)
+    if mode == "never":
+        return {"path": str(path), "calibrated": False, "why": "placement.calibrate=never"}
+    here = here_fingerprint(kind, index)
+    status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here)
+    if status == "ok" and mode == "auto":
+        return {"path": str(path), "calibrated": False, "why": why}
+    mtime = path.stat().st_mtime_ns if path.is_file() else None
+    with _locked(path.with_name(path.name + ".lock"), LOCK_TIMEOUT_S) as held:
+        if not held:
+            log(f"warning: waited {LOCK_TIMEOUT_S:g} s for another launcher's calibration "
+                f"({path}.lock); measuring without the lock")
+        status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here)
+        changed = path.is_file() and path.stat().st_mtime_ns != mtime
+        if status == "ok" and (mode == "auto" or changed):  # another launcher measured meanwhile
+            return {"path": str(path), "calibrated": False, "why": "measured by another launcher"}
+        if status == "corrupt":
+            log(f"warning: calibration profile {path}: {why}; measuring it again")
+        if mode == "always":
+            why = "placement.calibrate=always"
+        log(f"calibrating {kind} ({why}, ~{EXPECTED_SECONDS.get(kind, 15)} s; cached in {path})")
+        load, snap = _loadavg(), cpu_snapshot()
+        # adding a thread count to this machine's profile keeps its process baseline
+        need_baseline = status != "partial" or "baseline" in why or mode == "always"
+        entry, baseline, det = measure_for_job(kind, index, threads, dtype, quick=quick,
+                                               model_cfg=model_cfg, model_path=model_path,
+                                               batch_seq=batch_seq, modules=modules,
+                                               need_baseline=need_baseline)
+        rates, assumed = _merged(kind, path, status, entry, threads, baseline)
+        details = {"machine": det.pop("machine"), "kind": kind, "quick": bool(quick),
+                   "auto": det, "model": getattr(model_cfg, "name", None),
+                   "assumed_fields": assumed}
+        others = round(others_cores(snap, cpu_snapshot()), 2)
+        details.update(loadavg_1_before=load, others_cores=others)
+        save_profile(kind, rates, path, details=details)
+        if not quick and others > BUSY_OTHERS * usable_cores():
+            log(f"warning: other processes used {others:.2f} of {usable_cores()} core(s) while "
+                f"calibrating {kind}: its figures may be low and the plan's step time too long; "
+                "rerun with placement.calibrate=always on a quiet machine")
+    return {"path": str(path), "calibrated": True, "why": why, "seconds": det["seconds"]}
+
+
+def auto_calibrate(cards: Sequence, configured: str, *, threads: int, dtype: str, model_cfg=None,
+                   model_path: Optional[str] = None, batch_seq: Optional[tuple[int, int]] = None,
+                   modules: Optional[Sequence[str]] = None, quick: bool = False) -> list[dict]:
+    """:func:`ensure_profile` for every distinct card kind of ``cards``
+    (:class:`~npu_train.planner.spec.CardSpec`; the first card of a kind is measured) in the mode
+    :func:`calibrate_mode` (``configured``) gives; ``quick`` (or ``$NPT_CALIBRATE_QUICK=1``, for
+    tests): tiny sizes. Returns one result dict per kind.
+
+    Raises:
+        ConfigError: an unknown mode.
+    """
+    mode = calibrate_mode(configured)
+    quick = quick or getenv("CALIBRATE_QUICK") == "1"  # tests: tiny sizes, a quick profile
+    seen: dict = {}
+    for c in cards:
+        seen.setdefault(c.kind, c.index)
+    return [ensure_profile(kind, idx, threads=threads, dtype=dtype, mode=mode, quick=quick,
+                           model_cfg=model_cfg, model_path=model_path, batch_seq=batch_seq,
+                           modules=modules) for kind, idx in seen.items()]
