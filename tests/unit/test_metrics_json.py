@@ -62,3 +62,10 @@ def test_idle_split_into_bubble_and_collectives(tmp_path):
     assert recs[0]["bubble_s"] == 0.2 and recs[0]["collective_s"] == 0.1  # the slowest card's
     assert recs[0]["idle_s"] == pytest.approx(1.5 - 0.5 - 0.2 - 0.0 - 0.0)
     assert "bubble_s" not in recs[1] and "collective_s" not in recs[1] and "idle_s" in recs[1]
+    # every card's own figures, by rank (the stage imbalance), and the tied all-reduce's time
+    assert recs[0]["bubble_s_cards"] == [0.05, 0.2] and recs[0]["collective_s_cards"] == [0.3, 0.1]
+    assert recs[0]["compute_s_cards"] == [fast["compute_s"], slow["compute_s"]]
+    assert "bubble_s_cards" not in recs[1] and "tied_s" not in recs[0]
+    r.step([dict(_rep(3, 4.0, 1.0), tied_s=0.4), dict(_rep(3, 4.0, 1.0), time_s=2.0, tied_s=0.25)])
+    with open(tmp_path / "metrics.jsonl") as f:
+        assert _strict(f.readlines()[-1])["tied_s"] == 0.25

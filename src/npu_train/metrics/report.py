@@ -11,7 +11,10 @@ stage-boundary sends; idle = waiting for neighbours and collectives (pipeline bu
 ``metrics.jsonl`` also splits the slowest card's waits: ``bubble_s`` (waiting inside the schedule for
 a neighbour's activation or gradient: the pipeline bubble) and ``collective_s`` (the end-of-step
 collectives: tied-embedding / replica all-reduce and the grad-norm + loss all-reduce, which also
-absorbs the wait for the slowest stage); ``idle_s`` stays the wall time not spent computing,
+absorbs the wait for the slowest stage; ``tied_s`` is the tied-embedding all-reduce's part of it, the wait for the other
+holder of the tied weight included);
+``compute_s_cards``, ``bubble_s_cards`` and ``collective_s_cards`` hold every card's own figure (by
+rank), which shows the stage imbalance; ``idle_s`` stays the wall time not spent computing,
 optimizing or transferring, so it includes both and any other overhead.
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
 model's prediction.
@@ -141,7 +144,10 @@ class Reporter:
             "transfer_s": slow["transfer_s"] + slow["send_s"],
             "idle_s": max(0.0, wall - slow["compute_s"] - slow["optimizer_s"] - slow["transfer_s"] - slow["send_s"]),
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
-            **{k: slow[k] for k in ("bubble_s", "collective_s") if k in slow},
+            **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
+            # every card's view (list indexed by rank): which stage computes longest, which waits
+            **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s")
+               if all(k in r for r in reports)},
             "time": time.time(),
         }
         skipped = any(bool(r.get("skipped")) for r in reports)

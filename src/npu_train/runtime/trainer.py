@@ -305,6 +305,7 @@ class StageTrainer:
         self.enter(f"step {step + 1} collectives")
         if fault is not None:
             fault("collective")
+        t_tied = time.perf_counter()
         if self.tied_pair and (self.first or self.last):
             g = self.grad_buf(self.tied_name)  # fp32 accumulator with bf16 compute (or .grad)
             gh = backend.download(g).float()
@@ -312,6 +313,7 @@ class StageTrainer:
             with torch.no_grad():
                 g.copy_(backend.upload(gh.to(g.dtype)))
             del g, gh
+        t_tied = time.perf_counter() - t_tied
         if self.dp > 1:
             from npu_train.runtime.replicas import allreduce_grads
 
@@ -357,7 +359,7 @@ class StageTrainer:
                        # wait_s split: waits for a neighbour's activation / gradient inside the
                        # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
                        # all-reduce, grad norm + loss all-reduce, including the wait for the slowest stage)
-                       bubble_s=res["wait_s"], collective_s=t2 - t1,
+                       bubble_s=res["wait_s"], collective_s=t2 - t1, tied_s=t_tied,
                        send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
