@@ -21,6 +21,18 @@ defaults, each labelled "assumed" in the plan); ``always`` measures again. ``$NP
 another machine), a sweep's pre-check of its jobs (it plans without probing devices) and
 multi-node jobs (every node must plan with the same figures) never calibrate automatically.
 
+Concurrent card processes: a cpu job runs its ``c`` card processes on this host at once, and they
+share its memory bandwidth and caches (a 2-process job measured 1.34x the step time of figures
+timed in one process alone: experiments/2026-11-30-first-run-calibration.md). So on cpu the
+figures are measured under the job's concurrency (:func:`job_concurrency`: the job's cpu cards,
+at most usable cores // threads): ``c - 1`` helper processes
+(:class:`~npu_train.planner.loadgen.BackgroundLoad`) run the same kind of work at the job's thread
+count while the calibrating process measures; they are ready before and stopped after the
+measured figures (not during the process baseline). The profile entry records ``concurrent: c``,
+and a profile measured at another concurrency is ``"partial"`` for the job: its thread count is
+measured again and replaces that entry (a machine that alternates jobs of different concurrency
+re-measures each time). A profile without the field counts as measured alone (``c = 1``).
+
 Concurrency: launchers of a sweep may start together. The profile is written atomically (temp
 file + ``os.replace``: a reader sees the old or the new file, never a torn one) under an
 exclusive ``fcntl`` lock on ``<path>.lock``; a launcher that waited for the lock re-reads the
@@ -50,15 +62,16 @@ from npu_train.planner.calibration import (
     save_profile,
     start_process_baseline,
 )
+from npu_train.planner.loadgen import BackgroundLoad
 from npu_train.planner.machine import cpu_flags_digest, cpu_model, machine_info, same_machine
-from npu_train.planner.measure import AUTO, QUICK, measure_at, note_load, rate_fields
+from npu_train.planner.measure import AUTO, QUICK, measure_at, note_load, rate_fields, reference_shapes
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
 from npu_train.planner.spec import PlacementError
 from npu_train.planner.threads import usable_cores
 
 __all__ = ["MODES", "AUTO_ADAMW_PARAMS", "EXPECTED_SECONDS", "LOCK_TIMEOUT_S", "calibrate_mode", "auto_calibrate",
            "here_fingerprint", "profile_status", "ensure_profile", "measure_for_job", "cpu_snapshot",
-           "others_cores"]
+           "others_cores", "job_concurrency"]
 
 MODES = ("auto", "never", "always")
 #: parameters of the two AdamW benchmarks in the automatic calibration (8M: 96 MB of fp32
@@ -101,13 +114,23 @@ def here_fingerprint(kind: str, index: Optional[int] = None) -> dict:
     return fp
 
 
+def job_concurrency(cards: Sequence, threads: int, cores: Optional[int] = None) -> int:
+    """How many cpu card processes of ``cards`` (:class:`~npu_train.planner.spec.CardSpec`, all
+    on this host) run at once, at most ``cores // threads`` (``cores``: default
+    :func:`~npu_train.planner.threads.usable_cores`), at least 1."""
+    n = sum(1 for c in cards if c.kind == "cpu")
+    cap = max(1, int(cores if cores is not None else usable_cores()) // max(1, int(threads)))
+    return max(1, min(n, cap))
+
+
 def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bool = False,
-                   here: Optional[dict] = None) -> tuple[str, str]:
+                   here: Optional[dict] = None, concurrent: int = 1) -> tuple[str, str]:
     """(status, why) for the profile at ``path`` and a job of ``kind`` with ``threads`` torch
     threads per card process in ``dtype``. Status: ``"ok"`` (fits), ``"missing"``, ``"corrupt"``
     (unreadable), ``"stale"`` (another machine, profile version or quick-ness: replaced) or
     ``"partial"`` (this machine, but no figures for the thread count or dtype, or no measured
-    process baseline: the measurement is merged in).
+    process baseline, or (cpu) figures measured with another number of processes at once than
+    ``concurrent``: the measurement is merged in).
 
     ``quick``: only a quick (test) profile is ok, and only a full one otherwise. ``here``: this
     machine's fingerprint (default :func:`here_fingerprint`)."""
@@ -135,6 +158,10 @@ def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bo
         dts = entry.get("flops_by_dtype", {}) if isinstance(entry, dict) else rates.flops_by_dtype
         if dtype not in dts:
             return "partial", f"no {dtype} figures at {t} thread(s)"
+        have = rates.concurrent_at(t)
+        if have != int(concurrent):
+            return "partial", (f"figures at {t} thread(s) measured with {have} process(es) at once, "
+                               f"the job runs {int(concurrent)}")
         if not quick and "process_baseline_bytes" in rates.assumed_fields():
             return "partial", "no measured process baseline"
     elif dtype not in rates.flops_by_dtype:
@@ -196,11 +223,17 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
                     quick: bool = False, model_cfg=None, model_path: Optional[str] = None,
                     batch_seq: Optional[tuple[int, int]] = None,
                     modules: Optional[Sequence[str]] = None,
-                    need_baseline: bool = True) -> tuple[dict, Optional[int], dict]:
+                    need_baseline: bool = True, concurrent: int = 1) -> tuple[dict, Optional[int], dict]:
     """Measure the figures a job's plan needs for card kind ``kind`` at ``threads`` torch threads
     in ``dtype``: (rate fields as a ``by_threads`` entry, process baseline bytes (cpu with
     ``need_baseline``; ``None`` elsewhere or when its subprocess failed), details). Loop bounds :data:`~npu_train.planner.measure.AUTO`
-    (``quick``: :data:`~npu_train.planner.measure.QUICK` and tiny sizes)."""
+    (``quick``: :data:`~npu_train.planner.measure.QUICK` and tiny sizes). ``concurrent`` (cpu):
+    the job's card processes at once; ``concurrent - 1`` helper processes run the same kind of
+    work during the measured figures (module docstring). The entry holds ``"concurrent"``; the
+    details hold ``concurrent``, ``load_pids`` and ``load_steps`` (each helper's steps per work).
+
+    Raises:
+        RuntimeError: a helper process did not start (the figures are not measured)."""
     import torch
 
     from npu_train.backends import make_backend
@@ -208,20 +241,25 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     t0 = time.perf_counter()
     backend = make_backend("cpu" if kind == "cpu" else f"{kind}:{int(index or 0)}")
     backend.setup()
-    details: dict = {"threads": int(threads), "dtype": dtype}
+    conc = max(1, int(concurrent)) if kind == "cpu" else 1
+    details: dict = {"threads": int(threads), "dtype": dtype, "concurrent": conc}
     proc, baseline = None, None
-    spare_core = int(threads) < usable_cores()
+    spare_core = int(threads) * conc < usable_cores()
     kw = {"modules": modules} if modules is not None else {}
     measure_baseline = kind == "cpu" and not quick and need_baseline
     if measure_baseline:
         if spare_core:  # alongside the measurements, on the core the job leaves free
             proc = start_process_baseline(model_path, int(threads), **kw)
     old = torch.get_num_threads()
+    layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
+    load = BackgroundLoad(conc - 1, threads=int(threads), dtype=dtype, layer=layer, head=head,
+                          adamw_params=200_000 if quick else AUTO_ADAMW_PARAMS)
     try:
         torch.set_num_threads(int(threads))
-        m = measure_at(kind, backend, quick, model_cfg, loop=QUICK if quick else AUTO, dtypes=(dtype,),
-                       matmul=False, batch_seq=batch_seq,
-                       adamw_params=None if quick else AUTO_ADAMW_PARAMS)
+        with load:  # the other card processes of the job, from before to after the figures
+            m = measure_at(kind, backend, quick, model_cfg, loop=QUICK if quick else AUTO,
+                           dtypes=(dtype,), matmul=False, batch_seq=batch_seq,
+                           adamw_params=None if quick else AUTO_ADAMW_PARAMS, on_phase=load.phase)
     except BaseException:
         if proc is not None:
             proc.kill()
@@ -230,6 +268,7 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     finally:
         torch.set_num_threads(old)
     note_load(m)
+    details.update(load_pids=load.pids, load_steps=load.steps)
     details["measured"] = m
     details["measure_seconds"] = round(time.perf_counter() - t0, 2)
     if measure_baseline:
@@ -242,7 +281,7 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
         details["process_baseline_alongside"] = bool(spare_core)
     details["seconds"] = round(time.perf_counter() - t0, 2)
     details["machine"] = machine_info(kind, backend)
-    return rate_fields(m), baseline, details
+    return dict(rate_fields(m), concurrent=conc), baseline, details
 
 
 def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
@@ -260,6 +299,8 @@ def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
         top = {k: getattr(old, k) for k in entry if k != "flops_by_dtype"}
         counts[int(old.threads)] = dict(top, flops_by_dtype=dict(old.flops_by_dtype))
     prev = counts.get(t, {})
+    if int(prev.get("concurrent", 1)) != int(entry.get("concurrent", 1)):
+        prev = {}  # figures of another concurrency (e.g. another dtype's) no longer fit the count
     new = dict(prev, **entry)
     new["flops_by_dtype"] = {**prev.get("flops_by_dtype", {}), **entry["flops_by_dtype"]}
     counts[t] = new
@@ -273,6 +314,7 @@ def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
     else:
         base = DEFAULT_RATES[kind].process_baseline_bytes
         assumed.append("process_baseline_bytes")
+    top.setdefault("concurrent", 1)  # an entry of a profile written before the field
     rates = Rates(**{k: v for k, v in top.items() if k != "flops_by_dtype"},
                   process_baseline_bytes=base, threads=top_t,
                   flops_by_dtype=dict(top["flops_by_dtype"]), by_threads=counts)
@@ -283,7 +325,7 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
                    mode: str = "auto", quick: bool = False, model_cfg=None,
                    model_path: Optional[str] = None, batch_seq: Optional[tuple[int, int]] = None,
                    modules: Optional[Sequence[str]] = None, path: Optional[Path] = None,
-                   log=None) -> dict:
+                   log=None, concurrent: int = 1) -> dict:
     """Make the calibration profile of ``kind`` at ``path`` (default
     :func:`~npu_train.planner.rates.calibration_path`) fit this machine and job (module docstring),
     measuring when it does not (``mode="auto"``) or always (``"always"``; ``"never"``: no-op).
@@ -295,6 +337,8 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
             baseline opens). batch_seq: the job's (micro-batch, sequence length).
         modules: the modules a card process imports (process baseline).
         log: where the one-line messages go (default: ``print`` with flush).
+        concurrent: the job's card processes of this kind at once on this host (cpu:
+            :func:`job_concurrency`; figures are measured and checked at it; elsewhere ignored).
 
     Returns:
         ``{"path", "calibrated": bool, "why", "seconds"}`` (``seconds`` when measured).
@@ -304,7 +348,8 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
     if mode == "never":
         return {"path": str(path), "calibrated": False, "why": "placement.calibrate=never"}
     here = here_fingerprint(kind, index)
-    status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here)
+    conc = max(1, int(concurrent)) if kind == "cpu" else 1
+    status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here, concurrent=conc)
     if status == "ok" and mode == "auto":
         return {"path": str(path), "calibrated": False, "why": why}
     mtime = path.stat().st_mtime_ns if path.is_file() else None
@@ -312,7 +357,7 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
         if not held:
             log(f"warning: waited {LOCK_TIMEOUT_S:g} s for another launcher's calibration "
                 f"({path}.lock); measuring without the lock")
-        status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here)
+        status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here, concurrent=conc)
         changed = path.is_file() and path.stat().st_mtime_ns != mtime
         if status == "ok" and (mode == "auto" or changed):  # another launcher measured meanwhile
             return {"path": str(path), "calibrated": False, "why": "measured by another launcher"}
@@ -320,14 +365,15 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
             log(f"warning: calibration profile {path}: {why}; measuring it again")
         if mode == "always":
             why = "placement.calibrate=always"
-        log(f"calibrating {kind} ({why}, ~{EXPECTED_SECONDS.get(kind, 15)} s; cached in {path})")
+        at_once = f", {conc} processes at once" if conc > 1 else ""
+        log(f"calibrating {kind} ({why}{at_once}, ~{EXPECTED_SECONDS.get(kind, 15)} s; cached in {path})")
         load, snap = _loadavg(), cpu_snapshot()
         # adding a thread count to this machine's profile keeps its process baseline
         need_baseline = status != "partial" or "baseline" in why or mode == "always"
         entry, baseline, det = measure_for_job(kind, index, threads, dtype, quick=quick,
                                                model_cfg=model_cfg, model_path=model_path,
                                                batch_seq=batch_seq, modules=modules,
-                                               need_baseline=need_baseline)
+                                               need_baseline=need_baseline, concurrent=conc)
         rates, assumed = _merged(kind, path, status, entry, threads, baseline)
         details = {"machine": det.pop("machine"), "kind": kind, "quick": bool(quick),
                    "auto": det, "model": getattr(model_cfg, "name", None),
@@ -348,16 +394,19 @@ def auto_calibrate(cards: Sequence, configured: str, *, threads: int, dtype: str
     """:func:`ensure_profile` for every distinct card kind of ``cards``
     (:class:`~npu_train.planner.spec.CardSpec`; the first card of a kind is measured) in the mode
     :func:`calibrate_mode` (``configured``) gives; ``quick`` (or ``$NPT_CALIBRATE_QUICK=1``, for
-    tests): tiny sizes. Returns one result dict per kind.
+    tests): tiny sizes. ``cards``: every card of the job on this host (all data-parallel
+    replicas): the cpu ones set the concurrency the cpu figures are measured at
+    (:func:`job_concurrency`). Returns one result dict per kind.
 
     Raises:
         ConfigError: an unknown mode.
     """
     mode = calibrate_mode(configured)
     quick = quick or getenv("CALIBRATE_QUICK") == "1"  # tests: tiny sizes, a quick profile
+    conc = job_concurrency(cards, threads)
     seen: dict = {}
     for c in cards:
         seen.setdefault(c.kind, c.index)
     return [ensure_profile(kind, idx, threads=threads, dtype=dtype, mode=mode, quick=quick,
                            model_cfg=model_cfg, model_path=model_path, batch_seq=batch_seq,
-                           modules=modules) for kind, idx in seen.items()]
+                           modules=modules, concurrent=conc) for kind, idx in seen.items()]

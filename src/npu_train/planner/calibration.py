@@ -59,6 +59,14 @@ a smaller one is re-measured (best of up to 4 per figure), and if it stays slowe
 count's figures are used (a lower bound) and a warning is printed and saved: calibrate on a quiet
 machine.
 
+Concurrency: this full calibration measures each thread count in one process alone (the profile
+says ``concurrent: 1``). A job runs its card processes at once and they share memory bandwidth
+and caches, so its per-card figures are lower (the 2-process cpu job of
+experiments/2026-11-30-first-run-calibration.md: 1.34x the alone-time step prediction). The
+automatic first-run calibration (:mod:`npu_train.planner.autocal`) measures under the job's
+concurrency, and a ``concurrent: 1`` profile does not satisfy a job of several cpu card processes:
+its first launch measures the job's thread count again under load.
+
 ``quick=True`` shrinks every size (for tests): positive, finite, but not meaningful figures.
 """
 from __future__ import annotations
@@ -355,6 +363,7 @@ def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = 
         "head_flops_ratio": rates.head_flops_ratio,
         "process_baseline_bytes": int(rates.process_baseline_bytes),
         "threads": int(rates.threads),
+        "concurrent": int(rates.concurrent),
         "flops_by_dtype": dict(rates.flops_by_dtype),
         "by_threads": {str(t): v for t, v in rates.by_threads.items()},
     }

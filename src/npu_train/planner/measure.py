@@ -309,7 +309,8 @@ def reference_shapes(kind: str, quick: bool, model_cfg,
 def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optional[LoopBounds] = None,
                dtypes: Optional[tuple] = None, matmul: bool = True,
                batch_seq: Optional[tuple[int, int]] = None,
-               adamw_params: Optional[int] = None) -> dict:
+               adamw_params: Optional[int] = None,
+               on_phase: Optional[Callable[[str], None]] = None) -> dict:
     """The rate figures of ``kind`` at the current torch thread count.
 
     Args:
@@ -322,6 +323,9 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
         batch_seq: the job's (micro-batch, sequence length) for the layer and head benchmarks
             (:func:`reference_shapes`).
         adamw_params: parameters of the AdamW benchmarks (default 20M; quick: 200k).
+        on_phase: called with ``"layer"``, ``"head"``, ``"copies"``, ``"host_adamw"`` or
+            ``"device_adamw"`` before that figure's set-up (the automatic calibration switches
+            its background load, :class:`~npu_train.planner.loadgen.BackgroundLoad`, with it).
     """
     import torch
 
@@ -341,8 +345,13 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     def lap(name: str, t0: float) -> None:
         secs[name] = round(time.perf_counter() - t0, 3)
 
+    def phase(name: str) -> None:
+        if on_phase is not None:
+            on_phase(name)
+
     for dt in dts:
         try:
+            phase("layer")
             t0 = time.perf_counter()
             out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, loop)
             lap(f"layer_{dt}", t0)
@@ -354,18 +363,22 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
             out.setdefault("errors", {})[dt] = f"{type(exc).__name__}: {exc}"[:300]
     first = main if main in out["flops_by_dtype"] else dts[0]
     out["device_flops"] = out["flops_by_dtype"][first]
+    phase("head")
     t0 = time.perf_counter()
     head = _head_flops(backend, first, *head_shape, loop=loop)
     lap("head", t0)
     out["head_flops"] = head
     out["head_flops_ratio"] = head / out["device_flops"]
+    phase("copies")
     t0 = time.perf_counter()
     out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(backend, first, nbytes, loop)
     lap("copies", t0)
+    phase("host_adamw")
     t0 = time.perf_counter()
     out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, loop)
     lap("host_adamw", t0)
     n_dev = n_adamw if kind != "furiosa" else max(1, n_adamw // 5)
+    phase("device_adamw")
     t0 = time.perf_counter()
     out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, loop)
     lap("device_adamw", t0)

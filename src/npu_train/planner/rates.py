@@ -17,6 +17,14 @@ the run's thread count (:func:`npu_train.planner.threads.threads_per_card`):
 3. a profile without any thread count (``threads = 0``: the accelerator kinds, whose figures do
    not depend on the host's threads, or hand-written profiles): unchanged.
 
+Concurrency. A cpu job runs its card processes at once; they share the host's memory bandwidth
+and caches, so figures measured in one process alone are too fast for a job of several (the
+automatic calibration measures under the job's concurrency: :mod:`npu_train.planner.loadgen`).
+The top level and each ``by_threads`` entry record ``concurrent``: how many processes ran the
+same kind of work at once while its figures were measured (missing: 1, a profile written before
+the field). :meth:`Rates.resolve` keeps the chosen count's ``concurrent`` and labels its measured
+figures ``"measured, N processes at once"`` when N > 1.
+
 Limits of rule 2: it is linear, so it is optimistic above the largest measured count (more
 threads gain less than linearly: memory bandwidth, shared caches, SMT siblings, and an OpenMP team
 stalls while one of its threads is descheduled) and conservative below the smallest one. Threads
@@ -37,7 +45,7 @@ from npu_train.env import cache_dir
 from npu_train.hardware import GIB, KINDS
 from npu_train.planner.spec import PlacementError
 
-__all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "calibration_path",
+__all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "CONCURRENT_FIELDS", "calibration_path",
            "load_rates"]
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
@@ -48,6 +56,9 @@ RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam
 RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
 #: Compute-bound fields scaled linearly with the thread count (rule 2 of the module docstring).
 THREAD_SCALED = ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
+#: Fields a calibration measures under the job's concurrency (labelled with it when > 1).
+CONCURRENT_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
+                     "device_adamw_params_per_s", "head_flops_ratio")
 
 
 @dataclass
@@ -80,7 +91,9 @@ class Rates:
         flops_by_dtype: optional ``{"fp32": ..., "bf16": ...}`` sustained FLOP/s per compute dtype;
             ``device_flops`` is used for a dtype that is not listed.
         by_threads: optional ``{threads: {field: value}}`` figures measured at other thread
-            counts (see :meth:`resolve`).
+            counts (see :meth:`resolve`); an entry may hold ``"concurrent"`` (int) too.
+        concurrent: processes that ran the same kind of work at once while the top level's
+            figures were measured (1: alone; module docstring, "Concurrency").
         sources: field name -> where its figure comes from: ``"measured"`` (the calibration
             profile ``origin``), ``"assumed"`` (:data:`DEFAULT_RATES`), ``"scaled from N
             threads"`` (:meth:`resolve`'s rule 2) or any other text (e.g. ``"fitted: <record>"``);
@@ -101,6 +114,7 @@ class Rates:
     by_threads: dict = field(default_factory=dict)
     sources: dict = field(default_factory=dict)
     origin: str = ""
+    concurrent: int = 1
 
     def source(self, name: str) -> str:
         """Where field ``name``'s figure comes from (see ``sources``; default ``"assumed"``)."""
@@ -125,6 +139,14 @@ class Rates:
         if self.threads:
             counts.add(int(self.threads))
         return sorted(counts)
+
+    def concurrent_at(self, t: int) -> int:
+        """Processes at once behind the figures measured at ``t`` threads (the ``by_threads``
+        entry's ``concurrent``, else 1; the top level's count: :attr:`concurrent`)."""
+        entry = self.by_threads.get(t, self.by_threads.get(str(t)))
+        if isinstance(entry, dict) and int(t) != int(self.threads):
+            return int(entry.get("concurrent", 1))
+        return int(self.concurrent)
 
     def _figures_at(self, t: int) -> tuple[dict, dict]:
         """(numeric fields, flops_by_dtype) measured at ``t`` threads (``t`` must be measured)."""
@@ -166,16 +188,23 @@ class Rates:
                     sources[k] = f"{self.source(k)}, scaled from {c} thread(s)"
                 by_dtype = {d: v * f for d, v in by_dtype.items()}
             out_t = t
+            conc = self.concurrent_at(c)
         else:
             base, by_dtype = self._figures_at(self.threads) if self.threads else (
                 {k: float(getattr(self, k)) for k in RATE_NUMBERS}, dict(self.flops_by_dtype))
             out_t = self.threads
+            conc = int(self.concurrent)
+        if conc > 1:
+            for k in CONCURRENT_FIELDS:
+                src = sources.get(k, "")
+                if src.startswith("measured") and "at once" not in src:
+                    sources[k] = src.replace("measured", f"measured, {conc} processes at once", 1)
         if dtype is not None and dtype in by_dtype:
             base["device_flops"] = float(by_dtype[dtype])
         elif dtype is not None and by_dtype and sources.get("device_flops"):
             sources["device_flops"] += f" for {'/'.join(sorted(by_dtype))}, not {dtype}"
         return Rates(**base, threads=out_t, flops_by_dtype=by_dtype, sources=sources,
-                     origin=self.origin)
+                     origin=self.origin, concurrent=conc)
 
 
 #: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
@@ -256,6 +285,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     d = DEFAULT_RATES[kind]
     values = {k: getattr(d, k) for k in RATE_NUMBERS}
     n_threads, by_dtype, by_threads = d.threads, dict(d.flops_by_dtype), dict(d.by_threads)
+    concurrent = d.concurrent
     path = Path(profile_path) if profile_path is not None else calibration_path(kind)
     sources, origin = dict(d.sources), ""
     if path.is_file():
@@ -280,6 +310,8 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                 sources[k] = "assumed (profile)" if k in assumed else "measured"
         if "threads" in data:
             n_threads = int(_profile_number(path, "threads", data["threads"], True))
+        if "concurrent" in data:
+            concurrent = max(1, int(_profile_number(path, "concurrent", data["concurrent"], False)))
         if isinstance(data.get("flops_by_dtype"), dict):
             by_dtype = {str(dt): _profile_number(path, f"flops_by_dtype.{dt}", v, False)
                         for dt, v in data["flops_by_dtype"].items()}
@@ -294,7 +326,10 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                     e["flops_by_dtype"] = {
                         str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
                         for dt, v in entry["flops_by_dtype"].items()}
+                if "concurrent" in entry:
+                    e["concurrent"] = max(1, int(_profile_number(path, f"by_threads.{t}.concurrent",
+                                                                 entry["concurrent"], False)))
                 by_threads[int(t)] = e
     rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads,
-                  sources=sources, origin=origin)
+                  sources=sources, origin=origin, concurrent=concurrent)
     return rates if threads is None else rates.resolve(threads=threads)

@@ -152,7 +152,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     if probe and not cfg.plan and nodes is None and cfg.placement.profile is None:
         from npu_train.planner.autocal import auto_calibrate
 
-        auto_calibrate(cards[:P], cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
+        auto_calibrate(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
                        model_path=model_path, batch_seq=(tr.micro_batch, cfg.data.seq_len), modules=CARD_PROCESS_MODULES)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
