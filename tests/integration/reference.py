@@ -36,6 +36,20 @@ def ref_lr(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_
     return lo + (lr - lo) * (1.0 + math.cos(math.pi * t)) / 2.0
 
 
+def ref_backward(model, data, sampler, step: int) -> float:
+    """Forward + backward of every micro-batch of optimizer step ``step`` (the sampler's order),
+    each micro-batch's summed token cross-entropy divided by the target tokens of the whole step, so
+    the accumulated ``.grad`` is the step's gradient; returns the step's loss (nats per target token)."""
+    mbs = [micro_batch_tensors(data, i) for i in sampler.micro_batches_for_step(step)]
+    n_tok = sum(int((y != -100).sum()) for _, y in mbs)
+    tot = 0.0
+    for x, y in mbs:
+        ls, _ = causal_lm_loss_sum(model(x), y)
+        (ls / n_tok).backward()
+        tot += float(ls.detach())
+    return tot / n_tok
+
+
 def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum: int, lr: float,
                   warmup_steps: int, min_lr_ratio: float, weight_decay: float, clip: float, seed: int,
                   betas=(0.9, 0.95), eps=1e-8, dtype=torch.float32):
@@ -56,17 +70,11 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
     losses = []
     for step in range(steps):
         opt.zero_grad()
-        mbs = [micro_batch_tensors(data, i) for i in sampler.micro_batches_for_step(step)]
-        n_tok = sum(int((y != -100).sum()) for _, y in mbs)
-        tot = 0.0
-        for x, y in mbs:
-            ls, _ = causal_lm_loss_sum(model(x), y)
-            (ls / n_tok).backward()
-            tot += float(ls.detach())
+        loss = ref_backward(model, data, sampler, step)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         for g in opt.param_groups:
             g["lr"] = ref_lr(step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=min_lr_ratio)
         opt.step()
-        losses.append(tot / n_tok)
+        losses.append(loss)
     return losses, {n: p.detach().float().clone() for n, p in params.items()}

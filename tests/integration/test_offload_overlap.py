@@ -60,12 +60,11 @@ def _delayed_reference(model_path, offloaded, *overrides):
     """Delayed parameter update from its definition: one AdamW over fp32 masters (as the reference
     trainer: torch.optim.AdamW, clip_grad_norm_, decay by name); after step t's update the resident
     parameters take the new masters, the offloaded ones the masters from before that update."""
-    from npu_train.data.dataset import micro_batch_tensors
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
     from npu_train.model import load_config, load_tensors
-    from npu_train.model.llama import causal_lm_loss_sum, full_model
-    from reference import ref_decays, ref_lr
+    from npu_train.model.llama import full_model
+    from reference import ref_backward, ref_decays, ref_lr
 
     cfg = make_cfg(model_path, *overrides)
     t = cfg.train
@@ -84,13 +83,7 @@ def _delayed_reference(model_path, offloaded, *overrides):
     for step in range(t.steps):
         for p in params.values():
             p.grad = None
-        mbs = [micro_batch_tensors(data, i) for i in sampler.micro_batches_for_step(step)]
-        n_tok = sum(int((y != -100).sum()) for _, y in mbs)
-        tot = 0.0
-        for x, y in mbs:
-            ls, _ = causal_lm_loss_sum(model(x), y)
-            (ls / n_tok).backward()
-            tot += float(ls.detach())
+        loss = ref_backward(model, data, sampler, step)
         norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params.values()])))
         coef = min(1.0, t.clip / (norm + 1e-6))
         for n, m in masters.items():
@@ -103,7 +96,7 @@ def _delayed_reference(model_path, offloaded, *overrides):
         with torch.no_grad():
             for n, p in params.items():
                 p.copy_(before[n] if n in offloaded else masters[n])
-        losses.append(tot / n_tok)
+        losses.append(loss)
     return losses, masters
 
 
