@@ -276,6 +276,10 @@ def validate(cfg) -> None:
     if t.offload_update == "delayed" and not t.offload_overlap:
         raise ConfigError("train.offload_update=delayed needs train.offload_overlap=true (the delayed update "
                           "runs on the background thread)")
+    if t.offload_update == "delayed" and str(t.resume) == "auto":
+        raise ConfigError("train.offload_update=delayed does not resume (the stale card weights are not "
+                          "checkpointed), so train.resume=auto would fail at the first restart: use "
+                          "train.offload_update=sync with train.resume=auto")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
     if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:

@@ -489,7 +489,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
               "(wrong or missing job token)", file=sys.stderr, flush=True)
     if coord.interrupted:
         where = (f"checkpoint {coord.last_ckpt} saved; resume by rerunning the same command with "
-                 f"train.resume=latest checkpoint.dir={ckpt_root}") if coord.last_ckpt else "no checkpoint saved"
+                 f"train.resume=latest checkpoint.dir={ckpt_root}"
+                 + (" train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
+                    if tr.offload_update == "delayed" else "")) if coord.last_ckpt else "no checkpoint saved"
         raise Interrupted(coord.signum, where, checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
     print(f"done: {summ['steps_run']} steps{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
