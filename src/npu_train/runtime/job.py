@@ -373,8 +373,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                               "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
         start_step = reader.step
         if start_step >= tr.steps:
-            raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: "
-                              "raise train.steps to continue training")
+            raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: the run is "
+                              "complete; to train further raise train.steps and set train.resume_mismatch=allow")
     # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in
     earlier = check_reused_root(ckpt_root, resume_dir, cfg.checkpoint.existing)
 
