@@ -75,13 +75,9 @@ def make_cfg(model_path: str, *overrides: str):
 
 def launcher_main():
     """``main(cfg, run_dir) -> exit status`` of ``launch/run.py`` (the entry point maps errors to exit codes)."""
-    import importlib.util
+    from scripts import LAUNCH_RUN, load_script
 
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "run.py")
-    spec = importlib.util.spec_from_file_location("npt_launch_run", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.main
+    return load_script(LAUNCH_RUN, "npt_launch_run").main
 
 
 def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int = 0):

@@ -54,12 +54,9 @@ def test_concurrency_explicit_n_jobs_rejected_with_the_fix():
 
 
 def _load_run():
-    import importlib.util
+    from scripts import load_script
 
-    spec = importlib.util.spec_from_file_location("npt_run_script", LAUNCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(LAUNCH, "npt_run_script")
 
 
 def test_card_lists_in_a_sweep_expand_as_documented():

@@ -3,23 +3,16 @@ user or a Kubernetes restart to resume it as is: the interrupt's resume command 
 synchronous update, and train.resume=auto (restarts) is refused up front."""
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 from omegaconf import OmegaConf
 
 from npu_train.config import Config, validate
 from npu_train.errors import ConfigError
-
-RUN_PY = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "run.py")
+from scripts import LAUNCH_RUN, load_script
 
 
 def _launcher():
-    spec = importlib.util.spec_from_file_location("_npt_launcher_for_test", RUN_PY)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(LAUNCH_RUN, "_npt_launcher_for_test")
 
 
 def test_resume_command_of_a_delayed_run_uses_the_sync_update():

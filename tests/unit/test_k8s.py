@@ -5,7 +5,6 @@ References are written from the formulas in launch/k8s/render.py's docstring, no
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -15,6 +14,7 @@ import pytest
 import yaml
 
 from npu_train.checkpoint.store import find_checkpoint
+from scripts import load_script
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RENDER = os.path.join(REPO, "launch", "k8s", "render.py")
@@ -22,13 +22,6 @@ ENTRY = os.path.join(REPO, "launch", "k8s", "entrypoint.sh")
 MIB = 2 ** 20
 
 kv = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate (the test extra)")
-
-
-def _load(path: str, name: str):
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def render(*args: str) -> list[dict]:
@@ -85,7 +78,7 @@ def test_shm_size_numbers():
     """Hand-computed: 4 nodes x 2 cards, b=2, S=128, H=4096, bf16, accum 4: slots = min(4, 8) + 1 = 5,
     slot = 2*128*4096*2 + 64 = 2,097,216 B; 2 * 1 * 5 * 2,097,216 + 268,435,456 = 289,407,616 B -> 277 Mi.
     One card per node: no ring inside the node, only the 256 Mi margin."""
-    r = _load(RENDER, "npt_k8s_render")
+    r = load_script(RENDER, "npt_k8s_render")
     assert r.shm_bytes(2, 4, accum=4, micro_batch=2, seq_len=128, hidden=4096) == 289_407_616
     assert r.quantity_mi(289_407_616) == "277Mi"
     assert r.shm_bytes(1, 4, accum=4, micro_batch=2, seq_len=128, hidden=4096) == 256 * MIB
@@ -143,7 +136,7 @@ def test_entrypoint_derives_rank_address_backend_and_resume(tmp_path, index):
     assert argv[-1] == "train.steps=50"  # the Job's overrides come last (they win)
     assert "starting fresh" in p.stdout
     # the launcher reads "backend=a,b" as ONE job with both cards
-    run = _load(os.path.join(REPO, "launch", "run.py"), "npt_run_script")
+    run = load_script(os.path.join(REPO, "launch", "run.py"), "npt_run_script")
     assert run.rewrite_backend_args([argv[0]]) == ["backend=[furiosa:auto,furiosa:auto]"]
 
 
