@@ -10,7 +10,8 @@ One optimizer step on one stage (:meth:`StageTrainer.train_step`):
    micro-batches, exchanging activations and their gradients with the neighbouring stages through
    :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in fp32
    (:meth:`~npu_train.optim.adamw.StageOptimizer.grad`, also with bf16 compute);
-3. the tied embedding's gradient is summed between the first and last stage of the replica (gloo);
+3. the tied embedding's gradient is summed between the first and last stage of the replica (gloo,
+   mostly while the first stage still computes: :mod:`npu_train.runtime.tied`);
    with dp > 1, every stage's gradient is summed over its replicas (the stage group,
    :mod:`npu_train.runtime.replicas`);
 4. one gloo all-reduce over all ranks carries the squared gradient norm of every stage (counted once
@@ -44,6 +45,7 @@ from typing import Optional
 import torch
 
 from npu_train.runtime.spec import WorkerSpec
+from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 
 log = logging.getLogger("npu_train.worker")
 
@@ -127,6 +129,8 @@ class StageTrainer:
         self.first, self.last = self.stage == 0, self.stage == self.P - 1
         self.comm = None
         self.tied_group = None
+        self.tied = None  # TiedGradExchange on the first and last stage of a tied pair
+        self.tied_name = "model.embed_tokens.weight" if self.first else "lm_head.weight"
         self.stage_group = None
 
     def grad_buf(self, name: str) -> torch.Tensor:
@@ -226,6 +230,10 @@ class StageTrainer:
                 g = dist.new_group(ranks)
                 if self.rank in ranks:
                     self.tied_group = g
+                    if self.first or self.last:
+                        shape = tuple(self.params[self.tied_name].shape)
+                        self.tied = TiedGradExchange(self.first, ranks[-1] if self.first else ranks[0], g, shape,
+                                                     backend)
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, backend)
             dist.barrier()  # every ring exists before anyone receives
@@ -253,7 +261,6 @@ class StageTrainer:
                                      dp_rank=k, dp_size=self.dp) for k in range(self.dp)]
         self.sampler = self.samplers[self.replica]
         self.runner = StageRunner(self.module, backend, self.P, self.stage, tr.schedule, self.comm)
-        self.tied_name = "model.embed_tokens.weight" if self.first else "lm_head.weight"
         # held-out evaluation: the first eval_batches micro-batches of the validation split
         mb = tr.micro_batch
         self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
@@ -295,6 +302,8 @@ class StageTrainer:
         # gradients changed by a collective after the backward are final only after it
         late = self.params if self.dp > 1 else [self.tied_name] if self.tied_pair else []
         self.opt.begin_step(tr.accum, late)
+        if self.tied is not None:
+            self.tied.begin()  # first stage: the last stage's dense tied gradient may arrive from now on
         if self.first or self.last:
             res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
                                        [y for _, y in mbs] if self.last else None,
@@ -306,13 +315,12 @@ class StageTrainer:
         if fault is not None:
             fault("collective")
         t_tied = time.perf_counter()
-        if self.tied_pair and (self.first or self.last):
+        if self.tied is not None:  # sum the tied gradient of the pair (npu_train.runtime.tied)
             g = self.grad_buf(self.tied_name)  # fp32 accumulator with bf16 compute (or .grad)
-            gh = backend.download(g).float()
-            dist.all_reduce(gh, group=self.tied_group)
-            with torch.no_grad():
-                g.copy_(backend.upload(gh.to(g.dtype)))
-            del g, gh
+            if self.last:
+                self.tied.send_dense(g)
+            self.tied.finish(g, looked_up_rows([x for x, _ in mbs]))
+            del g
         t_tied = time.perf_counter() - t_tied
         if self.dp > 1:
             from npu_train.runtime.replicas import allreduce_grads

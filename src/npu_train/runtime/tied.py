@@ -1,0 +1,122 @@
+"""The tied embedding's gradient sum between the first and the last stage, off the critical path.
+
+With tied input/output embeddings (``tie_word_embeddings``) and more than one stage, the first
+stage holds ``model.embed_tokens.weight`` and the last stage a copy as ``lm_head.weight``, both
+``[V, H]``. Before the optimizer step each needs the same gradient, the sum of the two stages'
+gradients (Megatron-LM's "embedding group" all-reduce; Shoeybi et al. 2019). A plain all-reduce of
+the ``[V, H]`` fp32 gradient after the pipeline drains puts ``V*H*4`` bytes (113 MB for
+SmolLM2-135M) on every step's critical path: 0.4-1.0 s of a 13 s step on the 2-core CPU machine
+(``tied_s`` in experiments/2026-11-30-bench.md, run 2). Two facts take it off:
+
+- the last stage's ``lm_head`` gradient is final when the last stage's backward ends, which under
+  1F1B / zero-bubble schedules is ``P - 1`` backward passes before the first stage's ends (the
+  drain), so its dense ``[V, H]`` transfer to the first stage runs while the first stage is still
+  computing; the first stage posts the receive when the step starts;
+- the first stage's embedding gradient is zero outside the rows of the token ids it looked up in
+  this step (the embedding's backward is an index-add over those rows), and the last stage knows
+  those ids too (every stage draws the same micro-batches). Only those ``k <= M*b*S`` rows
+  (``k*H*4`` bytes: 2.4 MB for 1024 tokens of SmolLM2) go back, after the first stage's backward.
+
+Result, bit for bit the all-reduce's: the first stage computes ``g_first + g_last`` over all rows;
+the last stage ``g_last[rows] + g_first[rows]`` on the looked-up rows and keeps ``g_last`` elsewhere,
+where ``g_first`` is exactly zero (IEEE addition is commutative, ``x + 0 == x``). The sum is done in
+fp32 on the host and cast back to the gradient buffer's dtype, as the all-reduce did.
+
+Memory: the first stage keeps one ``[V, H]`` fp32 host receive buffer (``V*H*4`` bytes, allocated
+once); the last stage one ``[V, H]`` fp32 host copy from the end of its backward until the
+exchange ends. Both are host RAM (card memory only on a ``cpu`` card; the placement model's
+``held`` term, :mod:`npu_train.planner.memory`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["TiedGradExchange", "looked_up_rows"]
+
+#: gloo point-to-point tags of the two messages (distinct from any other p2p in the tied group)
+DENSE_TAG, ROWS_TAG = 71, 72
+
+
+def looked_up_rows(input_ids: list) -> torch.Tensor:
+    """Sorted unique token ids of a step's micro-batches: ``input_ids`` is a list of ``[b, S]``
+    int64 tensors; returns a 1-D int64 tensor of ``k`` row indices of the embedding matrix (the
+    rows its backward can touch). Both stages of the pair compute it from the same micro-batches."""
+    return torch.unique(torch.cat([x.reshape(-1) for x in input_ids]), sorted=True)
+
+
+class TiedGradExchange:
+    """Sums the tied embedding gradient of one replica's first and last stage (module docstring).
+
+    Args:
+        first: True on the first stage (``embed_tokens``), False on the last (``lm_head``).
+        peer: the other stage's global rank (gloo).
+        group: the gloo process group of the pair (:meth:`ParallelLayout.tied_group`).
+        shape: ``(V, H)`` of the embedding matrix.
+        backend: the card's backend (``download`` / ``upload``).
+
+    Use per step: :meth:`begin` before the step's first forward (first stage: posts the dense
+    receive), :meth:`send_dense` on the last stage as soon as its backward ended, then
+    :meth:`finish` on both after their backward, which leaves the sum in the gradient buffer.
+
+    Raises:
+        RuntimeError: from torch.distributed, when the peer died or the collective timeout passed.
+    """
+
+    def __init__(self, first: bool, peer: int, group, shape: tuple[int, int], backend):
+        self.first, self.peer, self.group, self.backend = bool(first), int(peer), group, backend
+        self.shape = tuple(int(s) for s in shape)
+        self._buf: Optional[torch.Tensor] = None   # first stage: [V, H] fp32 receive buffer
+        self._work = None                          # the pending dense isend / irecv
+        self._sent: Optional[torch.Tensor] = None  # last stage: the dense host copy being sent
+
+    def begin(self) -> None:
+        """Before the step's first forward: the first stage posts the receive of the last stage's
+        dense gradient (so the transfer can run during the first stage's drain); no-op on the last."""
+        import torch.distributed as dist
+
+        if not self.first:
+            return
+        if self._buf is None:
+            self._buf = torch.empty(self.shape, dtype=torch.float32)
+        self._work = dist.irecv(self._buf, src=self.peer, group=self.group, tag=DENSE_TAG)
+
+    def send_dense(self, grad: torch.Tensor) -> None:
+        """Last stage, after its backward: start sending ``grad`` (``[V, H]``, the final
+        ``lm_head`` gradient, any dtype, on the card) to the first stage as fp32 host memory."""
+        import torch.distributed as dist
+
+        if self.first:
+            raise RuntimeError("send_dense is the last stage's half of the tied exchange")
+        self._sent = self.backend.download(grad).float().contiguous()
+        self._work = dist.isend(self._sent, dst=self.peer, group=self.group, tag=DENSE_TAG)
+
+    def finish(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
+        """After the stage's backward: complete the exchange; ``grad`` (``[V, H]``, the stage's
+        gradient buffer of the tied matrix, on the card) then holds the pair's sum. ``rows``: the
+        step's :func:`looked_up_rows` (the same on both stages)."""
+        import torch.distributed as dist
+
+        be = self.backend
+        if self.first:
+            if self._work is None:
+                raise RuntimeError("TiedGradExchange.finish without begin on the first stage")
+            mine = be.download(grad).float()
+            sparse = mine.index_select(0, rows).contiguous()  # [k, H] fp32: the only non-zero rows
+            dist.send(sparse, dst=self.peer, group=self.group, tag=ROWS_TAG)
+            self._work.wait()
+            self._work = None
+            with torch.no_grad():
+                grad.copy_(be.upload(mine.add_(self._buf).to(grad.dtype)))
+            return
+        if self._work is None:
+            raise RuntimeError("TiedGradExchange.finish without send_dense on the last stage")
+        theirs = torch.empty((rows.numel(), self.shape[1]), dtype=torch.float32)
+        dist.recv(theirs, src=self.peer, group=self.group, tag=ROWS_TAG)
+        self._work.wait()  # the dense copy is no longer read by gloo
+        full, self._work, self._sent = self._sent, None, None
+        # g_last[rows] + g_first[rows] in fp32 on the host; the other rows stay g_last (g_first is 0 there)
+        full.index_copy_(0, rows, full.index_select(0, rows).add_(theirs))
+        with torch.no_grad():
+            grad.copy_(be.upload(full.to(grad.dtype)))

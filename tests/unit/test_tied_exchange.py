@@ -1,0 +1,122 @@
+"""The tied embedding gradient exchange (npu_train.runtime.tied) between two gloo processes.
+
+Reference, from the definition: both stages end with ``g_first + g_last`` computed in fp32 and cast to
+the gradient's dtype (what an all-reduce of the two fp32 copies gives), bit for bit, although only the
+looked-up rows of ``g_first`` travel back to the last stage. Spawned processes (as the launcher),
+workers at module level so the children can import them.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+
+import pytest
+import torch
+
+try:  # spawned children inherit sys.path
+    import npu_train  # noqa: F401
+except ImportError:  # pragma: no cover
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+from npu_train.runtime.tied import looked_up_rows
+
+V, H = 50, 8
+
+
+class _HostBackend:
+    """download / upload as copies (what every backend promises: never aliasing)."""
+
+    def download(self, t):
+        return t.detach().clone()
+
+    def upload(self, t):
+        return t.detach().clone()
+
+
+def _grads(dtype):
+    """(ids per micro-batch, g_first, g_last): g_first non-zero only on the looked-up rows."""
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.tensor([[3, 3, 7, 20]]), torch.tensor([[49, 0, 7, 11]])]
+    rows = looked_up_rows(ids)
+    g_first = torch.zeros(V, H)
+    g_first[rows] = torch.randn(len(rows), H, generator=gen)
+    g_last = torch.randn(V, H, generator=gen)
+    return ids, g_first.to(dtype), g_last.to(dtype)
+
+
+def _worker(rank, init, q):
+    import torch.distributed as dist
+
+    from npu_train.runtime.tied import TiedGradExchange
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        group = dist.new_group([0, 1])
+        ex = TiedGradExchange(rank == 0, 1 - rank, group, (V, H), _HostBackend())
+        out = {}
+        # fp32, bf16, then fp32 with a wrong row on the last stage; the receive buffer is reused
+        for case, dtype, break_rows in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
+                                        ("broken", torch.float32, True)):
+            ids, g_first, g_last = _grads(dtype)
+            g = (g_first if rank == 0 else g_last).clone()
+            ex.begin()
+            if rank == 1:
+                ex.send_dense(g)
+            rows = looked_up_rows(ids)
+            if break_rows and rank == 1:
+                rows = rows.clone()
+                rows[0] = 1  # the last stage adds a looked-up row's values to a row never looked up
+            ex.finish(g, rows)
+            out[case] = g.float().tolist()
+        q.put((rank, out))
+    finally:
+        dist.destroy_process_group()
+
+
+_RESULTS = {}
+
+
+def _run(tmp_path):
+    """{rank: {case: [V, H] fp32 result}} of one spawned pair (cached: one pair for all tests)."""
+    if _RESULTS:
+        return _RESULTS
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    init = f"file://{tmp_path}/rdv"
+    ps = [ctx.Process(target=_worker, args=(r, init, q)) for r in (0, 1)]
+    for p in ps:
+        p.start()
+    try:
+        out = dict(q.get(timeout=90) for _ in ps)
+    finally:
+        for p in ps:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    _RESULTS.update({r: {c: torch.tensor(v) for c, v in d.items()} for r, d in out.items()})
+    return _RESULTS
+
+
+@pytest.mark.parametrize("case,dtype", [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_both_stages_hold_the_sum_bit_for_bit(tmp_path, case, dtype):
+    _, g_first, g_last = _grads(dtype)
+    want = (g_first.float() + g_last.float()).to(dtype).float()
+    got = _run(tmp_path)
+    assert torch.equal(got[0][case], want), "first stage"
+    assert torch.equal(got[1][case], want), "last stage"
+    # the sparse path was exercised: most rows of g_first are zero, and g_last is not
+    assert (g_first.float().abs().sum(1) == 0).sum() > V // 2 and bool((g_last != 0).all())
+
+
+def test_a_wrong_row_is_seen(tmp_path):
+    """The check above is sharp: a wrong row on the last stage breaks equality there."""
+    _, g_first, g_last = _grads(torch.float32)
+    got = _run(tmp_path)
+    assert torch.equal(got[0]["broken"], g_first + g_last)
+    assert not torch.equal(got[1]["broken"], g_first + g_last)
+
+
+def test_looked_up_rows_sorted_unique():
+    rows = looked_up_rows([torch.tensor([[5, 1, 5]]), torch.tensor([[2, 1]])])
+    assert rows.tolist() == [1, 2, 5] and rows.dtype == torch.int64
