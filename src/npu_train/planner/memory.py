@@ -53,10 +53,11 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     plus one upload temporary. With fp32 accumulators and bf16 compute the fwd/bwd phase's
     accumulation temporary ``acc`` is ``(e + 4)`` B x largest parameter (the micro-batch's
     compute-dtype gradient and its fp32 cast).
-  * held: with tied embeddings on more than one stage, the first and last stage keep the
-    previous step's tied gradient and its fp32 host copy referenced until the next step's
-    exchange (loop variables in the worker): ``(e + 4) * V*H`` bytes on a ``cpu`` card, the
-    ``e * V*H`` device part elsewhere.
+  * held: with tied embeddings on more than one stage, the tied gradient exchange
+    (:mod:`npu_train.runtime.tied`): the first stage's fp32 receive buffer of the last stage's
+    gradient, allocated once and held through the step (``4 * V*H``, host RAM), and the fp32 host
+    copy and gradient of the exchange itself: ``(e + 4) * V*H`` bytes on a ``cpu`` card (host RAM
+    is card memory), the ``e * V*H`` device part elsewhere.
 - ``workspace``: :class:`~npu_train.planner.memterms.MemoryTerms` of the card's kind
   (``DEFAULT_MEMORY_TERMS``, or a calibration profile's measured ``"memory"``): a constant for
   runtime / compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers),
