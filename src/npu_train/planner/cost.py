@@ -28,8 +28,9 @@
   + offloaded params * ``e`` / ``d2h_bytes_per_s`` (accumulated gradients to the host), plus, with
   tied embeddings on more than one stage, the tied gradient's download and upload on the first and
   last stage. Stage-boundary activations (``s*b*h*e`` bytes per micro-batch and boundary, ~4 MB
-  for 8B at S=512), the gloo all-reduce of the tied gradient and the gradient-norm pass are
-  ignored.
+  for 8B at S=512), the tied gradient's gloo transfers (the dense one runs during the first
+  stage's drain, the sparse one is ``k*H*4`` bytes: :mod:`npu_train.runtime.tied`) and the
+  gradient-norm pass are ignored.
 - The device optimizer, the gradient downloads and the data-parallel communication are *not*
   overlapped with the pipeline (conservative). The offloaded layers' host AdamW + upload is, in part
   (``RunShape.offload``, :func:`exposed_host_time`): ``host_hidden`` = the part of
