@@ -147,13 +147,15 @@ def resume_command(overrides: list, checkpoint_dir: str) -> str:
 
 
 def write_status(run_dir: str, code: int, error: str, overrides: list, started: float,
-                 interrupted: "dict | None" = None) -> None:
+                 interrupted: "dict | None" = None, run_dir_overrides: list = ()) -> None:
     """``<run_dir>/status.json``: exit code, status, the error line, the job's overrides and its
     start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep).
 
     ``status``: ``ok`` (exit 0), ``interrupted`` (130/143: SIGINT/SIGTERM; then ``checkpoint``, the
     checkpoint this launch saved or null, and ``resume``, the command that continues it or null; from
-    ``interrupted``, what :func:`main` reported) or ``failed`` (any other exit status)."""
+    ``interrupted``, what :func:`main` reported; the resume command keeps ``run_dir_overrides``, the
+    user's ``hydra.run.dir=...``, so the continued run writes into the same directory) or ``failed``
+    (any other exit status)."""
     import json
     import signal
     import time
@@ -163,7 +165,7 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
     rec = {"exit_code": int(code), "status": "ok" if code == 0 else "failed", "error": error}
     if code - 128 in (signal.SIGINT, signal.SIGTERM):
         ck, root = (interrupted or {}).get("checkpoint"), (interrupted or {}).get("checkpoint_dir")
-        rec.update(status="interrupted", checkpoint=ck, resume=resume_command(overrides, root) if ck and root else None)
+        rec.update(status="interrupted", checkpoint=ck, resume=resume_command([*run_dir_overrides, *overrides], root) if ck and root else None)
     rec.update(overrides=list(overrides), started=started, finished=time.time(), pid=os.getpid())
     with open(path + ".part", "w") as f:
         json.dump(rec, f, indent=1)
@@ -233,7 +235,8 @@ def run_one(cfg) -> int:
     finally:
         sys.stderr = tee.inner
     if multirun or code != 2:
-        write_status(run_dir, code, tee.last, overrides, t0, report)
+        write_status(run_dir, code, tee.last, overrides, t0, report,
+                     run_dir_overrides=[o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
     return code
 
 

@@ -192,6 +192,7 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
     assert status["checkpoint"] == cks[0], status
     assert "launch/run.py" in status["resume"] and f"checkpoint.dir={ck}" in status["resume"], status
     assert "train.resume=latest" in status["resume"] and "train.steps=5000" in status["resume"], status
+    assert f"hydra.run.dir={job.run_dir}" in status["resume"], status  # the continued run writes there too
     if sig == signal.SIGTERM:
         # the resume command recorded in status.json continues the job
         again = launch_to_end(tmp_path, tiny_model, name="resume", argv=[*shlex.split(status["resume"]), "train.stop_after=1"])
