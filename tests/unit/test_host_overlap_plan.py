@@ -63,3 +63,22 @@ def test_plan_hides_host_time_and_shows_it():
         assert de["total"] == pytest.approx(ser["total"] - de["host_hidden"])
     assert plans["delayed"].step_time_s < plans["serial"].step_time_s
     assert "hidden" in plans["overlap"].table(width=250)
+
+
+def test_plan_says_what_the_host_update_does():
+    """The plan explains the 'hidden s' column (host AdamW + upload) and says when
+    train.offload_update=delayed changes nothing (every layer resident)."""
+    from npu_train.planner.report import format_plan
+
+    shape = RunShape(seq_len=512, micro_batch=1, micro_batches=4, dtype="bf16")
+    cards = make_cards("furiosa", 2)
+    mk = lambda mode, res: format_plan(make_plan(get_preset("llama-3.1-8b"), dataclasses.replace(shape, offload=mode),  # noqa: E731
+                                                 cards, DEFAULT_RATES["furiosa"], resident_layers=res))
+    off = mk("delayed", 0)
+    assert "one step stale (train.offload_update=delayed)" in off and "upload included" in off
+    assert "overlaps the next forward" in mk("overlap", 0)
+    tiny = dataclasses.replace(shape, seq_len=64)
+    all_res = format_plan(make_plan(get_preset("llama-3.1-8b"), dataclasses.replace(tiny, offload="delayed"),
+                                    make_cards("furiosa", 8), DEFAULT_RATES["furiosa"], resident_layers=4))
+    assert "train.offload_update=delayed has no effect: every layer is resident" in all_res
+    assert "has no effect" not in mk("delayed", 0)

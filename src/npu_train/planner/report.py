@@ -11,7 +11,7 @@ from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import CardSpec, gb, gib
 
-__all__ = ["plan_table", "format_plan", "card_label", "over_capacity_message", "memory_sources",
+__all__ = ["plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "memory_sources",
            "rate_sources"]
 
 
@@ -182,6 +182,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
         verdict += (f" (host RAM {gib(plan.host_bytes):.2f} GiB needed > "
                     f"{gib(plan.host_ram_bytes):.2f} GiB)")
     lines.append(schedule_line(plan))
+    lines += offload_lines(plan)
     lines.append(
         f"predicted: step {plan.step_time_s:.2f} s, {plan.tokens_per_step} tokens/step"
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
@@ -202,6 +203,21 @@ def schedule_line(plan: Plan) -> str:
     held = "/".join(str(st.in_flight) for st in plan.stages)
     return (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
             f"(equal unit F/B/W times: {unit * 100:.1f} %); micro-batches held per card {held}")
+
+
+def offload_lines(plan: Plan) -> list[str]:
+    """What the host update of offloaded layers does in this plan (``RunShape.offload``): with
+    offloaded layers, one line saying that ``hidden s`` counts host AdamW *and* upload seconds (so it
+    may exceed ``host-opt s``); with none and ``delayed``, one line saying the setting has no effect."""
+    mode = plan.shape.offload
+    if not any(st.offloaded for st in plan.stages):
+        return ([f"train.offload_update=delayed has no effect: every layer is resident (no host update to "
+                 "delay)"] if mode == "delayed" else [])
+    how = {"serial": "runs between the backward and the next forward (train.offload_overlap=false)",
+           "overlap": "overlaps the next forward, layer by layer (train.offload_overlap=true)",
+           "delayed": "runs during the next step, one step stale (train.offload_update=delayed)"}.get(mode, mode)
+    return [f"offloaded layers: the host update (host AdamW + upload of the new weights) {how}; 'hidden s' = its seconds "
+            "hidden behind the pipeline, upload included, so it can exceed 'host-opt s'"]
 
 
 def format_plan(plan: Plan, width: int = 180) -> str:
