@@ -82,3 +82,14 @@ def test_plan_says_what_the_host_update_does():
                                     make_cards("furiosa", 8), DEFAULT_RATES["furiosa"], resident_layers=4))
     assert "train.offload_update=delayed has no effect: every layer is resident" in all_res
     assert "has no effect" not in mk("delayed", 0)
+
+
+def test_plan_labels_oversubscribed_cpu_cores():
+    """3 cpu card processes on 2 cores: the plan says its rates are stretched; 2 on 2 cores: no line."""
+    from npu_train.planner.report import format_plan
+
+    shape = RunShape(seq_len=64, micro_batch=1, micro_batches=4, dtype="fp32")
+    text = {n: format_plan(make_plan(get_preset("smollm2-135m"), shape, make_cards("cpu", n), DEFAULT_RATES["cpu"],
+                                     threads=1, host_cores=2, host_ram_bytes=None)) for n in (2, 3)}
+    assert "oversubscribed: 3 cpu card process(es) x 1 thread(s) on 2 core(s)" in text[3] and "at 2/3 of" in text[3]
+    assert "oversubscribed" not in text[2]

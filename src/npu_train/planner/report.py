@@ -165,6 +165,12 @@ def plan_table(plan: Plan, width: int = 180) -> str:
     lines = [f"threads: {plan.threads} torch thread(s) per card process, {plan.host_cores} "
              f"usable host core(s); headroom {plan.headroom * 100:g}% of capacity kept free by "
              f"auto (placement.headroom)"]
+    n_cpu = plan.dp * sum(1 for st in plan.stages if st.card.kind == "cpu")
+    if n_cpu and n_cpu * plan.threads > plan.host_cores:
+        lines.append(f"oversubscribed: {n_cpu} cpu card process(es) x {plan.threads} thread(s) on {plan.host_cores} "
+                     f"core(s): the measured rates are stretched by the cost model (pipeline slots where more "
+                     f"threads compute than there are cores; optimizers at {plan.host_cores}/"
+                     f"{n_cpu * plan.threads} of their rate)")
     if plan.dp > 1:
         lines.append(f"parallel: dp={plan.dp} x pp={len(plan.stages)} ({plan.dp * len(plan.stages)} cards), "
                      + ("ZeRO-1 (each card holds 1/dp of its stage's optimizer state)" if plan.zero
