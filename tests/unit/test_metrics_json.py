@@ -68,4 +68,5 @@ def test_idle_split_into_bubble_and_collectives(tmp_path):
     assert "bubble_s_cards" not in recs[1] and "tied_s" not in recs[0]
     r.step([dict(_rep(3, 4.0, 1.0), tied_s=0.4), dict(_rep(3, 4.0, 1.0), time_s=2.0, tied_s=0.25)])
     with open(tmp_path / "metrics.jsonl") as f:
-        assert _strict(f.readlines()[-1])["tied_s"] == 0.25
+        last = _strict(f.readlines()[-1])
+    assert last["tied_s"] == 0.25 and last["tied_s_cards"] == [0.4, 0.25]  # the slowest card's, and each card's

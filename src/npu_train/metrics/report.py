@@ -11,9 +11,9 @@ stage-boundary sends; idle = waiting for neighbours and collectives (pipeline bu
 ``metrics.jsonl`` also splits the slowest card's waits: ``bubble_s`` (waiting inside the schedule for
 a neighbour's activation or gradient: the pipeline bubble) and ``collective_s`` (the end-of-step
 collectives: tied-embedding / replica all-reduce and the grad-norm + loss all-reduce, which also
-absorbs the wait for the slowest stage; ``tied_s`` is the tied-embedding all-reduce's part of it, the wait for the other
+absorbs the wait for the slowest stage; ``tied_s`` is the tied-embedding gradient exchange's part of it, the wait for the other
 holder of the tied weight included);
-``compute_s_cards``, ``bubble_s_cards`` and ``collective_s_cards`` hold every card's own figure (by
+``compute_s_cards``, ``bubble_s_cards``, ``collective_s_cards`` and ``tied_s_cards`` hold every card's own figure (by
 rank), which shows the stage imbalance; ``idle_s`` stays the wall time not spent computing,
 optimizing or transferring, so it includes both and any other overhead.
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
@@ -146,7 +146,7 @@ class Reporter:
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
             **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
             # every card's view (list indexed by rank): which stage computes longest, which waits
-            **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s")
+            **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s")
                if all(k in r for r in reports)},
             "time": time.time(),
         }

@@ -37,6 +37,9 @@ __all__ = ["TiedGradExchange", "looked_up_rows"]
 
 #: gloo point-to-point tags of the two messages (distinct from any other p2p in the tied group)
 DENSE_TAG, ROWS_TAG = 71, 72
+#: devices whose fp32 gradient is summed in place (eager ``index_select`` / ``index_add_``); others
+#: (furiosa: compiled graphs) sum on the host
+INPLACE_DEVICES = ("cpu", "cuda")
 
 
 def looked_up_rows(input_ids: list) -> torch.Tensor:
@@ -99,16 +102,28 @@ class TiedGradExchange:
         import torch.distributed as dist
 
         be = self.backend
+        # fp32 gradient on a card with eager indexing: sum in place (2 passes over [V, H] instead of 4);
+        # otherwise on the host in fp32 and back in the gradient's dtype. Same values either way.
+        inplace = grad.dtype == torch.float32 and grad.device.type in INPLACE_DEVICES
         if self.first:
             if self._work is None:
                 raise RuntimeError("TiedGradExchange.finish without begin on the first stage")
-            mine = be.download(grad).float()
-            sparse = mine.index_select(0, rows).contiguous()  # [k, H] fp32: the only non-zero rows
-            dist.send(sparse, dst=self.peer, group=self.group, tag=ROWS_TAG)
+            if inplace:
+                sparse = be.download(grad.index_select(0, rows.to(grad.device)))
+                mine = None
+            else:
+                mine = be.download(grad).float()
+                sparse = mine.index_select(0, rows)
+            # [k, H] fp32: the only non-zero rows of the first stage's gradient
+            dist.send(sparse.float().contiguous(), dst=self.peer, group=self.group, tag=ROWS_TAG)
             self._work.wait()
             self._work = None
             with torch.no_grad():
-                grad.copy_(be.upload(mine.add_(self._buf).to(grad.dtype)))
+                if inplace:
+                    # g_first + g_last (a host-memory card adds the received buffer itself)
+                    grad.add_(self._buf if grad.device.type == "cpu" else be.upload(self._buf))
+                else:
+                    grad.copy_(be.upload(mine.add_(self._buf).to(grad.dtype)))
             return
         if self._work is None:
             raise RuntimeError("TiedGradExchange.finish without send_dense on the last stage")
@@ -116,7 +131,11 @@ class TiedGradExchange:
         dist.recv(theirs, src=self.peer, group=self.group, tag=ROWS_TAG)
         self._work.wait()  # the dense copy is no longer read by gloo
         full, self._work, self._sent = self._sent, None, None
-        # g_last[rows] + g_first[rows] in fp32 on the host; the other rows stay g_last (g_first is 0 there)
-        full.index_copy_(0, rows, full.index_select(0, rows).add_(theirs))
         with torch.no_grad():
-            grad.copy_(be.upload(full.to(grad.dtype)))
+            # g_last[rows] + g_first[rows] in fp32; the other rows stay g_last (g_first is 0 there)
+            if inplace:
+                on_host = grad.device.type == "cpu"
+                grad.index_add_(0, rows if on_host else be.upload(rows), theirs if on_host else be.upload(theirs))
+            else:
+                full.index_copy_(0, rows, full.index_select(0, rows).add_(theirs))
+                grad.copy_(be.upload(full.to(grad.dtype)))
