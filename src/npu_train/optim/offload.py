@@ -164,7 +164,7 @@ class HostUpdater:
         """
         self.collect(grads)
         host_grads = {n: self._dl[n][0].result()[0] for n in grads}  # this update's own (tasks get it)
-        self._dl.clear()
+        self.discard()
         self.wait_all()  # the previous update (done by now unless delayed): records its timeline
         if self.delayed:
             self._apply_staged()
