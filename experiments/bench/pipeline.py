@@ -215,11 +215,12 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         y = torch.cat([b for _, b in mbs]).to(device)
         n_tok[0] = int((y != IGNORE_INDEX).sum())
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         opt.zero_grad(set_to_none=True)
         losses: list = []
         kw = {"target": y, "losses": losses} if has_last else {}
         sched.step(*((x,) if has_first else ()), return_outputs=False, **kw)
+        t1, c1 = time.perf_counter(), time.process_time()
         if tie_pair and (0 in mods or S - 1 in mods):
             p = mods[0].model.embed_tokens.weight if 0 in mods else mods[S - 1].lm_head.weight
             g = p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape)
@@ -229,7 +230,9 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         sq = sum(float(g.detach().float().pow(2).sum()) for p, g in zip(params, grads) if id(p) not in excl)
         loss_sum = float(sum(float(l.detach()) for l in losses)) if has_last else 0.0
         red = torch.tensor([sq, loss_sum], dtype=torch.float64)
+        t2 = time.perf_counter()
         dist.all_reduce(red, group=small)
+        t3, c3 = time.perf_counter(), time.process_time()
         gnorm = float(red[0]) ** 0.5
         coef = min(1.0, CLIP / (gnorm + 1e-6))
         if coef < 1.0:
@@ -239,7 +242,15 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
             g_["lr"] = lr
         opt.step()
         sync()
-        res["step_s"].append(time.perf_counter() - t0)
+        t4, c4 = time.perf_counter(), time.process_time()
+        res["step_s"].append(t4 - t0)
+        # phases (seconds) as the project's metrics.jsonl splits them: the schedule (forward/backward
+        # and its waits), tied all-reduce + grad norm, the norm/loss all-reduce (waits for the slower
+        # rank), clip + AdamW; CPU seconds of the process (all threads) in the schedule, the collectives
+        # (tied + norm + all-reduce) and the optimizer, as the project's metrics.jsonl cpu_phases_s
+        res.setdefault("phases", []).append({"schedule_s": t1 - t0, "tied_norm_s": t2 - t1,
+                                             "allreduce_s": t3 - t2, "optimizer_s": t4 - t3,
+                                             "cpu_phases_s": [c1 - c0, c3 - c1, c4 - c3], "time": time.time()})
         res["loss"].append(float(red[1]))
     dist.barrier(group=small)
     dist.destroy_process_group()
@@ -287,7 +298,8 @@ def run_torch(kind: str, P: int, M: int, layers, args, data_file: str, work: Pat
         tokens = M * args.seq_len  # micro-batch 1; every label counts (packed rows)
         later = step_s[1:] or step_s
         res.update({"step_s": step_s, "tokens_per_s": tokens / spread(later)["median"],
-                    "loss": ranks[0]["loss"], "loss1": ranks[0]["loss"][0] if ranks[0]["loss"] else None})
+                    "loss": ranks[0]["loss"], "loss1": ranks[0]["loss"][0] if ranks[0]["loss"] else None,
+                    "phases": [r.get("phases") for r in ranks]})
     if not args.keep:
         shutil.rmtree(out_dir, ignore_errors=True)
     return res
@@ -342,7 +354,8 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
                     "bubble_share": spread([r["bubble_s"] / r["step_s"] for r in later if "bubble_s" in r])["median"],
                     "collective_share": spread([r["collective_s"] / r["step_s"] for r in later
                                                 if "collective_s" in r])["median"],
-                    "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"]})
+                    "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"],
+                    "metrics": recs})  # every step's metrics.jsonl record (per-phase seconds, per card)
         mans = sorted(glob.glob(str(run_dir / "checkpoints" / "*" / "manifest.json")))
         if mans:
             res["split"] = json.loads(Path(mans[-1]).read_text()).get("split")

@@ -19,8 +19,9 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
   the optimizer once per step): 4 B with fp32 accumulators (``grad_accum="fp32"``, default),
   ``e`` B when the ``.grad`` of the compute-dtype parameters accumulates (``"compute"``).
 - ``optimizer``: fp32 master + AdamW m + v = 12 B/param for the parameters whose optimizer state
-  lives on the card. The master is always a separate fp32 copy (``StageOptimizer`` clones the
-  loaded weights), also with fp32 compute. The tied ``lm_head`` copy has its own master and
+  lives on the card. The master is a separate fp32 copy (``StageOptimizer`` clones the loaded
+  weights), except for *resident* parameters with fp32 compute on a ``cpu`` or ``cuda`` card, which
+  are their own masters (``StageOptimizer.shared``): 8 B/param for those. The tied ``lm_head`` copy has its own master and
   moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
   or offloaded like the stage's other non-layer parameters. On the card: the *resident*
   parameters; on a ``cpu`` card *all* of them, since the host RAM that holds "offloaded" state is
@@ -53,10 +54,10 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     plus one upload temporary. With fp32 accumulators and bf16 compute the fwd/bwd phase's
     accumulation temporary ``acc`` is ``(e + 4)`` B x largest parameter (the micro-batch's
     compute-dtype gradient and its fp32 cast).
-  * held: with tied embeddings on more than one stage, the first and last stage keep the
-    previous step's tied gradient and its fp32 host copy referenced until the next step's
-    exchange (loop variables in the worker): ``(e + 4) * V*H`` bytes on a ``cpu`` card, the
-    ``e * V*H`` device part elsewhere.
+  * held: with tied embeddings on more than one stage, the first and last stage's exchange of the
+    tied gradient: ``(g + 4) * V*H`` bytes on a ``cpu`` card (its fp32 host copy and the copy
+    uploaded back, which the RSS sample at the upload sees), none there when the gradient buffer
+    is fp32 (``g = 4``: it is all-reduced in place), the ``g * V*H`` device part elsewhere.
 - ``workspace``: :class:`~npu_train.planner.memterms.MemoryTerms` of the card's kind
   (``DEFAULT_MEMORY_TERMS``, or a calibration profile's measured ``"memory"``): a constant for
   runtime / compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers),
@@ -287,20 +288,21 @@ class MemoryModel:
         owned, copy = self.nonlayer(i)
         nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
         La = sh.lora_params_per_layer
+        shared = e == 4 and kind in ("cpu", "cuda")  # resident fp32 parameters are their own masters
         if La:  # LoRA: frozen base (weights only); gradients and optimizer state of the adapters only
             params = n * (self.Pl + La) + owned + copy
             res_params = r * La
             off_params = n * La - res_params
             weights = e * params
             grads = g * n * La
-            optimizer = 12 * (n * La if cpu else res_params)
+            optimizer = 12 * (n * La if cpu else res_params) - (4 * res_params if shared else 0)
         else:
             params = n * self.Pl + owned + copy
             res_params = r * self.Pl + (owned + copy if nl_res else 0)
             off_params = params - res_params
             weights = e * params
             grads = g * params
-            optimizer = 12 * (params if cpu else res_params)
+            optimizer = 12 * (params if cpu else res_params) - (4 * res_params if shared else 0)
         # activations: saved tensors of the micro-batches in flight
         k = self.in_flight[i]
         act_layer = self.act_layer[ATTENTION[kind]]
@@ -331,7 +333,7 @@ class MemoryModel:
         opt_phase = max(norm_tmp, master_grads)
         held = 0
         if self.tied and P > 1 and (first or last) and not La:
-            held = (g + 4) * E if cpu else g * E
+            held = ((g + 4) * E if g != 4 else 0) if cpu else g * E
         transient = max(fwd_bwd, opt_phase) - acts + held
         terms = self.terms[i]
         body = weights + grads + optimizer + acts + transient
