@@ -15,6 +15,8 @@ from npu_train.planner.memory import MemoryModel
 class CountingCpuBackend:
     """Host "card" that counts its copies (``upload`` / ``download`` always copy, as every backend)."""
 
+    kind = "cpu"
+
     def __init__(self):
         self.copies = 0
 

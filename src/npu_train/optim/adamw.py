@@ -37,6 +37,7 @@ from typing import Iterable
 
 import torch
 
+from npu_train.hardware import SHARED_MASTER_KINDS
 from npu_train.optim.offload import HostUpdater
 
 
@@ -98,9 +99,10 @@ class StageOptimizer:
             thread (bit-identical results), ``delayed`` applies each host update one step late (DPU).
 
     Attributes:
-        shared: names of the resident parameters that are their own fp32 masters (fp32 compute on a
-            ``cpu`` / ``cuda`` card; see the module docstring): their weights are set from
-            ``masters_init`` here and updated in place by the step.
+        shared: names of the resident parameters that are their own fp32 masters (fp32 compute on
+            a card whose ``backend.kind`` is in :data:`npu_train.hardware.SHARED_MASTER_KINDS`; see
+            the module docstring): their weights are set from ``masters_init`` here and updated in
+            place by the step.
     """
 
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
@@ -112,9 +114,11 @@ class StageOptimizer:
         self.resident = set(resident) & set(params)
         self.offloaded = set(params) - self.resident
         dev = backend.device()
-        # resident fp32 parameters on a card with a fused AdamW are their own masters (see `shared`)
-        self.shared = {n for n in self.resident if params[n].dtype == torch.float32
-                       and params[n].device == dev and _fused_ok(dev)}
+        # resident fp32 parameters on a cpu / cuda card are their own masters (see `shared`; the
+        # planner's memory model keys on the same card kinds)
+        own = getattr(backend, "kind", None) in SHARED_MASTER_KINDS and _fused_ok(dev)
+        self.shared = {n for n in self.resident if own and params[n].dtype == torch.float32
+                       and params[n].device == dev}
         res_m = {}
         for n in params:
             if n in self.shared:

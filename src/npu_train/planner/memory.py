@@ -89,6 +89,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from npu_train.hardware import SHARED_MASTER_KINDS
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
@@ -288,7 +289,7 @@ class MemoryModel:
         owned, copy = self.nonlayer(i)
         nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
         La = sh.lora_params_per_layer
-        shared = e == 4 and kind in ("cpu", "cuda")  # resident fp32 parameters are their own masters
+        shared = e == 4 and kind in SHARED_MASTER_KINDS  # resident fp32 parameters are their own masters
         if La:  # LoRA: frozen base (weights only); gradients and optimizer state of the adapters only
             params = n * (self.Pl + La) + owned + copy
             res_params = r * La
