@@ -23,7 +23,11 @@ process, one process per stage pinned to its own core (round-robin when P > core
   gradient summed between the ranks holding the embedding and the LM head, global grad-norm clip
   at 1.0, LR warm-up + cosine (``npu_train.optim.lr.lr_at``), ``AdamW(fused=True)`` (lr 1e-4, betas
   0.9/0.95, eps 1e-8, no weight decay). Step time = the slowest rank's time from the start of
-  ``schedule.step`` to the end of the optimizer step. Schedules: ``Schedule1F1B`` with the even
+  ``schedule.step`` to the end of the optimizer step; per step and rank the ``--json`` output also
+  holds the phases' seconds (``phases``: wall of ``schedule.step``, of the tied all-reduce + grad norm,
+  of the norm/loss all-reduce and of clip + AdamW, and ``cpu_phases_s``: CPU seconds of the process in
+  schedule / collectives / optimizer, as the project's ``metrics.jsonl`` ``cpu_phases_s_cards``, which
+  the project entries carry in ``metrics``). Schedules: ``Schedule1F1B`` with the even
   split (what a torch user writes) and with the project's split (read from the project run's
   checkpoint manifest), and the multi-chunk schedules ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (2 stages per rank, looped), ``ScheduleZBVZeroBubble``,
