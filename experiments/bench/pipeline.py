@@ -27,7 +27,8 @@ process, one process per stage pinned to its own core (round-robin when P > core
   holds the phases' seconds (``phases``: wall of ``schedule.step``, of the tied all-reduce + grad norm,
   of the norm/loss all-reduce and of clip + AdamW, and ``cpu_phases_s``: CPU seconds of the process in
   schedule / collectives / optimizer, as the project's ``metrics.jsonl`` ``cpu_phases_s_cards``, which
-  the project entries carry in ``metrics``). Schedules: ``Schedule1F1B`` with the even
+  the project entries carry in ``metrics``; for 1F1B / GPipe ``compute_s``: wall seconds of the module
+  forwards, the loss and the backwards inside ``schedule.step``, as the project's ``compute_s``). Schedules: ``Schedule1F1B`` with the even
   split (what a torch user writes) and with the project's split (read from the project run's
   checkpoint manifest), and the multi-chunk schedules ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (2 stages per rank, looped), ``ScheduleZBVZeroBubble``,
@@ -197,6 +198,25 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         return F.cross_entropy(out.reshape(-1, V).float(), target.reshape(-1), ignore_index=IGNORE_INDEX,
                                reduction="sum") / n_tok[0]
 
+    # compute inside schedule.step (as the project's compute_s): module forwards, the loss, full backwards
+    comp = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                comp[0] += time.perf_counter() - t
+        return wrapper
+
+    if kind in SINGLE:  # split-backward schedules use other entry points: not timed
+        import torch.distributed.pipelining.stage as pp_stage
+
+        pp_stage.stage_backward = timed(pp_stage.stage_backward)
+        for m in mods.values():
+            m.forward = timed(m.forward)
+        loss_fn = timed(loss_fn)
     cls = getattr(pp, "Schedule" + kind)
     sched = cls(stages[0] if kind in SINGLE else stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
     seen, params = set(), []
@@ -220,6 +240,7 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         n_tok[0] = int((y != IGNORE_INDEX).sum())
         sync()
         t0, c0 = time.perf_counter(), time.process_time()
+        comp[0] = 0.0
         opt.zero_grad(set_to_none=True)
         losses: list = []
         kw = {"target": y, "losses": losses} if has_last else {}
@@ -254,7 +275,8 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         # (tied + norm + all-reduce) and the optimizer, as the project's metrics.jsonl cpu_phases_s
         res.setdefault("phases", []).append({"schedule_s": t1 - t0, "tied_norm_s": t2 - t1,
                                              "allreduce_s": t3 - t2, "optimizer_s": t4 - t3,
-                                             "cpu_phases_s": [c1 - c0, c3 - c1, c4 - c3], "time": time.time()})
+                                             "cpu_phases_s": [c1 - c0, c3 - c1, c4 - c3], "time": time.time(),
+                                             "compute_s": comp[0] if kind in SINGLE else None})
         res["loss"].append(float(red[1]))
     dist.barrier(group=small)
     dist.destroy_process_group()
