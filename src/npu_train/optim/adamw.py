@@ -20,12 +20,15 @@ parameter on the card: 4 bytes (the fp32 accumulator) for either compute dtype, 
 a transient 2-byte ``.grad`` of the parameter whose backward is running.
 
 The accumulated gradients (:meth:`StageOptimizer.grad`) are scaled by the global clip coefficient
-as they are moved to the masters (not at all when the coefficient is 1). A resident parameter that is
-already fp32 on a card with a fused AdamW (``cpu``, ``cuda``: fp32 compute) is its own master
-(:attr:`StageOptimizer.shared`): AdamW updates it in place from its ``.grad``, with no second fp32
-copy (4 B/param less on the card) and no copy back into the weights after each step (one pass over
-the stage's weights less; the copy cost 0.07 s CPU of the 0.33 s a step of 96 M parameters took,
-``experiments/2026-11-30-bench.md``); the values are bit-identical to updating a separate master. AdamW follows Loshchilov & Hutter 2019 as implemented by
+as they are moved to the masters (in place, and skipped when the coefficient is 1, for the parameters
+that are their own masters). A resident parameter that is
+already fp32 on a ``cpu`` or ``cuda`` card (:data:`npu_train.hardware.SHARED_MASTER_KINDS`, fp32
+compute) is its own master (:attr:`StageOptimizer.shared`): the fused AdamW updates it in place from
+its ``.grad``, with no second fp32 copy (4 B/param less on the card) and no copy back into the
+weights after each step; bit-identical to updating a separate master. Measured on 96 M parameters
+(``experiments/bench/stage_optimizer.py``): norm + clip + step took 1.26-1.30x the CPU time of the
+torch pipeline worker's fused AdamW with the separate master, 1.04-1.10x without
+(``experiments/2026-11-30-bench.md``). AdamW follows Loshchilov & Hutter 2019 as implemented by
 ``torch.optim.AdamW``; weight decay applies to tensors with ``ndim >= 2`` only (norm weights are
 not decayed), see :func:`decays`.
 """
