@@ -16,8 +16,9 @@ holder of the tied weight included);
 ``compute_s_cards``, ``bubble_s_cards`` and ``collective_s_cards`` hold every card's own figure (by
 rank), which shows the stage imbalance; ``cpu_s_cards`` the CPU seconds each card process used in the
 step (all its threads) and ``cpu_phases_s_cards`` their split into schedule, end-of-step collectives
-and optimizer: the work done, which waits and other processes on the same cores do not inflate; ``idle_s`` stays the wall time not spent computing,
-optimizing or transferring, so it includes both and any other overhead.
+and optimizer: the work done, which waits and other processes on the same cores do not inflate;
+``idle_s`` stays the wall time not spent computing, optimizing or transferring, so it includes both
+and any other overhead.
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
 model's prediction.
 

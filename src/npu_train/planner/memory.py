@@ -21,8 +21,8 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
 - ``optimizer``: fp32 master + AdamW m + v = 12 B/param for the parameters whose optimizer state
   lives on the card. The master is a separate fp32 copy (``StageOptimizer`` clones the loaded
   weights), except for *resident* parameters with fp32 compute on a ``cpu`` or ``cuda`` card, which
-  are their own masters (``StageOptimizer.shared``): 8 B/param for those. The tied ``lm_head`` copy has its own master and
-  moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
+  are their own masters (``StageOptimizer.shared``): 8 B/param for those. The tied ``lm_head``
+  copy has its own master and moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
   or offloaded like the stage's other non-layer parameters. On the card: the *resident*
   parameters; on a ``cpu`` card *all* of them, since the host RAM that holds "offloaded" state is
   the same RAM the card process's RSS counts.
