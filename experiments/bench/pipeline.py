@@ -23,7 +23,12 @@ process, one process per stage pinned to its own core (round-robin when P > core
   gradient summed between the ranks holding the embedding and the LM head, global grad-norm clip
   at 1.0, LR warm-up + cosine (``npu_train.optim.lr.lr_at``), ``AdamW(fused=True)`` (lr 1e-4, betas
   0.9/0.95, eps 1e-8, no weight decay). Step time = the slowest rank's time from the start of
-  ``schedule.step`` to the end of the optimizer step. Schedules: ``Schedule1F1B`` with the even
+  ``schedule.step`` to the end of the optimizer step; per step and rank the ``--json`` output also
+  holds the phases' seconds (``phases``: wall of ``schedule.step``, of the tied all-reduce + grad norm,
+  of the norm/loss all-reduce and of clip + AdamW, and ``cpu_phases_s``: CPU seconds of the process in
+  schedule / collectives / optimizer, as the project's ``metrics.jsonl`` ``cpu_phases_s_cards``, which
+  the project entries carry in ``metrics``; for 1F1B / GPipe ``compute_s``: wall seconds of the module
+  forwards, the loss and the backwards inside ``schedule.step``, as the project's ``compute_s``). Schedules: ``Schedule1F1B`` with the even
   split (what a torch user writes) and with the project's split (read from the project run's
   checkpoint manifest), and the multi-chunk schedules ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (2 stages per rank, looped), ``ScheduleZBVZeroBubble``,
@@ -193,6 +198,25 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         return F.cross_entropy(out.reshape(-1, V).float(), target.reshape(-1), ignore_index=IGNORE_INDEX,
                                reduction="sum") / n_tok[0]
 
+    # compute inside schedule.step (as the project's compute_s): module forwards, the loss, full backwards
+    comp = [0.0]
+
+    def timed(fn):
+        def wrapper(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                comp[0] += time.perf_counter() - t
+        return wrapper
+
+    if kind in SINGLE:  # split-backward schedules use other entry points: not timed
+        import torch.distributed.pipelining.stage as pp_stage
+
+        pp_stage.stage_backward = timed(pp_stage.stage_backward)
+        for m in mods.values():
+            m.forward = timed(m.forward)
+        loss_fn = timed(loss_fn)
     cls = getattr(pp, "Schedule" + kind)
     sched = cls(stages[0] if kind in SINGLE else stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
     seen, params = set(), []
@@ -215,11 +239,13 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         y = torch.cat([b for _, b in mbs]).to(device)
         n_tok[0] = int((y != IGNORE_INDEX).sum())
         sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
+        comp[0] = 0.0
         opt.zero_grad(set_to_none=True)
         losses: list = []
         kw = {"target": y, "losses": losses} if has_last else {}
         sched.step(*((x,) if has_first else ()), return_outputs=False, **kw)
+        t1, c1 = time.perf_counter(), time.process_time()
         if tie_pair and (0 in mods or S - 1 in mods):
             p = mods[0].model.embed_tokens.weight if 0 in mods else mods[S - 1].lm_head.weight
             g = p.grad.detach().float().cpu() if p.grad is not None else torch.zeros(p.shape)
@@ -229,7 +255,9 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
         sq = sum(float(g.detach().float().pow(2).sum()) for p, g in zip(params, grads) if id(p) not in excl)
         loss_sum = float(sum(float(l.detach()) for l in losses)) if has_last else 0.0
         red = torch.tensor([sq, loss_sum], dtype=torch.float64)
+        t2 = time.perf_counter()
         dist.all_reduce(red, group=small)
+        t3, c3 = time.perf_counter(), time.process_time()
         gnorm = float(red[0]) ** 0.5
         coef = min(1.0, CLIP / (gnorm + 1e-6))
         if coef < 1.0:
@@ -239,7 +267,16 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
             g_["lr"] = lr
         opt.step()
         sync()
-        res["step_s"].append(time.perf_counter() - t0)
+        t4, c4 = time.perf_counter(), time.process_time()
+        res["step_s"].append(t4 - t0)
+        # phases (seconds) as the project's metrics.jsonl splits them: the schedule (forward/backward
+        # and its waits), tied all-reduce + grad norm, the norm/loss all-reduce (waits for the slower
+        # rank), clip + AdamW; CPU seconds of the process (all threads) in the schedule, the collectives
+        # (tied + norm + all-reduce) and the optimizer, as the project's metrics.jsonl cpu_phases_s
+        res.setdefault("phases", []).append({"schedule_s": t1 - t0, "tied_norm_s": t2 - t1,
+                                             "allreduce_s": t3 - t2, "optimizer_s": t4 - t3,
+                                             "cpu_phases_s": [c1 - c0, c3 - c1, c4 - c3], "time": time.time(),
+                                             "compute_s": comp[0] if kind in SINGLE else None})
         res["loss"].append(float(red[1]))
     dist.barrier(group=small)
     dist.destroy_process_group()
@@ -287,7 +324,8 @@ def run_torch(kind: str, P: int, M: int, layers, args, data_file: str, work: Pat
         tokens = M * args.seq_len  # micro-batch 1; every label counts (packed rows)
         later = step_s[1:] or step_s
         res.update({"step_s": step_s, "tokens_per_s": tokens / spread(later)["median"],
-                    "loss": ranks[0]["loss"], "loss1": ranks[0]["loss"][0] if ranks[0]["loss"] else None})
+                    "loss": ranks[0]["loss"], "loss1": ranks[0]["loss"][0] if ranks[0]["loss"] else None,
+                    "phases": [r.get("phases") for r in ranks]})
     if not args.keep:
         shutil.rmtree(out_dir, ignore_errors=True)
     return res
@@ -342,7 +380,8 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
                     "bubble_share": spread([r["bubble_s"] / r["step_s"] for r in later if "bubble_s" in r])["median"],
                     "collective_share": spread([r["collective_s"] / r["step_s"] for r in later
                                                 if "collective_s" in r])["median"],
-                    "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"]})
+                    "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"],
+                    "metrics": recs})  # every step's metrics.jsonl record (per-phase seconds, per card)
         mans = sorted(glob.glob(str(run_dir / "checkpoints" / "*" / "manifest.json")))
         if mans:
             res["split"] = json.loads(Path(mans[-1]).read_text()).get("split")

@@ -16,5 +16,9 @@ GB = 10**9
 #: the device kinds a ``backend=`` entry can name (``cpu``, ``cuda:N``, ``furiosa:N``).
 KINDS = ("cpu", "cuda", "furiosa")
 
+#: kinds whose resident fp32 parameters are their own AdamW masters (fused AdamW runs in place on
+#: the weights: ``optim.adamw.StageOptimizer.shared``; ``planner.memory`` counts 8 B/param for them)
+SHARED_MASTER_KINDS = ("cpu", "cuda")
+
 #: RNGD usable HBM per card: 47.5 GiB (= 51.0 GB) of the 48 GB HBM3.
 FURIOSA_CAPACITY_BYTES = int(47.5 * GIB)

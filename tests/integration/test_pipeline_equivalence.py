@@ -62,6 +62,9 @@ def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend, schedule, extr
     for r in recs:
         assert 0 <= r["bubble_s"] and 0 <= r["collective_s"] and r["bubble_s"] + r["collective_s"] <= r["step_s"]
         assert 0 <= r["tied_s"] <= r["collective_s"] and len(r["compute_s_cards"]) == len(r["mem_peak_bytes"])
+        # CPU seconds per card: the three phases (schedule, collectives, optimizer) make up the step's
+        assert len(r["cpu_s_cards"]) == len(r["mem_peak_bytes"])
+        assert all(min(ph) >= 0 and abs(sum(ph) - c) < 1e-6 for c, ph in zip(r["cpu_s_cards"], r["cpu_phases_s_cards"]))
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     _check_weights(reader, ref_w, 1e-5)

@@ -48,3 +48,17 @@ def test_smoothed_loss_and_eta(tmp_path):
     assert recs[0]["eta_s"] == 9 * 30.0           # only the first step known
     assert recs[2]["eta_s"] == 7 * (2.0 + 4.0) / 2  # start-up step excluded
     assert "ETA 21s" in out.getvalue().splitlines()[-1]
+
+
+def test_cpu_seconds_per_card_and_phase(tmp_path):
+    """Each card's CPU seconds of the step and of its schedule / collectives / optimizer phases reach
+    metrics.jsonl by rank (the trainer's ``cpu_s`` / ``cpu_phases_s``)."""
+    r = Reporter(str(tmp_path), 1, stream=io.StringIO(), tensorboard=False)
+    reps = [dict(_rep(1, 2.0, 3.0, 1), cpu_s=2.5, cpu_phases_s=[2.0, 0.3, 0.2]),
+            dict(_rep(1, 2.0, 2.0, 1), cpu_s=1.5, cpu_phases_s=[1.2, 0.2, 0.1])]
+    rec = r.step(reps)
+    assert rec["cpu_s_cards"] == [2.5, 1.5]
+    assert rec["cpu_phases_s_cards"] == [[2.0, 0.3, 0.2], [1.2, 0.2, 0.1]]
+    row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert row["cpu_phases_s_cards"][1] == [1.2, 0.2, 0.1]
+    assert "cpu_s_cards" not in r.step([_rep(2, 2.0, 1.0, 1)])  # older cards without the fields

@@ -174,6 +174,8 @@ def test_lr_schedule():
 
 
 class _CpuBackend:
+    kind = "cpu"  # fp32 resident parameters are their own masters (StageOptimizer.shared)
+
     def device(self):
         return torch.device("cpu")
 

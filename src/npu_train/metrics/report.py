@@ -14,8 +14,9 @@ collectives: tied-embedding / replica all-reduce and the grad-norm + loss all-re
 absorbs the wait for the slowest stage; ``tied_s`` is the tied-embedding gradient exchange's part of it, the wait for the other
 holder of the tied weight included);
 ``compute_s_cards``, ``bubble_s_cards``, ``collective_s_cards`` and ``tied_s_cards`` hold every card's own figure (by
-rank), which shows the stage imbalance; ``idle_s`` stays the wall time not spent computing,
-optimizing or transferring, so it includes both and any other overhead.
+rank), which shows the stage imbalance; ``cpu_s_cards`` the CPU seconds each card process used in the
+step (all its threads) and ``cpu_phases_s_cards`` their split into schedule, end-of-step collectives
+and optimizer: the work done, which waits and other processes on the same cores do not inflate; ``idle_s`` stays the wall time not spent computing,
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
 model's prediction.
 
@@ -146,7 +147,8 @@ class Reporter:
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
             **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
             # every card's view (list indexed by rank): which stage computes longest, which waits
-            **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s")
+            **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s",
+                                                              "cpu_s", "cpu_phases_s")
                if all(k in r for r in reports)},
             "time": time.time(),
         }

@@ -29,7 +29,7 @@
   tied embeddings on more than one stage, the tied gradient's download and upload on the first and
   last stage. Stage-boundary activations (``s*b*h*e`` bytes per micro-batch and boundary, ~4 MB
   for 8B at S=512), the tied gradient's gloo transfers (the dense one runs during the first
-  stage's drain, the sparse one is ``k*H*4`` bytes: :mod:`npu_train.runtime.tied`) and the
+  stage's drain, the sparse one is ``k*H*4`` bytes: the runtime's tied gradient exchange) and the
   gradient-norm pass are ignored.
 - The device optimizer, the gradient downloads and the data-parallel communication are *not*
   overlapped with the pipeline (conservative). The offloaded layers' host AdamW + upload is, in part

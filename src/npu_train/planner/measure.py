@@ -231,15 +231,18 @@ def _stage_optimizer_rate(backend, n_params: int, loop: LoopBounds) -> float:
     per = max(1, n_params // n_t)
     dt = _dtype(planner_dtype(backend.kind))
     masters = {f"w{i}": torch.randn(per // 64 or 1, 64) for i in range(n_t)}
-    params = {}
+    params, grads = {}, {}
     with backend.alloc_lock():
         for n, m in masters.items():
             params[n] = torch.nn.Parameter(backend.upload(m.to(dt)))
-            params[n].grad = backend.upload((m * 1e-3).to(dt))
+            grads[n] = backend.upload((m * 1e-3).to(dt))
     opt = StageOptimizer(params, masters, list(params), backend, lr=1e-4)
     secs: list[float] = []
 
-    def step() -> None:
+    def step() -> None:  # a fresh step gradient each time, as after a backward (not timed)
+        with backend.alloc_lock():
+            for n, p in params.items():
+                p.grad = grads[n].clone()
         secs.append(opt.step(1e-4, 0.5)["device_optimizer"])
 
     timed(step, lambda: None, loop)

@@ -19,9 +19,10 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
   the optimizer once per step): 4 B with fp32 accumulators (``grad_accum="fp32"``, default),
   ``e`` B when the ``.grad`` of the compute-dtype parameters accumulates (``"compute"``).
 - ``optimizer``: fp32 master + AdamW m + v = 12 B/param for the parameters whose optimizer state
-  lives on the card. The master is always a separate fp32 copy (``StageOptimizer`` clones the
-  loaded weights), also with fp32 compute. The tied ``lm_head`` copy has its own master and
-  moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
+  lives on the card. The master is a separate fp32 copy (``StageOptimizer`` clones the loaded
+  weights), except for *resident* parameters with fp32 compute on a ``cpu`` or ``cuda`` card, which
+  are their own masters (``StageOptimizer.shared``): 8 B/param for those. The tied ``lm_head``
+  copy has its own master and moments (the last stage's optimizer updates it with the all-reduced tied gradient), resident
   or offloaded like the stage's other non-layer parameters. On the card: the *resident*
   parameters; on a ``cpu`` card *all* of them, since the host RAM that holds "offloaded" state is
   the same RAM the card process's RSS counts.
@@ -54,10 +55,11 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     accumulation temporary ``acc`` is ``(e + 4)`` B x largest parameter (the micro-batch's
     compute-dtype gradient and its fp32 cast).
   * held: with tied embeddings on more than one stage, the tied gradient exchange
-    (:mod:`npu_train.runtime.tied`): the first stage's fp32 receive buffer of the last stage's
-    gradient, allocated once and held through the step (``4 * V*H``, host RAM), and the fp32 host
-    copy and gradient of the exchange itself: ``(e + 4) * V*H`` bytes on a ``cpu`` card (host RAM
-    is card memory), the ``e * V*H`` device part elsewhere.
+    (runtime/tied.py), on a ``cpu`` card (host RAM is card memory): ``4 * V*H``
+    bytes, the first stage's fp32 receive buffer (allocated once, held through the step) or the
+    last stage's fp32 copy of its dense gradient, plus ``(g + 4) * V*H`` when the gradient buffer
+    is not fp32 (``g`` bytes per element; it is summed through an fp32 host copy and uploaded back;
+    an fp32 buffer is summed in place); elsewhere the ``g * V*H`` device temporary.
 - ``workspace``: :class:`~npu_train.planner.memterms.MemoryTerms` of the card's kind
   (``DEFAULT_MEMORY_TERMS``, or a calibration profile's measured ``"memory"``): a constant for
   runtime / compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers),
@@ -89,6 +91,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from npu_train.hardware import SHARED_MASTER_KINDS
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
@@ -288,20 +291,21 @@ class MemoryModel:
         owned, copy = self.nonlayer(i)
         nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
         La = sh.lora_params_per_layer
+        shared = e == 4 and kind in SHARED_MASTER_KINDS  # resident fp32 parameters are their own masters
         if La:  # LoRA: frozen base (weights only); gradients and optimizer state of the adapters only
             params = n * (self.Pl + La) + owned + copy
             res_params = r * La
             off_params = n * La - res_params
             weights = e * params
             grads = g * n * La
-            optimizer = 12 * (n * La if cpu else res_params)
+            optimizer = 12 * (n * La if cpu else res_params) - (4 * res_params if shared else 0)
         else:
             params = n * self.Pl + owned + copy
             res_params = r * self.Pl + (owned + copy if nl_res else 0)
             off_params = params - res_params
             weights = e * params
             grads = g * params
-            optimizer = 12 * (params if cpu else res_params)
+            optimizer = 12 * (params if cpu else res_params) - (4 * res_params if shared else 0)
         # activations: saved tensors of the micro-batches in flight
         k = self.in_flight[i]
         act_layer = self.act_layer[ATTENTION[kind]]
@@ -332,7 +336,7 @@ class MemoryModel:
         opt_phase = max(norm_tmp, master_grads)
         held = 0
         if self.tied and P > 1 and (first or last) and not La:
-            held = (g + 4) * E if cpu else g * E
+            held = (4 * E + ((g + 4) * E if g != 4 else 0)) if cpu else g * E
         transient = max(fwd_bwd, opt_phase) - acts + held
         terms = self.terms[i]
         body = weights + grads + optimizer + acts + transient

@@ -293,7 +293,7 @@ class StageTrainer:
         # phases are named with the 1-based step number, as printed by the coordinator
         if fault is not None:
             fault.current_step = step + 1
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         backend.reset_peak_memory()
         self.enter(f"step {step + 1} forward/backward")
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
@@ -310,7 +310,7 @@ class StageTrainer:
                                        total_tokens=self.global_tokens(step) if self.last else None)
         else:
             res = self.runner.run_middle(step, tr.accum)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.process_time()
         self.enter(f"step {step + 1} collectives")
         if fault is not None:
             fault("collective")
@@ -341,7 +341,7 @@ class StageTrainer:
         loss = float(red[1] / max(red[2], 1.0))
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
         clip_coef = min(1.0, tr.clip / (grad_norm + 1e-6)) if tr.clip > 0 else 1.0
-        t2 = time.perf_counter()
+        t2, c2 = time.perf_counter(), time.process_time()
         lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
         if not finite:
             self.nonfinite(step, loss, grad_norm, [r for r in range(self.spec.world_size) if red[4 + r] > 0])
@@ -360,7 +360,7 @@ class StageTrainer:
                 broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, backend,
                                   self.stage_group)
                 ot["transfer"] += time.perf_counter() - ta
-        t3 = time.perf_counter()
+        t3, c3 = time.perf_counter(), time.process_time()
         self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
                        skipped=not finite,
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
@@ -372,7 +372,11 @@ class StageTrainer:
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
                        compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
-                       marks=[t0, t1, t2], **backend.step_stats())
+                       marks=[t0, t1, t2],
+                       # CPU seconds of this process (all threads) in the step and in its three phases
+                       # (schedule, collectives, optimizer): the work done, independent of waits and of
+                       # other processes competing for the cores
+                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
 
     def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:
