@@ -145,8 +145,11 @@ def test_job_calibration_measures_only_what_the_plan_needs_within_the_auto_bound
         def spawn(self):
             pass
 
-        def start(self, **kw):
+        def give_work(self, **kw):
             assert kw["adamw_params"] == AUTO_ADAMW_PARAMS
+
+        def wait_ready(self, **kw):
+            pass
 
         def baseline_bytes(self):
             return 123 * 2**20

@@ -59,7 +59,15 @@ from npu_train.errors import ConfigError
 from npu_train.planner.calibration import PROFILE_VERSION, save_profile
 from npu_train.planner.loadgen import BackgroundLoad
 from npu_train.planner.machine import cpu_flags_digest, cpu_model, machine_info, same_machine
-from npu_train.planner.measure import AUTO, QUICK, measure_at, note_load, rate_fields, reference_shapes
+from npu_train.planner.measure import (
+    AUTO,
+    QUICK,
+    measure_at,
+    note_load,
+    rate_fields,
+    reference_shapes,
+    warm_imports,
+)
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
 from npu_train.planner.spec import PlacementError
 from npu_train.planner.threads import usable_cores
@@ -243,7 +251,8 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     before them.
 
     The entry holds ``"concurrent"``; the details hold ``concurrent``, ``load_pids``,
-    ``load_steps`` (each helper's steps per work), ``load_wait_seconds`` (seconds spent waiting
+    ``load_steps`` (each helper's steps per work), ``load_head_start_seconds`` (how long before
+    this call :func:`start_early` started them), ``load_wait_seconds`` (seconds spent waiting
     for the helpers to be ready: what an early start did not hide), ``measure_seconds`` and
     ``seconds`` (wall seconds from this call to the end of the figures / of everything).
 
@@ -264,14 +273,17 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
                               baseline=(model_path, modules) if measure_baseline else None)
     baseline = None
     old = torch.get_num_threads()
+    if load.spawned_at is not None:  # started early: how long before this call
+        details["load_head_start_seconds"] = round(time.monotonic() - load.spawned_at, 2)
     with load:  # the other card processes of the job, from before to after the figures
         backend = make_backend("cpu" if kind == "cpu" else f"{kind}:{int(index or 0)}")
         backend.setup()
         layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
         spare_core = int(threads) * conc < usable_cores()
+        load.give_work(dtype=dtype, layer=layer, head=head, adamw_params=200_000 if quick else AUTO_ADAMW_PARAMS)
+        warm_imports()  # while the helpers build their work
         t_wait = time.perf_counter()
-        load.start(dtype=dtype, layer=layer, head=head, adamw_params=200_000 if quick else AUTO_ADAMW_PARAMS,
-                   baseline_first=not spare_core)
+        load.wait_ready(baseline_first=not spare_core)
         details["load_wait_seconds"] = round(time.perf_counter() - t_wait, 2)
         try:
             torch.set_num_threads(int(threads))

@@ -137,6 +137,8 @@ def serve() -> None:
     import torch
 
     importlib.import_module("npu_train.model.llama")  # while the launcher reads the model
+    # a fused AdamW imports torch._dynamo on construction (~1.5 s): before the spec, not after it
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
 
     stdin = _Stdin()
     first: list[str] = []
@@ -180,6 +182,8 @@ class BackgroundLoad:
         pids: the helpers' process ids (set on spawn; tests check that none is left).
         steps: per helper, the steps it ran per work after it was ready (set by :meth:`stop`).
         baseline_pid: the stand-alone baseline subprocess's id (``n = 0`` with a baseline).
+        spawned_at: ``time.monotonic()`` when :meth:`spawn` started the processes (``None``
+            before).
     """
 
     def __init__(self, n: int, *, threads: int,
@@ -193,6 +197,7 @@ class BackgroundLoad:
         self.pids: list[int] = []
         self.steps: list[Optional[dict]] = []
         self.baseline_pid: Optional[int] = None
+        self.spawned_at: Optional[float] = None
         self._errs: list = []
         self._spawned = self._ready = False
         self._base_proc: Optional[subprocess.Popen] = None
@@ -209,7 +214,7 @@ class BackgroundLoad:
         twice. Raises ``OSError`` when a process cannot be started (the others are closed)."""
         if self._spawned:
             return
-        self._spawned = True
+        self._spawned, self.spawned_at = True, time.monotonic()
         env = subprocess_env()
         try:
             for i in range(self.n):
@@ -231,21 +236,34 @@ class BackgroundLoad:
 
     def start(self, *, dtype: str, layer, head, adamw_params: int, baseline_first: bool = False,
               timeout: float = READY_TIMEOUT_S) -> None:
-        """Give the helpers their work and wait until each printed ``ready`` (spawning them
-        first when :meth:`spawn` was not called). ``dtype``: ``"fp32"`` or ``"bf16"``; ``layer``:
-        ``(H, I, heads, kv_heads, micro_batch, seq)``; ``head``: ``(vocab, hidden, tokens)``;
-        ``adamw_params``: fp32 parameters of the AdamW work. ``baseline_first``: also wait for a
-        stand-alone baseline subprocess (when no core is left for it beside the measurement).
+        """:meth:`give_work` and :meth:`wait_ready`."""
+        self.give_work(dtype=dtype, layer=layer, head=head, adamw_params=adamw_params)
+        self.wait_ready(baseline_first=baseline_first, timeout=timeout)
 
-        Raises ``RuntimeError`` (everything closed, with the failed helper's stderr) when a helper
-        exits or is not ready within ``timeout`` seconds."""
+    def give_work(self, *, dtype: str, layer, head, adamw_params: int) -> None:
+        """Send the helpers their work without waiting (spawning them first when :meth:`spawn`
+        was not called). ``dtype``: ``"fp32"`` or ``"bf16"``; ``layer``: ``(H, I, heads,
+        kv_heads, micro_batch, seq)``; ``head``: ``(vocab, hidden, tokens)``; ``adamw_params``:
+        fp32 parameters of the AdamW work. A helper that already exited is reported by
+        :meth:`wait_ready`."""
         self.spawn()
         spec = json.dumps({"threads": self.threads, "dtype": dtype, "layer": list(layer),
                            "head": list(head), "adamw_params": int(adamw_params)}).encode() + b"\n"
-        try:
-            for p in self.procs:
+        for p in self.procs:
+            try:
                 p.stdin.write(spec)
                 p.stdin.flush()
+            except OSError:
+                pass
+
+    def wait_ready(self, *, baseline_first: bool = False, timeout: float = READY_TIMEOUT_S) -> None:
+        """Wait until each helper printed ``ready`` (after :meth:`give_work`). ``baseline_first``:
+        also wait for a stand-alone baseline subprocess (when no core is left for it beside the
+        measurement).
+
+        Raises ``RuntimeError`` (everything closed, with the failed helper's stderr) when a helper
+        exits or is not ready within ``timeout`` seconds."""
+        try:
             t_end = time.monotonic() + timeout
             for i, (p, err) in enumerate(zip(self.procs, self._errs)):
                 line = self._line(p, t_end)
