@@ -9,8 +9,7 @@ device name), with figures measured at ``threads`` torch threads (the top level 
 ``by_threads`` entry) in the job's dtype, and (cpu) a measured process baseline. When it has
 one, nothing is measured. When not, the launcher measures only what the plan needs, in a few
 seconds (:data:`~npu_train.planner.measure.AUTO` loop bounds: 6 figures, each at most 1.2 s, the
-job's own layer and head shapes, one thread count, one dtype, no bare-matmul figure; on cpu the
-process-baseline subprocess runs alongside when the job leaves a core free), prints one line
+job's own layer and head shapes, one thread count, one dtype, no bare-matmul figure), prints one line
 ``calibrating <kind> (<why>, ~N s; cached in <path>)`` and merges the figures into the profile:
 a profile of another machine is replaced, one of this machine gains the thread count.
 
@@ -28,10 +27,19 @@ figures are measured under the job's concurrency (:func:`job_concurrency`: the j
 at most usable cores // threads): ``c - 1`` helper processes
 (:class:`~npu_train.planner.loadgen.BackgroundLoad`) run the same kind of work at the job's thread
 count while the calibrating process measures; they are ready before and stopped after the
-measured figures (not during the process baseline). The profile entry records ``concurrent: c``,
+measured figures. The profile entry records ``concurrent: c``,
 and a profile measured at another concurrency is ``"partial"`` for the job: its thread count is
 measured again and replaces that entry (a machine that alternates jobs of different concurrency
 re-measures each time). A profile without the field counts as measured alone (``c = 1``).
+
+Started early (cpu): the launcher calls :func:`start_early` before it reads the model, so the
+helpers' interpreter start and torch import overlap that work instead of following it, and
+passes them to :func:`auto_calibrate` (``early=``), which gives them the job's shapes and waits
+until they are ready. The first helper measures the process baseline before its load work (the
+same source as the stand-alone baseline subprocess: :mod:`npu_train.planner.baseline`), so no
+extra interpreter runs and nothing but the job's ``c`` processes runs in the measured window;
+without helpers (``c = 1``) the baseline subprocess starts early too. Every helper is stopped
+(killed when not yet ready) on every path: used, unused, a failed measurement, a rejected job.
 
 Concurrency: launchers of a sweep may start together. The profile is written atomically (temp
 file + ``os.replace``: a reader sees the old or the new file, never a torn one) under an
@@ -58,7 +66,14 @@ from npu_train.env import getenv
 from npu_train.errors import ConfigError
 from npu_train.planner.calibration import PROFILE_VERSION, save_profile
 from npu_train.planner.loadgen import BackgroundLoad
-from npu_train.planner.machine import cpu_flags_digest, cpu_model, machine_info, same_machine
+from npu_train.planner.machine import (  # cpu_snapshot, others_cores: re-exported
+    cpu_flags_digest,
+    cpu_model,
+    cpu_snapshot,
+    machine_info,
+    others_cores,
+    same_machine,
+)
 from npu_train.planner.measure import (
     AUTO,
     QUICK,
@@ -177,32 +192,6 @@ def _loadavg() -> Optional[float]:
         return round(os.getloadavg()[0], 2)
     except OSError:
         return None
-
-
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, CPU seconds of the whole machine, CPU seconds of this process, its waited-for
-    children and its running ones (the calibration's helpers, started before the first
-    snapshot)) now; two snapshots give :func:`others_cores`."""
-    import psutil
-
-    t = psutil.cpu_times()
-    machine = sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
-    own = os.times()
-    live = 0.0
-    for child in psutil.Process().children(recursive=True):
-        try:
-            ct = child.cpu_times()
-            live += ct.user + ct.system
-        except psutil.Error:
-            pass
-    return time.monotonic(), machine, own.user + own.system + own.children_user + own.children_system + live
-
-
-def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
-    """Cores other processes used on average between two :func:`cpu_snapshot` s: the machine's
-    CPU time minus this process's (and its children's), divided by the wall time."""
-    wall = max(after[0] - before[0], 1e-9)
-    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
 
 
 @contextlib.contextmanager
