@@ -15,13 +15,14 @@ differs between the two launches of a round. ``NPT_CALIBRATE`` is removed from t
 Usage (from the repository root)::
 
     .venv/bin/python experiments/bench/first_run_cost.py --rounds 2 --out-dir /tmp/first-run \\
-        [--python /path/to/python] [-- extra launcher overrides]
+        [--wait-idle 30 --max-wait 600] [--python /path/to/python] [-- extra launcher overrides]
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -67,6 +68,7 @@ def launch(python: str, cache: Path, run_dir: Path, extra: list[str]) -> dict:
     out["t_exit"] = round(time.monotonic() - t0, 2)
     out["load_after"] = round(os.getloadavg()[0], 2)
     (run_dir / "launch.log").write_text("\n".join(lines) + "\n")
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB per launch, not needed
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]
@@ -77,11 +79,27 @@ def launch(python: str, cache: Path, run_dir: Path, extra: list[str]) -> dict:
     return out
 
 
+def wait_idle(max_pct: float, max_wait: float) -> float:
+    """Wait until the machine's CPU use over 5 s is at most ``max_pct`` percent (or ``max_wait``
+    seconds passed); returns the last reading."""
+    import psutil
+
+    t_end = time.time() + max_wait
+    while True:
+        pct = psutil.cpu_percent(interval=5.0)
+        if pct <= max_pct or time.time() > t_end:
+            return pct
+        print(f"   machine busy ({pct:.0f}% CPU), waiting ...", flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--wait-idle", type=float, default=100.0,
+                    help="before each launch, wait until the machine's CPU use is at most this percent")
+    ap.add_argument("--max-wait", type=float, default=600.0, help="seconds to wait for --wait-idle at most")
     ap.add_argument("extra", nargs="*", help="launcher overrides (after --)")
     a = ap.parse_args()
     print(f"machine: {os.cpu_count()} cpu(s), {os.uname().nodename}, python {a.python}", flush=True)
@@ -92,7 +110,9 @@ def main() -> int:
         for which in ("first", "cached"):
             run_dir = a.out_dir / f"run-{r}-{which}"
             run_dir.mkdir(parents=True, exist_ok=True)
+            pct = wait_idle(a.wait_idle, a.max_wait) if a.wait_idle < 100 else None
             row[which] = launch(a.python, cache, run_dir, a.extra)
+            row[which]["cpu_pct_before"] = pct
             print(f"round {r} {which}: {json.dumps(row[which])}", flush=True)
         prof = cache / "calibration" / "cpu.json"
         if prof.is_file():

@@ -95,7 +95,8 @@ MODES = ("auto", "never", "always")
 #: parameters of the two AdamW benchmarks in the automatic calibration (8M: 96 MB of fp32
 #: master + moments, far beyond any cache, as the real optimizer's state)
 AUTO_ADAMW_PARAMS = 8_000_000
-#: the wall time printed in the "calibrating" line, seconds (measured on the 2-core CPU machine:
+#: the wall time printed in the "calibrating" line, seconds, from that line to the plan (cpu: 11.7
+#: and 12.7 s on the quiet 2-core machine with the helpers started early, run 4 of
 #: experiments/2026-11-30-first-run-calibration.md; accelerators: an estimate)
 EXPECTED_SECONDS = {"cpu": 12, "cuda": 10, "furiosa": 30}
 #: cores per usable core that other processes may use during a calibration before it warns that
