@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -118,6 +119,7 @@ def test_an_early_close_kills_helpers_still_importing():
     load.spawn()
     load.close()  # e.g. the launcher rejected the job while reading the model
     assert _gone(load.pids) and load.steps == [None, None]
+    assert load.returncodes == [-signal.SIGKILL] * 2  # killed at once, not waited for
 
 
 def test_the_first_helper_measures_the_process_baseline_as_its_own_process_does():

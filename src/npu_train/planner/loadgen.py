@@ -181,6 +181,7 @@ class BackgroundLoad:
     Attributes:
         pids: the helpers' process ids (set on spawn; tests check that none is left).
         steps: per helper, the steps it ran per work after it was ready (set by :meth:`stop`).
+        returncodes: per helper, its exit status (set by :meth:`stop`; ``-9``: killed).
         baseline_pid: the stand-alone baseline subprocess's id (``n = 0`` with a baseline).
         spawned_at: ``time.monotonic()`` when :meth:`spawn` started the processes (``None``
             before).
@@ -196,6 +197,7 @@ class BackgroundLoad:
         self.procs: list[subprocess.Popen] = []
         self.pids: list[int] = []
         self.steps: list[Optional[dict]] = []
+        self.returncodes: list[Optional[int]] = []
         self.baseline_pid: Optional[int] = None
         self.spawned_at: Optional[float] = None
         self._errs: list = []
@@ -345,7 +347,7 @@ class BackgroundLoad:
                      if ln.startswith('{"steps"')]
             steps.append(json.loads(lines[-1])["steps"] if lines else None)
         if self.procs:
-            self.steps = steps
+            self.steps, self.returncodes = steps, [p.returncode for p in self.procs]
         self.procs = []
         for err in self._errs:
             err.close()
