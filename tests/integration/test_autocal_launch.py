@@ -57,3 +57,58 @@ def test_no_calibration_for_never_a_chosen_profile_or_a_dry_run(tiny_model, tmp_
     assert "calibrating" not in capsys.readouterr().out and not auto_env.exists()
     with pytest.raises(ConfigError, match="placement.calibrate='sometimes'"):
         prepare(make_cfg(tiny_model, "placement.calibrate=sometimes"), str(tmp_path / "run"))
+
+
+def _spy_early(monkeypatch):
+    """Record what ``start_early`` returns when ``prepare`` calls it."""
+    from npu_train.planner import autocal
+
+    started, real = [], autocal.start_early
+
+    def spy(*a, **k):
+        started.append(real(*a, **k))
+        return started[-1]
+
+    monkeypatch.setattr(autocal, "start_early", spy)
+    return started
+
+
+def _gone(pids):
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="a 2-process job needs 2 usable cores")
+def test_the_launch_starts_the_helpers_before_reading_the_model_and_reuses_them(tiny_model, tmp_path, auto_env,
+                                                                                 monkeypatch):
+    from npu_train.model import weights
+
+    started = _spy_early(monkeypatch)
+    seen = []
+    real_load = weights.load_config
+
+    def load_config(path):  # the helper is already running while the model is read
+        seen.extend(started)
+        return real_load(path)
+
+    monkeypatch.setattr("npu_train.model.load_config", load_config)
+    prepare(make_cfg(tiny_model, "backend=[cpu,cpu]"), str(tmp_path / "run1"))
+    assert len(seen) == 1 and seen[0] is started[0] and len(started[0].pids) == 1
+    auto = json.loads(auto_env.read_text())["details"]["auto"]
+    assert auto["load_pids"] == started[0].pids and _gone(started[0].pids)
+
+
+@pytest.mark.skipif(usable_cores() < 2, reason="a 2-process job needs 2 usable cores")
+def test_a_job_rejected_after_the_early_start_leaves_no_helper(tiny_model, tmp_path, auto_env, monkeypatch):
+    started = _spy_early(monkeypatch)
+    with pytest.raises(ConfigError, match="data.seq_len=100000 exceeds"):
+        prepare(make_cfg(tiny_model, "backend=[cpu,cpu]", "data.seq_len=100000"), str(tmp_path / "run"))
+    assert len(started) == 1 and started[0].pids and _gone(started[0].pids)
+    assert not auto_env.exists()

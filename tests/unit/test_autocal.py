@@ -21,6 +21,7 @@ from npu_train.planner.autocal import (
     measure_for_job,
     profile_status,
 )
+from npu_train.planner.loadgen import BackgroundLoad
 from npu_train.planner.measure import AUTO, LoopBounds
 from npu_train.planner.spec import RunShape
 
@@ -140,10 +141,22 @@ def test_job_calibration_measures_only_what_the_plan_needs_within_the_auto_bound
                 "host_adamw_params_per_s": 1e8, "device_adamw_params_per_s": 1e8,
                 "head_flops_ratio": 0.8, "flops_by_dtype": {"bf16": 1e10}}
 
+    class FakeLoad(BackgroundLoad):  # no processes: the baseline "measured" by the load
+        def spawn(self):
+            pass
+
+        def give_work(self, **kw):
+            assert kw["adamw_params"] == AUTO_ADAMW_PARAMS
+
+        def wait_ready(self, **kw):
+            pass
+
+        def baseline_bytes(self):
+            return 123 * 2**20
+
     monkeypatch.setattr(autocal, "measure_at", fake_measure_at)
-    monkeypatch.setattr(autocal, "start_process_baseline", lambda *a, **k: "proc")
-    monkeypatch.setattr(autocal, "finish_process_baseline", lambda proc, *a: 123 * 2**20)
-    entry, baseline, det = measure_for_job("cpu", None, 1, "bf16", batch_seq=(4, 64))
+    load = FakeLoad(0, threads=1, baseline=(None, None))
+    entry, baseline, det = measure_for_job("cpu", None, 1, "bf16", batch_seq=(4, 64), load=load)
     assert seen["loop"] is AUTO and seen["dtypes"] == ("bf16",) and seen["matmul"] is False
     assert seen["batch_seq"] == (4, 64) and seen["adamw_params"] == AUTO_ADAMW_PARAMS
     assert seen["threads"] == 1 and not seen["quick"]

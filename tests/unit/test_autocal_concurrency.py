@@ -87,10 +87,9 @@ def test_helpers_are_stopped_when_the_measurement_fails(monkeypatch):
 
 
 def test_a_helper_that_cannot_start_fails_loudly_and_leaves_nothing():
-    load = BackgroundLoad(1, threads=1, dtype="fp64", layer=(8, 16, 2, 1, 1, 4), head=(10, 8, 4),
-                          adamw_params=8)
+    load = BackgroundLoad(1, threads=1)
     with pytest.raises(RuntimeError, match="not ready"):
-        load.start(timeout=60)
+        load.start(dtype="fp64", layer=(8, 16, 2, 1, 1, 4), head=(10, 8, 4), adamw_params=8, timeout=60)
     assert load.procs == [] and _gone(load.pids)
 
 

@@ -9,8 +9,7 @@ device name), with figures measured at ``threads`` torch threads (the top level 
 ``by_threads`` entry) in the job's dtype, and (cpu) a measured process baseline. When it has
 one, nothing is measured. When not, the launcher measures only what the plan needs, in a few
 seconds (:data:`~npu_train.planner.measure.AUTO` loop bounds: 6 figures, each at most 1.2 s, the
-job's own layer and head shapes, one thread count, one dtype, no bare-matmul figure; on cpu the
-process-baseline subprocess runs alongside when the job leaves a core free), prints one line
+job's own layer and head shapes, one thread count, one dtype, no bare-matmul figure), prints one line
 ``calibrating <kind> (<why>, ~N s; cached in <path>)`` and merges the figures into the profile:
 a profile of another machine is replaced, one of this machine gains the thread count.
 
@@ -28,10 +27,19 @@ figures are measured under the job's concurrency (:func:`job_concurrency`: the j
 at most usable cores // threads): ``c - 1`` helper processes
 (:class:`~npu_train.planner.loadgen.BackgroundLoad`) run the same kind of work at the job's thread
 count while the calibrating process measures; they are ready before and stopped after the
-measured figures (not during the process baseline). The profile entry records ``concurrent: c``,
+measured figures. The profile entry records ``concurrent: c``,
 and a profile measured at another concurrency is ``"partial"`` for the job: its thread count is
 measured again and replaces that entry (a machine that alternates jobs of different concurrency
 re-measures each time). A profile without the field counts as measured alone (``c = 1``).
+
+Started early (cpu): the launcher calls :func:`start_early` before it reads the model, so the
+helpers' interpreter start and torch import overlap that work instead of following it, and
+passes them to :func:`auto_calibrate` (``early=``), which gives them the job's shapes and waits
+until they are ready. The first helper measures the process baseline before its load work (the
+same source as the stand-alone baseline subprocess: :mod:`npu_train.planner.baseline`), so no
+extra interpreter runs and nothing but the job's ``c`` processes runs in the measured window;
+without helpers (``c = 1``) the baseline subprocess starts early too. Every helper is stopped
+(killed when not yet ready) on every path: used, unused, a failed measurement, a rejected job.
 
 Concurrency: launchers of a sweep may start together. The profile is written atomically (temp
 file + ``os.replace``: a reader sees the old or the new file, never a torn one) under an
@@ -56,28 +64,39 @@ from typing import Optional, Sequence
 
 from npu_train.env import getenv
 from npu_train.errors import ConfigError
-from npu_train.planner.calibration import (
-    PROFILE_VERSION,
-    finish_process_baseline,
-    save_profile,
-    start_process_baseline,
-)
+from npu_train.planner.calibration import PROFILE_VERSION, save_profile
 from npu_train.planner.loadgen import BackgroundLoad
-from npu_train.planner.machine import cpu_flags_digest, cpu_model, machine_info, same_machine
-from npu_train.planner.measure import AUTO, QUICK, measure_at, note_load, rate_fields, reference_shapes
+from npu_train.planner.machine import (  # cpu_snapshot, others_cores: re-exported
+    cpu_flags_digest,
+    cpu_model,
+    cpu_snapshot,
+    machine_info,
+    others_cores,
+    same_machine,
+)
+from npu_train.planner.measure import (
+    AUTO,
+    QUICK,
+    measure_at,
+    note_load,
+    rate_fields,
+    reference_shapes,
+    warm_imports,
+)
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
 from npu_train.planner.spec import PlacementError
 from npu_train.planner.threads import usable_cores
 
 __all__ = ["MODES", "AUTO_ADAMW_PARAMS", "EXPECTED_SECONDS", "LOCK_TIMEOUT_S", "calibrate_mode", "auto_calibrate",
            "here_fingerprint", "profile_status", "ensure_profile", "measure_for_job", "cpu_snapshot",
-           "others_cores", "job_concurrency"]
+           "others_cores", "job_concurrency", "needs_baseline", "start_early"]
 
 MODES = ("auto", "never", "always")
 #: parameters of the two AdamW benchmarks in the automatic calibration (8M: 96 MB of fp32
 #: master + moments, far beyond any cache, as the real optimizer's state)
 AUTO_ADAMW_PARAMS = 8_000_000
-#: the wall time printed in the "calibrating" line, seconds (measured on the 2-core CPU machine:
+#: the wall time printed in the "calibrating" line, seconds, from that line to the plan (cpu: 11.7
+#: and 12.7 s on the quiet 2-core machine with the helpers started early, run 4 of
 #: experiments/2026-11-30-first-run-calibration.md; accelerators: an estimate)
 EXPECTED_SECONDS = {"cpu": 12, "cuda": 10, "furiosa": 30}
 #: cores per usable core that other processes may use during a calibration before it warns that
@@ -176,24 +195,6 @@ def _loadavg() -> Optional[float]:
         return None
 
 
-def cpu_snapshot() -> tuple[float, float, float]:
-    """(wall s, CPU seconds of the whole machine, CPU seconds of this process and its waited-for
-    children) now; two snapshots give :func:`others_cores`."""
-    import psutil
-
-    t = psutil.cpu_times()
-    machine = sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
-    own = os.times()
-    return time.monotonic(), machine, own.user + own.system + own.children_user + own.children_system
-
-
-def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
-    """Cores other processes used on average between two :func:`cpu_snapshot` s: the machine's
-    CPU time minus this process's (and its children's), divided by the wall time."""
-    wall = max(after[0] - before[0], 1e-9)
-    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall
-
-
 @contextlib.contextmanager
 def _locked(lock_path: Path, timeout: float):
     """An exclusive ``fcntl.flock`` on ``lock_path`` (created), polled for ``timeout`` seconds;
@@ -223,14 +224,27 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
                     quick: bool = False, model_cfg=None, model_path: Optional[str] = None,
                     batch_seq: Optional[tuple[int, int]] = None,
                     modules: Optional[Sequence[str]] = None,
-                    need_baseline: bool = True, concurrent: int = 1) -> tuple[dict, Optional[int], dict]:
+                    need_baseline: bool = True, concurrent: int = 1,
+                    load: Optional[BackgroundLoad] = None) -> tuple[dict, Optional[int], dict]:
     """Measure the figures a job's plan needs for card kind ``kind`` at ``threads`` torch threads
     in ``dtype``: (rate fields as a ``by_threads`` entry, process baseline bytes (cpu with
-    ``need_baseline``; ``None`` elsewhere or when its subprocess failed), details). Loop bounds :data:`~npu_train.planner.measure.AUTO`
-    (``quick``: :data:`~npu_train.planner.measure.QUICK` and tiny sizes). ``concurrent`` (cpu):
-    the job's card processes at once; ``concurrent - 1`` helper processes run the same kind of
-    work during the measured figures (module docstring). The entry holds ``"concurrent"``; the
-    details hold ``concurrent``, ``load_pids`` and ``load_steps`` (each helper's steps per work).
+    ``need_baseline``; ``None`` elsewhere or when it failed), details). Loop bounds
+    :data:`~npu_train.planner.measure.AUTO` (``quick``: :data:`~npu_train.planner.measure.QUICK`
+    and tiny sizes). ``concurrent`` (cpu): the job's card processes at once; ``concurrent - 1``
+    helper processes run the same kind of work during the measured figures (module docstring).
+
+    ``load``: the helpers (and baseline) :func:`start_early` started, used when they fit this
+    measurement (:meth:`~npu_train.planner.loadgen.BackgroundLoad.fits`), else closed and started
+    here. Either way every helper is stopped (killed on an error) before this returns or raises.
+    The process baseline is measured by the first helper before the window opens, or (no
+    helper) in its own subprocess: alongside the figures when the job leaves a core free, else
+    before them.
+
+    The entry holds ``"concurrent"``; the details hold ``concurrent``, ``load_pids``,
+    ``load_steps`` (each helper's steps per work), ``load_head_start_seconds`` (how long before
+    this call :func:`start_early` started them), ``load_wait_seconds`` (seconds spent waiting
+    for the helpers to be ready: what an early start did not hide), ``measure_seconds`` and
+    ``seconds`` (wall seconds from this call to the end of the figures / of everything).
 
     Raises:
         RuntimeError: a helper process did not start (the figures are not measured)."""
@@ -239,46 +253,46 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     from npu_train.backends import make_backend
 
     t0 = time.perf_counter()
-    backend = make_backend("cpu" if kind == "cpu" else f"{kind}:{int(index or 0)}")
-    backend.setup()
     conc = max(1, int(concurrent)) if kind == "cpu" else 1
     details: dict = {"threads": int(threads), "dtype": dtype, "concurrent": conc}
-    proc, baseline = None, None
-    spare_core = int(threads) * conc < usable_cores()
-    kw = {"modules": modules} if modules is not None else {}
     measure_baseline = kind == "cpu" and not quick and need_baseline
-    if measure_baseline:
-        if spare_core:  # alongside the measurements, on the core the job leaves free
-            proc = start_process_baseline(model_path, int(threads), **kw)
+    if load is None or not load.fits(conc - 1, int(threads), measure_baseline):
+        if load is not None:
+            load.close()
+        load = BackgroundLoad(conc - 1, threads=int(threads),
+                              baseline=(model_path, modules) if measure_baseline else None)
+    baseline = None
     old = torch.get_num_threads()
-    layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
-    load = BackgroundLoad(conc - 1, threads=int(threads), dtype=dtype, layer=layer, head=head,
-                          adamw_params=200_000 if quick else AUTO_ADAMW_PARAMS)
-    try:
-        torch.set_num_threads(int(threads))
-        with load:  # the other card processes of the job, from before to after the figures
+    if load.spawned_at is not None:  # started early: how long before this call
+        details["load_head_start_seconds"] = round(time.monotonic() - load.spawned_at, 2)
+    with load:  # the other card processes of the job, from before to after the figures
+        backend = make_backend("cpu" if kind == "cpu" else f"{kind}:{int(index or 0)}")
+        backend.setup()
+        layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
+        spare_core = int(threads) * conc < usable_cores()
+        load.give_work(dtype=dtype, layer=layer, head=head, adamw_params=200_000 if quick else AUTO_ADAMW_PARAMS)
+        warm_imports()  # while the helpers build their work
+        t_wait = time.perf_counter()
+        load.wait_ready(baseline_first=not spare_core)
+        details["load_wait_seconds"] = round(time.perf_counter() - t_wait, 2)
+        try:
+            torch.set_num_threads(int(threads))
             m = measure_at(kind, backend, quick, model_cfg, loop=QUICK if quick else AUTO,
                            dtypes=(dtype,), matmul=False, batch_seq=batch_seq,
                            adamw_params=None if quick else AUTO_ADAMW_PARAMS, on_phase=load.phase)
-    except BaseException:
-        if proc is not None:
-            proc.kill()
-            proc.communicate()
-        raise
-    finally:
-        torch.set_num_threads(old)
+        finally:
+            torch.set_num_threads(old)
+        load.stop()
+        details["measure_seconds"] = round(time.perf_counter() - t0, 2)
+        if measure_baseline:
+            try:
+                baseline = load.baseline_bytes()
+            except RuntimeError as exc:  # keep the rates; the baseline stays assumed
+                details["process_baseline_error"] = str(exc)[:2000]
+            details["process_baseline_in"] = ("load process" if load.n else
+                                               "alongside" if spare_core else "before the figures")
     note_load(m)
-    details.update(load_pids=load.pids, load_steps=load.steps)
-    details["measured"] = m
-    details["measure_seconds"] = round(time.perf_counter() - t0, 2)
-    if measure_baseline:
-        try:
-            if proc is None:
-                proc = start_process_baseline(model_path, int(threads), **kw)
-            baseline = finish_process_baseline(proc) if proc is not None else None
-        except Exception as exc:  # noqa: BLE001 - keep the rates; the baseline stays assumed
-            details["process_baseline_error"] = str(exc)[:2000]
-        details["process_baseline_alongside"] = bool(spare_core)
+    details.update(load_pids=load.pids, load_steps=load.steps, measured=m)
     details["seconds"] = round(time.perf_counter() - t0, 2)
     details["machine"] = machine_info(kind, backend)
     return dict(rate_fields(m), concurrent=conc), baseline, details
@@ -325,7 +339,7 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
                    mode: str = "auto", quick: bool = False, model_cfg=None,
                    model_path: Optional[str] = None, batch_seq: Optional[tuple[int, int]] = None,
                    modules: Optional[Sequence[str]] = None, path: Optional[Path] = None,
-                   log=None, concurrent: int = 1) -> dict:
+                   log=None, concurrent: int = 1, load: Optional[BackgroundLoad] = None) -> dict:
     """Make the calibration profile of ``kind`` at ``path`` (default
     :func:`~npu_train.planner.rates.calibration_path`) fit this machine and job (module docstring),
     measuring when it does not (``mode="auto"``) or always (``"always"``; ``"never"``: no-op).
@@ -339,10 +353,21 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
         log: where the one-line messages go (default: ``print`` with flush).
         concurrent: the job's card processes of this kind at once on this host (cpu:
             :func:`job_concurrency`; figures are measured and checked at it; elsewhere ignored).
+        load: helpers :func:`start_early` started (passed to :func:`measure_for_job`); closed
+            before this returns, used or not.
 
     Returns:
         ``{"path", "calibrated": bool, "why", "seconds"}`` (``seconds`` when measured).
     """
+    with load if load is not None else contextlib.nullcontext():
+        return _ensure(kind, index, threads=threads, dtype=dtype, mode=mode, quick=quick, model_cfg=model_cfg,
+                       model_path=model_path, batch_seq=batch_seq, modules=modules, path=path, log=log,
+                       concurrent=concurrent, load=load)
+
+
+def _ensure(kind, index, *, threads, dtype, mode, quick, model_cfg, model_path, batch_seq, modules, path, log,
+            concurrent, load) -> dict:
+    """:func:`ensure_profile` without closing ``load``."""
     path = Path(path) if path is not None else calibration_path(kind)
     log = log or functools.partial(print, flush=True)
     if mode == "never":
@@ -367,19 +392,18 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
             why = "placement.calibrate=always"
         at_once = f", {conc} processes at once" if conc > 1 else ""
         log(f"calibrating {kind} ({why}{at_once}, ~{EXPECTED_SECONDS.get(kind, 15)} s; cached in {path})")
-        load, snap = _loadavg(), cpu_snapshot()
-        # adding a thread count to this machine's profile keeps its process baseline
-        need_baseline = status != "partial" or "baseline" in why or mode == "always"
+        avg, snap = _loadavg(), cpu_snapshot()
         entry, baseline, det = measure_for_job(kind, index, threads, dtype, quick=quick,
                                                model_cfg=model_cfg, model_path=model_path,
                                                batch_seq=batch_seq, modules=modules,
-                                               need_baseline=need_baseline, concurrent=conc)
+                                               need_baseline=needs_baseline(status, why, mode),
+                                               concurrent=conc, load=load)
         rates, assumed = _merged(kind, path, status, entry, threads, baseline)
         details = {"machine": det.pop("machine"), "kind": kind, "quick": bool(quick),
                    "auto": det, "model": getattr(model_cfg, "name", None),
                    "assumed_fields": assumed}
         others = round(others_cores(snap, cpu_snapshot()), 2)
-        details.update(loadavg_1_before=load, others_cores=others)
+        details.update(loadavg_1_before=avg, others_cores=others)
         save_profile(kind, rates, path, details=details)
         if not quick and others > BUSY_OTHERS * usable_cores():
             log(f"warning: other processes used {others:.2f} of {usable_cores()} core(s) while "
@@ -388,25 +412,69 @@ def ensure_profile(kind: str, index: Optional[int] = None, *, threads: int, dtyp
     return {"path": str(path), "calibrated": True, "why": why, "seconds": det["seconds"]}
 
 
-def auto_calibrate(cards: Sequence, configured: str, *, threads: int, dtype: str, model_cfg=None,
-                   model_path: Optional[str] = None, batch_seq: Optional[tuple[int, int]] = None,
-                   modules: Optional[Sequence[str]] = None, quick: bool = False) -> list[dict]:
-    """:func:`ensure_profile` for every distinct card kind of ``cards``
-    (:class:`~npu_train.planner.spec.CardSpec`; the first card of a kind is measured) in the mode
-    :func:`calibrate_mode` (``configured``) gives; ``quick`` (or ``$NPT_CALIBRATE_QUICK=1``, for
-    tests): tiny sizes. ``cards``: every card of the job on this host (all data-parallel
-    replicas): the cpu ones set the concurrency the cpu figures are measured at
-    (:func:`job_concurrency`). Returns one result dict per kind.
+def needs_baseline(status: str, why: str, mode: str) -> bool:
+    """Whether a calibration of a profile in ``status`` (:func:`profile_status`, with its
+    ``why``) in ``mode`` measures the process baseline: adding a thread count or concurrency to
+    this machine's profile (``"partial"``) keeps the baseline it has."""
+    return status != "partial" or "baseline" in why or mode == "always"
+
+
+def start_early(cards: Sequence, configured: str, *, threads: int, dtype: str,
+                model_path: Optional[str] = None, modules: Optional[Sequence[str]] = None,
+                quick: bool = False, path: Optional[Path] = None) -> Optional[BackgroundLoad]:
+    """Start the cpu calibration's helper processes (and its process baseline) now, when
+    :func:`auto_calibrate` will measure the cpu kind of ``cards`` (same arguments), so their
+    start-up overlaps what the launcher does before it calibrates (reading the model); ``None``
+    when it will not (a fitting profile, ``never``, no cpu card, or nothing to start). The
+    helpers wait for their work (:meth:`~npu_train.planner.loadgen.BackgroundLoad.start`, called
+    by :func:`measure_for_job` through ``auto_calibrate(..., early=)``). The caller closes the
+    result on every path (a context manager); a helper whose launcher dies exits by itself.
+
+    ``path``: the profile (default :func:`~npu_train.planner.rates.calibration_path`).
 
     Raises:
         ConfigError: an unknown mode.
     """
     mode = calibrate_mode(configured)
-    quick = quick or getenv("CALIBRATE_QUICK") == "1"  # tests: tiny sizes, a quick profile
+    quick = quick or getenv("CALIBRATE_QUICK") == "1"
+    if mode == "never" or not any(c.kind == "cpu" for c in cards):
+        return None
     conc = job_concurrency(cards, threads)
-    seen: dict = {}
-    for c in cards:
-        seen.setdefault(c.kind, c.index)
-    return [ensure_profile(kind, idx, threads=threads, dtype=dtype, mode=mode, quick=quick,
-                           model_cfg=model_cfg, model_path=model_path, batch_seq=batch_seq,
-                           modules=modules, concurrent=conc) for kind, idx in seen.items()]
+    path = Path(path) if path is not None else calibration_path("cpu")
+    status, why = profile_status(path, "cpu", threads, dtype, quick=quick, concurrent=conc)
+    if status == "ok" and mode == "auto":
+        return None
+    baseline = not quick and needs_baseline(status, why, mode)
+    if conc == 1 and not baseline:
+        return None
+    load = BackgroundLoad(conc - 1, threads=int(threads), baseline=(model_path, modules) if baseline else None)
+    load.spawn()
+    return load
+
+
+def auto_calibrate(cards: Sequence, configured: str, *, threads: int, dtype: str, model_cfg=None,
+                   model_path: Optional[str] = None, batch_seq: Optional[tuple[int, int]] = None,
+                   modules: Optional[Sequence[str]] = None, quick: bool = False,
+                   early: Optional[BackgroundLoad] = None) -> list[dict]:
+    """:func:`ensure_profile` for every distinct card kind of ``cards``
+    (:class:`~npu_train.planner.spec.CardSpec`; the first card of a kind is measured) in the mode
+    :func:`calibrate_mode` (``configured``) gives; ``quick`` (or ``$NPT_CALIBRATE_QUICK=1``, for
+    tests): tiny sizes. ``cards``: every card of the job on this host (all data-parallel
+    replicas): the cpu ones set the concurrency the cpu figures are measured at
+    (:func:`job_concurrency`). ``early``: what :func:`start_early` started (the cpu kind's
+    helpers; closed before this returns or raises). Returns one result dict per kind.
+
+    Raises:
+        ConfigError: an unknown mode.
+    """
+    with early if early is not None else contextlib.nullcontext():
+        mode = calibrate_mode(configured)
+        quick = quick or getenv("CALIBRATE_QUICK") == "1"  # tests: tiny sizes, a quick profile
+        conc = job_concurrency(cards, threads)
+        seen: dict = {}
+        for c in cards:
+            seen.setdefault(c.kind, c.index)
+        return [ensure_profile(kind, idx, threads=threads, dtype=dtype, mode=mode, quick=quick,
+                               model_cfg=model_cfg, model_path=model_path, batch_seq=batch_seq,
+                               modules=modules, concurrent=conc, load=early if kind == "cpu" else None)
+                for kind, idx in seen.items()]

@@ -1,6 +1,7 @@
 """What a calibration profile records about the machine it was measured on, and whether a cached
 profile still describes this machine (:func:`machine_info`, :func:`fingerprint`,
-:func:`same_machine`).
+:func:`same_machine`); how much CPU other processes used meanwhile (:func:`cpu_snapshot`,
+:func:`others_cores`).
 
 A profile's rates are this machine's only while the things that set them are the same: the CPU
 (model name *and* instruction-set flags: two VMs both called "AMD EPYC" may differ by AVX-512,
@@ -15,12 +16,13 @@ import hashlib
 import os
 import platform
 import socket
+import time
 from typing import Optional
 
 from npu_train.planner.threads import usable_cores
 
 __all__ = ["cpu_model", "cpu_flags_digest", "machine_info", "fingerprint", "same_machine",
-           "FINGERPRINT_KEYS"]
+           "FINGERPRINT_KEYS", "cpu_snapshot", "others_cores"]
 
 #: machine-record keys that must match for a cached profile to be reused (``device``: cuda/furiosa)
 FINGERPRINT_KEYS = ("cpu_model", "cpu_flags", "cores_usable", "torch", "device")
@@ -116,3 +118,29 @@ def same_machine(recorded: dict, here: dict) -> list[str]:
         if str(recorded[k]) != str(here[k]):
             diff.append(f"{k} {recorded[k]} != {here[k]}")
     return diff
+
+
+def cpu_snapshot() -> tuple[float, float, float]:
+    """(wall s, CPU seconds of the whole machine, CPU seconds of this process, its waited-for
+    children and its running ones (the calibration's helpers, started before the first
+    snapshot)) now; two snapshots give :func:`others_cores`."""
+    import psutil
+
+    t = psutil.cpu_times()
+    machine = sum(getattr(t, k, 0.0) for k in ("user", "nice", "system", "irq", "softirq", "steal"))
+    own = os.times()
+    live = 0.0
+    for child in psutil.Process().children(recursive=True):
+        try:
+            ct = child.cpu_times()
+            live += ct.user + ct.system
+        except psutil.Error:
+            pass
+    return time.monotonic(), machine, own.user + own.system + own.children_user + own.children_system + live
+
+
+def others_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores other processes used on average between two :func:`cpu_snapshot` s: the machine's
+    CPU time minus this process's (and its children's), divided by the wall time."""
+    wall = max(after[0] - before[0], 1e-9)
+    return max(0.0, (after[1] - before[1]) - (after[2] - before[2])) / wall

@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 __all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "planner_dtype",
            "measure_at", "reference_shapes", "slower", "best_of",
-           "note_load", "rate_fields"]
+           "note_load", "rate_fields", "warm_imports"]
 
 #: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
 COPY_BYTES = 117_000_000
@@ -80,6 +80,20 @@ QUICK = LoopBounds(min_time=0.02, max_time=0.1, max_reps=3, min_reps=3, warmup=2
 #: automatic first-run calibration (:mod:`npu_train.planner.autocal`): one thread count, only the
 #: figures the plan needs; 6 figures x at most 1.2 s + set-up stays within the 15 s budget
 AUTO = LoopBounds(min_time=0.3, max_time=1.2, max_reps=20, min_reps=2, warmup=1)
+
+
+def warm_imports() -> None:
+    """Import what the figures' set-up imports on first use: constructing a fused
+    ``torch.optim.AdamW`` imports ``torch._dynamo`` (with sympy and FSDP: ~1.5 s on one core of
+    the 2-core machine, profiled with ``-X importtime``), and the device-AdamW figure uses
+    :class:`~npu_train.optim.adamw.StageOptimizer`. Untimed either way; the automatic
+    calibration calls it while its load processes start, so that time is not spent later."""
+    import importlib
+
+    import torch
+
+    importlib.import_module("npu_train.optim.adamw")
+    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
 
 
 def timed(fn: Callable[[], None], sync: Callable[[], None], loop: LoopBounds) -> float:

@@ -9,6 +9,7 @@ anything is written, and raises a :class:`~npu_train.errors.UserError` naming th
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -21,7 +22,7 @@ from npu_train.env import getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
-from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, train_spec
+from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, pipeline_stages, run_shape, train_spec
 from npu_train.transport.channel import Endpoint
 
 
@@ -88,9 +89,10 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     Raises a :class:`~npu_train.errors.UserError` on bad input.
     """
     from npu_train.backends.spec import parse_backend_list, resolve_cards
-    from npu_train.config import check_dp_cards, compute_dtype, validate
+    from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
-    from npu_train.planner import RunShape, load_rates, make_plan, threads_per_card
+    from npu_train.planner import load_rates, make_plan, threads_per_card
+    from npu_train.planner.autocal import auto_calibrate, start_early
     from npu_train.planner.memterms import load_memory_terms
 
     validate(cfg)
@@ -111,49 +113,26 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
     mcfg, model_path = _preset_config(cfg.model.path), None
     if mcfg is None:
         model_path = resolve_model_path(cfg.model.path)
-        mcfg = load_config(model_path)
-        if not cfg.plan:
-            check_weights(model_path, mcfg)
     elif not cfg.plan:
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
-    tr = cfg.train
-    if cfg.data.seq_len > mcfg.max_position_embeddings:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
-                          f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
-    # data parallelism: dp replicas of a P-stage pipeline, global rank = replica * P + stage (runtime/layout.py)
-    dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
-    P = check_dp_cards(len(cards), dp)
-    kinds = [c.kind for c in cards]
-    for k in range(1, dp):
-        if kinds[k * P:(k + 1) * P] != kinds[:P]:
-            raise ConfigError(f"parallel.dp={dp}: replica {k} has cards {kinds[k * P:(k + 1) * P]} but replica 0 "
-                              f"has {kinds[:P]}: list the same card kinds, stage by stage, for every replica")
-    if P > mcfg.num_layers:
-        if dp == 1:
-            raise ConfigError(f"{P} cards but the model has only {mcfg.num_layers} layers: "
-                              f"use at most {mcfg.num_layers} backend entries")
-        raise ConfigError(f"{P} stages per pipeline ({len(cards)} cards / parallel.dp={dp}) but the model has only "
-                          f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
-                          "or raise parallel.dp")
-    dtype = compute_dtype(tr.dtype, [c.kind for c in cards])
-    lora_pl = 0
-    if tr.mode == "lora":
-        from npu_train.model.lora import LoraSpec
-
-        q_out, kv_out = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
-        lora_pl = LoraSpec(r=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets)).params_per_layer(
-            mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
-    shape = RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
-                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
-                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
-                     "delayed" if tr.offload_update == "delayed" else "overlap")
-    # first run on this machine (not for a dry run or the sweep's pre-check, which pass probe=False)
-    if probe and not cfg.plan and nodes is None and cfg.placement.profile is None:
-        from npu_train.planner.autocal import auto_calibrate
-
-        auto_calibrate(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
-                       model_path=model_path, batch_seq=(tr.micro_batch, cfg.data.seq_len), modules=CARD_PROCESS_MODULES)
+    tr, dtype = cfg.train, compute_dtype(cfg.train.dtype, [c.kind for c in cards])
+    # first run on this machine (not for a dry run or the sweep's pre-check, which pass probe=False): the
+    # calibration's load processes and process baseline start now, while this process reads the model
+    calibrate = probe and not cfg.plan and nodes is None and cfg.placement.profile is None
+    early = start_early(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_path=model_path,
+                        modules=CARD_PROCESS_MODULES) if calibrate else None
+    with early or contextlib.nullcontext():  # closed (helpers stopped or killed) on every path
+        if model_path is not None:
+            mcfg = load_config(model_path)
+            if not cfg.plan:
+                check_weights(model_path, mcfg)
+        P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
+        shape = run_shape(cfg, mcfg, dtype)
+        if calibrate:
+            auto_calibrate(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
+                           model_path=model_path, batch_seq=(tr.micro_batch, cfg.data.seq_len),
+                           modules=CARD_PROCESS_MODULES, early=early)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,

@@ -1,14 +1,62 @@
-"""Settings -> the typed pieces of :class:`~npu_train.runtime.spec.WorkerSpec` (train and RNGD runtime fields).
+"""Settings -> typed pieces: of :class:`~npu_train.runtime.spec.WorkerSpec` (train and RNGD runtime fields),
+and the pipeline's stage count and the planner's :class:`~npu_train.planner.RunShape` (:func:`pipeline_stages`,
+:func:`run_shape`).
 
-Used only by :func:`npu_train.runtime.job.build_worker_specs` and :func:`npu_train.runtime.job.run_job`,
-the one place worker specs are built.
+Used only by :mod:`npu_train.runtime.job` (``prepare``, ``build_worker_specs``, ``run_job``), the one place
+worker specs are built.
 """
 from __future__ import annotations
 
 import os
 
 from npu_train.env import cache_dir
+from npu_train.errors import ConfigError
 from npu_train.runtime.spec import TrainSpec
+
+
+def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
+    """(stages per pipeline P, ``parallel.dp``, ``parallel.zero``) for the cards of ``kinds`` (global-rank
+    order, :mod:`npu_train.runtime.layout`) and the model ``mcfg``. Raises :class:`~npu_train.errors.ConfigError`
+    when ``data.seq_len`` exceeds the model's, the cards do not divide into ``dp`` replicas of the same kinds,
+    or a pipeline has more stages than the model has layers."""
+    from npu_train.config import check_dp_cards
+
+    if cfg.data.seq_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
+                          f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
+    # data parallelism: dp replicas of a P-stage pipeline, global rank = replica * P + stage (runtime/layout.py)
+    dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
+    P = check_dp_cards(len(kinds), dp)
+    for k in range(1, dp):
+        if kinds[k * P:(k + 1) * P] != kinds[:P]:
+            raise ConfigError(f"parallel.dp={dp}: replica {k} has cards {kinds[k * P:(k + 1) * P]} but replica 0 "
+                              f"has {kinds[:P]}: list the same card kinds, stage by stage, for every replica")
+    if P > mcfg.num_layers:
+        if dp == 1:
+            raise ConfigError(f"{P} cards but the model has only {mcfg.num_layers} layers: "
+                              f"use at most {mcfg.num_layers} backend entries")
+        raise ConfigError(f"{P} stages per pipeline ({len(kinds)} cards / parallel.dp={dp}) but the model has only "
+                          f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
+                          "or raise parallel.dp")
+    return P, dp, zero
+
+
+def run_shape(cfg, mcfg, dtype: str):
+    """The planner's :class:`~npu_train.planner.RunShape` of ``cfg`` for the model ``mcfg`` in compute ``dtype``
+    (LoRA: the adapter parameters per layer from the model's projection widths)."""
+    from npu_train.planner import RunShape
+
+    tr, lora_pl = cfg.train, 0
+    if tr.mode == "lora":
+        from npu_train.model.lora import LoraSpec
+
+        q_out, kv_out = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+        lora_pl = LoraSpec(r=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets)).params_per_layer(
+            mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
+    return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
+                    schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
+                    grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
+                    "delayed" if tr.offload_update == "delayed" else "overlap")
 
 
 def train_spec(cfg, dtype: str) -> TrainSpec:
