@@ -288,3 +288,21 @@ def test_others_cores_subtracts_this_process_and_its_children():
     assert autocal.others_cores((0.0, 0.0, 0.0), (1.0, 1.0, 2.0)) == 0.0  # never negative
     wall, machine, own = autocal.cpu_snapshot()
     assert wall > 0 and machine >= own >= 0
+
+
+def test_plan_true_with_calibrate_always_says_it_measures_nothing(tmp_path, capsys):
+    """A dry run (plan=true) never calibrates; asking for placement.calibrate=always there gets a note
+    naming calibrate=true instead of silence."""
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config
+    from npu_train.runtime.job import run_job
+
+    def dry(mode):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([
+            "plan=true", "model.path=smollm2-135m", "backend=[cpu,cpu]", f"placement.calibrate={mode}"]))
+        assert run_job(cfg, str(tmp_path)) == {"plan": True}
+        return capsys.readouterr().out
+
+    assert "placement.calibrate=always does not run with plan=true" in dry("always")
+    assert "does not run with plan=true" not in dry("auto")

@@ -277,6 +277,9 @@ def run_job(cfg, run_dir: str) -> dict:
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
         print(prep["plan"].table())
+        if str(cfg.placement.calibrate).strip().lower() == "always":  # a dry run measures nothing
+            print("note: placement.calibrate=always does not run with plan=true (a dry run plans for the target "
+                  "server and measures nothing); measure this machine with calibrate=true")
         host_need = prep["plan"].host_bytes_all  # every replica's offloaded state (one node)
         try:
             import psutil
