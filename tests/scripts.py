@@ -1,5 +1,6 @@
-"""Load a repository script (``launch/run.py``, ``launch/k8s/render.py``) as a module, for tests that call
-its functions directly. Importable from every test directory: ``tests/`` is on ``sys.path`` because
+"""Helpers shared by test directories: load a repository script (``launch/run.py``,
+``launch/k8s/render.py``) as a module, for tests that call its functions directly; check that
+processes are gone. Importable from every test directory: ``tests/`` is on ``sys.path`` because
 ``tests/conftest.py`` lives there (pytest's default ``prepend`` import mode)."""
 from __future__ import annotations
 
@@ -16,3 +17,16 @@ def load_script(path: str, name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def pids_gone(pids) -> bool:
+    """True when no process of ``pids`` is running (reaped, or a zombie at most)."""
+    import psutil
+
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True

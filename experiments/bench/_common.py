@@ -18,6 +18,7 @@ import os
 import platform
 import socket
 from statistics import median
+from pathlib import Path
 from typing import Optional
 
 
@@ -101,3 +102,33 @@ def write_json(path: Optional[str], obj) -> None:
         with open(path, "w") as f:
             json.dump(obj, f, indent=1, default=str)
         print(f"results written to {path}", flush=True)
+
+
+def linked_cache(root) -> Path:
+    """``root`` (created) with the user's npu-train cache entries linked in, except ``calibration``:
+    a cache where the data is ready and the first-run calibration happens again."""
+    from npu_train.env import cache_root
+
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    user = cache_root()
+    if user.is_dir():
+        for entry in user.iterdir():
+            if entry.name != "calibration" and not (root / entry.name).exists():
+                (root / entry.name).symlink_to(entry)
+    return root
+
+
+def wait_idle(max_pct: float, max_wait_s: float, interval_s: float = 3.0) -> float:
+    """Wait (at most ``max_wait_s`` seconds) until the machine's CPU use over ``interval_s`` seconds
+    is at most ``max_pct`` percent; returns the last reading (percent)."""
+    import time
+
+    import psutil
+
+    t_end = time.time() + max_wait_s
+    while True:
+        pct = psutil.cpu_percent(interval=interval_s)
+        if pct <= max_pct or time.time() > t_end:
+            return pct
+        print(f"   machine busy ({pct:.0f}% CPU), waiting ...", flush=True)

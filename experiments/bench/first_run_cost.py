@@ -30,19 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-def linked_cache(root: Path) -> Path:
-    """``root`` with the user's cache entries linked in, except ``calibration``."""
-    from npu_train.env import cache_root
-
-    root.mkdir(parents=True, exist_ok=True)
-    user = cache_root()
-    if user.is_dir():
-        for entry in user.iterdir():
-            if entry.name != "calibration" and not (root / entry.name).exists():
-                (root / entry.name).symlink_to(entry)
-    return root
+from _common import linked_cache, wait_idle  # noqa: E402
 
 
 def launch(python: str, cache: Path, run_dir: Path, extra: list[str]) -> dict:
@@ -79,19 +69,6 @@ def launch(python: str, cache: Path, run_dir: Path, extra: list[str]) -> dict:
     return out
 
 
-def wait_idle(max_pct: float, max_wait: float) -> float:
-    """Wait until the machine's CPU use over 5 s is at most ``max_pct`` percent (or ``max_wait``
-    seconds passed); returns the last reading."""
-    import psutil
-
-    t_end = time.time() + max_wait
-    while True:
-        pct = psutil.cpu_percent(interval=5.0)
-        if pct <= max_pct or time.time() > t_end:
-            return pct
-        print(f"   machine busy ({pct:.0f}% CPU), waiting ...", flush=True)
-
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=1)
@@ -110,7 +87,7 @@ def main() -> int:
         for which in ("first", "cached"):
             run_dir = a.out_dir / f"run-{r}-{which}"
             run_dir.mkdir(parents=True, exist_ok=True)
-            pct = wait_idle(a.wait_idle, a.max_wait) if a.wait_idle < 100 else None
+            pct = wait_idle(a.wait_idle, a.max_wait, interval_s=5.0) if a.wait_idle < 100 else None
             row[which] = launch(a.python, cache, run_dir, a.extra)
             row[which]["cpu_pct_before"] = pct
             print(f"round {r} {which}: {json.dumps(row[which])}", flush=True)

@@ -67,7 +67,6 @@ if __name__ == "__main__" and "--torch-worker" in sys.argv:
 import argparse
 import glob
 import json
-import math
 import os
 import shutil
 import subprocess

@@ -45,6 +45,9 @@ from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import linked_cache, wait_idle  # noqa: E402
 
 GIB = 2 ** 30
 
@@ -77,33 +80,6 @@ def busy_seconds() -> float:
 def children_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
-
-
-def wait_idle(max_pct: float, max_wait_s: float) -> float:
-    """Wait (at most ``max_wait_s``) until the machine's CPU use over 3 s is below ``max_pct``
-    percent; returns the last reading."""
-    import psutil
-
-    t_end = time.time() + max_wait_s
-    while True:
-        pct = psutil.cpu_percent(interval=3.0)
-        if pct <= max_pct or time.time() > t_end:
-            return pct
-        print(f"   machine busy ({pct:.0f}% CPU), waiting ...", flush=True)
-
-
-def auto_cache(out_dir: Path) -> Path:
-    """A cache root for ``--auto``: the user's cache entries linked in, except ``calibration``."""
-    from npu_train.env import cache_root
-
-    root = out_dir / "cache"
-    root.mkdir(parents=True, exist_ok=True)
-    user = cache_root()
-    if user.is_dir():
-        for entry in user.iterdir():
-            if entry.name != "calibration" and not (root / entry.name).exists():
-                (root / entry.name).symlink_to(entry)
-    return root
 
 
 def run_layout(name: str, overrides: list[str], profile: Optional[str], steps: int, out_dir: Path,
@@ -194,7 +170,7 @@ def main(argv=None) -> int:
     print(f"output: {out_dir}", flush=True)
     env = None
     if args.auto:
-        env = dict(os.environ, NPT_CACHE=str(auto_cache(out_dir)))
+        env = dict(os.environ, NPT_CACHE=str(linked_cache(out_dir / "cache")))
         env.pop("NPT_CALIBRATE", None)
         profile = None
         print(f"profile: none; the first job calibrates into {env['NPT_CACHE']}/calibration", flush=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from scripts import pids_gone
 from conftest import make_cfg
 
 from npu_train.errors import ConfigError
@@ -73,18 +74,6 @@ def _spy_early(monkeypatch):
     return started
 
 
-def _gone(pids):
-    import psutil
-
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
 @pytest.mark.skipif(usable_cores() < 2, reason="a 2-process job needs 2 usable cores")
 def test_the_launch_starts_the_helpers_before_reading_the_model_and_reuses_them(tiny_model, tmp_path, auto_env,
                                                                                  monkeypatch):
@@ -102,7 +91,7 @@ def test_the_launch_starts_the_helpers_before_reading_the_model_and_reuses_them(
     prepare(make_cfg(tiny_model, "backend=[cpu,cpu]"), str(tmp_path / "run1"))
     assert len(seen) == 1 and seen[0] is started[0] and len(started[0].pids) == 1
     auto = json.loads(auto_env.read_text())["details"]["auto"]
-    assert auto["load_pids"] == started[0].pids and _gone(started[0].pids)
+    assert auto["load_pids"] == started[0].pids and pids_gone(started[0].pids)
 
 
 @pytest.mark.skipif(usable_cores() < 2, reason="a 2-process job needs 2 usable cores")
@@ -110,5 +99,5 @@ def test_a_job_rejected_after_the_early_start_leaves_no_helper(tiny_model, tmp_p
     started = _spy_early(monkeypatch)
     with pytest.raises(ConfigError, match="data.seq_len=100000 exceeds"):
         prepare(make_cfg(tiny_model, "backend=[cpu,cpu]", "data.seq_len=100000"), str(tmp_path / "run"))
-    assert len(started) == 1 and started[0].pids and _gone(started[0].pids)
+    assert len(started) == 1 and started[0].pids and pids_gone(started[0].pids)
     assert not auto_env.exists()

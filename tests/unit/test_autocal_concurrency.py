@@ -10,6 +10,7 @@ import json
 
 import psutil
 import pytest
+from scripts import pids_gone
 
 from npu_train.planner import load_rates, make_cards, make_plan
 from npu_train.planner.autocal import ensure_profile, job_concurrency, measure_for_job, profile_status
@@ -32,17 +33,6 @@ def _quick(path, concurrent=1, threads=1):
     return res, lines
 
 
-def _gone(pids):
-    """True when no process of ``pids`` is running (reaped, or a zombie at most)."""
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                return False
-        except psutil.NoSuchProcess:
-            pass
-    return True
-
-
 def _is_helper(proc) -> bool:
     try:
         return any("npu_train.planner.loadgen" in a for a in proc.cmdline())
@@ -61,7 +51,7 @@ def test_job_concurrency_counts_cpu_cards_capped_by_cores():
 def test_helpers_run_during_the_measurement_and_are_gone_afterwards():
     entry, _, det = measure_for_job("cpu", None, 1, "fp32", quick=True, concurrent=2)
     assert entry["concurrent"] == 2 and det["concurrent"] == 2
-    assert len(det["load_pids"]) == 1 and _gone(det["load_pids"])
+    assert len(det["load_pids"]) == 1 and pids_gone(det["load_pids"])
     assert not [c for c in psutil.Process().children(recursive=True) if c.pid in det["load_pids"]]
     steps = det["load_steps"][0]  # the helper followed the measured figures' kinds of work
     assert steps["layer"] > 0 and steps["adamw"] > 0
@@ -83,14 +73,14 @@ def test_helpers_are_stopped_when_the_measurement_fails(monkeypatch):
     monkeypatch.setattr(autocal, "measure_at", boom)
     with pytest.raises(RuntimeError, match="measurement failed"):
         measure_for_job("cpu", None, 1, "fp32", quick=True, concurrent=3)
-    assert len(pids) == 2 and _gone(pids)
+    assert len(pids) == 2 and pids_gone(pids)
 
 
 def test_a_helper_that_cannot_start_fails_loudly_and_leaves_nothing():
     load = BackgroundLoad(1, threads=1)
     with pytest.raises(RuntimeError, match="not ready"):
         load.start(dtype="fp64", layer=(8, 16, 2, 1, 1, 4), head=(10, 8, 4), adamw_params=8, timeout=60)
-    assert load.procs == [] and _gone(load.pids)
+    assert load.procs == [] and pids_gone(load.pids)
 
 
 def test_a_profile_of_another_concurrency_is_measured_again_and_merged(tmp_path):

@@ -23,7 +23,7 @@ from npu_train.planner.baseline import measure_process_baseline
 from npu_train.planner.loadgen import BackgroundLoad
 from npu_train.planner.threads import usable_cores
 
-from test_autocal_concurrency import _gone
+from scripts import pids_gone
 
 TINY = {"dtype": "fp32", "layer": (8, 16, 2, 1, 1, 4), "head": (10, 8, 4), "adamw_params": 64}
 #: modules of a small process baseline (torch, ZeroMQ and gloo are always part of it)
@@ -55,7 +55,7 @@ def test_the_calibration_reuses_the_early_helpers_and_they_are_gone_after():
     doc = json.loads(open(res[0]["path"]).read())
     assert doc["details"]["auto"]["load_pids"] == early.pids  # the same process, not a new one
     assert doc["details"]["auto"]["load_steps"][0]["layer"] > 0
-    assert _gone(early.pids)
+    assert pids_gone(early.pids)
     # the profile fits now: nothing starts early on the next launch
     assert _early() is None
 
@@ -77,7 +77,7 @@ def test_early_helpers_are_stopped_when_the_measurement_fails(monkeypatch):
     early = _early()
     with pytest.raises(RuntimeError, match="measurement failed"):
         auto_calibrate(_cards(), "auto", threads=1, dtype="fp32", quick=True, early=early)
-    assert early.pids and _gone(early.pids) and early.procs == []
+    assert early.pids and pids_gone(early.pids) and early.procs == []
 
 
 @two_cores
@@ -88,14 +88,14 @@ def test_unused_early_helpers_are_killed(tmp_path):
     ensure_profile("cpu", None, threads=1, dtype="fp32", mode="auto", quick=True, path=path,
                    log=lambda s: None, concurrent=2)
     res = auto_calibrate(_cards(), "auto", threads=1, dtype="fp32", quick=True, early=early)
-    assert not res[0]["calibrated"] and _gone(early.pids)
+    assert not res[0]["calibrated"] and pids_gone(early.pids)
 
 
 def test_helpers_that_do_not_fit_the_measurement_are_replaced():
     early = BackgroundLoad(1, threads=1)
     early.spawn()
     _, _, det = measure_for_job("cpu", None, 1, "fp32", quick=True, concurrent=1, load=early)
-    assert det["load_pids"] == [] and _gone(early.pids)  # a one-process job: no helper
+    assert det["load_pids"] == [] and pids_gone(early.pids)  # a one-process job: no helper
 
 
 def test_helpers_of_a_launcher_that_dies_exit_by_themselves(tmp_path):
@@ -118,7 +118,7 @@ def test_an_early_close_kills_helpers_still_importing():
     load = BackgroundLoad(2, threads=1, baseline=(None, MODS))
     load.spawn()
     load.close()  # e.g. the launcher rejected the job while reading the model
-    assert _gone(load.pids) and load.steps == [None, None]
+    assert pids_gone(load.pids) and load.steps == [None, None]
     assert load.returncodes == [-signal.SIGKILL] * 2  # killed at once, not waited for
 
 
@@ -129,7 +129,7 @@ def test_the_first_helper_measures_the_process_baseline_as_its_own_process_does(
         in_load = load.baseline_bytes()
         load.phase("head")
         time.sleep(0.2)
-    assert _gone(load.pids) and sum(load.steps[0].values()) > 0
+    assert pids_gone(load.pids) and sum(load.steps[0].values()) > 0
     alone = measure_process_baseline(None, 1, modules=MODS)
     # the same interpreter doing the same imports and set-up before the RSS is read: the same
     # figure up to allocator noise (a few hundred KB of ~400 MB)
@@ -142,7 +142,7 @@ def test_a_failed_baseline_leaves_the_load_running():
         assert all(p.poll() is None for p in load.procs)  # ready, running the work
         with pytest.raises(RuntimeError, match="no_such_module"):
             load.baseline_bytes()
-    assert _gone(load.pids)
+    assert pids_gone(load.pids)
 
 
 def test_without_helpers_the_baseline_runs_in_its_own_process():
@@ -156,7 +156,7 @@ def test_without_helpers_the_baseline_runs_in_its_own_process():
     load2 = BackgroundLoad(0, threads=1, baseline=(None, MODS))
     load2.spawn()
     load2.close()
-    assert _gone([load2.baseline_pid])
+    assert pids_gone([load2.baseline_pid])
     with pytest.raises(ValueError, match="commas"):
         BackgroundLoad(0, threads=1, baseline=(None, ("a,b",)))
 
