@@ -282,8 +282,11 @@ def validate(cfg) -> None:
                           "train.offload_update=sync with train.resume=auto")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
-    if t.lr <= 0 or t.clip < 0 or t.warmup_steps < 0 or t.save_every < 0:
-        raise ConfigError("train.lr must be > 0 and train.clip, train.warmup_steps, train.save_every >= 0")
+    if t.lr <= 0:
+        raise ConfigError(f"train.lr={t.lr}: the learning rate must be > 0 (e.g. train.lr=1e-4)")
+    for key in ("clip", "warmup_steps", "save_every"):
+        if getattr(t, key) < 0:
+            raise ConfigError(f"train.{key}={getattr(t, key)}: must be >= 0 (0 turns it off)")
     if t.stop_after < 0:
         raise ConfigError(f"train.stop_after={t.stop_after} must be >= 0 (0 = run to train.steps)")
     if not (0.0 <= t.beta1 < 1.0 and 0.0 <= t.beta2 < 1.0) or t.eps <= 0 or t.weight_decay < 0:
@@ -330,9 +333,12 @@ def check_dp_cards(n_cards: int, dp: int) -> int:
     Raises :class:`ConfigError` (naming the fix) when ``n_cards`` is not a multiple of ``dp``.
     """
     if dp < 1 or n_cards % dp:
-        raise ConfigError(f"parallel.dp={dp} does not divide the {n_cards} card(s) of backend=: list "
-                          f"dp x stages cards (e.g. {dp * max(1, n_cards // dp or 1)}) or pick a parallel.dp "
-                          f"that divides {n_cards}")
+        if dp < 1:
+            raise ConfigError(f"parallel.dp={dp}: use 1 (one pipeline) or more replicas")
+        k = dp * max(1, n_cards // dp)  # the nearest card count with whole pipelines
+        raise ConfigError(f"parallel.dp={dp} does not divide the {n_cards} card(s) listed in backend: list "
+                          f"dp x stages cards (e.g. {k} card(s) for {k // dp} stage(s) per replica) or pick a "
+                          f"parallel.dp that divides {n_cards}")
     return n_cards // dp
 
 

@@ -156,12 +156,14 @@ def test_kill9_during_checkpoint_keeps_previous(tiny_model, tmp_path):
     assert [os.path.basename(p) for p in complete_checkpoints(ck)] == ["step_000002", "step_000004"]
 
 
-@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
-                         ids=["SIGTERM", "SIGINT", "SIGTERM-process-group"])
+@pytest.mark.parametrize("sig,group", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True),
+                                       (signal.SIGTERM, "timeout")],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-process-group", "SIGTERM-like-timeout"])
 def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
     """SIGTERM (Kubernetes) / Ctrl-C to the launcher, or SIGTERM to the whole process group (what
-    `timeout`, systemd and Slurm send): the cards finish the step, agree on it, save a checkpoint,
-    and everything stops; the checkpoint resumes (SIGTERM cases)."""
+    systemd and Slurm send), or both at once (GNU `timeout`: the command, then its process group, so
+    the launcher gets it twice; one interrupt, not the "again to abort" one): the cards finish the
+    step, agree on it, save a checkpoint, and everything stops; the checkpoint resumes (SIGTERM cases)."""
     from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
 
     ck = str(tmp_path / "ckpt")
@@ -170,7 +172,10 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
         info = job.job_info()
         job.wait_steps(3)
         t_sig = time.monotonic()
-        if group:
+        if group == "timeout":
+            os.kill(job.proc.pid, sig)
+            os.killpg(os.getpgid(job.proc.pid), sig)
+        elif group:
             os.killpg(os.getpgid(job.proc.pid), sig)
         else:
             os.kill(job.proc.pid, sig)

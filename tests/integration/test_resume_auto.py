@@ -25,3 +25,19 @@ def test_resume_auto_fresh_then_continue(tiny_model, tmp_path):
     old = tmp_path / "ckpt" / "previous-1"
     assert sorted(os.listdir(old)) == ["latest", "step_000001", "step_000003"]  # moved, not deleted
     assert sorted(d for d in os.listdir(tmp_path / "ckpt") if d.startswith("step_")) == ["step_000003"]
+
+
+def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path):
+    """A launch stopped after 2 of 4 steps, then resumed with the same hydra.run.dir (what the recorded
+    resume command does): metrics.jsonl holds steps 1-4 in order, the first launch's files are kept in
+    previous-1/."""
+    import json
+
+    from conftest import launch_to_end
+
+    first = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.stop_after=2", name="same")
+    again = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=latest", name="same")
+    assert again.run_dir == first.run_dir and "continue with that launch's steps up to 2" in again.stdout
+    with open(os.path.join(again.run_dir, "metrics.jsonl")) as f:
+        assert [json.loads(l)["step"] for l in f] == [1, 2, 3, 4]
+    assert os.path.exists(os.path.join(again.run_dir, "previous-1", "metrics.jsonl"))

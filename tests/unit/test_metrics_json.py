@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import math
 
 import pytest
@@ -70,3 +71,22 @@ def test_idle_split_into_bubble_and_collectives(tmp_path):
     with open(tmp_path / "metrics.jsonl") as f:
         last = _strict(f.readlines()[-1])
     assert last["tied_s"] == 0.25 and last["tied_s_cards"] == [0.4, 0.25]  # the slowest card's, and each card's
+
+
+def test_carry_over_continues_the_records_of_a_resumed_run(tmp_path):
+    """A resume into the same run dir: the earlier launch's lines up to the checkpoint's step come back
+    into the new metrics.jsonl / eval.jsonl (later steps were not kept; a torn last line is dropped)."""
+    from npu_train.metrics.report import carry_over, rotate_previous_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 4.0 - s}) + "\n" for s in (1, 2, 3))
+                                       + '{"step": 4, "lo')
+    (run / "eval.jsonl").write_text(json.dumps({"step": 0, "val_loss": 4.1}) + "\n"
+                                    + json.dumps({"step": 3, "val_loss": 3.5}) + "\n")
+    prev = rotate_previous_run(str(run))
+    assert not (run / "metrics.jsonl").exists()
+    assert carry_over(prev, str(run), 2) == 2
+    assert [json.loads(l)["step"] for l in open(run / "metrics.jsonl")] == [1, 2]
+    assert [json.loads(l)["step"] for l in open(run / "eval.jsonl")] == [0]
+    assert len(open(os.path.join(prev, "metrics.jsonl")).read().splitlines()) == 4  # the originals stay

@@ -69,6 +69,29 @@ def rotate_previous_run(run_dir: str) -> Optional[str]:
                                       or (fn.startswith("card") and fn.endswith(".traceback.txt"))])
 
 
+def carry_over(previous: str, run_dir: str, upto_step: int) -> int:
+    """A resumed launch in the same run directory continues its records: copy the lines of
+    ``previous``'s ``metrics.jsonl`` and ``eval.jsonl`` (the earlier launch's, moved there by
+    :func:`rotate_previous_run`) whose ``step`` is at most ``upto_step`` (the resumed checkpoint's
+    step; later ones were not kept) into ``run_dir``'s new files, which the :class:`Reporter` then
+    appends to. The originals stay in ``previous``. Returns the number of metrics lines copied."""
+    n = 0
+    for fn in ("metrics.jsonl", "eval.jsonl"):
+        src = os.path.join(previous, fn)
+        if not os.path.exists(src):
+            continue
+        with open(src) as f, open(os.path.join(run_dir, fn), "a") as out:
+            for line in f:
+                try:
+                    keep = int(json.loads(line)["step"]) <= int(upto_step)
+                except (ValueError, KeyError, TypeError):
+                    keep = False  # a torn last line of a killed launch
+                if keep:
+                    out.write(line if line.endswith("\n") else line + "\n")
+                    n += fn == "metrics.jsonl"
+    return n
+
+
 def move_to_previous(parent: str, names: list[str]) -> Optional[str]:
     """Move the entries ``names`` of the directory ``parent`` into its first free ``previous-<k>/``
     (k = 1, 2, ...), created here; returns that directory, or None (nothing created) when ``names``
@@ -262,7 +285,8 @@ class Reporter:
                             label="held-out")
                     ax.legend()
                 ax.set_xlabel("optimizer step")
-                ax.set_ylabel("train loss (nats/token)")
+                ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+                ax.set_ylabel("loss (nats/token)")
                 ax.grid(alpha=0.3)
                 fig.tight_layout()
                 fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)

@@ -154,7 +154,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
             f"{gib(m['optimizer']):.2f}", f"{gib(m['activations']):.2f}",
             f"{gib(m['transient']):.2f}", f"{gib(m['workspace']):.2f}", total,
             f"{gib(st.card.capacity_bytes):.1f}",
-            f"{tm['compute']:.2f}", f"{tm['bubble']:.2f}", f"{tm['host_optimizer']:.2f}",
+            f"{tm['compute']:.2f}", f"{max(0.0, tm['bubble']):.2f}", f"{tm['host_optimizer']:.2f}",
             f"{tm.get('host_hidden', 0.0):.2f}", f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
             f"{tm['total']:.2f}",
             f"{gib(st.host_bytes):.2f}",
@@ -189,8 +189,9 @@ def plan_table(plan: Plan, width: int = 180) -> str:
                     f"{gib(plan.host_ram_bytes):.2f} GiB)")
     lines.append(schedule_line(plan))
     lines += offload_lines(plan)
+    step = f"{plan.step_time_s:.2f}" if plan.step_time_s >= 0.1 else f"{plan.step_time_s:.3g}"
     lines.append(
-        f"predicted: step {plan.step_time_s:.2f} s, {plan.tokens_per_step} tokens/step"
+        f"predicted: step {step} s, {plan.tokens_per_step} tokens/step"
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )
@@ -204,7 +205,7 @@ def schedule_line(plan: Plan) -> str:
     (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the activation micro-batches it holds."""
     s, P = plan.shape, len(plan.stages)
     phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
-    idle = sum(st.time["bubble"] for st in plan.stages) / (P * phase) if phase > 0 else 0.0
+    idle = max(0.0, sum(st.time["bubble"] for st in plan.stages) / (P * phase)) if phase > 0 else 0.0
     unit = bubble_fraction(s.schedule, P, s.micro_batches)
     held = "/".join(str(st.in_flight) for st in plan.stages)
     return (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "

@@ -116,6 +116,7 @@ class Coordinator:
         self.by_rank = {rs.rank: rs for rs in self.ranks}
         self.ckpt_reports: dict[int, dict[int, str]] = {}
         self.interrupted = 0
+        self.signal_at = 0.0  # time.monotonic() of the last counted signal
         self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
         self.stop_sent_at: Optional[float] = None
         self.last_ckpt: Optional[str] = None
@@ -159,7 +160,15 @@ class Coordinator:
     #: multi-node: after a local error report, wait this long for another node's failure notice
     REMOTE_GRACE_S = 3.0
 
+    #: the same signal again within this many seconds is one interrupt delivered twice, not a second
+    #: Ctrl-C: GNU ``timeout`` signals the command and then its whole process group, the launcher included
+    DUPLICATE_SIGNAL_S = 0.2
+
     def _on_signal(self, signum, frame) -> None:
+        now = time.monotonic()
+        if self.interrupted and int(signum) == self.signum and now - self.signal_at < self.DUPLICATE_SIGNAL_S:
+            return
+        self.signal_at = now
         self.interrupted += 1
         self.signum = int(signum)
 
@@ -251,8 +260,9 @@ class Coordinator:
         if self.interrupted >= 2 or not started or not self.save_on_interrupt:
             raise Interrupted(self.signum)
         if self.stop_sent_at is None:
+            again = "Ctrl-C" if self.signum == signal.SIGINT else "the signal"
             print(f"\ninterrupt ({signal.Signals(self.signum).name}): finishing the current step and saving a "
-                  "checkpoint (Ctrl-C again to abort)", file=sys.stderr, flush=True)
+                  f"checkpoint ({again} again to abort)", file=sys.stderr, flush=True)
             for rs in self.ranks:
                 self._send(rs.rank, {"type": "stop"})
             self.stop_sent_at = now

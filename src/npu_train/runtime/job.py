@@ -313,7 +313,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter, fmt_loss, rotate_previous_run
+    from npu_train.metrics.report import Reporter, carry_over, fmt_loss, rotate_previous_run
     from npu_train.runtime import nodes as N
     from npu_train.runtime.leftovers import sweep_dead_jobs, write_job_owner
     from npu_train.transport.shm import ShmTooSmallError
@@ -410,6 +410,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     moved = rotate_previous_run(run_dir)
     if moved:
         print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
+        if resume_dir and carry_over(moved, run_dir, start_step):  # the resumed run's records continue
+            print(f"note: metrics.jsonl and eval.jsonl continue with that launch's steps up to {start_step}",
+                  flush=True)
     node_plan = link = None
     if rdv is not None:
         node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
@@ -476,7 +479,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                     if tr.offload_update == "delayed" else "")) if coord.last_ckpt else "no checkpoint saved"
         raise Interrupted(coord.signum, where, checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
-    print(f"done: {summ['steps_run']} steps{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
+    print(f"done: {summ['steps_run']} step{'' if summ['steps_run'] == 1 else 's'}{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
           f"{fmt_loss(summ['last_loss'])}; "
           f"checkpoint {coord.last_ckpt}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return summ

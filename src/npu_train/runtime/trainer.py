@@ -321,7 +321,7 @@ class StageTrainer:
                 self.tied.send_dense(g)
             self.tied.finish(g, looked_up_rows([x for x, _ in mbs]))
             del g
-        t_tied = time.perf_counter() - t_tied
+        t_tied = time.perf_counter() - t_tied if self.tied is not None else 0.0
         if self.dp > 1:
             from npu_train.runtime.replicas import allreduce_grads
 
