@@ -19,8 +19,9 @@ SmolLM2-135M) on every step's critical path: 0.4-1.0 s of a 13 s step on the 2-c
 
 Result, bit for bit the all-reduce's: the first stage computes ``g_first + g_last`` over all rows;
 the last stage ``g_last[rows] + g_first[rows]`` on the looked-up rows and keeps ``g_last`` elsewhere,
-where ``g_first`` is exactly zero (IEEE addition is commutative, ``x + 0 == x``). The sum is done in
-fp32 on the host and cast back to the gradient buffer's dtype, as the all-reduce did.
+where ``g_first`` is exactly zero (IEEE addition is commutative, ``x + 0 == x``). An fp32 gradient on
+a ``cpu`` / ``cuda`` card is summed in place (:data:`INPLACE_DEVICES`); any other (bf16 ``.grad``, an
+RNGD card) in fp32 on the host and cast back to the gradient buffer's dtype, as the all-reduce did.
 
 Memory: the first stage keeps one ``[V, H]`` fp32 host receive buffer (``V*H*4`` bytes, allocated
 once); the last stage one ``[V, H]`` fp32 host copy from the end of its backward until the
