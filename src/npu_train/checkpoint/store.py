@@ -45,6 +45,7 @@ stage split, card count or resident/offloaded split (resharding is a lookup in t
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -112,10 +113,72 @@ def tmp_dir(root: str, step: int, job_id: str, owner_pid: Optional[int] = None) 
     return d
 
 
+class CheckpointSpaceError(CheckpointError):
+    """The checkpoint's filesystem has too little free space for a shard (checked before writing,
+    and raised instead of a bare ``No space left on device`` when the write itself runs out)."""
+
+
+#: free space kept beyond a shard's tensor bytes: the safetensors header and the JSON file (bytes)
+SHARD_MARGIN_BYTES = 16 << 20
+
+
+def shard_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    """Bytes of a shard's tensor data (``numel * element_size`` summed; the file adds a small header)."""
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def space_message(directory: str, need: int, free: int, what: str) -> str:
+    """The error text for a checkpoint that does not fit: sizes in GB (1e9 bytes) and the fixes."""
+    return (f"{what} needs {need / 1e9:.2f} GB in {directory} but only {free / 1e9:.2f} GB are free: free disk "
+            "space there (older step_* checkpoints can go: the file 'latest' names the newest), or point "
+            "checkpoint.dir at a larger disk and resume with train.resume=latest; the last complete checkpoint "
+            "is untouched")
+
+
+def check_free_space(directory: str, need: int, what: str) -> None:
+    """Raise :class:`CheckpointSpaceError` when ``directory``'s filesystem has fewer than ``need`` +
+    :data:`SHARD_MARGIN_BYTES` bytes free (``shutil.disk_usage``; other writers may still take space
+    between the check and the write, which :func:`save_shard` also reports clearly)."""
+    free = shutil.disk_usage(directory).free
+    if free < need + SHARD_MARGIN_BYTES:
+        raise CheckpointSpaceError(space_message(directory, need + SHARD_MARGIN_BYTES, free, what))
+
+
+def space_warning(root: str, final: str) -> Optional[str]:
+    """A warning when ``root``'s filesystem has less free space than the checkpoint ``final`` takes
+    (its files' bytes): the next save writes a whole checkpoint before rotation frees one. None if it fits."""
+    size = sum(e.stat().st_size for e in os.scandir(final) if e.is_file())
+    free = shutil.disk_usage(root).free
+    if free >= size:
+        return None
+    return (f"warning: {free / 1e9:.2f} GB free in {root}, less than one checkpoint ({size / 1e9:.2f} GB): "
+            "the next save will fail; free disk space there or point checkpoint.dir at a larger disk")
+
+
+def _out_of_space(e: BaseException) -> bool:
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+
+
 def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """Write one stage's shard (safetensors + JSON) into ``staging`` and fsync both. Returns the shard path."""
+    """Write one stage's shard (safetensors + JSON) into ``staging`` and fsync both. Returns the shard path.
+
+    Raises :class:`CheckpointSpaceError` (naming the sizes and the fix) when the filesystem has too
+    little free space, before writing or when the write runs out of space (the partial file is removed).
+    """
     st = os.path.join(staging, f"stage_{rank:03d}.safetensors")
-    save_file({k: v.contiguous() for k, v in tensors.items()}, st)
+    what = f"the checkpoint shard of stage {rank}"
+    need = shard_bytes(tensors)
+    check_free_space(staging, need, what)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, st)
+    except Exception as e:
+        if not _out_of_space(e):
+            raise
+        try:
+            os.remove(st)
+        except OSError:
+            pass
+        raise CheckpointSpaceError(space_message(staging, need, shutil.disk_usage(staging).free, what)) from None
     _fsync_file(st)
     js = os.path.join(staging, f"stage_{rank:03d}.json")
     with open(js, "w") as f:

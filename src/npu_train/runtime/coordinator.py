@@ -334,7 +334,7 @@ class Coordinator:
                 rs.error_at = time.monotonic()
 
     def _publish(self, step: int, staging: str) -> None:
-        from npu_train.checkpoint.store import finalize, missing_shards
+        from npu_train.checkpoint.store import finalize, missing_shards, space_warning
 
         t0 = time.perf_counter()
         missing = missing_shards(staging, self.specs[0].num_stages)  # replica 0 writes one shard per stage
@@ -345,6 +345,9 @@ class Coordinator:
         final = finalize(self.ckpt_root, staging, step, self.manifest_base, keep=self.ckpt_keep)
         self.last_ckpt = final
         self.reporter.note(f"checkpoint step {step} saved to {final} ({time.perf_counter() - t0:.1f} s to publish)")
+        warning = space_warning(self.ckpt_root, final) if step < self.steps else None
+        if warning:
+            self.reporter.note(warning)
 
     def teardown(self) -> None:
         """Stop every card process, remove shared memory, sockets and this job's staging dirs."""
