@@ -311,6 +311,20 @@ class StageModule(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def sparse_embed_grad(self) -> bool:
+        """Whether the embedding's backward yields a sparse COO gradient (the looked-up rows: ``[V, H]``
+        with ``b*S`` rows, ``nn.Embedding(sparse=True)``): added into an existing dense ``.grad`` it is an
+        ``index_add`` of ``b*S*H`` elements instead of a new dense ``[V, H]`` tensor per micro-batch. The
+        caller must give the weight a dense ``.grad`` (zeros) before the first backward (the trainer
+        does, on the kinds of :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS`). Default False (torch's)."""
+        return bool(self.has_embed and self.model.embed_tokens.sparse)
+
+    @sparse_embed_grad.setter
+    def sparse_embed_grad(self, on: bool) -> None:
+        if self.has_embed:
+            self.model.embed_tokens.sparse = bool(on)
+
     # -- init / bookkeeping ------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -362,7 +376,7 @@ class StageModule(nn.Module):
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.has_embed:
-            h = self.model.embed_tokens(x)
+            h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
         else:
             h = x
         S = h.shape[1]

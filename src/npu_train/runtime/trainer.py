@@ -44,6 +44,7 @@ from typing import Optional
 
 import torch
 
+from npu_train.hardware import SPARSE_EMBED_GRAD_KINDS
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 
@@ -89,6 +90,15 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
         for n, p in module.named_parameters():
             p.copy_(backend.upload(masters[n].to(dtype)))
     return module, masters
+
+
+def sparse_embed_grad_for(kind: str, params: dict) -> bool:
+    """Whether the stage takes its embedding gradient as rows (``StageModule.sparse_embed_grad``): a trained
+    fp32 ``model.embed_tokens.weight`` (its ``.grad`` is the accumulator; bf16 folds into one) on a card of
+    :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS`. The trainer then gives it a dense zero ``.grad``
+    at each step's start."""
+    emb = params.get("model.embed_tokens.weight")
+    return emb is not None and kind in SPARSE_EMBED_GRAD_KINDS and emb.dtype == torch.float32
 
 
 def check_finite_weights(tensors: dict, model_path: str) -> None:
@@ -187,6 +197,7 @@ class StageTrainer:
                 if p.requires_grad and track is not None:
                     track(p)
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        self.module.sparse_embed_grad = self.sparse_embed = sparse_embed_grad_for(card.kind, self.params)
         backend.prepare_module(self.module)  # furiosa: whole-layer compiled graphs when configured
         if self.fault is not None:
             self.fault.install(self.module)
@@ -299,6 +310,9 @@ class StageTrainer:
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
         for p in self.params.values():
             p.grad = None
+        if self.sparse_embed:  # rows are added into it (StageModule.sparse_embed_grad)
+            emb = self.params["model.embed_tokens.weight"]
+            emb.grad = torch.zeros_like(emb)
         # gradients changed by a collective after the backward are final only after it
         late = self.params if self.dp > 1 else [self.tied_name] if self.tied_pair else []
         self.opt.begin_step(tr.accum, late)
