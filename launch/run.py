@@ -136,14 +136,18 @@ class _ErrorLineTee:
 def resume_command(overrides: list, checkpoint_dir: str) -> str:
     """The shell command that continues an interrupted job: this launcher with the job's overrides,
     ``train.resume=latest`` and ``checkpoint.dir=<checkpoint_dir>`` (replacing any given before);
-    ``train.offload_update=delayed`` becomes ``sync`` (a delayed-update run does not resume exactly)."""
+    ``train.offload_update=delayed`` becomes ``sync`` (a delayed-update run does not resume exactly).
+    It starts with this run's ``NPT_`` variables that change a run (``NPT_CACHE=...``,
+    :func:`npu_train.env.resume_env_prefix`), so the resumed run uses the same cache and plan."""
     import shlex
+
+    from npu_train.env import resume_env_prefix
 
     keep = [o for o in overrides if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
     # a delayed-update run cannot resume exactly (refused by the job): it continues with the synchronous update
     keep = ["train.offload_update=sync" if re.match(r"^\+{0,2}train\.offload_update=delayed$", o) else o for o in keep]
     argv = [sys.executable, os.path.abspath(__file__), *keep, "train.resume=latest", f"checkpoint.dir={checkpoint_dir}"]
-    return " ".join(shlex.quote(a) for a in argv)
+    return resume_env_prefix() + " ".join(shlex.quote(a) for a in argv)
 
 
 def write_status(run_dir: str, code: int, error: str, overrides: list, started: float,
