@@ -37,8 +37,6 @@ def check_port(host: str, port: int) -> None:
                               "pick another runtime.port or use runtime.port=0 for a free one") from None
 
 
-
-
 def as_list(v):
     """A Hydra/OmegaConf list value (or a plain one) as a Python list; scalars and None unchanged."""
     if v is None:
@@ -422,6 +420,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
     write_job_owner(job_id, ipc_dir)
+    with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
+        os.remove(os.path.join(run_dir, "data.safetensors"))
     moved = rotate_previous_run(run_dir)
     if moved:
         print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
@@ -436,7 +436,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                 os.remove(os.path.join(ckpt_root, f".npt-shared-{job_id}"))
             except OSError:
                 pass
-    data_file = os.path.join(run_dir, "data.safetensors")
+    # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
+    # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
+    data_file = os.path.join(ipc_dir, "data.safetensors")
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
     train = train_spec(cfg, prep["dtype"])
