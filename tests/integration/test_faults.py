@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import time
@@ -231,5 +232,8 @@ def test_launcher_killed_card_processes_exit(tiny_model, tmp_path):
         assert job_segments(info["job_id"]) == []
         assert not os.path.exists(info["ipc_dir"])
         assert "data.safetensors" not in os.listdir(job.run_dir), os.listdir(job.run_dir)
+        with open(os.path.join(job.run_dir, "run.log")) as f:  # the console output up to the kill
+            log = f.read()
+        assert re.search(r"^step +1/5000 \| loss", log, re.M) and "card process(es)" in log, log
     finally:
         job.kill_all()
