@@ -14,7 +14,8 @@ rewrites it to ``backend=[a,b]`` before Hydra parses the command line (plain Hyd
 as an ambiguous sweep). To sweep over card lists in multirun mode use ``choice(...)`` of lists.
 
 Every run writes ``<run dir>/status.json`` (exit status, error line; not for a single run rejected
-as bad input, which writes nothing). A multirun runs its jobs concurrently (hydra-joblib-launcher,
+as bad input, which writes nothing) and ``<run dir>/run.log``: the launcher's console output (plan
+table, step and eval lines, notes, the ``error:`` line) and its log records, one file per job. A multirun runs its jobs concurrently (hydra-joblib-launcher,
 ``hydra.launcher.n_jobs``, checked by ``npu_train.metrics.sweep``), reports failed jobs in
 ``summary.md``/``summary.csv``/``loss_curves.png`` of the sweep dir and exits 0 when every job
 finished, 130/143 if a job was interrupted, else 1 (docs/launch.md).
@@ -133,17 +134,69 @@ class _ErrorLineTee:
         return getattr(self.inner, name)
 
 
+class _LogTee:
+    """Wraps stdout or stderr for one job: passes everything through to the console and appends it
+    to the job's log file (``log``, a line-buffered text file), so the file holds the console output.
+    A failing log write (a full disk) stops the copy, never the console output."""
+
+    def __init__(self, inner, log) -> None:
+        self.inner, self.log = inner, log
+
+    def write(self, s: str) -> int:
+        n = self.inner.write(s)
+        if self.log is not None:
+            try:
+                self.log.write(s)
+            except (OSError, ValueError):
+                self.log = None
+        return n
+
+    def flush(self) -> None:
+        self.inner.flush()
+        if self.log is not None:
+            try:
+                self.log.flush()
+            except (OSError, ValueError):
+                self.log = None
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def open_job_log(run_dir: str, job_name: str):
+    """The job's log file for appending (line-buffered): the file of Hydra's file logger in ``run_dir``
+    (``hydra/job_logging`` default: ``<run dir>/<job name>.log``, i.e. ``run.log``), so log records and
+    the console output land in one file, in order (both append); ``<run_dir>/<job_name>.log`` when
+    Hydra's file logging is off. Returns None when it cannot be opened (the console still works)."""
+    import logging
+
+    path = os.path.join(run_dir, f"{job_name}.log")
+    for h in logging.getLogger().handlers:
+        if isinstance(h, logging.FileHandler) and os.path.dirname(h.baseFilename) == os.path.abspath(run_dir):
+            path = h.baseFilename
+            break
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+        return open(path, "a", buffering=1, encoding="utf-8", errors="backslashreplace")
+    except OSError:
+        return None
+
+
 def resume_command(overrides: list, checkpoint_dir: str) -> str:
     """The shell command that continues an interrupted job: this launcher with the job's overrides,
     ``train.resume=latest`` and ``checkpoint.dir=<checkpoint_dir>`` (replacing any given before);
-    ``train.offload_update=delayed`` becomes ``sync`` (a delayed-update run does not resume exactly)."""
+    ``train.offload_update=delayed`` becomes ``sync`` (a delayed-update run does not resume exactly).
+    It starts with this run's ``NPT_`` variables that change a run (``NPT_CACHE=...``,
+    :func:`npu_train.env.resume_env_prefix`), so the resumed run uses the same cache and plan."""
     import shlex
+
+    from npu_train.env import resume_env_prefix
 
     keep = [o for o in overrides if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
     # a delayed-update run cannot resume exactly (refused by the job): it continues with the synchronous update
     keep = ["train.offload_update=sync" if re.match(r"^\+{0,2}train\.offload_update=delayed$", o) else o for o in keep]
     argv = [sys.executable, os.path.abspath(__file__), *keep, "train.resume=latest", f"checkpoint.dir={checkpoint_dir}"]
-    return " ".join(shlex.quote(a) for a in argv)
+    return resume_env_prefix() + " ".join(shlex.quote(a) for a in argv)
 
 
 def write_status(run_dir: str, code: int, error: str, overrides: list, started: float,
@@ -217,7 +270,11 @@ def run_one(cfg) -> int:
     run_dir = hc.runtime.output_dir
     multirun = hc.mode == RunMode.MULTIRUN
     overrides = list(hc.overrides.task)
-    tee = _ErrorLineTee(sys.stderr)
+    # the job's console output (plan table, step lines, evals, errors) also goes into its log file
+    real_out, real_err = sys.stdout, sys.stderr
+    log = open_job_log(run_dir, hc.job.name)
+    sys.stdout = _LogTee(real_out, log)
+    tee = _ErrorLineTee(_LogTee(real_err, log))
     sys.stderr = tee
     report: dict = {}
     try:
@@ -227,13 +284,19 @@ def run_one(cfg) -> int:
         code = main(cfg, run_dir, report)
     except BaseException as e:  # noqa: BLE001 - multirun: any job error is this job's status
         if not multirun:
+            if log is not None:  # Hydra prints the traceback on the console after this returns
+                import traceback
+
+                log.write(traceback.format_exc())
             raise
         code = 130 if isinstance(e, KeyboardInterrupt) else (e.code if isinstance(e, SystemExit) and
                                                             isinstance(e.code, int) and e.code else 1)
         tee.last = tee.last or f"error: {type(e).__name__}: {e}".splitlines()[0]
         print(tee.last, file=tee.inner, flush=True)
     finally:
-        sys.stderr = tee.inner
+        sys.stdout, sys.stderr = real_out, real_err
+        if log is not None:
+            log.close()
     if multirun or code != 2:
         write_status(run_dir, code, tee.last, overrides, t0, report,
                      run_dir_overrides=[o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])

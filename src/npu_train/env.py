@@ -13,10 +13,18 @@
 ``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``).
 ``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install.
 =========================  ==================================================================
+
+The variables that change what a run computes or which cached inputs it reads
+(:data:`RUN_VARIABLES`: ``NPT_CACHE``, ``NPT_CALIBRATE``, ``NPT_CALIBRATE_QUICK``,
+``NPT_FURIOSA_FUSION``) are repeated in front of every resume command the launcher prints or writes
+(:func:`resume_env_prefix`), so the resumed run reads the same tokenized data and calibration
+profile and plans the same way. ``NPT_FAULT`` and ``NPT_SHM_FREE_BYTES`` are not (test hooks that
+must not fire again), nor ``NPT_TORCH_SPEC`` (setup only).
 """
 from __future__ import annotations
 
 import os
+import shlex
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -47,3 +55,30 @@ def cache_root() -> Path:
 def cache_dir(*parts: str) -> Path:
     """A sub-directory of :func:`cache_root` (not created here), e.g. ``cache_dir("data")``."""
     return cache_root().joinpath(*parts)
+
+
+#: variable names (after ``NPT_``) that change a run: a resume command sets them again
+RUN_VARIABLES = ("CACHE", "CALIBRATE", "CALIBRATE_QUICK", "FURIOSA_FUSION")
+
+
+def run_environment() -> dict[str, str]:
+    """``{"NPT_<name>": value}`` of the :data:`RUN_VARIABLES` set in this process's environment
+    (a deprecated ``NPU_TRAIN_<name>`` under its ``NPT_`` name, without a warning); ``NPT_CACHE`` as
+    an absolute path (a resume may start in another directory)."""
+    out = {}
+    for name in RUN_VARIABLES:
+        v = os.environ.get(PREFIX + name, os.environ.get(_DEPRECATED_PREFIX + name))
+        if v is None:
+            continue
+        if name == "CACHE" and v:
+            v = os.path.abspath(os.path.expanduser(v))
+        out[PREFIX + name] = v
+    return out
+
+
+def resume_env_prefix() -> str:
+    """The shell assignments of :func:`run_environment` that start a resume command, each value
+    quoted with :func:`shlex.quote`, followed by one space (e.g. ``NPT_CACHE='/data/my cache' ``);
+    ``""`` when none is set."""
+    env = run_environment()
+    return "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())

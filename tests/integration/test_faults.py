@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import time
@@ -200,19 +201,27 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
     assert f"hydra.run.dir={job.run_dir}" in status["resume"], status  # the continued run writes there too
     if sig == signal.SIGTERM:
         # the resume command recorded in status.json continues the job
-        again = launch_to_end(tmp_path, tiny_model, name="resume", argv=[*shlex.split(status["resume"]), "train.stop_after=1"])
+        again = launch_to_end(tmp_path, tiny_model, name="resume", argv=["env", *shlex.split(status["resume"]), "train.stop_after=1"])
         assert f"at step {step}" in again.stdout and len(again.losses()) == 1
         assert CheckpointReader(complete_checkpoints(ck)[-1]).step == step + 1
 
 
 def test_launcher_killed_card_processes_exit(tiny_model, tmp_path):
     """kill -9 of the launcher: the orphaned card processes notice (parent pid changed) within a
-    heartbeat interval, remove the job's shared memory and IPC directory, and exit."""
+    heartbeat interval, remove the job's shared memory and IPC directory, and exit. The packed data
+    file lives in the IPC directory, so nothing of it survives in the run dir either (and a stale
+    one there, from a killed launch of an older version, is removed by the next launch)."""
+    stale = os.path.join(str(tmp_path), "run", "out", "data.safetensors")
+    os.makedirs(os.path.dirname(stale))
+    with open(stale, "wb") as f:
+        f.write(b"stale")
     job = Job(tmp_path, tiny_model, "train.steps=5000")
     try:
         info = job.job_info()
         job.wait_steps(2)
         assert job_segments(info["job_id"]), "expected the running job's segments"
+        assert os.path.isfile(os.path.join(info["ipc_dir"], "data.safetensors"))
+        assert not os.path.exists(stale), "packed data in the run dir (stale, or written there)"
         os.kill(job.proc.pid, signal.SIGKILL)
         job.wait(10)
         t0 = time.monotonic()
@@ -222,5 +231,9 @@ def test_launcher_killed_card_processes_exit(tiny_model, tmp_path):
         assert all(pid_gone(p) for p in job.card_pids(info))
         assert job_segments(info["job_id"]) == []
         assert not os.path.exists(info["ipc_dir"])
+        assert "data.safetensors" not in os.listdir(job.run_dir), os.listdir(job.run_dir)
+        with open(os.path.join(job.run_dir, "run.log")) as f:  # the console output up to the kill
+            log = f.read()
+        assert re.search(r"^step +1/5000 \| loss", log, re.M) and "card process(es)" in log, log
     finally:
         job.kill_all()

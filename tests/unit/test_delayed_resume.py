@@ -3,6 +3,8 @@ user or a Kubernetes restart to resume it as is: the interrupt's resume command 
 synchronous update, and train.resume=auto (restarts) is refused up front."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -34,3 +36,35 @@ def test_delayed_update_with_resume_auto_is_refused():
         validate(cfg)
     cfg.train.offload_update = "sync"
     validate(cfg)
+
+
+def test_resume_command_starts_with_the_runs_npt_variables(monkeypatch, tmp_path):
+    """A run started with NPT_CACHE (or another NPT_ variable that changes the run) resumes with it:
+    the resume command (status.json) and the interrupt message start with the assignments, values
+    shell-quoted; test hooks (NPT_FAULT) are not repeated; a relative cache becomes absolute."""
+    import shlex
+
+    from npu_train.runtime.job import interrupt_note
+
+    for k in ("NPT_CACHE", "NPU_TRAIN_CACHE", "NPT_CALIBRATE", "NPT_CALIBRATE_QUICK", "NPT_FURIOSA_FUSION",
+              "NPU_TRAIN_FURIOSA_FUSION"):
+        monkeypatch.delenv(k, raising=False)
+    cache = str(tmp_path / "my cache")
+    monkeypatch.setenv("NPT_CACHE", cache)
+    monkeypatch.setenv("NPT_CALIBRATE", "never")
+    monkeypatch.setenv("NPT_FAULT", "1:forward:raise")
+    cmd = _launcher().resume_command(["train.steps=50"], "/ck")
+    words = shlex.split(cmd)
+    assert words[:2] == [f"NPT_CACHE={cache}", "NPT_CALIBRATE=never"], cmd
+    assert cmd.startswith(f"NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never "), cmd
+    assert words[3].endswith("run.py") and "train.resume=latest" in words and "NPT_FAULT" not in cmd
+    note = interrupt_note("/ck/step-4", "/ck", "sync")
+    assert f"resume with: NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never <the same command> " \
+           "train.resume=latest checkpoint.dir=/ck" in note and "NPT_FAULT" not in note
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("NPT_CACHE", "rel")
+    assert shlex.split(_launcher().resume_command([], "/ck"))[0] == f"NPT_CACHE={tmp_path / 'rel'}"
+    for k in ("NPT_CACHE", "NPT_CALIBRATE"):
+        monkeypatch.delenv(k)
+    assert _launcher().resume_command([], "/ck").startswith(shlex.quote(sys.executable))
+    assert "resume by rerunning the same command with train.resume=latest" in interrupt_note("/ck/s", "/ck", "sync")

@@ -108,14 +108,16 @@ def test_memory_model_fp32_masters_are_the_weights_on_cpu_and_cuda():
 
 def test_memory_model_tied_exchange_held_bytes():
     """The tied exchange (npu_train.runtime.tied) holds, per end stage: on a cpu card (host RAM is card
-    memory) a [V, H] fp32 host buffer (the first stage's receive buffer, the last stage's dense copy),
-    plus the host copies of a non-fp32 gradient buffer (its fp32 copy and the one uploaded back); on
-    cuda the device temporary of the gradient's size. All layers resident: only this term differs."""
+    memory) a [V, H] fp32 host buffer (the first stage's receive buffer, the last stage's dense copy;
+    an fp32 gradient on the last stage is sent as is, without a copy), plus the host copies of a
+    non-fp32 gradient buffer (its fp32 copy and the one uploaded back); on cuda the device temporary
+    of the gradient's size. All layers resident: only this term differs."""
     m, cpu = _stage("cpu", "fp32")
     _, cuda = _stage("cuda", "fp32")
     E = m.embedding_params()
-    for c, g in zip(cpu, cuda):  # cpu 4 B/element (fp32 buffer), cuda 4 B/element (fp32 gradient)
-        assert c.mem["transient"] == g.mem["transient"]
+    # first stage: cpu 4 B/element (receive buffer) = cuda 4 B/element (fp32 gradient); last: cpu 0
+    assert cpu[0].mem["transient"] == cuda[0].mem["transient"]
+    assert cpu[-1].mem["transient"] == cuda[-1].mem["transient"] - 4 * E
     _, cpu16 = _stage("cpu", "bf16", grad_accum="compute")
     _, cuda16 = _stage("cuda", "bf16", grad_accum="compute")
     for c, g in zip(cpu16, cuda16):  # cpu 4 + (2 + 4) B/element, cuda 2 B/element

@@ -25,9 +25,12 @@ V, H = 50, 8
 
 
 class _HostBackend:
-    """download / upload as copies (what every backend promises: never aliasing)."""
+    """download / upload as copies (what every backend promises: never aliasing); counts downloads."""
+
+    downloads = 0
 
     def download(self, t):
+        self.downloads += 1
         return t.detach().clone()
 
     def upload(self, t):
@@ -53,7 +56,8 @@ def _worker(rank, init, q):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     try:
         group = dist.new_group([0, 1])
-        ex = TiedGradExchange(rank == 0, 1 - rank, group, (V, H), _HostBackend())
+        be = _HostBackend()
+        ex = TiedGradExchange(rank == 0, 1 - rank, group, (V, H), be)
         out = {}
         # fp32, bf16, then fp32 with a wrong row on the last stage; the receive buffer is reused
         for case, dtype, break_rows in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
@@ -62,7 +66,9 @@ def _worker(rank, init, q):
             g = (g_first if rank == 0 else g_last).clone()
             ex.begin()
             if rank == 1:
+                n0 = be.downloads
                 ex.send_dense(g)
+                out[case + "_send_copies"] = be.downloads - n0
             rows = looked_up_rows(ids)
             if break_rows and rank == 1:
                 rows = rows.clone()
@@ -94,7 +100,8 @@ def _run(tmp_path):
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    _RESULTS.update({r: {c: torch.tensor(v) for c, v in d.items()} for r, d in out.items()})
+    _RESULTS.update({r: {c: torch.tensor(v) if isinstance(v, list) else v for c, v in d.items()}
+                     for r, d in out.items()})
     return _RESULTS
 
 
@@ -115,6 +122,15 @@ def test_a_wrong_row_is_seen(tmp_path):
     got = _run(tmp_path)
     assert torch.equal(got[0]["broken"], g_first + g_last)
     assert not torch.equal(got[1]["broken"], g_first + g_last)
+
+
+def test_fp32_host_gradient_is_sent_without_a_copy(tmp_path):
+    """The last stage's dense send: an fp32 CPU gradient (a cpu card) is already the wire format and
+    goes out as is (no [V, H] host copy); a bf16 one is downloaded and cast once. The sums above stay
+    bit for bit (same run)."""
+    got = _run(tmp_path)
+    assert got[1]["fp32_send_copies"] == 0
+    assert got[1]["bf16_send_copies"] == 1
 
 
 def test_looked_up_rows_sorted_unique():

@@ -57,7 +57,8 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
   * held: with tied embeddings on more than one stage, the tied gradient exchange
     (runtime/tied.py), on a ``cpu`` card (host RAM is card memory): ``4 * V*H``
     bytes, the first stage's fp32 receive buffer (allocated once, held through the step) or the
-    last stage's fp32 copy of its dense gradient, plus ``(g + 4) * V*H`` when the gradient buffer
+    last stage's fp32 copy of its dense gradient (none for an fp32 gradient: sent as is), plus
+    ``(g + 4) * V*H`` when the gradient buffer
     is not fp32 (``g`` bytes per element; it is summed through an fp32 host copy and uploaded back;
     an fp32 buffer is summed in place); elsewhere the ``g * V*H`` device temporary.
 - ``workspace``: :class:`~npu_train.planner.memterms.MemoryTerms` of the card's kind
@@ -336,7 +337,9 @@ class MemoryModel:
         opt_phase = max(norm_tmp, master_grads)
         held = 0
         if self.tied and P > 1 and (first or last) and not La:
-            held = (4 * E + ((g + 4) * E if g != 4 else 0)) if cpu else g * E
+            # cpu: the first stage's receive buffer; the last stage's dense copy only for a non-fp32
+            # gradient (an fp32 one is sent as is), plus the host round trip of a non-fp32 buffer
+            held = ((4 * E if first or g != 4 else 0) + ((g + 4) * E if g != 4 else 0)) if cpu else g * E
         transient = max(fwd_bwd, opt_phase) - acts + held
         terms = self.terms[i]
         body = weights + grads + optimizer + acts + transient

@@ -18,7 +18,7 @@ import sys
 import tempfile
 from typing import Optional
 
-from npu_train.env import getenv
+from npu_train.env import getenv, resume_env_prefix
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
@@ -35,8 +35,6 @@ def check_port(host: str, port: int) -> None:
         except OSError as e:
             raise ConfigError(f"runtime.port={port} on {host} is in use ({e.strerror}): "
                               "pick another runtime.port or use runtime.port=0 for a free one") from None
-
-
 
 
 def as_list(v):
@@ -254,6 +252,21 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     return specs
 
 
+def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str) -> str:
+    """The interrupt message's second half: the checkpoint saved and how to resume from it (the same
+    command with ``train.resume=latest checkpoint.dir=<ckpt_root>``, started with this run's ``NPT_``
+    variables that change a run, :func:`npu_train.env.resume_env_prefix`), or ``no checkpoint saved``."""
+    if not last_ckpt:
+        return "no checkpoint saved"
+    args = f"train.resume=latest checkpoint.dir={ckpt_root}" + (
+        " train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
+        if offload_update == "delayed" else "")
+    env = resume_env_prefix()
+    if env:
+        return f"checkpoint {last_ckpt} saved; resume with: {env}<the same command> {args}"
+    return f"checkpoint {last_ckpt} saved; resume by rerunning the same command with {args}"
+
+
 def run_job(cfg, run_dir: str) -> dict:
     """Run one training job described by ``cfg`` (an OmegaConf ``Config``) in ``run_dir``.
 
@@ -407,6 +420,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
     write_job_owner(job_id, ipc_dir)
+    with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
+        os.remove(os.path.join(run_dir, "data.safetensors"))
     moved = rotate_previous_run(run_dir)
     if moved:
         print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
@@ -421,7 +436,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                 os.remove(os.path.join(ckpt_root, f".npt-shared-{job_id}"))
             except OSError:
                 pass
-    data_file = os.path.join(run_dir, "data.safetensors")
+    # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
+    # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
+    data_file = os.path.join(ipc_dir, "data.safetensors")
     save_packed(data, data_file)
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
     train = train_spec(cfg, prep["dtype"])
@@ -473,11 +490,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)
     if coord.interrupted:
-        where = (f"checkpoint {coord.last_ckpt} saved; resume by rerunning the same command with "
-                 f"train.resume=latest checkpoint.dir={ckpt_root}"
-                 + (" train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
-                    if tr.offload_update == "delayed" else "")) if coord.last_ckpt else "no checkpoint saved"
-        raise Interrupted(coord.signum, where, checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
+        raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update),
+                          checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
     print(f"done: {summ['steps_run']} step{'' if summ['steps_run'] == 1 else 's'}{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
           f"{fmt_loss(summ['last_loss'])}; "

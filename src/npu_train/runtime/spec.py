@@ -150,7 +150,8 @@ class WorkerSpec:
         card, stage: the card and the layers it runs.
         model_path: HF directory or GGUF file; ``model_cfg``: ``LlamaConfig.to_dict()``.
         resident_names: HF names of the parameters whose fp32 master + AdamW moments stay on the card.
-        data_file: the packed token data (safetensors) written by the launcher.
+        data_file: the packed token data (safetensors) written by the launcher into ``ipc_dir``
+            (removed with it: not needed to resume).
         train, runtime: see :class:`TrainSpec`, :class:`RuntimeSpec`.
         start_step, resume_dir: 0-based step to start at and the checkpoint to restore (None: fresh).
         ckpt_root: the checkpoint root (shards go to a staging dir under it).

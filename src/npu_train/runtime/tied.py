@@ -25,7 +25,8 @@ RNGD card) in fp32 on the host and cast back to the gradient buffer's dtype, as 
 
 Memory: the first stage keeps one ``[V, H]`` fp32 host receive buffer (``V*H*4`` bytes, allocated
 once); the last stage one ``[V, H]`` fp32 host copy from the end of its backward until the
-exchange ends. Both are host RAM (card memory only on a ``cpu`` card; the placement model's
+exchange ends, except on a ``cpu`` card with an fp32 gradient (already host memory in the wire
+dtype: sent as is, without a copy; it is not written until the send has completed). Both are host RAM (card memory only on a ``cpu`` card; the placement model's
 ``held`` term, :mod:`npu_train.planner.memory`).
 """
 from __future__ import annotations
@@ -88,12 +89,22 @@ class TiedGradExchange:
 
     def send_dense(self, grad: torch.Tensor) -> None:
         """Last stage, after its backward: start sending ``grad`` (``[V, H]``, the final
-        ``lm_head`` gradient, any dtype, on the card) to the first stage as fp32 host memory."""
+        ``lm_head`` gradient, any dtype, on the card) to the first stage as fp32 host memory.
+
+        A contiguous fp32 CPU ``grad`` is sent without a copy: the caller must not write it before
+        :meth:`finish` (which waits for the send before it adds the first stage's rows)."""
         import torch.distributed as dist
 
         if self.first:
             raise RuntimeError("send_dense is the last stage's half of the tied exchange")
-        self._sent = self.backend.download(grad).float().contiguous()
+        if grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous():
+            # already the wire format in host memory (an fp32 gradient on a cpu card): sent as is, no
+            # [V, H] copy. Nothing writes the buffer until finish() has waited for this send: finish
+            # adds the first stage's rows only after the wait; the next write is the next step's
+            # backward, after finish.
+            self._sent = grad
+        else:
+            self._sent = self.backend.download(grad).float().contiguous()
         self._work = dist.isend(self._sent, dst=self.peer, group=self.group, tag=DENSE_TAG)
 
     def finish(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
@@ -130,13 +141,13 @@ class TiedGradExchange:
             raise RuntimeError("TiedGradExchange.finish without send_dense on the last stage")
         theirs = torch.empty((rows.numel(), self.shape[1]), dtype=torch.float32)
         dist.recv(theirs, src=self.peer, group=self.group, tag=ROWS_TAG)
-        self._work.wait()  # the dense copy is no longer read by gloo
+        self._work.wait()  # the dense gradient (or its host copy) is no longer read by gloo: writable again
         full, self._work, self._sent = self._sent, None, None
         with torch.no_grad():
             # g_last[rows] + g_first[rows] in fp32; the other rows stay g_last (g_first is 0 there)
             if inplace:
                 on_host = grad.device.type == "cpu"
                 grad.index_add_(0, rows if on_host else be.upload(rows), theirs if on_host else be.upload(theirs))
-            else:
+            else:  # (``full`` is a host copy here: a gradient sent as is is fp32 on a cpu card, summed in place)
                 full.index_copy_(0, rows, full.index_select(0, rows).add_(theirs))
                 grad.copy_(be.upload(full.to(grad.dtype)))

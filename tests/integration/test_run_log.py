@@ -1,0 +1,50 @@
+"""``<run dir>/run.log`` holds the launcher's console output (plan table, step and eval lines, notes,
+the ``error:`` line), one file per job, also for each job of a ``-m`` sweep; the console shows every
+line once. The launcher runs as a subprocess (as a user starts it)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from conftest import launch_to_end
+from launch_util import BASE, LAUNCH, REPO
+
+pytestmark = pytest.mark.timeout(300)
+
+PLAN_LINE = re.compile(r"^predicted: step .* tokens/s", re.M)
+
+
+def _log(run_dir: str) -> str:
+    with open(os.path.join(run_dir, "run.log")) as f:
+        return f.read()
+
+
+def test_run_log_holds_the_console_output(tiny_model, tmp_path):
+    ok = launch_to_end(tmp_path, tiny_model, "plan=true", name="plan")
+    log = _log(ok.run_dir)
+    assert len(PLAN_LINE.findall(ok.stdout)) == 1, ok.stdout  # printed once on the console
+    assert ok.stdout.strip() and ok.stdout in log, (ok.stdout, log)
+    bad = launch_to_end(tmp_path, tiny_model, "plan=true", "train.lr=-1", name="bad", expect_rc=2)
+    err = [l for l in bad.stderr.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and "train.lr=-1" in err[0], bad.stderr
+    assert err[0] in _log(bad.run_dir).splitlines()
+
+
+@pytest.mark.heavy
+def test_each_sweep_job_has_its_own_run_log(tiny_model, tmp_path):
+    """``-m``: job 0 fails (bad input), job 1 prints its plan; each run.log holds its job's output only."""
+    sweep_dir = os.path.join(str(tmp_path), "sweep")
+    env = {k: v for k, v in os.environ.items() if k != "NPT_FAULT"}
+    p = subprocess.run([sys.executable, LAUNCH, "-m", f"model.path={tiny_model}", *BASE, "plan=true",
+                        "train.lr=-1,1e-3", f"hydra.sweep.dir={sweep_dir}"],
+                       capture_output=True, text=True, cwd=REPO, env=env, timeout=240)
+    assert p.returncode == 1, (p.stdout + p.stderr)[-4000:]  # a sweep with a failed job exits 1
+    log0, log1 = _log(os.path.join(sweep_dir, "0")), _log(os.path.join(sweep_dir, "1"))
+    assert "error: train.lr=-1" in log0 and not PLAN_LINE.search(log0), log0
+    assert len(PLAN_LINE.findall(log1)) == 1 and "error:" not in log1, log1
+    assert len(PLAN_LINE.findall(p.stdout)) == 1, p.stdout  # the console shows it once
+    assert PLAN_LINE.search(p.stdout).group(0) in log1
