@@ -89,7 +89,7 @@ def test_no_grad_and_frozen_embedding_use_the_plain_lookup():
 @pytest.mark.parametrize("kind,dtype,want", [("cpu", torch.float32, True), ("cpu", torch.bfloat16, False),
                                              ("cuda", torch.float32, False), ("furiosa", torch.bfloat16, False)])
 def test_kinds_that_take_rows(kind, dtype, want):
-    from npu_train.runtime.trainer import sparse_embed_grad_for
+    from npu_train.runtime.stagebuild import sparse_embed_grad_for
 
     params = {EMB: torch.nn.Parameter(torch.zeros(3, 2, dtype=dtype)), "x": torch.nn.Parameter(torch.zeros(2))}
     assert sparse_embed_grad_for(kind, params) is want

@@ -44,8 +44,8 @@ from typing import Optional
 
 import torch
 
-from npu_train.hardware import SPARSE_EMBED_GRAD_KINDS
 from npu_train.runtime.spec import WorkerSpec
+from npu_train.runtime.stagebuild import build_stage, compute_dtype, sparse_embed_grad_for
 from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 
 log = logging.getLogger("npu_train.worker")
@@ -54,65 +54,6 @@ log = logging.getLogger("npu_train.worker")
 class NonFiniteError(RuntimeError):
     """A non-finite (nan/inf) loss or global gradient norm with ``train.nonfinite=stop``; the message
     names the step, the stage(s) where the non-finite values appeared, and the fix."""
-
-
-def compute_dtype(name: str) -> torch.dtype:
-    """``"bf16"`` -> ``torch.bfloat16``, ``"fp32"`` -> ``torch.float32``."""
-    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
-
-
-def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
-    """Build this stage's module on the card and its fp32 masters from the model file (own tensors only).
-
-    Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
-    ``dtype`` on ``backend.device()``, and a dict of HF name -> fp32 CPU master tensor.
-    """
-    from npu_train.model.config import LlamaConfig
-    from npu_train.model.llama import StageModule
-    from npu_train.model import load_tensors
-
-    cfg = LlamaConfig.from_dict(spec.model_cfg)
-    st = spec.stage
-    with torch.device("meta"):
-        module = StageModule(cfg, st.first, st.last, st.has_embed, st.has_head, recompute=spec.train.recompute)
-    module = module.to(dtype)
-    with backend.alloc_lock():
-        module = module.to_empty(device=backend.device())
-    if st.has_embed and st.has_head and cfg.tie_word_embeddings:
-        module.lm_head.weight = module.model.embed_tokens.weight  # to_empty breaks parameter sharing
-    track = getattr(backend, "track", None)  # furiosa: no allocator stats, count our own tensors
-    if track is not None:
-        for p in module.parameters():
-            track(p)
-    masters = load_tensors(spec.model_path, cfg, module.param_names())
-    check_finite_weights(masters, spec.model_path)
-    with torch.no_grad():
-        for n, p in module.named_parameters():
-            p.copy_(backend.upload(masters[n].to(dtype)))
-    return module, masters
-
-
-def sparse_embed_grad_for(kind: str, params: dict) -> bool:
-    """Whether the stage takes its embedding gradient as rows (``StageModule.sparse_embed_grad``): a trained
-    fp32 ``model.embed_tokens.weight`` (its ``.grad`` is the accumulator; bf16 folds into one) on a card of
-    :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS`. The trainer then gives it a dense zero ``.grad``
-    at each step's start."""
-    emb = params.get("model.embed_tokens.weight")
-    return emb is not None and kind in SPARSE_EMBED_GRAD_KINDS and emb.dtype == torch.float32
-
-
-def check_finite_weights(tensors: dict, model_path: str) -> None:
-    """Raise :class:`~npu_train.model.ModelFormatError` naming the first tensor of ``tensors``
-    (HF name -> tensor) that holds a nan or inf: training from it would fill masters and moments with
-    NaN from the first step."""
-    from npu_train.model import ModelFormatError
-
-    for n, t in tensors.items():
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            raise ModelFormatError(f"model file {model_path}: tensor {n!r} holds {bad} non-finite value(s) "
-                                   "(nan/inf): the file is corrupt or was saved from a diverged run; "
-                                   "re-download or re-export the model")
 
 
 class StageTrainer:
