@@ -20,5 +20,10 @@ KINDS = ("cpu", "cuda", "furiosa")
 #: the weights: ``optim.adamw.StageOptimizer.shared``; ``planner.memory`` counts 8 B/param for them)
 SHARED_MASTER_KINDS = ("cpu", "cuda")
 
+#: kinds whose card memory *is* the host RAM of the card process: host-held optimizer state counts
+#: as card memory (``planner.memory``), and the host update of offloaded layers takes the final
+#: fp32 gradient itself instead of a downloaded copy (``optim.offload.HostUpdater``)
+HOST_MEMORY_KINDS = ("cpu",)
+
 #: RNGD usable HBM per card: 47.5 GiB (= 51.0 GB) of the 48 GB HBM3.
 FURIOSA_CAPACITY_BYTES = int(47.5 * GIB)
