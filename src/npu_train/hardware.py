@@ -20,12 +20,18 @@ KINDS = ("cpu", "cuda", "furiosa")
 #: the weights: ``optim.adamw.StageOptimizer.shared``; ``planner.memory`` counts 8 B/param for them)
 SHARED_MASTER_KINDS = ("cpu", "cuda")
 
-#: kinds whose first stage takes the embedding's gradient as rows (``F.embedding(sparse=True)`` added
+#: kinds whose first stage takes the embedding's gradient as rows (``nn.Embedding(sparse=True)`` added
 #: into a dense fp32 ``.grad`` made once per step): on a cpu card the dense embedding backward allocated,
-#: page-faulted and zeroed a [V, H] tensor per micro-batch, 0.76 s of a step's 8 micro-batches for
-#: SmolLM2's 113 MB embedding against 0.002 s as rows (experiments/2026-12-01-bench.md, "Embedding
-#: gradient"); on GPUs the dense zeroing is bandwidth-trivial, so they keep torch's default.
+#: page-faulted and zeroed a [V, H] tensor per micro-batch, 0.88-1.01 s of a step's 8 micro-batches for
+#: SmolLM2's 113 MB embedding against 0.07-0.12 s as rows, the once-per-step zeroing included
+#: (experiments/2026-12-01-bench.md, "Embedding gradient"); on GPUs zeroing 113 MB takes microseconds,
+#: so they keep torch's default.
 SPARSE_EMBED_GRAD_KINDS = ("cpu",)
+
+#: kinds whose card memory *is* the host RAM of the card process: host-held optimizer state counts
+#: as card memory (``planner.memory``), and the host update of offloaded layers takes the final
+#: fp32 gradient itself instead of a downloaded copy (``optim.offload.HostUpdater``)
+HOST_MEMORY_KINDS = ("cpu",)
 
 #: RNGD usable HBM per card: 47.5 GiB (= 51.0 GB) of the 48 GB HBM3.
 FURIOSA_CAPACITY_BYTES = int(47.5 * GIB)

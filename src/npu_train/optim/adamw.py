@@ -8,7 +8,8 @@
   :class:`~npu_train.optim.offload.HostUpdater`: inline, or overlapped on a background thread
   (bit-identical), or as a delayed update one step stale (see :mod:`npu_train.optim.offload`).
   Their squared gradient norms are taken on the host from the downloaded fp32 gradient (the same
-  copy feeds the update: one download per step).
+  copy feeds the update: one download per step; on a ``cpu`` card, outside the delayed update,
+  from the fp32 gradient itself, with no copy: :mod:`npu_train.optim.offload`).
 
 Gradient accumulation is in fp32: with a bf16 compute dtype, each micro-batch's ``.grad`` (bf16,
 one rounding) is folded into an fp32 accumulator on the card as soon as autograd has accumulated it

@@ -29,6 +29,20 @@ embedding, decoder layers in order, final norm + head), in one of three modes:
   at two different ages. A checkpoint holds the masters after every queued update (``m_{t+1}``); the
   stale card weights are not saved, so such a run does not resume (refused at job preparation).
 
+Host-memory cards (:data:`~npu_train.hardware.HOST_MEMORY_KINDS`, ``cpu``): the card's gradient
+already lies in host RAM, so outside the delayed mode (:attr:`HostUpdater.in_place`) the update takes
+the final fp32 gradient tensor itself (its squared norm is taken from it and the clip scales it in
+place) instead of a downloaded copy, the same values through the same ops (bit-identical). The copy
+was 4 B per offloaded parameter, made in the last micro-batch's backward and held until the layer's
+update, so at the card's memory peak: 0.24 GiB of card 0's 3.35 GiB peak RSS (SmolLM2-135M, fp32,
+``cpu,cpu``, layers 10-19 + embedding offloaded; the plan said 3.02 GiB; 3.09-3.12 GiB without the
+copy). Nothing writes the gradient between its last accumulation and the update that consumes it:
+a reused fp32 accumulator (bf16 compute) is next written by the next step's backward, which comes
+after the forward through every offloaded layer, which waits for that layer's update
+(:meth:`HostUpdater.wait_layer`); fp32 compute's ``.grad`` is dropped after the step and allocated
+afresh; a skipped step discards its gradients unchanged. The delayed update runs during the next
+step's backward, so it keeps the copy.
+
 Threads: the background thread's torch ops use the process's intra-op thread count
 (``torch.get_num_threads()``, which the launcher sets per card process from
 :func:`npu_train.planner.threads.threads_per_card`); a new OS thread inherits it. On an accelerator
@@ -47,6 +61,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
 import torch
+
+from npu_train.hardware import HOST_MEMORY_KINDS
 
 
 def _done(value=None) -> Future:
@@ -72,6 +88,8 @@ class HostUpdater:
         self.params, self.groups, self.optimizers, self.backend = params, groups, optimizers, backend
         self.overlap, self.delayed = bool(overlap), bool(delayed) and bool(overlap)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="host-adamw") if self.overlap else None
+        #: the update takes an fp32 gradient on a host-memory card (``cpu``) itself, not a copy
+        self.in_place = getattr(backend, "kind", None) in HOST_MEMORY_KINDS and not self.delayed
         self._dl: dict[str, tuple] = {}  # name -> (future of (host fp32 grad | None, sq), (data_ptr, version))
         self._layer: dict[str, Future] = {}  # layer key -> its pending update
         self._staged: dict[str, torch.Tensor] = {}  # delayed: name -> compute-dtype host weights to upload
@@ -86,9 +104,15 @@ class HostUpdater:
 
     # ------------------------------------------------------------------ gradients
     def _fetch(self, g: Optional[torch.Tensor]):
-        """Download gradient ``g`` (card, any float dtype) -> (fp32 host copy, its squared sum fp32)."""
+        """Download gradient ``g`` (card, any float dtype) -> (fp32 host copy, its squared sum fp32).
+
+        On a card whose memory is the host RAM (:data:`~npu_train.hardware.HOST_MEMORY_KINDS`) an
+        fp32 ``g`` is returned itself (no copy, see :attr:`in_place`)."""
         if g is None:
             return None, torch.zeros((), dtype=torch.float32)
+        if self.in_place and g.dtype == torch.float32 and g.device.type == "cpu":
+            hg = g.detach()
+            return hg, hg.pow(2).sum()
         hg = self.backend.download(g.detach())
         if hg.data_ptr() == g.data_ptr():  # never alias the card's accumulator (reused next step)
             hg = hg.clone()

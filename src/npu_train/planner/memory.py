@@ -48,12 +48,24 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     when that micro-batch's activations ``A`` are already freed.
   * optimizer phase (activations freed, gradients alive): the larger of the gradient-norm
     temporary (``4 B`` or, for bf16 gradients, ``8 B`` x largest parameter) and the fp32
-    master-gradient copies: 4 B/param for offloaded parameters (a copy of the downloaded
-    gradient; counted on ``cpu`` cards only, elsewhere it is host RAM) and, with bf16 gradients,
-    4 B/param for resident parameters (``grad.float()``; fp32 accumulators are used in place),
-    plus one upload temporary. With fp32 accumulators and bf16 compute the fwd/bwd phase's
-    accumulation temporary ``acc`` is ``(e + 4)`` B x largest parameter (the micro-batch's
-    compute-dtype gradient and its fp32 cast).
+    master-gradient copies: with bf16 gradients 4 B/param for resident parameters
+    (``grad.float()``; fp32 accumulators are used in place), the offloaded parameters' host copies
+    ``host_copy`` when the host update runs serially (``RunShape.offload="serial"``, see below),
+    plus, on a ``cpu`` card with offloaded parameters, one upload temporary (``e`` x largest
+    parameter). With fp32 accumulators and bf16 compute the fwd/bwd phase's accumulation temporary
+    ``acc`` is ``(e + 4)`` B x largest parameter (the micro-batch's compute-dtype gradient and its
+    fp32 cast).
+  * offloaded gradients' host copies, ``host_copy`` (``cpu`` cards only: elsewhere they are host
+    RAM, not card memory): ``4 * offloaded params`` when the gradient is not fp32 (bf16 ``.grad``,
+    ``grad_accum="compute"``) or the update is delayed; 0 otherwise, since the host update of a
+    ``cpu`` card takes the final fp32 gradient itself (:class:`~npu_train.optim.offload.HostUpdater`
+    ``in_place``). With the overlap (``"overlap"``, ``"delayed"``) the copies are made in the last
+    micro-batch's backward and live until the layer's update, i.e. through the fwd/bwd peak: they
+    are *held*; serially they appear after the backward (optimizer phase). Measured before the
+    in-place update (SmolLM2-135M, fp32, card 0 of ``cpu,cpu`` with layers 10-19 and the embedding
+    offloaded, 63.7 M params): the copies were 0.24 GiB that the model counted only in the
+    optimizer phase, and the card's peak RSS was 3.35 GiB against a plan of 3.02 GiB; with the
+    in-place update 3.09-3.12 GiB.
   * held: with tied embeddings on more than one stage, the tied gradient exchange
     (runtime/tied.py), on a ``cpu`` card (host RAM is card memory): ``4 * V*H``
     bytes, the first stage's fp32 receive buffer (allocated once, held through the step) or the
@@ -61,6 +73,10 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     ``(g + 4) * V*H`` when the gradient buffer
     is not fp32 (``g`` bytes per element; it is summed through an fp32 host copy and uploaded back;
     an fp32 buffer is summed in place); elsewhere the ``g * V*H`` device temporary.
+    With the overlap, ``host_copy`` (above); on a ``cpu`` card with a delayed update and a
+    compute dtype other than fp32 also the staged compute-dtype weights of the offloaded
+    parameters, ``e`` B/param (made by the update during the next step, uploaded after its
+    backward).
 - ``workspace``: :class:`~npu_train.planner.memterms.MemoryTerms` of the card's kind
   (``DEFAULT_MEMORY_TERMS``, or a calibration profile's measured ``"memory"``): a constant for
   runtime / compiler / library buffers (CUDA context + cuBLAS workspace, RNGD runtime buffers),
@@ -92,7 +108,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from npu_train.hardware import SHARED_MASTER_KINDS
+from npu_train.hardware import HOST_MEMORY_KINDS, SHARED_MASTER_KINDS
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
@@ -285,7 +301,7 @@ class MemoryModel:
         """Memory terms of stage ``i`` holding ``n`` decoder layers of which ``r`` are resident;
         ``baseline_bytes`` is the card process's ``Rates.process_baseline_bytes``."""
         kind = self.cards[i].kind
-        cpu = kind == "cpu"
+        cpu = kind in HOST_MEMORY_KINDS  # card memory = the process's host RAM
         e, E, P, sh = self.e, self.E, self.P, self.shape
         g = sh.grad_bytes
         first, last = i == 0, i == P - 1
@@ -331,7 +347,10 @@ class MemoryModel:
         else:
             fwd_bwd = acts + max(0, acc - one_mb)
         norm_tmp = (4 if g == 4 else 8) * maxp
-        master_grads = (4 * off_params if cpu else 0) + (4 * res_params if g != 4 else 0)
+        # fp32 host copies of the offloaded gradients, on a host-memory card (module docstring):
+        # none where the host update takes the fp32 gradient itself
+        host_copy = 4 * off_params if cpu and (g != 4 or sh.offload == "delayed") else 0
+        master_grads = (host_copy if sh.offload == "serial" else 0) + (4 * res_params if g != 4 else 0)
         if cpu and off_params:
             master_grads += e * maxp            # one upload temporary
         opt_phase = max(norm_tmp, master_grads)
@@ -340,6 +359,10 @@ class MemoryModel:
             # cpu: the first stage's receive buffer; the last stage's dense copy only for a non-fp32
             # gradient (an fp32 one is sent as is), plus the host round trip of a non-fp32 buffer
             held = ((4 * E if first or g != 4 else 0) + ((g + 4) * E if g != 4 else 0)) if cpu else g * E
+        if sh.offload != "serial":  # copied from the last micro-batch's backward on, until the update
+            held += host_copy
+        if cpu and sh.offload == "delayed" and e != 4:
+            held += e * off_params              # the staged compute-dtype weights of the delayed update
         transient = max(fwd_bwd, opt_phase) - acts + held
         terms = self.terms[i]
         body = weights + grads + optimizer + acts + transient
