@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-# the heavy tests write real checkpoints (~1.6 GB each, one test's at a time): say how much room there is
+# the heavy tests write real checkpoints (~2 GB each, one test's at a time): say how much room there is
 df -h "${TMPDIR:-/tmp}" | awk -v t="${TMPDIR:-/tmp}" 'NR==2 {print "disk: " $4 " free in " t " (the heavy tests need ~5 GB)"}'
 echo "== fast tests =="
 .venv/bin/python -m pytest -q -m "not heavy and not contract" "$@"

@@ -14,7 +14,7 @@ import os
 os.environ.setdefault("NPT_CALIBRATE", "never")
 
 
-# ---- disk: a passed test's temp dir goes at once (checkpoints of the real model are ~1.6 GB each), so the
+# ---- disk: a passed test's temp dir goes at once (checkpoints of the real model are ~2 GB each), so the
 # suite's peak disk use is one test's, not the whole session's; a failed test's dir stays for inspection.
 import shutil  # noqa: E402
 

@@ -58,7 +58,7 @@ def launch(python: str, cache: Path, run_dir: Path, extra: list[str]) -> dict:
     out["t_exit"] = round(time.monotonic() - t0, 2)
     out["load_after"] = round(os.getloadavg()[0], 2)
     (run_dir / "launch.log").write_text("\n".join(lines) + "\n")
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~1.6 GB per launch, not needed
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)  # ~2 GB per launch, not needed
     metrics = run_dir / "metrics.jsonl"
     if metrics.is_file():
         recs = [json.loads(ln) for ln in metrics.read_text().splitlines() if ln.strip()]

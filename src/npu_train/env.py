@@ -77,8 +77,9 @@ def run_environment() -> dict[str, str]:
 
 
 def resume_env_prefix() -> str:
-    """The shell assignments of :func:`run_environment` that start a resume command, each value
-    quoted with :func:`shlex.quote`, followed by one space (e.g. ``NPT_CACHE='/data/my cache' ``);
+    """``env`` and the assignments of :func:`run_environment` that start a resume command, each value
+    quoted with :func:`shlex.quote`, followed by one space (e.g. ``env NPT_CACHE='/data/my cache' ``):
+    with ``env`` in front the command also runs when split into words and executed without a shell;
     ``""`` when none is set."""
     env = run_environment()
-    return "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())
+    return ("env " + "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())) if env else ""

@@ -22,8 +22,8 @@ SHARED_MASTER_KINDS = ("cpu", "cuda")
 
 #: kinds whose first stage takes the embedding's gradient as rows (``nn.Embedding(sparse=True)`` added
 #: into a dense fp32 ``.grad`` made once per step): on a cpu card the dense embedding backward allocated,
-#: page-faulted and zeroed a [V, H] tensor per micro-batch, 0.88-1.01 s of a step's 8 micro-batches for
-#: SmolLM2's 113 MB embedding against 0.07-0.12 s as rows, the once-per-step zeroing included
+#: page-faulted and zeroed a [V, H] tensor per micro-batch: 1.01 s of a step's 8 micro-batches for
+#: SmolLM2's 113 MB embedding against 0.12 s as rows, the once-per-step zeroing included, 11x
 #: (experiments/2026-12-01-bench.md, "Embedding gradient"); on GPUs zeroing 113 MB takes microseconds,
 #: so they keep torch's default.
 SPARSE_EMBED_GRAD_KINDS = ("cpu",)

@@ -201,7 +201,7 @@ def test_signal_to_launcher_saves_checkpoint(tiny_model, tmp_path, sig, group):
     assert f"hydra.run.dir={job.run_dir}" in status["resume"], status  # the continued run writes there too
     if sig == signal.SIGTERM:
         # the resume command recorded in status.json continues the job
-        again = launch_to_end(tmp_path, tiny_model, name="resume", argv=["env", *shlex.split(status["resume"]), "train.stop_after=1"])
+        again = launch_to_end(tmp_path, tiny_model, name="resume", argv=[*shlex.split(status["resume"]), "train.stop_after=1"])
         assert f"at step {step}" in again.stdout and len(again.losses()) == 1
         assert CheckpointReader(complete_checkpoints(ck)[-1]).step == step + 1
 

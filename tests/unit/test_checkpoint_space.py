@@ -39,7 +39,7 @@ def test_save_refused_before_writing_when_disk_is_too_small(tmp_path, monkeypatc
     with pytest.raises(CheckpointSpaceError) as ei:
         save_shard(st, 3, t, {"rank": 3})
     msg = str(ei.value)
-    assert "stage 3" in msg and str(st) in msg and "checkpoint.dir" in msg and "GB" in msg
+    assert "stage 3" in msg and f"in {tmp_path} but" in msg and ".tmp-" not in msg and "checkpoint.dir" in msg and "MB" in msg
     assert not os.path.exists(os.path.join(st, "stage_003.safetensors"))
     assert find_checkpoint("latest", str(tmp_path)) == good
     _fake_free(monkeypatch, store.SHARD_MARGIN_BYTES + (4 << 20))  # exactly enough: written

@@ -55,15 +55,15 @@ def test_resume_command_starts_with_the_runs_npt_variables(monkeypatch, tmp_path
     monkeypatch.setenv("NPT_FAULT", "1:forward:raise")
     cmd = _launcher().resume_command(["train.steps=50"], "/ck")
     words = shlex.split(cmd)
-    assert words[:2] == [f"NPT_CACHE={cache}", "NPT_CALIBRATE=never"], cmd
-    assert cmd.startswith(f"NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never "), cmd
-    assert words[3].endswith("run.py") and "train.resume=latest" in words and "NPT_FAULT" not in cmd
+    assert words[:3] == ["env", f"NPT_CACHE={cache}", "NPT_CALIBRATE=never"], cmd
+    assert cmd.startswith(f"env NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never "), cmd
+    assert words[4].endswith("run.py") and "train.resume=latest" in words and "NPT_FAULT" not in cmd
     note = interrupt_note("/ck/step-4", "/ck", "sync")
-    assert f"resume with: NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never <the same command> " \
+    assert f"resume with: env NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never <the same command> " \
            "train.resume=latest checkpoint.dir=/ck" in note and "NPT_FAULT" not in note
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NPT_CACHE", "rel")
-    assert shlex.split(_launcher().resume_command([], "/ck"))[0] == f"NPT_CACHE={tmp_path / 'rel'}"
+    assert shlex.split(_launcher().resume_command([], "/ck"))[:2] == ["env", f"NPT_CACHE={tmp_path / 'rel'}"]
     for k in ("NPT_CACHE", "NPT_CALIBRATE"):
         monkeypatch.delenv(k)
     assert _launcher().resume_command([], "/ck").startswith(shlex.quote(sys.executable))

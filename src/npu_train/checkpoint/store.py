@@ -127,11 +127,19 @@ def shard_bytes(tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
+def _size(n: int) -> str:
+    """``n`` bytes as GB (1e9) from 0.1 GB on, else MB (1e6)."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
+
+
 def space_message(directory: str, need: int, free: int, what: str) -> str:
-    """The error text for a checkpoint that does not fit: sizes in GB (1e9 bytes) and the fixes."""
-    return (f"{what} needs {need / 1e9:.2f} GB in {directory} but only {free / 1e9:.2f} GB are free: free disk "
-            "space there (older step_* checkpoints can go: the file 'latest' names the newest), or point "
-            "checkpoint.dir at a larger disk and resume with train.resume=latest; the last complete checkpoint "
+    """The error text for a checkpoint that does not fit: ``directory`` is the checkpoint root (a
+    staging directory ``.tmp-step_*`` is named by its root: it is removed when the job stops)."""
+    if os.path.basename(directory).startswith(".tmp-"):
+        directory = os.path.dirname(directory)
+    return (f"{what} needs {_size(need)} in {directory} but only {_size(free)} are free (the other stages' "
+            "shards need room too): free disk space there (older step_* checkpoints can go: the file 'latest' "
+            "names the newest) or point checkpoint.dir at a larger disk; an earlier complete checkpoint there "
             "is untouched")
 
 
@@ -151,7 +159,7 @@ def space_warning(root: str, final: str) -> Optional[str]:
     free = shutil.disk_usage(root).free
     if free >= size:
         return None
-    return (f"warning: {free / 1e9:.2f} GB free in {root}, less than one checkpoint ({size / 1e9:.2f} GB): "
+    return (f"warning: {_size(free)} free in {root}, less than one checkpoint ({_size(size)}): "
             "the next save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 

@@ -35,8 +35,8 @@ the final fp32 gradient tensor itself (its squared norm is taken from it and the
 place) instead of a downloaded copy, the same values through the same ops (bit-identical). The copy
 was 4 B per offloaded parameter, made in the last micro-batch's backward and held until the layer's
 update, so at the card's memory peak: 0.24 GiB of card 0's 3.35 GiB peak RSS (SmolLM2-135M, fp32,
-``cpu,cpu``, layers 10-19 + embedding offloaded; the plan said 3.02 GiB; 3.09-3.12 GiB without the
-copy). Nothing writes the gradient between its last accumulation and the update that consumes it:
+``cpu,cpu``, layers 10-19 + embedding offloaded; the plan said 3.02 GiB; 3.09-3.20 GiB without the
+copy, experiments/2026-12-01-offload-memory.md). Nothing writes the gradient between its last accumulation and the update that consumes it:
 a reused fp32 accumulator (bf16 compute) is next written by the next step's backward, which comes
 after the forward through every offloaded layer, which waits for that layer's update
 (:meth:`HostUpdater.wait_layer`); fp32 compute's ``.grad`` is dropped after the step and allocated

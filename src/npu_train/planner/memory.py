@@ -65,7 +65,8 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
     in-place update (SmolLM2-135M, fp32, card 0 of ``cpu,cpu`` with layers 10-19 and the embedding
     offloaded, 63.7 M params): the copies were 0.24 GiB that the model counted only in the
     optimizer phase, and the card's peak RSS was 3.35 GiB against a plan of 3.02 GiB; with the
-    in-place update 3.09-3.12 GiB.
+    in-place update 3.09-3.20 GiB over nine steps of two runs against plans of 2.99-3.02 GiB
+    (experiments/2026-12-01-offload-memory.md).
   * held: with tied embeddings on more than one stage, the tied gradient exchange
     (runtime/tied.py), on a ``cpu`` card (host RAM is card memory): ``4 * V*H``
     bytes, the first stage's fp32 receive buffer (allocated once, held through the step) or the
