@@ -84,3 +84,19 @@ def test_space_warning_when_the_next_checkpoint_will_not_fit(tmp_path, monkeypat
     _fake_free(monkeypatch, size - 1)
     w = store.space_warning(str(tmp_path), final)
     assert w and "next save will fail" in w and str(tmp_path) in w
+
+
+def test_launch_warning_from_the_model_size(tmp_path, monkeypatch):
+    """12 B per parameter (fp32 master + two moments), the tied lm_head stored again by the last stage."""
+    from npu_train.model.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True)
+    size = 12 * (cfg.total_params() + 96 * 32)
+    _fake_free(monkeypatch, size)
+    assert store.launch_space_warning(str(tmp_path), cfg, 2, "full") is None
+    _fake_free(monkeypatch, size - 1)
+    w = store.launch_space_warning(str(tmp_path), cfg, 2, "full")
+    assert w and "first save will fail" in w and str(tmp_path) in w
+    assert store.launch_space_warning(str(tmp_path), cfg, 1, "full") is None  # one stage: stored once
+    assert store.launch_space_warning(str(tmp_path), cfg, 2, "lora") is None

@@ -163,6 +163,22 @@ def space_warning(root: str, final: str) -> Optional[str]:
             "the next save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
+def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Optional[str]:
+    """A warning at launch when ``root``'s filesystem has less free space than one checkpoint of a full
+    fine-tuning run: ``12 * (total params + V*H if the tied embedding is on two stages)`` bytes (fp32
+    master + two AdamW moments per parameter; the last stage stores its own copy of the tied
+    ``lm_head``), e.g. 1.95 GB for SmolLM2-135M on 2 stages. None if it fits, or for LoRA (adapters only)."""
+    if mode != "full":
+        return None
+    size = 12 * (model_cfg.total_params() + (model_cfg.embedding_params()
+                                              if model_cfg.tie_word_embeddings and stages > 1 else 0))
+    free = shutil.disk_usage(root).free
+    if free >= size:
+        return None
+    return (f"warning: a checkpoint of this run takes about {_size(size)} but only {_size(free)} are free in "
+            f"{root}: the first save will fail; free disk space there or point checkpoint.dir at a larger disk")
+
+
 def _out_of_space(e: BaseException) -> bool:
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
 

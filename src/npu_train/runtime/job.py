@@ -322,7 +322,7 @@ def run_job(cfg, run_dir: str) -> dict:
 def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     """The training part of :func:`run_job`; ``layout``/``rdv`` are None on a single node."""
     from npu_train.checkpoint.store import (CheckpointReader, check_reused_root, find_checkpoint, remove_stale_staging,
-                                            set_aside)
+                                            launch_space_warning, set_aside)
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
@@ -412,6 +412,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
 
     os.makedirs(ckpt_root, exist_ok=True)
+    for w in filter(None, [launch_space_warning(ckpt_root, mcfg, P, tr.mode)]):  # the first save would fail
+        print(w, flush=True)
     if rdv is None or layout.is_master:  # multi-node: the root is shared; node 0 owns the staging dirs
         for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
             print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
