@@ -375,8 +375,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
 
     # Every check that can reject the job runs before anything is written (checkpoint dir,
     # packed data file, IPC dir, metrics): a rejected job leaves only Hydra's own files.
-    job_id = secrets.token_hex(6)
-    token = secrets.token_hex(16)
+    job_id, token = secrets.token_hex(6), secrets.token_hex(16)
     rt = cfg.runtime
     if rt.port and (rdv is None or layout.is_master):
         check_port(host, rt.port)
@@ -412,8 +411,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
 
     os.makedirs(ckpt_root, exist_ok=True)
-    for w in filter(None, [launch_space_warning(ckpt_root, mcfg, P, tr.mode)]):  # the first save would fail
-        print(w, flush=True)
+    if warn := launch_space_warning(ckpt_root, mcfg, P, tr.mode):  # the first save would fail
+        print(warn, flush=True)
     if rdv is None or layout.is_master:  # multi-node: the root is shared; node 0 owns the staging dirs
         for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
             print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
