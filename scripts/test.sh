@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh --test
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # the heavy tests write real checkpoints (~2 GB each, one test's at a time): say how much room there is
-df -h "${TMPDIR:-/tmp}" | awk -v t="${TMPDIR:-/tmp}" 'NR==2 {print "disk: " $4 " free in " t " (the heavy tests need ~5 GB)"}'
+df -h "${TMPDIR:-/tmp}" | awk -v t="${TMPDIR:-/tmp}" 'NR==2 {print "disk: " $4 " free in " t " (a heavy test writes checkpoints of ~2 GB, one test at a time)"}'
 echo "== fast tests =="
 .venv/bin/python -m pytest -q -m "not heavy and not contract" "$@"
 echo "== heavy tests (real SmolLM2 model, end-to-end default job, soak) =="
