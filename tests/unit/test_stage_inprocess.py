@@ -100,8 +100,9 @@ def _reference(cfg, weights, inputs, labels):
     return float(ce_sum.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1):
-    """One optimizer step of P StageRunners in P threads; returns (loss_sum, {name: grad} per stage)."""
+def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=None):
+    """One optimizer step of P StageRunners in P threads; returns (loss_sum, {name: grad} per stage).
+    ``early_last(module) -> (params, done)``: the last stage's ``early`` argument of ``run_step``."""
     bounds, first = [], 0
     for n in SPLITS[P]:
         bounds.append((first, first + n))
@@ -115,7 +116,8 @@ def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1):
             mod.load_named_tensors({n: weights[checkpoint_source_name(cfg, n)] for n in mod.param_names()})
             runner = StageRunner(mod, _Cpu(), P, s, schedule, QueueComm(links, s, slots, abort))
             if s in (0, P - 1):
-                res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None)
+                early = early_last(mod) if early_last is not None and s == P - 1 else None
+                res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None, early=early)
             else:
                 res = runner.run_middle(0, len(inputs))
             results[s] = (res, {n: p.grad for n, p in mod.named_parameters()})
@@ -183,6 +185,38 @@ def test_stage_gradients_match_single_module(schedule, P, M):
     assert got.keys() == ref_grads.keys()
     for n, g in ref_grads.items():
         assert _rel(got[n], g) < 1e-5, f"{n}: rel diff {_rel(got[n], g):.2e}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb", "zb-h1", "zb-h2"])
+@pytest.mark.parametrize("P,M", [(2, 5), (3, 8)])
+def test_early_gradient_is_final_before_the_deferred_weight_passes(schedule, P, M):
+    """run_step(early=(params, done)): at done() the lm_head gradient already has its final value,
+    bit for bit; in split-backward schedules the last stage's layer W passes still run after done()
+    (so the tied gradient can leave early); the step's gradients are those of a run without early."""
+    cfg = _cfg(tied=False)
+    weights = _weights(cfg, seed=7)
+    inputs, labels = _data(M, seed=3)
+    seen = {}
+
+    def early_last(mod):
+        head = dict(mod.named_parameters())["lm_head.weight"]
+
+        def done():
+            seen.update({n: None if p.grad is None else p.grad.clone() for n, p in mod.named_parameters()})
+        return [head], done
+
+    _, plain = run_pipeline(cfg, weights, inputs, labels, P, schedule)
+    _, early = run_pipeline(cfg, weights, inputs, labels, P, schedule, early_last=early_last)
+    for a, b in zip(plain, early):
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+    assert torch.equal(seen["lm_head.weight"], early[-1]["lm_head.weight"])
+    layer_final = [n for n, g in early[-1].items() if "layers." in n and torch.equal(seen[n], g)
+                   if seen[n] is not None]
+    if schedule in ("zb", "zb-h1", "zb-h2"):  # deferred layer W passes ran after done()
+        assert not layer_final, f"{schedule}: layer gradients already final at done(): {layer_final[:3]}"
+    else:  # no split: done() after the last action
+        assert len(layer_final) == sum("layers." in n for n in early[-1])
 
 
 def test_zb_refuses_recompute():

@@ -47,9 +47,19 @@ class WeightGradWork:
         self._groups = groups  # [(boundary nodes, {node: grad_outputs}, parameter nodes)]
         self._params = params_by_node
 
-    def run(self) -> None:
-        """Compute and accumulate the weight gradients; call once."""
-        groups, self._groups = self._groups, []
+    def run(self, only: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
+        """Compute and accumulate the weight gradients.
+
+        ``only``: run just the groups that hold one of these parameters (their gradients are then
+        complete for this micro-batch) and keep the rest for a later call; ``None`` runs every
+        group that is left. Each group runs once whatever the split into calls, so the gradients are
+        those of a single call, bit for bit (a group is one ``torch.autograd.grad``)."""
+        if only is None:
+            groups, self._groups = self._groups, []
+        else:
+            want = {id(p) for p in only}
+            groups = [g for g in self._groups if any(id(self._params[pn]) in want for pn in g[2])]
+            self._groups = [g for g in self._groups if not any(g is h for h in groups)]
         for nodes, grads, pnodes in groups:
             roots, root_grads = [], []
             for n in nodes:
@@ -79,7 +89,8 @@ class WeightGradWork:
                     p.grad = dw
                 else:
                     p.grad += dw
-        self._params = {}
+        if not self._groups:
+            self._params = {}
 
 
 def _graph(root) -> dict:

@@ -73,7 +73,7 @@ class StageRunner:
         self.last = stage == num_stages - 1
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
-                 total_tokens: Optional[int] = None) -> dict:
+                 total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
         """Forward and backward all micro-batches of optimizer step ``step``; gradients accumulate in ``.grad``.
 
         Args:
@@ -82,6 +82,15 @@ class StageRunner:
                 (``IGNORE_INDEX`` = ignored).
             total_tokens: last stage: the loss divisor, target tokens of the whole global step (all
                 data-parallel replicas); None = the target tokens of ``labels``.
+            early: ``(params, done)``: gradients wanted before the step's backward ends. In a
+                split-backward schedule, right after the step's last ``B``, the weight-gradient
+                groups holding ``params`` run for every micro-batch still waiting for its ``W``,
+                then ``done()`` is called (the ``.grad`` of ``params`` is final), then the rest of
+                those ``W`` passes run in schedule order. Without a split backward ``done()`` is
+                called after the last action. The last stage's tied ``lm_head`` gradient leaves
+                for the first stage this way while the deferred layer ``W`` passes still run
+                (:mod:`npu_train.runtime.tied`). Same gradients, bit for bit: every group still
+                runs once per micro-batch.
 
         Returns:
             ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int (last
@@ -91,7 +100,7 @@ class StageRunner:
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
             raise ValueError("a middle stage needs the number of micro-batches: pass inputs=None, labels=None via run_middle")
-        return self._run(step, M, inputs, labels, total_tokens)
+        return self._run(step, M, inputs, labels, total_tokens, early)
 
     def run_middle(self, step: int, num_micro: int) -> dict:
         """:meth:`run_step` for a stage that is neither first nor last."""
@@ -120,7 +129,7 @@ class StageRunner:
                 self.comm.send_act(step, tag, out)
         return {"loss_sum": loss_sum, "n_tokens": n_tok}
 
-    def _run(self, step, M, inputs, labels, total_tokens=None) -> dict:
+    def _run(self, step, M, inputs, labels, total_tokens=None, early=None) -> dict:
         local_tokens = 0
         if self.last:
             local_tokens = int(sum(int((l != IGNORE_INDEX).sum()) for l in labels))
@@ -134,6 +143,7 @@ class StageRunner:
         params = [p for p in self.module.parameters() if p.requires_grad] if split else []
         loss_sum = 0.0
         t_compute = t_wait = t_send = 0.0
+        backwards_left = M
         for a in build_schedule(self.schedule, self.P, M, self.s):
             m = a.micro
             if a.kind == "F":
@@ -181,6 +191,17 @@ class StageRunner:
                 t_compute += t2 - t1
                 t_send += t3 - t2
                 del x, out, g, dx
+                backwards_left -= 1
+                if early is not None and split and backwards_left == 0:
+                    t0 = time.perf_counter()
+                    for work in pending.values():
+                        if work is not None:
+                            work.run(only=early[0])
+                    t1 = time.perf_counter()
+                    early[1]()
+                    t_compute += t1 - t0
+                    t_send += time.perf_counter() - t1
+                    early = None
             else:  # "W": weight gradients deferred by this micro-batch's B
                 t0 = time.perf_counter()
                 work = pending.pop(m)
@@ -191,6 +212,8 @@ class StageRunner:
                 del work
         assert not saved and not pending, \
             f"schedule left micro-batches without backward: {sorted(saved)} {sorted(pending)}"
+        if early is not None:
+            early[1]()
         self.backend.synchronize()
         return {"loss_sum": loss_sum, "n_tokens": local_tokens,
                 "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send}

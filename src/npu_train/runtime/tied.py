@@ -11,7 +11,11 @@ SmolLM2-135M) on every step's critical path: 0.4-1.0 s of a 13 s step on the 2-c
 - the last stage's ``lm_head`` gradient is final when the last stage's backward ends, which under
   1F1B / zero-bubble schedules is ``P - 1`` backward passes before the first stage's ends (the
   drain), so its dense ``[V, H]`` transfer to the first stage runs while the first stage is still
-  computing; the first stage posts the receive when the step starts;
+  computing; the first stage posts the receive when the step starts. In the split-backward
+  schedules (``zb*``) the last stage ends its step with deferred weight-gradient (W) passes; it runs
+  the ``lm_head`` part of them first and sends the gradient then, before its layers' W passes
+  (``StageRunner.run_step(early=...)``), so neither the transfer nor the first stage's wait for it
+  sits after the last stage's final W pass;
 - the first stage's embedding gradient is zero outside the rows of the token ids it looked up in
   this step (the embedding's backward is an index-add over those rows), and the last stage knows
   those ids too (every stage draws the same micro-batches). Only those ``k <= M*b*S`` rows
@@ -62,7 +66,8 @@ class TiedGradExchange:
         backend: the card's backend (``download`` / ``upload``).
 
     Use per step: :meth:`begin` before the step's first forward (first stage: posts the dense
-    receive), :meth:`send_dense` on the last stage as soon as its backward ended, then
+    receive), :meth:`send_dense` on the last stage as soon as its ``lm_head`` gradient is final
+    (the trainer passes it as ``early`` to ``StageRunner.run_step``), then
     :meth:`finish` on both after their backward, which leaves the sum in the gradient buffer.
 
     Raises:
@@ -88,7 +93,7 @@ class TiedGradExchange:
         self._work = dist.irecv(self._buf, src=self.peer, group=self.group, tag=DENSE_TAG)
 
     def send_dense(self, grad: torch.Tensor) -> None:
-        """Last stage, after its backward: start sending ``grad`` (``[V, H]``, the final
+        """Last stage, once its ``lm_head`` gradient is final: start sending ``grad`` (``[V, H]``, the final
         ``lm_head`` gradient, any dtype, on the card) to the first stage as fp32 host memory.
 
         A contiguous fp32 CPU ``grad`` is sent without a copy: the caller must not write it before
@@ -101,7 +106,8 @@ class TiedGradExchange:
             # already the wire format in host memory (an fp32 gradient on a cpu card): sent as is, no
             # [V, H] copy. Nothing writes the buffer until finish() has waited for this send: finish
             # adds the first stage's rows only after the wait; the next write is the next step's
-            # backward, after finish.
+            # backward, after finish; the W passes left in this step's backward when it is sent early do
+            # not touch lm_head (StageRunner.run_step runs lm_head's W groups first).
             self._sent = grad
         else:
             self._sent = self.backend.download(grad).float().contiguous()

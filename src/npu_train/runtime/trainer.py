@@ -259,10 +259,14 @@ class StageTrainer:
         self.opt.begin_step(tr.accum, late)
         if self.tied is not None:
             self.tied.begin()  # first stage: the last stage's dense tied gradient may arrive from now on
+        early = None
+        if self.tied is not None and self.last:
+            # the lm_head gradient leaves as soon as it is final, before the deferred layer W passes
+            early = ([self.params[self.tied_name]], lambda: self.tied.send_dense(self.grad_buf(self.tied_name)))
         if self.first or self.last:
             res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
                                        [y for _, y in mbs] if self.last else None,
-                                       total_tokens=self.global_tokens(step) if self.last else None)
+                                       total_tokens=self.global_tokens(step) if self.last else None, early=early)
         else:
             res = self.runner.run_middle(step, tr.accum)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -272,8 +276,6 @@ class StageTrainer:
         t_tied = time.perf_counter()
         if self.tied is not None:  # sum the tied gradient of the pair (npu_train.runtime.tied)
             g = self.grad_buf(self.tied_name)  # fp32 accumulator with bf16 compute (or .grad)
-            if self.last:
-                self.tied.send_dense(g)
             self.tied.finish(g, looked_up_rows([x for x, _ in mbs]))
             del g
         t_tied = time.perf_counter() - t_tied if self.tied is not None else 0.0
