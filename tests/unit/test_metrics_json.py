@@ -54,7 +54,7 @@ def test_idle_split_into_bubble_and_collectives(tmp_path):
     from npu_train.metrics.report import Reporter
 
     r = Reporter(str(tmp_path), 2, stream=io.StringIO(), tensorboard=False)
-    fast = dict(_rep(1, 5.0, 1.0), time_s=1.0, bubble_s=0.05, collective_s=0.3)
+    fast = dict(_rep(1, 5.0, 1.0), time_s=1.0, bubble_s=0.05, collective_s=0.3, compute_s=0.9)
     slow = dict(_rep(1, 5.0, 1.0), time_s=1.5, bubble_s=0.2, collective_s=0.1)
     r.step([fast, slow])
     r.step([_rep(2, 4.0, 1.0), _rep(2, 4.0, 1.0)])
@@ -62,6 +62,9 @@ def test_idle_split_into_bubble_and_collectives(tmp_path):
         recs = [_strict(l) for l in f]
     assert recs[0]["bubble_s"] == 0.2 and recs[0]["collective_s"] == 0.1  # the slowest card's
     assert recs[0]["idle_s"] == pytest.approx(1.5 - 0.5 - 0.2 - 0.0 - 0.0)
+    # over all cards (the bubble-rate definition): 1 - (busy_fast + busy_slow) / (2 * wall)
+    busy = [r["compute_s"] + r["optimizer_s"] + r["transfer_s"] + r["send_s"] for r in (fast, slow)]
+    assert recs[0]["idle_share"] == pytest.approx(1.0 - sum(busy) / (2 * 1.5)) == pytest.approx(0.4)
     assert "bubble_s" not in recs[1] and "collective_s" not in recs[1] and "idle_s" in recs[1]
     # every card's own figures, by rank (the stage imbalance), and the tied all-reduce's time
     assert recs[0]["bubble_s_cards"] == [0.05, 0.2] and recs[0]["collective_s_cards"] == [0.3, 0.1]

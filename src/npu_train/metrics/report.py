@@ -17,6 +17,12 @@ holder of the tied weight included);
 rank), which shows the stage imbalance; ``cpu_s_cards`` the CPU seconds each card process used in the
 step (all its threads) and ``cpu_phases_s_cards`` their split into schedule, end-of-step collectives
 and optimizer: the work done, which waits and other processes on the same cores do not inflate; ``idle_s`` stays the wall time not spent computing,
+the slowest card's. ``idle_share`` is the step's idle fraction over *all* cards,
+``1 - sum_cards(compute + optimizer + transfer + send) / (cards * wall)``: the definition of the
+pipeline bubble rate (Qi et al. 2024, section 3: the idle share of all stages; for equal unit times
+``(P-1)/(M+P-1)`` under 1F1B, :func:`npu_train.pipeline.schedule.bubble_fraction`), which the
+slowest card's ``idle_s / step_s`` is not: the cards end a step together within milliseconds, so
+which card is "slowest" is chance, and the two end stages of a pipeline idle at different times.
 Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
 model's prediction.
 
@@ -167,6 +173,8 @@ class Reporter:
             "compute_s": slow["compute_s"], "optimizer_s": slow["optimizer_s"],
             "transfer_s": slow["transfer_s"] + slow["send_s"],
             "idle_s": max(0.0, wall - slow["compute_s"] - slow["optimizer_s"] - slow["transfer_s"] - slow["send_s"]),
+            "idle_share": max(0.0, 1.0 - sum(r["compute_s"] + r["optimizer_s"] + r["transfer_s"] + r["send_s"]
+                                             for r in reports) / (len(reports) * wall)) if wall > 0 else 0.0,
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
             **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
             # every card's view (list indexed by rank): which stage computes longest, which waits
