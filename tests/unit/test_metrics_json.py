@@ -93,3 +93,29 @@ def test_carry_over_continues_the_records_of_a_resumed_run(tmp_path):
     assert [json.loads(l)["step"] for l in open(run / "metrics.jsonl")] == [1, 2]
     assert [json.loads(l)["step"] for l in open(run / "eval.jsonl")] == [0]
     assert len(open(os.path.join(prev, "metrics.jsonl")).read().splitlines()) == 4  # the originals stay
+
+
+def test_smoothed_loss_continues_after_a_resume(tmp_path):
+    """The step line's average (a bias-corrected EMA) continues over the carried-over records of a
+    resumed launch: the same values as one uninterrupted launch."""
+    from npu_train.metrics.report import Reporter
+
+    losses = [5.0, 4.0, 4.5, 3.0, 3.5]
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    r = Reporter(str(whole), 5, stream=io.StringIO(), tensorboard=False)
+    for i, l in enumerate(losses, 1):
+        r.step([_rep(i, l, 1.0)])
+    r.jsonl.close()
+    ref = [_strict(l)["loss_smoothed"] for l in open(whole / "metrics.jsonl")]
+    resumed = tmp_path / "resumed"
+    resumed.mkdir()
+    # what carry_over leaves: the first three steps' records (one of them skipped: loss null)
+    (resumed / "metrics.jsonl").write_text("".join(open(whole / "metrics.jsonl").readlines()[:3])
+                                           + json.dumps({"step": 0, "loss": None}) + "\n")
+    r2 = Reporter(str(resumed), 5, stream=io.StringIO(), tensorboard=False)
+    for i, l in list(enumerate(losses, 1))[3:]:
+        r2.step([_rep(i, l, 1.0)])
+    r2.jsonl.close()
+    got = [_strict(l).get("loss_smoothed") for l in open(resumed / "metrics.jsonl")][4:]
+    assert got == pytest.approx(ref[3:], rel=1e-12)

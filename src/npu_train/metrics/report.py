@@ -153,6 +153,25 @@ class Reporter:
         self.t_start = time.time()
         self._n_ema = 0  # finite losses folded into the EMA
         self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
+        self._resume_ema()
+
+    def _resume_ema(self) -> None:
+        """A resumed launch whose run dir already holds the earlier steps' records (:func:`carry_over`):
+        fold their losses into the EMA, so the printed average continues instead of restarting."""
+        try:
+            with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
+                lines = f.readlines()
+        except OSError:
+            return
+        b = self.LOSS_EMA_BETA
+        for line in lines:
+            try:
+                loss = json.loads(line).get("loss")
+            except ValueError:
+                continue
+            if isinstance(loss, (int, float)) and math.isfinite(loss):
+                self._ema = b * self._ema + (1 - b) * float(loss)
+                self._n_ema += 1
 
     #: smoothing of the printed loss: exponential moving average with this beta, bias-corrected
     LOSS_EMA_BETA = 0.9
