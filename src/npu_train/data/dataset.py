@@ -157,8 +157,19 @@ def packed_cache_path(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
     return Path(cache_dir) / f"packed-{fingerprint[:32]}.safetensors"
 
 
-def save_packed(data: PackedData, path: str | os.PathLike) -> Path:
-    """Write ``data`` to ``path`` atomically (temp file + rename; safe with concurrent writers)."""
+#: free space kept beyond the packed tensors' bytes when writing them (header, filesystem slack), bytes
+PACKED_MARGIN_BYTES = 1 << 20
+
+
+def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> Path:
+    """Write ``data`` to ``path`` atomically (temp file + rename; safe with concurrent writers).
+
+    Raises :class:`DataError` (nothing left behind) when the filesystem has less free space than the
+    tensors' bytes + :data:`PACKED_MARGIN_BYTES`, checked before writing, or runs out during the write;
+    the message names the directory, the sizes and ``where`` (which setting moves it, e.g. ``TMPDIR``)."""
+    import errno
+    import shutil
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -166,16 +177,35 @@ def save_packed(data: PackedData, path: str | os.PathLike) -> Path:
     if data.train_labels is not None:
         tensors["train_labels"] = data.train_labels.contiguous()
         tensors["val_labels"] = data.val_labels.contiguous()
-    save_file(
-        tensors,
-        str(tmp),
-        metadata={
-            "format": _FORMAT,
-            "seq_len": str(int(data.seq_len)),
-            "n_tokens": str(int(data.n_tokens)),
-            "fingerprint": data.fingerprint,
-        },
-    )
+    need = sum(t.numel() * t.element_size() for t in tensors.values()) + PACKED_MARGIN_BYTES
+
+    def short(free: int) -> DataError:
+        return DataError(f"the packed training data needs {need / 1e6:.1f} MB in {path.parent} but only "
+                         f"{free / 1e6:.1f} MB are free: free disk space there"
+                         + (f" or {where}" if where else ""))
+
+    free = shutil.disk_usage(path.parent).free
+    if free < need:
+        raise short(free)
+    try:
+        save_file(
+            tensors,
+            str(tmp),
+            metadata={
+                "format": _FORMAT,
+                "seq_len": str(int(data.seq_len)),
+                "n_tokens": str(int(data.n_tokens)),
+                "fingerprint": data.fingerprint,
+            },
+        )
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise short(shutil.disk_usage(path.parent).free) from e
+        raise
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     return path
 
@@ -292,7 +322,7 @@ def build_packed_data(
     )
     _check_vocab(data, vocab_size)
     if cache_path is not None:
-        save_packed(data, cache_path)
+        save_packed(data, cache_path, where="point $NPT_CACHE at a larger disk")
     return data
 
 

@@ -440,7 +440,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
     # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
     data_file = os.path.join(ipc_dir, "data.safetensors")
-    save_packed(data, data_file)
+    save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir)")
     threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
     train = train_spec(cfg, prep["dtype"])
     # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)

@@ -1,0 +1,49 @@
+"""The packed data file (job IPC dir under $TMPDIR, or the cache under $NPT_CACHE) on a short disk:
+a one-line DataError naming the directory, the sizes and the setting that moves it; no temp file left."""
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+
+from npu_train.data import dataset as ds
+from npu_train.data.text import DataError
+
+Usage = namedtuple("Usage", "total used free")
+
+
+def _data():
+    rows = torch.arange(4 * 33, dtype=torch.int64).reshape(4, 33)
+    return ds.PackedData(train=rows, val=rows[:1].clone(), seq_len=32, n_tokens=132, fingerprint="ab" * 32)
+
+
+def test_fits_writes_the_file(tmp_path):
+    p = ds.save_packed(_data(), tmp_path / "data.safetensors", where="set TMPDIR")
+    assert torch.equal(ds.load_packed(p).train, _data().train)
+
+
+def test_short_disk_is_refused_before_writing(tmp_path, monkeypatch):
+    need = 5 * 33 * 8 + ds.PACKED_MARGIN_BYTES
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: Usage(10**9, 10**9, need - 1))
+    with pytest.raises(DataError, match=r"needs 1\.0 MB in .* but only 1\.0 MB are free: .* or set TMPDIR"):
+        ds.save_packed(_data(), tmp_path / "data.safetensors", where="set TMPDIR")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.setattr(shutil, "disk_usage", lambda d: Usage(10**9, 10**9, need))
+    ds.save_packed(_data(), tmp_path / "data.safetensors")  # exactly enough: written
+    assert os.listdir(tmp_path) == ["data.safetensors"]
+
+
+def test_disk_filling_up_during_the_write(tmp_path, monkeypatch):
+    def full(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"x" * 100)  # a partial file, then the disk is full
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ds, "save_file", full)
+    with pytest.raises(DataError, match="free disk space there or point"):
+        ds.save_packed(_data(), tmp_path / "data.safetensors", where="point $NPT_CACHE at a larger disk")
+    assert os.listdir(tmp_path) == []
