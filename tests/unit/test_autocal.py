@@ -180,12 +180,20 @@ def test_every_timed_loop_gets_the_bounds_it_is_given(monkeypatch):
     be = make_backend("cpu")
     be.setup()
     out = measure.measure_at("cpu", be, True, loop=AUTO, dtypes=("fp32",), matmul=False)
-    assert len(loops) == 6 and all(lp is AUTO for lp in loops)
+    R = measure.HEAD_ROUNDS
+
+    def derived(lp, base):  # the head figure: R rounds of (layer, head), each with 1/R of the bounds
+        return (lp.min_time, lp.max_time, lp.max_reps, lp.min_reps, lp.warmup) == (
+            base.min_time / R, base.max_time / R, base.max_reps, 1, 0)
+
+    # layer, R x (layer, head), upload, download, host AdamW, device AdamW
+    assert len(loops) == 5 + 2 * R and all(lp is AUTO or derived(lp, AUTO) for lp in loops)
+    assert sum(lp is AUTO for lp in loops) == 5
     assert set(out["flops_by_dtype"]) == {"fp32"} and out["matmul_flops_by_dtype"] == {}
     loops.clear()
     measure.measure_at("cpu", be, True)  # calibrate=true's defaults: both dtypes + matmul, QUICK
-    # 2 dtypes x (layer + matmul), head, upload, download, host AdamW, device AdamW
-    assert len(loops) == 9 and all(lp is measure.QUICK for lp in loops)
+    # 2 dtypes x (layer + matmul), R x (layer, head), upload, download, host AdamW, device AdamW
+    assert len(loops) == 8 + 2 * R and all(lp is measure.QUICK or derived(lp, measure.QUICK) for lp in loops)
 
 
 def test_job_shape_sets_the_benchmark_shapes():

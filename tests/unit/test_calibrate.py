@@ -193,3 +193,30 @@ def test_planner_names_no_higher_layer():
     for f in sorted(root.glob("*.py")):
         text = f.read_text()
         assert "npu_train.runtime" not in text and "npu_train.launch" not in text, f.name
+
+
+def test_head_ratio_is_timed_interleaved_with_the_layer(monkeypatch):
+    """head_flops_ratio comes from rounds of (layer timing, head timing) back to back: a machine whose
+    speed drifts between rounds (here 1.5x slower after every head step) still gives the true ratio.
+    Fake clock and steps: no real timing."""
+    from npu_train.planner import measure as M
+
+    clock = {"t": 0.0, "speed": 1.0}
+
+    def layer():
+        clock["t"] += 1.0 * clock["speed"]
+
+    def head():
+        clock["t"] += 10.0 * clock["speed"]  # 10x the layer's time for 2x its FLOPs: ratio 0.2
+        clock["speed"] *= 1.5
+
+    class Be:
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(M.time, "perf_counter", lambda: clock["t"])
+    monkeypatch.setattr(M, "_layer_step", lambda be, dt, dims: (layer, 1.0))
+    monkeypatch.setattr(M, "_head_step", lambda be, dt, v, h, t: (head, 2.0))
+    loop = M.LoopBounds(min_time=0.0, max_time=1e9, max_reps=1, min_reps=1, warmup=1)
+    head_flops, ratio = M._head_vs_layer(Be(), "fp32", None, (1, 1, 1), loop, rounds=3)
+    assert ratio == pytest.approx(0.2, rel=1e-12)

@@ -26,9 +26,12 @@ calibration takes ~25 s on 2 cores):
   training FLOPs by this rate, so it must be the training rate. The bare square-matmul FLOP/s are recorded too
   (``matmul_flops_by_dtype``, not used by the planner).
 - ``head_flops_ratio``: FLOP/s of final norm + ``lm_head`` + ``causal_lm_loss_sum`` forward +
-  backward (the model's vocabulary and width when given) divided by ``device_flops``: about 0.8
-  for SmolLM2 on a CPU core (the ``V x H`` GEMMs have one small dimension; the fp32 log-softmax
-  spans the vocabulary).
+  backward (the model's vocabulary and width when given) divided by the decoder layer's FLOP/s:
+  about 0.8 for SmolLM2 on a CPU core (the ``V x H`` GEMMs have one small dimension; the fp32
+  log-softmax spans the vocabulary). Timed in rounds, each right after a short timing of the
+  layer, and the rounds' median ratio taken (:func:`npu_train.planner.measure._head_vs_layer`):
+  timed apart, the machine's drift between the two figures moved the ratio by +-25 %, enough to
+  move a layer across a stage boundary.
 - ``h2d_bytes_per_s`` / ``d2h_bytes_per_s``: ``backend.upload`` / ``backend.download`` of one
   117 MB tensor (the size of the earlier RNGD reference measurement) + ``synchronize``; on cpu that
   is a clone into freshly allocated memory (page faults included), as in the trainer.

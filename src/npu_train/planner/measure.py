@@ -119,6 +119,13 @@ def timed(fn: Callable[[], None], sync: Callable[[], None], loop: LoopBounds) ->
 # ------------------------------------------------------------------------------------------------
 def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
     """Sustained training FLOP/s of one DecoderLayer forward + backward on the card."""
+    step, flops = _layer_step(backend, dtype_name, dims)
+    return flops / timed(step, backend.synchronize, loop)
+
+
+def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
+    """(one DecoderLayer forward + backward of shape ``dims`` on the card, its FLOPs as the
+    placement model counts them)."""
     import torch
 
     from npu_train.model.config import LlamaConfig
@@ -140,16 +147,43 @@ def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
             layer(x, cos, sin).backward(g)
             # like the trainer: gradients accumulate into .grad between optimizer steps
 
-    sec = timed(step, backend.synchronize, loop)
     tok = b * S
-    flops = 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
-    return flops / sec
+    return step, 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
 
 
-def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int,
-                loop: LoopBounds) -> float:
-    """Sustained FLOP/s (``6 * tokens * V * H``) of the trainer's head path: final RMSNorm,
-    ``lm_head`` and ``causal_lm_loss_sum`` (fp32 log-softmax + NLL), forward + backward."""
+#: rounds of the interleaved head-vs-layer timing (:func:`_head_vs_layer`)
+HEAD_ROUNDS = 3
+
+
+def _head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
+                   rounds: int = HEAD_ROUNDS) -> tuple[float, float]:
+    """``(head FLOP/s, head_flops_ratio)`` with the head timed in ``rounds`` rounds, each right
+    after a short timing of the decoder layer (``dims``): the ratio is the median of the rounds'
+    ratios, so a drift of the machine's speed between figures cancels. Timed apart (the layer
+    figure, then the head's, seconds later) the ratio swung 0.66-1.02 between three back-to-back
+    measurements on the 2-core VM while the head's in-pipeline cost was 9-10.5 decoder layers
+    (ratio about 0.8: experiments/2026-12-01-bench-run5.md); a head step takes ~0.5 s there, so
+    each round times one head repetition after the warm-up."""
+    layer, lflops = _layer_step(backend, dtype_name, dims)
+    head, hflops = _head_step(backend, dtype_name, *head_shape)
+    sync = backend.synchronize
+    short = LoopBounds(min_time=loop.min_time / rounds, max_time=loop.max_time / rounds,
+                       max_reps=loop.max_reps, min_reps=1, warmup=0)
+    for _ in range(loop.warmup):
+        head()
+        layer()
+        sync()
+    ratios, heads = [], []
+    for _ in range(rounds):
+        t_layer = timed(layer, sync, short)
+        t_head = timed(head, sync, short)
+        heads.append(hflops / t_head)
+        ratios.append((hflops / t_head) / (lflops / t_layer))
+    return median(heads), median(ratios)
+
+
+def _head_step(backend, dtype_name: str, vocab: int, hidden: int, tokens: int) -> tuple[Callable[[], None], float]:
+    """(the trainer's head path forward + backward on ``tokens`` tokens, its FLOPs ``6 * tokens * V * H``)."""
     import torch
 
     from npu_train.model.llama import RMSNorm, causal_lm_loss_sum
@@ -167,8 +201,7 @@ def _head_flops(backend, dtype_name: str, vocab: int, hidden: int, tokens: int,
             loss, _ = causal_lm_loss_sum(head(norm(x)).float(), labels)
             loss.backward()
 
-    sec = timed(step, backend.synchronize, loop)
-    return 6.0 * tokens * vocab * hidden / sec
+    return step, 6.0 * tokens * vocab * hidden
 
 
 def _matmul_flops(backend, dtype_name: str, n: int, loop: LoopBounds) -> float:
@@ -382,10 +415,10 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     out["device_flops"] = out["flops_by_dtype"][first]
     phase("head")
     t0 = time.perf_counter()
-    head = _head_flops(backend, first, *head_shape, loop=loop)
+    head, ratio = _head_vs_layer(backend, first, dims, head_shape, loop)
     lap("head", t0)
     out["head_flops"] = head
-    out["head_flops_ratio"] = head / out["device_flops"]
+    out["head_flops_ratio"] = ratio
     phase("copies")
     t0 = time.perf_counter()
     out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(backend, first, nbytes, loop)
