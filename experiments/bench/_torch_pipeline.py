@@ -24,6 +24,35 @@ VSHAPE = ("ZBVZeroBubble", "DualPipeV")
 LR, BETAS, EPS, CLIP, WARMUP, MIN_LR_RATIO, SEED = 1e-4, (0.9, 0.95), 1e-8, 1.0, 2, 0.1, 1234
 
 
+def torch_refusal(kind: str, P: int, M: int) -> str | None:
+    """Why torch's ``Schedule<kind>`` refuses M micro-batches on P ranks (its constructor raises
+    ``ValueError`` on every rank, so a run could only fail), or None when it accepts them.
+
+    The conditions are those of the schedules' ``__init__`` in ``torch/distributed/pipelining/schedules.py``
+    (torch 2.13), for the stage layouts of this benchmark (:data:`SINGLE`: P stages, one per rank;
+    :data:`LOOPED` and :data:`VSHAPE`: 2P stages, two per rank):
+
+    - ``Schedule1F1B``: ``n_microbatches < num_stages`` (M < P);
+    - ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble``: rounds = ``max(1, M // P)`` and
+      ``M % rounds != 0`` (e.g. M=5 on P=2);
+    - ``ScheduleDualPipeV``: ``n_microbatches < num_stages`` (M < 2P).
+
+    ``ScheduleGPipe`` and ``ScheduleZBVZeroBubble`` check nothing about M there. ``tests/unit/
+    test_bench_pipeline.py`` checks these rules against the installed torch's constructors.
+    """
+    why = "torch raises ValueError"
+    if kind == "1F1B" and M < P:
+        return f"torch Schedule1F1B needs M >= P (M={M} < P={P} stages; {why})"
+    if kind in LOOPED:
+        rounds = max(1, M // P)
+        if M % rounds:
+            return (f"torch Schedule{kind} needs M to be a multiple of its rounds max(1, M // P) "
+                    f"(M={M}, P={P}: {rounds} rounds; {why})")
+    if kind == "DualPipeV" and M < 2 * P:
+        return f"torch ScheduleDualPipeV needs M >= 2P stages (M={M} < {2 * P}; {why})"
+    return None
+
+
 def worker_main(argv: list[str]) -> int:
     """``--torch-worker <cfg.json> --rank <r>`` in ``argv``: pin this process to the rank's core
     (``cfg["cores"][r]``, unless ``cfg["pin"]`` is false) before torch and its threads exist (see

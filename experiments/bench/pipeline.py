@@ -13,7 +13,9 @@ process, one process per stage pinned to its own core (round-robin when P > core
   into the pipeline bubble (``bubble_s / step_s``) and the end-of-step collectives (``collective_s /
   step_s``), per step come
   from the run dir's ``metrics.jsonl`` (fields of ``npu_train.metrics.report.Reporter.step``: the
-  step's wall time is the slowest card's ``time_s``). The card processes are pinned from outside
+  step's wall time is the slowest card's ``time_s``). The run writes no checkpoint
+  (``checkpoint.save=false``: after the last step, not measured; ~9 s and 1.95 GB for the default model)
+  and no held-out evaluation (``data.eval_batches=0``). The card processes are pinned from outside
   (pids from the run's ``job.json``, every thread, repeated while the job runs); the launcher
   process (the coordinator: it only relays messages) is not pinned.
 - ``torch <Schedule> <split>``: P worker processes (``_torch_pipeline.py``, started as this script
@@ -29,12 +31,15 @@ process, one process per stage pinned to its own core (round-robin when P > core
   schedule / collectives / optimizer, as the project's ``metrics.jsonl`` ``cpu_phases_s_cards``, which
   the project entries carry in ``metrics``; for 1F1B / GPipe ``compute_s``: wall seconds of the module
   forwards, the loss and the backwards inside ``schedule.step``, as the project's ``compute_s``). Schedules: ``Schedule1F1B`` with the even
-  split (what a torch user writes) and with the project's split (read from the project run's
-  checkpoint manifest), and the multi-chunk schedules ``ScheduleInterleaved1F1B``,
+  split (what a torch user writes) and with the project's split (the ``split`` of the project run's
+  ``plan.json``), and the multi-chunk schedules ``ScheduleInterleaved1F1B``,
   ``ScheduleInterleavedZeroBubble`` (2 stages per rank, looped), ``ScheduleZBVZeroBubble``,
   ``ScheduleDualPipeV`` (2 stages per rank, V shape) with the even split and with the project's
-  per-card layer counts halved into the card's two chunks. A schedule that fails (e.g. a
-  micro-batch count it does not support) is reported with its error and left out.
+  per-card layer counts halved into the card's two chunks. A (schedule, P, M) that torch's schedule
+  constructor refuses (``_torch_pipeline.torch_refusal``: ``Schedule1F1B`` with M < P,
+  ``ScheduleDualPipeV`` with M < 2P, the interleaved ones with M not a multiple of max(1, M // P)) is
+  recorded as ``refused`` with the reason, without starting its processes; a schedule that fails
+  otherwise is reported with its error; both are left out of the ratios.
 
 Figures: median of steps 2..N of each run (step 1 allocates moments and warms up), then median,
 min and max over rounds; ratios are against ``torch 1F1B even`` measured in the same run (``torch
@@ -61,7 +66,6 @@ if __name__ == "__main__" and "--torch-worker" in sys.argv:
     raise SystemExit(worker_main(sys.argv))
 
 import argparse
-import glob
 import json
 import shutil
 import subprocess
@@ -77,7 +81,7 @@ sys.path.insert(0, str(HERE))
 from _common import core_for, free_port, machine_info, pin_pid_tree, print_machine, spread, usable_cores, write_json  # noqa: E402
 from npu_train.pipeline.schedule import SCHEDULES  # noqa: E402  (torch-free)
 
-from _torch_pipeline import LOOPED, SINGLE, VSHAPE  # noqa: E402  (the torch worker side)
+from _torch_pipeline import LOOPED, SINGLE, VSHAPE, torch_refusal  # noqa: E402  (the torch worker side)
 
 BASELINE = "torch 1F1B even"
 
@@ -174,7 +178,9 @@ def run_torch(kind: str, P: int, M: int, layers, args, data_file: str, work: Pat
 
 # ----------------------------------------------------------------------------- project run
 def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int]) -> dict:
-    """One launcher run; returns tokens/s, idle share, per-step figures and the split it chose."""
+    """One launcher run; returns tokens/s, idle share, per-step figures and the split it chose
+    (``split``: half-open layer ranges ``[[a, b), ...]`` per stage, from the ``split`` layer counts
+    of the run dir's ``plan.json``)."""
     run_dir = Path(tempfile.mkdtemp(prefix="npt-", dir=work))
     if args.device == "cuda":
         cards = ",".join(["cuda:0"] * P)  # the only GPU, once per card process (if the project allows it)
@@ -184,6 +190,7 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
            "train.micro_batch=1", f"train.accum={M}", f"train.steps={args.steps}", f"runtime.threads={args.threads}",
            "train.dtype=fp32", f"train.schedule={schedule}", f"model.path={args.model}", f"hydra.run.dir={run_dir}",
            "data.eval_batches=0",  # no held-out evaluation before/after training: not measured, saves wall time
+           "checkpoint.save=false",  # no final checkpoint: not measured (~9 s, 1.95 GB for the default model)
            *args.project_args]
     log = run_dir / "launcher.log"
     t0 = time.time()
@@ -223,9 +230,11 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
                                                 if "collective_s" in r])["median"],
                     "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"],
                     "metrics": recs})  # every step's metrics.jsonl record (per-phase seconds, per card)
-        mans = sorted(glob.glob(str(run_dir / "checkpoints" / "*" / "manifest.json")))
-        if mans:
-            res["split"] = json.loads(Path(mans[-1]).read_text()).get("split")
+        plan_file = run_dir / "plan.json"  # written by the launcher before the card processes start
+        counts = json.loads(plan_file.read_text()).get("split") if plan_file.is_file() else None
+        if counts:  # layers per stage -> [a, b) ranges (the format of the checkpoint manifest's split)
+            ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+            res["split"] = [[e - c, e] for c, e in zip(counts, ends)]
     if args.keep:
         shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     else:
@@ -328,6 +337,8 @@ def main(argv=None) -> int:
                         r = run_project(name.split()[-1], P, M, args, work, cores)
                         if r.get("split") and proj_split is None:
                             proj_split = [b - a for a, b in r["split"]]
+                    elif refused := torch_refusal(kind, P, M):  # torch's constructor raises: start nothing
+                        r = {"refused": refused}
                     else:
                         if sp == "project" and proj_split is None:
                             r = {"error": "no project split (the project run failed)"}
@@ -339,7 +350,9 @@ def main(argv=None) -> int:
                                 r = run_torch(kind, P, M, lay, args, data_file, work, cores)
                     r.update({"P": P, "M": M, "system": name, "round": rnd})
                     results.append(r)
-                    if "skipped" in r:
+                    if "refused" in r:
+                        tps = "  refused: " + r["refused"]
+                    elif "skipped" in r:
                         tps = "  skipped: " + r["skipped"]
                     else:
                         tps = f"{r['tokens_per_s']:8.1f} tok/s" if "tokens_per_s" in r else "  failed: " + r["error"]
@@ -377,10 +390,11 @@ def summarize(results: list[dict], args) -> list[dict]:
                         "collective": spread([r.get("collective_share") for r in ok]),
                         "loss1": spread([r.get("loss1") for r in ok]),
                         "lossN": spread([r["loss"][-1] if r.get("loss") else None for r in ok]),
-                        "errors": sorted({r["error"] for r in rs if "error" in r})}
+                        "errors": sorted({r["error"] for r in rs if "error" in r}),
+                        "refused": sorted({r["refused"] for r in rs if "refused" in r})}
         base_name = BASELINE
         if not stats.get(BASELINE, {}).get("tps", {}).get("n") and stats.get("torch GPipe even", {}).get("tps", {}).get("n"):
-            base_name = "torch GPipe even"  # e.g. M < P: Schedule1F1B refuses to run
+            base_name = "torch GPipe even"  # e.g. M < P: Schedule1F1B refuses to run (refused entries)
         base = stats.get(base_name, {}).get("tps", {}).get("median")
         torch_ok = {n: s["tps"]["median"] for n, s in stats.items() if n.startswith("torch") and s["tps"]["n"]}
         best_torch = max(torch_ok, key=torch_ok.get) if torch_ok else None
@@ -400,6 +414,8 @@ def summarize(results: list[dict], args) -> list[dict]:
                 print(f"  {n:<36} {t['median']:12.1f} {t['min']:8.1f}-{t['max']:<8.1f} "
                       f"{(f'{rb:.2f}x' if rb else 'n/a'):>8} {(f'{rt:.2f}x' if rt else 'n/a'):>8} {idle:>7} {bub:>8} {col:>7} "
                       f"{s['loss1']['median']:11.7f} {s['lossN']['median']:10.7f}")
+            elif s["refused"]:
+                print(f"  {n:<36} {'refused':>12}: {'; '.join(s['refused'])[:300]}")
             elif any("skipped" in r for r in rows if r["system"] == n):
                 print(f"  {n:<36} {'skipped':>12}: same layers as the even split")
             else:

@@ -89,7 +89,7 @@ class TrainConf:
     #: compute dtype, fp32 LoRA adapters with AdamW; settings under ``lora.*``)
     mode: str = "full"
     seed: int = 1234
-    #: checkpoint every N steps (0 = only at the end).
+    #: checkpoint every N steps (0 = only at the end; no checkpoint at all: checkpoint.save=false).
     save_every: int = 0
     save_on_interrupt: bool = True
     #: null | latest (the checkpoint written last under checkpoint.dir) | auto (latest if checkpoint.dir
@@ -99,8 +99,8 @@ class TrainConf:
     #: warmup_steps or min_lr_ratio is refused unless allow.
     resume_mismatch: str = "refuse"
     #: stop after this many optimizer steps of this launch and save a checkpoint (0 = run to
-    #: train.steps). The LR schedule still follows train.steps, so a later train.resume=latest
-    #: continues exactly where this launch stopped (split a long run into several launches).
+    #: train.steps; not with checkpoint.save=false). The LR schedule still follows train.steps, so a later
+    #: train.resume=latest continues exactly where this launch stopped (split a long run into several launches).
     stop_after: int = 0
     #: a non-finite (nan/inf) loss or global grad norm: stop (exit 1 naming the step and stage; the
     #: update is never applied, so masters, moments and checkpoints stay finite) | skip (all stages
@@ -176,6 +176,11 @@ class RuntimeConf:
 class CheckpointConf:
     #: checkpoint root; default: <run dir>/checkpoints
     dir: Optional[str] = None
+    #: true: write checkpoints (every train.save_every steps, at the end, on an interrupt with
+    #: train.save_on_interrupt, when train.stop_after ends a launch) | false: no checkpoint is written at
+    #: all (benchmarks, smoke runs): the checkpoint dir is not created, an interrupt stops at once, and
+    #: the run cannot be resumed. train.resume still reads a checkpoint (nothing is written back).
+    save: bool = True
     #: keep this many most recent checkpoints (0 = all).
     keep: int = 2
     #: a new run whose checkpoint dir already holds another run's checkpoints (a fresh start, no
@@ -297,6 +302,11 @@ def validate(cfg) -> None:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (final LR = lr * min_lr_ratio)")
     if d.eval_every < 0 or d.eval_batches < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("data.eval_every, data.eval_batches and checkpoint.keep must be >= 0 (0 = off / keep all)")
+    if not cfg.checkpoint.save:
+        for key, v in (("save_every", t.save_every), ("stop_after", t.stop_after)):
+            if v:
+                raise ConfigError(f"checkpoint.save=false writes no checkpoint, but train.{key}={v} asks for one: "
+                                  f"drop train.{key} (or set it to 0), or use checkpoint.save=true")
     if cfg.checkpoint.existing not in ("refuse", "set_aside"):
         raise ConfigError(f"checkpoint.existing={cfg.checkpoint.existing!r}: use refuse or set_aside")
     if cfg.runtime.transport not in ("shm", "inline"):

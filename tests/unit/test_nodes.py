@@ -80,8 +80,8 @@ def test_config_digest_covers_training_settings_not_node_local_ones():
     b = config_digest(_cfg("train.lr=1e-3", "backend=[cpu,cpu]", "runtime.host=10.0.0.2", "runtime.threads=3",
                            "checkpoint.dir=/x"))
     assert a == b
-    c = config_digest(_cfg("train.lr=2e-3", "data.seq_len=64"))
-    assert {k for k in a if a[k] != c.get(k)} == {"train.lr", "data.seq_len"}
+    c = config_digest(_cfg("train.lr=2e-3", "data.seq_len=64", "checkpoint.save=false"))
+    assert {k for k in a if a[k] != c.get(k)} == {"train.lr", "data.seq_len", "checkpoint.save"}
 
 
 def _two_rendezvous(timeout=20.0):

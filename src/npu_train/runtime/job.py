@@ -18,9 +18,10 @@ import sys
 import tempfile
 from typing import Optional
 
-from npu_train.env import getenv, resume_env_prefix
+from npu_train.env import getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
+from npu_train.runtime.saving import done_checkpoint, interrupt_note, prepare_checkpoint_root
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, pipeline_stages, run_shape, train_spec
 from npu_train.transport.channel import Endpoint
@@ -252,21 +253,6 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     return specs
 
 
-def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str) -> str:
-    """The interrupt message's second half: the checkpoint saved and how to resume from it (the same
-    command with ``train.resume=latest checkpoint.dir=<ckpt_root>``, started with this run's ``NPT_``
-    variables that change a run, :func:`npu_train.env.resume_env_prefix`), or ``no checkpoint saved``."""
-    if not last_ckpt:
-        return "no checkpoint saved"
-    args = f"train.resume=latest checkpoint.dir={ckpt_root}" + (
-        " train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
-        if offload_update == "delayed" else "")
-    env = resume_env_prefix()
-    if env:
-        return f"checkpoint {last_ckpt} saved; resume with: {env}<the same command> {args}"
-    return f"checkpoint {last_ckpt} saved; resume by rerunning the same command with {args}"
-
-
 def run_job(cfg, run_dir: str) -> dict:
     """Run one training job described by ``cfg`` (an OmegaConf ``Config``) in ``run_dir``.
 
@@ -321,8 +307,7 @@ def run_job(cfg, run_dir: str) -> dict:
 
 def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     """The training part of :func:`run_job`; ``layout``/``rdv`` are None on a single node."""
-    from npu_train.checkpoint.store import (CheckpointReader, check_reused_root, find_checkpoint, remove_stale_staging,
-                                            launch_space_warning, set_aside)
+    from npu_train.checkpoint.store import CheckpointReader, check_reused_root, find_checkpoint
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
@@ -334,7 +319,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if rdv is not None:
         rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
                        "give every node's launcher the same overrides (only backend=, runtime.host, "
-                       "runtime.port, runtime.threads and checkpoint.* may differ)")
+                       "runtime.port, runtime.threads and checkpoint.* except checkpoint.save may differ)")
     prep = prepare(cfg, run_dir, nodes=rdv)
     plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
     P, dp = len(plan.stages), prep["dp"]
@@ -371,7 +356,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: the run is "
                               "complete; to train further raise train.steps and set train.resume_mismatch=allow")
     # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in
-    earlier = check_reused_root(ckpt_root, resume_dir, cfg.checkpoint.existing)
+    saving = bool(cfg.checkpoint.save)  # false: nothing is written into the root, so nothing can be mixed
+    earlier = check_reused_root(ckpt_root, resume_dir, cfg.checkpoint.existing) if saving else []
 
     # Every check that can reject the job runs before anything is written (checkpoint dir,
     # packed data file, IPC dir, metrics): a rejected job leaves only Hydra's own files.
@@ -410,14 +396,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
 
-    os.makedirs(ckpt_root, exist_ok=True)
-    if warn := launch_space_warning(ckpt_root, mcfg, P, tr.mode):  # the first save would fail
-        print(warn, flush=True)
-    if rdv is None or layout.is_master:  # multi-node: the root is shared; node 0 owns the staging dirs
-        for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
-            print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
-        if earlier:  # checkpoint.existing=set_aside
-            print(f"note: moved {len(earlier)} checkpoint(s) of an earlier run to {set_aside(ckpt_root)}", flush=True)
+    prepare_checkpoint_root(ckpt_root, cfg, mcfg, P, earlier, owner=rdv is None or layout.is_master)
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
     write_job_owner(job_id, ipc_dir)
@@ -472,11 +451,15 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=job_id, token=token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,
-                        manifest_base=manifest_base, save_on_interrupt=tr.save_on_interrupt,
+                        manifest_base=manifest_base, save_on_interrupt=tr.save_on_interrupt and saving,
                         reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
                         node=layout.node_rank if layout else 0, nnodes=layout.nnodes if layout else 1)
     try:
         coord.run()
+    except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume
+        if saving:
+            raise
+        raise Interrupted(e.signum, interrupt_note(None, ckpt_root, tr.offload_update, save=False)) from None
     finally:
         reporter.close()
         try:
@@ -491,10 +474,10 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)
     if coord.interrupted:
-        raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update),
+        raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update, saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
     print(f"done: {summ['steps_run']} step{'' if summ['steps_run'] == 1 else 's'}{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
           f"{fmt_loss(summ['last_loss'])}; "
-          f"checkpoint {coord.last_ckpt}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+          f"{done_checkpoint(coord.last_ckpt, saving)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
     return summ

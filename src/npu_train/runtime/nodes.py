@@ -146,12 +146,14 @@ def interface_of(addr: str) -> Optional[str]:
 #: settings every node must be given identically (sections of the config, and runtime keys)
 SHARED_SECTIONS = ("model", "data", "train", "placement")
 SHARED_RUNTIME = ("heartbeat_interval_s", "heartbeat_timeout_s", "startup_timeout_s", "slots", "transport")
+#: checkpoint keys every node must share (one node saving alone would wait for the others' shards forever)
+SHARED_CHECKPOINT = ("save",)
 
 
 def config_digest(cfg) -> dict[str, str]:
     """The settings that must be equal on every node, flattened to ``{"train.lr": "0.001", ...}``
     (values JSON-encoded). ``backend`` (this node's cards), ``runtime.host/port/threads`` and
-    ``checkpoint.*`` may differ between nodes."""
+    ``checkpoint.*`` except ``checkpoint.save`` may differ between nodes."""
     from omegaconf import OmegaConf
 
     out: dict[str, str] = {}
@@ -167,6 +169,8 @@ def config_digest(cfg) -> dict[str, str]:
         walk(sec, OmegaConf.to_container(cfg[sec], resolve=True))
     for k in SHARED_RUNTIME:
         walk(f"runtime.{k}", cfg.runtime[k])
+    for k in SHARED_CHECKPOINT:
+        walk(f"checkpoint.{k}", cfg.checkpoint[k])
     return out
 
 

@@ -69,6 +69,8 @@ class TrainSpec:
     eval_every: int
     eval_batches: int
     nonfinite: str = "stop"
+    #: ``checkpoint.save``: false = no checkpoint is ever written (not at ``save_every``, the end, an interrupt)
+    save_checkpoints: bool = True
     #: ``fp32`` accumulators or ``compute`` (the compute dtype's ``.grad``), ``train.grad_accum``
     grad_accum: str = "fp32"
     #: host-optimizer overlap of offloaded layers (``train.offload_overlap``) and ``sync`` | ``delayed``

@@ -71,7 +71,7 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
                      lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
                      grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
-                     offload_update=tr.offload_update)
+                     offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save))
 
 
 def furiosa_cache_dir(cfg) -> str:

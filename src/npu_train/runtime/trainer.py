@@ -381,10 +381,11 @@ class StageTrainer:
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, done: int, interrupted: bool, stopping: bool) -> bool:
         """Whether a checkpoint is written after ``done`` steps: every ``save_every``, at the last step,
-        on an interrupt (``save_on_interrupt``) and when ``stop_after`` ends this launch."""
+        on an interrupt (``save_on_interrupt``) and when ``stop_after`` ends this launch; never with
+        ``checkpoint.save=false`` (``save_checkpoints``)."""
         tr = self.tr
-        return bool((tr.save_every and done % tr.save_every == 0) or done == tr.steps
-                    or (interrupted and tr.save_on_interrupt) or (stopping and not interrupted))
+        return bool(tr.save_checkpoints and ((tr.save_every and done % tr.save_every == 0) or done == tr.steps
+                    or (interrupted and tr.save_on_interrupt) or (stopping and not interrupted)))
 
     def maybe_save(self, done: int, interrupted: bool = False, stopping: bool = False) -> Optional[str]:
         """Write this stage's shard (fp32 masters, AdamW moments, step counts, RNG) into the step's staging
