@@ -222,11 +222,20 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
         res["error"] = (errs[-1] if errs else f"exit {proc.returncode}")[:400]
     else:
         later = recs[1:] or recs
+
+        def card_mean(r, key):  # the mean over cards of a per-card figure (metrics.jsonl's <key>_cards)
+            v = r.get(f"{key}_cards")
+            return sum(v) / len(v) if v else r[key]
+
         res.update({"step_s": [r["step_s"] for r in recs], "tokens_per_s": spread([r["tokens_per_s"] for r in later])["median"],
-                    "idle_share": spread([r["idle_s"] / r["step_s"] for r in later])["median"],
-                    # the idle split (metrics.jsonl of newer runs): pipeline bubble and end-of-step collectives
-                    "bubble_share": spread([r["bubble_s"] / r["step_s"] for r in later if "bubble_s" in r])["median"],
-                    "collective_share": spread([r["collective_s"] / r["step_s"] for r in later
+                    # idle share of all cards (metrics.jsonl's idle_share: the bubble-rate definition,
+                    # 1 - sum of busy / (cards * wall)); records without it: the slowest card's idle_s / step_s
+                    "idle_share": spread([r["idle_share"] if "idle_share" in r else r["idle_s"] / r["step_s"]
+                                          for r in later])["median"],
+                    # its split, also averaged over cards: pipeline bubble and end-of-step collectives
+                    "bubble_share": spread([card_mean(r, "bubble_s") / r["step_s"] for r in later
+                                            if "bubble_s" in r])["median"],
+                    "collective_share": spread([card_mean(r, "collective_s") / r["step_s"] for r in later
                                                 if "collective_s" in r])["median"],
                     "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"],
                     "metrics": recs})  # every step's metrics.jsonl record (per-phase seconds, per card)
