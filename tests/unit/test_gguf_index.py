@@ -169,7 +169,8 @@ def test_index_path_keeps_the_errors(tiny, monkeypatch):
     path, cfg = tiny
     index = gguf_tensor_index(path)
     _forbid_reader(monkeypatch)
-    with pytest.raises(ModelFormatError, match=r"'model.layers.7.mlp.up_proj.weight' \(GGUF 'blk.7.ffn_up.weight'\) not found"):
+    missing = r"'model.layers.7.mlp.up_proj.weight' \(GGUF 'blk.7.ffn_up.weight'\) not found"
+    with pytest.raises(ModelFormatError, match=missing):
         gguf_tensors(path, cfg, {"x": ("model.layers.7.mlp.up_proj.weight", (128, 64))}, True, index=index)
     with pytest.raises(ModelFormatError, match=r"shape \(128, 64\), expected \(64, 128\)"):
         gguf_tensors(path, cfg, {"x": ("model.layers.0.mlp.up_proj.weight", (64, 128))}, True, index=index)

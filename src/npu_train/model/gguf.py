@@ -1,11 +1,13 @@
 """GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, ``general.architecture == "llama"``).
 
 Read with ``gguf.GGUFReader``; quantised tensors are dequantised to fp32 with
-``gguf.quants.dequantize``. A card process reads its tensors through the launcher's tensor index
-(:func:`gguf_tensor_index`, carried by its ``WorkerSpec``) instead: the reader parses the whole
-metadata section (a 49k-token vocabulary: seconds of CPU), the index is a few hundred offsets.  llama.cpp stores ``attn_q``/``attn_k`` rows permuted for
+``gguf.quants.dequantize``.  llama.cpp stores ``attn_q``/``attn_k`` rows permuted for
 interleaved-pair RoPE; :func:`gguf_tensors` undoes it so the weights match the HF rotate-half
 layout used by :mod:`npu_train.model.llama` (same as transformers' ``LlamaTensorProcessor``).
+
+A card process reads its tensors through the launcher's tensor index instead
+(:func:`gguf_tensor_index`, carried by its ``WorkerSpec``): the reader parses the whole metadata
+section (a 49k-token vocabulary: ~5 s of CPU per process), the index is a few hundred offsets.
 """
 from __future__ import annotations
 
@@ -254,7 +256,8 @@ def gguf_tensor_index(path: str) -> dict:
     (int), "shape": [ne0, ne1, ...] (GGUF order, innermost first), "offset": absolute byte offset of
     the data in the file, "n_bytes": data size in bytes}}}``: plain ints, strings and lists
     (pickle/JSON-safe; ~100 bytes per tensor). Built from the cached, validated reader
-    (:func:`gguf_reader`: parses the file unless this process already did); raises what it raises.
+    (:func:`gguf_reader`: parses the file unless this process already did), so it raises
+    :class:`ModelFormatError` for a truncated or non-GGUF file.
     """
     r = gguf_reader(path)
     return {"file": list(file_key(path)), "byte_order": str(r.byte_order),
