@@ -11,7 +11,7 @@ import importlib
 #: (what the planner's dry run needs) does not import torch.
 _EXPORTS = {
     "ModelFormatError": "files", "embedded_model_path": "files", "resolve_model_path": "files",
-    "clear_gguf_cache": "gguf", "gguf_unpermute": "gguf",
+    "clear_gguf_cache": "gguf", "gguf_unpermute": "gguf", "gguf_tensor_index": "gguf",
     "chat_template": "tokenizer", "load_tokenizer": "tokenizer", "special_tokens": "tokenizer",
     "check_weights": "weights", "load_config": "weights", "load_tensors": "weights",
 }

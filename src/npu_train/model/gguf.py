@@ -4,6 +4,10 @@ Read with ``gguf.GGUFReader``; quantised tensors are dequantised to fp32 with
 ``gguf.quants.dequantize``.  llama.cpp stores ``attn_q``/``attn_k`` rows permuted for
 interleaved-pair RoPE; :func:`gguf_tensors` undoes it so the weights match the HF rotate-half
 layout used by :mod:`npu_train.model.llama` (same as transformers' ``LlamaTensorProcessor``).
+
+A card process reads its tensors through the launcher's tensor index instead
+(:func:`gguf_tensor_index`, carried by its ``WorkerSpec``): the reader parses the whole metadata
+section (a 49k-token vocabulary: ~5 s of CPU per process), the index is a few hundred offsets.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, sha
 from .hf import first_id
 
 __all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "gguf_unpermute",
-           "hf_to_gguf_name", "clear_gguf_cache", "file_key"]
+           "hf_to_gguf_name", "clear_gguf_cache", "file_key", "gguf_tensor_index"]
 
 
 def file_key(path: str) -> tuple[str, int, int]:
@@ -243,16 +247,80 @@ def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool) -> dict[str, torch.Tensor]:
+def gguf_tensor_index(path: str) -> dict:
+    """The tensor table of the GGUF file ``path``, for a card process to read tensors without a
+    ``GGUFReader`` (:func:`gguf_tensors` with ``index=``).
+
+    Returns ``{"file": [realpath, size in bytes, mtime in ns]`` (:func:`file_key`), ``"byte_order":``
+    the reader's ``"I"`` (native) or ``"S"`` (swapped), ``"tensors": {GGUF name: {"type": GGML type
+    (int), "shape": [ne0, ne1, ...] (GGUF order, innermost first), "offset": absolute byte offset of
+    the data in the file, "n_bytes": data size in bytes}}}``: plain ints, strings and lists
+    (pickle/JSON-safe; ~100 bytes per tensor). Built from the cached, validated reader
+    (:func:`gguf_reader`: parses the file unless this process already did), so it raises
+    :class:`ModelFormatError` for a truncated or non-GGUF file.
+    """
+    r = gguf_reader(path)
+    return {"file": list(file_key(path)), "byte_order": str(r.byte_order),
+            "tensors": {t.name: {"type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
+                                 "offset": int(t.data_offset), "n_bytes": int(t.n_bytes)}
+                        for t in r.tensors}}
+
+
+#: numpy item type of the GGML types ``GGUFReader._build_tensors`` (gguf 0.19) reads as numbers;
+#: every other (quantised) type is read as raw bytes (uint8) of the byte shape of its blocks
+_PLAIN_GGML = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8,
+               "I16": np.int16, "I32": np.int32, "I64": np.int64}
+
+
+class _IndexedTensor:
+    """A tensor of a :func:`gguf_tensor_index` with the fields of ``gguf.ReaderTensor`` that
+    :func:`gguf_tensors` reads: ``name``, ``tensor_type``, ``shape`` (GGUF order) and ``data``,
+    the same numpy view of the memory-mapped file that ``GGUFReader._build_tensors`` builds."""
+
+    def __init__(self, name: str, entry: dict, mm: np.ndarray, byte_order: str):
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        self.name, self.shape = name, [int(x) for x in entry["shape"]]
+        self.tensor_type = GGMLQuantizationType(int(entry["type"]))
+        np_dims = tuple(reversed(self.shape))
+        item_type = _PLAIN_GGML.get(self.tensor_type.name)
+        if item_type is None:  # quantised: the block bytes, rows of (ne0 / block size) blocks
+            item_type, count = np.uint8, int(entry["n_bytes"])
+            np_dims = quant_shape_to_byte_shape(np_dims, self.tensor_type)
+        else:
+            count = math.prod(self.shape)
+        off, end = int(entry["offset"]), int(entry["offset"]) + np.dtype(item_type).itemsize * count
+        arr = mm[off:end].view(dtype=item_type)[:count]
+        self.data = arr.view(arr.dtype.newbyteorder(byte_order)).reshape(np_dims)
+
+
+def _index_tensors(path: str, index: Optional[dict]) -> Optional[dict]:
+    """``{GGUF name: _IndexedTensor}`` of ``index`` over one read-only memory map of ``path``, or
+    None when ``index`` is None or describes another version of the file (its ``file`` key is not
+    :func:`file_key` of ``path`` now: the file was replaced or touched since the launcher indexed it)."""
+    if index is None or tuple(index["file"]) != file_key(path):
+        return None
+    mm = np.memmap(index["file"][0], mode="r")  # the realpath; read-only, shared by the views
+    return {name: _IndexedTensor(name, e, mm, index["byte_order"]) for name, e in index["tensors"].items()}
+
+
+def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
+                 index: Optional[dict] = None) -> dict[str, torch.Tensor]:
     """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file, dequantised to fp32.
 
-    q/k projections are un-permuted when ``unpermute``. Raises :class:`ModelFormatError` for a
-    missing tensor, wrong shape, unsupported GGML type or a non-finite value.
+    q/k projections are un-permuted when ``unpermute``. ``index``: the file's
+    :func:`gguf_tensor_index` (built by the launcher): the tensors are then read at its offsets
+    without parsing the file's metadata; ignored (the file is parsed with ``GGUFReader``, as
+    without it) when the file's :func:`file_key` differs from the index's. Both give the same bits.
+    Raises :class:`ModelFormatError` for a missing tensor, wrong shape, unsupported GGML type or
+    a non-finite value.
     """
     import gguf
 
-    r = gguf_reader(path)
-    by_name = {t.name: t for t in r.tensors}
+    by_name = _index_tensors(path, index)
+    if by_name is None:
+        by_name = {t.name: t for t in gguf_reader(path).tensors}
     out: dict[str, torch.Tensor] = {}
     for name, (src, shape) in wanted.items():
         gname = hf_to_gguf_name(src)

@@ -6,6 +6,7 @@ All tensor loaders return fp32 CPU tensors under HF parameter names (see
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 
@@ -32,7 +33,7 @@ def load_config(path: str) -> LlamaConfig:
     return hf_config(hf_dir(path))
 
 
-def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *,
+def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Optional[dict] = None,
                  _unpermute_qk: bool = True) -> dict[str, torch.Tensor]:
     """Read the named parameters (HF names) from the checkpoint at ``path``.
 
@@ -40,6 +41,10 @@ def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *,
     ``cfg.param_shapes``; only those tensors are read from disk.  ``lm_head.weight`` on a tied
     model is read from the embedding (:func:`checkpoint_source_name`).  GGUF q/k projections are
     un-permuted back to HF rotate-half row order (``_unpermute_qk=False`` is for tests only).
+    ``index``: a GGUF file's :func:`~npu_train.model.gguf.gguf_tensor_index` from the launcher
+    (``WorkerSpec.model_index``): its tensors are then read at the indexed offsets without parsing
+    the file's metadata (same bits; ignored when the file changed since, see
+    :func:`~npu_train.model.gguf.gguf_tensors`; ignored for safetensors).
 
     Raises :class:`ModelFormatError` if a tensor is absent (naming tensor and file), has the
     wrong shape (naming expected and found shapes) or holds an inf/NaN (naming the tensor);
@@ -49,7 +54,7 @@ def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *,
     check_exists(path)
     wanted = {n: (checkpoint_source_name(cfg, n), expected_shape(cfg, n)) for n in names}
     if is_gguf_path(path):
-        return gguf_tensors(path, cfg, wanted, _unpermute_qk)
+        return gguf_tensors(path, cfg, wanted, _unpermute_qk, index=index)
     return safetensors_tensors(hf_dir(path), wanted)
 
 

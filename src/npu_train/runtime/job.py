@@ -23,7 +23,7 @@ from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import done_checkpoint, interrupt_note, prepare_checkpoint_root
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
-from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, pipeline_stages, run_shape, train_spec
+from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, model_index, pipeline_stages, run_shape, train_spec
 from npu_train.transport.channel import Endpoint
 
 
@@ -228,7 +228,7 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     P = len(plan.stages)
     dp, zero = int(prep.get("dp", 1)), int(prep.get("zero", 0))
     layout = ParallelLayout(dp, P)
-    mcfg = prep["model_cfg"]
+    mcfg, index = prep["model_cfg"], model_index(prep["model_path"])  # GGUF: the tensor table, parsed once
     if runtime.transport == "shm":
         inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(layout.world))
         coord_addr = f"ipc://{ipc_dir}/coord.sock"
@@ -249,7 +249,7 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
             inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,
-            boundary_transport=boundary))
+            boundary_transport=boundary, model_index=index))
     return specs
 
 

@@ -167,6 +167,10 @@ class WorkerSpec:
             uses ``runtime.transport``.
         dp, zero: data-parallel replicas of the pipeline (``parallel.dp``) and the ZeRO stage
             (``parallel.zero``: 0, or 1 = optimizer state sharded across the stage's replicas).
+        model_index: a GGUF model's tensor table (:func:`npu_train.model.gguf.gguf_tensor_index`: file
+            key, per tensor GGML type, shape, byte offset, size; a few hundred entries) read by the
+            launcher, so this process reads its tensors without parsing the file's metadata; None for
+            safetensors (or when built elsewhere: the file is then parsed as before).
     """
 
     rank: int
@@ -198,6 +202,7 @@ class WorkerSpec:
         return self.boundary_transport[b] if self.boundary_transport else self.runtime.transport
     dp: int = 1
     zero: int = 0
+    model_index: Optional[dict] = None
 
     @property
     def layout(self):

@@ -1,4 +1,5 @@
-"""Settings -> typed pieces: of :class:`~npu_train.runtime.spec.WorkerSpec` (train and RNGD runtime fields),
+"""Settings -> typed pieces: of :class:`~npu_train.runtime.spec.WorkerSpec` (train and RNGD runtime fields, the
+model's tensor index),
 and the pipeline's stage count and the planner's :class:`~npu_train.planner.RunShape` (:func:`pipeline_stages`,
 :func:`run_shape`).
 
@@ -8,6 +9,7 @@ worker specs are built.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 from npu_train.env import cache_dir
 from npu_train.errors import ConfigError
@@ -93,3 +95,18 @@ def furiosa_runtime_fields(cfg, plan) -> dict:
                                              cpu_fallback=bool(fur.cpu_fallback), probe_free=bool(fur.probe_free),
                                              compiled_layers=bool(fur.compiled_layers)),
             "furiosa_accounting": str(fur.accounting), "warmup": bool(fur.warmup)}
+
+
+def model_index(model_path: Optional[str]) -> Optional[dict]:
+    """:attr:`~npu_train.runtime.spec.WorkerSpec.model_index`: for a GGUF file, its tensor table
+    (:func:`npu_train.model.gguf.gguf_tensor_index`, from the reader this process cached when it read the
+    config and checked the weights), so each card process reads its tensors at those offsets instead of
+    parsing the file's metadata again (seconds of CPU per process for a 49k-token vocabulary); None for an
+    HF safetensors directory (its headers are cheap to read) or no file (a shape preset)."""
+    from npu_train.model.files import is_gguf_path
+
+    if model_path is None or not is_gguf_path(os.path.expanduser(model_path)):
+        return None
+    from npu_train.model.gguf import gguf_tensor_index
+
+    return gguf_tensor_index(os.path.expanduser(model_path))

@@ -17,7 +17,8 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     """Build this stage's module on the card and its fp32 masters from the model file (own tensors only).
 
     Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
-    ``dtype`` on ``backend.device()``, and a dict of HF name -> fp32 CPU master tensor.
+    ``dtype`` on ``backend.device()``, and a dict of HF name -> fp32 CPU master tensor. A GGUF model's
+    tensors are read at the offsets of ``spec.model_index`` (the launcher's parse), not by parsing the file.
     """
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import StageModule
@@ -36,7 +37,7 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     if track is not None:
         for p in module.parameters():
             track(p)
-    masters = load_tensors(spec.model_path, cfg, module.param_names())
+    masters = load_tensors(spec.model_path, cfg, module.param_names(), index=spec.model_index)
     check_finite_weights(masters, spec.model_path)
     with torch.no_grad():
         for n, p in module.named_parameters():
