@@ -56,3 +56,46 @@ def test_worker_spec_is_frozen_and_typed(monkeypatch, tmp_path, tiny_model):
     with pytest.raises(dataclasses.FrozenInstanceError):
         specs[0].rank = 5
     assert specs[0].token not in repr(specs[0])
+
+
+@pytest.mark.parametrize("where", ["packed data", "coordinator"])
+def test_failed_launch_leaves_no_ipc_dir_or_owner_record(monkeypatch, tmp_path, tiny_model, where):
+    """A launch that fails after it made the job's private IPC dir and owner record, before the
+    coordinator took them over (here: the packed data does not fit, or the coordinator's set-up
+    fails), removes both: nothing is left for a later sweep that may never find it (another TMPDIR)."""
+    import glob
+    import os
+    import tempfile
+
+    import npu_train.data.dataset as dataset
+    import npu_train.runtime.job as job
+    import npu_train.runtime.leftovers as leftovers
+    from npu_train.data.text import DataError
+    from npu_train.transport.shm import SHM_DIR
+
+    made = []
+    real_write = leftovers.write_job_owner
+
+    def write_job_owner(job_id, ipc_dir):
+        made.append((job_id, ipc_dir))
+        return real_write(job_id, ipc_dir)
+
+    def short(*a, **kw):
+        raise DataError("the packed training data needs 1.0 MB in ... but only 0.1 MB are free")
+
+    class Broken:
+        def __init__(self, specs, **kw):
+            raise RuntimeError("coordinator set-up failed")
+
+    monkeypatch.setattr(leftovers, "write_job_owner", write_job_owner)
+    if where == "packed data":
+        monkeypatch.setattr(dataset, "save_packed", short)
+    else:
+        monkeypatch.setattr(job, "Coordinator", Broken)
+    with pytest.raises(DataError if where == "packed data" else RuntimeError):
+        job.run_job(make_cfg(tiny_model), str(tmp_path))
+    assert len(made) == 1, made
+    job_id, ipc_dir = made[0]
+    assert os.path.dirname(ipc_dir) == tempfile.gettempdir()
+    assert not os.path.exists(ipc_dir)
+    assert not glob.glob(os.path.join(SHM_DIR, f"npt_{job_id}_*"))

@@ -47,3 +47,50 @@ def test_disk_filling_up_during_the_write(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="free disk space there or point"):
         ds.save_packed(_data(), tmp_path / "data.safetensors", where="point $NPT_CACHE at a larger disk")
     assert os.listdir(tmp_path) == []
+
+
+def test_safetensors_error_for_a_full_disk_is_the_same_data_error(tmp_path, monkeypatch):
+    """safetensors reports a full disk as SafetensorError ("I/O error: No space left on device"),
+    not OSError: the same DataError; any other error passes through; no temp file stays either way."""
+    class SafetensorError(Exception):
+        pass
+
+    def full(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"x" * 10)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ds, "save_file", full)
+    with pytest.raises(DataError, match="free disk space there or set TMPDIR"):
+        ds.save_packed(_data(), tmp_path / "data.safetensors", where="set TMPDIR")
+    assert os.listdir(tmp_path) == []
+
+    def other(tensors, filename, metadata=None):
+        open(filename, "wb").write(b"x" * 10)
+        raise SafetensorError("Error while serializing: something else")
+
+    monkeypatch.setattr(ds, "save_file", other)
+    with pytest.raises(SafetensorError, match="something else"):
+        ds.save_packed(_data(), tmp_path / "data.safetensors")
+    assert os.listdir(tmp_path) == []
+
+
+def test_tokenizer_cache_write_failure_is_ignored(tmp_path, monkeypatch):
+    """The tokenizer built from a GGUF file is cached under $NPT_CACHE; a failed write (tokenizers
+    raises a plain Exception for a full disk) costs only the cache: the tokenizer is returned and no
+    partial file stays."""
+    from npu_train.model import resolve_model_path
+    from npu_train.model import tokenizer as tk
+
+    class Tok:
+        pre_tokenizer = None
+
+        def save(self, path):
+            open(path, "w").write("{")
+            raise Exception("No space left on device (os error 28)")
+
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path))
+    monkeypatch.setattr(tk, "_transformers_backend", lambda d, gguf_file, what: Tok())
+    tok = tk._gguf_tokenizer(resolve_model_path("embedded"))
+    assert isinstance(tok, Tok)
+    left = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
+    assert not any("tokenizers" in p for p in left), left

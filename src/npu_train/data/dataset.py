@@ -198,9 +198,9 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
                 "fingerprint": data.fingerprint,
             },
         )
-    except OSError as e:
+    except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
         tmp.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
+        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
             raise short(shutil.disk_usage(path.parent).free) from e
         raise
     except BaseException:

@@ -9,6 +9,7 @@ followed by ``ByteLevel(use_regex=False)``. The regex patterns below are llama.c
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -123,13 +124,14 @@ def _gguf_tokenizer(path: str):
                                 gguf_file=os.path.basename(path), what=path)
     if pre_tok is not None:
         tok.pre_tokenizer = pre_tok
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
         tok.save(str(tmp))
         os.replace(tmp, cached)
-    except OSError:
-        pass  # the cache is an optimisation only
+    except Exception:  # noqa: BLE001 - OSError, or tokenizers' plain Exception ("No space left on device")
+        with contextlib.suppress(OSError):  # the cache is an optimisation only: no partial file stays
+            tmp.unlink()
     return tok
 
 

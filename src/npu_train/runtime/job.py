@@ -313,7 +313,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     from npu_train.data.sampler import StepSampler
     from npu_train.metrics.report import Reporter, carry_over, fmt_loss, rotate_previous_run
     from npu_train.runtime import nodes as N
-    from npu_train.runtime.leftovers import sweep_dead_jobs, write_job_owner
+    from npu_train.runtime.leftovers import discard_job_ipc, sweep_dead_jobs, write_job_owner
     from npu_train.transport.shm import ShmTooSmallError
 
     if rdv is not None:
@@ -400,60 +400,64 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
     write_job_owner(job_id, ipc_dir)
-    with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
-        os.remove(os.path.join(run_dir, "data.safetensors"))
-    moved = rotate_previous_run(run_dir)
-    if moved:
-        print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
-        if resume_dir and carry_over(moved, run_dir, start_step):  # the resumed run's records continue
-            print(f"note: metrics.jsonl and eval.jsonl continue with that launch's steps up to {start_step}",
-                  flush=True)
-    node_plan = link = None
-    if rdv is not None:
-        node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
-        if layout.is_master:  # every node passed check_shared_root before it joined
-            try:
-                os.remove(os.path.join(ckpt_root, f".npt-shared-{job_id}"))
-            except OSError:
-                pass
-    # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
-    # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
-    data_file = os.path.join(ipc_dir, "data.safetensors")
-    save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir)")
-    threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
-    train = train_spec(cfg, prep["dtype"])
-    # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
-    specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
-        heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
-        **furiosa_runtime_fields(cfg, plan)),
-        job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
-        ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
-        nodes=node_plan)
-    print(plan.table(), flush=True)
-    with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
-        json.dump(plan.to_dict(), f, indent=1)
-    where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
-    print(f"job {job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
-          f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
-          + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
-          + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
-    if resume_dir:
-        print(f"resuming from {resume_dir} at step {start_step}", flush=True)
-    reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * dp,
-                        predicted_step_s=plan.step_time_s)
-    manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
-                     "split": [[s.first_layer, s.last_layer] for s in plan.stages],
-                     "parallel": {"dp": dp, "pp": P, "zero": prep["zero"]},
-                     "sampler": sampler.state_dict(),
-                     "data_fingerprint": data.fingerprint, "train": train.to_dict(),
-                     "model_path": prep["model_path"],
-                     "tokenizer_path": cfg.model.tokenizer or prep["model_path"]}
-    coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=job_id, token=token,
-                        heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
-                        steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,
-                        manifest_base=manifest_base, save_on_interrupt=tr.save_on_interrupt and saving,
-                        reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
-                        node=layout.node_rank if layout else 0, nnodes=layout.nnodes if layout else 1)
+    try:  # until the coordinator owns them (its teardown removes both), a failure removes the IPC dir and record
+        with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
+            os.remove(os.path.join(run_dir, "data.safetensors"))
+        moved = rotate_previous_run(run_dir)
+        if moved:
+            print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
+            if resume_dir and carry_over(moved, run_dir, start_step):  # the resumed run's records continue
+                print(f"note: metrics.jsonl and eval.jsonl continue with that launch's steps up to {start_step}",
+                      flush=True)
+        node_plan = link = None
+        if rdv is not None:
+            node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
+            if layout.is_master:  # every node passed check_shared_root before it joined
+                try:
+                    os.remove(os.path.join(ckpt_root, f".npt-shared-{job_id}"))
+                except OSError:
+                    pass
+        # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
+        # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
+        data_file = os.path.join(ipc_dir, "data.safetensors")
+        save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
+        threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
+        train = train_spec(cfg, prep["dtype"])
+        # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
+        specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
+            heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
+            **furiosa_runtime_fields(cfg, plan)),
+            job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
+            ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
+            nodes=node_plan)
+        print(plan.table(), flush=True)
+        with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
+            json.dump(plan.to_dict(), f, indent=1)
+        where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
+        print(f"job {job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
+              f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
+              + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
+              + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
+        if resume_dir:
+            print(f"resuming from {resume_dir} at step {start_step}", flush=True)
+        reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * dp,
+                            predicted_step_s=plan.step_time_s)
+        manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
+                         "split": [[s.first_layer, s.last_layer] for s in plan.stages],
+                         "parallel": {"dp": dp, "pp": P, "zero": prep["zero"]},
+                         "sampler": sampler.state_dict(),
+                         "data_fingerprint": data.fingerprint, "train": train.to_dict(),
+                         "model_path": prep["model_path"],
+                         "tokenizer_path": cfg.model.tokenizer or prep["model_path"]}
+        coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=job_id, token=token,
+                            heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
+                            steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,
+                            manifest_base=manifest_base, save_on_interrupt=tr.save_on_interrupt and saving,
+                            reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
+                            node=layout.node_rank if layout else 0, nnodes=layout.nnodes if layout else 1)
+    except BaseException:
+        discard_job_ipc(job_id, ipc_dir)
+        raise
     try:
         coord.run()
     except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume

@@ -45,6 +45,17 @@ def write_job_owner(job_id: str, ipc_dir: str) -> Optional[str]:
     return path
 
 
+def discard_job_ipc(job_id: str, ipc_dir: str) -> None:
+    """Remove ``ipc_dir`` and every ``/dev/shm`` entry of ``job_id`` (its owner record included): the
+    launcher's clean-up when the launch fails after it made them and before the coordinator, whose
+    teardown removes them from then on, took them over. Never raises."""
+    shutil.rmtree(ipc_dir, ignore_errors=True)
+    try:
+        unlink_job_segments(job_id)
+    except OSError:
+        pass
+
+
 def sweep_dead_jobs() -> list[str]:
     """Remove the segments and IPC directory of every job whose recorded owner no longer runs on this
     host. Returns the job ids swept. Never raises for a leftover it cannot read or remove."""
