@@ -18,6 +18,7 @@ Exit statuses of ``launch/run.py`` (mapped in :func:`exit_code_for`):
 """
 from __future__ import annotations
 
+import errno
 import signal
 from typing import Optional
 
@@ -66,3 +67,9 @@ def exit_code_for(exc: BaseException) -> int:
     if isinstance(exc, (UserError, FileNotFoundError)):
         return EXIT_USER_ERROR
     raise TypeError(f"not a job-ending error: {type(exc).__name__}")
+
+
+def out_of_space(e: BaseException) -> bool:
+    """Whether ``e`` reports a full disk: an ``OSError`` with ``ENOSPC``, or a library error wrapping
+    it (safetensors' ``SafetensorError``, tokenizers' ``Exception``: "No space left on device")."""
+    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)

@@ -45,7 +45,6 @@ stage split, card count or resident/offloaded split (resharding is a lookup in t
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -58,6 +57,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from npu_train.config import UserError
+from npu_train.errors import out_of_space
 from npu_train.ownership import owner_alive, process_identity
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -179,10 +179,6 @@ def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Option
             f"{root}: the first save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
-def _out_of_space(e: BaseException) -> bool:
-    return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
-
-
 def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> str:
     """Write one stage's shard (safetensors + JSON) into ``staging`` and fsync both. Returns the shard path.
 
@@ -196,7 +192,7 @@ def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: 
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, st)
     except Exception as e:
-        if not _out_of_space(e):
+        if not out_of_space(e):
             raise
         try:
             os.remove(st)

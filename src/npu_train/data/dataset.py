@@ -167,8 +167,9 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
     Raises :class:`DataError` (nothing left behind) when the filesystem has less free space than the
     tensors' bytes + :data:`PACKED_MARGIN_BYTES`, checked before writing, or runs out during the write;
     the message names the directory, the sizes and ``where`` (which setting moves it, e.g. ``TMPDIR``)."""
-    import errno
     import shutil
+
+    from npu_train.errors import out_of_space
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -200,7 +201,7 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
         )
     except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
         tmp.unlink(missing_ok=True)
-        if getattr(e, "errno", None) == errno.ENOSPC or "No space left on device" in str(e):
+        if out_of_space(e):
             raise short(shutil.disk_usage(path.parent).free) from e
         raise
     except BaseException:
