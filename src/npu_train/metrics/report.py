@@ -115,6 +115,11 @@ def move_to_previous(parent: str, names: list[str]) -> Optional[str]:
     return dest
 
 
+def _busy(rep: dict) -> float:
+    """Seconds of a card's step report spent computing or transferring (the rest of the step is idle)."""
+    return rep["compute_s"] + rep["optimizer_s"] + rep["transfer_s"] + rep["send_s"]
+
+
 class Reporter:
     """Collects per-step reports of all cards; writes ``metrics.jsonl``, TensorBoard and a summary.
 
@@ -163,15 +168,19 @@ class Reporter:
                 lines = f.readlines()
         except OSError:
             return
-        b = self.LOSS_EMA_BETA
         for line in lines:
             try:
                 loss = json.loads(line).get("loss")
             except ValueError:
                 continue
             if isinstance(loss, (int, float)) and math.isfinite(loss):
-                self._ema = b * self._ema + (1 - b) * float(loss)
-                self._n_ema += 1
+                self._fold(float(loss))
+
+    def _fold(self, loss: float) -> None:
+        """One finite loss into the EMA (beta :data:`LOSS_EMA_BETA`)."""
+        b = self.LOSS_EMA_BETA
+        self._ema = b * self._ema + (1 - b) * loss
+        self._n_ema += 1
 
     #: smoothing of the printed loss: exponential moving average with this beta, bias-corrected
     LOSS_EMA_BETA = 0.9
@@ -191,9 +200,8 @@ class Reporter:
             "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "step_s": wall,
             "compute_s": slow["compute_s"], "optimizer_s": slow["optimizer_s"],
             "transfer_s": slow["transfer_s"] + slow["send_s"],
-            "idle_s": max(0.0, wall - slow["compute_s"] - slow["optimizer_s"] - slow["transfer_s"] - slow["send_s"]),
-            "idle_share": max(0.0, 1.0 - sum(r["compute_s"] + r["optimizer_s"] + r["transfer_s"] + r["send_s"]
-                                             for r in reports) / (len(reports) * wall)) if wall > 0 else 0.0,
+            "idle_s": max(0.0, wall - _busy(slow)),
+            "idle_share": max(0.0, 1.0 - sum(_busy(r) for r in reports) / (len(reports) * wall)) if wall > 0 else 0.0,
             "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
             **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
             # every card's view (list indexed by rank): which stage computes longest, which waits
@@ -228,9 +236,7 @@ class Reporter:
             rec["step_s_pred"] = self.pred_step
         if math.isfinite(float(rec["loss"])):
             self.losses.append((step, float(rec["loss"])))
-            b = self.LOSS_EMA_BETA
-            self._ema = b * self._ema + (1 - b) * float(rec["loss"])
-            self._n_ema += 1
+            self._fold(float(rec["loss"]))
         rec["loss_smoothed"] = self._ema / (1 - self.LOSS_EMA_BETA ** self._n_ema) if self._n_ema else None
         if self._n == 0:
             self._first_step_s = wall
