@@ -220,3 +220,21 @@ def test_head_ratio_is_timed_interleaved_with_the_layer(monkeypatch):
     loop = M.LoopBounds(min_time=0.0, max_time=1e9, max_reps=1, min_reps=1, warmup=1)
     head_flops, ratio = M._head_vs_layer(Be(), "fp32", None, (1, 1, 1), loop, rounds=3)
     assert ratio == pytest.approx(0.2, rel=1e-12)
+
+
+def test_best_of_keeps_the_head_ratio_measured_with_the_head_figure():
+    """Re-measured figures are combined per figure; the head ratio comes from the measurement whose
+    head figure is kept (timed interleaved with the layer there), not from head / layer FLOP/s of
+    two different measurements."""
+    from npu_train.planner.measure import best_of
+
+    def m(layer, head, ratio):
+        return {"device_flops": layer, "head_flops": head, "head_flops_ratio": ratio,
+                "flops_by_dtype": {"fp32": layer}, "host_adamw_params_per_s": 1.0,
+                "device_adamw_params_per_s": 1.0, "h2d_bytes_per_s": 1.0, "d2h_bytes_per_s": 1.0}
+
+    a, b = m(50e9, 30e9, 0.75), m(40e9, 36e9, 0.8)
+    out = best_of(a, b, "cpu")
+    assert out["device_flops"] == 50e9 and out["head_flops"] == 36e9 and out["head_flops_ratio"] == 0.8
+    assert best_of(b, a, "cpu")["head_flops_ratio"] == 0.8
+    assert best_of(a, b, "cpu", only=["device_flops"])["head_flops_ratio"] == 0.75  # head figure not taken

@@ -307,7 +307,9 @@ def slower(m: dict, lower: dict) -> list[str]:
 
 def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
     """Per-figure maximum of two measurements at the same thread count (``only``: just these,
-    plus what derives from them)."""
+    plus what derives from them). ``head_flops_ratio`` is the one measured with the head figure
+    kept (it was timed interleaved with the layer, :func:`_head_vs_layer`; ``head_flops /
+    device_flops`` of two different measurements would bring back the drift it cancels)."""
     out = dict(a)
     keys = only or (*_MONOTONE, "h2d_bytes_per_s", "d2h_bytes_per_s")
     for k in keys:
@@ -316,7 +318,7 @@ def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
         out["flops_by_dtype"] = {d: max(v, b["flops_by_dtype"].get(d, 0.0))
                                  for d, v in a["flops_by_dtype"].items()}
         out["flops_by_dtype"][planner_dtype(kind)] = out["device_flops"]
-    out["head_flops_ratio"] = out["head_flops"] / out["device_flops"]
+    out["head_flops_ratio"] = (b if "head_flops" in keys and b["head_flops"] > a["head_flops"] else a)["head_flops_ratio"]
     return out
 
 
