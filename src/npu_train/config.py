@@ -168,6 +168,10 @@ class RuntimeConf:
     host: Optional[str] = None
     #: base TCP port for gloo; 0 = pick a free one.
     port: int = 0
+    #: card processes keep freed host memory for reuse instead of returning it to the OS (glibc
+    #: mallopt; no page faults for the per-micro-batch gradients; the process keeps its peak heap):
+    #: npu_train.hostmem. false = the C library's defaults.
+    keep_host_memory: bool = True
     #: RNGD settings (compiler cache, loaded-module cache, CPU fallback, warm-up, accounting).
     furiosa: FuriosaConf = field(default_factory=FuriosaConf)
 

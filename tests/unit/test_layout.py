@@ -1,7 +1,7 @@
 """The package layout stays as the README's design map says (DESIGN.md section 9).
 
 Dependencies point one way: runtime -> (pipeline, planner, checkpoint, metrics) -> (model, transport,
-optim, backends, data) -> config -> (errors, hardware, env). A module may import its own layer or a
+optim, backends, data) -> config -> (errors, hardware, env, hostmem). A module may import its own layer or a
 lower one, never a higher one; the package-level import graph has no cycle; nothing reaches into
 another module's private (``_underscore``) names; no source file is longer than ``MAX_LINES`` unless it
 is listed in ``LONG_FILES`` with its reason. Checked statically (AST), so lazy imports inside functions
@@ -20,7 +20,7 @@ SRC = Path(__file__).resolve().parents[2] / "src" / "npu_train"
 
 #: layer of each sub-package / top-level module (higher imports lower)
 LAYERS = {
-    "errors": 0, "hardware": 0, "env": 0, "ownership": 0,
+    "errors": 0, "hardware": 0, "env": 0, "ownership": 0, "hostmem": 0,
     "config": 1,
     "model": 2, "transport": 2, "optim": 2, "backends": 2, "data": 2,
     "pipeline": 3, "planner": 3, "checkpoint": 3, "metrics": 3,

@@ -136,6 +136,9 @@ def serve() -> None:
 
     import torch
 
+    from npu_train.hostmem import keep_freed_memory
+
+    keep_freed_memory()  # the card processes' malloc settings (npu_train.hostmem)
     importlib.import_module("npu_train.model.llama")  # while the launcher reads the model
     # a fused AdamW imports torch._dynamo on construction (~1.5 s): before the spec, not after it
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)

@@ -378,9 +378,15 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
         on_phase: called with ``"layer"``, ``"head"``, ``"copies"``, ``"host_adamw"`` or
             ``"device_adamw"`` before that figure's set-up (the automatic calibration switches
             its background load, :class:`~npu_train.planner.loadgen.BackgroundLoad`, with it).
+
+    Measured with the card processes' default ``malloc`` settings (freed host memory kept,
+    :func:`npu_train.hostmem.keep_freed_memory`), which this process takes on from now.
     """
     import torch
 
+    from npu_train.hostmem import keep_freed_memory
+
+    keep_freed_memory()  # as the card processes (runtime.keep_host_memory's default): the head's fresh pages
     loop = loop or (QUICK if quick else FULL)
     dims, head_shape, what = reference_shapes(kind, quick, model_cfg, batch_seq)
     n_mm = 128 if quick else _MATMUL_N[kind]

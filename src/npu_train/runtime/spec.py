@@ -114,7 +114,8 @@ class RuntimeSpec:
     torch intra-op ``threads`` of this card process (the same figure the planner used for its step
     time, see :func:`npu_train.planner.threads_per_card`), the receive / collective timeouts (s),
     the RNGD compile settings (``runtime.furiosa.*``, with ``loaded_modules`` as planned),
-    the RNGD memory accounting and whether the card process warms up (compiles) before step 1.
+    the RNGD memory accounting, whether the card process warms up (compiles) before step 1 and
+    whether its ``malloc`` keeps freed host memory (``keep_host_memory``, :mod:`npu_train.hostmem`).
 
     ``recv_timeout_s`` None: stage-boundary receives and sends wait as long as it takes;
     ``collective_timeout_s``: the gloo timeout (rendezvous, all-reduce, barrier), by default
@@ -130,6 +131,7 @@ class RuntimeSpec:
     furiosa: FuriosaCompileOptions = FuriosaCompileOptions()
     furiosa_accounting: str = "dispatch"
     warmup: bool = False
+    keep_host_memory: bool = True
 
     def backend_kwargs(self, kind: str) -> dict:
         """Keyword arguments of :func:`~npu_train.backends.make_backend` for a card of ``kind``

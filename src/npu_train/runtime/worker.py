@@ -2,7 +2,8 @@
 
 Started by the launcher with the ``spawn`` start method (``worker_main(spec)``). The worker
 
-1. sets up its backend (device context, memory-type flag probe) before any device call,
+1. keeps freed host memory for reuse (``runtime.keep_host_memory``, :mod:`npu_train.hostmem`)
+   and sets up its backend (device context, memory-type flag probe) before any device call,
 2. connects to the coordinator's control socket (hello, heartbeats from a separate thread,
    per-step metrics, checkpoint reports, errors),
 3. builds its :class:`StageModule` on the meta device and loads only its own tensors,
@@ -32,6 +33,7 @@ import torch
 import zmq
 
 from npu_train.runtime.faults import FaultHook
+from npu_train.hostmem import keep_freed_memory
 from npu_train.runtime.spec import WorkerSpec
 
 log = logging.getLogger("npu_train.worker")
@@ -108,6 +110,8 @@ def worker_main(spec: WorkerSpec) -> None:
     # first; the coordinator stops them with SIGKILL at teardown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if spec.runtime.keep_host_memory:  # before the model's tensors are allocated
+        keep_freed_memory()
     torch.set_num_threads(max(1, int(spec.runtime.threads)))
     ctx = zmq.Context()
     ctrl = Control(ctx, spec.coord_addr, spec.token, rank)
