@@ -86,6 +86,12 @@ def torch_worker(cfg_path: str, rank: int) -> int:
 def _torch_train(cfg: dict, rank: int, res: dict) -> None:
     from datetime import timedelta
 
+    if cfg.get("keep_host_memory"):  # pipeline.py --host-memory both: as the project's card processes
+        from npu_train.hostmem import keep_freed_memory
+
+        if not keep_freed_memory():
+            raise RuntimeError("keep_freed_memory() did not apply (glibc only; MALLOC_* set?)")
+
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F

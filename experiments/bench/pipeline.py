@@ -127,14 +127,17 @@ def stage_layers(kind: str, P: int, n_layers: int, card_counts: list[int] | None
     return out
 
 
-def run_torch(kind: str, P: int, M: int, layers, args, data_file: str, work: Path, cores: list[int]) -> dict:
-    """Launch P workers for one torch run; returns ``{"tokens_per_s", "step_s", "loss1", "error"}``."""
+def run_torch(kind: str, P: int, M: int, layers, args, data_file: str, work: Path, cores: list[int],
+              keep: bool = False) -> dict:
+    """Launch P workers for one torch run; returns ``{"tokens_per_s", "step_s", "loss1", "error"}``.
+    ``keep``: the workers keep freed host memory as the project's card processes do
+    (:func:`npu_train.hostmem.keep_freed_memory`); default: the C library's settings."""
     out_dir = Path(tempfile.mkdtemp(prefix="torch-", dir=work))
     cfg = {"P": P, "M": M, "schedule": kind, "layers": layers, "stage_ranks": stage_ranks(kind, P),
            "device": "cuda:0" if args.device == "cuda" else "cpu", "pg": args.torch_pg, "port": free_port(),
            "model": args.model, "threads": args.threads, "micro_batch": 1, "steps": args.steps,
            "data_file": data_file, "out_dir": str(out_dir), "timeout_s": args.timeout,
-           "cores": [core_for(r, cores) for r in range(P)], "pin": not args.no_pin}
+           "cores": [core_for(r, cores) for r in range(P)], "pin": not args.no_pin, "keep_host_memory": keep}
     cfg_path = out_dir / "cfg.json"
     cfg_path.write_text(json.dumps(cfg))
     procs = [subprocess.Popen([sys.executable, __file__, "--torch-worker", str(cfg_path), "--rank", str(r)],
@@ -177,7 +180,7 @@ def run_torch(kind: str, P: int, M: int, layers, args, data_file: str, work: Pat
 
 
 # ----------------------------------------------------------------------------- project run
-def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int]) -> dict:
+def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int], extra: tuple = ()) -> dict:
     """One launcher run; returns tokens/s, idle share, per-step figures and the split it chose
     (``split``: half-open layer ranges ``[[a, b), ...]`` per stage, from the ``split`` layer counts
     of the run dir's ``plan.json``)."""
@@ -191,7 +194,7 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
            "train.dtype=fp32", f"train.schedule={schedule}", f"model.path={args.model}", f"hydra.run.dir={run_dir}",
            "data.eval_batches=0",  # no held-out evaluation before/after training: not measured, saves wall time
            "checkpoint.save=false",  # no final checkpoint: not measured (~9 s, 1.95 GB for the default model)
-           *args.project_args]
+           *args.project_args, *extra]
     log = run_dir / "launcher.log"
     t0 = time.time()
     with open(log, "w") as f:
@@ -291,6 +294,10 @@ def main(argv=None) -> int:
                     help="torch.distributed.pipelining schedules (class name without 'Schedule')")
     ap.add_argument("--splits", nargs="+", choices=("even", "project"), default=["even", "project"])
     ap.add_argument("--project-args", nargs="*", default=[], help="extra launcher overrides")
+    ap.add_argument("--host-memory", choices=("shipped", "both"), default="shipped",
+                    help="shipped: the project keeps freed host memory (its default, npu_train.hostmem), torch "
+                         "runs with the C library's settings; both: also the project with "
+                         "runtime.keep_host_memory=false ('[libc]') and torch keeping it ('[keep]')")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     ap.add_argument("--keep", action="store_true", help="keep run directories (logs) under the work dir")
@@ -331,19 +338,25 @@ def main(argv=None) -> int:
     for P in args.P:
         for M in args.M:
             proj_split: list[int] | None = None
-            systems = [("npu-train " + s, None, None) for s in args.project_schedules]
+            # (name, torch schedule or None for the project, split, keep freed host memory or None = as shipped)
+            systems = [("npu-train " + s, None, None, None) for s in args.project_schedules]
+            if args.host_memory == "both":  # the project as shipped keeps it; also run it with libc's defaults
+                systems += [("npu-train " + s + " [libc]", None, None, False) for s in args.project_schedules]
             kinds = list(args.torch_schedules)
             if M < P and "1F1B" in kinds and "GPipe" not in kinds:
                 kinds.append("GPipe")  # torch's Schedule1F1B needs M >= P: GPipe is the baseline there
             for kind in kinds:
                 for sp in args.splits:
-                    systems.append((f"torch {kind} {sp}", kind, sp))
+                    systems.append((f"torch {kind} {sp}", kind, sp, None))
+                    if args.host_memory == "both":
+                        systems.append((f"torch {kind} {sp} [keep]", kind, sp, True))
             for rnd in range(args.rounds):
                 k = rnd % len(systems)
                 order = systems if rnd == 0 else systems[k:] + systems[:k]  # round 0: project first (its split)
-                for name, kind, sp in order:
+                for name, kind, sp, keep in order:
                     if kind is None:
-                        r = run_project(name.split()[-1], P, M, args, work, cores)
+                        r = run_project(name.split()[1], P, M, args, work, cores,
+                                        extra=["runtime.keep_host_memory=false"] if keep is False else [])
                         if r.get("split") and proj_split is None:
                             proj_split = [b - a for a, b in r["split"]]
                     elif refused := torch_refusal(kind, P, M):  # torch's constructor raises: start nothing
@@ -356,7 +369,7 @@ def main(argv=None) -> int:
                             if sp == "project" and lay == stage_layers(kind, P, n_layers, None):
                                 r = {"skipped": "same layers as the even split"}
                             else:
-                                r = run_torch(kind, P, M, lay, args, data_file, work, cores)
+                                r = run_torch(kind, P, M, lay, args, data_file, work, cores, keep=bool(keep))
                     r.update({"P": P, "M": M, "system": name, "round": rnd})
                     results.append(r)
                     if "refused" in r:

@@ -61,11 +61,11 @@ def test_refusal_rules_match_torch(bench):
 def test_refused_cells_start_nothing_and_gpipe_is_the_baseline(bench, monkeypatch, tmp_path, capsys):
     started = []
 
-    def fake_torch(kind, P, M, layers, args, data_file, work, cores):
+    def fake_torch(kind, P, M, layers, args, data_file, work, cores, keep=False):
         started.append((kind, P, M))
         return {"tokens_per_s": 10.0, "step_s": [1.0, 1.0], "loss": [4.0, 3.9], "loss1": 4.0}
 
-    def fake_project(schedule, P, M, args, work, cores):
+    def fake_project(schedule, P, M, args, work, cores, extra=()):
         return {"tokens_per_s": 12.0, "idle_share": 0.5, "bubble_share": 0.3, "collective_share": 0.1,
                 "loss": [4.0, 3.9], "loss1": 4.0, "split": [[0, 3], [3, 5], [5, 6]]}
 
@@ -101,3 +101,35 @@ def test_refused_cells_start_nothing_and_gpipe_is_the_baseline(bench, monkeypatc
     load_script(os.path.join(BENCH, "grid_table.py"), "_npt_grid_table").main([str(out)])
     rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| 3 |")]
     assert len(rows) == 2 and "(GPipe even)" in rows[0] and "(1F1B even)" in rows[1], rows
+
+
+def test_host_memory_both_runs_each_system_with_and_without_keeping_freed_memory(bench, monkeypatch, tmp_path, capsys):
+    runs = []
+
+    def fake_torch(kind, P, M, layers, args, data_file, work, cores, keep=False):
+        runs.append(("torch", kind, keep))
+        return {"tokens_per_s": 10.0 + keep, "step_s": [1.0, 1.0], "loss": [4.0, 3.9], "loss1": 4.0}
+
+    def fake_project(schedule, P, M, args, work, cores, extra=()):
+        runs.append(("project", schedule, tuple(extra)))
+        return {"tokens_per_s": 12.0, "idle_share": 0.5, "bubble_share": 0.3, "collective_share": 0.1,
+                "loss": [4.0, 3.9], "loss1": 4.0, "split": [[0, 4], [4, 6]]}
+
+    monkeypatch.setattr(bench, "run_torch", fake_torch)
+    monkeypatch.setattr(bench, "run_project", fake_project)
+    monkeypatch.setattr(bench, "prepare_data", lambda args, work: ("data.safetensors", 6))
+    monkeypatch.setattr(bench, "machine_info", lambda device: {
+        "cpu": "test", "logical_cpus": 2, "usable_cores": [0, 1], "torch": "x", "python": "3", "loadavg_1m": 0.0})
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+    out = tmp_path / "grid.json"
+    assert bench.main(["--P", "2", "--M", "8", "--rounds", "1", "--model", "x", "--project-schedules", "zb-h2",
+                       "--torch-schedules", "1F1B", "--splits", "even", "--host-memory", "both",
+                       "--json", str(out)]) == 0
+    assert sorted(runs) == sorted([("project", "zb-h2", ()), ("project", "zb-h2", ("runtime.keep_host_memory=false",)),
+                                   ("torch", "1F1B", False), ("torch", "1F1B", True)])
+    res = json.loads(out.read_text())
+    names = {e["system"]: e for e in res["summary"]}
+    assert set(names) == {"npu-train zb-h2", "npu-train zb-h2 [libc]", "torch 1F1B even", "torch 1F1B even [keep]"}
+    # the baseline stays torch as a user runs it; the fastest torch entry may be the [keep] one
+    assert names["npu-train zb-h2"]["baseline"] == "torch 1F1B even"
+    assert names["npu-train zb-h2"]["vs_baseline"] == 12.0 / 10.0 and names["npu-train zb-h2"]["vs_best_torch"] == 12.0 / 11.0
