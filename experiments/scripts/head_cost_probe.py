@@ -30,8 +30,14 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--reps", type=int, default=8)
+    ap.add_argument("--keep-host-memory", action="store_true",
+                    help="keep freed host memory as the card processes do (npu_train.hostmem; run 6)")
     ap.add_argument("--profile", default=os.path.expanduser("~/.cache/npu-train/calibration/cpu.json"))
     args = ap.parse_args()
+    if args.keep_host_memory:
+        from npu_train.hostmem import keep_freed_memory
+
+        assert keep_freed_memory(), "not applied (glibc only; MALLOC_* set?)"
     torch.set_num_threads(1)
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})

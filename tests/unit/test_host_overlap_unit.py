@@ -117,3 +117,35 @@ def test_layer_keys():
     assert layer_key("model.norm.weight") == "head" and layer_key("lm_head.weight") == "head"
     names = ["lm_head.weight", "model.layers.10.a", "model.layers.2.b", "model.embed_tokens.weight"]
     assert [k for k, _ in layer_groups(names)] == ["embed", "layer2", "layer10", "head"]
+
+
+@pytest.mark.parametrize("resident", [(), ("0", "1", "2")], ids=["offloaded", "resident"])
+def test_grad_sq_sum_in_parts_is_the_whole_sum(resident):
+    """The trainer takes the sum of squares of every gradient but the tied one before the tied
+    exchange and the tied one after it (``grad_sq_terms(only=...)``, ``sum_terms``): bit for bit the
+    one-call ``grad_sq_sum`` of the final gradients, offloaded gradients included (a changed one
+    downloaded again)."""
+    from npu_train.optim.adamw import StageOptimizer
+
+    torch.manual_seed(0)
+    model = StageModule(CFG, 0, CFG.num_layers, True, True)
+    params = dict(model.named_parameters())
+    masters = {n: p.detach().float().clone() for n, p in params.items()}
+    layers = layer_groups(params)
+    opt = StageOptimizer(params, masters, [k for k, _ in layers if k in resident], _Cpu(), lr=1e-2,
+                         weight_decay=0.1, layers=layers, overlap=True)
+    opt.begin_step(1)
+    x = torch.randint(0, CFG.vocab_size, (2, 8), generator=torch.Generator().manual_seed(1))
+    ls, _ = causal_lm_loss_sum(model(x), x)
+    ls.backward()
+    tied = "model.embed_tokens.weight"
+    terms = opt.grad_sq_terms(only=[n for n in params if n != tied])
+    assert tied not in terms and len(terms) == len(params) - 1
+    opt.grad(tied).add_(torch.randn_like(opt.grad(tied)))  # the exchange adds the other stage's part in place
+    terms.update(opt.grad_sq_terms(only=[tied]))
+    whole = opt.grad_sq_sum()
+    assert torch.equal(opt.sum_terms(terms), whole)
+    assert float(whole) == pytest.approx(sum(float(opt.grad(n).double().pow(2).sum()) for n in params), rel=1e-5)
+    assert torch.equal(opt.sum_terms({n: t for n, t in terms.items() if n != "lm_head.weight"}),
+                       opt.grad_sq_sum(exclude=["lm_head.weight"]))
+    opt.close()

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 
@@ -232,21 +232,39 @@ class StageOptimizer:
         g = self.params[name].grad
         return None if g is None else g.detach()
 
-    def grad_sq_sum(self, exclude: Iterable[str] = ()) -> torch.Tensor:
-        """Sum of squares of this stage's gradients, fp32 CPU scalar (for the global grad norm)."""
+    def grad_sq_terms(self, exclude: Iterable[str] = (), only: Optional[Iterable[str]] = None) -> dict:
+        """``{name: sum of squares of its gradient}`` (fp32 CPU scalars) of this stage's parameters
+        but ``exclude`` (and without gradient), or (``only``) of just those named. Offloaded
+        gradients are downloaded for it (once; again only if changed since), others not touched.
+        :meth:`grad_sq_sum` adds the terms up; taken in parts (a gradient final earlier than
+        another), the same sum comes from :meth:`sum_terms`."""
         ex = set(exclude)
-        host_sq = self.host.collect({n: self.grad(n) for n in self.host_layer})
+        want = None if only is None else set(only)
+        names = [n for n in self.params if want is None or n in want]
+        host_sq = self.host.collect({n: self.grad(n) for n in names if n in self.host_layer})
+        out = {}
+        for n in names:
+            if n in ex or self.grad(n) is None:
+                continue
+            if n in host_sq:  # offloaded: from the host copy (downloaded once, also for the update)
+                out[n] = host_sq[n]
+            else:
+                out[n] = self.backend.download(self.grad(n).float().pow(2).sum()).to(torch.float32)
+        return out
+
+    def sum_terms(self, terms: dict) -> torch.Tensor:
+        """The fp32 sum of :meth:`grad_sq_terms` parts, in parameter order (bit for bit
+        :meth:`grad_sq_sum` of the same parameters)."""
         total = torch.zeros((), dtype=torch.float32)
         for n in self.params:
-            if n in host_sq:  # offloaded: from the host copy (downloaded once, also for the update)
-                if n not in ex and self.grad(n) is not None:
-                    total += host_sq[n]
-                continue
-            g = self.grad(n)
-            if n in ex or g is None:
-                continue
-            total += self.backend.download(g.float().pow(2).sum()).to(torch.float32)
+            if n in terms:
+                total += terms[n]
         return total
+
+    def grad_sq_sum(self, exclude: Iterable[str] = ()) -> torch.Tensor:
+        """Sum of squares of this stage's gradients but ``exclude``, fp32 CPU scalar (for the
+        global grad norm)."""
+        return self.sum_terms(self.grad_sq_terms(exclude))
 
     def discard_grads(self) -> None:
         """A skipped step: drop the gradients (also the downloaded host copies)."""

@@ -273,6 +273,14 @@ class StageTrainer:
         self.enter(f"step {step + 1} collectives")
         if fault is not None:
             fault("collective")
+        exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
+        # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
+        counts = self.zero or self.replica == 0
+        sq_terms = {}
+        if self.tied is not None and self.dp == 1 and counts:
+            # every gradient but the tied one is final: its sum of squares is taken now, while the
+            # first stage would wait in the exchange for the last stage's end (experiments/2026-12-01-bench-run6.md)
+            sq_terms = self.opt.grad_sq_terms(exclude, only=[n for n in self.params if n != self.tied_name])
         t_tied = time.perf_counter()
         if self.tied is not None:  # sum the tied gradient of the pair (npu_train.runtime.tied)
             g = self.grad_buf(self.tied_name)  # fp32 accumulator with bf16 compute (or .grad)
@@ -285,10 +293,11 @@ class StageTrainer:
             # the buffers holding each parameter's step gradient: fp32 accumulators (bf16 compute) or .grad
             allreduce_grads({n: self.grad_buf(n) for n in self.params}, backend, self.stage_group)
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
-        exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
-        # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
-        counts = self.zero or self.replica == 0
-        sq = float(self.opt.grad_sq_sum(exclude=exclude)) if counts else 0.0
+        if sq_terms:  # the rest: the tied gradient, final now
+            sq_terms.update(self.opt.grad_sq_terms(exclude, only=[self.tied_name]))
+            sq = float(self.opt.sum_terms(sq_terms))
+        else:
+            sq = float(self.opt.grad_sq_sum(exclude=exclude)) if counts else 0.0
         world = self.spec.world_size
         flags = [0.0] * world  # flags[r] = 1: rank r holds a non-finite loss or gradient
         flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
