@@ -58,6 +58,17 @@ def test_refusal_rules_match_torch(bench):
     assert torch_refusal("1F1B", 3, 2) == "torch Schedule1F1B needs M >= P (M=2 < P=3 stages; torch raises ValueError)"
 
 
+def _stub_runs(bench, monkeypatch, tmp_path, fake_torch, fake_project):
+    """Replace the bench's process-starting parts by the fakes; returns the --json path to use."""
+    monkeypatch.setattr(bench, "run_torch", fake_torch)
+    monkeypatch.setattr(bench, "run_project", fake_project)
+    monkeypatch.setattr(bench, "prepare_data", lambda args, work: ("data.safetensors", 6))
+    monkeypatch.setattr(bench, "machine_info", lambda device: {
+        "cpu": "test", "logical_cpus": 2, "usable_cores": [0, 1], "torch": "x", "python": "3", "loadavg_1m": 0.0})
+    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
+    return tmp_path / "grid.json"
+
+
 def test_refused_cells_start_nothing_and_gpipe_is_the_baseline(bench, monkeypatch, tmp_path, capsys):
     started = []
 
@@ -69,13 +80,7 @@ def test_refused_cells_start_nothing_and_gpipe_is_the_baseline(bench, monkeypatc
         return {"tokens_per_s": 12.0, "idle_share": 0.5, "bubble_share": 0.3, "collective_share": 0.1,
                 "loss": [4.0, 3.9], "loss1": 4.0, "split": [[0, 3], [3, 5], [5, 6]]}
 
-    monkeypatch.setattr(bench, "run_torch", fake_torch)
-    monkeypatch.setattr(bench, "run_project", fake_project)
-    monkeypatch.setattr(bench, "prepare_data", lambda args, work: ("data.safetensors", 6))
-    monkeypatch.setattr(bench, "machine_info", lambda device: {
-        "cpu": "test", "logical_cpus": 2, "usable_cores": [0, 1], "torch": "x", "python": "3", "loadavg_1m": 0.0})
-    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
-    out = tmp_path / "grid.json"
+    out = _stub_runs(bench, monkeypatch, tmp_path, fake_torch, fake_project)
     assert bench.main(["--P", "3", "--M", "2", "8", "--rounds", "2", "--model", "x", "--project-schedules", "1f1b",
                        "--torch-schedules", "1F1B", "DualPipeV", "--json", str(out)]) == 0
     text = capsys.readouterr().out
@@ -115,13 +120,7 @@ def test_host_memory_both_runs_each_system_with_and_without_keeping_freed_memory
         return {"tokens_per_s": 12.0, "idle_share": 0.5, "bubble_share": 0.3, "collective_share": 0.1,
                 "loss": [4.0, 3.9], "loss1": 4.0, "split": [[0, 4], [4, 6]]}
 
-    monkeypatch.setattr(bench, "run_torch", fake_torch)
-    monkeypatch.setattr(bench, "run_project", fake_project)
-    monkeypatch.setattr(bench, "prepare_data", lambda args, work: ("data.safetensors", 6))
-    monkeypatch.setattr(bench, "machine_info", lambda device: {
-        "cpu": "test", "logical_cpus": 2, "usable_cores": [0, 1], "torch": "x", "python": "3", "loadavg_1m": 0.0})
-    monkeypatch.setattr(bench.tempfile, "tempdir", str(tmp_path))
-    out = tmp_path / "grid.json"
+    out = _stub_runs(bench, monkeypatch, tmp_path, fake_torch, fake_project)
     assert bench.main(["--P", "2", "--M", "8", "--rounds", "1", "--model", "x", "--project-schedules", "zb-h2",
                        "--torch-schedules", "1F1B", "--splits", "even", "--host-memory", "both",
                        "--json", str(out)]) == 0
