@@ -29,7 +29,7 @@ def main(paths: list[str]) -> int:
         best_t = max(torch, key=lambda e: e["tps"]["median"]) if torch else None
         for e in [e for e in ok if e["system"].startswith("npu-train")]:
             t = e["tps"]
-            print(f"| {P} | {M} | `{e['system'].split()[-1]}` {t['median']:.1f} [{t['min']:.1f}–{t['max']:.1f}] "
+            print(f"| {P} | {M} | `{e['system'].split(' ', 1)[1]}` {t['median']:.1f} [{t['min']:.1f}–{t['max']:.1f}] "
                   f"| {base['tps']['median']:.1f} ({base['system'][6:]}) | {best_t['tps']['median']:.1f} ({best_t['system'][6:]}) "
                   f"| {t['median'] / base['tps']['median']:.2f}× | {t['median'] / best_t['tps']['median']:.2f}× "
                   f"| {100 * e['idle']['median']:.1f} | {100 * e['bubble']['median']:.1f} | {100 * (P - 1) / (M + P - 1):.1f} |")

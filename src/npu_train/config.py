@@ -170,7 +170,8 @@ class RuntimeConf:
     port: int = 0
     #: card processes keep freed host memory for reuse instead of returning it to the OS (glibc
     #: mallopt; no page faults for the per-micro-batch gradients; the process keeps its peak heap):
-    #: npu_train.hostmem. false = the C library's defaults.
+    #: npu_train.hostmem. false = the C library's defaults (the calibration still measures with the
+    #: setting, the cards' default).
     keep_host_memory: bool = True
     #: RNGD settings (compiler cache, loaded-module cache, CPU fallback, warm-up, accounting).
     furiosa: FuriosaConf = field(default_factory=FuriosaConf)

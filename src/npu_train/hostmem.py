@@ -7,8 +7,8 @@ is trimmed (``man 3 mallopt``). A training step allocates the same large tensors
 the ``[V, H]`` fp32 ``lm_head`` weight gradient (113 MB for SmolLM2-135M) in each backward, and in
 the split-backward (``zb*``) schedules the per-layer weight gradients of the deferred W passes. Each
 then comes back as fresh pages, one minor page fault and one zeroed 4 KiB page at a time:
-~147,000 faults per 4 micro-batches of the last stage of the default model (9 layers + head),
-~0 with the settings below.
+~141,000 faults per 4 micro-batches of the last stage of the default model (9 layers + head),
+3,600-6,100 with the settings below.
 
 Measured (experiments/2026-12-01-bench-run6.md, section 1; ``experiments/scripts/malloc_probe.py``):
 two pinned processes running the last stage's forward + split backward of 4 micro-batches at the
@@ -18,7 +18,9 @@ faults per repetition 141,000 -> 3,600-6,100, max RSS +150 MB (8 %). Alone on th
 difference was within the noise: the faults cost most when both cores fault at once.
 
 :func:`keep_freed_memory` sets ``M_MMAP_THRESHOLD`` to 1 GiB (blocks up to 1 GiB come from the heap
-and are reused) and ``M_TRIM_THRESHOLD`` to 2 GiB - 1 (the heap is not trimmed below that), which is
+and are reused; in threads other than the main one, glibc's per-thread heaps still map blocks over
+64 MiB on their own: the card's compute runs in the main thread, an offloaded layer's gradient
+download on the ``host-adamw`` thread does not gain) and ``M_TRIM_THRESHOLD`` to 2 GiB - 1 (the heap is not trimmed below that), which is
 what the environment variables ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do, from
 inside the process. The cost: the process keeps its peak heap (RSS does not shrink after a step,
 which it does not in steady state anyway; +8 % max RSS in the probe). Switched off
@@ -27,7 +29,6 @@ with ``runtime.keep_host_memory=false``.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import sys
@@ -50,17 +51,18 @@ def keep_freed_memory(environ=None) -> bool:
     """Make this process's ``malloc`` keep freed memory for reuse (module docstring).
 
     Returns True if both settings took effect; False (and changes nothing) off Linux, with a C
-    library other than glibc, or when the user set ``MALLOC_MMAP_THRESHOLD_`` or
-    ``MALLOC_TRIM_THRESHOLD_`` in ``environ`` (default ``os.environ``): those win. Never raises.
+    library other than glibc, or when the user set ``MALLOC_MMAP_THRESHOLD_``,
+    ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable in ``GLIBC_TUNABLES`` in ``environ``
+    (default ``os.environ``): those win. Never raises.
     """
     env = os.environ if environ is None else environ
-    if any(k in env for k in USER_ENV):
-        log.debug("host memory: the user's %s kept", ", ".join(k for k in USER_ENV if k in env))
+    if any(k in env for k in USER_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+        log.debug("host memory: the user's malloc settings kept")
         return False
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname (find_library would run ldconfig)
         mallopt = libc.mallopt
         # glibc only: gnu_get_libc_version exists there (musl has mallopt as a no-op returning 0)
         libc.gnu_get_libc_version  # noqa: B018 (AttributeError off glibc)

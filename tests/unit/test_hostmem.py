@@ -76,3 +76,7 @@ def test_card_processes_get_the_setting_by_default():
 
     assert RuntimeConf().keep_host_memory is True
     assert RuntimeSpec(heartbeat_interval_s=1.0, transport="shm", threads=1).keep_host_memory is True
+
+
+def test_glibc_tunables_for_malloc_count_as_the_users_setting():
+    assert keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}) is False

@@ -196,7 +196,7 @@ class StageOptimizer:
     def begin_step(self, micro_batches: int, late=()) -> None:
         """Before a step's first backward (overlap mode): a gradient is final after ``micro_batches``
         accumulations, except for the names in ``late`` (changed later by a collective: the tied
-        embedding pair, data-parallel replicas), whose download starts in :meth:`grad_sq_sum`.
+        embedding pair, data-parallel replicas), whose download starts in :meth:`grad_sq_terms`.
         Gradients that reach ``.grad`` without an accumulation hook (zero-bubble W passes) are
         downloaded there too (:meth:`HostUpdater.collect`)."""
         self._counts.clear()

@@ -106,7 +106,10 @@ from npu_train.planner.threads import usable_cores
 __all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "thread_counts",
            "measure_process_baseline", "start_process_baseline", "finish_process_baseline", "CARD_PROCESS_MODULES", "PROFILE_VERSION"]
 
-PROFILE_VERSION = 1
+#: 2: measured with freed host memory kept (npu_train.hostmem, as the card processes run by default);
+#: a version-1 profile read the head at 0.71-0.83x a layer's FLOP/s where it now reads ~1.2x
+#: (experiments/2026-12-01-bench-run6.md), so it is recalibrated
+PROFILE_VERSION = 2
 
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:

@@ -110,8 +110,8 @@ def worker_main(spec: WorkerSpec) -> None:
     # first; the coordinator stops them with SIGKILL at teardown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if spec.runtime.keep_host_memory:  # before the model's tensors are allocated
-        keep_freed_memory()
+    if spec.runtime.keep_host_memory and not keep_freed_memory():  # before the model's tensors exist
+        log.debug("host memory: malloc settings not changed (not glibc, or the user's MALLOC_* / GLIBC_TUNABLES)")
     torch.set_num_threads(max(1, int(spec.runtime.threads)))
     ctx = zmq.Context()
     ctrl = Control(ctx, spec.coord_addr, spec.token, rank)
