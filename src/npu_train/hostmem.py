@@ -20,11 +20,11 @@ difference was within the noise: the faults cost most when both cores fault at o
 :func:`keep_freed_memory` sets ``M_MMAP_THRESHOLD`` to 1 GiB (blocks up to 1 GiB come from the heap
 and are reused; in threads other than the main one, glibc's per-thread heaps still map blocks over
 64 MiB on their own: the card's compute runs in the main thread, an offloaded layer's gradient
-download on the ``host-adamw`` thread does not gain) and ``M_TRIM_THRESHOLD`` to 2 GiB - 1 (the heap is not trimmed below that), which is
-what the environment variables ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do, from
-inside the process. The cost: the process keeps its peak heap (RSS does not shrink after a step,
-which it does not in steady state anyway; +8 % max RSS in the probe). Switched off
-with ``runtime.keep_host_memory=false``.
+download on the ``host-adamw`` thread does not gain) and ``M_TRIM_THRESHOLD`` to 2 GiB - 1 (the
+heap is not trimmed below that), which is what the environment variables
+``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do, from inside the process. The cost: the
+process keeps its peak heap (RSS does not shrink after a step, which it does not in steady state
+anyway; +8 % max RSS in the probe). Switched off with ``runtime.keep_host_memory=false``.
 """
 from __future__ import annotations
 

@@ -276,7 +276,7 @@ class StageTrainer:
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
         # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
         counts = self.zero or self.replica == 0
-        sq_terms = {}
+        sq_terms: Optional[dict] = None  # set: the sum of squares is taken in two parts around the exchange
         if self.tied is not None and self.dp == 1 and counts:
             # every gradient but the tied one is final: its sum of squares is taken now, while the
             # first stage would wait in the exchange for the last stage's end (experiments/2026-12-01-bench-run6.md)
@@ -293,7 +293,7 @@ class StageTrainer:
             # the buffers holding each parameter's step gradient: fp32 accumulators (bf16 compute) or .grad
             allreduce_grads({n: self.grad_buf(n) for n in self.params}, backend, self.stage_group)
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
-        if sq_terms:  # the rest: the tied gradient, final now
+        if sq_terms is not None:  # the rest: the tied gradient, final now
             sq_terms.update(self.opt.grad_sq_terms(exclude, only=[self.tied_name]))
             sq = float(self.opt.sum_terms(sq_terms))
         else:

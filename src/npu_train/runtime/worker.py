@@ -32,8 +32,8 @@ import msgpack
 import torch
 import zmq
 
-from npu_train.runtime.faults import FaultHook
 from npu_train.hostmem import keep_freed_memory
+from npu_train.runtime.faults import FaultHook
 from npu_train.runtime.spec import WorkerSpec
 
 log = logging.getLogger("npu_train.worker")
