@@ -77,6 +77,32 @@ class _Group:
         if self.opt is not None:
             self.opt.step()
 
+    def init_state(self, track=None) -> None:
+        """Create the AdamW state of every master now: ``step`` 0 and zero ``exp_avg`` /
+        ``exp_avg_sq`` (fp32, each the master's shape and device: 8 bytes per parameter), exactly
+        as ``torch.optim.AdamW`` creates it lazily in its first ``step()`` (``Adam._init_group``:
+        a 0-d fp32 ``step`` on the parameter's device when fused, else on the CPU), so the updates
+        are bit-identical. Up front, the first optimizer step no longer allocates and zeroes
+        the moments: that took the first stage of the default job 0.9-1.05 s instead of ~0.1 s,
+        and every stage behind it started the next step that much later
+        (``experiments/2026-12-01-bench-run7.md``); and a card that cannot hold them fails at
+        start-up, not after the first step. A master that already has state keeps it.
+        ``track``: called with each new moment tensor (device-memory accounting)."""
+        if self.opt is None:
+            return
+        for g in self.opt.param_groups:
+            on_dev = bool(g.get("fused") or g.get("capturable"))
+            for p in g["params"]:
+                st = self.opt.state[p]
+                if st:
+                    continue
+                st["step"] = (torch.zeros((), dtype=torch.float32, device=p.device) if on_dev
+                              else torch.tensor(0.0, dtype=torch.float32))
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if track is not None:
+                        track(st[k])
+
 
 def grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
     """``p.grad``, created as zeros if the parameter got no gradient this step (to be changed in place)."""
@@ -101,6 +127,9 @@ class StageOptimizer:
         overlap, delayed: host-update mode of the offloaded layers (:class:`~npu_train.optim.offload.
             HostUpdater`): ``overlap`` runs the gradient downloads and the host AdamW on a background
             thread (bit-identical results), ``delayed`` applies each host update one step late (DPU).
+        eager_state: create the AdamW moments here (:meth:`_Group.init_state`: 8 bytes per
+            parameter, zeros; on the card for resident, in host RAM for offloaded parameters)
+            instead of in the first :meth:`step`; bit-identical updates. False: torch's lazy creation.
 
     Attributes:
         shared: names of the resident parameters that are their own fp32 masters (fp32 compute on
@@ -112,7 +141,7 @@ class StageOptimizer:
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, fp32_grad_accum: bool = True, layers=None,
-                 overlap: bool = False, delayed: bool = False):
+                 overlap: bool = False, delayed: bool = False, eager_state: bool = True):
         self.params = params
         self.backend = backend
         self.resident = set(resident) & set(params)
@@ -145,6 +174,12 @@ class StageOptimizer:
         self.host_layer = {n: k for k, names in groups for n in names}
         self.host = HostUpdater({n: params[n] for n in off_m}, groups, self.host_groups, backend,
                                 overlap=overlap, delayed=delayed)
+        if eager_state:
+            lock = getattr(backend, "alloc_lock", None)
+            with lock() if lock is not None else contextlib.nullcontext():
+                self.dev_group.init_state(getattr(backend, "track", None))
+            for g in self.host_groups.values():
+                g.init_state()
         self._counts: dict[str, int] = {}
         self._final_after = 0  # micro-batches after which a gradient is final (0: not tracked this step)
         self._late: set[str] = set()
@@ -354,7 +389,12 @@ class StageOptimizer:
                 g = self._opt_of(n)
                 dev = m.device
                 m.copy_(tensors[f"master.{n}"].to(dev))
-                if step > 0 and g.opt is not None:
+                st = g.opt.state.get(m) if g.opt is not None else None
+                if step > 0 and st:  # created up front (eager_state): fill in place, no second copy
+                    st["step"].fill_(float(step))
+                    st["exp_avg"].copy_(tensors[f"exp_avg.{n}"])
+                    st["exp_avg_sq"].copy_(tensors[f"exp_avg_sq.{n}"])
+                elif step > 0 and g.opt is not None:
                     g.opt.state[m] = {
                         "step": torch.tensor(float(step), dtype=torch.float32, device=dev if g is self.dev_group and _fused_ok(dev) else "cpu"),
                         "exp_avg": tensors[f"exp_avg.{n}"].to(dev).clone(),
