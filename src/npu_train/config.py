@@ -173,6 +173,11 @@ class RuntimeConf:
     #: npu_train.hostmem. false = the C library's defaults (the calibration still measures with the
     #: setting, the cards' default).
     keep_host_memory: bool = True
+    #: true: every card process records the start, ready and end time of each pipeline action
+    #: (F, B, W), the collectives and the optimizer of every step; the launcher writes them to
+    #: <run dir>/trace.json (Chrome trace event format: open in https://ui.perfetto.dev or
+    #: chrome://tracing) and a per-stage summary of waits to the run log. A few microseconds per action.
+    trace: bool = False
     #: RNGD settings (compiler cache, loaded-module cache, CPU fallback, warm-up, accounting).
     furiosa: FuriosaConf = field(default_factory=FuriosaConf)
 

@@ -100,9 +100,10 @@ def _reference(cfg, weights, inputs, labels):
     return float(ce_sum.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=None):
+def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=None, traces=None):
     """One optimizer step of P StageRunners in P threads; returns (loss_sum, {name: grad} per stage).
-    ``early_last(module) -> (params, done)``: the last stage's ``early`` argument of ``run_step``."""
+    ``early_last(module) -> (params, done)``: the last stage's ``early`` argument of ``run_step``.
+    ``traces``: a list of P lists, each stage's :attr:`StageRunner.trace` (None: not recorded)."""
     bounds, first = [], 0
     for n in SPLITS[P]:
         bounds.append((first, first + n))
@@ -115,6 +116,7 @@ def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=
             mod = StageModule(cfg, *bounds[s], s == 0, s == P - 1)
             mod.load_named_tensors({n: weights[checkpoint_source_name(cfg, n)] for n in mod.param_names()})
             runner = StageRunner(mod, _Cpu(), P, s, schedule, QueueComm(links, s, slots, abort))
+            runner.trace = traces[s] if traces is not None else None
             if s in (0, P - 1):
                 early = early_last(mod) if early_last is not None and s == P - 1 else None
                 res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None, early=early)

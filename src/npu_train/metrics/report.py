@@ -156,6 +156,7 @@ class Reporter:
             except Exception:  # tensorboard missing: JSONL still written
                 self.tb = None
         self.t_start = time.time()
+        self.trace = None  # npu_train.metrics.trace.TraceWriter, from the first step with actions (runtime.trace)
         self._n_ema = 0  # finite losses folded into the EMA
         self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
         self._resume_ema()
@@ -210,6 +211,13 @@ class Reporter:
                if all(k in r for r in reports)},
             "time": time.time(),
         }
+        if any(r.get("actions") for r in reports):  # runtime.trace: <run dir>/trace.json
+            if self.trace is None:
+                from npu_train.metrics.trace import TraceWriter
+
+                self.trace = TraceWriter(os.path.join(self.run_dir, "trace.json"),
+                                         [f"rank {r.get('rank', i)}" for i, r in enumerate(reports)])
+            self.trace.step(step, [r.get("actions") for r in reports])
         skipped = any(bool(r.get("skipped")) for r in reports)
         if skipped:
             rec["skipped"] = True
@@ -301,6 +309,12 @@ class Reporter:
         }
         if extra:
             summ.update(extra)
+        if self.trace is not None:
+            text = self.trace.summary()
+            self.trace.close()
+            summ["trace"] = self.trace.path
+            if text:
+                self.note(text + f"\ntrace: {self.trace.path} (open in https://ui.perfetto.dev)")
         with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
             f.write(dumps(summ, indent=1))
         if losses:
@@ -330,6 +344,8 @@ class Reporter:
         return summ
 
     def close(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
         if not self.jsonl.closed:
             self.jsonl.close()
         if self.tb is not None:

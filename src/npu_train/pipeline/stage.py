@@ -54,6 +54,15 @@ class StageRunner:
         schedule: one of :data:`npu_train.pipeline.schedule.SCHEDULES`.
         comm: the boundary transport (unused when P == 1).
 
+    Attributes:
+        trace: None (default), or a list the next :meth:`run_step` appends one tuple per action to:
+            ``(kind, micro, t_start, t_ready, t_done, t_end)``, ``time.perf_counter`` seconds
+            (CLOCK_MONOTONIC on Linux: comparable across the card processes of one host). ``kind``
+            is ``"F"``, ``"B"``, ``"W"`` or ``"E"`` (the early weight-gradient groups, then their
+            ``done()``, see ``early``); ``t_start`` to ``t_ready`` is the wait for the neighbour's
+            tensor (0 long on the first stage's forward), ``t_ready`` to ``t_done`` the compute,
+            ``t_done`` to ``t_end`` the send (``done()`` for ``E``). The per-action timeline behind ``runtime.trace`` (:mod:`npu_train.metrics.trace`).
+
     Raises:
         ConfigError: ``zb`` with a module built with ``recompute=True`` (W would recompute
             every layer's forward a second time).
@@ -71,6 +80,7 @@ class StageRunner:
         self.comm = comm
         self.first = stage == 0
         self.last = stage == num_stages - 1
+        self.trace: Optional[list] = None
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
                  total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
@@ -144,6 +154,7 @@ class StageRunner:
         loss_sum = 0.0
         t_compute = t_wait = t_send = 0.0
         backwards_left = M
+        tr = self.trace
         for a in build_schedule(self.schedule, self.P, M, self.s):
             m = a.micro
             if a.kind == "F":
@@ -169,6 +180,8 @@ class StageRunner:
                 t_wait += t1 - t0
                 t_compute += t2 - t1
                 t_send += t3 - t2
+                if tr is not None:
+                    tr.append(("F", m, t0, t1, t2, t3))
             elif a.kind == "B":
                 x, out = saved.pop(m) if not split else saved[m]
                 t0 = time.perf_counter()
@@ -190,6 +203,8 @@ class StageRunner:
                 t_wait += t1 - t0
                 t_compute += t2 - t1
                 t_send += t3 - t2
+                if tr is not None:
+                    tr.append(("B", m, t0, t1, t2, t3))
                 del x, out, g, dx
                 backwards_left -= 1
                 if early is not None and split and backwards_left == 0:
@@ -199,8 +214,11 @@ class StageRunner:
                             work.run(only=early[0])
                     t1 = time.perf_counter()
                     early[1]()
+                    t2 = time.perf_counter()
                     t_compute += t1 - t0
-                    t_send += time.perf_counter() - t1
+                    t_send += t2 - t1
+                    if tr is not None:
+                        tr.append(("E", -1, t0, t0, t1, t2))
                     early = None
             else:  # "W": weight gradients deferred by this micro-batch's B
                 t0 = time.perf_counter()
@@ -208,7 +226,10 @@ class StageRunner:
                 del saved[m]
                 if work is not None:
                     work.run()
-                t_compute += time.perf_counter() - t0
+                t1 = time.perf_counter()
+                t_compute += t1 - t0
+                if tr is not None:
+                    tr.append(("W", m, t0, t0, t1, t1))
                 del work
         assert not saved and not pending, \
             f"schedule left micro-batches without backward: {sorted(saved)} {sorted(pending)}"

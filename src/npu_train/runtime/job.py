@@ -426,7 +426,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
         specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
             heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
-            keep_host_memory=bool(rt.keep_host_memory), **furiosa_runtime_fields(cfg, plan)),
+            keep_host_memory=bool(rt.keep_host_memory), trace=bool(rt.trace), **furiosa_runtime_fields(cfg, plan)),
             job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
             ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
             nodes=node_plan)

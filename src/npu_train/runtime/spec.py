@@ -132,6 +132,8 @@ class RuntimeSpec:
     furiosa_accounting: str = "dispatch"
     warmup: bool = False
     keep_host_memory: bool = True
+    #: ``runtime.trace``: record each step's per-action timeline (:mod:`npu_train.metrics.trace`)
+    trace: bool = False
 
     def backend_kwargs(self, kind: str) -> dict:
         """Keyword arguments of :func:`~npu_train.backends.make_backend` for a card of ``kind``

@@ -263,6 +263,7 @@ class StageTrainer:
         if self.tied is not None and self.last:
             # the lm_head gradient leaves as soon as it is final, before the deferred layer W passes
             early = ([self.params[self.tied_name]], lambda: self.tied.send_dense(self.grad_buf(self.tied_name)))
+        self.runner.trace = [] if self.spec.runtime.trace else None  # per-action timeline (runtime.trace)
         if self.first or self.last:
             res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
                                        [y for _, y in mbs] if self.last else None,
@@ -281,7 +282,7 @@ class StageTrainer:
             # every gradient but the tied one is final: its sum of squares is taken now, while the
             # first stage would wait in the exchange for the last stage's end (experiments/2026-12-01-bench-run6.md)
             sq_terms = self.opt.grad_sq_terms(exclude, only=[n for n in self.params if n != self.tied_name])
-        t_tied = time.perf_counter()
+        t_tied = ta_tied = time.perf_counter()
         if self.tied is not None:  # sum the tied gradient of the pair (npu_train.runtime.tied)
             g = self.grad_buf(self.tied_name)  # fp32 accumulator with bf16 compute (or .grad)
             self.tied.finish(g, looked_up_rows([x for x, _ in mbs]))
@@ -327,6 +328,12 @@ class StageTrainer:
                                   self.stage_group)
                 ot["transfer"] += time.perf_counter() - ta
         t3, c3 = time.perf_counter(), time.process_time()
+        trace = {}
+        if self.runner.trace is not None:  # npu_train.metrics.trace: actions, then the step's phases
+            te = ta_tied + t_tied
+            trace["actions"] = self.runner.trace + [
+                ("tied", -1, ta_tied, ta_tied, te, te), ("collectives", -1, t1, t1, t2, t2),
+                ("optimizer", -1, t2, t2, t3, t3)]
         self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
                        skipped=not finite,
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
@@ -342,7 +349,7 @@ class StageTrainer:
                        # CPU seconds of this process (all threads) in the step and in its three phases
                        # (schedule, collectives, optimizer): the work done, independent of waits and of
                        # other processes competing for the cores
-                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **backend.step_stats())
+                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **trace, **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
 
     def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:

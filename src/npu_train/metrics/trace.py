@@ -1,0 +1,157 @@
+"""Per-action timeline of the pipeline (``runtime.trace=true``).
+
+Each card process records, for every action of a step's schedule, ``(kind, micro, t_start, t_ready,
+t_done, t_end)`` (:attr:`npu_train.pipeline.stage.StageRunner.trace`; ``time.perf_counter`` seconds, which is
+CLOCK_MONOTONIC on Linux and so comparable across the card processes of one host), followed by the
+step's phases ``tied`` (the tied-embedding exchange), ``collectives`` (from the schedule's end to the
+known global grad norm: tied exchange, replica all-reduce, grad-norm/loss all-reduce, including the
+wait for the slowest stage) and ``optimizer``. ``t_start`` to ``t_ready`` is the wait for the
+neighbour's tensor, ``t_ready`` to ``t_done`` the compute, ``t_done`` to ``t_end`` the send.
+
+:class:`TraceWriter` turns them into ``trace.json`` in the Chrome trace event format (the JSON array
+form, one event per line, written as the steps arrive, so a crashed run leaves a readable file; see
+"Trace Event Format", Google, 2016: the closing ``]`` is optional), one track per card, viewable in
+Perfetto (https://ui.perfetto.dev) or ``chrome://tracing``. :func:`summarize` gives per card the
+seconds per step that the pipeline's idle time is made of, the table printed at the end of the run.
+Timelines of different hosts are not comparable (their monotonic clocks differ): multi-node runs
+write each node's cards on their own, with their own time base per host as recorded.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+#: phase names a card appends after its schedule's actions (runtime.trainer.StageTrainer.train_step)
+PHASES = ("tied", "collectives", "optimizer")
+
+
+def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
+    """Chrome trace events (``ph: "X"``, microseconds from ``base`` seconds) of one step.
+
+    Args:
+        step: the 1-based optimizer step.
+        actions_by_rank: per rank, the card's list of ``(kind, micro, t_start, t_ready, t_done, t_end)``
+            (None: that card recorded nothing).
+        base: the perf_counter second that is ``ts = 0``.
+
+    Returns:
+        events: per action a ``wait`` event (when ``t_ready > t_start``), the action itself (``F3``,
+        ``B3``, ``W3``, ``E`` = early weight-gradient groups, or a phase name) and a ``send`` event
+        (when ``t_end > t_done``); ``tid`` = rank.
+    """
+    ev = []
+    for rank, acts in enumerate(actions_by_rank):
+        for kind, micro, t0, t1, t2, t3 in acts or ():
+            name = f"{kind}{micro}" if micro >= 0 else kind
+            cat = "phase" if kind in PHASES else "compute"
+            parts = ((f"wait {name}", "wait", t0, t1), (name, cat, t1, t2), (f"send {name}", "send", t2, t3))
+            for label, c, a, b in parts:
+                if b > a or c == cat:  # the action itself always, its wait and send when not empty
+                    ev.append({"name": label, "cat": c, "ph": "X", "pid": 1, "tid": rank, "args": {"step": step},
+                               "ts": round((a - base) * 1e6, 1), "dur": round((b - a) * 1e6, 1)})
+    return ev
+
+
+def summarize(steps: list[list]) -> list[dict]:
+    """Where each card's step time goes, mean over the given steps (seconds per step).
+
+    Args:
+        steps: per step, per rank the card's action list (as in :func:`step_events`).
+
+    Returns:
+        per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "end_wait_s", "optimizer_s",
+        "idle_share"}``. ``step_s``: from the earliest start of any card to the latest end in that
+        step (the job's step). ``start_wait_s``: the card's wait before its first action is ready
+        (the pipeline's fill, counted from the job's step start); ``inner_wait_s``: the waits of its
+        later actions; ``end_wait_s``: the collectives less the tied exchange's own work, i.e. the
+        wait for the slowest stage at the step's end, plus the time after the card's optimizer ends
+        until the job's step ends; ``compute_s``: the actions' ready-to-end time (compute + sends,
+        the tied exchange included); ``idle_share``: ``1 - (compute_s + optimizer_s) / step_s``.
+    """
+    if not steps:
+        return []
+    n_rank = len(steps[0])
+    acc = [dict(step_s=0.0, compute_s=0.0, start_wait_s=0.0, inner_wait_s=0.0, end_wait_s=0.0, optimizer_s=0.0)
+           for _ in range(n_rank)]
+    for per_rank in steps:
+        t_begin = min(a[0][2] for a in per_rank if a)
+        t_finish = max(a[-1][5] for a in per_rank if a)
+        for rank, acts in enumerate(per_rank):
+            s = acc[rank]
+            s["step_s"] += t_finish - t_begin
+            sched = [a for a in acts if a[0] not in PHASES]
+            ph = {a[0]: a for a in acts if a[0] in PHASES}
+            if sched:
+                s["start_wait_s"] += sched[0][3] - t_begin
+                s["inner_wait_s"] += sum(a[3] - a[2] for a in sched[1:])
+                s["compute_s"] += sum(a[5] - a[3] for a in sched)
+            tied = ph["tied"][5] - ph["tied"][3] if "tied" in ph else 0.0
+            if "collectives" in ph:
+                s["end_wait_s"] += ph["collectives"][5] - ph["collectives"][3] - tied
+            s["compute_s"] += tied
+            if "optimizer" in ph:
+                s["optimizer_s"] += ph["optimizer"][5] - ph["optimizer"][3]
+                s["end_wait_s"] += t_finish - ph["optimizer"][5]
+    out = []
+    for s in acc:
+        r = {k: v / len(steps) for k, v in s.items()}
+        r["idle_share"] = max(0.0, 1.0 - (r["compute_s"] + r["optimizer_s"]) / r["step_s"]) if r["step_s"] > 0 else 0.0
+        out.append(r)
+    return out
+
+
+def format_summary(rows: list[dict], first_step: int, last_step: int) -> str:
+    """The :func:`summarize` table as text (seconds per step, one line per card)."""
+    head = (f"trace: where each card's step goes (mean of steps {first_step}-{last_step}, s/step; "
+            "start wait = pipeline fill, end wait = waiting for the slowest stage)")
+    lines = [head, f"  {'card':>4} {'step':>7} {'compute':>8} {'optim':>7} {'start wait':>10} "
+                   f"{'inner wait':>10} {'end wait':>8} {'idle':>6}"]
+    for rank, r in enumerate(rows):
+        lines.append(f"  {rank:>4} {r['step_s']:7.3f} {r['compute_s']:8.3f} {r['optimizer_s']:7.3f} "
+                     f"{r['start_wait_s']:10.3f} {r['inner_wait_s']:10.3f} {r['end_wait_s']:8.3f} "
+                     f"{100 * r['idle_share']:5.1f}%")
+    return "\n".join(lines)
+
+
+class TraceWriter:
+    """Writes ``trace.json`` (Chrome trace events, JSON array form) as steps arrive.
+
+    Args:
+        path: the file (created or truncated).
+        names: per rank the track's label (``"card 0: stage 0, cpu"``).
+    """
+
+    def __init__(self, path: str, names: Optional[list[str]] = None):
+        self.path = path
+        self.f = open(path, "w")
+        self.f.write("[")
+        self._n = 0
+        self.base: Optional[float] = None
+        self.steps: list[tuple[int, list]] = []
+        for rank, name in enumerate(names or []):
+            self._write({"name": "thread_name", "ph": "M", "pid": 1, "tid": rank, "args": {"name": name}})
+
+    def _write(self, ev: dict) -> None:
+        self.f.write((",\n" if self._n else "\n") + json.dumps(ev))
+        self._n += 1
+
+    def step(self, step: int, actions_by_rank: list) -> None:
+        """Append one step's events (``actions_by_rank`` as in :func:`step_events`)."""
+        if self.base is None:
+            self.base = min(a[0][2] for a in actions_by_rank if a)
+        for ev in step_events(step, actions_by_rank, self.base):
+            self._write(ev)
+        self.f.flush()
+        self.steps.append((step, actions_by_rank))
+
+    def summary(self) -> Optional[str]:
+        """:func:`format_summary` over the steps after the first (step 1 includes start-up), or None."""
+        use = self.steps[1:] if len(self.steps) > 1 else self.steps
+        if not use:
+            return None
+        return format_summary(summarize([a for _, a in use]), use[0][0], use[-1][0])
+
+    def close(self) -> None:
+        if not self.f.closed:
+            self.f.write("\n]\n")
+            self.f.close()
