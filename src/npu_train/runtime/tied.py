@@ -27,22 +27,10 @@ where ``g_first`` is exactly zero (IEEE addition is commutative, ``x + 0 == x``)
 a ``cpu`` / ``cuda`` card is summed in place (:data:`INPLACE_DEVICES`); any other (bf16 ``.grad``, an
 RNGD card) in fp32 on the host and cast back to the gradient buffer's dtype, as the all-reduce did.
 
-The dense transfer: with both stages on one node (every stage boundary on shared memory) the last
-stage copies its gradient into a ``[V, H]`` fp32 shared-memory segment (``npt_<job>_tied<replica>``,
-created by the last stage, removed with the job's other segments) and sends a 1-element flag; the
-first stage adds the segment to its gradient directly and sends a 1-element acknowledgement back,
-which the last stage waits for before it writes the segment again (the next step). Across nodes
-the dense gradient goes through gloo. Over gloo's loopback TCP the 113 MB took the first stage
-~0.27 s after its backward on the 2-core machine (``tied`` in ``runtime.trace``, zb-h2, P = 2,
-M = 8, seq 128) because the transfer runs on the same cores as both stages' compute; through shared
-memory it is one copy on the last stage and the add on the first (``experiments/2026-12-01-bench-run7.md``).
-
 Memory: the first stage keeps one ``[V, H]`` fp32 host receive buffer (``V*H*4`` bytes, allocated
 once); the last stage one ``[V, H]`` fp32 host copy from the end of its backward until the
 exchange ends, except on a ``cpu`` card with an fp32 gradient (already host memory in the wire
-dtype: sent as is, without a copy; it is not written until the send has completed). With shared
-memory the segment (on the last stage's node, ``/dev/shm``) replaces the first stage's buffer and the
-last stage's send copies into it. Both are host RAM (card memory only on a ``cpu`` card; the placement model's
+dtype: sent as is, without a copy; it is not written until the send has completed). Both are host RAM (card memory only on a ``cpu`` card; the placement model's
 ``held`` term, :mod:`npu_train.planner.memory`).
 """
 from __future__ import annotations
@@ -53,9 +41,8 @@ import torch
 
 __all__ = ["TiedGradExchange", "looked_up_rows"]
 
-#: gloo point-to-point tags of the messages (distinct from any other p2p in the tied group): the dense
-#: gradient (or, through shared memory, its 1-element "written" flag), the rows, the "read" acknowledgement
-DENSE_TAG, ROWS_TAG, ACK_TAG = 71, 72, 73
+#: gloo point-to-point tags of the two messages (distinct from any other p2p in the tied group)
+DENSE_TAG, ROWS_TAG = 71, 72
 #: devices whose fp32 gradient is summed in place (eager ``index_select`` / ``index_add_``); others
 #: (furiosa: compiled graphs) sum on the host
 INPLACE_DEVICES = ("cpu", "cuda")
@@ -77,9 +64,6 @@ class TiedGradExchange:
         group: the gloo process group of the pair (:meth:`ParallelLayout.tied_group`).
         shape: ``(V, H)`` of the embedding matrix.
         backend: the card's backend (``download`` / ``upload``).
-        shm_name: full shared-memory segment name for the dense gradient (both stages on one node;
-            :func:`npu_train.transport.shm.segment_name`), created by the last stage here, attached by
-            the first stage at its first :meth:`begin` (after a barrier: the trainer's); None = gloo.
 
     Use per step: :meth:`begin` before the step's first forward (first stage: posts the dense
     receive), :meth:`send_dense` on the last stage as soon as its ``lm_head`` gradient is final
@@ -88,31 +72,14 @@ class TiedGradExchange:
 
     Raises:
         RuntimeError: from torch.distributed, when the peer died or the collective timeout passed.
-        ShmTooSmallError: ``/dev/shm`` cannot hold the ``V*H*4``-byte segment (names the fix).
     """
 
-    def __init__(self, first: bool, peer: int, group, shape: tuple[int, int], backend,
-                 shm_name: Optional[str] = None):
+    def __init__(self, first: bool, peer: int, group, shape: tuple[int, int], backend):
         self.first, self.peer, self.group, self.backend = bool(first), int(peer), group, backend
         self.shape = tuple(int(s) for s in shape)
-        self._buf: Optional[torch.Tensor] = None   # first stage: [V, H] fp32 receive buffer (or the segment)
-        self._work = None                          # the pending dense isend / irecv (shm: the flag's)
+        self._buf: Optional[torch.Tensor] = None   # first stage: [V, H] fp32 receive buffer
+        self._work = None                          # the pending dense isend / irecv
         self._sent: Optional[torch.Tensor] = None  # last stage: the dense host copy being sent
-        self.shm_name = shm_name
-        self._seg = None                           # the ShmSegment of the dense gradient
-        self._shm: Optional[torch.Tensor] = None   # [V, H] fp32 view of it
-        self._ack = None                           # the pending "read" acknowledgement (isend / irecv)
-        self._flag = torch.zeros(1)
-        if shm_name is not None and not self.first:
-            from npu_train.transport.shm import ShmSegment
-
-            self._seg = ShmSegment.create(shm_name, self.shape[0] * self.shape[1] * 4)
-            self._shm = torch.frombuffer(self._seg.buf, dtype=torch.float32).view(self.shape)
-
-    def _wait_ack(self) -> None:
-        if self._ack is not None:
-            self._ack.wait()
-            self._ack = None
 
     def begin(self) -> None:
         """Before the step's first forward: the first stage posts the receive of the last stage's
@@ -120,15 +87,6 @@ class TiedGradExchange:
         import torch.distributed as dist
 
         if not self.first:
-            return
-        if self.shm_name is not None:
-            self._wait_ack()  # the previous step's acknowledgement has left
-            if self._seg is None:
-                from npu_train.transport.shm import ShmSegment
-
-                self._seg = ShmSegment.attach(self.shm_name)
-                self._buf = torch.frombuffer(self._seg.buf, dtype=torch.float32).view(self.shape)
-            self._work = dist.irecv(self._flag, src=self.peer, group=self.group, tag=DENSE_TAG)
             return
         if self._buf is None:
             self._buf = torch.empty(self.shape, dtype=torch.float32)
@@ -144,15 +102,6 @@ class TiedGradExchange:
 
         if self.first:
             raise RuntimeError("send_dense is the last stage's half of the tied exchange")
-        if self._shm is not None:
-            self._wait_ack()  # the first stage has read the previous step's gradient
-            if grad.dtype == torch.float32 and grad.device.type in INPLACE_DEVICES:
-                self._shm.copy_(grad)  # finish() sums in place on the card: no host copy kept
-            else:  # finish() sums on the host in fp32: keep the host copy, the segment is the first stage's
-                self._sent = self.backend.download(grad).float().contiguous()
-                self._shm.copy_(self._sent)
-            self._work = dist.isend(self._flag, dst=self.peer, group=self.group, tag=DENSE_TAG)
-            return
         if grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous():
             # already the wire format in host memory (an fp32 gradient on a cpu card): sent as is, no
             # [V, H] copy. Nothing writes the buffer until finish() has waited for this send: finish
@@ -193,8 +142,6 @@ class TiedGradExchange:
                     grad.add_(self._buf if grad.device.type == "cpu" else be.upload(self._buf))
                 else:
                     grad.copy_(be.upload(mine.add_(self._buf).to(grad.dtype)))
-            if self.shm_name is not None:  # the segment is read: the last stage may write it again
-                self._ack = dist.isend(self._flag, dst=self.peer, group=self.group, tag=ACK_TAG)
             return
         if self._work is None:
             raise RuntimeError("TiedGradExchange.finish without send_dense on the last stage")
@@ -202,8 +149,6 @@ class TiedGradExchange:
         dist.recv(theirs, src=self.peer, group=self.group, tag=ROWS_TAG)
         self._work.wait()  # the dense gradient (or its host copy) is no longer read by gloo: writable again
         full, self._work, self._sent = self._sent, None, None
-        if self._shm is not None:  # the first stage acknowledges once it has read the segment
-            self._ack = dist.irecv(self._flag, src=self.peer, group=self.group, tag=ACK_TAG)
         with torch.no_grad():
             # g_last[rows] + g_first[rows] in fp32; the other rows stay g_last (g_first is 0 there)
             if inplace:
@@ -212,13 +157,3 @@ class TiedGradExchange:
             else:  # (``full`` is a host copy here: a gradient sent as is is fp32 on a cpu card, summed in place)
                 full.index_copy_(0, rows, full.index_select(0, rows).add_(theirs))
                 grad.copy_(be.upload(full.to(grad.dtype)))
-
-    def close(self) -> None:
-        """Unmap the shared-memory segment (the last stage, its creator, also removes its name; the
-        launcher removes every segment of the job on any exit path as well). Idempotent."""
-        self._buf = self._shm = None
-        if self._seg is not None:
-            self._seg.close()
-            if self._seg.owner:
-                self._seg.unlink()
-            self._seg = None

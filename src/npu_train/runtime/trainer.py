@@ -10,8 +10,8 @@ One optimizer step on one stage (:meth:`StageTrainer.train_step`):
    micro-batches, exchanging activations and their gradients with the neighbouring stages through
    :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in fp32
    (:meth:`~npu_train.optim.adamw.StageOptimizer.grad`, also with bf16 compute);
-3. the tied embedding's gradient is summed between the first and last stage of the replica (shared
-   memory on one node, else gloo; mostly while the first stage still computes: :mod:`npu_train.runtime.tied`);
+3. the tied embedding's gradient is summed between the first and last stage of the replica (gloo,
+   mostly while the first stage still computes: :mod:`npu_train.runtime.tied`);
    with dp > 1, every stage's gradient is summed over its replicas (the stage group,
    :mod:`npu_train.runtime.replicas`);
 4. one gloo all-reduce over all ranks carries the squared gradient norm of every stage (counted once
@@ -47,7 +47,6 @@ import torch
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.runtime.stagebuild import build_stage, compute_dtype, sparse_embed_grad_for
 from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
-from npu_train.transport.shm import segment_name
 
 log = logging.getLogger("npu_train.worker")
 
@@ -185,11 +184,8 @@ class StageTrainer:
                     self.tied_group = g
                     if self.first or self.last:
                         shape = tuple(self.params[self.tied_name].shape)
-                        # one node (every boundary on shared memory): the dense gradient through a segment
-                        one_node = all(spec.boundary_mode(b) == "shm" for b in range(self.P - 1))
-                        shm = segment_name(spec.job_id, f"tied{self.replica}") if one_node else None
                         self.tied = TiedGradExchange(self.first, ranks[-1] if self.first else ranks[0], g, shape,
-                                                     backend, shm_name=shm)
+                                                     backend)
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, backend)
             dist.barrier()  # every ring exists before anyone receives
@@ -472,8 +468,6 @@ class StageTrainer:
 
         self.enter("shutdown")
         self.opt.close()
-        if self.tied is not None:
-            self.tied.close()
         dist.barrier()
         if self.comm is not None:
             self.comm.close()
