@@ -30,8 +30,8 @@ def _stage(head: bool, dtype):
     return mod, ref
 
 
-def _out(mod, x, head):
-    out = mod(x)
+def _out(mod, x, head, cuts=None):
+    out = mod(x) if cuts is None else mod(x, cuts=cuts)
     if head:  # a scalar loss, as on the last stage
         y = torch.arange(out.shape[0] * out.shape[1]) % CFG.vocab_size
         return torch.nn.functional.cross_entropy(out.reshape(-1, CFG.vocab_size), y, reduction="sum"), None
@@ -46,9 +46,12 @@ def _has_attention_backward(prof) -> bool:
     return any("scaled_dot_product" in e.key and "backward" in e.key for e in prof.key_averages())
 
 
+@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("head", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_equals_full_backward(head, dtype):
+def test_split_equals_full_backward(head, dtype, cut):
+    """Also with the forward's graph cut per layer (``cuts=``, what the runner does past the first stage):
+    the chained B and the segments' W give the same gradients, bit for bit, and the same kernels."""
     mod, ref = _stage(head, dtype)
     x0 = torch.randn(2, 8, CFG.hidden_size, generator=torch.Generator().manual_seed(2)).to(dtype)
 
@@ -57,9 +60,12 @@ def test_split_equals_full_backward(head, dtype):
     out.backward(g)
 
     x = x0.clone().requires_grad_(True)
-    out, g = _out(mod, x, head)
+    cuts = [] if cut else None
+    out, g = _out(mod, x, head, cuts)
+    if cut:  # after the first of the 2 layers, and before the head
+        assert len(cuts) == 1 + head and all(leaf.grad_fn is None and y.grad_fn for y, leaf in cuts)
     with profile(activities=[ProfilerActivity.CPU]) as prof_b:
-        dx, work = backward_input(out, g, x, list(mod.parameters()))
+        dx, work = backward_input(out, g, x, list(mod.parameters()), cuts=cuts)
     assert x.grad is None and all(p.grad is None for p in mod.parameters())
     assert torch.equal(dx, xr.grad)
     with profile(activities=[ProfilerActivity.CPU]) as prof_w:
@@ -112,3 +118,36 @@ def test_weight_used_at_two_depths():
     torch.testing.assert_close(dx, want_dx, rtol=1e-6, atol=0)
     for p, w in zip(params, want):
         torch.testing.assert_close(p.grad, w, rtol=1e-6, atol=1e-7)
+
+
+def _walk(roots) -> int:
+    """Autograd nodes reachable from ``roots`` (what one ``torch.autograd.grad`` of W walks)."""
+    seen, stack = set(), list(roots)
+    while stack:
+        n = stack.pop()
+        if n is None or n in seen:
+            continue
+        seen.add(n)
+        stack.extend(c for c, _ in n.next_functions)
+    return len(seen)
+
+
+def test_cut_graph_keeps_each_weight_pass_one_layer_long():
+    """The reason for the cut: a W group's autograd call walks the graph below its boundary node. Uncut,
+    the largest walk grows with the stage's depth (the lowest layers' graph under the top layer's
+    weights); cut per layer it is the same for 2 and 6 layers."""
+    cfg = LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=48, num_layers=6, num_heads=4,
+                      num_kv_heads=2)
+    worst = {}
+    for n_layers in (2, 6):
+        for cut in (False, True):
+            mod = StageModule(cfg, 0, n_layers, False, False)
+            x = torch.randn(2, 8, 32, requires_grad=True)
+            cuts = [] if cut else None
+            out = mod(x) if cuts is None else mod(x, cuts=cuts)
+            _, work = backward_input(out, torch.randn_like(out), x, list(mod.parameters()), cuts=cuts)
+            worst[n_layers, cut] = max(_walk(nodes) for nodes, _, _ in work._groups)
+            work.run()
+    assert worst[6, False] > 2 * worst[2, False]
+    assert worst[6, True] == worst[2, True] < worst[2, False]
+

@@ -374,7 +374,17 @@ class StageModule(nn.Module):
         return hit
 
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cuts: Optional[list] = None) -> torch.Tensor:
+        """``x``: token ids ``[b, S]`` int64 (with the embedding) or hidden states ``[b, S, H]``;
+        returns hidden states ``[b, S, H]`` or, with the head, fp32 logits ``[b, S, V]``.
+
+        ``cuts``: a list, or None (default). Given a list, the autograd graph is cut at every layer
+        boundary after the first layer and before the final norm + head: there the hidden state
+        ``y`` is replaced by ``leaf = y.detach().requires_grad_()`` and ``(y, leaf)`` appended, in
+        forward order. A backward then stops at each leaf and must be chained by the caller
+        (:func:`npu_train.pipeline.backward.backward_input` with ``cuts``): each segment's graph is
+        one layer, so the deferred weight-gradient pass's autograd calls no longer walk the whole
+        stage's graph below them (experiments/2026-12-01-bench-run7.md). Same tensors, no copy."""
         if self.has_embed:
             h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
         else:
@@ -382,18 +392,29 @@ class StageModule(nn.Module):
         S = h.shape[1]
         cos, sin = self.rope(S, h.device, h.dtype)
         use_ckpt = self.recompute and torch.is_grad_enabled()
-        for layer in self.model.layers.values():
+        for i, layer in enumerate(self.model.layers.values()):
+            if cuts is not None and (i > 0 or self.has_embed):
+                h = _cut(h, cuts)
             if use_ckpt:
                 h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
         if not self.has_head:
             return h
+        if cuts is not None and (self.model.layers or self.has_embed):
+            h = _cut(h, cuts)
         return self.lm_head(self.model.norm(h)).float()
 
     def extra_repr(self) -> str:
         return (f"layers=[{self.first_layer}, {self.last_layer}), embed={self.has_embed}, "
                 f"head={self.has_head}, recompute={self.recompute}")
+
+
+def _cut(h: torch.Tensor, cuts: list) -> torch.Tensor:
+    """A leaf that shares ``h``'s memory and starts a new autograd graph; ``(h, leaf)`` goes to ``cuts``."""
+    leaf = h.detach().requires_grad_(True)
+    cuts.append((h, leaf))
+    return leaf
 
 
 def full_model(cfg: LlamaConfig) -> StageModule:

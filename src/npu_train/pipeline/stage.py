@@ -165,15 +165,17 @@ class StageRunner:
                     x = self.comm.recv_act(step, m)
                     x.requires_grad_(True)
                 t1 = time.perf_counter()
-                out = self.module(x)
+                # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
+                cuts = [] if split and not self.first else None
+                out = self.module(x) if cuts is None else self.module(x, cuts=cuts)
                 if self.last:
                     ls, _ = causal_lm_loss_sum(out, self.backend.upload(labels[m]))
                     loss = ls / total_tokens
                     loss_sum += float(ls.detach())
-                    saved[m] = (x, loss)
+                    saved[m] = (x, loss, cuts)
                     t2 = t3 = time.perf_counter()
                 else:
-                    saved[m] = (x, out)
+                    saved[m] = (x, out, cuts)
                     t2 = time.perf_counter()
                     self.comm.send_act(step, m, out.detach())
                     t3 = time.perf_counter()
@@ -183,14 +185,14 @@ class StageRunner:
                 if tr is not None:
                     tr.append(("F", m, t0, t1, t2, t3))
             elif a.kind == "B":
-                x, out = saved.pop(m) if not split else saved[m]
+                x, out, cuts = saved.pop(m) if not split else saved[m]
                 t0 = time.perf_counter()
                 g = None
                 if not self.last:
                     g = self.comm.recv_grad(step, m)
                 t1 = time.perf_counter()
                 if split and not self.first:
-                    dx, pending[m] = backward_input(out, g, x, params)
+                    dx, pending[m] = backward_input(out, g, x, params, cuts=cuts)
                 else:  # full backward (first stage of zb: nothing waits for an input gradient)
                     out.backward(g)
                     dx = x.grad if not self.first else None
@@ -205,7 +207,7 @@ class StageRunner:
                 t_send += t3 - t2
                 if tr is not None:
                     tr.append(("B", m, t0, t1, t2, t3))
-                del x, out, g, dx
+                del x, out, g, dx, cuts
                 backwards_left -= 1
                 if early is not None and split and backwards_left == 0:
                     t0 = time.perf_counter()
