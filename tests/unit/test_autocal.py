@@ -12,7 +12,7 @@ import os
 import pytest
 
 from npu_train.errors import ConfigError
-from npu_train.planner import autocal, load_rates, make_cards, make_plan, measure
+from npu_train.planner import autocal, load_rates, make_cards, make_plan, measure, splitcost
 from npu_train.planner.autocal import (
     AUTO_ADAMW_PARAMS,
     calibrate_mode,
@@ -181,19 +181,22 @@ def test_every_timed_loop_gets_the_bounds_it_is_given(monkeypatch):
     be.setup()
     out = measure.measure_at("cpu", be, True, loop=AUTO, dtypes=("fp32",), matmul=False)
     R = measure.HEAD_ROUNDS
+    assert splitcost.SPLIT_ROUNDS == R  # both interleaved figures derive their bounds alike
 
-    def derived(lp, base):  # the head figure: R rounds of (layer, head), each with 1/R of the bounds
+    def derived(lp, base):  # the head / split figures: R rounds of 2 timings, each with 1/R of the bounds
         return (lp.min_time, lp.max_time, lp.max_reps, lp.min_reps, lp.warmup) == (
             base.min_time / R, base.max_time / R, base.max_reps, 1, 0)
 
-    # layer, R x (layer, head), upload, download, host AdamW, device AdamW
-    assert len(loops) == 5 + 2 * R and all(lp is AUTO or derived(lp, AUTO) for lp in loops)
+    # layer, R x (full, split backward), R x (layer, head), upload, download, host AdamW, device AdamW
+    assert len(loops) == 5 + 4 * R and all(lp is AUTO or derived(lp, AUTO) for lp in loops)
+    assert out["split_backward_ratio"] > 0
     assert sum(lp is AUTO for lp in loops) == 5
     assert set(out["flops_by_dtype"]) == {"fp32"} and out["matmul_flops_by_dtype"] == {}
     loops.clear()
     measure.measure_at("cpu", be, True)  # calibrate=true's defaults: both dtypes + matmul, QUICK
-    # 2 dtypes x (layer + matmul), R x (layer, head), upload, download, host AdamW, device AdamW
-    assert len(loops) == 8 + 2 * R and all(lp is measure.QUICK or derived(lp, measure.QUICK) for lp in loops)
+    # 2 dtypes x (layer + matmul), R x (full, split), R x (layer, head), upload, download, host AdamW,
+    # device AdamW
+    assert len(loops) == 8 + 4 * R and all(lp is measure.QUICK or derived(lp, measure.QUICK) for lp in loops)
 
 
 def test_job_shape_sets_the_benchmark_shapes():

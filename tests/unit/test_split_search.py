@@ -152,3 +152,45 @@ def test_split_backward_memory_counts_pending_weight_gradients():
         pend = (2 * s + 1) * (2 * per_layer + (S * 4 * m.vocab_size if s == P - 1 else 0)) if s else 0
         # activations scale with the micro-batches held; the pending gradients come on top
         assert a.mem["activations"] - pend == pytest.approx(g.mem["activations"] * (2 * P - 1) / M, rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_split_backward_ratio_stretches_the_splitting_stages(schedule):
+    """``Rates.split_backward_ratio`` r (measured: B + W cost more seconds than one backward): under a
+    split-backward schedule every stage but the first (which runs the full backward) has its layers'
+    t_F + t_B + t_W = r x their forward + backward, t_B and t_W stretched alike and t_F kept, written
+    here from the FLOP counts; the head's figures stay; other schedules are unchanged."""
+    import dataclasses
+
+    from npu_train.pipeline.schedule import SPLIT_BACKWARD
+
+    m = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=176, num_layers=6, num_heads=4,
+                    num_kv_heads=2, tie_word_embeddings=False, name="tiny")
+    M, P, S, r = 8, 3, 64, 1.2
+    shape = RunShape(seq_len=S, micro_batches=M, schedule=schedule)
+    rates = dataclasses.replace(DEFAULT_RATES["cpu"], split_backward_ratio=r)
+    plan = make_plan(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
+                     resident_layers=0, threads=1, host_cores=8)
+    rt = plan.rates[0]
+    tok, q = S, m.num_heads * m.head_dim
+    Pl, E = m.params_per_layer(), m.vocab_size * m.hidden_size
+    lf, lb, lw = 2 * Pl * tok + 4 * S * tok * q, 2 * Pl * tok + 8 * S * tok * q, 2 * Pl * tok
+    split = schedule in SPLIT_BACKWARD
+    k = (r * (lf + lb + lw) - lf) / (lb + lw)
+    tf = [n * lf / rt.device_flops for n in (3, 2, 1)]
+    tb = [n * lb * (k if split and i else 1) / rt.device_flops for i, n in enumerate((3, 2, 1))]
+    tw = [n * lw * (k if split and i else 1) / rt.device_flops for i, n in enumerate((3, 2, 1))]
+    hd = 2 * E * tok / rt.head_flops_ratio / rt.device_flops
+    tf[-1] += hd
+    tb[-1] += hd
+    tw[-1] += hd
+    phase = step_time(schedule, P, M, tf, tb, tw)
+    for i, (st, f, b, w) in enumerate(zip(plan.stages, tf, tb, tw)):
+        assert st.time["compute"] == pytest.approx(M * (f + b + w), rel=1e-12), (i, schedule)
+        assert st.time["compute"] + st.time["bubble"] == pytest.approx(phase, rel=1e-12)
+    if split:  # the layers of stage 1 cost r x F + backward, the first stage's do not
+        n1 = 2 * (lf + lb + lw) / rt.device_flops
+        assert M * (tf[1] + tb[1] + tw[1]) == pytest.approx(M * r * n1, rel=1e-12)
+        assert "split backward x1.2" in plan.table()
+    else:
+        assert "split backward" not in plan.table()

@@ -108,8 +108,10 @@ __all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "threa
 
 #: 2: measured with freed host memory kept (npu_train.hostmem, as the card processes run by default);
 #: a version-1 profile read the head at 0.71-0.83x a layer's FLOP/s where it now reads ~1.2x
-#: (experiments/2026-12-01-bench-run6.md), so it is recalibrated
-PROFILE_VERSION = 2
+#: (experiments/2026-12-01-bench-run6.md), so it is recalibrated. 3: adds split_backward_ratio (the
+#: zero-bubble split's cost per layer, experiments/2026-12-01-bench-run7.md); without it a zb plan
+#: assumed 1.0 and put a layer too many on the stages that split
+PROFILE_VERSION = 3
 
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:
@@ -235,6 +237,7 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         host_adamw_params_per_s=top["host_adamw_params_per_s"],
         device_adamw_params_per_s=top["device_adamw_params_per_s"],
         head_flops_ratio=top["head_flops_ratio"],
+        split_backward_ratio=float(top.get("split_backward_ratio", 1.0)),
         process_baseline_bytes=float(baseline), threads=top_t,
         flops_by_dtype=dict(top["flops_by_dtype"]), by_threads=by_threads,
     )
@@ -267,6 +270,7 @@ def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = 
         "host_adamw_params_per_s": rates.host_adamw_params_per_s,
         "device_adamw_params_per_s": rates.device_adamw_params_per_s,
         "head_flops_ratio": rates.head_flops_ratio,
+        "split_backward_ratio": rates.split_backward_ratio,
         "process_baseline_bytes": int(rates.process_baseline_bytes),
         "threads": int(rates.threads),
         "concurrent": int(rates.concurrent),
@@ -312,6 +316,7 @@ def _fmt_rates(kind: str, r: Rates) -> list[str]:
                     + " GFLOP/s")
     rows += [
         f"  {'head_flops_ratio':<26} {r.head_flops_ratio:10.2f} (lm_head + loss vs layers)",
+        f"  {'split_backward_ratio':<26} {r.split_backward_ratio:10.2f} (zero-bubble F + B + W vs F + backward)",
         f"  {'h2d_bytes_per_s':<26} {r.h2d_bytes_per_s / 1e9:10.2f} GB/s",
         f"  {'d2h_bytes_per_s':<26} {r.d2h_bytes_per_s / 1e9:10.2f} GB/s",
         f"  {'host_adamw_params_per_s':<26} {r.host_adamw_params_per_s / 1e6:10.1f} M params/s",

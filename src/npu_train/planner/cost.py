@@ -9,7 +9,10 @@
   ``lm_head`` + loss runs at ``device_flops * Rates.head_flops_ratio`` (measured: its GEMMs have
   one small dimension and the log-softmax spans the vocabulary).
 - Per micro-batch, ``t_i`` splits into the forward ``t_F``, the input-gradient pass ``t_B`` and the
-  weight-gradient pass ``t_W`` (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1):
+  weight-gradient pass ``t_W``; in a split-backward schedule (``zb*``) every stage but the first
+  (which runs the full backward) has its layers' ``t_B`` and ``t_W`` stretched so that
+  ``t_F + t_B + t_W`` is ``Rates.split_backward_ratio`` times the layer's forward + backward (the
+  split's extra autograd passes cost seconds the FLOP count does not show) (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", section 2.1):
   a decoder layer's linear layers cost 2 FLOPs/param/token in each (LoRA: the frozen base has no
   W; the adapters 2 each), attention's two matmuls ``4 s tokens q`` in F and ``8 s tokens q`` in B
   (it has no weights); recompute adds one forward to B. The last stage's ``lm_head`` + loss
@@ -71,7 +74,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import stage_timeline
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, stage_timeline
 from npu_train.planner.memory import WORKSPACE, MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
@@ -236,6 +239,13 @@ class CostModel:
         lora = self.shape.lora_params_per_layer > 0
         xfer = sm.offloaded_params + (mm.E if mm.tied and self.P > 1 and (first or last) and not lora else 0)
         fbw = [n * x / rt.device_flops for x in self.layer_fbw]
+        if self.shape.schedule in SPLIT_BACKWARD and not first and n:
+            # B + W of the zero-bubble split cost split_backward_ratio x (forward + backward) in
+            # seconds, not FLOPs (measured per layer: Rates.split_backward_ratio); the first stage
+            # runs the full backward
+            f, b, w = fbw
+            k = (rt.split_backward_ratio * (f + b + w) - f) / (b + w) if b + w > 0 else 1.0
+            fbw = [f, b * k, w * k]
         if last:
             fbw = [t + x / (rt.device_flops * rt.head_flops_ratio) for t, x in zip(fbw, self.head_fbw)]
         t_mb = sum(fbw)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Optional
 
-__all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "planner_dtype",
+__all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "planner_dtype", "torch_dtype",
            "measure_at", "reference_shapes", "slower", "best_of",
            "note_load", "rate_fields", "warm_imports"]
 
@@ -42,7 +42,8 @@ RETRIES = 3  # re-measurements of a thread count disturbed by other load
 # ------------------------------------------------------------------------------------------------
 # helpers
 # ------------------------------------------------------------------------------------------------
-def _dtype(name: str):
+def torch_dtype(name: str):
+    """The torch dtype of a planner dtype name (``fp32`` | ``bf16``)."""
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
@@ -123,9 +124,10 @@ def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
     return flops / timed(step, backend.synchronize, loop)
 
 
-def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
-    """(one DecoderLayer forward + backward of shape ``dims`` on the card, its FLOPs as the
-    placement model counts them)."""
+def _layer_on_card(backend, dtype_name: str, dims):
+    """``(cfg, layer, run, x, g)``: one DecoderLayer of shape ``dims`` = (hidden, intermediate, heads,
+    kv heads, micro-batch b, sequence S) on the card, ``run()`` its forward on ``x`` (``[b, S, H]``,
+    a leaf that requires grad), ``g`` a gradient of the output's shape."""
     import torch
 
     from npu_train.model.config import LlamaConfig
@@ -134,19 +136,27 @@ def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], flo
     H, I, heads, kv, b, S = dims
     cfg = LlamaConfig(vocab_size=256, hidden_size=H, intermediate_size=I, num_layers=1,
                       num_heads=heads, num_kv_heads=kv, name="calibration-layer")
-    dt = _dtype(dtype_name)
+    dt = torch_dtype(dtype_name)
     dev = backend.device()
     with backend.alloc_lock():
         layer = DecoderLayer(cfg, 0).to(dtype=dt).to(dev)
         cos, sin = rope_cos_sin(cfg, S, dev, dt)
         x = torch.randn(b, S, H, dtype=dt, device=dev, requires_grad=True)
         g = torch.randn(b, S, H, dtype=dt, device=dev)
+    return cfg, layer, (lambda: layer(x, cos, sin)), x, g
+
+
+def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
+    """(one DecoderLayer forward + backward of shape ``dims`` on the card, its FLOPs as the
+    placement model counts them)."""
+    cfg, _, run, _, g = _layer_on_card(backend, dtype_name, dims)
 
     def step() -> None:
         with backend.alloc_lock():
-            layer(x, cos, sin).backward(g)
+            run().backward(g)
             # like the trainer: gradients accumulate into .grad between optimizer steps
 
+    _, _, heads, _, b, S = dims
     tok = b * S
     return step, 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
 
@@ -188,7 +198,7 @@ def _head_step(backend, dtype_name: str, vocab: int, hidden: int, tokens: int) -
 
     from npu_train.model.llama import RMSNorm, causal_lm_loss_sum
 
-    dt = _dtype(dtype_name)
+    dt = torch_dtype(dtype_name)
     dev = backend.device()
     with backend.alloc_lock():
         norm = RMSNorm(hidden).to(dtype=dt).to(dev)
@@ -207,7 +217,7 @@ def _head_step(backend, dtype_name: str, vocab: int, hidden: int, tokens: int) -
 def _matmul_flops(backend, dtype_name: str, n: int, loop: LoopBounds) -> float:
     import torch
 
-    dt = _dtype(dtype_name)
+    dt = torch_dtype(dtype_name)
     dev = backend.device()
     with backend.alloc_lock():
         a = torch.randn(n, n, dtype=dt, device=dev)
@@ -225,7 +235,7 @@ def _copy_bandwidth(backend, dtype_name: str, nbytes: int, loop: LoopBounds) -> 
     """(host->device, device->host) bytes/s for one ``nbytes`` tensor."""
     import torch
 
-    dt = _dtype(dtype_name)
+    dt = torch_dtype(dtype_name)
     elem = torch.empty((), dtype=dt).element_size()
     host = torch.randn(max(1, nbytes // elem), dtype=torch.float32).to(dt)
     nb = host.numel() * elem
@@ -276,7 +286,7 @@ def _stage_optimizer_rate(backend, n_params: int, loop: LoopBounds) -> float:
 
     n_t = 8
     per = max(1, n_params // n_t)
-    dt = _dtype(planner_dtype(backend.kind))
+    dt = torch_dtype(planner_dtype(backend.kind))
     masters = {f"w{i}": torch.randn(per // 64 or 1, 64) for i in range(n_t)}
     params, grads = {}, {}
     with backend.alloc_lock():
@@ -319,6 +329,9 @@ def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
                                  for d, v in a["flops_by_dtype"].items()}
         out["flops_by_dtype"][planner_dtype(kind)] = out["device_flops"]
     out["head_flops_ratio"] = (b if "head_flops" in keys and b["head_flops"] > a["head_flops"] else a)["head_flops_ratio"]
+    if "split_backward_ratio" in a or "split_backward_ratio" in b:  # a ratio: the one timed with the layer kept
+        src = b if "device_flops" in keys and b["device_flops"] > a["device_flops"] else a
+        out["split_backward_ratio"] = src.get("split_backward_ratio", a.get("split_backward_ratio"))
     return out
 
 
@@ -385,6 +398,7 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     import torch
 
     from npu_train.hostmem import keep_freed_memory
+    from npu_train.planner.splitcost import split_backward_ratio
 
     keep_freed_memory()  # as the card processes (runtime.keep_host_memory's default): the head's fresh pages
     loop = loop or (QUICK if quick else FULL)
@@ -413,6 +427,13 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
             t0 = time.perf_counter()
             out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, loop)
             lap(f"layer_{dt}", t0)
+            if dt == dts[0]:  # the planner dtype's layer (the other dtype may fail): B + W vs backward
+                t0 = time.perf_counter()
+                try:
+                    out["split_backward_ratio"] = split_backward_ratio(backend, dt, dims, loop)
+                except Exception as exc:  # noqa: BLE001 - optional figure: the planner assumes 1.0
+                    out.setdefault("errors", {})["split_backward_ratio"] = f"{type(exc).__name__}: {exc}"[:300]
+                lap("split_backward", t0)
             if matmul:
                 out["matmul_flops_by_dtype"][dt] = _matmul_flops(backend, dt, n_mm, loop)
         except Exception as exc:  # noqa: BLE001 - the second dtype is optional (e.g. fp32 on RNGD)
@@ -447,8 +468,8 @@ def rate_fields(m: dict) -> dict:
     """The :class:`~npu_train.planner.rates.Rates` fields of one :func:`measure_at` result, as a
     profile's ``by_threads`` entry (floats; ``flops_by_dtype`` included)."""
     keys = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
-            "device_adamw_params_per_s", "head_flops_ratio")
-    out = {k: float(m[k]) for k in keys}
+            "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
+    out = {k: float(m[k]) for k in keys if k in m}
     out["flops_by_dtype"] = {k: float(v) for k, v in m["flops_by_dtype"].items()}
     return out
 

@@ -51,14 +51,14 @@ __all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "CONCURREN
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
 RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                 "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes",
-                "dp_bytes_per_s")
+                "dp_bytes_per_s", "split_backward_ratio")
 #: Fields that may be 0 (0 has a meaning: "same as host" / "no baseline").
 RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
 #: Compute-bound fields scaled linearly with the thread count (rule 2 of the module docstring).
 THREAD_SCALED = ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
 #: Fields a calibration measures under the job's concurrency (labelled with it when > 1).
 CONCURRENT_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
-                     "device_adamw_params_per_s", "head_flops_ratio")
+                     "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
 
 
 @dataclass
@@ -78,6 +78,10 @@ class Rates:
         head_flops_ratio: sustained FLOP/s of the ``lm_head`` + loss forward/backward relative
             to ``device_flops`` (its GEMMs have one small dimension and stream the ``V x H``
             matrix, and the log-softmax runs over the vocabulary); 1.0 = same rate.
+        split_backward_ratio: seconds of a decoder layer's forward + input-gradient pass + deferred
+            weight-gradient pass (the zero-bubble split, :mod:`npu_train.pipeline.backward`) over its
+            forward + one backward (:func:`npu_train.planner.measure._split_vs_full`); 1.0 = the
+            FLOP count's view (assumed when not measured).
         process_baseline_bytes: card memory a card process holds before any model state. cpu:
             the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the
             model-file reader); cuda/furiosa: 0 (their memory figures exclude the host process).
@@ -109,6 +113,7 @@ class Rates:
     head_flops_ratio: float = 1.0
     process_baseline_bytes: float = 0.0
     dp_bytes_per_s: float = 1.25e9
+    split_backward_ratio: float = 1.0
     threads: int = 0
     flops_by_dtype: dict = field(default_factory=dict)
     by_threads: dict = field(default_factory=dict)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 from typing import Optional
 
-from npu_train.pipeline.schedule import bubble_fraction
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import CardSpec, gb, gib
@@ -74,6 +74,7 @@ def memory_sources(plan: Plan) -> list[str]:
 
 #: (field, label, unit scale, unit) of the rates the plan prints with their sources
 _RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", "lm_head+loss x", 1.0, ""),
+              ("split_backward_ratio", "split backward x", 1.0, ""),
               ("h2d_bytes_per_s", "h2d", 1e9, "GB/s"), ("d2h_bytes_per_s", "d2h", 1e9, "GB/s"),
               ("host_adamw_params_per_s", "host AdamW", 1e6, "M params/s"),
               ("device_adamw_params_per_s", "device AdamW", 1e6, "M params/s"),
@@ -96,6 +97,8 @@ def rate_sources(plan: Plan) -> list[str]:
             if name == "process_baseline_bytes" and k != "cpu":
                 continue
             if name == "dp_bytes_per_s" and plan.dp <= 1:
+                continue
+            if name == "split_backward_ratio" and (plan.shape.schedule not in SPLIT_BACKWARD or len(plan.stages) < 2):
                 continue
             v = rt.device_adamw if name == "device_adamw_params_per_s" else getattr(rt, name)
             src = rt.source("host_adamw_params_per_s" if name == "device_adamw_params_per_s"
