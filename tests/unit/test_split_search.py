@@ -90,6 +90,24 @@ def test_fixed_resident_no_longer_forces_the_balanced_split():
     assert feasible[bal] > plan.step_time_s * 1.05  # the balanced split is > 5 % slower here
 
 
+def _flop_times(m, S, rt, split, stretch=(1.0, 1.0, 1.0)):
+    """Per stage (t_F, t_B, t_W lists, the layer F/B/W FLOPs) written from the FLOP counts: per
+    micro-batch and decoder layer linear 2/2/2 FLOPs per param per token, attention 4 s t q in F and
+    8 s t q in B; the lm_head 2/2/2 per param per token at head_flops_ratio on the last stage;
+    ``stretch[i]`` multiplies stage i's layer B and W."""
+    tok, q = S, m.num_heads * m.head_dim
+    Pl, E = m.params_per_layer(), m.vocab_size * m.hidden_size
+    lf, lb, lw = 2 * Pl * tok + 4 * S * tok * q, 2 * Pl * tok + 8 * S * tok * q, 2 * Pl * tok
+    hd = 2 * E * tok / rt.head_flops_ratio / rt.device_flops
+    tf = [n * lf / rt.device_flops for n in split]
+    tb = [n * lb * k / rt.device_flops for n, k in zip(split, stretch)]
+    tw = [n * lw * k / rt.device_flops for n, k in zip(split, stretch)]
+    tf[-1] += hd
+    tb[-1] += hd
+    tw[-1] += hd
+    return tf, tb, tw, (lf, lb, lw)
+
+
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_phase_is_the_schedules_timeline(schedule):
     """The plan's pipeline phase (compute + bubble of any stage) is the schedule's timeline with
@@ -103,17 +121,7 @@ def test_phase_is_the_schedules_timeline(schedule):
     rates = DEFAULT_RATES["cpu"]
     plan = make_plan(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
                      resident_layers=0, threads=1, host_cores=8)
-    rt = plan.rates[0]
-    tok, q = S, m.num_heads * m.head_dim
-    Pl, E = m.params_per_layer(), m.vocab_size * m.hidden_size
-    lf, lb, lw = 2 * Pl * tok + 4 * S * tok * q, 2 * Pl * tok + 8 * S * tok * q, 2 * Pl * tok
-    hd = 2 * E * tok / rt.head_flops_ratio
-    tf = [n * lf / rt.device_flops for n in (3, 2, 1)]
-    tb = [n * lb / rt.device_flops for n in (3, 2, 1)]
-    tw = [n * lw / rt.device_flops for n in (3, 2, 1)]
-    tf[-1] += hd / rt.device_flops
-    tb[-1] += hd / rt.device_flops
-    tw[-1] += hd / rt.device_flops
+    tf, tb, tw, _ = _flop_times(m, S, plan.rates[0], (3, 2, 1))
     phase = step_time(schedule, P, M, tf, tb, tw)
     for st, f, b, w in zip(plan.stages, tf, tb, tw):
         assert st.time["compute"] == pytest.approx(M * (f + b + w), rel=1e-12)
@@ -172,18 +180,10 @@ def test_split_backward_ratio_stretches_the_splitting_stages(schedule):
     plan = make_plan(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
                      resident_layers=0, threads=1, host_cores=8)
     rt = plan.rates[0]
-    tok, q = S, m.num_heads * m.head_dim
-    Pl, E = m.params_per_layer(), m.vocab_size * m.hidden_size
-    lf, lb, lw = 2 * Pl * tok + 4 * S * tok * q, 2 * Pl * tok + 8 * S * tok * q, 2 * Pl * tok
     split = schedule in SPLIT_BACKWARD
+    _, _, _, (lf, lb, lw) = _flop_times(m, S, rt, (3, 2, 1))
     k = (r * (lf + lb + lw) - lf) / (lb + lw)
-    tf = [n * lf / rt.device_flops for n in (3, 2, 1)]
-    tb = [n * lb * (k if split and i else 1) / rt.device_flops for i, n in enumerate((3, 2, 1))]
-    tw = [n * lw * (k if split and i else 1) / rt.device_flops for i, n in enumerate((3, 2, 1))]
-    hd = 2 * E * tok / rt.head_flops_ratio / rt.device_flops
-    tf[-1] += hd
-    tb[-1] += hd
-    tw[-1] += hd
+    tf, tb, tw, _ = _flop_times(m, S, rt, (3, 2, 1), (1.0, k, k) if split else (1.0, 1.0, 1.0))
     phase = step_time(schedule, P, M, tf, tb, tw)
     for i, (st, f, b, w) in enumerate(zip(plan.stages, tf, tb, tw)):
         assert st.time["compute"] == pytest.approx(M * (f + b + w), rel=1e-12), (i, schedule)

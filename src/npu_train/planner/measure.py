@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Optional
 
-__all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "planner_dtype", "torch_dtype",
+__all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "timed_pairs", "planner_dtype",
+           "torch_dtype",
            "measure_at", "reference_shapes", "slower", "best_of",
            "note_load", "rate_fields", "warm_imports"]
 
@@ -161,6 +162,25 @@ def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], flo
     return step, 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
 
 
+def timed_pairs(first: Callable[[], None], second: Callable[[], None], sync: Callable[[], None],
+                loop: LoopBounds, rounds: int) -> list[tuple[float, float]]:
+    """``rounds`` pairs ``(seconds of first, seconds of second)``, each pair timed back to back with
+    ``loop``'s bounds divided by ``rounds`` (one repetition at least, no warm-up inside), after
+    ``loop.warmup`` untimed calls of both: a ratio of the two taken per pair cancels the machine's
+    drift between figures (:func:`_head_vs_layer`, :func:`npu_train.planner.splitcost.split_backward_ratio`)."""
+    short = LoopBounds(min_time=loop.min_time / rounds, max_time=loop.max_time / rounds,
+                       max_reps=loop.max_reps, min_reps=1, warmup=0)
+    for _ in range(loop.warmup):
+        second()
+        first()
+        sync()
+    out = []
+    for _ in range(rounds):
+        t_first = timed(first, sync, short)
+        out.append((t_first, timed(second, sync, short)))
+    return out
+
+
 #: rounds of the interleaved head-vs-layer timing (:func:`_head_vs_layer`)
 HEAD_ROUNDS = 3
 
@@ -176,17 +196,8 @@ def _head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
     each round times one head repetition after the warm-up."""
     layer, lflops = _layer_step(backend, dtype_name, dims)
     head, hflops = _head_step(backend, dtype_name, *head_shape)
-    sync = backend.synchronize
-    short = LoopBounds(min_time=loop.min_time / rounds, max_time=loop.max_time / rounds,
-                       max_reps=loop.max_reps, min_reps=1, warmup=0)
-    for _ in range(loop.warmup):
-        head()
-        layer()
-        sync()
     ratios, heads = [], []
-    for _ in range(rounds):
-        t_layer = timed(layer, sync, short)
-        t_head = timed(head, sync, short)
+    for t_layer, t_head in timed_pairs(layer, head, backend.synchronize, loop, rounds):
         heads.append(hflops / t_head)
         ratios.append((hflops / t_head) / (lflops / t_layer))
     return median(heads), median(ratios)

@@ -62,15 +62,5 @@ def split_backward_ratio(backend, dtype_name: str, dims, loop: LoopBounds, round
             _, work = backward_input(stage(x, cuts=cuts), g, x, params, cuts=cuts)
             work.run()
 
-    sync = backend.synchronize
-    short = LoopBounds(min_time=loop.min_time / rounds, max_time=loop.max_time / rounds,
-                       max_reps=loop.max_reps, min_reps=1, warmup=0)
-    for _ in range(loop.warmup):
-        full()
-        split()
-        sync()
-    ratios = []
-    for _ in range(rounds):
-        t_full = measure.timed(full, sync, short)  # via the module: the calibration's one timer
-        ratios.append(measure.timed(split, sync, short) / t_full)
-    return median(ratios)
+    return median(t_split / t_full for t_full, t_split in
+                  measure.timed_pairs(full, split, backend.synchronize, loop, rounds))
