@@ -176,7 +176,8 @@ class RuntimeConf:
     #: true: every card process records the start, ready and end time of each pipeline action
     #: (F, B, W), the collectives and the optimizer of every step; the launcher writes them to
     #: <run dir>/trace.json (Chrome trace event format: open in https://ui.perfetto.dev or
-    #: chrome://tracing) and a per-stage summary of waits to the run log. A few microseconds per action.
+    #: chrome://tracing; this launch's steps, a resumed launch starts it anew) and a per-card summary
+    #: of where the step goes to the run log. A few microseconds per action.
     trace: bool = False
     #: RNGD settings (compiler cache, loaded-module cache, CPU fallback, warm-up, accounting).
     furiosa: FuriosaConf = field(default_factory=FuriosaConf)
