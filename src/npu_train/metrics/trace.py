@@ -59,20 +59,23 @@ def summarize(steps: list[list]) -> list[dict]:
         steps: per step, per rank the card's action list (as in :func:`step_events`).
 
     Returns:
-        per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "end_wait_s", "optimizer_s",
-        "idle_share"}``. ``step_s``: from the earliest start of any card to the latest end in that
-        step (the job's step). ``start_wait_s``: the card's wait before its first action is ready
-        (the pipeline's fill, counted from the job's step start); ``inner_wait_s``: the waits of its
-        later actions; ``end_wait_s``: the collectives less the tied exchange's own work, i.e. the
-        wait for the slowest stage at the step's end, plus the time after the card's optimizer ends
-        until the job's step ends; ``compute_s``: the actions' ready-to-end time (compute + sends,
-        the tied exchange included); ``idle_share``: ``1 - (compute_s + optimizer_s) / step_s``.
+        per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "collectives_s",
+        "end_wait_s", "optimizer_s", "idle_share"}``. ``step_s``: from the earliest start of any card
+        to the latest end in that step (the job's step). ``start_wait_s``: the card's wait before
+        its first action is ready (the pipeline's fill, counted from the job's step start; also
+        anything between steps, e.g. a checkpoint save or an offloaded layer's host update the first
+        forward waits for); ``inner_wait_s``: the waits of its later actions; ``collectives_s``: the
+        collectives phase (tied-embedding exchange, replica all-reduce, grad-norm all-reduce; each
+        includes the wait for the slowest peer, which is most of it on one node); ``end_wait_s``:
+        after the card's optimizer until the job's step ends; ``compute_s``: the schedule's actions
+        from ready to end (compute + sends); ``idle_share``: ``1 - (compute_s + optimizer_s) / step_s``
+        (the collectives count as idle, as in metrics.jsonl's ``idle_share``).
     """
     if not steps:
         return []
     n_rank = len(steps[0])
-    acc = [dict(step_s=0.0, compute_s=0.0, start_wait_s=0.0, inner_wait_s=0.0, end_wait_s=0.0, optimizer_s=0.0)
-           for _ in range(n_rank)]
+    acc = [dict(step_s=0.0, compute_s=0.0, start_wait_s=0.0, inner_wait_s=0.0, collectives_s=0.0, end_wait_s=0.0,
+                optimizer_s=0.0) for _ in range(n_rank)]
     for per_rank in steps:
         t_begin = min(a[0][2] for a in per_rank if a)
         t_finish = max(a[-1][5] for a in per_rank if a)
@@ -85,10 +88,8 @@ def summarize(steps: list[list]) -> list[dict]:
                 s["start_wait_s"] += sched[0][3] - t_begin
                 s["inner_wait_s"] += sum(a[3] - a[2] for a in sched[1:])
                 s["compute_s"] += sum(a[5] - a[3] for a in sched)
-            tied = ph["tied"][5] - ph["tied"][3] if "tied" in ph else 0.0
-            if "collectives" in ph:
-                s["end_wait_s"] += ph["collectives"][5] - ph["collectives"][3] - tied
-            s["compute_s"] += tied
+            if "collectives" in ph:  # the tied exchange lies inside it
+                s["collectives_s"] += ph["collectives"][5] - ph["collectives"][3]
             if "optimizer" in ph:
                 s["optimizer_s"] += ph["optimizer"][5] - ph["optimizer"][3]
                 s["end_wait_s"] += t_finish - ph["optimizer"][5]
@@ -100,16 +101,19 @@ def summarize(steps: list[list]) -> list[dict]:
     return out
 
 
-def format_summary(rows: list[dict], first_step: int, last_step: int) -> str:
-    """The :func:`summarize` table as text (seconds per step, one line per card)."""
-    head = (f"trace: where each card's step goes (mean of steps {first_step}-{last_step}, s/step; "
-            "start wait = pipeline fill, end wait = waiting for the slowest stage)")
-    lines = [head, f"  {'card':>4} {'step':>7} {'compute':>8} {'optim':>7} {'start wait':>10} "
-                   f"{'inner wait':>10} {'end wait':>8} {'idle':>6}"]
-    for rank, r in enumerate(rows):
+def format_summary(rows: list[dict], first_step: int, last_step: int, labels: Optional[list] = None) -> str:
+    """The :func:`summarize` table as text (seconds per step, one line per card; ``labels``: the
+    first column per row, default the row's index)."""
+    head = (f"trace: where each card's step goes (mean of steps {first_step}-{last_step}, s/step; start wait = "
+            "pipeline fill and anything before the first action, collectives = tied exchange + all-reduces "
+            "including the wait for the slowest card; idle = all but compute and optimizer)")
+    lines = [head, f"  {'rank':>4} {'step':>7} {'compute':>8} {'optim':>7} {'start wait':>10} "
+                   f"{'inner wait':>10} {'collectives':>11} {'end wait':>8} {'idle':>6}"]
+    for i, r in enumerate(rows):
+        rank = labels[i] if labels else i
         lines.append(f"  {rank:>4} {r['step_s']:7.3f} {r['compute_s']:8.3f} {r['optimizer_s']:7.3f} "
-                     f"{r['start_wait_s']:10.3f} {r['inner_wait_s']:10.3f} {r['end_wait_s']:8.3f} "
-                     f"{100 * r['idle_share']:5.1f}%")
+                     f"{r['start_wait_s']:10.3f} {r['inner_wait_s']:10.3f} {r['collectives_s']:11.3f} "
+                     f"{r['end_wait_s']:8.3f} {100 * r['idle_share']:5.1f}%")
     return "\n".join(lines)
 
 
@@ -118,7 +122,7 @@ class TraceWriter:
 
     Args:
         path: the file (created or truncated).
-        names: per rank the track's label (``"card 0: stage 0, cpu"``).
+        names: per rank the track's label (the launcher's: ``"rank 0"``, ...).
     """
 
     def __init__(self, path: str, names: Optional[list[str]] = None):
@@ -127,6 +131,7 @@ class TraceWriter:
         self.f.write("[")
         self._n = 0
         self.base: Optional[float] = None
+        self.ranks = [n.split()[-1] for n in names or []]  # the summary's first column
         self.steps: list[tuple[int, list]] = []
         for rank, name in enumerate(names or []):
             self._write({"name": "thread_name", "ph": "M", "pid": 1, "tid": rank, "args": {"name": name}})
@@ -149,7 +154,7 @@ class TraceWriter:
         use = self.steps[1:] if len(self.steps) > 1 else self.steps
         if not use:
             return None
-        return format_summary(summarize([a for _, a in use]), use[0][0], use[-1][0])
+        return format_summary(summarize([a for _, a in use]), use[0][0], use[-1][0], self.ranks or None)
 
     def close(self) -> None:
         if not self.f.closed:

@@ -378,8 +378,9 @@ class StageModule(nn.Module):
         """``x``: token ids ``[b, S]`` int64 (with the embedding) or hidden states ``[b, S, H]``;
         returns hidden states ``[b, S, H]`` or, with the head, fp32 logits ``[b, S, V]``.
 
-        ``cuts``: a list, or None (default). Given a list, the autograd graph is cut at every layer
-        boundary after the first layer and before the final norm + head: there the hidden state
+        ``cuts``: a list, or None (default). Given a list, the autograd graph is cut before every
+        layer but the stage's first (before the first too when the stage starts with the embedding)
+        and before the final norm + head: there the hidden state
         ``y`` is replaced by ``leaf = y.detach().requires_grad_()`` and ``(y, leaf)`` appended, in
         forward order. A backward then stops at each leaf and must be chained by the caller
         (:func:`npu_train.pipeline.backward.backward_input` with ``cuts``): each segment's graph is

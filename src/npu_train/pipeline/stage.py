@@ -61,7 +61,10 @@ class StageRunner:
             is ``"F"``, ``"B"``, ``"W"`` or ``"E"`` (the early weight-gradient groups, then their
             ``done()``, see ``early``); ``t_start`` to ``t_ready`` is the wait for the neighbour's
             tensor (0 long on the first stage's forward), ``t_ready`` to ``t_done`` the compute,
-            ``t_done`` to ``t_end`` the send (``done()`` for ``E``). The per-action timeline behind ``runtime.trace`` (:mod:`npu_train.metrics.trace`).
+            ``t_done`` to ``t_end`` the send (``done()`` for ``E``). On an accelerator the device is
+            synchronized at every timestamp while tracing (the intervals are device time; the
+            overlap of kernel launches with the next action is lost). The first stage's forward
+            "wait" is the upload of its token ids. The per-action timeline behind ``runtime.trace`` (:mod:`npu_train.metrics.trace`).
 
     Raises:
         ConfigError: ``zb`` with a module built with ``recompute=True`` (W would recompute
@@ -139,6 +142,10 @@ class StageRunner:
                 self.comm.send_act(step, tag, out)
         return {"loss_sum": loss_sum, "n_tokens": n_tok}
 
+    def _synced_clock(self) -> float:
+        self.backend.synchronize()
+        return time.perf_counter()
+
     def _run(self, step, M, inputs, labels, total_tokens=None, early=None) -> dict:
         local_tokens = 0
         if self.last:
@@ -155,16 +162,19 @@ class StageRunner:
         t_compute = t_wait = t_send = 0.0
         backwards_left = M
         tr = self.trace
+        # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
+        # interval holds its kernels, not only their launch (CPU: synchronize() is a no-op)
+        clock = time.perf_counter if tr is None else self._synced_clock
         for a in build_schedule(self.schedule, self.P, M, self.s):
             m = a.micro
             if a.kind == "F":
-                t0 = time.perf_counter()
+                t0 = clock()
                 if self.first:
                     x = self.backend.upload(inputs[m])
                 else:
                     x = self.comm.recv_act(step, m)
                     x.requires_grad_(True)
-                t1 = time.perf_counter()
+                t1 = clock()
                 # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
                 cuts = [] if split and not self.first else None
                 out = self.module(x) if cuts is None else self.module(x, cuts=cuts)
@@ -173,12 +183,12 @@ class StageRunner:
                     loss = ls / total_tokens
                     loss_sum += float(ls.detach())
                     saved[m] = (x, loss, cuts)
-                    t2 = t3 = time.perf_counter()
+                    t2 = t3 = clock()
                 else:
                     saved[m] = (x, out, cuts)
-                    t2 = time.perf_counter()
+                    t2 = clock()
                     self.comm.send_act(step, m, out.detach())
-                    t3 = time.perf_counter()
+                    t3 = clock()
                 t_wait += t1 - t0
                 t_compute += t2 - t1
                 t_send += t3 - t2
@@ -186,11 +196,11 @@ class StageRunner:
                     tr.append(("F", m, t0, t1, t2, t3))
             elif a.kind == "B":
                 x, out, cuts = saved.pop(m) if not split else saved[m]
-                t0 = time.perf_counter()
+                t0 = clock()
                 g = None
                 if not self.last:
                     g = self.comm.recv_grad(step, m)
-                t1 = time.perf_counter()
+                t1 = clock()
                 if split and not self.first:
                     dx, pending[m] = backward_input(out, g, x, params, cuts=cuts)
                 else:  # full backward (first stage of zb: nothing waits for an input gradient)
@@ -198,10 +208,10 @@ class StageRunner:
                     dx = x.grad if not self.first else None
                     if split:
                         pending[m] = None
-                t2 = time.perf_counter()
+                t2 = clock()
                 if not self.first:
                     self.comm.send_grad(step, m, dx)
-                t3 = time.perf_counter()
+                t3 = clock()
                 t_wait += t1 - t0
                 t_compute += t2 - t1
                 t_send += t3 - t2
@@ -210,25 +220,25 @@ class StageRunner:
                 del x, out, g, dx, cuts
                 backwards_left -= 1
                 if early is not None and split and backwards_left == 0:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     for work in pending.values():
                         if work is not None:
                             work.run(only=early[0])
-                    t1 = time.perf_counter()
+                    t1 = clock()
                     early[1]()
-                    t2 = time.perf_counter()
+                    t2 = clock()
                     t_compute += t1 - t0
                     t_send += t2 - t1
                     if tr is not None:
                         tr.append(("E", -1, t0, t0, t1, t2))
                     early = None
             else:  # "W": weight gradients deferred by this micro-batch's B
-                t0 = time.perf_counter()
+                t0 = clock()
                 work = pending.pop(m)
                 del saved[m]
                 if work is not None:
                     work.run()
-                t1 = time.perf_counter()
+                t1 = clock()
                 t_compute += t1 - t0
                 if tr is not None:
                     tr.append(("W", m, t0, t0, t1, t1))

@@ -32,6 +32,11 @@ calibration takes ~25 s on 2 cores):
   layer, and the rounds' median ratio taken (:func:`npu_train.planner.measure._head_vs_layer`):
   timed apart, the machine's drift between the two figures moved the ratio by +-25 %, enough to
   move a layer across a stage boundary.
+- ``split_backward_ratio``: seconds of a 4-layer stage through forward + input-gradient pass +
+  deferred weight-gradient pass (the zero-bubble split, graph cut per layer, as the card processes
+  run it) over forward + one backward, median of 3 interleaved rounds
+  (:func:`npu_train.planner.splitcost.split_backward_ratio`; 1.08-1.16 on the 2-core VM,
+  experiments/2026-12-01-bench-run7.md); the planner stretches the splitting stages' B and W by it.
 - ``h2d_bytes_per_s`` / ``d2h_bytes_per_s``: ``backend.upload`` / ``backend.download`` of one
   117 MB tensor (the size of the earlier RNGD reference measurement) + ``synchronize``; on cpu that
   is a clone into freshly allocated memory (page faults included), as in the trainer.

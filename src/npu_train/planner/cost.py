@@ -244,7 +244,8 @@ class CostModel:
             # seconds, not FLOPs (measured per layer: Rates.split_backward_ratio); the first stage
             # runs the full backward
             f, b, w = fbw
-            k = (rt.split_backward_ratio * (f + b + w) - f) / (b + w) if b + w > 0 else 1.0
+            # (a ratio below f / (f + b + w) would mean a negative backward: k floored at 0)
+            k = max(0.0, (rt.split_backward_ratio * (f + b + w) - f) / (b + w)) if b + w > 0 else 1.0
             fbw = [f, b * k, w * k]
         if last:
             fbw = [t + x / (rt.device_flops * rt.head_flops_ratio) for t, x in zip(fbw, self.head_fbw)]

@@ -340,9 +340,10 @@ def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
                                  for d, v in a["flops_by_dtype"].items()}
         out["flops_by_dtype"][planner_dtype(kind)] = out["device_flops"]
     out["head_flops_ratio"] = (b if "head_flops" in keys and b["head_flops"] > a["head_flops"] else a)["head_flops_ratio"]
-    if "split_backward_ratio" in a or "split_backward_ratio" in b:  # a ratio: the one timed with the layer kept
+    have = [m["split_backward_ratio"] for m in (a, b) if "split_backward_ratio" in m]
+    if have:  # a ratio: the one timed with the layer figure kept, else whichever was measured
         src = b if "device_flops" in keys and b["device_flops"] > a["device_flops"] else a
-        out["split_backward_ratio"] = src.get("split_backward_ratio", a.get("split_backward_ratio"))
+        out["split_backward_ratio"] = src.get("split_backward_ratio", have[0])
     return out
 
 

@@ -80,7 +80,7 @@ class Rates:
             matrix, and the log-softmax runs over the vocabulary); 1.0 = same rate.
         split_backward_ratio: seconds of a decoder layer's forward + input-gradient pass + deferred
             weight-gradient pass (the zero-bubble split, :mod:`npu_train.pipeline.backward`) over its
-            forward + one backward (:func:`npu_train.planner.measure._split_vs_full`); 1.0 = the
+            forward + one backward (:func:`npu_train.planner.splitcost.split_backward_ratio`); 1.0 = the
             FLOP count's view (assumed when not measured).
         process_baseline_bytes: card memory a card process holds before any model state. cpu:
             the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the

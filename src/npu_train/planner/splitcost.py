@@ -16,7 +16,7 @@ __all__ = ["split_backward_ratio", "SPLIT_ROUNDS", "SPLIT_LAYERS"]
 
 #: rounds of the interleaved split-vs-full backward timing (:func:`split_backward_ratio`)
 SPLIT_ROUNDS = 3
-#: decoder layers of the stage :func:`_split_vs_full` times (the ratio grows with a stage's depth)
+#: decoder layers of the stage :func:`split_backward_ratio` times (the ratio grows with a stage's depth)
 SPLIT_LAYERS = 4
 
 

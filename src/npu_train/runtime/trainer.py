@@ -331,8 +331,8 @@ class StageTrainer:
         trace = {}
         if self.runner.trace is not None:  # npu_train.metrics.trace: actions, then the step's phases
             te = ta_tied + t_tied
-            trace["actions"] = self.runner.trace + [
-                ("tied", -1, ta_tied, ta_tied, te, te), ("collectives", -1, t1, t1, t2, t2),
+            trace["actions"] = self.runner.trace + [("collectives", -1, t1, t1, t2, t2)] + (
+                [("tied", -1, ta_tied, ta_tied, te, te)] if self.tied is not None else []) + [
                 ("optimizer", -1, t2, t2, t3, t3)]
         self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
                        skipped=not finite,
