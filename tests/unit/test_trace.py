@@ -92,7 +92,7 @@ def test_summarize_splits_a_hand_made_step():
 
 def test_trace_file_is_chrome_trace_json_also_before_close(tmp_path):
     path = str(tmp_path / "trace.json")
-    w = TraceWriter(path, ["rank 0", "rank 1"])
+    w = TraceWriter(path, [0, 1])
     w.step(1, STEP)
     with open(path) as f:  # a run that crashed here: the array's closing bracket is missing
         events = json.loads(f.read() + "\n]")

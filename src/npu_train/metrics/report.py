@@ -216,7 +216,7 @@ class Reporter:
                 from npu_train.metrics.trace import TraceWriter
 
                 self.trace = TraceWriter(os.path.join(self.run_dir, "trace.json"),
-                                         [f"rank {r.get('rank', i)}" for i, r in enumerate(reports)])
+                                         [int(r.get("rank", i)) for i, r in enumerate(reports)])
             self.trace.step(step, [r.get("actions") for r in reports])
         skipped = any(bool(r.get("skipped")) for r in reports)
         if skipped:

@@ -122,19 +122,20 @@ class TraceWriter:
 
     Args:
         path: the file (created or truncated).
-        names: per rank the track's label (the launcher's: ``"rank 0"``, ...).
+        ranks: per track (the launcher's reports, in order) the card's global rank: the track is
+            labelled ``"rank N"`` and the summary's row ``N``; None: the track's index.
     """
 
-    def __init__(self, path: str, names: Optional[list[str]] = None):
+    def __init__(self, path: str, ranks: Optional[list[int]] = None):
         self.path = path
         self.f = open(path, "w")
         self.f.write("[")
         self._n = 0
         self.base: Optional[float] = None
-        self.ranks = [n.split()[-1] for n in names or []]  # the summary's first column
+        self.ranks = list(ranks or [])
         self.steps: list[tuple[int, list]] = []
-        for rank, name in enumerate(names or []):
-            self._write({"name": "thread_name", "ph": "M", "pid": 1, "tid": rank, "args": {"name": name}})
+        for tid, rank in enumerate(self.ranks):
+            self._write({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"rank {rank}"}})
 
     def _write(self, ev: dict) -> None:
         self.f.write((",\n" if self._n else "\n") + json.dumps(ev))

@@ -123,7 +123,7 @@ def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], in
             segment's B gives the gradient of the segment below), and the returned W holds every
             segment's weight-gradient groups. Why: a W group's ``torch.autograd.grad`` walks the whole
             graph below its boundary node, so over one uncut stage of n layers W's cost grew with n
-            (11 SmolLM2 layers: F + B + W 1.15-1.17x F + backward; one layer: 1.01-1.05x); cut per
+            (11 SmolLM2 layers: F + B + W 1.14-1.17x F + backward; one layer: 1.01-1.05x); cut per
             layer each walk is one layer long. Same gradients (to rounding: the engine may sum a
             layer input's two gradient contributions in another order).
 

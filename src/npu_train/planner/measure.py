@@ -125,10 +125,9 @@ def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
     return flops / timed(step, backend.synchronize, loop)
 
 
-def _layer_on_card(backend, dtype_name: str, dims):
-    """``(cfg, layer, run, x, g)``: one DecoderLayer of shape ``dims`` = (hidden, intermediate, heads,
-    kv heads, micro-batch b, sequence S) on the card, ``run()`` its forward on ``x`` (``[b, S, H]``,
-    a leaf that requires grad), ``g`` a gradient of the output's shape."""
+def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
+    """(one DecoderLayer forward + backward of shape ``dims`` on the card, its FLOPs as the
+    placement model counts them)."""
     import torch
 
     from npu_train.model.config import LlamaConfig
@@ -144,20 +143,12 @@ def _layer_on_card(backend, dtype_name: str, dims):
         cos, sin = rope_cos_sin(cfg, S, dev, dt)
         x = torch.randn(b, S, H, dtype=dt, device=dev, requires_grad=True)
         g = torch.randn(b, S, H, dtype=dt, device=dev)
-    return cfg, layer, (lambda: layer(x, cos, sin)), x, g
-
-
-def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
-    """(one DecoderLayer forward + backward of shape ``dims`` on the card, its FLOPs as the
-    placement model counts them)."""
-    cfg, _, run, _, g = _layer_on_card(backend, dtype_name, dims)
 
     def step() -> None:
         with backend.alloc_lock():
-            run().backward(g)
+            layer(x, cos, sin).backward(g)
             # like the trainer: gradients accumulate into .grad between optimizer steps
 
-    _, _, heads, _, b, S = dims
     tok = b * S
     return step, 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
 

@@ -21,7 +21,7 @@ SPLIT_LAYERS = 4
 
 
 def split_backward_ratio(backend, dtype_name: str, dims, loop: LoopBounds, rounds: int = SPLIT_ROUNDS,
-                   layers: int = SPLIT_LAYERS) -> float:
+                         layers: int = SPLIT_LAYERS) -> float:
     """``split_backward_ratio``: seconds of a stage of ``layers`` decoder layers of shape ``dims``
     through forward + input-gradient pass + deferred weight-gradient pass, as the zero-bubble
     schedules run it on every stage but the first (graph cut per layer, :func:`npu_train.pipeline.
@@ -31,7 +31,7 @@ def split_backward_ratio(backend, dtype_name: str, dims, loop: LoopBounds, round
 
     Why it is measured: B + W cost one backward in FLOPs, not in seconds on a CPU core. On the
     2-core VM, SmolLM2 layers at 1 x 128 tokens, fp32, 1 thread (experiments/2026-12-01-bench-run7.md):
-    1.06 for one layer, 1.07-1.08 for 2, 1.09-1.10 for 4, 1.11-1.12 for 11 (the ratio grows with the
+    1.06 for one layer, 1.07-1.08 for 2, 1.085-1.105 for 4, 1.11-1.12 for 11 (the ratio grows with the
     depth: every layer's activations are held until W); a planner that counted the two alike put
     one layer too many on the last stage of the 2-card default job under ``zb-h2``. ``layers``
     = 4 stands for a stage of a few to a dozen layers."""
