@@ -49,8 +49,9 @@ def test_overlap_on_off_identical(tiny_model, tmp_path):
 
 @pytest.mark.heavy
 def test_overlap_on_off_identical_bf16_zb_tied(tiny_model, tmp_path):
-    """bf16 compute (fp32 accumulator hooks), the zero-bubble schedule (W passes set .grad without a
-    hook: downloaded after the backward) and the tied embedding pair (downloaded after its all-reduce)."""
+    """bf16 compute (fp32 accumulator hooks), the zero-bubble schedule (W passes accumulate through
+    the same hooks, so the overlap's "gradient final" count sees them) and the tied embedding pair
+    (downloaded after its all-reduce)."""
     ov = ("backend=[cpu,cpu]", "train.resident_layers=0", "train.dtype=bf16", "train.schedule=zb")
     _same(run_pipeline(tiny_model, str(tmp_path / "on"), *ov),
           run_pipeline(tiny_model, str(tmp_path / "off"), *ov, "train.offload_overlap=false"))

@@ -232,8 +232,9 @@ class StageOptimizer:
         """Before a step's first backward (overlap mode): a gradient is final after ``micro_batches``
         accumulations, except for the names in ``late`` (changed later by a collective: the tied
         embedding pair, data-parallel replicas), whose download starts in :meth:`grad_sq_terms`.
-        Gradients that reach ``.grad`` without an accumulation hook (zero-bubble W passes) are
-        downloaded there too (:meth:`HostUpdater.collect`)."""
+        The zero-bubble W passes accumulate through the same hooks
+        (:class:`~npu_train.pipeline.backward.WeightGradWork`); a gradient that reaches ``.grad``
+        without one is downloaded there too (:meth:`HostUpdater.collect`)."""
         self._counts.clear()
         self._final_after = int(micro_batches)
         self._late = set(late)

@@ -19,8 +19,9 @@ How (the approach of ``torch.distributed.pipelining._backward``'s ``stage_backwa
 3. W: for each group of boundary nodes sharing parameters, one
    ``torch.autograd.grad(GradientEdge(node, k) ..., params, grad_outputs=recorded)``: the engine
    runs only the weight-side outputs of the boundary nodes and the weight-only subgraphs below
-   them; the caller drops the micro-batch's graph afterwards. The results are added to
-   ``p.grad`` exactly as ``backward()`` would have accumulated them.
+   them; the caller drops the micro-batch's graph afterwards. (``torch.autograd.backward(...,
+   inputs=params)`` in fact, not ``grad``: the parameters' gradient accumulators add the results
+   into ``p.grad`` and run its post-accumulate hooks, exactly as ``backward()`` does.)
 
 When a group has several boundary nodes one of which lies below another on the input chain (a
 parameter used at two depths), a second pre-hook replaces that node's incoming gradient by the
@@ -39,7 +40,9 @@ class WeightGradWork:
     """The deferred weight-gradient pass (W) of one micro-batch, made by :func:`backward_input`.
 
     :meth:`run` adds the weight gradients to ``p.grad`` of the parameters given to
-    :func:`backward_input` (same dtype/device as the parameters), then drops its references to the
+    :func:`backward_input` (same dtype/device as the parameters) through autograd's gradient
+    accumulators, so every hook registered with ``register_post_accumulate_grad_hook`` runs once per
+    parameter and micro-batch, as in ``backward()``; then it drops its references to the
     micro-batch's graph.
     """
 
@@ -76,19 +79,14 @@ class WeightGradWork:
                     handles.append(n.register_prehook(lambda _go, g=grads.get(n): g))
             try:
                 # retain: a later group may pass through this group's nodes on the input chain
-                # (shared parameters); the graph is released when the caller drops it after W
-                dws = torch.autograd.grad(roots, params, grad_outputs=root_grads, retain_graph=True,
-                                          allow_unused=True)
+                # (shared parameters); the graph is released when the caller drops it after W.
+                # backward(inputs=) rather than grad(): the parameters' own AccumulateGrad nodes add
+                # into .grad, so their post-accumulate hooks run as in backward() (the optimizer's
+                # fp32 fold of bf16 gradients, the offload's "gradient final" count)
+                torch.autograd.backward(roots, grad_tensors=root_grads, retain_graph=True, inputs=params)
             finally:
                 for h in handles:
                     h.remove()
-            for p, dw in zip(params, dws):
-                if dw is None:
-                    continue
-                if p.grad is None:
-                    p.grad = dw
-                else:
-                    p.grad += dw
         if not self._groups:
             self._params = {}
 
