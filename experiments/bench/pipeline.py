@@ -290,8 +290,9 @@ def main(argv=None) -> int:
                     "cpu, nccl on cuda)")
     ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], choices=SCHEDULES,
                     help="train.schedule values")
-    ap.add_argument("--torch-schedules", nargs="+", default=["1F1B", *LOOPED, *VSHAPE],
-                    help="torch.distributed.pipelining schedules (class name without 'Schedule')")
+    ap.add_argument("--torch-schedules", nargs="*", default=["1F1B", *LOOPED, *VSHAPE],
+                    help="torch.distributed.pipelining schedules (class name without 'Schedule'); none "
+                         "given: the project's runs only (an A/B of two project trees)")
     ap.add_argument("--splits", nargs="+", choices=("even", "project"), default=["even", "project"])
     ap.add_argument("--project-args", nargs="*", default=[], help="extra launcher overrides")
     ap.add_argument("--host-memory", choices=("shipped", "both"), default="shipped",

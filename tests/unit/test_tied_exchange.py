@@ -48,7 +48,7 @@ def _grads(dtype):
     return ids, g_first.to(dtype), g_last.to(dtype)
 
 
-def _worker(rank, init, q):
+def _worker(rank, init, q, ev):
     import torch.distributed as dist
 
     from npu_train.runtime.tied import TiedGradExchange
@@ -61,7 +61,7 @@ def _worker(rank, init, q):
         out = {}
         # fp32, bf16, then fp32 with a wrong row on the last stage; the receive buffer is reused
         for case, dtype, break_rows in (("fp32", torch.float32, False), ("bf16", torch.bfloat16, False),
-                                        ("broken", torch.float32, True)):
+                                        ("broken", torch.float32, True), ("unblocked", torch.float32, False)):
             ids, g_first, g_last = _grads(dtype)
             g = (g_first if rank == 0 else g_last).clone()
             ex.begin()
@@ -73,8 +73,15 @@ def _worker(rank, init, q):
             if break_rows and rank == 1:
                 rows = rows.clone()
                 rows[0] = 1  # the last stage adds a looked-up row's values to a row never looked up
+            if case == "unblocked" and rank == 1:
+                # the last stage reaches its finish only once the first stage's finish has returned
+                # (a blocking send of the rows would wait here for the 20 s, then go on)
+                out["first_returned_first"] = ev.wait(20)
             ex.finish(g, rows)
+            if case == "unblocked" and rank == 0:
+                ev.set()
             out[case] = g.float().tolist()
+            ex.settle()
         q.put((rank, out))
     finally:
         dist.destroy_process_group()
@@ -88,9 +95,9 @@ def _run(tmp_path):
     if _RESULTS:
         return _RESULTS
     ctx = mp.get_context("spawn")
-    q = ctx.Queue()
+    q, ev = ctx.Queue(), ctx.Event()
     init = f"file://{tmp_path}/rdv"
-    ps = [ctx.Process(target=_worker, args=(r, init, q)) for r in (0, 1)]
+    ps = [ctx.Process(target=_worker, args=(r, init, q, ev)) for r in (0, 1)]
     for p in ps:
         p.start()
     try:
@@ -131,6 +138,15 @@ def test_fp32_host_gradient_is_sent_without_a_copy(tmp_path):
     got = _run(tmp_path)
     assert got[1]["fp32_send_copies"] == 0
     assert got[1]["bf16_send_copies"] == 1
+
+
+def test_first_stage_does_not_wait_for_the_last_stage_to_take_its_rows(tmp_path):
+    """The first stage's finish returns with the full sum while the last stage is still busy (its
+    rows leave without a wait, :meth:`TiedGradExchange.settle`), and both sums stay exact."""
+    _, g_first, g_last = _grads(torch.float32)
+    got = _run(tmp_path)
+    assert got[1]["first_returned_first"] is True
+    assert torch.equal(got[0]["unblocked"], g_first + g_last) and torch.equal(got[1]["unblocked"], g_first + g_last)
 
 
 def test_looked_up_rows_sorted_unique():

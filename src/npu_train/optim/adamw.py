@@ -42,7 +42,7 @@ from typing import Iterable, Optional
 import torch
 
 from npu_train.hardware import SHARED_MASTER_KINDS
-from npu_train.optim.offload import HostUpdater
+from npu_train.optim.offload import HostUpdater, squared_sum
 
 
 def decays(name: str, tensor: torch.Tensor) -> bool:
@@ -285,7 +285,7 @@ class StageOptimizer:
             if n in host_sq:  # offloaded: from the host copy (downloaded once, also for the update)
                 out[n] = host_sq[n]
             else:
-                out[n] = self.backend.download(self.grad(n).float().pow(2).sum()).to(torch.float32)
+                out[n] = self.backend.download(squared_sum(self.grad(n))).to(torch.float32)
         return out
 
     def sum_terms(self, terms: dict) -> torch.Tensor:

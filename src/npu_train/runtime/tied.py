@@ -80,6 +80,8 @@ class TiedGradExchange:
         self._buf: Optional[torch.Tensor] = None   # first stage: [V, H] fp32 receive buffer
         self._work = None                          # the pending dense isend / irecv
         self._sent: Optional[torch.Tensor] = None  # last stage: the dense host copy being sent
+        self._rows: Optional[torch.Tensor] = None  # first stage: the [k, H] rows being sent
+        self._rows_work = None                     # ... and their pending isend (see settle)
 
     def begin(self) -> None:
         """Before the step's first forward: the first stage posts the receive of the last stage's
@@ -88,9 +90,22 @@ class TiedGradExchange:
 
         if not self.first:
             return
+        self.settle()
         if self._buf is None:
             self._buf = torch.empty(self.shape, dtype=torch.float32)
         self._work = dist.irecv(self._buf, src=self.peer, group=self.group, tag=DENSE_TAG)
+
+    def settle(self) -> None:
+        """First stage: wait until the last step's rows have left (:meth:`finish` sends them without
+        waiting). Called by :meth:`begin`; the trainer calls it once more after the step's
+        all-reduce, which the last stage joins only after receiving them, so it does not block there.
+
+        Raises:
+            RuntimeError: from torch.distributed, when the peer died or the timeout passed."""
+        if self._rows_work is not None:
+            work, self._rows_work = self._rows_work, None
+            work.wait()
+        self._rows = None
 
     def send_dense(self, grad: torch.Tensor) -> None:
         """Last stage, once its ``lm_head`` gradient is final: start sending ``grad`` (``[V, H]``, the final
@@ -116,7 +131,8 @@ class TiedGradExchange:
     def finish(self, grad: torch.Tensor, rows: torch.Tensor) -> None:
         """After the stage's backward: complete the exchange; ``grad`` (``[V, H]``, the stage's
         gradient buffer of the tied matrix, on the card) then holds the pair's sum. ``rows``: the
-        step's :func:`looked_up_rows` (the same on both stages)."""
+        step's :func:`looked_up_rows` (the same on both stages). The first stage returns as soon as
+        its own sum is made, with its rows still on their way (:meth:`settle`)."""
         import torch.distributed as dist
 
         be = self.backend
@@ -132,8 +148,11 @@ class TiedGradExchange:
             else:
                 mine = be.download(grad).float()
                 sparse = mine.index_select(0, rows)
-            # [k, H] fp32: the only non-zero rows of the first stage's gradient
-            dist.send(sparse.float().contiguous(), dst=self.peer, group=self.group, tag=ROWS_TAG)
+            # [k, H] fp32: the only non-zero rows of the first stage's gradient. Sent without waiting:
+            # the last stage receives them only at the end of its backward, and this stage's own sum
+            # (and the caller's squared norm of it) need not wait for that (experiments/2026-12-01-bench-run8.md)
+            self._rows = sparse.float().contiguous()
+            self._rows_work = dist.isend(self._rows, dst=self.peer, group=self.group, tag=ROWS_TAG)
             self._work.wait()
             self._work = None
             with torch.no_grad():

@@ -304,6 +304,8 @@ class StageTrainer:
         flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
         red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req] + flags, dtype=torch.float64)
         dist.all_reduce(red)
+        if self.tied is not None:  # the first stage's rows left without a wait (the last stage has them now)
+            self.tied.settle()
         grad_norm = float(red[0]) ** 0.5
         loss = float(red[1] / max(red[2], 1.0))
         finite = math.isfinite(grad_norm) and math.isfinite(loss)
