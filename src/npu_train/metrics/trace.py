@@ -23,6 +23,10 @@ from typing import Optional
 
 #: phase names a card appends after its schedule's actions (runtime.trainer.StageTrainer.train_step)
 PHASES = ("tied", "collectives", "optimizer")
+#: the action kind of work the first stage moved out of the pipeline's fill, after its first forward:
+#: the rest of the previous step's rows-first embedding update (npu_train.optim.rowsfirst) and the
+#: embedding's zeroed gradient buffer; counted as optimizer time
+DEFERRED = "U"
 
 
 def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
@@ -36,7 +40,8 @@ def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
 
     Returns:
         events: per action a ``wait`` event (when ``t_ready > t_start``), the action itself (``F3``,
-        ``B3``, ``W3``, ``E`` = early weight-gradient groups, or a phase name) and a ``send`` event
+        ``B3``, ``W3``, ``E`` = early weight-gradient groups, ``U`` = :data:`DEFERRED`, or a phase
+        name) and a ``send`` event
         (when ``t_end > t_done``); ``tid`` = rank.
     """
     ev = []
@@ -69,7 +74,8 @@ def summarize(steps: list[list]) -> list[dict]:
         includes the wait for the slowest peer, which is most of it on one node); ``end_wait_s``:
         after the card's optimizer until the job's step ends; ``compute_s``: the schedule's actions
         from ready to end (compute + sends); ``idle_share``: ``1 - (compute_s + optimizer_s) / step_s``
-        (the collectives count as idle, as in metrics.jsonl's ``idle_share``).
+        (the collectives count as idle, as in metrics.jsonl's ``idle_share``); ``optimizer_s`` includes
+        the :data:`DEFERRED` actions.
     """
     if not steps:
         return []
@@ -82,8 +88,9 @@ def summarize(steps: list[list]) -> list[dict]:
         for rank, acts in enumerate(per_rank):
             s = acc[rank]
             s["step_s"] += t_finish - t_begin
-            sched = [a for a in acts if a[0] not in PHASES]
+            sched = [a for a in acts if a[0] not in PHASES and a[0] != DEFERRED]
             ph = {a[0]: a for a in acts if a[0] in PHASES}
+            s["optimizer_s"] += sum(a[5] - a[3] for a in acts if a[0] == DEFERRED)
             if sched:
                 s["start_wait_s"] += sched[0][3] - t_begin
                 s["inner_wait_s"] += sum(a[3] - a[2] for a in sched[1:])

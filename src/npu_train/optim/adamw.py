@@ -43,6 +43,7 @@ import torch
 
 from npu_train.hardware import SHARED_MASTER_KINDS
 from npu_train.optim.offload import HostUpdater, squared_sum
+from npu_train.optim.rowsfirst import RowsFirstUpdate
 
 
 def decays(name: str, tensor: torch.Tensor) -> bool:
@@ -141,7 +142,8 @@ class StageOptimizer:
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, fp32_grad_accum: bool = True, layers=None,
-                 overlap: bool = False, delayed: bool = False, eager_state: bool = True):
+                 overlap: bool = False, delayed: bool = False, eager_state: bool = True,
+                 rows_first: Optional[str] = None):
         self.params = params
         self.backend = backend
         self.resident = set(resident) & set(params)
@@ -161,6 +163,11 @@ class StageOptimizer:
             elif n in self.resident:
                 res_m[n] = backend.upload(masters_init[n].float().contiguous()).clone()
         off_m = {n: masters_init[n].float().contiguous().clone() for n in params if n in self.offloaded}
+        # the embedding matrix whose update may go looked-up rows first (step(rows=)): its own AdamW
+        self.row_name = rows_first if rows_first in res_m and _fused_ok(dev) else None
+        self.row_group = (_Group({self.row_name: res_m.pop(self.row_name)}, dev, lr, betas, eps, weight_decay)
+                          if self.row_name else None)
+        self._pending: Optional[RowsFirstUpdate] = None
         self.dev_group = _Group(res_m, dev, lr, betas, eps, weight_decay)
         if layers is None:
             layers = [("all", list(params))]
@@ -178,6 +185,8 @@ class StageOptimizer:
             lock = getattr(backend, "alloc_lock", None)
             with lock() if lock is not None else contextlib.nullcontext():
                 self.dev_group.init_state(getattr(backend, "track", None))
+                if self.row_group is not None:
+                    self.row_group.init_state(getattr(backend, "track", None))
             for g in self.host_groups.values():
                 g.init_state()
         self._counts: dict[str, int] = {}
@@ -208,6 +217,8 @@ class StageOptimizer:
     # ------------------------------------------------------------------ gradients
     def _fold(self, name: str, p: torch.Tensor) -> None:
         """Add ``p.grad`` (compute dtype) into the fp32 accumulator of ``name`` and free it."""
+        if self._pending is not None:  # the accumulator may be the pending update's gradient
+            self.finish_rows()
         acc = self.accumulators[name]
         with torch.no_grad():
             if name in self._touched:
@@ -308,10 +319,13 @@ class StageOptimizer:
         self.zero_grad()
 
     # ------------------------------------------------------------------ update
-    def step(self, lr: float, clip_coef: float) -> dict[str, float]:
+    def step(self, lr: float, clip_coef: float, rows: Optional[torch.Tensor] = None) -> dict[str, float]:
         """Apply one AdamW step with gradients scaled by ``clip_coef``; refresh the card's weights.
 
         Consumes the step's gradients (scaled in place, then cleared as by :meth:`zero_grad`).
+        ``rows``: int64 ``[k]`` sorted unique row indices of the ``rows_first`` embedding matrix that
+        the next step looks up: only those rows are updated now, the rest by :meth:`finish_rows`
+        (:mod:`npu_train.optim.rowsfirst`; bit-identical). None: the whole matrix now.
 
         Returns seconds spent on this thread: ``{"device_optimizer", "host_optimizer", "transfer"}``
         (``host_optimizer``: the offloaded layers' downloads, host AdamW and uploads when run inline,
@@ -319,9 +333,16 @@ class StageOptimizer:
         counted in ``host_optimizer``).
         """
         t0 = time.perf_counter()
+        self.finish_rows()  # (a step without a forward since the last one: evaluation off, one-step runs)
+        row_grad = None
+        split = rows is not None and self.row_group is not None and bool(
+            self.row_group.opt.state.get(self.row_group.masters[self.row_name]))
         with torch.no_grad():
-            for n, m in self.dev_group.masters.items():
+            for n, m in self._resident_masters():
                 g = self.grad(n)
+                if split and n == self.row_name and g is not None:  # clipped by the split update itself
+                    row_grad = g if n in self.shared else g.float()
+                    continue
                 if g is None:
                     m.grad = torch.zeros_like(m)
                 elif n in self.shared:  # m is the parameter: its .grad is the fp32 accumulated gradient
@@ -336,6 +357,19 @@ class StageOptimizer:
                 if n not in self.shared:
                     self.params[n].copy_(m)
                 m.grad = None
+        if self.row_group is not None:
+            n, m = self.row_name, self.row_group.masters[self.row_name]
+            self.row_group.set_lr(lr)
+            if row_grad is not None:
+                self._pending = RowsFirstUpdate(self.row_group.opt, m, row_grad, self.params[n], rows, clip_coef)
+                self._pending.start()
+            else:
+                self.row_group.step()
+                with torch.no_grad():
+                    if n not in self.shared:
+                        self.params[n].copy_(m)
+            if n not in self.shared:
+                m.grad = None
         self.backend.synchronize()
         t1 = time.perf_counter()
         self.host.update(lr, clip_coef, {n: self.grad(n) for n in self.host_layer})
@@ -344,25 +378,47 @@ class StageOptimizer:
         self.step_count += 1
         return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": 0.0}
 
+    def finish_rows(self) -> float:
+        """Complete a pending rows-first update (:meth:`step` with ``rows``): after the next step's
+        first forward has left the card (:attr:`npu_train.pipeline.stage.StageRunner.after_first_forward`),
+        and before anything else reads the matrix or its gradient (:meth:`wait_all`). Returns the
+        seconds it took (0.0 when nothing was pending)."""
+        if self._pending is None:
+            return 0.0
+        t0 = time.perf_counter()
+        pending, self._pending = self._pending, None
+        pending.finish()
+        self.backend.synchronize()
+        return time.perf_counter() - t0
+
+    def _resident_masters(self):
+        yield from self.dev_group.masters.items()
+        if self.row_group is not None:
+            yield from self.row_group.masters.items()
+
     def wait_layer(self, key: str) -> None:
         """Block until layer ``key``'s pending host update is on the card (forward pre-hook)."""
         self.host.wait_layer(key)
 
     def wait_all(self) -> None:
-        """Block until every pending host update is finished (checkpoint, evaluation, end)."""
+        """Block until every pending update is finished (checkpoint, evaluation, end)."""
+        self.finish_rows()
         self.host.wait_all()
 
     def close(self) -> None:
-        """Finish pending host work and stop the background thread."""
+        """Finish pending work and stop the background thread."""
+        self.finish_rows()
         self.host.close()
 
     # ------------------------------------------------------------------ state
     def _all(self):
-        yield from self.dev_group.masters.items()
+        yield from self._resident_masters()
         for g in self.host_groups.values():
             yield from g.masters.items()
 
     def _opt_of(self, name: str) -> _Group:
+        if name == self.row_name:
+            return self.row_group
         return self.dev_group if name in self.dev_group.masters else self.host_groups[self.host_layer[name]]
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -388,6 +444,7 @@ class StageOptimizer:
         with torch.no_grad():
             for n, m in self._all():
                 g = self._opt_of(n)
+                on_card = g is self.dev_group or g is self.row_group
                 dev = m.device
                 m.copy_(tensors[f"master.{n}"].to(dev))
                 st = g.opt.state.get(m) if g.opt is not None else None
@@ -397,10 +454,10 @@ class StageOptimizer:
                     st["exp_avg_sq"].copy_(tensors[f"exp_avg_sq.{n}"])
                 elif step > 0 and g.opt is not None:
                     g.opt.state[m] = {
-                        "step": torch.tensor(float(step), dtype=torch.float32, device=dev if g is self.dev_group and _fused_ok(dev) else "cpu"),
+                        "step": torch.tensor(float(step), dtype=torch.float32, device=dev if on_card and _fused_ok(dev) else "cpu"),
                         "exp_avg": tensors[f"exp_avg.{n}"].to(dev).clone(),
                         "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(dev).clone(),
                     }
                 p = self.params[n]
-                p.copy_(self.backend.upload(m.detach().to("cpu").to(p.dtype)) if g is not self.dev_group else m.to(p.dtype))
+                p.copy_(self.backend.upload(m.detach().to("cpu").to(p.dtype)) if not on_card else m.to(p.dtype))
 

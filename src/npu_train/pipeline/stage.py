@@ -14,7 +14,7 @@ big batch, independent of how the step is cut into micro-batches and replicas.
 from __future__ import annotations
 
 import time
-from typing import Optional, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -84,6 +84,11 @@ class StageRunner:
         self.first = stage == 0
         self.last = stage == num_stages - 1
         self.trace: Optional[list] = None
+        #: called once per step right after the first stage's first forward has been sent, before any
+        #: backward: work that need not delay the next stage's start (StageTrainer.after_first_forward:
+        #: the rest of the previous step's rows-first embedding update, the embedding's gradient buffer);
+        #: its seconds are reported as ``deferred_opt_s`` and traced as a ``U`` action
+        self.after_first_forward: Optional[Callable[[], float]] = None
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
                  total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
@@ -108,7 +113,8 @@ class StageRunner:
         Returns:
             ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int (last
             stage: target tokens of ``labels``, this replica's share),
-            "compute_s", "wait_s", "send_s"}`` (seconds).
+            "compute_s", "wait_s", "send_s", "deferred_opt_s"}`` (seconds; ``deferred_opt_s``:
+            :attr:`after_first_forward`, in none of the others).
         """
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
@@ -159,7 +165,8 @@ class StageRunner:
         pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
         params = [p for p in self.module.parameters() if p.requires_grad] if split else []
         loss_sum = 0.0
-        t_compute = t_wait = t_send = 0.0
+        t_compute = t_wait = t_send = t_deferred = 0.0
+        deferred_done = False
         backwards_left = M
         tr = self.trace
         # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
@@ -194,6 +201,14 @@ class StageRunner:
                 t_send += t3 - t2
                 if tr is not None:
                     tr.append(("F", m, t0, t1, t2, t3))
+                if self.first and self.after_first_forward is not None and not deferred_done:
+                    deferred_done = True
+                    u0 = clock()
+                    self.after_first_forward()
+                    u1 = clock()
+                    t_deferred += u1 - u0
+                    if tr is not None:
+                        tr.append(("U", -1, u0, u0, u1, u1))
             elif a.kind == "B":
                 x, out, cuts = saved.pop(m) if not split else saved[m]
                 t0 = clock()
@@ -249,4 +264,4 @@ class StageRunner:
             early[1]()
         self.backend.synchronize()
         return {"loss_sum": loss_sum, "n_tokens": local_tokens,
-                "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send}
+                "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send, "deferred_opt_s": t_deferred}

@@ -159,7 +159,11 @@ class StageTrainer:
         self.opt = StageOptimizer(owned, {n: masters[n] for n in owned}, list(spec.resident_names), backend,
                                   lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
                                   fp32_grad_accum=tr.grad_accum == "fp32", layers=layer_groups(owned),
-                                  overlap=tr.offload_overlap, delayed=tr.offload_update == "delayed")
+                                  overlap=tr.offload_overlap, delayed=tr.offload_update == "delayed",
+                                  # the first stage's embedding: the next step's rows first (optim.rowsfirst);
+                                  # not on a single stage (a tied head reads every row)
+                                  rows_first="model.embed_tokens.weight" if self.first and not self.last
+                                  and self.dp == 1 else None)
         del masters
         if tr.offload_overlap:  # the forward through an offloaded layer waits for its host update only
             install_waits(self.module, self.opt, list(self.opt.host_groups))
@@ -213,6 +217,8 @@ class StageTrainer:
                                      dp_rank=k, dp_size=self.dp) for k in range(self.dp)]
         self.sampler = self.samplers[self.replica]
         self.runner = StageRunner(self.module, backend, self.P, self.stage, tr.schedule, self.comm)
+        if self.opt.row_name or self.sparse_embed:  # work moved out of the pipeline's fill
+            self.runner.after_first_forward = self.after_first_forward
         # held-out evaluation: the first eval_batches micro-batches of the validation split
         mb = tr.micro_batch
         self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
@@ -251,9 +257,6 @@ class StageTrainer:
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
         for p in self.params.values():
             p.grad = None
-        if self.sparse_embed:  # rows are added into it (StageModule.sparse_embed_grad)
-            emb = self.params["model.embed_tokens.weight"]
-            emb.grad = torch.zeros_like(emb)
         # gradients changed by a collective after the backward are final only after it
         late = self.params if self.dp > 1 else [self.tied_name] if self.tied_pair else []
         self.opt.begin_step(tr.accum, late)
@@ -320,7 +323,7 @@ class StageTrainer:
             self.enter(f"step {step + 1} optimizer")
             if fault is not None:
                 fault("optimizer")
-            ot = self.opt.step(lr, clip_coef)
+            ot = self.opt.step(lr, clip_coef, rows=self.next_rows(step) if self.opt.row_name else None)
             if self.zero:
                 from npu_train.runtime.replicas import broadcast_weights
 
@@ -343,7 +346,8 @@ class StageTrainer:
                        # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
                        # all-reduce, grad norm + loss all-reduce, including the wait for the slowest stage)
                        bubble_s=res["wait_s"], collective_s=t2 - t1, tied_s=t_tied,
-                       send_s=res["send_s"], optimizer_s=ot["device_optimizer"] + ot["host_optimizer"],
+                       send_s=res["send_s"],  # (with the previous step's deferred embedding rows)
+                       optimizer_s=ot["device_optimizer"] + ot["host_optimizer"] + res["deferred_opt_s"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
                        compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
@@ -353,6 +357,24 @@ class StageTrainer:
                        # other processes competing for the cores
                        cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **trace, **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
+
+    def after_first_forward(self) -> float:
+        """After the first stage's first forward of a step (StageRunner.after_first_forward): the rest of the
+        previous step's embedding update (optim.rowsfirst), then the embedding's zeroed gradient buffer
+        (StageModule.sparse_embed_grad: rows are added into it). Returns seconds."""
+        t0 = time.perf_counter()
+        self.opt.finish_rows()
+        if self.sparse_embed:
+            emb = self.params["model.embed_tokens.weight"]
+            emb.grad = torch.zeros_like(emb)
+        return time.perf_counter() - t0
+
+    def next_rows(self, step: int) -> Optional[torch.Tensor]:
+        """The embedding rows 0-based step ``step + 1`` looks up (None after the last step)."""
+        if step + 1 >= self.tr.steps:
+            return None
+        return looked_up_rows([self.micro_batch_tensors(self.data, i)[0]
+                               for i in self.sampler.micro_batches_for_step(step + 1)])
 
     def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:
         """A non-finite loss or global grad norm in 0-based ``step`` (``stages``: where it appeared).
