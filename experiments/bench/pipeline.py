@@ -421,6 +421,8 @@ def summarize(results: list[dict], args) -> list[dict]:
         base = stats.get(base_name, {}).get("tps", {}).get("median")
         torch_ok = {n: s["tps"]["median"] for n, s in stats.items() if n.startswith("torch") and s["tps"]["n"]}
         best_torch = max(torch_ok, key=torch_ok.get) if torch_ok else None
+        if base is None:  # no torch run (--torch-schedules without names) or the baseline failed
+            base_name = "none run"
         print(f"\nP={P} M={M}  (baseline: {base_name}; fastest torch: {best_torch})")
         print(f"  {'system':<36} {'tok/s median':>12} {'[min-max]':>17} {'vs base':>8} {'vs best':>8} "
               f"{'idle %':>7} {'bubble %':>8} {'coll %':>7} {'loss step 1':>11} {'last':>10}")

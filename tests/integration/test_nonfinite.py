@@ -56,6 +56,23 @@ def test_injected_inf_gradient_stops_with_step_and_stage(tiny_model, tmp_path):
     assert len(_strict_lines(os.path.join(job.run_dir, "metrics.jsonl"))) == 2
 
 
+def test_injected_inf_on_the_first_stage_is_skipped(tiny_model, tmp_path):
+    """The first stage's first parameter is the embedding, whose gradient on a cpu card is sparse rows
+    (StageModule.sparse_embed_grad): the injected inf reaches it too (the fault once raised
+    NotImplementedError on the sparse tensor), and skip leaves that step's update out everywhere:
+    the steps before and after it run, the state stays finite."""
+    from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
+
+    ck = str(tmp_path / "ckpt")
+    job = launch_to_end(tmp_path, tiny_model, "train.steps=3", "train.nonfinite=skip", f"checkpoint.dir={ck}",
+                        env={"NPT_FAULT": "rank=0,phase=backward,step=2,action=inf"})
+    recs = _strict_lines(os.path.join(job.run_dir, "metrics.jsonl"))
+    assert [bool(r.get("skipped")) for r in recs] == [False, True, False], recs
+    r = CheckpointReader(complete_checkpoints(ck)[-1])
+    assert r.step == 3 and r.manifest["finite"] is True
+    _all_finite(r)
+
+
 def test_huge_lr_skip_keeps_state_finite_and_json_valid(tiny_model, tmp_path):
     """lr=1e30: step 1's update (clipped to norm 0.5, then Adam's unit-size step x 1e30) makes every
     later loss non-finite; with skip those steps change nothing and are counted."""

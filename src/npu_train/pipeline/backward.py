@@ -17,11 +17,11 @@ How (the approach of ``torch.distributed.pipelining._backward``'s ``stage_backwa
    chain (``dX = dY @ W``, not ``dW = dY^T X``). A pre-hook on every boundary node records the
    gradient flowing into it (its ``grad_outputs``).
 3. W: for each group of boundary nodes sharing parameters, one
-   ``torch.autograd.grad(GradientEdge(node, k) ..., params, grad_outputs=recorded)``: the engine
-   runs only the weight-side outputs of the boundary nodes and the weight-only subgraphs below
-   them; the caller drops the micro-batch's graph afterwards. (``torch.autograd.backward(...,
-   inputs=params)`` in fact, not ``grad``: the parameters' gradient accumulators add the results
-   into ``p.grad`` and run its post-accumulate hooks, exactly as ``backward()`` does.)
+   ``torch.autograd.backward([GradientEdge(node, k) ...], grad_tensors=recorded, inputs=params)``:
+   the engine runs only the weight-side outputs of the boundary nodes and the weight-only subgraphs
+   below them, and the parameters' own gradient accumulators add the results into ``p.grad`` and
+   run its post-accumulate hooks, exactly as ``backward()`` does; the caller drops the
+   micro-batch's graph afterwards.
 
 When a group has several boundary nodes one of which lies below another on the input chain (a
 parameter used at two depths), a second pre-hook replaces that node's incoming gradient by the
@@ -56,7 +56,7 @@ class WeightGradWork:
         ``only``: run just the groups that hold one of these parameters (their gradients are then
         complete for this micro-batch) and keep the rest for a later call; ``None`` runs every
         group that is left. Each group runs once whatever the split into calls, so the gradients are
-        those of a single call, bit for bit (a group is one ``torch.autograd.grad``)."""
+        those of a single call, bit for bit (a group is one ``torch.autograd.backward(inputs=)``)."""
         if only is None:
             groups, self._groups = self._groups, []
         else:

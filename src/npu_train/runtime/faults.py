@@ -87,6 +87,9 @@ class FaultHook:
             fired = self.fired
             self("backward")
             if self.action == "inf" and self.fired and not fired:
+                if g.is_sparse:  # a cpu card's embedding gradient (StageModule.sparse_embed_grad): its rows
+                    g = g.coalesce()
+                    return torch.sparse_coo_tensor(g.indices(), torch.full_like(g.values(), float("inf")), g.shape)
                 return torch.full_like(g, float("inf"))
             return g
 

@@ -346,7 +346,7 @@ class StageTrainer:
                        # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
                        # all-reduce, grad norm + loss all-reduce, including the wait for the slowest stage)
                        bubble_s=res["wait_s"], collective_s=t2 - t1, tied_s=t_tied,
-                       send_s=res["send_s"],  # (with the previous step's deferred embedding rows)
+                       send_s=res["send_s"],  # optimizer_s: with the previous step's rest of the embedding update
                        optimizer_s=ot["device_optimizer"] + ot["host_optimizer"] + res["deferred_opt_s"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
