@@ -15,26 +15,12 @@ import time
 
 import torch
 
+from npu_train.backends.cpu import CPUBackend
 from npu_train.optim.adamw import StageOptimizer
 
 V, H, I, LAYERS = 49152, 576, 1536, 19
 EMB = "model.embed_tokens.weight"
 
-
-class _CpuBackend:
-    kind = "cpu"
-
-    def device(self):
-        return torch.device("cpu")
-
-    def upload(self, t):
-        return t.detach().clone()
-
-    def download(self, t):
-        return t.detach().clone()
-
-    def synchronize(self):
-        pass
 
 
 def main() -> None:
@@ -50,7 +36,7 @@ def main() -> None:
     rows = torch.unique(torch.randint(0, V, (1024,)))
     for rows_first in (None, EMB):
         params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
-        opt = StageOptimizer(params, init, set(params), _CpuBackend(), lr=1e-4, weight_decay=0.1, rows_first=rows_first)
+        opt = StageOptimizer(params, init, set(params), CPUBackend(), lr=1e-4, weight_decay=0.1, rows_first=rows_first)
         out = []
         for _ in range(5):
             for p in params.values():

@@ -10,23 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npu_train.backends.cpu import CPUBackend
 from npu_train.optim.adamw import StageOptimizer
 
-
-class _CpuBackend:
-    kind = "cpu"
-
-    def device(self):
-        return torch.device("cpu")
-
-    def upload(self, t):
-        return t.detach().clone()
-
-    def download(self, t):
-        return t.detach().clone()
-
-    def synchronize(self):
-        pass
 
 
 INIT = {"a.weight": torch.randn(8, 4, generator=torch.Generator().manual_seed(0)),
@@ -35,7 +21,7 @@ INIT = {"a.weight": torch.randn(8, 4, generator=torch.Generator().manual_seed(0)
 
 def _make(resident, eager, dtype=torch.float32):
     params = {n: torch.nn.Parameter(t.to(dtype).clone()) for n, t in INIT.items()}
-    opt = StageOptimizer(params, INIT, resident, _CpuBackend(), lr=0.1, weight_decay=0.1,
+    opt = StageOptimizer(params, INIT, resident, CPUBackend(), lr=0.1, weight_decay=0.1,
                          layers=[("a", ["a.weight"]), ("b", ["b.weight"])], eager_state=eager)
     return params, opt
 

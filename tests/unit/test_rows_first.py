@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npu_train.backends.cpu import CPUBackend
 from npu_train.optim.adamw import StageOptimizer
 from npu_train.optim.rowsfirst import RowsFirstUpdate
 
@@ -22,21 +23,6 @@ V, H = 300, 24
 EMB = "model.embed_tokens.weight"
 LR, BETAS, EPS, WD, CLIP = 1e-2, (0.9, 0.95), 1e-8, 0.1, 0.37
 
-
-class _CpuBackend:
-    kind = "cpu"
-
-    def device(self):
-        return torch.device("cpu")
-
-    def upload(self, t):
-        return t.detach().clone()
-
-    def download(self, t):
-        return t.detach().clone()
-
-    def synchronize(self):
-        pass
 
 
 def _init():
@@ -73,7 +59,7 @@ def _reference(steps, dtype):
 def test_stage_optimizer_rows_first_equals_one_full_step(dtype):
     init = _init()
     params = {n: torch.nn.Parameter(t.to(dtype).clone()) for n, t in init.items()}
-    opt = StageOptimizer(params, init, set(params), _CpuBackend(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+    opt = StageOptimizer(params, init, set(params), CPUBackend(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                          rows_first=EMB)
     assert opt.row_name == EMB and (EMB in opt.shared) == (dtype == torch.float32)
     steps = 3
@@ -111,7 +97,7 @@ def test_wait_all_finishes_a_pending_update():
     """A checkpoint or an evaluation right after the step sees the whole update."""
     init = _init()
     params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
-    opt = StageOptimizer(params, init, set(params), _CpuBackend(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
+    opt = StageOptimizer(params, init, set(params), CPUBackend(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
                          rows_first=EMB)
     for n, gr in _grads(0, torch.float32).items():
         params[n].grad = gr.clone()
@@ -124,7 +110,7 @@ def test_wait_all_finishes_a_pending_update():
 def test_not_on_an_offloaded_embedding():
     init = _init()
     params = {n: torch.nn.Parameter(t.clone()) for n, t in init.items()}
-    opt = StageOptimizer(params, init, set(params) - {EMB}, _CpuBackend(), lr=LR, rows_first=EMB)
+    opt = StageOptimizer(params, init, set(params) - {EMB}, CPUBackend(), lr=LR, rows_first=EMB)
     assert opt.row_name is None and opt.row_group is None
 
 

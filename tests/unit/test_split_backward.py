@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from npu_train.backends.cpu import CPUBackend
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import StageModule
 from npu_train.pipeline.backward import backward_input
@@ -153,21 +154,6 @@ def test_cut_graph_keeps_each_weight_pass_one_layer_long():
 
 
 
-class _CpuBackend:
-    kind = "cpu"
-
-    def device(self):
-        return torch.device("cpu")
-
-    def upload(self, t):
-        return t.detach().clone()
-
-    def download(self, t):
-        return t.detach().clone()
-
-    def synchronize(self):
-        pass
-
 
 @pytest.mark.parametrize("cut", [False, True])
 def test_weight_pass_fires_accumulation_hooks_as_backward_does(cut):
@@ -199,7 +185,7 @@ def test_bf16_weight_grads_sum_in_fp32_in_the_stage_optimizer(cut):
     mod, ref = _stage(False, torch.bfloat16)
     params = dict(mod.named_parameters())
     opt = StageOptimizer(params, {n: p.detach().float() for n, p in params.items()}, set(params),
-                         _CpuBackend(), lr=0.1)
+                         CPUBackend(), lr=0.1)
     want = {n: torch.zeros(p.shape, dtype=torch.float32) for n, p in params.items()}
     for seed in range(8):
         x0 = torch.randn(2, 8, CFG.hidden_size, generator=torch.Generator().manual_seed(10 + seed)).to(torch.bfloat16)

@@ -88,7 +88,7 @@ class StageRunner:
         #: backward: work that need not delay the next stage's start (StageTrainer.after_first_forward:
         #: the rest of the previous step's rows-first embedding update, the embedding's gradient buffer);
         #: its seconds are reported as ``deferred_opt_s`` and traced as a ``U`` action
-        self.after_first_forward: Optional[Callable[[], float]] = None
+        self.after_first_forward: Optional[Callable[[], None]] = None
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
                  total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
@@ -166,7 +166,6 @@ class StageRunner:
         params = [p for p in self.module.parameters() if p.requires_grad] if split else []
         loss_sum = 0.0
         t_compute = t_wait = t_send = t_deferred = 0.0
-        deferred_done = False
         backwards_left = M
         tr = self.trace
         # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
@@ -201,8 +200,7 @@ class StageRunner:
                 t_send += t3 - t2
                 if tr is not None:
                     tr.append(("F", m, t0, t1, t2, t3))
-                if self.first and self.after_first_forward is not None and not deferred_done:
-                    deferred_done = True
+                if m == 0 and self.first and self.after_first_forward is not None:  # (every schedule starts with F0)
                     u0 = clock()
                     self.after_first_forward()
                     u1 = clock()

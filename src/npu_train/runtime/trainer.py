@@ -358,16 +358,14 @@ class StageTrainer:
                        cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **trace, **backend.step_stats())
         return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
 
-    def after_first_forward(self) -> float:
-        """After the first stage's first forward of a step (StageRunner.after_first_forward): the rest of the
-        previous step's embedding update (optim.rowsfirst), then the embedding's zeroed gradient buffer
-        (StageModule.sparse_embed_grad: rows are added into it). Returns seconds."""
-        t0 = time.perf_counter()
+    def after_first_forward(self) -> None:
+        """After the first stage's first forward of a step (StageRunner.after_first_forward, which times it):
+        the rest of the previous step's embedding update (optim.rowsfirst), then the embedding's zeroed
+        gradient buffer (StageModule.sparse_embed_grad: rows are added into it)."""
         self.opt.finish_rows()
         if self.sparse_embed:
             emb = self.params["model.embed_tokens.weight"]
             emb.grad = torch.zeros_like(emb)
-        return time.perf_counter() - t0
 
     def next_rows(self, step: int) -> Optional[torch.Tensor]:
         """The embedding rows 0-based step ``step + 1`` looks up (None after the last step)."""
