@@ -48,6 +48,10 @@ def test_quick_calibration_gives_positive_finite_rates(quick_cpu):
     assert 100 * 2**20 < r.process_baseline_bytes < 4 * GIB
     det = r.calibration
     assert det["quick"] and det["machine"]["torch"] and det["machine"]["cores_logical"] >= 1
+    # the shapes the figures were measured on (calibrate=true: the model's, reference micro-batch x seq)
+    from npu_train.planner.measure import job_shapes
+
+    assert r.shapes == job_shapes("cpu", True, None) and r.shapes.startswith("layer ")
 
 
 def test_save_load_round_trip(quick_cpu, tmp_path):
@@ -63,6 +67,7 @@ def test_save_load_round_trip(quick_cpu, tmp_path):
     for k in RATE_FIELDS:
         assert getattr(back, k) == pytest.approx(getattr(r, k)), k
     assert back.threads == 1 and back.flops_by_dtype == pytest.approx(r.flops_by_dtype)
+    assert back.shapes == r.shapes and doc["rates"]["shapes"] == r.shapes
     assert back.by_threads[2]["device_flops"] == pytest.approx(2 * r.device_flops)
     # the planner picks the entry of the card process's thread count
     assert back.resolve("fp32", 2).device_flops == pytest.approx(3e10)

@@ -47,9 +47,13 @@ exclusive ``fcntl`` lock on ``<path>.lock``; a launcher that waited for the lock
 profile and reuses what the other one measured. A profile that cannot be read (a torn or
 hand-broken file) is measured again with a warning.
 
-The model behind the rates is not part of the check: the profile's FLOP/s were measured on the
-first job's layer shapes; another model on the same machine reuses them (``calibrate=true`` or
-``placement.calibrate=always`` measures again).
+Shapes: the FLOP/s, ``head_flops_ratio`` and ``split_backward_ratio`` are timed on the job's own layer
+and head (model dims, micro-batch, sequence length) and describe that model only (head ratio: 6.4 for
+a tiny test model, 1.2 for SmolLM2). Each entry records ``shapes`` (:func:`~npu_train.planner.measure.job_shapes`);
+figures at the job's thread count measured on other shapes are ``"partial"``, measured again and replace
+that entry with all its dtypes (other thread counts keep theirs, with their own ``shapes``). A profile
+without the field (older) counts as measured on the job's shapes. :func:`start_early` runs before the
+model is read and does not check shapes: a profile that fits but for them starts its helpers later.
 """
 from __future__ import annotations
 
@@ -77,13 +81,15 @@ from npu_train.planner.machine import (  # cpu_snapshot, others_cores: re-export
 from npu_train.planner.measure import (
     AUTO,
     QUICK,
+    job_shapes,
     measure_at,
     note_load,
     rate_fields,
     reference_shapes,
+    shape_signature,
     warm_imports,
 )
-from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
+from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates, shapes_differ
 from npu_train.planner.spec import PlacementError
 from npu_train.planner.threads import usable_cores
 
@@ -143,16 +149,17 @@ def job_concurrency(cards: Sequence, threads: int, cores: Optional[int] = None) 
 
 
 def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bool = False,
-                   here: Optional[dict] = None, concurrent: int = 1) -> tuple[str, str]:
+                   here: Optional[dict] = None, concurrent: int = 1, shapes: Optional[str] = None) -> tuple[str, str]:
     """(status, why) for the profile at ``path`` and a job of ``kind`` with ``threads`` torch
     threads per card process in ``dtype``. Status: ``"ok"`` (fits), ``"missing"``, ``"corrupt"``
     (unreadable), ``"stale"`` (another machine, profile version or quick-ness: replaced) or
     ``"partial"`` (this machine, but no figures for the thread count or dtype, or no measured
     process baseline, or (cpu) figures measured with another number of processes at once than
-    ``concurrent``: the measurement is merged in).
+    ``concurrent``, or on other shapes than ``shapes``: the measurement is merged in).
 
     ``quick``: only a quick (test) profile is ok, and only a full one otherwise. ``here``: this
-    machine's fingerprint (default :func:`here_fingerprint`)."""
+    machine's fingerprint (default :func:`here_fingerprint`). ``shapes``: the job's
+    :func:`~npu_train.planner.measure.job_shapes` (``None``: not checked; unknown ones fit)."""
     if not path.is_file():
         return "missing", "first run on this machine"
     try:
@@ -173,6 +180,9 @@ def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bo
         t = int(threads)
         if t not in rates.measured_threads():
             return "partial", f"no figures for {t} thread(s)"
+        if shapes_differ(rates.shapes_at(t), shapes):
+            return "partial", (f"figures at {t} thread(s) measured on other shapes ({rates.shapes_at(t)}), "
+                               f"the job's are {shapes}")
         entry = rates.by_threads.get(t) if t != rates.threads else None
         dts = entry.get("flops_by_dtype", {}) if isinstance(entry, dict) else rates.flops_by_dtype
         if dtype not in dts:
@@ -183,6 +193,8 @@ def profile_status(path: Path, kind: str, threads: int, dtype: str, *, quick: bo
                                f"the job runs {int(concurrent)}")
         if not quick and "process_baseline_bytes" in rates.assumed_fields():
             return "partial", "no measured process baseline"
+    elif shapes_differ(rates.shapes, shapes):
+        return "partial", f"figures measured on other shapes ({rates.shapes}), the job's are {shapes}"
     elif dtype not in rates.flops_by_dtype:
         return "partial", f"no {dtype} figures"
     return "ok", "cached"
@@ -240,11 +252,12 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     helper) in its own subprocess: alongside the figures when the job leaves a core free, else
     before them.
 
-    The entry holds ``"concurrent"``; the details hold ``concurrent``, ``load_pids``,
-    ``load_steps`` (each helper's steps per work), ``load_head_start_seconds`` (how long before
-    this call :func:`start_early` started them), ``load_wait_seconds`` (seconds spent waiting
-    for the helpers to be ready: what an early start did not hide), ``measure_seconds`` and
-    ``seconds`` (wall seconds from this call to the end of the figures / of everything).
+    The entry holds ``"concurrent"`` and ``"shapes"`` (the layer and head measured); the details
+    hold ``concurrent``, ``load_pids``, ``load_steps`` (each helper's steps per work),
+    ``load_head_start_seconds`` (how long before this call :func:`start_early` started them),
+    ``load_wait_seconds`` (seconds spent waiting for the helpers to be ready: what an early start
+    did not hide), ``measure_seconds`` and ``seconds`` (wall seconds from this call to the end of
+    the figures / of everything).
 
     Raises:
         RuntimeError: a helper process did not start (the figures are not measured)."""
@@ -295,26 +308,29 @@ def measure_for_job(kind: str, index: Optional[int], threads: int, dtype: str, *
     details.update(load_pids=load.pids, load_steps=load.steps, measured=m)
     details["seconds"] = round(time.perf_counter() - t0, 2)
     details["machine"] = machine_info(kind, backend)
-    return dict(rate_fields(m), concurrent=conc), baseline, details
+    return dict(rate_fields(m), concurrent=conc, shapes=shape_signature(layer, head)), baseline, details
 
 
 def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
             baseline: Optional[int]) -> tuple[Rates, list[str]]:
     """The profile's :class:`Rates` with ``entry`` (measured at ``threads``) merged in: a profile of
-    this machine (``status`` ``"partial"``) keeps its other thread counts and dtypes; otherwise a
-    new one. The top level stays the profile's largest measured count. Also returns
-    the fields left at their assumed default (the process baseline when not measured)."""
+    this machine (``status`` ``"partial"``) keeps its other thread counts (each with its own
+    ``concurrent`` and ``shapes``) and, at ``threads``, its other dtypes unless measured at another
+    concurrency or on other (known) shapes than ``entry``; otherwise a new profile. The top level
+    stays the largest measured count. Also returns the fields left at their assumed default."""
     keep = status == "partial"
     old = load_rates(kind, path) if keep else None
     t = int(threads) if kind == "cpu" else 0
     counts: dict[int, dict] = {}
     if old is not None:
         counts = {int(u): dict(e) for u, e in old.by_threads.items()}
-        top = {k: getattr(old, k) for k in entry if k != "flops_by_dtype"}
+        top = {k: getattr(old, k) for k in {*entry, "concurrent", "shapes"} if k != "flops_by_dtype"}
         counts[int(old.threads)] = dict(top, flops_by_dtype=dict(old.flops_by_dtype))
     prev = counts.get(t, {})
     if int(prev.get("concurrent", 1)) != int(entry.get("concurrent", 1)):
         prev = {}  # figures of another concurrency (e.g. another dtype's) no longer fit the count
+    if shapes_differ(prev.get("shapes"), entry.get("shapes")):
+        prev = {}  # nor figures of another model's (or micro-batch's) shapes: ratios and all dtypes
     new = dict(prev, **entry)
     new["flops_by_dtype"] = {**prev.get("flops_by_dtype", {}), **entry["flops_by_dtype"]}
     counts[t] = new
@@ -374,7 +390,8 @@ def _ensure(kind, index, *, threads, dtype, mode, quick, model_cfg, model_path, 
         return {"path": str(path), "calibrated": False, "why": "placement.calibrate=never"}
     here = here_fingerprint(kind, index)
     conc = max(1, int(concurrent)) if kind == "cpu" else 1
-    status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here, concurrent=conc)
+    want = job_shapes(kind, quick, model_cfg, batch_seq)
+    status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here, concurrent=conc, shapes=want)
     if status == "ok" and mode == "auto":
         return {"path": str(path), "calibrated": False, "why": why}
     mtime = path.stat().st_mtime_ns if path.is_file() else None
@@ -382,7 +399,7 @@ def _ensure(kind, index, *, threads, dtype, mode, quick, model_cfg, model_path, 
         if not held:
             log(f"warning: waited {LOCK_TIMEOUT_S:g} s for another launcher's calibration "
                 f"({path}.lock); measuring without the lock")
-        status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here, concurrent=conc)
+        status, why = profile_status(path, kind, threads, dtype, quick=quick, here=here, concurrent=conc, shapes=want)
         changed = path.is_file() and path.stat().st_mtime_ns != mtime
         if status == "ok" and (mode == "auto" or changed):  # another launcher measured meanwhile
             return {"path": str(path), "calibrated": False, "why": "measured by another launcher"}
@@ -430,7 +447,8 @@ def start_early(cards: Sequence, configured: str, *, threads: int, dtype: str,
     by :func:`measure_for_job` through ``auto_calibrate(..., early=)``). The caller closes the
     result on every path (a context manager); a helper whose launcher dies exits by itself.
 
-    ``path``: the profile (default :func:`~npu_train.planner.rates.calibration_path`).
+    ``path``: the profile (default :func:`~npu_train.planner.rates.calibration_path`). The
+    model is not read yet, so the profile's shapes are not checked (module docstring, "Shapes").
 
     Raises:
         ConfigError: an unknown mode.

@@ -75,6 +75,12 @@ automatic first-run calibration (:mod:`npu_train.planner.autocal`) measures unde
 concurrency, and a ``concurrent: 1`` profile does not satisfy a job of several cpu card processes:
 its first launch measures the job's thread count again under load.
 
+Shapes: the profile records the layer and head shapes its figures were measured on (``shapes``,
+:func:`~npu_train.planner.measure.shape_signature`: the model's, at the reference micro-batch and
+sequence length, cpu 2x128); a job on other shapes (another model, micro-batch or sequence length)
+measures its thread count again on its own on its first launch
+(:func:`npu_train.planner.autocal.profile_status`).
+
 ``quick=True`` shrinks every size (for tests): positive, finite, but not meaningful figures.
 """
 from __future__ import annotations
@@ -245,6 +251,7 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         split_backward_ratio=float(top.get("split_backward_ratio", 1.0)),
         process_baseline_bytes=float(baseline), threads=top_t,
         flops_by_dtype=dict(top["flops_by_dtype"]), by_threads=by_threads,
+        shapes=str((top.get("shapes") or {}).get("signature", "")),
     )
     for k in ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s"):
         v = getattr(rates, k)
@@ -279,6 +286,7 @@ def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = 
         "process_baseline_bytes": int(rates.process_baseline_bytes),
         "threads": int(rates.threads),
         "concurrent": int(rates.concurrent),
+        "shapes": str(rates.shapes),
         "flops_by_dtype": dict(rates.flops_by_dtype),
         "by_threads": {str(t): v for t, v in rates.by_threads.items()},
     }
@@ -310,7 +318,7 @@ def _parse_kind(entry: str) -> tuple[str, Optional[int]]:
 
 
 def _fmt_rates(kind: str, r: Rates) -> list[str]:
-    rows = [f"  {'threads':<26} {r.threads or '-'}"]
+    rows = [f"  {'threads':<26} {r.threads or '-'}", f"  {'measured on':<26} {r.shapes or '-'}"]
     rows.append(f"  {'device_flops':<26} {r.device_flops / 1e9:10.1f} GFLOP/s (training, "
                 + ", ".join(f"{d} {v / 1e9:.1f}" for d, v in sorted(r.flops_by_dtype.items())) + ")")
     mm = (getattr(r, "calibration", {}) or {}).get("by_threads", {}).get(str(r.threads)) \

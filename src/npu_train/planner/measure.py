@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 __all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "timed_pairs", "planner_dtype",
            "torch_dtype",
-           "measure_at", "reference_shapes", "slower", "best_of",
+           "measure_at", "reference_shapes", "shape_signature", "job_shapes", "slower", "best_of",
            "note_load", "rate_fields", "warm_imports"]
 
 #: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
@@ -374,6 +374,22 @@ def reference_shapes(kind: str, quick: bool, model_cfg,
     return layer, head, what
 
 
+def shape_signature(layer: tuple, head: tuple) -> str:
+    """The profile's ``shapes`` text for benchmark shapes ``layer`` (hidden, intermediate, heads,
+    kv heads, micro-batch, seq) and ``head`` (vocab, hidden, tokens), e.g. ``"layer 576x1536
+    heads 9/3 b2 s128, head 49152x576 t256"``: figures measured on other shapes do not fit."""
+    H, I, a, kv, b, S = (int(x) for x in layer)
+    V, Hh, tok = (int(x) for x in head)
+    return f"layer {H}x{I} heads {a}/{kv} b{b} s{S}, head {V}x{Hh} t{tok}"
+
+
+def job_shapes(kind: str, quick: bool, model_cfg, batch_seq: Optional[tuple[int, int]] = None) -> str:
+    """:func:`shape_signature` of the shapes :func:`reference_shapes` gives a job (what its
+    calibration measures on)."""
+    layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
+    return shape_signature(layer, head)
+
+
 def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optional[LoopBounds] = None,
                dtypes: Optional[tuple] = None, matmul: bool = True,
                batch_seq: Optional[tuple[int, int]] = None,
@@ -413,7 +429,8 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     dts = tuple(dtypes) if dtypes else (main, "bf16" if main == "fp32" else "fp32")
     out: dict = {"flops_by_dtype": {}, "matmul_flops_by_dtype": {},
                  "shapes": {"layer_H_I_heads_kv_b_s": list(dims),
-                            "head_V_H_tokens": list(head_shape), "source": what}}
+                            "head_V_H_tokens": list(head_shape), "source": what,
+                            "signature": shape_signature(dims, head_shape)}}
     secs: dict = {}
     out["seconds"] = secs  # wall seconds per figure, set-up included
 
@@ -469,10 +486,14 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
 
 def rate_fields(m: dict) -> dict:
     """The :class:`~npu_train.planner.rates.Rates` fields of one :func:`measure_at` result, as a
-    profile's ``by_threads`` entry (floats; ``flops_by_dtype`` included)."""
+    profile's ``by_threads`` entry (floats; ``flops_by_dtype`` included; ``shapes``: the
+    :func:`shape_signature` measured on, when recorded)."""
     keys = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
             "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
     out = {k: float(m[k]) for k in keys if k in m}
     out["flops_by_dtype"] = {k: float(v) for k, v in m["flops_by_dtype"].items()}
+    sig = (m.get("shapes") or {}).get("signature")
+    if sig:
+        out["shapes"] = str(sig)
     return out
 

@@ -25,6 +25,14 @@ same kind of work at once while its figures were measured (missing: 1, a profile
 the field). :meth:`Rates.resolve` keeps the chosen count's ``concurrent`` and labels its measured
 figures ``"measured, N processes at once"`` when N > 1.
 
+Shapes. ``device_flops``/``flops_by_dtype``, ``head_flops_ratio`` and ``split_backward_ratio``
+are timed on the job's own decoder layer and head (:func:`npu_train.planner.measure.reference_shapes`:
+the model's dims, micro-batch and sequence length), so they describe that model: a tiny test model's
+head runs at 6x a layer's FLOP/s where SmolLM2's runs at 1.2x. The top level and each
+``by_threads`` entry record ``shapes`` (:func:`npu_train.planner.measure.shape_signature`), and
+:meth:`Rates.resolve` keeps the chosen count's. ``""`` (a profile written before the field) means
+unknown and is taken to fit any job (:func:`npu_train.planner.autocal.profile_status`).
+
 Limits of rule 2: it is linear, so it is optimistic above the largest measured count (more
 threads gain less than linearly: memory bandwidth, shared caches, SMT siblings, and an OpenMP team
 stalls while one of its threads is descheduled) and conservative below the smallest one. Threads
@@ -46,7 +54,7 @@ from npu_train.hardware import GIB, KINDS
 from npu_train.planner.spec import PlacementError
 
 __all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "CONCURRENT_FIELDS", "calibration_path",
-           "load_rates"]
+           "load_rates", "shapes_differ"]
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
 RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
@@ -98,6 +106,9 @@ class Rates:
             counts (see :meth:`resolve`); an entry may hold ``"concurrent"`` (int) too.
         concurrent: processes that ran the same kind of work at once while the top level's
             figures were measured (1: alone; module docstring, "Concurrency").
+        shapes: the layer and head shapes the top level's figures were measured on
+            (:func:`~npu_train.planner.measure.shape_signature`; ``""``: unknown; module
+            docstring, "Shapes"). A ``by_threads`` entry may hold its own ``"shapes"``.
         sources: field name -> where its figure comes from: ``"measured"`` (the calibration
             profile ``origin``), ``"assumed"`` (:data:`DEFAULT_RATES`), ``"scaled from N
             threads"`` (:meth:`resolve`'s rule 2) or any other text (e.g. ``"fitted: <record>"``);
@@ -120,6 +131,7 @@ class Rates:
     sources: dict = field(default_factory=dict)
     origin: str = ""
     concurrent: int = 1
+    shapes: str = ""
 
     def source(self, name: str) -> str:
         """Where field ``name``'s figure comes from (see ``sources``; default ``"assumed"``)."""
@@ -153,6 +165,14 @@ class Rates:
             return int(entry.get("concurrent", 1))
         return int(self.concurrent)
 
+    def shapes_at(self, t: int) -> str:
+        """The shapes behind the figures measured at ``t`` threads (the ``by_threads`` entry's
+        ``shapes``, else ``""``; the top level's count: :attr:`shapes`)."""
+        entry = self.by_threads.get(t, self.by_threads.get(str(t)))
+        if isinstance(entry, dict) and int(t) != int(self.threads):
+            return str(entry.get("shapes", ""))
+        return str(self.shapes)
+
     def _figures_at(self, t: int) -> tuple[dict, dict]:
         """(numeric fields, flops_by_dtype) measured at ``t`` threads (``t`` must be measured)."""
         base = {k: float(getattr(self, k)) for k in RATE_NUMBERS}
@@ -177,8 +197,9 @@ class Rates:
         ``device_flops`` becomes that dtype's figure.
 
         Returns:
-            A new :class:`Rates` with ``by_threads`` empty and ``threads`` = the count the figures
-            are for (``threads`` when a count was known, else ``self.threads``).
+            A new :class:`Rates` with ``by_threads`` empty, ``threads`` = the count the figures
+            are for (``threads`` when a count was known, else ``self.threads``), and that
+            count's ``concurrent`` and ``shapes``.
         """
         t = int(threads) if threads else 0
         counts = self.measured_threads()
@@ -193,12 +214,12 @@ class Rates:
                     sources[k] = f"{self.source(k)}, scaled from {c} thread(s)"
                 by_dtype = {d: v * f for d, v in by_dtype.items()}
             out_t = t
-            conc = self.concurrent_at(c)
+            conc, shapes = self.concurrent_at(c), self.shapes_at(c)
         else:
             base, by_dtype = self._figures_at(self.threads) if self.threads else (
                 {k: float(getattr(self, k)) for k in RATE_NUMBERS}, dict(self.flops_by_dtype))
             out_t = self.threads
-            conc = int(self.concurrent)
+            conc, shapes = int(self.concurrent), self.shapes
         if conc > 1:
             for k in CONCURRENT_FIELDS:
                 src = sources.get(k, "")
@@ -209,7 +230,7 @@ class Rates:
         elif dtype is not None and by_dtype and sources.get("device_flops"):
             sources["device_flops"] += f" for {'/'.join(sorted(by_dtype))}, not {dtype}"
         return Rates(**base, threads=out_t, flops_by_dtype=by_dtype, sources=sources,
-                     origin=self.origin, concurrent=conc)
+                     origin=self.origin, concurrent=conc, shapes=shapes)
 
 
 #: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
@@ -277,8 +298,9 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
 
     The profile is a JSON object whose keys (top level, or under ``"rates"``) are :class:`Rates`
     field names with numbers as values (``flops_by_dtype``: an object of numbers; ``by_threads``:
-    an object ``{"<threads>": {field: number}}``); other keys are ignored, missing ones keep the
-    default. :func:`npu_train.planner.calibrate.save_profile` writes this format.
+    an object ``{"<threads>": {field: number}}``; ``shapes``: a string, at the top level and in
+    an entry); other keys are ignored, missing ones keep the default.
+    :func:`npu_train.planner.calibrate.save_profile` writes this format.
 
     Raises:
         ValueError: unknown ``kind``.
@@ -290,7 +312,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     d = DEFAULT_RATES[kind]
     values = {k: getattr(d, k) for k in RATE_NUMBERS}
     n_threads, by_dtype, by_threads = d.threads, dict(d.flops_by_dtype), dict(d.by_threads)
-    concurrent = d.concurrent
+    concurrent, shapes = d.concurrent, d.shapes
     path = Path(profile_path) if profile_path is not None else calibration_path(kind)
     sources, origin = dict(d.sources), ""
     if path.is_file():
@@ -317,6 +339,8 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
             n_threads = int(_profile_number(path, "threads", data["threads"], True))
         if "concurrent" in data:
             concurrent = max(1, int(_profile_number(path, "concurrent", data["concurrent"], False)))
+        if isinstance(data.get("shapes"), str):
+            shapes = data["shapes"]
         if isinstance(data.get("flops_by_dtype"), dict):
             by_dtype = {str(dt): _profile_number(path, f"flops_by_dtype.{dt}", v, False)
                         for dt, v in data["flops_by_dtype"].items()}
@@ -334,7 +358,16 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                 if "concurrent" in entry:
                     e["concurrent"] = max(1, int(_profile_number(path, f"by_threads.{t}.concurrent",
                                                                  entry["concurrent"], False)))
+                if isinstance(entry.get("shapes"), str):
+                    e["shapes"] = entry["shapes"]
                 by_threads[int(t)] = e
     rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads,
-                  sources=sources, origin=origin, concurrent=concurrent)
+                  sources=sources, origin=origin, concurrent=concurrent, shapes=shapes)
     return rates if threads is None else rates.resolve(threads=threads)
+
+
+def shapes_differ(have: Optional[str], want: Optional[str]) -> bool:
+    """Whether figures measured on shapes ``have`` do not fit a job on ``want`` (both
+    :func:`~npu_train.planner.measure.shape_signature` texts): only when both are known
+    (``""``/``None``: unknown, fits) and differ."""
+    return bool(have) and bool(want) and str(have) != str(want)

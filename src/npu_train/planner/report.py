@@ -84,8 +84,9 @@ _RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", 
 
 def rate_sources(plan: Plan) -> list[str]:
     """One line per card kind: every rate the step time and memory use, with where it comes from
-    (``measured`` = this machine's calibration profile, named with its date at the line's end;
-    ``assumed`` = the planner's default; ``scaled from N thread(s)``; ``fitted: ...``)."""
+    (``measured`` = this machine's calibration profile, named with its date and the model shapes it
+    was measured on at the line's end; ``assumed`` = the planner's default; ``scaled from N
+    thread(s)``; ``fitted: ...``)."""
     out, seen = [], set()
     for st, rt in zip(plan.stages, plan.rates or []):
         k = st.card.kind
@@ -108,7 +109,8 @@ def rate_sources(plan: Plan) -> list[str]:
             parts.append(f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}"
                          f"{' ' + unit if unit else ''} [{src}]")
         measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
-        where = (f"measured = calibration profile {rt.origin}" if measured and rt.origin
+        on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
+        where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
                  else "no calibration profile: assumed defaults (placement.calibrate=auto measures "
                       "them on a training run's first launch)")
         out.append(f"rates {k}" + (f" at {rt.threads} thread(s)" if rt.threads else "") + ": "
