@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .config import LlamaConfig
+from .headops import IGNORE_INDEX, HeadLinear, cross_entropy_sum
 
 __all__ = [
     "RMSNorm",
@@ -42,7 +43,6 @@ __all__ = [
     "full_model",
 ]
 
-IGNORE_INDEX = -100
 
 
 # ----------------------------------------------------------------------------------------------
@@ -305,7 +305,7 @@ class StageModule(nn.Module):
         )
         if has_head:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            self.lm_head = HeadLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.reset_parameters()
         if has_head and has_embed and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -324,6 +324,18 @@ class StageModule(nn.Module):
     def sparse_embed_grad(self, on: bool) -> None:
         if self.has_embed:
             self.model.embed_tokens.sparse = bool(on)
+
+    @property
+    def fused_head(self) -> bool:
+        """Whether the head accumulates its weight gradient inside the matmul and the stage's loss uses the
+        one-pass cross-entropy (:mod:`npu_train.model.headops`; same values to rounding). The trainer sets
+        it on the kinds of :data:`npu_train.hardware.FUSED_HEAD_KINDS`. Default False (plain torch ops)."""
+        return bool(self.has_head and self.lm_head.fused_grad)
+
+    @fused_head.setter
+    def fused_head(self, on: bool) -> None:
+        if self.has_head:
+            self.lm_head.fused_grad = bool(on)
 
     # -- init / bookkeeping ------------------------------------------------------------------
     @torch.no_grad()
@@ -423,18 +435,23 @@ def full_model(cfg: LlamaConfig) -> StageModule:
     return StageModule(cfg, 0, cfg.num_layers, True, True)
 
 
-def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
+def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
+                       fused: bool = False) -> tuple[torch.Tensor, int]:
     """Summed next-token cross-entropy.
 
     Args:
         logits: [B,S,V] (fp32 expected; upcast otherwise).
         labels: [B,S] int64, *already shifted*: ``labels[b,t]`` is the target of position ``t``;
             ``-100`` marks positions that do not count.
+        fused: use :func:`npu_train.model.headops.cross_entropy_sum` (one-pass backward, same value to
+            rounding) instead of ``F.cross_entropy`` (``StageModule.fused_head`` stages).
     Returns:
         ``(loss_sum, n_tokens)``: fp32 scalar tensor (differentiable) = sum of the token losses,
         and the python int number of counted tokens (0 -> ``loss_sum == 0``).
     """
     V = logits.shape[-1]
+    if fused:
+        return cross_entropy_sum(logits.reshape(-1, V), labels.reshape(-1)), int((labels != IGNORE_INDEX).sum().item())
     loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1),
                            ignore_index=IGNORE_INDEX, reduction="sum")
     n = int((labels != IGNORE_INDEX).sum().item())

@@ -13,8 +13,7 @@ from statistics import median
 from typing import Callable, Optional
 
 __all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "timed_pairs", "planner_dtype",
-           "torch_dtype",
-           "measure_at", "reference_shapes", "shape_signature", "job_shapes", "slower", "best_of",
+           "torch_dtype", "measure_at", "reference_shapes", "shape_signature", "job_shapes", "slower", "best_of",
            "note_load", "rate_fields", "warm_imports"]
 
 #: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
@@ -195,23 +194,25 @@ def _head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
 
 
 def _head_step(backend, dtype_name: str, vocab: int, hidden: int, tokens: int) -> tuple[Callable[[], None], float]:
-    """(the trainer's head path forward + backward on ``tokens`` tokens, its FLOPs ``6 * tokens * V * H``)."""
+    """(the trainer's head path forward + backward on ``tokens`` tokens, its FLOPs ``6 * tokens * V * H``;
+    fused as the trainer's on :data:`~npu_train.hardware.FUSED_HEAD_KINDS`: ``model.headops``)."""
     import torch
-
-    from npu_train.model.llama import RMSNorm, causal_lm_loss_sum
+    from npu_train.hardware import FUSED_HEAD_KINDS
+    from npu_train.model.llama import HeadLinear, RMSNorm, causal_lm_loss_sum
 
     dt = torch_dtype(dtype_name)
     dev = backend.device()
+    fused = backend.kind in FUSED_HEAD_KINDS
     with backend.alloc_lock():
         norm = RMSNorm(hidden).to(dtype=dt).to(dev)
-        head = torch.nn.Linear(hidden, vocab, bias=False).to(dtype=dt).to(dev)
+        head = HeadLinear(hidden, vocab).to(dtype=dt).to(dev)
+        head.fused_grad = fused
         x = torch.randn(1, tokens, hidden, dtype=dt, device=dev, requires_grad=True)
         labels = torch.randint(0, vocab, (1, tokens), device=dev)
 
     def step() -> None:
         with backend.alloc_lock():
-            loss, _ = causal_lm_loss_sum(head(norm(x)).float(), labels)
-            loss.backward()
+            causal_lm_loss_sum(head(norm(x)).float(), labels, fused=fused)[0].backward()
 
     return step, 6.0 * tokens * vocab * hidden
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from npu_train.hardware import SPARSE_EMBED_GRAD_KINDS
+from npu_train.hardware import FUSED_HEAD_KINDS, SPARSE_EMBED_GRAD_KINDS
 from npu_train.runtime.spec import WorkerSpec
 
 
@@ -17,7 +17,8 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     """Build this stage's module on the card and its fp32 masters from the model file (own tensors only).
 
     Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
-    ``dtype`` on ``backend.device()``, and a dict of HF name -> fp32 CPU master tensor. A GGUF model's
+    ``dtype`` on ``backend.device()`` (``fused_head`` on the kinds of
+    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), and a dict of HF name -> fp32 CPU master tensor. A GGUF model's
     tensors are read at the offsets of ``spec.model_index`` (the launcher's parse), not by parsing the file.
     """
     from npu_train.model.config import LlamaConfig
@@ -37,6 +38,7 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     if track is not None:
         for p in module.parameters():
             track(p)
+    module.fused_head = spec.card.kind in FUSED_HEAD_KINDS  # the head's fused weight gradient and loss
     masters = load_tensors(spec.model_path, cfg, module.param_names(), index=spec.model_index)
     check_finite_weights(masters, spec.model_path)
     with torch.no_grad():
