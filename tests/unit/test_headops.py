@@ -142,6 +142,8 @@ def test_split_backward_of_the_fused_head_equals_its_full_backward(cut):
             work.run()
         n_lin = 2 * 7 + 1
         assert _mm_count(prof_b) == n_lin and _mm_count(prof_w) == n_lin
+        in_place = sum(e.count for e in prof_w.key_averages() if e.key == "aten::addmm_")
+        assert in_place == (seed == 6)  # the head's dW goes into .grad once there is one
     for (n, p), q, r in zip(split.named_parameters(), full.parameters(), plain.parameters()):
         assert torch.equal(p.grad, q.grad), n
         torch.testing.assert_close(p.grad, r.grad, rtol=1e-5, atol=1e-7, msg=n)
@@ -166,3 +168,37 @@ def test_tied_single_stage_fused_head_with_sparse_embedding_rows():
     for (n, p), q in zip(mods[0].named_parameters(), mods[1].parameters()):
         assert not q.grad.is_sparse, n  # rounding only: 1e-6 of the gradient's scale (fp32 sums of ~50 terms)
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-6 * float(p.grad.abs().max()), msg=n)
+
+
+def test_fused_head_falls_back_where_the_sum_must_not_show():
+    """``autograd.grad`` returns the micro-batch's gradient and leaves ``.grad`` alone; a tensor hook on the
+    weight sees each micro-batch's gradient, not the running sum (both as for ``nn.Linear``)."""
+    torch.manual_seed(8)
+    head = HeadLinear(16, 50)
+    head.fused_grad = True
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+    head(x1).sum().backward()
+    before = head.weight.grad.clone()
+    (dw,) = torch.autograd.grad(head(x2).sum(), [head.weight])
+    torch.testing.assert_close(dw, torch.ones(4, 50).t() @ x2, rtol=1e-6, atol=1e-6)
+    assert torch.equal(head.weight.grad, before)
+    seen = []
+    head.weight.register_hook(lambda g: seen.append(g.clone()) or 0.5 * g)
+    head(x2).sum().backward()
+    torch.testing.assert_close(seen[0], torch.ones(4, 50).t() @ x2, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(head.weight.grad, before + 0.5 * seen[0], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_head_accumulates_inside_the_matmul(fused):
+    """From the second micro-batch on the fused head's weight gradient is one ``addmm_`` into ``.grad``;
+    the plain head makes ``mm`` then adds."""
+    torch.manual_seed(9)
+    head = HeadLinear(16, 50)
+    head.fused_grad = fused
+    x = torch.randn(4, 16, requires_grad=True)
+    head(x).sum().backward()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        head(x).sum().backward()
+    keys = {e.key: e.count for e in prof.key_averages()}
+    assert (keys.get("aten::addmm_", 0) == 1) == fused

@@ -11,7 +11,9 @@ the cross-entropy ~19 ms, against ~29 ms for a decoder layer's forward + backwar
    :class:`HeadWeightGrad`, whose backward does the ``addmm_`` into the existing fp32 ``.grad`` and hands
    that same tensor back to autograd with ``.grad`` cleared: the parameter's gradient accumulator
    then takes it as is (torch steals a gradient it holds the only reference to) and runs the
-   post-accumulate hooks once per micro-batch, as for any parameter. The input side is the plain
+   post-accumulate hooks once per micro-batch, as for any parameter. Only when that accumulator runs
+   in this backward and nothing else must see the micro-batch's own gradient
+   (:func:`_accumulates_in_place`); otherwise the plain product. The input side is the plain
    ``F.linear(x, W.detach())``. A zero-cost node (:class:`JoinGrad`) joins the two, so the
    split backward (:mod:`npu_train.pipeline.backward`) sees an ordinary boundary node: its B pass
    computes only ``g W`` and its W pass only the weight side.
@@ -31,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 __all__ = ["HeadLinear", "HeadWeightGrad", "JoinGrad", "cross_entropy_sum", "IGNORE_INDEX"]
 
@@ -40,12 +43,24 @@ IGNORE_INDEX = -100
 
 def _accumulates_in_place(grad, weight: torch.Tensor) -> bool:
     """Whether ``weight.grad`` (``grad``) can take ``g^T x`` by ``addmm_``: a dense contiguous fp32
-    accumulator of the weight's shape and device, no double backward. A bf16 weight's ``.grad`` is folded
-    into an fp32 accumulator and freed by a hook after each micro-batch (``optim.adamw``), so it is
-    ``None`` here and the plain product is returned."""
-    return (grad is not None and grad.dtype == torch.float32 and weight.dtype == torch.float32
+    accumulator of the weight's shape and device, no double backward, no tensor hook on the weight (it
+    must see this micro-batch's gradient, not the sum), and this backward runs the weight's gradient
+    accumulator (``backward()`` / ``autograd.backward(inputs=)``; not ``autograd.grad``, which returns the
+    gradient instead). A bf16 weight's ``.grad`` is folded into an fp32 accumulator and freed by a hook
+    after each micro-batch (``optim.adamw``), so it is ``None`` here and the plain product is returned."""
+    if not (grad is not None and grad.dtype == torch.float32 and weight.dtype == torch.float32
             and grad.layout == torch.strided and not grad.is_sparse and grad.is_contiguous()
-            and grad.shape == weight.shape and grad.device == weight.device and not torch.is_grad_enabled())
+            and grad.shape == weight.shape and grad.device == weight.device and not torch.is_grad_enabled()):
+        return False
+    if getattr(weight, "_backward_hooks", None):
+        return False
+    will_run = getattr(torch._C, "_will_engine_execute_node", None)  # what torch.autograd.graph's hooks use
+    if will_run is None:
+        return False
+    try:
+        return bool(will_run(get_gradient_edge(weight).node))
+    except RuntimeError:  # not inside an engine run
+        return False
 
 
 class HeadWeightGrad(torch.autograd.Function):
@@ -97,7 +112,14 @@ class HeadLinear(nn.Linear):
     :attr:`fused_grad` set (the trainer sets it on cpu and cuda cards:
     :data:`npu_train.hardware.FUSED_HEAD_KINDS`), grad mode on and a trained weight, the product's
     two sides are separate autograd nodes (module docstring); otherwise it is ``nn.Linear.forward``.
-    The parameter is still ``weight`` and module hooks run as for ``nn.Linear``."""
+    The parameter is still ``weight`` and module hooks run as for ``nn.Linear``.
+
+    Limits of the fused path (the trainer meets none of them): no second-order gradient w.r.t. the
+    weight (``create_graph``: the input side sees ``W.detach()``); a reference to ``weight.grad`` kept
+    across micro-batches makes autograd copy the tensor back instead of taking it (correct, but that
+    reference then goes stale and the copy costs a pass); on a stage holding a tied embedding with
+    sparse rows, the rows and the head's sum meet in autograd's input buffer, which adds them into a
+    new tensor (one dense pass per micro-batch, values unchanged)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)

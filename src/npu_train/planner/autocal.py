@@ -49,7 +49,8 @@ hand-broken file) is measured again with a warning.
 
 Shapes: the FLOP/s, ``head_flops_ratio`` and ``split_backward_ratio`` are timed on the job's own layer
 and head (model dims, micro-batch, sequence length) and describe that model only (head ratio: 6.4 for
-a tiny test model, 1.2 for SmolLM2). Each entry records ``shapes`` (:func:`~npu_train.planner.measure.job_shapes`);
+a tiny test model, 1.2 for SmolLM2). Each entry records ``shapes`` (:func:`~npu_train.planner.measure.job_shapes`:
+the model's dims; the micro-batch and sequence length are not part of it, or a sweep over them re-measures at every launch);
 figures at the job's thread count measured on other shapes are ``"partial"``, measured again and replace
 that entry with all its dtypes (other thread counts keep theirs, with their own ``shapes``). A profile
 without the field (older) counts as measured on the job's shapes. :func:`start_early` runs before the
@@ -330,7 +331,7 @@ def _merged(kind: str, path: Path, status: str, entry: dict, threads: int,
     if int(prev.get("concurrent", 1)) != int(entry.get("concurrent", 1)):
         prev = {}  # figures of another concurrency (e.g. another dtype's) no longer fit the count
     if shapes_differ(prev.get("shapes"), entry.get("shapes")):
-        prev = {}  # nor figures of another model's (or micro-batch's) shapes: ratios and all dtypes
+        prev = {}  # nor figures of another model's shapes: ratios and all dtypes
     new = dict(prev, **entry)
     new["flops_by_dtype"] = {**prev.get("flops_by_dtype", {}), **entry["flops_by_dtype"]}
     counts[t] = new

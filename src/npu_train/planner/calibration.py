@@ -121,8 +121,11 @@ __all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "threa
 #: a version-1 profile read the head at 0.71-0.83x a layer's FLOP/s where it now reads ~1.2x
 #: (experiments/2026-12-01-bench-run6.md), so it is recalibrated. 3: adds split_backward_ratio (the
 #: zero-bubble split's cost per layer, experiments/2026-12-01-bench-run7.md); without it a zb plan
-#: assumed 1.0 and put a layer too many on the stages that split
-PROFILE_VERSION = 3
+#: assumed 1.0 and put a layer too many on the stages that split. 4: entries record the model shapes they
+#: were measured on (``shapes``), and the lm_head figure is timed on the fused head of cpu/cuda cards
+#: (model/headops.py, experiments/2026-12-02-head.md); older profiles (which may hold another model's
+#: ratios: a profile without ``shapes`` fits any job) are measured again once
+PROFILE_VERSION = 4
 
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:

@@ -75,6 +75,7 @@ def _work(spec: dict) -> dict:
     import torch
 
     from npu_train.model.config import LlamaConfig
+    from npu_train.model.headops import HeadLinear
     from npu_train.model.llama import DecoderLayer, RMSNorm, causal_lm_loss_sum, rope_cos_sin
 
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec["dtype"]]
@@ -87,7 +88,8 @@ def _work(spec: dict) -> dict:
     g = torch.randn(b, S, H, dtype=dt)
     V, Hh, tok = (int(v) for v in spec["head"])
     norm = RMSNorm(Hh).to(dtype=dt)
-    head = torch.nn.Linear(Hh, V, bias=False).to(dtype=dt)
+    head = HeadLinear(Hh, V).to(dtype=dt)
+    head.fused_grad = True  # the trainer's head on a cpu card (hardware.FUSED_HEAD_KINDS)
     xh = torch.randn(1, tok, Hh, dtype=dt, requires_grad=True)
     labels = torch.randint(0, V, (1, tok))
     per = max(1, int(spec["adamw_params"]) // 8)
@@ -100,7 +102,7 @@ def _work(spec: dict) -> dict:
         layer(x, cos, sin).backward(g)
 
     def head_step() -> None:
-        causal_lm_loss_sum(head(norm(xh)).float(), labels)[0].backward()
+        causal_lm_loss_sum(head(norm(xh)).float(), labels, fused=True)[0].backward()
 
     return {"layer": layer_step, "head": head_step, "adamw": opt.step}
 

@@ -194,11 +194,11 @@ def _head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
 
 
 def _head_step(backend, dtype_name: str, vocab: int, hidden: int, tokens: int) -> tuple[Callable[[], None], float]:
-    """(the trainer's head path forward + backward on ``tokens`` tokens, its FLOPs ``6 * tokens * V * H``;
-    fused as the trainer's on :data:`~npu_train.hardware.FUSED_HEAD_KINDS`: ``model.headops``)."""
+    """(the trainer's head forward + backward on ``tokens`` tokens, fused on FUSED_HEAD_KINDS; 6 tokens V H FLOPs)."""
     import torch
     from npu_train.hardware import FUSED_HEAD_KINDS
-    from npu_train.model.llama import HeadLinear, RMSNorm, causal_lm_loss_sum
+    from npu_train.model.headops import HeadLinear
+    from npu_train.model.llama import RMSNorm, causal_lm_loss_sum
 
     dt = torch_dtype(dtype_name)
     dev = backend.device()
@@ -376,12 +376,12 @@ def reference_shapes(kind: str, quick: bool, model_cfg,
 
 
 def shape_signature(layer: tuple, head: tuple) -> str:
-    """The profile's ``shapes`` text for benchmark shapes ``layer`` (hidden, intermediate, heads,
-    kv heads, micro-batch, seq) and ``head`` (vocab, hidden, tokens), e.g. ``"layer 576x1536
-    heads 9/3 b2 s128, head 49152x576 t256"``: figures measured on other shapes do not fit."""
-    H, I, a, kv, b, S = (int(x) for x in layer)
-    V, Hh, tok = (int(x) for x in head)
-    return f"layer {H}x{I} heads {a}/{kv} b{b} s{S}, head {V}x{Hh} t{tok}"
+    """The profile's ``shapes`` for benchmark ``layer`` (hidden, intermediate, heads, kv heads, b, S) and
+    ``head`` (vocab, hidden, tokens) dims, e.g. ``"layer 576x1536 heads 9/3, head 49152x576"``: figures of
+    another model's shapes do not fit. Tokens per micro-batch are left out (a sweep over them would
+    re-measure at every launch; ``placement.calibrate=always`` measures at the job's)."""
+    H, I, a, kv = (int(x) for x in layer[:4])
+    return f"layer {H}x{I} heads {a}/{kv}, head {int(head[0])}x{int(head[1])}"
 
 
 def job_shapes(kind: str, quick: bool, model_cfg, batch_seq: Optional[tuple[int, int]] = None) -> str:

@@ -41,7 +41,11 @@ fp32); every term is a separate key of ``StagePlan.mem`` (bytes):
 
   * fwd/bwd phase, last stage: ``max(2*b*s*V*4, acc)``: the log-softmax backward holds its
     incoming and outgoing gradient (two fp32 logits-sized tensors), the ``lm_head`` backward
-    the weight-gradient temporary ``acc``. Other stages: ``max(0, acc - A)``, where ``acc = e *``
+    the weight-gradient temporary ``acc``. With the fused head (``FUSED_HEAD_KINDS``,
+    :mod:`npu_train.model.headops`) the cross-entropy's backward works in place on the saved
+    log-probabilities (no logits-sized term) and, with fp32 gradients on a stage without the
+    embedding, the head's weight gradient is added into ``.grad`` inside the matmul (``acc`` is then
+    the largest layer parameter's). Other stages: ``max(0, acc - A)``, where ``acc = e *``
     (largest parameter of the stage) is the temporary of gradient accumulation (from the second
     micro-batch on, autograd computes a fresh gradient and adds it to ``.grad``); for the first
     stage that is the embedding, whose gradient appears at the end of a micro-batch's backward,
@@ -109,7 +113,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from npu_train.hardware import HOST_MEMORY_KINDS, SHARED_MASTER_KINDS
+from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
@@ -343,8 +347,11 @@ class MemoryModel:
             maxp = La if n else 0
         accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
         acc = (e if g == e else e + 4) * maxp if accumulates else 0
+        fused = last and kind in FUSED_HEAD_KINDS and not La  # model/headops.py: no head temporaries
+        if fused and g == 4 and e == 4 and not first:  # fp32: the head's dW goes into .grad by addmm_
+            acc = (e * self.layer_maxp if n else 0) if accumulates else 0
         if last:
-            fwd_bwd = acts + max(2 * self.saved_logits, acc)
+            fwd_bwd = acts + max(0 if fused else 2 * self.saved_logits, acc)
         else:
             fwd_bwd = acts + max(0, acc - one_mb)
         norm_tmp = (4 if g == 4 else 8) * maxp

@@ -29,7 +29,8 @@ Shapes. ``device_flops``/``flops_by_dtype``, ``head_flops_ratio`` and ``split_ba
 are timed on the job's own decoder layer and head (:func:`npu_train.planner.measure.reference_shapes`:
 the model's dims, micro-batch and sequence length), so they describe that model: a tiny test model's
 head runs at 6x a layer's FLOP/s where SmolLM2's runs at 1.2x. The top level and each
-``by_threads`` entry record ``shapes`` (:func:`npu_train.planner.measure.shape_signature`), and
+``by_threads`` entry record ``shapes`` (:func:`npu_train.planner.measure.shape_signature`: the
+model's layer and head dims, not the tokens per micro-batch), and
 :meth:`Rates.resolve` keeps the chosen count's. ``""`` (a profile written before the field) means
 unknown and is taken to fit any job (:func:`npu_train.planner.autocal.profile_status`).
 
