@@ -30,7 +30,7 @@ SPARSE_EMBED_GRAD_KINDS = ("cpu",)
 
 #: kinds whose last stage runs the head with its weight gradient accumulated inside the matmul and the
 #: one-pass cross-entropy (``StageModule.fused_head``, :mod:`npu_train.model.headops`): on a cpu card
-#: 212-220 against 236-240 ms per micro-batch for SmolLM2's head (experiments/2026-12-02-head.md); cuda
+#: 219-221 against 237-252 ms per micro-batch for SmolLM2's head (experiments/2026-12-02-head.md); cuda
 #: runs the same eager ops. Not furiosa: its graphs come from the compiler, not from these autograd nodes.
 FUSED_HEAD_KINDS = ("cpu", "cuda")
 

@@ -1,12 +1,12 @@
 """The last stage's head without its two extra passes over ``[N, V]`` tensors (cpu and cuda cards).
 
 On a cpu card the head dominates the last stage: for SmolLM2-135M (V = 49152, H = 576) at 128 tokens
-per micro-batch, one thread, the logits matmul takes ~68 ms, its two backward matmuls ~53 + ~65 ms,
-the cross-entropy ~19 ms, against ~29 ms for a decoder layer's forward + backward
+per micro-batch, one thread, the logits matmul takes ~68 ms, its two backward matmuls ~53 and 69-113 ms,
+the cross-entropy 22-24 ms, against ~29 ms for a decoder layer's forward + backward
 (experiments/2026-12-02-head.md). Two of those costs are not arithmetic:
 
 1. **Weight-gradient accumulation.** Autograd computes ``dW = g^T x`` into a fresh ``[V, H]`` tensor
-   (113 MB) and then adds it into ``.grad``: 84 ms against 68 ms for ``grad.addmm_(g^T, x)``, which
+   (113 MB) and then adds it into ``.grad``: 84-89 ms against 66-68 ms for ``grad.addmm_(g^T, x)``, which
    accumulates inside the matmul (same record). :class:`HeadLinear` routes the weight side through
    :class:`HeadWeightGrad`, whose backward does the ``addmm_`` into the existing fp32 ``.grad`` and hands
    that same tensor back to autograd with ``.grad`` cleared: the parameter's gradient accumulator

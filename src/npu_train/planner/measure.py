@@ -171,8 +171,8 @@ def timed_pairs(first: Callable[[], None], second: Callable[[], None], sync: Cal
     return out
 
 
-#: rounds of the interleaved head-vs-layer timing (:func:`_head_vs_layer`)
-HEAD_ROUNDS = 3
+#: rounds of the interleaved head-vs-layer timing (:func:`_head_vs_layer`; 5, not 3: experiments/2026-12-02-head.md)
+HEAD_ROUNDS = 5
 
 
 def _head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,

@@ -14,8 +14,10 @@ from npu_train.planner.measure import LoopBounds, torch_dtype
 
 __all__ = ["split_backward_ratio", "SPLIT_ROUNDS", "SPLIT_LAYERS"]
 
-#: rounds of the interleaved split-vs-full backward timing (:func:`split_backward_ratio`)
-SPLIT_ROUNDS = 3
+#: rounds of the interleaved split-vs-full backward timing (:func:`split_backward_ratio`). 5: with 3, one
+#: calibration under the job's 2-process load measured 1.009 where the same figure alone gave 1.07-1.115
+#: (experiments/2026-12-02-head.md), and the plan put one layer too many on the last stage
+SPLIT_ROUNDS = 5
 #: decoder layers of the stage :func:`split_backward_ratio` times (the ratio grows with a stage's depth)
 SPLIT_LAYERS = 4
 
