@@ -44,7 +44,6 @@ __all__ = [
 ]
 
 
-
 # ----------------------------------------------------------------------------------------------
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
@@ -450,9 +449,8 @@ def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
         and the python int number of counted tokens (0 -> ``loss_sum == 0``).
     """
     V = logits.shape[-1]
-    if fused:
-        return cross_entropy_sum(logits.reshape(-1, V), labels.reshape(-1)), int((labels != IGNORE_INDEX).sum().item())
-    loss = F.cross_entropy(logits.reshape(-1, V).float(), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+    flat, targets = logits.reshape(-1, V), labels.reshape(-1)
+    loss = (cross_entropy_sum(flat, targets) if fused else
+            F.cross_entropy(flat.float(), targets, ignore_index=IGNORE_INDEX, reduction="sum"))
     n = int((labels != IGNORE_INDEX).sum().item())
     return loss, n

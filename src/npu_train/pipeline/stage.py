@@ -83,7 +83,6 @@ class StageRunner:
         self.comm = comm
         self.first = stage == 0
         self.last = stage == num_stages - 1
-        self.fused_loss = bool(getattr(module, "fused_head", False))  # StageModule.fused_head: one-pass CE
         self.trace: Optional[list] = None
         #: called once per step right after the first stage's first forward has been sent, before any
         #: backward: work that need not delay the next stage's start (StageTrainer.after_first_forward:
@@ -186,7 +185,7 @@ class StageRunner:
                 cuts = [] if split and not self.first else None
                 out = self.module(x) if cuts is None else self.module(x, cuts=cuts)
                 if self.last:
-                    ls, _ = causal_lm_loss_sum(out, self.backend.upload(labels[m]), fused=self.fused_loss)
+                    ls, _ = causal_lm_loss_sum(out, self.backend.upload(labels[m]), fused=getattr(self.module, "fused_head", False))
                     loss = ls / total_tokens
                     loss_sum += float(ls.detach())
                     saved[m] = (x, loss, cuts)

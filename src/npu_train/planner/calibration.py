@@ -75,11 +75,10 @@ automatic first-run calibration (:mod:`npu_train.planner.autocal`) measures unde
 concurrency, and a ``concurrent: 1`` profile does not satisfy a job of several cpu card processes:
 its first launch measures the job's thread count again under load.
 
-Shapes: the profile records the layer and head shapes its figures were measured on (``shapes``,
-:func:`~npu_train.planner.measure.shape_signature`: the model's, at the reference micro-batch and
-sequence length, cpu 2x128); a job on other shapes (another model, micro-batch or sequence length)
-measures its thread count again on its own on its first launch
-(:func:`npu_train.planner.autocal.profile_status`).
+Shapes: the profile records the model shapes its figures were measured on (``shapes``,
+:func:`~npu_train.planner.measure.shape_signature`: the layer and head dims, not the tokens per
+micro-batch); a job on another model's shapes measures its thread count again on its own on its first
+launch (:func:`npu_train.planner.autocal.profile_status`).
 
 ``quick=True`` shrinks every size (for tests): positive, finite, but not meaningful figures.
 """

@@ -346,10 +346,10 @@ class MemoryModel:
         if La:  # only adapter gradients are accumulated / normed
             maxp = La if n else 0
         accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
-        acc = (e if g == e else e + 4) * maxp if accumulates else 0
         fused = last and kind in FUSED_HEAD_KINDS and not La  # model/headops.py: no head temporaries
-        if fused and g == 4 and e == 4 and not first:  # fp32: the head's dW goes into .grad by addmm_
-            acc = (e * self.layer_maxp if n else 0) if accumulates else 0
+        # fp32 with the fused head: the head's dW goes into .grad by addmm_, only a layer's temporary is left
+        acc_p = (self.layer_maxp if n else 0) if fused and g == e == 4 and not first else maxp
+        acc = (e if g == e else e + 4) * acc_p if accumulates else 0
         if last:
             fwd_bwd = acts + max(0 if fused else 2 * self.saved_logits, acc)
         else:
