@@ -320,6 +320,12 @@ def _needs(cfg):
 
 def _main() -> None:
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
+    # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr
+    # (card processes do the same, runtime/worker.py) and the job goes on
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     import hydra
 

@@ -81,8 +81,24 @@ class Job:
                     return v
                 raise AssertionError(f"launcher exited ({self.proc.returncode}) before {what}\n{self.tail()}")
             time.sleep(interval)
+        self.dump_stacks()
         self.kill_all()
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.tail()}")
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{self.tail(12000)}")
+
+    def dump_stacks(self, settle_s: float = 2.0) -> None:
+        """Ask the launcher and its card processes for every thread's Python stack (SIGUSR1, which
+        both register with ``faulthandler``); the stacks land in :attr:`stderr` for a failure message."""
+        try:
+            procs = [psutil.Process(self.proc.pid)]
+            procs += [c for c in procs[0].children(recursive=True) if "spawn_main" in " ".join(c.cmdline())]
+        except psutil.Error:
+            return
+        for p in procs:
+            try:
+                p.send_signal(signal.SIGUSR1)
+            except psutil.Error:
+                pass
+        time.sleep(settle_s)
 
     def job_info(self, timeout: float = 90.0) -> dict:
         """``job.json`` once the card processes are spawned; also records the launcher's process family."""
@@ -145,7 +161,13 @@ class Job:
         return out
 
     def kill_all(self) -> None:
-        """Clean up after a failed test: SIGKILL the launcher and every child it had (by pid)."""
+        """Clean up after a failed test: SIGKILL the launcher and every child it had (by pid), also
+        children it started after :meth:`job_info` (or before ``job.json`` was ever written)."""
+        try:
+            seen = {p.pid for p in self.family}
+            self.family += [c for c in psutil.Process(self.proc.pid).children(recursive=True) if c.pid not in seen]
+        except psutil.Error:
+            pass
         for p in self.family:
             try:
                 if p.is_running():

@@ -20,6 +20,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 
 import psutil
@@ -38,6 +39,53 @@ def _ip(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
 
 
+_TAGS: list[str] = []
+
+
+def _wait_reachable(ns, timeout_s: float = 30.0) -> None:
+    """Until a TCP connection from namespace 1 reaches a listener on node 0's address in namespace 0
+    (a veth pair just set up may drop the first packets); skip the test if it never does. The probe uses
+    the port after MASTER_PORT, whose TIME_WAIT then cannot block the rendezvous store's bind."""
+    port = MASTER_PORT + 1
+    server = ("import socket,sys; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1); "
+              f"s.bind(('{ADDR[0]}', {port})); s.listen(); s.settimeout({timeout_s}); "
+              "c,_=s.accept(); c.close(); s.close()")
+    client = ("import socket,sys,time\n"
+              f"t=time.monotonic()+{timeout_s}\n"
+              "while True:\n"
+              f"  try: socket.create_connection(('{ADDR[0]}', {port}), timeout=2).close(); break\n"
+              "  except OSError:\n"
+              "    if time.monotonic()>t: sys.exit(1)\n"
+              "    time.sleep(0.2)\n")
+    srv = subprocess.Popen(["ip", "netns", "exec", ns[0], sys.executable, "-c", server])
+    try:
+        time.sleep(0.3)
+        r = subprocess.run(["ip", "netns", "exec", ns[1], sys.executable, "-c", client], timeout=timeout_s + 10)
+        if r.returncode:
+            pytest.skip(f"namespace {ns[1]} cannot reach {ADDR[0]}:{port} in {ns[0]} within {timeout_s:g} s")
+        srv.wait(10)
+    finally:
+        if srv.poll() is None:
+            srv.kill()
+            srv.wait()
+
+
+def _job_infos(jobs) -> list[dict]:
+    """Every node's ``job.json``; when one never appears, the failure shows every node's output (each
+    launcher's and card process's stacks included: :meth:`Job.dump_stacks`), since a node waiting at
+    the rendezvous is usually waiting for another one."""
+    try:
+        return [j.job_info() for j in jobs]
+    except AssertionError as e:
+        for j in jobs:
+            j.dump_stacks(0.0)
+        time.sleep(2.0)
+        for j in jobs:
+            j.kill_all()
+        others = "\n".join(f"=== {j.dir} ===\n{j.tail(12000)}" for j in jobs)
+        raise AssertionError(f"{e}\n{others}") from None
+
+
 @pytest.fixture
 def two_nodes():
     """Two network namespaces joined by a veth pair; yields their names; deleted in the finalizer."""
@@ -45,7 +93,10 @@ def two_nodes():
         pytest.skip("iproute2's `ip` is not installed (apt-get install -y iproute2)")
     if os.geteuid() != 0:
         pytest.skip("creating network namespaces needs root")
-    tag = f"{os.getpid() % 100000}"
+    # new names for every test: a namespace deleted by the previous test may still be torn down
+    # (its processes gone, the kernel's cleanup not yet), so a name is never reused within a session
+    _TAGS.append(f"{os.getpid() % 10000}{len(_TAGS)}")
+    tag = _TAGS[-1]
     ns = (f"npt-mn0-{tag}", f"npt-mn1-{tag}")
     veth = (f"nptmn{tag}a", f"nptmn{tag}b")  # <= 15 characters
     made = []
@@ -65,6 +116,7 @@ def two_nodes():
             r = _ip(*st)
             if r.returncode:
                 pytest.skip(f"cannot set up the veth pair (`ip {' '.join(st)}`): {r.stderr.strip()}")
+        _wait_reachable(ns)
         yield ns
     finally:
         for n in made:  # deleting a namespace deletes its end of the veth pair (and so the pair)
@@ -116,7 +168,7 @@ def test_two_nodes_match_one_node_and_reshard(two_nodes, tiny_model, tmp_path):
     root = str(tmp_path / "shared_ckpt")  # one checkpoint root shared by both nodes
     n0 = _node_job(tmp_path, tiny_model, two_nodes, 0, "cpu", *steps, f"checkpoint.dir={root}")
     n1 = _node_job(tmp_path, tiny_model, two_nodes, 1, "cpu,cpu", *steps, f"checkpoint.dir={root}")
-    info0, info1 = n0.job_info(), n1.job_info()
+    info0, info1 = _job_infos([n0, n1])
     rcs = _wait_both([n0, n1], 300)
     assert rcs == [0, 0], n0.tail() + n1.tail()
     assert info0["job_id"] == info1["job_id"]
@@ -161,7 +213,7 @@ def test_card_fault_on_node1_brings_both_nodes_down(two_nodes, tiny_model, tmp_p
     n1 = _node_job(tmp_path, tiny_model, two_nodes, 1, "cpu,cpu", *common, env=fault)
     jobs = [n0, n1]
     try:
-        info0, info1 = n0.job_info(), n1.job_info()
+        info0, info1 = _job_infos([n0, n1])
         victim = info1["cards"][1]
         assert victim["rank"] == 2
 
@@ -207,7 +259,7 @@ def test_kill9_node_agent_brings_the_other_node_down(two_nodes, tiny_model, tmp_
     n1 = _node_job(tmp_path, tiny_model, two_nodes, 1, "cpu,cpu", *common)
     jobs = [n0, n1]
     try:
-        info0, info1 = n0.job_info(), n1.job_info()
+        info0, info1 = _job_infos([n0, n1])
         n0.wait_steps(2, 180)
         os.kill(n1.proc.pid, 9)
         t_kill = time.monotonic()
