@@ -196,3 +196,22 @@ def test_the_plan_names_the_shapes_its_figures_were_measured_on(tmp_path):
     table = make_plan(TINY, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1).table()
     line = [ln for ln in table.splitlines() if ln.startswith("rates cpu")][0]
     assert line.endswith(f"measured = calibration profile {path} (2026-12-01T00:00:00), on {B}")
+
+
+def test_the_plan_says_when_the_profile_was_measured_on_another_model(tmp_path):
+    """A dry run (plan=true) does not calibrate: a profile measured on another model's shapes is used
+    as it is, and the rates line says so and how to measure the job's (review P3 of 2026-12-02)."""
+    path = tmp_path / "cpu.json"
+    _write(path, _entry({"fp32": 40e9}, shapes=A))  # measured on SmolLM2
+    shape = RunShape(seq_len=32, micro_batch=1, micro_batches=2, dtype="fp32")
+    cards = make_cards("cpu", 2, capacity_bytes=8 * 2**30)
+    line = [ln for ln in make_plan(TINY, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1)
+            .table().splitlines() if ln.startswith("rates cpu")][0]
+    want = job_shapes("cpu", False, TINY, (1, 32))
+    assert line.endswith(f"on {A} -- not this job's shapes ({want}): its FLOP/s, head and split-backward "
+                         "figures are another model's; a training launch (placement.calibrate=auto) or "
+                         "calibrate=true with this model.path measures them")
+    # the job's own shapes: no note
+    line = [ln for ln in make_plan(SMOL, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1)
+            .table().splitlines() if ln.startswith("rates cpu")][0]
+    assert "not this job's" not in line

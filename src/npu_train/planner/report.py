@@ -82,11 +82,26 @@ _RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", 
               ("dp_bytes_per_s", "dp all-reduce", 1e9, "GB/s"))
 
 
+def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
+    """The job's :func:`~npu_train.planner.measure.job_shapes` when the profile's figures of ``kind``
+    were measured on other shapes ``have`` (what a training launch would measure again,
+    :func:`~npu_train.planner.autocal.profile_status`), else ``None``. A quick (test) profile's
+    shapes count as fitting."""
+    from npu_train.planner.measure import job_shapes
+    from npu_train.planner.rates import shapes_differ
+
+    bs = (plan.shape.micro_batch, plan.shape.seq_len)
+    want = job_shapes(kind, False, plan.model, bs)
+    if not shapes_differ(have, want) or not shapes_differ(have, job_shapes(kind, True, plan.model, bs)):
+        return None
+    return want
+
+
 def rate_sources(plan: Plan) -> list[str]:
     """One line per card kind: every rate the step time and memory use, with where it comes from
     (``measured`` = this machine's calibration profile, named with its date and the model shapes it
-    was measured on at the line's end; ``assumed`` = the planner's default; ``scaled from N
-    thread(s)``; ``fitted: ...``)."""
+    was measured on at the line's end, and a note when those are not the job's; ``assumed`` = the
+    planner's default; ``scaled from N thread(s)``; ``fitted: ...``)."""
     out, seen = [], set()
     for st, rt in zip(plan.stages, plan.rates or []):
         k = st.card.kind
@@ -110,6 +125,11 @@ def rate_sources(plan: Plan) -> list[str]:
                          f"{' ' + unit if unit else ''} [{src}]")
         measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
         on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
+        other = _other_shapes(k, rt.shapes, plan) if measured else None
+        if other:
+            on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
+                   "another model's; a training launch (placement.calibrate=auto) or calibrate=true with "
+                   "this model.path measures them")
         where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
                  else "no calibration profile: assumed defaults (placement.calibrate=auto measures "
                       "them on a training run's first launch)")
