@@ -17,7 +17,9 @@ end]`` relative to the start, seconds waited by the main thread, seconds hidden)
 Printed per mode and card, for one step pair (``--show``, default the second-to-last): times in
 seconds from that step's backward end: clip known, each layer's AdamW start/end and upload end,
 the next step's start (its forward begins there); then per mode the mean step time over steps
-2..N, the host update's seconds, waited seconds and hidden share. ``--plot PNG`` draws the same
+2..N, the host update's seconds, waited seconds and hidden share. ``--rounds N`` runs the modes N
+times interleaved and prints medians with their spread, and each offloaded mode's ratio to
+``resident`` as the median of the per-round ratios (the machine's drift cancels within a round). ``--plot PNG`` draws the same
 step pair as bars (matplotlib). On a shared machine the times are noisy: one run, not a benchmark.
 
 Usage (from the repository root)::
@@ -35,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from statistics import median
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,18 +50,18 @@ MODES = {
 BACKEND = {"cpu": "backend=[cpu,cpu]", "cuda": "backend=[cuda:0]"}
 
 
-def run_mode(mode: str, args, out: Path) -> list[dict]:
-    run_dir = out / mode
+def run_mode(mode: str, args, out: Path, tag: str = "") -> list[dict]:
+    run_dir = out / f"{mode}{tag}"
     cmd = [sys.executable, str(ROOT / "launch" / "run.py"), f"train.steps={args.steps}", f"hydra.run.dir={run_dir}",
            BACKEND[args.device] if args.backend is None else f"backend={args.backend}",
            f"runtime.threads={args.threads}", *MODES[mode], *args.overrides]
     print("$", " ".join(cmd), flush=True)
     t0 = time.time()
-    with open(out / f"{mode}.log", "w") as f:
+    with open(out / f"{mode}{tag}.log", "w") as f:
         rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, timeout=args.timeout).returncode
     shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
     if rc != 0:
-        print((out / f"{mode}.log").read_text()[-3000:])
+        print((out / f"{mode}{tag}.log").read_text()[-3000:])
         raise SystemExit(f"{mode}: launcher exit status {rc}")
     print(f"  {mode}: {time.time() - t0:.0f} s wall", flush=True)
     return [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
@@ -125,6 +128,8 @@ def main(argv=None) -> int:
     ap.add_argument("--backend", default=None, help="backend list override, e.g. 'cuda:0,cuda:0'")
     ap.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["on", "off"])
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="run every mode this many times, interleaved; "
+                    "figures are medians over rounds, ratios the median of per-round ratios")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--show", type=int, default=None, help="1-based step whose update is shown (default steps-1)")
     ap.add_argument("--timeout", type=float, default=1200)
@@ -134,23 +139,41 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     out = Path(tempfile.mkdtemp(prefix="offload-timeline-"))
     k = args.show or args.steps - 1
-    pairs, summary = {}, {}
-    for mode in args.modes:
-        recs = run_mode(mode, args, out)
-        later = recs[1:] or recs
-        summary[mode] = {"step_s": sum(r["step_s"] for r in later) / len(later),
-                         "steps_s": [round(r["step_s"], 3) for r in recs]}
-        if mode != "resident" and len(recs) > k:
-            pairs[mode] = show(mode, recs, k)
-    print("\nmode       mean step s (steps 2..N)   per step")
+    pairs, summary, rounds = {}, {}, []
+    for r in range(args.rounds):  # every round runs each mode once, in the order given (interleaved)
+        if args.rounds > 1:
+            print(f"round {r + 1}/{args.rounds}", flush=True)
+        this = {}
+        for mode in args.modes:
+            recs = run_mode(mode, args, out, f"-r{r}" if args.rounds > 1 else "")
+            later = recs[1:] or recs
+            this[mode] = {"step_s": sum(x["step_s"] for x in later) / len(later),
+                          "steps_s": [round(x["step_s"], 3) for x in recs]}
+            if r == 0 and mode != "resident" and len(recs) > k:
+                pairs[mode] = show(mode, recs, k)
+        rounds.append(this)
+    summary = rounds[0] if args.rounds == 1 else {
+        m: {"step_s": median([rd[m]["step_s"] for rd in rounds]),
+            "min_s": min(rd[m]["step_s"] for rd in rounds), "max_s": max(rd[m]["step_s"] for rd in rounds),
+            "steps_s": [rd[m]["steps_s"] for rd in rounds]} for m in args.modes}
+    print("\nmode       mean step s (steps 2..N)" + (f", median of {args.rounds} rounds [min-max]" if args.rounds > 1
+                                                    else "   per step"))
     for mode, s in summary.items():
-        print(f"{mode:<10} {s['step_s']:>10.3f}               {s['steps_s']}")
-    if "resident" in summary and "on" in summary:
-        print(f"offloaded (overlap on) / all-resident: {summary['on']['step_s'] / summary['resident']['step_s']:.3f}")
+        spread = f"[{s['min_s']:.3f}-{s['max_s']:.3f}]" if args.rounds > 1 else str(s["steps_s"])
+        print(f"{mode:<10} {s['step_s']:>10.3f}               {spread}")
+    ratios = {}
+    for off in ("on", "delayed", "off"):
+        if "resident" in args.modes and off in args.modes:
+            # the ratio within each round (both runs side by side), then the median over rounds
+            per = [rd[off]["step_s"] / rd["resident"]["step_s"] for rd in rounds]
+            ratios[off] = {"median": median(per), "rounds": [round(x, 4) for x in per]}
+            print(f"offloaded ({off}) / all-resident: {ratios[off]['median']:.3f}"
+                  + (f" (median of per-round ratios {ratios[off]['rounds']})" if args.rounds > 1 else ""))
     if args.plot and pairs:
         plot(pairs, args.plot)
     if args.json:
-        Path(args.json).write_text(json.dumps({"summary": summary, "pairs": pairs, "argv": sys.argv}, indent=1))
+        Path(args.json).write_text(json.dumps({"summary": summary, "rounds": rounds, "ratios": ratios,
+                                               "pairs": pairs, "argv": sys.argv}, indent=1))
     print(f"logs: {out}")
     return 0
 

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The CUDA checks of issue 9 in one prepared run on the lent NVIDIA machine (one H200, 16 cores; its
+# python3 has torch 2.11 + CUDA; the project's missing wheels travel in .whl/, made here by
+# experiments/bench/device_wheels.sh). Sized for the 15-minute device budget: ~6 min, each phase under
+# its own `timeout`, so a slow phase still leaves the others' results in $OUT.
+#
+#   1. the CUDA backend's equivalence tests (tests/integration/test_cuda_equivalence.py and the CUDA
+#      cases of tests/unit/test_backends.py: losses and fp32 masters against the single-process
+#      reference, record experiments/2026-11-30-cuda-equivalence.md);
+#   2. the offload target "offloaded step <= 1.05x all-resident": experiments/bench/offload_timeline.py,
+#      modes `on` (every decoder layer offloaded, host AdamW overlapped) and `resident`, interleaved over
+#      ROUNDS rounds, one card (backend=[cuda:0]), a random SmolLM2-135M-shaped model, bf16, seq 512,
+#      micro-batch 4 x accumulation 8, 8 host threads; prints the median of the per-round ratios;
+#   3. (PIPELINE=1) the pipeline benchmark at P = 1, M = 8 against torch.distributed.pipelining on the GPU.
+#
+# From the session (device tool):  run(command="bash experiments/bench/device_cuda.sh", carry=[".whl"], timeout_s=540)
+# Results: $OUT/equivalence.txt, $OUT/offload.txt, $OUT/offload.json, $OUT/offload.png, ($OUT/pipeline.*).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/device-out}; mkdir -p "$OUT"
+ROUNDS=${ROUNDS:-3}
+# a smoke run of this script's plumbing on a CPU machine: DEVICE=cpu MODEL_PRESET=... SHAPE="data.seq_len=32 ..."
+DEVICE=${DEVICE:-cuda}; MODEL_PRESET=${MODEL_PRESET:-smollm2-135m}
+SHAPE=${SHAPE:-data.seq_len=512 train.micro_batch=4 train.accum=8 train.dtype=bf16}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NPT_CALIBRATE=${NPT_CALIBRATE:-never}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD/src
+else
+  export PYTHONPATH=$PWD/src
+fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
+  python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available())"
+  git log -1 --format='code %h %s' 2>/dev/null | cut -c1-100; } 2>&1 | tee "$OUT/machine.txt"
+
+echo "== 1. CUDA equivalence =="
+timeout 240 python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda_equivalence.py \
+  tests/unit/test_backends.py -k "cuda or Cuda or CUDA" 2>&1 | tee "$OUT/equivalence.txt" | tail -15
+
+echo "== 2. offloaded vs all-resident (${ROUNDS} rounds) =="
+python3 experiments/bench/make_random_model.py --preset "$MODEL_PRESET" --out /tmp/smol >/dev/null
+# shellcheck disable=SC2086  # SHAPE is a list of overrides
+timeout 330 python3 experiments/bench/offload_timeline.py --device "$DEVICE" --modes on resident --rounds "$ROUNDS" \
+  --steps 6 --threads 8 --timeout 150 --plot "$OUT/offload.png" --json "$OUT/offload.json" -- \
+  model.path=/tmp/smol $SHAPE checkpoint.save=false \
+  2>&1 | tee "$OUT/offload.txt" | grep -v '^  ' | tail -25
+
+if [ "${PIPELINE:-0}" = 1 ]; then
+  echo "== 3. pipeline P=1 M=8 vs torch.distributed.pipelining =="
+  timeout 240 python3 experiments/bench/pipeline.py --device cuda --model /tmp/smol --P 1 --M 8 --rounds 3 --steps 4 \
+    --seq-len 512 --project-schedules 1f1b --torch-schedules 1F1B --splits even --no-pin \
+    --json "$OUT/pipeline.json" 2>&1 | tee "$OUT/pipeline.txt" | tail -20
+fi
