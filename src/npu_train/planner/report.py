@@ -33,9 +33,14 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
     if r:
         fixes.append(f"fewer resident layers on this card (now {r}; "
                      + (f"at most {max_resident} fit)" if max_resident >= 0 else "even 0 does not fit)"))
-    fixes += ["more cards", "recompute=True" if not plan.shape.recompute else None,
-              f"smaller micro_batch (now {plan.shape.micro_batch}) or seq_len "
-              f"(now {plan.shape.seq_len})"]
+    sh = plan.shape
+    # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
+    fixes += ["more RAM per cpu card (its capacity is its share of the host's RAM, or placement.capacity_gib: "
+              "more cpu cards split the same RAM)" if st.card.kind == "cpu" else "more cards",
+              None if sh.recompute else "train.recompute=true" + (
+                  " (with train.schedule=1f1b: not with the zero-bubble schedules)"
+                  if sh.schedule in SPLIT_BACKWARD else ""),
+              f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})"]
     return (
         f"{card_label(st_index, st.card)} holding layers {st.layers_label}: predicted "
         f"{gib(m['total']):.2f} GiB ("
