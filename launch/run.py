@@ -55,6 +55,17 @@ def _one_line_hydra_error(text: str) -> str:
     return "; ".join(lines) if lines else "invalid command line"
 
 
+def _output_dir_error(text: str) -> "str | None":
+    """The OS error of Hydra's ``mkdir`` of the run/sweep directory (a path through a file, no
+    permission, a read-only filesystem), from the traceback Hydra prints before our code runs, as
+    ``"[Errno 20] Not a directory: '/x/run'"``; None for any other failure."""
+    if "mkdir" not in text:
+        return None
+    m = re.findall(r"^(?:NotADirectoryError|FileNotFoundError|PermissionError|FileExistsError|OSError): (.+)$",
+                   text, flags=re.M)
+    return m[-1].strip() if m else None
+
+
 def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     """Run one job and map how it ended to the exit status (``npu_train.errors``: 0 ok, 1 a card
     process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2.
@@ -356,6 +367,11 @@ def _main() -> None:
         app()
     except SystemExit as e:
         sys.stderr, text = real_stderr, captured.getvalue()
+        bad_dir = None if cap.started or e.code != 1 else _output_dir_error(text)
+        if bad_dir:
+            print(f"error: cannot create the run directory: {bad_dir} -- set hydra.run.dir (hydra.sweep.dir "
+                  "with -m) to a directory you can write", file=real_stderr, flush=True)
+            sys.exit(2)
         if cap.started or e.code != 1 or "Traceback (most recent call last)" in text:
             if not cap.started:
                 real_stderr.write(text)

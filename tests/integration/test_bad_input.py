@@ -166,3 +166,25 @@ def test_bad_input(tiny_model, tmp_path, bad, case):
     written = set(os.listdir(job.run_dir)) if os.path.isdir(job.run_dir) else set()
     assert written <= {".hydra", "run.log"}, written
     assert sorted(os.listdir(bad.other_ckpt)) == other_before
+
+
+@pytest.mark.parametrize("where", ["run", "sweep"])
+def test_unusable_run_dir_is_one_error_line(tiny_model, tmp_path, where):
+    """hydra.run.dir (hydra.sweep.dir with -m) through a regular file: Hydra's mkdir fails before our
+    code runs; the launcher turns its traceback into one error line naming the key, exit 2."""
+    import subprocess
+    import sys
+
+    from launch_util import LAUNCH, REPO
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    key = "hydra.run.dir" if where == "run" else "hydra.sweep.dir"
+    argv = [sys.executable, LAUNCH, *(["-m"] if where == "sweep" else []), f"model.path={tiny_model}",
+            "plan=true", f"{key}={blocker / 'run'}"]
+    r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and "cannot create the run directory: [Errno 20] Not a directory" in lines[0] \
+        and "set hydra.run.dir" in lines[0], r.stderr
