@@ -70,7 +70,9 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     """Run one job and map how it ended to the exit status (``npu_train.errors``: 0 ok, 1 a card
     process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2.
     An interrupted job puts ``checkpoint`` (saved by this launch, or None) and ``checkpoint_dir``
-    (its checkpoint root) into ``report`` when given (for ``status.json``)."""
+    (its checkpoint root) into ``report`` when given (for ``status.json``); a launch that
+    ``train.stop_after`` ended early puts ``stopped_at`` (its last step), ``steps`` and
+    ``checkpoint_dir`` (None without a checkpoint)."""
     import logging
     import signal
 
@@ -79,7 +81,10 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
-        run_job(cfg, run_dir)
+        summ = run_job(cfg, run_dir)
+        if report is not None and isinstance(summ, dict) and summ.get("stopped_at") is not None:
+            report.update(stopped_at=summ["stopped_at"], steps=int(cfg.train.steps),
+                          checkpoint_dir=summ.get("checkpoint_dir"))
         return 0
     except JobFailed as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -219,7 +224,8 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
     checkpoint this launch saved or null, and ``resume``, the command that continues it or null; from
     ``interrupted``, what :func:`main` reported; the resume command keeps ``run_dir_overrides``, the
     user's ``hydra.run.dir=...``, so the continued run writes into the same directory) or ``failed``
-    (any other exit status)."""
+    (any other exit status). A launch that ``train.stop_after`` ended before ``train.steps`` is ``ok``
+    with ``stopped_at`` (its last step), ``steps`` and ``resume`` (the command that continues it)."""
     import json
     import signal
     import time
@@ -230,6 +236,10 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
     if code - 128 in (signal.SIGINT, signal.SIGTERM):
         ck, root = (interrupted or {}).get("checkpoint"), (interrupted or {}).get("checkpoint_dir")
         rec.update(status="interrupted", checkpoint=ck, resume=resume_command([*run_dir_overrides, *overrides], root) if ck and root else None)
+    elif code == 0 and (interrupted or {}).get("stopped_at") is not None:  # train.stop_after: ok, not complete
+        root = interrupted.get("checkpoint_dir")
+        rec.update(stopped_at=interrupted["stopped_at"], steps=interrupted.get("steps"),
+                   resume=resume_command([*run_dir_overrides, *overrides], root) if root else None)
     rec.update(overrides=list(overrides), started=started, finished=time.time(), pid=os.getpid())
     with open(path + ".part", "w") as f:
         json.dump(rec, f, indent=1)

@@ -36,8 +36,18 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     from conftest import launch_to_end
 
     first = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.stop_after=2", name="same")
+    # the stopped launch says it is not complete and how to continue (console and status.json)
+    assert "stopped: 2 steps of this launch (train.stop_after=2), at step 2 of train.steps=4" in first.stdout
+    assert "continue with train.resume=latest checkpoint.dir=" in first.stdout
+    with open(os.path.join(first.run_dir, "status.json")) as f:
+        st = json.load(f)
+    assert st["status"] == "ok" and st["stopped_at"] == 2 and st["steps"] == 4
+    assert "train.resume=latest" in st["resume"] and "checkpoint.dir=" in st["resume"]
     again = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=latest", name="same")
     assert again.run_dir == first.run_dir and "continue with that launch's steps up to 2" in again.stdout
+    assert "done: 2 steps" in again.stdout
+    with open(os.path.join(again.run_dir, "status.json")) as f:
+        assert "stopped_at" not in json.load(f)  # complete
     with open(os.path.join(again.run_dir, "metrics.jsonl")) as f:
         assert [json.loads(l)["step"] for l in f] == [1, 2, 3, 4]
     assert os.path.exists(os.path.join(again.run_dir, "previous-1", "metrics.jsonl"))

@@ -481,7 +481,14 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update, saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
-    print(f"done: {summ['steps_run']} step{'' if summ['steps_run'] == 1 else 's'}{skipped}, loss {fmt_loss(summ['first_loss'])} -> "
-          f"{fmt_loss(summ['last_loss'])}; "
-          f"{done_checkpoint(coord.last_ckpt, saving)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}", flush=True)
+    at = start_step + int(summ["steps_run"])
+    early = at < tr.steps  # train.stop_after ended this launch before train.steps
+    print(f"{'stopped' if early else 'done'}: {summ['steps_run']} step{'' if summ['steps_run'] == 1 else 's'}{skipped}"
+          + (f" of this launch (train.stop_after={tr.stop_after}), at step {at} of train.steps={tr.steps}" if early else "")
+          + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}; "
+          f"{done_checkpoint(coord.last_ckpt, saving)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}"
+          + (f"; continue with train.resume=latest checkpoint.dir={ckpt_root}" if early and coord.last_ckpt else ""),
+          flush=True)
+    if early:  # status.json: where the run stands and the command that continues it
+        summ.update(stopped_at=at, checkpoint_dir=ckpt_root if coord.last_ckpt else None)
     return summ
