@@ -272,3 +272,13 @@ def test_partial_save_is_never_latest(tmp_path):
         find_checkpoint(str(tmp_path / "nope"), root)
     with pytest.raises(CheckpointError, match="no complete checkpoint"):
         find_checkpoint("latest", str(tmp_path / "empty"))
+
+
+def test_warmup_longer_than_the_run_is_noted():
+    from npu_train.optim.lr import warmup_note
+
+    # steps 0..1 of a 10-step ramp: lr * 2/10 at most (written from the ramp's formula)
+    note = warmup_note(lr=1e-3, warmup_steps=10, total_steps=2)
+    assert note.startswith("note: train.warmup_steps=10 > train.steps=2") and "peaks at 0.0002 (20% of train.lr=0.001)" in note
+    assert warmup_note(lr=1e-3, warmup_steps=2, total_steps=2) is None
+    assert warmup_note(lr=1e-3, warmup_steps=0, total_steps=20) is None

@@ -21,3 +21,14 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
     progress = min(1.0, (step - warmup_steps) / decay)
     floor = lr * min_lr_ratio
     return floor + 0.5 * (lr - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_note(*, lr: float, warmup_steps: int, total_steps: int) -> "str | None":
+    """A note for the console when the linear warm-up does not end within the run
+    (``warmup_steps > total_steps``): the highest rate the run reaches, as a fraction of ``lr``
+    (:func:`lr_at` of the last step), and the fix; ``None`` otherwise."""
+    if warmup_steps <= total_steps:
+        return None
+    top = lr_at(total_steps - 1, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
+    return (f"note: train.warmup_steps={warmup_steps} > train.steps={total_steps}: the warm-up never ends, the "
+            f"learning rate peaks at {top:.3g} ({top / lr:.0%} of train.lr={lr:g}); lower train.warmup_steps")

@@ -312,6 +312,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
     from npu_train.metrics.report import Reporter, carry_over, fmt_loss, rotate_previous_run
+    from npu_train.optim.lr import warmup_note
     from npu_train.runtime import nodes as N
     from npu_train.runtime.leftovers import discard_job_ipc, sweep_dead_jobs, write_job_owner
     from npu_train.transport.shm import ShmTooSmallError
@@ -440,6 +441,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
               + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
         if resume_dir:
             print(f"resuming from {resume_dir} at step {start_step}", flush=True)
+        note = warmup_note(lr=float(tr.lr), warmup_steps=int(tr.warmup_steps), total_steps=int(tr.steps))
+        if note:
+            print(note, flush=True)
         reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * dp,
                             predicted_step_s=plan.step_time_s)
         manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
