@@ -56,14 +56,17 @@ def _one_line_hydra_error(text: str) -> str:
 
 
 def _output_dir_error(text: str) -> "str | None":
-    """The OS error of Hydra's ``mkdir`` of the run/sweep directory (a path through a file, no
-    permission, a read-only filesystem), from the traceback Hydra prints before our code runs, as
-    ``"[Errno 20] Not a directory: '/x/run'"``; None for any other failure."""
-    if "mkdir" not in text:
+    """The OS error of Hydra's ``mkdir`` of the run/sweep directory, or of its first write into it
+    (``run.log``, ``multirun.yaml``, ``.hydra/``): a path through a file, no permission, a read-only
+    filesystem; from the traceback Hydra prints before our code runs, as ``"[Errno 20] Not a
+    directory: '/x/run'"``; None for any other failure."""
+    m = re.findall(r"^(?:NotADirectoryError|FileNotFoundError|PermissionError|FileExistsError|IsADirectoryError|"
+                   r"OSError): (.+)$", text, flags=re.M)
+    if not m:
         return None
-    m = re.findall(r"^(?:NotADirectoryError|FileNotFoundError|PermissionError|FileExistsError|OSError): (.+)$",
-                   text, flags=re.M)
-    return m[-1].strip() if m else None
+    # Hydra's own writes into the directory: its mkdir, the job's log file, multirun.yaml, .hydra/
+    ours = re.search(r"[/'](run\.log|multirun\.yaml|\.hydra)(/[^']*)?'$", m[-1].strip())
+    return m[-1].strip() if "mkdir" in text or ours else None
 
 
 def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
@@ -319,8 +322,11 @@ def run_one(cfg) -> int:
         if log is not None:
             log.close()
     if multirun or code != 2:
-        write_status(run_dir, code, tee.last, overrides, t0, report,
-                     run_dir_overrides=[o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
+        # the resume command continues in this run's directory: the user's hydra.run.dir, or a sweep
+        # job's own directory (resumed as a single run, it writes beside its earlier records)
+        here = ([f"hydra.run.dir={os.path.abspath(run_dir)}"] if multirun else
+                [o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
+        write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)
     return code
 
 
@@ -379,7 +385,7 @@ def _main() -> None:
         sys.stderr, text = real_stderr, captured.getvalue()
         bad_dir = None if cap.started or e.code != 1 else _output_dir_error(text)
         if bad_dir:
-            print(f"error: cannot create the run directory: {bad_dir} -- set hydra.run.dir (hydra.sweep.dir "
+            print(f"error: cannot create or write the run directory: {bad_dir} -- set hydra.run.dir (hydra.sweep.dir "
                   "with -m) to a directory you can write", file=real_stderr, flush=True)
             sys.exit(2)
         if cap.started or e.code != 1 or "Traceback (most recent call last)" in text:

@@ -152,6 +152,8 @@ def main(argv=None) -> int:
             if r == 0 and mode != "resident" and len(recs) > k:
                 pairs[mode] = show(mode, recs, k)
         rounds.append(this)
+        if args.json:  # after every round: a run cut short (a device's time limit) keeps what it measured
+            Path(args.json).write_text(json.dumps({"rounds": rounds, "argv": sys.argv}, indent=1))
     summary = rounds[0] if args.rounds == 1 else {
         m: {"step_s": median([rd[m]["step_s"] for rd in rounds]),
             "min_s": min(rd[m]["step_s"] for rd in rounds), "max_s": max(rd[m]["step_s"] for rd in rounds),

@@ -168,23 +168,42 @@ def test_bad_input(tiny_model, tmp_path, bad, case):
     assert sorted(os.listdir(bad.other_ckpt)) == other_before
 
 
-@pytest.mark.parametrize("where", ["run", "sweep"])
-def test_unusable_run_dir_is_one_error_line(tiny_model, tmp_path, where):
-    """hydra.run.dir (hydra.sweep.dir with -m) through a regular file: Hydra's mkdir fails before our
-    code runs; the launcher turns its traceback into one error line naming the key, exit 2."""
+@pytest.mark.parametrize("where,how", [("run", "through-a-file"), ("sweep", "through-a-file"),
+                                       ("run", "unwritable"), ("sweep", "unwritable")])
+def test_unusable_run_dir_is_one_error_line(tiny_model, tmp_path, where, how):
+    """hydra.run.dir (hydra.sweep.dir with -m) through a regular file (Hydra's mkdir fails) or an existing
+    directory nobody may write, root included (/sys/kernel: Hydra's run.log / multirun.yaml fails), before
+    our code runs: the launcher turns Hydra's traceback into one error line naming the key, exit 2."""
     import subprocess
     import sys
 
     from launch_util import LAUNCH, REPO
 
-    blocker = tmp_path / "a_file"
-    blocker.write_text("")
+    if how == "through-a-file":
+        blocker = tmp_path / "a_file"
+        blocker.write_text("")
+        target, errno_text = blocker / "run", "[Errno 20] Not a directory"
+    else:
+        target, errno_text = "/sys/kernel", "[Errno 13] Permission denied"
+        if not os.path.isdir(target) or os.access(target, os.W_OK) and _writable(target):
+            pytest.skip(f"{target} is missing or writable here")
     key = "hydra.run.dir" if where == "run" else "hydra.sweep.dir"
     argv = [sys.executable, LAUNCH, *(["-m"] if where == "sweep" else []), f"model.path={tiny_model}",
-            "plan=true", f"{key}={blocker / 'run'}"]
+            "plan=true", f"{key}={target}"]
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
     lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert len(lines) == 1 and "cannot create the run directory: [Errno 20] Not a directory" in lines[0] \
+    assert len(lines) == 1 and f"cannot create or write the run directory: {errno_text}" in lines[0] \
         and "set hydra.run.dir" in lines[0], r.stderr
+
+
+def _writable(d: str) -> bool:
+    """Whether a file can really be created in ``d`` (root passes ``os.access`` checks sysfs refuses)."""
+    try:
+        with open(os.path.join(d, ".npt-probe"), "w"):
+            pass
+    except OSError:
+        return False
+    os.remove(os.path.join(d, ".npt-probe"))
+    return True

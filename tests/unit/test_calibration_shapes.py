@@ -209,8 +209,9 @@ def test_the_plan_says_when_the_profile_was_measured_on_another_model(tmp_path):
             .table().splitlines() if ln.startswith("rates cpu")][0]
     want = job_shapes("cpu", False, TINY, (1, 32))
     assert line.endswith(f"on {A} -- not this job's shapes ({want}): its FLOP/s, head and split-backward "
-                         "figures are another model's; a training launch (placement.calibrate=auto) or "
-                         "calibrate=true with this model.path measures them")
+                         "figures are another model's; calibrate=true with this model.path (and "
+                         "placement.profile, if set) measures them, as does a training launch with the "
+                         "default profile")
     # the job's own shapes: no note
     line = [ln for ln in make_plan(SMOL, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1)
             .table().splitlines() if ln.startswith("rates cpu")][0]

@@ -31,4 +31,4 @@ def warmup_note(*, lr: float, warmup_steps: int, total_steps: int) -> "str | Non
         return None
     top = lr_at(total_steps - 1, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return (f"note: train.warmup_steps={warmup_steps} > train.steps={total_steps}: the warm-up never ends, the "
-            f"learning rate peaks at {top:.3g} ({top / lr:.0%} of train.lr={lr:g}); lower train.warmup_steps")
+            f"learning rate peaks at {top:.3g} ({top / lr:.0%} of train.lr={lr:g}); lower train.warmup_steps or raise train.steps")

@@ -35,8 +35,8 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
                      + (f"at most {max_resident} fit)" if max_resident >= 0 else "even 0 does not fit)"))
     sh = plan.shape
     # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
-    fixes += ["more RAM per cpu card (its capacity is its share of the host's RAM, or placement.capacity_gib: "
-              "more cpu cards split the same RAM)" if st.card.kind == "cpu" else "more cards",
+    fixes += ["more RAM per cpu card (a larger host, or placement.capacity_gib if it was set below the card's "
+              "share of the RAM; more cpu cards split the same RAM)" if st.card.kind == "cpu" else "more cards",
               None if sh.recompute else "train.recompute=true" + (
                   " (with train.schedule=1f1b: not with the zero-bubble schedules)"
                   if sh.schedule in SPLIT_BACKWARD else ""),
@@ -133,8 +133,8 @@ def rate_sources(plan: Plan) -> list[str]:
         other = _other_shapes(k, rt.shapes, plan) if measured else None
         if other:
             on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
-                   "another model's; a training launch (placement.calibrate=auto) or calibrate=true with "
-                   "this model.path measures them")
+                   "another model's; calibrate=true with this model.path (and placement.profile, if set) "
+                   "measures them, as does a training launch with the default profile")
         where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
                  else "no calibration profile: assumed defaults (placement.calibrate=auto measures "
                       "them on a training run's first launch)")

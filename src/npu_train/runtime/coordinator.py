@@ -53,6 +53,7 @@ socket addresses, shared-memory prefix; never the token) for tools and tests.
 """
 from __future__ import annotations
 
+import faulthandler
 import hmac
 import json
 import logging
@@ -134,13 +135,18 @@ class Coordinator:
                 rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
                 # a Ctrl-C during start-up belongs to the launcher: the card process starts with SIGINT/SIGTERM
                 # ignored (an ignored disposition survives exec, and Python then installs no handler), so
-                # its imports are not interrupted with a KeyboardInterrupt traceback
-                prev = {sg: signal.signal(sg, signal.SIG_IGN) for sg in (signal.SIGINT, signal.SIGTERM)}
+                # its imports are not interrupted with a KeyboardInterrupt traceback; SIGUSR1 (the stack
+                # dump, `kill -USR1`) too, until worker_main registers it: it must not kill a starting card
+                dump = faulthandler.unregister(signal.SIGUSR1)
+                prev = {sg: signal.signal(sg, signal.SIG_IGN)
+                        for sg in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
                 try:
                     rs.proc.start()
                 finally:
                     for sg, h in prev.items():
                         signal.signal(sg, h)
+                    if dump:
+                        faulthandler.register(signal.SIGUSR1, all_threads=True)
                 rs.last_seen = rs.started_at = now
             self._write_job_file()
             try:

@@ -21,7 +21,7 @@ from typing import Optional
 from npu_train.env import getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
-from npu_train.runtime.saving import done_checkpoint, interrupt_note, prepare_checkpoint_root
+from npu_train.runtime.saving import continue_note, done_checkpoint, interrupt_note, prepare_checkpoint_root
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, model_index, pipeline_stages, run_shape, train_spec
 from npu_train.transport.channel import Endpoint
@@ -491,7 +491,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
           + (f" of this launch (train.stop_after={tr.stop_after}), at step {at} of train.steps={tr.steps}" if early else "")
           + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}; "
           f"{done_checkpoint(coord.last_ckpt, saving)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}"
-          + (f"; continue with train.resume=latest checkpoint.dir={ckpt_root}" if early and coord.last_ckpt else ""),
+          + (f"; {continue_note(ckpt_root, tr.offload_update)} (the whole command: 'resume' in "
+             f"{os.path.join(run_dir, 'status.json')})" if early and coord.last_ckpt else ""),
           flush=True)
     if early:  # status.json: where the run stands and the command that continues it
         summ.update(stopped_at=at, checkpoint_dir=ckpt_root if coord.last_ckpt else None)

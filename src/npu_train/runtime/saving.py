@@ -48,6 +48,20 @@ def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier
             print(f"note: moved {len(earlier)} checkpoint(s) of an earlier run to {set_aside(ckpt_root)}", flush=True)
 
 
+def continue_note(ckpt_root: str, offload_update: str) -> str:
+    """How to continue from the newest checkpoint in ``ckpt_root``: the same command with
+    ``train.resume=latest checkpoint.dir=<ckpt_root>`` (and ``train.offload_update=sync`` after a
+    delayed-update run), started with this run's ``NPT_`` variables that change a run
+    (:func:`npu_train.env.resume_env_prefix`)."""
+    args = f"train.resume=latest checkpoint.dir={ckpt_root}" + (
+        " train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
+        if offload_update == "delayed" else "")
+    env = resume_env_prefix()
+    if env:
+        return f"resume with: {env}<the same command> {args}"
+    return f"resume by rerunning the same command with {args}"
+
+
 def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str, save: bool = True) -> str:
     """The interrupt message's second half: the checkpoint saved and how to resume from it (the same
     command with ``train.resume=latest checkpoint.dir=<ckpt_root>``, started with this run's ``NPT_``
@@ -57,13 +71,7 @@ def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str
         return "no checkpoint saved (checkpoint.save=false: this run cannot be resumed)"
     if not last_ckpt:
         return "no checkpoint saved"
-    args = f"train.resume=latest checkpoint.dir={ckpt_root}" + (
-        " train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
-        if offload_update == "delayed" else "")
-    env = resume_env_prefix()
-    if env:
-        return f"checkpoint {last_ckpt} saved; resume with: {env}<the same command> {args}"
-    return f"checkpoint {last_ckpt} saved; resume by rerunning the same command with {args}"
+    return f"checkpoint {last_ckpt} saved; {continue_note(ckpt_root, offload_update)}"
 
 
 def done_checkpoint(last_ckpt: Optional[str], save: bool = True) -> str:

@@ -1,0 +1,37 @@
+"""``kill -USR1 <pid>`` (README, "When things go wrong"): the launcher and every card process print
+every thread's Python stack to the launcher's stderr and the job goes on, also when the signal reaches
+a card process still starting (importing torch, before its handler exists: it starts with SIGUSR1
+ignored, an inherited disposition, instead of being killed by it)."""
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from launch_util import Job
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_usr1_during_card_start_up_and_training_dumps_stacks_and_the_job_goes_on(tiny_model, tmp_path):
+    job = Job(tmp_path, tiny_model, "train.steps=12", "checkpoint.save=false")
+    try:
+        info = job.job_info()  # written right after the card processes were started: they are importing
+        for pid in job.card_pids(info):
+            os.kill(pid, signal.SIGUSR1)
+        job.wait_steps(2, 120)  # the cards have registered their dump by now
+        for pid in job.card_pids(info):
+            os.kill(pid, signal.SIGUSR1)
+        os.kill(job.proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        rc = job.wait(120)
+    finally:
+        job.kill_all()
+    assert rc == 0, job.tail()
+    assert len(job.losses()) == 12
+    err = job.stderr
+    # launcher + 2 card processes, each dumping at least its main thread
+    assert err.count("(most recent call first)") >= 3, job.tail(6000)
+    assert "in _heartbeat_loop" in err and "coordinator.py" in err, job.tail(6000)
