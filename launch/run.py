@@ -219,16 +219,16 @@ def resume_command(overrides: list, checkpoint_dir: str) -> str:
 
 
 def write_status(run_dir: str, code: int, error: str, overrides: list, started: float,
-                 interrupted: "dict | None" = None, run_dir_overrides: list = ()) -> None:
+                 report: "dict | None" = None, run_dir_overrides: list = ()) -> None:
     """``<run_dir>/status.json``: exit code, status, the error line, the job's overrides and its
     start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep).
 
     ``status``: ``ok`` (exit 0), ``interrupted`` (130/143: SIGINT/SIGTERM; then ``checkpoint``, the
-    checkpoint this launch saved or null, and ``resume``, the command that continues it or null; from
-    ``interrupted``, what :func:`main` reported; the resume command keeps ``run_dir_overrides``, the
-    user's ``hydra.run.dir=...``, so the continued run writes into the same directory) or ``failed``
-    (any other exit status). A launch that ``train.stop_after`` ended before ``train.steps`` is ``ok``
-    with ``stopped_at`` (its last step), ``steps`` and ``resume`` (the command that continues it)."""
+    checkpoint this launch saved or null, and ``resume``, the command that continues it or null) or
+    ``failed`` (any other exit status). A launch that ``train.stop_after`` ended before ``train.steps``
+    is ``ok`` with ``stopped_at`` (its last step), ``steps`` and ``resume``. ``report``: what
+    :func:`main` reported of how the job ended; the resume command keeps ``run_dir_overrides`` (the
+    run's ``hydra.run.dir=...``), so the continued run writes into the same directory."""
     import json
     import signal
     import time
@@ -236,13 +236,14 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "status.json")
     rec = {"exit_code": int(code), "status": "ok" if code == 0 else "failed", "error": error}
+    rep = report or {}
+    root = rep.get("checkpoint_dir")
+    resume = resume_command([*run_dir_overrides, *overrides], root) if root else None
     if code - 128 in (signal.SIGINT, signal.SIGTERM):
-        ck, root = (interrupted or {}).get("checkpoint"), (interrupted or {}).get("checkpoint_dir")
-        rec.update(status="interrupted", checkpoint=ck, resume=resume_command([*run_dir_overrides, *overrides], root) if ck and root else None)
-    elif code == 0 and (interrupted or {}).get("stopped_at") is not None:  # train.stop_after: ok, not complete
-        root = interrupted.get("checkpoint_dir")
-        rec.update(stopped_at=interrupted["stopped_at"], steps=interrupted.get("steps"),
-                   resume=resume_command([*run_dir_overrides, *overrides], root) if root else None)
+        ck = rep.get("checkpoint")
+        rec.update(status="interrupted", checkpoint=ck, resume=resume if ck else None)
+    elif code == 0 and rep.get("stopped_at") is not None:  # train.stop_after: ok, not complete
+        rec.update(stopped_at=rep["stopped_at"], steps=rep.get("steps"), resume=resume)
     rec.update(overrides=list(overrides), started=started, finished=time.time(), pid=os.getpid())
     with open(path + ".part", "w") as f:
         json.dump(rec, f, indent=1)
