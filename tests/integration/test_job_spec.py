@@ -76,9 +76,9 @@ def test_failed_launch_leaves_no_ipc_dir_or_owner_record(monkeypatch, tmp_path, 
     made = []
     real_write = leftovers.write_job_owner
 
-    def write_job_owner(job_id, ipc_dir):
+    def write_job_owner(job_id, ipc_dir, node=0):
         made.append((job_id, ipc_dir))
-        return real_write(job_id, ipc_dir)
+        return real_write(job_id, ipc_dir, node)
 
     def short(*a, **kw):
         raise DataError("the packed training data needs 1.0 MB in ... but only 0.1 MB are free")

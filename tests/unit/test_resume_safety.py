@@ -116,6 +116,43 @@ def test_sweep_removes_only_dead_jobs_leftovers(tmp_path, monkeypatch):
                 os.remove(f"/dev/shm/{seg}")
 
 
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="needs /dev/shm")
+def test_sweep_two_nodes_of_one_job_on_one_host(tmp_path, monkeypatch):
+    """Two "nodes" of one job on one host each record themselves: a dead node's IPC directory goes while
+    the other runs (its segments stay); once both are dead, everything goes."""
+    import tempfile
+
+    from npu_train.runtime import leftovers
+    from npu_train.transport.shm import segment_names_for_job
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    job = "twonode1"
+    ipc = [tempfile.mkdtemp(prefix=f"npt-{job}-") for _ in range(2)]
+    with open(f"/dev/shm/npt_{job}_act0", "wb") as f:
+        f.write(b"x")
+    try:
+        paths = [leftovers.write_job_owner(job, ipc[k], node=k) for k in range(2)]
+        assert paths[0] != paths[1] and paths[1].endswith("_owner-n1")
+
+        def kill(k):
+            with open(paths[k]) as f:
+                rec = json.load(f)
+            rec["pid"] = _dead_pid()
+            with open(paths[k], "w") as f:
+                json.dump(rec, f)
+
+        kill(1)
+        assert leftovers.sweep_dead_jobs() == []  # node 0 still runs: the job's segments stay
+        assert not os.path.exists(ipc[1]) and os.path.isdir(ipc[0])
+        assert segment_names_for_job(job) == [f"npt_{job}_act0", f"npt_{job}_owner"]
+        kill(0)
+        assert leftovers.sweep_dead_jobs() == [job]
+        assert segment_names_for_job(job) == [] and not os.path.exists(ipc[0])
+    finally:
+        for seg in segment_names_for_job(job):
+            os.remove(f"/dev/shm/{seg}")
+
+
 def test_run_dir_with_metrics_is_rotated_not_appended(tmp_path):
     from npu_train.metrics.report import rotate_previous_run
 

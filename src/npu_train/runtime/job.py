@@ -400,7 +400,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     prepare_checkpoint_root(ckpt_root, cfg, mcfg, P, earlier, owner=rdv is None or layout.is_master)
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
-    write_job_owner(job_id, ipc_dir)
+    write_job_owner(job_id, ipc_dir, node=layout.node_rank if layout else 0)
     try:  # until the coordinator owns them (its teardown removes both), a failure removes the IPC dir and record
         with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
             os.remove(os.path.join(run_dir, "data.safetensors"))

@@ -11,11 +11,18 @@ matches the job's segment prefix, so every cleanup removes it too), and every la
 leftovers of jobs whose owner is gone (:func:`sweep_dead_jobs`). Jobs of live launchers, and jobs
 owned on another host (a container with another host name sharing ``/dev/shm``), are never touched;
 segments without an owner record (older versions) are left alone too.
+
+Every node of a multi-node job records itself (``npt_<job_id>_owner`` on node 0 and on a single node,
+``npt_<job_id>_owner-n<k>`` on node k): several "nodes" on one host (a test, a laptop trying
+``runtime.nodes``) share one ``/dev/shm`` and one temporary directory, and one record for all of them
+named only the node that wrote it last. A job's segments go when every node's owner is gone; a dead
+node's IPC directory goes at once.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Optional
@@ -24,20 +31,22 @@ from npu_train.ownership import owner_alive, process_identity
 from npu_train.transport.shm import SEGMENT_PREFIX, SHM_DIR, unlink_job_segments, validate_job_id
 
 OWNER_SUFFIX = "_owner"
+_OWNER_RE = re.compile(re.escape(SEGMENT_PREFIX) + r"(.+)" + re.escape(OWNER_SUFFIX) + r"(?:-n([1-9][0-9]{0,3}))?$")
 
 
-def owner_path(job_id: str) -> str:
-    """``/dev/shm/npt_<job_id>_owner``."""
-    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{validate_job_id(job_id)}{OWNER_SUFFIX}")
+def owner_path(job_id: str, node: int = 0) -> str:
+    """``/dev/shm/npt_<job_id>_owner`` (node 0, a single node) or ``.../npt_<job_id>_owner-n<node>``."""
+    tail = f"-n{int(node)}" if node else ""
+    return os.path.join(SHM_DIR, f"{SEGMENT_PREFIX}{validate_job_id(job_id)}{OWNER_SUFFIX}{tail}")
 
 
-def write_job_owner(job_id: str, ipc_dir: str) -> Optional[str]:
-    """Record this process (the launcher) as the owner of ``job_id``'s segments and ``ipc_dir`` (mode 0600);
-    returns the record's path (None where there is no ``/dev/shm``: nothing to record)."""
+def write_job_owner(job_id: str, ipc_dir: str, node: int = 0) -> Optional[str]:
+    """Record this process (node ``node``'s launcher) as an owner of ``job_id``'s segments and the owner of
+    ``ipc_dir`` (mode 0600); returns the record's path (None where there is no ``/dev/shm``: nothing to record)."""
     if not os.path.isdir(SHM_DIR):
         return None
-    path = owner_path(job_id)
-    rec = dict(process_identity(os.getpid()) or {}, job_id=job_id, ipc_dir=ipc_dir)
+    path = owner_path(job_id, node)
+    rec = dict(process_identity(os.getpid()) or {}, job_id=job_id, ipc_dir=ipc_dir, node=int(node))
     fd = os.open(path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump(rec, f)
@@ -56,33 +65,50 @@ def discard_job_ipc(job_id: str, ipc_dir: str) -> None:
         pass
 
 
+def _remove_ipc_dir(job_id: str, rec) -> None:
+    """Remove the IPC directory a dead owner's record names, if it is this job's (``<tmp>/npt-<job_id>-*``):
+    never a path a record could point anywhere."""
+    ipc = rec.get("ipc_dir") if isinstance(rec, dict) else None
+    if (isinstance(ipc, str) and os.path.basename(ipc).startswith(f"npt-{job_id}-")
+            and os.path.dirname(os.path.abspath(ipc)) == os.path.abspath(tempfile.gettempdir())):
+        shutil.rmtree(ipc, ignore_errors=True)
+
+
 def sweep_dead_jobs() -> list[str]:
-    """Remove the segments and IPC directory of every job whose recorded owner no longer runs on this
-    host. Returns the job ids swept. Never raises for a leftover it cannot read or remove."""
-    swept = []
+    """Remove the leftovers of dead jobs on this host: the IPC directory of every node whose recorded owner
+    no longer runs (and that node's record), and a job's segments once no recorded owner of it runs.
+    Returns the job ids whose segments were removed. Never raises for a leftover it cannot read or remove."""
+    swept: list[str] = []
     try:
         names = os.listdir(SHM_DIR)
     except OSError:
         return swept
-    for fn in names:
-        if not (fn.startswith(SEGMENT_PREFIX) and fn.endswith(OWNER_SUFFIX)):
+    jobs: dict[str, list] = {}
+    for fn in sorted(names):
+        m = _OWNER_RE.match(fn)
+        if not m:
             continue
-        job_id = fn[len(SEGMENT_PREFIX):-len(OWNER_SUFFIX)]
+        job_id = m.group(1)
         try:
             validate_job_id(job_id)
             with open(os.path.join(SHM_DIR, fn)) as f:
                 rec = json.load(f)
         except (OSError, ValueError):
             continue
-        if owner_alive(rec) is not False:
+        jobs.setdefault(job_id, []).append((fn, rec))
+    for job_id, recs in jobs.items():
+        dead = [(fn, rec) for fn, rec in recs if owner_alive(rec) is False]
+        for _, rec in dead:
+            _remove_ipc_dir(job_id, rec)
+        if len(dead) < len(recs):  # another node of the job still runs (or cannot be told): its segments stay
+            for fn, _ in dead:
+                try:
+                    os.remove(os.path.join(SHM_DIR, fn))
+                except OSError:
+                    pass
             continue
-        ipc = rec.get("ipc_dir") if isinstance(rec, dict) else None
-        # only a directory that is this job's IPC directory (never a path a record could point anywhere)
-        if (isinstance(ipc, str) and os.path.basename(ipc).startswith(f"npt-{job_id}-")
-                and os.path.dirname(os.path.abspath(ipc)) == os.path.abspath(tempfile.gettempdir())):
-            shutil.rmtree(ipc, ignore_errors=True)
         try:
-            unlink_job_segments(job_id)  # includes the owner record
+            unlink_job_segments(job_id)  # includes the owner records
         except OSError:
             continue
         swept.append(job_id)
