@@ -350,10 +350,9 @@ def _main() -> None:
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
     # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr
     # (card processes do the same, runtime/worker.py) and the job goes on
-    import faulthandler
-    import signal
+    from npu_train.stackdump import install_stack_dump
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    install_stack_dump("the launcher")
 
     import hydra
 

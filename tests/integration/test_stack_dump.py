@@ -22,10 +22,10 @@ def test_usr1_during_card_start_up_and_training_dumps_stacks_and_the_job_goes_on
         for pid in job.card_pids(info):
             os.kill(pid, signal.SIGUSR1)
         job.wait_steps(2, 120)  # the cards have registered their dump by now
-        for pid in job.card_pids(info):
+        for pid in job.card_pids(info) + [job.proc.pid]:  # one at a time: dumps sent at once interleave
             os.kill(pid, signal.SIGUSR1)
-        os.kill(job.proc.pid, signal.SIGUSR1)
-        time.sleep(1.0)
+            time.sleep(0.5)
+        time.sleep(0.5)
         rc = job.wait(120)
     finally:
         job.kill_all()
@@ -35,3 +35,7 @@ def test_usr1_during_card_start_up_and_training_dumps_stacks_and_the_job_goes_on
     # launcher + 2 card processes, each dumping at least its main thread
     assert err.count("(most recent call first)") >= 3, job.tail(6000)
     assert "in _heartbeat_loop" in err and "coordinator.py" in err, job.tail(6000)
+    # each dump is followed by a line naming its process (the stacks show thread ids only)
+    assert "are the launcher's (pid %d" % job.proc.pid in err, job.tail(6000)
+    for pid in job.card_pids(info):
+        assert ("(pid %d, kill -USR1)" % pid) in err and "are card cpu:" in err, job.tail(6000)

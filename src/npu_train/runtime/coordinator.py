@@ -71,6 +71,7 @@ import zmq
 
 from npu_train.errors import Interrupted, JobFailed
 from npu_train.runtime.spec import WorkerSpec
+from npu_train.stackdump import install_stack_dump
 
 log = logging.getLogger("npu_train")
 
@@ -146,7 +147,7 @@ class Coordinator:
                     for sg, h in prev.items():
                         signal.signal(sg, h)
                     if dump:
-                        faulthandler.register(signal.SIGUSR1, all_threads=True)
+                        install_stack_dump("the launcher")
                 rs.last_seen = rs.started_at = now
             self._write_job_file()
             try:

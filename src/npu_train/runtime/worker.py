@@ -21,7 +21,6 @@ Test-only fault injection (``NPT_FAULT``) is described in :mod:`npu_train.runtim
 """
 from __future__ import annotations
 
-import faulthandler
 import logging
 import os
 import signal
@@ -34,6 +33,7 @@ import torch
 import zmq
 
 from npu_train.hostmem import keep_freed_memory
+from npu_train.stackdump import install_stack_dump
 from npu_train.runtime.faults import FaultHook
 from npu_train.runtime.spec import WorkerSpec
 
@@ -111,7 +111,7 @@ def worker_main(spec: WorkerSpec) -> None:
     # first; the coordinator stops them with SIGKILL at teardown.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 <pid>`: every thread's stack to stderr
+    install_stack_dump(f"card {spec.card.name} ({spec.layout.where(rank)}, layers {spec.stage.label})")  # kill -USR1
     if spec.runtime.keep_host_memory and not keep_freed_memory():  # before the model's tensors exist
         log.debug("host memory: malloc settings not changed (not glibc, or the user's MALLOC_* / GLIBC_TUNABLES)")
     torch.set_num_threads(max(1, int(spec.runtime.threads)))
