@@ -68,7 +68,7 @@ def test_card_lists_in_a_sweep_expand_as_documented():
     assert sweep.sweep_job_overrides(argv) == [["backend=[cpu]"], ["backend=[cpu,cpu]"]]
 
 
-def _fake_job(d, num, overrides, code, losses=(), error="", summary=None):
+def _fake_job(d, num, overrides, code, losses=(), error="", summary=None, status=None):
     os.makedirs(os.path.join(d, ".hydra"))
     with open(os.path.join(d, ".hydra", "overrides.yaml"), "w") as f:
         f.write("".join(f"- {o}\n" for o in overrides))
@@ -76,7 +76,7 @@ def _fake_job(d, num, overrides, code, losses=(), error="", summary=None):
         f.write(f"hydra:\n  job:\n    num: {num}\n")
     if code is not None:
         with open(os.path.join(d, "status.json"), "w") as f:
-            json.dump({"exit_code": code, "error": error}, f)
+            json.dump(dict({"exit_code": code, "error": error}, **(status or {})), f)
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         for i, l in enumerate(losses):
             f.write(json.dumps({"step": i + 1, "loss": l, "tokens_per_s": 100.0 * (i + 1),
@@ -115,6 +115,20 @@ def test_summary_of_a_sweep_dir(tmp_path):
     assert [r["status"] for r in rows] == ["ok", "failed", "failed", "interrupted"]
     assert sweep.write_summary(sd, rows).startswith("# Sweep summary: 1 ok, 1 interrupted, 2 failed")
     assert sweep.exit_status(rows) == 143
+
+
+def test_summary_names_a_job_stop_after_ended(tmp_path):
+    """A job that train.stop_after ended before train.steps exits 0 but is not done: status "stopped", the
+    error column says where it stands and where its resume command is; the sweep still exits 0."""
+    sd = str(tmp_path)
+    _fake_job(os.path.join(sd, "0"), 0, ["train.lr=0.001"], 0, [5.0, 4.0])
+    _fake_job(os.path.join(sd, "1"), 1, ["train.lr=0.002"], 0, [5.0, 4.5],
+              status={"stopped_at": 2, "steps": 20, "resume": "python launch/run.py train.resume=latest ..."})
+    rows = sweep.collect(sd)
+    assert [r["status"] for r in rows] == ["ok", "stopped"]
+    assert rows[1]["error"] == "stopped at step 2 of 20 (train.stop_after); resume: 'resume' in status.json"
+    assert sweep.write_summary(sd, rows).startswith("# Sweep summary: 1 ok, 1 stopped (train.stop_after), 0 failed")
+    assert sweep.exit_status(rows) == 0
 
 
 # ============================================================================ heavy (real launcher)

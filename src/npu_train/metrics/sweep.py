@@ -200,8 +200,9 @@ def _error_from_files(job_dir: str) -> str:
 def collect(sweep_dir: str) -> list[dict]:
     """One row per job directory of the sweep, ordered by job number.
 
-    Row keys: ``num`` (int), ``dir``, ``overrides`` (list of str), ``status`` (ok | interrupted: exit
-    130/143, SIGINT/SIGTERM | failed),
+    Row keys: ``num`` (int), ``dir``, ``overrides`` (list of str), ``status`` (ok | stopped: exit 0 but
+    ``train.stop_after`` ended it before ``train.steps``, the error column then says at which step and
+    where the resume command is | interrupted: exit 130/143, SIGINT/SIGTERM | failed),
     ``exit_code`` (int or None), ``error`` (one line, "" when ok), ``train_loss``, ``val_loss``
     (nats/token, None when not measured), ``tokens_per_s`` (mean over steps after the first),
     ``peak_mem_gib`` (list per card, GiB = 2**30 bytes), ``losses`` (list of (step, loss)).
@@ -230,13 +231,18 @@ def collect(sweep_dir: str) -> list[dict]:
         ok = code == 0
         error = "" if ok else ((st or {}).get("error") or (f"exit status {code}" if st else _error_from_files(d)))
         error = error[len("error: "):] if error.startswith("error: ") else error
+        stopped = ok and (st or {}).get("stopped_at") is not None
+        if stopped:
+            error = (f"stopped at step {st['stopped_at']} of {st.get('steps', '?')} (train.stop_after); "
+                     + ("resume: 'resume' in status.json" if st.get("resume") else "no checkpoint to resume from"))
         tps = summ.get("mean_tokens_per_s")
         if tps is None and metrics:
             tps = sum(m["tokens_per_s"] for m in metrics) / len(metrics)
         peak = summ.get("peak_mem_bytes") or (metrics[-1].get("mem_peak_bytes") if metrics else None) or []
         rows.append({
             "num": int(num) if num is not None else len(rows), "dir": d, "overrides": overrides,
-            "status": "ok" if ok else ("interrupted" if code in (130, 143) else "failed"), "exit_code": code, "error": error,
+            "status": ("stopped" if stopped else "ok") if ok else ("interrupted" if code in (130, 143) else "failed"),
+            "exit_code": code, "error": error,
             "train_loss": summ.get("last_loss", metrics[-1]["loss"] if metrics else None),
             "val_loss": summ.get("last_val_loss", evals[-1]["val_loss"] if evals else None),
             "tokens_per_s": tps, "peak_mem_gib": [p / GIB for p in peak],
@@ -277,9 +283,9 @@ def write_summary(sweep_dir: str, rows: list[dict]) -> str:
     esc = [[c.replace("|", "\\|") for c in row] for row in body]
     md = "| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER) + "\n"
     md += "".join("| " + " | ".join(row) + " |\n" for row in esc)
-    n_ok, n_int = (sum(r["status"] == s for r in rows) for s in ("ok", "interrupted"))
-    md = (f"# Sweep summary: {n_ok} ok, " + (f"{n_int} interrupted, " if n_int else "")
-          + f"{len(rows) - n_ok - n_int} failed\n\n" + md)
+    n_ok, n_stop, n_int = (sum(r["status"] == s for r in rows) for s in ("ok", "stopped", "interrupted"))
+    md = (f"# Sweep summary: {n_ok} ok, " + (f"{n_stop} stopped (train.stop_after), " if n_stop else "")
+          + (f"{n_int} interrupted, " if n_int else "") + f"{len(rows) - n_ok - n_stop - n_int} failed\n\n" + md)
     with open(os.path.join(sweep_dir, "summary.md"), "w") as f:
         f.write(md)
     buf = io.StringIO()
@@ -317,9 +323,10 @@ def plot_losses(path: str, rows: list[dict]) -> None:
 
 
 def exit_status(rows: list[dict]) -> int:
-    """Exit status of a sweep: 0 when every job finished; else 130/143 if a job was interrupted by
-    SIGINT/SIGTERM; else 1 (some job failed, whatever its own status); 1 also for a sweep without jobs."""
-    if rows and all(r["status"] == "ok" for r in rows):
+    """Exit status of a sweep: 0 when every job finished (or stopped where ``train.stop_after`` said); else
+    130/143 if a job was interrupted by SIGINT/SIGTERM; else 1 (some job failed, whatever its own status);
+    1 also for a sweep without jobs."""
+    if rows and all(r["status"] in ("ok", "stopped") for r in rows):
         return 0
     for sig in (130, 143):
         if any(r["exit_code"] == sig for r in rows):
