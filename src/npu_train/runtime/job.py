@@ -21,7 +21,7 @@ from typing import Optional
 from npu_train.env import getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
-from npu_train.runtime.saving import continue_note, done_checkpoint, interrupt_note, prepare_checkpoint_root
+from npu_train.runtime.saving import end_of_run_line, interrupt_note, prepare_checkpoint_root
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, model_index, pipeline_stages, run_shape, train_spec
 from npu_train.transport.channel import Endpoint
@@ -311,7 +311,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter, carry_over, fmt_loss, rotate_previous_run
+    from npu_train.metrics.report import Reporter, carry_over, rotate_previous_run
     from npu_train.optim.lr import warmup_note
     from npu_train.runtime import nodes as N
     from npu_train.runtime.leftovers import discard_job_ipc, sweep_dead_jobs, write_job_owner
@@ -484,16 +484,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if coord.interrupted:
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update, saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
-    skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
     at = start_step + int(summ["steps_run"])
     early = at < tr.steps  # train.stop_after ended this launch before train.steps
-    print(f"{'stopped' if early else 'done'}: {summ['steps_run']} step{'' if summ['steps_run'] == 1 else 's'}{skipped}"
-          + (f" of this launch (train.stop_after={tr.stop_after}), at step {at} of train.steps={tr.steps}" if early else "")
-          + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}; "
-          f"{done_checkpoint(coord.last_ckpt, saving)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}"
-          + (f"; {continue_note(ckpt_root, tr.offload_update)} (the whole command: 'resume' in "
-             f"{os.path.join(run_dir, 'status.json')})" if early and coord.last_ckpt else ""),
-          flush=True)
+    print(end_of_run_line(summ, at, tr, coord.last_ckpt, ckpt_root, saving, run_dir), flush=True)
     if early:  # status.json: where the run stands and the command that continues it
         summ.update(stopped_at=at, checkpoint_dir=ckpt_root if coord.last_ckpt else None)
     return summ

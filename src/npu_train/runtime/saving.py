@@ -77,3 +77,23 @@ def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str
 def done_checkpoint(last_ckpt: Optional[str], save: bool = True) -> str:
     """The ``done:`` line's checkpoint part: ``checkpoint <dir>``, or ``no checkpoint (checkpoint.save=false)``."""
     return f"checkpoint {last_ckpt}" if save else "no checkpoint (checkpoint.save=false)"
+
+
+def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
+                    run_dir: str) -> str:
+    """The launcher's last line: ``done: 20 steps, loss 4.0859 -> 3.5585; checkpoint ...; metrics ...``, or,
+    when ``train.stop_after`` ended the launch at step ``at`` < ``train.steps``, ``stopped: ...`` with how to
+    continue. ``summ``: the reporter's summary (``steps_run``, ``first_loss``/``last_loss`` in nats/token,
+    ``skipped_steps``); ``train``: the ``train`` config group."""
+    from npu_train.metrics.report import fmt_loss
+
+    n = int(summ["steps_run"])
+    early = at < train.steps
+    skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
+    return (f"{'stopped' if early else 'done'}: {n} step{'' if n == 1 else 's'}{skipped}"
+            + (f" of this launch (train.stop_after={train.stop_after}), at step {at} of train.steps={train.steps}"
+               if early else "")
+            + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}; "
+            f"{done_checkpoint(last_ckpt, save)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}"
+            + (f"; {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
+               f"{os.path.join(run_dir, 'status.json')})" if early and last_ckpt else ""))
