@@ -378,6 +378,7 @@ def test_smollm2_config(smol):
     assert cfg.tie_word_embeddings and cfg.rope_theta == 100000.0 and cfg.rope_scaling is None
     assert (cfg.bos_token_id, cfg.eos_token_id, cfg.head_dim) == (1, 2, 64)
     assert resolve_model_path("embedded") == smol["path"] == resolve_model_path("SmolLM2")
+    assert cfg.name == "SmolLM2-135M-Instruct.Q4_1"  # the file's name, not general.name's run name
 
 
 def test_smollm2_first_layers(smol):

@@ -76,6 +76,19 @@ def gguf_field(reader, key: str, default: Any = None) -> Any:
         return default
 
 
+def _gguf_model_name(reader, path: str) -> str:
+    """How messages name a GGUF model: the file's name without ``.gguf`` when it contains the model's
+    ``general.basename`` (``SmolLM2-135M-Instruct.Q4_1``: what the user passed and recognises; its
+    ``general.name`` is the training run's, ``Smollm2 135M 8k Lc100K Mix1 Ep2``), else ``general.name``
+    (a generic ``model.gguf``), else the file's name."""
+    stem = os.path.basename(path)
+    stem = stem[:-len(".gguf")] if stem.lower().endswith(".gguf") else stem
+    base = str(gguf_field(reader, "general.basename") or "").strip().lower()
+    if base and base in stem.lower():
+        return stem
+    return str(gguf_field(reader, "general.name") or "").strip() or stem
+
+
 def gguf_config(path: str) -> LlamaConfig:
     """The :class:`LlamaConfig` read from the ``llama.*`` metadata of a GGUF file."""
     r = gguf_reader(path)
@@ -132,7 +145,7 @@ def gguf_config(path: str) -> LlamaConfig:
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=first_id(gguf_field(r, "tokenizer.ggml.bos_token_id")),
         eos_token_id=first_id(gguf_field(r, "tokenizer.ggml.eos_token_id")),
-        name=gguf_field(r, "general.name") or os.path.splitext(os.path.basename(path))[0],
+        name=_gguf_model_name(r, path),
     )
     cfg_kwargs["rope_scaling"] = _gguf_rope_scaling(r, path, theta, head_dim, tensor_names)
     return LlamaConfig(**cfg_kwargs)
