@@ -40,3 +40,35 @@ def test_resume_refuses_changed_lr_or_data_unless_allowed(tiny_model, tmp_path, 
                                   "train.lr=2e-3", "train.resume_mismatch=allow")
     assert len(losses) == 2 and reader.step == 3
     assert "resuming with a changed setting (train.resume_mismatch=allow): train.lr" in capsys.readouterr().out
+
+
+def test_resume_refuses_other_adapters_damaged_shards_and_other_data_order(tiny_model, tmp_path, capsys):
+    """A LoRA checkpoint resumed with fewer lora.targets would silently drop trained adapters: refused
+    (exit 2, one line, nothing ran); a truncated shard is named, with the checkpoint before it, before
+    any card process starts; a data.seq_len change (another data order) is refused without pointing at
+    train.resume_mismatch=allow, which cannot continue it."""
+    ck = str(tmp_path / "ckpt")
+    common = ("backend=[cpu]", "train.steps=4", f"checkpoint.dir={ck}", "train.mode=lora", "train.save_every=1")
+    run_pipeline(tiny_model, str(tmp_path / "first"), *common, "train.stop_after=2")
+    capsys.readouterr()
+
+    def refused(name, *overrides):
+        run_pipeline(tiny_model, str(tmp_path / name), *common, "train.resume=latest", *overrides, expect_rc=2)
+        err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+        assert len(err) == 1, err
+        assert not os.path.exists(tmp_path / name / "metrics.jsonl")  # refused before anything ran
+        return err[0]
+
+    msg = refused("narrow", "lora.targets=[q_proj,v_proj]")
+    assert "lora.targets: checkpoint [q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj], now [q_proj,v_proj]" in msg
+    assert "resume with train.mode=lora lora.rank=8" in msg
+    assert "train.mode=lora run's state but this run is train.mode=full" in refused("full", "train.mode=full")
+
+    msg = refused("seq", "data.seq_len=16", "train.resume_mismatch=allow")
+    assert "data.seq_len" in msg and "resume_mismatch" not in msg, msg
+
+    shard = os.path.join(ck, "step_000002", "stage_000.safetensors")
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    msg = refused("damaged")
+    assert f"shard {shard} is damaged" in msg and f"train.resume={os.path.join(ck, 'step_000001')}" in msg, msg

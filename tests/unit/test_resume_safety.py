@@ -43,6 +43,70 @@ def test_resume_refuses_changed_settings_and_data(tmp_path):
     assert len(r.check_run(dict(TRAIN, lr=2e-3), "other", allow=True)) == 2
 
 
+LORA_TRAIN = dict(TRAIN, mode="lora", lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
+                  lora_targets=["q_proj", "k_proj", "v_proj"])
+
+
+def test_resume_refuses_another_mode_or_adapter_shape(tmp_path):
+    """train.mode, lora.rank and lora.targets decide which tensors a checkpoint holds: no
+    train.resume_mismatch continues another; lora.alpha/dropout are settings (refused unless allowed)."""
+    r = CheckpointReader(_save(str(tmp_path / "l"), 4, base={"train": LORA_TRAIN}))
+    r.check_mode("lora", 8, ["v_proj", "q_proj", "k_proj"])  # same set, any order
+    with pytest.raises(CheckpointError, match=r"train\.mode=lora run's state but this run is train\.mode=full: "
+                                              r"resume with train\.mode=lora lora\.rank=8 lora\.targets=\[q_proj,k_proj,v_proj\]"):
+        r.check_mode("full", 8, [])
+    with pytest.raises(CheckpointError, match=r"lora\.targets: checkpoint \[q_proj,k_proj,v_proj\], now \[q_proj,v_proj\]"):
+        r.check_mode("lora", 8, ["q_proj", "v_proj"])  # narrower: would drop the k_proj adapters
+    with pytest.raises(CheckpointError, match=r"lora\.rank: checkpoint 8, now 4"):
+        r.check_mode("lora", 4, ["q_proj", "k_proj", "v_proj"])
+    assert r.check_run(TRAIN, None, lora={"alpha": 16, "dropout": 0.0}) == []
+    with pytest.raises(CheckpointError, match=r"lora\.alpha: checkpoint 16\.0, now 64.*train\.resume_mismatch=allow"):
+        r.check_run(TRAIN, None, lora={"alpha": 64, "dropout": 0.0})
+    assert r.check_run(TRAIN, None, allow=True, lora={"alpha": 64, "dropout": 0.1}) == [
+        "lora.alpha: checkpoint 16.0, now 64", "lora.dropout: checkpoint 0.0, now 0.1"]
+    full = CheckpointReader(_save(str(tmp_path / "f"), 4, base={"train": dict(TRAIN, mode="full")}))
+    full.check_mode("full", 4, ["q_proj"])  # lora.* are not a full run's concern
+    with pytest.raises(CheckpointError, match=r"train\.mode=full run's state but this run is train\.mode=lora"):
+        full.check_mode("lora", 8, ["q_proj"])
+    CheckpointReader(_save(str(tmp_path / "old"), 4, base={"train": TRAIN})).check_mode("lora", 8, ["q_proj"])
+
+
+def test_damaged_checkpoint_is_named_with_the_earlier_one(tmp_path):
+    """A truncated or missing shard, an unreadable manifest or a manifest whose step is not its
+    directory's is refused in the launcher (before any card process), naming the file and the
+    checkpoint before it; train.resume=auto (a restarting pod) skips to the newest one that reads."""
+    from npu_train.checkpoint.store import open_resume_checkpoint
+
+    root = str(tmp_path)
+    first = _save(root, 2)
+    last = _save(root, 4)
+    CheckpointReader(last).verify()
+    shard = os.path.join(last, "stage_000.safetensors")
+    data = open(shard, "rb").read()
+    with open(shard, "wb") as f:
+        f.write(data[: len(data) - 4])  # the last bytes of the tensor data
+    with pytest.raises(CheckpointError) as e:
+        open_resume_checkpoint(last, root)
+    msg = str(e.value)
+    assert shard in msg and "damaged" in msg and f"train.resume={first}" in msg and "\n" not in msg, msg
+    assert open_resume_checkpoint(last, root, auto=True).path == first
+    os.remove(shard)
+    with pytest.raises(CheckpointError, match=r"shard .*stage_000\.safetensors is missing; resume from the one before"):
+        CheckpointReader(last).verify()
+    man = os.path.join(first, "manifest.json")
+    text = open(man).read()
+    with open(man, "w") as f:
+        f.write(text[: len(text) // 2])
+    with pytest.raises(CheckpointError, match=r"manifest .*step_000002/manifest\.json is unreadable \(JSONDecodeError"):
+        CheckpointReader(first)
+    with pytest.raises(CheckpointError, match=r"no other complete checkpoint|resume from"):
+        open_resume_checkpoint(last, root, auto=True)  # neither reads
+    with open(man, "w") as f:
+        f.write(text.replace('"step": 2', '"step": 3'))
+    with pytest.raises(CheckpointError, match=r"its manifest says step 3, its directory name step 2"):
+        CheckpointReader(first)
+
+
 def test_latest_is_last_written_not_highest_step(tmp_path):
     root = str(tmp_path)
     _save(root, 10)

@@ -361,6 +361,37 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")
 
 
+def _earlier_hint(path: str) -> str:
+    """The fix for an unreadable checkpoint: resume from the newest other complete checkpoint in its root."""
+    root = os.path.dirname(os.path.normpath(os.path.abspath(path)))
+    others = [p for p in complete_checkpoints(root) if os.path.abspath(p) != os.path.normpath(os.path.abspath(path))]
+    if others:
+        return f"resume from the one before it with train.resume={others[-1]}"
+    return "no other complete checkpoint is in its directory: start without train.resume"
+
+
+def open_resume_checkpoint(path: str, root: str, auto: bool = False) -> "CheckpointReader":
+    """The :class:`CheckpointReader` of the checkpoint ``train.resume`` resolved to, checked by
+    :meth:`CheckpointReader.verify`. With ``auto`` (``train.resume=auto``: a job that restarts itself, e.g. a
+    pod) a damaged newest checkpoint is skipped, with a note, for the newest one that reads; otherwise, or
+    when none reads, :class:`CheckpointError` names the damage and the earlier checkpoint."""
+    cands = [path]
+    if auto:
+        cands += [p for p in reversed(complete_checkpoints(root)) if os.path.abspath(p) != os.path.abspath(path)]
+    first = None
+    for p in cands:
+        try:
+            reader = CheckpointReader(p)
+            reader.verify()
+        except CheckpointError as e:
+            first = first or e
+            if auto:
+                print(f"note: train.resume=auto skips {p}: {e}", flush=True)
+            continue
+        return reader
+    raise first
+
+
 #: ``checkpoint.existing``: what a new run does with another run's checkpoints in its checkpoint root
 EXISTING = ("refuse", "set_aside")
 
@@ -418,10 +449,46 @@ class CheckpointReader:
         if not is_complete(path):
             raise CheckpointError(f"{path} is not a complete checkpoint (no manifest.json)")
         self.path = path
-        with open(os.path.join(path, MANIFEST)) as f:
-            self.manifest = json.load(f)
-        self.index: dict[str, str] = self.manifest["index"]
-        self.step: int = int(self.manifest["step"])
+        mp = os.path.join(path, MANIFEST)
+        try:
+            with open(mp) as f:
+                self.manifest = json.load(f)
+            self.index: dict[str, str] = dict(self.manifest["index"])
+            self.step: int = int(self.manifest["step"])
+        except (OSError, ValueError, TypeError, KeyError) as e:
+            raise CheckpointError(f"checkpoint manifest {mp} is unreadable ({type(e).__name__}: {e}); "
+                                  f"{_earlier_hint(path)}") from None
+        m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
+        if m and int(m.group(1)) != self.step:
+            raise CheckpointError(f"checkpoint {path}: its manifest says step {self.step}, its directory name step "
+                                  f"{int(m.group(1))}: the checkpoint was edited or mixed up; {_earlier_hint(path)}")
+
+    def verify(self) -> None:
+        """Check, without reading tensor data, that every shard the manifest's index names exists, that its
+        safetensors header parses and that the file is as long as the header says (a truncated or
+        half-copied shard fails here, in the launcher, instead of in a card process after start-up), and
+        that every indexed tensor is in its shard. The data bytes themselves are not checksummed.
+
+        Raises:
+            CheckpointError: naming the shard file, what is wrong and the earlier complete checkpoint to resume from.
+        """
+        by_file: dict[str, list[str]] = {}
+        for k, fn in self.index.items():
+            by_file.setdefault(fn, []).append(k)
+        for fn, keys in sorted(by_file.items()):
+            sp = os.path.join(self.path, fn)
+            if os.path.basename(fn) != fn or not os.path.isfile(sp):
+                raise CheckpointError(f"checkpoint {self.path}: shard {sp} is missing; {_earlier_hint(self.path)}")
+            try:
+                with safe_open(sp, "pt") as f:
+                    have = set(f.keys())
+            except Exception as e:  # safetensors raises its own SafetensorError (header, length) or OSError
+                raise CheckpointError(f"checkpoint {self.path}: shard {sp} is damaged ({type(e).__name__}: "
+                                      f"{str(e).splitlines()[0] if str(e) else ''}); {_earlier_hint(self.path)}") from None
+            lost = [k for k in keys if k not in have]
+            if lost:
+                raise CheckpointError(f"checkpoint {self.path}: shard {sp} lacks {len(lost)} tensor(s) its manifest "
+                                      f"lists (e.g. {lost[0]!r}); {_earlier_hint(self.path)}")
 
     def has(self, key: str) -> bool:
         return key in self.index
@@ -439,13 +506,53 @@ class CheckpointReader:
     #: run settings a resume must repeat (the LR schedule depends on all of them)
     RUN_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
 
-    def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False) -> list[str]:
-        """Compare this run's ``train`` settings (:data:`RUN_KEYS`) and data fingerprint with the
-        checkpoint's manifest. Returns the differences (one string each); raises :class:`CheckpointError`
-        naming them and the override ``train.resume_mismatch=allow`` unless ``allow``."""
+    def check_mode(self, mode: str, lora_rank: int, lora_targets) -> None:
+        """Refuse a resume whose ``train.mode``, ``lora.rank`` or ``lora.targets`` differ from the checkpoint's
+        run: they decide which tensors the checkpoint holds (full: every master weight and its AdamW moments;
+        LoRA: the fp32 adapters of those projections at that rank), so no ``train.resume_mismatch`` can
+        continue it (a narrower target list would silently drop trained adapters). Checkpoints of older
+        versions without these entries pass.
+
+        Raises:
+            CheckpointError: naming the checkpoint's and this run's settings and the overrides that match it.
+        """
+        saved = self.manifest.get("train") or {}
+        if "mode" not in saved:
+            return
+        was = saved.get("mode") or "full"
+        if was == "lora":
+            want = f"train.mode=lora lora.rank={saved.get('lora_rank')} lora.targets=[{','.join(saved.get('lora_targets') or [])}]"
+        else:
+            want = "train.mode=full"
+        if was != mode:
+            raise CheckpointError(f"train.resume: {self.path} holds a train.mode={was} run's state but this run is "
+                                  f"train.mode={mode}: resume with {want}, or start without train.resume "
+                                  + ("(to fine-tune a LoRA run's merged weights in full: python -m npu_train.checkpoint.export "
+                                     f"{self.path} <out dir>, then model.path=<out dir>)" if was == "lora" else ""))
+        if mode != "lora":
+            return
+        diff = []
+        if saved.get("lora_rank") is not None and int(saved["lora_rank"]) != int(lora_rank):
+            diff.append(f"lora.rank: checkpoint {saved['lora_rank']}, now {lora_rank}")
+        if saved.get("lora_targets") is not None and sorted(saved["lora_targets"]) != sorted(lora_targets):
+            diff.append(f"lora.targets: checkpoint [{','.join(saved['lora_targets'])}], now [{','.join(lora_targets)}]")
+        if diff:
+            raise CheckpointError(f"train.resume: {self.path} holds LoRA adapters of another shape ({'; '.join(diff)}): "
+                                  f"resume with {want}, or start without train.resume")
+
+    def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False,
+                  lora: Optional[dict] = None) -> list[str]:
+        """Compare this run's ``train`` settings (:data:`RUN_KEYS`), LoRA scaling (``lora``: ``{"alpha": ..,
+        "dropout": ..}`` of a LoRA run, compared with the manifest's ``lora_alpha``/``lora_dropout``) and data
+        fingerprint with the checkpoint's manifest. Returns the differences (one string each); raises
+        :class:`CheckpointError` naming them and the override ``train.resume_mismatch=allow`` unless ``allow``."""
         saved = self.manifest.get("train") or {}
         diff = [f"train.{k}: checkpoint {saved[k]!r}, now {train.get(k)!r}" for k in self.RUN_KEYS
                 if k in saved and saved[k] != train.get(k)]
+        for k, now in (lora or {}).items():
+            was = saved.get(f"lora_{k}")
+            if was is not None and float(was) != float(now):
+                diff.append(f"lora.{k}: checkpoint {was!r}, now {now!r}")
         fp = self.manifest.get("data_fingerprint")
         if fp is not None and data_fingerprint is not None and fp != data_fingerprint:
             diff.append("the data (data.source, data.seq_len, data.val_fraction or the tokenizer) differs from "

@@ -307,7 +307,7 @@ def run_job(cfg, run_dir: str) -> dict:
 
 def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     """The training part of :func:`run_job`; ``layout``/``rdv`` are None on a single node."""
-    from npu_train.checkpoint.store import CheckpointReader, check_reused_root, find_checkpoint
+    from npu_train.checkpoint.store import check_reused_root, find_checkpoint, open_resume_checkpoint
     from npu_train.data.dataset import save_packed
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
@@ -340,18 +340,21 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                           "weights one update behind the masters are not checkpointed): resume with "
                           "train.offload_update=sync, or start fresh without train.resume")
     if resume_dir is not None:
-        reader = CheckpointReader(resume_dir)
+        reader = open_resume_checkpoint(resume_dir, ckpt_root, auto=tr.resume == "auto")
+        resume_dir = reader.path
         reader.check_model(mcfg.to_dict())
-        allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
-                                   allow=tr.resume_mismatch == "allow")
-        for d in allowed:
-            print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
-        try:
+        reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
+        try:  # before check_run: a data order no setting can continue is refused as such (no allow dead end)
             sampler.load_state_dict(reader.manifest.get("sampler", {}))
         except ValueError as e:
             raise ConfigError(f"{e}. The checkpoint's run settings are in {resume_dir}/manifest.json ('train'); "
                               "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
                               "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
+        allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
+                                   allow=tr.resume_mismatch == "allow",
+                                   lora={"alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout} if tr.mode == "lora" else None)
+        for d in allowed:
+            print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
         start_step = reader.step
         if start_step >= tr.steps:
             raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: the run is "
