@@ -6,8 +6,9 @@
   exported first to a temporary Hugging Face directory (fp32 master weights, :mod:`npu_train.checkpoint.export`);
 - an exported Hugging Face directory (``config.json`` + ``model.safetensors`` + tokenizer files), or any
   Llama HF directory;
-- ``embedded`` (the bundled SmolLM2-135M-Instruct, before fine-tuning) or a ``.gguf`` file (loaded by
-  transformers' GGUF reader).
+- ``embedded`` (the bundled SmolLM2-135M-Instruct, before fine-tuning) or a ``.gguf`` file: read (dequantised
+  to fp32) by the trainer's own GGUF loader (:mod:`npu_train.model.gguf`, the weights training starts from)
+  into transformers' ``LlamaForCausalLM`` (so transformers' GGUF reader and its ``accelerate`` are not needed).
 
 The prompt is wrapped in the model's chat template (``--no-chat`` sends it raw) and generation is
 transformers' own ``model.generate`` (greedy with ``--temperature 0``, else sampling with temperature and
@@ -26,6 +27,23 @@ def _is_checkpoint(path: str) -> bool:
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return True
     return os.path.isdir(path) and any(n.startswith("step_") for n in os.listdir(path))
+
+
+def _gguf_model(path: str):
+    """transformers' ``LlamaForCausalLM`` (fp32) with the weights of the GGUF file ``path`` as the trainer reads
+    them (:func:`npu_train.model.load_tensors`: dequantised, q/k un-permuted), without transformers' GGUF reader
+    (which needs ``accelerate``, not a dependency of npu-train)."""
+    import torch
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    from npu_train.checkpoint.export import hf_config_dict
+    from npu_train.model import load_config, load_tensors
+    from npu_train.model.llama import stage_param_names
+
+    cfg = load_config(path)
+    tensors = load_tensors(path, cfg, stage_param_names(cfg, 0, cfg.num_layers, True, True))
+    return LlamaForCausalLM.from_pretrained(None, config=HFLlamaConfig(**hf_config_dict(cfg, "fp32")),
+                                            state_dict=tensors, dtype=torch.float32)
 
 
 def load_for_generation(model: str, workdir: Optional[str] = None):
@@ -52,8 +70,7 @@ def load_for_generation(model: str, workdir: Optional[str] = None):
         path = resolve_model_path(model)
         check_exists(path)
     if os.path.isfile(path) and path.endswith(".gguf"):
-        d, f = os.path.dirname(path), os.path.basename(path)
-        m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
+        m = _gguf_model(path)
         from npu_train.model import load_tokenizer
 
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))
