@@ -406,6 +406,16 @@ def set_aside(root: str) -> Optional[str]:
     return dest
 
 
+def earlier_checkpoint_hint(path: str) -> str:
+    """The fix for a damaged checkpoint ``path``: the newest other complete checkpoint beside it (same root),
+    or, if there is none, what else to do."""
+    root = os.path.dirname(os.path.abspath(path))
+    others = [c for c in complete_checkpoints(root) if os.path.realpath(c) != os.path.realpath(path)]
+    if others:
+        return f"use an earlier checkpoint, e.g. {others[-1]}"
+    return f"there is no other checkpoint in {root}: restore the checkpoint from a copy or train again"
+
+
 class CheckpointReader:
     """Read tensors of a complete checkpoint by key, whatever shard they are in.
 
@@ -418,23 +428,37 @@ class CheckpointReader:
         if not is_complete(path):
             raise CheckpointError(f"{path} is not a complete checkpoint (no manifest.json)")
         self.path = path
-        with open(os.path.join(path, MANIFEST)) as f:
-            self.manifest = json.load(f)
-        self.index: dict[str, str] = self.manifest["index"]
-        self.step: int = int(self.manifest["step"])
+        mp = os.path.join(path, MANIFEST)
+        try:
+            with open(mp) as f:
+                self.manifest = json.load(f)
+            self.index: dict[str, str] = dict(self.manifest["index"])
+            self.step: int = int(self.manifest["step"])
+        except (ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+            what = f"no key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise CheckpointError(f"{mp}: not a readable checkpoint manifest ({what}): the checkpoint is damaged "
+                                  f"(a truncated copy?); {earlier_checkpoint_hint(path)}") from None
 
     def has(self, key: str) -> bool:
         return key in self.index
 
     def get(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` (fp32, CPU); :class:`CheckpointError` naming the shard file and an earlier
+        checkpoint for a missing key or a truncated / corrupt shard."""
         if key not in self.index:
             prefix, _, name = key.partition(".")
             if name == "lm_head.weight" and f"{prefix}.model.embed_tokens.weight" in self.index:
                 key = f"{prefix}.model.embed_tokens.weight"
             else:
                 raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
-        with safe_open(os.path.join(self.path, self.index[key]), "pt") as f:
-            return f.get_tensor(key)
+        shard = os.path.join(self.path, self.index[key])
+        try:
+            with safe_open(shard, "pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (truncated file), OSError (missing)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{shard}: cannot read tensor {key!r} ({type(e).__name__}: {first}): the shard "
+                                  f"is truncated or corrupt; {earlier_checkpoint_hint(self.path)}") from None
 
     #: run settings a resume must repeat (the LR schedule depends on all of them)
     RUN_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
