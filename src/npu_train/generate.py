@@ -6,8 +6,9 @@
   exported first to a temporary Hugging Face directory (fp32 master weights, :mod:`npu_train.checkpoint.export`);
 - an exported Hugging Face directory (``config.json`` + ``model.safetensors`` + tokenizer files), or any
   Llama HF directory;
-- ``embedded`` (the bundled SmolLM2-135M-Instruct, before fine-tuning) or a ``.gguf`` file (loaded by
-  transformers' GGUF reader).
+- ``embedded`` (the bundled SmolLM2-135M-Instruct, before fine-tuning) or a ``.gguf`` file: read (dequantised
+  to fp32) by the trainer's own GGUF loader (:mod:`npu_train.model.gguf`, the weights training starts from)
+  into transformers' ``LlamaForCausalLM`` (so transformers' GGUF reader and its ``accelerate`` are not needed).
 
 The prompt is wrapped in the model's chat template (``--no-chat`` sends it raw) and generation is
 transformers' own ``model.generate`` (greedy with ``--temperature 0``, else sampling with temperature and
@@ -22,45 +23,116 @@ import tempfile
 from typing import Optional
 
 
+#: the forms ``<model>`` takes, for the errors about a path that is none of them
+EXPECTED = ("pass a checkpoint directory (<run>/checkpoints for its newest checkpoint, or "
+            "<run>/checkpoints/step_N), an export directory (python -m npu_train.checkpoint.export), a Hugging Face "
+            "Llama directory with config.json, a .gguf file, or 'embedded'")
+
+
 def _is_checkpoint(path: str) -> bool:
     if os.path.isfile(os.path.join(path, "manifest.json")):
         return True
     return os.path.isdir(path) and any(n.startswith("step_") for n in os.listdir(path))
 
 
+def _not_a_model(path: str) -> str:
+    """The error for an existing ``path`` that is no model form: what it is, and what to pass instead."""
+    parent = os.path.dirname(os.path.abspath(path))
+    if os.path.isfile(path):
+        if os.path.isfile(os.path.join(parent, "manifest.json")):
+            return f"{path} is one file of the checkpoint {parent}: pass the directory {parent}"
+        if os.path.isfile(os.path.join(parent, "config.json")):
+            return f"{path} is one file of the model directory {parent}: pass the directory {parent}"
+        return f"{path} is not a model file (only .gguf files are loaded as such): {EXPECTED}"
+    if os.path.isdir(os.path.join(path, "checkpoints")):
+        return (f"{path} is a run directory, not a model: pass {os.path.join(path, 'checkpoints')} (its newest "
+                "checkpoint) or one of the step_N directories in it")
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        if os.path.isfile(os.path.join(parent, "config.json")):
+            return (f"{path} holds LoRA adapters only, not a model: pass the export directory {parent}, "
+                    "whose model.safetensors has them merged")
+        return (f"{path} holds LoRA adapters only, not a model: pass the export directory they came with "
+                "(merged weights), or load them onto their base model with peft.PeftModel.from_pretrained")
+    ggufs = sorted(f for f in os.listdir(path) if f.lower().endswith(".gguf"))
+    if ggufs:
+        return f"{path} has no config.json but holds {ggufs}: pass one of them, e.g. {os.path.join(path, ggufs[0])}"
+    return f"{path} has no config.json and no checkpoint (step_N/manifest.json): {EXPECTED}"
+
+
+def resolve_for_generation(model: str) -> tuple[str, str]:
+    """``(kind, path)`` of the ``<model>`` argument: kind ``"checkpoint"`` (a checkpoint or checkpoint root),
+    ``"gguf"`` (a GGUF file, ``embedded`` included) or ``"hf"`` (a directory with ``config.json``).
+
+    Looks at file names only (nothing is loaded). Raises ``FileNotFoundError`` for a missing path or an
+    uninstalled embedded model and :class:`~npu_train.errors.UserError` (one line: what the path is, what to
+    pass instead) for anything else.
+    """
+    from npu_train.errors import UserError
+    from npu_train.model.files import check_exists, is_gguf_path, resolve_model_path
+
+    path = os.path.expanduser(model)
+    if os.path.isdir(path) and _is_checkpoint(path):
+        return "checkpoint", path
+    path = resolve_model_path(model)
+    check_exists(path)
+    if is_gguf_path(path):
+        return "gguf", path
+    if os.path.isfile(path) and os.path.basename(path) == "config.json":
+        path = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json")):
+        return "hf", path
+    raise UserError(_not_a_model(path))
+
+
+def _gguf_model(path: str):
+    """transformers' ``LlamaForCausalLM`` (fp32) with the weights of the GGUF file ``path`` as the trainer reads
+    them (:func:`npu_train.model.load_tensors`: dequantised, q/k un-permuted), without transformers' GGUF reader
+    (which needs ``accelerate``, not a dependency of npu-train)."""
+    import torch
+    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+
+    from npu_train.checkpoint.export import hf_config_dict
+    from npu_train.model import load_config, load_tensors
+    from npu_train.model.llama import stage_param_names
+
+    cfg = load_config(path)
+    tensors = load_tensors(path, cfg, stage_param_names(cfg, 0, cfg.num_layers, True, True))
+    return LlamaForCausalLM.from_pretrained(None, config=HFLlamaConfig(**hf_config_dict(cfg, "fp32")),
+                                            state_dict=tensors, dtype=torch.float32)
+
+
 def load_for_generation(model: str, workdir: Optional[str] = None):
     """``(transformers model, transformers tokenizer)`` for ``model`` (see the module docstring), on the CPU in fp32.
 
-    Raises :class:`~npu_train.errors.UserError` (via the loaders) for a missing or malformed model.
+    Raises ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` (one line naming the path and the fix)
+    for a missing, wrong (:func:`resolve_for_generation`) or damaged model.
     """
+    kind, path = resolve_for_generation(model)
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
-    from npu_train.model import chat_template, resolve_model_path, special_tokens
+    from npu_train.errors import UserError
+    from npu_train.model import chat_template, check_weights, load_config, load_tokenizer, special_tokens
 
-    path = os.path.expanduser(model)
-    if os.path.isdir(path) and _is_checkpoint(path):
+    if kind == "checkpoint":
         from npu_train.checkpoint.export import export_hf
 
-        path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32")
-    else:
-        from npu_train.model.files import check_exists
-
-        path = resolve_model_path(model)
-        check_exists(path)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        d, f = os.path.dirname(path), os.path.basename(path)
-        m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32)
-        from npu_train.model import load_tokenizer
-
+        path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
+                         arg=f"python -m npu_train.generate <model>={model!r}")
+    if kind == "gguf":
+        m = _gguf_model(path)
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))
     else:
-        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-        from npu_train.model import load_tokenizer
-
+        check_weights(path, load_config(path))  # a non-Llama config, a missing / truncated weights file: one line
+        try:
+            m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise UserError(f"{path}: transformers cannot load the model ({type(e).__name__}: {first}); "
+                            "re-export the checkpoint or re-download the model") from None
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path),
                                       **{k: v for k, v in special_tokens(path).items() if v})
     tmpl = chat_template(path)

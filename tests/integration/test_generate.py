@@ -2,9 +2,12 @@
 equals greedy decoding with the trainer's own model (written here from argmax over its logits)."""
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from conftest import run_pipeline
@@ -27,11 +30,19 @@ def _own_greedy(model_path_or_reader, cfg, prompt_ids: list[int], n: int) -> lis
     return ids[len(prompt_ids):]
 
 
-def test_generate_from_checkpoint_matches_own_greedy(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def trained(tiny_model, tmp_path_factory):
+    """``(run dir, CheckpointReader of its checkpoint)`` of a 2-step run of the tiny model (one per module)."""
+    run = tmp_path_factory.mktemp("generate") / "run"
+    _, reader = run_pipeline(tiny_model, str(run), "backend=[cpu]", "train.steps=2")
+    return run, reader
+
+
+def test_generate_from_checkpoint_matches_own_greedy(trained, tmp_path):
     from npu_train.generate import generate, load_for_generation
     from npu_train.model.config import LlamaConfig
 
-    _, reader = run_pipeline(tiny_model, str(tmp_path / "run"), "backend=[cpu]", "train.steps=2")
+    _, reader = trained
     ckpt = reader.path
     model, tok = load_for_generation(ckpt, str(tmp_path / "wd"))
     prompt = "The master of the school"
@@ -49,3 +60,85 @@ def test_generate_cli_errors_are_one_line(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+
+
+def test_generate_gguf_without_accelerate():
+    """``embedded`` (a GGUF file) generates on the plain install, where ``accelerate`` (which transformers'
+    GGUF reader requires) is absent: the subprocess makes it unimportable (``sys.modules[...] = None`` is
+    what ``find_spec`` and ``import`` see for a package that is not installed)."""
+    from npu_train.model import embedded_model_path
+
+    try:
+        embedded_model_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    code = ("import sys; sys.modules['accelerate'] = None; from npu_train.generate import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    r = subprocess.run([sys.executable, "-c", code, "embedded", "--prompt", "What is 2+2?", "--max-new-tokens", "12"],
+                       capture_output=True, text=True, timeout=280)
+    assert r.returncode == 0, r.stderr
+    assert "4" in r.stdout, r.stdout  # greedy SmolLM2-135M-Instruct: "The answer to this classic math problem is 4."
+
+
+def _truncate(path, size=None) -> None:
+    """Cut the file ``path`` to ``size`` bytes (default: half of it), as an interrupted copy leaves it."""
+    size = os.path.getsize(path) // 2 if size is None else size
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+def _two_checkpoints(reader, tmp_path):
+    """A copy of the run's checkpoint as ``step_000001`` and ``step_000002`` of a new root; returns the root."""
+    root = tmp_path / "checkpoints"
+    for name in ("step_000001", "step_000002"):
+        shutil.copytree(reader.path, root / name)
+    return root
+
+
+# (id, the <model> argument made from (run dir, reader, tiny model, tmp_path), text the one error line must hold)
+BAD_MODELS = [
+    ("checkpoint-shard-file", lambda run, rd, tiny, tmp: os.path.join(rd.path, "stage_000.safetensors"),
+     lambda run, rd, tmp: [f"is one file of the checkpoint {rd.path}", f"pass the directory {rd.path}"]),
+    ("run-dir", lambda run, rd, tiny, tmp: str(run),
+     lambda run, rd, tmp: ["is a run directory", f"pass {run}/checkpoints"]),
+    ("empty-dir", lambda run, rd, tiny, tmp: (os.makedirs(tmp / "empty"), str(tmp / "empty"))[1],
+     lambda run, rd, tmp: [f"{tmp}/empty has no config.json", "<run>/checkpoints/step_N", ".gguf", "'embedded'"]),
+    ("export-adapter-dir", lambda run, rd, tiny, tmp: _fake_export_adapter(tmp, tiny),
+     lambda run, rd, tmp: ["LoRA adapters only", f"pass the export directory {tmp}/export,"]),
+    ("truncated-shard", lambda run, rd, tiny, tmp: (_truncate(
+        _two_checkpoints(rd, tmp) / "step_000002" / "stage_000.safetensors"), str(tmp / "checkpoints" / "step_000002"))[1],
+     lambda run, rd, tmp: [f"{tmp}/checkpoints/step_000002/stage_000.safetensors", "truncated or corrupt",
+                           f"use an earlier checkpoint, e.g. {tmp}/checkpoints/step_000001"]),
+    ("truncated-manifest", lambda run, rd, tiny, tmp: (_truncate(
+        _two_checkpoints(rd, tmp) / "step_000002" / "manifest.json", 1000), str(tmp / "checkpoints" / "step_000002"))[1],
+     lambda run, rd, tmp: [f"{tmp}/checkpoints/step_000002/manifest.json", "damaged",
+                           f"use an earlier checkpoint, e.g. {tmp}/checkpoints/step_000001"]),
+    ("truncated-hf-weights", lambda run, rd, tiny, tmp: (shutil.copytree(tiny, tmp / "hf"),
+                                                         _truncate(tmp / "hf" / "model.safetensors"), str(tmp / "hf"))[2],
+     lambda run, rd, tmp: [f"{tmp}/hf/model.safetensors", "re-download"]),
+]
+
+
+def _fake_export_adapter(tmp, tiny) -> str:
+    """An export directory of a LoRA run: the merged model (here the tiny model) and ``adapter/``."""
+    shutil.copytree(tiny, tmp / "export")
+    os.makedirs(tmp / "export" / "adapter")
+    (tmp / "export" / "adapter" / "adapter_config.json").write_text("{}")
+    (tmp / "export" / "adapter" / "adapter_model.safetensors").write_bytes(b"")
+    return str(tmp / "export" / "adapter")
+
+
+@pytest.mark.parametrize("make,expect", [b[1:] for b in BAD_MODELS], ids=[b[0] for b in BAD_MODELS])
+def test_generate_bad_model_is_one_error_line(trained, tiny_model, tmp_path, capsys, make, expect):
+    """Each wrong or damaged ``<model>`` is one ``error:`` line naming the path and what to pass instead,
+    exit status 2 (no traceback, no transformers message about a missing config.json)."""
+    from npu_train.generate import main
+
+    run, reader = trained
+    model = make(run, reader, tiny_model, tmp_path)
+    rc = main([model, "--prompt", "hi", "--max-new-tokens", "2"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    for text in expect(run, reader, tmp_path):
+        assert text in err, (text, err)

@@ -72,3 +72,21 @@ def test_resume_refuses_other_adapters_damaged_shards_and_other_data_order(tiny_
         f.truncate(os.path.getsize(shard) // 2)
     msg = refused("damaged")
     assert f"shard {shard} is damaged" in msg and f"train.resume={os.path.join(ck, 'step_000001')}" in msg, msg
+
+
+def test_resume_from_truncated_manifest_is_one_line(tiny_model, tmp_path, capsys):
+    """A damaged checkpoint (manifest.json cut short, as by an interrupted copy) named by train.resume is one
+    ``error:`` line naming the file, exit status 2, before anything starts (was the bare JSON error)."""
+    ck = str(tmp_path / "ckpt")
+    _, reader = run_pipeline(tiny_model, str(tmp_path / "first"), "backend=[cpu]", "train.steps=1",
+                             f"checkpoint.dir={ck}")
+    mp = os.path.join(reader.path, "manifest.json")
+    with open(mp, "r+b") as f:
+        f.truncate(1000)
+    capsys.readouterr()
+    run_pipeline(tiny_model, str(tmp_path / "again"), "backend=[cpu]", "train.steps=3",
+                 f"checkpoint.dir={tmp_path / 'ckpt2'}", f"train.resume={reader.path}", expect_rc=2)
+    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    assert len(err) == 1 and f"{mp}: not a readable checkpoint manifest" in err[0], err
+    assert f"there is no other checkpoint in {ck}" in err[0], err
+    assert not os.path.exists(tmp_path / "again" / "metrics.jsonl")  # refused before anything ran

@@ -74,6 +74,20 @@ def test_hf_dir_without_tokenizer_is_one_line(tmp_path):
     assert "tokenizer.json" in msg and "tokenizer_config.json" in msg and "model.tokenizer=" in msg, msg
 
 
+def test_hf_dir_without_tokenizer_json_says_so(tmp_path):
+    """A model directory with tokenizer_config.json but no tokenizer.json (transformers cannot build a fast
+    tokenizer from that alone): the one line names the missing file, the directory and both fixes."""
+    d, _, _ = _tiny_dir(tmp_path)
+    (tmp_path / "tiny" / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    with pytest.raises(ModelFormatError) as ei:
+        load_tokenizer(d)
+    msg = str(ei.value)
+    assert "\n" not in msg, msg
+    assert f"no tokenizer.json in {d}" in msg, msg
+    assert f"copy the model's tokenizer.json into {d}" in msg and "model.tokenizer=" in msg, msg
+
+
 def test_tokenizer_json_file_path(tmp_path):
     from tokenizers import Tokenizer, models
 

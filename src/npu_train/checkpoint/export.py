@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 import torch
 from safetensors.torch import save_file
@@ -71,8 +72,10 @@ def _export_lora(reader, cfg, names, train: dict, out_dir: str, tdt) -> dict:
     return {n: t.to(tdt).contiguous() for n, t in merged.items()}
 
 
-def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
+def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None) -> str:
     """Merge the stage shards of ``ckpt_dir`` into an HF directory ``out_dir``; returns ``out_dir``.
+
+    ``arg``: how error messages name ``ckpt_dir`` (default: this module's CLI argument).
 
     Raises:
         CheckpointError: ``ckpt_dir`` is not a complete checkpoint or lacks a tensor.
@@ -83,7 +86,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16") -> str:
     from npu_train.checkpoint.store import find_checkpoint
 
     # a step_XXXXXX dir or a checkpoint root (never the trainer's keywords latest/auto)
-    arg = f"python -m npu_train.checkpoint.export <checkpoint>={ckpt_dir!r}"
+    arg = arg or f"python -m npu_train.checkpoint.export <checkpoint>={ckpt_dir!r}"
     reader = CheckpointReader(find_checkpoint(os.path.abspath(ckpt_dir), None, arg=arg))
     cfg = LlamaConfig.from_dict(reader.manifest["model"])
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32

@@ -361,15 +361,6 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")
 
 
-def _earlier_hint(path: str) -> str:
-    """The fix for an unreadable checkpoint: resume from the newest other complete checkpoint in its root."""
-    root = os.path.dirname(os.path.normpath(os.path.abspath(path)))
-    others = [p for p in complete_checkpoints(root) if os.path.abspath(p) != os.path.normpath(os.path.abspath(path))]
-    if others:
-        return f"resume from the one before it with train.resume={others[-1]}"
-    return "no other complete checkpoint is in its directory: start without train.resume"
-
-
 def open_resume_checkpoint(path: str, root: str, auto: bool = False) -> "CheckpointReader":
     """The :class:`CheckpointReader` of the checkpoint ``train.resume`` resolved to, checked by
     :meth:`CheckpointReader.verify`. With ``auto`` (``train.resume=auto``: a job that restarts itself, e.g. a
@@ -437,6 +428,16 @@ def set_aside(root: str) -> Optional[str]:
     return dest
 
 
+def earlier_checkpoint_hint(path: str) -> str:
+    """The fix for a damaged checkpoint ``path``: the newest other complete checkpoint beside it (same root),
+    or, if there is none, what else to do."""
+    root = os.path.dirname(os.path.abspath(path))
+    others = [c for c in complete_checkpoints(root) if os.path.realpath(c) != os.path.realpath(path)]
+    if others:
+        return f"use an earlier checkpoint, e.g. {others[-1]} (to resume from it: train.resume={others[-1]})"
+    return f"there is no other checkpoint in {root}: restore the checkpoint from a copy or train again"
+
+
 class CheckpointReader:
     """Read tensors of a complete checkpoint by key, whatever shard they are in.
 
@@ -455,13 +456,14 @@ class CheckpointReader:
                 self.manifest = json.load(f)
             self.index: dict[str, str] = dict(self.manifest["index"])
             self.step: int = int(self.manifest["step"])
-        except (OSError, ValueError, TypeError, KeyError) as e:
-            raise CheckpointError(f"checkpoint manifest {mp} is unreadable ({type(e).__name__}: {e}); "
-                                  f"{_earlier_hint(path)}") from None
+        except (OSError, ValueError, KeyError, TypeError) as e:  # JSONDecodeError is a ValueError
+            what = f"no key {e}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+            raise CheckpointError(f"{mp}: not a readable checkpoint manifest ({what}): the checkpoint is damaged "
+                                  f"(a truncated copy?); {earlier_checkpoint_hint(path)}") from None
         m = STEP_RE.match(os.path.basename(os.path.normpath(path)))
         if m and int(m.group(1)) != self.step:
             raise CheckpointError(f"checkpoint {path}: its manifest says step {self.step}, its directory name step "
-                                  f"{int(m.group(1))}: the checkpoint was edited or mixed up; {_earlier_hint(path)}")
+                                  f"{int(m.group(1))}: the checkpoint was edited or mixed up; {earlier_checkpoint_hint(path)}")
 
     def verify(self) -> None:
         """Check, without reading tensor data, that every shard the manifest's index names exists, that its
@@ -478,30 +480,38 @@ class CheckpointReader:
         for fn, keys in sorted(by_file.items()):
             sp = os.path.join(self.path, fn)
             if os.path.basename(fn) != fn or not os.path.isfile(sp):
-                raise CheckpointError(f"checkpoint {self.path}: shard {sp} is missing; {_earlier_hint(self.path)}")
+                raise CheckpointError(f"checkpoint {self.path}: shard {sp} is missing; {earlier_checkpoint_hint(self.path)}")
             try:
                 with safe_open(sp, "pt") as f:
                     have = set(f.keys())
             except Exception as e:  # safetensors raises its own SafetensorError (header, length) or OSError
                 raise CheckpointError(f"checkpoint {self.path}: shard {sp} is damaged ({type(e).__name__}: "
-                                      f"{str(e).splitlines()[0] if str(e) else ''}); {_earlier_hint(self.path)}") from None
+                                      f"{str(e).splitlines()[0] if str(e) else ''}); {earlier_checkpoint_hint(self.path)}") from None
             lost = [k for k in keys if k not in have]
             if lost:
                 raise CheckpointError(f"checkpoint {self.path}: shard {sp} lacks {len(lost)} tensor(s) its manifest "
-                                      f"lists (e.g. {lost[0]!r}); {_earlier_hint(self.path)}")
+                                      f"lists (e.g. {lost[0]!r}); {earlier_checkpoint_hint(self.path)}")
 
     def has(self, key: str) -> bool:
         return key in self.index
 
     def get(self, key: str) -> torch.Tensor:
+        """The tensor ``key`` (fp32, CPU); :class:`CheckpointError` naming the shard file and an earlier
+        checkpoint for a missing key or a truncated / corrupt shard."""
         if key not in self.index:
             prefix, _, name = key.partition(".")
             if name == "lm_head.weight" and f"{prefix}.model.embed_tokens.weight" in self.index:
                 key = f"{prefix}.model.embed_tokens.weight"
             else:
                 raise CheckpointError(f"checkpoint {self.path} has no tensor {key!r}")
-        with safe_open(os.path.join(self.path, self.index[key]), "pt") as f:
-            return f.get_tensor(key)
+        shard = os.path.join(self.path, self.index[key])
+        try:
+            with safe_open(shard, "pt") as f:
+                return f.get_tensor(key)
+        except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (truncated file), OSError (missing)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise CheckpointError(f"{shard}: cannot read tensor {key!r} ({type(e).__name__}: {first}): the shard "
+                                  f"is truncated or corrupt; {earlier_checkpoint_hint(self.path)}") from None
 
     #: run settings a resume must repeat (the LR schedule depends on all of them)
     RUN_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")

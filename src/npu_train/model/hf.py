@@ -148,7 +148,8 @@ def safetensors_index(d: str) -> tuple[dict[str, str], str]:
                 for k in f.keys():
                     out.setdefault(k, fp)
         except Exception as e:  # noqa: BLE001 - header parse failure
-            raise ModelFormatError(f"{fp}: not a readable safetensors file ({e})") from e
+            raise ModelFormatError(f"{fp}: not a readable safetensors file ({e}); the file is truncated or corrupt: "
+                                   "re-download the model") from e
     return out, (files[0] if len(files) == 1 else f"{files}")
 
 

@@ -99,7 +99,7 @@ def load_tokenizer(path: str):
         raise ModelFormatError(
             f"{d}: no tokenizer files (tokenizer.json / tokenizer_config.json) in the model directory; "
             "copy them from the original model or pass model.tokenizer=<dir or tokenizer.json file>")
-    return _transformers_backend(d, gguf_file=None, what=d)
+    return _transformers_backend(d, gguf_file=None, what=d, lacks_json=True)
 
 
 def _gguf_tokenizer(path: str):
@@ -135,7 +135,10 @@ def _gguf_tokenizer(path: str):
     return tok
 
 
-def _transformers_backend(d: str, gguf_file: Optional[str], what: str):
+def _transformers_backend(d: str, gguf_file: Optional[str], what: str, lacks_json: bool = False):
+    """The ``tokenizers`` backend of transformers' ``AutoTokenizer`` for the directory ``d`` (or its GGUF file
+    ``gguf_file``). ``lacks_json``: ``d`` has no ``tokenizer.json`` (the error then says so first).
+    Raises :class:`ModelFormatError` naming ``what`` and the fix when it cannot be built."""
     try:
         from transformers import AutoTokenizer
     except ImportError as e:
@@ -150,6 +153,12 @@ def _transformers_backend(d: str, gguf_file: Optional[str], what: str):
         hf_tok = AutoTokenizer.from_pretrained(d, **kwargs)
     except Exception as e:  # noqa: BLE001
         first = (str(e).strip().splitlines() or [""])[0]
+        if lacks_json:
+            present = sorted(f for f in os.listdir(d) if f.startswith(("tokenizer", "vocab", "merges", "special_")))
+            raise ModelFormatError(
+                f"{what}: no tokenizer.json in {d}, and transformers could not build the tokenizer from "
+                f"{', '.join(present)} there ({type(e).__name__}: {first}); copy the model's tokenizer.json into "
+                f"{d} or pass model.tokenizer=<dir or tokenizer.json file>") from e
         raise ModelFormatError(f"{what}: could not build a tokenizer ({type(e).__name__}: {first}); "
                                "pass model.tokenizer=<dir or tokenizer.json file>") from e
     backend = getattr(hf_tok, "backend_tokenizer", None)
