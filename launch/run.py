@@ -251,17 +251,19 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
 
 
 def _sweep_threads(cfg, n_jobs: int) -> None:
-    """Concurrent sweep jobs share the host: ``runtime.threads=null`` becomes cores // (jobs x cpu cards)."""
+    """Concurrent sweep jobs share the host: ``runtime.threads=null`` becomes cores // (jobs x cpu cards)
+    (:func:`npu_train.metrics.sweep.job_threads`); ``n_jobs``: the jobs at a time the sweep worked
+    out (the callback pins it into every job's ``hydra.launcher.n_jobs``)."""
     from omegaconf import open_dict
 
-    from npu_train.metrics.sweep import host_cores
+    from npu_train.metrics.sweep import host_cores, job_threads
 
-    if cfg.runtime.threads is not None or n_jobs <= 1:
+    if cfg.runtime.threads is not None:
         return
-    backend = cfg.backend if not isinstance(cfg.backend, str) else [cfg.backend]
-    n_cpu = max(1, sum(1 for b in backend if str(b).strip().lower() == "cpu"))
-    with open_dict(cfg):
-        cfg.runtime.threads = max(1, host_cores() // (n_jobs * n_cpu))
+    threads = job_threads(cfg.backend, n_jobs, host_cores())
+    if threads is not None:
+        with open_dict(cfg):
+            cfg.runtime.threads = threads
 
 
 def _plain_start_method() -> None:

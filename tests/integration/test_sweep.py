@@ -13,6 +13,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -51,6 +52,48 @@ def test_concurrency_explicit_n_jobs_rejected_with_the_fix():
                                          r"use hydra.launcher.n_jobs=2"):
         check_concurrency([JobNeeds(1, host_bytes=4 * GIB)] * 3, 3, cores=64, ram_bytes=9 * GIB)
     assert check_concurrency([JobNeeds(1)] * 3, 2, cores=2, ram_bytes=GIB) == 2
+
+
+def test_job_threads_split_the_cores_between_concurrent_jobs():
+    assert sweep.job_threads(["cpu"], 2, cores=2) == 1  # 2 one-card jobs on 2 cores
+    assert sweep.job_threads(["cpu", "cpu"], 2, cores=16) == 4
+    assert sweep.job_threads("cpu", 3, cores=16) == 5
+    assert sweep.job_threads(["cpu", "furiosa:0"], 2, cores=16) == 8  # cpu cards only
+    assert sweep.job_threads(["cpu", "cpu"], 4, cores=2) == 1  # never 0
+    assert sweep.job_threads(["cpu"], 1, cores=16) is None  # alone: the job's own rule
+
+
+def _compose_sweep(*overrides):
+    """The master config of ``launch/run.py -m <overrides>`` and Hydra's config loader."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.types import RunMode
+
+    from npu_train.config import register
+
+    register()
+    ctx = initialize_config_dir(config_dir=os.path.join(REPO, "conf"), version_base=None)
+    ctx.__enter__()
+    loader = GlobalHydra.instance().config_loader()
+    return ctx, loader, loader.load_configuration("config", list(overrides), run_mode=RunMode.MULTIRUN)
+
+
+@pytest.mark.parametrize("given", [[], ["hydra.launcher.n_jobs=-1"], ["hydra.launcher.n_jobs=5"]])
+def test_every_job_sees_the_concurrency_the_sweep_worked_out(monkeypatch, capsys, given):
+    """n_jobs=-1 (auto) or more than there are jobs: the callback's figure reaches every job's
+    config (Hydra composes each job anew from the overrides), so the job divides the cores by it."""
+    monkeypatch.setattr(sweep, "needs_hook", lambda cfg: JobNeeds(card_procs=1))
+    monkeypatch.setattr(sweep, "host_cores", lambda: 2)
+    monkeypatch.setattr(sweep, "host_available_ram", lambda: 64 * GIB)
+    ctx, loader, cfg = _compose_sweep("backend=[cpu]", "train.lr=1e-4,3e-4", *given)
+    try:
+        sweep.SweepCallback().on_multirun_start(cfg)
+        assert "sweep: 2 job(s), 2 at a time" in capsys.readouterr().out
+        for job in sweep.sweep_job_overrides(list(cfg.hydra.overrides.task)):
+            assert loader.load_sweep_config(cfg, job).hydra.launcher.n_jobs == 2
+        assert [o for o in cfg.hydra.overrides.hydra if "n_jobs" in o] == ["hydra.launcher.n_jobs=2"]
+    finally:
+        ctx.__exit__(None, None, None)
 
 
 def _load_run():
@@ -211,6 +254,26 @@ def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
     assert [r["status"] for r in rows] == ["ok", "ok"]
     assert [r["overrides"] for r in rows] == ["train.lr=0.001", "train.lr=0.002"]
     assert all(len(r["peak mem GiB per card"].split("/")) == 2 for r in rows)
+    assert not leaked, leaked
+
+
+@pytest.mark.heavy
+def test_auto_concurrency_splits_the_cores_between_jobs(tmp_path, tiny_model):
+    """``hydra.launcher.n_jobs=-1`` (auto) with ``runtime.threads`` unset: each job gets
+    cores // (jobs at a time x cpu cards) torch threads per card process, from the concurrency the
+    sweep worked out (not the whole host per job: 2 jobs x 2 threads on 2 cores ran 4x slower)."""
+    if sweep.host_cores() < 2:
+        pytest.skip("two concurrent one-card jobs need 2 cores")
+    p, sd, leaked = _run_sweep(tmp_path, tiny_model, "backend=cpu", "train.lr=1e-3,2e-3", "runtime.threads=null")
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    m = re.search(r"^sweep: 2 job\(s\), (\d+) at a time$", p.stdout, flags=re.M)
+    assert m, p.stdout[-4000:]
+    want = max(1, sweep.host_cores() // int(m.group(1)))  # one cpu card per job
+    for n in (0, 1):
+        with open(os.path.join(sd, str(n), "run.log")) as f:
+            log = f.read()
+        got = re.findall(r"^threads: (\d+) torch thread\(s\) per card process", log, flags=re.M)
+        assert got == [str(want)], (n, m.group(0), log[-3000:])
     assert not leaked, leaked
 
 

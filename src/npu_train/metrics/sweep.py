@@ -17,6 +17,8 @@ the planner (a hook installed by ``launch/run.py``, see :data:`needs_hook`) what
 name the same accelerator card (joblib hands the next job to whichever worker is free, so any two
 jobs of a sweep may overlap). An explicit ``n_jobs`` > 1 that does not fit is rejected with
 :class:`SweepError` (one line naming the fix, e.g. ``hydra.launcher.n_jobs=1``), before any job starts.
+The figure is pinned into the sweep's Hydra overrides (:func:`pin_concurrency`), so every job's
+config says how many jobs run at once and the job divides the cores by it (:func:`job_threads`).
 
 After the sweep (``on_multirun_end``) it reads every job directory (``.hydra/overrides.yaml``,
 ``status.json`` written by ``launch/run.py``, ``summary.json``/``metrics.jsonl``/``eval.jsonl`` of
@@ -133,6 +135,36 @@ def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, 
         why.append(f"{want} jobs x {per_ram / GIB:.2f} GiB host RAM exceed the {ram_bytes / GIB:.2f} GiB available")
     raise SweepError(f"hydra.launcher.n_jobs={n_jobs}: {'; '.join(why)}; use hydra.launcher.n_jobs={fit} "
                      "(or -1 = as many as fit)")
+
+
+def pin_concurrency(hydra_overrides: list[str], jobs_at_once: int) -> list[str]:
+    """The sweep's Hydra overrides with ``hydra.launcher.n_jobs=<jobs_at_once>`` in place of any
+    ``n_jobs`` the user gave. Hydra composes every job's config anew from these overrides
+    (``load_sweep_config``), so this is how a job learns the concurrency the sweep worked out
+    (``-1`` = auto otherwise reaches it unchanged)."""
+    import re
+
+    keep = [o for o in hydra_overrides if not re.match(r"^[+~]{0,2}hydra\.launcher\.n_jobs(=|$)", str(o))]
+    return [*keep, f"hydra.launcher.n_jobs={int(jobs_at_once)}"]
+
+
+def job_threads(backend: Any, jobs_at_once: int, cores: int) -> Optional[int]:
+    """torch threads per card process of one sweep job with ``runtime.threads`` unset.
+
+    Args:
+        backend: the job's card list (``["cpu", "cpu"]``) or one card name.
+        jobs_at_once: how many of the sweep's jobs run at the same time (its pinned ``n_jobs``).
+        cores: host cores (:func:`host_cores`).
+
+    Returns:
+        ``max(1, cores // (jobs_at_once x cpu cards of the job))`` (at least one cpu card counted),
+        or None when the job runs alone (``jobs_at_once <= 1``: the job's own rule applies).
+    """
+    if jobs_at_once <= 1:
+        return None
+    cards = [backend] if isinstance(backend, str) else list(backend)
+    n_cpu = max(1, sum(1 for b in cards if str(b).strip().lower() == "cpu"))
+    return max(1, int(cores) // (jobs_at_once * n_cpu))
 
 
 def sweep_job_overrides(task_overrides: list[str]) -> list[list[str]]:
@@ -347,7 +379,7 @@ class SweepCallback(_HydraCallback):
         import sys
 
         from hydra.core.global_hydra import GlobalHydra
-        from omegaconf import OmegaConf, flag_override
+        from omegaconf import OmegaConf
 
         launcher = config.hydra.launcher
         if "n_jobs" not in launcher:
@@ -355,6 +387,8 @@ class SweepCallback(_HydraCallback):
         jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         n_jobs = int(launcher.n_jobs)
         if n_jobs == 1 or len(jobs) <= 1:
+            if n_jobs != 1:  # one job: it runs alone, whatever n_jobs said
+                self._pin(config, 1)
             return
         loader = GlobalHydra.instance().config_loader()
         needs = []
@@ -369,9 +403,17 @@ class SweepCallback(_HydraCallback):
         except SweepError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        self._pin(config, fit)
+        print(f"sweep: {len(jobs)} job(s), {fit} at a time", flush=True)
+
+    @staticmethod
+    def _pin(config, fit: int) -> None:
+        """The launcher runs ``fit`` jobs at a time, and every job's config says so (``n_jobs``)."""
+        from omegaconf import flag_override
+
         with flag_override(config, ["readonly", "struct"], [False, False]):
             config.hydra.launcher.n_jobs = fit
-        print(f"sweep: {len(jobs)} job(s), {fit} at a time", flush=True)
+            config.hydra.overrides.hydra = pin_concurrency(list(config.hydra.overrides.hydra), fit)
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
         global last_rows
