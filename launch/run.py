@@ -342,10 +342,10 @@ def _needs(cfg):
         prep = prepare(cfg, "", probe=False)
     except Exception:  # noqa: BLE001 - an invalid job fails (and is reported) by itself
         return None
-    stages = prep["plan"].stages
+    stages = prep.plan.stages
     host = sum(s.host_bytes + (s.mem["total"] if s.card.kind == "cpu" else 0) for s in stages)
     return JobNeeds(card_procs=len(stages), host_bytes=int(host),
-                    accel_cards=[f"{c.kind}:{c.index}" for c in prep["cards"] if c.kind != "cpu"])
+                    accel_cards=[f"{c.kind}:{c.index}" for c in prep.cards if c.kind != "cpu"])
 
 
 def _main() -> None:

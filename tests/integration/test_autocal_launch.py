@@ -34,12 +34,12 @@ def test_first_launch_calibrates_and_the_second_reuses(tiny_model, tmp_path, aut
     assert doc["rates"]["threads"] == 1  # the job's thread count (runtime.threads=1)
     assert doc["details"]["auto"]["threads"] == 1 and doc["details"]["auto"]["dtype"] == "fp32"
     assert doc["rates"]["concurrent"] == conc and doc["details"]["auto"]["concurrent"] == conc
-    assert all(r.source("device_flops") == "measured" + at_once for r in prep["plan"].rates)
-    assert f"calibration profile {auto_env}" in prep["plan"].table()
+    assert all(r.source("device_flops") == "measured" + at_once for r in prep.plan.rates)
+    assert f"calibration profile {auto_env}" in prep.plan.table()
     before = auto_env.stat().st_mtime_ns
     prep2 = prepare(cfg, str(tmp_path / "run2"))
     assert "calibrating" not in capsys.readouterr().out and auto_env.stat().st_mtime_ns == before
-    assert prep2["plan"].rates[0].device_flops == pytest.approx(prep["plan"].rates[0].device_flops)
+    assert prep2.plan.rates[0].device_flops == pytest.approx(prep.plan.rates[0].device_flops)
     # a one-card job on the same machine runs alone: the 2-process figures do not fit it
     if conc == 2:
         prepare(make_cfg(tiny_model, "backend=[cpu]"), str(tmp_path / "run3"))
@@ -52,8 +52,8 @@ def test_no_calibration_for_never_a_chosen_profile_or_a_dry_run(tiny_model, tmp_
                   ["plan=true"]):
         prep = prepare(make_cfg(tiny_model, *extra), str(tmp_path / "run"))
         assert "calibrating" not in capsys.readouterr().out and not auto_env.exists()
-        assert prep["plan"].rates[0].source("device_flops") == "assumed"
-        assert "no calibration profile: assumed defaults" in prep["plan"].table()
+        assert prep.plan.rates[0].source("device_flops") == "assumed"
+        assert "no calibration profile: assumed defaults" in prep.plan.table()
     prepare(make_cfg(tiny_model), str(tmp_path / "run"), probe=False)  # a sweep's pre-check
     assert "calibrating" not in capsys.readouterr().out and not auto_env.exists()
     with pytest.raises(ConfigError, match="placement.calibrate='sometimes'"):

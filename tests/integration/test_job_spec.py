@@ -34,7 +34,7 @@ def _specs_and_plan(monkeypatch, tmp_path, model, *overrides):
     monkeypatch.setattr(job, "Coordinator", StubCoordinator)
     with pytest.raises(_Captured):
         job.run_job(make_cfg(model, *overrides), str(tmp_path))
-    return seen["specs"], seen["prep"]["plan"]
+    return seen["specs"], seen["prep"].plan
 
 
 @pytest.mark.parametrize("threads", ["null", "1", "3"])

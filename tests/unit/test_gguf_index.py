@@ -217,7 +217,7 @@ def _specs(tmp_path, model_path: str):
     OmegaConf.update(cfg, "backend", ["cpu", "cpu"], merge=False)
     OmegaConf.update(cfg, "data.seq_len", 32, merge=False)
     prep = prepare(cfg, str(tmp_path / "run"), probe=False)
-    return build_worker_specs(prep["plan"], prep, train=train_spec(cfg, prep["dtype"]),
+    return build_worker_specs(prep.plan, prep, train=train_spec(cfg, prep.dtype),
                               runtime=RuntimeSpec(heartbeat_interval_s=1.0, transport="shm", threads=1),
                               job_id="j", token="t", data_file="", start_step=0, resume_dir=None, ckpt_root="",
                               ipc_dir=str(tmp_path), host="127.0.0.1", port=1, slot_bytes=1, slots=1)

@@ -16,6 +16,7 @@ import secrets
 import socket
 import sys
 import tempfile
+from dataclasses import dataclass
 from typing import Optional
 
 from npu_train.env import getenv
@@ -76,12 +77,27 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
     return cards
 
 
-def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
+@dataclass
+class Prepared:
+    """What the launcher knows before any card process starts (the result of :func:`prepare`)."""
+
+    cards: list  # planner CardSpec of every card of the job (node order, then card order)
+    requests: list  # this node's resolved card requests
+    model_cfg: object  # LlamaConfig
+    plan: object  # placement Plan
+    shape: object  # RunShape
+    dtype: str  # compute dtype: "fp32" or "bf16"
+    model_path: Optional[str]  # None for a shape preset (plan=true only)
+    threads: int  # torch threads per card process on this node
+    node_counts: list  # cards per node
+    dp: int  # data-parallel replicas
+    zero: int  # ZeRO stage (0 or 1)
+
+
+def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     """Validate ``cfg`` and build everything needed before a card process starts.
 
-    Returns a dict with ``cards``, ``model_cfg`` (LlamaConfig), ``plan`` (placement Plan),
-    ``shape``, ``dtype``, ``model_path``, ``threads`` (this node's per card process) and
-    ``node_counts`` (cards per node). Multi-node (``nodes``: a
+    Returns a :class:`Prepared`. Multi-node (``nodes``: a
     :class:`~npu_train.runtime.nodes.Rendezvous`): the nodes exchange their cards, thread counts and
     host RAM, and every node plans over ALL cards of the job (node order, then card order), with the
     smallest thread count of any node, so the same inputs give every node the same plan.
@@ -155,9 +171,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> dict:
         from npu_train.runtime.nodes import check_node_host_ram
 
         check_node_host_ram(plan, node_counts, node_ram)
-    return {"cards": cards, "requests": reqs, "model_cfg": mcfg, "plan": plan, "shape": shape,
-            "dtype": dtype, "model_path": model_path, "threads": threads, "node_counts": node_counts,
-            "dp": dp, "zero": zero}
+    return Prepared(cards=cards, requests=reqs, model_cfg=mcfg, plan=plan, shape=shape, dtype=dtype,
+                    model_path=model_path, threads=threads, node_counts=node_counts, dp=dp, zero=zero)
 
 
 def _preset_config(path: str):
@@ -210,11 +225,11 @@ CARD_PROCESS_MODULES = ("npu_train.runtime.worker", "npu_train.runtime.trainer",
                         "npu_train.checkpoint.store", "npu_train.transport")
 
 
-def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
+def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
                        data_file: str, start_step: int, resume_dir: Optional[str], ckpt_root: str, ipc_dir: str,
                        host: str, port: int, slot_bytes: int, slots: int, nodes=None) -> list[WorkerSpec]:
     """One :class:`~npu_train.runtime.spec.WorkerSpec` per card (the only place they are built): global rank
-    ``r = replica * P + stage`` runs stage ``r % P`` of ``plan`` on ``prep["cards"][r]``, for ``prep["dp"]``
+    ``r = replica * P + stage`` runs stage ``r % P`` of ``plan`` on ``prep.cards[r]``, for ``prep.dp``
     replicas (:class:`~npu_train.runtime.layout.ParallelLayout`).
 
     Addresses: with the ``shm`` transport the boundary mailboxes and the coordinator are ipc sockets in
@@ -226,9 +241,9 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     from npu_train.runtime.layout import ParallelLayout
 
     P = len(plan.stages)
-    dp, zero = int(prep.get("dp", 1)), int(prep.get("zero", 0))
+    dp, zero = prep.dp, prep.zero
     layout = ParallelLayout(dp, P)
-    mcfg, index = prep["model_cfg"], model_index(prep["model_path"])  # GGUF: the tensor table, parsed once
+    mcfg, index = prep.model_cfg, model_index(prep.model_path)  # GGUF: the tensor table, parsed once
     if runtime.transport == "shm":
         inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(layout.world))
         coord_addr = f"ipc://{ipc_dir}/coord.sock"
@@ -241,10 +256,10 @@ def build_worker_specs(plan, prep: dict, *, train: TrainSpec, runtime: RuntimeSp
     lora_targets = train.lora_targets if train.mode == "lora" else ()
     specs = []
     for r in ranks:
-        st, card = plan.stages[layout.stage(r)], prep["cards"][r]
+        st, card = plan.stages[layout.stage(r)], prep.cards[r]
         specs.append(WorkerSpec(
             rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
-            card=CardInfo(card.kind, card.index, card.name), model_path=prep["model_path"], model_cfg=mcfg.to_dict(),
+            card=CardInfo(card.kind, card.index, card.name), model_path=prep.model_path, model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
@@ -275,11 +290,11 @@ def run_job(cfg, run_dir: str) -> dict:
         return {"calibrate": saved}
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
-        print(prep["plan"].table())
+        print(prep.plan.table())
         if str(cfg.placement.calibrate).strip().lower() == "always":  # a dry run measures nothing
             print("note: placement.calibrate=always does not run with plan=true (a dry run plans for the target "
                   "server and measures nothing); measure this machine with calibrate=true")
-        host_need = prep["plan"].host_bytes_all  # every replica's offloaded state (one node)
+        host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
         try:
             import psutil
 
@@ -322,9 +337,9 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                        "give every node's launcher the same overrides (only backend=, runtime.host, "
                        "runtime.port, runtime.threads and checkpoint.* except checkpoint.save may differ)")
     prep = prepare(cfg, run_dir, nodes=rdv)
-    plan, mcfg, tr = prep["plan"], prep["model_cfg"], cfg.train
-    P, dp = len(plan.stages), prep["dp"]
-    data = prepare_data(cfg, prep["model_path"], mcfg)
+    plan, mcfg, tr = prep.plan, prep.model_cfg, cfg.train
+    P, dp = len(plan.stages), prep.dp
+    data = prepare_data(cfg, prep.model_path, mcfg)
     if data.train.shape[0] < tr.micro_batch:
         raise ConfigError(f"the training split has {data.train.shape[0]} sequences, fewer than "
                           f"train.micro_batch={tr.micro_batch}: lower train.micro_batch or data.seq_len")
@@ -370,7 +385,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if rt.port and (rdv is None or layout.is_master):
         check_port(host, rt.port)
     port = rt.port or Endpoint.free_tcp_port(host)
-    node_of_rank = [n for n, c in enumerate(prep["node_counts"]) for _ in range(c)]
+    node_of_rank = [n for n, c in enumerate(prep.node_counts) for _ in range(c)]
     boundary = N.boundary_transports(node_of_rank, rt.transport)
     # shared-memory boundaries of this node (both stages here; the ring pair of boundary b is counted at stage b)
     n_shm = sum(1 for b, m in enumerate(boundary) if m == "shm" and (rdv is None or node_of_rank[b] == layout.node_rank))
@@ -387,7 +402,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         job_id, token = job["job_id"], job["token"]
         if not layout.is_master:
             N.check_shared_root(ckpt_root, job_id)
-    elem = 2 if prep["dtype"] == "bf16" else 4
+    elem = 2 if prep.dtype == "bf16" else 4
     slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
     slots = rt.slots or (min(tr.accum, P) + 1)
     # leftovers of jobs whose launcher is gone (kill -9 of a whole process group) free /dev/shm first
@@ -425,8 +440,8 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
         data_file = os.path.join(ipc_dir, "data.safetensors")
         save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
-        threads = prep["threads"]  # the figure the plan used (planner.threads_per_card)
-        train = train_spec(cfg, prep["dtype"])
+        threads = prep.threads  # the figure the plan used (planner.threads_per_card)
+        train = train_spec(cfg, prep.dtype)
         # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
         specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
             heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
@@ -439,7 +454,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
             json.dump(plan.to_dict(), f, indent=1)
         where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
         print(f"job {job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
-              f"val sequences of {cfg.data.seq_len} tokens, dtype {prep['dtype']}, schedule {tr.schedule}, "
+              f"val sequences of {cfg.data.seq_len} tokens, dtype {prep.dtype}, schedule {tr.schedule}, "
               + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
               + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
         if resume_dir:
@@ -451,11 +466,11 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
                             predicted_step_s=plan.step_time_s)
         manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
                          "split": [[s.first_layer, s.last_layer] for s in plan.stages],
-                         "parallel": {"dp": dp, "pp": P, "zero": prep["zero"]},
+                         "parallel": {"dp": dp, "pp": P, "zero": prep.zero},
                          "sampler": sampler.state_dict(),
                          "data_fingerprint": data.fingerprint, "train": train.to_dict(),
-                         "model_path": prep["model_path"],
-                         "tokenizer_path": cfg.model.tokenizer or prep["model_path"]}
+                         "model_path": prep.model_path,
+                         "tokenizer_path": cfg.model.tokenizer or prep.model_path}
         coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=job_id, token=token,
                             heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                             steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,
@@ -477,7 +492,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
             os.remove(data_file)
         except OSError:
             pass
-    summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep["cards"]],
+    summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep.cards],
                             "node": layout.node_rank if layout else 0, "nnodes": layout.nnodes if layout else 1,
                             "predicted_step_s": plan.step_time_s,
                             "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * dp})
