@@ -2,10 +2,10 @@
 
 Dependencies point one way: runtime -> (pipeline, planner, checkpoint, metrics) -> (model, transport,
 optim, backends, data) -> config -> (errors, hardware, env, hostmem). A module may import its own layer or a
-lower one, never a higher one; the package-level import graph has no cycle; nothing reaches into
-another module's private (``_underscore``) names; no source file is longer than ``MAX_LINES`` unless it
-is listed in ``LONG_FILES`` with its reason. Checked statically (AST), so lazy imports inside functions
-and imports inside code strings count too.
+lower one, never a higher one; neither packages nor files import each other in a circle; nothing
+reaches into another module's private (``_underscore``) names; no function is above cyclomatic
+complexity ``MAX_COMPLEXITY`` unless ``COMPLEX`` gives the reason. Checked statically (AST, radon), so
+lazy imports inside functions and imports inside code strings count too.
 """
 from __future__ import annotations
 
@@ -27,16 +27,26 @@ LAYERS = {
     "runtime": 4,
     "generate": 5,
 }
-MAX_LINES = 500
-#: files allowed over MAX_LINES, with the reason
-LONG_FILES = {
-    "transport/channel.py": "one protocol (mailbox, outbox, credit flow control, tensor link) whose parts share "
-                            "private framing helpers; split would expose them",
-    "checkpoint/store.py": "the checkpoint format in one place: the writer (shards, manifest, atomic publish, "
-                           "rotation) and the reader that checks it (resume refusals, damaged-shard checks); to split "
-                           "into store.py + reader.py (CheckpointReader has 14 importers)",
-    "backends/furiosa.py": "the furiosa-torch API surface in one place (probe, fusion/mesh setup, memory accounting), "
-                           "reviewed against the installed package as a unit",
+#: file-level import circles still in src, each with the branch that removes it
+KNOWN_CIRCLES = {
+    # TODO(plan): the planner rebuild on branch `plan` removes this circle
+    frozenset({"npu_train.planner.plan", "npu_train.planner.report"}): "branch plan",
+    # TODO(calib): the calibrate/ package on branch `calib` removes this circle
+    frozenset({"npu_train.planner.measure", "npu_train.planner.splitcost"}): "branch calib",
+}
+MAX_COMPLEXITY = 25
+#: functions above MAX_COMPLEXITY (radon's cyclomatic complexity), "file.py::Qualified.name": reason
+COMPLEX = {
+    "runtime/job.py::prepare": "being rebuilt on branch plan (typed plan request)",
+    "planner/search.py::make_plan": "being rebuilt on branch plan (one typed request, no 16 parameters)",
+    "planner/memory.py::MemoryModel.stage": "being rebuilt on branch plan (one function per memory term)",
+    "planner/report.py::rate_sources": "being rebuilt on branch plan",
+    "planner/rates.py::load_rates": "being rebuilt on branch calib (figures: assumed / calibrated / fitted)",
+    "planner/calibration.py::calibrate": "being rebuilt on branch calib (the calibrate/ package)",
+    "runtime/coordinator.py::Coordinator._check_failures": "being rebuilt on branch ckpt (checkpoint publish "
+                                                           "and failure handling)",
+    "runtime/coordinator.py::Coordinator._handle": "being rebuilt on branch ckpt (checkpoint publish and "
+                                                   "failure handling)",
 }
 
 
@@ -140,12 +150,98 @@ def test_no_private_names_of_other_modules():
     assert not bad, "\n".join(bad)
 
 
-@pytest.mark.parametrize("rel", [r for r, _ in _modules()])
-def test_source_file_size(rel):
-    n = sum(1 for _ in open(SRC / rel))
-    if rel in LONG_FILES:
-        return
-    assert n <= MAX_LINES, f"{rel} has {n} lines (> {MAX_LINES}): split it, or list it in LONG_FILES with a reason"
+def _module_name(rel: str) -> str:
+    return "npu_train." + rel[:-3].replace("/", ".").removesuffix(".__init__")
+
+
+def _file_graph() -> dict[str, set[str]]:
+    """{module: modules of src it imports} from every import statement, lazy ones inside functions too
+    (``from pkg import mod`` counts as an import of ``pkg.mod`` when that is a module)."""
+    names = {_module_name(rel) for rel, _ in _modules()}
+    graph: dict[str, set[str]] = {}
+    for rel, path in _modules():
+        own = _module_name(rel)
+        pkg = own if rel.endswith("__init__.py") else own.rsplit(".", 1)[0]
+        out = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")[:len(pkg.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                out |= {f"{base}.{a.name}" if f"{base}.{a.name}" in names else base for a in node.names}
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names}
+        graph[own] = {m for m in out if m in names and m != own}
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[frozenset]:
+    """The strongly connected components of ``graph`` with more than one node (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out = []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(frozenset(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_circles_found():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [frozenset("abc")]
+    assert _circles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_file_import_circle():
+    circles = [c for c in _circles(_file_graph()) if c not in KNOWN_CIRCLES]
+    assert not circles, f"files importing each other in a circle (lazy imports count): {[sorted(c) for c in circles]}"
+
+
+def test_known_circles_still_exist():
+    """An entry of KNOWN_CIRCLES whose circle is gone is removed from the list."""
+    gone = set(KNOWN_CIRCLES) - set(_circles(_file_graph()))
+    assert not gone, f"remove from KNOWN_CIRCLES: {[sorted(c) for c in gone]}"
+
+
+def _complexities():
+    from radon.complexity import cc_visit
+
+    for rel, path in _modules():
+        for block in cc_visit(path.read_text()):
+            name = f"{block.classname}.{block.name}" if getattr(block, "classname", None) else block.name
+            yield f"{rel}::{name}", block.complexity
+            for inner in getattr(block, "closures", []):
+                yield f"{rel}::{name}.{inner.name}", inner.complexity
+
+
+def test_function_complexity():
+    found = dict(_complexities())
+    over = [f"{k} ({v})" for k, v in found.items() if v > MAX_COMPLEXITY and k not in COMPLEX]
+    assert not over, (f"above cyclomatic complexity {MAX_COMPLEXITY}: split by concept, or list in COMPLEX with "
+                      f"the reason: {over}")
+    stale = [k for k in COMPLEX if found.get(k, 0) <= MAX_COMPLEXITY]
+    assert not stale, f"remove from COMPLEX (now <= {MAX_COMPLEXITY} or gone): {stale}"
 
 
 def test_user_errors_share_one_base():

@@ -34,6 +34,10 @@ class BackendUnavailableError(UserError, RuntimeError):
     device nodes / package), or the device cannot be used at all. The message says what to do."""
 
 
+class BackendSpecError(UserError, ValueError):
+    """A malformed or impossible ``backend`` list; the message names the entry and the fix."""
+
+
 class AllocLock:
     """A re-entrant process-local lock (``threading.RLock``) used as the allocation lock.
 

@@ -71,7 +71,7 @@ from typing import Any, Callable
 import torch
 
 from npu_train.backends import accounting as acct
-from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
+from npu_train.backends.base import AllocLock, Backend, BackendSpecError, BackendUnavailableError
 from npu_train.backends.furiosa_compile import (FuriosaCompileOptions, apply_compile_options,
                                                 loaded_module_stats, probe_free_bytes)
 from npu_train.env import getenv
@@ -415,8 +415,6 @@ class FuriosaBackend(Backend):
         except Exception:  # noqa: BLE001
             devices = None
         if devices is not None and self.index >= len(devices):
-            from npu_train.backends.spec import BackendSpecError
-
             raise BackendSpecError(
                 f"backend entry '{self.name}' names a device that does not exist: furiosa-torch sees "
                 f"{len(devices)} RNGD devices at num_fusion={self.num_fusion}")

@@ -18,16 +18,11 @@ import re
 from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
-from npu_train.backends.base import BackendUnavailableError
-from npu_train.errors import UserError
+from npu_train.backends.base import BackendSpecError, BackendUnavailableError
 from npu_train.hardware import KINDS
 ALIASES = {"rngd": "furiosa", "gpu": None}  # None: recognised but refused with a hint
 _VALID = "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto"
 _ENTRY_RE = re.compile(r"^(?P<kind>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<arg>.*))?$")
-
-
-class BackendSpecError(UserError, ValueError):
-    """A malformed or impossible ``backend`` list; the message names the entry and the fix."""
 
 
 @dataclass(frozen=True)
