@@ -210,7 +210,7 @@ def _specs(tmp_path, model_path: str):
     from npu_train.config import Config
     from npu_train.runtime.job import build_worker_specs, prepare
     from npu_train.runtime.spec import RuntimeSpec
-    from npu_train.runtime.specs import train_spec
+    from npu_train.runtime.job import train_spec
 
     cfg = OmegaConf.structured(Config)
     OmegaConf.update(cfg, "model.path", model_path, merge=False)

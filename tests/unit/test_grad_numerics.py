@@ -181,7 +181,7 @@ def test_plan_grad_accum_setting_reaches_the_planner():
         cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([
             "plan=true", "model.path=llama-3.1-8b", "backend=[furiosa:auto]", "data.seq_len=512",
             "train.micro_batch=1", "train.accum=4", "train.resident_layers=4", f"train.grad_accum={acc}"]))
-        return prepare(cfg, "", probe=False)["plan"]
+        return prepare(cfg, "", probe=False).plan
 
     compute = plan("compute")
     assert compute.fits and compute.shape.grad_accum == "compute"

@@ -68,14 +68,13 @@ def test_config_validation(key, value, match):
 
 
 def test_dry_run_plan_carries_headroom_cache_dir_and_module_cache(tmp_path, monkeypatch):
-    from npu_train.runtime.job import prepare
-    from npu_train.runtime.specs import furiosa_runtime_fields
+    from npu_train.runtime.job import furiosa_runtime_fields, prepare
 
     monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
     cfg = _cfg(**{"plan": True, "model.path": "llama-3.1-8b", "backend": ["furiosa:auto", "furiosa:auto"],
                   "data.seq_len": 512, "train.micro_batch": 1, "train.accum": 4,
                   "placement.headroom": 0.1, "runtime.furiosa.loaded_modules": 1024})
-    plan = prepare(cfg, str(tmp_path), probe=False)["plan"]
+    plan = prepare(cfg, str(tmp_path), probe=False).plan
     assert plan.headroom == 0.1
     assert all(st.mem["total"] <= 0.9 * st.card.capacity_bytes for st in plan.stages)
     assert all(st.mem["modules"] == 1024 * 2**20 for st in plan.stages)
@@ -93,7 +92,7 @@ def test_cpu_plan_names_no_compiler_cache(tmp_path):
     from npu_train.runtime.job import prepare
 
     cfg = _cfg(**{"plan": True, "model.path": "smollm2-135m", "backend": ["cpu", "cpu"]})
-    plan = prepare(cfg, str(tmp_path), probe=False)["plan"]
+    plan = prepare(cfg, str(tmp_path), probe=False).plan
     assert plan.compiler_cache_dir == "" and "compiler cache" not in plan.table()
     assert all(st.mem["modules"] == 0 for st in plan.stages)
 

@@ -1,11 +1,11 @@
-"""Job preparation: everything between the parsed configuration and the first card process.
+"""One training job, from the parsed configuration to the run summary: :func:`run_job`.
 
-:func:`run_job` validates the configuration, resolves ``backend=`` into cards, plans the placement
-(:mod:`npu_train.planner`), checks the model files' headers, tokenizes and packs the data, checks
-the resume checkpoint, ``/dev/shm`` and ports, builds one :class:`~npu_train.runtime.spec.WorkerSpec`
-per card (:func:`build_worker_specs`, the only place they are built), then hands them to the
-:class:`~npu_train.runtime.coordinator.Coordinator`. Every check that can reject the job runs before
-anything is written, and raises a :class:`~npu_train.errors.UserError` naming the fix.
+:func:`run_job` reads top to bottom as phases over typed objects: :func:`prepare` (config, cards, plan,
+model headers: :class:`Prepared`) -> data -> resume point (:class:`ResumePoint`) -> launch identity
+(:class:`LaunchIdentity`: ids, ports, ``/dev/shm``) -> start (:func:`build_worker_specs`, the only place
+worker specs are built, and the :class:`~npu_train.runtime.coordinator.Coordinator`) -> supervise ->
+finish. Every check that can reject the job runs before anything is written and raises a
+:class:`~npu_train.errors.UserError` naming the fix.
 """
 from __future__ import annotations
 
@@ -16,15 +16,14 @@ import secrets
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from npu_train.env import getenv
+from npu_train.env import cache_dir, getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import end_of_run_line, interrupt_note, prepare_checkpoint_root
 from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
-from npu_train.runtime.specs import furiosa_cache_dir, furiosa_runtime_fields, model_index, pipeline_stages, run_shape, train_spec
 from npu_train.transport.channel import Endpoint
 
 
@@ -268,11 +267,109 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
     return specs
 
 
+# ------------------------------------------------------------------------------ settings -> typed pieces
+def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
+    """(stages per pipeline P, ``parallel.dp``, ``parallel.zero``) for the cards of ``kinds`` (global-rank
+    order, :mod:`npu_train.runtime.layout`) and the model ``mcfg``. Raises :class:`~npu_train.errors.ConfigError`
+    when ``data.seq_len`` exceeds the model's, the cards do not divide into ``dp`` replicas of the same kinds,
+    or a pipeline has more stages than the model has layers."""
+    from npu_train.config import check_dp_cards
+
+    if cfg.data.seq_len > mcfg.max_position_embeddings:
+        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
+                          f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
+    # data parallelism: dp replicas of a P-stage pipeline, global rank = replica * P + stage (runtime/layout.py)
+    dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
+    P = check_dp_cards(len(kinds), dp)
+    for k in range(1, dp):
+        if kinds[k * P:(k + 1) * P] != kinds[:P]:
+            raise ConfigError(f"parallel.dp={dp}: replica {k} has cards {kinds[k * P:(k + 1) * P]} but replica 0 "
+                              f"has {kinds[:P]}: list the same card kinds, stage by stage, for every replica")
+    if P > mcfg.num_layers:
+        if dp == 1:
+            raise ConfigError(f"{P} cards but the model has only {mcfg.num_layers} layers: "
+                              f"use at most {mcfg.num_layers} backend entries")
+        raise ConfigError(f"{P} stages per pipeline ({len(kinds)} cards / parallel.dp={dp}) but the model has only "
+                          f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
+                          "or raise parallel.dp")
+    return P, dp, zero
+
+
+def run_shape(cfg, mcfg, dtype: str):
+    """The planner's :class:`~npu_train.planner.RunShape` of ``cfg`` for the model ``mcfg`` in compute ``dtype``
+    (LoRA: the adapter parameters per layer from the model's projection widths)."""
+    from npu_train.planner import RunShape
+
+    tr, lora_pl = cfg.train, 0
+    if tr.mode == "lora":
+        from npu_train.model.lora import LoraSpec
+
+        q_out, kv_out = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+        lora_pl = LoraSpec(r=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets)).params_per_layer(
+            mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
+    return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
+                    schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
+                    grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
+                    "delayed" if tr.offload_update == "delayed" else "overlap")
+
+
+def train_spec(cfg, dtype: str) -> TrainSpec:
+    """The :class:`~npu_train.runtime.spec.TrainSpec` of ``cfg`` with the resolved compute ``dtype``."""
+    tr = cfg.train
+    return TrainSpec(steps=tr.steps, micro_batch=tr.micro_batch, accum=tr.accum, lr=tr.lr,
+                     min_lr_ratio=tr.min_lr_ratio, warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay,
+                     beta1=tr.beta1, beta2=tr.beta2, eps=tr.eps, clip=tr.clip, schedule=tr.schedule,
+                     recompute=tr.recompute, seed=tr.seed, save_every=tr.save_every,
+                     save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
+                     eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
+                     lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
+                     lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
+                     grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
+                     offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save))
+
+
+def furiosa_cache_dir(cfg) -> str:
+    """``runtime.furiosa.compiler_cache_dir``, default ``<cache root>/furiosa/compiler``
+    (:func:`npu_train.env.cache_dir`: ``$NPT_CACHE``, else ``~/.cache/npu-train``), absolute."""
+    d = cfg.runtime.furiosa.compiler_cache_dir
+    return os.path.abspath(os.path.expanduser(d)) if d else str(cache_dir("furiosa", "compiler"))
+
+
+def furiosa_runtime_fields(cfg, plan) -> dict:
+    """The RNGD fields of :class:`~npu_train.runtime.spec.RuntimeSpec`: compile options (the cache
+    directory, the plan's loaded-module count, CPU fallback), accounting, warm-up."""
+    from npu_train.backends.furiosa_compile import FuriosaCompileOptions
+
+    fur = cfg.runtime.furiosa
+    n = max((t.loaded_modules for t, st in zip(plan.memory_terms, plan.stages)
+             if st.card.kind == "furiosa"), default=int(fur.loaded_modules))
+    return {"furiosa": FuriosaCompileOptions(compiler_cache_dir=furiosa_cache_dir(cfg), loaded_modules=int(n),
+                                             cpu_fallback=bool(fur.cpu_fallback), probe_free=bool(fur.probe_free),
+                                             compiled_layers=bool(fur.compiled_layers)),
+            "furiosa_accounting": str(fur.accounting), "warmup": bool(fur.warmup)}
+
+
+def model_index(model_path: Optional[str]) -> Optional[dict]:
+    """:attr:`~npu_train.runtime.spec.WorkerSpec.model_index`: for a GGUF file, its tensor table
+    (:func:`npu_train.model.gguf.gguf_tensor_index`, from the reader this process cached when it read the
+    config and checked the weights), so each card process reads its tensors at those offsets instead of
+    parsing the file's metadata again (seconds of CPU per process for a 49k-token vocabulary); None for an
+    HF safetensors directory (its headers are cheap to read) or no file (a shape preset)."""
+    from npu_train.model.files import is_gguf_path
+
+    if model_path is None or not is_gguf_path(os.path.expanduser(model_path)):
+        return None
+    from npu_train.model.gguf import gguf_tensor_index
+
+    return gguf_tensor_index(os.path.expanduser(model_path))
+
+
 def run_job(cfg, run_dir: str) -> dict:
     """Run one training job described by ``cfg`` (an OmegaConf ``Config``) in ``run_dir``.
 
-    Returns the run summary dict. Raises a :class:`~npu_train.errors.UserError` (exit 2) for bad input, :class:`~npu_train.errors.JobFailed`
-    (exit 1) when a card process fails, :class:`~npu_train.errors.Interrupted` (130/143) on SIGINT/SIGTERM.
+    Returns the run summary dict. Raises a :class:`~npu_train.errors.UserError` (exit 2) for bad input,
+    :class:`~npu_train.errors.JobFailed` (exit 1) when a card process fails,
+    :class:`~npu_train.errors.Interrupted` (130/143) on SIGINT/SIGTERM.
 
     Multi-node (``NNODES`` > 1 in the environment, :mod:`npu_train.runtime.nodes`): this launcher runs
     this node's cards (``backend=``) as global ranks after the cards of the lower ``NODE_RANK`` nodes;
@@ -280,131 +377,234 @@ def run_job(cfg, run_dir: str) -> dict:
     """
     os.makedirs(run_dir, exist_ok=True)
     if cfg.calibrate:
-        from npu_train.backends.spec import parse_backend_list, resolve_cards
-        from npu_train.planner import main_calibrate
-
-        reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)))
-        kinds = [r.kind if r.index is None else f"{r.kind}:{r.index}" for r in reqs]
-        saved = main_calibrate(kinds, modules=CARD_PROCESS_MODULES, model_path=cfg.model.path if _preset_config(cfg.model.path) is None else None,
-                               profile=cfg.placement.profile)
-        return {"calibrate": saved}
+        return _calibrate_only(cfg)
     if cfg.plan:
-        prep = prepare(cfg, run_dir, probe=False)
-        print(prep.plan.table())
-        if str(cfg.placement.calibrate).strip().lower() == "always":  # a dry run measures nothing
-            print("note: placement.calibrate=always does not run with plan=true (a dry run plans for the target "
-                  "server and measures nothing); measure this machine with calibrate=true")
-        host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
-        try:
-            import psutil
+        return _dry_run(cfg, run_dir)
+    node = _this_node(cfg)
+    try:
+        return _train(cfg, run_dir, node)
+    except UserError as e:  # the other nodes stop waiting and name this node's error
+        if node.rdv is not None:
+            node.rdv.abort(str(e))
+        raise
 
-            here = psutil.virtual_memory().total
-            if host_need > here:
-                print(f"note: the offloaded optimizer state needs {host_need / 2**30:.1f} GiB of host RAM on the "
-                      f"training server; this machine has {here / 2**30:.1f} GiB (not checked in a dry run)")
-        except ImportError:
-            pass
-        return {"plan": True}
+
+def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
+    """The phases of a training job: prepare -> data -> resume point -> launch identity -> specs ->
+    supervise -> finish. Every phase that can reject the job runs before anything is written."""
+    from npu_train.runtime import nodes as N
+
+    if node.rdv is not None:
+        node.rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
+                            "give every node's launcher the same overrides (only backend=, runtime.host, "
+                            "runtime.port, runtime.threads and checkpoint.* except checkpoint.save may differ)")
+    prep = prepare(cfg, run_dir, nodes=node.rdv)
+    data = _prepare_data(cfg, prep)
+    resume = _resume_point(cfg, prep, data, run_dir)
+    launch = _launch_identity(cfg, prep, data, resume, node)
+    prepare_checkpoint_root(resume.ckpt_root, cfg, prep.model_cfg, len(prep.plan.stages), resume.earlier,
+                            owner=node.is_owner)
+    with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
+        job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir)
+    _supervise(job, cfg, resume)
+    return _finish(job, cfg, run_dir, prep, resume, node)
+
+
+# ---------------------------------------------------------------------------------------------- phases
+@dataclass(frozen=True)
+class NodeContext:
+    """Where this launcher runs: ``layout``/``rdv`` (:mod:`npu_train.runtime.nodes`) are None on a single
+    node; ``host`` is the address this node listens on."""
+
+    layout: object
+    rdv: object
+    host: str
+
+    @property
+    def is_owner(self) -> bool:
+        """This node owns the job's shared things (the checkpoint root): single node, or node 0."""
+        return self.rdv is None or self.layout.is_master
+
+    @property
+    def node_rank(self) -> int:
+        return self.layout.node_rank if self.layout else 0
+
+    @property
+    def nnodes(self) -> int:
+        return self.layout.nnodes if self.layout else 1
+
+
+@dataclass
+class ResumePoint:
+    """Where the run starts: the checkpoint root, the resumed checkpoint (None: a fresh start) and its
+    step, the job's data sampler (its state restored), and ``earlier``: another run's checkpoints in
+    the root (:func:`~npu_train.checkpoint.store.check_reused_root`)."""
+
+    ckpt_root: str
+    saving: bool  # checkpoint.save
+    sampler: object  # StepSampler
+    start_step: int = 0
+    resume_dir: Optional[str] = None
+    earlier: list = field(default_factory=list)
+
+
+@dataclass
+class LaunchIdentity:
+    """The job's id, token and gloo port (node 0's on every node), its stage-boundary transports and
+    slot sizes; ``shared``: node 0's :func:`~npu_train.runtime.nodes.share_job` answer (multi-node)."""
+
+    job_id: str
+    token: str
+    port: int
+    node_of_rank: list
+    boundary: tuple
+    slot_bytes: int
+    slots: int
+    shared: dict
+
+
+@dataclass
+class StartedJob:
+    """What :func:`_supervise` and :func:`_finish` need: the coordinator of the card processes, the
+    metrics reporter, the packed data file (removed at the end) and the job id."""
+
+    coord: object  # Coordinator
+    reporter: object  # Reporter
+    data_file: str
+    job_id: str
+
+
+def _calibrate_only(cfg) -> dict:
+    """``calibrate=true``: measure this machine's cards and save the profile; no training."""
+    from npu_train.backends.spec import parse_backend_list, resolve_cards
+    from npu_train.planner import main_calibrate
+
+    reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)))
+    kinds = [r.kind if r.index is None else f"{r.kind}:{r.index}" for r in reqs]
+    model_path = cfg.model.path if _preset_config(cfg.model.path) is None else None
+    saved = main_calibrate(kinds, modules=CARD_PROCESS_MODULES, model_path=model_path, profile=cfg.placement.profile)
+    return {"calibrate": saved}
+
+
+def _dry_run(cfg, run_dir: str) -> dict:
+    """``plan=true``: print the plan table for the target server; nothing is measured or started."""
+    prep = prepare(cfg, run_dir, probe=False)
+    print(prep.plan.table())
+    if str(cfg.placement.calibrate).strip().lower() == "always":  # a dry run measures nothing
+        print("note: placement.calibrate=always does not run with plan=true (a dry run plans for the target "
+              "server and measures nothing); measure this machine with calibrate=true")
+    host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
+    try:
+        import psutil
+
+        here = psutil.virtual_memory().total
+        if host_need > here:
+            print(f"note: the offloaded optimizer state needs {host_need / 2**30:.1f} GiB of host RAM on the "
+                  f"training server; this machine has {here / 2**30:.1f} GiB (not checked in a dry run)")
+    except ImportError:
+        pass
+    return {"plan": True}
+
+
+def _this_node(cfg) -> NodeContext:
+    """This launcher's node: single node unless ``NNODES`` > 1 (then the rendezvous with the others)."""
     from npu_train.runtime.nodes import NodeLayout, Rendezvous, route_address
 
     layout = NodeLayout.from_env()
     if layout is None:
-        return _train(cfg, run_dir, None, None, cfg.runtime.host or "127.0.0.1")
+        return NodeContext(None, None, cfg.runtime.host or "127.0.0.1")
     # multi-node: this node's listening address (the interface that routes to MASTER_ADDR by default)
     host = cfg.runtime.host or route_address(layout.master_addr)
-    rdv = Rendezvous(layout, cfg.runtime.startup_timeout_s)
-    try:
-        return _train(cfg, run_dir, layout, rdv, host)
-    except UserError as e:  # the other nodes stop waiting and name this node's error
-        rdv.abort(str(e))
-        raise
+    return NodeContext(layout, Rendezvous(layout, cfg.runtime.startup_timeout_s), host)
 
 
-def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
-    """The training part of :func:`run_job`; ``layout``/``rdv`` are None on a single node."""
-    from npu_train.checkpoint.store import check_reused_root, find_checkpoint, open_resume_checkpoint
-    from npu_train.data.dataset import save_packed
+def _prepare_data(cfg, prep: Prepared):
+    """The tokenized, packed data (:func:`~npu_train.data.prepare.prepare_data`); ConfigError when the
+    training split has fewer sequences than one micro-batch."""
     from npu_train.data.prepare import prepare_data
-    from npu_train.data.sampler import StepSampler
-    from npu_train.metrics.report import Reporter, carry_over, rotate_previous_run
-    from npu_train.optim.lr import warmup_note
-    from npu_train.runtime import nodes as N
-    from npu_train.runtime.leftovers import discard_job_ipc, sweep_dead_jobs, write_job_owner
-    from npu_train.transport.shm import ShmTooSmallError
 
-    if rdv is not None:
-        rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
-                       "give every node's launcher the same overrides (only backend=, runtime.host, "
-                       "runtime.port, runtime.threads and checkpoint.* except checkpoint.save may differ)")
-    prep = prepare(cfg, run_dir, nodes=rdv)
-    plan, mcfg, tr = prep.plan, prep.model_cfg, cfg.train
-    P, dp = len(plan.stages), prep.dp
-    data = prepare_data(cfg, prep.model_path, mcfg)
-    if data.train.shape[0] < tr.micro_batch:
+    data = prepare_data(cfg, prep.model_path, prep.model_cfg)
+    mb = cfg.train.micro_batch
+    if data.train.shape[0] < mb:
         raise ConfigError(f"the training split has {data.train.shape[0]} sequences, fewer than "
-                          f"train.micro_batch={tr.micro_batch}: lower train.micro_batch or data.seq_len")
+                          f"train.micro_batch={mb}: lower train.micro_batch or data.seq_len")
+    return data
 
+
+def _resume_point(cfg, prep: Prepared, data, run_dir: str) -> ResumePoint:
+    """The checkpoint root and where this run starts in it (``train.resume``), every refusal first."""
+    from npu_train.checkpoint.store import check_reused_root, find_checkpoint
+    from npu_train.data.sampler import StepSampler
+
+    tr = cfg.train
     # the sampler every card process uses (replica k takes the k-th share of each step's global batch)
-    sampler = StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=dp)
-    ckpt_root = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
-    start_step, resume_dir = 0, None
+    sampler = StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=prep.dp)
+    point = ResumePoint(ckpt_root=os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")),
+                        saving=bool(cfg.checkpoint.save), sampler=sampler)
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
-    resume_dir = find_checkpoint(tr.resume, ckpt_root) if tr.resume else None
-    if resume_dir is not None and tr.offload_update == "delayed":
-        raise ConfigError(f"train.offload_update=delayed cannot resume from {resume_dir} exactly (the card "
+    found = find_checkpoint(tr.resume, point.ckpt_root) if tr.resume else None
+    if found is not None:
+        _open_resume(cfg, prep, data, point, found)
+    # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in;
+    # checkpoint.save=false: nothing is written into the root, so nothing can be mixed
+    if point.saving:
+        point.earlier = check_reused_root(point.ckpt_root, point.resume_dir, cfg.checkpoint.existing)
+    return point
+
+
+def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> None:
+    """Check the checkpoint ``found`` against this run and set ``point``'s resume dir, step and sampler."""
+    from npu_train.checkpoint.store import open_resume_checkpoint
+
+    tr = cfg.train
+    if tr.offload_update == "delayed":
+        raise ConfigError(f"train.offload_update=delayed cannot resume from {found} exactly (the card "
                           "weights one update behind the masters are not checkpointed): resume with "
                           "train.offload_update=sync, or start fresh without train.resume")
-    if resume_dir is not None:
-        reader = open_resume_checkpoint(resume_dir, ckpt_root, auto=tr.resume == "auto")
-        resume_dir = reader.path
-        reader.check_model(mcfg.to_dict())
-        reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
-        try:  # before check_run: a data order no setting can continue is refused as such (no allow dead end)
-            sampler.load_state_dict(reader.manifest.get("sampler", {}))
-        except ValueError as e:
-            raise ConfigError(f"{e}. The checkpoint's run settings are in {resume_dir}/manifest.json ('train'); "
-                              "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
-                              "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
-        allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
-                                   allow=tr.resume_mismatch == "allow",
-                                   lora={"alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout} if tr.mode == "lora" else None)
-        for d in allowed:
-            print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
-        start_step = reader.step
-        if start_step >= tr.steps:
-            raise ConfigError(f"checkpoint {resume_dir} is at step {start_step} but train.steps={tr.steps}: the run is "
-                              "complete; to train further raise train.steps and set train.resume_mismatch=allow")
-    # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in
-    saving = bool(cfg.checkpoint.save)  # false: nothing is written into the root, so nothing can be mixed
-    earlier = check_reused_root(ckpt_root, resume_dir, cfg.checkpoint.existing) if saving else []
+    reader = open_resume_checkpoint(found, point.ckpt_root, auto=tr.resume == "auto")
+    point.resume_dir = reader.path
+    reader.check_model(prep.model_cfg.to_dict())
+    reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
+    try:  # before check_run: a data order no setting can continue is refused as such (no allow dead end)
+        point.sampler.load_state_dict(reader.manifest.get("sampler", {}))
+    except ValueError as e:
+        raise ConfigError(f"{e}. The checkpoint's run settings are in {point.resume_dir}/manifest.json ('train'); "
+                          "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
+                          "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
+    allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
+                               allow=tr.resume_mismatch == "allow",
+                               lora={"alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout} if tr.mode == "lora" else None)
+    for d in allowed:
+        print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
+    point.start_step = reader.step
+    if point.start_step >= tr.steps:
+        raise ConfigError(f"checkpoint {point.resume_dir} is at step {point.start_step} but train.steps={tr.steps}: "
+                          "the run is complete; to train further raise train.steps and set train.resume_mismatch=allow")
 
-    # Every check that can reject the job runs before anything is written (checkpoint dir,
-    # packed data file, IPC dir, metrics): a rejected job leaves only Hydra's own files.
+
+def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeContext) -> LaunchIdentity:
+    """Job id, token, ports and transports (agreed between the nodes), with the port and ``/dev/shm``
+    checks; frees the leftovers of dead jobs first. Nothing of this job is written yet."""
+    from npu_train.runtime import nodes as N
+    from npu_train.runtime.leftovers import sweep_dead_jobs
+    from npu_train.transport.shm import ShmTooSmallError
+
+    rt, tr = cfg.runtime, cfg.train
     job_id, token = secrets.token_hex(6), secrets.token_hex(16)
-    rt = cfg.runtime
-    if rt.port and (rdv is None or layout.is_master):
-        check_port(host, rt.port)
-    port = rt.port or Endpoint.free_tcp_port(host)
+    if rt.port and node.is_owner:
+        check_port(node.host, rt.port)
+    port = rt.port or Endpoint.free_tcp_port(node.host)
     node_of_rank = [n for n, c in enumerate(prep.node_counts) for _ in range(c)]
     boundary = N.boundary_transports(node_of_rank, rt.transport)
     # shared-memory boundaries of this node (both stages here; the ring pair of boundary b is counted at stage b)
-    n_shm = sum(1 for b, m in enumerate(boundary) if m == "shm" and (rdv is None or node_of_rank[b] == layout.node_rank))
-    job = {}
-    if rdv is not None:
-        rdv.check_same("plan", N.plan_digest(plan, data.fingerprint, start_step, resume_dir), "placement plans, data or "
-                       "resume points", "give every node the same data and checkpoint files and calibration profiles "
-                       "(placement.profile), or fix the split with train.split")
-        marker = os.path.join(ckpt_root, f".npt-shared-{job_id}")
-        if layout.is_master:  # the checkpoint root must be one directory seen by every node
-            os.makedirs(ckpt_root, exist_ok=True)
-            open(marker, "w").close()
-        job = N.share_job(rdv, job_id=job_id, token=token, gloo_port=port, host=host)
-        job_id, token = job["job_id"], job["token"]
-        if not layout.is_master:
-            N.check_shared_root(ckpt_root, job_id)
+    n_shm = sum(1 for b, m in enumerate(boundary) if m == "shm" and (node.rdv is None or node_of_rank[b] == node.node_rank))
+    shared = {}
+    if node.rdv is not None:
+        shared = _agree_between_nodes(prep, data, resume, node, job_id, token, port)
+        job_id, token = shared["job_id"], shared["token"]
     elem = 2 if prep.dtype == "bf16" else 4
-    slot_bytes = tr.micro_batch * cfg.data.seq_len * mcfg.hidden_size * elem
-    slots = rt.slots or (min(tr.accum, P) + 1)
+    slot_bytes = tr.micro_batch * cfg.data.seq_len * prep.model_cfg.hidden_size * elem
+    slots = rt.slots or (min(tr.accum, len(prep.plan.stages)) + 1)
     # leftovers of jobs whose launcher is gone (kill -9 of a whole process group) free /dev/shm first
     swept = sweep_dead_jobs()
     if swept:
@@ -414,97 +614,177 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
         avail = _shm_free_bytes()
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
+    return LaunchIdentity(job_id=job_id, token=token, port=port, node_of_rank=node_of_rank, boundary=boundary,
+                          slot_bytes=slot_bytes, slots=slots, shared=shared)
 
-    prepare_checkpoint_root(ckpt_root, cfg, mcfg, P, earlier, owner=rdv is None or layout.is_master)
+
+def _agree_between_nodes(prep: Prepared, data, resume: ResumePoint, node: NodeContext, job_id: str, token: str,
+                         port: int) -> dict:
+    """Multi-node: the same plan, data and resume point on every node, one job id / token / gloo port
+    (node 0's), and a checkpoint root every node sees (node 0's marker file)."""
+    from npu_train.runtime import nodes as N
+
+    node.rdv.check_same("plan", N.plan_digest(prep.plan, data.fingerprint, resume.start_step, resume.resume_dir),
+                        "placement plans, data or resume points", "give every node the same data and checkpoint "
+                        "files and calibration profiles (placement.profile), or fix the split with train.split")
+    marker = os.path.join(resume.ckpt_root, f".npt-shared-{job_id}")
+    if node.layout.is_master:  # the checkpoint root must be one directory seen by every node
+        os.makedirs(resume.ckpt_root, exist_ok=True)
+        open(marker, "w").close()
+    shared = N.share_job(node.rdv, job_id=job_id, token=token, gloo_port=port, host=node.host)
+    if not node.layout.is_master:
+        N.check_shared_root(resume.ckpt_root, shared["job_id"])
+    return shared
+
+
+@contextlib.contextmanager
+def _private_ipc_dir(job_id: str, node: NodeContext):
+    """The job's private directory (mode 0700, in TMPDIR) with its owner record; on an exception before
+    the coordinator owns them (its teardown removes both) the directory and the record are removed."""
+    from npu_train.runtime.leftovers import discard_job_ipc, write_job_owner
+
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
     os.chmod(ipc_dir, 0o700)
-    write_job_owner(job_id, ipc_dir, node=layout.node_rank if layout else 0)
-    try:  # until the coordinator owns them (its teardown removes both), a failure removes the IPC dir and record
-        with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
-            os.remove(os.path.join(run_dir, "data.safetensors"))
-        moved = rotate_previous_run(run_dir)
-        if moved:
-            print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
-            if resume_dir and carry_over(moved, run_dir, start_step):  # the resumed run's records continue
-                print(f"note: metrics.jsonl and eval.jsonl continue with that launch's steps up to {start_step}",
-                      flush=True)
-        node_plan = link = None
-        if rdv is not None:
-            node_plan, link = N.join_nodes(rdv, layout, node_of_rank, boundary, ipc_dir, host, job, rt)
-            if layout.is_master:  # every node passed check_shared_root before it joined
-                try:
-                    os.remove(os.path.join(ckpt_root, f".npt-shared-{job_id}"))
-                except OSError:
-                    pass
-        # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
-        # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
-        data_file = os.path.join(ipc_dir, "data.safetensors")
-        save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
-        threads = prep.threads  # the figure the plan used (planner.threads_per_card)
-        train = train_spec(cfg, prep.dtype)
-        # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
-        specs = build_worker_specs(plan, prep, train=train, runtime=RuntimeSpec(
-            heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport, threads=threads,
-            keep_host_memory=bool(rt.keep_host_memory), trace=bool(rt.trace), **furiosa_runtime_fields(cfg, plan)),
-            job_id=job_id, token=token, data_file=data_file, start_step=start_step, resume_dir=resume_dir,
-            ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
-            nodes=node_plan)
-        print(plan.table(), flush=True)
-        with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
-            json.dump(plan.to_dict(), f, indent=1)
-        where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
-        print(f"job {job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
-              f"val sequences of {cfg.data.seq_len} tokens, dtype {prep.dtype}, schedule {tr.schedule}, "
-              + (f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else "")
-              + f"micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
-        if resume_dir:
-            print(f"resuming from {resume_dir} at step {start_step}", flush=True)
-        note = warmup_note(lr=float(tr.lr), warmup_steps=int(tr.warmup_steps), total_steps=int(tr.steps))
-        if note:
-            print(note, flush=True)
-        reporter = Reporter(run_dir, tr.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * dp,
-                            predicted_step_s=plan.step_time_s)
-        manifest_base = {"model": mcfg.to_dict(), "world_size": P, "job_id": job_id,
-                         "split": [[s.first_layer, s.last_layer] for s in plan.stages],
-                         "parallel": {"dp": dp, "pp": P, "zero": prep.zero},
-                         "sampler": sampler.state_dict(),
-                         "data_fingerprint": data.fingerprint, "train": train.to_dict(),
-                         "model_path": prep.model_path,
-                         "tokenizer_path": cfg.model.tokenizer or prep.model_path}
-        coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=job_id, token=token,
-                            heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
-                            steps=tr.steps, start_step=start_step, ckpt_root=ckpt_root, ckpt_keep=cfg.checkpoint.keep,
-                            manifest_base=manifest_base, save_on_interrupt=tr.save_on_interrupt and saving,
-                            reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
-                            node=layout.node_rank if layout else 0, nnodes=layout.nnodes if layout else 1)
+    write_job_owner(job_id, ipc_dir, node=node.node_rank)
+    try:
+        yield ipc_dir
     except BaseException:
         discard_job_ipc(job_id, ipc_dir)
         raise
+
+
+def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity,
+               node: NodeContext, ipc_dir: str) -> StartedJob:
+    """Write the run's files (earlier metrics moved aside, packed data, ``plan.json``), build the worker
+    specs and the coordinator that will start the card processes."""
+    from npu_train.data.dataset import save_packed
+    from npu_train.metrics.report import Reporter
+
+    _rotate_run_dir(run_dir, resume)
+    node_plan = link = None
+    if node.rdv is not None:
+        node_plan, link = _join_nodes(cfg, resume, launch, node, ipc_dir)
+    # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
+    # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
+    data_file = os.path.join(ipc_dir, "data.safetensors")
+    save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
+    plan, rt, train = prep.plan, cfg.runtime, train_spec(cfg, prep.dtype)
+    # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
+    runtime = RuntimeSpec(heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport,
+                          threads=prep.threads,  # the figure the plan used (planner.threads_per_card)
+                          keep_host_memory=bool(rt.keep_host_memory), trace=bool(rt.trace),
+                          **furiosa_runtime_fields(cfg, plan))
+    specs = build_worker_specs(plan, prep, train=train, runtime=runtime, job_id=launch.job_id, token=launch.token,
+                               data_file=data_file, start_step=resume.start_step, resume_dir=resume.resume_dir,
+                               ckpt_root=resume.ckpt_root, ipc_dir=ipc_dir, host=node.host, port=launch.port,
+                               slot_bytes=launch.slot_bytes, slots=launch.slots, nodes=node_plan)
+    _announce(cfg, run_dir, prep, data, resume, launch, node, len(specs))
+    reporter = Reporter(run_dir, cfg.train.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * prep.dp,
+                        predicted_step_s=plan.step_time_s)
+    coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
+                        heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
+                        steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,
+                        ckpt_keep=cfg.checkpoint.keep,
+                        manifest_base=_manifest_base(cfg, prep, data, resume, launch, train),
+                        save_on_interrupt=cfg.train.save_on_interrupt and resume.saving,
+                        reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
+                        node=node.node_rank, nnodes=node.nnodes)
+    return StartedJob(coord=coord, reporter=reporter, data_file=data_file, job_id=launch.job_id)
+
+
+def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
+    """Move an earlier launch's metrics aside (a resumed run's records continue from them)."""
+    from npu_train.metrics.report import carry_over, rotate_previous_run
+
+    with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
+        os.remove(os.path.join(run_dir, "data.safetensors"))
+    moved = rotate_previous_run(run_dir)
+    if moved:
+        print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
+        if resume.resume_dir and carry_over(moved, run_dir, resume.start_step):
+            print(f"note: metrics.jsonl and eval.jsonl continue with that launch's steps up to {resume.start_step}",
+                  flush=True)
+
+
+def _join_nodes(cfg, resume: ResumePoint, launch: LaunchIdentity, node: NodeContext, ipc_dir: str):
+    """Multi-node: ``(NodePlan, NodeLink)`` of :func:`~npu_train.runtime.nodes.join_nodes`; node 0 then
+    removes the shared-root marker (every node checked it before it joined)."""
+    from npu_train.runtime.nodes import join_nodes
+
+    node_plan, link = join_nodes(node.rdv, node.layout, launch.node_of_rank, launch.boundary, ipc_dir, node.host,
+                                 launch.shared, cfg.runtime)
+    if node.layout.is_master:
+        with contextlib.suppress(OSError):
+            os.remove(os.path.join(resume.ckpt_root, f".npt-shared-{launch.job_id}"))
+    return node_plan, link
+
+
+def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity,
+              node: NodeContext, local_cards: int) -> None:
+    """Print the plan table and the job line, write ``plan.json``."""
+    from npu_train.optim.lr import warmup_note
+
+    plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
+    print(plan.table(), flush=True)
+    with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
+        json.dump(plan.to_dict(), f, indent=1)
+    where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""
+    lora = f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else ""
+    print(f"job {launch.job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), "
+          f"{prep.model_cfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
+          f"val sequences of {cfg.data.seq_len} tokens, dtype {prep.dtype}, schedule {tr.schedule}, "
+          f"{lora}micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
+    if resume.resume_dir:
+        print(f"resuming from {resume.resume_dir} at step {resume.start_step}", flush=True)
+    note = warmup_note(lr=float(tr.lr), warmup_steps=int(tr.warmup_steps), total_steps=int(tr.steps))
+    if note:
+        print(note, flush=True)
+
+
+def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity, train: TrainSpec) -> dict:
+    """The fields every checkpoint manifest of this job carries (the coordinator adds the step's)."""
+    plan, P = prep.plan, len(prep.plan.stages)
+    return {"model": prep.model_cfg.to_dict(), "world_size": P, "job_id": launch.job_id,
+            "split": [[s.first_layer, s.last_layer] for s in plan.stages],
+            "parallel": {"dp": prep.dp, "pp": P, "zero": prep.zero},
+            "sampler": resume.sampler.state_dict(),
+            "data_fingerprint": data.fingerprint, "train": train.to_dict(),
+            "model_path": prep.model_path,
+            "tokenizer_path": cfg.model.tokenizer or prep.model_path}
+
+
+def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
+    """Run the card processes to their end (:meth:`Coordinator.run`); the reporter is closed and the
+    packed data removed on every path."""
     try:
-        coord.run()
+        job.coord.run()
     except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume
-        if saving:
+        if resume.saving:
             raise
-        raise Interrupted(e.signum, interrupt_note(None, ckpt_root, tr.offload_update, save=False)) from None
+        raise Interrupted(e.signum, interrupt_note(None, resume.ckpt_root, cfg.train.offload_update,
+                                                   save=False)) from None
     finally:
-        reporter.close()
-        try:
-            os.remove(data_file)
-        except OSError:
-            pass
-    summ = reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job_id, "cards": [c.name for c in prep.cards],
-                            "node": layout.node_rank if layout else 0, "nnodes": layout.nnodes if layout else 1,
-                            "predicted_step_s": plan.step_time_s,
-                            "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * dp})
+        job.reporter.close()
+        with contextlib.suppress(OSError):
+            os.remove(job.data_file)
+
+
+def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePoint, node: NodeContext) -> dict:
+    """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal."""
+    coord, tr, plan = job.coord, cfg.train, prep.plan
+    summ = job.reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job.job_id,
+                                "cards": [c.name for c in prep.cards], "node": node.node_rank, "nnodes": node.nnodes,
+                                "predicted_step_s": plan.step_time_s,
+                                "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * prep.dp})
     if coord.rejected:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)
     if coord.interrupted:
-        raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update, saving),
-                          checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
-    at = start_step + int(summ["steps_run"])
-    early = at < tr.steps  # train.stop_after ended this launch before train.steps
-    print(end_of_run_line(summ, at, tr, coord.last_ckpt, ckpt_root, saving, run_dir), flush=True)
-    if early:  # status.json: where the run stands and the command that continues it
-        summ.update(stopped_at=at, checkpoint_dir=ckpt_root if coord.last_ckpt else None)
+        raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, resume.ckpt_root, tr.offload_update,
+                                                       resume.saving),
+                          checkpoint=coord.last_ckpt, checkpoint_dir=resume.ckpt_root)
+    at = resume.start_step + int(summ["steps_run"])
+    print(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir), flush=True)
+    if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
+        summ.update(stopped_at=at, checkpoint_dir=resume.ckpt_root if coord.last_ckpt else None)
     return summ

@@ -63,16 +63,19 @@ class StageTrainer:
         spec: this card process's :class:`~npu_train.runtime.spec.WorkerSpec`.
         ctx: the process's ZeroMQ context (boundary links).
         ctrl: the control channel to the coordinator (``send(type, **fields)``, ``poll_stop()``).
-        phase: a one-element list holding the current phase's name; the worker reports it when an
-            exception escapes (``"step 3 forward/backward"``, ``"checkpoint save of step 4"``, ...).
         fault: test-only fault hook (``NPT_FAULT``, :mod:`npu_train.runtime.faults`) or None.
 
     Use: :meth:`setup` once, then :meth:`run` (or :meth:`train_step` / :meth:`evaluate` /
     :meth:`maybe_save` one by one, as :meth:`run` does), then :meth:`close`.
+
+    Attributes:
+        phase: the current phase's name, which the worker reports when an exception escapes
+            (``"step 3 forward/backward"``, ``"checkpoint save of step 4"``, ...).
     """
 
-    def __init__(self, spec: WorkerSpec, ctx, ctrl, phase: list, fault=None):
-        self.spec, self.ctx, self.ctrl, self.phase, self.fault = spec, ctx, ctrl, phase, fault
+    def __init__(self, spec: WorkerSpec, ctx, ctrl, fault=None):
+        self.spec, self.ctx, self.ctrl, self.fault = spec, ctx, ctrl, fault
+        self.phase = "start"
         # rank: global rank; stage / replica / P: this pipeline position (ParallelLayout)
         self.rank, self.stage, self.replica, self.P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
         self.dp, self.zero = spec.dp, spec.zero
@@ -94,7 +97,7 @@ class StageTrainer:
     def enter(self, phase: str) -> None:
         """Record ``phase`` (named in error reports) and tell the coordinator, which names it if this
         card process dies or hangs there."""
-        self.phase[0] = phase
+        self.phase = phase
         self.ctrl.send("phase", phase=phase)
 
     # ------------------------------------------------------------------ setup

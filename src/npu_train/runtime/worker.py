@@ -124,10 +124,10 @@ def worker_main(spec: WorkerSpec) -> None:
     hb.start()
     from npu_train.runtime.trainer import StageTrainer
 
-    phase = ["start"]
+    trainer = None
     try:
         ctrl.send("hello", pid=os.getpid())
-        trainer = StageTrainer(spec, ctx, ctrl, phase, FaultHook.from_env(rank))
+        trainer = StageTrainer(spec, ctx, ctrl, FaultHook.from_env(rank))
         trainer.setup()
         trainer.run()
         trainer.close()
@@ -135,7 +135,8 @@ def worker_main(spec: WorkerSpec) -> None:
         code = 0
     except BaseException as e:  # report everything, including KeyboardInterrupt, then exit non-zero
         try:
-            ctrl.send("error", phase=phase[0], etype=type(e).__name__, message=str(e)[:2000],
+            phase = trainer.phase if trainer is not None else "start"
+            ctrl.send("error", phase=phase, etype=type(e).__name__, message=str(e)[:2000],
                       traceback=traceback.format_exc()[-8000:], user=bool(getattr(e, "user_error", False)))
         except Exception:
             pass
