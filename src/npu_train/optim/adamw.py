@@ -13,7 +13,7 @@
 
 Gradient accumulation is in fp32: with a bf16 compute dtype, each micro-batch's ``.grad`` (bf16,
 one rounding) is folded into an fp32 accumulator on the card as soon as autograd has accumulated it
-(``register_post_accumulate_grad_hook``), and ``.grad`` is freed again. Summing M bf16 gradients in
+(the gradient-ready hook of :mod:`npu_train.optim.hooks`), and ``.grad`` is freed again. Summing M bf16 gradients in
 bf16 instead costs one rounding per micro-batch: relative error 9.8e-3 at M = 64 against 1.7e-3 for
 a single rounding (issue 12); in fp32 the sum stays at the one-rounding level of the bf16 inputs.
 With fp32 compute, ``.grad`` itself is the fp32 accumulator (no extra memory). Gradient memory per
@@ -42,6 +42,7 @@ from typing import Iterable, Optional
 import torch
 
 from npu_train.hardware import SHARED_MASTER_KINDS
+from npu_train.optim.hooks import StepHooks
 from npu_train.optim.offload import HostUpdater, squared_sum
 from npu_train.optim.rowsfirst import RowsFirstUpdate
 
@@ -131,6 +132,8 @@ class StageOptimizer:
         eager_state: create the AdamW moments here (:meth:`_Group.init_state`: 8 bytes per
             parameter, zeros; on the card for resident, in host RAM for offloaded parameters)
             instead of in the first :meth:`step`; bit-identical updates. False: torch's lazy creation.
+        hooks: the stage's :class:`~npu_train.optim.hooks.StepHooks` this optimizer registers its
+            gradient-ready and first-forward work with (None: its own, for standalone use).
 
     Attributes:
         shared: names of the resident parameters that are their own fp32 masters (fp32 compute on
@@ -143,14 +146,42 @@ class StageOptimizer:
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
                  weight_decay: float = 0.0, fp32_grad_accum: bool = True, layers=None,
                  overlap: bool = False, delayed: bool = False, eager_state: bool = True,
-                 rows_first: Optional[str] = None):
+                 rows_first: Optional[str] = None, hooks: Optional[StepHooks] = None):
         self.params = params
         self.backend = backend
+        self.hooks = hooks if hooks is not None else StepHooks()
         self.resident = set(resident) & set(params)
         self.offloaded = set(params) - self.resident
         dev = backend.device()
-        # resident fp32 parameters on a cpu / cuda card are their own masters (see `shared`; the
-        # planner's memory model keys on the same card kinds)
+        hyper = (lr, betas, eps, weight_decay)
+        res_m, off_m = self._place_masters(masters_init, dev)
+        # the embedding matrix whose update may go looked-up rows first (step(rows=)): its own AdamW
+        self.row_name = rows_first if rows_first in res_m and _fused_ok(dev) else None
+        self.row_group = _Group({self.row_name: res_m.pop(self.row_name)}, dev, *hyper) if self.row_name else None
+        self._pending: Optional[RowsFirstUpdate] = None
+        self.dev_group = _Group(res_m, dev, *hyper)
+        groups = self._host_layers(layers, off_m)
+        self.host_groups = {k: _Group({n: off_m[n] for n in names}, torch.device("cpu"), *hyper) for k, names in groups}
+        self.host_layer = {n: k for k, names in groups for n in names}
+        self.host = HostUpdater({n: params[n] for n in off_m}, groups, self.host_groups, backend,
+                                overlap=overlap, delayed=delayed)
+        if eager_state:
+            self._init_state()
+        self._counts: dict[str, int] = {}
+        self._final_after = 0  # micro-batches after which a gradient is final (0: not tracked this step)
+        self._late: set[str] = set()
+        self.step_count = 0
+        # fp32 gradient accumulators for low-precision compute (see the module docstring)
+        self.accumulators: dict[str, torch.Tensor] = {}
+        self._touched: set[str] = set()
+        self._register_hooks(fp32_grad_accum, overlap)
+
+    def _place_masters(self, masters_init: dict, dev: torch.device) -> tuple[dict, dict]:
+        """The fp32 masters: ``(on the card, in host RAM)``, and :attr:`shared` (parameters that are their
+        own masters: set from ``masters_init`` here)."""
+        params, backend = self.params, self.backend
+        # resident fp32 parameters on a cpu / cuda card are their own masters (the planner's memory model
+        # keys on the same card kinds)
         own = getattr(backend, "kind", None) in SHARED_MASTER_KINDS and _fused_ok(dev)
         self.shared = {n for n in self.resident if own and params[n].dtype == torch.float32
                        and params[n].device == dev}
@@ -163,56 +194,56 @@ class StageOptimizer:
             elif n in self.resident:
                 res_m[n] = backend.upload(masters_init[n].float().contiguous()).clone()
         off_m = {n: masters_init[n].float().contiguous().clone() for n in params if n in self.offloaded}
-        # the embedding matrix whose update may go looked-up rows first (step(rows=)): its own AdamW
-        self.row_name = rows_first if rows_first in res_m and _fused_ok(dev) else None
-        self.row_group = (_Group({self.row_name: res_m.pop(self.row_name)}, dev, lr, betas, eps, weight_decay)
-                          if self.row_name else None)
-        self._pending: Optional[RowsFirstUpdate] = None
-        self.dev_group = _Group(res_m, dev, lr, betas, eps, weight_decay)
+        return res_m, off_m
+
+    def _host_layers(self, layers, off_m: dict) -> list[tuple[str, list[str]]]:
+        """``layers`` restricted to the offloaded names, empty layers dropped; ValueError for an offloaded
+        parameter in no layer."""
         if layers is None:
-            layers = [("all", list(params))]
+            layers = [("all", list(self.params))]
         groups = [(k, [n for n in names if n in off_m]) for k, names in layers]
         groups = [(k, names) for k, names in groups if names]
         missing = set(off_m) - {n for _, names in groups for n in names}
         if missing:
             raise ValueError(f"StageOptimizer: offloaded parameters in no layer: {sorted(missing)[:5]}")
-        self.host_groups = {k: _Group({n: off_m[n] for n in names}, torch.device("cpu"), lr, betas, eps,
-                                      weight_decay) for k, names in groups}
-        self.host_layer = {n: k for k, names in groups for n in names}
-        self.host = HostUpdater({n: params[n] for n in off_m}, groups, self.host_groups, backend,
-                                overlap=overlap, delayed=delayed)
-        if eager_state:
-            lock = getattr(backend, "alloc_lock", None)
-            with lock() if lock is not None else contextlib.nullcontext():
-                self.dev_group.init_state(getattr(backend, "track", None))
-                if self.row_group is not None:
-                    self.row_group.init_state(getattr(backend, "track", None))
-            for g in self.host_groups.values():
-                g.init_state()
-        self._counts: dict[str, int] = {}
-        self._final_after = 0  # micro-batches after which a gradient is final (0: not tracked this step)
-        self._late: set[str] = set()
-        self.step_count = 0
-        # fp32 gradient accumulators for low-precision compute (see the module docstring)
-        self.accumulators: dict[str, torch.Tensor] = {}
-        self._touched: set[str] = set()
+        return groups
+
+    def _card_allocations(self):
+        """The backend's allocation lock (furiosa: memory accounting), or a no-op context."""
+        lock = getattr(self.backend, "alloc_lock", None)
+        return lock() if lock is not None else contextlib.nullcontext()
+
+    def _init_state(self) -> None:
+        """The AdamW moments of every group now (:meth:`_Group.init_state`)."""
+        track = getattr(self.backend, "track", None)
+        with self._card_allocations():
+            self.dev_group.init_state(track)
+            if self.row_group is not None:
+                self.row_group.init_state(track)
+        for g in self.host_groups.values():
+            g.init_state()
+
+    def _register_hooks(self, fp32_grad_accum: bool, overlap: bool) -> None:
+        """This optimizer's step hooks (:mod:`npu_train.optim.hooks`): the fp32 fold and (overlap) the
+        final-gradient count on gradient ready, in that order; the rest of a rows-first update on
+        first forward sent."""
+        params = self.params
         # fp32_grad_accum=False (train.grad_accum=compute): gradients accumulate in the compute dtype's
         # .grad, as the predecessor system on RNGD did (half the gradient memory, one rounding per micro-batch)
         low = [n for n, p in params.items() if p.dtype != torch.float32] if fp32_grad_accum else []
-        if low:
-            track = getattr(backend, "track", None)
-            lock = getattr(backend, "alloc_lock", None)
-            with lock() if lock is not None else contextlib.nullcontext():
-                for n in low:
-                    p = params[n]
-                    self.accumulators[n] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                    if track is not None:
-                        track(self.accumulators[n])
+        track = getattr(self.backend, "track", None)
+        with self._card_allocations() if low else contextlib.nullcontext():
             for n in low:
-                params[n].register_post_accumulate_grad_hook(self._folder(n))
+                self.accumulators[n] = torch.zeros(params[n].shape, dtype=torch.float32, device=params[n].device)
+                if track is not None:
+                    track(self.accumulators[n])
+        for n in low:
+            self.hooks.on_grad_ready(params[n], self._folder(n))
         if overlap:  # after the fold hooks: sees the folded fp32 accumulator
             for n in self.host_layer:
-                params[n].register_post_accumulate_grad_hook(self._counter(n))
+                self.hooks.on_grad_ready(params[n], self._counter(n))
+        if self.row_name:
+            self.hooks.on_first_forward_sent(self.finish_rows)
 
     # ------------------------------------------------------------------ gradients
     def _fold(self, name: str, p: torch.Tensor) -> None:
@@ -380,7 +411,7 @@ class StageOptimizer:
 
     def finish_rows(self) -> float:
         """Complete a pending rows-first update (:meth:`step` with ``rows``): after the next step's
-        first forward has left the card (:attr:`npu_train.pipeline.stage.StageRunner.after_first_forward`),
+        first forward has left the card (the first-forward-sent hook, :mod:`npu_train.optim.hooks`),
         and before anything else reads the matrix or its gradient (:meth:`wait_all`). Returns the
         seconds it took (0.0 when nothing was pending)."""
         if self._pending is None:

@@ -14,7 +14,7 @@ big batch, independent of how the step is cut into micro-batches and replicas.
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 
@@ -53,6 +53,9 @@ class StageRunner:
         num_stages, stage: pipeline size P and this stage's index.
         schedule: one of :data:`npu_train.pipeline.schedule.SCHEDULES`.
         comm: the boundary transport (unused when P == 1).
+        hooks: the stage's :class:`~npu_train.optim.hooks.StepHooks` or None; its first-forward-sent hooks
+            run on the first stage right after the step's first forward was sent, timed as
+            ``deferred_opt_s`` and traced as a ``U`` action.
 
     Attributes:
         trace: None (default), or a list the next :meth:`run_step` appends one tuple per action to:
@@ -71,7 +74,8 @@ class StageRunner:
             every layer's forward a second time).
     """
 
-    def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm]):
+    def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm],
+                 hooks=None):
         if schedule in SPLIT_BACKWARD and getattr(module, "recompute", False):
             raise ConfigError(f"train.schedule={schedule} does not combine with train.recompute=true: "
                               "use train.schedule=1f1b for activation recompute")
@@ -84,11 +88,7 @@ class StageRunner:
         self.first = stage == 0
         self.last = stage == num_stages - 1
         self.trace: Optional[list] = None
-        #: called once per step right after the first stage's first forward has been sent, before any
-        #: backward: work that need not delay the next stage's start (StageTrainer.after_first_forward:
-        #: the rest of the previous step's rows-first embedding update, the embedding's gradient buffer);
-        #: its seconds are reported as ``deferred_opt_s`` and traced as a ``U`` action
-        self.after_first_forward: Optional[Callable[[], None]] = None
+        self.hooks = hooks
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
                  total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
@@ -114,7 +114,7 @@ class StageRunner:
             ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int (last
             stage: target tokens of ``labels``, this replica's share),
             "compute_s", "wait_s", "send_s", "deferred_opt_s"}`` (seconds; ``deferred_opt_s``:
-            :attr:`after_first_forward`, in none of the others).
+            the first-forward-sent hooks, in none of the others).
         """
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
@@ -160,106 +160,131 @@ class StageRunner:
                 total_tokens = local_tokens
             if total_tokens == 0:
                 raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
-        saved: dict[int, tuple] = {}
-        split = self.schedule in SPLIT_BACKWARD
-        pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
-        params = [p for p in self.module.parameters() if p.requires_grad] if split else []
-        loss_sum = 0.0
-        t_compute = t_wait = t_send = t_deferred = 0.0
-        backwards_left = M
-        tr = self.trace
+        run = _StepRun(self, step, M, inputs, labels, total_tokens, early)
+        for a in build_schedule(self.schedule, self.P, M, self.s):
+            if a.kind == "F":
+                run.forward(a.micro)
+            elif a.kind == "B":
+                run.backward(a.micro)
+            else:
+                run.weight(a.micro)
+        return run.end(local_tokens)
+
+
+class _StepRun:
+    """One step of a :class:`StageRunner`: the schedule's actions on the saved micro-batch graphs, with
+    the seconds of each kind of work (``compute``, ``wait``, ``send``, ``deferred``)."""
+
+    def __init__(self, runner: StageRunner, step: int, M: int, inputs, labels, total_tokens, early):
+        self.r, self.step, self.inputs, self.labels, self.total_tokens = runner, step, inputs, labels, total_tokens
+        self.early = early
+        self.saved: dict[int, tuple] = {}
+        self.split = runner.schedule in SPLIT_BACKWARD
+        self.pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
+        self.params = [p for p in runner.module.parameters() if p.requires_grad] if self.split else []
+        self.loss_sum = 0.0
+        self.compute = self.wait = self.send = self.deferred = 0.0
+        self.backwards_left = M
+        self.tr = runner.trace
         # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
         # interval holds its kernels, not only their launch (CPU: synchronize() is a no-op)
-        clock = time.perf_counter if tr is None else self._synced_clock
-        for a in build_schedule(self.schedule, self.P, M, self.s):
-            m = a.micro
-            if a.kind == "F":
-                t0 = clock()
-                if self.first:
-                    x = self.backend.upload(inputs[m])
-                else:
-                    x = self.comm.recv_act(step, m)
-                    x.requires_grad_(True)
-                t1 = clock()
-                # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
-                cuts = [] if split and not self.first else None
-                out = self.module(x) if cuts is None else self.module(x, cuts=cuts)
-                if self.last:
-                    ls, _ = causal_lm_loss_sum(out, self.backend.upload(labels[m]), fused=getattr(self.module, "fused_head", False))
-                    loss = ls / total_tokens
-                    loss_sum += float(ls.detach())
-                    saved[m] = (x, loss, cuts)
-                    t2 = t3 = clock()
-                else:
-                    saved[m] = (x, out, cuts)
-                    t2 = clock()
-                    self.comm.send_act(step, m, out.detach())
-                    t3 = clock()
-                t_wait += t1 - t0
-                t_compute += t2 - t1
-                t_send += t3 - t2
-                if tr is not None:
-                    tr.append(("F", m, t0, t1, t2, t3))
-                if m == 0 and self.first and self.after_first_forward is not None:  # (every schedule starts with F0)
-                    u0 = clock()
-                    self.after_first_forward()
-                    u1 = clock()
-                    t_deferred += u1 - u0
-                    if tr is not None:
-                        tr.append(("U", -1, u0, u0, u1, u1))
-            elif a.kind == "B":
-                x, out, cuts = saved.pop(m) if not split else saved[m]
-                t0 = clock()
-                g = None
-                if not self.last:
-                    g = self.comm.recv_grad(step, m)
-                t1 = clock()
-                if split and not self.first:
-                    dx, pending[m] = backward_input(out, g, x, params, cuts=cuts)
-                else:  # full backward (first stage of zb: nothing waits for an input gradient)
-                    out.backward(g)
-                    dx = x.grad if not self.first else None
-                    if split:
-                        pending[m] = None
-                t2 = clock()
-                if not self.first:
-                    self.comm.send_grad(step, m, dx)
-                t3 = clock()
-                t_wait += t1 - t0
-                t_compute += t2 - t1
-                t_send += t3 - t2
-                if tr is not None:
-                    tr.append(("B", m, t0, t1, t2, t3))
-                del x, out, g, dx, cuts
-                backwards_left -= 1
-                if early is not None and split and backwards_left == 0:
-                    t0 = clock()
-                    for work in pending.values():
-                        if work is not None:
-                            work.run(only=early[0])
-                    t1 = clock()
-                    early[1]()
-                    t2 = clock()
-                    t_compute += t1 - t0
-                    t_send += t2 - t1
-                    if tr is not None:
-                        tr.append(("E", -1, t0, t0, t1, t2))
-                    early = None
-            else:  # "W": weight gradients deferred by this micro-batch's B
-                t0 = clock()
-                work = pending.pop(m)
-                del saved[m]
-                if work is not None:
-                    work.run()
-                t1 = clock()
-                t_compute += t1 - t0
-                if tr is not None:
-                    tr.append(("W", m, t0, t0, t1, t1))
-                del work
-        assert not saved and not pending, \
-            f"schedule left micro-batches without backward: {sorted(saved)} {sorted(pending)}"
-        if early is not None:
-            early[1]()
-        self.backend.synchronize()
-        return {"loss_sum": loss_sum, "n_tokens": local_tokens,
-                "compute_s": t_compute, "wait_s": t_wait, "send_s": t_send, "deferred_opt_s": t_deferred}
+        self.clock = time.perf_counter if self.tr is None else runner._synced_clock
+
+    def _account(self, kind: str, m: int, t0: float, t1: float, t2: float, t3: float) -> None:
+        self.wait += t1 - t0
+        self.compute += t2 - t1
+        self.send += t3 - t2
+        if self.tr is not None:
+            self.tr.append((kind, m, t0, t1, t2, t3))
+
+    def forward(self, m: int) -> None:
+        r, clock = self.r, self.clock
+        t0 = clock()
+        if r.first:
+            x = r.backend.upload(self.inputs[m])
+        else:
+            x = r.comm.recv_act(self.step, m)
+            x.requires_grad_(True)
+        t1 = clock()
+        # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
+        cuts = [] if self.split and not r.first else None
+        out = r.module(x) if cuts is None else r.module(x, cuts=cuts)
+        if r.last:
+            ls, _ = causal_lm_loss_sum(out, r.backend.upload(self.labels[m]), fused=getattr(r.module, "fused_head", False))
+            self.loss_sum += float(ls.detach())
+            self.saved[m] = (x, ls / self.total_tokens, cuts)
+            t2 = t3 = clock()
+        else:
+            self.saved[m] = (x, out, cuts)
+            t2 = clock()
+            r.comm.send_act(self.step, m, out.detach())
+            t3 = clock()
+        self._account("F", m, t0, t1, t2, t3)
+        hooks = r.hooks
+        if m == 0 and r.first and hooks is not None and hooks.has_first_forward_work:  # (every schedule starts with F0)
+            u0 = clock()
+            hooks.first_forward_sent()
+            u1 = clock()
+            self.deferred += u1 - u0
+            if self.tr is not None:
+                self.tr.append(("U", -1, u0, u0, u1, u1))
+
+    def backward(self, m: int) -> None:
+        r, clock = self.r, self.clock
+        x, out, cuts = self.saved.pop(m) if not self.split else self.saved[m]
+        t0 = clock()
+        g = None if r.last else r.comm.recv_grad(self.step, m)
+        t1 = clock()
+        if self.split and not r.first:
+            dx, self.pending[m] = backward_input(out, g, x, self.params, cuts=cuts)
+        else:  # full backward (first stage of zb: nothing waits for an input gradient)
+            out.backward(g)
+            dx = x.grad if not r.first else None
+            if self.split:
+                self.pending[m] = None
+        t2 = clock()
+        if not r.first:
+            r.comm.send_grad(self.step, m, dx)
+        t3 = clock()
+        self._account("B", m, t0, t1, t2, t3)
+        del x, out, g, dx, cuts
+        self.backwards_left -= 1
+        if self.early is not None and self.split and self.backwards_left == 0:
+            self._early_weight_grads()
+
+    def _early_weight_grads(self) -> None:
+        """After the last ``B``: the W groups of the ``early`` parameters, then its ``done()``."""
+        clock, (params, done) = self.clock, self.early
+        t0 = clock()
+        for work in self.pending.values():
+            if work is not None:
+                work.run(only=params)
+        t1 = clock()
+        done()
+        t2 = clock()
+        self.compute += t1 - t0
+        self.send += t2 - t1
+        if self.tr is not None:
+            self.tr.append(("E", -1, t0, t0, t1, t2))
+        self.early = None
+
+    def weight(self, m: int) -> None:
+        """``W``: the weight gradients deferred by micro-batch ``m``'s ``B``."""
+        t0 = self.clock()
+        work = self.pending.pop(m)
+        del self.saved[m]
+        if work is not None:
+            work.run()
+        t1 = self.clock()
+        self.compute += t1 - t0
+        if self.tr is not None:
+            self.tr.append(("W", m, t0, t0, t1, t1))
+
+    def end(self, local_tokens: int) -> dict:
+        assert not self.saved and not self.pending, \
+            f"schedule left micro-batches without backward: {sorted(self.saved)} {sorted(self.pending)}"
+        if self.early is not None:
+            self.early[1]()
+        self.r.backend.synchronize()
+        return {"loss_sum": self.loss_sum, "n_tokens": local_tokens, "compute_s": self.compute,
+                "wait_s": self.wait, "send_s": self.send, "deferred_opt_s": self.deferred}

@@ -1,9 +1,9 @@
 """Wiring of the host-optimizer overlap (:mod:`npu_train.optim.offload`) into a stage's module.
 
 The offloaded parameters are grouped per *layer* in forward order (``embed``: the embedding,
-``layer<i>``: decoder layer i, ``head``: final norm + LM head), and a forward pre-hook on each
-layer's module makes the forward through that layer wait for that layer's pending host update
-only, so the host AdamW of the later layers overlaps the forward of the earlier ones.
+``layer<i>``: decoder layer i, ``head``: final norm + LM head), and each layer's layer-ready hook
+(:mod:`npu_train.optim.hooks`) makes the forward through that layer wait for that layer's pending
+host update only, so the host AdamW of the later layers overlaps the forward of the earlier ones.
 """
 from __future__ import annotations
 
@@ -43,11 +43,10 @@ def layer_modules(module) -> dict:
     return mods
 
 
-def install_waits(module, opt, keys) -> list:
-    """Register, on each layer in ``keys``, a forward pre-hook calling ``opt.wait_layer(key)``.
-    Returns the hook handles. Raises ``KeyError`` for a key without a module."""
+def install_waits(module, opt, keys) -> None:
+    """Register ``opt.wait_layer(key)`` as the layer-ready hook (``opt.hooks``, a
+    :class:`~npu_train.optim.hooks.StepHooks`) of each layer in ``keys`` of ``module``.
+    Raises ``KeyError`` for a key without a module."""
     mods = layer_modules(module)
-    handles = []
     for k in keys:
-        handles.append(mods[k].register_forward_pre_hook(lambda _m, _a, k=k: opt.wait_layer(k)))
-    return handles
+        opt.hooks.on_layer_ready(mods[k], lambda k=k: opt.wait_layer(k))

@@ -51,7 +51,7 @@ def sparse_embed_grad_for(kind: str, params: dict) -> bool:
     """Whether the stage takes its embedding gradient as rows (``StageModule.sparse_embed_grad``): a trained
     fp32 ``model.embed_tokens.weight`` (its ``.grad`` is the accumulator; bf16 folds into one) on a card of
     :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS`. The trainer then gives it a dense zero ``.grad``
-    in each step, right after the first forward (``StageTrainer.after_first_forward``), before any backward."""
+    in each step, right after the first forward (``StageTrainer.zero_embed_grad``, a first-forward-sent hook), before any backward."""
     emb = params.get("model.embed_tokens.weight")
     return emb is not None and kind in SPARSE_EMBED_GRAD_KINDS and emb.dtype == torch.float32
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
 
@@ -54,6 +55,25 @@ log = logging.getLogger("npu_train.worker")
 class NonFiniteError(RuntimeError):
     """A non-finite (nan/inf) loss or global gradient norm with ``train.nonfinite=stop``; the message
     names the step, the stage(s) where the non-finite values appeared, and the fix."""
+
+
+@dataclass
+class StepTotals:
+    """One step's values after the all-reduce (the same on every rank): global grad norm, loss per target
+    token, target tokens, the stop request, the ranks holding non-finite values; ``tied_s``: seconds of
+    the tied-gradient exchange, started at ``tied_start`` (``time.perf_counter``)."""
+
+    grad_norm: float
+    loss: float
+    tokens: int
+    interrupted: bool
+    bad_ranks: list
+    tied_s: float
+    tied_start: float
+
+    @property
+    def finite(self) -> bool:
+        return math.isfinite(self.grad_norm) and math.isfinite(self.loss)
 
 
 class StageTrainer:
@@ -107,27 +127,32 @@ class StageTrainer:
         Raises whatever the backend raises for a missing device (``BackendUnavailableError``), and
         ``TransportError`` / gloo errors when a peer is gone.
         """
-        import torch.distributed as dist
-
         from npu_train.backends import make_backend
         from npu_train.backends.spec import CardRequest
-        from npu_train.checkpoint.store import CheckpointReader
-        from npu_train.data.dataset import load_packed, micro_batch_tensors
-        from npu_train.data.sampler import StepSampler
-        from npu_train.optim.adamw import StageOptimizer
-        from npu_train.pipeline.stage import StageRunner
-        from npu_train.runtime.links import LinkComm
-        from npu_train.runtime.overlap import install_waits, layer_groups
-        from npu_train.runtime.replicas import zero_owners
 
-        spec, tr = self.spec, self.tr
+        spec, card = self.spec, self.spec.card
         self.enter("device setup")
-        card = spec.card
-        self.backend = backend = make_backend(CardRequest(card.kind, card.index, card.name),
-                                              **spec.runtime.backend_kwargs(card.kind))
-        backend.setup()
-
+        self.backend = make_backend(CardRequest(card.kind, card.index, card.name),
+                                    **spec.runtime.backend_kwargs(card.kind))
+        self.backend.setup()
         self.enter("model load")
+        masters = self._load_model()
+        self._make_optimizer(masters)
+        del masters
+        self.enter("rendezvous")
+        self._rendezvous()
+        self.start = int(spec.start_step)
+        if spec.resume_dir:
+            self._resume()
+        else:
+            torch.manual_seed(self.tr.seed + self.stage)
+        self._load_data()
+        self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
+
+    def _load_model(self) -> dict:
+        """This stage's module on the card (LoRA adapters on a frozen base), compiled / warmed up where
+        configured; returns the exact fp32 masters of its trained parameters."""
+        spec, tr, backend = self.spec, self.tr, self.backend
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
         lora = tr.lora_spec()
         if lora is not None:  # frozen base in the compute dtype; only the adapters have masters and moments
@@ -141,13 +166,13 @@ class StageTrainer:
                 if p.requires_grad and track is not None:
                     track(p)
         self.params = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        self.module.sparse_embed_grad = self.sparse_embed = sparse_embed_grad_for(card.kind, self.params)
+        self.module.sparse_embed_grad = self.sparse_embed = sparse_embed_grad_for(spec.card.kind, self.params)
         backend.prepare_module(self.module)  # furiosa: whole-layer compiled graphs when configured
         if self.fault is not None:
             self.fault.install(self.module)
             self.fault("load")
         self.compile_s = 0.0
-        if spec.runtime.warmup and card.kind == "furiosa":  # before the optimizer exists: no state to touch
+        if spec.runtime.warmup and spec.card.kind == "furiosa":  # before the optimizer exists: no state to touch
             from npu_train.runtime.warmup import warm_up_stage
 
             self.enter("warm-up (graph compilation)")
@@ -156,23 +181,42 @@ class StageTrainer:
             self.compile_s = warm_up_stage(self.module, backend, first=self.first, last=self.last,
                                            micro_batch=tr.micro_batch, seq_len=seq_len, hidden_size=hid,
                                            dtype=dt, betas=(tr.beta1, tr.beta2), eps=tr.eps)
+        return masters
+
+    def _make_optimizer(self, masters: dict) -> None:
+        """The stage's optimizer over the parameters this replica owns, and the step hooks
+        (:mod:`npu_train.optim.hooks`) through which its work runs inside forward and backward."""
+        from npu_train.optim.adamw import StageOptimizer
+        from npu_train.optim.hooks import StepHooks
+        from npu_train.runtime.overlap import install_waits, layer_groups
+        from npu_train.runtime.replicas import zero_owners
+
+        tr = self.tr
         # ZeRO-1: this replica keeps master + moments only of the parameters it owns
         self.owners = zero_owners({n: p.numel() for n, p in self.params.items()}, self.dp) if self.zero else None
-        owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners[n] == self.replica}
-        self.opt = StageOptimizer(owned, {n: masters[n] for n in owned}, list(spec.resident_names), backend,
-                                  lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps, weight_decay=tr.weight_decay,
-                                  fp32_grad_accum=tr.grad_accum == "fp32", layers=layer_groups(owned),
-                                  overlap=tr.offload_overlap, delayed=tr.offload_update == "delayed",
+        self.owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners[n] == self.replica}
+        self.hooks = StepHooks()
+        self.opt = StageOptimizer(self.owned, {n: masters[n] for n in self.owned}, list(self.spec.resident_names),
+                                  self.backend, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
+                                  weight_decay=tr.weight_decay, fp32_grad_accum=tr.grad_accum == "fp32",
+                                  layers=layer_groups(self.owned), overlap=tr.offload_overlap,
+                                  delayed=tr.offload_update == "delayed", hooks=self.hooks,
                                   # the first stage's embedding: the next step's rows first (optim.rowsfirst);
                                   # not on a single stage (a tied head reads every row)
                                   rows_first="model.embed_tokens.weight" if self.first and not self.last
                                   and self.dp == 1 else None)
-        del masters
         if tr.offload_overlap:  # the forward through an offloaded layer waits for its host update only
             install_waits(self.module, self.opt, list(self.opt.host_groups))
+        if self.sparse_embed:  # after the optimizer's rest of the rows-first update
+            self.hooks.on_first_forward_sent(self.zero_embed_grad)
 
-        self.enter("rendezvous")
-        lay = spec.layout
+    def _rendezvous(self) -> None:
+        """The gloo group and its subgroups (replicas of a stage, the tied pair), the boundary links."""
+        import torch.distributed as dist
+
+        from npu_train.runtime.links import LinkComm
+
+        spec, lay = self.spec, self.spec.layout
         dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=lay.world,
                                 timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
         # every rank creates every subgroup, in the same order (a torch.distributed requirement)
@@ -183,7 +227,7 @@ class StageTrainer:
                 if self.rank in ranks:
                     self.stage_group = g
         # tied embeddings are trained (and their gradients summed) only in full fine-tuning
-        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1 and tr.mode == "full"
+        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1 and self.tr.mode == "full"
         if self.tied_pair:
             for ranks in lay.tied_groups():
                 g = dist.new_group(ranks)
@@ -192,42 +236,49 @@ class StageTrainer:
                     if self.first or self.last:
                         shape = tuple(self.params[self.tied_name].shape)
                         self.tied = TiedGradExchange(self.first, ranks[-1] if self.first else ranks[0], g, shape,
-                                                     backend)
+                                                     self.backend)
         if self.P > 1:
-            self.comm = LinkComm(spec, self.ctx, backend)
+            self.comm = LinkComm(spec, self.ctx, self.backend)
             dist.barrier()  # every ring exists before anyone receives
 
-        self.start = int(spec.start_step)
-        if spec.resume_dir:
-            self.enter("resume")
-            reader = CheckpointReader(spec.resume_dir)
-            want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in owned
-                    for k in ("master", "exp_avg", "exp_avg_sq")}
-            self.opt.load_state_tensors(want, reader.step)
-            with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
-                for n in set(self.params) - set(owned):
-                    p = self.params[n]
-                    p.copy_(backend.upload(reader.get(f"master.{n}").to(p.dtype)))
-            if reader.has(f"rng.{self.stage}"):
-                torch.set_rng_state(reader.get(f"rng.{self.stage}"))
-        else:
-            torch.manual_seed(tr.seed + self.stage)
+    def _resume(self) -> None:
+        """Masters, moments, weights and RNG state from ``spec.resume_dir``."""
+        from npu_train.checkpoint.store import CheckpointReader
 
-        self.data = load_packed(spec.data_file)
+        spec, backend, owned = self.spec, self.backend, self.owned
+        self.enter("resume")
+        reader = CheckpointReader(spec.resume_dir)
+        want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in owned
+                for k in ("master", "exp_avg", "exp_avg_sq")}
+        self.opt.load_state_tensors(want, reader.step)
+        with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
+            for n in set(self.params) - set(owned):
+                p = self.params[n]
+                p.copy_(backend.upload(reader.get(f"master.{n}").to(p.dtype)))
+        if reader.has(f"rng.{self.stage}"):
+            torch.set_rng_state(reader.get(f"rng.{self.stage}"))
+
+    def _load_data(self) -> None:
+        """The packed data, this replica's sampler (and the others', for the loss divisor), the schedule
+        runner and the held-out evaluation batches."""
+        from npu_train.data.dataset import load_packed, micro_batch_tensors
+        from npu_train.data.sampler import StepSampler
+        from npu_train.pipeline.stage import StageRunner
+
+        tr = self.tr
+        self.data = load_packed(self.spec.data_file)
         self.micro_batch_tensors = micro_batch_tensors
         # one sampler per replica: this replica's share, and (last stage) the others' for the loss divisor
         self.samplers = [StepSampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed,
                                      dp_rank=k, dp_size=self.dp) for k in range(self.dp)]
         self.sampler = self.samplers[self.replica]
-        self.runner = StageRunner(self.module, backend, self.P, self.stage, tr.schedule, self.comm)
-        if self.opt.row_name or self.sparse_embed:  # work moved out of the pipeline's fill
-            self.runner.after_first_forward = self.after_first_forward
+        self.runner = StageRunner(self.module, self.backend, self.P, self.stage, tr.schedule, self.comm,
+                                  hooks=self.hooks)
         # held-out evaluation: the first eval_batches micro-batches of the validation split
         mb = tr.micro_batch
         self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
         self.eval_batches = [micro_batch_tensors(self.data, torch.arange(m * mb, (m + 1) * mb), split="val")
                              for m in range(self.n_eval)]
-        self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
 
     # ------------------------------------------------------------------ one step
     def global_tokens(self, step: int) -> int:
@@ -246,18 +297,56 @@ class StageTrainer:
         over the whole step and all stages; ``interrupted``: some rank was asked to stop) and sends the
         step's metrics (seconds per phase, bytes of device memory) to the coordinator.
         """
-        import torch.distributed as dist
-
         from npu_train.optim.lr import lr_at
 
-        tr, fault, backend = self.tr, self.fault, self.backend
+        tr = self.tr
         # phases are named with the 1-based step number, as printed by the coordinator
-        if fault is not None:
-            fault.current_step = step + 1
+        if self.fault is not None:
+            self.fault.current_step = step + 1
         t0, c0 = time.perf_counter(), time.process_time()
-        backend.reset_peak_memory()
+        self.backend.reset_peak_memory()
         self.enter(f"step {step + 1} forward/backward")
         mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
+        res = self._forward_backward(step, mbs)
+        t1, c1 = time.perf_counter(), time.process_time()
+        self.enter(f"step {step + 1} collectives")
+        if self.fault is not None:
+            self.fault("collective")
+        tot = self._reduce(res, mbs)
+        t2, c2 = time.perf_counter(), time.process_time()
+        lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
+        ot = self._update(step, tot, lr)
+        t3, c3 = time.perf_counter(), time.process_time()
+        trace = {}
+        if self.runner.trace is not None:  # npu_train.metrics.trace: actions, then the step's phases
+            te = tot.tied_start + tot.tied_s
+            trace["actions"] = self.runner.trace + [("collectives", -1, t1, t1, t2, t2)] + (
+                [("tied", -1, tot.tied_start, tot.tied_start, te, te)] if self.tied is not None else []) + [
+                ("optimizer", -1, t2, t2, t3, t3)]
+        self.ctrl.send("step", step=step + 1, loss=tot.loss, lr=lr, grad_norm=tot.grad_norm, tokens=tot.tokens,
+                       skipped=not tot.finite,
+                       time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
+                       # wait_s split: waits for a neighbour's activation / gradient inside the
+                       # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
+                       # all-reduce, grad norm + loss all-reduce, including the wait for the slowest stage)
+                       bubble_s=res["wait_s"], collective_s=t2 - t1, tied_s=tot.tied_s,
+                       send_s=res["send_s"],  # optimizer_s: with the previous step's rest of the embedding update
+                       optimizer_s=ot["device_optimizer"] + ot["host_optimizer"] + res["deferred_opt_s"],
+                       host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
+                       mem_peak=self.backend.max_memory_allocated(), mem_now=self.backend.memory_allocated(),
+                       compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
+                       marks=[t0, t1, t2],
+                       # CPU seconds of this process (all threads) in the step and in its three phases
+                       # (schedule, collectives, optimizer): the work done, independent of waits and of
+                       # other processes competing for the cores
+                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **trace, **self.backend.step_stats())
+        return {"loss": tot.loss, "grad_norm": tot.grad_norm, "lr": lr, "tokens": tot.tokens,
+                "interrupted": tot.interrupted}
+
+    def _forward_backward(self, step: int, mbs: list) -> dict:
+        """The schedule over the step's micro-batches ``mbs`` (``[(inputs, labels)]``); gradients accumulate
+        on the card. Returns :meth:`StageRunner.run_step`'s dict."""
+        tr = self.tr
         for p in self.params.values():
             p.grad = None
         # gradients changed by a collective after the backward are final only after it
@@ -271,15 +360,16 @@ class StageTrainer:
             early = ([self.params[self.tied_name]], lambda: self.tied.send_dense(self.grad_buf(self.tied_name)))
         self.runner.trace = [] if self.spec.runtime.trace else None  # per-action timeline (runtime.trace)
         if self.first or self.last:
-            res = self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
-                                       [y for _, y in mbs] if self.last else None,
-                                       total_tokens=self.global_tokens(step) if self.last else None, early=early)
-        else:
-            res = self.runner.run_middle(step, tr.accum)
-        t1, c1 = time.perf_counter(), time.process_time()
-        self.enter(f"step {step + 1} collectives")
-        if fault is not None:
-            fault("collective")
+            return self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
+                                        [y for _, y in mbs] if self.last else None,
+                                        total_tokens=self.global_tokens(step) if self.last else None, early=early)
+        return self.runner.run_middle(step, tr.accum)
+
+    def _reduce(self, res: dict, mbs: list) -> "StepTotals":
+        """The step's collectives: the tied pair's gradient sum, the replicas' gradient all-reduce, then one
+        all-reduce of the squared gradient norm, loss, tokens, stop flag and non-finite flags."""
+        import torch.distributed as dist
+
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
         # each stage's (replica-summed) gradient counted once: by replica 0, or with ZeRO-1 by the owners
         counts = self.zero or self.replica == 0
@@ -298,77 +388,52 @@ class StageTrainer:
             from npu_train.runtime.replicas import allreduce_grads
 
             # the buffers holding each parameter's step gradient: fp32 accumulators (bf16 compute) or .grad
-            allreduce_grads({n: self.grad_buf(n) for n in self.params}, backend, self.stage_group)
+            allreduce_grads({n: self.grad_buf(n) for n in self.params}, self.backend, self.stage_group)
         stop_req = 1.0 if self.ctrl.poll_stop() else 0.0
         if sq_terms is not None:  # the rest: the tied gradient, final now
             sq_terms.update(self.opt.grad_sq_terms(exclude, only=[self.tied_name]))
             sq = float(self.opt.sum_terms(sq_terms))
         else:
             sq = float(self.opt.grad_sq_sum(exclude=exclude)) if counts else 0.0
-        world = self.spec.world_size
-        flags = [0.0] * world  # flags[r] = 1: rank r holds a non-finite loss or gradient
+        flags = [0.0] * self.spec.world_size  # flags[r] = 1: rank r holds a non-finite loss or gradient
         flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
         red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req] + flags, dtype=torch.float64)
         dist.all_reduce(red)
         if self.tied is not None:  # the first stage's rows left without a wait (the last stage has them now)
             self.tied.settle()
-        grad_norm = float(red[0]) ** 0.5
-        loss = float(red[1] / max(red[2], 1.0))
-        finite = math.isfinite(grad_norm) and math.isfinite(loss)
-        clip_coef = min(1.0, tr.clip / (grad_norm + 1e-6)) if tr.clip > 0 else 1.0
-        t2, c2 = time.perf_counter(), time.process_time()
-        lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
-        if not finite:
-            self.nonfinite(step, loss, grad_norm, [r for r in range(self.spec.world_size) if red[4 + r] > 0])
-            ot = {"device_optimizer": 0.0, "host_optimizer": 0.0, "transfer": 0.0}
+        return StepTotals(grad_norm=float(red[0]) ** 0.5, loss=float(red[1] / max(red[2], 1.0)), tokens=int(red[2]),
+                          interrupted=bool(red[3] > 0), bad_ranks=[r for r in range(len(flags)) if red[4 + r] > 0],
+                          tied_s=t_tied, tied_start=ta_tied)
+
+    def _update(self, step: int, tot: "StepTotals", lr: float) -> dict:
+        """AdamW with the clip coefficient of ``tot.grad_norm`` (ZeRO-1: then the owners' weights to the other
+        replicas), or, for a non-finite step, :meth:`nonfinite` and the gradients dropped. Returns the
+        optimizer's seconds ``{"device_optimizer", "host_optimizer", "transfer"}``."""
+        tr = self.tr
+        if not tot.finite:
+            self.nonfinite(step, tot.loss, tot.grad_norm, tot.bad_ranks)
             self.opt.discard_grads()
-        else:
-            self.enter(f"step {step + 1} optimizer")
-            if fault is not None:
-                fault("optimizer")
-            ot = self.opt.step(lr, clip_coef, rows=self.next_rows(step) if self.opt.row_name else None)
-            if self.zero:
-                from npu_train.runtime.replicas import broadcast_weights
+            return {"device_optimizer": 0.0, "host_optimizer": 0.0, "transfer": 0.0}
+        self.enter(f"step {step + 1} optimizer")
+        if self.fault is not None:
+            self.fault("optimizer")
+        clip_coef = min(1.0, tr.clip / (tot.grad_norm + 1e-6)) if tr.clip > 0 else 1.0
+        ot = self.opt.step(lr, clip_coef, rows=self.next_rows(step) if self.opt.row_name else None)
+        if self.zero:
+            from npu_train.runtime.replicas import broadcast_weights
 
-                ta = time.perf_counter()
-                self.opt.wait_all()  # the owned weights are on the card before they are sent
-                broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, backend,
-                                  self.stage_group)
-                ot["transfer"] += time.perf_counter() - ta
-        t3, c3 = time.perf_counter(), time.process_time()
-        trace = {}
-        if self.runner.trace is not None:  # npu_train.metrics.trace: actions, then the step's phases
-            te = ta_tied + t_tied
-            trace["actions"] = self.runner.trace + [("collectives", -1, t1, t1, t2, t2)] + (
-                [("tied", -1, ta_tied, ta_tied, te, te)] if self.tied is not None else []) + [
-                ("optimizer", -1, t2, t2, t3, t3)]
-        self.ctrl.send("step", step=step + 1, loss=loss, lr=lr, grad_norm=grad_norm, tokens=int(red[2]),
-                       skipped=not finite,
-                       time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
-                       # wait_s split: waits for a neighbour's activation / gradient inside the
-                       # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
-                       # all-reduce, grad norm + loss all-reduce, including the wait for the slowest stage)
-                       bubble_s=res["wait_s"], collective_s=t2 - t1, tied_s=t_tied,
-                       send_s=res["send_s"],  # optimizer_s: with the previous step's rest of the embedding update
-                       optimizer_s=ot["device_optimizer"] + ot["host_optimizer"] + res["deferred_opt_s"],
-                       host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
-                       mem_peak=backend.max_memory_allocated(), mem_now=backend.memory_allocated(),
-                       compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
-                       marks=[t0, t1, t2],
-                       # CPU seconds of this process (all threads) in the step and in its three phases
-                       # (schedule, collectives, optimizer): the work done, independent of waits and of
-                       # other processes competing for the cores
-                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **trace, **backend.step_stats())
-        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": int(red[2]), "interrupted": bool(red[3] > 0)}
+            ta = time.perf_counter()
+            self.opt.wait_all()  # the owned weights are on the card before they are sent
+            broadcast_weights(self.params, self.owners, self.replica, self.stage_ranks, self.backend,
+                              self.stage_group)
+            ot["transfer"] += time.perf_counter() - ta
+        return ot
 
-    def after_first_forward(self) -> None:
-        """After the first stage's first forward of a step (StageRunner.after_first_forward, which times it):
-        the rest of the previous step's embedding update (optim.rowsfirst), then the embedding's zeroed
-        gradient buffer (StageModule.sparse_embed_grad: rows are added into it)."""
-        self.opt.finish_rows()
-        if self.sparse_embed:
-            emb = self.params["model.embed_tokens.weight"]
-            emb.grad = torch.zeros_like(emb)
+    def zero_embed_grad(self) -> None:
+        """A first-forward-sent hook (:mod:`npu_train.optim.hooks`): the embedding's zeroed gradient
+        buffer (StageModule.sparse_embed_grad: rows are added into it)."""
+        emb = self.params["model.embed_tokens.weight"]
+        emb.grad = torch.zeros_like(emb)
 
     def next_rows(self, step: int) -> Optional[torch.Tensor]:
         """The embedding rows 0-based step ``step + 1`` looks up (None after the last step)."""
