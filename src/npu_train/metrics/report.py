@@ -120,6 +120,54 @@ def _busy(rep: dict) -> float:
     return rep["compute_s"] + rep["optimizer_s"] + rep["transfer_s"] + rep["send_s"]
 
 
+def merged_record(reports: list[dict]) -> dict:
+    """One step's ``metrics.jsonl`` record from the cards' reports (list indexed by rank): the loss and
+    norms of the last stage (every rank holds the reduced values), the times of the slowest card, and
+    every card's view of memory and time."""
+    r0 = reports[-1]
+    wall = max(r["time_s"] for r in reports)
+    slow = max(reports, key=lambda r: r["time_s"])
+    tokens = int(r0["tokens"])
+    return {
+        "step": int(r0["step"]), "loss": r0["loss"], "lr": r0["lr"], "grad_norm": r0["grad_norm"],
+        "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "step_s": wall,
+        "compute_s": slow["compute_s"], "optimizer_s": slow["optimizer_s"],
+        "transfer_s": slow["transfer_s"] + slow["send_s"],
+        "idle_s": max(0.0, wall - _busy(slow)),
+        "idle_share": max(0.0, 1.0 - sum(_busy(r) for r in reports) / (len(reports) * wall)) if wall > 0 else 0.0,
+        "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
+        **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
+        # every card's view (list indexed by rank): which stage computes longest, which waits
+        **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s",
+                                                          "cpu_s", "cpu_phases_s")
+           if all(k in r for r in reports)},
+        "time": time.time(),
+    }
+
+
+def device_fields(reports: list[dict]) -> dict:
+    """The record's optional per-device fields: RNGD graph compilation (warm-up, first step) and
+    CPU-fallback ops, the card's free memory (``runtime.furiosa.probe_free``), the offloaded layers'
+    host update timeline."""
+    rec = {}
+    for key, merge in (("compile_s", max), ("cpu_fallbacks", sum), ("compiles", sum)):
+        vals = [r[key] for r in reports if key in r]
+        if vals:
+            rec[key] = merge(vals)
+    if any("card_free" in r for r in reports):
+        rec["card_free_bytes"] = [int(r.get("card_free", -1)) for r in reports]
+        rec["mem_quiet_bytes"] = [int(r.get("mem_quiet", -1)) for r in reports]
+    if any((r.get("host") or {}).get("timeline") for r in reports):
+        # offloaded layers: the previous step's host update per card (npu_train.optim.offload
+        # HostUpdater.take_stats) and this step's marks [start, backward end, clip known]
+        # (time.perf_counter s); host_hidden: share of the host update hidden behind other work
+        rec["host_overlap_s"] = [float((r.get("host") or {}).get("overlap_s", 0.0)) for r in reports]
+        rec["host_hidden"] = [float((r.get("host") or {}).get("hidden", 0.0)) for r in reports]
+        rec["host"] = [r.get("host") for r in reports]
+        rec["marks"] = [r.get("marks") for r in reports]
+    return rec
+
+
 class Reporter:
     """Collects per-step reports of all cards; writes ``metrics.jsonl``, TensorBoard and a summary.
 
@@ -191,57 +239,39 @@ class Reporter:
 
     def step(self, reports: list[dict]) -> dict:
         """Merge the reports of all cards for one step (list indexed by rank) and print the line."""
-        r0 = reports[-1]  # the last stage computed the loss; all ranks hold the reduced values
-        step = int(r0["step"])
-        wall = max(r["time_s"] for r in reports)
-        slow = max(reports, key=lambda r: r["time_s"])
-        tokens = int(r0["tokens"])
-        rec = {
-            "step": step, "loss": r0["loss"], "lr": r0["lr"], "grad_norm": r0["grad_norm"],
-            "tokens": tokens, "tokens_per_s": tokens / wall if wall > 0 else 0.0, "step_s": wall,
-            "compute_s": slow["compute_s"], "optimizer_s": slow["optimizer_s"],
-            "transfer_s": slow["transfer_s"] + slow["send_s"],
-            "idle_s": max(0.0, wall - _busy(slow)),
-            "idle_share": max(0.0, 1.0 - sum(_busy(r) for r in reports) / (len(reports) * wall)) if wall > 0 else 0.0,
-            "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
-            **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
-            # every card's view (list indexed by rank): which stage computes longest, which waits
-            **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s",
-                                                              "cpu_s", "cpu_phases_s")
-               if all(k in r for r in reports)},
-            "time": time.time(),
-        }
-        if any(r.get("actions") for r in reports):  # runtime.trace: <run dir>/trace.json
-            if self.trace is None:
-                from npu_train.metrics.trace import TraceWriter
-
-                self.trace = TraceWriter(os.path.join(self.run_dir, "trace.json"),
-                                         [int(r.get("rank", i)) for i, r in enumerate(reports)])
-            self.trace.step(step, [r.get("actions") for r in reports])
+        rec = merged_record(reports)
+        step, wall = rec["step"], rec["step_s"]
+        self._trace_step(step, reports)
         skipped = any(bool(r.get("skipped")) for r in reports)
         if skipped:
             rec["skipped"] = True
             self.skipped += 1
         if self.pred_mem:
             rec["mem_pred_bytes"] = list(self.pred_mem)
-        # RNGD: graph compilation before the step (warm-up, first step only) and CPU-fallback ops
-        for key, merge in (("compile_s", max), ("cpu_fallbacks", sum), ("compiles", sum)):
-            vals = [r[key] for r in reports if key in r]
-            if vals:
-                rec[key] = merge(vals)
-        if any("card_free" in r for r in reports):  # runtime.furiosa.probe_free (memory calibration)
-            rec["card_free_bytes"] = [int(r.get("card_free", -1)) for r in reports]
-            rec["mem_quiet_bytes"] = [int(r.get("mem_quiet", -1)) for r in reports]
-        if any((r.get("host") or {}).get("timeline") for r in reports):
-            # offloaded layers: the previous step's host update per card (npu_train.optim.offload
-            # HostUpdater.take_stats) and this step's marks [start, backward end, clip known]
-            # (time.perf_counter s); host_hidden: share of the host update hidden behind other work
-            rec["host_overlap_s"] = [float((r.get("host") or {}).get("overlap_s", 0.0)) for r in reports]
-            rec["host_hidden"] = [float((r.get("host") or {}).get("hidden", 0.0)) for r in reports]
-            rec["host"] = [r.get("host") for r in reports]
-            rec["marks"] = [r.get("marks") for r in reports]
+        rec.update(device_fields(reports))
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
+        self._track(rec, step, wall)
+        self.jsonl.write(dumps(rec) + "\n")
+        self.jsonl.flush()
+        self._tensorboard(rec, step)
+        self.note(self._line(rec, step, wall, skipped))
+        return rec
+
+    def _trace_step(self, step: int, reports: list[dict]) -> None:
+        """``runtime.trace``: the step's actions of every card into ``<run dir>/trace.json``."""
+        if not any(r.get("actions") for r in reports):
+            return
+        if self.trace is None:
+            from npu_train.metrics.trace import TraceWriter
+
+            self.trace = TraceWriter(os.path.join(self.run_dir, "trace.json"),
+                                     [int(r.get("rank", i)) for i, r in enumerate(reports)])
+        self.trace.step(step, [r.get("actions") for r in reports])
+
+    def _track(self, rec: dict, step: int, wall: float) -> None:
+        """The run's running figures: losses (plot, EMA: ``loss_smoothed``), mean step time and
+        throughput, ETA (``eta_s``), peak memory per card."""
         if math.isfinite(float(rec["loss"])):
             self.losses.append((step, float(rec["loss"])))
             self._fold(float(rec["loss"]))
@@ -257,14 +287,18 @@ class Reporter:
         mean_s = self._sum_step_s / (self._n - 1) if self._n > 1 else wall
         rec["eta_s"] = max(0, self.total - step) * mean_s
         self._peak = [max(a, b) for a, b in zip(self._peak, rec["mem_peak_bytes"])] or list(rec["mem_peak_bytes"])
-        self.jsonl.write(dumps(rec) + "\n")
-        self.jsonl.flush()
-        if self.tb is not None:
-            for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
-                if math.isfinite(float(rec[k])):
-                    self.tb.add_scalar(f"train/{k}", rec[k], step)
-            for i, m in enumerate(rec["mem_peak_bytes"]):
-                self.tb.add_scalar(f"memory/card{i}_peak_gib", m / GIB, step)
+
+    def _tensorboard(self, rec: dict, step: int) -> None:
+        if self.tb is None:
+            return
+        for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
+            if math.isfinite(float(rec[k])):
+                self.tb.add_scalar(f"train/{k}", rec[k], step)
+        for i, m in enumerate(rec["mem_peak_bytes"]):
+            self.tb.add_scalar(f"memory/card{i}_peak_gib", m / GIB, step)
+
+    def _line(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
+        """The progress line of one step."""
         mem = "/".join(f"{m / GIB:.2f}" for m in rec["mem_peak_bytes"])
         pred = ""
         if self.pred_mem:
@@ -272,14 +306,13 @@ class Reporter:
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
         avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
-        self.note(f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
-                  f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
-                  f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
-                  f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
-                  + (f" | compiled before the step in {rec['compile_s']:.1f} s" if rec.get("compile_s") else "")
-                  + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else "")
-                  + (" | SKIPPED: non-finite loss or grad norm, no update (train.nonfinite=skip)" if skipped else ""))
-        return rec
+        return (f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
+                f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
+                f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
+                f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
+                + (f" | compiled before the step in {rec['compile_s']:.1f} s" if rec.get("compile_s") else "")
+                + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else "")
+                + (" | SKIPPED: non-finite loss or grad norm, no update (train.nonfinite=skip)" if skipped else ""))
 
     def eval(self, step: int, val_loss: float, tokens: int) -> None:
         """Record a held-out evaluation (mean token cross-entropy in nats) after ``step`` optimizer steps."""
