@@ -258,7 +258,20 @@ def _positive(name: str, v, fix: str = "") -> None:
 
 def validate(cfg) -> None:
     """Check value ranges that OmegaConf's types cannot express. Raises :class:`ConfigError`."""
-    t, d = cfg.train, cfg.data
+    _check_shape(cfg.train, cfg.data)
+    if cfg.train.mode == "lora":
+        _check_lora(cfg.lora)
+    _check_modes(cfg.train)
+    _check_optimizer(cfg.train)
+    _check_checkpoint(cfg)
+    _check_runtime(cfg)
+    par = cfg.get("parallel") if hasattr(cfg, "get") else getattr(cfg, "parallel", None)
+    if par is not None:
+        _check_parallel(par)
+
+
+def _check_shape(t, d) -> None:
+    """Steps, batch shape, held-out split, dtype and mode (``train``, ``data``)."""
     _positive("train.steps", t.steps)
     _positive("train.micro_batch", t.micro_batch)
     _positive("train.accum", t.accum, " (gradient-accumulation steps = micro-batches per optimizer step; use train.accum=1 for none)")
@@ -270,14 +283,19 @@ def validate(cfg) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
     if t.mode not in ("full", "lora"):
         raise ConfigError(f"train.mode={t.mode!r}: use full or lora")
-    if t.mode == "lora":
-        lo = cfg.lora
-        if lo.rank < 1 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
-            raise ConfigError(f"LoRA settings out of range (lora.rank={lo.rank}, lora.alpha={lo.alpha}, "
-                              f"lora.dropout={lo.dropout}): need rank >= 1, alpha > 0, 0 <= dropout < 1")
-        bad = [x for x in lo.targets if x not in LORA_TARGETS]
-        if bad or not lo.targets:
-            raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}")
+
+
+def _check_lora(lo) -> None:
+    if lo.rank < 1 or lo.alpha <= 0 or not 0.0 <= lo.dropout < 1.0:
+        raise ConfigError(f"LoRA settings out of range (lora.rank={lo.rank}, lora.alpha={lo.alpha}, "
+                          f"lora.dropout={lo.dropout}): need rank >= 1, alpha > 0, 0 <= dropout < 1")
+    bad = [x for x in lo.targets if x not in LORA_TARGETS]
+    if bad or not lo.targets:
+        raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}")
+
+
+def _check_modes(t) -> None:
+    """Schedule, resume, gradient accumulation, offload update and non-finite handling (``train``)."""
     if t.schedule not in ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
         raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b, gpipe, zb, zb-h1 or zb-h2")
     if t.schedule in ("zb", "zb-h1", "zb-h2") and t.recompute:
@@ -298,6 +316,10 @@ def validate(cfg) -> None:
                           "train.offload_update=sync with train.resume=auto")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
+
+
+def _check_optimizer(t) -> None:
+    """Learning rate, its schedule, clipping and AdamW (``train``)."""
     if t.lr <= 0:
         raise ConfigError(f"train.lr={t.lr}: the learning rate must be > 0 (e.g. train.lr=1e-4)")
     for key in ("clip", "warmup_steps", "save_every"):
@@ -311,6 +333,11 @@ def validate(cfg) -> None:
                           "weight_decay >= 0")
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1] (final LR = lr * min_lr_ratio)")
+
+
+def _check_checkpoint(cfg) -> None:
+    """Evaluation and checkpoint cadence (``data``, ``checkpoint``, ``train.save_every`` / ``stop_after``)."""
+    t, d = cfg.train, cfg.data
     if d.eval_every < 0 or d.eval_batches < 0 or cfg.checkpoint.keep < 0:
         raise ConfigError("data.eval_every, data.eval_batches and checkpoint.keep must be >= 0 (0 = off / keep all)")
     if not cfg.checkpoint.save:
@@ -320,6 +347,10 @@ def validate(cfg) -> None:
                                   f"drop train.{key} (or set it to 0), or use checkpoint.save=true")
     if cfg.checkpoint.existing not in ("refuse", "set_aside"):
         raise ConfigError(f"checkpoint.existing={cfg.checkpoint.existing!r}: use refuse or set_aside")
+
+
+def _check_runtime(cfg) -> None:
+    """Transport, liveness, placement and RNGD settings (``runtime``, ``placement``)."""
     if cfg.runtime.transport not in ("shm", "inline"):
         raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
     if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:
@@ -337,15 +368,16 @@ def validate(cfg) -> None:
                           "(0 = furiosa-torch's default)")
     if fur.accounting not in ("dispatch", "uploads"):
         raise ConfigError(f"runtime.furiosa.accounting={fur.accounting!r}: use dispatch or uploads")
-    par = cfg.get("parallel") if hasattr(cfg, "get") else getattr(cfg, "parallel", None)
-    if par is not None:
-        _positive("parallel.dp", par.dp, " (data-parallel replicas of the pipeline; 1 = none)")
-        if par.zero not in (0, 1):
-            raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "
-                              "sharded across the replicas)")
-        if par.zero == 1 and par.dp == 1:
-            raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across "
-                              "replicas): raise parallel.dp or use parallel.zero=0")
+
+
+def _check_parallel(par) -> None:
+    _positive("parallel.dp", par.dp, " (data-parallel replicas of the pipeline; 1 = none)")
+    if par.zero not in (0, 1):
+        raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "
+                          "sharded across the replicas)")
+    if par.zero == 1 and par.dp == 1:
+        raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across "
+                          "replicas): raise parallel.dp or use parallel.zero=0")
 
 
 def check_dp_cards(n_cards: int, dp: int) -> int:
