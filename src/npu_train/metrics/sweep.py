@@ -239,42 +239,21 @@ def collect(sweep_dir: str) -> list[dict]:
     (nats/token, None when not measured), ``tokens_per_s`` (mean over steps after the first),
     ``peak_mem_gib`` (list per card, GiB = 2**30 bytes), ``losses`` (list of (step, loss)).
     """
-    import yaml
-
     rows = []
     for d in _job_dirs(sweep_dir):
-        try:
-            with open(os.path.join(d, ".hydra", "overrides.yaml")) as f:
-                overrides = [str(o) for o in (yaml.safe_load(f) or [])]
-        except (OSError, ValueError):
-            overrides = []
-        hyd = {}
-        try:
-            with open(os.path.join(d, ".hydra", "hydra.yaml")) as f:
-                hyd = yaml.safe_load(f) or {}
-        except (OSError, ValueError):
-            pass
-        num = ((hyd.get("hydra") or {}).get("job") or {}).get("num")
+        overrides, num = _hydra_job(d)
         st = _read_json(os.path.join(d, STATUS_FILE))
         summ = _read_json(os.path.join(d, "summary.json")) or {}
         metrics = _read_jsonl(os.path.join(d, "metrics.jsonl"))
         evals = _read_jsonl(os.path.join(d, "eval.jsonl"))
-        code = st.get("exit_code") if st else None
-        ok = code == 0
-        error = "" if ok else ((st or {}).get("error") or (f"exit status {code}" if st else _error_from_files(d)))
-        error = error[len("error: "):] if error.startswith("error: ") else error
-        stopped = ok and (st or {}).get("stopped_at") is not None
-        if stopped:
-            error = (f"stopped at step {st['stopped_at']} of {st.get('steps', '?')} (train.stop_after); "
-                     + ("resume: 'resume' in status.json" if st.get("resume") else "no checkpoint to resume from"))
+        status, code, error = _outcome(d, st)
         tps = summ.get("mean_tokens_per_s")
         if tps is None and metrics:
             tps = sum(m["tokens_per_s"] for m in metrics) / len(metrics)
         peak = summ.get("peak_mem_bytes") or (metrics[-1].get("mem_peak_bytes") if metrics else None) or []
         rows.append({
             "num": int(num) if num is not None else len(rows), "dir": d, "overrides": overrides,
-            "status": ("stopped" if stopped else "ok") if ok else ("interrupted" if code in (130, 143) else "failed"),
-            "exit_code": code, "error": error,
+            "status": status, "exit_code": code, "error": error,
             "train_loss": summ.get("last_loss", metrics[-1]["loss"] if metrics else None),
             "val_loss": summ.get("last_val_loss", evals[-1]["val_loss"] if evals else None),
             "tokens_per_s": tps, "peak_mem_gib": [p / GIB for p in peak],
@@ -282,6 +261,38 @@ def collect(sweep_dir: str) -> list[dict]:
         })
     rows.sort(key=lambda r: r["num"])
     return rows
+
+
+def _hydra_job(job_dir: str) -> tuple[list[str], Optional[int]]:
+    """A job directory's Hydra overrides and job number (None when Hydra did not record one)."""
+    import yaml
+
+    try:
+        with open(os.path.join(job_dir, ".hydra", "overrides.yaml")) as f:
+            overrides = [str(o) for o in (yaml.safe_load(f) or [])]
+    except (OSError, ValueError):
+        overrides = []
+    hyd = {}
+    try:
+        with open(os.path.join(job_dir, ".hydra", "hydra.yaml")) as f:
+            hyd = yaml.safe_load(f) or {}
+    except (OSError, ValueError):
+        pass
+    return overrides, ((hyd.get("hydra") or {}).get("job") or {}).get("num")
+
+
+def _outcome(job_dir: str, st: Optional[dict]) -> tuple[str, Optional[int], str]:
+    """``(status, exit code, error line)`` of a job from its ``status.json`` ``st`` (None: none written)."""
+    code = st.get("exit_code") if st else None
+    ok = code == 0
+    error = "" if ok else ((st or {}).get("error") or (f"exit status {code}" if st else _error_from_files(job_dir)))
+    error = error[len("error: "):] if error.startswith("error: ") else error
+    stopped = ok and (st or {}).get("stopped_at") is not None
+    if stopped:
+        error = (f"stopped at step {st['stopped_at']} of {st.get('steps', '?')} (train.stop_after); "
+                 + ("resume: 'resume' in status.json" if st.get("resume") else "no checkpoint to resume from"))
+    status = ("stopped" if stopped else "ok") if ok else ("interrupted" if code in (130, 143) else "failed")
+    return status, code, error
 
 
 def swept_overrides(rows: list[dict]) -> list[list[str]]:
