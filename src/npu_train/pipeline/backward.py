@@ -157,6 +157,29 @@ def _backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], i
         if p.requires_grad:
             params_by_node[get_gradient_edge(p).node] = p
 
+    x_dep = _input_dependent(children, x_node)
+    groups = _boundary_groups(children, x_dep, params_by_node)
+    if root not in x_dep:  # the output does not depend on the input: nothing to split
+        output.backward(grad_output)
+        return torch.zeros_like(inp), WeightGradWork([], {})
+    recorded: dict = {}
+    handles = []
+    for n in [n for nodes, _ in groups.values() for n in nodes]:  # the boundary nodes
+        handles.append(n.register_prehook(lambda go, n=n: recorded.__setitem__(n, go)))
+    try:
+        (dx,) = torch.autograd.grad(output, [inp], grad_output, retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    if dx is None:
+        dx = torch.zeros_like(inp)
+    work = WeightGradWork([(nodes, {n: recorded.get(n) for n in nodes}, list(ps)) for nodes, ps in groups.values()],
+                          params_by_node)
+    return dx, work
+
+
+def _input_dependent(children: dict, x_node) -> set:
+    """The nodes of the graph ``children`` from which the input's accumulator ``x_node`` is reachable."""
     parents: dict = {}
     for n, kids in children.items():
         for c in kids:
@@ -170,7 +193,12 @@ def _backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], i
             continue
         x_dep.add(n)
         stack.extend(parents.get(n, ()))
+    return x_dep
 
+
+def _boundary_groups(children: dict, x_dep: set, params_by_node: dict) -> dict:
+    """``{group id: (boundary nodes, parameter nodes)}``: the input-dependent nodes with an edge into a
+    weight-only subgraph, grouped so that boundary nodes sharing a parameter are in one group."""
     reach: dict = {}
 
     def params_below(n) -> frozenset:  # parameters reachable from a non-input-dependent node
@@ -208,20 +236,4 @@ def _backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], i
         groups[gid] = (nodes, pset)
         for p in pset:
             owner[p] = gid
-    if root not in x_dep:  # the output does not depend on the input: nothing to split
-        output.backward(grad_output)
-        return torch.zeros_like(inp), WeightGradWork([], {})
-    recorded: dict = {}
-    handles = []
-    for n in boundary:
-        handles.append(n.register_prehook(lambda go, n=n: recorded.__setitem__(n, go)))
-    try:
-        (dx,) = torch.autograd.grad(output, [inp], grad_output, retain_graph=True, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
-    if dx is None:
-        dx = torch.zeros_like(inp)
-    work = WeightGradWork([(nodes, {n: recorded.get(n) for n in nodes}, list(ps)) for nodes, ps in groups.values()],
-                          params_by_node)
-    return dx, work
+    return groups

@@ -211,37 +211,41 @@ def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = 
         raise ValueError(f"slots must be >= 1 or None, got {slots}")
     ticks = 0
     while any(pos[s] < len(scheds[s]) for s in range(P)):
-        finished = []
-        for s in range(P):
-            if pos[s] >= len(scheds[s]):
-                continue
-            a = scheds[s][pos[s]]
-            if a.kind == "F":
-                ready = (s == 0 or a.micro in done["F"][s - 1]) and (s == P - 1 or act_link[s] < cap)
-            elif a.kind == "B":
-                ready = (a.micro in done["F"][s] and (s == P - 1 or a.micro in done["B"][s + 1])
-                         and (s == 0 or grad_link[s] < cap))
-            else:
-                ready = a.micro in done["B"][s]
-            if ready:
-                finished.append((s, a))
+        finished = [(s, scheds[s][pos[s]]) for s in range(P) if pos[s] < len(scheds[s])
+                    and _can_start(scheds[s][pos[s]], s, P, done, act_link, grad_link, cap)]
         if not finished:
             raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}, slots={slots} at {pos}")
         for s, a in finished:
             done[a.kind][s].add(a.micro)
             pos[s] += 1
-            if a.kind == "F":
-                if s > 0:
-                    act_link[s - 1] -= 1
-                if s < P - 1:
-                    act_link[s] += 1
-            elif a.kind == "B":
-                if s < P - 1:
-                    grad_link[s + 1] -= 1
-                if s > 0:
-                    grad_link[s] += 1
+            _move_tensors(a, s, P, act_link, grad_link)
         ticks += 1
     return ticks
+
+
+def _can_start(a: Action, s: int, P: int, done: dict, act_link: list, grad_link: list, cap: float) -> bool:
+    """Whether stage ``s`` can run action ``a`` now (:func:`simulate`): its input has arrived and its
+    outgoing link has a free slot."""
+    if a.kind == "F":
+        return (s == 0 or a.micro in done["F"][s - 1]) and (s == P - 1 or act_link[s] < cap)
+    if a.kind == "B":
+        return (a.micro in done["F"][s] and (s == P - 1 or a.micro in done["B"][s + 1])
+                and (s == 0 or grad_link[s] < cap))
+    return a.micro in done["B"][s]
+
+
+def _move_tensors(a: Action, s: int, P: int, act_link: list, grad_link: list) -> None:
+    """The link counts after stage ``s`` ran ``a``: its input received, its output sent."""
+    if a.kind == "F":
+        if s > 0:
+            act_link[s - 1] -= 1
+        if s < P - 1:
+            act_link[s] += 1
+    elif a.kind == "B":
+        if s < P - 1:
+            grad_link[s + 1] -= 1
+        if s > 0:
+            grad_link[s] += 1
 
 
 def _per_stage(v: Durations, P: int, name: str) -> list[float]:
