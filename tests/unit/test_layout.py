@@ -43,10 +43,6 @@ COMPLEX = {
     "planner/report.py::rate_sources": "being rebuilt on branch plan",
     "planner/rates.py::load_rates": "being rebuilt on branch calib (figures: assumed / calibrated / fitted)",
     "planner/calibration.py::calibrate": "being rebuilt on branch calib (the calibrate/ package)",
-    "runtime/coordinator.py::Coordinator._check_failures": "being rebuilt on branch ckpt (checkpoint publish "
-                                                           "and failure handling)",
-    "runtime/coordinator.py::Coordinator._handle": "being rebuilt on branch ckpt (checkpoint publish and "
-                                                   "failure handling)",
 }
 
 

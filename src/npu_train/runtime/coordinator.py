@@ -234,7 +234,23 @@ class Coordinator:
             # drain pending messages first: an error report explains an exit better than its status
             while poller.poll(50):
                 self._handle(self.sock.recv_multipart())
-        primary = []  # died without a report (signal, silent exit) or hung: a root cause
+        primary = self._unreported_causes(codes, now)
+        if primary:
+            self._fail(*primary[0])
+        reported = sorted((rs for rs in self.ranks if rs.error is not None), key=lambda r: r.error_at)
+        if reported:
+            settled = all(rs.error is not None or codes[rs.rank] is not None for rs in self.ranks)
+            if self.link is None:
+                due = settled or now - reported[0].error_at >= self.ERROR_GRACE_S
+            else:  # another node may know the root cause (a card killed there breaks our collectives)
+                due = now - reported[0].error_at >= self.REMOTE_GRACE_S and not self.link.quiet_peers(now)
+            if due:
+                self._fail(reported[0], reported[0].error)
+
+    def _unreported_causes(self, codes: dict, now: float) -> list:
+        """``[(rank state, cause)]`` of the card processes that died without a report (signal, silent
+        exit) or hung: root causes, before any reported error."""
+        primary = []
         for rs in self.ranks:
             code = codes[rs.rank]
             if code is not None and not (rs.done and code == 0) and rs.error is None:
@@ -250,17 +266,7 @@ class Coordinator:
                 primary.append((rs, f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
                                     f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} "
                                     f"hung or stopped)"))
-        if primary:
-            self._fail(*primary[0])
-        reported = sorted((rs for rs in self.ranks if rs.error is not None), key=lambda r: r.error_at)
-        if reported:
-            settled = all(rs.error is not None or codes[rs.rank] is not None for rs in self.ranks)
-            if self.link is None:
-                due = settled or now - reported[0].error_at >= self.ERROR_GRACE_S
-            else:  # another node may know the root cause (a card killed there breaks our collectives)
-                due = now - reported[0].error_at >= self.REMOTE_GRACE_S and not self.link.quiet_peers(now)
-            if due:
-                self._fail(reported[0], reported[0].error)
+        return primary
 
     def _handle_interrupt(self, now: float) -> None:
         started = all(rs.ready for rs in self.ranks)
@@ -276,10 +282,9 @@ class Coordinator:
         # no fixed limit on finishing the step and saving: the heartbeat check ends a hung job,
         # and a second signal aborts at once
 
-    def _send(self, rank: int, msg: dict) -> None:
-        self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
-
-    def _handle(self, frames: list[bytes]) -> None:
+    def _authenticated(self, frames: list[bytes]):
+        """The message of ``frames`` (a dict) if it carries this job's token and a known rank, else None
+        (counted in :attr:`rejected`)."""
         try:
             # never unpickled: msgpack only, and a size limit keeps strangers from exhausting memory
             if len(frames) != 2 or len(frames[-1]) > 1 << 20:
@@ -295,6 +300,15 @@ class Coordinator:
             if self.rejected <= 20 or self.rejected % 1000 == 0:
                 log.warning("coordinator: ignored a message from an unauthenticated peer "
                             "(%d so far; wrong or missing job token, or not msgpack)", self.rejected)
+            return None
+        return msg
+
+    def _send(self, rank: int, msg: dict) -> None:
+        self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
+
+    def _handle(self, frames: list[bytes]) -> None:
+        msg = self._authenticated(frames)
+        if msg is None:
             return
         rs = self.by_rank[int(msg["rank"])]
         rs.last_seen = time.monotonic()
