@@ -1,21 +1,8 @@
-"""LoRA adapters (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022).
+"""LoRA adapters (Hu et al., ICLR 2022): ``y = x W^T + (alpha / r) * dropout(x) A^T B^T``.
 
-A target linear layer ``y = x W^T`` (``W`` [out, in], frozen) becomes
-
-    y = x W^T + s * dropout(x) A^T B^T,      s = alpha / r,
-
-with trainable ``A`` [r, in] and ``B`` [r -> out] = [out, r]; ``B`` starts at zero so the adapted model
-equals the base model at step 0. This is the layout and arithmetic of PEFT's ``LoraLayer`` (``lora_A``,
-``lora_B``, ``scaling = lora_alpha / r``, Kaiming-uniform ``A`` with ``a = sqrt(5)``, zero ``B``), so an
-adapter saved by :func:`peft_state_dict` loads into ``peft`` unchanged.
-
-Parameter names: the frozen base weight keeps its HF name (``model.layers.3.self_attn.q_proj.weight``)
-and the adapters are ``...q_proj.lora_A.weight`` / ``...q_proj.lora_B.weight``; PEFT's file prefixes
-them with ``base_model.model.``.
-
-The initial ``A`` of each adapter is drawn from a generator seeded by ``(seed, HF name)``, so the
-initial adapters do not depend on how the layers are split across cards.
-"""
+``W`` [out, in] frozen, ``A`` [r, in] Kaiming-uniform, ``B`` [out, r] zero: PEFT's ``LoraLayer`` layout and
+init, so :func:`peft_state_dict` loads into ``peft``. Adapter names: ``<linear>.lora_A.weight`` /
+``.lora_B.weight``. ``A`` is seeded by ``(seed, HF name)``, independent of the split across cards."""
 from __future__ import annotations
 
 import hashlib
@@ -95,10 +82,7 @@ def apply_lora(module: nn.Module, spec: LoraSpec, seed: int) -> dict[str, torch.
     """Replace the target linears of every decoder layer of ``module`` (a ``StageModule``) by
     :class:`LoraLinear` and freeze every other parameter.
 
-    Returns the fp32 initial values ``{hf_name: tensor}`` of the new adapter parameters (their masters);
-    the adapters on the module hold the same values cast to the module's dtype.
-    Raises ``ValueError`` for an unknown target name.
-    """
+    Returns the fp32 initial adapters ``{hf_name: tensor}``. Raises ``ValueError`` for an unknown target."""
     bad = [t for t in spec.targets if t not in ALL_TARGETS]
     if bad:
         raise ValueError(f"unknown LoRA target(s) {bad}: use a subset of {list(ALL_TARGETS)}")
