@@ -95,8 +95,7 @@ def parse_backend_list(value) -> list[CardRequest]:
     """Parse the backend list (list of strings, OmegaConf ListConfig, or ``"a,b,c"``).
 
     Raises :class:`BackendSpecError` for an empty list, an unknown kind, a malformed entry or the
-    same explicit device named twice.
-    """
+    same explicit device named twice."""
     reqs = [_parse_entry(e) for e in _as_entries(value)]
     seen: dict[tuple[str, int], tuple[int, str]] = {}
     for pos, r in enumerate(reqs, 1):

@@ -245,8 +245,7 @@ def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
     """Undo llama.cpp ``permute(w, n_head)`` on a q/k projection [rows, cols].
 
     llama.cpp: ``w.reshape(n_head, 2, rows//n_head//2, cols).swapaxes(1, 2)`` (rotate-half ->
-    interleaved pairs); inverse: ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)``.
-    """
+    interleaved pairs); inverse: ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)``."""
     rows, cols = w.shape
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 

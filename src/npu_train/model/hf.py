@@ -23,8 +23,7 @@ def hf_config(d: str) -> LlamaConfig:
     """The :class:`LlamaConfig` of the HF directory ``d`` (its ``config.json``).
 
     Raises :class:`ModelFormatError` for a missing/invalid config.json, a non-Llama
-    architecture, missing required keys and unsupported features (biases, non-SiLU, RoPE type).
-    """
+    architecture, missing required keys and unsupported features (biases, non-SiLU, RoPE type)."""
     cfg_path = os.path.join(d, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(d) if f.lower().endswith(".gguf"))
@@ -189,8 +188,7 @@ def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
 
     Returns ``{name: fp32 contiguous CPU tensor}``. Raises :class:`ModelFormatError` for a
     missing tensor or shard, a wrong shape (:func:`safetensors_walk`), or a non-finite value
-    (naming the tensor).
-    """
+    (naming the tensor)."""
     out: dict[str, torch.Tensor] = {}
     for name, src, fp, f in safetensors_walk(d, wanted):
         t = f.get_tensor(src).to(torch.float32).contiguous()

@@ -39,8 +39,7 @@ class RMSNorm(nn.Module):
 
     ``y = weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``; the statistics are computed
     in fp32 whatever the input dtype.  ``weight``: [hidden], initialised to ones.
-    Input/output: [..., hidden], output dtype = promote(weight.dtype, x.dtype) as in HF.
-    """
+    Input/output: [..., hidden], output dtype = promote(weight.dtype, x.dtype) as in HF."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -128,8 +127,7 @@ class Attention(nn.Module):
     """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases).
 
     Submodules ``q_proj`` [heads*D, H], ``k_proj``/``v_proj`` [kv_heads*D, H],
-    ``o_proj`` [H, heads*D].  ``forward(h [B,S,H], cos, sin [S,D]) -> [B,S,H]``.
-    """
+    ``o_proj`` [H, heads*D].  ``forward(h [B,S,H], cos, sin [S,D]) -> [B,S,H]``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()

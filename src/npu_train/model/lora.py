@@ -42,8 +42,7 @@ class LoraSpec:
 class LoraLinear(nn.Module):
     """A frozen ``nn.Linear`` (no bias) plus a LoRA adapter. ``forward(x [..., in]) -> [..., out]``.
 
-    Attributes ``weight`` (frozen, ``requires_grad=False``), ``lora_A.weight`` [r, in], ``lora_B.weight`` [out, r].
-    """
+    Attributes ``weight`` (frozen, ``requires_grad=False``), ``lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]."""
 
     def __init__(self, base: nn.Linear, spec: LoraSpec):
         super().__init__()
