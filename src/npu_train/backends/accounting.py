@@ -59,7 +59,6 @@ class StorageLedger:
             self.bytes -= self._live.pop(key, 0)
 
     def reset_peak(self) -> None:
-        """Restart the peak at the current bytes."""
         with self._lock:
             self.peak = self.bytes
 

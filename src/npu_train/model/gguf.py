@@ -242,10 +242,8 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
-    """Undo llama.cpp ``permute(w, n_head)`` on a q/k projection [rows, cols].
-
-    llama.cpp: ``w.reshape(n_head, 2, rows//n_head//2, cols).swapaxes(1, 2)`` (rotate-half ->
-    interleaved pairs); inverse: ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)``."""
+    """Undo llama.cpp's ``permute(w, n_head)`` on a q/k projection [rows, cols]:
+    ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)`` (interleaved pairs -> rotate-half)."""
     rows, cols = w.shape
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 

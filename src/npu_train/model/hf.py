@@ -20,10 +20,8 @@ _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 
 
 def hf_config(d: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` of the HF directory ``d`` (its ``config.json``).
-
-    Raises :class:`ModelFormatError` for a missing/invalid config.json, a non-Llama
-    architecture, missing required keys and unsupported features (biases, non-SiLU, RoPE type)."""
+    """The :class:`LlamaConfig` of the HF directory ``d``; :class:`ModelFormatError` for a missing or invalid
+    config.json, a non-Llama architecture, missing keys or unsupported features."""
     cfg_path = os.path.join(d, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(d) if f.lower().endswith(".gguf"))
@@ -184,11 +182,8 @@ def safetensors_walk(d: str, wanted: dict) -> Iterator[tuple[str, str, str, Any]
 
 
 def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
-    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d``.
-
-    Returns ``{name: fp32 contiguous CPU tensor}``. Raises :class:`ModelFormatError` for a
-    missing tensor or shard, a wrong shape (:func:`safetensors_walk`), or a non-finite value
-    (naming the tensor)."""
+    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d`` as fp32 contiguous CPU
+    tensors; :class:`ModelFormatError` as :func:`safetensors_walk`, or for a non-finite value."""
     out: dict[str, torch.Tensor] = {}
     for name, src, fp, f in safetensors_walk(d, wanted):
         t = f.get_tensor(src).to(torch.float32).contiguous()

@@ -35,11 +35,8 @@ __all__ = [
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (HF ``LlamaRMSNorm``).
-
-    ``y = weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``; the statistics are computed
-    in fp32 whatever the input dtype.  ``weight``: [hidden], initialised to ones.
-    Input/output: [..., hidden], output dtype = promote(weight.dtype, x.dtype) as in HF."""
+    """RMS layer norm (HF ``LlamaRMSNorm``): ``weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``, statistics
+    in fp32. ``weight`` [hidden] (ones); output dtype ``promote(weight.dtype, x.dtype)`` as in HF."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -124,10 +121,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Attention / MLP / decoder layer
 # ----------------------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases).
-
-    Submodules ``q_proj`` [heads*D, H], ``k_proj``/``v_proj`` [kv_heads*D, H],
-    ``o_proj`` [H, heads*D].  ``forward(h [B,S,H], cos, sin [S,D]) -> [B,S,H]``."""
+    """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases): ``q_proj`` [heads*D, H],
+    ``k_proj``/``v_proj`` [kv_heads*D, H], ``o_proj`` [H, heads*D]; ``forward(h [B,S,H], cos, sin [S,D])``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -291,7 +286,6 @@ class StageModule(nn.Module):
                 mod.weight.fill_(1.0)
 
     def param_names(self) -> list[str]:
-        """HF global names of this stage's parameters (``named_parameters()`` order)."""
         return [n for n, _ in self.named_parameters()]
 
     @torch.no_grad()

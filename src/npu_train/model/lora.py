@@ -78,10 +78,8 @@ def init_adapter(name: str, shape_a: tuple, shape_b: tuple, seed: int) -> tuple[
 
 
 def apply_lora(module: nn.Module, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Replace the target linears of every decoder layer of ``module`` (a ``StageModule``) by
-    :class:`LoraLinear` and freeze every other parameter.
-
-    Returns the fp32 initial adapters ``{hf_name: tensor}``. Raises ``ValueError`` for an unknown target."""
+    """Replace the target linears of every decoder layer of ``module`` by :class:`LoraLinear`, freeze the rest;
+    returns the fp32 initial adapters ``{hf_name: tensor}``. ``ValueError`` for an unknown target."""
     bad = [t for t in spec.targets if t not in ALL_TARGETS]
     if bad:
         raise ValueError(f"unknown LoRA target(s) {bad}: use a subset of {list(ALL_TARGETS)}")

@@ -44,9 +44,7 @@ _CACHE_VERSION = "pre-v2"  # bump when the tokenizer built from a GGUF changes
 
 
 def pre_tokenizer_for(pre: str, where: str = "tokenizer"):
-    """The ``tokenizers`` pre-tokenizer for llama.cpp rule ``pre`` (a ``tokenizer.ggml.pre`` value).
-
-    Raises :class:`ModelFormatError` (a ``UserError``) for a rule this loader does not implement."""
+    """The ``tokenizers`` pre-tokenizer for llama.cpp rule ``pre``; :class:`ModelFormatError` if not implemented."""
     from tokenizers import Regex, pre_tokenizers
 
     rule = GGUF_PRE_NAMES.get(str(pre))

@@ -17,10 +17,8 @@ __all__ = ["load_config", "load_tensors", "check_weights"]
 
 
 def load_config(path: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` of the model at ``path`` (HF directory or ``.gguf``).
-
-    Raises ``FileNotFoundError`` or :class:`ModelFormatError` (non-Llama, missing keys, unsupported
-    features, truncated file)."""
+    """The :class:`LlamaConfig` of the model at ``path`` (HF directory or ``.gguf``); raises
+    ``FileNotFoundError`` or :class:`ModelFormatError`."""
     path = os.path.expanduser(path)
     check_exists(path)
     if is_gguf_path(path):
@@ -45,10 +43,8 @@ def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Option
 
 
 def check_weights(model_path: str, cfg: LlamaConfig) -> None:
-    """Check from the file headers only (no tensor data) that the weights hold every parameter of
-    ``cfg`` with the right shape; run before any card process starts.
-
-    Raises :class:`ModelFormatError` naming the tensor, the file and the fix."""
+    """Check from the file headers only that the weights hold every parameter of ``cfg`` with the right
+    shape (before any card process starts); :class:`ModelFormatError` names the tensor, file and fix."""
     names = list(cfg.param_shapes(None))
     for i in range(cfg.num_layers):
         names += list(cfg.param_shapes(i))

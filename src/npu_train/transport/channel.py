@@ -77,7 +77,6 @@ def new_token() -> str:
 
 
 def pack_header(header: Header) -> bytes:
-    """Encode a header dict with msgpack (``use_bin_type=True``)."""
     return msgpack.packb(header, use_bin_type=True)
 
 
@@ -307,7 +306,6 @@ class Mailbox:
 
     @property
     def pending(self) -> int:
-        """Number of received-but-unclaimed (buffered) messages."""
         return len(self._pending)
 
     def _check_open(self) -> None:
@@ -354,7 +352,6 @@ class Outbox:
         self._sock.connect(peer_addr)
 
     def header(self, kind: str, step: int = 0, micro: int = 0, **fields: Any) -> Header:
-        """Build a header dict with this outbox's token and rank."""
         h = {"tok": self.token, "src": self.src_rank, "kind": kind, "step": int(step), "micro": int(micro)}
         h.update(fields)
         return h

@@ -194,7 +194,6 @@ class ShmSegment:
     # -- access ----------------------------------------------------------------------
     @property
     def buf(self) -> memoryview:
-        """Writable ``memoryview`` (format ``B``) over the whole segment."""
         if self._buf is None:
             raise ValueError(f"shared memory segment {self.name!r} is closed")
         return self._buf
@@ -329,7 +328,6 @@ class SlotRing:
 
     @classmethod
     def attach(cls, name: str, slot_bytes: int, n_slots: int) -> "SlotRing":
-        """Attach to the ring created by the peer under ``name``."""
         seg = ShmSegment.attach(name)
         try:
             return cls(seg, slot_bytes, n_slots)
@@ -382,7 +380,6 @@ class SlotRing:
         self.segment.close()
 
     def unlink(self) -> None:
-        """Remove the backing segment's name (owner side)."""
         self.segment.unlink()
 
     def __enter__(self) -> "SlotRing":
