@@ -3,7 +3,8 @@
 :func:`keep_freed_memory` sets glibc's ``M_MMAP_THRESHOLD`` to 1 GiB and ``M_TRIM_THRESHOLD`` to 2 GiB - 1
 (``man 3 mallopt``; what ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do), so the large tensors
 allocated every micro-batch (the ``[V, H]`` head gradient, deferred W gradients) reuse heap pages instead of
-page-faulting fresh ones. Cost: the process keeps its peak heap. Off with ``runtime.keep_host_memory=false``.
+page-faulting fresh ones (main thread only: glibc's per-thread arenas still mmap blocks over 64 MiB).
+Cost: the process keeps its peak heap. Off with ``runtime.keep_host_memory=false``.
 Measurements: experiments/2026-12-01-bench-run6.md, section 1."""
 from __future__ import annotations
 

@@ -27,7 +27,7 @@ def _source_modules() -> set[str]:
 
 def test_every_module_is_in_the_readme_map():
     missing = sorted(_source_modules() - _mapped_modules(_map_text()))
-    assert not missing, f"add a line for each to the README's module map ('- `pkg/mod.py` — what it is for'): {missing}"
+    assert not missing, f"add a line for each to the README's module map ('- `pkg/mod.py` — what for'): {missing}"
 
 
 def test_readme_map_names_only_existing_modules():
