@@ -94,7 +94,8 @@ def row_messages(obj, fmt: str, where: str) -> list[dict]:
 
 def read_rows(spec: str, fmt: str) -> list[tuple[list[dict], str]]:
     """``[(messages, "file:line"), ...]`` of a chat / prompt_completion source in file order: a built-in name
-    (:data:`BUILTIN_CHAT_SOURCES`), a ``.jsonl`` or a directory of them. Raises FileNotFoundError / :class:`DataError`."""
+    (:data:`BUILTIN_CHAT_SOURCES`), a ``.jsonl`` or a directory of them. Raises FileNotFoundError /
+    :class:`DataError`."""
     if spec in BUILTIN_CHAT_SOURCES:
         ref = resources.files("npu_train.data").joinpath("assets", BUILTIN_CHAT_SOURCES[spec])
         with resources.as_file(ref) as p:
