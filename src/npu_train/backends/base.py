@@ -60,11 +60,9 @@ class AllocLock:
 
 
 class Backend(abc.ABC):
-    """One card's device runtime (CPUBackend, CUDABackend, FuriosaBackend).
-
-    ``kind``: ``"cpu"`` / ``"cuda"`` / ``"furiosa"``; ``index``: None for cpu; ``name``: e.g. ``"cuda:0"``;
-    ``memory_flag_thread_local``: None on furiosa before :meth:`setup`; ``memory_accounting``: how
-    :meth:`memory_allocated` is measured (``"rss"``, ``"cuda-caching-allocator"``, ``"tracked"``)."""
+    """One card's device runtime (CPUBackend, CUDABackend, FuriosaBackend): ``kind``, ``index`` (None for cpu),
+    ``name`` (``"cuda:0"``), ``memory_flag_thread_local`` (None on furiosa before :meth:`setup`),
+    ``memory_accounting`` (how :meth:`memory_allocated` is measured)."""
 
     kind: str = ""
     memory_accounting: str = ""

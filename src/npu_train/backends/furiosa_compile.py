@@ -22,12 +22,10 @@ FURIOSA_LOGGER = "furiosa_torch"
 
 @dataclass(frozen=True)
 class FuriosaCompileOptions:
-    """Compile settings of one RNGD card process (``runtime.furiosa.*``).
-
-    ``compiler_cache_dir``: compiler cache root (``""``: furiosa-torch's default); ``loaded_modules``:
-    loaded-module cache size, the plan's ``modules`` term (0: leave furiosa-torch's); ``cpu_fallback``: run
-    uncompilable ops on the host (default off: an error); ``probe_free``: measure free card memory after each
-    step (:func:`probe_free_bytes`); ``compiled_layers``: :mod:`npu_train.backends.furiosa_layer`."""
+    """Compile settings of one RNGD card process (``runtime.furiosa.*``): ``compiler_cache_dir`` (``""``:
+    furiosa-torch's default), ``loaded_modules`` (cache size, the plan's ``modules`` term; 0: furiosa-torch's),
+    ``cpu_fallback`` (default off: an error), ``probe_free`` (:func:`probe_free_bytes` after each step),
+    ``compiled_layers`` (:mod:`npu_train.backends.furiosa_layer`)."""
 
     compiler_cache_dir: str = ""
     loaded_modules: int = 0

@@ -40,11 +40,9 @@ def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
 def summarize(steps: list[list]) -> list[dict]:
     """Where each card's step time goes, mean over ``steps`` (seconds per step).
 
-    Returns per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "collectives_s",
-    "end_wait_s", "optimizer_s", "idle_share"}``: ``step_s`` from the earliest start to the latest end of
-    any card; ``start_wait_s`` before the card's first action is ready (pipeline fill); ``collectives_s``
-    includes waiting for the slowest peer; ``idle_share = 1 - (compute_s + optimizer_s) / step_s``;
-    ``optimizer_s`` includes :data:`DEFERRED` actions."""
+    Per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "collectives_s", "end_wait_s",
+    "optimizer_s", "idle_share"}``; ``start_wait_s`` is the pipeline fill, ``collectives_s`` includes waiting for
+    the slowest peer, ``idle_share = 1 - (compute_s + optimizer_s) / step_s``."""
     if not steps:
         return []
     n_rank = len(steps[0])

@@ -37,10 +37,8 @@ def _accumulates_in_place(grad, weight: torch.Tensor) -> bool:
 
 
 class HeadWeightGrad(torch.autograd.Function):
-    """``HeadWeightGrad.apply(x [..., H], weight [V, H])``: the weight side of ``y = x W^T``.
-
-    Forward: a 0-stride zero of shape ``[..., V]`` (joined by :class:`JoinGrad`). Backward: ``dW [V, H]``,
-    added in place into an existing fp32 ``weight.grad``, which is cleared and handed back to autograd."""
+    """``HeadWeightGrad.apply(x [..., H], weight [V, H])``: the weight side of ``y = x W^T``; forward a 0-stride
+    zero ``[..., V]``, backward adds ``dW`` in place into the fp32 ``weight.grad`` and hands that tensor back."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -75,12 +73,9 @@ class JoinGrad(torch.autograd.Function):
 
 
 class HeadLinear(nn.Linear):
-    """``nn.Linear`` (no bias) for the LM head whose weight gradient accumulates inside the matmul.
-
-    ``forward(x [..., H]) -> [..., V]`` in ``x``'s dtype. With :attr:`fused_grad` set (the trainer sets it
-    on :data:`npu_train.hardware.FUSED_HEAD_KINDS`) and grad mode on, the input and weight sides are
-    separate autograd nodes; otherwise it is ``nn.Linear.forward``. No second-order gradient w.r.t. the
-    weight on the fused path."""
+    """``nn.Linear`` (no bias) for the LM head: ``forward(x [..., H]) -> [..., V]``. With :attr:`fused_grad` (set on
+    :data:`npu_train.hardware.FUSED_HEAD_KINDS`) and grad mode on, the weight gradient accumulates inside the
+    matmul; no second-order gradient w.r.t. the weight then."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
@@ -121,10 +116,8 @@ class _CrossEntropySum(torch.autograd.Function):
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` with a one-pass backward.
-
-    ``logits``: ``[N, V]`` fp32 (others upcast); ``labels``: ``[N]`` int64, :data:`IGNORE_INDEX` skipped.
-    Returns the fp32 summed loss in nats; holds ``[N, V]`` fp32 log-probabilities while the graph lives."""
+    """``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` with a one-pass backward:
+    ``logits`` ``[N, V]`` fp32 (others upcast), ``labels`` ``[N]`` int64; returns the fp32 sum in nats."""
     logits = logits.float()
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -323,10 +323,8 @@ class StageModule(nn.Module):
     def forward(self, x: torch.Tensor, cuts: Optional[list] = None) -> torch.Tensor:
         """``x``: ids ``[b, S]`` int64 or hidden states ``[b, S, H]``; returns hidden states or fp32 logits
         ``[b, S, V]``.
-
-        ``cuts``: a list to cut the autograd graph before every layer (and before the head): each
-        ``(y, leaf)`` pair is appended in forward order, for
-        :func:`npu_train.pipeline.backward.backward_input` to chain the backward per layer."""
+        ``cuts``: a list that receives a ``(y, leaf)`` pair per cut of the autograd graph (before every layer and
+        the head), for :func:`npu_train.pipeline.backward.backward_input` to chain the backward per layer."""
         if self.has_embed:
             h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
         else:
@@ -366,11 +364,9 @@ def full_model(cfg: LlamaConfig) -> StageModule:
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
                        fused: bool = False) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy.
-
-    ``logits`` [B,S,V] (fp32; upcast otherwise); ``labels`` [B,S] int64, already shifted, ``-100`` ignored;
-    ``fused``: use :func:`npu_train.model.headops.cross_entropy_sum`. Returns ``(loss_sum, n_tokens)``: an
-    fp32 differentiable scalar and an int (0 tokens -> loss 0)."""
+    """Summed next-token cross-entropy: ``logits`` [B,S,V] (fp32), ``labels`` [B,S] int64 already shifted
+    (``-100`` ignored), ``fused``: :func:`~npu_train.model.headops.cross_entropy_sum`. Returns
+    ``(loss_sum, n_tokens)``: a differentiable fp32 scalar and an int."""
     V = logits.shape[-1]
     flat, targets = logits.reshape(-1, V), labels.reshape(-1)
     loss = (cross_entropy_sum(flat, targets) if fused else

@@ -40,9 +40,8 @@ class LoraSpec:
 
 
 class LoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` (no bias) plus a LoRA adapter. ``forward(x [..., in]) -> [..., out]``.
-
-    Attributes ``weight`` (frozen, ``requires_grad=False``), ``lora_A.weight`` [r, in], ``lora_B.weight`` [out, r]."""
+    """A frozen ``nn.Linear`` (no bias) plus a LoRA adapter: ``weight`` (frozen), ``lora_A.weight`` [r, in],
+    ``lora_B.weight`` [out, r]. ``forward(x [..., in]) -> [..., out]``."""
 
     def __init__(self, base: nn.Linear, spec: LoraSpec):
         super().__init__()
@@ -67,9 +66,8 @@ def _seed_of(seed: int, name: str) -> int:
 
 
 def init_adapter(name: str, shape_a: tuple, shape_b: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Initial fp32 ``(A, B)`` of the adapter of linear ``name`` (HF name of its weight, e.g.
-    ``model.layers.0.self_attn.q_proj.weight``): ``A ~ U(-bound, bound)`` with PEFT's / ``nn.Linear``'s
-    Kaiming-uniform bound ``1 / sqrt(in)`` (``a = sqrt(5)``), ``B = 0``."""
+    """Initial fp32 ``(A, B)`` of the adapter of HF weight ``name``: ``A ~ U(±1 / sqrt(in))`` (PEFT's
+    Kaiming-uniform, ``a = sqrt(5)``), ``B = 0``."""
     g = torch.Generator().manual_seed(_seed_of(seed, name))
     fan_in = shape_a[1]
     bound = math.sqrt(6.0 / ((1 + 5.0) * fan_in))  # kaiming_uniform_(a=sqrt(5)) = 1/sqrt(fan_in)

@@ -271,11 +271,9 @@ class Mailbox:
         *,
         abort_check: AbortCheck = None,
     ) -> Tuple[Header, Payload]:
-        """Wait for the message matching ``kind``/``step``/``micro`` (``None`` = any); others are buffered.
-
-        ``timeout_s``: seconds (``None`` = forever, ``0`` = only what arrived); ``abort_check`` is called
-        about every 100 ms and may raise. Returns ``(header, payload or None)``; the earliest match first.
-        Raises :class:`TransportTimeout`."""
+        """Wait for the message matching ``kind``/``step``/``micro`` (``None`` = any; others are buffered) and
+        return ``(header, payload or None)``. ``timeout_s``: None = forever, 0 = only what arrived, else
+        :class:`TransportTimeout`; ``abort_check`` is called about every 100 ms and may raise."""
         self._check_open()
         hit = self._take_pending(kind, step, micro)
         if hit is not None:
@@ -498,12 +496,9 @@ class TensorLink:
         abort_check: AbortCheck = None,
         extra: Optional[Dict[str, Any]] = None,
     ) -> int:
-        """Send ``tensor`` as message ``(kind, step, micro)`` through ``out``; returns the slot index used.
-
-        Blocks (``timeout_s``, polling ``abort_check``) while all K slots are in flight, collecting credits
-        from ``mailbox``. ``tensor``: any shape, a :data:`~npu_train.transport.shm.DTYPES` dtype, any device
-        (copied to host synchronously), at most ``slot_bytes``; ``tensor`` may be reused once this returns.
-        Raises ``ValueError`` (too large, bad dtype) and :class:`TransportTimeout`."""
+        """Send ``tensor`` (any shape and device, a :data:`~npu_train.transport.shm.DTYPES` dtype, at most
+        ``slot_bytes``) as ``(kind, step, micro)`` through ``out``; returns the slot used. Blocks while all K slots
+        are in flight, collecting credits from ``mailbox``. Raises ``ValueError``, :class:`TransportTimeout`."""
         self.open_sender()
         t = tensor.detach()
         dtype_name = dtype_to_str(t.dtype)
@@ -560,11 +555,9 @@ class TensorLink:
         abort_check: AbortCheck = None,
         return_header: bool = False,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Header]]:
-        """Receive the tensor sent as ``(kind, step, micro)``: a fresh copy on ``device`` (None = CPU).
-
-        The slot credit goes back through ``reply`` before this returns, even if the copy fails.
-        ``return_header=True`` returns ``(tensor, header)``. Raises :class:`TransportTimeout` and
-        :class:`TransportError` (header inconsistent with this link)."""
+        """Receive the tensor sent as ``(kind, step, micro)`` as a fresh copy on ``device`` (None = CPU); the
+        slot credit goes back through ``reply`` first; ``return_header=True`` returns ``(tensor, header)``.
+        Raises :class:`TransportTimeout`, :class:`TransportError`."""
         self._set_role("receiver")
         h, payload = mailbox.recv(kind, step, micro, timeout_s, abort_check=abort_check)
         slot = h.get("slot")
