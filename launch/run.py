@@ -1,25 +1,9 @@
 #!/usr/bin/env python
-"""npu-train launcher (Hydra app): ``python launch/run.py [key=value ...]``.
+"""npu-train launcher (Hydra app): ``python launch/run.py [key=value ...]``; usage in README.md and docs/launch.md.
 
-Examples::
-
-    python launch/run.py                                   # default: SmolLM2-135M on Botchan, backend=cpu,cpu
-    python launch/run.py backend=furiosa:auto,furiosa:auto # two RNGD cards
-    python launch/run.py plan=true model.path=llama-3.1-8b backend=furiosa:auto,furiosa:auto  # dry-run plan
-    python launch/run.py -m train.lr=1e-4,3e-4             # Hydra multirun sweep (one job per value)
-    python launch/run.py -m 'backend=choice([cpu],[cpu,cpu])'  # sweep over card lists
-
-``backend=a,b`` (without brackets) always means ONE job with the cards a and b: the launcher
-rewrites it to ``backend=[a,b]`` before Hydra parses the command line (plain Hydra would read it
-as an ambiguous sweep). To sweep over card lists in multirun mode use ``choice(...)`` of lists.
-
-Every run writes ``<run dir>/status.json`` (exit status, error line; not for a single run rejected
-as bad input, which writes nothing) and ``<run dir>/run.log``: the launcher's console output (plan
-table, step and eval lines, notes, the ``error:`` line) and its log records, one file per job. A multirun runs its jobs concurrently (hydra-joblib-launcher,
-``hydra.launcher.n_jobs``, checked by ``npu_train.metrics.sweep``), reports failed jobs in
-``summary.md``/``summary.csv``/``loss_curves.png`` of the sweep dir and exits 0 when every job
-finished, 130/143 if a job was interrupted, else 1 (docs/launch.md).
-"""
+Rewrites ``backend=a,b`` to ``backend=[a,b]`` (one job, two cards) before Hydra parses the command line, runs
+the job (:func:`run_one`), writes ``<run dir>/status.json`` and ``run.log``, and maps how it ended to the exit
+status (``npu_train.errors``). Multirun jobs run concurrently (``npu_train.metrics.sweep``)."""
 from __future__ import annotations
 
 import os
@@ -108,11 +92,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
 
 
 class _StderrCapture:
-    """Holds Hydra's composition errors until the job starts (see ``_main``).
-
-    Hydra's joblib launcher pickles the task function (and so this object) into its worker
-    processes; there the copy is inert (already released), the worker's stderr is the real one.
-    """
+    """Holds Hydra's composition errors until the job starts (see ``_main``); inert in joblib workers."""
 
     def __init__(self) -> None:
         import io
@@ -276,17 +256,11 @@ def _plain_start_method() -> None:
 
 
 def run_one(cfg) -> int:
-    """Hydra task: run one job, write its ``status.json``, return its exit status.
+    """Hydra task: run one job, write its ``status.json`` (not for rejected input), return its exit status.
 
-    Single run: the exit status becomes the process's (0/1/2/130/143, see npu_train.errors);
-    a bad-input rejection (2) writes no status.json (nothing is written for rejected input).
-    Multirun: the status is returned, never raised, so a failed job (any exception or exit
-    status) does not stop the other jobs; the sweep summary reports it. Why: Hydra 1.3's
-    ``run_job`` catches ``Exception`` only (a ``sys.exit`` escapes it and ends the sweep: in a
-    joblib worker it is re-raised in the parent), and its ``BasicSweeper`` reads every job's
-    ``return_value`` after a batch, which re-raises a job's exception, so the remaining jobs never
-    run and ``on_multirun_end`` (the summary) is skipped.
-    """
+    Single run: the status becomes the process's. Multirun: it is returned, never raised, because Hydra 1.3's
+    ``run_job`` lets ``sys.exit`` escape and its ``BasicSweeper`` re-raises a job's exception, which would
+    skip the remaining jobs and the sweep summary."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 

@@ -1,26 +1,17 @@
 """Environment variables and the cache root (one prefix: ``NPT_``).
 
 =========================  ==================================================================
-``NPT_CACHE``              cache root (default ``~/.cache/npu-train``): packed data, dequantized
-                           GGUF tensors, calibration profiles. ``NPU_TRAIN_CACHE`` is still read
-                           (deprecated, with a warning).
-``NPT_FURIOSA_FUSION``     RNGD fusion setting for every card process (see ``backends/furiosa.py``);
-                           ``NPU_TRAIN_FURIOSA_FUSION`` is still read (deprecated).
+``NPT_CACHE``              cache root (default ``~/.cache/npu-train``); ``NPU_TRAIN_CACHE`` deprecated
+``NPT_FURIOSA_FUSION``     RNGD fusion of every card process (``NPU_TRAIN_FURIOSA_FUSION`` deprecated)
 ``NPT_CALIBRATE``          ``auto``/``never``/``always``: replaces ``placement.calibrate=auto``
-                           (the test suite sets ``never``, ``tests/conftest.py``).
-``NPT_CALIBRATE_QUICK``    tests only: ``1`` = the automatic calibration uses tiny sizes.
-``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes.
-``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``).
-``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install.
+``NPT_CALIBRATE_QUICK``    tests only: tiny sizes for the automatic calibration
+``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes
+``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``)
+``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install
 =========================  ==================================================================
 
-The variables that change what a run computes or which cached inputs it reads
-(:data:`RUN_VARIABLES`: ``NPT_CACHE``, ``NPT_CALIBRATE``, ``NPT_CALIBRATE_QUICK``,
-``NPT_FURIOSA_FUSION``) are repeated in front of every resume command the launcher prints or writes
-(:func:`resume_env_prefix`), so the resumed run reads the same tokenized data and calibration
-profile and plans the same way. ``NPT_FAULT`` and ``NPT_SHM_FREE_BYTES`` are not (test hooks that
-must not fire again), nor ``NPT_TORCH_SPEC`` (setup only).
-"""
+:data:`RUN_VARIABLES` (those that change what a run computes or reads) are repeated in front of every
+printed resume command (:func:`resume_env_prefix`)."""
 from __future__ import annotations
 
 import os
@@ -77,9 +68,7 @@ def run_environment() -> dict[str, str]:
 
 
 def resume_env_prefix() -> str:
-    """``env`` and the assignments of :func:`run_environment` that start a resume command, each value
-    quoted with :func:`shlex.quote`, followed by one space (e.g. ``env NPT_CACHE='/data/my cache' ``):
-    with ``env`` in front the command also runs when split into words and executed without a shell;
-    ``""`` when none is set."""
+    """``env`` and the quoted assignments of :func:`run_environment`, then one space (e.g.
+    ``env NPT_CACHE='/data/my cache' ``), so the command also runs without a shell; ``""`` when none is set."""
     env = run_environment()
     return ("env " + "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())) if env else ""

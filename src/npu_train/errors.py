@@ -1,21 +1,8 @@
-"""The one base of every user-facing error.
+"""The one base of every user-facing error (:class:`UserError`) and the launcher's exit statuses.
 
-Anything the user can fix (a bad override, a missing model file, a malformed backend entry, an
-infeasible placement, a too-small ``/dev/shm``, a checkpoint from another model, ...) raises a
-subclass of :class:`UserError`. The entry point (``launch/run.py``) prints such an error as one
-``error: ...`` line without a traceback and exits with status 2 (:data:`EXIT_USER_ERROR`);
-nothing is written before the check that raises it. Every subclass's message names the fix.
-
-Exit statuses of ``launch/run.py`` (mapped in :func:`exit_code_for`):
-
-=====  ===========================================================
-0      the job finished
-1      a card process failed (the message names card, stage, phase)
-2      bad input (:class:`UserError`), found before any card process started
-130    interrupted by SIGINT (Ctrl-C), after a checkpoint when possible
-143    interrupted by SIGTERM (``kubectl delete``), likewise
-=====  ===========================================================
-"""
+A :class:`UserError` is something the user can fix; its message names the fix. ``launch/run.py`` prints it
+as one ``error:`` line, no traceback, before anything is written. Exit statuses (:func:`exit_code_for`):
+0 finished, 1 a card process failed, 2 bad input (:class:`UserError`), 130 / 143 SIGINT / SIGTERM."""
 from __future__ import annotations
 
 import errno
@@ -40,14 +27,10 @@ class JobFailed(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT/SIGTERM stopped the job; the exit status is ``128 + signum`` (130 / 143).
+    """SIGINT/SIGTERM (``signum``, the last one) stopped the job; exit status ``128 + signum``.
 
-    Args:
-        signum: the signal received last.
-        message: where the job stopped (checkpoint saved, how to resume), printed after the signal name.
-        checkpoint: the checkpoint directory saved by this launch (None: none saved).
-        checkpoint_dir: the job's checkpoint root (``checkpoint.dir``), what a resume names.
-    """
+    ``message``: where it stopped and how to resume; ``checkpoint``: the checkpoint this launch saved
+    (None: none); ``checkpoint_dir``: the job's ``checkpoint.dir``."""
 
     def __init__(self, signum: int = signal.SIGINT, message: str = "", checkpoint: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None):

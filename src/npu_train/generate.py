@@ -1,19 +1,9 @@
 """See what a model says: ``python -m npu_train.generate <model> --prompt "..."``.
 
-``<model>`` is any of
-
-- a checkpoint directory (``.../checkpoints/step_000020``) or a checkpoint root (its newest step):
-  exported first to a temporary Hugging Face directory (fp32 master weights, :mod:`npu_train.checkpoint.export`);
-- an exported Hugging Face directory (``config.json`` + ``model.safetensors`` + tokenizer files), or any
-  Llama HF directory;
-- ``embedded`` (the bundled SmolLM2-135M-Instruct, before fine-tuning) or a ``.gguf`` file: read (dequantised
-  to fp32) by the trainer's own GGUF loader (:mod:`npu_train.model.gguf`, the weights training starts from)
-  into transformers' ``LlamaForCausalLM`` (so transformers' GGUF reader and its ``accelerate`` are not needed).
-
-The prompt is wrapped in the model's chat template (``--no-chat`` sends it raw) and generation is
-transformers' own ``model.generate`` (greedy with ``--temperature 0``, else sampling with temperature and
-nucleus ``--top-p``). Prints the completion only. Errors are one ``error:`` line, exit status 2.
-"""
+``<model>``: a checkpoint (or checkpoint root: its newest step; exported to a temporary HF directory first), an
+HF Llama directory, ``embedded`` or a ``.gguf`` (read by the trainer's own GGUF loader into transformers'
+``LlamaForCausalLM``). The prompt goes through the chat template unless ``--no-chat``; generation is
+transformers' ``model.generate``. Errors are one ``error:`` line, exit status 2."""
 from __future__ import annotations
 
 import argparse
@@ -60,13 +50,8 @@ def _not_a_model(path: str) -> str:
 
 
 def resolve_for_generation(model: str) -> tuple[str, str]:
-    """``(kind, path)`` of the ``<model>`` argument: kind ``"checkpoint"`` (a checkpoint or checkpoint root),
-    ``"gguf"`` (a GGUF file, ``embedded`` included) or ``"hf"`` (a directory with ``config.json``).
-
-    Looks at file names only (nothing is loaded). Raises ``FileNotFoundError`` for a missing path or an
-    uninstalled embedded model and :class:`~npu_train.errors.UserError` (one line: what the path is, what to
-    pass instead) for anything else.
-    """
+    """``(kind, path)`` of the ``<model>`` argument: ``"checkpoint"``, ``"gguf"`` or ``"hf"``, from file
+    names only. Raises ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` naming what to pass instead."""
     from npu_train.errors import UserError
     from npu_train.model.files import check_exists, is_gguf_path, resolve_model_path
 
@@ -85,9 +70,8 @@ def resolve_for_generation(model: str) -> tuple[str, str]:
 
 
 def _gguf_model(path: str):
-    """transformers' ``LlamaForCausalLM`` (fp32) with the weights of the GGUF file ``path`` as the trainer reads
-    them (:func:`npu_train.model.load_tensors`: dequantised, q/k un-permuted), without transformers' GGUF reader
-    (which needs ``accelerate``, not a dependency of npu-train)."""
+    """transformers' ``LlamaForCausalLM`` (fp32) with the GGUF file's weights as the trainer reads them
+    (no transformers GGUF reader, which needs ``accelerate``)."""
     import torch
     from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
 
@@ -102,11 +86,8 @@ def _gguf_model(path: str):
 
 
 def load_for_generation(model: str, workdir: Optional[str] = None):
-    """``(transformers model, transformers tokenizer)`` for ``model`` (see the module docstring), on the CPU in fp32.
-
-    Raises ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` (one line naming the path and the fix)
-    for a missing, wrong (:func:`resolve_for_generation`) or damaged model.
-    """
+    """``(transformers model, tokenizer)`` for ``model`` on the CPU in fp32. Raises
+    ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` for a missing, wrong or damaged model."""
     kind, path = resolve_for_generation(model)
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
@@ -144,15 +125,10 @@ def load_for_generation(model: str, workdir: Optional[str] = None):
 
 def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str] = None, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
-    """The completion of ``prompt`` (decoded text without the prompt).
+    """The completion of ``prompt`` (decoded, without the prompt).
 
-    Args:
-        chat: wrap the prompt as a user turn in the tokenizer's chat template (with the generation prompt).
-        temperature: 0 = greedy; > 0 samples from softmax(logits / temperature) restricted to the top-p nucleus.
-        max_new_tokens: tokens generated at most (stops early at the end-of-turn / eos token).
-    Raises:
-        ValueError: ``chat`` is requested but the model has no chat template (use ``--no-chat``).
-    """
+    ``chat``: wrap as a user turn with the generation prompt (``ValueError`` without a chat template);
+    ``temperature``: 0 = greedy, else sampling from the top-p nucleus; stops at eos or ``max_new_tokens``."""
     import torch
 
     if chat:

@@ -1,11 +1,6 @@
 """Hardware facts with one home (torch-free, so the planner's dry run imports no torch).
 
-Sources:
-
-- RNGD (FuriosaAI): 48 GB HBM3 per card, of which 47.5 GiB is usable by a process (the
-  figure ``furiosa-smi`` reports as the card's total, ``0.00 / 47.50 GiB``; field record of
-  the predecessor system on RNGD, see ``experiments/rngd-runbook.md``).
-"""
+RNGD: 48 GB HBM3 per card, 47.5 GiB usable by a process (``furiosa-smi``'s total; experiments/rngd-runbook.md)."""
 from __future__ import annotations
 
 #: 2**30 bytes. Memory figures printed by npu-train are GiB unless they say GB.

@@ -1,31 +1,11 @@
 """Host-memory allocator settings of a card process: freed memory is kept for reuse.
 
-PyTorch's CPU allocator is the C library's ``malloc`` (``c10::alloc_cpu``: ``posix_memalign``). With
-glibc's defaults, a block above the dynamic mmap threshold (at most 32 MiB on 64-bit Linux) is its
-own ``mmap`` and goes back to the OS when freed, and free memory above 128 KiB at the top of the heap
-is trimmed (``man 3 mallopt``). A training step allocates the same large tensors every micro-batch:
-the ``[V, H]`` fp32 ``lm_head`` weight gradient (113 MB for SmolLM2-135M) in each backward, and in
-the split-backward (``zb*``) schedules the per-layer weight gradients of the deferred W passes. Each
-then comes back as fresh pages, one minor page fault and one zeroed 4 KiB page at a time:
-~141,000 faults per 4 micro-batches of the last stage of the default model (9 layers + head),
-3,600-6,100 with the settings below.
-
-Measured (experiments/2026-12-01-bench-run6.md, section 1; ``experiments/scripts/malloc_probe.py``):
-two pinned processes running the last stage's forward + split backward of 4 micro-batches at the
-same time (the pipeline's situation: both cores busy), one with and one without, cores swapped
-between rounds: 14-22 % less time with the settings (keep / default 0.86, 0.78, 0.86, 0.81), minor
-faults per repetition 141,000 -> 3,600-6,100, max RSS +150 MB (8 %). Alone on the machine the
-difference was within the noise: the faults cost most when both cores fault at once.
-
-:func:`keep_freed_memory` sets ``M_MMAP_THRESHOLD`` to 1 GiB (blocks up to 1 GiB come from the heap
-and are reused; in threads other than the main one, glibc's per-thread heaps still map blocks over
-64 MiB on their own: the card's compute runs in the main thread, an offloaded layer's gradient
-download on the ``host-adamw`` thread does not gain) and ``M_TRIM_THRESHOLD`` to 2 GiB - 1 (the
-heap is not trimmed below that), which is what the environment variables
-``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do, from inside the process. The cost: the
-process keeps its peak heap (RSS does not shrink after a step, which it does not in steady state
-anyway; +8 % max RSS in the probe). Switched off with ``runtime.keep_host_memory=false``.
-"""
+:func:`keep_freed_memory` sets glibc's ``M_MMAP_THRESHOLD`` to 1 GiB and ``M_TRIM_THRESHOLD`` to 2 GiB - 1
+(``man 3 mallopt``; what ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do), so the large tensors
+allocated every micro-batch (the ``[V, H]`` head gradient, deferred W gradients) reuse heap pages instead of
+page-faulting fresh ones (main thread only: glibc's per-thread arenas still mmap blocks over 64 MiB).
+Cost: the process keeps its peak heap. Off with ``runtime.keep_host_memory=false``.
+Measurements: experiments/2026-12-01-bench-run6.md, section 1."""
 from __future__ import annotations
 
 import ctypes
@@ -50,11 +30,9 @@ USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 def keep_freed_memory(environ=None) -> bool:
     """Make this process's ``malloc`` keep freed memory for reuse (module docstring).
 
-    Returns True if both settings took effect; False (and changes nothing) off Linux, with a C
-    library other than glibc, or when the user set ``MALLOC_MMAP_THRESHOLD_``,
-    ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable in ``GLIBC_TUNABLES`` in ``environ``
-    (default ``os.environ``): those win. Never raises.
-    """
+    Returns True if both settings took effect; False (changing nothing) off Linux/glibc, or when
+    ``environ`` sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable.
+    Never raises."""
     env = os.environ if environ is None else environ
     if any(k in env for k in USER_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
         log.debug("host memory: the user's malloc settings kept")

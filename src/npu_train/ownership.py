@@ -1,12 +1,7 @@
-"""Who owns a leftover resource (a checkpoint staging directory, a job's shared-memory segments and
-IPC directory), and whether that process still runs.
+"""Who owns a leftover resource (checkpoint staging dir, a job's shm segments and IPC dir) and whether it runs.
 
-A resource records its owner as :func:`process_identity` of the job's launcher: pid, the process's
-creation time (seconds since the epoch, from psutil; a recycled pid has another one) and the host
-name. A later launch removes a leftover only when :func:`owner_alive` says its owner is gone; a
-resource owned on another host (a shared file system, a container with another host name sharing
-``/dev/shm``) is never removed from here, since its process table cannot be seen.
-"""
+The owner is :func:`process_identity` of the job's launcher (pid, creation time, host name); a leftover is
+removed only when :func:`owner_alive` says the owner is gone, never when it is on another host."""
 from __future__ import annotations
 
 import socket

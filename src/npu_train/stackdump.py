@@ -1,14 +1,8 @@
 """``kill -USR1 <pid>``: every thread's Python stack to stderr, then a line naming the process; the job goes on.
 
-The launcher (``launch/run.py``) and every card process (``runtime/worker.py``) call
-:func:`install_stack_dump` at start-up. The stacks come from :mod:`faulthandler`'s C-level handler, so
-they print even while the process's main thread is stuck inside a C call (a gloo collective, a ZeroMQ
-wait, a device kernel). faulthandler prints thread ids only; the line that names the process (``card 1
-(pid 4242)``) is printed by a Python handler that faulthandler chains to, which runs when the main
-thread next executes Python code: for a process stuck in C code it comes later, when it unblocks, or
-never. When several processes are signalled at once (the multi-node tests' timeout path), their dumps
-share the launcher's stderr and can interleave.
-"""
+:func:`install_stack_dump` (called by the launcher and every card process) uses :mod:`faulthandler`, so stacks
+print even while the main thread is stuck in C code; the naming line comes from a chained Python handler, so
+it prints only once the main thread runs Python again."""
 from __future__ import annotations
 
 import faulthandler

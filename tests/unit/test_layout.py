@@ -1,4 +1,4 @@
-"""The package layout stays as the README's design map says (DESIGN.md section 9).
+"""The package layout stays as the README's design map says (docs/design.md, section 9).
 
 Dependencies point one way: runtime -> (pipeline, planner, checkpoint, metrics) -> (model, transport,
 optim, backends, data) -> config -> (errors, hardware, env, hostmem). A module may import its own layer or a

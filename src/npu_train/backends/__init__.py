@@ -1,7 +1,6 @@
 """Card backends (cpu, cuda, furiosa/RNGD): one process per card.
 
-Importing this package never imports furiosa-torch; the furiosa backend imports it in ``setup()``.
-"""
+Importing this package never imports furiosa-torch; the furiosa backend imports it in ``setup()``."""
 
 from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
 from npu_train.backends.registry import make_backend

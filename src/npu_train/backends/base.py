@@ -1,21 +1,9 @@
-"""Backend abstraction: one object per card, one card per OS process.
+"""Backend interface: one :class:`Backend` per card (``cpu``, ``cuda:N``, ``furiosa:N``), one card per process.
 
-A :class:`Backend` wraps the device runtime of one card (``cpu``, ``cuda:N``, ``furiosa:N``):
-device placement, host<->device copies, synchronization and memory figures. The worker process
-of a card builds it with :func:`make_backend` from a resolved
-:class:`~npu_train.backends.spec.CardRequest` and calls :meth:`Backend.setup` once, before its
-first device call.
-
-Copies: :meth:`Backend.upload` / :meth:`Backend.download` always return a tensor that does not
-share memory with their argument, on every backend (the CPU backend clones), so callers can reuse
-host staging buffers freely.
-
-Allocation lock: :meth:`Backend.alloc_lock` is a real lock only where the device runtime keeps its
-device-memory type (DRAM / DRAM_SHARED) in a process-wide flag that compiled-graph calls flip
-(furiosa-torch 2026.2); there every thread that allocates device memory, and every compiled-graph
-call that may run while another thread allocates, must hold it. Everywhere else it is a no-op
-``contextlib.nullcontext()``.
-"""
+Placement, host<->device copies (:meth:`Backend.upload` / :meth:`Backend.download` never share memory with
+their argument), synchronization and memory figures. Built by :func:`~npu_train.backends.registry.make_backend`;
+:meth:`Backend.setup` runs once before the first device call. :meth:`Backend.alloc_lock` is a real lock only
+where the runtime's device-memory type is a process-wide flag (furiosa-torch 2026.2), else a no-op."""
 
 from __future__ import annotations
 
@@ -39,11 +27,7 @@ class BackendSpecError(UserError, ValueError):
 
 
 class AllocLock:
-    """A re-entrant process-local lock (``threading.RLock``) used as the allocation lock.
-
-    Re-entrant so that ``with backend.alloc_lock(): backend.upload(t)`` (upload takes the lock
-    itself) does not deadlock. Adds :meth:`locked` (``threading.RLock`` lacks it before 3.14).
-    """
+    """A re-entrant lock (``threading.RLock``) with :meth:`locked`, used as the allocation lock."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -80,18 +64,9 @@ class AllocLock:
 
 
 class Backend(abc.ABC):
-    """One card's device runtime. Subclasses: CPUBackend, CUDABackend, FuriosaBackend.
-
-    Attributes:
-        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"``.
-        index: device index (``None`` for cpu).
-        name: ``"cpu"``, ``"cuda:0"``, ``"furiosa:1"``.
-        memory_flag_thread_local: whether the device-memory-type flag of the runtime is
-            thread-local (``True`` for cpu/cuda, which have no such flag; probed for furiosa in
-            :meth:`setup`; ``None`` for furiosa before setup).
-        memory_accounting: how :meth:`memory_allocated` is measured (``"rss"``,
-            ``"cuda-caching-allocator"``, ``"tracked"``...), for reports.
-    """
+    """One card's device runtime (CPUBackend, CUDABackend, FuriosaBackend): ``kind``, ``index`` (None for cpu),
+    ``name`` (``"cuda:0"``), ``memory_flag_thread_local`` (None on furiosa before :meth:`setup`),
+    ``memory_accounting`` (how :meth:`memory_allocated` is measured)."""
 
     kind: str = ""
     memory_accounting: str = ""
@@ -186,12 +161,8 @@ class Backend(abc.ABC):
 
     # ------------------------------------------------------------------ allocation lock
     def alloc_lock(self) -> ContextManager:
-        """Context manager to hold while allocating device memory (and, where the runtime's
-        memory-type flag is process-wide, around compiled-graph calls).
-
-        The same re-entrant :class:`AllocLock` object on every call when the runtime's
-        device-memory-type flag is process-wide, else a fresh ``contextlib.nullcontext()``.
-        """
+        """Context manager to hold while allocating device memory (and around compiled-graph calls
+        where the memory-type flag is process-wide): one shared :class:`AllocLock` there, else ``nullcontext()``."""
         if self._alloc_lock is not None:
             return self._alloc_lock
         return contextlib.nullcontext()

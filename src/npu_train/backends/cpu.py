@@ -1,10 +1,5 @@
-"""CPU backend: the host as a "card" (tests, small runs, CPU pipeline stages).
-
-Memory figures are the process's resident set size (RSS, ``psutil``), not tensor bytes: they
-include the interpreter, libraries and every host buffer of the process. The peak is sampled
-cheaply — at every backend call (upload, download, synchronize and the memory queries) — so a
-spike between two calls can be missed; it is never below the last sampled RSS.
-"""
+"""CPU backend: the host as a "card". Memory figures are the process's RSS (``psutil``), the peak
+sampled at every backend call (a spike between calls can be missed)."""
 
 from __future__ import annotations
 

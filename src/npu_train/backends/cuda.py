@@ -1,8 +1,5 @@
-"""CUDA backend: one NVIDIA GPU per process (``cuda:N``).
-
-Memory figures come from PyTorch's caching allocator (``torch.cuda.memory_allocated`` & co.):
-bytes of live tensors, not including the allocator's cached-but-free blocks or the CUDA context.
-"""
+"""CUDA backend: one NVIDIA GPU per process (``cuda:N``). Memory figures: torch's caching allocator
+(live tensor bytes, without cached blocks or the CUDA context)."""
 
 from __future__ import annotations
 

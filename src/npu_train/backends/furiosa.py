@@ -1,59 +1,9 @@
-"""FuriosaAI RNGD backend, written against furiosa-torch 2026.4.0 (pins torch==2.10.0).
+"""FuriosaAI RNGD backend (:class:`FuriosaBackend`), written against furiosa-torch 2026.4.0 (pins torch==2.10.0).
 
-furiosa-torch is imported lazily (in :meth:`FuriosaBackend.setup` / the probe helpers), so this
-module imports fine in an environment without it (the main .venv: torch 2.13 CPU).
-
-Facts about the real API used here, with where they are in the 2026.4.0 wheel
-(``furiosa_torch-2026.4.0-cp311-cp311-manylinux_2_34_x86_64.whl``):
-
-* Registration: ``furiosa/torch/_register.py::_register`` renames PrivateUse1 to ``"furiosa"``
-  and registers ``torch.furiosa``; it runs on ``import furiosa.torch`` and, through the
-  ``[torch.backends] furiosa = furiosa.torch._register:_register`` entry point, already on
-  ``import torch`` in an environment that has furiosa-torch. Devices are ``torch.device("furiosa", N)``
-  (2026.2 called them ``"rngd"``; we read the name from ``torch._C._get_privateuse1_backend_name()``).
-* Host<->device copies are plain ``t.to(device)`` / ``t.to("cpu")``: PrivateUse1 ``_to_copy`` is
-  ``furiosa/torch/_custom_ops/copy_from.py::aten_to_copy`` (allocates with
-  ``torch.furiosa.empty(FlatDramShape, device)`` then ``copy_``).
-* Device context (``furiosa/torch/_C/device/__init__.pyi``, re-exported by ``furiosa.torch``):
-  ``set_fusion(num_fusion) -> Fusion`` ("must be set before get_device is called, and only once
-  globally"; RNGD has 8 PEs per chip, so ``set_fusion(8)`` makes ``furiosa:N`` one whole card —
-  measured: 8 PE-fusion gives ``MeshId(npuN)`` / ``ClusterId(npuNpe0-3)``), ``get_fusion()``
-  (CAUTION: calling it first fixes fusion at 1 and a later ``set_fusion(8)`` raises
-  ``RuntimeError("num_fusion is already set, ...")``), ``MeshKind.Single()`` / ``MeshKind.Mesh(k)``,
-  ``set_mesh_kind``/``get_mesh_kind`` (Single: no copies between fused devices, default),
-  ``get_available_devices() -> list[str]`` (WITHOUT hardware it still lists 64 devices at fusion 1,
-  8 at fusion 8, so it cannot tell whether cards exist), ``exchange_device`` /
-  ``current_device`` (thread-local current device).
-* ``furiosa.torch.is_available(device=None)`` (``_C/_ext``): ``True`` without a device argument
-  even without hardware; ``is_available("furiosa:0")`` is ``False`` without hardware.
-* Streams (``furiosa/torch/config/_stream.py``, ``_C/stream``): ``current_stream(device)`` (per
-  thread), ``default_stream(device)``, ``Stream.synchronize()``. Without the runtime they raise
-  ``RuntimeError("Failed to get device index 0 ... HAL error ... librenegade.so: cannot open shared
-  object file")``.
-* Memory type flag (``furiosa/torch/_C/memory/__init__.pyi``): ``MemoryType.{Dram, DramShared,
-  Cpu}``, ``_get_memory_type()``, ``_set_memory_type(t) -> previous``; the public context manager
-  is ``furiosa.torch.with_memory_type(t)`` (``furiosa/torch/_tensor/__init__.py``). In 2026.2
-  the same lived in ``furiosa.native_torch.memory`` (ints; ``_set_dram_shared_mode()``).
-  Measured on 2026.4.0: the flag is thread-local.
-* Memory statistics: none. furiosa-torch 2026.4 has no ``memory_allocated``; and
-  ``torch.accelerator.memory_allocated(0)`` raises "Allocator for furiosa is not a
-  DeviceAllocator". So this backend counts the storages of every device tensor the process
-  creates after :meth:`FuriosaBackend.setup` (``accounting="dispatch"``, default: a
-  ``TorchDispatchMode`` sees every ATen op output, :mod:`npu_train.backends.accounting`), or only
-  uploads and tensors passed to :meth:`FuriosaBackend.track` (``accounting="uploads"``, for a
-  ``torch.compile`` path, which dynamo refuses under a dispatch mode).
-* Compiled execution (compiler cache, loaded-module cache, CPU fallback): see
-  :mod:`npu_train.backends.furiosa_compile`.
-* Threads: furiosa-torch 2026.4's Python sources never call ``torch.set_num_threads``; the card
-  process sets the job's one thread count (:func:`npu_train.planner.threads_per_card`) before
-  :meth:`FuriosaBackend.setup`, and setup puts it back if importing furiosa-torch changed it.
-* No hardware: ``import furiosa.torch`` works, but the first allocation logs
-  ``furiosa_torch::cpp::allocator: Failed to initialize device for index 0 ... HAL error ...
-  librenegade.so: cannot open shared object file`` and raises ``torch.OutOfMemoryError("failed
-  to allocate 4 bytes")``. The runtime library is dlopen'ed by name ``librenegade.so`` (string in
-  ``furiosa/torch/_C.cpython-311-x86_64-linux-gnu.so``); device nodes are ``/dev/rngd/npu*mgmt``
-  (same binary, ``furiosa-hal2/src/npu/open.rs``).
-"""
+furiosa-torch is imported lazily in :meth:`FuriosaBackend.setup`, so this module imports without it. Device
+memory is counted by :mod:`npu_train.backends.accounting` (no allocator statistics); compiled execution is in
+:mod:`npu_train.backends.furiosa_compile`. The furiosa-torch API facts used here, with their places in the
+wheel: docs/furiosa.md."""
 
 from __future__ import annotations
 
@@ -175,13 +125,8 @@ def memory_type_api(ft: Any = None) -> Any:
 def probe_memory_flag_scope(mem: Any, timeout: float = 5.0) -> tuple[bool, str]:
     """Is the device-memory-type flag thread-local? Returns ``(thread_local, detail)``.
 
-    A helper thread flips the flag (``_set_memory_type(MemoryType.DramShared)``, or
-    ``_set_dram_shared_mode()`` on the 2026.2 API) and holds it while this thread reads it with
-    ``_get_memory_type()``; then the helper restores it. If this thread sees the change, the flag
-    is process-wide. Anything inconclusive (no API, errors, no visible effect, timeout) returns
-    ``False``: assume process-wide and serialize, which is always safe. Run it before other
-    threads use the device (it flips the flag for a moment).
-    """
+    A helper thread flips the flag while this thread reads it; inconclusive results return False
+    (process-wide: serialize, always safe). Run before other threads use the device."""
     if mem is None:
         return False, "no memory-type getter/setter in furiosa-torch; assuming a process-wide flag"
     get: Callable = getattr(mem, "_get_memory_type", None)
@@ -343,11 +288,9 @@ class FuriosaBackend(Backend):
 
     def __init__(self, index: int, *, num_fusion: int | None = None, dev_root: str = "/dev",
                  accounting: str = "dispatch", compile_options: FuriosaCompileOptions | None = None) -> None:
-        """Args: ``index`` (card), ``num_fusion`` (default ``$NPT_FURIOSA_FUSION`` or 8),
-        ``dev_root``, ``accounting`` (``"dispatch"``: every device tensor, ``"uploads"``: uploads and
-        :meth:`track` only; see the module docstring), ``compile_options``
-        (:class:`~npu_train.backends.furiosa_compile.FuriosaCompileOptions`; default: CPU fallback
-        off, furiosa-torch's cache settings). Raises ``ValueError`` for another ``accounting``."""
+        """``index``: card; ``num_fusion``: default ``$NPT_FURIOSA_FUSION`` or 8; ``accounting``:
+        ``"dispatch"`` (every device tensor) or ``"uploads"`` (uploads and :meth:`track` only; for torch.compile),
+        else ``ValueError``; ``compile_options``: :class:`~npu_train.backends.furiosa_compile.FuriosaCompileOptions`."""
         super().__init__(index)
         if num_fusion is None:
             num_fusion = int(getenv("FURIOSA_FUSION", str(DEFAULT_NUM_FUSION)))
@@ -487,18 +430,14 @@ class FuriosaBackend(Backend):
         return self.device_type
 
     def track(self, t: torch.Tensor) -> torch.Tensor:
-        """Count ``t``'s storage (a tensor on this card) in :meth:`memory_allocated` until it is
-        freed; once per storage. With ``accounting="dispatch"`` every tensor made after setup is
-        counted anyway; this is for tensors made before or in other threads."""
+        """Count ``t``'s storage (on this card) in :meth:`memory_allocated` until freed, once per storage."""
         if self._ledger is not None:
             self._ledger.add(t)
         return t
 
     def memory_allocated(self) -> int:
-        """Bytes of the live device storages this process made or uploaded since setup
-        (:class:`~npu_train.backends.accounting.StorageLedger`; furiosa-torch 2026.4 has no
-        allocator statistics). Not included: the runtime's own buffers and its loaded-module
-        cache (the plan's ``workspace`` and ``modules`` terms)."""
+        """Bytes of the live device storages made or uploaded since setup; not the runtime's own
+        buffers or loaded-module cache (the plan's ``workspace`` and ``modules`` terms)."""
         return self._ledger.bytes if self._ledger is not None else 0
 
     def max_memory_allocated(self) -> int:
@@ -509,10 +448,8 @@ class FuriosaBackend(Backend):
             self._ledger.reset_peak()
 
     def prepare_module(self, module) -> int:
-        """With ``compile_options.compiled_layers``: every decoder layer of ``module`` runs as one
-        compiled forward and one compiled backward graph
-        (:func:`~npu_train.backends.furiosa_layer.install_compiled_layers`). Returns the number of
-        layers switched (0 when off)."""
+        """With ``compile_options.compiled_layers``, run each decoder layer of ``module`` as compiled
+        forward/backward graphs (:mod:`~npu_train.backends.furiosa_layer`); returns the number of layers switched."""
         if not self.compile_options.compiled_layers:
             return 0
         from npu_train.backends.furiosa_layer import install_compiled_layers
@@ -520,9 +457,8 @@ class FuriosaBackend(Backend):
         return install_compiled_layers(module, self.track)
 
     def step_stats(self) -> dict:
-        """Per-step runtime facts since the previous call: ``cpu_fallbacks`` (ops that ran on the
-        host), ``compiles`` (loaded-module cache misses: ops compiled/loaded) and
-        ``loaded_modules`` (cache entries now), when furiosa-torch exposes them."""
+        """Since the previous call: ``cpu_fallbacks``, ``compiles`` (loaded-module cache misses) and
+        ``loaded_modules``, where furiosa-torch exposes them."""
         out: dict = {}
         if self._fallbacks is not None:
             out["cpu_fallbacks"] = self._fallbacks.since_last()
@@ -537,9 +473,8 @@ class FuriosaBackend(Backend):
         return out
 
     def free_bytes(self) -> int:
-        """Free card memory now, bytes (16 MiB resolution), by allocating it until the runtime
-        refuses (:func:`~npu_train.backends.furiosa_compile.probe_free_bytes`); the probe's own
-        allocations are left out of :meth:`max_memory_allocated`. Measurement only."""
+        """Free card memory now, bytes (16 MiB resolution), by allocating until refused
+        (:func:`~npu_train.backends.furiosa_compile.probe_free_bytes`). Measurement only."""
         self._ensure_setup()
         dev = self.device()
         peak = self._ledger.peak if self._ledger is not None else 0

@@ -1,38 +1,9 @@
 """Whole-layer compiled execution on RNGD (``runtime.furiosa.compiled_layers=true``, off by default).
 
-The default RNGD path runs decoder layers as eager ops: furiosa-torch compiles and loads one
-module per distinct op and shape (``furiosa/torch/_backend/eager.py``). This path instead compiles
-each decoder layer's forward and backward as two graphs, once per stage (all layers of a stage
-share their shapes), written against furiosa-torch 2026.4.0:
-
-1. the layer as a function of its inputs *and weights* (an ``nn.Module`` without parameters that
-   calls ``torch.func.functional_call(layer, weights, (h, cos, sin))``), so the graph
-   differentiates with respect to the weights;
-2. ``furiosa.torch.DfgModule.from_module(fn, cpu_example_args)`` (``_module/dfg.py``: exports it
-   with ``torch.export.export(strict=False)`` and imports the data-flow graph; example arguments
-   must be CPU tensors of the run's shapes);
-3. ``furiosa.torch._backend._autograd.build_autograd_from_module(dfg_module, name=...)`` (a
-   furiosa-torch internal; the function its own eager autograd registration uses): differentiates
-   the graph (``_C.compiler.differentiate``), compiles forward and backward
-   (``differentiated_dfg.compile()``) and returns a ``torch.autograd.Function`` whose ``forward``
-   runs the forward graph and saves its activations, ``backward`` the backward graph;
-4. each layer's ``forward`` becomes ``Function.apply(h, cos, sin, *weights)`` (an instance
-   attribute, so parameter names and checkpoints are unchanged).
-
-Accounting: the compiled graphs allocate their outputs inside the runtime, not through ATen ops,
-so the dispatch-mode accounting would not see them; the layer output and every tensor the
-Function saves for backward (``torch.autograd.graph.saved_tensors_hooks``) are registered with
-the backend's ledger explicitly.
-
-Status (2026-11-30, furiosa-torch 2026.4.0 without a card): step 2 fails for the model's layer:
-furiosa-torch's decomposition pass cannot turn the attention output's
-``o.transpose(1, 2).reshape(B, S, heads * D)`` (``model/llama.py``) into a view ("Cannot view a
-tensor with shape [1, 32, 4, 16] and strides (2048, 16, 512, 1) as (1, 32, 64)"). With that line
-written ``torch.einsum("bnsd->bsnd", o).clone(memory_format=torch.contiguous_format).reshape(...)``
-(the same values) the graph imports; differentiating and compiling it then did not finish within
-600 s on a 2-core machine. ``tests/contract`` records this (xfail); the runbook (step 7e) has the
-hardware steps. The switch stays off by default.
-"""
+:func:`install_compiled_layers` compiles each decoder layer's forward and backward as two graphs (functional
+layer -> ``DfgModule.from_module`` -> ``build_autograd_from_module``) and registers their outputs and saved
+tensors with the backend's ledger. Not yet working on furiosa-torch 2026.4.0 (``tests/contract`` xfail);
+the steps and their status: docs/furiosa.md."""
 from __future__ import annotations
 
 import types
@@ -79,19 +50,11 @@ def _furiosa_builders() -> tuple[Callable, Callable]:  # pragma: no cover - need
 
 def install_compiled_layers(module: torch.nn.Module, track: Callable[[torch.Tensor], Any],
                             builders: Optional[tuple[Callable, Callable]] = None) -> int:
-    """Make every decoder layer of ``module`` (a :class:`~npu_train.model.llama.StageModule`,
-    ``module.model.layers``) run as one compiled forward and one compiled backward graph.
+    """Make every decoder layer of ``module`` (a ``StageModule`` on the card) run as one compiled
+    forward and one compiled backward graph; returns the number of layers switched.
 
-    Args:
-        module: the stage module on the card.
-        track: the backend's ``track`` (counts a device tensor's storage once).
-        builders: ``(dfg_from_module, build_autograd)``; default furiosa-torch's (module
-            docstring). Tests pass stand-ins.
-
-    Returns:
-        The number of layers switched. The graphs are built at the first call of each input shape
-        (the warm-up), once per stage and shape.
-    """
+    ``track``: the backend's ``track``; ``builders``: ``(dfg_from_module, build_autograd)``, furiosa-torch's
+    by default (tests pass stand-ins). Graphs are built at the first call per input shape."""
     dfg_from_module, build_autograd = builders or _furiosa_builders()
     layers = list(module.model.layers.values())
     cache: dict = {}

@@ -1,8 +1,5 @@
-"""Backend registry: one backend entry (``cpu``, ``cuda:N``, ``furiosa:N``) -> its :class:`Backend` class.
-
-The only module of the package that knows every concrete backend; ``base.py`` (the interface) imports
-none of them, so there is no import circle inside ``backends/``.
-"""
+"""Backend registry: a backend entry (``cpu``, ``cuda:N``, ``furiosa:N``) -> its :class:`Backend` class.
+The only module that knows every concrete backend (``base.py`` imports none)."""
 from __future__ import annotations
 
 from typing import Union
@@ -12,12 +9,8 @@ from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend
 
 
 def make_backend(req: Union["CardRequest", str], **kwargs) -> Backend:
-    """Build the backend for one resolved card request (``index`` set for cuda/furiosa).
-
-    ``req`` may also be a single backend entry string (``"cpu"``, ``"cuda:0"``, ``"furiosa:1"``).
-    Extra keyword arguments go to the backend class (e.g. ``num_fusion`` for furiosa).
-    Does not touch the device; call :meth:`Backend.setup` in the card's process.
-    """
+    """Build the backend for a resolved :class:`CardRequest` (or an entry string like ``"cuda:0"``);
+    extra keyword arguments go to the class. Touches no device: call :meth:`Backend.setup` in the card process."""
     if isinstance(req, str):
         reqs = parse_backend_list(req)
         if len(reqs) != 1:

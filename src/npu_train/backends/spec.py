@@ -1,16 +1,8 @@
 """Parsing and resolution of the ``backend`` list: which cards a job runs on, one process each.
 
-Entries (case-insensitive, whitespace ignored)::
-
-    cpu                       one CPU "card" (repeat it for several CPU stages: cpu,cpu)
-    cuda | cuda:auto          the first CUDA device not named elsewhere in the list
-    cuda:N                    CUDA device N
-    furiosa | furiosa:auto    the first RNGD card not named elsewhere in the list
-    furiosa:N                 RNGD card N (``rngd`` is an alias of ``furiosa``)
-
-:func:`parse_backend_list` checks the syntax only; :func:`resolve_cards` numbers the auto entries
-and, with ``probe=True``, checks that the devices exist on this machine.
-"""
+Entries (case-insensitive): ``cpu`` (repeat per CPU stage), ``cuda[:auto]`` / ``cuda:N``, ``furiosa[:auto]`` /
+``furiosa:N`` (alias ``rngd``). :func:`parse_backend_list` checks syntax; :func:`resolve_cards` numbers auto
+entries and, with ``probe=True``, checks the devices exist. Main type: :class:`CardRequest`."""
 
 from __future__ import annotations
 
@@ -27,12 +19,8 @@ _ENTRY_RE = re.compile(r"^(?P<kind>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<arg>.*))?$")
 
 @dataclass(frozen=True)
 class CardRequest:
-    """One entry of the backend list.
-
-    kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"``.
-    index: device index; ``None`` = auto (always ``None`` for cpu).
-    text: the entry as written (whitespace stripped), for messages.
-    """
+    """One backend-list entry: ``kind`` (``"cpu"``/``"cuda"``/``"furiosa"``), ``index`` (None = auto; always
+    None for cpu), ``text`` (as written, for messages)."""
 
     kind: str
     index: int | None
@@ -102,8 +90,7 @@ def parse_backend_list(value) -> list[CardRequest]:
     """Parse the backend list (list of strings, OmegaConf ListConfig, or ``"a,b,c"``).
 
     Raises :class:`BackendSpecError` for an empty list, an unknown kind, a malformed entry or the
-    same explicit device named twice.
-    """
+    same explicit device named twice."""
     reqs = [_parse_entry(e) for e in _as_entries(value)]
     seen: dict[tuple[str, int], tuple[int, str]] = {}
     for pos, r in enumerate(reqs, 1):
@@ -154,15 +141,11 @@ _LABEL = {"cuda": "CUDA", "furiosa": "RNGD"}
 
 
 def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> list[CardRequest]:
-    """Give every auto entry a concrete index: the lowest index of its kind not named elsewhere.
+    """Give every auto entry the lowest free index of its kind.
 
-    With ``probe=True`` also check that every device exists on this machine (cuda:
-    ``torch.cuda.device_count()``; furiosa: the ``/dev/rngd/npu<N>mgmt`` device nodes, see
-    :func:`npu_train.backends.furiosa.list_rngd_cards`) and raise
-    :class:`~npu_train.backends.base.BackendUnavailableError` when a kind's runtime is missing
-    altogether, :class:`BackendSpecError` when an index is out of range. With ``probe=False``
-    (dry-run planning on another machine) nothing is checked. cpu entries pass through.
-    """
+    With ``probe=True`` check the devices exist (``torch.cuda.device_count()``; ``/dev/rngd/npu<N>mgmt``):
+    :class:`~npu_train.backends.base.BackendUnavailableError` when a kind's runtime is missing,
+    :class:`BackendSpecError` for an index out of range. ``probe=False`` (dry-run plans) checks nothing."""
     reqs = list(requests)
     if not reqs:
         raise BackendSpecError(f"backend list is empty: {_VALID}")

@@ -1,28 +1,11 @@
-"""Chat and prompt/completion data: rendering with the model's chat template and label masks.
+"""Chat and prompt/completion rows (JSONL) rendered with the model's chat template, with label masks.
 
-Row formats (JSONL, one object per line; ``data.format``):
-
-* ``chat``: ``{"messages": [{"role": "system"|"user"|"assistant", "content": str}, ...]}`` with at
-  least one assistant message;
-* ``prompt_completion``: ``{"prompt": str, "completion": str}``, treated as the conversation
-  ``[user: prompt, assistant: completion]`` when the model has a chat template, else as the
-  plain text ``prompt + completion`` followed by the EOS token.
-
-A conversation is rendered with the model's own chat template through transformers'
-``apply_chat_template`` (jinja2), tokenized without extra special tokens (the template writes
-them), and labelled: only the tokens of each assistant message's content and the end-of-turn
-token that closes it are trained; system, user, role headers and the template's other text get
-``IGNORE_INDEX``.
-
-Finding the assistant tokens: when the template has ``{% generation %}`` markers, transformers'
-``return_assistant_tokens_mask`` gives them (plus the end-of-turn token, see below). Otherwise
-(the embedded SmolLM2 template and most stock templates) each assistant message ``i`` is located
-by rendering the conversation prefix ``messages[:i]`` with the generation prompt (``P``) and
-``messages[:i+1]`` (``T``): the full rendering must start with ``T`` and ``T`` with ``P``; the
-message's content is searched in ``T[len(P):]``, and the end-of-turn token is the first special
-token after the content inside that span. A row where either cannot be found is an error naming
-the row: it is never silently all-masked or all-trained.
-"""
+``chat``: ``{"messages": [{"role", "content"}, ...]}`` (at least one assistant message); ``prompt_completion``:
+``{"prompt", "completion"}`` (a user/assistant pair, or plain text + EOS without a template). Only each
+assistant message's content and its end-of-turn token are trained. The tokens come from the template's
+``{% generation %}`` markers, else by rendering the prefixes ``messages[:i]`` (with generation prompt) and
+``messages[:i+1]`` and finding the content between them; a row where that fails is an error naming it.
+Main type: :class:`ChatRenderer`."""
 from __future__ import annotations
 
 import json
@@ -110,12 +93,9 @@ def row_messages(obj, fmt: str, where: str) -> list[dict]:
 
 
 def read_rows(spec: str, fmt: str) -> list[tuple[list[dict], str]]:
-    """``[(messages, "file:line"), ...]`` of a chat / prompt_completion source, in file order.
-
-    ``spec``: a built-in name (:data:`BUILTIN_CHAT_SOURCES`), a ``.jsonl`` file or a directory of
-    them (sorted path order). Raises ``FileNotFoundError`` / :class:`DataError` (one line naming
-    the file and line).
-    """
+    """``[(messages, "file:line"), ...]`` of a chat / prompt_completion source in file order: a built-in name
+    (:data:`BUILTIN_CHAT_SOURCES`), a ``.jsonl`` or a directory of them. Raises FileNotFoundError /
+    :class:`DataError`."""
     if spec in BUILTIN_CHAT_SOURCES:
         ref = resources.files("npu_train.data").joinpath("assets", BUILTIN_CHAT_SOURCES[spec])
         with resources.as_file(ref) as p:
@@ -136,15 +116,8 @@ def read_rows(spec: str, fmt: str) -> list[tuple[list[dict], str]]:
 
 # ------------------------------------------------------------------------------- rendering
 class ChatRenderer:
-    """Renders conversations with a chat template and labels the assistant tokens.
-
-    Args:
-        tokenizer: a ``tokenizers.Tokenizer`` (the model's).
-        template: the Jinja chat template (``npu_train.model.chat_template``), or None (then only
-            ``prompt_completion`` works, as plain text).
-        bos_token / eos_token: strings the template may use (``npu_train.model.special_tokens``).
-        eos_id: EOS token id appended after plain-text completions.
-    """
+    """Renders conversations with the Jinja chat ``template`` (None: only plain-text prompt_completion)
+    through ``tokenizer`` and labels the assistant tokens; ``eos_id`` ends plain-text completions."""
 
     def __init__(self, tokenizer, template: Optional[str], bos_token: Optional[str] = None,
                  eos_token: Optional[str] = None, eos_id: Optional[int] = None):

@@ -1,19 +1,8 @@
-"""Fixed-length packing of a tokenized text source into train / validation rows.
+"""Fixed-length packing of a tokenized text source into train / validation rows (:class:`PackedData`).
 
-The documents of a text source (see ``text.read_documents``) are tokenized without
-special tokens and concatenated into one token stream, with ``eos_id`` between
-documents when it is given (without it, documents are joined by a blank line before
-tokenizing). The stream is cut into non-overlapping rows of ``seq_len + 1`` tokens (the
-tail that does not fill a row is dropped); for a row, ``input_ids = row[:-1]`` and
-``labels = row[1:]``. The last ``val_fraction`` of rows (at least one when
-``val_fraction > 0``) are held out for validation, so train and validation never share
-a token position.
-
-The packed result is cached as safetensors in ``cache_dir`` under a key that covers the
-text, the tokenizer (its full serialization), ``seq_len``, ``val_fraction`` and
-``eos_id``, so a second call (for example by another worker process) loads the file
-instead of re-tokenizing.
-"""
+Documents are tokenized, joined with ``eos_id`` (or a blank line) into one stream and cut into rows of
+``seq_len + 1`` tokens (tail dropped); ``input_ids = row[:-1]``, ``labels = row[1:]``. The last
+``val_fraction`` of rows is validation. Cached as safetensors keyed by text, tokenizer and settings."""
 
 from __future__ import annotations
 
@@ -48,13 +37,9 @@ _CHUNK_CHARS = 32_768
 class PackedData:
     """Packed token rows. ``train``/``val``: ``[N, seq_len + 1]`` int64.
 
-    ``n_tokens`` is the length of the full token stream (including inter-document EOS
-    tokens) before the tail that does not fill a row was dropped (chat data: the number of
-    real, unpadded tokens). ``fingerprint`` is the cache key (hex sha256) of the inputs that
-    produced the data. ``train_labels``/``val_labels`` (chat / prompt_completion data only):
-    ``[N, seq_len + 1]`` int64 aligned with the rows, the row's token where it is trained and
-    ``IGNORE_INDEX`` elsewhere; ``None`` for text data (every token is a target).
-    """
+    ``n_tokens``: stream length before the tail was dropped (chat: unpadded tokens); ``fingerprint``: hex
+    sha256 cache key; ``train_labels``/``val_labels``: same shape, ``IGNORE_INDEX`` where not trained
+    (chat data only; None for text)."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -162,11 +147,10 @@ PACKED_MARGIN_BYTES = 1 << 20
 
 
 def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> Path:
-    """Write ``data`` to ``path`` atomically (temp file + rename; safe with concurrent writers).
+    """Write ``data`` to ``path`` atomically (temp file + rename).
 
-    Raises :class:`DataError` (nothing left behind) when the filesystem has less free space than the
-    tensors' bytes + :data:`PACKED_MARGIN_BYTES`, checked before writing, or runs out during the write;
-    the message names the directory, the sizes and ``where`` (which setting moves it, e.g. ``TMPDIR``)."""
+    Raises :class:`DataError` (nothing left behind) when the free space is below the tensors' bytes +
+    :data:`PACKED_MARGIN_BYTES` or runs out; the message names ``where`` (the setting that moves it)."""
     import shutil
 
     from npu_train.errors import out_of_space
@@ -273,12 +257,8 @@ def build_packed_data(
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
 ) -> PackedData:
-    """Tokenize and pack ``text_spec`` (see ``text.read_text_source``) into rows.
-
-    ``tokenizer`` is a ``tokenizers.Tokenizer``. With ``cache_dir`` the result is
-    loaded from / saved to ``packed_cache_path(cache_dir, fingerprint)``. With
-    ``vocab_size`` every token id is checked to be ``< vocab_size``.
-    """
+    """Tokenize and pack ``text_spec`` into rows, through ``cache_dir`` when given; with ``vocab_size``
+    every id is checked ``< vocab_size``."""
     seq_len = int(seq_len)
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} is too small; it must be at least 2")

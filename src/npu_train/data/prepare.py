@@ -1,10 +1,5 @@
-"""Job-side data preparation: the tokenized training data of a run (``data.*`` config keys).
-
-``data.format=text`` packs a text source into fixed-length rows (:mod:`npu_train.data.dataset`);
-``chat`` / ``prompt_completion`` render JSONL rows with the model's chat template and give one
-padded, label-masked sample per sequence (:mod:`npu_train.data.sft`). Either way the result is a
-:class:`~npu_train.data.dataset.PackedData` cached under ``npu_train.env.cache_dir("data")``.
-"""
+"""Job-side data preparation (``data.*`` keys): :func:`prepare_data` returns the run's
+:class:`~npu_train.data.dataset.PackedData` (text: packed rows; chat / prompt_completion: one padded sample per row)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -18,18 +13,10 @@ __all__ = ["prepare_data"]
 
 
 def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print):
-    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached, and return the ``PackedData``.
+    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached under ``cache_dir("data")``.
 
-    Args:
-        cfg: the run config (``cfg.data.{source, format, truncation, seq_len, val_fraction}``,
-            ``cfg.model.tokenizer``).
-        model_path: the resolved model path (HF directory or GGUF file).
-        model_cfg: its ``LlamaConfig`` (``eos_token_id``, ``vocab_size``).
-        log: where the sample counts of chat data are printed.
-
-    Raises :class:`DataError` (a ``UserError``) for bad data or an unknown ``data.format`` /
-    ``data.truncation``, and ``FileNotFoundError`` for a missing source.
-    """
+    ``model_cfg`` gives ``eos_token_id`` and ``vocab_size``; ``log`` gets chat sample counts. Raises
+    :class:`DataError` for bad data or an unknown ``data.format`` / ``data.truncation``, FileNotFoundError."""
     from npu_train.model import chat_template, load_tokenizer, resolve_model_path, special_tokens
 
     d = cfg.data

@@ -1,25 +1,9 @@
-"""Seeded, resumable sampler whose output is a pure function of the step number.
+"""Seeded, resumable sampler (:class:`StepSampler`) whose output is a pure function of the step number.
 
-Epoch ``e`` visits the training rows in the order
-``torch.randperm(n_sequences, generator=torch.Generator().manual_seed(seed + e))``.
-Optimizer step ``k`` consumes the next ``micro_batch * micro_batches * dp_size``
-indices (the *global batch*) of that stream; data-parallel rank ``r`` takes the
-``r``-th contiguous block of ``micro_batch * micro_batches`` of them, cut into
-``micro_batches`` micro-batches of ``micro_batch`` indices.
-
-Epoch boundaries: when the global batch fits in an epoch, each epoch yields
-``n_sequences // global_batch`` whole steps and the remaining
-``n_sequences % global_batch`` indices of its permutation are dropped, so a step never
-straddles two epochs (and never repeats a row). When the global batch is larger than
-the data set (allowed: rows are then reused), each epoch yields
-``n_sequences // micro_batch`` whole micro-batches (the remainder is dropped) and a
-step takes micro-batches from consecutive epochs; a single micro-batch never straddles
-an epoch, so it never contains the same row twice.
-
-Because nothing depends on history, any process calling ``micro_batches_for_step(k)``
-gets the same indices, and resuming needs only the step number (plus a check that
-``state_dict()`` matches, see ``load_state_dict``).
-"""
+Epoch ``e`` visits rows in ``randperm(n, generator seeded seed + e)``; step ``k`` takes the next global batch
+(``micro_batch * micro_batches * dp_size`` indices), data-parallel rank ``r`` its ``r``-th block. A step never
+straddles epochs (leftover indices dropped) unless the global batch exceeds the data set; a micro-batch never
+does. Resuming needs only the step number."""
 
 from __future__ import annotations
 
@@ -116,14 +100,8 @@ class StepSampler:
         return {k: getattr(self, k) for k in _STATE_KEYS}
 
     def load_state_dict(self, state: dict) -> None:
-        """Check that a checkpointed sampler state matches this sampler.
-
-        The sampler is stateless by position, so nothing is restored; a mismatch means
-        the resumed run would see a different data order and raises ``ValueError``.
-        The data order depends on ``micro_batches * dp_size`` (micro-batches per global
-        step), not on each factor: a run may resume with another data-parallel size
-        when the global batch is kept (dp=2, accum=4 -> dp=1, accum=8).
-        """
+        """Check a checkpointed sampler state; ``ValueError`` when the data order would differ.
+        The order depends on ``micro_batches * dp_size`` only, so dp may change if that product stays."""
         missing = [k for k in _STATE_KEYS if k not in state]
         if missing:
             raise ValueError(f"sampler state is missing {missing}; the checkpoint is incomplete or not from npu-train")

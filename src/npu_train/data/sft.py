@@ -1,19 +1,8 @@
-"""Supervised fine-tuning data (``data.format=chat|prompt_completion``): one sample per row.
+"""Supervised fine-tuning data (``data.format=chat|prompt_completion``): one sample per row, no packing.
 
-Packing is off: every row (a conversation, see :mod:`npu_train.data.chat`) becomes one sequence
-of ``seq_len + 1`` tokens, right-padded with ``pad_id`` (labels ``IGNORE_INDEX`` there), so no
-sample attends to another. ``input_ids = row[:-1]``; the targets are ``labels_row[1:]``.
-
-Rows longer than ``seq_len + 1`` tokens follow ``data.truncation``:
-
-* ``drop`` (default): the row is left out;
-* ``truncate``: its first ``seq_len + 1`` tokens are kept.
-
-A row left with no trained target token (e.g. the answer was cut off by truncation) is dropped
-too, so every sequence has at least one target and a step's token count is never zero. The
-counts are printed. The last ``val_fraction`` of the sequences (at least one when > 0) are the
-validation split, as for text data.
-"""
+Each rendered row becomes ``seq_len + 1`` tokens right-padded with ``pad_id`` (labels ``IGNORE_INDEX``).
+Longer rows follow ``data.truncation`` (``drop``, default, or ``truncate``); rows left without a trained token
+are dropped. The last ``val_fraction`` of samples is validation. Start at :func:`build_sft_data`."""
 from __future__ import annotations
 
 import hashlib
@@ -52,12 +41,9 @@ def sft_fingerprint(rows: list, fmt: str, renderer: ChatRenderer, seq_len: int, 
 def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, val_fraction: float = 0.05,
                    truncation: str = "drop", pad_id: int = 0, cache_dir: str | os.PathLike | None = None,
                    vocab_size: Optional[int] = None, log: Callable[[str], None] = print) -> PackedData:
-    """Read, render, label and pad the rows of ``spec`` into a :class:`PackedData` with labels.
-
-    Returns ``train``/``val`` ``[N, seq_len + 1]`` int64 token rows and ``train_labels``/``val_labels``
-    of the same shape. Raises :class:`DataError` for bad rows (naming file and line), an unknown
-    ``truncation``, ids outside ``vocab_size``, or fewer than 2 usable rows.
-    """
+    """Read, render, label and pad the rows of ``spec`` into a :class:`PackedData` with labels
+    (``[N, seq_len + 1]`` int64). Raises :class:`DataError` for bad rows (naming file and line), an unknown
+    ``truncation``, ids outside ``vocab_size``, or fewer than 2 usable rows."""
     if truncation not in TRUNCATION:
         raise DataError(f"data.truncation={truncation!r}: use one of {list(TRUNCATION)}")
     seq_len = int(seq_len)

@@ -1,16 +1,6 @@
-"""Training text sources.
-
-``read_text_source(spec)`` turns a ``data.source`` config value into text:
-
-* ``"botchan"`` -- the embedded public-domain novel *Botchan* (Project Gutenberg
-  #8868, see ``assets/SOURCE.md``), Gutenberg header/footer stripped;
-* a ``.txt`` file -- its contents (strict UTF-8; a leading BOM is dropped);
-* a ``.jsonl`` file -- one JSON object per line, each with a string ``"text"`` field;
-* a directory -- every ``*.txt`` / ``*.jsonl`` file below it, in sorted path order.
-
-``read_documents(spec)`` returns the same content as a list of documents (one per
-file / jsonl line) so the packer can put an EOS token between them.
-"""
+"""Training text sources: ``"botchan"`` (the shipped Project Gutenberg #8868, header/footer stripped), a
+``.txt`` (strict UTF-8), a ``.jsonl`` of ``{"text": ...}``, or a directory of them (sorted). Start at
+:func:`read_text_source` / :func:`read_documents`."""
 
 from __future__ import annotations
 
@@ -48,14 +38,8 @@ class DataError(UserError, ValueError):
 
 
 def strip_gutenberg(text: str) -> str:
-    """Remove a Project Gutenberg header and footer (and a leading BOM).
-
-    Everything up to and including the ``*** START OF ... ***`` line and everything
-    from the ``*** END OF ... ***`` line on is dropped, and the result is stripped of
-    surrounding whitespace; a trailing "End of Project Gutenberg's ..." line just before
-    the end marker is dropped too. A text without the markers is returned unchanged (apart
-    from the BOM).
-    """
+    """Remove a Project Gutenberg header and footer (the ``*** START/END OF ... ***`` markers) and a
+    leading BOM; a text without the markers is returned unchanged."""
     if text.startswith("\ufeff"):
         text = text[1:]
     start = _START_RE.search(text)
@@ -136,11 +120,8 @@ def _read_file(path: Path) -> list[str]:
 
 
 def read_documents(spec: str) -> list[str]:
-    """The documents named by ``spec`` (see module doc), in a deterministic order.
-
-    Raises ``FileNotFoundError`` for a missing path and ``DataError`` for unreadable or
-    empty data. Empty documents are dropped; whitespace is otherwise kept verbatim.
-    """
+    """The documents of ``spec`` (one per file / JSONL line), empty ones dropped, in a fixed order.
+    Raises FileNotFoundError, ``DataError`` for unreadable or empty data."""
     spec = str(spec)
     if spec in BUILTIN_SOURCES:
         docs = [botchan_text()]

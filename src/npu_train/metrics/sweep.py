@@ -1,30 +1,10 @@
 """Hydra multirun sweeps: the concurrency check before the jobs start and the summary after them.
 
-``python launch/run.py -m train.lr=1e-4,3e-4`` runs one job per value. ``conf/config.yaml``
-selects the ``hydra-joblib-launcher`` plugin (``hydra/launcher=joblib``: jobs run in parallel
-worker processes) and registers :class:`SweepCallback` under ``hydra.callbacks``.
-
-Before any job starts (``on_multirun_start``) the callback composes every job's config and asks
-the planner (a hook installed by ``launch/run.py``, see :data:`needs_hook`) what each job needs:
-
-- cores: one per card process (each card process runs its own compute loop);
-- host RAM: the plan's host bytes (offloaded fp32 masters + moments; all of a cpu card's state);
-- cards: the resolved accelerator cards (``furiosa:N``, ``cuda:N``; ``auto`` entries resolve to
-  the lowest free index of the job's own list, so two jobs with ``furiosa:auto`` use card 0 both).
-
-``hydra.launcher.n_jobs=-1`` (the default, "auto") becomes the largest concurrency that fits:
-``min(jobs, cores // max cores per job, available RAM // max RAM per job)``, and 1 if any two jobs
-name the same accelerator card (joblib hands the next job to whichever worker is free, so any two
-jobs of a sweep may overlap). An explicit ``n_jobs`` > 1 that does not fit is rejected with
-:class:`SweepError` (one line naming the fix, e.g. ``hydra.launcher.n_jobs=1``), before any job starts.
-The figure is pinned into the sweep's Hydra overrides (:func:`pin_concurrency`), so every job's
-config says how many jobs run at once and the job divides the cores by it (:func:`job_threads`).
-
-After the sweep (``on_multirun_end``) it reads every job directory (``.hydra/overrides.yaml``,
-``status.json`` written by ``launch/run.py``, ``summary.json``/``metrics.jsonl``/``eval.jsonl`` of
-:mod:`npu_train.metrics.report`) and writes ``summary.md``, ``summary.csv`` and ``loss_curves.png``
-into the sweep directory, and prints the table. :func:`exit_status` gives the sweep's exit status.
-"""
+:class:`SweepCallback` (registered in ``conf/config.yaml``; jobs run through ``hydra-joblib-launcher``) asks the
+planner what each job needs (:class:`JobNeeds`: cores, host RAM, accelerator cards) and picks ``n_jobs``
+(:func:`check_concurrency`; :class:`SweepError` for an explicit value that does not fit), pinned into every
+job's overrides (:func:`pin_concurrency`, :func:`job_threads`). After the sweep it writes ``summary.md``,
+``summary.csv`` and ``loss_curves.png``; :func:`exit_status` gives the sweep's exit status."""
 from __future__ import annotations
 
 import csv
@@ -47,13 +27,8 @@ class SweepError(UserError):
 
 @dataclass
 class JobNeeds:
-    """What one job of a sweep takes from the host while it runs.
-
-    Args:
-        card_procs: card processes (one OS process, and at least one core, each).
-        accel_cards: resolved accelerator card names, e.g. ``["furiosa:0", "furiosa:1"]`` (cpu excluded).
-        host_bytes: host RAM in bytes the plan predicts for the job (0 = unknown).
-    """
+    """What one sweep job takes from the host: ``card_procs`` (processes, a core each), ``accel_cards``
+    (e.g. ``["furiosa:0"]``, cpu excluded), ``host_bytes`` (the plan's host RAM; 0 = unknown)."""
 
     card_procs: int
     accel_cards: list[str] = field(default_factory=list)
@@ -84,21 +59,10 @@ def host_available_ram() -> int:
 
 
 def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, ram_bytes: int) -> int:
-    """Concurrent jobs for a sweep: the requested ``n_jobs`` if it fits, the largest that fits for -1.
+    """Jobs to run at once (>= 1): ``n_jobs`` if it fits, the largest that fits for ``n_jobs`` < 1.
 
-    Args:
-        needs: one entry per job (None = the job is invalid and fails on its own; not counted).
-        n_jobs: ``hydra.launcher.n_jobs``; -1 (or any value < 1) = auto.
-        cores: host cores (:func:`host_cores`).
-        ram_bytes: available host RAM in bytes (:func:`host_available_ram`).
-
-    Returns:
-        the number of jobs to run at once (>= 1).
-
-    Raises:
-        SweepError: an explicit ``n_jobs`` > 1 would oversubscribe cores or RAM, or let two jobs share
-        an accelerator card.
-    """
+    ``needs``: per job (None: invalid, not counted); ``cores``; ``ram_bytes``: available RAM. Raises
+    :class:`SweepError` when an explicit ``n_jobs`` > 1 oversubscribes cores or RAM or shares a card."""
     valid = [n for n in needs if n is not None]
     total = max(1, len(needs))
     if not valid:
@@ -138,10 +102,8 @@ def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, 
 
 
 def pin_concurrency(hydra_overrides: list[str], jobs_at_once: int) -> list[str]:
-    """The sweep's Hydra overrides with ``hydra.launcher.n_jobs=<jobs_at_once>`` in place of any
-    ``n_jobs`` the user gave. Hydra composes every job's config anew from these overrides
-    (``load_sweep_config``), so this is how a job learns the concurrency the sweep worked out
-    (``-1`` = auto otherwise reaches it unchanged)."""
+    """The sweep's overrides with ``hydra.launcher.n_jobs=<jobs_at_once>`` replacing the user's: how
+    each job learns the sweep's concurrency."""
     import re
 
     keep = [o for o in hydra_overrides if not re.match(r"^[+~]{0,2}hydra\.launcher\.n_jobs(=|$)", str(o))]
@@ -149,17 +111,8 @@ def pin_concurrency(hydra_overrides: list[str], jobs_at_once: int) -> list[str]:
 
 
 def job_threads(backend: Any, jobs_at_once: int, cores: int) -> Optional[int]:
-    """torch threads per card process of one sweep job with ``runtime.threads`` unset.
-
-    Args:
-        backend: the job's card list (``["cpu", "cpu"]``) or one card name.
-        jobs_at_once: how many of the sweep's jobs run at the same time (its pinned ``n_jobs``).
-        cores: host cores (:func:`host_cores`).
-
-    Returns:
-        ``max(1, cores // (jobs_at_once x cpu cards of the job))`` (at least one cpu card counted),
-        or None when the job runs alone (``jobs_at_once <= 1``: the job's own rule applies).
-    """
+    """Threads per card process of one sweep job with ``runtime.threads`` unset:
+    ``max(1, cores // (jobs_at_once * cpu cards))``, or None when ``jobs_at_once <= 1``."""
     if jobs_at_once <= 1:
         return None
     cards = [backend] if isinstance(backend, str) else list(backend)

@@ -1,21 +1,10 @@
-"""Per-action timeline of the pipeline (``runtime.trace=true``).
+"""Per-action timeline of the pipeline (``runtime.trace=true``): ``trace.json`` and the idle summary.
 
-Each card process records, for every action of a step's schedule, ``(kind, micro, t_start, t_ready,
-t_done, t_end)`` (:attr:`npu_train.pipeline.stage.StageRunner.trace`; ``time.perf_counter`` seconds, which is
-CLOCK_MONOTONIC on Linux and so comparable across the card processes of one host), followed by the
-step's phases ``tied`` (the tied-embedding exchange), ``collectives`` (from the schedule's end to the
-known global grad norm: tied exchange, replica all-reduce, grad-norm/loss all-reduce, including the
-wait for the slowest stage) and ``optimizer``. ``t_start`` to ``t_ready`` is the wait for the
-neighbour's tensor, ``t_ready`` to ``t_done`` the compute, ``t_done`` to ``t_end`` the send.
-
-:class:`TraceWriter` turns them into ``trace.json`` in the Chrome trace event format (the JSON array
-form, one event per line, written as the steps arrive, so a crashed run leaves a readable file; see
-"Trace Event Format", Google, 2016: the closing ``]`` is optional), one track per card, viewable in
-Perfetto (https://ui.perfetto.dev) or ``chrome://tracing``. :func:`summarize` gives per card the
-seconds per step that the pipeline's idle time is made of, the table printed at the end of the run.
-Timelines of different hosts are not comparable (their monotonic clocks differ): multi-node runs
-write each node's cards on their own, with their own time base per host as recorded.
-"""
+Each card records per action ``(kind, micro, t_start, t_ready, t_done, t_end)`` in ``time.perf_counter`` seconds
+(:attr:`npu_train.pipeline.stage.StageRunner.trace`): wait, compute, send; then the phases ``tied``,
+``collectives`` and ``optimizer``. :class:`TraceWriter` writes Chrome trace events ("Trace Event Format",
+Google, 2016; open in Perfetto), one track per card; :func:`summarize` gives the end-of-run table. Clocks are
+comparable only within one host."""
 from __future__ import annotations
 
 import json
@@ -30,20 +19,11 @@ DEFERRED = "U"
 
 
 def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
-    """Chrome trace events (``ph: "X"``, microseconds from ``base`` seconds) of one step.
+    """Chrome trace events (``ph: "X"``, microseconds from ``base`` seconds) of the 1-based ``step``.
 
-    Args:
-        step: the 1-based optimizer step.
-        actions_by_rank: per rank, the card's list of ``(kind, micro, t_start, t_ready, t_done, t_end)``
-            (None: that card recorded nothing).
-        base: the perf_counter second that is ``ts = 0``.
-
-    Returns:
-        events: per action a ``wait`` event (when ``t_ready > t_start``), the action itself (``F3``,
-        ``B3``, ``W3``, ``E`` = early weight-gradient groups, ``U`` = :data:`DEFERRED`, or a phase
-        name) and a ``send`` event
-        (when ``t_end > t_done``); ``tid`` = rank.
-    """
+    ``actions_by_rank``: per rank the action list (None: nothing recorded). Per action a ``wait`` event (when
+    ``t_ready > t_start``), the action (``F3``, ``B3``, ``W3``, ``E``, ``U`` = :data:`DEFERRED`, or a phase)
+    and a ``send`` event (when ``t_end > t_done``); ``tid`` = rank."""
     ev = []
     for rank, acts in enumerate(actions_by_rank):
         for kind, micro, t0, t1, t2, t3 in acts or ():
@@ -58,25 +38,11 @@ def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
 
 
 def summarize(steps: list[list]) -> list[dict]:
-    """Where each card's step time goes, mean over the given steps (seconds per step).
+    """Where each card's step time goes, mean over ``steps`` (seconds per step).
 
-    Args:
-        steps: per step, per rank the card's action list (as in :func:`step_events`).
-
-    Returns:
-        per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "collectives_s",
-        "end_wait_s", "optimizer_s", "idle_share"}``. ``step_s``: from the earliest start of any card
-        to the latest end in that step (the job's step). ``start_wait_s``: the card's wait before
-        its first action is ready (the pipeline's fill, counted from the job's step start; also
-        anything between steps, e.g. a checkpoint save or an offloaded layer's host update the first
-        forward waits for); ``inner_wait_s``: the waits of its later actions; ``collectives_s``: the
-        collectives phase (tied-embedding exchange, replica all-reduce, grad-norm all-reduce; each
-        includes the wait for the slowest peer, which is most of it on one node); ``end_wait_s``:
-        after the card's optimizer until the job's step ends; ``compute_s``: the schedule's actions
-        from ready to end (compute + sends); ``idle_share``: ``1 - (compute_s + optimizer_s) / step_s``
-        (the collectives count as idle, as in metrics.jsonl's ``idle_share``); ``optimizer_s`` includes
-        the :data:`DEFERRED` actions.
-    """
+    Per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "collectives_s", "end_wait_s",
+    "optimizer_s", "idle_share"}``; ``start_wait_s`` is the pipeline fill, ``collectives_s`` includes waiting for
+    the slowest peer, ``idle_share = 1 - (compute_s + optimizer_s) / step_s``."""
     if not steps:
         return []
     n_rank = len(steps[0])
@@ -125,13 +91,8 @@ def format_summary(rows: list[dict], first_step: int, last_step: int, labels: Op
 
 
 class TraceWriter:
-    """Writes ``trace.json`` (Chrome trace events, JSON array form) as steps arrive.
-
-    Args:
-        path: the file (created or truncated).
-        ranks: per track (the launcher's reports, in order) the card's global rank: the track is
-            labelled ``"rank N"`` and the summary's row ``N``; None: the track's index.
-    """
+    """Writes ``trace.json`` (Chrome trace events, JSON array form, line by line as steps arrive) at
+    ``path``; ``ranks``: each track's global rank (None: its index)."""
 
     def __init__(self, path: str, ranks: Optional[list[int]] = None):
         self.path = path

@@ -1,10 +1,6 @@
 """Llama model: config, stage modules, and loading of HF / GGUF weights and tokenizers.
 
-Layout: ``config.py`` (LlamaConfig), ``llama.py`` (stage modules, loss, ``IGNORE_INDEX``),
-``files.py`` (ModelFormatError, paths, expected shapes), ``hf.py`` (config.json + safetensors),
-``gguf.py`` (GGUF reading, dequantization, q/k un-permute), ``weights.py`` (format dispatch,
-:func:`check_weights`), ``tokenizer.py`` (tokenizers, chat templates), ``presets.py``.
-"""
+Start at ``llama.py`` (``StageModule``) and ``weights.py`` (``load_config``, ``load_tensors``)."""
 import importlib
 
 #: public name -> submodule. Loaded on first use (PEP 562), so ``import npu_train.model.config``

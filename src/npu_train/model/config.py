@@ -1,18 +1,7 @@
-"""Llama architecture hyper-parameters, shared by the model, the loaders and the placement model.
+"""Llama architecture hyper-parameters (:class:`LlamaConfig`), shared by the model, loaders and planner.
 
-Parameter names used throughout npu-train follow the Hugging Face ``LlamaForCausalLM`` layout
-with *global* layer indices, so that checkpoints, resharding and HF export need no renaming:
-
-- ``model.embed_tokens.weight``                         [vocab, hidden]
-- ``model.layers.{i}.input_layernorm.weight``           [hidden]
-- ``model.layers.{i}.self_attn.{q,k,v,o}_proj.weight``  q/o: [heads*head_dim, hidden] / [hidden, heads*head_dim];
-                                                        k/v: [kv_heads*head_dim, hidden]
-- ``model.layers.{i}.post_attention_layernorm.weight``  [hidden]
-- ``model.layers.{i}.mlp.{gate,up}_proj.weight``        [intermediate, hidden]
-- ``model.layers.{i}.mlp.down_proj.weight``             [hidden, intermediate]
-- ``model.norm.weight``                                 [hidden]
-- ``lm_head.weight``                                    [vocab, hidden] (absent from files when tied)
-"""
+Parameter names are HF ``LlamaForCausalLM``'s with *global* layer indices (``model.layers.{i}.*``), so
+checkpoints, resharding and HF export need no renaming; :meth:`LlamaConfig.param_shapes` gives their shapes."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -23,24 +12,9 @@ from typing import Any, Optional
 class LlamaConfig:
     """Shape and numerics of a Llama-family decoder (HF ``LlamaConfig`` subset).
 
-    Attributes:
-        vocab_size: number of token ids.
-        hidden_size: model width H.
-        intermediate_size: SwiGLU inner width.
-        num_layers: number of decoder layers L.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (grouped-query attention when < num_heads).
-        head_dim: per-head width (default hidden_size // num_heads).
-        rope_theta: RoPE base frequency.
-        rope_scaling: ``None`` or the HF ``rope_scaling`` dict of Llama-3
-            (``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-            "original_max_position_embeddings"}``).
-        rms_norm_eps: RMSNorm epsilon.
-        max_position_embeddings: longest supported sequence, tokens.
-        tie_word_embeddings: output projection shares the input embedding matrix.
-        bos_token_id / eos_token_id: special ids (informational).
-        name: human-readable model name for plans and logs.
-    """
+    ``rope_scaling``: None or HF's Llama-3 dict (``rope_type``, ``factor``, ``low_freq_factor``,
+    ``high_freq_factor``, ``original_max_position_embeddings``). ``head_dim`` defaults to hidden // heads;
+    ``max_position_embeddings`` in tokens; ``name`` is for plans and logs."""
 
     vocab_size: int
     hidden_size: int

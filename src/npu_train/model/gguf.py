@@ -1,14 +1,8 @@
 """GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, ``general.architecture == "llama"``).
 
-Read with ``gguf.GGUFReader``; quantised tensors are dequantised to fp32 with
-``gguf.quants.dequantize``.  llama.cpp stores ``attn_q``/``attn_k`` rows permuted for
-interleaved-pair RoPE; :func:`gguf_tensors` undoes it so the weights match the HF rotate-half
-layout used by :mod:`npu_train.model.llama` (same as transformers' ``LlamaTensorProcessor``).
-
-A card process reads its tensors through the launcher's tensor index instead
-(:func:`gguf_tensor_index`, carried by its ``WorkerSpec``): the reader parses the whole metadata
-section (a 49k-token vocabulary: ~5 s of CPU per process), the index is a few hundred offsets.
-"""
+Tensors are dequantised to fp32 (``gguf.quants.dequantize``); q/k rows are un-permuted from llama.cpp's
+interleaved RoPE layout to HF's rotate-half (:func:`gguf_unpermute`). Card processes read through the
+launcher's :func:`gguf_tensor_index` instead of parsing the metadata again."""
 from __future__ import annotations
 
 import functools
@@ -54,8 +48,7 @@ def _gguf_reader_cached(real: str, size: int, mtime_ns: int):
 
 
 def clear_gguf_cache() -> None:
-    """Drop the cached ``GGUFReader`` objects (memory-mapped file + parsed metadata, ~100 MB of
-    Python objects for a 49k-token vocabulary) once loading is done."""
+    """Drop the cached ``GGUFReader`` objects once loading is done."""
     _gguf_reader_cached.cache_clear()
 
 
@@ -77,10 +70,8 @@ def gguf_field(reader, key: str, default: Any = None) -> Any:
 
 
 def _gguf_model_name(reader, path: str) -> str:
-    """How messages name a GGUF model: the file's name without ``.gguf`` when it contains the model's
-    ``general.basename`` (``SmolLM2-135M-Instruct.Q4_1``: what the user passed and recognises; its
-    ``general.name`` is the training run's, ``Smollm2 135M 8k Lc100K Mix1 Ep2``), else ``general.name``
-    (a generic ``model.gguf``), else the file's name."""
+    """How messages name a GGUF model: the file's stem when it contains ``general.basename``,
+    else ``general.name``, else the file's name."""
     stem = os.path.basename(path)
     stem = stem[:-len(".gguf")] if stem.lower().endswith(".gguf") else stem
     base = str(gguf_field(reader, "general.basename") or "").strip().lower()
@@ -251,27 +242,18 @@ def hf_to_gguf_name(name: str) -> str:
 
 
 def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
-    """Undo llama.cpp ``permute(w, n_head)`` on a q/k projection [rows, cols].
-
-    llama.cpp: ``w.reshape(n_head, 2, rows//n_head//2, cols).swapaxes(1, 2)`` (rotate-half ->
-    interleaved pairs); inverse: ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)``.
-    """
+    """Undo llama.cpp's ``permute(w, n_head)`` on a q/k projection [rows, cols]:
+    ``w.reshape(n_head, rows//n_head//2, 2, cols).swapaxes(1, 2)`` (interleaved pairs -> rotate-half)."""
     rows, cols = w.shape
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
 def gguf_tensor_index(path: str) -> dict:
-    """The tensor table of the GGUF file ``path``, for a card process to read tensors without a
-    ``GGUFReader`` (:func:`gguf_tensors` with ``index=``).
+    """The tensor table of the GGUF file ``path``, for :func:`gguf_tensors` ``index=``.
 
-    Returns ``{"file": [realpath, size in bytes, mtime in ns]`` (:func:`file_key`), ``"byte_order":``
-    the reader's ``"I"`` (native) or ``"S"`` (swapped), ``"tensors": {GGUF name: {"type": GGML type
-    (int), "shape": [ne0, ne1, ...] (GGUF order, innermost first), "offset": absolute byte offset of
-    the data in the file, "n_bytes": data size in bytes}}}``: plain ints, strings and lists
-    (pickle/JSON-safe; ~100 bytes per tensor). Built from the cached, validated reader
-    (:func:`gguf_reader`: parses the file unless this process already did), so it raises
-    :class:`ModelFormatError` for a truncated or non-GGUF file.
-    """
+    Returns ``{"file": file_key(path), "byte_order": "I" | "S", "tensors": {GGUF name: {"type": GGML type,
+    "shape": [ne0, ...] (innermost first), "offset": absolute byte offset, "n_bytes": int}}}``: plain
+    JSON/pickle-safe values. Raises :class:`ModelFormatError` for a truncated or non-GGUF file."""
     r = gguf_reader(path)
     return {"file": list(file_key(path)), "byte_order": str(r.byte_order),
             "tensors": {t.name: {"type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
@@ -286,9 +268,8 @@ _PLAIN_GGML = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np
 
 
 class _IndexedTensor:
-    """A tensor of a :func:`gguf_tensor_index` with the fields of ``gguf.ReaderTensor`` that
-    :func:`gguf_tensors` reads: ``name``, ``tensor_type``, ``shape`` (GGUF order) and ``data``,
-    the same numpy view of the memory-mapped file that ``GGUFReader._build_tensors`` builds."""
+    """A :func:`gguf_tensor_index` entry with the ``gguf.ReaderTensor`` fields :func:`gguf_tensors`
+    reads (``name``, ``tensor_type``, ``shape``, ``data``: a numpy view of the memory map)."""
 
     def __init__(self, name: str, entry: dict, mm: np.ndarray, byte_order: str):
         from gguf import GGMLQuantizationType
@@ -309,9 +290,8 @@ class _IndexedTensor:
 
 
 def _index_tensors(path: str, index: Optional[dict]) -> Optional[dict]:
-    """``{GGUF name: _IndexedTensor}`` of ``index`` over one read-only memory map of ``path``, or
-    None when ``index`` is None or describes another version of the file (its ``file`` key is not
-    :func:`file_key` of ``path`` now: the file was replaced or touched since the launcher indexed it)."""
+    """``{GGUF name: _IndexedTensor}`` of ``index`` over a read-only memory map of ``path``; None
+    when ``index`` is None or its ``file`` key no longer matches ``path`` (the file changed)."""
     if index is None or tuple(index["file"]) != file_key(path):
         return None
     mm = np.memmap(index["file"][0], mode="r")  # the realpath; read-only, shared by the views
@@ -322,13 +302,9 @@ def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
                  index: Optional[dict] = None) -> dict[str, torch.Tensor]:
     """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file, dequantised to fp32.
 
-    q/k projections are un-permuted when ``unpermute``. ``index``: the file's
-    :func:`gguf_tensor_index` (built by the launcher): the tensors are then read at its offsets
-    without parsing the file's metadata; ignored (the file is parsed with ``GGUFReader``, as
-    without it) when the file's :func:`file_key` differs from the index's. Both give the same bits.
-    Raises :class:`ModelFormatError` for a missing tensor, wrong shape, unsupported GGML type or
-    a non-finite value.
-    """
+    q/k projections are un-permuted when ``unpermute``. ``index``: the file's :func:`gguf_tensor_index`
+    (read at its offsets; ignored when stale). Raises :class:`ModelFormatError` for a missing tensor,
+    wrong shape, unsupported GGML type or a non-finite value."""
     import gguf
 
     by_name = _index_tensors(path, index)

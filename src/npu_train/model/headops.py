@@ -1,33 +1,9 @@
-"""The last stage's head without its two extra passes over ``[N, V]`` tensors (cpu and cuda cards).
+"""The last stage's head without two extra passes over ``[N, V]`` tensors (cpu and cuda cards).
 
-On a cpu card the head dominates the last stage: for SmolLM2-135M (V = 49152, H = 576) at 128 tokens
-per micro-batch, one thread, the logits matmul takes ~68 ms, its two backward matmuls ~53 and 69-113 ms,
-the cross-entropy 22-24 ms, against ~29 ms for a decoder layer's forward + backward
-(experiments/2026-12-02-head.md). Two of those costs are not arithmetic:
-
-1. **Weight-gradient accumulation.** Autograd computes ``dW = g^T x`` into a fresh ``[V, H]`` tensor
-   (113 MB) and then adds it into ``.grad``: 84-89 ms against 66-68 ms for ``grad.addmm_(g^T, x)``, which
-   accumulates inside the matmul (same record). :class:`HeadLinear` routes the weight side through
-   :class:`HeadWeightGrad`, whose backward does the ``addmm_`` into the existing fp32 ``.grad`` and hands
-   that same tensor back to autograd with ``.grad`` cleared: the parameter's gradient accumulator
-   then takes it as is (torch steals a gradient it holds the only reference to) and runs the
-   post-accumulate hooks once per micro-batch, as for any parameter. Only when that accumulator runs
-   in this backward and nothing else must see the micro-batch's own gradient
-   (:func:`_accumulates_in_place`); otherwise the plain product. The input side is the plain
-   ``F.linear(x, W.detach())``. A zero-cost node (:class:`JoinGrad`) joins the two, so the
-   split backward (:mod:`npu_train.pipeline.backward`) sees an ordinary boundary node: its B pass
-   computes only ``g W`` and its W pass only the weight side.
-2. **Cross-entropy.** ``F.cross_entropy`` is ``log_softmax`` + ``nll_loss``; its backward writes a
-   dense one-hot gradient, then reads it back with the saved log-probabilities into a third tensor.
-   :func:`cross_entropy_sum` runs the same forward, and its backward turns the saved log-probabilities
-   into ``(softmax - onehot) * g`` in place (same record).
-
-Both equal the plain path to rounding (not bit for bit: the sum ``grad + g^T x`` is rounded once
-instead of twice, and the cross-entropy's gradient is ``(exp(lp) - 1) g`` at the label instead of
-``exp(lp) g - g``); the pipeline tests
-compare them with the single-process reference, which uses the plain path
-(``tests/integration/reference.py``).
-"""
+:class:`HeadLinear` accumulates the weight gradient inside the matmul (``grad.addmm_(g^T, x)``) instead of
+building ``dW`` and adding it; :func:`cross_entropy_sum` computes the cross-entropy backward in place on the
+saved log-probabilities. Both equal the plain torch path to rounding. Measurements:
+experiments/2026-12-02-head.md."""
 from __future__ import annotations
 
 import torch
@@ -43,11 +19,8 @@ IGNORE_INDEX = -100
 
 def _accumulates_in_place(grad, weight: torch.Tensor) -> bool:
     """Whether ``weight.grad`` (``grad``) can take ``g^T x`` by ``addmm_``: a dense contiguous fp32
-    accumulator of the weight's shape and device, no double backward, no tensor hook on the weight (it
-    must see this micro-batch's gradient, not the sum), and this backward runs the weight's gradient
-    accumulator (``backward()`` / ``autograd.backward(inputs=)``; not ``autograd.grad``, which returns the
-    gradient instead). A bf16 weight's ``.grad`` is folded into an fp32 accumulator and freed by a hook
-    after each micro-batch (``optim.adamw``), so it is ``None`` here and the plain product is returned."""
+    accumulator of the weight's shape and device, no double backward, no tensor hook on the weight, and
+    this backward runs the weight's accumulator (not ``autograd.grad``)."""
     if not (grad is not None and grad.dtype == torch.float32 and weight.dtype == torch.float32
             and grad.layout == torch.strided and not grad.is_sparse and grad.is_contiguous()
             and grad.shape == weight.shape and grad.device == weight.device and not torch.is_grad_enabled()):
@@ -64,13 +37,8 @@ def _accumulates_in_place(grad, weight: torch.Tensor) -> bool:
 
 
 class HeadWeightGrad(torch.autograd.Function):
-    """``HeadWeightGrad.apply(x, weight)``: the weight side of ``y = x W^T``.
-
-    Forward: a zero of ``y``'s shape ``[..., V]`` (a 0-stride view, no memory), to be joined with the
-    input side by :class:`JoinGrad`. ``x``: ``[..., H]``, detached (the input side differentiates it).
-    Backward: ``g [..., V]`` -> ``(None, dW [V, H])``; with a dense fp32 ``weight.grad`` already there
-    it adds ``g^T x`` into that tensor in place, clears ``weight.grad`` and returns the tensor itself,
-    which autograd's accumulator takes back without a copy (module docstring)."""
+    """``HeadWeightGrad.apply(x [..., H], weight [V, H])``: the weight side of ``y = x W^T``; forward a 0-stride
+    zero ``[..., V]``, backward adds ``dW`` in place into the fp32 ``weight.grad`` and hands that tensor back."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -92,9 +60,8 @@ class HeadWeightGrad(torch.autograd.Function):
 
 
 class JoinGrad(torch.autograd.Function):
-    """``JoinGrad.apply(y, z)``: ``y`` (as a view), with the gradient of the result passed to both ``y`` and
-    ``z`` unchanged (``z`` must have ``y``'s shape; its value is ignored). Costs nothing forward or
-    backward; it is the split backward's boundary node between the head's input and weight sides."""
+    """``JoinGrad.apply(y, z)``: ``y`` (a view); the result's gradient goes to both ``y`` and ``z``
+    (same shape). The split backward's boundary between the head's input and weight sides."""
 
     @staticmethod
     def forward(ctx, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -106,20 +73,9 @@ class JoinGrad(torch.autograd.Function):
 
 
 class HeadLinear(nn.Linear):
-    """``nn.Linear`` (no bias) for the LM head whose weight gradient accumulates inside the matmul.
-
-    ``forward(x [..., H]) -> [..., V]`` in ``x``'s dtype, the same values as ``nn.Linear``. With
-    :attr:`fused_grad` set (the trainer sets it on cpu and cuda cards:
-    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), grad mode on and a trained weight, the product's
-    two sides are separate autograd nodes (module docstring); otherwise it is ``nn.Linear.forward``.
-    The parameter is still ``weight`` and module hooks run as for ``nn.Linear``.
-
-    Limits of the fused path (the trainer meets none of them): no second-order gradient w.r.t. the
-    weight (``create_graph``: the input side sees ``W.detach()``); a reference to ``weight.grad`` kept
-    across micro-batches makes autograd copy the tensor back instead of taking it (correct, but that
-    reference then goes stale and the copy costs a pass); on a stage holding a tied embedding with
-    sparse rows, the rows and the head's sum meet in autograd's input buffer, which adds them into a
-    new tensor (one dense pass per micro-batch, values unchanged)."""
+    """``nn.Linear`` (no bias) for the LM head: ``forward(x [..., H]) -> [..., V]``. With :attr:`fused_grad` (set on
+    :data:`npu_train.hardware.FUSED_HEAD_KINDS`) and grad mode on, the weight gradient accumulates inside the
+    matmul; no second-order gradient w.r.t. the weight then."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)
@@ -133,9 +89,8 @@ class HeadLinear(nn.Linear):
 
 
 class _CrossEntropySum(torch.autograd.Function):
-    """Summed token cross-entropy of ``logits [N, V]`` (fp32) against ``labels [N]`` (int64): forward as
-    ``F.cross_entropy`` (``log_softmax`` + the picked log-probabilities), backward in place on the saved
-    log-probabilities (:func:`cross_entropy_sum`)."""
+    """Summed cross-entropy of ``logits [N, V]`` fp32 against ``labels [N]`` int64; backward in place
+    on the saved log-probabilities."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, has_ignored: bool) -> torch.Tensor:
@@ -161,16 +116,8 @@ class _CrossEntropySum(torch.autograd.Function):
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` with a one-pass backward.
-
-    Args:
-        logits: ``[N, V]`` fp32 (other float dtypes are upcast first).
-        labels: ``[N]`` int64; :data:`IGNORE_INDEX` marks positions that do not count.
-    Returns:
-        fp32 scalar: the summed loss in nats (differentiable w.r.t. ``logits`` when they require grad;
-        without grad mode or ``requires_grad`` it is ``F.cross_entropy``'s, and keeps no softmax).
-    Memory: while the graph lives it holds the log-probabilities ``[N, V]`` fp32, as ``F.cross_entropy`` does.
-    """
+    """``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` with a one-pass backward:
+    ``logits`` ``[N, V]`` fp32 (others upcast), ``labels`` ``[N]`` int64; returns the fp32 sum in nats."""
     logits = logits.float()
     if not (torch.is_grad_enabled() and logits.requires_grad):
         return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")

@@ -1,9 +1,5 @@
-"""HF safetensors checkpoints: ``config.json`` and ``model.safetensors`` (or sharded with
-``model.safetensors.index.json``), as written by transformers ``save_pretrained``.
-
-Tensors are returned as fp32 contiguous CPU tensors under HF parameter names; only the
-requested tensors are read.
-"""
+"""HF safetensors checkpoints (``config.json`` + ``model.safetensors`` or a sharded index), as written by
+transformers ``save_pretrained``. Tensors come back as fp32 CPU tensors under HF names; only requested ones are read."""
 from __future__ import annotations
 
 import json
@@ -24,11 +20,8 @@ _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 
 
 def hf_config(d: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` of the HF directory ``d`` (its ``config.json``).
-
-    Raises :class:`ModelFormatError` for a missing/invalid config.json, a non-Llama
-    architecture, missing required keys and unsupported features (biases, non-SiLU, RoPE type).
-    """
+    """The :class:`LlamaConfig` of the HF directory ``d``; :class:`ModelFormatError` for a missing or invalid
+    config.json, a non-Llama architecture, missing keys or unsupported features."""
     cfg_path = os.path.join(d, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(d) if f.lower().endswith(".gguf"))
@@ -154,18 +147,11 @@ def safetensors_index(d: str) -> tuple[dict[str, str], str]:
 
 
 def safetensors_walk(d: str, wanted: dict) -> Iterator[tuple[str, str, str, Any]]:
-    """Walk the safetensors shards of the HF directory ``d`` for ``wanted = {name: (stored_name, shape)}``,
-    one open shard at a time, checking each tensor from the file headers only (no tensor data read).
+    """Walk the shards of the HF directory ``d`` for ``wanted = {name: (stored_name, shape)}``, checking
+    each tensor from the headers only.
 
-    Yields ``(name, stored_name, shard path, open safe_open handle)`` for every wanted tensor that
-    is in its shard with ``shape``; the caller reads the data (``handle.get_tensor(stored_name)``)
-    only if it needs it. Used by the loader (:func:`safetensors_tensors`) and by the header check
-    before any card process starts (``model.weights.check_weights``), so both name the same error.
-
-    Raises :class:`ModelFormatError` (one line naming the tensor or file and the fix) for a tensor in
-    no shard, a shard listed in the index that is missing, a tensor absent from its shard, a wrong
-    shape, or an unreadable safetensors header.
-    """
+    Yields ``(name, stored_name, shard path, open safe_open handle)``. Raises :class:`ModelFormatError`
+    for a tensor in no shard, a missing shard, a wrong shape or an unreadable header."""
     from safetensors import safe_open
 
     where, source = safetensors_index(d)
@@ -196,12 +182,8 @@ def safetensors_walk(d: str, wanted: dict) -> Iterator[tuple[str, str, str, Any]
 
 
 def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
-    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d``.
-
-    Returns ``{name: fp32 contiguous CPU tensor}``. Raises :class:`ModelFormatError` for a
-    missing tensor or shard, a wrong shape (:func:`safetensors_walk`), or a non-finite value
-    (naming the tensor).
-    """
+    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d`` as fp32 contiguous CPU
+    tensors; :class:`ModelFormatError` as :func:`safetensors_walk`, or for a non-finite value."""
     out: dict[str, torch.Tensor] = {}
     for name, src, fp, f in safetensors_walk(d, wanted):
         t = f.get_tensor(src).to(torch.float32).contiguous()

@@ -1,20 +1,7 @@
-"""Pure-PyTorch Llama decoder, split into pipeline stages with HF parameter names.
+"""Pure-PyTorch Llama decoder split into pipeline stages (:class:`StageModule`) with HF parameter names.
 
-Numerics follow Hugging Face ``transformers/models/llama/modeling_llama.py``:
-
-- RMSNorm computed in fp32 and cast back, ``weight * x_normed.to(input_dtype)``;
-- RoPE in the "rotate_half" convention (first half / second half of each head are the
-  real / imaginary parts), optionally with Llama-3 frequency scaling (Llama 3 paper /
-  HF ``modeling_rope_utils._compute_llama3_parameters``) or linear position interpolation;
-- grouped-query causal attention (k/v heads repeated ``num_heads // num_kv_heads`` times,
-  ``torch.nn.functional.scaled_dot_product_attention(is_causal=True)``);
-- SwiGLU MLP ``down(silu(gate(x)) * up(x))``; no biases anywhere.
-
-Parameter names are the HF ``LlamaForCausalLM`` names with *global* layer indices (see
-:mod:`npu_train.model.config`), so a :class:`StageModule` holding layers ``[first, last)``
-exposes e.g. ``model.layers.{first}.self_attn.q_proj.weight`` directly from
-``named_parameters()``.  No ``transformers`` import here.
-"""
+Numerics follow transformers' ``modeling_llama.py``: fp32 RMSNorm, rotate-half RoPE (optional Llama-3 or
+linear scaling), grouped-query causal SDPA attention, SwiGLU MLP, no biases. No ``transformers`` import."""
 from __future__ import annotations
 
 import math
@@ -48,12 +35,8 @@ __all__ = [
 # RMSNorm
 # ----------------------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm (HF ``LlamaRMSNorm``).
-
-    ``y = weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``; the statistics are computed
-    in fp32 whatever the input dtype.  ``weight``: [hidden], initialised to ones.
-    Input/output: [..., hidden], output dtype = promote(weight.dtype, x.dtype) as in HF.
-    """
+    """RMS layer norm (HF ``LlamaRMSNorm``): ``weight * (x / sqrt(mean(x**2, -1) + eps)).to(x.dtype)``, statistics
+    in fp32. ``weight`` [hidden] (ones); output dtype ``promote(weight.dtype, x.dtype)`` as in HF."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -83,14 +66,8 @@ def _rope_type(scaling: Optional[dict]) -> str:
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     """Inverse RoPE frequencies, fp32 CPU tensor [head_dim // 2].
 
-    ``inv_freq[i] = rope_theta ** (-2i / head_dim)`` (RoFormer), then, when
-    ``cfg.rope_scaling`` is Llama-3 style (``rope_type == "llama3"``), the piecewise rescaling of
-    the Llama 3 paper, exactly as HF ``_compute_llama3_parameters``: wavelengths shorter than
-    ``original_max_position_embeddings / high_freq_factor`` are kept, those longer than
-    ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and the band
-    in between is interpolated with ``smooth = (orig / wavelen - low) / (high - low)``.
-    ``rope_type == "linear"`` divides all frequencies by ``factor`` (position interpolation).
-    """
+    ``rope_theta ** (-2i / head_dim)`` (RoFormer); ``rope_type == "llama3"`` applies the Llama 3 paper's
+    piecewise rescaling as HF ``_compute_llama3_parameters``; ``"linear"`` divides by ``factor``."""
     dim = int(cfg.head_dim)
     base = float(cfg.rope_theta)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
@@ -121,12 +98,8 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 def rope_cos_sin(cfg: LlamaConfig, seq_len: int, device=None, dtype=torch.float32):
-    """RoPE tables for positions ``0 .. seq_len-1``.
-
-    Returns ``(cos, sin)``, each [seq_len, head_dim] in ``dtype`` on ``device``; the angles are
-    computed in fp32 as HF ``LlamaRotaryEmbedding.forward`` does
-    (``emb = cat(pos * inv_freq, pos * inv_freq)``), i.e. rotate-half layout.
-    """
+    """RoPE tables ``(cos, sin)``, each [seq_len, head_dim] in ``dtype`` on ``device`` (angles in fp32,
+    rotate-half layout, as HF ``LlamaRotaryEmbedding``)."""
     inv_freq = rope_inv_freq(cfg).to(device=device)
     pos = torch.arange(seq_len, device=device, dtype=torch.int64).to(torch.float32)
     freqs = pos[:, None] * inv_freq[None, :]
@@ -148,11 +121,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Attention / MLP / decoder layer
 # ----------------------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases).
-
-    Submodules ``q_proj`` [heads*D, H], ``k_proj``/``v_proj`` [kv_heads*D, H],
-    ``o_proj`` [H, heads*D].  ``forward(h [B,S,H], cos, sin [S,D]) -> [B,S,H]``.
-    """
+    """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases): ``q_proj`` [heads*D, H],
+    ``k_proj``/``v_proj`` [kv_heads*D, H], ``o_proj`` [H, heads*D]; ``forward(h [B,S,H], cos, sin [S,D])``."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -197,15 +167,8 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm Llama decoder layer (HF ``LlamaDecoderLayer``).
-
-    ``state_dict()`` keys, in order: ``input_layernorm.weight``, ``self_attn.{q,k,v,o}_proj.weight``,
-    ``post_attention_layernorm.weight``, ``mlp.{gate,up,down}_proj.weight`` — the HF names
-    without the ``model.layers.{i}.`` prefix.
-
-    ``forward(h [B,S,H], cos [S,D], sin [S,D]) -> [B,S,H]`` (same dtype as ``h``):
-    ``h = h + attn(norm1(h)); h = h + mlp(norm2(h))``.
-    """
+    """One pre-norm Llama decoder layer (HF ``LlamaDecoderLayer``); state_dict keys are HF's without
+    the ``model.layers.{i}.`` prefix. ``forward(h [B,S,H], cos [S,D], sin [S,D]) -> [B,S,H]``."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -227,12 +190,8 @@ def stage_param_names(cfg: LlamaConfig, first: int, last: int, has_embed: bool,
                       has_head: bool) -> list[str]:
     """HF names of the parameters a stage owns, in ``named_parameters()`` order, without building it.
 
-    ``[model.embed_tokens.weight]`` (if ``has_embed``) + the 9 tensors of each global layer in
-    ``[first, last)`` + ``[model.norm.weight, lm_head.weight]`` (if ``has_head``).  On a tied
-    model a stage holding both embed and head owns the embedding only (``lm_head`` is the same
-    Parameter); a head-only stage of a tied model owns ``lm_head.weight``, which checkpoint files
-    do not contain: map it with :func:`checkpoint_source_name` (``load_tensors`` does so).
-    """
+    On a tied model a stage with both embed and head owns the embedding only; a head-only stage owns
+    ``lm_head.weight`` (stored in files as the embedding: :func:`checkpoint_source_name`)."""
     _check_range(cfg, first, last)
     names: list[str] = []
     if has_embed:
@@ -247,11 +206,8 @@ def stage_param_names(cfg: LlamaConfig, first: int, last: int, has_embed: bool,
 
 
 def checkpoint_source_name(cfg: LlamaConfig, name: str) -> str:
-    """Name under which parameter ``name`` is stored in a checkpoint file.
-
-    Identity, except ``lm_head.weight`` -> ``model.embed_tokens.weight`` when
-    ``cfg.tie_word_embeddings`` (HF and GGUF files omit the tied output matrix).
-    """
+    """Name under which parameter ``name`` is stored in a model file: ``lm_head.weight`` ->
+    ``model.embed_tokens.weight`` when tied, else ``name``."""
     if name == "lm_head.weight" and cfg.tie_word_embeddings:
         return "model.embed_tokens.weight"
     return name
@@ -265,25 +221,13 @@ def _check_range(cfg: LlamaConfig, first: int, last: int) -> None:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``,
-    optional final norm + LM head.
+    """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``, optional
+    final norm + LM head.
 
-    ``named_parameters()`` yields exactly :func:`stage_param_names` (HF global names):
-    ``model.embed_tokens.weight`` [V,H], ``model.layers.{i}.*`` (``self.model.layers`` is an
-    ``nn.ModuleDict`` keyed by ``str(i)``), ``model.norm.weight`` [H], ``lm_head.weight`` [V,H].
-    If ``cfg.tie_word_embeddings`` and the stage has both embed and head, ``lm_head.weight`` *is*
-    ``model.embed_tokens.weight`` (one Parameter, listed once, under the embedding name).
-
-    ``forward(x)``:
-      - ``x``: int64 token ids [B,S] if ``has_embed``, else hidden states [B,S,H] (float);
-      - returns hidden states [B,S,H] (parameter dtype) if not ``has_head``, else fp32 logits
-        [B,S,V] = ``lm_head(norm(h)).float()``.
-    RoPE tables are computed for positions ``0..S-1`` and cached per (S, device, dtype).
-    With ``recompute=True`` every layer runs under
-    ``torch.utils.checkpoint.checkpoint(use_reentrant=False)`` while autograd is enabled.
-    Parameters are randomly initialised (normal std 0.02, norms = 1) — load real weights with
-    :meth:`load_named_tensors`.
-    """
+    ``named_parameters()`` yields :func:`stage_param_names` (``self.model.layers`` is a ModuleDict keyed by
+    ``str(i)``); tied embed + head on one stage share one Parameter. ``forward``: int64 ids [B,S] (with the
+    embedding) or hidden states [B,S,H] -> hidden states, or fp32 logits [B,S,V] with the head.
+    ``recompute=True`` checkpoints every layer. Random init (std 0.02); load with :meth:`load_named_tensors`."""
 
     def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
                  has_head: bool, recompute: bool = False) -> None:
@@ -312,11 +256,8 @@ class StageModule(nn.Module):
 
     @property
     def sparse_embed_grad(self) -> bool:
-        """Whether the embedding's backward yields a sparse COO gradient (the looked-up rows: ``[V, H]``
-        with ``b*S`` rows, ``nn.Embedding(sparse=True)``): added into an existing dense ``.grad`` it is an
-        ``index_add`` of ``b*S*H`` elements instead of a new dense ``[V, H]`` tensor per micro-batch. The
-        caller must give the weight a dense ``.grad`` (zeros) before the first backward (the trainer
-        does, on the kinds of :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS`). Default False (torch's)."""
+        """Whether the embedding's backward yields a sparse COO gradient of the looked-up rows
+        (``nn.Embedding(sparse=True)``); the caller must give the weight a dense zero ``.grad`` first."""
         return bool(self.has_embed and self.model.embed_tokens.sparse)
 
     @sparse_embed_grad.setter
@@ -326,9 +267,7 @@ class StageModule(nn.Module):
 
     @property
     def fused_head(self) -> bool:
-        """Whether the head accumulates its weight gradient inside the matmul and the stage's loss uses the
-        one-pass cross-entropy (:mod:`npu_train.model.headops`; same values to rounding). The trainer sets
-        it on the kinds of :data:`npu_train.hardware.FUSED_HEAD_KINDS`. Default False (plain torch ops)."""
+        """Whether the head and loss use :mod:`npu_train.model.headops` (same values to rounding)."""
         return bool(self.has_head and self.lm_head.fused_grad)
 
     @fused_head.setter
@@ -347,16 +286,12 @@ class StageModule(nn.Module):
                 mod.weight.fill_(1.0)
 
     def param_names(self) -> list[str]:
-        """HF global names of this stage's parameters (``named_parameters()`` order)."""
         return [n for n, _ in self.named_parameters()]
 
     @torch.no_grad()
     def load_named_tensors(self, tensors: dict[str, torch.Tensor], strict: bool = True) -> None:
-        """Copy ``tensors`` (HF names -> tensors, any float dtype/device) into the parameters.
-
-        With ``strict`` every parameter of the stage must be present and no extra name may be
-        given; shapes must match exactly.  Values are cast to each parameter's dtype/device.
-        """
+        """Copy ``tensors`` (HF names -> tensors) into the parameters, cast to their dtype/device.
+        ``strict``: every parameter present, no extra names; shapes must match exactly."""
         params = dict(self.named_parameters())
         if strict:
             missing = [n for n in params if n not in tensors]
@@ -386,17 +321,10 @@ class StageModule(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cuts: Optional[list] = None) -> torch.Tensor:
-        """``x``: token ids ``[b, S]`` int64 (with the embedding) or hidden states ``[b, S, H]``;
-        returns hidden states ``[b, S, H]`` or, with the head, fp32 logits ``[b, S, V]``.
-
-        ``cuts``: a list, or None (default). Given a list, the autograd graph is cut before every
-        layer but the stage's first (before the first too when the stage starts with the embedding)
-        and before the final norm + head: there the hidden state
-        ``y`` is replaced by ``leaf = y.detach().requires_grad_()`` and ``(y, leaf)`` appended, in
-        forward order. A backward then stops at each leaf and must be chained by the caller
-        (:func:`npu_train.pipeline.backward.backward_input` with ``cuts``): each segment's graph is
-        one layer, so the deferred weight-gradient pass's autograd calls no longer walk the whole
-        stage's graph below them (experiments/2026-12-01-bench-run7.md). Same tensors, no copy."""
+        """``x``: ids ``[b, S]`` int64 or hidden states ``[b, S, H]``; returns hidden states or fp32 logits
+        ``[b, S, V]``.
+        ``cuts``: a list that receives a ``(y, leaf)`` pair per cut of the autograd graph (before every layer and
+        the head), for :func:`npu_train.pipeline.backward.backward_input` to chain the backward per layer."""
         if self.has_embed:
             h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
         else:
@@ -436,18 +364,9 @@ def full_model(cfg: LlamaConfig) -> StageModule:
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
                        fused: bool = False) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy.
-
-    Args:
-        logits: [B,S,V] (fp32 expected; upcast otherwise).
-        labels: [B,S] int64, *already shifted*: ``labels[b,t]`` is the target of position ``t``;
-            ``-100`` marks positions that do not count.
-        fused: use :func:`npu_train.model.headops.cross_entropy_sum` (one-pass backward, same value to
-            rounding) instead of ``F.cross_entropy`` (``StageModule.fused_head`` stages).
-    Returns:
-        ``(loss_sum, n_tokens)``: fp32 scalar tensor (differentiable) = sum of the token losses,
-        and the python int number of counted tokens (0 -> ``loss_sum == 0``).
-    """
+    """Summed next-token cross-entropy: ``logits`` [B,S,V] (fp32), ``labels`` [B,S] int64 already shifted
+    (``-100`` ignored), ``fused``: :func:`~npu_train.model.headops.cross_entropy_sum`. Returns
+    ``(loss_sum, n_tokens)``: a differentiable fp32 scalar and an int."""
     V = logits.shape[-1]
     flat, targets = logits.reshape(-1, V), labels.reshape(-1)
     loss = (cross_entropy_sum(flat, targets) if fused else

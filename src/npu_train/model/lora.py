@@ -1,21 +1,8 @@
-"""LoRA adapters (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022).
+"""LoRA adapters (Hu et al., ICLR 2022): ``y = x W^T + (alpha / r) * dropout(x) A^T B^T``.
 
-A target linear layer ``y = x W^T`` (``W`` [out, in], frozen) becomes
-
-    y = x W^T + s * dropout(x) A^T B^T,      s = alpha / r,
-
-with trainable ``A`` [r, in] and ``B`` [r -> out] = [out, r]; ``B`` starts at zero so the adapted model
-equals the base model at step 0. This is the layout and arithmetic of PEFT's ``LoraLayer`` (``lora_A``,
-``lora_B``, ``scaling = lora_alpha / r``, Kaiming-uniform ``A`` with ``a = sqrt(5)``, zero ``B``), so an
-adapter saved by :func:`peft_state_dict` loads into ``peft`` unchanged.
-
-Parameter names: the frozen base weight keeps its HF name (``model.layers.3.self_attn.q_proj.weight``)
-and the adapters are ``...q_proj.lora_A.weight`` / ``...q_proj.lora_B.weight``; PEFT's file prefixes
-them with ``base_model.model.``.
-
-The initial ``A`` of each adapter is drawn from a generator seeded by ``(seed, HF name)``, so the
-initial adapters do not depend on how the layers are split across cards.
-"""
+``W`` [out, in] frozen, ``A`` [r, in] Kaiming-uniform, ``B`` [out, r] zero: PEFT's ``LoraLayer`` layout and
+init, so :func:`peft_state_dict` loads into ``peft``. Adapter names: ``<linear>.lora_A.weight`` /
+``.lora_B.weight``. ``A`` is seeded by ``(seed, HF name)``, independent of the split across cards."""
 from __future__ import annotations
 
 import hashlib
@@ -53,10 +40,8 @@ class LoraSpec:
 
 
 class LoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` (no bias) plus a LoRA adapter. ``forward(x [..., in]) -> [..., out]``.
-
-    Attributes ``weight`` (frozen, ``requires_grad=False``), ``lora_A.weight`` [r, in], ``lora_B.weight`` [out, r].
-    """
+    """A frozen ``nn.Linear`` (no bias) plus a LoRA adapter: ``weight`` (frozen), ``lora_A.weight`` [r, in],
+    ``lora_B.weight`` [out, r]. ``forward(x [..., in]) -> [..., out]``."""
 
     def __init__(self, base: nn.Linear, spec: LoraSpec):
         super().__init__()
@@ -81,9 +66,8 @@ def _seed_of(seed: int, name: str) -> int:
 
 
 def init_adapter(name: str, shape_a: tuple, shape_b: tuple, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Initial fp32 ``(A, B)`` of the adapter of linear ``name`` (HF name of its weight, e.g.
-    ``model.layers.0.self_attn.q_proj.weight``): ``A ~ U(-bound, bound)`` with PEFT's / ``nn.Linear``'s
-    Kaiming-uniform bound ``1 / sqrt(in)`` (``a = sqrt(5)``), ``B = 0``."""
+    """Initial fp32 ``(A, B)`` of the adapter of HF weight ``name``: ``A ~ U(±1 / sqrt(in))`` (PEFT's
+    Kaiming-uniform, ``a = sqrt(5)``), ``B = 0``."""
     g = torch.Generator().manual_seed(_seed_of(seed, name))
     fan_in = shape_a[1]
     bound = math.sqrt(6.0 / ((1 + 5.0) * fan_in))  # kaiming_uniform_(a=sqrt(5)) = 1/sqrt(fan_in)
@@ -92,13 +76,8 @@ def init_adapter(name: str, shape_a: tuple, shape_b: tuple, seed: int) -> tuple[
 
 
 def apply_lora(module: nn.Module, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Replace the target linears of every decoder layer of ``module`` (a ``StageModule``) by
-    :class:`LoraLinear` and freeze every other parameter.
-
-    Returns the fp32 initial values ``{hf_name: tensor}`` of the new adapter parameters (their masters);
-    the adapters on the module hold the same values cast to the module's dtype.
-    Raises ``ValueError`` for an unknown target name.
-    """
+    """Replace the target linears of every decoder layer of ``module`` by :class:`LoraLinear`, freeze the rest;
+    returns the fp32 initial adapters ``{hf_name: tensor}``. ``ValueError`` for an unknown target."""
     bad = [t for t in spec.targets if t not in ALL_TARGETS]
     if bad:
         raise ValueError(f"unknown LoRA target(s) {bad}: use a subset of {list(ALL_TARGETS)}")

@@ -1,21 +1,5 @@
-"""Named Llama-family architectures (values copied from the published Hugging Face ``config.json``).
-
-Parameter counts (exact, ``LlamaConfig.total_params()``; tied embeddings counted once), checked in
-``tests/unit/test_placement.py`` against the published sizes:
-
-=================  ==============  =====
-preset             parameters      tied
-=================  ==============  =====
-llama-3.1-8b        8,030,261,248  no
-llama-3.1-70b      70,553,706,496  no
-llama-3.2-1b        1,235,814,400  yes
-llama-3.2-3b        3,212,749,824  yes
-smollm2-135m          134,515,008  yes
-=================  ==============  =====
-
-``get_preset`` also accepts the Hugging Face repository ids (e.g. ``"meta-llama/Llama-3.1-8B"``),
-case-insensitively.
-"""
+"""Named Llama-family architectures (values from the published HF ``config.json``); :func:`get_preset`
+also takes HF repository ids. Parameter counts are checked in ``tests/unit/test_placement.py``."""
 from __future__ import annotations
 
 import copy
@@ -100,14 +84,9 @@ def preset_names() -> list[str]:
 
 
 def get_preset(name: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` of preset ``name`` (a key of :data:`PRESETS`, or a Hugging Face
-    repository id from :data:`ALIASES`; case-insensitive).
+    """The :class:`LlamaConfig` (a copy) of preset ``name`` or HF repo id, case-insensitive.
 
-    Returns a copy, so mutating its ``rope_scaling`` dict cannot corrupt the registry.
-
-    Raises:
-        KeyError: unknown name; the message lists the known preset names.
-    """
+    Raises ``KeyError`` listing the known names."""
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
     if key not in PRESETS:

@@ -1,12 +1,8 @@
 """Tokenizers and chat templates of a model (HF directory, tokenizer file or GGUF file).
 
-GGUF BPE vocabularies (``tokenizer.ggml.model == "gpt2"``) are pre-tokenized by the rule named in
-``tokenizer.ggml.pre``, as llama.cpp does (``src/llama-vocab.cpp``, ``llm_tokenizer_bpe``): the
-text is split by each regex of the rule in turn (every match and every gap between matches
-becomes a piece, and the next regex splits those pieces), then the pieces are byte-level mapped
-and BPE-merged. Here that is a ``tokenizers`` ``Sequence`` of ``Split(regex, "isolated")``
-followed by ``ByteLevel(use_regex=False)``. The regex patterns below are llama.cpp's (data).
-"""
+GGUF BPE vocabularies are pre-tokenized by their ``tokenizer.ggml.pre`` rule as llama.cpp does
+(``src/llama-vocab.cpp``): a ``tokenizers`` ``Sequence`` of ``Split(regex, "isolated")`` then
+``ByteLevel(use_regex=False)``; the regexes below are llama.cpp's. Start at :func:`load_tokenizer`."""
 from __future__ import annotations
 
 import contextlib
@@ -48,10 +44,7 @@ _CACHE_VERSION = "pre-v2"  # bump when the tokenizer built from a GGUF changes
 
 
 def pre_tokenizer_for(pre: str, where: str = "tokenizer"):
-    """The ``tokenizers`` pre-tokenizer for llama.cpp rule ``pre`` (a ``tokenizer.ggml.pre`` value).
-
-    Raises :class:`ModelFormatError` (a ``UserError``) for a rule this loader does not implement.
-    """
+    """The ``tokenizers`` pre-tokenizer for llama.cpp rule ``pre``; :class:`ModelFormatError` if not implemented."""
     from tokenizers import Regex, pre_tokenizers
 
     rule = GGUF_PRE_NAMES.get(str(pre))
@@ -66,18 +59,11 @@ def pre_tokenizer_for(pre: str, where: str = "tokenizer"):
 
 
 def load_tokenizer(path: str):
-    """A ``tokenizers.Tokenizer`` for the model (or tokenizer) at ``path`` (``.encode(text).ids``).
+    """A ``tokenizers.Tokenizer`` for the model or tokenizer at ``path``.
 
-    ``path``: an HF directory (its ``tokenizer.json``; fallback: transformers' fast-tokenizer
-    conversion from ``tokenizer_config.json`` & co.), a ``tokenizer.json`` file, or a GGUF file.
-    GGUF: built once from the embedded ``tokenizer.ggml.*`` vocabulary with transformers' GGUF
-    converter, its pre-tokenizer replaced by the ``tokenizer.ggml.pre`` rule
-    (:func:`pre_tokenizer_for`), and cached as JSON under ``cache_dir("tokenizers")``
-    (``$NPT_CACHE``), keyed by the file's path, size and mtime.
-
-    Raises ``FileNotFoundError`` for a missing path and :class:`ModelFormatError` for a directory
-    without tokenizer files, an unknown pre-tokenizer rule or a tokenizer that cannot be built.
-    """
+    ``path``: an HF directory (``tokenizer.json``, else transformers' conversion), a ``tokenizer.json``, or
+    a GGUF file (built with transformers' GGUF converter, cached under ``cache_dir("tokenizers")``).
+    Raises ``FileNotFoundError`` for a missing path, :class:`ModelFormatError` when none can be built."""
     from tokenizers import Tokenizer
 
     path = os.path.expanduser(path)
@@ -170,12 +156,8 @@ def _transformers_backend(d: str, gguf_file: Optional[str], what: str, lacks_jso
 
 # ---------------------------------------------------------------------------------- chat template
 def chat_template(path: str) -> Optional[str]:
-    """The model's chat template (Jinja source) or None.
-
-    GGUF: metadata ``tokenizer.chat_template``. HF directory: ``chat_template.jinja`` or
-    ``tokenizer_config.json``'s ``chat_template`` (a string, or a list of ``{name, template}``
-    from which ``default`` is taken). A ``tokenizer.json`` file path looks in its directory.
-    """
+    """The model's chat template (Jinja source) or None: GGUF ``tokenizer.chat_template``, or the HF
+    directory's ``chat_template.jinja`` / ``tokenizer_config.json`` (``default`` of a list)."""
     path = os.path.expanduser(path)
     check_exists(path)
     if is_gguf_path(path):

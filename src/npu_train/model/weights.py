@@ -1,8 +1,5 @@
 """Model configs and weights from HF safetensors directories or GGUF files (format dispatch).
-
-All tensor loaders return fp32 CPU tensors under HF parameter names (see
-:mod:`npu_train.model.config`) and read only the requested tensors.
-"""
+Loaders return fp32 CPU tensors under HF names and read only the requested tensors."""
 from __future__ import annotations
 
 import os
@@ -20,12 +17,8 @@ __all__ = ["load_config", "load_tensors", "check_weights"]
 
 
 def load_config(path: str) -> LlamaConfig:
-    """Read the architecture of the model at ``path`` (HF directory or ``.gguf`` file).
-
-    Raises ``FileNotFoundError`` if ``path`` does not exist and :class:`ModelFormatError` for
-    non-Llama models, missing required keys, unsupported features (biases, non-SiLU act,
-    unknown RoPE scaling) and truncated / non-GGUF files.
-    """
+    """The :class:`LlamaConfig` of the model at ``path`` (HF directory or ``.gguf``); raises
+    ``FileNotFoundError`` or :class:`ModelFormatError`."""
     path = os.path.expanduser(path)
     check_exists(path)
     if is_gguf_path(path):
@@ -35,21 +28,12 @@ def load_config(path: str) -> LlamaConfig:
 
 def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Optional[dict] = None,
                  _unpermute_qk: bool = True) -> dict[str, torch.Tensor]:
-    """Read the named parameters (HF names) from the checkpoint at ``path``.
+    """Read the named parameters (HF names) from the model at ``path``.
 
-    Returns ``{name: fp32 contiguous CPU tensor}`` for exactly ``names``, with the HF shapes of
-    ``cfg.param_shapes``; only those tensors are read from disk.  ``lm_head.weight`` on a tied
-    model is read from the embedding (:func:`checkpoint_source_name`).  GGUF q/k projections are
-    un-permuted back to HF rotate-half row order (``_unpermute_qk=False`` is for tests only).
-    ``index``: a GGUF file's :func:`~npu_train.model.gguf.gguf_tensor_index` from the launcher
-    (``WorkerSpec.model_index``): its tensors are then read at the indexed offsets without parsing
-    the file's metadata (same bits; ignored when the file changed since, see
-    :func:`~npu_train.model.gguf.gguf_tensors`; ignored for safetensors).
-
-    Raises :class:`ModelFormatError` if a tensor is absent (naming tensor and file), has the
-    wrong shape (naming expected and found shapes) or holds an inf/NaN (naming the tensor);
-    ``ValueError`` for names that are not parameters of ``cfg``.
-    """
+    Returns ``{name: fp32 contiguous CPU tensor}`` with ``cfg.param_shapes``; tied ``lm_head.weight`` is
+    read from the embedding; GGUF q/k are un-permuted. ``index``: a GGUF :func:`gguf_tensor_index`.
+    Raises :class:`ModelFormatError` for an absent, mis-shaped or non-finite tensor, ``ValueError`` for
+    a name that is not a parameter of ``cfg``."""
     path = os.path.expanduser(path)
     check_exists(path)
     wanted = {n: (checkpoint_source_name(cfg, n), expected_shape(cfg, n)) for n in names}
@@ -59,16 +43,8 @@ def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Option
 
 
 def check_weights(model_path: str, cfg: LlamaConfig) -> None:
-    """Check that the weights file(s) hold every parameter of ``cfg`` with the right shape.
-
-    Reads headers only (safetensors ``safe_open`` keys and ``get_slice().get_shape()``, or the
-    GGUF tensor table): no tensor data, so it takes milliseconds even for an 8B model. Run
-    before any card process starts, so a missing or mis-shaped tensor is a user error (exit 2)
-    instead of a card process failing after every process has started. Values (inf/NaN) are
-    checked when a stage loads its tensors (:func:`load_tensors`).
-
-    Raises :class:`ModelFormatError` naming the tensor, the file and the fix.
-    """
+    """Check from the file headers only that the weights hold every parameter of ``cfg`` with the right
+    shape (before any card process starts); :class:`ModelFormatError` names the tensor, file and fix."""
     names = list(cfg.param_shapes(None))
     for i in range(cfg.num_layers):
         names += list(cfg.param_shapes(i))

@@ -1,33 +1,11 @@
-"""Backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W).
+"""Backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W), for the zero-bubble
+schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024); W does not redo the input-gradient chain.
 
-Zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", ICLR) send the
-gradient w.r.t. a stage's input upstream as soon as it is known and compute the weight gradients
-later, in what would be the pipeline bubble. Both passes together must cost about one ordinary
-backward: W must not redo the input-gradient chain.
-
-How (the approach of ``torch.distributed.pipelining._backward``'s ``stage_backward_input`` /
-``stage_backward_weight``, written anew here on public autograd APIs):
-
-1. Walk the autograd graph from the stage output. Nodes from which the stage input's gradient
-   accumulator is reachable are *input-dependent*. An input-dependent node with an edge to a
-   non-input-dependent subgraph that reaches parameters is a *boundary* node (e.g. the ``mm`` of a
-   linear layer: one edge to its input activation, one to ``weight.t()``).
-2. B: ``torch.autograd.grad(output, [input], grad_output, retain_graph=True)``. The engine
-   evaluates only the input-dependent chain and, in each boundary node, only the outputs on that
-   chain (``dX = dY @ W``, not ``dW = dY^T X``). A pre-hook on every boundary node records the
-   gradient flowing into it (its ``grad_outputs``).
-3. W: for each group of boundary nodes sharing parameters, one
-   ``torch.autograd.backward([GradientEdge(node, k) ...], grad_tensors=recorded, inputs=params)``:
-   the engine runs only the weight-side outputs of the boundary nodes and the weight-only subgraphs
-   below them, and the parameters' own gradient accumulators add the results into ``p.grad`` and
-   run its post-accumulate hooks, exactly as ``backward()`` does; the caller drops the
-   micro-batch's graph afterwards.
-
-When a group has several boundary nodes one of which lies below another on the input chain (a
-parameter used at two depths), a second pre-hook replaces that node's incoming gradient by the
-recorded one, so nothing is counted twice (the chain between them is then evaluated again; no
-layer of :mod:`npu_train.model.llama` does this: every weight is used once per stage).
-"""
+Approach of ``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``, on public
+autograd APIs: *boundary* nodes are input-dependent nodes with an edge into a parameter-only subgraph (a linear's
+``mm``). B runs ``autograd.grad`` to the stage input, a pre-hook recording each boundary node's incoming
+gradient; W runs ``autograd.backward`` from those ``GradientEdge`` objects with the recorded gradients
+(``inputs=params``), so ``p.grad`` and its post-accumulate hooks behave as under ``backward()``."""
 from __future__ import annotations
 
 from typing import Optional, Sequence

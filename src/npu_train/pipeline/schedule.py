@@ -1,54 +1,17 @@
-"""Pipeline schedules as pure lists of actions (no torch here: the planner imports this module).
+"""Pipeline schedules as pure lists of actions (no torch: the planner imports this module).
 
-A schedule is the ordered list of ``Action``s one stage executes for the ``M`` micro-batches of
-one optimizer step. Communication is implicit in the actions:
+A schedule is the ordered list of actions (:class:`Action`) one stage runs for the ``M`` micro-batches of a step;
+communication is implicit: ``F(m)`` receives from ``s-1`` and sends to ``s+1``; ``B(m)`` receives the output
+gradient and sends the input gradient (the full backward in ``gpipe``/``1f1b``, the input gradient only in
+``zb*``); ``W(m)`` (``zb*``) computes the weight gradients ``B(m)`` left out, without communication.
 
-- ``F(m)`` on stage ``s > 0`` first receives the activation of micro-batch ``m`` from stage
-  ``s-1``; on stage ``s < P-1`` it ends by sending its output activation to stage ``s+1``.
-- ``B(m)`` on stage ``s < P-1`` first receives the gradient w.r.t. its output from stage ``s+1``;
-  on stage ``s > 0`` it ends by sending the gradient w.r.t. its input to stage ``s-1``. In
-  ``1f1b``/``gpipe`` it is the full backward (input and weight gradients); in ``zb`` only the
-  input gradient (the critical path).
-- ``W(m)`` (``zb`` only) computes the weight gradients of micro-batch ``m`` that its ``B(m)`` left
-  out; no communication. The stage holds micro-batch ``m``'s activations until ``W(m)``.
-
-Schedules (Huang et al. 2019, "GPipe"; Narayanan et al. 2021, "Efficient Large-Scale Language
-Model Training on GPU Clusters Using Megatron-LM", section 2.2 for 1F1B / PipeDream-Flush; Qi et
-al. 2024, "Zero Bubble Pipeline Parallelism", ICLR, section 3 for the B/W split):
-
-- ``gpipe``: all forwards, then all backwards. Stage ``s`` holds activations of all ``M``
-  micro-batches at its peak.
-- ``1f1b``: ``w = min(P-s-1, M)`` warm-up forwards, then alternate one forward / one backward,
-  then the remaining backwards. Stage ``s`` holds at most ``min(M, P-s)`` micro-batches.
-- ``zb``: 1F1B's order with each backward split into ``B`` (input gradient, sent upstream at
-  once) and ``W`` (weight gradient): ``w`` warm-up forwards, then ``F B W`` triples, then ``B W``
-  pairs. The upstream stages get their gradients after ``B`` instead of ``B + W``, so the tail
-  of the step shrinks by ``(P-1)`` weight-gradient passes. ``W(m)`` runs before the next forward,
-  so stage ``s`` holds at most ``min(M, P-s)`` micro-batches, exactly as 1F1B; each stage idles
-  about ``(P-1)(t_F+t_B)`` per step instead of 1F1B's ``(P-1)(t_F+t_B+t_W)``.
-- ``zb-h1``: the paper's ZB-H1 (its Figure 3): as ``zb``, but stage ``s`` runs its ``W`` passes
-  ``s`` micro-batches late (the deferred ones fill the tail of the step), so every stage holds up
-  to ``min(M, P)`` micro-batches: the *largest* per-stage memory of 1F1B (stage 0's), not each
-  stage's own; idle about ``(P-1)(t_F+t_B-t_W)``.
-
-- ``zb-h2``: the paper's ZB-H2 (its section 3.1, Figure 4): ``min(2(P-s)-1, M)`` warm-up
-  forwards on stage ``s`` fill the wait for the first gradient, and each ``W`` is deferred ``2s``
-  micro-batches so the deferred ones fill the tail (:func:`_zb_h2`); every stage holds up to
-  ``min(M, 2P-1)`` micro-batches (the paper's ``(2p-1) M_B``), ``2s+1`` of them between ``B``
-  and ``W``. The paper's bubble ``(P-1)(t_F+t_B-2t_W)`` assumes each stage's step ends on its own
-  (its "bypassing optimizer synchronizations"); here every stage starts the step together and
-  the step ends with the last stage, which cannot start before ``(P-1) t_F`` and then computes
-  ``M(t_F+t_B+t_W)``. With unit times ZB-H1 already reaches that bound for ``M >= P``, so
-  ``zb-h2`` ties it there; it is faster when ``t_B > t_W`` (the usual case: attention's backward
-  costs more than its forward) or the stages are unequal, e.g. P=3, M=8, ``t_F, t_B, t_W = 1,
-  1.3, 0.7``: 26.0 against ZB-H1's 27.2 (the bound: 26).
-
-With unit forward, input-gradient and weight-gradient times (``t_F = t_B = t_W``, the paper's
-assumption) the bubble fraction of the step is ``(P-1)/(M+P-1)`` for ``1f1b`` and ``gpipe``,
-``2(P-1)/(3M+2(P-1))`` for ``zb`` and, for ``M >= P``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` and
-``zb-h2`` (verified with :func:`stage_timeline` in the tests); :func:`bubble_fraction` computes it
-from the action lists.
-"""
+Schedules: ``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2021, section 2.2: at most
+``min(M, P-s)`` micro-batches held), ``zb`` (1F1B's order with B/W split, same memory), ``zb-h1`` / ``zb-h2``
+(Qi et al., ICLR 2024, ZB-H1 figure 3 and ZB-H2 section 3.1: W deferred ``s`` / ``2s`` micro-batches; up to
+``min(M, P)`` / ``min(M, 2P-1)`` held). With ``t_F = t_B = t_W`` the bubble fraction is ``(P-1)/(M+P-1)``
+(gpipe, 1f1b), ``2(P-1)/(3M+2(P-1))`` (zb) and ``(P-1)/(3M+P-1)`` for ``M >= P`` (zb-h1, zb-h2);
+:func:`bubble_fraction` and :func:`stage_timeline` compute it for any times, :func:`simulate` checks a
+schedule for deadlock with finite slots."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence, Union

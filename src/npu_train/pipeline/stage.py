@@ -1,16 +1,9 @@
-"""Run one pipeline stage's schedule for one optimizer step.
+"""Run one pipeline stage's schedule for one optimizer step (:class:`StageRunner`).
 
-:class:`StageRunner` executes the list of actions from :mod:`npu_train.pipeline.schedule` on the
-stage's module. It knows nothing of processes or transport: the boundary traffic goes through a
-:class:`BoundaryComm` object with four calls (``recv_act``, ``send_act``, ``recv_grad``,
-``send_grad``), which the worker implements over shared memory + ZeroMQ and tests may implement
-with in-process queues.
-
-Loss normalisation: the last stage computes the summed token cross-entropy of each micro-batch and
-divides by the number of target tokens of the *whole step* (all micro-batches; with data-parallel
-replicas, the micro-batches of every replica: ``total_tokens``), so the gradient equals that of one
-big batch, independent of how the step is cut into micro-batches and replicas.
-"""
+No processes or transport here: boundary traffic goes through a :class:`BoundaryComm` (``recv_act``,
+``send_act``, ``recv_grad``, ``send_grad``), implemented by the worker over shm + ZeroMQ and by tests over
+queues. The last stage divides each micro-batch's summed loss by the target tokens of the whole step
+(``total_tokens``, all replicas), so the gradient does not depend on how the step is cut."""
 from __future__ import annotations
 
 import time

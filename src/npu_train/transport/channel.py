@@ -1,88 +1,15 @@
-"""Stage-to-stage tensor transport: ZeroMQ control plane + shared-memory data plane.
+"""Stage-to-stage tensor transport: ZeroMQ control plane + shared-memory (or inline) data plane.
 
-Pipeline stages run in separate OS processes (one per accelerator card).
-Activations flow forward (stage ``s`` -> ``s+1``) and their gradients flow
-backward (``s+1`` -> ``s``). This module moves those tensors.
-
-Topology
-========
-* Every worker owns exactly **one inbox**, a :class:`Mailbox`: a ZeroMQ
-  ``ROUTER`` socket bound to ``Endpoint.ipc(run_dir, rank)``
-  (``ipc://{run_dir}/r{rank}.sock``, intra-node) or ``Endpoint.tcp(host, port)``
-  (cross-node). Everything addressed to the worker - tensor headers, slot
-  credits, control messages - arrives there, in any order.
-* For every peer it sends to, a worker opens one :class:`Outbox`: a ``DEALER``
-  socket connected to that peer's inbox. Each outbox stamps the job token and
-  the sender's rank into every header.
-* One stage boundary direction (e.g. "activations 0->1") is a
-  :class:`TensorLink`; a boundary has two links (acts forward, grads
-  backward), each with its own name, slots and credits.
-
-Wire format
-===========
-Every message is a multipart ``[header]`` or ``[header, payload]``. The header
-is a msgpack map (never pickle; nothing received is ever unpickled)::
-
-    {"tok": job_token, "src": sender_rank, "kind": str, "step": int, "micro": int,
-     # tensor messages additionally:
-     "link": link_name, "slot": int, "shape": [int, ...], "dtype": "bfloat16",
-     "nbytes": int, "seq": int, ...}
-
-* ``mode="shm"`` (same node): the tensor bytes are in slot ``slot`` of the
-  link's shared-memory :class:`~npu_train.transport.shm.SlotRing`
-  (``/dev/shm/npt_<job_id>_<link name>``, mode 0600); no payload frame.
-* ``mode="inline"`` (any node, ``tcp://``): the raw tensor bytes (C order,
-  native little-endian) travel as the payload frame. ``slot`` is then just a
-  credit number, so flow control is identical in both modes.
-
-Authentication: ``tok`` must equal the job token (random hex per job, see
-:func:`new_token`), compared in constant time. Messages with a wrong/missing
-token, undecodable msgpack, a non-map header or a wrong frame count are
-dropped, counted in :attr:`Mailbox.rejected` and logged as
-``"ignored message from unauthenticated peer ..."``. (The token stops
-accidental cross-talk and casual strangers; it is sent in clear, so use tcp
-mode only on a trusted network.)
-
-Flow control (credits)
-======================
-A link has ``n_slots`` (K) slots; the sender starts with K credits. ``send``
-consumes one credit (blocking in the sender's mailbox for a
-``"free:<link name>"`` message when it has none); the receiver's ``recv``
-copies the slot into a fresh tensor and immediately returns the credit with
-such a ``free:<name>`` message to the sender's inbox. Hence at most K tensors
-are in flight per link and **a slot is never overwritten before the receiver
-has released it**. The receiver never holds a slot beyond one ``recv`` call.
-
-Usage (one boundary, stage 0 = rank 0 sends acts to stage 1 = rank 1)::
-
-    ctx = zmq.Context.instance()
-    # rank 0 (sender of "act", receiver of "grad")
-    inbox = Mailbox(ctx, Endpoint.ipc(run_dir, 0), token, log)
-    to1 = Outbox(ctx, Endpoint.ipc(run_dir, 1), token, src_rank=0)
-    acts = TensorLink("shm", job_id, "s0to1.act", slot_bytes, n_slots=2).open_sender()
-    grads = TensorLink("shm", job_id, "s1to0.grad", slot_bytes, n_slots=2)
-    acts.send(h, "act", step, micro, to1, inbox, timeout_s=120)
-    g = grads.recv("grad", step, micro, inbox, to1, timeout_s=120, device=dev)
-
-    # rank 1 (receiver of "act", sender of "grad")
-    inbox = Mailbox(ctx, Endpoint.ipc(run_dir, 1), token, log)
-    to0 = Outbox(ctx, Endpoint.ipc(run_dir, 0), token, src_rank=1)
-    acts = TensorLink("shm", job_id, "s0to1.act", slot_bytes, n_slots=2)
-    grads = TensorLink("shm", job_id, "s1to0.grad", slot_bytes, n_slots=2).open_sender()
-    h = acts.recv("act", step, micro, inbox, to0, timeout_s=120, device=dev)
-    grads.send(h_grad, "grad", step, micro, to0, inbox, timeout_s=120)
-
-Errors: :class:`TransportTimeout` (nothing matching arrived in ``timeout_s``
-seconds - the runtime treats it as a dead/stalled peer), :class:`TransportError`
-(protocol violations by an authenticated peer, closed objects), ``ValueError``
-(tensor larger than ``slot_bytes``, unsupported dtype, bad names),
-:class:`~npu_train.transport.shm.ShmTooSmallError` (``/dev/shm`` too small when
-the sender creates its ring). ``abort_check`` callables passed to blocking
-calls are invoked about every 100 ms and may raise to abort the wait.
-
-Threading: a Mailbox, Outbox or TensorLink must be used from one thread at a
-time (ZeroMQ sockets are not thread-safe).
-"""
+Each worker owns one inbox (:class:`Mailbox`, ROUTER) and one :class:`Outbox` (DEALER) per peer; one direction
+of a stage boundary is a :class:`TensorLink`. Headers are msgpack maps (never pickle) carrying the job token
+(:func:`new_token`, checked in constant time; bad messages are dropped and counted in ``Mailbox.rejected``).
+``mode="shm"``: the tensor sits in slot ``slot`` of a :class:`~npu_train.transport.shm.SlotRing`;
+``mode="inline"``: it travels as the payload frame (``tcp://``). A link has K slots = K credits: ``send``
+takes one, the receiver's ``recv`` copies the slot and returns it as a ``free:<link>`` message, so a slot is
+never overwritten before it was read. Errors: :class:`TransportTimeout` (a dead or stalled peer),
+:class:`TransportError` (protocol violation), ``ValueError`` (tensor too large, bad dtype or name).
+One thread at a time per Mailbox/Outbox/TensorLink (ZeroMQ sockets are not thread-safe). Example use:
+``tests/unit/test_transport.py``."""
 
 from __future__ import annotations
 
@@ -150,7 +77,6 @@ def new_token() -> str:
 
 
 def pack_header(header: Header) -> bytes:
-    """Encode a header dict with msgpack (``use_bin_type=True``)."""
     return msgpack.packb(header, use_bin_type=True)
 
 
@@ -169,11 +95,8 @@ class Endpoint:
 
     @staticmethod
     def make_run_dir(job_id: str, base: Optional[str] = None) -> str:
-        """Create a private (mode 0700) directory for a job's ipc sockets and return it.
-
-        ``base`` defaults to ``$XDG_RUNTIME_DIR`` or the system temp dir. Keep it
-        short: socket paths must fit :attr:`MAX_IPC_PATH` bytes.
-        """
+        """Create and return a private (0700) directory for a job's ipc sockets under ``base``
+        (default ``$XDG_RUNTIME_DIR`` or the temp dir); socket paths must fit :attr:`MAX_IPC_PATH` bytes."""
         if base is None:
             base = os.environ.get("XDG_RUNTIME_DIR") or tempfile.gettempdir()
         d = tempfile.mkdtemp(prefix=f"npt_{job_id}_", dir=base)  # mkdtemp: 0700
@@ -219,22 +142,10 @@ def _matches(h: Header, kind: Optional[str], step: Optional[int], micro: Optiona
 
 
 class Mailbox:
-    """A worker's single inbox (ZeroMQ ROUTER, bound).
+    """A worker's single inbox (ZeroMQ ROUTER, bound to ``bind_addr``: ``ipc://...`` or ``tcp://host:port``).
 
-    Args:
-        ctx: the process's ``zmq.Context``.
-        bind_addr: ``ipc://...`` or ``tcp://host:port`` (``port`` may be ``*``;
-            see :attr:`addr` for the resolved address).
-        token: the job token; messages carrying another ``tok`` are dropped.
-        logger: where rejected messages are reported (default: this module's logger).
-        max_msg_bytes: if set, ZeroMQ drops connections that send a larger
-            single frame (bytes) - bounds memory a stranger can make us allocate
-            in tcp mode. Use ``slot_bytes + 64 KiB`` or more.
-
-    Attributes:
-        rejected: number of messages dropped by authentication/validation.
-        token: the job token.
-    """
+    Messages with another ``token`` are dropped and counted in :attr:`rejected`. ``max_msg_bytes``: ZeroMQ
+    drops peers sending a larger frame (use ``slot_bytes + 64 KiB`` or more)."""
 
     def __init__(
         self,
@@ -360,23 +271,9 @@ class Mailbox:
         *,
         abort_check: AbortCheck = None,
     ) -> Tuple[Header, Payload]:
-        """Wait for the message matching ``kind``/``step``/``micro`` (``None`` = any).
-
-        Non-matching messages that arrive meanwhile are buffered for later
-        calls; among several matches the earliest arrived is returned.
-
-        Args:
-            timeout_s: seconds to wait (``None`` = forever, ``0`` = only what
-                has already arrived).
-            abort_check: called about every 100 ms; may raise to abort the wait.
-
-        Returns:
-            ``(header, payload)``; ``payload`` is a read-only buffer of the
-            second frame, or None if the message had only a header.
-
-        Raises:
-            TransportTimeout: nothing matching within ``timeout_s``.
-        """
+        """Wait for the message matching ``kind``/``step``/``micro`` (``None`` = any; others are buffered) and
+        return ``(header, payload or None)``. ``timeout_s``: None = forever, 0 = only what arrived, else
+        :class:`TransportTimeout`; ``abort_check`` is called about every 100 ms and may raise."""
         self._check_open()
         hit = self._take_pending(kind, step, micro)
         if hit is not None:
@@ -407,7 +304,6 @@ class Mailbox:
 
     @property
     def pending(self) -> int:
-        """Number of received-but-unclaimed (buffered) messages."""
         return len(self._pending)
 
     def _check_open(self) -> None:
@@ -429,17 +325,10 @@ class Mailbox:
 
 
 class Outbox:
-    """Outbound connection to one peer's :class:`Mailbox` (ZeroMQ DEALER, connected).
+    """Outbound connection to one peer's :class:`Mailbox` (ZeroMQ DEALER), stamping ``tok`` and ``src``.
 
-    Args:
-        ctx: the process's ``zmq.Context``.
-        peer_addr: the peer's inbox address.
-        token: the job token (stamped into every header as ``tok``).
-        src_rank: this worker's rank (stamped as ``src``).
-        send_timeout_s: a send blocks at most this long when the peer's queue
-            is full (then :class:`TransportTimeout`); None = forever.
-        linger_ms: how long :meth:`close` keeps trying to deliver queued messages.
-    """
+    ``send_timeout_s``: longest block on a full peer queue (then :class:`TransportTimeout`; None = forever);
+    ``linger_ms``: how long :meth:`close` keeps delivering queued messages."""
 
     def __init__(
         self,
@@ -461,19 +350,13 @@ class Outbox:
         self._sock.connect(peer_addr)
 
     def header(self, kind: str, step: int = 0, micro: int = 0, **fields: Any) -> Header:
-        """Build a header dict with this outbox's token and rank."""
         h = {"tok": self.token, "src": self.src_rank, "kind": kind, "step": int(step), "micro": int(micro)}
         h.update(fields)
         return h
 
     def send(self, kind: str, step: int = 0, micro: int = 0, payload: Any = None, **fields: Any) -> None:
-        """Send ``[header]`` or ``[header, payload]`` (payload: any bytes-like object, copied).
-
-        Extra keyword ``fields`` go into the header (msgpack-serialisable values only).
-
-        Raises:
-            TransportTimeout: the peer did not accept the message within ``send_timeout_s``.
-        """
+        """Send ``[header]`` or ``[header, payload]`` (payload copied); extra ``fields`` go into the header.
+        Raises :class:`TransportTimeout` after ``send_timeout_s``."""
         self.send_header(self.header(kind, step, micro, **fields), payload)
 
     def send_header(self, header: Header, payload: Any = None) -> None:
@@ -510,22 +393,10 @@ class Outbox:
 class TensorLink:
     """One direction of one stage boundary, with credit-based flow control.
 
-    The same constructor arguments are used on both ends; the role is fixed by
-    first use (:meth:`open_sender` / :meth:`send` vs :meth:`recv`).
-
-    Args:
-        mode: ``"shm"`` (same node; data in ``/dev/shm``) or ``"inline"``
-            (data as a ZeroMQ frame; works over ``tcp://``).
-        job_id: job id (``[A-Za-z0-9.-]``); names the shm segment.
-        name: link name, unique within the job, ``[A-Za-z0-9._-]``
-            (e.g. ``"s0to1.act"``). Credits travel as kind ``"free:<name>"``.
-        slot_bytes: capacity of one slot in bytes; the largest tensor the
-            link carries (e.g. ``micro_batch * seq_len * hidden * 2`` for bf16).
-        n_slots: K, tensors in flight before ``send`` blocks (>= 1; 2 gives
-            double buffering).
-
-    Shared-memory size per link: ``n_slots * round_up(slot_bytes, 64)`` bytes.
-    """
+    Both ends use the same arguments; the role is fixed by first use. ``mode``: ``"shm"`` or ``"inline"``;
+    ``job_id``: ``[A-Za-z0-9.-]``; ``name``: unique in the job, e.g. ``"s0to1.act"``; ``slot_bytes``: the
+    largest tensor in bytes; ``n_slots``: K >= 1 tensors in flight. Shared memory per link:
+    ``n_slots * round_up(slot_bytes, 64)`` bytes."""
 
     MODES = ("shm", "inline")
 
@@ -559,14 +430,8 @@ class TensorLink:
             raise TransportError(f"link {self.name!r} is the {self.role} end in this process; cannot {role}")
 
     def open_sender(self) -> "TensorLink":
-        """Become the sending end; in shm mode create (own) the slot ring now.
-
-        Call it at startup so a too-small ``/dev/shm`` fails before training.
-        Idempotent; returns ``self``.
-
-        Raises:
-            ShmTooSmallError, FileExistsError (a segment of the same job/name exists).
-        """
+        """Become the sending end; in shm mode create the slot ring now (so a small ``/dev/shm``
+        fails at start-up). Idempotent; returns ``self``. Raises ShmTooSmallError, FileExistsError."""
         self._set_role("sender")
         if self.mode == "shm" and self._ring is None:
             self._ring = SlotRing.create(self.segment_name, self.slot_bytes, self.n_slots)
@@ -578,12 +443,7 @@ class TensorLink:
         return len(self._busy)
 
     def close(self) -> None:
-        """Unmap the ring; the sender also unlinks it. Idempotent.
-
-        A sender should call :meth:`wait_released` first if the receiver may
-        still be reading (unlinking is safe either way: an attached receiver
-        keeps its mapping).
-        """
+        """Unmap the ring; the sender also unlinks it (an attached receiver keeps its mapping). Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -636,29 +496,9 @@ class TensorLink:
         abort_check: AbortCheck = None,
         extra: Optional[Dict[str, Any]] = None,
     ) -> int:
-        """Send ``tensor`` to the receiving end as message ``(kind, step, micro)``.
-
-        Blocks (at most ``timeout_s`` seconds, polling ``abort_check``) while all
-        K slots are in flight, collecting ``free:<name>`` credits from
-        ``mailbox`` (this worker's inbox; other messages arriving meanwhile stay
-        buffered there). Then copies the tensor into the slot (shm) or into a
-        payload frame (inline) and sends the header via ``out`` (the outbox to
-        the receiving worker). Returns once the message is queued; the caller
-        may then modify/free ``tensor``.
-
-        Args:
-            tensor: any shape, dtype in :data:`~npu_train.transport.shm.DTYPES`,
-                any device (non-CPU tensors are copied to host synchronously),
-                at most ``slot_bytes`` bytes.
-            extra: additional msgpack-serialisable header fields (not the reserved ones).
-
-        Returns:
-            The slot (credit) index used.
-
-        Raises:
-            ValueError: tensor larger than ``slot_bytes`` or unsupported dtype.
-            TransportTimeout: no slot freed within ``timeout_s``.
-        """
+        """Send ``tensor`` (any shape and device, a :data:`~npu_train.transport.shm.DTYPES` dtype, at most
+        ``slot_bytes``) as ``(kind, step, micro)`` through ``out``; returns the slot used. Blocks while all K slots
+        are in flight, collecting credits from ``mailbox``. Raises ``ValueError``, :class:`TransportTimeout`."""
         self.open_sender()
         t = tensor.detach()
         dtype_name = dtype_to_str(t.dtype)
@@ -715,27 +555,9 @@ class TensorLink:
         abort_check: AbortCheck = None,
         return_header: bool = False,
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Header]]:
-        """Receive the tensor sent as ``(kind, step, micro)`` on this link.
-
-        Waits in ``mailbox`` (this worker's inbox) for the header, copies the
-        data into a fresh tensor (``.clone()`` on CPU, ``.to(device, copy=True)``
-        otherwise, both synchronous), then returns the slot credit to the
-        sender through ``reply`` (the outbox to the sending worker). The slot
-        is released before this call returns, even if the copy fails.
-
-        Args:
-            device: target device; None / "cpu" gives a CPU tensor.
-            return_header: also return the header (for ``extra`` fields).
-
-        Returns:
-            A tensor owning its memory (shape/dtype as sent); with
-            ``return_header=True`` a ``(tensor, header)`` pair.
-
-        Raises:
-            TransportTimeout: nothing arrived within ``timeout_s`` seconds.
-            TransportError: header inconsistent with this link (wrong link name,
-                bad shape/dtype/slot/nbytes, missing payload).
-        """
+        """Receive the tensor sent as ``(kind, step, micro)`` as a fresh copy on ``device`` (None = CPU); the
+        slot credit goes back through ``reply`` first; ``return_header=True`` returns ``(tensor, header)``.
+        Raises :class:`TransportTimeout`, :class:`TransportError`."""
         self._set_role("receiver")
         h, payload = mailbox.recv(kind, step, micro, timeout_s, abort_check=abort_check)
         slot = h.get("slot")

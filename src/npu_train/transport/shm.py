@@ -1,41 +1,10 @@
-"""POSIX shared-memory segments and fixed-size tensor slot rings.
+"""POSIX shared-memory segments (:class:`ShmSegment`) and tensor slot rings (:class:`SlotRing`): the
+intra-node data plane of :mod:`npu_train.transport.channel`.
 
-This module is the data plane of the intra-node transport (see
-:mod:`npu_train.transport.channel` for the control plane and flow control).
-
-Segments
-========
-:class:`ShmSegment` is a thin wrapper over ``shm_open`` + ``mmap``:
-
-* created with ``O_CREAT | O_EXCL`` and mode ``0600`` (only the job's user can
-  map it), then ``ftruncate``\\ d to the requested size and, where the kernel
-  supports it, ``posix_fallocate``\\ d so that a too-small ``/dev/shm`` fails
-  *at creation* with :class:`ShmTooSmallError` instead of a ``SIGBUS`` on the
-  first write deep inside a training step;
-* deliberately **not** :mod:`multiprocessing.shared_memory`, whose
-  ``resource_tracker`` (Python 3.11) unlinks segments / warns about "leaked"
-  segments when processes are started with ``spawn``.
-
-Naming: every segment of a job is called ``npt_<job_id>_<name>`` and lives in
-``/dev/shm``. ``job_id`` may contain ``[A-Za-z0-9.-]`` only (no ``_``), so
-that the prefix ``npt_<job_id>_`` of one job can never match another job's
-segments. :func:`segment_names_for_job` lists a job's segments and
-:func:`unlink_job_segments` removes them (the launcher calls it on every exit
-path, so a crashed worker never leaks RAM-backed files).
-
-Slot rings
-==========
-:class:`SlotRing` carves one segment into ``n_slots`` slots of ``slot_bytes``
-bytes each (every slot starts on a 64-byte boundary). The writer copies a CPU
-tensor's bytes into a slot (:meth:`SlotRing.write`); the reader gets a
-zero-copy tensor view of a slot (:meth:`SlotRing.view`) and must copy it
-before handing the slot back to the writer. *Which* slot may be written when
-is decided by the credit protocol in :mod:`.channel`; the ring itself does no
-synchronisation.
-
-Supported dtypes (wire names): ``float32``, ``bfloat16``, ``float16``,
-``float64``, ``int64``, ``int32``, ``int16``, ``int8``, ``uint8``, ``bool``.
-"""
+Segments are ``/dev/shm/npt_<job_id>_<name>``, mode 0600, created with ``O_EXCL`` and ``posix_fallocate`` so a
+full ``/dev/shm`` raises :class:`ShmTooSmallError` at creation instead of ``SIGBUS`` later; not
+``multiprocessing.shared_memory``, whose resource tracker unlinks segments under ``spawn``. ``job_id`` has no
+``_``, so one job's prefix never matches another's (:func:`unlink_job_segments`)."""
 
 from __future__ import annotations
 
@@ -98,12 +67,7 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
 class ShmTooSmallError(UserError, RuntimeError):
-    """``/dev/shm`` has less free space than a segment needs.
-
-    Attributes:
-        required: bytes the segment needs.
-        available: bytes free in ``/dev/shm`` (as seen by this process).
-    """
+    """``/dev/shm`` has less free space (``available`` bytes) than a segment needs (``required``)."""
 
     def __init__(self, name: str, required: int, available: int, shm_dir: str = SHM_DIR):
         self.name = name
@@ -123,12 +87,8 @@ class ShmTooSmallError(UserError, RuntimeError):
 
 
 def validate_job_id(job_id: str) -> str:
-    """Return ``job_id`` if it is usable in segment names, else raise ``ValueError``.
-
-    Allowed: 1-64 characters from ``[A-Za-z0-9.-]``, not starting with ``.``/``-``.
-    Underscores are rejected because ``_`` separates the job id from the rest of
-    the segment name (``npt_<job_id>_<name>``).
-    """
+    """Return ``job_id`` if usable in segment names (1-64 of ``[A-Za-z0-9.-]``, not starting with
+    ``.``/``-``), else raise ``ValueError``."""
     if not isinstance(job_id, str) or not _JOB_ID_RE.match(job_id):
         raise ValueError(
             f"invalid job_id {job_id!r}: use 1-64 characters from [A-Za-z0-9.-] "
@@ -138,10 +98,7 @@ def validate_job_id(job_id: str) -> str:
 
 
 def segment_name(job_id: str, name: str) -> str:
-    """Full segment name ``npt_<job_id>_<name>`` (without leading ``/``).
-
-    ``name`` may use ``[A-Za-z0-9._-]`` (1-128 characters).
-    """
+    """Full segment name ``npt_<job_id>_<name>`` (no leading ``/``; ``name``: 1-128 of ``[A-Za-z0-9._-]``)."""
     validate_job_id(job_id)
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ValueError(f"invalid segment/link name {name!r}: use [A-Za-z0-9._-], 1-128 chars")
@@ -166,14 +123,10 @@ def shm_free_bytes(shm_dir: str = SHM_DIR) -> int:
 
 
 class ShmSegment:
-    """One POSIX shared memory object mapped read/write into this process.
+    """One POSIX shared memory object mapped read/write (``buf``: a memoryview of ``size`` bytes).
 
-    Use :meth:`create` (owner; fails if the name exists) or :meth:`attach`
-    (existing segment). ``buf`` is a writable ``memoryview`` of ``size`` bytes.
-    :meth:`close` unmaps; :meth:`unlink` removes the name (the memory is freed
-    once every process has unmapped it). As a context manager, ``__exit__``
-    closes, and additionally unlinks if this object created the segment.
-    """
+    :meth:`create` (owner) or :meth:`attach`; :meth:`close` unmaps, :meth:`unlink` removes the name. As a
+    context manager it closes, and unlinks what it created."""
 
     def __init__(self, name: str, mm: mmap.mmap, size: int, owner: bool):
         self.name = name
@@ -185,19 +138,9 @@ class ShmSegment:
     # -- construction -----------------------------------------------------------------
     @classmethod
     def create(cls, name: str, nbytes: int, *, reserve: bool = True) -> "ShmSegment":
-        """Create segment ``name`` of ``nbytes`` bytes with mode 0600.
+        """Create segment ``name`` of ``nbytes`` > 0 bytes, mode 0600 (``reserve``: fallocate now).
 
-        Args:
-            name: full segment name (e.g. from :func:`segment_name`), no ``/``.
-            nbytes: size in bytes, > 0.
-            reserve: ``posix_fallocate`` the pages now so a full ``/dev/shm``
-                raises here rather than ``SIGBUS`` later (default True).
-
-        Raises:
-            ShmTooSmallError: ``/dev/shm`` has fewer than ``nbytes`` bytes free.
-            FileExistsError: a segment with this name already exists.
-            ValueError: bad name or size.
-        """
+        Raises ShmTooSmallError, FileExistsError, ValueError (bad name or size)."""
         _require_posix()
         _check_full_name(name)
         nbytes = int(nbytes)
@@ -251,7 +194,6 @@ class ShmSegment:
     # -- access ----------------------------------------------------------------------
     @property
     def buf(self) -> memoryview:
-        """Writable ``memoryview`` (format ``B``) over the whole segment."""
         if self._buf is None:
             raise ValueError(f"shared memory segment {self.name!r} is closed")
         return self._buf
@@ -261,12 +203,7 @@ class ShmSegment:
         return self._mmap is None
 
     def close(self) -> None:
-        """Unmap the segment from this process. Idempotent.
-
-        If tensors/views created from :attr:`buf` are still alive the mapping
-        cannot be unmapped immediately; references are dropped and the kernel
-        mapping is released when the last such view is garbage collected.
-        """
+        """Unmap the segment. Idempotent; live views keep the mapping until they are collected."""
         mm, buf = self._mmap, self._buf
         self._mmap = None
         self._buf = None
@@ -320,12 +257,7 @@ def segment_names_for_job(job_id: str) -> List[str]:
 
 
 def unlink_job_segments(job_id: str) -> int:
-    """Unlink every ``/dev/shm`` segment of ``job_id``; returns how many were removed.
-
-    Safe to call repeatedly and concurrently with workers exiting (already
-    removed names are skipped). Processes that still map a segment keep their
-    mapping until they exit; only the name disappears.
-    """
+    """Unlink every ``/dev/shm`` segment of ``job_id``; returns how many were removed. Idempotent."""
     _require_posix()
     n = 0
     for name in segment_names_for_job(job_id):
@@ -358,13 +290,8 @@ def _round_up(n: int, a: int) -> int:
 
 
 class SlotRing:
-    """``n_slots`` fixed-size tensor slots of ``slot_bytes`` bytes in one :class:`ShmSegment`.
-
-    Slot ``i`` occupies bytes ``[i * stride, i * stride + slot_bytes)`` where
-    ``stride = round_up(slot_bytes, 64)``. No synchronisation: the caller
-    (``TensorLink``'s credit protocol) guarantees a slot is not written while
-    the reader still uses it.
-    """
+    """``n_slots`` slots of ``slot_bytes`` bytes in one :class:`ShmSegment`, each at ``i * round_up(slot_bytes, 64)``.
+    No synchronisation: ``TensorLink``'s credits decide who may write a slot."""
 
     def __init__(self, segment: ShmSegment, slot_bytes: int, n_slots: int):
         slot_bytes, n_slots = int(slot_bytes), int(n_slots)
@@ -401,7 +328,6 @@ class SlotRing:
 
     @classmethod
     def attach(cls, name: str, slot_bytes: int, n_slots: int) -> "SlotRing":
-        """Attach to the ring created by the peer under ``name``."""
         seg = ShmSegment.attach(name)
         try:
             return cls(seg, slot_bytes, n_slots)
@@ -423,17 +349,8 @@ class SlotRing:
         return self._bytes[off : off + nbytes]
 
     def write(self, slot: int, tensor: torch.Tensor) -> int:
-        """Copy ``tensor``'s bytes into ``slot``; returns the number of bytes written.
-
-        ``tensor`` must have a dtype from :data:`DTYPES`. Non-contiguous tensors
-        are written in C order. A tensor on another device is copied straight
-        into the slot with a blocking ``Tensor.copy_`` (no staging tensor);
-        when this returns the slot holds the data.
-
-        Raises:
-            ValueError: unsupported dtype, or larger than ``slot_bytes``.
-            IndexError: bad slot index.
-        """
+        """Copy ``tensor``'s bytes (C order, blocking copy from any device) into ``slot``; returns bytes
+        written. Raises ValueError (dtype not in :data:`DTYPES`, too large), IndexError (bad slot)."""
         dtype_to_str(tensor.dtype)  # validates
         src = tensor.detach()
         nbytes = src.numel() * src.element_size()
@@ -443,12 +360,7 @@ class SlotRing:
         return nbytes
 
     def view(self, slot: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """Zero-copy tensor of ``shape``/``dtype`` aliasing ``slot``.
-
-        The result aliases shared memory the writer will reuse once the slot is
-        released: copy it (``.clone()`` / ``.to(device, copy=True)``) first and
-        drop the view.
-        """
+        """Zero-copy tensor of ``shape``/``dtype`` aliasing ``slot``: copy it before releasing the slot."""
         shape = tuple(int(s) for s in shape)
         if any(s < 0 for s in shape):
             raise ValueError(f"negative dimension in shape {shape}")
@@ -468,7 +380,6 @@ class SlotRing:
         self.segment.close()
 
     def unlink(self) -> None:
-        """Remove the backing segment's name (owner side)."""
         self.segment.unlink()
 
     def __enter__(self) -> "SlotRing":
