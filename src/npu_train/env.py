@@ -2,21 +2,17 @@
 
 =========================  ==================================================================
 ``NPT_CACHE``              cache root (default ``~/.cache/npu-train``): packed data, dequantized
-                           GGUF tensors, calibration profiles. ``NPU_TRAIN_CACHE`` is still read
+                           GGUF tensors, calibration profiles, fitted figures. ``NPU_TRAIN_CACHE`` is still read
                            (deprecated, with a warning).
 ``NPT_FURIOSA_FUSION``     RNGD fusion setting for every card process (see ``backends/furiosa.py``);
                            ``NPU_TRAIN_FURIOSA_FUSION`` is still read (deprecated).
-``NPT_CALIBRATE``          ``auto``/``never``/``always``: replaces ``placement.calibrate=auto``
-                           (the test suite sets ``never``, ``tests/conftest.py``).
-``NPT_CALIBRATE_QUICK``    tests only: ``1`` = the automatic calibration uses tiny sizes.
 ``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes.
 ``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``).
 ``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install.
 =========================  ==================================================================
 
 The variables that change what a run computes or which cached inputs it reads
-(:data:`RUN_VARIABLES`: ``NPT_CACHE``, ``NPT_CALIBRATE``, ``NPT_CALIBRATE_QUICK``,
-``NPT_FURIOSA_FUSION``) are repeated in front of every resume command the launcher prints or writes
+(:data:`RUN_VARIABLES`: ``NPT_CACHE``, ``NPT_FURIOSA_FUSION``) are repeated in front of every resume command the launcher prints or writes
 (:func:`resume_env_prefix`), so the resumed run reads the same tokenized data and calibration
 profile and plans the same way. ``NPT_FAULT`` and ``NPT_SHM_FREE_BYTES`` are not (test hooks that
 must not fire again), nor ``NPT_TORCH_SPEC`` (setup only).
@@ -58,7 +54,7 @@ def cache_dir(*parts: str) -> Path:
 
 
 #: variable names (after ``NPT_``) that change a run: a resume command sets them again
-RUN_VARIABLES = ("CACHE", "CALIBRATE", "CALIBRATE_QUICK", "FURIOSA_FUSION")
+RUN_VARIABLES = ("CACHE", "FURIOSA_FUSION")
 
 
 def run_environment() -> dict[str, str]:

@@ -107,7 +107,6 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
     from npu_train.planner import load_rates, make_plan, threads_per_card
-    from npu_train.planner.autocal import auto_calibrate, start_early
     from npu_train.planner.memterms import load_memory_terms
 
     validate(cfg)
@@ -132,22 +131,12 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
     tr, dtype = cfg.train, compute_dtype(cfg.train.dtype, [c.kind for c in cards])
-    # first run on this machine (not for a dry run or the sweep's pre-check, which pass probe=False): the
-    # calibration's load processes and process baseline start now, while this process reads the model
-    calibrate = probe and not cfg.plan and nodes is None and cfg.placement.profile is None
-    early = start_early(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_path=model_path,
-                        modules=CARD_PROCESS_MODULES) if calibrate else None
-    with early or contextlib.nullcontext():  # closed (helpers stopped or killed) on every path
-        if model_path is not None:
-            mcfg = load_config(model_path)
-            if not cfg.plan:
-                check_weights(model_path, mcfg)
-        P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
-        shape = run_shape(cfg, mcfg, dtype)
-        if calibrate:
-            auto_calibrate(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
-                           model_path=model_path, batch_seq=(tr.micro_batch, cfg.data.seq_len),
-                           modules=CARD_PROCESS_MODULES, early=early)
+    if model_path is not None:
+        mcfg = load_config(model_path)
+        if not cfg.plan:
+            check_weights(model_path, mcfg)
+    P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
+    shape = run_shape(cfg, mcfg, dtype)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
@@ -281,7 +270,7 @@ def run_job(cfg, run_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     if cfg.calibrate:
         from npu_train.backends.spec import parse_backend_list, resolve_cards
-        from npu_train.planner import main_calibrate
+        from npu_train.calibrate import main_calibrate
 
         reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)))
         kinds = [r.kind if r.index is None else f"{r.kind}:{r.index}" for r in reqs]
@@ -291,9 +280,6 @@ def run_job(cfg, run_dir: str) -> dict:
     if cfg.plan:
         prep = prepare(cfg, run_dir, probe=False)
         print(prep.plan.table())
-        if str(cfg.placement.calibrate).strip().lower() == "always":  # a dry run measures nothing
-            print("note: placement.calibrate=always does not run with plan=true (a dry run plans for the target "
-                  "server and measures nothing); measure this machine with calibrate=true")
         host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
         try:
             import psutil
@@ -328,6 +314,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     from npu_train.data.sampler import StepSampler
     from npu_train.metrics.report import Reporter, carry_over, rotate_previous_run
     from npu_train.optim.lr import warmup_note
+    from npu_train.planner.fit import refit_from_run
     from npu_train.runtime import nodes as N
     from npu_train.runtime.leftovers import discard_job_ipc, sweep_dead_jobs, write_job_owner
     from npu_train.transport.shm import ShmTooSmallError
@@ -450,7 +437,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
             ckpt_root=ckpt_root, ipc_dir=ipc_dir, host=host, port=port, slot_bytes=slot_bytes, slots=slots,
             nodes=node_plan)
         print(plan.table(), flush=True)
-        with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
+        with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by planner.fit at the run's end
             json.dump(plan.to_dict(), f, indent=1)
         where = f"node {layout.node_rank}/{layout.nnodes} ({len(specs)} local card(s), host {host}), " if layout else ""
         print(f"job {job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), {mcfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
@@ -502,6 +489,7 @@ def _train(cfg, run_dir: str, layout, rdv, host: str) -> dict:
     if coord.interrupted:
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, ckpt_root, tr.offload_update, saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=ckpt_root)
+    refit_from_run(run_dir, plan.rates)  # figures fitted from this run (planner.fit), never raises
     at = start_step + int(summ["steps_run"])
     early = at < tr.steps  # train.stop_after ended this launch before train.steps
     print(end_of_run_line(summ, at, tr, coord.last_ckpt, ckpt_root, saving, run_dir), flush=True)
