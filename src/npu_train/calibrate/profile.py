@@ -115,6 +115,67 @@ def thread_counts(cores: Optional[int] = None) -> list[int]:
     return sorted(out)
 
 
+def _measure_threads(kind: str, backend, quick: bool, model_cfg, counts: list[int], details: dict) -> dict[int, dict]:
+    """:func:`measure_at` at each cpu thread count, most threads first; a count slower than a
+    smaller one (other load) is re-measured, else the smaller one's figures are kept (a warning)."""
+    import torch
+
+    old = torch.get_num_threads()
+    per: dict[int, dict] = {}
+    try:
+        # most threads first: they suffer most from other load (an OpenMP team stalls
+        # when one of its threads is descheduled), so they go first, right after start-up
+        for t in sorted(counts, reverse=True):
+            torch.set_num_threads(t)
+            per[t] = measure_at(kind, backend, quick, model_cfg)
+            note_load(per[t])
+        for t in counts:
+            prev = [u for u in per if u < t]
+            if not prev or quick:
+                continue
+            lower = per[max(prev)]
+            if not slower(per[t], lower):
+                continue
+            # more threads but slower: disturbed by other load. The figures wanted are what
+            # the machine does for the job alone: re-measure a few times, keep the best of
+            # each figure.
+            torch.set_num_threads(t)
+            for _ in range(RETRIES):
+                time.sleep(2.0)
+                again = measure_at(kind, backend, quick, model_cfg)
+                note_load(again)
+                per[t] = best_of(per[t], again, kind)
+                if not slower(per[t], lower):
+                    break
+            bad = slower(per[t], lower)
+            if bad:
+                # keep a lower bound instead: t threads are at least as fast as fewer
+                details.setdefault("warnings", []).append(
+                    f"{t} threads measured slower than {max(prev)} for {', '.join(bad)} "
+                    "(other load on the machine?): the lower thread count's figures are used "
+                    "for those (a lower bound); rerun calibration on an idle machine")
+                per[t] = best_of(per[t], lower, kind, only=bad)
+                per[t]["disturbed"] = bad
+    finally:
+        torch.set_num_threads(old)
+    return per
+
+
+def _baseline(model_path: Optional[str], threads: int, modules: Optional[Sequence[str]], details: dict) -> float:
+    """The cpu process baseline (bytes), or the default with the failure in ``details``."""
+    try:
+        baseline = measure_process_baseline(
+            model_path, threads,
+            modules=CARD_PROCESS_MODULES if modules is None else modules)
+        details["process_baseline"] = {"model_path": model_path, "threads": threads,
+                                       "rss_bytes": baseline}
+    except Exception as exc:  # noqa: BLE001 - keep the other figures, report the failure
+        baseline = DEFAULT_RATES["cpu"].process_baseline_bytes
+        details["process_baseline"] = {"error": str(exc)[:2000], "used_default": baseline}
+        details["assumed_fields"] = ["process_baseline_bytes"]
+    return baseline
+
+
 def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
               model_path: Optional[str] = None, threads: Optional[list[int]] = None,
               modules: Optional[Sequence[str]] = None) -> Rates:
@@ -161,57 +222,10 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         counts = sorted({int(t) for t in (threads or thread_counts())})
         if quick:
             counts = counts[:1] if threads is None else counts
-        old = torch.get_num_threads()
-        per: dict[int, dict] = {}
-        try:
-            # most threads first: they suffer most from other load (an OpenMP team stalls
-            # when one of its threads is descheduled), so they go first, right after start-up
-            for t in sorted(counts, reverse=True):
-                torch.set_num_threads(t)
-                per[t] = measure_at(kind, backend, quick, model_cfg)
-                note_load(per[t])
-            for t in counts:
-                prev = [u for u in per if u < t]
-                if not prev or quick:
-                    continue
-                lower = per[max(prev)]
-                if not slower(per[t], lower):
-                    continue
-                # more threads but slower: disturbed by other load. The figures wanted are what
-                # the machine does for the job alone: re-measure a few times, keep the best of
-                # each figure.
-                torch.set_num_threads(t)
-                for _ in range(RETRIES):
-                    time.sleep(2.0)
-                    again = measure_at(kind, backend, quick, model_cfg)
-                    note_load(again)
-                    per[t] = best_of(per[t], again, kind)
-                    if not slower(per[t], lower):
-                        break
-                bad = slower(per[t], lower)
-                if bad:
-                    # keep a lower bound instead: t threads are at least as fast as fewer
-                    details.setdefault("warnings", []).append(
-                        f"{t} threads measured slower than {max(prev)} for {', '.join(bad)} "
-                        "(other load on the machine?): the lower thread count's figures are used "
-                        "for those (a lower bound); rerun calibration on an idle machine")
-                    per[t] = best_of(per[t], lower, kind, only=bad)
-                    per[t]["disturbed"] = bad
-        finally:
-            torch.set_num_threads(old)
+        per = _measure_threads(kind, backend, quick, model_cfg, counts, details)
         top_t = max(per)
         top = per[top_t]
-        baseline_threads = min(counts)
-        try:
-            baseline = measure_process_baseline(
-                model_path, baseline_threads,
-                modules=CARD_PROCESS_MODULES if modules is None else modules)
-            details["process_baseline"] = {"model_path": model_path, "threads": baseline_threads,
-                                           "rss_bytes": baseline}
-        except Exception as exc:  # noqa: BLE001 - keep the other figures, report the failure
-            baseline = DEFAULT_RATES["cpu"].process_baseline_bytes
-            details["process_baseline"] = {"error": str(exc)[:2000], "used_default": baseline}
-            details["assumed_fields"] = ["process_baseline_bytes"]
+        baseline = _baseline(model_path, min(counts), modules, details)
         by_threads = {t: rate_fields(v) for t, v in per.items() if t != top_t}
         details["by_threads"] = {str(t): v for t, v in per.items()}
     else:

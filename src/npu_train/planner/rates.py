@@ -259,6 +259,42 @@ def _profile_number(path: Path, key: str, value, may_be_zero: bool) -> float:
     return v
 
 
+def _profile_doc(path: Path) -> tuple[dict, str, list]:
+    """(the rates object, its origin text, fields it marks assumed) of the profile at ``path``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _bad_profile(path, f"unreadable ({exc})") from exc
+    assumed: list = []
+    if isinstance(data, dict) and isinstance(data.get("rates"), dict):
+        created = data.get("created") or (data.get("machine") or {}).get("date") or "undated"
+        origin = f"{path} ({created})"
+        det = data.get("details")
+        assumed = det.get("assumed_fields") or [] if isinstance(det, dict) else []
+        data = data["rates"]
+    else:
+        origin = f"{path} (hand-written)"
+    if not isinstance(data, dict):
+        raise _bad_profile(path, "not a JSON object")
+    return data, origin, assumed
+
+
+def _thread_entry(path: Path, t, entry) -> dict:
+    """One checked ``by_threads`` entry of the profile at ``path``."""
+    if not isinstance(entry, dict):
+        raise _bad_profile(path, f"by_threads.{t} is not an object")
+    e = {k: _profile_number(path, f"by_threads.{t}.{k}", entry[k], k in RATE_MAY_BE_ZERO)
+         for k in RATE_NUMBERS if k in entry}
+    if isinstance(entry.get("flops_by_dtype"), dict):
+        e["flops_by_dtype"] = {str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
+                               for dt, v in entry["flops_by_dtype"].items()}
+    if "concurrent" in entry:
+        e["concurrent"] = max(1, int(_profile_number(path, f"by_threads.{t}.concurrent", entry["concurrent"], False)))
+    if isinstance(entry.get("shapes"), str):
+        e["shapes"] = entry["shapes"]
+    return e
+
+
 def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                threads: Optional[int] = None) -> Rates:
     """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by a calibration profile when present.
@@ -292,21 +328,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     path = Path(profile_path) if profile_path is not None else calibration_path(kind)
     sources, origin = dict(d.sources), ""
     if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise _bad_profile(path, f"unreadable ({exc})") from exc
-        assumed: list = []
-        if isinstance(data, dict) and isinstance(data.get("rates"), dict):
-            created = data.get("created") or (data.get("machine") or {}).get("date") or "undated"
-            origin = f"{path} ({created})"
-            det = data.get("details")
-            assumed = det.get("assumed_fields") or [] if isinstance(det, dict) else []
-            data = data["rates"]
-        else:
-            origin = f"{path} (hand-written)"
-        if not isinstance(data, dict):
-            raise _bad_profile(path, "not a JSON object")
+        data, origin, assumed = _profile_doc(path)
         for k in values:
             if k in data:
                 values[k] = _profile_number(path, k, data[k], k in RATE_MAY_BE_ZERO)
@@ -321,22 +343,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
             by_dtype = {str(dt): _profile_number(path, f"flops_by_dtype.{dt}", v, False)
                         for dt, v in data["flops_by_dtype"].items()}
         if isinstance(data.get("by_threads"), dict):
-            by_threads = {}
-            for t, entry in data["by_threads"].items():
-                if not isinstance(entry, dict):
-                    raise _bad_profile(path, f"by_threads.{t} is not an object")
-                e = {k: _profile_number(path, f"by_threads.{t}.{k}", entry[k], k in RATE_MAY_BE_ZERO)
-                     for k in RATE_NUMBERS if k in entry}
-                if isinstance(entry.get("flops_by_dtype"), dict):
-                    e["flops_by_dtype"] = {
-                        str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
-                        for dt, v in entry["flops_by_dtype"].items()}
-                if "concurrent" in entry:
-                    e["concurrent"] = max(1, int(_profile_number(path, f"by_threads.{t}.concurrent",
-                                                                 entry["concurrent"], False)))
-                if isinstance(entry.get("shapes"), str):
-                    e["shapes"] = entry["shapes"]
-                by_threads[int(t)] = e
+            by_threads = {int(t): _thread_entry(path, t, e) for t, e in data["by_threads"].items()}
     rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads,
                   sources=sources, origin=origin, concurrent=concurrent, shapes=shapes)
     if threads is None:
