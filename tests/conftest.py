@@ -1,18 +1,19 @@
 """Suite-wide settings.
 
-The launcher calibrates a card kind on a job's first run on a machine
-(``placement.calibrate=auto``, :mod:`npu_train.planner.autocal`, ~12 s for cpu). The test suite
-launches many jobs, in-process and as subprocesses, so it switches that off for all of them
-(``NPT_CALIBRATE=never``, inherited by every subprocess): plans use whatever profile the cache
-holds, else the assumed defaults. ``tests/unit/test_autocal.py`` clears the variable to test the
-automatic path itself.
+Every test gets its own ``NPT_CACHE`` (inherited by its subprocesses) holding no calibration
+profile and no fitted figures, so plans start from the assumed defaults whatever ran before; the
+cached data, tokenizers and compiled modules are shared (links to the real cache's folders).
 """
 from __future__ import annotations
 
 import os
+import tempfile
 
-os.environ.setdefault("NPT_CALIBRATE", "never")
+from npu_train.env import cache_root
 
+_SHARED = ("data", "tokenizers", "furiosa")
+_REAL_CACHE = cache_root()
+_CACHES = tempfile.mkdtemp(prefix="npt-test-caches-")
 
 # ---- disk: a passed test's temp dir goes at once (checkpoints of the real model are ~2 GB each), so the
 # suite's peak disk use is one test's, not the whole session's; a failed test's dir stays for inspection.
@@ -35,3 +36,20 @@ def _remove_tmp_path_of_passed_test(request):
     yield
     if path is not None and not getattr(request.node, "_npt_failed", False):
         shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(request):
+    """A fresh ``NPT_CACHE`` per test (module docstring)."""
+    root = tempfile.mkdtemp(dir=_CACHES)
+    for name in _SHARED:
+        (_REAL_CACHE / name).mkdir(parents=True, exist_ok=True)
+        os.symlink(_REAL_CACHE / name, os.path.join(root, name))
+    old = os.environ.get("NPT_CACHE")
+    os.environ["NPT_CACHE"] = root
+    yield root
+    if old is None:
+        os.environ.pop("NPT_CACHE", None)
+    else:
+        os.environ["NPT_CACHE"] = old
+    shutil.rmtree(root, ignore_errors=True)

@@ -64,7 +64,7 @@ def machine_info(device: str = "cpu") -> dict:
     version, 1-minute load average at the start, and the GPU's name when ``device`` is cuda."""
     import torch
 
-    from npu_train.planner.calibration import cpu_model  # the calibration profile's record of the CPU
+    from npu_train.calibrate.profile import cpu_model  # the calibration profile's record of the CPU
 
     info = {"cpu": cpu_model(), "logical_cpus": os.cpu_count(), "usable_cores": usable_cores(),
             "torch": torch.__version__, "python": platform.python_version(),

@@ -26,7 +26,7 @@ PHASES=${PHASES:-equivalence offload}
 # a smoke run of this script's plumbing on a CPU machine: DEVICE=cpu MODEL_PRESET=... SHAPE="data.seq_len=32 ..."
 DEVICE=${DEVICE:-cuda}; MODEL_PRESET=${MODEL_PRESET:-smollm2-135m}
 SHAPE=${SHAPE:-data.seq_len=512 train.micro_batch=4 train.accum=8 train.dtype=bf16}
-export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NPT_CALIBRATE=${NPT_CALIBRATE:-never}
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD/src

@@ -11,12 +11,11 @@ and the plan's prediction (``mem_pred_bytes``), the step time (``step_s``) and t
     predicted step s | measured mean step s (steps 2..N; step 1 allocates the AdamW moments and
     warms up) | ratio
 
-First the machine is calibrated (``npu_train.planner.main_calibrate``, profile written to
+First the machine is calibrated (``npu_train.calibrate.main_calibrate``, profile written to
 the output directory) unless ``--profile`` names an existing profile. ``--auto`` instead checks
-what a user gets without any manual step: no ``placement.profile``, a calibration cache of its
-own (``<out-dir>/cache``, the rest of ``$NPT_CACHE`` linked in) and ``NPT_CALIBRATE`` unset, so
-the first job calibrates automatically (``placement.calibrate=auto``); the calibration's wall
-time is read from the profile it wrote. Ratios only, no assertions.
+what a user gets without any manual step: no ``placement.profile`` and a cache of its own
+(``<out-dir>/cache``, the rest of ``$NPT_CACHE`` linked in), so the first job plans from the
+assumed figures and later ones from the figures fitted from the finished jobs. Ratios only, no assertions.
 On a shared machine other processes slow the cpu "cards" down (an OpenMP team with a
 descheduled thread stalls), so for each job the CPU used by *other* processes is reported
 ("others", in cores: the machine's busy time from ``/proc/stat`` minus the job's own CPU time);
@@ -27,7 +26,7 @@ Usage (from the repository root)::
     .venv/bin/python experiments/bench/plan_vs_measured.py                  # calibrate + all layouts
     .venv/bin/python experiments/bench/plan_vs_measured.py --profile ~/.cache/npu-train/calibration/cpu.json \\
         --layouts default single --steps 4 --out /tmp/pvm.json
-    .venv/bin/python experiments/bench/plan_vs_measured.py --auto --layouts default   # first-run calibration
+    .venv/bin/python experiments/bench/plan_vs_measured.py --auto --layouts default   # fitted figures
 """
 from __future__ import annotations
 
@@ -145,8 +144,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", help="existing calibration profile (default: calibrate first)")
     ap.add_argument("--auto", action="store_true",
-                    help="no profile: the first job calibrates itself (placement.calibrate=auto) "
-                         "into <out-dir>/cache")
+                    help="no profile: figures fitted from the finished jobs, in <out-dir>/cache")
     ap.add_argument("--layouts", nargs="*", default=list(LAYOUTS), choices=list(LAYOUTS))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--out-dir", help="where run dirs and logs go (default: a new temp dir)")
@@ -171,14 +169,13 @@ def main(argv=None) -> int:
     env = None
     if args.auto:
         env = dict(os.environ, NPT_CACHE=str(linked_cache(out_dir / "cache")))
-        env.pop("NPT_CALIBRATE", None)
         profile = None
-        print(f"profile: none; the first job calibrates into {env['NPT_CACHE']}/calibration", flush=True)
+        print(f"profile: none; figures fitted from the jobs into {env['NPT_CACHE']}/fitted", flush=True)
     elif args.profile:
         profile = str(Path(args.profile).expanduser())
         print(f"profile: {profile} (existing)", flush=True)
     else:
-        from npu_train.planner import main_calibrate
+        from npu_train.calibrate import main_calibrate
 
         if args.wait_idle is not None:
             wait_idle(args.wait_idle, args.max_wait)
@@ -223,14 +220,8 @@ def main(argv=None) -> int:
           "processes during the job)")
     print(fmt_table(results))
     if args.auto:
-        auto = Path(env["NPT_CACHE"]) / "calibration" / "cpu.json"
-        if auto.is_file():
-            prof = json.loads(auto.read_text())
-            det = prof.get("details", {}).get("auto", {})
-            print(f"automatic calibration: {det.get('seconds')} s wall (measurements "
-                  f"{det.get('measure_seconds')} s; per figure {det.get('measured', {}).get('seconds')}); "
-                  f"load before {prof.get('details', {}).get('loadavg_1_before')}; profile {auto}")
-            profile = str(auto)
+        for f in sorted((Path(env["NPT_CACHE"]) / "fitted").glob("*.json")):
+            print(f"fitted figures: {f}", flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps({"profile": profile, "calibration": prof,
                                               "results": results}, indent=1))

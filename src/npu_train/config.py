@@ -202,18 +202,13 @@ class CheckpointConf:
 
 @dataclass
 class PlanConf:
-    #: host->device bandwidth etc. from this calibration profile (null = default per backend).
+    #: rates from this calibration profile only (null = fitted from finished runs, else the
+    #: calibrate=true profile, else the assumed defaults: npu_train.planner.rates).
     profile: Optional[str] = None
     #: per-card capacity override in GiB (null = the backend's).
     capacity_gib: Optional[float] = None
     #: fraction of every card's capacity that resident_layers=auto keeps free (printed in the plan).
     headroom: float = 0.05
-    #: auto: before planning a training job, measure each card kind on this machine (~12 s for cpu,
-    #: once; cached in $NPT_CACHE/calibration/<kind>.json) when no cached profile fits this machine,
-    #: torch version and thread count; never: use the cached profile or the assumed defaults;
-    #: always: measure again. $NPT_CALIBRATE replaces auto. Not with placement.profile, plan=true
-    #: or multi-node jobs (npu_train.planner.autocal).
-    calibrate: str = "auto"
 
 
 @dataclass
@@ -240,7 +235,8 @@ class Config:
     parallel: ParallelConf = field(default_factory=ParallelConf)
     #: print the placement plan and exit (no device, no weights loaded).
     plan: bool = False
-    #: measure device/host rates on this machine and save a calibration profile, then exit.
+    #: measure device/host rates on this machine and save a calibration profile, then exit
+    #: (npu_train.calibrate; a training run fits its own figures without it).
     calibrate: bool = False
 
 
@@ -357,8 +353,6 @@ def _check_runtime(cfg) -> None:
         raise ConfigError("runtime.heartbeat_timeout_s must exceed runtime.heartbeat_interval_s")
     if cfg.runtime.slots is not None and cfg.runtime.slots < 1:
         raise ConfigError("runtime.slots must be >= 1")
-    if cfg.placement.calibrate not in ("auto", "never", "always"):
-        raise ConfigError(f"placement.calibrate={cfg.placement.calibrate!r}: use auto, never or always")
     if not 0.0 <= cfg.placement.headroom < 0.5:
         raise ConfigError(f"placement.headroom={cfg.placement.headroom} must be in [0, 0.5) "
                           "(fraction of each card's capacity that auto keeps free)")

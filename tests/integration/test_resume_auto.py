@@ -38,7 +38,7 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     first = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.stop_after=2", name="same")
     # the stopped launch says it is not complete and how to continue (console and status.json)
     assert "stopped: 2 steps of this launch (train.stop_after=2), at step 2 of train.steps=4" in first.stdout
-    # (the suite's NPT_CALIBRATE=never makes it "resume with: env NPT_CALIBRATE=never <the same command> ...")
+    # (the suite's own NPT_CACHE makes it "resume with: env NPT_CACHE=... <the same command> ...")
     assert "the same command" in first.stdout and " train.resume=latest checkpoint.dir=" in first.stdout
     assert f"(the whole command: 'resume' in {os.path.join(first.run_dir, 'status.json')})" in first.stdout
     with open(os.path.join(first.run_dir, "status.json")) as f:

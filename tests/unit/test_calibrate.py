@@ -1,4 +1,4 @@
-"""Calibration (quick mode) and how its figures enter the placement model."""
+"""Calibration (``calibrate=true``, quick mode) and how its figures enter the placement model."""
 from __future__ import annotations
 
 import json
@@ -8,18 +8,8 @@ import pytest
 
 from npu_train.hardware import GIB
 from npu_train.model.config import LlamaConfig
-from npu_train.planner import (
-    DEFAULT_RATES,
-    Rates,
-    RunShape,
-    calibrate,
-    load_rates,
-    main_calibrate,
-    make_cards,
-    make_plan,
-    save_profile,
-    thread_counts,
-)
+from npu_train.calibrate import calibrate, main_calibrate, save_profile, thread_counts
+from npu_train.planner import DEFAULT_RATES, Rates, RunShape, load_rates, make_cards, make_plan
 
 RATE_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes")
@@ -49,7 +39,7 @@ def test_quick_calibration_gives_positive_finite_rates(quick_cpu):
     det = r.calibration
     assert det["quick"] and det["machine"]["torch"] and det["machine"]["cores_logical"] >= 1
     # the shapes the figures were measured on (calibrate=true: the model's, reference micro-batch x seq)
-    from npu_train.planner.measure import job_shapes
+    from npu_train.planner.rates import job_shapes
 
     assert r.shapes == job_shapes("cpu", True, None) and r.shapes.startswith("layer ")
 
@@ -177,8 +167,7 @@ def test_load_rates_rejects_bad_profiles(tmp_path):
 
 
 def test_process_baseline_imports_the_given_modules():
-    from npu_train.planner import measure_process_baseline
-    from npu_train.planner.calibration import CARD_PROCESS_MODULES
+    from npu_train.calibrate import CARD_PROCESS_MODULES, measure_process_baseline
 
     # the list is a parameter: a module that does not exist makes the card-like process fail
     with pytest.raises(RuntimeError, match="npu_train.no_such_module"):
@@ -189,7 +178,7 @@ def test_process_baseline_imports_the_given_modules():
 
 
 def test_planner_names_no_higher_layer():
-    """Not even inside a code string: the planner is below the runtime and the launcher."""
+    """Not even inside a code string: the planner is below the runtime, the launcher and calibrate."""
     from pathlib import Path
 
     import npu_train.planner
@@ -198,13 +187,14 @@ def test_planner_names_no_higher_layer():
     for f in sorted(root.glob("*.py")):
         text = f.read_text()
         assert "npu_train.runtime" not in text and "npu_train.launch" not in text, f.name
+        assert "from npu_train.calibrate" not in text and "import npu_train.calibrate" not in text, f.name
 
 
 def test_head_ratio_is_timed_interleaved_with_the_layer(monkeypatch):
     """head_flops_ratio comes from rounds of (layer timing, head timing) back to back: a machine whose
     speed drifts between rounds (here 1.5x slower after every head step) still gives the true ratio.
     Fake clock and steps: no real timing."""
-    from npu_train.planner import measure as M
+    from npu_train.calibrate import measure as M
 
     clock = {"t": 0.0, "speed": 1.0}
 
@@ -223,7 +213,7 @@ def test_head_ratio_is_timed_interleaved_with_the_layer(monkeypatch):
     monkeypatch.setattr(M, "_layer_step", lambda be, dt, dims: (layer, 1.0))
     monkeypatch.setattr(M, "_head_step", lambda be, dt, v, h, t: (head, 2.0))
     loop = M.LoopBounds(min_time=0.0, max_time=1e9, max_reps=1, min_reps=1, warmup=1)
-    head_flops, ratio = M._head_vs_layer(Be(), "fp32", None, (1, 1, 1), loop, rounds=3)
+    head_flops, ratio = M.head_vs_layer(Be(), "fp32", None, (1, 1, 1), loop, rounds=3)
     assert ratio == pytest.approx(0.2, rel=1e-12)
 
 
@@ -231,7 +221,7 @@ def test_best_of_keeps_the_head_ratio_measured_with_the_head_figure():
     """Re-measured figures are combined per figure; the head ratio comes from the measurement whose
     head figure is kept (timed interleaved with the layer there), not from head / layer FLOP/s of
     two different measurements."""
-    from npu_train.planner.measure import best_of
+    from npu_train.calibrate.measure import best_of
 
     def m(layer, head, ratio):
         return {"device_flops": layer, "head_flops": head, "head_flops_ratio": ratio,

@@ -46,25 +46,24 @@ def test_resume_command_starts_with_the_runs_npt_variables(monkeypatch, tmp_path
 
     from npu_train.runtime.job import interrupt_note
 
-    for k in ("NPT_CACHE", "NPU_TRAIN_CACHE", "NPT_CALIBRATE", "NPT_CALIBRATE_QUICK", "NPT_FURIOSA_FUSION",
-              "NPU_TRAIN_FURIOSA_FUSION"):
+    for k in ("NPT_CACHE", "NPU_TRAIN_CACHE", "NPT_FURIOSA_FUSION", "NPU_TRAIN_FURIOSA_FUSION"):
         monkeypatch.delenv(k, raising=False)
     cache = str(tmp_path / "my cache")
     monkeypatch.setenv("NPT_CACHE", cache)
-    monkeypatch.setenv("NPT_CALIBRATE", "never")
+    monkeypatch.setenv("NPT_FURIOSA_FUSION", "4")
     monkeypatch.setenv("NPT_FAULT", "1:forward:raise")
     cmd = _launcher().resume_command(["train.steps=50"], "/ck")
     words = shlex.split(cmd)
-    assert words[:3] == ["env", f"NPT_CACHE={cache}", "NPT_CALIBRATE=never"], cmd
-    assert cmd.startswith(f"env NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never "), cmd
+    assert words[:3] == ["env", f"NPT_CACHE={cache}", "NPT_FURIOSA_FUSION=4"], cmd
+    assert cmd.startswith(f"env NPT_CACHE={shlex.quote(cache)} NPT_FURIOSA_FUSION=4 "), cmd
     assert words[4].endswith("run.py") and "train.resume=latest" in words and "NPT_FAULT" not in cmd
     note = interrupt_note("/ck/step-4", "/ck", "sync")
-    assert f"resume with: env NPT_CACHE={shlex.quote(cache)} NPT_CALIBRATE=never <the same command> " \
+    assert f"resume with: env NPT_CACHE={shlex.quote(cache)} NPT_FURIOSA_FUSION=4 <the same command> " \
            "train.resume=latest checkpoint.dir=/ck" in note and "NPT_FAULT" not in note
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("NPT_CACHE", "rel")
     assert shlex.split(_launcher().resume_command([], "/ck"))[:2] == ["env", f"NPT_CACHE={tmp_path / 'rel'}"]
-    for k in ("NPT_CACHE", "NPT_CALIBRATE"):
+    for k in ("NPT_CACHE", "NPT_FURIOSA_FUSION"):
         monkeypatch.delenv(k)
     assert _launcher().resume_command([], "/ck").startswith(shlex.quote(sys.executable))
     assert "resume by rerunning the same command with train.resume=latest" in interrupt_note("/ck/s", "/ck", "sync")

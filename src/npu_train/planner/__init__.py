@@ -2,39 +2,28 @@
 how fast this machine is.
 
 Modules (dependencies point down the list; none imports torch at import time, so a dry run
-``plan=true`` stays torch-free; only :func:`default_capacity` for ``cuda`` and calibration use it):
+``plan=true`` stays torch-free; only :func:`default_capacity` for ``cuda`` uses it):
 
 - :mod:`~npu_train.planner.spec`: :class:`CardSpec`, :class:`RunShape`, :class:`PlacementError`,
   card capacities, GB/GiB conversion.
 - :mod:`~npu_train.planner.threads`: torch threads per card process (:func:`threads_per_card`),
   usable cores (affinity, cgroup quota).
+- :mod:`~npu_train.planner.fit`: figures fitted from the job's finished runs.
 - :mod:`~npu_train.planner.rates`: :class:`Rates`, defaults per card kind, calibration profiles
-  (:func:`load_rates`, :func:`calibration_path`), the thread-count rule.
+  and fitted figures (:func:`load_rates`), the thread-count rule.
 - :mod:`~npu_train.planner.memterms`: the per-kind workspace / loaded-module-cache constants and
-  where each comes from (measured, fitted, assumed), memory calibration profiles;
-  :mod:`~npu_train.planner.memfit`: fitting them from real runs.
+  where each comes from (measured, fitted, assumed), memory calibration profiles.
 - :mod:`~npu_train.planner.memory`: the memory model (per-stage terms, activations, logits,
   in-flight micro-batches from the schedule).
 - :mod:`~npu_train.planner.plan`: :class:`Plan`, :class:`StagePlan`.
 - :mod:`~npu_train.planner.cost`: the step-time model.
 - :mod:`~npu_train.planner.report`: the plan table and the dry-run report.
 - :mod:`~npu_train.planner.search`: :func:`make_plan` (split and resident-layer search).
-- :mod:`~npu_train.planner.measure` / :mod:`~npu_train.planner.calibration`: measuring a card
-  kind's :class:`Rates` and writing the profile (torch is imported when a measurement runs).
-- :mod:`~npu_train.planner.machine`: what a profile records about its machine, and whether a
-  cached profile still fits this one; :mod:`~npu_train.planner.autocal`: the launcher's automatic
-  first-run calibration (``placement.calibrate``).
+
+Measuring a card kind (``calibrate=true``) is :mod:`npu_train.calibrate`, which the planner does not import.
 """
 from __future__ import annotations
 
-from npu_train.planner.calibration import (
-    calibrate,
-    machine_info,
-    main_calibrate,
-    measure_process_baseline,
-    save_profile,
-    thread_counts,
-)
 from npu_train.planner.memory import (
     ATTENTION,
     WORKSPACE,
@@ -71,7 +60,6 @@ __all__ = [
     "load_rates", "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes",
     "in_flight_micro_batches", "balanced_split", "make_plan", "format_plan", "threads_per_card",
     "usable_cores",
-    "calibrate", "main_calibrate", "save_profile", "thread_counts", "machine_info",
-    "measure_process_baseline", "DEFAULT_HEADROOM", "DEFAULT_MEMORY_TERMS", "MemoryTerms",
+    "DEFAULT_HEADROOM", "DEFAULT_MEMORY_TERMS", "MemoryTerms",
     "load_memory_terms", "fit_memory_terms", "save_memory_terms",
 ]

@@ -1,51 +1,24 @@
-"""Throughput figures of a card kind (:class:`Rates`), their uncalibrated defaults, and the
-calibration profiles :mod:`npu_train.planner.calibrate` writes (``<cache>/calibration/<kind>.json``,
-:func:`calibration_path`; read by :func:`load_rates`).
+"""Throughput figures of a card kind (:class:`Rates`) and where they come from, in precedence order:
+an explicit ``placement.profile=<file>``; figures fitted from this job's finished runs
+(:func:`apply_fitted`, :mod:`npu_train.planner.fit`, labelled ``fitted from N runs``); the
+calibration profile ``calibrate=true`` writes (``<cache>/calibration/<kind>.json``,
+:func:`calibration_path`, labelled ``measured``); the ``assumed`` defaults (:data:`DEFAULT_RATES`).
+:func:`load_rates` combines them.
 
-Thread counts. A cpu card's figures depend on the torch threads of its process; a profile holds
-the figures measured at ``threads`` at its top level and those measured at other counts in
-``by_threads``. :meth:`Rates.resolve` (and ``load_rates(..., threads=N)``) picks the figures of
-the run's thread count (:func:`npu_train.planner.threads.threads_per_card`):
+Thread counts: a profile holds the figures measured at ``threads`` and at other counts in
+``by_threads``; :meth:`Rates.resolve` takes the run's count, else the nearest measured count with
+the compute-bound figures (:data:`THREAD_SCALED`) scaled linearly (optimistic above the largest
+count, conservative below the smallest), else (no count known) the figures unchanged.
 
-1. a count that was measured: its figures (a ``by_threads`` entry's missing fields fall back to
-   the top level's);
-2. else the *nearest* measured count ``c`` (ties: the larger one), with the compute-bound
-   figures scaled by ``N / c``: ``device_flops`` and ``flops_by_dtype``,
-   ``host_adamw_params_per_s`` and ``device_adamw_params_per_s`` (a cpu card's device optimizer
-   is the host's fused CPU AdamW). Bandwidths, ``head_flops_ratio`` (a ratio of two rates) and the
-   process baseline are kept.
-3. a profile without any thread count (``threads = 0``: the accelerator kinds, whose figures do
-   not depend on the host's threads, or hand-written profiles): unchanged.
-
-Concurrency. A cpu job runs its card processes at once; they share the host's memory bandwidth
-and caches, so figures measured in one process alone are too fast for a job of several (the
-automatic calibration measures under the job's concurrency: :mod:`npu_train.planner.loadgen`).
-The top level and each ``by_threads`` entry record ``concurrent``: how many processes ran the
-same kind of work at once while its figures were measured (missing: 1, a profile written before
-the field). :meth:`Rates.resolve` keeps the chosen count's ``concurrent`` and labels its measured
-figures ``"measured, N processes at once"`` when N > 1.
-
-Shapes. ``device_flops``/``flops_by_dtype``, ``head_flops_ratio`` and ``split_backward_ratio``
-are timed on the job's own decoder layer and head (:func:`npu_train.planner.measure.reference_shapes`:
-the model's dims, micro-batch and sequence length), so they describe that model: a tiny test model's
-head runs at 6x a layer's FLOP/s where SmolLM2's runs at 1.2x. The top level and each
-``by_threads`` entry record ``shapes`` (:func:`npu_train.planner.measure.shape_signature`: the
-model's layer and head dims, not the tokens per micro-batch), and
-:meth:`Rates.resolve` keeps the chosen count's. ``""`` (a profile written before the field) means
-unknown and is taken to fit any job (:func:`npu_train.planner.autocal.profile_status`).
-
-Limits of rule 2: it is linear, so it is optimistic above the largest measured count (more
-threads gain less than linearly: memory bandwidth, shared caches, SMT siblings, and an OpenMP team
-stalls while one of its threads is descheduled) and conservative below the smallest one. Threads
-beyond the host's cores are not this rule's concern: the cost model stretches the pipeline
-slots of oversubscribed cpu stages (:mod:`npu_train.planner.cost`). Calibrate on the machine
-and thread counts of the job when the prediction matters.
+Shapes: FLOP/s, head and split-backward ratios describe the model shapes they were timed on
+(``shapes``, :func:`shape_signature`; ``""``: unknown, fits any job).
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Union
@@ -55,7 +28,7 @@ from npu_train.hardware import GIB, KINDS
 from npu_train.planner.spec import PlacementError
 
 __all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "CONCURRENT_FIELDS", "calibration_path",
-           "load_rates", "shapes_differ"]
+           "load_rates", "shapes_differ", "reference_shapes", "shape_signature", "job_shapes"]
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
 RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
@@ -65,7 +38,7 @@ RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam
 RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
 #: Compute-bound fields scaled linearly with the thread count (rule 2 of the module docstring).
 THREAD_SCALED = ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
-#: Fields a calibration measures under the job's concurrency (labelled with it when > 1).
+#: Fields labelled with the processes that ran at once when measured (``concurrent`` > 1).
 CONCURRENT_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                      "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
 
@@ -89,7 +62,7 @@ class Rates:
             matrix, and the log-softmax runs over the vocabulary); 1.0 = same rate.
         split_backward_ratio: seconds of a decoder layer's forward + input-gradient pass + deferred
             weight-gradient pass (the zero-bubble split, :mod:`npu_train.pipeline.backward`) over its
-            forward + one backward (:func:`npu_train.planner.splitcost.split_backward_ratio`); 1.0 = the
+            forward + one backward (:func:`npu_train.calibrate.splitcost.split_backward_ratio`); 1.0 = the
             FLOP count's view (assumed when not measured).
         process_baseline_bytes: card memory a card process holds before any model state. cpu:
             the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the
@@ -108,7 +81,7 @@ class Rates:
         concurrent: processes that ran the same kind of work at once while the top level's
             figures were measured (1: alone; module docstring, "Concurrency").
         shapes: the layer and head shapes the top level's figures were measured on
-            (:func:`~npu_train.planner.measure.shape_signature`; ``""``: unknown; module
+            (:func:`shape_signature`; ``""``: unknown; module
             docstring, "Shapes"). A ``by_threads`` entry may hold its own ``"shapes"``.
         sources: field name -> where its figure comes from: ``"measured"`` (the calibration
             profile ``origin``), ``"assumed"`` (:data:`DEFAULT_RATES`), ``"scaled from N
@@ -228,6 +201,8 @@ class Rates:
                     sources[k] = src.replace("measured", f"measured, {conc} processes at once", 1)
         if dtype is not None and dtype in by_dtype:
             base["device_flops"] = float(by_dtype[dtype])
+            if f"device_flops[{dtype}]" in sources:  # fitted for this dtype (apply_fitted)
+                sources["device_flops"] = sources[f"device_flops[{dtype}]"]
         elif dtype is not None and by_dtype and sources.get("device_flops"):
             sources["device_flops"] += f" for {'/'.join(sorted(by_dtype))}, not {dtype}"
         return Rates(**base, threads=out_t, flops_by_dtype=by_dtype, sources=sources,
@@ -284,6 +259,42 @@ def _profile_number(path: Path, key: str, value, may_be_zero: bool) -> float:
     return v
 
 
+def _profile_doc(path: Path) -> tuple[dict, str, list]:
+    """(the rates object, its origin text, fields it marks assumed) of the profile at ``path``."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _bad_profile(path, f"unreadable ({exc})") from exc
+    assumed: list = []
+    if isinstance(data, dict) and isinstance(data.get("rates"), dict):
+        created = data.get("created") or (data.get("machine") or {}).get("date") or "undated"
+        origin = f"{path} ({created})"
+        det = data.get("details")
+        assumed = det.get("assumed_fields") or [] if isinstance(det, dict) else []
+        data = data["rates"]
+    else:
+        origin = f"{path} (hand-written)"
+    if not isinstance(data, dict):
+        raise _bad_profile(path, "not a JSON object")
+    return data, origin, assumed
+
+
+def _thread_entry(path: Path, t, entry) -> dict:
+    """One checked ``by_threads`` entry of the profile at ``path``."""
+    if not isinstance(entry, dict):
+        raise _bad_profile(path, f"by_threads.{t} is not an object")
+    e = {k: _profile_number(path, f"by_threads.{t}.{k}", entry[k], k in RATE_MAY_BE_ZERO)
+         for k in RATE_NUMBERS if k in entry}
+    if isinstance(entry.get("flops_by_dtype"), dict):
+        e["flops_by_dtype"] = {str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
+                               for dt, v in entry["flops_by_dtype"].items()}
+    if "concurrent" in entry:
+        e["concurrent"] = max(1, int(_profile_number(path, f"by_threads.{t}.concurrent", entry["concurrent"], False)))
+    if isinstance(entry.get("shapes"), str):
+        e["shapes"] = entry["shapes"]
+    return e
+
+
 def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                threads: Optional[int] = None) -> Rates:
     """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by a calibration profile when present.
@@ -301,7 +312,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     field names with numbers as values (``flops_by_dtype``: an object of numbers; ``by_threads``:
     an object ``{"<threads>": {field: number}}``; ``shapes``: a string, at the top level and in
     an entry); other keys are ignored, missing ones keep the default.
-    :func:`npu_train.planner.calibrate.save_profile` writes this format.
+    :func:`npu_train.calibrate.save_profile` writes this format.
 
     Raises:
         ValueError: unknown ``kind``.
@@ -317,21 +328,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     path = Path(profile_path) if profile_path is not None else calibration_path(kind)
     sources, origin = dict(d.sources), ""
     if path.is_file():
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError) as exc:
-            raise _bad_profile(path, f"unreadable ({exc})") from exc
-        assumed: list = []
-        if isinstance(data, dict) and isinstance(data.get("rates"), dict):
-            created = data.get("created") or (data.get("machine") or {}).get("date") or "undated"
-            origin = f"{path} ({created})"
-            det = data.get("details")
-            assumed = det.get("assumed_fields") or [] if isinstance(det, dict) else []
-            data = data["rates"]
-        else:
-            origin = f"{path} (hand-written)"
-        if not isinstance(data, dict):
-            raise _bad_profile(path, "not a JSON object")
+        data, origin, assumed = _profile_doc(path)
         for k in values:
             if k in data:
                 values[k] = _profile_number(path, k, data[k], k in RATE_MAY_BE_ZERO)
@@ -346,29 +343,115 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
             by_dtype = {str(dt): _profile_number(path, f"flops_by_dtype.{dt}", v, False)
                         for dt, v in data["flops_by_dtype"].items()}
         if isinstance(data.get("by_threads"), dict):
-            by_threads = {}
-            for t, entry in data["by_threads"].items():
-                if not isinstance(entry, dict):
-                    raise _bad_profile(path, f"by_threads.{t} is not an object")
-                e = {k: _profile_number(path, f"by_threads.{t}.{k}", entry[k], k in RATE_MAY_BE_ZERO)
-                     for k in RATE_NUMBERS if k in entry}
-                if isinstance(entry.get("flops_by_dtype"), dict):
-                    e["flops_by_dtype"] = {
-                        str(dt): _profile_number(path, f"by_threads.{t}.flops_by_dtype.{dt}", v, False)
-                        for dt, v in entry["flops_by_dtype"].items()}
-                if "concurrent" in entry:
-                    e["concurrent"] = max(1, int(_profile_number(path, f"by_threads.{t}.concurrent",
-                                                                 entry["concurrent"], False)))
-                if isinstance(entry.get("shapes"), str):
-                    e["shapes"] = entry["shapes"]
-                by_threads[int(t)] = e
+            by_threads = {int(t): _thread_entry(path, t, e) for t, e in data["by_threads"].items()}
     rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads,
                   sources=sources, origin=origin, concurrent=concurrent, shapes=shapes)
-    return rates if threads is None else rates.resolve(threads=threads)
+    if threads is None:
+        return rates
+    rates = rates.resolve(threads=threads)
+    return rates if profile_path is not None else apply_fitted(rates, kind, int(threads))
+
+
+def _runs_label(n: int) -> str:
+    return f"fitted from {n} run{'s' if n != 1 else ''}"
+
+
+def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = None) -> Rates:
+    """``rates`` (flat, for ``threads``) with the figures fitted from finished runs of ``kind`` at
+    ``threads`` (:mod:`npu_train.planner.fit`, every dtype's file): per dtype FLOP/s in
+    ``flops_by_dtype``, the AdamW rate (cpu: the card's AdamW too), and a cpu process baseline
+    only where it is larger (the plan stays an upper bound). A broken file is one warning line."""
+    from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
+
+    folder = fitted_path(kind, threads, "x", root).parent
+    every: list = []
+    for path in sorted(folder.glob(f"{kind}-{int(threads)}t-*.json")) if folder.is_dir() else []:
+        try:
+            runs = read_runs(path)
+        except (OSError, ValueError) as exc:
+            print(f"warning: {path}: {exc}; its fitted figures are not used (delete it to start again)",
+                  file=sys.stderr, flush=True)
+            continue
+        every += runs
+        fit = fitted_figures(runs)
+        if fit.device_flops:
+            dtype = path.stem.rsplit("-", 1)[-1]
+            rates.flops_by_dtype[dtype] = fit.device_flops
+            rates.sources[f"device_flops[{dtype}]"] = _runs_label(fit.flops_runs)
+    fit = fitted_figures(every)
+    if fit.adamw_params_per_s:
+        rates.host_adamw_params_per_s = fit.adamw_params_per_s
+        rates.sources["host_adamw_params_per_s"] = _runs_label(fit.adamw_runs)
+        if kind == "cpu":
+            rates.device_adamw_params_per_s = 0.0  # the card's AdamW is the host's
+    if kind == "cpu" and fit.process_baseline_bytes and fit.process_baseline_bytes > rates.process_baseline_bytes:
+        rates.process_baseline_bytes = fit.process_baseline_bytes
+        rates.sources["process_baseline_bytes"] = _runs_label(fit.baseline_runs)
+    return rates
 
 
 def shapes_differ(have: Optional[str], want: Optional[str]) -> bool:
     """Whether figures measured on shapes ``have`` do not fit a job on ``want`` (both
-    :func:`~npu_train.planner.measure.shape_signature` texts): only when both are known
+    :func:`shape_signature` texts): only when both are known
     (``""``/``None``: unknown, fits) and differ."""
     return bool(have) and bool(want) and str(have) != str(want)
+
+
+# reference decoder layer for the training-FLOP/s measurement: (hidden, intermediate, heads,
+# kv_heads, micro_batch, seq_len) per kind; cpu is Llama-like at 256 tokens per micro-batch (the
+# default job's b*s), accelerators a Llama-3.1-8B layer at S=512.
+_LAYER = {
+    "cpu": (1024, 2816, 16, 4, 2, 128),
+    "cuda": (4096, 14336, 32, 8, 1, 512),
+    "furiosa": (4096, 14336, 32, 8, 1, 512),
+}
+_LAYER_QUICK = (128, 352, 4, 2, 1, 32)
+# reference lm_head (vocab, hidden) when no model is given
+_HEAD = {"cpu": (32000, 1024), "cuda": (128256, 4096), "furiosa": (128256, 4096)}
+_HEAD_QUICK = (1000, 128)
+# most FLOPs one repetition of the layer / head benchmark may take (the model's own dims are used
+# when they fit, else the reference ones): ~0.2 s on one CPU core, milliseconds on accelerators
+_FLOP_BUDGET = {"cpu": 20e9, "cuda": 2e12, "furiosa": 2e12}
+
+
+def reference_shapes(kind: str, quick: bool, model_cfg,
+                     batch_seq: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, str]:
+    """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
+    the model's own layer and head when ``model_cfg`` is given and one repetition stays within
+    the per-kind FLOP budget, else the per-kind reference. ``batch_seq``: the job's (micro-batch,
+    sequence length) instead of the per-kind reference's; when the model's layer at that shape is
+    over the budget, the micro-batch, then the sequence length, are halved until it fits."""
+    if quick:
+        H, I, a, kv, b, S = _LAYER_QUICK
+        return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"
+    H, I, a, kv, b, S = _LAYER[kind]
+    if batch_seq is not None:
+        b, S = max(1, int(batch_seq[0])), max(2, int(batch_seq[1]))
+    if model_cfg is not None and batch_seq is not None:
+        while 6.0 * b * S * model_cfg.params_per_layer() > _FLOP_BUDGET[kind] and b * S > 2:
+            b, S = (b // 2, S) if b > 1 else (b, max(2, S // 2))
+    tok = b * S
+    layer, head, what = (H, I, a, kv, b, S), (_HEAD[kind][0], _HEAD[kind][1], tok), "reference"
+    if model_cfg is not None:
+        m = model_cfg
+        if 6.0 * tok * m.params_per_layer() <= _FLOP_BUDGET[kind] and m.head_dim * m.num_heads > 0:
+            layer = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, b, S)
+            what = f"model {m.name}"
+        if 6.0 * tok * m.vocab_size * m.hidden_size <= 4 * _FLOP_BUDGET[kind]:
+            head = (m.vocab_size, m.hidden_size, tok)
+    return layer, head, what
+
+
+def shape_signature(layer: tuple, head: tuple) -> str:
+    """The profile's ``shapes`` for benchmark ``layer`` (hidden, intermediate, heads, kv heads, b, S) and
+    ``head`` (vocab, hidden, tokens) dims, e.g. ``"layer 576x1536 heads 9/3, head 49152x576"``: figures of
+    another model's shapes do not fit. Tokens per micro-batch are left out."""
+    H, I, a, kv = (int(x) for x in layer[:4])
+    return f"layer {H}x{I} heads {a}/{kv}, head {int(head[0])}x{int(head[1])}"
+
+
+def job_shapes(kind: str, quick: bool, model_cfg, batch_seq: Optional[tuple[int, int]] = None) -> str:
+    """:func:`shape_signature` of the shapes :func:`reference_shapes` gives a job (what ``calibrate=true``
+    measures on)."""
+    layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
+    return shape_signature(layer, head)

@@ -88,12 +88,9 @@ _RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", 
 
 
 def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
-    """The job's :func:`~npu_train.planner.measure.job_shapes` when the profile's figures of ``kind``
-    were measured on other shapes ``have`` (what a training launch would measure again,
-    :func:`~npu_train.planner.autocal.profile_status`), else ``None``. A quick (test) profile's
-    shapes count as fitting."""
-    from npu_train.planner.measure import job_shapes
-    from npu_train.planner.rates import shapes_differ
+    """The job's :func:`~npu_train.planner.rates.job_shapes` when the profile's figures of ``kind``
+    were measured on other shapes ``have``, else ``None``. A quick (test) profile's shapes count as fitting."""
+    from npu_train.planner.rates import job_shapes, shapes_differ
 
     bs = (plan.shape.micro_batch, plan.shape.seq_len)
     want = job_shapes(kind, False, plan.model, bs)
@@ -134,10 +131,11 @@ def rate_sources(plan: Plan) -> list[str]:
         if other:
             on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
                    "another model's; calibrate=true with this model.path (and placement.profile, if set) "
-                   "measures them, as does a training launch with the default profile")
+                   "measures them")
         where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
-                 else "no calibration profile: assumed defaults (placement.calibrate=auto measures "
-                      "them on a training run's first launch)")
+                 else "no calibration profile (calibrate=true measures one)")
+        if any(v.startswith("fitted from") for v in rt.sources.values()):
+            where += "; fitted = from this job's finished runs ($NPT_CACHE/fitted)"
         out.append(f"rates {k}" + (f" at {rt.threads} thread(s)" if rt.threads else "") + ": "
                    + ", ".join(parts) + f"; {where}")
     return out

@@ -106,7 +106,6 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
     from npu_train.planner import load_rates, make_plan, threads_per_card
-    from npu_train.planner.autocal import auto_calibrate, start_early
     from npu_train.planner.memterms import load_memory_terms
 
     validate(cfg)
@@ -131,22 +130,12 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
     tr, dtype = cfg.train, compute_dtype(cfg.train.dtype, [c.kind for c in cards])
-    # first run on this machine (not for a dry run or the sweep's pre-check, which pass probe=False): the
-    # calibration's load processes and process baseline start now, while this process reads the model
-    calibrate = probe and not cfg.plan and nodes is None and cfg.placement.profile is None
-    early = start_early(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_path=model_path,
-                        modules=CARD_PROCESS_MODULES) if calibrate else None
-    with early or contextlib.nullcontext():  # closed (helpers stopped or killed) on every path
-        if model_path is not None:
-            mcfg = load_config(model_path)
-            if not cfg.plan:
-                check_weights(model_path, mcfg)
-        P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
-        shape = run_shape(cfg, mcfg, dtype)
-        if calibrate:
-            auto_calibrate(cards, cfg.placement.calibrate, threads=plan_threads, dtype=dtype, model_cfg=mcfg,
-                           model_path=model_path, batch_seq=(tr.micro_batch, cfg.data.seq_len),
-                           modules=CARD_PROCESS_MODULES, early=early)
+    if model_path is not None:
+        mcfg = load_config(model_path)
+        if not cfg.plan:
+            check_weights(model_path, mcfg)
+    P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
+    shape = run_shape(cfg, mcfg, dtype)
     rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
     fur = cfg.runtime.furiosa
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
@@ -477,7 +466,7 @@ class StartedJob:
 def _calibrate_only(cfg) -> dict:
     """``calibrate=true``: measure this machine's cards and save the profile; no training."""
     from npu_train.backends.spec import parse_backend_list, resolve_cards
-    from npu_train.planner import main_calibrate
+    from npu_train.calibrate import main_calibrate
 
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)))
     kinds = [r.kind if r.index is None else f"{r.kind}:{r.index}" for r in reqs]
@@ -490,9 +479,6 @@ def _dry_run(cfg, run_dir: str) -> dict:
     """``plan=true``: print the plan table for the target server; nothing is measured or started."""
     prep = prepare(cfg, run_dir, probe=False)
     print(prep.plan.table())
-    if str(cfg.placement.calibrate).strip().lower() == "always":  # a dry run measures nothing
-        print("note: placement.calibrate=always does not run with plan=true (a dry run plans for the target "
-              "server and measures nothing); measure this machine with calibrate=true")
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
         import psutil
@@ -726,7 +712,7 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
 
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
     print(plan.table(), flush=True)
-    with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by python -m npu_train.planner.memfit
+    with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by planner.fit at the run's end
         json.dump(plan.to_dict(), f, indent=1)
     where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""
     lora = f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else ""
@@ -771,6 +757,8 @@ def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
 
 def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePoint, node: NodeContext) -> dict:
     """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal."""
+    from npu_train.planner.fit import refit_from_run
+
     coord, tr, plan = job.coord, cfg.train, prep.plan
     summ = job.reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job.job_id,
                                 "cards": [c.name for c in prep.cards], "node": node.node_rank, "nnodes": node.nnodes,
@@ -783,6 +771,7 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, resume.ckpt_root, tr.offload_update,
                                                        resume.saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=resume.ckpt_root)
+    refit_from_run(run_dir, plan.rates)  # figures fitted from this run (planner.fit), never raises
     at = resume.start_step + int(summ["steps_run"])
     print(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands

@@ -1,86 +1,27 @@
-"""Calibration: measure the :class:`~npu_train.planner.rates.Rates` of a card kind on this machine.
+"""``calibrate=true``: measure the :class:`~npu_train.planner.rates.Rates` of each card kind of the
+job on this machine (:func:`main_calibrate` -> :func:`calibrate` -> :func:`save_profile`), written to
+``$NPT_CACHE/calibration/<kind>.json`` (:func:`~npu_train.planner.rates.calibration_path`), which
+plans then use unless figures fitted from finished runs exist (:mod:`npu_train.planner.fit`).
 
-A training run's launcher calibrates the figures its plan needs by itself on the first run on a
-machine (:mod:`npu_train.planner.autocal`, ~12 s for cpu). ``python launch/run.py calibrate=true``
-measures everything and ends up in :func:`main_calibrate`, which measures every
-card kind of the job with :func:`calibrate`, prints a table and writes one profile per kind with
-:func:`save_profile` (default ``$NPT_CACHE/calibration/<kind>.json``, i.e.
-``~/.cache/npu-train/calibration/<kind>.json``: :func:`~npu_train.planner.rates.calibration_path`,
-the file :func:`~npu_train.planner.rates.load_rates` reads; ``placement.profile=<path>`` selects
-another). The benchmarks themselves are in :mod:`npu_train.planner.measure`.
+What is measured, each in a time-bounded loop (median of the repetitions), through the card's
+backend:
 
-What is measured, through the card's backend (:func:`npu_train.backends.make_backend`), each in a
-time-bounded loop (about 0.6 s per figure, at most 3 s; the median of the repetitions is kept, so
-a short burst of other load on a shared machine does not decide the figure; a whole cpu
-calibration takes ~25 s on 2 cores):
+- ``device_flops``: training FLOP/s of one decoder layer's forward + backward (the trainer's
+  layer, the model's shapes when small enough, else a reference layer), counted as the planner
+  counts them (``6 * tokens * params + 12 * s * heads*head_dim * tokens``); fp32 and bf16 go to
+  ``flops_by_dtype``.
+- ``head_flops_ratio``: final norm + ``lm_head`` + loss FLOP/s over the layer's, timed in
+  interleaved rounds (:func:`~npu_train.calibrate.measure.head_vs_layer`).
+- ``split_backward_ratio``: zero-bubble F + B + W seconds over F + backward
+  (:mod:`npu_train.calibrate.splitcost`).
+- ``h2d_bytes_per_s`` / ``d2h_bytes_per_s``: ``backend.upload`` / ``download`` of a 117 MB tensor.
+- ``host_adamw_params_per_s``: fused CPU AdamW over ~20M fp32 params;
+  ``device_adamw_params_per_s``: the trainer's ``StageOptimizer.step`` on the card.
+- ``process_baseline_bytes`` (cpu): RSS of a fresh card-like process (:mod:`npu_train.calibrate.baseline`).
 
-- ``device_flops``: *sustained training* FLOP/s = forward + backward of one
-  :class:`npu_train.model.llama.DecoderLayer` (the trainer's own layer, in the planner's compute
-  dtype: fp32 on cpu, bf16 on cuda/furiosa; fp32 and bf16 both go to ``flops_by_dtype``) on
-  ``b*s`` tokens (cpu 2x128 as the default job, accelerators 1x512), counted as the placement
-  model counts them (``6 * tokens * params + 12 * s * heads*head_dim * tokens``). The layer has
-  the shapes of the model being calibrated for (``model_path``) when one repetition stays within
-  a FLOP budget (:mod:`npu_train.planner.measure`), else a reference Llama layer. A bare matmul
-  runs faster (about 100 vs 85 GFLOP/s fp32 per core on an AMD EPYC Zen 4) because a training
-  step also spends time in norms, RoPE, SwiGLU, attention and autograd; the planner divides
-  training FLOPs by this rate, so it must be the training rate. The bare square-matmul FLOP/s are recorded too
-  (``matmul_flops_by_dtype``, not used by the planner).
-- ``head_flops_ratio``: FLOP/s of final norm + ``lm_head`` + ``causal_lm_loss_sum`` forward +
-  backward (the model's vocabulary and width when given) divided by the decoder layer's FLOP/s:
-  about 0.8 for SmolLM2 on a CPU core (the ``V x H`` GEMMs have one small dimension; the fp32
-  log-softmax spans the vocabulary). Timed in rounds, each right after a short timing of the
-  layer, and the rounds' median ratio taken (:func:`npu_train.planner.measure._head_vs_layer`):
-  timed apart, the machine's drift between the two figures moved the ratio by +-25 %, enough to
-  move a layer across a stage boundary.
-- ``split_backward_ratio``: seconds of a 4-layer stage through forward + input-gradient pass +
-  deferred weight-gradient pass (the zero-bubble split, graph cut per layer, as the card processes
-  run it) over forward + one backward, median of 3 interleaved rounds
-  (:func:`npu_train.planner.splitcost.split_backward_ratio`; 1.08-1.16 on the 2-core VM,
-  experiments/2026-12-01-bench-run7.md); the planner stretches the splitting stages' B and W by it.
-- ``h2d_bytes_per_s`` / ``d2h_bytes_per_s``: ``backend.upload`` / ``backend.download`` of one
-  117 MB tensor (the size of the earlier RNGD reference measurement) + ``synchronize``; on cpu that
-  is a clone into freshly allocated memory (page faults included), as in the trainer.
-- ``host_adamw_params_per_s``: ``torch.optim.AdamW(fused=True)`` on the CPU over ~20M fp32
-  params (8 tensors), gradients set, after two warm-up steps (the first allocates the moments).
-- ``device_adamw_params_per_s``: ``StageOptimizer.step`` over resident parameters on the card,
-  i.e. the trainer's own device-optimizer path: gradient scaling into the fp32 masters, AdamW as
-  the trainer configures it for the device (cpu: the same fused CPU AdamW as the host's; cuda:
-  fused; furiosa: ``foreach=False``) and the refresh of the compute-dtype weights.
-- ``process_baseline_bytes`` (cpu only): RSS of a fresh subprocess that does what a card process
-  does before it allocates model state: imports torch and the trainer's modules (the ``modules``
-  argument of :func:`measure_process_baseline`, default :data:`CARD_PROCESS_MODULES`), sets up the cpu
-  backend, a ZeroMQ context and a one-rank gloo process group, and (with ``model_path``) opens the
-  model file with the trainer's loader; a GGUF reader stays cached in the card process with its
-  parsed metadata and memory-mapped file, so its pages are touched too (an upper bound: a stage
-  touches only its own tensors' pages). :mod:`npu_train.planner.baseline` holds it.
-
-Threads: on cpu the figures depend on the torch thread count, and the launcher gives each card
-process :func:`npu_train.planner.threads.threads_per_card` threads (``runtime.threads``, else the
-usable cores divided among the host's card processes). Calibration measures every count in
-``{1, 2, 4, ..., cores}`` (:func:`thread_counts`) (``torch.set_num_threads(n)`` around the
-measurement); the profile's top level holds the figures for ``cores`` threads and ``by_threads``
-the others, and the planner picks the entry of the job's thread count (see
-:meth:`npu_train.planner.rates.Rates.resolve`). Multi-thread figures collapse while another
-process holds a core (an OpenMP team waits for its descheduled thread: 5-40 instead of 145
-GFLOP/s on 2 cores), so the largest count is measured first, a count that comes out slower than
-a smaller one is re-measured (best of up to 4 per figure), and if it stays slower the smaller
-count's figures are used (a lower bound) and a warning is printed and saved: calibrate on a quiet
-machine.
-
-Concurrency: this full calibration measures each thread count in one process alone (the profile
-says ``concurrent: 1``). A job runs its card processes at once and they share memory bandwidth
-and caches, so its per-card figures are lower (the 2-process cpu job of
-experiments/2026-11-30-first-run-calibration.md: 1.34x the alone-time step prediction). The
-automatic first-run calibration (:mod:`npu_train.planner.autocal`) measures under the job's
-concurrency, and a ``concurrent: 1`` profile does not satisfy a job of several cpu card processes:
-its first launch measures the job's thread count again under load.
-
-Shapes: the profile records the model shapes its figures were measured on (``shapes``,
-:func:`~npu_train.planner.measure.shape_signature`: the layer and head dims, not the tokens per
-micro-batch); a job on another model's shapes measures its thread count again on its own on its first
-launch (:func:`npu_train.planner.autocal.profile_status`).
-
-``quick=True`` shrinks every size (for tests): positive, finite, but not meaningful figures.
+cpu figures are measured at every thread count of :func:`thread_counts`, most threads first; a
+count slower than a smaller one (other load) is re-measured, else the smaller count's figures are
+kept with a warning. Each process runs alone (``concurrent: 1``). ``quick=True``: tiny sizes (tests).
 """
 from __future__ import annotations
 
@@ -88,43 +29,78 @@ import datetime as _dt
 import json
 import math
 import os
+import platform
+import socket
 import time
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from npu_train.calibrate.baseline import CARD_PROCESS_MODULES, measure_process_baseline
+from npu_train.calibrate.measure import RETRIES, best_of, measure_at, note_load, rate_fields, slower
+from npu_train.calibrate.timing import planner_dtype
 from npu_train.hardware import KINDS
-from npu_train.planner.baseline import (  # noqa: F401 - re-exported
-    CARD_PROCESS_MODULES,
-    finish_process_baseline,
-    measure_process_baseline,
-    start_process_baseline,
-)
-from npu_train.planner.machine import cpu_model, machine_info  # noqa: F401 - re-exported
-from npu_train.planner.measure import (
-    RETRIES,
-    best_of,
-    measure_at,
-    note_load,
-    planner_dtype,
-    rate_fields,
-    slower,
-)
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
 from npu_train.planner.spec import gib
 from npu_train.planner.threads import usable_cores
 
-__all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "thread_counts",
-           "measure_process_baseline", "start_process_baseline", "finish_process_baseline", "CARD_PROCESS_MODULES", "PROFILE_VERSION"]
+__all__ = ["calibrate", "save_profile", "main_calibrate", "machine_info", "thread_counts", "CARD_PROCESS_MODULES",
+           "PROFILE_VERSION"]
 
-#: 2: measured with freed host memory kept (npu_train.hostmem, as the card processes run by default);
-#: a version-1 profile read the head at 0.71-0.83x a layer's FLOP/s where it now reads ~1.2x
-#: (experiments/2026-12-01-bench-run6.md), so it is recalibrated. 3: adds split_backward_ratio (the
-#: zero-bubble split's cost per layer, experiments/2026-12-01-bench-run7.md); without it a zb plan
-#: assumed 1.0 and put a layer too many on the stages that split. 4: entries record the model shapes they
-#: were measured on (``shapes``), and the lm_head figure is timed on the fused head of cpu/cuda cards
-#: (model/headops.py, experiments/2026-12-02-head.md); older profiles (which may hold another model's
-#: ratios: a profile without ``shapes`` fits any job) are measured again once
+#: profile format version (4: entries record the model ``shapes``; history: experiments/2026-12-02-head.md)
 PROFILE_VERSION = 4
+
+
+def cpu_model() -> str:
+    """The CPU model name (``/proc/cpuinfo``'s ``model name``, else ``platform``'s), for machine records."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(kind: Optional[str] = None, backend=None) -> dict:
+    """Facts recorded with a profile: cpu model, cores, RAM, torch / python
+    versions, date, load average, and the device name for cuda / furiosa."""
+    import psutil
+    import torch
+
+    info = {
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "hostname": socket.gethostname(),
+        "cpu_model": cpu_model(),
+        "cores_logical": os.cpu_count(),
+        "cores_usable": usable_cores(),
+        "cores_physical": psutil.cpu_count(logical=False),
+        "ram_bytes": int(psutil.virtual_memory().total),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+    try:
+        info["loadavg_1_5_15"] = [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        pass
+    try:
+        from importlib.metadata import version
+
+        info["npu_train"] = version("npu-train")
+    except Exception:  # noqa: BLE001 - not installed as a distribution
+        pass
+    if kind == "cuda":
+        try:
+            info["device"] = torch.cuda.get_device_name(backend.index if backend else 0)
+        except Exception:  # noqa: BLE001
+            pass
+    if kind == "furiosa":
+        try:
+            info["device"] = str(backend.device()) if backend is not None else "furiosa"
+        except Exception:  # noqa: BLE001
+            pass
+    return info
 
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:
@@ -137,6 +113,67 @@ def thread_counts(cores: Optional[int] = None) -> list[int]:
         t *= 2
     out.add(cores)
     return sorted(out)
+
+
+def _measure_threads(kind: str, backend, quick: bool, model_cfg, counts: list[int], details: dict) -> dict[int, dict]:
+    """:func:`measure_at` at each cpu thread count, most threads first; a count slower than a
+    smaller one (other load) is re-measured, else the smaller one's figures are kept (a warning)."""
+    import torch
+
+    old = torch.get_num_threads()
+    per: dict[int, dict] = {}
+    try:
+        # most threads first: they suffer most from other load (an OpenMP team stalls
+        # when one of its threads is descheduled), so they go first, right after start-up
+        for t in sorted(counts, reverse=True):
+            torch.set_num_threads(t)
+            per[t] = measure_at(kind, backend, quick, model_cfg)
+            note_load(per[t])
+        for t in counts:
+            prev = [u for u in per if u < t]
+            if not prev or quick:
+                continue
+            lower = per[max(prev)]
+            if not slower(per[t], lower):
+                continue
+            # more threads but slower: disturbed by other load. The figures wanted are what
+            # the machine does for the job alone: re-measure a few times, keep the best of
+            # each figure.
+            torch.set_num_threads(t)
+            for _ in range(RETRIES):
+                time.sleep(2.0)
+                again = measure_at(kind, backend, quick, model_cfg)
+                note_load(again)
+                per[t] = best_of(per[t], again, kind)
+                if not slower(per[t], lower):
+                    break
+            bad = slower(per[t], lower)
+            if bad:
+                # keep a lower bound instead: t threads are at least as fast as fewer
+                details.setdefault("warnings", []).append(
+                    f"{t} threads measured slower than {max(prev)} for {', '.join(bad)} "
+                    "(other load on the machine?): the lower thread count's figures are used "
+                    "for those (a lower bound); rerun calibration on an idle machine")
+                per[t] = best_of(per[t], lower, kind, only=bad)
+                per[t]["disturbed"] = bad
+    finally:
+        torch.set_num_threads(old)
+    return per
+
+
+def _baseline(model_path: Optional[str], threads: int, modules: Optional[Sequence[str]], details: dict) -> float:
+    """The cpu process baseline (bytes), or the default with the failure in ``details``."""
+    try:
+        baseline = measure_process_baseline(
+            model_path, threads,
+            modules=CARD_PROCESS_MODULES if modules is None else modules)
+        details["process_baseline"] = {"model_path": model_path, "threads": threads,
+                                       "rss_bytes": baseline}
+    except Exception as exc:  # noqa: BLE001 - keep the other figures, report the failure
+        baseline = DEFAULT_RATES["cpu"].process_baseline_bytes
+        details["process_baseline"] = {"error": str(exc)[:2000], "used_default": baseline}
+        details["assumed_fields"] = ["process_baseline_bytes"]
+    return baseline
 
 
 def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
@@ -185,57 +222,10 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         counts = sorted({int(t) for t in (threads or thread_counts())})
         if quick:
             counts = counts[:1] if threads is None else counts
-        old = torch.get_num_threads()
-        per: dict[int, dict] = {}
-        try:
-            # most threads first: they suffer most from other load (an OpenMP team stalls
-            # when one of its threads is descheduled), so they go first, right after start-up
-            for t in sorted(counts, reverse=True):
-                torch.set_num_threads(t)
-                per[t] = measure_at(kind, backend, quick, model_cfg)
-                note_load(per[t])
-            for t in counts:
-                prev = [u for u in per if u < t]
-                if not prev or quick:
-                    continue
-                lower = per[max(prev)]
-                if not slower(per[t], lower):
-                    continue
-                # more threads but slower: disturbed by other load. The figures wanted are what
-                # the machine does for the job alone: re-measure a few times, keep the best of
-                # each figure.
-                torch.set_num_threads(t)
-                for _ in range(RETRIES):
-                    time.sleep(2.0)
-                    again = measure_at(kind, backend, quick, model_cfg)
-                    note_load(again)
-                    per[t] = best_of(per[t], again, kind)
-                    if not slower(per[t], lower):
-                        break
-                bad = slower(per[t], lower)
-                if bad:
-                    # keep a lower bound instead: t threads are at least as fast as fewer
-                    details.setdefault("warnings", []).append(
-                        f"{t} threads measured slower than {max(prev)} for {', '.join(bad)} "
-                        "(other load on the machine?): the lower thread count's figures are used "
-                        "for those (a lower bound); rerun calibration on an idle machine")
-                    per[t] = best_of(per[t], lower, kind, only=bad)
-                    per[t]["disturbed"] = bad
-        finally:
-            torch.set_num_threads(old)
+        per = _measure_threads(kind, backend, quick, model_cfg, counts, details)
         top_t = max(per)
         top = per[top_t]
-        baseline_threads = min(counts)
-        try:
-            baseline = measure_process_baseline(
-                model_path, baseline_threads,
-                modules=CARD_PROCESS_MODULES if modules is None else modules)
-            details["process_baseline"] = {"model_path": model_path, "threads": baseline_threads,
-                                           "rss_bytes": baseline}
-        except Exception as exc:  # noqa: BLE001 - keep the other figures, report the failure
-            baseline = DEFAULT_RATES["cpu"].process_baseline_bytes
-            details["process_baseline"] = {"error": str(exc)[:2000], "used_default": baseline}
-            details["assumed_fields"] = ["process_baseline_bytes"]
+        baseline = _baseline(model_path, min(counts), modules, details)
         by_threads = {t: rate_fields(v) for t, v in per.items() if t != top_t}
         details["by_threads"] = {str(t): v for t, v in per.items()}
     else:
@@ -263,8 +253,6 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
     details["seconds"] = round(time.perf_counter() - t0, 2)
     rates.calibration = details  # type: ignore[attr-defined]
     return rates
-
-
 
 
 def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = None,

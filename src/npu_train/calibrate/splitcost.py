@@ -1,22 +1,15 @@
-"""The zero-bubble split's cost in seconds, for the calibration (``Rates.split_backward_ratio``).
-
-B + W cost one backward in FLOPs but not in seconds; :func:`split_backward_ratio` times the
-difference on a small stage of the model's layers, as the card processes run it
-(:mod:`npu_train.pipeline.backward`, the graph cut per layer). Called by
-:func:`npu_train.planner.measure.measure_at`.
-"""
+"""The zero-bubble split's cost in seconds (``Rates.split_backward_ratio``): B + W cost one
+backward in FLOPs but not in seconds; :func:`split_backward_ratio` times the difference on a small
+stage, as the card processes run it (:mod:`npu_train.pipeline.backward`)."""
 from __future__ import annotations
 
 from statistics import median
 
-from npu_train.planner import measure
-from npu_train.planner.measure import LoopBounds, torch_dtype
+from npu_train.calibrate.timing import LoopBounds, timed_pairs, torch_dtype
 
 __all__ = ["split_backward_ratio", "SPLIT_ROUNDS", "SPLIT_LAYERS"]
 
-#: rounds of the interleaved split-vs-full backward timing (:func:`split_backward_ratio`). 5: with 3, one
-#: calibration under the job's 2-process load measured 1.009 where the same figure alone gave 1.07-1.115
-#: (experiments/2026-12-02-head.md), and the plan put one layer too many on the last stage
+#: rounds of the interleaved split-vs-full backward timing (5, not 3: experiments/2026-12-02-head.md)
 SPLIT_ROUNDS = 5
 #: decoder layers of the stage :func:`split_backward_ratio` times (the ratio grows with a stage's depth)
 SPLIT_LAYERS = 4
@@ -29,14 +22,8 @@ def split_backward_ratio(backend, dtype_name: str, dims, loop: LoopBounds, round
     schedules run it on every stage but the first (graph cut per layer, :func:`npu_train.pipeline.
     backward.backward_input` then :meth:`~npu_train.pipeline.backward.WeightGradWork.run`), over
     forward + one ``backward()`` of the same stage and input. Median of ``rounds`` rounds, each timing
-    both back to back, so the machine's drift cancels as in :func:`npu_train.planner.measure._head_vs_layer`.
-
-    Why it is measured: B + W cost one backward in FLOPs, not in seconds on a CPU core. On the
-    2-core VM, SmolLM2 layers at 1 x 128 tokens, fp32, 1 thread (experiments/2026-12-01-bench-run7.md):
-    1.06 for one layer, 1.07-1.08 for 2, 1.085-1.105 for 4, 1.11-1.12 for 11 (the ratio grows with the
-    depth: every layer's activations are held until W); a planner that counted the two alike put
-    one layer too many on the last stage of the 2-card default job under ``zb-h2``. ``layers``
-    = 4 stands for a stage of a few to a dozen layers."""
+    both back to back, so the machine's drift cancels. ``layers`` = 4 stands for a
+    stage of a few to a dozen layers (experiments/2026-12-01-bench-run7.md)."""
     import torch
 
     from npu_train.model.config import LlamaConfig
@@ -65,4 +52,4 @@ def split_backward_ratio(backend, dtype_name: str, dims, loop: LoopBounds, round
             work.run()
 
     return median(t_split / t_full for t_full, t_split in
-                  measure.timed_pairs(full, split, backend.synchronize, loop, rounds))
+                  timed_pairs(full, split, backend.synchronize, loop, rounds))

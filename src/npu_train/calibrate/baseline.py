@@ -4,13 +4,9 @@ A card process imports torch and the trainer's modules, sets up its backend, a Z
 a one-rank gloo process group and opens the model file before it allocates anything of the
 model; that memory (``Rates.process_baseline_bytes``, ~0.5 GiB on cpu) is part of every card's
 prediction. It is measured in a fresh interpreter that does exactly that
-(:data:`PROCESS_BASELINE_SOURCE`, run by :func:`start_process_baseline`) and reports its RSS; a
+(:data:`PROCESS_BASELINE_SOURCE`, run by :func:`measure_process_baseline`) and reports its RSS; a
 GGUF reader stays cached in the card process with its parsed metadata and memory-mapped file, so
 its pages are touched too (an upper bound: a stage touches only its own tensors' pages).
-
-The same source also runs at the start of the first-run calibration's first load process
-(:class:`~npu_train.planner.loadgen.BackgroundLoad`), which then goes on to be the other card's
-load, so the launcher starts one interpreter (one torch import) less.
 """
 from __future__ import annotations
 
@@ -21,8 +17,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-__all__ = ["CARD_PROCESS_MODULES", "PROCESS_BASELINE_SOURCE", "baseline_argv", "start_process_baseline",
-           "finish_process_baseline", "measure_process_baseline", "subprocess_env"]
+__all__ = ["CARD_PROCESS_MODULES", "measure_process_baseline"]
 
 #: Modules a card process imports before it allocates model state, all below the planner's
 #: layer (the runtime passes its own list, which adds its card-process module).
@@ -100,19 +95,11 @@ def subprocess_env() -> dict:
     return env
 
 
-def start_process_baseline(model_path: Optional[str] = None, threads: int = 1,
-                           modules: Sequence[str] = CARD_PROCESS_MODULES) -> subprocess.Popen:
-    """Start the process-baseline subprocess (see :func:`measure_process_baseline`) without
-    waiting; :func:`finish_process_baseline` collects its figure. Raises ``ValueError`` when a
-    module name contains a comma."""
+def _run_baseline(model_path: Optional[str], threads: int, modules: Sequence[str], timeout: float) -> int:
+    """RSS bytes the process-baseline subprocess reports (killed after ``timeout`` seconds)."""
     args = [sys.executable, "-c", _STANDALONE, *baseline_argv(model_path, threads, modules)]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=subprocess_env())
-
-
-def finish_process_baseline(proc: subprocess.Popen, timeout: float = 120.0) -> int:
-    """RSS bytes reported by a :func:`start_process_baseline` subprocess (killed after ``timeout``
-    seconds). Raises ``RuntimeError`` (with its stderr) when it failed or timed out."""
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -145,4 +132,4 @@ def measure_process_baseline(model_path: Optional[str] = None, threads: int = 1,
         RuntimeError: the subprocess failed (with its stderr).
         ValueError: a module name contains a comma.
     """
-    return finish_process_baseline(start_process_baseline(model_path, threads, modules), timeout)
+    return _run_baseline(model_path, threads, modules, timeout)

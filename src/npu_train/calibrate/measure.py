@@ -1,118 +1,27 @@
-"""Measurements behind calibration (:mod:`npu_train.planner.calibration`): each figure of
-:class:`~npu_train.planner.rates.Rates` timed through a card's backend at the current torch
-thread count. What each figure means and how it is measured: see the calibration module's
-docstring. torch is imported inside the functions (the planner package imports without it).
+"""The benchmarks behind ``calibrate=true`` (:func:`measure_at`): each figure of
+:class:`~npu_train.planner.rates.Rates` timed through a card's backend at the current torch thread
+count. What each figure means: :mod:`npu_train.calibrate.profile`.
 """
 from __future__ import annotations
 
 import os
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
 from statistics import median
 from typing import Callable, Optional
 
-__all__ = ["COPY_BYTES", "RETRIES", "LoopBounds", "FULL", "QUICK", "AUTO", "timed", "timed_pairs", "planner_dtype",
-           "torch_dtype", "measure_at", "reference_shapes", "shape_signature", "job_shapes", "slower", "best_of",
-           "note_load", "rate_fields", "warm_imports"]
+from npu_train.calibrate.splitcost import split_backward_ratio
+from npu_train.calibrate.timing import FULL, QUICK, LoopBounds, planner_dtype, timed, timed_pairs, torch_dtype
+from npu_train.planner.rates import reference_shapes, shape_signature
+
+__all__ = ["COPY_BYTES", "RETRIES", "measure_at", "slower", "best_of", "note_load", "rate_fields", "head_vs_layer"]
 
 #: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
 COPY_BYTES = 117_000_000
 
-# reference decoder layer for the training-FLOP/s measurement: (hidden, intermediate, heads,
-# kv_heads, micro_batch, seq_len) per kind; cpu is Llama-like at 256 tokens per micro-batch (the
-# default job's b*s), accelerators a Llama-3.1-8B layer at S=512.
-_LAYER = {
-    "cpu": (1024, 2816, 16, 4, 2, 128),
-    "cuda": (4096, 14336, 32, 8, 1, 512),
-    "furiosa": (4096, 14336, 32, 8, 1, 512),
-}
-_LAYER_QUICK = (128, 352, 4, 2, 1, 32)
-# reference lm_head (vocab, hidden) when no model is given
-_HEAD = {"cpu": (32000, 1024), "cuda": (128256, 4096), "furiosa": (128256, 4096)}
-_HEAD_QUICK = (1000, 128)
-# most FLOPs one repetition of the layer / head benchmark may take (the model's own dims are used
-# when they fit, else the reference ones): ~0.2 s on one CPU core, milliseconds on accelerators
-_FLOP_BUDGET = {"cpu": 20e9, "cuda": 2e12, "furiosa": 2e12}
 _MATMUL_N = {"cpu": 1024, "cuda": 8192, "furiosa": 4096}
 _ADAMW_PARAMS = 20_000_000
 RETRIES = 3  # re-measurements of a thread count disturbed by other load
-
-
-# ------------------------------------------------------------------------------------------------
-# helpers
-# ------------------------------------------------------------------------------------------------
-def torch_dtype(name: str):
-    """The torch dtype of a planner dtype name (``fp32`` | ``bf16``)."""
-    import torch
-
-    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
-
-
-def planner_dtype(kind: str) -> str:
-    """The compute dtype ``train.dtype=auto`` picks for ``kind`` (fp32 on cpu, bf16 elsewhere)."""
-    return "fp32" if kind == "cpu" else "bf16"
-
-
-@dataclass(frozen=True)
-class LoopBounds:
-    """How long one figure's timing loop runs (:func:`timed`).
-
-    Attributes:
-        min_time: seconds the repetitions run at least (once ``min_reps`` are done, the loop stops
-            at the first repetition that ends after ``min_time``).
-        max_time: seconds (warm-up included) after which the loop stops once one repetition is done.
-        max_reps: most repetitions.
-        min_reps: fewest repetitions (unless ``max_time`` passes first).
-        warmup: untimed calls first (the first call allocates; the figure is the median after it).
-    """
-
-    min_time: float
-    max_time: float
-    max_reps: int
-    min_reps: int = 3
-    warmup: int = 2
-
-
-#: ``calibrate=true``: about 0.6 s per figure, at most 3 s (a whole cpu calibration ~25-45 s on 2 cores)
-FULL = LoopBounds(min_time=0.6, max_time=3.0, max_reps=50, min_reps=3, warmup=2)
-#: tests (``quick=True``): tiny sizes, a few repetitions
-QUICK = LoopBounds(min_time=0.02, max_time=0.1, max_reps=3, min_reps=3, warmup=2)
-#: automatic first-run calibration (:mod:`npu_train.planner.autocal`): one thread count, only the
-#: figures the plan needs; 6 figures x at most 1.2 s + set-up stays within the 15 s budget
-AUTO = LoopBounds(min_time=0.3, max_time=1.2, max_reps=20, min_reps=2, warmup=1)
-
-
-def warm_imports() -> None:
-    """Import what the figures' set-up imports on first use: constructing a fused
-    ``torch.optim.AdamW`` imports ``torch._dynamo`` (with sympy and FSDP: ~1.5 s on one core of
-    the 2-core machine, profiled with ``-X importtime``), and the device-AdamW figure uses
-    :class:`~npu_train.optim.adamw.StageOptimizer`. Untimed either way; the automatic
-    calibration calls it while its load processes start, so that time is not spent later."""
-    import importlib
-
-    import torch
-
-    importlib.import_module("npu_train.optim.adamw")
-    torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
-
-
-def timed(fn: Callable[[], None], sync: Callable[[], None], loop: LoopBounds) -> float:
-    """Median seconds of ``fn`` (``sync`` after each call) within ``loop``'s bounds."""
-    t_start = time.perf_counter()
-    for _ in range(loop.warmup):
-        fn()
-        sync()
-    times: list[float] = []
-    t_end = time.perf_counter() + loop.min_time
-    while len(times) < loop.max_reps and (len(times) < loop.min_reps or time.perf_counter() < t_end):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() - t_start > loop.max_time:
-            break
-    return median(times)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -152,30 +61,11 @@ def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], flo
     return step, 6.0 * tok * cfg.params_per_layer() + 12.0 * S * tok * heads * cfg.head_dim
 
 
-def timed_pairs(first: Callable[[], None], second: Callable[[], None], sync: Callable[[], None],
-                loop: LoopBounds, rounds: int) -> list[tuple[float, float]]:
-    """``rounds`` pairs ``(seconds of first, seconds of second)``, each pair timed back to back with
-    ``loop``'s bounds divided by ``rounds`` (one repetition at least, no warm-up inside), after
-    ``loop.warmup`` untimed calls of both: a ratio of the two taken per pair cancels the machine's
-    drift between figures (:func:`_head_vs_layer`, :func:`npu_train.planner.splitcost.split_backward_ratio`)."""
-    short = LoopBounds(min_time=loop.min_time / rounds, max_time=loop.max_time / rounds,
-                       max_reps=loop.max_reps, min_reps=1, warmup=0)
-    for _ in range(loop.warmup):
-        second()
-        first()
-        sync()
-    out = []
-    for _ in range(rounds):
-        t_first = timed(first, sync, short)
-        out.append((t_first, timed(second, sync, short)))
-    return out
-
-
-#: rounds of the interleaved head-vs-layer timing (:func:`_head_vs_layer`; 5, not 3: experiments/2026-12-02-head.md)
+#: rounds of the interleaved head-vs-layer timing (:func:`head_vs_layer`; 5, not 3: experiments/2026-12-02-head.md)
 HEAD_ROUNDS = 5
 
 
-def _head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
+def head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
                    rounds: int = HEAD_ROUNDS) -> tuple[float, float]:
     """``(head FLOP/s, head_flops_ratio)`` with the head timed in ``rounds`` rounds, each right
     after a short timing of the decoder layer (``dims``): the ratio is the median of the rounds'
@@ -321,7 +211,7 @@ def slower(m: dict, lower: dict) -> list[str]:
 def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
     """Per-figure maximum of two measurements at the same thread count (``only``: just these,
     plus what derives from them). ``head_flops_ratio`` is the one measured with the head figure
-    kept (it was timed interleaved with the layer, :func:`_head_vs_layer`; ``head_flops /
+    kept (it was timed interleaved with the layer, :func:`head_vs_layer`; ``head_flops /
     device_flops`` of two different measurements would bring back the drift it cancels)."""
     out = dict(a)
     keys = only or (*_MONOTONE, "h2d_bytes_per_s", "d2h_bytes_per_s")
@@ -347,55 +237,10 @@ def note_load(m: dict) -> None:
         pass
 
 
-def reference_shapes(kind: str, quick: bool, model_cfg,
-                     batch_seq: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, str]:
-    """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
-    the model's own layer and head when ``model_cfg`` is given and one repetition stays within
-    the per-kind FLOP budget, else the per-kind reference. ``batch_seq``: the job's (micro-batch,
-    sequence length) instead of the per-kind reference's; when the model's layer at that shape is
-    over the budget, the micro-batch, then the sequence length, are halved until it fits."""
-    if quick:
-        H, I, a, kv, b, S = _LAYER_QUICK
-        return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"
-    H, I, a, kv, b, S = _LAYER[kind]
-    if batch_seq is not None:
-        b, S = max(1, int(batch_seq[0])), max(2, int(batch_seq[1]))
-    if model_cfg is not None and batch_seq is not None:
-        while 6.0 * b * S * model_cfg.params_per_layer() > _FLOP_BUDGET[kind] and b * S > 2:
-            b, S = (b // 2, S) if b > 1 else (b, max(2, S // 2))
-    tok = b * S
-    layer, head, what = (H, I, a, kv, b, S), (_HEAD[kind][0], _HEAD[kind][1], tok), "reference"
-    if model_cfg is not None:
-        m = model_cfg
-        if 6.0 * tok * m.params_per_layer() <= _FLOP_BUDGET[kind] and m.head_dim * m.num_heads > 0:
-            layer = (m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, b, S)
-            what = f"model {m.name}"
-        if 6.0 * tok * m.vocab_size * m.hidden_size <= 4 * _FLOP_BUDGET[kind]:
-            head = (m.vocab_size, m.hidden_size, tok)
-    return layer, head, what
-
-
-def shape_signature(layer: tuple, head: tuple) -> str:
-    """The profile's ``shapes`` for benchmark ``layer`` (hidden, intermediate, heads, kv heads, b, S) and
-    ``head`` (vocab, hidden, tokens) dims, e.g. ``"layer 576x1536 heads 9/3, head 49152x576"``: figures of
-    another model's shapes do not fit. Tokens per micro-batch are left out (a sweep over them would
-    re-measure at every launch; ``placement.calibrate=always`` measures at the job's)."""
-    H, I, a, kv = (int(x) for x in layer[:4])
-    return f"layer {H}x{I} heads {a}/{kv}, head {int(head[0])}x{int(head[1])}"
-
-
-def job_shapes(kind: str, quick: bool, model_cfg, batch_seq: Optional[tuple[int, int]] = None) -> str:
-    """:func:`shape_signature` of the shapes :func:`reference_shapes` gives a job (what its
-    calibration measures on)."""
-    layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
-    return shape_signature(layer, head)
-
-
 def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optional[LoopBounds] = None,
                dtypes: Optional[tuple] = None, matmul: bool = True,
                batch_seq: Optional[tuple[int, int]] = None,
-               adamw_params: Optional[int] = None,
-               on_phase: Optional[Callable[[str], None]] = None) -> dict:
+               adamw_params: Optional[int] = None) -> dict:
     """The rate figures of ``kind`` at the current torch thread count.
 
     Args:
@@ -408,9 +253,6 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
         batch_seq: the job's (micro-batch, sequence length) for the layer and head benchmarks
             (:func:`reference_shapes`).
         adamw_params: parameters of the AdamW benchmarks (default 20M; quick: 200k).
-        on_phase: called with ``"layer"``, ``"head"``, ``"copies"``, ``"host_adamw"`` or
-            ``"device_adamw"`` before that figure's set-up (the automatic calibration switches
-            its background load, :class:`~npu_train.planner.loadgen.BackgroundLoad`, with it).
 
     Measured with the card processes' default ``malloc`` settings (freed host memory kept,
     :func:`npu_train.hostmem.keep_freed_memory`), which this process takes on from now.
@@ -418,7 +260,6 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     import torch
 
     from npu_train.hostmem import keep_freed_memory
-    from npu_train.planner.splitcost import split_backward_ratio
 
     keep_freed_memory()  # as the card processes (runtime.keep_host_memory's default): the head's fresh pages
     loop = loop or (QUICK if quick else FULL)
@@ -438,13 +279,8 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     def lap(name: str, t0: float) -> None:
         secs[name] = round(time.perf_counter() - t0, 3)
 
-    def phase(name: str) -> None:
-        if on_phase is not None:
-            on_phase(name)
-
     for dt in dts:
         try:
-            phase("layer")
             t0 = time.perf_counter()
             out["flops_by_dtype"][dt] = _layer_flops(backend, dt, dims, loop)
             lap(f"layer_{dt}", t0)
@@ -463,22 +299,18 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
             out.setdefault("errors", {})[dt] = f"{type(exc).__name__}: {exc}"[:300]
     first = main if main in out["flops_by_dtype"] else dts[0]
     out["device_flops"] = out["flops_by_dtype"][first]
-    phase("head")
     t0 = time.perf_counter()
-    head, ratio = _head_vs_layer(backend, first, dims, head_shape, loop)
+    head, ratio = head_vs_layer(backend, first, dims, head_shape, loop)
     lap("head", t0)
     out["head_flops"] = head
     out["head_flops_ratio"] = ratio
-    phase("copies")
     t0 = time.perf_counter()
     out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(backend, first, nbytes, loop)
     lap("copies", t0)
-    phase("host_adamw")
     t0 = time.perf_counter()
     out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, loop)
     lap("host_adamw", t0)
     n_dev = n_adamw if kind != "furiosa" else max(1, n_adamw // 5)
-    phase("device_adamw")
     t0 = time.perf_counter()
     out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, loop)
     lap("device_adamw", t0)

@@ -1,0 +1,214 @@
+"""Figures fitted from the job's own finished runs: each run's ``metrics.jsonl`` + ``plan.json``
+give per card kind a training FLOP/s, an AdamW rate and the process baseline that keeps the
+plan's memory an upper bound (:func:`run_figures`); :func:`record_run` appends them to
+``$NPT_CACHE/fitted/<kind>-<threads>t-<dtype>.json`` and :func:`fitted_figures` combines the last
+:data:`KEEP_RUNS` runs (:func:`~npu_train.planner.rates.load_rates` applies them). Pure (no torch).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from statistics import median
+from typing import Optional, Sequence
+
+from npu_train.env import cache_dir
+
+__all__ = ["RunFigures", "Fitted", "KEEP_RUNS", "run_figures", "fitted_path", "record_run", "read_runs",
+           "fitted_figures", "refit_from_run"]
+
+#: runs a fitted figure is taken over (the newest ones)
+KEEP_RUNS = 8
+FORMAT_VERSION = 1
+
+
+@dataclass
+class RunFigures:
+    """What one run measured for one card kind (``None``: not measurable in that run).
+
+    Attributes:
+        device_flops: FLOP/s = the plan's FLOPs per step of a stage (its compute seconds x the
+            FLOP/s it was planned with) / the measured compute seconds; median over stages and
+            steady steps (the first step of the launch is skipped).
+        adamw_params_per_s: AdamW params/s of one process before the cpu core share
+            (:class:`~npu_train.planner.cost.CostModel` multiplies by it): the plan's optimizer
+            params per step / measured optimizer seconds of the step's slowest card.
+        process_baseline_bytes: the baseline under which every stage's plan would have covered its
+            measured peak (cpu only): planned baseline + max(measured peak - planned total).
+    """
+
+    kind: str
+    threads: int
+    dtype: str
+    model: str
+    steps: int
+    device_flops: Optional[float] = None
+    adamw_params_per_s: Optional[float] = None
+    process_baseline_bytes: Optional[float] = None
+    run_dir: str = ""
+    time: float = 0.0
+
+
+@dataclass
+class Fitted:
+    """Figures combined over the newest :data:`KEEP_RUNS` runs: FLOP/s and AdamW the median, the
+    baseline the maximum (an upper bound); ``*_runs``: how many runs each figure comes from."""
+
+    device_flops: Optional[float] = None
+    flops_runs: int = 0
+    adamw_params_per_s: Optional[float] = None
+    adamw_runs: int = 0
+    process_baseline_bytes: Optional[float] = None
+    baseline_runs: int = 0
+
+
+def _kind(card: str) -> str:
+    return str(card).split(":", 1)[0]
+
+
+def _launch_records(plan_doc: dict, records: Sequence[dict]) -> list[dict]:
+    """This launch's step records (those predicted with this plan's step time), not skipped."""
+    want = float(plan_doc["step_time_s"])
+    return [r for r in records if not r.get("skipped") and "step_s_pred" in r
+            and math.isclose(float(r["step_s_pred"]), want, rel_tol=1e-9)]
+
+
+def _cpu_share(plan_doc: dict) -> float:
+    """The core share cost.py gives each cpu card's optimizer: min(1, cores / (cpu cards x threads))."""
+    n_cpu = int(plan_doc.get("dp", 1)) * sum(1 for st in plan_doc["stages"] if _kind(st["card"]) == "cpu")
+    threads, cores = max(1, int(plan_doc["threads"])), max(1, int(plan_doc["host_cores"]))
+    return min(1.0, cores / (n_cpu * threads)) if n_cpu else 1.0
+
+
+def _optimizer_params(st: dict, rt) -> Optional[float]:
+    """Params per step behind stage ``st``'s planned optimizer seconds, when its measured optimizer
+    seconds are AdamW at one rate: cpu cards (host = card AdamW, device rate 0), or an accelerator
+    stage with only host updates; never with a hidden (overlapped) host update."""
+    t = st["time"]
+    if t.get("host_hidden", 0.0) > 0:
+        return None
+    dev, host = float(t.get("device_optimizer", 0.0)), float(t.get("host_optimizer", 0.0))
+    if _kind(st["card"]) == "cpu" and not rt.device_adamw_params_per_s:
+        return dev * rt.device_adamw + host * rt.host_adamw_params_per_s
+    if dev == 0.0 and host > 0:
+        return host * rt.host_adamw_params_per_s
+    return None
+
+
+def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> list[RunFigures]:
+    """Per card kind, the figures one run measured (:class:`RunFigures`).
+
+    Args:
+        plan_doc: the run's ``plan.json`` (:meth:`~npu_train.planner.plan.Plan.to_dict`).
+        records: its ``metrics.jsonl`` lines (dicts).
+        rates: the :class:`~npu_train.planner.rates.Rates` the plan used, one per stage
+            (``Plan.rates``: resolved, AdamW already times the cpu share).
+    """
+    stages, P = plan_doc["stages"], len(plan_doc["stages"])
+    recs = _launch_records(plan_doc, records)
+    steady = recs[1:]
+    share = _cpu_share(plan_doc)
+    flops: dict = {}
+    adamw: dict = {}
+    base: dict = {}
+    for rec in steady:
+        cards = rec.get("compute_s_cards") or []
+        for rank, sec in enumerate(cards):
+            i = rank % P
+            st, rt = stages[i], rates[i]
+            if sec > 0 and st["time"]["compute"] > 0:
+                flops.setdefault(_kind(st["card"]), []).append(st["time"]["compute"] * rt.device_flops / sec)
+        slow = cards.index(rec["compute_s"]) if rec.get("compute_s") in cards else None
+        if slow is not None and rec.get("optimizer_s", 0) > 0:
+            st, rt = stages[slow % P], rates[slow % P]
+            params = _optimizer_params(st, rt)
+            if params:
+                shared = share if _kind(st["card"]) == "cpu" else 1.0
+                adamw.setdefault(_kind(st["card"]), []).append(params / rec["optimizer_s"] / shared)
+    for rec in recs:
+        for rank, peak in enumerate(rec.get("mem_peak_bytes") or []):
+            st = stages[rank % P]
+            if _kind(st["card"]) == "cpu":
+                need = st["mem"]["baseline"] + int(peak) - st["mem"]["total"]
+                base[_kind(st["card"])] = max(base.get(_kind(st["card"]), need), need)
+    kinds = dict.fromkeys(_kind(st["card"]) for st in stages)
+    out = []
+    for k in kinds:
+        f, a = flops.get(k), adamw.get(k)
+        out.append(RunFigures(kind=k, threads=int(plan_doc["threads"]), dtype=str(plan_doc["shape"]["dtype"]),
+                              model=str(plan_doc.get("model", "")), steps=len(steady),
+                              device_flops=median(f) if f else None, adamw_params_per_s=median(a) if a else None,
+                              process_baseline_bytes=base.get(k)))
+    return out
+
+
+def fitted_path(kind: str, threads: int, dtype: str, root: Optional[Path] = None) -> Path:
+    """``$NPT_CACHE/fitted/<kind>-<threads>t-<dtype>.json`` (``root``: another directory)."""
+    return (root or cache_dir("fitted")) / f"{kind}-{int(threads)}t-{dtype}.json"
+
+
+def read_runs(path: Path) -> list[dict]:
+    """The run entries of a fitted-figures file; ``[]`` when missing. Raises ``ValueError`` when broken."""
+    if not path.is_file():
+        return []
+    doc = json.loads(path.read_text())
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise ValueError("not a fitted-figures file (no 'runs' list)")
+    return [r for r in doc["runs"] if isinstance(r, dict)]
+
+
+def record_run(fig: RunFigures, root: Optional[Path] = None) -> Path:
+    """Append ``fig`` to its kind's file (the newest :data:`KEEP_RUNS` runs are kept); atomic. A
+    broken file is replaced (one warning line on stderr)."""
+    path = fitted_path(fig.kind, fig.threads, fig.dtype, root)
+    try:
+        runs = read_runs(path)
+    except (OSError, ValueError) as exc:
+        print(f"warning: {path}: {exc}; starting it again", file=sys.stderr, flush=True)
+        runs = []
+    runs = (runs + [asdict(fig)])[-KEEP_RUNS:]
+    doc = {"version": FORMAT_VERSION, "kind": fig.kind, "threads": fig.threads, "dtype": fig.dtype, "runs": runs}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def _positive(runs: list[dict], key: str) -> list[float]:
+    out = []
+    for r in runs:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+            out.append(float(v))
+    return out
+
+
+def fitted_figures(runs: Sequence[dict]) -> Fitted:
+    """Combine run entries (oldest first) over the newest :data:`KEEP_RUNS`: median FLOP/s and
+    AdamW rate, maximum process baseline."""
+    runs = sorted(runs, key=lambda r: float(r.get("time", 0.0)))[-KEEP_RUNS:]
+    f, a, b = (_positive(runs, k) for k in ("device_flops", "adamw_params_per_s", "process_baseline_bytes"))
+    return Fitted(device_flops=median(f) if f else None, flops_runs=len(f),
+                  adamw_params_per_s=median(a) if a else None, adamw_runs=len(a),
+                  process_baseline_bytes=max(b) if b else None, baseline_runs=len(b))
+
+
+def refit_from_run(run_dir: str, rates: Sequence) -> None:
+    """At the end of a run: read ``run_dir``'s ``plan.json`` + ``metrics.jsonl`` and record its
+    figures (``rates``: ``Plan.rates``). Never raises: a problem is one warning line on stderr."""
+    try:
+        with open(os.path.join(run_dir, "plan.json")) as f:
+            plan_doc = json.load(f)
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        for fig in run_figures(plan_doc, records, rates):
+            if fig.steps:
+                fig.run_dir, fig.time = os.path.abspath(run_dir), time.time()
+                record_run(fig)
+    except Exception as exc:  # noqa: BLE001 - fitting must not fail a finished run
+        print(f"warning: figures not fitted from {run_dir}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -1,0 +1,133 @@
+"""Figures fitted from finished runs (``planner.fit`` + ``planner.rates.apply_fitted``): a run dir built
+from formulas (known FLOPs, parameters and seconds) gives back the rates it was built with; the last
+runs are combined by median; a broken file is one warning line; placement.profile takes precedence."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from npu_train.hardware import GIB
+from npu_train.planner.fit import KEEP_RUNS, RunFigures, record_run, refit_from_run, run_figures
+from npu_train.planner.rates import DEFAULT_RATES, Rates, apply_fitted, load_rates
+
+FLOPS = (6e11, 4e11)           # the plan's FLOPs per step of each stage
+PARAMS = (1.0e8, 0.6e8)        # parameters each stage's optimizer updates per step
+R_PLAN, R_TRUE = 50e9, 20e9    # FLOP/s the plan used / the cards ran at
+A_PLAN, A_TRUE = 2e8, 5e7      # AdamW params/s (one process, before the core share)
+SHARE = 0.5                    # 1 host core for 2 cpu cards of 1 thread: each gets half
+BASE, TOTAL = 0.35 * GIB, (2.5 * GIB, 1.6 * GIB)
+PEAK_OVER = (0.05 * GIB, -0.1 * GIB)  # measured peak - planned total per stage
+
+
+def plan_doc() -> dict:
+    stages = []
+    for i in range(2):
+        stages.append({"card": f"cpu:{i}", "mem": {"baseline": BASE, "total": TOTAL[i]},
+                       "time": {"compute": FLOPS[i] / R_PLAN, "device_optimizer": PARAMS[i] / (A_PLAN * SHARE),
+                                "host_optimizer": 0.0, "host_hidden": 0.0}})
+    return {"model": "m", "shape": {"dtype": "fp32"}, "dp": 1, "threads": 1, "host_cores": 1,
+            "step_time_s": 42.5, "stages": stages}
+
+
+def records(pred: float = 42.5, first_slow: float = 10.0) -> list[dict]:
+    out = [{"step": 0, "step_s_pred": 99.0, "compute_s_cards": [1e-3, 1e-3], "compute_s": 1e-3,
+            "optimizer_s": 1e-3, "mem_peak_bytes": [1, 1]}]  # an earlier launch's record (other plan)
+    for step, jitter in ((1, first_slow), (2, 1.0), (3, 1.1), (4, 0.9)):
+        cards = [FLOPS[i] / R_TRUE * jitter for i in range(2)]
+        out.append({"step": step, "step_s_pred": pred, "compute_s_cards": cards, "compute_s": cards[0],
+                    "optimizer_s": PARAMS[0] / (A_TRUE * SHARE) * jitter,
+                    "mem_peak_bytes": [int(TOTAL[i] + PEAK_OVER[i]) for i in range(2)]})
+    return out
+
+
+def used_rates() -> list[Rates]:
+    """What Plan.rates holds: resolved rates, AdamW already times the core share."""
+    return [Rates(device_flops=R_PLAN, h2d_bytes_per_s=1e10, d2h_bytes_per_s=1e10,
+                  host_adamw_params_per_s=A_PLAN * SHARE)] * 2
+
+
+def write_run(d, doc=None, recs=None):
+    d.mkdir(parents=True)
+    (d / "plan.json").write_text(json.dumps(doc or plan_doc()))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (recs or records())))
+    return d
+
+
+def test_one_run_gives_back_the_rates_it_was_built_with():
+    (fig,) = run_figures(plan_doc(), records(), used_rates())
+    # steady steps 2-4 (jitter 1.0, 1.1, 0.9): the median is the true rate; step 1 (10x) is skipped
+    assert fig.device_flops == pytest.approx(R_TRUE, rel=1e-9)
+    assert fig.adamw_params_per_s == pytest.approx(A_TRUE, rel=1e-9)
+    # stage 0 went 0.05 GiB over its plan: the baseline that covers it, never lowered by stage 1
+    assert fig.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)
+    assert (fig.kind, fig.threads, fig.dtype, fig.steps) == ("cpu", 1, "fp32", 3)
+
+
+def test_a_finished_run_dir_refits_the_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
+    refit_from_run(str(write_run(tmp_path / "run")), used_rates())
+    r = load_rates("cpu", threads=1)
+    flat = r.resolve("fp32", 1)
+    assert flat.device_flops == pytest.approx(R_TRUE) and flat.source("device_flops") == "fitted from 1 run"
+    assert r.host_adamw_params_per_s == pytest.approx(A_TRUE) and r.device_adamw == pytest.approx(A_TRUE)
+    assert r.source("host_adamw_params_per_s") == "fitted from 1 run"
+    assert r.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)
+    # bf16 was not fitted: its figure stays assumed
+    assert load_rates("cpu", threads=1).resolve("bf16", 1).source("device_flops").startswith("assumed")
+    # another thread count has no fitted figures
+    assert load_rates("cpu", threads=2).source("device_flops") == "assumed"
+
+
+def test_the_newest_runs_are_combined_by_median(tmp_path):
+    rates = [10e9 * (k + 1) for k in range(KEEP_RUNS + 3)]
+    for k, v in enumerate(rates):
+        record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=v, time=float(k)), root=tmp_path)
+    base = DEFAULT_RATES["cpu"].resolve(threads=1)
+    out = apply_fitted(base, "cpu", 1, root=tmp_path)
+    newest = sorted(rates)[-KEEP_RUNS:]
+    want = (newest[KEEP_RUNS // 2 - 1] + newest[KEEP_RUNS // 2]) / 2
+    assert out.flops_by_dtype["fp32"] == pytest.approx(want)
+    assert out.resolve("fp32", 1).source("device_flops") == f"fitted from {KEEP_RUNS} runs"
+
+
+def test_a_lower_baseline_is_not_applied(tmp_path):
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.1 * GIB), root=tmp_path)
+    out = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path)
+    assert out.process_baseline_bytes == DEFAULT_RATES["cpu"].process_baseline_bytes
+    assert out.source("process_baseline_bytes") == "assumed"
+
+
+def test_a_broken_file_is_one_warning_line(tmp_path, capsys):
+    bad = tmp_path / "fitted" / "cpu-1t-fp32.json"
+    bad.parent.mkdir()
+    bad.write_text("{not json")
+    out = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path / "fitted")
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(bad) in err[0] and out.flops_by_dtype == {}
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=7e9), root=tmp_path / "fitted")  # starts again
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1,
+                        root=tmp_path / "fitted").flops_by_dtype == {"fp32": 7e9}
+
+
+def test_fitting_never_fails_the_run(tmp_path, capsys):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "plan.json").write_text("[]")
+    refit_from_run(str(d), used_rates())  # no metrics.jsonl, a plan.json of the wrong shape
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"warning: figures not fitted from {d}")
+
+
+def test_an_explicit_profile_wins_over_fitted_figures(tmp_path, monkeypatch):
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
+    refit_from_run(str(write_run(tmp_path / "run")), used_rates())
+    prof = tmp_path / "mine.json"
+    prof.write_text(json.dumps({"rates": {"device_flops": 33e9, "threads": 1}}))
+    r = load_rates("cpu", prof, threads=1).resolve("fp32", 1)
+    assert r.device_flops == 33e9 and r.source("device_flops") == "measured"
+    # the calibration profile in the cache (calibrate=true) ranks below the fitted figures
+    (tmp_path / "cache" / "calibration").mkdir(parents=True)
+    (tmp_path / "cache" / "calibration" / "cpu.json").write_text(prof.read_text())
+    assert load_rates("cpu", threads=1).resolve("fp32", 1).device_flops == pytest.approx(R_TRUE)
