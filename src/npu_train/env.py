@@ -1,26 +1,16 @@
 """Environment variables and the cache root (one prefix: ``NPT_``).
 
 =========================  ==================================================================
+``NPT_CACHE``              cache root (default ``~/.cache/npu-train``): packed data, GGUF tensors,
+                           calibration profiles, fitted figures; ``NPU_TRAIN_CACHE`` deprecated
+``NPT_FURIOSA_FUSION``     RNGD fusion of every card process (``NPU_TRAIN_FURIOSA_FUSION`` deprecated)
+``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes
+``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``)
+``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install
+=========================  ==================================================================
 
 :data:`RUN_VARIABLES` (those that change what a run computes or reads) are repeated in front of every
 printed resume command (:func:`resume_env_prefix`)."""
-=======
-``NPT_CACHE``              cache root (default ``~/.cache/npu-train``): packed data, dequantized
-                           GGUF tensors, calibration profiles, fitted figures. ``NPU_TRAIN_CACHE`` is still read
-                           (deprecated, with a warning).
-``NPT_FURIOSA_FUSION``     RNGD fusion setting for every card process (see ``backends/furiosa.py``);
-                           ``NPU_TRAIN_FURIOSA_FUSION`` is still read (deprecated).
-``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes.
-``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``).
-``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install.
-=========================  ==================================================================
-
-The variables that change what a run computes or which cached inputs it reads
-(:data:`RUN_VARIABLES`: ``NPT_CACHE``, ``NPT_FURIOSA_FUSION``) are repeated in front of every resume command the launcher prints or writes
-(:func:`resume_env_prefix`), so the resumed run reads the same tokenized data and calibration
-profile and plans the same way. ``NPT_FAULT`` and ``NPT_SHM_FREE_BYTES`` are not (test hooks that
-must not fire again), nor ``NPT_TORCH_SPEC`` (setup only).
-"""
 from __future__ import annotations
 
 import os
