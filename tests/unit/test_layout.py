@@ -32,17 +32,13 @@ KNOWN_CIRCLES = {
     # TODO(plan): the planner rebuild on branch `plan` removes this circle
     frozenset({"npu_train.planner.plan", "npu_train.planner.report"}): "branch plan",
     # TODO(calib): the calibrate/ package on branch `calib` removes this circle
-    frozenset({"npu_train.planner.measure", "npu_train.planner.splitcost"}): "branch calib",
 }
 MAX_COMPLEXITY = 25
 #: functions above MAX_COMPLEXITY (radon's cyclomatic complexity), "file.py::Qualified.name": reason
 COMPLEX = {
-    "runtime/job.py::prepare": "being rebuilt on branch plan (typed plan request)",
     "planner/search.py::make_plan": "being rebuilt on branch plan (one typed request, no 16 parameters)",
     "planner/memory.py::MemoryModel.stage": "being rebuilt on branch plan (one function per memory term)",
     "planner/report.py::rate_sources": "being rebuilt on branch plan",
-    "planner/rates.py::load_rates": "being rebuilt on branch calib (figures: assumed / calibrated / fitted)",
-    "planner/calibration.py::calibrate": "being rebuilt on branch calib (the calibrate/ package)",
 }
 
 
