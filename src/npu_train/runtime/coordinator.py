@@ -270,6 +270,8 @@ class Coordinator:
 
     def _handle_interrupt(self, now: float) -> None:
         started = all(rs.ready for rs in self.ranks)
+        if self.interrupted >= 2 and started and self.save_on_interrupt:
+            raise self._aborted()
         if self.interrupted >= 2 or not started or not self.save_on_interrupt:
             raise Interrupted(self.signum)
         if self.stop_sent_at is None:
@@ -281,6 +283,18 @@ class Coordinator:
             self.stop_sent_at = now
         # no fixed limit on finishing the step and saving: the heartbeat check ends a hung job,
         # and a second signal aborts at once
+
+    def _aborted(self) -> Interrupted:
+        """A second signal aborted the interrupt save: name the last complete checkpoint and how to resume."""
+        from npu_train.checkpoint.store import complete_checkpoints
+        from npu_train.runtime.saving import continue_note
+
+        done = complete_checkpoints(self.ckpt_root) if self.ckpt_root else []
+        ck = self.last_ckpt or (done[-1] if done else None)
+        msg = "the interrupt save was aborted; " + (
+            f"last complete checkpoint {ck}; {continue_note(self.ckpt_root, self.specs[0].train.offload_update)}"
+            if ck else "no checkpoint saved")
+        return Interrupted(self.signum, msg, checkpoint=ck, checkpoint_dir=self.ckpt_root)
 
     def _send(self, rank: int, msg: dict) -> None:
         self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
