@@ -16,8 +16,9 @@ from typing import Optional
 
 import psutil
 
-#: run.log line pattern -> phase name (the last match seen tags a sample)
-PHASES = ((re.compile(r"^step\s+\d+/"), "step"), (re.compile(r"checkpoint step \d+ saved"), "step"),
+#: run.log line pattern -> phase name (the last match seen tags a sample; after the line ``step N/M`` the
+#: phase is ``after step N``: the next step, or the save that follows step N)
+PHASES = ((re.compile(r"^step\s+(\d+)/"), "after step {0}"), (re.compile(r"checkpoint step (\d+) saved"), "after save {0}"),
           (re.compile(r"^eval after"), "eval"), (re.compile(r"resuming from"), "resume"))
 
 
@@ -52,7 +53,7 @@ class MemWatch:
     def __init__(self, root: int, run_dir: Optional[str] = None, interval: float = 0.2):
         self.root, self.run_dir, self.interval = root, run_dir, interval
         self.peaks: dict[int, ProcPeak] = {}
-        self.phase = "start"
+        self.phase = "load"
         self._log_pos = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -87,8 +88,9 @@ class MemWatch:
             return
         for line in text.splitlines():
             for pat, name in PHASES:
-                if pat.search(line.strip()):
-                    self.phase = name
+                m = pat.search(line.strip())
+                if m:
+                    self.phase = name.format(*m.groups())
             if "interrupt" in line:
                 self.phase = "interrupt save"
 

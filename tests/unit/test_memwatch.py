@@ -19,4 +19,4 @@ def test_child_peak_and_card_tag(tmp_path):
     peaks = w.stop()
     cp = w.card_peaks()["cpu:0"]
     assert cp.anon_shared >= n and cp.hwm >= n, peaks
-    assert cp.by_phase.get("step", 0) >= n
+    assert cp.by_phase.get("after step 1", 0) >= n
