@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.heavy, pytest.mark.timeout(1500)]
 SHAPE = dict(hidden_size=1024, intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4,
              num_hidden_layers=4, vocab_size=128256, tie_word_embeddings=True)
 RUN = ("data.seq_len=64", "train.micro_batch=1", "train.accum=2", "train.warmup_steps=1", "train.lr=1e-4",
-       "checkpoint.keep=0", "placement.calibrate=never")
+       "checkpoint.keep=0")
 
 
 def _model(path: str) -> str:
