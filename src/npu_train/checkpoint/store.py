@@ -123,7 +123,7 @@ SHARD_MARGIN_BYTES = 16 << 20
 
 
 def shard_bytes(tensors) -> int:
-    """Bytes of a shard's tensor data: a dict of tensors or a list of :class:`~npu_train.checkpoint.stream.Entry`
+    """Bytes of a shard's tensor data: a dict of tensors or a list of :class:`~npu_train.optim.entry.Entry`
     (``numel * element_size`` summed; the file adds a small header)."""
     if isinstance(tensors, dict):
         return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -131,7 +131,7 @@ def shard_bytes(tensors) -> int:
 
 
 def entries_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:
-    """:class:`~npu_train.checkpoint.stream.Entry` objects for tensors already in memory."""
+    """:class:`~npu_train.optim.entry.Entry` objects for tensors already in memory."""
     return [Entry(k, t.dtype, tuple(t.shape), (lambda t=t: t)) for k, t in tensors.items()]
 
 
@@ -190,7 +190,7 @@ def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Option
 def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
     """Write one stage's shard (safetensors + JSON) into ``staging`` tensor by tensor and fsync both.
 
-    ``tensors``: a list of :class:`~npu_train.checkpoint.stream.Entry` (or a dict, held already). Extra host
+    ``tensors``: a list of :class:`~npu_train.optim.entry.Entry` (or a dict, held already). Extra host
     memory: the largest single ``Entry.get()`` result. ``meta["finite"]`` becomes false when a written tensor
     (``rng.*`` excluded) holds a nan/inf. Returns the shard path.
 

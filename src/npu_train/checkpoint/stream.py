@@ -10,32 +10,16 @@ from __future__ import annotations
 import json
 import os
 import struct
-from dataclasses import dataclass
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from npu_train.errors import UserError
+from npu_train.optim.entry import Entry
 
 #: safetensors dtype names (https://github.com/huggingface/safetensors, format description)
 DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.uint8: "U8",
           torch.int64: "I64", torch.int32: "I32", torch.float64: "F64", torch.int8: "I8", torch.bool: "BOOL"}
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a streamed file: ``get()`` returns it (contiguous CPU, ``dtype``, ``shape``)."""
-    name: str
-    dtype: torch.dtype
-    shape: tuple
-    get: Callable[[], torch.Tensor]
-
-    @property
-    def nbytes(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= int(s)
-        return n * torch.empty((), dtype=self.dtype).element_size()
 
 
 def header_bytes(entries: list[Entry], metadata: Optional[dict] = None) -> bytes:

@@ -426,10 +426,10 @@ class StageOptimizer:
         return t.detach() if t.device.type == "cpu" and t.is_contiguous() else self.backend.download(t).contiguous()
 
     def state_entries(self) -> list:
-        """The checkpoint's tensors as :class:`~npu_train.checkpoint.stream.Entry` objects (fp32, keys
+        """The checkpoint's tensors as :class:`~npu_train.optim.entry.Entry` objects (fp32, keys
         ``master.<name>``, ``exp_avg.<name>``, ``exp_avg_sq.<name>``), each fetched when written: live CPU
         tensors without a copy, card tensors one download at a time. Finishes pending updates first."""
-        from npu_train.checkpoint.stream import Entry
+        from npu_train.optim.entry import Entry
 
         self.wait_all()  # no torn checkpoint: every pending host update finished
         out = []

@@ -63,6 +63,21 @@ class CheckpointMasters:
         return self.reader.get(f"master.{name}")
 
 
+def resume_stage(reader, opt, params: dict, owned: dict, backend, stage: int) -> None:
+    """Load masters, moments, step count and RNG state from ``reader`` tensor by tensor (extra host memory:
+    the largest tensor, about twice while it is placed; checked first: ``MemoryCheckError``)."""
+    from npu_train.checkpoint.stream import check_memory
+
+    big = max((4 * p.numel() for p in params.values()), default=0)
+    check_memory(2 * big, f"resume from {reader.path}", "free host memory (other processes) and retry")
+    opt.load_state_tensors(reader.get, reader.step)
+    with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
+        for n in set(params) - set(owned):
+            params[n].copy_(backend.upload(reader.get(f"master.{n}").to(params[n].dtype)))
+    if reader.has(f"rng.{stage}"):
+        torch.set_rng_state(reader.get(f"rng.{stage}"))
+
+
 def sparse_embed_grad_for(kind: str, params: dict) -> bool:
     """Whether the stage takes its embedding gradient as rows (``StageModule.sparse_embed_grad``): a trained
     fp32 ``model.embed_tokens.weight`` (its ``.grad`` is the accumulator; bf16 folds into one) on a card of

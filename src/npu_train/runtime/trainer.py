@@ -45,7 +45,7 @@ from typing import Optional
 import torch
 
 from npu_train.runtime.spec import WorkerSpec
-from npu_train.runtime.stagebuild import build_stage, compute_dtype, sparse_embed_grad_for
+from npu_train.runtime.stagebuild import build_stage, compute_dtype, resume_stage, sparse_embed_grad_for
 from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 
 log = logging.getLogger("npu_train.worker")
@@ -408,20 +408,9 @@ class StageTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def resume(self, reader, owned: dict) -> None:
-        """Load masters, moments, step count and RNG state from ``reader`` tensor by tensor (extra host
-        memory: the largest tensor, about twice while it is placed; checked first)."""
-        from npu_train.checkpoint.stream import check_memory
-
+        """Load this stage's state from ``reader`` (:func:`~npu_train.runtime.stagebuild.resume_stage`)."""
         self.enter("resume")
-        big = max((4 * p.numel() for p in self.params.values()), default=0)
-        check_memory(2 * big, f"resume from {reader.path}", "free host memory (other processes) and retry")
-        self.opt.load_state_tensors(reader.get, reader.step)
-        with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
-            for n in set(self.params) - set(owned):
-                p = self.params[n]
-                p.copy_(self.backend.upload(reader.get(f"master.{n}").to(p.dtype)))
-        if reader.has(f"rng.{self.stage}"):
-            torch.set_rng_state(reader.get(f"rng.{self.stage}"))
+        resume_stage(reader, self.opt, self.params, owned, self.backend, self.stage)
 
     def save_due(self, done: int, interrupted: bool, stopping: bool) -> bool:
         """Whether a checkpoint is written after ``done`` steps: every ``save_every``, at the last step,
@@ -450,8 +439,7 @@ class StageTrainer:
             return None
         spec = self.spec
         self.enter(f"checkpoint save of step {done}")
-        fix = ("the previous checkpoint is intact; free host memory (other processes) or lower train.resident_layers "
-               "and retry")
+        fix = "the previous checkpoint is intact; free host memory (other processes) and retry"
         if self.zero:  # ZeRO-1 gathers the stage's whole optimizer state on replica 0 (12 bytes per parameter)
             from npu_train.runtime.replicas import gather_state
 
