@@ -76,7 +76,8 @@ def available_bytes() -> int:
     return min(free, lim) if lim is not None else free
 
 
-def _cgroup_dir() -> Optional[str]:
+def cgroup_dir() -> Optional[str]:
+    """``/sys/fs/cgroup/<path>`` of this process's cgroup v2 (from ``/proc/self/cgroup``), or None."""
     try:
         with open("/proc/self/cgroup") as f:
             for line in f:
@@ -90,7 +91,7 @@ def _cgroup_dir() -> Optional[str]:
 def cgroup_headroom(base: Optional[str] = None) -> Optional[int]:
     """cgroup v2 ``memory.max - memory.current`` of ``base`` (default: this process's cgroup), or None
     when unlimited or unreadable."""
-    base = base or _cgroup_dir()
+    base = base or cgroup_dir()
     if not base:
         return None
     try:

@@ -7,22 +7,13 @@ import re
 import subprocess
 from typing import Optional
 
-
-def _cgroup_dir() -> Optional[str]:
-    try:
-        with open("/proc/self/cgroup") as f:
-            for line in f:
-                if line.startswith("0::"):
-                    return "/sys/fs/cgroup" + line.strip()[3:]
-    except OSError:
-        pass
-    return None
+from npu_train.checkpoint.stream import cgroup_dir
 
 
 def oom_kills(events: Optional[str] = None) -> Optional[int]:
     """The ``oom_kill`` count of cgroup v2 ``memory.events`` (default: this process's cgroup), or None."""
     if events is None:
-        base = _cgroup_dir()
+        base = cgroup_dir()
         if base is None:
             return None
         events = os.path.join(base, "memory.events")
