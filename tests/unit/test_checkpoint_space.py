@@ -53,12 +53,12 @@ def test_out_of_space_during_write_is_reported_and_partial_file_removed(tmp_path
     good = _publish(tmp_path, 1)
     st = tmp_dir(str(tmp_path), 2, "job1")
 
-    def failing_save(tensors, path):
+    def failing_save(path, entries, metadata=None, visit=None):
         with open(path, "wb") as f:
             f.write(b"partial")
         raise exc
 
-    monkeypatch.setattr(store, "save_file", failing_save)
+    monkeypatch.setattr(store, "write_stream", failing_save)
     with pytest.raises(CheckpointSpaceError, match="stage 0"):
         save_shard(st, 0, {"master.w": torch.zeros(4)}, {"rank": 0})
     assert not os.path.exists(os.path.join(st, "stage_000.safetensors"))
@@ -68,10 +68,10 @@ def test_out_of_space_during_write_is_reported_and_partial_file_removed(tmp_path
 def test_other_write_errors_pass_through(tmp_path, monkeypatch):
     st = tmp_dir(str(tmp_path), 2, "job1")
 
-    def failing_save(tensors, path):
+    def failing_save(path, entries, metadata=None, visit=None):
         raise OSError(errno.EACCES, "Permission denied")
 
-    monkeypatch.setattr(store, "save_file", failing_save)
+    monkeypatch.setattr(store, "write_stream", failing_save)
     with pytest.raises(PermissionError):
         save_shard(st, 0, {"master.w": torch.zeros(4)}, {"rank": 0})
 

@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import save_file
 
 from npu_train.checkpoint.store import CheckpointReader
+from npu_train.checkpoint.stream import Entry, check_memory, write_stream
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import stage_param_names
 
@@ -50,9 +51,9 @@ def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
     return d
 
 
-def _export_lora(reader, cfg, names, train: dict, out_dir: str, tdt) -> dict:
-    """LoRA checkpoint: write ``<out_dir>/adapter`` in PEFT's layout and return the merged weights
-    ``W + (alpha / r) * B @ A`` (base weights from the training run's model file)."""
+def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
+    """LoRA checkpoint: write ``<out_dir>/adapter`` in PEFT's layout and return ``name -> merged weight``
+    ``W + (alpha / r) * B @ A`` (base weight read from the training run's model file on each call)."""
     from npu_train.model import load_tensors
     from npu_train.model.lora import LoraSpec, merge_adapters, peft_config, peft_state_dict
 
@@ -61,24 +62,31 @@ def _export_lora(reader, cfg, names, train: dict, out_dir: str, tdt) -> dict:
     adapters = {k[len("master."):]: reader.get(k) for k in reader.manifest["index"]
                 if k.startswith("master.") and ".lora_" in k}
     model_path = reader.manifest["model_path"]
-    base = load_tensors(model_path, cfg, names)
     adir = os.path.join(out_dir, "adapter")
     os.makedirs(adir, exist_ok=True)
     save_file({k: v.to(tdt).contiguous() for k, v in peft_state_dict(adapters).items()},
               os.path.join(adir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(adir, "adapter_config.json"), "w") as f:
         json.dump(peft_config(spec, model_path), f, indent=1)
-    merged = merge_adapters(base, adapters, spec, names)
-    return {n: t.to(tdt).contiguous() for n, t in merged.items()}
+    return lambda n: merge_adapters(load_tensors(model_path, cfg, [n]), adapters, spec, [n])[n].to(tdt).contiguous()
+
+
+def export_bound(cfg: LlamaConfig, lora: bool) -> int:
+    """Extra host memory of :func:`export_hf` (bytes): the largest weight in fp32 read, converted and (LoRA)
+    merged, about 3 copies at once; a LoRA export also holds its adapters (small, not counted)."""
+    big = max(cfg.vocab_size * cfg.hidden_size, cfg.hidden_size * cfg.intermediate_size)
+    return 4 * big * (4 if lora else 3)
 
 
 def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None) -> str:
-    """Merge the stage shards of ``ckpt_dir`` into an HF directory ``out_dir``; returns ``out_dir``.
+    """Merge the stage shards of ``ckpt_dir`` into an HF directory ``out_dir``, tensor by tensor (extra
+    memory: :func:`export_bound`, checked first); returns ``out_dir``.
 
     ``arg``: how error messages name ``ckpt_dir`` (default: this module's CLI argument).
 
     Raises:
         CheckpointError: ``ckpt_dir`` is not a complete checkpoint or lacks a tensor.
+        MemoryCheckError: less host memory available than :func:`export_bound`.
         ValueError: unknown ``dtype``.
     """
     if dtype not in ("bf16", "fp32"):
@@ -92,12 +100,18 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
     train = reader.manifest.get("train") or {}
+    lora = train.get("mode") == "lora"
+    check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
     os.makedirs(out_dir, exist_ok=True)
-    if train.get("mode") == "lora":
-        tensors = _export_lora(reader, cfg, names, train, out_dir, tdt)
+    if lora:
+        get = _lora_getter(reader, cfg, names, train, out_dir, tdt)
     else:
-        tensors = {n: reader.get(f"master.{n}").to(tdt).contiguous() for n in names}
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+        get = lambda n: reader.get(f"master.{n}").to(tdt).contiguous()  # noqa: E731
+    shapes = dict(cfg.param_shapes(None))
+    for i in range(cfg.num_layers):
+        shapes.update(cfg.param_shapes(i))
+    write_stream(os.path.join(out_dir, "model.safetensors"),
+                 [Entry(n, tdt, tuple(shapes[n]), lambda n=n: get(n)) for n in names], {"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, dtype), f, indent=1)
     src = reader.manifest.get("tokenizer_path")

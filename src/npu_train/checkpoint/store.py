@@ -54,8 +54,8 @@ from typing import Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from npu_train.checkpoint.stream import Entry, write_stream
 from npu_train.config import UserError
 from npu_train.errors import out_of_space
 from npu_train.ownership import owner_alive, process_identity
@@ -122,9 +122,17 @@ class CheckpointSpaceError(CheckpointError):
 SHARD_MARGIN_BYTES = 16 << 20
 
 
-def shard_bytes(tensors: dict[str, torch.Tensor]) -> int:
-    """Bytes of a shard's tensor data (``numel * element_size`` summed; the file adds a small header)."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def shard_bytes(tensors) -> int:
+    """Bytes of a shard's tensor data: a dict of tensors or a list of :class:`~npu_train.optim.entry.Entry`
+    (``numel * element_size`` summed; the file adds a small header)."""
+    if isinstance(tensors, dict):
+        return sum(t.numel() * t.element_size() for t in tensors.values())
+    return sum(e.nbytes for e in tensors)
+
+
+def entries_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:
+    """:class:`~npu_train.optim.entry.Entry` objects for tensors already in memory."""
+    return [Entry(k, t.dtype, tuple(t.shape), (lambda t=t: t)) for k, t in tensors.items()]
 
 
 def _size(n: int) -> str:
@@ -179,18 +187,30 @@ def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Option
             f"{root}: the first save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
-def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: dict) -> str:
-    """Write one stage's shard (safetensors + JSON) into ``staging`` and fsync both. Returns the shard path.
+def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
+    """Write one stage's shard (safetensors + JSON) into ``staging`` tensor by tensor and fsync both.
+
+    ``tensors``: a list of :class:`~npu_train.optim.entry.Entry` (or a dict, held already). Extra host
+    memory: the largest single ``Entry.get()`` result. ``meta["finite"]`` becomes false when a written tensor
+    (``rng.*`` excluded) holds a nan/inf. Returns the shard path.
 
     Raises :class:`CheckpointSpaceError` (naming the sizes and the fix) when the filesystem has too
     little free space, before writing or when the write runs out of space (the partial file is removed).
     """
+    if isinstance(tensors, dict):
+        tensors = entries_of(tensors)
     st = os.path.join(staging, f"stage_{rank:03d}.safetensors")
     what = f"the checkpoint shard of stage {rank}"
     need = shard_bytes(tensors)
     check_free_space(staging, need, what)
+    finite = [True]
+
+    def visit(name: str, t: torch.Tensor) -> None:
+        if finite[0] and not name.startswith("rng.") and t.is_floating_point():
+            finite[0] = bool(torch.isfinite(t).all())
+
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, st)
+        write_stream(st, tensors, {"format": "pt"}, visit)
     except Exception as e:
         if not out_of_space(e):
             raise
@@ -199,10 +219,9 @@ def save_shard(staging: str, rank: int, tensors: dict[str, torch.Tensor], meta: 
         except OSError:
             pass
         raise CheckpointSpaceError(space_message(staging, need, shutil.disk_usage(staging).free, what)) from None
-    _fsync_file(st)
     js = os.path.join(staging, f"stage_{rank:03d}.json")
     with open(js, "w") as f:
-        json.dump(meta, f, indent=1)
+        json.dump(dict(meta, finite=finite[0] and bool(meta.get("finite", True))), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     return st

@@ -452,24 +452,40 @@ class StageOptimizer:
             return self.row_group
         return self.dev_group if name in self.dev_group.masters else self.host_groups[self.host_layer[name]]
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """fp32 CPU tensors to checkpoint: ``master.<name>``, ``exp_avg.<name>``, ``exp_avg_sq.<name>``."""
+    def _host_view(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` itself when it is a contiguous CPU tensor (no copy), else one download of it."""
+        return t.detach() if t.device.type == "cpu" and t.is_contiguous() else self.backend.download(t).contiguous()
+
+    def state_entries(self) -> list:
+        """The checkpoint's tensors as :class:`~npu_train.optim.entry.Entry` objects (fp32, keys
+        ``master.<name>``, ``exp_avg.<name>``, ``exp_avg_sq.<name>``), each fetched when written: live CPU
+        tensors without a copy, card tensors one download at a time. Finishes pending updates first."""
+        from npu_train.optim.entry import Entry
+
         self.wait_all()  # no torn checkpoint: every pending host update finished
-        out: dict[str, torch.Tensor] = {}
+        out = []
         for n, m in self._all():
-            out[f"master.{n}"] = self.backend.download(m).contiguous()
             g = self._opt_of(n)
             st = g.opt.state.get(m, {}) if g.opt is not None else {}
+            shape = tuple(m.shape)
+            out.append(Entry(f"master.{n}", torch.float32, shape, lambda m=m: self._host_view(m)))
             for k in ("exp_avg", "exp_avg_sq"):
                 t = st.get(k)
-                out[f"{k}.{n}"] = (self.backend.download(t) if t is not None else torch.zeros_like(out[f"master.{n}"])).contiguous()
+                get = (lambda t=t: self._host_view(t)) if t is not None else (lambda: torch.zeros(shape))
+                out.append(Entry(f"{k}.{n}", torch.float32, shape, get))
         return out
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """:meth:`state_entries` as a dict of fp32 CPU copies (ZeRO-1 gather; 12 bytes per parameter)."""
+        return {e.name: e.get().clone() for e in self.state_entries()}
+
+    def load_state_tensors(self, tensors, step: int) -> None:
         """Restore masters, moments and the AdamW step count ``step``; refresh the card's weights.
 
-        ``tensors`` maps ``master.<name>`` etc. to fp32 CPU tensors for every parameter of the stage.
+        ``tensors``: a dict or a function ``key -> fp32 CPU tensor`` for ``master.<name>``, ``exp_avg.<name>``,
+        ``exp_avg_sq.<name>`` of every parameter of the stage; read one at a time (extra memory: one tensor).
         """
+        get = tensors.__getitem__ if isinstance(tensors, dict) else tensors
         self.wait_all()
         self.step_count = step
         with torch.no_grad():
@@ -477,18 +493,17 @@ class StageOptimizer:
                 g = self._opt_of(n)
                 on_card = g is self.dev_group or g is self.row_group
                 dev = m.device
-                m.copy_(tensors[f"master.{n}"].to(dev))
+                m.copy_(get(f"master.{n}").to(dev))
                 st = g.opt.state.get(m) if g.opt is not None else None
                 if step > 0 and st:  # created up front (eager_state): fill in place, no second copy
                     st["step"].fill_(float(step))
-                    st["exp_avg"].copy_(tensors[f"exp_avg.{n}"])
-                    st["exp_avg_sq"].copy_(tensors[f"exp_avg_sq.{n}"])
+                    st["exp_avg"].copy_(get(f"exp_avg.{n}"))
+                    st["exp_avg_sq"].copy_(get(f"exp_avg_sq.{n}"))
                 elif step > 0 and g.opt is not None:
                     g.opt.state[m] = {
                         "step": torch.tensor(float(step), dtype=torch.float32, device=dev if on_card and _fused_ok(dev) else "cpu"),
-                        "exp_avg": tensors[f"exp_avg.{n}"].to(dev).clone(),
-                        "exp_avg_sq": tensors[f"exp_avg_sq.{n}"].to(dev).clone(),
+                        "exp_avg": get(f"exp_avg.{n}").to(dev).clone(),
+                        "exp_avg_sq": get(f"exp_avg_sq.{n}").to(dev).clone(),
                     }
                 p = self.params[n]
                 p.copy_(self.backend.upload(m.detach().to("cpu").to(p.dtype)) if not on_card else m.to(p.dtype))
-

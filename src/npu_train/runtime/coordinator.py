@@ -70,6 +70,7 @@ import msgpack
 import zmq
 
 from npu_train.errors import Interrupted, JobFailed
+from npu_train.runtime.oom import OomWatch
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.stackdump import install_stack_dump
 
@@ -120,6 +121,7 @@ class Coordinator:
         self.interrupted = 0
         self.signal_at = 0.0  # time.monotonic() of the last counted signal
         self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
+        self.oom = OomWatch()  # the cgroup's OOM-kill count at start (a card's SIGKILL is then classified)
         self.stop_sent_at: Optional[float] = None
         self.last_ckpt: Optional[str] = None
         self.rejected = 0
@@ -227,6 +229,24 @@ class Coordinator:
                 self._handle_interrupt(now)
             self._check_failures(poller, now)
 
+    def _death(self, rs: RankState, code: Optional[int], now: float) -> Optional[str]:
+        """Why ``rs`` died without a report (exit, signal, OOM kill) or hung; None if it did not."""
+        if code is not None:
+            if rs.done and code == 0 or rs.error is not None:
+                return None
+            oom = self.oom.cause(rs.proc.pid) if code == -signal.SIGKILL else None
+            return f"process {oom}; free host memory or lower the plan's memory (train.resident_layers)" if oom \
+                else _exit_cause(code)
+        if not rs.heard and now - rs.started_at > max(self.hb_timeout, self.startup_timeout):
+            return (f"no message {now - rs.started_at:.0f} s after the process was started "
+                    f"(runtime.startup_timeout_s={self.startup_timeout:g}: process {rs.proc.pid} "
+                    "hung in interpreter start-up or imports; raise runtime.startup_timeout_s "
+                    "on a slow file system)")
+        if rs.heard and now - rs.last_seen > self.hb_timeout:
+            return (f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
+                    f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} hung or stopped)")
+        return None
+
     def _check_failures(self, poller, now: float) -> None:
         """Raise :class:`JobFailed` naming the root cause if any card process failed."""
         codes = {rs.rank: rs.proc.exitcode for rs in self.ranks}
@@ -234,9 +254,10 @@ class Coordinator:
             # drain pending messages first: an error report explains an exit better than its status
             while poller.poll(50):
                 self._handle(self.sock.recv_multipart())
-        primary = self._unreported_causes(codes, now)
-        if primary:
-            self._fail(*primary[0])
+        for rs in self.ranks:  # died without a report (signal, silent exit) or hung: a root cause
+            cause = self._death(rs, codes[rs.rank], now)
+            if cause:
+                self._fail(rs, cause)
         reported = sorted((rs for rs in self.ranks if rs.error is not None), key=lambda r: r.error_at)
         if reported:
             settled = all(rs.error is not None or codes[rs.rank] is not None for rs in self.ranks)
@@ -247,29 +268,10 @@ class Coordinator:
             if due:
                 self._fail(reported[0], reported[0].error)
 
-    def _unreported_causes(self, codes: dict, now: float) -> list:
-        """``[(rank state, cause)]`` of the card processes that died without a report (signal, silent
-        exit) or hung: root causes, before any reported error."""
-        primary = []
-        for rs in self.ranks:
-            code = codes[rs.rank]
-            if code is not None and not (rs.done and code == 0) and rs.error is None:
-                primary.append((rs, _exit_cause(code)))
-            if code is not None:
-                continue
-            if not rs.heard and now - rs.started_at > max(self.hb_timeout, self.startup_timeout):
-                primary.append((rs, f"no message {now - rs.started_at:.0f} s after the process was started "
-                                    f"(runtime.startup_timeout_s={self.startup_timeout:g}: process {rs.proc.pid} "
-                                    "hung in interpreter start-up or imports; raise runtime.startup_timeout_s "
-                                    "on a slow file system)"))
-            elif rs.heard and now - rs.last_seen > self.hb_timeout:
-                primary.append((rs, f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
-                                    f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} "
-                                    f"hung or stopped)"))
-        return primary
-
     def _handle_interrupt(self, now: float) -> None:
         started = all(rs.ready for rs in self.ranks)
+        if self.interrupted >= 2 and started and self.save_on_interrupt:
+            raise self._aborted()
         if self.interrupted >= 2 or not started or not self.save_on_interrupt:
             raise Interrupted(self.signum)
         if self.stop_sent_at is None:
@@ -282,9 +284,23 @@ class Coordinator:
         # no fixed limit on finishing the step and saving: the heartbeat check ends a hung job,
         # and a second signal aborts at once
 
-    def _authenticated(self, frames: list[bytes]):
-        """The message of ``frames`` (a dict) if it carries this job's token and a known rank, else None
-        (counted in :attr:`rejected`)."""
+    def _aborted(self) -> Interrupted:
+        """A second signal aborted the interrupt save: name the last complete checkpoint and how to resume."""
+        from npu_train.checkpoint.store import complete_checkpoints
+        from npu_train.runtime.saving import continue_note
+
+        done = complete_checkpoints(self.ckpt_root) if self.ckpt_root else []
+        ck = self.last_ckpt or (done[-1] if done else None)
+        msg = "the interrupt save was aborted; " + (
+            f"last complete checkpoint {ck}; {continue_note(self.ckpt_root, self.specs[0].train.offload_update)}"
+            if ck else "no checkpoint saved")
+        return Interrupted(self.signum, msg, checkpoint=ck, checkpoint_dir=self.ckpt_root)
+
+    def _send(self, rank: int, msg: dict) -> None:
+        self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
+
+    def _authentic(self, frames: list[bytes]) -> Optional[dict]:
+        """The message in ``frames`` if it is msgpack with this job's token and a known rank, else None (counted)."""
         try:
             # never unpickled: msgpack only, and a size limit keeps strangers from exhausting memory
             if len(frames) != 2 or len(frames[-1]) > 1 << 20:
@@ -295,19 +311,16 @@ class Coordinator:
                   and int(msg.get("rank", -1)) in self.by_rank)
         except Exception:
             ok = False
-        if not ok:
-            self.rejected += 1
-            if self.rejected <= 20 or self.rejected % 1000 == 0:
-                log.warning("coordinator: ignored a message from an unauthenticated peer "
-                            "(%d so far; wrong or missing job token, or not msgpack)", self.rejected)
-            return None
-        return msg
-
-    def _send(self, rank: int, msg: dict) -> None:
-        self.sock.send_multipart([f"w{rank}".encode(), msgpack.packb(dict(msg, tok=self.token), use_bin_type=True)])
+        if ok:
+            return msg
+        self.rejected += 1
+        if self.rejected <= 20 or self.rejected % 1000 == 0:
+            log.warning("coordinator: ignored a message from an unauthenticated peer "
+                        "(%d so far; wrong or missing job token, or not msgpack)", self.rejected)
+        return None
 
     def _handle(self, frames: list[bytes]) -> None:
-        msg = self._authenticated(frames)
+        msg = self._authentic(frames)
         if msg is None:
             return
         rs = self.by_rank[int(msg["rank"])]
@@ -332,27 +345,32 @@ class Coordinator:
         elif t == "eval":
             self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]))
         elif t == "ckpt":
-            s = int(msg["step"])
-            rs.phase = f"step {s + 1}"  # the shard is written: the card process goes on with the next step
-            rep = self.ckpt_reports.setdefault(s, {})
-            rep[rs.rank] = msg["staging"]
-            if len(rep) == len(self.ranks):
-                if self.link is None:
-                    self._publish(s, rep[0])
-                else:  # node 0 publishes once every node's shards are written (NodeLink.pump)
-                    self.link.shards_written(s)
+            self._on_ckpt(rs, msg)
         elif t in ("done", "stopped"):
-            if t == "done":
-                rs.done = True
+            rs.done = rs.done or t == "done"
             rs.phase = "shutdown"
         elif t == "error":
-            rs.phase = msg.get("phase", rs.phase)
-            with open(os.path.join(self.run_dir, f"card{rs.rank}.traceback.txt"), "w") as f:
-                f.write(msg.get("traceback", ""))
-            if rs.error is None:  # decided in _check_failures: a peer's death may be the root cause
-                rs.error = (f"{msg.get('etype')}: {msg.get('message')} "
-                            f"(traceback: {os.path.join(self.run_dir, f'card{rs.rank}.traceback.txt')})")
-                rs.error_at = time.monotonic()
+            self._on_error(rs, msg)
+
+    def _on_ckpt(self, rs: RankState, msg: dict) -> None:
+        s = int(msg["step"])
+        rs.phase = f"step {s + 1}"  # the shard is written: the card process goes on with the next step
+        rep = self.ckpt_reports.setdefault(s, {})
+        rep[rs.rank] = msg["staging"]
+        if len(rep) == len(self.ranks):
+            if self.link is None:
+                self._publish(s, rep[0])
+            else:  # node 0 publishes once every node's shards are written (NodeLink.pump)
+                self.link.shards_written(s)
+
+    def _on_error(self, rs: RankState, msg: dict) -> None:
+        rs.phase = msg.get("phase", rs.phase)
+        with open(os.path.join(self.run_dir, f"card{rs.rank}.traceback.txt"), "w") as f:
+            f.write(msg.get("traceback", ""))
+        if rs.error is None:  # decided in _check_failures: a peer's death may be the root cause
+            rs.error = (f"{msg.get('etype')}: {msg.get('message')} "
+                        f"(traceback: {os.path.join(self.run_dir, f'card{rs.rank}.traceback.txt')})")
+            rs.error_at = time.monotonic()
 
     def _publish(self, step: int, staging: str) -> None:
         from npu_train.checkpoint.store import finalize, missing_shards, space_warning

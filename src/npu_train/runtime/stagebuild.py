@@ -14,11 +14,12 @@ def compute_dtype(name: str) -> torch.dtype:
 
 
 def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
-    """Build this stage's module on the card and its fp32 masters from the model file (own tensors only).
+    """Build this stage's module on the card and its fp32 masters from the model file, or from the
+    checkpoint ``spec.resume_dir`` of a full fine-tuning resume (own tensors only).
 
     Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
     ``dtype`` on ``backend.device()`` (``fused_head`` on the kinds of
-    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), and a dict of HF name -> fp32 CPU master tensor. A GGUF model's
+    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), and a mapping HF name -> fp32 CPU master tensor (a :class:`CheckpointMasters` reading on lookup when resuming). A GGUF model's
     tensors are read at the offsets of ``spec.model_index`` (the launcher's parse), not by parsing the file.
     """
     from npu_train.model.config import LlamaConfig
@@ -39,12 +40,42 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
         for p in module.parameters():
             track(p)
     module.fused_head = spec.card.kind in FUSED_HEAD_KINDS  # the head's fused weight gradient and loss
-    masters = load_tensors(spec.model_path, cfg, module.param_names(), index=spec.model_index)
-    check_finite_weights(masters, spec.model_path)
+    if spec.resume_dir and spec.train.mode == "full":  # every weight is in the checkpoint: skip the model file
+        masters = CheckpointMasters(spec.resume_dir)
+    else:
+        masters = load_tensors(spec.model_path, cfg, module.param_names(), index=spec.model_index)
+        check_finite_weights(masters, spec.model_path)
     with torch.no_grad():
         for n, p in module.named_parameters():
             p.copy_(backend.upload(masters[n].to(dtype)))
     return module, masters
+
+
+class CheckpointMasters:
+    """HF name -> fp32 master read from a checkpoint on each lookup (nothing held: one tensor at a time)."""
+
+    def __init__(self, path: str):
+        from npu_train.checkpoint.store import CheckpointReader
+
+        self.reader = CheckpointReader(path)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.reader.get(f"master.{name}")
+
+
+def resume_stage(reader, opt, params: dict, owned: dict, backend, stage: int) -> None:
+    """Load masters, moments, step count and RNG state from ``reader`` tensor by tensor (extra host memory:
+    the largest tensor, about twice while it is placed; checked first: ``MemoryCheckError``)."""
+    from npu_train.checkpoint.stream import check_memory
+
+    big = max((4 * p.numel() for p in params.values()), default=0)
+    check_memory(2 * big, f"resume from {reader.path}", "free host memory (other processes) and retry")
+    opt.load_state_tensors(reader.get, reader.step)
+    with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
+        for n in set(params) - set(owned):
+            params[n].copy_(backend.upload(reader.get(f"master.{n}").to(params[n].dtype)))
+    if reader.has(f"rng.{stage}"):
+        torch.set_rng_state(reader.get(f"rng.{stage}"))
 
 
 def sparse_embed_grad_for(kind: str, params: dict) -> bool:

@@ -46,7 +46,7 @@ from typing import Optional
 import torch
 
 from npu_train.runtime.spec import WorkerSpec
-from npu_train.runtime.stagebuild import build_stage, compute_dtype, sparse_embed_grad_for
+from npu_train.runtime.stagebuild import build_stage, compute_dtype, resume_stage, sparse_embed_grad_for
 from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 
 log = logging.getLogger("npu_train.worker")
@@ -196,7 +196,7 @@ class StageTrainer:
         self.owners = zero_owners({n: p.numel() for n, p in self.params.items()}, self.dp) if self.zero else None
         self.owned = {n: p for n, p in self.params.items() if self.owners is None or self.owners[n] == self.replica}
         self.hooks = StepHooks()
-        self.opt = StageOptimizer(self.owned, {n: masters[n] for n in self.owned}, list(self.spec.resident_names),
+        self.opt = StageOptimizer(self.owned, masters, list(self.spec.resident_names),
                                   self.backend, lr=tr.lr, betas=(tr.beta1, tr.beta2), eps=tr.eps,
                                   weight_decay=tr.weight_decay, fp32_grad_accum=tr.grad_accum == "fp32",
                                   layers=layer_groups(self.owned), overlap=tr.offload_overlap,
@@ -242,21 +242,13 @@ class StageTrainer:
             dist.barrier()  # every ring exists before anyone receives
 
     def _resume(self) -> None:
-        """Masters, moments, weights and RNG state from ``spec.resume_dir``."""
+        """Masters, moments, weights and RNG state from ``spec.resume_dir``
+        (:func:`~npu_train.runtime.stagebuild.resume_stage`: one tensor at a time)."""
         from npu_train.checkpoint.store import CheckpointReader
 
-        spec, backend, owned = self.spec, self.backend, self.owned
         self.enter("resume")
-        reader = CheckpointReader(spec.resume_dir)
-        want = {f"{k}.{n}": reader.get(f"{k}.{n}") for n in owned
-                for k in ("master", "exp_avg", "exp_avg_sq")}
-        self.opt.load_state_tensors(want, reader.step)
-        with torch.no_grad():  # ZeRO-1: the weights this replica does not own come from the masters too
-            for n in set(self.params) - set(owned):
-                p = self.params[n]
-                p.copy_(backend.upload(reader.get(f"master.{n}").to(p.dtype)))
-        if reader.has(f"rng.{self.stage}"):
-            torch.set_rng_state(reader.get(f"rng.{self.stage}"))
+        resume_stage(CheckpointReader(self.spec.resume_dir), self.opt, self.params, self.owned, self.backend,
+                     self.stage)
 
     def _load_data(self) -> None:
         """The packed data, this replica's sampler (and the others', for the loss divisor), the schedule
@@ -501,32 +493,39 @@ class StageTrainer:
         Data parallelism: replica 0 writes the stage's shard (``stage_<s>``, the same format as dp=1,
         so a checkpoint resumes with any ``parallel.dp``); with ZeRO-1 it first gathers the other
         replicas' optimizer-state shards (:func:`~npu_train.runtime.replicas.gather_state`). The other
-        replicas write nothing and only report."""
-        from npu_train.checkpoint.store import save_shard, tmp_dir
+        replicas write nothing and only report.
+
+        Extra host memory (checked first): the largest fp32 master or moment (``4 * numel`` bytes; none for
+        live CPU tensors); with ZeRO-1, 12 bytes per parameter of the stage on replica 0."""
+        from npu_train.checkpoint.store import entries_of, save_shard, tmp_dir
+        from npu_train.checkpoint.stream import check_memory
 
         if not self.save_due(done, interrupted, stopping):
             return None
         spec = self.spec
         self.enter(f"checkpoint save of step {done}")
-        tensors = self.opt.state_tensors() if (self.zero or self.replica == 0) else {}
-        if self.zero:
+        fix = "the previous checkpoint is intact; free host memory (other processes) and retry"
+        if self.zero:  # ZeRO-1 gathers the stage's whole optimizer state on replica 0 (12 bytes per parameter)
             from npu_train.runtime.replicas import gather_state
 
-            tensors = gather_state(tensors, {n: tuple(p.shape) for n, p in self.params.items()}, self.owners,
-                                   self.replica, self.stage_ranks)
+            check_memory(12 * sum(p.numel() for p in self.params.values()), f"checkpoint save of step {done}", fix)
+            tensors = entries_of(gather_state(self.opt.state_tensors(), {n: tuple(p.shape) for n, p in self.params.items()},
+                                              self.owners, self.replica, self.stage_ranks))
+        else:
+            tensors = self.opt.state_entries() if self.replica == 0 else []
+            check_memory(max((e.nbytes for e in tensors), default=0), f"checkpoint save of step {done}", fix)
         staging = tmp_dir(spec.ckpt_root, done, spec.job_id, owner_pid=spec.parent_pid)
         if self.replica != 0:
             self.ctrl.send("ckpt", step=done, staging=staging)
             return staging
-        tensors[f"rng.{self.stage}"] = torch.get_rng_state()
-        finite = all(bool(torch.isfinite(t).all()) for k, t in tensors.items() if not k.startswith("rng."))
+        tensors += entries_of({f"rng.{self.stage}": torch.get_rng_state()})
         card = {"kind": spec.card.kind, "index": spec.card.index, "name": spec.card.name}
         st = spec.stage
         stage = {"first": st.first, "last": st.last, "has_embed": st.has_embed, "has_head": st.has_head,
                  "label": st.label}
         save_shard(staging, self.stage, tensors, {"rank": self.stage, "card": card, "stage": stage,
                                                   "resident": sorted(spec.resident_names), "step": done,
-                                                  "dp": self.dp, "zero": self.zero, "finite": finite})
+                                                  "dp": self.dp, "zero": self.zero})
         if self.fault is not None:
             self.fault("checkpoint")
         self.ctrl.send("ckpt", step=done, staging=staging)
