@@ -321,18 +321,14 @@ class CostModel:
 
     def max_resident(self, i: int, n: int, headroom: bool = True) -> int:
         """Most resident layers (0..n) whose predicted total stays within :meth:`limit` of card
-        ``i`` with ``n`` layers, or -1 if not even 0 does."""
+        ``i`` with ``n`` layers, or -1 if no count does. Memory may grow or fall with the resident
+        count (a cpu card at fp32: 8 B/param of moments resident against 12 B of master + moments
+        offloaded), so every count is checked, from ``n`` down."""
         cap = self.limit(i, headroom)
-        if self.cost(i, n, 0).mem["total"] > cap:
-            return -1
-        lo, hi = 0, n  # memory is non-decreasing in r
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.cost(i, n, mid).mem["total"] <= cap:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        for r in range(n, -1, -1):
+            if self.cost(i, n, r).mem["total"] <= cap:
+                return r
+        return -1
 
     def phase(self, costs: Sequence[StageCost]) -> float:
         """Seconds of the pipeline phase (all forwards and backwards of a step) for one

@@ -23,7 +23,7 @@ def card_label(i: int, card: CardSpec) -> str:
 def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
                           limit_bytes: Optional[int] = None) -> str:
     """One line: which card is over capacity by how much (every memory term in GiB) and the fixes;
-    ``max_resident`` is the most resident layers that fit that card (-1: not even 0);
+    ``max_resident`` is the most resident layers that fit that card (-1: no count fits);
     ``limit_bytes``: the ``auto`` limit ``capacity * (1 - headroom)`` when that is what was
     exceeded (named with ``placement.headroom``), else the capacity."""
     st = plan.stages[st_index]
@@ -32,7 +32,7 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
     fixes = []
     if r:
         fixes.append(f"fewer resident layers on this card (now {r}; "
-                     + (f"at most {max_resident} fit)" if max_resident >= 0 else "even 0 does not fit)"))
+                     + (f"at most {max_resident} fit)" if max_resident >= 0 else "no resident count fits)"))
     sh = plan.shape
     # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
     fixes += ["more RAM per cpu card (a larger host, or placement.capacity_gib if it was set below the card's "

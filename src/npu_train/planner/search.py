@@ -408,15 +408,17 @@ def make_plan(
         res_l = [pm.max_resident(i, n) for i, n in enumerate(split_l)]
         if min(res_l) >= 0:
             return _check_host(pm.build(split_l, res_l), host_ram_bytes, strict)
-    # nothing fits: explain with the given (or balanced) split at 0 resident layers
+    # nothing fits: explain with the given (or balanced) split at each stage's least-memory resident count
     split_e = split_l if split_l is not None else balanced_split(L, P)
-    plan = pm.build(split_e, [0] * P)
+    least = [min(range(n + 1), key=lambda r, i=i, n=n: (pm.cost(i, n, r).mem["total"], r))
+             for i, n in enumerate(split_e)]
+    plan = pm.build(split_e, least)
     plan.fits = False
     if not strict:
         return _check_host(plan, host_ram_bytes, strict=False)
     bad = [i for i, st in enumerate(plan.stages) if st.mem["total"] > pm.limit(i)] or [0]
     raise PlacementError(
-        "no placement fits even with no resident layers"
+        "no placement fits with any number of resident layers"
         + ("" if split is not None else " on any split")
         + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad)
     )
