@@ -105,7 +105,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
-    from npu_train.planner import load_rates, make_plan, threads_per_card
+    from npu_train.planner import PlacementError, load_rates, make_plan, threads_per_card
     from npu_train.planner.memterms import load_memory_terms
 
     validate(cfg)
@@ -150,9 +150,17 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     # one pipeline is planned (replica 0's cards; every replica has the same kinds), for dp replicas
-    plan = make_plan(mcfg, shape, cards[:P], rates, split=as_list(tr.split), resident_layers=resident,
-                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, threads=plan_threads,
-                     headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero)
+    plan_args = dict(resident_layers=resident, threads=plan_threads, headroom=float(cfg.placement.headroom),
+                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, memory_terms=terms,
+                     dp=dp, zero=zero)
+    split = as_list(tr.split) or None
+    resumed = None if split else _resumed_split(cfg, run_dir, P)
+    try:
+        plan = make_plan(mcfg, shape, cards[:P], rates, split=split or resumed, **plan_args)
+    except PlacementError:
+        if resumed is None:
+            raise
+        plan = make_plan(mcfg, shape, cards[:P], rates, split=None, **plan_args)  # the checkpoint's split no longer fits
     if any(c.kind == "furiosa" for c in cards):
         plan.compiler_cache_dir = furiosa_cache_dir(cfg)
     if nodes is not None:
@@ -161,6 +169,27 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         check_node_host_ram(plan, node_counts, node_ram)
     return Prepared(cards=cards, requests=reqs, model_cfg=mcfg, plan=plan, shape=shape, dtype=dtype,
                     model_path=model_path, threads=threads, node_counts=node_counts, dp=dp, zero=zero)
+
+
+def _resumed_split(cfg, run_dir: str, stages: int) -> Optional[list]:
+    """Layers per stage of the checkpoint ``train.resume`` names, when it has ``stages`` stages: a resumed run
+    keeps its split (the fitted figures may have moved the fastest one, and another split sums the global
+    grad norm in another order, so the resume would not be bit-exact). None: no resume, or no readable
+    checkpoint yet (its errors are reported by the resume checks)."""
+    from npu_train.checkpoint.store import find_checkpoint
+
+    if not cfg.train.resume or cfg.plan:
+        return None
+    try:
+        root = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
+        found = find_checkpoint(cfg.train.resume, root)
+        if found is None:
+            return None
+        with open(os.path.join(found, "manifest.json")) as f:
+            split = [int(last) - int(first) for first, last in json.load(f)["split"]]
+    except (UserError, OSError, ValueError, KeyError, TypeError):
+        return None
+    return split if len(split) == stages else None
 
 
 def _preset_config(path: str):
