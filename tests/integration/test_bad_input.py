@@ -108,6 +108,8 @@ CASES = [
     ("placement-infeasible", lambda b: ["placement.capacity_gib=0.0001"], None,
      ["no placement fits", "fix: more RAM per cpu card", "placement.capacity_gib", "train.recompute=true",
       "a smaller train.micro_batch (now 2) or data.seq_len (now 32)"]),
+    ("capacity-over-host-share", lambda b: ["placement.capacity_gib=100000"], None,
+     ["placement.capacity_gib=100000 is more than a cpu card's share of this host's RAM", "at most"]),
     ("model-path-missing", lambda b: ["model.path=/nonexistent/model"], None,
      ["'/nonexistent/model' does not exist", "HF model directory"]),
     ("config-missing-key", lambda b: [f"model.path={b.no_keys}"], None,

@@ -30,9 +30,8 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
     m = st.mem
     r = len(st.resident)
     fixes = []
-    if r:
-        fixes.append(f"fewer resident layers on this card (now {r}; "
-                     + (f"at most {max_resident} fit)" if max_resident >= 0 else "no resident count fits)"))
+    if 0 <= max_resident < r:
+        fixes.append(f"fewer resident layers on this card (now {r}; at most {max_resident} fit)")
     sh = plan.shape
     # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
     fixes += ["more RAM per cpu card (a larger host, or placement.capacity_gib if it was set below the card's "

@@ -70,7 +70,12 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
         if r.kind == "cpu" and n_cpu:
             cap = cap // n_cpu
         if cfg.placement.capacity_gib:
-            cap = int(cfg.placement.capacity_gib * 2 ** 30)
+            want = int(cfg.placement.capacity_gib * 2 ** 30)
+            if r.kind == "cpu" and want > cap and not cfg.plan:  # cpu cards split this host's RAM
+                raise ConfigError(f"placement.capacity_gib={cfg.placement.capacity_gib:g} is more than a cpu card's "
+                                  f"share of this host's RAM ({cap / 2 ** 30:.2f} GiB = {n_cpu * cap / 2 ** 30:.1f} GiB "
+                                  f"/ {n_cpu} cpu card(s)): set it to at most {cap / 2 ** 30:.2f}, or leave it unset")
+            cap = want
         name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
         cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=prefix + name))
     return cards
