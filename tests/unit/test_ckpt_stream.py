@@ -75,3 +75,26 @@ def test_cgroup_headroom(tmp_path):
     assert cgroup_headroom(str(tmp_path)) == 700
     (tmp_path / "memory.max").write_text("max\n")
     assert cgroup_headroom(str(tmp_path)) is None
+
+
+def test_finite_check_needs_no_whole_tensor_temporaries():
+    """The save's finiteness check stays within its bound: a 256 MiB fp32 tensor raises the process's
+    peak RSS (VmHWM, read by the kernel) by well under its own size (torch.isfinite of the whole tensor:
+    about 1.6x it)."""
+    import subprocess
+    import sys
+
+    code = r'''
+import re, torch
+from npu_train.checkpoint.store import FiniteCheck
+def hwm():
+    return int(re.search(r"VmHWM:\s+(\d+)", open("/proc/self/status").read()).group(1)) * 1024
+t = torch.ones(64 << 20)
+t[-1] = float("inf")
+before = hwm()
+c = FiniteCheck(); c.visit("master.w", t)
+print(c.finite, hwm() - before)
+'''
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out[0] == "False"
+    assert int(out[1]) < 64 << 20, f"finite check grew the peak by {int(out[1]) / 2**20:.0f} MiB"

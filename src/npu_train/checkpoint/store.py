@@ -187,6 +187,23 @@ def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Option
             f"{root}: the first save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
+class FiniteCheck:
+    """Whether every floating-point tensor written so far is finite (``visit`` per tensor, ``rng.*`` skipped).
+    Checked in chunks of :attr:`CHUNK` elements: ``torch.isfinite`` of a whole tensor allocates temporaries
+    of about 1.6x its fp32 size (1.7 GiB for a 128k x 2048 embedding, measured on the 0.63 B run), which the
+    save's memory bound does not have."""
+
+    CHUNK = 1 << 22  # elements: ~16 MiB of fp32 temporaries at a time
+
+    def __init__(self):
+        self.finite = True
+
+    def visit(self, name: str, t: torch.Tensor) -> None:
+        if not self.finite or name.startswith("rng.") or not t.is_floating_point():
+            return
+        self.finite = all(bool(torch.isfinite(c).all()) for c in t.reshape(-1).split(self.CHUNK))
+
+
 def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
     """Write one stage's shard (safetensors + JSON) into ``staging`` tensor by tensor and fsync both.
 
@@ -203,14 +220,9 @@ def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
     what = f"the checkpoint shard of stage {rank}"
     need = shard_bytes(tensors)
     check_free_space(staging, need, what)
-    finite = [True]
-
-    def visit(name: str, t: torch.Tensor) -> None:
-        if finite[0] and not name.startswith("rng.") and t.is_floating_point():
-            finite[0] = bool(torch.isfinite(t).all())
-
+    check = FiniteCheck()
     try:
-        write_stream(st, tensors, {"format": "pt"}, visit)
+        write_stream(st, tensors, {"format": "pt"}, check.visit)
     except Exception as e:
         if not out_of_space(e):
             raise
@@ -221,7 +233,7 @@ def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
         raise CheckpointSpaceError(space_message(staging, need, shutil.disk_usage(staging).free, what)) from None
     js = os.path.join(staging, f"stage_{rank:03d}.json")
     with open(js, "w") as f:
-        json.dump(dict(meta, finite=finite[0] and bool(meta.get("finite", True))), f, indent=1)
+        json.dump(dict(meta, finite=check.finite and bool(meta.get("finite", True))), f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     return st
