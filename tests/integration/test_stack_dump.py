@@ -16,7 +16,7 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def test_usr1_during_card_start_up_and_training_dumps_stacks_and_the_job_goes_on(tiny_model, tmp_path):
-    job = Job(tmp_path, tiny_model, "train.steps=12", "checkpoint.save=false")
+    job = Job(tmp_path, tiny_model, "train.steps=100", "checkpoint.save=false")
     try:
         info = job.job_info()  # written right after the card processes were started: they are importing
         for pid in job.card_pids(info):
@@ -30,7 +30,7 @@ def test_usr1_during_card_start_up_and_training_dumps_stacks_and_the_job_goes_on
     finally:
         job.kill_all()
     assert rc == 0, job.tail()
-    assert len(job.losses()) == 12
+    assert len(job.losses()) == 100
     err = job.stderr
     # launcher + 2 card processes, each dumping at least its main thread
     assert err.count("(most recent call first)") >= 3, job.tail(6000)
