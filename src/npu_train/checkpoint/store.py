@@ -312,6 +312,15 @@ def _manifest(path: str) -> dict:
         return {}
 
 
+def checkpoint_split(path: str) -> Optional[list]:
+    """Decoder layers per stage of the checkpoint at ``path`` (its manifest's ``split``), or None when the
+    manifest is unreadable or has none."""
+    try:
+        return [int(last) - int(first) for first, last in _manifest(path)["split"]]
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 def is_complete(path: str) -> bool:
     """A directory is a checkpoint iff it is named ``step_N`` and holds ``manifest.json``."""
     return bool(STEP_RE.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(os.path.join(path, MANIFEST))

@@ -181,20 +181,21 @@ def _resumed_split(cfg, run_dir: str, stages: int) -> Optional[list]:
     keeps its split (the fitted figures may have moved the fastest one, and another split sums the global
     grad norm in another order, so the resume would not be bit-exact). None: no resume, or no readable
     checkpoint yet (its errors are reported by the resume checks)."""
-    from npu_train.checkpoint.store import find_checkpoint
+    from npu_train.checkpoint.store import checkpoint_split, find_checkpoint
 
     if not cfg.train.resume or cfg.plan:
         return None
     try:
-        root = os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
-        found = find_checkpoint(cfg.train.resume, root)
-        if found is None:
-            return None
-        with open(os.path.join(found, "manifest.json")) as f:
-            split = [int(last) - int(first) for first, last in json.load(f)["split"]]
-    except (UserError, OSError, ValueError, KeyError, TypeError):
+        found = find_checkpoint(cfg.train.resume, checkpoint_root(cfg, run_dir))
+    except UserError:
         return None
-    return split if len(split) == stages else None
+    split = checkpoint_split(found) if found is not None else None
+    return split if split is not None and len(split) == stages else None
+
+
+def checkpoint_root(cfg, run_dir: str) -> str:
+    """The absolute checkpoint root: ``checkpoint.dir``, else ``<run dir>/checkpoints``."""
+    return os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints"))
 
 
 def _preset_config(path: str):
@@ -559,7 +560,7 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str) -> ResumePoint:
     tr = cfg.train
     # the sampler every card process uses (replica k takes the k-th share of each step's global batch)
     sampler = StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=prep.dp)
-    point = ResumePoint(ckpt_root=os.path.abspath(cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")),
+    point = ResumePoint(ckpt_root=checkpoint_root(cfg, run_dir),
                         saving=bool(cfg.checkpoint.save), sampler=sampler)
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
     found = find_checkpoint(tr.resume, point.ckpt_root) if tr.resume else None
