@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -13,6 +14,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, os.path.dirname(__file__))
 
 from npu_train.config import Config  # noqa: E402
+from npu_train.env import cache_dir  # noqa: E402
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=256)
@@ -80,9 +82,15 @@ def launcher_main():
     return load_script(LAUNCH_RUN, "npt_launch_run").main
 
 
-def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int = 0):
-    """Run the real launcher in-process (card processes spawned); returns (losses, CheckpointReader|None)."""
+def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int = 0, keep_fitted: bool = False):
+    """Run the real launcher in-process (card processes spawned); returns (losses, CheckpointReader|None).
+
+    Every run plans from the assumed figures: the figures an earlier run of the same test fitted
+    (``$NPT_CACHE/fitted``) are dropped first unless ``keep_fitted``, since they may move the split
+    chosen by ``auto`` and so the summation order two compared runs must share."""
     from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
+    if not keep_fitted:
+        shutil.rmtree(cache_dir("fitted"), ignore_errors=True)
     cfg = make_cfg(model_path, *overrides)
     rc = launcher_main()(cfg, run_dir)
     assert rc == expect_rc, f"launcher exit status {rc}, expected {expect_rc}"
