@@ -6,6 +6,7 @@ cached data, tokenizers and compiled modules are shared (links to the real cache
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -38,18 +39,35 @@ def _remove_tmp_path_of_passed_test(request):
         shutil.rmtree(path, ignore_errors=True)
 
 
-@pytest.fixture(autouse=True)
-def _own_cache(request):
-    """A fresh ``NPT_CACHE`` per test (module docstring)."""
+@contextlib.contextmanager
+def _private_cache():
+    """``NPT_CACHE`` set to a fresh directory (shared folders linked) for the ``with`` block."""
     root = tempfile.mkdtemp(dir=_CACHES)
     for name in _SHARED:
         (_REAL_CACHE / name).mkdir(parents=True, exist_ok=True)
         os.symlink(_REAL_CACHE / name, os.path.join(root, name))
     old = os.environ.get("NPT_CACHE")
     os.environ["NPT_CACHE"] = root
-    yield root
-    if old is None:
-        os.environ.pop("NPT_CACHE", None)
-    else:
-        os.environ["NPT_CACHE"] = old
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop("NPT_CACHE", None)
+        else:
+            os.environ["NPT_CACHE"] = old
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache():
+    """A fresh ``NPT_CACHE`` for what runs outside a test's own (module- and session-scoped fixtures),
+    so nothing a test runs reads or writes the user's real cache."""
+    with _private_cache() as root:
+        yield root
+
+
+@pytest.fixture(autouse=True)
+def _own_cache(request):
+    """A fresh ``NPT_CACHE`` per test (module docstring)."""
+    with _private_cache() as root:
+        yield root
