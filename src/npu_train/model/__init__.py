@@ -9,7 +9,7 @@ _EXPORTS = {
     "ModelFormatError": "files", "embedded_model_path": "files", "resolve_model_path": "files",
     "clear_gguf_cache": "gguf", "gguf_unpermute": "gguf", "gguf_tensor_index": "gguf",
     "chat_template": "tokenizer", "load_tokenizer": "tokenizer", "special_tokens": "tokenizer",
-    "check_weights": "weights", "load_config": "weights", "load_tensors": "weights",
+    "check_weights": "weights", "load_config": "weights", "load_tensors": "weights", "iter_tensors": "weights",
 }
 __all__ = sorted(_EXPORTS)
 

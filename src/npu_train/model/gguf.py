@@ -8,7 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -17,7 +17,7 @@ from .config import LlamaConfig
 from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 from .hf import first_id
 
-__all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "gguf_unpermute",
+__all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "iter_gguf_tensors", "gguf_unpermute",
            "hf_to_gguf_name", "clear_gguf_cache", "file_key", "gguf_tensor_index"]
 
 
@@ -300,7 +300,14 @@ def _index_tensors(path: str, index: Optional[dict]) -> Optional[dict]:
 
 def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
                  index: Optional[dict] = None) -> dict[str, torch.Tensor]:
-    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file, dequantised to fp32.
+    """:func:`iter_gguf_tensors` as a dict."""
+    return dict(iter_gguf_tensors(path, cfg, wanted, unpermute, index))
+
+
+def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
+                      index: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file one tensor at a time,
+    dequantised to fp32: yields ``(name, tensor)``, so a caller that drops each tensor holds one.
 
     q/k projections are un-permuted when ``unpermute``. ``index``: the file's :func:`gguf_tensor_index`
     (read at its offsets; ignored when stale). Raises :class:`ModelFormatError` for a missing tensor,
@@ -310,7 +317,6 @@ def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
     by_name = _index_tensors(path, index)
     if by_name is None:
         by_name = {t.name: t for t in gguf_reader(path).tensors}
-    out: dict[str, torch.Tensor] = {}
     for name, (src, shape) in wanted.items():
         gname = hf_to_gguf_name(src)
         t = by_name.get(gname)
@@ -331,7 +337,6 @@ def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
             arr = gguf_unpermute(arr, cfg.num_kv_heads)
         t = torch.from_numpy(np.array(arr, dtype=np.float32, order="C", copy=True))
         check_finite(t, gname, path)
-        out[name] = t
-    return out
+        yield name, t
 
 

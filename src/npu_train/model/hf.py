@@ -12,7 +12,7 @@ from .config import LlamaConfig
 from .files import ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 
 __all__ = ["hf_config", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_walk",
-           "safetensors_tensors"]
+           "safetensors_tensors", "iter_safetensors_tensors"]
 
 
 _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -182,11 +182,15 @@ def safetensors_walk(d: str, wanted: dict) -> Iterator[tuple[str, str, str, Any]
 
 
 def safetensors_tensors(d: str, wanted: dict) -> dict[str, torch.Tensor]:
-    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d`` as fp32 contiguous CPU
-    tensors; :class:`ModelFormatError` as :func:`safetensors_walk`, or for a non-finite value."""
-    out: dict[str, torch.Tensor] = {}
+    """:func:`iter_safetensors_tensors` as a dict."""
+    return dict(iter_safetensors_tensors(d, wanted))
+
+
+def iter_safetensors_tensors(d: str, wanted: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read ``wanted = {name: (stored_name, shape)}`` from the HF directory ``d`` one tensor at a time:
+    yields ``(name, fp32 contiguous CPU tensor)``; :class:`ModelFormatError` as :func:`safetensors_walk`,
+    or for a non-finite value."""
     for name, src, fp, f in safetensors_walk(d, wanted):
         t = f.get_tensor(src).to(torch.float32).contiguous()
         check_finite(t, src, fp)
-        out[name] = t
-    return out
+        yield name, t

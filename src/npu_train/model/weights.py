@@ -3,17 +3,17 @@ Loaders return fp32 CPU tensors under HF names and read only the requested tenso
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from .config import LlamaConfig
 from .files import ModelFormatError, check_exists, expected_shape, hf_dir, is_gguf_path, shape_error
-from .gguf import gguf_config, gguf_reader, gguf_tensors, hf_to_gguf_name
-from .hf import hf_config, safetensors_tensors, safetensors_walk
+from .gguf import gguf_config, gguf_reader, hf_to_gguf_name, iter_gguf_tensors
+from .hf import hf_config, iter_safetensors_tensors, safetensors_walk
 from .llama import checkpoint_source_name
 
-__all__ = ["load_config", "load_tensors", "check_weights"]
+__all__ = ["load_config", "load_tensors", "iter_tensors", "check_weights"]
 
 
 def load_config(path: str) -> LlamaConfig:
@@ -28,9 +28,15 @@ def load_config(path: str) -> LlamaConfig:
 
 def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Optional[dict] = None,
                  _unpermute_qk: bool = True) -> dict[str, torch.Tensor]:
-    """Read the named parameters (HF names) from the model at ``path``.
+    """:func:`iter_tensors` as a dict ``{name: fp32 contiguous CPU tensor}``."""
+    return dict(iter_tensors(path, cfg, names, index=index, _unpermute_qk=_unpermute_qk))
 
-    Returns ``{name: fp32 contiguous CPU tensor}`` with ``cfg.param_shapes``; tied ``lm_head.weight`` is
+
+def iter_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Optional[dict] = None,
+                 _unpermute_qk: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read the named parameters (HF names) from the model at ``path`` one tensor at a time.
+
+    Yields ``(name, fp32 contiguous CPU tensor)`` with ``cfg.param_shapes``; tied ``lm_head.weight`` is
     read from the embedding; GGUF q/k are un-permuted. ``index``: a GGUF :func:`gguf_tensor_index`.
     Raises :class:`ModelFormatError` for an absent, mis-shaped or non-finite tensor, ``ValueError`` for
     a name that is not a parameter of ``cfg``."""
@@ -38,8 +44,8 @@ def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Option
     check_exists(path)
     wanted = {n: (checkpoint_source_name(cfg, n), expected_shape(cfg, n)) for n in names}
     if is_gguf_path(path):
-        return gguf_tensors(path, cfg, wanted, _unpermute_qk, index=index)
-    return safetensors_tensors(hf_dir(path), wanted)
+        return iter_gguf_tensors(path, cfg, wanted, _unpermute_qk, index=index)
+    return iter_safetensors_tensors(hf_dir(path), wanted)
 
 
 def check_weights(model_path: str, cfg: LlamaConfig) -> None:

@@ -19,12 +19,13 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
 
     Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
     ``dtype`` on ``backend.device()`` (``fused_head`` on the kinds of
-    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), and a mapping HF name -> fp32 CPU master tensor (a :class:`CheckpointMasters` reading on lookup when resuming). A GGUF model's
+    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), and a mapping HF name -> fp32 CPU master tensor (a
+    :class:`CheckpointMasters` reading on lookup when resuming; empty for ``train.mode=lora``). A GGUF model's
     tensors are read at the offsets of ``spec.model_index`` (the launcher's parse), not by parsing the file.
     """
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import StageModule
-    from npu_train.model import load_tensors
+    from npu_train.model import iter_tensors
 
     cfg = LlamaConfig.from_dict(spec.model_cfg)
     st = spec.stage
@@ -40,14 +41,21 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
         for p in module.parameters():
             track(p)
     module.fused_head = spec.card.kind in FUSED_HEAD_KINDS  # the head's fused weight gradient and loss
+    params = dict(module.named_parameters())  # a tied head is the embedding's parameter, listed once
     if spec.resume_dir and spec.train.mode == "full":  # every weight is in the checkpoint: skip the model file
         masters = CheckpointMasters(spec.resume_dir)
-    else:
-        masters = load_tensors(spec.model_path, cfg, module.param_names(), index=spec.model_index)
-        check_finite_weights(masters, spec.model_path)
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(backend.upload(masters[n].to(dtype)))
+        return module, masters
+    # one tensor at a time: the stage never holds a second copy of its weights beyond the masters kept
+    masters = {}
     with torch.no_grad():
-        for n, p in module.named_parameters():
-            p.copy_(backend.upload(masters[n].to(dtype)))
+        for n, t in iter_tensors(spec.model_path, cfg, list(params), index=spec.model_index):
+            params[n].copy_(backend.upload(t.to(dtype)))
+            if spec.train.mode == "full":  # LoRA: the frozen base has no masters
+                masters[n] = t
+            del t
     return module, masters
 
 
@@ -85,17 +93,3 @@ def sparse_embed_grad_for(kind: str, params: dict) -> bool:
     in each step, right after the first forward (``StageTrainer.zero_embed_grad``, a first-forward-sent hook), before any backward."""
     emb = params.get("model.embed_tokens.weight")
     return emb is not None and kind in SPARSE_EMBED_GRAD_KINDS and emb.dtype == torch.float32
-
-
-def check_finite_weights(tensors: dict, model_path: str) -> None:
-    """Raise :class:`~npu_train.model.ModelFormatError` naming the first tensor of ``tensors``
-    (HF name -> tensor) that holds a nan or inf: training from it would fill masters and moments with
-    NaN from the first step."""
-    from npu_train.model import ModelFormatError
-
-    for n, t in tensors.items():
-        bad = int((~torch.isfinite(t)).sum())
-        if bad:
-            raise ModelFormatError(f"model file {model_path}: tensor {n!r} holds {bad} non-finite value(s) "
-                                   "(nan/inf): the file is corrupt or was saved from a diverged run; "
-                                   "re-download or re-export the model")
