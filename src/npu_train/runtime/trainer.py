@@ -53,20 +53,6 @@ log = logging.getLogger("npu_train.worker")
 
 
 
-def _return_freed_heap() -> None:
-    """Hand the host heap's free pages back to the OS (glibc ``malloc_trim(0)``; a no-op elsewhere).
-
-    Loading a stage frees large temporaries (dequantised GGUF tensors, a model file's tensors once
-    uploaded); glibc keeps such pages mapped, where the first steps do not always reuse them, and the
-    process's resident memory would stay above the plan (a LoRA stage: +0.27 GiB on SmolLM2-135M)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
-
 class NonFiniteError(RuntimeError):
     """A non-finite (nan/inf) loss or global gradient norm with ``train.nonfinite=stop``; the message
     names the step, the stage(s) where the non-finite values appeared, and the fix."""
@@ -154,7 +140,6 @@ class StageTrainer:
         masters = self._load_model()
         self._make_optimizer(masters)
         del masters
-        _return_freed_heap()
         self.enter("rendezvous")
         self._rendezvous()
         self.start = int(spec.start_step)
