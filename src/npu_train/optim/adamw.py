@@ -1,10 +1,7 @@
 """Stage optimizer: AdamW (Loshchilov & Hutter 2019, ``torch.optim.AdamW``) over fp32 master weights.
 
-Start at :class:`StageOptimizer`. Per parameter, master + moments are *resident* (on the card, 12
-bytes/param, updated there) or *offloaded* (host RAM, host AdamW per layer: :mod:`npu_train.optim.offload`).
-Gradients accumulate in fp32 (a bf16 ``.grad`` is folded into an fp32 accumulator on each gradient-ready
-hook); a resident fp32 parameter on a ``cpu``/``cuda`` card is its own master. Weight decay applies to
-tensors with ``ndim >= 2`` only. Details and measurements: docs/design.md §17.
+Start at :class:`StageOptimizer`. Masters + moments are *resident* (on the card, 12 B/param) or
+*offloaded* (host RAM, :mod:`npu_train.optim.offload`); gradients accumulate in fp32. docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -53,11 +50,8 @@ class _Group:
             self.opt.step()
 
     def init_state(self, track=None) -> None:
-        """Create every master's AdamW state now, exactly as ``torch.optim.AdamW`` does lazily in its first step
-        (``step`` 0: a 0-d fp32 tensor on the parameter's device when fused, else on the CPU; zero fp32
-        ``exp_avg`` / ``exp_avg_sq``: 8 bytes/param), so updates are bit-identical and a card that cannot hold
-        them fails at start-up (experiments/2026-12-01-bench-run7.md). Existing state is kept.
-        ``track``: called with each new moment tensor (device-memory accounting)."""
+        """Create every master's AdamW state now, exactly as ``torch.optim.AdamW`` does in its first step (8 B/param,
+        bit-identical updates; experiments/2026-12-01-bench-run7.md). ``track``: called with each new moment."""
         if self.opt is None:
             return
         for g in self.opt.param_groups:
@@ -82,27 +76,16 @@ def grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 class StageOptimizer:
-    """AdamW with fp32 master weights for the parameters of one pipeline stage.
+    """AdamW with fp32 masters for one pipeline stage's parameters.
 
-    Args:
-        params: ``{hf_name: parameter}`` of the stage, in compute dtype on the card.
-        masters_init: ``{hf_name: fp32 CPU tensor}`` initial masters (before any cast); covers ``params``.
-        resident: names whose master + moments live on the card; all others are offloaded.
-        backend: the card's :class:`npu_train.backends.base.Backend`.
-        lr, betas, eps, weight_decay: AdamW hyper-parameters (``lr`` is set again every step).
-        fp32_grad_accum: accumulate low-precision gradients in fp32 (False: in ``.grad``'s dtype).
-        layers: ``[(layer_key, [hf_name, ...]), ...]`` in forward order; one host AdamW per offloaded
-            layer. None: one layer of every parameter.
-        overlap, delayed: host-update mode (:class:`~npu_train.optim.offload.HostUpdater`).
-        eager_state: create the moments here instead of in the first :meth:`step` (bit-identical).
-        rows_first: the embedding matrix updated looked-up rows first (:mod:`npu_train.optim.rowsfirst`).
-        hooks: the stage's :class:`~npu_train.optim.hooks.StepHooks` (None: its own).
-
-    Attributes:
-        shared: resident parameters that are their own fp32 masters (fp32 compute on a card kind in
-            :data:`npu_train.hardware.SHARED_MASTER_KINDS`), updated in place.
-
-    Raises ValueError for an offloaded parameter in no layer."""
+    ``params``: ``{hf_name: parameter}`` (compute dtype, on the card); ``masters_init``: ``{hf_name: fp32
+    CPU tensor}`` covering ``params``; ``resident``: names kept on the card, the rest offloaded; ``layers``:
+    ``[(layer_key, [hf_name, ...])]`` in forward order (one host AdamW per offloaded layer; None: one layer);
+    ``overlap``/``delayed``: :class:`~npu_train.optim.offload.HostUpdater` mode; ``eager_state``: create the
+    moments now; ``rows_first``: the embedding updated rows first (:mod:`npu_train.optim.rowsfirst`);
+    ``hooks``: the stage's :class:`~npu_train.optim.hooks.StepHooks`. :attr:`shared`: resident fp32
+    parameters on a ``SHARED_MASTER_KINDS`` card, their own masters. Raises ValueError for an offloaded
+    parameter in no layer."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -158,8 +141,7 @@ class StageOptimizer:
         return res_m, off_m
 
     def _host_layers(self, layers, off_m: dict) -> list[tuple[str, list[str]]]:
-        """``layers`` restricted to the offloaded names, empty layers dropped; ValueError for an offloaded
-        parameter in no layer."""
+        """``layers`` restricted to the offloaded names; ValueError for an offloaded parameter in no layer."""
         if layers is None:
             layers = [("all", list(self.params))]
         groups = [(k, [n for n in names if n in off_m]) for k, names in layers]
@@ -185,8 +167,7 @@ class StageOptimizer:
             g.init_state()
 
     def _register_hooks(self, fp32_grad_accum: bool, overlap: bool) -> None:
-        """Register the fp32 fold, then (overlap) the final-gradient count on gradient ready — in that order, so
-        the count sees the folded accumulator — and the rows-first finish on first forward sent."""
+        """The fold before the final-gradient count (the count must see the fp32 accumulator), then rows-first."""
         params = self.params
         # fp32_grad_accum=False (train.grad_accum=compute): gradients accumulate in the compute dtype's
         # .grad, as the predecessor system on RNGD did (half the gradient memory, one rounding per micro-batch)
@@ -231,9 +212,8 @@ class StageOptimizer:
         return hook
 
     def begin_step(self, micro_batches: int, late=()) -> None:
-        """Before a step's first backward (overlap): a gradient is final after ``micro_batches`` accumulations,
-        except the names in ``late`` (changed later by a collective: tied embeddings, data-parallel replicas),
-        downloaded in :meth:`grad_sq_terms`."""
+        """Overlap: a gradient is final after ``micro_batches`` accumulations, except ``late`` ones (changed by a
+        collective later: tied embeddings, data-parallel replicas)."""
         self._counts.clear()
         self._final_after = int(micro_batches)
         self._late = set(late)
@@ -265,9 +245,8 @@ class StageOptimizer:
         return None if g is None else g.detach()
 
     def grad_sq_terms(self, exclude: Iterable[str] = (), only: Optional[Iterable[str]] = None) -> dict:
-        """``{name: sum of squares of its gradient}`` (fp32 CPU scalars) of the stage's parameters with a
-        gradient, except ``exclude``, or only those in ``only``. Offloaded gradients are downloaded (once).
-        :meth:`sum_terms` adds parts up bit for bit as :meth:`grad_sq_sum`."""
+        """``{name: squared gradient sum}`` (fp32 CPU scalars) of parameters with a gradient, minus ``exclude``
+        (or only ``only``); :meth:`sum_terms` adds parts bit-identically to :meth:`grad_sq_sum`."""
         ex = set(exclude)
         want = None if only is None else set(only)
         names = [n for n in self.params if want is None or n in want]
@@ -301,12 +280,9 @@ class StageOptimizer:
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float, clip_coef: float, rows: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """One AdamW step with gradients scaled by ``clip_coef``; refreshes the card's weights and consumes the
-        gradients. ``rows``: int64 ``[k]`` sorted unique rows of the ``rows_first`` matrix updated now, the
-        rest in :meth:`finish_rows` (bit-identical); None: the whole matrix now.
-
-        Returns seconds on this thread: ``{"device_optimizer", "host_optimizer", "transfer"}`` (``transfer``
-        is 0, counted in ``host_optimizer``)."""
+        """One AdamW step with gradients scaled by ``clip_coef``; consumes the gradients. ``rows``: int64 ``[k]``
+        rows of the ``rows_first`` matrix to update now (rest: :meth:`finish_rows`). Returns seconds
+        ``{"device_optimizer", "host_optimizer", "transfer"}`` (``transfer`` 0: in ``host_optimizer``)."""
         t0 = time.perf_counter()
         self.finish_rows()  # (a step without a forward since the last one: evaluation off, one-step runs)
         row_grad = None
@@ -354,8 +330,7 @@ class StageOptimizer:
         return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": 0.0}
 
     def finish_rows(self) -> float:
-        """Complete a pending rows-first update; must run before anything else reads the matrix or its gradient.
-        Returns its seconds (0.0 if none was pending)."""
+        """Complete a pending rows-first update (before anything else reads the matrix); returns its seconds."""
         if self._pending is None:
             return 0.0
         t0 = time.perf_counter()
@@ -399,8 +374,7 @@ class StageOptimizer:
         return t.detach() if t.device.type == "cpu" and t.is_contiguous() else self.backend.download(t).contiguous()
 
     def state_entries(self) -> list:
-        """The checkpoint tensors as :class:`~npu_train.optim.entry.Entry` (fp32; ``master.<name>``,
-        ``exp_avg.<name>``, ``exp_avg_sq.<name>``), fetched when written. Finishes pending updates first."""
+        """Checkpoint tensors as :class:`~npu_train.optim.entry.Entry`: fp32 ``{master,exp_avg,exp_avg_sq}.<name>``."""
         from npu_train.optim.entry import Entry
 
         self.wait_all()  # no torn checkpoint: every pending host update finished
@@ -421,8 +395,7 @@ class StageOptimizer:
         return {e.name: e.get().clone() for e in self.state_entries()}
 
     def load_state_tensors(self, tensors, step: int) -> None:
-        """Restore masters, moments and step count ``step``; refresh the card's weights. ``tensors``: a dict or a
-        function ``key -> fp32 CPU tensor`` (keys as :meth:`state_entries`), read one at a time."""
+        """Restore masters, moments and ``step``; ``tensors``: dict or ``key -> fp32 CPU tensor`` (read one by one)."""
         get = tensors.__getitem__ if isinstance(tensors, dict) else tensors
         self.wait_all()
         self.step_count = step

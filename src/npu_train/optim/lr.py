@@ -1,5 +1,5 @@
 """Learning-rate schedule: linear warm-up (Goyal et al. 2017), then cosine decay to ``min_lr_ratio * lr``
-(Loshchilov & Hutter 2017); a pure function of the step, so resuming needs only the step number.
+(Loshchilov & Hutter 2017); a pure function of the step.
 """
 from __future__ import annotations
 
@@ -7,8 +7,7 @@ import math
 
 
 def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.1) -> float:
-    """Learning rate of optimizer step ``step`` (0-based): ``lr*(step+1)/warmup_steps`` during the warm-up,
-    then a half cosine from ``lr`` to ``lr*min_lr_ratio`` at ``total_steps``."""
+    """Learning rate of step ``step`` (0-based): ``lr*(step+1)/warmup_steps``, then cosine to ``lr*min_lr_ratio``."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps
     decay = max(1, total_steps - warmup_steps)

@@ -1,12 +1,8 @@
-"""Host AdamW of offloaded layers, overlapped with the card's work (ZeRO-Offload, Ren et al. 2021).
+"""Host AdamW of offloaded layers (ZeRO-Offload, Ren et al. 2021), per layer in forward order.
 
-An offloaded parameter keeps its fp32 master and AdamW moments in host RAM. Per step: download the final
-gradient and take its squared norm; once the global clip coefficient is known, AdamW on the host, cast to
-the compute dtype, upload. :class:`HostUpdater` does this per layer, in forward order, in one of three
-modes: inline; ``overlap`` (one background FIFO thread, the same ops in the same order: bit-identical);
-``delayed`` (ZeRO-Offload's delayed parameter update, section 5.2: the card computes with weights one
-update stale; such a run does not resume). docs/design.md §17 describes the modes, the gradient taken in
-place on host-memory cards and the thread rules.
+:class:`HostUpdater` downloads each final gradient, runs AdamW on the fp32 host masters and uploads
+the cast weights: inline, ``overlap`` (one background thread, bit-identical) or ``delayed`` (DPU, one
+update stale, no resume). Modes, invariants and threads: docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -34,12 +30,9 @@ SQ_ROW_DEVICES = ("cpu", "cuda")
 
 
 def squared_sum(t: torch.Tensor) -> torch.Tensor:
-    """``sum(t**2)`` of a gradient ``t`` (any shape, any float dtype) as a 0-dim fp32 tensor on ``t``'s device.
-
-    On ``cpu`` / ``cuda``: norms of rows of :data:`SQ_ROW` elements, squared and summed in fp64 (plus the
-    tail's ``dot``): ~5x faster than ``t.pow(2).sum()`` and as accurate (relative error <= 7e-8; whole-tensor
-    ``dot`` / ``vector_norm`` reach 1e-4 / 3e-3 on 28 M elements; experiments/2026-12-01-bench-run8.md).
-    Other devices: ``t.float().pow(2).sum()``."""
+    """``sum(t**2)`` of ``t`` (any shape/float dtype), a 0-dim fp32 tensor on ``t``'s device. On cpu/cuda:
+    512-element row norms summed in fp64, ~5x faster than ``pow(2).sum()``, relative error <= 7e-8
+    (experiments/2026-12-01-bench-run8.md)."""
     t = t.detach()
     if t.device.type not in SQ_ROW_DEVICES:
         return t.float().pow(2).sum()
@@ -55,14 +48,9 @@ def squared_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 class HostUpdater:
-    """Host AdamW + card upload of a stage's offloaded parameters, per layer (module docstring).
-
-    Args:
-        params: ``{hf_name: parameter}`` on the card (compute dtype) for the offloaded names.
-        groups: ``[(layer_key, [hf_name, ...]), ...]`` in forward order.
-        optimizers: ``{layer_key: group}`` with ``.masters`` (fp32 CPU), ``.set_lr(lr)``, ``.step()``.
-        backend: the card's backend (``download``/``upload``/``synchronize``, optional ``alloc_lock``).
-        overlap, delayed: the mode; ``delayed`` needs ``overlap``."""
+    """Host AdamW + upload of a stage's offloaded parameters. ``params``: ``{hf_name: card parameter}``;
+    ``groups``: ``[(layer_key, [hf_name, ...])]`` in forward order; ``optimizers``: ``{layer_key: _Group}``
+    (fp32 CPU masters); ``delayed`` needs ``overlap``."""
 
     def __init__(self, params: dict, groups: list, optimizers: dict, backend, *, overlap: bool,
                  delayed: bool = False):
@@ -98,8 +86,7 @@ class HostUpdater:
         return hg, squared_sum(hg)
 
     def grad_final(self, name: str, g: Optional[torch.Tensor]) -> None:
-        """Queue the download + squared norm of ``name``'s final step gradient ``g`` (called when no
-        later micro-batch or collective changes it; see :meth:`collect` for the safety net)."""
+        """Queue the download + squared norm of ``name``'s final gradient ``g``."""
         key = None if g is None else (g.data_ptr(), g._version)
         self._dl[name] = (self._submit(self._fetch, g), key)
 
@@ -108,9 +95,8 @@ class HostUpdater:
         return list(self._dl)
 
     def collect(self, grads: dict) -> dict:
-        """Wait for the offloaded gradients' downloads. ``grads``: ``{name: current gradient or None}``; one not
-        queued yet, or changed since (other storage or a newer version counter), is (re)queued now.
-        Returns ``{name: squared sum (fp32 scalar)}``."""
+        """Wait for the downloads of ``grads`` (``{name: gradient or None}``), requeueing changed ones; returns
+        ``{name: fp32 squared sum}``."""
         for n, g in grads.items():
             got = self._dl.get(n)
             if got is None or got[1] != (None if g is None else (g.data_ptr(), g._version)):
@@ -158,9 +144,7 @@ class HostUpdater:
         self.backend.synchronize()
 
     def update(self, lr: float, clip_coef: float, grads: dict) -> None:
-        """Queue the step's host AdamW, gradients scaled by ``clip_coef``, per layer in forward order.
-
-        ``grads``: as for :meth:`collect`. Delayed mode: first uploads the previous update's weights."""
+        """Queue the step's host AdamW with gradients scaled by ``clip_coef`` (delayed: upload the previous first)."""
         self.collect(grads)
         host_grads = {n: self._dl[n][0].result()[0] for n in grads}  # this update's own (tasks get it)
         self.discard()
@@ -195,11 +179,8 @@ class HostUpdater:
             self.wait_s += time.perf_counter() - t0
 
     def take_stats(self) -> dict:
-        """Figures of the last collected update (the previous step's), in seconds: ``update_s`` (host AdamW +
-        upload summed over layers), ``wait_s`` (main thread blocked since the last call), ``overlap_s =
-        max(0, update_s - wait_s)`` (0 without overlap), ``hidden = overlap_s / update_s``, ``start``
-        (``time.perf_counter()``, comparable across a host's card processes) and ``timeline``: ``[[layer,
-        start, adamw_end, upload_end], ...]`` relative to ``start``."""
+        """The last collected update, seconds: ``update_s``, ``wait_s`` (main thread blocked), ``overlap_s``,
+        ``hidden`` (share), ``start`` (``perf_counter``), ``timeline`` ``[[layer, start, adamw_end, upload_end]]``."""
         tl = [[k, a - self.update_start, b - self.update_start, c - self.update_start]
               for k, a, b, c in self.timeline]
         upd = sum(c - a for _, a, _, c in tl)

@@ -1,9 +1,6 @@
-"""The first stage's embedding update, looked-up rows first, to shorten the pipeline fill.
-
-The next step's first forward reads the embedding ``[V, H]`` only at its ``k`` token rows, so
-:class:`RowsFirstUpdate` runs AdamW on those rows in the optimizer step and the full update after that
-forward has left the card. AdamW is elementwise, so the result is bit-identical (a unit test checks it).
-Measurements: experiments/2026-12-01-bench-run8.md §3.
+"""The first stage's embedding update, looked-up rows first, to shorten the pipeline fill: AdamW on the
+next step's ``k`` token rows now, the full update after the next first forward (AdamW is elementwise,
+so bit-identical). experiments/2026-12-01-bench-run8.md §3, docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -15,15 +12,9 @@ __all__ = ["RowsFirstUpdate"]
 
 
 class RowsFirstUpdate:
-    """One step's split update of an embedding master.
-
-    Args:
-        group_opt: the ``torch.optim.AdamW`` holding only this master.
-        master: the fp32 master ``[V, H]`` on the card (may be the parameter itself).
-        grad: the step's unclipped fp32 gradient ``[V, H]``; :meth:`finish` scales it by ``clip`` in place.
-        param: the compute-dtype weights ``[V, H]`` (the master itself when shared).
-        rows: int64 ``[k]`` sorted unique row indices (:func:`npu_train.runtime.tied.looked_up_rows`).
-        clip: the step's global clip coefficient."""
+    """One step's split update of an embedding master ``[V, H]`` (fp32; may be the parameter itself).
+    ``grad``: the unclipped fp32 gradient (scaled by ``clip`` in place by :meth:`finish`); ``rows``: int64
+    ``[k]`` sorted unique rows (:func:`npu_train.runtime.tied.looked_up_rows`)."""
 
     def __init__(self, group_opt: torch.optim.AdamW, master: torch.Tensor, grad: torch.Tensor,
                  param: torch.Tensor, rows: torch.Tensor, clip: float = 1.0):
