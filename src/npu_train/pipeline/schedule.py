@@ -99,7 +99,7 @@ def in_flight_profile(actions: Sequence[Action]) -> list[int]:
 
 def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
     """Most micro-batches held at once: ``min(M, P-stage)`` (1f1b, zb), ``min(M, P)`` (zb-h1), ``2P-1``
-    (zb-h2), M (gpipe)."""
+    (zb-h2), M (gpipe). Raises ValueError as :func:`build_schedule`."""
     return max(in_flight_profile(build_schedule(kind, num_stages, num_micro, stage)))
 
 

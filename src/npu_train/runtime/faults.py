@@ -2,7 +2,8 @@
 
 ``rank``: the card process; ``step``: 1-based (default 1); ``phase``: ``load``, ``forward``, ``backward``,
 ``collective``, ``optimizer``, ``checkpoint`` (after writing the shard, before reporting it);
-``action``: ``kill``, ``stop`` (SIGSTOP), ``raise``, ``sleep:S`` (s), ``inf`` (backward: an inf gradient).
+``action``: ``kill``, ``stop`` (SIGSTOP), ``raise`` (RuntimeError), ``sleep:S`` (s), ``inf`` (backward:
+an inf gradient).
 """
 from __future__ import annotations
 
