@@ -1,8 +1,5 @@
-"""Structured configuration (Hydra/OmegaConf dataclasses) and validation into clear errors.
-
-Every user-facing mistake that can be detected before a card process starts raises
-:class:`ConfigError` (or another :class:`UserError`), which the launcher prints as one line and
-exits with status 2, writing nothing.
+"""Structured configuration (Hydra/OmegaConf dataclasses) and :func:`validate`: every mistake detectable
+before a card process starts raises :class:`ConfigError` (a UserError: one line, exit 2).
 """
 from __future__ import annotations
 
@@ -375,10 +372,7 @@ def _check_parallel(par) -> None:
 
 
 def check_dp_cards(n_cards: int, dp: int) -> int:
-    """Stages per pipeline ``P = n_cards / dp`` for ``parallel.dp=dp`` over ``n_cards`` cards.
-
-    Raises :class:`ConfigError` (naming the fix) when ``n_cards`` is not a multiple of ``dp``.
-    """
+    """Stages per pipeline ``n_cards / dp``; ConfigError when ``n_cards`` is not a multiple of ``dp``."""
     if dp < 1 or n_cards % dp:
         if dp < 1:
             raise ConfigError(f"parallel.dp={dp}: use 1 (one pipeline) or more replicas")

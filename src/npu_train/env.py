@@ -1,16 +1,7 @@
-"""Environment variables and the cache root (one prefix: ``NPT_``).
-
-=========================  ==================================================================
-``NPT_CACHE``              cache root (default ``~/.cache/npu-train``): packed data, GGUF tensors,
-                           calibration profiles, fitted figures; ``NPU_TRAIN_CACHE`` deprecated
-``NPT_FURIOSA_FUSION``     RNGD fusion of every card process (``NPU_TRAIN_FURIOSA_FUSION`` deprecated)
-``NPT_SHM_FREE_BYTES``     tests only: pretend ``/dev/shm`` has this many free bytes
-``NPT_FAULT``              tests only: fault injection in a card process (``runtime/faults.py``)
-``NPT_TORCH_SPEC``         ``scripts/setup.sh``: which torch to install
-=========================  ==================================================================
-
-:data:`RUN_VARIABLES` (those that change what a run computes or reads) are repeated in front of every
-printed resume command (:func:`resume_env_prefix`)."""
+"""Environment variables (prefix ``NPT_``) and the cache root: ``NPT_CACHE`` (default ``~/.cache/npu-train``),
+``NPT_FURIOSA_FUSION``; tests only: ``NPT_SHM_FREE_BYTES``, ``NPT_FAULT``; ``NPT_TORCH_SPEC`` for
+``scripts/setup.sh``. :data:`RUN_VARIABLES` are repeated before printed resume commands.
+"""
 from __future__ import annotations
 
 import os
@@ -52,9 +43,8 @@ RUN_VARIABLES = ("CACHE", "FURIOSA_FUSION")
 
 
 def run_environment() -> dict[str, str]:
-    """``{"NPT_<name>": value}`` of the :data:`RUN_VARIABLES` set in this process's environment
-    (a deprecated ``NPU_TRAIN_<name>`` under its ``NPT_`` name, without a warning); ``NPT_CACHE`` as
-    an absolute path (a resume may start in another directory)."""
+    """``{"NPT_<name>": value}`` of the set :data:`RUN_VARIABLES` (deprecated ``NPU_TRAIN_`` names mapped;
+    ``NPT_CACHE`` made absolute)."""
     out = {}
     for name in RUN_VARIABLES:
         v = os.environ.get(PREFIX + name, os.environ.get(_DEPRECATED_PREFIX + name))
@@ -67,7 +57,6 @@ def run_environment() -> dict[str, str]:
 
 
 def resume_env_prefix() -> str:
-    """``env`` and the quoted assignments of :func:`run_environment`, then one space (e.g.
-    ``env NPT_CACHE='/data/my cache' ``), so the command also runs without a shell; ``""`` when none is set."""
+    """``env NPT_X='...' `` for :func:`run_environment` (runs without a shell); ``""`` when none is set."""
     env = run_environment()
     return ("env " + "".join(f"{k}={shlex.quote(v)} " for k, v in env.items())) if env else ""

@@ -1,8 +1,7 @@
-"""The one base of every user-facing error (:class:`UserError`) and the launcher's exit statuses.
-
-A :class:`UserError` is something the user can fix; its message names the fix. ``launch/run.py`` prints it
-as one ``error:`` line, no traceback, before anything is written. Exit statuses (:func:`exit_code_for`):
-0 finished, 1 a card process failed, 2 bad input (:class:`UserError`), 130 / 143 SIGINT / SIGTERM."""
+"""The base of every user-facing error (:class:`UserError`: the user can fix it, the message names the fix,
+printed as one ``error:`` line) and the exit statuses (:func:`exit_code_for`): 0 finished, 1 a card
+process failed, 2 bad input, 130 / 143 SIGINT / SIGTERM.
+"""
 from __future__ import annotations
 
 import errno
@@ -27,10 +26,7 @@ class JobFailed(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT/SIGTERM (``signum``, the last one) stopped the job; exit status ``128 + signum``.
-
-    ``message``: where it stopped and how to resume; ``checkpoint``: the checkpoint this launch saved
-    (None: none); ``checkpoint_dir``: the job's ``checkpoint.dir``."""
+    """SIGINT/SIGTERM ``signum`` stopped the job (exit ``128 + signum``); ``checkpoint``: the one saved, or None."""
 
     def __init__(self, signum: int = signal.SIGINT, message: str = "", checkpoint: Optional[str] = None,
                  checkpoint_dir: Optional[str] = None):
@@ -53,6 +49,5 @@ def exit_code_for(exc: BaseException) -> int:
 
 
 def out_of_space(e: BaseException) -> bool:
-    """Whether ``e`` reports a full disk: an ``OSError`` with ``ENOSPC``, or a library error wrapping
-    it (safetensors' ``SafetensorError``, tokenizers' ``Exception``: "No space left on device")."""
+    """Whether ``e`` reports a full disk (``ENOSPC``, or a library error saying "No space left on device")."""
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)

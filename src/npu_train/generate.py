@@ -1,9 +1,7 @@
-"""See what a model says: ``python -m npu_train.generate <model> --prompt "..."``.
-
-``<model>``: a checkpoint (or checkpoint root: its newest step; exported to a temporary HF directory first), an
-HF Llama directory, ``embedded`` or a ``.gguf`` (read by the trainer's own GGUF loader into transformers'
-``LlamaForCausalLM``). The prompt goes through the chat template unless ``--no-chat``; generation is
-transformers' ``model.generate``. Errors are one ``error:`` line, exit status 2."""
+"""See what a model says: ``python -m npu_train.generate <model> --prompt "..."``. ``<model>``: a checkpoint
+(or root), an HF Llama directory, ``embedded`` or a ``.gguf``; chat template unless ``--no-chat``;
+transformers' ``generate``. Errors: one ``error:`` line, exit 2.
+"""
 from __future__ import annotations
 
 import argparse
@@ -125,10 +123,8 @@ def load_for_generation(model: str, workdir: Optional[str] = None):
 
 def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str] = None, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
-    """The completion of ``prompt`` (decoded, without the prompt).
-
-    ``chat``: wrap as a user turn with the generation prompt (``ValueError`` without a chat template);
-    ``temperature``: 0 = greedy, else sampling from the top-p nucleus; stops at eos or ``max_new_tokens``."""
+    """The completion of ``prompt`` (decoded, prompt excluded). ``chat`` needs a chat template (ValueError);
+    ``temperature`` 0: greedy, else top-p sampling; stops at eos or ``max_new_tokens``."""
     import torch
 
     if chat:

@@ -1,11 +1,8 @@
-"""Host-memory allocator settings of a card process: freed memory is kept for reuse.
-
-:func:`keep_freed_memory` sets glibc's ``M_MMAP_THRESHOLD`` to 1 GiB and ``M_TRIM_THRESHOLD`` to 2 GiB - 1
-(``man 3 mallopt``; what ``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do), so the large tensors
-allocated every micro-batch (the ``[V, H]`` head gradient, deferred W gradients) reuse heap pages instead of
-page-faulting fresh ones (main thread only: glibc's per-thread arenas still mmap blocks over 64 MiB).
-Cost: the process keeps its peak heap. Off with ``runtime.keep_host_memory=false``.
-Measurements: experiments/2026-12-01-bench-run6.md, section 1."""
+"""Card processes keep freed host memory for reuse (:func:`keep_freed_memory`): glibc's
+``M_MMAP_THRESHOLD`` 1 GiB and ``M_TRIM_THRESHOLD`` 2 GiB - 1 (``man 3 mallopt``), so per-micro-batch
+tensors reuse heap pages instead of page-faulting fresh ones, at the cost of keeping the peak heap
+(experiments/2026-12-01-bench-run6.md §1). Off with ``runtime.keep_host_memory=false``.
+"""
 from __future__ import annotations
 
 import ctypes
@@ -28,11 +25,8 @@ USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
 def keep_freed_memory(environ=None) -> bool:
-    """Make this process's ``malloc`` keep freed memory for reuse (module docstring).
-
-    Returns True if both settings took effect; False (changing nothing) off Linux/glibc, or when
-    ``environ`` sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a ``glibc.malloc`` tunable.
-    Never raises."""
+    """Set the mallopt thresholds; True if both took effect, False (nothing changed) off glibc or when the
+    environment already sets them. Never raises."""
     env = os.environ if environ is None else environ
     if any(k in env for k in USER_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
         log.debug("host memory: the user's malloc settings kept")

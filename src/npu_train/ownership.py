@@ -1,7 +1,6 @@
-"""Who owns a leftover resource (checkpoint staging dir, a job's shm segments and IPC dir) and whether it runs.
-
-The owner is :func:`process_identity` of the job's launcher (pid, creation time, host name); a leftover is
-removed only when :func:`owner_alive` says the owner is gone, never when it is on another host."""
+"""Who owns a leftover resource (staging dir, shm segments, IPC dir) — :func:`process_identity` of its
+launcher — and whether it still runs (:func:`owner_alive`).
+"""
 from __future__ import annotations
 
 import socket
@@ -9,8 +8,7 @@ from typing import Optional
 
 
 def process_identity(pid: int) -> Optional[dict]:
-    """``{"pid", "start", "host"}`` of running process ``pid`` (``start`` rounded to 0.01 s), or None if
-    there is no such process."""
+    """``{"pid", "start" (s, 0.01), "host"}`` of running process ``pid``, or None."""
     import psutil
 
     try:
@@ -21,8 +19,7 @@ def process_identity(pid: int) -> Optional[dict]:
 
 
 def owner_alive(owner: Optional[dict]) -> Optional[bool]:
-    """Whether the process recorded by :func:`process_identity` still runs: True or False; None when it
-    ran on another host (cannot tell from here). A missing or malformed record counts as dead."""
+    """Whether the recorded process runs: True/False (a bad record is dead); None on another host."""
     if not isinstance(owner, dict) or not isinstance(owner.get("pid"), int):
         return False
     if owner.get("host") != socket.gethostname():

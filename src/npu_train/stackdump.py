@@ -1,8 +1,6 @@
-"""``kill -USR1 <pid>``: every thread's Python stack to stderr, then a line naming the process; the job goes on.
-
-:func:`install_stack_dump` (called by the launcher and every card process) uses :mod:`faulthandler`, so stacks
-print even while the main thread is stuck in C code; the naming line comes from a chained Python handler, so
-it prints only once the main thread runs Python again."""
+"""``kill -USR1 <pid>``: every thread's Python stack to stderr (:mod:`faulthandler`, so also while stuck in
+C), then a line naming the process; the job goes on.
+"""
 from __future__ import annotations
 
 import faulthandler
@@ -22,9 +20,7 @@ def _name_the_dump(signum, frame) -> None:  # the Python half: runs in the main 
 
 
 def install_stack_dump(label: str) -> None:
-    """Make SIGUSR1 print every thread's stack of this process to stderr (C-level, immediately), followed
-    by a line naming it as ``label`` (e.g. ``"card 1"``, ``"the launcher"``; Python-level, best effort).
-    Idempotent; call it from the main thread (``signal.signal`` raises ``ValueError`` elsewhere)."""
+    """Install the SIGUSR1 stack dump, naming the process ``label``. Idempotent; main thread only (ValueError)."""
     global _label
     _label = label
     faulthandler.unregister(signal.SIGUSR1)

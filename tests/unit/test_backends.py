@@ -1,8 +1,8 @@
 """Unit tests for npu_train.backends (main .venv: torch CPU, no furiosa-torch).
 
 The furiosa backend is exercised against a fake ``furiosa.torch`` package injected into
-``sys.modules``. Its names mirror the real furiosa-torch 2026.4.0 API (see the module docstring
-of npu_train/backends/furiosa.py): ``set_fusion``/``get_fusion``/``Fusion``, ``MeshKind.Single``,
+``sys.modules``. Its names mirror the real furiosa-torch 2026.4.0 API (see docs/furiosa.md):
+``set_fusion``/``get_fusion``/``Fusion``, ``MeshKind.Single``,
 ``set_mesh_kind``, ``get_available_devices``, ``exchange_device``, ``is_available``,
 ``current_stream``/``default_stream`` -> ``Stream.synchronize``, and
 ``furiosa.torch._C.memory.{MemoryType, _get_memory_type, _set_memory_type}``.

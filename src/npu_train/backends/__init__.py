@@ -1,6 +1,4 @@
-"""Card backends (cpu, cuda, furiosa/RNGD): one process per card.
-
-Importing this package never imports furiosa-torch; the furiosa backend imports it in ``setup()``."""
+"""Card backends (cpu, cuda, furiosa/RNGD), one per card process; importing it never imports furiosa-torch."""
 
 from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
 from npu_train.backends.registry import make_backend

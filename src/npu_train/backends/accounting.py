@@ -1,9 +1,7 @@
-"""Device-memory accounting for a runtime without allocator statistics (furiosa-torch 2026.4).
-
-:class:`StorageLedger` counts each live device storage once (freed via ``weakref.finalize`` on the
-``UntypedStorage``); :class:`DeviceAllocationMode` (a ``TorchDispatchMode``, per thread: :func:`install`)
-registers every ATen op output on the device. Memory the runtime allocates inside an op is not seen (the plan's
-``modules`` term); dynamo does not compile under a dispatch mode. Why and how: docs/furiosa.md."""
+"""Device-memory accounting for a runtime without allocator statistics (furiosa-torch 2026.4):
+:class:`StorageLedger` counts each live device storage once; :class:`DeviceAllocationMode` (a
+``TorchDispatchMode``) registers every op output. Memory allocated inside an op is not seen. docs/furiosa.md.
+"""
 from __future__ import annotations
 
 import threading
@@ -18,9 +16,7 @@ __all__ = ["StorageLedger", "DeviceAllocationMode", "install", "installed_here",
 
 
 class StorageLedger:
-    """Bytes of the live storages of one ``device_type`` (``"furiosa"``, ``"privateuseone"``, ``"cpu"`` as a
-    stand-in), each counted once; others and meta tensors ignored. Thread-safe; ``bytes`` now, ``peak`` since
-    :meth:`reset_peak`."""
+    """Bytes of live storages of one ``device_type``, each counted once; thread-safe; ``bytes``, ``peak``."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type

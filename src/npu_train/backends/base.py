@@ -1,9 +1,8 @@
-"""Backend interface: one :class:`Backend` per card (``cpu``, ``cuda:N``, ``furiosa:N``), one card per process.
-
-Placement, host<->device copies (:meth:`Backend.upload` / :meth:`Backend.download` never share memory with
-their argument), synchronization and memory figures. Built by :func:`~npu_train.backends.registry.make_backend`;
-:meth:`Backend.setup` runs once before the first device call. :meth:`Backend.alloc_lock` is a real lock only
-where the runtime's device-memory type is a process-wide flag (furiosa-torch 2026.2), else a no-op."""
+"""Backend interface: one :class:`Backend` per card and process (built by
+:func:`~npu_train.backends.registry.make_backend`; :meth:`Backend.setup` before the first device call).
+:meth:`Backend.upload` / :meth:`Backend.download` never share memory with their argument;
+:meth:`Backend.alloc_lock` is real only where the memory-type flag is process-wide (furiosa-torch 2026.2).
+"""
 
 from __future__ import annotations
 
@@ -64,9 +63,8 @@ class AllocLock:
 
 
 class Backend(abc.ABC):
-    """One card's device runtime (CPUBackend, CUDABackend, FuriosaBackend): ``kind``, ``index`` (None for cpu),
-    ``name`` (``"cuda:0"``), ``memory_flag_thread_local`` (None on furiosa before :meth:`setup`),
-    ``memory_accounting`` (how :meth:`memory_allocated` is measured)."""
+    """One card's device runtime: ``kind``, ``index`` (None for cpu), ``name`` (``"cuda:0"``),
+    ``memory_flag_thread_local`` (None on furiosa before :meth:`setup`), ``memory_accounting``."""
 
     kind: str = ""
     memory_accounting: str = ""

@@ -1,9 +1,7 @@
-"""FuriosaAI RNGD backend (:class:`FuriosaBackend`), written against furiosa-torch 2026.4.0 (pins torch==2.10.0).
-
-furiosa-torch is imported lazily in :meth:`FuriosaBackend.setup`, so this module imports without it. Device
-memory is counted by :mod:`npu_train.backends.accounting` (no allocator statistics); compiled execution is in
-:mod:`npu_train.backends.furiosa_compile`. The furiosa-torch API facts used here, with their places in the
-wheel: docs/furiosa.md."""
+"""FuriosaAI RNGD backend (:class:`FuriosaBackend`) for furiosa-torch 2026.4.0 (torch==2.10.0), imported
+lazily in :meth:`FuriosaBackend.setup`. Memory: :mod:`.accounting`; compiled execution:
+:mod:`.furiosa_compile`; the furiosa-torch API facts used, with their places in the wheel: docs/furiosa.md.
+"""
 
 from __future__ import annotations
 
@@ -123,10 +121,8 @@ def memory_type_api(ft: Any = None) -> Any:
 
 
 def probe_memory_flag_scope(mem: Any, timeout: float = 5.0) -> tuple[bool, str]:
-    """Is the device-memory-type flag thread-local? Returns ``(thread_local, detail)``.
-
-    A helper thread flips the flag while this thread reads it; inconclusive results return False
-    (process-wide: serialize, always safe). Run before other threads use the device."""
+    """``(thread_local, detail)``: whether the device-memory-type flag is thread-local, probed with a helper
+    thread (inconclusive: False, the safe answer). Run before other threads use the device."""
     if mem is None:
         return False, "no memory-type getter/setter in furiosa-torch; assuming a process-wide flag"
     get: Callable = getattr(mem, "_get_memory_type", None)

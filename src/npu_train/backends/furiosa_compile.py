@@ -1,8 +1,7 @@
-"""Compiled execution on RNGD: compiler cache, loaded-module cache size, CPU fallback counting, free-memory probe.
-
-Main types: :class:`FuriosaCompileOptions` (``runtime.furiosa.*``), :class:`FallbackCounter`; start at
-:func:`apply_compile_options`. Functions take the imported ``furiosa.torch`` module (tests pass a fake).
-furiosa-torch 2026.4.0 API facts: docs/furiosa.md."""
+"""Compiled execution on RNGD: compiler cache, loaded-module cache size, CPU fallback counting, free-memory
+probe (:class:`FuriosaCompileOptions`; start at :func:`apply_compile_options`). Functions take the
+imported ``furiosa.torch`` module (tests pass a fake). API facts: docs/furiosa.md.
+"""
 from __future__ import annotations
 
 import logging

@@ -1,9 +1,7 @@
-"""Whole-layer compiled execution on RNGD (``runtime.furiosa.compiled_layers=true``, off by default).
-
-:func:`install_compiled_layers` compiles each decoder layer's forward and backward as two graphs (functional
-layer -> ``DfgModule.from_module`` -> ``build_autograd_from_module``) and registers their outputs and saved
-tensors with the backend's ledger. Not yet working on furiosa-torch 2026.4.0 (``tests/contract`` xfail);
-the steps and their status: docs/furiosa.md."""
+"""Whole-layer compiled execution on RNGD (``runtime.furiosa.compiled_layers=true``, off by default): each
+decoder layer's forward and backward as two compiled graphs. Not yet working on furiosa-torch 2026.4.0
+(``tests/contract`` xfail); the steps and their status: docs/furiosa.md.
+"""
 from __future__ import annotations
 
 import types
@@ -50,11 +48,8 @@ def _furiosa_builders() -> tuple[Callable, Callable]:  # pragma: no cover - need
 
 def install_compiled_layers(module: torch.nn.Module, track: Callable[[torch.Tensor], Any],
                             builders: Optional[tuple[Callable, Callable]] = None) -> int:
-    """Make every decoder layer of ``module`` (a ``StageModule`` on the card) run as one compiled
-    forward and one compiled backward graph; returns the number of layers switched.
-
-    ``track``: the backend's ``track``; ``builders``: ``(dfg_from_module, build_autograd)``, furiosa-torch's
-    by default (tests pass stand-ins). Graphs are built at the first call per input shape."""
+    """Run every decoder layer of ``module`` as one compiled forward and one backward graph (built per input
+    shape on first call); returns the layers switched. ``builders``: furiosa-torch's by default."""
     dfg_from_module, build_autograd = builders or _furiosa_builders()
     layers = list(module.model.layers.values())
     cache: dict = {}

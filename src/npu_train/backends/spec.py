@@ -1,8 +1,7 @@
-"""Parsing and resolution of the ``backend`` list: which cards a job runs on, one process each.
-
-Entries (case-insensitive): ``cpu`` (repeat per CPU stage), ``cuda[:auto]`` / ``cuda:N``, ``furiosa[:auto]`` /
-``furiosa:N`` (alias ``rngd``). :func:`parse_backend_list` checks syntax; :func:`resolve_cards` numbers auto
-entries and, with ``probe=True``, checks the devices exist. Main type: :class:`CardRequest`."""
+"""The ``backend`` list: which cards a job runs on. Entries (case-insensitive): ``cpu``, ``cuda[:auto]`` /
+``cuda:N``, ``furiosa[:auto]`` / ``furiosa:N`` (alias ``rngd``); :func:`parse_backend_list` checks
+syntax, :func:`resolve_cards` numbers auto entries and (``probe``) checks the devices exist.
+"""
 
 from __future__ import annotations
 
@@ -87,10 +86,8 @@ def _parse_entry(text: str) -> CardRequest:
 
 
 def parse_backend_list(value) -> list[CardRequest]:
-    """Parse the backend list (list of strings, OmegaConf ListConfig, or ``"a,b,c"``).
-
-    Raises :class:`BackendSpecError` for an empty list, an unknown kind, a malformed entry or the
-    same explicit device named twice."""
+    """Parse the backend list (list, ListConfig or ``"a,b,c"``). Raises BackendSpecError for an empty list, an
+    unknown kind, a malformed entry or a device named twice."""
     reqs = [_parse_entry(e) for e in _as_entries(value)]
     seen: dict[tuple[str, int], tuple[int, str]] = {}
     for pos, r in enumerate(reqs, 1):
@@ -141,11 +138,8 @@ _LABEL = {"cuda": "CUDA", "furiosa": "RNGD"}
 
 
 def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> list[CardRequest]:
-    """Give every auto entry the lowest free index of its kind.
-
-    With ``probe=True`` check the devices exist (``torch.cuda.device_count()``; ``/dev/rngd/npu<N>mgmt``):
-    :class:`~npu_train.backends.base.BackendUnavailableError` when a kind's runtime is missing,
-    :class:`BackendSpecError` for an index out of range. ``probe=False`` (dry-run plans) checks nothing."""
+    """Give each auto entry the lowest free index of its kind; ``probe``: check devices exist
+    (BackendUnavailableError without a runtime, BackendSpecError for an index out of range)."""
     reqs = list(requests)
     if not reqs:
         raise BackendSpecError(f"backend list is empty: {_VALID}")

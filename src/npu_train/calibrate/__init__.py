@@ -1,7 +1,5 @@
-"""``calibrate=true``: measure a card kind's :class:`~npu_train.planner.rates.Rates` on this machine
-and write its calibration profile. Start at :func:`~npu_train.calibrate.profile.main_calibrate`;
-:mod:`.measure` holds the benchmarks, :mod:`.splitcost` the zero-bubble figure, :mod:`.baseline`
-the cpu process baseline, :mod:`.timing` the timing loops. Imports torch when a measurement runs.
+"""``calibrate=true``: measure a card kind's :class:`~npu_train.planner.rates.Rates` here and write its
+profile. Start at :func:`~npu_train.calibrate.profile.main_calibrate`; imports torch when measuring.
 """
 from __future__ import annotations
 

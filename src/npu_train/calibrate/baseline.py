@@ -1,12 +1,6 @@
-"""The cpu process baseline: RSS of a fresh card-like process before it holds model state.
-
-A card process imports torch and the trainer's modules, sets up its backend, a ZeroMQ context and
-a one-rank gloo process group and opens the model file before it allocates anything of the
-model; that memory (``Rates.process_baseline_bytes``, ~0.5 GiB on cpu) is part of every card's
-prediction. It is measured in a fresh interpreter that does exactly that
-(:data:`PROCESS_BASELINE_SOURCE`, run by :func:`measure_process_baseline`) and reports its RSS; a
-GGUF reader stays cached in the card process with its parsed metadata and memory-mapped file, so
-its pages are touched too (an upper bound: a stage touches only its own tensors' pages).
+"""The cpu process baseline (``Rates.process_baseline_bytes``, ~0.5 GiB): RSS of a fresh card-like process
+(torch and the trainer's modules imported, backend, ZeroMQ, one-rank gloo group, model file opened and,
+for GGUF, its pages touched: an upper bound) before it holds model state.
 """
 from __future__ import annotations
 
@@ -77,9 +71,7 @@ _STANDALONE = PROCESS_BASELINE_SOURCE + "\nimport json, sys\nprint(json.dumps(pr
 
 def baseline_argv(model_path: Optional[str] = None, threads: int = 1,
                   modules: Sequence[str] = CARD_PROCESS_MODULES) -> list[str]:
-    """The arguments of ``process_baseline`` (:data:`PROCESS_BASELINE_SOURCE`): threads, the
-    comma-joined ``modules``, and ``model_path`` when given. Raises ``ValueError`` when a module
-    name contains a comma."""
+    """Arguments of :data:`PROCESS_BASELINE_SOURCE`. Raises ValueError for a module name with a comma."""
     mods = [str(m) for m in modules]
     if any("," in m for m in mods):
         raise ValueError(f"module names must not contain commas: {mods}")
@@ -87,8 +79,7 @@ def baseline_argv(model_path: Optional[str] = None, threads: int = 1,
 
 
 def subprocess_env() -> dict:
-    """This process's environment with the package's ``src`` directory first on ``PYTHONPATH``
-    (for ``sys.executable -c`` subprocesses that import ``npu_train``)."""
+    """This environment with the package's ``src`` first on ``PYTHONPATH`` (for ``-c`` subprocesses)."""
     env = dict(os.environ)
     src = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join([src] + [p for p in [env.get("PYTHONPATH")] if p])
@@ -116,20 +107,8 @@ def _run_baseline(model_path: Optional[str], threads: int, modules: Sequence[str
 def measure_process_baseline(model_path: Optional[str] = None, threads: int = 1,
                              timeout: float = 120.0,
                              modules: Sequence[str] = CARD_PROCESS_MODULES) -> int:
-    """RSS (bytes) of a fresh card-like process before model state (module docstring).
-
-    Args:
-        model_path: the job's ``model.path`` (its file is opened and, for GGUF, its pages
-            touched, as a card process does); ``None``: imports and runtime only.
-        threads: torch threads of the process.
-        timeout: seconds before the subprocess is killed.
-        modules: the modules a card process imports (default :data:`CARD_PROCESS_MODULES`);
-            the runtime passes its own list, which names its card-process module.
-
-    Runs ``sys.executable`` with ``src`` on ``PYTHONPATH``.
-
-    Raises:
-        RuntimeError: the subprocess failed (with its stderr).
-        ValueError: a module name contains a comma.
-    """
+    """RSS (bytes) of a fresh card-like process before model state, run as ``sys.executable`` with ``threads``
+    torch threads, importing ``modules`` (default :data:`CARD_PROCESS_MODULES`) and opening ``model_path``
+    (None: imports only). Raises RuntimeError (subprocess failed, with stderr; or ``timeout`` s passed)
+    and ValueError (a module name with a comma)."""
     return _run_baseline(model_path, threads, modules, timeout)

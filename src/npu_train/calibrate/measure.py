@@ -1,6 +1,5 @@
-"""The benchmarks behind ``calibrate=true`` (:func:`measure_at`): each figure of
-:class:`~npu_train.planner.rates.Rates` timed through a card's backend at the current torch thread
-count. What each figure means: :mod:`npu_train.calibrate.profile`.
+"""The benchmarks behind ``calibrate=true`` (:func:`measure_at`): each :class:`~npu_train.planner.rates.Rates`
+figure timed through a card's backend at the current torch thread count (figures: :mod:`.profile`).
 """
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
 
 
 def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
-    """(one DecoderLayer forward + backward of shape ``dims`` on the card, its FLOPs as the
-    placement model counts them)."""
+    """(one DecoderLayer forward + backward of shape ``dims``, its FLOPs as the planner counts them)."""
     import torch
 
     from npu_train.model.config import LlamaConfig
@@ -67,13 +65,8 @@ HEAD_ROUNDS = 5
 
 def head_vs_layer(backend, dtype_name: str, dims, head_shape, loop: LoopBounds,
                    rounds: int = HEAD_ROUNDS) -> tuple[float, float]:
-    """``(head FLOP/s, head_flops_ratio)`` with the head timed in ``rounds`` rounds, each right
-    after a short timing of the decoder layer (``dims``): the ratio is the median of the rounds'
-    ratios, so a drift of the machine's speed between figures cancels. Timed apart (the layer
-    figure, then the head's, seconds later) the ratio swung 0.66-1.02 between three back-to-back
-    measurements on the 2-core VM while the head's in-pipeline cost was 9-10.5 decoder layers
-    (ratio about 0.8: experiments/2026-12-01-bench-run5.md); a head step takes ~0.5 s there, so
-    each round times one head repetition after the warm-up."""
+    """``(head FLOP/s, head_flops_ratio)``: the ratio is the median over ``rounds`` of head / layer timed back
+    to back, so the machine's drift cancels (timed apart it swung 0.66-1.02: experiments/2026-12-01-bench-run5.md)."""
     layer, lflops = _layer_step(backend, dtype_name, dims)
     head, hflops = _head_step(backend, dtype_name, *head_shape)
     ratios, heads = [], []
@@ -170,9 +163,7 @@ def _adamw_rate(device, n_params: int, loop: LoopBounds, backend=None) -> float:
 
 
 def _stage_optimizer_rate(backend, n_params: int, loop: LoopBounds) -> float:
-    """params/s of ``StageOptimizer.step`` over resident parameters on the card: the trainer's
-    device-optimizer path (gradient scaling, AdamW as the trainer configures it for the device,
-    refresh of the compute weights; fp32 weights as on cpu, the planner dtype elsewhere)."""
+    """params/s of ``StageOptimizer.step`` over resident parameters on the card (the trainer's device path)."""
     import torch
 
     from npu_train.optim.adamw import StageOptimizer
@@ -209,10 +200,8 @@ def slower(m: dict, lower: dict) -> list[str]:
 
 
 def best_of(a: dict, b: dict, kind: str, only=None) -> dict:
-    """Per-figure maximum of two measurements at the same thread count (``only``: just these,
-    plus what derives from them). ``head_flops_ratio`` is the one measured with the head figure
-    kept (it was timed interleaved with the layer, :func:`head_vs_layer`; ``head_flops /
-    device_flops`` of two different measurements would bring back the drift it cancels)."""
+    """Per-figure maximum of two measurements (``only``: just these and what derives from them); the
+    ``head_flops_ratio`` stays the one measured with the kept head figure."""
     out = dict(a)
     keys = only or (*_MONOTONE, "h2d_bytes_per_s", "d2h_bytes_per_s")
     for k in keys:
@@ -241,22 +230,11 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
                dtypes: Optional[tuple] = None, matmul: bool = True,
                batch_seq: Optional[tuple[int, int]] = None,
                adamw_params: Optional[int] = None) -> dict:
-    """The rate figures of ``kind`` at the current torch thread count.
-
-    Args:
-        quick: tiny sizes (tests). ``loop``: the timing bounds of every figure (default
-            :data:`QUICK` when ``quick``, else :data:`FULL`).
-        dtypes: compute dtypes whose training FLOP/s are measured (default: the planner's dtype
-            of ``kind`` and the other one, which may fail); ``device_flops`` is the planner dtype's
-            figure when measured, else the first listed.
-        matmul: also measure the bare square-matmul FLOP/s (recorded, not used by the planner).
-        batch_seq: the job's (micro-batch, sequence length) for the layer and head benchmarks
-            (:func:`reference_shapes`).
-        adamw_params: parameters of the AdamW benchmarks (default 20M; quick: 200k).
-
-    Measured with the card processes' default ``malloc`` settings (freed host memory kept,
-    :func:`npu_train.hostmem.keep_freed_memory`), which this process takes on from now.
-    """
+    """The rate figures of ``kind`` at the current torch thread count. ``quick``: tiny sizes (tests);
+    ``loop``: timing bounds (:data:`QUICK` / :data:`FULL`); ``dtypes``: compute dtypes timed (default: the
+    planner's and the other); ``matmul``: also bare matmul FLOP/s; ``batch_seq``: the job's (micro-batch,
+    seq len); ``adamw_params``: AdamW benchmark size (20M; quick 200k). Sets this process's malloc to keep
+    freed memory, as card processes do (:func:`npu_train.hostmem.keep_freed_memory`)."""
     import torch
 
     from npu_train.hostmem import keep_freed_memory
@@ -318,9 +296,7 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
 
 
 def rate_fields(m: dict) -> dict:
-    """The :class:`~npu_train.planner.rates.Rates` fields of one :func:`measure_at` result, as a
-    profile's ``by_threads`` entry (floats; ``flops_by_dtype`` included; ``shapes``: the
-    :func:`shape_signature` measured on, when recorded)."""
+    """A :func:`measure_at` result's Rates fields as a profile's ``by_threads`` entry."""
     keys = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
             "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
     out = {k: float(m[k]) for k in keys if k in m}

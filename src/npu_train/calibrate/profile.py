@@ -1,27 +1,12 @@
-"""``calibrate=true``: measure the :class:`~npu_train.planner.rates.Rates` of each card kind of the
-job on this machine (:func:`main_calibrate` -> :func:`calibrate` -> :func:`save_profile`), written to
-``$NPT_CACHE/calibration/<kind>.json`` (:func:`~npu_train.planner.rates.calibration_path`), which
-plans then use unless figures fitted from finished runs exist (:mod:`npu_train.planner.fit`).
+"""``calibrate=true``: measure each card kind's :class:`~npu_train.planner.rates.Rates` and write
+``$NPT_CACHE/calibration/<kind>.json`` (:func:`main_calibrate` -> :func:`calibrate` -> :func:`save_profile`).
 
-What is measured, each in a time-bounded loop (median of the repetitions), through the card's
-backend:
-
-- ``device_flops``: training FLOP/s of one decoder layer's forward + backward (the trainer's
-  layer, the model's shapes when small enough, else a reference layer), counted as the planner
-  counts them (``6 * tokens * params + 12 * s * heads*head_dim * tokens``); fp32 and bf16 go to
-  ``flops_by_dtype``.
-- ``head_flops_ratio``: final norm + ``lm_head`` + loss FLOP/s over the layer's, timed in
-  interleaved rounds (:func:`~npu_train.calibrate.measure.head_vs_layer`).
-- ``split_backward_ratio``: zero-bubble F + B + W seconds over F + backward
-  (:mod:`npu_train.calibrate.splitcost`).
-- ``h2d_bytes_per_s`` / ``d2h_bytes_per_s``: ``backend.upload`` / ``download`` of a 117 MB tensor.
-- ``host_adamw_params_per_s``: fused CPU AdamW over ~20M fp32 params;
-  ``device_adamw_params_per_s``: the trainer's ``StageOptimizer.step`` on the card.
-- ``process_baseline_bytes`` (cpu): RSS of a fresh card-like process (:mod:`npu_train.calibrate.baseline`).
-
-cpu figures are measured at every thread count of :func:`thread_counts`, most threads first; a
-count slower than a smaller one (other load) is re-measured, else the smaller count's figures are
-kept with a warning. Each process runs alone (``concurrent: 1``). ``quick=True``: tiny sizes (tests).
+Each figure is the median of a time-bounded loop through the card's backend: ``device_flops`` (one
+decoder layer's forward + backward, FLOPs counted as the planner does; per dtype in ``flops_by_dtype``),
+``head_flops_ratio``, ``split_backward_ratio`` (:mod:`.splitcost`), ``h2d``/``d2h_bytes_per_s`` (117 MB
+tensor), ``host``/``device_adamw_params_per_s`` and, on cpu, ``process_baseline_bytes`` (:mod:`.baseline`).
+cpu figures are taken at every count of :func:`thread_counts`. Figures fitted from finished runs win
+(:mod:`npu_train.planner.fit`).
 """
 from __future__ import annotations
 
@@ -63,8 +48,7 @@ def cpu_model() -> str:
 
 
 def machine_info(kind: Optional[str] = None, backend=None) -> dict:
-    """Facts recorded with a profile: cpu model, cores, RAM, torch / python
-    versions, date, load average, and the device name for cuda / furiosa."""
+    """Facts recorded with a profile: cpu model, cores, RAM, versions, date, load, device name."""
     import psutil
     import torch
 
@@ -104,8 +88,7 @@ def machine_info(kind: Optional[str] = None, backend=None) -> dict:
 
 
 def thread_counts(cores: Optional[int] = None) -> list[int]:
-    """cpu thread counts calibration measures: ``{1, 2, 4, ...} <= cores``, plus ``cores``
-    (default :func:`npu_train.planner.threads.usable_cores`: affinity and cgroup quota)."""
+    """cpu thread counts to measure: ``{1, 2, 4, ...} <= cores`` plus ``cores`` (default: usable cores)."""
     cores = int(cores or usable_cores())
     out, t = set(), 1
     while t <= cores:
@@ -116,8 +99,8 @@ def thread_counts(cores: Optional[int] = None) -> list[int]:
 
 
 def _measure_threads(kind: str, backend, quick: bool, model_cfg, counts: list[int], details: dict) -> dict[int, dict]:
-    """:func:`measure_at` at each cpu thread count, most threads first; a count slower than a
-    smaller one (other load) is re-measured, else the smaller one's figures are kept (a warning)."""
+    """:func:`measure_at` per thread count, most first; a count slower than a smaller one is re-measured,
+    else the smaller one's figures are kept (a warning)."""
     import torch
 
     old = torch.get_num_threads()
@@ -179,25 +162,12 @@ def _baseline(model_path: Optional[str], threads: int, modules: Optional[Sequenc
 def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
               model_path: Optional[str] = None, threads: Optional[list[int]] = None,
               modules: Optional[Sequence[str]] = None) -> Rates:
-    """Measure :class:`Rates` of card kind ``kind`` (``"cpu"``, ``"cuda"``, ``"furiosa"``) on this
-    machine, through the backend of card ``index`` (default 0; ignored for cpu).
+    """Measure the :class:`Rates` of ``kind`` (``cpu``/``cuda``/``furiosa``) through card ``index``.
 
-    Args:
-        quick: tiny sizes and few repetitions (tests); figures are positive but not meaningful.
-        model_path: the model the profile is for. Its decoder layer and lm_head shapes are used
-            for the FLOP/s benchmarks when one repetition stays small (else reference shapes), and
-            on cpu opening its file (as a card process does) is part of
-            ``process_baseline_bytes``. ``None``: reference shapes, imports/runtime only.
-        threads: cpu only: torch thread counts to measure (default :func:`thread_counts`); the
-            largest goes to the top level, the others to ``by_threads``.
-        modules: cpu only: the modules a card process imports, for the process baseline
-            (:func:`measure_process_baseline`; ``None``: :data:`CARD_PROCESS_MODULES`).
-
-    Returns:
-        The measured :class:`Rates`. Its attribute ``calibration`` (not a dataclass field) holds
-        the details :func:`save_profile` records: per-thread figures, matmul FLOP/s, machine info,
-        seconds spent.
-    """
+    ``quick``: tiny sizes (tests; figures not meaningful). ``model_path``: its layer and head shapes are
+    timed when small enough, and (cpu) opening it counts in the process baseline. ``threads``/``modules``:
+    cpu thread counts and card-process modules. The returned Rates carries ``calibration`` (per-thread
+    figures, matmul, machine info, seconds) for :func:`save_profile`."""
     import torch
 
     from npu_train.backends import make_backend
@@ -257,10 +227,8 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
 
 def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = None,
                  *, details: Optional[dict] = None) -> Path:
-    """Write ``rates`` as a calibration profile that :func:`~npu_train.planner.rates.load_rates`
-    reads (``{"rates": {...}}``), with the machine facts and measurement details of
-    ``details`` (default: ``rates.calibration`` when :func:`calibrate` made it, else machine info
-    only). Atomic (temp file + rename); creates the directory. Returns the path."""
+    """Write ``rates`` (and ``details``, default ``rates.calibration``) atomically as a profile
+    :func:`~npu_train.planner.rates.load_rates` reads; returns the path."""
     path = Path(path) if path is not None else calibration_path(kind)
     det = details if details is not None else getattr(rates, "calibration", None)
     if det is None:
@@ -337,19 +305,10 @@ def _fmt_rates(kind: str, r: Rates) -> list[str]:
 def main_calibrate(kinds: list[str], *, quick: bool = False, model_path: Optional[str] = "embedded",
                    profile: Union[str, os.PathLike, None] = None,
                    modules: Optional[Sequence[str]] = None) -> list[str]:
-    """Calibrate every distinct kind in ``kinds`` (``"cpu"``, ``"cuda:1"``, ``"furiosa:0"``...;
-    the first index given for a kind is the card measured), print the measured rates and where
-    they were saved, and return the saved paths.
-
-    ``model_path`` (default the embedded SmolLM2): the job's ``model.path``; its layer and head
-    shapes are benchmarked and its file reader is part of the cpu process baseline (``None``:
-    reference shapes, imports only). ``profile``: write to this path instead of the default (only
-    with a single kind). ``modules``: the modules a card process imports, passed to
-    :func:`calibrate` (``None``: :data:`CARD_PROCESS_MODULES`).
-
-    Raises:
-        ValueError: an unknown kind, or one ``profile`` path for several kinds.
-    """
+    """Calibrate every distinct kind in ``kinds`` (``cpu``, ``cuda:1``...; the first index per kind is
+    measured), print the rates and return the saved paths. ``model_path``: as :func:`calibrate`;
+    ``profile``: write there instead (one kind only). Raises ValueError for an unknown kind or a
+    ``profile`` with several kinds."""
     seen: dict[str, Optional[int]] = {}
     for k in kinds:
         kind, idx = _parse_kind(k)

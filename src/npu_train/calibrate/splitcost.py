@@ -1,6 +1,6 @@
-"""The zero-bubble split's cost in seconds (``Rates.split_backward_ratio``): B + W cost one
-backward in FLOPs but not in seconds; :func:`split_backward_ratio` times the difference on a small
-stage, as the card processes run it (:mod:`npu_train.pipeline.backward`)."""
+"""The zero-bubble split's cost in seconds (``Rates.split_backward_ratio``): B + W cost one backward in
+FLOPs but not in seconds.
+"""
 from __future__ import annotations
 
 from statistics import median
@@ -17,13 +17,9 @@ SPLIT_LAYERS = 4
 
 def split_backward_ratio(backend, dtype_name: str, dims, loop: LoopBounds, rounds: int = SPLIT_ROUNDS,
                          layers: int = SPLIT_LAYERS) -> float:
-    """``split_backward_ratio``: seconds of a stage of ``layers`` decoder layers of shape ``dims``
-    through forward + input-gradient pass + deferred weight-gradient pass, as the zero-bubble
-    schedules run it on every stage but the first (graph cut per layer, :func:`npu_train.pipeline.
-    backward.backward_input` then :meth:`~npu_train.pipeline.backward.WeightGradWork.run`), over
-    forward + one ``backward()`` of the same stage and input. Median of ``rounds`` rounds, each timing
-    both back to back, so the machine's drift cancels. ``layers`` = 4 stands for a
-    stage of a few to a dozen layers (experiments/2026-12-01-bench-run7.md)."""
+    """Seconds of forward + B + W of a ``layers``-layer stage (cut per layer, as the runner does) over forward
+    + ``backward()``; median of ``rounds`` back-to-back pairs. ``layers`` = 4 stands for a stage of a few to
+    a dozen layers (experiments/2026-12-01-bench-run7.md)."""
     import torch
 
     from npu_train.model.config import LlamaConfig

@@ -1,5 +1,4 @@
-"""Timing loops of the calibration (:class:`LoopBounds`, :func:`timed`, :func:`timed_pairs`) and the
-dtype names it measures in; torch is imported inside the functions."""
+"""Timing loops of the calibration (:class:`LoopBounds`, :func:`timed`, :func:`timed_pairs`)."""
 from __future__ import annotations
 
 import time
@@ -24,16 +23,8 @@ def planner_dtype(kind: str) -> str:
 
 @dataclass(frozen=True)
 class LoopBounds:
-    """How long one figure's timing loop runs (:func:`timed`).
-
-    Attributes:
-        min_time: seconds the repetitions run at least (once ``min_reps`` are done, the loop stops
-            at the first repetition that ends after ``min_time``).
-        max_time: seconds (warm-up included) after which the loop stops once one repetition is done.
-        max_reps: most repetitions.
-        min_reps: fewest repetitions (unless ``max_time`` passes first).
-        warmup: untimed calls first (the first call allocates; the figure is the median after it).
-    """
+    """How long one timing loop runs (seconds; :func:`timed`): at least ``min_reps`` and ``min_time``, stop
+    after ``max_time`` (warm-up included) or ``max_reps``; ``warmup`` untimed calls first."""
 
     min_time: float
     max_time: float
@@ -66,10 +57,8 @@ def timed(fn: Callable[[], None], sync: Callable[[], None], loop: LoopBounds) ->
 
 def timed_pairs(first: Callable[[], None], second: Callable[[], None], sync: Callable[[], None],
                 loop: LoopBounds, rounds: int) -> list[tuple[float, float]]:
-    """``rounds`` pairs ``(seconds of first, seconds of second)``, each pair timed back to back with
-    ``loop``'s bounds divided by ``rounds`` (one repetition at least, no warm-up inside), after
-    ``loop.warmup`` untimed calls of both: a ratio of the two taken per pair cancels the machine's
-    drift between figures (:func:`~npu_train.calibrate.measure.head_vs_layer`, :func:`~npu_train.calibrate.splitcost.split_backward_ratio`)."""
+    """``rounds`` pairs ``(s of first, s of second)`` timed back to back (``loop``'s bounds / ``rounds``) after
+    the warm-up: a per-pair ratio cancels the machine's drift."""
     short = LoopBounds(min_time=loop.min_time / rounds, max_time=loop.max_time / rounds,
                        max_reps=loop.max_reps, min_reps=1, warmup=0)
     for _ in range(loop.warmup):

@@ -1,18 +1,8 @@
-"""Export a checkpoint to a merged Hugging Face directory that ``transformers`` loads.
+"""Export a checkpoint to a merged Hugging Face directory that ``transformers`` loads (:func:`export_hf`).
 
 ``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32]`` writes
-
-- ``model.safetensors``: every parameter (HF names) from the fp32 master weights of all stages,
-  cast to ``--dtype``; with tied embeddings only ``model.embed_tokens.weight`` is written;
-- ``config.json``: a ``LlamaForCausalLM`` config (``transformers.LlamaConfig`` keys);
-- for a LoRA run (``train.mode=lora``): ``model.safetensors`` holds the merged weights ``W + (alpha/r) B A``
-  and ``adapter/`` the adapters in PEFT's layout (``adapter_config.json`` + ``adapter_model.safetensors``,
-  loadable with ``peft.PeftModel.from_pretrained(base, "<out>/adapter")``);
-- ``tokenizer.json``: the training run's tokenizer, when the manifest names the model it came from,
-  and ``tokenizer_config.json`` with the model's chat template and bos/eos tokens (so
-  ``AutoTokenizer.apply_chat_template`` and ``python -m npu_train.generate`` work on the export).
-
-Load it with ``transformers.AutoModelForCausalLM.from_pretrained(out_dir)``.
+``model.safetensors`` (fp32 masters cast to ``--dtype``; LoRA merged as ``W + (alpha/r) B A``, the
+adapters also in PEFT's layout under ``adapter/``), ``config.json`` and the run's tokenizer files.
 """
 from __future__ import annotations
 
@@ -52,8 +42,7 @@ def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
 
 
 def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
-    """LoRA checkpoint: write ``<out_dir>/adapter`` in PEFT's layout and return ``name -> merged weight``
-    ``W + (alpha / r) * B @ A`` (base weight read from the training run's model file on each call)."""
+    """Write ``<out_dir>/adapter`` (PEFT layout); return ``name -> W + (alpha / r) * B @ A``."""
     from npu_train.model import load_tensors
     from npu_train.model.lora import LoraSpec, merge_adapters, peft_config, peft_state_dict
 
@@ -72,23 +61,15 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
 
 
 def export_bound(cfg: LlamaConfig, lora: bool) -> int:
-    """Extra host memory of :func:`export_hf` (bytes): the largest weight in fp32 read, converted and (LoRA)
-    merged, about 3 copies at once; a LoRA export also holds its adapters (small, not counted)."""
+    """Extra host memory of :func:`export_hf`, bytes: about 3 fp32 copies of the largest weight."""
     big = max(cfg.vocab_size * cfg.hidden_size, cfg.hidden_size * cfg.intermediate_size)
     return 4 * big * (4 if lora else 3)
 
 
 def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None) -> str:
-    """Merge the stage shards of ``ckpt_dir`` into an HF directory ``out_dir``, tensor by tensor (extra
-    memory: :func:`export_bound`, checked first); returns ``out_dir``.
-
-    ``arg``: how error messages name ``ckpt_dir`` (default: this module's CLI argument).
-
-    Raises:
-        CheckpointError: ``ckpt_dir`` is not a complete checkpoint or lacks a tensor.
-        MemoryCheckError: less host memory available than :func:`export_bound`.
-        ValueError: unknown ``dtype``.
-    """
+    """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
+    ``arg``: how errors name ``ckpt_dir``. Raises CheckpointError (incomplete checkpoint or missing tensor),
+    MemoryCheckError (less host memory than :func:`export_bound`), ValueError (unknown ``dtype``)."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
     from npu_train.checkpoint.store import find_checkpoint

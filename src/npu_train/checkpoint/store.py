@@ -1,47 +1,10 @@
 """Checkpoints: per-stage safetensors shards, a manifest written last, atomic rename into place.
 
-Layout of one checkpoint (``<root>/step_000010/``)::
-
-    stage_000.safetensors   master.<name>, exp_avg.<name>, exp_avg_sq.<name> (fp32) for every
-                            parameter owned by stage 0, plus rng.<rank> (uint8 torch RNG state)
-    stage_000.json          per-stage metadata (card, layers, resident list)
-    ...
-    manifest.json           written LAST: step, model config, split, sampler state, and an index
-                            {tensor key -> shard file} (used for resharding)
-
-Save protocol: every stage writes its shard into ``<root>/.tmp-step_000010-<job>/`` and fsyncs it;
-when all stages have reported, the coordinator writes ``manifest.json``, fsyncs, renames the
-directory to ``step_000010`` (atomic on POSIX) and updates the ``latest`` pointer file with a
-write-then-rename. A directory without ``manifest.json`` or with a ``.tmp-`` prefix is never
-considered a checkpoint, so a crash (even ``kill -9``) during a save leaves the previous checkpoint
-as the latest complete one.
-
-Multi-node (one launcher per node): every node's card processes write their shards into the same
-staging directory of ONE shared checkpoint root (``checkpoint.dir`` on a shared filesystem mounted at
-the same path on every node; in Kubernetes a ReadWriteMany volume); node 0's launcher writes the
-manifest and renames once every node has reported its shards, and only node 0 removes staging
-directories. Per-node roots are not merged: node 0 refuses to publish a checkpoint whose staging
-directory lacks a stage's shard (:func:`missing_shards`), and the job fails naming the stages and the
-fix, so a non-shared root never yields an incomplete checkpoint.
-
-Order and rotation: the manifest records ``seq`` (1 + the largest ``seq`` under the root) and
-``saved_at``; "latest" (:func:`find_checkpoint`) and "oldest first" (:func:`complete_checkpoints`)
-follow that write order, not the step number (a fresh run writing into a root that holds a longer
-run's checkpoints must not resume from the old run). Each stage records whether its tensors are all
-finite (``stage_NNN.json``: ``finite``) and the manifest whether every stage's are; rotation
-(``checkpoint.keep``) never deletes the newest finite checkpoint.
-
-One root, one run: a new run does not write into a root holding another run's checkpoints (a fresh
-start, or a resume from elsewhere): :func:`check_reused_root` refuses it (``checkpoint.existing=refuse``,
-naming ``train.resume=auto``) or :func:`set_aside` moves them to ``<root>/previous-<k>/`` first
-(``set_aside``); a resume from a checkpoint of the root (``train.resume=latest|auto``) continues it.
-
-Staging directories record their owner (``owner.json``: launcher pid, its start time and host), so
-a launch removes only staging directories of jobs that are gone (:func:`remove_stale_staging`),
-never those of another live job writing into the same root.
-
-Because tensor keys are global HF parameter names, a checkpoint can be loaded with any other
-stage split, card count or resident/offloaded split (resharding is a lookup in the index).
+``<root>/step_NNNNNN/`` holds ``stage_NNN.safetensors`` (fp32 ``master.``/``exp_avg.``/``exp_avg_sq.<hf
+name>``, ``rng.<rank>``), ``stage_NNN.json`` and ``manifest.json`` (step, config, split, sampler state,
+``{tensor key: shard}``). Keys are HF names, so any split can resume. Writers: :func:`save_shard`,
+:func:`finalize`; readers: :func:`find_checkpoint`, :class:`CheckpointReader`. The save protocol,
+ordering, multi-node roots and root ownership are in docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -92,12 +55,8 @@ OWNER = "owner.json"
 
 
 def tmp_dir(root: str, step: int, job_id: str, owner_pid: Optional[int] = None) -> str:
-    """Staging directory for the checkpoint of ``step`` (created if needed).
-
-    ``owner_pid`` (the job's launcher) is recorded in ``owner.json`` inside the directory; the
-    directory is first created under a hidden ``.new-`` name and renamed into place with its owner
-    file, so another launch never sees it without an owner.
-    """
+    """Staging directory for ``step`` (created under a ``.new-`` name with ``owner.json`` naming
+    ``owner_pid``, then renamed, so no launch sees it without an owner)."""
     d = os.path.join(root, f".tmp-{step_dirname(step)}-{job_id}")
     if os.path.isdir(d):
         return d
@@ -114,8 +73,7 @@ def tmp_dir(root: str, step: int, job_id: str, owner_pid: Optional[int] = None) 
 
 
 class CheckpointSpaceError(CheckpointError):
-    """The checkpoint's filesystem has too little free space for a shard (checked before writing,
-    and raised instead of a bare ``No space left on device`` when the write itself runs out)."""
+    """Too little free space for a shard (before writing, or instead of a bare ``No space left on device``)."""
 
 
 #: free space kept beyond a shard's tensor bytes: the safetensors header and the JSON file (bytes)
@@ -123,8 +81,7 @@ SHARD_MARGIN_BYTES = 16 << 20
 
 
 def shard_bytes(tensors) -> int:
-    """Bytes of a shard's tensor data: a dict of tensors or a list of :class:`~npu_train.optim.entry.Entry`
-    (``numel * element_size`` summed; the file adds a small header)."""
+    """Bytes of a shard's tensor data (dict of tensors or list of :class:`~npu_train.optim.entry.Entry`)."""
     if isinstance(tensors, dict):
         return sum(t.numel() * t.element_size() for t in tensors.values())
     return sum(e.nbytes for e in tensors)
@@ -141,8 +98,7 @@ def _size(n: int) -> str:
 
 
 def space_message(directory: str, need: int, free: int, what: str) -> str:
-    """The error text for a checkpoint that does not fit: ``directory`` is the checkpoint root (a
-    staging directory ``.tmp-step_*`` is named by its root: it is removed when the job stops)."""
+    """The error text for a checkpoint that does not fit in ``directory`` (a staging dir is named by its root)."""
     if os.path.basename(directory).startswith(".tmp-"):
         directory = os.path.dirname(directory)
     return (f"{what} needs {_size(need)} in {directory} but only {_size(free)} are free (the other stages' "
@@ -152,17 +108,14 @@ def space_message(directory: str, need: int, free: int, what: str) -> str:
 
 
 def check_free_space(directory: str, need: int, what: str) -> None:
-    """Raise :class:`CheckpointSpaceError` when ``directory``'s filesystem has fewer than ``need`` +
-    :data:`SHARD_MARGIN_BYTES` bytes free (``shutil.disk_usage``; other writers may still take space
-    between the check and the write, which :func:`save_shard` also reports clearly)."""
+    """Raise :class:`CheckpointSpaceError` if ``directory`` has < ``need`` + :data:`SHARD_MARGIN_BYTES` bytes free."""
     free = shutil.disk_usage(directory).free
     if free < need + SHARD_MARGIN_BYTES:
         raise CheckpointSpaceError(space_message(directory, need + SHARD_MARGIN_BYTES, free, what))
 
 
 def space_warning(root: str, final: str) -> Optional[str]:
-    """A warning when ``root``'s filesystem has less free space than the checkpoint ``final`` takes
-    (its files' bytes): the next save writes a whole checkpoint before rotation frees one. None if it fits."""
+    """A warning when ``root`` has less free space than the checkpoint ``final`` takes, else None."""
     size = sum(e.stat().st_size for e in os.scandir(final) if e.is_file())
     free = shutil.disk_usage(root).free
     if free >= size:
@@ -172,10 +125,8 @@ def space_warning(root: str, final: str) -> Optional[str]:
 
 
 def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Optional[str]:
-    """A warning at launch when ``root``'s filesystem has less free space than one checkpoint of a full
-    fine-tuning run: ``12 * (total params + V*H if the tied embedding is on two stages)`` bytes (fp32
-    master + two AdamW moments per parameter; the last stage stores its own copy of the tied
-    ``lm_head``), e.g. 1.95 GB for SmolLM2-135M on 2 stages. None if it fits, or for LoRA (adapters only)."""
+    """A launch warning when ``root`` cannot hold one full fine-tuning checkpoint, ``12 * (params + V*H if the
+    tied embedding spans two stages)`` bytes (master + two moments, fp32), else None (also for LoRA)."""
     if mode != "full":
         return None
     size = 12 * (model_cfg.total_params() + (model_cfg.embedding_params()
@@ -188,10 +139,9 @@ def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Option
 
 
 class FiniteCheck:
-    """Whether every floating-point tensor written so far is finite (``visit`` per tensor, ``rng.*`` skipped).
-    Checked in chunks of :attr:`CHUNK` elements: ``torch.isfinite`` of a whole tensor allocates temporaries
-    of about 1.6x its fp32 size (1.7 GiB for a 128k x 2048 embedding, measured on the 0.63 B run), which the
-    save's memory bound does not have."""
+    """Whether every floating-point tensor written so far is finite (``rng.*`` skipped), checked in chunks of
+    :attr:`CHUNK` elements: a whole-tensor ``isfinite`` allocates ~1.6x its fp32 size (1.7 GiB for a 128k x
+    2048 embedding), more than the save's memory bound."""
 
     CHUNK = 1 << 22  # elements: ~16 MiB of fp32 temporaries at a time
 
@@ -205,15 +155,9 @@ class FiniteCheck:
 
 
 def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
-    """Write one stage's shard (safetensors + JSON) into ``staging`` tensor by tensor and fsync both.
-
-    ``tensors``: a list of :class:`~npu_train.optim.entry.Entry` (or a dict, held already). Extra host
-    memory: the largest single ``Entry.get()`` result. ``meta["finite"]`` becomes false when a written tensor
-    (``rng.*`` excluded) holds a nan/inf. Returns the shard path.
-
-    Raises :class:`CheckpointSpaceError` (naming the sizes and the fix) when the filesystem has too
-    little free space, before writing or when the write runs out of space (the partial file is removed).
-    """
+    """Write one stage's shard (safetensors + JSON) into ``staging`` tensor by tensor, fsync; returns its path.
+    ``tensors``: a list of :class:`~npu_train.optim.entry.Entry` (or a dict); extra host memory: the largest
+    ``get()``. ``meta["finite"]`` records nan/inf. Raises :class:`CheckpointSpaceError` (partial file removed)."""
     if isinstance(tensors, dict):
         tensors = entries_of(tensors)
     st = os.path.join(staging, f"stage_{rank:03d}.safetensors")
@@ -240,18 +184,14 @@ def save_shard(staging: str, rank: int, tensors, meta: dict) -> str:
 
 
 def missing_shards(staging: str, world_size: int) -> list[int]:
-    """Stages ``0 .. world_size-1`` whose shard (safetensors + JSON) is not in ``staging`` (multi-node:
-    a node that wrote into another, unshared checkpoint root)."""
+    """Stages ``0 .. world_size-1`` whose shard is not in ``staging`` (a node writing to an unshared root)."""
     return [r for r in range(world_size)
             if not (os.path.isfile(os.path.join(staging, f"stage_{r:03d}.safetensors"))
                     and os.path.isfile(os.path.join(staging, f"stage_{r:03d}.json")))]
 
 
 def finalize(root: str, staging: str, step: int, manifest: dict, keep: int = 0) -> str:
-    """Write the manifest (index of all shard tensors), atomically publish the checkpoint, prune old ones.
-
-    Returns the final checkpoint directory. ``keep`` > 0 keeps that many newest complete checkpoints.
-    """
+    """Write the manifest, publish the checkpoint atomically, keep the ``keep`` newest (> 0); returns its path."""
     index = {}
     for fn in sorted(os.listdir(staging)):
         if fn.endswith(".safetensors"):
@@ -313,8 +253,7 @@ def _manifest(path: str) -> dict:
 
 
 def checkpoint_split(path: str) -> Optional[list]:
-    """Decoder layers per stage of the checkpoint at ``path`` (its manifest's ``split``), or None when the
-    manifest is unreadable or has none."""
+    """Decoder layers per stage of the checkpoint at ``path``, or None."""
     try:
         return [int(last) - int(first) for first, last in _manifest(path)["split"]]
     except (KeyError, TypeError, ValueError):
@@ -327,8 +266,7 @@ def is_complete(path: str) -> bool:
 
 
 def complete_checkpoints(root: str) -> list[str]:
-    """Complete checkpoints under ``root``, oldest first in write order (manifest ``seq``, then
-    ``saved_at``, then step; checkpoints of older versions without ``seq`` come first)."""
+    """Complete checkpoints under ``root``, oldest first in write order (manifest ``seq``, ``saved_at``, step)."""
     if not os.path.isdir(root):
         return []
     out = []
@@ -342,13 +280,8 @@ def complete_checkpoints(root: str) -> list[str]:
 
 
 def remove_stale_staging(root: str) -> list[str]:
-    """Delete staging directories (``.tmp-*``, ``.new-*``) left by crashed saves of jobs that are gone.
-
-    A staging directory whose ``owner.json`` names a live process on this host (pid + start time) is
-    kept: another job is writing into the same root. Directories without an owner (older versions)
-    or with a dead owner are removed; those owned on another host are kept. Never touches complete
-    checkpoints. Returns the removed paths.
-    """
+    """Delete staging directories (``.tmp-*``, ``.new-*``) whose owner on this host is gone or unknown (owners
+    alive or on another host are kept); returns the removed paths."""
     removed = []
     if os.path.isdir(root):
         for fn in os.listdir(root):
@@ -367,17 +300,9 @@ def remove_stale_staging(root: str) -> list[str]:
 
 
 def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -> Optional[str]:
-    """Resolve ``train.resume``: ``latest`` or ``auto`` (newest complete under ``root``), a checkpoint dir, or a root.
-
-    ``auto`` is for jobs that restart themselves (a Kubernetes pod after a node loss, a re-queued
-    batch job): it returns the newest complete checkpoint under ``root`` if there is one, else
-    ``None``, which the caller treats as a fresh start (step 0, no state loaded). Every other
-    spec returns a path or raises. ``arg`` names where ``spec`` came from in the error messages
-    (default ``train.resume=<spec>``; another tool, e.g. the export CLI, names its own argument).
-
-    Raises:
-        CheckpointError: nothing complete found (``latest`` or a path), or the named directory is incomplete.
-    """
+    """Resolve ``train.resume``: ``latest``/``auto`` (newest complete under ``root``), a checkpoint dir or a
+    root. ``auto`` returns None when there is none (a fresh start); ``arg`` names the setting in errors.
+    Raises CheckpointError when nothing complete is found or the named directory is incomplete."""
     if spec == "auto":  # the last one written if there is one, else None (a fresh start)
         cands = complete_checkpoints(root) if root else []
         return cands[-1] if cands else None
@@ -402,10 +327,8 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -
 
 
 def open_resume_checkpoint(path: str, root: str, auto: bool = False) -> "CheckpointReader":
-    """The :class:`CheckpointReader` of the checkpoint ``train.resume`` resolved to, checked by
-    :meth:`CheckpointReader.verify`. With ``auto`` (``train.resume=auto``: a job that restarts itself, e.g. a
-    pod) a damaged newest checkpoint is skipped, with a note, for the newest one that reads; otherwise, or
-    when none reads, :class:`CheckpointError` names the damage and the earlier checkpoint."""
+    """The verified :class:`CheckpointReader` of ``train.resume``; ``auto`` skips a damaged newest checkpoint
+    with a note. Raises CheckpointError naming the damage and an earlier checkpoint."""
     cands = [path]
     if auto:
         cands += [p for p in reversed(complete_checkpoints(root)) if os.path.abspath(p) != os.path.abspath(path)]
@@ -428,18 +351,9 @@ EXISTING = ("refuse", "set_aside")
 
 
 def check_reused_root(root: str, resume_dir: Optional[str], existing: str = "refuse") -> list[str]:
-    """The complete checkpoints under ``root`` that belong to another run than the one starting.
-
-    A run continues the checkpoints of ``root`` only when it resumes from one of them (``resume_dir``
-    directly under ``root``: ``train.resume=latest|auto`` or a path there). A fresh start
-    (``resume_dir`` None) or a resume from elsewhere would mix its checkpoints with them (``latest``,
-    rotation and a later resume would pick either run's), so with ``existing="refuse"`` this raises;
-    with ``"set_aside"`` it returns them for :func:`set_aside`. Moves and deletes nothing.
-
-    Raises:
-        CheckpointError: ``root`` holds such checkpoints and ``existing`` is ``"refuse"`` (one line naming
-            ``train.resume=auto`` and ``checkpoint.existing=set_aside``).
-    """
+    """The complete checkpoints under ``root`` of another run: the run continues them only when ``resume_dir``
+    is directly under ``root``. Moves nothing. Raises CheckpointError if there are any and ``existing`` is
+    ``"refuse"``; with ``"set_aside"`` returns them for :func:`set_aside`."""
     cks = complete_checkpoints(root)
     if not cks or (resume_dir is not None
                    and os.path.realpath(os.path.dirname(os.path.abspath(resume_dir))) == os.path.realpath(root)):
@@ -455,10 +369,8 @@ def check_reused_root(root: str, resume_dir: Optional[str], existing: str = "ref
 
 
 def set_aside(root: str) -> Optional[str]:
-    """Move the ``step_*`` directories and the ``latest`` pointer of ``root`` into ``<root>/previous-<k>/``
-    (k = 1, 2, ...; the first free one), so a new run starts with an empty root; nothing is deleted
-    and the moved checkpoints stay resumable by path. Returns that directory, or None if there was
-    nothing to move. Staging directories are left to :func:`remove_stale_staging`."""
+    """Move ``root``'s ``step_*`` directories and ``latest`` into the first free ``<root>/previous-<k>/`` and
+    return it (None if nothing to move); nothing is deleted."""
     from npu_train.metrics.report import move_to_previous
 
     names = [fn for fn in os.listdir(root) if STEP_RE.match(fn) or fn == "latest"] if os.path.isdir(root) else []
@@ -469,8 +381,7 @@ def set_aside(root: str) -> Optional[str]:
 
 
 def earlier_checkpoint_hint(path: str) -> str:
-    """The fix for a damaged checkpoint ``path``: the newest other complete checkpoint beside it (same root),
-    or, if there is none, what else to do."""
+    """The fix for a damaged checkpoint ``path``: the newest other complete checkpoint beside it, or what else to do."""
     root = os.path.dirname(os.path.abspath(path))
     others = [c for c in complete_checkpoints(root) if os.path.realpath(c) != os.path.realpath(path)]
     if others:
@@ -479,12 +390,8 @@ def earlier_checkpoint_hint(path: str) -> str:
 
 
 class CheckpointReader:
-    """Read tensors of a complete checkpoint by key, whatever shard they are in.
-
-    ``get(key)`` returns an fp32 CPU tensor. Keys: ``master.<hf name>``, ``exp_avg.<hf name>``,
-    ``exp_avg_sq.<hf name>``. ``lm_head.weight`` of a tied model falls back to the embedding's
-    entries (a single-stage checkpoint holds the tied weight once).
-    """
+    """Read a complete checkpoint's tensors by key (``master.``/``exp_avg.``/``exp_avg_sq.<hf name>``) as fp32
+    CPU tensors; a tied ``lm_head.weight`` falls back to the embedding's entries."""
 
     def __init__(self, path: str):
         if not is_complete(path):
@@ -506,14 +413,8 @@ class CheckpointReader:
                                   f"{int(m.group(1))}: the checkpoint was edited or mixed up; {earlier_checkpoint_hint(path)}")
 
     def verify(self) -> None:
-        """Check, without reading tensor data, that every shard the manifest's index names exists, that its
-        safetensors header parses and that the file is as long as the header says (a truncated or
-        half-copied shard fails here, in the launcher, instead of in a card process after start-up), and
-        that every indexed tensor is in its shard. The data bytes themselves are not checksummed.
-
-        Raises:
-            CheckpointError: naming the shard file, what is wrong and the earlier complete checkpoint to resume from.
-        """
+        """Check without reading tensor data that every indexed shard exists, its header parses, its length
+        matches and it holds its tensors (no checksums). Raises CheckpointError naming the shard and the fix."""
         by_file: dict[str, list[str]] = {}
         for k, fn in self.index.items():
             by_file.setdefault(fn, []).append(k)
@@ -536,8 +437,7 @@ class CheckpointReader:
         return key in self.index
 
     def get(self, key: str) -> torch.Tensor:
-        """The tensor ``key`` (fp32, CPU); :class:`CheckpointError` naming the shard file and an earlier
-        checkpoint for a missing key or a truncated / corrupt shard."""
+        """The tensor ``key`` (fp32, CPU); CheckpointError for a missing key or a truncated/corrupt shard."""
         if key not in self.index:
             prefix, _, name = key.partition(".")
             if name == "lm_head.weight" and f"{prefix}.model.embed_tokens.weight" in self.index:
@@ -558,14 +458,7 @@ class CheckpointReader:
 
     def check_mode(self, mode: str, lora_rank: int, lora_targets) -> None:
         """Refuse a resume whose ``train.mode``, ``lora.rank`` or ``lora.targets`` differ from the checkpoint's
-        run: they decide which tensors the checkpoint holds (full: every master weight and its AdamW moments;
-        LoRA: the fp32 adapters of those projections at that rank), so no ``train.resume_mismatch`` can
-        continue it (a narrower target list would silently drop trained adapters). Checkpoints of older
-        versions without these entries pass.
-
-        Raises:
-            CheckpointError: naming the checkpoint's and this run's settings and the overrides that match it.
-        """
+        (they decide which tensors it holds). Raises CheckpointError naming the overrides that match it."""
         saved = self.manifest.get("train") or {}
         if "mode" not in saved:
             return
@@ -592,10 +485,8 @@ class CheckpointReader:
 
     def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False,
                   lora: Optional[dict] = None) -> list[str]:
-        """Compare this run's ``train`` settings (:data:`RUN_KEYS`), LoRA scaling (``lora``: ``{"alpha": ..,
-        "dropout": ..}`` of a LoRA run, compared with the manifest's ``lora_alpha``/``lora_dropout``) and data
-        fingerprint with the checkpoint's manifest. Returns the differences (one string each); raises
-        :class:`CheckpointError` naming them and the override ``train.resume_mismatch=allow`` unless ``allow``."""
+        """Differences of this run's :data:`RUN_KEYS`, LoRA ``alpha``/``dropout`` and data fingerprint from the
+        manifest (one string each). Raises CheckpointError naming them unless ``allow``."""
         saved = self.manifest.get("train") or {}
         diff = [f"train.{k}: checkpoint {saved[k]!r}, now {train.get(k)!r}" for k in self.RUN_KEYS
                 if k in saved and saved[k] != train.get(k)]

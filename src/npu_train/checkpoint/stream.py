@@ -1,9 +1,5 @@
-"""Write safetensors files tensor by tensor, and check host memory before a large transient.
-
-:func:`write_stream` takes :class:`Entry` objects (name, dtype, shape, and a function that returns the
-tensor when its turn comes), so at most one tensor's host copy exists at a time. :func:`check_memory`
-raises :class:`MemoryCheckError` when a phase's stated extra memory is more than the host (or its
-cgroup v2 limit) has available, before anything is touched.
+"""Write safetensors files tensor by tensor (:func:`write_stream`: one host copy at a time) and check host
+memory before a large transient (:func:`check_memory`).
 """
 from __future__ import annotations
 
@@ -37,12 +33,8 @@ def header_bytes(entries: list[Entry], metadata: Optional[dict] = None) -> bytes
 
 def write_stream(path: str, entries: Iterable[Entry], metadata: Optional[dict] = None,
                  visit: Optional[Callable[[str, torch.Tensor], None]] = None) -> None:
-    """Write ``entries`` to the safetensors file ``path`` one tensor at a time and fsync it.
-
-    Extra host memory: what one ``Entry.get()`` returns (none for a live contiguous CPU tensor).
-    ``visit(name, tensor)`` sees each tensor while it is held (e.g. a finiteness check).
-    Raises ValueError when a tensor's dtype or shape differs from its entry.
-    """
+    """Write ``entries`` to the safetensors file ``path`` one tensor at a time and fsync; ``visit(name,
+    tensor)`` sees each. Raises ValueError when a tensor's dtype or shape differs from its entry."""
     entries = list(entries)
     with open(path, "wb") as f:
         f.write(header_bytes(entries, metadata))
@@ -67,8 +59,7 @@ class MemoryCheckError(UserError):
 
 
 def available_bytes() -> int:
-    """Host memory available to this process (bytes): ``psutil.virtual_memory().available``, capped by
-    the cgroup v2 ``memory.max - memory.current`` when a limit is set."""
+    """Host memory available (bytes): ``psutil`` available, capped by the cgroup v2 headroom."""
     import psutil
 
     free = int(psutil.virtual_memory().available)
@@ -89,8 +80,7 @@ def cgroup_dir() -> Optional[str]:
 
 
 def cgroup_headroom(base: Optional[str] = None) -> Optional[int]:
-    """cgroup v2 ``memory.max - memory.current`` of ``base`` (default: this process's cgroup), or None
-    when unlimited or unreadable."""
+    """cgroup v2 ``memory.max - memory.current`` (bytes) of ``base`` (default: this process's), or None."""
     base = base or cgroup_dir()
     if not base:
         return None
@@ -107,8 +97,7 @@ def cgroup_headroom(base: Optional[str] = None) -> Optional[int]:
 
 
 def check_memory(need: int, what: str, fix: str, available: Optional[int] = None) -> None:
-    """Raise :class:`MemoryCheckError` when ``need`` bytes (``what``'s stated extra memory) exceed
-    :func:`available_bytes` (or ``available``). ``fix`` says what the user can do."""
+    """Raise :class:`MemoryCheckError` (with ``fix``) when ``need`` bytes exceed :func:`available_bytes`."""
     have = available_bytes() if available is None else available
     if need > have:
         raise MemoryCheckError(f"{what} needs {need / 2**30:.2f} GiB more host memory but only "

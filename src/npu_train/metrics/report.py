@@ -1,35 +1,8 @@
 """Progress lines, JSONL metrics, TensorBoard scalars and the end-of-run summary with a loss plot.
 
-One line per optimizer step, printed by the coordinator once every card has reported the step::
-
-    step   3/20 | loss 3.1416 | lr 1.00e-04 | gnorm 1.234 | 1,024 tok/s | 2.31 s (plan 2.50)
-      [fwd/bwd 1.90 opt 0.20 xfer 0.01 idle 0.20] | mem GiB 0.61/0.72 (plan 0.70/0.80)
-
-Time split (seconds, the slowest card's view): fwd/bwd = compute of the stage's forwards and
-backwards; opt = AdamW (device + host); xfer = host<->device copies of offloaded layers and
-stage-boundary sends; idle = waiting for neighbours and collectives (pipeline bubble included).
-``metrics.jsonl`` also splits the slowest card's waits: ``bubble_s`` (waiting inside the schedule for
-a neighbour's activation or gradient: the pipeline bubble) and ``collective_s`` (the end-of-step
-collectives: tied-embedding / replica all-reduce and the grad-norm + loss all-reduce, which also
-absorbs the wait for the slowest stage; ``tied_s`` is the tied-embedding gradient exchange's part of it, the wait for the other
-holder of the tied weight included);
-``compute_s_cards``, ``bubble_s_cards``, ``collective_s_cards`` and ``tied_s_cards`` hold every card's own figure (by
-rank), which shows the stage imbalance; ``cpu_s_cards`` the CPU seconds each card process used in the
-step (all its threads) and ``cpu_phases_s_cards`` their split into schedule, end-of-step collectives
-and optimizer: the work done, which waits and other processes on the same cores do not inflate; ``idle_s`` stays the wall time not spent computing,
-the slowest card's. ``idle_share`` is the step's idle fraction over *all* cards,
-``1 - sum_cards(compute + optimizer + transfer + send) / (cards * wall)``: the definition of the
-pipeline bubble rate (Qi et al. 2024, section 3: the idle share of all stages; for equal unit times
-``(P-1)/(M+P-1)`` under 1F1B, :func:`npu_train.pipeline.schedule.bubble_fraction`), which the
-slowest card's ``idle_s / step_s`` is not: the cards end a step together within milliseconds, so
-which card is "slowest" is chance, and the two end stages of a pipeline idle at different times.
-Memory: peak per card in GiB (2**30 bytes) as measured by the backend, beside the placement
-model's prediction.
-
-``metrics.jsonl``, ``eval.jsonl`` and ``summary.json`` are strict JSON: a non-finite value (a step
-whose loss or grad norm was nan/inf and whose update was skipped, ``train.nonfinite=skip``) is
-written as ``null`` and the record carries ``"skipped": true``; the summary counts
-``skipped_steps`` and its first/last loss are over finite steps only.
+Start at :class:`Reporter` (fed by the coordinator; one record per step from :func:`merged_record`).
+Times in seconds, memory in GiB (2**30 bytes); the fields of the progress line and ``metrics.jsonl``
+(``idle_share``, ``bubble_s``, ``*_cards``...) and the strict-JSON rule are in docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -44,8 +17,7 @@ GIB = 2 ** 30
 
 
 def json_safe(obj):
-    """``obj`` with every non-finite float (nan, inf) replaced by None, recursively (dicts, lists):
-    what :func:`dumps` writes as ``null`` instead of the bare ``NaN`` that strict JSON parsers reject."""
+    """``obj`` with every nan/inf float replaced by None, recursively (strict JSON writes ``null``)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
@@ -65,10 +37,8 @@ RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb")
 
 
 def rotate_previous_run(run_dir: str) -> Optional[str]:
-    """If ``run_dir`` already holds metrics of an earlier launch (a relaunch with the same
-    ``hydra.run.dir``), move that launch's outputs (:data:`RUN_OUTPUTS` and ``card*.traceback.txt``)
-    into ``<run_dir>/previous-<k>/`` (k = 1, 2, ...) so a new launch never appends to them.
-    Returns that directory, or None when there was nothing to move."""
+    """Move an earlier launch's outputs in ``run_dir`` (:data:`RUN_OUTPUTS`, ``card*.traceback.txt``) into
+    ``previous-<k>/``; returns it, or None when there was nothing."""
     if not any(os.path.exists(os.path.join(run_dir, fn)) for fn in ("metrics.jsonl", "summary.json")):
         return None
     return move_to_previous(run_dir, [fn for fn in os.listdir(run_dir) if fn in RUN_OUTPUTS
@@ -76,11 +46,8 @@ def rotate_previous_run(run_dir: str) -> Optional[str]:
 
 
 def carry_over(previous: str, run_dir: str, upto_step: int) -> int:
-    """A resumed launch in the same run directory continues its records: copy the lines of
-    ``previous``'s ``metrics.jsonl`` and ``eval.jsonl`` (the earlier launch's, moved there by
-    :func:`rotate_previous_run`) whose ``step`` is at most ``upto_step`` (the resumed checkpoint's
-    step; later ones were not kept) into ``run_dir``'s new files, which the :class:`Reporter` then
-    appends to. The originals stay in ``previous``. Returns the number of metrics lines copied."""
+    """A resumed launch continues its records: copy ``previous``'s ``metrics.jsonl`` / ``eval.jsonl`` lines
+    with ``step <= upto_step`` into ``run_dir``'s new files; returns the metrics lines copied."""
     n = 0
     for fn in ("metrics.jsonl", "eval.jsonl"):
         src = os.path.join(previous, fn)
@@ -99,10 +66,8 @@ def carry_over(previous: str, run_dir: str, upto_step: int) -> int:
 
 
 def move_to_previous(parent: str, names: list[str]) -> Optional[str]:
-    """Move the entries ``names`` of the directory ``parent`` into its first free ``previous-<k>/``
-    (k = 1, 2, ...), created here; returns that directory, or None (nothing created) when ``names``
-    is empty. Nothing is deleted. Used for an earlier launch's outputs (:func:`rotate_previous_run`)
-    and an earlier run's checkpoints (``checkpoint.store.set_aside``)."""
+    """Move ``names`` of ``parent`` into its first free ``previous-<k>/`` (created); returns it, or None if
+    ``names`` is empty. Deletes nothing."""
     if not names:
         return None
     k = 1
@@ -121,9 +86,8 @@ def _busy(rep: dict) -> float:
 
 
 def merged_record(reports: list[dict]) -> dict:
-    """One step's ``metrics.jsonl`` record from the cards' reports (list indexed by rank): the loss and
-    norms of the last stage (every rank holds the reduced values), the times of the slowest card, and
-    every card's view of memory and time."""
+    """One step's ``metrics.jsonl`` record from the cards' reports (by rank): the last stage's loss and norm,
+    the slowest card's times, every card's memory and times."""
     r0 = reports[-1]
     wall = max(r["time_s"] for r in reports)
     slow = max(reports, key=lambda r: r["time_s"])
@@ -146,9 +110,7 @@ def merged_record(reports: list[dict]) -> dict:
 
 
 def device_fields(reports: list[dict]) -> dict:
-    """The record's optional per-device fields: RNGD graph compilation (warm-up, first step) and
-    CPU-fallback ops, the card's free memory (``runtime.furiosa.probe_free``), the offloaded layers'
-    host update timeline."""
+    """Optional per-device fields: RNGD compilation and CPU-fallback ops, free memory, the host update timeline."""
     rec = {}
     for key, merge in (("compile_s", max), ("cpu_fallbacks", sum), ("compiles", sum)):
         vals = [r[key] for r in reports if key in r]
@@ -169,15 +131,8 @@ def device_fields(reports: list[dict]) -> dict:
 
 
 class Reporter:
-    """Collects per-step reports of all cards; writes ``metrics.jsonl``, TensorBoard and a summary.
-
-    Args:
-        run_dir: the job's output directory.
-        total_steps: ``train.steps``.
-        predicted_mem: per-card predicted peak bytes (from the plan), or None.
-        predicted_step_s: the plan's step time in seconds, or None.
-        stream: where progress lines go (default stdout).
-    """
+    """Collects the cards' per-step reports; writes ``metrics.jsonl``, TensorBoard and the summary.
+    ``predicted_mem``: per-card predicted peak bytes; ``predicted_step_s``: the plan's step time (s)."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
                  predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True):
@@ -210,8 +165,7 @@ class Reporter:
         self._resume_ema()
 
     def _resume_ema(self) -> None:
-        """A resumed launch whose run dir already holds the earlier steps' records (:func:`carry_over`):
-        fold their losses into the EMA, so the printed average continues instead of restarting."""
+        """Fold the carried-over losses into the EMA, so a resumed launch's average continues."""
         try:
             with open(os.path.join(self.run_dir, "metrics.jsonl")) as f:
                 lines = f.readlines()
@@ -270,8 +224,7 @@ class Reporter:
         self.trace.step(step, [r.get("actions") for r in reports])
 
     def _track(self, rec: dict, step: int, wall: float) -> None:
-        """The run's running figures: losses (plot, EMA: ``loss_smoothed``), mean step time and
-        throughput, ETA (``eta_s``), peak memory per card."""
+        """Running figures: losses (EMA), mean step time, throughput, ETA, peak memory per card."""
         if math.isfinite(float(rec["loss"])):
             self.losses.append((step, float(rec["loss"])))
             self._fold(float(rec["loss"]))

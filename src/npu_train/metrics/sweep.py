@@ -1,10 +1,7 @@
-"""Hydra multirun sweeps: the concurrency check before the jobs start and the summary after them.
-
-:class:`SweepCallback` (registered in ``conf/config.yaml``; jobs run through ``hydra-joblib-launcher``) asks the
-planner what each job needs (:class:`JobNeeds`: cores, host RAM, accelerator cards) and picks ``n_jobs``
-(:func:`check_concurrency`; :class:`SweepError` for an explicit value that does not fit), pinned into every
-job's overrides (:func:`pin_concurrency`, :func:`job_threads`). After the sweep it writes ``summary.md``,
-``summary.csv`` and ``loss_curves.png``; :func:`exit_status` gives the sweep's exit status."""
+"""Hydra multirun sweeps: :class:`SweepCallback` (``conf/config.yaml``) checks before the jobs start how
+many fit at once (:func:`check_concurrency` over :class:`JobNeeds`) and pins it into every job; after the
+sweep it writes ``summary.md``, ``summary.csv`` and ``loss_curves.png``.
+"""
 from __future__ import annotations
 
 import csv
@@ -27,8 +24,8 @@ class SweepError(UserError):
 
 @dataclass
 class JobNeeds:
-    """What one sweep job takes from the host: ``card_procs`` (processes, a core each), ``accel_cards``
-    (e.g. ``["furiosa:0"]``, cpu excluded), ``host_bytes`` (the plan's host RAM; 0 = unknown)."""
+    """One job's host needs: ``card_procs`` (a core each), ``accel_cards`` (cpu excluded), ``host_bytes`` (0:
+    unknown)."""
 
     card_procs: int
     accel_cards: list[str] = field(default_factory=list)
@@ -59,10 +56,8 @@ def host_available_ram() -> int:
 
 
 def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, ram_bytes: int) -> int:
-    """Jobs to run at once (>= 1): ``n_jobs`` if it fits, the largest that fits for ``n_jobs`` < 1.
-
-    ``needs``: per job (None: invalid, not counted); ``cores``; ``ram_bytes``: available RAM. Raises
-    :class:`SweepError` when an explicit ``n_jobs`` > 1 oversubscribes cores or RAM or shares a card."""
+    """Jobs to run at once (>= 1): ``n_jobs`` if it fits, else (``n_jobs`` < 1) the most that fit ``cores`` and
+    ``ram_bytes``. Raises :class:`SweepError` when an explicit ``n_jobs`` > 1 oversubscribes or shares a card."""
     valid = [n for n in needs if n is not None]
     total = max(1, len(needs))
     if not valid:
@@ -102,8 +97,7 @@ def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, 
 
 
 def pin_concurrency(hydra_overrides: list[str], jobs_at_once: int) -> list[str]:
-    """The sweep's overrides with ``hydra.launcher.n_jobs=<jobs_at_once>`` replacing the user's: how
-    each job learns the sweep's concurrency."""
+    """The overrides with ``hydra.launcher.n_jobs=<jobs_at_once>`` replacing the user's."""
     import re
 
     keep = [o for o in hydra_overrides if not re.match(r"^[+~]{0,2}hydra\.launcher\.n_jobs(=|$)", str(o))]
@@ -111,8 +105,7 @@ def pin_concurrency(hydra_overrides: list[str], jobs_at_once: int) -> list[str]:
 
 
 def job_threads(backend: Any, jobs_at_once: int, cores: int) -> Optional[int]:
-    """Threads per card process of one sweep job with ``runtime.threads`` unset:
-    ``max(1, cores // (jobs_at_once * cpu cards))``, or None when ``jobs_at_once <= 1``."""
+    """Threads per card process: ``max(1, cores // (jobs_at_once * cpu cards))``; None for one job at a time."""
     if jobs_at_once <= 1:
         return None
     cards = [backend] if isinstance(backend, str) else list(backend)
@@ -183,15 +176,9 @@ def _error_from_files(job_dir: str) -> str:
 
 
 def collect(sweep_dir: str) -> list[dict]:
-    """One row per job directory of the sweep, ordered by job number.
-
-    Row keys: ``num`` (int), ``dir``, ``overrides`` (list of str), ``status`` (ok | stopped: exit 0 but
-    ``train.stop_after`` ended it before ``train.steps``, the error column then says at which step and
-    where the resume command is | interrupted: exit 130/143, SIGINT/SIGTERM | failed),
-    ``exit_code`` (int or None), ``error`` (one line, "" when ok), ``train_loss``, ``val_loss``
-    (nats/token, None when not measured), ``tokens_per_s`` (mean over steps after the first),
-    ``peak_mem_gib`` (list per card, GiB = 2**30 bytes), ``losses`` (list of (step, loss)).
-    """
+    """One row per job directory, by job number: ``num``, ``dir``, ``overrides``, ``status`` (ok | stopped |
+    interrupted | failed), ``exit_code``, ``error`` (one line), ``train_loss``/``val_loss`` (nats/token or
+    None), ``tokens_per_s`` (after step 1), ``peak_mem_gib`` (per card), ``losses`` ``[(step, loss)]``."""
     rows = []
     for d in _job_dirs(sweep_dir):
         overrides, num = _hydra_job(d)
@@ -319,9 +306,7 @@ def plot_losses(path: str, rows: list[dict]) -> None:
 
 
 def exit_status(rows: list[dict]) -> int:
-    """Exit status of a sweep: 0 when every job finished (or stopped where ``train.stop_after`` said); else
-    130/143 if a job was interrupted by SIGINT/SIGTERM; else 1 (some job failed, whatever its own status);
-    1 also for a sweep without jobs."""
+    """0 when every job finished or stopped as asked; else 130/143 for an interrupt; else 1 (also for no jobs)."""
     if rows and all(r["status"] in ("ok", "stopped") for r in rows):
         return 0
     for sig in (130, 143):

@@ -1,10 +1,7 @@
-"""Per-action timeline of the pipeline (``runtime.trace=true``): ``trace.json`` and the idle summary.
-
-Each card records per action ``(kind, micro, t_start, t_ready, t_done, t_end)`` in ``time.perf_counter`` seconds
-(:attr:`npu_train.pipeline.stage.StageRunner.trace`): wait, compute, send; then the phases ``tied``,
-``collectives`` and ``optimizer``. :class:`TraceWriter` writes Chrome trace events ("Trace Event Format",
-Google, 2016; open in Perfetto), one track per card; :func:`summarize` gives the end-of-run table. Clocks are
-comparable only within one host."""
+"""Per-action pipeline timeline (``runtime.trace=true``): :class:`TraceWriter` writes ``trace.json`` as Chrome
+trace events (open in Perfetto), one track per card; :func:`summarize` gives the end-of-run table. Input:
+:attr:`npu_train.pipeline.stage.StageRunner.trace` tuples (``perf_counter`` s, comparable within a host).
+"""
 from __future__ import annotations
 
 import json
@@ -19,11 +16,8 @@ DEFERRED = "U"
 
 
 def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
-    """Chrome trace events (``ph: "X"``, microseconds from ``base`` seconds) of the 1-based ``step``.
-
-    ``actions_by_rank``: per rank the action list (None: nothing recorded). Per action a ``wait`` event (when
-    ``t_ready > t_start``), the action (``F3``, ``B3``, ``W3``, ``E``, ``U`` = :data:`DEFERRED`, or a phase)
-    and a ``send`` event (when ``t_end > t_done``); ``tid`` = rank."""
+    """Chrome ``"X"`` events (µs from ``base`` s) of 1-based ``step``: per action a ``wait``, the action (``F3``,
+    ``B3``, ``W3``, ``E``, ``U``, a phase) and a ``send`` event; ``tid`` = rank."""
     ev = []
     for rank, acts in enumerate(actions_by_rank):
         for kind, micro, t0, t1, t2, t3 in acts or ():
@@ -38,11 +32,8 @@ def step_events(step: int, actions_by_rank: list, base: float) -> list[dict]:
 
 
 def summarize(steps: list[list]) -> list[dict]:
-    """Where each card's step time goes, mean over ``steps`` (seconds per step).
-
-    Per rank ``{"step_s", "compute_s", "start_wait_s", "inner_wait_s", "collectives_s", "end_wait_s",
-    "optimizer_s", "idle_share"}``; ``start_wait_s`` is the pipeline fill, ``collectives_s`` includes waiting for
-    the slowest peer, ``idle_share = 1 - (compute_s + optimizer_s) / step_s``."""
+    """Per rank, seconds per step over ``steps``: ``step_s``, ``compute_s``, ``start_wait_s`` (the fill),
+    ``inner_wait_s``, ``collectives_s``, ``end_wait_s``, ``optimizer_s`` and ``idle_share``."""
     if not steps:
         return []
     n_rank = len(steps[0])
@@ -75,8 +66,7 @@ def summarize(steps: list[list]) -> list[dict]:
 
 
 def format_summary(rows: list[dict], first_step: int, last_step: int, labels: Optional[list] = None) -> str:
-    """The :func:`summarize` table as text (seconds per step, one line per card; ``labels``: the
-    first column per row, default the row's index)."""
+    """The :func:`summarize` table as text (``labels``: first column, default the row index)."""
     head = (f"trace: where each card's step goes (mean of steps {first_step}-{last_step}, s/step; start wait = "
             "pipeline fill and anything before the first action, collectives = tied exchange + all-reduces "
             "including the wait for the slowest card; idle = all but compute and optimizer)")
@@ -91,8 +81,7 @@ def format_summary(rows: list[dict], first_step: int, last_step: int, labels: Op
 
 
 class TraceWriter:
-    """Writes ``trace.json`` (Chrome trace events, JSON array form, line by line as steps arrive) at
-    ``path``; ``ranks``: each track's global rank (None: its index)."""
+    """Writes ``trace.json`` at ``path`` line by line as steps arrive; ``ranks``: each track's global rank."""
 
     def __init__(self, path: str, ranks: Optional[list[int]] = None):
         self.path = path

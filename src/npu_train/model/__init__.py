@@ -1,6 +1,6 @@
-"""Llama model: config, stage modules, and loading of HF / GGUF weights and tokenizers.
-
-Start at ``llama.py`` (``StageModule``) and ``weights.py`` (``load_config``, ``load_tensors``)."""
+"""Llama model: config, stage modules, HF / GGUF weights and tokenizers. Start at ``llama.py``
+(``StageModule``) and ``weights.py`` (``load_config``, ``load_tensors``).
+"""
 import importlib
 
 #: public name -> submodule. Loaded on first use (PEP 562), so ``import npu_train.model.config``

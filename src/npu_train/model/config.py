@@ -1,7 +1,6 @@
 """Llama architecture hyper-parameters (:class:`LlamaConfig`), shared by the model, loaders and planner.
-
-Parameter names are HF ``LlamaForCausalLM``'s with *global* layer indices (``model.layers.{i}.*``), so
-checkpoints, resharding and HF export need no renaming; :meth:`LlamaConfig.param_shapes` gives their shapes."""
+Parameter names are HF ``LlamaForCausalLM``'s with global layer indices, so checkpoints and export need no renaming.
+"""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
@@ -10,11 +9,8 @@ from typing import Any, Optional
 
 @dataclass(frozen=True)
 class LlamaConfig:
-    """Shape and numerics of a Llama-family decoder (HF ``LlamaConfig`` subset).
-
-    ``rope_scaling``: None or HF's Llama-3 dict (``rope_type``, ``factor``, ``low_freq_factor``,
-    ``high_freq_factor``, ``original_max_position_embeddings``). ``head_dim`` defaults to hidden // heads;
-    ``max_position_embeddings`` in tokens; ``name`` is for plans and logs."""
+    """Shape and numerics of a Llama-family decoder (HF ``LlamaConfig`` subset). ``rope_scaling``: None or HF's
+    Llama-3 dict; ``head_dim`` defaults to hidden // heads; ``max_position_embeddings`` in tokens."""
 
     vocab_size: int
     hidden_size: int

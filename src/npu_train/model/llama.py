@@ -1,7 +1,6 @@
 """Pure-PyTorch Llama decoder split into pipeline stages (:class:`StageModule`) with HF parameter names.
-
-Numerics follow transformers' ``modeling_llama.py``: fp32 RMSNorm, rotate-half RoPE (optional Llama-3 or
-linear scaling), grouped-query causal SDPA attention, SwiGLU MLP, no biases. No ``transformers`` import."""
+Numerics follow transformers' ``modeling_llama.py`` (fp32 RMSNorm, RoPE, GQA SDPA, SwiGLU); no ``transformers`` import.
+"""
 from __future__ import annotations
 
 import math
@@ -64,10 +63,8 @@ def _rope_type(scaling: Optional[dict]) -> str:
 
 
 def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
-    """Inverse RoPE frequencies, fp32 CPU tensor [head_dim // 2].
-
-    ``rope_theta ** (-2i / head_dim)`` (RoFormer); ``rope_type == "llama3"`` applies the Llama 3 paper's
-    piecewise rescaling as HF ``_compute_llama3_parameters``; ``"linear"`` divides by ``factor``."""
+    """Inverse RoPE frequencies, fp32 CPU ``[head_dim // 2]``: ``rope_theta ** (-2i / head_dim)`` (RoFormer),
+    rescaled for ``llama3`` as HF ``_compute_llama3_parameters``, divided by ``factor`` for ``linear``."""
     dim = int(cfg.head_dim)
     base = float(cfg.rope_theta)
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float32) / dim))
@@ -188,10 +185,8 @@ class DecoderLayer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 def stage_param_names(cfg: LlamaConfig, first: int, last: int, has_embed: bool,
                       has_head: bool) -> list[str]:
-    """HF names of the parameters a stage owns, in ``named_parameters()`` order, without building it.
-
-    On a tied model a stage with both embed and head owns the embedding only; a head-only stage owns
-    ``lm_head.weight`` (stored in files as the embedding: :func:`checkpoint_source_name`)."""
+    """HF names of a stage's parameters in ``named_parameters()`` order, without building it (tied: a stage
+    with embed and head owns the embedding; a head-only stage owns ``lm_head.weight``)."""
     _check_range(cfg, first, last)
     names: list[str] = []
     if has_embed:
@@ -221,13 +216,9 @@ def _check_range(cfg: LlamaConfig, first: int, last: int) -> None:
 
 
 class StageModule(nn.Module):
-    """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``, optional
-    final norm + LM head.
-
-    ``named_parameters()`` yields :func:`stage_param_names` (``self.model.layers`` is a ModuleDict keyed by
-    ``str(i)``); tied embed + head on one stage share one Parameter. ``forward``: int64 ids [B,S] (with the
-    embedding) or hidden states [B,S,H] -> hidden states, or fp32 logits [B,S,V] with the head.
-    ``recompute=True`` checkpoints every layer. Random init (std 0.02); load with :meth:`load_named_tensors`."""
+    """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``, optional final
+    norm + LM head; a tied embed + head on one stage share one Parameter. ``recompute=True`` checkpoints
+    every layer. Random init (std 0.02); load with :meth:`load_named_tensors`."""
 
     def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
                  has_head: bool, recompute: bool = False) -> None:
@@ -321,10 +312,9 @@ class StageModule(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cuts: Optional[list] = None) -> torch.Tensor:
-        """``x``: ids ``[b, S]`` int64 or hidden states ``[b, S, H]``; returns hidden states or fp32 logits
-        ``[b, S, V]``.
-        ``cuts``: a list that receives a ``(y, leaf)`` pair per cut of the autograd graph (before every layer and
-        the head), for :func:`npu_train.pipeline.backward.backward_input` to chain the backward per layer."""
+        """``x``: int64 ids ``[b, S]`` or hidden states ``[b, S, H]`` -> hidden states, or fp32 logits ``[b, S, V]``.
+        ``cuts``: receives a ``(y, leaf)`` pair per graph cut (before each layer and the head) for
+        :func:`npu_train.pipeline.backward.backward_input`."""
         if self.has_embed:
             h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
         else:
@@ -364,9 +354,8 @@ def full_model(cfg: LlamaConfig) -> StageModule:
 
 def causal_lm_loss_sum(logits: torch.Tensor, labels: torch.Tensor,
                        fused: bool = False) -> tuple[torch.Tensor, int]:
-    """Summed next-token cross-entropy: ``logits`` [B,S,V] (fp32), ``labels`` [B,S] int64 already shifted
-    (``-100`` ignored), ``fused``: :func:`~npu_train.model.headops.cross_entropy_sum`. Returns
-    ``(loss_sum, n_tokens)``: a differentiable fp32 scalar and an int."""
+    """Summed next-token cross-entropy of fp32 ``logits`` ``[B, S, V]`` and shifted int64 ``labels`` ``[B, S]``
+    (``-100`` ignored); returns ``(loss_sum fp32 scalar, n_tokens int)``."""
     V = logits.shape[-1]
     flat, targets = logits.reshape(-1, V), labels.reshape(-1)
     loss = (cross_entropy_sum(flat, targets) if fused else

@@ -1,8 +1,7 @@
-"""LoRA adapters (Hu et al., ICLR 2022): ``y = x W^T + (alpha / r) * dropout(x) A^T B^T``.
-
-``W`` [out, in] frozen, ``A`` [r, in] Kaiming-uniform, ``B`` [out, r] zero: PEFT's ``LoraLayer`` layout and
-init, so :func:`peft_state_dict` loads into ``peft``. Adapter names: ``<linear>.lora_A.weight`` /
-``.lora_B.weight``. ``A`` is seeded by ``(seed, HF name)``, independent of the split across cards."""
+"""LoRA adapters (Hu et al., ICLR 2022): ``y = x W^T + (alpha / r) * dropout(x) A^T B^T`` with ``W`` frozen,
+``A`` ``[r, in]`` Kaiming-uniform, ``B`` ``[out, r]`` zero (PEFT's layout and init; names
+``<linear>.lora_A.weight``). ``A`` is seeded by ``(seed, HF name)``, independent of the split.
+"""
 from __future__ import annotations
 
 import hashlib

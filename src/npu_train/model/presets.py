@@ -84,9 +84,7 @@ def preset_names() -> list[str]:
 
 
 def get_preset(name: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` (a copy) of preset ``name`` or HF repo id, case-insensitive.
-
-    Raises ``KeyError`` listing the known names."""
+    """A copy of preset ``name``'s (or HF repo id's) :class:`LlamaConfig`. Raises KeyError listing the names."""
     key = str(name).strip().lower()
     key = ALIASES.get(key, key)
     if key not in PRESETS:

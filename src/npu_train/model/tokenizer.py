@@ -1,8 +1,7 @@
-"""Tokenizers and chat templates of a model (HF directory, tokenizer file or GGUF file).
-
-GGUF BPE vocabularies are pre-tokenized by their ``tokenizer.ggml.pre`` rule as llama.cpp does
-(``src/llama-vocab.cpp``): a ``tokenizers`` ``Sequence`` of ``Split(regex, "isolated")`` then
-``ByteLevel(use_regex=False)``; the regexes below are llama.cpp's. Start at :func:`load_tokenizer`."""
+"""Tokenizers and chat templates of a model (HF directory, tokenizer file or GGUF). GGUF BPE vocabularies
+are pre-tokenized by their ``tokenizer.ggml.pre`` rule with llama.cpp's regexes (``src/llama-vocab.cpp``).
+Start at :func:`load_tokenizer`.
+"""
 from __future__ import annotations
 
 import contextlib
@@ -59,11 +58,8 @@ def pre_tokenizer_for(pre: str, where: str = "tokenizer"):
 
 
 def load_tokenizer(path: str):
-    """A ``tokenizers.Tokenizer`` for the model or tokenizer at ``path``.
-
-    ``path``: an HF directory (``tokenizer.json``, else transformers' conversion), a ``tokenizer.json``, or
-    a GGUF file (built with transformers' GGUF converter, cached under ``cache_dir("tokenizers")``).
-    Raises ``FileNotFoundError`` for a missing path, :class:`ModelFormatError` when none can be built."""
+    """A ``tokenizers.Tokenizer`` for ``path``: an HF directory, a ``tokenizer.json`` or a GGUF file (cached
+    under ``cache_dir("tokenizers")``). Raises FileNotFoundError, or ModelFormatError when none can be built."""
     from tokenizers import Tokenizer
 
     path = os.path.expanduser(path)
@@ -122,9 +118,8 @@ def _gguf_tokenizer(path: str):
 
 
 def _transformers_backend(d: str, gguf_file: Optional[str], what: str, lacks_json: bool = False):
-    """The ``tokenizers`` backend of transformers' ``AutoTokenizer`` for the directory ``d`` (or its GGUF file
-    ``gguf_file``). ``lacks_json``: ``d`` has no ``tokenizer.json`` (the error then says so first).
-    Raises :class:`ModelFormatError` naming ``what`` and the fix when it cannot be built."""
+    """The ``tokenizers`` backend of transformers' ``AutoTokenizer`` for ``d`` (or ``gguf_file``). Raises
+    ModelFormatError naming ``what`` and the fix."""
     try:
         from transformers import AutoTokenizer
     except ImportError as e:

@@ -34,12 +34,9 @@ def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Option
 
 def iter_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Optional[dict] = None,
                  _unpermute_qk: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read the named parameters (HF names) from the model at ``path`` one tensor at a time.
-
-    Yields ``(name, fp32 contiguous CPU tensor)`` with ``cfg.param_shapes``; tied ``lm_head.weight`` is
-    read from the embedding; GGUF q/k are un-permuted. ``index``: a GGUF :func:`gguf_tensor_index`.
-    Raises :class:`ModelFormatError` for an absent, mis-shaped or non-finite tensor, ``ValueError`` for
-    a name that is not a parameter of ``cfg``."""
+    """Read ``names`` from the model at ``path`` one tensor at a time: yields ``(name, fp32 contiguous CPU
+    tensor)`` (tied ``lm_head`` from the embedding; ``index``: a GGUF table). Raises ModelFormatError
+    (absent, mis-shaped or non-finite tensor), ValueError (not a parameter of ``cfg``)."""
     path = os.path.expanduser(path)
     check_exists(path)
     wanted = {n: (checkpoint_source_name(cfg, n), expected_shape(cfg, n)) for n in names}

@@ -1,37 +1,7 @@
-"""Stage optimizer: AdamW over fp32 master weights, per layer *resident* or *offloaded*.
+"""Stage optimizer: AdamW (Loshchilov & Hutter 2019, ``torch.optim.AdamW``) over fp32 master weights.
 
-- Resident parameters keep their fp32 master copy and the AdamW moments ``m``/``v`` on the card
-  (12 bytes/param) and are updated there; the compute-dtype weights are refreshed on the card.
-- Offloaded parameters keep master + moments in host RAM and are updated by a host AdamW
-  (``torch.optim.AdamW(fused=True)`` on the CPU); the new weights are cast to the compute dtype and
-  uploaded to the card (as in ZeRO-Offload, Ren et al. 2021), one AdamW per layer, by
-  :class:`~npu_train.optim.offload.HostUpdater`: inline, or overlapped on a background thread
-  (bit-identical), or as a delayed update one step stale (see :mod:`npu_train.optim.offload`).
-  Their squared gradient norms are taken on the host from the downloaded fp32 gradient (the same
-  copy feeds the update: one download per step; on a ``cpu`` card, outside the delayed update,
-  from the fp32 gradient itself, with no copy: :mod:`npu_train.optim.offload`).
-
-Gradient accumulation is in fp32: with a bf16 compute dtype, each micro-batch's ``.grad`` (bf16,
-one rounding) is folded into an fp32 accumulator on the card as soon as autograd has accumulated it
-(the gradient-ready hook of :mod:`npu_train.optim.hooks`), and ``.grad`` is freed again. Summing M bf16 gradients in
-bf16 instead costs one rounding per micro-batch: relative error 9.8e-3 at M = 64 against 1.7e-3 for
-a single rounding (issue 12); in fp32 the sum stays at the one-rounding level of the bf16 inputs.
-With fp32 compute, ``.grad`` itself is the fp32 accumulator (no extra memory). Gradient memory per
-parameter on the card: 4 bytes (the fp32 accumulator) for either compute dtype, plus, for bf16,
-a transient 2-byte ``.grad`` of the parameter whose backward is running.
-
-The accumulated gradients (:meth:`StageOptimizer.grad`) are scaled by the global clip coefficient
-as they are moved to the masters (in place, and skipped when the coefficient is 1, for the parameters
-that are their own masters). A resident parameter that is
-already fp32 on a ``cpu`` or ``cuda`` card (:data:`npu_train.hardware.SHARED_MASTER_KINDS`, fp32
-compute) is its own master (:attr:`StageOptimizer.shared`): the fused AdamW updates it in place from
-its ``.grad``, with no second fp32 copy (4 B/param less on the card) and no copy back into the
-weights after each step; bit-identical to updating a separate master. Measured on 96 M parameters
-(``experiments/bench/stage_optimizer.py``): norm + clip + step took 1.26-1.30x the CPU time of the
-torch pipeline worker's fused AdamW with the separate master, 1.04-1.10x without
-(``experiments/2026-11-30-bench.md``). AdamW follows Loshchilov & Hutter 2019 as implemented by
-``torch.optim.AdamW``; weight decay applies to tensors with ``ndim >= 2`` only (norm weights are
-not decayed), see :func:`decays`.
+Start at :class:`StageOptimizer`. Masters + moments are *resident* (on the card, 12 B/param) or
+*offloaded* (host RAM, :mod:`npu_train.optim.offload`); gradients accumulate in fp32. docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -80,16 +50,8 @@ class _Group:
             self.opt.step()
 
     def init_state(self, track=None) -> None:
-        """Create the AdamW state of every master now: ``step`` 0 and zero ``exp_avg`` /
-        ``exp_avg_sq`` (fp32, each the master's shape and device: 8 bytes per parameter), exactly
-        as ``torch.optim.AdamW`` creates it lazily in its first ``step()`` (``Adam._init_group``:
-        a 0-d fp32 ``step`` on the parameter's device when fused, else on the CPU), so the updates
-        are bit-identical. Up front, the first optimizer step no longer allocates and zeroes
-        the moments: that took the first stage of the default job 0.9-1.05 s instead of ~0.1 s,
-        and every stage behind it started the next step that much later
-        (``experiments/2026-12-01-bench-run7.md``); and a card that cannot hold them fails at
-        start-up, not after the first step. A master that already has state keeps it.
-        ``track``: called with each new moment tensor (device-memory accounting)."""
+        """Create every master's AdamW state now, exactly as ``torch.optim.AdamW`` does in its first step (8 B/param,
+        bit-identical updates; experiments/2026-12-01-bench-run7.md). ``track``: called with each new moment."""
         if self.opt is None:
             return
         for g in self.opt.param_groups:
@@ -114,33 +76,16 @@ def grad_or_zeros(p: torch.nn.Parameter) -> torch.Tensor:
 
 
 class StageOptimizer:
-    """AdamW with fp32 master weights for the parameters of one pipeline stage.
+    """AdamW with fp32 masters for one pipeline stage's parameters.
 
-    Args:
-        params: ``{hf_name: parameter}`` of the stage, in compute dtype on the card.
-        masters_init: ``{hf_name: fp32 CPU tensor}`` exact initial master weights (the loaded
-            checkpoint, before any cast to bf16). Must cover every name in ``params``.
-        resident: names whose master + moments live on the card; all others are offloaded.
-        backend: the card's :class:`npu_train.backends.base.Backend` (upload/download/device).
-        lr, betas, eps, weight_decay: AdamW hyper-parameters (``lr`` is overwritten every step).
-        layers: ``[(layer_key, [hf_name, ...]), ...]`` in forward order (embedding, decoder layers,
-            head); the offloaded parameters get one host AdamW per layer and are updated layer by
-            layer (:mod:`npu_train.optim.offload`). None: one layer holding every parameter.
-        overlap, delayed: host-update mode of the offloaded layers (:class:`~npu_train.optim.offload.
-            HostUpdater`): ``overlap`` runs the gradient downloads and the host AdamW on a background
-            thread (bit-identical results), ``delayed`` applies each host update one step late (DPU).
-        eager_state: create the AdamW moments here (:meth:`_Group.init_state`: 8 bytes per
-            parameter, zeros; on the card for resident, in host RAM for offloaded parameters)
-            instead of in the first :meth:`step`; bit-identical updates. False: torch's lazy creation.
-        hooks: the stage's :class:`~npu_train.optim.hooks.StepHooks` this optimizer registers its
-            gradient-ready and first-forward work with (None: its own, for standalone use).
-
-    Attributes:
-        shared: names of the resident parameters that are their own fp32 masters (fp32 compute on
-            a card whose ``backend.kind`` is in :data:`npu_train.hardware.SHARED_MASTER_KINDS`; see
-            the module docstring): their weights are set from ``masters_init`` here and updated in
-            place by the step.
-    """
+    ``params``: ``{hf_name: parameter}`` (compute dtype, on the card); ``masters_init``: ``{hf_name: fp32
+    CPU tensor}`` covering ``params``; ``resident``: names kept on the card, the rest offloaded; ``layers``:
+    ``[(layer_key, [hf_name, ...])]`` in forward order (one host AdamW per offloaded layer; None: one layer);
+    ``overlap``/``delayed``: :class:`~npu_train.optim.offload.HostUpdater` mode; ``eager_state``: create the
+    moments now; ``rows_first``: the embedding updated rows first (:mod:`npu_train.optim.rowsfirst`);
+    ``hooks``: the stage's :class:`~npu_train.optim.hooks.StepHooks`. :attr:`shared`: resident fp32
+    parameters on a ``SHARED_MASTER_KINDS`` card, their own masters. Raises ValueError for an offloaded
+    parameter in no layer."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], masters_init: dict[str, torch.Tensor],
                  resident: Iterable[str], backend, *, lr: float, betas=(0.9, 0.95), eps: float = 1e-8,
@@ -177,8 +122,7 @@ class StageOptimizer:
         self._register_hooks(fp32_grad_accum, overlap)
 
     def _place_masters(self, masters_init: dict, dev: torch.device) -> tuple[dict, dict]:
-        """The fp32 masters: ``(on the card, in host RAM)``, and :attr:`shared` (parameters that are their
-        own masters: set from ``masters_init`` here)."""
+        """The fp32 masters ``(on the card, in host RAM)``; sets :attr:`shared`."""
         params, backend = self.params, self.backend
         # resident fp32 parameters on a cpu / cuda card are their own masters (the planner's memory model
         # keys on the same card kinds)
@@ -197,8 +141,7 @@ class StageOptimizer:
         return res_m, off_m
 
     def _host_layers(self, layers, off_m: dict) -> list[tuple[str, list[str]]]:
-        """``layers`` restricted to the offloaded names, empty layers dropped; ValueError for an offloaded
-        parameter in no layer."""
+        """``layers`` restricted to the offloaded names; ValueError for an offloaded parameter in no layer."""
         if layers is None:
             layers = [("all", list(self.params))]
         groups = [(k, [n for n in names if n in off_m]) for k, names in layers]
@@ -224,9 +167,7 @@ class StageOptimizer:
             g.init_state()
 
     def _register_hooks(self, fp32_grad_accum: bool, overlap: bool) -> None:
-        """This optimizer's step hooks (:mod:`npu_train.optim.hooks`): the fp32 fold and (overlap) the
-        final-gradient count on gradient ready, in that order; the rest of a rows-first update on
-        first forward sent."""
+        """The fold before the final-gradient count (the count must see the fp32 accumulator), then rows-first."""
         params = self.params
         # fp32_grad_accum=False (train.grad_accum=compute): gradients accumulate in the compute dtype's
         # .grad, as the predecessor system on RNGD did (half the gradient memory, one rounding per micro-batch)
@@ -271,12 +212,8 @@ class StageOptimizer:
         return hook
 
     def begin_step(self, micro_batches: int, late=()) -> None:
-        """Before a step's first backward (overlap mode): a gradient is final after ``micro_batches``
-        accumulations, except for the names in ``late`` (changed later by a collective: the tied
-        embedding pair, data-parallel replicas), whose download starts in :meth:`grad_sq_terms`.
-        The zero-bubble W passes accumulate through the same hooks
-        (:class:`~npu_train.pipeline.backward.WeightGradWork`); a gradient that reaches ``.grad``
-        without one is downloaded there too (:meth:`HostUpdater.collect`)."""
+        """Overlap: a gradient is final after ``micro_batches`` accumulations, except ``late`` ones (changed by a
+        collective later: tied embeddings, data-parallel replicas)."""
         self._counts.clear()
         self._final_after = int(micro_batches)
         self._late = set(late)
@@ -290,9 +227,7 @@ class StageOptimizer:
         self._final_after = 0
 
     def grad_buffer(self, name: str) -> torch.Tensor:
-        """The tensor holding parameter ``name``'s step gradient, to be changed in place (e.g. summed over
-        data-parallel replicas): the fp32 accumulator (bf16 compute) or ``.grad``; zeros if the
-        parameter got no gradient this step."""
+        """Parameter ``name``'s step gradient to change in place (fp32 accumulator or ``.grad``; zeros if none)."""
         if name in self.accumulators:
             if self.grad(name) is None:
                 self.accumulators[name].zero_()
@@ -301,8 +236,7 @@ class StageOptimizer:
         return grad_or_zeros(self.params[name])
 
     def grad(self, name: str):
-        """The step's accumulated gradient of parameter ``name`` (fp32 with bf16 compute, else the
-        ``.grad`` in the compute dtype), on the card; None if the parameter got no gradient."""
+        """The step's accumulated gradient of ``name`` on the card (fp32 with bf16 compute), or None."""
         if name in self.accumulators:
             if self.params[name].grad is not None:  # set without a backward pass (no hook ran)
                 self._fold(name, self.params[name])
@@ -311,11 +245,8 @@ class StageOptimizer:
         return None if g is None else g.detach()
 
     def grad_sq_terms(self, exclude: Iterable[str] = (), only: Optional[Iterable[str]] = None) -> dict:
-        """``{name: sum of squares of its gradient}`` (fp32 CPU scalars) of this stage's parameters
-        but ``exclude`` (and without gradient), or (``only``) of just those named. Offloaded
-        gradients are downloaded for it (once; again only if changed since), others not touched.
-        :meth:`grad_sq_sum` adds the terms up; taken in parts (a gradient final earlier than
-        another), the same sum comes from :meth:`sum_terms`."""
+        """``{name: squared gradient sum}`` (fp32 CPU scalars) of parameters with a gradient, minus ``exclude``
+        (or only ``only``); :meth:`sum_terms` adds parts bit-identically to :meth:`grad_sq_sum`."""
         ex = set(exclude)
         want = None if only is None else set(only)
         names = [n for n in self.params if want is None or n in want]
@@ -331,8 +262,7 @@ class StageOptimizer:
         return out
 
     def sum_terms(self, terms: dict) -> torch.Tensor:
-        """The fp32 sum of :meth:`grad_sq_terms` parts, in parameter order (bit for bit
-        :meth:`grad_sq_sum` of the same parameters)."""
+        """The fp32 sum of :meth:`grad_sq_terms` parts, in parameter order (bit-identical to :meth:`grad_sq_sum`)."""
         total = torch.zeros((), dtype=torch.float32)
         for n in self.params:
             if n in terms:
@@ -340,8 +270,7 @@ class StageOptimizer:
         return total
 
     def grad_sq_sum(self, exclude: Iterable[str] = ()) -> torch.Tensor:
-        """Sum of squares of this stage's gradients but ``exclude``, fp32 CPU scalar (for the
-        global grad norm)."""
+        """Sum of squares of the stage's gradients except ``exclude``, fp32 CPU scalar."""
         return self.sum_terms(self.grad_sq_terms(exclude))
 
     def discard_grads(self) -> None:
@@ -351,18 +280,9 @@ class StageOptimizer:
 
     # ------------------------------------------------------------------ update
     def step(self, lr: float, clip_coef: float, rows: Optional[torch.Tensor] = None) -> dict[str, float]:
-        """Apply one AdamW step with gradients scaled by ``clip_coef``; refresh the card's weights.
-
-        Consumes the step's gradients (scaled in place, then cleared as by :meth:`zero_grad`).
-        ``rows``: int64 ``[k]`` sorted unique row indices of the ``rows_first`` embedding matrix that
-        the next step looks up: only those rows are updated now, the rest by :meth:`finish_rows`
-        (:mod:`npu_train.optim.rowsfirst`; bit-identical). None: the whole matrix now.
-
-        Returns seconds spent on this thread: ``{"device_optimizer", "host_optimizer", "transfer"}``
-        (``host_optimizer``: the offloaded layers' downloads, host AdamW and uploads when run inline,
-        else the time to queue them and, delayed, to apply the previous update; ``transfer``: 0,
-        counted in ``host_optimizer``).
-        """
+        """One AdamW step with gradients scaled by ``clip_coef``; consumes the gradients. ``rows``: int64 ``[k]``
+        rows of the ``rows_first`` matrix to update now (rest: :meth:`finish_rows`). Returns seconds
+        ``{"device_optimizer", "host_optimizer", "transfer"}`` (``transfer`` 0: in ``host_optimizer``)."""
         t0 = time.perf_counter()
         self.finish_rows()  # (a step without a forward since the last one: evaluation off, one-step runs)
         row_grad = None
@@ -410,10 +330,7 @@ class StageOptimizer:
         return {"device_optimizer": t1 - t0, "host_optimizer": host_opt, "transfer": 0.0}
 
     def finish_rows(self) -> float:
-        """Complete a pending rows-first update (:meth:`step` with ``rows``): after the next step's
-        first forward has left the card (the first-forward-sent hook, :mod:`npu_train.optim.hooks`),
-        and before anything else reads the matrix or its gradient (:meth:`wait_all`). Returns the
-        seconds it took (0.0 when nothing was pending)."""
+        """Complete a pending rows-first update (before anything else reads the matrix); returns its seconds."""
         if self._pending is None:
             return 0.0
         t0 = time.perf_counter()
@@ -457,9 +374,7 @@ class StageOptimizer:
         return t.detach() if t.device.type == "cpu" and t.is_contiguous() else self.backend.download(t).contiguous()
 
     def state_entries(self) -> list:
-        """The checkpoint's tensors as :class:`~npu_train.optim.entry.Entry` objects (fp32, keys
-        ``master.<name>``, ``exp_avg.<name>``, ``exp_avg_sq.<name>``), each fetched when written: live CPU
-        tensors without a copy, card tensors one download at a time. Finishes pending updates first."""
+        """Checkpoint tensors as :class:`~npu_train.optim.entry.Entry`: fp32 ``{master,exp_avg,exp_avg_sq}.<name>``."""
         from npu_train.optim.entry import Entry
 
         self.wait_all()  # no torn checkpoint: every pending host update finished
@@ -480,11 +395,7 @@ class StageOptimizer:
         return {e.name: e.get().clone() for e in self.state_entries()}
 
     def load_state_tensors(self, tensors, step: int) -> None:
-        """Restore masters, moments and the AdamW step count ``step``; refresh the card's weights.
-
-        ``tensors``: a dict or a function ``key -> fp32 CPU tensor`` for ``master.<name>``, ``exp_avg.<name>``,
-        ``exp_avg_sq.<name>`` of every parameter of the stage; read one at a time (extra memory: one tensor).
-        """
+        """Restore masters, moments and ``step``; ``tensors``: dict or ``key -> fp32 CPU tensor`` (read one by one)."""
         get = tensors.__getitem__ if isinstance(tensors, dict) else tensors
         self.wait_all()
         self.step_count = step

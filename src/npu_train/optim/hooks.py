@@ -1,22 +1,15 @@
 """The optimizer-step hooks: where parts of an optimizer step run inside the forward and backward.
 
-An optimizer step is not only the call after the backward: some of its work starts as soon as its
-inputs are ready. :class:`StepHooks` names those points, and every such piece registers through it:
+:class:`StepHooks` names three points; every piece of step work that starts early registers there:
 
-- **gradient ready** (:meth:`StepHooks.on_grad_ready`): autograd has just added one micro-batch's
-  gradient into a parameter's ``.grad`` (torch's post-accumulate-grad hook; the zero-bubble W
-  passes of :mod:`npu_train.pipeline.backward` fire it too). Once per parameter and micro-batch,
-  in registration order. Users (:class:`~npu_train.optim.adamw.StageOptimizer`): the fp32 fold of a
-  low-precision ``.grad`` into its accumulator, then the offload overlap's count that starts a
-  layer's gradient download and host AdamW once the gradient is final (:mod:`npu_train.optim.offload`).
-- **layer ready** (:meth:`StepHooks.on_layer_ready`): before the forward through a layer's module
-  (a forward pre-hook). User: the offload overlap, which waits there for that layer's pending host
-  update only (:func:`npu_train.runtime.overlap.install_waits`).
-- **first forward sent** (:meth:`StepHooks.on_first_forward_sent`): once per step on the first stage,
-  right after its first micro-batch's forward has left the card, before any backward
-  (:class:`~npu_train.pipeline.stage.StageRunner` fires it and times it as ``deferred_opt_s``). Users:
-  the rest of the rows-first embedding update (:mod:`npu_train.optim.rowsfirst`), then the sparse
-  embedding gradient's zeroed buffer (:class:`~npu_train.runtime.trainer.StageTrainer`).
+- **gradient ready** (:meth:`~StepHooks.on_grad_ready`): a micro-batch's gradient was just added into
+  ``.grad`` (post-accumulate-grad hook; the zero-bubble W passes fire it too), in registration order.
+  Users: the fp32 fold, then the offload overlap's final-gradient count (:mod:`npu_train.optim.adamw`).
+- **layer ready** (:meth:`~StepHooks.on_layer_ready`): forward pre-hook of a layer. User: the offload
+  overlap's wait for that layer's host update (:func:`npu_train.runtime.overlap.install_waits`).
+- **first forward sent** (:meth:`~StepHooks.on_first_forward_sent`): once per step on the first stage,
+  after its first forward left the card (fired by :class:`~npu_train.pipeline.stage.StageRunner`).
+  Users: the rows-first embedding update's finish, then the sparse embedding gradient's zeroing.
 """
 from __future__ import annotations
 

@@ -1,11 +1,8 @@
-"""Backward split into an input-gradient pass (B) and a deferred weight-gradient pass (W), for the zero-bubble
-schedules (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024); W does not redo the input-gradient chain.
-
-Approach of ``torch.distributed.pipelining``'s ``stage_backward_input`` / ``stage_backward_weight``, on public
-autograd APIs: *boundary* nodes are input-dependent nodes with an edge into a parameter-only subgraph (a linear's
-``mm``). B runs ``autograd.grad`` to the stage input, a pre-hook recording each boundary node's incoming
-gradient; W runs ``autograd.backward`` from those ``GradientEdge`` objects with the recorded gradients
-(``inputs=params``), so ``p.grad`` and its post-accumulate hooks behave as under ``backward()``."""
+"""Backward split into B (input gradient) and deferred W (weight gradient) for zero-bubble schedules (Qi et
+al., ICLR 2024), as ``torch.distributed.pipelining`` does, on public autograd APIs: B records the gradient
+into each *boundary* node (input-dependent, feeding a parameter-only subgraph); W runs
+``autograd.backward(inputs=params)`` from those edges, so ``p.grad`` hooks fire as under ``backward()``.
+"""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -15,26 +12,14 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 
 class WeightGradWork:
-    """The deferred weight-gradient pass (W) of one micro-batch, made by :func:`backward_input`.
-
-    :meth:`run` adds the weight gradients to ``p.grad`` of the parameters given to
-    :func:`backward_input` (same dtype/device as the parameters) through autograd's gradient
-    accumulators, so every hook registered with ``register_post_accumulate_grad_hook`` runs once per
-    parameter and micro-batch, as in ``backward()``; then it drops its references to the
-    micro-batch's graph.
-    """
+    """The deferred W of one micro-batch; :meth:`run` accumulates into ``p.grad`` via autograd's accumulators."""
 
     def __init__(self, groups: list, params_by_node: dict):
         self._groups = groups  # [(boundary nodes, {node: grad_outputs}, parameter nodes)]
         self._params = params_by_node
 
     def run(self, only: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
-        """Compute and accumulate the weight gradients.
-
-        ``only``: run just the groups that hold one of these parameters (their gradients are then
-        complete for this micro-batch) and keep the rest for a later call; ``None`` runs every
-        group that is left. Each group runs once whatever the split into calls, so the gradients are
-        those of a single call, bit for bit (a group is one ``torch.autograd.backward(inputs=)``)."""
+        """Accumulate the weight gradients of the groups holding ``only`` (None: all left); each group runs once."""
         if only is None:
             groups, self._groups = self._groups, []
         else:
@@ -86,27 +71,10 @@ def _graph(root) -> dict:
 def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], inp: torch.Tensor,
                    params: Sequence[torch.nn.Parameter],
                    cuts: Optional[Sequence[tuple]] = None) -> tuple[torch.Tensor, WeightGradWork]:
-    """B: gradient of ``output`` w.r.t. the stage input only; the weight part is deferred.
+    """B: gradient of ``output`` (``[b, S, H]`` with ``grad_output``, or a scalar loss) w.r.t. ``inp`` only.
 
-    Args:
-        output: the stage output ``[b, S, H]`` (with ``grad_output`` of the same shape and dtype)
-            or a scalar loss (``grad_output=None``).
-        inp: the stage input, a leaf with ``requires_grad`` (``[b, S, H]``).
-        params: the stage's parameters whose gradients :meth:`WeightGradWork.run` accumulates.
-        cuts: the ``(y, leaf)`` pairs of a forward whose graph was cut into segments
-            (:meth:`npu_train.model.llama.StageModule.forward` ``cuts=``), in forward order. The
-            input gradient is then chained through the segments from the last to the first (each
-            segment's B gives the gradient of the segment below), and the returned W holds every
-            segment's weight-gradient groups. Why: a W group's ``torch.autograd.grad`` walks the whole
-            graph below its boundary node, so over one uncut stage of n layers W's cost grew with n
-            (11 SmolLM2 layers: F + B + W 1.14-1.17x F + backward; one layer: 1.01-1.05x); cut per
-            layer each walk is one layer long. Same gradients (to rounding: the engine may sum a
-            layer input's two gradient contributions in another order).
-
-    Returns:
-        ``(d_input, work)``: ``d_input`` shaped like ``inp`` (zeros if the output does not depend
-        on it), and the deferred W of this micro-batch. ``inp.grad`` and ``p.grad`` are untouched.
-    """
+    ``cuts``: ``(y, leaf)`` pairs of a forward cut per layer, so each W walk is one layer long (uncut, 11
+    layers: F + B + W 1.14-1.17x F + backward). Returns ``(d_input, work)``; ``.grad`` is untouched."""
     if cuts:
         groups: list = []
         by_node: dict = {}
@@ -157,7 +125,7 @@ def _backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], i
 
 
 def _input_dependent(children: dict, x_node) -> set:
-    """The nodes of the graph ``children`` from which the input's accumulator ``x_node`` is reachable."""
+    """The nodes from which the input's accumulator ``x_node`` is reachable."""
     parents: dict = {}
     for n, kids in children.items():
         for c in kids:
@@ -175,8 +143,7 @@ def _input_dependent(children: dict, x_node) -> set:
 
 
 def _boundary_groups(children: dict, x_dep: set, params_by_node: dict) -> dict:
-    """``{group id: (boundary nodes, parameter nodes)}``: the input-dependent nodes with an edge into a
-    weight-only subgraph, grouped so that boundary nodes sharing a parameter are in one group."""
+    """``{group id: (boundary nodes, parameter nodes)}``; nodes sharing a parameter share a group."""
     reach: dict = {}
 
     def params_below(n) -> frozenset:  # parameters reachable from a non-input-dependent node

@@ -1,17 +1,10 @@
 """Pipeline schedules as pure lists of actions (no torch: the planner imports this module).
 
-A schedule is the ordered list of actions (:class:`Action`) one stage runs for the ``M`` micro-batches of a step;
-communication is implicit: ``F(m)`` receives from ``s-1`` and sends to ``s+1``; ``B(m)`` receives the output
-gradient and sends the input gradient (the full backward in ``gpipe``/``1f1b``, the input gradient only in
-``zb*``); ``W(m)`` (``zb*``) computes the weight gradients ``B(m)`` left out, without communication.
-
-Schedules: ``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush; Narayanan et al. 2021, section 2.2: at most
-``min(M, P-s)`` micro-batches held), ``zb`` (1F1B's order with B/W split, same memory), ``zb-h1`` / ``zb-h2``
-(Qi et al., ICLR 2024, ZB-H1 figure 3 and ZB-H2 section 3.1: W deferred ``s`` / ``2s`` micro-batches; up to
-``min(M, P)`` / ``min(M, 2P-1)`` held). With ``t_F = t_B = t_W`` the bubble fraction is ``(P-1)/(M+P-1)``
-(gpipe, 1f1b), ``2(P-1)/(3M+2(P-1))`` (zb) and ``(P-1)/(3M+P-1)`` for ``M >= P`` (zb-h1, zb-h2);
-:func:`bubble_fraction` and :func:`stage_timeline` compute it for any times, :func:`simulate` checks a
-schedule for deadlock with finite slots."""
+``F(m)`` receives from stage ``s-1`` and sends to ``s+1``; ``B(m)`` receives the output gradient and
+sends the input gradient; ``W(m)`` (``zb*``) computes the weight gradients ``B(m)`` left out. Schedules:
+``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021 §2.2), ``zb``, ``zb-h1``,
+``zb-h2`` (Qi et al., ICLR 2024). Start at :func:`build_schedule`; :func:`simulate` checks deadlock freedom.
+"""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Sequence, Union
@@ -24,8 +17,7 @@ Durations = Union[float, Sequence[float]]
 
 
 class Action(NamedTuple):
-    """One schedule step: ``kind`` is ``"F"`` (forward), ``"B"`` (backward; input gradient only in a
-    split-backward schedule) or ``"W"`` (weight gradient) of micro-batch ``micro``."""
+    """``kind`` F (forward), B (backward; input gradient only if split) or W (weight gradient) of ``micro``."""
 
     kind: str
     micro: int
@@ -42,17 +34,8 @@ def _check(kind: str, num_stages: int, num_micro: int) -> None:
 
 
 def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> list[Action]:
-    """Return the actions of ``stage`` (0-based) for one optimizer step.
-
-    Args:
-        kind: one of :data:`SCHEDULES`.
-        num_stages: P >= 1.
-        num_micro: M >= 1 micro-batches per optimizer step (gradient accumulation steps).
-        stage: 0 <= stage < P.
-
-    Raises:
-        ValueError: unknown schedule or out-of-range arguments.
-    """
+    """The actions of ``stage`` for one step of ``num_micro`` (M) micro-batches on ``num_stages`` (P) stages.
+    Raises ValueError for an unknown ``kind`` or out-of-range arguments."""
     _check(kind, num_stages, num_micro)
     if not 0 <= stage < num_stages:
         raise ValueError(f"bad schedule arguments: P={num_stages}, M={num_micro}, stage={stage}")
@@ -80,15 +63,8 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
 
 
 def _zb_h2(P: int, M: int, s: int) -> list[Action]:
-    """ZB-H2 (Qi et al. 2024, section 3.1 and Figure 4): ``min(2(P-s)-1, M)`` warm-up forwards (they
-    fill the time until the first gradient comes back: stage ``P-1``'s first ``B`` ends at ``P``
-    units, stage ``s``'s first ``B`` can start ``P-1-s`` backward passes later, at ``2P-1-s``, and
-    stage ``s`` starts at ``s``), then ``B W F`` steps with each ``W`` deferred ``2s`` micro-batches
-    past its ``B`` (the deferred ``W`` passes fill the tail, while the last micro-batch's input
-    gradient travels to stage 0: the paper's parallelogram). Every stage holds up to ``2P-1``
-    micro-batches (the paper's ``(2p-1) M_B``). When ``M < 2P-1`` the warm-up does not fit and the
-    ``W`` passes are deferred ``s`` micro-batches, as in ZB-H1 (a longer deferral there only
-    lengthens the tail: checked with :func:`stage_timeline` for P <= 6, M <= 16)."""
+    """ZB-H2 (Qi et al. 2024, §3.1): ``min(2(P-s)-1, M)`` warm-up forwards, then ``B W F`` with ``W`` lagging
+    ``2s`` micro-batches (``s`` when ``M < 2P-1``; checked with :func:`stage_timeline` for P <= 6, M <= 16)."""
     warmup = min(2 * (P - s) - 1, M)
     lag = 2 * s if M >= 2 * P - 1 else s
     actions = [Action("F", m) for m in range(warmup)]
@@ -106,11 +82,7 @@ def _zb_h2(P: int, M: int, s: int) -> list[Action]:
 
 
 def in_flight_profile(actions: Sequence[Action]) -> list[int]:
-    """Micro-batches whose activations the stage holds after each action.
-
-    A micro-batch is held from its ``F`` until its last backward action: its ``W`` when the list
-    has one for it (the autograd graph is kept between ``B`` and ``W``), else its ``B``.
-    """
+    """Micro-batches held (from ``F`` to their last backward action) after each action."""
     last = {}
     for i, a in enumerate(actions):
         if a.kind != "F":
@@ -126,21 +98,14 @@ def in_flight_profile(actions: Sequence[Action]) -> list[int]:
 
 
 def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
-    """Largest number of micro-batches whose activations stage ``stage`` holds at once (forward
-    done, last backward action not yet), from the action list: ``1f1b`` and ``zb``
-    ``min(M, P - stage)``, ``zb-h1`` ``min(M, P)``, ``zb-h2`` ``2P-1`` for ``M >= 2P-1``,
-    ``gpipe`` ``M``. Raises ``ValueError`` as
-    :func:`build_schedule`."""
+    """Most micro-batches held at once: ``min(M, P-stage)`` (1f1b, zb), ``min(M, P)`` (zb-h1), ``2P-1``
+    (zb-h2), M (gpipe). Raises ValueError as :func:`build_schedule`."""
     return max(in_flight_profile(build_schedule(kind, num_stages, num_micro, stage)))
 
 
 def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
-    """Largest number of micro-batches between their ``B`` and ``W`` on stage ``stage`` (0 for
-    schedules without a split backward). Each such micro-batch keeps, besides its activations,
-    the output gradients of the stage's weight-bearing ops (for a Llama layer about the size of
-    its linear layers' outputs) until its ``W``. ``zb``: 1, ``zb-h1``: ``min(M, stage + 1)``,
-    ``zb-h2``: ``2 stage + 1`` for ``M >= 2P-1``; 0 on
-    the first stage, whose ``B`` is the full backward since nothing waits for its input gradient."""
+    """Most micro-batches between ``B`` and ``W`` on ``stage`` (each keeps its weight ops' output gradients):
+    zb 1, zb-h1 ``min(M, stage+1)``, zb-h2 ``2 stage + 1``; 0 unsplit and on the first stage."""
     acts = build_schedule(kind, num_stages, num_micro, stage)
     if kind not in SPLIT_BACKWARD or stage == 0:
         return 0
@@ -152,17 +117,8 @@ def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro:
 
 
 def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = None) -> int:
-    """Run all stages' schedules against each other with unit-time actions.
-
-    ``slots`` is the number of tensors that may be in flight on one boundary link and direction
-    before the sender blocks (the transport's ring of K shared-memory slots with credits,
-    ``runtime.slots``); ``None`` means unbounded. A stage starts ``F``/``B`` only when its input
-    has arrived and its outgoing link has a free slot (conservative: credits returned in a tick
-    are seen in the next one).
-
-    Returns the number of time ticks the step takes. Raises ``RuntimeError`` on deadlock (used by
-    the tests to prove every (P, M, slots) combination completes).
-    """
+    """Run all stages' schedules against each other in unit ticks; returns the ticks. ``slots``: tensors in
+    flight per link and direction (None: unbounded). Raises RuntimeError on deadlock."""
     P = num_stages
     scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
     pos = [0] * P
@@ -187,8 +143,7 @@ def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = 
 
 
 def _can_start(a: Action, s: int, P: int, done: dict, act_link: list, grad_link: list, cap: float) -> bool:
-    """Whether stage ``s`` can run action ``a`` now (:func:`simulate`): its input has arrived and its
-    outgoing link has a free slot."""
+    """Whether stage ``s`` can run ``a`` now (input arrived, outgoing slot free)."""
     if a.kind == "F":
         return (s == 0 or a.micro in done["F"][s - 1]) and (s == P - 1 or act_link[s] < cap)
     if a.kind == "B":
@@ -222,18 +177,9 @@ def _per_stage(v: Durations, P: int, name: str) -> list[float]:
 
 def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
                    t_w: Durations = 1.0) -> tuple[list[float], list[float]]:
-    """Earliest-start execution of the schedule with given per-micro-batch action times.
-
-    Args:
-        t_f, t_b, t_w: seconds (or any unit) per micro-batch of the forward, the input-gradient
-            and the weight-gradient pass; one number for all stages or one per stage.
-            Schedules without a split backward run ``t_b + t_w`` per ``B``; in ``zb`` the first
-            stage's ``B`` is its full backward (``t_b + t_w``) and its ``W`` takes no time, as
-            :class:`npu_train.pipeline.stage.StageRunner` runs it. Transfers take no time.
-
-    Returns:
-        ``(end, busy)``: per stage, the time its last action ends and its total compute time.
-    """
+    """Earliest-start execution; returns per stage ``(end, busy)``. ``t_f, t_b, t_w``: time per micro-batch
+    (one value or one per stage); unsplit ``B`` takes ``t_b + t_w``, as does the first stage's in ``zb*``.
+    Raises RuntimeError on deadlock."""
     P = num_stages
     tf, tb, tw = (_per_stage(v, P, n) for v, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
     split = kind in SPLIT_BACKWARD
@@ -275,17 +221,14 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
 
 def step_time(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
               t_w: Durations = 1.0) -> float:
-    """Predicted time of one optimizer step's forward/backward (same unit as ``t_*``), from
-    :func:`stage_timeline`: the latest stage end."""
+    """One step's forward/backward time (unit of ``t_*``), from :func:`stage_timeline`."""
     return max(stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)[0])
 
 
 def bubble_fraction(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
                     t_w: Durations = 1.0) -> float:
-    """Idle share of the step over all stages: ``1 - sum(busy) / (P * step_time)``, from
-    :func:`stage_timeline`. With the default unit times: ``(P-1)/(M+P-1)`` for ``1f1b``/``gpipe``,
-    ``2(P-1)/(3M+2(P-1))`` for ``zb``, ``(P-1)/(3M+P-1)`` for ``zb-h1`` when ``M >= P`` and for
-    ``zb-h2`` when ``M >= 2P-1``."""
+    """Idle share ``1 - sum(busy) / (P * step_time)``. Unit times: ``(P-1)/(M+P-1)`` (1f1b, gpipe),
+    ``2(P-1)/(3M+2(P-1))`` (zb), ``(P-1)/(3M+P-1)`` (zb-h1 for M >= P, zb-h2 for M >= 2P-1)."""
     end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)
     T = max(end)
     return 1.0 - sum(busy) / (num_stages * T) if T > 0 else 0.0

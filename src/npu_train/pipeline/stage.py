@@ -1,9 +1,7 @@
-"""Run one pipeline stage's schedule for one optimizer step (:class:`StageRunner`).
-
-No processes or transport here: boundary traffic goes through a :class:`BoundaryComm` (``recv_act``,
-``send_act``, ``recv_grad``, ``send_grad``), implemented by the worker over shm + ZeroMQ and by tests over
-queues. The last stage divides each micro-batch's summed loss by the target tokens of the whole step
-(``total_tokens``, all replicas), so the gradient does not depend on how the step is cut."""
+"""Run one pipeline stage's schedule for one optimizer step (:class:`StageRunner`) over a
+:class:`BoundaryComm`. The loss is divided by the whole step's target tokens, so gradients do not
+depend on how the step is cut.
+"""
 from __future__ import annotations
 
 import time
@@ -22,8 +20,7 @@ EVAL_MICRO_BASE = 1 << 20
 
 
 class BoundaryComm(Protocol):
-    """Stage-boundary transport as seen by one stage. Tensors are CPU or device tensors of shape
-    ``[micro_batch, seq_len, hidden]`` in the compute dtype; received tensors are already on the card."""
+    """Stage-boundary transport: ``[micro_batch, seq_len, hidden]`` compute-dtype tensors, received on the card."""
 
     def recv_act(self, step: int, micro: int) -> torch.Tensor: ...
     def send_act(self, step: int, micro: int, t: torch.Tensor) -> None: ...
@@ -32,40 +29,13 @@ class BoundaryComm(Protocol):
 
 
 class StageRunner:
-    """Executes GPipe/1F1B/zero-bubble for one stage.
+    """Executes a schedule for one stage; split-backward ``W`` via :mod:`npu_train.pipeline.backward` (the
+    first stage runs the full backward in ``B``).
 
-    In ``zb``/``zb-h1``/``zb-h2`` (:data:`npu_train.pipeline.schedule.SPLIT_BACKWARD`) a ``B`` action computes only
-    the gradient w.r.t. the stage input and sends it upstream at once; the matching ``W`` adds
-    the weight gradients to ``p.grad`` later (:mod:`npu_train.pipeline.backward`). On the first
-    stage the input is token ids, no stage waits for its input gradient, so there ``B`` is the
-    full backward and ``W`` does nothing (fewer graph walks, the graph is freed sooner).
-
-    Args:
-        module: the stage's :class:`npu_train.model.llama.StageModule` (on the card).
-        backend: the card's backend (``upload``/``synchronize``).
-        num_stages, stage: pipeline size P and this stage's index.
-        schedule: one of :data:`npu_train.pipeline.schedule.SCHEDULES`.
-        comm: the boundary transport (unused when P == 1).
-        hooks: the stage's :class:`~npu_train.optim.hooks.StepHooks` or None; its first-forward-sent hooks
-            run on the first stage right after the step's first forward was sent, timed as
-            ``deferred_opt_s`` and traced as a ``U`` action.
-
-    Attributes:
-        trace: None (default), or a list the next :meth:`run_step` appends one tuple per action to:
-            ``(kind, micro, t_start, t_ready, t_done, t_end)``, ``time.perf_counter`` seconds
-            (CLOCK_MONOTONIC on Linux: comparable across the card processes of one host). ``kind``
-            is ``"F"``, ``"B"``, ``"W"`` or ``"E"`` (the early weight-gradient groups, then their
-            ``done()``, see ``early``); ``t_start`` to ``t_ready`` is the wait for the neighbour's
-            tensor (0 long on the first stage's forward), ``t_ready`` to ``t_done`` the compute,
-            ``t_done`` to ``t_end`` the send (``done()`` for ``E``). On an accelerator the device is
-            synchronized at every timestamp while tracing (the intervals are device time; the
-            overlap of kernel launches with the next action is lost). The first stage's forward
-            "wait" is the upload of its token ids. The per-action timeline behind ``runtime.trace`` (:mod:`npu_train.metrics.trace`).
-
-    Raises:
-        ConfigError: ``zb`` with a module built with ``recompute=True`` (W would recompute
-            every layer's forward a second time).
-    """
+    ``hooks``: :class:`~npu_train.optim.hooks.StepHooks` fired after the first forward (``deferred_opt_s``).
+    ``trace``: None or a list that gets ``(kind, micro, t_start, t_ready, t_done, t_end)`` per action
+    (``perf_counter`` s, device synchronized; :mod:`npu_train.metrics.trace`). Raises ConfigError for a
+    split-backward schedule with ``recompute=True``."""
 
     def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm],
                  hooks=None):
@@ -85,30 +55,13 @@ class StageRunner:
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
                  total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
-        """Forward and backward all micro-batches of optimizer step ``step``; gradients accumulate in ``.grad``.
+        """Forward and backward all micro-batches of ``step``; gradients accumulate in ``.grad``.
 
-        Args:
-            inputs: first stage only: M int64 CPU tensors ``[micro_batch, seq_len]``.
-            labels: last stage only: M int64 CPU tensors ``[micro_batch, seq_len]``
-                (``IGNORE_INDEX`` = ignored).
-            total_tokens: last stage: the loss divisor, target tokens of the whole global step (all
-                data-parallel replicas); None = the target tokens of ``labels``.
-            early: ``(params, done)``: gradients wanted before the step's backward ends. In a
-                split-backward schedule, right after the step's last ``B``, the weight-gradient
-                groups holding ``params`` run for every micro-batch still waiting for its ``W``,
-                then ``done()`` is called (the ``.grad`` of ``params`` is final), then the rest of
-                those ``W`` passes run in schedule order. Without a split backward ``done()`` is
-                called after the last action. The last stage's tied ``lm_head`` gradient leaves
-                for the first stage this way while the deferred layer ``W`` passes still run
-                (:mod:`npu_train.runtime.tied`). Same gradients, bit for bit: every group still
-                runs once per micro-batch.
-
-        Returns:
-            ``{"loss_sum": float (last stage: summed token CE in nats, else 0), "n_tokens": int (last
-            stage: target tokens of ``labels``, this replica's share),
-            "compute_s", "wait_s", "send_s", "deferred_opt_s"}`` (seconds; ``deferred_opt_s``:
-            the first-forward-sent hooks, in none of the others).
-        """
+        ``inputs`` (first stage) / ``labels`` (last): M int64 CPU ``[micro_batch, seq_len]``. ``total_tokens``:
+        the loss divisor (all replicas; None: from ``labels``). ``early=(params, done)``: after the last ``B``
+        run the W groups of ``params``, call ``done()``, then the other ``W`` (the tied head gradient leaves
+        early; same gradients). Returns ``{"loss_sum" (nats), "n_tokens", "compute_s", "wait_s", "send_s",
+        "deferred_opt_s"}``. Raises ValueError for a step without target tokens."""
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
             raise ValueError("a middle stage needs the number of micro-batches: pass inputs=None, labels=None via run_middle")
@@ -121,13 +74,7 @@ class StageRunner:
     @torch.no_grad()
     def run_eval(self, step: int, num_micro: int, inputs: Optional[list[torch.Tensor]],
                  labels: Optional[list[torch.Tensor]]) -> dict:
-        """Forward-only pass over ``num_micro`` held-out micro-batches (no gradients, no backward).
-
-        Boundary traffic uses the same links as training, with the micro-batch index offset by
-        ``EVAL_MICRO_BASE`` so evaluation messages can never be confused with training ones.
-
-        Returns ``{"loss_sum": float (last stage), "n_tokens": int (last stage)}``.
-        """
+        """Forward-only pass over held-out micro-batches (ids + :data:`EVAL_MICRO_BASE`); ``{"loss_sum", "n_tokens"}``."""
         loss_sum, n_tok = 0.0, 0
         for m in range(num_micro):
             tag = EVAL_MICRO_BASE + m
@@ -165,8 +112,7 @@ class StageRunner:
 
 
 class _StepRun:
-    """One step of a :class:`StageRunner`: the schedule's actions on the saved micro-batch graphs, with
-    the seconds of each kind of work (``compute``, ``wait``, ``send``, ``deferred``)."""
+    """One step's actions on the saved micro-batch graphs, with their seconds."""
 
     def __init__(self, runner: StageRunner, step: int, M: int, inputs, labels, total_tokens, early):
         self.r, self.step, self.inputs, self.labels, self.total_tokens = runner, step, inputs, labels, total_tokens

@@ -1,25 +1,6 @@
-"""Cross-node supervision: the node agents' channel (:class:`NodeLink`).
-
-Each node's launcher supervises its own card processes (:class:`~npu_train.runtime.coordinator.Coordinator`)
-as on one node. The launchers of a multi-node job are joined by one ZeroMQ channel: node 0 binds a
-ROUTER socket on ``tcp://<its runtime.host>:<port>`` (published through the rendezvous store), every
-other node connects a DEALER to it. Messages are msgpack maps carrying the job token:
-
-==========  ===================  =====================================================================
-type        direction            meaning
-==========  ===================  =====================================================================
-``hb``      both ways            heartbeat, every ``runtime.heartbeat_interval_s``
-``fail``    node n -> node 0     node n brings the job down; ``msg`` names node, card, stage, phase,
-            node 0 -> all        cause (node 0 relays the first one it gets to every other node)
-``ckpt``    node n -> node 0     every stage of node n has written its shard of checkpoint ``step``
-``done``    node n -> node 0     every card process of node n finished
-``finish``  node 0 -> all        every node finished and every checkpoint is published: exit 0
-==========  ===================  =====================================================================
-
-Failure semantics equal one node's: a node that hears nothing from node 0 (or node 0 from a node)
-for ``runtime.heartbeat_timeout_s`` (``runtime.startup_timeout_s`` before first contact) declares it
-dead; a ``fail`` notice ends every node with the same message. The coordinator of each node then
-tears its own card processes, shared memory and sockets down, as on one node.
+"""Cross-node supervision: the node launchers' ZeroMQ channel (:class:`NodeLink`; node 0 binds a ROUTER,
+the others connect DEALERs). Messages ``hb``, ``fail``, ``ckpt``, ``done``, ``finish``; failure semantics
+equal one node's (docs/design.md §17).
 """
 from __future__ import annotations
 
@@ -34,18 +15,10 @@ from npu_train.errors import JobFailed
 
 
 class NodeLink:
-    """One node agent's end of the channel between the launchers of a multi-node job.
-
-    Args:
-        node, nnodes: this node's rank and the number of nodes.
-        addr: node 0's channel address (``tcp://host:port``); node 0 binds it, the others connect.
-        token: the job token (every message carries it; others are dropped).
-        interval_s, timeout_s, startup_timeout_s: heartbeat period, silence after which a node is
-            declared dead, and the silence allowed before the first message from a node (seconds).
-
-    The coordinator calls :meth:`pump` in its loop; :meth:`pump` raises :class:`JobFailed` when another
-    node fails or goes silent.
-    """
+    """One node's end of the launchers' channel. ``addr``: node 0's ``tcp://host:port``; ``token``: the job
+    token (other messages are dropped); ``interval_s``/``timeout_s``/``startup_timeout_s``: heartbeat
+    period and allowed silence after / before first contact (s). :meth:`pump` raises JobFailed when another
+    node fails or goes silent."""
 
     def __init__(self, node: int, nnodes: int, addr: str, token: str, *, interval_s: float, timeout_s: float,
                  startup_timeout_s: float):
@@ -93,12 +66,8 @@ class NodeLink:
 
     # ------------------------------------------------------------------ called by the coordinator
     def pump(self, now: float, publish: Callable[[int], None]) -> None:
-        """Send a heartbeat when due, handle every pending message, check the other nodes' liveness.
-
-        ``publish(step)`` is called (node 0) as soon as every node has written its shards of checkpoint
-        ``step``, in message order, so a checkpoint completed before a failure notice is still published.
-        Raises :class:`JobFailed` on a ``fail`` notice or a silent node.
-        """
+        """Heartbeat when due, handle pending messages, check liveness; ``publish(step)`` (node 0) once every
+        node wrote checkpoint ``step``'s shards, in message order. Raises JobFailed."""
         if now - self.last_sent >= self.interval_s:
             self._broadcast({"type": "hb"})
             self.last_sent = now
@@ -164,8 +133,7 @@ class NodeLink:
             self._send(0, {"type": "ckpt", "step": step})
 
     def all_done(self, last_ckpt: Optional[str] = None) -> bool:
-        """This node's card processes finished: True once the whole job has (node 0: every node reported
-        ``done`` and no checkpoint is pending, then it sends ``finish``; other nodes: ``finish`` arrived)."""
+        """This node finished: True once the whole job has (node 0 then sends ``finish``)."""
         if not self.local_done:
             self.local_done = True
             if self.node != 0:

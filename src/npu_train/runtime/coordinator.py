@@ -1,55 +1,10 @@
-"""Coordinator (process supervision): spawn one process per card, watch them, tear the job down.
+"""Coordinator: spawn one process per card, supervise them by heartbeat, tear the job down on any failure.
 
-Job preparation (cards, plan, data, worker specs) is :mod:`npu_train.runtime.job`.
-
-The coordinator is not on the per-micro-batch data path: it receives hellos, heartbeats,
-per-step metrics, checkpoint reports and errors from the card processes over a ZeroMQ ROUTER
-socket (msgpack dicts carrying the job's random token), prints progress, publishes checkpoints
-(manifest + atomic rename), and on any failure brings the whole job down:
-
-- a card process that exits non-zero, is killed by a signal, reports an exception, or sends no
-  heartbeat for ``runtime.heartbeat_timeout_s`` is named (card, stage, layers, phase, cause); a
-  process never heard from (interpreter start, imports) gets ``runtime.startup_timeout_s`` for its
-  first message, and the message names whichever of the two timeouts fired;
-- every other card process is terminated (SIGTERM, then SIGKILL after a grace period);
-- the job's shared-memory segments, IPC sockets and checkpoint staging directories are removed;
-- the launcher exits with status 1 (2 for bad input detected before start).
-
-Liveness is decided by heartbeats only: the card processes wait for each other (stage-boundary
-receives, gloo collectives, rendezvous, a long first-step compilation, a slow checkpoint write)
-without a timeout of their own, for as long as the peer heart-beats; when a peer dies or hangs, the
-coordinator notices within the heartbeat timeout and kills every card process of the job. Card
-processes report each phase they enter (device setup, model load, rendezvous, resume, the phases
-of a step, checkpoint save), so a failure names where the card was.
-
-When several card processes fail together (one is killed, its neighbours then see broken
-collectives), the coordinator names the root cause: a process that died without reporting
-(killed by a signal, exited silently) or stopped answering beats one that reported an error,
-and among reported errors the first one received wins (after a short grace period, so that a
-peer's death that caused the error is seen first).
-
-SIGINT/SIGTERM (Ctrl-C, ``kubectl delete``): with ``train.save_on_interrupt`` the card processes
-finish the current step, agree on it through the all-reduce stop flag and save a checkpoint; the
-launcher then exits 128 + signal number (130 / 143). A second signal aborts at once.
-
-If the launcher itself is killed (``kill -9``), every card process notices within a heartbeat
-interval that its parent changed, removes the job's ``/dev/shm/npt_<job_id>_*`` segments and IPC
-directory, and exits. Only if the launcher and all card processes die at once (``kill -9`` of
-the whole process group, the OOM killer) can segments remain; the next launch on the host removes
-them (and the IPC directory) because the job's owner record ``/dev/shm/npt_<job_id>_owner`` names a
-launcher that is gone (:mod:`npu_train.runtime.leftovers`); live jobs' are never touched.
-
-Multi-node (:mod:`npu_train.runtime.nodes`): each node's launcher runs one coordinator for its own
-card processes (``specs`` holds only this node's stages, with global ranks) and a
-:class:`~npu_train.runtime.agent.NodeLink` to the other nodes' launchers. A failure decided here is
-sent to every node; a failure notice from another node (or its silence) ends this one with the same
-message. An error *reported* by a local card process (a broken gloo connection, a transport timeout)
-waits :attr:`Coordinator.REMOTE_GRACE_S` (or, while a node is silent, until it is declared dead) for
-a notice from another node, which names the root cause better. Checkpoint reports flow to node 0,
-which publishes once every node's shards are written.
-
-While a job runs, ``<run_dir>/job.json`` describes it (job id, launcher and card process ids,
-socket addresses, shared-memory prefix; never the token) for tools and tests.
+Off the data path: card processes send hellos, heartbeats, metrics, checkpoint reports and errors over a
+ZeroMQ ROUTER socket. A failure is named (card, stage, layers, phase, cause), the other processes are
+ended and the job's shared memory, sockets and staging directories removed; exit 1. Start at
+:class:`Coordinator`; preparation is :mod:`npu_train.runtime.job`, the rules (root cause, signals,
+orphans, multi-node) are in docs/design.md §17. ``<run_dir>/job.json`` describes a running job.
 """
 from __future__ import annotations
 

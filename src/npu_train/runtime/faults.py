@@ -1,23 +1,9 @@
-"""Test-only fault injection in a card process (``NPT_FAULT``).
+"""Test-only fault injection in a card process: ``NPT_FAULT="rank=1,phase=backward,step=2,action=kill"``.
 
-``NPT_FAULT`` (environment variable, inherited by the spawned card processes) makes one card
-process fail at a precise point, so the tests in ``tests/integration/test_faults.py`` can hit
-every phase of a step. It is read once at start-up and does nothing when unset; it is not a
-user feature. Format: comma-separated ``key=value`` pairs::
-
-    NPT_FAULT="rank=1,phase=backward,step=2,action=kill"
-
-- ``rank``: the stage/card process that fails (0-based);
-- ``step``: the 1-based optimizer step (as printed: ``step 2/N``), default 1;
-- ``phase``: ``load`` (start-up, right after the model load; ``step`` is ignored), ``forward``
-  (first stage forward of the step), ``backward`` (first gradient of the stage's first
-  parameter), ``collective`` (just before the step's gloo all-reduce), ``optimizer`` (just before
-  the AdamW update), ``checkpoint`` (after this stage wrote its shard into the staging
-  directory, before reporting it);
-- ``action``: ``kill`` (SIGKILL itself), ``stop`` (SIGSTOP itself: a hung process), ``raise``
-  (RuntimeError), ``sleep:S`` (sleep S seconds, then continue normally: a slow phase such as a
-  150 s first-step compilation or a long checkpoint write), ``inf`` (phase ``backward`` only:
-  the stage's first parameter gets an all-``inf`` gradient in that step).
+``rank``: the card process; ``step``: 1-based (default 1); ``phase``: ``load``, ``forward``, ``backward``,
+``collective``, ``optimizer``, ``checkpoint`` (after writing the shard, before reporting it);
+``action``: ``kill``, ``stop`` (SIGSTOP), ``raise`` (RuntimeError), ``sleep:S`` (s), ``inf`` (backward:
+an inf gradient).
 """
 from __future__ import annotations
 

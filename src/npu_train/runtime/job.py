@@ -1,11 +1,8 @@
 """One training job, from the parsed configuration to the run summary: :func:`run_job`.
 
-:func:`run_job` reads top to bottom as phases over typed objects: :func:`prepare` (config, cards, plan,
-model headers: :class:`Prepared`) -> data -> resume point (:class:`ResumePoint`) -> launch identity
-(:class:`LaunchIdentity`: ids, ports, ``/dev/shm``) -> start (:func:`build_worker_specs`, the only place
-worker specs are built, and the :class:`~npu_train.runtime.coordinator.Coordinator`) -> supervise ->
-finish. Every check that can reject the job runs before anything is written and raises a
-:class:`~npu_train.errors.UserError` naming the fix.
+Phases over typed objects: :func:`prepare` (:class:`Prepared`) -> data -> :class:`ResumePoint` ->
+:class:`LaunchIdentity` -> :func:`build_worker_specs` + Coordinator -> supervise -> finish. Every check
+that can reject the job runs before anything is written and raises a UserError naming the fix.
 """
 from __future__ import annotations
 
@@ -55,12 +52,8 @@ def as_list(v):
 
 
 def card_specs(reqs, cfg, prefix: str = "") -> list:
-    """Planner :class:`~npu_train.planner.CardSpec` of one node's resolved card requests.
-
-    Capacity: the backend's (``placement.capacity_gib`` overrides it); CPU cards share the node's
-    RAM equally. Names: ``cpu`` (one CPU card) or ``cpu:<i>``, ``<kind>:<index>``, after ``prefix``
-    (multi-node: ``node1/``, so every card of the job has a distinct name).
-    """
+    """Planner CardSpecs of one node's card requests: the backend's capacity (``placement.capacity_gib``
+    overrides; CPU cards share RAM), names after ``prefix`` (multi-node: ``node1/``)."""
     from npu_train.planner import CardSpec, default_capacity
 
     n_cpu = sum(1 for r in reqs if r.kind == "cpu")
@@ -99,14 +92,9 @@ class Prepared:
 
 
 def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
-    """Validate ``cfg`` and build everything needed before a card process starts.
-
-    Returns a :class:`Prepared`. Multi-node (``nodes``: a
-    :class:`~npu_train.runtime.nodes.Rendezvous`): the nodes exchange their cards, thread counts and
-    host RAM, and every node plans over ALL cards of the job (node order, then card order), with the
-    smallest thread count of any node, so the same inputs give every node the same plan.
-    Raises a :class:`~npu_train.errors.UserError` on bad input.
-    """
+    """Validate ``cfg`` and build everything needed before a card process starts (:class:`Prepared`).
+    Multi-node (``nodes``): the nodes exchange cards, threads and RAM and all plan over every card with the
+    smallest thread count, so they get the same plan. Raises UserError on bad input."""
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
@@ -177,10 +165,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
 
 
 def _resumed_split(cfg, run_dir: str, stages: int) -> Optional[list]:
-    """Layers per stage of the checkpoint ``train.resume`` names, when it has ``stages`` stages: a resumed run
-    keeps its split (the fitted figures may have moved the fastest one, and another split sums the global
-    grad norm in another order, so the resume would not be bit-exact). None: no resume, or no readable
-    checkpoint yet (its errors are reported by the resume checks)."""
+    """Layers per stage of the checkpoint being resumed (if it has ``stages`` stages), else None: a resume keeps
+    its split, since another split sums the grad norm in another order (not bit-exact)."""
     from npu_train.checkpoint.store import checkpoint_split, find_checkpoint
 
     if not cfg.train.resume or cfg.plan:
@@ -211,8 +197,7 @@ def _preset_config(path: str):
 
 
 def _shm_free_bytes() -> int:
-    """Free bytes in /dev/shm; ``NPT_SHM_FREE_BYTES`` overrides the figure (test-only: simulates
-    a small /dev/shm, e.g. Docker's 64 MB default, for the pre-spawn check)."""
+    """Free bytes in /dev/shm (``NPT_SHM_FREE_BYTES`` overrides it, for tests)."""
     from npu_train.transport.shm import shm_free_bytes
 
     override = getenv("SHM_FREE_BYTES")
@@ -220,13 +205,8 @@ def _shm_free_bytes() -> int:
 
 
 def resident_param_names(model_cfg, stage, lora_targets=()) -> list[str]:
-    """HF names of a stage's parameters that are resident (master + moments on the card).
-
-    Decoder layers follow the plan; the embedding, final norm and LM head follow the plan's
-    ``nonlayer_resident`` flag (the placement model's choice, so memory is predicted for what runs).
-    With LoRA (``lora_targets`` non-empty) the resident layers' adapter names are listed as well (the
-    frozen base weights have no optimizer state, so listing them is harmless).
-    """
+    """HF names of a stage's resident parameters: layers as planned, non-layer weights per the plan's
+    ``nonlayer_resident``; with LoRA also the resident layers' adapter names."""
     from npu_train.model.lora import lora_param_names
 
     names = []
@@ -251,16 +231,10 @@ CARD_PROCESS_MODULES = ("npu_train.runtime.worker", "npu_train.runtime.trainer",
 def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
                        data_file: str, start_step: int, resume_dir: Optional[str], ckpt_root: str, ipc_dir: str,
                        host: str, port: int, slot_bytes: int, slots: int, nodes=None) -> list[WorkerSpec]:
-    """One :class:`~npu_train.runtime.spec.WorkerSpec` per card (the only place they are built): global rank
-    ``r = replica * P + stage`` runs stage ``r % P`` of ``plan`` on ``prep.cards[r]``, for ``prep.dp``
-    replicas (:class:`~npu_train.runtime.layout.ParallelLayout`).
-
-    Addresses: with the ``shm`` transport the boundary mailboxes and the coordinator are ipc sockets in
-    ``ipc_dir``; with ``inline`` they are TCP ports on ``host``. gloo rendezvous: ``tcp://host:port``.
-    Multi-node (``nodes``: this node's :class:`~npu_train.runtime.nodes.NodePlan`): specs for this
-    node's cards only (global ranks), with the job's mailbox addresses, per-boundary transports
-    (``inline`` across nodes) and gloo rendezvous from ``nodes``; the coordinator socket is local.
-    """
+    """The one place :class:`~npu_train.runtime.spec.WorkerSpec` objects are built: global rank ``r = replica
+    * P + stage`` runs stage ``r % P`` on ``prep.cards[r]``. Addresses: ipc sockets in ``ipc_dir`` (``shm``)
+    or TCP ports on ``host`` (``inline``); multi-node (``nodes``): this node's cards only, with the job's
+    mailboxes, per-boundary transports and gloo rendezvous."""
     from npu_train.runtime.layout import ParallelLayout
 
     P = len(plan.stages)
@@ -293,10 +267,8 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
 
 # ------------------------------------------------------------------------------ settings -> typed pieces
 def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
-    """(stages per pipeline P, ``parallel.dp``, ``parallel.zero``) for the cards of ``kinds`` (global-rank
-    order, :mod:`npu_train.runtime.layout`) and the model ``mcfg``. Raises :class:`~npu_train.errors.ConfigError`
-    when ``data.seq_len`` exceeds the model's, the cards do not divide into ``dp`` replicas of the same kinds,
-    or a pipeline has more stages than the model has layers."""
+    """``(P, dp, zero)`` for the cards of ``kinds`` and model ``mcfg``. Raises ConfigError when ``data.seq_len``
+    exceeds the model's, the cards do not form ``dp`` equal replicas, or P exceeds the layer count."""
     from npu_train.config import check_dp_cards
 
     if cfg.data.seq_len > mcfg.max_position_embeddings:
@@ -320,8 +292,7 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
 
 
 def run_shape(cfg, mcfg, dtype: str):
-    """The planner's :class:`~npu_train.planner.RunShape` of ``cfg`` for the model ``mcfg`` in compute ``dtype``
-    (LoRA: the adapter parameters per layer from the model's projection widths)."""
+    """The planner's RunShape of ``cfg`` for ``mcfg`` in ``dtype`` (LoRA: adapter parameters per layer)."""
     from npu_train.planner import RunShape
 
     tr, lora_pl = cfg.train, 0
@@ -353,15 +324,13 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
 
 
 def furiosa_cache_dir(cfg) -> str:
-    """``runtime.furiosa.compiler_cache_dir``, default ``<cache root>/furiosa/compiler``
-    (:func:`npu_train.env.cache_dir`: ``$NPT_CACHE``, else ``~/.cache/npu-train``), absolute."""
+    """``runtime.furiosa.compiler_cache_dir``, default ``<cache root>/furiosa/compiler``, absolute."""
     d = cfg.runtime.furiosa.compiler_cache_dir
     return os.path.abspath(os.path.expanduser(d)) if d else str(cache_dir("furiosa", "compiler"))
 
 
 def furiosa_runtime_fields(cfg, plan) -> dict:
-    """The RNGD fields of :class:`~npu_train.runtime.spec.RuntimeSpec`: compile options (the cache
-    directory, the plan's loaded-module count, CPU fallback), accounting, warm-up."""
+    """The RNGD fields of RuntimeSpec: compile options, accounting, warm-up."""
     from npu_train.backends.furiosa_compile import FuriosaCompileOptions
 
     fur = cfg.runtime.furiosa
@@ -374,11 +343,8 @@ def furiosa_runtime_fields(cfg, plan) -> dict:
 
 
 def model_index(model_path: Optional[str]) -> Optional[dict]:
-    """:attr:`~npu_train.runtime.spec.WorkerSpec.model_index`: for a GGUF file, its tensor table
-    (:func:`npu_train.model.gguf.gguf_tensor_index`, from the reader this process cached when it read the
-    config and checked the weights), so each card process reads its tensors at those offsets instead of
-    parsing the file's metadata again (seconds of CPU per process for a 49k-token vocabulary); None for an
-    HF safetensors directory (its headers are cheap to read) or no file (a shape preset)."""
+    """A GGUF file's tensor table, so card processes read at those offsets without re-parsing the metadata
+    (seconds per process for a 49k vocabulary); None for safetensors or a preset."""
     from npu_train.model.files import is_gguf_path
 
     if model_path is None or not is_gguf_path(os.path.expanduser(model_path)):
@@ -389,16 +355,10 @@ def model_index(model_path: Optional[str]) -> Optional[dict]:
 
 
 def run_job(cfg, run_dir: str) -> dict:
-    """Run one training job described by ``cfg`` (an OmegaConf ``Config``) in ``run_dir``.
+    """Run the training job ``cfg`` (an OmegaConf ``Config``) in ``run_dir``; returns the run summary dict.
 
-    Returns the run summary dict. Raises a :class:`~npu_train.errors.UserError` (exit 2) for bad input,
-    :class:`~npu_train.errors.JobFailed` (exit 1) when a card process fails,
-    :class:`~npu_train.errors.Interrupted` (130/143) on SIGINT/SIGTERM.
-
-    Multi-node (``NNODES`` > 1 in the environment, :mod:`npu_train.runtime.nodes`): this launcher runs
-    this node's cards (``backend=``) as global ranks after the cards of the lower ``NODE_RANK`` nodes;
-    the nodes rendezvous through node 0's ``TCPStore`` and must be given the same settings.
-    """
+    Raises UserError (exit 2) for bad input, JobFailed (exit 1) when a card process fails, Interrupted
+    (130/143) on SIGINT/SIGTERM. Multi-node when ``NNODES`` > 1 (:mod:`npu_train.runtime.nodes`)."""
     os.makedirs(run_dir, exist_ok=True)
     if cfg.calibrate:
         return _calibrate_only(cfg)
@@ -414,8 +374,7 @@ def run_job(cfg, run_dir: str) -> dict:
 
 
 def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
-    """The phases of a training job: prepare -> data -> resume point -> launch identity -> specs ->
-    supervise -> finish. Every phase that can reject the job runs before anything is written."""
+    """The phases of a training job (module docstring)."""
     from npu_train.runtime import nodes as N
 
     if node.rdv is not None:
@@ -437,8 +396,7 @@ def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
 # ---------------------------------------------------------------------------------------------- phases
 @dataclass(frozen=True)
 class NodeContext:
-    """Where this launcher runs: ``layout``/``rdv`` (:mod:`npu_train.runtime.nodes`) are None on a single
-    node; ``host`` is the address this node listens on."""
+    """Where this launcher runs; ``layout``/``rdv`` None on a single node; ``host``: the listen address."""
 
     layout: object
     rdv: object
@@ -460,9 +418,8 @@ class NodeContext:
 
 @dataclass
 class ResumePoint:
-    """Where the run starts: the checkpoint root, the resumed checkpoint (None: a fresh start) and its
-    step, the job's data sampler (its state restored), and ``earlier``: another run's checkpoints in
-    the root (:func:`~npu_train.checkpoint.store.check_reused_root`)."""
+    """Where the run starts: checkpoint root, resumed checkpoint (None: fresh) and step, the restored sampler,
+    and ``earlier``: another run's checkpoints in the root."""
 
     ckpt_root: str
     saving: bool  # checkpoint.save
@@ -474,8 +431,8 @@ class ResumePoint:
 
 @dataclass
 class LaunchIdentity:
-    """The job's id, token and gloo port (node 0's on every node), its stage-boundary transports and
-    slot sizes; ``shared``: node 0's :func:`~npu_train.runtime.nodes.share_job` answer (multi-node)."""
+    """Job id, token and gloo port (node 0's everywhere), boundary transports and slot sizes; ``shared``: node
+    0's answer."""
 
     job_id: str
     token: str
@@ -489,8 +446,7 @@ class LaunchIdentity:
 
 @dataclass
 class StartedJob:
-    """What :func:`_supervise` and :func:`_finish` need: the coordinator of the card processes, the
-    metrics reporter, the packed data file (removed at the end) and the job id."""
+    """The coordinator, the metrics reporter, the packed data file (removed at the end) and the job id."""
 
     coord: object  # Coordinator
     reporter: object  # Reporter
@@ -540,8 +496,7 @@ def _this_node(cfg) -> NodeContext:
 
 
 def _prepare_data(cfg, prep: Prepared):
-    """The tokenized, packed data (:func:`~npu_train.data.prepare.prepare_data`); ConfigError when the
-    training split has fewer sequences than one micro-batch."""
+    """The packed data; ConfigError when the training split has fewer sequences than one micro-batch."""
     from npu_train.data.prepare import prepare_data
 
     data = prepare_data(cfg, prep.model_path, prep.model_cfg)
@@ -604,8 +559,7 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
 
 
 def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeContext) -> LaunchIdentity:
-    """Job id, token, ports and transports (agreed between the nodes), with the port and ``/dev/shm``
-    checks; frees the leftovers of dead jobs first. Nothing of this job is written yet."""
+    """Job id, token, ports and transports with the port and /dev/shm checks (dead jobs' leftovers freed first)."""
     from npu_train.runtime import nodes as N
     from npu_train.runtime.leftovers import sweep_dead_jobs
     from npu_train.transport.shm import ShmTooSmallError
@@ -641,8 +595,7 @@ def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeC
 
 def _agree_between_nodes(prep: Prepared, data, resume: ResumePoint, node: NodeContext, job_id: str, token: str,
                          port: int) -> dict:
-    """Multi-node: the same plan, data and resume point on every node, one job id / token / gloo port
-    (node 0's), and a checkpoint root every node sees (node 0's marker file)."""
+    """Multi-node: one plan, data, resume point, job id/token/port and a checkpoint root every node sees."""
     from npu_train.runtime import nodes as N
 
     node.rdv.check_same("plan", N.plan_digest(prep.plan, data.fingerprint, resume.start_step, resume.resume_dir),
@@ -660,8 +613,8 @@ def _agree_between_nodes(prep: Prepared, data, resume: ResumePoint, node: NodeCo
 
 @contextlib.contextmanager
 def _private_ipc_dir(job_id: str, node: NodeContext):
-    """The job's private directory (mode 0700, in TMPDIR) with its owner record; on an exception before
-    the coordinator owns them (its teardown removes both) the directory and the record are removed."""
+    """The job's 0700 directory (in TMPDIR) and owner record, removed on an exception before the coordinator
+    owns them."""
     from npu_train.runtime.leftovers import discard_job_ipc, write_job_owner
 
     ipc_dir = tempfile.mkdtemp(prefix=f"npt-{job_id}-")
@@ -676,8 +629,8 @@ def _private_ipc_dir(job_id: str, node: NodeContext):
 
 def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity,
                node: NodeContext, ipc_dir: str) -> StartedJob:
-    """Write the run's files (earlier metrics moved aside, packed data, ``plan.json``), build the worker
-    specs and the coordinator that will start the card processes."""
+    """Write the run's files (metrics moved aside, packed data, ``plan.json``), build the specs and the
+    coordinator."""
     from npu_train.data.dataset import save_packed
     from npu_train.metrics.report import Reporter
 
@@ -728,8 +681,7 @@ def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
 
 
 def _join_nodes(cfg, resume: ResumePoint, launch: LaunchIdentity, node: NodeContext, ipc_dir: str):
-    """Multi-node: ``(NodePlan, NodeLink)`` of :func:`~npu_train.runtime.nodes.join_nodes`; node 0 then
-    removes the shared-root marker (every node checked it before it joined)."""
+    """Multi-node: ``(NodePlan, NodeLink)``; node 0 then removes the shared-root marker."""
     from npu_train.runtime.nodes import join_nodes
 
     node_plan, link = join_nodes(node.rdv, node.layout, launch.node_of_rank, launch.boundary, ipc_dir, node.host,
@@ -775,8 +727,7 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
 
 
 def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
-    """Run the card processes to their end (:meth:`Coordinator.run`); the reporter is closed and the
-    packed data removed on every path."""
+    """Run the card processes to their end; closes the reporter and removes the packed data on every path."""
     try:
         job.coord.run()
     except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume

@@ -1,27 +1,6 @@
-"""Where a card process sits in a dp x pp job: :class:`ParallelLayout`.
-
-A job runs ``dp`` data-parallel *replicas* of one pipeline of ``pp`` stages on ``dp * pp`` cards.
-``backend=`` lists the cards in global-rank order, and
-
-    global rank r = replica * pp + stage        (replica = r // pp, stage = r % pp)
-
-so replica 0 is the first ``pp`` cards, replica 1 the next ``pp``, and so on (the contract the
-multi-node launch relies on: the ranks of one replica are consecutive).
-
-Communication of one optimizer step:
-
-- stage boundaries (activations forward, their gradients backward) stay inside a replica:
-  rank r talks to :meth:`ParallelLayout.prev` / :meth:`ParallelLayout.next` only, over links named
-  per replica (:meth:`ParallelLayout.link_name`), so the shared-memory rings of different
-  replicas never collide;
-- the *stage group* of stage s (:meth:`ParallelLayout.stage_group`) is the gloo subgroup of the
-  ``dp`` ranks holding stage s, one per replica: the stage's gradient is summed over it
-  (data-parallel all-reduce) and, with ZeRO-1, the updated weights are broadcast inside it;
-- the *tied group* of replica k (:meth:`ParallelLayout.tied_group`) is the pair (first stage,
-  last stage) of that replica: the tied input/output embedding's gradient is summed there;
-- the grad norm, loss, target-token count and stop flag are reduced over the whole world.
-
-Pure arithmetic; no torch, no processes.
+"""Where a card process sits in a dp x pp job (:class:`ParallelLayout`): global rank ``r = replica * pp +
+stage``, so one replica's ranks are consecutive. Boundaries stay inside a replica; the stage group and
+the tied group are gloo subgroups (docs/design.md §17). Pure arithmetic.
 """
 from __future__ import annotations
 
@@ -31,10 +10,8 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """``dp`` replicas of a ``pp``-stage pipeline (``world = dp * pp`` ranks).
-
-    Raises ``ValueError`` for ``dp < 1`` or ``pp < 1``.
-    """
+    """``dp`` replicas of a ``pp``-stage pipeline (``world = dp * pp``). Raises ValueError for ``dp`` or ``pp``
+    < 1."""
 
     dp: int
     pp: int
@@ -93,11 +70,8 @@ class ParallelLayout:
         return [self.tied_group(k) for k in range(self.dp)] if self.pp > 1 else []
 
     def link_name(self, kind: str, stage: int, replica: int) -> str:
-        """Name of a boundary link (names the shared-memory ring ``npt_<job>_<name>``).
-
-        ``kind`` is ``act`` (stage -> stage+1) or ``grad`` (stage -> stage-1). Replica 0 keeps the
-        single-pipeline names (``act0``, ``grad1``); replica k > 0 appends ``r<k>`` (``act0r1``).
-        """
+        """Boundary link name (the shm ring ``npt_<job>_<name>``): ``act<stage>`` / ``grad<stage>``, + ``r<k>``
+        in replica k > 0."""
         return f"{kind}{stage}" if replica == 0 else f"{kind}{stage}r{replica}"
 
     def where(self, rank: int) -> str:

@@ -1,22 +1,6 @@
-"""Leftovers of dead jobs: the owner record of a job's shared memory and IPC directory, and the sweep
-that removes them at the next launch.
-
-A job's ``/dev/shm/npt_<job_id>_*`` segments and its private IPC directory (``<tmp>/npt-<job_id>-*``)
-are removed on every exit path of the launcher and, if the launcher alone is killed, by its card
-processes. Only when the launcher and every card process die at once (``kill -9`` of the whole
-process group, the OOM killer, a node reboot without a tmpfs wipe) can they remain, and a few such
-leftovers fill Docker's 64 MB ``/dev/shm``. So each launch records its owner in
-``/dev/shm/npt_<job_id>_owner`` (launcher pid, process start time, host, IPC directory; JSON; it
-matches the job's segment prefix, so every cleanup removes it too), and every launch first sweeps the
-leftovers of jobs whose owner is gone (:func:`sweep_dead_jobs`). Jobs of live launchers, and jobs
-owned on another host (a container with another host name sharing ``/dev/shm``), are never touched;
-segments without an owner record (older versions) are left alone too.
-
-Every node of a multi-node job records itself (``npt_<job_id>_owner`` on node 0 and on a single node,
-``npt_<job_id>_owner-n<k>`` on node k): several "nodes" on one host (a test, a laptop trying
-``runtime.nodes``) share one ``/dev/shm`` and one temporary directory, and one record for all of them
-named only the node that wrote it last. A job's segments go when every node's owner is gone; a dead
-node's IPC directory goes at once.
+"""Leftovers of dead jobs: each launch records its owner in ``/dev/shm/npt_<job_id>_owner`` (per node
+``_owner-n<k>``) and first sweeps the ``/dev/shm`` segments and IPC directories of jobs whose owners are
+gone on this host (:func:`sweep_dead_jobs`). docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -41,8 +25,8 @@ def owner_path(job_id: str, node: int = 0) -> str:
 
 
 def write_job_owner(job_id: str, ipc_dir: str, node: int = 0) -> Optional[str]:
-    """Record this process (node ``node``'s launcher) as an owner of ``job_id``'s segments and the owner of
-    ``ipc_dir`` (mode 0600); returns the record's path (None where there is no ``/dev/shm``: nothing to record)."""
+    """Record this launcher (node ``node``) as owner of ``job_id``'s segments and ``ipc_dir``; returns the path
+    or None."""
     if not os.path.isdir(SHM_DIR):
         return None
     path = owner_path(job_id, node)
@@ -55,9 +39,8 @@ def write_job_owner(job_id: str, ipc_dir: str, node: int = 0) -> Optional[str]:
 
 
 def discard_job_ipc(job_id: str, ipc_dir: str) -> None:
-    """Remove ``ipc_dir`` and every ``/dev/shm`` entry of ``job_id`` (its owner record included): the
-    launcher's clean-up when the launch fails after it made them and before the coordinator, whose
-    teardown removes them from then on, took them over. Never raises."""
+    """Remove ``ipc_dir`` and ``job_id``'s /dev/shm entries (a launch failing before the coordinator). Never
+    raises."""
     shutil.rmtree(ipc_dir, ignore_errors=True)
     try:
         unlink_job_segments(job_id)
@@ -66,8 +49,7 @@ def discard_job_ipc(job_id: str, ipc_dir: str) -> None:
 
 
 def _remove_ipc_dir(job_id: str, rec) -> None:
-    """Remove the IPC directory a dead owner's record names, if it is this job's (``<tmp>/npt-<job_id>-*``):
-    never a path a record could point anywhere."""
+    """Remove a dead owner's IPC directory only if it is this job's (``<tmp>/npt-<job_id>-*``)."""
     ipc = rec.get("ipc_dir") if isinstance(rec, dict) else None
     if (isinstance(ipc, str) and os.path.basename(ipc).startswith(f"npt-{job_id}-")
             and os.path.dirname(os.path.abspath(ipc)) == os.path.abspath(tempfile.gettempdir())):
@@ -75,9 +57,8 @@ def _remove_ipc_dir(job_id: str, rec) -> None:
 
 
 def sweep_dead_jobs() -> list[str]:
-    """Remove the leftovers of dead jobs on this host: the IPC directory of every node whose recorded owner
-    no longer runs (and that node's record), and a job's segments once no recorded owner of it runs.
-    Returns the job ids whose segments were removed. Never raises for a leftover it cannot read or remove."""
+    """Remove dead owners' IPC directories and records, and a job's segments once no owner runs; returns the
+    job ids removed. Never raises for a leftover it cannot read or remove."""
     swept: list[str] = []
     try:
         names = os.listdir(SHM_DIR)

@@ -12,16 +12,9 @@ log = logging.getLogger("npu_train.worker")
 
 
 class LinkComm:
-    """:class:`npu_train.pipeline.stage.BoundaryComm` over the shared-memory/ZeroMQ transport.
-
-    Links per boundary ``s|s+1`` of one replica: ``act<s>`` (s -> s+1) and ``grad<s+1>`` (s+1 -> s),
-    suffixed ``r<k>`` in replica k > 0 (:meth:`~npu_train.runtime.layout.ParallelLayout.link_name`),
-    so replicas never share a ring, each over its boundary's transport
-    (:meth:`~npu_train.runtime.spec.WorkerSpec.boundary_mode`: shm within a node, inline across nodes);
-    each is created (shared-memory ring owned) by its sender in the constructor; receivers attach on
-    first use, after the start-up barrier. Neighbours are the previous / next stage of the same replica
-    (global ranks, ``spec.inbox`` is indexed by them).
-    """
+    """:class:`npu_train.pipeline.stage.BoundaryComm` over the shm/ZeroMQ transport: links ``act<s>`` and
+    ``grad<s+1>`` per boundary of one replica (:meth:`~npu_train.runtime.layout.ParallelLayout.link_name`),
+    created by the sender here; receivers attach on first use, after the start-up barrier."""
 
     def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend):
         lay = spec.layout

@@ -1,38 +1,7 @@
-"""Multi-node layout and rendezvous: which node this launcher is, and what the other nodes have.
-
-One launcher (node agent) runs per node (``python launch/run.py backend=<this node's cards> ...``).
-The global layout comes from the standard environment, as in ``torchrun`` and Kubernetes Indexed Jobs:
-
-=====================  ============================================================================
-``NNODES``             number of nodes (unset or 1: a single node, exactly as without these variables)
-``NODE_RANK``          this node's index 0 .. NNODES-1; falls back to ``JOB_COMPLETION_INDEX`` (the
-                       index of the pod in an Indexed Job) when unset
-``MASTER_ADDR``        host name or address of node 0 (a headless Service name in Kubernetes)
-``MASTER_PORT``        TCP port on node 0 of the rendezvous store (``torch.distributed.TCPStore``)
-=====================  ============================================================================
-
-Global ranks: node ``n``'s cards get the next contiguous global ranks in ``NODE_RANK`` order, so the
-pipeline's stages are split across nodes in order (node 0 holds the first stages).
-
-Rendezvous (:class:`Rendezvous`): node 0 hosts a ``TCPStore`` on ``MASTER_ADDR:MASTER_PORT``; every
-node publishes JSON under ``<topic>/<node>`` and reads the others'. Topics, in order:
-
-1. ``config``: the flattened model / data / train / placement / runtime settings (:func:`config_digest`);
-   every node compares them with node 0's and fails naming the differing keys;
-2. ``cards``: this node's cards (kind, index), its thread count and host RAM: every node then plans
-   the placement over ALL cards of the job, identically;
-3. ``plan``: the plan's split + resident layers, the data fingerprint and the resume point, compared
-   like ``config`` (a different calibration profile on one node would otherwise give another split);
-4. ``job`` (node 0 only): the job id, token, gloo port and the node agents' channel address;
-5. ``inbox``: the node's host address (``runtime.host``) and the boundary mailbox address of every
-   stage of the node.
-
-gloo: every card process joins one process group through ``tcp://MASTER_ADDR:<port>``, the port
-picked by node 0 and published in ``job`` (global rank 0, on node 0, hosts gloo's own store there);
-``GLOO_SOCKET_IFNAME`` defaults to the interface holding ``runtime.host``.
-
-A node that fails during preparation publishes ``abort/<node>`` with its error, so the others stop
-waiting at once and name it. Waiting for a node is bounded by ``runtime.startup_timeout_s``.
+"""Multi-node layout and rendezvous: which node this launcher is (:class:`NodeLayout`, from ``NNODES``,
+``NODE_RANK``/``JOB_COMPLETION_INDEX``, ``MASTER_ADDR``, ``MASTER_PORT``) and what the others have
+(:class:`Rendezvous` over node 0's ``TCPStore``; :func:`join_nodes` -> :class:`NodePlan`). The topics and
+the gloo setup are in docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -48,14 +17,13 @@ from npu_train.errors import ConfigError, UserError
 
 
 class RendezvousError(UserError):
-    """The nodes of a multi-node job cannot agree (unreachable node 0, a node missing, a node that
-    failed its preparation, different settings or plans); the message names the node and the fix."""
+    """The nodes cannot agree (node 0 unreachable, a node missing or failed, different settings or plans)."""
 
 
 @dataclass(frozen=True)
 class NodeLayout:
-    """This launcher's place in the job: ``nnodes`` nodes, this is ``node_rank``; node 0 hosts the
-    rendezvous store on ``master_addr:master_port``."""
+    """This launcher's place: node ``node_rank`` of ``nnodes``; node 0 hosts the store on
+    ``master_addr:master_port``."""
 
     nnodes: int
     node_rank: int
@@ -68,12 +36,8 @@ class NodeLayout:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> Optional["NodeLayout"]:
-        """The layout from ``NNODES``, ``NODE_RANK`` / ``JOB_COMPLETION_INDEX``, ``MASTER_ADDR``,
-        ``MASTER_PORT``; None when ``NNODES`` is unset or 1 (single node).
-
-        Raises:
-            ConfigError: a variable is missing or malformed (the message names it).
-        """
+        """The layout from the environment; None when ``NNODES`` is unset or 1. Raises ConfigError naming a bad
+        variable."""
         env = os.environ if env is None else env
         raw = env.get("NNODES", "").strip()
         if not raw:
@@ -115,10 +79,7 @@ def _int_var(name: str, value: str) -> int:
 
 
 def route_address(dest: str, port: int = 9) -> str:
-    """This host's source address for packets to ``dest``: the IP of the interface the kernel routes
-    ``dest`` through (a connected UDP socket; no packet is sent). On node 0 itself this is the address
-    ``MASTER_ADDR`` resolves to. Raises :class:`ConfigError` if ``dest`` does not resolve or is unreachable.
-    """
+    """This host's source address for packets to ``dest`` (no packet sent). Raises ConfigError if unreachable."""
     try:
         infos = socket.getaddrinfo(dest, port, type=socket.SOCK_DGRAM)
     except socket.gaierror as e:
@@ -151,9 +112,8 @@ SHARED_CHECKPOINT = ("save",)
 
 
 def config_digest(cfg) -> dict[str, str]:
-    """The settings that must be equal on every node, flattened to ``{"train.lr": "0.001", ...}``
-    (values JSON-encoded). ``backend`` (this node's cards), ``runtime.host/port/threads`` and
-    ``checkpoint.*`` except ``checkpoint.save`` may differ between nodes."""
+    """Settings that must match on every node, flattened (JSON values); ``backend``, ``runtime.host/port/threads``
+    and ``checkpoint.*`` but ``checkpoint.save`` may differ."""
     from omegaconf import OmegaConf
 
     out: dict[str, str] = {}
@@ -180,15 +140,8 @@ def differing_keys(mine: dict, theirs: dict) -> list[str]:
 
 
 class Rendezvous:
-    """Discovery between the node agents through ``torch.distributed.TCPStore`` (node 0 hosts it).
-
-    Args:
-        layout: this node's :class:`NodeLayout`.
-        timeout_s: how long to wait for node 0's store and for the other nodes' entries (seconds).
-
-    Raises:
-        RendezvousError: node 0's store port is taken (on node 0) or unreachable within ``timeout_s``.
-    """
+    """Discovery between node launchers through node 0's ``TCPStore``; ``timeout_s``: wait for the store and
+    entries (s). Raises RendezvousError when the port is taken (node 0) or unreachable."""
 
     POLL_S = 0.1
 
@@ -227,11 +180,8 @@ class Rendezvous:
                 raise RendezvousError(f"node {n} failed while preparing the job: {msg}")
 
     def collect(self, topic: str, nodes: Optional[list[int]] = None) -> list[Any]:
-        """The values published under ``topic`` by ``nodes`` (default: all, in node order).
-
-        Raises:
-            RendezvousError: a node failed (``abort``) or did not publish within the timeout.
-        """
+        """The values of ``topic`` from ``nodes`` (default all). Raises RendezvousError (a node aborted or
+        timed out)."""
         nodes = list(range(self.layout.nnodes)) if nodes is None else nodes
         keys = [f"{topic}/{n}" for n in nodes]
         deadline = time.monotonic() + self.timeout_s
@@ -254,11 +204,7 @@ class Rendezvous:
         return self.collect(topic)
 
     def check_same(self, topic: str, flat: dict, what: str, fix: str) -> None:
-        """Publish ``flat`` and compare every node's with node 0's.
-
-        Raises:
-            RendezvousError: naming the nodes and keys that differ (with both values), and ``fix``.
-        """
+        """Publish ``flat``, compare with node 0's. Raises RendezvousError naming nodes, keys, values and ``fix``."""
         all_ = self.exchange(topic, flat)
         diffs = []
         for n, other in enumerate(all_[1:], start=1):
@@ -273,11 +219,9 @@ class Rendezvous:
 
 
 def exchange_cards(rdv: Rendezvous, local_cards: list, threads: int, host_ram: Optional[int]):
-    """Publish this node's cards (planner ``CardSpec``: kind, index, capacity in bytes, name), thread
-    count and host RAM (bytes); return every node's, in node order: ``(cards, cards per node, plan
-    threads, host RAM per node)``. Card names get a ``node<n>/`` prefix (``node1/cpu:0``); each card
-    keeps the capacity its own node computed (a CPU card's share of THAT node's RAM); the plan uses
-    the smallest thread count of any node, so every node plans with the same figures."""
+    """Publish this node's cards, threads and RAM (bytes); returns ``(cards, cards per node, plan threads, RAM
+    per node)`` over all nodes: cards prefixed ``node<n>/`` with their own node's capacity, the smallest
+    thread count."""
     from npu_train.planner import CardSpec
 
     mine = {"cards": [[c.kind, c.index, c.capacity_bytes, c.name] for c in local_cards],
@@ -290,8 +234,7 @@ def exchange_cards(rdv: Rendezvous, local_cards: list, threads: int, host_ram: O
 
 
 def check_node_host_ram(plan, node_counts: list[int], host_ram: list[Optional[int]]) -> None:
-    """Each node's offloaded optimizer state (fp32 master + AdamW moments of its stages' offloaded
-    layers, ``Stage.host_bytes``) must fit in that node's RAM. Raises :class:`ConfigError` naming the node."""
+    """Raise ConfigError naming the node whose offloaded optimizer state exceeds its RAM."""
     start = 0
     for n, (c, ram) in enumerate(zip(node_counts, host_ram)):
         need = sum(st.host_bytes for st in plan.stages[start:start + c])
@@ -303,8 +246,7 @@ def check_node_host_ram(plan, node_counts: list[int], host_ram: list[Optional[in
 
 
 def plan_digest(plan, data_fingerprint: str, start_step: int, resume_dir: Optional[str]) -> dict[str, str]:
-    """What every node must agree on after planning: each stage's layers and resident layers, the
-    packed data's fingerprint and the resume point (flat, JSON-encoded, for :meth:`Rendezvous.check_same`)."""
+    """What every node must agree on after planning: split, resident layers, data fingerprint, resume point."""
     out = {f"stage{r}.layers": json.dumps([st.first_layer, st.last_layer]) for r, st in enumerate(plan.stages)}
     out.update({f"stage{r}.resident": json.dumps(sorted(st.resident)) for r, st in enumerate(plan.stages)})
     out.update({f"stage{r}.card": json.dumps(st.card.name) for r, st in enumerate(plan.stages)})
@@ -316,26 +258,16 @@ def plan_digest(plan, data_fingerprint: str, start_step: int, resume_dir: Option
 
 
 def boundary_transports(node_of_rank: list[int], local_mode: str) -> tuple:
-    """Transport per stage boundary ``b`` (stages ``b | b+1``): ``inline`` across nodes (ZeroMQ TCP,
-    payload as its own frame), ``local_mode`` (``runtime.transport``, default ``shm``) within a node."""
+    """Transport per boundary ``b``: ``inline`` (ZeroMQ TCP) across nodes, ``local_mode`` within one."""
     return tuple("inline" if node_of_rank[b] != node_of_rank[b + 1] else local_mode
                  for b in range(len(node_of_rank) - 1))
 
 
 @dataclass(frozen=True)
 class NodePlan:
-    """This node's share of a multi-node job, as :func:`~npu_train.runtime.job.build_worker_specs` needs it.
-
-    Attributes:
-        node, nnodes: this node's rank and the number of nodes.
-        node_of_rank: the node of every global stage rank.
-        inbox: every stage's boundary mailbox address (``tcp://`` for stages with a boundary to another
-            node, ``ipc://`` in this node's private directory otherwise).
-        boundary_transport: see :func:`boundary_transports`.
-        dist_init: gloo rendezvous ``tcp://MASTER_ADDR:<port picked by node 0>`` (global rank 0, on node
-            0, hosts gloo's store there).
-        link_addr: node 0's :class:`~npu_train.runtime.agent.NodeLink` address.
-    """
+    """This node's share of the job for :func:`~npu_train.runtime.job.build_worker_specs`: ``node_of_rank``,
+    ``inbox`` (``tcp://`` across nodes, else ``ipc://``), ``boundary_transport``, ``dist_init`` (gloo at
+    node 0) and ``link_addr`` (node 0's NodeLink)."""
 
     node: int
     nnodes: int
@@ -356,9 +288,8 @@ class NodePlan:
 
 
 def check_shared_root(ckpt_root: str, job_id: str, wait_s: float = 10.0) -> None:
-    """Raise ConfigError unless node 0's marker ``.npt-shared-<job_id>`` is visible in ``ckpt_root``
-    (every node writes its stages' shards into one shared checkpoint root; node 0 publishes them).
-    Waits up to ``wait_s`` seconds for a network filesystem's attribute cache."""
+    """Raise ConfigError unless node 0's marker ``.npt-shared-<job_id>`` shows in ``ckpt_root`` within
+    ``wait_s`` s."""
     import time
 
     from npu_train.errors import ConfigError
@@ -374,9 +305,7 @@ def check_shared_root(ckpt_root: str, job_id: str, wait_s: float = 10.0) -> None
 
 
 def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int, host: str) -> dict:
-    """One job id, token, gloo port and node channel address for all nodes: node 0 publishes its own
-    (the channel on a free port of its ``host``), every node returns node 0's
-    ``{"job_id", "token", "gloo_port", "link"}``."""
+    """Node 0's ``{"job_id", "token", "gloo_port", "link"}`` for every node (node 0 publishes its own)."""
     from npu_train.transport.channel import Endpoint
 
     if rdv.layout.is_master:
@@ -386,14 +315,9 @@ def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int, host:
 
 
 def join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: str, host: str, job: dict, rt):
-    """Multi-node: publish this node's stages' mailbox addresses, collect everyone's, and open the node
-    agents' channel. Returns ``(NodePlan, NodeLink)``.
-
-    A stage with a boundary to another node (or with ``runtime.transport=inline``) gets a ``tcp://``
-    mailbox on ``host``; the others an ipc socket in this node's private ``ipc_dir``. If ``GLOO_SOCKET_IFNAME``
-    is unset, it is set to the interface holding ``host`` for the card processes (gloo would otherwise
-    use the address of this machine's host name, which other nodes may not reach).
-    """
+    """Publish this node's mailboxes, collect everyone's and open the launchers' channel: ``(NodePlan,
+    NodeLink)``. Sets ``GLOO_SOCKET_IFNAME`` to ``host``'s interface when unset (other nodes may not reach
+    the host name's address)."""
     from npu_train.runtime.agent import NodeLink
     from npu_train.transport.channel import Endpoint
 

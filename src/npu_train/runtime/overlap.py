@@ -1,9 +1,5 @@
-"""Wiring of the host-optimizer overlap (:mod:`npu_train.optim.offload`) into a stage's module.
-
-The offloaded parameters are grouped per *layer* in forward order (``embed``: the embedding,
-``layer<i>``: decoder layer i, ``head``: final norm + LM head), and each layer's layer-ready hook
-(:mod:`npu_train.optim.hooks`) makes the forward through that layer wait for that layer's pending
-host update only, so the host AdamW of the later layers overlaps the forward of the earlier ones.
+"""Wiring of the host-optimizer overlap into a stage's module: the forward through each layer (``embed``,
+``layer<i>``, ``head``) waits for that layer's pending host update only (:mod:`npu_train.optim.hooks`).
 """
 from __future__ import annotations
 
@@ -33,8 +29,7 @@ def layer_groups(names) -> list[tuple[str, list[str]]]:
 
 
 def layer_modules(module) -> dict:
-    """``{layer_key: submodule}`` of a :class:`~npu_train.model.llama.StageModule` whose forward is
-    the first use of that layer's parameters (``head``: the final norm, before the LM head)."""
+    """``{layer_key: submodule}`` whose forward first uses that layer's parameters (``head``: the final norm)."""
     mods = {f"layer{int(i)}": m for i, m in module.model.layers.items()}
     if getattr(module, "has_embed", False):
         mods["embed"] = module.model.embed_tokens
@@ -44,9 +39,8 @@ def layer_modules(module) -> dict:
 
 
 def install_waits(module, opt, keys) -> None:
-    """Register ``opt.wait_layer(key)`` as the layer-ready hook (``opt.hooks``, a
-    :class:`~npu_train.optim.hooks.StepHooks`) of each layer in ``keys`` of ``module``.
-    Raises ``KeyError`` for a key without a module."""
+    """Register ``opt.wait_layer(key)`` as each layer's layer-ready hook. Raises KeyError for a key without a
+    module."""
     mods = layer_modules(module)
     for k in keys:
         opt.hooks.on_layer_ready(mods[k], lambda k=k: opt.wait_layer(k))

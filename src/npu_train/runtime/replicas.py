@@ -1,22 +1,6 @@
-"""Data-parallel collectives of one stage across its replicas (gloo, host tensors).
-
-Used by :class:`~npu_train.runtime.trainer.StageTrainer` when ``parallel.dp > 1``; the groups are
-those of :class:`~npu_train.runtime.layout.ParallelLayout` (the *stage group*: the ``dp`` ranks
-holding the same stage, one per replica).
-
-- :func:`allreduce_grads`: the stage's accumulated gradients summed over the stage group (fp32 on
-  the host, flat buckets of at most ``bucket_elems`` elements, parameters in sorted-name order, so
-  every replica builds the same buckets). After it, every replica holds the gradient of the whole
-  global batch (the loss was divided by the global batch's target tokens, so the sum is the mean
-  gradient of a single process seeing all of it).
-- ZeRO-1 (Rajbhandari et al. 2020, stage 1, partitioned by parameter as
-  ``torch.distributed.optim.ZeroRedundancyOptimizer``): :func:`zero_owners` assigns each parameter
-  of the stage to one replica (greedy by size, so the shards' element counts are balanced); only the
-  owner keeps that parameter's fp32 master and AdamW moments and updates it;
-  :func:`broadcast_weights` then sends the updated compute-dtype weights from each owner to the
-  other replicas (one flat broadcast per owner); :func:`gather_state` collects the owners'
-  master/moment tensors on replica 0 for the checkpoint (which therefore has the same format as
-  without ZeRO: one shard per stage, written by replica 0, loadable with any ``dp``).
+"""Data-parallel collectives of one stage across its replicas (gloo, host tensors), when ``parallel.dp > 1``:
+:func:`allreduce_grads`, and ZeRO-1 (Rajbhandari et al. 2020) by parameter: :func:`zero_owners`,
+:func:`broadcast_weights`, :func:`gather_state`. docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -24,13 +8,8 @@ import torch
 
 
 def allreduce_grads(grads: dict, backend, group, bucket_elems: int = 1 << 24) -> None:
-    """Sum the gradient buffers ``grads`` over ``group`` (in place, on the card).
-
-    ``grads``: ``{hf_name: tensor}`` holding each parameter's step gradient (the optimizer's fp32
-    accumulator with bf16 compute, else ``.grad``; :meth:`~npu_train.optim.adamw.StageOptimizer.grad_buffer`),
-    same names and shapes on every member. Buckets: fp32 host tensors of at most ``bucket_elems`` elements
-    (64 MiB by default), one ``all_reduce(SUM)`` each.
-    """
+    """Sum ``grads`` (``{hf_name: gradient buffer}``, same on every member) over ``group`` in place, in fp32 host
+    buckets of at most ``bucket_elems`` elements (64 MiB), one ``all_reduce(SUM)`` each."""
     import torch.distributed as dist
 
     names = sorted(grads)
@@ -57,11 +36,7 @@ def allreduce_grads(grads: dict, backend, group, bucket_elems: int = 1 << 24) ->
 
 
 def zero_owners(numels: dict, dp: int) -> dict:
-    """ZeRO-1 partition: ``{name: owning replica}`` for ``{name: element count}`` over ``dp`` replicas.
-
-    Greedy largest-first onto the least-loaded replica (ties: the lower replica; names break size
-    ties), deterministic, so every replica computes the same map.
-    """
+    """ZeRO-1 partition ``{name: replica}`` of ``{name: elements}``: greedy largest-first, deterministic."""
     load = [0] * dp
     out = {}
     for n in sorted(numels, key=lambda n: (-int(numels[n]), n)):
@@ -72,8 +47,7 @@ def zero_owners(numels: dict, dp: int) -> dict:
 
 
 def broadcast_weights(params: dict, owners: dict, replica: int, ranks: list, backend, group) -> None:
-    """After the owners' AdamW step: copy each parameter's compute-dtype weight from its owner to
-    every other replica of the stage (``ranks[k]`` = global rank of replica k in ``group``)."""
+    """Copy each parameter's compute-dtype weight from its owner to the other replicas (``ranks[k]``: replica k)."""
     import torch.distributed as dist
 
     for o, src in enumerate(ranks):
@@ -101,13 +75,8 @@ STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def gather_state(local: dict, shapes: dict, owners: dict, replica: int, ranks: list) -> dict:
-    """Collect the ZeRO-1 optimizer state of a stage on replica 0 for the checkpoint.
-
-    ``local``: this replica's ``StageOptimizer.state_tensors()`` (fp32 CPU, keys ``<kind>.<name>``
-    for the parameters it owns); ``shapes``: ``{name: shape}`` of the stage's parameters. Replica k > 0
-    sends its tensors (one flat fp32 buffer) to ``ranks[0]``; replica 0 returns the union over all
-    replicas (every parameter of the stage), the others return ``{}``.
-    """
+    """Collect the ZeRO-1 optimizer state (``local``: fp32 ``<kind>.<name>`` of owned parameters) on replica 0,
+    which returns every parameter's; others return ``{}``."""
     import torch.distributed as dist
 
     out = dict(local) if replica == 0 else {}

@@ -1,15 +1,5 @@
-"""What a run's checkpoint settings mean at launch and at its end (``checkpoint.save``, ``checkpoint.dir``).
-
-Used by :mod:`npu_train.runtime.job`:
-
-- :func:`prepare_checkpoint_root`: with ``checkpoint.save=true`` create the checkpoint root, warn when one
-  checkpoint will not fit there, remove dead jobs' staging directories and set an earlier run's checkpoints
-  aside; with ``checkpoint.save=false`` print one line that no checkpoint will be written and touch nothing.
-- :func:`interrupt_note` and :func:`done_checkpoint`: the interrupt message's checkpoint part (with the
-  resume command only when a checkpoint was saved) and the ``done:`` line's.
-
-Whether a card process writes a checkpoint is decided in
-:meth:`npu_train.runtime.trainer.StageTrainer.save_due` (``TrainSpec.save_checkpoints``).
+"""What ``checkpoint.save`` / ``checkpoint.dir`` mean at launch (:func:`prepare_checkpoint_root`) and at the
+end (:func:`interrupt_note`, :func:`end_of_run_line`); card processes decide in ``StageTrainer.save_due``.
 """
 from __future__ import annotations
 
@@ -24,15 +14,9 @@ NO_SAVE_NOTE = ("note: checkpoint.save=false: no checkpoint will be written (not
 
 
 def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier: list, owner: bool) -> None:
-    """Get the checkpoint root ready before the card processes start, printing what the user must know.
-
-    ``checkpoint.save=false``: prints :data:`NO_SAVE_NOTE`; creates, checks and removes nothing.
-    Else: creates ``ckpt_root``, prints :func:`~npu_train.checkpoint.store.launch_space_warning` (less free
-    space than one checkpoint of ``model_cfg`` on ``stages`` stages), and where this node ``owner``\\ s the root
-    (single node, or node 0 of a multi-node job) removes the staging directories of jobs that are gone and
-    moves ``earlier`` (an earlier run's checkpoints, ``checkpoint.existing=set_aside``) to ``previous-<k>/``.
-    Raises ``OSError`` when the root cannot be created.
-    """
+    """Get the checkpoint root ready before the card processes start. ``save=false``: prints
+    :data:`NO_SAVE_NOTE` only. Else creates ``ckpt_root``, warns when a checkpoint will not fit and, when this
+    node ``owner``\ s it, removes dead jobs' staging and sets ``earlier`` aside. Raises OSError."""
     from npu_train.checkpoint.store import launch_space_warning, remove_stale_staging, set_aside
 
     if not cfg.checkpoint.save:
@@ -49,10 +33,7 @@ def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier
 
 
 def continue_note(ckpt_root: str, offload_update: str) -> str:
-    """How to continue from the newest checkpoint in ``ckpt_root``: the same command with
-    ``train.resume=latest checkpoint.dir=<ckpt_root>`` (and ``train.offload_update=sync`` after a
-    delayed-update run), started with this run's ``NPT_`` variables that change a run
-    (:func:`npu_train.env.resume_env_prefix`)."""
+    """The command that continues from ``ckpt_root``'s newest checkpoint (with this run's ``NPT_`` variables)."""
     args = f"train.resume=latest checkpoint.dir={ckpt_root}" + (
         " train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
         if offload_update == "delayed" else "")
@@ -63,10 +44,7 @@ def continue_note(ckpt_root: str, offload_update: str) -> str:
 
 
 def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str, save: bool = True) -> str:
-    """The interrupt message's second half: the checkpoint saved and how to resume from it (the same
-    command with ``train.resume=latest checkpoint.dir=<ckpt_root>``, started with this run's ``NPT_``
-    variables that change a run, :func:`npu_train.env.resume_env_prefix`), or ``no checkpoint saved``
-    (with ``save`` false, ``checkpoint.save=false``: why, and that the run cannot be resumed)."""
+    """The interrupt message's checkpoint part: the saved checkpoint and how to resume, or why there is none."""
     if not save:
         return "no checkpoint saved (checkpoint.save=false: this run cannot be resumed)"
     if not last_ckpt:
@@ -81,10 +59,8 @@ def done_checkpoint(last_ckpt: Optional[str], save: bool = True) -> str:
 
 def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
                     run_dir: str) -> str:
-    """The launcher's last line: ``done: 20 steps, loss 4.0859 -> 3.5585; checkpoint ...; metrics ...``, or,
-    when ``train.stop_after`` ended the launch at step ``at`` < ``train.steps``, ``stopped: ...`` with how to
-    continue. ``summ``: the reporter's summary (``steps_run``, ``first_loss``/``last_loss`` in nats/token,
-    ``skipped_steps``); ``train``: the ``train`` config group."""
+    """The launcher's last line (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``); ``summ``: the
+    reporter's summary (losses in nats/token)."""
     from npu_train.metrics.report import fmt_loss
 
     n = int(summ["steps_run"])

@@ -1,9 +1,5 @@
-"""The typed, frozen input of a card process: :class:`WorkerSpec`.
-
-Built in exactly one place (:func:`npu_train.runtime.job.build_worker_specs`) from the job's
-configuration and placement plan, pickled by ``multiprocessing`` (spawn) into the card process and
-read by :class:`npu_train.runtime.trainer.StageTrainer`. A misspelt field is an ``AttributeError``
-at the line that reads it (and a type checker's error), not a silent ``KeyError`` in another process.
+"""The typed, frozen input of a card process (:class:`WorkerSpec`), built only by
+:func:`npu_train.runtime.job.build_worker_specs` and pickled into the spawned process.
 """
 from __future__ import annotations
 
@@ -15,8 +11,7 @@ from npu_train.backends.furiosa_compile import FuriosaCompileOptions
 
 @dataclass(frozen=True)
 class CardInfo:
-    """One card: ``kind`` (``cpu`` | ``cuda`` | ``furiosa``), device ``index`` (None for cpu) and the
-    ``name`` printed in messages (``cpu:1``, ``cuda:0``, ``furiosa:3``)."""
+    """One card: ``kind`` (cpu | cuda | furiosa), device ``index`` (None for cpu), printed ``name``."""
 
     kind: str
     index: Optional[int]
@@ -25,10 +20,7 @@ class CardInfo:
 
 @dataclass(frozen=True)
 class StageInfo:
-    """The stage's decoder layers ``[first, last)`` and whether it holds the embedding / final norm + LM head.
-
-    ``label`` is the human-readable layer range printed in messages (e.g. ``19-29 +head``).
-    """
+    """The stage's decoder layers ``[first, last)``, embedding / head flags, printed ``label`` (``19-29 +head``)."""
 
     first: int
     last: int
@@ -39,14 +31,9 @@ class StageInfo:
 
 @dataclass(frozen=True)
 class TrainSpec:
-    """Optimisation settings of the run (``train.*`` and ``data.eval_*`` after validation).
-
-    Units: ``lr`` per step, ``steps``/``warmup_steps``/``save_every``/``stop_after``/``eval_every`` in
-    optimizer steps, ``micro_batch`` in sequences, ``accum`` = micro-batches M per optimizer step,
-    ``clip`` = max global grad norm (0: off), ``dtype`` the resolved compute dtype (``bf16`` | ``fp32``),
-    ``nonfinite`` what a non-finite loss or global grad norm does (``stop`` | ``skip``, see
-    :class:`npu_train.config.TrainConf`).
-    """
+    """``train.*`` and ``data.eval_*`` after validation: ``steps``, ``warmup_steps``, ``save_every``,
+    ``stop_after``, ``eval_every`` in optimizer steps; ``micro_batch`` in sequences; ``accum`` micro-batches
+    per step; ``clip`` max grad norm (0: off); ``dtype`` bf16 | fp32; ``nonfinite`` stop | skip."""
 
     steps: int
     micro_batch: int
@@ -110,18 +97,10 @@ WAIT_FOREVER_S = 7 * 24 * 3600.0
 
 @dataclass(frozen=True)
 class RuntimeSpec:
-    """Process-level settings: heartbeat interval (s), boundary transport (``shm`` | ``inline``),
-    torch intra-op ``threads`` of this card process (the same figure the planner used for its step
-    time, see :func:`npu_train.planner.threads_per_card`), the receive / collective timeouts (s),
-    the RNGD compile settings (``runtime.furiosa.*``, with ``loaded_modules`` as planned),
-    the RNGD memory accounting, whether the card process warms up (compiles) before step 1 and
-    whether its ``malloc`` keeps freed host memory (``keep_host_memory``, :mod:`npu_train.hostmem`).
-
-    ``recv_timeout_s`` None: stage-boundary receives and sends wait as long as it takes;
-    ``collective_timeout_s``: the gloo timeout (rendezvous, all-reduce, barrier), by default
-    :data:`WAIT_FOREVER_S`. A dead or hung peer is detected by the coordinator's heartbeat
-    timeout instead, which tears the whole job down (see :mod:`npu_train.runtime.coordinator`).
-    """
+    """Process settings: heartbeat interval (s), transport (shm | inline), torch ``threads`` (as planned), RNGD
+    compile and accounting settings, warm-up, ``keep_host_memory``. ``recv_timeout_s`` None: boundary
+    transfers wait as long as it takes; ``collective_timeout_s``: gloo's, default :data:`WAIT_FOREVER_S`
+    (the coordinator's heartbeat timeout detects dead peers)."""
 
     heartbeat_interval_s: float
     transport: str
@@ -136,8 +115,7 @@ class RuntimeSpec:
     trace: bool = False
 
     def backend_kwargs(self, kind: str) -> dict:
-        """Keyword arguments of :func:`~npu_train.backends.make_backend` for a card of ``kind``
-        (furiosa: ``accounting`` and ``compile_options``; others: none)."""
+        """Keyword arguments of :func:`~npu_train.backends.make_backend` for ``kind`` (furiosa only)."""
         if kind == "furiosa":
             return {"accounting": self.furiosa_accounting, "compile_options": self.furiosa}
         return {}
@@ -147,35 +125,13 @@ class RuntimeSpec:
 class WorkerSpec:
     """Everything one card process needs; frozen and picklable.
 
-    Attributes:
-        rank, world_size: this card process's global rank ``replica * P + stage`` and the number of
-            card processes ``dp * P`` (:class:`~npu_train.runtime.layout.ParallelLayout`).
-        job_id, token: the job's random id (names shm segments and staging dirs) and the secret every
-            control and boundary message carries (never printed or written to disk).
-        parent_pid: the launcher's pid (a card process whose parent changes cleans up and exits).
-        card, stage: the card and the layers it runs.
-        model_path: HF directory or GGUF file; ``model_cfg``: ``LlamaConfig.to_dict()``.
-        resident_names: HF names of the parameters whose fp32 master + AdamW moments stay on the card.
-        data_file: the packed token data (safetensors) written by the launcher into ``ipc_dir``
-            (removed with it: not needed to resume).
-        train, runtime: see :class:`TrainSpec`, :class:`RuntimeSpec`.
-        start_step, resume_dir: 0-based step to start at and the checkpoint to restore (None: fresh).
-        ckpt_root: the checkpoint root (shards go to a staging dir under it).
-        coord_addr: the coordinator's ZeroMQ address; ``inbox``: every stage's boundary mailbox address.
-        ipc_dir: the private 0700 directory of the job's ipc sockets ('' with the inline transport).
-        slot_bytes, slots: bytes per shared-memory slot (``micro_batch x seq_len x hidden x element``)
-            and slots per ring.
-        dist_init: the gloo rendezvous URL (``tcp://host:port``).
-        boundary_transport: per stage boundary ``b`` (stages ``b | b+1``) its transport, ``shm`` (both
-            stages on one node) or ``inline`` (ZeroMQ TCP frames: across nodes); empty = every boundary
-            uses ``runtime.transport``.
-        dp, zero: data-parallel replicas of the pipeline (``parallel.dp``) and the ZeRO stage
-            (``parallel.zero``: 0, or 1 = optimizer state sharded across the stage's replicas).
-        model_index: a GGUF model's tensor table (:func:`npu_train.model.gguf.gguf_tensor_index`: file
-            key, per tensor GGML type, shape, byte offset, size; a few hundred entries) read by the
-            launcher, so this process reads its tensors without parsing the file's metadata; None for
-            safetensors (or when built elsewhere: the file is then parsed as before).
-    """
+    ``rank``/``world_size``: ``replica * P + stage`` / ``dp * P``; ``token``: secret on every message, never
+    written; ``parent_pid``: the launcher's; ``model_cfg``: ``LlamaConfig.to_dict()``; ``resident_names``:
+    parameters whose master + moments stay on the card; ``data_file``: the packed data in ``ipc_dir``;
+    ``start_step`` (0-based) and ``resume_dir`` (None: fresh); ``slot_bytes`` = micro_batch x seq_len x
+    hidden x element size, ``slots`` per ring; ``boundary_transport``: per boundary shm | inline (empty: all
+    ``runtime.transport``); ``zero``: 0 or 1; ``model_index``: a GGUF tensor table read by the launcher (None
+    for safetensors)."""
 
     rank: int
     world_size: int

@@ -1,5 +1,6 @@
-"""Building one card process's stage: its module on the card, fp32 masters from the model file, and the
-per-kind choices made once at start-up (used by :class:`npu_train.runtime.trainer.StageTrainer`)."""
+"""Building one card process's stage: its module on the card, fp32 masters from the model file or the
+checkpoint, and the per-kind choices made at start-up.
+"""
 from __future__ import annotations
 
 import torch
@@ -14,15 +15,10 @@ def compute_dtype(name: str) -> torch.dtype:
 
 
 def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
-    """Build this stage's module on the card and its fp32 masters from the model file, or from the
-    checkpoint ``spec.resume_dir`` of a full fine-tuning resume (own tensors only).
-
-    Returns ``(module, masters)``: the :class:`~npu_train.model.llama.StageModule` with parameters in
-    ``dtype`` on ``backend.device()`` (``fused_head`` on the kinds of
-    :data:`npu_train.hardware.FUSED_HEAD_KINDS`), and a mapping HF name -> fp32 CPU master tensor (a
-    :class:`CheckpointMasters` reading on lookup when resuming; empty for ``train.mode=lora``). A GGUF model's
-    tensors are read at the offsets of ``spec.model_index`` (the launcher's parse), not by parsing the file.
-    """
+    """Build this stage's module on the card and its fp32 masters (own tensors only, from the model file or a
+    full fine-tuning resume's checkpoint), reading one tensor at a time. Returns ``(module, masters)``: the
+    StageModule in ``dtype`` on ``backend.device()`` and ``{hf_name: fp32 CPU tensor}`` (read on lookup when
+    resuming; empty for ``train.mode=lora``, whose frozen base has no masters)."""
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import StageModule
     from npu_train.model import iter_tensors
@@ -72,8 +68,8 @@ class CheckpointMasters:
 
 
 def resume_stage(reader, opt, params: dict, owned: dict, backend, stage: int) -> None:
-    """Load masters, moments, step count and RNG state from ``reader`` tensor by tensor (extra host memory:
-    the largest tensor, about twice while it is placed; checked first: ``MemoryCheckError``)."""
+    """Load masters, moments, step and RNG from ``reader`` one tensor at a time (extra memory: ~2x the largest
+    tensor, checked first: MemoryCheckError)."""
     from npu_train.checkpoint.stream import check_memory
 
     big = max((4 * p.numel() for p in params.values()), default=0)
@@ -87,9 +83,7 @@ def resume_stage(reader, opt, params: dict, owned: dict, backend, stage: int) ->
 
 
 def sparse_embed_grad_for(kind: str, params: dict) -> bool:
-    """Whether the stage takes its embedding gradient as rows (``StageModule.sparse_embed_grad``): a trained
-    fp32 ``model.embed_tokens.weight`` (its ``.grad`` is the accumulator; bf16 folds into one) on a card of
-    :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS`. The trainer then gives it a dense zero ``.grad``
-    in each step, right after the first forward (``StageTrainer.zero_embed_grad``, a first-forward-sent hook), before any backward."""
+    """Whether the stage takes its embedding gradient as rows: a trained fp32 embedding on a
+    :data:`npu_train.hardware.SPARSE_EMBED_GRAD_KINDS` card (zeroed after each step's first forward)."""
     emb = params.get("model.embed_tokens.weight")
     return emb is not None and kind in SPARSE_EMBED_GRAD_KINDS and emb.dtype == torch.float32

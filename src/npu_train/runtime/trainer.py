@@ -1,37 +1,6 @@
-"""The train loop of one card process: :class:`StageTrainer`.
-
-One optimizer step on one stage (:meth:`StageTrainer.train_step`):
-
-1. the step's micro-batches come from the seeded, resumable :class:`~npu_train.data.sampler.StepSampler`
-   (every stage draws the same indices; stage 0 uses the inputs, the last stage the labels); with
-   ``parallel.dp`` replicas, replica k takes the k-th block of ``accum`` micro-batches of the step's
-   global batch, and the last stage divides its loss by the target tokens of all replicas' blocks;
-2. :class:`~npu_train.pipeline.stage.StageRunner` runs the schedule (1F1B / GPipe) over the
-   micro-batches, exchanging activations and their gradients with the neighbouring stages through
-   :class:`~npu_train.runtime.links.LinkComm`; gradients accumulate in fp32
-   (:meth:`~npu_train.optim.adamw.StageOptimizer.grad`, also with bf16 compute);
-3. the tied embedding's gradient is summed between the first and last stage of the replica (gloo,
-   mostly while the first stage still computes: :mod:`npu_train.runtime.tied`);
-   with dp > 1, every stage's gradient is summed over its replicas (the stage group,
-   :mod:`npu_train.runtime.replicas`);
-4. one gloo all-reduce over all ranks carries the squared gradient norm of every stage (counted once
-   per stage: by replica 0, or with ZeRO-1 by each parameter's owner), the summed loss, the number
-   of target tokens, the stop flag and one non-finite flag per stage: global grad norm = sqrt(sum),
-   loss = sum / tokens. A non-finite loss or grad norm (every rank sees the same reduced values)
-   stops the job naming the step and stage (:class:`NonFiniteError`, ``train.nonfinite=stop``) or
-   skips the step's update on every stage (``skip``); either way nothing reaches the masters,
-   moments or a checkpoint;
-5. clip coefficient ``min(1, clip / (norm + 1e-6))`` (as ``torch.nn.utils.clip_grad_norm_``), LR from
-   warm-up + cosine (:func:`~npu_train.optim.lr.lr_at`), then AdamW on the fp32 master weights of
-   resident (on the card) and offloaded (host) layers (:class:`~npu_train.optim.adamw.StageOptimizer`);
-   with ZeRO-1 each replica updates only the parameters it owns and broadcasts their new weights;
-   offloaded layers' gradient downloads start in the backward and their host AdamW + upload run on a
-   background thread, the next forward through a layer waiting for that layer only
-   (``train.offload_overlap``, ``train.offload_update``: :mod:`npu_train.optim.offload`);
-6. metrics go to the coordinator; :meth:`StageTrainer.maybe_save` writes this stage's checkpoint
-   shard into the staging directory when a save is due.
-
-The process around it (signals, heartbeats, the control socket, error reports) is
+"""The train loop of one card process: :class:`StageTrainer` (:meth:`~StageTrainer.train_step` is one
+optimizer step: data, schedule, tied and replica sums, one world all-reduce, non-finite check, clip,
+LR, AdamW, metrics, checkpoint). The step in detail: docs/design.md §17; the process around it:
 :mod:`npu_train.runtime.worker`.
 """
 from __future__ import annotations
@@ -52,17 +21,14 @@ from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 log = logging.getLogger("npu_train.worker")
 
 
-
 class NonFiniteError(RuntimeError):
-    """A non-finite (nan/inf) loss or global gradient norm with ``train.nonfinite=stop``; the message
-    names the step, the stage(s) where the non-finite values appeared, and the fix."""
+    """A nan/inf loss or grad norm with ``train.nonfinite=stop``, naming the step, stages and fix."""
 
 
 @dataclass
 class StepTotals:
-    """One step's values after the all-reduce (the same on every rank): global grad norm, loss per target
-    token, target tokens, the stop request, the ranks holding non-finite values; ``tied_s``: seconds of
-    the tied-gradient exchange, started at ``tied_start`` (``time.perf_counter``)."""
+    """One step's values after the all-reduce (same on every rank); ``tied_s`` s from ``tied_start``
+    (perf_counter)."""
 
     grad_norm: float
     loss: float
@@ -78,21 +44,9 @@ class StepTotals:
 
 
 class StageTrainer:
-    """Trains one pipeline stage on one card for ``spec.train.steps`` optimizer steps.
-
-    Args:
-        spec: this card process's :class:`~npu_train.runtime.spec.WorkerSpec`.
-        ctx: the process's ZeroMQ context (boundary links).
-        ctrl: the control channel to the coordinator (``send(type, **fields)``, ``poll_stop()``).
-        fault: test-only fault hook (``NPT_FAULT``, :mod:`npu_train.runtime.faults`) or None.
-
-    Use: :meth:`setup` once, then :meth:`run` (or :meth:`train_step` / :meth:`evaluate` /
-    :meth:`maybe_save` one by one, as :meth:`run` does), then :meth:`close`.
-
-    Attributes:
-        phase: the current phase's name, which the worker reports when an exception escapes
-            (``"step 3 forward/backward"``, ``"checkpoint save of step 4"``, ...).
-    """
+    """Trains one pipeline stage for ``spec.train.steps`` steps: :meth:`setup`, :meth:`run`, :meth:`close`.
+    ``ctrl``: the coordinator channel; ``fault``: :mod:`npu_train.runtime.faults` hook or None;
+    ``phase``: the current phase, reported when an exception escapes."""
 
     def __init__(self, spec: WorkerSpec, ctx, ctrl, fault=None):
         self.spec, self.ctx, self.ctrl, self.fault = spec, ctx, ctrl, fault
@@ -109,25 +63,20 @@ class StageTrainer:
         self.stage_group = None
 
     def grad_buf(self, name: str) -> torch.Tensor:
-        """The tensor holding parameter ``name``'s step gradient (the optimizer's fp32 accumulator, or
-        ``.grad`` for a parameter this replica's optimizer does not own under ZeRO-1), to change in place."""
+        """Parameter ``name``'s step gradient buffer, to change in place."""
         from npu_train.optim.adamw import grad_or_zeros
 
         return self.opt.grad_buffer(name) if name in self.opt.params else grad_or_zeros(self.params[name])
 
     def enter(self, phase: str) -> None:
-        """Record ``phase`` (named in error reports) and tell the coordinator, which names it if this
-        card process dies or hangs there."""
+        """Record ``phase`` and tell the coordinator (it names the phase if the process dies there)."""
         self.phase = phase
         self.ctrl.send("phase", phase=phase)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
-        """Device context, model load (own tensors), optimizer, gloo group, boundary links, resume, data.
-
-        Raises whatever the backend raises for a missing device (``BackendUnavailableError``), and
-        ``TransportError`` / gloo errors when a peer is gone.
-        """
+        """Device, model, optimizer, gloo group, links, resume, data. Raises BackendUnavailableError,
+        TransportError or gloo errors."""
         from npu_train.backends import make_backend
         from npu_train.backends.spec import CardRequest
 
@@ -151,8 +100,7 @@ class StageTrainer:
         self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
 
     def _load_model(self) -> dict:
-        """This stage's module on the card (LoRA adapters on a frozen base), compiled / warmed up where
-        configured; returns the exact fp32 masters of its trained parameters."""
+        """The stage's module on the card (compiled/warmed up where configured); returns the fp32 masters."""
         spec, tr, backend = self.spec, self.tr, self.backend
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
         lora = tr.lora_spec()
@@ -185,8 +133,7 @@ class StageTrainer:
         return masters
 
     def _make_optimizer(self, masters: dict) -> None:
-        """The stage's optimizer over the parameters this replica owns, and the step hooks
-        (:mod:`npu_train.optim.hooks`) through which its work runs inside forward and backward."""
+        """The optimizer over the parameters this replica owns, and the stage's step hooks."""
         from npu_train.optim.adamw import StageOptimizer
         from npu_train.optim.hooks import StepHooks
         from npu_train.runtime.overlap import install_waits, layer_groups
@@ -243,8 +190,7 @@ class StageTrainer:
             dist.barrier()  # every ring exists before anyone receives
 
     def _resume(self) -> None:
-        """Masters, moments, weights and RNG state from ``spec.resume_dir``
-        (:func:`~npu_train.runtime.stagebuild.resume_stage`: one tensor at a time)."""
+        """Masters, moments, weights and RNG from ``spec.resume_dir``, one tensor at a time."""
         from npu_train.checkpoint.store import CheckpointReader
 
         self.enter("resume")
@@ -252,8 +198,7 @@ class StageTrainer:
                      self.stage)
 
     def _load_data(self) -> None:
-        """The packed data, this replica's sampler (and the others', for the loss divisor), the schedule
-        runner and the held-out evaluation batches."""
+        """The packed data, the samplers (all replicas', for the loss divisor), the runner, the evaluation batches."""
         from npu_train.data.dataset import load_packed, micro_batch_tensors
         from npu_train.data.sampler import StepSampler
         from npu_train.pipeline.stage import StageRunner
@@ -275,8 +220,7 @@ class StageTrainer:
 
     # ------------------------------------------------------------------ one step
     def global_tokens(self, step: int) -> int:
-        """Target tokens (labels != -100) of step ``step``'s whole global batch, all replicas' shares
-        (computed locally from the deterministic samplers: no collective)."""
+        """Target tokens of step ``step``'s global batch (all replicas), from the samplers: no collective."""
         n = 0
         for smp in self.samplers:
             for i in smp.micro_batches_for_step(step):
@@ -284,12 +228,8 @@ class StageTrainer:
         return n
 
     def train_step(self, step: int) -> dict:
-        """Run 0-based optimizer step ``step`` (forward/backward of all micro-batches, collectives, AdamW).
-
-        Returns ``{"loss", "grad_norm", "lr", "tokens", "interrupted"}`` (loss in nats per target token
-        over the whole step and all stages; ``interrupted``: some rank was asked to stop) and sends the
-        step's metrics (seconds per phase, bytes of device memory) to the coordinator.
-        """
+        """Run 0-based step ``step``; sends its metrics. Returns ``{"loss" (nats/target token), "grad_norm",
+        "lr", "tokens", "interrupted"}``."""
         from npu_train.optim.lr import lr_at
 
         tr = self.tr
@@ -337,8 +277,7 @@ class StageTrainer:
                 "interrupted": tot.interrupted}
 
     def _forward_backward(self, step: int, mbs: list) -> dict:
-        """The schedule over the step's micro-batches ``mbs`` (``[(inputs, labels)]``); gradients accumulate
-        on the card. Returns :meth:`StageRunner.run_step`'s dict."""
+        """The schedule over ``mbs`` (``[(inputs, labels)]``); returns StageRunner.run_step's dict."""
         tr = self.tr
         for p in self.params.values():
             p.grad = None
@@ -359,8 +298,8 @@ class StageTrainer:
         return self.runner.run_middle(step, tr.accum)
 
     def _reduce(self, res: dict, mbs: list) -> "StepTotals":
-        """The step's collectives: the tied pair's gradient sum, the replicas' gradient all-reduce, then one
-        all-reduce of the squared gradient norm, loss, tokens, stop flag and non-finite flags."""
+        """Tied sum, replica all-reduce, then the world all-reduce of norm, loss, tokens, stop and non-finite
+        flags."""
         import torch.distributed as dist
 
         exclude = ["lm_head.weight"] if (self.tied_pair and self.last) else []
@@ -399,9 +338,8 @@ class StageTrainer:
                           tied_s=t_tied, tied_start=ta_tied)
 
     def _update(self, step: int, tot: "StepTotals", lr: float) -> dict:
-        """AdamW with the clip coefficient of ``tot.grad_norm`` (ZeRO-1: then the owners' weights to the other
-        replicas), or, for a non-finite step, :meth:`nonfinite` and the gradients dropped. Returns the
-        optimizer's seconds ``{"device_optimizer", "host_optimizer", "transfer"}``."""
+        """AdamW with the clip coefficient (ZeRO-1: then broadcast), or :meth:`nonfinite` and the gradients
+        dropped; returns the optimizer's seconds."""
         tr = self.tr
         if not tot.finite:
             self.nonfinite(step, tot.loss, tot.grad_norm, tot.bad_ranks)
@@ -423,8 +361,7 @@ class StageTrainer:
         return ot
 
     def zero_embed_grad(self) -> None:
-        """A first-forward-sent hook (:mod:`npu_train.optim.hooks`): the embedding's zeroed gradient
-        buffer (StageModule.sparse_embed_grad: rows are added into it)."""
+        """First-forward-sent hook: the embedding's zeroed gradient buffer (rows are added into it)."""
         emb = self.params["model.embed_tokens.weight"]
         emb.grad = torch.zeros_like(emb)
 
@@ -436,12 +373,8 @@ class StageTrainer:
                                for i in self.sampler.micro_batches_for_step(step + 1)])
 
     def nonfinite(self, step: int, loss: float, grad_norm: float, stages: list) -> None:
-        """A non-finite loss or global grad norm in 0-based ``step`` (``stages``: where it appeared).
-
-        ``train.nonfinite=stop``: raise :class:`NonFiniteError` on the stages that hold the non-finite
-        values (on every stage if none does: a finite sum that overflowed); the others wait until
-        the coordinator ends the job. ``skip``: return, and the caller skips the update.
-        """
+        """A non-finite value in ``step``: ``stop`` raises NonFiniteError on the ``stages`` holding it (all if
+        none: an overflowed sum), ``skip`` returns and the update is skipped."""
         what = " and ".join(w for w, v in (("loss", loss), ("global grad norm", grad_norm)) if not math.isfinite(v))
         where = f"stage(s) {', '.join(map(str, stages))}" if stages else "no single stage (the global sum overflowed)"
         if self.tr.nonfinite == "skip":
@@ -457,8 +390,7 @@ class StageTrainer:
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, after_step: int) -> Optional[float]:
-        """Forward-only pass over the held-out micro-batches; returns the mean loss per target token
-        (every rank gets it through the all-reduce; the last stage reports it to the coordinator)."""
+        """Forward-only pass over the held-out batches; the mean loss per target token (nats) on every rank."""
         import torch.distributed as dist
 
         self.enter(f"evaluation after step {after_step}")
@@ -479,25 +411,15 @@ class StageTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, done: int, interrupted: bool, stopping: bool) -> bool:
-        """Whether a checkpoint is written after ``done`` steps: every ``save_every``, at the last step,
-        on an interrupt (``save_on_interrupt``) and when ``stop_after`` ends this launch; never with
-        ``checkpoint.save=false`` (``save_checkpoints``)."""
+        """Whether to save after ``done`` steps: every ``save_every``, the last step, an interrupt, ``stop_after``."""
         tr = self.tr
         return bool(tr.save_checkpoints and ((tr.save_every and done % tr.save_every == 0) or done == tr.steps
                     or (interrupted and tr.save_on_interrupt) or (stopping and not interrupted)))
 
     def maybe_save(self, done: int, interrupted: bool = False, stopping: bool = False) -> Optional[str]:
-        """Write this stage's shard (fp32 masters, AdamW moments, step counts, RNG) into the step's staging
-        directory when :meth:`save_due`, and report it; the coordinator publishes the checkpoint (manifest
-        + atomic rename) once every rank reported. Returns the staging directory, or None.
-
-        Data parallelism: replica 0 writes the stage's shard (``stage_<s>``, the same format as dp=1,
-        so a checkpoint resumes with any ``parallel.dp``); with ZeRO-1 it first gathers the other
-        replicas' optimizer-state shards (:func:`~npu_train.runtime.replicas.gather_state`). The other
-        replicas write nothing and only report.
-
-        Extra host memory (checked first): the largest fp32 master or moment (``4 * numel`` bytes; none for
-        live CPU tensors); with ZeRO-1, 12 bytes per parameter of the stage on replica 0."""
+        """Write and report this stage's shard when :meth:`save_due`; returns the staging directory or None.
+        Replica 0 writes (the dp=1 format; ZeRO-1: after :func:`~npu_train.runtime.replicas.gather_state`,
+        12 B/param); extra host memory otherwise: the largest fp32 tensor (checked first)."""
         from npu_train.checkpoint.store import entries_of, save_shard, tmp_dir
         from npu_train.checkpoint.stream import check_memory
 

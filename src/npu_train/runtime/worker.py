@@ -1,23 +1,6 @@
-"""Card process main: one pipeline stage on one card.
-
-Started by the launcher with the ``spawn`` start method (``worker_main(spec)``). The worker
-
-1. keeps freed host memory for reuse (``runtime.keep_host_memory``, :mod:`npu_train.hostmem`)
-   and sets up its backend (device context, memory-type flag probe) before any device call,
-2. connects to the coordinator's control socket (hello, heartbeats from a separate thread,
-   per-step metrics, checkpoint reports, errors),
-3. builds its :class:`StageModule` on the meta device and loads only its own tensors,
-4. joins the gloo process group (global grad norm, loss, stop flag, tied-embedding gradients),
-5. opens its stage-boundary links (shared-memory slot rings + ZeroMQ/msgpack headers),
-6. runs the train loop, :class:`npu_train.runtime.trainer.StageTrainer` (steps 3-6 are its ``setup()``
-   and ``run()``), saving shards when asked.
-
-Any exception is reported to the coordinator (type, message, traceback) before exiting with
-status 1; the coordinator then brings the whole job down. If the launcher dies (even ``kill -9``),
-the heartbeat thread notices that the parent process changed, removes the job's shared-memory
-segments and IPC directory, and exits (status 3) instead of lingering as an orphan.
-
-Test-only fault injection (``NPT_FAULT``) is described in :mod:`npu_train.runtime.faults`.
+"""Card process main (``worker_main(spec)``, spawned): backend, control socket with a heartbeat thread,
+then :class:`npu_train.runtime.trainer.StageTrainer`. An exception is reported to the coordinator, exit
+1; a launcher that vanished is noticed by the heartbeat thread, which cleans up and exits 3.
 """
 from __future__ import annotations
 
@@ -68,11 +51,7 @@ class Control:
 
 
 def _cleanup_orphaned_job(job_id: str, ipc_dir: str) -> None:
-    """The launcher is gone (e.g. ``kill -9``): remove what it would have removed at teardown.
-
-    Every card process does this (idempotent, races are harmless): the job's ``/dev/shm``
-    segments (peers that still map one keep their mapping) and the private IPC socket directory.
-    """
+    """The launcher is gone: remove the job's /dev/shm segments and IPC directory (idempotent)."""
     import shutil
 
     from npu_train.transport.shm import unlink_job_segments
