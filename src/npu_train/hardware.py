@@ -36,3 +36,27 @@ HOST_MEMORY_KINDS = ("cpu",)
 
 #: RNGD usable HBM per card: 47.5 GiB (= 51.0 GB) of the 48 GB HBM3.
 FURIOSA_CAPACITY_BYTES = int(47.5 * GIB)
+
+#: memory of a cuda card when no device is visible to ask (H100-class, assumed): what a plan made away
+#: from the target machine uses (:func:`npu_train.backends.spec.default_capacity` asks the device)
+CUDA_ASSUMED_CAPACITY_BYTES = 80 * GIB
+
+
+def host_ram_bytes() -> int:
+    """Total RAM of this host, bytes (``psutil.virtual_memory().total``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def nominal_capacity(kind: str) -> int:
+    """Usable memory of one card of ``kind`` without asking a device, bytes: furiosa
+    :data:`FURIOSA_CAPACITY_BYTES`, cuda :data:`CUDA_ASSUMED_CAPACITY_BYTES`, cpu the host's whole RAM
+    (dividing it among several cpu cards is the caller's job). Raises ``ValueError`` for an unknown kind."""
+    if kind == "furiosa":
+        return FURIOSA_CAPACITY_BYTES
+    if kind == "cuda":
+        return CUDA_ASSUMED_CAPACITY_BYTES
+    if kind == "cpu":
+        return host_ram_bytes()
+    raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")

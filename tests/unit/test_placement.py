@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from npu_train.backends.spec import default_capacity
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import PRESETS, get_preset
 from npu_train.planner import (
@@ -22,7 +23,6 @@ from npu_train.planner import (
     RunShape,
     activation_bytes_per_layer,
     balanced_split,
-    default_capacity,
     format_plan,
     gb,
     gib,

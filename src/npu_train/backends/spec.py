@@ -11,7 +11,8 @@ from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from npu_train.backends.base import BackendSpecError, BackendUnavailableError
-from npu_train.hardware import KINDS
+from npu_train.hardware import KINDS, nominal_capacity
+
 ALIASES = {"rngd": "furiosa", "gpu": None}  # None: recognised but refused with a hint
 _VALID = "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto"
 _ENTRY_RE = re.compile(r"^(?P<kind>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<arg>.*))?$")
@@ -195,3 +196,19 @@ def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> lis
                     f"{n} {label} device{'s' if n != 1 else ''}{valid}")
             out.append(r)
     return out
+
+
+def default_capacity(kind: str, index: int | None = None) -> int:
+    """Usable memory of one card of ``kind``, bytes: for ``cuda`` the device's
+    ``torch.cuda.get_device_properties(index or 0).total_memory`` when CUDA is available, else
+    :func:`npu_train.hardware.nominal_capacity` (cuda 80 GiB assumed, furiosa 47.5 GiB, cpu the whole
+    host RAM: dividing it among cpu cards is the caller's job). Raises ``ValueError`` for an unknown kind."""
+    if kind == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return int(torch.cuda.get_device_properties(index or 0).total_memory)
+        except Exception:  # pragma: no cover - torch without CUDA support
+            pass
+    return nominal_capacity(kind)

@@ -1,11 +1,11 @@
 """The planner: where the model's layers go, what each card holds, how long a step takes, and
 how fast this machine is.
 
-Modules (dependencies point down the list; none imports torch at import time, so a dry run
-``plan=true`` stays torch-free; only :func:`default_capacity` for ``cuda`` uses it):
+Modules (dependencies point down the list; none imports torch, so a dry run ``plan=true`` stays
+torch-free; a cuda card's capacity query is :func:`npu_train.backends.spec.default_capacity`):
 
 - :mod:`~npu_train.planner.spec`: :class:`CardSpec`, :class:`RunShape`, :class:`PlacementError`,
-  card capacities, GB/GiB conversion.
+  GB/GiB conversion.
 - :mod:`~npu_train.planner.threads`: torch threads per card process (:func:`threads_per_card`),
   usable cores (affinity, cgroup quota).
 - :mod:`~npu_train.planner.fit`: figures fitted from the job's finished runs.
@@ -47,7 +47,6 @@ from npu_train.planner.spec import (
     CardSpec,
     PlacementError,
     RunShape,
-    default_capacity,
     gb,
     gib,
     make_cards,
@@ -56,7 +55,7 @@ from npu_train.planner.threads import threads_per_card, usable_cores
 
 __all__ = [
     "PlacementError", "CardSpec", "RunShape", "Plan", "StagePlan", "Rates", "DEFAULT_RATES",
-    "ATTENTION", "WORKSPACE", "gb", "gib", "default_capacity", "make_cards", "calibration_path",
+    "ATTENTION", "WORKSPACE", "gb", "gib", "make_cards", "calibration_path",
     "load_rates", "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes",
     "in_flight_micro_batches", "balanced_split", "make_plan", "format_plan", "threads_per_card",
     "usable_cores",

@@ -9,10 +9,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 from npu_train.errors import UserError
-from npu_train.hardware import FURIOSA_CAPACITY_BYTES, GB, GIB, KINDS
+from npu_train.hardware import GB, GIB, KINDS, nominal_capacity
 from npu_train.pipeline.schedule import SCHEDULES
 
-__all__ = ["PlacementError", "CardSpec", "RunShape", "default_capacity", "make_cards", "gb", "gib"]
+__all__ = ["PlacementError", "CardSpec", "RunShape", "make_cards", "gb", "gib"]
 
 
 def gb(x: float) -> float:
@@ -57,43 +57,14 @@ class CardSpec:
             self.name = self.kind if self.index is None else f"{self.kind}:{self.index}"
 
 
-def default_capacity(kind: str, index: Optional[int] = None) -> int:
-    """Usable memory of one card of ``kind``, bytes.
-
-    - ``furiosa``: :data:`npu_train.hardware.FURIOSA_CAPACITY_BYTES` (47.5 GiB). No device call.
-    - ``cuda``: ``torch.cuda.get_device_properties(index or 0).total_memory`` when CUDA is
-      available, else 80 GiB (H100-class). The only planner call that may import torch.
-    - ``cpu``: total host RAM (``psutil``); dividing it among several CPU "cards" is the
-      caller's job.
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
-    if kind == "furiosa":
-        return FURIOSA_CAPACITY_BYTES
-    if kind == "cuda":
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                return int(torch.cuda.get_device_properties(index or 0).total_memory)
-        except Exception:  # pragma: no cover - torch without CUDA support
-            pass
-        return 80 * GIB
-    if kind == "cpu":
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
-
-
 def make_cards(kind: str, n: int, capacity_bytes: Optional[int] = None) -> list[CardSpec]:
-    """``n`` cards of ``kind`` with indices ``0..n-1``. Default capacity: :func:`default_capacity`
-    (for ``cpu``: host RAM divided by ``n``). Raises ``ValueError`` for ``n < 1``."""
+    """``n`` cards of ``kind`` with indices ``0..n-1``. Default capacity:
+    :func:`npu_train.hardware.nominal_capacity` (for ``cpu``: host RAM divided by ``n``). Raises
+    ``ValueError`` for ``n < 1``."""
     if n < 1:
         raise ValueError(f"need at least one card, got {n}")
     if capacity_bytes is None:
-        capacity_bytes = default_capacity(kind)
+        capacity_bytes = nominal_capacity(kind)
         if kind == "cpu":
             capacity_bytes //= n
     return [CardSpec(kind, i, int(capacity_bytes)) for i in range(n)]

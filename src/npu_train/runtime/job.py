@@ -61,7 +61,8 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
     RAM equally. Names: ``cpu`` (one CPU card) or ``cpu:<i>``, ``<kind>:<index>``, after ``prefix``
     (multi-node: ``node1/``, so every card of the job has a distinct name).
     """
-    from npu_train.planner import CardSpec, default_capacity
+    from npu_train.backends.spec import default_capacity
+    from npu_train.planner import CardSpec
 
     n_cpu = sum(1 for r in reqs if r.kind == "cpu")
     cards = []
