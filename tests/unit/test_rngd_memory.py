@@ -12,7 +12,7 @@ import json
 import pytest
 
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlacementError, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, make_cards, make_plan
 from npu_train.planner.memterms import (DEFAULT_MEMORY_TERMS, fit_memory_terms, load_memory_terms,
                                         save_memory_terms)
 
@@ -27,7 +27,7 @@ EMB = 128_256 * 4096        # one embedding matrix
 
 
 def plan(cards, resident, shape=FIELD, **kw):
-    return make_plan(M8B, shape, make_cards("furiosa", cards), FUR, resident_layers=resident, **kw)
+    return make_plan(PlanRequest(M8B, shape, make_cards("furiosa", cards), FUR, resident_layers=resident, **kw))
 
 
 # ---------------------------------------------------------------- the field record
@@ -65,8 +65,8 @@ def test_auto_on_two_cards_leaves_headroom_free_and_is_maximal(headroom):
         assert st.mem["total"] <= limit                       # >= headroom of the card stays free
         if len(st.resident) < st.num_layers:                  # one more resident layer would not
             more = [len(s.resident) + (s is st) for s in p.stages]
-            bigger = make_plan(M8B, FIELD, make_cards("furiosa", 2), FUR, split=p.split,
-                               resident_layers=more, strict=False)
+            bigger = make_plan(PlanRequest(M8B, FIELD, make_cards("furiosa", 2), FUR, split=p.split,
+                                           resident_layers=more, strict=False))
             assert bigger.stages[i].mem["total"] > limit
 
 
@@ -82,8 +82,8 @@ def test_auto_error_names_the_headroom():
     tight = plan(2, 0, strict=False).stages[0].mem["total"]
     cards = make_cards("furiosa", 2, int(tight / 0.97))       # fits at 0 % headroom, not at 5 %
     with pytest.raises(PlacementError, match=r"placement\.headroom=0\.05"):
-        make_plan(M8B, FIELD, cards, FUR, split=[16, 16])
-    ok = make_plan(M8B, FIELD, cards, FUR, split=[16, 16], headroom=0.0)
+        make_plan(PlanRequest(M8B, FIELD, cards, FUR, split=[16, 16]))
+    ok = make_plan(PlanRequest(M8B, FIELD, cards, FUR, split=[16, 16], headroom=0.0))
     assert ok.fits
 
 
@@ -112,8 +112,8 @@ def test_memory_profile_overrides_defaults_and_says_measured(tmp_path):
     assert t.workspace_bytes == 2 * GIB and t.workspace_fraction == 0.0
     assert t.module_bytes == DEFAULT_MEMORY_TERMS["furiosa"].module_bytes        # not in the file
     assert t.sources["workspace_bytes"] == f"measured: {prof}"
-    p = make_plan(M8B, FIELD, make_cards("furiosa", 1), FUR, resident_layers=4, strict=False,
-                  memory_terms=[t])
+    p = make_plan(PlanRequest(M8B, FIELD, make_cards("furiosa", 1), FUR, resident_layers=4, strict=False,
+                              memory_terms=[t]))
     st = p.stages[0]
     body = sum(st.mem[k] for k in ("weights", "grads", "optimizer", "activations", "transient"))
     assert st.mem["workspace"] == 2 * GIB + 512 * 2**20                           # const + modules

@@ -42,7 +42,8 @@ from npu_train.planner.memterms import (
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
 from npu_train.planner.report import format_plan
-from npu_train.planner.search import DEFAULT_HEADROOM, balanced_split, make_plan
+from npu_train.planner.request import DEFAULT_HEADROOM, PlanRequest
+from npu_train.planner.search import balanced_split, make_plan
 from npu_train.planner.spec import (
     CardSpec,
     PlacementError,
@@ -57,7 +58,7 @@ __all__ = [
     "PlacementError", "CardSpec", "RunShape", "Plan", "StagePlan", "Rates", "DEFAULT_RATES",
     "ATTENTION", "WORKSPACE", "gb", "gib", "make_cards", "calibration_path",
     "load_rates", "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes",
-    "in_flight_micro_batches", "balanced_split", "make_plan", "format_plan", "threads_per_card",
+    "in_flight_micro_batches", "balanced_split", "make_plan", "PlanRequest", "format_plan", "threads_per_card",
     "usable_cores",
     "DEFAULT_HEADROOM", "DEFAULT_MEMORY_TERMS", "MemoryTerms",
     "load_memory_terms", "fit_memory_terms", "save_memory_terms",

@@ -16,7 +16,7 @@ import secrets
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from npu_train.env import cache_dir, getenv
@@ -111,8 +111,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
-    from npu_train.planner import PlacementError, load_rates, make_plan, threads_per_card
-    from npu_train.planner.memterms import load_memory_terms
+    from npu_train.planner import PlacementError, make_plan, threads_per_card
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
@@ -135,38 +134,24 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     elif not cfg.plan:
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
-    tr, dtype = cfg.train, compute_dtype(cfg.train.dtype, [c.kind for c in cards])
+    dtype = compute_dtype(cfg.train.dtype, [c.kind for c in cards])
     if model_path is not None:
         mcfg = load_config(model_path)
         if not cfg.plan:
             check_weights(model_path, mcfg)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
-    shape = run_shape(cfg, mcfg, dtype)
-    rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
-    fur = cfg.runtime.furiosa
-    terms = [load_memory_terms(c.kind, cfg.placement.profile,
-                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
-             for c in cards[:P]]
-    resident = as_list(tr.resident_layers)
-    if isinstance(resident, str) and resident != "auto":
-        try:
-            resident = int(resident)
-        except ValueError:
-            raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
-    # one pipeline is planned (replica 0's cards; every replica has the same kinds), for dp replicas
-    plan_args = dict(resident_layers=resident, threads=plan_threads, headroom=float(cfg.placement.headroom),
-                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, memory_terms=terms,
-                     dp=dp, zero=zero)
-    split = as_list(tr.split) or None
-    resumed = None if split else _resumed_split(cfg, run_dir, P)
+    req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
+                       host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram)
+    shape = req.shape
+    resumed = None if req.split else _resumed_split(cfg, run_dir, P)
     try:
-        plan = make_plan(mcfg, shape, cards[:P], rates, split=split or resumed, **plan_args)
+        plan = make_plan(replace(req, split=req.split or resumed))
     except PlacementError:
         if resumed is None:
             raise
-        plan = make_plan(mcfg, shape, cards[:P], rates, split=None, **plan_args)  # the checkpoint's split no longer fits
+        plan = make_plan(req)  # the checkpoint's split no longer fits
     if any(c.kind == "furiosa" for c in cards):
         plan.compiler_cache_dir = furiosa_cache_dir(cfg)
     if nodes is not None:
@@ -318,6 +303,33 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
                           f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
                           "or raise parallel.dp")
     return P, dp, zero
+
+
+def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, zero: int,
+                 host_ram_bytes: Optional[int]):
+    """The planner's :class:`~npu_train.planner.PlanRequest` of ``cfg`` (the only place one is built from the
+    config): the model ``mcfg`` in compute ``dtype`` on one pipeline's ``cards`` (replica 0's; every replica
+    has the same kinds) for ``dp`` replicas, with rates and memory terms of each card's kind for ``threads``
+    torch threads per card process. Raises :class:`~npu_train.errors.ConfigError` for a bad
+    ``train.resident_layers``."""
+    from npu_train.planner import PlanRequest, load_rates
+    from npu_train.planner.memterms import load_memory_terms
+
+    tr, fur = cfg.train, cfg.runtime.furiosa
+    shape = run_shape(cfg, mcfg, dtype)
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=threads) for c in cards]
+    terms = [load_memory_terms(c.kind, cfg.placement.profile,
+                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
+             for c in cards]
+    resident = as_list(tr.resident_layers)
+    if isinstance(resident, str) and resident != "auto":
+        try:
+            resident = int(resident)
+        except ValueError:
+            raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
+    return PlanRequest(model=mcfg, shape=shape, cards=list(cards), rates=rates,
+                       split=as_list(tr.split) or None, resident_layers=resident, host_ram_bytes=host_ram_bytes,
+                       threads=threads, headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero)
 
 
 def run_shape(cfg, mcfg, dtype: str):
