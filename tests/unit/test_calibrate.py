@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from npu_train.hardware import GIB
+from npu_train.hardware import GIB, make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.calibrate import calibrate, main_calibrate, save_profile, thread_counts
-from npu_train.planner import DEFAULT_RATES, PlanRequest, Rates, RunShape, load_rates, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, Rates, RunShape, load_rates, make_plan
 
 RATE_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes")

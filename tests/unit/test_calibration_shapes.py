@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from npu_train.calibrate.profile import PROFILE_VERSION, machine_info, save_profile
-from npu_train.planner import PlanRequest, load_rates, make_cards, make_plan
+from npu_train.hardware import make_cards
+from npu_train.planner import PlanRequest, load_rates, make_plan
 from npu_train.planner.rates import Rates, job_shapes, shape_signature, shapes_differ
 from npu_train.planner.spec import RunShape
 

@@ -10,8 +10,9 @@ import dataclasses
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan
 from npu_train.planner.cost import exposed_host_time
 
 

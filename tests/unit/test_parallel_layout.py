@@ -7,8 +7,9 @@ import pytest
 
 from npu_train.config import check_dp_cards
 from npu_train.errors import ConfigError
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan
 from npu_train.runtime.layout import ParallelLayout
 from npu_train.runtime.replicas import zero_owners
 

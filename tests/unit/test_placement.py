@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from npu_train.backends.spec import default_capacity
+from npu_train.hardware import Card, make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import PRESETS, get_preset
 from npu_train.planner import (
     ATTENTION,
     DEFAULT_RATES,
-    CardSpec,
     PlacementError,
     PlanRequest,
     Rates,
@@ -30,7 +30,6 @@ from npu_train.planner import (
     in_flight_micro_batches,
     load_rates,
     logits_bytes,
-    make_cards,
     make_plan,
     saved_logits_bytes,
     threads_per_card,
@@ -341,10 +340,12 @@ def test_bad_split_is_error():
 # ---------------------------------------------------------------- rates / cards / units
 def test_units_and_cards():
     assert gb(1e9) == 1.0 and gib(2**30) == 1.0
-    assert CardSpec("furiosa", 1, CAP).name == "furiosa:1"
-    assert CardSpec("cpu", None, 1).name == "cpu"
+    assert Card("furiosa", 1, CAP).name == "furiosa:1"
+    assert Card("cpu", None, 1).name == "cpu"
     with pytest.raises(ValueError):
-        CardSpec("tpu", 0, 1)
+        make_cards("tpu", 1, 1)
+    with pytest.raises(ValueError, match="card kind"):
+        make_plan(PlanRequest(tiny(), RunShape(seq_len=16), [Card("tpu", 0, 2**40)], DEFAULT_RATES["cpu"]))
     assert default_capacity("cuda") > 0 and default_capacity("cpu") > 0
     cpu = make_cards("cpu", 4)
     assert cpu[0].capacity_bytes == default_capacity("cpu") // 4 and cpu[3].name == "cpu:3"
@@ -355,6 +356,7 @@ def test_dry_run_needs_no_torch_and_is_fast():
         "import sys, time\n"
         "t = time.perf_counter()\n"
         "from npu_train.model.presets import get_preset\n"
+        "from npu_train.hardware import make_cards\n"
         "from npu_train.planner import *\n"
         "p = make_plan(PlanRequest(get_preset('llama-3.1-8b'), RunShape(512, 1, 4), make_cards('furiosa', 2),"
         " load_rates('furiosa', '/nonexistent.json')))\n"

@@ -17,9 +17,9 @@ import npu_train.planner as planner
 names = sorted(m.name for m in pkgutil.iter_modules(planner.__path__))
 for name in names:
     importlib.import_module(f"npu_train.planner.{name}")
-from npu_train.hardware import GIB
+from npu_train.hardware import GIB, make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, RunShape, format_plan, make_cards, PlanRequest, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, format_plan, make_plan
 plan = make_plan(PlanRequest(get_preset("llama-3.2-1b"), RunShape(seq_len=256, micro_batches=4, schedule="zb-h1"),
                              make_cards("cpu", 2, 64 * GIB), DEFAULT_RATES["cpu"], threads=1, host_cores=2))
 assert "predicted:" in format_plan(plan)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.config import LlamaConfig
-from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan
 from npu_train.planner.cost import CostModel
 
 GIB = 2 ** 30

@@ -11,8 +11,9 @@ import json
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, make_plan
 from npu_train.planner.memterms import (DEFAULT_MEMORY_TERMS, fit_memory_terms, load_memory_terms,
                                         save_memory_terms)
 

@@ -11,18 +11,11 @@ import itertools
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import get_preset
 from npu_train.pipeline.schedule import SCHEDULES, step_time
-from npu_train.planner import (
-    DEFAULT_RATES,
-    PlacementError,
-    PlanRequest,
-    RunShape,
-    balanced_split,
-    make_cards,
-    make_plan,
-)
+from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, balanced_split, make_plan
 
 GIB = 2**30
 

@@ -4,7 +4,7 @@ how fast this machine is.
 Modules (dependencies point down the list; none imports torch, so a dry run ``plan=true`` stays
 torch-free; a cuda card's capacity query is :func:`npu_train.backends.spec.default_capacity`):
 
-- :mod:`~npu_train.planner.spec`: :class:`CardSpec`, :class:`RunShape`, :class:`PlacementError`,
+- :mod:`~npu_train.planner.spec`: :class:`RunShape`, :class:`PlacementError`,
   GB/GiB conversion.
 - :mod:`~npu_train.planner.threads`: torch threads per card process (:func:`threads_per_card`),
   usable cores (affinity, cgroup quota).
@@ -44,19 +44,12 @@ from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load
 from npu_train.planner.report import format_plan
 from npu_train.planner.request import DEFAULT_HEADROOM, PlanRequest
 from npu_train.planner.search import balanced_split, make_plan
-from npu_train.planner.spec import (
-    CardSpec,
-    PlacementError,
-    RunShape,
-    gb,
-    gib,
-    make_cards,
-)
+from npu_train.planner.spec import PlacementError, RunShape, gb, gib
 from npu_train.planner.threads import threads_per_card, usable_cores
 
 __all__ = [
-    "PlacementError", "CardSpec", "RunShape", "Plan", "StagePlan", "Rates", "DEFAULT_RATES",
-    "ATTENTION", "WORKSPACE", "gb", "gib", "make_cards", "calibration_path",
+    "PlacementError", "RunShape", "Plan", "StagePlan", "Rates", "DEFAULT_RATES",
+    "ATTENTION", "WORKSPACE", "gb", "gib", "calibration_path",
     "load_rates", "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes",
     "in_flight_micro_batches", "balanced_split", "make_plan", "PlanRequest", "format_plan", "threads_per_card",
     "usable_cores",

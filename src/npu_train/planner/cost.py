@@ -73,12 +73,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, stage_timeline
 from npu_train.planner.memory import WORKSPACE, MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
-from npu_train.planner.spec import CardSpec, RunShape
+from npu_train.planner.spec import RunShape
 
 __all__ = ["StageCost", "CostModel"]
 
@@ -176,7 +177,7 @@ class CostModel:
             one replica's.
     """
 
-    def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
+    def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[Card],
                  rates: Sequence[Rates], nonlayer_resident: Optional[bool], threads: int,
                  host_cores: int, terms: Optional[Sequence] = None, headroom: float = 0.0,
                  dp: int = 1, zero: int = 0):

@@ -113,11 +113,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS
+from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
-from npu_train.planner.spec import CardSpec, RunShape
+from npu_train.planner.spec import RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "activation_bytes_per_layer", "logits_bytes",
            "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageMemory", "MemoryModel"]
@@ -262,7 +262,7 @@ class MemoryModel:
             kind's defaults).
     """
 
-    def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[CardSpec],
+    def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[Card],
                  nonlayer_resident: Optional[bool],
                  terms: Optional[Sequence[MemoryTerms]] = None):
         self.model, self.shape, self.cards = model, shape, list(cards)

@@ -4,9 +4,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
 from npu_train.planner.rates import Rates
-from npu_train.planner.spec import CardSpec, RunShape
+from npu_train.planner.spec import RunShape
 
 __all__ = ["MEM_KEYS", "TIME_KEYS", "StagePlan", "Plan"]
 
@@ -27,7 +28,7 @@ class StagePlan:
     ``in_flight`` the micro-batches whose activations the stage holds at peak.
     """
 
-    card: CardSpec
+    card: Card
     first_layer: int
     last_layer: int
     has_embed: bool

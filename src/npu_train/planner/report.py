@@ -6,16 +6,17 @@ from __future__ import annotations
 import io
 from typing import Optional
 
+from npu_train.hardware import Card
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
-from npu_train.planner.spec import CardSpec, gb, gib
+from npu_train.planner.spec import gb, gib
 
 __all__ = ["plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "memory_sources",
            "rate_sources"]
 
 
-def card_label(i: int, card: CardSpec) -> str:
+def card_label(i: int, card: Card) -> str:
     """``"card <i> (<name>)"``: how messages name a card."""
     return f"card {i} ({card.name})"
 

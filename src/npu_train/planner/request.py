@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
+from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
 from npu_train.planner.memterms import MemoryTerms
 from npu_train.planner.rates import Rates
-from npu_train.planner.spec import CardSpec, RunShape
+from npu_train.planner.spec import RunShape
 
 __all__ = ["DEFAULT_HEADROOM", "PlanRequest"]
 
@@ -44,7 +45,7 @@ class PlanRequest:
 
     model: LlamaConfig
     shape: RunShape
-    cards: Sequence[CardSpec]
+    cards: Sequence[Card]
     rates: Union[Rates, Sequence[Rates]]
     split: Optional[Sequence[int]] = None
     resident_layers: Union[str, int, Sequence[int]] = "auto"

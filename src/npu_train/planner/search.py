@@ -8,6 +8,7 @@ import numbers
 from bisect import bisect_right
 from typing import Optional, Sequence, Union
 
+from npu_train.hardware import KINDS
 from npu_train.planner.cost import CostModel
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
@@ -247,7 +248,7 @@ def make_plan(req: PlanRequest) -> Plan:
         PlacementError: a card over capacity (message: card, predicted GiB, capacity GiB, fixes),
             nothing fits in auto mode, host RAM too small, more cards than layers, resident count
             above a card's layer count, a bad ``split``.
-        ValueError: ``dp < 1`` or ``zero`` not 0/1, a ``rates`` or ``memory_terms`` list whose length is
+        ValueError: a card of an unknown kind, ``dp < 1`` or ``zero`` not 0/1, a ``rates`` or ``memory_terms`` list whose length is
             not the number of cards, ``headroom`` outside [0, 1), an unknown ``resident_layers`` string.
     """
     pm = _cost_model(req)
@@ -272,6 +273,9 @@ def _cost_model(req: PlanRequest) -> CostModel:
             f"more cards ({P}) than decoder layers ({L}) of {model.name}: every card needs at "
             f"least one layer; fix: use at most {L} cards"
         )
+    for c in cards:
+        if c.kind not in KINDS:
+            raise ValueError(f"card kind must be one of {KINDS}, got {c.kind!r}")
     rates = [req.rates] * P if isinstance(req.rates, Rates) else list(req.rates)
     if len(rates) != P:
         raise ValueError(f"got {len(rates)} Rates for {P} cards")

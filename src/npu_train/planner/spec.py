@@ -1,4 +1,4 @@
-"""What is planned: the cards (:class:`CardSpec`), the run shape (:class:`RunShape`), and the
+"""What is planned: the run shape (:class:`RunShape`) and the
 planner's user error (:class:`PlacementError`). Units: ``*_bytes`` are bytes; :func:`gb` converts
 to decimal gigabytes (1e9 B), :func:`gib` to binary gibibytes (2**30 B); the plan table prints
 GiB. Card capacities are GiB figures (RNGD: 47.5 GiB usable = 51.0 GB, :mod:`npu_train.hardware`).
@@ -6,13 +6,12 @@ GiB. Card capacities are GiB figures (RNGD: 47.5 GiB usable = 51.0 GB, :mod:`npu
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from npu_train.errors import UserError
-from npu_train.hardware import GB, GIB, KINDS, nominal_capacity
+from npu_train.hardware import GB, GIB
 from npu_train.pipeline.schedule import SCHEDULES
 
-__all__ = ["PlacementError", "CardSpec", "RunShape", "make_cards", "gb", "gib"]
+__all__ = ["PlacementError", "RunShape", "gb", "gib"]
 
 
 def gb(x: float) -> float:
@@ -29,45 +28,6 @@ class PlacementError(UserError, ValueError):
     """A placement that cannot work: over a card's capacity, too little host RAM, or an
     impossible layout (more cards than layers, more resident layers than a card holds).
     The message names the card, the predicted and available GiB and the fixes."""
-
-
-@dataclass
-class CardSpec:
-    """One accelerator card = one pipeline stage.
-
-    Attributes:
-        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"`` (:data:`npu_train.hardware.KINDS`).
-        index: device index (``None`` for cpu).
-        capacity_bytes: usable memory of the card, bytes.
-        name: display name, default ``"<kind>:<index>"`` (``"cpu"`` when index is None).
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
-
-    kind: str
-    index: Optional[int]
-    capacity_bytes: int
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"card kind must be one of {KINDS}, got {self.kind!r}")
-        if not self.name:
-            self.name = self.kind if self.index is None else f"{self.kind}:{self.index}"
-
-
-def make_cards(kind: str, n: int, capacity_bytes: Optional[int] = None) -> list[CardSpec]:
-    """``n`` cards of ``kind`` with indices ``0..n-1``. Default capacity:
-    :func:`npu_train.hardware.nominal_capacity` (for ``cpu``: host RAM divided by ``n``). Raises
-    ``ValueError`` for ``n < 1``."""
-    if n < 1:
-        raise ValueError(f"need at least one card, got {n}")
-    if capacity_bytes is None:
-        capacity_bytes = nominal_capacity(kind)
-        if kind == "cpu":
-            capacity_bytes //= n
-    return [CardSpec(kind, i, int(capacity_bytes)) for i in range(n)]
 
 
 @dataclass

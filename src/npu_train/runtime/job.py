@@ -23,7 +23,7 @@ from npu_train.env import cache_dir, getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import end_of_run_line, interrupt_note, prepare_checkpoint_root
-from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
+from npu_train.runtime.spec import RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
 
 
@@ -55,14 +55,13 @@ def as_list(v):
 
 
 def card_specs(reqs, cfg, prefix: str = "") -> list:
-    """Planner :class:`~npu_train.planner.CardSpec` of one node's resolved card requests.
+    """One node's resolved cards (:class:`~npu_train.hardware.Card`) with their capacity and name set.
 
     Capacity: the backend's (``placement.capacity_gib`` overrides it); CPU cards share the node's
     RAM equally. Names: ``cpu`` (one CPU card) or ``cpu:<i>``, ``<kind>:<index>``, after ``prefix``
     (multi-node: ``node1/``, so every card of the job has a distinct name).
     """
     from npu_train.backends.spec import default_capacity
-    from npu_train.planner import CardSpec
 
     n_cpu = sum(1 for r in reqs if r.kind == "cpu")
     cards = []
@@ -78,7 +77,7 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
                                   f"/ {n_cpu} cpu card(s)): set it to at most {cap / 2 ** 30:.2f}, or leave it unset")
             cap = want
         name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
-        cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=prefix + name))
+        cards.append(replace(r, capacity_bytes=cap, name=prefix + name))
     return cards
 
 
@@ -86,7 +85,7 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
 class Prepared:
     """What the launcher knows before any card process starts (the result of :func:`prepare`)."""
 
-    cards: list  # planner CardSpec of every card of the job (node order, then card order)
+    cards: list  # Card of every card of the job (node order, then card order)
     requests: list  # this node's resolved card requests
     model_cfg: object  # LlamaConfig
     plan: object  # placement Plan
@@ -268,7 +267,7 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
         st, card = plan.stages[layout.stage(r)], prep.cards[r]
         specs.append(WorkerSpec(
             rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
-            card=CardInfo(card.kind, card.index, card.name), model_path=prep.model_path, model_cfg=mcfg.to_dict(),
+            card=card, model_path=prep.model_path, model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,

@@ -273,17 +273,17 @@ class Rendezvous:
 
 
 def exchange_cards(rdv: Rendezvous, local_cards: list, threads: int, host_ram: Optional[int]):
-    """Publish this node's cards (planner ``CardSpec``: kind, index, capacity in bytes, name), thread
+    """Publish this node's cards (:class:`~npu_train.hardware.Card`: kind, index, capacity in bytes, name), thread
     count and host RAM (bytes); return every node's, in node order: ``(cards, cards per node, plan
     threads, host RAM per node)``. Card names get a ``node<n>/`` prefix (``node1/cpu:0``); each card
     keeps the capacity its own node computed (a CPU card's share of THAT node's RAM); the plan uses
     the smallest thread count of any node, so every node plans with the same figures."""
-    from npu_train.planner import CardSpec
+    from npu_train.hardware import Card
 
     mine = {"cards": [[c.kind, c.index, c.capacity_bytes, c.name] for c in local_cards],
             "threads": threads, "host_ram": host_ram}
     everyone = rdv.exchange("cards", mine)
-    cards = [CardSpec(kind=k, index=i, capacity_bytes=cap, name=f"node{n}/{name}")
+    cards = [Card(kind=k, index=i, capacity_bytes=cap, name=f"node{n}/{name}")
              for n, e in enumerate(everyone) for k, i, cap, name in e["cards"]]
     return (cards, [len(e["cards"]) for e in everyone], min(e["threads"] for e in everyone),
             [e["host_ram"] for e in everyone])

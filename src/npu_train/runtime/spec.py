@@ -11,16 +11,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from npu_train.backends.furiosa_compile import FuriosaCompileOptions
-
-
-@dataclass(frozen=True)
-class CardInfo:
-    """One card: ``kind`` (``cpu`` | ``cuda`` | ``furiosa``), device ``index`` (None for cpu) and the
-    ``name`` printed in messages (``cpu:1``, ``cuda:0``, ``furiosa:3``)."""
-
-    kind: str
-    index: Optional[int]
-    name: str
+from npu_train.hardware import Card
 
 
 @dataclass(frozen=True)
@@ -182,7 +173,7 @@ class WorkerSpec:
     job_id: str
     token: str
     parent_pid: int
-    card: CardInfo
+    card: Card
     model_path: str
     model_cfg: dict
     stage: StageInfo

@@ -128,12 +128,10 @@ class StageTrainer:
         ``TransportError`` / gloo errors when a peer is gone.
         """
         from npu_train.backends import make_backend
-        from npu_train.backends.spec import CardRequest
 
         spec, card = self.spec, self.spec.card
         self.enter("device setup")
-        self.backend = make_backend(CardRequest(card.kind, card.index, card.name),
-                                    **spec.runtime.backend_kwargs(card.kind))
+        self.backend = make_backend(card, **spec.runtime.backend_kwargs(card.kind))
         self.backend.setup()
         self.enter("model load")
         masters = self._load_model()
