@@ -36,7 +36,6 @@ KNOWN_CIRCLES = {
 MAX_COMPLEXITY = 25
 #: functions above MAX_COMPLEXITY (radon's cyclomatic complexity), "file.py::Qualified.name": reason
 COMPLEX = {
-    "planner/memory.py::MemoryModel.stage": "being rebuilt on branch plan (one function per memory term)",
     "planner/report.py::rate_sources": "being rebuilt on branch plan",
 }
 

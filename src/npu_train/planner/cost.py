@@ -238,7 +238,8 @@ class CostModel:
         sm = mm.stage(i, n, r, rt.process_baseline_bytes)
         first, last = i == 0, i == self.P - 1
         lora = self.shape.lora_params_per_layer > 0
-        xfer = sm.offloaded_params + (mm.E if mm.tied and self.P > 1 and (first or last) and not lora else 0)
+        tied_copies = mm.tied and self.P > 1 and (first or last) and not lora  # the tied gradient down and up
+        xfer = sm.offloaded_params + (mm.embedding_params if tied_copies else 0)
         fbw = [n * x / rt.device_flops for x in self.layer_fbw]
         if self.shape.schedule in SPLIT_BACKWARD and not first and n:
             # B + W of the zero-bubble split cost split_backward_ratio x (forward + backward) in
@@ -272,7 +273,7 @@ class CostModel:
         rt = self.rates[i]
         host = c.host_params * c.state_share / rt.host_adamw_params_per_s
         dev = c.device_params * c.state_share / rt.device_adamw
-        xfer = self.memory.e * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
+        xfer = self.memory.dtype_bytes * c.xfer_params * (1.0 / rt.h2d_bytes_per_s + 1.0 / rt.d2h_bytes_per_s)
         return host, dev, xfer + self.dp_time(i, c)
 
     def hideable(self, i: int, c: StageCost, host: Optional[float] = None) -> float:
@@ -283,7 +284,7 @@ class CostModel:
             return 0.0
         if host is None:
             host = self.side_time(i, c)[0]
-        return host + self.memory.e * c.xfer_params / self.rates[i].h2d_bytes_per_s
+        return host + self.memory.dtype_bytes * c.xfer_params / self.rates[i].h2d_bytes_per_s
 
     def host_hidden(self, i: int, n: int, c: StageCost, host: float, first_input: float, phase: float,
                     bubble: float) -> float:
@@ -306,7 +307,7 @@ class CostModel:
         dp = self.dp
         if dp <= 1:
             return 0.0
-        rt, e, n = self.rates[i], self.memory.e, c.params
+        rt, e, n = self.rates[i], self.memory.dtype_bytes, c.params
         t = 2.0 * (dp - 1) / dp * 4.0 * n / rt.dp_bytes_per_s
         if self.cards[i].kind != "cpu":
             t += e * n * (1.0 / rt.d2h_bytes_per_s + 1.0 / rt.h2d_bytes_per_s)

@@ -119,8 +119,14 @@ from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grad
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.spec import RunShape
 
-__all__ = ["ATTENTION", "WORKSPACE", "activation_bytes_per_layer", "logits_bytes",
-           "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageMemory", "MemoryModel"]
+__all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "logits_bytes",
+           "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageParams",
+           "StageMemory", "MemoryModel"]
+
+#: the memory terms of one card, in the order the plan prints them; ``total`` is their sum
+MEMORY_TERMS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace")
+#: the terms the workspace fraction applies to
+BODY_TERMS = ("weights", "grads", "optimizer", "activations", "transient")
 
 #: Per-kind workspace defaults: (constant bytes, fraction of
 #: weights+grads+optimizer+activations+transient), from
@@ -229,14 +235,36 @@ def saved_logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
     return shape.micro_batch * shape.seq_len * model.vocab_size * 4
 
 
+@dataclass(frozen=True)
+class StageParams:
+    """Parameter counts of one stage at one (layers, resident layers) choice.
+
+    Attributes:
+        computed: every parameter the stage computes with: its layers, the owned non-layer parameters
+            (embedding on the first stage, final norm + ``lm_head`` on the last) and the tied ``lm_head`` copy.
+        trainable: those with a gradient and AdamW state (all of them; LoRA: the adapters only).
+        resident: trainable parameters whose fp32 master + moments live on the card (the first
+            ``r`` layers of the stage; the non-layer ones when ``nonlayer_resident``).
+        offloaded: trainable parameters whose master + moments live on the host.
+        nonlayer_resident: where the non-layer parameters' optimizer state lives.
+    """
+
+    computed: int
+    trainable: int
+    resident: int
+    offloaded: int
+    nonlayer_resident: bool
+
+
 @dataclass
 class StageMemory:
     """Memory terms of one stage at one (layers, resident layers) choice.
 
     Attributes:
-        mem: bytes per term (module docstring) plus ``"total"``.
-        params: parameters the stage computes with (layers, owned non-layer, tied copy).
-        resident_params: those whose master + moments live on the card.
+        mem: bytes per term (:data:`MEMORY_TERMS`) plus ``"total"`` and ``"modules"`` (the part of
+            ``workspace`` that is the loaded-module cache).
+        params: parameters the stage computes with (:attr:`StageParams.computed`).
+        resident_params: trainable parameters whose master + moments live on the card.
         offloaded_params: those whose master + moments live on the host.
         nonlayer_resident: where the non-layer parameters' optimizer state lives.
         in_flight: micro-batches whose activations the stage holds at peak.
@@ -251,13 +279,14 @@ class StageMemory:
 
 
 class MemoryModel:
-    """Per-plan constants of the memory model (so a split search evaluates stages cheaply).
+    """Per-plan constants of the memory model and one method per memory term (bytes of one card);
+    :meth:`stage` sums them.
 
     Args:
         model: architecture.
         shape: the run shape.
         cards: one card per stage, pipeline order.
-        nonlayer_resident: see :func:`~npu_train.planner.search.make_plan`.
+        nonlayer_resident: see :class:`~npu_train.planner.request.PlanRequest`.
         terms: one :class:`~npu_train.planner.memterms.MemoryTerms` per card (``None``: the
             kind's defaults).
     """
@@ -268,116 +297,212 @@ class MemoryModel:
         self.model, self.shape, self.cards = model, shape, list(cards)
         self.terms = list(terms) if terms is not None else [DEFAULT_MEMORY_TERMS[c.kind]
                                                            for c in self.cards]
-        self.P = len(self.cards)
-        self.Pl = model.params_per_layer()
-        self.E = model.embedding_params()
-        self.H = model.hidden_size
-        self.e = shape.dtype_bytes
+        self.num_stages = len(self.cards)
+        self.layer_params = model.params_per_layer()
+        self.adapter_params = shape.lora_params_per_layer  # per layer; 0 = full fine-tuning
+        self.embedding_params = model.embedding_params()
+        self.dtype_bytes = shape.dtype_bytes
+        self.grad_bytes = shape.grad_bytes
         self.tied = bool(model.tie_word_embeddings)
-        self.nl_flag = nonlayer_resident
-        self.act_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
-        self.layer_input = shape.seq_len * shape.micro_batch * self.H * self.e
+        self.nonlayer_flag = nonlayer_resident
+        self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
+        self.layer_input_bytes = shape.seq_len * shape.micro_batch * model.hidden_size * self.dtype_bytes
         self.saved_logits = saved_logits_bytes(model, shape)
         # largest single tensor of a decoder layer (gate/up/down or q/o projection)
         q = model.num_heads * model.head_dim
-        self.layer_maxp = max(self.H * model.intermediate_size, self.H * q)
-        self.in_flight = [in_flight_micro_batches(i, self.P, shape.micro_batches, shape.schedule)
-                          for i in range(self.P)]
+        self.largest_layer_param = max(model.hidden_size * model.intermediate_size, model.hidden_size * q)
+        self.in_flight = [in_flight_micro_batches(i, self.num_stages, shape.micro_batches, shape.schedule)
+                          for i in range(self.num_stages)]
         #: micro-batches between B and W at peak, per stage (0 without a split backward)
-        self.pending = [peak_pending_weight_grads(shape.schedule, i, self.P, shape.micro_batches)
-                        for i in range(self.P)]
-        self.pending_layer = pending_grad_bytes_per_layer(model, shape)
-        self.pending_head = shape.seq_len * shape.micro_batch * self.e * model.vocab_size
+        self.pending = [peak_pending_weight_grads(shape.schedule, i, self.num_stages, shape.micro_batches)
+                        for i in range(self.num_stages)]
+        self.pending_layer_bytes = pending_grad_bytes_per_layer(model, shape)
+        self.pending_head_bytes = shape.seq_len * shape.micro_batch * self.dtype_bytes * model.vocab_size
 
+    # ------------------------------------------------------------------ the sum
+    def stage(self, i: int, n: int, r: int, baseline_bytes: float) -> StageMemory:
+        """Memory terms of stage ``i`` holding ``n`` decoder layers of which ``r`` are resident, and their
+        ``total``; ``baseline_bytes`` is the card process's ``Rates.process_baseline_bytes``."""
+        p = self.parameters(i, n, r)
+        activations = self.activations(i, n)
+        mem = {"baseline": self.process_baseline(baseline_bytes), "weights": self.weights(p),
+               "grads": self.gradients(p), "optimizer": self.optimizer_state(i, p), "activations": activations,
+               "transient": self.transients(i, n, p, activations)}
+        body = sum(mem[k] for k in BODY_TERMS)
+        mem["workspace"] = self.workspace(i, body)
+        mem["total"] = mem["baseline"] + body + mem["workspace"]
+        mem["modules"] = self.terms[i].modules_bytes  # part of workspace
+        return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i])
+
+    # ------------------------------------------------------------------ parameters
     def nonlayer(self, i: int) -> tuple[int, int]:
-        """(owned non-layer params, tied-copy params) of stage ``i``."""
+        """(owned non-layer params, tied-copy params) of stage ``i``: the embedding on the first stage; the
+        final norm and the untied ``lm_head`` on the last, or with tied embeddings and more than one stage a
+        copy of the embedding matrix as its ``lm_head`` (the first stage owns it)."""
         owned, copy = 0, 0
         if i == 0:
-            owned += self.E
-        if i == self.P - 1:
-            owned += self.H
+            owned += self.embedding_params
+        if i == self.num_stages - 1:
+            owned += self.model.hidden_size
             if not self.tied:
-                owned += self.E
-            elif self.P > 1:
-                copy += self.E
+                owned += self.embedding_params
+            elif self.num_stages > 1:
+                copy += self.embedding_params
         return owned, copy
 
-    def stage(self, i: int, n: int, r: int, baseline_bytes: float) -> StageMemory:
-        """Memory terms of stage ``i`` holding ``n`` decoder layers of which ``r`` are resident;
-        ``baseline_bytes`` is the card process's ``Rates.process_baseline_bytes``."""
-        kind = self.cards[i].kind
-        cpu = kind in HOST_MEMORY_KINDS  # card memory = the process's host RAM
-        e, E, P, sh = self.e, self.E, self.P, self.shape
-        g = sh.grad_bytes
-        first, last = i == 0, i == P - 1
+    def parameters(self, i: int, n: int, r: int) -> StageParams:
+        """:class:`StageParams` of stage ``i`` with ``n`` layers, the first ``r`` resident. Non-layer
+        parameters are resident as ``nonlayer_resident`` says (``None``: exactly when ``r == n``).
+        LoRA: the frozen base is computed with but not trained; the adapters are."""
         owned, copy = self.nonlayer(i)
-        nl_res = (r == n) if self.nl_flag is None else bool(self.nl_flag)
-        La = sh.lora_params_per_layer
-        shared = e == 4 and kind in SHARED_MASTER_KINDS  # resident fp32 parameters are their own masters
-        if La:  # LoRA: frozen base (weights only); gradients and optimizer state of the adapters only
-            params = n * (self.Pl + La) + owned + copy
-            res_params = r * La
-            off_params = n * La - res_params
-            weights = e * params
-            grads = g * n * La
-            optimizer = 12 * (n * La if cpu else res_params) - (4 * res_params if shared else 0)
+        nonlayer_resident = (r == n) if self.nonlayer_flag is None else bool(self.nonlayer_flag)
+        if self.adapter_params:
+            computed = n * (self.layer_params + self.adapter_params) + owned + copy
+            trainable = n * self.adapter_params
+            resident = r * self.adapter_params
         else:
-            params = n * self.Pl + owned + copy
-            res_params = r * self.Pl + (owned + copy if nl_res else 0)
-            off_params = params - res_params
-            weights = e * params
-            grads = g * params
-            optimizer = 12 * (params if cpu else res_params) - (4 * res_params if shared else 0)
-        # activations: saved tensors of the micro-batches in flight
-        k = self.in_flight[i]
-        act_layer = self.act_layer[ATTENTION[kind]]
-        if sh.recompute:
-            acts = k * n * self.layer_input + (act_layer if n else 0)
-            one_mb = n * self.layer_input
+            computed = n * self.layer_params + owned + copy
+            trainable = computed
+            resident = r * self.layer_params + (owned + copy if nonlayer_resident else 0)
+        return StageParams(computed, trainable, resident, trainable - resident, nonlayer_resident)
+
+    # ------------------------------------------------------------------ the terms (bytes)
+    def process_baseline(self, baseline_bytes: float) -> int:
+        """What the card process holds before any model state (``Rates.process_baseline_bytes``): cpu the
+        RSS of interpreter, libraries and model-file reader; 0 for cuda/furiosa, whose figures exclude it."""
+        return int(baseline_bytes)
+
+    def weights(self, p: StageParams) -> int:
+        """The compute-dtype copy of every parameter the stage computes with: ``dtype_bytes`` B/param."""
+        return self.dtype_bytes * p.computed
+
+    def gradients(self, p: StageParams) -> int:
+        """Gradient accumulators of the trainable parameters, kept on the card over the M micro-batches:
+        ``RunShape.grad_bytes`` B/param (4 with fp32 accumulators, the compute dtype's with ``grad_accum=compute``)."""
+        return self.grad_bytes * p.trainable
+
+    def optimizer_state(self, i: int, p: StageParams) -> int:
+        """fp32 master + AdamW m + v on the card: 12 B/param for the resident parameters (a ``cpu`` card: all
+        trainable ones, its host RAM is its memory), less 4 B/param where resident fp32 parameters are their
+        own masters (``SHARED_MASTER_KINDS`` at fp32: ``optim.adamw.StageOptimizer.shared``)."""
+        kind = self.cards[i].kind
+        on_card = p.trainable if kind in HOST_MEMORY_KINDS else p.resident
+        shared_masters = p.resident if self.dtype_bytes == 4 and kind in SHARED_MASTER_KINDS else 0
+        return 12 * on_card - 4 * shared_masters
+
+    def activations(self, i: int, n: int) -> int:
+        """Tensors autograd saves for the micro-batches in flight (:func:`in_flight_micro_batches`): per layer
+        :func:`activation_bytes_per_layer` (recompute: the layer inputs plus one layer's); on the last stage the
+        saved fp32 log-probabilities (:func:`saved_logits_bytes`); with a split backward the output gradients
+        kept from B to W for the schedule's peak count of such micro-batches
+        (:func:`pending_grad_bytes_per_layer`, plus the ``lm_head``'s ``s*b*e*V`` on the last stage)."""
+        k, last = self.in_flight[i], i == self.num_stages - 1
+        if self.shape.recompute:
+            total = k * n * self.layer_input_bytes + (self._activations_per_layer(i) if n else 0)
         else:
-            acts = k * n * act_layer
-            one_mb = n * act_layer
+            total = k * n * self._activations_per_layer(i)
         if last:
-            acts += k * self.saved_logits
-        if self.pending[i]:  # split backward: output gradients kept from B to W
-            acts += self.pending[i] * (n * self.pending_layer + (self.pending_head if last else 0))
-        # transient: peak-phase temporaries beyond the saved activations
-        maxp = max(self.layer_maxp if n else 0, E if (first or last) else 0)
-        if La:  # only adapter gradients are accumulated / normed
-            maxp = La if n else 0
-        accumulates = sh.micro_batches > 1 or (P == 1 and self.tied)
-        fused = last and kind in FUSED_HEAD_KINDS and not La  # model/headops.py: no head temporaries
-        # fp32 with the fused head: the head's dW goes into .grad by addmm_, only a layer's temporary is left
-        acc_p = (self.layer_maxp if n else 0) if fused and g == e == 4 and not first else maxp
-        acc = (e if g == e else e + 4) * acc_p if accumulates else 0
-        if last:
-            fwd_bwd = acts + max(0 if fused else 2 * self.saved_logits, acc)
+            total += k * self.saved_logits
+        if self.pending[i]:
+            total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head_bytes if last else 0))
+        return total
+
+    def transients(self, i: int, n: int, p: StageParams, activations: int) -> int:
+        """What the peak phase of a step adds on top of the saved activations:
+        ``max(forward/backward peak, optimizer-phase peak) - activations`` plus the buffers held through the
+        whole step (:meth:`_held_through_the_step`)."""
+        peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
+        return peak - activations + self._held_through_the_step(i, p)
+
+    def workspace(self, i: int, body: int) -> int:
+        """Runtime / library buffers, allocator slack and the loaded-module cache of card ``i``'s kind
+        (:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` =
+        weights + gradients + optimizer state + activations + transients)."""
+        return self.terms[i].workspace(body)
+
+    # ------------------------------------------------------------------ pieces of the transients
+    def _activations_per_layer(self, i: int) -> int:
+        return self.activations_per_layer[ATTENTION[self.cards[i].kind]]
+
+    def _largest_trained_param(self, i: int, n: int) -> int:
+        """Elements of the stage's largest trainable tensor: a layer's largest projection, the embedding /
+        ``lm_head`` on the first and last stage; LoRA: one layer's adapters."""
+        if self.adapter_params:
+            return self.adapter_params if n else 0
+        ends = i == 0 or i == self.num_stages - 1
+        return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
+
+    def _fused_head(self, i: int) -> bool:
+        """The last stage runs the fused head (``FUSED_HEAD_KINDS``, :mod:`npu_train.model.headops`): the
+        cross-entropy backward works in place, no logits-sized temporaries."""
+        return i == self.num_stages - 1 and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
+
+    def _accumulation_temporary(self, i: int, n: int) -> int:
+        """From the second micro-batch on autograd computes a fresh gradient and adds it to ``.grad``: the
+        largest trainable tensor in the compute dtype (+ its fp32 cast with fp32 accumulators and bf16
+        compute). With the fused head at fp32 on a stage without the embedding the head's weight gradient is
+        added inside the matmul, so only a layer's temporary is left. 0 without accumulation."""
+        shape, e, g = self.shape, self.dtype_bytes, self.grad_bytes
+        if not (shape.micro_batches > 1 or (self.num_stages == 1 and self.tied)):
+            return 0
+        if self._fused_head(i) and g == e == 4 and i != 0:
+            elements = self.largest_layer_param if n else 0
         else:
-            fwd_bwd = acts + max(0, acc - one_mb)
-        norm_tmp = (4 if g == 4 else 8) * maxp
-        # fp32 host copies of the offloaded gradients, on a host-memory card (module docstring):
-        # none where the host update takes the fp32 gradient itself
-        host_copy = 4 * off_params if cpu and (g != 4 or sh.offload == "delayed") else 0
-        master_grads = (host_copy if sh.offload == "serial" else 0) + (4 * res_params if g != 4 else 0)
-        if cpu and off_params:
-            master_grads += e * maxp            # one upload temporary
-        opt_phase = max(norm_tmp, master_grads)
-        held = 0
-        if self.tied and P > 1 and (first or last) and not La:
-            # cpu: the first stage's receive buffer; the last stage's dense copy only for a non-fp32
-            # gradient (an fp32 one is sent as is), plus the host round trip of a non-fp32 buffer
-            held = ((4 * E if first or g != 4 else 0) + ((g + 4) * E if g != 4 else 0)) if cpu else g * E
-        if sh.offload != "serial":  # copied from the last micro-batch's backward on, until the update
-            held += host_copy
-        if cpu and sh.offload == "delayed" and e != 4:
-            held += e * off_params              # the staged compute-dtype weights of the delayed update
-        transient = max(fwd_bwd, opt_phase) - acts + held
-        terms = self.terms[i]
-        body = weights + grads + optimizer + acts + transient
-        ws = terms.workspace(body)
-        baseline = int(baseline_bytes)
-        mem = {"baseline": baseline, "weights": weights, "grads": grads, "optimizer": optimizer,
-               "activations": acts, "transient": transient, "workspace": ws}
-        mem["total"] = baseline + body + ws
-        mem["modules"] = terms.modules_bytes  # part of workspace
-        return StageMemory(mem, params, res_params, off_params, nl_res, k)
+            elements = self._largest_trained_param(i, n)
+        return (e if g == e else e + 4) * elements
+
+    def _forward_backward_peak(self, i: int, n: int, activations: int) -> int:
+        """Peak of the forward/backward phase: on the last stage the log-softmax backward's two fp32
+        logits-sized tensors (none with the fused head) or the accumulation temporary; elsewhere the
+        accumulation temporary beyond one micro-batch's activations (freed when it appears: the first stage's
+        embedding gradient comes at the end of a micro-batch's backward)."""
+        acc = self._accumulation_temporary(i, n)
+        if i == self.num_stages - 1:
+            return activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc)
+        one_micro_batch = n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i))
+        return activations + max(0, acc - one_micro_batch)
+
+    def _host_gradient_copies(self, i: int, p: StageParams) -> int:
+        """fp32 host copies of the offloaded gradients on a host-memory card: ``4 B`` per offloaded param
+        when the gradient is not fp32 or the update is delayed; 0 otherwise (the host update takes the final
+        fp32 gradient itself, ``optim.offload.HostUpdater`` ``in_place``). Elsewhere they are host RAM."""
+        host_memory = self.cards[i].kind in HOST_MEMORY_KINDS
+        return 4 * p.offloaded if host_memory and (self.grad_bytes != 4 or self.shape.offload == "delayed") else 0
+
+    def _optimizer_phase_peak(self, i: int, n: int, p: StageParams) -> int:
+        """Peak of the optimizer phase (activations freed, gradients alive): the larger of the gradient-norm
+        temporary (4 B, or 8 B for non-fp32 gradients, x the largest trainable tensor) and the fp32 master
+        gradients: 4 B/param for resident parameters with non-fp32 gradients, the host copies when the host
+        update runs serially, and on a host-memory card with offloaded parameters one upload temporary."""
+        largest, e, g = self._largest_trained_param(i, n), self.dtype_bytes, self.grad_bytes
+        norm_temporary = (4 if g == 4 else 8) * largest
+        master_gradients = (self._host_gradient_copies(i, p) if self.shape.offload == "serial" else 0) \
+            + (4 * p.resident if g != 4 else 0)
+        if self.cards[i].kind in HOST_MEMORY_KINDS and p.offloaded:
+            master_gradients += e * largest
+        return max(norm_temporary, master_gradients)
+
+    def _tied_gradient_buffers(self, i: int) -> int:
+        """The tied-embedding gradient exchange (``runtime/tied.py``) on the first and last of several stages:
+        on a host-memory card the first stage's fp32 receive buffer or the last stage's fp32 copy of a
+        non-fp32 gradient (``4 V*H``), plus ``(g + 4) V*H`` for the host round trip of a non-fp32 buffer;
+        elsewhere the ``g V*H`` device temporary. 0 with LoRA (the embedding is frozen)."""
+        first, last = i == 0, i == self.num_stages - 1
+        if not (self.tied and self.num_stages > 1 and (first or last)) or self.adapter_params:
+            return 0
+        g, vh = self.grad_bytes, self.embedding_params
+        if self.cards[i].kind not in HOST_MEMORY_KINDS:
+            return g * vh
+        return (4 * vh if first or g != 4 else 0) + ((g + 4) * vh if g != 4 else 0)
+
+    def _held_through_the_step(self, i: int, p: StageParams) -> int:
+        """Buffers alive through the peak of both phases: the tied gradient buffers; with the overlap the host
+        gradient copies (made in the last micro-batch's backward, alive until the layer's update); on a
+        host-memory card with a delayed update and a compute dtype other than fp32 the staged compute-dtype
+        weights of the offloaded parameters."""
+        held = self._tied_gradient_buffers(i)
+        if self.shape.offload != "serial":
+            held += self._host_gradient_copies(i, p)
+        if self.cards[i].kind in HOST_MEMORY_KINDS and self.shape.offload == "delayed" and self.dtype_bytes != 4:
+            held += self.dtype_bytes * p.offloaded
+        return held

@@ -6,13 +6,13 @@ from typing import Optional
 
 from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
+from npu_train.planner.memory import MEMORY_TERMS
 from npu_train.planner.rates import Rates
 from npu_train.planner.spec import RunShape
 
 __all__ = ["MEM_KEYS", "TIME_KEYS", "StagePlan", "Plan"]
 
-MEM_KEYS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace",
-            "total")
+MEM_KEYS = MEMORY_TERMS + ("total",)
 TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "dp_comm", "total")
 
 
