@@ -110,35 +110,51 @@ def rate_sources(plan: Plan) -> list[str]:
         if k in seen:
             continue
         seen.add(k)
-        parts = []
-        for name, label, scale, unit in _RATE_ROWS:
-            if name == "process_baseline_bytes" and k != "cpu":
-                continue
-            if name == "dp_bytes_per_s" and plan.dp <= 1:
-                continue
-            if name == "split_backward_ratio" and (plan.shape.schedule not in SPLIT_BACKWARD or len(plan.stages) < 2):
-                continue
-            v = rt.device_adamw if name == "device_adamw_params_per_s" else getattr(rt, name)
-            src = rt.source("host_adamw_params_per_s" if name == "device_adamw_params_per_s"
-                            and not rt.device_adamw_params_per_s else name)
-            if unit == "GFLOP/s" and v >= 1e12:
-                scale, unit = 1e12, "TFLOP/s"
-            parts.append(f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}"
-                         f"{' ' + unit if unit else ''} [{src}]")
-        measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
-        on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
-        other = _other_shapes(k, rt.shapes, plan) if measured else None
-        if other:
-            on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
-                   "another model's; calibrate=true with this model.path (and placement.profile, if set) "
-                   "measures them")
-        where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
-                 else "no calibration profile (calibrate=true measures one)")
-        if any(v.startswith("fitted from") for v in rt.sources.values()):
-            where += "; fitted = from this job's finished runs ($NPT_CACHE/fitted)"
+        parts = [_rate_text(rt, row) for row in _RATE_ROWS if _rate_shown(row[0], k, plan)]
         out.append(f"rates {k}" + (f" at {rt.threads} thread(s)" if rt.threads else "") + ": "
-                   + ", ".join(parts) + f"; {where}")
+                   + ", ".join(parts) + f"; {_rates_origin(k, rt, plan)}")
     return out
+
+
+def _rate_shown(name: str, kind: str, plan: Plan) -> bool:
+    """Whether the plan's rate line shows rate ``name``: the process baseline on cpu cards only, the
+    data-parallel bandwidth with ``dp > 1``, the split-backward ratio with a split backward on several stages."""
+    if name == "process_baseline_bytes":
+        return kind == "cpu"
+    if name == "dp_bytes_per_s":
+        return plan.dp > 1
+    if name == "split_backward_ratio":
+        return plan.shape.schedule in SPLIT_BACKWARD and len(plan.stages) >= 2
+    return True
+
+
+def _rate_text(rt, row: tuple) -> str:
+    """``"<label> <value> <unit> [<source>]"`` of one :data:`_RATE_ROWS` row (FLOP/s above 1e12 in TFLOP/s;
+    a device AdamW of 0 is the host's, with the host's source)."""
+    name, label, scale, unit = row
+    device_adamw = name == "device_adamw_params_per_s"
+    v = rt.device_adamw if device_adamw else getattr(rt, name)
+    src = rt.source("host_adamw_params_per_s" if device_adamw and not rt.device_adamw_params_per_s else name)
+    if unit == "GFLOP/s" and v >= 1e12:
+        scale, unit = 1e12, "TFLOP/s"
+    return f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}{' ' + unit if unit else ''} [{src}]"
+
+
+def _rates_origin(kind: str, rt, plan: Plan) -> str:
+    """Where a kind's measured and fitted rates come from: the calibration profile and the shapes it was
+    measured on (with a note when they are not the job's), or that there is none; fitted runs."""
+    measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
+    on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
+    other = _other_shapes(kind, rt.shapes, plan) if measured else None
+    if other:
+        on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
+               "another model's; calibrate=true with this model.path (and placement.profile, if set) "
+               "measures them")
+    where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
+             else "no calibration profile (calibrate=true measures one)")
+    if any(v.startswith("fitted from") for v in rt.sources.values()):
+        where += "; fitted = from this job's finished runs ($NPT_CACHE/fitted)"
+    return where
 
 
 def plan_table(plan: Plan, width: int = 180) -> str:
