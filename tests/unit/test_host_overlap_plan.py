@@ -12,7 +12,7 @@ import pytest
 
 from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan, plan_table
 from npu_train.planner.cost import exposed_host_time
 
 
@@ -63,13 +63,13 @@ def test_plan_hides_host_time_and_shows_it():
         assert ov["total"] == pytest.approx(ser["total"] - ov["host_hidden"])
         assert de["total"] == pytest.approx(ser["total"] - de["host_hidden"])
     assert plans["delayed"].step_time_s < plans["serial"].step_time_s
-    assert "hidden" in plans["overlap"].table(width=250)
+    assert "hidden" in plan_table(plans["overlap"], width=250)
 
 
 def test_plan_says_what_the_host_update_does():
     """The plan explains the 'hidden s' column (host AdamW + upload) and says when
     train.offload_update=delayed changes nothing (every layer resident)."""
-    from npu_train.planner.report import format_plan
+    from npu_train.planner.table import format_plan
 
     shape = RunShape(seq_len=512, micro_batch=1, micro_batches=4, dtype="bf16")
     cards = make_cards("furiosa", 2)
@@ -87,7 +87,7 @@ def test_plan_says_what_the_host_update_does():
 
 def test_plan_labels_oversubscribed_cpu_cores():
     """3 cpu card processes on 2 cores: the plan says its rates are stretched; 2 on 2 cores: no line."""
-    from npu_train.planner.report import format_plan
+    from npu_train.planner.table import format_plan
 
     shape = RunShape(seq_len=64, micro_batch=1, micro_batches=4, dtype="fp32")
     text = {n: format_plan(make_plan(PlanRequest(get_preset("smollm2-135m"), shape, make_cards("cpu", n), DEFAULT_RATES["cpu"],

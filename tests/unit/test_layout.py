@@ -29,8 +29,6 @@ LAYERS = {
 }
 #: file-level import circles still in src, each with the branch that removes it
 KNOWN_CIRCLES = {
-    # TODO(plan): the planner rebuild on branch `plan` removes this circle
-    frozenset({"npu_train.planner.plan", "npu_train.planner.report"}): "branch plan",
     # TODO(calib): the calibrate/ package on branch `calib` removes this circle
 }
 MAX_COMPLEXITY = 25

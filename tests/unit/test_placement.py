@@ -31,6 +31,7 @@ from npu_train.planner import (
     load_rates,
     logits_bytes,
     make_plan,
+    plan_table,
     saved_logits_bytes,
     threads_per_card,
 )
@@ -300,7 +301,7 @@ def test_auto_nothing_fits_raises_with_card_and_gib():
     msg = str(ei.value)
     assert "card 0 (furiosa:0)" in msg and "10.00 GiB" in msg and "more cards" in msg
     plan = make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, strict=False))
-    assert not plan.fits and "DOES NOT FIT" in plan.table()
+    assert not plan.fits and "DOES NOT FIT" in plan_table(plan)
 
 
 def test_host_ram_too_small():
@@ -456,7 +457,7 @@ def test_plan_uses_the_profile_figures_of_its_thread_count(tmp_path):
         assert st.time["compute"] == pytest.approx(flops / f, rel=1e-12)
         assert st.time["device_optimizer"] == pytest.approx(params / a, rel=1e-12)
         assert plans[t].threads == t
-        assert f"threads: {t} torch thread(s) per card process" in plans[t].table()
+        assert f"threads: {t} torch thread(s) per card process" in plan_table(plans[t])
     c1, c8 = (plans[t].stages[0].time["compute"] for t in (1, 8))
     assert c1 / c8 == pytest.approx(F8 / F1, rel=1e-12)          # 7.5x longer with 1 thread
     # default: the cores divided among the cards (8 cores, 1 card -> 8 threads)

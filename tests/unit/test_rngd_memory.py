@@ -13,7 +13,7 @@ import pytest
 
 from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, make_plan
+from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, make_plan, plan_table
 from npu_train.planner.memterms import (DEFAULT_MEMORY_TERMS, fit_memory_terms, load_memory_terms,
                                         save_memory_terms)
 
@@ -95,7 +95,7 @@ def test_headroom_out_of_range():
 
 # ---------------------------------------------------------------- named sources, printed
 def test_plan_names_headroom_and_every_assumed_term():
-    text = plan(2, "auto").table()
+    text = plan_table(plan(2, "auto"))
     assert "headroom 5% of capacity kept free by auto (placement.headroom)" in text
     line = next(l for l in text.splitlines() if l.startswith("memory furiosa:"))
     assert "const 0.50 GiB (assumed)" in line
@@ -119,7 +119,7 @@ def test_memory_profile_overrides_defaults_and_says_measured(tmp_path):
     body = sum(st.mem[k] for k in ("weights", "grads", "optimizer", "activations", "transient"))
     assert st.mem["workspace"] == 2 * GIB + 512 * 2**20                           # const + modules
     assert st.mem["total"] == body + st.mem["workspace"]
-    assert f"const 2.00 GiB (measured: {prof})" in p.table()
+    assert f"const 2.00 GiB (measured: {prof})" in plan_table(p)
 
 
 @pytest.mark.parametrize("bad", [{"workspace_fraction": 1.5}, {"module_bytes": -1},
@@ -176,7 +176,7 @@ def test_fp32_accumulators_cost_four_bytes_per_param():
     for sa, sb in zip(a.stages, b.stages):
         n = sa.mem["weights"] // 2                             # params of the stage (bf16 weights)
         assert sa.mem["grads"] == 2 * n and sb.mem["grads"] == 4 * n
-    assert "gradients: fp32 accumulators, 4 B/param" in b.table()
+    assert "gradients: fp32 accumulators, 4 B/param" in plan_table(b)
     # fp32 accumulation is the default; the field's 1 x 4 layout no longer fits one card then
     assert RunShape(seq_len=512).grad_accum == "fp32"
     with pytest.raises(PlacementError):

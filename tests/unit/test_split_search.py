@@ -15,7 +15,15 @@ from npu_train.hardware import make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import get_preset
 from npu_train.pipeline.schedule import SCHEDULES, step_time
-from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, balanced_split, make_plan
+from npu_train.planner import (
+    DEFAULT_RATES,
+    PlacementError,
+    PlanRequest,
+    RunShape,
+    balanced_split,
+    make_plan,
+    plan_table,
+)
 
 GIB = 2**30
 
@@ -137,7 +145,7 @@ def test_plan_table_shows_the_schedules_bubble():
                                      DEFAULT_RATES["cpu"], split=[2, 2, 2], resident_layers=0, threads=1, host_cores=8))
         phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
         idle = sum(st.time["bubble"] for st in plan.stages) / (3 * phase)
-        line = next(l for l in plan.table().splitlines() if l.startswith(f"schedule {schedule}:"))
+        line = next(l for l in plan_table(plan).splitlines() if l.startswith(f"schedule {schedule}:"))
         assert f"bubble {idle * 100:.1f} % of it" in line
         assert f"equal unit F/B/W times: {unit * 100:.1f} %" in line
 
@@ -192,6 +200,6 @@ def test_split_backward_ratio_stretches_the_splitting_stages(schedule):
     if split:  # the layers of stage 1 cost r x F + backward, the first stage's do not
         n1 = 2 * (lf + lb + lw) / rt.device_flops
         assert M * (tf[1] + tb[1] + tw[1]) == pytest.approx(M * r * n1, rel=1e-12)
-        assert "split backward x1.2" in plan.table()
+        assert "split backward x1.2" in plan_table(plan)
     else:
-        assert "split backward" not in plan.table()
+        assert "split backward" not in plan_table(plan)

@@ -17,7 +17,7 @@ torch-free; a cuda card's capacity query is :func:`npu_train.backends.spec.defau
   in-flight micro-batches from the schedule).
 - :mod:`~npu_train.planner.plan`: :class:`Plan`, :class:`StagePlan`.
 - :mod:`~npu_train.planner.cost`: the step-time model.
-- :mod:`~npu_train.planner.report`: the plan table and the dry-run report.
+- :mod:`~npu_train.planner.table`: the plan table and the dry-run report.
 - :mod:`~npu_train.planner.search`: :func:`make_plan` (split and resident-layer search).
 
 Measuring a card kind (``calibrate=true``) is :mod:`npu_train.calibrate`, which the planner does not import.
@@ -41,7 +41,7 @@ from npu_train.planner.memterms import (
 )
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import DEFAULT_RATES, Rates, calibration_path, load_rates
-from npu_train.planner.report import format_plan
+from npu_train.planner.table import format_plan, plan_table
 from npu_train.planner.request import DEFAULT_HEADROOM, PlanRequest
 from npu_train.planner.search import balanced_split, make_plan
 from npu_train.planner.spec import PlacementError, RunShape, gb, gib
@@ -51,7 +51,7 @@ __all__ = [
     "PlacementError", "RunShape", "Plan", "StagePlan", "Rates", "DEFAULT_RATES",
     "ATTENTION", "WORKSPACE", "gb", "gib", "calibration_path",
     "load_rates", "activation_bytes_per_layer", "logits_bytes", "saved_logits_bytes",
-    "in_flight_micro_batches", "balanced_split", "make_plan", "PlanRequest", "format_plan", "threads_per_card",
+    "in_flight_micro_batches", "balanced_split", "make_plan", "PlanRequest", "format_plan", "plan_table", "threads_per_card",
     "usable_cores",
     "DEFAULT_HEADROOM", "DEFAULT_MEMORY_TERMS", "MemoryTerms",
     "load_memory_terms", "fit_memory_terms", "save_memory_terms",

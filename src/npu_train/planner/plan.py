@@ -142,10 +142,3 @@ class Plan:
                 for st in self.stages
             ],
         }
-
-    def table(self, width: int = 180) -> str:
-        """Per-card text table (GiB and seconds) under a header naming the threads per card
-        process, with a totals line and predicted tokens/s (:func:`npu_train.planner.report.plan_table`)."""
-        from npu_train.planner.report import plan_table
-
-        return plan_table(self, width=width)

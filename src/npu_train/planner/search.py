@@ -12,9 +12,9 @@ from npu_train.hardware import KINDS
 from npu_train.planner.cost import CostModel
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
-from npu_train.planner.report import card_label, over_capacity_message
 from npu_train.planner.request import PlanRequest
 from npu_train.planner.spec import PlacementError, gib
+from npu_train.planner.table import card_label, over_capacity_message
 from npu_train.planner.threads import threads_per_card, usable_cores
 
 __all__ = ["balanced_split", "search_split", "fastest_split", "make_plan"]
@@ -241,8 +241,8 @@ def make_plan(req: PlanRequest) -> Plan:
     """Place ``req.model`` on ``req.cards`` (pipeline order) and predict memory and step time.
 
     Returns:
-        The :class:`~npu_train.planner.plan.Plan`; :func:`~npu_train.planner.report.plan_table` /
-        :func:`~npu_train.planner.report.format_plan` render it.
+        The :class:`~npu_train.planner.plan.Plan`; :func:`~npu_train.planner.table.plan_table` /
+        :func:`~npu_train.planner.table.format_plan` render it.
 
     Raises:
         PlacementError: a card over capacity (message: card, predicted GiB, capacity GiB, fixes),

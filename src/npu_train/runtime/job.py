@@ -524,8 +524,10 @@ def _calibrate_only(cfg) -> dict:
 
 def _dry_run(cfg, run_dir: str) -> dict:
     """``plan=true``: print the plan table for the target server; nothing is measured or started."""
+    from npu_train.planner import plan_table
+
     prep = prepare(cfg, run_dir, probe=False)
-    print(prep.plan.table())
+    print(plan_table(prep.plan))
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
         import psutil
@@ -756,9 +758,10 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
               node: NodeContext, local_cards: int) -> None:
     """Print the plan table and the job line, write ``plan.json``."""
     from npu_train.optim.lr import warmup_note
+    from npu_train.planner import plan_table
 
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
-    print(plan.table(), flush=True)
+    print(plan_table(plan), flush=True)
     with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by planner.fit at the run's end
         json.dump(plan.to_dict(), f, indent=1)
     where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""

@@ -1,5 +1,5 @@
-"""Text reports of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`,
-``Plan.table()``), the dry-run report (:func:`format_plan`) and the over-capacity message of a
+"""Text reports of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`),
+the dry-run report (:func:`format_plan`) and the over-capacity message of a
 :class:`~npu_train.planner.spec.PlacementError`. Memory in GiB (2**30 B), time in seconds."""
 from __future__ import annotations
 
@@ -284,7 +284,7 @@ def format_plan(plan: Plan, width: int = 180) -> str:
         + f"split {plan.split}, resident {plan.resident_counts}; {plan.threads} thread(s) per card "
         f"process on {plan.host_cores} core(s)",
         "",
-        plan.table(width=width),
+        plan_table(plan, width=width),
         "",
         "assumptions: weights in compute dtype; resident params +12 B/param (fp32 master "
         "+ AdamW m, v; on cpu cards all params); offloaded: host AdamW + card<->host copies each "
