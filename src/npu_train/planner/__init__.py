@@ -1,27 +1,7 @@
-"""The planner: where the model's layers go, what each card holds, how long a step takes, and
-how fast this machine is.
+"""The planner, a pure model (no torch): where the layers go, what each card holds, how long a step takes.
 
-Modules (dependencies point down the list; none imports torch, so a dry run ``plan=true`` stays
-torch-free; a cuda card's capacity query is :func:`npu_train.backends.spec.default_capacity`):
-
-- :mod:`~npu_train.planner.spec`: :class:`RunShape`, :class:`PlacementError`,
-  GB/GiB conversion.
-- :mod:`~npu_train.planner.threads`: torch threads per card process (:func:`threads_per_card`),
-  usable cores (affinity, cgroup quota).
-- :mod:`~npu_train.planner.fit`: figures fitted from the job's finished runs.
-- :mod:`~npu_train.planner.rates`: :class:`Rates`, defaults per card kind, calibration profiles
-  and fitted figures (:func:`load_rates`), the thread-count rule.
-- :mod:`~npu_train.planner.memterms`: the per-kind workspace / loaded-module-cache constants and
-  where each comes from (measured, fitted, assumed), memory calibration profiles.
-- :mod:`~npu_train.planner.memory`: the memory model (per-stage terms, activations, logits,
-  in-flight micro-batches from the schedule).
-- :mod:`~npu_train.planner.plan`: :class:`Plan`, :class:`StagePlan`.
-- :mod:`~npu_train.planner.cost`: the step-time model.
-- :mod:`~npu_train.planner.table`: the plan table and the dry-run report.
-- :mod:`~npu_train.planner.search`: :func:`make_plan` (split and resident-layer search).
-
-Measuring a card kind (``calibrate=true``) is :mod:`npu_train.calibrate`, which the planner does not import.
-"""
+Start at :func:`make_plan` (:class:`PlanRequest` -> :class:`Plan`) and :func:`plan_table`; the model
+term by term, with the source of every figure, is ``docs/planner.md``."""
 from __future__ import annotations
 
 from npu_train.planner.memory import (

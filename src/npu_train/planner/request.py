@@ -1,5 +1,5 @@
-"""What :func:`~npu_train.planner.search.make_plan` is asked: :class:`PlanRequest`, one typed value
-(the launcher builds it from the config in one place, ``runtime/job.py::plan_request``)."""
+"""What :func:`~npu_train.planner.search.make_plan` is asked: :class:`PlanRequest` (the launcher builds
+it from the config in one place, ``runtime/job.py::plan_request``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,41 +20,23 @@ DEFAULT_HEADROOM = 0.05
 
 @dataclass(frozen=True)
 class PlanRequest:
-    """A placement to plan: ``model`` on ``cards`` (one per pipeline stage, pipeline order) for ``shape``.
-
-    Attributes:
-        rates: one :class:`Rates` for all cards, or one per card (resolved for ``threads`` by the planner).
-        split: decoder layers per card (summing to ``model.num_layers``); ``None``: the fastest split that fits
-            (ties go to the balanced split).
-        resident_layers: ``"auto"`` (per card the most that fit within the headroom), an int (the same count
-            on every card) or one count per card.
-        host_ram_bytes: when given, the offloaded fp32 master + moments of all cards must fit in it, bytes.
-        nonlayer_resident: optimizer state of embedding / final norm / untied ``lm_head`` on the card (True),
-            on the host (False), or (``None``) on the card exactly when all of the card's layers are resident.
-        strict: False: an infeasible placement returns a plan with ``fits=False`` instead of raising
-            (layout errors always raise).
-        threads: torch threads of every card process; ``None``: the usable cores divided among the
-            ``dp * len(cards)`` card processes (:func:`~npu_train.planner.threads.threads_per_card`).
-        host_cores: cores the cpu cards share; ``None``: :func:`~npu_train.planner.threads.usable_cores`.
-        headroom: fraction of every card's capacity that ``auto`` keeps free, ``0 <= headroom < 1``
-            (explicit resident counts are checked against the full capacity).
-        memory_terms: one :class:`MemoryTerms` per card; ``None``: the kinds' defaults.
-        dp: data-parallel replicas of the pipeline (``cards`` are one replica's stages).
-        zero: 1 = ZeRO-1: each card keeps ``1/dp`` of its stage's optimizer state.
-    """
+    """A placement to plan: ``model`` on ``cards`` (one per pipeline stage, pipeline order) for ``shape``."""
 
     model: LlamaConfig
     shape: RunShape
     cards: Sequence[Card]
-    rates: Union[Rates, Sequence[Rates]]
+    rates: Union[Rates, Sequence[Rates]]  # one for all cards or one per card, unresolved
+    #: decoder layers per card, summing to the model's; None: the fastest split that fits (ties: balanced)
     split: Optional[Sequence[int]] = None
+    #: "auto" (per card the most that fit within the headroom), an int for every card, or one per card
     resident_layers: Union[str, int, Sequence[int]] = "auto"
-    host_ram_bytes: Optional[int] = None
+    host_ram_bytes: Optional[int] = None  # when given, the offloaded fp32 state of all cards must fit
+    #: optimizer state of embedding / final norm / untied lm_head on the card; None: when all layers are
     nonlayer_resident: Optional[bool] = None
-    strict: bool = True
-    threads: Optional[int] = None
-    host_cores: Optional[int] = None
-    headroom: float = DEFAULT_HEADROOM
-    memory_terms: Optional[Sequence[MemoryTerms]] = None
-    dp: int = 1
-    zero: int = 0
+    strict: bool = True  # False: an infeasible placement returns fits=False (layout errors still raise)
+    threads: Optional[int] = None  # torch threads per card process; None: usable cores / card processes
+    host_cores: Optional[int] = None  # cores the cpu cards share; None: threads.usable_cores()
+    headroom: float = DEFAULT_HEADROOM  # capacity fraction auto keeps free (explicit counts: full capacity)
+    memory_terms: Optional[Sequence[MemoryTerms]] = None  # one per card; None: the kinds' defaults
+    dp: int = 1  # data-parallel replicas; cards are one replica's stages
+    zero: int = 0  # 1 = ZeRO-1: each card keeps 1/dp of its stage's optimizer state

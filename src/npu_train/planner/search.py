@@ -1,7 +1,5 @@
-"""Placement search: which decoder layers go to which card, and which of them keep their
-optimizer state on the card ("resident") or on the host ("offloaded"); :func:`make_plan` is the
-entry point. Pure arithmetic (planning Llama-3.1-70B on 8 cards takes milliseconds).
-"""
+"""Placement search: which decoder layers go to which card and which keep their optimizer state on the
+card (resident) or the host (offloaded). Start at :func:`make_plan`."""
 from __future__ import annotations
 
 import numbers
@@ -25,8 +23,8 @@ MAX_TIMELINES = 20000
 
 
 def balanced_split(num_layers: int, num_cards: int) -> list[int]:
-    """``num_layers`` spread over ``num_cards`` as evenly as possible; the remainder goes to the
-    first cards (the last card also carries the lm_head). Raises ``ValueError`` for no cards."""
+    """``num_layers`` spread evenly over ``num_cards``, the remainder on the first cards. Raises ``ValueError``
+    for no cards."""
     if num_cards < 1:
         raise ValueError(f"need at least one card, got {num_cards}")
     q, r = divmod(num_layers, num_cards)
@@ -56,13 +54,10 @@ def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan
 
 
 def search_split(pm: CostModel, L: int) -> Optional[list[int]]:
-    """Layers per card (``L`` layers in all) minimizing the 1F1B-style bound
-    ``slots * max_i t_i + max_i (host_i + dev_i + xfer_i)`` (``slots`` = ``M + P - 1`` without
-    oversubscribed cpu cores) with every stage at its auto resident count; ``None`` if no split
-    fits. :func:`fastest_split` starts from it (the plan's step time is the schedule's timeline,
-    which this bound over-estimates for unequal stages). Exact for the bound: for a stage, t, host+xfer and memory at 0 resident are all
-    non-decreasing in its layer count, so for bounds (T, X) each stage admits n in
-    [1, U_i(T, X)] and a split exists iff sum U_i >= L."""
+    """Layers per card minimizing the bound ``slots * max_i t_i + max_i (host_i + dev_i + xfer_i)`` with
+    every stage at its auto resident count, or ``None`` if no split fits; a seed for :func:`fastest_split`.
+    Exact for the bound: t, side time and memory are non-decreasing in a stage's layer count, so for bounds
+    (T, X) each stage admits ``n`` in ``[1, U_i(T, X)]`` and a split exists iff ``sum U_i >= L``."""
     P = pm.P
     A = pm.slots
     nmax = L - P + 1
@@ -127,9 +122,8 @@ def search_split(pm: CostModel, L: int) -> Optional[list[int]]:
 
 
 def _resident_for(pm: CostModel, i: int, n: int, resident) -> int:
-    """Resident layers of stage ``i`` holding ``n`` layers under ``resident`` ("auto" or a per-card
-    list), or -1 when that does not fit (auto: within the headroom; explicit counts: r <= n and
-    within the full capacity, as :func:`make_plan` checks them)."""
+    """Resident layers of stage ``i`` with ``n`` layers under ``resident`` ("auto" or per-card counts),
+    -1 when none fits (explicit counts: ``r <= n`` within the full capacity)."""
     if resident == "auto":
         return pm.max_resident(i, n)
     r = int(resident[i])
@@ -140,25 +134,13 @@ def _resident_for(pm: CostModel, i: int, n: int, resident) -> int:
 
 def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "auto",
                   max_timelines: int = MAX_TIMELINES) -> Optional[list[int]]:
-    """Layers per card (``L`` in all, every card >= 1) with the lowest predicted step time
-    (:meth:`CostModel.step_time <npu_train.planner.cost.CostModel.step_time>`: the configured
-    schedule's timeline + the largest optimizer / transfer time) among the splits that fit, with
-    ``resident`` layers per card (``"auto"``: per card the most that fit within the headroom,
-    :meth:`~npu_train.planner.cost.CostModel.max_resident`; a list: those counts, each <= the
-    card's layers and within its capacity). ``None`` if no split fits.
+    """Layers per card (``L`` in all, >= 1 each) with the lowest predicted step time among the splits that
+    fit with ``resident`` layers per card (``"auto"`` or a list), or ``None``. Ties (relative 1e-9) go to the
+    balanced split, else the lexicographically smallest.
 
-    Ties (within a relative 1e-9) go to the balanced split (:func:`balanced_split`) when it is
-    among them, else to the lexicographically smallest split, so the answer does not depend on
-    the search order.
-
-    Branch and bound over the cards in pipeline order: stage ``i`` cannot start before the
-    forwards of the stages before it (``sum_{j<i} t_F,j``) and then computes ``M t_i``, so
-    ``(sum_{j<i} t_F,j + M t_i) * stretch + max side time`` of the cards placed so far (side time
-    less the host work the optimizer overlap may hide, :meth:`CostModel.hideable`) bounds the
-    step time from below; branches whose bound exceeds the best step time found are cut. Exact
-    unless more than ``max_timelines`` timelines would be evaluated (then the best found, which
-    starts from the balanced split and :func:`search_split`'s).
-    """
+    Branch and bound in pipeline order: stage ``i`` cannot start before the forwards of the stages before it,
+    so ``(sum_{j<i} t_F,j + M t_i) * stretch + max side time`` bounds the step from below. Exact unless more
+    than ``max_timelines`` timelines would be evaluated (then the best found)."""
     P, M = pm.P, pm.shape.micro_batches
     stretch = pm.slots / (M + P - 1)
     nmax = L - P + 1
@@ -238,19 +220,13 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
 
 
 def make_plan(req: PlanRequest) -> Plan:
-    """Place ``req.model`` on ``req.cards`` (pipeline order) and predict memory and step time.
-
-    Returns:
-        The :class:`~npu_train.planner.plan.Plan`; :func:`~npu_train.planner.table.plan_table` /
-        :func:`~npu_train.planner.table.format_plan` render it.
+    """Place ``req.model`` on ``req.cards`` and predict memory (bytes) and step time (seconds).
 
     Raises:
-        PlacementError: a card over capacity (message: card, predicted GiB, capacity GiB, fixes),
-            nothing fits in auto mode, host RAM too small, more cards than layers, resident count
-            above a card's layer count, a bad ``split``.
-        ValueError: a card of an unknown kind, ``dp < 1`` or ``zero`` not 0/1, a ``rates`` or ``memory_terms`` list whose length is
-            not the number of cards, ``headroom`` outside [0, 1), an unknown ``resident_layers`` string.
-    """
+        PlacementError: a card over capacity, nothing fits in auto mode, host RAM too small, more cards than
+            layers, a resident count above a card's layers, a bad ``split``.
+        ValueError: an unknown card kind, ``dp < 1`` or ``zero`` not 0/1, a ``rates`` or ``memory_terms`` list
+            of the wrong length, ``headroom`` outside [0, 1), an unknown ``resident_layers`` string."""
     pm = _cost_model(req)
     split = _checked_split(req)
     if not isinstance(req.resident_layers, str):
@@ -261,7 +237,7 @@ def make_plan(req: PlanRequest) -> Plan:
 
 
 def _cost_model(req: PlanRequest) -> CostModel:
-    """The :class:`CostModel` of ``req`` after the checks that need no plan (raises as :func:`make_plan`)."""
+    """The :class:`CostModel` of ``req`` after the checks that need no plan."""
     cards, model = list(req.cards), req.model
     P, L = len(cards), model.num_layers
     if P < 1:
@@ -290,8 +266,8 @@ def _cost_model(req: PlanRequest) -> CostModel:
 
 
 def _checked_split(req: PlanRequest) -> Optional[list[int]]:
-    """``req.split`` as a list of ints, or ``None``. Raises ``PlacementError`` for a split that is not one
-    count >= 1 per card summing to the model's layers."""
+    """``req.split`` as ints (``None`` if unset); ``PlacementError`` unless one count >= 1 per card
+    summing to the model's layers."""
     if req.split is None:
         return None
     split, P, L = [int(n) for n in req.split], len(req.cards), req.model.num_layers
@@ -307,8 +283,8 @@ def _checked_split(req: PlanRequest) -> Optional[list[int]]:
 
 
 def _plan_with_resident_counts(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> Plan:
-    """The plan for explicit resident counts (an int or one per card) on ``split`` (``None``: the fastest
-    split that holds them, else the balanced split, whose error explains why)."""
+    """The plan for explicit resident counts on ``split`` (``None``: the fastest split holding
+    them, else the balanced split, whose error explains why)."""
     P, L, cards = pm.P, req.model.num_layers, pm.cards
     if isinstance(req.resident_layers, numbers.Integral):
         res = [int(req.resident_layers)] * P
@@ -334,9 +310,8 @@ def _plan_with_resident_counts(pm: CostModel, req: PlanRequest, split: Optional[
 
 
 def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> Plan:
-    """The plan with the most resident layers that fit per card on ``split`` (``None``: the fastest split).
-    Nothing fits: a plan with ``fits=False`` (``req.strict`` False) or a ``PlacementError`` explaining it with
-    the given (or balanced) split at each stage's least-memory resident count."""
+    """The plan with the most resident layers that fit on ``split`` (``None``: the fastest); nothing fits: a
+    ``fits=False`` plan (not ``strict``) or a ``PlacementError`` at each stage's least-memory count."""
     L = req.model.num_layers
     chosen = split if split is not None else fastest_split(pm, L, "auto")
     if chosen is not None:

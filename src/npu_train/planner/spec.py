@@ -1,8 +1,5 @@
-"""What is planned: the run shape (:class:`RunShape`) and the
-planner's user error (:class:`PlacementError`). Units: ``*_bytes`` are bytes; :func:`gb` converts
-to decimal gigabytes (1e9 B), :func:`gib` to binary gibibytes (2**30 B); the plan table prints
-GiB. Card capacities are GiB figures (RNGD: 47.5 GiB usable = 51.0 GB, :mod:`npu_train.hardware`).
-"""
+"""What is planned: the run shape (:class:`RunShape`), the planner's user error (:class:`PlacementError`)
+and the units: :func:`gb` is decimal (1e9 B), :func:`gib` binary (2**30 B, what the plan prints)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,47 +22,27 @@ def gib(x: float) -> float:
 
 
 class PlacementError(UserError, ValueError):
-    """A placement that cannot work: over a card's capacity, too little host RAM, or an
-    impossible layout (more cards than layers, more resident layers than a card holds).
-    The message names the card, the predicted and available GiB and the fixes."""
+    """A placement that cannot work (over capacity, too little host RAM, an impossible layout); the
+    message names the card, the predicted and available GiB and the fixes."""
 
 
 @dataclass
 class RunShape:
-    """What one optimizer step processes.
+    """What one optimizer step processes. Raises ``ValueError`` for a count below 1 or an unknown schedule,
+    dtype, ``grad_accum`` or ``offload``."""
 
-    Attributes:
-        seq_len: tokens per sequence S.
-        micro_batch: sequences per micro-batch b.
-        micro_batches: micro-batches per step M (= gradient-accumulation steps).
-        schedule: a pipeline schedule of :data:`npu_train.pipeline.schedule.SCHEDULES`
-            (``"1f1b"``, ``"gpipe"``).
-        dtype: compute dtype, ``"bf16"`` or ``"fp32"``.
-        recompute: activation recomputation (checkpoint each decoder layer's input).
-        lora_params_per_layer: 0 = full fine-tuning; > 0 = LoRA with this many trainable adapter
-            parameters per decoder layer (frozen base in the compute dtype, no gradient or optimizer
-            state for it; embedding, norms and head frozen).
-        grad_accum: where gradients accumulate over the M micro-batches: ``"fp32"`` (default:
-            fp32 accumulators on the card, 4 B/param, whatever the compute dtype) or
-            ``"compute"`` (the parameters' ``.grad`` in the compute dtype, ``e`` B/param: what
-            the predecessor system on RNGD did, the condition of the field record).
-        offload: how the offloaded layers' host AdamW + upload meet the pipeline
-            (:func:`npu_train.planner.cost.hidden_host_time`): ``"serial"``
-            (``train.offload_overlap=false``), ``"overlap"`` (the default) or ``"delayed"``
-            (``train.offload_update=delayed``).
-
-    Raises:
-        ValueError: a count below 1, an unknown schedule, dtype, grad_accum or offload.
-    """
-
-    seq_len: int
-    micro_batch: int = 1
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    dtype: str = "bf16"
-    recompute: bool = False
+    seq_len: int  # tokens per sequence S
+    micro_batch: int = 1  # sequences per micro-batch b
+    micro_batches: int = 1  # micro-batches per step M (gradient accumulation)
+    schedule: str = "1f1b"  # one of npu_train.pipeline.schedule.SCHEDULES
+    dtype: str = "bf16"  # compute dtype: "bf16" or "fp32"
+    recompute: bool = False  # activation recomputation per decoder layer
+    #: 0 = full fine-tuning; > 0 = LoRA with this many adapter parameters per layer (the base is frozen)
     lora_params_per_layer: int = 0
+    #: gradient accumulators: "fp32" (4 B/param) or "compute" (the .grad in the compute dtype, as on the
+    #: predecessor system on RNGD, the field record's condition)
     grad_accum: str = "fp32"
+    #: the offloaded layers' host AdamW + upload: "serial" (train.offload_overlap=false), "overlap", "delayed"
     offload: str = "overlap"
 
     def __post_init__(self) -> None:
@@ -88,7 +65,7 @@ class RunShape:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes per gradient-accumulator element: 4 (``grad_accum="fp32"``) or ``dtype_bytes``."""
+        """Bytes per gradient-accumulator element: 4 (``fp32``) or :attr:`dtype_bytes`."""
         return 4 if self.grad_accum == "fp32" else self.dtype_bytes
 
     @property

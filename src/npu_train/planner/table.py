@@ -1,6 +1,5 @@
-"""Text reports of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`),
-the dry-run report (:func:`format_plan`) and the over-capacity message of a
-:class:`~npu_train.planner.spec.PlacementError`. Memory in GiB (2**30 B), time in seconds."""
+"""Text of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`), the dry-run
+report (:func:`format_plan`) and the over-capacity message. Memory in GiB (2**30 B), time in seconds."""
 from __future__ import annotations
 
 import io
@@ -23,10 +22,9 @@ def card_label(i: int, card: Card) -> str:
 
 def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
                           limit_bytes: Optional[int] = None) -> str:
-    """One line: which card is over capacity by how much (every memory term in GiB) and the fixes;
-    ``max_resident`` is the most resident layers that fit that card (-1: no count fits);
-    ``limit_bytes``: the ``auto`` limit ``capacity * (1 - headroom)`` when that is what was
-    exceeded (named with ``placement.headroom``), else the capacity."""
+    """One line: the card over capacity, every memory term in GiB, the limit (``limit_bytes``: the auto
+    limit with ``placement.headroom``, else the capacity) and the fixes; ``max_resident``: most resident
+    layers that fit (-1: none)."""
     st = plan.stages[st_index]
     m = st.mem
     r = len(st.resident)
@@ -57,9 +55,8 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
 
 
 def memory_sources(plan: Plan) -> list[str]:
-    """Lines naming where the memory figures come from: per card kind the attention assumption of
-    the activations and each workspace figure (measured / fitted / assumed, with its source), the
-    gradient accumulators, and the RNGD compiler cache directory when set."""
+    """Lines naming where the memory figures come from, per card kind (attention, workspace figures),
+    the gradient accumulators and the RNGD compiler cache."""
     s = plan.shape
     out, seen = [], set()
     for st, terms in zip(plan.stages, plan.memory_terms or []):
@@ -88,8 +85,7 @@ _RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", 
 
 
 def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
-    """The job's :func:`~npu_train.planner.rates.job_shapes` when the profile's figures of ``kind``
-    were measured on other shapes ``have``, else ``None``. A quick (test) profile's shapes count as fitting."""
+    """The job's shapes when the profile of ``kind`` was measured on other shapes ``have``, else ``None``."""
     from npu_train.planner.rates import job_shapes, shapes_differ
 
     bs = (plan.shape.micro_batch, plan.shape.seq_len)
@@ -100,10 +96,8 @@ def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
 
 
 def rate_sources(plan: Plan) -> list[str]:
-    """One line per card kind: every rate the step time and memory use, with where it comes from
-    (``measured`` = this machine's calibration profile, named with its date and the model shapes it
-    was measured on at the line's end, and a note when those are not the job's; ``assumed`` = the
-    planner's default; ``scaled from N thread(s)``; ``fitted: ...``)."""
+    """One line per card kind: every rate with its source (measured, assumed, scaled, fitted) and the
+    profile and shapes behind the measured ones."""
     out, seen = [], set()
     for st, rt in zip(plan.stages, plan.rates or []):
         k = st.card.kind
@@ -117,8 +111,6 @@ def rate_sources(plan: Plan) -> list[str]:
 
 
 def _rate_shown(name: str, kind: str, plan: Plan) -> bool:
-    """Whether the plan's rate line shows rate ``name``: the process baseline on cpu cards only, the
-    data-parallel bandwidth with ``dp > 1``, the split-backward ratio with a split backward on several stages."""
     if name == "process_baseline_bytes":
         return kind == "cpu"
     if name == "dp_bytes_per_s":
@@ -129,8 +121,7 @@ def _rate_shown(name: str, kind: str, plan: Plan) -> bool:
 
 
 def _rate_text(rt, row: tuple) -> str:
-    """``"<label> <value> <unit> [<source>]"`` of one :data:`_RATE_ROWS` row (FLOP/s above 1e12 in TFLOP/s;
-    a device AdamW of 0 is the host's, with the host's source)."""
+    """``"<label> <value> <unit> [<source>]"`` of one :data:`_RATE_ROWS` row."""
     name, label, scale, unit = row
     device_adamw = name == "device_adamw_params_per_s"
     v = rt.device_adamw if device_adamw else getattr(rt, name)
@@ -141,8 +132,6 @@ def _rate_text(rt, row: tuple) -> str:
 
 
 def _rates_origin(kind: str, rt, plan: Plan) -> str:
-    """Where a kind's measured and fitted rates come from: the calibration profile and the shapes it was
-    measured on (with a note when they are not the job's), or that there is none; fitted runs."""
     measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
     on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
     other = _other_shapes(kind, rt.shapes, plan) if measured else None
@@ -158,8 +147,8 @@ def _rates_origin(kind: str, rt, plan: Plan) -> str:
 
 
 def plan_table(plan: Plan, width: int = 180) -> str:
-    """Header (threads per card process, host cores), per-card table (GiB and seconds) with a
-    totals line, and the predicted step time and tokens/s."""
+    """Header (threads, cores, headroom), the per-card table (GiB, seconds) with totals, the rate and memory
+    sources, the schedule line and the prediction."""
     from rich.console import Console
     from rich.table import Table
 
@@ -243,10 +232,8 @@ def plan_table(plan: Plan, width: int = 180) -> str:
 
 
 def schedule_line(plan: Plan) -> str:
-    """One line: the schedule, its pipeline phase (seconds) and bubble, the idle share of the phase
-    over all stages (``sum bubble / (P * phase)``, from the stages' own ``t_F, t_B, t_W`` in the
-    schedule's timeline), next to the same schedule's bubble with equal unit times
-    (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the activation micro-batches it holds."""
+    """The schedule's pipeline phase (s) and bubble share next to the same schedule's bubble with equal
+    unit times (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the micro-batches held per card."""
     s, P = plan.shape, len(plan.stages)
     phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
     idle = max(0.0, sum(st.time["bubble"] for st in plan.stages) / (P * phase)) if phase > 0 else 0.0
@@ -257,9 +244,7 @@ def schedule_line(plan: Plan) -> str:
 
 
 def offload_lines(plan: Plan) -> list[str]:
-    """What the host update of offloaded layers does in this plan (``RunShape.offload``): with
-    offloaded layers, one line saying that ``hidden s`` counts host AdamW *and* upload seconds (so it
-    may exceed ``host-opt s``); with none and ``delayed``, one line saying the setting has no effect."""
+    """What the host update of offloaded layers does in this plan (``RunShape.offload``)."""
     mode = plan.shape.offload
     if not any(st.offloaded for st in plan.stages):
         return ([f"train.offload_update=delayed has no effect: every layer is resident (no host update to "
@@ -272,7 +257,7 @@ def offload_lines(plan: Plan) -> list[str]:
 
 
 def format_plan(plan: Plan, width: int = 180) -> str:
-    """Dry-run report: model and run shape, the per-card table, and the model's assumptions."""
+    """Dry-run report: model and run shape, the per-card table, the model's assumptions."""
     m, s = plan.model, plan.shape
     head = [
         f"model {m.name}: {m.total_params():,} params ({m.num_layers} layers x "
