@@ -1,7 +1,11 @@
-"""Hardware facts with one home (torch-free, so the planner's dry run imports no torch).
+"""Hardware facts with one home and the card type :class:`Card` (torch-free, so the planner's dry run
+imports no torch).
 
 RNGD: 48 GB HBM3 per card, 47.5 GiB usable by a process (``furiosa-smi``'s total; experiments/rngd-runbook.md)."""
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
 
 #: 2**30 bytes. Memory figures printed by npu-train are GiB unless they say GB.
 GIB = 1 << 30
@@ -36,3 +40,68 @@ HOST_MEMORY_KINDS = ("cpu",)
 
 #: RNGD usable HBM per card: 47.5 GiB (= 51.0 GB) of the 48 GB HBM3.
 FURIOSA_CAPACITY_BYTES = int(47.5 * GIB)
+
+#: memory of a cuda card when no device is visible to ask (H100-class, assumed): what a plan made away
+#: from the target machine uses (:func:`npu_train.backends.spec.default_capacity` asks the device)
+CUDA_ASSUMED_CAPACITY_BYTES = 80 * GIB
+
+
+def host_ram_bytes() -> int:
+    """Total RAM of this host, bytes (``psutil.virtual_memory().total``)."""
+    import psutil
+
+    return int(psutil.virtual_memory().total)
+
+
+def nominal_capacity(kind: str) -> int:
+    """Usable memory of one card of ``kind`` without asking a device, bytes: furiosa
+    :data:`FURIOSA_CAPACITY_BYTES`, cuda :data:`CUDA_ASSUMED_CAPACITY_BYTES`, cpu the host's whole RAM
+    (dividing it among several cpu cards is the caller's job). Raises ``ValueError`` for an unknown kind."""
+    if kind == "furiosa":
+        return FURIOSA_CAPACITY_BYTES
+    if kind == "cuda":
+        return CUDA_ASSUMED_CAPACITY_BYTES
+    if kind == "cpu":
+        return host_ram_bytes()
+    raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
+
+
+@dataclass(frozen=True)
+class Card:
+    """One card = one card process = one pipeline stage, from the ``backend=`` entry to the worker.
+
+    Attributes:
+        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"`` (:data:`KINDS`; checked where cards enter: the
+            backend list parser, :func:`make_cards`, the planner).
+        index: device index; ``None`` for cpu, and for an ``auto`` entry before
+            :func:`npu_train.backends.spec.resolve_cards` numbers it.
+        capacity_bytes: usable memory, bytes (0 until the launcher sets it; the planner needs it).
+        name: how plans and messages name the card; default ``"<kind>:<index>"``, ``"cpu"`` for a cpu card
+            without index, ``"<kind>:auto"`` for an unresolved entry.
+        text: the backend entry as written (``"rngd:1"``), for messages; ``""`` for a card not parsed from one.
+    """
+
+    kind: str
+    index: Optional[int] = None
+    capacity_bytes: int = 0
+    name: str = ""
+    text: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            name = (self.kind if self.kind == "cpu" else f"{self.kind}:auto") if self.index is None \
+                else f"{self.kind}:{self.index}"
+            object.__setattr__(self, "name", name)
+
+
+def make_cards(kind: str, n: int, capacity_bytes: Optional[int] = None) -> list[Card]:
+    """``n`` cards of ``kind`` with indices ``0..n-1`` and ``capacity_bytes`` each (default
+    :func:`nominal_capacity`; for ``cpu`` the host RAM divided by ``n``). Raises ``ValueError`` for
+    ``n < 1`` or an unknown kind."""
+    if n < 1:
+        raise ValueError(f"need at least one card, got {n}")
+    if kind not in KINDS:
+        raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
+    if capacity_bytes is None:
+        capacity_bytes = nominal_capacity(kind) // (n if kind == "cpu" else 1)
+    return [Card(kind, i, int(capacity_bytes)) for i in range(n)]

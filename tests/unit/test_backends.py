@@ -26,7 +26,6 @@ from npu_train.backends import (
     AllocLock,
     BackendSpecError,
     BackendUnavailableError,
-    CardRequest,
     FURIOSA_CAPACITY_BYTES,
     make_backend,
     parse_backend_list,
@@ -38,6 +37,7 @@ from npu_train.backends.furiosa_compile import FURIOSA_LOGGER, FuriosaCompileOpt
 from npu_train.backends.cpu import CPUBackend
 from npu_train.backends.cuda import CUDABackend
 from npu_train.backends.furiosa import FuriosaBackend
+from npu_train.hardware import Card
 
 VALID_HINT = "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto"
 # In the main .venv nothing imports furiosa-torch; where it is installed, `import torch` already
@@ -70,7 +70,7 @@ PU1 = torch._C._get_privateuse1_backend_name()
 def test_parse_valid(value, expected):
     reqs = parse_backend_list(value)
     assert [(r.kind, r.index) for r in reqs] == expected
-    assert all(isinstance(r, CardRequest) for r in reqs)
+    assert all(isinstance(r, Card) for r in reqs)
 
 
 def test_parse_keeps_original_text_and_is_frozen():
@@ -149,9 +149,9 @@ def test_resolve_rejects_bad_requests_built_by_hand():
     with pytest.raises(BackendSpecError, match="empty"):
         resolve_cards([], probe=False)
     with pytest.raises(BackendSpecError, match="unknown device kind 'tpu'"):
-        resolve_cards([CardRequest("tpu", 0, "tpu:0")], probe=False)
+        resolve_cards([Card("tpu", 0, text="tpu:0")], probe=False)
     with pytest.raises(BackendSpecError, match="twice"):
-        resolve_cards([CardRequest("cuda", 0, "cuda:0"), CardRequest("cuda", 0, "cuda:0")], probe=False)
+        resolve_cards([Card("cuda", 0, text="cuda:0"), Card("cuda", 0, text="cuda:0")], probe=False)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="machine has CUDA")
@@ -250,7 +250,7 @@ def test_find_runtime_library_absent_here():
 
 # ============================================================================ cpu backend
 def test_cpu_backend_basics():
-    b = make_backend(CardRequest("cpu", None, "cpu"))
+    b = make_backend(Card("cpu", None, text="cpu"))
     assert isinstance(b, CPUBackend)
     assert (b.kind, b.index, b.name) == ("cpu", None, "cpu")
     b.setup()
@@ -303,9 +303,9 @@ def test_cpu_backend_pickles_and_sets_up_again():
 # ============================================================================ make_backend / cuda
 def test_make_backend_dispatch_without_touching_devices():
     assert FURIOSA_PREIMPORTED or sys.modules.get("furiosa.torch") is None
-    cb = make_backend(CardRequest("cuda", 1, "cuda:1"))
+    cb = make_backend(Card("cuda", 1, text="cuda:1"))
     assert isinstance(cb, CUDABackend) and cb.name == "cuda:1" and cb.device() == torch.device("cuda", 1)
-    fb = make_backend(CardRequest("furiosa", 1, "rngd:1"))
+    fb = make_backend(Card("furiosa", 1, text="rngd:1"))
     assert isinstance(fb, FuriosaBackend) and fb.name == "furiosa:1"
     assert fb.capacity_bytes() == FURIOSA_CAPACITY_BYTES == int(47.5 * 2**30)
     assert FURIOSA_PREIMPORTED or sys.modules.get("furiosa.torch") is None  # only setup() imports it
@@ -313,16 +313,16 @@ def test_make_backend_dispatch_without_touching_devices():
 
 def test_make_backend_rejects_unresolved_auto():
     with pytest.raises(BackendSpecError, match="resolve_cards"):
-        make_backend(CardRequest("furiosa", None, "furiosa:auto"))
+        make_backend(Card("furiosa", None, text="furiosa:auto"))
     with pytest.raises(BackendSpecError, match="unknown device kind"):
-        make_backend(CardRequest("tpu", 0, "tpu:0"))
+        make_backend(Card("tpu", 0, text="tpu:0"))
     with pytest.raises(BackendSpecError):
         make_backend("cpu,cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="machine has CUDA")
 def test_cuda_setup_on_cpu_machine_is_unavailable():
-    b = make_backend(CardRequest("cuda", 0, "cuda:0"))
+    b = make_backend(Card("cuda", 0, text="cuda:0"))
     with pytest.raises(BackendUnavailableError, match="cuda:0: CUDA is not available"):
         b.setup()
 

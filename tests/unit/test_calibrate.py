@@ -6,10 +6,10 @@ import math
 
 import pytest
 
-from npu_train.hardware import GIB
+from npu_train.hardware import GIB, make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.calibrate import calibrate, main_calibrate, save_profile, thread_counts
-from npu_train.planner import DEFAULT_RATES, Rates, RunShape, load_rates, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, Rates, RunShape, load_rates, make_plan
 
 RATE_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes")
@@ -90,15 +90,15 @@ def test_process_baseline_enters_cpu_memory_prediction():
     cards = make_cards("cpu", 2, 2**40)
     base = Rates(50e9, 10e9, 10e9, 2e8)
     plus = Rates(50e9, 10e9, 10e9, 2e8, process_baseline_bytes=0.5 * GIB)
-    p0 = make_plan(m, shape, cards, base, host_cores=2)
-    p1 = make_plan(m, shape, cards, plus, host_cores=2)
+    p0 = make_plan(PlanRequest(m, shape, cards, base, host_cores=2))
+    p1 = make_plan(PlanRequest(m, shape, cards, plus, host_cores=2))
     for a, b in zip(p0.stages, p1.stages):
         assert a.mem["baseline"] == 0 and b.mem["baseline"] == int(0.5 * GIB)
         assert b.mem["total"] - a.mem["total"] == int(0.5 * GIB)
     # the default cpu rates carry a baseline; furiosa's memory excludes the host process
     assert DEFAULT_RATES["cpu"].process_baseline_bytes > 0
     assert DEFAULT_RATES["furiosa"].process_baseline_bytes == 0
-    f = make_plan(m, shape, make_cards("furiosa", 2), DEFAULT_RATES["furiosa"])
+    f = make_plan(PlanRequest(m, shape, make_cards("furiosa", 2), DEFAULT_RATES["furiosa"]))
     assert all(st.mem["baseline"] == 0 for st in f.stages)
 
 
@@ -107,8 +107,8 @@ def test_cpu_card_holds_all_optimizer_state_and_sums():
     shape = RunShape(seq_len=32, micro_batch=2, micro_batches=4, dtype="fp32")
     cards = make_cards("cpu", 2, 2**40)
     # the same split for both (without it, resident 0 gets its own fastest split)
-    res = make_plan(m, shape, cards, DEFAULT_RATES["cpu"], split=[4, 4], resident_layers=4, host_cores=2)
-    off = make_plan(m, shape, cards, DEFAULT_RATES["cpu"], split=[4, 4], resident_layers=0, host_cores=2)
+    res = make_plan(PlanRequest(m, shape, cards, DEFAULT_RATES["cpu"], split=[4, 4], resident_layers=4, host_cores=2))
+    off = make_plan(PlanRequest(m, shape, cards, DEFAULT_RATES["cpu"], split=[4, 4], resident_layers=0, host_cores=2))
     for a, b in zip(res.stages, off.stages):
         n = a.mem["weights"] // 4
         # fp32 compute: resident parameters are their own masters (m + v = 8 B/param); offloaded
@@ -128,8 +128,8 @@ def test_cpu_cards_share_cores():
     shape = RunShape(seq_len=32, micro_batch=2, micro_batches=M, dtype="fp32")
     cards = make_cards("cpu", 3, 2**40)
     r = DEFAULT_RATES["cpu"]
-    own = make_plan(m, shape, cards, r, split=[3, 3, 2], resident_layers="auto", host_cores=3)
-    shared = make_plan(m, shape, cards, r, split=[3, 3, 2], resident_layers="auto", host_cores=2)
+    own = make_plan(PlanRequest(m, shape, cards, r, split=[3, 3, 2], resident_layers="auto", host_cores=3))
+    shared = make_plan(PlanRequest(m, shape, cards, r, split=[3, 3, 2], resident_layers="auto", host_cores=2))
     # the pipeline's M+P-1 = 6 slots have 1, 2, 3, 3, 2, 1 stages computing, and the two slots
     # with 3 one-thread stages on 2 cores take 1.5x as long: 7 slot-times instead of 6
     phase = lambda p: p.stages[0].time["compute"] + p.stages[0].time["bubble"]
@@ -144,9 +144,9 @@ def test_head_flops_ratio_slows_only_the_last_stage():
     m = tiny(vocab_size=32000)
     shape = RunShape(seq_len=32, micro_batch=2, micro_batches=4, dtype="fp32")
     cards = make_cards("cpu", 2, 2**40)
-    fast = make_plan(m, shape, cards, Rates(50e9, 1e10, 1e10, 2e8), split=[4, 4], host_cores=2)
-    slow = make_plan(m, shape, cards, Rates(50e9, 1e10, 1e10, 2e8, head_flops_ratio=0.5),
-                     split=[4, 4], host_cores=2)
+    fast = make_plan(PlanRequest(m, shape, cards, Rates(50e9, 1e10, 1e10, 2e8), split=[4, 4], host_cores=2))
+    slow = make_plan(PlanRequest(m, shape, cards, Rates(50e9, 1e10, 1e10, 2e8, head_flops_ratio=0.5),
+                                 split=[4, 4], host_cores=2))
     assert slow.stages[0].time["compute"] == pytest.approx(fast.stages[0].time["compute"])
     # the head's 6*tokens*V*H FLOPs take twice as long: M micro-batches * one extra head time
     extra = 4 * 6.0 * 64 * m.embedding_params() / 50e9

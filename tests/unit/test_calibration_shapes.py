@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 
 from npu_train.calibrate.profile import PROFILE_VERSION, machine_info, save_profile
-from npu_train.planner import load_rates, make_cards, make_plan
+from npu_train.hardware import make_cards
+from npu_train.planner import PlanRequest, load_rates, make_plan, plan_table
 from npu_train.planner.rates import Rates, job_shapes, shape_signature, shapes_differ
 from npu_train.planner.spec import RunShape
 
@@ -65,7 +66,7 @@ def test_the_plan_names_the_shapes_its_figures_were_measured_on(tmp_path):
     _write(path, _entry({"fp32": 40e9}, shapes=B))
     shape = RunShape(seq_len=32, micro_batch=1, micro_batches=2, dtype="fp32")
     cards = make_cards("cpu", 2, capacity_bytes=8 * 2**30)
-    table = make_plan(TINY, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1).table()
+    table = plan_table(make_plan(PlanRequest(TINY, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1)))
     line = [ln for ln in table.splitlines() if ln.startswith("rates cpu")][0]
     assert line.endswith(f"measured = calibration profile {path} (2026-12-01T00:00:00), on {B}")
 
@@ -77,13 +78,13 @@ def test_the_plan_says_when_the_profile_was_measured_on_another_model(tmp_path):
     _write(path, _entry({"fp32": 40e9}, shapes=A))  # measured on SmolLM2
     shape = RunShape(seq_len=32, micro_batch=1, micro_batches=2, dtype="fp32")
     cards = make_cards("cpu", 2, capacity_bytes=8 * 2**30)
-    line = [ln for ln in make_plan(TINY, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1)
-            .table().splitlines() if ln.startswith("rates cpu")][0]
+    plan = make_plan(PlanRequest(TINY, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1))
+    line = [ln for ln in plan_table(plan).splitlines() if ln.startswith("rates cpu")][0]
     want = job_shapes("cpu", False, TINY, (1, 32))
     assert line.endswith(f"on {A} -- not this job's shapes ({want}): its FLOP/s, head and split-backward "
                          "figures are another model's; calibrate=true with this model.path (and "
                          "placement.profile, if set) measures them")
     # the job's own shapes: no note
-    line = [ln for ln in make_plan(SMOL, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1)
-            .table().splitlines() if ln.startswith("rates cpu")][0]
+    plan = make_plan(PlanRequest(SMOL, shape, cards, [load_rates("cpu", path, threads=1)] * 2, threads=1))
+    line = [ln for ln in plan_table(plan).splitlines() if ln.startswith("rates cpu")][0]
     assert "not this job's" not in line

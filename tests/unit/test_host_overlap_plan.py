@@ -10,8 +10,9 @@ import dataclasses
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan, plan_table
 from npu_train.planner.cost import exposed_host_time
 
 
@@ -53,8 +54,8 @@ def test_plan_hides_host_time_and_shows_it():
     at least as much, serial none; the table has the column."""
     shape = RunShape(seq_len=512, micro_batch=1, micro_batches=4, dtype="bf16")
     cards = make_cards("furiosa", 2)
-    plans = {m: make_plan(get_preset("llama-3.1-8b"), dataclasses.replace(shape, offload=m), cards,
-                          DEFAULT_RATES["furiosa"], resident_layers=0) for m in ("serial", "overlap", "delayed")}
+    plans = {m: make_plan(PlanRequest(get_preset("llama-3.1-8b"), dataclasses.replace(shape, offload=m), cards,
+                                      DEFAULT_RATES["furiosa"], resident_layers=0)) for m in ("serial", "overlap", "delayed")}
     for i in range(2):
         ser, ov, de = (plans[m].stages[i].time for m in ("serial", "overlap", "delayed"))
         assert ser["host_hidden"] == 0.0
@@ -62,34 +63,34 @@ def test_plan_hides_host_time_and_shows_it():
         assert ov["total"] == pytest.approx(ser["total"] - ov["host_hidden"])
         assert de["total"] == pytest.approx(ser["total"] - de["host_hidden"])
     assert plans["delayed"].step_time_s < plans["serial"].step_time_s
-    assert "hidden" in plans["overlap"].table(width=250)
+    assert "hidden" in plan_table(plans["overlap"], width=250)
 
 
 def test_plan_says_what_the_host_update_does():
     """The plan explains the 'hidden s' column (host AdamW + upload) and says when
     train.offload_update=delayed changes nothing (every layer resident)."""
-    from npu_train.planner.report import format_plan
+    from npu_train.planner.table import format_plan
 
     shape = RunShape(seq_len=512, micro_batch=1, micro_batches=4, dtype="bf16")
     cards = make_cards("furiosa", 2)
-    mk = lambda mode, res: format_plan(make_plan(get_preset("llama-3.1-8b"), dataclasses.replace(shape, offload=mode),  # noqa: E731
-                                                 cards, DEFAULT_RATES["furiosa"], resident_layers=res))
+    mk = lambda mode, res: format_plan(make_plan(PlanRequest(get_preset("llama-3.1-8b"), dataclasses.replace(shape, offload=mode),  # noqa: E731
+                                                             cards, DEFAULT_RATES["furiosa"], resident_layers=res)))
     off = mk("delayed", 0)
     assert "one step stale (train.offload_update=delayed)" in off and "upload included" in off
     assert "overlaps the next forward" in mk("overlap", 0)
     tiny = dataclasses.replace(shape, seq_len=64)
-    all_res = format_plan(make_plan(get_preset("llama-3.1-8b"), dataclasses.replace(tiny, offload="delayed"),
-                                    make_cards("furiosa", 8), DEFAULT_RATES["furiosa"], resident_layers=4))
+    all_res = format_plan(make_plan(PlanRequest(get_preset("llama-3.1-8b"), dataclasses.replace(tiny, offload="delayed"),
+                                                make_cards("furiosa", 8), DEFAULT_RATES["furiosa"], resident_layers=4)))
     assert "train.offload_update=delayed has no effect: every layer is resident" in all_res
     assert "has no effect" not in mk("delayed", 0)
 
 
 def test_plan_labels_oversubscribed_cpu_cores():
     """3 cpu card processes on 2 cores: the plan says its rates are stretched; 2 on 2 cores: no line."""
-    from npu_train.planner.report import format_plan
+    from npu_train.planner.table import format_plan
 
     shape = RunShape(seq_len=64, micro_batch=1, micro_batches=4, dtype="fp32")
-    text = {n: format_plan(make_plan(get_preset("smollm2-135m"), shape, make_cards("cpu", n), DEFAULT_RATES["cpu"],
-                                     threads=1, host_cores=2, host_ram_bytes=None)) for n in (2, 3)}
+    text = {n: format_plan(make_plan(PlanRequest(get_preset("smollm2-135m"), shape, make_cards("cpu", n), DEFAULT_RATES["cpu"],
+                                                 threads=1, host_cores=2, host_ram_bytes=None))) for n in (2, 3)}
     assert "oversubscribed: 3 cpu card process(es) x 1 thread(s) on 2 core(s)" in text[3] and "at 2/3 of" in text[3]
     assert "oversubscribed" not in text[2]

@@ -29,17 +29,11 @@ LAYERS = {
 }
 #: file-level import circles still in src, each with the branch that removes it
 KNOWN_CIRCLES = {
-    # TODO(plan): the planner rebuild on branch `plan` removes this circle
-    frozenset({"npu_train.planner.plan", "npu_train.planner.report"}): "branch plan",
     # TODO(calib): the calibrate/ package on branch `calib` removes this circle
 }
 MAX_COMPLEXITY = 25
 #: functions above MAX_COMPLEXITY (radon's cyclomatic complexity), "file.py::Qualified.name": reason
-COMPLEX = {
-    "planner/search.py::make_plan": "being rebuilt on branch plan (one typed request, no 16 parameters)",
-    "planner/memory.py::MemoryModel.stage": "being rebuilt on branch plan (one function per memory term)",
-    "planner/report.py::rate_sources": "being rebuilt on branch plan",
-}
+COMPLEX: dict[str, str] = {}
 
 
 def _modules():

@@ -6,17 +6,17 @@ import math
 import pytest
 import torch
 
+from npu_train.hardware import FURIOSA_CAPACITY_BYTES, Card
 from npu_train.model.presets import get_preset
-from npu_train.planner import CardSpec, RunShape, load_rates, make_plan
-from npu_train.hardware import FURIOSA_CAPACITY_BYTES
+from npu_train.planner import PlanRequest, RunShape, load_rates, make_plan
 
 
 def _plan(model, lora_pl, cards=1, resident="auto"):
     shape = RunShape(seq_len=512, micro_batch=1, micro_batches=4, dtype="bf16", lora_params_per_layer=lora_pl)
-    cs = [CardSpec(kind="furiosa", index=i, capacity_bytes=FURIOSA_CAPACITY_BYTES, name=f"furiosa:{i}")
+    cs = [Card(kind="furiosa", index=i, capacity_bytes=FURIOSA_CAPACITY_BYTES, name=f"furiosa:{i}")
           for i in range(cards)]
-    return make_plan(model, shape, cs, [load_rates("furiosa") for _ in cs], resident_layers=resident,
-                     strict=False)
+    return make_plan(PlanRequest(model, shape, cs, [load_rates("furiosa") for _ in cs], resident_layers=resident,
+                                 strict=False))
 
 
 def test_llama8b_lora_fits_one_rngd_card_and_counts_adapters_only():

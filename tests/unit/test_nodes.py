@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from npu_train.config import Config
 from npu_train.errors import ConfigError, JobFailed
+from npu_train.hardware import Card
 from npu_train.runtime.agent import NodeLink
 from npu_train.runtime.nodes import (NodeLayout, NodePlan, Rendezvous, RendezvousError, boundary_transports,
                                      config_digest, route_address)
@@ -197,12 +198,11 @@ def test_node_link_silent_node_is_declared_dead():
 
 
 def test_exchange_cards_gives_every_node_the_same_global_card_list():
-    from npu_train.planner import CardSpec
     from npu_train.runtime.nodes import exchange_cards
 
     r0, r1 = _two_rendezvous()
-    c0 = [CardSpec(kind="cpu", index=None, capacity_bytes=100, name="cpu")]
-    c1 = [CardSpec(kind="cpu", index=None, capacity_bytes=40, name=f"cpu:{i}") for i in range(2)]
+    c0 = [Card(kind="cpu", index=None, capacity_bytes=100, name="cpu")]
+    c1 = [Card(kind="cpu", index=None, capacity_bytes=40, name=f"cpu:{i}") for i in range(2)]
     a, b = _both(lambda: exchange_cards(r0, c0, 4, 1000), lambda: exchange_cards(r1, c1, 2, 500))
     assert a == b
     cards, counts, threads, ram = a

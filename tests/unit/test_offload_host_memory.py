@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from npu_train.backends.cpu import CPUBackend
+from npu_train.hardware import make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import StageModule, causal_lm_loss_sum
-from npu_train.planner import RunShape, make_cards
+from npu_train.planner import RunShape
 from npu_train.planner.memory import MemoryModel
 from npu_train.runtime.overlap import install_waits, layer_groups
 

@@ -7,8 +7,9 @@ import pytest
 
 from npu_train.config import check_dp_cards
 from npu_train.errors import ConfigError
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan, plan_table
 from npu_train.runtime.layout import ParallelLayout
 from npu_train.runtime.replicas import zero_owners
 
@@ -58,8 +59,8 @@ def test_dp_config_checks():
 def _plan(dp, zero, resident):
     m = get_preset("llama-3.1-8b")
     shape = RunShape(seq_len=512, micro_batch=1, micro_batches=4, dtype="bf16")
-    return make_plan(m, shape, make_cards("furiosa", 2), DEFAULT_RATES["furiosa"], split=[16, 16],
-                     resident_layers=resident, threads=1, host_cores=8, dp=dp, zero=zero)
+    return make_plan(PlanRequest(m, shape, make_cards("furiosa", 2), DEFAULT_RATES["furiosa"], split=[16, 16],
+                                 resident_layers=resident, threads=1, host_cores=8, dp=dp, zero=zero))
 
 
 def test_planner_dp_terms():
@@ -75,7 +76,7 @@ def test_planner_dp_terms():
         assert b.time["dp_comm"] == pytest.approx(want, rel=1e-12)
         assert b.time["total"] == pytest.approx(a.time["total"] + want, rel=1e-12)
     assert four.host_bytes_all == 4 * four.host_bytes
-    text = four.table()
+    text = plan_table(four)
     assert "dp=4 x pp=2 (8 cards)" in text and "dp-comm" in text
 
 

@@ -11,27 +11,28 @@ from pathlib import Path
 import pytest
 import torch
 
+from npu_train.backends.spec import default_capacity
+from npu_train.hardware import Card, make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import PRESETS, get_preset
 from npu_train.planner import (
     ATTENTION,
     DEFAULT_RATES,
-    CardSpec,
     PlacementError,
+    PlanRequest,
     Rates,
     RunShape,
     activation_bytes_per_layer,
     balanced_split,
-    default_capacity,
     format_plan,
     gb,
     gib,
     in_flight_micro_batches,
     load_rates,
     logits_bytes,
-    make_cards,
-    saved_logits_bytes,
     make_plan,
+    plan_table,
+    saved_logits_bytes,
     threads_per_card,
 )
 from npu_train.planner import threads as planner_threads
@@ -127,8 +128,8 @@ def test_unknown_preset_lists_known_names():
 def test_reference_optimizer_bytes_per_resident_layer():
     m = get_preset("llama-3.1-8b")
     assert m.params_per_layer() == 218_112_000
-    p0 = make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0)
-    p1 = make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=1)
+    p0 = make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0))
+    p1 = make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=1))
     per_layer = p1.stages[1].mem["optimizer"] - p0.stages[1].mem["optimizer"]
     assert per_layer == 218_112_000 * 12
     assert round(gb(per_layer), 2) == 2.62
@@ -138,7 +139,7 @@ def test_reference_one_card_eight_resident_does_not_fit():
     m = get_preset("llama-3.1-8b")
     cards = make_cards("furiosa", 1)
     assert cards[0].capacity_bytes == CAP == default_capacity("furiosa")
-    plan = make_plan(m, REF_SHAPE, cards, FURIOSA, resident_layers=8, strict=False)
+    plan = make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, resident_layers=8, strict=False))
     st = plan.stages[0]
     assert (len(st.resident), len(st.offloaded)) == (8, 24)
     # "~50 GB": weights + grads + optimizer, in binary units (49.4 GiB = 53.1 GB)
@@ -146,7 +147,7 @@ def test_reference_one_card_eight_resident_does_not_fit():
     assert static_bytes(st) > CAP                       # over capacity before activations
     assert st.mem["total"] > CAP and not plan.fits
     with pytest.raises(PlacementError) as ei:
-        make_plan(m, REF_SHAPE, cards, FURIOSA, resident_layers=8)
+        make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, resident_layers=8))
     msg = str(ei.value)
     assert "card 0 (furiosa:0)" in msg and "GiB" in msg and "47.50 GiB" in msg
     assert f"{gib(st.mem['total']):.2f} GiB" in msg
@@ -155,7 +156,7 @@ def test_reference_one_card_eight_resident_does_not_fit():
 
 def test_reference_two_cards_no_resident_about_15_gb_per_card():
     m = get_preset("llama-3.1-8b")
-    plan = make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0)
+    plan = make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0))
     assert plan.split == [16, 16] and plan.fits
     for st in plan.stages:
         assert st.mem["optimizer"] == 0 and not st.resident
@@ -181,8 +182,8 @@ def test_in_flight_and_activation_memory(schedule, M):
     m = tiny()
     P = 4
     shape = RunShape(seq_len=64, micro_batch=2, micro_batches=M, schedule=schedule)
-    plan = make_plan(m, shape, make_cards("cpu", P, 2**40), DEFAULT_RATES["cpu"],
-                     resident_layers=0)
+    plan = make_plan(PlanRequest(m, shape, make_cards("cpu", P, 2**40), DEFAULT_RATES["cpu"],
+                                 resident_layers=0))
     per_layer = activation_bytes_per_layer(m, shape, ATTENTION["cpu"])
     for i, st in enumerate(plan.stages):
         k = min(M, P - i) if schedule == "1f1b" else M
@@ -195,22 +196,22 @@ def test_in_flight_and_activation_memory(schedule, M):
 def test_recompute_keeps_layer_inputs_plus_one_layer():
     m = tiny()
     shape = RunShape(seq_len=64, micro_batch=2, micro_batches=4, recompute=True)
-    plan = make_plan(m, shape, make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"],
-                     resident_layers=0)
+    plan = make_plan(PlanRequest(m, shape, make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"],
+                                 resident_layers=0))
     st = plan.stages[0]
     expect = st.in_flight * st.num_layers * 64 * 2 * m.hidden_size * 2 \
         + activation_bytes_per_layer(m, shape, ATTENTION["cpu"])
     assert st.mem["activations"] == expect
-    base = make_plan(m, RunShape(seq_len=64, micro_batch=2, micro_batches=4),
-                     make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"], resident_layers=0)
+    base = make_plan(PlanRequest(m, RunShape(seq_len=64, micro_batch=2, micro_batches=4),
+                                 make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"], resident_layers=0))
     assert st.time["compute"] == pytest.approx(base.stages[0].time["compute"] * 8 / 6)
 
 
 def test_bubble_fraction_balanced():
     m = tiny(num_layers=8, tie_word_embeddings=True)
     M, P = 4, 4
-    plan = make_plan(m, RunShape(seq_len=64, micro_batches=M), make_cards("cpu", P, 2**40),
-                     DEFAULT_RATES["cpu"], split=[2, 2, 2, 2], resident_layers=2)
+    plan = make_plan(PlanRequest(m, RunShape(seq_len=64, micro_batches=M), make_cards("cpu", P, 2**40),
+                                 DEFAULT_RATES["cpu"], split=[2, 2, 2, 2], resident_layers=2))
     st = plan.stages[1]                                   # a middle stage: no head FLOPs
     t_mid = st.time["compute"] / M
     t_last = plan.stages[-1].time["compute"] / M          # + lm_head: the slowest stage
@@ -228,8 +229,8 @@ def test_bubble_fraction_balanced():
 def test_tied_embedding_copy_on_last_stage():
     m = get_preset("llama-3.2-1b")
     shape = RunShape(seq_len=256, micro_batches=2)
-    one = make_plan(m, shape, make_cards("furiosa", 1), FURIOSA, resident_layers=0)
-    two = make_plan(m, shape, make_cards("furiosa", 2), FURIOSA, resident_layers=0)
+    one = make_plan(PlanRequest(m, shape, make_cards("furiosa", 1), FURIOSA, resident_layers=0))
+    two = make_plan(PlanRequest(m, shape, make_cards("furiosa", 2), FURIOSA, resident_layers=0))
     E, Pl = m.embedding_params(), m.params_per_layer()
     assert one.stages[0].mem["weights"] == 2 * (16 * Pl + E + m.hidden_size)
     assert two.stages[0].mem["weights"] == 2 * (8 * Pl + E)
@@ -246,20 +247,20 @@ def test_auto_more_resident_with_more_capacity_and_never_over():
     prev = -1
     for cap_gib in range(22, 94, 3):
         cards = make_cards("furiosa", 2, cap_gib * 2**30)
-        plan = make_plan(m, REF_SHAPE, cards, FURIOSA, split=[16, 16], headroom=0.0)
+        plan = make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, split=[16, 16], headroom=0.0))
         assert plan.fits
         for st in plan.stages:
             assert st.mem["total"] <= st.card.capacity_bytes
             if len(st.resident) < st.num_layers:          # one more would not fit
                 with pytest.raises(PlacementError):
-                    make_plan(m, REF_SHAPE, cards, FURIOSA, split=[16, 16],
-                              resident_layers=[len(s.resident) + (s is st)
-                                               for s in plan.stages])
+                    make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, split=[16, 16],
+                                          resident_layers=[len(s.resident) + (s is st)
+                                               for s in plan.stages]))
         n = sum(plan.resident_counts)
         assert n >= prev
         prev = n
         # the split search also stays within capacity
-        auto = make_plan(m, REF_SHAPE, cards, FURIOSA, headroom=0.0)
+        auto = make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, headroom=0.0))
         assert all(st.mem["total"] <= st.card.capacity_bytes for st in auto.stages)
         assert auto.step_time_s <= plan.step_time_s * (1 + 1e-9)
     assert prev == 32
@@ -268,12 +269,12 @@ def test_auto_more_resident_with_more_capacity_and_never_over():
 def test_auto_reference_two_cards():
     m = get_preset("llama-3.1-8b")
     t0 = time.perf_counter()
-    plan = make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA)
+    plan = make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA))
     assert time.perf_counter() - t0 < 1.0
     assert plan.fits and sum(plan.split) == 32
     assert all(0 < len(st.resident) < st.num_layers for st in plan.stages)
-    assert plan.step_time_s < make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA,
-                                        resident_layers=0).step_time_s
+    assert plan.step_time_s < make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA,
+                                                    resident_layers=0)).step_time_s
     text = format_plan(plan)
     assert "furiosa:0" in text and "tokens/s" in text and "GiB" in text and "0-" in text
 
@@ -285,8 +286,8 @@ def test_auto_chooses_uneven_split_when_faster():
     rates = DEFAULT_RATES["cpu"]
     shape = RunShape(seq_len=128, micro_batches=4)
     cards = make_cards("cpu", 2, 2**40)
-    auto = make_plan(m, shape, cards, rates)
-    bal = make_plan(m, shape, cards, rates, split=balanced_split(8, 2))
+    auto = make_plan(PlanRequest(m, shape, cards, rates))
+    bal = make_plan(PlanRequest(m, shape, cards, rates, split=balanced_split(8, 2)))
     assert auto.split[1] < auto.split[0]
     assert auto.step_time_s < bal.step_time_s
     assert all(len(st.resident) == st.num_layers for st in auto.stages)
@@ -296,20 +297,20 @@ def test_auto_nothing_fits_raises_with_card_and_gib():
     m = get_preset("llama-3.1-8b")
     cards = make_cards("furiosa", 2, 10 * 2**30)
     with pytest.raises(PlacementError) as ei:
-        make_plan(m, REF_SHAPE, cards, FURIOSA)
+        make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA))
     msg = str(ei.value)
     assert "card 0 (furiosa:0)" in msg and "10.00 GiB" in msg and "more cards" in msg
-    plan = make_plan(m, REF_SHAPE, cards, FURIOSA, strict=False)
-    assert not plan.fits and "DOES NOT FIT" in plan.table()
+    plan = make_plan(PlanRequest(m, REF_SHAPE, cards, FURIOSA, strict=False))
+    assert not plan.fits and "DOES NOT FIT" in plan_table(plan)
 
 
 def test_host_ram_too_small():
     m = get_preset("llama-3.1-8b")
     with pytest.raises(PlacementError, match="host RAM"):
-        make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0,
-                  host_ram_bytes=32 * 2**30)
-    ok = make_plan(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0,
-                   host_ram_bytes=512 * 2**30)
+        make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0,
+                              host_ram_bytes=32 * 2**30))
+    ok = make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2), FURIOSA, resident_layers=0,
+                               host_ram_bytes=512 * 2**30))
     assert ok.host_bytes == 12 * m.total_params()
 
 
@@ -317,16 +318,16 @@ def test_host_ram_too_small():
 def test_resident_more_than_layers_is_error():
     m = get_preset("llama-3.1-8b")
     with pytest.raises(PlacementError, match=r"card 0 \(furiosa:0\) holds 16 layers"):
-        make_plan(m, REF_SHAPE, make_cards("furiosa", 2, 2**40), FURIOSA, resident_layers=17)
+        make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2, 2**40), FURIOSA, resident_layers=17))
     with pytest.raises(PlacementError, match=r"card 1 \(furiosa:1\)"):
-        make_plan(m, REF_SHAPE, make_cards("furiosa", 2, 2**40), FURIOSA, split=[30, 2],
-                  resident_layers=[2, 3])
+        make_plan(PlanRequest(m, REF_SHAPE, make_cards("furiosa", 2, 2**40), FURIOSA, split=[30, 2],
+                              resident_layers=[2, 3]))
 
 
 def test_more_cards_than_layers_is_error():
     with pytest.raises(PlacementError, match="more cards"):
-        make_plan(tiny(num_layers=2), RunShape(seq_len=16), make_cards("cpu", 3, 2**30),
-                  DEFAULT_RATES["cpu"])
+        make_plan(PlanRequest(tiny(num_layers=2), RunShape(seq_len=16), make_cards("cpu", 3, 2**30),
+                              DEFAULT_RATES["cpu"]))
 
 
 def test_bad_split_is_error():
@@ -334,16 +335,18 @@ def test_bad_split_is_error():
     cards = make_cards("cpu", 2, 2**40)
     for split in ([4, 3], [8, 0], [8]):
         with pytest.raises(PlacementError):
-            make_plan(m, RunShape(seq_len=16), cards, DEFAULT_RATES["cpu"], split=split)
+            make_plan(PlanRequest(m, RunShape(seq_len=16), cards, DEFAULT_RATES["cpu"], split=split))
 
 
 # ---------------------------------------------------------------- rates / cards / units
 def test_units_and_cards():
     assert gb(1e9) == 1.0 and gib(2**30) == 1.0
-    assert CardSpec("furiosa", 1, CAP).name == "furiosa:1"
-    assert CardSpec("cpu", None, 1).name == "cpu"
+    assert Card("furiosa", 1, CAP).name == "furiosa:1"
+    assert Card("cpu", None, 1).name == "cpu"
     with pytest.raises(ValueError):
-        CardSpec("tpu", 0, 1)
+        make_cards("tpu", 1, 1)
+    with pytest.raises(ValueError, match="card kind"):
+        make_plan(PlanRequest(tiny(), RunShape(seq_len=16), [Card("tpu", 0, 2**40)], DEFAULT_RATES["cpu"]))
     assert default_capacity("cuda") > 0 and default_capacity("cpu") > 0
     cpu = make_cards("cpu", 4)
     assert cpu[0].capacity_bytes == default_capacity("cpu") // 4 and cpu[3].name == "cpu:3"
@@ -354,9 +357,10 @@ def test_dry_run_needs_no_torch_and_is_fast():
         "import sys, time\n"
         "t = time.perf_counter()\n"
         "from npu_train.model.presets import get_preset\n"
+        "from npu_train.hardware import make_cards\n"
         "from npu_train.planner import *\n"
-        "p = make_plan(get_preset('llama-3.1-8b'), RunShape(512, 1, 4), make_cards('furiosa', 2),"
-        " load_rates('furiosa', '/nonexistent.json'))\n"
+        "p = make_plan(PlanRequest(get_preset('llama-3.1-8b'), RunShape(512, 1, 4), make_cards('furiosa', 2),"
+        " load_rates('furiosa', '/nonexistent.json')))\n"
         "text = format_plan(p)\n"
         "assert 'torch' not in sys.modules, 'the planner imported torch'\n"
         "print(time.perf_counter() - t)\n"
@@ -388,11 +392,11 @@ def test_per_card_rates_list():
     m = tiny()
     cards = make_cards("cpu", 2, 2**40)
     slow = Rates(1e9, 1e9, 1e9, 1e7)
-    plan = make_plan(m, RunShape(seq_len=32), cards, [DEFAULT_RATES["cpu"], slow],
-                     split=[4, 4], resident_layers=4)
+    plan = make_plan(PlanRequest(m, RunShape(seq_len=32), cards, [DEFAULT_RATES["cpu"], slow],
+                                 split=[4, 4], resident_layers=4))
     assert plan.stages[1].time["compute"] > plan.stages[0].time["compute"]
     with pytest.raises(ValueError):
-        make_plan(m, RunShape(seq_len=32), cards, [slow])
+        make_plan(PlanRequest(m, RunShape(seq_len=32), cards, [slow]))
 
 
 # ---------------------------------------------------------------- schedule facts
@@ -441,8 +445,8 @@ def test_plan_uses_the_profile_figures_of_its_thread_count(tmp_path):
     shape = RunShape(seq_len=S, micro_batch=b, micro_batches=M, dtype="fp32")
     cards = make_cards("cpu", 1, 2**40)
     rates = load_rates("cpu", _two_count_profile(tmp_path))
-    plans = {t: make_plan(m, shape, cards, rates, split=[8], resident_layers=8, threads=t,
-                          host_cores=8) for t in (1, 8)}
+    plans = {t: make_plan(PlanRequest(m, shape, cards, rates, split=[8], resident_layers=8, threads=t,
+                                      host_cores=8)) for t in (1, 8)}
     # one stage: step = M micro-batches x (8 layers + head) FLOPs / FLOP/s (no bubble, P = 1)
     tok = S * b
     layer = 6.0 * tok * m.params_per_layer() + 12.0 * S * tok * m.num_heads * m.head_dim
@@ -453,11 +457,11 @@ def test_plan_uses_the_profile_figures_of_its_thread_count(tmp_path):
         assert st.time["compute"] == pytest.approx(flops / f, rel=1e-12)
         assert st.time["device_optimizer"] == pytest.approx(params / a, rel=1e-12)
         assert plans[t].threads == t
-        assert f"threads: {t} torch thread(s) per card process" in plans[t].table()
+        assert f"threads: {t} torch thread(s) per card process" in plan_table(plans[t])
     c1, c8 = (plans[t].stages[0].time["compute"] for t in (1, 8))
     assert c1 / c8 == pytest.approx(F8 / F1, rel=1e-12)          # 7.5x longer with 1 thread
     # default: the cores divided among the cards (8 cores, 1 card -> 8 threads)
-    assert make_plan(m, shape, cards, rates, split=[8], host_cores=8).threads == 8
+    assert make_plan(PlanRequest(m, shape, cards, rates, split=[8], host_cores=8)).threads == 8
 
 
 def test_load_rates_threads_rule(tmp_path):
@@ -502,7 +506,7 @@ def test_threads_per_card_honours_affinity_and_cgroup_quota(monkeypatch):
     assert threads_per_card(0, 1) == 1
     # the planner's default uses the same rule
     m = tiny()
-    plan = make_plan(m, RunShape(seq_len=32), make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"])
+    plan = make_plan(PlanRequest(m, RunShape(seq_len=32), make_cards("cpu", 2, 2**40), DEFAULT_RATES["cpu"]))
     assert plan.threads == threads_per_card(0, 2) == 1 and plan.host_cores == 1
     with pytest.raises(ValueError):
         threads_per_card(-1, 1)

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.config import LlamaConfig
-from npu_train.planner import DEFAULT_RATES, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlanRequest, RunShape, make_plan
 from npu_train.planner.cost import CostModel
 
 GIB = 2 ** 30
@@ -41,7 +42,7 @@ def test_auto_finds_the_resident_counts_that_fit():
     none_res = min(pm.cost(i, 3, 0).mem["total"] for i in range(2))
     assert all_res < none_res
     cap = (all_res + none_res) / 2 / 0.95 / GIB  # every layer resident fits within the headroom, none does not
-    plan = make_plan(L32_6, SHAPE, make_cards("cpu", 2, int(cap * GIB)), DEFAULT_RATES["cpu"], split=[3, 3])
+    plan = make_plan(PlanRequest(L32_6, SHAPE, make_cards("cpu", 2, int(cap * GIB)), DEFAULT_RATES["cpu"], split=[3, 3]))
     assert plan.resident_counts == [3, 3]
     assert all(st.mem["total"] <= cap * GIB for st in plan.stages)
     assert _model(cap).max_resident(0, 3) == 3

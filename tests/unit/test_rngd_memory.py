@@ -11,8 +11,9 @@ import json
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import DEFAULT_RATES, PlacementError, RunShape, make_cards, make_plan
+from npu_train.planner import DEFAULT_RATES, PlacementError, PlanRequest, RunShape, make_plan, plan_table
 from npu_train.planner.memterms import (DEFAULT_MEMORY_TERMS, fit_memory_terms, load_memory_terms,
                                         save_memory_terms)
 
@@ -27,7 +28,7 @@ EMB = 128_256 * 4096        # one embedding matrix
 
 
 def plan(cards, resident, shape=FIELD, **kw):
-    return make_plan(M8B, shape, make_cards("furiosa", cards), FUR, resident_layers=resident, **kw)
+    return make_plan(PlanRequest(M8B, shape, make_cards("furiosa", cards), FUR, resident_layers=resident, **kw))
 
 
 # ---------------------------------------------------------------- the field record
@@ -65,8 +66,8 @@ def test_auto_on_two_cards_leaves_headroom_free_and_is_maximal(headroom):
         assert st.mem["total"] <= limit                       # >= headroom of the card stays free
         if len(st.resident) < st.num_layers:                  # one more resident layer would not
             more = [len(s.resident) + (s is st) for s in p.stages]
-            bigger = make_plan(M8B, FIELD, make_cards("furiosa", 2), FUR, split=p.split,
-                               resident_layers=more, strict=False)
+            bigger = make_plan(PlanRequest(M8B, FIELD, make_cards("furiosa", 2), FUR, split=p.split,
+                                           resident_layers=more, strict=False))
             assert bigger.stages[i].mem["total"] > limit
 
 
@@ -82,8 +83,8 @@ def test_auto_error_names_the_headroom():
     tight = plan(2, 0, strict=False).stages[0].mem["total"]
     cards = make_cards("furiosa", 2, int(tight / 0.97))       # fits at 0 % headroom, not at 5 %
     with pytest.raises(PlacementError, match=r"placement\.headroom=0\.05"):
-        make_plan(M8B, FIELD, cards, FUR, split=[16, 16])
-    ok = make_plan(M8B, FIELD, cards, FUR, split=[16, 16], headroom=0.0)
+        make_plan(PlanRequest(M8B, FIELD, cards, FUR, split=[16, 16]))
+    ok = make_plan(PlanRequest(M8B, FIELD, cards, FUR, split=[16, 16], headroom=0.0))
     assert ok.fits
 
 
@@ -94,7 +95,7 @@ def test_headroom_out_of_range():
 
 # ---------------------------------------------------------------- named sources, printed
 def test_plan_names_headroom_and_every_assumed_term():
-    text = plan(2, "auto").table()
+    text = plan_table(plan(2, "auto"))
     assert "headroom 5% of capacity kept free by auto (placement.headroom)" in text
     line = next(l for l in text.splitlines() if l.startswith("memory furiosa:"))
     assert "const 0.50 GiB (assumed)" in line
@@ -112,13 +113,13 @@ def test_memory_profile_overrides_defaults_and_says_measured(tmp_path):
     assert t.workspace_bytes == 2 * GIB and t.workspace_fraction == 0.0
     assert t.module_bytes == DEFAULT_MEMORY_TERMS["furiosa"].module_bytes        # not in the file
     assert t.sources["workspace_bytes"] == f"measured: {prof}"
-    p = make_plan(M8B, FIELD, make_cards("furiosa", 1), FUR, resident_layers=4, strict=False,
-                  memory_terms=[t])
+    p = make_plan(PlanRequest(M8B, FIELD, make_cards("furiosa", 1), FUR, resident_layers=4, strict=False,
+                              memory_terms=[t]))
     st = p.stages[0]
     body = sum(st.mem[k] for k in ("weights", "grads", "optimizer", "activations", "transient"))
     assert st.mem["workspace"] == 2 * GIB + 512 * 2**20                           # const + modules
     assert st.mem["total"] == body + st.mem["workspace"]
-    assert f"const 2.00 GiB (measured: {prof})" in p.table()
+    assert f"const 2.00 GiB (measured: {prof})" in plan_table(p)
 
 
 @pytest.mark.parametrize("bad", [{"workspace_fraction": 1.5}, {"module_bytes": -1},
@@ -175,7 +176,7 @@ def test_fp32_accumulators_cost_four_bytes_per_param():
     for sa, sb in zip(a.stages, b.stages):
         n = sa.mem["weights"] // 2                             # params of the stage (bf16 weights)
         assert sa.mem["grads"] == 2 * n and sb.mem["grads"] == 4 * n
-    assert "gradients: fp32 accumulators, 4 B/param" in b.table()
+    assert "gradients: fp32 accumulators, 4 B/param" in plan_table(b)
     # fp32 accumulation is the default; the field's 1 x 4 layout no longer fits one card then
     assert RunShape(seq_len=512).grad_accum == "fp32"
     with pytest.raises(PlacementError):

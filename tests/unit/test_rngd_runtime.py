@@ -13,6 +13,7 @@ from npu_train.backends.furiosa_compile import FuriosaCompileOptions
 from npu_train.config import Config, ConfigError, validate
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import StageModule
+from npu_train.planner import plan_table
 from npu_train.runtime.warmup import warm_up_stage
 
 GIB = 2**30
@@ -79,7 +80,7 @@ def test_dry_run_plan_carries_headroom_cache_dir_and_module_cache(tmp_path, monk
     assert all(st.mem["total"] <= 0.9 * st.card.capacity_bytes for st in plan.stages)
     assert all(st.mem["modules"] == 1024 * 2**20 for st in plan.stages)
     assert plan.compiler_cache_dir == str(tmp_path / "cache" / "furiosa" / "compiler")
-    text = plan.table()
+    text = plan_table(plan)
     assert "headroom 10% of capacity" in text
     assert f"compiler cache (runtime.furiosa.compiler_cache_dir): {plan.compiler_cache_dir}" in text
     assert "loaded-module cache 1024 x 1.0 MiB (configured" in text
@@ -93,7 +94,7 @@ def test_cpu_plan_names_no_compiler_cache(tmp_path):
 
     cfg = _cfg(**{"plan": True, "model.path": "smollm2-135m", "backend": ["cpu", "cpu"]})
     plan = prepare(cfg, str(tmp_path), probe=False).plan
-    assert plan.compiler_cache_dir == "" and "compiler cache" not in plan.table()
+    assert plan.compiler_cache_dir == "" and "compiler cache" not in plan_table(plan)
     assert all(st.mem["modules"] == 0 for st in plan.stages)
 
 

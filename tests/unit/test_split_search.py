@@ -11,10 +11,19 @@ import itertools
 
 import pytest
 
+from npu_train.hardware import make_cards
 from npu_train.model.config import LlamaConfig
 from npu_train.model.presets import get_preset
 from npu_train.pipeline.schedule import SCHEDULES, step_time
-from npu_train.planner import DEFAULT_RATES, PlacementError, RunShape, balanced_split, make_cards, make_plan
+from npu_train.planner import (
+    DEFAULT_RATES,
+    PlacementError,
+    PlanRequest,
+    RunShape,
+    balanced_split,
+    make_plan,
+    plan_table,
+)
 
 GIB = 2**30
 
@@ -30,7 +39,7 @@ def _brute(model, shape, cards, rates, resident):
     out = {}
     for sp in _splits(model.num_layers, len(cards)):
         try:
-            p = make_plan(model, shape, cards, rates, split=sp, resident_layers=resident, strict=False)
+            p = make_plan(PlanRequest(model, shape, cards, rates, split=sp, resident_layers=resident, strict=False))
         except PlacementError:  # resident count above a card's layers
             continue
         if p.fits:
@@ -42,9 +51,9 @@ def _check(model, shape, cards, rates, resident):
     feasible = _brute(model, shape, cards, rates, resident)
     if not feasible:
         with pytest.raises(PlacementError):
-            make_plan(model, shape, cards, rates, resident_layers=resident)
+            make_plan(PlanRequest(model, shape, cards, rates, resident_layers=resident))
         return None
-    plan = make_plan(model, shape, cards, rates, resident_layers=resident)
+    plan = make_plan(PlanRequest(model, shape, cards, rates, resident_layers=resident))
     best = min(feasible.values())
     got = tuple(plan.split)
     assert got in feasible, (got, resident)
@@ -119,8 +128,8 @@ def test_phase_is_the_schedules_timeline(schedule):
     M, P, S = 8, 3, 64
     shape = RunShape(seq_len=S, micro_batches=M, schedule=schedule)
     rates = DEFAULT_RATES["cpu"]
-    plan = make_plan(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
-                     resident_layers=0, threads=1, host_cores=8)
+    plan = make_plan(PlanRequest(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
+                                 resident_layers=0, threads=1, host_cores=8))
     tf, tb, tw, _ = _flop_times(m, S, plan.rates[0], (3, 2, 1))
     phase = step_time(schedule, P, M, tf, tb, tw)
     for st, f, b, w in zip(plan.stages, tf, tb, tw):
@@ -132,11 +141,11 @@ def test_plan_table_shows_the_schedules_bubble():
     m = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=176, num_layers=6, num_heads=4,
                     num_kv_heads=2, tie_word_embeddings=False, name="tiny")
     for schedule, unit in (("1f1b", 2 / 10), ("zb-h2", 2 / 26)):  # (P-1)/(M+P-1), (P-1)/(3M+P-1)
-        plan = make_plan(m, RunShape(seq_len=64, micro_batches=8, schedule=schedule), make_cards("cpu", 3, 2**40),
-                         DEFAULT_RATES["cpu"], split=[2, 2, 2], resident_layers=0, threads=1, host_cores=8)
+        plan = make_plan(PlanRequest(m, RunShape(seq_len=64, micro_batches=8, schedule=schedule), make_cards("cpu", 3, 2**40),
+                                     DEFAULT_RATES["cpu"], split=[2, 2, 2], resident_layers=0, threads=1, host_cores=8))
         phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
         idle = sum(st.time["bubble"] for st in plan.stages) / (3 * phase)
-        line = next(l for l in plan.table().splitlines() if l.startswith(f"schedule {schedule}:"))
+        line = next(l for l in plan_table(plan).splitlines() if l.startswith(f"schedule {schedule}:"))
         assert f"bubble {idle * 100:.1f} % of it" in line
         assert f"equal unit F/B/W times: {unit * 100:.1f} %" in line
 
@@ -149,10 +158,10 @@ def test_split_backward_memory_counts_pending_weight_gradients():
                     num_kv_heads=2, tie_word_embeddings=False, name="tiny")
     S, M, P = 64, 8, 3
     cards = make_cards("cpu", P, 2**40)
-    h2 = make_plan(m, RunShape(seq_len=S, micro_batches=M, schedule="zb-h2", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
-                   split=[2, 2, 2], resident_layers=0)
-    gp = make_plan(m, RunShape(seq_len=S, micro_batches=M, schedule="gpipe", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
-                   split=[2, 2, 2], resident_layers=0)  # gpipe holds all M = 8 micro-batches, no B/W split
+    h2 = make_plan(PlanRequest(m, RunShape(seq_len=S, micro_batches=M, schedule="zb-h2", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
+                               split=[2, 2, 2], resident_layers=0))
+    gp = make_plan(PlanRequest(m, RunShape(seq_len=S, micro_batches=M, schedule="gpipe", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
+                               split=[2, 2, 2], resident_layers=0))  # gpipe holds all M = 8 micro-batches, no B/W split
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
     per_layer = S * 4 * (q + 2 * kv + 2 * m.hidden_size + 2 * m.intermediate_size)  # fp32
     for s, (a, g) in enumerate(zip(h2.stages, gp.stages)):
@@ -177,8 +186,8 @@ def test_split_backward_ratio_stretches_the_splitting_stages(schedule):
     M, P, S, r = 8, 3, 64, 1.2
     shape = RunShape(seq_len=S, micro_batches=M, schedule=schedule)
     rates = dataclasses.replace(DEFAULT_RATES["cpu"], split_backward_ratio=r)
-    plan = make_plan(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
-                     resident_layers=0, threads=1, host_cores=8)
+    plan = make_plan(PlanRequest(m, shape, make_cards("cpu", P, 2**40), rates, split=[3, 2, 1],
+                                 resident_layers=0, threads=1, host_cores=8))
     rt = plan.rates[0]
     split = schedule in SPLIT_BACKWARD
     _, _, _, (lf, lb, lw) = _flop_times(m, S, rt, (3, 2, 1))
@@ -191,6 +200,6 @@ def test_split_backward_ratio_stretches_the_splitting_stages(schedule):
     if split:  # the layers of stage 1 cost r x F + backward, the first stage's do not
         n1 = 2 * (lf + lb + lw) / rt.device_flops
         assert M * (tf[1] + tb[1] + tw[1]) == pytest.approx(M * r * n1, rel=1e-12)
-        assert "split backward x1.2" in plan.table()
+        assert "split backward x1.2" in plan_table(plan)
     else:
-        assert "split backward" not in plan.table()
+        assert "split backward" not in plan_table(plan)

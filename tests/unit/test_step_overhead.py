@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
-from npu_train.planner import RunShape, make_cards
+from npu_train.planner import RunShape
 from npu_train.planner.memory import MemoryModel
 
 

@@ -2,7 +2,7 @@
 
 from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
 from npu_train.backends.registry import make_backend
-from npu_train.backends.spec import BackendSpecError, CardRequest, parse_backend_list, resolve_cards
+from npu_train.backends.spec import BackendSpecError, parse_backend_list, resolve_cards
 from npu_train.hardware import FURIOSA_CAPACITY_BYTES
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "Backend",
     "BackendSpecError",
     "BackendUnavailableError",
-    "CardRequest",
     "FURIOSA_CAPACITY_BYTES",
     "make_backend",
     "parse_backend_list",

@@ -1,34 +1,19 @@
 """The ``backend`` list: which cards a job runs on. Entries (case-insensitive): ``cpu``, ``cuda[:auto]`` /
 ``cuda:N``, ``furiosa[:auto]`` / ``furiosa:N`` (alias ``rngd``); :func:`parse_backend_list` checks
-syntax, :func:`resolve_cards` numbers auto entries and (``probe``) checks the devices exist.
+syntax, :func:`resolve_cards` numbers auto entries and (``probe``) checks the devices exist. Main type: :class:`~npu_train.hardware.Card`.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from npu_train.backends.base import BackendSpecError, BackendUnavailableError
-from npu_train.hardware import KINDS
+from npu_train.hardware import KINDS, Card, nominal_capacity
+
 ALIASES = {"rngd": "furiosa", "gpu": None}  # None: recognised but refused with a hint
 _VALID = "use cpu, cuda:N, cuda:auto, furiosa:N or furiosa:auto"
 _ENTRY_RE = re.compile(r"^(?P<kind>[A-Za-z_][A-Za-z0-9_]*)(?::(?P<arg>.*))?$")
-
-
-@dataclass(frozen=True)
-class CardRequest:
-    """One backend-list entry: ``kind`` (``"cpu"``/``"cuda"``/``"furiosa"``), ``index`` (None = auto; always
-    None for cpu), ``text`` (as written, for messages)."""
-
-    kind: str
-    index: int | None
-    text: str
-
-    @property
-    def name(self) -> str:
-        return self.kind if self.index is None and self.kind == "cpu" else (
-            f"{self.kind}:{'auto' if self.index is None else self.index}")
 
 
 def _as_entries(value) -> list[str]:
@@ -60,7 +45,7 @@ def _as_entries(value) -> list[str]:
     return entries
 
 
-def _parse_entry(text: str) -> CardRequest:
+def _parse_entry(text: str) -> Card:
     m = _ENTRY_RE.match(text)
     if not m:
         raise BackendSpecError(f"backend entry {text!r} is malformed: {_VALID}")
@@ -75,17 +60,17 @@ def _parse_entry(text: str) -> CardRequest:
         if arg is not None:
             raise BackendSpecError(f"backend entry {text!r} is malformed: cpu takes no index "
                                    f"(repeat 'cpu' once per CPU stage, e.g. cpu,cpu); {_VALID}")
-        return CardRequest("cpu", None, text)
+        return Card("cpu", None, text=text)
     if arg is None or arg.strip().lower() == "auto":
-        return CardRequest(kind, None, text)
+        return Card(kind, None, text=text)
     arg = arg.strip()
     if not arg.isdigit():  # rejects '', 'x', '-1', '+1', '1.0'
         hint = " (device indices start at 0)" if arg.startswith("-") else ""
         raise BackendSpecError(f"backend entry {text!r} is malformed{hint}: {_VALID}")
-    return CardRequest(kind, int(arg), text)
+    return Card(kind, int(arg), text=text)
 
 
-def parse_backend_list(value) -> list[CardRequest]:
+def parse_backend_list(value) -> list[Card]:
     """Parse the backend list (list, ListConfig or ``"a,b,c"``). Raises BackendSpecError for an empty list, an
     unknown kind, a malformed entry or a device named twice."""
     reqs = [_parse_entry(e) for e in _as_entries(value)]
@@ -137,7 +122,7 @@ _COUNTERS = {"cuda": _cuda_device_count, "furiosa": _furiosa_device_count}
 _LABEL = {"cuda": "CUDA", "furiosa": "RNGD"}
 
 
-def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> list[CardRequest]:
+def resolve_cards(requests: Sequence[Card], *, probe: bool = True) -> list[Card]:
     """Give each auto entry the lowest free index of its kind; ``probe``: check devices exist
     (BackendUnavailableError without a runtime, BackendSpecError for an index out of range)."""
     reqs = list(requests)
@@ -160,7 +145,7 @@ def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> lis
             if r.kind != "cpu" and r.kind not in counts:
                 counts[r.kind] = _COUNTERS[r.kind](r.text)
 
-    out: list[CardRequest] = []
+    out: list[Card] = []
     for r in reqs:
         if r.kind == "cpu":
             out.append(r)
@@ -179,7 +164,7 @@ def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> lis
                     f"device{'s' if n != 1 else ''} and all are taken (already used: {named}); "
                     f"remove entries or add cards")
             used.add(idx)
-            out.append(replace(r, index=idx))
+            out.append(Card(r.kind, idx, r.capacity_bytes, text=r.text))  # named after its index
         else:
             if probe and r.index >= counts[r.kind]:
                 n = counts[r.kind]
@@ -189,3 +174,19 @@ def resolve_cards(requests: Sequence[CardRequest], *, probe: bool = True) -> lis
                     f"{n} {label} device{'s' if n != 1 else ''}{valid}")
             out.append(r)
     return out
+
+
+def default_capacity(kind: str, index: int | None = None) -> int:
+    """Usable memory of one card of ``kind``, bytes: for ``cuda`` the device's
+    ``torch.cuda.get_device_properties(index or 0).total_memory`` when CUDA is available, else
+    :func:`npu_train.hardware.nominal_capacity` (cuda 80 GiB assumed, furiosa 47.5 GiB, cpu the whole
+    host RAM: dividing it among cpu cards is the caller's job). Raises ``ValueError`` for an unknown kind."""
+    if kind == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                return int(torch.cuda.get_device_properties(index or 0).total_memory)
+        except Exception:  # pragma: no cover - torch without CUDA support
+            pass
+    return nominal_capacity(kind)

@@ -1,9 +1,6 @@
-"""Figures fitted from the job's own finished runs: each run's ``metrics.jsonl`` + ``plan.json``
-give per card kind a training FLOP/s, an AdamW rate and the process baseline that keeps the
-plan's memory an upper bound (:func:`run_figures`); :func:`record_run` appends them to
-``$NPT_CACHE/fitted/<kind>-<threads>t-<dtype>.json`` and :func:`fitted_figures` combines the last
-:data:`KEEP_RUNS` runs (:func:`~npu_train.planner.rates.load_rates` applies them). Pure (no torch).
-"""
+"""Figures fitted from the job's own finished runs (``plan.json`` + ``metrics.jsonl``): per card kind a
+training FLOP/s, an AdamW rate and a cpu process baseline (:func:`run_figures`), kept in
+``$NPT_CACHE/fitted/`` (:func:`record_run`) and combined by :func:`fitted_figures`; start at :func:`refit_from_run`."""
 from __future__ import annotations
 
 import json
@@ -28,26 +25,19 @@ FORMAT_VERSION = 1
 
 @dataclass
 class RunFigures:
-    """What one run measured for one card kind (``None``: not measurable in that run).
-
-    Attributes:
-        device_flops: FLOP/s = the plan's FLOPs per step of a stage (its compute seconds x the
-            FLOP/s it was planned with) / the measured compute seconds; median over stages and
-            steady steps (the first step of the launch is skipped).
-        adamw_params_per_s: AdamW params/s of one process before the cpu core share
-            (:class:`~npu_train.planner.cost.CostModel` multiplies by it): the plan's optimizer
-            params per step / measured optimizer seconds of the step's slowest card.
-        process_baseline_bytes: the baseline under which every stage's plan would have covered its
-            measured peak (cpu only): planned baseline + max(measured peak - planned total).
-    """
+    """What one run measured for one card kind (``None``: not measurable in that run)."""
 
     kind: str
     threads: int
     dtype: str
     model: str
     steps: int
+    #: the plan's FLOPs per step of a stage / its measured compute seconds, median over stages and steady steps
     device_flops: Optional[float] = None
+    #: the plan's optimizer params per step / measured optimizer seconds of the slowest card, before the cpu
+    #: core share (CostModel multiplies by it)
     adamw_params_per_s: Optional[float] = None
+    #: cpu: the baseline under which every stage's plan would have covered its measured peak
     process_baseline_bytes: Optional[float] = None
     run_dir: str = ""
     time: float = 0.0
@@ -55,8 +45,8 @@ class RunFigures:
 
 @dataclass
 class Fitted:
-    """Figures combined over the newest :data:`KEEP_RUNS` runs: FLOP/s and AdamW the median, the
-    baseline the maximum (an upper bound); ``*_runs``: how many runs each figure comes from."""
+    """Figures over the newest :data:`KEEP_RUNS` runs (median FLOP/s and AdamW, maximum baseline) and
+    how many runs each comes from."""
 
     device_flops: Optional[float] = None
     flops_runs: int = 0
@@ -71,23 +61,21 @@ def _kind(card: str) -> str:
 
 
 def _launch_records(plan_doc: dict, records: Sequence[dict]) -> list[dict]:
-    """This launch's step records (those predicted with this plan's step time), not skipped."""
     want = float(plan_doc["step_time_s"])
     return [r for r in records if not r.get("skipped") and "step_s_pred" in r
             and math.isclose(float(r["step_s_pred"]), want, rel_tol=1e-9)]
 
 
 def _cpu_share(plan_doc: dict) -> float:
-    """The core share cost.py gives each cpu card's optimizer: min(1, cores / (cpu cards x threads))."""
+    """min(1, cores / (cpu cards x threads)), as :class:`~npu_train.planner.cost.CostModel` gives it."""
     n_cpu = int(plan_doc.get("dp", 1)) * sum(1 for st in plan_doc["stages"] if _kind(st["card"]) == "cpu")
     threads, cores = max(1, int(plan_doc["threads"])), max(1, int(plan_doc["host_cores"]))
     return min(1.0, cores / (n_cpu * threads)) if n_cpu else 1.0
 
 
 def _optimizer_params(st: dict, rt) -> Optional[float]:
-    """Params per step behind stage ``st``'s planned optimizer seconds, when its measured optimizer
-    seconds are AdamW at one rate: cpu cards (host = card AdamW, device rate 0), or an accelerator
-    stage with only host updates; never with a hidden (overlapped) host update."""
+    """Params per step behind a stage's planned optimizer seconds when its measured optimizer seconds
+    are AdamW at one rate (cpu cards, or host updates only, never hidden by the overlap); else ``None``."""
     t = st["time"]
     if t.get("host_hidden", 0.0) > 0:
         return None
@@ -100,14 +88,8 @@ def _optimizer_params(st: dict, rt) -> Optional[float]:
 
 
 def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> list[RunFigures]:
-    """Per card kind, the figures one run measured (:class:`RunFigures`).
-
-    Args:
-        plan_doc: the run's ``plan.json`` (:meth:`~npu_train.planner.plan.Plan.to_dict`).
-        records: its ``metrics.jsonl`` lines (dicts).
-        rates: the :class:`~npu_train.planner.rates.Rates` the plan used, one per stage
-            (``Plan.rates``: resolved, AdamW already times the cpu share).
-    """
+    """Per card kind, the figures one run measured: ``plan_doc`` its ``plan.json``, ``records`` its
+    ``metrics.jsonl`` lines, ``rates`` the plan's per-stage :class:`~npu_train.planner.rates.Rates`."""
     stages, P = plan_doc["stages"], len(plan_doc["stages"])
     recs = _launch_records(plan_doc, records)
     steady = recs[1:]
@@ -162,8 +144,8 @@ def read_runs(path: Path) -> list[dict]:
 
 
 def record_run(fig: RunFigures, root: Optional[Path] = None) -> Path:
-    """Append ``fig`` to its kind's file (the newest :data:`KEEP_RUNS` runs are kept); atomic. A
-    broken file is replaced (one warning line on stderr)."""
+    """Append ``fig`` to its kind's file, keeping the newest :data:`KEEP_RUNS`; atomic; a broken file is
+    replaced (one warning line)."""
     path = fitted_path(fig.kind, fig.threads, fig.dtype, root)
     try:
         runs = read_runs(path)
@@ -189,8 +171,7 @@ def _positive(runs: list[dict], key: str) -> list[float]:
 
 
 def fitted_figures(runs: Sequence[dict]) -> Fitted:
-    """Combine run entries (oldest first) over the newest :data:`KEEP_RUNS`: median FLOP/s and
-    AdamW rate, maximum process baseline."""
+    """Combine run entries over the newest :data:`KEEP_RUNS`."""
     runs = sorted(runs, key=lambda r: float(r.get("time", 0.0)))[-KEEP_RUNS:]
     f, a, b = (_positive(runs, k) for k in ("device_flops", "adamw_params_per_s", "process_baseline_bytes"))
     return Fitted(device_flops=median(f) if f else None, flops_runs=len(f),
@@ -199,8 +180,8 @@ def fitted_figures(runs: Sequence[dict]) -> Fitted:
 
 
 def refit_from_run(run_dir: str, rates: Sequence) -> None:
-    """At the end of a run: read ``run_dir``'s ``plan.json`` + ``metrics.jsonl`` and record its
-    figures (``rates``: ``Plan.rates``). Never raises: a problem is one warning line on stderr."""
+    """At the end of a run: record the figures of ``run_dir`` (``rates``: ``Plan.rates``). Never raises: a
+    problem is one warning line."""
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             plan_doc = json.load(f)

@@ -1,34 +1,6 @@
-"""The memory model's per-kind constants (:class:`MemoryTerms`): which are measured, which assumed.
-
-``workspace = workspace_bytes + workspace_fraction * body + loaded_modules * module_bytes``, where
-body = weights + grads + optimizer + activations + transient (:mod:`npu_train.planner.memory`).
-
-Defaults (:data:`DEFAULT_MEMORY_TERMS`) and their sources:
-
-- ``cpu``: constant 0 (``Rates.process_baseline_bytes``, measured by ``calibrate``, covers the
-  process), fraction 0.12 = glibc allocator slack, *measured* with ``mallinfo2`` on SmolLM2-135M
-  stages (free-but-resident heap at the RSS peak 6-17 % of the live bytes). No module cache.
-- ``cuda``: constant 1 GiB (CUDA context + cuBLAS workspace) and 5 %: *assumed*.
-- ``furiosa``: *fitted to the field record* of the predecessor on RNGD (Llama-3.1-8B, S=512,
-  micro-batch 1, accumulation 4, gradients accumulated in bf16; issue 12): one card with 4 resident
-  layers ran 25 steps three times, so its peak was at most the 47.5 GiB usable. The model's
-  weights + grads + optimizer there are 39.67 GiB and its activations + transient 5.29 GiB
-  (activations with eager attention: furiosa-torch 2026.4 decomposes
-  ``scaled_dot_product_attention`` into ``_scaled_dot_product_attention_math``, which saves the
-  probabilities, ``_db/decomp_rules_db.py``), which leaves at most 2.54 GiB for the runtime. The
-  earlier assumed 1 GiB + 5 % (3.25 GiB) predicted 48.2 GiB for a layout that ran. Now: constant
-  0.5 GiB (runtime buffers, *assumed*), fraction 2 % (allocator slack, *fitted*: the largest round
-  figure that keeps the field's 1 x 4 layout inside the card with the module cache below), and
-  the loaded-module cache ``512 x 1 MiB`` (both *assumed*: furiosa-torch keeps one loaded module
-  per distinct eager op and shape, ``_backend/aten.py::_compile_and_load``; a step of one stage
-  has a few hundred; the card process sets the cache to ``loaded_modules`` entries). 1 x 4 then
-  predicts 46.85 GiB.
-
-A calibration profile (``<cache>/calibration/<kind>.json``, :func:`npu_train.planner.rates.calibration_path`)
-may carry a ``"memory"`` object with any of the four fields, written by :func:`fit_memory_terms` /
-:func:`save_memory_terms` from measured peaks (``experiments/rngd-runbook.md``, step
-"Memory calibration"); :func:`load_memory_terms` reads it and marks those figures measured.
-"""
+"""The memory model's per-kind constants (:class:`MemoryTerms`: workspace constant and fraction,
+loaded-module cache) with the source of each (:data:`DEFAULT_MEMORY_TERMS`; measured, fitted, assumed:
+``docs/planner.md``, section 1), and the ``"memory"`` object of a calibration profile that overrides them."""
 from __future__ import annotations
 
 import json
@@ -51,22 +23,14 @@ MEMORY_FIELDS = ("workspace_bytes", "workspace_fraction", "module_bytes", "loade
 
 @dataclass(frozen=True)
 class MemoryTerms:
-    """Per-kind constants of the memory model.
+    """Per-kind constants of the memory model: ``workspace = workspace_bytes + workspace_fraction * body +
+    loaded_modules * module_bytes`` (body = weights + grads + optimizer + activations + transient)."""
 
-    Attributes:
-        workspace_bytes: runtime / library buffers per card, bytes.
-        workspace_fraction: allocator slack and unmodelled temporaries, fraction of the body.
-        module_bytes: card memory of one loaded compiled module, bytes (furiosa eager cache).
-        loaded_modules: loaded-module cache entries the card process keeps (0: no such cache).
-        sources: field -> where the figure comes from (``"assumed"``, ``"fitted: ..."``,
-            ``"measured: <profile>"``), printed by the plan.
-    """
-
-    workspace_bytes: float
-    workspace_fraction: float
-    module_bytes: float = 0.0
-    loaded_modules: int = 0
-    sources: dict = field(default_factory=dict)
+    workspace_bytes: float  # runtime / library buffers per card, bytes
+    workspace_fraction: float  # allocator slack and unmodelled temporaries, fraction of the body
+    module_bytes: float = 0.0  # card memory of one loaded compiled module, bytes (furiosa eager cache)
+    loaded_modules: int = 0  # loaded-module cache entries the card process keeps (0: no such cache)
+    sources: dict = field(default_factory=dict)  # field -> "assumed" / "fitted: ..." / "measured: <profile>"
 
     @property
     def modules_bytes(self) -> int:
@@ -74,11 +38,11 @@ class MemoryTerms:
         return int(self.loaded_modules * self.module_bytes)
 
     def workspace(self, body: float) -> int:
-        """``workspace_bytes + workspace_fraction * body + modules_bytes`` (bytes)."""
+        """``workspace_bytes + workspace_fraction * body + modules_bytes``, bytes."""
         return int(self.workspace_bytes + self.workspace_fraction * body + self.modules_bytes)
 
     def describe(self) -> str:
-        """One line: each figure with its source, e.g. for the plan's assumptions."""
+        """One line: each figure with its source, for the plan."""
         parts = [f"const {self.workspace_bytes / GIB:.2f} GiB ({self.sources.get('workspace_bytes', 'assumed')})",
                  f"{self.workspace_fraction * 100:.0f}% of the rest "
                  f"({self.sources.get('workspace_fraction', 'assumed')})"]
@@ -108,19 +72,10 @@ def _bad(path: Path, what: str) -> PlacementError:
 
 def load_memory_terms(kind: str, profile_path: Union[str, os.PathLike, None] = None,
                       loaded_modules: Optional[int] = None) -> MemoryTerms:
-    """:data:`DEFAULT_MEMORY_TERMS` of ``kind``, overridden by the profile's ``"memory"`` object.
-
-    Args:
-        kind: card kind.
-        profile_path: the profile; ``None``: ``calibration_path(kind)``. A missing file or one
-            without ``"memory"`` gives the defaults.
-        loaded_modules: a configured loaded-module cache size (``runtime.furiosa.loaded_modules``)
-            that replaces the default / profile figure (source: ``"configured"``).
-
-    Raises:
-        PlacementError: a malformed ``"memory"`` object (not an object, a negative or non-finite
-            number, a fraction >= 1).
-    """
+    """:data:`DEFAULT_MEMORY_TERMS` of ``kind``, overridden by the ``"memory"`` object of the profile at
+    ``profile_path`` (``None``: ``calibration_path(kind)``; missing: the defaults) and by a configured
+    ``loaded_modules`` (``runtime.furiosa.loaded_modules``). Raises ``PlacementError`` for a malformed
+    ``"memory"`` object (not an object, a negative or non-finite number, a fraction >= 1)."""
     from npu_train.planner.rates import calibration_path
 
     terms = DEFAULT_MEMORY_TERMS[kind]
@@ -153,23 +108,9 @@ def load_memory_terms(kind: str, profile_path: Union[str, os.PathLike, None] = N
 
 
 def fit_memory_terms(samples: Sequence[tuple[float, float]], base: MemoryTerms) -> MemoryTerms:
-    """Fit ``workspace_bytes`` and ``workspace_fraction`` to measured peaks.
-
-    Args:
-        samples: ``(body_bytes, measured_peak_bytes)`` per card and layout: the plan's
-            weights + grads + optimizer + activations + transient of that card, and the peak the
-            card process reported (``summary.json`` ``peak_mem_bytes``, the backend's accounting,
-            plus the loaded-module cache the runtime reports).
-        base: the terms to start from (module cache figures are kept).
-
-    Returns:
-        ``base`` with the least-squares line ``peak - modules = c + f * body`` (two or more
-        distinct bodies; ``c`` and ``f`` clamped at >= 0), or with one sample only the constant
-        ``c = peak - modules - f * body`` at ``base``'s fraction. Sources say "measured".
-
-    Raises:
-        ValueError: no samples.
-    """
+    """``base`` with ``workspace_bytes`` and ``workspace_fraction`` fitted to ``samples`` = (body bytes,
+    measured peak bytes) per card: the least-squares line ``peak - modules = c + f * body`` (two or more
+    distinct bodies; ``c, f >= 0``), else the constant at ``base``'s fraction. Raises ``ValueError`` for no samples."""
     if not samples:
         raise ValueError("fit_memory_terms needs at least one (body, peak) sample")
     mods = base.modules_bytes
@@ -193,9 +134,8 @@ def fit_memory_terms(samples: Sequence[tuple[float, float]], base: MemoryTerms) 
 
 def save_memory_terms(kind: str, terms: MemoryTerms, samples: Sequence[dict],
                       path: Union[str, os.PathLike, None] = None) -> Path:
-    """Write ``terms`` as the ``"memory"`` object of ``kind``'s calibration profile, keeping the
-    rest of the file (rates); ``samples`` (dicts: layout, body/peak bytes) are stored beside it
-    for the record. Atomic (temp file + rename); creates the directory. Returns the path."""
+    """Write ``terms`` (and the ``samples`` behind them) as the ``"memory"`` object of ``kind``'s calibration
+    profile, keeping its rates; atomic. Returns the path."""
     from npu_train.planner.rates import calibration_path
 
     path = Path(path) if path is not None else calibration_path(kind)

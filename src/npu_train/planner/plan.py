@@ -1,43 +1,37 @@
-"""The planner's result: :class:`Plan` (one :class:`StagePlan` per card, pipeline order)."""
+"""The planner's result: :class:`Plan`, one :class:`StagePlan` per card in pipeline order (data only;
+:func:`~npu_train.planner.table.plan_table` renders it)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
+from npu_train.planner.memory import MEMORY_TERMS
 from npu_train.planner.rates import Rates
-from npu_train.planner.spec import CardSpec, RunShape
+from npu_train.planner.spec import RunShape
 
 __all__ = ["MEM_KEYS", "TIME_KEYS", "StagePlan", "Plan"]
 
-MEM_KEYS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace",
-            "total")
+MEM_KEYS = MEMORY_TERMS + ("total",)
 TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "dp_comm", "total")
 
 
 @dataclass
 class StagePlan:
-    """One card's share of the model and its predicted cost.
+    """One card's share of the model and its predicted memory (bytes) and time (seconds per step)."""
 
-    ``mem`` (bytes) has keys baseline, weights, grads, optimizer, activations, transient,
-    workspace, total (:mod:`npu_train.planner.memory`); ``time`` (seconds per optimizer step) has
-    keys compute, bubble, host_optimizer, device_optimizer, transfer, dp_comm (data-parallel gradient
-    all-reduce + ZeRO-1 weight broadcast), total (:mod:`npu_train.planner.cost`); ``host_bytes`` is the host RAM for the stage's offloaded fp32
-    master + AdamW moments (0 on a cpu card, where that state is part of ``mem``);
-    ``in_flight`` the micro-batches whose activations the stage holds at peak.
-    """
-
-    card: CardSpec
+    card: Card
     first_layer: int
-    last_layer: int
+    last_layer: int  # exclusive
     has_embed: bool
     has_head: bool
-    resident: list[int]
+    resident: list[int]  # global layer indices
     offloaded: list[int]
-    mem: dict[str, int]
-    time: dict[str, float]
-    host_bytes: int
-    in_flight: int = 0
+    mem: dict[str, int]  # bytes per MEM_KEYS key
+    time: dict[str, float]  # seconds per step per TIME_KEYS key (+ host_hidden)
+    host_bytes: int  # host RAM of the offloaded master + moments (0 on a cpu card: part of mem)
+    in_flight: int = 0  # micro-batches whose activations the stage holds at peak
     nonlayer_resident: bool = False
 
     @property
@@ -61,19 +55,9 @@ class StagePlan:
 
 @dataclass
 class Plan:
-    """A full placement: one :class:`StagePlan` per card of one pipeline, in pipeline order, for
-    ``dp`` data-parallel replicas of that pipeline (``zero``: 1 = ZeRO-1 optimizer-state sharding).
-    Memory and time are per card (every replica's card ``i`` is like ``stages[i]``);
-    ``tokens_per_step`` counts all replicas and ``host_bytes`` is per pipeline
-    (:attr:`host_bytes_all`: all replicas).
-
-    ``rates`` are the flat per-card rates the prediction used (resolved for ``threads`` and the
-    compute dtype); ``threads`` the torch threads of every card process and ``host_cores`` the
-    cores they share (:mod:`npu_train.planner.threads`); ``headroom`` the fraction of capacity the
-    ``auto`` choice keeps free; ``memory_terms`` the per-card
-    :class:`~npu_train.planner.memterms.MemoryTerms` (workspace, loaded-module cache, sources);
-    ``compiler_cache_dir`` where RNGD card processes keep compiled graphs ("" when not set).
-    """
+    """A placement for one pipeline of ``dp`` data-parallel replicas (``zero=1``: ZeRO-1). Memory and time
+    are per card (every replica's card ``i`` is like ``stages[i]``); ``tokens_per_step`` counts all replicas,
+    ``host_bytes`` one pipeline (:attr:`host_bytes_all`: all)."""
 
     model: LlamaConfig
     shape: RunShape
@@ -81,13 +65,13 @@ class Plan:
     step_time_s: float
     tokens_per_step: int
     fits: bool
-    rates: list[Rates] = field(default_factory=list)
+    rates: list[Rates] = field(default_factory=list)  # per card, resolved for threads and the dtype
     host_ram_bytes: Optional[int] = None
-    threads: int = 0
-    host_cores: int = 0
-    headroom: float = 0.0
-    memory_terms: list = field(default_factory=list)
-    compiler_cache_dir: str = ""
+    threads: int = 0  # torch threads of every card process
+    host_cores: int = 0  # the cores they share
+    headroom: float = 0.0  # fraction of capacity the auto choice keeps free
+    memory_terms: list = field(default_factory=list)  # per card MemoryTerms
+    compiler_cache_dir: str = ""  # where RNGD card processes keep compiled graphs ("": not set)
     dp: int = 1
     zero: int = 0
 
@@ -109,11 +93,11 @@ class Plan:
 
     @property
     def host_bytes_all(self) -> int:
-        """Host RAM of the offloaded optimizer state of all ``dp`` replicas (one node: all of it)."""
+        """Host RAM of the offloaded optimizer state of all ``dp`` replicas."""
         return self.dp * self.host_bytes
 
     def to_dict(self) -> dict:
-        """JSON-friendly summary (for run directories and ``--dry-run --json``)."""
+        """JSON-friendly summary (``plan.json`` in the run directory, read back by :mod:`npu_train.planner.fit`)."""
         return {
             "model": self.model.name,
             "shape": asdict(self.shape),
@@ -141,10 +125,3 @@ class Plan:
                 for st in self.stages
             ],
         }
-
-    def table(self, width: int = 180) -> str:
-        """Per-card text table (GiB and seconds) under a header naming the threads per card
-        process, with a totals line and predicted tokens/s (:func:`npu_train.planner.report.plan_table`)."""
-        from npu_train.planner.report import plan_table
-
-        return plan_table(self, width=width)

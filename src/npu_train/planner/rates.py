@@ -1,18 +1,7 @@
-"""Throughput figures of a card kind (:class:`Rates`) and where they come from, in precedence order:
-an explicit ``placement.profile=<file>``; figures fitted from this job's finished runs
-(:func:`apply_fitted`, :mod:`npu_train.planner.fit`, labelled ``fitted from N runs``); the
-calibration profile ``calibrate=true`` writes (``<cache>/calibration/<kind>.json``,
-:func:`calibration_path`, labelled ``measured``); the ``assumed`` defaults (:data:`DEFAULT_RATES`).
-:func:`load_rates` combines them.
-
-Thread counts: a profile holds the figures measured at ``threads`` and at other counts in
-``by_threads``; :meth:`Rates.resolve` takes the run's count, else the nearest measured count with
-the compute-bound figures (:data:`THREAD_SCALED`) scaled linearly (optimistic above the largest
-count, conservative below the smallest), else (no count known) the figures unchanged.
-
-Shapes: FLOP/s, head and split-backward ratios describe the model shapes they were timed on
-(``shapes``, :func:`shape_signature`; ``""``: unknown, fits any job).
-"""
+"""Throughput figures of a card kind (:class:`Rates`) and where they come from: an explicit
+``placement.profile``, figures fitted from finished runs (:func:`apply_fitted`), the ``calibrate=true``
+profile (:func:`calibration_path`), the assumed :data:`DEFAULT_RATES`; :func:`load_rates` combines them.
+The thread and shape rules: ``docs/planner.md``, section 3."""
 from __future__ import annotations
 
 import json
@@ -36,7 +25,7 @@ RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adam
                 "dp_bytes_per_s", "split_backward_ratio")
 #: Fields that may be 0 (0 has a meaning: "same as host" / "no baseline").
 RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
-#: Compute-bound fields scaled linearly with the thread count (rule 2 of the module docstring).
+#: Compute-bound fields scaled linearly with the thread count (:meth:`Rates.resolve`).
 THREAD_SCALED = ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
 #: Fields labelled with the processes that ran at once when measured (``concurrent`` > 1).
 CONCURRENT_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
@@ -45,70 +34,31 @@ CONCURRENT_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host
 
 @dataclass
 class Rates:
-    """Throughput figures of one card kind (and its host), used for step-time prediction, plus the
-    card process's memory baseline.
+    """Throughput figures of one card kind and its host, for the step time, plus the card process's
+    memory baseline (bytes); :meth:`resolve` gives the flat figures for one thread count and dtype."""
 
-    Attributes:
-        device_flops: sustained training FLOP/s of one card (forward + backward of decoder layers
-            in the compute dtype; nominal * assumed utilization when not calibrated).
-        h2d_bytes_per_s: host -> card copy bandwidth, B/s.
-        d2h_bytes_per_s: card -> host copy bandwidth, B/s.
-        host_adamw_params_per_s: fp32 AdamW updates per second on the host, one process.
-        device_adamw_params_per_s: fp32 AdamW updates per second of the card's own optimizer over
-            its resident masters; 0 means "same as ``host_adamw_params_per_s``" (a cpu card's
-            optimizer *is* the host's fused CPU AdamW).
-        head_flops_ratio: sustained FLOP/s of the ``lm_head`` + loss forward/backward relative
-            to ``device_flops`` (its GEMMs have one small dimension and stream the ``V x H``
-            matrix, and the log-softmax runs over the vocabulary); 1.0 = same rate.
-        split_backward_ratio: seconds of a decoder layer's forward + input-gradient pass + deferred
-            weight-gradient pass (the zero-bubble split, :mod:`npu_train.pipeline.backward`) over its
-            forward + one backward (:func:`npu_train.calibrate.splitcost.split_backward_ratio`); 1.0 = the
-            FLOP count's view (assumed when not measured).
-        process_baseline_bytes: card memory a card process holds before any model state. cpu:
-            the process RSS after start-up (interpreter, torch, npu_train, gloo, ZeroMQ, the
-            model-file reader); cuda/furiosa: 0 (their memory figures exclude the host process).
-        dp_bytes_per_s: host bandwidth of the data-parallel gloo collectives (gradient all-reduce,
-            ZeRO-1 weight broadcast) between the card processes of one stage, B/s per process and
-            direction. Default 1.25e9 B/s = 10 Gb/s Ethernet, an assumed floor for replicas on
-            different nodes (gloo over TCP); on one node (loopback) gloo is usually faster, so the
-            figure is conservative there. A calibration profile may set it.
-        threads: torch intra-op threads the figures above are for (0 = unknown; then no thread
-            scaling is applied).
-        flops_by_dtype: optional ``{"fp32": ..., "bf16": ...}`` sustained FLOP/s per compute dtype;
-            ``device_flops`` is used for a dtype that is not listed.
-        by_threads: optional ``{threads: {field: value}}`` figures measured at other thread
-            counts (see :meth:`resolve`); an entry may hold ``"concurrent"`` (int) too.
-        concurrent: processes that ran the same kind of work at once while the top level's
-            figures were measured (1: alone; module docstring, "Concurrency").
-        shapes: the layer and head shapes the top level's figures were measured on
-            (:func:`shape_signature`; ``""``: unknown; module
-            docstring, "Shapes"). A ``by_threads`` entry may hold its own ``"shapes"``.
-        sources: field name -> where its figure comes from: ``"measured"`` (the calibration
-            profile ``origin``), ``"assumed"`` (:data:`DEFAULT_RATES`), ``"scaled from N
-            threads"`` (:meth:`resolve`'s rule 2) or any other text (e.g. ``"fitted: <record>"``);
-            a field not listed is assumed.
-        origin: the profile the measured figures come from (``"<path> (<date>)"``), or ``""``.
-    """
-
-    device_flops: float
-    h2d_bytes_per_s: float
-    d2h_bytes_per_s: float
-    host_adamw_params_per_s: float
-    device_adamw_params_per_s: float = 0.0
-    head_flops_ratio: float = 1.0
-    process_baseline_bytes: float = 0.0
+    device_flops: float  # sustained training FLOP/s of one card (forward + backward of decoder layers)
+    h2d_bytes_per_s: float  # host -> card copies, B/s
+    d2h_bytes_per_s: float  # card -> host copies, B/s
+    host_adamw_params_per_s: float  # fp32 AdamW updates/s on the host, one process
+    device_adamw_params_per_s: float = 0.0  # the card's AdamW; 0 = the host's (a cpu card's optimizer is)
+    head_flops_ratio: float = 1.0  # FLOP/s of lm_head + loss relative to device_flops
+    process_baseline_bytes: float = 0.0  # card memory of a card process before any model state (cpu: RSS)
+    #: gloo collectives between a stage's replicas, B/s per process and direction; default 10 Gb/s Ethernet,
+    #: an assumed floor for replicas on different nodes (loopback is usually faster)
     dp_bytes_per_s: float = 1.25e9
+    #: seconds of forward + B + W (the zero-bubble split) over forward + one backward; 1.0 = the FLOP view
     split_backward_ratio: float = 1.0
-    threads: int = 0
-    flops_by_dtype: dict = field(default_factory=dict)
-    by_threads: dict = field(default_factory=dict)
-    sources: dict = field(default_factory=dict)
-    origin: str = ""
-    concurrent: int = 1
-    shapes: str = ""
+    threads: int = 0  # torch threads the figures are for (0 = unknown: no thread scaling)
+    flops_by_dtype: dict = field(default_factory=dict)  # {"fp32": ..., "bf16": ...} FLOP/s per compute dtype
+    by_threads: dict = field(default_factory=dict)  # {threads: {field: value}} measured at other counts
+    sources: dict = field(default_factory=dict)  # field -> "measured" / "assumed" / "fitted ..." / "scaled ..."
+    origin: str = ""  # the profile the measured figures come from, "<path> (<date>)"
+    concurrent: int = 1  # processes that ran the same work at once while the figures were measured
+    shapes: str = ""  # the layer and head shapes the figures were measured on ("": unknown, fits any)
 
     def source(self, name: str) -> str:
-        """Where field ``name``'s figure comes from (see ``sources``; default ``"assumed"``)."""
+        """Where field ``name``'s figure comes from (default ``"assumed"``)."""
         return str(self.sources.get(name, "assumed"))
 
     def assumed_fields(self) -> list[str]:
@@ -132,16 +82,14 @@ class Rates:
         return sorted(counts)
 
     def concurrent_at(self, t: int) -> int:
-        """Processes at once behind the figures measured at ``t`` threads (the ``by_threads``
-        entry's ``concurrent``, else 1; the top level's count: :attr:`concurrent`)."""
+        """Processes at once behind the figures measured at ``t`` threads."""
         entry = self.by_threads.get(t, self.by_threads.get(str(t)))
         if isinstance(entry, dict) and int(t) != int(self.threads):
             return int(entry.get("concurrent", 1))
         return int(self.concurrent)
 
     def shapes_at(self, t: int) -> str:
-        """The shapes behind the figures measured at ``t`` threads (the ``by_threads`` entry's
-        ``shapes``, else ``""``; the top level's count: :attr:`shapes`)."""
+        """The shapes behind the figures measured at ``t`` threads (``""``: unknown)."""
         entry = self.by_threads.get(t, self.by_threads.get(str(t)))
         if isinstance(entry, dict) and int(t) != int(self.threads):
             return str(entry.get("shapes", ""))
@@ -163,18 +111,9 @@ class Rates:
         return base, by_dtype
 
     def resolve(self, dtype: Optional[str] = None, threads: Optional[int] = None) -> "Rates":
-        """Flat rates for one card process running ``threads`` torch threads, in ``dtype``.
-
-        The thread rule is the module docstring's: the measured count's figures, else the
-        nearest measured count's with ``THREAD_SCALED`` figures times ``threads / count``, else
-        (no count known) unchanged. With ``dtype`` given and listed in ``flops_by_dtype``,
-        ``device_flops`` becomes that dtype's figure.
-
-        Returns:
-            A new :class:`Rates` with ``by_threads`` empty, ``threads`` = the count the figures
-            are for (``threads`` when a count was known, else ``self.threads``), and that
-            count's ``concurrent`` and ``shapes``.
-        """
+        """Flat rates for one card process running ``threads`` torch threads, in ``dtype``: the figures
+        measured at that count, else the nearest measured count's with :data:`THREAD_SCALED` figures times
+        ``threads / count``, else (no count known) unchanged; ``by_threads`` empty in the result."""
         t = int(threads) if threads else 0
         counts = self.measured_threads()
         sources = dict(self.sources)
@@ -297,28 +236,15 @@ def _thread_entry(path: Path, t, entry) -> dict:
 
 def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                threads: Optional[int] = None) -> Rates:
-    """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by a calibration profile when present.
-
-    Args:
-        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"``.
-        profile_path: the profile; ``None``: :func:`calibration_path` (``kind``).
-        threads: keyword-only. The torch threads of the card process
-            (:func:`~npu_train.planner.threads.threads_per_card`): the result is
-            ``rates.resolve(threads=threads)`` (the profile's ``by_threads[threads]`` entry, else
-            the nearest measured count scaled linearly, see the module docstring), flat
-            (``by_threads`` empty). ``None``: the whole profile, unresolved.
-
-    The profile is a JSON object whose keys (top level, or under ``"rates"``) are :class:`Rates`
-    field names with numbers as values (``flops_by_dtype``: an object of numbers; ``by_threads``:
-    an object ``{"<threads>": {field: number}}``; ``shapes``: a string, at the top level and in
-    an entry); other keys are ignored, missing ones keep the default.
-    :func:`npu_train.calibrate.save_profile` writes this format.
+    """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by the profile at ``profile_path`` (``None``:
+    :func:`calibration_path`; a missing file gives the defaults) and, without an explicit profile, by the
+    figures fitted from finished runs. ``threads``: resolved for that many torch threads per card
+    process (``None``: the whole profile, unresolved). The profile is a JSON object of :class:`Rates` fields
+    (top level or under ``"rates"``), as :func:`npu_train.calibrate.save_profile` writes it.
 
     Raises:
         ValueError: unknown ``kind``.
-        PlacementError: (a ``ValueError`` and ``UserError``) the file is unreadable or malformed.
-            A missing file gives the defaults.
-    """
+        PlacementError: the profile is unreadable or malformed."""
     if kind not in DEFAULT_RATES:
         raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
     d = DEFAULT_RATES[kind]
@@ -357,10 +283,9 @@ def _runs_label(n: int) -> str:
 
 
 def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = None) -> Rates:
-    """``rates`` (flat, for ``threads``) with the figures fitted from finished runs of ``kind`` at
-    ``threads`` (:mod:`npu_train.planner.fit`, every dtype's file): per dtype FLOP/s in
-    ``flops_by_dtype``, the AdamW rate (cpu: the card's AdamW too), and a cpu process baseline
-    only where it is larger (the plan stays an upper bound). A broken file is one warning line."""
+    """``rates`` (flat, for ``threads``) with the figures fitted from finished runs of ``kind``
+    (:mod:`npu_train.planner.fit`): per-dtype FLOP/s, the AdamW rate, and a cpu process baseline only where it
+    is larger (the plan stays an upper bound). A broken file is one warning line."""
     from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
 
     folder = fitted_path(kind, threads, "x", root).parent
@@ -391,9 +316,7 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
 
 
 def shapes_differ(have: Optional[str], want: Optional[str]) -> bool:
-    """Whether figures measured on shapes ``have`` do not fit a job on ``want`` (both
-    :func:`shape_signature` texts): only when both are known
-    (``""``/``None``: unknown, fits) and differ."""
+    """Whether figures measured on shapes ``have`` do not fit a job on ``want`` (both known and different)."""
     return bool(have) and bool(want) and str(have) != str(want)
 
 
@@ -416,11 +339,9 @@ _FLOP_BUDGET = {"cpu": 20e9, "cuda": 2e12, "furiosa": 2e12}
 
 def reference_shapes(kind: str, quick: bool, model_cfg,
                      batch_seq: Optional[tuple[int, int]] = None) -> tuple[tuple, tuple, str]:
-    """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks:
-    the model's own layer and head when ``model_cfg`` is given and one repetition stays within
-    the per-kind FLOP budget, else the per-kind reference. ``batch_seq``: the job's (micro-batch,
-    sequence length) instead of the per-kind reference's; when the model's layer at that shape is
-    over the budget, the micro-batch, then the sequence length, are halved until it fits."""
+    """(layer dims, (vocab, hidden, tokens) of the head, description) for the FLOP/s benchmarks: the
+    model's own layer and head when one repetition stays within the kind's FLOP budget, else the reference
+    ones; ``batch_seq``: the job's (micro-batch, sequence length), halved until the layer fits the budget."""
     if quick:
         H, I, a, kv, b, S = _LAYER_QUICK
         return _LAYER_QUICK, (_HEAD_QUICK[0], _HEAD_QUICK[1], b * S), "quick"
@@ -443,15 +364,12 @@ def reference_shapes(kind: str, quick: bool, model_cfg,
 
 
 def shape_signature(layer: tuple, head: tuple) -> str:
-    """The profile's ``shapes`` for benchmark ``layer`` (hidden, intermediate, heads, kv heads, b, S) and
-    ``head`` (vocab, hidden, tokens) dims, e.g. ``"layer 576x1536 heads 9/3, head 49152x576"``: figures of
-    another model's shapes do not fit. Tokens per micro-batch are left out."""
+    """The profile's ``shapes`` text, e.g. ``"layer 576x1536 heads 9/3, head 49152x576"``."""
     H, I, a, kv = (int(x) for x in layer[:4])
     return f"layer {H}x{I} heads {a}/{kv}, head {int(head[0])}x{int(head[1])}"
 
 
 def job_shapes(kind: str, quick: bool, model_cfg, batch_seq: Optional[tuple[int, int]] = None) -> str:
-    """:func:`shape_signature` of the shapes :func:`reference_shapes` gives a job (what ``calibrate=true``
-    measures on)."""
+    """:func:`shape_signature` of the shapes ``calibrate=true`` measures for a job."""
     layer, head, _ = reference_shapes(kind, quick, model_cfg, batch_seq)
     return shape_signature(layer, head)

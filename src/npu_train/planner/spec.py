@@ -1,18 +1,14 @@
-"""What is planned: the cards (:class:`CardSpec`), the run shape (:class:`RunShape`), and the
-planner's user error (:class:`PlacementError`). Units: ``*_bytes`` are bytes; :func:`gb` converts
-to decimal gigabytes (1e9 B), :func:`gib` to binary gibibytes (2**30 B); the plan table prints
-GiB. Card capacities are GiB figures (RNGD: 47.5 GiB usable = 51.0 GB, :mod:`npu_train.hardware`).
-"""
+"""What is planned: the run shape (:class:`RunShape`), the planner's user error (:class:`PlacementError`)
+and the units: :func:`gb` is decimal (1e9 B), :func:`gib` binary (2**30 B, what the plan prints)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from npu_train.errors import UserError
-from npu_train.hardware import FURIOSA_CAPACITY_BYTES, GB, GIB, KINDS
+from npu_train.hardware import GB, GIB
 from npu_train.pipeline.schedule import SCHEDULES
 
-__all__ = ["PlacementError", "CardSpec", "RunShape", "default_capacity", "make_cards", "gb", "gib"]
+__all__ = ["PlacementError", "RunShape", "gb", "gib"]
 
 
 def gb(x: float) -> float:
@@ -26,115 +22,27 @@ def gib(x: float) -> float:
 
 
 class PlacementError(UserError, ValueError):
-    """A placement that cannot work: over a card's capacity, too little host RAM, or an
-    impossible layout (more cards than layers, more resident layers than a card holds).
-    The message names the card, the predicted and available GiB and the fixes."""
-
-
-@dataclass
-class CardSpec:
-    """One accelerator card = one pipeline stage.
-
-    Attributes:
-        kind: ``"cpu"``, ``"cuda"`` or ``"furiosa"`` (:data:`npu_train.hardware.KINDS`).
-        index: device index (``None`` for cpu).
-        capacity_bytes: usable memory of the card, bytes.
-        name: display name, default ``"<kind>:<index>"`` (``"cpu"`` when index is None).
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
-
-    kind: str
-    index: Optional[int]
-    capacity_bytes: int
-    name: str = ""
-
-    def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"card kind must be one of {KINDS}, got {self.kind!r}")
-        if not self.name:
-            self.name = self.kind if self.index is None else f"{self.kind}:{self.index}"
-
-
-def default_capacity(kind: str, index: Optional[int] = None) -> int:
-    """Usable memory of one card of ``kind``, bytes.
-
-    - ``furiosa``: :data:`npu_train.hardware.FURIOSA_CAPACITY_BYTES` (47.5 GiB). No device call.
-    - ``cuda``: ``torch.cuda.get_device_properties(index or 0).total_memory`` when CUDA is
-      available, else 80 GiB (H100-class). The only planner call that may import torch.
-    - ``cpu``: total host RAM (``psutil``); dividing it among several CPU "cards" is the
-      caller's job.
-
-    Raises:
-        ValueError: unknown ``kind``.
-    """
-    if kind == "furiosa":
-        return FURIOSA_CAPACITY_BYTES
-    if kind == "cuda":
-        try:
-            import torch
-
-            if torch.cuda.is_available():
-                return int(torch.cuda.get_device_properties(index or 0).total_memory)
-        except Exception:  # pragma: no cover - torch without CUDA support
-            pass
-        return 80 * GIB
-    if kind == "cpu":
-        import psutil
-
-        return int(psutil.virtual_memory().total)
-    raise ValueError(f"card kind must be one of {KINDS}, got {kind!r}")
-
-
-def make_cards(kind: str, n: int, capacity_bytes: Optional[int] = None) -> list[CardSpec]:
-    """``n`` cards of ``kind`` with indices ``0..n-1``. Default capacity: :func:`default_capacity`
-    (for ``cpu``: host RAM divided by ``n``). Raises ``ValueError`` for ``n < 1``."""
-    if n < 1:
-        raise ValueError(f"need at least one card, got {n}")
-    if capacity_bytes is None:
-        capacity_bytes = default_capacity(kind)
-        if kind == "cpu":
-            capacity_bytes //= n
-    return [CardSpec(kind, i, int(capacity_bytes)) for i in range(n)]
+    """A placement that cannot work (over capacity, too little host RAM, an impossible layout); the
+    message names the card, the predicted and available GiB and the fixes."""
 
 
 @dataclass
 class RunShape:
-    """What one optimizer step processes.
+    """What one optimizer step processes. Raises ``ValueError`` for a count below 1 or an unknown schedule,
+    dtype, ``grad_accum`` or ``offload``."""
 
-    Attributes:
-        seq_len: tokens per sequence S.
-        micro_batch: sequences per micro-batch b.
-        micro_batches: micro-batches per step M (= gradient-accumulation steps).
-        schedule: a pipeline schedule of :data:`npu_train.pipeline.schedule.SCHEDULES`
-            (``"1f1b"``, ``"gpipe"``).
-        dtype: compute dtype, ``"bf16"`` or ``"fp32"``.
-        recompute: activation recomputation (checkpoint each decoder layer's input).
-        lora_params_per_layer: 0 = full fine-tuning; > 0 = LoRA with this many trainable adapter
-            parameters per decoder layer (frozen base in the compute dtype, no gradient or optimizer
-            state for it; embedding, norms and head frozen).
-        grad_accum: where gradients accumulate over the M micro-batches: ``"fp32"`` (default:
-            fp32 accumulators on the card, 4 B/param, whatever the compute dtype) or
-            ``"compute"`` (the parameters' ``.grad`` in the compute dtype, ``e`` B/param: what
-            the predecessor system on RNGD did, the condition of the field record).
-        offload: how the offloaded layers' host AdamW + upload meet the pipeline
-            (:func:`npu_train.planner.cost.hidden_host_time`): ``"serial"``
-            (``train.offload_overlap=false``), ``"overlap"`` (the default) or ``"delayed"``
-            (``train.offload_update=delayed``).
-
-    Raises:
-        ValueError: a count below 1, an unknown schedule, dtype, grad_accum or offload.
-    """
-
-    seq_len: int
-    micro_batch: int = 1
-    micro_batches: int = 1
-    schedule: str = "1f1b"
-    dtype: str = "bf16"
-    recompute: bool = False
+    seq_len: int  # tokens per sequence S
+    micro_batch: int = 1  # sequences per micro-batch b
+    micro_batches: int = 1  # micro-batches per step M (gradient accumulation)
+    schedule: str = "1f1b"  # one of npu_train.pipeline.schedule.SCHEDULES
+    dtype: str = "bf16"  # compute dtype: "bf16" or "fp32"
+    recompute: bool = False  # activation recomputation per decoder layer
+    #: 0 = full fine-tuning; > 0 = LoRA with this many adapter parameters per layer (the base is frozen)
     lora_params_per_layer: int = 0
+    #: gradient accumulators: "fp32" (4 B/param) or "compute" (the .grad in the compute dtype, as on the
+    #: predecessor system on RNGD, the field record's condition)
     grad_accum: str = "fp32"
+    #: the offloaded layers' host AdamW + upload: "serial" (train.offload_overlap=false), "overlap", "delayed"
     offload: str = "overlap"
 
     def __post_init__(self) -> None:
@@ -157,7 +65,7 @@ class RunShape:
 
     @property
     def grad_bytes(self) -> int:
-        """Bytes per gradient-accumulator element: 4 (``grad_accum="fp32"``) or ``dtype_bytes``."""
+        """Bytes per gradient-accumulator element: 4 (``fp32``) or :attr:`dtype_bytes`."""
         return 4 if self.grad_accum == "fp32" else self.dtype_bytes
 
     @property

@@ -1,13 +1,5 @@
-"""Torch threads per card process: one rule, used by the launcher (``torch.set_num_threads`` in
-each card process) and by the planner (which rates of a calibration profile apply).
-
-Usable cores = the CPUs this process may run on (``os.sched_getaffinity(0)``; ``os.cpu_count()``
-where the platform lacks it), limited by the cgroup CPU quota when one is set (a container's
-``--cpus`` / a Kubernetes CPU limit): cgroup v2 ``/sys/fs/cgroup/cpu.max`` (``"<quota> <period>"``
-or ``"max <period>"``), else cgroup v1 ``cpu.cfs_quota_us`` / ``cpu.cfs_period_us`` (quota ``-1``
-= none). A fractional quota is rounded down (1.5 CPUs -> 1 core: a second thread would be
-throttled), at least 1.
-"""
+"""Torch threads per card process: one rule for the launcher (``torch.set_num_threads``) and the
+planner (which profile rates apply); usable cores honour the affinity mask and the cgroup CPU quota."""
 from __future__ import annotations
 
 import math
@@ -22,7 +14,7 @@ CGROUP_V1_DIRS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")
 
 
 def read_sys_file(path: str) -> Optional[str]:
-    """Stripped text of ``path``, or ``None`` when it cannot be read (the tests replace this)."""
+    """Stripped text of ``path``, or ``None`` when unreadable (the tests replace this)."""
     try:
         with open(path) as f:
             return f.read().strip()
@@ -31,8 +23,7 @@ def read_sys_file(path: str) -> Optional[str]:
 
 
 def cgroup_cpu_quota() -> Optional[float]:
-    """The cgroup CPU limit in CPUs (quota / period, e.g. 2.5), or ``None`` when none is set or
-    the files are absent or malformed."""
+    """The cgroup CPU limit in CPUs (cgroup v2 ``cpu.max``, else v1 quota / period), or ``None``."""
     text = read_sys_file(CGROUP_V2_CPU_MAX)
     if text is not None:
         parts = text.split()
@@ -56,8 +47,7 @@ def cgroup_cpu_quota() -> Optional[float]:
 
 
 def usable_cores() -> int:
-    """Cores this process may use: affinity mask size, limited by the cgroup CPU quota (rounded
-    down), at least 1."""
+    """Cores this process may use: the affinity mask, limited by the cgroup quota (rounded down), >= 1."""
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # pragma: no cover - macOS / Windows
@@ -70,21 +60,10 @@ def usable_cores() -> int:
 
 def threads_per_card(requested: Optional[int], cards_on_host: int,
                      cores: Optional[int] = None) -> int:
-    """torch intra-op threads of each card process on this host.
-
-    Args:
-        requested: ``runtime.threads``; used as is when > 0 (``None`` or 0: not set).
-        cards_on_host: card processes on this host, cpu and accelerator cards alike (an
-            accelerator card's process runs the host AdamW of its offloaded layers and the
-            copies on the CPU too).
-        cores: the cores to divide; ``None``: :func:`usable_cores`.
-
-    Returns:
-        ``requested`` if > 0, else ``max(1, cores // cards_on_host)``.
-
-    Raises:
-        ValueError: ``requested < 0`` or ``cards_on_host < 1``.
-    """
+    """torch threads of each card process: ``requested`` when > 0 (``runtime.threads``), else
+    ``max(1, cores // cards_on_host)`` (``cores``: :func:`usable_cores`). ``cards_on_host`` counts accelerator
+    cards too (their processes run host AdamW and copies). Raises ``ValueError`` for ``requested < 0`` or
+    ``cards_on_host < 1``."""
     requested = int(requested or 0)
     if requested < 0:
         raise ValueError(f"threads must be >= 0 (0 = divide the cores), got {requested}")

@@ -13,14 +13,14 @@ import secrets
 import socket
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from npu_train.env import cache_dir, getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import end_of_run_line, interrupt_note, prepare_checkpoint_root
-from npu_train.runtime.spec import CardInfo, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
+from npu_train.runtime.spec import RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
 
 
@@ -52,9 +52,9 @@ def as_list(v):
 
 
 def card_specs(reqs, cfg, prefix: str = "") -> list:
-    """Planner CardSpecs of one node's card requests: the backend's capacity (``placement.capacity_gib``
-    overrides; CPU cards share RAM), names after ``prefix`` (multi-node: ``node1/``)."""
-    from npu_train.planner import CardSpec, default_capacity
+    """One node's resolved cards (:class:`~npu_train.hardware.Card`): the backend's capacity
+    (``placement.capacity_gib`` overrides; CPU cards share RAM), names after ``prefix`` (multi-node: ``node1/``)."""
+    from npu_train.backends.spec import default_capacity
 
     n_cpu = sum(1 for r in reqs if r.kind == "cpu")
     cards = []
@@ -70,7 +70,7 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
                                   f"/ {n_cpu} cpu card(s)): set it to at most {cap / 2 ** 30:.2f}, or leave it unset")
             cap = want
         name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
-        cards.append(CardSpec(kind=r.kind, index=r.index, capacity_bytes=cap, name=prefix + name))
+        cards.append(replace(r, capacity_bytes=cap, name=prefix + name))
     return cards
 
 
@@ -78,7 +78,7 @@ def card_specs(reqs, cfg, prefix: str = "") -> list:
 class Prepared:
     """What the launcher knows before any card process starts (the result of :func:`prepare`)."""
 
-    cards: list  # planner CardSpec of every card of the job (node order, then card order)
+    cards: list  # Card of every card of the job (node order, then card order)
     requests: list  # this node's resolved card requests
     model_cfg: object  # LlamaConfig
     plan: object  # placement Plan
@@ -98,8 +98,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
-    from npu_train.planner import PlacementError, load_rates, make_plan, threads_per_card
-    from npu_train.planner.memterms import load_memory_terms
+    from npu_train.planner import PlacementError, make_plan, threads_per_card
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
@@ -122,38 +121,24 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     elif not cfg.plan:
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
-    tr, dtype = cfg.train, compute_dtype(cfg.train.dtype, [c.kind for c in cards])
+    dtype = compute_dtype(cfg.train.dtype, [c.kind for c in cards])
     if model_path is not None:
         mcfg = load_config(model_path)
         if not cfg.plan:
             check_weights(model_path, mcfg)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
-    shape = run_shape(cfg, mcfg, dtype)
-    rates = [load_rates(c.kind, cfg.placement.profile, threads=plan_threads) for c in cards[:P]]
-    fur = cfg.runtime.furiosa
-    terms = [load_memory_terms(c.kind, cfg.placement.profile,
-                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
-             for c in cards[:P]]
-    resident = as_list(tr.resident_layers)
-    if isinstance(resident, str) and resident != "auto":
-        try:
-            resident = int(resident)
-        except ValueError:
-            raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
-    # one pipeline is planned (replica 0's cards; every replica has the same kinds), for dp replicas
-    plan_args = dict(resident_layers=resident, threads=plan_threads, headroom=float(cfg.placement.headroom),
-                     host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram, memory_terms=terms,
-                     dp=dp, zero=zero)
-    split = as_list(tr.split) or None
-    resumed = None if split else _resumed_split(cfg, run_dir, P)
+    req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
+                       host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram)
+    shape = req.shape
+    resumed = None if req.split else _resumed_split(cfg, run_dir, P)
     try:
-        plan = make_plan(mcfg, shape, cards[:P], rates, split=split or resumed, **plan_args)
+        plan = make_plan(replace(req, split=req.split or resumed))
     except PlacementError:
         if resumed is None:
             raise
-        plan = make_plan(mcfg, shape, cards[:P], rates, split=None, **plan_args)  # the checkpoint's split no longer fits
+        plan = make_plan(req)  # the checkpoint's split no longer fits
     if any(c.kind == "furiosa" for c in cards):
         plan.compiler_cache_dir = furiosa_cache_dir(cfg)
     if nodes is not None:
@@ -256,7 +241,7 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
         st, card = plan.stages[layout.stage(r)], prep.cards[r]
         specs.append(WorkerSpec(
             rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
-            card=CardInfo(card.kind, card.index, card.name), model_path=prep.model_path, model_cfg=mcfg.to_dict(),
+            card=card, model_path=prep.model_path, model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
@@ -289,6 +274,33 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
                           f"{mcfg.num_layers} layers: use at most {mcfg.num_layers} backend entries per replica "
                           "or raise parallel.dp")
     return P, dp, zero
+
+
+def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, zero: int,
+                 host_ram_bytes: Optional[int]):
+    """The planner's :class:`~npu_train.planner.PlanRequest` of ``cfg`` (the only place one is built from the
+    config): the model ``mcfg`` in compute ``dtype`` on one pipeline's ``cards`` (replica 0's; every replica
+    has the same kinds) for ``dp`` replicas, with rates and memory terms of each card's kind for ``threads``
+    torch threads per card process. Raises :class:`~npu_train.errors.ConfigError` for a bad
+    ``train.resident_layers``."""
+    from npu_train.planner import PlanRequest, load_rates
+    from npu_train.planner.memterms import load_memory_terms
+
+    tr, fur = cfg.train, cfg.runtime.furiosa
+    shape = run_shape(cfg, mcfg, dtype)
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=threads) for c in cards]
+    terms = [load_memory_terms(c.kind, cfg.placement.profile,
+                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
+             for c in cards]
+    resident = as_list(tr.resident_layers)
+    if isinstance(resident, str) and resident != "auto":
+        try:
+            resident = int(resident)
+        except ValueError:
+            raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
+    return PlanRequest(model=mcfg, shape=shape, cards=list(cards), rates=rates,
+                       split=as_list(tr.split) or None, resident_layers=resident, host_ram_bytes=host_ram_bytes,
+                       threads=threads, headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero)
 
 
 def run_shape(cfg, mcfg, dtype: str):
@@ -468,8 +480,10 @@ def _calibrate_only(cfg) -> dict:
 
 def _dry_run(cfg, run_dir: str) -> dict:
     """``plan=true``: print the plan table for the target server; nothing is measured or started."""
+    from npu_train.planner import plan_table
+
     prep = prepare(cfg, run_dir, probe=False)
-    print(prep.plan.table())
+    print(plan_table(prep.plan))
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
         import psutil
@@ -696,9 +710,10 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
               node: NodeContext, local_cards: int) -> None:
     """Print the plan table and the job line, write ``plan.json``."""
     from npu_train.optim.lr import warmup_note
+    from npu_train.planner import plan_table
 
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
-    print(plan.table(), flush=True)
+    print(plan_table(plan), flush=True)
     with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by planner.fit at the run's end
         json.dump(plan.to_dict(), f, indent=1)
     where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""

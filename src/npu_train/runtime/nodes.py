@@ -222,12 +222,12 @@ def exchange_cards(rdv: Rendezvous, local_cards: list, threads: int, host_ram: O
     """Publish this node's cards, threads and RAM (bytes); returns ``(cards, cards per node, plan threads, RAM
     per node)`` over all nodes: cards prefixed ``node<n>/`` with their own node's capacity, the smallest
     thread count."""
-    from npu_train.planner import CardSpec
+    from npu_train.hardware import Card
 
     mine = {"cards": [[c.kind, c.index, c.capacity_bytes, c.name] for c in local_cards],
             "threads": threads, "host_ram": host_ram}
     everyone = rdv.exchange("cards", mine)
-    cards = [CardSpec(kind=k, index=i, capacity_bytes=cap, name=f"node{n}/{name}")
+    cards = [Card(kind=k, index=i, capacity_bytes=cap, name=f"node{n}/{name}")
              for n, e in enumerate(everyone) for k, i, cap, name in e["cards"]]
     return (cards, [len(e["cards"]) for e in everyone], min(e["threads"] for e in everyone),
             [e["host_ram"] for e in everyone])

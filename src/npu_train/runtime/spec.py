@@ -7,15 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from npu_train.backends.furiosa_compile import FuriosaCompileOptions
-
-
-@dataclass(frozen=True)
-class CardInfo:
-    """One card: ``kind`` (cpu | cuda | furiosa), device ``index`` (None for cpu), printed ``name``."""
-
-    kind: str
-    index: Optional[int]
-    name: str
+from npu_train.hardware import Card
 
 
 @dataclass(frozen=True)
@@ -138,7 +130,7 @@ class WorkerSpec:
     job_id: str
     token: str
     parent_pid: int
-    card: CardInfo
+    card: Card
     model_path: str
     model_cfg: dict
     stage: StageInfo

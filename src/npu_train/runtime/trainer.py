@@ -78,12 +78,10 @@ class StageTrainer:
         """Device, model, optimizer, gloo group, links, resume, data. Raises BackendUnavailableError,
         TransportError or gloo errors."""
         from npu_train.backends import make_backend
-        from npu_train.backends.spec import CardRequest
 
         spec, card = self.spec, self.spec.card
         self.enter("device setup")
-        self.backend = make_backend(CardRequest(card.kind, card.index, card.name),
-                                    **spec.runtime.backend_kwargs(card.kind))
+        self.backend = make_backend(card, **spec.runtime.backend_kwargs(card.kind))
         self.backend.setup()
         self.enter("model load")
         masters = self._load_model()

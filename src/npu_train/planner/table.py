@@ -1,31 +1,30 @@
-"""Text reports of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`,
-``Plan.table()``), the dry-run report (:func:`format_plan`) and the over-capacity message of a
-:class:`~npu_train.planner.spec.PlacementError`. Memory in GiB (2**30 B), time in seconds."""
+"""Text of a :class:`~npu_train.planner.plan.Plan`: the per-card table (:func:`plan_table`), the dry-run
+report (:func:`format_plan`) and the over-capacity message. Memory in GiB (2**30 B), time in seconds."""
 from __future__ import annotations
 
 import io
 from typing import Optional
 
+from npu_train.hardware import Card
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
-from npu_train.planner.spec import CardSpec, gb, gib
+from npu_train.planner.spec import gb, gib
 
 __all__ = ["plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "memory_sources",
            "rate_sources"]
 
 
-def card_label(i: int, card: CardSpec) -> str:
+def card_label(i: int, card: Card) -> str:
     """``"card <i> (<name>)"``: how messages name a card."""
     return f"card {i} ({card.name})"
 
 
 def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
                           limit_bytes: Optional[int] = None) -> str:
-    """One line: which card is over capacity by how much (every memory term in GiB) and the fixes;
-    ``max_resident`` is the most resident layers that fit that card (-1: no count fits);
-    ``limit_bytes``: the ``auto`` limit ``capacity * (1 - headroom)`` when that is what was
-    exceeded (named with ``placement.headroom``), else the capacity."""
+    """One line: the card over capacity, every memory term in GiB, the limit (``limit_bytes``: the auto
+    limit with ``placement.headroom``, else the capacity) and the fixes; ``max_resident``: most resident
+    layers that fit (-1: none)."""
     st = plan.stages[st_index]
     m = st.mem
     r = len(st.resident)
@@ -56,9 +55,8 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
 
 
 def memory_sources(plan: Plan) -> list[str]:
-    """Lines naming where the memory figures come from: per card kind the attention assumption of
-    the activations and each workspace figure (measured / fitted / assumed, with its source), the
-    gradient accumulators, and the RNGD compiler cache directory when set."""
+    """Lines naming where the memory figures come from, per card kind (attention, workspace figures),
+    the gradient accumulators and the RNGD compiler cache."""
     s = plan.shape
     out, seen = [], set()
     for st, terms in zip(plan.stages, plan.memory_terms or []):
@@ -87,8 +85,7 @@ _RATE_ROWS = (("device_flops", "compute", 1e9, "GFLOP/s"), ("head_flops_ratio", 
 
 
 def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
-    """The job's :func:`~npu_train.planner.rates.job_shapes` when the profile's figures of ``kind``
-    were measured on other shapes ``have``, else ``None``. A quick (test) profile's shapes count as fitting."""
+    """The job's shapes when the profile of ``kind`` was measured on other shapes ``have``, else ``None``."""
     from npu_train.planner.rates import job_shapes, shapes_differ
 
     bs = (plan.shape.micro_batch, plan.shape.seq_len)
@@ -99,50 +96,59 @@ def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
 
 
 def rate_sources(plan: Plan) -> list[str]:
-    """One line per card kind: every rate the step time and memory use, with where it comes from
-    (``measured`` = this machine's calibration profile, named with its date and the model shapes it
-    was measured on at the line's end, and a note when those are not the job's; ``assumed`` = the
-    planner's default; ``scaled from N thread(s)``; ``fitted: ...``)."""
+    """One line per card kind: every rate with its source (measured, assumed, scaled, fitted) and the
+    profile and shapes behind the measured ones."""
     out, seen = [], set()
     for st, rt in zip(plan.stages, plan.rates or []):
         k = st.card.kind
         if k in seen:
             continue
         seen.add(k)
-        parts = []
-        for name, label, scale, unit in _RATE_ROWS:
-            if name == "process_baseline_bytes" and k != "cpu":
-                continue
-            if name == "dp_bytes_per_s" and plan.dp <= 1:
-                continue
-            if name == "split_backward_ratio" and (plan.shape.schedule not in SPLIT_BACKWARD or len(plan.stages) < 2):
-                continue
-            v = rt.device_adamw if name == "device_adamw_params_per_s" else getattr(rt, name)
-            src = rt.source("host_adamw_params_per_s" if name == "device_adamw_params_per_s"
-                            and not rt.device_adamw_params_per_s else name)
-            if unit == "GFLOP/s" and v >= 1e12:
-                scale, unit = 1e12, "TFLOP/s"
-            parts.append(f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}"
-                         f"{' ' + unit if unit else ''} [{src}]")
-        measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
-        on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
-        other = _other_shapes(k, rt.shapes, plan) if measured else None
-        if other:
-            on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
-                   "another model's; calibrate=true with this model.path (and placement.profile, if set) "
-                   "measures them")
-        where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
-                 else "no calibration profile (calibrate=true measures one)")
-        if any(v.startswith("fitted from") for v in rt.sources.values()):
-            where += "; fitted = from this job's finished runs ($NPT_CACHE/fitted)"
+        parts = [_rate_text(rt, row) for row in _RATE_ROWS if _rate_shown(row[0], k, plan)]
         out.append(f"rates {k}" + (f" at {rt.threads} thread(s)" if rt.threads else "") + ": "
-                   + ", ".join(parts) + f"; {where}")
+                   + ", ".join(parts) + f"; {_rates_origin(k, rt, plan)}")
     return out
 
 
+def _rate_shown(name: str, kind: str, plan: Plan) -> bool:
+    if name == "process_baseline_bytes":
+        return kind == "cpu"
+    if name == "dp_bytes_per_s":
+        return plan.dp > 1
+    if name == "split_backward_ratio":
+        return plan.shape.schedule in SPLIT_BACKWARD and len(plan.stages) >= 2
+    return True
+
+
+def _rate_text(rt, row: tuple) -> str:
+    """``"<label> <value> <unit> [<source>]"`` of one :data:`_RATE_ROWS` row."""
+    name, label, scale, unit = row
+    device_adamw = name == "device_adamw_params_per_s"
+    v = rt.device_adamw if device_adamw else getattr(rt, name)
+    src = rt.source("host_adamw_params_per_s" if device_adamw and not rt.device_adamw_params_per_s else name)
+    if unit == "GFLOP/s" and v >= 1e12:
+        scale, unit = 1e12, "TFLOP/s"
+    return f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}{' ' + unit if unit else ''} [{src}]"
+
+
+def _rates_origin(kind: str, rt, plan: Plan) -> str:
+    measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
+    on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
+    other = _other_shapes(kind, rt.shapes, plan) if measured else None
+    if other:
+        on += (f" -- not this job's shapes ({other}): its FLOP/s, head and split-backward figures are "
+               "another model's; calibrate=true with this model.path (and placement.profile, if set) "
+               "measures them")
+    where = (f"measured = calibration profile {rt.origin}{on}" if measured and rt.origin
+             else "no calibration profile (calibrate=true measures one)")
+    if any(v.startswith("fitted from") for v in rt.sources.values()):
+        where += "; fitted = from this job's finished runs ($NPT_CACHE/fitted)"
+    return where
+
+
 def plan_table(plan: Plan, width: int = 180) -> str:
-    """Header (threads per card process, host cores), per-card table (GiB and seconds) with a
-    totals line, and the predicted step time and tokens/s."""
+    """Header (threads, cores, headroom), the per-card table (GiB, seconds) with totals, the rate and memory
+    sources, the schedule line and the prediction."""
     from rich.console import Console
     from rich.table import Table
 
@@ -226,10 +232,8 @@ def plan_table(plan: Plan, width: int = 180) -> str:
 
 
 def schedule_line(plan: Plan) -> str:
-    """One line: the schedule, its pipeline phase (seconds) and bubble, the idle share of the phase
-    over all stages (``sum bubble / (P * phase)``, from the stages' own ``t_F, t_B, t_W`` in the
-    schedule's timeline), next to the same schedule's bubble with equal unit times
-    (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the activation micro-batches it holds."""
+    """The schedule's pipeline phase (s) and bubble share next to the same schedule's bubble with equal
+    unit times (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the micro-batches held per card."""
     s, P = plan.shape, len(plan.stages)
     phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
     idle = max(0.0, sum(st.time["bubble"] for st in plan.stages) / (P * phase)) if phase > 0 else 0.0
@@ -240,9 +244,7 @@ def schedule_line(plan: Plan) -> str:
 
 
 def offload_lines(plan: Plan) -> list[str]:
-    """What the host update of offloaded layers does in this plan (``RunShape.offload``): with
-    offloaded layers, one line saying that ``hidden s`` counts host AdamW *and* upload seconds (so it
-    may exceed ``host-opt s``); with none and ``delayed``, one line saying the setting has no effect."""
+    """What the host update of offloaded layers does in this plan (``RunShape.offload``)."""
     mode = plan.shape.offload
     if not any(st.offloaded for st in plan.stages):
         return ([f"train.offload_update=delayed has no effect: every layer is resident (no host update to "
@@ -255,7 +257,7 @@ def offload_lines(plan: Plan) -> list[str]:
 
 
 def format_plan(plan: Plan, width: int = 180) -> str:
-    """Dry-run report: model and run shape, the per-card table, and the model's assumptions."""
+    """Dry-run report: model and run shape, the per-card table, the model's assumptions."""
     m, s = plan.model, plan.shape
     head = [
         f"model {m.name}: {m.total_params():,} params ({m.num_layers} layers x "
@@ -267,7 +269,7 @@ def format_plan(plan: Plan, width: int = 180) -> str:
         + f"split {plan.split}, resident {plan.resident_counts}; {plan.threads} thread(s) per card "
         f"process on {plan.host_cores} core(s)",
         "",
-        plan.table(width=width),
+        plan_table(plan, width=width),
         "",
         "assumptions: weights in compute dtype; resident params +12 B/param (fp32 master "
         "+ AdamW m, v; on cpu cards all params); offloaded: host AdamW + card<->host copies each "

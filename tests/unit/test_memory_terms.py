@@ -1,0 +1,45 @@
+"""The memory model's terms, each its own function, sum to the totals the model gave before it was split
+(figures recorded from ``MemoryModel.stage`` at commit 8e36068, one expression per stage)."""
+from __future__ import annotations
+
+import pytest
+
+from npu_train.hardware import GIB, make_cards
+from npu_train.model.presets import get_preset
+from npu_train.planner import RunShape
+from npu_train.planner.memory import MemoryModel
+
+TERMS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace")
+KEYS = TERMS + ("total", "modules")
+#: (preset, kind, RunShape fields, cards, nonlayer_resident, (stage, layers, resident), bytes of KEYS)
+RECORDED = [
+    ('llama-3.1-8b', 'furiosa', dict(seq_len=512, micro_batch=1, micro_batches=4, dtype='bf16', grad_accum='compute'),
+     2, None, (0, 16, 0), (0, 8030257152, 8030257152, 0, 4362076160, 0, 1482193633, 21904784097, 536870912)),
+    ('llama-3.1-8b', 'furiosa', dict(seq_len=512, micro_batch=1, micro_batches=4, dtype='bf16', grad_accum='compute'),
+     2, None, (1, 16, 6), (0, 8030265344, 8030265344, 15704064000, 2443706368, 2790981632, 1813727477, 38813010165, 536870912)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=4, dtype='fp32', offload='delayed'),
+     3, None, (0, 10, 10), (375809638, 254850048, 254850048, 509700096, 366028800, 113246208, 179841024, 2054325862, 0)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=4, dtype='fp32', offload='delayed'),
+     3, None, (1, 10, 4), (375809638, 141603840, 141603840, 368169984, 244019200, 84962304, 117643100, 1473811906, 0)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=4, dtype='fp32', offload='delayed'),
+     3, None, (2, 10, 0), (375809638, 254852352, 254852352, 764557056, 172341248, 258391296, 204599316, 2285403258, 0)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=8, dtype='bf16', schedule='zb-h1', lora_params_per_layer=34560),
+     2, None, (0, 15, 15), (375809638, 163862784, 2073600, 6220800, 200878080, 0, 44764231, 793609133, 0)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=8, dtype='bf16', schedule='zb-h1', lora_params_per_layer=34560),
+     2, None, (1, 15, 5), (375809638, 163863936, 2073600, 6220800, 431499264, 100663296, 84518507, 1164649041, 0)),
+    ('llama-3.1-8b', 'cuda', dict(seq_len=1024, micro_batch=1, micro_batches=8, dtype='fp32', schedule='gpipe', recompute=True),
+     1, None, (0, 32, 8), (0, 32121044992, 32121044992, 13959168000, 8900452352, 2101346304, 5533894656, 94736951296, 0)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=4, dtype='bf16', grad_accum='compute', offload='serial'),
+     2, False, (0, 15, 3), (375809638, 162825984, 162825984, 976955904, 200878080, 464512512, 236159815, 2579967917, 0)),
+    ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=4, dtype='bf16', grad_accum='compute', offload='serial'),
+     2, False, (1, 15, 15), (375809638, 162827136, 162827136, 976962816, 150770688, 514622208, 236161198, 2579980820, 0)),
+]
+
+
+@pytest.mark.parametrize("name,kind,shape,cards,nonlayer_resident,where,expected", RECORDED)
+def test_terms_sum_to_the_recorded_totals(name, kind, shape, cards, nonlayer_resident, where, expected):
+    i, n, r = where
+    mm = MemoryModel(get_preset(name), RunShape(**shape), make_cards(kind, cards, 1 << 40), nonlayer_resident)
+    mem = mm.stage(i, n, r, 0.35 * GIB if kind == "cpu" else 0).mem
+    assert tuple(mem[k] for k in KEYS) == expected
+    assert mem["total"] == sum(mem[k] for k in TERMS)
