@@ -53,6 +53,11 @@ def host_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+#: host RAM (bytes) kept for the launcher before cpu cards split the rest: its peak anon + shared RSS
+#: was 0.20-0.49 GiB in the default, LoRA and 0.63 B jobs (experiments/2026-12-03-lora-memory.md)
+LAUNCHER_RESERVE_BYTES = 512 * 2**20
+
+
 def nominal_capacity(kind: str) -> int:
     """Usable memory of one card of ``kind`` without asking a device, bytes: furiosa
     :data:`FURIOSA_CAPACITY_BYTES`, cuda :data:`CUDA_ASSUMED_CAPACITY_BYTES`, cpu the host's whole RAM

@@ -224,9 +224,12 @@ class MemoryModel:
         return total
 
     def transients(self, i: int, n: int, p: StageParams, activations: int) -> int:
-        """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step."""
+        """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step,
+        raised to cover the model load where that is the stage's peak (:meth:`_load_excess`)."""
         peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
-        return peak - activations + self._held_through_the_step(i, p)
+        steady = peak - activations + self._held_through_the_step(i, p)
+        rest = self.weights(p) + self.gradients(p) + self.optimizer_state(i, p) + activations
+        return steady + self._load_excess(i, n, p, rest + steady)
 
     def workspace(self, i: int, body: int) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the
@@ -243,6 +246,17 @@ class MemoryModel:
             return self.adapter_params if n else 0
         ends = i == 0 or i == self.num_stages - 1
         return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
+
+    def _load_excess(self, i: int, n: int, p: StageParams, body: int) -> int:
+        """Bytes by which the model load's peak exceeds ``body`` on a host-memory card: the weights plus the
+        fp32 tensor being read (``runtime/stagebuild.py`` reads one at a time; the largest, often the
+        embedding). Only LoRA gets here: a full fine-tuning's fp32 masters read at load are part of its
+        optimizer state, which the steady terms already hold."""
+        if not self.adapter_params or self.cards[i].kind not in HOST_MEMORY_KINDS:
+            return 0
+        ends = i == 0 or i == self.num_stages - 1
+        largest = max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
+        return max(0, self.weights(p) + 4 * largest - body)
 
     def _fused_head(self, i: int) -> bool:
         return i == self.num_stages - 1 and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params

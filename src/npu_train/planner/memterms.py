@@ -55,8 +55,8 @@ class MemoryTerms:
 
 _FIELD = "fitted to the field record: 1 card x 4 resident ran (issue 12)"
 DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
-    "cpu": MemoryTerms(0, 0.12, sources={"workspace_bytes": "none: process baseline instead",
-                                         "workspace_fraction": "measured: mallinfo2, SmolLM2-135M"}),
+    "cpu": MemoryTerms(0, 0.04, sources={"workspace_bytes": "none: process baseline instead",
+                                         "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,

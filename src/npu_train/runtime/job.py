@@ -53,21 +53,23 @@ def as_list(v):
 
 def card_specs(reqs, cfg, prefix: str = "") -> list:
     """One node's resolved cards (:class:`~npu_train.hardware.Card`): the backend's capacity
-    (``placement.capacity_gib`` overrides; CPU cards share RAM), names after ``prefix`` (multi-node: ``node1/``)."""
+    (``placement.capacity_gib`` overrides; CPU cards share the RAM left after the launcher's
+    :data:`~npu_train.hardware.LAUNCHER_RESERVE_BYTES`), names after ``prefix`` (multi-node: ``node1/``)."""
     from npu_train.backends.spec import default_capacity
+    from npu_train.hardware import LAUNCHER_RESERVE_BYTES
 
     n_cpu = sum(1 for r in reqs if r.kind == "cpu")
     cards = []
     for r in reqs:
         cap = default_capacity(r.kind)
         if r.kind == "cpu" and n_cpu:
-            cap = cap // n_cpu
+            cap = (cap - LAUNCHER_RESERVE_BYTES) // n_cpu
         if cfg.placement.capacity_gib:
             want = int(cfg.placement.capacity_gib * 2 ** 30)
             if r.kind == "cpu" and want > cap and not cfg.plan:  # cpu cards split this host's RAM
                 raise ConfigError(f"placement.capacity_gib={cfg.placement.capacity_gib:g} is more than a cpu card's "
-                                  f"share of this host's RAM ({cap / 2 ** 30:.2f} GiB = {n_cpu * cap / 2 ** 30:.1f} GiB "
-                                  f"/ {n_cpu} cpu card(s)): set it to at most {cap / 2 ** 30:.2f}, or leave it unset")
+                                  f"share of this host's RAM ({cap / 2 ** 30:.2f} GiB = ({default_capacity('cpu') / 2 ** 30:.1f} GiB "
+                                  f"- {LAUNCHER_RESERVE_BYTES / 2 ** 30:.1f} GiB for the launcher) / {n_cpu} cpu card(s)): set it to at most {cap / 2 ** 30:.2f}, or leave it unset")
             cap = want
         name = r.kind if r.kind == "cpu" and n_cpu == 1 else (f"cpu:{len([c for c in cards if c.kind == 'cpu'])}" if r.kind == "cpu" else f"{r.kind}:{r.index}")
         cards.append(replace(r, capacity_bytes=cap, name=prefix + name))
