@@ -12,7 +12,7 @@ from typing import Optional, Sequence
 from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, stage_timeline
-from npu_train.planner.memory import WORKSPACE, MemoryModel
+from npu_train.planner.memory import MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
 from npu_train.planner.spec import RunShape
@@ -151,7 +151,7 @@ class CostModel:
         if self.zero and self.dp > 1:  # ZeRO-1: this card keeps 1/dp of the stage's optimizer state
             share = 1.0 / self.dp
             cut = mem["optimizer"] - int(mem["optimizer"] * share)
-            ws_cut = int(cut * WORKSPACE[self.cards[i].kind][1])
+            ws_cut = int(cut * self.memory.terms[i].workspace_fraction)  # the card's terms (profile or default)
             mem["optimizer"] -= cut
             mem["workspace"] -= ws_cut
             mem["total"] -= cut + ws_cut
