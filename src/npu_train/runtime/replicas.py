@@ -1,6 +1,6 @@
 """Data-parallel collectives of one stage across its replicas (gloo, host tensors), when ``parallel.dp > 1``:
 :func:`allreduce_grads`, and ZeRO-1 (Rajbhandari et al. 2020) by parameter: :func:`zero_owners`,
-:func:`broadcast_weights`, :func:`gather_state`. docs/design.md §17.
+:func:`broadcast_weights`, :func:`gathered_state_entries`. docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -74,26 +74,35 @@ def broadcast_weights(params: dict, owners: dict, replica: int, ranks: list, bac
 STATE_KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
-def gather_state(local: dict, shapes: dict, owners: dict, replica: int, ranks: list) -> dict:
-    """Collect the ZeRO-1 optimizer state (``local``: fp32 ``<kind>.<name>`` of owned parameters) on replica 0,
-    which returns every parameter's; others return ``{}``."""
+def _owner_keys(shapes: dict, owners: dict, o: int) -> list[str]:
+    """The checkpoint keys of replica ``o``'s parameters, in the order they are sent and written."""
+    return [f"{kind}.{n}" for n in sorted(n for n in shapes if owners[n] == o) for kind in STATE_KINDS]
+
+
+def gathered_state_entries(local: list, shapes: dict, owners: dict, replica: int, ranks: list) -> list:
+    """The ZeRO-1 optimizer state for replica 0's shard, streamed: replica 0 returns its own ``local``
+    :class:`~npu_train.optim.entry.Entry` list followed by every other replica's parameters, each received
+    inside its ``get()`` (fp32, one tensor at a time: the writer holds one); replica ``o > 0`` sends its
+    tensors one by one in that order (blocking until replica 0 has read them) and returns ``[]``.
+    ``shapes``: ``{name: shape}`` of the stage's parameters; ``ranks``: the stage's global ranks by replica."""
     import torch.distributed as dist
 
-    out = dict(local) if replica == 0 else {}
+    from npu_train.optim.entry import Entry
+
+    if replica != 0:
+        mine = {e.name: e for e in local}
+        for k in _owner_keys(shapes, owners, replica):
+            dist.send(mine[k].get().float().contiguous(), dst=ranks[0])
+        return []
+
+    def receive(shape: tuple, src: int) -> torch.Tensor:
+        t = torch.empty(shape, dtype=torch.float32)
+        dist.recv(t, src=src)
+        return t
+
+    out = list(local)
     for o in range(1, len(ranks)):
-        names = sorted(n for n in shapes if owners[n] == o)
-        if not names or replica not in (0, o):
-            continue
-        keys = [f"{kind}.{n}" for n in names for kind in STATE_KINDS]
-        if replica == o:
-            flat = torch.cat([local[k].float().reshape(-1) for k in keys])
-            dist.send(flat, dst=ranks[0])
-        else:
-            numels = [int(torch.Size(shapes[k.split(".", 1)[1]]).numel()) for k in keys]
-            flat = torch.empty(sum(numels), dtype=torch.float32)
-            dist.recv(flat, src=ranks[o])
-            off = 0
-            for k, c in zip(keys, numels):
-                out[k] = flat[off:off + c].view(shapes[k.split(".", 1)[1]]).clone()
-                off += c
+        for k in _owner_keys(shapes, owners, o):
+            shape = tuple(shapes[k.split(".", 1)[1]])
+            out.append(Entry(k, torch.float32, shape, lambda shape=shape, src=ranks[o]: receive(shape, src)))
     return out

@@ -416,8 +416,9 @@ class StageTrainer:
 
     def maybe_save(self, done: int, interrupted: bool = False, stopping: bool = False) -> Optional[str]:
         """Write and report this stage's shard when :meth:`save_due`; returns the staging directory or None.
-        Replica 0 writes (the dp=1 format; ZeRO-1: after :func:`~npu_train.runtime.replicas.gather_state`,
-        12 B/param); extra host memory otherwise: the largest fp32 tensor (checked first)."""
+        Replica 0 writes (the dp=1 format; ZeRO-1: receiving the other replicas' tensors one at a time,
+        :func:`~npu_train.runtime.replicas.gathered_state_entries`); extra host memory: the largest fp32
+        tensor (checked first)."""
         from npu_train.checkpoint.store import entries_of, save_shard, tmp_dir
         from npu_train.checkpoint.stream import check_memory
 
@@ -426,12 +427,12 @@ class StageTrainer:
         spec = self.spec
         self.enter(f"checkpoint save of step {done}")
         fix = "the previous checkpoint is intact; free host memory (other processes) and retry"
-        if self.zero:  # ZeRO-1 gathers the stage's whole optimizer state on replica 0 (12 bytes per parameter)
-            from npu_train.runtime.replicas import gather_state
+        if self.zero:  # replica 0 receives the others' optimizer state tensor by tensor while it writes
+            from npu_train.runtime.replicas import gathered_state_entries
 
-            check_memory(12 * sum(p.numel() for p in self.params.values()), f"checkpoint save of step {done}", fix)
-            tensors = entries_of(gather_state(self.opt.state_tensors(), {n: tuple(p.shape) for n, p in self.params.items()},
-                                              self.owners, self.replica, self.stage_ranks))
+            check_memory(4 * max(p.numel() for p in self.params.values()), f"checkpoint save of step {done}", fix)
+            tensors = gathered_state_entries(self.opt.state_entries(), {n: tuple(p.shape) for n, p in self.params.items()},
+                                             self.owners, self.replica, self.stage_ranks)
         else:
             tensors = self.opt.state_entries() if self.replica == 0 else []
             check_memory(max((e.nbytes for e in tensors), default=0), f"checkpoint save of step {done}", fix)
