@@ -103,21 +103,21 @@ class CostModel:
             active = sum(1 for st in range(max(0, j - M + 1), min(j, P - 1) + 1) if cpu_stage[st])
             self.slots += max(1.0, self.dp * active * self.threads / cores)  # dp replicas at once
         tok = shape.tokens_per_micro_batch
-        rc = 8.0 / 6.0 if shape.recompute else 1.0
         # 6 FLOPs/param/token: forward 2 + input gradient 2 + weight gradient 2 (Kaplan et al. 2020);
         # LoRA computes no weight gradient of the frozen base: 4 (+ 6 per adapter parameter)
-        La = shape.lora_params_per_layer
-        Pl = model.params_per_layer()
+        adapter_params = shape.lora_params_per_layer
+        layer_params = model.params_per_layer()
         attn = shape.seq_len * tok * model.num_heads * model.head_dim
-        lin = 2.0 * (Pl + La) * tok  # one pass over the linear layers (base + adapters)
+        lin = 2.0 * (layer_params + adapter_params) * tok  # one pass over the linear layers (base + adapters)
         f = lin + 4.0 * attn
         #: FLOPs per micro-batch of one decoder layer: (forward, input gradient, weight gradient)
         self.layer_fbw = (f, lin + 8.0 * attn + (f if shape.recompute else 0.0),
-                          2.0 * (La if La else Pl) * tok)
+                          2.0 * (adapter_params if adapter_params else layer_params) * tok)
         self.layer_flops = sum(self.layer_fbw)
-        E2 = 2.0 * tok * model.embedding_params()
+        head_pass = 2.0 * tok * model.embedding_params()  # one pass of the lm_head (V x H) over the tokens
         #: FLOPs per micro-batch of the lm_head (+ loss): (forward, input gradient, weight gradient)
-        self.head_fbw = (E2, E2 + (E2 if shape.recompute else 0.0), 0.0 if La else E2)
+        self.head_fbw = (head_pass, head_pass + (head_pass if shape.recompute else 0.0),
+                         0.0 if adapter_params else head_pass)
         self.head_flops = sum(self.head_fbw)
         self._cache: dict = {}
 
