@@ -16,7 +16,7 @@ NO_SAVE_NOTE = ("note: checkpoint.save=false: no checkpoint will be written (not
 def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier: list, owner: bool) -> None:
     """Get the checkpoint root ready before the card processes start. ``save=false``: prints
     :data:`NO_SAVE_NOTE` only. Else creates ``ckpt_root``, warns when a checkpoint will not fit and, when this
-    node ``owner``\ s it, removes dead jobs' staging and sets ``earlier`` aside. Raises OSError."""
+    node is the ``owner``, removes dead jobs' staging and sets ``earlier`` aside. Raises OSError."""
     from npu_train.checkpoint.store import launch_space_warning, remove_stale_staging, set_aside
 
     if not cfg.checkpoint.save:
