@@ -1,4 +1,4 @@
-"""CPU backend: the host as a "card". Memory figures are the process's RSS (``psutil``), the peak
+"""CPU backend: the host as a "card". Memory figures are the process's anonymous + shared RSS, the peak
 sampled at every backend call (a spike between calls can be missed)."""
 
 from __future__ import annotations
@@ -57,8 +57,18 @@ class CPUBackend(Backend):
         self._proc = psutil.Process()
         self._peak_lock = threading.Lock()
 
+    def _resident(self) -> int:
+        """Anonymous + shared resident bytes (``RssAnon + RssShmem`` of ``/proc/self/status``): what the plan
+        bounds; file pages (libraries, mapped model files) are not counted. Elsewhere: ``psutil`` RSS."""
+        try:
+            with open("/proc/self/status", "rb") as f:
+                fields = dict(line.split(b":", 1) for line in f if line.startswith((b"RssAnon", b"RssShmem")))
+            return sum(int(v.split()[0]) for v in fields.values()) * 1024
+        except (OSError, ValueError):
+            return int(self._proc.memory_info().rss)
+
     def _sample(self) -> int:
-        rss = int(self._proc.memory_info().rss)
+        rss = self._resident()
         if rss > self._peak:
             with self._peak_lock:
                 if rss > self._peak:
@@ -79,7 +89,7 @@ class CPUBackend(Backend):
         return int(psutil.virtual_memory().total)
 
     def memory_allocated(self) -> int:
-        """Resident set size of this process (bytes)."""
+        """Anonymous + shared resident memory of this process (bytes, :meth:`_resident`)."""
         return self._sample()
 
     def max_memory_allocated(self) -> int:
@@ -87,7 +97,7 @@ class CPUBackend(Backend):
         return max(self._peak, self._sample())
 
     def reset_peak_memory(self) -> None:
-        rss = int(self._proc.memory_info().rss)
+        rss = self._resident()
         with self._peak_lock:
             self._peak = rss
 
