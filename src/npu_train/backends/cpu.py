@@ -3,36 +3,12 @@ sampled at every backend call (a spike between calls can be missed)."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import threading
 
 import psutil
 import torch
 
 from npu_train.backends.base import Backend
-
-
-#: glibc ``mallopt`` parameter number of ``M_MMAP_THRESHOLD`` (malloc.h)
-_M_MMAP_THRESHOLD = -3
-#: allocations at least this large (bytes) are mapped on their own and unmapped when freed
-MMAP_THRESHOLD_BYTES = 256 * 1024
-
-
-def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Give glibc a fixed mmap threshold of ``nbytes``; False where the C library is not glibc.
-
-    By default glibc raises the threshold up to 32 MiB as large blocks are freed, so activations
-    (MiBs each) come from the heap, where a backward's interleaved frees and allocations leave holes
-    the next forward does not fill: the process grew by ~1.8x the live activations on a LoRA stage
-    of SmolLM2-135M, memory no plan term counts. With a fixed threshold a tensor's pages go back to
-    the OS when it is freed, and the resident memory follows the live tensors (the planner's model);
-    cost ~4-8 % of a CPU step (experiments/2026-12-03-lora-memory.md)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, int(nbytes)))
-    except (OSError, AttributeError):
-        return False
 
 
 class CPUBackend(Backend):
@@ -74,9 +50,6 @@ class CPUBackend(Backend):
                 if rss > self._peak:
                     self._peak = rss
         return rss
-
-    def _setup(self) -> None:
-        fix_mmap_threshold()
 
     def device(self) -> torch.device:
         return torch.device("cpu")

@@ -237,9 +237,9 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     freed memory, as card processes do (:func:`npu_train.hostmem.keep_freed_memory`)."""
     import torch
 
-    from npu_train.hostmem import keep_freed_memory
+    from npu_train.hostmem import card_mmap_threshold, keep_freed_memory
 
-    keep_freed_memory()  # as the card processes (runtime.keep_host_memory's default): the head's fresh pages
+    keep_freed_memory(mmap_threshold=card_mmap_threshold(kind))  # as the card processes of ``kind`` do
     loop = loop or (QUICK if quick else FULL)
     dims, head_shape, what = reference_shapes(kind, quick, model_cfg, batch_seq)
     n_mm = 128 if quick else _MATMUL_N[kind]
