@@ -16,11 +16,12 @@ from npu_train.env import cache_root
 _SHARED = ("data", "tokenizers", "furiosa")
 _REAL_CACHE = cache_root()
 _CACHES = tempfile.mkdtemp(prefix="npt-test-caches-")
-atexit.register(lambda: __import__("shutil").rmtree(_CACHES, ignore_errors=True))  # the per-test caches' parent
 
 # ---- disk: a passed test's temp dir goes at once (checkpoints of the real model are ~2 GB each), so the
 # suite's peak disk use is one test's, not the whole session's; a failed test's dir stays for inspection.
 import shutil  # noqa: E402
+
+atexit.register(shutil.rmtree, _CACHES, True)  # the per-test caches' parent (ignore_errors)
 
 import pytest  # noqa: E402
 

@@ -391,7 +391,8 @@ class StageOptimizer:
         return out
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """:meth:`state_entries` as a dict of fp32 CPU copies (ZeRO-1 gather; 12 bytes per parameter)."""
+        """:meth:`state_entries` as a dict of fp32 CPU copies (12 bytes per parameter; the checkpoint streams
+        :meth:`state_entries` instead)."""
         return {e.name: e.get().clone() for e in self.state_entries()}
 
     def load_state_tensors(self, tensors, step: int) -> None:

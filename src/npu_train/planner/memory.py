@@ -154,6 +154,9 @@ class MemoryModel:
                "grads": self.gradients(p), "optimizer": self.optimizer_state(i, p), "activations": activations,
                "transient": self.transients(i, n, p, activations)}
         body = sum(mem[k] for k in BODY_TERMS)
+        load = self._load_excess(i, n, mem["weights"], body)  # the model load, where it is the peak
+        mem["transient"] += load
+        body += load
         mem["workspace"] = self.workspace(i, body)
         mem["total"] = mem["baseline"] + body + mem["workspace"]
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
@@ -224,12 +227,9 @@ class MemoryModel:
         return total
 
     def transients(self, i: int, n: int, p: StageParams, activations: int) -> int:
-        """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step,
-        raised to cover the model load where that is the stage's peak (:meth:`_load_excess`)."""
+        """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step."""
         peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
-        steady = peak - activations + self._held_through_the_step(i, p)
-        rest = self.weights(p) + self.gradients(p) + self.optimizer_state(i, p) + activations
-        return steady + self._load_excess(i, n, p, rest + steady)
+        return peak - activations + self._held_through_the_step(i, p)
 
     def workspace(self, i: int, body: int) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the
@@ -240,23 +240,25 @@ class MemoryModel:
     def _activations_per_layer(self, i: int) -> int:
         return self.activations_per_layer[ATTENTION[self.cards[i].kind]]
 
+    def _largest_param(self, i: int, n: int) -> int:
+        """Elements of the stage's largest parameter tensor, trained or frozen (a layer's or the embedding's)."""
+        ends = i == 0 or i == self.num_stages - 1
+        return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
+
     def _largest_trained_param(self, i: int, n: int) -> int:
         """Elements of the stage's largest trainable tensor (LoRA: one layer's adapters)."""
         if self.adapter_params:
             return self.adapter_params if n else 0
-        ends = i == 0 or i == self.num_stages - 1
-        return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
+        return self._largest_param(i, n)
 
-    def _load_excess(self, i: int, n: int, p: StageParams, body: int) -> int:
+    def _load_excess(self, i: int, n: int, weights: int, body: int) -> int:
         """Bytes by which the model load's peak exceeds ``body`` on a host-memory card: the weights plus the
         fp32 tensor being read (``runtime/stagebuild.py`` reads one at a time; the largest, often the
         embedding). Only LoRA gets here: a full fine-tuning's fp32 masters read at load are part of its
         optimizer state, which the steady terms already hold."""
         if not self.adapter_params or self.cards[i].kind not in HOST_MEMORY_KINDS:
             return 0
-        ends = i == 0 or i == self.num_stages - 1
-        largest = max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
-        return max(0, self.weights(p) + 4 * largest - body)
+        return max(0, weights + 4 * self._largest_param(i, n) - body)
 
     def _fused_head(self, i: int) -> bool:
         return i == self.num_stages - 1 and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params

@@ -54,16 +54,21 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
     )
 
 
+def _first_of_each_kind(plan: Plan, per_stage) -> list[tuple]:
+    """``(card kind, per_stage[i])`` for the first stage ``i`` of each card kind (``per_stage``: a list
+    beside ``plan.stages``, or None)."""
+    first: dict = {}
+    for st, value in zip(plan.stages, per_stage or []):
+        first.setdefault(st.card.kind, value)
+    return list(first.items())
+
+
 def memory_sources(plan: Plan) -> list[str]:
     """Lines naming where the memory figures come from, per card kind (attention, workspace figures),
     the gradient accumulators and the RNGD compiler cache."""
     s = plan.shape
-    out, seen = [], set()
-    for st, terms in zip(plan.stages, plan.memory_terms or []):
-        k = st.card.kind
-        if k in seen:
-            continue
-        seen.add(k)
+    out = []
+    for k, terms in _first_of_each_kind(plan, plan.memory_terms):
         out.append(f"memory {k}: weights/grads/optimizer exact by parameter count; activations "
                    f"{ATTENTION[k]} attention (formula, assumed kernel); workspace "
                    f"{terms.describe()}")
@@ -98,12 +103,8 @@ def _other_shapes(kind: str, have: str, plan: Plan) -> Optional[str]:
 def rate_sources(plan: Plan) -> list[str]:
     """One line per card kind: every rate with its source (measured, assumed, scaled, fitted) and the
     profile and shapes behind the measured ones."""
-    out, seen = [], set()
-    for st, rt in zip(plan.stages, plan.rates or []):
-        k = st.card.kind
-        if k in seen:
-            continue
-        seen.add(k)
+    out = []
+    for k, rt in _first_of_each_kind(plan, plan.rates):
         parts = [_rate_text(rt, row) for row in _RATE_ROWS if _rate_shown(row[0], k, plan)]
         out.append(f"rates {k}" + (f" at {rt.threads} thread(s)" if rt.threads else "") + ": "
                    + ", ".join(parts) + f"; {_rates_origin(k, rt, plan)}")
