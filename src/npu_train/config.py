@@ -219,6 +219,23 @@ class ParallelConf:
 
 
 @dataclass
+class MetricsConf:
+    #: where per-step metrics go besides metrics.jsonl (always written): any of tensorboard (<run dir>/tb),
+    #: wandb (Weights & Biases: pip install 'npu-train[wandb]'; offline into <run dir>/wandb unless
+    #: WANDB_MODE is set or credentials exist: WANDB_API_KEY or a ~/.netrc entry), mlflow (pip install
+    #: 'npu-train[mlflow]'; to metrics.mlflow_uri). A missing package or an unreachable server is one
+    #: warning and training goes on. [] = metrics.jsonl only.
+    logger: list = field(default_factory=lambda: ["tensorboard"])
+    #: W&B project / MLflow experiment name.
+    project: str = "npu-train"
+    #: the tracker run's display name (null = the run directory's last two parts, e.g. 2026-12-03/10-00-00).
+    run_name: Optional[str] = None
+    #: MLflow tracking URI (null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the launch directory,
+    #: MLflow's own default; e.g. http://mlflow:5000 or file:/path for the old file store).
+    mlflow_uri: Optional[str] = None
+
+
+@dataclass
 class Config:
     #: cards, one process each: cpu, cuda:N, cuda:auto, furiosa:N, furiosa:auto (comma list).
     backend: Any = field(default_factory=lambda: ["cpu", "cpu"])
@@ -230,6 +247,7 @@ class Config:
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     placement: PlanConf = field(default_factory=PlanConf)
     parallel: ParallelConf = field(default_factory=ParallelConf)
+    metrics: MetricsConf = field(default_factory=MetricsConf)
     #: print the placement plan and exit (no device, no weights loaded).
     plan: bool = False
     #: measure device/host rates on this machine and save a calibration profile, then exit
@@ -261,6 +279,9 @@ def validate(cfg) -> None:
     par = cfg.get("parallel") if hasattr(cfg, "get") else getattr(cfg, "parallel", None)
     if par is not None:
         _check_parallel(par)
+    met = cfg.get("metrics") if hasattr(cfg, "get") else getattr(cfg, "metrics", None)
+    if met is not None:
+        _check_metrics(met)
 
 
 def _check_shape(t, d) -> None:
@@ -369,6 +390,18 @@ def _check_parallel(par) -> None:
     if par.zero == 1 and par.dp == 1:
         raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across "
                           "replicas): raise parallel.dp or use parallel.zero=0")
+
+
+#: the trackers ``metrics.logger`` accepts (npu_train.metrics.trackers)
+LOGGERS = ("tensorboard", "wandb", "mlflow")
+
+
+def _check_metrics(met) -> None:
+    names = [met.logger] if isinstance(met.logger, str) else list(met.logger)
+    bad = [n for n in names if n not in LOGGERS]
+    if bad:
+        raise ConfigError(f"metrics.logger={names}: unknown {bad}; use a list of {list(LOGGERS)} "
+                          "(e.g. metrics.logger=[tensorboard,wandb]; [] = metrics.jsonl only)")
 
 
 def check_dp_cards(n_cards: int, dp: int) -> int:

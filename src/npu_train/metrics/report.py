@@ -1,6 +1,8 @@
-"""Progress lines, JSONL metrics, TensorBoard scalars and the end-of-run summary with a loss plot.
+"""Progress lines, JSONL metrics, tracker scalars (TensorBoard, W&B, MLflow) and the end-of-run summary with a
+loss plot.
 
-Start at :class:`Reporter` (fed by the coordinator; one record per step from :func:`merged_record`).
+Start at :class:`Reporter` (fed by the coordinator; one record per step from :func:`merged_record`); the
+trackers are :mod:`npu_train.metrics.trackers`.
 Times in seconds, memory in GiB (2**30 bytes); the fields of the progress line and ``metrics.jsonl``
 (``idle_share``, ``bubble_s``, ``*_cards``...) and the strict-JSON rule are in docs/design.md §17.
 """
@@ -33,7 +35,7 @@ def dumps(obj, **kw) -> str:
 
 
 #: what a launch writes into its run directory (moved aside by :func:`rotate_previous_run`)
-RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb")
+RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb", "wandb")
 
 
 def rotate_previous_run(run_dir: str) -> Optional[str]:
@@ -131,11 +133,14 @@ def device_fields(reports: list[dict]) -> dict:
 
 
 class Reporter:
-    """Collects the cards' per-step reports; writes ``metrics.jsonl``, TensorBoard and the summary.
-    ``predicted_mem``: per-card predicted peak bytes; ``predicted_step_s``: the plan's step time (s)."""
+    """Collects the cards' per-step reports; writes ``metrics.jsonl``, the trackers and the summary.
+    ``predicted_mem``: per-card predicted peak bytes; ``predicted_step_s``: the plan's step time (s);
+    ``trackers``: started :class:`~npu_train.metrics.trackers.Guarded` trackers (None: TensorBoard into
+    ``<run_dir>/tb`` when ``tensorboard``, as the default ``metrics.logger``); closed by :meth:`close`."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
-                 predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True):
+                 predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True,
+                 trackers: Optional[list] = None):
         self.run_dir = run_dir
         self.total = total_steps
         self.pred_mem = predicted_mem
@@ -150,14 +155,13 @@ class Reporter:
         self.skipped = 0  # steps whose update was skipped (non-finite loss or grad norm)
         self.evals: list[dict] = []
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        if trackers is None:
+            trackers = []
+            if tensorboard:
+                from npu_train.metrics.trackers import TrackerSetup, open_trackers
 
-                self.tb = SummaryWriter(os.path.join(run_dir, "tb"))
-            except Exception:  # tensorboard missing: JSONL still written
-                self.tb = None
+                trackers = open_trackers(["tensorboard"], TrackerSetup(run_dir, {}, {}), warn=self.note)
+        self.trackers = list(trackers)
         self.t_start = time.time()
         self.trace = None  # npu_train.metrics.trace.TraceWriter, from the first step with actions (runtime.trace)
         self._n_ema = 0  # finite losses folded into the EMA
@@ -208,7 +212,7 @@ class Reporter:
         self._track(rec, step, wall)
         self.jsonl.write(dumps(rec) + "\n")
         self.jsonl.flush()
-        self._tensorboard(rec, step)
+        self._log_trackers(rec, step)
         self.note(self._line(rec, step, wall, skipped))
         return rec
 
@@ -241,14 +245,16 @@ class Reporter:
         rec["eta_s"] = max(0, self.total - step) * mean_s
         self._peak = [max(a, b) for a, b in zip(self._peak, rec["mem_peak_bytes"])] or list(rec["mem_peak_bytes"])
 
-    def _tensorboard(self, rec: dict, step: int) -> None:
-        if self.tb is None:
+    def _log_trackers(self, rec: dict, step: int) -> None:
+        """The step's scalars to every tracker: ``train/{loss,lr,grad_norm,tokens_per_s,step_s}`` (finite ones),
+        ``memory/card{i}_peak_gib``."""
+        if not self.trackers:
             return
-        for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s"):
-            if math.isfinite(float(rec[k])):
-                self.tb.add_scalar(f"train/{k}", rec[k], step)
-        for i, m in enumerate(rec["mem_peak_bytes"]):
-            self.tb.add_scalar(f"memory/card{i}_peak_gib", m / GIB, step)
+        scalars = {f"train/{k}": float(rec[k]) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s")
+                   if math.isfinite(float(rec[k]))}
+        scalars.update({f"memory/card{i}_peak_gib": m / GIB for i, m in enumerate(rec["mem_peak_bytes"])})
+        for t in self.trackers:
+            t.log(scalars, step)
 
     def _line(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
         """The progress line of one step."""
@@ -274,8 +280,9 @@ class Reporter:
         self.evals.append(rec)
         with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
             f.write(dumps(rec) + "\n")
-        if self.tb is not None and math.isfinite(val_loss):
-            self.tb.add_scalar("eval/loss", val_loss, step)
+        if math.isfinite(val_loss):
+            for t in self.trackers:
+                t.log({"eval/loss": val_loss}, step)
         self.note(f"eval after step {step}: val loss {val_loss:.4f} (ppl {rec['val_ppl']:.2f}) on {tokens:,} held-out tokens")
 
     def finish(self, extra: Optional[dict] = None) -> dict:
@@ -295,6 +302,8 @@ class Reporter:
         }
         if extra:
             summ.update(extra)
+        for t in self.trackers:
+            t.summary(summ)
         if self.trace is not None:
             text = self.trace.summary()
             self.trace.close()
@@ -334,9 +343,8 @@ class Reporter:
             self.trace.close()
         if not self.jsonl.closed:
             self.jsonl.close()
-        if self.tb is not None:
-            self.tb.close()
-            self.tb = None
+        for t in self.trackers:
+            t.close()
 
 
 def fmt_duration(seconds: float) -> str:

@@ -670,7 +670,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
                                slot_bytes=launch.slot_bytes, slots=launch.slots, nodes=node_plan)
     _announce(cfg, run_dir, prep, data, resume, launch, node, len(specs))
     reporter = Reporter(run_dir, cfg.train.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * prep.dp,
-                        predicted_step_s=plan.step_time_s)
+                        predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node))
     coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,
@@ -680,6 +680,41 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
                         reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
                         node=node.node_rank, nnodes=node.nnodes)
     return StartedJob(coord=coord, reporter=reporter, data_file=data_file, job_id=launch.job_id)
+
+
+def _open_trackers(cfg, run_dir: str, plan, resume: ResumePoint, node: NodeContext) -> list:
+    """``metrics.logger``'s trackers (:mod:`npu_train.metrics.trackers`) on node 0 (the one that reports);
+    a resumed run continues the tracker runs recorded in its checkpoint dir."""
+    from omegaconf import OmegaConf
+
+    from npu_train.metrics.trackers import TrackerSetup, open_trackers
+
+    met = cfg.get("metrics") if hasattr(cfg, "get") else None
+    names = as_list(met.logger) if met is not None else ["tensorboard"]
+    names = [names] if isinstance(names, str) else names
+    if not names or not node.is_owner:
+        return []
+    conf = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {}
+    name = met.run_name or "/".join(os.path.normpath(os.path.abspath(run_dir)).split(os.sep)[-2:])
+    setup = TrackerSetup(run_dir=run_dir, config=conf, plan=plan.to_dict(), project=str(met.project), run_name=name,
+                         group=_sweep_group(), ckpt_root=resume.ckpt_root if resume.saving else None,
+                         resuming=resume.resume_dir is not None, mlflow_uri=met.mlflow_uri)
+    return open_trackers(names, setup)
+
+
+def _sweep_group():
+    """The sweep (Hydra multirun) directory's name this job belongs to, e.g. ``2026-12-03/10-00-00``; None for
+    a single run."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        hc = HydraConfig.get()
+        if hc.mode == RunMode.MULTIRUN:
+            return "/".join(os.path.normpath(str(hc.sweep.dir)).split(os.sep)[-2:])
+    except Exception:  # noqa: BLE001 - not under Hydra (tests, library use)
+        pass
+    return None
 
 
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
