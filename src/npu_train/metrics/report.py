@@ -136,11 +136,13 @@ class Reporter:
     """Collects the cards' per-step reports; writes ``metrics.jsonl``, the trackers and the summary.
     ``predicted_mem``: per-card predicted peak bytes; ``predicted_step_s``: the plan's step time (s);
     ``trackers``: started :class:`~npu_train.metrics.trackers.Guarded` trackers (None: TensorBoard into
-    ``<run_dir>/tb`` when ``tensorboard``, as the default ``metrics.logger``); closed by :meth:`close`."""
+    ``<run_dir>/tb`` when ``tensorboard``, as the default ``metrics.logger``); closed by :meth:`close`;
+    ``model_flops``: model FLOPs of one step per card (rank order, :mod:`npu_train.metrics.mfu`): with the
+    cards' reported ``peak_flops`` each step gets ``mfu`` (job) and ``mfu_cards``."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
                  predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True,
-                 trackers: Optional[list] = None):
+                 trackers: Optional[list] = None, model_flops: Optional[list[float]] = None):
         self.run_dir = run_dir
         self.total = total_steps
         self.pred_mem = predicted_mem
@@ -162,6 +164,8 @@ class Reporter:
 
                 trackers = open_trackers(["tensorboard"], TrackerSetup(run_dir, {}, {}), warn=self.note)
         self.trackers = list(trackers)
+        self.model_flops = list(model_flops) if model_flops else None
+        self._sum_mfu, self._n_mfu, self.peak_sources = 0.0, 0, None
         self.t_start = time.time()
         self.trace = None  # npu_train.metrics.trace.TraceWriter, from the first step with actions (runtime.trace)
         self._n_ema = 0  # finite losses folded into the EMA
@@ -209,12 +213,33 @@ class Reporter:
         rec.update(device_fields(reports))
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
+        self._mfu(rec, reports, wall)
         self._track(rec, step, wall)
         self.jsonl.write(dumps(rec) + "\n")
         self.jsonl.flush()
         self._log_trackers(rec, step)
         self.note(self._line(rec, step, wall, skipped))
         return rec
+
+    def _mfu(self, rec: dict, reports: list[dict], wall: float) -> None:
+        """``mfu`` = all cards' model FLOPs / (step wall time x the sum of their peaks); ``mfu_cards`` per card
+        (fractions). Nothing when the FLOPs or a card's peak are unknown."""
+        from npu_train.metrics.mfu import mfu
+
+        peaks = [r.get("peak_flops") for r in reports]
+        if not self.model_flops or len(self.model_flops) != len(reports) or not all(peaks):
+            return
+        job = mfu(sum(self.model_flops), wall, sum(peaks))
+        if job is None:
+            return
+        rec["model_flops"] = sum(self.model_flops)
+        rec["mfu"] = job
+        rec["mfu_cards"] = [mfu(f, wall, p) for f, p in zip(self.model_flops, peaks)]
+        if self.peak_sources is None:
+            self.peak_sources = [r.get("peak_source") for r in reports]
+        if self._n > 0:  # the first step (start-up, compilation) is left out of the mean, as for step times
+            self._sum_mfu += job
+            self._n_mfu += 1
 
     def _trace_step(self, step: int, reports: list[dict]) -> None:
         """``runtime.trace``: the step's actions of every card into ``<run dir>/trace.json``."""
@@ -253,6 +278,8 @@ class Reporter:
         scalars = {f"train/{k}": float(rec[k]) for k in ("loss", "lr", "grad_norm", "tokens_per_s", "step_s")
                    if math.isfinite(float(rec[k]))}
         scalars.update({f"memory/card{i}_peak_gib": m / GIB for i, m in enumerate(rec["mem_peak_bytes"])})
+        if rec.get("mfu") is not None:
+            scalars["train/mfu"] = rec["mfu"]
         for t in self.trackers:
             t.log(scalars, step)
 
@@ -266,7 +293,9 @@ class Reporter:
         w = len(str(self.total))
         avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
         return (f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
-                f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s | {wall:.2f} s{plan_s} "
+                f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
+                + (f" | MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "")
+                + f" | {wall:.2f} s{plan_s} "
                 f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
                 f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
                 + (f" | compiled before the step in {rec['compile_s']:.1f} s" if rec.get("compile_s") else "")
@@ -300,6 +329,9 @@ class Reporter:
             "last_val_loss": self.evals[-1]["val_loss"] if self.evals else None,
             "skipped_steps": self.skipped,
         }
+        if self._n_mfu or self.peak_sources:
+            summ["mean_mfu"] = self._sum_mfu / self._n_mfu if self._n_mfu else None
+            summ["peak_flops_sources"] = self.peak_sources
         if extra:
             summ.update(extra)
         for t in self.trackers:

@@ -484,8 +484,13 @@ def _dry_run(cfg, run_dir: str) -> dict:
     """``plan=true``: print the plan table for the target server; nothing is measured or started."""
     from npu_train.planner import plan_table
 
+    from npu_train.runtime.flops import predicted_mfu_line
+
     prep = prepare(cfg, run_dir, probe=False)
     print(plan_table(prep.plan))
+    line = predicted_mfu_line(prep)
+    if line:
+        print(line)
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
         import psutil
@@ -649,6 +654,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     coordinator."""
     from npu_train.data.dataset import save_packed
     from npu_train.metrics.report import Reporter
+    from npu_train.runtime.flops import model_flops_per_rank
 
     _rotate_run_dir(run_dir, resume)
     node_plan = link = None
@@ -670,7 +676,8 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
                                slot_bytes=launch.slot_bytes, slots=launch.slots, nodes=node_plan)
     _announce(cfg, run_dir, prep, data, resume, launch, node, len(specs))
     reporter = Reporter(run_dir, cfg.train.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * prep.dp,
-                        predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node))
+                        predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node),
+                        model_flops=model_flops_per_rank(prep))
     coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,
@@ -751,6 +758,11 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
 
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
     print(plan_table(plan), flush=True)
+    from npu_train.runtime.flops import predicted_mfu_line
+
+    line = predicted_mfu_line(prep)
+    if line:
+        print(line, flush=True)
     with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by planner.fit at the run's end
         json.dump(plan.to_dict(), f, indent=1)
     where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""

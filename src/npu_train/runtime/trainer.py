@@ -95,7 +95,22 @@ class StageTrainer:
         else:
             torch.manual_seed(self.tr.seed + self.stage)
         self._load_data()
+        self.peak = self._peak_flops()
         self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
+
+    def _peak_flops(self):
+        """This card's peak FLOP/s in the compute dtype (:class:`~npu_train.metrics.mfu.Peak`): the data sheet's
+        for RNGD and known GPUs, else a matmul measured here (every CPU card, at its own thread count)."""
+        from npu_train.metrics.mfu import Peak, measure_matmul_flops, spec_peak_flops
+
+        kind, dt = self.spec.card.kind, self.tr.dtype
+        name = torch.cuda.get_device_name(self.backend.device()) if kind == "cuda" else ""
+        peak = spec_peak_flops(kind, dt, name)
+        if peak is None:
+            self.enter("peak FLOP/s (a matmul)")
+            f = measure_matmul_flops(self.backend.device(), compute_dtype(dt), self.backend.synchronize)
+            peak = Peak(f, f"measured matmul {f / 1e9:.1f} GFLOP/s {dt} at {torch.get_num_threads()} thread(s)")
+        return peak
 
     def _load_model(self) -> dict:
         """The stage's module on the card (compiled/warmed up where configured); returns the fp32 masters."""
@@ -265,6 +280,7 @@ class StageTrainer:
                        optimizer_s=ot["device_optimizer"] + ot["host_optimizer"] + res["deferred_opt_s"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
                        mem_peak=self.backend.max_memory_allocated(), mem_now=self.backend.memory_allocated(),
+                       peak_flops=self.peak.flops, peak_source=self.peak.source,
                        compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
                        marks=[t0, t1, t2],
                        # CPU seconds of this process (all threads) in the step and in its three phases

@@ -1,0 +1,116 @@
+"""Model FLOPs utilisation (MFU): the model FLOPs a training step needs over what the cards could do at peak.
+
+MFU = model FLOPs per step / (step wall time (s) x peak FLOP/s), per card and for the job (sums of both).
+Model FLOPs count what training the model needs, not what this run executes: activation recompute is not
+counted (PaLM's convention, Chowdhery et al. 2022, appendix B). Per token and decoder layer:
+
+- linear layers: 2 FLOPs per parameter and token per pass; full fine-tuning runs three passes (forward,
+  input gradient, weight gradient: 6 N, Kaplan et al. 2020); LoRA runs the frozen base's forward and input
+  gradient only (4 N) and all three for the adapters (6 A);
+- attention scores and the weighted sum: 4 S h d forward (QK^T and AV, 2 FLOPs each, h query heads of
+  head_dim d over the sequence S; causal masking not discounted, as in PaLM), twice that backward: 12 S h d;
+- lm_head: 6 V H per token (full), 4 V H (LoRA: frozen head); the embedding lookup has no FLOPs.
+
+The same formulas drive the placement model's step time (:mod:`npu_train.planner.cost`; a unit test keeps the
+two equal). Peaks (:func:`spec_peak_flops`): RNGD 256 TFLOPS bf16 (FuriosaAI's RNGD product page); NVIDIA
+dense tensor-core bf16 / fp32 (non-tensor) figures from the data sheets; anything else, and every CPU, is
+measured on the card itself with a square matmul (:func:`measure_matmul_flops`). No torch at import.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["Peak", "train_flops_per_token", "stage_flops_per_step", "spec_peak_flops", "measure_matmul_flops",
+           "mfu"]
+
+#: FuriosaAI RNGD: 256 TFLOPS bf16 (512 TFLOPS fp8); fp32 runs in bf16 on the card's matrix engine
+RNGD_BF16_FLOPS = 256e12
+
+#: NVIDIA data-sheet peaks (dense, no sparsity), FLOP/s: name fragment -> (bf16 tensor core, fp32 non-tensor).
+#: Matched in order against ``torch.cuda.get_device_name`` (first fragment contained wins).
+CUDA_PEAKS: tuple[tuple[str, float, float], ...] = (
+    ("H200", 989e12, 67e12),
+    ("H100 PCIe", 756e12, 51e12),
+    ("H100", 989e12, 67e12),  # SXM
+    ("GH200", 989e12, 67e12),
+    ("B200", 2250e12, 80e12),
+    ("A100", 312e12, 19.5e12),
+    ("L40S", 362e12, 91.6e12),
+    ("L4", 121e12, 30.3e12),
+    ("A10G", 70e12, 31.2e12),
+    ("A10", 125e12, 31.2e12),
+    ("RTX 4090", 165e12, 82.6e12),
+    ("V100", 125e12, 15.7e12),  # fp16 tensor core (no bf16)
+)
+
+
+@dataclass(frozen=True)
+class Peak:
+    """A card's peak FLOP/s in the run's compute dtype and where the figure comes from."""
+
+    flops: float
+    source: str
+
+
+def train_flops_per_token(num_layers_params: int, seq_len: int, num_heads: int, head_dim: int,
+                          embedding_params: int, lora_params_per_layer: int = 0) -> tuple[float, float]:
+    """``(per decoder layer, lm_head)`` model FLOPs per token of one training step (module docstring).
+
+    ``num_layers_params``: parameters of one decoder layer; ``embedding_params``: V x H (the lm_head's);
+    ``lora_params_per_layer``: adapter parameters per layer (0 = full fine-tuning)."""
+    a = int(lora_params_per_layer)
+    base = 4.0 if a else 6.0
+    layer = base * num_layers_params + 6.0 * a + 12.0 * seq_len * num_heads * head_dim
+    return layer, base * embedding_params
+
+
+def stage_flops_per_step(model, n_layers: int, has_head: bool, seq_len: int, tokens_per_step: int,
+                         lora_params_per_layer: int = 0) -> float:
+    """Model FLOPs of one optimizer step on a stage of ``n_layers`` decoder layers (+ the lm_head when
+    ``has_head``) over ``tokens_per_step`` = micro_batch x seq_len x micro-batches positions. ``model``: a
+    :class:`~npu_train.model.config.LlamaConfig`."""
+    layer, head = train_flops_per_token(model.params_per_layer(), seq_len, model.num_heads, model.head_dim,
+                                        model.embedding_params(), lora_params_per_layer)
+    return float(tokens_per_step) * (n_layers * layer + (head if has_head else 0.0))
+
+
+def spec_peak_flops(kind: str, dtype: str, device_name: str = "") -> Optional[Peak]:
+    """The data-sheet peak of a ``kind`` card (``device_name``: ``torch.cuda.get_device_name``) for compute
+    ``dtype`` (``"bf16"`` / ``"fp32"``), or None when there is none (CPU, an unknown GPU)."""
+    if kind == "furiosa":
+        return Peak(RNGD_BF16_FLOPS, "RNGD spec 256 TFLOPS bf16")
+    if kind == "cuda":
+        for frag, bf16, fp32 in CUDA_PEAKS:
+            if frag in device_name:
+                f = bf16 if dtype == "bf16" else fp32
+                return Peak(f, f"{frag} data sheet {f / 1e12:g} TFLOPS {dtype}")
+    return None
+
+
+def measure_matmul_flops(device, dtype, sync: Callable[[], None] = lambda: None, n: int = 1024,
+                         reps: int = 5) -> float:
+    """Best FLOP/s of ``reps`` ``[n, n] @ [n, n]`` matmuls (``2 n^3`` FLOPs each) on ``device`` in torch
+    ``dtype``, after one warm-up; ``sync`` waits for the device. About 2 GFLOP a matmul at n = 1024: tens of
+    ms on one CPU thread."""
+    import torch
+
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    (a @ b)
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        (a @ b)
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / max(best, 1e-9)
+
+
+def mfu(flops: float, seconds: float, peak: float) -> Optional[float]:
+    """``flops / (seconds * peak)`` (a fraction, not %), or None when the time or the peak is not positive."""
+    if seconds <= 0 or peak <= 0:
+        return None
+    return flops / (seconds * peak)

@@ -1,0 +1,90 @@
+"""MFU: model FLOPs per token from first principles (each matmul of a Llama layer counted by hand), the
+placement model's FLOPs agree with them (the two cannot drift), and the reporter's MFU per step and card."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from npu_train.hardware import make_cards
+from npu_train.metrics.mfu import spec_peak_flops, stage_flops_per_step, train_flops_per_token
+from npu_train.metrics.report import Reporter
+from npu_train.model.config import LlamaConfig
+from npu_train.planner.cost import CostModel
+from npu_train.planner.rates import DEFAULT_RATES
+from npu_train.planner.spec import RunShape
+
+CFG = LlamaConfig(vocab_size=1000, hidden_size=64, intermediate_size=176, num_layers=4, num_heads=8,
+                  num_kv_heads=2, head_dim=16)
+
+
+def _by_hand_forward_per_token(c: LlamaConfig, S: int) -> tuple[float, float]:
+    """Forward FLOPs per token: 2 per multiply-add of every matmul. (layer, lm_head)."""
+    H, I, h, kv, D = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim
+    proj = H * h * D + 2 * H * kv * D + h * D * H  # q, k, v, o
+    mlp = 3 * H * I  # gate, up, down
+    scores = h * S * D  # q . k for S keys, every head
+    weighted = h * S * D  # softmax(scores) @ v
+    return 2.0 * (proj + mlp + scores + weighted), 2.0 * c.vocab_size * H
+
+
+def test_flops_per_token_from_first_principles():
+    S = 128
+    fwd_layer, fwd_head = _by_hand_forward_per_token(CFG, S)
+    layer, head = train_flops_per_token(CFG.params_per_layer(), S, CFG.num_heads, CFG.head_dim,
+                                        CFG.embedding_params())
+    norms = 6.0 * 2 * CFG.hidden_size  # 6N counts the two RMSNorm weights of a layer too (Kaplan's N)
+    assert layer == pytest.approx(3 * fwd_layer + norms, rel=1e-12)  # backward = 2x forward
+    assert head == pytest.approx(3 * fwd_head, rel=1e-12)
+    # LoRA: the frozen base runs forward + input gradient only; adapters all three passes
+    lora_layer, lora_head = train_flops_per_token(CFG.params_per_layer(), S, CFG.num_heads, CFG.head_dim,
+                                                  CFG.embedding_params(), lora_params_per_layer=1000)
+    assert lora_layer == pytest.approx(4 * CFG.params_per_layer() + 6 * 1000 + 12 * S * 8 * 16)
+    assert lora_head == 4 * CFG.embedding_params()
+
+
+@pytest.mark.parametrize("lora", [0, 5000])
+def test_planner_counts_the_same_flops(lora):
+    shape = RunShape(seq_len=64, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="fp32",
+                     lora_params_per_layer=lora)
+    cm = CostModel(CFG, shape, make_cards("cpu", 2, 8 << 30), [DEFAULT_RATES["cpu"]] * 2, None, 1, 2)
+    tok = shape.tokens_per_micro_batch
+    layer, head = train_flops_per_token(CFG.params_per_layer(), 64, CFG.num_heads, CFG.head_dim,
+                                        CFG.embedding_params(), lora)
+    assert cm.layer_flops == pytest.approx(layer * tok, rel=1e-12)
+    assert cm.head_flops == pytest.approx(head * tok, rel=1e-12)
+    assert stage_flops_per_step(CFG, 3, True, 64, tok * 4, lora) == pytest.approx(4 * (3 * cm.layer_flops
+                                                                                       + cm.head_flops))
+
+
+def _card(step, peak):
+    return {"step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens": 100, "time_s": 2.0, "compute_s": 1.5,
+            "optimizer_s": 0.1, "transfer_s": 0.0, "send_s": 0.0, "mem_peak": 1 << 30, "peak_flops": peak,
+            "peak_source": "test"}
+
+
+def test_reporter_mfu_per_card_and_job(tmp_path):
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 3, stream=out, trackers=[], model_flops=[4e9, 6e9])
+    rec = r.step([_card(1, 10e9), _card(1, 30e9)])  # step wall 2 s
+    assert rec["mfu"] == pytest.approx(10e9 / (2.0 * 40e9))
+    assert rec["mfu_cards"] == pytest.approx([4e9 / 20e9, 6e9 / 60e9])
+    assert "| MFU 12.5% |" in out.getvalue()
+    r.step([_card(2, 10e9), _card(2, 30e9)])
+    assert r.finish()["mean_mfu"] == pytest.approx(0.125)  # the first step left out of the mean
+
+
+def test_no_mfu_without_a_peak(tmp_path):
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 3, stream=out, trackers=[], model_flops=[4e9])
+    rec = r.step([_card(1, None)])
+    assert "mfu" not in rec and "MFU" not in out.getvalue()
+
+
+def test_spec_peaks():
+    assert spec_peak_flops("furiosa", "bf16").flops == 256e12
+    assert spec_peak_flops("cuda", "bf16", "NVIDIA H100 PCIe").flops == 756e12
+    assert spec_peak_flops("cuda", "bf16", "NVIDIA H200").flops == 989e12
+    assert spec_peak_flops("cuda", "fp32", "NVIDIA A100-SXM4-80GB").flops == 19.5e12
+    assert spec_peak_flops("cuda", "bf16", "Some Future GPU") is None
+    assert spec_peak_flops("cpu", "fp32") is None
