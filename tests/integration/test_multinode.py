@@ -310,3 +310,37 @@ def test_unshared_checkpoint_dir_is_refused_before_training(tiny_model, tmp_path
     assert rcs[1] == 2 and rcs[0] != 0, n0.tail() + n1.tail()
     assert any("one shared checkpoint.dir" in e for e in n1.error_lines()), n1.tail()
     assert not os.path.exists(os.path.join(n0.run_dir, "metrics.jsonl"))  # no step was trained
+
+
+def test_two_slurm_nodes_through_the_sbatch_script(two_nodes, tiny_model, tmp_path):
+    """launch/slurm/npu-train.sbatch on two "nodes" given only Slurm's variables (no NNODES / NODE_RANK /
+    MASTER_ADDR): srun is a stand-in that runs the step's command as this node's task. The launchers find
+    node 0 in SLURM_JOB_NODELIST, rendezvous, and train the same losses as one node with the two cards."""
+    from launch_util import BASE
+
+    steps = ["train.steps=3"]
+    ref = Job(tmp_path, tiny_model, *steps, name="single", backend="cpu,cpu")
+    assert _wait_both([ref], 300) == [0], ref.tail()
+    srun = tmp_path / "srun"
+    srun.write_text("#!/usr/bin/env bash\nwhile [[ $1 == --* ]]; do shift; done\nexec \"$@\"\n")
+    srun.chmod(0o755)
+    sbatch = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "slurm", "npu-train.sbatch")
+    jobs = []
+    for node in (0, 1):
+        env = {"SLURM_JOB_ID": "5151", "SLURM_NNODES": "2", "SLURM_NTASKS": "2", "SLURM_NODEID": str(node),
+               "SLURM_PROCID": str(node), "SLURM_JOB_NODELIST": "10.77.0.[1-2]", "MASTER_PORT": str(MASTER_PORT),
+               "NPT_CKPT_DIR": str(tmp_path / "shared" / "ckpt"), "NPT_RUN_ROOT": str(tmp_path / "runs"),
+               "NPT_PYTHON": sys.executable, "NPT_SRUN": str(srun)}
+        j = Job(tmp_path, tiny_model, name=f"slurm{node}", env=env, prefix=["ip", "netns", "exec", two_nodes[node]],
+                argv=["bash", sbatch, f"model.path={tiny_model}", "backend=cpu", *BASE, *steps])
+        j.run_dir = str(tmp_path / "runs" / "job5151" / "try0" / f"node{node}")  # where the script puts it
+        jobs.append(j)
+    infos = _job_infos(jobs)
+    rcs = _wait_both(jobs, 300)
+    assert rcs == [0, 0], jobs[0].tail() + jobs[1].tail()
+    assert infos[0]["job_id"] == infos[1]["job_id"]
+    assert [c["rank"] for c in infos[0]["cards"]] == [0] and [c["rank"] for c in infos[1]["cards"]] == [1]
+    assert infos[1]["cards"][0]["inbox"].startswith(f"tcp://{ADDR[1]}:")
+    _assert_close(jobs[0].losses(), ref.losses(), "Slurm node 0's metrics")
+    assert os.path.isfile(tmp_path / "shared" / "ckpt" / "step_000003" / "manifest.json")
+    assert not _survivors_gone(jobs)

@@ -36,12 +36,17 @@ class NodeLayout:
 
     @classmethod
     def from_env(cls, env: Optional[Mapping[str, str]] = None) -> Optional["NodeLayout"]:
-        """The layout from the environment; None when ``NNODES`` is unset or 1. Raises ConfigError naming a bad
-        variable."""
+        """The layout from the environment; None when ``NNODES`` is unset or 1 (and this is not a Slurm step over
+        several nodes: :mod:`npu_train.runtime.slurm`). Raises ConfigError naming a bad variable."""
         env = os.environ if env is None else env
         raw = env.get("NNODES", "").strip()
-        if not raw:
-            return None
+        if not raw:  # a Slurm step over several nodes (srun, one task per node): its variables
+            from npu_train.runtime.slurm import slurm_layout_env
+
+            slurm = slurm_layout_env(env)
+            if slurm is None:
+                return None
+            env, raw = {**env, **slurm}, slurm["NNODES"]
         nnodes = _int_var("NNODES", raw)
         if nnodes < 1:
             raise ConfigError(f"NNODES={raw}: the number of nodes must be at least 1")
