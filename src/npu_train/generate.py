@@ -8,6 +8,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 from typing import Optional
 
 
@@ -83,10 +84,16 @@ def _gguf_model(path: str):
                                             state_dict=tensors, dtype=torch.float32)
 
 
-def load_for_generation(model: str, workdir: Optional[str] = None):
-    """``(transformers model, tokenizer)`` for ``model`` on the CPU in fp32. Raises
+def _quiet(_text: str) -> None:
+    pass
+
+
+def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet):
+    """``(transformers model, tokenizer)`` for ``model`` on the CPU in fp32; ``note(text)`` gets one line per
+    phase (the command line prints them to stderr: a large model takes a minute to load). Raises
     ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` for a missing, wrong or damaged model."""
     kind, path = resolve_for_generation(model)
+    note(f"loading {kind} {path} (imports first) ...")
     import torch
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
     from transformers.utils import logging as hf_logging
@@ -99,6 +106,7 @@ def load_for_generation(model: str, workdir: Optional[str] = None):
     if kind == "checkpoint":
         from npu_train.checkpoint.export import export_hf
 
+        note("merging the checkpoint's shards into a temporary Hugging Face directory ...")
         path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
                          arg=f"python -m npu_train.generate <model>={model!r}")
     if kind == "gguf":
@@ -106,6 +114,7 @@ def load_for_generation(model: str, workdir: Optional[str] = None):
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))
     else:
         check_weights(path, load_config(path))  # a non-Llama config, a missing / truncated weights file: one line
+        note(f"reading the weights of {path} into transformers (fp32, CPU) ...")
         try:
             m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         except (OSError, ValueError) as e:
@@ -166,9 +175,15 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from npu_train.errors import UserError
 
+    t0 = time.perf_counter()
+
+    def note(text: str) -> None:  # progress on stderr; stdout holds the completion only
+        print(f"generate: [{time.perf_counter() - t0:5.1f} s] {text}", file=sys.stderr, flush=True)
+
     try:
         with tempfile.TemporaryDirectory(prefix="npt-gen-") as wd:
-            m, tok = load_for_generation(a.model, wd)
+            m, tok = load_for_generation(a.model, wd, note=note)
+            note(f"loaded; generating up to {a.max_new_tokens} tokens ...")
             print(generate(m, tok, a.prompt, chat=not a.no_chat, system=a.system, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_p=a.top_p, seed=a.seed))
     except (UserError, FileNotFoundError, ValueError) as e:

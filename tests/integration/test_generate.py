@@ -77,6 +77,7 @@ def test_generate_gguf_without_accelerate():
     r = subprocess.run([sys.executable, "-c", code, "embedded", "--prompt", "What is 2+2?", "--max-new-tokens", "12"],
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr
+    assert "generate: [" in r.stderr and "loading gguf" in r.stderr  # it says what it does while it loads
     assert "4" in r.stdout, r.stdout  # greedy SmolLM2-135M-Instruct: "The answer to this classic math problem is 4."
 
 
@@ -139,6 +140,8 @@ def test_generate_bad_model_is_one_error_line(trained, tiny_model, tmp_path, cap
     rc = main([model, "--prompt", "hi", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 2, err
+    # progress lines ("generate: [  0.4 s] loading ...") may come first; the failure is one error line
+    err = "".join(l for l in err.splitlines(keepends=True) if not l.startswith("generate: ["))
     assert err.startswith("error: ") and err.count("\n") == 1, err
     for text in expect(run, reader, tmp_path):
         assert text in err, (text, err)

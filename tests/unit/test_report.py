@@ -62,3 +62,39 @@ def test_cpu_seconds_per_card_and_phase(tmp_path):
     row = json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert row["cpu_phases_s_cards"][1] == [1.2, 0.2, 0.1]
     assert "cpu_s_cards" not in r.step([_rep(2, 2.0, 1.0, 1)])  # older cards without the fields
+
+
+def test_loss_plot_shows_the_whole_run_after_a_resume(tmp_path):
+    """A resumed launch's metrics.jsonl starts with the earlier launch's steps (carry_over): the plot's points
+    are the whole run's, and its title names the run and where this launch started."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = tmp_path / "2026-12-03" / "10-00-00"
+    run.mkdir(parents=True)
+    with open(run / "metrics.jsonl", "w") as f:  # what carry_over copied from the first launch
+        for s, loss in ((1, 4.0), (2, 3.5)):
+            f.write(json.dumps({"step": s, "loss": loss}) + "\n")
+    with open(run / "eval.jsonl", "w") as f:
+        f.write(json.dumps({"step": 0, "val_loss": 4.2}) + "\n")
+    r = Reporter(str(run), 4, stream=io.StringIO(), tensorboard=False)
+    for s, loss in ((3, 3.0), (4, 2.5)):
+        r.step([_rep(s, loss, 1.0, 10)])
+    r.eval(4, 2.8, 64)
+    titles = []
+    real_savefig = plt.Figure.savefig
+    def savefig(fig, *a, **k):  # record what is plotted, then write the file
+        titles.append(fig.axes[0].get_title())
+        titles.append([ln.get_xydata().tolist() for ln in fig.axes[0].lines])
+        return real_savefig(fig, *a, **k)
+
+    plt.Figure.savefig = savefig
+    try:
+        r.finish()
+    finally:
+        plt.Figure.savefig = real_savefig
+    assert titles[0] == "2026-12-03/10-00-00 (this launch from step 3)"
+    assert titles[1] == [[[1, 4.0], [2, 3.5], [3, 3.0], [4, 2.5]], [[0, 4.2], [4, 2.8]]]
+    assert os.path.getsize(run / "loss.png") > 0

@@ -351,13 +351,16 @@ class Reporter:
                 matplotlib.use("Agg")
                 import matplotlib.pyplot as plt
 
+                train, evals = self._run_points()
                 fig, ax = plt.subplots(figsize=(6, 3.5))
-                ax.plot([a for a, _ in losses], [b for _, b in losses], marker="o" if len(losses) <= 100 else None,
+                ax.plot([a for a, _ in train], [b for _, b in train], marker="o" if len(train) <= 100 else None,
                         label="train")
-                if self.evals:
-                    ax.plot([e["step"] for e in self.evals], [e["val_loss"] for e in self.evals], marker="s",
-                            label="held-out")
+                if evals:
+                    ax.plot([a for a, _ in evals], [b for _, b in evals], marker="s", label="held-out")
                     ax.legend()
+                first = losses[0][0]
+                resumed = f" (this launch from step {first})" if train and train[0][0] < first else ""
+                ax.set_title(f"{self.run_name()}{resumed}", fontsize=9)
                 ax.set_xlabel("optimizer step")
                 ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
                 ax.set_ylabel("loss (nats/token)")
@@ -370,6 +373,23 @@ class Reporter:
         self.close()
         return summ
 
+    def run_name(self) -> str:
+        """The run directory's last two parts (``2026-12-03/10-00-00``; a sweep job: ``<time>/<job number>``)."""
+        return "/".join(os.path.normpath(os.path.abspath(self.run_dir)).split(os.sep)[-2:])
+
+    def _run_points(self) -> tuple[list, list]:
+        """``(step, loss)`` and ``(step, val_loss)`` of the whole run from ``metrics.jsonl`` / ``eval.jsonl``,
+        which a resumed launch continues (:func:`carry_over`), so the plot shows the run, not the launch."""
+        out = []
+        for fn, key in (("metrics.jsonl", "loss"), ("eval.jsonl", "val_loss")):
+            pts = {}
+            for rec in _jsonl(os.path.join(self.run_dir, fn)):
+                v = rec.get(key)
+                if isinstance(v, (int, float)) and math.isfinite(v) and isinstance(rec.get("step"), int):
+                    pts[rec["step"]] = float(v)  # a repeated step (an eval at a resume point): the later one
+            out.append(sorted(pts.items()))
+        return out[0], out[1]
+
     def close(self) -> None:
         if self.trace is not None:
             self.trace.close()
@@ -377,6 +397,23 @@ class Reporter:
             self.jsonl.close()
         for t in self.trackers:
             t.close()
+
+
+def _jsonl(path: str) -> list[dict]:
+    """The records of a JSONL file (unreadable lines, e.g. a killed launch's torn last line, skipped)."""
+    out = []
+    try:
+        with open(path) as f:
+            for line in f:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(rec, dict):
+                    out.append(rec)
+    except OSError:
+        pass
+    return out
 
 
 def fmt_duration(seconds: float) -> str:
