@@ -255,6 +255,13 @@ def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
     assert [r["overrides"] for r in rows] == ["train.lr=0.001", "train.lr=0.002"]
     assert all(len(r["peak mem GiB per card"].split("/")) == 2 for r in rows)
     assert not leaked, leaked
+    # a readable console: no raw joblib line, each job's plan in one line (the table in its plan.txt)
+    assert "Joblib.Parallel" not in p.stdout + p.stderr
+    assert len(re.findall(r"^plan: split \[\d+, \d+\], .* GiB per card, step .* s, fits \(table: .*plan\.txt\)$",
+                          p.stdout, flags=re.M)) == 2, p.stdout[-4000:]
+    assert "weights\nGiB" not in p.stdout and "compute  bubble" not in p.stdout
+    for i in (0, 1):
+        assert "compute  bubble" in open(os.path.join(sd, str(i), "plan.txt")).read()
 
 
 @pytest.mark.heavy

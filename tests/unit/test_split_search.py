@@ -203,3 +203,25 @@ def test_split_backward_ratio_stretches_the_splitting_stages(schedule):
         assert "split backward x1.2" in plan_table(plan)
     else:
         assert "split backward" not in plan_table(plan)
+
+
+def test_plan_table_fits_a_terminal():
+    """The memory and time tables are each narrower than 110 columns (the single table of 22 columns was ~170
+    wide and wrapped); width=N folds the prose lines to N columns, width=0 (logs) keeps them whole."""
+    from npu_train.model.presets import get_preset
+    from npu_train.planner import PlanRequest, RunShape, load_rates, make_plan
+
+    m = get_preset("llama-3.1-8b")
+    cards = make_cards("furiosa", 4)
+    shape = RunShape(seq_len=512, micro_batch=1, micro_batches=8, schedule="1f1b", dtype="bf16")
+    plan = make_plan(PlanRequest(m, shape, cards, [load_rates("furiosa")] * 4, host_ram_bytes=None))
+    whole = plan_table(plan)
+    lines = whole.splitlines()
+    first = next(i for i, l in enumerate(lines) if l.startswith("threads:")) + 1
+    end = next(i for i, l in enumerate(lines) if l.startswith("rates "))
+    table_rows = lines[first:end]  # two tables: 2 header lines, 4 cards, 1 footer each
+    assert len(table_rows) == 2 * (2 + 4 + 1) and max(len(l) for l in table_rows) <= 110
+    assert max(len(l) for l in plan_table(plan, width=100).splitlines()) <= 110
+    assert max(len(l) for l in whole.splitlines()) > 110  # prose kept whole for logs
+    folded = plan_table(plan, width=100)
+    assert all(len(l) <= 100 for l in folded.splitlines() if l not in table_rows)

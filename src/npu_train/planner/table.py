@@ -147,55 +147,77 @@ def _rates_origin(kind: str, rt, plan: Plan) -> str:
     return where
 
 
-def plan_table(plan: Plan, width: int = 180) -> str:
-    """Header (threads, cores, headroom), the per-card table (GiB, seconds) with totals, the rate and memory
-    sources, the schedule line and the prediction."""
+def _render(t, width: int) -> str:
+    """A rich table as plain text (no colour, no wrapping inside cells)."""
     from rich.console import Console
-    from rich.table import Table
 
-    t = Table(show_footer=True, box=None, pad_edge=False, padding=(0, 1))
-    cols = [
-        ("card", "total", "left"), ("layers", f"{plan.model.num_layers} layers", "left"),
-        ("res", "", "right"), ("off", "", "right"),
-        ("base\nGiB", "", "right"), ("weights\nGiB", "", "right"),
-        ("grads\nGiB", "", "right"), ("optim\nGiB", "", "right"), ("act\nGiB", "", "right"),
-        ("trans\nGiB", "", "right"), ("ws\nGiB", "", "right"),
-        ("total\nGiB", "", "right"), ("cap\nGiB", "", "right"),
-        ("compute\ns", "", "right"), ("bubble\ns", "", "right"),
-        ("host-opt\ns", "", "right"), ("hidden\ns", "", "right"), ("dev-opt\ns", "", "right"), ("xfer\ns", "", "right"),
-        ("dp-comm\ns", "", "right"), ("stage\ns", "", "right"),
-        ("host\nGiB", "", "right"),
-    ]
-    tot_mem = {k: sum(st.mem[k] for st in plan.stages) for k in MEM_KEYS}
-    footers = {
-        "res": str(sum(len(st.resident) for st in plan.stages)),
-        "off": str(sum(len(st.offloaded) for st in plan.stages)),
-        "cap\nGiB": f"{gib(sum(st.card.capacity_bytes for st in plan.stages)):.1f}",
-        "stage\ns": f"step {plan.step_time_s:.2f}",
-        "host\nGiB": f"{gib(plan.host_bytes):.2f}",
-    }
-    for key, mk in zip(("base", "weights", "grads", "optim", "act", "trans", "ws", "total"),
-                       MEM_KEYS):
-        footers[f"{key}\nGiB"] = f"{gib(tot_mem[mk]):.2f}"
-    for name, footer, justify in cols:
-        t.add_column(name, footer=footers.get(name, footer), justify=justify, no_wrap=True)
-    for st in plan.stages:
-        m, tm = st.mem, st.time
-        total = f"{gib(m['total']):.2f}" + ("" if st.fits else " !")
-        t.add_row(
-            st.card.name, st.layers_label, str(len(st.resident)), str(len(st.offloaded)),
-            f"{gib(m['baseline']):.2f}", f"{gib(m['weights']):.2f}", f"{gib(m['grads']):.2f}",
-            f"{gib(m['optimizer']):.2f}", f"{gib(m['activations']):.2f}",
-            f"{gib(m['transient']):.2f}", f"{gib(m['workspace']):.2f}", total,
-            f"{gib(st.card.capacity_bytes):.1f}",
-            f"{tm['compute']:.2f}", f"{max(0.0, tm['bubble']):.2f}", f"{tm['host_optimizer']:.2f}",
-            f"{tm.get('host_hidden', 0.0):.2f}", f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
-            f"{tm['total']:.2f}",
-            f"{gib(st.host_bytes):.2f}",
-        )
     buf = io.StringIO()
     Console(file=buf, width=width, color_system=None, force_terminal=False,
             highlight=False, emoji=False).print(t)
+    return buf.getvalue().rstrip("\n")
+
+
+def _table(cols: list[tuple[str, str]], footers: dict, rows: list[list[str]]):
+    """A borderless rich table with right-justified columns after the first two, footers by column name."""
+    from rich.table import Table
+
+    t = Table(show_footer=True, box=None, pad_edge=False, padding=(0, 1))
+    for i, (name, footer) in enumerate(cols):
+        t.add_column(name, footer=footers.get(name, footer), justify="left" if i < 2 else "right", no_wrap=True)
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
+def memory_table(plan: Plan) -> list:
+    """Per card: layers, resident / offloaded layer counts and the predicted memory terms (GiB)."""
+    tot_mem = {k: sum(st.mem[k] for st in plan.stages) for k in MEM_KEYS}
+    cols = [("card", "total"), ("layers", f"{plan.model.num_layers} layers"), ("res", ""), ("off", "")] + [
+        (f"{key}\nGiB", "") for key in ("base", "weights", "grads", "optim", "act", "trans", "ws", "total")] + [
+        ("cap\nGiB", ""), ("host\nGiB", "")]
+    footers = {"res": str(sum(len(st.resident) for st in plan.stages)),
+               "off": str(sum(len(st.offloaded) for st in plan.stages)),
+               "cap\nGiB": f"{gib(sum(st.card.capacity_bytes for st in plan.stages)):.1f}",
+               "host\nGiB": f"{gib(plan.host_bytes):.2f}"}
+    for key, mk in zip(("base", "weights", "grads", "optim", "act", "trans", "ws", "total"), MEM_KEYS):
+        footers[f"{key}\nGiB"] = f"{gib(tot_mem[mk]):.2f}"
+    rows = []
+    for st in plan.stages:
+        m = st.mem
+        rows.append([st.card.name, st.layers_label, str(len(st.resident)), str(len(st.offloaded))]
+                    + [f"{gib(m[k]):.2f}" for k in MEM_KEYS[:-1]]
+                    + [f"{gib(m['total']):.2f}" + ("" if st.fits else " !"), f"{gib(st.card.capacity_bytes):.1f}",
+                       f"{gib(st.host_bytes):.2f}"])
+    return [_table(cols, footers, rows)]
+
+
+def time_table(plan: Plan) -> list:
+    """Per card: the predicted seconds per step (compute, bubble, host and device optimizer, transfers,
+    data-parallel communication, the stage's total)."""
+    cols = [("card", "step"), ("layers", "")] + [(f"{k}\ns", "") for k in (
+        "compute", "bubble", "host-opt", "hidden", "dev-opt", "xfer", "dp-comm", "stage")]
+    rows = []
+    for st in plan.stages:
+        tm = st.time
+        rows.append([st.card.name, st.layers_label, f"{tm['compute']:.2f}", f"{max(0.0, tm['bubble']):.2f}",
+                     f"{tm['host_optimizer']:.2f}", f"{tm.get('host_hidden', 0.0):.2f}",
+                     f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
+                     f"{tm['total']:.2f}"])
+    return [_table(cols, {"stage\ns": f"{plan.step_time_s:.2f}"}, rows)]
+
+
+def _wrap(line: str, width: int) -> str:
+    """A long prose line folded at ``width`` columns, continuation lines indented by two spaces."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(line, width=width, subsequent_indent="  ", break_on_hyphens=False)) or line
+
+
+def plan_table(plan: Plan, width: int = 0) -> str:
+    """Header (threads, cores, headroom), the per-card memory table (GiB) and time table (seconds) with
+    totals, the rate and memory sources, the schedule line and the prediction. ``width`` > 0 folds the prose
+    lines at that many columns (a terminal); 0 keeps one line each (logs, grep)."""
+    tables = "\n".join(_render(t, 200) for t in memory_table(plan) + time_table(plan))
     lines = [f"threads: {plan.threads} torch thread(s) per card process, {plan.host_cores} "
              f"usable host core(s); headroom {plan.headroom * 100:g}% of capacity kept free by "
              f"auto (placement.headroom)"]
@@ -211,7 +233,7 @@ def plan_table(plan: Plan, width: int = 180) -> str:
                         else "no ZeRO (every replica holds its stages' whole optimizer state)")
                      + f"; one replica shown, every replica's cards alike; host GiB all replicas "
                      f"{gib(plan.host_bytes_all):.2f}")
-    lines.append(buf.getvalue().rstrip("\n"))
+    lines.append(tables)
     lines += rate_sources(plan)
     lines += memory_sources(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -229,7 +251,15 @@ def plan_table(plan: Plan, width: int = 180) -> str:
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )
-    return "\n".join(lines)
+    return "\n".join(line if line is tables or width <= 0 else _wrap(line, width) for line in lines)
+
+
+def plan_summary(plan: Plan) -> str:
+    """The plan in one line (a sweep job's console): ``"split [19, 11], resident 19/11, 2.39/1.57 GiB per card,
+    step 11.19 s, fits"``."""
+    mem = "/".join(f"{gib(st.mem['total']):.2f}" for st in plan.stages)
+    return (f"split {plan.split}, resident {'/'.join(str(len(st.resident)) for st in plan.stages)}, {mem} GiB per "
+            f"card, step {plan.step_time_s:.2f} s, {'fits' if plan.fits else 'DOES NOT FIT'}")
 
 
 def schedule_line(plan: Plan) -> str:
@@ -257,7 +287,7 @@ def offload_lines(plan: Plan) -> list[str]:
             "hidden behind the pipeline, upload included, so it can exceed 'host-opt s'"]
 
 
-def format_plan(plan: Plan, width: int = 180) -> str:
+def format_plan(plan: Plan, width: int = 0) -> str:
     """Dry-run report: model and run shape, the per-card table, the model's assumptions."""
     m, s = plan.model, plan.shape
     head = [

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import secrets
+import shutil
 import socket
 import sys
 import tempfile
@@ -487,7 +488,7 @@ def _dry_run(cfg, run_dir: str) -> dict:
     from npu_train.runtime.flops import predicted_mfu_line
 
     prep = prepare(cfg, run_dir, probe=False)
-    print(plan_table(prep.plan))
+    print(plan_table(prep.plan, width=terminal_width()))
     line = predicted_mfu_line(prep)
     if line:
         print(line)
@@ -724,6 +725,13 @@ def _sweep_group():
     return None
 
 
+def terminal_width() -> int:
+    """The terminal's columns when stdout is one (prose folded to fit), else 0 (one line each: logs, grep)."""
+    if not sys.stdout.isatty():
+        return 0
+    return max(60, shutil.get_terminal_size((120, 40)).columns)
+
+
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
     """Move an earlier launch's metrics aside (a resumed run's records continue from them)."""
     from npu_train.metrics.report import carry_over, rotate_previous_run
@@ -755,9 +763,15 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
     """Print the plan table and the job line, write ``plan.json``."""
     from npu_train.optim.lr import warmup_note
     from npu_train.planner import plan_table
+    from npu_train.planner.table import plan_summary
 
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
-    print(plan_table(plan), flush=True)
+    with open(os.path.join(run_dir, "plan.txt"), "w") as f:
+        f.write(plan_table(plan) + "\n")
+    if _sweep_group() is None:
+        print(plan_table(plan, width=terminal_width()), flush=True)
+    else:  # a sweep job: jobs print concurrently into one console; the table is in the job's plan.txt
+        print(f"plan: {plan_summary(plan)} (table: {os.path.join(run_dir, 'plan.txt')})", flush=True)
     from npu_train.runtime.flops import predicted_mfu_line
 
     line = predicted_mfu_line(prep)
