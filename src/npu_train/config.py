@@ -170,6 +170,10 @@ class RuntimeConf:
     #: npu_train.hostmem. false = the C library's defaults (the calibration still measures with the
     #: setting, the cards' default).
     keep_host_memory: bool = True
+    #: console progress: auto (a live rich progress bar when stdout is a terminal and this is not a sweep
+    #: job: phase, step, ETA, loss, tokens/s, MFU, memory per card; the printed lines above it are folded to
+    #: the terminal) | rich (always) | plain (the per-step lines only, as in logs and CI).
+    progress: str = "auto"
     #: true: every card process records the start, ready and end time of each pipeline action
     #: (F, B, W), the collectives and the optimizer of every step; the launcher writes them to
     #: <run dir>/trace.json (Chrome trace event format: open in https://ui.perfetto.dev or
@@ -365,6 +369,8 @@ def _check_checkpoint(cfg) -> None:
 
 def _check_runtime(cfg) -> None:
     """Transport, liveness, placement and RNGD settings (``runtime``, ``placement``)."""
+    if getattr(cfg.runtime, "progress", "auto") not in ("auto", "rich", "plain"):
+        raise ConfigError(f"runtime.progress={cfg.runtime.progress!r}: use auto, rich or plain")
     if cfg.runtime.transport not in ("shm", "inline"):
         raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
     if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:

@@ -138,11 +138,13 @@ class Reporter:
     ``trackers``: started :class:`~npu_train.metrics.trackers.Guarded` trackers (None: TensorBoard into
     ``<run_dir>/tb`` when ``tensorboard``, as the default ``metrics.logger``); closed by :meth:`close`;
     ``model_flops``: model FLOPs of one step per card (rank order, :mod:`npu_train.metrics.mfu`): with the
-    cards' reported ``peak_flops`` each step gets ``mfu`` (job) and ``mfu_cards``."""
+    cards' reported ``peak_flops`` each step gets ``mfu`` (job) and ``mfu_cards``; ``live``: the terminal's
+    :class:`~npu_train.metrics.live.LiveProgress` (the step line then goes to the log whole and to the terminal
+    without the time breakdown)."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
                  predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True,
-                 trackers: Optional[list] = None, model_flops: Optional[list[float]] = None):
+                 trackers: Optional[list] = None, model_flops: Optional[list[float]] = None, live=None):
         self.run_dir = run_dir
         self.total = total_steps
         self.pred_mem = predicted_mem
@@ -164,6 +166,7 @@ class Reporter:
 
                 trackers = open_trackers(["tensorboard"], TrackerSetup(run_dir, {}, {}), warn=self.note)
         self.trackers = list(trackers)
+        self.live = live
         self.model_flops = list(model_flops) if model_flops else None
         self._sum_mfu, self._n_mfu, self.peak_sources = 0.0, 0, None
         self.t_start = time.time()
@@ -218,8 +221,27 @@ class Reporter:
         self.jsonl.write(dumps(rec) + "\n")
         self.jsonl.flush()
         self._log_trackers(rec, step)
-        self.note(self._line(rec, step, wall, skipped))
+        line = self._line(rec, step, wall, skipped)
+        if self.live is not None:
+            self.live.step(rec)
+            self.live.print(self._short_line(line), line)
+        else:
+            self.note(line)
         return rec
+
+    def phase(self, rank: Optional[int], text: str) -> None:
+        """A card's start-up phase (model load, rendezvous, compilation...) for the live display."""
+        if self.live is not None and not self._n:
+            self.live.phase(text, rank)
+
+    @staticmethod
+    def _short_line(line: str) -> str:
+        """The step line for a terminal: without the learning rate, the time breakdown (``[fwd/bwd ... idle
+        ...]``) and the ETA (the bar shows it); the log keeps the whole line."""
+        import re
+
+        line = re.sub(r" \| lr [^|]*", "", re.sub(r" \[fwd/bwd [^\]]*\]", "", line))
+        return re.sub(r" \| ETA [^|]*$", "", line)
 
     def _mfu(self, rec: dict, reports: list[dict], wall: float) -> None:
         """``mfu`` = all cards' model FLOPs / (step wall time x the sum of their peaks); ``mfu_cards`` per card

@@ -291,6 +291,7 @@ class Coordinator:
             rs.phase = f"step {self.start_step + 1}"
         elif t == "phase":
             rs.phase = str(msg.get("phase", rs.phase))
+            self.reporter.phase(int(msg["rank"]), rs.phase)
         elif t == "step":
             s = int(msg["step"])
             rs.phase = f"step {s + 1}"

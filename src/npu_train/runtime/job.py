@@ -396,15 +396,36 @@ def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
         node.rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
                             "give every node's launcher the same overrides (only backend=, runtime.host, "
                             "runtime.port, runtime.threads and checkpoint.* except checkpoint.save may differ)")
+    from npu_train.metrics.live import live_progress
+
+    live = live_progress(str(getattr(cfg.runtime, "progress", "auto")), int(cfg.train.steps),
+                         sweep=_sweep_group() is not None)
+    try:
+        return _train_phases(cfg, run_dir, node, live)
+    finally:
+        if live is not None:
+            live.stop()
+
+
+def _train_phases(cfg, run_dir: str, node: "NodeContext", live) -> dict:
+    """:func:`_train` with the terminal's live display ``live`` (None: plain lines) told each phase."""
+    say = live.phase if live is not None else (lambda _text: None)
+    say("preparing: cards, model header, placement plan")
     prep = prepare(cfg, run_dir, nodes=node.rdv)
+    say("data: reading and tokenizing (cached after the first run)")
     data = _prepare_data(cfg, prep)
     resume = _resume_point(cfg, prep, data, run_dir)
+    if live is not None:
+        live.at_step(resume.start_step)
     launch = _launch_identity(cfg, prep, data, resume, node)
     prepare_checkpoint_root(resume.ckpt_root, cfg, prep.model_cfg, len(prep.plan.stages), resume.earlier,
                             owner=node.is_owner)
+    say("starting the card processes")
     with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
-        job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir)
+        job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir, live=live)
     _supervise(job, cfg, resume)
+    if live is not None:
+        live.stop()  # the end-of-run lines below go to the console as plain lines
     return _finish(job, cfg, run_dir, prep, resume, node)
 
 
@@ -650,7 +671,7 @@ def _private_ipc_dir(job_id: str, node: NodeContext):
 
 
 def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity,
-               node: NodeContext, ipc_dir: str) -> StartedJob:
+               node: NodeContext, ipc_dir: str, live=None) -> StartedJob:
     """Write the run's files (metrics moved aside, packed data, ``plan.json``), build the specs and the
     coordinator."""
     from npu_train.data.dataset import save_packed
@@ -678,7 +699,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     _announce(cfg, run_dir, prep, data, resume, launch, node, len(specs))
     reporter = Reporter(run_dir, cfg.train.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * prep.dp,
                         predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node),
-                        model_flops=model_flops_per_rank(prep))
+                        model_flops=model_flops_per_rank(prep), live=live)
     coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,

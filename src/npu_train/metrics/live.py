@@ -1,0 +1,153 @@
+"""The live progress display on a terminal (``runtime.progress``): a ``rich`` progress bar under the output.
+
+Start at :func:`live_progress`: on a terminal (``auto``) it returns a :class:`LiveProgress`, else None and the
+plain per-step lines of logs and CI stay exactly as they are. While it runs, everything printed goes above
+the bar (``sys.stdout`` / ``sys.stderr`` are replaced by :class:`_AboveBar`) and still reaches the job's log
+file whole; the bar shows the current phase (preparing, tokenizing, each card's model load, compilation,
+rendezvous), then the step with ETA, loss, tokens/s, MFU and memory per card.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional
+
+__all__ = ["LiveProgress", "live_progress", "PROGRESS"]
+
+#: ``runtime.progress`` values
+PROGRESS = ("auto", "rich", "plain")
+
+GIB = 2 ** 30
+
+
+def live_progress(mode: str, total_steps: int, start_step: int = 0, sweep: bool = False,
+                  stream=None) -> Optional["LiveProgress"]:
+    """A started :class:`LiveProgress` for ``mode`` (``auto``: when ``stream`` (stdout) is a terminal, not a
+    sweep job (concurrent jobs share one console) and ``TERM`` is not ``dumb``; ``rich``: always; ``plain``:
+    never), else None."""
+    stream = stream or sys.stdout
+    if mode == "plain" or (mode == "auto" and (sweep or not _is_tty(stream)
+                                              or os.environ.get("TERM", "") == "dumb")):
+        return None
+    return LiveProgress(total_steps, start_step, stream).start()
+
+
+def _is_tty(stream) -> bool:
+    inner = getattr(stream, "inner", stream)  # launch/run.py's log tee
+    try:
+        return bool(inner.isatty())
+    except (AttributeError, ValueError):
+        return False
+
+
+class _AboveBar:
+    """A text stream that prints whole lines above the live bar and copies them to the job's log file (the
+    ``log`` of launch/run.py's tee, when there is one)."""
+
+    def __init__(self, live: "LiveProgress", orig, style: Optional[str] = None):
+        self.live, self.orig, self.style, self.buf = live, orig, style, ""
+
+    def write(self, s: str) -> int:
+        self.buf += s
+        while "\n" in self.buf:
+            line, self.buf = self.buf.split("\n", 1)
+            self.live.print(line, line, style=self.style, log=getattr(self.orig, "log", None))
+        return len(s)
+
+    def flush(self) -> None:
+        log = getattr(self.orig, "log", None)
+        if log is not None:
+            try:
+                log.flush()
+            except (OSError, ValueError):
+                pass
+
+    def isatty(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.orig, name)
+
+
+class LiveProgress:
+    """The bar: a description (phase), ``step k/N``, the time left, and the last step's figures."""
+
+    def __init__(self, total_steps: int, start_step: int, stream):
+        from rich.console import Console
+
+        terminal = getattr(stream, "inner", stream)
+        self.console = Console(file=terminal, highlight=False, emoji=False, markup=False)
+        self.total, self.start_step = int(total_steps), int(start_step)
+        self.progress = None
+        self.task = None
+        self._saved = None
+        self._card_phase: dict[int, str] = {}
+
+    def start(self) -> "LiveProgress":
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
+            TimeRemainingColumn
+
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
+                                 MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 TextColumn("{task.fields[info]}"), console=self.console, transient=True,
+                                 redirect_stdout=False, redirect_stderr=False, refresh_per_second=4)
+        self.task = self.progress.add_task("preparing", total=self.total, completed=self.start_step, info="")
+        self.progress.start()
+        self._saved = (sys.stdout, sys.stderr)
+        sys.stdout = _AboveBar(self, sys.stdout)
+        sys.stderr = _AboveBar(self, sys.stderr)
+        return self
+
+    def print(self, terminal_text: str, log_text: str, style: Optional[str] = None, log=None) -> None:
+        """``terminal_text`` above the bar; ``log_text`` (+ newline) to ``log`` (the job's log file) when given,
+        else to the log of the stdout this display replaced."""
+        if log is None and self._saved is not None:
+            log = getattr(self._saved[0], "log", None)
+        if log is not None:
+            try:
+                log.write(log_text + "\n")
+            except (OSError, ValueError):
+                pass
+        self.console.print(terminal_text, style=style, soft_wrap=False, overflow="fold", crop=False)
+
+    def phase(self, text: str, rank: Optional[int] = None) -> None:
+        """The current start-up phase (``rank``: a card's, shown as ``card r: ...``)."""
+        if self.progress is None:
+            return
+        if rank is not None:
+            self._card_phase[rank] = text
+            text = "; ".join(f"card {r}: {p}" for r, p in sorted(self._card_phase.items()))
+        self.progress.update(self.task, description=text[:60])
+
+    def at_step(self, step: int) -> None:
+        """A resumed run starts the bar at ``step``."""
+        if self.progress is not None:
+            self.progress.update(self.task, completed=int(step))
+
+    def step(self, rec: dict) -> None:
+        """Move the bar to ``rec["step"]`` with its loss, tokens/s, MFU and memory per card."""
+        if self.progress is None:
+            return
+        mem = "/".join(f"{m / GIB:.2f}" for m in rec.get("mem_peak_bytes", []))
+        mfu = f" | MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else ""
+        info = f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s{mfu} | mem {mem} GiB"
+        self._card_phase.clear()
+        self.progress.update(self.task, completed=int(rec["step"]), description="training", info=info)
+
+    def stop(self) -> None:
+        """Remove the bar and give stdout / stderr back (idempotent)."""
+        if self._saved is not None:
+            for s in (sys.stdout, sys.stderr):
+                if isinstance(s, _AboveBar) and s.buf:
+                    s.write("\n")
+            sys.stdout, sys.stderr = self._saved
+            self._saved = None
+        if self.progress is not None:
+            self.progress.stop()
+            self.progress = None
+
+    def __enter__(self) -> "LiveProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
