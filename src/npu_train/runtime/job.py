@@ -378,19 +378,28 @@ def run_job(cfg, run_dir: str) -> dict:
         return _calibrate_only(cfg)
     if cfg.plan:
         return _dry_run(cfg, run_dir)
-    node = _this_node(cfg)
+    from npu_train.runtime.dirlock import JobLocks
+
+    node, locks = _this_node(cfg), JobLocks()
     try:
-        return _train(cfg, run_dir, node)
+        return _train(cfg, run_dir, node, locks)
     except UserError as e:  # the other nodes stop waiting and name this node's error
         if node.rdv is not None:
             node.rdv.abort(str(e))
         raise
+    finally:  # every exit path, an interrupt or a failed card included (a kill -9 drops the flock)
+        locks.release()
 
 
-def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
-    """The phases of a training job (module docstring)."""
+def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
+    """The phases of a training job (module docstring); ``locks``: the launch's
+    :class:`~npu_train.runtime.dirlock.JobLocks`, taken first (a live job's directories are refused)."""
     from npu_train.runtime import nodes as N
 
+    locks.run_dir(run_dir, node.node_rank)
+    root = checkpoint_root(cfg, run_dir)
+    if node.is_owner and cfg.checkpoint.save and os.path.isdir(root):  # a new root: locked once created
+        locks.checkpoint_root(root)
     if node.rdv is not None:
         node.rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
                             "give every node's launcher the same overrides (only backend=, runtime.host, "
@@ -399,8 +408,9 @@ def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
     data = _prepare_data(cfg, prep)
     resume = _resume_point(cfg, prep, data, run_dir)
     launch = _launch_identity(cfg, prep, data, resume, node)
+    locks.set_job(launch.job_id)
     prepare_checkpoint_root(resume.ckpt_root, cfg, prep.model_cfg, len(prep.plan.stages), resume.earlier,
-                            owner=node.is_owner)
+                            owner=node.is_owner, lock=locks.checkpoint_root)
     with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
         job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir)
     _supervise(job, cfg, resume)

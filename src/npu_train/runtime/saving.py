@@ -13,16 +13,20 @@ NO_SAVE_NOTE = ("note: checkpoint.save=false: no checkpoint will be written (not
                 "interrupt), so this run cannot be resumed")
 
 
-def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier: list, owner: bool) -> None:
+def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier: list, owner: bool,
+                            lock=None) -> None:
     """Get the checkpoint root ready before the card processes start. ``save=false``: prints
-    :data:`NO_SAVE_NOTE` only. Else creates ``ckpt_root``, warns when a checkpoint will not fit and, when this
-    node is the ``owner``, removes dead jobs' staging and sets ``earlier`` aside. Raises OSError."""
+    :data:`NO_SAVE_NOTE` only. Else creates ``ckpt_root``, locks it when this node is the ``owner`` (``lock``:
+    ``JobLocks.checkpoint_root``), warns when a checkpoint will not fit and, as the ``owner``, removes dead
+    jobs' staging and sets ``earlier`` aside. Raises OSError, or UserError from ``lock``."""
     from npu_train.checkpoint.store import launch_space_warning, remove_stale_staging, set_aside
 
     if not cfg.checkpoint.save:
         print(NO_SAVE_NOTE, flush=True)
         return
     os.makedirs(ckpt_root, exist_ok=True)
+    if owner and lock is not None:
+        lock(ckpt_root)
     if warn := launch_space_warning(ckpt_root, model_cfg, stages, cfg.train.mode):  # the first save would fail
         print(warn, flush=True)
     if owner:  # multi-node: the root is shared; node 0 owns the staging dirs
