@@ -124,18 +124,45 @@ def space_warning(root: str, final: str) -> Optional[str]:
             "the next save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
+def checkpoint_bytes(model_cfg, stages: int, mode: str, lora_params_per_layer: int = 0) -> int:
+    """Bytes of one checkpoint's tensors, 12 per trained parameter (fp32 master + two AdamW moments): every
+    parameter, plus ``V*H`` when the tied embedding spans two stages (``mode="full"``), or the LoRA adapters
+    (``lora_params_per_layer`` x layers)."""
+    if mode != "full":
+        return 12 * int(lora_params_per_layer) * model_cfg.num_layers
+    return 12 * (model_cfg.total_params() + (model_cfg.embedding_params()
+                                             if model_cfg.tie_word_embeddings and stages > 1 else 0))
+
+
+def checkpoints_needed_at_once(keep: int, existing: int, saves: int) -> int:
+    """How many checkpoints' room this launch needs free at its peak: during a save the ``keep`` newest
+    (0 = all) stay beside the one being written, and ``existing`` ones are already on disk."""
+    if saves <= 0:
+        return 0
+    if keep <= 0:
+        return saves
+    return max(1, min(keep, existing + saves - 1) + 1 - existing)
+
+
+def launch_space_message(root: str, size: int, count: int, free: int, keep: int) -> Optional[str]:
+    """Why ``count`` new checkpoints of ``size`` bytes do not fit in ``free`` bytes of ``root``, or None."""
+    if count <= 0 or free >= count * size:
+        return None
+    if count == 1:
+        return (f"a checkpoint of this run takes about {_size(size)} but only {_size(free)} are free in {root}: "
+                "the first save will fail")
+    return (f"this run holds up to {count} checkpoints of about {_size(size)} at once (checkpoint.keep={keep} "
+            f"beside the one being written) = {_size(count * size)}, but only {_size(free)} are free in {root}: "
+            "a later save will fail (lower checkpoint.keep or raise train.save_every)")
+
+
 def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Optional[str]:
-    """A launch warning when ``root`` cannot hold one full fine-tuning checkpoint, ``12 * (params + V*H if the
-    tied embedding spans two stages)`` bytes (master + two moments, fp32), else None (also for LoRA)."""
+    """A warning when ``root`` cannot hold one full fine-tuning checkpoint (:func:`checkpoint_bytes`), else
+    None (also for LoRA)."""
     if mode != "full":
         return None
-    size = 12 * (model_cfg.total_params() + (model_cfg.embedding_params()
-                                              if model_cfg.tie_word_embeddings and stages > 1 else 0))
-    free = shutil.disk_usage(root).free
-    if free >= size:
-        return None
-    return (f"warning: a checkpoint of this run takes about {_size(size)} but only {_size(free)} are free in "
-            f"{root}: the first save will fail; free disk space there or point checkpoint.dir at a larger disk")
+    msg = launch_space_message(root, checkpoint_bytes(model_cfg, stages, mode), 1, shutil.disk_usage(root).free, 0)
+    return f"warning: {msg}; free disk space there or point checkpoint.dir at a larger disk" if msg else None
 
 
 class FiniteCheck:

@@ -19,7 +19,8 @@ from typing import Optional
 from npu_train.env import cache_dir, getenv
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
-from npu_train.runtime.saving import end_of_run_line, interrupt_note, prepare_checkpoint_root
+from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
+                                     prepare_checkpoint_root)
 from npu_train.runtime.spec import RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
 
@@ -398,8 +399,10 @@ def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
 
     locks.run_dir(run_dir, node.node_rank)
     root = checkpoint_root(cfg, run_dir)
-    if node.is_owner and cfg.checkpoint.save and os.path.isdir(root):  # a new root: locked once created
-        locks.checkpoint_root(root)
+    if cfg.checkpoint.save:
+        check_checkpoint_dir_writable(root)  # a read-only checkpoint.dir would fail at the first save
+        if node.is_owner and os.path.isdir(root):  # a new root: locked once created
+            locks.checkpoint_root(root)
     if node.rdv is not None:
         node.rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
                             "give every node's launcher the same overrides (only backend=, runtime.host, "
@@ -410,7 +413,8 @@ def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
     launch = _launch_identity(cfg, prep, data, resume, node)
     locks.set_job(launch.job_id)
     prepare_checkpoint_root(resume.ckpt_root, cfg, prep.model_cfg, len(prep.plan.stages), resume.earlier,
-                            owner=node.is_owner, lock=locks.checkpoint_root)
+                            owner=node.is_owner, lock=locks.checkpoint_root, start_step=resume.start_step,
+                            lora_params_per_layer=prep.shape.lora_params_per_layer)
     with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
         job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir)
     _supervise(job, cfg, resume)
