@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from npu_train.env import cache_dir, getenv
+from npu_train.env import cache_dir, getenv, writable_cache_dir
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
@@ -375,6 +375,8 @@ def run_job(cfg, run_dir: str) -> dict:
     Raises UserError (exit 2) for bad input, JobFailed (exit 1) when a card process fails, Interrupted
     (130/143) on SIGINT/SIGTERM. Multi-node when ``NNODES`` > 1 (:mod:`npu_train.runtime.nodes`)."""
     os.makedirs(run_dir, exist_ok=True)
+    if not cfg.plan:  # a read-only NPT_CACHE: one line now, not a traceback at the data cache's first write
+        writable_cache_dir()
     if cfg.calibrate:
         return _calibrate_only(cfg)
     if cfg.plan:
