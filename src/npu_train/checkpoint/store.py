@@ -326,16 +326,36 @@ def remove_stale_staging(root: str) -> list[str]:
     return removed
 
 
-def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -> Optional[str]:
+def interrupted_note(root: str, interrupted=()) -> str:
+    """Why ``root`` holds no complete checkpoint when saves were begun there: ``interrupted`` (staging dirs
+    just removed) and the ``.tmp-step_*`` dirs still in it; "" when there were none."""
+    names = [os.path.basename(p) for p in interrupted]
+    if os.path.isdir(root):
+        names += [fn for fn in os.listdir(root) if fn.startswith(".tmp-step_") and fn not in names]
+    if not names:
+        return ""
+    steps = sorted({int(m.group(1)) for m in (re.match(r"\.tmp-step_(\d+)-", n) for n in names) if m})
+    which = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+    gone = " (removed now: its job is gone)" if interrupted else ""
+    return (f"{'the only save' if len(steps) <= 1 else 'every save'} ({which}) was interrupted before it completed: {root!r} held just the staging "
+            f"directory {', '.join(sorted(names))}{gone}")
+
+
+def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, interrupted=()) -> Optional[str]:
     """Resolve ``train.resume``: ``latest``/``auto`` (newest complete under ``root``), a checkpoint dir or a
-    root. ``auto`` returns None when there is none (a fresh start); ``arg`` names the setting in errors.
-    Raises CheckpointError when nothing complete is found or the named directory is incomplete."""
+    root. ``auto`` returns None when there is none (a fresh start); ``arg`` names the setting in errors;
+    ``interrupted``: staging dirs of dead jobs the caller just removed (named by the error). Raises
+    CheckpointError when nothing complete is found or the named directory is incomplete."""
     if spec == "auto":  # the last one written if there is one, else None (a fresh start)
         cands = complete_checkpoints(root) if root else []
         return cands[-1] if cands else None
     if spec == "latest":  # the last one written (manifest seq), not the highest step
         cands = complete_checkpoints(root) if root else []
         if not cands:
+            why = interrupted_note(root, interrupted) if root else ""
+            if why:
+                raise CheckpointError(f"train.resume=latest: no complete checkpoint to resume: {why}; start the run "
+                                      "again without train.resume (train.resume=auto starts fresh when there is none)")
             raise CheckpointError(f"train.resume=latest: no complete checkpoint under {root!r}; "
                                   "set checkpoint.dir to the run's checkpoint directory or drop train.resume")
         return cands[-1]

@@ -411,7 +411,7 @@ def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
                             "runtime.port, runtime.threads and checkpoint.* except checkpoint.save may differ)")
     prep = prepare(cfg, run_dir, nodes=node.rdv)
     data = _prepare_data(cfg, prep)
-    resume = _resume_point(cfg, prep, data, run_dir)
+    resume = _resume_point(cfg, prep, data, run_dir, owner=node.is_owner)
     launch = _launch_identity(cfg, prep, data, resume, node)
     locks.set_job(launch.job_id)
     prepare_checkpoint_root(resume.ckpt_root, cfg, prep.model_cfg, len(prep.plan.stages), resume.earlier,
@@ -539,9 +539,10 @@ def _prepare_data(cfg, prep: Prepared):
     return data
 
 
-def _resume_point(cfg, prep: Prepared, data, run_dir: str) -> ResumePoint:
-    """The checkpoint root and where this run starts in it (``train.resume``), every refusal first."""
-    from npu_train.checkpoint.store import check_reused_root, find_checkpoint
+def _resume_point(cfg, prep: Prepared, data, run_dir: str, owner: bool = True) -> ResumePoint:
+    """The checkpoint root and where this run starts in it (``train.resume``), every refusal first. A resume
+    first removes dead jobs' staging dirs (the ``owner`` node): an interrupted save is named, never resumed."""
+    from npu_train.checkpoint.store import check_reused_root, find_checkpoint, remove_stale_staging
     from npu_train.data.sampler import StepSampler
 
     tr = cfg.train
@@ -550,7 +551,10 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str) -> ResumePoint:
     point = ResumePoint(ckpt_root=checkpoint_root(cfg, run_dir),
                         saving=bool(cfg.checkpoint.save), sampler=sampler)
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
-    found = find_checkpoint(tr.resume, point.ckpt_root) if tr.resume else None
+    interrupted = remove_stale_staging(point.ckpt_root) if tr.resume and owner else []
+    for p in interrupted:
+        print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
+    found = find_checkpoint(tr.resume, point.ckpt_root, interrupted=interrupted) if tr.resume else None
     if found is not None:
         _open_resume(cfg, prep, data, point, found)
     # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in;
