@@ -10,9 +10,11 @@ import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
@@ -385,13 +387,55 @@ def run_job(cfg, run_dir: str) -> dict:
 
     node, locks = _this_node(cfg), JobLocks()
     try:
-        return _train(cfg, run_dir, node, locks)
+        with launch_signals():
+            return _train(cfg, run_dir, node, locks)
     except UserError as e:  # the other nodes stop waiting and name this node's error
         if node.rdv is not None:
             node.rdv.abort(str(e))
         raise
     finally:  # every exit path, an interrupt or a failed card included (a kill -9 drops the flock)
         locks.release()
+
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _record_late_signal(signum, frame) -> None:
+    """After the card processes: the job's outcome is decided; a late signal must not kill the launcher before
+    it writes its records (summary, ``status.json``)."""
+    print(f"note: {signal.Signals(signum).name} received while the job was ending: ignored", file=sys.stderr,
+          flush=True)
+
+
+@contextlib.contextmanager
+def launch_signals():
+    """The launcher's signals while ``run_job`` runs (main thread only): during preparation SIGINT and SIGTERM
+    raise :class:`~npu_train.errors.Interrupted` (cleanup paths run, ``status.json`` is written);
+    while the coordinator runs, its own handlers count them; after it (:func:`defer_signals`) both are only
+    noted. The previous handlers come back at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in _SIGNALS}
+    for s in _SIGNALS:
+        signal.signal(s, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def defer_signals() -> None:
+    """From now on until :func:`launch_signals` ends, SIGINT/SIGTERM are only noted (set before the coordinator
+    runs; it restores them after its teardown)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in _SIGNALS:
+            signal.signal(s, _record_late_signal)
 
 
 def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
@@ -764,7 +808,9 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
 
 
 def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
-    """Run the card processes to their end; closes the reporter and removes the packed data on every path."""
+    """Run the card processes to their end; closes the reporter and removes the packed data on every path.
+    Signals after the coordinator's teardown are only noted (:func:`defer_signals`)."""
+    defer_signals()
     try:
         job.coord.run()
     except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume
