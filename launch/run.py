@@ -280,6 +280,9 @@ def run_one(cfg) -> int:
     tee = _ErrorLineTee(_LogTee(real_err, log))
     sys.stderr = tee
     report: dict = {}
+    # a signal outside run_job (which handles its own) must not kill the launcher before status.json is
+    # written: it is only noted (run_job raises Interrupted for one during its preparation)
+    held = _hold_signals()
     try:
         if multirun:
             _sweep_threads(cfg, int(hc.launcher.get("n_jobs", 1) or 1))
@@ -306,7 +309,31 @@ def run_one(cfg) -> int:
         here = ([f"hydra.run.dir={os.path.abspath(run_dir)}"] if multirun else
                 [o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
         write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)
-    return code
+    if multirun:  # the sweep goes on (its next job, its summary): Ctrl-C stops it again
+        _release_signals(held)
+    return code  # a single run exits now: a late signal cannot turn its exit status into a kill
+
+
+def _hold_signals() -> dict:
+    """Note SIGINT/SIGTERM instead of dying (main thread only); returns the previous handlers."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def note(signum, frame):
+        print(f"note: {signal.Signals(signum).name} received while the launcher was writing its records: ignored",
+              file=sys.stderr, flush=True)
+
+    return {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+def _release_signals(held: dict) -> None:
+    import signal
+
+    for s, h in held.items():
+        signal.signal(s, h)
 
 
 def _needs(cfg):

@@ -199,6 +199,11 @@ class CheckpointConf:
     #: train.resume; or a resume from a checkpoint elsewhere): refuse (exit 2, naming train.resume=auto
     #: to continue that run) | set_aside (move them and ``latest`` to <dir>/previous-<k>/; deletes nothing).
     existing: str = "refuse"
+    #: the launch checks that checkpoint.dir has room for this run's checkpoints (about 12 bytes per trained
+    #: parameter each; with checkpoint.keep=K up to K + 1 at once, K kept beside the one being written):
+    #: refuse (exit 2 before training, since a save that does not fit loses the training before it) | warn
+    #: (print a warning and train anyway, e.g. when space is freed while the run goes on).
+    low_space: str = "refuse"
 
 
 @dataclass
@@ -365,6 +370,8 @@ def _check_checkpoint(cfg) -> None:
                                   f"drop train.{key} (or set it to 0), or use checkpoint.save=true")
     if cfg.checkpoint.existing not in ("refuse", "set_aside"):
         raise ConfigError(f"checkpoint.existing={cfg.checkpoint.existing!r}: use refuse or set_aside")
+    if cfg.checkpoint.low_space not in ("refuse", "warn"):
+        raise ConfigError(f"checkpoint.low_space={cfg.checkpoint.low_space!r}: use refuse or warn")
 
 
 def _check_runtime(cfg) -> None:

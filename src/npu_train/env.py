@@ -1,4 +1,5 @@
-"""Environment variables (prefix ``NPT_``) and the cache root: ``NPT_CACHE`` (default ``~/.cache/npu-train``),
+"""Environment variables (prefix ``NPT_``) and the cache root: ``NPT_CACHE`` (default ``~/.cache/npu-train``;
+checked writable at launch: :func:`writable_cache_dir`),
 ``NPT_FURIOSA_FUSION``; tests only: ``NPT_SHM_FREE_BYTES``, ``NPT_FAULT``; ``NPT_TORCH_SPEC`` for
 ``scripts/setup.sh``. :data:`RUN_VARIABLES` are repeated before printed resume commands.
 """
@@ -9,6 +10,8 @@ import shlex
 import warnings
 from pathlib import Path
 from typing import Optional
+
+from npu_train.errors import UserError
 
 PREFIX = "NPT_"
 _DEPRECATED_PREFIX = "NPU_TRAIN_"
@@ -36,6 +39,28 @@ def cache_root() -> Path:
 def cache_dir(*parts: str) -> Path:
     """A sub-directory of :func:`cache_root` (not created here), e.g. ``cache_dir("data")``."""
     return cache_root().joinpath(*parts)
+
+
+class CacheDirError(UserError):
+    """The cache root cannot be written (a read-only filesystem, no permission): exit 2 naming ``NPT_CACHE``."""
+
+
+def writable_cache_dir(*parts: str) -> Path:
+    """:func:`cache_dir` created, with a probe file created and removed in it. Raises :class:`CacheDirError`
+    naming ``NPT_CACHE`` and the fix."""
+    d = cache_dir(*parts)
+    probe = d / f".npt-probe-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        v = getenv("CACHE")
+        now = f"NPT_CACHE={v}" if v else "NPT_CACHE is unset: the default ~/.cache/npu-train"
+        raise CacheDirError(f"the cache directory {d} cannot be written ([Errno {e.errno}] {e.strerror}; {now}): "
+                            "set NPT_CACHE to a writable directory, e.g. NPT_CACHE=/tmp/npt-cache "
+                            "(it holds the tokenized data, calibration and fitted figures)") from None
+    return d
 
 
 #: variable names (after ``NPT_``) that change a run: a resume command sets them again

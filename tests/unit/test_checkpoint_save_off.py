@@ -57,7 +57,8 @@ def test_launch_with_save_false_touches_no_checkpoint_dir(tmp_path, monkeypatch,
     out = capsys.readouterr().out
     assert not root.exists()
     assert out.splitlines() == [saving.NO_SAVE_NOTE] and "cannot be resumed" in out
-    saving.prepare_checkpoint_root(str(root), _cfg(), _model(), 2, [], owner=True)  # saving: as before
+    # saving: refused (tests/unit/test_checkpoint_space.py); checkpoint.low_space=warn: a warning
+    saving.prepare_checkpoint_root(str(root), _cfg("checkpoint.low_space=warn"), _model(), 2, [], owner=True)
     out = capsys.readouterr().out
     assert root.is_dir() and "first save will fail" in out and "checkpoint.save" not in out
 

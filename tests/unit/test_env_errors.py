@@ -1,6 +1,7 @@
 """One env prefix (NPT_), one cache root, one user-error base with its exit codes."""
 from __future__ import annotations
 
+import os
 import signal
 from pathlib import Path
 
@@ -48,3 +49,29 @@ def test_exit_codes():
     assert issubclass(ConfigError, UserError) and issubclass(ConfigError, ValueError)
     with pytest.raises(TypeError):
         exit_code_for(RuntimeError("a bug is not a job outcome"))
+
+
+def test_unwritable_cache_is_one_error_naming_npt_cache(monkeypatch, tmp_path):
+    """NPT_CACHE under a file, or (as root) on a read-only mount: CacheDirError naming NPT_CACHE and the fix."""
+    import subprocess
+
+    blocker = tmp_path / "f"
+    blocker.write_text("")
+    monkeypatch.setenv("NPT_CACHE", str(blocker / "cache"))
+    with pytest.raises(env.CacheDirError) as ei:
+        env.writable_cache_dir()
+    msg = str(ei.value)
+    assert f"NPT_CACHE={blocker / 'cache'}" in msg and "set NPT_CACHE to a writable directory" in msg, msg
+    assert isinstance(ei.value, UserError) and exit_code_for(ei.value) == 2
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "ok"))
+    assert env.writable_cache_dir("data") == tmp_path / "ok" / "data" and os.listdir(tmp_path / "ok" / "data") == []
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,ro", "tmpfs", str(ro)], capture_output=True).returncode:
+        return  # not root: the through-a-file case above stands for it
+    try:
+        monkeypatch.setenv("NPT_CACHE", str(ro))
+        with pytest.raises(env.CacheDirError, match=r"\[Errno 30\] Read-only file system; NPT_CACHE="):
+            env.writable_cache_dir()
+    finally:
+        subprocess.run(["umount", "-l", str(ro)], capture_output=True)

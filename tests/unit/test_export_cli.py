@@ -24,3 +24,75 @@ def test_bad_checkpoint_argument_names_the_export_argument(tmp_path, capsys, mak
     assert "step_XXXXXX" in err and "checkpoint.dir" in err, err  # the fix: which directory to give
     assert str(ckpt) in err
     assert not os.path.exists(out)  # nothing written
+
+
+# ------------------------------------------------------ export into a non-empty directory (issue 28)
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    """A complete full-fine-tuning checkpoint of a 2-layer model, written with the store's own writers."""
+    import torch
+
+    from npu_train.checkpoint.store import finalize, save_shard, tmp_dir
+    from npu_train.model.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, tie_word_embeddings=True)
+    shapes = dict(cfg.param_shapes(None))
+    for i in range(cfg.num_layers):
+        shapes.update(cfg.param_shapes(i))
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"master.{n}": torch.randn(s, generator=g) for n, s in shapes.items()}
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)
+    st = tmp_dir(root, 1, "job1")
+    save_shard(st, 0, tensors, {"rank": 0})
+    return finalize(root, st, 1, {"model": cfg.to_dict(), "train": {"mode": "full"}})
+
+
+def _files(d):
+    return sorted(os.path.relpath(os.path.join(r, f), d) for r, _, fs in os.walk(d) for f in fs)
+
+
+def test_export_into_a_non_empty_dir_is_refused_without_overwrite(tiny_ckpt, tmp_path, capsys):
+    out = tmp_path / "hf"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": 1}')
+    (out / "notes.txt").write_text("my notes")
+    assert main([tiny_ckpt, str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and f"error: {out} is not empty (config.json, notes.txt)" in err, err
+    assert "--overwrite" in err
+    assert (out / "config.json").read_text() == '{"mine": 1}' and _files(out) == ["config.json", "notes.txt"]
+
+
+def test_overwrite_replaces_an_earlier_lora_export_and_keeps_other_files(tiny_ckpt, tmp_path, capsys):
+    """A full export over an older LoRA export: no stale adapter/ beside the new merged weights, the user's
+    own files (also one inside adapter/) untouched."""
+    out = tmp_path / "hf"
+    (out / "adapter").mkdir(parents=True)
+    for rel in ("model.safetensors", "config.json", "tokenizer.json", "adapter/adapter_model.safetensors",
+                "adapter/adapter_config.json"):
+        (out / rel).write_text("old")
+    (out / "npt_export.json").write_text('{"files": ["model.safetensors", "extra_old.bin", "../outside.txt"]}')
+    (out / "extra_old.bin").write_text("old")  # listed in the old record: an export file of that version
+    (tmp_path / "outside.txt").write_text("not ours")  # listed with ../: never removed
+    (out / "README.md").write_text("mine")
+    assert main([tiny_ckpt, str(out), "--overwrite"]) == 0, capsys.readouterr().err
+    assert _files(out) == ["README.md", "config.json", "model.safetensors", "npt_export.json"]
+    assert (tmp_path / "outside.txt").exists() and (out / "README.md").read_text() == "mine"
+    assert (out / "config.json").read_text() != "old"
+    (out / "adapter").mkdir()
+    (out / "adapter" / "my.txt").write_text("mine")
+    (out / "adapter" / "adapter_config.json").write_text("old")
+    assert main([tiny_ckpt, str(out), "--overwrite"]) == 0
+    assert _files(out) == ["README.md", "adapter/my.txt", "config.json", "model.safetensors", "npt_export.json"]
+
+
+def test_export_into_a_new_dir_records_its_files(tiny_ckpt, tmp_path):
+    import json
+
+    out = tmp_path / "new" / "hf"
+    assert main([tiny_ckpt, str(out)]) == 0
+    rec = json.loads((out / "npt_export.json").read_text())
+    assert rec["files"] == ["config.json", "model.safetensors", "npt_export.json"] and rec["checkpoint"] == tiny_ckpt
+    assert main([tiny_ckpt, str(out)]) == 2  # again without --overwrite: refused

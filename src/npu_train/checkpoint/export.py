@@ -1,8 +1,10 @@
 """Export a checkpoint to a merged Hugging Face directory that ``transformers`` loads (:func:`export_hf`).
 
-``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32]`` writes
+``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32] [--overwrite]`` writes
 ``model.safetensors`` (fp32 masters cast to ``--dtype``; LoRA merged as ``W + (alpha/r) B A``, the
-adapters also in PEFT's layout under ``adapter/``), ``config.json`` and the run's tokenizer files.
+adapters also in PEFT's layout under ``adapter/``), ``config.json``, the run's tokenizer files and
+:data:`RECORD` (the files written). A non-empty ``<out dir>`` is refused unless ``--overwrite``, which first
+removes only the files an export writes (:func:`clear_earlier_export`), never another file.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from npu_train.checkpoint.store import CheckpointReader
+from npu_train.errors import UserError
 from npu_train.checkpoint.stream import Entry, check_memory, write_stream
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import stage_param_names
@@ -60,16 +63,75 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
     return lambda n: merge_adapters(load_tensors(model_path, cfg, [n]), adapters, spec, [n])[n].to(tdt).contiguous()
 
 
+#: the record of an export's files (relative paths), written last
+RECORD = "npt_export.json"
+#: every file an export may write (relative paths): what ``--overwrite`` removes besides :data:`RECORD`'s list
+EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+                "adapter/adapter_model.safetensors", "adapter/adapter_config.json", RECORD)
+
+
+class ExportDirError(UserError):
+    """The output directory holds files and ``--overwrite`` was not given (exit 2)."""
+
+
+def check_out_dir(out_dir: str, overwrite: bool) -> None:
+    """Refuse a non-empty ``out_dir`` without ``overwrite`` (:class:`ExportDirError`, naming a few files)."""
+    try:
+        names = sorted(os.listdir(out_dir))
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise ExportDirError(f"{out_dir} is a file, not a directory: give a new or empty output directory") from None
+    if names and not overwrite:
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        raise ExportDirError(f"{out_dir} is not empty ({shown}): give a new or empty output directory, or --overwrite "
+                             "to replace an earlier export there (removes only the files an export writes: "
+                             "model.safetensors, config.json, tokenizer*.json, adapter/; other files stay)")
+
+
+def clear_earlier_export(out_dir: str) -> list[str]:
+    """Remove an earlier export's files from ``out_dir`` (:data:`EXPORT_FILES` and those :data:`RECORD` lists,
+    never a path outside ``out_dir``) and ``adapter/`` once empty; returns the removed relative paths."""
+    listed: list = []
+    try:
+        with open(os.path.join(out_dir, RECORD)) as f:
+            listed = [p for p in json.load(f).get("files", []) if isinstance(p, str)]
+    except (OSError, ValueError, AttributeError):
+        pass
+    root, removed = os.path.realpath(out_dir), []
+    for rel in sorted(set(EXPORT_FILES) | set(listed)):
+        p = os.path.realpath(os.path.join(out_dir, rel))
+        if os.path.commonpath([root, p]) != root or not os.path.isfile(p):
+            continue
+        os.remove(p)
+        removed.append(rel)
+    try:
+        os.rmdir(os.path.join(out_dir, "adapter"))  # only when empty: a user's file there stays
+    except OSError:
+        pass
+    return removed
+
+
+def _write_record(out_dir: str, ckpt: str) -> None:
+    files = sorted(os.path.relpath(os.path.join(d, f), out_dir) for d, _, fs in os.walk(out_dir) for f in fs
+                   if os.path.relpath(os.path.join(d, f), out_dir) in EXPORT_FILES)
+    with open(os.path.join(out_dir, RECORD), "w") as f:
+        json.dump({"checkpoint": ckpt, "files": [x for x in files if x != RECORD] + [RECORD]}, f, indent=1)
+
+
 def export_bound(cfg: LlamaConfig, lora: bool) -> int:
     """Extra host memory of :func:`export_hf`, bytes: about 3 fp32 copies of the largest weight."""
     big = max(cfg.vocab_size * cfg.hidden_size, cfg.hidden_size * cfg.intermediate_size)
     return 4 * big * (4 if lora else 3)
 
 
-def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None) -> str:
+def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None,
+              overwrite: bool = False) -> str:
     """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
-    ``arg``: how errors name ``ckpt_dir``. Raises CheckpointError (incomplete checkpoint or missing tensor),
-    MemoryCheckError (less host memory than :func:`export_bound`), ValueError (unknown ``dtype``)."""
+    ``arg``: how errors name ``ckpt_dir``; ``overwrite``: replace an earlier export in ``out_dir``
+    (:func:`clear_earlier_export`). Raises CheckpointError (incomplete checkpoint or missing tensor),
+    ExportDirError (non-empty ``out_dir`` without ``overwrite``), MemoryCheckError (less host memory than
+    :func:`export_bound`), ValueError (unknown ``dtype``)."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
     from npu_train.checkpoint.store import find_checkpoint
@@ -83,6 +145,9 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
     train = reader.manifest.get("train") or {}
     lora = train.get("mode") == "lora"
     check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
+    check_out_dir(out_dir, overwrite)
+    if overwrite:
+        clear_earlier_export(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     if lora:
         get = _lora_getter(reader, cfg, names, train, out_dir, tdt)
@@ -109,6 +174,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
             tc["chat_template"] = template
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(tc, f, indent=1)
+    _write_record(out_dir, reader.path)
     return out_dir
 
 
@@ -118,9 +184,12 @@ def main(argv=None) -> int:
     ap.add_argument("out", help="output directory")
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
                     help="tensor dtype written (default bf16; fp32 keeps the master weights exactly)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="export into a non-empty directory: first remove an earlier export's files there "
+                         "(model.safetensors, config.json, tokenizer*.json, adapter/), never other files")
     a = ap.parse_args(argv)
     try:
-        out = export_hf(a.checkpoint, a.out, a.dtype)
+        out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite)
     except Exception as e:  # user-facing CLI: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -124,18 +124,45 @@ def space_warning(root: str, final: str) -> Optional[str]:
             "the next save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
+def checkpoint_bytes(model_cfg, stages: int, mode: str, lora_params_per_layer: int = 0) -> int:
+    """Bytes of one checkpoint's tensors, 12 per trained parameter (fp32 master + two AdamW moments): every
+    parameter, plus ``V*H`` when the tied embedding spans two stages (``mode="full"``), or the LoRA adapters
+    (``lora_params_per_layer`` x layers)."""
+    if mode != "full":
+        return 12 * int(lora_params_per_layer) * model_cfg.num_layers
+    return 12 * (model_cfg.total_params() + (model_cfg.embedding_params()
+                                             if model_cfg.tie_word_embeddings and stages > 1 else 0))
+
+
+def checkpoints_needed_at_once(keep: int, existing: int, saves: int) -> int:
+    """How many checkpoints' room this launch needs free at its peak: during a save the ``keep`` newest
+    (0 = all) stay beside the one being written, and ``existing`` ones are already on disk."""
+    if saves <= 0:
+        return 0
+    if keep <= 0:
+        return saves
+    return max(1, min(keep, existing + saves - 1) + 1 - existing)
+
+
+def launch_space_message(root: str, size: int, count: int, free: int, keep: int) -> Optional[str]:
+    """Why ``count`` new checkpoints of ``size`` bytes do not fit in ``free`` bytes of ``root``, or None."""
+    if count <= 0 or free >= count * size:
+        return None
+    if count == 1:
+        return (f"a checkpoint of this run takes about {_size(size)} but only {_size(free)} are free in {root}: "
+                "the first save will fail")
+    return (f"this run holds up to {count} checkpoints of about {_size(size)} at once (checkpoint.keep={keep} "
+            f"beside the one being written) = {_size(count * size)}, but only {_size(free)} are free in {root}: "
+            "a later save will fail (lower checkpoint.keep or raise train.save_every)")
+
+
 def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Optional[str]:
-    """A launch warning when ``root`` cannot hold one full fine-tuning checkpoint, ``12 * (params + V*H if the
-    tied embedding spans two stages)`` bytes (master + two moments, fp32), else None (also for LoRA)."""
+    """A warning when ``root`` cannot hold one full fine-tuning checkpoint (:func:`checkpoint_bytes`), else
+    None (also for LoRA)."""
     if mode != "full":
         return None
-    size = 12 * (model_cfg.total_params() + (model_cfg.embedding_params()
-                                              if model_cfg.tie_word_embeddings and stages > 1 else 0))
-    free = shutil.disk_usage(root).free
-    if free >= size:
-        return None
-    return (f"warning: a checkpoint of this run takes about {_size(size)} but only {_size(free)} are free in "
-            f"{root}: the first save will fail; free disk space there or point checkpoint.dir at a larger disk")
+    msg = launch_space_message(root, checkpoint_bytes(model_cfg, stages, mode), 1, shutil.disk_usage(root).free, 0)
+    return f"warning: {msg}; free disk space there or point checkpoint.dir at a larger disk" if msg else None
 
 
 class FiniteCheck:
@@ -299,16 +326,36 @@ def remove_stale_staging(root: str) -> list[str]:
     return removed
 
 
-def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None) -> Optional[str]:
+def interrupted_note(root: str, interrupted=()) -> str:
+    """Why ``root`` holds no complete checkpoint when saves were begun there: ``interrupted`` (staging dirs
+    just removed) and the ``.tmp-step_*`` dirs still in it; "" when there were none."""
+    names = [os.path.basename(p) for p in interrupted]
+    if os.path.isdir(root):
+        names += [fn for fn in os.listdir(root) if fn.startswith(".tmp-step_") and fn not in names]
+    if not names:
+        return ""
+    steps = sorted({int(m.group(1)) for m in (re.match(r"\.tmp-step_(\d+)-", n) for n in names) if m})
+    which = f"step {steps[0]}" if len(steps) == 1 else f"steps {', '.join(map(str, steps))}"
+    gone = " (removed now: its job is gone)" if interrupted else ""
+    return (f"{'the only save' if len(steps) <= 1 else 'every save'} ({which}) was interrupted before it completed: {root!r} held just the staging "
+            f"directory {', '.join(sorted(names))}{gone}")
+
+
+def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, interrupted=()) -> Optional[str]:
     """Resolve ``train.resume``: ``latest``/``auto`` (newest complete under ``root``), a checkpoint dir or a
-    root. ``auto`` returns None when there is none (a fresh start); ``arg`` names the setting in errors.
-    Raises CheckpointError when nothing complete is found or the named directory is incomplete."""
+    root. ``auto`` returns None when there is none (a fresh start); ``arg`` names the setting in errors;
+    ``interrupted``: staging dirs of dead jobs the caller just removed (named by the error). Raises
+    CheckpointError when nothing complete is found or the named directory is incomplete."""
     if spec == "auto":  # the last one written if there is one, else None (a fresh start)
         cands = complete_checkpoints(root) if root else []
         return cands[-1] if cands else None
     if spec == "latest":  # the last one written (manifest seq), not the highest step
         cands = complete_checkpoints(root) if root else []
         if not cands:
+            why = interrupted_note(root, interrupted) if root else ""
+            if why:
+                raise CheckpointError(f"train.resume=latest: no complete checkpoint to resume: {why}; start the run "
+                                      "again without train.resume (train.resume=auto starts fresh when there is none)")
             raise CheckpointError(f"train.resume=latest: no complete checkpoint under {root!r}; "
                                   "set checkpoint.dir to the run's checkpoint directory or drop train.resume")
         return cands[-1]

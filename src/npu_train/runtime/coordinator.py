@@ -115,9 +115,11 @@ class Coordinator:
                                    f"node {self.node}: the launcher stopped ({type(e).__name__}: {e})")
                 raise
         finally:
-            for s, h in old.items():
-                signal.signal(s, h)
-            self.teardown()
+            try:
+                self.teardown()  # a further signal meanwhile is only counted: teardown always completes
+            finally:
+                for s, h in old.items():
+                    signal.signal(s, h)
 
     #: after the first error report, wait this long for a peer's death to show (root cause)
     ERROR_GRACE_S = 0.5

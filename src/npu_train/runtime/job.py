@@ -11,16 +11,19 @@ import json
 import os
 import secrets
 import shutil
+import signal
 import socket
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from npu_train.env import cache_dir, getenv
+from npu_train.env import cache_dir, getenv, writable_cache_dir
 from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
-from npu_train.runtime.saving import end_of_run_line, interrupt_note, prepare_checkpoint_root
+from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
+                                     prepare_checkpoint_root)
 from npu_train.runtime.spec import RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
 
@@ -375,23 +378,78 @@ def run_job(cfg, run_dir: str) -> dict:
     Raises UserError (exit 2) for bad input, JobFailed (exit 1) when a card process fails, Interrupted
     (130/143) on SIGINT/SIGTERM. Multi-node when ``NNODES`` > 1 (:mod:`npu_train.runtime.nodes`)."""
     os.makedirs(run_dir, exist_ok=True)
+    if not cfg.plan:  # a read-only NPT_CACHE: one line now, not a traceback at the data cache's first write
+        writable_cache_dir()
     if cfg.calibrate:
         return _calibrate_only(cfg)
     if cfg.plan:
         return _dry_run(cfg, run_dir)
-    node = _this_node(cfg)
+    from npu_train.runtime.dirlock import JobLocks
+
+    node, locks = _this_node(cfg), JobLocks()
     try:
-        return _train(cfg, run_dir, node)
+        with launch_signals():
+            return _train(cfg, run_dir, node, locks)
     except UserError as e:  # the other nodes stop waiting and name this node's error
         if node.rdv is not None:
             node.rdv.abort(str(e))
         raise
+    finally:  # every exit path, an interrupt or a failed card included (a kill -9 drops the flock)
+        locks.release()
 
 
-def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
-    """The phases of a training job (module docstring)."""
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _raise_interrupted(signum, frame) -> None:
+    raise Interrupted(signum)
+
+
+def _record_late_signal(signum, frame) -> None:
+    """After the card processes: the job's outcome is decided; a late signal must not kill the launcher before
+    it writes its records (summary, ``status.json``)."""
+    print(f"note: {signal.Signals(signum).name} received while the job was ending: ignored", file=sys.stderr,
+          flush=True)
+
+
+@contextlib.contextmanager
+def launch_signals():
+    """The launcher's signals while ``run_job`` runs (main thread only): during preparation SIGINT and SIGTERM
+    raise :class:`~npu_train.errors.Interrupted` (cleanup paths run, ``status.json`` is written);
+    while the coordinator runs, its own handlers count them; after it (:func:`defer_signals`) both are only
+    noted. The previous handlers come back at the end."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in _SIGNALS}
+    for s in _SIGNALS:
+        signal.signal(s, _raise_interrupted)
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def defer_signals() -> None:
+    """From now on until :func:`launch_signals` ends, SIGINT/SIGTERM are only noted (set before the coordinator
+    runs; it restores them after its teardown)."""
+    if threading.current_thread() is threading.main_thread():
+        for s in _SIGNALS:
+            signal.signal(s, _record_late_signal)
+
+
+def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
+    """The phases of a training job (module docstring); ``locks``: the launch's
+    :class:`~npu_train.runtime.dirlock.JobLocks`, taken first (a live job's directories are refused)."""
     from npu_train.runtime import nodes as N
 
+    locks.run_dir(run_dir, node.node_rank)
+    root = checkpoint_root(cfg, run_dir)
+    if cfg.checkpoint.save:
+        check_checkpoint_dir_writable(root)  # a read-only checkpoint.dir would fail at the first save
+        if node.is_owner and os.path.isdir(root):  # a new root: locked once created
+            locks.checkpoint_root(root)
     if node.rdv is not None:
         node.rdv.check_same("config", N.config_digest(cfg), "model/data/train settings",
                             "give every node's launcher the same overrides (only backend=, runtime.host, "
@@ -401,25 +459,27 @@ def _train(cfg, run_dir: str, node: "NodeContext") -> dict:
     live = live_progress(str(getattr(cfg.runtime, "progress", "auto")), int(cfg.train.steps),
                          sweep=_sweep_group() is not None)
     try:
-        return _train_phases(cfg, run_dir, node, live)
+        return _train_phases(cfg, run_dir, node, locks, live)
     finally:
         if live is not None:
             live.stop()
 
 
-def _train_phases(cfg, run_dir: str, node: "NodeContext", live) -> dict:
+def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
     """:func:`_train` with the terminal's live display ``live`` (None: plain lines) told each phase."""
     say = live.phase if live is not None else (lambda _text: None)
     say("preparing: cards, model header, placement plan")
     prep = prepare(cfg, run_dir, nodes=node.rdv)
     say("data: reading and tokenizing (cached after the first run)")
     data = _prepare_data(cfg, prep)
-    resume = _resume_point(cfg, prep, data, run_dir)
+    resume = _resume_point(cfg, prep, data, run_dir, owner=node.is_owner)
     if live is not None:
         live.at_step(resume.start_step)
     launch = _launch_identity(cfg, prep, data, resume, node)
+    locks.set_job(launch.job_id)
     prepare_checkpoint_root(resume.ckpt_root, cfg, prep.model_cfg, len(prep.plan.stages), resume.earlier,
-                            owner=node.is_owner)
+                            owner=node.is_owner, lock=locks.checkpoint_root, start_step=resume.start_step,
+                            lora_params_per_layer=prep.shape.lora_params_per_layer)
     say("starting the card processes")
     with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
         job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir, live=live)
@@ -550,9 +610,10 @@ def _prepare_data(cfg, prep: Prepared):
     return data
 
 
-def _resume_point(cfg, prep: Prepared, data, run_dir: str) -> ResumePoint:
-    """The checkpoint root and where this run starts in it (``train.resume``), every refusal first."""
-    from npu_train.checkpoint.store import check_reused_root, find_checkpoint
+def _resume_point(cfg, prep: Prepared, data, run_dir: str, owner: bool = True) -> ResumePoint:
+    """The checkpoint root and where this run starts in it (``train.resume``), every refusal first. A resume
+    first removes dead jobs' staging dirs (the ``owner`` node): an interrupted save is named, never resumed."""
+    from npu_train.checkpoint.store import check_reused_root, find_checkpoint, remove_stale_staging
     from npu_train.data.sampler import StepSampler
 
     tr = cfg.train
@@ -561,7 +622,10 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str) -> ResumePoint:
     point = ResumePoint(ckpt_root=checkpoint_root(cfg, run_dir),
                         saving=bool(cfg.checkpoint.save), sampler=sampler)
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
-    found = find_checkpoint(tr.resume, point.ckpt_root) if tr.resume else None
+    interrupted = remove_stale_staging(point.ckpt_root) if tr.resume and owner else []
+    for p in interrupted:
+        print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
+    found = find_checkpoint(tr.resume, point.ckpt_root, interrupted=interrupted) if tr.resume else None
     if found is not None:
         _open_resume(cfg, prep, data, point, found)
     # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in;
@@ -826,7 +890,9 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
 
 
 def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
-    """Run the card processes to their end; closes the reporter and removes the packed data on every path."""
+    """Run the card processes to their end; closes the reporter and removes the packed data on every path.
+    Signals after the coordinator's teardown are only noted (:func:`defer_signals`)."""
+    defer_signals()
     try:
         job.coord.run()
     except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume

@@ -3,33 +3,103 @@ end (:func:`interrupt_note`, :func:`end_of_run_line`); card processes decide in 
 """
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 from typing import Optional
 
 from npu_train.env import resume_env_prefix
+from npu_train.errors import UserError
 
 #: printed at launch by a ``checkpoint.save=false`` run
 NO_SAVE_NOTE = ("note: checkpoint.save=false: no checkpoint will be written (not at train.save_every, the end or an "
                 "interrupt), so this run cannot be resumed")
 
 
-def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier: list, owner: bool) -> None:
+class CheckpointDirError(UserError):
+    """``checkpoint.dir`` cannot be written, or has too little room for this run's checkpoints (exit 2)."""
+
+
+def _existing_dir(path: str) -> str:
+    """``path`` or its nearest existing ancestor."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def check_checkpoint_dir_writable(ckpt_root: str) -> None:
+    """Create and remove a probe file in ``ckpt_root`` (a new root: in its nearest existing ancestor, creating
+    nothing). Raises :class:`CheckpointDirError` naming the OS error: a read-only mount, no permission, a path
+    through a file."""
+    where = _existing_dir(ckpt_root)
+    probe = os.path.join(where, f".npt-probe-{os.getpid()}")
+    try:
+        if not os.path.isdir(where):
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), where)
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.remove(probe)
+    except OSError as e:
+        raise CheckpointDirError(
+            f"checkpoint.dir={ckpt_root} cannot be written ({where}: [Errno {e.errno}] {e.strerror}): point "
+            "checkpoint.dir at a directory this user can write (default <run dir>/checkpoints), or set "
+            "checkpoint.save=false to train without checkpoints") from None
+
+
+def saves_of_launch(train, start_step: int) -> int:
+    """Checkpoints this launch writes from ``start_step``: every ``train.save_every`` steps and at its last step
+    (``train.steps``, or ``train.stop_after`` steps on)."""
+    end = min(train.steps, start_step + train.stop_after) if train.stop_after else train.steps
+    every = int(train.save_every)
+    n = (end // every - start_step // every) if every else 0
+    return n + (0 if every and end % every == 0 else 1)
+
+
+def check_checkpoint_space(ckpt_root: str, cfg, model_cfg, stages: int, start_step: int = 0,
+                           lora_params_per_layer: int = 0) -> None:
+    """Refuse a launch whose checkpoints will not fit in ``ckpt_root``'s free space (one checkpoint, or
+    ``checkpoint.keep`` of them beside the one being written): :class:`CheckpointDirError`, unless
+    ``checkpoint.low_space=warn`` (then a warning is printed)."""
+    from npu_train.checkpoint.store import (checkpoint_bytes, checkpoints_needed_at_once, complete_checkpoints,
+                                            launch_space_message)
+
+    size = checkpoint_bytes(model_cfg, stages, cfg.train.mode, lora_params_per_layer)
+    count = checkpoints_needed_at_once(int(cfg.checkpoint.keep), len(complete_checkpoints(ckpt_root)),
+                                       saves_of_launch(cfg.train, start_step))
+    free = shutil.disk_usage(_existing_dir(ckpt_root)).free
+    msg = launch_space_message(ckpt_root, size, count, free, int(cfg.checkpoint.keep))
+    if not msg:
+        return
+    if cfg.checkpoint.low_space == "warn":
+        print(f"warning: {msg}; training anyway (checkpoint.low_space=warn): free disk space there or point "
+              "checkpoint.dir at a larger disk", flush=True)
+        return
+    raise CheckpointDirError(f"{msg}, losing the training before it: free disk space there, point checkpoint.dir "
+                             "at a larger disk, set checkpoint.low_space=warn to train anyway, or "
+                             "checkpoint.save=false to save nothing")
+
+
+def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier: list, owner: bool,
+                            lock=None, start_step: int = 0, lora_params_per_layer: int = 0) -> None:
     """Get the checkpoint root ready before the card processes start. ``save=false``: prints
-    :data:`NO_SAVE_NOTE` only. Else creates ``ckpt_root``, warns when a checkpoint will not fit and, when this
-    node is the ``owner``, removes dead jobs' staging and sets ``earlier`` aside. Raises OSError."""
-    from npu_train.checkpoint.store import launch_space_warning, remove_stale_staging, set_aside
+    :data:`NO_SAVE_NOTE` only. Else, when this node is the ``owner``, removes dead jobs' staging; refuses
+    (:func:`check_checkpoint_space`) before creating anything when the checkpoints will not fit; creates
+    ``ckpt_root``, locks it as the ``owner`` (``lock``: ``JobLocks.checkpoint_root``) and sets ``earlier``
+    aside. Raises OSError, or UserError."""
+    from npu_train.checkpoint.store import remove_stale_staging, set_aside
 
     if not cfg.checkpoint.save:
         print(NO_SAVE_NOTE, flush=True)
         return
-    os.makedirs(ckpt_root, exist_ok=True)
-    if warn := launch_space_warning(ckpt_root, model_cfg, stages, cfg.train.mode):  # the first save would fail
-        print(warn, flush=True)
     if owner:  # multi-node: the root is shared; node 0 owns the staging dirs
         for p in remove_stale_staging(ckpt_root):  # only staging dirs of jobs that are gone
             print(f"removed {p}: staging directory of a job that is no longer running", flush=True)
-        if earlier:  # checkpoint.existing=set_aside
-            print(f"note: moved {len(earlier)} checkpoint(s) of an earlier run to {set_aside(ckpt_root)}", flush=True)
+    check_checkpoint_space(ckpt_root, cfg, model_cfg, stages, start_step, lora_params_per_layer)
+    os.makedirs(ckpt_root, exist_ok=True)
+    if owner and lock is not None:
+        lock(ckpt_root)
+    if owner and earlier:  # checkpoint.existing=set_aside
+        print(f"note: moved {len(earlier)} checkpoint(s) of an earlier run to {set_aside(ckpt_root)}", flush=True)
 
 
 def continue_note(ckpt_root: str, offload_update: str) -> str:
