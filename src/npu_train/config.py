@@ -319,8 +319,8 @@ def _check_lora(lo) -> None:
 
 def _check_modes(t) -> None:
     """Schedule, resume, gradient accumulation, offload update and non-finite handling (``train``)."""
-    if t.schedule not in ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
-        raise ConfigError(f"train.schedule={t.schedule!r}: use 1f1b, gpipe, zb, zb-h1 or zb-h2")
+    if t.schedule not in ("auto", "1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: use auto, 1f1b, gpipe, zb, zb-h1 or zb-h2")
     if t.schedule in ("zb", "zb-h1", "zb-h2") and t.recompute:
         raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
                           "use train.schedule=1f1b for activation recompute")

@@ -131,3 +131,28 @@ def test_an_explicit_profile_wins_over_fitted_figures(tmp_path, monkeypatch):
     (tmp_path / "cache" / "calibration").mkdir(parents=True)
     (tmp_path / "cache" / "calibration" / "cpu.json").write_text(prof.read_text())
     assert load_rates("cpu", threads=1).resolve("fp32", 1).device_flops == pytest.approx(R_TRUE)
+
+
+def test_figures_are_kept_and_used_per_model_shape(tmp_path):
+    """A tiny test model's run must not move a real model's plan: runs count only for their own
+    shape_key (model dims + tokens per micro-batch), and another shape's runs do not push them out."""
+    from npu_train.model.config import LlamaConfig
+    from npu_train.planner.fit import shape_key
+
+    big = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3)
+    tiny = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=176, num_layers=6, num_heads=4,
+                       num_kv_heads=2)
+    kb, kt = shape_key(big, 256), shape_key(tiny, 64)
+    assert kb == "h576-i1536-L30-a9/3-d64-v49152-t256" and kb != shape_key(big, 64)
+    record_run(RunFigures("cpu", 1, "fp32", "big", 3, device_flops=40e9, time=1.0, model_shape=kb), root=tmp_path)
+    for k in range(KEEP_RUNS + 2):  # many later runs of the tiny model
+        record_run(RunFigures("cpu", 1, "fp32", "tiny", 3, device_flops=2e9, time=2.0 + k, model_shape=kt),
+                   root=tmp_path)
+    base = DEFAULT_RATES["cpu"].resolve(threads=1)
+    assert apply_fitted(base, "cpu", 1, root=tmp_path, model_shape=kb).flops_by_dtype["fp32"] == 40e9
+    base = DEFAULT_RATES["cpu"].resolve(threads=1)
+    assert apply_fitted(base, "cpu", 1, root=tmp_path, model_shape=kt).flops_by_dtype["fp32"] == 2e9
+    base = DEFAULT_RATES["cpu"].resolve(threads=1)
+    other = apply_fitted(base, "cpu", 1, root=tmp_path, model_shape="h1-i1-L1-a1/1-d1-v1-t1")
+    assert "fp32" not in other.flops_by_dtype or other.resolve("fp32", 1).source("device_flops").startswith("assumed")

@@ -16,11 +16,13 @@ from typing import Optional, Sequence
 from npu_train.env import cache_dir
 
 __all__ = ["RunFigures", "Fitted", "KEEP_RUNS", "run_figures", "fitted_path", "record_run", "read_runs",
-           "fitted_figures", "refit_from_run"]
+           "fitted_figures", "refit_from_run", "shape_key"]
 
 #: runs a fitted figure is taken over (the newest ones)
 KEEP_RUNS = 8
 FORMAT_VERSION = 1
+#: model shapes (:func:`shape_key`) a kind's file keeps runs of (the newest runs' shapes)
+MAX_SHAPES = 8
 
 
 @dataclass
@@ -32,6 +34,8 @@ class RunFigures:
     dtype: str
     model: str
     steps: int
+    #: :func:`shape_key` of the run (model and micro-batch tokens); only runs of the same key are combined
+    model_shape: str = ""
     #: the plan's FLOPs per step of a stage / its measured compute seconds, median over stages and steady steps
     device_flops: Optional[float] = None
     #: the plan's optimizer params per step / measured optimizer seconds of the slowest card, before the cpu
@@ -54,6 +58,14 @@ class Fitted:
     adamw_runs: int = 0
     process_baseline_bytes: Optional[float] = None
     baseline_runs: int = 0
+
+
+def shape_key(model, tokens_per_micro_batch: int) -> str:
+    """What fitted figures are kept per: the model's layer and vocabulary shape and the tokens of a micro-batch
+    (``"h576-i1536-L30-a9/3-d64-v49152-t256"``): FLOP/s and optimizer rates measured on another model or
+    micro-batch (a tiny test model, a smoke run at S=32) say little about this one. ``model``: a LlamaConfig."""
+    return (f"h{model.hidden_size}-i{model.intermediate_size}-L{model.num_layers}-a{model.num_heads}/"
+            f"{model.num_kv_heads}-d{model.head_dim}-v{model.vocab_size}-t{int(tokens_per_micro_batch)}")
 
 
 def _kind(card: str) -> str:
@@ -123,6 +135,7 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
         f, a = flops.get(k), adamw.get(k)
         out.append(RunFigures(kind=k, threads=int(plan_doc["threads"]), dtype=str(plan_doc["shape"]["dtype"]),
                               model=str(plan_doc.get("model", "")), steps=len(steady),
+                              model_shape=str(plan_doc.get("model_shape", "")),
                               device_flops=median(f) if f else None, adamw_params_per_s=median(a) if a else None,
                               process_baseline_bytes=base.get(k)))
     return out
@@ -144,15 +157,21 @@ def read_runs(path: Path) -> list[dict]:
 
 
 def record_run(fig: RunFigures, root: Optional[Path] = None) -> Path:
-    """Append ``fig`` to its kind's file, keeping the newest :data:`KEEP_RUNS`; atomic; a broken file is
-    replaced (one warning line)."""
+    """Append ``fig`` to its kind's file, keeping the newest :data:`KEEP_RUNS` of every model shape; atomic; a
+    broken file is replaced (one warning line)."""
     path = fitted_path(fig.kind, fig.threads, fig.dtype, root)
     try:
         runs = read_runs(path)
     except (OSError, ValueError) as exc:
         print(f"warning: {path}: {exc}; starting it again", file=sys.stderr, flush=True)
         runs = []
-    runs = (runs + [asdict(fig)])[-KEEP_RUNS:]
+    runs = runs + [asdict(fig)]
+    # the newest KEEP_RUNS of every model shape, at most MAX_SHAPES shapes' worth in the file
+    per_shape: dict = {}
+    for r in reversed(runs):
+        per_shape.setdefault(str(r.get("model_shape", "")), []).append(r)
+    keep = {id(r) for group in per_shape.values() for r in group[:KEEP_RUNS]}
+    runs = [r for r in runs if id(r) in keep][-KEEP_RUNS * MAX_SHAPES:]
     doc = {"version": FORMAT_VERSION, "kind": fig.kind, "threads": fig.threads, "dtype": fig.dtype, "runs": runs}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

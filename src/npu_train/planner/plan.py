@@ -7,6 +7,7 @@ from typing import Optional
 
 from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
+from npu_train.planner.fit import shape_key
 from npu_train.planner.memory import MEMORY_TERMS
 from npu_train.planner.rates import Rates
 from npu_train.planner.spec import RunShape
@@ -100,6 +101,7 @@ class Plan:
         """JSON-friendly summary (``plan.json`` in the run directory, read back by :mod:`npu_train.planner.fit`)."""
         return {
             "model": self.model.name,
+            "model_shape": shape_key(self.model, self.shape.tokens_per_micro_batch),
             "shape": asdict(self.shape),
             "split": self.split,
             "dp": self.dp,

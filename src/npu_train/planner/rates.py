@@ -235,10 +235,11 @@ def _thread_entry(path: Path, t, entry) -> dict:
 
 
 def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
-               threads: Optional[int] = None) -> Rates:
+               threads: Optional[int] = None, model_shape: Optional[str] = None) -> Rates:
     """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by the profile at ``profile_path`` (``None``:
     :func:`calibration_path`; a missing file gives the defaults) and, without an explicit profile, by the
-    figures fitted from finished runs. ``threads``: resolved for that many torch threads per card
+    figures fitted from finished runs (of ``model_shape`` only, when given: :func:`~npu_train.planner.fit.shape_key`).
+    ``threads``: resolved for that many torch threads per card
     process (``None``: the whole profile, unresolved). The profile is a JSON object of :class:`Rates` fields
     (top level or under ``"rates"``), as :func:`npu_train.calibrate.save_profile` writes it.
 
@@ -275,17 +276,19 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     if threads is None:
         return rates
     rates = rates.resolve(threads=threads)
-    return rates if profile_path is not None else apply_fitted(rates, kind, int(threads))
+    return rates if profile_path is not None else apply_fitted(rates, kind, int(threads), model_shape=model_shape)
 
 
 def _runs_label(n: int) -> str:
     return f"fitted from {n} run{'s' if n != 1 else ''}"
 
 
-def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = None) -> Rates:
+def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = None,
+                 model_shape: Optional[str] = None) -> Rates:
     """``rates`` (flat, for ``threads``) with the figures fitted from finished runs of ``kind``
     (:mod:`npu_train.planner.fit`): per-dtype FLOP/s, the AdamW rate, and a cpu process baseline only where it
-    is larger (the plan stays an upper bound). A broken file is one warning line."""
+    is larger (the plan stays an upper bound). ``model_shape``: only runs of that
+    :func:`~npu_train.planner.fit.shape_key` count (None: every run). A broken file is one warning line."""
     from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
 
     folder = fitted_path(kind, threads, "x", root).parent
@@ -297,6 +300,8 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
             print(f"warning: {path}: {exc}; its fitted figures are not used (delete it to start again)",
                   file=sys.stderr, flush=True)
             continue
+        if model_shape is not None:
+            runs = [r for r in runs if r.get("model_shape") == model_shape]
         every += runs
         fit = fitted_figures(runs)
         if fit.device_flops:

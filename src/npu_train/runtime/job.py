@@ -133,6 +133,9 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         if not cfg.plan:
             check_weights(model_path, mcfg)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
+    if cfg.train.schedule == "auto":
+        _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], plan_threads, dp, zero,
+                         None if (cfg.plan or nodes is not None) else host_ram)
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
@@ -153,6 +156,45 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         check_node_host_ram(plan, node_counts, node_ram)
     return Prepared(cards=cards, requests=reqs, model_cfg=mcfg, plan=plan, shape=shape, dtype=dtype,
                     model_path=model_path, threads=threads, node_counts=node_counts, dp=dp, zero=zero)
+
+
+def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
+                     host_ram: Optional[int]) -> None:
+    """``train.schedule=auto``: set ``cfg.train.schedule`` (and ``recompute`` when only that fits) to the
+    fastest schedule that fits (:func:`npu_train.planner.schedule_choice.choose_schedule`) and say why; a
+    resume keeps its checkpoint's schedule (another one sums the micro-batches' gradients in another order)."""
+    from omegaconf import open_dict
+
+    from npu_train.planner.schedule_choice import choose_schedule
+
+    saved = _resumed_train(cfg, run_dir)
+    if saved and saved.get("schedule") in ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
+        schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
+        why = f"train.schedule=auto: {schedule}, the resumed checkpoint's"
+    else:
+        with open_dict(cfg):
+            cfg.train.schedule = "1f1b"  # a valid RunShape; each candidate replaces it
+        req = plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram)
+        choice = choose_schedule(req)
+        schedule, recompute, why = choice.schedule, choice.recompute, choice.why
+    with open_dict(cfg):
+        cfg.train.schedule = schedule
+        cfg.train.recompute = recompute
+    print(why, flush=True)
+
+
+def _resumed_train(cfg, run_dir: str) -> Optional[dict]:
+    """The ``train`` settings recorded in the checkpoint ``train.resume`` names, or None (no resume, none found)."""
+    from npu_train.checkpoint.store import find_checkpoint
+
+    if not cfg.train.resume or cfg.plan:
+        return None
+    try:
+        found = find_checkpoint(cfg.train.resume, checkpoint_root(cfg, run_dir))
+        with open(os.path.join(found, "manifest.json")) as f:
+            return json.load(f).get("train") or None
+    except (UserError, OSError, TypeError, ValueError):
+        return None
 
 
 def _resumed_split(cfg, run_dir: str, stages: int) -> Optional[list]:
@@ -294,7 +336,10 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
 
     tr, fur = cfg.train, cfg.runtime.furiosa
     shape = run_shape(cfg, mcfg, dtype)
-    rates = [load_rates(c.kind, cfg.placement.profile, threads=threads) for c in cards]
+    from npu_train.planner.fit import shape_key
+
+    key = shape_key(mcfg, shape.tokens_per_micro_batch)  # figures fitted from runs of this model and shape only
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=threads, model_shape=key) for c in cards]
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
                                loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
              for c in cards]

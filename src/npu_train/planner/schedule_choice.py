@@ -1,0 +1,68 @@
+"""``train.schedule=auto``: the fastest pipeline schedule whose plan fits (:func:`choose_schedule`).
+
+Every candidate (1F1B and the zero-bubble schedules ZB, ZB-H1, ZB-H2) is planned with the same request;
+the one with the shortest predicted step time among those that fit wins (ties: the earlier in
+:data:`CANDIDATES`, the one holding fewer micro-batches). When none fits, 1F1B with activation recompute is
+tried (the zero-bubble schedules do not combine with recompute). With ``recompute`` asked for, only 1F1B and
+GPipe are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Optional
+
+from npu_train.planner.plan import Plan
+from npu_train.planner.request import PlanRequest
+from npu_train.planner.search import make_plan
+from npu_train.planner.spec import PlacementError
+
+__all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule"]
+
+#: in order of preference at equal predicted step time (fewest micro-batches held first)
+CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2")
+#: the candidates when activation recompute is asked for (split-backward schedules do not recompute)
+RECOMPUTE_CANDIDATES = ("1f1b", "gpipe")
+
+
+@dataclass
+class ScheduleChoice:
+    """The chosen ``schedule`` (and ``recompute``), its ``plan``, and ``why`` (one line)."""
+
+    schedule: str
+    recompute: bool
+    plan: Plan
+    why: str
+
+
+def _try(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Plan], str]:
+    """The plan of ``req`` with ``schedule`` / ``recompute``, or None and why not."""
+    try:
+        plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
+    except PlacementError as e:
+        return None, str(e).split(";")[0]
+    return (plan, "") if plan.fits else (None, "does not fit")
+
+
+def choose_schedule(req: PlanRequest) -> ScheduleChoice:
+    """The fastest schedule whose plan fits (module docstring). When nothing fits, recompute included: the
+    1F1B plan (``req.strict``: its PlacementError)."""
+    recompute = bool(req.shape.recompute)
+    tried = []
+    for s in (RECOMPUTE_CANDIDATES if recompute else CANDIDATES):
+        plan, why_not = _try(req, s, recompute)
+        tried.append((s, plan, why_not))
+    fits = [(s, p) for s, p, _ in tried if p is not None]
+    if fits:
+        best, plan = min(fits, key=lambda sp: sp[1].step_time_s)  # min keeps the first of equal times
+        others = ", ".join(f"{s} {p.step_time_s:.3g} s" if p is not None else f"{s} {w}"
+                           for s, p, w in tried if s != best)
+        return ScheduleChoice(best, recompute, plan,
+                              f"train.schedule=auto: {best} (predicted step {plan.step_time_s:.3g} s; {others})")
+    plan, why_not = _try(req, "1f1b", True)
+    if plan is not None:
+        return ScheduleChoice("1f1b", True, plan,
+                              "train.schedule=auto: 1f1b with activation recompute, the only one that fits ("
+                              + ", ".join(f"{s}: {w}" for s, _, w in tried) + ")")
+    # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
+    plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
+    return ScheduleChoice("1f1b", recompute, plan, "train.schedule=auto: no schedule fits, 1f1b shown")

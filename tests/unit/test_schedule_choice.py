@@ -1,0 +1,86 @@
+"""``train.schedule=auto``: the fastest schedule whose plan fits, recompute only when nothing else fits,
+and the resumed checkpoint's schedule kept. The expected choice is worked out here from each schedule's own
+plan (make_plan with the schedule named), not from the chooser."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from npu_train.hardware import make_cards
+from npu_train.model.presets import get_preset
+from npu_train.planner import PlanRequest, RunShape, load_rates, make_plan
+from npu_train.planner.schedule_choice import CANDIDATES, choose_schedule
+from npu_train.planner.spec import PlacementError
+
+GIB = 2 ** 30
+
+
+def _req(cap_gib: float, layers: int = 8, recompute: bool = False, strict: bool = True) -> PlanRequest:
+    m = replace(get_preset("llama-3.2-1b"), num_layers=layers)
+    shape = RunShape(seq_len=512, micro_batch=2, micro_batches=8, schedule="1f1b", dtype="bf16", recompute=recompute)
+    return PlanRequest(m, shape, make_cards("furiosa", 2, int(cap_gib * GIB)), [load_rates("furiosa")] * 2,
+                       resident_layers=4, host_ram_bytes=None, strict=strict)
+
+
+def _plans(req):
+    out = {}
+    for s in CANDIDATES:
+        try:
+            p = make_plan(replace(req, shape=replace(req.shape, schedule=s)))
+        except PlacementError:
+            continue
+        if p.fits:
+            out[s] = p
+    return out
+
+
+def test_auto_takes_the_fastest_schedule_that_fits():
+    req = _req(47.5)
+    plans = _plans(req)
+    assert len(plans) == len(CANDIDATES)  # everything fits on a big card
+    want = min(plans, key=lambda s: (plans[s].step_time_s, CANDIDATES.index(s)))
+    got = choose_schedule(req)
+    assert got.schedule == want and not got.recompute
+    assert got.plan.step_time_s == pytest.approx(plans[want].step_time_s)
+    assert got.why.startswith(f"train.schedule=auto: {want} (predicted step")
+    assert all(s in got.why for s in CANDIDATES)
+
+
+def test_auto_skips_a_schedule_that_does_not_fit():
+    """A card just big enough for the schedules that hold fewer micro-batches: the ones holding more are
+    out, whatever their step time."""
+    full = _plans(_req(47.5))
+    # memory each schedule needs on its fullest card; a capacity between the smallest and the largest need
+    need = {s: max(st.mem["total"] for st in p.stages) for s, p in full.items()}
+    if len(set(need.values())) < 2:
+        pytest.skip("every schedule needs the same memory at this shape")
+    cap = (min(need.values()) + max(need.values())) / 2 / GIB  # explicit resident counts: the full capacity
+    req = _req(cap)
+    fits = _plans(req)
+    assert fits and set(fits) != set(CANDIDATES)
+    got = choose_schedule(req)
+    assert got.schedule in fits
+    assert got.plan.step_time_s == pytest.approx(min(p.step_time_s for p in fits.values()))
+
+
+def test_recompute_when_only_that_fits():
+    req = _req(47.5)
+    rec = make_plan(replace(req, shape=replace(req.shape, recompute=True)))
+    need_rec = max(st.mem["total"] for st in rec.stages)
+    need_min = min(max(st.mem["total"] for st in p.stages) for p in _plans(req).values())
+    assert need_rec < need_min
+    cap = (need_rec + need_min) / 2 / GIB
+    got = choose_schedule(_req(cap))
+    assert (got.schedule, got.recompute) == ("1f1b", True) and "only one that fits" in got.why
+
+
+def test_nothing_fits_raises_the_placement_error():
+    with pytest.raises(PlacementError):
+        choose_schedule(_req(0.5))
+    assert not choose_schedule(_req(0.5, strict=False)).plan.fits
+
+
+def test_recompute_asked_keeps_to_the_schedules_that_recompute():
+    got = choose_schedule(_req(47.5, recompute=True))
+    assert got.schedule in ("1f1b", "gpipe") and got.recompute
