@@ -70,12 +70,14 @@ class TrainConf:
     clip: float = 1.0
     #: compute dtype: bf16 | fp32 | auto (fp32 on cpu, bf16 on accelerators). Masters are fp32.
     dtype: str = "auto"
-    #: 1f1b | gpipe | zb (zero bubble: backward split into input- and weight-gradient passes,
+    #: auto (the fastest of 1f1b, zb, zb-h1, zb-h2 whose plan fits, by the placement model; 1f1b with
+    #: recompute when only that fits; a resume keeps its checkpoint's schedule: planner/schedule_choice.py)
+    #: | 1f1b | gpipe | zb (zero bubble: backward split into input- and weight-gradient passes,
     #: weight gradients deferred into the bubble; 1F1B's activation memory; not with recompute)
     #: | zb-h1 (the paper's ZB-H1: stage s defers W by s micro-batches, smaller bubble, every stage
     #: holds min(M, P) micro-batches — stage 0's 1F1B memory) | zb-h2 (the paper's ZB-H2: 2(P-s)-1
     #: warm-up forwards, W deferred 2s micro-batches; every stage holds up to 2P-1 micro-batches)
-    schedule: str = "1f1b"
+    schedule: str = "auto"
     #: layers per card whose master weights + AdamW moments stay on the card:
     #: auto | N (every card) | [N0, N1, ...] (per card).
     resident_layers: Any = "auto"
