@@ -130,6 +130,24 @@ def _missing(spec: str, builtins) -> FileNotFoundError:
         "directory of them or a directory written by Dataset.save_to_disk")
 
 
+def _check_splits(path: Path, split: str, val_split: Optional[str]) -> None:
+    """Refuse a split the save_to_disk directory does not have, before anything is read."""
+    dd = path / "dataset_dict.json"
+    if not dd.is_file():
+        if split != "train" or val_split:
+            raise DataError(f"{path}: a single Dataset (no splits) has no split "
+                            f"{split if split != 'train' else val_split!r}; drop data.split / data.val_split")
+        return
+    try:
+        splits = list(json.loads(dd.read_text())["splits"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return  # load_from_disk names the problem
+    for name in (split, val_split):
+        if name is not None and name not in splits:
+            raise DataError(f"{path}: the DatasetDict has no split {name!r} (splits: {sorted(splits)}); set "
+                            "data.split / data.val_split to one of them")
+
+
 def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split: Optional[str] = None) -> Source:
     """The :class:`Source` named by ``spec`` for ``data.format=fmt``; FileNotFoundError / DataError."""
     spec = str(spec)
@@ -151,6 +169,7 @@ def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split
     if not path.exists():
         raise _missing(spec, builtins)
     if _is_saved_dir(path):
+        _check_splits(path, split, val_split)
         files = tuple(sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.as_posix()))
         return Source(spec, "saved", files, path, split, val_split)
     if path.is_dir():
