@@ -276,3 +276,13 @@ def test_stale_lock_is_taken_over(tmp_path, tok):
     data = build_packed_data("botchan", tok, 32, 0.05, EOS, cache_dir=str(tmp_path), log=logs.append)
     assert "taking over the stale build lock" in logs[0] and not lock.exists()
     assert torch.equal(data.train, first.train)
+
+
+def test_mixed_type_jsonl_keeps_string_values(tmp_path):
+    """datasets gives a mixed-type JSON column its Json feature, which decodes the string "1919" to an int:
+    such a file is read line by line instead, so the text stays text and the bad row is the int one."""
+    p = tmp_path / "m.jsonl"
+    p.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["1919", "true", "words"]) + json.dumps({"text": 7}) + "\n")
+    with pytest.raises(DataError, match=r'm.jsonl:4: the "text" field must be a string \(int\)'):
+        read_documents(str(p))
+    assert read_documents(str(p), bad_rows="skip") == ["1919", "true", "words"]

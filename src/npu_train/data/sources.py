@@ -401,10 +401,39 @@ def iter_column_batches(src: Source, want: list[str], path: Optional[Path] = Non
         yield from _file_batches(p, want)
 
 
+def _mixed_json(d, want: list[str]) -> bool:
+    """Whether a wanted column of a streamed JSON file has mixed types: ``datasets`` then gives it its
+    ``Json`` feature, which JSON-decodes string values ("1919" would become the int 1919)."""
+    feats = getattr(d, "features", None) or {}
+    return any(type(feats.get(c)).__name__ == "Json" for c in want)
+
+
+def _json_lines(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
+    """Rows of a JSON Lines file with mixed-type columns, parsed line by line with ``json.loads`` (exact
+    values, so the bad rows are found and named); blank lines are not rows."""
+    row, cols = 1, {c: [] for c in want}
+    with open(p, "rb") as f:
+        for raw in f:
+            if not raw.strip():
+                continue
+            obj = json.loads(raw)
+            for c in want:
+                cols[c].append(obj.get(c) if isinstance(obj, dict) else None)
+            if len(cols[want[0]]) == BATCH_ROWS:
+                yield ColumnBatch(cols, str(p), row, BATCH_ROWS)
+                row, cols = row + BATCH_ROWS, {c: [] for c in want}
+    if cols[want[0]]:
+        yield ColumnBatch(cols, str(p), row, len(cols[want[0]]))
+
+
 def _file_batches(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
     row, checked = 1, False
     try:
         d = _file_dataset(p)
+        if p.suffix.lower() == ".jsonl" and _mixed_json(d, want):
+            _check_columns(list(d.features), want, str(p))
+            yield from _json_lines(p, want)
+            return
         for b in d.iter(batch_size=BATCH_ROWS):
             if not checked:
                 _check_columns(list(b), want, str(p))
