@@ -340,10 +340,18 @@ def _json_diagnosis(path: Path, exc: Exception) -> DataError:
     return DataError(f"{path}: datasets could not read it ({type(exc).__name__}: {first}); fix the file")
 
 
-def _file_dataset(path: Path):
+def _file_dataset(path: Path, want: list[str]):
+    """A streamed ``datasets`` view of one file; a parquet file reads only the ``want`` columns (its schema
+    is checked first, so a missing column is named)."""
     ds = open_datasets()
     builder = BUILDERS[path.suffix.lower()]
-    return ds.load_dataset(builder, data_files=[str(path)], split="train", streaming=True)
+    kw = {}
+    if builder == "parquet":
+        import pyarrow.parquet as pq
+
+        _check_columns(pq.read_schema(path).names, want, str(path))
+        kw["columns"] = list(want)
+    return ds.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kw)
 
 
 def _saved_dataset(src: Source, split: str):
@@ -429,7 +437,7 @@ def _json_lines(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
 def _file_batches(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
     row, checked = 1, False
     try:
-        d = _file_dataset(p)
+        d = _file_dataset(p, want)
         if p.suffix.lower() == ".jsonl" and _mixed_json(d, want):
             _check_columns(list(d.features), want, str(p))
             yield from _json_lines(p, want)
