@@ -62,7 +62,9 @@ PROGRESS_S = 10.0
 _HEADER_RESERVE = 8192
 #: a build lock not touched for this long is taken over (its builder died), seconds
 LOCK_STALE_S = 120.0
-#: the PackedData fields stored as arrays (2-D, ``[N, seq_len + 1]``), in file order; None fields are absent
+#: the PackedData fields stored as arrays (2-D, ``[N, seq_len + 1]``), in file order; None fields are absent.
+#: A new optional per-token array (e.g. per-sample positions) is a PackedData field named here: save_packed
+#: stores it in the smallest dtype that holds it and load_packed maps it like the others.
 ARRAY_FIELDS = ("train", "val", "train_labels", "val_labels")
 _ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32",
               np.dtype(np.int16): "I16", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
