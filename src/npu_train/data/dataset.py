@@ -156,16 +156,66 @@ def token_batches(tokenizer, pieces: Iterable[tuple[int, str]], eos_id: int | No
             out.extend(ids)
         return np.asarray(out, dtype=np.int64)
 
+    for batch, docs, chars in _prefetched(_text_batches(pieces, batch_chars)):
+        yield flush(batch, docs), chars
+
+
+def _text_batches(pieces: Iterable[tuple[int, str]], batch_chars: int) -> Iterator[tuple[list, list, int]]:
     batch, docs, chars = [], [], 0
     for d, piece in pieces:
         batch.append(piece)
         docs.append(d)
         chars += len(piece)
         if chars >= batch_chars:
-            yield flush(batch, docs), chars
+            yield batch, docs, chars
             batch, docs, chars = [], [], 0
     if batch:
-        yield flush(batch, docs), chars
+        yield batch, docs, chars
+
+
+def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
+    """``it``'s items, produced by a background thread up to ``depth`` ahead: reading and parsing the
+    source (pyarrow and file reads release the GIL) overlaps the tokenizer's ``encode_batch`` (which
+    releases it too). An exception in the producer is raised here; the producer stops when the consumer
+    is closed."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def produce() -> None:
+        try:
+            for item in it:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((end, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((end, e))
+
+    th = threading.Thread(target=produce, name="npt-data-read", daemon=True)
+    th.start()
+    try:
+        while True:
+            item, err = q.get()
+            if item is end:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()
+        while th.is_alive():
+            with contextlib.suppress(queue.Empty):
+                q.get_nowait()
+            th.join(0.05)
 
 
 def tokenize_documents(tokenizer, docs: list[str], eos_id: int | None) -> list[int]:
