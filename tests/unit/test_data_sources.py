@@ -286,3 +286,22 @@ def test_mixed_type_jsonl_keeps_string_values(tmp_path):
     with pytest.raises(DataError, match=r'm.jsonl:4: the "text" field must be a string \(int\)'):
         read_documents(str(p))
     assert read_documents(str(p), bad_rows="skip") == ["1919", "true", "words"]
+
+
+def test_inexact_tokenizer_gets_whole_documents(tmp_path):
+    """A tokenizer that prepends a marker to its input is not chunk-safe: long documents (the built-in text,
+    a long JSONL row) are then encoded whole, so the stream equals encoding each document in one call."""
+    from tokenizers import normalizers
+
+    text = botchan_text()
+    t = Tokenizer(models.WordLevel(unk_token="[UNK]"))
+    t.normalizer = normalizers.Prepend("^")
+    t.pre_tokenizer = pre_tokenizers.Whitespace()
+    t.train_from_iterator([text], trainers.WordLevelTrainer(special_tokens=["[UNK]"], show_progress=False))
+    full = t.encode(text, add_special_tokens=False).ids
+    p = tmp_path / "long.jsonl"
+    p.write_text(json.dumps({"text": text}) + "\n")
+    for src in ("botchan", str(p)):
+        data = build_packed_data(src, t, 64, 0.05, eos_id=None)
+        flat = torch.cat([data.train, data.val]).long().reshape(-1).tolist()
+        assert data.n_tokens == len(full) and flat == full[: len(flat)]

@@ -545,7 +545,7 @@ def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fracti
     src, row = spec.source, seq_len + 1
     tok_vocab = getattr(tokenizer, "get_vocab_size", None)
     limit = max(vocab_size or 0, tok_vocab(True) if tok_vocab else 1 << 32)
-    whole = not chunk_safe(tokenizer)
+    whole = lambda: not chunk_safe(tokenizer)  # noqa: E731 - asked only if a document must be cut
     out = _StreamFile(tmp, token_dtype(limit))
     progress = _Progress(log, src.spec, src.n_bytes, lock, progress_s)
     bad = BadRows()

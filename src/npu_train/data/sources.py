@@ -272,19 +272,32 @@ def _txt_pieces(path: Path, whole: bool, block: int = 1 << 20) -> Iterator[str]:
         yield buf
 
 
-def text_pieces(src: Source, field_name: str, bad: BadRows, bad_rows: str, whole: bool = False,
+def _once(whole):
+    """``whole`` as a callable evaluated at most once (a bool is returned as is)."""
+    known: list = []
+
+    def ask() -> bool:
+        if not known:
+            known.append(bool(whole() if callable(whole) else whole))
+        return known[0]
+    return ask
+
+
+def text_pieces(src: Source, field_name: str, bad: BadRows, bad_rows: str, whole=False,
                 split: Optional[str] = None) -> Iterator[tuple[int, str]]:
-    """``(doc, piece)`` for ``data.format=text``: each document's text in pieces (``whole``: one piece per
-    document) with a running document number; whitespace-only documents dropped. JSON/CSV/parquet/arrow
-    rows are documents (column ``field_name``); a ``.txt`` file is one document."""
+    """``(doc, piece)`` for ``data.format=text``: each document's text in pieces, with a running document
+    number; whitespace-only documents dropped. ``whole``: one piece per document (a bool, or a callable asked
+    once, when the first document longer than a piece comes). JSON/CSV/parquet/arrow rows are documents
+    (column ``field_name``); a ``.txt`` file is one document."""
+    whole = _once(whole)
     doc = -1
     if src.kind == "builtin":
-        yield from ((0, p) for p in ([botchan_text()] if whole else _join_rest(*split_pieces(botchan_text()))))
+        yield from ((0, p) for p in ([botchan_text()] if whole() else _join_rest(*split_pieces(botchan_text()))))
         return
     for path in (src.files if src.kind == "files" else (None,)):
         if path is not None and path.suffix.lower() == ".txt":
             held, seen = [], False
-            for p in _txt_pieces(path, whole):
+            for p in _txt_pieces(path, whole()):
                 if not seen and not p.strip():
                     held.append(p)
                     continue
@@ -307,7 +320,7 @@ def text_pieces(src: Source, field_name: str, bad: BadRows, bad_rows: str, whole
                 if not v.strip():
                     continue
                 doc += 1
-                if whole or len(v) <= PIECE_CHARS:
+                if len(v) <= PIECE_CHARS or whole():
                     yield doc, v
                 else:
                     yield from ((doc, p) for p in _join_rest(*split_pieces(v)))
