@@ -21,13 +21,31 @@ class ModelConf:
 
 @dataclass
 class DataConf:
-    #: "botchan" (shipped public-domain novel), a .txt/.jsonl file or a directory of them;
-    #: with format=chat|prompt_completion: "botchan-chat" (shipped) or a .jsonl file / directory.
+    #: "botchan" (shipped public-domain novel); with format=chat|prompt_completion "botchan-chat"
+    #: (shipped); else a local .parquet / .arrow / .jsonl / .json / .csv / .txt file, a glob of them
+    #: ("data/*.parquet"), a directory of them, or a directory written by Dataset.save_to_disk /
+    #: DatasetDict.save_to_disk. Read through Hugging Face datasets with HF_DATASETS_OFFLINE=1 (never
+    #: the Hub); a .txt file is one document. See npu_train/data/sources.py.
     source: str = "botchan"
-    #: text (packed raw text) | chat (JSONL rows {"messages": [{role, content}, ...]}) |
-    #: prompt_completion (JSONL rows {"prompt", "completion"}); chat data trains the assistant
+    #: text (packed raw text) | chat (rows {"messages": [{role, content}, ...]}) |
+    #: prompt_completion (rows {"prompt", "completion"}); chat data trains the assistant
     #: tokens only, one sample per sequence (see npu_train/data/chat.py).
     format: str = "text"
+    #: column holding the text (format=text; each row is one document).
+    text_field: str = "text"
+    #: column holding the conversation list (format=chat).
+    messages_field: str = "messages"
+    #: columns holding the prompt and the completion (format=prompt_completion).
+    prompt_field: str = "prompt"
+    completion_field: str = "completion"
+    #: split of a DatasetDict save_to_disk directory to train on.
+    split: str = "train"
+    #: optional split of that DatasetDict used as the validation rows (format=text); null = hold out
+    #: the last val_fraction of the training rows.
+    val_split: Optional[str] = None
+    #: rows with a missing / non-string column, an unknown role or no assistant answer: refuse (error
+    #: naming the first such row and the fix) | skip (dropped, counted, first one reported).
+    bad_rows: str = "refuse"
     #: chat/prompt_completion samples longer than seq_len+1 tokens: drop | truncate (keep the start).
     truncation: str = "drop"
     seq_len: int = 128

@@ -80,6 +80,18 @@ def bad(tiny_model, tmp_path_factory):
     b.latin1 = str(root / "latin1.txt")
     with open(b.latin1, "wb") as f:
         f.write("Caf\xe9 au lait, s'il vous pla\xeet.\n".encode("latin1") * 200)
+    # datasets sources: a parquet file without a "text" column, a JSONL row whose text is a number,
+    # a save_to_disk DatasetDict without the named validation split
+    import datasets
+
+    words = botchan_text()[:20_000].split("\n")
+    b.no_text_col = str(root / "body.parquet")
+    datasets.Dataset.from_dict({"body": words}).to_parquet(b.no_text_col)
+    b.bad_row = str(root / "bad_row.jsonl")
+    with open(b.bad_row, "w") as f:
+        f.write("".join(json.dumps({"text": w}) + "\n" for w in words[:50]) + json.dumps({"text": 7}) + "\n")
+    b.dsdict = str(root / "dsdict")
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": words})}).save_to_disk(b.dsdict)
     # a (complete) checkpoint of another model: 4 layers instead of 6
     b.other_ckpt = str(root / "other_ckpt")
     step = os.path.join(b.other_ckpt, "step_000002")
@@ -131,6 +143,13 @@ CASES = [
     ("dataset-too-short", lambda b: [f"data.source={b.short}"], None,
      ["dataset too short", "lower data.seq_len or add text"]),
     ("text-not-utf8", lambda b: [f"data.source={b.latin1}"], None, ["not valid UTF-8", "iconv"]),
+    ("data-missing-column", lambda b: [f"data.source={b.no_text_col}"], None,
+     ["body.parquet: no column 'text' (columns: ['body'])", "set data.text_field=<column>"]),
+    ("data-bad-row", lambda b: [f"data.source={b.bad_row}"], None,
+     ['bad_row.jsonl:51: the "text" field must be a string (int)', "data.bad_rows=skip"]),
+    ("data-split-missing", lambda b: [f"data.source={b.dsdict}", "data.val_split=validation"], None,
+     ["has no split 'validation' (splits: ['train'])", "data.val_split"]),
+    ("data-bad-rows-value", lambda b: ["data.bad_rows=maybe"], None, ["data.bad_rows='maybe'", "refuse", "skip"]),
     ("accum-zero", lambda b: ["train.accum=0"], None, ["train.accum=0 must be a positive integer", "train.accum=1"]),
     ("accum-not-a-number", lambda b: ["train.accum=abc"], None,
      ["'abc'", "could not be converted to Integer", "train.accum", "fix the key=value override"]),

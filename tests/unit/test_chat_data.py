@@ -141,7 +141,12 @@ def test_padding_labels_and_roundtrip(smol, tmp_path):
         assert _trained_spans(smol["tok"], lab.tolist()) == [f"A{row}.{EOT}"]
     p = save_packed(d, tmp_path / "c.safetensors")
     d2 = load_packed(p)
-    assert torch.equal(d2.train_labels, d.train_labels) and torch.equal(d2.val_labels, d.val_labels)
+    # stored compactly: labels as a uint8 target mask (1 byte a token); the micro-batches are unchanged
+    assert d2.train_labels.dtype == torch.uint8 and d2.train.dtype == torch.uint16
+    for split, n in (("train", d.n_train), ("val", d.n_val)):
+        for a, b in zip(micro_batch_tensors(d2, torch.arange(n), split), micro_batch_tensors(d, torch.arange(n), split)):
+            assert torch.equal(a, b)
+    assert torch.equal(torch.where(d2.train_labels.bool(), d.train, IGNORE_INDEX), d.train_labels)
     # an all-masked micro-batch contributes 0, not NaN (the step divides by its total target count)
     ls, n = causal_lm_loss_sum(torch.randn(1, 64, 8), torch.full((1, 64), IGNORE_INDEX))
     assert n == 0 and float(ls) == 0.0

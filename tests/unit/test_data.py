@@ -111,7 +111,7 @@ def test_read_text_source_kinds(tmp_path, botchan):
     _write(d / "z.txt", "zed")
     _write(d / "a.txt", "ay")
     (d / "m.jsonl").write_text(json.dumps({"text": "em"}) + "\n")
-    _write(d / "ignored.csv", "x,y")
+    _write(d / "ignored.md", "x,y")
     assert read_documents(str(d)) == ["ay", "em", "zed"]
 
 
@@ -150,7 +150,7 @@ def test_malformed_jsonl(tmp_path, line, what):
 
 
 def test_unsupported_suffix(tmp_path):
-    p = _write(tmp_path / "data.csv", "a,b")
+    p = _write(tmp_path / "data.xml", "<a/>")
     with pytest.raises(DataError, match="unsupported file type"):
         read_text_source(str(p))
 
@@ -168,7 +168,8 @@ def test_packing_shapes_and_shift(tok, botchan):
     ids = tok.encode(botchan, add_special_tokens=False).ids
     assert data.n_tokens == len(ids)
     n_seq = len(ids) // (S + 1)
-    assert data.train.dtype == torch.int64 and data.val.dtype == torch.int64
+    # stored compactly: a 400-entry vocabulary fits uint16; micro-batches are int64
+    assert data.train.dtype == torch.uint16 and data.val.dtype == torch.uint16
     assert data.train.shape[1] == S + 1 and data.val.shape[1] == S + 1
     assert data.n_train + data.n_val == n_seq
     assert data.n_val == round(n_seq * 0.05) and data.n_val >= 1
@@ -177,10 +178,11 @@ def test_packing_shapes_and_shift(tok, botchan):
     assert flat.tolist() == ids[: n_seq * (S + 1)]
     x, y = micro_batch_tensors(data, torch.tensor([0, 5, 2]))
     assert x.shape == (3, S) and y.shape == (3, S) and x.dtype == torch.int64
-    assert torch.equal(x, data.train[[0, 5, 2], :-1]) and torch.equal(y, data.train[[0, 5, 2], 1:])
+    rows = data.train[[0, 5, 2]].long()
+    assert torch.equal(x, rows[:, :-1]) and torch.equal(y, rows[:, 1:])
     assert torch.equal(x[:, 1:], y[:, :-1])  # labels are inputs shifted by one
     xv, yv = micro_batch_tensors(data, torch.tensor([0]), split="val")
-    assert torch.equal(xv[0], data.val[0, :-1]) and torch.equal(yv[0], data.val[0, 1:])
+    assert torch.equal(xv[0], data.val[0, :-1].long()) and torch.equal(yv[0], data.val[0, 1:].long())
 
 
 def test_validation_disjoint(tok):
@@ -243,11 +245,13 @@ def test_cache_round_trip(tmp_path, tok, monkeypatch):
 def test_corrupt_cache_is_rebuilt(tmp_path, tok):
     cache = tmp_path / "cache"
     first = build_packed_data("botchan", tok, 64, 0.05, EOS, str(cache))
+    want = first.train.clone()  # first is mapped from the file overwritten in place below
     path = packed_cache_path(cache, first.fingerprint)
+    del first
     path.write_bytes(b"garbage")
     again = build_packed_data("botchan", tok, 64, 0.05, EOS, str(cache))
-    assert torch.equal(again.train, first.train)
-    assert load_packed(path).fingerprint == first.fingerprint
+    assert torch.equal(again.train, want)
+    assert load_packed(path).fingerprint == again.fingerprint
 
 
 def test_too_short(tmp_path, tok):
@@ -262,7 +266,7 @@ def test_vocab_mismatch(tok):
     with pytest.raises(DataError, match=r"tokenizer produced id \d+ but the model's vocabulary has 100 entries"):
         build_packed_data("botchan", tok, 64, 0.05, EOS, None, vocab_size=100)
     ok = build_packed_data("botchan", tok, 64, 0.05, EOS, None, vocab_size=tok.get_vocab_size())
-    assert int(ok.train.max()) < tok.get_vocab_size()
+    assert int(ok.train.long().max()) < tok.get_vocab_size()
 
 
 def test_vocab_mismatch_checked_on_cache_hit(tmp_path, tok):

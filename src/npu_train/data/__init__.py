@@ -1,4 +1,4 @@
-"""Training data: text sources, token packing, chat / prompt-completion samples and the step sampler."""
+"""Training data: sources (local files / save_to_disk directories through ``datasets``), token packing, chat / prompt-completion samples and the step sampler."""
 
 from .dataset import (
     PackedData,
@@ -13,7 +13,8 @@ from .dataset import (
 from .chat import FORMATS, ChatRenderer
 from .sampler import StepSampler
 from .sft import build_sft_data
-from .text import DataError, botchan_text, read_documents, read_text_source, strip_gutenberg
+from .sources import Source, read_documents, read_text_source, resolve_source
+from .text import DataError, botchan_text, strip_gutenberg
 
 __all__ = [
     "ChatRenderer",
@@ -21,6 +22,7 @@ __all__ = [
     "build_sft_data",
     "DataError",
     "PackedData",
+    "Source",
     "StepSampler",
     "botchan_text",
     "build_packed_data",
@@ -30,6 +32,7 @@ __all__ = [
     "packed_cache_path",
     "read_documents",
     "read_text_source",
+    "resolve_source",
     "save_packed",
     "strip_gutenberg",
     "tokenize_documents",

@@ -1,4 +1,4 @@
-"""Chat and prompt/completion rows (JSONL) rendered with the model's chat template, with label masks.
+"""Chat and prompt/completion rows (any :mod:`~npu_train.data.sources` source) rendered with the model's chat template, with label masks.
 
 ``chat``: ``{"messages": [{"role", "content"}, ...]}`` (at least one assistant message); ``prompt_completion``:
 ``{"prompt", "completion"}`` (a user/assistant pair, or plain text + EOS without a template). Only each
@@ -8,23 +8,21 @@ assistant message's content and its end-of-turn token are trained. The tokens co
 Main type: :class:`ChatRenderer`."""
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
-from importlib import resources
-from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from npu_train.model.llama import IGNORE_INDEX
 
-from .text import DataError, decode_utf8
+from .sources import BUILTIN_CHAT
+from .text import DataError
 
-__all__ = ["FORMATS", "ROLES", "ChatRenderer", "Sample", "read_rows", "row_messages", "BUILTIN_CHAT_SOURCES"]
+__all__ = ["FIELDS", "FORMATS", "ROLES", "ChatRenderer", "Sample", "read_rows", "row_messages", "BUILTIN_CHAT_SOURCES"]
 
 FORMATS = ("text", "chat", "prompt_completion")
 ROLES = ("system", "user", "assistant")
 #: built-in chat data sets: name -> asset file (see assets/SOURCE.md)
-BUILTIN_CHAT_SOURCES = {"botchan-chat": "botchan_chat.jsonl"}
+BUILTIN_CHAT_SOURCES = BUILTIN_CHAT
 _GENERATION_RE = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
@@ -39,22 +37,6 @@ class Sample:
 
 
 # ------------------------------------------------------------------------------- reading rows
-def _rows_of_file(path: Path, fmt: str) -> list[tuple[list[dict], str]]:
-    text = decode_utf8(path.read_bytes(), path)
-    out = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise DataError(f"{where}: malformed JSON line ({e.msg} at column {e.colno}); "
-                            f"each line must be one JSON object ({_shape_hint(fmt)})") from None
-        out.append((row_messages(obj, fmt, where), where))
-    return out
-
-
 def _shape_hint(fmt: str) -> str:
     if fmt == "chat":
         return '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'
@@ -92,25 +74,37 @@ def row_messages(obj, fmt: str, where: str) -> list[dict]:
     return out
 
 
-def read_rows(spec: str, fmt: str) -> list[tuple[list[dict], str]]:
-    """``[(messages, "file:line"), ...]`` of a chat / prompt_completion source in file order: a built-in name
-    (:data:`BUILTIN_CHAT_SOURCES`), a ``.jsonl`` or a directory of them. Raises FileNotFoundError /
-    :class:`DataError`."""
-    if spec in BUILTIN_CHAT_SOURCES:
-        ref = resources.files("npu_train.data").joinpath("assets", BUILTIN_CHAT_SOURCES[spec])
-        with resources.as_file(ref) as p:
-            rows = _rows_of_file(Path(p), fmt)
-    else:
-        path = Path(spec).expanduser()
-        if not path.exists():
-            raise FileNotFoundError(f"data.source={spec!r}: no such file or directory ({path.resolve()}); use "
-                                    f"{sorted(BUILTIN_CHAT_SOURCES)} or a .jsonl file / directory of them")
-        files = sorted(p for p in path.rglob("*.jsonl") if p.is_file()) if path.is_dir() else [path]
-        if path.is_file() and path.suffix.lower() != ".jsonl":
-            raise DataError(f"{path}: data.format={fmt} needs a .jsonl file (one {_shape_hint(fmt)} per line)")
-        rows = [r for f in files for r in _rows_of_file(f, fmt)]
+#: the columns a row of each format needs (data.*_field maps them to the source's columns)
+FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+
+
+def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
+              log: Callable[[str], None] = print) -> list[tuple[list[dict], str]]:
+    """``[(messages, "file:row"), ...]`` of a chat / prompt_completion source in file order: a built-in name
+    (:data:`BUILTIN_CHAT_SOURCES`), a JSON(L) / parquet / arrow file, a glob or directory of them, or a
+    save_to_disk directory (``split``). ``fields`` maps ``messages`` / ``prompt`` / ``completion`` to the
+    source's column names. A bad row is an error naming it (``bad_rows="refuse"``) or is counted, reported
+    through ``log`` with the first one and dropped (``"skip"``). Raises FileNotFoundError / :class:`DataError`."""
+    from .sources import BadRows, iter_column_batches, resolve_source
+
+    src = resolve_source(spec, fmt, split)
+    names = {k: str((fields or {}).get(k) or k) for k in FIELDS[fmt]}
+    cols = list(dict.fromkeys(names.values()))
+    rows, bad = [], BadRows()
+    for path in (src.files if src.kind == "files" else (None,)):
+        for b in iter_column_batches(src, cols, path=path, split=split):
+            for i in range(b.n_rows):
+                obj = {k: b.columns[c][i] for k, c in names.items() if b.columns[c][i] is not None}
+                try:
+                    rows.append((row_messages(obj, fmt, b.where(i)), b.where(i)))
+                except DataError as e:
+                    if bad_rows != "skip":
+                        raise DataError(f"{e} (or set data.bad_rows=skip to drop such rows)") from None
+                    bad.add(str(e))
+    if bad.count:
+        log(f"data: {bad.report()}")
     if not rows:
-        raise DataError(f"data.source={spec!r}: no rows; add JSONL rows like {_shape_hint(fmt)}")
+        raise DataError(f"data.source={spec!r}: no rows; add rows like {_shape_hint(fmt)}")
     return rows
 
 

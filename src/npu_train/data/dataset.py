@@ -1,22 +1,44 @@
-"""Fixed-length packing of a tokenized text source into train / validation rows (:class:`PackedData`).
+"""Fixed-length packing of a tokenized text source into train / validation rows (:class:`PackedData`), stored
+once on disk and memory-mapped.
 
-Documents are tokenized, joined with ``eos_id`` (or a blank line) into one stream and cut into rows of
-``seq_len + 1`` tokens (tail dropped); ``input_ids = row[:-1]``, ``labels = row[1:]``. The last
-``val_fraction`` of rows is validation. Cached as safetensors keyed by text, tokenizer and settings."""
+Documents are streamed from the source (:mod:`npu_train.data.sources`), tokenized in batches with the
+tokenizers library's ``encode_batch`` (parallel over the host's cores), joined with ``eos_id`` (or a blank
+line) and written straight to the cache file as ``uint16`` (vocabulary <= 65536) or ``uint32`` ids; rows of
+``seq_len + 1`` tokens (tail dropped), ``input_ids = row[:-1]``, ``labels = row[1:]``. The last
+``val_fraction`` of rows is validation (or a ``DatasetDict``'s ``data.val_split``).
+
+The file is a safetensors file (an 8-byte header length, a JSON header, the raw arrays): the named arrays of
+:data:`ARRAY_FIELDS` present in the data plus ``__metadata__`` (format, seq_len, n_tokens, fingerprint,
+max_id). :func:`load_packed` maps every array read-only-in-effect (``np.memmap`` copy-on-write, never
+written), so no card process holds the corpus in its own memory; :func:`micro_batch_tensors` turns just
+the selected rows into int64. Cached under ``cache_dir`` keyed by :func:`data_fingerprint` (the source's
+cheap key: file sizes, mtimes and a sample hash; the tokenizer; the packing knobs)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import json
 import os
+import socket
+import struct
+import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Iterable, Iterator, Optional
 
+import numpy as np
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.numpy import save_file
 
-from .text import DataError, read_documents
+from npu_train.model.llama import IGNORE_INDEX
+
+from .sources import BadRows, Source, resolve_source, source_key, split_pieces, text_pieces
+from .text import DataError, botchan_text
 
 __all__ = [
+    "ARRAY_FIELDS",
     "PackedData",
     "build_packed_data",
     "data_fingerprint",
@@ -26,20 +48,40 @@ __all__ = [
     "tokenize_documents",
     "micro_batch_tensors",
     "n_val_rows",
+    "token_dtype",
     "tokenizer_hash",
 ]
 
-_FORMAT = "npu-train-packed-v1"
+_FORMAT = "npu-train-packed-v2"
 _CHUNK_CHARS = 32_768
+#: characters of text per encode_batch call (the tokenizers library spreads one call over the cores)
+BATCH_CHARS = 1 << 20
+#: seconds between progress lines while tokenizing
+PROGRESS_S = 10.0
+#: bytes reserved for the safetensors JSON header of a streamed file (padded with spaces)
+_HEADER_RESERVE = 8192
+#: a build lock not touched for this long is taken over (its builder died), seconds
+LOCK_STALE_S = 120.0
+#: the PackedData fields stored as arrays (2-D, ``[N, seq_len + 1]``), in file order; None fields are absent.
+#: A new optional per-token array (e.g. per-sample positions) is a PackedData field named here: save_packed
+#: stores it in the smallest dtype that holds it and load_packed maps it like the others.
+ARRAY_FIELDS = ("train", "val", "train_labels", "val_labels")
+_ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32",
+              np.dtype(np.int16): "I16", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
+              np.dtype(np.bool_): "BOOL"}
+_NP_DTYPES = {v: k for k, v in _ST_DTYPES.items()}
 
 
 @dataclass
 class PackedData:
-    """Packed token rows. ``train``/``val``: ``[N, seq_len + 1]`` int64.
+    """Packed token rows. ``train``/``val``: ``[N, seq_len + 1]`` integer token ids (int64 when built in
+    memory; uint16 / uint32 when mapped from a file).
 
     ``n_tokens``: stream length before the tail was dropped (chat: unpadded tokens); ``fingerprint``: hex
-    sha256 cache key; ``train_labels``/``val_labels``: same shape, ``IGNORE_INDEX`` where not trained
-    (chat data only; None for text)."""
+    sha256 cache key; ``train_labels``/``val_labels``: same shape, chat data only (None for text): either
+    int64 labels (``IGNORE_INDEX`` where not trained) or a uint8 / bool mask (1 = the token is a target;
+    labels = ids where 1, else ``IGNORE_INDEX``). ``path``: the file the arrays are memory-mapped from
+    (None when they live in this process's memory)."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -48,6 +90,7 @@ class PackedData:
     fingerprint: str
     train_labels: torch.Tensor | None = None
     val_labels: torch.Tensor | None = None
+    path: str | None = None
 
     @property
     def n_train(self) -> int:
@@ -63,35 +106,15 @@ class PackedData:
 
 def _split_chunks(doc: str, size: int = _CHUNK_CHARS) -> list[str]:
     """Cut ``doc`` into ~``size``-char pieces at line starts that begin with a non-space."""
-    if len(doc) <= size:
-        return [doc]
-    chunks, start = [], 0
-    while len(doc) - start > size:
-        cut = start + size
-        while True:
-            nl = doc.find("\n", cut)
-            if nl < 0 or nl + 1 >= len(doc):
-                cut = -1
-                break
-            if not doc[nl + 1].isspace():
-                cut = nl + 1
-                break
-            cut = nl + 1
-        if cut < 0:
-            break
-        chunks.append(doc[start:cut])
-        start = cut
-    chunks.append(doc[start:])
-    return chunks
+    pieces, rest = split_pieces(doc, size)
+    return pieces + [rest] if rest or not pieces else pieces
 
 
 def _encode_doc(tokenizer, doc: str) -> list[int]:
+    """Token ids of one document, chunked when that is exact (see :func:`chunk_safe`)."""
     chunks = _split_chunks(doc)
     if len(chunks) == 1:
         return tokenizer.encode(doc, add_special_tokens=False).ids
-    # Chunking at line starts is exact for byte-level BPE (a pre-token never crosses a
-    # "\n" followed by a non-space), but not for every tokenizer (e.g. one that prepends
-    # a space marker to its input). Check on the first boundary; otherwise encode whole.
     first_two = tokenizer.encode(chunks[0] + chunks[1], add_special_tokens=False).ids
     encs = tokenizer.encode_batch(chunks, add_special_tokens=False)
     if first_two != encs[0].ids + encs[1].ids:
@@ -99,16 +122,107 @@ def _encode_doc(tokenizer, doc: str) -> list[int]:
     return [i for e in encs for i in e.ids]
 
 
+def chunk_safe(tokenizer) -> bool:
+    """Whether tokenizing a document in pieces cut at line starts equals tokenizing it whole (true for
+    byte-level BPE: a pre-token never crosses a "\\n" followed by a non-space; false e.g. for a tokenizer that
+    prepends a marker to its input). Probed on the first two pieces of the shipped Botchan text."""
+    pieces, _ = split_pieces(botchan_text()[: 3 * _CHUNK_CHARS], _CHUNK_CHARS)
+    whole = tokenizer.encode(pieces[0] + pieces[1], add_special_tokens=False).ids
+    parts = tokenizer.encode_batch(pieces[:2], add_special_tokens=False)
+    return whole == parts[0].ids + parts[1].ids
+
+
+def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
+    enc = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
+    return [e.ids for e in enc(texts, add_special_tokens=False)]
+
+
+def token_batches(tokenizer, pieces: Iterable[tuple[int, str]], eos_id: int | None,
+                  batch_chars: int = BATCH_CHARS) -> Iterator[tuple[np.ndarray, int]]:
+    """``(ids, chars)``: int64 token ids of consecutive pieces (``eos_id``, or the tokens of a blank line when
+    None, between documents) and the characters they came from, about ``batch_chars`` characters per batch."""
+    sep = [int(eos_id)] if eos_id is not None else None
+    prev: list = [None]
+
+    def flush(batch: list[str], docs: list[int]) -> np.ndarray:
+        nonlocal sep
+        if sep is None:
+            sep = tokenizer.encode("\n\n", add_special_tokens=False).ids
+        out: list[int] = []
+        for d, ids in zip(docs, _encode_batch(tokenizer, batch)):
+            if prev[0] is not None and d != prev[0]:
+                out.extend(sep)
+            prev[0] = d
+            out.extend(ids)
+        return np.asarray(out, dtype=np.int64)
+
+    for batch, docs, chars in _prefetched(_text_batches(pieces, batch_chars)):
+        yield flush(batch, docs), chars
+
+
+def _text_batches(pieces: Iterable[tuple[int, str]], batch_chars: int) -> Iterator[tuple[list, list, int]]:
+    batch, docs, chars = [], [], 0
+    for d, piece in pieces:
+        batch.append(piece)
+        docs.append(d)
+        chars += len(piece)
+        if chars >= batch_chars:
+            yield batch, docs, chars
+            batch, docs, chars = [], [], 0
+    if batch:
+        yield batch, docs, chars
+
+
+def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
+    """``it``'s items, produced by a background thread up to ``depth`` ahead: reading and parsing the
+    source (pyarrow and file reads release the GIL) overlaps the tokenizer's ``encode_batch`` (which
+    releases it too). An exception in the producer is raised here; the producer stops when the consumer
+    is closed."""
+    import queue
+    import threading
+
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def produce() -> None:
+        try:
+            for item in it:
+                while not stop.is_set():
+                    try:
+                        q.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            q.put((end, None))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put((end, e))
+
+    th = threading.Thread(target=produce, name="npt-data-read", daemon=True)
+    th.start()
+    try:
+        while True:
+            item, err = q.get()
+            if item is end:
+                if err is not None:
+                    raise err
+                return
+            yield item
+    finally:
+        stop.set()
+        while th.is_alive():
+            with contextlib.suppress(queue.Empty):
+                q.get_nowait()
+            th.join(0.05)
+
+
 def tokenize_documents(tokenizer, docs: list[str], eos_id: int | None) -> list[int]:
-    """One token stream for ``docs`` (no special tokens; ``eos_id`` between documents)."""
-    if eos_id is None and len(docs) > 1:
-        docs = ["\n\n".join(docs)]
-    stream: list[int] = []
-    for k, doc in enumerate(docs):
-        if k and eos_id is not None:
-            stream.append(int(eos_id))
-        stream.extend(_encode_doc(tokenizer, doc))
-    return stream
+    """One token stream for ``docs`` (no special tokens; ``eos_id`` between documents, a blank line when None)."""
+    whole = not chunk_safe(tokenizer)
+    pieces = ((k, p) for k, d in enumerate(docs) for p in ([d] if whole else _split_chunks(d)))
+    return [int(i) for ids, _ in token_batches(tokenizer, pieces, eos_id) for i in ids]
 
 
 # ----------------------------------------------------------------------------- caching
@@ -123,17 +237,13 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def data_fingerprint(
-    docs: list[str], tokenizer, seq_len: int, val_fraction: float, eos_id: int | None
-) -> str:
-    """sha256 hex key over the text, the tokenizer serialization and the packing knobs."""
+def data_fingerprint(src_key: str, tokenizer, seq_len: int, val_fraction: float, eos_id: int | None,
+                     text_field: str = "text") -> str:
+    """sha256 hex key over the source's cheap key (:func:`~npu_train.data.sources.source_key`), the text
+    column, the tokenizer serialization and the packing knobs."""
     h = hashlib.sha256()
-    h.update(f"{_FORMAT}\n".encode())
-    for d in docs:
-        b = d.encode("utf-8")
-        h.update(f"doc {len(b)}\n".encode())
-        h.update(b)
-    h.update(f"\ntokenizer {tokenizer_hash(tokenizer)}\n".encode())
+    h.update(f"{_FORMAT}\nsource {src_key}\nfield {text_field}\n".encode())
+    h.update(f"tokenizer {tokenizer_hash(tokenizer)}\n".encode())
     h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\neos_id {eos_id}\n".encode())
     return h.hexdigest()
 
@@ -142,14 +252,47 @@ def packed_cache_path(cache_dir: str | os.PathLike, fingerprint: str) -> Path:
     return Path(cache_dir) / f"packed-{fingerprint[:32]}.safetensors"
 
 
+def token_dtype(limit: int | None) -> np.dtype:
+    """The smallest unsigned dtype for ids ``< limit`` (uint16 up to 65536 entries, else uint32)."""
+    return np.dtype(np.uint16) if limit is not None and limit <= 1 << 16 else np.dtype(np.uint32)
+
+
+def _compact(name: str, t: torch.Tensor, ids: torch.Tensor | None) -> np.ndarray:
+    """``t`` as a compact numpy array: ids as uint16/uint32; labels that are ``ids`` or IGNORE_INDEX as a
+    uint8 mask (other labels int32); any other array in the smallest signed/unsigned dtype that holds it."""
+    a = t.detach().cpu()
+    if a.dtype in (torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.int16, torch.int32):
+        return a.numpy()
+    if ids is not None and name.endswith("_labels"):
+        mask = a != IGNORE_INDEX
+        if torch.equal(torch.where(mask, ids.to(torch.int64), IGNORE_INDEX), a.to(torch.int64)):
+            return mask.to(torch.uint8).numpy()
+        return a.to(torch.int32).numpy()
+    lo = int(a.min()) if a.numel() else 0
+    hi = int(a.max()) if a.numel() else 0
+    if lo >= 0:
+        return a.numpy().astype(token_dtype(hi + 1))
+    return a.to(torch.int32).numpy()
+
+
 #: free space kept beyond the packed tensors' bytes when writing them (header, filesystem slack), bytes
 PACKED_MARGIN_BYTES = 1 << 20
 
 
-def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> Path:
-    """Write ``data`` to ``path`` atomically (temp file + rename).
+def _short(need: int, path: Path, free: int, where: str) -> DataError:
+    return DataError(f"the packed training data needs {need / 1e6:.1f} MB in {path.parent} but only "
+                     f"{free / 1e6:.1f} MB are free: free disk space there" + (f" or {where}" if where else ""))
 
-    Raises :class:`DataError` (nothing left behind) when the free space is below the tensors' bytes +
+
+def _max_id(data: PackedData) -> int:
+    return max((int(t.max()) if t.numel() else -1) for t in (data.train.to(torch.int64), data.val.to(torch.int64)))
+
+
+def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> Path:
+    """Write ``data`` (in memory) to ``path`` atomically (temp file + rename), arrays compacted (ids uint16 /
+    uint32, labels as a uint8 mask).
+
+    Raises :class:`DataError` (nothing left behind) when the free space is below the arrays' bytes +
     :data:`PACKED_MARGIN_BYTES` or runs out; the message names ``where`` (the setting that moves it)."""
     import shutil
 
@@ -158,35 +301,24 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tensors = {"train": data.train.contiguous(), "val": data.val.contiguous()}
-    if data.train_labels is not None:
-        tensors["train_labels"] = data.train_labels.contiguous()
-        tensors["val_labels"] = data.val_labels.contiguous()
-    need = sum(t.numel() * t.element_size() for t in tensors.values()) + PACKED_MARGIN_BYTES
-
-    def short(free: int) -> DataError:
-        return DataError(f"the packed training data needs {need / 1e6:.1f} MB in {path.parent} but only "
-                         f"{free / 1e6:.1f} MB are free: free disk space there"
-                         + (f" or {where}" if where else ""))
-
+    arrays = {}
+    for name in ARRAY_FIELDS:
+        t = getattr(data, name)
+        if t is not None:
+            ids = getattr(data, name.split("_")[0]) if name != name.split("_")[0] else None
+            arrays[name] = np.ascontiguousarray(_compact(name, t, ids))
+    need = sum(a.nbytes for a in arrays.values()) + PACKED_MARGIN_BYTES
     free = shutil.disk_usage(path.parent).free
     if free < need:
-        raise short(free)
+        raise _short(need, path, free, where)
+    meta = {"format": _FORMAT, "seq_len": str(int(data.seq_len)), "n_tokens": str(int(data.n_tokens)),
+            "fingerprint": data.fingerprint, "max_id": str(_max_id(data))}
     try:
-        save_file(
-            tensors,
-            str(tmp),
-            metadata={
-                "format": _FORMAT,
-                "seq_len": str(int(data.seq_len)),
-                "n_tokens": str(int(data.n_tokens)),
-                "fingerprint": data.fingerprint,
-            },
-        )
+        save_file(arrays, str(tmp), metadata=meta)
     except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
         tmp.unlink(missing_ok=True)
         if out_of_space(e):
-            raise short(shutil.disk_usage(path.parent).free) from e
+            raise _short(need, path, shutil.disk_usage(path.parent).free, where) from e
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -195,48 +327,69 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
     return path
 
 
+def _read_header(path: Path) -> tuple[dict, int]:
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise DataError(f"{path}: truncated packed-data file; delete it so it is rebuilt")
+        n = struct.unpack("<Q", head)[0]
+        if n > 100 << 20:
+            raise DataError(f"{path}: not a packed-data file (header of {n} bytes); delete it so it is rebuilt")
+        try:
+            return json.loads(f.read(n)), 8 + n
+        except ValueError:
+            raise DataError(f"{path}: not a packed-data file (unreadable header); delete it so it is rebuilt") from None
+
+
+def _map(path: Path, base: int, info: dict) -> torch.Tensor:
+    dtype = _NP_DTYPES.get(info.get("dtype"))
+    if dtype is None:
+        raise DataError(f"{path}: array dtype {info.get('dtype')!r} is not supported; delete the file so it is rebuilt")
+    shape = tuple(int(x) for x in info["shape"])
+    a, b = (int(x) for x in info["data_offsets"])
+    if b - a != int(np.prod(shape)) * dtype.itemsize:
+        raise DataError(f"{path}: array sizes disagree with the header; delete the file so it is rebuilt")
+    if b == a:
+        return torch.from_numpy(np.zeros(shape, dtype=dtype))
+    # copy-on-write mapping: pages come from the page cache (shared between processes), never written
+    return torch.from_numpy(np.memmap(path, dtype=dtype, mode="c", offset=base + a, shape=shape))
+
+
 def load_packed(path: str | os.PathLike) -> PackedData:
-    """Read a file written by ``save_packed``."""
+    """Memory-map a file written by ``save_packed`` / :func:`build_packed_data` (nothing is read into this
+    process's own memory; :func:`micro_batch_tensors` reads the selected rows)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"packed data file {path} does not exist; build it with build_packed_data")
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
+    header, base = _read_header(path)
+    meta = header.get("__metadata__") or {}
     if meta.get("format") != _FORMAT:
         raise DataError(
             f"{path}: not a packed-data file of format {_FORMAT!r} (got {meta.get('format')!r}); "
             "delete it so it is rebuilt"
         )
-    tensors = load_file(str(path))
+    if os.path.getsize(path) < base + max((int(v["data_offsets"][1]) for k, v in header.items()
+                                           if k != "__metadata__"), default=0):
+        raise DataError(f"{path}: truncated packed-data file; delete it so it is rebuilt")
     seq_len = int(meta["seq_len"])
-    train, val = tensors["train"], tensors["val"]
-    tl, vl = tensors.get("train_labels"), tensors.get("val_labels")
-    checks = [("train", train), ("val", val)] + ([("train_labels", tl), ("val_labels", vl)] if tl is not None else [])
-    for name, t in checks:
-        if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != seq_len + 1:
-            raise DataError(
-                f"{path}: tensor {name!r} has shape {tuple(t.shape)} / {t.dtype}, expected "
-                f"[N, {seq_len + 1}] int64; delete the file so it is rebuilt"
-            )
-    return PackedData(train=train, val=val, seq_len=seq_len, n_tokens=int(meta["n_tokens"]),
-                      fingerprint=meta["fingerprint"], train_labels=tl, val_labels=vl)
+    arrays = {name: _map(path, base, header[name]) for name in ARRAY_FIELDS if name in header}
+    for name, t in arrays.items():
+        if t.dim() != 2 or t.shape[1] != seq_len + 1:
+            raise DataError(f"{path}: array {name!r} has shape {tuple(t.shape)}, expected [N, {seq_len + 1}]; "
+                            "delete the file so it is rebuilt")
+    if "train" not in arrays or "val" not in arrays:
+        raise DataError(f"{path}: no 'train' / 'val' arrays; delete the file so it is rebuilt")
+    return PackedData(seq_len=seq_len, n_tokens=int(meta["n_tokens"]), fingerprint=meta["fingerprint"],
+                      path=str(path), **arrays)
 
 
 # ----------------------------------------------------------------------------- packing
 
 
-def _check_vocab(data: PackedData, vocab_size: int | None) -> None:
-    if vocab_size is None:
-        return
-    mx = max(
-        int(data.train.max()) if data.train.numel() else -1,
-        int(data.val.max()) if data.val.numel() else -1,
-    )
-    if mx >= vocab_size:
+def _check_vocab(max_id: int, vocab_size: int | None) -> None:
+    if vocab_size is not None and max_id >= vocab_size:
         raise DataError(
-            f"tokenizer produced id {mx} but the model's vocabulary has {vocab_size} entries: "
+            f"tokenizer produced id {max_id} but the model's vocabulary has {vocab_size} entries: "
             "the tokenizer does not match the model (use the tokenizer that ships with the model)"
         )
 
@@ -248,17 +401,216 @@ def n_val_rows(n_seq: int, val_fraction: float) -> int:
     return min(max(1, int(round(n_seq * val_fraction))), n_seq - 1)
 
 
+class _Progress:
+    """Progress lines while tokenizing (every :data:`PROGRESS_S` seconds) and the build lock's heartbeat."""
+
+    def __init__(self, log, spec: str, total_bytes: int, lock: Optional[Path], every_s: float):
+        self.log, self.spec, self.total, self.lock, self.every = log, spec, max(1, total_bytes), lock, every_s
+        self.t0 = self.last = time.monotonic()
+        self.chars = self.tokens = 0
+
+    def step(self, chars: int, tokens: int) -> None:
+        self.chars += chars
+        self.tokens += tokens
+        now = time.monotonic()
+        if now - self.last >= self.every:
+            self.last = now
+            if self.lock is not None:
+                with contextlib.suppress(OSError):
+                    os.utime(self.lock)
+            rate = self.chars / 1e6 / max(now - self.t0, 1e-9)
+            self.log(f"data: tokenizing {self.spec}: {self.chars / 1e6:.1f} of ~{self.total / 1e6:.1f} MB "
+                     f"({min(100.0, 100 * self.chars / self.total):.0f}%), {self.tokens / 1e6:.2f}M tokens, "
+                     f"{rate:.2f} MB/s, {now - self.t0:.0f} s")
+
+    def done(self) -> None:
+        dt = time.monotonic() - self.t0
+        self.log(f"data: tokenized {self.spec}: {self.chars / 1e6:.1f} MB into {self.tokens / 1e6:.2f}M tokens "
+                 f"in {dt:.1f} s ({self.chars / 1e6 / max(dt, 1e-9):.2f} MB/s)")
+
+
+class _StreamFile:
+    """A safetensors file written as a token stream: 8-byte header length, a reserved (space-padded) JSON
+    header, then the ids as they come; :meth:`finish` writes the header over the reserved bytes."""
+
+    def __init__(self, path: Path, dtype: np.dtype):
+        self.path, self.dtype = path, dtype
+        self.f = open(path, "wb")
+        self.f.write(b"\0" * (8 + _HEADER_RESERVE))
+        self.n = 0  # tokens written
+
+    def write(self, ids: np.ndarray) -> None:
+        self.f.write(ids.astype(self.dtype, copy=False).tobytes())
+        self.n += len(ids)
+
+    def cut(self, n: int) -> None:
+        """Keep only the first ``n`` tokens (drop a tail that does not fill a row)."""
+        self.f.flush()
+        self.f.truncate(8 + _HEADER_RESERVE + n * self.dtype.itemsize)
+        self.f.seek(0, os.SEEK_END)
+        self.n = n
+
+    def finish(self, arrays: dict[str, tuple[int, int, int]], meta: dict) -> None:
+        """``arrays``: name -> (first token, rows, row length); the arrays must tile the stream in order."""
+        st, isz = _ST_DTYPES[self.dtype], self.dtype.itemsize
+        header = {"__metadata__": meta}
+        for name, (first, rows, row) in arrays.items():
+            header[name] = {"dtype": st, "shape": [rows, row], "data_offsets": [first * isz, (first + rows * row) * isz]}
+        blob = json.dumps(header).encode()
+        if len(blob) > _HEADER_RESERVE:  # pragma: no cover - a handful of arrays and short metadata
+            raise DataError(f"{self.path}: packed-data header too long ({len(blob)} bytes)")
+        self.f.flush()
+        self.f.seek(0)
+        self.f.write(struct.pack("<Q", _HEADER_RESERVE) + blob + b" " * (_HEADER_RESERVE - len(blob)))
+        self.f.close()
+
+
+@contextlib.contextmanager
+def build_lock(target: Path, log: Callable[[str], None], ready: Optional[Callable[[], bool]] = None,
+               stale_s: float = LOCK_STALE_S, poll_s: float = 0.5) -> Iterator[bool]:
+    """Hold ``<target>.lock`` while building ``target``: yields True to build; False when another process
+    (another node on a shared cache, or a concurrent launch) finished ``target`` meanwhile (``ready()``,
+    default: the file exists). A lock whose
+    file was not touched for ``stale_s`` seconds (the builder's progress touches it) is taken over."""
+    lock = target.with_name(target.name + ".lock")
+    ready = ready or target.is_file
+    said = False
+    while True:
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            if ready():
+                yield False
+                return
+            try:
+                age = time.time() - os.stat(lock).st_mtime
+                holder = lock.read_text(errors="replace").strip()
+            except OSError:
+                continue
+            if age > stale_s:
+                log(f"data: taking over the stale build lock {lock} ({holder}, untouched for {age:.0f} s)")
+                with contextlib.suppress(OSError):
+                    os.unlink(lock)
+                continue
+            if not said:
+                log(f"data: waiting for {holder or 'another process'} to tokenize the data into {target}")
+                said = True
+            time.sleep(poll_s)
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        break
+    try:
+        yield not ready()
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(lock)
+
+
+def _stream_split(out: _StreamFile, pieces, tokenizer, eos_id, vocab_size, progress: _Progress) -> int:
+    """Tokenize ``pieces`` into ``out``; returns the largest id written (-1 when none)."""
+    mx = -1
+    limit = np.iinfo(out.dtype).max
+    for ids, chars in token_batches(tokenizer, pieces, eos_id):
+        if len(ids):
+            m = int(ids.max())
+            if m > limit:
+                raise DataError(f"tokenizer produced id {m}, larger than the {out.dtype} token file holds: the "
+                                "tokenizer does not match the model")
+            _check_vocab(m, vocab_size)
+            mx = max(mx, m)
+        out.write(ids)
+        progress.step(chars, len(ids))
+    return mx
+
+
+@dataclass(frozen=True)
+class TextSpec:
+    """What :func:`build_packed_data` packs: the source, its column, how bad rows are handled, the split names."""
+
+    source: Source
+    text_field: str = "text"
+    bad_rows: str = "refuse"
+
+
+def _too_short(n_tokens: int, row: int, seq_len: int, what: str = "dataset") -> DataError:
+    return DataError(f"{what} too short: {n_tokens} tokens, need at least {2 * row if what == 'dataset' else row} "
+                     f"({'2 sequences' if what == 'dataset' else '1 sequence'} of seq_len+1) for seq_len={seq_len}; "
+                     "lower data.seq_len or add text")
+
+
+def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fraction: float, eos_id,
+                  vocab_size, fingerprint: str, log, progress_s: float, lock: Optional[Path]) -> None:
+    """Stream the train (and validation split) tokens of ``spec`` into ``tmp`` as a finished packed file."""
+    src, row = spec.source, seq_len + 1
+    tok_vocab = getattr(tokenizer, "get_vocab_size", None)
+    limit = max(vocab_size or 0, tok_vocab(True) if tok_vocab else 1 << 32)
+    whole = lambda: not chunk_safe(tokenizer)  # noqa: E731 - asked only if a document must be cut
+    out = _StreamFile(tmp, token_dtype(limit))
+    progress = _Progress(log, src.spec, src.n_bytes, lock, progress_s)
+    bad = BadRows()
+    try:
+        mx = _stream_split(out, text_pieces(src, spec.text_field, bad, spec.bad_rows, whole, src.split),
+                           tokenizer, eos_id, vocab_size, progress)
+        n_tokens = out.n
+        if src.val_split is None:
+            n_seq = n_tokens // row
+            if n_tokens == 0:
+                raise DataError(f"{src.root or src.spec}: no text (file(s) empty or whitespace only); add training text")
+            if n_seq < 2:
+                raise _too_short(n_tokens, row, seq_len)
+            n_val = n_val_rows(n_seq, val_fraction)
+            n_train = n_seq - n_val
+        else:
+            n_train = n_tokens // row
+            if n_train < 1:
+                raise _too_short(n_tokens, row, seq_len, f"the training split {src.split!r}")
+            out.cut(n_train * row)
+            mv = _stream_split(out, text_pieces(src, spec.text_field, bad, spec.bad_rows, whole, src.val_split),
+                               tokenizer, eos_id, vocab_size, progress)
+            mx = max(mx, mv)
+            n_val = (out.n - n_train * row) // row
+            n_tokens += out.n - n_train * row
+            if n_val < 1:
+                raise _too_short(out.n - n_train * row, row, seq_len, f"the validation split {src.val_split!r}")
+        out.cut((n_train + n_val) * row)
+        meta = {"format": _FORMAT, "seq_len": str(seq_len), "n_tokens": str(n_tokens), "fingerprint": fingerprint,
+                "max_id": str(mx), "source": src.spec}
+        out.finish({"train": (0, n_train, row), "val": (n_train * row, n_val, row)}, meta)
+    finally:
+        if not out.f.closed:
+            out.f.close()
+    progress.done()
+    if bad.count:
+        log(f"data: {bad.report()}")
+
+
+def _free_check(directory: Path, src: Source, limit_itemsize: int, where: str) -> None:
+    """Refuse before tokenizing when the free space cannot hold ~1 token per 3 source bytes."""
+    import shutil
+
+    need = src.n_bytes * limit_itemsize // 3 + PACKED_MARGIN_BYTES
+    free = shutil.disk_usage(directory).free
+    if free < need:
+        raise _short(need, directory / "x", free, where)
+
+
 def build_packed_data(
-    text_spec: str,
+    text_spec: str | TextSpec,
     tokenizer,
     seq_len: int,
     val_fraction: float = 0.05,
     eos_id: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    log: Callable[[str], None] = lambda m: None,
+    progress_s: float = PROGRESS_S,
 ) -> PackedData:
-    """Tokenize and pack ``text_spec`` into rows, through ``cache_dir`` when given; with ``vocab_size``
-    every id is checked ``< vocab_size``."""
+    """Tokenize and pack ``text_spec`` (a ``data.source`` string or a :class:`TextSpec`) into a memory-mapped
+    :class:`PackedData`, through ``cache_dir`` when given (else a temporary file, unlinked once mapped); with
+    ``vocab_size`` every id is checked ``< vocab_size``. ``log`` gets progress lines."""
+    from npu_train.errors import out_of_space
+
     seq_len = int(seq_len)
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} is too small; it must be at least 2")
@@ -270,40 +622,54 @@ def build_packed_data(
             f"eos_id {eos_id} is outside the model's vocabulary of {vocab_size} entries: "
             "the tokenizer does not match the model"
         )
-
-    docs = read_documents(text_spec)
-    fingerprint = data_fingerprint(docs, tokenizer, seq_len, val_fraction, eos_id)
-    cache_path = packed_cache_path(cache_dir, fingerprint) if cache_dir is not None else None
-    if cache_path is not None and cache_path.is_file():
+    spec = text_spec if isinstance(text_spec, TextSpec) else TextSpec(resolve_source(str(text_spec), "text"))
+    fingerprint = data_fingerprint(source_key(spec.source), tokenizer, seq_len, val_fraction, eos_id, spec.text_field)
+    where = "point $NPT_CACHE at a larger disk"
+    directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
+    directory.mkdir(parents=True, exist_ok=True)
+    target = packed_cache_path(directory, fingerprint) if cache_dir is not None else None
+    cached = _cached(target, fingerprint, seq_len, vocab_size)
+    if cached is not None:
+        return cached
+    with contextlib.ExitStack() as stack:
+        ready = lambda: _cached(target, fingerprint, seq_len, vocab_size) is not None  # noqa: E731
+        build = stack.enter_context(build_lock(target, log, ready)) if target is not None else True
+        if not build:
+            return load_packed(target)
+        _free_check(directory, spec.source, 2, where)
+        tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
+        lock = target.with_name(target.name + ".lock") if target is not None else None
         try:
-            data = load_packed(cache_path)
-        except Exception:
-            data = None  # unreadable / partial cache file: rebuild below
-        if data is not None and data.fingerprint == fingerprint and data.seq_len == seq_len:
-            _check_vocab(data, vocab_size)
-            return data
+            _write_packed(spec, tmp, tokenizer, seq_len, val_fraction, eos_id, vocab_size, fingerprint, log,
+                          progress_s, lock)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, Exception) and out_of_space(e):
+                import shutil
 
-    stream = tokenize_documents(tokenizer, docs, eos_id)
-    n_tokens = len(stream)
-    row = seq_len + 1
-    n_seq = n_tokens // row
-    if n_seq < 2:
-        raise DataError(
-            f"dataset too short: {n_tokens} tokens, need at least {2 * row} "
-            f"(2 sequences of seq_len+1) for seq_len={seq_len}; lower data.seq_len or add text"
-        )
-    rows = torch.tensor(stream[: n_seq * row], dtype=torch.int64).view(n_seq, row)
-    n_val = n_val_rows(n_seq, val_fraction)
-    data = PackedData(
-        train=rows[: n_seq - n_val].clone(),
-        val=rows[n_seq - n_val :].clone(),
-        seq_len=seq_len,
-        n_tokens=n_tokens,
-        fingerprint=fingerprint,
-    )
-    _check_vocab(data, vocab_size)
-    if cache_path is not None:
-        save_packed(data, cache_path, where="point $NPT_CACHE at a larger disk")
+                raise _short(0, directory / "x", shutil.disk_usage(directory).free, where) from e
+            raise
+        if target is None:
+            data = load_packed(tmp)
+            tmp.unlink()  # the mapping stays valid
+            data.path = None
+            return data
+        os.replace(tmp, target)
+    return load_packed(target)
+
+
+def _cached(target: Optional[Path], fingerprint: str, seq_len: int, vocab_size) -> Optional[PackedData]:
+    """The cache file ``target`` when it is valid for ``fingerprint`` (vocabulary checked), else None."""
+    if target is None or not target.is_file():
+        return None
+    try:
+        data = load_packed(target)
+        meta = _read_header(target)[0]["__metadata__"]
+    except Exception:  # noqa: BLE001 - unreadable / partial cache file: rebuild
+        return None
+    if data.fingerprint != fingerprint or data.seq_len != seq_len:
+        return None
+    _check_vocab(int(meta.get("max_id", -1)), vocab_size)
     return data
 
 
@@ -311,8 +677,9 @@ def micro_batch_tensors(
     data: PackedData, indices: torch.Tensor, split: str = "train"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``[len(indices), seq_len]`` int64, for rows ``indices``
-    of ``data.train`` (or ``data.val`` with ``split="val"``). ``labels[b, t]`` is the target of
-    position ``t`` (the next token); chat data has ``IGNORE_INDEX`` where nothing is trained."""
+    of ``data.train`` (or ``data.val`` with ``split="val"``); only those rows are read from a mapped file.
+    ``labels[b, t]`` is the target of position ``t`` (the next token); chat data has ``IGNORE_INDEX`` where
+    nothing is trained."""
     if split == "train":
         src, lab = data.train, data.train_labels
     elif split == "val":
@@ -320,6 +687,11 @@ def micro_batch_tensors(
     else:
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
-    rows = src.index_select(0, idx)
-    targets = rows if lab is None else lab.index_select(0, idx)
+    rows = src.index_select(0, idx).to(torch.int64)
+    if lab is None:
+        targets = rows
+    elif lab.dtype in (torch.uint8, torch.bool):
+        targets = torch.where(lab.index_select(0, idx).bool(), rows, IGNORE_INDEX)
+    else:
+        targets = lab.index_select(0, idx).to(torch.int64)
     return rows[:, :-1].contiguous(), targets[:, 1:].contiguous()

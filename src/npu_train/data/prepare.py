@@ -6,14 +6,16 @@ from typing import Callable
 
 from npu_train.env import cache_dir
 
-from .chat import FORMATS
+from .chat import FIELDS, FORMATS
+from .sources import BAD_ROWS, resolve_source
 from .text import DataError
 
 __all__ = ["prepare_data"]
 
 
 def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print):
-    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached under ``cache_dir("data")``.
+    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached under ``cache_dir("data")`` (text: a
+    memory-mapped file, built by one process at a time: another node / launch on the same cache waits).
 
     ``model_cfg`` gives ``eos_token_id`` and ``vocab_size``; ``log`` gets chat sample counts. Raises
     :class:`DataError` for bad data or an unknown ``data.format`` / ``data.truncation``, FileNotFoundError."""
@@ -26,11 +28,21 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
     tok_path = resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer else model_path
     tok = load_tokenizer(tok_path)
     cache = str(cache_dir("data"))
+    bad_rows = str(getattr(d, "bad_rows", "refuse") or "refuse")
+    if bad_rows not in BAD_ROWS:
+        raise DataError(f"data.bad_rows={bad_rows!r}: use one of {list(BAD_ROWS)}")
+    split, val_split = str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
     if fmt == "text":
-        from .dataset import build_packed_data
+        from .dataset import TextSpec, build_packed_data
 
-        return build_packed_data(d.source, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
-                                 cache_dir=cache, vocab_size=model_cfg.vocab_size)
+        spec = TextSpec(resolve_source(d.source, "text", split, val_split),
+                        str(getattr(d, "text_field", None) or "text"), bad_rows)
+        return build_packed_data(spec, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
+                                 cache_dir=cache, vocab_size=model_cfg.vocab_size, log=log)
+    if val_split:
+        raise DataError(f"data.val_split={val_split} is only read for data.format=text so far; for {fmt} data "
+                        "drop it (data.val_fraction holds out the last samples)")
+    fields = {k: getattr(d, f"{k}_field", None) for k in FIELDS[fmt]}
     from .chat import ChatRenderer
     from .sft import build_sft_data
 
@@ -44,4 +56,5 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
     return build_sft_data(d.source, fmt, renderer, d.seq_len, d.val_fraction,
                           truncation=str(getattr(d, "truncation", "drop") or "drop"),
                           pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
-                          vocab_size=model_cfg.vocab_size, log=log)
+                          vocab_size=model_cfg.vocab_size, log=log,
+                          fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split)

@@ -16,6 +16,7 @@ from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ChatRenderer, read_rows
 from .dataset import PackedData, n_val_rows, tokenizer_hash, load_packed, packed_cache_path, save_packed
+from .sources import resolve_source, source_key
 from .text import DataError
 
 __all__ = ["TRUNCATION", "build_sft_data", "sft_fingerprint"]
@@ -24,32 +25,32 @@ TRUNCATION = ("drop", "truncate")
 _FORMAT = "npu-train-sft-v1"
 
 
-def sft_fingerprint(rows: list, fmt: str, renderer: ChatRenderer, seq_len: int, val_fraction: float,
-                    truncation: str, pad_id: int) -> str:
-    """sha256 hex key over the rows, format, template, tokenizer and the sequence knobs."""
+def sft_fingerprint(src_key: str, fmt: str, renderer: ChatRenderer, seq_len: int, val_fraction: float,
+                    truncation: str, pad_id: int, fields: Optional[dict] = None) -> str:
+    """sha256 hex key over the source's cheap key (:func:`~npu_train.data.sources.source_key`: file sizes,
+    mtimes, sample hash), the column mapping, format, template, tokenizer and the sequence knobs."""
     h = hashlib.sha256()
-    h.update(f"{_FORMAT}\nformat {fmt}\ntruncation {truncation}\n".encode())
+    h.update(f"{_FORMAT}\nformat {fmt}\ntruncation {truncation}\nsource {src_key}\n".encode())
+    h.update(f"fields {json.dumps(fields or {}, sort_keys=True)}\n".encode())
     h.update(f"template {renderer.template!r}\ntokenizer {tokenizer_hash(renderer.tok)}\n".encode())
     h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\npad {pad_id}\n".encode())
-    for msgs, _ in rows:
-        b = json.dumps(msgs, ensure_ascii=False, sort_keys=True).encode("utf-8")
-        h.update(f"row {len(b)}\n".encode())
-        h.update(b)
     return h.hexdigest()
 
 
 def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, val_fraction: float = 0.05,
                    truncation: str = "drop", pad_id: int = 0, cache_dir: str | os.PathLike | None = None,
-                   vocab_size: Optional[int] = None, log: Callable[[str], None] = print) -> PackedData:
+                   vocab_size: Optional[int] = None, log: Callable[[str], None] = print,
+                   fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train") -> PackedData:
     """Read, render, label and pad the rows of ``spec`` into a :class:`PackedData` with labels
-    (``[N, seq_len + 1]`` int64). Raises :class:`DataError` for bad rows (naming file and line), an unknown
-    ``truncation``, ids outside ``vocab_size``, or fewer than 2 usable rows."""
+    (``[N, seq_len + 1]`` int64). ``fields`` maps messages / prompt / completion to the source's columns,
+    ``bad_rows`` refuse | skip, ``split`` the save_to_disk split. Raises :class:`DataError` for bad rows
+    (naming file and row), an unknown ``truncation``, ids outside ``vocab_size``, or fewer than 2 usable rows."""
     if truncation not in TRUNCATION:
         raise DataError(f"data.truncation={truncation!r}: use one of {list(TRUNCATION)}")
     seq_len = int(seq_len)
     row = seq_len + 1
-    rows = read_rows(spec, fmt)
-    fp = sft_fingerprint(rows, fmt, renderer, seq_len, val_fraction, truncation, pad_id)
+    fp = sft_fingerprint(source_key(resolve_source(spec, fmt, split)), fmt, renderer, seq_len, val_fraction,
+                         truncation, pad_id, fields)
     cache_path = packed_cache_path(cache_dir, fp) if cache_dir is not None else None
     if cache_path is not None and cache_path.is_file():
         try:
@@ -60,6 +61,7 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
             log(f"data: {data.n_train + data.n_val} {fmt} samples from {spec} (cached)")
             return data
 
+    rows = read_rows(spec, fmt, fields, bad_rows, split, log)
     ids_rows, lab_rows = [], []
     n_long = n_cut = n_empty = n_tokens = 0
     for msgs, where in rows:

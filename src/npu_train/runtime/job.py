@@ -792,9 +792,17 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     if node.rdv is not None:
         node_plan, link = _join_nodes(cfg, resume, launch, node, ipc_dir)
     # in the private IPC dir, not the run dir: a resume packs the data again (checked against the checkpoint's
-    # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py)
+    # fingerprint), and that dir goes on every exit path, launcher killed included (runtime/leftovers.py).
+    # Data mapped from the cache is hard-linked there (same file system) or named where it is: never copied.
     data_file = os.path.join(ipc_dir, "data.safetensors")
-    save_packed(data, data_file, where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
+    if data.path is not None:
+        try:
+            os.link(data.path, data_file)
+        except OSError:
+            data_file = data.path
+    else:
+        save_packed(data, data_file,
+                    where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
     plan, rt, train = prep.plan, cfg.runtime, train_spec(cfg, prep.dtype)
     # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
     runtime = RuntimeSpec(heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport,
