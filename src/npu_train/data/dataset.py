@@ -2,7 +2,9 @@
 
 Documents are tokenized, joined with ``eos_id`` (or a blank line) into one stream and cut into rows of
 ``seq_len + 1`` tokens (tail dropped); ``input_ids = row[:-1]``, ``labels = row[1:]``. The last
-``val_fraction`` of rows is validation. Cached as safetensors keyed by text, tokenizer and settings."""
+``val_fraction`` of rows is validation. Cached as safetensors keyed by text, tokenizer and settings.
+With ``doc_mask=True`` each row also gets position ids restarting at the row start and after every
+``eos_id`` (:func:`doc_positions`), so attention stays within each document (:mod:`npu_train.model.masks`)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,8 @@ __all__ = [
     "load_packed",
     "tokenize_documents",
     "micro_batch_tensors",
+    "micro_batch_positions",
+    "doc_positions",
     "n_val_rows",
     "tokenizer_hash",
 ]
@@ -39,7 +43,9 @@ class PackedData:
 
     ``n_tokens``: stream length before the tail was dropped (chat: unpadded tokens); ``fingerprint``: hex
     sha256 cache key; ``train_labels``/``val_labels``: same shape, ``IGNORE_INDEX`` where not trained
-    (chat data only; None for text)."""
+    (chat data only; None for text). ``train_positions``/``val_positions``: same shape, each token's position
+    in its sample, restarting at 0 at every sample start (packed rows: ``data.pack`` / ``data.doc_mask``;
+    None: one sample per row, positions ``0..seq_len``)."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -48,6 +54,8 @@ class PackedData:
     fingerprint: str
     train_labels: torch.Tensor | None = None
     val_labels: torch.Tensor | None = None
+    train_positions: torch.Tensor | None = None
+    val_positions: torch.Tensor | None = None
 
     @property
     def n_train(self) -> int:
@@ -124,7 +132,7 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def data_fingerprint(
-    docs: list[str], tokenizer, seq_len: int, val_fraction: float, eos_id: int | None
+    docs: list[str], tokenizer, seq_len: int, val_fraction: float, eos_id: int | None, doc_mask: bool = False
 ) -> str:
     """sha256 hex key over the text, the tokenizer serialization and the packing knobs."""
     h = hashlib.sha256()
@@ -135,6 +143,8 @@ def data_fingerprint(
         h.update(b)
     h.update(f"\ntokenizer {tokenizer_hash(tokenizer)}\n".encode())
     h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\neos_id {eos_id}\n".encode())
+    if doc_mask:  # only when on: the keys of existing caches stay
+        h.update(b"doc_mask 1\n")
     return h.hexdigest()
 
 
@@ -162,6 +172,9 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
     if data.train_labels is not None:
         tensors["train_labels"] = data.train_labels.contiguous()
         tensors["val_labels"] = data.val_labels.contiguous()
+    if data.train_positions is not None:
+        tensors["train_positions"] = data.train_positions.contiguous()
+        tensors["val_positions"] = data.val_positions.contiguous()
     need = sum(t.numel() * t.element_size() for t in tensors.values()) + PACKED_MARGIN_BYTES
 
     def short(free: int) -> DataError:
@@ -213,7 +226,9 @@ def load_packed(path: str | os.PathLike) -> PackedData:
     seq_len = int(meta["seq_len"])
     train, val = tensors["train"], tensors["val"]
     tl, vl = tensors.get("train_labels"), tensors.get("val_labels")
+    tp, vp = tensors.get("train_positions"), tensors.get("val_positions")
     checks = [("train", train), ("val", val)] + ([("train_labels", tl), ("val_labels", vl)] if tl is not None else [])
+    checks += [("train_positions", tp), ("val_positions", vp)] if tp is not None else []
     for name, t in checks:
         if t.dtype != torch.int64 or t.dim() != 2 or t.shape[1] != seq_len + 1:
             raise DataError(
@@ -221,7 +236,8 @@ def load_packed(path: str | os.PathLike) -> PackedData:
                 f"[N, {seq_len + 1}] int64; delete the file so it is rebuilt"
             )
     return PackedData(train=train, val=val, seq_len=seq_len, n_tokens=int(meta["n_tokens"]),
-                      fingerprint=meta["fingerprint"], train_labels=tl, val_labels=vl)
+                      fingerprint=meta["fingerprint"], train_labels=tl, val_labels=vl, train_positions=tp,
+                      val_positions=vp)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -256,9 +272,11 @@ def build_packed_data(
     eos_id: int | None = None,
     cache_dir: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    doc_mask: bool = False,
 ) -> PackedData:
     """Tokenize and pack ``text_spec`` into rows, through ``cache_dir`` when given; with ``vocab_size``
-    every id is checked ``< vocab_size``."""
+    every id is checked ``< vocab_size``; ``doc_mask``: positions restarting after every ``eos_id``
+    (:func:`doc_positions`; needs ``eos_id``)."""
     seq_len = int(seq_len)
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} is too small; it must be at least 2")
@@ -271,15 +289,19 @@ def build_packed_data(
             "the tokenizer does not match the model"
         )
 
+    if doc_mask and eos_id is None:
+        raise DataError("data.doc_mask=true needs an EOS token between documents, but the model config has no "
+                        "eos_token_id: set data.doc_mask=false")
     docs = read_documents(text_spec)
-    fingerprint = data_fingerprint(docs, tokenizer, seq_len, val_fraction, eos_id)
+    fingerprint = data_fingerprint(docs, tokenizer, seq_len, val_fraction, eos_id, doc_mask=bool(doc_mask))
     cache_path = packed_cache_path(cache_dir, fingerprint) if cache_dir is not None else None
     if cache_path is not None and cache_path.is_file():
         try:
             data = load_packed(cache_path)
         except Exception:
             data = None  # unreadable / partial cache file: rebuild below
-        if data is not None and data.fingerprint == fingerprint and data.seq_len == seq_len:
+        if (data is not None and data.fingerprint == fingerprint and data.seq_len == seq_len
+                and (data.train_positions is not None) == bool(doc_mask)):
             _check_vocab(data, vocab_size)
             return data
 
@@ -301,10 +323,33 @@ def build_packed_data(
         n_tokens=n_tokens,
         fingerprint=fingerprint,
     )
+    if doc_mask:
+        pos = doc_positions(rows, int(eos_id))
+        data.train_positions, data.val_positions = pos[: n_seq - n_val].clone(), pos[n_seq - n_val :].clone()
     _check_vocab(data, vocab_size)
     if cache_path is not None:
         save_packed(data, cache_path, where="point $NPT_CACHE at a larger disk")
     return data
+
+
+def doc_positions(rows: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids ``[N, L]`` int64 of token rows ``[N, L]``: ``0, 1, ...`` from each row's start, restarting
+    at 0 on the token after every ``eos_id`` (the EOS ends its document)."""
+    N, L = rows.shape
+    start = torch.zeros(N, L, dtype=torch.bool)
+    start[:, 0] = True
+    start[:, 1:] = rows[:, :-1] == int(eos_id)
+    ar = torch.arange(L, dtype=torch.int64).expand(N, L)
+    last_start = torch.cummax(torch.where(start, ar, torch.zeros_like(ar)), dim=1).values
+    return ar - last_start
+
+
+def _split_of(data: PackedData, split: str) -> tuple:
+    if split == "train":
+        return data.train, data.train_labels, data.train_positions
+    if split == "val":
+        return data.val, data.val_labels, data.val_positions
+    raise ValueError(f"split must be 'train' or 'val', got {split!r}")
 
 
 def micro_batch_tensors(
@@ -312,14 +357,25 @@ def micro_batch_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``[len(indices), seq_len]`` int64, for rows ``indices``
     of ``data.train`` (or ``data.val`` with ``split="val"``). ``labels[b, t]`` is the target of
-    position ``t`` (the next token); chat data has ``IGNORE_INDEX`` where nothing is trained."""
-    if split == "train":
-        src, lab = data.train, data.train_labels
-    elif split == "val":
-        src, lab = data.val, data.val_labels
-    else:
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    position ``t`` (the next token); chat data has ``IGNORE_INDEX`` where nothing is trained; packed rows
+    (with positions) also where the next token starts another sample (no token predicts across a boundary)."""
+    src, lab, pos = _split_of(data, split)
     idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
     rows = src.index_select(0, idx)
     targets = rows if lab is None else lab.index_select(0, idx)
-    return rows[:, :-1].contiguous(), targets[:, 1:].contiguous()
+    targets = targets[:, 1:]
+    if pos is not None:
+        from npu_train.model.headops import IGNORE_INDEX
+
+        targets = targets.masked_fill(pos.index_select(0, idx)[:, 1:] == 0, IGNORE_INDEX)
+    return rows[:, :-1].contiguous(), targets.contiguous()
+
+
+def micro_batch_positions(data: PackedData, indices: torch.Tensor, split: str = "train") -> torch.Tensor | None:
+    """Position ids ``[len(indices), seq_len]`` int64 of the inputs of :func:`micro_batch_tensors` (each token's
+    place in its sample), or None when the data has one sample per row (positions ``0..seq_len-1``)."""
+    _, _, pos = _split_of(data, split)
+    if pos is None:
+        return None
+    idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+    return pos.index_select(0, idx)[:, :-1].contiguous()

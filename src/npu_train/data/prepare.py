@@ -1,5 +1,6 @@
 """Job-side data preparation (``data.*`` keys): :func:`prepare_data` returns the run's
-:class:`~npu_train.data.dataset.PackedData` (text: packed rows; chat / prompt_completion: one padded sample per row)."""
+:class:`~npu_train.data.dataset.PackedData` (text: packed rows, ``data.doc_mask``: with document positions;
+chat / prompt_completion: samples packed into rows with positions, ``data.pack=false``: one padded sample per row)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -30,7 +31,8 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
         from .dataset import build_packed_data
 
         return build_packed_data(d.source, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
-                                 cache_dir=cache, vocab_size=model_cfg.vocab_size)
+                                 cache_dir=cache, vocab_size=model_cfg.vocab_size,
+                                 doc_mask=bool(getattr(d, "doc_mask", False)))
     from .chat import ChatRenderer
     from .sft import build_sft_data
 
@@ -44,4 +46,4 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
     return build_sft_data(d.source, fmt, renderer, d.seq_len, d.val_fraction,
                           truncation=str(getattr(d, "truncation", "drop") or "drop"),
                           pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
-                          vocab_size=model_cfg.vocab_size, log=log)
+                          vocab_size=model_cfg.vocab_size, log=log, pack=bool(getattr(d, "pack", True)))
