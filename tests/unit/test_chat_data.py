@@ -315,3 +315,73 @@ def test_text_doc_mask_positions(smol, tmp_path):
     assert plain.train_positions is None and plain.fingerprint != data.fingerprint
     with pytest.raises(DataError, match="data.doc_mask=false"):
         build_packed_data(str(d), smol["tok"], 24, 0.2, eos_id=None, doc_mask=True)
+
+
+# ------------------------------------------------------------------------------- vs apply_chat_template
+# Qwen2.5-style ChatML (default system prompt, content not trimmed, no generation markers)
+_QWEN = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+         "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+         "helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if not (message.role == "
+         "'system' and loop.first) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
+         "'\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Meta Llama-3-Instruct's template (content trimmed, BOS first)
+_LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+           "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+           "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+           "{% endif %}")
+_LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+WHITESPACE_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Question one?"},
+    {"role": "assistant", "content": "Answer.\n"},
+    {"role": "user", "content": "And two?"},
+    {"role": "assistant", "content": "Two: 84. "},
+    {"role": "user", "content": "Three?"},
+    {"role": "assistant", "content": "  Three.\n\n"},
+]
+
+
+def _hand_mask(hf, msgs, eot: str) -> list[int]:
+    """Assistant mask built from renderings alone: for assistant turn i, the characters from the end of
+    ``render(messages[:i], add_generation_prompt=True)`` through the first ``eot`` after it in
+    ``render(messages[:i+1])``; a token is trained iff one of its characters lies in such a span (as
+    transformers' ``return_assistant_tokens_mask``, which marks ``char_to_token`` of the span's ends and all
+    between: a token straddling the span's start, e.g. ``"\\n "`` before ``"  Three."``, is trained)."""
+    text = hf.apply_chat_template(msgs, tokenize=False)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        start = len(hf.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True))
+        upto = hf.apply_chat_template(msgs[: i + 1], tokenize=False)
+        assert text.startswith(upto)
+        spans.append((start, upto.index(eot, start) + len(eot)))
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [int(any(s < b and e > a for a, b in spans)) for s, e in enc["offset_mapping"]], enc["input_ids"]
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama3"])
+def test_assistant_mask_equals_hand_built(smol, style):
+    """Qwen-style and Llama-3-style templates (no generation markers): the trained tokens equal the mask
+    built by hand from transformers' apply_chat_template renderings, whitespace-ending answers included
+    (issue 28: ``"Answer.\\n"`` lost its trailing newline token)."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(smol["tok"].to_str())
+    if style == "llama3":
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _LLAMA3_SPECIALS])
+        template, eot, specials = _LLAMA3, "<|eot_id|>", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    else:
+        template, eot, specials = _QWEN, EOT, {"eos_token": EOT}
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), **specials)
+    hf.chat_template = template
+    want, ids = _hand_mask(hf, WHITESPACE_TURNS, eot)
+    s = ChatRenderer(tok, template, eos_id=None, **specials).sample(WHITESPACE_TURNS, "t:1", "chat")
+    assert s.ids == ids
+    got = [int(x != IGNORE_INDEX) for x in s.labels]
+    assert got == want, (_trained_spans(tok, s.labels), _trained_spans(tok, [i if w else IGNORE_INDEX
+                                                                             for i, w in zip(ids, want)]))
+    if style == "qwen":  # the whitespace is there and trained
+        assert _trained_spans(tok, s.labels)[0] == "Answer.\n" + EOT
