@@ -1,7 +1,7 @@
 """Whole-layer compiled execution on RNGD (``runtime.furiosa.compiled_layers=true``, off by default): each
 decoder layer's forward and backward as two compiled graphs. Not yet working on furiosa-torch 2026.4.0
 (``tests/contract`` xfail); the steps and their status: docs/furiosa.md. Packed rows (``data.pack``,
-``data.doc_mask``) pass the block-diagonal causal mask ``[B, 1, S, S]`` bool as one more graph input (and
+``data.doc_mask``) pass the block-diagonal causal mask ``[B, 1, S, S]`` (additive, compute dtype) as one more graph input (and
 ``cos``/``sin`` ``[B, 1, S, D]``): a second pair of graphs per shape, built at the first packed micro-batch.
 """
 from __future__ import annotations

@@ -121,7 +121,8 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases): ``q_proj`` [heads*D, H],
     ``k_proj``/``v_proj`` [kv_heads*D, H], ``o_proj`` [H, heads*D]; ``forward(h [B,S,H], cos, sin [S,D] or
-    [B,1,S,D], mask)``: ``mask`` None (causal) or a bool ``[B,1,S,S]`` (True = attend; :mod:`.masks`)."""
+    [B,1,S,D], mask)``: ``mask`` None (causal) or ``[B,1,S,S]``, additive in the compute dtype or bool
+    (True = attend; :mod:`.masks`)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -320,8 +321,9 @@ class StageModule(nn.Module):
     def attention_inputs(self, S: int, h: torch.Tensor, positions: Optional[torch.Tensor]):
         """``(cos, sin, mask)`` for a ``[b, S, H]`` input: the cached ``[S, D]`` tables and None (causal) when
         ``positions`` is None or ``0..S-1`` in every row; else per-token tables ``[b, 1, S, D]`` gathered at
-        ``positions`` ``[b, S]`` int64 and the block-diagonal causal mask of :mod:`npu_train.model.masks`."""
-        from .masks import packed_causal_mask
+        ``positions`` ``[b, S]`` int64 and the block-diagonal causal mask of :mod:`npu_train.model.masks`
+        (``[b, 1, S, S]``, additive: 0 / -inf in ``h.dtype``)."""
+        from .masks import additive_mask, packed_causal_mask
 
         mask = None if positions is None else packed_causal_mask(positions.to(h.device))
         if mask is None:
@@ -329,7 +331,8 @@ class StageModule(nn.Module):
             return cos, sin, None
         pos = positions.to(h.device)
         cos, sin = self.rope(max(S, int(pos.max()) + 1), h.device, h.dtype)
-        return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1), mask
+        # additive (0 / -inf) in the compute dtype: saved once for all layers (masks.additive_mask)
+        return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1), additive_mask(mask, h.dtype)
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cuts: Optional[list] = None,

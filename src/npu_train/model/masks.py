@@ -4,7 +4,8 @@ per-token position ids, so attention never crosses a sample boundary.
 A row's ``positions`` ``[B, S]`` int64 count each token's place in its own sample and restart at 0 where a
 sample starts, so the document id of a token is ``cumsum(positions == 0)`` along the row. Token ``i`` may
 attend to token ``j`` iff ``j <= i`` and both have the same document id. (A sliding window would add
-``i - j < window`` here.) Start at :func:`packed_causal_mask`.
+``i - j < window`` here.) Start at :func:`packed_causal_mask`; :func:`additive_mask` is the form given to
+``scaled_dot_product_attention``.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["document_ids", "packed_causal_mask", "is_plain_causal"]
+__all__ = ["document_ids", "packed_causal_mask", "is_plain_causal", "additive_mask"]
 
 
 def document_ids(positions: torch.Tensor) -> torch.Tensor:
@@ -40,3 +41,13 @@ def packed_causal_mask(positions: torch.Tensor) -> Optional[torch.Tensor]:
     same = doc[:, :, None] == doc[:, None, :]
     causal = torch.ones(S, S, dtype=torch.bool, device=positions.device).tril_()
     return (same & causal)[:, None]
+
+
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``mask`` (bool, True = attend) as an additive ``dtype`` mask: 0 where attended, ``-inf`` elsewhere.
+
+    Given a bool mask, the CPU flash kernel of ``scaled_dot_product_attention`` converts it to a float copy
+    *per call* and saves that for backward: ``4 S^2`` bytes per row and layer (64 MiB at S = 4096). An
+    additive mask of the query's dtype is saved as it is, one tensor shared by all layers of the stage
+    (``e S^2`` bytes per row and micro-batch, the planner's packed-rows term)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
