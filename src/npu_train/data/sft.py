@@ -11,7 +11,7 @@ validation; train and validation samples are laid into rows of ``seq_len + 1`` t
   sample's first token is ``IGNORE_INDEX``, so no token is trained to predict the next sample. Chosen
   over first-fit decreasing for being O(n), keeping consecutive samples together and the layout a plain
   function of the file; on ``botchan-chat`` it needs 370 rows at seq_len 256 where first-fit decreasing
-  over the whole set needs 337 (10 % more), the same at 512 (172 vs 165) and 6 % fewer than one sample
+  over the whole set needs 337 (10 % more), 4 % more at 512 (172 vs 165) and 6 % fewer than one sample
   per row at 128 (979 vs 1038; FFD 866).
 - ``pack=False``: one sample per row.
 
