@@ -29,7 +29,7 @@ class DataConf:
     source: str = "botchan"
     #: text (packed raw text) | chat (rows {"messages": [{role, content}, ...]}) |
     #: prompt_completion (rows {"prompt", "completion"}); chat data trains the assistant
-    #: tokens only, one sample per sequence (see npu_train/data/chat.py).
+    #: tokens only (packed several per sequence: data.pack; see npu_train/data/chat.py).
     format: str = "text"
     #: column holding the text (format=text; each row is one document).
     text_field: str = "text"
@@ -48,6 +48,14 @@ class DataConf:
     bad_rows: str = "refuse"
     #: chat/prompt_completion samples longer than seq_len+1 tokens: drop | truncate (keep the start).
     truncation: str = "drop"
+    #: chat/prompt_completion: several samples per sequence of seq_len+1 tokens (sequential greedy fill,
+    #: attention and RoPE positions restart per sample, no token predicts the next sample; loss over
+    #: assistant tokens as without); false = one sample per sequence, right-padded (npu_train/data/sft.py).
+    #: Ignored for format=text (always packed; see doc_mask).
+    pack: bool = True
+    #: format=text: positions restart and attention stops at every EOS between documents (packed
+    #: text rows without cross-document attention; the EOS's next-token target is not trained).
+    doc_mask: bool = False
     seq_len: int = 128
     val_fraction: float = 0.05
     #: held-out evaluation (eval_batches micro-batches of the validation split; 0 = off): before

@@ -5,6 +5,9 @@ what the multi-process runs must reproduce, with the same seed, data order, loss
 (summed token cross-entropy / target tokens of the whole step), LR schedule and weight-decay
 grouping. The LR schedule and the decay grouping are written here from their definitions, not
 imported from the product (a shared bug would cancel out): see :func:`ref_lr` and :func:`ref_decays`.
+Packed rows (data with positions) are cut into their samples here and each sample runs alone, unpacked
+(no mask, no positions): the definition of packing without cross-sample attention
+(:func:`ref_segments`).
 """
 from __future__ import annotations
 
@@ -36,11 +39,33 @@ def ref_lr(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_
     return lo + (lr - lo) * (1.0 + math.cos(math.pi * t)) / 2.0
 
 
+def ref_segments(data, indices) -> list:
+    """The samples of packed rows ``indices`` of ``data.train``, each as ``(x [1, L-1], y [1, L-1])``: a
+    sample is a run of the row starting where its position is 0 (the row's padding, which continues the
+    last sample's positions, stays with it; it has no targets); ``x`` its tokens but the last, ``y`` the
+    labels of the next tokens inside the sample (text rows without labels: the tokens)."""
+    out = []
+    for r in indices.tolist():
+        ids = data.train[r]
+        lab = ids if data.train_labels is None else data.train_labels[r]
+        starts = [int(j) for j in torch.nonzero(data.train_positions[r] == 0).flatten()]
+        if not starts or starts[0] != 0:
+            starts = [0] + starts
+        for a, b in zip(starts, starts[1:] + [ids.numel()]):
+            if b - a >= 2:
+                out.append((ids[a:b - 1][None], lab[a + 1:b][None]))
+    return out
+
+
 def ref_backward(model, data, sampler, step: int) -> float:
     """Forward + backward of every micro-batch of optimizer step ``step`` (the sampler's order),
     each micro-batch's summed token cross-entropy divided by the target tokens of the whole step, so
-    the accumulated ``.grad`` is the step's gradient; returns the step's loss (nats per target token)."""
-    mbs = [micro_batch_tensors(data, i) for i in sampler.micro_batches_for_step(step)]
+    the accumulated ``.grad`` is the step's gradient; returns the step's loss (nats per target token).
+    Packed rows: every sample of the step alone (:func:`ref_segments`)."""
+    if getattr(data, "train_positions", None) is not None:
+        mbs = [s for i in sampler.micro_batches_for_step(step) for s in ref_segments(data, i)]
+    else:
+        mbs = [micro_batch_tensors(data, i) for i in sampler.micro_batches_for_step(step)]
     n_tok = sum(int((y != -100).sum()) for _, y in mbs)
     tot = 0.0
     for x, y in mbs:

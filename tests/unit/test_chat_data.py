@@ -226,3 +226,167 @@ def test_botchan_chat_asset_matches_its_rule(tmp_path):
     shipped = root / "src/npu_train/data/assets/botchan_chat.jsonl"
     assert out.read_bytes() == shipped.read_bytes()
     assert shipped.stat().st_size < 1_000_000
+
+
+# ------------------------------------------------------------------------------- packing (data.pack)
+def _segments(ids: torch.Tensor, pos: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, end) of each run starting at position 0 (the row's samples; padding stays in the last)."""
+    starts = [int(j) for j in torch.nonzero(pos == 0).flatten()]
+    return list(zip(starts, starts[1:] + [ids.numel()]))
+
+
+def test_packed_rows_hold_the_same_samples(smol, tmp_path):
+    """pack=True: greedy fill in file order; every sample once, unchanged; positions restart per sample;
+    labels IGNORE at every sample start; padding (pad_id, IGNORE) only at a row's tail."""
+    rows = [{"messages": [{"role": "user", "content": "Q" * (1 + i % 7) + f" {i}?"},
+                          {"role": "assistant", "content": f"A{i}." + " ok" * (i % 5)}]} for i in range(40)]
+    src = _write(tmp_path, rows)
+    PAD, ROW = 0, 193  # id 0 (<|endoftext|>) never occurs in a rendered sample
+    flat = build_sft_data(src, "chat", _renderer(smol), seq_len=ROW - 1, val_fraction=0.1, pad_id=PAD,
+                          log=lambda m: None)
+    logs = []
+    packed = build_sft_data(src, "chat", _renderer(smol), seq_len=ROW - 1, val_fraction=0.1, pad_id=PAD, pack=True,
+                            log=logs.append)
+    assert "packed into" in logs[0] and packed.n_tokens == flat.n_tokens
+    assert flat.train_positions is None and packed.train_positions.shape == packed.train.shape
+    assert packed.n_train < flat.n_train / 2  # several samples per sequence
+
+    def strip(ids, lab):  # trailing padding off
+        m = len(ids)
+        while m and ids[m - 1] == PAD:
+            m -= 1
+        assert all(x == IGNORE_INDEX for x in lab[m:])
+        return ids[:m], lab[:m]
+
+    for split in ("train", "val"):
+        f_ids, f_lab = getattr(flat, split), getattr(flat, f"{split}_labels")
+        p_ids, p_lab, p_pos = (getattr(packed, split), getattr(packed, f"{split}_labels"),
+                               getattr(packed, f"{split}_positions"))
+        want = [strip(f_ids[r].tolist(), f_lab[r].tolist()) for r in range(f_ids.shape[0])]
+        got, prev_used = [], None
+        for r in range(p_ids.shape[0]):
+            segs = _segments(p_ids[r], p_pos[r])
+            assert segs[0][0] == 0
+            row = []
+            for k, (a, b) in enumerate(segs):
+                assert p_pos[r, a:b].tolist() == list(range(b - a))
+                ids, lab = p_ids[r, a:b].tolist(), p_lab[r, a:b].tolist()
+                assert lab[0] == IGNORE_INDEX and ids[0] != PAD
+                row.append(strip(ids, lab) if k == len(segs) - 1 else (ids, lab))
+            assert all(PAD not in ids for ids, _ in row)  # padding only at the tail
+            if prev_used is not None:  # greedy: this row's first sample did not fit in the previous row
+                assert prev_used + len(row[0][0]) > ROW
+            prev_used = sum(len(ids) for ids, _ in row)
+            got += row
+        assert [g[0] for g in got] == [w[0] for w in want]
+        assert [g[1][1:] for g in got] == [w[1][1:] for w in want]  # the same trained tokens
+    # targets: none predicts a sample start; the trained targets are those of the samples
+    x, y = micro_batch_tensors(packed, torch.arange(packed.n_train))
+    starts = packed.train_positions[:, 1:] == 0
+    assert (y[starts] == IGNORE_INDEX).all()
+    assert int((y != IGNORE_INDEX).sum()) == int((micro_batch_tensors(flat, torch.arange(flat.n_train))[1]
+                                                  != IGNORE_INDEX).sum())
+    from npu_train.data.dataset import micro_batch_positions
+
+    assert torch.equal(micro_batch_positions(packed, torch.tensor([1, 0])), packed.train_positions[[1, 0], :-1])
+    assert micro_batch_positions(flat, torch.tensor([0])) is None
+    d2 = load_packed(save_packed(packed, tmp_path / "p.safetensors"))
+    assert torch.equal(d2.train_positions, packed.train_positions) and torch.equal(d2.val_positions, packed.val_positions)
+
+
+def test_text_doc_mask_positions(smol, tmp_path):
+    """data.doc_mask: positions restart at each row start and after every EOS; targets of an EOS are not trained."""
+    from npu_train.data.dataset import build_packed_data
+
+    d = tmp_path / "docs"
+    d.mkdir()
+    for i in range(6):
+        (d / f"{i}.txt").write_text(f"Document {i}. " + "Some words here. " * (3 + i), encoding="utf-8")
+    eos = smol["cfg"].eos_token_id
+    data = build_packed_data(str(d), smol["tok"], 24, 0.2, eos_id=eos, doc_mask=True)
+    rows = torch.cat([data.train, data.val])
+    pos = torch.cat([data.train_positions, data.val_positions])
+    for r in range(rows.shape[0]):
+        p = 0
+        for j in range(rows.shape[1]):
+            if j == 0 or rows[r, j - 1] == eos:
+                p = 0
+            assert pos[r, j] == p, (r, j)
+            p += 1
+    assert (rows[:, :-1] == eos).any()
+    x, y = micro_batch_tensors(data, torch.arange(data.n_train))
+    assert (y[x == eos] == IGNORE_INDEX).all() and (y[x != eos] != IGNORE_INDEX).all()
+    plain = build_packed_data(str(d), smol["tok"], 24, 0.2, eos_id=eos)
+    assert plain.train_positions is None and plain.fingerprint != data.fingerprint
+    with pytest.raises(DataError, match="data.doc_mask=false"):
+        build_packed_data(str(d), smol["tok"], 24, 0.2, eos_id=None, doc_mask=True)
+
+
+# ------------------------------------------------------------------------------- vs apply_chat_template
+# Qwen2.5-style ChatML (default system prompt, content not trimmed, no generation markers)
+_QWEN = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + "
+         "'<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a "
+         "helpful assistant.<|im_end|>\\n' }}{%- endif %}{%- for message in messages %}{%- if not (message.role == "
+         "'system' and loop.first) %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + "
+         "'\\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+# Meta Llama-3-Instruct's template (content trimmed, BOS first)
+_LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+           "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + "
+           "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}{{ content }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+           "{% endif %}")
+_LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+WHITESPACE_TURNS = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Question one?"},
+    {"role": "assistant", "content": "Answer.\n"},
+    {"role": "user", "content": "And two?"},
+    {"role": "assistant", "content": "Two: 84. "},
+    {"role": "user", "content": "Three?"},
+    {"role": "assistant", "content": "  Three.\n\n"},
+]
+
+
+def _hand_mask(hf, msgs, eot: str) -> list[int]:
+    """Assistant mask built from renderings alone: for assistant turn i, the characters from the end of
+    ``render(messages[:i], add_generation_prompt=True)`` through the first ``eot`` after it in
+    ``render(messages[:i+1])``; a token is trained iff one of its characters lies in such a span (as
+    transformers' ``return_assistant_tokens_mask``, which marks ``char_to_token`` of the span's ends and all
+    between: a token straddling the span's start, e.g. ``"\\n "`` before ``"  Three."``, is trained)."""
+    text = hf.apply_chat_template(msgs, tokenize=False)
+    spans = []
+    for i, m in enumerate(msgs):
+        if m["role"] != "assistant":
+            continue
+        start = len(hf.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True))
+        upto = hf.apply_chat_template(msgs[: i + 1], tokenize=False)
+        assert text.startswith(upto)
+        spans.append((start, upto.index(eot, start) + len(eot)))
+    enc = hf(text, add_special_tokens=False, return_offsets_mapping=True)
+    return [int(any(s < b and e > a for a, b in spans)) for s, e in enc["offset_mapping"]], enc["input_ids"]
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama3"])
+def test_assistant_mask_equals_hand_built(smol, style):
+    """Qwen-style and Llama-3-style templates (no generation markers): the trained tokens equal the mask
+    built by hand from transformers' apply_chat_template renderings, whitespace-ending answers included
+    (issue 28: ``"Answer.\\n"`` lost its trailing newline token)."""
+    from tokenizers import AddedToken, Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer.from_str(smol["tok"].to_str())
+    if style == "llama3":
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _LLAMA3_SPECIALS])
+        template, eot, specials = _LLAMA3, "<|eot_id|>", {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"}
+    else:
+        template, eot, specials = _QWEN, EOT, {"eos_token": EOT}
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok.to_str()), **specials)
+    hf.chat_template = template
+    want, ids = _hand_mask(hf, WHITESPACE_TURNS, eot)
+    s = ChatRenderer(tok, template, eos_id=None, **specials).sample(WHITESPACE_TURNS, "t:1", "chat")
+    assert s.ids == ids
+    got = [int(x != IGNORE_INDEX) for x in s.labels]
+    assert got == want, (_trained_spans(tok, s.labels), _trained_spans(tok, [i if w else IGNORE_INDEX
+                                                                             for i, w in zip(ids, want)]))
+    if style == "qwen":  # the whitespace is there and trained
+        assert _trained_spans(tok, s.labels)[0] == "Answer.\n" + EOT

@@ -69,3 +69,16 @@ def test_lora_load_peak_is_covered():
                        make_cards("cpu", 2, 1 << 40), None).stage(1, 6, 6, 0).mem
     # full fine-tuning: 4 B master + 8 B moments + 4 B gradient per parameter already exceed the load
     assert full["grads"] + full["optimizer"] >= 4 * V * H
+
+
+@pytest.mark.parametrize("dtype,e", [("bf16", 2), ("fp32", 4)])
+def test_packed_rows_add_one_mask_per_micro_batch_in_flight(dtype, e):
+    """data.pack / data.doc_mask: each micro-batch in flight keeps one [b, 1, S, S] additive mask in the
+    compute dtype (shared by the stage's layers): ``k * b * S^2 * e`` more activations, k in flight."""
+    cfg = get_preset("smollm2-135m")
+    kw = dict(seq_len=4096, micro_batch=2, micro_batches=4, dtype=dtype)
+    cards = make_cards("cpu", 2, 1 << 44)
+    for stage, k in ((0, 2), (1, 1)):  # 1F1B, P = 2: min(M, P - stage) micro-batches in flight
+        plain = MemoryModel(cfg, RunShape(**kw), cards, None).stage(stage, 15, 15, 0).mem["activations"]
+        packed = MemoryModel(cfg, RunShape(packed=True, **kw), cards, None).stage(stage, 15, 15, 0).mem["activations"]
+        assert packed - plain == k * 2 * 4096 ** 2 * e

@@ -154,8 +154,9 @@ def test_compiled_layers_wiring_matches_eager_with_stand_in_builders():
                 args = [a.detach().requires_grad_(a.is_floating_point()) for a in ctx.saved_tensors]
                 with torch.enable_grad():
                     out = fn(*args)
-                grads = torch.autograd.grad(out, args, g, allow_unused=True)
-                return tuple(grads)
+                diff = [a for a in args if a.requires_grad]  # not the packed rows' bool mask
+                grads = iter(torch.autograd.grad(out, diff, g, allow_unused=True))
+                return tuple(next(grads) if a.requires_grad else None for a in args)
 
         return Fn
 
@@ -174,6 +175,16 @@ def test_compiled_layers_wiring_matches_eager_with_stand_in_builders():
     for (na, a), (nb, b) in zip(ref.named_parameters(), test.named_parameters()):
         assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), na
     assert built == ["npu_train_decoder_layer"]                         # 3 layers, one shape
+    # packed rows: the mask is one more graph input (a second graph per shape)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 0, 1, 0]])
+    n_graphs = len(built)
+    for m in (ref, test):
+        m.zero_grad()
+        m(x, positions=pos).float().pow(2).mean().backward()
+    assert len(built) == n_graphs + 1                                   # 3 layers, one packed shape
+    assert torch.allclose(test(x, positions=pos), ref(x, positions=pos), rtol=1e-5, atol=1e-6)
+    for (na, a), (nb, b) in zip(ref.named_parameters(), test.named_parameters()):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-5, atol=1e-7), na
     assert len(tracked) >= 3 * (3 + 9 + 1)                               # h, cos, sin, 9 weights, out
 
 

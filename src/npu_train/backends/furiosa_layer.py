@@ -1,6 +1,8 @@
 """Whole-layer compiled execution on RNGD (``runtime.furiosa.compiled_layers=true``, off by default): each
 decoder layer's forward and backward as two compiled graphs. Not yet working on furiosa-torch 2026.4.0
-(``tests/contract`` xfail); the steps and their status: docs/furiosa.md.
+(``tests/contract`` xfail); the steps and their status: docs/furiosa.md. Packed rows (``data.pack``,
+``data.doc_mask``) pass the block-diagonal causal mask ``[B, 1, S, S]`` (additive, compute dtype) as one more graph input (and
+``cos``/``sin`` ``[B, 1, S, D]``): a second pair of graphs per shape, built at the first packed micro-batch.
 """
 from __future__ import annotations
 
@@ -12,18 +14,20 @@ import torch
 __all__ = ["layer_function", "install_compiled_layers"]
 
 
-def layer_function(layer: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
+def layer_function(layer: torch.nn.Module, masked: bool = False) -> tuple[torch.nn.Module, list[str]]:
     """``(fn, names)``: ``fn(h, cos, sin, *weights)`` computes ``layer(h, cos, sin)`` with the
-    given weights (in ``names`` order, ``layer.named_parameters()``); ``fn`` has no parameters."""
+    given weights (in ``names`` order, ``layer.named_parameters()``); ``fn`` has no parameters.
+    ``masked``: ``fn(h, cos, sin, mask, *weights)`` computes ``layer(h, cos, sin, mask)`` (packed rows)."""
     names = [n for n, _ in layer.named_parameters()]
+    n_in = 4 if masked else 3
 
     class Plain(torch.nn.Module):  # the layer's class forward (its instance forward may be replaced)
         def __init__(self):
             super().__init__()
             self.inner = layer
 
-        def forward(self, h, cos, sin):
-            return type(self.inner).forward(self.inner, h, cos, sin)
+        def forward(self, *inputs):
+            return type(self.inner).forward(self.inner, *inputs)
 
     plain = Plain()
 
@@ -32,9 +36,9 @@ def layer_function(layer: torch.nn.Module) -> tuple[torch.nn.Module, list[str]]:
             super().__init__()
             object.__setattr__(self, "plain", plain)  # not a submodule: no parameters of its own
 
-        def forward(self, h, cos, sin, *weights):
-            params = {f"inner.{n}": w for n, w in zip(names, weights)}
-            return torch.func.functional_call(self.plain, params, (h, cos, sin))
+        def forward(self, *args):
+            params = {f"inner.{n}": w for n, w in zip(names, args[n_in:])}
+            return torch.func.functional_call(self.plain, params, tuple(args[:n_in]))
 
     return LayerFunction(), names
 
@@ -54,23 +58,24 @@ def install_compiled_layers(module: torch.nn.Module, track: Callable[[torch.Tens
     layers = list(module.model.layers.values())
     cache: dict = {}
 
-    def function_for(layer, h, cos, sin):
-        key = (tuple(h.shape), h.dtype, tuple(cos.shape), cos.dtype)
+    def function_for(layer, inputs):
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         fn_cls = cache.get(key)
         if fn_cls is None:
-            fn, _ = layer_function(layer)
+            fn, _ = layer_function(layer, masked=len(inputs) == 4)
             ws = [p for _, p in layer.named_parameters()]
-            example = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in (h, cos, sin, *ws))
+            example = tuple(torch.zeros(t.shape, dtype=t.dtype) for t in (*inputs, *ws))
             fn_cls = build_autograd(dfg_from_module(fn, example), name="npu_train_decoder_layer")
             cache[key] = fn_cls
         return fn_cls
 
     for layer in layers:
-        def forward(self, h, cos, sin):
-            fn_cls = function_for(self, h, cos, sin)
+        def forward(self, h, cos, sin, mask=None):
+            inputs = (h, cos, sin) if mask is None else (h, cos, sin, mask)
+            fn_cls = function_for(self, inputs)
             ws = [p for _, p in self.named_parameters()]
             with torch.autograd.graph.saved_tensors_hooks(lambda t: track(t), lambda t: t):
-                out = fn_cls.apply(h, cos, sin, *ws)
+                out = fn_cls.apply(*inputs, *ws)
             out = out[0] if isinstance(out, (tuple, list)) else out
             track(out)
             return out

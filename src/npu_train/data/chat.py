@@ -4,7 +4,9 @@
 ``{"prompt", "completion"}`` (a user/assistant pair, or plain text + EOS without a template). Only each
 assistant message's content and its end-of-turn token are trained. The tokens come from the template's
 ``{% generation %}`` markers, else by rendering the prefixes ``messages[:i]`` (with generation prompt) and
-``messages[:i+1]`` and finding the content between them; a row where that fails is an error naming it.
+``messages[:i+1]`` and finding the content between them (as given, leading / trailing whitespace included
+and trained, as transformers' assistant mask; stripped only when the template trims it); a row where that
+fails is an error naming it.
 Main type: :class:`ChatRenderer`."""
 from __future__ import annotations
 
@@ -175,8 +177,13 @@ class ChatRenderer:
             if not (text.startswith(upto) and upto.startswith(prefix)):
                 raise DataError(f"{where}: the chat template does not render this conversation turn by turn "
                                 f"(message {i}); cannot find the assistant tokens")
-        content = messages[i]["content"].strip()
+        # the content as given (its leading / trailing whitespace is trained, as transformers'
+        # assistant mask does), else stripped (a template that trims it, e.g. Llama 3's `| trim`)
+        content = messages[i]["content"]
         c0 = upto.find(content, len(prefix))
+        if c0 < 0:
+            content = content.strip()
+            c0 = upto.find(content, len(prefix))
         if c0 < 0:
             raise DataError(f"{where}: assistant message {i} does not appear verbatim in the rendered template; "
                             "cannot find the assistant tokens")

@@ -12,7 +12,10 @@ The file is a safetensors file (an 8-byte header length, a JSON header, the raw 
 max_id). :func:`load_packed` maps every array read-only-in-effect (``np.memmap`` copy-on-write, never
 written), so no card process holds the corpus in its own memory; :func:`micro_batch_tensors` turns just
 the selected rows into int64. Cached under ``cache_dir`` keyed by :func:`data_fingerprint` (the source's
-cheap key: file sizes, mtimes and a sample hash; the tokenizer; the packing knobs)."""
+cheap key: file sizes, mtimes and a sample hash; the tokenizer; the packing knobs).
+With ``doc_mask=True`` the file's metadata names the EOS id and each selected row's position ids restart
+after every EOS (:func:`doc_positions`, computed when the rows are read), so attention stays within each
+document (:mod:`npu_train.model.masks`); packed SFT rows store their positions (``*_positions``)."""
 
 from __future__ import annotations
 
@@ -47,6 +50,8 @@ __all__ = [
     "load_packed",
     "tokenize_documents",
     "micro_batch_tensors",
+    "micro_batch_positions",
+    "doc_positions",
     "n_val_rows",
     "token_dtype",
     "tokenizer_hash",
@@ -65,7 +70,7 @@ LOCK_STALE_S = 120.0
 #: the PackedData fields stored as arrays (2-D, ``[N, seq_len + 1]``), in file order; None fields are absent.
 #: A new optional per-token array (e.g. per-sample positions) is a PackedData field named here: save_packed
 #: stores it in the smallest dtype that holds it and load_packed maps it like the others.
-ARRAY_FIELDS = ("train", "val", "train_labels", "val_labels")
+ARRAY_FIELDS = ("train", "val", "train_labels", "val_labels", "train_positions", "val_positions")
 _ST_DTYPES = {np.dtype(np.uint8): "U8", np.dtype(np.uint16): "U16", np.dtype(np.uint32): "U32",
               np.dtype(np.int16): "I16", np.dtype(np.int32): "I32", np.dtype(np.int64): "I64",
               np.dtype(np.bool_): "BOOL"}
@@ -81,7 +86,10 @@ class PackedData:
     sha256 cache key; ``train_labels``/``val_labels``: same shape, chat data only (None for text): either
     int64 labels (``IGNORE_INDEX`` where not trained) or a uint8 / bool mask (1 = the token is a target;
     labels = ids where 1, else ``IGNORE_INDEX``). ``path``: the file the arrays are memory-mapped from
-    (None when they live in this process's memory)."""
+    (None when they live in this process's memory). ``train_positions``/``val_positions``:
+    same shape, each token's position in its sample, restarting at 0 at every sample start (packed SFT rows);
+    ``doc_eos``: packed text with ``data.doc_mask`` (positions restart after this EOS id; computed per read).
+    Neither: one sample per row, positions ``0..seq_len``."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -91,6 +99,9 @@ class PackedData:
     train_labels: torch.Tensor | None = None
     val_labels: torch.Tensor | None = None
     path: str | None = None
+    train_positions: torch.Tensor | None = None
+    val_positions: torch.Tensor | None = None
+    doc_eos: int | None = None
 
     @property
     def n_train(self) -> int:
@@ -238,13 +249,15 @@ def tokenizer_hash(tokenizer) -> str:
 
 
 def data_fingerprint(src_key: str, tokenizer, seq_len: int, val_fraction: float, eos_id: int | None,
-                     text_field: str = "text") -> str:
+                     text_field: str = "text", doc_mask: bool = False) -> str:
     """sha256 hex key over the source's cheap key (:func:`~npu_train.data.sources.source_key`), the text
-    column, the tokenizer serialization and the packing knobs."""
+    column, the tokenizer serialization and the packing knobs (``doc_mask`` only when on)."""
     h = hashlib.sha256()
     h.update(f"{_FORMAT}\nsource {src_key}\nfield {text_field}\n".encode())
     h.update(f"tokenizer {tokenizer_hash(tokenizer)}\n".encode())
     h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\neos_id {eos_id}\n".encode())
+    if doc_mask:  # only when on: the keys of existing caches stay
+        h.update(b"doc_mask 1\n")
     return h.hexdigest()
 
 
@@ -313,6 +326,8 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
         raise _short(need, path, free, where)
     meta = {"format": _FORMAT, "seq_len": str(int(data.seq_len)), "n_tokens": str(int(data.n_tokens)),
             "fingerprint": data.fingerprint, "max_id": str(_max_id(data))}
+    if data.doc_eos is not None:
+        meta["doc_eos"] = str(int(data.doc_eos))
     try:
         save_file(arrays, str(tmp), metadata=meta)
     except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
@@ -379,8 +394,9 @@ def load_packed(path: str | os.PathLike) -> PackedData:
                             "delete the file so it is rebuilt")
     if "train" not in arrays or "val" not in arrays:
         raise DataError(f"{path}: no 'train' / 'val' arrays; delete the file so it is rebuilt")
+    doc_eos = int(meta["doc_eos"]) if meta.get("doc_eos") not in (None, "") else None
     return PackedData(seq_len=seq_len, n_tokens=int(meta["n_tokens"]), fingerprint=meta["fingerprint"],
-                      path=str(path), **arrays)
+                      path=str(path), doc_eos=doc_eos, **arrays)
 
 
 # ----------------------------------------------------------------------------- packing
@@ -540,8 +556,10 @@ def _too_short(n_tokens: int, row: int, seq_len: int, what: str = "dataset") -> 
 
 
 def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fraction: float, eos_id,
-                  vocab_size, fingerprint: str, log, progress_s: float, lock: Optional[Path]) -> None:
-    """Stream the train (and validation split) tokens of ``spec`` into ``tmp`` as a finished packed file."""
+                  vocab_size, fingerprint: str, log, progress_s: float, lock: Optional[Path],
+                  doc_eos: Optional[int] = None) -> None:
+    """Stream the train (and validation split) tokens of ``spec`` into ``tmp`` as a finished packed file
+    (``doc_eos``: recorded in its metadata, ``data.doc_mask``)."""
     src, row = spec.source, seq_len + 1
     tok_vocab = getattr(tokenizer, "get_vocab_size", None)
     limit = max(vocab_size or 0, tok_vocab(True) if tok_vocab else 1 << 32)
@@ -576,6 +594,8 @@ def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fracti
         out.cut((n_train + n_val) * row)
         meta = {"format": _FORMAT, "seq_len": str(seq_len), "n_tokens": str(n_tokens), "fingerprint": fingerprint,
                 "max_id": str(mx), "source": src.spec}
+        if doc_eos is not None:
+            meta["doc_eos"] = str(int(doc_eos))
         out.finish({"train": (0, n_train, row), "val": (n_train * row, n_val, row)}, meta)
     finally:
         if not out.f.closed:
@@ -605,10 +625,12 @@ def build_packed_data(
     vocab_size: int | None = None,
     log: Callable[[str], None] = lambda m: None,
     progress_s: float = PROGRESS_S,
+    doc_mask: bool = False,
 ) -> PackedData:
     """Tokenize and pack ``text_spec`` (a ``data.source`` string or a :class:`TextSpec`) into a memory-mapped
     :class:`PackedData`, through ``cache_dir`` when given (else a temporary file, unlinked once mapped); with
-    ``vocab_size`` every id is checked ``< vocab_size``. ``log`` gets progress lines."""
+    ``vocab_size`` every id is checked ``< vocab_size``. ``log`` gets progress lines. ``doc_mask``: positions
+    restart after every ``eos_id`` (recorded as ``doc_eos`` in the file; needs ``eos_id``)."""
     from npu_train.errors import out_of_space
 
     seq_len = int(seq_len)
@@ -622,8 +644,12 @@ def build_packed_data(
             f"eos_id {eos_id} is outside the model's vocabulary of {vocab_size} entries: "
             "the tokenizer does not match the model"
         )
+    if doc_mask and eos_id is None:
+        raise DataError("data.doc_mask=true needs an EOS token between documents, but the model config has no "
+                        "eos_token_id: set data.doc_mask=false")
     spec = text_spec if isinstance(text_spec, TextSpec) else TextSpec(resolve_source(str(text_spec), "text"))
-    fingerprint = data_fingerprint(source_key(spec.source), tokenizer, seq_len, val_fraction, eos_id, spec.text_field)
+    fingerprint = data_fingerprint(source_key(spec.source), tokenizer, seq_len, val_fraction, eos_id, spec.text_field,
+                                   doc_mask=bool(doc_mask))
     where = "point $NPT_CACHE at a larger disk"
     directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
     directory.mkdir(parents=True, exist_ok=True)
@@ -641,7 +667,7 @@ def build_packed_data(
         lock = target.with_name(target.name + ".lock") if target is not None else None
         try:
             _write_packed(spec, tmp, tokenizer, seq_len, val_fraction, eos_id, vocab_size, fingerprint, log,
-                          progress_s, lock)
+                          progress_s, lock, doc_eos=int(eos_id) if doc_mask else None)
         except BaseException as e:
             tmp.unlink(missing_ok=True)
             if isinstance(e, Exception) and out_of_space(e):
@@ -673,19 +699,35 @@ def _cached(target: Optional[Path], fingerprint: str, seq_len: int, vocab_size) 
     return data
 
 
+def doc_positions(rows: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Position ids ``[N, L]`` int64 of token rows ``[N, L]``: ``0, 1, ...`` from each row's start, restarting
+    at 0 on the token after every ``eos_id`` (the EOS ends its document)."""
+    N, L = rows.shape
+    start = torch.zeros(N, L, dtype=torch.bool)
+    start[:, 0] = True
+    start[:, 1:] = rows[:, :-1] == int(eos_id)
+    ar = torch.arange(L, dtype=torch.int64).expand(N, L)
+    last_start = torch.cummax(torch.where(start, ar, torch.zeros_like(ar)), dim=1).values
+    return ar - last_start
+
+
+def _split_of(data: PackedData, split: str) -> tuple:
+    if split == "train":
+        return data.train, data.train_labels, data.train_positions
+    if split == "val":
+        return data.val, data.val_labels, data.val_positions
+    raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+
+
 def micro_batch_tensors(
     data: PackedData, indices: torch.Tensor, split: str = "train"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, labels)``, both ``[len(indices), seq_len]`` int64, for rows ``indices``
     of ``data.train`` (or ``data.val`` with ``split="val"``); only those rows are read from a mapped file.
     ``labels[b, t]`` is the target of position ``t`` (the next token); chat data has ``IGNORE_INDEX`` where
-    nothing is trained."""
-    if split == "train":
-        src, lab = data.train, data.train_labels
-    elif split == "val":
-        src, lab = data.val, data.val_labels
-    else:
-        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    nothing is trained; packed rows (with positions) also where the next token starts another sample (no
+    token predicts across a boundary)."""
+    src, lab, _ = _split_of(data, split)
     idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
     rows = src.index_select(0, idx).to(torch.int64)
     if lab is None:
@@ -694,4 +736,29 @@ def micro_batch_tensors(
         targets = torch.where(lab.index_select(0, idx).bool(), rows, IGNORE_INDEX)
     else:
         targets = lab.index_select(0, idx).to(torch.int64)
-    return rows[:, :-1].contiguous(), targets[:, 1:].contiguous()
+    targets = targets[:, 1:]
+    pos = _row_positions(data, split, idx, rows)
+    if pos is not None:
+        targets = targets.masked_fill(pos[:, 1:] == 0, IGNORE_INDEX)
+    return rows[:, :-1].contiguous(), targets.contiguous()
+
+
+def _row_positions(data: PackedData, split: str, idx: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:
+    """Position ids ``[len(idx), seq_len + 1]`` int64 of the selected ``rows``: stored (packed SFT), computed
+    from the EOS tokens (``doc_eos``), or None (one sample per row)."""
+    _, _, pos = _split_of(data, split)
+    if pos is not None:
+        return pos.index_select(0, idx).to(torch.int64)
+    if data.doc_eos is not None:
+        return doc_positions(rows, data.doc_eos)
+    return None
+
+
+def micro_batch_positions(data: PackedData, indices: torch.Tensor, split: str = "train") -> torch.Tensor | None:
+    """Position ids ``[len(indices), seq_len]`` int64 of the inputs of :func:`micro_batch_tensors` (each token's
+    place in its sample), or None when the data has one sample per row (positions ``0..seq_len-1``)."""
+    src, _, _ = _split_of(data, split)
+    idx = torch.as_tensor(indices, dtype=torch.int64).reshape(-1)
+    pos = _row_positions(data, split, idx, src.index_select(0, idx).to(torch.int64)
+                         if data.doc_eos is not None else None)
+    return None if pos is None else pos[:, :-1].contiguous()

@@ -1,5 +1,6 @@
 """Job-side data preparation (``data.*`` keys): :func:`prepare_data` returns the run's
-:class:`~npu_train.data.dataset.PackedData` (text: packed rows; chat / prompt_completion: one padded sample per row)."""
+:class:`~npu_train.data.dataset.PackedData` (text: packed rows, ``data.doc_mask``: with document positions;
+chat / prompt_completion: samples packed into rows with positions, ``data.pack=false``: one padded sample per row)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -38,7 +39,8 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
         spec = TextSpec(resolve_source(d.source, "text", split, val_split),
                         str(getattr(d, "text_field", None) or "text"), bad_rows)
         return build_packed_data(spec, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
-                                 cache_dir=cache, vocab_size=model_cfg.vocab_size, log=log)
+                                 cache_dir=cache, vocab_size=model_cfg.vocab_size, log=log,
+                                 doc_mask=bool(getattr(d, "doc_mask", False)))
     if val_split:
         raise DataError(f"data.val_split={val_split} is only read for data.format=text so far; for {fmt} data "
                         "drop it (data.val_fraction holds out the last samples)")
@@ -57,4 +59,5 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
                           truncation=str(getattr(d, "truncation", "drop") or "drop"),
                           pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
                           vocab_size=model_cfg.vocab_size, log=log,
-                          fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split)
+                          fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split,
+                          pack=bool(getattr(d, "pack", True)))

@@ -110,7 +110,8 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [B, heads, S, head_dim] with ``cos``/``sin`` [S, head_dim] (HF rotate_half)."""
+    """Rotate ``x`` [B, heads, S, head_dim] with ``cos``/``sin`` [S, head_dim] (HF rotate_half), or
+    [B, 1, S, head_dim] per-row tables (packed rows, positions restarting per sample)."""
     return x * cos + _rotate_half(x) * sin
 
 
@@ -119,7 +120,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # ----------------------------------------------------------------------------------------------
 class Attention(nn.Module):
     """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases): ``q_proj`` [heads*D, H],
-    ``k_proj``/``v_proj`` [kv_heads*D, H], ``o_proj`` [H, heads*D]; ``forward(h [B,S,H], cos, sin [S,D])``."""
+    ``k_proj``/``v_proj`` [kv_heads*D, H], ``o_proj`` [H, heads*D]; ``forward(h [B,S,H], cos, sin [S,D] or
+    [B,1,S,D], mask)``: ``mask`` None (causal) or ``[B,1,S,S]``, additive in the compute dtype or bool
+    (True = attend; :mod:`.masks`)."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -132,7 +135,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, S, _ = h.shape
         D = self.head_dim
         q = self.q_proj(h).view(B, S, self.num_heads, D).transpose(1, 2)
@@ -144,7 +148,10 @@ class Attention(nn.Module):
         if rep > 1:  # HF repeat_kv: kv head j serves query heads j*rep .. j*rep+rep-1
             k = k[:, :, None].expand(B, self.num_kv_heads, rep, S, D).reshape(B, self.num_heads, S, D)
             v = v[:, :, None].expand(B, self.num_kv_heads, rep, S, D).reshape(B, self.num_heads, S, D)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5)
+        if mask is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5)
+        else:  # packed rows: block-diagonal causal (npu_train.model.masks)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5)
         o = o.transpose(1, 2).reshape(B, S, self.num_heads * D)
         return self.o_proj(o)
 
@@ -165,7 +172,7 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One pre-norm Llama decoder layer (HF ``LlamaDecoderLayer``); state_dict keys are HF's without
-    the ``model.layers.{i}.`` prefix. ``forward(h [B,S,H], cos [S,D], sin [S,D]) -> [B,S,H]``."""
+    the ``model.layers.{i}.`` prefix. ``forward(h [B,S,H], cos, sin [S,D] (or [B,1,S,D]), mask=None) -> [B,S,H]``."""
 
     def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
         super().__init__()
@@ -175,8 +182,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -310,25 +318,45 @@ class StageModule(nn.Module):
             self._rope_cache[key] = hit
         return hit
 
+    def attention_inputs(self, S: int, h: torch.Tensor, positions: Optional[torch.Tensor]):
+        """``(cos, sin, mask)`` for a ``[b, S, H]`` input: the cached ``[S, D]`` tables and None (causal) when
+        ``positions`` is None or ``0..S-1`` in every row; else per-token tables ``[b, 1, S, D]`` gathered at
+        ``positions`` ``[b, S]`` int64 and the block-diagonal causal mask of :mod:`npu_train.model.masks`
+        (``[b, 1, S, S]``, additive: 0 / -inf in ``h.dtype``)."""
+        from .masks import additive_mask, packed_causal_mask
+
+        mask = None if positions is None else packed_causal_mask(positions.to(h.device))
+        if mask is None:
+            cos, sin = self.rope(S, h.device, h.dtype)
+            return cos, sin, None
+        pos = positions.to(h.device)
+        cos, sin = self.rope(max(S, int(pos.max()) + 1), h.device, h.dtype)
+        # additive (0 / -inf) in the compute dtype: saved once for all layers (masks.additive_mask)
+        return cos[pos].unsqueeze(1), sin[pos].unsqueeze(1), additive_mask(mask, h.dtype)
+
     # -- forward -------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, cuts: Optional[list] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cuts: Optional[list] = None,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x``: int64 ids ``[b, S]`` or hidden states ``[b, S, H]`` -> hidden states, or fp32 logits ``[b, S, V]``.
         ``cuts``: receives a ``(y, leaf)`` pair per graph cut (before each layer and the head) for
-        :func:`npu_train.pipeline.backward.backward_input`."""
+        :func:`npu_train.pipeline.backward.backward_input`. ``positions``: int64 ``[b, S]`` position of each
+        token in its sample (packed rows, restarting at 0 per sample; None: ``0..S-1``): RoPE at those
+        positions and attention only within each sample (:meth:`attention_inputs`)."""
         if self.has_embed:
             h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
         else:
             h = x
         S = h.shape[1]
-        cos, sin = self.rope(S, h.device, h.dtype)
+        cos, sin, mask = self.attention_inputs(S, h, positions)
+        extra = () if mask is None else (mask,)  # unpacked: the layers' (h, cos, sin) call as before
         use_ckpt = self.recompute and torch.is_grad_enabled()
         for i, layer in enumerate(self.model.layers.values()):
             if cuts is not None and (i > 0 or self.has_embed):
                 h = _cut(h, cuts)
             if use_ckpt:
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, *extra, use_reentrant=False)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, *extra)
         if not self.has_head:
             return h
         if cuts is not None and (self.model.layers or self.has_embed):

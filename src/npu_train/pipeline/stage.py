@@ -54,10 +54,13 @@ class StageRunner:
         self.hooks = hooks
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
-                 total_tokens: Optional[int] = None, early: Optional[tuple] = None) -> dict:
+                 total_tokens: Optional[int] = None, early: Optional[tuple] = None,
+                 positions: Optional[list] = None) -> dict:
         """Forward and backward all micro-batches of ``step``; gradients accumulate in ``.grad``.
 
-        ``inputs`` (first stage) / ``labels`` (last): M int64 CPU ``[micro_batch, seq_len]``. ``total_tokens``:
+        ``inputs`` (first stage) / ``labels`` (last): M int64 CPU ``[micro_batch, seq_len]``. ``positions``
+        (every stage, packed rows; None: unpacked): M int64 CPU ``[micro_batch, seq_len]`` or None entries,
+        given to the module (``StageModule.forward(positions=)``). ``total_tokens``:
         the loss divisor (all replicas; None: from ``labels``). ``early=(params, done)``: after the last ``B``
         run the W groups of ``params``, call ``done()``, then the other ``W`` (the tied head gradient leaves
         early; same gradients). Returns ``{"loss_sum" (nats), "n_tokens", "compute_s", "wait_s", "send_s",
@@ -65,21 +68,27 @@ class StageRunner:
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
             raise ValueError("a middle stage needs the number of micro-batches: pass inputs=None, labels=None via run_middle")
-        return self._run(step, M, inputs, labels, total_tokens, early)
+        return self._run(step, M, inputs, labels, total_tokens, early, positions)
 
-    def run_middle(self, step: int, num_micro: int) -> dict:
+    def run_middle(self, step: int, num_micro: int, positions: Optional[list] = None) -> dict:
         """:meth:`run_step` for a stage that is neither first nor last."""
-        return self._run(step, num_micro, None, None)
+        return self._run(step, num_micro, None, None, positions=positions)
+
+    def module_kwargs(self, positions: Optional[list], m: int) -> dict:
+        """``{"positions": [b, S] on the card}`` for micro-batch ``m`` of packed rows, else ``{}``."""
+        if positions is None or positions[m] is None:
+            return {}
+        return {"positions": self.backend.upload(positions[m])}
 
     @torch.no_grad()
     def run_eval(self, step: int, num_micro: int, inputs: Optional[list[torch.Tensor]],
-                 labels: Optional[list[torch.Tensor]]) -> dict:
+                 labels: Optional[list[torch.Tensor]], positions: Optional[list] = None) -> dict:
         """Forward-only pass over held-out micro-batches (ids + :data:`EVAL_MICRO_BASE`); ``{"loss_sum", "n_tokens"}``."""
         loss_sum, n_tok = 0.0, 0
         for m in range(num_micro):
             tag = EVAL_MICRO_BASE + m
             x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(step, tag)
-            out = self.module(x)
+            out = self.module(x, **self.module_kwargs(positions, m))
             if self.last:
                 ls, n = causal_lm_loss_sum(out, self.backend.upload(labels[m]))
                 loss_sum += float(ls)
@@ -92,7 +101,7 @@ class StageRunner:
         self.backend.synchronize()
         return time.perf_counter()
 
-    def _run(self, step, M, inputs, labels, total_tokens=None, early=None) -> dict:
+    def _run(self, step, M, inputs, labels, total_tokens=None, early=None, positions=None) -> dict:
         local_tokens = 0
         if self.last:
             local_tokens = int(sum(int((l != IGNORE_INDEX).sum()) for l in labels))
@@ -100,7 +109,7 @@ class StageRunner:
                 total_tokens = local_tokens
             if total_tokens == 0:
                 raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
-        run = _StepRun(self, step, M, inputs, labels, total_tokens, early)
+        run = _StepRun(self, step, M, inputs, labels, total_tokens, early, positions)
         for a in build_schedule(self.schedule, self.P, M, self.s):
             if a.kind == "F":
                 run.forward(a.micro)
@@ -114,8 +123,9 @@ class StageRunner:
 class _StepRun:
     """One step's actions on the saved micro-batch graphs, with their seconds."""
 
-    def __init__(self, runner: StageRunner, step: int, M: int, inputs, labels, total_tokens, early):
+    def __init__(self, runner: StageRunner, step: int, M: int, inputs, labels, total_tokens, early, positions=None):
         self.r, self.step, self.inputs, self.labels, self.total_tokens = runner, step, inputs, labels, total_tokens
+        self.positions = positions
         self.early = early
         self.saved: dict[int, tuple] = {}
         self.split = runner.schedule in SPLIT_BACKWARD
@@ -147,7 +157,8 @@ class _StepRun:
         t1 = clock()
         # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
         cuts = [] if self.split and not r.first else None
-        out = r.module(x) if cuts is None else r.module(x, cuts=cuts)
+        kw = r.module_kwargs(self.positions, m)
+        out = r.module(x, **kw) if cuts is None else r.module(x, cuts=cuts, **kw)
         if r.last:
             ls, _ = causal_lm_loss_sum(out, r.backend.upload(self.labels[m]), fused=getattr(r.module, "fused_head", False))
             self.loss_sum += float(ls.detach())

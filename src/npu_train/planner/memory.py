@@ -133,6 +133,10 @@ class MemoryModel:
         self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
         self.layer_input_bytes = shape.seq_len * shape.micro_batch * model.hidden_size * self.dtype_bytes
         self.saved_logits = saved_logits_bytes(model, shape)
+        # packed rows: one [b, 1, S, S] additive mask in the compute dtype per micro-batch in flight
+        # (shared by the stage's layers, npu_train.model.masks.additive_mask); 32 MiB per row at S = 4096, bf16
+        self.mask_bytes = (shape.micro_batch * shape.seq_len ** 2 * self.dtype_bytes
+                           if getattr(shape, "packed", False) else 0)
         # largest single tensor of a decoder layer (gate/up/down or q/o projection)
         q = model.num_heads * model.head_dim
         self.largest_layer_param = max(model.hidden_size * model.intermediate_size, model.hidden_size * q)
@@ -213,13 +217,15 @@ class MemoryModel:
         return 12 * on_card - 4 * shared_masters
 
     def activations(self, i: int, n: int) -> int:
-        """Saved tensors of the micro-batches in flight, the last stage's log-probabilities and, with a
-        split backward, the output gradients kept from B to W."""
+        """Saved tensors of the micro-batches in flight (packed rows: with their attention mask), the last
+        stage's log-probabilities and, with a split backward, the output gradients kept from B to W."""
         k, last = self.in_flight[i], i == self.num_stages - 1
         if self.shape.recompute:
             total = k * n * self.layer_input_bytes + (self._activations_per_layer(i) if n else 0)
         else:
             total = k * n * self._activations_per_layer(i)
+        if n:
+            total += k * self.mask_bytes
         if last:
             total += k * self.saved_logits
         if self.pending[i]:

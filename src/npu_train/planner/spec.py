@@ -44,6 +44,9 @@ class RunShape:
     grad_accum: str = "fp32"
     #: the offloaded layers' host AdamW + upload: "serial" (train.offload_overlap=false), "overlap", "delayed"
     offload: str = "overlap"
+    #: several samples per row (data.pack / data.doc_mask): each micro-batch in flight keeps one
+    #: [b, 1, S, S] additive attention mask in the compute dtype, shared by the stage's layers
+    packed: bool = False
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):

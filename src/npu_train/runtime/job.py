@@ -368,7 +368,14 @@ def run_shape(cfg, mcfg, dtype: str):
     return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
-                    "delayed" if tr.offload_update == "delayed" else "overlap")
+                    "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data))
+
+
+def packed_rows(d) -> bool:
+    """Whether the data gets several samples per row (chat / prompt_completion with ``data.pack``, text with
+    ``data.doc_mask``): then every stage builds a block-diagonal attention mask."""
+    fmt = str(getattr(d, "format", "text") or "text")
+    return bool(getattr(d, "doc_mask", False)) if fmt == "text" else bool(getattr(d, "pack", True))
 
 
 def train_spec(cfg, dtype: str) -> TrainSpec:

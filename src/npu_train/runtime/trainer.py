@@ -212,13 +212,15 @@ class StageTrainer:
 
     def _load_data(self) -> None:
         """The packed data, the samplers (all replicas', for the loss divisor), the runner, the evaluation batches."""
-        from npu_train.data.dataset import load_packed, micro_batch_tensors
+        from npu_train.data.dataset import load_packed, micro_batch_positions, micro_batch_tensors
         from npu_train.data.sampler import StepSampler
         from npu_train.pipeline.stage import StageRunner
 
         tr = self.tr
         self.data = load_packed(self.spec.data_file)
         self.micro_batch_tensors = micro_batch_tensors
+        # packed rows: every stage looks up its micro-batches' positions itself (same sampler indices)
+        self.micro_batch_positions = micro_batch_positions if self.data.train_positions is not None else None
         # one sampler per replica: this replica's share, and (last stage) the others' for the loss divisor
         self.samplers = [StepSampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed,
                                      dp_rank=k, dp_size=self.dp) for k in range(self.dp)]
@@ -230,6 +232,8 @@ class StageTrainer:
         self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
         self.eval_batches = [micro_batch_tensors(self.data, torch.arange(m * mb, (m + 1) * mb), split="val")
                              for m in range(self.n_eval)]
+        self.eval_positions = None if self.micro_batch_positions is None else [
+            micro_batch_positions(self.data, torch.arange(m * mb, (m + 1) * mb), split="val") for m in range(self.n_eval)]
 
     # ------------------------------------------------------------------ one step
     def global_tokens(self, step: int) -> int:
@@ -252,8 +256,10 @@ class StageTrainer:
         t0, c0 = time.perf_counter(), time.process_time()
         self.backend.reset_peak_memory()
         self.enter(f"step {step + 1} forward/backward")
-        mbs = [self.micro_batch_tensors(self.data, i) for i in self.sampler.micro_batches_for_step(step)]
-        res = self._forward_backward(step, mbs)
+        idx = self.sampler.micro_batches_for_step(step)
+        mbs = [self.micro_batch_tensors(self.data, i) for i in idx]
+        pos = None if self.micro_batch_positions is None else [self.micro_batch_positions(self.data, i) for i in idx]
+        res = self._forward_backward(step, mbs, pos)
         t1, c1 = time.perf_counter(), time.process_time()
         self.enter(f"step {step + 1} collectives")
         if self.fault is not None:
@@ -290,8 +296,9 @@ class StageTrainer:
         return {"loss": tot.loss, "grad_norm": tot.grad_norm, "lr": lr, "tokens": tot.tokens,
                 "interrupted": tot.interrupted}
 
-    def _forward_backward(self, step: int, mbs: list) -> dict:
-        """The schedule over ``mbs`` (``[(inputs, labels)]``); returns StageRunner.run_step's dict."""
+    def _forward_backward(self, step: int, mbs: list, positions: Optional[list] = None) -> dict:
+        """The schedule over ``mbs`` (``[(inputs, labels)]``, with ``positions`` of packed rows or None); returns
+        StageRunner.run_step's dict."""
         tr = self.tr
         for p in self.params.values():
             p.grad = None
@@ -308,8 +315,9 @@ class StageTrainer:
         if self.first or self.last:
             return self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
                                         [y for _, y in mbs] if self.last else None,
-                                        total_tokens=self.global_tokens(step) if self.last else None, early=early)
-        return self.runner.run_middle(step, tr.accum)
+                                        total_tokens=self.global_tokens(step) if self.last else None, early=early,
+                                        positions=positions)
+        return self.runner.run_middle(step, tr.accum, positions=positions)
 
     def _reduce(self, res: dict, mbs: list) -> "StepTotals":
         """Tied sum, replica all-reduce, then the world all-reduce of norm, loss, tokens, stop and non-finite
@@ -414,7 +422,8 @@ class StageTrainer:
             self.module.eval()
             er = self.runner.run_eval(after_step, self.n_eval,
                                       [x for x, _ in self.eval_batches] if self.first else None,
-                                      [y for _, y in self.eval_batches] if self.last else None)
+                                      [y for _, y in self.eval_batches] if self.last else None,
+                                      positions=self.eval_positions)
             self.module.train()
         red = torch.tensor([er["loss_sum"], float(er["n_tokens"])], dtype=torch.float64)
         dist.all_reduce(red)
