@@ -100,9 +100,10 @@ def main() -> int:
     ap.add_argument("--out", default="/tmp/npt-soak")
     ap.add_argument("--interval", type=float, default=0.01)
     ap.add_argument("--jump-mib", type=float, default=8.0)
+    ap.add_argument("--model", default=None, help="model.path to soak instead of the tiny model (e.g. embedded)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
-    model = make_model(os.path.join(a.out, "model"))
+    model = a.model or make_model(os.path.join(a.out, "model"))
     for keep in (True, False):
         res = run(model, a.out, a.steps, keep, a.interval)
         with open(os.path.join(a.out, f"soak-keep-{str(keep).lower()}.json"), "w") as f:
