@@ -214,7 +214,9 @@ class RuntimeConf:
 
 @dataclass
 class CheckpointConf:
-    #: checkpoint root; default: <run dir>/checkpoints
+    #: checkpoint root; default: <run dir>/checkpoints. One live job at a time: a running job holds
+    #: <dir>/.npt-checkpoint.lock (and <run dir>/.npt-run.lock); a second launch into either is refused.
+    #: Checked writable at launch (a probe file).
     dir: Optional[str] = None
     #: true: write checkpoints (every train.save_every steps, at the end, on an interrupt with
     #: train.save_on_interrupt, when train.stop_after ends a launch) | false: no checkpoint is written at
