@@ -46,9 +46,12 @@ def ref_segments(data, indices) -> list:
     labels of the next tokens inside the sample (text rows without labels: the tokens)."""
     out = []
     for r in indices.tolist():
-        ids = data.train[r]
+        ids = data.train[r].to(torch.int64)  # stored compactly (uint16 / uint32) when read from the cache file
         lab = ids if data.train_labels is None else data.train_labels[r]
-        starts = [int(j) for j in torch.nonzero(data.train_positions[r] == 0).flatten()]
+        if lab.dtype in (torch.uint8, torch.bool):  # a stored target mask: the token where 1, else ignored
+            lab = torch.where(lab.bool(), ids, torch.full_like(ids, -100))
+        lab = lab.to(torch.int64)
+        starts = [int(j) for j in torch.nonzero(data.train_positions[r].to(torch.int64) == 0).flatten()]
         if not starts or starts[0] != 0:
             starts = [0] + starts
         for a, b in zip(starts, starts[1:] + [ids.numel()]):
