@@ -314,3 +314,49 @@ def test_export_config_loads_as_same_class(tmp_path, family, kw):
     ids = _ids()
     with torch.no_grad():
         assert _rel(hf.eval()(ids).logits, ref(ids).logits) < TOL
+
+
+def test_planner_activation_terms_follow_the_family():
+    """Saved activations of one decoder layer, measured with autograd's saved-tensor hooks: Qwen3's q/k norms
+    add exactly the planner's term (2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)); Qwen2's biases add nothing."""
+    from npu_train.model.config import LlamaConfig
+    from npu_train.model.llama import DecoderLayer, rope_cos_sin
+    from npu_train.planner.memory import activation_bytes_per_layer
+    from npu_train.planner.spec import RunShape
+
+    def measured(cfg, S=64, B=2):
+        layer = DecoderLayer(cfg, 0)
+        params = {p.untyped_storage()._cdata for p in layer.parameters()}
+        seen: dict = {}
+
+        def pack(t):
+            if t.untyped_storage()._cdata not in params:
+                seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
+            return t
+
+        cos, sin = rope_cos_sin(cfg, S)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            layer(torch.randn(B, S, cfg.hidden_size, requires_grad=True), cos, sin)
+        return sum(seen.values())
+
+    base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
+                head_dim=24)
+    shape = RunShape(seq_len=64, micro_batch=2, micro_batches=1, schedule="1f1b", dtype="fp32")
+    llama, qwen2, qwen3 = (LlamaConfig(**base, family=f) for f in ("llama", "qwen2", "qwen3"))
+    assert measured(qwen2) == measured(llama)
+    for att in ("sdpa", "eager"):
+        assert activation_bytes_per_layer(qwen2, shape, att) == activation_bytes_per_layer(llama, shape, att)
+        assert (activation_bytes_per_layer(qwen3, shape, att) - activation_bytes_per_layer(llama, shape, att)
+                == measured(qwen3) - measured(llama))
+
+
+def test_generate_loads_a_qwen_gguf_as_its_class(tmp_path):
+    """``npu_train.generate`` on a Qwen GGUF builds transformers' ``Qwen3ForCausalLM`` with the file's weights."""
+    from npu_train.generate import _gguf_model
+
+    _, ref = _make(tmp_path, "qwen3", head_dim=24)
+    m = _gguf_model(write_qwen_gguf(tmp_path / "q3.gguf", ref, "qwen3"))
+    assert type(m) is type(ref)
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(m.eval()(ids).logits, ref(ids).logits) < TOL
