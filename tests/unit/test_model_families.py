@@ -46,7 +46,7 @@ def _hf_config(family: str, tie: bool, **kw):
     return getattr(transformers, _CLASSES[family][0])(**base)
 
 
-def _make(tmp_path, family: str, tie: bool = False, seed: int = 0, attn: str = "eager", **kw):
+def _make(tmp_path, family: str, tie: bool = False, seed: int = 0, attn: str = "eager", shard: bool = False, **kw):
     """Save a tiny random ``family`` model in ``tmp_path``; returns ``(dir, fp32 reference model)`` (attention
     implementation ``attn``)."""
     torch.manual_seed(seed)
@@ -58,8 +58,8 @@ def _make(tmp_path, family: str, tie: bool = False, seed: int = 0, attn: str = "
                 p.uniform_(0.5, 1.5)
             elif n.endswith(".bias"):
                 p.normal_(0.0, 0.5)
-    d = tmp_path / f"{family}_tie{int(tie)}"
-    model.save_pretrained(str(d), safe_serialization=True)
+    d = tmp_path / f"{family}_tie{int(tie)}_sh{int(shard)}"
+    model.save_pretrained(str(d), safe_serialization=True, **({"max_shard_size": "40KB"} if shard else {}))
     ref = cls.from_pretrained(str(d), attn_implementation=attn, dtype=torch.float32, local_files_only=True)
     return str(d), ref.eval()
 
@@ -142,6 +142,18 @@ def test_one_step_gradients_match_transformers(tmp_path, family, tie, kw):
         assert ours["model.layers.1.self_attn.k_proj.bias"].grad.abs().sum() > 0
     if family == "qwen3":
         assert ours["model.layers.1.self_attn.q_norm.weight"].grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_sharded_safetensors(tmp_path, family):
+    path, ref = _make(tmp_path, family, shard=True, **({"head_dim": 24} if family == "qwen3" else {}))
+    assert os.path.isfile(os.path.join(path, "model.safetensors.index.json"))
+    cfg = load_config(path)
+    check_weights(path, cfg)
+    m = _load(path, cfg, 0, 3, True, True)
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(m(ids), ref(ids).logits) < TOL
 
 
 # ----------------------------------------------------------------------------------------------
