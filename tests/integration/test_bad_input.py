@@ -50,8 +50,12 @@ def bad(tiny_model, tmp_path_factory):
 
     b = SimpleNamespace()
     b.no_keys = model_copy("no_keys", edit_cfg=lambda c: c.pop("hidden_size"))
-    b.mistral = model_copy("mistral", edit_cfg=lambda c: c.update(architectures=["MistralForCausalLM"],
-                                                                  model_type="mistral"))
+    b.gemma = model_copy("gemma", edit_cfg=lambda c: c.update(architectures=["GemmaForCausalLM"],
+                                                              model_type="gemma"))
+    b.kv_heads = model_copy("kv_heads", edit_cfg=lambda c: c.update(num_key_value_heads=3))
+    b.no_layers = model_copy("no_layers", edit_cfg=lambda c: c.update(num_hidden_layers=0))
+    b.window = model_copy("window", edit_cfg=lambda c: c.update(architectures=["MistralForCausalLM"],
+                                                                model_type="mistral", sliding_window=16))
     b.missing = model_copy("missing", edit_tensors=lambda t: t.pop("model.layers.4.mlp.up_proj.weight"))
     b.shape = model_copy("shape", edit_tensors=lambda t: t.update(
         {"model.layers.4.mlp.up_proj.weight": torch.zeros(100, 64)}))
@@ -128,8 +132,14 @@ CASES = [
      ["'/nonexistent/model' does not exist", "HF model directory"]),
     ("config-missing-key", lambda b: [f"model.path={b.no_keys}"], None,
      ["required key 'hidden_size' is missing", "config.json"]),
-    ("unsupported-architecture", lambda b: [f"model.path={b.mistral}"], None,
-     ["unsupported architecture", "Llama-family models only"]),
+    ("unsupported-architecture", lambda b: [f"model.path={b.gemma}"], None,
+     ["unsupported architecture ['GemmaForCausalLM']", "supports the Llama, Qwen2/2.5, Qwen3 and Mistral families"]),
+    ("config-kv-heads-not-dividing", lambda b: [f"model.path={b.kv_heads}"], None,
+     ["config.json: num_key_value_heads=3 does not divide num_attention_heads=4", "fix config.json"]),
+    ("config-zero-layers", lambda b: [f"model.path={b.no_layers}"], None,
+     ["config.json: num_hidden_layers=0", "fix config.json"]),
+    ("seq-len-over-sliding-window", lambda b: [f"model.path={b.window}"], None,
+     ["data.seq_len=32 exceeds the model's sliding_window=16", "use data.seq_len<=16"]),
     ("safetensors-missing-tensor", lambda b: [f"model.path={b.missing}"], None,
      ["'model.layers.4.mlp.up_proj.weight' not found", "re-download"]),
     ("safetensors-wrong-shape", lambda b: [f"model.path={b.shape}"], None,

@@ -33,3 +33,30 @@ def test_export_loads_in_transformers(request, tmp_path, fixture):
     assert not torch.equal(init, reader.get("master.model.norm.weight"))
     tok = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "hf" / "tokenizer.json"))
     assert len(tok) == cfg.vocab_size
+
+
+def test_family_export_loads_as_same_class(tiny_family_model, tmp_path):
+    """Qwen2 / Qwen3 / Mistral: pipeline checkpoint -> export -> ``from_pretrained`` is the family's class with
+    no missing or unexpected keys (q/k/v biases, q/k norms) and gives our logits."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    from npu_train.checkpoint.export import export_hf
+    from npu_train.model.config import LlamaConfig
+    from npu_train.model.llama import full_model
+
+    model = tiny_family_model
+    _, reader = run_pipeline(model, str(tmp_path / "run"), "backend=[cpu,cpu]", "train.steps=2")
+    out = export_hf(reader.path, str(tmp_path / "hf"), dtype="fp32")
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
+                                                                 output_loading_info=True)
+    with open(f"{model}/config.json") as f:
+        assert type(hf).__name__ == json.load(f)["architectures"][0]
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    cfg = LlamaConfig.from_dict(reader.manifest["model"])
+    ours = full_model(cfg)
+    ours.load_named_tensors({n: reader.get(f"master.{n}") for n in ours.param_names()})
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (hf.eval()(ids).logits.float() - ours(ids)).abs().max().item()
+    assert diff < 1e-4, diff

@@ -98,8 +98,32 @@ _MARKERS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role']
             "{% generation %}{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}"
             "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
+# Qwen2.5-Instruct's template (tools branch left out): ChatML, a default system prompt, no generation markers
+_QWEN25 = ("{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\n' + messages[0]['content'] + "
+           "'<|im_end|>\n' }}{%- else %}{{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a "
+           "helpful assistant.<|im_end|>\n' }}{%- endif %}{%- for message in messages %}{%- if (message.role == "
+           "'user') or (message.role == 'system' and not loop.first) or (message.role == 'assistant' and not "
+           "message.tool_calls) %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}"
+           "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+# Qwen3's template (tools and reasoning_content left out): the answer after the last user message gets an
+# empty <think> block only when it is the last message, so turn-by-turn prefixes do not match the full text
+_QWEN3 = ("{%- if messages[0].role == 'system' %}{{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}"
+          "{%- endif %}{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}"
+          "{%- for message in messages[::-1] %}{%- set index = (messages|length - 1) - loop.index0 %}"
+          "{%- if ns.multi_step_tool and message.role == 'user' %}{%- set ns.multi_step_tool = false %}"
+          "{%- set ns.last_query_index = index %}{%- endif %}{%- endfor %}"
+          "{%- for message in messages %}{%- if message.role == 'user' or (message.role == 'system' and not "
+          "loop.first) %}{{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}"
+          "{%- elif message.role == 'assistant' %}{%- if loop.index0 > ns.last_query_index and loop.last %}"
+          "{{- '<|im_start|>' + message.role + '\n<think>\n\n</think>\n\n' + message.content.lstrip('\n') }}"
+          "{%- else %}{{- '<|im_start|>' + message.role + '\n' + message.content }}{%- endif %}"
+          "{{- '<|im_end|>\n' }}{%- endif %}{%- endfor %}{%- if add_generation_prompt %}"
+          "{{- '<|im_start|>assistant\n' }}{%- if enable_thinking is defined and enable_thinking is false %}"
+          "{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}")
 
-@pytest.mark.parametrize("template", [_NO_MARKERS, _MARKERS], ids=["no-markers", "generation-markers"])
+
+@pytest.mark.parametrize("template", [_NO_MARKERS, _MARKERS, _QWEN25, _QWEN3],
+                         ids=["no-markers", "generation-markers", "qwen2.5", "qwen3"])
 def test_other_templates(smol, template):
     r = _renderer(smol, template)
     assert r.has_generation_markers == ("{% generation %}" in template)
@@ -108,6 +132,8 @@ def test_other_templates(smol, template):
         msgs[1]["content"] = "  It is 42.  "  # trimmed by the template: still found
     s = r.sample(msgs, "t:1", "chat")
     assert _trained_spans(smol["tok"], s.labels) == ["It is 42." + EOT, "Doubled, it's 84." + EOT]
+    if template is _QWEN3:  # the empty think block before the final answer is not trained
+        assert "<think>\n\n</think>\n\nDoubled" in smol["tok"].decode(s.ids, skip_special_tokens=False)
 
 
 def test_template_hiding_the_answer_is_an_error(smol):

@@ -462,9 +462,9 @@ def _write_cfg(d, **over):
 def test_config_errors(tmp_path):
     with pytest.raises(ModelFormatError, match="intermediate_size"):
         load_config(_write_cfg(tmp_path / "a", intermediate_size=None))
-    with pytest.raises(ModelFormatError, match="unsupported architecture.*LlamaForCausalLM"):
-        load_config(_write_cfg(tmp_path / "b", architectures=["MistralForCausalLM"],
-                               model_type="mistral"))
+    with pytest.raises(ModelFormatError, match="unsupported architecture.*LlamaForCausalLM.*Qwen2ForCausalLM"):
+        load_config(_write_cfg(tmp_path / "b", architectures=["GemmaForCausalLM"],
+                               model_type="gemma"))
     with pytest.raises(ModelFormatError, match="no config.json"):
         (tmp_path / "c").mkdir()
         load_config(str(tmp_path / "c"))
@@ -498,7 +498,7 @@ def test_truncated_or_bogus_gguf(tmp_path):
 def test_gguf_wrong_arch_and_missing_tensor(tmp_path):
     path, ref = _make_hf(tmp_path, False, False)
     g = _write_gguf(tmp_path / "gpt.gguf", ref, ref.config, arch="gpt2")
-    with pytest.raises(ModelFormatError, match="not 'llama'"):
+    with pytest.raises(ModelFormatError, match="not one of .*'llama', 'qwen2', 'qwen3'"):
         load_config(g)
     g2 = _write_gguf(tmp_path / "miss.gguf", ref, ref.config, omit=("blk.1.ffn_up.weight",))
     cfg = load_config(g2)

@@ -2,6 +2,8 @@
 configuration reaching the plan and the card processes, the first-step line's compile time."""
 from __future__ import annotations
 
+import dataclasses
+
 import io
 
 import pytest
@@ -127,11 +129,13 @@ def test_first_step_line_says_how_long_compilation_took(tmp_path):
 
 
 # ---------------------------------------------------------------- whole-layer compiled path (stand-in)
-def test_compiled_layers_wiring_matches_eager_with_stand_in_builders():
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_compiled_layers_wiring_matches_eager_with_stand_in_builders(family):
     """furiosa-torch's DfgModule + autograd builder replaced by stand-ins that run the given
     function eagerly (forward) and differentiate it with torch.autograd (backward): the stage's
     output and every gradient equal the eager stage's, parameter names stay, one graph per shape,
-    and the saved tensors and outputs go to ``track``."""
+    and the saved tensors and outputs go to ``track``. The layer function takes every named parameter,
+    so Qwen2's q/k/v biases and Qwen3's q/k norms (random here, so they matter) go through the graph too."""
     from npu_train.backends.furiosa_layer import install_compiled_layers
 
     built = []
@@ -161,8 +165,13 @@ def test_compiled_layers_wiring_matches_eager_with_stand_in_builders():
         return Fn
 
     torch.manual_seed(0)
-    ref = StageModule(_tiny(), 0, 3, True, True)
-    test = StageModule(_tiny(), 0, 3, True, True)
+    cfg = dataclasses.replace(_tiny(), family=family)
+    ref = StageModule(cfg, 0, 3, True, True)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            if n.endswith((".bias", "norm.weight")):
+                p.normal_(1.0 if n.endswith("norm.weight") else 0.0, 0.3)
+    test = StageModule(cfg, 0, 3, True, True)
     test.load_state_dict(ref.state_dict())
     names = [n for n, _ in test.named_parameters()]
     tracked = []

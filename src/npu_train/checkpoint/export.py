@@ -20,21 +20,31 @@ from safetensors.torch import save_file
 from npu_train.checkpoint.store import CheckpointReader
 from npu_train.errors import UserError
 from npu_train.checkpoint.stream import Entry, check_memory, write_stream
-from npu_train.model.config import LlamaConfig
+from npu_train.model.config import FAMILIES, LlamaConfig
 from npu_train.model.llama import stage_param_names
 
 
 def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
-    """``config.json`` contents for ``cfg`` in transformers' LlamaConfig format."""
+    """``config.json`` contents for ``cfg`` in the format of transformers' config class of ``cfg.family``
+    (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``)."""
+    fam = FAMILIES[cfg.family]
     d = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+        "architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": cfg.vocab_size,
         "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
-        "attention_bias": False, "mlp_bias": False, "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
     }
+    if cfg.family in ("llama", "qwen3"):
+        d["attention_bias"] = False
+    if cfg.family == "llama":
+        d["mlp_bias"] = False
+    if cfg.family in ("qwen2", "qwen3"):
+        d.update(use_sliding_window=False, sliding_window=None)
+    if cfg.family == "mistral":
+        d["sliding_window"] = cfg.sliding_window
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.bos_token_id is not None:

@@ -175,8 +175,9 @@ class ChatRenderer:
         if not (text.startswith(upto) and upto.startswith(prefix)):
             prefix = self.render(messages[:i]) if i else ""
             if not (text.startswith(upto) and upto.startswith(prefix)):
-                raise DataError(f"{where}: the chat template does not render this conversation turn by turn "
-                                f"(message {i}); cannot find the assistant tokens")
+                # a template that renders a turn differently when it is the last one (Qwen3's empty <think>
+                # block on the final answer): find the messages' contents one after another in the full text
+                prefix, upto = text[: self._after_contents(messages[:i], text, i, where)], text
         # the content as given (its leading / trailing whitespace is trained, as transformers'
         # assistant mask does), else stripped (a template that trims it, e.g. Llama 3's `| trim`)
         content = messages[i]["content"]
@@ -201,6 +202,21 @@ class ChatRenderer:
         if not eot:
             raise DataError(f"{where}: no end-of-turn special token after assistant message {i} in the rendered "
                             "template; cannot label the end of the answer")
+
+    @staticmethod
+    def _after_contents(messages, text, i, where) -> int:
+        """Position in ``text`` just after the contents of ``messages`` found one after another."""
+        pos = 0
+        for m in messages:
+            c = m["content"].strip()
+            if not c:
+                continue
+            at = text.find(c, pos)
+            if at < 0:
+                raise DataError(f"{where}: message {messages.index(m)} does not appear verbatim in the rendered "
+                                f"template; cannot find the tokens of assistant message {i}")
+            pos = at + len(c)
+        return pos
 
     def _mark_by_generation(self, messages, ids, trained, where) -> None:
         out = self._hf.apply_chat_template(messages, tokenize=True, return_dict=True,

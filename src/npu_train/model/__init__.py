@@ -1,4 +1,5 @@
-"""Llama model: config, stage modules, HF / GGUF weights and tokenizers. Start at ``llama.py``
+"""The decoder of the supported families (Llama, Qwen2/2.5, Qwen3, Mistral: ``config.FAMILIES``): config, stage
+modules, HF / GGUF weights and tokenizers. Start at ``llama.py``
 (``StageModule``) and ``weights.py`` (``load_config``, ``load_tensors``).
 """
 import importlib

@@ -35,15 +35,16 @@ _EMBEDDED_INSTALL_HINT = (
     "environment"
 )
 SUPPORTED_HINT = (
-    "npu-train supports Llama-family models only: an HF directory whose config.json has "
-    "architectures=[\"LlamaForCausalLM\"] / model_type=\"llama\" with *.safetensors weights, "
-    "or a llama.cpp GGUF file with general.architecture=llama"
+    "npu-train supports the Llama, Qwen2/2.5, Qwen3 and Mistral families: an HF directory whose config.json has "
+    "architectures=[\"LlamaForCausalLM\"|\"Qwen2ForCausalLM\"|\"Qwen3ForCausalLM\"|\"MistralForCausalLM\"] "
+    "with *.safetensors weights, or a llama.cpp GGUF file with general.architecture=llama|qwen2|qwen3 "
+    "(Gemma, Phi and MoE models such as Mixtral or Qwen3-MoE are not supported)"
 )
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
 class ModelFormatError(UserError, ValueError):
-    """The model files exist but are not a supported / well-formed Llama checkpoint."""
+    """The model files exist but are not a supported / well-formed checkpoint of a supported family."""
 
 
 def embedded_model_path() -> str:
@@ -120,7 +121,7 @@ def expected_shape(cfg: LlamaConfig, name: str) -> tuple[int, ...]:
         shapes = cfg.param_shapes(None)
         if name in shapes:
             return shapes[name]
-    raise ValueError(f"{name!r} is not a parameter of this Llama config "
+    raise ValueError(f"{name!r} is not a parameter of this {cfg.family} config "
                      f"({cfg.num_layers} layers); see npu_train.model.config")
 
 

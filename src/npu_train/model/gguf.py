@@ -1,5 +1,6 @@
-"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, architecture ``llama``): tensors dequantised to
-fp32, q/k rows un-permuted from llama.cpp's interleaved RoPE to HF's rotate-half (:func:`gguf_unpermute`).
+"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, architectures ``llama``, ``qwen2``, ``qwen3``): tensors
+dequantised to fp32; a ``llama`` file's q/k rows un-permuted from llama.cpp's interleaved RoPE to HF's rotate-half
+(:func:`gguf_unpermute`; Qwen files keep HF's row order: llama.cpp runs them with NEOX rotate-half RoPE).
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from .config import LlamaConfig
+from .config import FAMILIES, LlamaConfig
 from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 from .hf import first_id
 
@@ -78,37 +79,49 @@ def _gguf_model_name(reader, path: str) -> str:
     return str(gguf_field(reader, "general.name") or "").strip() or stem
 
 
+#: GGUF ``general.architecture`` -> family (a Mistral-7B GGUF is written as ``llama``)
+GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items() if f.gguf_arch}
+
+
 def gguf_config(path: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` read from the ``llama.*`` metadata of a GGUF file."""
+    """The :class:`LlamaConfig` read from the ``<arch>.*`` metadata of a GGUF file (arch ``llama``, ``qwen2`` or
+    ``qwen3``); :class:`ModelFormatError` for another architecture or missing/inconsistent keys."""
     r = gguf_reader(path)
     arch = gguf_field(r, "general.architecture")
-    if arch != "llama":
+    if arch not in GGUF_FAMILIES:
         raise ModelFormatError(
-            f"{path}: GGUF general.architecture is {arch!r}, not 'llama'; {SUPPORTED_HINT}"
+            f"{path}: GGUF general.architecture is {arch!r}, not one of {sorted(GGUF_FAMILIES)}; {SUPPORTED_HINT}"
         )
 
     def req(key: str) -> Any:
-        v = gguf_field(r, f"llama.{key}")
+        v = gguf_field(r, f"{arch}.{key}")
         if v is None:
-            raise ModelFormatError(f"{path}: required GGUF key 'llama.{key}' is missing; "
+            raise ModelFormatError(f"{path}: required GGUF key '{arch}.{key}' is missing; "
                                    f"re-convert with llama.cpp convert_hf_to_gguf.py")
         return v
+
+    def opt(key: str, default: Any) -> Any:
+        return gguf_field(r, f"{arch}.{key}", default)
 
     n_layers = int(req("block_count"))
     hidden = int(req("embedding_length"))
     heads = int(req("attention.head_count"))
-    kv = gguf_field(r, "llama.attention.head_count_kv", heads)
+    kv = opt("attention.head_count_kv", heads)
     if isinstance(kv, list):  # per-layer array form
         if len(set(kv)) != 1:
             raise ModelFormatError(f"{path}: per-layer head_count_kv {kv} not supported")
         kv = kv[0]
-    head_dim = int(gguf_field(r, "llama.attention.key_length", hidden // heads))
-    rope_dims = int(gguf_field(r, "llama.rope.dimension_count", head_dim))
+    if n_layers <= 0 or heads <= 0 or int(kv) <= 0 or heads % int(kv):
+        raise ModelFormatError(f"{path}: GGUF {arch}.block_count={n_layers}, {arch}.attention.head_count={heads}, "
+                               f"head_count_kv={kv}: need >= 1 layer and head_count_kv dividing head_count; "
+                               "re-convert the model")
+    head_dim = int(opt("attention.key_length", hidden // heads))
+    rope_dims = int(opt("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise ModelFormatError(f"{path}: partial rotary (rope.dimension_count={rope_dims} < "
                                f"head_dim={head_dim}) is not supported")
     tensor_names = {t.name for t in r.tensors}
-    vocab = gguf_field(r, "llama.vocab_size")
+    vocab = opt("vocab_size", None)
     if vocab is None:
         toks = r.fields.get("tokenizer.ggml.tokens")
         if toks is not None:
@@ -116,10 +129,10 @@ def gguf_config(path: str) -> LlamaConfig:
         else:
             emb = next((t for t in r.tensors if t.name == "token_embd.weight"), None)
             if emb is None:
-                raise ModelFormatError(f"{path}: cannot determine vocab size (no llama.vocab_size, "
+                raise ModelFormatError(f"{path}: cannot determine vocab size (no {arch}.vocab_size, "
                                        f"tokenizer.ggml.tokens or token_embd.weight)")
             vocab = int(emb.shape[-1])
-    theta = float(gguf_field(r, "llama.rope.freq_base", 10000.0))
+    theta = float(opt("rope.freq_base", 10000.0))
     cfg_kwargs = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -129,20 +142,21 @@ def gguf_config(path: str) -> LlamaConfig:
         num_kv_heads=int(kv),
         head_dim=head_dim,
         rope_theta=theta,
-        rms_norm_eps=float(gguf_field(r, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(gguf_field(r, "llama.context_length", 2048)),
+        rms_norm_eps=float(opt("attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(opt("context_length", 2048)),
         tie_word_embeddings="output.weight" not in tensor_names,
         bos_token_id=first_id(gguf_field(r, "tokenizer.ggml.bos_token_id")),
         eos_token_id=first_id(gguf_field(r, "tokenizer.ggml.eos_token_id")),
         name=_gguf_model_name(r, path),
+        family=GGUF_FAMILIES[arch],
     )
-    cfg_kwargs["rope_scaling"] = _gguf_rope_scaling(r, path, theta, head_dim, tensor_names)
+    cfg_kwargs["rope_scaling"] = _gguf_rope_scaling(r, path, arch, theta, head_dim, tensor_names)
     return LlamaConfig(**cfg_kwargs)
 
 
-def _gguf_rope_scaling(r, path: str, theta: float, head_dim: int,
+def _gguf_rope_scaling(r, path: str, arch: str, theta: float, head_dim: int,
                        tensor_names: set[str]) -> Optional[dict]:
-    kind = gguf_field(r, "llama.rope.scaling.type")
+    kind = gguf_field(r, f"{arch}.rope.scaling.type")
     if "rope_freqs.weight" in tensor_names:
         # llama.cpp stores Llama-3 scaling as per-frequency divisors; recover the HF parameters.
         t = next(t for t in r.tensors if t.name == "rope_freqs.weight")
@@ -153,7 +167,7 @@ def _gguf_rope_scaling(r, path: str, theta: float, head_dim: int,
     if kind in (None, "none", ""):
         return None
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(gguf_field(r, "llama.rope.scaling.factor", 1.0))}
+        return {"rope_type": "linear", "factor": float(gguf_field(r, f"{arch}.rope.scaling.factor", 1.0))}
     raise ModelFormatError(f"{path}: GGUF rope scaling type {kind!r} is not supported "
                            f"(supported: none, linear, llama3 rope_freqs)")
 
@@ -219,6 +233,11 @@ _GGUF_LAYER_SUFFIX = {
     "self_attn.k_proj.weight": "attn_k.weight",
     "self_attn.v_proj.weight": "attn_v.weight",
     "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
     "post_attention_layernorm.weight": "ffn_norm.weight",
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
@@ -303,11 +322,12 @@ def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
 def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
                       index: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file one tensor at a time as fp32:
-    yields ``(name, tensor)`` (q/k un-permuted when ``unpermute``; ``index``: read at its offsets unless
+    yields ``(name, tensor)`` (q/k weights un-permuted when ``unpermute`` and the file is a ``llama`` one; ``index``: read at its offsets unless
     stale). Raises :class:`ModelFormatError` for a missing tensor, wrong shape, unsupported GGML type or
     non-finite value."""
     import gguf
 
+    unpermute = unpermute and cfg.family in ("llama", "mistral")  # Qwen GGUFs keep HF row order
     by_name = _index_tensors(path, index)
     if by_name is None:
         by_name = {t.name: t for t in gguf_reader(path).tensors}

@@ -8,10 +8,10 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .config import LlamaConfig
+from .config import FAMILIES, LlamaConfig
 from .files import ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 
-__all__ = ["hf_config", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_walk",
+__all__ = ["hf_config", "hf_family", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_walk",
            "safetensors_tensors", "iter_safetensors_tensors"]
 
 
@@ -21,7 +21,8 @@ _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
 
 def hf_config(d: str) -> LlamaConfig:
     """The :class:`LlamaConfig` of the HF directory ``d``; :class:`ModelFormatError` for a missing or invalid
-    config.json, a non-Llama architecture, missing keys or unsupported features."""
+    config.json, an architecture outside :data:`~npu_train.model.config.FAMILIES`, missing keys, inconsistent
+    head/layer counts or unsupported features."""
     cfg_path = os.path.join(d, "config.json")
     if not os.path.isfile(cfg_path):
         ggufs = sorted(f for f in os.listdir(d) if f.lower().endswith(".gguf"))
@@ -34,25 +35,15 @@ def hf_config(d: str) -> LlamaConfig:
         raise ModelFormatError(f"{cfg_path}: invalid JSON ({e})") from e
     if not isinstance(raw, dict):
         raise ModelFormatError(f"{cfg_path}: expected a JSON object")
-    archs = raw.get("architectures") or []
-    mtype = raw.get("model_type")
-    if "LlamaForCausalLM" not in archs and mtype != "llama":
-        raise ModelFormatError(
-            f"{cfg_path}: unsupported architecture {archs or mtype!r}; {SUPPORTED_HINT}"
-        )
+    family = hf_family(raw, cfg_path)
     for k in _HF_REQUIRED:
         if k not in raw or raw[k] is None:
             raise ModelFormatError(
                 f"{cfg_path}: required key {k!r} is missing; re-export the model with "
                 f"transformers `save_pretrained` or add {k!r} to config.json"
             )
-    if raw.get("attention_bias") or raw.get("mlp_bias"):
-        raise ModelFormatError(f"{cfg_path}: attention_bias/mlp_bias=true is not supported "
-                               f"(npu-train's Llama has no biases)")
-    act = raw.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise ModelFormatError(f"{cfg_path}: hidden_act={act!r} not supported (only silu)")
-
+    _check_features(raw, family, cfg_path)
+    heads, kv_heads, n_layers = _check_counts(raw, cfg_path)
     # RoPE: transformers >= 5 writes `rope_parameters` {rope_type, rope_theta, ...};
     # older versions write top-level `rope_theta` + `rope_scaling`.
     rp = raw.get("rope_parameters") or {}
@@ -60,14 +51,14 @@ def hf_config(d: str) -> LlamaConfig:
     scaling_src = raw.get("rope_scaling") or rp
     rope_scaling = normalise_rope_scaling(scaling_src, cfg_path)
 
-    heads = int(raw["num_attention_heads"])
+    window = raw.get("sliding_window") if family == "mistral" else None
     return LlamaConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
         intermediate_size=int(raw["intermediate_size"]),
-        num_layers=int(raw["num_hidden_layers"]),
+        num_layers=n_layers,
         num_heads=heads,
-        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        num_kv_heads=kv_heads,
         head_dim=raw.get("head_dim"),
         rope_theta=float(rope_theta),
         rope_scaling=rope_scaling,
@@ -77,7 +68,61 @@ def hf_config(d: str) -> LlamaConfig:
         bos_token_id=first_id(raw.get("bos_token_id")),
         eos_token_id=first_id(raw.get("eos_token_id")),
         name=raw.get("_name_or_path") or os.path.basename(os.path.normpath(os.path.abspath(d))),
+        family=family,
+        sliding_window=None if window is None else int(window),
     )
+
+
+def hf_family(raw: dict, cfg_path: str) -> str:
+    """The :data:`~npu_train.model.config.FAMILIES` name of config.json ``raw`` (by ``architectures``, else
+    ``model_type``); :class:`ModelFormatError` naming the supported list for any other model."""
+    archs = raw.get("architectures") or []
+    mtype = raw.get("model_type")
+    for name, fam in FAMILIES.items():
+        if fam.architecture in archs:
+            return name
+    if not archs:
+        for name, fam in FAMILIES.items():
+            if fam.model_type == mtype:
+                return name
+    raise ModelFormatError(f"{cfg_path}: unsupported architecture {archs or mtype!r}; {SUPPORTED_HINT}")
+
+
+def _check_features(raw: dict, family: str, cfg_path: str) -> None:
+    """Refuse config.json features the family's module does not implement (one line naming the key)."""
+    if family != "qwen2" and raw.get("attention_bias"):  # (Qwen2's q/k/v biases are not a config key)
+        raise ModelFormatError(f"{cfg_path}: attention_bias=true is not supported for {family} "
+                               f"(npu-train's {family} has no attention biases)")
+    if raw.get("mlp_bias"):
+        raise ModelFormatError(f"{cfg_path}: mlp_bias=true is not supported (npu-train's MLP has no biases)")
+    if family in ("qwen2", "qwen3"):
+        layer_types = raw.get("layer_types") or []
+        if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
+            raise ModelFormatError(
+                f"{cfg_path}: use_sliding_window=true (per-layer sliding-window attention) is not supported for "
+                f"{family}; every released Qwen2/2.5/Qwen3 config sets it to false: set use_sliding_window=false")
+    act = raw.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ModelFormatError(f"{cfg_path}: hidden_act={act!r} not supported (only silu)")
+
+
+def _check_counts(raw: dict, cfg_path: str) -> tuple[int, int, int]:
+    """``(num_attention_heads, num_key_value_heads, num_hidden_layers)`` of config.json ``raw``, checked:
+    positive, and the key/value heads dividing the attention heads (one line naming the keys, else)."""
+    try:
+        heads = int(raw["num_attention_heads"])
+        kv = int(raw.get("num_key_value_heads") or heads)
+        layers = int(raw["num_hidden_layers"])
+    except (TypeError, ValueError) as e:
+        raise ModelFormatError(f"{cfg_path}: num_attention_heads / num_key_value_heads / num_hidden_layers must "
+                               f"be integers ({e}); fix config.json") from None
+    if layers <= 0:
+        raise ModelFormatError(f"{cfg_path}: num_hidden_layers={layers}: a model needs at least one decoder layer; "
+                               "fix config.json (or re-download the model)")
+    if heads <= 0 or kv <= 0 or heads % kv:
+        raise ModelFormatError(f"{cfg_path}: num_key_value_heads={kv} does not divide num_attention_heads={heads}; "
+                               "fix config.json (or re-download the model)")
+    return heads, kv, layers
 
 
 def first_id(v: Any) -> Optional[int]:

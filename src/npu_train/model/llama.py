@@ -1,5 +1,6 @@
-"""Pure-PyTorch Llama decoder split into pipeline stages (:class:`StageModule`) with HF parameter names.
-Numerics follow transformers' ``modeling_llama.py`` (fp32 RMSNorm, RoPE, GQA SDPA, SwiGLU); no ``transformers`` import.
+"""Pure-PyTorch Llama-family decoder (Llama, Qwen2/2.5, Qwen3, Mistral) split into pipeline stages
+(:class:`StageModule`) with HF parameter names. Numerics follow transformers' ``modeling_llama.py`` (fp32 RMSNorm,
+RoPE, GQA SDPA, SwiGLU) plus Qwen2's q/k/v biases and Qwen3's q/k norms; no ``transformers`` import.
 """
 from __future__ import annotations
 
@@ -119,10 +120,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 # Attention / MLP / decoder layer
 # ----------------------------------------------------------------------------------------------
 class Attention(nn.Module):
-    """Causal grouped-query self-attention (HF ``LlamaAttention``, no biases): ``q_proj`` [heads*D, H],
-    ``k_proj``/``v_proj`` [kv_heads*D, H], ``o_proj`` [H, heads*D]; ``forward(h [B,S,H], cos, sin [S,D] or
-    [B,1,S,D], mask)``: ``mask`` None (causal) or ``[B,1,S,S]``, additive in the compute dtype or bool
-    (True = attend; :mod:`.masks`)."""
+    """Causal grouped-query self-attention (HF ``LlamaAttention`` / ``Qwen2Attention`` / ``Qwen3Attention``):
+    ``q_proj`` [heads*D, H], ``k_proj``/``v_proj`` [kv_heads*D, H] (+ biases when ``cfg.qkv_bias``), ``o_proj``
+    [H, heads*D]; ``q_norm``/``k_norm`` RMSNorm [D] per head before RoPE when ``cfg.qk_norm``.
+    ``forward(h [B,S,H], cos, sin [S,D] or [B,1,S,D], mask) -> [B,S,H]``: ``mask`` None (causal) or
+    ``[B,1,S,S]``, additive in the compute dtype or bool (True = attend; :mod:`.masks`); ``S`` above
+    ``cfg.sliding_window`` is a ValueError."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -130,17 +133,29 @@ class Attention(nn.Module):
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = D
-        self.q_proj = nn.Linear(H, cfg.num_heads * D, bias=False)
-        self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
-        self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=False)
+        self.sliding_window = cfg.sliding_window
+        self.q_proj = nn.Linear(H, cfg.num_heads * D, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(H, cfg.num_kv_heads * D, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * D, H, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         B, S, _ = h.shape
         D = self.head_dim
-        q = self.q_proj(h).view(B, S, self.num_heads, D).transpose(1, 2)
-        k = self.k_proj(h).view(B, S, self.num_kv_heads, D).transpose(1, 2)
+        if self.sliding_window is not None and S > self.sliding_window:
+            raise ValueError(f"sequence of {S} tokens exceeds the model's sliding_window={self.sliding_window}: "
+                             f"sliding-window attention is not implemented; use data.seq_len<={self.sliding_window}")
+        q = self.q_proj(h).view(B, S, self.num_heads, D)
+        k = self.k_proj(h).view(B, S, self.num_kv_heads, D)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over head_dim of each head, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(h).view(B, S, self.num_kv_heads, D).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -277,10 +292,12 @@ class StageModule(nn.Module):
     # -- init / bookkeeping ------------------------------------------------------------------
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
-        """HF-style init: linear/embedding weights ~ N(0, std), RMSNorm weights = 1."""
+        """HF-style init: linear/embedding weights ~ N(0, std), biases 0, RMSNorm weights = 1."""
         for mod in self.modules():
             if isinstance(mod, (nn.Linear, nn.Embedding)):
                 mod.weight.normal_(0.0, std)
+                if getattr(mod, "bias", None) is not None:
+                    mod.bias.zero_()
             elif isinstance(mod, RMSNorm):
                 mod.weight.fill_(1.0)
 

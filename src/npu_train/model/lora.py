@@ -39,14 +39,18 @@ class LoraSpec:
 
 
 class LoraLinear(nn.Module):
-    """A frozen ``nn.Linear`` (no bias) plus a LoRA adapter: ``weight`` (frozen), ``lora_A.weight`` [r, in],
-    ``lora_B.weight`` [out, r]. ``forward(x [..., in]) -> [..., out]``."""
+    """A frozen ``nn.Linear`` plus a LoRA adapter: ``weight`` (frozen), ``bias`` [out] (frozen, Qwen2's q/k/v;
+    None when the base has none: PEFT's ``bias="none"``), ``lora_A.weight`` [r, in], ``lora_B.weight`` [out, r].
+    ``forward(x [..., in]) -> [..., out]``."""
 
     def __init__(self, base: nn.Linear, spec: LoraSpec):
         super().__init__()
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight = base.weight
         self.weight.requires_grad_(False)
+        self.bias = base.bias
+        if self.bias is not None:
+            self.bias.requires_grad_(False)
         self.lora_A = nn.Linear(self.in_features, spec.r, bias=False, device=base.weight.device,
                                 dtype=base.weight.dtype)
         self.lora_B = nn.Linear(spec.r, self.out_features, bias=False, device=base.weight.device,
@@ -57,7 +61,7 @@ class LoraLinear(nn.Module):
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
 
 
 def _seed_of(seed: int, name: str) -> int:

@@ -1,5 +1,5 @@
-"""Named Llama-family architectures (values from the published HF ``config.json``); :func:`get_preset`
-also takes HF repository ids. Parameter counts are checked in ``tests/unit/test_placement.py``."""
+"""Named architectures of the supported families (values from the published HF ``config.json``);
+:func:`get_preset` also takes HF repository ids. Parameter counts are checked in ``tests/unit/test_placement.py``."""
 from __future__ import annotations
 
 import copy
@@ -60,6 +60,27 @@ PRESETS: dict[str, LlamaConfig] = {
         rms_norm_eps=1e-5, max_position_embeddings=8192, tie_word_embeddings=True,
         bos_token_id=0, eos_token_id=0, name="smollm2-135m",
     ),
+    # Qwen/Qwen2.5-7B (q/k/v biases; use_sliding_window=false)
+    "qwen2.5-7b": LlamaConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+        rms_norm_eps=1e-6, max_position_embeddings=131072, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151643, name="qwen2.5-7b", family="qwen2",
+    ),
+    # Qwen/Qwen3-8B (q_norm/k_norm; head_dim 128 = hidden / heads here, explicit in the config)
+    "qwen3-8b": LlamaConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, name="qwen3-8b", family="qwen3",
+    ),
+    # mistralai/Mistral-7B-v0.3 (sliding_window=null)
+    "mistral-7b": LlamaConfig(
+        vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, name="mistral-7b", family="mistral", sliding_window=None,
+    ),
 }
 
 #: Hugging Face repository ids (lower-cased) -> preset name.
@@ -75,6 +96,12 @@ ALIASES: dict[str, str] = {
     "meta-llama/llama-3.2-3b-instruct": "llama-3.2-3b",
     "huggingfacetb/smollm2-135m": "smollm2-135m",
     "huggingfacetb/smollm2-135m-instruct": "smollm2-135m",
+    "qwen/qwen2.5-7b": "qwen2.5-7b",
+    "qwen/qwen2.5-7b-instruct": "qwen2.5-7b",
+    "qwen/qwen3-8b": "qwen3-8b",
+    "qwen/qwen3-8b-base": "qwen3-8b",
+    "mistralai/mistral-7b-v0.3": "mistral-7b",
+    "mistralai/mistral-7b-instruct-v0.3": "mistral-7b",
 }
 
 

@@ -20,11 +20,14 @@ __all__ = ["load_tokenizer", "chat_template", "special_tokens", "pre_tokenizer_f
 _GPT2_RE = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 _LLAMA3_RE = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+"
               r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+#: Qwen2/2.5/3 (llama.cpp LLAMA_VOCAB_PRE_TYPE_QWEN2): Llama 3's rule with digits one by one
+_QWEN2_RE = _LLAMA3_RE.replace(r"\p{N}{1,3}", r"\p{N}")
 
 #: llama.cpp pre-tokenizer rules (``llm_tokenizer_bpe`` regex_exprs), applied in order.
 PRE_TOKENIZER_RULES: dict[str, tuple[str, ...]] = {
     "default": (r"[\p{P}\$\+<=>\^~\|]+", _GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]"),
     "llama3": (_LLAMA3_RE,),
+    "qwen2": (_QWEN2_RE,),
     "gpt2": (_GPT2_RE,),
     # starcoder, refact, command-r, smollm, codeshell, exaone: digits one by one, then GPT-2
     "smollm": (r"\p{N}", _GPT2_RE),
@@ -35,6 +38,7 @@ GGUF_PRE_NAMES: dict[str, str] = {
     "default": "default",
     "llama3": "llama3", "llama-v3": "llama3", "llama-bpe": "llama3",
     "gpt-2": "gpt2", "gpt2": "gpt2",
+    "qwen2": "qwen2",
     "smollm": "smollm", "starcoder": "smollm", "refact": "smollm", "command-r": "smollm",
     "codeshell": "smollm", "exaone": "smollm",
 }

@@ -50,20 +50,22 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     ``attention="eager"`` (probabilities saved; Korthikanti et al. 2022 adapted to Llama):
     ``e*s*b*(4h + 2q + 2kv + 4i) + a*b*s*s*(4 + e)`` (``4*a*b*s*s`` at fp32); ``"sdpa"`` (fused kernel, as
     checked with ``saved_tensors_hooks``): ``s*b*(2*(4 + 2e)*h + 8 + 4*e*q + 4*a + 4*e*i)``; ``e`` bytes of the
-    compute dtype, ``q``/``kv`` the query/key widths, ``i`` the intermediate size (``docs/planner.md``).
-    Raises ``ValueError`` for another ``attention``."""
+    compute dtype, ``q``/``kv`` the query/key widths, ``i`` the intermediate size (``docs/planner.md``); Qwen3's
+    per-head q/k norms (``model.qk_norm``) also save their inputs and outputs and fp32 statistics,
+    ``+ 2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)`` (``a_kv`` key/value heads). Qwen2's q/k/v biases save nothing more. Raises ``ValueError`` for another ``attention``."""
     s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
     h, i = model.hidden_size, model.intermediate_size
     a = model.num_heads
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
+    qk_norm = (2 * e * s * b * (q + kv) + 4 * s * b * (a + model.num_kv_heads)) if model.qk_norm else 0
     if attention == "sdpa":
-        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + 4 * e * i)
+        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + 4 * e * i) + qk_norm
     if attention != "eager":
         raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
     linear = e * s * b * (4 * h + 2 * q + 2 * kv + 4 * i)
     scores = a * b * s * s * (4 + (e if e != 4 else 0))
-    return linear + scores
+    return linear + scores + qk_norm
 
 
 def pending_grad_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
