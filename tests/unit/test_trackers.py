@@ -149,3 +149,14 @@ def test_unknown_logger_is_refused():
     cfg.metrics.logger = ["tensorboard", "wandbb"]
     with pytest.raises(ConfigError, match=r"unknown \['wandbb'\].*metrics.logger=\[tensorboard,wandb\]"):
         validate(cfg)
+
+
+def test_mlflow_artifacts_go_beside_the_sqlite_store(tmp_path, monkeypatch):
+    """The plan artifact lands in <db dir>/mlruns, not in the current directory (a test once left mlruns/
+    in the repository)."""
+    monkeypatch.chdir(tmp_path / "..")
+    setup = _setup(tmp_path, "a", tmp_path, False)
+    (t,) = open_trackers(["mlflow"], setup, warn=pytest.fail)
+    t.close()
+    assert list((tmp_path / "mlruns").rglob("plan.json"))
+    assert not os.path.exists(os.path.join(str(tmp_path / ".."), "mlruns"))

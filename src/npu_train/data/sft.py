@@ -118,7 +118,7 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
     n_rows = train[0].shape[0] + val[0].shape[0]
     if pack:
         msg += (f", packed into {n_rows} sequences of {seq_len + 1} tokens "
-                f"({n_tokens / (n_rows * row):.0%} filled; data.pack=false: one per sequence)")
+                f"({n_tokens / (n_rows * row):.0%} filled; with data.pack=false each would take a sequence)")
     else:
         msg += f" (one per sequence of {seq_len} tokens, padded; {n_tokens / (n_rows * row):.0%} filled)"
     log(msg)

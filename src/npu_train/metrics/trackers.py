@@ -171,6 +171,15 @@ def _flat(d: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def _artifact_root(uri: str) -> Optional[str]:
+    """A sqlite store's artifacts go beside its database file (``<db dir>/mlruns``), not into the current
+    directory (MLflow's default); None (MLflow's choice) for any other store."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    db = os.path.abspath(uri[len("sqlite:///"):])
+    return "file://" + os.path.join(os.path.dirname(db), "mlruns")
+
+
 class MlflowTracker(Tracker):
     """An MLflow run in experiment ``project`` (continued by id on resume): the config as params, the plan as
     an artifact, scalars as metrics, the summary as ``summary.*`` metrics."""
@@ -191,7 +200,8 @@ class MlflowTracker(Tracker):
             self.client.update_run(run_id, status="RUNNING")
         else:
             exp = self.client.get_experiment_by_name(setup.project)
-            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(setup.project)
+            exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(
+                setup.project, artifact_location=_artifact_root(uri))
             tags = {"sweep": setup.group} if setup.group else {}
             run_id = self.client.create_run(exp_id, run_name=setup.run_name, tags=tags).info.run_id
             params = _flat(setup.config)
