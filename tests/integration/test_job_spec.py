@@ -88,7 +88,15 @@ def test_failed_launch_leaves_no_ipc_dir_or_owner_record(monkeypatch, tmp_path, 
             raise RuntimeError("coordinator set-up failed")
 
     monkeypatch.setattr(leftovers, "write_job_owner", write_job_owner)
-    if where == "packed data":
+    if where == "packed data":  # data held in memory (not mapped from the cache) is written into the IPC dir
+        real_prepare = job._prepare_data
+
+        def in_memory(cfg, prep):
+            d = real_prepare(cfg, prep)
+            d.path = None
+            return d
+
+        monkeypatch.setattr(job, "_prepare_data", in_memory)
         monkeypatch.setattr(dataset, "save_packed", short)
     else:
         monkeypatch.setattr(job, "Coordinator", Broken)
