@@ -88,3 +88,16 @@ def test_spec_peaks():
     assert spec_peak_flops("cuda", "fp32", "NVIDIA A100-SXM4-80GB").flops == 19.5e12
     assert spec_peak_flops("cuda", "bf16", "Some Future GPU") is None
     assert spec_peak_flops("cpu", "fp32") is None
+
+
+def test_measuring_the_peak_leaves_the_rng_alone():
+    """The card measures its peak after an exact resume restored its RNG state: it must draw nothing
+    (test_resume_is_bit_exact caught the card's rng differing when it did)."""
+    import torch
+
+    from npu_train.metrics.mfu import measure_matmul_flops
+
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    assert measure_matmul_flops("cpu", torch.float32, n=64, reps=2) > 0
+    assert torch.equal(torch.get_rng_state(), before)

@@ -96,8 +96,10 @@ def measure_matmul_flops(device, dtype, sync: Callable[[], None] = lambda: None,
     ms on one CPU thread."""
     import torch
 
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    # constant operands, no random numbers: the card's RNG state must not move (an exact resume restores it
+    # before this runs; dense matmul time does not depend on the values)
+    a = torch.full((n, n), 0.5, device=device, dtype=dtype)
+    b = torch.full((n, n), 0.25, device=device, dtype=dtype)
     (a @ b)
     sync()
     best = float("inf")
