@@ -396,8 +396,8 @@ class Reporter:
         return summ
 
     def run_name(self) -> str:
-        """The run directory's last two parts (``2026-12-03/10-00-00``; a sweep job: ``<time>/<job number>``)."""
-        return "/".join(os.path.normpath(os.path.abspath(self.run_dir)).split(os.sep)[-2:])
+        """The run directory's :func:`dir_label` (a sweep job: ``<time>/<job number>``)."""
+        return dir_label(self.run_dir)
 
     def _run_points(self) -> tuple[list, list]:
         """``(step, loss)`` and ``(step, val_loss)`` of the whole run from ``metrics.jsonl`` / ``eval.jsonl``,
@@ -419,6 +419,12 @@ class Reporter:
             self.jsonl.close()
         for t in self.trackers:
             t.close()
+
+
+def dir_label(path: str) -> str:
+    """A directory's last two parts, how runs and sweeps are named to people and trackers
+    (``outputs/2026-12-03/10-00-00`` -> ``2026-12-03/10-00-00``)."""
+    return "/".join(os.path.normpath(os.path.abspath(str(path))).split(os.sep)[-2:])
 
 
 def _jsonl(path: str) -> list[dict]:

@@ -845,6 +845,7 @@ def _open_trackers(cfg, run_dir: str, plan, resume: ResumePoint, node: NodeConte
     a resumed run continues the tracker runs recorded in its checkpoint dir."""
     from omegaconf import OmegaConf
 
+    from npu_train.metrics.report import dir_label
     from npu_train.metrics.trackers import TrackerSetup, open_trackers
 
     met = cfg.get("metrics") if hasattr(cfg, "get") else None
@@ -853,7 +854,7 @@ def _open_trackers(cfg, run_dir: str, plan, resume: ResumePoint, node: NodeConte
     if not names or not node.is_owner:
         return []
     conf = OmegaConf.to_container(cfg, resolve=True) if OmegaConf.is_config(cfg) else {}
-    name = met.run_name or "/".join(os.path.normpath(os.path.abspath(run_dir)).split(os.sep)[-2:])
+    name = met.run_name or dir_label(run_dir)
     setup = TrackerSetup(run_dir=run_dir, config=conf, plan=plan.to_dict(), project=str(met.project), run_name=name,
                          group=_sweep_group(), ckpt_root=resume.ckpt_root if resume.saving else None,
                          resuming=resume.resume_dir is not None, mlflow_uri=met.mlflow_uri)
@@ -867,9 +868,11 @@ def _sweep_group():
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
 
+        from npu_train.metrics.report import dir_label
+
         hc = HydraConfig.get()
         if hc.mode == RunMode.MULTIRUN:
-            return "/".join(os.path.normpath(str(hc.sweep.dir)).split(os.sep)[-2:])
+            return dir_label(str(hc.sweep.dir))
     except Exception:  # noqa: BLE001 - not under Hydra (tests, library use)
         pass
     return None
