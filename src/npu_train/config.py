@@ -115,6 +115,11 @@ class TrainConf:
     #: full (every weight trained: fp32 masters + AdamW moments for all) | lora (frozen base in the
     #: compute dtype, fp32 LoRA adapters with AdamW; settings under ``lora.*``)
     mode: str = "full"
+    #: sft (next-token cross-entropy over the target tokens) | dpo (Direct Preference Optimization on
+    #: chosen/rejected pairs, data.format=preference; settings under ``dpo.*``; train.micro_batch counts
+    #: sequences, 2 per pair, so it must be even). The reference model is the initial model (full) or the
+    #: base with the adapters disabled (lora); its log-probabilities are computed once before step 1.
+    objective: str = "sft"
     seed: int = 1234
     #: checkpoint every N steps (0 = only at the end; no checkpoint at all: checkpoint.save=false).
     save_every: int = 0
@@ -144,6 +149,18 @@ class TrainConf:
     #: host update of step t runs during step t+1, its weights are used from step t+2: offloaded
     #: layers train one step stale, ZeRO-Offload's DPU; needs offload_overlap; does not resume)
     offload_update: str = "sync"
+
+
+@dataclass
+class DpoConf:
+    """Preference tuning (``train.objective=dpo``): ``beta`` (> 0) scales the implicit reward
+    ``beta * (log pi - log ref)``; ``loss``: sigmoid (Rafailov et al. 2023, the paper's) | ipo (Azar et al.
+    2023: squared, completion log-probabilities averaged per token); ``label_smoothing``: cDPO's assumed
+    share of flipped labels, in [0, 0.5) (sigmoid only)."""
+
+    beta: float = 0.1
+    loss: str = "sigmoid"
+    label_smoothing: float = 0.0
 
 
 @dataclass
@@ -284,6 +301,7 @@ class Config:
     data: DataConf = field(default_factory=DataConf)
     train: TrainConf = field(default_factory=TrainConf)
     lora: LoraConf = field(default_factory=LoraConf)
+    dpo: DpoConf = field(default_factory=DpoConf)
     runtime: RuntimeConf = field(default_factory=RuntimeConf)
     checkpoint: CheckpointConf = field(default_factory=CheckpointConf)
     placement: PlanConf = field(default_factory=PlanConf)
@@ -314,6 +332,7 @@ def validate(cfg) -> None:
     if cfg.train.mode == "lora":
         _check_lora(cfg.lora)
     _check_modes(cfg.train)
+    _check_objective(cfg)
     _check_optimizer(cfg.train)
     _check_checkpoint(cfg)
     _check_runtime(cfg)
@@ -338,6 +357,34 @@ def _check_shape(t, d) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
     if t.mode not in ("full", "lora"):
         raise ConfigError(f"train.mode={t.mode!r}: use full or lora")
+
+
+def _check_objective(cfg) -> None:
+    """``train.objective`` against ``dpo.*``, ``data.format`` and the micro-batch (pairs need two rows)."""
+    t, fmt = cfg.train, str(getattr(cfg.data, "format", "text") or "text")
+    if t.objective not in ("sft", "dpo"):
+        raise ConfigError(f"train.objective={t.objective!r}: use sft or dpo")
+    if t.objective == "sft":
+        if fmt == "preference":
+            raise ConfigError("data.format=preference holds chosen/rejected pairs: train them with "
+                              "train.objective=dpo, or use data.format=chat for supervised fine-tuning")
+        return
+    dpo = cfg.get("dpo") if hasattr(cfg, "get") else getattr(cfg, "dpo", None)
+    if dpo is None:
+        dpo = DpoConf()
+    if fmt != "preference":
+        raise ConfigError(f"train.objective=dpo needs chosen/rejected pairs: set data.format=preference (now {fmt}) "
+                          "and data.source to preference data (e.g. data.source=botchan-prefs)")
+    if t.micro_batch % 2:
+        raise ConfigError(f"train.micro_batch={t.micro_batch}: a DPO micro-batch holds both sequences of each pair, "
+                          f"so it must be even (train.micro_batch={t.micro_batch + 1} = "
+                          f"{(t.micro_batch + 1) // 2} pair(s))")
+    if not dpo.beta > 0:
+        raise ConfigError(f"dpo.beta={dpo.beta} must be > 0 (0.1 is the usual value)")
+    if dpo.loss not in ("sigmoid", "ipo"):
+        raise ConfigError(f"dpo.loss={dpo.loss!r}: use sigmoid or ipo")
+    if not 0.0 <= dpo.label_smoothing < 0.5 or (dpo.label_smoothing and dpo.loss != "sigmoid"):
+        raise ConfigError(f"dpo.label_smoothing={dpo.label_smoothing}: use a value in [0, 0.5), with dpo.loss=sigmoid")
 
 
 def _check_lora(lo) -> None:

@@ -100,10 +100,11 @@ def _reference(cfg, weights, inputs, labels):
     return float(ce_sum.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=None, traces=None):
+def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=None, traces=None, objective=None):
     """One optimizer step of P StageRunners in P threads; returns (loss_sum, {name: grad} per stage).
     ``early_last(module) -> (params, done)``: the last stage's ``early`` argument of ``run_step``.
-    ``traces``: a list of P lists, each stage's :attr:`StageRunner.trace` (None: not recorded)."""
+    ``traces``: a list of P lists, each stage's :attr:`StageRunner.trace` (None: not recorded).
+    ``objective``: the runners' objective (None: next-token cross-entropy); ``labels`` then hold its targets."""
     bounds, first = [], 0
     for n in SPLITS[P]:
         bounds.append((first, first + n))
@@ -115,7 +116,7 @@ def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=
         try:
             mod = StageModule(cfg, *bounds[s], s == 0, s == P - 1)
             mod.load_named_tensors({n: weights[checkpoint_source_name(cfg, n)] for n in mod.param_names()})
-            runner = StageRunner(mod, _Cpu(), P, s, schedule, QueueComm(links, s, slots, abort))
+            runner = StageRunner(mod, _Cpu(), P, s, schedule, QueueComm(links, s, slots, abort), objective=objective)
             runner.trace = traces[s] if traces is not None else None
             if s in (0, P - 1):
                 early = early_last(mod) if early_last is not None and s == P - 1 else None

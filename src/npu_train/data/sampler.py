@@ -3,7 +3,8 @@
 Epoch ``e`` visits rows in ``randperm(n, generator seeded seed + e)``; step ``k`` takes the next global batch
 (``micro_batch * micro_batches * dp_size`` indices), data-parallel rank ``r`` its ``r``-th block. A step never
 straddles epochs (leftover indices dropped) unless the global batch exceeds the data set; a micro-batch never
-does. Resuming needs only the step number."""
+does. Resuming needs only the step number. Preference data (rows ``2i``, ``2i+1`` are pair ``i``) is drawn by pairs
+(:class:`PairSampler`), so both rows of a pair share a micro-batch."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 
 from .text import DataError
 
-__all__ = ["StepSampler"]
+__all__ = ["StepSampler", "PairSampler", "make_sampler"]
 
 _STATE_KEYS = ("seed", "n_sequences", "micro_batch", "micro_batches", "dp_size")
 
@@ -124,3 +125,54 @@ class StepSampler:
         return (f"StepSampler(n_sequences={self.n_sequences}, micro_batch={self.micro_batch}, "
                 f"micro_batches={self.micro_batches}, seed={self.seed}, dp_rank={self.dp_rank}, "
                 f"dp_size={self.dp_size})")
+
+
+class PairSampler:
+    """:class:`StepSampler` over the pairs of preference data (rows ``2i`` chosen, ``2i+1`` rejected):
+    ``micro_batch`` rows (even) = ``micro_batch / 2`` pairs per micro-batch; each index tensor lists the rows
+    of its pairs, chosen before rejected. Same step/epoch arithmetic and resume check as the row sampler."""
+
+    def __init__(self, n_rows: int, micro_batch: int, micro_batches: int, seed: int, dp_rank: int = 0,
+                 dp_size: int = 1) -> None:
+        if micro_batch % 2 or n_rows % 2:
+            raise ValueError(f"preference data needs an even micro-batch (rows: 2 per pair) and an even number of "
+                             f"rows, got micro_batch={micro_batch}, rows={n_rows}")
+        self.pairs = StepSampler(n_rows // 2, micro_batch // 2, micro_batches, seed, dp_rank, dp_size)
+        self.micro_batch = int(micro_batch)
+
+    @staticmethod
+    def rows_of(pairs: torch.Tensor) -> torch.Tensor:
+        """Row indices ``[2k]`` int64 of pair indices ``[k]``: ``2i, 2i+1`` for each pair."""
+        return torch.stack([2 * pairs, 2 * pairs + 1], dim=1).reshape(-1)
+
+    @property
+    def global_batch(self) -> int:
+        """Rows consumed per optimizer step over all data-parallel ranks."""
+        return 2 * self.pairs.global_batch
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.pairs.steps_per_epoch
+
+    def epoch_of_step(self, step: int) -> int:
+        return self.pairs.epoch_of_step(step)
+
+    def micro_batches_for_step(self, step: int) -> list[torch.Tensor]:
+        """This rank's micro-batches of ``step``: row indices, ``micro_batch`` each (pairs adjacent)."""
+        return [self.rows_of(p) for p in self.pairs.micro_batches_for_step(step)]
+
+    def state_dict(self) -> dict:
+        return {**self.pairs.state_dict(), "pairs": True}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not state.get("pairs"):
+            raise ValueError("cannot resume: the checkpoint was trained on rows, this run on preference pairs "
+                             "(train.objective=dpo); resume with the checkpoint's objective and data")
+        self.pairs.load_state_dict({k: v for k, v in state.items() if k != "pairs"})
+
+
+def make_sampler(n_rows: int, micro_batch: int, micro_batches: int, seed: int, dp_rank: int = 0, dp_size: int = 1,
+                 pairs: bool = False) -> "StepSampler | PairSampler":
+    """The sampler of ``n_rows`` training rows: by pairs (``pairs``: preference data) or by rows."""
+    cls = PairSampler if pairs else StepSampler
+    return cls(n_rows, micro_batch, micro_batches, seed, dp_rank=dp_rank, dp_size=dp_size)

@@ -107,6 +107,9 @@ def merged_record(reports: list[dict]) -> dict:
         **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s",
                                                           "cpu_s", "cpu_phases_s")
            if all(k in r for r in reports)},
+        # the objective's per-step metrics (DPO: rewards/chosen, rewards/rejected, rewards/accuracies,
+        # rewards/margins, logps/chosen, logps/rejected, named as TRL's DPOTrainer names them)
+        **(r0.get("objective") or {}),
         "time": time.time(),
     }
 
@@ -302,6 +305,8 @@ class Reporter:
         scalars.update({f"memory/card{i}_peak_gib": m / GIB for i, m in enumerate(rec["mem_peak_bytes"])})
         if rec.get("mfu") is not None:
             scalars["train/mfu"] = rec["mfu"]
+        scalars.update({f"train/{k}": float(v) for k, v in rec.items() if k.startswith(("rewards/", "logps/"))
+                        and math.isfinite(float(v))})
         for t in self.trackers:
             t.log(scalars, step)
 
@@ -317,6 +322,8 @@ class Reporter:
         return (f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
                 f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
                 + (f" | MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "")
+                + (f" | reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}"
+                   if "rewards/accuracies" in rec else "")
                 + f" | {wall:.2f} s{plan_s} "
                 f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
                 f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
@@ -324,16 +331,22 @@ class Reporter:
                 + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else "")
                 + (" | SKIPPED: non-finite loss or grad norm, no update (train.nonfinite=skip)" if skipped else ""))
 
-    def eval(self, step: int, val_loss: float, tokens: int) -> None:
-        """Record a held-out evaluation (mean token cross-entropy in nats) after ``step`` optimizer steps."""
+    def eval(self, step: int, val_loss: float, tokens: int, extra: Optional[dict] = None) -> None:
+        """Record a held-out evaluation after ``step`` optimizer steps: the objective's loss (SFT: mean token
+        cross-entropy in nats; DPO: mean pair loss, with ``extra``'s reward metrics as ``val_rewards/...``)."""
         rec = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "tokens": tokens,
-               "time": time.time()}
+               **{f"val_{k}": v for k, v in (extra or {}).items()}, "time": time.time()}
         self.evals.append(rec)
         with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
             f.write(dumps(rec) + "\n")
         if math.isfinite(val_loss):
             for t in self.trackers:
-                t.log({"eval/loss": val_loss}, step)
+                t.log({"eval/loss": val_loss, **{f"eval/{k}": float(v) for k, v in (extra or {}).items()}}, step)
+        if extra and "rewards/accuracies" in extra:
+            self.note(f"eval after step {step}: val DPO loss {val_loss:.4f}, reward accuracy "
+                      f"{extra['rewards/accuracies']:.2f}, margin {extra['rewards/margins']:+.3f} ({tokens:,} held-out "
+                      "completion tokens)")
+            return
         self.note(f"eval after step {step}: val loss {val_loss:.4f} (ppl {rec['val_ppl']:.2f}) on {tokens:,} held-out tokens")
 
     def finish(self, extra: Optional[dict] = None) -> dict:

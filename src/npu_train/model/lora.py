@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
@@ -59,9 +60,28 @@ class LoraLinear(nn.Module):
             self.lora_B.weight.zero_()  # B = 0: the adapted layer equals the base layer until trained
         self.scaling = spec.scaling
         self.dropout = nn.Dropout(spec.dropout) if spec.dropout > 0 else nn.Identity()
+        #: False: the frozen base layer alone (the DPO reference pass, :func:`adapters_disabled`)
+        self.adapter_enabled = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias) + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+        y = F.linear(x, self.weight, self.bias)
+        if not self.adapter_enabled:
+            return y
+        return y + self.lora_B(self.lora_A(self.dropout(x))) * self.scaling
+
+
+@contextlib.contextmanager
+def adapters_disabled(module: nn.Module):
+    """Within the block every :class:`LoraLinear` of ``module`` computes its frozen base layer alone (PEFT's
+    ``disable_adapter()``): the base model, without a second copy of its weights."""
+    layers = [m for m in module.modules() if isinstance(m, LoraLinear)]
+    for m in layers:
+        m.adapter_enabled = False
+    try:
+        yield len(layers)
+    finally:
+        for m in layers:
+            m.adapter_enabled = True
 
 
 def _seed_of(seed: int, name: str) -> int:

@@ -1,6 +1,6 @@
 """Run one pipeline stage's schedule for one optimizer step (:class:`StageRunner`) over a
-:class:`BoundaryComm`. The loss is divided by the whole step's target tokens, so gradients do not
-depend on how the step is cut.
+:class:`BoundaryComm`. The loss is divided by the whole step's count of the objective's units (target
+tokens; DPO: pairs), so gradients do not depend on how the step is cut.
 """
 from __future__ import annotations
 
@@ -10,13 +10,15 @@ from typing import Optional, Protocol
 import torch
 
 from npu_train.errors import ConfigError
-from npu_train.model.llama import IGNORE_INDEX, causal_lm_loss_sum
 from npu_train.pipeline.backward import backward_input
+from npu_train.pipeline.objective import SftObjective
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, build_schedule
 
 
 #: micro-batch ids of evaluation passes start here (training micro-batches are 0..M-1).
 EVAL_MICRO_BASE = 1 << 20
+#: micro-batch ids of the DPO reference pass start here (before step 1: step tag 0)
+REF_MICRO_BASE = 1 << 22
 
 
 class BoundaryComm(Protocol):
@@ -35,10 +37,12 @@ class StageRunner:
     ``hooks``: :class:`~npu_train.optim.hooks.StepHooks` fired after the first forward (``deferred_opt_s``).
     ``trace``: None or a list that gets ``(kind, micro, t_start, t_ready, t_done, t_end)`` per action
     (``perf_counter`` s, device synchronized; :mod:`npu_train.metrics.trace`). Raises ConfigError for a
-    split-backward schedule with ``recompute=True``."""
+    split-backward schedule with ``recompute=True``. ``objective``: the last stage's loss
+    (:mod:`npu_train.pipeline.objective`; default next-token cross-entropy); its targets are what ``labels``
+    holds per micro-batch."""
 
     def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm],
-                 hooks=None):
+                 hooks=None, objective=None):
         if schedule in SPLIT_BACKWARD and getattr(module, "recompute", False):
             raise ConfigError(f"train.schedule={schedule} does not combine with train.recompute=true: "
                               "use train.schedule=1f1b for activation recompute")
@@ -52,18 +56,22 @@ class StageRunner:
         self.last = stage == num_stages - 1
         self.trace: Optional[list] = None
         self.hooks = hooks
+        self.objective = objective if objective is not None else SftObjective()
 
     def run_step(self, step: int, inputs: Optional[list[torch.Tensor]], labels: Optional[list[torch.Tensor]],
                  total_tokens: Optional[int] = None, early: Optional[tuple] = None,
                  positions: Optional[list] = None) -> dict:
         """Forward and backward all micro-batches of ``step``; gradients accumulate in ``.grad``.
 
-        ``inputs`` (first stage) / ``labels`` (last): M int64 CPU ``[micro_batch, seq_len]``. ``positions``
+        ``inputs`` (first stage): M int64 CPU ``[micro_batch, seq_len]``; ``labels`` (last): M targets of the
+        objective (SFT: int64 CPU ``[micro_batch, seq_len]``; DPO: :class:`~npu_train.pipeline.objective.PairTargets`). ``positions``
         (every stage, packed rows; None: unpacked): M int64 CPU ``[micro_batch, seq_len]`` or None entries,
         given to the module (``StageModule.forward(positions=)``). ``total_tokens``:
-        the loss divisor (all replicas; None: from ``labels``). ``early=(params, done)``: after the last ``B``
+        the loss divisor in the objective's units (SFT target tokens, DPO pairs; all replicas; None: from
+        ``labels``). ``early=(params, done)``: after the last ``B``
         run the W groups of ``params``, call ``done()``, then the other ``W`` (the tied head gradient leaves
-        early; same gradients). Returns ``{"loss_sum" (nats), "n_tokens", "compute_s", "wait_s", "send_s",
+        early; same gradients). Returns ``{"loss_sum" (nats), "n_tokens", "n_units" (the objective's divisor
+        units here), "stats" (the objective's statistic sums), "compute_s", "wait_s", "send_s",
         "deferred_opt_s"}``. Raises ValueError for a step without target tokens."""
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
@@ -83,30 +91,53 @@ class StageRunner:
     @torch.no_grad()
     def run_eval(self, step: int, num_micro: int, inputs: Optional[list[torch.Tensor]],
                  labels: Optional[list[torch.Tensor]], positions: Optional[list] = None) -> dict:
-        """Forward-only pass over held-out micro-batches (ids + :data:`EVAL_MICRO_BASE`); ``{"loss_sum", "n_tokens"}``."""
-        loss_sum, n_tok = 0.0, 0
+        """Forward-only pass over held-out micro-batches (ids + :data:`EVAL_MICRO_BASE`); ``{"loss_sum",
+        "n_tokens", "n_units", "stats"}`` (last stage; zeros elsewhere)."""
+        obj = self.objective
+        loss_sum, n_tok, n_units, stats = 0.0, 0, 0, [0.0] * len(obj.stats)
         for m in range(num_micro):
             tag = EVAL_MICRO_BASE + m
             x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(step, tag)
             out = self.module(x, **self.module_kwargs(positions, m))
             if self.last:
-                ls, n = causal_lm_loss_sum(out, self.backend.upload(labels[m]))
+                ls, st = obj.loss_sum(out, labels[m], self.backend, False)
                 loss_sum += float(ls)
-                n_tok += int(n)
+                n_tok += obj.tokens(labels[m])
+                n_units += obj.units(labels[m])
+                stats = [a + b for a, b in zip(stats, st)]
             else:
                 self.comm.send_act(step, tag, out)
-        return {"loss_sum": loss_sum, "n_tokens": n_tok}
+        return {"loss_sum": loss_sum, "n_tokens": n_tok, "n_units": n_units, "stats": stats}
+
+    @torch.no_grad()
+    def run_reference(self, num_micro: int, inputs: Optional[list], labels: Optional[list],
+                      positions: Optional[list] = None) -> Optional[list]:
+        """Forward-only pass of the DPO reference model (the caller sets the weights: the initial ones, or
+        LoRA adapters disabled) over ``num_micro`` micro-batches (ids + :data:`REF_MICRO_BASE`, step tag 0).
+        ``labels``: shifted int64 ``[b, seq_len]`` per micro-batch (last stage). Returns, on the last stage,
+        the rows' summed completion log-probabilities: one float64 CPU ``[b]`` per micro-batch (else None)."""
+        out_rows = [] if self.last else None
+        for m in range(num_micro):
+            tag = REF_MICRO_BASE + m
+            x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(0, tag)
+            out = self.module(x, **self.module_kwargs(positions, m))
+            if self.last:
+                out_rows.append(self.objective.logps(out, labels[m], self.backend, False).double().cpu())
+            else:
+                self.comm.send_act(0, tag, out)
+        return out_rows
 
     def _synced_clock(self) -> float:
         self.backend.synchronize()
         return time.perf_counter()
 
     def _run(self, step, M, inputs, labels, total_tokens=None, early=None, positions=None) -> dict:
-        local_tokens = 0
+        local_tokens = local_units = 0
         if self.last:
-            local_tokens = int(sum(int((l != IGNORE_INDEX).sum()) for l in labels))
+            local_tokens = sum(self.objective.tokens(l) for l in labels)
+            local_units = sum(self.objective.units(l) for l in labels)
             if total_tokens is None:
-                total_tokens = local_tokens
+                total_tokens = local_units
             if total_tokens == 0:
                 raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
         run = _StepRun(self, step, M, inputs, labels, total_tokens, early, positions)
@@ -117,7 +148,7 @@ class StageRunner:
                 run.backward(a.micro)
             else:
                 run.weight(a.micro)
-        return run.end(local_tokens)
+        return run.end(local_tokens, local_units)
 
 
 class _StepRun:
@@ -132,6 +163,7 @@ class _StepRun:
         self.pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
         self.params = [p for p in runner.module.parameters() if p.requires_grad] if self.split else []
         self.loss_sum = 0.0
+        self.stats = [0.0] * len(runner.objective.stats)
         self.compute = self.wait = self.send = self.deferred = 0.0
         self.backwards_left = M
         self.tr = runner.trace
@@ -160,8 +192,9 @@ class _StepRun:
         kw = r.module_kwargs(self.positions, m)
         out = r.module(x, **kw) if cuts is None else r.module(x, cuts=cuts, **kw)
         if r.last:
-            ls, _ = causal_lm_loss_sum(out, r.backend.upload(self.labels[m]), fused=getattr(r.module, "fused_head", False))
+            ls, st = r.objective.loss_sum(out, self.labels[m], r.backend, getattr(r.module, "fused_head", False))
             self.loss_sum += float(ls.detach())
+            self.stats = [a + b for a, b in zip(self.stats, st)]
             self.saved[m] = (x, ls / self.total_tokens, cuts)
             t2 = t3 = clock()
         else:
@@ -230,11 +263,12 @@ class _StepRun:
         if self.tr is not None:
             self.tr.append(("W", m, t0, t0, t1, t1))
 
-    def end(self, local_tokens: int) -> dict:
+    def end(self, local_tokens: int, local_units: int) -> dict:
         assert not self.saved and not self.pending, \
             f"schedule left micro-batches without backward: {sorted(self.saved)} {sorted(self.pending)}"
         if self.early is not None:
             self.early[1]()
         self.r.backend.synchronize()
-        return {"loss_sum": self.loss_sum, "n_tokens": local_tokens, "compute_s": self.compute,
+        return {"loss_sum": self.loss_sum, "n_tokens": local_tokens, "n_units": local_units, "stats": self.stats,
+                "compute_s": self.compute,
                 "wait_s": self.wait, "send_s": self.send, "deferred_opt_s": self.deferred}

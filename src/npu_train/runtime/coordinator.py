@@ -301,7 +301,9 @@ class Coordinator:
             if all(s in r.steps for r in self.ranks):
                 self.reporter.step([r.steps.pop(s) for r in self.ranks])
         elif t == "eval":
-            self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]))
+            self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]), msg.get("objective"))
+        elif t == "note":
+            self.reporter.note(str(msg.get("text", "")))
         elif t == "ckpt":
             self._on_ckpt(rs, msg)
         elif t in ("done", "stopped"):

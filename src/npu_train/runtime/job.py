@@ -24,7 +24,7 @@ from npu_train.errors import ConfigError, Interrupted, UserError
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
                                      prepare_checkpoint_root)
-from npu_train.runtime.spec import RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
+from npu_train.runtime.spec import ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
 
 
@@ -263,7 +263,8 @@ CARD_PROCESS_MODULES = ("npu_train.runtime.worker", "npu_train.runtime.trainer",
 
 def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
                        data_file: str, start_step: int, resume_dir: Optional[str], ckpt_root: str, ipc_dir: str,
-                       host: str, port: int, slot_bytes: int, slots: int, nodes=None) -> list[WorkerSpec]:
+                       host: str, port: int, slot_bytes: int, slots: int, nodes=None,
+                       reference: Optional[ReferenceSpec] = None) -> list[WorkerSpec]:
     """The one place :class:`~npu_train.runtime.spec.WorkerSpec` objects are built: global rank ``r = replica
     * P + stage`` runs stage ``r % P`` on ``prep.cards[r]``. Addresses: ipc sockets in ``ipc_dir`` (``shm``)
     or TCP ports on ``host`` (``inline``); multi-node (``nodes``): this node's cards only, with the job's
@@ -294,7 +295,7 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
             inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,
-            boundary_transport=boundary, model_index=index))
+            boundary_transport=boundary, model_index=index, reference=reference))
     return specs
 
 
@@ -395,7 +396,16 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
                      lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
                      grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
-                     offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save))
+                     offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save),
+                     objective=str(getattr(tr, "objective", "sft")), **_dpo_fields(cfg))
+
+
+def _dpo_fields(cfg) -> dict:
+    """``dpo.*`` as TrainSpec fields (defaults when the config has no ``dpo`` group)."""
+    d = cfg.get("dpo") if hasattr(cfg, "get") else getattr(cfg, "dpo", None)
+    if d is None:
+        return {}
+    return {"dpo_beta": float(d.beta), "dpo_loss": str(d.loss), "dpo_label_smoothing": float(d.label_smoothing)}
 
 
 def furiosa_cache_dir(cfg) -> str:
@@ -580,6 +590,8 @@ class ResumePoint:
     start_step: int = 0
     resume_dir: Optional[str] = None
     earlier: list = field(default_factory=list)
+    #: DPO: the reference log-probabilities' files and whether the cards compute them (None for SFT)
+    reference: Optional[ReferenceSpec] = None
 
 
 @dataclass
@@ -671,11 +683,12 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str, owner: bool = True) -
     """The checkpoint root and where this run starts in it (``train.resume``), every refusal first. A resume
     first removes dead jobs' staging dirs (the ``owner`` node): an interrupted save is named, never resumed."""
     from npu_train.checkpoint.store import check_reused_root, find_checkpoint, remove_stale_staging
-    from npu_train.data.sampler import StepSampler
+    from npu_train.data.sampler import make_sampler
 
     tr = cfg.train
     # the sampler every card process uses (replica k takes the k-th share of each step's global batch)
-    sampler = StepSampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=prep.dp)
+    sampler = make_sampler(data.train.shape[0], tr.micro_batch, tr.accum, tr.seed, dp_size=prep.dp,
+                           pairs=bool(getattr(data, "pairs", False)))
     point = ResumePoint(ckpt_root=checkpoint_root(cfg, run_dir),
                         saving=bool(cfg.checkpoint.save), sampler=sampler)
     # train.resume=auto: the newest complete checkpoint if there is one, else a fresh start (a restarted pod)
@@ -689,6 +702,13 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str, owner: bool = True) -
     # checkpoint.save=false: nothing is written into the root, so nothing can be mixed
     if point.saving:
         point.earlier = check_reused_root(point.ckpt_root, point.resume_dir, cfg.checkpoint.existing)
+    if getattr(data, "pairs", False):
+        from npu_train.env import cache_dir
+        from npu_train.runtime.reference import reference_key, reference_spec
+
+        key = reference_key(data.fingerprint, prep.model_path, prep.dtype, [c.kind for c in prep.cards])
+        point.reference = reference_spec(key, point.ckpt_root, point.saving, str(cache_dir("data")),
+                                         resuming=point.resume_dir is not None)
     return point
 
 
@@ -824,7 +844,8 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     specs = build_worker_specs(plan, prep, train=train, runtime=runtime, job_id=launch.job_id, token=launch.token,
                                data_file=data_file, start_step=resume.start_step, resume_dir=resume.resume_dir,
                                ckpt_root=resume.ckpt_root, ipc_dir=ipc_dir, host=node.host, port=launch.port,
-                               slot_bytes=launch.slot_bytes, slots=launch.slots, nodes=node_plan)
+                               slot_bytes=launch.slot_bytes, slots=launch.slots, nodes=node_plan,
+                               reference=resume.reference)
     _announce(cfg, run_dir, prep, data, resume, launch, node, len(specs))
     reporter = Reporter(run_dir, cfg.train.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * prep.dp,
                         predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node),

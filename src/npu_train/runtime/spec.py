@@ -3,6 +3,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -62,6 +63,12 @@ class TrainSpec:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: tuple = ()
+    #: ``train.objective``: sft (next-token cross-entropy) | dpo (then ``dpo_*`` = ``dpo.beta``, ``dpo.loss``,
+    #: ``dpo.label_smoothing``; :mod:`npu_train.pipeline.objective`)
+    objective: str = "sft"
+    dpo_beta: float = 0.1
+    dpo_loss: str = "sigmoid"
+    dpo_label_smoothing: float = 0.0
 
     def lora_spec(self):
         """The :class:`~npu_train.model.lora.LoraSpec` of a ``lora`` run (None for ``full``)."""
@@ -77,6 +84,26 @@ class TrainSpec:
         from dataclasses import asdict
 
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """Where a DPO run's reference log-probabilities live: ``run_file`` (in the checkpoint root; None with
+    ``checkpoint.save=false``), ``cache_file`` (beside the data cache; None without one), ``compute`` (no file
+    holds them yet: the card processes run the reference pass before step 1), ``key`` (hex, data + model +
+    compute dtype + card kinds)."""
+
+    run_file: Optional[str]
+    cache_file: Optional[str]
+    compute: bool
+    key: str
+
+    def existing(self) -> Optional[str]:
+        """The file to read (the run's first), or None."""
+        for f in (self.run_file, self.cache_file):
+            if f and os.path.isfile(f):
+                return f
+        return None
 
 
 #: gloo needs a finite timeout: 7 days (in seconds) stands for "never". Liveness is decided by the
@@ -155,6 +182,8 @@ class WorkerSpec:
     dp: int = 1
     zero: int = 0
     model_index: Optional[dict] = None
+    #: DPO: where the reference log-probabilities are read or written (None for SFT)
+    reference: Optional[ReferenceSpec] = None
 
     @property
     def layout(self):

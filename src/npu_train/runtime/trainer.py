@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from npu_train.pipeline.objective import PairTargets
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.runtime.stagebuild import build_stage, compute_dtype, resume_stage, sparse_embed_grad_for
 from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
@@ -37,6 +38,9 @@ class StepTotals:
     bad_ranks: list
     tied_s: float
     tied_start: float
+    #: the objective's divisor units (SFT: target tokens, DPO: pairs) and per-step metrics (DPO rewards)
+    units: int = 0
+    objective_metrics: Optional[dict] = None
 
     @property
     def finite(self) -> bool:
@@ -213,20 +217,24 @@ class StageTrainer:
     def _load_data(self) -> None:
         """The packed data, the samplers (all replicas', for the loss divisor), the runner, the evaluation batches."""
         from npu_train.data.dataset import load_packed, micro_batch_positions, micro_batch_tensors
-        from npu_train.data.sampler import StepSampler
+        from npu_train.data.sampler import make_sampler
+        from npu_train.pipeline.objective import make_objective
         from npu_train.pipeline.stage import StageRunner
 
         tr = self.tr
         self.data = load_packed(self.spec.data_file)
+        self.objective = make_objective(tr)
+        self.pairs = self.objective.name == "dpo"
+        self.ref_train = self.ref_val = None  # DPO: reference log-probabilities per row (last stage)
         self.micro_batch_tensors = micro_batch_tensors
         # packed rows: every stage looks up its micro-batches' positions itself (same sampler indices)
         self.micro_batch_positions = micro_batch_positions if self.data.train_positions is not None else None
         # one sampler per replica: this replica's share, and (last stage) the others' for the loss divisor
-        self.samplers = [StepSampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed,
-                                     dp_rank=k, dp_size=self.dp) for k in range(self.dp)]
+        self.samplers = [make_sampler(self.data.train.shape[0], tr.micro_batch, tr.accum, tr.seed,
+                                      dp_rank=k, dp_size=self.dp, pairs=self.pairs) for k in range(self.dp)]
         self.sampler = self.samplers[self.replica]
         self.runner = StageRunner(self.module, self.backend, self.P, self.stage, tr.schedule, self.comm,
-                                  hooks=self.hooks)
+                                  hooks=self.hooks, objective=self.objective)
         # held-out evaluation: the first eval_batches micro-batches of the validation split
         mb = tr.micro_batch
         self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
@@ -237,7 +245,10 @@ class StageTrainer:
 
     # ------------------------------------------------------------------ one step
     def global_tokens(self, step: int) -> int:
-        """Target tokens of step ``step``'s global batch (all replicas), from the samplers: no collective."""
+        """The loss divisor of step ``step``'s global batch (all replicas), from the samplers, no collective:
+        its target tokens (SFT) or pairs (DPO: fixed, ``dp x accum x micro_batch / 2``)."""
+        if self.pairs:
+            return self.dp * self.tr.accum * self.tr.micro_batch // 2
         n = 0
         for smp in self.samplers:
             for i in smp.micro_batches_for_step(step):
@@ -258,6 +269,8 @@ class StageTrainer:
         self.enter(f"step {step + 1} forward/backward")
         idx = self.sampler.micro_batches_for_step(step)
         mbs = [self.micro_batch_tensors(self.data, i) for i in idx]
+        if self.pairs and self.last:
+            mbs = [(x, PairTargets(y, self.ref_train[i])) for (x, y), i in zip(mbs, idx)]
         pos = None if self.micro_batch_positions is None else [self.micro_batch_positions(self.data, i) for i in idx]
         res = self._forward_backward(step, mbs, pos)
         t1, c1 = time.perf_counter(), time.process_time()
@@ -276,7 +289,7 @@ class StageTrainer:
                 [("tied", -1, tot.tied_start, tot.tied_start, te, te)] if self.tied is not None else []) + [
                 ("optimizer", -1, t2, t2, t3, t3)]
         self.ctrl.send("step", step=step + 1, loss=tot.loss, lr=lr, grad_norm=tot.grad_norm, tokens=tot.tokens,
-                       skipped=not tot.finite,
+                       skipped=not tot.finite, objective=tot.objective_metrics,
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
                        # wait_s split: waits for a neighbour's activation / gradient inside the
                        # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
@@ -351,13 +364,18 @@ class StageTrainer:
             sq = float(self.opt.grad_sq_sum(exclude=exclude)) if counts else 0.0
         flags = [0.0] * self.spec.world_size  # flags[r] = 1: rank r holds a non-finite loss or gradient
         flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
-        red = torch.tensor([sq, res["loss_sum"], float(res["n_tokens"]), stop_req] + flags, dtype=torch.float64)
+        stats = list(res.get("stats") or [0.0] * len(self.objective.stats))
+        head = [sq, res["loss_sum"], float(res["n_tokens"]), stop_req, float(res.get("n_units", 0))] + stats
+        red = torch.tensor(head + flags, dtype=torch.float64)
         dist.all_reduce(red)
         if self.tied is not None:  # the first stage's rows left without a wait (the last stage has them now)
             self.tied.settle()
-        return StepTotals(grad_norm=float(red[0]) ** 0.5, loss=float(red[1] / max(red[2], 1.0)), tokens=int(red[2]),
-                          interrupted=bool(red[3] > 0), bad_ranks=[r for r in range(len(flags)) if red[4 + r] > 0],
-                          tied_s=t_tied, tied_start=ta_tied)
+        k = len(head)
+        units = float(red[4])
+        return StepTotals(grad_norm=float(red[0]) ** 0.5, loss=float(red[1] / max(units, 1.0)), tokens=int(red[2]),
+                          interrupted=bool(red[3] > 0), bad_ranks=[r for r in range(len(flags)) if red[k + r] > 0],
+                          tied_s=t_tied, tied_start=ta_tied, units=int(units),
+                          objective_metrics=self.objective.metrics([float(v) for v in red[5:k]], units) or None)
 
     def _update(self, step: int, tot: "StepTotals", lr: float) -> dict:
         """AdamW with the clip coefficient (ZeRO-1: then broadcast), or :meth:`nonfinite` and the gradients
@@ -417,20 +435,73 @@ class StageTrainer:
 
         self.enter(f"evaluation after step {after_step}")
         self.opt.wait_all()
-        er = {"loss_sum": 0.0, "n_tokens": 0}
+        obj = self.objective
+        er = {"loss_sum": 0.0, "n_tokens": 0, "n_units": 0, "stats": [0.0] * len(obj.stats)}
         if self.replica == 0:  # the replicas hold the same weights: replica 0 evaluates, the others add zeros
             self.module.eval()
             er = self.runner.run_eval(after_step, self.n_eval,
                                       [x for x, _ in self.eval_batches] if self.first else None,
-                                      [y for _, y in self.eval_batches] if self.last else None,
+                                      self.eval_targets() if self.last else None,
                                       positions=self.eval_positions)
             self.module.train()
-        red = torch.tensor([er["loss_sum"], float(er["n_tokens"])], dtype=torch.float64)
+        red = torch.tensor([er["loss_sum"], float(er["n_tokens"]), float(er["n_units"])] + list(er["stats"]),
+                           dtype=torch.float64)
         dist.all_reduce(red)
-        val = float(red[0] / max(float(red[1]), 1.0))
+        val = float(red[0] / max(float(red[2]), 1.0))
         if self.last and self.replica == 0:
-            self.ctrl.send("eval", step=after_step, val_loss=val, tokens=int(red[1]))
+            extra = obj.metrics([float(v) for v in red[3:]], float(red[2]))
+            self.ctrl.send("eval", step=after_step, val_loss=val, tokens=int(red[1]), objective=extra or None)
         return val
+
+    def eval_targets(self) -> list:
+        """The last stage's held-out targets: labels, or (DPO) labels with the reference log-probabilities."""
+        if not self.pairs:
+            return [y for _, y in self.eval_batches]
+        mb = self.tr.micro_batch
+        return [PairTargets(y, self.ref_val[m * mb:(m + 1) * mb]) for m, (_, y) in enumerate(self.eval_batches)]
+
+    # ------------------------------------------------------------------ DPO reference
+    def reference(self) -> None:
+        """The DPO reference log-probabilities of every row: read (the last stage) or computed by a forward pass of
+        the whole pipeline (every stage; LoRA with the adapters disabled) and written by replica 0's last stage.
+        Each replica runs the pass over all rows (same wall time as one pipeline; no exchange needed)."""
+        from npu_train.runtime.reference import load_reference, save_reference
+
+        ref = self.spec.reference
+        n_train, n_val = self.data.n_train, self.data.n_val
+        if not ref.compute:
+            if self.last:
+                self.ref_train, self.ref_val = load_reference(ref, n_train, n_val, copy=self.replica == 0)
+            return
+        self.enter(f"DPO reference pass over {n_train + n_val} sequences")
+        t0 = time.perf_counter()
+        out = {}
+        for split, n in (("train", n_train), ("val", n_val)):
+            out[split] = self._reference_split(split, n)
+        if self.last:
+            self.ref_train, self.ref_val = out["train"], out["val"]
+            if self.replica == 0:
+                save_reference(ref, self.ref_train, self.ref_val)
+                self.ctrl.send("note", text=f"DPO reference pass: {n_train + n_val} sequences in "
+                                            f"{time.perf_counter() - t0:.1f} s (stored, a resume reads them)")
+
+    def _reference_split(self, split: str, n: int) -> Optional[torch.Tensor]:
+        """One split's reference log-probabilities ``[n]`` float64 (last stage; else None)."""
+        from contextlib import nullcontext
+
+        from npu_train.model.lora import adapters_disabled
+
+        mb = self.tr.micro_batch
+        chunks = [torch.arange(a, min(a + mb, n)) for a in range(0, n, mb)]
+        batches = [self.micro_batch_tensors(self.data, i, split=split) for i in chunks]
+        pos = None if self.micro_batch_positions is None else [
+            self.micro_batch_positions(self.data, i, split=split) for i in chunks]
+        self.module.eval()
+        with adapters_disabled(self.module) if self.tr.mode == "lora" else nullcontext():
+            rows = self.runner.run_reference(len(chunks), [x for x, _ in batches] if self.first else None,
+                                             [y for _, y in batches] if self.last else None, positions=pos)
+        self.module.train()
+        return torch.cat(rows) if rows is not None else None
 
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, done: int, interrupted: bool, stopping: bool) -> bool:
@@ -482,6 +553,8 @@ class StageTrainer:
     def run(self) -> None:
         """Train from ``start_step`` to ``train.steps`` (or until stopped), evaluating and saving as configured."""
         tr = self.tr
+        if self.pairs:
+            self.reference()
         if self.n_eval and self.start == 0:
             self.evaluate(0)
         stop_after = int(tr.stop_after or 0)
