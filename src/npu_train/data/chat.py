@@ -21,7 +21,7 @@ from .text import DataError
 
 __all__ = ["FIELDS", "FORMATS", "ROLES", "ChatRenderer", "Sample", "read_rows", "row_messages", "BUILTIN_CHAT_SOURCES"]
 
-FORMATS = ("text", "chat", "prompt_completion")
+FORMATS = ("text", "chat", "prompt_completion", "preference")
 ROLES = ("system", "user", "assistant")
 #: built-in chat data sets: name -> asset file (see assets/SOURCE.md)
 BUILTIN_CHAT_SOURCES = BUILTIN_CHAT
@@ -77,7 +77,8 @@ def row_messages(obj, fmt: str, where: str) -> list[dict]:
 
 
 #: the columns a row of each format needs (data.*_field maps them to the source's columns)
-FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion")}
+FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
+          "preference": ("prompt", "chosen", "rejected")}
 
 
 def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",

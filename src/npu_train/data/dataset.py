@@ -89,7 +89,10 @@ class PackedData:
     (None when they live in this process's memory). ``train_positions``/``val_positions``:
     same shape, each token's position in its sample, restarting at 0 at every sample start (packed SFT rows);
     ``doc_eos``: packed text with ``data.doc_mask`` (positions restart after this EOS id; computed per read).
-    Neither: one sample per row, positions ``0..seq_len``."""
+    Neither: one sample per row, positions ``0..seq_len``. ``pairs``: preference data
+    (``data.format=preference``, :mod:`npu_train.data.preference`): rows ``2i`` / ``2i + 1`` of each split
+    are the chosen / rejected completion of pair ``i`` (same prompt), one sample per row; stored in the
+    file's metadata (files without it: False)."""
 
     train: torch.Tensor
     val: torch.Tensor
@@ -102,6 +105,7 @@ class PackedData:
     train_positions: torch.Tensor | None = None
     val_positions: torch.Tensor | None = None
     doc_eos: int | None = None
+    pairs: bool = False
 
     @property
     def n_train(self) -> int:
@@ -328,6 +332,8 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
             "fingerprint": data.fingerprint, "max_id": str(_max_id(data))}
     if data.doc_eos is not None:
         meta["doc_eos"] = str(int(data.doc_eos))
+    if data.pairs:
+        meta["pairs"] = "1"
     try:
         save_file(arrays, str(tmp), metadata=meta)
     except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
@@ -396,7 +402,7 @@ def load_packed(path: str | os.PathLike) -> PackedData:
         raise DataError(f"{path}: no 'train' / 'val' arrays; delete the file so it is rebuilt")
     doc_eos = int(meta["doc_eos"]) if meta.get("doc_eos") not in (None, "") else None
     return PackedData(seq_len=seq_len, n_tokens=int(meta["n_tokens"]), fingerprint=meta["fingerprint"],
-                      path=str(path), doc_eos=doc_eos, **arrays)
+                      path=str(path), doc_eos=doc_eos, pairs=meta.get("pairs") == "1", **arrays)
 
 
 # ----------------------------------------------------------------------------- packing

@@ -1,6 +1,7 @@
 """Job-side data preparation (``data.*`` keys): :func:`prepare_data` returns the run's
 :class:`~npu_train.data.dataset.PackedData` (text: packed rows, ``data.doc_mask``: with document positions;
-chat / prompt_completion: samples packed into rows with positions, ``data.pack=false``: one padded sample per row)."""
+chat / prompt_completion: samples packed into rows with positions, ``data.pack=false``: one padded sample per row;
+preference: chosen / rejected pairs in consecutive padded rows, :mod:`npu_train.data.preference`)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -55,6 +56,13 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
     specials = special_tokens(src)
     eos = model_cfg.eos_token_id
     renderer = ChatRenderer(tok, template, eos_id=eos, **specials)
+    if fmt == "preference":
+        from .preference import build_preference_data
+
+        return build_preference_data(d.source, renderer, d.seq_len, d.val_fraction,
+                                     pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
+                                     vocab_size=model_cfg.vocab_size, log=log,
+                                     fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split)
     return build_sft_data(d.source, fmt, renderer, d.seq_len, d.val_fraction,
                           truncation=str(getattr(d, "truncation", "drop") or "drop"),
                           pad_id=int(eos) if eos is not None else 0, cache_dir=cache,

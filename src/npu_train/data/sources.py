@@ -1,6 +1,6 @@
 """Where training rows come from (``data.source``), read through Hugging Face ``datasets`` without network.
 
-A source is one of: a built-in name (``botchan``, ``botchan-chat``); a file or a glob of files
+A source is one of: a built-in name (``botchan``, ``botchan-chat``, ``botchan-prefs``); a file or a glob of files
 (``.parquet``, ``.arrow``, ``.jsonl``/``.json``, ``.csv``, ``.txt``); a directory of such files (read in
 sorted path order); or a directory written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``
 (``data.split`` picks the training split of a ``DatasetDict``, ``data.val_split`` an optional validation
@@ -32,7 +32,7 @@ from typing import Iterator, Optional
 
 from .text import DataError, botchan_text
 
-__all__ = ["BUILDERS", "BUILTIN_TEXT", "BUILTIN_CHAT", "Source", "ColumnBatch", "resolve_source",
+__all__ = ["BUILDERS", "BUILTIN_TEXT", "BUILTIN_CHAT", "BUILTIN_PREFS", "Source", "ColumnBatch", "resolve_source",
            "source_key", "iter_column_batches", "text_pieces", "split_pieces", "open_datasets",
            "BAD_ROWS", "BadRows", "read_documents", "read_text_source"]
 
@@ -42,6 +42,8 @@ BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json":
 BUILTIN_TEXT = ("botchan",)
 #: built-in chat sets: name -> asset file (assets/SOURCE.md)
 BUILTIN_CHAT = {"botchan-chat": "botchan_chat.jsonl"}
+#: built-in preference sets (data.format=preference): name -> asset file (assets/SOURCE.md)
+BUILTIN_PREFS = {"botchan-prefs": "botchan_prefs.jsonl"}
 #: data.bad_rows: refuse (the first bad row is an error naming the fix) | skip (counted, reported, dropped)
 BAD_ROWS = ("refuse", "skip")
 #: rows per batch read from a datasets source
@@ -151,17 +153,28 @@ def _check_splits(path: Path, split: str, val_split: Optional[str]) -> None:
                             "data.split / data.val_split to one of them")
 
 
-def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split: Optional[str] = None) -> Source:
-    """The :class:`Source` named by ``spec`` for ``data.format=fmt``; FileNotFoundError / DataError."""
-    spec = str(spec)
-    builtins = BUILTIN_TEXT if fmt == "text" else tuple(BUILTIN_CHAT)
-    split, val_split = str(split or "train"), (str(val_split) if val_split else None)
-    if spec in builtins:
-        return Source(spec, "builtin")
+def _refuse_other_builtin(spec: str, fmt: str) -> None:
+    """A DataError when ``spec`` names a built-in set of another ``data.format`` than ``fmt``."""
+    if fmt != "preference" and spec in BUILTIN_PREFS:
+        raise DataError(f"data.source={spec} is the shipped preference set: set data.format=preference")
+    if fmt == "preference" and (spec in BUILTIN_CHAT or spec in BUILTIN_TEXT):
+        raise DataError(f"data.source={spec} has no chosen/rejected pairs: for data.format=preference use "
+                        f"data.source={next(iter(BUILTIN_PREFS))} or a file of preference rows")
     if fmt == "text" and spec in BUILTIN_CHAT:
         raise DataError(f"data.source={spec} is the shipped chat set: add data.format=chat")
     if fmt != "text" and spec in BUILTIN_TEXT:
         raise DataError(f"data.source={spec} is the shipped text: use data.format=text, or data.source=botchan-chat")
+
+
+def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split: Optional[str] = None) -> Source:
+    """The :class:`Source` named by ``spec`` for ``data.format=fmt``; FileNotFoundError / DataError."""
+    spec = str(spec)
+    builtins = (BUILTIN_TEXT if fmt == "text" else tuple(BUILTIN_PREFS) if fmt == "preference"
+                else tuple(BUILTIN_CHAT))
+    split, val_split = str(split or "train"), (str(val_split) if val_split else None)
+    if spec in builtins:
+        return Source(spec, "builtin")
+    _refuse_other_builtin(spec, fmt)
     path = Path(spec).expanduser()
     if any(c in spec for c in "*?[") and not path.exists():
         files = tuple(Path(p) for p in sorted(glob.glob(str(path), recursive=True)) if _supported(Path(p)))
@@ -206,12 +219,17 @@ def _sample_hash(path: Path, size: int) -> str:
     return h.hexdigest()
 
 
+def _builtin_asset(spec: str) -> str:
+    """The asset file name of a built-in chat / preference set."""
+    return BUILTIN_PREFS[spec] if spec in BUILTIN_PREFS else BUILTIN_CHAT[spec]
+
+
 def source_key(src: Source) -> str:
     """sha256 hex identifying the source without reading it whole: per file its path relative to the source,
     size, whole-second mtime and :func:`_sample_hash`; a built-in set: its content. Splits included."""
     h = hashlib.sha256(f"source {src.kind}\nsplit {src.split}\nval_split {src.val_split}\n".encode())
     if src.kind == "builtin":
-        name = "botchan.txt" if src.spec in BUILTIN_TEXT else BUILTIN_CHAT[src.spec]
+        name = "botchan.txt" if src.spec in BUILTIN_TEXT else _builtin_asset(src.spec)
         h.update(f"builtin {src.spec}\n".encode())
         h.update(resources.files("npu_train.data").joinpath("assets", name).read_bytes())
         return h.hexdigest()
@@ -356,17 +374,18 @@ def _json_diagnosis(path: Path, exc: Exception) -> DataError:
     return DataError(f"{path}: datasets could not read it ({type(exc).__name__}: {first}); fix the file")
 
 
-def _file_dataset(path: Path, want: list[str]):
-    """A streamed ``datasets`` view of one file; a parquet file reads only the ``want`` columns (its schema
-    is checked first, so a missing column is named)."""
+def _file_dataset(path: Path, want: list[str], optional=()):
+    """A streamed ``datasets`` view of one file; a parquet file reads only the ``want`` columns it has (its
+    schema is checked first, so a missing column that is not ``optional`` is named)."""
     ds = open_datasets()
     builder = BUILDERS[path.suffix.lower()]
     kw = {}
     if builder == "parquet":
         import pyarrow.parquet as pq
 
-        _check_columns(pq.read_schema(path).names, want, str(path))
-        kw["columns"] = list(want)
+        names = pq.read_schema(path).names
+        _check_columns(names, want, str(path), optional)
+        kw["columns"] = [c for c in want if c in names]
     elif builder == "json":
         kw["chunksize"] = JSON_CHUNK_BYTES
     return ds.load_dataset(builder, data_files=[str(path)], split="train", streaming=True, **kw)
@@ -389,30 +408,35 @@ def _saved_dataset(src: Source, split: str):
     return d
 
 
-def _check_columns(names, want, label: str) -> None:
+def _check_columns(names, want, label: str, optional=()) -> None:
     names = list(names or [])
-    missing = [c for c in want if c not in names]
+    missing = [c for c in want if c not in names and c not in optional]
     if names and missing:
         keys = {"text": "data.text_field", "messages": "data.messages_field", "prompt": "data.prompt_field",
-                "completion": "data.completion_field"}
+                "completion": "data.completion_field", "chosen": "data.chosen_field",
+                "rejected": "data.rejected_field"}
         hint = ", ".join(f"{keys.get(c, 'data.*_field')}=<column>" for c in missing)
         raise DataError(f"{label}: no column {', '.join(repr(c) for c in missing)} (columns: {names[:12]}); "
                         f"set {hint} to the column that holds it")
 
 
 def iter_column_batches(src: Source, want: list[str], path: Optional[Path] = None,
-                        split: Optional[str] = None) -> Iterator[ColumnBatch]:
+                        split: Optional[str] = None, optional: tuple = ()) -> Iterator[ColumnBatch]:
     """Batches of columns ``want`` from one file (``path``) or a save_to_disk split, in row order;
-    a missing column is a DataError naming the ``data.*_field`` key. Built-in chat sets: their asset file."""
+    a missing column is a DataError naming the ``data.*_field`` key, except the ``optional`` ones: a
+    column of those the file does not have is left out of ``ColumnBatch.columns``. Built-in sets: their
+    asset file."""
     if src.kind == "builtin":
-        ref = resources.files("npu_train.data").joinpath("assets", BUILTIN_CHAT[src.spec])
+        ref = resources.files("npu_train.data").joinpath("assets", _builtin_asset(src.spec))
         with resources.as_file(ref) as p:
-            yield from iter_column_batches(Source(src.spec, "files", (Path(p),), Path(p)), want, Path(p))
+            yield from iter_column_batches(Source(src.spec, "files", (Path(p),), Path(p)), want, Path(p),
+                                           optional=optional)
         return
     if src.kind == "saved":
         d = _saved_dataset(src, split or src.split)
         label = f"{src.root}[{split or src.split}]"
-        _check_columns(d.column_names, want, label)
+        _check_columns(d.column_names, want, label, optional)
+        want = [c for c in want if c in d.column_names]
         row = 1
         for b in d.select_columns(want).iter(batch_size=BATCH_ROWS):
             n = len(b[want[0]])
@@ -424,7 +448,7 @@ def iter_column_batches(src: Source, want: list[str], path: Optional[Path] = Non
         if p.suffix.lower() == ".txt":
             raise DataError(f"{p}: a .txt file holds plain text; data.format=chat/prompt_completion needs "
                             ".jsonl/.json/.parquet/.arrow rows")
-        yield from _file_batches(p, want)
+        yield from _file_batches(p, want, optional)
 
 
 def _mixed_json(d, want: list[str]) -> bool:
@@ -436,7 +460,8 @@ def _mixed_json(d, want: list[str]) -> bool:
 
 def _json_lines(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
     """Rows of a JSON Lines file with mixed-type columns, parsed line by line with ``json.loads`` (exact
-    values, so the bad rows are found and named); blank lines are not rows."""
+    values, so the bad rows are found and named); blank lines are not rows; ``want`` are the columns the
+    file has (a row without one gets None)."""
     row, cols = 1, {c: [] for c in want}
     with open(p, "rb") as f:
         for raw in f:
@@ -452,17 +477,18 @@ def _json_lines(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
         yield ColumnBatch(cols, str(p), row, len(cols[want[0]]))
 
 
-def _file_batches(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
+def _file_batches(p: Path, want: list[str], optional=()) -> Iterator[ColumnBatch]:
     row, checked = 1, False
     try:
-        d = _file_dataset(p, want)
+        d = _file_dataset(p, want, optional)
         if p.suffix.lower() == ".jsonl" and _mixed_json(d, want):
-            _check_columns(list(d.features), want, str(p))
-            yield from _json_lines(p, want)
+            _check_columns(list(d.features), want, str(p), optional)
+            yield from _json_lines(p, [c for c in want if c in d.features])
             return
         for b in d.iter(batch_size=BATCH_ROWS):
             if not checked:
-                _check_columns(list(b), want, str(p))
+                _check_columns(list(b), want, str(p), optional)
+                want = [c for c in want if c in b]
                 checked = True
             cols = {c: b[c] for c in want}
             n = len(cols[want[0]])
