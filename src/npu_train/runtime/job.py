@@ -703,13 +703,26 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str, owner: bool = True) -
     if point.saving:
         point.earlier = check_reused_root(point.ckpt_root, point.resume_dir, cfg.checkpoint.existing)
     if getattr(data, "pairs", False):
-        from npu_train.env import cache_dir
-        from npu_train.runtime.reference import reference_key, reference_spec
-
-        key = reference_key(data.fingerprint, prep.model_path, prep.dtype, [c.kind for c in prep.cards])
-        point.reference = reference_spec(key, point.ckpt_root, point.saving, str(cache_dir("data")),
-                                         resuming=point.resume_dir is not None)
+        point.reference = _reference_spec(cfg, prep, data, point)
     return point
+
+
+def _reference_spec(cfg, prep: Prepared, data, point: ResumePoint) -> ReferenceSpec:
+    """DPO: the rows of the reference pass (those this run draws from ``point.start_step`` on, and the held-out
+    micro-batches, minus the ones a stored file holds)."""
+    from npu_train.data.sampler import make_sampler
+    from npu_train.env import cache_dir
+    from npu_train.runtime.reference import needed_rows, reference_key, reference_spec
+
+    tr = cfg.train
+    samplers = [make_sampler(data.n_train, tr.micro_batch, tr.accum, tr.seed, dp_rank=k, dp_size=prep.dp, pairs=True)
+                for k in range(prep.dp)]
+    n_eval = min(int(cfg.data.eval_batches or 0), data.n_val // tr.micro_batch)
+    key = reference_key(data.fingerprint, prep.model_path, prep.dtype, [c.kind for c in prep.cards])
+    return reference_spec(key, point.ckpt_root, point.saving, str(cache_dir("data")), n_train=data.n_train,
+                          n_val=data.n_val, train_rows=needed_rows(samplers, point.start_step, tr.steps),
+                          val_rows=list(range(n_eval * tr.micro_batch)), resuming=point.resume_dir is not None,
+                          lora=tr.mode == "lora")
 
 
 def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> None:
@@ -961,9 +974,32 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
           f"{lora}micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
     if resume.resume_dir:
         print(f"resuming from {resume.resume_dir} at step {resume.start_step}", flush=True)
+    if resume.reference is not None:
+        print(reference_plan_line(resume.reference, data, tr, plan.step_time_s, cfg.dpo), flush=True)
     note = warmup_note(lr=float(tr.lr), warmup_steps=int(tr.warmup_steps), total_steps=int(tr.steps))
     if note:
         print(note, flush=True)
+
+
+def reference_plan_line(ref: ReferenceSpec, data, tr, step_s: float, dpo) -> str:
+    """The DPO line under the plan: objective settings and the reference pass's cost (computed or read).
+
+    Time: a forward pass over every train and val row, estimated as a third of the plan's step time per
+    ``micro_batch x accum`` rows (a forward is about a third of a forward + backward; the pipeline fill is
+    not counted). Memory: the pass keeps no activations (no_grad), so it stays inside each card's planned
+    training peak; the last stage holds one float64 per row in host memory."""
+    rows = ref.n_compute
+    what = (f"DPO (loss {dpo.loss}, beta {dpo.beta:g}"
+            + (f", label smoothing {dpo.label_smoothing:g}" if dpo.label_smoothing else "") + f"): "
+            f"{data.n_train // 2} train / {data.n_val // 2} val pairs, {tr.micro_batch // 2} pair(s) per micro-batch; ")
+    if not ref.compute:
+        return what + f"reference log-probabilities of the rows it uses read from {ref.existing()}"
+    est = rows / max(1, tr.micro_batch * tr.accum) * step_s / 3.0
+    base = "the base model (LoRA adapters disabled)" if tr.mode == "lora" else "the initial weights"
+    return (what + f"reference pass over the {rows} sequences it uses" + (" (the rest stored)" if ref.existing() else "")
+            + f" with {base} before step 1, about {est:.0f} s by the plan, "
+            f"inside the planned training memory (no activations kept; {8 * rows / 2**20:.2f} MiB of host "
+            "memory on the last stage), stored beside the data cache and in the checkpoint root")
 
 
 def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity, train: TrainSpec) -> dict:

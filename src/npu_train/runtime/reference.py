@@ -1,25 +1,28 @@
 """The DPO reference model's log-probabilities: one float64 per data row (its summed completion log-probability,
-nats), computed once by a forward pass of the whole pipeline before step 1 (TRL's ``precompute_ref_log_probs``)
-and stored twice: beside the data cache (a later run on the same data, model and dtype skips the pass) and in
-the run's checkpoint root (a resume reads it there: the weights on the cards are no longer the reference).
+nats; NaN where not computed), computed by a forward pass of the whole pipeline before step 1 (TRL's
+``precompute_ref_log_probs``) for the rows the run will use, and stored twice: beside the data cache (a later
+run on the same data, model and dtype computes only the rows it lacks) and in the run's checkpoint root (a
+resume reads it there: the weights on the cards are no longer the reference).
 
-Full fine-tuning: the reference is the initial model; LoRA: the frozen base (adapters disabled during the
-pass, no second copy). The launcher decides with :func:`reference_spec` whether the pass runs; the last stage
-reads or writes the file (:func:`load_reference`, :func:`save_reference`).
+Full fine-tuning: the reference is the initial model, so a resume cannot add rows; LoRA: the frozen base
+(adapters disabled during the pass, no second copy), which a resume can still compute. The launcher decides
+with :func:`reference_spec` which rows the cards compute; the last stage reads and writes the files
+(:func:`load_reference`, :func:`save_reference`).
 """
 from __future__ import annotations
 
 import hashlib
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 
 from npu_train.errors import UserError
 from npu_train.runtime.spec import ReferenceSpec
 
-__all__ = ["ReferenceSpec", "ReferenceError", "reference_key", "reference_spec", "load_reference", "save_reference"]
+__all__ = ["ReferenceError", "reference_key", "reference_spec", "needed_rows", "load_reference",
+           "save_reference", "read_values"]
 
 _FORMAT = "npu-train-dpo-reference-v1"
 
@@ -31,11 +34,7 @@ class ReferenceError(UserError):
 def _model_files(model_path: str) -> list:
     p = Path(model_path)
     files = [p] if p.is_file() else sorted(x for x in p.iterdir() if x.suffix in (".safetensors", ".gguf", ".bin"))
-    out = []
-    for f in files:
-        st = f.stat()
-        out.append((f.name, st.st_size, st.st_mtime_ns))
-    return out
+    return [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files]
 
 
 def reference_key(data_fingerprint: str, model_path: str, dtype: str, kinds: list) -> str:
@@ -47,26 +46,56 @@ def reference_key(data_fingerprint: str, model_path: str, dtype: str, kinds: lis
     return h.hexdigest()
 
 
-def reference_spec(key: str, ckpt_root: str, saving: bool, cache: Optional[str], resuming: bool) -> ReferenceSpec:
-    """The run's :class:`ReferenceSpec`. A resume needs the file in the run (or the cache); raises
-    :class:`ReferenceError` before any card starts when neither holds it (the cards now hold trained weights)."""
+def needed_rows(samplers: Iterable, start: int, steps: int) -> list[int]:
+    """Sorted training rows drawn by ``samplers`` (one per replica) in 0-based steps ``start .. steps - 1``."""
+    rows = set()
+    for smp in samplers:
+        for step in range(start, steps):
+            for idx in smp.micro_batches_for_step(step):
+                rows.update(int(r) for r in idx)
+    return sorted(rows)
+
+
+def read_values(path: Optional[str], key: str, n_train: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train [n_train], val [n_val])`` float64 of ``path`` (NaN where not computed; all NaN when ``path`` is
+    None). Raises :class:`ReferenceError` for a file of another key or length."""
+    if path is None:
+        return torch.full((n_train,), float("nan"), dtype=torch.float64), torch.full((n_val,), float("nan"),
+                                                                                      dtype=torch.float64)
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as fh:
+        meta = fh.metadata() or {}
+        train, val = fh.get_tensor("train"), fh.get_tensor("val")
+    if meta.get("key") != key or train.shape != (n_train,) or val.shape != (n_val,):
+        raise ReferenceError(f"{path} does not belong to this data and model ({train.shape[0]}/{val.shape[0]} rows, "
+                             f"the data has {n_train}/{n_val}); delete it and start a fresh run")
+    return train.double(), val.double()
+
+
+def reference_spec(key: str, ckpt_root: str, saving: bool, cache: Optional[str], *, n_train: int, n_val: int,
+                   train_rows: list, val_rows: list, resuming: bool, lora: bool) -> ReferenceSpec:
+    """The run's :class:`ReferenceSpec`: the ``train_rows`` / ``val_rows`` it uses that no stored file holds.
+    Raises :class:`ReferenceError` before any card starts when a full fine-tuning resume lacks rows (the cards
+    hold trained weights, so the initial model's values cannot be recomputed)."""
     name = f"dpo_reference-{key[:16]}.safetensors"
-    run_file = os.path.join(ckpt_root, name) if saving else None
-    cache_file = os.path.join(cache, name) if cache else None
-    spec = ReferenceSpec(run_file=run_file, cache_file=cache_file, compute=False, key=key)
-    if spec.existing() is not None:
-        return spec
-    if resuming:
+    spec = ReferenceSpec(run_file=os.path.join(ckpt_root, name) if saving else None,
+                         cache_file=os.path.join(cache, name) if cache else None, key=key)
+    have_t, have_v = read_values(spec.existing(), key, n_train, n_val)
+    miss_t = tuple(r for r in train_rows if torch.isnan(have_t[r]))
+    miss_v = tuple(r for r in val_rows if torch.isnan(have_v[r]))
+    if (miss_t or miss_v) and resuming and not lora:
         raise ReferenceError(
-            f"this DPO run resumes, but its reference log-probabilities ({name}) are neither in {ckpt_root} nor "
-            f"in {cache}: the cards hold trained weights, so they cannot be recomputed; start a fresh run "
-            "(without train.resume), or restore the file")
-    return ReferenceSpec(run_file=run_file, cache_file=cache_file, compute=True, key=key)
+            f"this DPO run resumes, but the reference log-probabilities of {len(miss_t) + len(miss_v)} of the rows "
+            f"it uses are neither in {ckpt_root} nor in {cache} ({name}): the cards hold trained weights, so the "
+            "initial model's values cannot be recomputed; resume with the run's train.steps, start a fresh run, "
+            "or restore the file")
+    return ReferenceSpec(spec.run_file, spec.cache_file, key, miss_t, miss_v)
 
 
 def save_reference(spec: ReferenceSpec, train: torch.Tensor, val: torch.Tensor) -> list[str]:
-    """Write ``train`` ``[n_train]`` and ``val`` ``[n_val]`` float64 to every file of ``spec`` (temporary name,
-    then rename: a reader never sees half a file). Returns the paths written."""
+    """Write ``train`` ``[n_train]`` and ``val`` ``[n_val]`` float64 (NaN: not computed) to every file of
+    ``spec`` (temporary name, then rename: a reader never sees half a file). Returns the paths written."""
     from safetensors.torch import save_file
 
     written = []
@@ -82,21 +111,7 @@ def save_reference(spec: ReferenceSpec, train: torch.Tensor, val: torch.Tensor) 
     return written
 
 
-def load_reference(spec: ReferenceSpec, n_train: int, n_val: int, copy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(train [n_train], val [n_val])`` float64 from the run's file (else the cache's; ``copy``: then written
-    into the run too). Raises :class:`ReferenceError` when missing or of another length."""
-    from safetensors import safe_open
-
-    f = spec.existing()
-    if f is None:
-        raise ReferenceError(f"the DPO reference log-probabilities ({spec.run_file or spec.cache_file}) are missing; "
-                             "start a fresh run to compute them")
-    with safe_open(f, framework="pt") as fh:
-        meta = fh.metadata() or {}
-        train, val = fh.get_tensor("train"), fh.get_tensor("val")
-    if meta.get("key") != spec.key or train.shape != (n_train,) or val.shape != (n_val,):
-        raise ReferenceError(f"{f} does not belong to this data and model ({train.shape[0]}/{val.shape[0]} rows, "
-                             f"the data has {n_train}/{n_val}); delete it and start a fresh run")
-    if copy and spec.run_file and f != spec.run_file:
-        save_reference(ReferenceSpec(spec.run_file, None, False, spec.key), train, val)
-    return train, val
+def load_reference(spec: ReferenceSpec, n_train: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(train [n_train], val [n_val])`` float64 from the run's file, else the cache's (NaN where not
+    computed; all NaN when neither exists)."""
+    return read_values(spec.existing(), spec.key, n_train, n_val)

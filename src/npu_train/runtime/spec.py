@@ -88,15 +88,25 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class ReferenceSpec:
-    """Where a DPO run's reference log-probabilities live: ``run_file`` (in the checkpoint root; None with
-    ``checkpoint.save=false``), ``cache_file`` (beside the data cache; None without one), ``compute`` (no file
-    holds them yet: the card processes run the reference pass before step 1), ``key`` (hex, data + model +
-    compute dtype + card kinds)."""
+    """Where a DPO run's reference log-probabilities live and which rows the cards still compute:
+    ``run_file`` (in the checkpoint root; None with ``checkpoint.save=false``), ``cache_file`` (beside the data
+    cache; None without one), ``key`` (hex, data + model + compute dtype + card kinds), ``train_rows`` /
+    ``val_rows``: the row indices the run uses whose value no file holds yet (empty: nothing to compute)."""
 
     run_file: Optional[str]
     cache_file: Optional[str]
-    compute: bool
     key: str
+    train_rows: tuple = ()
+    val_rows: tuple = ()
+
+    @property
+    def compute(self) -> bool:
+        """Whether the card processes run a reference pass before training."""
+        return bool(self.train_rows or self.val_rows)
+
+    @property
+    def n_compute(self) -> int:
+        return len(self.train_rows) + len(self.val_rows)
 
     def existing(self) -> Optional[str]:
         """The file to read (the run's first), or None."""

@@ -462,46 +462,49 @@ class StageTrainer:
 
     # ------------------------------------------------------------------ DPO reference
     def reference(self) -> None:
-        """The DPO reference log-probabilities of every row: read (the last stage) or computed by a forward pass of
-        the whole pipeline (every stage; LoRA with the adapters disabled) and written by replica 0's last stage.
-        Each replica runs the pass over all rows (same wall time as one pipeline; no exchange needed)."""
+        """The DPO reference log-probabilities of the rows this run uses: read (the last stage) and, for the rows
+        no file holds yet (``spec.reference.train_rows`` / ``val_rows``), computed by a forward pass of the whole
+        pipeline (every stage; LoRA with the adapters disabled), then written by replica 0's last stage. Each
+        replica runs the pass over all those rows (the wall time of one pipeline; no exchange needed)."""
         from npu_train.runtime.reference import load_reference, save_reference
 
         ref = self.spec.reference
-        n_train, n_val = self.data.n_train, self.data.n_val
-        if not ref.compute:
-            if self.last:
-                self.ref_train, self.ref_val = load_reference(ref, n_train, n_val, copy=self.replica == 0)
-            return
-        self.enter(f"DPO reference pass over {n_train + n_val} sequences")
-        t0 = time.perf_counter()
-        out = {}
-        for split, n in (("train", n_train), ("val", n_val)):
-            out[split] = self._reference_split(split, n)
         if self.last:
-            self.ref_train, self.ref_val = out["train"], out["val"]
-            if self.replica == 0:
+            self.ref_train, self.ref_val = load_reference(ref, self.data.n_train, self.data.n_val)
+        if ref.compute:
+            self.enter(f"DPO reference pass over {ref.n_compute} sequences")
+            t0 = time.perf_counter()
+            for split, rows, into in (("train", ref.train_rows, self.ref_train), ("val", ref.val_rows, self.ref_val)):
+                vals = self._reference_rows(split, list(rows))
+                if self.last and rows:
+                    into[torch.tensor(rows, dtype=torch.int64)] = vals
+            if self.last and self.replica == 0:
                 save_reference(ref, self.ref_train, self.ref_val)
-                self.ctrl.send("note", text=f"DPO reference pass: {n_train + n_val} sequences in "
-                                            f"{time.perf_counter() - t0:.1f} s (stored, a resume reads them)")
+                self.ctrl.send("note", text=f"DPO reference pass: {ref.n_compute} sequences in "
+                                            f"{time.perf_counter() - t0:.1f} s (stored; a resume reads them)")
+        elif self.last and self.replica == 0 and ref.run_file and ref.existing() != ref.run_file:
+            save_reference(ref, self.ref_train, self.ref_val)  # read from the cache: the run keeps its own copy
 
-    def _reference_split(self, split: str, n: int) -> Optional[torch.Tensor]:
-        """One split's reference log-probabilities ``[n]`` float64 (last stage; else None)."""
+    def _reference_rows(self, split: str, rows: list) -> Optional[torch.Tensor]:
+        """The reference log-probabilities ``[len(rows)]`` float64 of ``rows`` of ``split`` (last stage; else
+        None), in micro-batches of ``train.micro_batch`` rows."""
         from contextlib import nullcontext
 
         from npu_train.model.lora import adapters_disabled
 
+        if not rows:
+            return None
         mb = self.tr.micro_batch
-        chunks = [torch.arange(a, min(a + mb, n)) for a in range(0, n, mb)]
+        chunks = [torch.tensor(rows[a:a + mb], dtype=torch.int64) for a in range(0, len(rows), mb)]
         batches = [self.micro_batch_tensors(self.data, i, split=split) for i in chunks]
         pos = None if self.micro_batch_positions is None else [
             self.micro_batch_positions(self.data, i, split=split) for i in chunks]
         self.module.eval()
         with adapters_disabled(self.module) if self.tr.mode == "lora" else nullcontext():
-            rows = self.runner.run_reference(len(chunks), [x for x, _ in batches] if self.first else None,
-                                             [y for _, y in batches] if self.last else None, positions=pos)
+            out = self.runner.run_reference(len(chunks), [x for x, _ in batches] if self.first else None,
+                                            [y for _, y in batches] if self.last else None, positions=pos)
         self.module.train()
-        return torch.cat(rows) if rows is not None else None
+        return torch.cat(out) if out is not None else None
 
     # ------------------------------------------------------------------ checkpoints
     def save_due(self, done: int, interrupted: bool, stopping: bool) -> bool:
