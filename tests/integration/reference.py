@@ -179,3 +179,69 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
         opt.step()
         losses.append(loss)
     return losses, {n: p.detach().float().clone() for n, p in params.items()}
+
+
+def ref_completion_logps(model, x, y):
+    """Each row's summed ``log softmax(model(x))[t, y_t]`` over the positions with ``y_t != -100`` and their
+    count (both ``[B]``): the log-probability of the completion given the prompt."""
+    logp = torch.log_softmax(model(x).float(), dim=-1)
+    mask = y != -100
+    tok = logp.gather(-1, y.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return (tok * mask).sum(-1), mask.sum(-1)
+
+
+def ref_dpo_pair_losses(lp, ref, n, beta: float, loss: str, eps: float):
+    """The pair losses of rows ``2i`` (chosen) and ``2i+1`` (rejected): DPO (Rafailov et al. 2023, eq. 7) with
+    cDPO smoothing ``eps``: ``-(1-eps) log s(beta h) - eps log s(-beta h)``, ``h = (lp_w - ref_w) - (lp_l - ref_l)``;
+    IPO (Azar et al. 2023, eq. 17) on per-token averages: ``(h - 1/(2 beta))^2``."""
+    if loss == "ipo":
+        lp, ref = lp / n, ref / n
+    h = (lp[0::2] - ref[0::2]) - (lp[1::2] - ref[1::2])
+    if loss == "ipo":
+        return (h - 1.0 / (2.0 * beta)) ** 2
+    return -(1.0 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+
+
+def reference_dpo_run(model_path: str, data, *, steps: int, micro_batch: int, accum: int, lr: float,
+                      warmup_steps: int, min_lr_ratio: float, weight_decay: float, clip: float, seed: int,
+                      beta: float, loss: str = "sigmoid", eps_smooth: float = 0.0, betas=(0.9, 0.95), eps=1e-8):
+    """DPO training of the whole model in one process: pairs drawn as ``StepSampler`` over pair indices
+    (``micro_batch / 2`` pairs per micro-batch, rows ``2i, 2i+1``), reference log-probabilities from the initial
+    weights (no grad, before any update), the step's loss the mean of its pairs' losses. Returns (per-step
+    losses, {hf_name: fp32 weight})."""
+    torch.manual_seed(seed)
+    cfg = load_config(model_path)
+    names = list(cfg.param_shapes(None))
+    for i in range(cfg.num_layers):
+        names += list(cfg.param_shapes(i))
+    params = {n: t.float().requires_grad_(True) for n, t in load_tensors(model_path, cfg, names).items()}
+    model = RefDecoder(cfg, params)
+    dec = [p for n, p in params.items() if ref_decays(n)]
+    nodec = [p for n, p in params.items() if not ref_decays(n)]
+    opt = torch.optim.AdamW([{"params": dec, "weight_decay": weight_decay},
+                             {"params": nodec, "weight_decay": 0.0}], lr=lr, betas=betas, eps=eps, foreach=False)
+    pairs = StepSampler(data.train.shape[0] // 2, micro_batch // 2, accum, seed)
+
+    def rows(p):
+        return torch.stack([2 * p, 2 * p + 1], 1).reshape(-1)
+
+    step_mbs = [[micro_batch_tensors(data, rows(p)) for p in pairs.micro_batches_for_step(s)] for s in range(steps)]
+    with torch.no_grad():  # the reference: the initial model
+        refs = [[ref_completion_logps(model, x, y)[0].double() for x, y in mbs] for mbs in step_mbs]
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        n_pairs = sum(x.shape[0] // 2 for x, _ in step_mbs[step])
+        tot = 0.0
+        for (x, y), r in zip(step_mbs[step], refs[step]):
+            lp, n = ref_completion_logps(model, x, y)
+            ls = ref_dpo_pair_losses(lp, r.float(), n, beta, loss, eps_smooth).sum()
+            (ls / n_pairs).backward()
+            tot += float(ls.detach())
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
+        for g in opt.param_groups:
+            g["lr"] = ref_lr(step, lr=lr, warmup_steps=warmup_steps, total_steps=steps, min_lr_ratio=min_lr_ratio)
+        opt.step()
+        losses.append(tot / n_pairs)
+    return losses, {n: p.detach().float().clone() for n, p in params.items()}
