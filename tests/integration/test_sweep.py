@@ -276,8 +276,8 @@ def test_auto_concurrency_splits_the_cores_between_jobs(tmp_path, tiny_model):
     m = re.search(r"^sweep: 2 job\(s\), (\d+) at a time$", p.stdout, flags=re.M)
     assert m, p.stdout[-4000:]
     want = max(1, sweep.host_cores() // int(m.group(1)))  # one cpu card per job
-    for n in (0, 1):
-        with open(os.path.join(sd, str(n), "run.log")) as f:
+    for n in (0, 1):  # a sweep job's plan table (with its threads line) is in its plan.txt, not the console
+        with open(os.path.join(sd, str(n), "plan.txt")) as f:
             log = f.read()
         got = re.findall(r"^threads: (\d+) torch thread\(s\) per card process", log, flags=re.M)
         assert got == [str(want)], (n, m.group(0), log[-3000:])

@@ -16,8 +16,8 @@ as float64), into ``DpoObjective.loss_sum``; ``loss_sum / k`` against TRL's loss
 
 Tolerance: 1e-6 on the loss, relative where it is above 1 (both sides are fp32, one ulp of IPO's ~38 at beta 0.1 is
 3.8e-6; measured: 0 to 1 ulp), 1e-5 on the metrics (means of summed log-probabilities of ~20 nats).
-Known difference (xfail, strict): for IPO the project's ``rewards/*`` use the per-token averaged log-ratios that enter
-the IPO loss, TRL logs ``beta * (summed log-ratio)`` for every loss type.
+The reward metrics follow TRL's for every loss: ``beta * (summed log-ratio)``, also for IPO (whose loss uses per-token
+averages).
 """
 from __future__ import annotations
 
@@ -139,11 +139,6 @@ def test_loss_equals_trl_dpo_trainer(tmp_path, monkeypatch, loss, beta):
             assert abs(our_m[m] - trl_m[m]) < 1e-5, (m, our_m[m], trl_m[m])
 
 
-_IPO_REWARDS = ("project's IPO rewards/* are beta * per-token averaged log-ratios; TRL logs beta * summed log-ratios "
-                "for every loss type")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_IPO_REWARDS)
 def test_ipo_reward_metrics_equal_trl(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "ds_cache"))
     _, _, trl_m, our_m = _both(tmp_path, 0.1, "ipo")

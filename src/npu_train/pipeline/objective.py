@@ -89,10 +89,11 @@ class DpoObjective:
             n = n.clamp(min=1)
             pol, ref = lp / n.to(lp.dtype), ref / n.to(ref.dtype)
         terms = dpo_losses(pol[0::2], pol[1::2], ref[0::2].float(), ref[1::2].float(), self.s)
-        lpd = lp.detach()
-        sums = [float(terms.chosen_rewards.sum()), float(terms.rejected_rewards.sum()),
-                float((terms.chosen_rewards > terms.rejected_rewards).sum()),
-                float(lpd[0::2].sum()), float(lpd[1::2].sum())]
+        lpd, rs = lp.detach().double(), t.ref.to(device=lp.device, dtype=torch.float64)
+        # rewards as TRL logs them for every loss: beta x the summed (not per-token) log-ratio
+        cr, rr = self.s.beta * (lpd[0::2] - rs[0::2]), self.s.beta * (lpd[1::2] - rs[1::2])
+        sums = [float(cr.sum()), float(rr.sum()), float((cr > rr).sum()), float(lpd[0::2].sum()),
+                float(lpd[1::2].sum())]
         return terms.losses.sum(), sums
 
     def metrics(self, sums: list, units: float) -> dict:
