@@ -305,3 +305,37 @@ def test_botchan_prefs_asset_matches_its_rule(tmp_path):
     for r in rows:
         c, j = r["chosen"][0]["content"], r["rejected"][0]["content"]
         assert c != j and sorted(c.split()) == sorted(j.split())  # the same words, another order
+
+
+def test_parquet_and_save_to_disk_sources(smol, tmp_path):
+    """The same pairs from parquet and save_to_disk (with and without a prompt column) give the same rows."""
+    datasets = pytest.importorskip("datasets")
+    want = _build(smol, _write(tmp_path, CONV))
+    implicit = {"chosen": [r["prompt"] + r["chosen"] for r in CONV],
+                "rejected": [r["prompt"] + r["rejected"] for r in CONV]}
+    explicit = {k: [r[k] for r in CONV] for k in ("prompt", "chosen", "rejected")}
+    for name, cols in (("imp", implicit), ("exp", explicit)):
+        ds = datasets.Dataset.from_dict(cols)
+        ds.to_parquet(str(tmp_path / f"{name}.parquet"))
+        ds.save_to_disk(str(tmp_path / f"{name}_ds"))
+        for src in (tmp_path / f"{name}.parquet", tmp_path / f"{name}_ds"):
+            got = _build(smol, str(src))
+            assert torch.equal(got.train, want.train) and torch.equal(got.train_labels, want.train_labels), src
+
+
+def test_standard_rows_get_the_tokenizers_bos(smol, tmp_path):
+    """A tokenizer whose post-processor adds a BOS: the prompt starts with it, the completions do not."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "a": 3, "b": 4, "c": 5, "d": 6}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    r = ChatRenderer(tok, None, eos_id=1)
+    rows = [{"prompt": "a b", "chosen": "c", "rejected": "d"}, {"prompt": "b", "chosen": "c c", "rejected": "d"}]
+    d = build_preference_data(_write(tmp_path, rows), r, 8, 0.0, pad_id=2, log=lambda m: None)
+    assert _pairs(d, pad=2) == [([0, 3, 4], [5, 1], [6, 1]), ([0, 4], [5, 5, 1], [6, 1])]
+    conv = _write(tmp_path, CONV, "c.jsonl")
+    with pytest.raises(DataError, match=r"c.jsonl:1: the model has no chat template"):
+        build_preference_data(conv, r, 8, 0.0, log=lambda m: None)
