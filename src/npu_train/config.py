@@ -23,22 +23,29 @@ class ModelConf:
 @dataclass
 class DataConf:
     #: "botchan" (shipped public-domain novel); with format=chat|prompt_completion "botchan-chat"
-    #: (shipped); else a local .parquet / .arrow / .jsonl / .json / .csv / .txt file, a glob of them
+    #: (shipped); with format=preference "botchan-prefs" (shipped, 585 pairs); else a local .parquet / .arrow / .jsonl / .json / .csv / .txt file, a glob of them
     #: ("data/*.parquet"), a directory of them, or a directory written by Dataset.save_to_disk /
     #: DatasetDict.save_to_disk. Read through Hugging Face datasets with HF_DATASETS_OFFLINE=1 (never
     #: the Hub); a .txt file is one document. See npu_train/data/sources.py.
     source: str = "botchan"
     #: text (packed raw text) | chat (rows {"messages": [{role, content}, ...]}) |
     #: prompt_completion (rows {"prompt", "completion"}); chat data trains the assistant
-    #: tokens only (packed several per sequence: data.pack; see npu_train/data/chat.py).
+    #: tokens only (packed several per sequence: data.pack; see npu_train/data/chat.py) |
+    #: preference (chosen/rejected pairs for DPO in TRL's formats: {"prompt", "chosen", "rejected"} strings
+    #: or message lists, or only chosen/rejected sharing a prompt prefix; pair i = sequences 2i (prompt +
+    #: chosen) and 2i+1 (prompt + rejected), padded, completion tokens labelled; npu_train/data/preference.py).
     format: str = "text"
     #: column holding the text (format=text; each row is one document).
     text_field: str = "text"
     #: column holding the conversation list (format=chat).
     messages_field: str = "messages"
-    #: columns holding the prompt and the completion (format=prompt_completion).
+    #: columns holding the prompt and the completion (format=prompt_completion); prompt_field also
+    #: names the prompt column of format=preference (a source without it has implicit prompts).
     prompt_field: str = "prompt"
     completion_field: str = "completion"
+    #: columns holding the preferred and the dispreferred completion (format=preference).
+    chosen_field: str = "chosen"
+    rejected_field: str = "rejected"
     #: split of a DatasetDict save_to_disk directory to train on.
     split: str = "train"
     #: optional split of that DatasetDict used as the validation rows (format=text); null = hold out
@@ -48,11 +55,13 @@ class DataConf:
     #: naming the first such row and the fix) | skip (dropped, counted, first one reported).
     bad_rows: str = "refuse"
     #: chat/prompt_completion samples longer than seq_len+1 tokens: drop | truncate (keep the start).
+    #: Not read for format=preference: a pair keeps its prompt and its completions are cut to fit (a
+    #: pair whose prompt alone fills seq_len+1 tokens is dropped; both counted in the log).
     truncation: str = "drop"
     #: chat/prompt_completion: several samples per sequence of seq_len+1 tokens (sequential greedy fill,
     #: attention and RoPE positions restart per sample, no token predicts the next sample; loss over
     #: assistant tokens as without); false = one sample per sequence, right-padded (npu_train/data/sft.py).
-    #: Ignored for format=text (always packed; see doc_mask).
+    #: Ignored for format=text (always packed; see doc_mask) and format=preference (never packed).
     pack: bool = True
     #: format=text: positions restart and attention stops at every EOS between documents (packed
     #: text rows without cross-document attention; the EOS's next-token target is not trained).
