@@ -339,3 +339,30 @@ def test_standard_rows_get_the_tokenizers_bos(smol, tmp_path):
     conv = _write(tmp_path, CONV, "c.jsonl")
     with pytest.raises(DataError, match=r"c.jsonl:1: the model has no chat template"):
         build_preference_data(conv, r, 8, 0.0, log=lambda m: None)
+
+
+def _trl_ids(du, hf, example: dict) -> tuple[list[int], list[int], list[int]]:
+    """TRL's DPOTrainer dataset steps (trl 1.16 ``_prepare_dataset``): extract_prompt, add EOS to string
+    completions, tokenize prompt and prompt + completion, split at their common token prefix."""
+    if "prompt" not in example:
+        example = du.extract_prompt(example)
+    conv = du.is_conversational(example)
+    if not conv:
+        example = {**example, "chosen": example["chosen"] + hf.eos_token, "rejected": example["rejected"] + hf.eos_token}
+    kw = {"add_generation_prompt": True} if conv else {}
+    p = du._tokenize(hf, example["prompt"], **kw)["input_ids"]
+    c = du._tokenize(hf, example["prompt"] + example["chosen"])["input_ids"]
+    r = du._tokenize(hf, example["prompt"] + example["rejected"])["input_ids"]
+    n = min(du.common_prefix_length(p, c), du.common_prefix_length(p, r))
+    return list(p[:n]), list(c[n:]), list(r[n:])
+
+
+def test_same_tokens_as_trl(smol, tmp_path):
+    """On the same rows, the pairs' tokens equal those TRL's DPOTrainer builds (trl in the environment)."""
+    du = pytest.importorskip("trl.data_utils")
+    implicit = [{"chosen": "The cat sat on the mat.", "rejected": "The cat sat on the hat."},
+                {"chosen": "Paris is in France.", "rejected": "Paris is in Spain!"}]
+    implicit_conv = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]} for r in CONV]
+    for k, rows in enumerate((STANDARD, CONV, implicit, implicit_conv)):
+        d = _build(smol, _write(tmp_path, rows, f"{k}.jsonl"))
+        assert _pairs(d) == [_trl_ids(du, smol["hf"], r) for r in rows], k
