@@ -180,3 +180,31 @@ def test_dpo_config_refusals_name_the_fix(overrides, match):
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(overrides))
     with pytest.raises(ConfigError, match=match):
         validate(cfg)
+
+
+def test_reference_spec_computes_only_missing_rows_and_refuses_a_full_resume_without_them(tmp_path):
+    from npu_train.runtime.reference import ReferenceError, reference_spec, save_reference
+
+    kw = dict(n_train=8, n_val=2, val_rows=[0, 1])
+    fresh = reference_spec("k" * 64, str(tmp_path / "ck"), True, str(tmp_path / "cache"), train_rows=[0, 1, 4, 5],
+                           resuming=False, lora=False, **kw)
+    assert fresh.train_rows == (0, 1, 4, 5) and fresh.val_rows == (0, 1) and fresh.compute
+    train = torch.full((8,), float("nan"), dtype=torch.float64)
+    train[[0, 1, 4, 5]] = torch.tensor([-1.0, -2.0, -3.0, -4.0], dtype=torch.float64)
+    save_reference(fresh, train, torch.tensor([-5.0, -6.0], dtype=torch.float64))
+    more = reference_spec("k" * 64, str(tmp_path / "ck2"), True, str(tmp_path / "cache"), train_rows=[0, 1, 2, 3],
+                          resuming=False, lora=False, **kw)  # a new run: the cache has rows 0, 1 and the val rows
+    assert more.train_rows == (2, 3) and more.val_rows == ()
+    with pytest.raises(ReferenceError, match="cannot be recomputed"):
+        reference_spec("k" * 64, str(tmp_path / "ck"), True, None, train_rows=[6, 7], resuming=True, lora=False, **kw)
+    lora = reference_spec("k" * 64, str(tmp_path / "ck"), True, None, train_rows=[6, 7], resuming=True, lora=True, **kw)
+    assert lora.train_rows == (6, 7)  # LoRA: the base is still there, adapters disabled
+
+
+def test_preference_rows_are_not_packed():
+    from omegaconf import OmegaConf
+
+    from npu_train.runtime.job import packed_rows
+
+    assert packed_rows(OmegaConf.create({"format": "preference", "pack": True})) is False
+    assert packed_rows(OmegaConf.create({"format": "chat", "pack": True})) is True

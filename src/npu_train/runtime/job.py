@@ -381,6 +381,8 @@ def packed_rows(d) -> bool:
     """Whether the data gets several samples per row (chat / prompt_completion with ``data.pack``, text with
     ``data.doc_mask``): then every stage builds a block-diagonal attention mask."""
     fmt = str(getattr(d, "format", "text") or "text")
+    if fmt == "preference":  # one padded sequence per row, never packed
+        return False
     return bool(getattr(d, "doc_mask", False)) if fmt == "text" else bool(getattr(d, "pack", True))
 
 
