@@ -89,9 +89,12 @@ def _has_gguf_magic(path: str) -> bool:
 def check_exists(path: str) -> None:
     """Raise ``FileNotFoundError`` (naming the accepted forms) if ``path`` does not exist."""
     if not os.path.exists(path):
+        from .presets import preset_names
+
         raise FileNotFoundError(
             f"model path {path!r} does not exist; pass an HF model directory (config.json + "
-            f"*.safetensors), a .gguf file, or 'embedded' for the bundled SmolLM2-135M"
+            f"*.safetensors), a .gguf file, or 'embedded' for the bundled SmolLM2-135M (plan=true also takes a "
+            f"shape preset: {', '.join(preset_names())})"
         )
 
 
