@@ -96,3 +96,24 @@ def test_export_into_a_new_dir_records_its_files(tiny_ckpt, tmp_path):
     rec = json.loads((out / "npt_export.json").read_text())
     assert rec["files"] == ["config.json", "model.safetensors", "npt_export.json"] and rec["checkpoint"] == tiny_ckpt
     assert main([tiny_ckpt, str(out)]) == 2  # again without --overwrite: refused
+
+
+def test_export_keeps_the_models_generation_config_and_both_dtype_keys(tmp_path):
+    """An HF model's generation_config.json (EOS list, sampling defaults) travels into the export; config.json
+    carries the dtype under transformers' new and old key."""
+    import json
+
+    from npu_train.checkpoint.export import _copy_generation_config, hf_config_dict
+    from npu_train.model.config import LlamaConfig
+
+    src, out = tmp_path / "model", tmp_path / "out"
+    src.mkdir()
+    out.mkdir()
+    gen = {"eos_token_id": [128001, 128009], "temperature": 0.6, "do_sample": True}
+    (src / "generation_config.json").write_text(json.dumps(gen))
+    _copy_generation_config(str(src), str(out))
+    assert json.loads((out / "generation_config.json").read_text()) == gen
+    _copy_generation_config(str(tmp_path / "model.gguf"), str(tmp_path / "none"))  # a GGUF: nothing to copy
+    d = hf_config_dict(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
+                                   num_kv_heads=1), "bf16")
+    assert d["dtype"] == d["torch_dtype"] == "bfloat16"

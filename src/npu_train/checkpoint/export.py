@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from typing import Optional
 
@@ -35,7 +36,9 @@ def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
         "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "hidden_act": "silu",
         "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
         "max_position_embeddings": cfg.max_position_embeddings, "tie_word_embeddings": cfg.tie_word_embeddings,
+        # transformers >= 4.56 reads "dtype", older releases "torch_dtype": both, same value
         "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
+        "dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
     }
     if cfg.family in ("llama", "qwen3"):
         d["attention_bias"] = False
@@ -76,7 +79,7 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
 #: the record of an export's files (relative paths), written last
 RECORD = "npt_export.json"
 #: every file an export may write (relative paths): what ``--overwrite`` removes besides :data:`RECORD`'s list
-EXPORT_FILES = ("model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json",
+EXPORT_FILES = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                 "adapter/adapter_model.safetensors", "adapter/adapter_config.json", RECORD)
 
 
@@ -184,8 +187,19 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
             tc["chat_template"] = template
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(tc, f, indent=1)
+    _copy_generation_config(reader.manifest.get("model_path"), out_dir)
     _write_record(out_dir, reader.path)
     return out_dir
+
+
+def _copy_generation_config(model_path, out_dir: str) -> None:
+    """The trained model's ``generation_config.json`` (its EOS list, sampling defaults) into the export, when the
+    model came from an HF directory that has one (GGUF and the embedded model have none)."""
+    if not model_path or not os.path.isdir(model_path):
+        return
+    src = os.path.join(model_path, "generation_config.json")
+    if os.path.isfile(src):
+        shutil.copyfile(src, os.path.join(out_dir, "generation_config.json"))
 
 
 def main(argv=None) -> int:
