@@ -644,6 +644,13 @@ def _dry_run(cfg, run_dir: str) -> dict:
     line = predicted_mfu_line(prep)
     if line:
         print(line)
+    if str(getattr(cfg.train, "objective", "sft")) == "dpo":
+        tr = cfg.train
+        rows = tr.steps * tr.micro_batch * tr.accum * prep.dp  # at most: rows repeat after an epoch
+        print(f"DPO: before step 1 a reference pass (forward only, no activations kept: inside the memory above) "
+              f"over the at most {rows} sequences the {tr.steps} steps use, about "
+              f"{tr.steps * prep.dp * prep.plan.step_time_s / 3:.0f} s (a third of a step per step's sequences); "
+              "fewer when an earlier run on the same data and model stored them")
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
         import psutil
