@@ -13,8 +13,13 @@ seed) is written once. Every round runs, in a rotated order:
 - ``npu-train``: ``build_packed_data`` end to end into an empty cache directory (timed): reading through
   ``datasets`` (streaming JSON), batching, tokenizing, writing the uint16/uint32 token file.
 
+``datasets`` is imported before the rounds (as ``tokenizers`` is for the baselines; a training job imports
+it once anyway); its import time is printed on its own (``--cold``: paid inside round 1's npu-train run,
+as before 2026-12-03's second data session).
+
 Prints MB/s per variant (median over rounds, [min-max]) and npu-train's ratio to each baseline (>= 0.8 is
-the issue's target), with the machine's cores and load. Default tokenizer: the embedded SmolLM2's.
+the issue's target), with the machine's cores and load; also each variant's process CPU seconds (all
+threads), a steadier figure than wall time on a loaded machine. Default tokenizer: the embedded SmolLM2's.
 """
 from __future__ import annotations
 
@@ -73,8 +78,16 @@ def main() -> int:
     ap.add_argument("--tokenizer", default="embedded")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "npt-bench-data"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--cold", action="store_true", help="import datasets inside round 1's npu-train run")
     a = ap.parse_args()
     from tokenizers import Tokenizer  # noqa: F401
+
+    if not a.cold:
+        from npu_train.data.sources import open_datasets
+
+        t0 = time.perf_counter()
+        open_datasets()
+        print(f"import datasets: {time.perf_counter() - t0:.2f} s (not timed in the rounds)", flush=True)
 
     from npu_train.data import build_packed_data
     from npu_train.model import load_tokenizer, resolve_model_path
@@ -87,23 +100,26 @@ def main() -> int:
         texts = [json.loads(line)["text"] for line in f]
     variants = ["encode_batch", "npu-train"] + (["encode_batch_fast"] if hasattr(tok, "encode_batch_fast") else [])
     times = {v: [] for v in variants}
+    cpu = {v: [] for v in variants}
     tokens = {}
     for r in range(a.rounds):
         order = variants[r % len(variants):] + variants[:r % len(variants)]
         for v in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if v == "npu-train":
                 cache = tempfile.mkdtemp(dir=a.workdir, prefix="cache-")
                 d = build_packed_data(corpus, tok, seq_len=2048, val_fraction=0.01, eos_id=0, cache_dir=cache)
                 tokens[v] = d.n_tokens
                 del d
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
                 shutil.rmtree(cache)
             else:
                 tokens[v] = _baseline(tok, texts, fast=v.endswith("fast"))
-                dt = time.perf_counter() - t0
+                dt, dc = time.perf_counter() - t0, time.process_time() - c0
             times[v].append(dt)
-            print(f"round {r + 1} {v:>18}: {dt:7.2f} s  {size / 1e6 / dt:6.2f} MB/s  {tokens[v]} tokens", flush=True)
+            cpu[v].append(dc)
+            print(f"round {r + 1} {v:>18}: {dt:7.2f} s  {size / 1e6 / dt:6.2f} MB/s  cpu {dc:7.2f} s  {tokens[v]} tokens",
+                  flush=True)
     cores = len(os.sched_getaffinity(0))
     print(f"\ncorpus {size / 1e6:.1f} MB ({len(texts)} documents), {cores} usable cores, "
           f"load average {os.getloadavg()}, tokenizer {a.tokenizer}")
@@ -111,19 +127,22 @@ def main() -> int:
     for v in variants:
         med = statistics.median(times[v])
         summary[v] = {"median_s": med, "min_s": min(times[v]), "max_s": max(times[v]), "mb_per_s": size / 1e6 / med,
-                      "tokens": tokens[v]}
-        print(f"{v:>18}: {size / 1e6 / med:6.2f} MB/s  (median {med:.2f} s [{min(times[v]):.2f}-{max(times[v]):.2f}])")
+                      "tokens": tokens[v], "cpu_median_s": statistics.median(cpu[v])}
+        print(f"{v:>18}: {size / 1e6 / med:6.2f} MB/s  (median {med:.2f} s [{min(times[v]):.2f}-{max(times[v]):.2f}]; "
+              f"cpu median {summary[v]['cpu_median_s']:.2f} s)")
     ours = summary["npu-train"]["median_s"]
     for v in variants:
         if v != "npu-train":
             summary[f"ratio_vs_{v}"] = summary[v]["median_s"] / ours
-            print(f"npu-train / {v} throughput: {summary[v]['median_s'] / ours:.2f}x")
+            summary[f"cpu_ratio_vs_{v}"] = summary[v]["cpu_median_s"] / summary["npu-train"]["cpu_median_s"]
+            print(f"npu-train / {v} throughput: {summary[v]['median_s'] / ours:.2f}x "
+                  f"(cpu seconds: {summary[f'cpu_ratio_vs_{v}']:.2f}x)")
     # the stream has one EOS between documents that the baselines do not produce
     print(f"token check: npu-train {tokens['npu-train']} = baseline {tokens['encode_batch']} + "
           f"{len(texts) - 1} EOS: {tokens['npu-train'] == tokens['encode_batch'] + len(texts) - 1}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"summary": summary, "times": times, "corpus_bytes": size, "cores": cores,
+            json.dump({"summary": summary, "times": times, "cpu": cpu, "corpus_bytes": size, "cores": cores,
                        "load": os.getloadavg()}, f, indent=1)
     return 0
 

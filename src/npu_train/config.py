@@ -48,8 +48,11 @@ class DataConf:
     rejected_field: str = "rejected"
     #: split of a DatasetDict save_to_disk directory to train on.
     split: str = "train"
-    #: optional split of that DatasetDict used as the validation rows (format=text); null = hold out
-    #: the last val_fraction of the training rows.
+    #: optional split of that DatasetDict used as the validation rows, for every format (text:
+    #: its packed documents; chat / prompt_completion: its samples; preference: its pairs; bad rows
+    #: and truncation as for the train split). val_fraction is then not used (and not in the cache
+    #: key of chat / prompt_completion / preference data). null = hold out the last val_fraction of
+    #: the training rows. Only a save_to_disk DatasetDict has splits.
     val_split: Optional[str] = None
     #: rows with a missing / non-string column, an unknown role or no assistant answer: refuse (error
     #: naming the first such row and the fix) | skip (dropped, counted, first one reported).

@@ -107,7 +107,8 @@ def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str 
     if bad.count:
         log(f"data: {bad.report()}")
     if not rows:
-        raise DataError(f"data.source={spec!r}: no rows; add rows like {_shape_hint(fmt)}")
+        where = f" (split {split!r})" if src.kind == "saved" else ""
+        raise DataError(f"data.source={spec!r}{where}: no rows; add rows like {_shape_hint(fmt)}")
     return rows
 
 

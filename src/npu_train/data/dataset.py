@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import socket
@@ -147,32 +148,33 @@ def chunk_safe(tokenizer) -> bool:
     return whole == parts[0].ids + parts[1].ids
 
 
-def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
-    enc = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
-    return [e.ids for e in enc(texts, add_special_tokens=False)]
-
-
 def token_batches(tokenizer, pieces: Iterable[tuple[int, str]], eos_id: int | None,
                   batch_chars: int = BATCH_CHARS) -> Iterator[tuple[np.ndarray, int]]:
-    """``(ids, chars)``: int64 token ids of consecutive pieces (``eos_id``, or the tokens of a blank line when
-    None, between documents) and the characters they came from, about ``batch_chars`` characters per batch."""
-    sep = [int(eos_id)] if eos_id is not None else None
-    prev: list = [None]
+    """``(ids, chars)``: uint32 token ids of consecutive pieces (``eos_id``, or the tokens of a blank line when
+    None, between documents) and the characters they came from, about ``batch_chars`` characters per batch.
+    Three threads: a reader prepares the next text batches, an encoder thread calls ``encode_batch_fast``
+    (Rayon: all cores) on one batch after another, and this thread turns the previous batch's encodings into
+    one array (``np.fromiter`` over the ids lists) meanwhile, so that Python work (which holds the GIL) does
+    not leave the cores idle between two encode calls."""
+    enc = getattr(tokenizer, "encode_batch_fast", None) or tokenizer.encode_batch
 
-    def flush(batch: list[str], docs: list[int]) -> np.ndarray:
-        nonlocal sep
+    def encoded() -> Iterator[tuple[list, list, int]]:
+        for batch, docs, chars in _prefetched(_text_batches(pieces, batch_chars)):
+            yield enc(batch, add_special_tokens=False), docs, chars
+
+    sep = [int(eos_id)] if eos_id is not None else None
+    prev = None
+    for encs, docs, chars in _prefetched(encoded(), depth=1, name="npt-data-encode"):
         if sep is None:
             sep = tokenizer.encode("\n\n", add_special_tokens=False).ids
-        out: list[int] = []
-        for d, ids in zip(docs, _encode_batch(tokenizer, batch)):
-            if prev[0] is not None and d != prev[0]:
-                out.extend(sep)
-            prev[0] = d
-            out.extend(ids)
-        return np.asarray(out, dtype=np.int64)
-
-    for batch, docs, chars in _prefetched(_text_batches(pieces, batch_chars)):
-        yield flush(batch, docs), chars
+        parts = []
+        for d, e in zip(docs, encs):
+            if prev is not None and d != prev:
+                parts.append(sep)
+            prev = d
+            parts.append(e.ids)
+        n = sum(map(len, parts))
+        yield np.fromiter(itertools.chain.from_iterable(parts), dtype=np.uint32, count=n), chars
 
 
 def _text_batches(pieces: Iterable[tuple[int, str]], batch_chars: int) -> Iterator[tuple[list, list, int]]:
@@ -188,11 +190,11 @@ def _text_batches(pieces: Iterable[tuple[int, str]], batch_chars: int) -> Iterat
         yield batch, docs, chars
 
 
-def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
-    """``it``'s items, produced by a background thread up to ``depth`` ahead: reading and parsing the
-    source (pyarrow and file reads release the GIL) overlaps the tokenizer's ``encode_batch`` (which
-    releases it too). An exception in the producer is raised here; the producer stops when the consumer
-    is closed."""
+def _prefetched(it: Iterator, depth: int = 2, name: str = "npt-data-read") -> Iterator:
+    """``it``'s items, produced by a background thread (``name``) up to ``depth`` ahead: reading and parsing
+    the source (pyarrow and file reads release the GIL) overlaps the tokenizer's ``encode_batch`` (which
+    releases it too). An exception in the producer is raised here; the producer stops (and closes ``it``)
+    when the consumer is closed."""
     import queue
     import threading
 
@@ -214,8 +216,12 @@ def _prefetched(it: Iterator, depth: int = 2) -> Iterator:
             q.put((end, None))
         except BaseException as e:  # noqa: BLE001 - handed to the consumer
             q.put((end, e))
+        finally:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
 
-    th = threading.Thread(target=produce, name="npt-data-read", daemon=True)
+    th = threading.Thread(target=produce, name=name, daemon=True)
     th.start()
     try:
         while True:

@@ -23,7 +23,7 @@ prefix or chosen equal to rejected is a bad row (``data.bad_rows``: refuse names
 Layout (:class:`~npu_train.data.dataset.PackedData` with ``pairs=True``): one sequence per row,
 ``seq_len + 1`` tokens, right-padded with ``pad_id``; row ``2i`` is prompt + chosen and row ``2i + 1`` prompt +
 rejected of pair ``i``, in train and validation (the last ``val_fraction`` of the pairs, at least one when
-> 0). Labels (int64): the token id at every completion position, ``IGNORE_INDEX`` on the prompt and the
+> 0; or, with ``val_split``, the pairs of that split of a ``save_to_disk`` DatasetDict, ``val_fraction`` unused). Labels (int64): the token id at every completion position, ``IGNORE_INDEX`` on the prompt and the
 padding (:func:`~npu_train.data.dataset.micro_batch_tensors` shifts them into next-token targets).
 Truncation: the prompt is kept whole and each completion is cut to the ``seq_len + 1 - len(prompt)`` tokens
 left; a pair whose prompt leaves no completion token is dropped. Start at :func:`build_preference_data`."""
@@ -170,7 +170,8 @@ def read_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse
     if bad.count:
         log(f"data: {bad.report()}")
     if not out:
-        raise DataError(f"data.source={spec!r}: no usable preference rows; add rows like {_SHAPES}")
+        where = f" (split {split!r})" if src.kind == "saved" else ""
+        raise DataError(f"data.source={spec!r}{where}: no usable preference rows; add rows like {_SHAPES}")
     return out, bad.count
 
 
@@ -227,16 +228,18 @@ def pair_tokens(renderer: ChatRenderer, p: PairText, lead: Optional[list[int]] =
 
 
 # ------------------------------------------------------------------------------- building
-def preference_fingerprint(src_key: str, renderer: ChatRenderer, seq_len: int, val_fraction: float,
+def preference_fingerprint(src_key: str, renderer: ChatRenderer, seq_len: int, val_fraction: Optional[float],
                            pad_id: int, fields: Optional[dict] = None) -> str:
-    """sha256 hex cache key over the source's cheap key, the column mapping, the format and truncation rule,
-    the chat template, tokenizer, EOS and the sequence knobs."""
+    """sha256 hex cache key over the source's cheap key (with the split names), the column mapping, the format
+    and truncation rule, the chat template, tokenizer, EOS and the sequence knobs; ``val_fraction`` None:
+    validation is a split (``val_fraction`` not used, not in the key)."""
     h = hashlib.sha256()
     h.update(f"{_FORMAT}\nformat preference\ntruncation {_TRUNCATION}\nsource {src_key}\n".encode())
     h.update(f"fields {json.dumps(fields or {}, sort_keys=True)}\n".encode())
     h.update(f"template {renderer.template!r}\ntokenizer {tokenizer_hash(renderer.tok)}\neos {renderer.eos_id}\n"
              .encode())
-    h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\npad {pad_id}\n".encode())
+    vf = "split" if val_fraction is None else repr(float(val_fraction))
+    h.update(f"seq_len {int(seq_len)}\nval_fraction {vf}\npad {pad_id}\n".encode())
     return h.hexdigest()
 
 
@@ -290,39 +293,61 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
                           pad_id: int = 0, cache_dir: str | os.PathLike | None = None,
                           vocab_size: Optional[int] = None, log: Callable[[str], None] = print,
                           fields: Optional[dict] = None, bad_rows: str = "refuse",
-                          split: str = "train") -> PackedData:
+                          split: str = "train", val_split: Optional[str] = None) -> PackedData:
     """Read, tokenize, truncate and pad the preference rows of ``spec`` into a :class:`PackedData` with
     ``pairs=True`` (see the module doc for the layout): ``train`` / ``val`` ``[2 * pairs, seq_len + 1]`` int64
     ids, ``train_labels`` / ``val_labels`` the same shape, int64 (completion ids, else ``IGNORE_INDEX``),
     positions None. Cached under ``cache_dir`` keyed by :func:`preference_fingerprint`. ``fields`` maps
     prompt / chosen / rejected to the source's columns, ``bad_rows`` refuse | skip, ``split`` the
-    save_to_disk split; ``log`` gets one summary line. Raises :class:`DataError` for bad rows (naming file
-    and row), ids outside ``vocab_size``, or fewer than 2 usable pairs; FileNotFoundError."""
+    save_to_disk split, ``val_split`` a split of the same DatasetDict read as the validation pairs
+    (``val_fraction`` then unused); ``log`` gets one summary line. Raises :class:`DataError` for bad rows
+    (naming file and row), ids outside ``vocab_size``, or fewer than 2 usable pairs (with ``val_split``: no
+    usable pair in one of the splits); FileNotFoundError."""
     seq_len = int(seq_len)
     row = seq_len + 1
-    fp = preference_fingerprint(source_key(resolve_source(spec, "preference", split)), renderer, seq_len,
-                                val_fraction, int(pad_id), fields)
+    val_split = str(val_split) if val_split else None
+    fp = preference_fingerprint(source_key(resolve_source(spec, "preference", split, val_split)), renderer,
+                                seq_len, None if val_split else val_fraction, int(pad_id), fields)
     cache_path = packed_cache_path(cache_dir, fp) if cache_dir is not None else None
     data = _cached(cache_path, fp)
     if data is not None:
         log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)")
         return data
-    texts, n_bad = read_pairs(spec, fields, bad_rows, split, log)
     lead = lead_ids(renderer.tok)
-    pairs, n_cut, n_drop, n_tokens = _fit([pair_tokens(renderer, p, lead) for p in texts], row, vocab_size)
-    kept = len(pairs)
-    msg = (f"data: {kept} of {len(texts) + n_bad} preference pairs kept"
+    splits = [split] + ([val_split] if val_split else [])
+    per = []  # per split: (kept pairs, rows read)
+    n_bad = n_cut = n_drop = n_tokens = 0
+    for name in splits:
+        texts, bad = read_pairs(spec, fields, bad_rows, name, log)
+        pairs, cut, drop, tokens = _fit([pair_tokens(renderer, p, lead) for p in texts], row, vocab_size)
+        per.append((pairs, len(texts) + bad))
+        n_bad, n_cut, n_drop, n_tokens = n_bad + bad, n_cut + cut, n_drop + drop, n_tokens + tokens
+    kept = sum(len(p) for p, _ in per)
+    msg = (f"data: {kept} of {sum(n for _, n in per)} preference pairs kept"
            + (f" ({n_bad} bad rows skipped)" if n_bad else "")
+           + (f" ({len(per[0][0])} of {per[0][1]} from split {split!r} for training, {len(per[1][0])} of "
+              f"{per[1][1]} from split {val_split!r} for validation; data.val_fraction not used)" if val_split else "")
            + f"; {n_cut} completions truncated to fit seq_len+1={row} tokens (the prompt is kept)"
            + f"; {n_drop} pairs dropped (the prompt alone fills the {row} tokens)")
-    if kept < 2:
-        log(msg)
-        raise DataError(f"only {kept} usable preference pairs in {spec} (need 2: train and validation); raise "
-                        f"data.seq_len (now {seq_len}) so the prompts fit, or add rows")
-    n_val = n_val_rows(kept, float(val_fraction))
-    train = _lay_pairs(pairs[: kept - n_val], row, int(pad_id))
-    val = _lay_pairs(pairs[kept - n_val:], row, int(pad_id))
-    log(msg + f"; {kept - n_val} train / {n_val} validation pairs, one sequence per answer "
+    if val_split:
+        for (got, _), name in zip(per, splits):
+            if not got:
+                log(msg)
+                raise DataError(f"no usable preference pair in split {name!r} of {spec} (train and validation "
+                                f"need one each); raise data.seq_len (now {seq_len}) so the prompts fit, or add "
+                                "rows to that split")
+        train_p, val_p = per[0][0], per[1][0]
+    else:
+        if kept < 2:
+            log(msg)
+            raise DataError(f"only {kept} usable preference pairs in {spec} (need 2: train and validation); raise "
+                            f"data.seq_len (now {seq_len}) so the prompts fit, or add rows")
+        pairs = per[0][0]
+        n_val = n_val_rows(kept, float(val_fraction))
+        train_p, val_p = pairs[: kept - n_val], pairs[kept - n_val:]
+    train = _lay_pairs(train_p, row, int(pad_id))
+    val = _lay_pairs(val_p, row, int(pad_id))
+    log(msg + f"; {len(train_p)} train / {len(val_p)} validation pairs, one sequence per answer "
         f"({n_tokens / (2 * kept * row):.0%} filled)")
     data = PackedData(train=train[0], val=val[0], seq_len=seq_len, n_tokens=n_tokens, fingerprint=fp,
                       train_labels=train[1], val_labels=val[1], pairs=True)

@@ -42,9 +42,6 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
         return build_packed_data(spec, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
                                  cache_dir=cache, vocab_size=model_cfg.vocab_size, log=log,
                                  doc_mask=bool(getattr(d, "doc_mask", False)))
-    if val_split:
-        raise DataError(f"data.val_split={val_split} is only read for data.format=text so far; for {fmt} data "
-                        "drop it (data.val_fraction holds out the last samples)")
     fields = {k: getattr(d, f"{k}_field", None) for k in FIELDS[fmt]}
     from .chat import ChatRenderer
     from .sft import build_sft_data
@@ -62,10 +59,11 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
         return build_preference_data(d.source, renderer, d.seq_len, d.val_fraction,
                                      pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
                                      vocab_size=model_cfg.vocab_size, log=log,
-                                     fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split)
+                                     fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split,
+                                     val_split=val_split)
     return build_sft_data(d.source, fmt, renderer, d.seq_len, d.val_fraction,
                           truncation=str(getattr(d, "truncation", "drop") or "drop"),
                           pad_id=int(eos) if eos is not None else 0, cache_dir=cache,
                           vocab_size=model_cfg.vocab_size, log=log,
                           fields={k: v for k, v in fields.items() if v}, bad_rows=bad_rows, split=split,
-                          pack=bool(getattr(d, "pack", True)))
+                          pack=bool(getattr(d, "pack", True)), val_split=val_split)

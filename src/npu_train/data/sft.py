@@ -2,7 +2,9 @@
 
 Samples longer than ``seq_len + 1`` tokens follow ``data.truncation`` (``drop``, default, or ``truncate``);
 samples left without a trained token are dropped. The last ``val_fraction`` of the kept samples is
-validation; train and validation samples are laid into rows of ``seq_len + 1`` tokens separately:
+validation, or, with ``val_split`` (``data.val_split``, a split of a ``save_to_disk`` DatasetDict), every
+kept sample of that split (the train samples then all come from ``split``; ``val_fraction`` is not used);
+train and validation samples are laid into rows of ``seq_len + 1`` tokens separately:
 
 - ``pack=True`` (``data.pack``, the default): sequential greedy fill. Samples go into the current row in
   file order while they fit; the next sample that does not fit starts a new row (no sample is split). Each
@@ -23,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -40,17 +43,19 @@ TRUNCATION = ("drop", "truncate")
 _FORMAT = "npu-train-sft-v1"
 
 
-def sft_fingerprint(src_key: str, fmt: str, renderer: ChatRenderer, seq_len: int, val_fraction: float,
+def sft_fingerprint(src_key: str, fmt: str, renderer: ChatRenderer, seq_len: int, val_fraction: Optional[float],
                     truncation: str, pad_id: int, fields: Optional[dict] = None, pack: bool = False) -> str:
     """sha256 hex key over the source's cheap key (:func:`~npu_train.data.sources.source_key`: file sizes,
-    mtimes, sample hash), the column mapping, format, template, tokenizer and the sequence knobs."""
+    mtimes, sample hash, the split names), the column mapping, format, template, tokenizer and the sequence
+    knobs; ``val_fraction`` None: validation is a split (``val_fraction`` not used, not in the key)."""
     h = hashlib.sha256()
     h.update(f"{_FORMAT}\nformat {fmt}\ntruncation {truncation}\nsource {src_key}\n".encode())
     h.update(f"fields {json.dumps(fields or {}, sort_keys=True)}\n".encode())
     if pack:  # only when on: the keys of existing (unpacked) caches stay
         h.update(b"pack greedy-v1\n")
     h.update(f"template {renderer.template!r}\ntokenizer {tokenizer_hash(renderer.tok)}\n".encode())
-    h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\npad {pad_id}\n".encode())
+    vf = "split" if val_fraction is None else repr(float(val_fraction))
+    h.update(f"seq_len {int(seq_len)}\nval_fraction {vf}\npad {pad_id}\n".encode())
     return h.hexdigest()
 
 
@@ -58,18 +63,21 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
                    truncation: str = "drop", pad_id: int = 0, cache_dir: str | os.PathLike | None = None,
                    vocab_size: Optional[int] = None, log: Callable[[str], None] = print,
                    fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
-                   pack: bool = False) -> PackedData:
+                   pack: bool = False, val_split: Optional[str] = None) -> PackedData:
     """Read, render, label and pad (``pack``: pack, see the module doc) the rows of ``spec`` into a
     :class:`PackedData` with labels (``[N, seq_len + 1]`` int64; ``pack``: and positions). ``fields`` maps
     messages / prompt / completion to the source's columns, ``bad_rows`` refuse | skip, ``split`` the
-    save_to_disk split. Raises :class:`DataError` for bad rows (naming file and row), an unknown
-    ``truncation``, ids outside ``vocab_size``, or fewer than 2 usable rows."""
+    save_to_disk split; ``val_split`` a split of the same DatasetDict read as the validation samples
+    (``val_fraction`` then unused). Raises :class:`DataError` for bad rows (naming file and row), an unknown
+    ``truncation``, ids outside ``vocab_size``, or fewer than 2 usable rows (with ``val_split``: no usable
+    row in one of the splits)."""
     if truncation not in TRUNCATION:
         raise DataError(f"data.truncation={truncation!r}: use one of {list(TRUNCATION)}")
     seq_len = int(seq_len)
     row = seq_len + 1
-    fp = sft_fingerprint(source_key(resolve_source(spec, fmt, split)), fmt, renderer, seq_len, val_fraction,
-                         truncation, pad_id, fields, pack=bool(pack))
+    val_split = str(val_split) if val_split else None
+    fp = sft_fingerprint(source_key(resolve_source(spec, fmt, split, val_split)), fmt, renderer, seq_len,
+                         None if val_split else val_fraction, truncation, pad_id, fields, pack=bool(pack))
     cache_path = packed_cache_path(cache_dir, fp) if cache_dir is not None else None
     if cache_path is not None and cache_path.is_file():
         try:
@@ -82,40 +90,41 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
             return data
 
     rows = read_rows(spec, fmt, fields, bad_rows, split, log)
-    samples = []
-    n_long = n_cut = n_empty = n_tokens = 0
-    for msgs, where in rows:
-        s = renderer.sample(msgs, where, fmt)
-        ids, labels = s.ids, s.labels
-        if len(ids) > row:
-            n_long += 1
-            if truncation == "drop":
-                continue
-            ids, labels = ids[:row], labels[:row]
-            n_cut += 1
-        if all(x == IGNORE_INDEX for x in labels[1:]):
-            n_empty += 1
-            continue
-        if vocab_size is not None and max(ids) >= vocab_size:
-            raise DataError(f"{where}: tokenizer produced id {max(ids)} but the model's vocabulary has "
-                            f"{vocab_size} entries: the tokenizer does not match the model")
-        n_tokens += len(ids)
-        samples.append((ids, labels))
-    kept = len(samples)
+    st = _SampleStats()
+    samples = _samples(rows, renderer, fmt, row, truncation, vocab_size, st)
+    if val_split:
+        n_train_rows = len(rows)
+        rows = rows + read_rows(spec, fmt, fields, bad_rows, val_split, log)
+        val_samples = _samples(rows[n_train_rows:], renderer, fmt, row, truncation, vocab_size, st)
+    kept = len(samples) + (len(val_samples) if val_split else 0)
     msg = f"data: {kept} of {len(rows)} {fmt} samples kept"
-    if n_long:
-        msg += (f"; {n_long} longer than seq_len+1={row} tokens were "
+    if val_split:
+        msg += (f" ({len(samples)} of {n_train_rows} from split {split!r} for training, {len(val_samples)} of "
+                f"{len(rows) - n_train_rows} from split {val_split!r} for validation; data.val_fraction not used)")
+    if st.n_long:
+        msg += (f"; {st.n_long} longer than seq_len+1={row} tokens were "
                 + ("dropped (data.truncation=drop)" if truncation == "drop" else f"truncated (data.truncation=truncate)"))
-    if n_empty:
-        msg += f"; {n_empty} dropped with no trained token left after truncation"
-    if kept < 2:
-        log(msg)
-        raise DataError(f"only {kept} usable {fmt} samples in {spec} (need 2: train and validation); "
-                        f"raise data.seq_len (now {seq_len}), use data.truncation=truncate, or add rows")
-    n_val = n_val_rows(kept, float(val_fraction))
-    train = _lay_rows(samples[: kept - n_val], row, int(pad_id), bool(pack))
-    val = _lay_rows(samples[kept - n_val:], row, int(pad_id), bool(pack))
+    if st.n_empty:
+        msg += f"; {st.n_empty} dropped with no trained token left after truncation"
+    if val_split:
+        for got, name in ((len(samples), split), (len(val_samples), val_split)):
+            if got < 1:
+                log(msg)
+                raise DataError(f"no usable {fmt} sample in split {name!r} of {spec} (train and validation need "
+                                f"one each); raise data.seq_len (now {seq_len}), use data.truncation=truncate, or "
+                                f"add rows to that split")
+        train_s = samples
+    else:
+        if kept < 2:
+            log(msg)
+            raise DataError(f"only {kept} usable {fmt} samples in {spec} (need 2: train and validation); "
+                            f"raise data.seq_len (now {seq_len}), use data.truncation=truncate, or add rows")
+        n_val = n_val_rows(kept, float(val_fraction))
+        train_s, val_samples = samples[: kept - n_val], samples[kept - n_val:]
+    train = _lay_rows(train_s, row, int(pad_id), bool(pack))
+    val = _lay_rows(val_samples, row, int(pad_id), bool(pack))
     n_rows = train[0].shape[0] + val[0].shape[0]
+    n_tokens = st.n_tokens
     if pack:
         msg += (f", packed into {n_rows} sequences of {seq_len + 1} tokens "
                 f"({n_tokens / (n_rows * row):.0%} filled; with data.pack=false each would take a sequence)")
@@ -127,6 +136,39 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
     if cache_path is not None:
         save_packed(data, cache_path)
     return data
+
+
+@dataclass
+class _SampleStats:
+    """Counts over the rows rendered by :func:`_samples` (summed over the splits)."""
+
+    n_long: int = 0
+    n_empty: int = 0
+    n_tokens: int = 0
+
+
+def _samples(rows: list, renderer: ChatRenderer, fmt: str, row: int, truncation: str,
+             vocab_size: Optional[int], st: _SampleStats) -> list:
+    """``[(ids, labels), ...]`` of the ``rows`` that are kept (``data.truncation``, a trained token left,
+    ids checked ``< vocab_size``); the counts go into ``st``."""
+    samples = []
+    for msgs, where in rows:
+        s = renderer.sample(msgs, where, fmt)
+        ids, labels = s.ids, s.labels
+        if len(ids) > row:
+            st.n_long += 1
+            if truncation == "drop":
+                continue
+            ids, labels = ids[:row], labels[:row]
+        if all(x == IGNORE_INDEX for x in labels[1:]):
+            st.n_empty += 1
+            continue
+        if vocab_size is not None and max(ids) >= vocab_size:
+            raise DataError(f"{where}: tokenizer produced id {max(ids)} but the model's vocabulary has "
+                            f"{vocab_size} entries: the tokenizer does not match the model")
+        st.n_tokens += len(ids)
+        samples.append((ids, labels))
+    return samples
 
 
 def _lay_rows(samples: list, row: int, pad_id: int, pack: bool) -> tuple:
