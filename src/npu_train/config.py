@@ -395,8 +395,11 @@ def _check_objective(cfg) -> None:
         raise ConfigError(f"dpo.beta={dpo.beta} must be > 0 (0.1 is the usual value)")
     if dpo.loss not in ("sigmoid", "ipo"):
         raise ConfigError(f"dpo.loss={dpo.loss!r}: use sigmoid or ipo")
-    if not 0.0 <= dpo.label_smoothing < 0.5 or (dpo.label_smoothing and dpo.loss != "sigmoid"):
-        raise ConfigError(f"dpo.label_smoothing={dpo.label_smoothing}: use a value in [0, 0.5), with dpo.loss=sigmoid")
+    if not 0.0 <= dpo.label_smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={dpo.label_smoothing}: use a value in [0, 0.5)")
+    if dpo.label_smoothing and dpo.loss != "sigmoid":
+        raise ConfigError(f"dpo.label_smoothing={dpo.label_smoothing} (cDPO) applies to dpo.loss=sigmoid only: drop "
+                          f"it or use dpo.loss=sigmoid (now {dpo.loss})")
 
 
 def _check_lora(lo) -> None:

@@ -168,7 +168,7 @@ def test_pair_sampler_keeps_both_rows_of_a_pair_in_one_micro_batch():
     (["train.objective=dpo", "data.format=preference", "train.micro_batch=3"], "must be even"),
     (["train.objective=dpo", "data.format=preference", "dpo.beta=0"], "dpo.beta"),
     (["train.objective=dpo", "data.format=preference", "dpo.loss=kto"], "sigmoid or ipo"),
-    (["train.objective=dpo", "data.format=preference", "dpo.loss=ipo", "dpo.label_smoothing=0.1"], "label_smoothing"),
+    (["train.objective=dpo", "data.format=preference", "dpo.loss=ipo", "dpo.label_smoothing=0.1"], "applies to dpo.loss=sigmoid only"),
     (["data.format=preference"], "train.objective=dpo"),
     (["train.objective=ppo"], "sft or dpo"),
 ])

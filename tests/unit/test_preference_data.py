@@ -193,7 +193,7 @@ def test_truncation_keeps_the_prompt(smol, tmp_path):
     assert [smol["tok"].decode(q) for q, _, _ in pairs] == ["Short prompt.", "Another prompt.", "Third."]
     assert len(logs) == 1
     assert "3 of 4 preference pairs kept" in logs[0] and "1 completions truncated" in logs[0]
-    assert "1 pairs dropped (the prompt alone fills the 32 tokens)" in logs[0]
+    assert "1 pair(s) dropped (the prompt alone fills the 32 tokens)" in logs[0]
 
 
 def test_fewer_than_two_pairs(smol, tmp_path):

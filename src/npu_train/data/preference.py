@@ -328,7 +328,7 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
            + (f" ({len(per[0][0])} of {per[0][1]} from split {split!r} for training, {len(per[1][0])} of "
               f"{per[1][1]} from split {val_split!r} for validation; data.val_fraction not used)" if val_split else "")
            + f"; {n_cut} completions truncated to fit seq_len+1={row} tokens (the prompt is kept)"
-           + f"; {n_drop} pairs dropped (the prompt alone fills the {row} tokens)")
+           + f"; {n_drop} pair(s) dropped (the prompt alone fills the {row} tokens)")
     if val_split:
         for (got, _), name in zip(per, splits):
             if not got:

@@ -336,6 +336,8 @@ class Reporter:
         cross-entropy in nats; DPO: mean pair loss, with ``extra``'s reward metrics as ``val_rewards/...``)."""
         rec = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "tokens": tokens,
                **{f"val_{k}": v for k, v in (extra or {}).items()}, "time": time.time()}
+        if extra:  # a DPO loss: exp(loss) is no perplexity
+            del rec["val_ppl"]
         self.evals.append(rec)
         with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
             f.write(dumps(rec) + "\n")

@@ -646,10 +646,11 @@ def _dry_run(cfg, run_dir: str) -> dict:
         print(line)
     if str(getattr(cfg.train, "objective", "sft")) == "dpo":
         tr = cfg.train
-        rows = tr.steps * tr.micro_batch * tr.accum * prep.dp  # at most: rows repeat after an epoch
+        # at most: rows repeat after an epoch; plus the held-out micro-batches
+        rows = (tr.steps * tr.accum * prep.dp + int(cfg.data.eval_batches or 0)) * tr.micro_batch
         print(f"DPO: before step 1 a reference pass (forward only, no activations kept: inside the memory above) "
-              f"over the at most {rows} sequences the {tr.steps} steps use, about "
-              f"{tr.steps * prep.dp * prep.plan.step_time_s / 3:.0f} s (a third of a step per step's sequences); "
+              f"over the at most {rows} sequences the {tr.steps} steps and the held-out batches use, about "
+              f"{rows / (tr.micro_batch * tr.accum) * prep.plan.step_time_s / 3:.0f} s (a third of a step per step's sequences); "
               "fewer when an earlier run on the same data and model stored them")
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
@@ -1008,7 +1009,8 @@ def reference_plan_line(ref: ReferenceSpec, data, tr, step_s: float, dpo) -> str
     return (what + f"reference pass over the {rows} sequences it uses" + (" (the rest stored)" if ref.existing() else "")
             + f" with {base} before step 1, about {est:.0f} s by the plan, "
             f"inside the planned training memory (no activations kept; {8 * rows / 2**20:.2f} MiB of host "
-            "memory on the last stage), stored beside the data cache and in the checkpoint root")
+            "memory on the last stage), stored beside the data cache"
+            + (" and in the checkpoint root" if ref.run_file else " (checkpoint.save=false: not in a checkpoint root)"))
 
 
 def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity, train: TrainSpec) -> dict:

@@ -81,15 +81,17 @@ def reference_spec(key: str, ckpt_root: str, saving: bool, cache: Optional[str],
     name = f"dpo_reference-{key[:16]}.safetensors"
     spec = ReferenceSpec(run_file=os.path.join(ckpt_root, name) if saving else None,
                          cache_file=os.path.join(cache, name) if cache else None, key=key)
-    have_t, have_v = read_values(spec.existing(), key, n_train, n_val)
+    found = spec.existing()
+    have_t, have_v = read_values(found, key, n_train, n_val)
     miss_t = tuple(r for r in train_rows if torch.isnan(have_t[r]))
     miss_v = tuple(r for r in val_rows if torch.isnan(have_v[r]))
     if (miss_t or miss_v) and resuming and not lora:
-        raise ReferenceError(
-            f"this DPO run resumes, but the reference log-probabilities of {len(miss_t) + len(miss_v)} of the rows "
-            f"it uses are neither in {ckpt_root} nor in {cache} ({name}): the cards hold trained weights, so the "
-            "initial model's values cannot be recomputed; resume with the run's train.steps, start a fresh run, "
-            "or restore the file")
+        why = (f"{name} is neither in {ckpt_root} nor in {cache}" if found is None else
+               f"{found} lacks {len(miss_t) + len(miss_v)} of the rows it uses (more steps than the first launch?)")
+        fix = ("restore the file, or start a fresh run" if found is None else
+               "resume with the first launch's train.steps and data.eval_batches, or start a fresh run")
+        raise ReferenceError(f"this DPO run resumes, but its reference log-probabilities are missing: {why}; the "
+                             f"cards hold trained weights, so the initial model's values cannot be recomputed; {fix}")
     return ReferenceSpec(spec.run_file, spec.cache_file, key, miss_t, miss_v)
 
 

@@ -481,7 +481,8 @@ class StageTrainer:
             if self.last and self.replica == 0:
                 save_reference(ref, self.ref_train, self.ref_val)
                 self.ctrl.send("note", text=f"DPO reference pass: {ref.n_compute} sequences in "
-                                            f"{time.perf_counter() - t0:.1f} s (stored; a resume reads them)")
+                                            f"{time.perf_counter() - t0:.1f} s (stored"
+                                            + ("; a resume reads them)" if ref.run_file else " beside the data cache)"))
         elif self.last and self.replica == 0 and ref.run_file and ref.existing() != ref.run_file:
             save_reference(ref, self.ref_train, self.ref_val)  # read from the cache: the run keeps its own copy
 
