@@ -88,24 +88,16 @@ def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str 
     save_to_disk directory (``split``). ``fields`` maps ``messages`` / ``prompt`` / ``completion`` to the
     source's column names. A bad row is an error naming it (``bad_rows="refuse"``) or is counted, reported
     through ``log`` with the first one and dropped (``"skip"``). Raises FileNotFoundError / :class:`DataError`."""
-    from .sources import BadRows, iter_column_batches, resolve_source
+    from .sources import convert_rows, resolve_source
 
     src = resolve_source(spec, fmt, split)
     names = {k: str((fields or {}).get(k) or k) for k in FIELDS[fmt]}
-    cols = list(dict.fromkeys(names.values()))
-    rows, bad = [], BadRows()
-    for path in (src.files if src.kind == "files" else (None,)):
-        for b in iter_column_batches(src, cols, path=path, split=split):
-            for i in range(b.n_rows):
-                obj = {k: b.columns[c][i] for k, c in names.items() if b.columns[c][i] is not None}
-                try:
-                    rows.append((row_messages(obj, fmt, b.where(i)), b.where(i)))
-                except DataError as e:
-                    if bad_rows != "skip":
-                        raise DataError(f"{e} (or set data.bad_rows=skip to drop such rows)") from None
-                    bad.add(str(e))
-    if bad.count:
-        log(f"data: {bad.report()}")
+
+    def convert(b, i):
+        obj = {k: b.columns[c][i] for k, c in names.items() if b.columns[c][i] is not None}
+        return row_messages(obj, fmt, b.where(i)), b.where(i)
+
+    rows, _ = convert_rows(src, list(dict.fromkeys(names.values())), split, convert, bad_rows, log)
     if not rows:
         where = f" (split {split!r})" if src.kind == "saved" else ""
         raise DataError(f"data.source={spec!r}{where}: no rows; add rows like {_shape_hint(fmt)}")

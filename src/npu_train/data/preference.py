@@ -41,7 +41,7 @@ from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ROLES, ChatRenderer
 from .dataset import PackedData, load_packed, n_val_rows, packed_cache_path, save_packed, tokenizer_hash
-from .sources import BadRows, iter_column_batches, resolve_source, source_key
+from .sources import convert_rows, resolve_source, source_key
 from .text import DataError
 
 __all__ = ["PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "pair_tokens", "preference_fingerprint",
@@ -155,24 +155,16 @@ def read_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse
     src = resolve_source(spec, "preference", split)
     names = {k: str((fields or {}).get(k) or k) for k in PAIR_FIELDS}
     cols = list(dict.fromkeys([names["chosen"], names["rejected"], names["prompt"]]))
-    out, bad = [], BadRows()
-    for path in (src.files if src.kind == "files" else (None,)):
-        for b in iter_column_batches(src, cols, path=path, split=split, optional=(names["prompt"],)):
-            has_prompt = names["prompt"] in b.columns
-            for i in range(b.n_rows):
-                obj = {k: b.columns[c][i] for k, c in names.items() if c in b.columns}
-                try:
-                    out.append(row_pair(obj, has_prompt, b.where(i)))
-                except DataError as e:
-                    if bad_rows != "skip":
-                        raise DataError(f"{e} (or set data.bad_rows=skip to drop such rows)") from None
-                    bad.add(str(e))
-    if bad.count:
-        log(f"data: {bad.report()}")
+
+    def convert(b, i):
+        obj = {k: b.columns[c][i] for k, c in names.items() if c in b.columns}
+        return row_pair(obj, names["prompt"] in b.columns, b.where(i))
+
+    out, n_bad = convert_rows(src, cols, split, convert, bad_rows, log, optional=(names["prompt"],))
     if not out:
         where = f" (split {split!r})" if src.kind == "saved" else ""
         raise DataError(f"data.source={spec!r}{where}: no usable preference rows; add rows like {_SHAPES}")
-    return out, bad.count
+    return out, n_bad
 
 
 # ------------------------------------------------------------------------------- tokenizing

@@ -28,13 +28,13 @@ import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 from .text import DataError, botchan_text
 
 __all__ = ["BUILDERS", "BUILTIN_TEXT", "BUILTIN_CHAT", "BUILTIN_PREFS", "Source", "ColumnBatch", "resolve_source",
            "source_key", "iter_column_batches", "text_pieces", "split_pieces", "open_datasets",
-           "BAD_ROWS", "BadRows", "read_documents", "read_text_source"]
+           "BAD_ROWS", "BadRows", "read_documents", "read_text_source", "convert_rows"]
 
 #: file suffix -> datasets builder ("txt" is read here: one document per file)
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv",
@@ -418,6 +418,27 @@ def _check_columns(names, want, label: str, optional=()) -> None:
         hint = ", ".join(f"{keys.get(c, 'data.*_field')}=<column>" for c in missing)
         raise DataError(f"{label}: no column {', '.join(repr(c) for c in missing)} (columns: {names[:12]}); "
                         f"set {hint} to the column that holds it")
+
+
+def convert_rows(src: Source, cols: list[str], split: Optional[str], convert: Callable[["ColumnBatch", int], object],
+                 bad_rows: str, log: Callable[[str], None], optional: tuple = ()) -> tuple[list, int]:
+    """``([convert(batch, i) for every row in file order], rows dropped)``: columns ``cols`` of every file (or the
+    save_to_disk ``split``) of ``src``. A row whose ``convert`` raises :class:`DataError` stops the read with that
+    error and the ``data.bad_rows=skip`` hint (``bad_rows="refuse"``), or is counted, reported through ``log``
+    with the first one, and dropped (``"skip"``)."""
+    out, bad = [], BadRows()
+    for path in (src.files if src.kind == "files" else (None,)):
+        for b in iter_column_batches(src, cols, path=path, split=split, optional=optional):
+            for i in range(b.n_rows):
+                try:
+                    out.append(convert(b, i))
+                except DataError as e:
+                    if bad_rows != "skip":
+                        raise DataError(f"{e} (or set data.bad_rows=skip to drop such rows)") from None
+                    bad.add(str(e))
+    if bad.count:
+        log(f"data: {bad.report()}")
+    return out, bad.count
 
 
 def iter_column_batches(src: Source, want: list[str], path: Optional[Path] = None,
