@@ -159,3 +159,31 @@ def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def peft_lora_model(model_path: str, lora, seed: int, dtype=torch.float32):
+    """``(model, {hf_name.lora_A/B.weight: parameter})``: transformers' model of ``model_path`` wrapped by
+    ``peft.get_peft_model`` with ``lora``'s rank / alpha / targets (dropout 0, ``bias="none"``), in ``dtype``, its
+    adapters set to the trainer's initial values (``init_adapter``: A random, B = 0), as a user would load a shared
+    initialisation."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from npu_train.model.lora import init_adapter
+
+    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)  # the family's class
+    model = peft.get_peft_model(base, peft.LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=0.0,
+                                                      target_modules=list(lora.targets), bias="none"))
+    model.to(dtype)
+    adapters = {}
+    with torch.no_grad():
+        for name, mod in model.named_modules():
+            if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
+                hf = name.replace("base_model.model.", "", 1)
+                a, b = init_adapter(f"{hf}.weight", tuple(mod.lora_A["default"].weight.shape),
+                                    tuple(mod.lora_B["default"].weight.shape), seed)
+                mod.lora_A["default"].weight.copy_(a)
+                mod.lora_B["default"].weight.copy_(b)
+                adapters[f"{hf}.lora_A.weight"] = mod.lora_A["default"].weight
+                adapters[f"{hf}.lora_B.weight"] = mod.lora_B["default"].weight
+    return model, adapters

@@ -12,7 +12,7 @@ import re
 
 import pytest
 
-from conftest import make_cfg, rel_diff, run_pipeline
+from conftest import make_cfg, peft_lora_model, rel_diff, run_pipeline
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -85,34 +85,17 @@ def _peft_dpo_reference(model_path, cfg, dtype=None):
     0, the trainer's initial adapters as a shared initialisation), the reference the same model inside
     ``disable_adapter()`` (the base), the pair losses from the paper (reference.ref_dpo_pair_losses), the mean over
     the step's pairs, global-norm clipping, AdamW over the adapters."""
-    import peft
     import torch
-    from transformers import AutoModelForCausalLM
 
     from npu_train.data.dataset import micro_batch_tensors
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
     from npu_train.model import load_config
-    from npu_train.model.lora import init_adapter
     from reference import ref_dpo_pair_losses, ref_lr
 
     t, lo, d = cfg.train, cfg.lora, cfg.dpo
     data = prepare_data(cfg, model_path, load_config(model_path))
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype or torch.float32)
-    model = peft.get_peft_model(base, peft.LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=0.0,
-                                                      target_modules=list(lo.targets), bias="none"))
-    model.to(dtype or torch.float32)
-    adapters = {}
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
-                hf = name.replace("base_model.model.", "", 1)
-                a, b = init_adapter(f"{hf}.weight", tuple(mod.lora_A["default"].weight.shape),
-                                    tuple(mod.lora_B["default"].weight.shape), t.seed)
-                mod.lora_A["default"].weight.copy_(a)
-                mod.lora_B["default"].weight.copy_(b)
-                adapters[f"{hf}.lora_A.weight"] = mod.lora_A["default"].weight
-                adapters[f"{hf}.lora_B.weight"] = mod.lora_B["default"].weight
+    model, adapters = peft_lora_model(model_path, lo, t.seed, dtype or torch.float32)
     params = list(adapters.values())
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
                             foreach=False)

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from conftest import make_cfg, rel_diff, run_pipeline
+from conftest import make_cfg, peft_lora_model, rel_diff, run_pipeline
 
 peft = pytest.importorskip("peft")
 
@@ -33,31 +33,15 @@ def _lr(step, lr, warmup, total, floor_ratio):
 
 
 def _peft_reference(model_path, cfg):
-    from transformers import AutoModelForCausalLM
-
     from npu_train.data.dataset import micro_batch_tensors
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
     from npu_train.model import load_config
-    from npu_train.model.lora import init_adapter
 
     t, lo = cfg.train, cfg.lora
     mcfg = load_config(model_path)
     data = prepare_data(cfg, model_path, mcfg)
-    base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)  # the family's class
-    model = peft.get_peft_model(base, peft.LoraConfig(r=lo.rank, lora_alpha=lo.alpha, lora_dropout=0.0,
-                                                      target_modules=list(lo.targets), bias="none"))
-    adapters = {}
-    with torch.no_grad():
-        for name, mod in model.named_modules():
-            if hasattr(mod, "lora_A") and "default" in getattr(mod, "lora_A", {}):
-                hf = name.replace("base_model.model.", "", 1)
-                a, b = init_adapter(f"{hf}.weight", tuple(mod.lora_A["default"].weight.shape),
-                                    tuple(mod.lora_B["default"].weight.shape), t.seed)
-                mod.lora_A["default"].weight.copy_(a)
-                mod.lora_B["default"].weight.copy_(b)
-                adapters[f"{hf}.lora_A.weight"] = mod.lora_A["default"].weight
-                adapters[f"{hf}.lora_B.weight"] = mod.lora_B["default"].weight
+    model, adapters = peft_lora_model(model_path, lo, t.seed)
     params = list(adapters.values())
     assert params and all(p.requires_grad for p in params)
     opt = torch.optim.AdamW(params, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, weight_decay=t.weight_decay,
