@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from npu_train.data import DataError
-from npu_train.data.chat import ChatRenderer
 from npu_train.data.preference import build_preference_data
 from npu_train.data.sft import build_sft_data
 from npu_train.model.llama import IGNORE_INDEX
+from smol_chat import smol_chat
 
 pytest.importorskip("transformers")
 pytest.importorskip("jinja2")
@@ -24,19 +24,7 @@ PAD = 0  # <|endoftext|>: never produced by the template or the rows below
 
 @pytest.fixture(scope="module")
 def smol():
-    from transformers import PreTrainedTokenizerFast
-
-    from npu_train.model import chat_template, embedded_model_path, load_config, load_tokenizer, special_tokens
-
-    try:
-        path = embedded_model_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    cfg, tok, template, specials = load_config(path), load_tokenizer(path), chat_template(path), special_tokens(path)
-    hf = PreTrainedTokenizerFast(tokenizer_object=tok, **specials)
-    hf.chat_template = template
-    return {"path": path, "cfg": cfg, "tok": tok, "hf": hf,
-            "renderer": ChatRenderer(tok, template, eos_id=cfg.eos_token_id, **specials)}
+    return smol_chat()
 
 
 def _conv(q: str, a: str) -> list[dict]:
