@@ -195,3 +195,22 @@ def test_prepare_data_and_sources_without_splits(smol, tmp_path, monkeypatch):
     cfg.data.source, cfg.data.messages_field = str(p), None
     with pytest.raises(DataError, match="needs a DatasetDict directory"):
         prepare_data(cfg, smol["path"], smol["cfg"], log=lambda m: None)
+
+
+def test_text_cache_key_ignores_val_fraction_with_a_val_split(smol, tmp_path):
+    """Text with ``data.val_split``: the fraction is unused, so it must not change the cache key (a second
+    launch with another ``data.val_fraction`` reuses the cache); without a split it still does."""
+    from npu_train.data.dataset import TextSpec, build_packed_data
+    from npu_train.data.sources import resolve_source
+
+    words = " ".join(f"word{i}" for i in range(400))
+    src = _save(tmp_path, "text", {"text": [words] * 4}, {"text": [words]})
+    cache = tmp_path / "cache"
+
+    def build(vf, split):
+        spec = TextSpec(resolve_source(src, "text", "train", split))
+        return build_packed_data(spec, smol["renderer"].tok, 31, val_fraction=vf, eos_id=PAD, cache_dir=cache)
+
+    assert build(0.1, "test").fingerprint == build(0.3, "test").fingerprint
+    assert build(0.1, None).fingerprint != build(0.3, None).fingerprint
+    assert len(list(cache.glob("*.safetensors"))) == 3

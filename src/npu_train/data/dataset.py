@@ -258,14 +258,16 @@ def tokenizer_hash(tokenizer) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()
 
 
-def data_fingerprint(src_key: str, tokenizer, seq_len: int, val_fraction: float, eos_id: int | None,
+def data_fingerprint(src_key: str, tokenizer, seq_len: int, val_fraction: Optional[float], eos_id: int | None,
                      text_field: str = "text", doc_mask: bool = False) -> str:
     """sha256 hex key over the source's cheap key (:func:`~npu_train.data.sources.source_key`), the text
-    column, the tokenizer serialization and the packing knobs (``doc_mask`` only when on)."""
+    column, the tokenizer serialization and the packing knobs (``doc_mask`` only when on); ``val_fraction``
+    None: validation is a split (``data.val_split``), so the fraction is not used and not in the key."""
     h = hashlib.sha256()
     h.update(f"{_FORMAT}\nsource {src_key}\nfield {text_field}\n".encode())
     h.update(f"tokenizer {tokenizer_hash(tokenizer)}\n".encode())
-    h.update(f"seq_len {int(seq_len)}\nval_fraction {float(val_fraction)!r}\neos_id {eos_id}\n".encode())
+    vf = "split" if val_fraction is None else repr(float(val_fraction))
+    h.update(f"seq_len {int(seq_len)}\nval_fraction {vf}\neos_id {eos_id}\n".encode())
     if doc_mask:  # only when on: the keys of existing caches stay
         h.update(b"doc_mask 1\n")
     return h.hexdigest()
@@ -660,7 +662,8 @@ def build_packed_data(
         raise DataError("data.doc_mask=true needs an EOS token between documents, but the model config has no "
                         "eos_token_id: set data.doc_mask=false")
     spec = text_spec if isinstance(text_spec, TextSpec) else TextSpec(resolve_source(str(text_spec), "text"))
-    fingerprint = data_fingerprint(source_key(spec.source), tokenizer, seq_len, val_fraction, eos_id, spec.text_field,
+    vf = None if spec.source.val_split is not None else val_fraction  # a split: the fraction is unused
+    fingerprint = data_fingerprint(source_key(spec.source), tokenizer, seq_len, vf, eos_id, spec.text_field,
                                    doc_mask=bool(doc_mask))
     where = "point $NPT_CACHE at a larger disk"
     directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
