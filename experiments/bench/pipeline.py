@@ -243,7 +243,9 @@ def run_project(schedule: str, P: int, M: int, args, work: Path, cores: list[int
                     "loss": [r["loss"] for r in recs], "loss1": recs[0]["loss"],
                     "metrics": recs})  # every step's metrics.jsonl record (per-phase seconds, per card)
         plan_file = run_dir / "plan.json"  # written by the launcher before the card processes start
-        counts = json.loads(plan_file.read_text()).get("split") if plan_file.is_file() else None
+        plan = json.loads(plan_file.read_text()) if plan_file.is_file() else {}
+        counts = plan.get("split")
+        res["chosen_schedule"] = plan.get("shape", {}).get("schedule")  # what train.schedule=auto picked
         if counts:  # layers per stage -> [a, b) ranges (the format of the checkpoint manifest's split)
             ends = [sum(counts[:i + 1]) for i in range(len(counts))]
             res["split"] = [[e - c, e] for c, e in zip(counts, ends)]
@@ -288,8 +290,9 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--torch-pg", default=None, help="process group backend of the torch side (default gloo on "
                     "cpu, nccl on cuda)")
-    ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], choices=SCHEDULES,
-                    help="train.schedule values")
+    ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], choices=("auto", *SCHEDULES),
+                    help="train.schedule values ('auto', the default command's: the planner's choice, "
+                         "printed per run)")
     ap.add_argument("--torch-schedules", nargs="*", default=["1F1B", *LOOPED, *VSHAPE],
                     help="torch.distributed.pipelining schedules (class name without 'Schedule'); none "
                          "given: the project's runs only (an A/B of two project trees)")
@@ -385,6 +388,8 @@ def main(argv=None) -> int:
                         idle += (f", collectives {100 * r['collective_share']:.1f}%)"
                                  if r.get("collective_share") is not None else ")")
                     loss = f" loss1 {r['loss1']:.4f}" if r.get("loss1") is not None else ""
+                    if kind is None and name.split()[1] == "auto" and r.get("chosen_schedule"):
+                        loss += f" (auto: {r['chosen_schedule']}, split {r.get('split')})"
                     print(f"[{time.time() - t_start:6.0f}s] P={P} M={M} round {rnd}: {name:<36} {tps}{idle}{loss}",
                           flush=True)
     summary = summarize(results, args)
