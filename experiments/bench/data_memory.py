@@ -35,6 +35,9 @@ def main() -> int:
     ap.add_argument("--sizes", default="10,300")
     ap.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "npt-bench-data"))
     ap.add_argument("--json", default=None)
+    ap.add_argument("--keep-data", action="store_true",
+                    help="keep token files already in the cache (a corpus tokenized by an earlier run is not "
+                         "tokenized again: the card processes' figures only)")
     a = ap.parse_args()
     from data_tokenize import make_corpus
 
@@ -48,7 +51,7 @@ def main() -> int:
     results = []
     for mb in [float(x) for x in a.sizes.split(",")]:
         corpus = make_corpus(os.path.join(a.workdir, f"corpus-{mb:g}mb.jsonl"), mb)
-        for f in glob.glob(os.path.join(cache, "data", "packed-*")):
+        for f in [] if a.keep_data else glob.glob(os.path.join(cache, "data", "packed-*")):
             os.unlink(f)
         run = tempfile.mkdtemp(dir=a.workdir, prefix=f"run-{mb:g}mb-")
         cmd = [sys.executable, os.path.join(HERE, "memwatch.py"), "--run-dir", run, "--",

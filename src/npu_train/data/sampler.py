@@ -1,6 +1,10 @@
 """Seeded, resumable sampler (:class:`StepSampler`) whose output is a pure function of the step number.
 
-Epoch ``e`` visits rows in ``randperm(n, generator seeded seed + e)``; step ``k`` takes the next global batch
+Epoch ``e`` visits rows in ``randperm(n, generator seeded seed + e)`` when ``n <= RANDPERM_MAX_ROWS`` (the
+permutation is held: 8 bytes a row); above that, in the order of :func:`feistel_order` keyed by ``(seed, e)``,
+computed for each micro-batch's positions only, so a card's memory does not grow with the corpus (a 1 GB text
+at ``data.seq_len=128`` is 4.2 M rows: a held permutation would be 33 MB per card and per cached epoch,
+``experiments/2026-12-03-data.md``). Step ``k`` takes the next global batch
 (``micro_batch * micro_batches * dp_size`` indices), data-parallel rank ``r`` its ``r``-th block. A step never
 straddles epochs (leftover indices dropped) unless the global batch exceeds the data set; a micro-batch never
 does. Resuming needs only the step number. Preference data (rows ``2i``, ``2i+1`` are pair ``i``) is drawn by pairs
@@ -14,9 +18,60 @@ import torch
 
 from .text import DataError
 
-__all__ = ["StepSampler", "PairSampler", "make_sampler"]
+__all__ = ["StepSampler", "PairSampler", "make_sampler", "feistel_order", "RANDPERM_MAX_ROWS"]
 
 _STATE_KEYS = ("seed", "n_sequences", "micro_batch", "micro_batches", "dp_size")
+
+#: largest row count whose epoch order is a held ``torch.randperm`` (2**20 rows: 8 MiB of int64); above it the
+#: order is :func:`feistel_order`'s. A function of ``n_sequences``, which the checkpoint records, so a resume
+#: always takes the order it started with.
+RANDPERM_MAX_ROWS = 1 << 20
+
+_M32 = 0xFFFFFFFF
+_ROUNDS = 4
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's output function (Steele, Lea, Flood 2014), on Python ints: round keys from ``(seed, epoch)``."""
+    x = (x + 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
+
+
+def _round_fn(r: torch.Tensor, key: int, mask: int) -> torch.Tensor:
+    """Feistel round function: a 32-bit integer hash (the ``0x45d9f3b`` multiply-xorshift) of ``r ^ key``,
+    ``mask``ed to the half width. int64 arithmetic on values < 2**32 times a constant < 2**27: no overflow."""
+    x = (r ^ (key & _M32)) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return (x ^ (x >> 16)) & mask
+
+
+def feistel_order(positions: torch.Tensor, n: int, seed: int, epoch: int) -> torch.Tensor:
+    """The rows at ``positions`` (int64, each in ``[0, n)``) of a pseudorandom permutation of ``range(n)`` keyed by
+    ``(seed, epoch)``: a balanced 4-round Feistel network over ``2**(2h)`` values (``2h`` the even bit width
+    covering ``n``, so fewer than ``4n``), with cycle-walking back into ``[0, n)`` (Black & Rogaway, "Ciphers with
+    arbitrary finite domains", 2002): a bijection on ``range(n)`` for any key, computed element-wise in O(len)
+    memory. Returns int64 of ``positions``' shape."""
+    n = int(n)
+    bits = max(2, (n - 1).bit_length())
+    half = (bits + 1) // 2
+    mask = (1 << half) - 1
+    keys = [_splitmix64(_splitmix64((int(seed) << 20) ^ int(epoch)) + r) for r in range(_ROUNDS)]
+
+    def encrypt(x: torch.Tensor) -> torch.Tensor:
+        left, right = x >> half, x & mask
+        for k in keys:
+            left, right = right, left ^ _round_fn(right, k, mask)
+        return (left << half) | right
+
+    y = encrypt(positions.to(torch.int64))
+    out = y >= n
+    while bool(out.any()):  # each walk stays on the cycle of a value in [0, n), so it ends there
+        y[out] = encrypt(y[out])
+        out = y >= n
+    return y
 
 
 class StepSampler:
@@ -85,6 +140,9 @@ class StepSampler:
 
     def _unit(self, u: int) -> torch.Tensor:
         epoch, j = divmod(u, self._units_per_epoch)
+        if self.n_sequences > RANDPERM_MAX_ROWS:
+            pos = torch.arange(j * self.micro_batch, (j + 1) * self.micro_batch, dtype=torch.int64)
+            return feistel_order(pos, self.n_sequences, self.seed, epoch)
         return self._perm(epoch)[j * self.micro_batch : (j + 1) * self.micro_batch].clone()
 
     def micro_batches_for_step(self, step: int) -> list[torch.Tensor]:
