@@ -94,6 +94,7 @@ def main() -> int:
     if a.worker:
         worker(*a.worker)
         return 0
+    os.makedirs(a.workdir, exist_ok=True)
     rows = [json.loads(x) for x in open(os.path.join(ROOT, "src/npu_train/data/assets/botchan_chat.jsonl"))]
     with open(os.path.join(a.workdir, "pc.jsonl"), "w") as f:
         for r in rows:
