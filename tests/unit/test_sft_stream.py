@@ -393,7 +393,7 @@ def test_short_disk_refused_before_the_rows_are_written(smol, tmp_path, monkeypa
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda d: Usage(10**9, 10**9, 1000))
     with pytest.raises(DataError, match=r"packed training data needs 1\.\d MB in .* but only 0\.0 MB are free: "
-                                        r"free disk space there$"):
+                                        r"free disk space there or point \$NPT_CACHE at a larger disk$"):
         build_sft_data(src, "chat", smol["renderer"], seq_len=63, cache_dir=tmp_path / "c", log=lambda m: None)
     assert not list((tmp_path / "c").iterdir())
 
@@ -408,7 +408,7 @@ def test_disk_full_while_spooling(smol, tmp_path, monkeypatch):
     monkeypatch.setattr(spool_mod.SampleSpool, "flush", full)
     src = _write(tmp_path, [{"prompt": f"Q{i}", "chosen": " yes", "rejected": " no"} for i in range(5)])
     with pytest.raises(DataError, match=r"disk ran out of space in .* while writing the packed training data: "
-                                        r"free disk space there"):
+                                        r"free disk space there or point \$NPT_CACHE at a larger disk"):
         build_preference_data(src, smol["renderer"], 31, cache_dir=tmp_path / "c", log=lambda m: None)
     assert not list((tmp_path / "c").iterdir())
 

@@ -54,6 +54,7 @@ __all__ = [
     "disk_full",
     "lock_path",
     "packed_meta",
+    "space_hint",
     "load_packed",
     "tokenize_documents",
     "micro_batch_tensors",
@@ -787,6 +788,13 @@ def build_packed_data(
             return data
         os.replace(tmp, target)
     return load_packed(target)
+
+
+def space_hint(cache_dir) -> str:
+    """The setting that moves a packed-data build to a larger disk: ``$NPT_CACHE`` (a cache directory), else
+    ``TMPDIR`` (the temporary directory); for :func:`disk_full` / :class:`PackedFileWriter` messages."""
+    return ("point $NPT_CACHE at a larger disk" if cache_dir is not None
+            else "set TMPDIR to a directory on a larger disk")
 
 
 def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,

@@ -47,7 +47,7 @@ import numpy as np
 
 from .chat import ROLES, ChatRenderer
 from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, n_val_rows, packed_meta,
-                      token_dtype, tokenizer_hash)
+                      space_hint, token_dtype, tokenizer_hash)
 from .sources import BadRows, iter_converted, resolve_source, source_key
 from .spool import BuildProgress, SampleSpool, segment_indices, split_max
 from .text import DataError
@@ -287,9 +287,9 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
     fp = preference_fingerprint(source_key(resolve_source(spec, "preference", split, val_split)), renderer,
                                 seq_len, None if val_split else val_fraction, int(pad_id), fields)
     job = _PairJob(spec, renderer, seq_len, float(val_fraction or 0.0), int(pad_id), vocab_size, fields, bad_rows,
-                   split, val_split, fp)
+                   split, val_split, fp, space_hint(cache_dir))
     data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp),
-                             lambda tmp, lock: _write_pairs(job, tmp, lock, log, progress_s), log)
+                             lambda tmp, lock: _write_pairs(job, tmp, lock, log, progress_s), log, job.where)
     if hit:
         log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)")
     return data
@@ -310,6 +310,7 @@ class _PairJob:
     split: str
     val_split: Optional[str]
     fingerprint: str
+    where: str = ""  # the setting that moves the build to a larger disk (dataset.space_hint)
 
     @property
     def row(self) -> int:
@@ -350,7 +351,7 @@ def _write_pairs(job: _PairJob, tmp: Path, lock: Optional[Path], log: Callable[[
             arrays[split_name] = (token_dtype(max(top, 0) + 1), 2 * (b - a))
             arrays[f"{split_name}_labels"] = (np.uint8, 2 * (b - a))
         out = PackedFileWriter(tmp, job.row, arrays, packed_meta(job.seq_len, st.n_tokens, job.fingerprint,
-                                                                 max(plans), pairs=True))
+                                                                 max(plans), pairs=True), job.where)
         try:
             for split_name, (a, b) in zip(("train", "val"), (train, val)):
                 _lay_pairs(spool, out, split_name, a, b, job, progress)

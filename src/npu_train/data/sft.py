@@ -48,7 +48,7 @@ from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ChatRenderer, iter_rows
 from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, n_val_rows, packed_meta,
-                      token_dtype, tokenizer_hash)
+                      space_hint, token_dtype, tokenizer_hash)
 from .sources import resolve_source, source_key
 from .spool import BuildProgress, SampleSpool, segment_indices, split_max
 from .text import DataError
@@ -99,9 +99,9 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
     fp = sft_fingerprint(source_key(resolve_source(spec, fmt, split, val_split)), fmt, renderer, seq_len,
                          None if val_split else val_fraction, truncation, pad_id, fields, pack=bool(pack))
     job = _SftJob(spec, fmt, renderer, seq_len, float(val_fraction or 0.0), truncation, int(pad_id), vocab_size, fields,
-                  bad_rows, split, bool(pack), val_split, fp)
+                  bad_rows, split, bool(pack), val_split, fp, space_hint(cache_dir))
     data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp, bool(pack)),
-                             lambda tmp, lock: _write_sft(job, tmp, lock, log, progress_s), log)
+                             lambda tmp, lock: _write_sft(job, tmp, lock, log, progress_s), log, job.where)
     if hit:
         log(f"data: {data.n_train + data.n_val} {'packed rows of ' if pack else ''}{fmt} samples from {spec} (cached)")
     return data
@@ -125,6 +125,7 @@ class _SftJob:
     pack: bool
     val_split: Optional[str]
     fingerprint: str
+    where: str = ""  # the setting that moves the build to a larger disk (dataset.space_hint)
 
     @property
     def row(self) -> int:
@@ -177,7 +178,7 @@ def _write_sft(job: _SftJob, tmp: Path, lock: Optional[Path], log: Callable[[str
             if job.pack:
                 arrays[f"{split_name}_positions"] = (token_dtype(max(plan.max_pos, 0) + 1), plan.rows)
         meta = packed_meta(job.seq_len, st.n_tokens, job.fingerprint, max(p.max_id for p in plans))
-        out = PackedFileWriter(tmp, job.row, arrays, meta)
+        out = PackedFileWriter(tmp, job.row, arrays, meta, job.where)
         try:
             for split_name, (a, b) in zip(("train", "val"), (train, val)):
                 _lay_split(spool, out, split_name, a, b, job, progress)
