@@ -142,6 +142,13 @@ def test_template_hiding_the_answer_is_an_error(smol):
         _renderer(smol, hides).sample(TWO_TURNS, "t.jsonl:7", "chat")
 
 
+def _labels(d, split: str = "train") -> torch.Tensor:
+    """The unshifted labels ``[N, seq_len + 1]`` int64 of a built split: the file stores a uint8 target mask
+    (1: the label is the token id; 0: IGNORE_INDEX)."""
+    ids, mask = getattr(d, split), getattr(d, f"{split}_labels")
+    return torch.where(mask.bool(), ids.to(torch.int64), IGNORE_INDEX)
+
+
 def _write(tmp_path, rows, name="d.jsonl"):
     p = tmp_path / name
     p.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
@@ -158,9 +165,10 @@ def test_padding_labels_and_roundtrip(smol, tmp_path):
     assert "4 of 4 chat samples kept" in logs[0]
     x, y = micro_batch_tensors(d, torch.tensor([1, 0]))
     assert x.shape == y.shape == (2, 64)
+    assert d.path is None and d.train_labels.dtype == torch.uint8  # mapped from a file already unlinked
     for b, row in enumerate((1, 0)):
-        lab = d.train_labels[row]
-        assert torch.equal(y[b], lab[1:]) and torch.equal(x[b], d.train[row, :-1])
+        lab = _labels(d)[row]
+        assert torch.equal(y[b], lab[1:]) and torch.equal(x[b], d.train[row, :-1].long())
         toks = d.train[row].tolist()
         n_pad = len(toks) - len("".join("p" if t == 2 else "x" for t in toks).rstrip("p"))  # trailing pad run
         assert n_pad > 0 and (lab[len(toks) - n_pad:] == IGNORE_INDEX).all()  # padding is never a target
@@ -172,7 +180,7 @@ def test_padding_labels_and_roundtrip(smol, tmp_path):
     for split, n in (("train", d.n_train), ("val", d.n_val)):
         for a, b in zip(micro_batch_tensors(d2, torch.arange(n), split), micro_batch_tensors(d, torch.arange(n), split)):
             assert torch.equal(a, b)
-    assert torch.equal(torch.where(d2.train_labels.bool(), d.train, IGNORE_INDEX), d.train_labels)
+    assert torch.equal(_labels(d2), _labels(d))
     # an all-masked micro-batch contributes 0, not NaN (the step divides by its total target count)
     ls, n = causal_lm_loss_sum(torch.randn(1, 64, 8), torch.full((1, 64), IGNORE_INDEX))
     assert n == 0 and float(ls) == 0.0
@@ -195,7 +203,7 @@ def test_truncation_and_drop_counts(smol, tmp_path):
     # the long answer is cut to its start (kept); the long prompt leaves no answer token (dropped)
     assert d.n_train + d.n_val == 4
     assert "2 longer than seq_len+1=65 tokens were truncated" in logs[0] and "1 dropped with no trained token" in logs[0]
-    rows = torch.cat([d.train_labels, d.val_labels])
+    rows = torch.cat([_labels(d), _labels(d, "val")])
     assert all(int((r[1:] != IGNORE_INDEX).sum()) > 0 for r in rows)
     with pytest.raises(DataError, match="data.truncation='cut'"):
         build_sft_data(src, "chat", _renderer(smol), seq_len=64, truncation="cut")
@@ -285,9 +293,9 @@ def test_packed_rows_hold_the_same_samples(smol, tmp_path):
         return ids[:m], lab[:m]
 
     for split in ("train", "val"):
-        f_ids, f_lab = getattr(flat, split), getattr(flat, f"{split}_labels")
-        p_ids, p_lab, p_pos = (getattr(packed, split), getattr(packed, f"{split}_labels"),
-                               getattr(packed, f"{split}_positions"))
+        f_ids, f_lab = getattr(flat, split), _labels(flat, split)
+        p_ids, p_lab, p_pos = (getattr(packed, split), _labels(packed, split),
+                               getattr(packed, f"{split}_positions").long())
         want = [strip(f_ids[r].tolist(), f_lab[r].tolist()) for r in range(f_ids.shape[0])]
         got, prev_used = [], None
         for r in range(p_ids.shape[0]):
@@ -314,12 +322,12 @@ def test_packed_rows_hold_the_same_samples(smol, tmp_path):
                                                   != IGNORE_INDEX).sum())
     from npu_train.data.dataset import micro_batch_positions
 
-    assert torch.equal(micro_batch_positions(packed, torch.tensor([1, 0])), packed.train_positions[[1, 0], :-1])
+    assert torch.equal(micro_batch_positions(packed, torch.tensor([1, 0])), packed.train_positions[[1, 0], :-1].long())
     assert micro_batch_positions(flat, torch.tensor([0])) is None
     d2 = load_packed(save_packed(packed, tmp_path / "p.safetensors"))
     # stored compactly (uint16) and memory-mapped; the same values
-    assert torch.equal(d2.train_positions.to(torch.int64), packed.train_positions)
-    assert torch.equal(d2.val_positions.to(torch.int64), packed.val_positions)
+    assert torch.equal(d2.train_positions.to(torch.int64), packed.train_positions.long())
+    assert torch.equal(d2.val_positions.to(torch.int64), packed.val_positions.long())
 
 
 def test_text_doc_mask_positions(smol, tmp_path):

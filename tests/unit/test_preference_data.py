@@ -54,7 +54,8 @@ def _split_row(ids: torch.Tensor, lab: torch.Tensor, pad: int = PAD) -> tuple[li
 
 def _pairs(d: PackedData, split: str = "train", pad: int = PAD) -> list[tuple[list[int], list[int], list[int]]]:
     """(prompt, chosen, rejected) ids of every pair of a split; checks both rows share the prompt."""
-    ids, lab = getattr(d, split), getattr(d, f"{split}_labels")
+    ids, mask = getattr(d, split), getattr(d, f"{split}_labels")
+    lab = torch.where(mask.bool(), ids.to(torch.int64), IGNORE_INDEX)  # stored as a uint8 target mask
     assert ids.shape[0] % 2 == 0
     out = []
     for i in range(0, ids.shape[0], 2):
@@ -86,7 +87,7 @@ def test_standard_rows(smol, tmp_path):
     d = _build(smol, _write(tmp_path, STANDARD))
     eos = smol["cfg"].eos_token_id
     assert d.pairs and d.n_train == 2 * len(STANDARD) and d.n_val == 0
-    assert d.train.shape == d.train_labels.shape == (6, 65) and d.train_labels.dtype == torch.int64
+    assert d.train.shape == d.train_labels.shape == (6, 65) and d.train_labels.dtype == torch.uint8
     assert d.train_positions is None and d.val_positions is None
     for (p, c, r), row in zip(_pairs(d), STANDARD):
         assert p == _enc(smol, row["prompt"])  # SmolLM2's tokenizer adds no BOS

@@ -48,6 +48,11 @@ def _chat_ids(smol, msgs) -> list[int]:
     return list(smol["hf"].apply_chat_template(msgs, tokenize=True, return_dict=True)["input_ids"])
 
 
+def _lab(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Unshifted int64 labels from the stored uint8 target mask (1: the token id; 0: IGNORE_INDEX)."""
+    return torch.where(mask.bool(), ids.to(torch.int64), IGNORE_INDEX)
+
+
 def _row_samples(ids: torch.Tensor, pos) -> list[list[int]]:
     """The samples (token id lists) of a split's rows: the non-padding tokens of each row, cut where the
     positions restart at 0 (packed rows); ``pos`` None: one sample per row."""
@@ -76,8 +81,8 @@ def test_sft_rows_come_from_their_split(smol, tmp_path, fmt, pack):
     assert _row_samples(d.train, d.train_positions) == [_chat_ids(smol, _conv(q, a)) for q, a in TRAIN_QA]
     assert _row_samples(d.val, d.val_positions) == [_chat_ids(smol, _conv(q, a)) for q, a in VAL_QA]
     # the labels train the answers of each split's own rows
-    train_text = smol["tok"].decode([x for x in d.train_labels.reshape(-1).tolist() if x != IGNORE_INDEX])
-    val_text = smol["tok"].decode([x for x in d.val_labels.reshape(-1).tolist() if x != IGNORE_INDEX])
+    train_text = smol["tok"].decode([x for x in _lab(d.train, d.train_labels).reshape(-1).tolist() if x != IGNORE_INDEX])
+    val_text = smol["tok"].decode([x for x in _lab(d.val, d.val_labels).reshape(-1).tolist() if x != IGNORE_INDEX])
     assert all(a in train_text and a not in val_text for _, a in TRAIN_QA)
     assert all(a in val_text and a not in train_text for _, a in VAL_QA)
     assert "5 of 5 from split 'train' for training, 3 of 3 from split 'test' for validation" in logs[-1]
@@ -118,7 +123,7 @@ def _pairs(ids: torch.Tensor, lab: torch.Tensor) -> list[tuple[list[int], list[i
     for i in range(0, ids.shape[0], 2):
         got = []
         for r in (i, i + 1):
-            row, lb = ids[r].tolist(), lab[r].tolist()
+            row, lb = ids[r].tolist(), _lab(ids[r], lab[r]).tolist()
             on = [j for j, x in enumerate(lb) if x != IGNORE_INDEX]
             got.append((row[: on[0]], row[on[0]: on[-1] + 1]))
         assert got[0][0] == got[1][0]

@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 from npu_train.model.llama import IGNORE_INDEX
 
 from .sources import BUILTIN_CHAT
 from .text import DataError
 
-__all__ = ["FIELDS", "FORMATS", "ROLES", "ChatRenderer", "Sample", "read_rows", "row_messages", "BUILTIN_CHAT_SOURCES"]
+__all__ = ["FIELDS", "FORMATS", "ROLES", "ChatRenderer", "Sample", "iter_rows", "read_rows", "row_messages",
+           "BUILTIN_CHAT_SOURCES"]
 
 FORMATS = ("text", "chat", "prompt_completion", "preference")
 ROLES = ("system", "user", "assistant")
@@ -81,14 +82,16 @@ FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
           "preference": ("prompt", "chosen", "rejected")}
 
 
-def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
-              log: Callable[[str], None] = print) -> list[tuple[list[dict], str]]:
-    """``[(messages, "file:row"), ...]`` of a chat / prompt_completion source in file order: a built-in name
-    (:data:`BUILTIN_CHAT_SOURCES`), a JSON(L) / parquet / arrow file, a glob or directory of them, or a
-    save_to_disk directory (``split``). ``fields`` maps ``messages`` / ``prompt`` / ``completion`` to the
-    source's column names. A bad row is an error naming it (``bad_rows="refuse"``) or is counted, reported
-    through ``log`` with the first one and dropped (``"skip"``). Raises FileNotFoundError / :class:`DataError`."""
-    from .sources import convert_rows, resolve_source
+def iter_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
+              log: Callable[[str], None] = print) -> Iterator[tuple[list[dict], str]]:
+    """``(messages, "file:row")`` of each good row of a chat / prompt_completion source in file order, one
+    at a time (memory: one batch of rows): a built-in name (:data:`BUILTIN_CHAT_SOURCES`), a JSON(L) /
+    parquet / arrow file, a glob or directory of them, or a save_to_disk directory (``split``). ``fields``
+    maps ``messages`` / ``prompt`` / ``completion`` to the source's column names. A bad row is an error
+    naming it (``bad_rows="refuse"``) or is counted, reported through ``log`` with the first one after the
+    last row, and dropped (``"skip"``). No good row at all: :class:`DataError` after the last row. Raises
+    FileNotFoundError / :class:`DataError`."""
+    from .sources import iter_converted, resolve_source
 
     src = resolve_source(spec, fmt, split)
     names = {k: str((fields or {}).get(k) or k) for k in FIELDS[fmt]}
@@ -97,11 +100,20 @@ def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str 
         obj = {k: b.columns[c][i] for k, c in names.items() if b.columns[c][i] is not None}
         return row_messages(obj, fmt, b.where(i)), b.where(i)
 
-    rows, _ = convert_rows(src, list(dict.fromkeys(names.values())), split, convert, bad_rows, log)
-    if not rows:
+    n = 0
+    for row in iter_converted(src, list(dict.fromkeys(names.values())), split, convert, bad_rows, log):
+        n += 1
+        yield row
+    if not n:
         where = f" (split {split!r})" if src.kind == "saved" else ""
         raise DataError(f"data.source={spec!r}{where}: no rows; add rows like {_shape_hint(fmt)}")
-    return rows
+
+
+def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
+              log: Callable[[str], None] = print) -> list[tuple[list[dict], str]]:
+    """:func:`iter_rows` as a list (small sources and tests; :func:`~npu_train.data.sft.build_sft_data`
+    streams)."""
+    return list(iter_rows(spec, fmt, fields, bad_rows, split, log))
 
 
 # ------------------------------------------------------------------------------- rendering

@@ -48,6 +48,13 @@ __all__ = [
     "data_fingerprint",
     "packed_cache_path",
     "save_packed",
+    "PackedFileWriter",
+    "build_cached",
+    "build_lock",
+    "disk_full",
+    "lock_path",
+    "packed_meta",
+    "space_hint",
     "load_packed",
     "tokenize_documents",
     "micro_batch_tensors",
@@ -309,6 +316,91 @@ def _short(need: int, path: Path, free: int, where: str) -> DataError:
                      f"{free / 1e6:.1f} MB are free: free disk space there" + (f" or {where}" if where else ""))
 
 
+def packed_meta(seq_len: int, n_tokens: int, fingerprint: str, max_id: int, pairs: bool = False) -> dict:
+    """The ``__metadata__`` of a packed-data file written by :func:`save_packed` / :class:`PackedFileWriter`
+    (``max_id``: the largest id in the ``train`` / ``val`` arrays, padding included; -1 when both are empty)."""
+    meta = {"format": _FORMAT, "seq_len": str(int(seq_len)), "n_tokens": str(int(n_tokens)),
+            "fingerprint": fingerprint, "max_id": str(int(max_id))}
+    if pairs:
+        meta["pairs"] = "1"
+    return meta
+
+
+def disk_full(path: Path, where: str = "", need: int = 0) -> DataError:
+    """The error for a full disk while writing packed data next to ``path`` (``need``: bytes, when known);
+    names the fix (free space there, or ``where``)."""
+    import shutil
+
+    free = shutil.disk_usage(Path(path).parent).free
+    if need:
+        return _short(need, Path(path), free, where)
+    return DataError(f"the disk ran out of space in {Path(path).parent} ({free / 1e6:.1f} MB free) while writing the "
+                     "packed training data: free disk space there" + (f" or {where}" if where else ""))
+
+
+class PackedFileWriter:
+    """A packed-data file (the format :func:`load_packed` maps) written in blocks of rows: the arrays' dtypes
+    and row counts (``arrays``: name of :data:`ARRAY_FIELDS` -> ``(dtype, rows)``, each ``[rows, row]``) are
+    known up front, so the header goes first and every block is written straight to its place
+    (``os.pwrite``; nothing is mapped, so the writer holds one block). Arrays are laid out largest item size
+    first, so each stays aligned. Refuses (:class:`DataError` naming the fix) when the free space is below
+    the arrays' bytes + :data:`PACKED_MARGIN_BYTES` (as :func:`save_packed`) or runs out while writing."""
+
+    def __init__(self, path: Path, row: int, arrays: dict, meta: dict, where: str = ""):
+        import shutil
+
+        self.path, self.row, self.where = Path(path), int(row), where
+        order = sorted(arrays, key=lambda n: (-np.dtype(arrays[n][0]).itemsize, ARRAY_FIELDS.index(n)))
+        header: dict = {"__metadata__": meta}
+        self.places: dict[str, tuple[int, np.dtype]] = {}
+        end = 0
+        for name in order:
+            dt, rows = np.dtype(arrays[name][0]), int(arrays[name][1])
+            size = rows * self.row * dt.itemsize
+            header[name] = {"dtype": _ST_DTYPES[dt], "shape": [rows, self.row], "data_offsets": [end, end + size]}
+            self.places[name] = (end, dt)
+            end += size
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.need = end + PACKED_MARGIN_BYTES
+        free = shutil.disk_usage(self.path.parent).free
+        if free < self.need:
+            raise _short(self.need, self.path, free, where)
+        self.base = 8 + len(blob)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            self._pwrite(struct.pack("<Q", len(blob)) + blob, 0)
+            os.ftruncate(self.fd, self.base + end)
+        except BaseException:
+            self.close()
+            raise
+
+    def _pwrite(self, buf, pos: int) -> None:
+        from npu_train.errors import out_of_space
+
+        view = memoryview(buf).cast("B")
+        try:
+            while len(view):
+                n = os.pwrite(self.fd, view, pos)
+                view, pos = view[n:], pos + n
+        except OSError as e:
+            if out_of_space(e):
+                raise disk_full(self.path, self.where, self.need) from e
+            raise
+
+    def write(self, name: str, first_row: int, block: np.ndarray) -> None:
+        """Rows ``first_row ..`` of array ``name``: ``block`` ``[k, row]``, converted to the array's dtype."""
+        off, dt = self.places[name]
+        a = np.ascontiguousarray(block, dtype=dt)
+        assert a.ndim == 2 and a.shape[1] == self.row, a.shape
+        self._pwrite(a, self.base + off + int(first_row) * self.row * dt.itemsize)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 def _max_id(data: PackedData) -> int:
     return max((int(t.max()) if t.numel() else -1) for t in (data.train.to(torch.int64), data.val.to(torch.int64)))
 
@@ -336,12 +428,9 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
     free = shutil.disk_usage(path.parent).free
     if free < need:
         raise _short(need, path, free, where)
-    meta = {"format": _FORMAT, "seq_len": str(int(data.seq_len)), "n_tokens": str(int(data.n_tokens)),
-            "fingerprint": data.fingerprint, "max_id": str(_max_id(data))}
+    meta = packed_meta(data.seq_len, data.n_tokens, data.fingerprint, _max_id(data), data.pairs)
     if data.doc_eos is not None:
         meta["doc_eos"] = str(int(data.doc_eos))
-    if data.pairs:
-        meta["pairs"] = "1"
     try:
         save_file(arrays, str(tmp), metadata=meta)
     except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
@@ -495,6 +584,11 @@ class _StreamFile:
         self.f.close()
 
 
+def lock_path(target: Path) -> Path:
+    """The file :func:`build_lock` holds while ``target`` is built (touched by the builder's progress)."""
+    return target.with_name(target.name + ".lock")
+
+
 @contextlib.contextmanager
 def build_lock(target: Path, log: Callable[[str], None], ready: Optional[Callable[[], bool]] = None,
                stale_s: float = LOCK_STALE_S, poll_s: float = 0.5) -> Iterator[bool]:
@@ -502,7 +596,7 @@ def build_lock(target: Path, log: Callable[[str], None], ready: Optional[Callabl
     (another node on a shared cache, or a concurrent launch) finished ``target`` meanwhile (``ready()``,
     default: the file exists). A lock whose
     file was not touched for ``stale_s`` seconds (the builder's progress touches it) is taken over."""
-    lock = target.with_name(target.name + ".lock")
+    lock = lock_path(target)
     ready = ready or target.is_file
     said = False
     while True:
@@ -679,7 +773,7 @@ def build_packed_data(
             return load_packed(target)
         _free_check(directory, spec.source, 2, where)
         tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
-        lock = target.with_name(target.name + ".lock") if target is not None else None
+        lock = lock_path(target) if target is not None else None
         try:
             _write_packed(spec, tmp, tokenizer, seq_len, val_fraction, eos_id, vocab_size, fingerprint, log,
                           progress_s, lock, doc_eos=int(eos_id) if doc_mask else None)
@@ -697,6 +791,53 @@ def build_packed_data(
             return data
         os.replace(tmp, target)
     return load_packed(target)
+
+
+def space_hint(cache_dir) -> str:
+    """The setting that moves a packed-data build to a larger disk: ``$NPT_CACHE`` (a cache directory), else
+    ``TMPDIR`` (the temporary directory); for :func:`disk_full` / :class:`PackedFileWriter` messages."""
+    return ("point $NPT_CACHE at a larger disk" if cache_dir is not None
+            else "set TMPDIR to a directory on a larger disk")
+
+
+def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
+                 cached: Callable[[Path], Optional[PackedData]], write: Callable[[Path, Optional[Path]], None],
+                 log: Callable[[str], None], where: str = "") -> tuple[PackedData, bool]:
+    """``(data, from_cache)``: the packed file for ``fingerprint`` under ``cache_dir`` when ``cached(path)``
+    accepts it, else built by ``write(tmp, lock)`` into a temporary file there (``lock``: the build lock to
+    touch while working, None without a cache) and renamed into place, one builder at a time
+    (:func:`build_lock`: another node sharing the cache waits and maps the file built). Without
+    ``cache_dir`` the file is built in the temporary directory, mapped and unlinked (``data.path`` None).
+    The temporary file is removed when ``write`` raises; a full disk is a :class:`DataError` naming the fix
+    (``where``: the setting that moves the directory)."""
+    from npu_train.errors import out_of_space
+
+    directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
+    directory.mkdir(parents=True, exist_ok=True)
+    target = packed_cache_path(directory, fingerprint) if cache_dir is not None else None
+    hit = cached(target) if target is not None and target.is_file() else None
+    if hit is not None:
+        return hit, True
+    with contextlib.ExitStack() as stack:
+        if target is not None:
+            ready = lambda: target.is_file() and cached(target) is not None  # noqa: E731
+            if not stack.enter_context(build_lock(target, log, ready)):
+                return cached(target) or load_packed(target), True
+        tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
+        try:
+            write(tmp, lock_path(target) if target is not None else None)
+        except BaseException as e:
+            tmp.unlink(missing_ok=True)
+            if isinstance(e, OSError) and out_of_space(e):
+                raise disk_full(tmp, where) from e
+            raise
+        if target is None:
+            data = load_packed(tmp)
+            tmp.unlink()  # the mapping stays valid
+            data.path = None
+            return data, False
+        os.replace(tmp, target)
+    return load_packed(target), False
 
 
 def _cached(target: Optional[Path], fingerprint: str, seq_len: int, vocab_size) -> Optional[PackedData]:

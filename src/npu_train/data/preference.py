@@ -23,35 +23,45 @@ prefix or chosen equal to rejected is a bad row (``data.bad_rows``: refuse names
 Layout (:class:`~npu_train.data.dataset.PackedData` with ``pairs=True``): one sequence per row,
 ``seq_len + 1`` tokens, right-padded with ``pad_id``; row ``2i`` is prompt + chosen and row ``2i + 1`` prompt +
 rejected of pair ``i``, in train and validation (the last ``val_fraction`` of the pairs, at least one when
-> 0; or, with ``val_split``, the pairs of that split of a ``save_to_disk`` DatasetDict, ``val_fraction`` unused). Labels (int64): the token id at every completion position, ``IGNORE_INDEX`` on the prompt and the
-padding (:func:`~npu_train.data.dataset.micro_batch_tensors` shifts them into next-token targets).
-Truncation: the prompt is kept whole and each completion is cut to the ``seq_len + 1 - len(prompt)`` tokens
-left; a pair whose prompt leaves no completion token is dropped. Start at :func:`build_preference_data`."""
+> 0; or, with ``val_split``, the pairs of that split of a ``save_to_disk`` DatasetDict, ``val_fraction``
+unused). Labels: the token id at every completion position, ``IGNORE_INDEX`` on the prompt and the padding,
+stored as a uint8 mask (:func:`~npu_train.data.dataset.micro_batch_tensors` shifts them into next-token
+targets). Truncation: the prompt is kept whole and each completion is cut to the ``seq_len + 1 -
+len(prompt)`` tokens left; a pair whose prompt leaves no completion token is dropped.
+
+The build streams like the SFT one (:mod:`npu_train.data.sft`): pass 1 tokenizes pair after pair into flat
+temporary files (prompt, chosen and rejected ids back to back, per pair the three lengths and the largest
+id); pass 2 writes the rows block by block into the memory-mapped packed file, built once under the cache
+lock. Errors come in the order of a build that read every row, then tokenized every pair, then checked
+the ids. Start at :func:`build_preference_data`."""
 from __future__ import annotations
 
 import hashlib
 import json
 import os
-from dataclasses import dataclass
-from typing import Callable, Optional, Union
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Union
 
-import torch
-
-from npu_train.model.llama import IGNORE_INDEX
+import numpy as np
 
 from .chat import ROLES, ChatRenderer
-from .dataset import PackedData, load_packed, n_val_rows, packed_cache_path, save_packed, tokenizer_hash
-from .sources import convert_rows, resolve_source, source_key
+from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, n_val_rows, packed_meta,
+                      space_hint, token_dtype, tokenizer_hash)
+from .sources import BadRows, iter_converted, resolve_source, source_key
+from .spool import BuildProgress, SampleSpool, segment_indices, split_max
 from .text import DataError
 
-__all__ = ["PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "pair_tokens", "preference_fingerprint",
-           "read_pairs", "row_pair"]
+__all__ = ["BLOCK_TOKENS", "PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "iter_pairs",
+           "pair_tokens", "preference_fingerprint", "read_pairs", "row_pair"]
 
 #: the columns of a preference row (data.prompt_field / chosen_field / rejected_field rename them)
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
 _FORMAT = "npu-train-pref-v1"
 #: how rows are truncated (part of the cache key)
 _TRUNCATION = "keep-prompt-cut-completion"
+#: row tokens (padding included) laid out per block written in pass 2
+BLOCK_TOKENS = 1 << 18
 _SHAPES = ('{"prompt": "...", "chosen": "...", "rejected": "..."}, the same with message lists '
            '[{"role": "user", "content": "..."}], or {"chosen": ..., "rejected": ...} sharing a prompt prefix')
 
@@ -146,12 +156,13 @@ def row_pair(obj: dict, has_prompt: bool, where: str) -> PairText:
     return PairText(chat, prompt, chosen, rejected, where)
 
 
-def read_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
-               log: Callable[[str], None] = print) -> tuple[list[PairText], int]:
-    """``(pairs, n_bad)``: the validated rows of ``spec`` in file order and how many bad rows were skipped
-    (``bad_rows="skip"``; reported through ``log`` with the first one; ``"refuse"``: the first is an error).
-    ``fields`` maps prompt / chosen / rejected to the source's columns; a file without the prompt column has
-    implicit prompts. Raises FileNotFoundError / :class:`DataError`."""
+def iter_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
+               log: Callable[[str], None] = print, bad: Optional[BadRows] = None) -> Iterator[PairText]:
+    """The validated rows of ``spec`` in file order, one at a time (memory: one batch of rows); bad rows
+    skipped (``bad_rows="skip"``) are counted in ``bad`` and reported through ``log`` with the first one after
+    the last row (``"refuse"``: the first is an error). ``fields`` maps prompt / chosen / rejected to the
+    source's columns; a file without the prompt column has implicit prompts. No usable row: a
+    :class:`DataError` after the last row. Raises FileNotFoundError / :class:`DataError`."""
     src = resolve_source(spec, "preference", split)
     names = {k: str((fields or {}).get(k) or k) for k in PAIR_FIELDS}
     cols = list(dict.fromkeys([names["chosen"], names["rejected"], names["prompt"]]))
@@ -160,11 +171,21 @@ def read_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse
         obj = {k: b.columns[c][i] for k, c in names.items() if c in b.columns}
         return row_pair(obj, names["prompt"] in b.columns, b.where(i))
 
-    out, n_bad = convert_rows(src, cols, split, convert, bad_rows, log, optional=(names["prompt"],))
-    if not out:
+    n = 0
+    for pair in iter_converted(src, cols, split, convert, bad_rows, log, optional=(names["prompt"],), bad=bad):
+        n += 1
+        yield pair
+    if not n:
         where = f" (split {split!r})" if src.kind == "saved" else ""
         raise DataError(f"data.source={spec!r}{where}: no usable preference rows; add rows like {_SHAPES}")
-    return out, n_bad
+
+
+def read_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
+               log: Callable[[str], None] = print) -> tuple[list[PairText], int]:
+    """``(pairs, n_bad)``: :func:`iter_pairs` as a list and how many bad rows were skipped (small sources and
+    tests; :func:`build_preference_data` streams)."""
+    bad = BadRows()
+    return list(iter_pairs(spec, fields, bad_rows, split, log, bad)), bad.count
 
 
 # ------------------------------------------------------------------------------- tokenizing
@@ -235,46 +256,10 @@ def preference_fingerprint(src_key: str, renderer: ChatRenderer, seq_len: int, v
     return h.hexdigest()
 
 
-def _lay_pairs(pairs: list[PairTokens], row: int, pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, labels)``, each ``[2 * len(pairs), row]`` int64: rows ``2i`` / ``2i + 1`` prompt + chosen / rejected
-    of pair ``i`` (completions already fit), right-padded with ``pad_id``; labels the completion ids, else
-    ``IGNORE_INDEX``."""
-    ids = torch.full((2 * len(pairs), row), pad_id, dtype=torch.int64)
-    lab = torch.full((2 * len(pairs), row), IGNORE_INDEX, dtype=torch.int64)
-    for i, p in enumerate(pairs):
-        n = len(p.prompt)
-        for r, comp in ((2 * i, p.chosen), (2 * i + 1, p.rejected)):
-            ids[r, :n] = torch.tensor(p.prompt, dtype=torch.int64)
-            ids[r, n:n + len(comp)] = torch.tensor(comp, dtype=torch.int64)
-            lab[r, n:n + len(comp)] = torch.tensor(comp, dtype=torch.int64)
-    return ids, lab
-
-
-def _fit(pairs: list[PairTokens], row: int, vocab_size: Optional[int]) -> tuple[list[PairTokens], int, int, int]:
-    """``(kept, n_cut, n_dropped, n_tokens)``: pairs with completions cut to the room the prompt leaves in
-    ``row`` tokens; pairs whose prompt leaves no room dropped; ids checked ``< vocab_size``."""
-    kept, n_cut, n_drop, n_tokens = [], 0, 0, 0
-    for p in pairs:
-        room = row - len(p.prompt)
-        if room < 1:
-            n_drop += 1
-            continue
-        n_cut += (len(p.chosen) > room) + (len(p.rejected) > room)
-        q = PairTokens(p.prompt, p.chosen[:room], p.rejected[:room], p.where)
-        top = max(q.prompt + q.chosen + q.rejected)
-        if vocab_size is not None and top >= vocab_size:
-            raise DataError(f"{p.where}: tokenizer produced id {top} but the model's vocabulary has {vocab_size} "
-                            "entries: the tokenizer does not match the model")
-        n_tokens += 2 * len(q.prompt) + len(q.chosen) + len(q.rejected)
-        kept.append(q)
-    return kept, n_cut, n_drop, n_tokens
-
-
-def _cached(cache_path, fp: str) -> Optional[PackedData]:
-    if cache_path is None or not cache_path.is_file():
-        return None
+def _cached(path: Path, fp: str) -> Optional[PackedData]:
+    """The packed file at ``path`` when it holds preference pairs for ``fp``, else None."""
     try:
-        data = load_packed(cache_path)
+        data = load_packed(path)
     except Exception:  # noqa: BLE001 - unreadable cache: rebuild
         return None
     ok = data.fingerprint == fp and data.pairs and data.train_labels is not None
@@ -285,64 +270,211 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
                           pad_id: int = 0, cache_dir: str | os.PathLike | None = None,
                           vocab_size: Optional[int] = None, log: Callable[[str], None] = print,
                           fields: Optional[dict] = None, bad_rows: str = "refuse",
-                          split: str = "train", val_split: Optional[str] = None) -> PackedData:
-    """Read, tokenize, truncate and pad the preference rows of ``spec`` into a :class:`PackedData` with
-    ``pairs=True`` (see the module doc for the layout): ``train`` / ``val`` ``[2 * pairs, seq_len + 1]`` int64
-    ids, ``train_labels`` / ``val_labels`` the same shape, int64 (completion ids, else ``IGNORE_INDEX``),
-    positions None. Cached under ``cache_dir`` keyed by :func:`preference_fingerprint`. ``fields`` maps
-    prompt / chosen / rejected to the source's columns, ``bad_rows`` refuse | skip, ``split`` the
-    save_to_disk split, ``val_split`` a split of the same DatasetDict read as the validation pairs
-    (``val_fraction`` then unused); ``log`` gets one summary line. Raises :class:`DataError` for bad rows
-    (naming file and row), ids outside ``vocab_size``, or fewer than 2 usable pairs (with ``val_split``: no
-    usable pair in one of the splits); FileNotFoundError."""
+                          split: str = "train", val_split: Optional[str] = None,
+                          progress_s: float = PROGRESS_S) -> PackedData:
+    """Read, tokenize, truncate and pad the preference rows of ``spec`` into a memory-mapped :class:`PackedData`
+    with ``pairs=True`` (see the module doc for the layout): ``train`` / ``val`` ``[2 * pairs, seq_len + 1]``
+    uint16 / uint32 ids, ``train_labels`` / ``val_labels`` the same shape, a uint8 mask (1 on the completion
+    tokens: labels = ids there, else ``IGNORE_INDEX``), positions None. Cached under ``cache_dir`` keyed by
+    :func:`preference_fingerprint` (else a temporary file, unlinked once mapped). ``fields`` maps prompt /
+    chosen / rejected to the source's columns, ``bad_rows`` refuse | skip, ``split`` the save_to_disk split,
+    ``val_split`` a split of the same DatasetDict read as the validation pairs (``val_fraction`` then
+    unused); ``log`` gets one summary line (and a progress line every ``progress_s`` seconds of a long
+    build). Raises :class:`DataError` for bad rows (naming file and row), ids outside ``vocab_size``, or
+    fewer than 2 usable pairs (with ``val_split``: no usable pair in one of the splits); FileNotFoundError."""
     seq_len = int(seq_len)
-    row = seq_len + 1
     val_split = str(val_split) if val_split else None
     fp = preference_fingerprint(source_key(resolve_source(spec, "preference", split, val_split)), renderer,
                                 seq_len, None if val_split else val_fraction, int(pad_id), fields)
-    cache_path = packed_cache_path(cache_dir, fp) if cache_dir is not None else None
-    data = _cached(cache_path, fp)
-    if data is not None:
+    job = _PairJob(spec, renderer, seq_len, float(val_fraction or 0.0), int(pad_id), vocab_size, fields, bad_rows,
+                   split, val_split, fp, space_hint(cache_dir))
+    data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp),
+                             lambda tmp, lock: _write_pairs(job, tmp, lock, log, progress_s), log, job.where)
+    if hit:
         log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)")
-        return data
-    lead = lead_ids(renderer.tok)
-    splits = [split] + ([val_split] if val_split else [])
-    per = []  # per split: (kept pairs, rows read)
-    n_bad = n_cut = n_drop = n_tokens = 0
-    for name in splits:
-        texts, bad = read_pairs(spec, fields, bad_rows, name, log)
-        pairs, cut, drop, tokens = _fit([pair_tokens(renderer, p, lead) for p in texts], row, vocab_size)
-        per.append((pairs, len(texts) + bad))
-        n_bad, n_cut, n_drop, n_tokens = n_bad + bad, n_cut + cut, n_drop + drop, n_tokens + tokens
-    kept = sum(len(p) for p, _ in per)
-    msg = (f"data: {kept} of {sum(n for _, n in per)} preference pairs kept"
-           + (f" ({n_bad} bad rows skipped)" if n_bad else "")
-           + (f" ({len(per[0][0])} of {per[0][1]} from split {split!r} for training, {len(per[1][0])} of "
-              f"{per[1][1]} from split {val_split!r} for validation; data.val_fraction not used)" if val_split else "")
-           + f"; {n_cut} completions truncated to fit seq_len+1={row} tokens (the prompt is kept)"
-           + f"; {n_drop} pair(s) dropped (the prompt alone fills the {row} tokens)")
-    if val_split:
-        for (got, _), name in zip(per, splits):
+    return data
+
+
+@dataclass(frozen=True)
+class _PairJob:
+    """The knobs of one :func:`build_preference_data` call."""
+
+    spec: str
+    renderer: ChatRenderer
+    seq_len: int
+    val_fraction: float
+    pad_id: int
+    vocab_size: Optional[int]
+    fields: Optional[dict]
+    bad_rows: str
+    split: str
+    val_split: Optional[str]
+    fingerprint: str
+    where: str = ""  # the setting that moves the build to a larger disk (dataset.space_hint)
+
+    @property
+    def row(self) -> int:
+        return self.seq_len + 1
+
+
+@dataclass
+class _PairStats:
+    """Counts over the pairs read in pass 1 (summed over the splits); ``rows`` (read, bad ones included) and
+    ``kept`` per split."""
+
+    n_bad: int = 0
+    n_cut: int = 0
+    n_drop: int = 0
+    n_tokens: int = 0
+    rows: list = field(default_factory=list)
+    kept: list = field(default_factory=list)
+
+
+def _write_pairs(job: _PairJob, tmp: Path, lock: Optional[Path], log: Callable[[str], None],
+                 progress_s: float) -> None:
+    """Pass 1: tokenize the pairs of the split(s) into a :class:`SampleSpool` next to ``tmp``; pass 2: lay the
+    kept pairs, two rows each, into the packed file ``tmp`` block by block."""
+    progress = BuildProgress(log, job.spec, lock, progress_s)
+    st = _PairStats()
+    lead = lead_ids(job.renderer.tok)
+    with SampleSpool(tmp.parent, tmp.name, n_meta=4) as spool:
+        for name in [job.split] + ([job.val_split] if job.val_split else []):
+            _spool_pairs(job, name, lead, spool, st, progress, log)
+        spool.close()
+        (train, val), msg = _pair_ranges(job, st, log)
+        kept = sum(st.kept)
+        log(msg + f"; {train[1] - train[0]} train / {val[1] - val[0]} validation pairs, one sequence per answer "
+            f"({st.n_tokens / (2 * kept * job.row):.0%} filled)")
+        plans = [_pair_max(spool, a, b, job.row, job.pad_id) for a, b in (train, val)]
+        arrays = {}
+        for split_name, (a, b), top in zip(("train", "val"), (train, val), plans):
+            arrays[split_name] = (token_dtype(max(top, 0) + 1), 2 * (b - a))
+            arrays[f"{split_name}_labels"] = (np.uint8, 2 * (b - a))
+        out = PackedFileWriter(tmp, job.row, arrays, packed_meta(job.seq_len, st.n_tokens, job.fingerprint,
+                                                                 max(plans), pairs=True), job.where)
+        try:
+            for split_name, (a, b) in zip(("train", "val"), (train, val)):
+                _lay_pairs(spool, out, split_name, a, b, job, progress)
+        finally:
+            out.close()
+
+
+def _spool_pairs(job: _PairJob, name: str, lead: list[int], spool: SampleSpool, st: _PairStats,
+                 progress: BuildProgress, log: Callable[[str], None]) -> None:
+    """Tokenize and fit the pairs of split ``name`` into ``spool`` (counts into ``st``). Errors come in the
+    order of a build that read every row, then tokenized every pair, then checked the ids: a bad row found
+    by reading first, then the first pair that fails to tokenize, then the first id outside the vocabulary
+    (each raised once the split's last row is read)."""
+    bad = BadRows()
+    failed: Optional[Exception] = None
+    out_of_vocab: Optional[DataError] = None
+    rows = kept = 0
+    for p in iter_pairs(job.spec, job.fields, job.bad_rows, name, log, bad):
+        rows += 1
+        if failed is not None:
+            continue
+        try:
+            t = pair_tokens(job.renderer, p, lead)
+        except Exception as e:  # noqa: BLE001 - raised once the split is read (see the docstring)
+            failed = e
+            continue
+        try:
+            kept += _add_pair(t, job.row, job.vocab_size, spool, st)
+        except DataError as e:  # the first one is raised once the split is read, if nothing else failed
+            out_of_vocab = out_of_vocab or e
+        progress.step(sum(st.rows) + rows, spool.n_samples, st.n_tokens)
+    if failed is not None or out_of_vocab is not None:
+        raise failed or out_of_vocab
+    st.rows.append(rows + bad.count)
+    st.kept.append(kept)
+    st.n_bad += bad.count
+
+
+def _add_pair(p: PairTokens, row: int, vocab_size: Optional[int], spool: SampleSpool, st: _PairStats) -> int:
+    """Spool one pair with its completions cut to the room the prompt leaves in ``row`` tokens: 1, or 0 when
+    the prompt leaves no room (dropped); ids checked ``< vocab_size``; counts into ``st``."""
+    room = row - len(p.prompt)
+    if room < 1:
+        st.n_drop += 1
+        return 0
+    st.n_cut += (len(p.chosen) > room) + (len(p.rejected) > room)
+    chosen, rejected = p.chosen[:room], p.rejected[:room]
+    top = max(p.prompt + chosen + rejected)
+    if vocab_size is not None and top >= vocab_size:
+        raise DataError(f"{p.where}: tokenizer produced id {top} but the model's vocabulary has {vocab_size} "
+                        "entries: the tokenizer does not match the model")
+    st.n_tokens += 2 * len(p.prompt) + len(chosen) + len(rejected)
+    spool.add(p.prompt + chosen + rejected, (len(p.prompt), len(chosen), len(rejected), top))
+    return 1
+
+
+def _pair_ranges(job: _PairJob, st: _PairStats, log: Callable[[str], None]) -> tuple[tuple, str]:
+    """``(((a, b) train, (a, b) validation) pair ranges of the spool, summary line)``; refuses too few usable
+    pairs (logging the summary first)."""
+    kept = sum(st.kept)
+    msg = (f"data: {kept} of {sum(st.rows)} preference pairs kept"
+           + (f" ({st.n_bad} bad rows skipped)" if st.n_bad else "")
+           + (f" ({st.kept[0]} of {st.rows[0]} from split {job.split!r} for training, {st.kept[1]} of "
+              f"{st.rows[1]} from split {job.val_split!r} for validation; data.val_fraction not used)"
+              if job.val_split else "")
+           + f"; {st.n_cut} completions truncated to fit seq_len+1={job.row} tokens (the prompt is kept)"
+           + f"; {st.n_drop} pair(s) dropped (the prompt alone fills the {job.row} tokens)")
+    if job.val_split:
+        for got, name in zip(st.kept, (job.split, job.val_split)):
             if not got:
                 log(msg)
-                raise DataError(f"no usable preference pair in split {name!r} of {spec} (train and validation "
-                                f"need one each); raise data.seq_len (now {seq_len}) so the prompts fit, or add "
+                raise DataError(f"no usable preference pair in split {name!r} of {job.spec} (train and validation "
+                                f"need one each); raise data.seq_len (now {job.seq_len}) so the prompts fit, or add "
                                 "rows to that split")
-        train_p, val_p = per[0][0], per[1][0]
-    else:
-        if kept < 2:
-            log(msg)
-            raise DataError(f"only {kept} usable preference pairs in {spec} (need 2: train and validation); raise "
-                            f"data.seq_len (now {seq_len}) so the prompts fit, or add rows")
-        pairs = per[0][0]
-        n_val = n_val_rows(kept, float(val_fraction))
-        train_p, val_p = pairs[: kept - n_val], pairs[kept - n_val:]
-    train = _lay_pairs(train_p, row, int(pad_id))
-    val = _lay_pairs(val_p, row, int(pad_id))
-    log(msg + f"; {len(train_p)} train / {len(val_p)} validation pairs, one sequence per answer "
-        f"({n_tokens / (2 * kept * row):.0%} filled)")
-    data = PackedData(train=train[0], val=val[0], seq_len=seq_len, n_tokens=n_tokens, fingerprint=fp,
-                      train_labels=train[1], val_labels=val[1], pairs=True)
-    if cache_path is not None:
-        save_packed(data, cache_path)
-    return data
+        return ((0, st.kept[0]), (st.kept[0], kept)), msg
+    if kept < 2:
+        log(msg)
+        raise DataError(f"only {kept} usable preference pairs in {job.spec} (need 2: train and validation); raise "
+                        f"data.seq_len (now {job.seq_len}) so the prompts fit, or add rows")
+    n_val = n_val_rows(kept, job.val_fraction)
+    return ((0, kept - n_val), (kept - n_val, kept)), msg
+
+
+# ------------------------------------------------------------------------------- pass 2: rows
+def _pair_blocks(spool: SampleSpool, a: int, b: int, row: int) -> Iterator[np.ndarray]:
+    """Records of pairs ``a .. b - 1`` in blocks of about :data:`BLOCK_TOKENS` row tokens: int64 ``[k, 5]``
+    (first token, prompt / chosen / rejected lengths, largest id)."""
+    step = max(1, BLOCK_TOKENS // (2 * row))
+    for s in range(a, b, step):
+        yield spool.meta(s, min(b, s + step))
+
+
+def _pair_max(spool: SampleSpool, a: int, b: int, row: int, pad_id: int) -> int:
+    """The largest id in the rows of pairs ``a .. b - 1`` (padding included; -1 when none)."""
+    top, padded = -1, False
+    for meta in _pair_blocks(spool, a, b, row):
+        top = max(top, int(meta[:, 4].max()))
+        padded = padded or bool((meta[:, 1] + meta[:, 2:4].min(1) < row).any())
+    return split_max(top, padded, pad_id, b - a)
+
+
+def _lay_pairs(spool: SampleSpool, out: PackedFileWriter, name: str, a: int, b: int, job: _PairJob,
+               progress: BuildProgress) -> None:
+    """Write pairs ``a .. b - 1`` as rows ``2i`` (prompt + chosen) / ``2i + 1`` (prompt + rejected) of ``name``,
+    right-padded with ``pad_id``, and ``<name>_labels`` (mask 1 on the completion tokens)."""
+    row, first_row = job.row, 0
+    for meta in _pair_blocks(spool, a, b, row):
+        k = len(meta)
+        t0 = int(meta[0, 0])
+        start, lp, lc, lr = meta[:, 0] - t0, meta[:, 1], meta[:, 2], meta[:, 3]
+        flat = spool.ids(t0, t0 + int(start[-1] + lp[-1] + lc[-1] + lr[-1]))
+        r0 = np.arange(0, 2 * k * row, 2 * row, dtype=np.int64)  # row 2i's first element in the block
+        # segments: prompt -> row 2i, chosen -> after it; prompt -> row 2i + 1, rejected -> after it
+        p_src, p_dst = segment_indices(np.concatenate([start, start]), np.concatenate([lp, lp]),
+                                       np.concatenate([r0, r0 + row]))
+        c_src, c_dst = segment_indices(np.concatenate([start + lp, start + lp + lc]), np.concatenate([lc, lr]),
+                                       np.concatenate([r0 + lp, r0 + row + lp]))
+        ids = np.full((2 * k, row), job.pad_id, dtype=np.int64)
+        ids.reshape(-1)[p_dst] = flat[p_src]
+        ids.reshape(-1)[c_dst] = flat[c_src]
+        lab = np.zeros((2 * k, row), dtype=np.uint8)
+        lab.reshape(-1)[c_dst] = 1
+        out.write(name, first_row, ids)
+        out.write(f"{name}_labels", first_row, lab)
+        first_row += 2 * k
+        progress.touch()

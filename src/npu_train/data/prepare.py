@@ -16,8 +16,9 @@ __all__ = ["prepare_data"]
 
 
 def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print):
-    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached under ``cache_dir("data")`` (text: a
-    memory-mapped file, built by one process at a time: another node / launch on the same cache waits).
+    """Tokenize (and pack or pad) ``cfg.data.source`` once, cached under ``cache_dir("data")`` as a
+    memory-mapped file built by one process at a time (another node / launch on the same cache waits), every
+    format streamed (the launcher's memory does not grow with the corpus).
 
     ``model_cfg`` gives ``eos_token_id`` and ``vocab_size``; ``log`` gets chat sample counts. Raises
     :class:`DataError` for bad data or an unknown ``data.format`` / ``data.truncation``, FileNotFoundError."""

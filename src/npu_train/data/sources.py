@@ -17,7 +17,7 @@ the named file (a JSONL line number when the file has no blank lines).
 The cheap fingerprint of a source (:func:`source_key`) covers each file's path relative to the source,
 size, whole-second mtime and a sample hash (sha256 of the first, last and 6 evenly spaced 64 KiB blocks),
 so a launch never re-reads a large corpus to recognise it. Main entry points: :func:`resolve_source`,
-:func:`iter_column_batches`, :func:`text_pieces`."""
+:func:`iter_column_batches`, :func:`text_pieces`, :func:`iter_converted`."""
 from __future__ import annotations
 
 import codecs
@@ -34,7 +34,7 @@ from .text import DataError, botchan_text
 
 __all__ = ["BUILDERS", "BUILTIN_TEXT", "BUILTIN_CHAT", "BUILTIN_PREFS", "Source", "ColumnBatch", "resolve_source",
            "source_key", "iter_column_batches", "text_pieces", "split_pieces", "open_datasets",
-           "BAD_ROWS", "BadRows", "read_documents", "read_text_source", "convert_rows"]
+           "BAD_ROWS", "BadRows", "read_documents", "read_text_source", "convert_rows", "iter_converted"]
 
 #: file suffix -> datasets builder ("txt" is read here: one document per file)
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv",
@@ -420,24 +420,36 @@ def _check_columns(names, want, label: str, optional=()) -> None:
                         f"set {hint} to the column that holds it")
 
 
-def convert_rows(src: Source, cols: list[str], split: Optional[str], convert: Callable[["ColumnBatch", int], object],
-                 bad_rows: str, log: Callable[[str], None], optional: tuple = ()) -> tuple[list, int]:
-    """``([convert(batch, i) for every row in file order], rows dropped)``: columns ``cols`` of every file (or the
-    save_to_disk ``split``) of ``src``. A row whose ``convert`` raises :class:`DataError` stops the read with that
-    error and the ``data.bad_rows=skip`` hint (``bad_rows="refuse"``), or is counted, reported through ``log``
-    with the first one, and dropped (``"skip"``)."""
-    out, bad = [], BadRows()
+def iter_converted(src: Source, cols: list[str], split: Optional[str], convert: Callable[["ColumnBatch", int], object],
+                   bad_rows: str, log: Callable[[str], None], optional: tuple = (),
+                   bad: Optional[BadRows] = None) -> Iterator:
+    """``convert(batch, i)`` for every row in file order, one at a time (memory: one batch of
+    :data:`BATCH_ROWS` rows): columns ``cols`` of every file (or the save_to_disk ``split``) of ``src``. A row
+    whose ``convert`` raises :class:`DataError` stops the read with that error and the ``data.bad_rows=skip``
+    hint (``bad_rows="refuse"``), or is counted in ``bad`` and dropped (``"skip"``); after the last row the
+    count is reported through ``log`` with the first one."""
+    bad = bad if bad is not None else BadRows()
     for path in (src.files if src.kind == "files" else (None,)):
         for b in iter_column_batches(src, cols, path=path, split=split, optional=optional):
             for i in range(b.n_rows):
                 try:
-                    out.append(convert(b, i))
+                    item = convert(b, i)
                 except DataError as e:
                     if bad_rows != "skip":
                         raise DataError(f"{e} (or set data.bad_rows=skip to drop such rows)") from None
                     bad.add(str(e))
+                    continue
+                yield item
     if bad.count:
         log(f"data: {bad.report()}")
+
+
+def convert_rows(src: Source, cols: list[str], split: Optional[str], convert: Callable[["ColumnBatch", int], object],
+                 bad_rows: str, log: Callable[[str], None], optional: tuple = ()) -> tuple[list, int]:
+    """``([convert(batch, i) for every row in file order], rows dropped)``: :func:`iter_converted` collected
+    (for small sources and tests; the builds stream)."""
+    bad = BadRows()
+    out = list(iter_converted(src, cols, split, convert, bad_rows, log, optional, bad))
     return out, bad.count
 
 

@@ -1,0 +1,157 @@
+"""Tokenized samples spooled to flat temporary files (pass 1 of the chat / prompt_completion / preference builds),
+read back in blocks (pass 2 lays them into rows), so a build's memory does not grow with the corpus.
+
+A :class:`SampleSpool` appends each sample's token ids (``uint32``) and, optionally, a per-token ``uint8``
+mask to two files, and one ``int64`` record per sample (its first token's offset in the ids file, then the
+caller's integers: lengths, largest id) to a third; the files sit next to the cache target, are written
+through a buffer of about :data:`BUFFER_TOKENS` tokens and are read with ``os.pread`` (nothing is mapped, so
+the pages read do not count as the process's own). :class:`BuildProgress` touches the build lock and logs a
+line every few seconds while a build renders."""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+__all__ = ["BUFFER_TOKENS", "BuildProgress", "SampleSpool", "segment_indices", "split_max"]
+
+#: tokens buffered in memory before the spool writes them out
+BUFFER_TOKENS = 1 << 20
+
+
+class SampleSpool:
+    """Samples appended to ``<directory>/<stem>.ids`` (uint32 token ids back to back), ``.mask`` (uint8, one
+    per token; only ``with_mask``) and ``.meta`` (int64 ``[n_samples, 1 + n_meta]``: the sample's first token
+    offset in ``.ids``, then the caller's ``n_meta`` integers). Use as a context manager: the files are
+    removed on exit."""
+
+    def __init__(self, directory: Path, stem: str, n_meta: int, with_mask: bool = False,
+                 buffer_tokens: Optional[int] = None):
+        self.paths = {k: Path(directory) / f"{stem}.{k}" for k in (("ids", "mask", "meta") if with_mask
+                                                                   else ("ids", "meta"))}
+        self.width = 1 + int(n_meta)
+        self.buffer_tokens = int(buffer_tokens or BUFFER_TOKENS)
+        self.n_samples = 0
+        self.n_tokens = 0
+        self._files = {}
+        self._buf: dict[str, list] = {k: [] for k in self.paths}
+        self._buffered = 0
+        try:
+            for k, p in self.paths.items():
+                self._files[k] = open(p, "w+b")
+        except BaseException:
+            self.remove()
+            raise
+
+    def __enter__(self) -> "SampleSpool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def add(self, ids: Sequence[int], meta: Sequence[int], mask: Optional[np.ndarray] = None) -> None:
+        """Append one sample: ``ids`` (token ids), ``meta`` (``n_meta`` integers), ``mask`` (same length as
+        ``ids``; with ``with_mask``)."""
+        a = np.asarray(ids, dtype=np.uint32)
+        self._buf["ids"].append(a)
+        if "mask" in self._buf:
+            self._buf["mask"].append(np.asarray(mask, dtype=np.uint8))
+        self._buf["meta"].append([self.n_tokens, *meta])
+        self.n_samples += 1
+        self.n_tokens += len(a)
+        self._buffered += len(a) + 1
+        if self._buffered >= self.buffer_tokens:
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered samples out."""
+        if not self._buf["meta"]:
+            return
+        for k, parts in self._buf.items():
+            if k == "meta":
+                arr = np.asarray(parts, dtype=np.int64).reshape(-1, self.width)
+            else:
+                arr = np.concatenate(parts)
+            self._files[k].write(arr.tobytes())
+            parts.clear()
+        self._buffered = 0
+
+    def close(self) -> None:
+        """Flush and make the files readable (:meth:`meta`, :meth:`ids`, :meth:`mask`)."""
+        self.flush()
+        for f in self._files.values():
+            f.flush()
+
+    def _read(self, key: str, dtype, first: int, count: int) -> np.ndarray:
+        dt = np.dtype(dtype)
+        raw = os.pread(self._files[key].fileno(), int(count) * dt.itemsize, int(first) * dt.itemsize)
+        if len(raw) != int(count) * dt.itemsize:
+            raise OSError(f"{self.paths[key]}: short read ({len(raw)} bytes)")
+        return np.frombuffer(raw, dtype=dt)
+
+    def meta(self, a: int, b: int) -> np.ndarray:
+        """Records of samples ``a .. b - 1``: int64 ``[b - a, 1 + n_meta]`` (column 0: first token offset)."""
+        return self._read("meta", np.int64, a * self.width, (b - a) * self.width).reshape(b - a, self.width)
+
+    def ids(self, first: int, stop: int) -> np.ndarray:
+        """Token ids ``first .. stop - 1`` of the ids file (uint32)."""
+        return self._read("ids", np.uint32, first, stop - first)
+
+    def mask(self, first: int, stop: int) -> np.ndarray:
+        """Mask values ``first .. stop - 1`` (uint8; one per token)."""
+        return self._read("mask", np.uint8, first, stop - first)
+
+    def remove(self) -> None:
+        """Close and delete the files."""
+        for f in self._files.values():
+            with contextlib.suppress(OSError):
+                f.close()
+        for p in self.paths.values():
+            p.unlink(missing_ok=True)
+
+
+class BuildProgress:
+    """While a build renders: every ``every_s`` seconds touch the build ``lock`` (so another node waiting on
+    it does not take it over as stale) and log ``data: rendering <what>: ...`` through ``log``."""
+
+    def __init__(self, log: Callable[[str], None], what: str, lock: Optional[Path], every_s: float):
+        self.log, self.what, self.lock, self.every = log, what, lock, float(every_s)
+        self.t0 = self.last = time.monotonic()
+
+    def step(self, rows: int, kept: int, tokens: int) -> None:
+        """Report ``rows`` read, ``kept`` samples and their ``tokens`` so far (when the interval has passed)."""
+        now = time.monotonic()
+        if now - self.last < self.every:
+            return
+        self.last = now
+        self.touch()
+        self.log(f"data: rendering {self.what}: {rows} rows read, {kept} kept, {tokens / 1e6:.2f}M tokens, "
+                 f"{now - self.t0:.0f} s")
+
+    def touch(self) -> None:
+        """Touch the build lock (also while laying rows out, without a log line)."""
+        if self.lock is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.lock)
+
+
+def segment_indices(src_starts: np.ndarray, lens: np.ndarray, dst_starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(src, dst)`` int64 element indices that copy segment ``k`` (``lens[k]`` elements from ``src_starts[k]``)
+    to ``dst_starts[k]``, all segments one after another: ``out.reshape(-1)[dst] = flat[src]``."""
+    lens = np.asarray(lens, dtype=np.int64)
+    within = np.arange(int(lens.sum()), dtype=np.int64) - np.repeat(np.cumsum(lens) - lens, lens)
+    return (np.repeat(np.asarray(src_starts, dtype=np.int64), lens) + within,
+            np.repeat(np.asarray(dst_starts, dtype=np.int64), lens) + within)
+
+
+def split_max(values: int, padded: bool, pad_id: int, rows: int) -> int:
+    """The largest id of a split's ``[rows, row]`` array: ``values`` (the largest sample id, -1 when none),
+    ``pad_id`` too when a row is padded; -1 for an empty split (as :func:`~npu_train.data.dataset.save_packed`
+    records ``max_id``)."""
+    if rows == 0:
+        return -1
+    return max(int(values), int(pad_id)) if padded else int(values)
