@@ -739,8 +739,6 @@ def build_packed_data(
     :class:`PackedData`, through ``cache_dir`` when given (else a temporary file, unlinked once mapped); with
     ``vocab_size`` every id is checked ``< vocab_size``. ``log`` gets progress lines. ``doc_mask``: positions
     restart after every ``eos_id`` (recorded as ``doc_eos`` in the file; needs ``eos_id``)."""
-    from npu_train.errors import out_of_space
-
     seq_len = int(seq_len)
     if seq_len < 2:
         raise DataError(f"data.seq_len={seq_len} is too small; it must be at least 2")
@@ -759,38 +757,16 @@ def build_packed_data(
     vf = None if spec.source.val_split is not None else val_fraction  # a split: the fraction is unused
     fingerprint = data_fingerprint(source_key(spec.source), tokenizer, seq_len, vf, eos_id, spec.text_field,
                                    doc_mask=bool(doc_mask))
-    where = "point $NPT_CACHE at a larger disk"
-    directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
-    directory.mkdir(parents=True, exist_ok=True)
-    target = packed_cache_path(directory, fingerprint) if cache_dir is not None else None
-    cached = _cached(target, fingerprint, seq_len, vocab_size)
-    if cached is not None:
-        return cached
-    with contextlib.ExitStack() as stack:
-        ready = lambda: _cached(target, fingerprint, seq_len, vocab_size) is not None  # noqa: E731
-        build = stack.enter_context(build_lock(target, log, ready)) if target is not None else True
-        if not build:
-            return load_packed(target)
-        _free_check(directory, spec.source, 2, where)
-        tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
-        lock = lock_path(target) if target is not None else None
-        try:
-            _write_packed(spec, tmp, tokenizer, seq_len, val_fraction, eos_id, vocab_size, fingerprint, log,
-                          progress_s, lock, doc_eos=int(eos_id) if doc_mask else None)
-        except BaseException as e:
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, Exception) and out_of_space(e):
-                import shutil
+    where = space_hint(cache_dir)
 
-                raise _short(0, directory / "x", shutil.disk_usage(directory).free, where) from e
-            raise
-        if target is None:
-            data = load_packed(tmp)
-            tmp.unlink()  # the mapping stays valid
-            data.path = None
-            return data
-        os.replace(tmp, target)
-    return load_packed(target)
+    def write(tmp: Path, lock: Optional[Path]) -> None:
+        _free_check(tmp.parent, spec.source, 2, where)
+        _write_packed(spec, tmp, tokenizer, seq_len, val_fraction, eos_id, vocab_size, fingerprint, log,
+                      progress_s, lock, doc_eos=int(eos_id) if doc_mask else None)
+
+    data, _ = build_cached(cache_dir, fingerprint, lambda path: _cached(path, fingerprint, seq_len, vocab_size),
+                           write, log, where)
+    return data
 
 
 def space_hint(cache_dir) -> str:
@@ -828,7 +804,7 @@ def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
             write(tmp, lock_path(target) if target is not None else None)
         except BaseException as e:
             tmp.unlink(missing_ok=True)
-            if isinstance(e, OSError) and out_of_space(e):
+            if isinstance(e, Exception) and out_of_space(e):  # OSError, or a library's error naming ENOSPC
                 raise disk_full(tmp, where) from e
             raise
         if target is None:
