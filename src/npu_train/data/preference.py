@@ -46,10 +46,10 @@ from typing import Callable, Iterator, Optional, Union
 import numpy as np
 
 from .chat import ROLES, ChatRenderer
-from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, n_val_rows, packed_meta,
+from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, packed_meta,
                       space_hint, token_dtype, tokenizer_hash)
 from .sources import BadRows, iter_converted, resolve_source, source_key
-from .spool import BuildProgress, SampleSpool, segment_indices, split_max
+from .spool import BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "iter_pairs",
@@ -419,20 +419,10 @@ def _pair_ranges(job: _PairJob, st: _PairStats, log: Callable[[str], None]) -> t
               if job.val_split else "")
            + f"; {st.n_cut} completions truncated to fit seq_len+1={job.row} tokens (the prompt is kept)"
            + f"; {st.n_drop} pair(s) dropped (the prompt alone fills the {job.row} tokens)")
-    if job.val_split:
-        for got, name in zip(st.kept, (job.split, job.val_split)):
-            if not got:
-                log(msg)
-                raise DataError(f"no usable preference pair in split {name!r} of {job.spec} (train and validation "
-                                f"need one each); raise data.seq_len (now {job.seq_len}) so the prompts fit, or add "
-                                "rows to that split")
-        return ((0, st.kept[0]), (st.kept[0], kept)), msg
-    if kept < 2:
-        log(msg)
-        raise DataError(f"only {kept} usable preference pairs in {job.spec} (need 2: train and validation); raise "
-                        f"data.seq_len (now {job.seq_len}) so the prompts fit, or add rows")
-    n_val = n_val_rows(kept, job.val_fraction)
-    return ((0, kept - n_val), (kept - n_val, kept)), msg
+    splits = [job.split] + ([job.val_split] if job.val_split else [])
+    fix = f"raise data.seq_len (now {job.seq_len}) so the prompts fit"
+    unit = ("preference pair", "preference pairs")
+    return train_val_ranges(st.kept, splits, job.val_fraction, job.spec, unit, fix, msg, log), msg
 
 
 # ------------------------------------------------------------------------------- pass 2: rows

@@ -47,10 +47,10 @@ import numpy as np
 from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ChatRenderer, iter_rows
-from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, n_val_rows, packed_meta,
+from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, packed_meta,
                       space_hint, token_dtype, tokenizer_hash)
 from .sources import resolve_source, source_key
-from .spool import BuildProgress, SampleSpool, segment_indices, split_max
+from .spool import BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "TRUNCATION", "build_sft_data", "sft_fingerprint"]
@@ -245,20 +245,10 @@ def _split_ranges(job: _SftJob, st: _SampleStats, log: Callable[[str], None]) ->
         msg += f"; {st.n_long} longer than seq_len+1={job.row} tokens were {how}"
     if st.n_empty:
         msg += f"; {st.n_empty} dropped with no trained token left after truncation"
-    if job.val_split:
-        for got, name in zip(st.kept, (job.split, job.val_split)):
-            if got < 1:
-                log(msg)
-                raise DataError(f"no usable {job.fmt} sample in split {name!r} of {job.spec} (train and validation "
-                                f"need one each); raise data.seq_len (now {job.seq_len}), use "
-                                "data.truncation=truncate, or add rows to that split")
-        return ((0, st.kept[0]), (st.kept[0], kept)), msg
-    if kept < 2:
-        log(msg)
-        raise DataError(f"only {kept} usable {job.fmt} samples in {job.spec} (need 2: train and validation); "
-                        f"raise data.seq_len (now {job.seq_len}), use data.truncation=truncate, or add rows")
-    n_val = n_val_rows(kept, job.val_fraction)
-    return ((0, kept - n_val), (kept - n_val, kept)), msg
+    splits = [job.split] + ([job.val_split] if job.val_split else [])
+    fix = f"raise data.seq_len (now {job.seq_len}), use data.truncation=truncate"
+    unit = (f"{job.fmt} sample", f"{job.fmt} samples")
+    return train_val_ranges(st.kept, splits, job.val_fraction, job.spec, unit, fix, msg, log), msg
 
 
 # ------------------------------------------------------------------------------- pass 2: rows

@@ -17,7 +17,10 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-__all__ = ["BUFFER_TOKENS", "BuildProgress", "SampleSpool", "segment_indices", "split_max"]
+from .dataset import n_val_rows
+from .text import DataError
+
+__all__ = ["BUFFER_TOKENS", "BuildProgress", "SampleSpool", "segment_indices", "split_max", "train_val_ranges"]
 
 #: tokens buffered in memory before the spool writes them out
 BUFFER_TOKENS = 1 << 20
@@ -155,3 +158,26 @@ def split_max(values: int, padded: bool, pad_id: int, rows: int) -> int:
     if rows == 0:
         return -1
     return max(int(values), int(pad_id)) if padded else int(values)
+
+
+def train_val_ranges(kept: Sequence[int], splits: Sequence[str], val_fraction: float, spec: str,
+                     unit: tuple[str, str], fix: str, summary: str,
+                     log: Callable[[str], None]) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The train and validation ranges ``[a, b)`` over the spooled samples in read order: with two ``splits``
+    (``data.split``, ``data.val_split``), the first split's ``kept[0]`` samples, then the second's; with one,
+    the last :func:`~npu_train.data.dataset.n_val_rows` of them are validation. Raises :class:`DataError`
+    (``summary`` logged first) when a split has no usable sample, or, with one split, fewer than 2 are usable;
+    ``unit`` names a sample (singular, plural: "chat sample", "chat samples") and ``fix`` the remedy."""
+    total = sum(kept)
+    if len(splits) == 2:
+        for got, name in zip(kept, splits):
+            if got < 1:
+                log(summary)
+                raise DataError(f"no usable {unit[0]} in split {name!r} of {spec} (train and validation need one "
+                                f"each); {fix}, or add rows to that split")
+        return (0, kept[0]), (kept[0], total)
+    if total < 2:
+        log(summary)
+        raise DataError(f"only {total} usable {unit[1]} in {spec} (need 2: train and validation); {fix}, or add rows")
+    n_val = n_val_rows(total, val_fraction)
+    return (0, total - n_val), (total - n_val, total)
