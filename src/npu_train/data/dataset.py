@@ -589,13 +589,28 @@ def lock_path(target: Path) -> Path:
     return target.with_name(target.name + ".lock")
 
 
+def _holder_gone(holder: str) -> bool:
+    """Whether a build lock's ``"<host> pid <n>"`` record names a process of this host that no longer runs (a
+    launcher killed with SIGKILL); a holder on another host is never judged from here."""
+    parts = holder.split()
+    if len(parts) != 3 or parts[1] != "pid" or parts[0] != socket.gethostname() or not parts[2].isdigit():
+        return False
+    try:
+        os.kill(int(parts[2]), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # exists, owned by another user
+        return False
+    return False
+
+
 @contextlib.contextmanager
 def build_lock(target: Path, log: Callable[[str], None], ready: Optional[Callable[[], bool]] = None,
                stale_s: float = LOCK_STALE_S, poll_s: float = 0.5) -> Iterator[bool]:
     """Hold ``<target>.lock`` while building ``target``: yields True to build; False when another process
     (another node on a shared cache, or a concurrent launch) finished ``target`` meanwhile (``ready()``,
-    default: the file exists). A lock whose
-    file was not touched for ``stale_s`` seconds (the builder's progress touches it) is taken over."""
+    default: the file exists). A lock whose file was not touched for ``stale_s`` seconds (the builder's progress
+    touches it), or whose holder is a process of this host that no longer runs, is taken over."""
     lock = lock_path(target)
     ready = ready or target.is_file
     said = False
@@ -611,8 +626,10 @@ def build_lock(target: Path, log: Callable[[str], None], ready: Optional[Callabl
                 holder = lock.read_text(errors="replace").strip()
             except OSError:
                 continue
-            if age > stale_s:
-                log(f"data: taking over the stale build lock {lock} ({holder}, untouched for {age:.0f} s)")
+            gone = _holder_gone(holder)
+            if age > stale_s or gone:
+                why = "its process is gone" if gone else f"untouched for {age:.0f} s"
+                log(f"data: taking over the stale build lock {lock} ({holder}, {why})")
                 with contextlib.suppress(OSError):
                     os.unlink(lock)
                 continue
@@ -776,6 +793,20 @@ def space_hint(cache_dir) -> str:
             else "set TMPDIR to a directory on a larger disk")
 
 
+def _unwritable(directory: Path, cache_dir, e: Optional[OSError]) -> DataError:
+    why = f" ({e.strerror})" if e is not None and e.strerror else ""
+    fix = "point $NPT_CACHE at a writable directory" if cache_dir is not None else "set TMPDIR to a writable directory"
+    return DataError(f"cannot write the packed training data into {directory}{why}: make it writable or {fix}")
+
+
+def _remove_leftovers(directory: Path, fingerprint: str) -> None:
+    """Remove the temporary files of earlier builds of ``fingerprint`` (``.packed-<key>.<pid>.tmp`` and its
+    spool files) that a killed launcher left; called holding the build lock, so none of them is in use."""
+    for p in directory.glob(f".packed-{fingerprint[:16]}.*.tmp*"):
+        with contextlib.suppress(OSError):
+            p.unlink()
+
+
 def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
                  cached: Callable[[Path], Optional[PackedData]], write: Callable[[Path, Optional[Path]], None],
                  log: Callable[[str], None], where: str = "") -> tuple[PackedData, bool]:
@@ -789,16 +820,22 @@ def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
     from npu_train.errors import out_of_space
 
     directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
-    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(directory, cache_dir, e) from e
     target = packed_cache_path(directory, fingerprint) if cache_dir is not None else None
     hit = cached(target) if target is not None and target.is_file() else None
     if hit is not None:
         return hit, True
+    if not os.access(directory, os.W_OK | os.X_OK):  # a read-only mount, another user's directory
+        raise _unwritable(directory, cache_dir, None)
     with contextlib.ExitStack() as stack:
         if target is not None:
             ready = lambda: target.is_file() and cached(target) is not None  # noqa: E731
             if not stack.enter_context(build_lock(target, log, ready)):
                 return cached(target) or load_packed(target), True
+            _remove_leftovers(directory, fingerprint)
         tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
         try:
             write(tmp, lock_path(target) if target is not None else None)
