@@ -219,3 +219,21 @@ def test_text_cache_key_ignores_val_fraction_with_a_val_split(smol, tmp_path):
     assert build(0.1, "test").fingerprint == build(0.3, "test").fingerprint
     assert build(0.1, None).fingerprint != build(0.3, None).fingerprint
     assert len(list(cache.glob("*.safetensors"))) == 3
+
+
+def test_text_with_a_val_split_says_the_fraction_is_unused(smol, tmp_path, monkeypatch):
+    """The README promises the log line says so, for every format: text too, built or cached."""
+    from types import SimpleNamespace as N
+
+    from npu_train.data.prepare import prepare_data
+
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
+    words = " ".join(f"word{i}" for i in range(400))
+    src = _save(tmp_path, "text", {"text": [words] * 4}, {"text": [words]})
+    cfg = N(data=N(source=src, format="text", seq_len=31, val_fraction=0.05, split="train", val_split="test",
+                   doc_mask=False), model=N(tokenizer=None))
+    for _ in range(2):  # built, then from the cache
+        logs: list[str] = []
+        d = prepare_data(cfg, smol["path"], smol["cfg"], log=logs.append)
+        assert (f"data: {d.n_train} training sequences from split 'train', {d.n_val} validation sequences from "
+                "split 'test'; data.val_fraction not used") in logs

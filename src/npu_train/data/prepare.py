@@ -40,9 +40,13 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
 
         spec = TextSpec(resolve_source(d.source, "text", split, val_split),
                         str(getattr(d, "text_field", None) or "text"), bad_rows)
-        return build_packed_data(spec, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
+        data = build_packed_data(spec, tok, d.seq_len, d.val_fraction, eos_id=model_cfg.eos_token_id,
                                  cache_dir=cache, vocab_size=model_cfg.vocab_size, log=log,
                                  doc_mask=bool(getattr(d, "doc_mask", False)))
+        if val_split:  # as the chat / preference summaries say it
+            log(f"data: {data.n_train} training sequences from split {split!r}, {data.n_val} validation sequences "
+                f"from split {val_split!r}; data.val_fraction not used")
+        return data
     fields = {k: getattr(d, f"{k}_field", None) for k in FIELDS[fmt]}
     from .chat import ChatRenderer
     from .sft import build_sft_data
