@@ -49,7 +49,7 @@ from .chat import ROLES, ChatRenderer
 from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, packed_meta,
                       space_hint, token_dtype, tokenizer_hash)
 from .sources import BadRows, iter_converted, resolve_source, source_key
-from .spool import BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
+from .spool import BuildJob, BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "iter_pairs",
@@ -286,8 +286,9 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
     val_split = str(val_split) if val_split else None
     fp = preference_fingerprint(source_key(resolve_source(spec, "preference", split, val_split)), renderer,
                                 seq_len, None if val_split else val_fraction, int(pad_id), fields)
-    job = _PairJob(spec, renderer, seq_len, float(val_fraction or 0.0), int(pad_id), vocab_size, fields, bad_rows,
-                   split, val_split, fp, space_hint(cache_dir))
+    job = BuildJob(spec=spec, renderer=renderer, seq_len=seq_len, val_fraction=float(val_fraction or 0.0),
+                   pad_id=int(pad_id), vocab_size=vocab_size, fields=fields, bad_rows=bad_rows, split=split,
+                   val_split=val_split, fingerprint=fp, where=space_hint(cache_dir))
     data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp),
                              lambda tmp, lock: _write_pairs(job, tmp, lock, log, progress_s), log, job.where)
     if hit:
@@ -295,26 +296,6 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
     return data
 
 
-@dataclass(frozen=True)
-class _PairJob:
-    """The knobs of one :func:`build_preference_data` call."""
-
-    spec: str
-    renderer: ChatRenderer
-    seq_len: int
-    val_fraction: float
-    pad_id: int
-    vocab_size: Optional[int]
-    fields: Optional[dict]
-    bad_rows: str
-    split: str
-    val_split: Optional[str]
-    fingerprint: str
-    where: str = ""  # the setting that moves the build to a larger disk (dataset.space_hint)
-
-    @property
-    def row(self) -> int:
-        return self.seq_len + 1
 
 
 @dataclass
@@ -330,7 +311,7 @@ class _PairStats:
     kept: list = field(default_factory=list)
 
 
-def _write_pairs(job: _PairJob, tmp: Path, lock: Optional[Path], log: Callable[[str], None],
+def _write_pairs(job: BuildJob, tmp: Path, lock: Optional[Path], log: Callable[[str], None],
                  progress_s: float) -> None:
     """Pass 1: tokenize the pairs of the split(s) into a :class:`SampleSpool` next to ``tmp``; pass 2: lay the
     kept pairs, two rows each, into the packed file ``tmp`` block by block."""
@@ -359,7 +340,7 @@ def _write_pairs(job: _PairJob, tmp: Path, lock: Optional[Path], log: Callable[[
             out.close()
 
 
-def _spool_pairs(job: _PairJob, name: str, lead: list[int], spool: SampleSpool, st: _PairStats,
+def _spool_pairs(job: BuildJob, name: str, lead: list[int], spool: SampleSpool, st: _PairStats,
                  progress: BuildProgress, log: Callable[[str], None]) -> None:
     """Tokenize and fit the pairs of split ``name`` into ``spool`` (counts into ``st``). Errors come in the
     order of a build that read every row, then tokenized every pair, then checked the ids: a bad row found
@@ -408,7 +389,7 @@ def _add_pair(p: PairTokens, row: int, vocab_size: Optional[int], spool: SampleS
     return 1
 
 
-def _pair_ranges(job: _PairJob, st: _PairStats, log: Callable[[str], None]) -> tuple[tuple, str]:
+def _pair_ranges(job: BuildJob, st: _PairStats, log: Callable[[str], None]) -> tuple[tuple, str]:
     """``(((a, b) train, (a, b) validation) pair ranges of the spool, summary line)``; refuses too few usable
     pairs (logging the summary first)."""
     kept = sum(st.kept)
@@ -443,7 +424,7 @@ def _pair_max(spool: SampleSpool, a: int, b: int, row: int, pad_id: int) -> int:
     return split_max(top, padded, pad_id, b - a)
 
 
-def _lay_pairs(spool: SampleSpool, out: PackedFileWriter, name: str, a: int, b: int, job: _PairJob,
+def _lay_pairs(spool: SampleSpool, out: PackedFileWriter, name: str, a: int, b: int, job: BuildJob,
                progress: BuildProgress) -> None:
     """Write pairs ``a .. b - 1`` as rows ``2i`` (prompt + chosen) / ``2i + 1`` (prompt + rejected) of ``name``,
     right-padded with ``pad_id``, and ``<name>_labels`` (mask 1 on the completion tokens)."""

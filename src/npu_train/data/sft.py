@@ -50,7 +50,7 @@ from .chat import ChatRenderer, iter_rows
 from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, packed_meta,
                       space_hint, token_dtype, tokenizer_hash)
 from .sources import resolve_source, source_key
-from .spool import BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
+from .spool import BuildJob, BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "TRUNCATION", "build_sft_data", "sft_fingerprint"]
@@ -98,8 +98,10 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
     val_split = str(val_split) if val_split else None
     fp = sft_fingerprint(source_key(resolve_source(spec, fmt, split, val_split)), fmt, renderer, seq_len,
                          None if val_split else val_fraction, truncation, pad_id, fields, pack=bool(pack))
-    job = _SftJob(spec, fmt, renderer, seq_len, float(val_fraction or 0.0), truncation, int(pad_id), vocab_size, fields,
-                  bad_rows, split, bool(pack), val_split, fp, space_hint(cache_dir))
+    job = _SftJob(spec=spec, renderer=renderer, seq_len=seq_len, val_fraction=float(val_fraction or 0.0),
+                  pad_id=int(pad_id), vocab_size=vocab_size, fields=fields, bad_rows=bad_rows, split=split,
+                  val_split=val_split, fingerprint=fp, where=space_hint(cache_dir), fmt=fmt, truncation=truncation,
+                  pack=bool(pack))
     data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp, bool(pack)),
                              lambda tmp, lock: _write_sft(job, tmp, lock, log, progress_s), log, job.where)
     if hit:
@@ -108,28 +110,12 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
 
 
 @dataclass(frozen=True)
-class _SftJob:
-    """The knobs of one :func:`build_sft_data` call."""
+class _SftJob(BuildJob):
+    """The knobs of one :func:`build_sft_data` call: the shared ones, the format, truncation and packing."""
 
-    spec: str
-    fmt: str
-    renderer: ChatRenderer
-    seq_len: int
-    val_fraction: float
-    truncation: str
-    pad_id: int
-    vocab_size: Optional[int]
-    fields: Optional[dict]
-    bad_rows: str
-    split: str
-    pack: bool
-    val_split: Optional[str]
-    fingerprint: str
-    where: str = ""  # the setting that moves the build to a larger disk (dataset.space_hint)
-
-    @property
-    def row(self) -> int:
-        return self.seq_len + 1
+    fmt: str = "chat"
+    truncation: str = "drop"
+    pack: bool = False
 
 
 def _cached(path: Path, fp: str, pack: bool) -> Optional[PackedData]:

@@ -12,15 +12,41 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
 from .dataset import n_val_rows
 from .text import DataError
 
-__all__ = ["BUFFER_TOKENS", "BuildProgress", "SampleSpool", "segment_indices", "split_max", "train_val_ranges"]
+__all__ = ["BUFFER_TOKENS", "BuildJob", "BuildProgress", "SampleSpool", "segment_indices", "split_max", "train_val_ranges"]
+
+@dataclass(frozen=True)
+class BuildJob:
+    """The knobs of one streamed SFT / preference build (``sft.build_sft_data``, ``preference.
+    build_preference_data``): the source, its renderer (a ``chat.ChatRenderer``), ``seq_len`` (rows hold
+    :attr:`row` tokens), the validation choice, padding, the vocabulary check, column mapping, bad-row policy,
+    the cache key and the setting that moves the build to a larger disk (``dataset.space_hint``)."""
+
+    spec: str
+    renderer: Any
+    seq_len: int
+    val_fraction: float
+    pad_id: int
+    vocab_size: Optional[int]
+    fields: Optional[dict]
+    bad_rows: str
+    split: str
+    val_split: Optional[str]
+    fingerprint: str
+    where: str = ""
+
+    @property
+    def row(self) -> int:
+        return self.seq_len + 1
+
 
 #: tokens buffered in memory before the spool writes them out
 BUFFER_TOKENS = 1 << 20
