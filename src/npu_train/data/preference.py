@@ -53,7 +53,7 @@ from .spool import BuildJob, BuildProgress, SampleSpool, segment_indices, split_
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "iter_pairs",
-           "pair_tokens", "preference_fingerprint", "read_pairs", "row_pair"]
+           "pair_tokens", "preference_fingerprint", "row_pair"]
 
 #: the columns of a preference row (data.prompt_field / chosen_field / rejected_field rename them)
 PAIR_FIELDS = ("prompt", "chosen", "rejected")
@@ -178,14 +178,6 @@ def iter_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse
     if not n:
         where = f" (split {split!r})" if src.kind == "saved" else ""
         raise DataError(f"data.source={spec!r}{where}: no usable preference rows; add rows like {_SHAPES}")
-
-
-def read_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
-               log: Callable[[str], None] = print) -> tuple[list[PairText], int]:
-    """``(pairs, n_bad)``: :func:`iter_pairs` as a list and how many bad rows were skipped (small sources and
-    tests; :func:`build_preference_data` streams)."""
-    bad = BadRows()
-    return list(iter_pairs(spec, fields, bad_rows, split, log, bad)), bad.count
 
 
 # ------------------------------------------------------------------------------- tokenizing

@@ -34,7 +34,7 @@ from .text import DataError, botchan_text
 
 __all__ = ["BUILDERS", "BUILTIN_TEXT", "BUILTIN_CHAT", "BUILTIN_PREFS", "Source", "ColumnBatch", "resolve_source",
            "source_key", "iter_column_batches", "text_pieces", "split_pieces", "open_datasets",
-           "BAD_ROWS", "BadRows", "read_documents", "read_text_source", "convert_rows", "iter_converted"]
+           "BAD_ROWS", "BadRows", "read_documents", "read_text_source", "iter_converted"]
 
 #: file suffix -> datasets builder ("txt" is read here: one document per file)
 BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".jsonl": "json", ".json": "json", ".csv": "csv",
@@ -442,15 +442,6 @@ def iter_converted(src: Source, cols: list[str], split: Optional[str], convert: 
                 yield item
     if bad.count:
         log(f"data: {bad.report()}")
-
-
-def convert_rows(src: Source, cols: list[str], split: Optional[str], convert: Callable[["ColumnBatch", int], object],
-                 bad_rows: str, log: Callable[[str], None], optional: tuple = ()) -> tuple[list, int]:
-    """``([convert(batch, i) for every row in file order], rows dropped)``: :func:`iter_converted` collected
-    (for small sources and tests; the builds stream)."""
-    bad = BadRows()
-    out = list(iter_converted(src, cols, split, convert, bad_rows, log, optional, bad))
-    return out, bad.count
 
 
 def iter_column_batches(src: Source, want: list[str], path: Optional[Path] = None,
