@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 
 import numpy as np
@@ -19,6 +18,7 @@ from npu_train.data import DataError, botchan_text, build_packed_data, load_pack
 from npu_train.data.chat import read_rows
 from npu_train.data.dataset import TextSpec, packed_cache_path, token_dtype
 from npu_train.data.sources import read_documents, resolve_source, source_key
+from lock_wait import build_while_locked
 
 datasets = pytest.importorskip("datasets")
 EOS = 0
@@ -242,9 +242,6 @@ def test_waits_for_another_builder(tmp_path, tok):
     want = build_packed_data("botchan", tok, 32, 0.05, EOS, cache_dir=str(tmp_path / "other"))
     target = packed_cache_path(tmp_path / "c", want.fingerprint)
     target.parent.mkdir()
-    lock = target.with_name(target.name + ".lock")
-    lock.write_text("node0 pid 1\n")
-
     class Boom:
         def to_str(self):
             return tok.to_str()
@@ -254,16 +251,10 @@ def test_waits_for_another_builder(tmp_path, tok):
 
         encode_batch = encode
 
-    out, logs = {}, []
-    th = threading.Thread(target=lambda: out.update(d=build_packed_data(
-        "botchan", Boom(), 32, 0.05, EOS, cache_dir=str(tmp_path / "c"), log=logs.append)))
-    th.start()
-    time.sleep(1.0)
-    assert th.is_alive() and any("waiting for node0 pid 1" in m for m in logs), logs
-    os.link(want.path, target)
-    lock.unlink()
-    th.join(30)
-    assert torch.equal(out["d"].train, want.train)
+    got, _ = build_while_locked(
+        lambda log: build_packed_data("botchan", Boom(), 32, 0.05, EOS, cache_dir=str(tmp_path / "c"), log=log),
+        target, want.path)
+    assert torch.equal(got.train, want.train)
 
 
 def test_stale_lock_is_taken_over(tmp_path, tok):

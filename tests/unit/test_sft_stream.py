@@ -29,6 +29,7 @@ from npu_train.data.dataset import load_packed
 from npu_train.data.preference import build_preference_data
 from npu_train.data.sft import build_sft_data
 from npu_train.model.llama import IGNORE_INDEX
+from lock_wait import build_while_locked
 from smol_chat import smol_chat
 
 pytest.importorskip("transformers")
@@ -416,9 +417,6 @@ def test_disk_full_while_spooling(smol, tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------- several nodes, one cache
 def test_waits_for_another_builder(smol, tmp_path):
     """A build lock held by another node / launch on the same cache: wait (nothing rendered), then map its file."""
-    import os
-    import threading
-    import time
     from types import SimpleNamespace
 
     from npu_train.data.dataset import packed_cache_path
@@ -427,23 +425,14 @@ def test_waits_for_another_builder(smol, tmp_path):
     want = build_sft_data(src, "chat", smol["renderer"], 63, pack=True, cache_dir=tmp_path / "other", log=lambda m: None)
     target = packed_cache_path(tmp_path / "c", want.fingerprint)
     target.parent.mkdir()
-    lock = target.with_name(target.name + ".lock")
-    lock.write_text("node0 pid 1\n")
 
     def boom(*a, **k):
         raise AssertionError("rendered while another process builds")
 
     r = SimpleNamespace(template=smol["renderer"].template, tok=smol["renderer"].tok, sample=boom)
-    out, logs = {}, []
-    th = threading.Thread(target=lambda: out.update(d=build_sft_data(
-        src, "chat", r, 63, pack=True, cache_dir=tmp_path / "c", log=logs.append)))
-    th.start()
-    time.sleep(1.0)
-    assert th.is_alive() and any("waiting for node0 pid 1" in m for m in logs), logs
-    os.link(want.path, target)
-    lock.unlink()
-    th.join(30)
-    assert torch.equal(out["d"].train.long(), want.train.long()) and logs[-1].endswith("(cached)")
+    got, logs = build_while_locked(
+        lambda log: build_sft_data(src, "chat", r, 63, pack=True, cache_dir=tmp_path / "c", log=log), target, want.path)
+    assert torch.equal(got.train.long(), want.train.long()) and logs[-1].endswith("(cached)")
 
 
 def test_progress_lines_touch_the_lock(smol, tmp_path):
