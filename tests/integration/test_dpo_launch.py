@@ -77,6 +77,73 @@ def test_dpo_pipeline_matches_reference(tiny_model, tmp_path, backend, extra):
     assert len(stored) == 1, stored
 
 
+@pytest.fixture
+def own_data_cache():
+    """This test's own ``$NPT_CACHE/data`` (not the folder shared by the suite's tests): the reference pass is
+    computed here, never read from a file an earlier test on the same data left beside the cache. Returns it."""
+    d = os.path.join(os.environ["NPT_CACHE"], "data")
+    os.unlink(d)  # the link to the shared folder (tests/conftest.py)
+    os.mkdir(d)
+    return d
+
+
+def _stored_reference(run_dir):
+    """``(train, val)`` float64 of the reference file in ``run_dir``'s checkpoint root (NaN: not computed)."""
+    from safetensors.torch import load_file
+
+    root = os.path.join(run_dir, "checkpoints")
+    stored = [f for f in os.listdir(root) if f.startswith("dpo_reference-")]
+    assert len(stored) == 1, stored
+    t = load_file(os.path.join(root, stored[0]))
+    return t["train"], t["val"]
+
+
+def _check_dpo(losses, reader, ref_losses, ref_w):
+    assert len(losses) == len(ref_losses) and reader.step == len(ref_losses)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
+    for name, w in ref_w.items():
+        got = reader.get(f"master.{name}")
+        assert rel_diff(got, w) < 3e-5, f"{name}: rel diff {rel_diff(got, w):.2e}"
+
+
+def test_dpo_data_parallel_matches_reference(tiny_model, tmp_path, own_data_cache, capsys):
+    """dp=2 replicas of a 1-stage pipeline (accum 2 each) against the reference with the global batch (accum 4:
+    tests/integration/test_data_parallel.py). Then the reference values themselves: the dp=2 run's stored file
+    equals, to 1e-12, the one a dp=1 run computes on the same data (the same rows in the same micro-batches),
+    with one held-out micro-batch (fewer micro-batches than replicas: replica 1 has no val rows to compute)."""
+    import torch
+
+    ov = _dpo_overrides(tmp_path, "data.eval_batches=1")
+    ref_losses, ref_w = _reference(tiny_model, *ov, "train.accum=4")
+    losses, reader = run_pipeline(tiny_model, str(tmp_path / "dp2"), "backend=[cpu,cpu]", "parallel.dp=2", *ov)
+    _check_dpo(losses, reader, ref_losses, ref_w)
+    assert reader.manifest["parallel"]["dp"] == 2
+    out = capsys.readouterr().out
+    assert re.search(r"DPO reference pass: \d+ sequences in", out), out[-3000:]
+    t2, v2 = _stored_reference(tmp_path / "dp2")
+    for f in os.listdir(own_data_cache):  # the dp=1 run computes its own values
+        if f.startswith("dpo_reference-"):
+            os.remove(os.path.join(own_data_cache, f))
+    run_pipeline(tiny_model, str(tmp_path / "dp1"), "backend=[cpu]", *ov, "train.accum=4", "train.stop_after=1")
+    assert re.search(r"DPO reference pass: \d+ sequences in", capsys.readouterr().out)
+    t1, v1 = _stored_reference(tmp_path / "dp1")
+    assert int((~t1.isnan()).sum()) == 3 * 4 * 4 and int((~v1.isnan()).sum()) == 4  # 3 steps x 4 x 4 rows; 4 val
+    torch.testing.assert_close(t2, t1, rtol=0, atol=1e-12, equal_nan=True)
+    torch.testing.assert_close(v2, v1, rtol=0, atol=1e-12, equal_nan=True)
+
+
+@pytest.mark.heavy
+def test_dpo_data_parallel_two_stages_zero1(tiny_model, tmp_path, own_data_cache):
+    """dp=2 replicas x 2 stages with ZeRO-1 (accum 2 each) against the reference with accum 4."""
+    ov = _dpo_overrides(tmp_path)
+    ref_losses, ref_w = _reference(tiny_model, *ov, "train.accum=4")
+    losses, reader = run_pipeline(tiny_model, str(tmp_path / "run"), "backend=[cpu,cpu,cpu,cpu]", "parallel.dp=2",
+                                  "parallel.zero=1", *ov)
+    _check_dpo(losses, reader, ref_losses, ref_w)
+    assert reader.manifest["parallel"] == {"dp": 2, "pp": 2, "zero": 1}
+
+
 LORA = ("train.mode=lora", "lora.rank=4", "lora.alpha=8", "train.lr=5e-3", "train.weight_decay=0.01")
 
 
@@ -132,19 +199,22 @@ def _peft_dpo_reference(model_path, cfg, dtype=None):
     return losses, {n: p.detach().clone() for n, p in adapters.items()}
 
 
-@pytest.mark.parametrize("backend", ["[cpu]", "[cpu,cpu,cpu]"])
-def test_lora_dpo_matches_peft_reference(tiny_model, tmp_path, backend):
+@pytest.mark.parametrize("backend", ["[cpu]", "[cpu,cpu,cpu]", "[cpu,cpu] parallel.dp=2"])
+def test_lora_dpo_matches_peft_reference(tiny_model, tmp_path, backend, own_data_cache):
     """LoRA DPO: the reference pass runs with the adapters disabled (the base), no second copy of the weights.
     The peft reference runs in fp64; adapters within 2e-4: at B = 0 the policy equals the reference and the DPO
     gradient is the difference of the chosen and rejected log-probability gradients, so fp32 rounding is large
     relative to it (measured: the fp32 peft reference itself is 5.2e-5 from the fp64 one on layer 3's
-    down_proj lora_A, the pipeline 1.2e-4 from the fp32 reference there; losses agree to 1e-5)."""
+    down_proj lora_A, the pipeline 1.2e-4 from the fp32 reference there; losses agree to 1e-5). dp=2: each
+    replica accum 2, the reference the global batch (accum 4)."""
     import torch
 
     pytest.importorskip("peft")
+    backend, *dp = backend.split()
     ov = _dpo_overrides(tmp_path, *LORA)
-    ref_losses, ref_adapters = _peft_dpo_reference(tiny_model, make_cfg(tiny_model, *ov), torch.float64)
-    losses, reader = run_pipeline(tiny_model, str(tmp_path / "run"), f"backend={backend}", *ov)
+    glob = ("train.accum=4",) if dp else ()
+    ref_losses, ref_adapters = _peft_dpo_reference(tiny_model, make_cfg(tiny_model, *ov, *glob), torch.float64)
+    losses, reader = run_pipeline(tiny_model, str(tmp_path / "run"), f"backend={backend}", *dp, *ov)
     assert len(losses) == 3
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
@@ -153,17 +223,19 @@ def test_lora_dpo_matches_peft_reference(tiny_model, tmp_path, backend):
         assert rel_diff(got, w) < 2e-4, f"{name}: rel diff {rel_diff(got, w):.2e}"
 
 
-def test_dpo_resume_is_exact(tiny_model, tmp_path):
+@pytest.mark.parametrize("shape", [("backend=[cpu,cpu]",), ("backend=[cpu,cpu]", "parallel.dp=2")])
+def test_dpo_resume_is_exact(tiny_model, tmp_path, shape):
     """Stop after 1 step + train.resume=latest (the reference values read from the checkpoint root) equals the
     uninterrupted run: same losses, same masters and moments, bit for bit. (Full fine-tuning: there the stored
-    values are the only source of the reference; LoRA resumes the same way, test_lora covers its adapters.)"""
+    values are the only source of the reference; LoRA resumes the same way, test_lora covers its adapters.)
+    2 stages, and 2 replicas of 1 stage (the values the replicas exchanged, stored by replica 0)."""
     import torch
 
     ov = _dpo_overrides(tmp_path)
     ck = f"checkpoint.dir={tmp_path / 'ck'}"
-    full, r_full = run_pipeline(tiny_model, str(tmp_path / "full"), "backend=[cpu,cpu]", *ov)
-    first, _ = run_pipeline(tiny_model, str(tmp_path / "a"), "backend=[cpu,cpu]", *ov, ck, "train.stop_after=1")
-    rest, r_res = run_pipeline(tiny_model, str(tmp_path / "b"), "backend=[cpu,cpu]", *ov, ck, "train.resume=latest")
+    full, r_full = run_pipeline(tiny_model, str(tmp_path / "full"), *shape, *ov)
+    first, _ = run_pipeline(tiny_model, str(tmp_path / "a"), *shape, *ov, ck, "train.stop_after=1")
+    rest, r_res = run_pipeline(tiny_model, str(tmp_path / "b"), *shape, *ov, ck, "train.resume=latest")
     assert first + rest == full
     for k in r_full.manifest["index"]:
         if k.startswith(("master.", "exp_avg")):

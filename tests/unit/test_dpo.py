@@ -208,3 +208,54 @@ def test_preference_rows_are_not_packed():
 
     assert packed_rows(OmegaConf.create({"format": "preference", "pack": True})) is False
     assert packed_rows(OmegaConf.create({"format": "chat", "pack": True})) is True
+
+
+@pytest.mark.parametrize("n,mb,dp,start", [(10, 4, 2, 0), (4, 4, 2, 0), (4, 4, 3, 0), (4, 4, 3, 2), (0, 2, 2, 1),
+                                            (12, 2, 1, 0), (22, 4, 3, 1)])
+def test_replica_shares_are_whole_micro_batches_round_robin(n, mb, dp, start):
+    """The reference pass's shares: the rows cut into micro-batches of ``mb`` in order (the last shorter), micro-batch
+    ``j`` on replica ``(start + j) % dp``; so the shares are disjoint, cover the rows, and re-cut into ``mb`` they give
+    the very micro-batches one replica would run (the same values, bit for bit). Fewer micro-batches than replicas:
+    the others get nothing."""
+    from npu_train.runtime.reference import replica_shares
+
+    rows = [3 * i + 1 for i in range(n)]  # any increasing row indices
+    mbs = [rows[a:a + mb] for a in range(0, n, mb)]
+    shares = replica_shares(rows, mb, dp, start)
+    assert len(shares) == dp
+    for k in range(dp):
+        mine = [c for j, c in enumerate(mbs) if (start + j) % dp == k]
+        assert shares[k] == [r for c in mine for r in c]
+        assert [shares[k][a:a + mb] for a in range(0, len(shares[k]), mb)] == mine
+    assert sorted(r for s in shares for r in s) == rows
+    assert sum(1 for s in shares if s) == min(dp, len(mbs))
+
+
+def test_pass_shares_continue_the_round_from_train_to_val():
+    """7 train micro-batches (the last of 2 rows) on replicas 0 1 2 0 1 2 0, then the 2 val ones on 1 and 2."""
+    from npu_train.runtime.reference import pass_shares
+    from npu_train.runtime.spec import ReferenceSpec
+
+    ref = ReferenceSpec(None, None, "k" * 64, train_rows=tuple(range(26)), val_rows=tuple(range(8)))
+    train, val = pass_shares(ref, 4, 3)
+    assert train == [[0, 1, 2, 3, 12, 13, 14, 15, 24, 25], [4, 5, 6, 7, 16, 17, 18, 19], [8, 9, 10, 11, 20, 21, 22, 23]]
+    assert val == [[], [0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+def test_reference_plan_line_divides_the_pass_over_the_replicas():
+    """The plan's estimate of the pass: the busiest replica's sequences / (micro_batch x accum) x step / 3."""
+    from types import SimpleNamespace
+
+    from npu_train.runtime.job import reference_plan_line
+    from npu_train.runtime.spec import ReferenceSpec
+
+    ref = ReferenceSpec(None, None, "k" * 64, train_rows=tuple(range(28)), val_rows=(0, 1, 2, 3))  # 8 micro-batches
+    data = SimpleNamespace(n_train=40, n_val=8)
+    tr = SimpleNamespace(micro_batch=4, accum=2, mode="full")
+    dpo = SimpleNamespace(loss="sigmoid", beta=0.1, label_smoothing=0.0)
+    # one replica: 32 rows / 8 per step x 30 s / 3 = 40 s; two: 16 rows, 20 s; three: 3 + 3 + 2 micro-batches
+    # (train 0 1 2 0 1 2 0, val 1), 15 s
+    for dp, want in ((1, 40), (2, 20), (3, 15)):
+        line = reference_plan_line(ref, data, tr, 30.0, dpo, dp)
+        assert f"about {want} s by the plan" in line, line
+        assert ("spread over the" in line) == (dp > 1)

@@ -650,7 +650,8 @@ def _dry_run(cfg, run_dir: str) -> dict:
         rows = (tr.steps * tr.accum * prep.dp + int(cfg.data.eval_batches or 0)) * tr.micro_batch
         print(f"DPO: before step 1 a reference pass (forward only, no activations kept: inside the memory above) "
               f"over the at most {rows} sequences the {tr.steps} steps and the held-out batches use, about "
-              f"{rows / (tr.micro_batch * tr.accum) * prep.plan.step_time_s / 3:.0f} s (a third of a step per step's sequences); "
+              f"{rows / prep.dp / (tr.micro_batch * tr.accum) * prep.plan.step_time_s / 3:.0f} s (a third of a step per "
+              f"step's sequences{', spread over the replicas' if prep.dp > 1 else ''}); "
               "fewer when an earlier run on the same data and model stored them")
     host_need = prep.plan.host_bytes_all  # every replica's offloaded state (one node)
     try:
@@ -985,29 +986,35 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
     if resume.resume_dir:
         print(f"resuming from {resume.resume_dir} at step {resume.start_step}", flush=True)
     if resume.reference is not None:
-        print(reference_plan_line(resume.reference, data, tr, plan.step_time_s, cfg.dpo), flush=True)
+        print(reference_plan_line(resume.reference, data, tr, plan.step_time_s, cfg.dpo, dp), flush=True)
     note = warmup_note(lr=float(tr.lr), warmup_steps=int(tr.warmup_steps), total_steps=int(tr.steps))
     if note:
         print(note, flush=True)
 
 
-def reference_plan_line(ref: ReferenceSpec, data, tr, step_s: float, dpo) -> str:
+def reference_plan_line(ref: ReferenceSpec, data, tr, step_s: float, dpo, dp: int = 1) -> str:
     """The DPO line under the plan: objective settings and the reference pass's cost (computed or read).
 
-    Time: a forward pass over every train and val row, estimated as a third of the plan's step time per
-    ``micro_batch x accum`` rows (a forward is about a third of a forward + backward; the pipeline fill is
-    not counted). Memory: the pass keeps no activations (no_grad), so it stays inside each card's planned
-    training peak; the last stage holds one float64 per row in host memory."""
+    Time: a forward pass over the rows to compute, spread over the ``dp`` replicas (whole micro-batches,
+    :func:`~npu_train.runtime.reference.pass_shares`): the largest share, estimated as a third of the plan's
+    step time (one replica's) per ``micro_batch x accum`` rows (a forward is about a third of a forward +
+    backward; the pipeline fill and the values' exchange are not counted). Memory: the pass keeps no
+    activations (no_grad), so it stays inside each card's planned training peak; the last stage holds one
+    float64 per row in host memory."""
+    from npu_train.runtime.reference import pass_shares
+
     rows = ref.n_compute
     what = (f"DPO (loss {dpo.loss}, beta {dpo.beta:g}"
             + (f", label smoothing {dpo.label_smoothing:g}" if dpo.label_smoothing else "") + f"): "
             f"{data.n_train // 2} train / {data.n_val // 2} val pairs, {tr.micro_batch // 2} pair(s) per micro-batch; ")
     if not ref.compute:
         return what + f"reference log-probabilities of the rows it uses read from {ref.existing()}"
-    est = rows / max(1, tr.micro_batch * tr.accum) * step_s / 3.0
+    most = max(len(t) + len(v) for t, v in zip(*pass_shares(ref, tr.micro_batch, dp)))  # the busiest replica's
+    est = most / max(1, tr.micro_batch * tr.accum) * step_s / 3.0
     base = "the base model (LoRA adapters disabled)" if tr.mode == "lora" else "the initial weights"
     return (what + f"reference pass over the {rows} sequences it uses" + (" (the rest stored)" if ref.existing() else "")
-            + f" with {base} before step 1, about {est:.0f} s by the plan, "
+            + f" with {base} before step 1" + (f", spread over the {dp} replicas" if dp > 1 else "")
+            + f", about {est:.0f} s by the plan, "
             f"inside the planned training memory (no activations kept; {8 * rows / 2**20:.2f} MiB of host "
             "memory on the last stage), stored beside the data cache"
             + (" and in the checkpoint root" if ref.run_file else " (checkpoint.save=false: not in a checkpoint root)"))

@@ -7,7 +7,9 @@ resume reads it there: the weights on the cards are no longer the reference).
 Full fine-tuning: the reference is the initial model, so a resume cannot add rows; LoRA: the frozen base
 (adapters disabled during the pass, no second copy), which a resume can still compute. The launcher decides
 with :func:`reference_spec` which rows the cards compute; the last stage reads and writes the files
-(:func:`load_reference`, :func:`save_reference`).
+(:func:`load_reference`, :func:`save_reference`). With data-parallel replicas each replica computes a share of
+the rows (:func:`pass_shares`) and the last stages exchange the values
+(:meth:`~npu_train.runtime.trainer.StageTrainer.reference`).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from npu_train.errors import UserError
 from npu_train.runtime.spec import ReferenceSpec
 
 __all__ = ["ReferenceError", "reference_key", "reference_spec", "needed_rows", "load_reference",
-           "save_reference", "read_values"]
+           "save_reference", "read_values", "replica_shares", "pass_shares"]
 
 _FORMAT = "npu-train-dpo-reference-v1"
 
@@ -54,6 +56,24 @@ def needed_rows(samplers: Iterable, start: int, steps: int) -> list[int]:
             for idx in smp.micro_batches_for_step(step):
                 rows.update(int(r) for r in idx)
     return sorted(rows)
+
+
+def replica_shares(rows: list, micro_batch: int, dp: int, start: int = 0) -> list[list]:
+    """``rows`` cut into micro-batches of ``micro_batch`` (the last one may be shorter), micro-batch ``j`` given to
+    replica ``(start + j) % dp``: ``dp`` lists of rows (possibly empty: fewer micro-batches than replicas) whose
+    union is ``rows``. Each micro-batch holds the rows it holds with one replica, so every value is computed in the
+    same batch as with one replica (the same numbers as one replica's pass at the same thread count)."""
+    chunks = [list(rows[a:a + micro_batch]) for a in range(0, len(rows), micro_batch)]
+    return [[r for j, c in enumerate(chunks) if (start + j) % dp == k for r in c] for k in range(dp)]
+
+
+def pass_shares(spec: ReferenceSpec, micro_batch: int, dp: int) -> tuple[list, list]:
+    """``(train, val)``: each replica's rows of ``spec.train_rows`` and ``spec.val_rows`` (:func:`replica_shares`),
+    the val micro-batches continuing the train ones' round (so the replicas' counts differ by one micro-batch at
+    most). A function of its arguments only: every stage of a replica agrees on its share without messaging."""
+    train = replica_shares(list(spec.train_rows), micro_batch, dp)
+    n_train_mbs = -(-len(spec.train_rows) // micro_batch)
+    return train, replica_shares(list(spec.val_rows), micro_batch, dp, start=n_train_mbs)
 
 
 def read_values(path: Optional[str], key: str, n_train: int, n_val: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -464,27 +464,57 @@ class StageTrainer:
     def reference(self) -> None:
         """The DPO reference log-probabilities of the rows this run uses: read (the last stage) and, for the rows
         no file holds yet (``spec.reference.train_rows`` / ``val_rows``), computed by a forward pass of the whole
-        pipeline (every stage; LoRA with the adapters disabled), then written by replica 0's last stage. Each
-        replica runs the pass over all those rows (the wall time of one pipeline; no exchange needed)."""
-        from npu_train.runtime.reference import load_reference, save_reference
+        pipeline (every stage; LoRA with the adapters disabled), then written by replica 0's last stage. With
+        ``dp`` replicas each computes its share of those rows (micro-batch ``j`` of them, train then val, on
+        replica ``j % dp``: :func:`~npu_train.runtime.reference.pass_shares`; none when there are fewer
+        micro-batches than replicas), and the last stages exchange the values (:meth:`_gather_reference`), so every replica's last
+        stage holds all the values it trains with: the pass takes about ``1/dp`` of one pipeline's time."""
+        from npu_train.runtime.reference import load_reference, pass_shares, save_reference
 
         ref = self.spec.reference
         if self.last:
             self.ref_train, self.ref_val = load_reference(ref, self.data.n_train, self.data.n_val)
         if ref.compute:
-            self.enter(f"DPO reference pass over {ref.n_compute} sequences")
+            mb, dp = self.tr.micro_batch, self.dp
+            train, val = pass_shares(ref, mb, dp)
+            shares = [("train", train, self.ref_train), ("val", val, self.ref_val)]
+            per = [sum(len(sh[k]) for _, sh, _ in shares) for k in range(dp)]  # sequences per replica
+            self.enter(f"DPO reference pass over {ref.n_compute} sequences"
+                       + (f" ({per[self.replica]} on replica {self.replica} of {dp})" if dp > 1 else ""))
             t0 = time.perf_counter()
-            for split, rows, into in (("train", ref.train_rows, self.ref_train), ("val", ref.val_rows, self.ref_val)):
-                vals = self._reference_rows(split, list(rows))
-                if self.last and rows:
-                    into[torch.tensor(rows, dtype=torch.int64)] = vals
+            for split, sh, into in shares:
+                vals = self._reference_rows(split, sh[self.replica])
+                if self.last:
+                    self._gather_reference(into, sh, vals)
             if self.last and self.replica == 0:
                 save_reference(ref, self.ref_train, self.ref_val)
+                spread = f"spread over {dp} replicas, at most {max(per)} each; " if dp > 1 else ""
                 self.ctrl.send("note", text=f"DPO reference pass: {ref.n_compute} sequences in "
-                                            f"{time.perf_counter() - t0:.1f} s (stored"
+                                            f"{time.perf_counter() - t0:.1f} s ({spread}stored"
                                             + ("; a resume reads them)" if ref.run_file else " beside the data cache)"))
         elif self.last and self.replica == 0 and ref.run_file and ref.existing() != ref.run_file:
             save_reference(ref, self.ref_train, self.ref_val)  # read from the cache: the run keeps its own copy
+
+    def _gather_reference(self, into: torch.Tensor, shares: list, vals: Optional[torch.Tensor]) -> None:
+        """Last stage: write every replica's values into ``into`` (``[n]`` float64, at the rows of ``shares``, one
+        list of rows per replica): this replica's ``vals`` (``[len(shares[replica])]`` float64, None when its share
+        is empty) and, with ``dp > 1``, the other replicas' from a gloo all-gather over ``stage_group`` (the
+        replicas' last stages; group rank = replica), each share padded to the longest (gloo needs equal sizes)."""
+        import torch.distributed as dist
+
+        n = max(len(sh) for sh in shares)
+        if n == 0:
+            return
+        got = [vals]
+        if self.dp > 1:
+            buf = torch.zeros(n, dtype=torch.float64)
+            if vals is not None:
+                buf[:vals.numel()] = vals
+            got = [torch.empty(n, dtype=torch.float64) for _ in range(self.dp)]
+            dist.all_gather(got, buf, group=self.stage_group)
+        for sh, g in zip(shares, got):
+            if sh:
+                into[torch.tensor(sh, dtype=torch.int64)] = g[:len(sh)]
 
     def _reference_rows(self, split: str, rows: list) -> Optional[torch.Tensor]:
         """The reference log-probabilities ``[len(rows)]`` float64 of ``rows`` of ``split`` (last stage; else
