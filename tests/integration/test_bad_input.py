@@ -94,6 +94,11 @@ def bad(tiny_model, tmp_path_factory):
     b.bad_row = str(root / "bad_row.jsonl")
     with open(b.bad_row, "w") as f:
         f.write("".join(json.dumps({"text": w}) + "\n" for w in words[:50]) + json.dumps({"text": 7}) + "\n")
+    b.empty_jsonl = str(root / "empty.jsonl")
+    open(b.empty_jsonl, "w").close()
+    b.all_bad = str(root / "all_bad.jsonl")
+    with open(b.all_bad, "w") as f:
+        f.write("".join(json.dumps({"text": k}) + "\n" for k in range(5)))
     b.dsdict = str(root / "dsdict")
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": words})}).save_to_disk(b.dsdict)
     # a (complete) checkpoint of another model: 4 layers instead of 6
@@ -157,6 +162,10 @@ CASES = [
      ["body.parquet: no column 'text' (columns: ['body'])", "set data.text_field=<column>"]),
     ("data-bad-row", lambda b: [f"data.source={b.bad_row}"], None,
      ['bad_row.jsonl:51: the "text" field must be a string (int)', "data.bad_rows=skip"]),
+    ("data-empty-jsonl", lambda b: [f"data.source={b.empty_jsonl}", "data.format=chat"], None,
+     ["empty.jsonl': no rows (the file(s) are empty or hold only blank lines)", "add rows like"]),
+    ("data-all-rows-bad", lambda b: [f"data.source={b.all_bad}", "data.bad_rows=skip"], None,
+     ["all_bad.jsonl: no usable rows: 5 bad row(s) skipped", "all_bad.jsonl:1:", "fix the rows"]),
     ("data-split-missing", lambda b: [f"data.source={b.dsdict}", "data.val_split=validation"], None,
      ["has no split 'validation' (splits: ['train'])", "data.val_split"]),
     ("data-bad-rows-value", lambda b: ["data.bad_rows=maybe"], None, ["data.bad_rows='maybe'", "refuse", "skip"]),

@@ -186,6 +186,18 @@ def test_padding_labels_and_roundtrip(smol, tmp_path):
     assert n == 0 and float(ls) == 0.0
 
 
+def test_bad_rows_count_among_the_rows_read(smol, tmp_path):
+    """data.bad_rows=skip: the summary's "k of n samples kept" counts the skipped row in n (the line before it
+    says "1 bad row(s) skipped"), so the two lines agree."""
+    good = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
+    robot = {"messages": [{"role": "robot", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    logs = []
+    build_sft_data(_write(tmp_path, [good, robot, good, good, good]), "chat", _renderer(smol), seq_len=64,
+                   bad_rows="skip", log=logs.append)
+    assert logs[0].startswith("data: 1 bad row(s) skipped (data.bad_rows=skip); first: ") and ".jsonl:2" in logs[0]
+    assert logs[1].startswith("data: 4 of 5 chat samples kept (1 bad row(s) skipped) (one per sequence"), logs[1]
+
+
 def test_truncation_and_drop_counts(smol, tmp_path):
     short = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]}
     long_answer = {"messages": [{"role": "user", "content": "Count"},

@@ -296,3 +296,42 @@ def test_inexact_tokenizer_gets_whole_documents(tmp_path):
         data = build_packed_data(src, t, 64, 0.05, eos_id=None)
         flat = torch.cat([data.train, data.val]).long().reshape(-1).tolist()
         assert data.n_tokens == len(full) and flat == full[: len(flat)]
+
+
+# ------------------------------------------------------------------------------------------ empty / all-bad sources
+EMPTY_FILES = {"zero.jsonl": b"", "blank.jsonl": b"\n  \n\n", "zero.json": b"", "zero.parquet": b"",
+               "zero.csv": b"", "blank.csv": b"\n\n"}
+
+
+@pytest.mark.parametrize("name", sorted(EMPTY_FILES))
+def test_empty_file_has_no_rows(tmp_path, tok, name):
+    """An empty file (0 bytes or blank lines) as data.source: one DataError naming the file, saying it has no
+    rows and how to fix it (not the reader's internal error, e.g. "datasets could not read it (StopIteration)")."""
+    p = tmp_path / name
+    p.write_bytes(EMPTY_FILES[name])
+    with pytest.raises(DataError) as ei:
+        read_rows(str(p), "chat")
+    msg = str(ei.value)
+    assert msg.startswith(f"data.source={str(p)!r}: no rows (the file(s) are empty") and "add rows like" in msg, msg
+    assert "could not read" not in msg, msg
+    with pytest.raises(DataError, match=rf"{name}: no text \(file\(s\) empty or whitespace only\); add training text"):
+        build_packed_data(str(p), tok, 4, 0.2, EOS)
+
+
+def test_all_rows_bad_and_skipped_says_no_usable_rows(tmp_path, tok):
+    """data.bad_rows=skip on a file whose every row is bad: "no usable rows", the count and the first bad row
+    (not "no rows" / "no text", which would send the user looking for an empty file)."""
+    p = tmp_path / "bad.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in [{"text": 1}, {"other": "x"}]))
+    with pytest.raises(DataError,
+                       match=r"no usable rows: 2 bad row\(s\) skipped .*first: .*bad.jsonl:1: .*fix the rows"):
+        build_packed_data(TextSpec(resolve_source(str(p), "text"), bad_rows="skip"), tok, 4, 0.2, EOS)
+    with pytest.raises(DataError, match=r"no usable rows: all 2 row\(s\) are bad and were skipped "
+                                        r"\(data.bad_rows=skip\); first: .*bad.jsonl:1: .*; fix the rows"):
+        read_rows(str(p), "chat", {"messages": "text"}, bad_rows="skip", log=lambda m: None)
+    from npu_train.data.preference import iter_pairs
+
+    q = tmp_path / "pairs.jsonl"
+    q.write_text("".join(json.dumps({"prompt": "a", "chosen": "x", "rejected": "x"}) + "\n" for _ in range(3)))
+    with pytest.raises(DataError, match=r"no usable rows: all 3 row\(s\) are bad .*first: .*pairs.jsonl:1: "):
+        list(iter_pairs(str(q), bad_rows="skip", log=lambda m: None))

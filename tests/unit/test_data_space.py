@@ -94,3 +94,58 @@ def test_tokenizer_cache_write_failure_is_ignored(tmp_path, monkeypatch):
     assert isinstance(tok, Tok)
     left = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path) for f in fs]
     assert not any("tokenizers" in p for p in left), left
+
+
+class _Disk:
+    """A fake ``shutil.disk_usage`` for a cache directory whose disk fills up: 5 GB free until ``full`` is set,
+    then 1 kB while the build's temporaries (``.packed-*`` files) are there; once they are removed the space
+    they held is free again (5 GB), as on a real disk."""
+
+    def __init__(self, directory):
+        self.directory, self.full = directory, False
+
+    def __call__(self, d):
+        held = any(p.name.startswith(".") for p in self.directory.iterdir()) if self.directory.is_dir() else False
+        return Usage(10**10, 0, 1000 if self.full and held else 5 * 10**9)
+
+
+def _enospc(disk, write):
+    """``write`` wrapped: it writes its bytes (the partial file grows), then the disk is full (ENOSPC)."""
+    def full(*a, **k):
+        write(*a, **k)
+        disk.full = True
+        raise OSError(errno.ENOSPC, "No space left on device")
+    return full
+
+
+def test_full_disk_message_gives_the_free_space_when_the_write_failed(tmp_path, monkeypatch):
+    """The text build, whose token stream fills the disk: the message gives the free space when the write
+    failed (0.0 MB), not the space free again after the partial file was removed (5000 MB), and what it had
+    written; save_packed likewise, with the bytes it needs."""
+    from npu_train.data import botchan_text
+    from npu_train.data.dataset import TextSpec, build_packed_data
+    from npu_train.data.sources import resolve_source
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    cache = tmp_path / "c"
+    cache.mkdir()
+    disk = _Disk(cache)
+    monkeypatch.setattr(shutil, "disk_usage", disk)
+    monkeypatch.setattr(ds._StreamFile, "write", _enospc(disk, ds._StreamFile.write))
+    src = tmp_path / "t.txt"
+    src.write_text(botchan_text()[:20_000])
+    tok = Tokenizer(models.WordLevel({"[unk]": 0}, unk_token="[unk]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(DataError, match=r"^the disk ran out of space in .*/c \(0\.0 MB free when the write failed; "
+                                        r"0\.\d MB written by then, removed since\) while writing the packed training "
+                                        r"data: free disk space there or point \$NPT_CACHE at a larger disk$"):
+        build_packed_data(TextSpec(resolve_source(str(src), "text")), tok, 8, 0.1, eos_id=0, cache_dir=cache)
+    assert os.listdir(cache) == []
+
+    disk.full = False
+    monkeypatch.setattr(ds, "save_file", _enospc(disk, lambda t, filename, metadata=None: open(filename, "wb").write(
+        b"x" * 100)))
+    with pytest.raises(DataError, match=r"\(0\.0 MB free when the write failed; 0\.0 MB written by then, removed "
+                                        r"since; the packed data needs 1\.0 MB\) while writing"):
+        ds.save_packed(_data(), cache / "data.safetensors")
+    assert os.listdir(cache) == []

@@ -213,7 +213,7 @@ def test_bad_rows_refused_and_skipped(smol, tmp_path, row, msg):
     d = _build(smol, src, bad_rows="skip", log=logs.append)
     assert d.n_train == 6
     assert logs[0].startswith("data: 1 bad row(s) skipped") and "d.jsonl:2" in logs[0]
-    assert "3 of 4 preference pairs kept (1 bad rows skipped)" in logs[1]
+    assert "3 of 4 preference pairs kept (1 bad row(s) skipped)" in logs[1]
 
 
 def test_implicit_prompt_bad_rows(smol, tmp_path):

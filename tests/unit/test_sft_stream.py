@@ -14,6 +14,7 @@ labels a uint8 mask, positions likewise."""
 from __future__ import annotations
 
 import json
+import re
 import struct
 
 import numpy as np
@@ -201,11 +202,14 @@ def test_sft_file_equals_reference(smol, tmp_path, fmt, pack, truncation, vf):
     _check_file(d, d.path, want, n_tokens)
     assert len(logs) == 1 and f"of {len(rows)} {fmt} samples kept" in logs[0]
     assert not [p for p in cache.iterdir() if p.name.startswith(".")]  # temporaries removed
-    # cached: the same file, one line
+    # cached: the same file, one line, repeating what the build dropped or cut (the summary less its layout)
+    built = re.split(r", packed into | \(one per sequence of", logs[0][len("data: "):])[0]
     logs = []
     again = build_sft_data(src, fmt, smol["renderer"], seq_len=63, val_fraction=vf, truncation=truncation,
                            pad_id=PAD, pack=pack, cache_dir=cache, log=logs.append)
-    assert again.path == d.path and logs[0].endswith("(cached)")
+    n = d.n_train + d.n_val
+    assert again.path == d.path and logs == [f"data: {n} {'packed rows of ' if pack else ''}{fmt} samples from {src} "
+                                             "(cached)" + (f"; when built: {built}" if "; " in built else "")], logs
 
 
 def test_sft_wide_ids_and_positions(smol, tmp_path):
@@ -432,7 +436,7 @@ def test_waits_for_another_builder(smol, tmp_path):
     r = SimpleNamespace(template=smol["renderer"].template, tok=smol["renderer"].tok, sample=boom)
     got, logs = build_while_locked(
         lambda log: build_sft_data(src, "chat", r, 63, pack=True, cache_dir=tmp_path / "c", log=log), target, want.path)
-    assert torch.equal(got.train.long(), want.train.long()) and logs[-1].endswith("(cached)")
+    assert torch.equal(got.train.long(), want.train.long()) and " (cached)" in logs[-1]
 
 
 def test_progress_lines_touch_the_lock(smol, tmp_path):
@@ -445,3 +449,124 @@ def test_progress_lines_touch_the_lock(smol, tmp_path):
     build_sft_data(src, "chat", smol["renderer"], 63, truncation="truncate", cache_dir=tmp_path / "c", log=logs.append,
                    progress_s=0.0)
     assert any(m.startswith("data: rendering ") for m in logs) and "samples kept" in logs[-1]
+
+
+# ------------------------------------------------------------------------------- a relaunch repeats the losses
+def _drop_losses(path) -> None:
+    """Rewrite the packed file's header without the ``losses`` metadata, as a file written before it was
+    recorded (the JSON header is padded with spaces to its old length; the arrays stay where they are)."""
+    with open(path, "r+b") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        assert header["__metadata__"].pop("losses", None) is not None
+        blob = json.dumps(header).encode()
+        f.seek(8)
+        f.write(blob + b" " * (n - len(blob)))
+
+
+def test_cached_line_repeats_what_the_build_dropped(smol, tmp_path):
+    """A cache hit repeats the first build's counts of bad rows skipped and samples / completions cut or
+    dropped (stored in the packed file's metadata); a file without them (an older cache, same key) is still
+    used and its line says nothing more."""
+    long = " ".join(["word"] * 120)
+    rows = [{"messages": [{"role": "user", "content": f"Q{i}"}, {"role": "assistant", "content": f"A{i}."}]}
+            for i in range(6)]
+    rows[2]["messages"][1]["content"] = long
+    src = _write(tmp_path, rows + ['{"messages": 7}'])
+    cache = tmp_path / "c"
+    first = []
+    d = build_sft_data(src, "chat", smol["renderer"], 63, cache_dir=cache, bad_rows="skip", log=first.append)
+    assert "5 of 7 chat samples kept (1 bad row(s) skipped)" in first[-1], first
+    logs = []
+    build_sft_data(src, "chat", smol["renderer"], 63, cache_dir=cache, bad_rows="skip", log=logs.append)
+    assert logs == [f"data: 5 chat samples from {src} (cached); when built: 5 of 7 chat samples kept (1 bad row(s) "
+                    "skipped); 1 longer than seq_len+1=64 tokens were dropped (data.truncation=drop); first bad row: "
+                    f"{src}:7: " + first[0].split(f"{src}:7: ", 1)[1]], logs
+    _drop_losses(d.path)
+    logs = []
+    again = build_sft_data(src, "chat", smol["renderer"], 63, cache_dir=cache, bad_rows="skip", log=logs.append)
+    assert again.path == d.path and logs == [f"data: 5 chat samples from {src} (cached)"]
+
+    prows = [{"prompt": f"Q{i}", "chosen": " yes" + (" " + long if i == 1 else ""), "rejected": " no"}
+             for i in range(4)] + [{"prompt": "Q", "chosen": " same", "rejected": " same"}]
+    psrc = _write(tmp_path, prows, "p.jsonl")
+    first = []
+    d = build_preference_data(psrc, smol["renderer"], 47, cache_dir=cache, bad_rows="skip", log=first.append)
+    assert "4 of 5 preference pairs kept (1 bad row(s) skipped); 1 completions truncated" in first[-1], first
+    logs = []
+    build_preference_data(psrc, smol["renderer"], 47, cache_dir=cache, bad_rows="skip", log=logs.append)
+    assert logs == [f"data: 4 preference pairs from {psrc} (cached); when built: 4 of 5 preference pairs kept (1 bad "
+                    "row(s) skipped); 1 completions truncated to fit seq_len+1=48 tokens (the prompt is kept); 0 "
+                    f"pair(s) dropped (the prompt alone fills the 48 tokens); first bad row: {psrc}:5: "
+                    + first[0].split(f"{psrc}:5: ", 1)[1]], logs
+    _drop_losses(d.path)
+    logs = []
+    build_preference_data(psrc, smol["renderer"], 47, cache_dir=cache, bad_rows="skip", log=logs.append)
+    assert logs == [f"data: 4 preference pairs from {psrc} (cached)"]
+
+
+def test_cached_text_line_repeats_the_bad_rows(smol, tmp_path):
+    """The text build: a cache hit repeats how many bad rows the build skipped and the first (it logs nothing
+    on a hit otherwise, as before, and nothing for a file without the record)."""
+    from npu_train.data.dataset import TextSpec, build_packed_data
+    from npu_train.data.sources import resolve_source
+
+    src = _write(tmp_path, [{"text": f"Line {i} of some plain text for packing."} for i in range(20)] + [{"text": 5}])
+    spec = TextSpec(resolve_source(src, "text"), bad_rows="skip")
+    first = []
+    d = build_packed_data(spec, smol["tok"], 16, 0.1, eos_id=0, cache_dir=tmp_path / "c", log=first.append)
+    said = [m for m in first if "bad row(s) skipped" in m]
+    assert said == [f"data: 1 bad row(s) skipped (data.bad_rows=skip); first: {src}:21: " + said[0].split(":21: ")[1]]
+    logs = []
+    build_packed_data(spec, smol["tok"], 16, 0.1, eos_id=0, cache_dir=tmp_path / "c", log=logs.append)
+    assert logs == [f"data: {d.n_train + d.n_val} packed sequences of {src} (cached); when built: "
+                    + said[0][len("data: "):]], logs
+    _drop_losses(d.path)
+    logs = []
+    build_packed_data(spec, smol["tok"], 16, 0.1, eos_id=0, cache_dir=tmp_path / "c", log=logs.append)
+    assert logs == []
+
+
+def test_full_disk_message_gives_the_free_space_when_the_write_failed(smol, tmp_path, monkeypatch):
+    """ENOSPC while pass 1 spools or pass 2 writes the rows: the message gives the free space when the write
+    failed (0.0 MB), not what is free again once the build's temporaries were removed (5000 MB)."""
+    import errno
+    import os
+    import shutil
+    from collections import namedtuple
+
+    Usage = namedtuple("Usage", "total used free")
+    cache = tmp_path / "c"
+    cache.mkdir()
+    state = {"full": False}
+
+    def usage(d):  # 1 kB left while the temporaries fill the disk; their space is free again once removed
+        held = any(p.name.startswith(".") for p in cache.iterdir())
+        return Usage(10**10, 0, 1000 if state["full"] and held else 5 * 10**9)
+
+    def enospc(write):
+        def full(*a, **k):
+            write(*a, **k)
+            state["full"] = True
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return full
+
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    src = _write(tmp_path, _sft_rows("chat", 12))
+    with monkeypatch.context() as m:
+        m.setattr(spool_mod.SampleSpool, "flush", enospc(spool_mod.SampleSpool.flush))
+        with pytest.raises(DataError, match=r"^the disk ran out of space in .*/c \(0\.0 MB free when the write failed; "
+                                            r"0\.0 MB written by then, removed since\) while writing the packed "
+                                            r"training data: free disk space there or point \$NPT_CACHE at a larger "
+                                            r"disk$"):
+            build_sft_data(src, "chat", smol["renderer"], 63, cache_dir=cache, log=lambda m: None)
+    assert os.listdir(cache) == []
+    state["full"] = False
+    with monkeypatch.context() as m:
+        m.setattr(os, "pwrite", enospc(os.pwrite))
+        with pytest.raises(DataError, match=r"^the disk ran out of space in .*/c \(0\.0 MB free when the write failed; "
+                                            r"the packed data needs 1\.\d MB\) while writing the packed training data: "
+                                            r"free disk space there or point \$NPT_CACHE at a larger disk$"):
+            build_preference_data(_write(tmp_path, _pref_rows("standard", 6)[0], "p.jsonl"), smol["renderer"], 47,
+                                  cache_dir=cache, log=lambda m: None)
+    assert os.listdir(cache) == []

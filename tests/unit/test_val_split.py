@@ -103,6 +103,9 @@ def test_sft_val_rows_truncated_and_skipped_like_train_rows(smol, tmp_path):
     assert any("1 bad row(s) skipped" in m and "dd[test]:4" in m for m in logs), logs
     assert d.n_train == 5 and d.n_val == 2  # the long row of each split dropped (data.truncation=drop)
     assert "2 longer than seq_len+1=64 tokens were dropped" in logs[-1]
+    # the bad row counts among the rows read, as the line before says it was skipped
+    assert "7 of 10 chat samples kept (1 bad row(s) skipped) (5 of 6 from split 'train' for training, 2 of 4 from " \
+        "split 'test' for validation" in logs[-1], logs[-1]
     d = build_sft_data(src, "chat", r, seq_len=63, pad_id=PAD, val_split="test", bad_rows="skip",
                        truncation="truncate", log=logs.append)
     assert d.n_train == 6 and d.n_val == 3
@@ -153,7 +156,7 @@ def test_preference_pairs_come_from_their_split(smol, tmp_path):
     logs = []
     d = build_preference_data(src2, smol["renderer"], 31, pad_id=PAD, val_split="test", bad_rows="skip",
                               log=logs.append)
-    assert _pairs(d.val, d.val_labels) == want(STD_VAL[:1]) and "(1 bad rows skipped)" in logs[-1]
+    assert _pairs(d.val, d.val_labels) == want(STD_VAL[:1]) and "(1 bad row(s) skipped)" in logs[-1]
 
 
 @pytest.mark.parametrize("fmt", ["chat", "preference"])

@@ -16,7 +16,7 @@ from typing import Callable, Iterator, Optional
 
 from npu_train.model.llama import IGNORE_INDEX
 
-from .sources import BUILTIN_CHAT
+from .sources import BUILTIN_CHAT, BadRows
 from .text import DataError
 
 __all__ = ["FIELDS", "FORMATS", "ROLES", "ChatRenderer", "Sample", "iter_rows", "read_rows", "row_messages",
@@ -83,15 +83,16 @@ FIELDS = {"chat": ("messages",), "prompt_completion": ("prompt", "completion"),
 
 
 def iter_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",
-              log: Callable[[str], None] = print) -> Iterator[tuple[list[dict], str]]:
+              log: Callable[[str], None] = print, bad: Optional[BadRows] = None) -> Iterator[tuple[list[dict], str]]:
     """``(messages, "file:row")`` of each good row of a chat / prompt_completion source in file order, one
     at a time (memory: one batch of rows): a built-in name (:data:`BUILTIN_CHAT_SOURCES`), a JSON(L) /
     parquet / arrow file, a glob or directory of them, or a save_to_disk directory (``split``). ``fields``
     maps ``messages`` / ``prompt`` / ``completion`` to the source's column names. A bad row is an error
-    naming it (``bad_rows="refuse"``) or is counted, reported through ``log`` with the first one after the
-    last row, and dropped (``"skip"``). No good row at all: :class:`DataError` after the last row. Raises
-    FileNotFoundError / :class:`DataError`."""
-    from .sources import iter_converted, resolve_source
+    naming it (``bad_rows="refuse"``) or is counted (in ``bad`` when given), reported through ``log`` with
+    the first one after the last row, and dropped (``"skip"``). No good row at all: :class:`DataError` after
+    the last row (saying whether the rows were all bad or there were none). Raises FileNotFoundError /
+    :class:`DataError`."""
+    from .sources import iter_converted, no_rows, resolve_source
 
     src = resolve_source(spec, fmt, split)
     names = {k: str((fields or {}).get(k) or k) for k in FIELDS[fmt]}
@@ -100,13 +101,12 @@ def iter_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str 
         obj = {k: b.columns[c][i] for k, c in names.items() if b.columns[c][i] is not None}
         return row_messages(obj, fmt, b.where(i)), b.where(i)
 
-    n = 0
-    for row in iter_converted(src, list(dict.fromkeys(names.values())), split, convert, bad_rows, log):
+    n, bad = 0, bad if bad is not None else BadRows()
+    for row in iter_converted(src, list(dict.fromkeys(names.values())), split, convert, bad_rows, log, bad=bad):
         n += 1
         yield row
     if not n:
-        where = f" (split {split!r})" if src.kind == "saved" else ""
-        raise DataError(f"data.source={spec!r}{where}: no rows; add rows like {_shape_hint(fmt)}")
+        raise no_rows(spec, f" (split {split!r})" if src.kind == "saved" else "", bad, _shape_hint(fmt))
 
 
 def read_rows(spec: str, fmt: str, fields: Optional[dict] = None, bad_rows: str = "refuse", split: str = "train",

@@ -9,9 +9,10 @@ line) and written straight to the cache file as ``uint16`` (vocabulary <= 65536)
 
 The file is a safetensors file (an 8-byte header length, a JSON header, the raw arrays): the named arrays of
 :data:`ARRAY_FIELDS` present in the data plus ``__metadata__`` (format, seq_len, n_tokens, fingerprint,
-max_id). :func:`load_packed` maps every array read-only-in-effect (``np.memmap`` copy-on-write, never
-written), so no card process holds the corpus in its own memory; :func:`micro_batch_tensors` turns just
-the selected rows into int64. Cached under ``cache_dir`` keyed by :func:`data_fingerprint` (the source's
+max_id; ``losses``: what the build dropped, repeated on a cache hit, :func:`losses_meta`).
+:func:`load_packed` maps every array read-only-in-effect (``np.memmap`` copy-on-write, never written), so
+no card process holds the corpus in its own memory; :func:`micro_batch_tensors` turns just the selected
+rows into int64. Cached under ``cache_dir`` keyed by :func:`data_fingerprint` (the source's
 cheap key: file sizes, mtimes and a sample hash; the tokenizer; the packing knobs).
 With ``doc_mask=True`` the file's metadata names the EOS id and each selected row's position ids restart
 after every EOS (:func:`doc_positions`, computed when the rows are read), so attention stays within each
@@ -52,8 +53,11 @@ __all__ = [
     "build_cached",
     "build_lock",
     "disk_full",
+    "note_full_disk",
     "lock_path",
     "packed_meta",
+    "losses_meta",
+    "read_losses",
     "space_hint",
     "load_packed",
     "tokenize_documents",
@@ -316,26 +320,87 @@ def _short(need: int, path: Path, free: int, where: str) -> DataError:
                      f"{free / 1e6:.1f} MB are free: free disk space there" + (f" or {where}" if where else ""))
 
 
-def packed_meta(seq_len: int, n_tokens: int, fingerprint: str, max_id: int, pairs: bool = False) -> dict:
+def packed_meta(seq_len: int, n_tokens: int, fingerprint: str, max_id: int, pairs: bool = False,
+                losses: Optional[dict] = None) -> dict:
     """The ``__metadata__`` of a packed-data file written by :func:`save_packed` / :class:`PackedFileWriter`
-    (``max_id``: the largest id in the ``train`` / ``val`` arrays, padding included; -1 when both are empty)."""
+    (``max_id``: the largest id in the ``train`` / ``val`` arrays, padding included; -1 when both are empty;
+    ``losses``: what the build dropped, see :func:`losses_meta`)."""
     meta = {"format": _FORMAT, "seq_len": str(int(seq_len)), "n_tokens": str(int(n_tokens)),
             "fingerprint": fingerprint, "max_id": str(int(max_id))}
     if pairs:
         meta["pairs"] = "1"
+    meta.update(losses_meta(losses))
     return meta
 
 
-def disk_full(path: Path, where: str = "", need: int = 0) -> DataError:
-    """The error for a full disk while writing packed data next to ``path`` (``need``: bytes, when known);
-    names the fix (free space there, or ``where``)."""
+#: characters of the first bad row's description kept in a packed file's ``losses`` metadata
+FIRST_BAD_CHARS = 400
+
+
+def losses_meta(losses: Optional[dict]) -> dict:
+    """The metadata entry (``{"losses": JSON}``, or ``{}`` for None) recording what a build dropped or cut:
+    counts by kind (``int``; e.g. ``bad`` rows skipped, samples ``long``er than a row) and ``first_bad``, the
+    first bad row's place and reason (cut to :data:`FIRST_BAD_CHARS`). Repeated on a cache hit
+    (:func:`read_losses`); not part of the cache key, so files written before it stay valid."""
+    if not losses:
+        return {}
+    out = dict(losses)
+    if "first_bad" in out:
+        out["first_bad"] = str(out["first_bad"])[:FIRST_BAD_CHARS]
+    return {"losses": json.dumps(out, sort_keys=True)}
+
+
+def read_losses(path: Optional[str | os.PathLike]) -> dict:
+    """The ``losses`` a packed file's build recorded (:func:`losses_meta`), ``{}`` when it has none (written
+    before they were recorded, built in memory) or they cannot be read."""
+    if path is None:
+        return {}
+    try:
+        got = json.loads(_read_header(Path(path))[0].get("__metadata__", {}).get("losses") or "{}")
+    except (OSError, ValueError, DataError, AttributeError):
+        return {}
+    return got if isinstance(got, dict) else {}
+
+
+def disk_full(path: Path, where: str = "", need: int = 0, free: Optional[int] = None, written: int = 0) -> DataError:
+    """The error for a full disk while writing packed data next to ``path``; names the fix (free space there,
+    or ``where``). ``free``: the free bytes when the write failed (measured now when None: call it before the
+    partial files are removed, or the space they held reads as free); ``written``: bytes of partial files the
+    build had written by then (removed since); ``need``: the bytes the packed file needs, when known."""
     import shutil
 
-    free = shutil.disk_usage(Path(path).parent).free
+    if free is None:
+        free = shutil.disk_usage(Path(path).parent).free
+    said = [f"{free / 1e6:.1f} MB free when the write failed"]
+    if written:
+        said.append(f"{written / 1e6:.1f} MB written by then, removed since")
     if need:
-        return _short(need, Path(path), free, where)
-    return DataError(f"the disk ran out of space in {Path(path).parent} ({free / 1e6:.1f} MB free) while writing the "
+        said.append(f"the packed data needs {need / 1e6:.1f} MB")
+    return DataError(f"the disk ran out of space in {Path(path).parent} ({'; '.join(said)}) while writing the "
                      "packed training data: free disk space there" + (f" or {where}" if where else ""))
+
+
+def note_full_disk(e: BaseException, directory: Path, written: int = 0) -> None:
+    """When ``e`` reports a full disk (:func:`~npu_train.errors.out_of_space`), record on it the free space of
+    ``directory`` now (the first record stays) and add ``written`` bytes of partial files, for :func:`disk_full`
+    once they are removed (``npt_free_bytes`` / ``npt_written_bytes``). Call it before removing them."""
+    import shutil
+
+    from npu_train.errors import out_of_space
+
+    if not out_of_space(e):
+        return
+    with contextlib.suppress(Exception):  # an exception type without attributes: the message measures later
+        if getattr(e, "npt_free_bytes", None) is None:
+            e.npt_free_bytes = shutil.disk_usage(directory).free
+        e.npt_written_bytes = getattr(e, "npt_written_bytes", 0) + int(written)
+
+
+def _size(path: Path) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 class PackedFileWriter:
@@ -434,9 +499,11 @@ def save_packed(data: PackedData, path: str | os.PathLike, where: str = "") -> P
     try:
         save_file(arrays, str(tmp), metadata=meta)
     except Exception as e:  # OSError, or safetensors' SafetensorError wrapping the I/O error
+        free = shutil.disk_usage(path.parent).free if out_of_space(e) else 0  # before the partial file goes
+        written = _size(tmp)
         tmp.unlink(missing_ok=True)
         if out_of_space(e):
-            raise _short(need, path, shutil.disk_usage(path.parent).free, where) from e
+            raise disk_full(path, where, need, free, written) from e
         raise
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -699,7 +766,7 @@ def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fracti
         if src.val_split is None:
             n_seq = n_tokens // row
             if n_tokens == 0:
-                raise DataError(f"{src.root or src.spec}: no text (file(s) empty or whitespace only); add training text")
+                raise _no_text(src, spec.text_field, bad)
             if n_seq < 2:
                 raise _too_short(n_tokens, row, seq_len)
             n_val = n_val_rows(n_seq, val_fraction)
@@ -719,6 +786,8 @@ def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fracti
         out.cut((n_train + n_val) * row)
         meta = {"format": _FORMAT, "seq_len": str(seq_len), "n_tokens": str(n_tokens), "fingerprint": fingerprint,
                 "max_id": str(mx), "source": src.spec}
+        if bad.count:
+            meta.update(losses_meta({"bad": bad.count, "first_bad": bad.first}))
         if doc_eos is not None:
             meta["doc_eos"] = str(int(doc_eos))
         out.finish({"train": (0, n_train, row), "val": (n_train * row, n_val, row)}, meta)
@@ -728,6 +797,15 @@ def _write_packed(spec: TextSpec, tmp: Path, tokenizer, seq_len: int, val_fracti
     progress.done()
     if bad.count:
         log(f"data: {bad.report()}")
+
+
+def _no_text(src: Source, text_field: str, bad: BadRows) -> DataError:
+    """The error for a text source without a token: its rows all bad (skipped), or no text at all."""
+    if bad.count:
+        return DataError(f"{src.root or src.spec}: no usable rows: {bad.count} bad row(s) skipped (data.bad_rows="
+                         f"skip) and no other row has text; first: {bad.first}; fix the rows (or set "
+                         f"data.text_field=<column> if the text is not in {text_field!r})")
+    return DataError(f"{src.root or src.spec}: no text (file(s) empty or whitespace only); add training text")
 
 
 def _free_check(directory: Path, src: Source, limit_itemsize: int, where: str) -> None:
@@ -781,8 +859,12 @@ def build_packed_data(
         _write_packed(spec, tmp, tokenizer, seq_len, val_fraction, eos_id, vocab_size, fingerprint, log,
                       progress_s, lock, doc_eos=int(eos_id) if doc_mask else None)
 
-    data, _ = build_cached(cache_dir, fingerprint, lambda path: _cached(path, fingerprint, seq_len, vocab_size),
-                           write, log, where)
+    data, hit = build_cached(cache_dir, fingerprint, lambda path: _cached(path, fingerprint, seq_len, vocab_size),
+                             write, log, where)
+    losses = read_losses(data.path) if hit else {}
+    if losses.get("bad"):  # what the first build reported, for a relaunch
+        log(f"data: {data.n_train + data.n_val} packed sequences of {spec.source.spec} (cached); when built: "
+            + BadRows(int(losses["bad"]), str(losses.get("first_bad", ""))).report())
     return data
 
 
@@ -840,9 +922,11 @@ def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
         try:
             write(tmp, lock_path(target) if target is not None else None)
         except BaseException as e:
+            note_full_disk(e, directory, _size(tmp))  # what was free with the partial file still there
             tmp.unlink(missing_ok=True)
             if isinstance(e, Exception) and out_of_space(e):  # OSError, or a library's error naming ENOSPC
-                raise disk_full(tmp, where) from e
+                raise disk_full(tmp, where, free=getattr(e, "npt_free_bytes", None),
+                                written=getattr(e, "npt_written_bytes", 0)) from e
             raise
         if target is None:
             data = load_packed(tmp)

@@ -47,9 +47,10 @@ import numpy as np
 
 from .chat import ROLES, ChatRenderer
 from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, packed_meta,
-                      space_hint, token_dtype, tokenizer_hash)
-from .sources import BadRows, iter_converted, resolve_source, source_key
-from .spool import BuildJob, BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
+                      read_losses, space_hint, token_dtype, tokenizer_hash)
+from .sources import BadRows, iter_converted, no_rows, resolve_source, source_key
+from .spool import (BuildJob, BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges,
+                    when_built)
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "PAIR_FIELDS", "PairText", "PairTokens", "build_preference_data", "iter_pairs",
@@ -171,13 +172,12 @@ def iter_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse
         obj = {k: b.columns[c][i] for k, c in names.items() if c in b.columns}
         return row_pair(obj, names["prompt"] in b.columns, b.where(i))
 
-    n = 0
+    n, bad = 0, bad if bad is not None else BadRows()
     for pair in iter_converted(src, cols, split, convert, bad_rows, log, optional=(names["prompt"],), bad=bad):
         n += 1
         yield pair
     if not n:
-        where = f" (split {split!r})" if src.kind == "saved" else ""
-        raise DataError(f"data.source={spec!r}{where}: no usable preference rows; add rows like {_SHAPES}")
+        raise no_rows(spec, f" (split {split!r})" if src.kind == "saved" else "", bad, _SHAPES)
 
 
 # ------------------------------------------------------------------------------- tokenizing
@@ -284,10 +284,9 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
     data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp),
                              lambda tmp, lock: _write_pairs(job, tmp, lock, log, progress_s), log, job.where)
     if hit:
-        log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)")
+        log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)"
+            + when_built(read_losses(data.path), ("cut", "drop"), lambda c: _kept_note(job, c)))
     return data
-
-
 
 
 @dataclass
@@ -296,11 +295,17 @@ class _PairStats:
     ``kept`` per split."""
 
     n_bad: int = 0
+    first_bad: str = ""
     n_cut: int = 0
     n_drop: int = 0
     n_tokens: int = 0
     rows: list = field(default_factory=list)
     kept: list = field(default_factory=list)
+
+    def losses(self) -> dict:
+        """The counts a relaunch repeats (stored in the packed file, :func:`~npu_train.data.dataset.losses_meta`)."""
+        return {"rows": sum(self.rows), "kept": sum(self.kept), "bad": self.n_bad, "first_bad": self.first_bad,
+                "cut": self.n_cut, "drop": self.n_drop}
 
 
 def _write_pairs(job: BuildJob, tmp: Path, lock: Optional[Path], log: Callable[[str], None],
@@ -323,8 +328,8 @@ def _write_pairs(job: BuildJob, tmp: Path, lock: Optional[Path], log: Callable[[
         for split_name, (a, b), top in zip(("train", "val"), (train, val), plans):
             arrays[split_name] = (token_dtype(max(top, 0) + 1), 2 * (b - a))
             arrays[f"{split_name}_labels"] = (np.uint8, 2 * (b - a))
-        out = PackedFileWriter(tmp, job.row, arrays, packed_meta(job.seq_len, st.n_tokens, job.fingerprint,
-                                                                 max(plans), pairs=True), job.where)
+        meta = packed_meta(job.seq_len, st.n_tokens, job.fingerprint, max(plans), pairs=True, losses=st.losses())
+        out = PackedFileWriter(tmp, job.row, arrays, meta, job.where)
         try:
             for split_name, (a, b) in zip(("train", "val"), (train, val)):
                 _lay_pairs(spool, out, split_name, a, b, job, progress)
@@ -361,6 +366,7 @@ def _spool_pairs(job: BuildJob, name: str, lead: list[int], spool: SampleSpool, 
     st.rows.append(rows + bad.count)
     st.kept.append(kept)
     st.n_bad += bad.count
+    st.first_bad = st.first_bad or bad.first
 
 
 def _add_pair(p: PairTokens, row: int, vocab_size: Optional[int], spool: SampleSpool, st: _PairStats) -> int:
@@ -384,18 +390,26 @@ def _add_pair(p: PairTokens, row: int, vocab_size: Optional[int], spool: SampleS
 def _pair_ranges(job: BuildJob, st: _PairStats, log: Callable[[str], None]) -> tuple[tuple, str]:
     """``(((a, b) train, (a, b) validation) pair ranges of the spool, summary line)``; refuses too few usable
     pairs (logging the summary first)."""
-    kept = sum(st.kept)
-    msg = (f"data: {kept} of {sum(st.rows)} preference pairs kept"
-           + (f" ({st.n_bad} bad rows skipped)" if st.n_bad else "")
+    head, tail = _kept_note(job, st.losses())
+    msg = (f"data: {head}"
            + (f" ({st.kept[0]} of {st.rows[0]} from split {job.split!r} for training, {st.kept[1]} of "
               f"{st.rows[1]} from split {job.val_split!r} for validation; data.val_fraction not used)"
               if job.val_split else "")
-           + f"; {st.n_cut} completions truncated to fit seq_len+1={job.row} tokens (the prompt is kept)"
-           + f"; {st.n_drop} pair(s) dropped (the prompt alone fills the {job.row} tokens)")
+           + tail)
     splits = [job.split] + ([job.val_split] if job.val_split else [])
     fix = f"raise data.seq_len (now {job.seq_len}) so the prompts fit"
     unit = ("preference pair", "preference pairs")
     return train_val_ranges(st.kept, splits, job.val_fraction, job.spec, unit, fix, msg, log), msg
+
+
+def _kept_note(job: BuildJob, c: dict) -> tuple[str, str]:
+    """The summary's parts from the counts ``c`` (:meth:`_PairStats.losses`): ``"k of n preference pairs kept
+    (b bad row(s) skipped)"`` and the ``"; ..."`` clauses on completions cut and pairs dropped."""
+    head = f"{c['kept']} of {c['rows']} preference pairs kept" + (f" ({c['bad']} bad row(s) skipped)"
+                                                                 if c.get("bad") else "")
+    tail = (f"; {c.get('cut', 0)} completions truncated to fit seq_len+1={job.row} tokens (the prompt is kept)"
+            f"; {c.get('drop', 0)} pair(s) dropped (the prompt alone fills the {job.row} tokens)")
+    return head, tail
 
 
 # ------------------------------------------------------------------------------- pass 2: rows

@@ -48,9 +48,10 @@ from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ChatRenderer, iter_rows
 from .dataset import (PROGRESS_S, PackedData, PackedFileWriter, build_cached, load_packed, packed_meta,
-                      space_hint, token_dtype, tokenizer_hash)
-from .sources import resolve_source, source_key
-from .spool import BuildJob, BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges
+                      read_losses, space_hint, token_dtype, tokenizer_hash)
+from .sources import BadRows, resolve_source, source_key
+from .spool import (BuildJob, BuildProgress, SampleSpool, segment_indices, split_max, train_val_ranges,
+                    when_built)
 from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "TRUNCATION", "build_sft_data", "sft_fingerprint"]
@@ -105,7 +106,8 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
     data, hit = build_cached(cache_dir, fp, lambda path: _cached(path, fp, bool(pack)),
                              lambda tmp, lock: _write_sft(job, tmp, lock, log, progress_s), log, job.where)
     if hit:
-        log(f"data: {data.n_train + data.n_val} {'packed rows of ' if pack else ''}{fmt} samples from {spec} (cached)")
+        log(f"data: {data.n_train + data.n_val} {'packed rows of ' if pack else ''}{fmt} samples from {spec} (cached)"
+            + when_built(read_losses(data.path), ("long", "empty"), lambda c: _kept_note(job, c)))
     return data
 
 
@@ -130,13 +132,22 @@ def _cached(path: Path, fp: str, pack: bool) -> Optional[PackedData]:
 
 @dataclass
 class _SampleStats:
-    """Counts over the rows rendered in pass 1 (summed over the splits); ``rows`` / ``kept`` per split read."""
+    """Counts over the rows read in pass 1 (summed over the splits): bad rows skipped (``data.bad_rows=skip``;
+    ``first_bad`` names the first), samples too long, samples left without a trained token, tokens kept;
+    ``rows`` (read, bad ones included) / ``kept`` per split."""
 
+    n_bad: int = 0
+    first_bad: str = ""
     n_long: int = 0
     n_empty: int = 0
     n_tokens: int = 0
     rows: list = field(default_factory=list)
     kept: list = field(default_factory=list)
+
+    def losses(self) -> dict:
+        """The counts a relaunch repeats (stored in the packed file, :func:`~npu_train.data.dataset.losses_meta`)."""
+        return {"rows": sum(self.rows), "kept": sum(self.kept), "bad": self.n_bad, "first_bad": self.first_bad,
+                "long": self.n_long, "empty": self.n_empty}
 
 
 def _write_sft(job: _SftJob, tmp: Path, lock: Optional[Path], log: Callable[[str], None], progress_s: float) -> None:
@@ -163,7 +174,8 @@ def _write_sft(job: _SftJob, tmp: Path, lock: Optional[Path], log: Callable[[str
             arrays[f"{split_name}_labels"] = (np.uint8, plan.rows)
             if job.pack:
                 arrays[f"{split_name}_positions"] = (token_dtype(max(plan.max_pos, 0) + 1), plan.rows)
-        meta = packed_meta(job.seq_len, st.n_tokens, job.fingerprint, max(p.max_id for p in plans))
+        meta = packed_meta(job.seq_len, st.n_tokens, job.fingerprint, max(p.max_id for p in plans),
+                           losses=st.losses())
         out = PackedFileWriter(tmp, job.row, arrays, meta, job.where)
         try:
             for split_name, (a, b) in zip(("train", "val"), (train, val)):
@@ -179,7 +191,8 @@ def _spool_split(job: _SftJob, name: str, spool: SampleSpool, st: _SampleStats, 
     found by reading comes first, as when all rows were read before rendering."""
     failed: Optional[Exception] = None
     rows = kept = 0
-    for msgs, where in iter_rows(job.spec, job.fmt, job.fields, job.bad_rows, name, log):
+    bad = BadRows()
+    for msgs, where in iter_rows(job.spec, job.fmt, job.fields, job.bad_rows, name, log, bad):
         rows += 1
         if failed is not None:
             continue
@@ -192,8 +205,10 @@ def _spool_split(job: _SftJob, name: str, spool: SampleSpool, st: _SampleStats, 
         progress.step(sum(st.rows) + rows, spool.n_samples, st.n_tokens)
     if failed is not None:
         raise failed
-    st.rows.append(rows)
+    st.rows.append(rows + bad.count)
     st.kept.append(kept)
+    st.n_bad += bad.count
+    st.first_bad = st.first_bad or bad.first
 
 
 def _add_sample(job: _SftJob, msgs: list, where: str, spool: SampleSpool, st: _SampleStats) -> int:
@@ -221,20 +236,30 @@ def _add_sample(job: _SftJob, msgs: list, where: str, spool: SampleSpool, st: _S
 def _split_ranges(job: _SftJob, st: _SampleStats, log: Callable[[str], None]) -> tuple[tuple, str]:
     """``(((a, b) train, (a, b) validation) sample ranges of the spool, summary line)``; refuses too few
     usable samples (logging the summary first)."""
-    kept, n_rows = sum(st.kept), sum(st.rows)
-    msg = f"data: {kept} of {n_rows} {job.fmt} samples kept"
+    head, tail = _kept_note(job, st.losses())
+    msg = f"data: {head}"
     if job.val_split:
         msg += (f" ({st.kept[0]} of {st.rows[0]} from split {job.split!r} for training, {st.kept[1]} of "
                 f"{st.rows[1]} from split {job.val_split!r} for validation; data.val_fraction not used)")
-    if st.n_long:
-        how = "dropped (data.truncation=drop)" if job.truncation == "drop" else "truncated (data.truncation=truncate)"
-        msg += f"; {st.n_long} longer than seq_len+1={job.row} tokens were {how}"
-    if st.n_empty:
-        msg += f"; {st.n_empty} dropped with no trained token left after truncation"
+    msg += tail
     splits = [job.split] + ([job.val_split] if job.val_split else [])
     fix = f"raise data.seq_len (now {job.seq_len}), use data.truncation=truncate"
     unit = (f"{job.fmt} sample", f"{job.fmt} samples")
     return train_val_ranges(st.kept, splits, job.val_fraction, job.spec, unit, fix, msg, log), msg
+
+
+def _kept_note(job: _SftJob, c: dict) -> tuple[str, str]:
+    """The summary's parts from the counts ``c`` (:meth:`_SampleStats.losses`): ``"k of n <fmt> samples kept
+    (b bad row(s) skipped)"`` and the ``"; ..."`` clauses on samples too long or left without a trained token."""
+    head = f"{c['kept']} of {c['rows']} {job.fmt} samples kept" + (f" ({c['bad']} bad row(s) skipped)"
+                                                                  if c.get("bad") else "")
+    tail = ""
+    if c.get("long"):
+        how = "dropped (data.truncation=drop)" if job.truncation == "drop" else "truncated (data.truncation=truncate)"
+        tail += f"; {c['long']} longer than seq_len+1={job.row} tokens were {how}"
+    if c.get("empty"):
+        tail += f"; {c['empty']} dropped with no trained token left after truncation"
+    return head, tail
 
 
 # ------------------------------------------------------------------------------- pass 2: rows

@@ -104,6 +104,17 @@ class BadRows:
         return f"{self.count} bad row(s) skipped (data.bad_rows=skip); first: {self.first}" if self.count else ""
 
 
+def no_rows(spec: str, where: str, bad: BadRows, shape: str) -> DataError:
+    """The error for a source that yielded no usable row: every row bad (``bad``, skipped under
+    ``data.bad_rows=skip``), or none at all (empty files, only blank lines); ``where`` follows the source
+    (e.g. the split), ``shape`` shows a good row."""
+    if bad.count:
+        return DataError(f"data.source={spec!r}{where}: no usable rows: all {bad.count} row(s) are bad and were "
+                         f"skipped (data.bad_rows=skip); first: {bad.first}; fix the rows")
+    return DataError(f"data.source={spec!r}{where}: no rows (the file(s) are empty or hold only blank lines); add "
+                     f"rows like {shape}")
+
+
 @dataclass
 class ColumnBatch:
     """Up to :data:`BATCH_ROWS` rows of one file: ``columns`` name -> list of values, ``label`` the file
@@ -501,8 +512,23 @@ def _json_lines(p: Path, want: list[str]) -> Iterator[ColumnBatch]:
         yield ColumnBatch(cols, str(p), row, len(cols[want[0]]))
 
 
+def _blank(p: Path, block: int = 1 << 20) -> bool:
+    """Whether the file ``p`` holds nothing but whitespace (0 bytes included): it has no rows."""
+    with open(p, "rb") as f:
+        while True:
+            raw = f.read(block)
+            if not raw:
+                return True
+            if raw.strip():
+                return False
+
+
 def _file_batches(p: Path, want: list[str], optional=()) -> Iterator[ColumnBatch]:
+    """Batches of one file; an empty file (0 bytes, or only whitespace) has no rows (``datasets`` cannot read
+    one: the reader of the whole source then says it has no rows)."""
     row, checked = 1, False
+    if p.stat().st_size == 0:
+        return
     try:
         d = _file_dataset(p, want, optional)
         if p.suffix.lower() == ".jsonl" and _mixed_json(d, want):
@@ -521,6 +547,8 @@ def _file_batches(p: Path, want: list[str], optional=()) -> Iterator[ColumnBatch
     except DataError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow / datasets parse errors: find the line
+        if row == 1 and p.suffix.lower() != ".parquet" and _blank(p):
+            return
         if p.suffix.lower() in (".jsonl", ".json"):
             raise _json_diagnosis(p, e) from None
         first = (str(e).splitlines() or [""])[0]

@@ -18,10 +18,11 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .dataset import n_val_rows
+from .dataset import n_val_rows, note_full_disk
 from .text import DataError
 
-__all__ = ["BUFFER_TOKENS", "BuildJob", "BuildProgress", "SampleSpool", "segment_indices", "split_max", "train_val_ranges"]
+__all__ = ["BUFFER_TOKENS", "BuildJob", "BuildProgress", "SampleSpool", "segment_indices", "split_max", "train_val_ranges",
+           "when_built"]
 
 @dataclass(frozen=True)
 class BuildJob:
@@ -66,6 +67,7 @@ class SampleSpool:
         self.buffer_tokens = int(buffer_tokens or BUFFER_TOKENS)
         self.n_samples = 0
         self.n_tokens = 0
+        self.written = 0  # bytes handed to the files (by flush)
         self._files = {}
         self._buf: dict[str, list] = {k: [] for k in self.paths}
         self._buffered = 0
@@ -79,7 +81,9 @@ class SampleSpool:
     def __enter__(self) -> "SampleSpool":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc is not None:  # a full disk: what was free and written before the files go (dataset.disk_full)
+            note_full_disk(exc, next(iter(self.paths.values())).parent, self.written)
         self.remove()
 
     def add(self, ids: Sequence[int], meta: Sequence[int], mask: Optional[np.ndarray] = None) -> None:
@@ -106,6 +110,7 @@ class SampleSpool:
             else:
                 arr = np.concatenate(parts)
             self._files[k].write(arr.tobytes())
+            self.written += arr.nbytes
             parts.clear()
         self._buffered = 0
 
@@ -184,6 +189,18 @@ def split_max(values: int, padded: bool, pad_id: int, rows: int) -> int:
     if rows == 0:
         return -1
     return max(int(values), int(pad_id)) if padded else int(values)
+
+
+def when_built(losses: dict, kinds: Sequence[str], kept_note: Callable[[dict], tuple[str, str]]) -> str:
+    """The cached line's ``"; when built: ..."`` part: what the build of a cached file dropped or cut, from the
+    ``losses`` it recorded (:func:`~npu_train.data.dataset.read_losses`). "" when none of the counts ``kinds``
+    (besides ``bad``) is set, or the file records nothing (written before they were recorded); else the build's
+    summary from ``kept_note(losses)`` (``(head, tail)``, as the first build logged it) and the first bad row."""
+    if not any(losses.get(k) for k in ("bad", *kinds)):
+        return ""
+    head, tail = kept_note(losses)
+    first = f"; first bad row: {losses['first_bad']}" if losses.get("bad") and losses.get("first_bad") else ""
+    return f"; when built: {head}{tail}{first}"
 
 
 def train_val_ranges(kept: Sequence[int], splits: Sequence[str], val_fraction: float, spec: str,
