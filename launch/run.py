@@ -61,7 +61,9 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     An interrupted job puts ``checkpoint`` (saved by this launch, or None) and ``checkpoint_dir``
     (its checkpoint root) into ``report`` when given (for ``status.json``); a launch that
     ``train.stop_after`` ended early puts ``stopped_at`` (its last step), ``steps`` and
-    ``checkpoint_dir`` (None without a checkpoint)."""
+    ``checkpoint_dir`` (None without a checkpoint); a failed card process, ``checkpoint`` (the run's
+    latest complete checkpoint, or None) and ``checkpoint_dir``; ``train.resume=auto`` on a finished
+    run, ``complete_at`` (its checkpoint's step), ``steps`` and ``checkpoint``."""
     import logging
     import signal
 
@@ -74,14 +76,22 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None and isinstance(summ, dict) and summ.get("stopped_at") is not None:
             report.update(stopped_at=summ["stopped_at"], steps=int(cfg.train.steps),
                           checkpoint_dir=summ.get("checkpoint_dir"))
+        if report is not None and isinstance(summ, dict) and summ.get("complete_at") is not None:
+            report.update(complete_at=summ["complete_at"], steps=int(cfg.train.steps),
+                          checkpoint=summ.get("checkpoint"))
         return 0
-    except JobFailed as e:
+    except JobFailed as e:  # the message names the last complete checkpoint and the resume command, if any
+        if report is not None:
+            report.update(checkpoint=e.checkpoint, checkpoint_dir=e.checkpoint_dir)
         print(f"error: {e}", file=sys.stderr, flush=True)
         return exit_code_for(e)
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143), see npu_train.errors.Interrupted
         extra = getattr(e, "message", "")
+        ck, ck_dir = getattr(e, "checkpoint", None), getattr(e, "checkpoint_dir", None)
+        if ck is None and not extra:  # stopped before this launch trained or saved: the run's own latest one
+            ck, ck_dir, extra = _latest_checkpoint(cfg, run_dir)
         if report is not None:
-            report.update(checkpoint=getattr(e, "checkpoint", None), checkpoint_dir=getattr(e, "checkpoint_dir", None))
+            report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         print(f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}: all card processes stopped"
               + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
         return exit_code_for(e)
@@ -200,15 +210,38 @@ def resume_command(overrides: list, checkpoint_dir: str) -> str:
     return resume_env_prefix() + " ".join(shlex.quote(a) for a in argv)
 
 
+def _latest_checkpoint(cfg, run_dir: str) -> tuple:
+    """``(checkpoint, root, note)``: the newest complete checkpoint under the run's checkpoint root (what
+    ``train.resume=latest`` picks), its root and the line naming it and the resume command; ``(None, None, "")``
+    when there is none or it cannot be read."""
+    try:
+        from npu_train.checkpoint.store import find_checkpoint
+        from npu_train.runtime.job import checkpoint_root
+        from npu_train.runtime.saving import continue_note
+
+        root = checkpoint_root(cfg, run_dir)
+        ck = find_checkpoint("auto", root) if os.path.isdir(root) else None
+        if ck is None:
+            return None, None, ""
+        return ck, root, (f"the run's last complete checkpoint is {ck}; "
+                          f"{continue_note(root, str(cfg.train.offload_update))}")
+    except Exception:  # an interrupt must end with its message, whatever the checkpoint root holds
+        return None, None, ""
+
+
 def write_status(run_dir: str, code: int, error: str, overrides: list, started: float,
                  report: "dict | None" = None, run_dir_overrides: list = ()) -> None:
     """``<run_dir>/status.json``: exit code, status, the error line, the job's overrides and its
     start/end (Unix time, seconds); read by the sweep summary (npu_train.metrics.sweep).
 
     ``status``: ``ok`` (exit 0), ``interrupted`` (130/143: SIGINT/SIGTERM; then ``checkpoint``, the
-    checkpoint this launch saved or null, and ``resume``, the command that continues it or null) or
-    ``failed`` (any other exit status). A launch that ``train.stop_after`` ended before ``train.steps``
-    is ``ok`` with ``stopped_at`` (its last step), ``steps`` and ``resume``. ``report``: what
+    checkpoint this launch saved, else the run's latest complete one when this launch saved none and said
+    nothing of it (stopped while it prepared), or null, and ``resume``, the command that continues it or null) or
+    ``failed`` (any other exit status; exit 1, a failed card process: with ``checkpoint``, the run's
+    latest complete checkpoint or null, and ``resume``). A launch that ``train.stop_after`` ended before
+    ``train.steps`` is ``ok`` with ``stopped_at`` (its last step), ``steps`` and ``resume``;
+    ``train.resume=auto`` on a run already at ``train.steps`` is ``ok`` with ``already_complete`` (true),
+    ``step``, ``steps`` and ``checkpoint`` (nothing was run). ``report``: what
     :func:`main` reported of how the job ended; the resume command keeps ``run_dir_overrides`` (the
     run's ``hydra.run.dir=...``), so the continued run writes into the same directory."""
     import json
@@ -224,8 +257,14 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
     if code - 128 in (signal.SIGINT, signal.SIGTERM):
         ck = rep.get("checkpoint")
         rec.update(status="interrupted", checkpoint=ck, resume=resume if ck else None)
+    elif code == 1 and "checkpoint" in rep:  # a card process failed: where the run can go on from
+        ck = rep.get("checkpoint")
+        rec.update(checkpoint=ck, resume=resume if ck else None)
     elif code == 0 and rep.get("stopped_at") is not None:  # train.stop_after: ok, not complete
         rec.update(stopped_at=rep["stopped_at"], steps=rep.get("steps"), resume=resume)
+    elif code == 0 and rep.get("complete_at") is not None:  # train.resume=auto on a finished run: nothing run
+        rec.update(already_complete=True, step=rep["complete_at"], steps=rep.get("steps"),
+                   checkpoint=rep.get("checkpoint"))
     rec.update(overrides=list(overrides), started=started, finished=time.time(), pid=os.getpid())
     with open(path + ".part", "w") as f:
         json.dump(rec, f, indent=1)
@@ -308,7 +347,17 @@ def run_one(cfg) -> int:
         # job's own directory (resumed as a single run, it writes beside its earlier records)
         here = ([f"hydra.run.dir={os.path.abspath(run_dir)}"] if multirun else
                 [o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
-        write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)
+        from npu_train.metrics.report import rotate_before_status
+
+        # plan=true, or a launch stopped before it trained: the earlier launch's records go to previous-<k>
+        # first; except train.resume=auto on a finished run (``complete_at``), which moves nothing and keeps
+        # the status.json of the launch that finished the run (it writes one only into a directory without)
+        complete = report.get("complete_at") is not None
+        moved = None if complete else rotate_before_status(run_dir, t0)
+        if moved:
+            print(f"note: {run_dir} held the records of an earlier launch; moved them to {moved}", flush=True)
+        if not (complete and os.path.exists(os.path.join(run_dir, "status.json"))):
+            write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)
     if multirun:  # the sweep goes on (its next job, its summary): Ctrl-C stops it again
         _release_signals(held)
     return code  # a single run exits now: a late signal cannot turn its exit status into a kill

@@ -137,7 +137,8 @@ class TrainConf:
     save_every: int = 0
     save_on_interrupt: bool = True
     #: null | latest (the checkpoint written last under checkpoint.dir) | auto (latest if checkpoint.dir
-    #: holds one, else a fresh start) | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
+    #: holds one, else a fresh start; one already at train.steps: the run is complete, exit 0 with nothing
+    #: run, where latest refuses it, exit 2) | path to a checkpoint directory (step_XXXXXX) or a checkpoint root.
     resume: Optional[str] = None
     #: refuse | allow: resuming onto other data (data fingerprint) or a changed train.steps, lr,
     #: warmup_steps or min_lr_ratio is refused unless allow.

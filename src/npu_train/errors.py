@@ -22,7 +22,14 @@ class ConfigError(UserError, ValueError):
 
 
 class JobFailed(Exception):
-    """The job was brought down by a failed card process; ``str(self)`` names card, stage, phase and cause."""
+    """The job was brought down by a failed card process; ``str(self)`` names card, stage, phase and cause.
+    ``checkpoint``: the latest complete checkpoint of the run (saved by this launch or the one it resumed
+    from), or None; ``checkpoint_dir``: its root (what the resume command names)."""
+
+    def __init__(self, message: str = "", checkpoint: Optional[str] = None, checkpoint_dir: Optional[str] = None):
+        super().__init__(message)
+        self.checkpoint = checkpoint
+        self.checkpoint_dir = checkpoint_dir
 
 
 class Interrupted(KeyboardInterrupt):

@@ -80,6 +80,8 @@ def test_kill9_card_process(tiny_model, tmp_path, phase, rank, backend):
     assert len(errs) == 1, job.tail()
     assert f"card {card['card']} (stage {rank}, layers {card['layers']})" in errs[0]
     assert "step 2" in errs[0] and "killed by signal SIGKILL" in errs[0]
+    # what to do next: the last complete checkpoint and the resume command, or that a rerun starts again
+    assert "last complete checkpoint" in errs[0] or "no checkpoint saved yet: rerunning the same command" in errs[0]
     assert "Traceback" not in job.stderr
     _assert_cleaned_up(job, info)
     if phase == "optimizer":
@@ -144,14 +146,21 @@ def test_kill9_during_checkpoint_keeps_previous(tiny_model, tmp_path):
     assert "card cpu:1 (stage 1" in err and "checkpoint save of step 4" in err and "SIGKILL" in err, err
     _assert_cleaned_up(job, info)
     assert [os.path.basename(p) for p in complete_checkpoints(ck)] == ["step_000002"]
+    # the error line and status.json name the last complete checkpoint (not the partial step 4) and the resume
+    last = os.path.join(ck, "step_000002")
+    assert f"last complete checkpoint {last};" in err and f"train.resume=latest checkpoint.dir={ck}" in err, err
+    with open(os.path.join(job.run_dir, "status.json")) as f:
+        status = json.load(f)
+    assert status["status"] == "failed" and status["exit_code"] == 1 and status["checkpoint"] == last, status
+    assert "train.resume=latest" in status["resume"] and f"checkpoint.dir={ck}" in status["resume"], status
     assert sorted(n for n in os.listdir(ck) if n != "trackers.json") == ["latest", "step_000002"]  # + tracker ids
     latest = find_checkpoint("latest", ck)
     assert latest.endswith("step_000002")
     r = CheckpointReader(latest)
     for k in r.manifest["index"]:
         assert torch.isfinite(r.get(k).float()).all(), k
-    # relaunch immediately from the surviving checkpoint
-    again = launch_to_end(tmp_path, tiny_model, *common, "train.resume=latest", name="resume")
+    # relaunch immediately from the surviving checkpoint, with the command status.json recorded
+    again = launch_to_end(tmp_path, tiny_model, name="resume", argv=shlex.split(status["resume"]))
     assert "resuming from" in again.stdout and "at step 2" in again.stdout
     assert len(again.losses()) == 2
     assert [os.path.basename(p) for p in complete_checkpoints(ck)] == ["step_000002", "step_000004"]

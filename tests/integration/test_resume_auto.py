@@ -46,10 +46,74 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     assert st["status"] == "ok" and st["stopped_at"] == 2 and st["steps"] == 4
     assert "train.resume=latest" in st["resume"] and "checkpoint.dir=" in st["resume"]
     again = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=latest", name="same")
-    assert again.run_dir == first.run_dir and "continue with that launch's steps up to 2" in again.stdout
+    # previous-1 is the whole first launch: its plan, job and status records too (they used to be overwritten)
+    prev = os.path.join(again.run_dir, "previous-1")
+    assert {"plan.json", "plan.txt", "job.json", "status.json", "summary.json"} <= set(os.listdir(prev))
+    with open(os.path.join(prev, "status.json")) as f:
+        assert json.load(f)["stopped_at"] == 2
+    assert {"run.log", ".hydra", "checkpoints"} <= set(os.listdir(again.run_dir))  # these stay
+    assert again.run_dir == first.run_dir and "continue with the steps up to 2 of " in again.stdout
     assert "done: 2 steps" in again.stdout
     with open(os.path.join(again.run_dir, "status.json")) as f:
         assert "stopped_at" not in json.load(f)  # complete
     with open(os.path.join(again.run_dir, "metrics.jsonl")) as f:
         assert [json.loads(l)["step"] for l in f] == [1, 2, 3, 4]
     assert os.path.exists(os.path.join(again.run_dir, "previous-1", "metrics.jsonl"))
+    # a replaced pod / Slurm requeue of the finished run (train.resume=auto): success, nothing run or moved
+    before = sorted(os.listdir(again.run_dir))
+    with open(os.path.join(again.run_dir, "metrics.jsonl")) as f:
+        metrics = f.read()
+    with open(os.path.join(again.run_dir, "status.json")) as f:
+        finished = f.read()
+    done = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=auto", name="same")
+    ck = os.path.join(done.run_dir, "checkpoints", "step_000004")
+    assert done.run_dir == again.run_dir and not done.error_lines(), done.tail()
+    assert (f"already complete: checkpoint {ck} is at step 4 of train.steps=4 (train.resume=auto)"
+            in done.stdout), done.tail()
+    assert "raise train.steps and set train.resume_mismatch=allow" in done.stdout
+    assert "card process(es)" not in done.stdout and not os.path.exists(os.path.join(done.run_dir, "previous-2"))
+    assert sorted(os.listdir(done.run_dir)) == before  # nothing moved aside or added
+    with open(os.path.join(done.run_dir, "metrics.jsonl")) as f:
+        assert f.read() == metrics
+    with open(os.path.join(done.run_dir, "status.json")) as f:  # the finishing launch's record is kept
+        assert f.read() == finished
+    # into a directory without one (a restarted Kubernetes pod gets a new run dir), its own status says so
+    fresh = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=auto",
+                          f"checkpoint.dir={os.path.join(done.run_dir, 'checkpoints')}", name="fresh")
+    assert "already complete" in fresh.stdout and not fresh.error_lines(), fresh.tail()
+    with open(os.path.join(fresh.run_dir, "status.json")) as f:
+        st = json.load(f)
+    assert st["exit_code"] == 0 and st["status"] == "ok" and st["already_complete"] is True, st
+    assert st["step"] == 4 and st["steps"] == 4 and st["checkpoint"] == ck and "stopped_at" not in st, st
+    # an explicit train.resume=latest asks to train on from it: refused, naming how to train further
+    refused = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=latest", name="same", expect_rc=2)
+    (err,) = refused.error_lines()
+    assert f"checkpoint {ck} is at step 4 but train.steps=4: the run is complete" in err, err
+    assert "raise train.steps and set train.resume_mismatch=allow" in err and "card process(es)" not in refused.stdout
+
+
+def test_interrupt_while_a_resume_prepares_names_the_checkpoint(tiny_model, tmp_path):
+    """Ctrl-C to a resume launch before it trained (review of 2026-12-03): status.json names the run's last
+    complete checkpoint and the resume command (it had both null), as the failed-card path does. If the signal
+    lands after the cards started, the launch saves on its own: either way a checkpoint and a command."""
+    import json
+    import signal
+
+    from conftest import launch_to_end
+    from launch_util import Job
+
+    launch_to_end(tmp_path, tiny_model, "train.steps=400", "train.stop_after=2", name="int")
+    job = Job(tmp_path, tiny_model, "train.steps=400", "train.resume=latest", name="int")
+    try:
+        job.wait_for(lambda: os.path.exists(job.out_path) and "predicted:" in open(job.out_path).read(), 90,
+                     "the plan")
+        os.kill(job.proc.pid, signal.SIGINT)
+        rc = job.wait(120)
+    finally:
+        job.kill_all()
+    assert rc == 130, job.tail()
+    with open(os.path.join(job.run_dir, "status.json")) as f:
+        st = json.load(f)
+    assert st["status"] == "interrupted" and st["checkpoint"], st
+    assert os.path.basename(st["checkpoint"]).startswith("step_") and "train.resume=latest" in st["resume"], st
+    assert os.path.isfile(os.path.join(st["checkpoint"], "manifest.json")), st  # a complete one

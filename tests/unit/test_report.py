@@ -98,3 +98,12 @@ def test_loss_plot_shows_the_whole_run_after_a_resume(tmp_path):
     assert titles[0] == "2026-12-03/10-00-00 (this launch from step 3)"
     assert titles[1] == [[[1, 4.0], [2, 3.5], [3, 3.0], [4, 2.5]], [[0, 4.2], [4, 2.8]]]
     assert os.path.getsize(run / "loss.png") > 0
+
+
+def test_terminal_line_drops_lr_breakdown_and_eta_keeping_the_separators():
+    """The live display's step line: the log line without ``| lr ...``, ``[fwd/bwd ...]`` and ``| ETA ...``, every
+    remaining field still separated by `` | ``."""
+    line = ("step 1/3 | loss 6.2616 (avg 6.2616) | lr 1.00e-04 | gnorm 1.010 | 24 tok/s | 0.50 s (plan 0.40) "
+            "[fwd/bwd 0.40 opt 0.05 xfer 0.00 idle 0.05] | mem GiB 0.10/0.20 | ETA 1s")
+    assert Reporter._short_line(line) == ("step 1/3 | loss 6.2616 (avg 6.2616) | gnorm 1.010 | 24 tok/s | "
+                                          "0.50 s (plan 0.40) | mem GiB 0.10/0.20")

@@ -218,19 +218,56 @@ def test_sweep_two_nodes_of_one_job_on_one_host(tmp_path, monkeypatch):
 
 
 def test_run_dir_with_metrics_is_rotated_not_appended(tmp_path):
+    """A relaunch into a used run directory moves every output of the earlier launch into one previous-<k>/
+    (its plan, job and status records too: they used to be overwritten, review of 2026-12-03); Hydra's
+    .hydra/, the appended run.log, the run-dir lock and checkpoints/ (what a resume reads) stay."""
     from npu_train.metrics.report import rotate_previous_run
 
     d = str(tmp_path)
     assert rotate_previous_run(d) is None
-    for fn in ("metrics.jsonl", "summary.json", "card1.traceback.txt", "job.json"):
-        with open(os.path.join(d, fn), "w") as f:
-            f.write("{}\n")
+    launch = ["card1.traceback.txt", "eval.jsonl", "job.json", "loss.png", "metrics.jsonl", "plan.json", "plan.txt",
+              "status.json", "status.json.part", "summary.json", "tb", "trace.json"]
+    stay = [".hydra", ".npt-run.lock", "checkpoints", "run.log"]
+    for fn in launch + stay:
+        if fn in ("tb", ".hydra", "checkpoints"):
+            os.makedirs(os.path.join(d, fn))
+        else:
+            with open(os.path.join(d, fn), "w") as f:
+                f.write("{}\n")
     assert rotate_previous_run(d) == os.path.join(d, "previous-1")
-    assert sorted(os.listdir(os.path.join(d, "previous-1"))) == ["card1.traceback.txt", "metrics.jsonl", "summary.json"]
-    assert not os.path.exists(os.path.join(d, "metrics.jsonl")) and os.path.exists(os.path.join(d, "job.json"))
+    assert sorted(os.listdir(os.path.join(d, "previous-1"))) == launch
+    assert sorted(os.listdir(d)) == sorted(stay + ["previous-1"])
     with open(os.path.join(d, "metrics.jsonl"), "w") as f:
         f.write("{}\n")
     assert rotate_previous_run(d) == os.path.join(d, "previous-2")
+    # a launch that only left its status (stopped while it prepared) is an earlier launch too
+    with open(os.path.join(d, "status.json"), "w") as f:
+        f.write("{}\n")
+    assert rotate_previous_run(d) == os.path.join(d, "previous-3")
+    assert rotate_previous_run(d) is None
+
+
+def test_status_of_an_earlier_launch_is_moved_before_it_is_overwritten(tmp_path):
+    """A launch that writes status.json without reaching the rotation (plan=true, stopped while preparing)
+    moves the earlier launch's records aside first; a status.json that finished after this launch started
+    (another node of the job sharing the directory) stays."""
+    import json
+
+    from npu_train.metrics.report import rotate_before_status
+
+    d = str(tmp_path)
+    assert rotate_before_status(d, 100.0) is None  # nothing there
+    for fn, rec in (("status.json", {"exit_code": 0, "started": 10.0, "finished": 50.0}), ("plan.json", {})):
+        with open(os.path.join(d, fn), "w") as f:
+            json.dump(rec, f)
+    assert rotate_before_status(d, 100.0) == os.path.join(d, "previous-1")
+    assert sorted(os.listdir(os.path.join(d, "previous-1"))) == ["plan.json", "status.json"]
+    with open(os.path.join(d, "status.json"), "w") as f:
+        json.dump({"exit_code": 0, "started": 90.0, "finished": 120.0}, f)
+    assert rotate_before_status(d, 100.0) is None and os.path.exists(os.path.join(d, "status.json"))
+    with open(os.path.join(d, "status.json"), "w") as f:
+        f.write("{torn")  # unreadable: not this launch's (its own is written atomically at its end)
+    assert rotate_before_status(d, 100.0) == os.path.join(d, "previous-2")
 
 
 def test_reused_checkpoint_dir_is_refused_or_set_aside(tmp_path):
@@ -275,3 +312,21 @@ def test_checkpoint_existing_takes_refuse_or_set_aside():
     validate(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["checkpoint.existing=set_aside"])))
     with pytest.raises(ConfigError, match="checkpoint.existing='overwrite': use refuse or set_aside"):
         validate(OmegaConf.merge(cfg, OmegaConf.from_dotlist(["checkpoint.existing=overwrite"])))
+
+
+def test_records_a_resume_continues_are_the_newest_that_trained(tmp_path):
+    """A plan=true launch (or one stopped while it prepared) between a stopped run and its resume leaves a
+    previous-<k> with its status only: the resume continues the metrics of the newest previous-<k> that has a
+    metrics.jsonl, not that one (review of 2026-12-03: the resumed metrics.jsonl started at the resumed step)."""
+    from npu_train.metrics.report import newest_records
+
+    d = str(tmp_path)
+    assert newest_records(d) is None
+    for k, files in ((1, ["metrics.jsonl", "status.json"]), (2, ["metrics.jsonl"]), (3, ["status.json"]),
+                     (10, ["status.json", "plan.json"])):
+        os.makedirs(os.path.join(d, f"previous-{k}"))
+        for fn in files:
+            with open(os.path.join(d, f"previous-{k}", fn), "w") as f:
+                f.write("{}\n")
+    os.makedirs(os.path.join(d, "previous-x"))  # not a launch's directory
+    assert newest_records(d) == os.path.join(d, "previous-2")  # 10 and 3 hold no metrics; 2 > 1 numerically

@@ -34,17 +34,44 @@ def dumps(obj, **kw) -> str:
     return json.dumps(json_safe(obj), allow_nan=False, **kw)
 
 
-#: what a launch writes into its run directory (moved aside by :func:`rotate_previous_run`)
-RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb", "wandb")
+#: what a launch writes into its run directory, moved aside together by :func:`rotate_previous_run` (with
+#: ``card<k>.traceback.txt`` and the ``.part`` file of an atomic write a kill left), so ``previous-<k>/`` is
+#: one whole earlier launch. In place stay: ``.hydra/`` (Hydra rewrites it before the job runs), ``run.log``
+#: (every launch appends to it, by design), the run-dir lock ``.npt-run*.lock`` (this launch holds it),
+#: ``checkpoints/`` (what a resume reads; ``checkpoint.existing`` decides) and the ``previous-<k>/`` dirs.
+RUN_OUTPUTS = ("metrics.jsonl", "eval.jsonl", "summary.json", "loss.png", "tb", "wandb", "trace.json",
+               "plan.json", "plan.txt", "job.json", "status.json")
+
+
+def _is_run_output(fn: str) -> bool:
+    """``fn`` (a name in a run directory) is one of a launch's outputs (:data:`RUN_OUTPUTS`)."""
+    fn = fn[:-len(".part")] if fn.endswith(".part") else fn
+    return fn in RUN_OUTPUTS or (fn.startswith("card") and fn.endswith(".traceback.txt"))
 
 
 def rotate_previous_run(run_dir: str) -> Optional[str]:
-    """Move an earlier launch's outputs in ``run_dir`` (:data:`RUN_OUTPUTS`, ``card*.traceback.txt``) into
-    ``previous-<k>/``; returns it, or None when there was nothing."""
-    if not any(os.path.exists(os.path.join(run_dir, fn)) for fn in ("metrics.jsonl", "summary.json")):
+    """Move an earlier launch's outputs in ``run_dir`` (:func:`_is_run_output`) into ``previous-<k>/``;
+    returns it, or None when there was nothing. Call it before this launch writes any of them."""
+    if not os.path.isdir(run_dir):
         return None
-    return move_to_previous(run_dir, [fn for fn in os.listdir(run_dir) if fn in RUN_OUTPUTS
-                                      or (fn.startswith("card") and fn.endswith(".traceback.txt"))])
+    return move_to_previous(run_dir, [fn for fn in os.listdir(run_dir) if _is_run_output(fn)])
+
+
+def rotate_before_status(run_dir: str, started: float) -> Optional[str]:
+    """A launch about to write ``status.json`` that never reached :func:`rotate_previous_run` (``plan=true``,
+    interrupted or failed while it prepared): move an earlier launch's outputs aside first, so its
+    ``status.json`` is not overwritten. ``started``: this launch's start (Unix time, s); a ``status.json``
+    that finished after it belongs to a launch that ran alongside (another node of this job sharing the
+    run directory) and is left alone. Returns the ``previous-<k>/`` dir, or None."""
+    path = os.path.join(run_dir, "status.json")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path) as f:
+            finished = float(json.load(f).get("finished") or 0.0)
+    except (OSError, ValueError, TypeError, AttributeError):
+        finished = 0.0  # unreadable: not this launch's (written atomically at its end)
+    return None if finished >= started else rotate_previous_run(run_dir)
 
 
 def carry_over(previous: str, run_dir: str, upto_step: int) -> int:
@@ -65,6 +92,21 @@ def carry_over(previous: str, run_dir: str, upto_step: int) -> int:
                     out.write(line if line.endswith("\n") else line + "\n")
                     n += fn == "metrics.jsonl"
     return n
+
+
+def newest_records(run_dir: str) -> Optional[str]:
+    """The newest ``previous-<k>/`` of ``run_dir`` holding a ``metrics.jsonl`` (the last launch that trained
+    there; a ``plan=true`` launch or one stopped while it prepared leaves only its status), or None."""
+    ks = []
+    if os.path.isdir(run_dir):
+        for fn in os.listdir(run_dir):
+            if fn.startswith("previous-") and fn[len("previous-"):].isdigit():
+                ks.append(int(fn[len("previous-"):]))
+    for k in sorted(ks, reverse=True):
+        d = os.path.join(run_dir, f"previous-{k}")
+        if os.path.isfile(os.path.join(d, "metrics.jsonl")):
+            return d
+    return None
 
 
 def move_to_previous(parent: str, names: list[str]) -> Optional[str]:
@@ -243,7 +285,7 @@ class Reporter:
         ...]``) and the ETA (the bar shows it); the log keeps the whole line."""
         import re
 
-        line = re.sub(r" \| lr [^|]*", "", re.sub(r" \[fwd/bwd [^\]]*\]", "", line))
+        line = re.sub(r" \| lr [^|]*\|", " |", re.sub(r" \[fwd/bwd [^\]]*\]", "", line))
         return re.sub(r" \| ETA [^|]*$", "", line)
 
     def _mfu(self, rec: dict, reports: list[dict], wall: float) -> None:
@@ -438,7 +480,7 @@ class Reporter:
 
 def dir_label(path: str) -> str:
     """A directory's last two parts, how runs and sweeps are named to people and trackers
-    (``outputs/2026-12-03/10-00-00`` -> ``2026-12-03/10-00-00``)."""
+    (``outputs/2026-12-03/10-00-00.123456`` -> ``2026-12-03/10-00-00.123456``)."""
     return "/".join(os.path.normpath(os.path.abspath(str(path))).split(os.sep)[-2:])
 
 

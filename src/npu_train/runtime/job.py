@@ -20,9 +20,9 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from npu_train.env import cache_dir, getenv, writable_cache_dir
-from npu_train.errors import ConfigError, Interrupted, UserError
+from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError
 from npu_train.runtime.coordinator import Coordinator
-from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
+from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, failure_note, interrupt_note,
                                      prepare_checkpoint_root)
 from npu_train.runtime.spec import ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
@@ -542,6 +542,10 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
     say("data: reading and tokenizing (cached after the first run)")
     data = _prepare_data(cfg, prep)
     resume = _resume_point(cfg, prep, data, run_dir, owner=node.is_owner)
+    if resume.complete:
+        if live is not None:
+            live.stop()
+        return _already_complete(cfg, resume)
     if live is not None:
         live.at_step(resume.start_step)
     launch = _launch_identity(cfg, prep, data, resume, node)
@@ -556,6 +560,17 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
     if live is not None:
         live.stop()  # the end-of-run lines below go to the console as plain lines
     return _finish(job, cfg, run_dir, prep, resume, node)
+
+
+def _already_complete(cfg, resume: ResumePoint) -> dict:
+    """``train.resume=auto`` on a finished run (a replaced pod, a Slurm requeue): print one line and return the
+    summary ``{"complete_at": step, "checkpoint": dir, "checkpoint_dir": root}``; no card process is started and
+    nothing in the run dir or checkpoint root is written (exit 0)."""
+    tr = cfg.train
+    print(f"already complete: checkpoint {resume.resume_dir} is at step {resume.start_step} of train.steps={tr.steps} "
+          "(train.resume=auto); nothing to train, no card process started; to train further raise train.steps and "
+          "set train.resume_mismatch=allow", flush=True)
+    return {"complete_at": resume.start_step, "checkpoint": resume.resume_dir, "checkpoint_dir": resume.ckpt_root}
 
 
 # ---------------------------------------------------------------------------------------------- phases
@@ -594,6 +609,8 @@ class ResumePoint:
     earlier: list = field(default_factory=list)
     #: DPO: the reference log-probabilities' files and whether the cards compute them (None for SFT)
     reference: Optional[ReferenceSpec] = None
+    #: ``train.resume=auto`` found a checkpoint at ``train.steps`` (or beyond): the run is already complete
+    complete: bool = False
 
 
 @dataclass
@@ -709,6 +726,8 @@ def _resume_point(cfg, prep: Prepared, data, run_dir: str, owner: bool = True) -
     found = find_checkpoint(tr.resume, point.ckpt_root, interrupted=interrupted) if tr.resume else None
     if found is not None:
         _open_resume(cfg, prep, data, point, found)
+    if point.complete:  # train.resume=auto found the run complete: nothing is written or started
+        return point
     # another run's checkpoints in the root (a reused hydra.run.dir / checkpoint.dir) are never mixed in;
     # checkpoint.save=false: nothing is written into the root, so nothing can be mixed
     if point.saving:
@@ -761,7 +780,10 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
     for d in allowed:
         print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
     point.start_step = reader.step
-    if point.start_step >= tr.steps:
+    if point.start_step >= tr.steps and tr.resume == "auto":  # a requeued / restarted finished run: success
+        point.complete = True
+        return
+    if point.start_step >= tr.steps:  # asked to train on from it, with nothing left: say how to train further
         raise ConfigError(f"checkpoint {point.resume_dir} is at step {point.start_step} but train.steps={tr.steps}: "
                           "the run is complete; to train further raise train.steps and set train.resume_mismatch=allow")
 
@@ -907,8 +929,8 @@ def _open_trackers(cfg, run_dir: str, plan, resume: ResumePoint, node: NodeConte
 
 
 def _sweep_group():
-    """The sweep (Hydra multirun) directory's name this job belongs to, e.g. ``2026-12-03/10-00-00``; None for
-    a single run."""
+    """The sweep (Hydra multirun) directory's name this job belongs to, e.g. ``2026-12-03/10-00-00.123456``;
+    None for a single run."""
     try:
         from hydra.core.hydra_config import HydraConfig
         from hydra.types import RunMode
@@ -931,17 +953,18 @@ def terminal_width() -> int:
 
 
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
-    """Move an earlier launch's metrics aside (a resumed run's records continue from them)."""
-    from npu_train.metrics.report import carry_over, rotate_previous_run
+    """Move an earlier launch's outputs aside (a resumed run's metrics continue from them)."""
+    from npu_train.metrics.report import carry_over, newest_records, rotate_previous_run
 
     with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
         os.remove(os.path.join(run_dir, "data.safetensors"))
     moved = rotate_previous_run(run_dir)
     if moved:
-        print(f"note: {run_dir} held the metrics of an earlier launch; moved them to {moved}", flush=True)
-        if resume.resume_dir and carry_over(moved, run_dir, resume.start_step):
-            print(f"note: metrics.jsonl and eval.jsonl continue with that launch's steps up to {resume.start_step}",
-                  flush=True)
+        print(f"note: {run_dir} held the records of an earlier launch; moved them to {moved}", flush=True)
+    records = newest_records(run_dir) if resume.resume_dir else None  # a plan=true launch may sit in between
+    if records and carry_over(records, run_dir, resume.start_step):
+        print(f"note: metrics.jsonl and eval.jsonl continue with the steps up to {resume.start_step} of {records}",
+              flush=True)
 
 
 def _join_nodes(cfg, resume: ResumePoint, launch: LaunchIdentity, node: NodeContext, ipc_dir: str):
@@ -1043,6 +1066,10 @@ def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
             raise
         raise Interrupted(e.signum, interrupt_note(None, resume.ckpt_root, cfg.train.offload_update,
                                                    save=False)) from None
+    except JobFailed as e:  # name the checkpoint the run can go on from (status.json: checkpoint, resume)
+        ck, note = failure_note(resume.ckpt_root, cfg.train.offload_update, job.coord.run_dir)
+        raise JobFailed(f"{e}; {note}", checkpoint=ck,
+                        checkpoint_dir=resume.ckpt_root if ck else None) from None
     finally:
         job.reporter.close()
         with contextlib.suppress(OSError):

@@ -122,6 +122,19 @@ def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str
     return f"checkpoint {last_ckpt} saved; {continue_note(ckpt_root, offload_update)}"
 
 
+def failure_note(ckpt_root: str, offload_update: str, run_dir: str) -> tuple[Optional[str], str]:
+    """After a card process failed: ``(checkpoint, note)``, the latest complete checkpoint under ``ckpt_root``
+    (the one ``train.resume=latest`` picks; staging and partial dirs never count) and the error line's part
+    naming it and the resume command, or ``(None, note)`` saying that a rerun starts again when it has none."""
+    from npu_train.checkpoint.store import find_checkpoint
+
+    ck = find_checkpoint("auto", ckpt_root)  # auto: the newest complete one, None when there is none
+    if ck is None:
+        return None, "no checkpoint saved yet: rerunning the same command starts the run again"
+    return ck, (f"last complete checkpoint {ck}; {continue_note(ckpt_root, offload_update)} (the whole command: "
+                f"'resume' in {os.path.join(run_dir, 'status.json')})")
+
+
 def done_checkpoint(last_ckpt: Optional[str], save: bool = True) -> str:
     """The ``done:`` line's checkpoint part: ``checkpoint <dir>``, or ``no checkpoint (checkpoint.save=false)``."""
     return f"checkpoint {last_ckpt}" if save else "no checkpoint (checkpoint.save=false)"
