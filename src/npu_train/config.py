@@ -295,11 +295,12 @@ class MetricsConf:
     #: wandb (Weights & Biases: pip install 'npu-train[wandb]'; offline into <run dir>/wandb unless
     #: WANDB_MODE is set or credentials exist: WANDB_API_KEY or a ~/.netrc entry), mlflow (pip install
     #: 'npu-train[mlflow]'; to metrics.mlflow_uri). A missing package or an unreachable server is one
-    #: warning and training goes on. [] = metrics.jsonl only.
-    logger: list = field(default_factory=lambda: ["tensorboard"])
+    #: warning and training goes on. [] = metrics.jsonl only; one name alone (metrics.logger=wandb) = that list.
+    logger: Any = field(default_factory=lambda: ["tensorboard"])
     #: W&B project / MLflow experiment name.
     project: str = "npu-train"
-    #: the tracker run's display name (null = the run directory's last two parts, e.g. 2026-12-03/10-00-00).
+    #: the tracker run's display name (null = the run directory's last two parts,
+    #: e.g. 2026-12-03/10-00-00.123456).
     run_name: Optional[str] = None
     #: MLflow tracking URI (null = $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db in the launch directory,
     #: MLflow's own default; e.g. http://mlflow:5000 or file:/path for the old file store).

@@ -192,6 +192,9 @@ def main(argv=None) -> int:
     except (UserError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: one line, the temporary dir is gone
+        print("generate: interrupted", file=sys.stderr, flush=True)
+        return 130
     return 0
 
 

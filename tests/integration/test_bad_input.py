@@ -57,6 +57,8 @@ def bad(tiny_model, tmp_path_factory):
     b.window = model_copy("window", edit_cfg=lambda c: c.update(architectures=["MistralForCausalLM"],
                                                                 model_type="mistral", sliding_window=16))
     b.missing = model_copy("missing", edit_tensors=lambda t: t.pop("model.layers.4.mlp.up_proj.weight"))
+    b.no_weights = model_copy("no_weights")  # config and tokenizer, no weight file
+    os.remove(os.path.join(b.no_weights, "model.safetensors"))
     b.shape = model_copy("shape", edit_tensors=lambda t: t.update(
         {"model.layers.4.mlp.up_proj.weight": torch.zeros(100, 64)}))
     try:
@@ -128,6 +130,8 @@ CASES = [
      ["7 cards but the model has only 6 layers", "at most 6"]),
     ("resident-over-card", lambda b: ["train.resident_layers=[5,5]"], None,
      ["5 resident layers", "resident_layers <= 3"]),
+    ("resident-count-per-card", lambda b: ["train.resident_layers=[1]"], None,
+     ["resident_layers [1] has 1 entries for 2 cards", "one count per card (2)"]),
     ("placement-infeasible", lambda b: ["placement.capacity_gib=0.0001"], None,
      ["no placement fits", "fix: more RAM per cpu card", "placement.capacity_gib", "train.recompute=true",
       "a smaller train.micro_batch (now 2) or data.seq_len (now 32)"]),
@@ -145,6 +149,8 @@ CASES = [
      ["config.json: num_hidden_layers=0", "fix config.json"]),
     ("seq-len-over-sliding-window", lambda b: [f"model.path={b.window}"], None,
      ["data.seq_len=32 exceeds the model's sliding_window=16", "use data.seq_len<=16"]),
+    ("model-dir-without-weights", lambda b: [f"model.path={b.no_weights}"], None,
+     ["no model.safetensors or model.safetensors.index.json", "point model.path at one"]),
     ("safetensors-missing-tensor", lambda b: [f"model.path={b.missing}"], None,
      ["'model.layers.4.mlp.up_proj.weight' not found", "re-download"]),
     ("safetensors-wrong-shape", lambda b: [f"model.path={b.shape}"], None,

@@ -145,3 +145,16 @@ def test_generate_bad_model_is_one_error_line(trained, tiny_model, tmp_path, cap
     assert err.startswith("error: ") and err.count("\n") == 1, err
     for text in expect(run, reader, tmp_path):
         assert text in err, (text, err)
+
+
+def test_generate_ctrl_c_is_one_line(monkeypatch, capsys):
+    """Ctrl-C while the model loads: one line on stderr, exit 130, no KeyboardInterrupt traceback."""
+    import npu_train.generate as gen
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen, "load_for_generation", interrupted)
+    assert gen.main(["embedded", "--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "generate: interrupted" and "Traceback" not in err

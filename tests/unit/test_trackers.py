@@ -151,6 +151,22 @@ def test_unknown_logger_is_refused():
         validate(cfg)
 
 
+def test_one_logger_name_alone_is_a_list_of_one():
+    """``metrics.logger=wandb`` (no brackets) is taken as ``[wandb]``: Hydra merges the override into the
+    structured config (a ``list`` field refused the string with a ValidationError naming no fix), validation
+    accepts it, and an unknown single name is still refused."""
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config, ConfigError, validate
+
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(["metrics.logger=wandb"]))
+    assert cfg.metrics.logger == "wandb"
+    validate(cfg)
+    bad = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(["metrics.logger=wandbb"]))
+    with pytest.raises(ConfigError, match=r"unknown \['wandbb'\]"):
+        validate(bad)
+
+
 def test_mlflow_artifacts_go_beside_the_sqlite_store(tmp_path, monkeypatch):
     """The plan artifact lands in <db dir>/mlruns, not in the current directory (a test once left mlruns/
     in the repository)."""

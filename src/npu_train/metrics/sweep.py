@@ -294,6 +294,7 @@ def plot_losses(path: str, rows: list[dict]) -> None:
             ax.plot([a for a, _ in r["losses"]], [b for _, b in r["losses"]], marker="o" if len(r["losses"]) <= 50 else None,
                     label=f"#{r['num']} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else f" ({r['status']})"))
     ax.set_xlabel("optimizer step")
+    ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     ax.set_ylabel("train loss (nats/token)")
     ax.grid(alpha=0.3)
     if ax.get_legend_handles_labels()[0]:

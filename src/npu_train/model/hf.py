@@ -176,7 +176,10 @@ def safetensors_index(d: str) -> tuple[dict[str, str], str]:
         other = [f for f in os.listdir(d) if f.endswith((".bin", ".pt", ".pth"))]
         hint = (f" (found {other}: convert them to safetensors, e.g. load with transformers and "
                 f"`save_pretrained(dir, safe_serialization=True)`)") if other else ""
-        raise ModelFormatError(f"{d}: no model.safetensors or model.safetensors.index.json{hint}")
+        raise ModelFormatError(f"{d}: no model.safetensors or model.safetensors.index.json{hint}; a model "
+                               "directory holds config.json, the weights (model.safetensors, or shards with "
+                               "model.safetensors.index.json) and tokenizer.json, as transformers' save_pretrained "
+                               "writes them: point model.path at one")
     from safetensors import safe_open
 
     out: dict[str, str] = {}

@@ -272,7 +272,8 @@ def _checked_split(req: PlanRequest) -> Optional[list[int]]:
         return None
     split, P, L = [int(n) for n in req.split], len(req.cards), req.model.num_layers
     if len(split) != P:
-        raise PlacementError(f"split {split} has {len(split)} entries for {P} cards")
+        raise PlacementError(f"split {split} has {len(split)} entries for {P} cards: give train.split one layer "
+                             f"count per card ({P}), or drop it (the planner chooses)")
     if any(n < 1 for n in split):
         raise PlacementError(f"split {split}: every card needs at least one layer")
     if sum(split) != L:
@@ -291,7 +292,9 @@ def _plan_with_resident_counts(pm: CostModel, req: PlanRequest, split: Optional[
     else:
         res = [int(r) for r in req.resident_layers]
         if len(res) != P:
-            raise PlacementError(f"resident_layers {res} has {len(res)} entries for {P} cards")
+            raise PlacementError(f"resident_layers {res} has {len(res)} entries for {P} cards: give "
+                                 f"train.resident_layers one count per card ({P}), one integer for every card, "
+                                 "or drop it (the planner chooses)")
     if split is None:
         split = (fastest_split(pm, L, res) if min(res) >= 0 else None) or balanced_split(L, P)
     for i, (n, r) in enumerate(zip(split, res)):
