@@ -54,6 +54,7 @@ Usage (from the repository root)::
     .venv/bin/python experiments/bench/pipeline.py --quick               # smoke: 1 round, tiny
     .venv/bin/python experiments/bench/pipeline.py --rounds 5 --json out.json   # full (hours)
     .venv/bin/python experiments/bench/pipeline.py --device cuda --P 1 2 --M 8   # NVIDIA GPU
+    .venv/bin/python experiments/bench/pipeline.py --resummarize out.json        # reprint a saved run's summary
 """
 from __future__ import annotations
 
@@ -308,7 +309,13 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 1 round, P=2, M=4, seq 32, 3 steps, tiny "
                     "model unless --model is given")
     ap.add_argument("--json", default=None, help="write all results to this file")
+    ap.add_argument("--resummarize", default=None, metavar="JSON", help="run nothing: print the summary of a "
+                    "results file an earlier run wrote with --json (with what this version adds, e.g. the work line)")
     args = ap.parse_args(argv)
+    if args.resummarize:
+        saved = json.loads(Path(args.resummarize).read_text())
+        summarize(saved["results"], argparse.Namespace(**{**vars(args), **saved["args"]}))
+        return 0
     if args.quick:
         args.rounds, args.steps, args.seq_len = 1, 3, 32
         if args.P == [1, 2, 3]:
@@ -399,9 +406,44 @@ def main(argv=None) -> int:
     return 0
 
 
+def step_work_s(r: dict) -> list[float]:
+    """Card-seconds of work of each measured step (steps 2..N) of one run: the CPU seconds of every card
+    process in the step, summed over the cards. A card process runs one intra-op thread, so its CPU
+    seconds are the time it computed (forward, backward, loss, optimizer, collectives' copies) and not the
+    time it waited for a peer. Torch runs: ``phases[rank][step]["cpu_phases_s"]`` (schedule, collectives,
+    optimizer); project runs: ``metrics.jsonl``'s ``cpu_s_cards``. Empty when the run holds neither."""
+    if r.get("phases") and all(r["phases"]) and all("cpu_phases_s" in p for ph in r["phases"] for p in ph):
+        n = min(len(ph) for ph in r["phases"])
+        steps = [sum(sum(ph[i]["cpu_phases_s"]) for ph in r["phases"]) for i in range(n)]
+    elif r.get("metrics") and all("cpu_s_cards" in m for m in r["metrics"]):
+        steps = [sum(m["cpu_s_cards"]) for m in r["metrics"]]
+    else:
+        return []
+    return steps[1:] or steps
+
+
+def work_ceiling(stats: dict, base_name: str, P: int, tokens_per_step: int) -> str | None:
+    """The line on the most any schedule or split can reach over the baseline with the baseline's own work
+    per step: that work (card-seconds, :func:`step_work_s`) spread evenly over the P cards with no idle
+    time takes ``work / P`` seconds a step; the baseline's step (``tokens_per_step / tokens/s``) over that
+    is the ceiling. Each other system's work is given relative to the baseline's (same model, same
+    tokens: above 1 is overhead). None without the figures."""
+    base = stats.get(base_name, {})
+    w, tps = base.get("work", {}).get("median"), base.get("tps", {}).get("median")
+    if not w or not tps:
+        return None
+    balanced = w / P
+    step = tokens_per_step / tps
+    rel = [f"{n} {s['work']['median'] / w:.3f}" for n, s in stats.items()
+           if n != base_name and s.get("work", {}).get("median")]
+    return (f"  work: {base_name} {w:.1f} card-s a step; spread evenly over {P} cards with no idle: {balanced:.1f} s "
+            f"a step against its {step:.1f} s, so {step / balanced:.2f}x is the most any schedule or split of the "
+            "same work can reach" + (f"; work of the others relative to it: {', '.join(rel)}" if rel else ""))
+
+
 def summarize(results: list[dict], args) -> list[dict]:
     """Per cell and system: median/min/max tokens/s over rounds, ratio to the baseline and to the
-    fastest torch entry; printed as a table."""
+    fastest torch entry, and the work ceiling (:func:`work_ceiling`); printed as a table."""
     out = []
     cells = sorted({(r["P"], r["M"]) for r in results})
     print("\nsummary: tokens/s over rounds (median [min-max]); ratios of medians measured in this run")
@@ -418,6 +460,7 @@ def summarize(results: list[dict], args) -> list[dict]:
                         "collective": spread([r.get("collective_share") for r in ok]),
                         "loss1": spread([r.get("loss1") for r in ok]),
                         "lossN": spread([r["loss"][-1] if r.get("loss") else None for r in ok]),
+                        "work": spread([w for r in ok for w in step_work_s(r)]),
                         "errors": sorted({r["error"] for r in rs if "error" in r}),
                         "refused": sorted({r["refused"] for r in rs if "refused" in r})}
         base_name = BASELINE
@@ -451,6 +494,9 @@ def summarize(results: list[dict], args) -> list[dict]:
             else:
                 print(f"  {n:<36} {'failed':>12}: {'; '.join(s['errors'])[:300]}")
             out.append(rec)
+        ceiling = work_ceiling(stats, base_name, P, M * args.seq_len)
+        if ceiling:
+            print(ceiling)
     bubble = [f"P={P} M={M}: {(P - 1) / (M + P - 1):.3f}" for P, M in cells]
     print("\n1F1B bubble (P-1)/(M+P-1) for reference: " + ", ".join(bubble))
     return out

@@ -132,3 +132,31 @@ def test_host_memory_both_runs_each_system_with_and_without_keeping_freed_memory
     # the baseline stays torch as a user runs it; the fastest torch entry may be the [keep] one
     assert names["npu-train zb-h2"]["baseline"] == "torch 1F1B even"
     assert names["npu-train zb-h2"]["vs_baseline"] == 12.0 / 10.0 and names["npu-train zb-h2"]["vs_best_torch"] == 12.0 / 11.0
+
+
+def test_work_line_bounds_the_ratio_by_the_baselines_own_work(bench, tmp_path, capsys):
+    """The work line: the baseline's CPU seconds per step (steps 2..N, summed over cards) spread evenly over P
+    cards with no idle is the fastest any system doing that work can step; figures worked out by hand here.
+    ``--resummarize`` prints the same from a saved results file."""
+    base = {"P": 2, "M": 8, "system": "torch 1F1B even", "round": 0, "tokens_per_s": 2048 / 20.625,
+            "loss": [4.0, 3.9], "loss1": 4.0,
+            "phases": [[{"cpu_phases_s": c} for c in ([10, 1, 1], [12, 0, 0], [11, 0, 1])],   # rank 0
+                       [{"cpu_phases_s": c} for c in ([20, 0, 2], [21, 0, 1], [19, 1, 0])]]}  # rank 1
+    # steps 2 and 3: 12 + 22 = 34 and 12 + 20 = 32 card-s -> median 33 -> 16.5 s a step on 2 cards
+    proj = {"P": 2, "M": 8, "system": "npu-train auto", "round": 0, "tokens_per_s": 2048 / 17.0,
+            "loss": [4.0, 3.9], "loss1": 4.0, "idle_share": 0.03,
+            "metrics": [{"cpu_s_cards": c} for c in ([1, 1], [17, 17], [16.5, 16.5])]}  # 34, 33 -> 33.5
+    assert bench.step_work_s(base) == [34, 32] and bench.step_work_s(proj) == [34, 33]
+    bench.summarize([base, proj], SimpleNamespace(seq_len=256))
+    line = [l for l in capsys.readouterr().out.splitlines() if l.strip().startswith("work:")]
+    assert line == ["  work: torch 1F1B even 33.0 card-s a step; spread evenly over 2 cards with no idle: 16.5 s a "
+                    "step against its 20.6 s, so 1.25x is the most any schedule or split of the same work can reach; "
+                    "work of the others relative to it: npu-train auto 1.015"], line
+
+    saved = tmp_path / "run.json"
+    saved.write_text(json.dumps({"args": {"seq_len": 256}, "results": [base, proj]}))
+    assert bench.main(["--resummarize", str(saved)]) == 0
+    assert "1.25x is the most any schedule or split" in capsys.readouterr().out
+    no_figures = {k: v for k, v in base.items() if k != "phases"}  # an older results file: no work line
+    bench.summarize([no_figures, proj], SimpleNamespace(seq_len=256))
+    assert "work:" not in capsys.readouterr().out
