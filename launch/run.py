@@ -67,7 +67,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     import logging
     import signal
 
-    from npu_train.errors import JobFailed, UserError, exit_code_for
+    from npu_train.errors import Interrupted, JobFailed, UserError, exit_code_for
     from npu_train.runtime.job import run_job
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
@@ -92,8 +92,8 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
             ck, ck_dir, extra = _latest_checkpoint(cfg, run_dir)
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
-        print(f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}: all card processes stopped"
-              + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
+        head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"
+        print(head + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
         msg = str(e)

@@ -33,15 +33,23 @@ class JobFailed(Exception):
 
 
 class Interrupted(KeyboardInterrupt):
-    """SIGINT/SIGTERM ``signum`` stopped the job (exit ``128 + signum``); ``checkpoint``: the one saved, or None."""
+    """SIGINT/SIGTERM ``signum`` stopped the job (exit ``128 + signum``); ``checkpoint``: the one saved, or None;
+    ``preparing``: it came while the launch prepared, before any card process was started."""
 
     def __init__(self, signum: int = signal.SIGINT, message: str = "", checkpoint: Optional[str] = None,
-                 checkpoint_dir: Optional[str] = None):
+                 checkpoint_dir: Optional[str] = None, preparing: bool = False):
         super().__init__(message)
         self.signum = int(signum)
         self.message = message
         self.checkpoint = checkpoint
         self.checkpoint_dir = checkpoint_dir
+        self.preparing = preparing
+
+    def headline(self) -> str:
+        """The launcher's line for it, e.g. ``interrupted by SIGTERM: all card processes stopped``, or ``...
+        while preparing: no card process had started``; the caller appends the checkpoint note."""
+        what = " while preparing: no card process had started" if self.preparing else ": all card processes stopped"
+        return f"interrupted by {signal.Signals(self.signum).name}{what}"
 
 
 def exit_code_for(exc: BaseException) -> int:

@@ -51,6 +51,23 @@ def test_exit_codes():
         exit_code_for(RuntimeError("a bug is not a job outcome"))
 
 
+def test_interrupt_while_preparing_says_no_card_process_had_started():
+    """A signal while the launch prepares (the handler :func:`launch_signals` installs) is an Interrupted marked
+    ``preparing``, whose line says no card process had started; the coordinator's, after the cards started, says
+    they were all stopped."""
+    from npu_train.runtime.job import launch_signals
+
+    with pytest.raises(Interrupted) as got:
+        with launch_signals():
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs between bytecodes
+                pass
+    e = got.value
+    assert e.preparing and exit_code_for(e) == 143
+    assert e.headline() == "interrupted by SIGTERM while preparing: no card process had started"
+    assert Interrupted(signal.SIGINT).headline() == "interrupted by SIGINT: all card processes stopped"
+
+
 def test_unwritable_cache_is_one_error_naming_npt_cache(monkeypatch, tmp_path):
     """NPT_CACHE under a file, or (as root) on a read-only mount: CacheDirError naming NPT_CACHE and the fix."""
     import subprocess

@@ -471,7 +471,7 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _raise_interrupted(signum, frame) -> None:
-    raise Interrupted(signum)
+    raise Interrupted(signum, preparing=True)  # set until the coordinator starts the card processes
 
 
 def _record_late_signal(signum, frame) -> None:
