@@ -73,6 +73,8 @@ def test_dpo_pipeline_matches_reference(tiny_model, tmp_path, backend, extra):
         assert set(r) >= {"rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
                           "logps/chosen", "logps/rejected"}
         assert abs(r["rewards/margins"] - (r["rewards/chosen"] - r["rewards/rejected"])) < 1e-9
+    # step 1: the policy is the reference, to the bit (the pass uses the training head's arithmetic)
+    assert recs[0]["rewards/margins"] == 0.0 and recs[0]["rewards/accuracies"] == 0.0, recs[0]
     stored = [f for f in os.listdir(tmp_path / "run" / "checkpoints") if f.startswith("dpo_reference-")]
     assert len(stored) == 1, stored
 
@@ -119,6 +121,8 @@ def test_dpo_data_parallel_matches_reference(tiny_model, tmp_path, own_data_cach
     losses, reader = run_pipeline(tiny_model, str(tmp_path / "dp2"), "backend=[cpu,cpu]", "parallel.dp=2", *ov)
     _check_dpo(losses, reader, ref_losses, ref_w)
     assert reader.manifest["parallel"]["dp"] == 2
+    first = json.loads(open(tmp_path / "dp2" / "metrics.jsonl").readline())  # policy = reference at step 1
+    assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0, first
     out = capsys.readouterr().out
     assert re.search(r"DPO reference pass: \d+ sequences in", out), out[-3000:]
     t2, v2 = _stored_reference(tmp_path / "dp2")

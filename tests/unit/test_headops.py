@@ -55,6 +55,20 @@ def test_cross_entropy_sum_matches_the_definition(ignored):
         assert abs(float(cross_entropy_sum(z, y)) - want_loss) <= 1e-6 * abs(want_loss)
 
 
+def test_cross_entropy_sum_without_gradients_gives_the_training_bits():
+    """The DPO reference pass runs the head's loss without gradients, the policy's step 1 with them: the row sums
+    must be the same bits, or step 1 shows nonzero margins (and a reward accuracy) against its own reference.
+    ``F.cross_entropy`` reduces in another order: with it as the no-gradient path about half these rows differ."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 48, 384, generator=g) * 3
+    labels = torch.randint(0, 384, (64, 48), generator=g)
+    labels[:, :20] = IGNORE_INDEX  # the prompt
+    with_grad = torch.stack([cross_entropy_sum(r.clone().requires_grad_(), l) for r, l in zip(logits, labels)])
+    with torch.no_grad():
+        without = torch.stack([cross_entropy_sum(r, l) for r, l in zip(logits, labels)])
+    assert torch.equal(with_grad.detach(), without)
+
+
 def test_causal_lm_loss_sum_fused_equals_plain_to_rounding():
     g = torch.Generator().manual_seed(1)
     z = torch.randn(2, 9, CFG.vocab_size, generator=g)

@@ -90,11 +90,7 @@ class _CrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, has_ignored: bool) -> torch.Tensor:
-        valid = labels != IGNORE_INDEX
-        safe = torch.where(valid, labels, torch.zeros_like(labels))
-        lp = torch.log_softmax(logits, dim=1)
-        tok = lp.gather(1, safe.unsqueeze(1)).squeeze(1).neg_()
-        loss = (torch.where(valid, tok, torch.zeros_like(tok)) if has_ignored else tok).sum()
+        loss, lp, safe, valid = _ce_sum(logits, labels, has_ignored)
         ctx.save_for_backward(lp, safe, valid)
         ctx.has_ignored = has_ignored
         return loss
@@ -115,7 +111,20 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     """``F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")`` with a one-pass backward:
     ``logits`` ``[N, V]`` fp32 (others upcast), ``labels`` ``[N]`` int64; returns the fp32 sum in nats."""
     logits = logits.float()
-    if not (torch.is_grad_enabled() and logits.requires_grad):
-        return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
     has_ignored = bool((labels == IGNORE_INDEX).any())
+    if not (torch.is_grad_enabled() and logits.requires_grad):  # the same arithmetic, so the same bits
+        return _ce_sum(logits, labels, has_ignored)[0]
     return _CrossEntropySum.apply(logits.contiguous(), labels, has_ignored)
+
+
+def _ce_sum(logits: torch.Tensor, labels: torch.Tensor, has_ignored: bool) -> tuple:
+    """``(loss, log_probs, safe_labels, valid)`` of :func:`cross_entropy_sum`'s forward. One function for the
+    training forward and a forward without gradients (a DPO reference pass, an eval), so both give the same
+    bits: ``F.cross_entropy`` reduces in another order and differs in the last bits (row sums of DPO
+    log-probabilities by about an ulp), so a DPO reference value would differ from the policy's own at step 1."""
+    valid = labels != IGNORE_INDEX
+    safe = torch.where(valid, labels, torch.zeros_like(labels))
+    lp = torch.log_softmax(logits, dim=1)
+    tok = lp.gather(1, safe.unsqueeze(1)).squeeze(1).neg_()
+    loss = (torch.where(valid, tok, torch.zeros_like(tok)) if has_ignored else tok).sum()
+    return loss, lp, safe, valid

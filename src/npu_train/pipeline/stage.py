@@ -122,7 +122,9 @@ class StageRunner:
             x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(0, tag)
             out = self.module(x, **self.module_kwargs(positions, m))
             if self.last:
-                out_rows.append(self.objective.logps(out, labels[m], self.backend, False).double().cpu())
+                # the head's loss function of training (fused_head), so the values are the policy's own at step 1
+                fused = getattr(self.module, "fused_head", False)
+                out_rows.append(self.objective.logps(out, labels[m], self.backend, fused).double().cpu())
             else:
                 self.comm.send_act(0, tag, out)
         return out_rows
