@@ -75,6 +75,8 @@ def test_dpo_pipeline_matches_reference(tiny_model, tmp_path, backend, extra):
         assert abs(r["rewards/margins"] - (r["rewards/chosen"] - r["rewards/rejected"])) < 1e-9
     # step 1: the policy is the reference, to the bit (the pass uses the training head's arithmetic)
     assert recs[0]["rewards/margins"] == 0.0 and recs[0]["rewards/accuracies"] == 0.0, recs[0]
+    ev0 = json.loads(open(tmp_path / "run" / "eval.jsonl").readline())  # the held-out pairs before step 1: too
+    assert ev0["step"] == 0 and ev0["val_rewards/margins"] == 0.0 and ev0["val_rewards/accuracies"] == 0.0, ev0
     stored = [f for f in os.listdir(tmp_path / "run" / "checkpoints") if f.startswith("dpo_reference-")]
     assert len(stored) == 1, stored
 

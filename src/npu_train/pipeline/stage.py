@@ -94,13 +94,14 @@ class StageRunner:
         """Forward-only pass over held-out micro-batches (ids + :data:`EVAL_MICRO_BASE`); ``{"loss_sum",
         "n_tokens", "n_units", "stats"}`` (last stage; zeros elsewhere)."""
         obj = self.objective
+        fused = getattr(self.module, "fused_head", False)  # training's head arithmetic: DPO values equal the pass's
         loss_sum, n_tok, n_units, stats = 0.0, 0, 0, [0.0] * len(obj.stats)
         for m in range(num_micro):
             tag = EVAL_MICRO_BASE + m
             x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(step, tag)
             out = self.module(x, **self.module_kwargs(positions, m))
             if self.last:
-                ls, st = obj.loss_sum(out, labels[m], self.backend, False)
+                ls, st = obj.loss_sum(out, labels[m], self.backend, fused)
                 loss_sum += float(ls)
                 n_tok += obj.tokens(labels[m])
                 n_units += obj.units(labels[m])
