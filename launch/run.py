@@ -72,7 +72,10 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
-        summ = run_job(cfg, run_dir)
+        try:
+            summ = run_job(cfg, run_dir)
+        finally:  # the outcome is decided: a signal from now on is only noted (_hold_signals)
+            _SIGNALS_HELD_FOR_JOB[0] = False
         if report is not None and isinstance(summ, dict) and summ.get("stopped_at") is not None:
             report.update(stopped_at=summ["stopped_at"], steps=int(cfg.train.steps),
                           checkpoint_dir=summ.get("checkpoint_dir"))
@@ -319,8 +322,8 @@ def run_one(cfg) -> int:
     tee = _ErrorLineTee(_LogTee(real_err, log))
     sys.stderr = tee
     report: dict = {}
-    # a signal outside run_job (which handles its own) must not kill the launcher before status.json is
-    # written: it is only noted (run_job raises Interrupted for one during its preparation)
+    # a signal outside run_job's own handlers must not kill the launcher before status.json is written: one
+    # before run_job installed them is held for it (it stops at once), a later one only noted
     held = _hold_signals()
     try:
         if multirun:
@@ -339,6 +342,7 @@ def run_one(cfg) -> int:
         tee.last = tee.last or f"error: {type(e).__name__}: {e}".splitlines()[0]
         print(tee.last, file=tee.inner, flush=True)
     finally:
+        _SIGNALS_HELD_FOR_JOB[0] = False
         sys.stdout, sys.stderr = real_out, real_err
         if log is not None:
             log.close()
@@ -363,19 +367,34 @@ def run_one(cfg) -> int:
     return code  # a single run exits now: a late signal cannot turn its exit status into a kill
 
 
+#: ``[True]`` until :func:`main` has the job's outcome: a signal meanwhile is held for ``run_job``
+_SIGNALS_HELD_FOR_JOB = [True]
+
+
 def _hold_signals() -> dict:
-    """Note SIGINT/SIGTERM instead of dying (main thread only); returns the previous handlers."""
+    """SIGINT/SIGTERM outside ``run_job``'s own handlers (main thread only): never fatal here, so
+    ``status.json`` is always written. Before the job's outcome is decided (``run_job``'s module and torch
+    import for seconds) a signal is held in :data:`~npu_train.errors.PENDING_SIGNALS`, and ``run_job`` stops
+    with it as soon as it starts (``interrupted by ... while preparing``); afterwards it is only noted.
+    Returns the previous handlers."""
     import signal
     import threading
 
+    from npu_train.errors import PENDING_SIGNALS
+
     if threading.current_thread() is not threading.main_thread():
         return {}
+    _SIGNALS_HELD_FOR_JOB[0] = True
+    PENDING_SIGNALS.clear()
 
-    def note(signum, frame):
+    def handle(signum, frame):
+        if _SIGNALS_HELD_FOR_JOB[0]:
+            PENDING_SIGNALS.append(signum)
+            return
         print(f"note: {signal.Signals(signum).name} received while the launcher was writing its records: ignored",
               file=sys.stderr, flush=True)
 
-    return {s: signal.signal(s, note) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _release_signals(held: dict) -> None:
@@ -400,7 +419,21 @@ def _needs(cfg):
                     accel_cards=[f"{c.kind}:{c.index}" for c in prep.cards if c.kind != "cpu"])
 
 
+def _stop_before_the_run(signum, frame) -> None:
+    """SIGINT/SIGTERM while Hydra composes the config (before :func:`run_one`): one line, exit ``128 + signum``,
+    nothing written (no run directory of ours yet), instead of a KeyboardInterrupt traceback."""
+    import signal
+
+    print(f"interrupted by {signal.Signals(signum).name} before the run started: nothing was written",
+          file=sys.__stderr__, flush=True)
+    raise SystemExit(128 + signum)
+
+
 def _main() -> None:
+    import signal
+
+    for s in (signal.SIGINT, signal.SIGTERM):  # replaced by run_one's (_hold_signals) once the job starts
+        signal.signal(s, _stop_before_the_run)
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
     # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr
     # (card processes do the same, runtime/worker.py) and the job goes on

@@ -52,6 +52,20 @@ class Interrupted(KeyboardInterrupt):
         return f"interrupted by {signal.Signals(self.signum).name}{what}"
 
 
+#: SIGINT/SIGTERM numbers received before the job's own handlers were installed (launch/run.py notes them
+#: here while ``run_job``'s module and torch import); :func:`raise_pending_signal` acts on the first
+PENDING_SIGNALS: list = []
+
+
+def raise_pending_signal() -> None:
+    """Raise ``Interrupted(signum, preparing=True)`` for a signal held in :data:`PENDING_SIGNALS` (then
+    cleared); nothing when none is held. Called where the job can first stop cleanly."""
+    if PENDING_SIGNALS:
+        signum = PENDING_SIGNALS[0]
+        PENDING_SIGNALS.clear()
+        raise Interrupted(signum, preparing=True)
+
+
 def exit_code_for(exc: BaseException) -> int:
     """Exit status of ``launch/run.py`` for an exception that ended the job (see the module table)."""
     if isinstance(exc, JobFailed):

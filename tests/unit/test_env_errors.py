@@ -68,6 +68,32 @@ def test_interrupt_while_preparing_says_no_card_process_had_started():
     assert Interrupted(signal.SIGINT).headline() == "interrupted by SIGINT: all card processes stopped"
 
 
+def test_a_signal_before_run_job_is_held_and_stops_it_on_entry():
+    """A SIGTERM while ``run_job``'s module imports (seconds of torch import, after launch/run.py's run_one took
+    the signals) was only noted and the job then trained to the end with exit 0: it is now held and
+    ``launch_signals`` raises it on entry (preparing); once the outcome is decided a signal is only noted."""
+    from scripts import LAUNCH_RUN, load_script
+
+    from npu_train.errors import PENDING_SIGNALS
+    from npu_train.runtime.job import launch_signals
+
+    run = load_script(LAUNCH_RUN, "_npt_run_signals")
+    held = run._hold_signals()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # the handler runs as os.kill returns: held, not raised
+        assert PENDING_SIGNALS == [signal.SIGTERM]
+        with pytest.raises(Interrupted) as got:
+            with launch_signals():
+                pass
+        assert got.value.preparing and exit_code_for(got.value) == 143 and PENDING_SIGNALS == []
+        run._SIGNALS_HELD_FOR_JOB[0] = False  # main has the outcome: only noted now
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert PENDING_SIGNALS == []
+    finally:
+        run._release_signals(held)
+        PENDING_SIGNALS.clear()
+
+
 def test_unwritable_cache_is_one_error_naming_npt_cache(monkeypatch, tmp_path):
     """NPT_CACHE under a file, or (as root) on a read-only mount: CacheDirError naming NPT_CACHE and the fix."""
     import subprocess

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from npu_train.env import cache_dir, getenv, writable_cache_dir
-from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError
+from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, raise_pending_signal
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, failure_note, interrupt_note,
                                      prepare_checkpoint_root)
@@ -449,10 +449,12 @@ def run_job(cfg, run_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     if not cfg.plan:  # a read-only NPT_CACHE: one line now, not a traceback at the data cache's first write
         writable_cache_dir()
+    raise_pending_signal()  # a signal while this module imported (launch/run.py): stop before any work
     if cfg.calibrate:
         return _calibrate_only(cfg)
     if cfg.plan:
-        return _dry_run(cfg, run_dir)
+        with launch_signals():  # Ctrl-C while it plans stops it (no card process is ever started)
+            return _dry_run(cfg, run_dir)
     from npu_train.runtime.dirlock import JobLocks
 
     node, locks = _this_node(cfg), JobLocks()
@@ -486,7 +488,8 @@ def launch_signals():
     """The launcher's signals while ``run_job`` runs (main thread only): during preparation SIGINT and SIGTERM
     raise :class:`~npu_train.errors.Interrupted` (cleanup paths run, ``status.json`` is written);
     while the coordinator runs, its own handlers count them; after it (:func:`defer_signals`) both are only
-    noted. The previous handlers come back at the end."""
+    noted; a signal held in :data:`~npu_train.errors.PENDING_SIGNALS` is raised on entry. The previous
+    handlers come back at the end."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -494,6 +497,7 @@ def launch_signals():
     for s in _SIGNALS:
         signal.signal(s, _raise_interrupted)
     try:
+        raise_pending_signal()  # one the launcher received while this module imported
         yield
     finally:
         for s, h in old.items():
