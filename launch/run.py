@@ -93,6 +93,10 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         ck, ck_dir = getattr(e, "checkpoint", None), getattr(e, "checkpoint_dir", None)
         if ck is None and not extra:  # stopped before this launch trained or saved: the run's own latest one
             ck, ck_dir, extra = _latest_checkpoint(cfg, run_dir)
+            if ck is None and not cfg.plan and not cfg.calibrate:  # as after a failed card: what a rerun does
+                from npu_train.runtime.saving import NO_CHECKPOINT_YET
+
+                extra = NO_CHECKPOINT_YET
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"

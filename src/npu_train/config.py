@@ -20,6 +20,14 @@ class ModelConf:
     tokenizer: Optional[str] = None
 
 
+#: data.format values (npu_train.data.chat, .prepare)
+DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
+#: data.bad_rows: refuse (the first bad row is an error naming the fix) | skip (counted, reported, dropped)
+BAD_ROWS = ("refuse", "skip")
+#: data.truncation of SFT samples longer than a row: drop them | truncate them (npu_train.data.sft)
+TRUNCATION = ("drop", "truncate")
+
+
 @dataclass
 class DataConf:
     #: "botchan" (shipped public-domain novel); with format=chat|prompt_completion "botchan-chat"
@@ -359,7 +367,8 @@ def validate(cfg) -> None:
 
 
 def _check_shape(t, d) -> None:
-    """Steps, batch shape, held-out split, dtype and mode (``train``, ``data``)."""
+    """Steps, batch shape, held-out split, dtype, mode and the data choices (format, bad_rows, truncation:
+    refused here, before any planning or reading) (``train``, ``data``)."""
     _positive("train.steps", t.steps)
     _positive("train.micro_batch", t.micro_batch)
     _positive("train.accum", t.accum, " (gradient-accumulation steps = micro-batches per optimizer step; use train.accum=1 for none)")
@@ -371,6 +380,11 @@ def _check_shape(t, d) -> None:
         raise ConfigError(f"train.dtype={t.dtype!r}: use bf16, fp32 or auto")
     if t.mode not in ("full", "lora"):
         raise ConfigError(f"train.mode={t.mode!r}: use full or lora")
+    for key, value, allowed in (("format", getattr(d, "format", "text") or "text", DATA_FORMATS),
+                                ("bad_rows", getattr(d, "bad_rows", "refuse") or "refuse", BAD_ROWS),
+                                ("truncation", getattr(d, "truncation", "drop") or "drop", TRUNCATION)):
+        if str(value) not in allowed:
+            raise ConfigError(f"data.{key}={str(value)!r}: use one of {list(allowed)}")
 
 
 def _check_objective(cfg) -> None:

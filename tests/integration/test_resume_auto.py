@@ -23,7 +23,8 @@ def test_resume_auto_fresh_then_continue(tiny_model, tmp_path):
     again, r3 = run_pipeline(tiny_model, str(tmp_path / "d"), "backend=[cpu,cpu]", ck, "checkpoint.existing=set_aside")
     assert again == full and r3.manifest["job_id"] != r2.manifest["job_id"]
     old = tmp_path / "ckpt" / "previous-1"
-    assert sorted(os.listdir(old)) == ["latest", "step_000001", "step_000003"]  # moved, not deleted
+    # moved, not deleted; with the run's tracker ids (the new run writes its own beside)
+    assert sorted(os.listdir(old)) == ["latest", "step_000001", "step_000003", "trackers.json"]
     assert sorted(d for d in os.listdir(tmp_path / "ckpt") if d.startswith("step_")) == ["step_000003"]
 
 

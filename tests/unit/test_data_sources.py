@@ -335,3 +335,22 @@ def test_all_rows_bad_and_skipped_says_no_usable_rows(tmp_path, tok):
     q.write_text("".join(json.dumps({"prompt": "a", "chosen": "x", "rejected": "x"}) + "\n" for _ in range(3)))
     with pytest.raises(DataError, match=r"no usable rows: all 3 row\(s\) are bad .*first: .*pairs.jsonl:1: "):
         list(iter_pairs(str(q), bad_rows="skip", log=lambda m: None))
+
+
+@pytest.mark.parametrize("override,want", [
+    ("data.bad_rows=maybe", "data.bad_rows='maybe': use one of ['refuse', 'skip']"),
+    ("data.truncation=cut", "data.truncation='cut': use one of ['drop', 'truncate']"),
+    ("data.format=csv", "data.format='csv': use one of ['text', 'chat', 'prompt_completion', 'preference']"),
+])
+def test_data_choices_are_refused_by_config_validation(override, want):
+    """A misspelt data choice is refused where the launcher validates the config, before it plans or prints
+    anything (it came after the plan's schedule line, two lines instead of one error)."""
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config, ConfigError, validate
+
+    validate(OmegaConf.structured(Config))
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([override]))
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert str(e.value) == want

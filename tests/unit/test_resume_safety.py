@@ -293,9 +293,13 @@ def test_reused_checkpoint_dir_is_refused_or_set_aside(tmp_path):
     assert [os.path.basename(p) for p in check_reused_root(root, None, "set_aside")] == ["step_000002", "step_000004"]
     assert sorted(os.listdir(root)) == ["latest", "step_000002", "step_000004"]  # the check moves nothing
 
+    for fn in ("trackers.json", "dpo_reference-0123456789abcdef.safetensors", ".npt-checkpoint.lock"):
+        open(os.path.join(root, fn), "w").close()  # the run's tracker ids and DPO values; a lock file stays
     assert set_aside(root) == os.path.join(root, "previous-1")
     assert complete_checkpoints(root) == [] and find_checkpoint("auto", root) is None
-    assert sorted(os.listdir(os.path.join(root, "previous-1"))) == ["latest", "step_000002", "step_000004"]
+    assert sorted(os.listdir(os.path.join(root, "previous-1"))) == [
+        "dpo_reference-0123456789abcdef.safetensors", "latest", "step_000002", "step_000004", "trackers.json"]
+    assert sorted(os.listdir(root)) == [".npt-checkpoint.lock", "previous-1"]
     assert CheckpointReader(find_checkpoint(os.path.join(root, "previous-1"), None)).step == 4  # still resumable
     _save(root, 1)
     assert set_aside(root) == os.path.join(root, "previous-2")

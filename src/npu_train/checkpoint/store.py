@@ -415,12 +415,22 @@ def check_reused_root(root: str, resume_dir: Optional[str], existing: str = "ref
     return cks
 
 
+#: a run's own files in its checkpoint root besides the checkpoints: tracker run ids (metrics/trackers.py) and
+#: DPO reference log-probabilities (runtime/reference.py), set aside with them
+RUN_FILES = ("trackers.json",)
+RUN_FILE_PREFIXES = ("dpo_reference-",)
+
+
 def set_aside(root: str) -> Optional[str]:
-    """Move ``root``'s ``step_*`` directories and ``latest`` into the first free ``<root>/previous-<k>/`` and
-    return it (None if nothing to move); nothing is deleted."""
+    """Move ``root``'s ``step_*`` directories, ``latest`` and the run's own files (:data:`RUN_FILES`, the DPO
+    reference values) into the first free ``<root>/previous-<k>/`` and return it (None if there are no
+    checkpoints to move); nothing is deleted. The set-aside run stays whole: its tracker runs' ids go with it
+    instead of being overwritten by the new run's."""
     from npu_train.metrics.report import move_to_previous
 
     names = [fn for fn in os.listdir(root) if STEP_RE.match(fn) or fn == "latest"] if os.path.isdir(root) else []
+    if names:
+        names += [fn for fn in os.listdir(root) if fn in RUN_FILES or fn.startswith(RUN_FILE_PREFIXES)]
     dest = move_to_previous(root, names)
     if dest:
         _fsync_dir(root)

@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterator, Optional
 
+from npu_train.config import DATA_FORMATS
 from npu_train.model.llama import IGNORE_INDEX
 
 from .sources import BUILTIN_CHAT, BadRows
@@ -22,7 +23,7 @@ from .text import DataError
 __all__ = ["FIELDS", "FORMATS", "ROLES", "ChatRenderer", "Sample", "iter_rows", "read_rows", "row_messages",
            "BUILTIN_CHAT_SOURCES"]
 
-FORMATS = ("text", "chat", "prompt_completion", "preference")
+FORMATS = DATA_FORMATS  # data.format values (their home: npu_train.config)
 ROLES = ("system", "user", "assistant")
 #: built-in chat data sets: name -> asset file (see assets/SOURCE.md)
 BUILTIN_CHAT_SOURCES = BUILTIN_CHAT

@@ -44,6 +44,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
+from npu_train.config import TRUNCATION
 from npu_train.model.llama import IGNORE_INDEX
 
 from .chat import ChatRenderer, iter_rows
@@ -56,7 +57,6 @@ from .text import DataError
 
 __all__ = ["BLOCK_TOKENS", "TRUNCATION", "build_sft_data", "sft_fingerprint"]
 
-TRUNCATION = ("drop", "truncate")
 _FORMAT = "npu-train-sft-v1"
 #: tokens (padding included) laid into rows per block written in pass 2
 BLOCK_TOKENS = 1 << 18

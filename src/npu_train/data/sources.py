@@ -30,6 +30,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from npu_train.config import BAD_ROWS  # noqa: F401  (re-exported: data.bad_rows' values)
+
 from .text import DataError, botchan_text
 
 __all__ = ["BUILDERS", "BUILTIN_TEXT", "BUILTIN_CHAT", "BUILTIN_PREFS", "Source", "ColumnBatch", "resolve_source",
@@ -44,8 +46,6 @@ BUILTIN_TEXT = ("botchan",)
 BUILTIN_CHAT = {"botchan-chat": "botchan_chat.jsonl"}
 #: built-in preference sets (data.format=preference): name -> asset file (assets/SOURCE.md)
 BUILTIN_PREFS = {"botchan-prefs": "botchan_prefs.jsonl"}
-#: data.bad_rows: refuse (the first bad row is an error naming the fix) | skip (counted, reported, dropped)
-BAD_ROWS = ("refuse", "skip")
 #: rows per batch read from a datasets source
 BATCH_ROWS = 1000
 #: bytes of JSON(L) parsed at a time: datasets' default 10 MB chunk made the reader's peak grow with the

@@ -122,6 +122,10 @@ def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str
     return f"checkpoint {last_ckpt} saved; {continue_note(ckpt_root, offload_update)}"
 
 
+#: the end of a failed or interrupted launch's line when the run has no complete checkpoint
+NO_CHECKPOINT_YET = "no checkpoint saved yet: rerunning the same command starts the run again"
+
+
 def failure_note(ckpt_root: str, offload_update: str, run_dir: str) -> tuple[Optional[str], str]:
     """After a card process failed: ``(checkpoint, note)``, the latest complete checkpoint under ``ckpt_root``
     (the one ``train.resume=latest`` picks; staging and partial dirs never count) and the error line's part
@@ -130,7 +134,7 @@ def failure_note(ckpt_root: str, offload_update: str, run_dir: str) -> tuple[Opt
 
     ck = find_checkpoint("auto", ckpt_root)  # auto: the newest complete one, None when there is none
     if ck is None:
-        return None, "no checkpoint saved yet: rerunning the same command starts the run again"
+        return None, NO_CHECKPOINT_YET
     return ck, (f"last complete checkpoint {ck}; {continue_note(ckpt_root, offload_update)} (the whole command: "
                 f"'resume' in {os.path.join(run_dir, 'status.json')})")
 
