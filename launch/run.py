@@ -93,10 +93,6 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         ck, ck_dir = getattr(e, "checkpoint", None), getattr(e, "checkpoint_dir", None)
         if ck is None and not extra:  # stopped before this launch trained or saved: the run's own latest one
             ck, ck_dir, extra = _latest_checkpoint(cfg, run_dir)
-            if ck is None and not cfg.plan and not cfg.calibrate:  # as after a failed card: what a rerun does
-                from npu_train.runtime.saving import NO_CHECKPOINT_YET
-
-                extra = NO_CHECKPOINT_YET
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"
@@ -218,20 +214,21 @@ def resume_command(overrides: list, checkpoint_dir: str) -> str:
 
 
 def _latest_checkpoint(cfg, run_dir: str) -> tuple:
-    """``(checkpoint, root, note)``: the newest complete checkpoint under the run's checkpoint root (what
-    ``train.resume=latest`` picks), its root and the line naming it and the resume command; ``(None, None, "")``
-    when there is none or it cannot be read."""
+    """``(checkpoint, root, note)`` of an interrupt before this launch saved, as after a failed card
+    (:func:`~npu_train.runtime.saving.last_checkpoint_note`): the newest complete checkpoint under the run's
+    checkpoint root, its root and the note naming it and the resume command; without one ``(None, None,
+    note)`` saying a rerun starts again (``""`` for ``plan=true`` / ``calibrate=true``, which train nothing),
+    and ``(None, None, "")`` when the root cannot be read."""
     try:
-        from npu_train.checkpoint.store import find_checkpoint
         from npu_train.runtime.job import checkpoint_root
-        from npu_train.runtime.saving import continue_note
+        from npu_train.runtime.saving import NO_CHECKPOINT_YET, last_checkpoint_note
 
         root = checkpoint_root(cfg, run_dir)
-        ck = find_checkpoint("auto", root) if os.path.isdir(root) else None
-        if ck is None:
-            return None, None, ""
-        return ck, root, (f"the run's last complete checkpoint is {ck}; "
-                          f"{continue_note(root, str(cfg.train.offload_update))}")
+        ck, note = (last_checkpoint_note(root, str(cfg.train.offload_update), run_dir) if os.path.isdir(root)
+                    else (None, NO_CHECKPOINT_YET))
+        if ck is None and (cfg.plan or cfg.calibrate):
+            note = ""
+        return ck, root if ck else None, note
     except Exception:  # an interrupt must end with its message, whatever the checkpoint root holds
         return None, None, ""
 

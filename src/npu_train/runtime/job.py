@@ -22,8 +22,8 @@ from typing import Optional
 from npu_train.env import cache_dir, getenv, writable_cache_dir
 from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, raise_pending_signal
 from npu_train.runtime.coordinator import Coordinator
-from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, failure_note, interrupt_note,
-                                     prepare_checkpoint_root)
+from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
+                                      last_checkpoint_note, prepare_checkpoint_root)
 from npu_train.runtime.spec import ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
 from npu_train.transport.channel import Endpoint
 
@@ -1071,7 +1071,7 @@ def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
         raise Interrupted(e.signum, interrupt_note(None, resume.ckpt_root, cfg.train.offload_update,
                                                    save=False)) from None
     except JobFailed as e:  # name the checkpoint the run can go on from (status.json: checkpoint, resume)
-        ck, note = failure_note(resume.ckpt_root, cfg.train.offload_update, job.coord.run_dir)
+        ck, note = last_checkpoint_note(resume.ckpt_root, cfg.train.offload_update, job.coord.run_dir)
         raise JobFailed(f"{e}; {note}", checkpoint=ck,
                         checkpoint_dir=resume.ckpt_root if ck else None) from None
     finally:

@@ -126,10 +126,11 @@ def interrupt_note(last_ckpt: Optional[str], ckpt_root: str, offload_update: str
 NO_CHECKPOINT_YET = "no checkpoint saved yet: rerunning the same command starts the run again"
 
 
-def failure_note(ckpt_root: str, offload_update: str, run_dir: str) -> tuple[Optional[str], str]:
-    """After a card process failed: ``(checkpoint, note)``, the latest complete checkpoint under ``ckpt_root``
-    (the one ``train.resume=latest`` picks; staging and partial dirs never count) and the error line's part
-    naming it and the resume command, or ``(None, note)`` saying that a rerun starts again when it has none."""
+def last_checkpoint_note(ckpt_root: str, offload_update: str, run_dir: str) -> tuple[Optional[str], str]:
+    """After a card process failed, or an interrupt before this launch saved: ``(checkpoint, note)``, the latest
+    complete checkpoint under ``ckpt_root`` (the one ``train.resume=latest`` picks; staging and partial dirs never
+    count) and the line's part naming it and the resume command, or ``(None, note)`` saying that a rerun starts
+    again when it has none."""
     from npu_train.checkpoint.store import find_checkpoint
 
     ck = find_checkpoint("auto", ckpt_root)  # auto: the newest complete one, None when there is none
