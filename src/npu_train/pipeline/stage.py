@@ -118,13 +118,12 @@ class StageRunner:
         ``labels``: shifted int64 ``[b, seq_len]`` per micro-batch (last stage). Returns, on the last stage,
         the rows' summed completion log-probabilities: one float64 CPU ``[b]`` per micro-batch (else None)."""
         out_rows = [] if self.last else None
+        fused = getattr(self.module, "fused_head", False)  # training's head arithmetic: the policy's own values
         for m in range(num_micro):
             tag = REF_MICRO_BASE + m
             x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(0, tag)
             out = self.module(x, **self.module_kwargs(positions, m))
             if self.last:
-                # the head's loss function of training (fused_head), so the values are the policy's own at step 1
-                fused = getattr(self.module, "fused_head", False)
                 out_rows.append(self.objective.logps(out, labels[m], self.backend, fused).double().cpu())
             else:
                 self.comm.send_act(0, tag, out)

@@ -784,10 +784,11 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
     for d in allowed:
         print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
     point.start_step = reader.step
-    if point.start_step >= tr.steps and tr.resume == "auto":  # a requeued / restarted finished run: success
-        point.complete = True
-        return
-    if point.start_step >= tr.steps:  # asked to train on from it, with nothing left: say how to train further
+    if point.start_step >= tr.steps:
+        if tr.resume == "auto":  # a requeued / restarted finished run: success
+            point.complete = True
+            return
+        # asked to train on from it, with nothing left: say how to train further
         raise ConfigError(f"checkpoint {point.resume_dir} is at step {point.start_step} but train.steps={tr.steps}: "
                           "the run is complete; to train further raise train.steps and set train.resume_mismatch=allow")
 
