@@ -302,7 +302,9 @@ def main(argv=None) -> int:
     ap.add_argument("--host-memory", choices=("shipped", "both"), default="shipped",
                     help="shipped: the project keeps freed host memory (its default, npu_train.hostmem), torch "
                          "runs with the C library's settings; both: also the project with "
-                         "runtime.keep_host_memory=false ('[libc]') and torch keeping it ('[keep]')")
+                         "runtime.keep_host_memory=false ('[keep=false]': cpu cards return freed blocks "
+                         "from 256 KiB, accelerator cards get the C library's settings) and torch keeping "
+                         "it ('[keep]')")
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per run")
     ap.add_argument("--no-pin", action="store_true", help="do not pin processes to cores")
     ap.add_argument("--keep", action="store_true", help="keep run directories (logs) under the work dir")
@@ -351,8 +353,8 @@ def main(argv=None) -> int:
             proj_split: list[int] | None = None
             # (name, torch schedule or None for the project, split, keep freed host memory or None = as shipped)
             systems = [("npu-train " + s, None, None, None) for s in args.project_schedules]
-            if args.host_memory == "both":  # the project as shipped keeps it; also run it with libc's defaults
-                systems += [("npu-train " + s + " [libc]", None, None, False) for s in args.project_schedules]
+            if args.host_memory == "both":  # the project as shipped keeps it; also run it without
+                systems += [("npu-train " + s + " [keep=false]", None, None, False) for s in args.project_schedules]
             kinds = list(args.torch_schedules)
             if M < P and "1F1B" in kinds and "GPipe" not in kinds:
                 kinds.append("GPipe")  # torch's Schedule1F1B needs M >= P: GPipe is the baseline there

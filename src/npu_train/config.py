@@ -233,10 +233,11 @@ class RuntimeConf:
     host: Optional[str] = None
     #: base TCP port for gloo; 0 = pick a free one.
     port: int = 0
-    #: card processes keep freed host memory for reuse instead of returning it to the OS (glibc
-    #: mallopt; no page faults for the per-micro-batch gradients; the process keeps its peak heap):
-    #: npu_train.hostmem. false = the C library's defaults (the calibration still measures with the
-    #: setting, the cards' default).
+    #: card processes keep freed host memory for reuse instead of returning it to the OS, so each
+    #: micro-batch's tensors come without page faults (npu_train.hostmem). Accelerator cards: glibc
+    #: mallopt, the process keeps its peak heap; false = the C library's defaults. cpu cards: glibc's
+    #: defaults, the plan counts the heap's holes (its workspace); false = every block from 256 KiB
+    #: returned when freed (a smaller plan, slower steps). The calibration measures with the default.
     keep_host_memory: bool = True
     #: console progress: auto (a live rich progress bar when stdout is a terminal and this is not a sweep
     #: job: phase, step, ETA, loss, tokens/s, MFU, memory per card; the printed lines above it are folded to

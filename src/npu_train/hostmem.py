@@ -1,9 +1,15 @@
-"""Card processes keep freed host memory for reuse (:func:`keep_freed_memory`): glibc's
-``M_MMAP_THRESHOLD`` 1 GiB and ``M_TRIM_THRESHOLD`` 2 GiB - 1 (``man 3 mallopt``), so per-micro-batch
-tensors reuse heap pages instead of page-faulting fresh ones, at the cost of keeping the peak heap
-(experiments/2026-12-01-bench-run6.md §1). A ``cpu`` card, whose host RAM is the card memory the plan
-bounds, maps blocks from 256 KiB on their own instead (:func:`card_mmap_threshold`). Off with
-``runtime.keep_host_memory=false``.
+"""How a card process treats freed host memory (:func:`card_mmap_threshold`, applied by
+:func:`keep_freed_memory` before tensors exist). Reusing freed memory avoids page-faulting fresh pages
+for every micro-batch's activations and gradients; returning it bounds the process at its live tensors.
+
+- Accelerator cards (``runtime.keep_host_memory=true``, the default): glibc's ``M_MMAP_THRESHOLD`` 1 GiB
+  and ``M_TRIM_THRESHOLD`` 2 GiB - 1 (``man 3 mallopt``), so the per-micro-batch gradient copies reuse heap
+  pages (experiments/2026-12-01-bench-run6.md section 1); ``false``: the C library's defaults.
+- ``cpu`` cards, whose host RAM is the card memory the plan bounds: ``true`` keeps glibc's defaults (its
+  dynamic mmap threshold puts blocks up to 32 MiB on the heap once such blocks are freed), and the plan
+  counts the heap's holes (``MemoryTerms.heap_fraction``); ``false`` maps every block from 256 KiB on its
+  own, so freed tensors leave the process at once, at the price of a page fault per fresh page
+  (experiments/2026-12-04-cpu-heap.md).
 """
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ import ctypes
 import logging
 import os
 import sys
+from typing import Optional
 
 __all__ = ["keep_freed_memory", "card_mmap_threshold", "MMAP_THRESHOLD", "CPU_CARD_MMAP_THRESHOLD",
            "TRIM_THRESHOLD", "USER_ENV"]
@@ -21,10 +28,11 @@ log = logging.getLogger("npu_train.hostmem")
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 #: bytes: blocks up to this size come from the heap (``mallopt`` takes an ``int``)
 MMAP_THRESHOLD = 1 << 30
-#: bytes: a ``cpu`` card's mmap threshold. With heap blocks up to 1 GiB, a backward's interleaved frees
-#: and allocations leave holes the next forward does not fill: a LoRA stage of SmolLM2-135M grew by
-#: ~1.8x its live activations, memory no plan term counts; mapped on their own, freed tensors leave the
-#: process. Cost: ~21 % of a CPU step against the 1 GiB setting (experiments/2026-12-03-lora-memory.md).
+#: bytes: the mmap threshold of a ``cpu`` card that returns freed memory (``runtime.keep_host_memory=false``).
+#: On the heap, a backward's interleaved frees and allocations leave holes the next forward does not fill
+#: (a LoRA stage of SmolLM2-135M grew by ~1.8x its live activations, experiments/2026-12-03-lora-memory.md);
+#: mapped on their own, freed tensors leave the process, for a page fault per fresh page (the default
+#: pipeline bench: 0.74x the tokens/s of glibc's defaults, experiments/2026-12-04-cpu-heap.md).
 CPU_CARD_MMAP_THRESHOLD = 256 * 1024
 #: bytes of free memory at the top of the heap before glibc returns it to the OS
 TRIM_THRESHOLD = (1 << 31) - 1
@@ -32,10 +40,13 @@ TRIM_THRESHOLD = (1 << 31) - 1
 USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 
-def card_mmap_threshold(kind: str) -> int:
-    """The mmap threshold (bytes) of a card process of ``kind``: :data:`CPU_CARD_MMAP_THRESHOLD` for ``cpu``,
-    else :data:`MMAP_THRESHOLD`."""
-    return CPU_CARD_MMAP_THRESHOLD if kind == "cpu" else MMAP_THRESHOLD
+def card_mmap_threshold(kind: str, keep: bool = True) -> Optional[int]:
+    """The mmap threshold (bytes) a card process of ``kind`` sets with ``runtime.keep_host_memory=keep``,
+    or None: the C library's defaults (accelerator cards that do not keep freed memory; ``cpu`` cards that
+    do, see the module docstring)."""
+    if kind == "cpu":
+        return None if keep else CPU_CARD_MMAP_THRESHOLD
+    return MMAP_THRESHOLD if keep else None
 
 
 def keep_freed_memory(environ=None, mmap_threshold: int = MMAP_THRESHOLD) -> bool:

@@ -134,7 +134,7 @@ CASES = [
      ["resident_layers [1] has 1 entries for 2 cards", "one count per card (2)"]),
     ("placement-infeasible", lambda b: ["placement.capacity_gib=0.0001"], None,
      ["no placement fits", "fix: more RAM per cpu card", "placement.capacity_gib", "train.recompute=true",
-      "a smaller train.micro_batch (now 2) or data.seq_len (now 32)"]),
+      "runtime.keep_host_memory=false (the card returns freed memory:", "a smaller train.micro_batch (now 2) or data.seq_len (now 32)"]),
     ("capacity-over-host-share", lambda b: ["placement.capacity_gib=100000"], None,
      ["placement.capacity_gib=100000 is more than a cpu card's share of this host's RAM", "at most"]),
     ("model-path-missing", lambda b: ["model.path=/nonexistent/model"], None,

@@ -128,7 +128,7 @@ def test_host_memory_both_runs_each_system_with_and_without_keeping_freed_memory
                                    ("torch", "1F1B", False), ("torch", "1F1B", True)])
     res = json.loads(out.read_text())
     names = {e["system"]: e for e in res["summary"]}
-    assert set(names) == {"npu-train zb-h2", "npu-train zb-h2 [libc]", "torch 1F1B even", "torch 1F1B even [keep]"}
+    assert set(names) == {"npu-train zb-h2", "npu-train zb-h2 [keep=false]", "torch 1F1B even", "torch 1F1B even [keep]"}
     # the baseline stays torch as a user runs it; the fastest torch entry may be the [keep] one
     assert names["npu-train zb-h2"]["baseline"] == "torch 1F1B even"
     assert names["npu-train zb-h2"]["vs_baseline"] == 12.0 / 10.0 and names["npu-train zb-h2"]["vs_best_torch"] == 12.0 / 11.0

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from npu_train.hostmem import keep_freed_memory
+from npu_train.hostmem import card_mmap_threshold, keep_freed_memory
 
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or not os.confstr("CS_GNU_LIBC_VERSION").startswith("glibc"),
                            reason="glibc malloc settings (Linux only)")
@@ -82,11 +82,12 @@ def test_glibc_tunables_for_malloc_count_as_the_users_setting():
     assert keep_freed_memory({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}) is False
 
 
-#: a cpu card's setting: a freed 64 MiB tensor leaves the process (with the 1 GiB threshold it stays on the heap)
+#: a cpu card that returns freed memory: a freed 64 MiB tensor leaves the process (with the 1 GiB threshold of
+#: an accelerator card keeping it, it stays on the heap)
 RETURN_PROG = r"""
 import json, sys, torch
 from npu_train.hostmem import card_mmap_threshold, keep_freed_memory
-applied = keep_freed_memory(mmap_threshold=card_mmap_threshold(sys.argv[1]))
+applied = keep_freed_memory(mmap_threshold=card_mmap_threshold(sys.argv[1], keep=sys.argv[2] == "keep"))
 def anon():
     return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
 xs = [torch.ones(1 << 20) for _ in range(64)]  # 64 tensors of 4 MiB, like a stage's activations
@@ -97,15 +98,22 @@ print(json.dumps({"applied": applied, "freed": before - anon()}))
 """
 
 
+def test_card_mmap_threshold_policy():
+    # cpu cards keep freed memory with glibc's own (dynamic) settings and the plan counts the heap's holes
+    assert card_mmap_threshold("cpu") is None and card_mmap_threshold("cpu", keep=False) == 256 * 1024
+    assert card_mmap_threshold("furiosa") == 1 << 30 and card_mmap_threshold("cuda", keep=False) is None
+
+
 @glibc
 def test_cpu_card_returns_freed_tensors():
-    def run(kind):
+    def run(kind, keep):
         e = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
-        out = subprocess.run([sys.executable, "-c", RETURN_PROG, kind], env=e, capture_output=True, text=True, timeout=120)
+        out = subprocess.run([sys.executable, "-c", RETURN_PROG, kind, keep], env=e, capture_output=True, text=True,
+                             timeout=120)
         assert out.returncode == 0, out.stderr
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    cpu, furiosa = run("cpu"), run("furiosa")
+    cpu, furiosa = run("cpu", "return"), run("furiosa", "keep")
     assert cpu["applied"] is True and furiosa["applied"] is True
     assert cpu["freed"] >= 120 << 20, cpu  # the 32 remaining tensors' 128 MiB went back to the OS
     assert furiosa["freed"] < 8 << 20, furiosa  # kept on the heap for reuse (the accelerators' host side)

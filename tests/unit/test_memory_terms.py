@@ -1,7 +1,9 @@
 """The memory model's terms, each its own function, sum to the totals the model gave before it was split
 (figures recorded from ``MemoryModel.stage`` at commit 8e36068, one expression per stage). The cpu
 workspace fraction went from 12 % to 4 % since (experiments/2026-12-03-lora-memory.md): for cpu rows the
-recorded workspace and total are replaced by 4 % of the recorded body."""
+recorded workspace and total are replaced by 4 % of the recorded body; the heap's holes a cpu card adds
+since it reuses freed host memory (experiments/2026-12-04-cpu-heap.md) are tested on their own below, the
+recorded rows with cards that return freed memory (``runtime.keep_host_memory=false``)."""
 from __future__ import annotations
 
 import pytest
@@ -10,6 +12,7 @@ from npu_train.hardware import GIB, make_cards
 from npu_train.model.presets import get_preset
 from npu_train.planner import RunShape
 from npu_train.planner.memory import MemoryModel
+from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, load_memory_terms
 
 TERMS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace")
 KEYS = TERMS + ("total", "modules")
@@ -41,7 +44,8 @@ RECORDED = [
 @pytest.mark.parametrize("name,kind,shape,cards,nonlayer_resident,where,expected", RECORDED)
 def test_terms_sum_to_the_recorded_totals(name, kind, shape, cards, nonlayer_resident, where, expected):
     i, n, r = where
-    mm = MemoryModel(get_preset(name), RunShape(**shape), make_cards(kind, cards, 1 << 40), nonlayer_resident)
+    terms = [load_memory_terms(kind, "/nonexistent.json", reuse_freed_memory=False)] * cards
+    mm = MemoryModel(get_preset(name), RunShape(**shape), make_cards(kind, cards, 1 << 40), nonlayer_resident, terms)
     mem = mm.stage(i, n, r, 0.35 * GIB if kind == "cpu" else 0).mem
     if kind == "cpu":  # workspace = 4 % of the body (weights .. transient), written from docs/planner.md
         body = sum(expected[1:6])
@@ -82,3 +86,29 @@ def test_packed_rows_add_one_mask_per_micro_batch_in_flight(dtype, e):
         plain = MemoryModel(cfg, RunShape(**kw), cards, None).stage(stage, 15, 15, 0).mem["activations"]
         packed = MemoryModel(cfg, RunShape(packed=True, **kw), cards, None).stage(stage, 15, 15, 0).mem["activations"]
         assert packed - plain == k * 2 * 4096 ** 2 * e
+
+
+def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
+    """A cpu card keeping freed memory (the default) adds ``heap_fraction`` (1.0) x the churn, activations +
+    forward/backward temporaries, to its workspace; with ``runtime.keep_host_memory=false`` it returns each
+    freed block from 256 KiB to the OS and its workspace is 4 % of the body alone."""
+    kept, returned = (load_memory_terms("cpu", tmp_path / "none.json", reuse_freed_memory=keep) for keep in (True, False))
+    assert kept.heap_fraction == DEFAULT_MEMORY_TERMS["cpu"].heap_fraction == 1.0 and returned.heap_fraction == 0.0
+    assert "keep_host_memory=false" in returned.sources["heap_fraction"]
+    cards = make_cards("cpu", 2, 1 << 40)
+    # LoRA, stage 0: the adapters' gradients are far smaller than a micro-batch's activations, so the churn
+    # is the activations alone
+    lora = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32", lora_params_per_layer=34560)
+    a, b = (MemoryModel(get_preset("smollm2-135m"), lora, cards, None, [t, t]).stage(0, 15, 15, 0).mem
+            for t in (kept, returned))
+    body = sum(b[k] for k in TERMS[1:6])
+    assert b["workspace"] == int(0.04 * body) and b["heap"] == 0
+    assert a["heap"] == a["activations"] > 0
+    assert a["workspace"] == int(0.04 * body + a["activations"])
+    assert a["total"] - b["total"] == a["workspace"] - b["workspace"] == a["heap"]
+    # full fine-tuning: at least the activations, at most activations + transient (no held buffers, no
+    # optimizer phase)
+    full = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32")
+    for i in (0, 1):
+        m = MemoryModel(get_preset("smollm2-135m"), full, cards, None, [kept, kept]).stage(i, 15, 15, 0).mem
+        assert m["activations"] <= m["heap"] <= m["activations"] + m["transient"], m

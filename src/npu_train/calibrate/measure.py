@@ -239,7 +239,9 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
 
     from npu_train.hostmem import card_mmap_threshold, keep_freed_memory
 
-    keep_freed_memory(mmap_threshold=card_mmap_threshold(kind))  # as the card processes of ``kind`` do
+    threshold = card_mmap_threshold(kind)  # as the card processes of ``kind`` do by default
+    if threshold is not None:
+        keep_freed_memory(mmap_threshold=threshold)
     loop = loop or (QUICK if quick else FULL)
     dims, head_shape, what = reference_shapes(kind, quick, model_cfg, batch_seq)
     n_mm = 128 if quick else _MATMUL_N[kind]

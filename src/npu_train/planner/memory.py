@@ -103,8 +103,9 @@ class StageParams:
 
 @dataclass
 class StageMemory:
-    """Memory of one stage at one choice: ``mem`` bytes per :data:`MEMORY_TERMS` key plus ``total`` and
-    ``modules`` (the loaded-module part of ``workspace``), the parameter counts, micro-batches in flight."""
+    """Memory of one stage at one choice: ``mem`` bytes per :data:`MEMORY_TERMS` key plus ``total``,
+    ``modules`` (the loaded-module part of ``workspace``) and ``heap`` (its heap-hole part), the parameter
+    counts, micro-batches in flight."""
 
     mem: dict
     params: int  # StageParams.computed
@@ -160,12 +161,16 @@ class MemoryModel:
                "grads": self.gradients(p), "optimizer": self.optimizer_state(i, p), "activations": activations,
                "transient": self.transients(i, n, p, activations)}
         body = sum(mem[k] for k in BODY_TERMS)
+        # freed and allocated again every micro-batch: activations and the forward/backward temporaries
+        # (not the optimizer phase's, which come after the activations are freed, nor held buffers)
+        churn = self._forward_backward_peak(i, n, activations)
         load = self._load_excess(i, n, mem["weights"], body)  # the model load, where it is the peak
         mem["transient"] += load
         body += load
-        mem["workspace"] = self.workspace(i, body)
+        mem["workspace"] = self.workspace(i, body, churn)
         mem["total"] = mem["baseline"] + body + mem["workspace"]
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
+        mem["heap"] = int(self.terms[i].heap_fraction * churn)  # part of workspace
         return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i])
 
     # ------------------------------------------------------------------ parameters
@@ -239,10 +244,11 @@ class MemoryModel:
         peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
         return peak - activations + self._held_through_the_step(i, p)
 
-    def workspace(self, i: int, body: int) -> int:
+    def workspace(self, i: int, body: int, churn: int = 0) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the
-        five terms between baseline and workspace)."""
-        return self.terms[i].workspace(body)
+        five terms between baseline and workspace) and ``churn`` (bytes: activations + forward/backward
+        temporaries, the memory freed and allocated again every micro-batch)."""
+        return self.terms[i].workspace(body, churn)
 
     # ------------------------------------------------------------------ pieces of the transients
     def _activations_per_layer(self, i: int) -> int:

@@ -18,18 +18,24 @@ __all__ = ["MemoryTerms", "DEFAULT_MEMORY_TERMS", "MEMORY_FIELDS", "load_memory_
 
 MIB = 1 << 20
 #: the numeric fields of :class:`MemoryTerms` a profile's ``"memory"`` object may set
-MEMORY_FIELDS = ("workspace_bytes", "workspace_fraction", "module_bytes", "loaded_modules")
+MEMORY_FIELDS = ("workspace_bytes", "workspace_fraction", "module_bytes", "loaded_modules", "heap_fraction")
 
 
 @dataclass(frozen=True)
 class MemoryTerms:
     """Per-kind constants of the memory model: ``workspace = workspace_bytes + workspace_fraction * body +
-    loaded_modules * module_bytes`` (body = weights + grads + optimizer + activations + transient)."""
+    heap_fraction * churn + loaded_modules * module_bytes`` (body = weights + grads + optimizer + activations
+    + transient; churn = activations + the forward/backward temporaries, the memory freed and allocated
+    again every micro-batch)."""
 
     workspace_bytes: float  # runtime / library buffers per card, bytes
     workspace_fraction: float  # allocator slack and unmodelled temporaries, fraction of the body
     module_bytes: float = 0.0  # card memory of one loaded compiled module, bytes (furiosa eager cache)
     loaded_modules: int = 0  # loaded-module cache entries the card process keeps (0: no such cache)
+    #: freed card memory the allocator keeps resident between reuses (holes in glibc's heap on a ``cpu``
+    #: card that reuses freed host memory, npu_train.hostmem), fraction of the churn (activations +
+    #: forward/backward temporaries)
+    heap_fraction: float = 0.0
     sources: dict = field(default_factory=dict)  # field -> "assumed" / "fitted: ..." / "measured: <profile>"
 
     @property
@@ -37,15 +43,19 @@ class MemoryTerms:
         """Bytes of the loaded-module cache: ``loaded_modules * module_bytes``."""
         return int(self.loaded_modules * self.module_bytes)
 
-    def workspace(self, body: float) -> int:
-        """``workspace_bytes + workspace_fraction * body + modules_bytes``, bytes."""
-        return int(self.workspace_bytes + self.workspace_fraction * body + self.modules_bytes)
+    def workspace(self, body: float, churn: float = 0.0) -> int:
+        """``workspace_bytes + workspace_fraction * body + heap_fraction * churn + modules_bytes``, bytes."""
+        return int(self.workspace_bytes + self.workspace_fraction * body + self.heap_fraction * churn
+                   + self.modules_bytes)
 
     def describe(self) -> str:
         """One line: each figure with its source, for the plan."""
         parts = [f"const {self.workspace_bytes / GIB:.2f} GiB ({self.sources.get('workspace_bytes', 'assumed')})",
                  f"{self.workspace_fraction * 100:.0f}% of the rest "
                  f"({self.sources.get('workspace_fraction', 'assumed')})"]
+        if self.heap_fraction:
+            parts.append(f"heap holes {self.heap_fraction * 100:.0f}% of activations + fwd/bwd temporaries "
+                         f"({self.sources.get('heap_fraction', 'assumed')})")
         if self.loaded_modules:
             parts.append(f"loaded-module cache {self.loaded_modules} x {self.module_bytes / MIB:.1f} MiB "
                          f"({self.sources.get('loaded_modules', 'assumed')}; "
@@ -55,8 +65,10 @@ class MemoryTerms:
 
 _FIELD = "fitted to the field record: 1 card x 4 resident ran (issue 12)"
 DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
-    "cpu": MemoryTerms(0, 0.04, sources={"workspace_bytes": "none: process baseline instead",
-                                         "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B"}),
+    "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
+                       sources={"workspace_bytes": "none: process baseline instead",
+                                "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
+                                "heap_fraction": "measured: <= 0.6 in 2 jobs"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,
@@ -71,11 +83,13 @@ def _bad(path: Path, what: str) -> PlacementError:
 
 
 def load_memory_terms(kind: str, profile_path: Union[str, os.PathLike, None] = None,
-                      loaded_modules: Optional[int] = None) -> MemoryTerms:
+                      loaded_modules: Optional[int] = None, reuse_freed_memory: bool = True) -> MemoryTerms:
     """:data:`DEFAULT_MEMORY_TERMS` of ``kind``, overridden by the ``"memory"`` object of the profile at
     ``profile_path`` (``None``: ``calibration_path(kind)``; missing: the defaults) and by a configured
-    ``loaded_modules`` (``runtime.furiosa.loaded_modules``). Raises ``PlacementError`` for a malformed
-    ``"memory"`` object (not an object, a negative or non-finite number, a fraction >= 1)."""
+    ``loaded_modules`` (``runtime.furiosa.loaded_modules``); ``reuse_freed_memory=False``
+    (``runtime.keep_host_memory=false``: a card process returns freed blocks to the OS) sets ``heap_fraction``
+    to 0. Raises ``PlacementError`` for a malformed ``"memory"`` object (not an object, a negative or
+    non-finite number, a workspace fraction >= 1)."""
     from npu_train.planner.rates import calibration_path
 
     terms = DEFAULT_MEMORY_TERMS[kind]
@@ -104,6 +118,9 @@ def load_memory_terms(kind: str, profile_path: Union[str, os.PathLike, None] = N
     if loaded_modules is not None and loaded_modules > 0:
         values["loaded_modules"] = int(loaded_modules)
         sources["loaded_modules"] = "configured"
+    if not reuse_freed_memory:
+        values["heap_fraction"] = 0.0
+        sources["heap_fraction"] = "runtime.keep_host_memory=false: freed blocks returned"
     return replace(terms, **values, sources=sources)
 
 

@@ -39,6 +39,9 @@ def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
                   " (with train.schedule=1f1b: not with the zero-bubble schedules)"
                   if sh.schedule in SPLIT_BACKWARD else ""),
               f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})"]
+    if m.get("heap"):  # a cpu card keeping freed host memory: the heap's holes are in its workspace
+        fixes.append(f"runtime.keep_host_memory=false (the card returns freed memory: {gib(m['heap']):.2f} GiB "
+                     f"less, slower steps)")
     return (
         f"{card_label(st_index, st.card)} holding layers {st.layers_label}: predicted "
         f"{gib(m['total']):.2f} GiB ("

@@ -347,7 +347,8 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
     key = shape_key(mcfg, shape.tokens_per_micro_batch)  # figures fitted from runs of this model and shape only
     rates = [load_rates(c.kind, cfg.placement.profile, threads=threads, model_shape=key) for c in cards]
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
-                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None)
+                               loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None,
+                               reuse_freed_memory=bool(cfg.runtime.keep_host_memory))
              for c in cards]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":

@@ -91,7 +91,8 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     install_stack_dump(f"card {spec.card.name} ({spec.layout.where(rank)}, layers {spec.stage.label})")  # kill -USR1
-    if spec.runtime.keep_host_memory and not keep_freed_memory(mmap_threshold=card_mmap_threshold(spec.card.kind)):  # before tensors exist
+    threshold = card_mmap_threshold(spec.card.kind, keep=spec.runtime.keep_host_memory)
+    if threshold is not None and not keep_freed_memory(mmap_threshold=threshold):  # before tensors exist
         log.debug("host memory: malloc settings not changed (not glibc, or the user's MALLOC_* / GLIBC_TUNABLES)")
     torch.set_num_threads(max(1, int(spec.runtime.threads)))
     ctx = zmq.Context()
