@@ -97,11 +97,16 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def write_json(path: Optional[str], obj) -> None:
+def write_json(path: Optional[str], obj, quiet: bool = False) -> None:
+    """Write ``obj`` to ``path`` (nothing when ``path`` is None) through a temporary file and a rename,
+    so a reader (or a bench killed by its time limit) never sees half a file."""
     if path:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(obj, f, indent=1, default=str)
-        print(f"results written to {path}", flush=True)
+        os.replace(tmp, path)
+        if not quiet:
+            print(f"results written to {path}", flush=True)
 
 
 def linked_cache(root) -> Path:

@@ -14,9 +14,16 @@
 #      micro-batch 4 x accumulation 8, 8 host threads; prints the median of the per-round ratios;
 #   3. (PHASES=pipeline, a call of its own: it does not fit beside 1 and 2 in one 600-s command) the pipeline
 #      benchmark at P = 1, M = 8 against torch.distributed.pipelining on the GPU.
+#   4. (PHASES=cpu-pipeline, a call of its own) issue 27's bar on this machine's CPUs, a quieter 16-core host
+#      than the 2-vCPU VM of experiments/2026-12-04-cpu-heap.md: the default schedule (`auto`) on 2 cpu cards
+#      against torch's Schedule1F1B with the even split, S=256, M=8, one thread each, interleaved rounds until
+#      CPU_BENCH_S seconds are spent ($OUT/cpu-pipeline.json is rewritten after every run). The model is a
+#      random SmolLM2-135M-shaped one (the embedded GGUF, 94 MB, is over the 64-MiB carry limit): the same
+#      matrices, so the same work per step; the loss is not the embedded model's.
 #
 # From the session (device tool):  run(command="bash experiments/bench/device_cuda.sh", carry=[".whl"], timeout_s=560)
 #   then, if device time is left:  run(command="PHASES=pipeline bash experiments/bench/device_cuda.sh", carry=[".whl"], timeout_s=400)
+#   issue 27's bar on the host CPUs:  run(command="PHASES=cpu-pipeline bash experiments/bench/device_cuda.sh", carry=[".whl"], timeout_s=560)
 # Results: $OUT/equivalence.txt, $OUT/offload.txt, $OUT/offload.json, $OUT/offload.png, ($OUT/pipeline.*).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -44,7 +51,7 @@ timeout 150 python3 -m pytest -q -p no:cacheprovider tests/integration/test_cuda
   tests/unit/test_backends.py -k "cuda or Cuda or CUDA" 2>&1 | tee "$OUT/equivalence.txt" | tail -15
 fi
 
-if has offload || has pipeline; then
+if has offload || has pipeline || has cpu-pipeline; then
   [ -f /tmp/smol/config.json ] || python3 experiments/bench/make_random_model.py --preset "$MODEL_PRESET" --out /tmp/smol \
     >/dev/null || { echo "make_random_model.py failed"; exit 1; }
 fi
@@ -62,4 +69,15 @@ if has pipeline; then
   timeout 360 python3 experiments/bench/pipeline.py --device cuda --model /tmp/smol --P 1 --M 8 --rounds 3 --steps 4 \
     --seq-len 512 --project-schedules 1f1b --torch-schedules 1F1B --splits even --no-pin \
     --json "$OUT/pipeline.json" 2>&1 | tee "$OUT/pipeline.txt" | tail -20
+fi
+
+if has cpu-pipeline; then
+  echo "== 4. cpu cards: default schedule vs torch Schedule1F1B even (P=2, S=${CPU_SEQ:-256}, M=8, 1 thread) =="
+  lscpu 2>/dev/null | grep -E "^(Model name|Thread|Core|Socket|NUMA node\(s\))" | tee -a "$OUT/machine.txt"
+  NPT_CACHE=${NPT_CACHE:-/tmp/npt-cache} timeout "${CPU_BENCH_S:-480}" python3 experiments/bench/pipeline.py \
+    --device cpu --model /tmp/smol --P 2 --M 8 --seq-len "${CPU_SEQ:-256}" --rounds "${CPU_ROUNDS:-6}" \
+    --steps "${CPU_STEPS:-4}" --project-schedules auto --torch-schedules 1F1B --splits even \
+    --json "$OUT/cpu-pipeline.json" 2>&1 | tee "$OUT/cpu-pipeline.txt" | tail -30
+  [ -f "$OUT/cpu-pipeline.json" ] && python3 experiments/bench/pipeline.py --resummarize "$OUT/cpu-pipeline.json" \
+    2>&1 | tee "$OUT/cpu-pipeline-summary.txt" | tail -30
 fi

@@ -401,6 +401,9 @@ def main(argv=None) -> int:
                         loss += f" (auto: {r['chosen_schedule']}, split {r.get('split')})"
                     print(f"[{time.time() - t_start:6.0f}s] P={P} M={M} round {rnd}: {name:<36} {tps}{idle}{loss}",
                           flush=True)
+                    # every finished run at once: a bench stopped by a time limit keeps what it measured
+                    write_json(args.json, {"machine": info, "args": vars(args), "results": results,
+                                           "summary": None}, quiet=True)
     summary = summarize(results, args)
     write_json(args.json, {"machine": info, "args": vars(args), "results": results, "summary": summary})
     if not args.keep:
