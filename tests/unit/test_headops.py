@@ -216,3 +216,30 @@ def test_fused_head_accumulates_inside_the_matmul(fused):
         head(x).sum().backward()
     keys = {e.key: e.count for e in prof.key_averages()}
     assert (keys.get("aten::addmm_", 0) == 1) == fused
+
+
+@pytest.mark.parametrize("cut", [False, True])
+def test_weight_pass_holds_the_heads_custom_nodes(cut):
+    """Before torch 2.13 a custom Function's node lives only while its outputs or consumer nodes do
+    (pytorch/pytorch#166577): W must hold built-in ancestors from which the head's JoinGrad node is reachable,
+    or it fails once the stage drops the loss (seen on torch 2.11: ``element 0 of tensors does not require
+    grad``). Checked on the graph itself, so it holds on every torch."""
+    split = _last_stage(True)
+    x = torch.randn(2, 8, CFG.hidden_size, generator=torch.Generator().manual_seed(5)).requires_grad_(True)
+    cuts = [] if cut else None
+    loss = _loss(split, x, cuts)
+    _, work = backward_input(loss, None, x, list(split.parameters()), cuts=cuts)
+    custom = torch.autograd.function.BackwardCFunction
+    boundary = [n for nodes, _, _ in work._groups for n in nodes if isinstance(n, custom)]
+    assert boundary and type(boundary[0]).__name__ == "JoinGradBackward"
+    assert work._owners and not any(isinstance(o, custom) for o in work._owners)
+    reach, stack = set(), [o.grad_fn if isinstance(o, torch.Tensor) else o for o in work._owners]
+    while stack:  # what the held handles own: every node below them
+        n = stack.pop()
+        if n is not None and n not in reach:
+            reach.add(n)
+            stack.extend(c for c, _ in n.next_functions)
+    assert all(n in reach for n in boundary)
+    del loss
+    work.run()
+    assert split.lm_head.weight.grad is not None and work._owners == []

@@ -2,6 +2,7 @@
 al., ICLR 2024), as ``torch.distributed.pipelining`` does, on public autograd APIs: B records the gradient
 into each *boundary* node (input-dependent, feeding a parameter-only subgraph); W runs
 ``autograd.backward(inputs=params)`` from those edges, so ``p.grad`` hooks fire as under ``backward()``.
+Start at :func:`backward_input`.
 """
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 class WeightGradWork:
     """The deferred W of one micro-batch; :meth:`run` accumulates into ``p.grad`` via autograd's accumulators."""
 
-    def __init__(self, groups: list, params_by_node: dict):
+    def __init__(self, groups: list, params_by_node: dict, owners: Optional[list] = None):
         self._groups = groups  # [(boundary nodes, {node: grad_outputs}, parameter nodes)]
         self._params = params_by_node
+        self._owners = owners or []  # what keeps custom-Function boundary nodes alive (see _owners)
 
     def run(self, only: Optional[Sequence[torch.nn.Parameter]] = None) -> None:
         """Accumulate the weight gradients of the groups holding ``only`` (None: all left); each group runs once."""
@@ -51,7 +53,7 @@ class WeightGradWork:
                 for h in handles:
                     h.remove()
         if not self._groups:
-            self._params = {}
+            self._params, self._owners = {}, []
 
 
 def _graph(root) -> dict:
@@ -78,14 +80,16 @@ def backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], in
     if cuts:
         groups: list = []
         by_node: dict = {}
+        owners: list = []
         g = grad_output
         for y, leaf in reversed(list(cuts)):
             g, w = _backward_input(output, g, leaf, params)
             groups += w._groups
             by_node.update(w._params)
+            owners += w._owners
             output = y
         dx, w = _backward_input(output, g, inp, params)
-        return dx, WeightGradWork(groups + w._groups, {**by_node, **w._params})
+        return dx, WeightGradWork(groups + w._groups, {**by_node, **w._params}, owners + w._owners)
     return _backward_input(output, grad_output, inp, params)
 
 
@@ -119,18 +123,56 @@ def _backward_input(output: torch.Tensor, grad_output: Optional[torch.Tensor], i
             h.remove()
     if dx is None:
         dx = torch.zeros_like(inp)
+    boundary = [n for nodes, _ in groups.values() for n in nodes]
     work = WeightGradWork([(nodes, {n: recorded.get(n) for n in nodes}, list(ps)) for nodes, ps in groups.values()],
-                          params_by_node)
+                          params_by_node, _owners(children, boundary, root, output))
     return dx, work
 
 
-def _input_dependent(children: dict, x_node) -> set:
-    """The nodes from which the input's accumulator ``x_node`` is reachable."""
+def _parents(children: dict) -> dict:
+    """{node: [parent nodes]}: the inverse of :func:`_graph`'s children."""
     parents: dict = {}
     for n, kids in children.items():
         for c in kids:
             if c is not None:
                 parents.setdefault(c, []).append(n)
+    return parents
+
+
+def _owners(children: dict, boundary: list, root, output: torch.Tensor) -> list:
+    """What W must hold so the custom ``autograd.Function`` nodes among ``boundary`` are still alive when it
+    runs: their nearest ancestors that are built-in nodes (whose Python handles own the nodes below them),
+    or ``output`` where only custom nodes lead up to ``root``.
+
+    A custom Function's node belongs to its output tensors and to the nodes that consume them; before torch
+    2.13 its Python handle does not keep it alive, and W from a freed one fails (``element 0 of tensors does
+    not require grad``, or ``Attribute '_input_metadata' is invalid``; pytorch/pytorch#166577). The last
+    stage's fused head joins at such a node (:class:`npu_train.model.headops.JoinGrad`); its ancestors are the
+    cross-entropy node, whose saved log-probabilities became the gradient B recorded (the same memory),
+    and the loss's scalar nodes, so holding them costs no memory the plan does not already count."""
+    custom = torch.autograd.function.BackwardCFunction
+    stack = [n for n in boundary if isinstance(n, custom)]
+    if not stack:
+        return []
+    parents, seen, held = _parents(children), set(), []
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n is root:
+            held.append(output)
+        for p in parents.get(n, ()):
+            if isinstance(p, custom):
+                stack.append(p)
+            elif not any(p is h for h in held):
+                held.append(p)
+    return held
+
+
+def _input_dependent(children: dict, x_node) -> set:
+    """The nodes from which the input's accumulator ``x_node`` is reachable."""
+    parents = _parents(children)
     x_dep = set()
     stack = [x_node] if x_node in parents else []
     while stack:  # ancestors of the input's accumulator = input-dependent nodes
