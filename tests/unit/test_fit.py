@@ -79,6 +79,17 @@ def test_a_finished_run_dir_refits_the_plan(tmp_path, monkeypatch):
     assert load_rates("cpu", threads=2).source("device_flops") == "assumed"
 
 
+def test_a_run_returning_freed_memory_keeps_only_its_baseline(tmp_path, monkeypatch):
+    """runtime.keep_host_memory=false runs are slower than the default (page faults): their speed must not
+    be fitted into the default's plans, their memory baseline is."""
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
+    refit_from_run(str(write_run(tmp_path / "run")), used_rates(), timing=False)
+    r = load_rates("cpu", threads=1)
+    assert r.resolve("fp32", 1).source("device_flops").startswith("assumed")
+    assert r.source("host_adamw_params_per_s") == "assumed"
+    assert r.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)
+
+
 def test_the_newest_runs_are_combined_by_median(tmp_path):
     rates = [10e9 * (k + 1) for k in range(KEEP_RUNS + 3)]
     for k, v in enumerate(rates):

@@ -198,9 +198,11 @@ def fitted_figures(runs: Sequence[dict]) -> Fitted:
                   process_baseline_bytes=max(b) if b else None, baseline_runs=len(b))
 
 
-def refit_from_run(run_dir: str, rates: Sequence) -> None:
-    """At the end of a run: record the figures of ``run_dir`` (``rates``: ``Plan.rates``). Never raises: a
-    problem is one warning line."""
+def refit_from_run(run_dir: str, rates: Sequence, timing: bool = True) -> None:
+    """At the end of a run: record the figures of ``run_dir`` (``rates``: ``Plan.rates``). ``timing=False``
+    records the process baseline alone: the run's speed is not the default's (``runtime.keep_host_memory=false``
+    page-faults every micro-batch's tensors, experiments/2026-12-04-cpu-heap.md), so its FLOP/s and AdamW
+    rate would slow the plans of default runs. Never raises: a problem is one warning line."""
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             plan_doc = json.load(f)
@@ -208,6 +210,8 @@ def refit_from_run(run_dir: str, rates: Sequence) -> None:
             records = [json.loads(line) for line in f if line.strip()]
         for fig in run_figures(plan_doc, records, rates):
             if fig.steps:
+                if not timing:
+                    fig.device_flops = fig.adamw_params_per_s = None
                 fig.run_dir, fig.time = os.path.abspath(run_dir), time.time()
                 record_run(fig)
     except Exception as exc:  # noqa: BLE001 - fitting must not fail a finished run

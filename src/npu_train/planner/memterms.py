@@ -54,8 +54,10 @@ class MemoryTerms:
                  f"{self.workspace_fraction * 100:.0f}% of the rest "
                  f"({self.sources.get('workspace_fraction', 'assumed')})"]
         if self.heap_fraction:
-            parts.append(f"heap holes {self.heap_fraction * 100:.0f}% of activations + fwd/bwd temporaries "
+            parts.append(f"heap holes {self.heap_fraction:g} x (activations + fwd/bwd temporaries) "
                          f"({self.sources.get('heap_fraction', 'assumed')})")
+        elif "heap_fraction" in self.sources:  # say why a card that could keep holes plans none
+            parts.append(f"no heap holes ({self.sources['heap_fraction']})")
         if self.loaded_modules:
             parts.append(f"loaded-module cache {self.loaded_modules} x {self.module_bytes / MIB:.1f} MiB "
                          f"({self.sources.get('loaded_modules', 'assumed')}; "
@@ -68,7 +70,7 @@ DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": "none: process baseline instead",
                                 "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
-                                "heap_fraction": "measured: <= 0.6 in 2 jobs"}),
+                                "heap_fraction": "measured: <= 0.6 x in 2 jobs"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,
@@ -118,7 +120,7 @@ def load_memory_terms(kind: str, profile_path: Union[str, os.PathLike, None] = N
     if loaded_modules is not None and loaded_modules > 0:
         values["loaded_modules"] = int(loaded_modules)
         sources["loaded_modules"] = "configured"
-    if not reuse_freed_memory:
+    if not reuse_freed_memory and values.get("heap_fraction", terms.heap_fraction):
         values["heap_fraction"] = 0.0
         sources["heap_fraction"] = "runtime.keep_host_memory=false: freed blocks returned"
     return replace(terms, **values, sources=sources)

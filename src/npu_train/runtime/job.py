@@ -1098,7 +1098,9 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, resume.ckpt_root, tr.offload_update,
                                                        resume.saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=resume.ckpt_root)
-    refit_from_run(run_dir, plan.rates)  # figures fitted from this run (planner.fit), never raises
+    # figures fitted from this run (planner.fit), never raises; a run returning freed memory is slower than
+    # the default: only its memory figure is kept
+    refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory))
     at = resume.start_step + int(summ["steps_run"])
     print(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
