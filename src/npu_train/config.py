@@ -234,10 +234,10 @@ class RuntimeConf:
     #: base TCP port for gloo; 0 = pick a free one.
     port: int = 0
     #: card processes keep freed host memory for reuse instead of returning it to the OS, so each
-    #: micro-batch's tensors come without page faults (npu_train.hostmem). Accelerator cards: glibc
-    #: mallopt, the process keeps its peak heap; false = the C library's defaults. cpu cards: glibc's
-    #: defaults, the plan counts the heap's holes (its workspace); false = every block from 256 KiB
-    #: returned when freed (a smaller plan, slower steps). The calibration measures with the default.
+    #: micro-batch's tensors come without page faults (npu_train.hostmem: glibc mallopt, blocks up to
+    #: 1 GiB from the heap). Accelerator cards: false = the C library's defaults. cpu cards: the plan
+    #: counts the heap's holes (its workspace); false = every block from 256 KiB returned when freed
+    #: (a smaller plan, slower steps). The calibration measures with the default.
     keep_host_memory: bool = True
     #: console progress: auto (a live rich progress bar when stdout is a terminal and this is not a sweep
     #: job: phase, step, ETA, loss, tokens/s, MFU, memory per card; the printed lines above it are folded to

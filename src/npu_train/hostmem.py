@@ -2,13 +2,15 @@
 :func:`keep_freed_memory` before tensors exist). Reusing freed memory avoids page-faulting fresh pages
 for every micro-batch's activations and gradients; returning it bounds the process at its live tensors.
 
-- Accelerator cards (``runtime.keep_host_memory=true``, the default): glibc's ``M_MMAP_THRESHOLD`` 1 GiB
-  and ``M_TRIM_THRESHOLD`` 2 GiB - 1 (``man 3 mallopt``), so the per-micro-batch gradient copies reuse heap
-  pages (experiments/2026-12-01-bench-run6.md section 1); ``false``: the C library's defaults.
-- ``cpu`` cards, whose host RAM is the card memory the plan bounds: ``true`` keeps glibc's defaults (its
-  dynamic mmap threshold puts blocks up to 32 MiB on the heap once such blocks are freed), and the plan
-  counts the heap's holes (``MemoryTerms.heap_fraction``); ``false`` maps every block from 256 KiB on its
-  own, so freed tensors leave the process at once, at the price of a page fault per fresh page
+- Every card (``runtime.keep_host_memory=true``, the default): glibc's ``M_MMAP_THRESHOLD`` 1 GiB and
+  ``M_TRIM_THRESHOLD`` 2 GiB - 1 (``man 3 mallopt``), so each micro-batch's tensors reuse heap pages
+  (accelerators: the gradient copies, experiments/2026-12-01-bench-run6.md section 1; ``cpu``: glibc's own
+  dynamic threshold stops at 32 MiB, so the head's ``[tokens, vocab]`` tensors were mapped and faulted
+  afresh every micro-batch, 10 % of the last card's time, experiments/2026-12-04-quiet-host.md). On a
+  ``cpu`` card, whose host RAM is the card memory the plan bounds, the plan counts the heap's holes
+  (``MemoryTerms.heap_fraction``).
+- ``false``: accelerator cards get the C library's defaults; ``cpu`` cards map every block from 256 KiB on
+  their own, so freed tensors leave the process at once, at the price of a page fault per fresh page
   (experiments/2026-12-04-cpu-heap.md).
 """
 from __future__ import annotations
@@ -42,11 +44,11 @@ USER_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
 
 def card_mmap_threshold(kind: str, keep: bool = True) -> Optional[int]:
     """The mmap threshold (bytes) a card process of ``kind`` sets with ``runtime.keep_host_memory=keep``,
-    or None: the C library's defaults (accelerator cards that do not keep freed memory; ``cpu`` cards that
-    do, see the module docstring)."""
-    if kind == "cpu":
-        return None if keep else CPU_CARD_MMAP_THRESHOLD
-    return MMAP_THRESHOLD if keep else None
+    or None: the C library's defaults (accelerator cards that do not keep freed memory; see the module
+    docstring)."""
+    if keep:
+        return MMAP_THRESHOLD
+    return CPU_CARD_MMAP_THRESHOLD if kind == "cpu" else None
 
 
 def keep_freed_memory(environ=None, mmap_threshold: int = MMAP_THRESHOLD) -> bool:
