@@ -20,6 +20,10 @@ log = logging.getLogger("npu_train.worker")
 
 _FAULT_PHASES = ("load", "forward", "backward", "collective", "optimizer", "checkpoint")
 _SETUP_PHASES = ("load",)  # fired before the first step: the step number is not checked
+#: seconds a kill / stop waits first: ZeroMQ sends from its own I/O thread, so a signal right after
+#: ``StageTrainer.enter`` can stop that thread before it delivers the phase message, and the coordinator
+#: names the previous phase (seen under load: "checkpoint save of step 2" for a stop in step 3's forward)
+SETTLE_S = 0.5
 
 
 class FaultHook:
@@ -49,6 +53,8 @@ class FaultHook:
         self.fired = True
         log.warning("NPT_FAULT: %s at step %d %s", self.action, self.step, phase)
         sys.stderr.flush()
+        if self.action in ("kill", "stop"):
+            time.sleep(SETTLE_S)
         if self.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         elif self.action == "stop":
