@@ -21,7 +21,7 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["keep_freed_memory", "card_mmap_threshold", "MMAP_THRESHOLD", "CPU_CARD_MMAP_THRESHOLD",
+__all__ = ["keep_freed_memory", "card_mmap_threshold", "user_malloc_settings", "MMAP_THRESHOLD", "CPU_CARD_MMAP_THRESHOLD",
            "TRIM_THRESHOLD", "USER_ENV"]
 
 log = logging.getLogger("npu_train.hostmem")
@@ -51,11 +51,18 @@ def card_mmap_threshold(kind: str, keep: bool = True) -> Optional[int]:
     return CPU_CARD_MMAP_THRESHOLD if kind == "cpu" else None
 
 
+def user_malloc_settings(environ=None) -> bool:
+    """Whether the environment holds the user's own glibc malloc settings (:data:`USER_ENV` or a
+    ``glibc.malloc.*`` tunable), which card processes keep instead of setting theirs; then neither the plan
+    nor the fitted speed can assume ``runtime.keep_host_memory``'s behaviour."""
+    env = os.environ if environ is None else environ
+    return any(k in env for k in USER_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", "")
+
+
 def keep_freed_memory(environ=None, mmap_threshold: int = MMAP_THRESHOLD) -> bool:
     """Set the mallopt thresholds (``mmap_threshold`` bytes, :data:`TRIM_THRESHOLD`); True if both took
     effect, False (nothing changed) off glibc or when the environment already sets them. Never raises."""
-    env = os.environ if environ is None else environ
-    if any(k in env for k in USER_ENV) or "glibc.malloc." in env.get("GLIBC_TUNABLES", ""):
+    if user_malloc_settings(environ):
         log.debug("host memory: the user's malloc settings kept")
         return False
     if not sys.platform.startswith("linux"):

@@ -3,6 +3,7 @@ assumed, after one finished tiny run the next ``plan=true`` says ``[fitted from 
 removed ``placement.calibrate`` key is one error line naming ``calibrate=true``."""
 from __future__ import annotations
 
+import json
 import os
 
 from conftest import launch_to_end
@@ -26,3 +27,25 @@ def test_placement_calibrate_is_gone_with_a_pointer_to_calibrate_true(tiny_model
     job = launch_to_end(tmp_path, tiny_model, "plan=true", "placement.calibrate=auto", name="old", expect_rc=2)
     err = [ln for ln in job.stderr.splitlines() if ln.startswith("error:")]
     assert len(err) == 1 and "calibrate=true" in err[0], job.stderr
+
+
+def test_the_users_malloc_settings_keep_the_heap_term_and_fit_no_speed(tiny_model, tmp_path):
+    """Card processes keep the user's own MALLOC_* settings (npu_train.hostmem), which may keep freed memory
+    whatever runtime.keep_host_memory says: the plan then counts the heap's holes (a 1 GiB threshold with
+    keep_host_memory=false went 15 MB over a plan without them), and the run's speed is not fitted."""
+    mine = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
+
+    def memory_line(job) -> str:
+        return next(ln for ln in job.stdout.splitlines() if ln.startswith("memory cpu"))
+
+    returned = memory_line(launch_to_end(tmp_path, tiny_model, "plan=true", "runtime.keep_host_memory=false",
+                                         name="returned"))
+    assert "no heap holes (runtime.keep_host_memory=false" in returned, returned
+    users = memory_line(launch_to_end(tmp_path, tiny_model, "plan=true", "runtime.keep_host_memory=false",
+                                      name="users", env=mine))
+    assert "heap holes 1 x" in users and "no heap holes" not in users, users
+    run = launch_to_end(tmp_path, tiny_model, "train.steps=3", "checkpoint.save=false", name="run", env=mine)
+    with open(os.path.join(os.environ["NPT_CACHE"], "fitted", "cpu-1t-fp32.json")) as f:
+        (entry,) = json.load(f)["runs"]
+    assert entry["device_flops"] is None and entry["adamw_params_per_s"] is None, run.tail()
+    assert entry["process_baseline_bytes"], entry

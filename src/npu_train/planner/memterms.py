@@ -70,7 +70,7 @@ DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": "none: process baseline instead",
                                 "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
-                                "heap_fraction": "measured: <= 0.6 x in 2 jobs"}),
+                                "heap_fraction": "measured: 4 jobs fit, <= 0.6 x in 2"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,

@@ -346,9 +346,14 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
 
     key = shape_key(mcfg, shape.tokens_per_micro_batch)  # figures fitted from runs of this model and shape only
     rates = [load_rates(c.kind, cfg.placement.profile, threads=threads, model_shape=key) for c in cards]
+    from npu_train.hostmem import user_malloc_settings
+
+    # the user's own MALLOC_* settings win in the card processes (hostmem): whether they return freed
+    # memory is unknown, so the plan keeps the heap's holes
+    reuse = bool(cfg.runtime.keep_host_memory) or user_malloc_settings()
     terms = [load_memory_terms(c.kind, cfg.placement.profile,
                                loaded_modules=fur.loaded_modules if c.kind == "furiosa" else None,
-                               reuse_freed_memory=bool(cfg.runtime.keep_host_memory))
+                               reuse_freed_memory=reuse)
              for c in cards]
     resident = as_list(tr.resident_layers)
     if isinstance(resident, str) and resident != "auto":
@@ -1098,9 +1103,11 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, resume.ckpt_root, tr.offload_update,
                                                        resume.saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=resume.ckpt_root)
-    # figures fitted from this run (planner.fit), never raises; a run returning freed memory is slower than
-    # the default: only its memory figure is kept
-    refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory))
+    # figures fitted from this run (planner.fit), never raises; a run returning freed memory, or under the
+    # user's own malloc settings, is not the default's speed: only its memory figure is kept
+    from npu_train.hostmem import user_malloc_settings
+
+    refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
     at = resume.start_step + int(summ["steps_run"])
     print(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
