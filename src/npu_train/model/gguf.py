@@ -12,7 +12,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 import torch
 
-from .config import FAMILIES, LlamaConfig
+from .config import FAMILIES, MOE_FAMILIES, LlamaConfig
 from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 from .hf import first_id
 
@@ -80,7 +80,7 @@ def _gguf_model_name(reader, path: str) -> str:
 
 
 #: GGUF ``general.architecture`` -> family (a Mistral-7B GGUF is written as ``llama``)
-GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items() if f.gguf_arch}
+GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items() if f.gguf_arch and name not in MOE_FAMILIES}
 
 
 def gguf_config(path: str) -> LlamaConfig:

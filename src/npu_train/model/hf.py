@@ -8,7 +8,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from .config import FAMILIES, LlamaConfig
+from .config import FAMILIES, MOE_FAMILIES, LlamaConfig
 from .files import ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 
 __all__ = ["hf_config", "hf_family", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_walk",
@@ -78,11 +78,12 @@ def hf_family(raw: dict, cfg_path: str) -> str:
     ``model_type``); :class:`ModelFormatError` naming the supported list for any other model."""
     archs = raw.get("architectures") or []
     mtype = raw.get("model_type")
-    for name, fam in FAMILIES.items():
+    loadable = {n: f for n, f in FAMILIES.items() if n not in MOE_FAMILIES}  # MoE layers: not built yet
+    for name, fam in loadable.items():
         if fam.architecture in archs:
             return name
     if not archs:
-        for name, fam in FAMILIES.items():
+        for name, fam in loadable.items():
             if fam.model_type == mtype:
                 return name
     raise ModelFormatError(f"{cfg_path}: unsupported architecture {archs or mtype!r}; {SUPPORTED_HINT}")
