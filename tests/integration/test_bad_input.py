@@ -2,8 +2,8 @@
 and nothing written by us (Hydra's own ``.hydra/`` and ``run.log`` are created before our code
 runs; no checkpoint directory, metrics, packed data or job file may appear).
 
-Every case runs ``launch/run.py`` as a subprocess. The same list, as a table for the README,
-is in ``tests/integration/BAD_INPUT.md``.
+Every case runs ``launch/run.py`` as a subprocess. The same list, as a table for users,
+is in ``docs/bad-input.md``.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""``kill -USR1 <pid>`` (README, "When things go wrong"): the launcher and every card process print
+"""``kill -USR1 <pid>`` (docs/troubleshooting.md): the launcher and every card process print
 every thread's Python stack to the launcher's stderr and the job goes on, also when the signal reaches
 a card process still starting (importing torch, before its handler exists: it starts with SIGUSR1
 ignored, an inherited disposition, instead of being killed by it)."""

@@ -1,4 +1,4 @@
-"""The package layout stays as the README's design map says (docs/design.md, section 9).
+"""The package layout stays as docs/design.md says (section 9; the module map is section 18).
 
 Dependencies point one way: runtime -> (pipeline, planner, checkpoint, metrics) -> (model, transport,
 optim, backends, data) -> config -> (errors, hardware, env, hostmem). A module may import its own layer or a
@@ -67,7 +67,7 @@ def _target_package(module: str):
 
 def test_every_package_has_a_layer():
     missing = sorted({_package_of(rel) for rel, _ in _modules()} - set(LAYERS) - {"__init__"})
-    assert not missing, f"add these to LAYERS (and the README's design map): {missing}"
+    assert not missing, f"add these to LAYERS (and the module map in docs/design.md): {missing}"
 
 
 def test_no_upward_imports():

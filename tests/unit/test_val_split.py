@@ -225,7 +225,7 @@ def test_text_cache_key_ignores_val_fraction_with_a_val_split(smol, tmp_path):
 
 
 def test_text_with_a_val_split_says_the_fraction_is_unused(smol, tmp_path, monkeypatch):
-    """The README promises the log line says so, for every format: text too, built or cached."""
+    """docs/data.md promises the log line says so, for every format: text too, built or cached."""
     from types import SimpleNamespace as N
 
     from npu_train.data.prepare import prepare_data

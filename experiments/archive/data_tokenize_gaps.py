@@ -6,7 +6,7 @@ encode calls, the gaps between consecutive calls (Python work during which the R
 do), before the first and after the last. Setup as for data_tokenize_ab.py::
 
     git show 418cc5e:src/npu_train/data/dataset.py > src/npu_train/data/_old_dataset.py
-    python experiments/bench/data_tokenize_gaps.py /tmp/npt-bench-data/corpus-20mb.jsonl
+    python experiments/archive/data_tokenize_gaps.py /tmp/npt-bench-data/corpus-20mb.jsonl
     rm src/npu_train/data/_old_dataset.py
 """
 import sys, time, os, tempfile, shutil, hashlib

@@ -10,7 +10,7 @@ one. Prints per round and process: median seconds per repetition (the first drop
 faults per repetition and max RSS; then the ratio ``keep / default`` per round. Not a benchmark of
 the project against a baseline: a probe for the record ``experiments/2026-12-01-bench-run6.md``.
 
-    .venv/bin/python experiments/scripts/malloc_probe.py --rounds 2
+    .venv/bin/python experiments/archive/malloc_probe.py --rounds 2
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 (time, one thread, and relative error against an fp64 sum), plus whole-tensor ``dot`` /
 ``vector_norm`` for their error.
 
-    .venv/bin/python experiments/scripts/sq_norm_probe.py
+    .venv/bin/python experiments/archive/sq_norm_probe.py
 
 Record: experiments/2026-12-01-bench-run8.md, section 2.
 """

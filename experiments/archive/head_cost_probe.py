@@ -9,7 +9,7 @@ as in training) of (a) one decoder layer + final norm + ``lm_head`` + loss, (b) 
 calibration profile's ``head_flops_ratio``. Not a benchmark of the project against a baseline: a
 probe for the record ``experiments/2026-12-01-bench-run5.md``.
 
-    .venv/bin/python experiments/scripts/head_cost_probe.py --rounds 3
+    .venv/bin/python experiments/archive/head_cost_probe.py --rounds 3
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ of the completion tokens (labels != -100) under the policy / the frozen initial 
 loss, reward accuracy (chosen reward > rejected reward) and margin, and the same on the held-out pairs
 before and after.
 
-Usage: PYTHONPATH=src python experiments/scripts/dpo_prefs_probe.py [steps] [pairs_per_step] [lr]
+Usage: PYTHONPATH=src python experiments/archive/dpo_prefs_probe.py [steps] [pairs_per_step] [lr]
 (each step's pairs are new to the policy, so its accuracy before the update is already a held-out figure)
 """
 from __future__ import annotations

@@ -5,7 +5,7 @@ split), fp32, every parameter resident (its own master on a cpu card), clip acti
 rows, one thread. Prints per step the optimizer step's milliseconds and those of the part left for
 after the next step's first forward (``StageOptimizer.finish_rows``).
 
-    .venv/bin/python experiments/scripts/rows_first_probe.py
+    .venv/bin/python experiments/archive/rows_first_probe.py
 
 Record: experiments/2026-12-01-bench-run8.md, section 3.
 """

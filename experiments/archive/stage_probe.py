@@ -10,7 +10,7 @@ two at once (``--stage 0 --core 0 &`` and ``--stage 1 --core 1``) to add the oth
 Compare with ``trace.json`` of a launch with ``runtime.trace=true`` (record
 ``experiments/2026-12-01-bench-run7.md``). A probe, not a benchmark.
 
-    .venv/bin/python experiments/scripts/stage_probe.py --split 19 11 --stage 1 --core 1
+    .venv/bin/python experiments/archive/stage_probe.py --split 19 11 --stage 1 --core 1
 """
 from __future__ import annotations
 

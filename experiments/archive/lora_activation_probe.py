@@ -1,5 +1,5 @@
 """Anon RSS of stage 0 of SmolLM2-135M (19 layers + embedding) through the 1F1B order of stage 0 of 2,
-random weights: ``python experiments/scripts/lora_activation_probe.py lora|full`` (``STEPS=n``). Run it
+random weights: ``python experiments/archive/lora_activation_probe.py lora|full`` (``STEPS=n``). Run it
 with ``MALLOC_MMAP_THRESHOLD_=262144`` to see the fixed threshold (2026-12-03-lora-memory.md)."""
 import os, sys, torch, gc
 torch.set_num_threads(1)

@@ -10,7 +10,7 @@ two rounds per figure, printed in ms:
 3. the whole head per micro-batch (linear + cross-entropy, forward + backward, ``.grad`` already there):
    ``nn.Linear`` + ``F.cross_entropy`` against ``HeadLinear(fused_grad=True)`` + ``cross_entropy_sum``.
 
-    .venv/bin/python experiments/scripts/head_fused_probe.py
+    .venv/bin/python experiments/archive/head_fused_probe.py
 """
 from __future__ import annotations
 

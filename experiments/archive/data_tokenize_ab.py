@@ -4,7 +4,7 @@
 Used for experiments/2026-12-03-data.md (second data session). Put the old version next to the new one first::
 
     git show 418cc5e:src/npu_train/data/dataset.py > src/npu_train/data/_old_dataset.py
-    python experiments/bench/data_tokenize_ab.py /tmp/npt-bench-data/corpus-10mb.jsonl 6
+    python experiments/archive/data_tokenize_ab.py /tmp/npt-bench-data/corpus-10mb.jsonl 6
     rm src/npu_train/data/_old_dataset.py
 
 (the corpus is the one ``data_tokenize.py --mb 10`` writes). Rounds rotate the order of encode_batch,
