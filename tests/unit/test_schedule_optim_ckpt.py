@@ -155,7 +155,7 @@ def test_1f1b_order_example():
 
 def test_schedule_errors():
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
-        build_schedule("zbv", 2, 2, 0)
+        build_schedule("zbx", 2, 2, 0)
     with pytest.raises(ValueError):
         build_schedule("1f1b", 2, 0, 0)
     with pytest.raises(ValueError):

@@ -3,34 +3,69 @@
 ``F(m)`` receives from stage ``s-1`` and sends to ``s+1``; ``B(m)`` receives the output gradient and
 sends the input gradient; ``W(m)`` (``zb*``) computes the weight gradients ``B(m)`` left out. Schedules:
 ``gpipe`` (Huang et al. 2019), ``1f1b`` (PipeDream-Flush, Narayanan et al. 2021 §2.2), ``zb``, ``zb-h1``,
-``zb-h2`` (Qi et al., ICLR 2024). Start at :func:`build_schedule`; :func:`simulate` checks deadlock freedom.
+``zb-h2`` (Qi et al., ICLR 2024). Two chunks per card (:data:`CHUNKED_SCHEDULES`): ``zbv``, the V-shape
+zero-bubble schedule (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory": card ``r`` holds chunks
+``r`` and ``2P-1-r``), and ``interleaved`` 1F1B (Narayanan et al. 2021 §2.2: card ``r`` holds chunks ``r`` and
+``P+r``); an action's ``chunk`` (0 or 1) names which. Start at :func:`build_schedule`; :func:`simulate` checks
+deadlock freedom.
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import NamedTuple, Optional, Sequence, Union
 
+#: one chunk (a contiguous block of layers) per card
 SCHEDULES = ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2")
+#: two chunks per card: virtual stages ``0..2P-1`` (:func:`virtual_stage`)
+CHUNKED_SCHEDULES = ("zbv", "interleaved")
+ALL_SCHEDULES = SCHEDULES + CHUNKED_SCHEDULES
 #: schedules whose backward is split into B (input gradient) and W (weight gradient).
-SPLIT_BACKWARD = ("zb", "zb-h1", "zb-h2")
+SPLIT_BACKWARD = ("zb", "zb-h1", "zb-h2", "zbv")
 
 Durations = Union[float, Sequence[float]]
 
 
 class Action(NamedTuple):
-    """``kind`` F (forward), B (backward; input gradient only if split) or W (weight gradient) of ``micro``."""
+    """``kind`` F (forward), B (backward; input gradient only if split) or W (weight gradient) of ``micro`` on
+    the card's chunk ``chunk`` (0, or 1 for :data:`CHUNKED_SCHEDULES`)."""
 
     kind: str
     micro: int
+    chunk: int = 0
 
     def __repr__(self) -> str:  # compact for test failure messages
-        return f"{self.kind}{self.micro}"
+        return f"{self.kind}{self.micro}" + (f".{self.chunk}" if self.chunk else "")
+
+
+def chunks_per_card(kind: str) -> int:
+    """Layer chunks one card holds: 2 for :data:`CHUNKED_SCHEDULES`, else 1."""
+    return 2 if kind in CHUNKED_SCHEDULES else 1
+
+
+def virtual_stage(kind: str, num_stages: int, card: int, chunk: int) -> int:
+    """The position in the whole pipeline (``0..cP-1``, ``c`` = :func:`chunks_per_card`) of ``card``'s
+    ``chunk``: ``zbv`` the V (chunk 1 of card ``r`` is ``2P-1-r``), ``interleaved`` ``chunk * P + card``."""
+    if kind == "zbv" and chunk == 1:
+        return 2 * num_stages - 1 - card
+    return chunk * num_stages + card
+
+
+def card_of(kind: str, num_stages: int, v: int) -> tuple[int, int]:
+    """``(card, chunk)`` holding virtual stage ``v`` (the inverse of :func:`virtual_stage`)."""
+    P = num_stages
+    if v < P:
+        return v, 0
+    return (2 * P - 1 - v if kind == "zbv" else v - P), 1
 
 
 def _check(kind: str, num_stages: int, num_micro: int) -> None:
-    if kind not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {kind!r}: use one of {', '.join(SCHEDULES)}")
+    if kind not in ALL_SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {kind!r}: use one of {', '.join(ALL_SCHEDULES)}")
     if num_stages < 1 or num_micro < 1:
         raise ValueError(f"bad schedule arguments: P={num_stages}, M={num_micro}")
+    if kind == "interleaved" and num_micro % num_stages:
+        raise ValueError(f"schedule interleaved needs the micro-batches per step (M={num_micro}) to be a multiple "
+                         f"of the pipeline stages (P={num_stages}): change train.accum or use zbv")
 
 
 def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> list[Action]:
@@ -40,6 +75,8 @@ def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> li
     if not 0 <= stage < num_stages:
         raise ValueError(f"bad schedule arguments: P={num_stages}, M={num_micro}, stage={stage}")
     M = num_micro
+    if kind in CHUNKED_SCHEDULES:
+        return list(_chunked_orders(kind, num_stages, M)[stage])
     if kind == "gpipe":
         return [Action("F", m) for m in range(M)] + [Action("B", m) for m in range(M)]
     if kind == "zb-h2":
@@ -81,17 +118,91 @@ def _zb_h2(P: int, M: int, s: int) -> list[Action]:
     return actions
 
 
+@lru_cache(maxsize=512)
+def _chunked_orders(kind: str, P: int, M: int) -> tuple:
+    """Every card's actions (tuples) of a two-chunk schedule."""
+    if kind == "interleaved":
+        return tuple(tuple(_interleaved(P, M, r)) for r in range(P))
+    return _zbv(P, M)
+
+
+def _interleaved(P: int, M: int, r: int) -> list[Action]:
+    """Interleaved 1F1B, two chunks (Narayanan et al. 2021 §2.2, Megatron-LM's order; ``M % P == 0``): the
+    ``k``-th forward of card ``r`` is micro-batch ``(k // 2P) P + k % P`` on chunk ``(k % 2P) // P``, backwards
+    take the chunks in reverse; ``2(P-r-1) + P`` warm-up forwards, then one forward and one backward."""
+    total = 2 * M
+
+    def order(k: int, forward: bool) -> tuple[int, int]:
+        chunk = (k % (2 * P)) // P
+        return (k // (2 * P)) * P + k % P, chunk if forward else 1 - chunk
+
+    warmup = min(2 * (P - r - 1) + P, total)
+    acts = [Action("F", *order(k, True)) for k in range(warmup)]
+    for i in range(total - warmup):
+        acts.append(Action("F", *order(warmup + i, True)))
+        acts.append(Action("B", *order(i, False)))
+    acts.extend(Action("B", *order(i, False)) for i in range(max(total - warmup, 0), total))
+    return acts
+
+
+def _zbv(P: int, M: int) -> tuple:
+    """Every card's ZB-V order (Qi et al. 2024, "Pipeline Parallelism with Controllable Memory" §6, as
+    ``torch.distributed.pipelining.ScheduleZBVZeroBubble`` writes it): planned for ``N = max(M, 2P-1)``
+    micro-batches, the ones ``>= M`` then dropped (every card drops the same ones, so the order stays valid)."""
+    return tuple(tuple(a for a in _zbv_card(P, max(M, 2 * P - 1), r) if a.micro < M) for r in range(P))
+
+
+def _zbv_card(P: int, N: int, r: int) -> list[Action]:
+    """Card ``r``'s ZB-V actions for ``N >= 2P-1`` micro-batches (chunk 0: virtual stage ``r``, chunk 1:
+    ``2P-1-r``). Warm-up: ``2(P-r)-1`` forwards of chunk 0, then ``r`` pairs (F chunk 1, F chunk 0), then
+    ``P-r`` of (F, B, W) on chunk 1; steady: (F, B, W) on chunk 0 then on chunk 1; cool-down: ``r`` pairs of
+    ``B``, ``P-r`` of (B, W) on chunk 0, then the ``W`` left (chunk 1, then chunk 0)."""
+    cnt = {("F", 0): 0, ("F", 1): 0, ("B", 0): 0, ("B", 1): 0, ("W", 0): 0, ("W", 1): 0}
+    acts: list[Action] = []
+
+    def add(kind: str, chunk: int) -> None:
+        acts.append(Action(kind, cnt[(kind, chunk)], chunk))
+        cnt[(kind, chunk)] += 1
+
+    for _ in range(2 * (P - r) - 1):
+        add("F", 0)
+    for _ in range(r):
+        add("F", 1)
+        add("F", 0)
+    for _ in range(P - r):
+        for k in "FBW":
+            add(k, 1)
+    while cnt[("F", 1)] < cnt[("F", 0)] or cnt[("F", 0)] < N:
+        if cnt[("F", 0)] < N:
+            add("F", 0)
+        add("B", 0)
+        add("W", 0)
+        for k in "FBW":
+            add(k, 1)
+    for _ in range(r):
+        add("B", 0)
+        add("B", 1)
+    for _ in range(P - r):
+        add("B", 0)
+        add("W", 0)
+    for chunk in (1, 0):
+        while cnt[("W", chunk)] < cnt[("B", chunk)]:
+            add("W", chunk)
+    return acts
+
+
 def in_flight_profile(actions: Sequence[Action]) -> list[int]:
-    """Micro-batches held (from ``F`` to their last backward action) after each action."""
+    """Micro-batches held (from ``F`` to their last backward action) after each action; with two chunks per
+    card, chunk micro-batches (each holds one chunk's activations)."""
     last = {}
     for i, a in enumerate(actions):
         if a.kind != "F":
-            last[a.micro] = i
+            last[(a.micro, a.chunk)] = i
     live, out = 0, []
     for i, a in enumerate(actions):
         if a.kind == "F":
             live += 1
-        elif last.get(a.micro) == i:
+        elif last.get((a.micro, a.chunk)) == i:
             live -= 1
         out.append(live)
     return out
@@ -105,92 +216,117 @@ def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> in
 
 def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
     """Most micro-batches between ``B`` and ``W`` on ``stage`` (each keeps its weight ops' output gradients):
-    zb 1, zb-h1 ``min(M, stage+1)``, zb-h2 ``2 stage + 1``; 0 unsplit and on the first stage."""
+    zb 1, zb-h1 ``min(M, stage+1)``, zb-h2 ``2 stage + 1``; 0 unsplit and on the first (virtual) stage, whose
+    ``B`` is the whole backward."""
     acts = build_schedule(kind, num_stages, num_micro, stage)
-    if kind not in SPLIT_BACKWARD or stage == 0:
+    if kind not in SPLIT_BACKWARD:
         return 0
     pending = peak = 0
     for a in acts:
+        if virtual_stage(kind, num_stages, stage, a.chunk) == 0:
+            continue
         pending += 1 if a.kind == "B" else -1 if a.kind == "W" else 0
         peak = max(peak, pending)
     return peak
 
 
 def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = None) -> int:
-    """Run all stages' schedules against each other in unit ticks; returns the ticks. ``slots``: tensors in
-    flight per link and direction (None: unbounded). Raises RuntimeError on deadlock."""
+    """Run all cards' schedules against each other in unit ticks; returns the ticks. ``slots``: tensors in
+    flight per link and direction between two cards (None: unbounded; a hand-over between two chunks of one
+    card is in-process and unbounded). Raises RuntimeError on deadlock."""
     P = num_stages
     scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
+    V = P * chunks_per_card(kind)
     pos = [0] * P
-    done = {k: [set() for _ in range(P)] for k in "FBW"}
-    act_link = [0] * P   # act_link[s]: tensors sent s -> s+1, not yet received
-    grad_link = [0] * P  # grad_link[s]: tensors sent s -> s-1, not yet received
-    cap = float("inf") if slots is None else int(slots)
-    if cap < 1:
+    done = {k: [set() for _ in range(V)] for k in "FBW"}
+    # per boundary b (virtual stages b and b+1): tensors sent, not yet received; None: same card
+    local = [card_of(kind, P, b)[0] == card_of(kind, P, b + 1)[0] for b in range(V - 1)]
+    links = _Links([0] * V, [0] * V, local, float("inf") if slots is None else int(slots))
+    if links.cap < 1:
         raise ValueError(f"slots must be >= 1 or None, got {slots}")
     ticks = 0
     while any(pos[s] < len(scheds[s]) for s in range(P)):
-        finished = [(s, scheds[s][pos[s]]) for s in range(P) if pos[s] < len(scheds[s])
-                    and _can_start(scheds[s][pos[s]], s, P, done, act_link, grad_link, cap)]
-        if not finished:
+        ready = []
+        for s in range(P):
+            if pos[s] < len(scheds[s]):
+                a = scheds[s][pos[s]]
+                v = virtual_stage(kind, P, s, a.chunk)
+                if _can_start(a, v, V, done, links):
+                    ready.append((s, v, a))
+        if not ready:
             raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}, slots={slots} at {pos}")
-        for s, a in finished:
-            done[a.kind][s].add(a.micro)
+        for s, v, a in ready:
+            done[a.kind][v].add(a.micro)
             pos[s] += 1
-            _move_tensors(a, s, P, act_link, grad_link)
+            _move_tensors(a, v, V, links)
         ticks += 1
     return ticks
 
 
-def _can_start(a: Action, s: int, P: int, done: dict, act_link: list, grad_link: list, cap: float) -> bool:
-    """Whether stage ``s`` can run ``a`` now (input arrived, outgoing slot free)."""
+class _Links(NamedTuple):
+    """:func:`simulate`'s boundaries: ``act[b]`` / ``grad[b]`` tensors in flight over boundary ``b`` (virtual
+    stages ``b`` -> ``b+1`` / ``b+1`` -> ``b``), ``local[b]`` when both ends are one card, ``cap`` slots."""
+
+    act: list
+    grad: list
+    local: list
+    cap: float
+
+    def free(self, counts: list, b: int) -> bool:
+        return self.local[b] or counts[b] < self.cap
+
+
+def _can_start(a: Action, v: int, V: int, done: dict, links: _Links) -> bool:
+    """Whether virtual stage ``v`` can run ``a`` now (input arrived, outgoing slot free)."""
     if a.kind == "F":
-        return (s == 0 or a.micro in done["F"][s - 1]) and (s == P - 1 or act_link[s] < cap)
+        return (v == 0 or a.micro in done["F"][v - 1]) and (v == V - 1 or links.free(links.act, v))
     if a.kind == "B":
-        return (a.micro in done["F"][s] and (s == P - 1 or a.micro in done["B"][s + 1])
-                and (s == 0 or grad_link[s] < cap))
-    return a.micro in done["B"][s]
+        return (a.micro in done["F"][v] and (v == V - 1 or a.micro in done["B"][v + 1])
+                and (v == 0 or links.free(links.grad, v - 1)))
+    return a.micro in done["B"][v]
 
 
-def _move_tensors(a: Action, s: int, P: int, act_link: list, grad_link: list) -> None:
-    """The link counts after stage ``s`` ran ``a``: its input received, its output sent."""
+def _move_tensors(a: Action, v: int, V: int, links: _Links) -> None:
+    """The link counts after virtual stage ``v`` ran ``a``: its input received, its output sent."""
     if a.kind == "F":
-        if s > 0:
-            act_link[s - 1] -= 1
-        if s < P - 1:
-            act_link[s] += 1
+        if v > 0:
+            links.act[v - 1] -= 1
+        if v < V - 1:
+            links.act[v] += 1
     elif a.kind == "B":
-        if s < P - 1:
-            grad_link[s + 1] -= 1
-        if s > 0:
-            grad_link[s] += 1
+        if v < V - 1:
+            links.grad[v] -= 1
+        if v > 0:
+            links.grad[v - 1] += 1
 
 
-def _per_stage(v: Durations, P: int, name: str) -> list[float]:
+def _per_stage(v: Durations, n: int, name: str) -> list[float]:
     if isinstance(v, (int, float)):
-        return [float(v)] * P
+        return [float(v)] * n
     out = [float(x) for x in v]
-    if len(out) != P:
-        raise ValueError(f"{name}: need one value per stage ({P}), got {len(out)}")
+    if len(out) != n:
+        raise ValueError(f"{name}: need one value per stage ({n}), got {len(out)}")
     return out
 
 
 def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
                    t_w: Durations = 1.0) -> tuple[list[float], list[float]]:
-    """Earliest-start execution; returns per stage ``(end, busy)``. ``t_f, t_b, t_w``: time per micro-batch
-    (one value or one per stage); unsplit ``B`` takes ``t_b + t_w``, as does the first stage's in ``zb*``.
-    Raises RuntimeError on deadlock."""
+    """Earliest-start execution; returns per card ``(end, busy)``. ``t_f, t_b, t_w``: time per micro-batch
+    (one value, or one per stage: per virtual stage, ``2P`` of them, for :data:`CHUNKED_SCHEDULES`); unsplit
+    ``B`` takes ``t_b + t_w``, as does the first (virtual) stage's in a split schedule. Raises RuntimeError on
+    deadlock."""
     P = num_stages
-    tf, tb, tw = (_per_stage(v, P, n) for v, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
+    V = P * chunks_per_card(kind)
+    tf, tb, tw = (_per_stage(x, V, n) for x, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
     split = kind in SPLIT_BACKWARD
     scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
 
-    def dur(s: int, k: str) -> float:
+    def dur(v: int, k: str) -> float:
         if k == "F":
-            return tf[s]
+            return tf[v]
         if k == "B":
-            return tb[s] if split and s > 0 else tb[s] + tw[s]
-        return tw[s] if s > 0 else 0.0
+            return tb[v] if split and v > 0 else tb[v] + tw[v]
+        return tw[v] if v > 0 else 0.0
 
     end: dict[tuple[str, int, int], float] = {}
     pos, free, busy = [0] * P, [0.0] * P, [0.0] * P
@@ -200,23 +336,28 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
         for s in range(P):
             while pos[s] < len(scheds[s]):
                 a = scheds[s][pos[s]]
-                if a.kind == "F":
-                    deps = [("F", s - 1, a.micro)] if s > 0 else []
-                elif a.kind == "B":
-                    deps = [("F", s, a.micro)] + ([("B", s + 1, a.micro)] if s < P - 1 else [])
-                else:
-                    deps = [("B", s, a.micro)]
+                v = virtual_stage(kind, P, s, a.chunk)
+                deps = _deps(a, v, V)
                 if any(d not in end for d in deps):
                     break
                 start = max([free[s]] + [end[d] for d in deps])
-                d = dur(s, a.kind)
-                end[(a.kind, s, a.micro)] = free[s] = start + d
+                d = dur(v, a.kind)
+                end[(a.kind, v, a.micro)] = free[s] = start + d
                 busy[s] += d
                 pos[s] += 1
                 progressed = True
     if any(pos[s] < len(scheds[s]) for s in range(P)):
         raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}")
     return free, busy
+
+
+def _deps(a: Action, v: int, V: int) -> list:
+    """The actions ``a`` on virtual stage ``v`` waits for, as ``(kind, v, micro)``."""
+    if a.kind == "F":
+        return [("F", v - 1, a.micro)] if v > 0 else []
+    if a.kind == "B":
+        return [("F", v, a.micro)] + ([("B", v + 1, a.micro)] if v < V - 1 else [])
+    return [("B", v, a.micro)]
 
 
 def step_time(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
