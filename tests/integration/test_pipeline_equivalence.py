@@ -238,3 +238,32 @@ def test_family_offloaded_layers_match_reference(tiny_family_model, tmp_path):
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     _check_weights(reader, ref_w, 1e-5)
+
+
+def test_a_validation_split_smaller_than_a_micro_batch_is_evaluated(tiny_model, tmp_path, capsys):
+    """One held-out row and micro-batches of 2: the evaluation once ran nothing and said nothing
+    (``first_val_loss`` null). Now the row is evaluated, padded to the micro-batch with an untrained row: the
+    loss is the reference model's over that row alone, and the launch says so once."""
+    import json
+
+    from conftest import make_cfg
+    from npu_train.data.dataset import micro_batch_tensors
+    from npu_train.data.prepare import prepare_data
+    from npu_train.model import load_config, load_tensors
+    from npu_train.model.llama import causal_lm_loss_sum, full_model
+
+    few = ("data.val_fraction=0.0003", "train.steps=1")
+    cfg = load_config(tiny_model)
+    data = prepare_data(make_cfg(tiny_model, *few), tiny_model, cfg)
+    assert data.n_val == 1  # the case: fewer held-out rows than a micro-batch (2)
+    run_pipeline(tiny_model, str(tmp_path), *few)
+    assert "note: evaluation runs on 1 held-out row(s), fewer than a micro-batch (2)" in capsys.readouterr().out
+    with open(tmp_path / "eval.jsonl") as f:
+        first = json.loads(f.readline())
+    x, y = micro_batch_tensors(data, torch.arange(0, 1), split="val")
+    model = full_model(cfg)
+    model.load_named_tensors(load_tensors(tiny_model, cfg, model.param_names()))
+    with torch.no_grad():
+        s, n = causal_lm_loss_sum(model(x), y)
+    assert first["step"] == 0 and first["tokens"] == n
+    assert abs(first["val_loss"] - float(s) / n) / (float(s) / n) < 1e-5

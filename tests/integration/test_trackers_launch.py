@@ -37,6 +37,12 @@ def test_launch_logs_to_wandb_and_mlflow_and_resume_continues(tiny_model, tmp_pa
     run = client.get_run(ids["mlflow"])
     assert run.data.params["train.steps"] == "3" and run.data.params["metrics.project"] == "npt-it"
     assert "eval/loss" in run.data.metrics and run.info.status == "FINISHED"
+    # the summary reaches the trackers (they were once closed before it was written)
+    summary = json.load(open(os.path.join(second.run_dir, "summary.json")))
+    assert run.data.metrics["summary.last_val_loss"] == pytest.approx(summary["last_val_loss"], rel=1e-12)
+    assert run.data.metrics["summary.mean_step_s"] == pytest.approx(summary["mean_step_s"], rel=1e-12)
+    assert f"mlflow: run {ids['mlflow']}; look at it with: mlflow ui --backend-store-uri {uri}" in second.stdout
+    assert "INFO" not in first.stdout + first.stderr
     assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume continued, no second run
 
     rows = read_wandb_history(first.run_dir) + read_wandb_history(second.run_dir)

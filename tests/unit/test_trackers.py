@@ -176,3 +176,91 @@ def test_mlflow_artifacts_go_beside_the_sqlite_store(tmp_path, monkeypatch):
     t.close()
     assert list((tmp_path / "mlruns").rglob("plan.json"))
     assert not os.path.exists(os.path.join(str(tmp_path / ".."), "mlruns"))
+
+
+def test_a_launch_hands_its_summary_to_the_trackers(tmp_path):
+    """``runtime/job.py`` once closed the trackers when the card processes ended, before ``_finish`` wrote the
+    summary: W&B / MLflow never got ``mean_step_s`` or ``last_val_loss``. The supervision leaves them open
+    for the summary on success and closes them on a failure."""
+    from types import SimpleNamespace
+
+    from npu_train.metrics.trackers import Guarded, Tracker
+    from npu_train.runtime import job as J
+
+    class Recorder(Tracker):
+        name = "recorder"
+
+        def __init__(self):
+            self.summaries, self.closed = [], False
+
+        def log(self, scalars, step):
+            pass
+
+        def summary(self, summ):
+            assert not self.closed, "summary after close"
+            self.summaries.append(summ)
+
+        def close(self):
+            self.closed = True
+
+    def started(run):
+        rec = Recorder()
+        rep = Reporter(str(tmp_path), 2, stream=io.StringIO(), trackers=[Guarded(rec, warn=pytest.fail)])
+        data = tmp_path / "data.safetensors"
+        data.write_bytes(b"x")
+        return rec, rep, J.StartedJob(coord=SimpleNamespace(run=run, run_dir=str(tmp_path)), reporter=rep,
+                                      data_file=str(data), job_id="j")
+
+    def ends(rep):
+        rep.step([_card(1, 4.0)])
+        rep.step([_card(2, 3.0)])
+        rep.eval(2, 2.5, 1000)
+
+    resume = SimpleNamespace(saving=True, ckpt_root=str(tmp_path))
+    rec, rep, job = started(lambda: ends(rep))
+    J._supervise(job, None, resume)
+    assert not rec.closed and not os.path.exists(job.data_file)
+    rep.finish()
+    (summ,) = rec.summaries
+    assert summ["mean_step_s"] == 0.5 and summ["last_val_loss"] == 2.5 and rec.closed
+
+    def fails():
+        raise RuntimeError("card 1 died")
+
+    rec, rep, job = started(fails)
+    with pytest.raises(RuntimeError):
+        J._supervise(job, None, resume)
+    assert rec.closed and not os.path.exists(job.data_file)
+
+
+def test_the_output_says_where_the_tracker_runs_went(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    setup = _setup(tmp_path, "a", tmp_path, False)
+    out = io.StringIO()
+    rep = Reporter(setup.run_dir, 1, stream=out, trackers=open_trackers(["wandb", "mlflow"], setup, warn=pytest.fail))
+    rep.step([_card(1, 4.0)])
+    rep.finish()
+    lines = out.getvalue().splitlines()
+    (wb,) = [l for l in lines if l.startswith("wandb:")]
+    run_path = glob.glob(os.path.join(setup.run_dir, "wandb", f"offline-run-*-{setup.ids.wandb}"))[0]
+    assert wb == f"wandb: offline run; upload it with: wandb sync {run_path}"
+    (ml,) = [l for l in lines if l.startswith("mlflow:")]
+    assert ml == f"mlflow: run {setup.ids.mlflow}; look at it with: mlflow ui --backend-store-uri {setup.mlflow_uri}"
+
+
+def test_mlflow_prints_no_info_lines_of_its_own(tmp_path):
+    """Creating a new sqlite store made MLflow log two ``INFO mlflow.store.db.utils`` lines into the job's
+    output (a fresh process: MLflow configures its logging when first imported)."""
+    import subprocess
+
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    code = ("import sys; from npu_train.metrics.trackers import TrackerSetup, open_trackers\n"
+            f"s = TrackerSetup(run_dir={str(tmp_path)!r}, config={{}}, plan={{}}, "
+            f"mlflow_uri='sqlite:///{tmp_path}/new.db')\n"
+            "(t,) = open_trackers(['mlflow'], s); t.close()\n")
+    env = {k: v for k, v in os.environ.items() if k != "MLFLOW_LOGGING_LEVEL"}
+    env["PYTHONPATH"] = os.path.abspath(src)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "INFO" not in r.stdout + r.stderr, r.stdout + r.stderr

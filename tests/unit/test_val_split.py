@@ -240,3 +240,22 @@ def test_text_with_a_val_split_says_the_fraction_is_unused(smol, tmp_path, monke
         d = prepare_data(cfg, smol["path"], smol["cfg"], log=logs.append)
         assert (f"data: {d.n_train} training sequences from split 'train', {d.n_val} validation sequences from "
                 "split 'test'; data.val_fraction not used") in logs
+
+
+def test_held_out_micro_batches_and_the_note_for_a_split_smaller_than_one():
+    """``data.eval_batches`` whole micro-batches; fewer held-out rows than a micro-batch: one padded
+    micro-batch of them (SFT) or none (DPO pairs), with one note naming the settings that give more."""
+    from npu_train.runtime.spec import eval_micro_batches, eval_note
+
+    assert eval_micro_batches(n_val=9, micro_batch=2, eval_batches=4, pairs=False) == [2, 2, 2, 2]
+    assert eval_micro_batches(n_val=5, micro_batch=2, eval_batches=4, pairs=False) == [2, 2]
+    assert eval_micro_batches(n_val=1, micro_batch=2, eval_batches=4, pairs=False) == [1]
+    assert eval_micro_batches(n_val=2, micro_batch=4, eval_batches=4, pairs=True) == []
+    assert eval_micro_batches(n_val=1, micro_batch=2, eval_batches=0, pairs=False) == []
+    assert eval_micro_batches(n_val=0, micro_batch=2, eval_batches=4, pairs=False) == []
+    assert eval_note(9, 2, 4, False) == "" and eval_note(1, 2, 0, False) == ""
+    assert eval_note(1, 2, 4, False).startswith("note: evaluation runs on 1 held-out row(s), fewer than a "
+                                                "micro-batch (2), padded")
+    dpo = eval_note(2, 4, 4, True)
+    assert dpo.startswith("note: no held-out evaluation: 1 held-out pair(s), fewer than a micro-batch (2 pairs)")
+    assert "data.val_fraction" in dpo and "train.micro_batch" in dpo

@@ -474,8 +474,13 @@ class Reporter:
             self.trace.close()
         if not self.jsonl.closed:
             self.jsonl.close()
-        for t in self.trackers:
+        trackers, self.trackers = self.trackers, []  # closed once; each says where its run went
+        for t in trackers:
+            said = getattr(t, "on", True) and getattr(t, "where", None)
             t.close()
+            where = said() if said else None
+            if where:
+                self.note(where)
 
 
 def dir_label(path: str) -> str:

@@ -90,6 +90,10 @@ class Tracker:
     def close(self) -> None:
         pass
 
+    def where(self) -> Optional[str]:
+        """One line saying where this tracker's run is and how to look at it (None: nothing to say)."""
+        return None
+
 
 class TensorBoardTracker(Tracker):
     """Scalars into ``<run dir>/tb`` (``torch.utils.tensorboard``)."""
@@ -153,6 +157,14 @@ class WandbTracker(Tracker):
     def close(self):
         self.run.finish()
 
+    def where(self):
+        if self.mode == "online":
+            return f"wandb: run {self.run.url}"
+        path = os.path.dirname(self.run.dir)  # <run dir>/wandb/offline-run-<time>-<id>/files
+        if self.mode == "offline":
+            return f"wandb: offline run; upload it with: wandb sync {path}"
+        return f"wandb: run files in {path} (WANDB_MODE={self.mode})"
+
 
 def _mlflow_key(k: str) -> str:
     """MLflow keys allow ``[A-Za-z0-9_\\-. /]``; anything else becomes ``_``."""
@@ -190,6 +202,7 @@ class MlflowTracker(Tracker):
         # an unreachable server must not stall the launch for minutes (MLflow retries 7 times by default)
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+        _quiet_mlflow()
         from mlflow.tracking import MlflowClient
 
         uri = setup.mlflow_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:///mlflow.db"
@@ -212,6 +225,7 @@ class MlflowTracker(Tracker):
                 self.client.log_batch(run_id, params=items[i:i + 100])
             self.client.log_dict(run_id, setup.plan, "plan.json")
         self.run_id = run_id
+        self.exp_id = self.client.get_run(run_id).info.experiment_id
         setup.ids.mlflow = run_id
 
     def log(self, scalars, step):
@@ -230,6 +244,23 @@ class MlflowTracker(Tracker):
 
     def close(self):
         self.client.set_terminated(self.run_id)
+
+    def where(self):
+        if self.uri.startswith(("http://", "https://")):
+            return f"mlflow: run {self.uri.rstrip('/')}/#/experiments/{self.exp_id}/runs/{self.run_id}"
+        return f"mlflow: run {self.run_id}; look at it with: mlflow ui --backend-store-uri {self.uri}"
+
+
+def _quiet_mlflow() -> None:
+    """MLflow logs its own ``INFO`` lines (creating a sqlite store's tables...) into the job's output: keep
+    its warnings only, unless ``$MLFLOW_LOGGING_LEVEL`` says otherwise."""
+    import logging
+
+    if os.environ.get("MLFLOW_LOGGING_LEVEL"):
+        return
+    os.environ["MLFLOW_LOGGING_LEVEL"] = "WARNING"  # read when mlflow is first imported
+    for name in ("mlflow", "alembic"):  # and for an mlflow imported before
+        logging.getLogger(name).setLevel(logging.WARNING)
 
 
 _KINDS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
@@ -266,6 +297,12 @@ class Guarded:
         if self.on:
             self._call("close")
             self.on = False
+
+    def where(self) -> Optional[str]:
+        try:
+            return self.tracker.where()
+        except Exception:  # noqa: BLE001 - a tracker must never stop training
+            return None
 
 
 def _warn(text: str) -> None:

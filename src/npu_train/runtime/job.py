@@ -24,7 +24,8 @@ from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, rai
 from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
                                       last_checkpoint_note, prepare_checkpoint_root)
-from npu_train.runtime.spec import ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec
+from npu_train.runtime.spec import (ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec, eval_micro_batches,
+                                   eval_note)
 from npu_train.transport.channel import Endpoint
 
 
@@ -757,7 +758,7 @@ def _reference_spec(cfg, prep: Prepared, data, point: ResumePoint) -> ReferenceS
     tr = cfg.train
     samplers = [make_sampler(data.n_train, tr.micro_batch, tr.accum, tr.seed, dp_rank=k, dp_size=prep.dp, pairs=True)
                 for k in range(prep.dp)]
-    n_eval = min(int(cfg.data.eval_batches or 0), data.n_val // tr.micro_batch)
+    n_eval = len(eval_micro_batches(data.n_val, tr.micro_batch, int(cfg.data.eval_batches or 0), pairs=True))
     key = reference_key(data.fingerprint, prep.model_path, prep.dtype, [c.kind for c in prep.cards])
     return reference_spec(key, point.ckpt_root, point.saving, str(cache_dir("data")), n_train=data.n_train,
                           n_val=data.n_val, train_rows=needed_rows(samplers, point.start_step, tr.steps),
@@ -1019,6 +1020,9 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
           f"{lora}micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
     if resume.resume_dir:
         print(f"resuming from {resume.resume_dir} at step {resume.start_step}", flush=True)
+    held_out = eval_note(data.val.shape[0], tr.micro_batch, int(cfg.data.eval_batches or 0), tr.objective == "dpo")
+    if held_out:
+        print(held_out, flush=True)
     if resume.reference is not None:
         print(reference_plan_line(resume.reference, data, tr, plan.step_time_s, cfg.dpo, dp), flush=True)
     note = warmup_note(lr=float(tr.lr), warmup_steps=int(tr.warmup_steps), total_steps=int(tr.steps))
@@ -1067,9 +1071,23 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
 
 
 def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
-    """Run the card processes to their end; closes the reporter and removes the packed data on every path.
-    Signals after the coordinator's teardown are only noted (:func:`defer_signals`)."""
+    """Run the card processes to their end; removes the packed data on every path. The reporter stays open
+    when the coordinator returns, so :func:`_finish` hands the summary to the trackers before closing them;
+    on a failure it is closed here. Signals after the coordinator's teardown are only noted
+    (:func:`defer_signals`)."""
     defer_signals()
+    try:
+        _run_coordinator(job, cfg, resume)
+    except BaseException:
+        job.reporter.close()
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(job.data_file)
+
+
+def _run_coordinator(job: StartedJob, cfg, resume: ResumePoint) -> None:
+    """``job.coord.run()`` with a failure's message naming what the run can go on from."""
     try:
         job.coord.run()
     except Interrupted as e:  # checkpoint.save=false stops at once: say that there is nothing to resume
@@ -1081,10 +1099,6 @@ def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
         ck, note = last_checkpoint_note(resume.ckpt_root, cfg.train.offload_update, job.coord.run_dir)
         raise JobFailed(f"{e}; {note}", checkpoint=ck,
                         checkpoint_dir=resume.ckpt_root if ck else None) from None
-    finally:
-        job.reporter.close()
-        with contextlib.suppress(OSError):
-            os.remove(job.data_file)
 
 
 def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePoint, node: NodeContext) -> dict:

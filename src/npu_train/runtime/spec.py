@@ -219,3 +219,30 @@ class WorkerSpec:
 
     def __repr__(self) -> str:  # never show the token
         return f"WorkerSpec(rank={self.rank}/{self.world_size}, card={self.card.name}, job={self.job_id})"
+
+
+def eval_micro_batches(n_val: int, micro_batch: int, eval_batches: int, pairs: bool) -> list[int]:
+    """The held-out rows of each evaluated micro-batch: the first ``eval_batches`` whole micro-batches of the
+    validation split's ``n_val`` rows (``micro_batch`` each). A split with fewer rows than one micro-batch
+    (SFT) still gets one micro-batch: its rows, padded to the micro-batch's shape with rows that have no
+    target (so the card runs the shapes it compiled and the loss is over the real rows only). DPO pairs are
+    not padded (a padded pair would count in the loss's mean over pairs): none then. ``[]``: no evaluation."""
+    if eval_batches <= 0 or n_val <= 0:
+        return []
+    full = min(eval_batches, n_val // micro_batch)
+    if full == 0 and not pairs:
+        return [n_val]
+    return [micro_batch] * full
+
+
+def eval_note(n_val: int, micro_batch: int, eval_batches: int, pairs: bool) -> str:
+    """One line when the validation split is smaller than a micro-batch, so the held-out evaluation is padded
+    (SFT) or (DPO) skipped, naming how to get more (``""`` otherwise, and when ``data.eval_batches=0``)."""
+    if eval_batches <= 0 or n_val <= 0 or n_val >= micro_batch:
+        return ""
+    fix = "raise data.val_fraction (or give data.val_split more rows) or lower train.micro_batch"
+    if pairs:
+        return (f"note: no held-out evaluation: {n_val // 2} held-out pair(s), fewer than a micro-batch "
+                f"({micro_batch // 2} pairs); for one: {fix}")
+    return (f"note: evaluation runs on {n_val} held-out row(s), fewer than a micro-batch ({micro_batch}), padded "
+            f"with untrained rows; for more: {fix}")

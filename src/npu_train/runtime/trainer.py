@@ -235,13 +235,25 @@ class StageTrainer:
         self.sampler = self.samplers[self.replica]
         self.runner = StageRunner(self.module, self.backend, self.P, self.stage, tr.schedule, self.comm,
                                   hooks=self.hooks, objective=self.objective)
-        # held-out evaluation: the first eval_batches micro-batches of the validation split
+        self._held_out(tr)
+
+    def _held_out(self, tr) -> None:
+        """The held-out micro-batches (:func:`~npu_train.runtime.spec.eval_micro_batches`): the first
+        ``eval_batches`` of the validation split, or its few rows padded to one micro-batch (rows repeated,
+        their targets ignored)."""
+        from npu_train.model.llama import IGNORE_INDEX
+        from npu_train.runtime.spec import eval_micro_batches
+
         mb = tr.micro_batch
-        self.n_eval = min(int(tr.eval_batches or 0), self.data.val.shape[0] // mb)
-        self.eval_batches = [micro_batch_tensors(self.data, torch.arange(m * mb, (m + 1) * mb), split="val")
-                             for m in range(self.n_eval)]
+        real = eval_micro_batches(self.data.val.shape[0], mb, int(tr.eval_batches or 0), self.pairs)
+        self.n_eval = len(real)
+        rows = [torch.arange(m * mb, (m + 1) * mb) % max(1, self.data.val.shape[0]) for m in range(self.n_eval)]
+        self.eval_batches = []
+        for idx, n in zip(rows, real):
+            x, y = self.micro_batch_tensors(self.data, idx, split="val")
+            self.eval_batches.append((x, y.index_fill(0, torch.arange(n, mb), IGNORE_INDEX) if n < mb else y))
         self.eval_positions = None if self.micro_batch_positions is None else [
-            micro_batch_positions(self.data, torch.arange(m * mb, (m + 1) * mb), split="val") for m in range(self.n_eval)]
+            self.micro_batch_positions(self.data, idx, split="val") for idx in rows]
 
     # ------------------------------------------------------------------ one step
     def global_tokens(self, step: int) -> int:
