@@ -245,7 +245,7 @@ def _write_cfg(d, family="qwen2", **over):
 
 
 def test_refusals_name_the_fix(tmp_path):
-    for i, arch in enumerate(["GemmaForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM"]):
+    for i, arch in enumerate(["GemmaForCausalLM", "Phi3ForCausalLM", "DeepseekV3ForCausalLM", "GptOssForCausalLM"]):
         with pytest.raises(ModelFormatError, match=r"unsupported architecture.*Qwen2ForCausalLM.*Qwen3ForCausalLM"
                                                    r".*MistralForCausalLM"):
             load_config(_write_cfg(tmp_path / f"a{i}", architectures=[arch], model_type="x"))

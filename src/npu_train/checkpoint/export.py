@@ -27,7 +27,8 @@ from npu_train.model.llama import stage_param_names
 
 def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
     """``config.json`` contents for ``cfg`` in the format of transformers' config class of ``cfg.family``
-    (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``)."""
+    (``LlamaConfig``, ``Qwen2Config``, ``Qwen3Config``, ``MistralConfig``, ``Qwen3MoeConfig``, ``Qwen2MoeConfig``,
+    ``MixtralConfig``)."""
     fam = FAMILIES[cfg.family]
     d = {
         "architectures": [fam.architecture], "model_type": fam.model_type, "vocab_size": cfg.vocab_size,
@@ -40,20 +41,40 @@ def hf_config_dict(cfg: LlamaConfig, dtype: str) -> dict:
         "torch_dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
         "dtype": {"bf16": "bfloat16", "fp32": "float32"}[dtype],
     }
-    if cfg.family in ("llama", "qwen3"):
+    if cfg.family in ("llama", "qwen3", "qwen3_moe"):
         d["attention_bias"] = False
     if cfg.family == "llama":
         d["mlp_bias"] = False
-    if cfg.family in ("qwen2", "qwen3"):
+    if cfg.family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         d.update(use_sliding_window=False, sliding_window=None)
-    if cfg.family == "mistral":
+    if cfg.family in ("mistral", "mixtral"):
         d["sliding_window"] = cfg.sliding_window
+    if cfg.is_moe:
+        d.update(moe_config_dict(cfg))
     if cfg.rope_scaling:
         d["rope_scaling"] = dict(cfg.rope_scaling)
     if cfg.bos_token_id is not None:
         d["bos_token_id"] = cfg.bos_token_id
     if cfg.eos_token_id is not None:
         d["eos_token_id"] = cfg.eos_token_id
+    return d
+
+
+def moe_config_dict(cfg: LlamaConfig) -> dict:
+    """The mixture-of-experts keys of ``config.json`` under transformers' names (``Qwen3MoeConfig``,
+    ``Qwen2MoeConfig``: ``num_experts``, ``moe_intermediate_size``; ``MixtralConfig``: ``num_local_experts``,
+    experts of width ``intermediate_size``)."""
+    d = {"num_experts_per_tok": cfg.num_experts_per_tok, "router_aux_loss_coef": cfg.router_aux_loss_coef,
+         "output_router_logits": cfg.output_router_logits}
+    if cfg.family == "mixtral":
+        d.update(num_local_experts=cfg.num_experts, intermediate_size=cfg.moe_intermediate_size,
+                 router_jitter_noise=0.0)
+        return d
+    d.update(num_experts=cfg.num_experts, moe_intermediate_size=cfg.moe_intermediate_size,
+             norm_topk_prob=cfg.norm_topk_prob, decoder_sparse_step=cfg.decoder_sparse_step,
+             mlp_only_layers=list(cfg.mlp_only_layers))
+    if cfg.family == "qwen2_moe":
+        d.update(shared_expert_intermediate_size=cfg.shared_expert_intermediate_size, qkv_bias=True)
     return d
 
 

@@ -40,7 +40,7 @@ FAMILIES: dict[str, Family] = {
 #: families whose decoder layers may hold a sparse mixture-of-experts MLP
 MOE_FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral")
 #: the HF architectures accepted, for messages
-SUPPORTED_ARCHITECTURES = tuple(f.architecture for n, f in FAMILIES.items() if n not in MOE_FAMILIES)
+SUPPORTED_ARCHITECTURES = tuple(f.architecture for f in FAMILIES.values())
 
 
 @dataclass(frozen=True)

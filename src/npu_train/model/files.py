@@ -35,10 +35,11 @@ _EMBEDDED_INSTALL_HINT = (
     "environment"
 )
 SUPPORTED_HINT = (
-    "npu-train supports the Llama, Qwen2/2.5, Qwen3 and Mistral families: an HF directory whose config.json has "
-    "architectures=[\"LlamaForCausalLM\"|\"Qwen2ForCausalLM\"|\"Qwen3ForCausalLM\"|\"MistralForCausalLM\"] "
-    "with *.safetensors weights, or a llama.cpp GGUF file with general.architecture=llama|qwen2|qwen3 "
-    "(Gemma, Phi and MoE models such as Mixtral or Qwen3-MoE are not supported)"
+    "npu-train supports the Llama, Qwen2/2.5, Qwen3 and Mistral families and the mixtures of experts Qwen3-MoE, "
+    "Qwen2-MoE and Mixtral: an HF directory whose config.json has architectures=[\"LlamaForCausalLM\"|"
+    "\"Qwen2ForCausalLM\"|\"Qwen3ForCausalLM\"|\"MistralForCausalLM\"|\"Qwen3MoeForCausalLM\"|"
+    "\"Qwen2MoeForCausalLM\"|\"MixtralForCausalLM\"] with *.safetensors weights, or a llama.cpp GGUF file with "
+    "general.architecture=llama|qwen2|qwen3 (Gemma, Phi, DeepSeek and gpt-oss are not supported)"
 )
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

@@ -51,7 +51,7 @@ def hf_config(d: str) -> LlamaConfig:
     scaling_src = raw.get("rope_scaling") or rp
     rope_scaling = normalise_rope_scaling(scaling_src, cfg_path)
 
-    window = raw.get("sliding_window") if family == "mistral" else None
+    window = raw.get("sliding_window") if family in ("mistral", "mixtral") else None
     return LlamaConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),
@@ -70,7 +70,43 @@ def hf_config(d: str) -> LlamaConfig:
         name=raw.get("_name_or_path") or os.path.basename(os.path.normpath(os.path.abspath(d))),
         family=family,
         sliding_window=None if window is None else int(window),
+        **(moe_fields(raw, family, cfg_path) if family in MOE_FAMILIES else {}),
     )
+
+
+def moe_fields(raw: dict, family: str, cfg_path: str) -> dict:
+    """The mixture-of-experts fields of :class:`LlamaConfig` from config.json ``raw`` of a ``family`` in
+    :data:`~npu_train.model.config.MOE_FAMILIES` (transformers' names: Qwen3MoeConfig / Qwen2MoeConfig
+    ``num_experts``, ``moe_intermediate_size``; MixtralConfig ``num_local_experts``, experts of width
+    ``intermediate_size``, always renormalised). :class:`ModelFormatError` for a missing key or Mixtral's
+    router jitter (random noise on the router input during training: not reproducible)."""
+    mixtral = family == "mixtral"
+    # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts (its attribute map); the Hub has both
+    experts = raw.get("num_local_experts") if raw.get("num_experts") is None else raw.get("num_experts")
+    need = {"num_experts (or num_local_experts)": experts, "num_experts_per_tok": raw.get("num_experts_per_tok"),
+            "intermediate_size" if mixtral else "moe_intermediate_size":
+                raw.get("intermediate_size" if mixtral else "moe_intermediate_size")}
+    for k, v in need.items():
+        if v is None:
+            raise ModelFormatError(f"{cfg_path}: required key {k!r} of a {family} model is missing; re-export the "
+                                   "model with transformers `save_pretrained` or add it to config.json")
+    if mixtral and float(raw.get("router_jitter_noise") or 0.0) > 0:
+        raise ModelFormatError(f"{cfg_path}: router_jitter_noise={raw['router_jitter_noise']} (random noise on the "
+                               "router input) is not supported; set router_jitter_noise=0.0 in config.json")
+    out = dict(
+        num_experts=int(experts),
+        num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        moe_intermediate_size=int(raw["intermediate_size"] if mixtral else raw["moe_intermediate_size"]),
+        norm_topk_prob=True if mixtral else bool(raw.get("norm_topk_prob", False)),
+        router_aux_loss_coef=float(raw.get("router_aux_loss_coef") or 0.0),
+        output_router_logits=bool(raw.get("output_router_logits", False)),
+    )
+    if not mixtral:
+        out.update(decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+                   mlp_only_layers=tuple(int(i) for i in (raw.get("mlp_only_layers") or ())))
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(raw.get("shared_expert_intermediate_size") or 0)
+    return out
 
 
 def hf_family(raw: dict, cfg_path: str) -> str:
@@ -78,7 +114,7 @@ def hf_family(raw: dict, cfg_path: str) -> str:
     ``model_type``); :class:`ModelFormatError` naming the supported list for any other model."""
     archs = raw.get("architectures") or []
     mtype = raw.get("model_type")
-    loadable = {n: f for n, f in FAMILIES.items() if n not in MOE_FAMILIES}  # MoE layers: not built yet
+    loadable = FAMILIES
     for name, fam in loadable.items():
         if fam.architecture in archs:
             return name
@@ -91,12 +127,15 @@ def hf_family(raw: dict, cfg_path: str) -> str:
 
 def _check_features(raw: dict, family: str, cfg_path: str) -> None:
     """Refuse config.json features the family's module does not implement (one line naming the key)."""
-    if family != "qwen2" and raw.get("attention_bias"):  # (Qwen2's q/k/v biases are not a config key)
+    if family == "qwen2_moe" and raw.get("qkv_bias") is False:
+        raise ModelFormatError(f"{cfg_path}: qkv_bias=false is not supported for qwen2_moe (npu-train's Qwen2-MoE "
+                               "attention has q/k/v biases, as every released Qwen2-MoE)")
+    if family not in ("qwen2", "qwen2_moe") and raw.get("attention_bias"):  # (Qwen2's biases are not a config key)
         raise ModelFormatError(f"{cfg_path}: attention_bias=true is not supported for {family} "
                                f"(npu-train's {family} has no attention biases)")
     if raw.get("mlp_bias"):
         raise ModelFormatError(f"{cfg_path}: mlp_bias=true is not supported (npu-train's MLP has no biases)")
-    if family in ("qwen2", "qwen3"):
+    if family in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
         layer_types = raw.get("layer_types") or []
         if raw.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise ModelFormatError(

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .config import LlamaConfig
+from .config import FAMILIES, LlamaConfig
 from .headops import IGNORE_INDEX, HeadLinear, cross_entropy_sum
 
 __all__ = [
@@ -187,20 +187,35 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One pre-norm Llama decoder layer (HF ``LlamaDecoderLayer``); state_dict keys are HF's without
-    the ``model.layers.{i}.`` prefix. ``forward(h [B,S,H], cos, sin [S,D] (or [B,1,S,D]), mask=None) -> [B,S,H]``."""
+    the ``model.layers.{i}.`` prefix. ``forward(h [B,S,H], cos, sin [S,D] (or [B,1,S,D]), mask=None) -> [B,S,H]``.
+    A sparse layer (``cfg.is_moe_layer(layer_idx)``) holds a :class:`~npu_train.model.moe.SparseMoe` under the
+    family's checkpoint name (:attr:`mlp_name`: ``mlp``, Mixtral ``block_sparse_moe``) whose router statistics
+    go to ``recorder``."""
 
-    def __init__(self, cfg: LlamaConfig, layer_idx: int) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, recorder=None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if cfg.is_moe_layer(layer_idx):
+            from .moe import SparseMoe
+
+            self.mlp_name = FAMILIES[cfg.family].moe_prefix
+            setattr(self, self.mlp_name, SparseMoe(cfg, layer_idx, recorder))
+        else:
+            self.mlp_name = "mlp"
+            self.mlp = MLP(cfg)
+
+    @property
+    def ffn(self) -> nn.Module:
+        """The MLP block, dense or sparse, whatever its checkpoint name."""
+        return getattr(self, self.mlp_name)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        return h + self.ffn(self.post_attention_layernorm(h))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -255,10 +270,16 @@ class StageModule(nn.Module):
         self.recompute = recompute
 
         self.model = nn.Module()
+        #: router statistics of the sparse layers (mixtures of experts; :mod:`npu_train.model.moe`)
+        self.router_recorder = None
+        if cfg.is_moe:
+            from .moe import RouterRecorder
+
+            self.router_recorder = RouterRecorder()
         if has_embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, i) for i in range(first_layer, last_layer)}
+            {str(i): DecoderLayer(cfg, i, self.router_recorder) for i in range(first_layer, last_layer)}
         )
         if has_head:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -108,7 +108,7 @@ def apply_lora(module: nn.Module, spec: LoraSpec, seed: int) -> dict[str, torch.
         p.requires_grad_(False)
     init: dict[str, torch.Tensor] = {}
     for idx, layer in module.model.layers.items():
-        for parent_name, parent in (("self_attn", layer.self_attn), ("mlp", layer.mlp)):
+        for parent_name, parent in (("self_attn", layer.self_attn), (layer.mlp_name, layer.ffn)):
             for t in spec.targets:
                 lin = getattr(parent, t, None)
                 if lin is None:
