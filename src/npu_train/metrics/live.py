@@ -129,7 +129,9 @@ class LiveProgress:
         if self.progress is None:
             return
         mem = "/".join(f"{m / GIB:.2f}" for m in rec.get("mem_peak_bytes", []))
-        mfu = f" | MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else ""
+        from npu_train.metrics.report import mfu_text
+
+        mfu = mfu_text(rec)
         info = f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s{mfu} | mem {mem} GiB"
         self._card_phase.clear()
         self.progress.update(self.task, completed=int(rec["step"]), description="training", info=info)

@@ -214,6 +214,10 @@ class Reporter:
         self.live = live
         self.model_flops = list(model_flops) if model_flops else None
         self._sum_mfu, self._n_mfu, self.peak_sources = 0.0, 0, None
+        # per card the most FLOP/s a step has shown (a floor under its peak); mfu_bound: a measured peak was
+        # below it, so every MFU since is an upper bound (printed "MFU <=x%")
+        self._peak_floor: list[float] = []
+        self.mfu_bound = False
         self.t_start = time.time()
         self.trace = None  # npu_train.metrics.trace.TraceWriter, from the first step with actions (runtime.trace)
         self._n_ema = 0  # finite losses folded into the EMA
@@ -294,13 +298,23 @@ class Reporter:
         from npu_train.metrics.mfu import mfu
 
         peaks = [r.get("peak_flops") for r in reports]
-        if not self.model_flops or len(self.model_flops) != len(reports) or not all(peaks):
+        if not self.model_flops or len(self.model_flops) != len(reports) or not all(peaks) or wall <= 0:
             return
+        # a card's FLOPs over the step's wall time cannot exceed its true peak: a busy host that measured the
+        # peak low shows here. That card's peak becomes the most it has done, and the MFU an upper bound.
+        if len(self._peak_floor) != len(peaks):
+            self._peak_floor = [0.0] * len(peaks)
+        self._peak_floor = [max(lo, f / wall) for lo, f in zip(self._peak_floor, self.model_flops)]
+        if any(lo > p for lo, p in zip(self._peak_floor, peaks)):
+            self.mfu_bound = True
+        peaks = [max(lo, p) for lo, p in zip(self._peak_floor, peaks)]
         job = mfu(sum(self.model_flops), wall, sum(peaks))
         if job is None:
             return
         rec["model_flops"] = sum(self.model_flops)
         rec["mfu"] = job
+        if self.mfu_bound:
+            rec["mfu_bound"] = True
         rec["mfu_cards"] = [mfu(f, wall, p) for f, p in zip(self.model_flops, peaks)]
         if self.peak_sources is None:
             self.peak_sources = [r.get("peak_source") for r in reports]
@@ -363,7 +377,7 @@ class Reporter:
         avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
         return (f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
                 f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
-                + (f" | MFU {100 * rec['mfu']:.1f}%" if rec.get("mfu") is not None else "")
+                + mfu_text(rec)
                 + (f" | reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}"
                    if "rewards/accuracies" in rec else "")
                 + f" | {wall:.2f} s{plan_s} "
@@ -411,6 +425,8 @@ class Reporter:
         if self._n_mfu or self.peak_sources:
             summ["mean_mfu"] = self._sum_mfu / self._n_mfu if self._n_mfu else None
             summ["peak_flops_sources"] = self.peak_sources
+            if self.mfu_bound:
+                summ["mfu_bound"] = True  # a measured peak was below what a step did: mean_mfu is an upper bound
         if extra:
             summ.update(extra)
         for t in self.trackers:
@@ -481,6 +497,14 @@ class Reporter:
             where = said() if said else None
             if where:
                 self.note(where)
+
+
+def mfu_text(rec: dict) -> str:
+    """`` | MFU 41.2%`` of a step record (``""`` without one); `` | MFU <=98.0%`` when the MFU is an upper bound
+    (``mfu_bound``: a card did more FLOP/s than the peak measured for it, so its peak was raised to that)."""
+    if rec.get("mfu") is None:
+        return ""
+    return f" | MFU {'<=' if rec.get('mfu_bound') else ''}{100 * rec['mfu']:.1f}%"
 
 
 def dir_label(path: str) -> str:

@@ -9,7 +9,7 @@ from typing import Optional
 
 from npu_train.metrics.mfu import Peak, measure_matmul_flops, mfu, spec_peak_flops, stage_flops_per_step
 
-__all__ = ["model_flops_per_rank", "predicted_peak", "predicted_mfu_line"]
+__all__ = ["model_flops_per_rank", "predicted_peak", "predicted_mfu_line", "measured_compute_rate"]
 
 
 def model_flops_per_rank(prep) -> list[float]:
@@ -45,6 +45,25 @@ def predicted_peak(kind: str, dtype: str, threads: int, _measured: dict = {}) ->
             torch.set_num_threads(before)
     f = _measured[key]
     return Peak(f, f"matmul measured here {f / 1e9:.1f} GFLOP/s {dtype} at {threads} thread(s)")
+
+
+#: a decoder layer's forward + backward on a CPU runs at 81-88 % of a bare 1024^2 matmul's FLOP/s (86 % of its
+#: time in aten::mm, the rest norms, RoPE, SwiGLU, attention, autograd: experiments/2026-11-29-placement-validation.md)
+LAYER_OF_MATMUL = 0.85
+
+
+def measured_compute_rate(rates, kind: str, dtype: str, threads: int):
+    """``rates`` of a ``kind`` card with the compute rate of ``dtype`` set to the matmul peak measured here
+    (:func:`predicted_peak`, the figure the MFU line uses) x :data:`LAYER_OF_MATMUL` when it is only assumed: a cpu card on a machine with
+    no fitted run and no calibration profile. The first plan on a new machine then times compute with what
+    this machine does, not a figure from another (a 0.63 B model: 59.4 s predicted at the assumed 50 GFLOP/s
+    against 39.1 s measured). Accelerators keep their data-sheet figures (the launcher does not touch a card)."""
+    if kind != "cpu" or not rates.resolve(dtype).source("device_flops").startswith("assumed"):
+        return rates
+    peak = predicted_peak(kind, dtype, threads)
+    rates.flops_by_dtype[dtype] = peak.flops * LAYER_OF_MATMUL
+    rates.sources[f"device_flops[{dtype}]"] = f"matmul measured here x {LAYER_OF_MATMUL:g}, no run fitted yet"
+    return rates
 
 
 def predicted_mfu_line(prep) -> Optional[str]:

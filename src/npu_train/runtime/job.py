@@ -137,11 +137,12 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
     if cfg.train.schedule == "auto":
         _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], plan_threads, dp, zero,
-                         None if (cfg.plan or nodes is not None) else host_ram)
+                         None if (cfg.plan or nodes is not None) else host_ram, multinode=nodes is not None)
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
-                       host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram)
+                       host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram,
+                       multinode=nodes is not None)
     shape = req.shape
     resumed = None if req.split else _resumed_split(cfg, run_dir, P)
     try:
@@ -173,7 +174,7 @@ def check_moe(cfg, mcfg) -> None:
 
 
 def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
-                     host_ram: Optional[int]) -> None:
+                     host_ram: Optional[int], multinode: bool = False) -> None:
     """``train.schedule=auto``: set ``cfg.train.schedule`` (and ``recompute`` when only that fits) to the
     fastest schedule that fits (:func:`npu_train.planner.schedule_choice.choose_schedule`) and say why; a
     resume keeps its checkpoint's schedule (another one sums the micro-batches' gradients in another order)."""
@@ -188,7 +189,8 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     else:
         with open_dict(cfg):
             cfg.train.schedule = "1f1b"  # a valid RunShape; each candidate replaces it
-        req = plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram)
+        req = plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
+                           multinode=multinode)
         choice = choose_schedule(req)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
     with open_dict(cfg):
@@ -345,7 +347,7 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
 
 
 def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, zero: int,
-                 host_ram_bytes: Optional[int]):
+                 host_ram_bytes: Optional[int], multinode: bool = False):
     """The planner's :class:`~npu_train.planner.PlanRequest` of ``cfg`` (the only place one is built from the
     config): the model ``mcfg`` in compute ``dtype`` on one pipeline's ``cards`` (replica 0's; every replica
     has the same kinds) for ``dp`` replicas, with rates and memory terms of each card's kind for ``threads``
@@ -360,6 +362,10 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
 
     key = shape_key(mcfg, shape.tokens_per_micro_batch)  # figures fitted from runs of this model and shape only
     rates = [load_rates(c.kind, cfg.placement.profile, threads=threads, model_shape=key) for c in cards]
+    if cfg.placement.profile is None and not multinode:  # nodes must plan alike: no figure of one node's own
+        from npu_train.runtime.flops import measured_compute_rate
+
+        rates = [measured_compute_rate(r, c.kind, dtype, threads) for r, c in zip(rates, cards)]
     from npu_train.hostmem import user_malloc_settings
 
     # the user's own MALLOC_* settings win in the card processes (hostmem): whether they return freed
