@@ -97,7 +97,8 @@ def _torch_train(cfg: dict, rank: int, res: dict) -> None:
     import torch.nn.functional as F
     from torch.distributed import pipelining as pp
 
-    from npu_train.data.dataset import load_packed, micro_batch_tensors
+    from npu_train.data.batches import micro_batch_tensors
+    from npu_train.data.packfile import load_packed
     from npu_train.data.sampler import StepSampler
     from npu_train.model.llama import IGNORE_INDEX, StageModule
     from npu_train.model import load_config, load_tensors, resolve_model_path

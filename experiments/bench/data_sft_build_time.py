@@ -13,8 +13,8 @@ import sys
 import tempfile
 import time
 
-from npu_train.data.chat import ChatRenderer
-from npu_train.data.sft import build_sft_data
+from npu_train.data.prepare import build_sft_data
+from npu_train.data.render import ChatRenderer
 from npu_train.model import chat_template, load_config, load_tokenizer, special_tokens
 
 

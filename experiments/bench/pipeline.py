@@ -263,7 +263,7 @@ def prepare_data(args, work: Path) -> tuple[str, int]:
     launcher's tokenizer, cache and defaults), saved for the torch workers; returns (file, layers)."""
     from types import SimpleNamespace
 
-    from npu_train.data.dataset import save_packed
+    from npu_train.data.packfile import save_packed
     from npu_train.model import load_config, resolve_model_path
     from npu_train.data.prepare import prepare_data as project_data
 

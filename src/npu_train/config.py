@@ -20,11 +20,11 @@ class ModelConf:
     tokenizer: Optional[str] = None
 
 
-#: data.format values (npu_train.data.chat, .prepare)
+#: data.format values (npu_train.data.rows, .prepare)
 DATA_FORMATS = ("text", "chat", "prompt_completion", "preference")
 #: data.bad_rows: refuse (the first bad row is an error naming the fix) | skip (counted, reported, dropped)
 BAD_ROWS = ("refuse", "skip")
-#: data.truncation of SFT samples longer than a row: drop them | truncate them (npu_train.data.sft)
+#: data.truncation of SFT samples longer than a row: drop them | truncate them (npu_train.data.pack)
 TRUNCATION = ("drop", "truncate")
 
 
@@ -38,10 +38,10 @@ class DataConf:
     source: str = "botchan"
     #: text (packed raw text) | chat (rows {"messages": [{role, content}, ...]}) |
     #: prompt_completion (rows {"prompt", "completion"}); chat data trains the assistant
-    #: tokens only (packed several per sequence: data.pack; see npu_train/data/chat.py) |
+    #: tokens only (packed several per sequence: data.pack; see npu_train/data/render.py) |
     #: preference (chosen/rejected pairs for DPO in TRL's formats: {"prompt", "chosen", "rejected"} strings
     #: or message lists, or only chosen/rejected sharing a prompt prefix; pair i = sequences 2i (prompt +
-    #: chosen) and 2i+1 (prompt + rejected), padded, completion tokens labelled; npu_train/data/preference.py).
+    #: chosen) and 2i+1 (prompt + rejected), padded, completion tokens labelled; npu_train/data/pack.py).
     format: str = "text"
     #: column holding the text (format=text; each row is one document).
     text_field: str = "text"
@@ -71,7 +71,7 @@ class DataConf:
     truncation: str = "drop"
     #: chat/prompt_completion: several samples per sequence of seq_len+1 tokens (sequential greedy fill,
     #: attention and RoPE positions restart per sample, no token predicts the next sample; loss over
-    #: assistant tokens as without); false = one sample per sequence, right-padded (npu_train/data/sft.py).
+    #: assistant tokens as without); false = one sample per sequence, right-padded (npu_train/data/pack.py).
     #: Ignored for format=text (always packed; see doc_mask) and format=preference (never packed).
     pack: bool = True
     #: format=text: positions restart and attention stops at every EOS between documents (packed

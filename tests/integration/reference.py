@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from npu_train.data.dataset import micro_batch_tensors
+from npu_train.data.batches import micro_batch_tensors
 from npu_train.data.sampler import StepSampler
 from npu_train.model import load_config, load_tensors
 

@@ -160,7 +160,7 @@ def _peft_dpo_reference(model_path, cfg, dtype=None):
     the step's pairs, global-norm clipping, AdamW over the adapters."""
     import torch
 
-    from npu_train.data.dataset import micro_batch_tensors
+    from npu_train.data.batches import micro_batch_tensors
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
     from npu_train.model import load_config

@@ -67,7 +67,7 @@ def test_failed_launch_leaves_no_ipc_dir_or_owner_record(monkeypatch, tmp_path, 
     import os
     import tempfile
 
-    import npu_train.data.dataset as dataset
+    import npu_train.data.packfile as packfile
     import npu_train.runtime.job as job
     import npu_train.runtime.leftovers as leftovers
     from npu_train.data.text import DataError
@@ -97,7 +97,7 @@ def test_failed_launch_leaves_no_ipc_dir_or_owner_record(monkeypatch, tmp_path, 
             return d
 
         monkeypatch.setattr(job, "_prepare_data", in_memory)
-        monkeypatch.setattr(dataset, "save_packed", short)
+        monkeypatch.setattr(packfile, "save_packed", short)
     else:
         monkeypatch.setattr(job, "Coordinator", Broken)
     with pytest.raises(DataError if where == "packed data" else RuntimeError):

@@ -33,7 +33,7 @@ def _lr(step, lr, warmup, total, floor_ratio):
 
 
 def _peft_reference(model_path, cfg):
-    from npu_train.data.dataset import micro_batch_tensors
+    from npu_train.data.batches import micro_batch_tensors
     from npu_train.data.prepare import prepare_data
     from npu_train.data.sampler import StepSampler
     from npu_train.model import load_config

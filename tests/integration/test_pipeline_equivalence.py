@@ -136,7 +136,7 @@ def test_eval_loss_matches_reference(tiny_model, tmp_path):
     """Held-out loss computed through the 3-stage pipeline equals the reference model's on the same batches."""
     import json
 
-    from npu_train.data.dataset import micro_batch_tensors
+    from npu_train.data.batches import micro_batch_tensors
     from npu_train.model.llama import causal_lm_loss_sum, full_model
     from npu_train.model import load_config, load_tensors
     from npu_train.data.prepare import prepare_data
@@ -247,7 +247,7 @@ def test_a_validation_split_smaller_than_a_micro_batch_is_evaluated(tiny_model, 
     import json
 
     from conftest import make_cfg
-    from npu_train.data.dataset import micro_batch_tensors
+    from npu_train.data.batches import micro_batch_tensors
     from npu_train.data.prepare import prepare_data
     from npu_train.model import load_config, load_tensors
     from npu_train.model.llama import causal_lm_loss_sum, full_model

@@ -8,7 +8,7 @@ def smol_chat() -> dict:
     """``{"path", "cfg", "tok", "template", "specials", "hf" (transformers tokenizer with the template), "renderer"}``."""
     from transformers import PreTrainedTokenizerFast
 
-    from npu_train.data.chat import ChatRenderer
+    from npu_train.data.render import ChatRenderer
     from npu_train.model import chat_template, embedded_model_path, load_config, load_tokenizer, special_tokens
 
     try:

@@ -1,4 +1,4 @@
-"""``dataset.build_cached`` after a launcher was killed with SIGKILL mid-build, and on a cache it cannot write:
+"""``cache.build_cached`` after a launcher was killed with SIGKILL mid-build, and on a cache it cannot write:
 the dead builder's temporary files are removed, its lock is taken over at once (its pid is gone on this host),
 and an unwritable cache directory is one DataError naming the fix (found by a fresh-user review)."""
 from __future__ import annotations
@@ -12,18 +12,19 @@ import pytest
 import torch
 
 from npu_train.data import DataError
-from npu_train.data import dataset as ds
+from npu_train.data import cache as ds
+from npu_train.data import packfile as pf
 
 FP = "cd" * 32
 
 
-def _data() -> ds.PackedData:
+def _data() -> pf.PackedData:
     rows = torch.arange(4 * 9, dtype=torch.int64).reshape(4, 9)
-    return ds.PackedData(train=rows, val=rows[:1].clone(), seq_len=8, n_tokens=36, fingerprint=FP)
+    return pf.PackedData(train=rows, val=rows[:1].clone(), seq_len=8, n_tokens=36, fingerprint=FP)
 
 
 def _cached(path):
-    d = ds.load_packed(path)
+    d = pf.load_packed(path)
     return d if d.fingerprint == FP else None
 
 
@@ -45,7 +46,7 @@ def test_a_killed_builders_files_and_lock_are_cleared(tmp_path):
     target = ds.packed_cache_path(data_dir, FP)
     ds.lock_path(target).write_text(f"{socket.gethostname()} pid {pid}\n")  # fresh mtime: not stale by age
     logs: list[str] = []
-    data, hit = ds.build_cached(data_dir, FP, _cached, lambda tmp, lock: ds.save_packed(_data(), tmp), logs.append)
+    data, hit = ds.build_cached(data_dir, FP, _cached, lambda tmp, lock: pf.save_packed(_data(), tmp), logs.append)
     assert not hit and torch.equal(data.train.long(), _data().train)
     assert any("taking over the stale build lock" in m and "its process is gone" in m for m in logs), logs
     assert not any("waiting for" in m for m in logs), logs
@@ -69,6 +70,6 @@ def test_an_unwritable_cache_directory_is_one_error(tmp_path, monkeypatch, cache
     monkeypatch.setattr(ds.tempfile, "gettempdir", lambda: str(data_dir))
     fix = "point \\$NPT_CACHE at a writable directory" if cache else "set TMPDIR to a writable directory"
     with pytest.raises(DataError, match=f"cannot write the packed training data into .*data: make it writable or {fix}"):
-        ds.build_cached(data_dir if cache else None, FP, _cached, lambda tmp, lock: ds.save_packed(_data(), tmp),
+        ds.build_cached(data_dir if cache else None, FP, _cached, lambda tmp, lock: pf.save_packed(_data(), tmp),
                         lambda m: None)
     assert list(data_dir.iterdir()) == []

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from npu_train.data import DataError
-from npu_train.data.chat import ChatRenderer
-from npu_train.data.dataset import load_packed, micro_batch_tensors, save_packed
-from npu_train.data.sft import build_sft_data
+from npu_train.data.batches import micro_batch_tensors
+from npu_train.data.packfile import load_packed, save_packed
+from npu_train.data.prepare import build_sft_data
+from npu_train.data.render import ChatRenderer
 from npu_train.model.llama import IGNORE_INDEX, causal_lm_loss_sum
 
 pytest.importorskip("transformers")
@@ -74,7 +75,7 @@ def test_only_assistant_content_and_eot_trained(smol, msgs):
 
 
 def test_prompt_completion_row(smol):
-    from npu_train.data.chat import row_messages
+    from npu_train.data.rows import row_messages
 
     msgs = row_messages({"prompt": "Name a colour.", "completion": "Blue."}, "prompt_completion", "f:1")
     s = _renderer(smol).sample(msgs, "f:1", "prompt_completion")
@@ -332,7 +333,7 @@ def test_packed_rows_hold_the_same_samples(smol, tmp_path):
     assert (y[starts] == IGNORE_INDEX).all()
     assert int((y != IGNORE_INDEX).sum()) == int((micro_batch_tensors(flat, torch.arange(flat.n_train))[1]
                                                   != IGNORE_INDEX).sum())
-    from npu_train.data.dataset import micro_batch_positions
+    from npu_train.data.batches import micro_batch_positions
 
     assert torch.equal(micro_batch_positions(packed, torch.tensor([1, 0])), packed.train_positions[[1, 0], :-1].long())
     assert micro_batch_positions(flat, torch.tensor([0])) is None
@@ -344,7 +345,7 @@ def test_packed_rows_hold_the_same_samples(smol, tmp_path):
 
 def test_text_doc_mask_positions(smol, tmp_path):
     """data.doc_mask: positions restart at each row start and after every EOS; targets of an EOS are not trained."""
-    from npu_train.data.dataset import build_packed_data
+    from npu_train.data.prepare import build_packed_data
 
     d = tmp_path / "docs"
     d.mkdir()
@@ -352,7 +353,7 @@ def test_text_doc_mask_positions(smol, tmp_path):
         (d / f"{i}.txt").write_text(f"Document {i}. " + "Some words here. " * (3 + i), encoding="utf-8")
     eos = smol["cfg"].eos_token_id
     data = build_packed_data(str(d), smol["tok"], 24, 0.2, eos_id=eos, doc_mask=True)
-    from npu_train.data.dataset import micro_batch_positions
+    from npu_train.data.batches import micro_batch_positions
 
     assert data.doc_eos == eos and data.train_positions is None  # computed from the ids on read, not stored
     rows = torch.cat([data.train, data.val]).to(torch.int64)

@@ -23,7 +23,8 @@ from npu_train.data import (
     save_packed,
     strip_gutenberg,
 )
-from npu_train.data.dataset import _encode_doc, packed_cache_path
+from npu_train.data.cache import packed_cache_path
+from npu_train.data.render import _encode_doc
 
 BOTCHAN_SHA256 = "464bd5300c24fce16fcc4555d4231a57632caae4d0090ad6aa92854a3b227ba7"
 EOS = 0  # "<eos>" is the first special token of the test tokenizer
@@ -356,7 +357,7 @@ def test_chunking_falls_back_when_inexact(botchan):
     notice and encode the document whole."""
     from tokenizers import normalizers
 
-    from npu_train.data.dataset import _split_chunks
+    from npu_train.data.render import _split_chunks
 
     chunks = _split_chunks(botchan)
     assert len(chunks) > 2 and "".join(chunks) == botchan

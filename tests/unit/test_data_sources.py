@@ -15,8 +15,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from npu_train.data import DataError, botchan_text, build_packed_data, load_packed, micro_batch_tensors
-from npu_train.data.chat import read_rows
-from npu_train.data.dataset import TextSpec, packed_cache_path, token_dtype
+from npu_train.data.rows import read_rows
+from npu_train.data.cache import packed_cache_path
+from npu_train.data.packfile import token_dtype
+from npu_train.data.prepare import TextSpec
 from npu_train.data.sources import read_documents, resolve_source, source_key
 from lock_wait import build_while_locked
 
@@ -329,7 +331,7 @@ def test_all_rows_bad_and_skipped_says_no_usable_rows(tmp_path, tok):
     with pytest.raises(DataError, match=r"no usable rows: all 2 row\(s\) are bad and were skipped "
                                         r"\(data.bad_rows=skip\); first: .*bad.jsonl:1: .*; fix the rows"):
         read_rows(str(p), "chat", {"messages": "text"}, bad_rows="skip", log=lambda m: None)
-    from npu_train.data.preference import iter_pairs
+    from npu_train.data.rows import iter_pairs
 
     q = tmp_path / "pairs.jsonl"
     q.write_text("".join(json.dumps({"prompt": "a", "chosen": "x", "rejected": "x"}) + "\n" for _ in range(3)))

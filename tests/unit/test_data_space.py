@@ -10,7 +10,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from npu_train.data import dataset as ds
+from npu_train.data import packfile as ds
 from npu_train.data.text import DataError
 
 Usage = namedtuple("Usage", "total used free")
@@ -123,7 +123,7 @@ def test_full_disk_message_gives_the_free_space_when_the_write_failed(tmp_path, 
     failed (0.0 MB), not the space free again after the partial file was removed (5000 MB), and what it had
     written; save_packed likewise, with the bytes it needs."""
     from npu_train.data import botchan_text
-    from npu_train.data.dataset import TextSpec, build_packed_data
+    from npu_train.data.prepare import TextSpec, build_packed_data
     from npu_train.data.sources import resolve_source
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -131,7 +131,7 @@ def test_full_disk_message_gives_the_free_space_when_the_write_failed(tmp_path, 
     cache.mkdir()
     disk = _Disk(cache)
     monkeypatch.setattr(shutil, "disk_usage", disk)
-    monkeypatch.setattr(ds._StreamFile, "write", _enospc(disk, ds._StreamFile.write))
+    monkeypatch.setattr(ds.TokenStreamFile, "write", _enospc(disk, ds.TokenStreamFile.write))
     src = tmp_path / "t.txt"
     src.write_text(botchan_text()[:20_000])
     tok = Tokenizer(models.WordLevel({"[unk]": 0}, unk_token="[unk]"))

@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from npu_train.data import DataError
-from npu_train.data.chat import ChatRenderer
-from npu_train.data.dataset import PackedData, load_packed, micro_batch_tensors, save_packed
-from npu_train.data.preference import build_preference_data
+from npu_train.data.batches import micro_batch_tensors
+from npu_train.data.packfile import PackedData, load_packed, save_packed
+from npu_train.data.prepare import build_preference_data
+from npu_train.data.render import ChatRenderer
 from npu_train.model.llama import IGNORE_INDEX
 from smol_chat import smol_chat
 

@@ -22,13 +22,11 @@ import pytest
 import torch
 
 from npu_train.data import DataError
-from npu_train.data import preference as pref_mod
-from npu_train.data import sft as sft_mod
+from npu_train.data import pack as pack_mod
 from npu_train.data import spool as spool_mod
-from npu_train.data.chat import ChatRenderer
-from npu_train.data.dataset import load_packed
-from npu_train.data.preference import build_preference_data
-from npu_train.data.sft import build_sft_data
+from npu_train.data.packfile import load_packed
+from npu_train.data.prepare import build_preference_data, build_sft_data
+from npu_train.data.render import ChatRenderer
 from npu_train.model.llama import IGNORE_INDEX
 from lock_wait import build_while_locked
 from smol_chat import smol_chat
@@ -48,8 +46,7 @@ def smol():
 def small_blocks(monkeypatch):
     """Spool buffers of ~40 tokens and pass-2 blocks of a few rows: many flushes and block edges."""
     monkeypatch.setattr(spool_mod, "BUFFER_TOKENS", 40)
-    monkeypatch.setattr(sft_mod, "BLOCK_TOKENS", 150)
-    monkeypatch.setattr(pref_mod, "BLOCK_TOKENS", 150)
+    monkeypatch.setattr(pack_mod, "BLOCK_TOKENS", 150)
 
 
 def _conv(i: int) -> list[dict]:
@@ -423,7 +420,7 @@ def test_waits_for_another_builder(smol, tmp_path):
     """A build lock held by another node / launch on the same cache: wait (nothing rendered), then map its file."""
     from types import SimpleNamespace
 
-    from npu_train.data.dataset import packed_cache_path
+    from npu_train.data.cache import packed_cache_path
 
     src = _write(tmp_path, _sft_rows("chat", 10))
     want = build_sft_data(src, "chat", smol["renderer"], 63, pack=True, cache_dir=tmp_path / "other", log=lambda m: None)
@@ -508,7 +505,7 @@ def test_cached_line_repeats_what_the_build_dropped(smol, tmp_path):
 def test_cached_text_line_repeats_the_bad_rows(smol, tmp_path):
     """The text build: a cache hit repeats how many bad rows the build skipped and the first (it logs nothing
     on a hit otherwise, as before, and nothing for a file without the record)."""
-    from npu_train.data.dataset import TextSpec, build_packed_data
+    from npu_train.data.prepare import TextSpec, build_packed_data
     from npu_train.data.sources import resolve_source
 
     src = _write(tmp_path, [{"text": f"Line {i} of some plain text for packing."} for i in range(20)] + [{"text": 5}])

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from npu_train.data import DataError
-from npu_train.data.preference import build_preference_data
-from npu_train.data.sft import build_sft_data
+from npu_train.data.prepare import build_preference_data, build_sft_data
 from npu_train.model.llama import IGNORE_INDEX
 from smol_chat import smol_chat
 
@@ -208,7 +207,7 @@ def test_prepare_data_and_sources_without_splits(smol, tmp_path, monkeypatch):
 def test_text_cache_key_ignores_val_fraction_with_a_val_split(smol, tmp_path):
     """Text with ``data.val_split``: the fraction is unused, so it must not change the cache key (a second
     launch with another ``data.val_fraction`` reuses the cache); without a split it still does."""
-    from npu_train.data.dataset import TextSpec, build_packed_data
+    from npu_train.data.prepare import TextSpec, build_packed_data
     from npu_train.data.sources import resolve_source
 
     words = " ".join(f"word{i}" for i in range(400))

@@ -18,7 +18,7 @@ __all__ = ["CARD_PROCESS_MODULES", "measure_process_baseline"]
 CARD_PROCESS_MODULES: tuple[str, ...] = (
     "npu_train.backends", "npu_train.optim.adamw", "npu_train.optim.lr",
     "npu_train.pipeline.schedule", "npu_train.pipeline.stage", "npu_train.model.llama",
-    "npu_train.model", "npu_train.data.dataset", "npu_train.checkpoint.store",
+    "npu_train.model", "npu_train.data.packfile", "npu_train.data.batches", "npu_train.checkpoint.store",
     "npu_train.transport",
 )
 

@@ -1,4 +1,5 @@
-"""Where training rows come from (``data.source``), read through Hugging Face ``datasets`` without network.
+"""Stage 1 of :mod:`npu_train.data.prepare`, part 1: where training rows come from (``data.source``), read through
+Hugging Face ``datasets`` without network.
 
 A source is one of: a built-in name (``botchan``, ``botchan-chat``, ``botchan-prefs``); a file or a glob of files
 (``.parquet``, ``.arrow``, ``.jsonl``/``.json``, ``.csv``, ``.txt``); a directory of such files (read in

@@ -1,5 +1,6 @@
-"""Tokenized samples spooled to flat temporary files (pass 1 of the chat / prompt_completion / preference builds),
-read back in blocks (pass 2 lays them into rows), so a build's memory does not grow with the corpus.
+"""Part of stage 3 (:mod:`npu_train.data.pack`): tokenized samples spooled to flat temporary files (pass 1 of
+the chat / prompt_completion / preference builds), read back in blocks (pass 2 lays them
+into rows), so a build's memory does not grow with the corpus.
 
 A :class:`SampleSpool` appends each sample's token ids (``uint32``) and, optionally, a per-token ``uint8``
 mask to two files, and one ``int64`` record per sample (its first token's offset in the ids file, then the
@@ -18,18 +19,26 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from .dataset import n_val_rows, note_full_disk
+from .packfile import note_full_disk
 from .text import DataError
 
-__all__ = ["BUFFER_TOKENS", "BuildJob", "BuildProgress", "SampleSpool", "segment_indices", "split_max", "train_val_ranges",
-           "when_built"]
+__all__ = ["BUFFER_TOKENS", "BuildJob", "BuildProgress", "SampleSpool", "n_val_rows", "segment_indices", "split_max",
+           "train_val_ranges", "when_built"]
+
+
+def n_val_rows(n_seq: int, val_fraction: float) -> int:
+    """Validation rows of ``n_seq``: ``round(n_seq * val_fraction)``, at least 1 when > 0, at most ``n_seq - 1``."""
+    if val_fraction <= 0:
+        return 0
+    return min(max(1, int(round(n_seq * val_fraction))), n_seq - 1)
+
 
 @dataclass(frozen=True)
 class BuildJob:
-    """The knobs of one streamed SFT / preference build (``sft.build_sft_data``, ``preference.
-    build_preference_data``): the source, its renderer (a ``chat.ChatRenderer``), ``seq_len`` (rows hold
+    """The knobs of one streamed SFT / preference build (``prepare.build_sft_data``, ``prepare.
+    build_preference_data``): the source, its renderer (a ``render.ChatRenderer``), ``seq_len`` (rows hold
     :attr:`row` tokens), the validation choice, padding, the vocabulary check, column mapping, bad-row policy,
-    the cache key and the setting that moves the build to a larger disk (``dataset.space_hint``)."""
+    the cache key and the setting that moves the build to a larger disk (``cache.space_hint``)."""
 
     spec: str
     renderer: Any
@@ -82,7 +91,7 @@ class SampleSpool:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc is not None:  # a full disk: what was free and written before the files go (dataset.disk_full)
+        if exc is not None:  # a full disk: what was free and written before the files go (packfile.disk_full)
             note_full_disk(exc, next(iter(self.paths.values())).parent, self.written)
         self.remove()
 
@@ -184,7 +193,7 @@ def segment_indices(src_starts: np.ndarray, lens: np.ndarray, dst_starts: np.nda
 
 def split_max(values: int, padded: bool, pad_id: int, rows: int) -> int:
     """The largest id of a split's ``[rows, row]`` array: ``values`` (the largest sample id, -1 when none),
-    ``pad_id`` too when a row is padded; -1 for an empty split (as :func:`~npu_train.data.dataset.save_packed`
+    ``pad_id`` too when a row is padded; -1 for an empty split (as :func:`~npu_train.data.packfile.save_packed`
     records ``max_id``)."""
     if rows == 0:
         return -1
@@ -193,7 +202,7 @@ def split_max(values: int, padded: bool, pad_id: int, rows: int) -> int:
 
 def when_built(losses: dict, kinds: Sequence[str], kept_note: Callable[[dict], tuple[str, str]]) -> str:
     """The cached line's ``"; when built: ..."`` part: what the build of a cached file dropped or cut, from the
-    ``losses`` it recorded (:func:`~npu_train.data.dataset.read_losses`). "" when none of the counts ``kinds``
+    ``losses`` it recorded (:func:`~npu_train.data.packfile.read_losses`). "" when none of the counts ``kinds``
     (besides ``bad``) is set, or the file records nothing (written before they were recorded); else the build's
     summary from ``kept_note(losses)`` (``(head, tail)``, as the first build logged it) and the first bad row."""
     if not any(losses.get(k) for k in ("bad", *kinds)):
@@ -208,7 +217,7 @@ def train_val_ranges(kept: Sequence[int], splits: Sequence[str], val_fraction: f
                      log: Callable[[str], None]) -> tuple[tuple[int, int], tuple[int, int]]:
     """The train and validation ranges ``[a, b)`` over the spooled samples in read order: with two ``splits``
     (``data.split``, ``data.val_split``), the first split's ``kept[0]`` samples, then the second's; with one,
-    the last :func:`~npu_train.data.dataset.n_val_rows` of them are validation. Raises :class:`DataError`
+    the last :func:`n_val_rows` of them are validation. Raises :class:`DataError`
     (``summary`` logged first) when a split has no usable sample, or, with one split, fewer than 2 are usable;
     ``unit`` names a sample (singular, plural: "chat sample", "chat samples") and ``fix`` the remedy."""
     total = sum(kept)

@@ -273,8 +273,8 @@ def resident_param_names(model_cfg, stage, lora_targets=()) -> list[str]:
 
 #: modules a card process imports (calibration measures their resident memory as the process baseline)
 CARD_PROCESS_MODULES = ("npu_train.runtime.worker", "npu_train.runtime.trainer", "npu_train.backends",
-                        "npu_train.optim.adamw", "npu_train.pipeline.stage", "npu_train.data.dataset",
-                        "npu_train.checkpoint.store", "npu_train.transport")
+                        "npu_train.optim.adamw", "npu_train.pipeline.stage", "npu_train.data.packfile",
+                        "npu_train.data.batches", "npu_train.checkpoint.store", "npu_train.transport")
 
 
 def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: RuntimeSpec, job_id: str, token: str,
@@ -892,7 +892,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
                node: NodeContext, ipc_dir: str, live=None) -> StartedJob:
     """Write the run's files (metrics moved aside, packed data, ``plan.json``), build the specs and the
     coordinator."""
-    from npu_train.data.dataset import save_packed
+    from npu_train.data.packfile import save_packed
     from npu_train.metrics.report import Reporter
     from npu_train.runtime.flops import model_flops_per_rank
 

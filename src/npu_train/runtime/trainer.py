@@ -216,7 +216,8 @@ class StageTrainer:
 
     def _load_data(self) -> None:
         """The packed data, the samplers (all replicas', for the loss divisor), the runner, the evaluation batches."""
-        from npu_train.data.dataset import load_packed, micro_batch_positions, micro_batch_tensors
+        from npu_train.data.batches import micro_batch_positions, micro_batch_tensors
+        from npu_train.data.packfile import load_packed
         from npu_train.data.sampler import make_sampler
         from npu_train.pipeline.objective import make_objective
         from npu_train.pipeline.stage import StageRunner
