@@ -349,8 +349,39 @@ def _positive(name: str, v, fix: str = "") -> None:
         raise ConfigError(f"{name}={v!r} must be a positive integer{fix}")
 
 
+def check_known_keys(cfg) -> None:
+    """Refuse keys the structured :class:`Config` does not have. Without ``+`` Hydra refuses them itself
+    (``Key 'stepz' not in 'TrainConf'``); Hydra's append form (``+train.stepz=3``, ``++...``) adds them to the
+    struct config instead, and a mistyped key would be silently ignored. Raises :class:`ConfigError` naming
+    the key and the closest known one."""
+    from omegaconf import DictConfig, OmegaConf
+
+    if not isinstance(cfg, DictConfig):
+        return
+    _unknown_keys(cfg, OmegaConf.structured(Config), "")
+
+
+def _unknown_keys(node, schema, prefix: str) -> None:
+    import difflib
+
+    from omegaconf import DictConfig
+
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        if key not in schema:
+            near = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1)
+            hint = f"did you mean {prefix}{near[0]}? " if near else ""
+            raise ConfigError(f"unknown key {path} (as +{path}=... Hydra adds it instead of refusing it): the "
+                              f"config has no '{key}' under '{prefix.rstrip('.') or 'the top level'}'; {hint}"
+                              "drop it or fix its name (every key: src/npu_train/config.py; list them with --cfg job)")
+        sub, sub_schema = node._get_node(key), schema._get_node(key)
+        if isinstance(sub, DictConfig) and isinstance(sub_schema, DictConfig) and sub_schema._is_typed():
+            _unknown_keys(sub, sub_schema, path + ".")
+
+
 def validate(cfg) -> None:
     """Check value ranges that OmegaConf's types cannot express. Raises :class:`ConfigError`."""
+    check_known_keys(cfg)
     _check_shape(cfg.train, cfg.data)
     if cfg.train.mode == "lora":
         _check_lora(cfg.lora)

@@ -179,6 +179,8 @@ CASES = [
     ("accum-not-a-number", lambda b: ["train.accum=abc"], None,
      ["'abc'", "could not be converted to Integer", "train.accum", "fix the key=value override"]),
     ("unknown-key", lambda b: ["train.foo=1"], None, ["Key 'foo' not in 'TrainConf'"]),
+    ("unknown-key-appended", lambda b: ["+train.stepz=3"], None,
+     ["unknown key train.stepz", "did you mean train.steps?", "drop it or fix its name"]),
     ("adam-beta-out-of-range", lambda b: ["train.beta1=1.5"], None, ["AdamW settings out of range", "0 <= beta < 1"]),
     ("min-lr-ratio-out-of-range", lambda b: ["train.min_lr_ratio=5"], None, ["train.min_lr_ratio=5", "[0, 1]"]),
     ("checkpoint-other-model", lambda b: [f"checkpoint.dir={b.other_ckpt}", "train.resume=latest"], None,

@@ -472,6 +472,9 @@ def run_job(cfg, run_dir: str) -> dict:
 
     Raises UserError (exit 2) for bad input, JobFailed (exit 1) when a card process fails, Interrupted
     (130/143) on SIGINT/SIGTERM. Multi-node when ``NNODES`` > 1 (:mod:`npu_train.runtime.nodes`)."""
+    from npu_train.config import check_known_keys
+
+    check_known_keys(cfg)  # +train.stepz=3: Hydra's append form adds a mistyped key instead of refusing it
     os.makedirs(run_dir, exist_ok=True)
     if not cfg.plan:  # a read-only NPT_CACHE: one line now, not a traceback at the data cache's first write
         writable_cache_dir()
