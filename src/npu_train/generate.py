@@ -147,6 +147,8 @@ def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str
     else:
         text = prompt
     ids = tok(text, return_tensors="pt", add_special_tokens=False)
+    if ids["input_ids"].shape[1] == 0:
+        raise ValueError("the prompt is empty (0 tokens): pass some text to continue from, or use the chat template")
     torch.manual_seed(seed)
     kw = dict(max_new_tokens=max_new_tokens, pad_token_id=tok.eos_token_id if tok.eos_token_id is not None else 0)
     if tok.eos_token_id is not None:
@@ -174,6 +176,11 @@ def main(argv=None) -> int:
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1:
         print("error: need --temperature >= 0 (0 = greedy), 0 < --top-p <= 1 and --max-new-tokens >= 1",
               file=sys.stderr)
+        return 2
+    if a.no_chat and not a.prompt:  # nothing to continue from: refused before seconds of loading
+        print("error: --prompt '' with --no-chat gives the model no token to continue from: pass some text "
+              "(e.g. --prompt 'Once upon a time'), or drop --no-chat to send an empty user message through "
+              "the chat template", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from npu_train.errors import UserError

@@ -158,3 +158,18 @@ def test_generate_ctrl_c_is_one_line(monkeypatch, capsys):
     assert gen.main(["embedded", "--prompt", "hi"]) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "generate: interrupted" and "Traceback" not in err
+
+
+def test_generate_empty_raw_prompt_is_refused_before_loading(monkeypatch, capsys):
+    """``--prompt '' --no-chat`` (issue 41, fault 12): nothing to continue from; refused with one line naming the
+    fix, exit 2, before the model is loaded (it crashed after the load with ``cannot reshape tensor of 0
+    elements``)."""
+    import npu_train.generate as gen
+
+    loaded = []
+    monkeypatch.setattr(gen, "load_for_generation", lambda *a, **k: loaded.append(a) or (_ for _ in ()).throw(
+        AssertionError("loaded")))
+    assert gen.main(["embedded", "--prompt", "", "--no-chat"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --prompt '' with --no-chat") and err.count("\n") == 1 and "pass some text" in err
+    assert not loaded
