@@ -111,6 +111,17 @@ def bad(tiny_model, tmp_path_factory):
                         num_kv_heads=2, tie_word_embeddings=True)
     with open(os.path.join(step, "manifest.json"), "w") as f:
         json.dump({"step": 2, "format": 1, "model": other.to_dict(), "index": {}}, f)
+    # a DPO run's checkpoint of the tiny model (manifest only: refused before any shard is read)
+    b.dpo_ckpt = str(root / "dpo_ckpt")
+    step = os.path.join(b.dpo_ckpt, "step_000002")
+    os.makedirs(step)
+    same = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
+                       num_kv_heads=2, tie_word_embeddings=True)
+    with open(os.path.join(step, "manifest.json"), "w") as f:
+        json.dump({"step": 2, "format": 1, "model": same.to_dict(), "index": {},
+                   "train": {"mode": "full", "objective": "dpo", "micro_batch": 4},
+                   "sampler": {"seed": 1234, "n_sequences": 40, "micro_batch": 2, "micro_batches": 4, "dp_size": 1,
+                               "pairs": True}}, f)
     b.a_file = str(root / "a_file")  # NPT_CACHE under a file: cannot be created, like a read-only mount
     open(b.a_file, "w").close()
     sock = socket.socket()
@@ -185,6 +196,8 @@ CASES = [
     ("min-lr-ratio-out-of-range", lambda b: ["train.min_lr_ratio=5"], None, ["train.min_lr_ratio=5", "[0, 1]"]),
     ("checkpoint-other-model", lambda b: [f"checkpoint.dir={b.other_ckpt}", "train.resume=latest"], None,
      ["is from another model", "num_layers: checkpoint 4 vs model 6", "resume with the same model.path"]),
+    ("resume-dpo-checkpoint-as-sft", lambda b: [f"checkpoint.dir={b.dpo_ckpt}", "train.resume=latest"], None,
+     ["is a DPO run's checkpoint", "this run is train.objective=sft", "train.objective=dpo data.format=preference"]),
     ("resume-nothing", lambda b: ["train.resume=latest"], None, ["no complete checkpoint", "checkpoint.dir"]),
     ("checkpoint-dir-of-another-run", lambda b: [f"checkpoint.dir={b.other_ckpt}"], None,
      ["already holds 1 checkpoint(s) of an earlier run", "train.resume=auto", "checkpoint.existing=set_aside"]),

@@ -540,6 +540,26 @@ class CheckpointReader:
             raise CheckpointError(f"train.resume: {self.path} holds LoRA adapters of another shape ({'; '.join(diff)}): "
                                   f"resume with {want}, or start without train.resume")
 
+    def check_objective(self, objective: str) -> None:
+        """Refuse a resume whose ``train.objective`` (sft / dpo) differs from the checkpoint's: its data order
+        counts preference pairs, not rows (the sampler's own check would speak of ``n_sequences`` and
+        ``micro_batch``). Older manifests without ``objective``: the sampler state's ``pairs`` flag decides."""
+        saved = self.manifest.get("train") or {}
+        was = saved.get("objective") or ("dpo" if (self.manifest.get("sampler") or {}).get("pairs") else None)
+        if was is None or was == objective:
+            return
+        if was == "dpo":
+            raise CheckpointError(
+                f"train.resume: {self.path} is a DPO run's checkpoint (train.objective=dpo on preference pairs) but "
+                f"this run is train.objective={objective}: resume it with train.objective=dpo data.format=preference "
+                "and its data.source, or start without train.resume (to fine-tune its weights with SFT: python -m "
+                f"npu_train.checkpoint.export {self.path} <out dir>, then model.path=<out dir>)")
+        raise CheckpointError(
+            f"train.resume: {self.path} is a train.objective={was} run's checkpoint but this run is "
+            f"train.objective={objective}: resume it with train.objective={was} and its data, or start without "
+            f"train.resume (to tune its weights with DPO: python -m npu_train.checkpoint.export {self.path} <out dir>, "
+            "then model.path=<out dir>)")
+
     def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False,
                   lora: Optional[dict] = None) -> list[str]:
         """Differences of this run's :data:`RUN_KEYS`, LoRA ``alpha``/``dropout`` and data fingerprint from the

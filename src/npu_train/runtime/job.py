@@ -801,6 +801,7 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
     point.resume_dir = reader.path
     reader.check_model(prep.model_cfg.to_dict())
     reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
+    reader.check_objective(str(getattr(tr, "objective", "sft")))  # before the sampler speaks of n_sequences
     try:  # before check_run: a data order no setting can continue is refused as such (no allow dead end)
         point.sampler.load_state_dict(reader.manifest.get("sampler", {}))
     except ValueError as e:
