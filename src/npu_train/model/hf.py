@@ -19,12 +19,43 @@ _HF_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_la
                 "num_attention_heads")
 
 
+def _npt_checkpoint_error(d: str) -> Optional[str]:
+    """The error for ``model.path`` naming an npu-train checkpoint (``step_N`` with ``manifest.json``) or a
+    checkpoint root (``step_N`` directories): not a model directory; says how to resume it or export it. None
+    for any other directory."""
+    try:
+        steps = sorted(n for n in os.listdir(d) if n.startswith("step_") and
+                       os.path.isfile(os.path.join(d, n, "manifest.json")))
+    except OSError:
+        return None
+    if os.path.isfile(os.path.join(d, "manifest.json")):
+        one, root = os.path.abspath(d), os.path.dirname(os.path.abspath(d))
+    elif steps:
+        one, root = os.path.join(os.path.abspath(d), steps[-1]), os.path.abspath(d)
+    else:
+        return None
+    base = ""
+    try:
+        with open(os.path.join(one, "manifest.json"), encoding="utf-8") as f:
+            recorded = json.load(f).get("model_path")
+        base = f" (its run's model.path={recorded})" if recorded else ""
+    except (OSError, ValueError, AttributeError):
+        pass
+    return (f"model.path={d} is an npu-train checkpoint{' root' if one != os.path.abspath(d) else ''}, not a model "
+            f"directory (it has no config.json): to continue that run, keep its model.path{base} and add "
+            f"train.resume=latest checkpoint.dir={root}; to start a new run from its weights, export them first: "
+            f"python -m npu_train.checkpoint.export {d} <out dir>, then model.path=<out dir>")
+
+
 def hf_config(d: str) -> LlamaConfig:
     """The :class:`LlamaConfig` of the HF directory ``d``; :class:`ModelFormatError` for a missing or invalid
     config.json, an architecture outside :data:`~npu_train.model.config.FAMILIES`, missing keys, inconsistent
     head/layer counts or unsupported features."""
     cfg_path = os.path.join(d, "config.json")
     if not os.path.isfile(cfg_path):
+        ck = _npt_checkpoint_error(d)
+        if ck:
+            raise ModelFormatError(ck)
         ggufs = sorted(f for f in os.listdir(d) if f.lower().endswith(".gguf"))
         hint = f" (found GGUF file(s) {ggufs}: pass one of them as the model path)" if ggufs else ""
         raise ModelFormatError(f"{d!r} has no config.json{hint}; {SUPPORTED_HINT}")
