@@ -209,7 +209,11 @@ def resume_command(overrides: list, checkpoint_dir: str) -> str:
     keep = [o for o in overrides if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
     # a delayed-update run cannot resume exactly (refused by the job): it continues with the synchronous update
     keep = ["train.offload_update=sync" if re.match(r"^\+{0,2}train\.offload_update=delayed$", o) else o for o in keep]
-    argv = [sys.executable, os.path.abspath(__file__), *keep, "train.resume=latest", f"checkpoint.dir={checkpoint_dir}"]
+    from npu_train.config import hydra_value
+
+    # Hydra's quoting first (a path with a space or an apostrophe), then the shell's
+    argv = [sys.executable, os.path.abspath(__file__), *keep, "train.resume=latest",
+            f"checkpoint.dir={hydra_value(checkpoint_dir)}"]
     return resume_env_prefix() + " ".join(shlex.quote(a) for a in argv)
 
 
@@ -350,7 +354,9 @@ def run_one(cfg) -> int:
     if multirun or code != 2:
         # the resume command continues in this run's directory: the user's hydra.run.dir, or a sweep
         # job's own directory (resumed as a single run, it writes beside its earlier records)
-        here = ([f"hydra.run.dir={os.path.abspath(run_dir)}"] if multirun else
+        from npu_train.config import hydra_value
+
+        here = ([f"hydra.run.dir={hydra_value(os.path.abspath(run_dir))}"] if multirun else
                 [o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
         from npu_train.metrics.report import rotate_before_status
 

@@ -337,6 +337,21 @@ class Config:
     calibrate: bool = False
 
 
+def hydra_value(value: str) -> str:
+    """``value`` written as a Hydra override value that parses back to exactly ``value``: unchanged when it holds
+    only letters, digits and ``_ . / - + @ %``; else in double quotes, with ``"`` and the backslashes before a
+    quote or at the end escaped (Hydra's quoted-string rule). A path with a space, an apostrophe, a comma or
+    brackets (``/runs/Bob's run``) would otherwise fail to parse (``LexerNoViableAltException``) or become a sweep."""
+    import re
+
+    value = str(value)
+    if value and re.fullmatch(r"[A-Za-z0-9_./+@%-]+", value):
+        return value
+    out = re.sub(r'(\\*)"', lambda m: m.group(1) * 2 + '\\"', value)
+    out = re.sub(r"(\\+)$", lambda m: m.group(1) * 2, out)
+    return f'"{out}"'
+
+
 def register() -> None:
     """Register :class:`Config` as ``base_config`` in Hydra's ConfigStore."""
     from hydra.core.config_store import ConfigStore

@@ -43,7 +43,9 @@ class Job:
         e.update(env or {})
         # prefix: e.g. ["ip", "netns", "exec", "<ns>"] (a "node" in a network namespace; it execs python)
         argv = argv or [sys.executable, LAUNCH, f"model.path={model}", f"backend={backend}", *BASE, *overrides]
-        self.cmd = [*(prefix or []), *argv, f"hydra.run.dir={self.run_dir}"]
+        from npu_train.config import hydra_value
+
+        self.cmd = [*(prefix or []), *argv, f"hydra.run.dir={hydra_value(self.run_dir)}"]
         with open(self.out_path, "w") as out, open(self.err_path, "w") as err:
             # own session/process group, so a test can signal the whole group like `timeout` or Slurm do
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=err, env=e, cwd=REPO, start_new_session=True)

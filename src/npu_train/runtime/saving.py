@@ -104,7 +104,11 @@ def prepare_checkpoint_root(ckpt_root: str, cfg, model_cfg, stages: int, earlier
 
 def continue_note(ckpt_root: str, offload_update: str) -> str:
     """The command that continues from ``ckpt_root``'s newest checkpoint (with this run's ``NPT_`` variables)."""
-    args = f"train.resume=latest checkpoint.dir={ckpt_root}" + (
+    import shlex
+
+    from npu_train.config import hydra_value
+
+    args = "train.resume=latest " + shlex.quote(f"checkpoint.dir={hydra_value(ckpt_root)}") + (
         " train.offload_update=sync (a delayed-update run resumes with the synchronous update)"
         if offload_update == "delayed" else "")
     env = resume_env_prefix()
