@@ -91,7 +91,7 @@ def _quiet(_text: str) -> None:
     pass
 
 
-def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet):
+def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet, base: Optional[str] = None):
     """``(transformers model, tokenizer)`` for ``model`` on the CPU in fp32; ``note(text)`` gets one line per
     phase (the command line prints them to stderr: a large model takes a minute to load). Raises
     ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` for a missing, wrong or damaged model."""
@@ -111,7 +111,7 @@ def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet):
 
         note("merging the checkpoint's shards into a temporary Hugging Face directory ...")
         path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
-                         arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True)
+                         arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True, base=base)
     if kind == "gguf":
         m = _gguf_model(path)
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))
@@ -172,6 +172,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--base", default=None, help="a LoRA checkpoint: where its run's base model is now, when it moved")
     a = ap.parse_args(argv)
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1:
         print("error: need --temperature >= 0 (0 = greedy), 0 < --top-p <= 1 and --max-new-tokens >= 1",
@@ -192,7 +193,7 @@ def main(argv=None) -> int:
 
     try:
         with tempfile.TemporaryDirectory(prefix="npt-gen-") as wd:
-            m, tok = load_for_generation(a.model, wd, note=note)
+            m, tok = load_for_generation(a.model, wd, note=note, base=a.base)
             note(f"loaded; generating up to {a.max_new_tokens} tokens ...")
             print(generate(m, tok, a.prompt, chat=not a.no_chat, system=a.system, max_new_tokens=a.max_new_tokens,
                            temperature=a.temperature, top_p=a.top_p, seed=a.seed))

@@ -38,3 +38,72 @@ def test_resume_command_runs_as_printed_from_a_dir_with_a_space_and_an_apostroph
     assert rc == 0, again.tail()
     assert "resuming from" in again.stdout and "step_000001" in again.stdout, again.tail()
     assert _status(again)["status"] == "ok"
+
+
+def test_lora_base_relative_replaced_and_moved(tmp_path):
+    """Faults 3, 4 and 19 on one LoRA run of a base given as a relative ``model.path``:
+
+    4: the checkpoint records the base's absolute path; 3: the base's weights replaced by others of the same
+    shapes: ``train.resume=latest`` and the export are refused (they resumed / merged silently); 19: the base
+    moved: the export names the recorded base and ``--base``, which finds it; nothing is written by a refusal."""
+    import shutil
+
+    from conftest import make_tiny_model
+    from launch_util import REPO
+    from npu_train.checkpoint.export import main as export_main
+    from npu_train.checkpoint.store import complete_checkpoints, CheckpointReader
+
+    base = make_tiny_model(str(tmp_path / "base"))
+    orig = str(tmp_path / "orig")
+    shutil.copytree(base, orig)
+    rel = os.path.relpath(base, REPO)  # the launcher runs in REPO
+    lora = ["train.mode=lora", "lora.rank=4", "lora.alpha=8", "train.steps=2", "train.stop_after=1"]
+    first = Job(tmp_path, rel, *lora, name="lora")
+    try:
+        assert first.wait(240) == 0, first.tail()
+    finally:
+        first.kill_all()
+    ck = complete_checkpoints(os.path.join(first.run_dir, "checkpoints"))[-1]
+    assert CheckpointReader(ck).manifest["model_path"] == base  # fault 4: absolute
+
+    make_tiny_model(base, seed=1)  # fault 3: same shapes, other weights
+    again = Job(tmp_path, rel, *lora, "train.resume=latest", name="lora")
+    try:
+        rc = again.wait(240)
+    finally:
+        again.kill_all()
+    assert rc == 2, again.tail()
+    (line,) = again.error_lines()
+    assert "differ from those the checkpoint's LoRA adapters were trained on" in line \
+        and "train.resume_mismatch=allow" in line, line
+    out = str(tmp_path / "hf")
+    assert export_main([ck, out]) == 2 and not os.path.exists(out)
+
+    shutil.rmtree(base)  # fault 19: the base moved
+    moved = str(tmp_path / "moved")
+    shutil.move(orig, moved)
+    assert export_main([ck, out]) == 2 and not os.path.exists(out)
+    assert export_main([ck, out, "--base", base + "-nowhere"]) == 2 and not os.path.exists(out)
+    assert export_main([ck, out, "--base", moved]) == 0
+    with open(os.path.join(out, "adapter", "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == moved
+
+
+def test_lora_base_moved_message(tmp_path, capsys):
+    """Fault 19's message: the recorded base, that it does not exist any more, and ``--base``."""
+    from npu_train.checkpoint.export import main as export_main
+
+    ck = tmp_path / "ck" / "step_000001"
+    ck.mkdir(parents=True)
+    from npu_train.model.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True)
+    (ck / "manifest.json").write_text(json.dumps({
+        "step": 1, "format": 1, "model": cfg.to_dict(), "index": {}, "model_path": "/gone/base",
+        "tokenizer_path": "/gone/base", "train": {"mode": "lora", "lora_rank": 4, "lora_alpha": 8.0,
+                                                  "lora_dropout": 0.0, "lora_targets": ["q_proj"]}}))
+    assert export_main([str(ck), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA checkpoint of the base model at /gone/base (its run's model.path), which does not exist" in err
+    assert "--base" in err and not (tmp_path / "out").exists()

@@ -1,6 +1,7 @@
 """Export a checkpoint to a merged Hugging Face directory that ``transformers`` loads (:func:`export_hf`).
 
-``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32] [--overwrite]`` writes
+``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32] [--overwrite] [--base DIR]``
+writes
 ``model.safetensors`` (fp32 masters cast to ``--dtype``; LoRA merged as ``W + (alpha/r) B A``, the
 adapters also in PEFT's layout under ``adapter/``), ``config.json``, the run's tokenizer files and
 :data:`RECORD` (the files written). A non-empty ``<out dir>`` is refused unless ``--overwrite``, which first
@@ -78,8 +79,9 @@ def moe_config_dict(cfg: LlamaConfig) -> dict:
     return d
 
 
-def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
-    """Write ``<out_dir>/adapter`` (PEFT layout); return ``name -> W + (alpha / r) * B @ A``."""
+def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt, model_path: str):
+    """Write ``<out_dir>/adapter`` (PEFT layout); return ``name -> W + (alpha / r) * B @ A`` on the base
+    ``model_path`` (checked by :func:`base_model`)."""
     from npu_train.model import load_tensors
     from npu_train.model.lora import LoraSpec, merge_adapters, peft_config, peft_state_dict
 
@@ -87,7 +89,6 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt):
                     dropout=float(train["lora_dropout"]), targets=tuple(train["lora_targets"]))
     adapters = {k[len("master."):]: reader.get(k) for k in reader.manifest["index"]
                 if k.startswith("master.") and ".lora_" in k}
-    model_path = reader.manifest["model_path"]
     adir = os.path.join(out_dir, "adapter")
     os.makedirs(adir, exist_ok=True)
     save_file({k: v.to(tdt).contiguous() for k, v in peft_state_dict(adapters).items()},
@@ -153,6 +154,54 @@ def _write_record(out_dir: str, ckpt: str) -> None:
         json.dump({"checkpoint": ckpt, "files": [x for x in files if x != RECORD] + [RECORD]}, f, indent=1)
 
 
+class BaseModelError(UserError):
+    """A LoRA checkpoint's base model cannot be found, or is not the one its adapters were trained on (exit 2)."""
+
+
+def base_model(reader, base: Optional[str], lora: bool) -> Optional[str]:
+    """The base model an export of ``reader``'s checkpoint reads (LoRA: the frozen weights the adapters merge
+    into; also the tokenizer's and ``generation_config.json``'s source): ``base`` (``--base``: the recorded base's
+    new place) or the run's recorded ``model_path``. Raises :class:`BaseModelError`, before anything is written,
+    for a LoRA base that does not exist, was recorded as a relative path (older runs; ambiguous from another
+    directory), or whose weights differ from the recorded ``model_fingerprint``."""
+    recorded = reader.manifest.get("model_path")
+    path = os.path.abspath(os.path.expanduser(base)) if base else recorded
+    if not lora:
+        return path
+    fix = "pass its new place with --base <HF model dir or .gguf file>"
+    if base and not os.path.exists(path):
+        raise BaseModelError(f"--base {base} does not exist: give the directory (or .gguf file) the base model of "
+                             f"{reader.path} was moved to (recorded model.path={recorded})")
+    if not base and (not recorded or not os.path.isabs(recorded)):
+        raise BaseModelError(f"{reader.path} is a LoRA checkpoint whose base model was recorded as "
+                             f"{recorded!r}, a path relative to the directory its run was launched from: {fix}")
+    if not os.path.exists(path):
+        raise BaseModelError(f"{reader.path} is a LoRA checkpoint of the base model at {recorded} (its run's "
+                             f"model.path), which does not exist any more (moved or deleted): {fix}")
+    saved = reader.manifest.get("model_fingerprint")
+    if saved:
+        from npu_train.model.weights import model_fingerprint
+
+        if model_fingerprint(path) != saved:
+            which = f"--base {base}" if base else f"the recorded base model {recorded}"
+            raise BaseModelError(f"{which} holds other weights than the base {reader.path}'s LoRA adapters were "
+                                 "trained on (replaced or another model; merging them would give wrong outputs "
+                                 f"silently): {fix} (the original weights)")
+    return path
+
+
+def _tokenizer_source(reader, base: Optional[str], model_path: Optional[str]) -> Optional[str]:
+    """Where the export reads the tokenizer: the recorded ``tokenizer_path`` (the base's new place when it was
+    the base's and ``--base`` moved it). Raises :class:`BaseModelError` when it does not exist."""
+    src, recorded = reader.manifest.get("tokenizer_path"), reader.manifest.get("model_path")
+    if src and base and src == recorded:
+        src = model_path
+    if src and src not in ("embedded", "smollm2") and not os.path.exists(os.path.expanduser(src)):
+        raise BaseModelError(f"{reader.path}: the tokenizer its run used, {src}, does not exist any more (moved or "
+                             "deleted): pass the base model's new place with --base <HF model dir or .gguf file>")
+    return src
+
+
 def export_bound(cfg: LlamaConfig, lora: bool) -> int:
     """Extra host memory of :func:`export_hf`, bytes: about 3 fp32 copies of the largest weight."""
     big = max(cfg.vocab_size * cfg.hidden_size, cfg.hidden_size * cfg.intermediate_size)
@@ -160,11 +209,12 @@ def export_bound(cfg: LlamaConfig, lora: bool) -> int:
 
 
 def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None,
-              overwrite: bool = False) -> str:
+              overwrite: bool = False, base: Optional[str] = None) -> str:
     """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
     ``arg``: how errors name ``ckpt_dir``; ``overwrite``: replace an earlier export in ``out_dir``
     (:func:`clear_earlier_export`). Raises CheckpointError (incomplete checkpoint or missing tensor),
-    ExportDirError (non-empty ``out_dir`` without ``overwrite``), MemoryCheckError (less host memory than
+    ExportDirError (non-empty ``out_dir`` without ``overwrite``), BaseModelError (a LoRA checkpoint's base cannot
+    be found or has other weights: ``base`` names its new place; :func:`base_model`), MemoryCheckError (less host memory than
     :func:`export_bound`), ValueError (unknown ``dtype``)."""
     if dtype not in ("bf16", "fp32"):
         raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
@@ -179,12 +229,14 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
     train = reader.manifest.get("train") or {}
     lora = train.get("mode") == "lora"
     check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
+    model_path = base_model(reader, base, lora)  # before anything is written
+    tok_src = _tokenizer_source(reader, base, model_path)
     check_out_dir(out_dir, overwrite)
     if overwrite:
         clear_earlier_export(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     if lora:
-        get = _lora_getter(reader, cfg, names, train, out_dir, tdt)
+        get = _lora_getter(reader, cfg, names, train, out_dir, tdt, model_path)
     else:
         get = lambda n: reader.get(f"master.{n}").to(tdt).contiguous()  # noqa: E731
     shapes = dict(cfg.param_shapes(None))
@@ -194,7 +246,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
                  [Entry(n, tdt, tuple(shapes[n]), lambda n=n: get(n)) for n in names], {"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, dtype), f, indent=1)
-    src = reader.manifest.get("tokenizer_path")
+    src = tok_src
     if src:
         from npu_train.model import load_tokenizer
 
@@ -208,7 +260,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
             tc["chat_template"] = template
         with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
             json.dump(tc, f, indent=1)
-    _copy_generation_config(reader.manifest.get("model_path"), out_dir)
+    _copy_generation_config(model_path, out_dir)
     _write_record(out_dir, reader.path)
     return out_dir
 
@@ -232,9 +284,12 @@ def main(argv=None) -> int:
     ap.add_argument("--overwrite", action="store_true",
                     help="export into a non-empty directory: first remove an earlier export's files there "
                          "(model.safetensors, config.json, tokenizer*.json, adapter/), never other files")
+    ap.add_argument("--base", default=None,
+                    help="LoRA: where the run's base model (its model.path, recorded in the checkpoint) is now, "
+                         "when it was moved; checked against the recorded weights")
     a = ap.parse_args(argv)
     try:
-        out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite)
+        out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite, base=a.base)
     except Exception as e:  # user-facing CLI: one line
         print(f"error: {e}", file=sys.stderr)
         return 2

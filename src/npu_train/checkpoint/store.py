@@ -560,6 +560,21 @@ class CheckpointReader:
             f"train.resume (to tune its weights with DPO: python -m npu_train.checkpoint.export {self.path} <out dir>, "
             "then model.path=<out dir>)")
 
+    def check_base(self, fingerprint: Optional[str], model_path: str, allow: bool = False) -> list[str]:
+        """A LoRA resume: refuse a base model whose weights differ from the ones the adapters were trained on
+        (``model_fingerprint`` in the manifest; same shapes pass :meth:`check_model`). Returns the difference
+        (one string) when ``allow``, else raises CheckpointError; nothing for a manifest without a fingerprint."""
+        saved = self.manifest.get("model_fingerprint")
+        if not saved or not fingerprint or saved == fingerprint:
+            return []
+        was = self.manifest.get("model_path")
+        diff = (f"the base model's weights at model.path={model_path} differ from those the checkpoint's LoRA "
+                f"adapters were trained on (recorded model.path={was}; the files were replaced or are another model)")
+        if allow:
+            return [diff]
+        raise CheckpointError(f"train.resume: {self.path}: {diff}: resume with the original base weights, or set "
+                              "train.resume_mismatch=allow to continue the adapters on this base")
+
     def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False,
                   lora: Optional[dict] = None) -> list[str]:
         """Differences of this run's :data:`RUN_KEYS`, LoRA ``alpha``/``dropout`` and data fingerprint from the

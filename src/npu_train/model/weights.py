@@ -13,7 +13,7 @@ from .gguf import gguf_config, gguf_reader, hf_to_gguf_name, iter_gguf_tensors
 from .hf import hf_config, iter_safetensors_tensors, safetensors_walk
 from .llama import checkpoint_source_name
 
-__all__ = ["load_config", "load_tensors", "iter_tensors", "check_weights"]
+__all__ = ["load_config", "load_tensors", "iter_tensors", "check_weights", "model_fingerprint"]
 
 
 def load_config(path: str) -> LlamaConfig:
@@ -67,3 +67,35 @@ def check_weights(model_path: str, cfg: LlamaConfig) -> None:
         return
     for _ in safetensors_walk(hf_dir(path), wanted):  # headers only: presence and shape of each tensor
         pass
+
+
+#: bytes per sampled block and blocks sampled per weight file by :func:`model_fingerprint`
+_FP_BLOCK, _FP_BLOCKS = 1 << 16, 32
+
+
+def _weight_files(path: str) -> list:
+    if os.path.isfile(path):
+        return [path]
+    return sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith((".safetensors", ".gguf")))
+
+
+def model_fingerprint(model_path: str) -> str:
+    """sha256 hex of the weights at ``model_path`` (an HF directory's ``*.safetensors`` or a ``.gguf`` file) that
+    survives a move or copy and changes when the weights are replaced, even by others of the same shapes: per
+    file its name, size, and its first, last and :data:`_FP_BLOCKS` evenly spaced 64 KiB blocks (the header and
+    samples of every region of tensor data; about 2 MiB read per file, not the whole file). Raises OSError."""
+    import hashlib
+
+    path = os.path.expanduser(model_path)
+    h = hashlib.sha256(b"npt model fingerprint 1\n")
+    for f in _weight_files(path):
+        size = os.path.getsize(f)
+        h.update(f"{os.path.basename(f)} {size}\n".encode())
+        with open(f, "rb") as fh:
+            if size <= (_FP_BLOCKS + 2) * _FP_BLOCK:
+                h.update(fh.read())
+                continue
+            for o in [0] + [size * (k + 1) // (_FP_BLOCKS + 1) for k in range(_FP_BLOCKS)] + [size - _FP_BLOCK]:
+                fh.seek(o)
+                h.update(fh.read(_FP_BLOCK))
+    return h.hexdigest()

@@ -124,7 +124,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         cards, node_counts, plan_threads, node_ram = exchange_cards(nodes, cards, threads, host_ram)
     mcfg, model_path = _preset_config(cfg.model.path), None
     if mcfg is None:
-        model_path = resolve_model_path(cfg.model.path)
+        # absolute: the checkpoints record it (an export or resume from another directory finds the same model)
+        model_path = os.path.abspath(resolve_model_path(cfg.model.path))
     elif not cfg.plan:
         raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
                           "or point model.path at an HF directory or a GGUF file")
@@ -802,6 +803,10 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
     reader.check_model(prep.model_cfg.to_dict())
     reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
     reader.check_objective(str(getattr(tr, "objective", "sft")))  # before the sampler speaks of n_sequences
+    if tr.mode == "lora":  # the adapters were trained on the recorded base: refuse other weights at model.path
+        for d in reader.check_base(_model_fingerprint(prep.model_path), prep.model_path,
+                                   allow=tr.resume_mismatch == "allow"):
+            print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
     try:  # before check_run: a data order no setting can continue is refused as such (no allow dead end)
         point.sampler.load_state_dict(reader.manifest.get("sampler", {}))
     except ValueError as e:
@@ -1089,8 +1094,28 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
             "parallel": {"dp": prep.dp, "pp": P, "zero": prep.zero},
             "sampler": resume.sampler.state_dict(),
             "data_fingerprint": data.fingerprint, "train": train.to_dict(),
-            "model_path": prep.model_path,
-            "tokenizer_path": cfg.model.tokenizer or prep.model_path}
+            "model_path": prep.model_path, "model_fingerprint": _model_fingerprint(prep.model_path),
+            "tokenizer_path": _tokenizer_path(cfg, prep.model_path)}
+
+
+def _tokenizer_path(cfg, model_path: Optional[str]) -> Optional[str]:
+    """The tokenizer's absolute path as the checkpoints record it: ``model.tokenizer``, else the model's."""
+    if not cfg.model.tokenizer:
+        return model_path
+    from npu_train.model import resolve_model_path
+
+    return os.path.abspath(resolve_model_path(cfg.model.tokenizer))
+
+
+def _model_fingerprint(model_path: Optional[str]) -> Optional[str]:
+    """:func:`~npu_train.model.weights.model_fingerprint` of the model (a LoRA resume and export check the base
+    with it), None when it cannot be read."""
+    from npu_train.model.weights import model_fingerprint
+
+    try:
+        return model_fingerprint(model_path) if model_path else None
+    except OSError:
+        return None
 
 
 def _supervise(job: StartedJob, cfg, resume: ResumePoint) -> None:
