@@ -107,3 +107,73 @@ def test_lora_base_moved_message(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "LoRA checkpoint of the base model at /gone/base (its run's model.path), which does not exist" in err
     assert "--base" in err and not (tmp_path / "out").exists()
+
+
+def _edit_model(src: str, dst: str, edit_cfg=None, edit_tensors=None) -> str:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_cfg:
+        with open(os.path.join(dst, "config.json")) as f:
+            c = json.load(f)
+        edit_cfg(c)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(c, f)
+    if edit_tensors:
+        t = load_file(os.path.join(dst, "model.safetensors"))
+        edit_tensors(t)
+        save_file(t, os.path.join(dst, "model.safetensors"))
+    return dst
+
+
+def test_tied_config_with_a_distinct_head_in_the_file_keeps_the_files_head(tiny_model, tmp_path, capsys):
+    """Fault 5: ``tie_word_embeddings=true`` beside an ``lm_head.weight`` with other values than the embedding:
+    as transformers 5.25 does (it keeps the file's head, untied, and warns), the model is untied and reads the file's
+    head, with one note; a head equal to the embedding stays tied, without a note."""
+    import torch
+
+    from npu_train.model import load_config, load_tensors
+    from npu_train.model import weights
+
+    _NOTED = getattr(weights, "_NOTED", set())  # notes printed once per process
+
+    g = torch.Generator().manual_seed(3)
+    head = {}
+
+    def add_head(t, same=False):
+        head["w"] = t["model.embed_tokens.weight"].clone() if same else \
+            0.05 * torch.randn(t["model.embed_tokens.weight"].shape, generator=g)
+        t["lm_head.weight"] = head["w"]
+
+    d = _edit_model(tiny_model, str(tmp_path / "distinct"), edit_tensors=add_head)
+    _NOTED.clear()
+    cfg = load_config(d)
+    assert cfg.tie_word_embeddings is False
+    got = load_tensors(d, cfg, ["lm_head.weight"])["lm_head.weight"]
+    assert torch.equal(got, head["w"].float())
+    err = capsys.readouterr().err
+    assert "sets tie_word_embeddings=true, but the weights hold their own lm_head.weight" in err and \
+        "as transformers does" in err
+    same = _edit_model(tiny_model, str(tmp_path / "same"), edit_tensors=lambda t: add_head(t, same=True))
+    assert load_config(same).tie_word_embeddings is True
+    assert "tie_word_embeddings" not in capsys.readouterr().err
+
+
+def test_config_with_fewer_layers_than_the_weights_warns(tiny_model, tmp_path, capsys):
+    """Fault 6: config.json says 4 layers, the weights hold 6: a warning naming the unused layers 4-5 and the
+    fix (it trained the 4-layer model without a word); the complete model warns nothing."""
+    from npu_train.model import check_weights, load_config
+    from npu_train.model import weights
+
+    _NOTED = getattr(weights, "_NOTED", set())  # notes printed once per process
+
+    d = _edit_model(tiny_model, str(tmp_path / "fewer"), edit_cfg=lambda c: c.update(num_hidden_layers=4))
+    _NOTED.clear()
+    check_weights(d, load_config(d))
+    err = capsys.readouterr().err
+    assert "holds weights of 6 decoder layers but" in err and "num_hidden_layers=4: layers 4-5 are not used" in err
+    assert "set num_hidden_layers=6" in err
+    check_weights(tiny_model, load_config(tiny_model))
+    assert "decoder layers" not in capsys.readouterr().err

@@ -3,6 +3,8 @@ Loaders return fp32 CPU tensors under HF names and read only the requested tenso
 from __future__ import annotations
 
 import os
+import sys
+from dataclasses import replace
 from typing import Iterator, Optional
 
 import torch
@@ -10,7 +12,7 @@ import torch
 from .config import LlamaConfig
 from .files import ModelFormatError, check_exists, expected_shape, hf_dir, is_gguf_path, shape_error
 from .gguf import gguf_config, gguf_reader, hf_to_gguf_name, iter_gguf_tensors
-from .hf import hf_config, iter_safetensors_tensors, safetensors_walk
+from .hf import hf_config, iter_safetensors_tensors, safetensors_index, safetensors_walk
 from .llama import checkpoint_source_name
 
 __all__ = ["load_config", "load_tensors", "iter_tensors", "check_weights", "model_fingerprint"]
@@ -18,12 +20,53 @@ __all__ = ["load_config", "load_tensors", "iter_tensors", "check_weights", "mode
 
 def load_config(path: str) -> LlamaConfig:
     """The :class:`LlamaConfig` of the model at ``path`` (HF directory or ``.gguf``); raises
-    ``FileNotFoundError`` or :class:`ModelFormatError`."""
+    ``FileNotFoundError`` or :class:`ModelFormatError`. An HF config with ``tie_word_embeddings=true`` whose
+    weights hold their own ``lm_head.weight`` with other values than the embedding is untied, as transformers
+    does (it keeps the file's head and warns): one note on stderr."""
     path = os.path.expanduser(path)
     check_exists(path)
     if is_gguf_path(path):
         return gguf_config(path)
-    return hf_config(hf_dir(path))
+    d = hf_dir(path)
+    cfg = hf_config(d)
+    if cfg.tie_word_embeddings and _distinct_head(d):
+        _note_once(f"note: {os.path.join(d, 'config.json')} sets tie_word_embeddings=true, but the weights hold their "
+                   "own lm_head.weight, different from model.embed_tokens.weight: training with the file's head, "
+                   "untied, as transformers does (it warns the same); set tie_word_embeddings=false in config.json "
+                   "to silence this note")
+        cfg = replace(cfg, tie_word_embeddings=False)
+    return cfg
+
+
+_NOTED: set = set()
+
+
+def _note_once(text: str) -> None:
+    """Print ``text`` on stderr once per process (the launcher reads a model's config several times)."""
+    if text not in _NOTED:
+        _NOTED.add(text)
+        print(text, file=sys.stderr, flush=True)
+
+
+def _distinct_head(d: str, block_elems: int = 1 << 24) -> bool:
+    """Whether the HF directory ``d``'s safetensors hold an ``lm_head.weight`` beside ``model.embed_tokens.weight``
+    with other shape or values (compared ``block_elems`` elements of rows at a time: bounded memory, the first
+    differing block ends it). False when either is absent or the weights cannot be read (check_weights says so)."""
+    from safetensors import safe_open
+
+    try:
+        where, _ = safetensors_index(d)
+        if "lm_head.weight" not in where or "model.embed_tokens.weight" not in where:
+            return False
+        with safe_open(where["lm_head.weight"], "pt") as fh, safe_open(where["model.embed_tokens.weight"], "pt") as fe:
+            h, e = fh.get_slice("lm_head.weight"), fe.get_slice("model.embed_tokens.weight")
+            shape = tuple(h.get_shape())
+            if shape != tuple(e.get_shape()) or len(shape) != 2:
+                return True
+            rows = max(1, block_elems // max(1, shape[1]))
+            return any(not torch.equal(h[r:r + rows], e[r:r + rows]) for r in range(0, shape[0], rows))
+    except (ModelFormatError, OSError, ValueError, RuntimeError):
+        return False
 
 
 def load_tensors(path: str, cfg: LlamaConfig, names: list[str], *, index: Optional[dict] = None,
@@ -67,6 +110,22 @@ def check_weights(model_path: str, cfg: LlamaConfig) -> None:
         return
     for _ in safetensors_walk(hf_dir(path), wanted):  # headers only: presence and shape of each tensor
         pass
+    _note_unused_layers(hf_dir(path), cfg)
+
+
+def _note_unused_layers(d: str, cfg: LlamaConfig) -> None:
+    """One note when the weights hold decoder layers beyond config.json's ``num_hidden_layers`` (they would be
+    left out without a word; transformers warns about the unused weights the same way)."""
+    from .files import LAYER_RE
+
+    where, source = safetensors_index(d)
+    layers = {int(m.group(1)) for m in map(LAYER_RE.match, where) if m}
+    extra = sorted(i for i in layers if i >= cfg.num_layers)
+    if extra:
+        _note_once(f"warning: {source} holds weights of {max(layers) + 1} decoder layers but {d}/config.json has "
+                   f"num_hidden_layers={cfg.num_layers}: layers {extra[0]}-{extra[-1]} are not used, so the model "
+                   f"trained is the first {cfg.num_layers} layers only (transformers warns the same); if config.json "
+                   f"is wrong, set num_hidden_layers={max(layers) + 1} there")
 
 
 #: bytes per sampled block and blocks sampled per weight file by :func:`model_fingerprint`
