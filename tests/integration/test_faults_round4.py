@@ -177,3 +177,38 @@ def test_config_with_fewer_layers_than_the_weights_warns(tiny_model, tmp_path, c
     assert "set num_hidden_layers=6" in err
     check_weights(tiny_model, load_config(tiny_model))
     assert "decoder layers" not in capsys.readouterr().err
+
+
+def test_resume_after_a_file_was_added_to_the_data_dir(tiny_model, tmp_path):
+    """Fault 16: a file added to a ``data.source`` directory before a resume: the refusal names the new file and
+    ``train.resume_mismatch=allow`` (it said "layout differs ... resume with the same data.source", which it was);
+    with ``allow`` the run continues on the data as it is now."""
+    from npu_train.data.text import botchan_text
+
+    text = botchan_text()
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_text(text[:30000])
+    args = [f"data.source={data}", "train.steps=3", "train.stop_after=1"]
+    first = Job(tmp_path, tiny_model, *args, name="data")
+    try:
+        assert first.wait(240) == 0, first.tail()
+    finally:
+        first.kill_all()
+    (data / "extra.txt").write_text(text[30000:60000])
+    refused = Job(tmp_path, tiny_model, *args, "train.resume=latest", name="data")
+    try:
+        rc = refused.wait(240)
+    finally:
+        refused.kill_all()
+    assert rc == 2, refused.tail()
+    (line,) = refused.error_lines()
+    assert f"data.source={data} changed since" in line and "new file(s) extra.txt" in line, line
+    assert "train.resume_mismatch=allow" in line, line
+    allowed = Job(tmp_path, tiny_model, *args, "train.resume=latest", "train.resume_mismatch=allow", name="data")
+    try:
+        rc = allowed.wait(240)
+    finally:
+        allowed.kill_all()
+    assert rc == 0, allowed.tail()
+    assert "resuming onto changed data" in allowed.stdout and "new file(s) extra.txt" in allowed.stdout

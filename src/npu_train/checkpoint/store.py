@@ -576,9 +576,10 @@ class CheckpointReader:
                               "train.resume_mismatch=allow to continue the adapters on this base")
 
     def check_run(self, train: dict, data_fingerprint: Optional[str], allow: bool = False,
-                  lora: Optional[dict] = None) -> list[str]:
+                  lora: Optional[dict] = None, data_change: str = "") -> list[str]:
         """Differences of this run's :data:`RUN_KEYS`, LoRA ``alpha``/``dropout`` and data fingerprint from the
-        manifest (one string each). Raises CheckpointError naming them unless ``allow``."""
+        manifest (one string each; ``data_change``: the data files added, removed or changed, named instead of the
+        fingerprint). Raises CheckpointError naming them unless ``allow``."""
         saved = self.manifest.get("train") or {}
         diff = [f"train.{k}: checkpoint {saved[k]!r}, now {train.get(k)!r}" for k in self.RUN_KEYS
                 if k in saved and saved[k] != train.get(k)]
@@ -588,7 +589,8 @@ class CheckpointReader:
                 diff.append(f"lora.{k}: checkpoint {was!r}, now {now!r}")
         fp = self.manifest.get("data_fingerprint")
         if fp is not None and data_fingerprint is not None and fp != data_fingerprint:
-            diff.append("the data (data.source, data.seq_len, data.val_fraction or the tokenizer) differs from "
+            diff.append(f"data.source changed since: {data_change}" if data_change else
+                        "the data (data.source, data.seq_len, data.val_fraction or the tokenizer) differs from "
                         "the checkpoint's run: its data fingerprint does not match")
         if diff and not allow:
             raise CheckpointError(f"train.resume: {self.path} was written by a run with other settings "

@@ -231,6 +231,34 @@ def _sample_hash(path: Path, size: int) -> str:
     return h.hexdigest()
 
 
+def source_files(src: Source) -> dict:
+    """``{path relative to the source: "<size> <sample hash>"}`` of the files a source reads (empty for a built-in
+    set): recorded in each checkpoint so a resume onto changed data can name the files added, removed or
+    changed since (the fingerprint says only that something differs)."""
+    if src.kind == "builtin":
+        return {}
+    base = src.root if src.root is not None and src.root.is_dir() else None
+    out = {}
+    for f in src.files:
+        size = os.path.getsize(f)
+        out[f.relative_to(base).as_posix() if base is not None else f.name] = f"{size} {_sample_hash(f, size)[:16]}"
+    return out
+
+
+def files_change(before: dict, now: dict) -> str:
+    """What differs between two :func:`source_files` records, e.g. ``"new file(s) extra.txt; changed a.txt"``;
+    ``""`` when nothing does. Names up to 5 files per kind."""
+    def names(xs: list) -> str:
+        return ", ".join(xs[:5]) + (f" and {len(xs) - 5} more" if len(xs) > 5 else "")
+
+    added = sorted(set(now) - set(before))
+    removed = sorted(set(before) - set(now))
+    changed = sorted(k for k in set(before) & set(now) if before[k] != now[k])
+    parts = [f"{what} {names(xs)}" for what, xs in (("new file(s)", added), ("removed file(s)", removed),
+                                                      ("changed file(s)", changed)) if xs]
+    return "; ".join(parts)
+
+
 def _builtin_asset(spec: str) -> str:
     """The asset file name of a built-in chat / preference set."""
     return BUILTIN_PREFS[spec] if spec in BUILTIN_PREFS else BUILTIN_CHAT[spec]

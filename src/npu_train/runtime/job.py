@@ -807,14 +807,25 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
         for d in reader.check_base(_model_fingerprint(prep.model_path), prep.model_path,
                                    allow=tr.resume_mismatch == "allow"):
             print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
-    try:  # before check_run: a data order no setting can continue is refused as such (no allow dead end)
+    allow = tr.resume_mismatch == "allow"
+    files = _data_files_change(cfg, reader.manifest)
+    try:  # before check_run: a data order no setting can continue is refused as such
         point.sampler.load_state_dict(reader.manifest.get("sampler", {}))
     except ValueError as e:
-        raise ConfigError(f"{e}. The checkpoint's run settings are in {point.resume_dir}/manifest.json ('train'); "
-                          "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
-                          "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
+        if allow and files:  # the data changed on purpose: the new data's order from the resumed step on
+            print(f"note: resuming onto changed data (train.resume_mismatch=allow): {files}; the data order "
+                  f"continues from step {reader.step} over the data as it is now ({e})", flush=True)
+        elif files:
+            raise ConfigError(f"train.resume: data.source={cfg.data.source} changed since {point.resume_dir} was "
+                              f"written: {files}; so the data/batch layout differs ({str(e).split('(', 1)[-1]}: "
+                              "restore the data as it was to resume exactly, or set train.resume_mismatch=allow to "
+                              f"continue on the data as it is now (its order from step {reader.step} on)") from None
+        else:
+            raise ConfigError(f"{e}. The checkpoint's run settings are in {point.resume_dir}/manifest.json ('train'); "
+                              "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
+                              "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
     allowed = reader.check_run({k: getattr(tr, k) for k in reader.RUN_KEYS}, data.fingerprint,
-                               allow=tr.resume_mismatch == "allow",
+                               allow=allow, data_change=files,
                                lora={"alpha": cfg.lora.alpha, "dropout": cfg.lora.dropout} if tr.mode == "lora" else None)
     for d in allowed:
         print(f"note: resuming with a changed setting (train.resume_mismatch=allow): {d}", flush=True)
@@ -1094,8 +1105,32 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
             "parallel": {"dp": prep.dp, "pp": P, "zero": prep.zero},
             "sampler": resume.sampler.state_dict(),
             "data_fingerprint": data.fingerprint, "train": train.to_dict(),
+            "data_files": _data_files(cfg),
             "model_path": prep.model_path, "model_fingerprint": _model_fingerprint(prep.model_path),
             "tokenizer_path": _tokenizer_path(cfg, prep.model_path)}
+
+
+def _data_files(cfg) -> Optional[dict]:
+    """:func:`~npu_train.data.sources.source_files` of ``data.source`` (None when it cannot be listed)."""
+    from npu_train.data.sources import resolve_source, source_files
+
+    d = cfg.data
+    try:
+        return source_files(resolve_source(d.source, str(getattr(d, "format", "text") or "text"),
+                                           str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None)))
+    except (UserError, OSError, ValueError):
+        return None
+
+
+def _data_files_change(cfg, manifest: dict) -> str:
+    """The files of ``data.source`` added, removed or changed since the checkpoint ``manifest`` was written
+    (:func:`~npu_train.data.sources.files_change`); ``""`` when none, or when the manifest has no record."""
+    from npu_train.data.sources import files_change
+
+    before, now = manifest.get("data_files"), _data_files(cfg)
+    if not isinstance(before, dict) or now is None:
+        return ""
+    return files_change(before, now)
 
 
 def _tokenizer_path(cfg, model_path: Optional[str]) -> Optional[str]:
