@@ -70,8 +70,9 @@ def stage_flops_per_step(model, n_layers: int, has_head: bool, seq_len: int, tok
                          lora_params_per_layer: int = 0) -> float:
     """Model FLOPs of one optimizer step on a stage of ``n_layers`` decoder layers (+ the lm_head when
     ``has_head``) over ``tokens_per_step`` = micro_batch x seq_len x micro-batches positions. ``model``: a
-    :class:`~npu_train.model.config.LlamaConfig`."""
-    layer, head = train_flops_per_token(model.params_per_layer(), seq_len, model.num_heads, model.head_dim,
+    :class:`~npu_train.model.config.LlamaConfig`; a mixture of experts counts its active (top-k) parameters and
+    ``lora_params_per_layer`` the adapters a token passes through (``RunShape.active_adapter_params``)."""
+    layer, head = train_flops_per_token(model.active_params_per_layer(), seq_len, model.num_heads, model.head_dim,
                                         model.embedding_params(), lora_params_per_layer)
     return float(tokens_per_step) * (n_layers * layer + (head if has_head else 0.0))
 

@@ -81,6 +81,38 @@ PRESETS: dict[str, LlamaConfig] = {
         rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False,
         bos_token_id=1, eos_token_id=2, name="mistral-7b", family="mistral", sliding_window=None,
     ),
+    # ---- mixtures of experts ----
+    # Qwen/Qwen3-30B-A3B config.json: 48 sparse layers (decoder_sparse_step 1, mlp_only_layers []), 128 experts,
+    # top-8, norm_topk_prob true, router_aux_loss_coef 0.001, output_router_logits false; intermediate_size
+    # 6144 is the width a dense layer would have (none here)
+    "qwen3-30b-a3b": LlamaConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+        num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, name="qwen3-30b-a3b", family="qwen3_moe",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001, output_router_logits=False,
+    ),
+    # Qwen/Qwen3-235B-A22B config.json: 94 sparse layers, 128 experts, top-8, moe_intermediate_size 1536
+    "qwen3-235b-a22b": LlamaConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=94,
+        num_heads=64, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+        rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, name="qwen3-235b-a22b", family="qwen3_moe",
+        num_experts=128, num_experts_per_tok=8, moe_intermediate_size=1536, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=(), router_aux_loss_coef=0.001, output_router_logits=False,
+    ),
+    # mistralai/Mixtral-8x7B-v0.1 config.json: 32 sparse layers, num_local_experts 8, top-2 (renormalised
+    # always: softmax over the top-2 logits), each expert 14336 wide; router_aux_loss_coef 0.02,
+    # output_router_logits false, sliding_window null
+    "mixtral-8x7b": LlamaConfig(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rope_scaling=None,
+        rms_norm_eps=1e-5, max_position_embeddings=32768, tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=2, name="mixtral-8x7b", family="mixtral", sliding_window=None,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True,
+        router_aux_loss_coef=0.02, output_router_logits=False,
+    ),
 }
 
 #: Hugging Face repository ids (lower-cased) -> preset name.
@@ -102,6 +134,11 @@ ALIASES: dict[str, str] = {
     "qwen/qwen3-8b-base": "qwen3-8b",
     "mistralai/mistral-7b-v0.3": "mistral-7b",
     "mistralai/mistral-7b-instruct-v0.3": "mistral-7b",
+    "qwen/qwen3-30b-a3b": "qwen3-30b-a3b",
+    "qwen/qwen3-30b-a3b-base": "qwen3-30b-a3b",
+    "qwen/qwen3-235b-a22b": "qwen3-235b-a22b",
+    "mistralai/mixtral-8x7b-v0.1": "mixtral-8x7b",
+    "mistralai/mixtral-8x7b-instruct-v0.1": "mixtral-8x7b",
 }
 
 

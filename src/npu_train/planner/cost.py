@@ -104,9 +104,10 @@ class CostModel:
             self.slots += max(1.0, self.dp * active * self.threads / cores)  # dp replicas at once
         tok = shape.tokens_per_micro_batch
         # 6 FLOPs/param/token: forward 2 + input gradient 2 + weight gradient 2 (Kaplan et al. 2020);
-        # LoRA computes no weight gradient of the frozen base: 4 (+ 6 per adapter parameter)
-        adapter_params = shape.lora_params_per_layer
-        layer_params = model.params_per_layer()
+        # LoRA computes no weight gradient of the frozen base: 4 (+ 6 per adapter parameter). The parameters a
+        # token passes through: a mixture-of-experts layer's active ones (its top-k experts, planner/moe.py)
+        adapter_params = shape.active_adapter_params
+        layer_params = model.active_params_per_layer()
         attn = shape.seq_len * tok * model.num_heads * model.head_dim
         lin = 2.0 * (layer_params + adapter_params) * tok  # one pass over the linear layers (base + adapters)
         f = lin + 4.0 * attn

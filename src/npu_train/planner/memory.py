@@ -12,6 +12,7 @@ from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTE
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
+from npu_train.planner.moe import largest_layer_tensor, mlp_pending_bytes_per_token, mlp_saved_bytes_per_token
 from npu_train.planner.spec import RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "logits_bytes",
@@ -50,20 +51,23 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     ``attention="eager"`` (probabilities saved; Korthikanti et al. 2022 adapted to Llama):
     ``e*s*b*(4h + 2q + 2kv + 4i) + a*b*s*s*(4 + e)`` (``4*a*b*s*s`` at fp32); ``"sdpa"`` (fused kernel, as
     checked with ``saved_tensors_hooks``): ``s*b*(2*(4 + 2e)*h + 8 + 4*e*q + 4*a + 4*e*i)``; ``e`` bytes of the
-    compute dtype, ``q``/``kv`` the query/key widths, ``i`` the intermediate size (``docs/planner.md``); Qwen3's
+    compute dtype, ``q``/``kv`` the query/key widths, ``i`` the intermediate size (``docs/planner.md``); a
+    mixture-of-experts layer's MLP saves :func:`~npu_train.planner.moe.mlp_saved_bytes_per_token` per token in
+    place of ``4*e*i`` (routed experts bounded by ``k`` x tokens, router, shared expert); Qwen3's
     per-head q/k norms (``model.qk_norm``) also save their inputs and outputs and fp32 statistics,
     ``+ 2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)`` (``a_kv`` key/value heads). Qwen2's q/k/v biases save nothing more. Raises ``ValueError`` for another ``attention``."""
     s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
-    h, i = model.hidden_size, model.intermediate_size
+    h = model.hidden_size
+    mlp = mlp_saved_bytes_per_token(model, e)  # 4*e*i for a dense MLP
     a = model.num_heads
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
     qk_norm = (2 * e * s * b * (q + kv) + 4 * s * b * (a + model.num_kv_heads)) if model.qk_norm else 0
     if attention == "sdpa":
-        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + 4 * e * i) + qk_norm
+        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + mlp) + qk_norm
     if attention != "eager":
         raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
-    linear = e * s * b * (4 * h + 2 * q + 2 * kv + 4 * i)
+    linear = e * s * b * (4 * h + 2 * q + 2 * kv) + s * b * mlp
     scores = a * b * s * s * (4 + (e if e != 4 else 0))
     return linear + scores + qk_norm
 
@@ -71,11 +75,12 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
 def pending_grad_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
     """Bytes one micro-batch keeps per decoder layer between its ``B`` and ``W`` passes (the output
     gradients of the q, k, v, o, gate, up, down projections): ``s*b*e*(q + 2*kv + 2*h + 2*i)`` (Qi et al. 2024,
-    section 3.1). An upper estimate with LoRA."""
+    section 3.1); a mixture-of-experts layer's MLP part ``e*(h + 2i)`` is
+    :func:`~npu_train.planner.moe.mlp_pending_bytes_per_token`. An upper estimate with LoRA."""
     s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
-    return s * b * e * (q + 2 * kv + 2 * model.hidden_size + 2 * model.intermediate_size)
+    return s * b * (e * (q + 2 * kv + model.hidden_size) + mlp_pending_bytes_per_token(model, e))
 
 
 def logits_bytes(model: LlamaConfig, shape: RunShape) -> int:
@@ -140,9 +145,8 @@ class MemoryModel:
         # (shared by the stage's layers, npu_train.model.masks.additive_mask); 32 MiB per row at S = 4096, bf16
         self.mask_bytes = (shape.micro_batch * shape.seq_len ** 2 * self.dtype_bytes
                            if getattr(shape, "packed", False) else 0)
-        # largest single tensor of a decoder layer (gate/up/down or q/o projection)
-        q = model.num_heads * model.head_dim
-        self.largest_layer_param = max(model.hidden_size * model.intermediate_size, model.hidden_size * q)
+        # largest single tensor of a decoder layer (gate/up/down, one expert's, a router or q/o projection)
+        self.largest_layer_param = largest_layer_tensor(model)
         self.in_flight = [in_flight_micro_batches(i, self.num_stages, shape.micro_batches, shape.schedule)
                           for i in range(self.num_stages)]
         #: micro-batches between B and W at peak, per stage (0 without a split backward)

@@ -331,6 +331,25 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
     bad = [i for i, st in enumerate(plan.stages) if st.mem["total"] > pm.limit(i)] or [0]
     raise PlacementError(
         "no placement fits with any number of resident layers"
-        + ("" if split is not None else " on any split")
+        + ("" if split is not None else " on any split") + _floor_over_cards(pm, shown)
         + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad)
     )
+
+
+def _floor_over_cards(pm: CostModel, split: Sequence[int]) -> str:
+    """``", since the weights and gradients alone need X GiB > the cards' Y GiB (fix: ...)"`` when the terms no
+    placement can move off the cards (weights, and the gradient accumulators, at ``split`` with every layer
+    offloaded) exceed the sum of the cards' limits, e.g. a 235 B mixture of experts on 8 cards; else ``""``."""
+    mm = pm.memory
+    floor = 0
+    for i, n in enumerate(split):
+        p = mm.parameters(i, n, 0)
+        floor += mm.weights(p) + mm.gradients(p)
+    room = sum(pm.limit(i) for i in range(pm.P))
+    if floor <= room:
+        return ""
+    per_card = min(pm.limit(i) for i in range(pm.P))
+    need = -(-floor // per_card)
+    what = "weights and gradients" if mm.gradients(mm.parameters(0, split[0], 0)) else "weights"
+    return (f", since the {what} alone need {gib(floor):.2f} GiB > the {pm.P} cards' {gib(room):.2f} GiB (fix: at "
+            f"least {need} such cards)")

@@ -39,6 +39,9 @@ class RunShape:
     recompute: bool = False  # activation recomputation per decoder layer
     #: 0 = full fine-tuning; > 0 = LoRA with this many adapter parameters per layer (the base is frozen)
     lora_params_per_layer: int = 0
+    #: LoRA adapter parameters one token passes through per layer (mixture of experts: its k experts'
+    #: adapters of the E counted above, npu_train.planner.moe.lora_params_per_layer); 0 = all of them
+    lora_active_params_per_layer: int = 0
     #: gradient accumulators: "fp32" (4 B/param) or "compute" (the .grad in the compute dtype, as on the
     #: predecessor system on RNGD, the field record's condition)
     grad_accum: str = "fp32"
@@ -70,6 +73,12 @@ class RunShape:
     def grad_bytes(self) -> int:
         """Bytes per gradient-accumulator element: 4 (``fp32``) or :attr:`dtype_bytes`."""
         return 4 if self.grad_accum == "fp32" else self.dtype_bytes
+
+    @property
+    def active_adapter_params(self) -> int:
+        """Adapter parameters per layer the compute counts: ``lora_active_params_per_layer`` or, when 0,
+        ``lora_params_per_layer``."""
+        return int(self.lora_active_params_per_layer or self.lora_params_per_layer)
 
     @property
     def tokens_per_micro_batch(self) -> int:

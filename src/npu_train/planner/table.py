@@ -77,6 +77,8 @@ def memory_sources(plan: Plan) -> list[str]:
                    f"{terms.describe()}")
     out.append("gradients: " + ("fp32 accumulators, 4 B/param" if s.grad_accum == "fp32"
                                 else f"{s.dtype} .grad, {s.dtype_bytes} B/param"))
+    if plan.model.is_moe:
+        out.append(_moe_note(plan.model, s)[2:])
     if plan.compiler_cache_dir:
         out.append(f"compiler cache (runtime.furiosa.compiler_cache_dir): {plan.compiler_cache_dir}")
     return out
@@ -290,13 +292,27 @@ def offload_lines(plan: Plan) -> list[str]:
             "hidden behind the pipeline, upload included, so it can exceed 'host-opt s'"]
 
 
+def _moe_note(m, s) -> str:
+    """``"; mixture of experts: ..."`` for a model with experts: sparse layers, experts, top-k, the largest
+    layer's active parameters (what the compute counts; memory counts all) and, with LoRA, the adapters per
+    layer (every expert's / those a token passes through); ``""`` for a dense model."""
+    if not m.is_moe:
+        return ""
+    note = (f"; mixture of experts: {len(m.moe_layers())} sparse layers x {m.num_experts} experts, top-"
+            f"{m.num_experts_per_tok}; memory counts all {m.params_per_layer():,} params per layer, compute the "
+            f"{m.active_params_per_layer():,} active; routed activations bounded by top-k x tokens")
+    if s.lora_params_per_layer:
+        note += f"; LoRA {s.lora_params_per_layer:,} adapter params per layer ({s.active_adapter_params:,} active)"
+    return note
+
+
 def format_plan(plan: Plan, width: int = 0) -> str:
     """Dry-run report: model and run shape, the per-card table, the model's assumptions."""
     m, s = plan.model, plan.shape
     head = [
         f"model {m.name}: {m.total_params():,} params ({m.num_layers} layers x "
         f"{m.params_per_layer():,} + embedding {m.embedding_params():,}"
-        f"{' tied' if m.tie_word_embeddings else ' x2 (untied)'})",
+        f"{' tied' if m.tie_word_embeddings else ' x2 (untied)'})" + _moe_note(m, s),
         f"run: seq_len {s.seq_len}, micro_batch {s.micro_batch}, micro_batches {s.micro_batches}, "
         f"schedule {s.schedule}, dtype {s.dtype}, recompute {'on' if s.recompute else 'off'}; "
         + (f"dp {plan.dp} x pp {len(plan.stages)}{' ZeRO-1' if plan.zero else ''}; " if plan.dp > 1 else "")

@@ -18,7 +18,7 @@ def model_flops_per_rank(prep) -> list[float]:
     sh = prep.shape
     tokens = sh.tokens_per_micro_batch * sh.micro_batches
     per_stage = [stage_flops_per_step(prep.model_cfg, s.num_layers, s.has_head, sh.seq_len, tokens,
-                                      sh.lora_params_per_layer) for s in prep.plan.stages]
+                                      sh.active_adapter_params) for s in prep.plan.stages]
     return per_stage * int(prep.dp)
 
 

@@ -391,15 +391,15 @@ def run_shape(cfg, mcfg, dtype: str):
     """The planner's RunShape of ``cfg`` for ``mcfg`` in ``dtype`` (LoRA: adapter parameters per layer)."""
     from npu_train.planner import RunShape
 
-    tr, lora_pl = cfg.train, 0
-    if tr.mode == "lora":
-        from npu_train.model.lora import LoraSpec
+    tr, lora_pl, lora_active = cfg.train, 0, 0
+    if tr.mode == "lora":  # every expert's adapters for memory, the k a token passes through for compute
+        from npu_train.planner.moe import lora_params_per_layer
 
-        q_out, kv_out = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
-        lora_pl = LoraSpec(r=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets)).params_per_layer(
-            mcfg.hidden_size, mcfg.intermediate_size, q_out, kv_out)
+        lora_pl, lora_active = lora_params_per_layer(mcfg, cfg.lora.rank, tuple(cfg.lora.targets),
+                                                     bool(getattr(cfg.lora, "train_router", False)))
     return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
+                    lora_active_params_per_layer=lora_active,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data))
 

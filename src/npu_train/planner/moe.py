@@ -1,0 +1,166 @@
+"""The planner's terms of a mixture-of-experts decoder layer (Qwen3-MoE, Qwen2-MoE, Mixtral), torch-free.
+
+Memory counts *all* parameters of a layer (every expert: :meth:`LlamaConfig.layer_params
+<npu_train.model.config.LlamaConfig.layer_params>`), compute the *active* ones (the top-k experts a token is
+sent to: :meth:`~npu_train.model.config.LlamaConfig.active_layer_params`). The routed activations are bounded
+whatever the balance: each token goes to exactly ``k`` experts, so the experts' saved tensors together hold
+``k * tokens`` rows however the tokens spread over them. A model with dense and sparse layers
+(``mlp_only_layers``, ``decoder_sparse_step``) is planned with the larger of the two kinds per layer, an
+upper bound, as the parameters are (:meth:`~npu_train.model.config.LlamaConfig.params_per_layer`). For a
+dense model every function here returns the dense figure exactly. Formulas and sources: ``docs/planner.md``
+("Mixture-of-experts layers")."""
+from __future__ import annotations
+
+from typing import Iterable, NamedTuple
+
+from npu_train.model.config import LlamaConfig
+
+__all__ = ["LoraCounts", "mlp_saved_bytes_per_token", "routed_saved_bytes_per_token", "router_saved_bytes_per_token",
+           "shared_saved_bytes_per_token", "mlp_pending_bytes_per_token", "largest_layer_tensor",
+           "lora_layer_params", "lora_params_per_layer", "EXPERT_TARGETS"]
+
+#: LoRA target names of the three projections of an MLP (dense or one expert) -> which one; Mixtral's
+#: checkpoint names (w1 gate, w3 up, w2 down) are accepted for its experts
+EXPERT_TARGETS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+_ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def _kinds(model: LlamaConfig) -> list[int]:
+    """One global layer index per distinct layer kind (sparse, dense) present in ``model``."""
+    moe = [i for i in range(model.num_layers) if model.is_moe_layer(i)]
+    dense = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]
+    return ([moe[0]] if moe else []) + ([dense[0]] if dense else [])
+
+
+def routed_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
+    """Bytes the routed experts of one sparse layer save per token of the micro-batch, an upper bound whatever
+    the balance: ``k * (e*(3h + 4*I_e) + 4 + 16)``. Per routed copy of a token (``k`` per token): the gathered
+    input ``[h]`` (saved by the gate/up matmuls), the SwiGLU gate and up outputs, ``silu(gate)`` and their
+    product ``[I_e]`` each (as a dense MLP's ``4*e*i``), the expert's output ``[h]`` (saved by the weighting
+    product) and the weighted output ``[h]`` (saved by the scatter-add), in the compute dtype of ``e`` bytes;
+    the routing weight, 4 B (fp32 in Mixtral, the compute dtype in Qwen3-MoE); two int64 indices (token and
+    top-k slot: the gather / scatter-add and the weight lookup). ``transformers`` 5's sparse blocks save exactly
+    these per routed row (checked with ``saved_tensors_hooks``, ``tests/unit/test_moe_plan.py``)."""
+    if not model.is_moe:
+        return 0
+    h, ie, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
+    return k * (e * (3 * h + 4 * ie) + 4 + 16)
+
+
+def router_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
+    """Bytes the router of one sparse layer keeps per token: its logits ``[E]`` in the compute dtype (kept for
+    the load-balancing loss), the fp32 softmax ``[E]`` (saved by its backward), the top-k indices (int64) and
+    fp32 values ``[k]`` and the fp32 sum that renormalises them: ``E*(e + 4) + 12*k + 4``."""
+    if not model.is_moe:
+        return 0
+    E, k = model.num_experts, model.num_experts_per_tok
+    return E * (e + 4) + 12 * k + 4
+
+
+def shared_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
+    """Qwen2-MoE's always-on shared expert per token: its SwiGLU ``4*I_s``, its output ``[h]`` and the sigmoid
+    gate's value (saved by the sigmoid and the gating product), ``e*(4*I_s + h + 1)``; 0 without one."""
+    i_s = model.shared_expert_intermediate_size
+    return e * (4 * i_s + model.hidden_size + 1) if (model.is_moe and i_s) else 0
+
+
+def mlp_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
+    """Bytes the MLP of one decoder layer saves per token: a dense SwiGLU of width ``i`` ``4*e*i`` (gate, up,
+    ``silu(gate)``, product); a sparse layer the routed experts + router + shared expert (the three functions
+    above). The larger of the model's layer kinds (an upper bound for mixed models; exact for uniform ones)."""
+    out = 0
+    for i in _kinds(model):
+        if model.is_moe_layer(i):
+            b = (routed_saved_bytes_per_token(model, e) + router_saved_bytes_per_token(model, e)
+                 + shared_saved_bytes_per_token(model, e))
+        else:
+            b = 4 * e * model.intermediate_size
+        out = max(out, b)
+    return out
+
+
+def mlp_pending_bytes_per_token(model: LlamaConfig, e: int) -> int:
+    """Output gradients of the MLP's linear layers one micro-batch keeps per token from its ``B`` to its ``W``
+    pass (split backward): dense ``e*(h + 2i)`` (down, gate, up outputs); sparse ``e*(E + k*(h + 2*I_e))``
+    (router logits, each routed copy's down and gate/up outputs) + the shared expert's ``e*(h + 2*I_s + 1)``.
+    The larger of the layer kinds."""
+    h, out = model.hidden_size, 0
+    for i in _kinds(model):
+        if model.is_moe_layer(i):
+            b = e * (model.num_experts + model.num_experts_per_tok * (h + 2 * model.moe_intermediate_size))
+            if model.shared_expert_intermediate_size:
+                b += e * (h + 2 * model.shared_expert_intermediate_size + 1)
+        else:
+            b = e * (h + 2 * model.intermediate_size)
+        out = max(out, b)
+    return out
+
+
+def largest_layer_tensor(model: LlamaConfig) -> int:
+    """Elements of the largest single parameter tensor of a decoder layer (one tensor per expert, as the
+    checkpoint and :meth:`~npu_train.model.config.LlamaConfig.param_shapes` hold them)."""
+    best = 0
+    for i in _kinds(model):
+        for shape in model.param_shapes(i).values():
+            n = 1
+            for d in shape:
+                n *= d
+            best = max(best, n)
+    return best
+
+
+class LoraCounts(NamedTuple):
+    """Trainable parameters of one decoder layer under LoRA: ``total`` (memory: every expert's adapters) and
+    ``active`` (compute: what one token passes through: attention's adapters and its ``k`` experts')."""
+
+    total: int
+    active: int
+
+
+def _mlp_dims(model: LlamaConfig, width: int) -> dict[str, tuple[int, int]]:
+    h = model.hidden_size
+    return {"gate": (h, width), "up": (h, width), "down": (width, h)}
+
+
+def lora_layer_params(model: LlamaConfig, i: int, r: int, targets: Iterable[str],
+                      train_router: bool = False) -> LoraCounts:
+    """:class:`LoraCounts` of layer ``i`` with rank-``r`` adapters on ``targets`` (short module names: the
+    attention projections and ``gate_proj``/``up_proj``/``down_proj``, Mixtral's ``w1``/``w3``/``w2``): each
+    adapted linear of shape (in, out) has ``r*(in + out)`` parameters (PEFT's ``lora_A`` [r, in] and ``lora_B``
+    [out, r]). On a sparse layer an MLP target adapts *each* expert's projection (E adapters, k of them active
+    per token) and the shared expert's; ``train_router``: the router (``[E, h]``, and Qwen2-MoE's shared-expert
+    gate ``[1, h]``) is trained in full. Raises ``ValueError`` for an unknown target."""
+    h, hd = model.hidden_size, model.head_dim
+    attn = {"q_proj": (h, model.num_heads * hd), "k_proj": (h, model.num_kv_heads * hd),
+            "v_proj": (h, model.num_kv_heads * hd), "o_proj": (model.num_heads * hd, h)}
+    total = active = 0
+    for t in targets:
+        if t in attn:
+            n = r * sum(attn[t])
+            total, active = total + n, active + n
+            continue
+        if t not in EXPERT_TARGETS:
+            raise ValueError(f"unknown LoRA target {t!r}; use some of {list(_ATTENTION_TARGETS) + list(EXPERT_TARGETS)}")
+        which = EXPERT_TARGETS[t]
+        if not model.is_moe_layer(i):
+            n = r * sum(_mlp_dims(model, model.intermediate_size)[which])
+            total, active = total + n, active + n
+            continue
+        per_expert = r * sum(_mlp_dims(model, model.moe_intermediate_size)[which])
+        shared = (r * sum(_mlp_dims(model, model.shared_expert_intermediate_size)[which])
+                  if model.shared_expert_intermediate_size else 0)
+        total += model.num_experts * per_expert + shared
+        active += model.num_experts_per_tok * per_expert + shared
+    if train_router and model.is_moe_layer(i):
+        router = model.num_experts * h + (h if model.shared_expert_intermediate_size else 0)
+        total, active = total + router, active + router
+    return LoraCounts(total, active)
+
+
+def lora_params_per_layer(model: LlamaConfig, r: int, targets: Iterable[str],
+                          train_router: bool = False) -> LoraCounts:
+    """:func:`lora_layer_params` of the model's largest layer kind (each count its maximum over the kinds): the
+    per-layer figures of ``RunShape.lora_params_per_layer`` and ``lora_active_params_per_layer``."""
+    targets = tuple(targets)
+    counts = [lora_layer_params(model, i, r, targets, train_router) for i in _kinds(model)]
+    return LoraCounts(max(c.total for c in counts), max(c.active for c in counts))

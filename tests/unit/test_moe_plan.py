@@ -1,0 +1,263 @@
+"""The planner's mixture-of-experts terms (planner/moe.py), from the formulas: memory counts every expert, compute
+the top-k active ones, routed activations are bounded by k x tokens whatever the balance, LoRA puts adapters on
+each expert; the presets' totals; a plan on 8 RNGD cards or a clear refusal."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npu_train.hardware import FURIOSA_CAPACITY_BYTES, Card
+from npu_train.model.config import LlamaConfig
+from npu_train.model.presets import get_preset
+from npu_train.planner import (
+    PlacementError,
+    PlanRequest,
+    RunShape,
+    activation_bytes_per_layer,
+    balanced_split,
+    load_rates,
+    make_plan,
+)
+from npu_train.planner.cost import CostModel
+from npu_train.planner.memory import MemoryModel, pending_grad_bytes_per_layer
+from npu_train.planner.moe import (
+    largest_layer_tensor,
+    lora_layer_params,
+    lora_params_per_layer,
+    mlp_pending_bytes_per_token,
+    mlp_saved_bytes_per_token,
+    routed_saved_bytes_per_token,
+    router_saved_bytes_per_token,
+    shared_saved_bytes_per_token,
+)
+
+# hidden 8, heads 2 x head_dim 4 (q 8), 1 kv head (kv 4), 4 experts of width 6, top-2; Qwen3 (q/k norms)
+TINY = dict(vocab_size=100, hidden_size=8, intermediate_size=16, num_layers=4, num_heads=2, num_kv_heads=1,
+            head_dim=4, family="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=6,
+            norm_topk_prob=True, name="tiny-moe")
+# one layer by hand: norms 8 + 8, q 8x8, k 4x8, v 4x8, o 8x8, q_norm 4, k_norm 4, router 4x8,
+# 4 experts x (gate 6x8 + up 6x8 + down 8x6 = 144)
+LAYER = 8 + 8 + 64 + 32 + 32 + 64 + 4 + 4 + 32 + 4 * 144
+ACTIVE = LAYER - (4 - 2) * 144  # the 2 experts a token is not sent to
+# LoRA r=2 on every target: q 2(8+8), k 2(8+4), v 2(8+4), o 2(8+8); per expert gate 2(8+6), up 2(8+6), down 2(6+8)
+ATTN_LORA = 32 + 24 + 24 + 32
+EXPERT_LORA = 28 + 28 + 28
+ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _tiny(**kw) -> LlamaConfig:
+    return LlamaConfig(**{**TINY, **kw})
+
+
+def _cards(n: int) -> list[Card]:
+    return [Card(kind="furiosa", index=i, capacity_bytes=FURIOSA_CAPACITY_BYTES, name=f"furiosa:{i}")
+            for i in range(n)]
+
+
+def test_tiny_layer_counts_by_hand():
+    m = _tiny()
+    assert (LAYER, ACTIVE) == (824, 536)
+    assert m.params_per_layer() == LAYER and m.active_params_per_layer() == ACTIVE
+    assert largest_layer_tensor(m) == 64  # q/o 8x8 beat one expert's 6x8 and the router's 4x8
+
+
+def test_weights_grads_optimizer_count_every_expert():
+    """A middle stage (no embedding or head) of 2 layers, all resident: e, 4 and 12 B per parameter of *all*
+    experts; with LoRA the adapters of every expert."""
+    m = _tiny()
+    mm = MemoryModel(m, RunShape(seq_len=16, dtype="bf16"), _cards(3), None)
+    p = mm.parameters(1, 2, 2)
+    assert (mm.weights(p), mm.gradients(p), mm.optimizer_state(1, p)) == (2 * 2 * 824, 4 * 2 * 824, 12 * 2 * 824)
+    total, active = lora_params_per_layer(m, 2, ALL_TARGETS)
+    assert (total, active) == (ATTN_LORA + 4 * EXPERT_LORA, ATTN_LORA + 2 * EXPERT_LORA) == (448, 280)
+    lm = MemoryModel(m, RunShape(seq_len=16, dtype="bf16", lora_params_per_layer=total,
+                                 lora_active_params_per_layer=active), _cards(3), None)
+    p = lm.parameters(1, 2, 2)
+    assert (lm.weights(p), lm.gradients(p), lm.optimizer_state(1, p)) == (
+        2 * 2 * (824 + 448), 4 * 2 * 448, 12 * 2 * 448)
+
+
+def test_compute_counts_active_parameters():
+    """FLOPs per micro-batch of one layer: forward 2 x active params x tokens + 4 x attention, input gradient
+    2 x active x tokens + 8 x attention, weight gradient 2 x active x tokens (LoRA: the active adapters')."""
+    m = _tiny()
+    tok = 16
+    attn = 16 * tok * 2 * 4  # s * tokens * heads * head_dim
+
+    def fbw(shape):
+        cm = CostModel(m, shape, _cards(2), [load_rates("furiosa")] * 2, None, threads=1, host_cores=2)
+        return cm.layer_fbw
+
+    assert fbw(RunShape(seq_len=16)) == (2 * 536 * tok + 4 * attn, 2 * 536 * tok + 8 * attn, 2 * 536 * tok)
+    lora = RunShape(seq_len=16, lora_params_per_layer=448, lora_active_params_per_layer=280)
+    assert fbw(lora) == (2 * (536 + 280) * tok + 4 * attn, 2 * (536 + 280) * tok + 8 * attn, 2 * 280 * tok)
+    # without an active count the adapters count in full (a dense model's)
+    assert fbw(RunShape(seq_len=16, lora_params_per_layer=448))[2] == 2 * 448 * tok
+
+
+def test_activation_bytes_of_a_sparse_layer_by_hand():
+    """sdpa, bf16, S=16, b=1, per token: norms 2(4+2e)h + 8, attention 4eq + 4a, routed experts
+    k(e(3h + 4I_e) + 4 + 16), router E(e + 4) + 12k + 4; plus Qwen3's q/k norms 2e(q + kv) + 4(a + a_kv)."""
+    m, shape = _tiny(), RunShape(seq_len=16, dtype="bf16")
+    routed = 2 * (2 * (24 + 24) + 4 + 16)
+    router = 4 * (2 + 4) + 12 * 2 + 4
+    assert (routed, router) == (232, 52)
+    assert (routed_saved_bytes_per_token(m, 2), router_saved_bytes_per_token(m, 2)) == (routed, router)
+    qk = 16 * (2 * 2 * (8 + 4) + 4 * (2 + 1))
+    assert activation_bytes_per_layer(m, shape, "sdpa") == 16 * (2 * 8 * 8 + 8 + 4 * 2 * 8 + 4 * 2 + 232 + 52) + qk
+    # eager: e*s*b*(4h + 2q + 2kv) + s*b*(MLP) + probabilities a*b*s*s*(4 + e)
+    assert activation_bytes_per_layer(m, shape, "eager") == 2 * 16 * (32 + 16 + 8) + 16 * 284 + 2 * 16 * 16 * 6 + qk
+    # B->W output gradients: q + 2kv + o's h, + router logits E + k copies of (down h + gate/up 2 I_e)
+    assert pending_grad_bytes_per_layer(m, shape) == 16 * 2 * (8 + 8 + 8 + 4 + 2 * (8 + 12))
+    # top-k 4 of 4: twice the routed rows, the router's top-k arrays too
+    assert routed_saved_bytes_per_token(_tiny(num_experts_per_tok=4), 2) == 2 * 232
+
+
+def test_dense_models_keep_their_figures():
+    """For a dense model the MLP terms are the SwiGLU ones, 4ei and e(h + 2i), and the largest tensor gate/up."""
+    m = get_preset("llama-3.1-8b")
+    for e in (2, 4):
+        assert mlp_saved_bytes_per_token(m, e) == 4 * e * 14336
+        assert mlp_pending_bytes_per_token(m, e) == e * (4096 + 2 * 14336)
+    assert largest_layer_tensor(m) == 4096 * 14336
+    assert lora_params_per_layer(m, 8, ALL_TARGETS) == (8 * (2 * 8192 + 2 * 5120 + 3 * 18432),) * 2
+
+
+def test_mixed_layers_plan_the_larger_kind():
+    """mlp_only_layers / decoder_sparse_step: dense layers keep a width-16 MLP; every layer is planned as the
+    larger kind (here the sparse one by parameters, the dense one where its MLP saves more)."""
+    m = _tiny(mlp_only_layers=(0,), decoder_sparse_step=2)
+    assert m.moe_layers() == [1, 3]
+    dense_mlp = 4 * 2 * 16  # 4ei
+    sparse_mlp = 232 + 52
+    assert mlp_saved_bytes_per_token(m, 2) == max(dense_mlp, sparse_mlp)
+    wide = _tiny(mlp_only_layers=(0,), intermediate_size=64)
+    assert mlp_saved_bytes_per_token(wide, 2) == 4 * 2 * 64 > sparse_mlp
+    dense_lora = ATTN_LORA + 2 * (2 * (8 + 16)) + 2 * (16 + 8)
+    assert lora_layer_params(m, 0, 2, ALL_TARGETS) == (dense_lora, dense_lora)
+    assert lora_params_per_layer(m, 2, ALL_TARGETS) == (448, max(280, dense_lora))
+
+
+def test_lora_counts_per_expert_shared_expert_router_and_mixtral_names():
+    m = _tiny()
+    assert lora_layer_params(m, 0, 2, ("q_proj", "v_proj")) == (56, 56)  # attention only: no expert adapters
+    assert lora_layer_params(m, 0, 2, ("down_proj",)) == (4 * 28, 2 * 28)
+    assert lora_layer_params(m, 0, 2, ("down_proj",), train_router=True) == (4 * 28 + 32, 2 * 28 + 32)
+    mix = _tiny(family="mixtral")
+    assert lora_layer_params(mix, 0, 2, ("w1", "w3", "w2")) == lora_layer_params(mix, 0, 2, ALL_TARGETS[4:])
+    q2 = _tiny(family="qwen2_moe", shared_expert_intermediate_size=10)
+    shared = 3 * 2 * (8 + 10)  # the shared expert's gate, up, down adapters, active for every token
+    assert lora_layer_params(q2, 0, 2, ALL_TARGETS[4:]) == (4 * 84 + shared, 2 * 84 + shared)
+    assert lora_layer_params(q2, 0, 2, (), train_router=True) == (32 + 8, 32 + 8)  # router + shared gate [1, h]
+    with pytest.raises(ValueError, match="unknown LoRA target 'mlp'"):
+        lora_layer_params(m, 0, 2, ("mlp",))
+
+
+def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the distinct storages autograd saves in ``block(x)``, parameters and the input excluded."""
+    skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
+    seen: dict = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in skip:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    out = out[0] if isinstance(out, tuple) else out
+    return sum(seen.values())
+
+
+def _hf_block(family: str, m: LlamaConfig):
+    if family == "qwen3_moe":
+        from transformers import Qwen3MoeConfig
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as B
+        c = Qwen3MoeConfig(hidden_size=m.hidden_size, num_experts=m.num_experts, norm_topk_prob=True,
+                           num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size)
+    elif family == "mixtral":
+        from transformers import MixtralConfig
+        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as B
+        c = MixtralConfig(hidden_size=m.hidden_size, num_local_experts=m.num_experts,
+                          num_experts_per_tok=m.num_experts_per_tok, intermediate_size=m.moe_intermediate_size)
+    else:
+        from transformers import Qwen2MoeConfig
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as B
+        c = Qwen2MoeConfig(hidden_size=m.hidden_size, num_experts=m.num_experts,
+                           num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
+                           shared_expert_intermediate_size=m.shared_expert_intermediate_size, norm_topk_prob=True)
+    c._experts_implementation = "eager"
+    return B(c)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("balance", ["random", "two experts take every token"])
+def test_routed_activation_bound_holds_whatever_the_balance(family, dtype, balance):
+    """What transformers' sparse block (renormalised top-k) saves for T tokens is the bound less exactly the router
+    logits (which the bound keeps for the load-balancing loss), both for a random router and for one sending
+    every token to the same top-k experts: the k x T routed rows fix the total, not how they spread."""
+    m = _tiny(family=family, hidden_size=16, num_experts=8, moe_intermediate_size=12,
+              shared_expert_intermediate_size=20 if family == "qwen2_moe" else 0)
+    torch.manual_seed(0)
+    block = _hf_block(family, m).to(dtype)
+    for p in block.parameters():
+        torch.nn.init.normal_(p)
+    router = next(p for n, p in block.named_parameters() if n.endswith("gate.weight") and p.shape[0] == 8)
+    if balance != "random":
+        with torch.no_grad():
+            router.zero_()
+            router[0] += 1.0
+            router[1] += 0.5
+    T, e = 64, torch.finfo(dtype).bits // 8
+    x = torch.randn(1, T, 16, dtype=dtype, requires_grad=True)
+    bound = T * (routed_saved_bytes_per_token(m, e) + router_saved_bytes_per_token(m, e)
+                 + shared_saved_bytes_per_token(m, e))
+    assert bound == T * mlp_saved_bytes_per_token(m, e)
+    saved = _saved_bytes(block, x)
+    assert saved <= bound
+    # tight: less only the logits [T, E] (not held here) and, where the routing weights are in the compute
+    # dtype (Qwen), their 4 - e bytes per routed row
+    assert saved >= bound - T * m.num_experts * e - T * m.num_experts_per_tok * (4 - e)
+
+
+# ---------------------------------------------------------------- presets and plans
+@pytest.mark.parametrize("name,total,active", [
+    # model.safetensors.index.json metadata.total_size / 2 (bf16) of Qwen/Qwen3-30B-A3B, Qwen/Qwen3-235B-A22B,
+    # mistralai/Mixtral-8x7B-v0.1; active: attention + router + top-k experts per layer, embedding, final norm
+    # and lm_head (3.3 B, 22 B and 12.9 B as published)
+    ("qwen3-30b-a3b", 30_532_122_624, 3_353_032_704),
+    ("qwen3-235b-a22b", 235_093_634_560, 22_190_763_520),
+    ("mixtral-8x7b", 46_702_792_704, 12_879_925_248),
+])
+def test_moe_presets_match_published_totals(name, total, active):
+    m = get_preset(name)
+    assert m.total_params() == total
+    assert m.num_layers * m.active_params_per_layer() + 2 * m.embedding_params() + m.hidden_size == active
+
+
+def _plan8(name: str, lora: bool):
+    """The plan on 8 RNGD cards at S=512, 8 micro-batches of 1, on the balanced split (the split search over 8
+    cards takes a minute; the CLI records in experiments/2026-12-06-moe-plan.md run it)."""
+    m = get_preset(name)
+    counts = lora_params_per_layer(m, 8, ALL_TARGETS) if lora else (0, 0)
+    s = RunShape(seq_len=512, micro_batch=1, micro_batches=8, dtype="bf16",
+                 lora_params_per_layer=counts[0], lora_active_params_per_layer=counts[1])
+    cards = _cards(8)
+    return make_plan(PlanRequest(m, s, cards, [load_rates("furiosa") for _ in cards], threads=1, host_cores=2,
+                                 split=balanced_split(m.num_layers, 8)))
+
+
+def test_qwen3_30b_a3b_plans_on_8_rngd_cards_full_and_lora():
+    full, lora = _plan8("qwen3-30b-a3b", False), _plan8("qwen3-30b-a3b", True)
+    assert full.fits and lora.fits and sum(full.split) == sum(lora.split) == 48
+    assert any(st.offloaded for st in full.stages)  # 30.5 B params x 12 B of optimizer state: offloaded
+    assert all(not st.offloaded for st in lora.stages)
+    w = sum(st.mem["weights"] for st in full.stages)
+    assert w == 2 * (30_532_122_624)  # every expert's weights on the cards (untied: no copy)
+
+
+def test_qwen3_235b_refuses_on_8_rngd_cards_naming_the_weights():
+    with pytest.raises(PlacementError, match=r"weights and gradients alone need .* > the 8 cards' .*at least \d+ "):
+        _plan8("qwen3-235b-a22b", True)
