@@ -12,6 +12,10 @@ for every micro-batch's activations and gradients; returning it bounds the proce
 - ``false``: accelerator cards get the C library's defaults; ``cpu`` cards map every block from 256 KiB on
   their own, so freed tensors leave the process at once, at the price of a page fault per fresh page
   (experiments/2026-12-04-cpu-heap.md).
+
+After the model load a card process calls :func:`release_freed_memory` (glibc ``malloc_trim(0)``): what the load
+freed (the read chunks, a resume's tensors) leaves the process instead of staying in the heap's holes for the
+whole run, which no step reuses (issue 43: 2.2-2.5 GiB stayed on a LoRA card that loaded a bf16 checkpoint).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import os
 import sys
 from typing import Optional
 
-__all__ = ["keep_freed_memory", "card_mmap_threshold", "user_malloc_settings", "MMAP_THRESHOLD", "CPU_CARD_MMAP_THRESHOLD",
+__all__ = ["keep_freed_memory", "release_freed_memory", "card_mmap_threshold", "user_malloc_settings", "MMAP_THRESHOLD", "CPU_CARD_MMAP_THRESHOLD",
            "TRIM_THRESHOLD", "USER_ENV"]
 
 log = logging.getLogger("npu_train.hostmem")
@@ -79,3 +83,31 @@ def keep_freed_memory(environ=None, mmap_threshold: int = MMAP_THRESHOLD) -> boo
     ok = mallopt(M_MMAP_THRESHOLD, int(mmap_threshold)) == 1
     ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     return ok
+
+
+def _glibc():
+    """glibc's handle (``libc.so.6``, with ``gnu_get_libc_version``), or None elsewhere (musl, macOS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL("libc.so.6")  # glibc's soname (find_library would run ldconfig)
+        libc.gnu_get_libc_version  # noqa: B018 (AttributeError off glibc)
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+def release_freed_memory() -> bool:
+    """Return the heap's free memory to the OS: glibc ``malloc_trim(0)`` (``man 3 malloc_trim``: the top of every
+    arena and, since glibc 2.8, the whole free pages inside it). True if glibc released something, False if not
+    or off glibc (a no-op there). Never raises."""
+    libc = _glibc()
+    if libc is None:
+        return False
+    try:
+        trim = libc.malloc_trim
+    except AttributeError:
+        return False
+    trim.argtypes = (ctypes.c_size_t,)
+    trim.restype = ctypes.c_int
+    return trim(0) == 1

@@ -107,3 +107,26 @@ def test_terminal_line_drops_lr_breakdown_and_eta_keeping_the_separators():
             "[fwd/bwd 0.40 opt 0.05 xfer 0.00 idle 0.05] | mem GiB 0.10/0.20 | ETA 1s")
     assert Reporter._short_line(line) == ("step 1/3 | loss 6.2616 (avg 6.2616) | gnorm 1.010 | 24 tok/s | "
                                           "0.50 s (plan 0.40) | mem GiB 0.10/0.20")
+
+
+def test_step_line_and_summary_show_the_run_peak_of_every_phase(tmp_path):
+    """Issue 43: a card's load (or evaluation, save) peak above its step peak shows on the step line as ``run``,
+    and summary.json keeps each card's peak per phase and over the run (the cards' running ``mem_phases``)."""
+    G = 2 ** 30
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 2, predicted_mem=[4 * G, 4 * G], stream=out, tensorboard=False)
+    phases = [{"load": 3 * G, "steps": 2 * G}, {"load": G, "steps": 2 * G}]  # card 0 peaked in its load
+    r.step([dict(_rep(1, 3.0, 1.0, 2 * G), mem_phases=phases[0]), dict(_rep(1, 3.0, 1.0, 2 * G), mem_phases=phases[1])])
+    assert "mem GiB 2.00/2.00 (run 3.00/2.00, plan 4.00/4.00)" in out.getvalue()
+    later = [dict(phases[0], save=G // 2), dict(phases[1], save=G // 2)]
+    r.step([dict(_rep(2, 2.0, 1.0, G), mem_phases=later[0]), dict(_rep(2, 2.0, 1.0, G), mem_phases=later[1])])
+    summ = r.finish()
+    assert summ["run_peak_mem_bytes"] == [3 * G, 2 * G]
+    assert summ["phase_peak_mem_bytes"] == {"load": [3 * G, G], "save": [G // 2, G // 2], "steps": [2 * G, 2 * G]}
+    rec = [json.loads(ln) for ln in open(tmp_path / "metrics.jsonl")][-1]
+    assert rec["mem_run_peak_bytes"] == [3 * G, 2 * G]
+    # no phase above the step's peak: the line stays as before
+    (tmp_path / "b").mkdir()
+    r2 = Reporter(str(tmp_path / "b"), 1, predicted_mem=[4 * G], stream=(o2 := io.StringIO()), tensorboard=False)
+    r2.step([dict(_rep(1, 3.0, 1.0, 2 * G), mem_phases={"load": G, "steps": 2 * G})])
+    assert "mem GiB 2.00 (plan 4.00)" in o2.getvalue()

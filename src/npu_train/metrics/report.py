@@ -144,6 +144,7 @@ def merged_record(reports: list[dict]) -> dict:
         "idle_s": max(0.0, wall - _busy(slow)),
         "idle_share": max(0.0, 1.0 - sum(_busy(r) for r in reports) / (len(reports) * wall)) if wall > 0 else 0.0,
         "mem_peak_bytes": [int(r["mem_peak"]) for r in reports],
+        **phase_peaks([r.get("mem_phases") for r in reports]),
         **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
         # every card's view (list indexed by rank): which stage computes longest, which waits
         **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s",
@@ -154,6 +155,18 @@ def merged_record(reports: list[dict]) -> dict:
         **(r0.get("objective") or {}),
         "time": time.time(),
     }
+
+
+def phase_peaks(per_card: list) -> dict:
+    """``{"mem_run_peak_bytes": [per card], "mem_phase_peak_bytes": {phase family: [per card]}}`` from each card's
+    ``{phase family: peak bytes}`` so far (load, reference, eval, steps, save, resume, shutdown; 0 where a card has
+    no figure); ``{}`` when no card reported one."""
+    if not any(per_card):
+        return {}
+    cards = [dict(m or {}) for m in per_card]
+    fams = sorted({f for m in cards for f in m})
+    return {"mem_run_peak_bytes": [int(max(m.values(), default=0)) for m in cards],
+            "mem_phase_peak_bytes": {f: [int(m.get(f, 0)) for m in cards] for f in fams}}
 
 
 def device_fields(reports: list[dict]) -> dict:
@@ -201,6 +214,7 @@ class Reporter:
         self._sum_step_s = self._sum_tps = 0.0  # over steps after the first (start-up excluded)
         self._first_step_s: Optional[float] = None
         self._peak: list[int] = []
+        self._phases: dict = {}  # the last step's run and per-phase peaks (summary.json)
         self.skipped = 0  # steps whose update was skipped (non-finite loss or grad norm)
         self.evals: list[dict] = []
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
@@ -350,6 +364,9 @@ class Reporter:
         mean_s = self._sum_step_s / (self._n - 1) if self._n > 1 else wall
         rec["eta_s"] = max(0, self.total - step) * mean_s
         self._peak = [max(a, b) for a, b in zip(self._peak, rec["mem_peak_bytes"])] or list(rec["mem_peak_bytes"])
+        if "mem_phase_peak_bytes" in rec:  # every phase so far, load included (the cards' own running peaks)
+            self._phases = {"run_peak_mem_bytes": rec["mem_run_peak_bytes"],
+                            "phase_peak_mem_bytes": rec["mem_phase_peak_bytes"]}
 
     def _log_trackers(self, rec: dict, step: int) -> None:
         """The step's scalars to every tracker: ``train/{loss,lr,grad_norm,tokens_per_s,step_s}`` (finite ones),
@@ -369,9 +386,12 @@ class Reporter:
     def _line(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
         """The progress line of one step."""
         mem = "/".join(f"{m / GIB:.2f}" for m in rec["mem_peak_bytes"])
-        pred = ""
+        notes = []  # the run's peak over every phase (load, evaluation, saves ...) when above the step's
+        if any(r > m for r, m in zip(rec.get("mem_run_peak_bytes", []), rec["mem_peak_bytes"])):
+            notes.append("run " + "/".join(f"{m / GIB:.2f}" for m in rec["mem_run_peak_bytes"]))
         if self.pred_mem:
-            pred = " (plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem) + ")"
+            notes.append("plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem))
+        pred = f" ({', '.join(notes)})" if notes else ""
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
         avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
@@ -417,6 +437,7 @@ class Reporter:
             "mean_step_s": self._sum_step_s / (n - 1) if n > 1 else self._first_step_s,
             "mean_tokens_per_s": self._sum_tps / (n - 1) if n > 1 else None,
             "peak_mem_bytes": self._peak,
+            **self._phases,
             "wall_s": time.time() - self.t_start,
             "first_val_loss": self.evals[0]["val_loss"] if self.evals else None,
             "last_val_loss": self.evals[-1]["val_loss"] if self.evals else None,

@@ -132,8 +132,9 @@ class StageOptimizer:
         res_m = {}
         for n in params:
             if n in self.shared:
-                with torch.no_grad():
-                    params[n].copy_(backend.upload(masters_init[n].float().contiguous()))
+                if masters_init[n].data_ptr() != params[n].data_ptr():  # else loaded in place (stagebuild)
+                    with torch.no_grad():
+                        params[n].copy_(backend.upload(masters_init[n].float().contiguous()))
                 res_m[n] = params[n]
             elif n in self.resident:
                 res_m[n] = backend.upload(masters_init[n].float().contiguous()).clone()

@@ -168,7 +168,7 @@ class MemoryModel:
         # freed and allocated again every micro-batch: activations and the forward/backward temporaries
         # (not the optimizer phase's, which come after the activations are freed, nor held buffers)
         churn = self._forward_backward_peak(i, n, activations)
-        load = self._load_excess(i, n, mem["weights"], body)  # the model load, where it is the peak
+        load = self._load_excess(i, n, p, mem["weights"], body)  # the model load, where it is the peak
         mem["transient"] += load
         body += load
         mem["workspace"] = self.workspace(i, body, churn)
@@ -269,14 +269,26 @@ class MemoryModel:
             return self.adapter_params if n else 0
         return self._largest_param(i, n)
 
-    def _load_excess(self, i: int, n: int, weights: int, body: int) -> int:
-        """Bytes by which the model load's peak exceeds ``body`` on a host-memory card: the weights plus the
-        fp32 tensor being read (``runtime/stagebuild.py`` reads one at a time; the largest, often the
-        embedding). Only LoRA gets here: a full fine-tuning's fp32 masters read at load are part of its
-        optimizer state, which the steady terms already hold."""
-        if not self.adapter_params or self.cards[i].kind not in HOST_MEMORY_KINDS:
+    def _load_excess(self, i: int, n: int, p: StageParams, weights: int, body: int) -> int:
+        """Bytes by which the model load's peak (:meth:`load_peak`) exceeds ``body`` on a host-memory card (0
+        elsewhere, and where the steady terms hold more)."""
+        if self.cards[i].kind not in HOST_MEMORY_KINDS:
             return 0
-        return max(0, weights + 4 * self._largest_param(i, n) - body)
+        return max(0, self.load_peak(i, n, p, weights) - body)
+
+    def load_peak(self, i: int, n: int, p: StageParams, weights: int) -> int:
+        """Bytes the model load holds at its peak besides the baseline (``runtime/stagebuild.py``, a chunk of rows
+        at a time, :mod:`npu_train.model.chunks`): the ``weights``; with full fine-tuning the fp32 masters that
+        are not the weights themselves (compute dtype not fp32: all, plus the optimizer's copy of the largest
+        tensor as it places them; fp32: the offloaded ones' copies); and one chunk's transients for the
+        checkpoint's dtype (``RunShape.checkpoint_dtype``: the slice read, its finite check, the cast and the
+        upload's copy). The freed chunks leave the process after the load (``hostmem.release_freed_memory``)."""
+        from npu_train.model.chunks import chunk_transient_bytes
+
+        masters = 0
+        if not self.adapter_params:
+            masters = 4 * p.offloaded if self.dtype_bytes == 4 else 4 * (p.trainable + self._largest_param(i, n))
+        return weights + masters + chunk_transient_bytes(self.shape.checkpoint_dtype, self.dtype_bytes)
 
     def _fused_head(self, i: int) -> bool:
         return i == self.num_stages - 1 and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params

@@ -50,6 +50,9 @@ class RunShape:
     #: several samples per row (data.pack / data.doc_mask): each micro-batch in flight keeps one
     #: [b, 1, S, S] additive attention mask in the compute dtype, shared by the stage's layers
     packed: bool = False
+    #: the model file's dtype, which sizes the load's transients (npu_train.model.chunks.CHECKPOINT_DTYPES:
+    #: safetensors "bf16" (the Hub's), "fp16", "fp32", or "gguf")
+    checkpoint_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):
@@ -61,6 +64,10 @@ class RunShape:
             raise ValueError(f"RunShape.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
         if self.offload not in ("serial", "overlap", "delayed"):
             raise ValueError(f"RunShape.offload must be 'serial', 'overlap' or 'delayed', got {self.offload!r}")
+        from npu_train.model.chunks import CHECKPOINT_DTYPES
+
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            raise ValueError(f"RunShape.checkpoint_dtype must be one of {CHECKPOINT_DTYPES}, got {self.checkpoint_dtype!r}")
         if self.grad_accum not in ("fp32", "compute"):
             raise ValueError(f"RunShape.grad_accum must be 'fp32' or 'compute', got {self.grad_accum!r}")
 

@@ -48,6 +48,7 @@ class RankState:
     error_at: float = 0.0             # when the report arrived (monotonic)
     heard: bool = False               # any authenticated message received (the process is up)
     started_at: float = 0.0           # spawn time (monotonic)
+    mem_phases: dict = field(default_factory=dict)  # phase family -> peak bytes, from the "done" message
 
 
 class Coordinator:
@@ -291,6 +292,10 @@ class Coordinator:
         elif t == "ready":
             rs.ready = True
             rs.phase = f"step {self.start_step + 1}"
+            if all(r.ready for r in self.ranks):  # the end of the load phase, in run.log (outside memory samplers)
+                since = time.monotonic() - min(r.started_at for r in self.ranks)
+                self.reporter.note(f"cards ready: {len(self.ranks)} card process(es) loaded their layers "
+                                   f"({since:.1f} s after the start)")
         elif t == "phase":
             rs.phase = str(msg.get("phase", rs.phase))
             self.reporter.phase(int(msg["rank"]), rs.phase)
@@ -308,6 +313,7 @@ class Coordinator:
             self._on_ckpt(rs, msg)
         elif t in ("done", "stopped"):
             rs.done = rs.done or t == "done"
+            rs.mem_phases = dict(msg.get("mem_phases") or rs.mem_phases)
             rs.phase = "shutdown"
         elif t == "error":
             self._on_error(rs, msg)

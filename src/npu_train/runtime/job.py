@@ -401,7 +401,21 @@ def run_shape(cfg, mcfg, dtype: str):
                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
                     lora_active_params_per_layer=lora_active,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
-                    "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data))
+                    "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
+                    checkpoint_dtype=model_file_dtype(cfg.model.path))
+
+
+def model_file_dtype(spec: str) -> str:
+    """The checkpoint dtype of model path ``spec`` (:func:`npu_train.model.chunks.checkpoint_dtype`), or ``"bf16"``
+    (the Hub's) for a shape preset or a path that cannot be read (the loaders report that one)."""
+    from npu_train.model import resolve_model_path
+    from npu_train.model.chunks import checkpoint_dtype
+    from npu_train.model.files import ModelFormatError
+
+    try:
+        return checkpoint_dtype(resolve_model_path(spec))
+    except (OSError, ModelFormatError):
+        return "bf16"
 
 
 def packed_rows(d) -> bool:
@@ -1188,11 +1202,17 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
     """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal."""
     from npu_train.planner.fit import refit_from_run
 
+    from npu_train.metrics.report import phase_peaks
+
     coord, tr, plan = job.coord, cfg.train, prep.plan
+    # each card's peak per phase over the whole run (the last save and evaluation too), from its "done" message
+    final = phase_peaks([r.mem_phases for r in coord.ranks])
     summ = job.reporter.finish({"checkpoint": coord.last_ckpt, "job_id": job.job_id,
                                 "cards": [c.name for c in prep.cards], "node": node.node_rank, "nnodes": node.nnodes,
                                 "predicted_step_s": plan.step_time_s,
-                                "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * prep.dp})
+                                "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * prep.dp,
+                                **({"run_peak_mem_bytes": final["mem_run_peak_bytes"],
+                                    "phase_peak_mem_bytes": final["mem_phase_peak_bytes"]} if final else {})})
     if coord.rejected:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)

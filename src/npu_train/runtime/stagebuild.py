@@ -21,7 +21,6 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     resuming; empty for ``train.mode=lora``, whose frozen base has no masters)."""
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import StageModule
-    from npu_train.model import iter_tensors
 
     cfg = LlamaConfig.from_dict(spec.model_cfg)
     st = spec.stage
@@ -44,15 +43,34 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
             for n, p in params.items():
                 p.copy_(backend.upload(masters[n].to(dtype)))
         return module, masters
-    # one tensor at a time: the stage never holds a second copy of its weights beyond the masters kept
-    masters = {}
-    with torch.no_grad():
-        for n, t in iter_tensors(spec.model_path, cfg, list(params), index=spec.model_index):
-            params[n].copy_(backend.upload(t.to(dtype)))
-            if spec.train.mode == "full":  # LoRA: the frozen base has no masters
-                masters[n] = t
-            del t
+    masters = load_stage_weights(spec, cfg, params, backend, dtype, masters=spec.train.mode == "full")
     return module, masters
+
+
+def load_stage_weights(spec: WorkerSpec, cfg, params: dict, backend, dtype: torch.dtype, masters: bool) -> dict:
+    """Fill ``params`` (the stage's parameters on the card, in ``dtype``) from the model file a chunk of rows at a
+    time (:func:`npu_train.model.chunks.iter_chunks`): no full-size conversion buffer ever exists. ``masters``
+    (full fine-tuning): also the fp32 masters, returned ``{hf_name: fp32 CPU tensor}`` (an fp32 parameter in
+    host memory is its own master, one buffer; LoRA: ``{}``). Samples the card's memory after every chunk, so
+    the load's peak is in :meth:`~npu_train.backends.base.Backend.max_memory_allocated`. Raises
+    :class:`~npu_train.model.files.ModelFormatError` as the loaders do."""
+    from npu_train.model.chunks import iter_chunks
+
+    out: dict = {}
+    own = set()  # fp32 parameters in host memory: their own masters
+    with torch.no_grad():
+        for c in iter_chunks(spec.model_path, cfg, list(params), index=spec.model_index):
+            p = params[c.name]
+            if masters and c.name not in out:  # the parameter itself, else a fresh fp32 buffer
+                if p.dtype == torch.float32 and p.device.type == "cpu":
+                    own.add(c.name)
+                out[c.name] = p.detach() if c.name in own else torch.empty(c.shape, dtype=torch.float32)
+            if masters and c.name not in own:
+                out[c.name][c.rows].copy_(c.part)
+            p[c.rows].copy_(backend.upload(c.part.to(dtype)))
+            backend.memory_allocated()  # a sample with the chunk's buffers alive (cpu: the load's peak)
+            del c
+    return out
 
 
 class CheckpointMasters:

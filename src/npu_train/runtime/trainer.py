@@ -47,6 +47,16 @@ class StepTotals:
         return math.isfinite(self.grad_norm) and math.isfinite(self.loss)
 
 
+#: the phase families a card's peak memory is reported by (``mem_phases``), from the phase names :meth:`StageTrainer.enter` sends
+PHASE_FAMILIES = (("step ", "steps"), ("evaluation", "eval"), ("DPO reference", "reference"),
+                  ("checkpoint save", "save"), ("resume", "resume"), ("shutdown", "shutdown"))
+
+
+def phase_family(phase: str) -> str:
+    """The family of phase name ``phase`` (:data:`PHASE_FAMILIES`; every start-up phase: ``"load"``)."""
+    return next((fam for prefix, fam in PHASE_FAMILIES if phase.startswith(prefix)), "load")
+
+
 class StageTrainer:
     """Trains one pipeline stage for ``spec.train.steps`` steps: :meth:`setup`, :meth:`run`, :meth:`close`.
     ``ctrl``: the coordinator channel; ``fault``: :mod:`npu_train.runtime.faults` hook or None;
@@ -65,6 +75,8 @@ class StageTrainer:
         self.tied = None  # TiedGradExchange on the first and last stage of a tied pair
         self.tied_name = "model.embed_tokens.weight" if self.first else "lm_head.weight"
         self.stage_group = None
+        #: phase family -> this card's peak memory in it, bytes (the backend's measure: cpu RssAnon + RssShmem)
+        self.mem_phases: dict[str, int] = {}
 
     def grad_buf(self, name: str) -> torch.Tensor:
         """Parameter ``name``'s step gradient buffer, to change in place."""
@@ -73,9 +85,22 @@ class StageTrainer:
         return self.opt.grad_buffer(name) if name in self.opt.params else grad_or_zeros(self.params[name])
 
     def enter(self, phase: str) -> None:
-        """Record ``phase`` and tell the coordinator (it names the phase if the process dies there)."""
+        """Record ``phase`` and tell the coordinator (it names the phase if the process dies there); a new phase
+        family closes the last one's peak (:meth:`fold_peak`)."""
+        if getattr(self, "backend", None) is not None and phase_family(phase) != phase_family(self.phase):
+            self.fold_peak(reset=True)
         self.phase = phase
         self.ctrl.send("phase", phase=phase)
+
+    def fold_peak(self, reset: bool) -> int:
+        """Fold the backend's peak since its last reset into :attr:`mem_phases` under the current phase's
+        family (then restart it when ``reset``); returns that peak, bytes."""
+        pk = int(self.backend.max_memory_allocated())
+        fam = phase_family(self.phase)
+        self.mem_phases[fam] = max(self.mem_phases.get(fam, 0), pk)
+        if reset:
+            self.backend.reset_peak_memory()
+        return pk
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -91,11 +116,15 @@ class StageTrainer:
         masters = self._load_model()
         self._make_optimizer(masters)
         del masters
+        from npu_train.hostmem import release_freed_memory
+
+        release_freed_memory()  # what the load freed leaves the process (no step reuses it)
         self.enter("rendezvous")
         self._rendezvous()
         self.start = int(spec.start_step)
         if spec.resume_dir:
             self._resume()
+            release_freed_memory()
         else:
             torch.manual_seed(self.tr.seed + self.stage)
         self._load_data()
@@ -278,7 +307,7 @@ class StageTrainer:
         if self.fault is not None:
             self.fault.current_step = step + 1
         t0, c0 = time.perf_counter(), time.process_time()
-        self.backend.reset_peak_memory()
+        self.fold_peak(reset=True)  # what came since the last fold (an evaluation, a save) to its phase
         self.enter(f"step {step + 1} forward/backward")
         idx = self.sampler.micro_batches_for_step(step)
         mbs = [self.micro_batch_tensors(self.data, i) for i in idx]
@@ -295,6 +324,7 @@ class StageTrainer:
         lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
         ot = self._update(step, tot, lr)
         t3, c3 = time.perf_counter(), time.process_time()
+        step_peak = self.fold_peak(reset=False)  # this step's peak, also in the run's "steps" peak
         trace = {}
         if self.runner.trace is not None:  # npu_train.metrics.trace: actions, then the step's phases
             te = tot.tied_start + tot.tied_s
@@ -311,7 +341,7 @@ class StageTrainer:
                        send_s=res["send_s"],  # optimizer_s: with the previous step's rest of the embedding update
                        optimizer_s=ot["device_optimizer"] + ot["host_optimizer"] + res["deferred_opt_s"],
                        host_optimizer_s=ot["host_optimizer"], transfer_s=ot["transfer"],
-                       mem_peak=self.backend.max_memory_allocated(), mem_now=self.backend.memory_allocated(),
+                       mem_peak=step_peak, mem_now=self.backend.memory_allocated(), mem_phases=dict(self.mem_phases),
                        peak_flops=self.peak.flops, peak_source=self.peak.source,
                        compile_s=self.compile_s if step == self.start else 0.0, host=self.opt.host.take_stats(),
                        marks=[t0, t1, t2],

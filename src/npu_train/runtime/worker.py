@@ -111,7 +111,7 @@ def worker_main(spec: WorkerSpec) -> None:
         trainer.setup()
         trainer.run()
         trainer.close()
-        ctrl.send("done")
+        ctrl.send("done", mem_phases=trainer.mem_phases)
         code = 0
     except BaseException as e:  # report everything, including KeyboardInterrupt, then exit non-zero
         try:
