@@ -96,7 +96,10 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"
-        print(head + (f"; {extra}" if extra else ""), file=sys.stderr, flush=True)
+        from npu_train.runtime.job import fold_words, terminal_width
+
+        print(fold_words(head + (f"; {extra}" if extra else ""), terminal_width(sys.stderr)), file=sys.stderr,
+              flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
         msg = str(e)
@@ -134,14 +137,18 @@ class _ErrorLineTee:
     """Wraps stderr: passes everything through and remembers the last ``error:``/``interrupted`` line."""
 
     def __init__(self, inner) -> None:
-        self.inner, self.last, self._part = inner, "", ""
+        self.inner, self.last, self._part, self._open = inner, "", "", False
 
     def write(self, s: str) -> int:
         self._part += s
         *lines, self._part = self._part.split("\n")
         for line in lines:
             if line.startswith(("error:", "interrupted")):
-                self.last = line
+                self.last, self._open = line, True
+            elif self._open and line.startswith("  "):  # the line folded at a terminal's width
+                self.last += " " + line.strip()
+            else:
+                self._open = False
         return self.inner.write(s)
 
     def __getattr__(self, name):

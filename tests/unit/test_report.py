@@ -23,7 +23,7 @@ def test_reporter_lines_records_and_summary(tmp_path):
     r.eval(3, 2.0, 64)
     summ = r.finish()
     text = out.getvalue()
-    assert "step 2/3 | loss 2.0000 (avg 2.4737) | lr 1.00e-04 | gnorm 0.500 | 1,000 tok/s | 1.00 s (plan 1.50)" in text
+    assert "step 2/3 | loss 2.0000 (avg 2.4737) | gnorm 0.500 | 1,000 tok/s | 1.00 s (plan 1.50)\n" in text
     assert "eval after step 3: val loss 2.0000" in text
     assert summ["steps_run"] == 3 and summ["first_loss"] == 3.0 and summ["last_loss"] == 1.0
     assert summ["mean_step_s"] == 1.5  # steps after the first: (1 + 2) / 2
@@ -100,15 +100,6 @@ def test_loss_plot_shows_the_whole_run_after_a_resume(tmp_path):
     assert os.path.getsize(run / "loss.png") > 0
 
 
-def test_terminal_line_drops_lr_breakdown_and_eta_keeping_the_separators():
-    """The live display's step line: the log line without ``| lr ...``, ``[fwd/bwd ...]`` and ``| ETA ...``, every
-    remaining field still separated by `` | ``."""
-    line = ("step 1/3 | loss 6.2616 (avg 6.2616) | lr 1.00e-04 | gnorm 1.010 | 24 tok/s | 0.50 s (plan 0.40) "
-            "[fwd/bwd 0.40 opt 0.05 xfer 0.00 idle 0.05] | mem GiB 0.10/0.20 | ETA 1s")
-    assert Reporter._short_line(line) == ("step 1/3 | loss 6.2616 (avg 6.2616) | gnorm 1.010 | 24 tok/s | "
-                                          "0.50 s (plan 0.40) | mem GiB 0.10/0.20")
-
-
 def test_step_line_and_summary_show_the_run_peak_of_every_phase(tmp_path):
     """Issue 43: a card's load (or evaluation, save) peak above its step peak shows on the step line as ``run``,
     and summary.json keeps each card's peak per phase and over the run (the cards' running ``mem_phases``)."""
@@ -130,3 +121,67 @@ def test_step_line_and_summary_show_the_run_peak_of_every_phase(tmp_path):
     r2 = Reporter(str(tmp_path / "b"), 1, predicted_mem=[4 * G], stream=(o2 := io.StringIO()), tensorboard=False)
     r2.step([dict(_rep(1, 3.0, 1.0, 2 * G), mem_phases={"load": G, "steps": 2 * G})])
     assert "mem GiB 2.00 (plan 4.00)" in o2.getvalue()
+
+
+def test_step_lines_fit_a_hundred_columns_folded_between_fields(tmp_path):
+    """A step line was ~135 columns (190 with 2 cards' memory): the progress fields come first, the time
+    breakdown, memory and ETA on an indented second line, folded between fields (``|``) so no line is wider
+    than 100 columns, 8 cards included; the terminal under the live bar gets the progress and the memory."""
+    from npu_train.metrics.report import fold_fields
+
+    assert fold_fields(["a" * 40, "b" * 40, "c" * 40]) == "a" * 40 + " | " + "b" * 40 + "\n  " + "c" * 40
+    assert fold_fields(["x" * 120, "y"]) == "x" * 120 + "\n  y"  # a field wider than a line stays whole
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 1000, predicted_mem=[3 * 2 ** 30] * 8, predicted_step_s=6.27, stream=out,
+                 tensorboard=False)
+    rec = r.step([_rep(1, 3.7435, 5.62, 2 ** 31) for _ in range(8)])
+    text = out.getvalue().rstrip("\n")
+    lines = text.splitlines()
+    assert max(len(l) for l in lines) <= 100 and len(lines) >= 2, text
+    assert lines[0] == "step    1/1000 | loss 3.7435 (avg 3.7435) | gnorm 0.500 | 178 tok/s | 5.62 s (plan 6.27)"
+    assert all(l.startswith("  ") for l in lines[1:])
+    assert lines[1].startswith("  [fwd/bwd 0.50 opt 0.10 xfer 0.00 idle ") and "ETA 1h33m" in text
+    assert " ".join(l.strip() for l in lines).count("/2.00") == 7  # every card's memory, split only at fields
+    short = r._short(rec, 1, 5.62, False)
+    assert short.startswith(lines[0]) and "mem GiB 2.00/" in short and "ETA" not in short and "fwd/bwd" not in short
+    assert max(len(l) for l in short.splitlines()) <= 100
+
+
+def test_the_live_bar_shows_the_reporters_eta_never_dashes(monkeypatch):
+    """rich's TimeRemainingColumn showed ``-:--:--`` whenever a step took longer than its 30 s speed window: the
+    bar shows the reporter's ETA (steps left x mean step time)."""
+    from rich.console import Console
+
+    from npu_train.metrics.live import LiveProgress
+
+    monkeypatch.setattr("sys.stdout", io.StringIO())
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    live = LiveProgress(20, 0, io.StringIO()).start()
+    try:
+        live.step({"step": 3, "loss": 3.7, "tokens_per_s": 182.0, "mem_peak_bytes": [2 ** 31], "eta_s": 97.0})
+        buf = io.StringIO()
+        Console(file=buf, width=200, color_system=None).print(live.progress.make_tasks_table(live.progress.tasks))
+    finally:
+        live.stop()
+    assert "3/20 ETA 1m37s" in buf.getvalue() and "-:--" not in buf.getvalue(), buf.getvalue()
+
+
+def test_done_and_interrupt_lines_fold_at_words_on_a_terminal():
+    """The ``done:`` and ``interrupted`` lines ran past the terminal and broke mid-word: on a terminal they
+    fold at words (paths stay whole), and ``status.json``'s message still gets the whole interrupt line."""
+    from npu_train.runtime.job import fold_words
+    from scripts import LAUNCH_RUN, load_script
+
+    line = ("done: 20 steps, loss 3.9005 -> 3.2410; checkpoint /home/user/npu-train/outputs/2026-12-06/05-00-00/"
+            "checkpoints/step_000020; metrics /home/user/npu-train/outputs/2026-12-06/05-00-00/metrics.jsonl")
+    folded = fold_words(line, 80)
+    assert fold_words(line, 0) == line
+    assert all(len(l) <= 80 or " " not in l.strip() for l in folded.splitlines())
+    assert " ".join(l.strip() for l in folded.splitlines()) == line  # broken only between words
+    assert "/home/user/npu-train/outputs/2026-12-06/05-00-00/metrics.jsonl" in folded.splitlines()[-1]
+
+    run = load_script(LAUNCH_RUN, "npt_launch_run_fold")
+    tee = run._ErrorLineTee(io.StringIO())
+    stop = "interrupted by SIGINT at step 3; the run continues from checkpoint step_000003 with train.resume=latest"
+    tee.write(fold_words(stop, 40) + "\nnext line\n")
+    assert tee.last == stop

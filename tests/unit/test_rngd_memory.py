@@ -183,3 +183,36 @@ def test_fp32_accumulators_cost_four_bytes_per_param():
         plan(1, 4, shape=fp32)
     with pytest.raises(ValueError, match="grad_accum"):
         RunShape(seq_len=512, grad_accum="bf16")
+
+
+def test_an_eight_card_plan_fits_a_hundred_columns_and_names_no_issue():
+    """The 8-card plan's memory table was 102 columns (two spaces between 14 columns): a table wider than 100
+    gets one space between columns; a terminal's width folds the prose lines at words; no source cites an
+    issue number (the memory line said "(issue 12)")."""
+    p = plan(8, "auto")
+    text = plan_table(p)
+    tables = [l for l in text.splitlines() if l.startswith(("card", "furiosa:", "total", "step", " "))]
+    assert len(tables) >= 2 * 8 and max(len(l) for l in tables) <= 100, "\n".join(tables)
+    assert "base weights grads optim" in text
+    assert "base  weights  grads" in plan_table(plan(2, "auto"))  # two cards keep the roomier table
+    folded = plan_table(p, width=100)
+    assert max(len(l) for l in folded.splitlines()) <= 100
+    assert "issue" not in text.lower()
+
+
+def test_a_plan_dominated_by_one_term_names_it_and_the_settings_that_change_it():
+    """The README's 8B example (2 RNGD cards, 8 resident layers each) predicted MFU ~1 % with host AdamW
+    most of the step and said nothing of it: one ``bound:`` line names the term, its share of the slowest
+    card's step and the settings that change it."""
+    from npu_train.planner.table import bound_line
+
+    p = plan(2, [8, 8])
+    line = next(l for l in plan_table(p).splitlines() if l.startswith("bound: "))
+    assert line == bound_line(p)
+    st = max(p.stages, key=lambda s: s.time["total"])
+    host = st.time["host_optimizer"] - st.time["host_hidden"]
+    assert host > 0.5 * st.time["total"]
+    assert line.startswith(f"bound: host AdamW of offloaded layers {host:.3g} of {st.time['total']:.3g} s a step "
+                           f"on {st.card.name} ({100 * host / st.time['total']:.0f} %)")
+    for setting in ("train.accum", "train.resident_layers", "train.offload_update=delayed", "runtime.threads"):
+        assert setting in line

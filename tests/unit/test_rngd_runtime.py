@@ -91,6 +91,27 @@ def test_dry_run_plan_carries_headroom_cache_dir_and_module_cache(tmp_path, monk
     assert fields["warmup"] is True and fields["furiosa_accounting"] == "dispatch"
 
 
+def test_a_dry_run_for_accelerators_prints_no_thread_count_of_this_machine(tmp_path, monkeypatch):
+    """``plan=true`` for RNGD cards plans another machine: it printed this machine's cores and the threads they
+    give. Unless runtime.threads says otherwise it plans 1 thread per card process with no oversubscription,
+    whatever the cores here, and says how to plan the server's."""
+    from npu_train.planner import threads as T
+    from npu_train.runtime.job import prepare
+
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(T, "usable_cores", lambda: 64)
+    cfg = _cfg(**{"plan": True, "model.path": "llama-3.1-8b", "backend": ["furiosa:auto", "furiosa:auto"]})
+    prep = prepare(cfg, str(tmp_path), probe=False)
+    first = plan_table(prep.plan).splitlines()[0]
+    assert prep.plan.threads == 1 and "64" not in first and "32" not in first, first
+    assert first.startswith("threads: 1 torch thread(s) per card process (a dry run for another machine: "
+                            "runtime.threads=<its cores per card> plans its host terms)")
+    cfg = _cfg(**{"plan": True, "model.path": "llama-3.1-8b", "backend": ["furiosa:auto", "furiosa:auto"],
+                  "runtime.threads": 8})
+    first = plan_table(prepare(cfg, str(tmp_path), probe=False).plan).splitlines()[0]
+    assert first.startswith("threads: 8 torch thread(s) per card process, ") and "usable host core(s)" in first
+
+
 def test_cpu_plan_names_no_compiler_cache(tmp_path):
     from npu_train.runtime.job import prepare
 
@@ -123,9 +144,9 @@ def test_first_step_line_says_how_long_compilation_took(tmp_path):
     assert rec["compile_s"] == 150.0 and rec["cpu_fallbacks"] == 3
     rec2 = rep.step([dict(base, step=2, compile_s=0.0), dict(base, step=2, compile_s=0.0)])
     rep.close()
-    lines = out.getvalue().splitlines()
-    assert "compiled before the step in 150.0 s" in lines[0] and "3 op(s) fell back to the CPU" in lines[0]
-    assert "compiled" not in lines[1] and rec2["compile_s"] == 0.0
+    first, second = out.getvalue().split("\nstep ")  # each step folded over lines of at most 100 columns
+    assert "compiled before the step in 150.0 s" in first and "3 op(s) fell back to the CPU" in first
+    assert "compiled" not in second and rec2["compile_s"] == 0.0
 
 
 # ---------------------------------------------------------------- whole-layer compiled path (stand-in)

@@ -84,14 +84,15 @@ class LiveProgress:
         self._card_phase: dict[int, str] = {}
 
     def start(self) -> "LiveProgress":
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, \
-            TimeRemainingColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 
+        # the ETA is the reporter's (steps left x mean step time after the start-up step): rich's own
+        # TimeRemainingColumn showed -:--:-- whenever a step took longer than its 30 s speed window
         self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
-                                 MofNCompleteColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                                 MofNCompleteColumn(), TextColumn("{task.fields[eta]}"),
                                  TextColumn("{task.fields[info]}"), console=self.console, transient=True,
                                  redirect_stdout=False, redirect_stderr=False, refresh_per_second=4)
-        self.task = self.progress.add_task("preparing", total=self.total, completed=self.start_step, info="")
+        self.task = self.progress.add_task("preparing", total=self.total, completed=self.start_step, info="", eta="")
         self.progress.start()
         self._saved = (sys.stdout, sys.stderr)
         sys.stdout = _AboveBar(self, sys.stdout)
@@ -129,12 +130,13 @@ class LiveProgress:
         if self.progress is None:
             return
         mem = "/".join(f"{m / GIB:.2f}" for m in rec.get("mem_peak_bytes", []))
-        from npu_train.metrics.report import mfu_text
+        from npu_train.metrics.report import fmt_duration, mfu_text
 
         mfu = mfu_text(rec)
         info = f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s{mfu} | mem {mem} GiB"
         self._card_phase.clear()
-        self.progress.update(self.task, completed=int(rec["step"]), description="training", info=info)
+        eta = f"ETA {fmt_duration(rec['eta_s'])}" if rec.get("eta_s") is not None else ""
+        self.progress.update(self.task, completed=int(rec["step"]), description="training", info=info, eta=eta)
 
     def stop(self) -> None:
         """Remove the bar and give stdout / stderr back (idempotent)."""

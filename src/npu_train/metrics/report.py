@@ -287,7 +287,7 @@ class Reporter:
         line = self._line(rec, step, wall, skipped)
         if self.live is not None:
             self.live.step(rec)
-            self.live.print(self._short_line(line), line)
+            self.live.print(self._short(rec, step, wall, skipped), line)
         else:
             self.note(line)
         return rec
@@ -296,15 +296,6 @@ class Reporter:
         """A card's start-up phase (model load, rendezvous, compilation...) for the live display."""
         if self.live is not None and not self._n:
             self.live.phase(text, rank)
-
-    @staticmethod
-    def _short_line(line: str) -> str:
-        """The step line for a terminal: without the learning rate, the time breakdown (``[fwd/bwd ... idle
-        ...]``) and the ETA (the bar shows it); the log keeps the whole line."""
-        import re
-
-        line = re.sub(r" \| lr [^|]*\|", " |", re.sub(r" \[fwd/bwd [^\]]*\]", "", line))
-        return re.sub(r" \| ETA [^|]*$", "", line)
 
     def _mfu(self, rec: dict, reports: list[dict], wall: float) -> None:
         """``mfu`` = all cards' model FLOPs / (step wall time x the sum of their peaks); ``mfu_cards`` per card
@@ -384,7 +375,19 @@ class Reporter:
             t.log(scalars, step)
 
     def _line(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
-        """The progress line of one step."""
+        """The progress text of one step, at most :data:`LINE_COLUMNS` wide: the progress (step, loss, grad norm,
+        tokens/s, MFU, step time against the plan), then, indented, the time breakdown, memory per card against
+        the plan, the ETA and any flags (:func:`fold_fields`; the learning rate is in ``metrics.jsonl``)."""
+        head, tail = self._fields(rec, step, wall, skipped)
+        return fold_fields(head) + "\n" + fold_fields(tail, first_indent="  ")
+
+    def _short(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
+        """The step for a terminal under the live bar (which shows the ETA): the progress and the memory."""
+        head, tail = self._fields(rec, step, wall, skipped)
+        return fold_fields(head + [f for f in tail if f.startswith(("mem ", "SKIPPED"))])
+
+    def _fields(self, rec: dict, step: int, wall: float, skipped: bool) -> tuple[list[str], list[str]]:
+        """The step's fields: ``(progress, details)``."""
         mem = "/".join(f"{m / GIB:.2f}" for m in rec["mem_peak_bytes"])
         notes = []  # the run's peak over every phase (load, evaluation, saves ...) when above the step's
         if any(r > m for r, m in zip(rec.get("mem_run_peak_bytes", []), rec["mem_peak_bytes"])):
@@ -395,17 +398,20 @@ class Reporter:
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
         avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
-        return (f"step {step:>{w}}/{self.total} | loss {rec['loss']:.4f}{avg} | lr {rec['lr']:.2e} | "
-                f"gnorm {rec['grad_norm']:.3f} | {rec['tokens_per_s']:,.0f} tok/s"
-                + mfu_text(rec)
-                + (f" | reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}"
-                   if "rewards/accuracies" in rec else "")
-                + f" | {wall:.2f} s{plan_s} "
-                f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
-                f"idle {rec['idle_s']:.2f}] | mem GiB {mem}{pred} | ETA {fmt_duration(rec['eta_s'])}"
-                + (f" | compiled before the step in {rec['compile_s']:.1f} s" if rec.get("compile_s") else "")
-                + (f" | {rec['cpu_fallbacks']} op(s) fell back to the CPU" if rec.get("cpu_fallbacks") else "")
-                + (" | SKIPPED: non-finite loss or grad norm, no update (train.nonfinite=skip)" if skipped else ""))
+        head = [f"step {step:>{w}}/{self.total}", f"loss {rec['loss']:.4f}{avg}", f"gnorm {rec['grad_norm']:.3f}",
+                f"{rec['tokens_per_s']:,.0f} tok/s"] + ([mfu_text(rec)[3:]] if mfu_text(rec) else [])
+        if "rewards/accuracies" in rec:
+            head.append(f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}")
+        head.append(f"{wall:.2f} s{plan_s}")
+        tail = [f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
+                f"idle {rec['idle_s']:.2f}]", f"mem GiB {mem}{pred}", f"ETA {fmt_duration(rec['eta_s'])}"]
+        if rec.get("compile_s"):
+            tail.append(f"compiled before the step in {rec['compile_s']:.1f} s")
+        if rec.get("cpu_fallbacks"):
+            tail.append(f"{rec['cpu_fallbacks']} op(s) fell back to the CPU")
+        if skipped:
+            tail.append("SKIPPED: non-finite loss or grad norm, no update (train.nonfinite=skip)")
+        return head, tail
 
     def eval(self, step: int, val_loss: float, tokens: int, extra: Optional[dict] = None) -> None:
         """Record a held-out evaluation after ``step`` optimizer steps: the objective's loss (SFT: mean token
@@ -518,6 +524,24 @@ class Reporter:
             where = said() if said else None
             if where:
                 self.note(where)
+
+
+#: the widest a printed step line may be (a terminal's usual 100 columns)
+LINE_COLUMNS = 100
+
+
+def fold_fields(fields: list[str], width: int = LINE_COLUMNS, first_indent: str = "", indent: str = "  ") -> str:
+    """``fields`` joined by `` | ``, folded between fields so no line is wider than ``width`` (a field wider
+    than a line gets a line of its own); lines after the first are indented by ``indent``."""
+    lines, cur = [], first_indent
+    for f in fields:
+        if cur.strip() and len(cur) + 3 + len(f) > width:
+            lines.append(cur)
+            cur = indent + f
+        else:
+            cur = cur + " | " + f if cur.strip() else cur + f
+    lines.append(cur)
+    return "\n".join(lines)
 
 
 def mfu_text(rec: dict) -> str:

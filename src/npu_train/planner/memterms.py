@@ -65,7 +65,7 @@ class MemoryTerms:
         return ", ".join(parts)
 
 
-_FIELD = "fitted to the field record: 1 card x 4 resident ran (issue 12)"
+_FIELD = "fitted to the field record: 1 card x 4 resident layers ran on an earlier RNGD deployment"
 DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": "none: process baseline instead",

@@ -162,11 +162,17 @@ def _render(t, width: int) -> str:
     return buf.getvalue().rstrip("\n")
 
 
-def _table(cols: list[tuple[str, str]], footers: dict, rows: list[list[str]]):
-    """A borderless rich table with right-justified columns after the first two, footers by column name."""
+#: the widest a plan line may be (a terminal's usual 100 columns): a table wider with two spaces between columns
+#: is rendered with one (8 cards and two-digit totals made the memory table 102 columns)
+TABLE_COLUMNS = 100
+
+
+def _table(cols: list[tuple[str, str]], footers: dict, rows: list[list[str]], gap: int = 2):
+    """A borderless rich table with right-justified columns after the first two, footers by column name,
+    ``gap`` spaces between columns."""
     from rich.table import Table
 
-    t = Table(show_footer=True, box=None, pad_edge=False, padding=(0, 1))
+    t = Table(show_footer=True, box=None, pad_edge=False, padding=(0, gap - 1, 0, 1) if gap > 1 else (0, 1, 0, 0))
     for i, (name, footer) in enumerate(cols):
         t.add_column(name, footer=footers.get(name, footer), justify="left" if i < 2 else "right", no_wrap=True)
     for r in rows:
@@ -174,7 +180,7 @@ def _table(cols: list[tuple[str, str]], footers: dict, rows: list[list[str]]):
     return t
 
 
-def memory_table(plan: Plan) -> list:
+def memory_table(plan: Plan, gap: int = 2) -> list:
     """Per card: layers, resident / offloaded layer counts and the predicted memory terms (GiB)."""
     tot_mem = {k: sum(st.mem[k] for st in plan.stages) for k in MEM_KEYS}
     cols = [("card", "total"), ("layers", f"{plan.model.num_layers} layers"), ("res", ""), ("off", "")] + [
@@ -193,10 +199,10 @@ def memory_table(plan: Plan) -> list:
                     + [f"{gib(m[k]):.2f}" for k in MEM_KEYS[:-1]]
                     + [f"{gib(m['total']):.2f}" + ("" if st.fits else " !"), f"{gib(st.card.capacity_bytes):.1f}",
                        f"{gib(st.host_bytes):.2f}"])
-    return [_table(cols, footers, rows)]
+    return [_table(cols, footers, rows, gap)]
 
 
-def time_table(plan: Plan) -> list:
+def time_table(plan: Plan, gap: int = 2) -> list:
     """Per card: the predicted seconds per step (compute, bubble, host and device optimizer, transfers,
     data-parallel communication, the stage's total)."""
     cols = [("card", "step"), ("layers", "")] + [(f"{k}\ns", "") for k in (
@@ -208,7 +214,7 @@ def time_table(plan: Plan) -> list:
                      f"{tm['host_optimizer']:.2f}", f"{tm.get('host_hidden', 0.0):.2f}",
                      f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
                      f"{tm['total']:.2f}"])
-    return [_table(cols, {"stage\ns": f"{plan.step_time_s:.2f}"}, rows)]
+    return [_table(cols, {"stage\ns": f"{plan.step_time_s:.2f}"}, rows, gap)]
 
 
 def _wrap(line: str, width: int) -> str:
@@ -223,9 +229,12 @@ def plan_table(plan: Plan, width: int = 0) -> str:
     totals, the rate and memory sources, the schedule line and the prediction. ``width`` > 0 folds the prose
     lines at that many columns (a terminal); 0 keeps one line each (logs, grep)."""
     tables = "\n".join(_render(t, 200) for t in memory_table(plan) + time_table(plan))
-    lines = [f"threads: {plan.threads} torch thread(s) per card process, {plan.host_cores} "
-             f"usable host core(s); headroom {plan.headroom * 100:g}% of capacity kept free by "
-             f"auto (placement.headroom)"]
+    if max(len(ln) for ln in tables.splitlines()) > TABLE_COLUMNS:
+        tables = "\n".join(_render(t, 200) for t in memory_table(plan, gap=1) + time_table(plan, gap=1))
+    cores = (f", {plan.host_cores} usable host core(s)" if plan.host_cores else
+             " (a dry run for another machine: runtime.threads=<its cores per card> plans its host terms)")
+    lines = [f"threads: {plan.threads} torch thread(s) per card process{cores}; headroom {plan.headroom * 100:g}% "
+             f"of capacity kept free by auto (placement.headroom)"]
     n_cpu = plan.dp * sum(1 for st in plan.stages if st.card.kind == "cpu")
     if n_cpu and n_cpu * plan.threads > plan.host_cores:
         lines.append(f"oversubscribed: {n_cpu} cpu card process(es) x {plan.threads} thread(s) on {plan.host_cores} "
@@ -256,7 +265,46 @@ def plan_table(plan: Plan, width: int = 0) -> str:
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )
+    bound = bound_line(plan)
+    if bound:
+        lines.append(bound)
     return "\n".join(line if line is tables or width <= 0 else _wrap(line, width) for line in lines)
+
+
+#: the share of the step one term must take for :func:`bound_line` to name it
+BOUND_SHARE = 0.5
+
+#: per term of the slowest stage's time: what it is called and the settings that change it
+_BOUND_TERMS = (
+    ("compute", "compute", "more cards (backend=), a faster card kind, train.recompute=false where set"),
+    ("bubble", "the pipeline bubble", "more micro-batches (train.accum), a zero-bubble schedule "
+     "(train.schedule=zb-h2), fewer pipeline stages"),
+    ("host_optimizer", "host AdamW of offloaded layers", "train.accum (more tokens per update), "
+     "train.resident_layers (fewer offloaded layers), train.offload_update=delayed (the update runs during the "
+     "next step), runtime.threads (host threads per card)"),
+    ("device_optimizer", "AdamW on the card", "train.accum (more tokens per update)"),
+    ("transfer", "host<->device transfers", "train.resident_layers (fewer offloaded layers to upload), "
+     "train.accum (more tokens per upload)"),
+    ("dp_comm", "the data-parallel gradient exchange", "train.accum (more tokens per exchange), fewer replicas "
+     "(parallel.dp)"),
+)
+
+
+def bound_line(plan: Plan) -> Optional[str]:
+    """``"bound: host AdamW of offloaded layers 13.5 of 16.0 s on furiosa:0 (84 %); it changes with ..."``: the
+    term taking at least :data:`BOUND_SHARE` of the slowest stage's step time, with the settings that change
+    it; None when no term dominates. Host AdamW counts only what the pipeline does not hide."""
+    if not plan.stages or plan.step_time_s <= 0:
+        return None
+    st = max(plan.stages, key=lambda s: s.time["total"])
+    tm = dict(st.time)
+    tm["host_optimizer"] = max(0.0, tm.get("host_optimizer", 0.0) - tm.get("host_hidden", 0.0))
+    key, name, levers = max(_BOUND_TERMS, key=lambda t: tm.get(t[0], 0.0))
+    total = st.time["total"]
+    if total <= 0 or tm.get(key, 0.0) < BOUND_SHARE * total:
+        return None
+    return (f"bound: {name} {tm[key]:.3g} of {total:.3g} s a step on {st.card.name} ({100 * tm[key] / total:.0f} %); "
+            f"it changes with {levers}")
 
 
 def plan_summary(plan: Plan) -> str:

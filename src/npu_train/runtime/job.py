@@ -105,12 +105,13 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
     from npu_train.model import check_weights, load_config, resolve_model_path
-    from npu_train.planner import PlacementError, make_plan, threads_per_card
+    from npu_train.planner import PlacementError, make_plan
 
     validate(cfg)
     reqs = resolve_cards(parse_backend_list(as_list(cfg.backend)), probe=probe)
     # one thread count for the plan's step time and the card processes (WorkerSpec.runtime.threads)
-    threads = plan_threads = threads_per_card(cfg.runtime.threads, len(reqs))
+    threads, elsewhere = _card_threads(cfg, reqs, nodes)
+    plan_threads = threads
     try:
         import psutil
 
@@ -138,12 +139,13 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
     if cfg.train.schedule == "auto":
         _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], plan_threads, dp, zero,
-                         None if (cfg.plan or nodes is not None) else host_ram, multinode=nodes is not None)
+                         None if (cfg.plan or nodes is not None) else host_ram, multinode=nodes is not None,
+                         host_cores=P * dp if elsewhere else None)
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
                        host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram,
-                       multinode=nodes is not None)
+                       multinode=nodes is not None, host_cores=P * dp if elsewhere else None)
     shape = req.shape
     resumed = None if req.split else _resumed_split(cfg, run_dir, P)
     try:
@@ -154,6 +156,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         plan = make_plan(req)  # the checkpoint's split no longer fits
     if any(c.kind == "furiosa" for c in cards):
         plan.compiler_cache_dir = furiosa_cache_dir(cfg)
+    if elsewhere:
+        plan.host_cores = 0  # not known: the plan table says so instead of naming this machine's
     if nodes is not None:
         from npu_train.runtime.nodes import check_node_host_ram
 
@@ -174,8 +178,18 @@ def check_moe(cfg, mcfg) -> None:
                           "npu-train does not compute yet: set output_router_logits=false in its config.json")
 
 
+def _card_threads(cfg, reqs, nodes) -> tuple[int, bool]:
+    """``(torch threads per card process, elsewhere)``: ``runtime.threads``, else this machine's cores divided
+    among its cards; a dry run for accelerator cards only (``elsewhere``) plans another machine, whose cores
+    this one does not know: 1 thread unless ``runtime.threads`` says (the plan table says so)."""
+    from npu_train.planner import threads_per_card
+
+    elsewhere = bool(cfg.plan) and nodes is None and not cfg.runtime.threads and all(r.kind != "cpu" for r in reqs)
+    return (1 if elsewhere else threads_per_card(cfg.runtime.threads, len(reqs))), elsewhere
+
+
 def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
-                     host_ram: Optional[int], multinode: bool = False) -> None:
+                     host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None) -> None:
     """``train.schedule=auto``: set ``cfg.train.schedule`` (and ``recompute`` when only that fits) to the
     fastest schedule that fits (:func:`npu_train.planner.schedule_choice.choose_schedule`) and say why; a
     resume keeps its checkpoint's schedule (another one sums the micro-batches' gradients in another order)."""
@@ -191,7 +205,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         with open_dict(cfg):
             cfg.train.schedule = "1f1b"  # a valid RunShape; each candidate replaces it
         req = plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
-                           multinode=multinode)
+                           multinode=multinode, host_cores=host_cores)
         choice = choose_schedule(req)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
     with open_dict(cfg):
@@ -348,7 +362,7 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
 
 
 def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, zero: int,
-                 host_ram_bytes: Optional[int], multinode: bool = False):
+                 host_ram_bytes: Optional[int], multinode: bool = False, host_cores: Optional[int] = None):
     """The planner's :class:`~npu_train.planner.PlanRequest` of ``cfg`` (the only place one is built from the
     config): the model ``mcfg`` in compute ``dtype`` on one pipeline's ``cards`` (replica 0's; every replica
     has the same kinds) for ``dp`` replicas, with rates and memory terms of each card's kind for ``threads``
@@ -384,7 +398,8 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
             raise ConfigError(f"train.resident_layers={resident!r}: use auto, an integer, or a list per card") from None
     return PlanRequest(model=mcfg, shape=shape, cards=list(cards), rates=rates,
                        split=as_list(tr.split) or None, resident_layers=resident, host_ram_bytes=host_ram_bytes,
-                       threads=threads, headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero)
+                       threads=threads, headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero,
+                       host_cores=host_cores)
 
 
 def run_shape(cfg, mcfg, dtype: str):
@@ -1010,11 +1025,27 @@ def _sweep_group():
     return None
 
 
-def terminal_width() -> int:
-    """The terminal's columns when stdout is one (prose folded to fit), else 0 (one line each: logs, grep)."""
-    if not sys.stdout.isatty():
+def terminal_width(stream=None) -> int:
+    """The terminal's columns when ``stream`` (default stdout) is one (prose folded to fit), else 0 (one line
+    each: logs, grep)."""
+    stream = sys.stdout if stream is None else stream
+    try:
+        if not stream.isatty():
+            return 0
+    except (AttributeError, ValueError):
         return 0
     return max(60, shutil.get_terminal_size((120, 40)).columns)
+
+
+def fold_words(line: str, width: int) -> str:
+    """``line`` folded at words to ``width`` columns (continuation lines indented by two spaces; a terminal
+    otherwise breaks a long line mid-word); unchanged when ``width`` is 0."""
+    import textwrap
+
+    if width <= 0:
+        return line
+    return "\n".join(textwrap.wrap(line, width=width, subsequent_indent="  ", break_on_hyphens=False,
+                                    break_long_words=False)) or line
 
 
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
@@ -1226,7 +1257,8 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
 
     refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
     at = resume.start_step + int(summ["steps_run"])
-    print(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir), flush=True)
+    print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir),
+                     terminal_width()), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
         summ.update(stopped_at=at, checkpoint_dir=resume.ckpt_root if coord.last_ckpt else None)
     return summ
