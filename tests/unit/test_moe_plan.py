@@ -3,6 +3,8 @@ the top-k active ones, routed activations are bounded by k x tokens whatever the
 each expert; the presets' totals; a plan on 8 RNGD cards or a clear refusal."""
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 
@@ -97,20 +99,20 @@ def test_compute_counts_active_parameters():
 
 def test_activation_bytes_of_a_sparse_layer_by_hand():
     """sdpa, bf16, S=16, b=1, per token: norms 2(4+2e)h + 8, attention 4eq + 4a, routed experts
-    k(e(3h + 4I_e) + 4 + 16), router E(e + 4) + 12k + 4; plus Qwen3's q/k norms 2e(q + kv) + 4(a + a_kv)."""
+    k(e(2h + 4I_e) + 4 + 24), router E(e + 4) + 12k + 4; plus Qwen3's q/k norms 2e(q + kv) + 4(a + a_kv)."""
     m, shape = _tiny(), RunShape(seq_len=16, dtype="bf16")
-    routed = 2 * (2 * (24 + 24) + 4 + 16)
+    routed = 2 * (2 * (16 + 24) + 4 + 24)
     router = 4 * (2 + 4) + 12 * 2 + 4
-    assert (routed, router) == (232, 52)
+    assert (routed, router) == (216, 52)
     assert (routed_saved_bytes_per_token(m, 2), router_saved_bytes_per_token(m, 2)) == (routed, router)
     qk = 16 * (2 * 2 * (8 + 4) + 4 * (2 + 1))
-    assert activation_bytes_per_layer(m, shape, "sdpa") == 16 * (2 * 8 * 8 + 8 + 4 * 2 * 8 + 4 * 2 + 232 + 52) + qk
+    assert activation_bytes_per_layer(m, shape, "sdpa") == 16 * (2 * 8 * 8 + 8 + 4 * 2 * 8 + 4 * 2 + 216 + 52) + qk
     # eager: e*s*b*(4h + 2q + 2kv) + s*b*(MLP) + probabilities a*b*s*s*(4 + e)
-    assert activation_bytes_per_layer(m, shape, "eager") == 2 * 16 * (32 + 16 + 8) + 16 * 284 + 2 * 16 * 16 * 6 + qk
+    assert activation_bytes_per_layer(m, shape, "eager") == 2 * 16 * (32 + 16 + 8) + 16 * 268 + 2 * 16 * 16 * 6 + qk
     # B->W output gradients: q + 2kv + o's h, + router logits E + k copies of (down h + gate/up 2 I_e)
     assert pending_grad_bytes_per_layer(m, shape) == 16 * 2 * (8 + 8 + 8 + 4 + 2 * (8 + 12))
     # top-k 4 of 4: twice the routed rows, the router's top-k arrays too
-    assert routed_saved_bytes_per_token(_tiny(num_experts_per_tok=4), 2) == 2 * 232
+    assert routed_saved_bytes_per_token(_tiny(num_experts_per_tok=4), 2) == 2 * 216
 
 
 def test_dense_models_keep_their_figures():
@@ -129,7 +131,7 @@ def test_mixed_layers_plan_the_larger_kind():
     m = _tiny(mlp_only_layers=(0,), decoder_sparse_step=2)
     assert m.moe_layers() == [1, 3]
     dense_mlp = 4 * 2 * 16  # 4ei
-    sparse_mlp = 232 + 52
+    sparse_mlp = 216 + 52
     assert mlp_saved_bytes_per_token(m, 2) == max(dense_mlp, sparse_mlp)
     wide = _tiny(mlp_only_layers=(0,), intermediate_size=64)
     assert mlp_saved_bytes_per_token(wide, 2) == 4 * 2 * 64 > sparse_mlp
@@ -154,72 +156,59 @@ def test_lora_counts_per_expert_shared_expert_router_and_mixtral_names():
 
 
 def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves in ``block(x)``, parameters and the input excluded."""
+    """Bytes of the distinct storages autograd still holds for the backward of ``block(x)`` (a node whose outputs
+    are all dropped frees what it saved), parameters and the input excluded."""
     skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {x.untyped_storage().data_ptr()}
-    seen: dict = {}
+    saved: list = []
 
     def pack(t):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in skip:
-            seen[ptr] = t.untyped_storage().nbytes()
+        saved.append(weakref.ref(t))
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = block(x)
-    out = out[0] if isinstance(out, tuple) else out
-    return sum(seen.values())
-
-
-def _hf_block(family: str, m: LlamaConfig):
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock as B
-        c = Qwen3MoeConfig(hidden_size=m.hidden_size, num_experts=m.num_experts, norm_topk_prob=True,
-                           num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size)
-    elif family == "mixtral":
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock as B
-        c = MixtralConfig(hidden_size=m.hidden_size, num_local_experts=m.num_experts,
-                          num_experts_per_tok=m.num_experts_per_tok, intermediate_size=m.moe_intermediate_size)
-    else:
-        from transformers import Qwen2MoeConfig
-        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock as B
-        c = Qwen2MoeConfig(hidden_size=m.hidden_size, num_experts=m.num_experts,
-                           num_experts_per_tok=m.num_experts_per_tok, moe_intermediate_size=m.moe_intermediate_size,
-                           shared_expert_intermediate_size=m.shared_expert_intermediate_size, norm_topk_prob=True)
-    c._experts_implementation = "eager"
-    return B(c)
+    alive = {}
+    for ref in saved:
+        t = ref()
+        if t is not None and t.untyped_storage().data_ptr() not in skip:
+            alive[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    del out
+    return sum(alive.values())
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("balance", ["random", "two experts take every token"])
-def test_routed_activation_bound_holds_whatever_the_balance(family, dtype, balance):
-    """What transformers' sparse block (renormalised top-k) saves for T tokens is the bound less exactly the router
-    logits (which the bound keeps for the load-balancing loss), both for a random router and for one sending
-    every token to the same top-k experts: the k x T routed rows fix the total, not how they spread."""
+@pytest.mark.parametrize("aux", [False, True])
+def test_routed_activation_bound_holds_whatever_the_balance(family, dtype, balance, aux):
+    """What the project's sparse block (model/moe.py) saves for T tokens is at most the bound, for a random router
+    and for one sending every token to the same top-k experts (the k x T routed rows fix the total, not how
+    they spread), aux loss on or off; and tight: less only the aux loss's compute-dtype softmax (when it is off
+    or the logits are fp32) and, where the routing weights are in the compute dtype (Qwen), 4 - e B per row."""
+    from npu_train.model.moe import RouterRecorder, SparseMoe
+
     m = _tiny(family=family, hidden_size=16, num_experts=8, moe_intermediate_size=12,
               shared_expert_intermediate_size=20 if family == "qwen2_moe" else 0)
     torch.manual_seed(0)
-    block = _hf_block(family, m).to(dtype)
-    for p in block.parameters():
-        torch.nn.init.normal_(p)
-    router = next(p for n, p in block.named_parameters() if n.endswith("gate.weight") and p.shape[0] == 8)
+    rec = RouterRecorder()
+    block = SparseMoe(m, 0, rec).to(dtype)
     if balance != "random":
         with torch.no_grad():
-            router.zero_()
-            router[0] += 1.0
-            router[1] += 0.5
-    T, e = 64, torch.finfo(dtype).bits // 8
+            block.gate.weight.zero_()
+            block.gate.weight[0] += 1.0
+            block.gate.weight[1] += 0.5
+    if aux:
+        rec.start(with_probs=True)
+    T, e, E, k = 64, torch.finfo(dtype).bits // 8, m.num_experts, m.num_experts_per_tok
     x = torch.randn(1, T, 16, dtype=dtype, requires_grad=True)
     bound = T * (routed_saved_bytes_per_token(m, e) + router_saved_bytes_per_token(m, e)
                  + shared_saved_bytes_per_token(m, e))
     assert bound == T * mlp_saved_bytes_per_token(m, e)
     saved = _saved_bytes(block, x)
     assert saved <= bound
-    # tight: less only the logits [T, E] (not held here) and, where the routing weights are in the compute
-    # dtype (Qwen), their 4 - e bytes per routed row
-    assert saved >= bound - T * m.num_experts * e - T * m.num_experts_per_tok * (4 - e)
+    aux_terms = 0 if (aux and e != 4) else E * e
+    weights = 0 if family == "mixtral" else k * (4 - e)
+    assert saved == bound - T * (aux_terms + weights)
 
 
 # ---------------------------------------------------------------- presets and plans

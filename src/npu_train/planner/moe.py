@@ -34,23 +34,25 @@ def _kinds(model: LlamaConfig) -> list[int]:
 
 def routed_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
     """Bytes the routed experts of one sparse layer save per token of the micro-batch, an upper bound whatever
-    the balance: ``k * (e*(3h + 4*I_e) + 4 + 16)``. Per routed copy of a token (``k`` per token): the gathered
-    input ``[h]`` (saved by the gate/up matmuls), the SwiGLU gate and up outputs, ``silu(gate)`` and their
-    product ``[I_e]`` each (as a dense MLP's ``4*e*i``), the expert's output ``[h]`` (saved by the weighting
-    product) and the weighted output ``[h]`` (saved by the scatter-add), in the compute dtype of ``e`` bytes;
-    the routing weight, 4 B (fp32 in Mixtral, the compute dtype in Qwen3-MoE); two int64 indices (token and
-    top-k slot: the gather / scatter-add and the weight lookup). ``transformers`` 5's sparse blocks save exactly
-    these per routed row (checked with ``saved_tensors_hooks``, ``tests/unit/test_moe_plan.py``)."""
+    the balance: ``k * (e*(2h + 4*I_e) + 4 + 24)``. Per routed copy of a token (``k`` per token, however they
+    spread over the experts), what ``model/moe.py::SparseMoe.experts_forward`` saves: the gathered input
+    ``[h]`` (the expert's gate/up matmuls), the SwiGLU gate and up outputs, ``silu(gate)`` and their product
+    ``[I_e]`` each (as a dense MLP's ``4*e*i``), the expert's output ``[h]`` (the weighting product), in the
+    compute dtype of ``e`` bytes; the routing weight, 4 B (fp32 in Mixtral, the compute dtype in Qwen); three
+    int64 indices (the gather's token index, the sort order, its inverse). Checked with ``saved_tensors_hooks``
+    (``tests/unit/test_moe_plan.py``). transformers 5's eager ``Qwen3MoeExperts`` also keeps the weighted
+    output, ``e*h`` more per copy."""
     if not model.is_moe:
         return 0
     h, ie, k = model.hidden_size, model.moe_intermediate_size, model.num_experts_per_tok
-    return k * (e * (3 * h + 4 * ie) + 4 + 16)
+    return k * (e * (2 * h + 4 * ie) + 4 + 24)
 
 
 def router_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
-    """Bytes the router of one sparse layer keeps per token: its logits ``[E]`` in the compute dtype (kept for
-    the load-balancing loss), the fp32 softmax ``[E]`` (saved by its backward), the top-k indices (int64) and
-    fp32 values ``[k]`` and the fp32 sum that renormalises them: ``E*(e + 4) + 12*k + 4``."""
+    """Bytes the router of one sparse layer keeps per token: the fp32 softmax ``[E]`` (saved by its backward),
+    the top-k int64 indices and fp32 values ``[k]`` and the fp32 sum that renormalises them; with the
+    load-balancing loss on and logits not in fp32, the loss's own softmax in the compute dtype ``[E]`` (its
+    top-k is not differentiated): ``E*(e + 4) + 12*k + 4``."""
     if not model.is_moe:
         return 0
     E, k = model.num_experts, model.num_experts_per_tok
