@@ -163,7 +163,9 @@ def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m npu_train.generate", description=__doc__.splitlines()[0])
+    # the module docstring's whole first paragraph (its first line alone stopped mid-sentence), without markup
+    about = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")
+    ap = argparse.ArgumentParser(prog="python -m npu_train.generate", description=about)
     ap.add_argument("model", help="checkpoint dir or root, HF/export dir, .gguf file, or 'embedded'")
     ap.add_argument("--prompt", required=True)
     ap.add_argument("--system", default=None, help="system message (chat mode)")

@@ -96,6 +96,17 @@ def test_every_job_sees_the_concurrency_the_sweep_worked_out(monkeypatch, capsys
         ctx.__exit__(None, None, None)
 
 
+@pytest.mark.parametrize("given,jobs", [(["hydra.launcher.n_jobs=1"], 2), ([], 1)])
+def test_a_sweep_one_job_at_a_time_says_so_too(capsys, given, jobs):
+    """``sweep: N job(s), K at a time`` was missing when the sweep ran one job at a time (n_jobs=1, or one job)."""
+    ctx, _, cfg = _compose_sweep("backend=[cpu]", "train.lr=1e-4,3e-4" if jobs == 2 else "train.lr=1e-4", *given)
+    try:
+        sweep.SweepCallback().on_multirun_start(cfg)
+        assert f"sweep: {jobs} job(s), 1 at a time" in capsys.readouterr().out
+    finally:
+        ctx.__exit__(None, None, None)
+
+
 def _load_run():
     from scripts import load_script
 

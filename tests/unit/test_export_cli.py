@@ -117,3 +117,16 @@ def test_export_keeps_the_models_generation_config_and_both_dtype_keys(tmp_path)
     d = hf_config_dict(LlamaConfig(vocab_size=10, hidden_size=8, intermediate_size=16, num_layers=1, num_heads=2,
                                    num_kv_heads=1), "bf16")
     assert d["dtype"] == d["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("module", ["npu_train.generate", "npu_train.checkpoint.export"])
+def test_help_describes_the_command_in_whole_sentences(module, capsys):
+    """``generate --help`` printed the docstring's first line only, which stopped mid-sentence ("``<model>``: a
+    checkpoint"): each command's description ends a sentence."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main(["--help"])
+    text = capsys.readouterr().out
+    about = " ".join(text.split("\n\n")[1].split())  # the paragraph after the usage lines
+    assert about.endswith(".") and "``" not in about, about

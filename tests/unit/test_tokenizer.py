@@ -6,6 +6,8 @@ BPE of each piece in the model's vocabulary.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from npu_train.errors import UserError
@@ -87,3 +89,26 @@ def test_unknown_pre_rule_refused():
     with pytest.raises(ModelFormatError, match=r"tokenizer.ggml.pre='deepseek-llm' is not a supported") as ei:
         pre_tokenizer_for("deepseek-llm", "m.gguf")  # (qwen2 is supported since issue 26)
     assert isinstance(ei.value, UserError) and "model.tokenizer=" in str(ei.value)
+
+
+def test_the_documented_route_from_a_gguf_to_a_tokenizer_json(tmp_path):
+    """docs/models.md asks an HF directory for a ``tokenizer.json``; its one-line route from the embedded GGUF
+    writes one that tokenizes as the run does."""
+    import re
+    import subprocess
+    import sys
+
+    from tokenizers import Tokenizer
+
+    from npu_train.model import load_tokenizer, resolve_model_path
+
+    repo = os.path.join(os.path.dirname(__file__), "..", "..")
+    doc = open(os.path.join(repo, "docs", "models.md")).read()
+    (code,) = re.findall(r'^\.venv/bin/python -c "(.*tokenizer\.json.*)"$', doc, flags=re.M)
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(os.path.join(repo, "src")))
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    text = "Botchan's \\u201cquick\\u201d tongue, 1906."
+    assert (Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids
+            == load_tokenizer(resolve_model_path("embedded")).encode(text).ids)

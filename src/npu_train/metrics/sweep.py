@@ -332,13 +332,15 @@ class SweepCallback(_HydraCallback):
         from omegaconf import OmegaConf
 
         launcher = config.hydra.launcher
-        if "n_jobs" not in launcher:
-            return  # a sequential launcher (hydra/launcher=basic)
         jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+        if "n_jobs" not in launcher:  # a sequential launcher (hydra/launcher=basic)
+            print(f"sweep: {len(jobs)} job(s), 1 at a time", flush=True)
+            return
         n_jobs = int(launcher.n_jobs)
         if n_jobs == 1 or len(jobs) <= 1:
             if n_jobs != 1:  # one job: it runs alone, whatever n_jobs said
                 self._pin(config, 1)
+            print(f"sweep: {len(jobs)} job(s), 1 at a time", flush=True)
             return
         loader = GlobalHydra.instance().config_loader()
         needs = []
