@@ -212,3 +212,39 @@ def test_resume_after_a_file_was_added_to_the_data_dir(tiny_model, tmp_path):
         allowed.kill_all()
     assert rc == 0, allowed.tail()
     assert "resuming onto changed data" in allowed.stdout and "new file(s) extra.txt" in allowed.stdout
+
+
+def test_export_of_a_checkpoint_rotated_away_mid_read(tiny_model, tmp_path, monkeypatch, capsys):
+    """Fault 18: the live job's rotation deletes the checkpoint being exported (simulated: the checkpoint dir is
+    removed after two tensors were read, as ``finalize``'s ``shutil.rmtree`` does): the error says it was rotated
+    away and names the newest kept checkpoint; no partial file or output directory stays (a 97 MB partial
+    ``model.safetensors`` stayed, and the message said "truncated or corrupt; use step_000003")."""
+    import shutil
+
+    from conftest import run_pipeline
+    from npu_train.checkpoint import store
+    from npu_train.checkpoint.export import main as export_main
+
+    run = str(tmp_path / "run")
+    run_pipeline(tiny_model, run, "train.steps=3", "train.save_every=1", "checkpoint.keep=0")
+    root = os.path.join(run, "checkpoints")
+    old = os.path.join(root, "step_000001")
+    real_get, calls = store.CheckpointReader.get, []
+
+    def get(self, key):
+        calls.append(key)
+        if len(calls) == 3:
+            shutil.rmtree(self.path)  # the rotation
+        return real_get(self, key)
+
+    monkeypatch.setattr(store.CheckpointReader, "get", get)
+    out = str(tmp_path / "hf")
+    assert export_main([old, out]) == 2
+    err = capsys.readouterr().err
+    assert "was deleted while it was being read" in err and "rotated away" in err, err
+    assert os.path.join(root, "step_000003") in err and "truncated" not in err, err
+    assert not os.path.exists(out)
+    os.makedirs(out)  # an existing (empty) output directory stays, emptied of the partial export
+    calls.clear()
+    assert export_main([os.path.join(root, "step_000002"), out]) == 2
+    assert os.listdir(out) == []

@@ -208,33 +208,10 @@ def export_bound(cfg: LlamaConfig, lora: bool) -> int:
     return 4 * big * (4 if lora else 3)
 
 
-def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None,
-              overwrite: bool = False, base: Optional[str] = None) -> str:
-    """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
-    ``arg``: how errors name ``ckpt_dir``; ``overwrite``: replace an earlier export in ``out_dir``
-    (:func:`clear_earlier_export`). Raises CheckpointError (incomplete checkpoint or missing tensor),
-    ExportDirError (non-empty ``out_dir`` without ``overwrite``), BaseModelError (a LoRA checkpoint's base cannot
-    be found or has other weights: ``base`` names its new place; :func:`base_model`), MemoryCheckError (less host memory than
-    :func:`export_bound`), ValueError (unknown ``dtype``)."""
-    if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
-    from npu_train.checkpoint.store import find_checkpoint
-
-    # a step_XXXXXX dir or a checkpoint root (never the trainer's keywords latest/auto)
-    arg = arg or f"python -m npu_train.checkpoint.export <checkpoint>={ckpt_dir!r}"
-    reader = CheckpointReader(find_checkpoint(os.path.abspath(ckpt_dir), None, arg=arg))
-    cfg = LlamaConfig.from_dict(reader.manifest["model"])
-    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
-    names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
-    train = reader.manifest.get("train") or {}
+def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: str, dtype: str, tdt, model_path,
+                  tok_src) -> None:
+    """The files of :func:`export_hf` into ``out_dir`` (weights, config, tokenizer, record)."""
     lora = train.get("mode") == "lora"
-    check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
-    model_path = base_model(reader, base, lora)  # before anything is written
-    tok_src = _tokenizer_source(reader, base, model_path)
-    check_out_dir(out_dir, overwrite)
-    if overwrite:
-        clear_earlier_export(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     if lora:
         get = _lora_getter(reader, cfg, names, train, out_dir, tdt, model_path)
     else:
@@ -262,6 +239,44 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
             json.dump(tc, f, indent=1)
     _copy_generation_config(model_path, out_dir)
     _write_record(out_dir, reader.path)
+
+
+def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None,
+              overwrite: bool = False, base: Optional[str] = None) -> str:
+    """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
+    ``arg``: how errors name ``ckpt_dir``; ``overwrite``: replace an earlier export in ``out_dir``
+    (:func:`clear_earlier_export`). Raises CheckpointError (incomplete checkpoint or missing tensor),
+    ExportDirError (non-empty ``out_dir`` without ``overwrite``), BaseModelError (a LoRA checkpoint's base cannot
+    be found or has other weights: ``base`` names its new place; :func:`base_model`), MemoryCheckError (less host memory than
+    :func:`export_bound`), ValueError (unknown ``dtype``)."""
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
+    from npu_train.checkpoint.store import find_checkpoint
+
+    # a step_XXXXXX dir or a checkpoint root (never the trainer's keywords latest/auto)
+    arg = arg or f"python -m npu_train.checkpoint.export <checkpoint>={ckpt_dir!r}"
+    reader = CheckpointReader(find_checkpoint(os.path.abspath(ckpt_dir), None, arg=arg))
+    cfg = LlamaConfig.from_dict(reader.manifest["model"])
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
+    train = reader.manifest.get("train") or {}
+    lora = train.get("mode") == "lora"
+    check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
+    model_path = base_model(reader, base, lora)  # before anything is written
+    tok_src = _tokenizer_source(reader, base, model_path)
+    check_out_dir(out_dir, overwrite)
+    if overwrite:
+        clear_earlier_export(out_dir)
+    created = not os.path.exists(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        _write_export(reader, cfg, names, train, out_dir, dtype, tdt, model_path, tok_src)
+    except BaseException:  # a checkpoint rotated away mid-read, a full disk, Ctrl-C: no partial export stays
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            clear_earlier_export(out_dir)
+        raise
     return out_dir
 
 

@@ -442,7 +442,8 @@ def earlier_checkpoint_hint(path: str) -> str:
     root = os.path.dirname(os.path.abspath(path))
     others = [c for c in complete_checkpoints(root) if os.path.realpath(c) != os.path.realpath(path)]
     if others:
-        return f"use an earlier checkpoint, e.g. {others[-1]} (to resume from it: train.resume={others[-1]})"
+        which = "an earlier" if os.path.basename(others[-1]) < os.path.basename(os.path.normpath(path)) else "another"
+        return f"use {which} checkpoint, e.g. {others[-1]} (to resume from it: train.resume={others[-1]})"
     return f"there is no other checkpoint in {root}: restore the checkpoint from a copy or train again"
 
 
@@ -506,9 +507,22 @@ class CheckpointReader:
             with safe_open(shard, "pt") as f:
                 return f.get_tensor(key)
         except Exception as e:  # noqa: BLE001 - safetensors' SafetensorError (truncated file), OSError (missing)
+            if not os.path.isfile(shard) or not is_complete(self.path):  # was readable when opened (verify, index)
+                raise CheckpointError(self._deleted_message(shard)) from None
             first = (str(e).strip().splitlines() or [""])[0]
             raise CheckpointError(f"{shard}: cannot read tensor {key!r} ({type(e).__name__}: {first}): the shard "
                                   f"is truncated or corrupt; {earlier_checkpoint_hint(self.path)}") from None
+
+    def _deleted_message(self, shard: str) -> str:
+        """The error for a checkpoint deleted while it was read: most likely a live job's rotation
+        (``checkpoint.keep``) removing it once newer ones were saved; names the newest kept one."""
+        root = os.path.dirname(os.path.abspath(self.path))
+        kept = [c for c in complete_checkpoints(root) if os.path.realpath(c) != os.path.realpath(self.path)]
+        fix = (f"export a checkpoint that is kept, e.g. the newest, {kept[-1]} (or the root {root}, which takes the "
+               "newest)" if kept else f"no complete checkpoint is left in {root}")
+        return (f"checkpoint {self.path} was deleted while it was being read ({os.path.basename(shard)} is gone): it "
+                "was rotated away, most likely by the running job's checkpoint.keep rotation, which deletes all but "
+                f"the newest checkpoints as new ones are saved; {fix}; to keep more, raise checkpoint.keep")
 
     #: run settings a resume must repeat (the LR schedule depends on all of them)
     RUN_KEYS = ("steps", "lr", "warmup_steps", "min_lr_ratio")
