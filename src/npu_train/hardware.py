@@ -53,6 +53,19 @@ def host_ram_bytes() -> int:
     return int(psutil.virtual_memory().total)
 
 
+def address_space_limit() -> "int | None":
+    """This process's soft ``RLIMIT_AS`` (``ulimit -v``; card processes inherit it), bytes; None when unlimited."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+#: address space (bytes) a card process needs beyond its planned memory (torch's and ZeroMQ's mappings, thread
+#: stacks, malloc arenas): the tiny test job (0.36 GiB planned per cpu card) ran under ``prlimit --as`` of 1.0 GiB
+#: and failed at 0.8 GiB (a card's model load) with torch 2.13 (experiments/2026-12-06-reliability-round4.md)
+ADDRESS_SPACE_OVERHEAD_BYTES = int(0.5 * 2**30)
+
 #: host RAM (bytes) kept for the launcher before cpu cards split the rest: its peak anon + shared RSS
 #: was 0.20-0.49 GiB in the default, LoRA and 0.63 B jobs (experiments/2026-12-03-lora-memory.md)
 LAUNCHER_RESERVE_BYTES = 512 * 2**20

@@ -248,3 +248,37 @@ def test_export_of_a_checkpoint_rotated_away_mid_read(tiny_model, tmp_path, monk
     calls.clear()
     assert export_main([os.path.join(root, "step_000002"), out]) == 2
     assert os.listdir(out) == []
+
+
+def test_address_space_limit_below_the_plan_is_refused(tiny_model, tmp_path):
+    """Fault 14: ``ulimit -v`` (RLIMIT_AS, inherited by the card processes) below what a card needs: one error
+    line naming the limit, the card, what it needs and the fix, exit 2, before any card process starts (the plan
+    said "fits", then ``DefaultCPUAllocator: can't allocate memory``). The tiny job's cards plan 0.36 GiB each;
+    under 0.80 GiB they failed in their model load (exit 1), the launcher got as far as starting them."""
+    limit = int(0.80 * 2**30)
+    job = Job(tmp_path, tiny_model, "train.steps=2", prefix=["prlimit", f"--as={limit}"])
+    try:
+        rc = job.wait(240)
+    finally:
+        job.kill_all()
+    assert rc == 2, job.tail()
+    (line,) = job.error_lines()
+    assert "address-space limit of this shell (ulimit -v, RLIMIT_AS) is 0.80 GiB per process" in line, line
+    assert "ulimit -v unlimited" in line and not os.path.exists(os.path.join(job.run_dir, "job.json"))
+
+
+def test_address_space_check_from_the_plan():
+    """The check's arithmetic: planned host memory + the reserved address space against the limit."""
+    from types import SimpleNamespace
+
+    from npu_train.errors import ConfigError
+    from npu_train.hardware import ADDRESS_SPACE_OVERHEAD_BYTES as O
+    from npu_train.runtime.job import check_address_space
+
+    g = 2 ** 30
+    card = SimpleNamespace(kind="cpu", name="cpu:1")
+    plan = SimpleNamespace(stages=[SimpleNamespace(mem={"total": 1 * g}, host_bytes=0, card=card),
+                                   SimpleNamespace(mem={"total": 2 * g}, host_bytes=0, card=card)])
+    check_address_space(plan, 2 * g + O)  # exactly fits
+    with pytest.raises(ConfigError, match="card cpu:1 is planned to use 2.00 GiB"):
+        check_address_space(plan, 2 * g + O - 1)

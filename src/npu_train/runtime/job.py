@@ -154,6 +154,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         if resumed is None:
             raise
         plan = make_plan(req)  # the checkpoint's split no longer fits
+    if not cfg.plan:  # a dry run plans for the target server, not this shell's limits
+        check_address_space(plan)
     if any(c.kind == "furiosa" for c in cards):
         plan.compiler_cache_dir = furiosa_cache_dir(cfg)
     if elsewhere:
@@ -186,6 +188,31 @@ def _card_threads(cfg, reqs, nodes) -> tuple[int, bool]:
 
     elsewhere = bool(cfg.plan) and nodes is None and not cfg.runtime.threads and all(r.kind != "cpu" for r in reqs)
     return (1 if elsewhere else threads_per_card(cfg.runtime.threads, len(reqs))), elsewhere
+
+
+def check_address_space(plan, limit: Optional[int] = None) -> None:
+    """Refuse a plan whose card processes cannot fit in the per-process address-space limit (``ulimit -v``,
+    ``RLIMIT_AS``; ``limit`` overrides it): every card process needs its planned host memory (a cpu card's whole
+    planned total, an accelerator card's offloaded host state) plus
+    :data:`~npu_train.hardware.ADDRESS_SPACE_OVERHEAD_BYTES` of address space reserved beyond what it touches.
+    Without this the plan said "fits" and the card failed with ``DefaultCPUAllocator: can't allocate memory``."""
+    from npu_train.hardware import ADDRESS_SPACE_OVERHEAD_BYTES, address_space_limit
+
+    limit = address_space_limit() if limit is None else limit
+    if limit is None:
+        return
+    need = [(s.mem["total"] if s.card.kind == "cpu" else s.host_bytes) + ADDRESS_SPACE_OVERHEAD_BYTES
+            for s in plan.stages]
+    worst = max(range(len(need)), key=need.__getitem__)
+    if need[worst] <= limit:
+        return
+    g, st = 2 ** 30, plan.stages[worst]
+    raise ConfigError(f"the address-space limit of this shell (ulimit -v, RLIMIT_AS) is {limit / g:.2f} GiB per "
+                      f"process, but card {st.card.name} is planned to use {(need[worst] - ADDRESS_SPACE_OVERHEAD_BYTES) / g:.2f} "
+                      f"GiB plus about {ADDRESS_SPACE_OVERHEAD_BYTES / g:.2f} GiB of address space that torch, its "
+                      f"threads and the allocator reserve: raise the limit to at least {need[worst] / g:.2f} GiB "
+                      f"(ulimit -v {-(-need[worst] // 1024)}, or ulimit -v unlimited), or plan less memory per card "
+                      "(more cards, train.recompute=true, a smaller train.micro_batch or data.seq_len)")
 
 
 def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
