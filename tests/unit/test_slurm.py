@@ -47,6 +47,17 @@ def test_layout_from_slurm_variables():
     assert slurm_layout_env({"PATH": "/x"}) is None  # not a Slurm job
 
 
+def test_allocation_without_srun_is_refused_at_once():
+    """Issue 41, fault 13: an sbatch/salloc shell of 2 nodes (SLURM_JOB_ID, SLURM_NNODES=2, SLURM_JOB_NODELIST, no
+    SLURM_STEP_ID / SLURM_NODEID / SLURM_PROCID): refused at once naming srun (it waited 300 s, then spoke of
+    NNODES / NODE_RANK); NNODES=1 trains here alone."""
+    env = {"SLURM_JOB_ID": "4242", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "rngd[07-08]", "PATH": "/nonexistent"}
+    with pytest.raises(ConfigError, match=r"allocation of 2 nodes .* not started by srun .* srun --ntasks-per-node=1"):
+        NodeLayout.from_env(env)
+    assert NodeLayout.from_env({**env, "NNODES": "1"}) is None
+    assert NodeLayout.from_env({**env, "SLURM_STEP_ID": "0", "SLURM_NODEID": "1", "SLURM_NTASKS": "2"}).node_rank == 1
+
+
 def test_two_tasks_per_node_is_refused():
     with pytest.raises(ConfigError, match="one task per node"):
         NodeLayout.from_env(_slurm(SLURM_NTASKS="6"))

@@ -77,7 +77,9 @@ def first_host(nodelist: str) -> str:
 def slurm_layout_env(env: Mapping[str, str]) -> Optional[dict[str, str]]:
     """``{"NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"}`` for a Slurm step spanning several nodes, or None
     when this is not a Slurm job (no ``SLURM_JOB_ID``) or it has one node. Raises ConfigError for a step with
-    more than one task per node (npu-train runs one launcher per node, which starts one process per card)."""
+    more than one task per node (npu-train runs one launcher per node, which starts one process per card), and at
+    once for a launch in a multi-node allocation outside ``srun`` (no ``SLURM_STEP_ID`` / ``SLURM_NODEID`` /
+    ``SLURM_PROCID``: the other nodes run no launcher; it waited ``runtime.startup_timeout_s`` for them)."""
     if not env.get("SLURM_JOB_ID", "").strip() or not env.get("SLURM_NNODES", "").strip():
         return None
     try:
@@ -90,6 +92,13 @@ def slurm_layout_env(env: Mapping[str, str]) -> Optional[dict[str, str]]:
                           "launcher through srun inside an sbatch allocation (launch/slurm/npu-train.sbatch)") from None
     if nnodes <= 1:
         return None
+    if not any(env.get(k, "").strip() for k in ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_NODEID", "SLURM_PROCID")):
+        # the allocation's shell (sbatch script, salloc) without srun: one launcher here, none on the other nodes
+        raise ConfigError(f"this runs inside a Slurm allocation of {nnodes} nodes (SLURM_JOB_ID={job}, SLURM_NNODES="
+                          f"{nnodes}) but was not started by srun (no SLURM_STEP_ID / SLURM_NODEID), so no launcher "
+                          "runs on the other nodes and this one would wait for them: launch it on every node through "
+                          "srun --ntasks-per-node=1 python launch/run.py ... (launch/slurm/npu-train.sbatch does), or "
+                          "set NNODES=1 to train on this node alone")
     if ntasks != nnodes:
         raise ConfigError(f"the Slurm step has {ntasks} tasks on {nnodes} nodes: npu-train needs one task per node "
                           "(srun --ntasks-per-node=1; the launcher starts one process per card itself)")
