@@ -2,7 +2,8 @@
 
 Every test gets its own ``NPT_CACHE`` (inherited by its subprocesses) holding no calibration
 profile and no fitted figures, so plans start from the assumed defaults whatever ran before; the
-cached data, tokenizers and compiled modules are shared (links to the real cache's folders).
+cached data, tokenizers, compiled modules and the host AdamW kernel are shared (links to the real cache's
+folders).
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import tempfile
 
 from npu_train.env import cache_root
 
-_SHARED = ("data", "tokenizers", "furiosa")
+_SHARED = ("data", "tokenizers", "furiosa", "kernels")
 _REAL_CACHE = cache_root()
 _CACHES = tempfile.mkdtemp(prefix="npt-test-caches-")
 

@@ -300,8 +300,8 @@ class StageOptimizer:
                 elif n in self.shared:  # m is the parameter: its .grad is the fp32 accumulated gradient
                     if clip_coef != 1.0:  # x * 1.0 == x: skip the pass over the gradients
                         g.mul_(clip_coef)
-                else:
-                    m.grad = g.float().mul_(clip_coef)
+                else:  # (no pass over the gradient at clip_coef 1.0: x * 1.0 == x)
+                    m.grad = g.float().mul_(clip_coef) if clip_coef != 1.0 else g.float()
         self.dev_group.set_lr(lr)
         self.dev_group.step()
         with torch.no_grad():

@@ -2,7 +2,8 @@
 
 :class:`HostUpdater` downloads each final gradient, runs AdamW on the fp32 host masters and uploads
 the cast weights: inline, ``overlap`` (one background thread, bit-identical) or ``delayed`` (DPU, one
-update stale, no resume). Modes, invariants and threads: docs/design.md §17.
+update stale, no resume). The update of each tensor is one pass over memory (gradient in, clip, AdamW,
+compute-dtype copy out: :mod:`npu_train.optim.onepass`). Modes, invariants and threads: docs/design.md §17.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Callable, Optional
 import torch
 
 from npu_train.hardware import HOST_MEMORY_KINDS
+from npu_train.optim.onepass import adamw_onepass, kernel_status
 
 
 def _done(value=None) -> Future:
@@ -65,6 +67,8 @@ class HostUpdater:
         self.timeline: list = []  # the last finished update: [(layer, start, adamw_end, upload_end)] perf_counter s
         self.update_start = self._next_start = 0.0  # perf_counter s: the collected / the queued update
         self.wait_s = 0.0  # seconds the main thread blocked on pending updates since the last take_stats()
+        if groups:
+            kernel_status()  # compile the one-pass kernel now (once per machine), not inside the first step
 
     def _submit(self, fn: Callable, *args) -> Future:
         if self._pool is None:
@@ -73,7 +77,8 @@ class HostUpdater:
 
     # ------------------------------------------------------------------ gradients
     def _fetch(self, g: Optional[torch.Tensor]):
-        """Download ``g`` -> (fp32 host copy, its fp32 squared sum); :attr:`in_place`: an fp32 CPU ``g`` itself."""
+        """Download ``g`` -> (host copy, fp32 or bf16 as on the card (other dtypes: fp32), its fp32 squared sum);
+        :attr:`in_place`: an fp32 CPU ``g`` itself."""
         if g is None:
             return None, torch.zeros((), dtype=torch.float32)
         if self.in_place and g.dtype == torch.float32 and g.device.type == "cpu":
@@ -82,7 +87,8 @@ class HostUpdater:
         hg = self.backend.download(g.detach())
         if hg.data_ptr() == g.data_ptr():  # never alias the card's accumulator (reused next step)
             hg = hg.clone()
-        hg = hg.float()
+        if hg.dtype not in (torch.float32, torch.bfloat16):  # the one pass reads these two
+            hg = hg.float()
         return hg, squared_sum(hg)
 
     def grad_final(self, name: str, g: Optional[torch.Tensor]) -> None:
@@ -113,23 +119,19 @@ class HostUpdater:
     def _layer_task(self, key: str, names: list, lr: float, clip_coef: float, grads: dict) -> tuple:
         t0 = time.perf_counter()
         opt = self.optimizers[key]
-        for n in names:
-            m = opt.masters[n]
-            hg = grads[n]
-            m.grad = torch.zeros_like(m) if hg is None else hg.mul_(clip_coef)
         opt.set_lr(lr)
-        opt.step()
+        # one pass per tensor: gradient (fp32/bf16) x clip_coef, AdamW of master + moments, compute-dtype copy
+        host = {n: adamw_onepass(opt.opt, [opt.masters[n]], [grads[n]], clip_coef, self.params[n].dtype)[0]
+                for n in names} if opt.opt is not None else {}
         t1 = time.perf_counter()
         lock = getattr(self.backend, "alloc_lock", None)  # RNGD: process-wide memory-type flag
         with torch.no_grad(), (lock() if lock is not None else contextlib.nullcontext()):
-            for n in names:
-                m = opt.masters[n]
-                m.grad = None
+            for n, w in host.items():
                 if self.delayed:
-                    self._staged[n] = m.to(self.params[n].dtype)
+                    self._staged[n] = w
                 else:
                     p = self.params[n]
-                    p.copy_(self.backend.upload(m.to(p.dtype)))
+                    p.copy_(self.backend.upload(w))
         if not self.delayed:
             self.backend.synchronize()
         return key, t0, t1, time.perf_counter()
