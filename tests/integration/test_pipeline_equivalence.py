@@ -257,7 +257,9 @@ def test_a_validation_split_smaller_than_a_micro_batch_is_evaluated(tiny_model, 
     data = prepare_data(make_cfg(tiny_model, *few), tiny_model, cfg)
     assert data.n_val == 1  # the case: fewer held-out rows than a micro-batch (2)
     run_pipeline(tiny_model, str(tmp_path), *few)
-    assert "note: evaluation runs on 1 held-out row(s), fewer than a micro-batch (2)" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "note: evaluation runs on 1 held-out row(s), fewer than a micro-batch (2)" in out
+    assert "start-up: model load (card " in out and "start-up: evaluation after step 0 (card " in out
     with open(tmp_path / "eval.jsonl") as f:
         first = json.loads(f.readline())
     x, y = micro_batch_tensors(data, torch.arange(0, 1), split="val")

@@ -130,3 +130,21 @@ def test_help_describes_the_command_in_whole_sentences(module, capsys):
     text = capsys.readouterr().out
     about = " ".join(text.split("\n\n")[1].split())  # the paragraph after the usage lines
     assert about.endswith(".") and "``" not in about, about
+
+
+def test_export_says_what_it_writes_and_how_far_it_is(tiny_ckpt, tmp_path, capsys):
+    """An export was 37 s of silence: it names what it writes (tensors, GiB, dtype), says how many tensors are
+    written at 1/4, 1/2 and 3/4 of them, and how long it took."""
+    import re
+
+    out = tmp_path / "hf"
+    assert main([tiny_ckpt, str(out), "--dtype", "fp32"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    from safetensors import safe_open
+
+    n = len(safe_open(str(out / "model.safetensors"), "pt").keys())
+    assert lines[0].startswith(f"export: {tiny_ckpt} -> {out / 'model.safetensors'}: {n} tensors, ")
+    assert lines[0].endswith(" GiB fp32")
+    marks = [int(m.group(1)) for l in lines if (m := re.match(rf"export: (\d+)/{n} tensors \(", l))]
+    assert marks == sorted({max(1, round(f * n)) for f in (0.25, 0.5, 0.75)})
+    assert re.match(rf"exported {re.escape(tiny_ckpt)} -> {re.escape(str(out))} in \d+ s$", lines[-1])

@@ -185,3 +185,24 @@ def test_done_and_interrupt_lines_fold_at_words_on_a_terminal():
     stop = "interrupted by SIGINT at step 3; the run continues from checkpoint step_000003 with train.resume=latest"
     tee.write(fold_words(stop, 40) + "\nnext line\n")
     assert tee.last == stop
+
+
+def test_plain_output_names_each_start_up_phase_once(tmp_path):
+    """Plain output was silent for ~39 s between the job line and the first eval line (the cards loading,
+    meeting, measuring, evaluating): each start-up phase prints once, from whichever card enters it first;
+    nothing once steps run, nothing per step phase, nothing in a sweep (``plain_phases=False``)."""
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 2, stream=out, tensorboard=False, plain_phases=True)
+    for rank, text in [(0, "model load"), (1, "model load"), (1, "rendezvous"), (0, "rendezvous"),
+                       (0, "evaluation after step 0"), (0, "step 1 forward/backward")]:
+        r.phase(rank, text)
+    r.step([_rep(1, 3.0, 1.0, 1)])
+    r.phase(0, "checkpoint save of step 1")
+    said = [l for l in out.getvalue().splitlines() if l.startswith("start-up:")]
+    assert [l.split(" (card")[0] for l in said] == ["start-up: model load", "start-up: rendezvous",
+                                                    "start-up: evaluation after step 0"]
+    assert said[1].startswith("start-up: rendezvous (card 1, ")
+    (tmp_path / "q").mkdir()
+    quiet = io.StringIO()
+    Reporter(str(tmp_path / "q"), 2, stream=quiet, tensorboard=False).phase(0, "model load")
+    assert quiet.getvalue() == ""

@@ -14,7 +14,8 @@ import json
 import os
 import shutil
 import sys
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -208,9 +209,32 @@ def export_bound(cfg: LlamaConfig, lora: bool) -> int:
     return 4 * big * (4 if lora else 3)
 
 
+#: the export's progress lines: one at each of these fractions of the tensors written
+PROGRESS_AT = (0.25, 0.5, 0.75)
+
+
+def _counted(entries: list, say: Callable[[str], None]) -> list:
+    """``entries`` whose fetches say, at each :data:`PROGRESS_AT` fraction of them, how many were written."""
+    n, marks = len(entries), {max(1, int(round(f * len(entries)))) for f in PROGRESS_AT}
+    total = sum(e.nbytes for e in entries)
+    done = {"k": 0, "bytes": 0}
+
+    def wrap(e):
+        def fetch():
+            t = e.get()
+            done["k"] += 1
+            done["bytes"] += e.nbytes
+            if done["k"] in marks and done["k"] < n:
+                say(f"export: {done['k']}/{n} tensors ({done['bytes'] / 2**30:.2f} of {total / 2**30:.2f} GiB)")
+            return t
+        return Entry(e.name, e.dtype, e.shape, fetch)
+
+    return [wrap(e) for e in entries]
+
+
 def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: str, dtype: str, tdt, model_path,
-                  tok_src) -> None:
-    """The files of :func:`export_hf` into ``out_dir`` (weights, config, tokenizer, record)."""
+                  tok_src, say: Callable[[str], None]) -> None:
+    """The files of :func:`export_hf` into ``out_dir`` (weights, config, tokenizer, record); ``say``: progress."""
     lora = train.get("mode") == "lora"
     if lora:
         get = _lora_getter(reader, cfg, names, train, out_dir, tdt, model_path)
@@ -219,15 +243,19 @@ def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: s
     shapes = dict(cfg.param_shapes(None))
     for i in range(cfg.num_layers):
         shapes.update(cfg.param_shapes(i))
-    write_stream(os.path.join(out_dir, "model.safetensors"),
-                 [Entry(n, tdt, tuple(shapes[n]), lambda n=n: get(n)) for n in names], {"format": "pt"})
+    entries = [Entry(n, tdt, tuple(shapes[n]), lambda n=n: get(n)) for n in names]
+    say(f"export: {reader.path} -> {os.path.join(out_dir, 'model.safetensors')}: {len(entries)} tensors, "
+        f"{sum(e.nbytes for e in entries) / 2**30:.2f} GiB {dtype}" + (", LoRA merged into the base" if lora else ""))
+    write_stream(os.path.join(out_dir, "model.safetensors"), _counted(entries, say), {"format": "pt"})
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, dtype), f, indent=1)
     src = tok_src
     if src:
-        from npu_train.model import load_tokenizer
+        from npu_train.model import chat_template, load_tokenizer, special_tokens
+        from npu_train.model.files import is_gguf_path
 
-        from npu_train.model import chat_template, special_tokens
+        say(f"export: tokenizer from {src}" + (" (built from the GGUF's vocabulary: tens of seconds)"
+                                              if is_gguf_path(src) else ""))
 
         load_tokenizer(src).save(os.path.join(out_dir, "tokenizer.json"))
         tc = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False,
@@ -242,10 +270,11 @@ def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: s
 
 
 def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None,
-              overwrite: bool = False, base: Optional[str] = None) -> str:
+              overwrite: bool = False, base: Optional[str] = None,
+              say: Callable[[str], None] = lambda _text: None) -> str:
     """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
     ``arg``: how errors name ``ckpt_dir``; ``overwrite``: replace an earlier export in ``out_dir``
-    (:func:`clear_earlier_export`). Raises CheckpointError (incomplete checkpoint or missing tensor),
+    (:func:`clear_earlier_export`); ``say``: progress lines (the CLI prints them: an 8B export takes minutes). Raises CheckpointError (incomplete checkpoint or missing tensor),
     ExportDirError (non-empty ``out_dir`` without ``overwrite``), BaseModelError (a LoRA checkpoint's base cannot
     be found or has other weights: ``base`` names its new place; :func:`base_model`), MemoryCheckError (less host memory than
     :func:`export_bound`), ValueError (unknown ``dtype``)."""
@@ -270,7 +299,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        _write_export(reader, cfg, names, train, out_dir, dtype, tdt, model_path, tok_src)
+        _write_export(reader, cfg, names, train, out_dir, dtype, tdt, model_path, tok_src, say)
     except BaseException:  # a checkpoint rotated away mid-read, a full disk, Ctrl-C: no partial export stays
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -304,11 +333,13 @@ def main(argv=None) -> int:
                          "when it was moved; checked against the recorded weights")
     a = ap.parse_args(argv)
     try:
-        out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite, base=a.base)
+        t0 = time.monotonic()
+        out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite, base=a.base,
+                        say=lambda text: print(text, flush=True))
     except Exception as e:  # user-facing CLI: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {a.checkpoint} -> {out}")
+    print(f"exported {a.checkpoint} -> {out} in {time.monotonic() - t0:.0f} s")
     return 0
 
 

@@ -198,11 +198,13 @@ class Reporter:
     ``model_flops``: model FLOPs of one step per card (rank order, :mod:`npu_train.metrics.mfu`): with the
     cards' reported ``peak_flops`` each step gets ``mfu`` (job) and ``mfu_cards``; ``live``: the terminal's
     :class:`~npu_train.metrics.live.LiveProgress` (the step line then goes to the log whole and to the terminal
-    without the time breakdown)."""
+    without the time breakdown); ``plain_phases``: without ``live``, print each card start-up phase once
+    (:meth:`phase`; off in a sweep, whose jobs share one console)."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
                  predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True,
-                 trackers: Optional[list] = None, model_flops: Optional[list[float]] = None, live=None):
+                 trackers: Optional[list] = None, model_flops: Optional[list[float]] = None, live=None,
+                 plain_phases: bool = False):
         self.run_dir = run_dir
         self.total = total_steps
         self.pred_mem = predicted_mem
@@ -226,6 +228,7 @@ class Reporter:
                 trackers = open_trackers(["tensorboard"], TrackerSetup(run_dir, {}, {}), warn=self.note)
         self.trackers = list(trackers)
         self.live = live
+        self.plain_phases, self._phases_said = bool(plain_phases), set()
         self.model_flops = list(model_flops) if model_flops else None
         self._sum_mfu, self._n_mfu, self.peak_sources = 0.0, 0, None
         # per card the most FLOP/s a step has shown (a floor under its peak); mfu_bound: a measured peak was
@@ -293,9 +296,17 @@ class Reporter:
         return rec
 
     def phase(self, rank: Optional[int], text: str) -> None:
-        """A card's start-up phase (model load, rendezvous, compilation...) for the live display."""
-        if self.live is not None and not self._n:
+        """A card's start-up phase (model load, rendezvous, compilation, the evaluation before step 1...): the
+        live display's; in plain output (:attr:`plain_phases`) one ``start-up:`` line the first time any card
+        enters it, with the seconds since the reporter started (the job line), so the tens of seconds before
+        the first eval or step line are not silent."""
+        if self._n:
+            return
+        if self.live is not None:
             self.live.phase(text, rank)
+        elif self.plain_phases and not text.startswith("step ") and text not in self._phases_said:
+            self._phases_said.add(text)
+            self.note(f"start-up: {text} (card {rank}, {time.time() - self.t_start:.0f} s)")
 
     def _mfu(self, rec: dict, reports: list[dict], wall: float) -> None:
         """``mfu`` = all cards' model FLOPs / (step wall time x the sum of their peaks); ``mfu_cards`` per card
