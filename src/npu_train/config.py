@@ -125,6 +125,9 @@ class TrainConf:
     #: | zb-h1 (the paper's ZB-H1: stage s defers W by s micro-batches, smaller bubble, every stage
     #: holds min(M, P) micro-batches — stage 0's 1F1B memory) | zb-h2 (the paper's ZB-H2: 2(P-s)-1
     #: warm-up forwards, W deferred 2s micro-batches; every stage holds up to 2P-1 micro-batches)
+    #: | zbv (ZB-V: two chunks per card in a V, card r holds chunks r and 2P-1-r, so card 0 holds the
+    #: embedding and the head; 1F1B's peak memory, about half ZB-H2's bubble) | interleaved (interleaved
+    #: 1F1B, chunks r and P+r; train.accum a multiple of the cards per pipeline)
     schedule: str = "auto"
     #: layers per card whose master weights + AdamW moments stay on the card:
     #: auto | N (every card) | [N0, N1, ...] (per card).
@@ -476,9 +479,9 @@ def _check_lora(lo) -> None:
 
 def _check_modes(t) -> None:
     """Schedule, resume, gradient accumulation, offload update and non-finite handling (``train``)."""
-    if t.schedule not in ("auto", "1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
-        raise ConfigError(f"train.schedule={t.schedule!r}: use auto, 1f1b, gpipe, zb, zb-h1 or zb-h2")
-    if t.schedule in ("zb", "zb-h1", "zb-h2") and t.recompute:
+    if t.schedule not in ("auto", "1f1b", "gpipe", "zb", "zb-h1", "zb-h2", "zbv", "interleaved"):
+        raise ConfigError(f"train.schedule={t.schedule!r}: use auto, 1f1b, gpipe, zb, zb-h1, zb-h2, zbv or interleaved")
+    if t.schedule in ("zb", "zb-h1", "zb-h2", "zbv") and t.recompute:
         raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
                           "use train.schedule=1f1b for activation recompute")
     if t.resume_mismatch not in ("refuse", "allow"):

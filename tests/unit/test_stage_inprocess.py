@@ -242,5 +242,9 @@ def test_config_accepts_zb_and_refuses_it_with_recompute():
     validate(cfg("train.schedule=zb"))
     with pytest.raises(ConfigError, match="train.recompute"):
         validate(cfg("train.schedule=zb", "train.recompute=true"))
-    with pytest.raises(ConfigError, match="use auto, 1f1b, gpipe, zb, zb-h1 or zb-h2"):
-        validate(cfg("train.schedule=zbv"))
+    validate(cfg("train.schedule=zbv"))
+    validate(cfg("train.schedule=interleaved", "train.recompute=true"))  # interleaved 1F1B recomputes
+    with pytest.raises(ConfigError, match="train.recompute"):
+        validate(cfg("train.schedule=zbv", "train.recompute=true"))
+    with pytest.raises(ConfigError, match="use auto, 1f1b, gpipe, zb, zb-h1, zb-h2, zbv or interleaved"):
+        validate(cfg("train.schedule=zbx"))

@@ -280,9 +280,15 @@ def _manifest(path: str) -> dict:
 
 
 def checkpoint_split(path: str) -> Optional[list]:
-    """Decoder layers per stage of the checkpoint at ``path``, or None."""
+    """Decoder layers per stage of the checkpoint at ``path``, or None. A stage's entry is ``[first, last]``, or
+    ``[first, last, first2, last2]`` for a card of a two-chunk schedule."""
     try:
-        return [int(last) - int(first) for first, last in _manifest(path)["split"]]
+        out = []
+        for e in _manifest(path)["split"]:
+            if len(e) not in (2, 4):
+                return None
+            out.append(sum(int(e[k + 1]) - int(e[k]) for k in range(0, len(e), 2)))
+        return out
     except (KeyError, TypeError, ValueError):
         return None
 

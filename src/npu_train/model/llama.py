@@ -256,10 +256,15 @@ def _check_range(cfg: LlamaConfig, first: int, last: int) -> None:
 class StageModule(nn.Module):
     """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``, optional final
     norm + LM head; a tied embed + head on one stage share one Parameter. ``recompute=True`` checkpoints
-    every layer. Random init (std 0.02); load with :meth:`load_named_tensors`."""
+    every layer. Random init (std 0.02); load with :meth:`load_named_tensors`.
+
+    ``second=(a, b)``: a card of a two-chunk schedule (:data:`~npu_train.pipeline.schedule.CHUNKED_SCHEDULES`)
+    also holds layers ``[a, b)``; ``forward(chunk=0)`` runs the embedding (if any) and the first range,
+    ``chunk=1`` the second range and the head (if any). Raises ValueError for a range outside the model or
+    overlapping the first."""
 
     def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
-                 has_head: bool, recompute: bool = False) -> None:
+                 has_head: bool, recompute: bool = False, second: Optional[tuple] = None) -> None:
         super().__init__()
         _check_range(cfg, first_layer, last_layer)
         self.cfg = cfg
@@ -268,6 +273,14 @@ class StageModule(nn.Module):
         self.has_embed = has_embed
         self.has_head = has_head
         self.recompute = recompute
+        self.second = None if second is None else (int(second[0]), int(second[1]))
+        ranges = [range(first_layer, last_layer)]
+        if self.second is not None:
+            _check_range(cfg, *self.second)
+            if self.second[0] < last_layer and first_layer < self.second[1]:
+                raise ValueError(f"layer ranges [{first_layer}, {last_layer}) and {list(self.second)} overlap")
+            ranges.append(range(*self.second))
+        self.chunk_layers = [[str(i) for i in r] for r in ranges]
 
         self.model = nn.Module()
         #: router statistics of the sparse layers (mixtures of experts; :mod:`npu_train.model.moe`)
@@ -279,7 +292,7 @@ class StageModule(nn.Module):
         if has_embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, i, self.router_recorder) for i in range(first_layer, last_layer)}
+            {str(i): DecoderLayer(cfg, i, self.router_recorder) for r in ranges for i in r}
         )
         if has_head:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -374,35 +387,38 @@ class StageModule(nn.Module):
 
     # -- forward -------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, cuts: Optional[list] = None,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                positions: Optional[torch.Tensor] = None, chunk: Optional[int] = None) -> torch.Tensor:
         """``x``: int64 ids ``[b, S]`` or hidden states ``[b, S, H]`` -> hidden states, or fp32 logits ``[b, S, V]``.
         ``cuts``: receives a ``(y, leaf)`` pair per graph cut (before each layer and the head) for
         :func:`npu_train.pipeline.backward.backward_input`. ``positions``: int64 ``[b, S]`` position of each
         token in its sample (packed rows, restarting at 0 per sample; None: ``0..S-1``): RoPE at those
-        positions and attention only within each sample (:meth:`attention_inputs`)."""
-        if self.has_embed:
-            h = self.model.embed_tokens(x)  # the module, not F.embedding: its hooks (offload waits) must run
-        else:
-            h = x
+        positions and attention only within each sample (:meth:`attention_inputs`). ``chunk``: 0 or 1 on a
+        two-chunk card (class docstring); None: every layer."""
+        embed = self.has_embed and chunk != 1
+        head = self.has_head and (chunk is None or chunk == len(self.chunk_layers) - 1)
+        h = self.model.embed_tokens(x) if embed else x  # the module, not F.embedding: its hooks must run
         S = h.shape[1]
         cos, sin, mask = self.attention_inputs(S, h, positions)
         extra = () if mask is None else (mask,)  # unpacked: the layers' (h, cos, sin) call as before
         use_ckpt = self.recompute and torch.is_grad_enabled()
-        for i, layer in enumerate(self.model.layers.values()):
-            if cuts is not None and (i > 0 or self.has_embed):
+        names = [n for c in self.chunk_layers for n in c] if chunk is None else self.chunk_layers[chunk]
+        for i, name in enumerate(names):
+            layer = self.model.layers[name]
+            if cuts is not None and (i > 0 or embed):
                 h = _cut(h, cuts)
             if use_ckpt:
                 h = checkpoint(layer, h, cos, sin, *extra, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, *extra)
-        if not self.has_head:
+        if not head:
             return h
-        if cuts is not None and (self.model.layers or self.has_embed):
+        if cuts is not None and (names or embed):
             h = _cut(h, cuts)
         return self.lm_head(self.model.norm(h)).float()
 
     def extra_repr(self) -> str:
-        return (f"layers=[{self.first_layer}, {self.last_layer}), embed={self.has_embed}, "
+        return (f"layers=[{self.first_layer}, {self.last_layer})"
+                + (f" + [{self.second[0]}, {self.second[1]})" if self.second else "") + f", embed={self.has_embed}, "
                 f"head={self.has_head}, recompute={self.recompute}")
 
 

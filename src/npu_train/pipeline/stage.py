@@ -12,7 +12,7 @@ import torch
 from npu_train.errors import ConfigError
 from npu_train.pipeline.backward import backward_input
 from npu_train.pipeline.objective import SftObjective
-from npu_train.pipeline.schedule import SPLIT_BACKWARD, build_schedule
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, build_schedule, chunks_per_card, virtual_stage
 
 
 #: micro-batch ids of evaluation passes start here (training micro-batches are 0..M-1).
@@ -30,8 +30,17 @@ class BoundaryComm(Protocol):
     def send_grad(self, step: int, micro: int, t: torch.Tensor) -> None: ...
 
 
+class _Chunk:
+    """One chunk of a card: ``index`` on the card (0 or 1), ``first`` / ``last`` in the whole (virtual)
+    pipeline (embedding input / loss), ``comm`` its boundaries, ``arg``: ``StageModule.forward``'s ``chunk``."""
+
+    def __init__(self, index: int, first: bool, last: bool, comm, arg: Optional[int]):
+        self.index, self.first, self.last, self.comm, self.arg = index, first, last, comm, arg
+
+
 class StageRunner:
-    """Executes a schedule for one stage; split-backward ``W`` via :mod:`npu_train.pipeline.backward` (the
+    """Executes a schedule for one card (two chunks for a two-chunk schedule: ``comm.chunk(c)`` gives each
+    chunk's ``BoundaryComm``); split-backward ``W`` via :mod:`npu_train.pipeline.backward` (the
     first stage runs the full backward in ``B``).
 
     ``hooks``: :class:`~npu_train.optim.hooks.StepHooks` fired after the first forward (``deferred_opt_s``).
@@ -52,8 +61,15 @@ class StageRunner:
         self.s = stage
         self.schedule = schedule
         self.comm = comm
-        self.first = stage == 0
-        self.last = stage == num_stages - 1
+        C = chunks_per_card(schedule)
+        V = C * num_stages
+        self.chunks = []
+        for c in range(C):
+            v = virtual_stage(schedule, num_stages, stage, c)
+            cc = comm if C == 1 or comm is None else comm.chunk(c)
+            self.chunks.append(_Chunk(c, v == 0, v == V - 1, cc, None if C == 1 else c))
+        self.first = any(ch.first for ch in self.chunks)  # takes the input ids
+        self.last = any(ch.last for ch in self.chunks)  # computes the loss
         self.trace: Optional[list] = None
         self.hooks = hooks
         self.objective = objective if objective is not None else SftObjective()
@@ -82,11 +98,14 @@ class StageRunner:
         """:meth:`run_step` for a stage that is neither first nor last."""
         return self._run(step, num_micro, None, None, positions=positions)
 
-    def module_kwargs(self, positions: Optional[list], m: int) -> dict:
-        """``{"positions": [b, S] on the card}`` for micro-batch ``m`` of packed rows, else ``{}``."""
+    def module_kwargs(self, positions: Optional[list], m: int, ch: Optional[_Chunk] = None) -> dict:
+        """``{"positions": [b, S] on the card}`` for micro-batch ``m`` of packed rows (and ``chunk`` on a
+        two-chunk card), else ``{}``."""
+        kw = {} if ch is None or ch.arg is None else {"chunk": ch.arg}
         if positions is None or positions[m] is None:
-            return {}
-        return {"positions": self.backend.upload(positions[m])}
+            return kw
+        kw["positions"] = self.backend.upload(positions[m])
+        return kw
 
     @torch.no_grad()
     def run_eval(self, step: int, num_micro: int, inputs: Optional[list[torch.Tensor]],
@@ -96,18 +115,14 @@ class StageRunner:
         obj = self.objective
         fused = getattr(self.module, "fused_head", False)  # training's head arithmetic: DPO values equal the pass's
         loss_sum, n_tok, n_units, stats = 0.0, 0, 0, [0.0] * len(obj.stats)
-        for m in range(num_micro):
-            tag = EVAL_MICRO_BASE + m
-            x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(step, tag)
-            out = self.module(x, **self.module_kwargs(positions, m))
-            if self.last:
+        for m, ch in self._forward_only(num_micro):  # the last chunk's outputs: the loss
+            out = self._forward_only_step(step, EVAL_MICRO_BASE + m, ch, inputs, positions, m)
+            if out is not None:
                 ls, st = obj.loss_sum(out, labels[m], self.backend, fused)
                 loss_sum += float(ls)
                 n_tok += obj.tokens(labels[m])
                 n_units += obj.units(labels[m])
                 stats = [a + b for a, b in zip(stats, st)]
-            else:
-                self.comm.send_act(step, tag, out)
         return {"loss_sum": loss_sum, "n_tokens": n_tok, "n_units": n_units, "stats": stats}
 
     @torch.no_grad()
@@ -119,15 +134,26 @@ class StageRunner:
         the rows' summed completion log-probabilities: one float64 CPU ``[b]`` per micro-batch (else None)."""
         out_rows = [] if self.last else None
         fused = getattr(self.module, "fused_head", False)  # training's head arithmetic: the policy's own values
-        for m in range(num_micro):
-            tag = REF_MICRO_BASE + m
-            x = self.backend.upload(inputs[m]) if self.first else self.comm.recv_act(0, tag)
-            out = self.module(x, **self.module_kwargs(positions, m))
-            if self.last:
+        for m, ch in self._forward_only(num_micro):
+            out = self._forward_only_step(0, REF_MICRO_BASE + m, ch, inputs, positions, m)
+            if out is not None:
                 out_rows.append(self.objective.logps(out, labels[m], self.backend, fused).double().cpu())
-            else:
-                self.comm.send_act(0, tag, out)
         return out_rows
+
+    def _forward_only(self, num_micro: int):
+        """``(micro-batch, chunk)`` in a forward-only pass's order: each micro-batch through the card's chunks
+        in turn (deadlock-free: every card's chunks in virtual order)."""
+        return [(m, ch) for m in range(num_micro) for ch in self.chunks]
+
+    def _forward_only_step(self, step: int, tag: int, ch: _Chunk, inputs, positions, m: int):
+        """One forward-only pass of micro-batch ``m`` (message id ``tag``) through chunk ``ch``: the output of
+        the loss chunk, else None (sent on)."""
+        x = self.backend.upload(inputs[m]) if ch.first else ch.comm.recv_act(step, tag)
+        out = self.module(x, **self.module_kwargs(positions, m, ch))
+        if ch.last:
+            return out
+        ch.comm.send_act(step, tag, out)
+        return None
 
     def _synced_clock(self) -> float:
         self.backend.synchronize()
@@ -145,11 +171,11 @@ class StageRunner:
         run = _StepRun(self, step, M, inputs, labels, total_tokens, early, positions)
         for a in build_schedule(self.schedule, self.P, M, self.s):
             if a.kind == "F":
-                run.forward(a.micro)
+                run.forward(a.micro, a.chunk)
             elif a.kind == "B":
-                run.backward(a.micro)
+                run.backward(a.micro, a.chunk)
             else:
-                run.weight(a.micro)
+                run.weight(a.micro, a.chunk)
         return run.end(local_tokens, local_units)
 
 
@@ -167,7 +193,7 @@ class _StepRun:
         self.loss_sum = 0.0
         self.stats = [0.0] * len(runner.objective.stats)
         self.compute = self.wait = self.send = self.deferred = 0.0
-        self.backwards_left = M
+        self.backwards_left = M * len(runner.chunks)
         self.tr = runner.trace
         # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
         # interval holds its kernels, not only their launch (CPU: synchronize() is a no-op)
@@ -180,33 +206,35 @@ class _StepRun:
         if self.tr is not None:
             self.tr.append((kind, m, t0, t1, t2, t3))
 
-    def forward(self, m: int) -> None:
+    def forward(self, m: int, c: int = 0) -> None:
         r, clock = self.r, self.clock
+        ch = r.chunks[c]
         t0 = clock()
-        if r.first:
+        if ch.first:
             x = r.backend.upload(self.inputs[m])
         else:
-            x = r.comm.recv_act(self.step, m)
+            x = ch.comm.recv_act(self.step, m)
             x.requires_grad_(True)
         t1 = clock()
         # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
-        cuts = [] if self.split and not r.first else None
-        kw = r.module_kwargs(self.positions, m)
+        cuts = [] if self.split and not ch.first else None
+        kw = r.module_kwargs(self.positions, m, ch)
         out = r.module(x, **kw) if cuts is None else r.module(x, cuts=cuts, **kw)
-        if r.last:
+        if ch.last:
             ls, st = r.objective.loss_sum(out, self.labels[m], r.backend, getattr(r.module, "fused_head", False))
             self.loss_sum += float(ls.detach())
             self.stats = [a + b for a, b in zip(self.stats, st)]
-            self.saved[m] = (x, ls / self.total_tokens, cuts)
+            self.saved[(m, c)] = (x, ls / self.total_tokens, cuts)
             t2 = t3 = clock()
         else:
-            self.saved[m] = (x, out, cuts)
+            self.saved[(m, c)] = (x, out, cuts)
             t2 = clock()
-            r.comm.send_act(self.step, m, out.detach())
+            ch.comm.send_act(self.step, m, out.detach())
             t3 = clock()
         self._account("F", m, t0, t1, t2, t3)
         hooks = r.hooks
-        if m == 0 and r.first and hooks is not None and hooks.has_first_forward_work:  # (every schedule starts with F0)
+        # (every schedule starts with F0 on the first stage)
+        if m == 0 and ch.first and hooks is not None and hooks.has_first_forward_work:
             u0 = clock()
             hooks.first_forward_sent()
             u1 = clock()
@@ -214,22 +242,23 @@ class _StepRun:
             if self.tr is not None:
                 self.tr.append(("U", -1, u0, u0, u1, u1))
 
-    def backward(self, m: int) -> None:
+    def backward(self, m: int, c: int = 0) -> None:
         r, clock = self.r, self.clock
-        x, out, cuts = self.saved.pop(m) if not self.split else self.saved[m]
+        ch = r.chunks[c]
+        x, out, cuts = self.saved.pop((m, c)) if not self.split else self.saved[(m, c)]
         t0 = clock()
-        g = None if r.last else r.comm.recv_grad(self.step, m)
+        g = None if ch.last else ch.comm.recv_grad(self.step, m)
         t1 = clock()
-        if self.split and not r.first:
-            dx, self.pending[m] = backward_input(out, g, x, self.params, cuts=cuts)
+        if self.split and not ch.first:
+            dx, self.pending[(m, c)] = backward_input(out, g, x, self.params, cuts=cuts)
         else:  # full backward (first stage of zb: nothing waits for an input gradient)
             out.backward(g)
-            dx = x.grad if not r.first else None
+            dx = x.grad if not ch.first else None
             if self.split:
-                self.pending[m] = None
+                self.pending[(m, c)] = None
         t2 = clock()
-        if not r.first:
-            r.comm.send_grad(self.step, m, dx)
+        if not ch.first:
+            ch.comm.send_grad(self.step, m, dx)
         t3 = clock()
         self._account("B", m, t0, t1, t2, t3)
         del x, out, g, dx, cuts
@@ -253,11 +282,11 @@ class _StepRun:
             self.tr.append(("E", -1, t0, t0, t1, t2))
         self.early = None
 
-    def weight(self, m: int) -> None:
-        """``W``: the weight gradients deferred by micro-batch ``m``'s ``B``."""
+    def weight(self, m: int, c: int = 0) -> None:
+        """``W``: the weight gradients deferred by micro-batch ``m``'s ``B`` on chunk ``c``."""
         t0 = self.clock()
-        work = self.pending.pop(m)
-        del self.saved[m]
+        work = self.pending.pop((m, c))
+        del self.saved[(m, c)]
         if work is not None:
             work.run()
         t1 = self.clock()

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 
 from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import SPLIT_BACKWARD, stage_timeline
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, card_of, stage_timeline
 from npu_train.planner.memory import MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
@@ -39,6 +39,8 @@ class StageCost:
     t_f: float = 0.0  # forward seconds per micro-batch
     t_b: float = 0.0  # input-gradient pass
     t_w: float = 0.0  # weight-gradient pass
+    layers: int = 0  # decoder layers
+    t_head: tuple = (0.0, 0.0, 0.0)  # the head's share of (t_f, t_b, t_w)
 
     @property
     def host_bytes(self) -> int:
@@ -131,12 +133,13 @@ class CostModel:
         mm = self.memory
         rt = self.rates[i]
         sm = mm.stage(i, n, r, rt.process_baseline_bytes)
-        first, last = i == 0, i == self.P - 1
+        first, last = i == 0, i == mm.head_stage
         lora = self.shape.lora_params_per_layer > 0
-        tied_copies = mm.tied and self.P > 1 and (first or last) and not lora  # the tied gradient down and up
+        # the tied gradient down and up (not when one card holds embedding and head)
+        tied_copies = mm.tied and mm.head_stage != 0 and (first or last) and not lora
         xfer = sm.offloaded_params + (mm.embedding_params if tied_copies else 0)
         fbw = [n * x / rt.device_flops for x in self.layer_fbw]
-        if self.shape.schedule in SPLIT_BACKWARD and not first and n:
+        if self.shape.schedule in SPLIT_BACKWARD and (not first or mm.chunks > 1) and n:
             # B + W of the zero-bubble split cost split_backward_ratio x (forward + backward) in
             # seconds, not FLOPs (measured per layer: Rates.split_backward_ratio); the first stage
             # runs the full backward
@@ -144,8 +147,8 @@ class CostModel:
             # (a ratio below f / (f + b + w) would mean a negative backward: k floored at 0)
             k = max(0.0, (rt.split_backward_ratio * (f + b + w) - f) / (b + w)) if b + w > 0 else 1.0
             fbw = [f, b * k, w * k]
-        if last:
-            fbw = [t + x / (rt.device_flops * rt.head_flops_ratio) for t, x in zip(fbw, self.head_fbw)]
+        head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if last else (0.0,) * 3
+        fbw = [t + x for t, x in zip(fbw, head)]
         t_mb = sum(fbw)
         mem = dict(sm.mem)
         share = 1.0
@@ -158,7 +161,7 @@ class CostModel:
             mem["total"] -= cut + ws_cut
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
-                      params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2])
+                      params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head)
         self._cache[key] = c
         return c
 
@@ -222,9 +225,24 @@ class CostModel:
         """Seconds of the pipeline phase: the end of the schedule's timeline with the stages' ``t_f, t_b, t_w``,
         times the average slot stretch of oversubscribed cpu cores."""
         M = self.shape.micro_batches
-        end, _ = stage_timeline(self.shape.schedule, self.P, M, [c.t_f for c in costs],
-                                [c.t_b for c in costs], [c.t_w for c in costs])
+        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs))
         return max(end) * self.slots / (M + self.P - 1)
+
+    def stage_durations(self, costs: Sequence[StageCost]) -> tuple[list, list, list]:
+        """``(t_f, t_b, t_w)`` per stage for :func:`~npu_train.pipeline.schedule.stage_timeline`; with two chunks
+        per card, per virtual stage: a card's layer time shared by its chunks' layers (:func:`chunk_sizes`),
+        the head's on the last virtual stage."""
+        if self.memory.chunks == 1:
+            return [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs]
+        V = self.memory.chunks * self.P
+        out: tuple = ([], [], [])
+        for v in range(V):
+            i, ch = card_of(self.shape.schedule, self.P, v)
+            c = costs[i]
+            frac = chunk_sizes(c.layers)[ch] / c.layers if c.layers else 0.5
+            for k, t in enumerate((c.t_f, c.t_b, c.t_w)):
+                out[k].append((t - c.t_head[k]) * frac + (c.t_head[k] if v == V - 1 else 0.0))
+        return out
 
     def step_time(self, split: Sequence[int], resident: Sequence[int]) -> float:
         """Predicted seconds per step of ``split`` with ``resident`` layers per card."""
@@ -252,19 +270,45 @@ class CostModel:
     def build(self, split: list[int], resident: list[int]) -> Plan:
         """The :class:`Plan` of ``split`` (layers per card) with ``resident`` layers per card."""
         costs = [self.cost(i, n, r) for i, (n, r) in enumerate(zip(split, resident))]
-        stages, first = [], 0
+        ranges = layer_ranges(self.shape.schedule, split)
+        stages = []
         for i, (n, c, time) in enumerate(zip(split, costs, self.stage_times(split, costs))):
+            layers = [x for a, b in ranges[i] for x in range(a, b)]
             stages.append(StagePlan(
-                card=self.cards[i], first_layer=first, last_layer=first + n,
-                has_embed=(i == 0), has_head=(i == self.P - 1),
-                resident=list(range(first, first + c.resident)),
-                offloaded=list(range(first + c.resident, first + n)),
+                card=self.cards[i], first_layer=ranges[i][0][0], last_layer=ranges[i][0][1],
+                has_embed=(i == 0), has_head=(i == self.memory.head_stage),
+                resident=layers[:c.resident], offloaded=layers[c.resident:],
                 mem=dict(c.mem), time=time, host_bytes=c.host_bytes, in_flight=c.in_flight,
-                nonlayer_resident=c.nonlayer_resident,
+                nonlayer_resident=c.nonlayer_resident, second=ranges[i][1] if len(ranges[i]) > 1 else None,
             ))
-            first += n
         step = max(st.time["total"] for st in stages)
         fits = all(st.fits for st in stages)
         return Plan(self.model, self.shape, stages, step, self.shape.tokens_per_step * self.dp, fits,
                     rates=list(self.rates), threads=self.threads, host_cores=self.host_cores,
                     headroom=self.headroom, memory_terms=list(self.memory.terms), dp=self.dp, zero=self.zero)
+
+
+def chunk_sizes(n: int) -> tuple[int, int]:
+    """Layers of a card's two chunks when it holds ``n``: the first chunk takes the odd one (on ZB-V's card 0
+    the second chunk also carries the head)."""
+    return n - n // 2, n // 2
+
+
+def layer_ranges(schedule: str, split: Sequence[int]) -> list[list[tuple[int, int]]]:
+    """Per card, its global layer ranges ``[(first, last)]`` (two for a two-chunk schedule: chunk 0, chunk 1),
+    the layers laid out in virtual-stage order (:func:`~npu_train.pipeline.schedule.card_of`)."""
+    from npu_train.pipeline.schedule import chunks_per_card
+
+    P = len(split)
+    C = chunks_per_card(schedule)
+    if C == 1:
+        starts = [sum(split[:i]) for i in range(P)]
+        return [[(a, a + n)] for a, n in zip(starts, split)]
+    out: list = [[None, None] for _ in range(P)]
+    first = 0
+    for v in range(C * P):
+        i, ch = card_of(schedule, P, v)
+        n = chunk_sizes(split[i])[ch]
+        out[i][ch] = (first, first + n)
+        first += n
+    return out

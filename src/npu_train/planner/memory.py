@@ -10,7 +10,7 @@ from typing import Optional, Sequence
 
 from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import peak_in_flight, peak_pending_weight_grads
+from npu_train.pipeline.schedule import card_of, chunks_per_card, peak_in_flight, peak_pending_weight_grads
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.moe import largest_layer_tensor, mlp_pending_bytes_per_token, mlp_saved_bytes_per_token
 from npu_train.planner.spec import RunShape
@@ -131,6 +131,10 @@ class MemoryModel:
         self.terms = list(terms) if terms is not None else [DEFAULT_MEMORY_TERMS[c.kind]
                                                            for c in self.cards]
         self.num_stages = len(self.cards)
+        #: chunks per card (2: ZB-V, interleaved; in-flight counts are then chunk micro-batches) and the card
+        #: holding the head (ZB-V: card 0, with the embedding)
+        self.chunks = chunks_per_card(shape.schedule)
+        self.head_stage = card_of(shape.schedule, self.num_stages, self.chunks * self.num_stages - 1)[0]
         self.layer_params = model.params_per_layer()
         self.adapter_params = shape.lora_params_per_layer  # per layer; 0 = full fine-tuning
         self.embedding_params = model.embedding_params()
@@ -183,11 +187,11 @@ class MemoryModel:
         owned, copy = 0, 0
         if i == 0:
             owned += self.embedding_params
-        if i == self.num_stages - 1:
+        if i == self.head_stage:
             owned += self.model.hidden_size
             if not self.tied:
                 owned += self.embedding_params
-            elif self.num_stages > 1:
+            elif self.head_stage != 0:
                 copy += self.embedding_params
         return owned, copy
 
@@ -230,7 +234,9 @@ class MemoryModel:
     def activations(self, i: int, n: int) -> int:
         """Saved tensors of the micro-batches in flight (packed rows: with their attention mask), the last
         stage's log-probabilities and, with a split backward, the output gradients kept from B to W."""
-        k, last = self.in_flight[i], i == self.num_stages - 1
+        k, last = self.in_flight[i], i == self.head_stage
+        if self.chunks > 1:  # k chunk micro-batches, each of about half the card's layers (the larger chunk)
+            n = n - n // 2
         if self.shape.recompute:
             total = k * n * self.layer_input_bytes + (self._activations_per_layer(i) if n else 0)
         else:
@@ -238,7 +244,7 @@ class MemoryModel:
         if n:
             total += k * self.mask_bytes
         if last:
-            total += k * self.saved_logits
+            total += -(-k // self.chunks) * self.saved_logits
         if self.pending[i]:
             total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head_bytes if last else 0))
         return total
@@ -260,7 +266,7 @@ class MemoryModel:
 
     def _largest_param(self, i: int, n: int) -> int:
         """Elements of the stage's largest parameter tensor, trained or frozen (a layer's or the embedding's)."""
-        ends = i == 0 or i == self.num_stages - 1
+        ends = i == 0 or i == self.head_stage
         return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
 
     def _largest_trained_param(self, i: int, n: int) -> int:
@@ -291,12 +297,12 @@ class MemoryModel:
         return weights + masters + chunk_transient_bytes(self.shape.checkpoint_dtype, self.dtype_bytes)
 
     def _fused_head(self, i: int) -> bool:
-        return i == self.num_stages - 1 and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
+        return i == self.head_stage and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
 
     def _accumulation_temporary(self, i: int, n: int) -> int:
         """The fresh gradient autograd adds to ``.grad`` from the second micro-batch on (+ its fp32 cast)."""
         shape, e, g = self.shape, self.dtype_bytes, self.grad_bytes
-        if not (shape.micro_batches > 1 or (self.num_stages == 1 and self.tied)):
+        if not (shape.micro_batches > 1 or (self.head_stage == 0 and self.tied)):
             return 0
         if self._fused_head(i) and g == e == 4 and i != 0:
             elements = self.largest_layer_param if n else 0
@@ -306,7 +312,7 @@ class MemoryModel:
 
     def _forward_backward_peak(self, i: int, n: int, activations: int) -> int:
         acc = self._accumulation_temporary(i, n)
-        if i == self.num_stages - 1:
+        if i == self.head_stage:
             return activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc)
         one_micro_batch = n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i))
         return activations + max(0, acc - one_micro_batch)
@@ -329,8 +335,8 @@ class MemoryModel:
 
     def _tied_gradient_buffers(self, i: int) -> int:
         """The tied-embedding gradient exchange's buffers (``runtime/tied.py``) on the first and last stage."""
-        first, last = i == 0, i == self.num_stages - 1
-        if not (self.tied and self.num_stages > 1 and (first or last)) or self.adapter_params:
+        first, last = i == 0, i == self.head_stage
+        if not (self.tied and self.head_stage != 0 and (first or last)) or self.adapter_params:
             return 0
         g, vh = self.grad_bytes, self.embedding_params
         if self.cards[i].kind not in HOST_MEMORY_KINDS:

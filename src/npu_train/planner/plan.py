@@ -34,10 +34,12 @@ class StagePlan:
     host_bytes: int  # host RAM of the offloaded master + moments (0 on a cpu card: part of mem)
     in_flight: int = 0  # micro-batches whose activations the stage holds at peak
     nonlayer_resident: bool = False
+    #: a two-chunk schedule's second chunk ``(first, last)`` on this card (None: one chunk)
+    second: Optional[tuple] = None
 
     @property
     def num_layers(self) -> int:
-        return self.last_layer - self.first_layer
+        return self.last_layer - self.first_layer + (self.second[1] - self.second[0] if self.second else 0)
 
     @property
     def fits(self) -> bool:
@@ -47,6 +49,8 @@ class StagePlan:
     def layers_label(self) -> str:
         """E.g. ``"0-15 +emb"``, ``"16-31 +head"``."""
         s = f"{self.first_layer}-{self.last_layer - 1}"
+        if self.second:
+            s += f",{self.second[0]}-{self.second[1] - 1}"
         if self.has_embed:
             s += " +emb"
         if self.has_head:
@@ -119,6 +123,7 @@ class Plan:
                 {
                     "card": st.card.name, "capacity_bytes": st.card.capacity_bytes,
                     "first_layer": st.first_layer, "last_layer": st.last_layer,
+                    **({"second": list(st.second)} if st.second else {}),
                     "has_embed": st.has_embed, "has_head": st.has_head,
                     "resident": list(st.resident), "offloaded": list(st.offloaded),
                     "nonlayer_resident": st.nonlayer_resident, "in_flight": st.in_flight,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from npu_train.errors import UserError
 from npu_train.hardware import GB, GIB
-from npu_train.pipeline.schedule import SCHEDULES
+from npu_train.pipeline.schedule import ALL_SCHEDULES
 
 __all__ = ["PlacementError", "RunShape", "gb", "gib"]
 
@@ -34,7 +34,7 @@ class RunShape:
     seq_len: int  # tokens per sequence S
     micro_batch: int = 1  # sequences per micro-batch b
     micro_batches: int = 1  # micro-batches per step M (gradient accumulation)
-    schedule: str = "1f1b"  # one of npu_train.pipeline.schedule.SCHEDULES
+    schedule: str = "1f1b"  # one of npu_train.pipeline.schedule.ALL_SCHEDULES
     dtype: str = "bf16"  # compute dtype: "bf16" or "fp32"
     recompute: bool = False  # activation recomputation per decoder layer
     #: 0 = full fine-tuning; > 0 = LoRA with this many adapter parameters per layer (the base is frozen)
@@ -58,8 +58,8 @@ class RunShape:
         for k in ("seq_len", "micro_batch", "micro_batches"):
             if int(getattr(self, k)) < 1:
                 raise ValueError(f"RunShape.{k} must be >= 1, got {getattr(self, k)!r}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"RunShape.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.schedule not in ALL_SCHEDULES:
+            raise ValueError(f"RunShape.schedule must be one of {ALL_SCHEDULES}, got {self.schedule!r}")
         if self.dtype not in ("bf16", "fp32"):
             raise ValueError(f"RunShape.dtype must be 'bf16' or 'fp32', got {self.dtype!r}")
         if self.offload not in ("serial", "overlap", "delayed"):

@@ -137,6 +137,10 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
             check_weights(model_path, mcfg)
     check_moe(cfg, mcfg)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
+    if cfg.train.schedule == "interleaved" and cfg.train.accum % P:
+        raise ConfigError(f"train.schedule=interleaved needs train.accum ({cfg.train.accum}) to be a multiple of the "
+                          f"{P} pipeline stage(s): set train.accum={P * max(1, -(-cfg.train.accum // P))} or use "
+                          "train.schedule=zbv")
     if cfg.train.schedule == "auto":
         _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], plan_threads, dp, zero,
                          None if (cfg.plan or nodes is not None) else host_ram, multinode=nodes is not None,
@@ -222,10 +226,11 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     resume keeps its checkpoint's schedule (another one sums the micro-batches' gradients in another order)."""
     from omegaconf import open_dict
 
+    from npu_train.pipeline.schedule import ALL_SCHEDULES
     from npu_train.planner.schedule_choice import choose_schedule
 
     saved = _resumed_train(cfg, run_dir)
-    if saved and saved.get("schedule") in ("1f1b", "gpipe", "zb", "zb-h1", "zb-h2"):
+    if saved and saved.get("schedule") in ALL_SCHEDULES:
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
         why = f"train.schedule=auto: {schedule}, the resumed checkpoint's"
     else:
@@ -349,7 +354,8 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
         specs.append(WorkerSpec(
             rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
             card=card, model_path=prep.model_path, model_cfg=mcfg.to_dict(),
-            stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label),
+            stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label,
+                            second=tuple(st.second) if st.second else None),
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
             inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,
@@ -922,7 +928,10 @@ def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeC
     if swept:
         print(f"removed shared memory and IPC directories of {len(swept)} dead job(s): {', '.join(swept)}", flush=True)
     if n_shm:
-        need = 2 * n_shm * slots * (slot_bytes + 64)
+        from npu_train.pipeline.schedule import chunks_per_card
+
+        # per boundary a ring each way; two chunks per card: two pairs (ZB-V's way down and back up)
+        need = 2 * chunks_per_card(tr.schedule) * n_shm * slots * (slot_bytes + 64)
         avail = _shm_free_bytes()
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
@@ -1173,7 +1182,7 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
     """The fields every checkpoint manifest of this job carries (the coordinator adds the step's)."""
     plan, P = prep.plan, len(prep.plan.stages)
     return {"model": prep.model_cfg.to_dict(), "world_size": P, "job_id": launch.job_id,
-            "split": [[s.first_layer, s.last_layer] for s in plan.stages],
+            "split": [[s.first_layer, s.last_layer] + (list(s.second) if s.second else []) for s in plan.stages],
             "parallel": {"dp": prep.dp, "pp": P, "zero": prep.zero},
             "sampler": resume.sampler.state_dict(),
             "data_fingerprint": data.fingerprint, "train": train.to_dict(),

@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import zmq
 
+from npu_train.pipeline.schedule import card_of, chunks_per_card, virtual_stage
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.transport import Mailbox, Outbox, TensorLink
 
@@ -14,7 +16,12 @@ log = logging.getLogger("npu_train.worker")
 class LinkComm:
     """:class:`npu_train.pipeline.stage.BoundaryComm` over the shm/ZeroMQ transport: links ``act<s>`` and
     ``grad<s+1>`` per boundary of one replica (:meth:`~npu_train.runtime.layout.ParallelLayout.link_name`),
-    created by the sender here; receivers attach on first use, after the start-up barrier."""
+    created by the sender here; receivers attach on first use, after the start-up barrier.
+
+    A card of a two-chunk schedule (``zbv``, ``interleaved``) has one :class:`ChunkLinks` per chunk
+    (:meth:`chunk`), named by the virtual stages' boundaries (``act<v>`` from virtual stage ``v`` to ``v+1``,
+    ``grad<v+1>`` back); a boundary whose two virtual stages sit on this card (ZB-V's turn on the last card)
+    is an in-process hand-over."""
 
     def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend):
         lay = spec.layout
@@ -24,39 +31,123 @@ class LinkComm:
         rt = spec.runtime.recv_timeout_s
         self.timeout = None if rt is None else float(rt)
         self.backend = backend
-        job, nb, n = spec.job_id, spec.slot_bytes, spec.slots
-        # per boundary (indexed by the lower global rank of the pair): shm within a node, inline
-        # (payload as a ZeroMQ TCP frame) across nodes
-        up = spec.boundary_mode(self.prev) if self.prev is not None else None
-        down = spec.boundary_mode(r) if self.next is not None else None
+        self.spec = spec
+        kind = spec.train.schedule
+        C = chunks_per_card(kind)
+        # the cards this one exchanges tensors with (chunked: the neighbours in the virtual pipeline)
+        peers = set()
+        for c in range(C):
+            v = virtual_stage(kind, P, s, c)
+            for w in (v - 1, v + 1):
+                if 0 <= w < C * P and card_of(kind, P, w)[0] != s:
+                    peers.add(card_of(kind, P, w)[0])
+        modes = {self._mode(s, p) for p in peers}
         self.mailbox = Mailbox(ctx, spec.inbox[r], spec.token, logger=log,
-                               max_msg_bytes=nb + 65536 if "inline" in (up, down) else None)
-        self.out = {p: Outbox(ctx, spec.inbox[p], spec.token, r, send_timeout_s=self.timeout)
-                    for p in (self.prev, self.next) if p is not None}
-        name = lay.link_name
-        self.act_out = TensorLink(down, job, name("act", s, k), nb, n).open_sender() if s < P - 1 else None
-        self.grad_out = TensorLink(up, job, name("grad", s, k), nb, n).open_sender() if s > 0 else None
-        self.act_in = TensorLink(up, job, name("act", s - 1, k), nb, n) if s > 0 else None
-        self.grad_in = TensorLink(down, job, name("grad", s + 1, k), nb, n) if s < P - 1 else None
+                               max_msg_bytes=spec.slot_bytes + 65536 if "inline" in modes else None)
+        self.out = {lay.rank(k, p): Outbox(ctx, spec.inbox[lay.rank(k, p)], spec.token, r,
+                                           send_timeout_s=self.timeout) for p in sorted(peers)}
+        self.handover = _Handover()
+        self.views = [ChunkLinks(self, kind, c) for c in range(C)]
+        self.links = [l for view in self.views for l in view.links()]
 
+    def _mode(self, a: int, b: int) -> str:
+        """Transport between cards ``a`` and ``b`` of this replica: the boundary's, or for cards that are not
+        neighbours (interleaved's turn from the last card to the first) inline if any boundary is."""
+        lo, hi = min(a, b), max(a, b)
+        if hi - lo == 1:
+            return self.spec.boundary_mode(lo)
+        modes = {self.spec.boundary_mode(x) for x in range(lo, hi)}
+        return "inline" if "inline" in modes else self.spec.runtime.transport
+
+    def chunk(self, c: int) -> "ChunkLinks":
+        """The links of this card's chunk ``c``."""
+        return self.views[c]
+
+    # one chunk per card: this object is the BoundaryComm
     def recv_act(self, step, micro):
-        return self.act_in.recv("act", step, micro, self.mailbox, self.out[self.prev], self.timeout,
-                                device=self.backend.device())
+        return self.views[0].recv_act(step, micro)
 
     def send_act(self, step, micro, t):
-        self.act_out.send(t, "act", step, micro, self.out[self.next], self.mailbox, self.timeout)
+        self.views[0].send_act(step, micro, t)
 
     def recv_grad(self, step, micro):
-        return self.grad_in.recv("grad", step, micro, self.mailbox, self.out[self.next], self.timeout,
-                                 device=self.backend.device())
+        return self.views[0].recv_grad(step, micro)
 
     def send_grad(self, step, micro, t):
-        self.grad_out.send(t, "grad", step, micro, self.out[self.prev], self.mailbox, self.timeout)
+        self.views[0].send_grad(step, micro, t)
 
     def close(self) -> None:
-        for l in (self.act_out, self.grad_out, self.act_in, self.grad_in):
-            if l is not None:
-                l.close()
+        for l in self.links:
+            l.close()
         self.mailbox.close()
         for o in self.out.values():
             o.close()
+
+
+class _Handover:
+    """Tensors handed between two chunks of one card: ``acts`` / ``grads`` by ``(step, micro)``."""
+
+    def __init__(self):
+        self.acts: dict = {}
+        self.grads: dict = {}
+
+
+class ChunkLinks:
+    """The ``BoundaryComm`` of one chunk (virtual stage ``v``) of a card: links to the card holding ``v-1``
+    (activations in, gradients out) and ``v+1`` (activations out, gradients in), or the card's
+    :class:`_Handover` where that is this card."""
+
+    def __init__(self, comm: LinkComm, kind: str, c: int):
+        spec, lay = comm.spec, comm.spec.layout
+        s, k, P = spec.stage_index, spec.replica, spec.num_stages
+        self.comm = comm
+        chunked = chunks_per_card(kind) > 1
+        v = virtual_stage(kind, P, s, c) if chunked else s
+        V = P * chunks_per_card(kind)
+        name = lay.link_name
+        job, nb, n = spec.job_id, spec.slot_bytes, spec.slots
+        prev = card_of(kind, P, v - 1)[0] if v > 0 else None
+        nxt = card_of(kind, P, v + 1)[0] if v < V - 1 else None
+        self.local_prev, self.local_next = prev == s, nxt == s
+        self.prev_rank = None if prev is None or self.local_prev else lay.rank(k, prev)
+        self.next_rank = None if nxt is None or self.local_next else lay.rank(k, nxt)
+        up = comm._mode(s, prev) if self.prev_rank is not None else None
+        down = comm._mode(s, nxt) if self.next_rank is not None else None
+        self.act_out = TensorLink(down, job, name("act", v, k), nb, n).open_sender() if down else None
+        self.grad_out = TensorLink(up, job, name("grad", v, k), nb, n).open_sender() if up else None
+        self.act_in = TensorLink(up, job, name("act", v - 1, k), nb, n) if up else None
+        self.grad_in = TensorLink(down, job, name("grad", v + 1, k), nb, n) if down else None
+        # message kinds: one chunk per card keeps "act" / "grad"; two chunks name each link's own
+        self.kinds = (("act", "act", "grad", "grad") if not chunked else
+                      (f"act{v - 1}", f"act{v}", f"grad{v + 1}", f"grad{v}"))
+
+    def links(self) -> list:
+        return [l for l in (self.act_out, self.grad_out, self.act_in, self.grad_in) if l is not None]
+
+    def recv_act(self, step, micro):
+        if self.local_prev:
+            return self.comm.handover.acts.pop((step, micro))
+        c = self.comm
+        return self.act_in.recv(self.kinds[0], step, micro, c.mailbox, c.out[self.prev_rank], c.timeout,
+                                device=c.backend.device())
+
+    def send_act(self, step, micro, t):
+        if self.local_next:
+            self.comm.handover.acts[(step, micro)] = t
+            return
+        c = self.comm
+        self.act_out.send(t, self.kinds[1], step, micro, c.out[self.next_rank], c.mailbox, c.timeout)
+
+    def recv_grad(self, step, micro):
+        if self.local_next:
+            return self.comm.handover.grads.pop((step, micro))
+        c = self.comm
+        return self.grad_in.recv(self.kinds[2], step, micro, c.mailbox, c.out[self.next_rank], c.timeout,
+                                 device=c.backend.device())
+
+    def send_grad(self, step, micro, t):
+        if self.local_prev:
+            self.comm.handover.grads[(step, micro)] = t
+            return
+        c = self.comm
+        self.grad_out.send(t, self.kinds[3], step, micro, c.out[self.prev_rank], c.mailbox, c.timeout)

@@ -13,13 +13,15 @@ from npu_train.hardware import Card
 
 @dataclass(frozen=True)
 class StageInfo:
-    """The stage's decoder layers ``[first, last)``, embedding / head flags, printed ``label`` (``19-29 +head``)."""
+    """The stage's decoder layers ``[first, last)``, embedding / head flags, printed ``label`` (``19-29 +head``);
+    ``second``: a two-chunk schedule's second range ``(a, b)`` on this card (None: one chunk)."""
 
     first: int
     last: int
     has_embed: bool
     has_head: bool
     label: str
+    second: Optional[tuple] = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,8 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     cfg = LlamaConfig.from_dict(spec.model_cfg)
     st = spec.stage
     with torch.device("meta"):
-        module = StageModule(cfg, st.first, st.last, st.has_embed, st.has_head, recompute=spec.train.recompute)
+        module = StageModule(cfg, st.first, st.last, st.has_embed, st.has_head, recompute=spec.train.recompute,
+                             second=st.second)
     module = module.to(dtype)
     with backend.alloc_lock():
         module = module.to_empty(device=backend.device())

@@ -69,7 +69,12 @@ class StageTrainer:
         self.rank, self.stage, self.replica, self.P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
         self.dp, self.zero = spec.dp, spec.zero
         self.tr = spec.train
-        self.first, self.last = self.stage == 0, self.stage == self.P - 1
+        # first: holds the embedding (virtual stage 0), last: the head and loss (ZB-V: both on card 0)
+        from npu_train.pipeline.schedule import card_of, chunks_per_card
+
+        head_card = card_of(self.tr.schedule, self.P, self.P * chunks_per_card(self.tr.schedule) - 1)[0]
+        self.first, self.last = self.stage == 0, self.stage == head_card
+        self.head_card = head_card
         self.comm = None
         self.tied_group = None
         self.tied = None  # TiedGradExchange on the first and last stage of a tied pair
@@ -221,7 +226,7 @@ class StageTrainer:
                 if self.rank in ranks:
                     self.stage_group = g
         # tied embeddings are trained (and their gradients summed) only in full fine-tuning
-        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.P > 1 and self.tr.mode == "full"
+        self.tied_pair = bool(spec.model_cfg["tie_word_embeddings"]) and self.head_card != 0 and self.tr.mode == "full"
         if self.tied_pair:
             for ranks in lay.tied_groups():
                 g = dist.new_group(ranks)
@@ -360,6 +365,9 @@ class StageTrainer:
             p.grad = None
         # gradients changed by a collective after the backward are final only after it
         late = self.params if self.dp > 1 else [self.tied_name] if self.tied_pair else []
+        if not late and self.first and self.last and "lm_head.weight" not in self.params:
+            # a tied embedding and head on this card: 2 accumulations per micro-batch, final at the step's end
+            late = [n for n in ("model.embed_tokens.weight",) if n in self.params]
         self.opt.begin_step(tr.accum, late)
         if self.tied is not None:
             self.tied.begin()  # first stage: the last stage's dense tied gradient may arrive from now on
@@ -617,7 +625,7 @@ class StageTrainer:
         card = {"kind": spec.card.kind, "index": spec.card.index, "name": spec.card.name}
         st = spec.stage
         stage = {"first": st.first, "last": st.last, "has_embed": st.has_embed, "has_head": st.has_head,
-                 "label": st.label}
+                 "label": st.label, **({"second": list(st.second)} if st.second else {})}
         save_shard(staging, self.stage, tensors, {"rank": self.stage, "card": card, "stage": stage,
                                                   "resident": sorted(spec.resident_names), "step": done,
                                                   "dp": self.dp, "zero": self.zero})
