@@ -133,3 +133,13 @@ def test_zbv_eval_and_resume(tiny_model, tmp_path):
     _check(losses, reader, ref_losses, ref_w)
     with open(tmp_path / "v" / "plan.json") as f:
         assert json.load(f)["shape"]["schedule"] == "zbv"
+
+
+def test_interleaved_refuses_accum_not_a_multiple(tiny_model, tmp_path):
+    """docs/bad-input.md: interleaved 1F1B needs M % P == 0; refused before any card process, naming the fix."""
+    from npu_train.errors import ConfigError
+    from npu_train.runtime.job import prepare
+
+    cfg = make_cfg(tiny_model, "backend=[cpu,cpu,cpu]", "train.schedule=interleaved", "train.accum=4")
+    with pytest.raises(ConfigError, match=r"multiple of the 3 pipeline stage\(s\): set train.accum=6"):
+        prepare(cfg, str(tmp_path), probe=False)

@@ -137,10 +137,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
             check_weights(model_path, mcfg)
     check_moe(cfg, mcfg)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
-    if cfg.train.schedule == "interleaved" and cfg.train.accum % P:
-        raise ConfigError(f"train.schedule=interleaved needs train.accum ({cfg.train.accum}) to be a multiple of the "
-                          f"{P} pipeline stage(s): set train.accum={P * max(1, -(-cfg.train.accum // P))} or use "
-                          "train.schedule=zbv")
+    _check_interleaved(cfg, P)
     if cfg.train.schedule == "auto":
         _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], plan_threads, dp, zero,
                          None if (cfg.plan or nodes is not None) else host_ram, multinode=nodes is not None,
@@ -217,6 +214,14 @@ def check_address_space(plan, limit: Optional[int] = None) -> None:
                       f"threads and the allocator reserve: raise the limit to at least {need[worst] / g:.2f} GiB "
                       f"(ulimit -v {-(-need[worst] // 1024)}, or ulimit -v unlimited), or plan less memory per card "
                       "(more cards, train.recompute=true, a smaller train.micro_batch or data.seq_len)")
+
+
+def _check_interleaved(cfg, P: int) -> None:
+    """ConfigError for ``train.schedule=interleaved`` with ``train.accum`` not a multiple of the stages ``P``."""
+    if cfg.train.schedule == "interleaved" and cfg.train.accum % P:
+        raise ConfigError(f"train.schedule=interleaved needs train.accum ({cfg.train.accum}) to be a multiple of the "
+                          f"{P} pipeline stage(s): set train.accum={P * max(1, -(-cfg.train.accum // P))} or use "
+                          "train.schedule=zbv")
 
 
 def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
