@@ -295,6 +295,8 @@ def test_packed_rows_hold_the_same_samples(smol, tmp_path):
     packed = build_sft_data(src, "chat", _renderer(smol), seq_len=ROW - 1, val_fraction=0.1, pad_id=PAD, pack=True,
                             log=logs.append)
     assert "packed into" in logs[0] and packed.n_tokens == flat.n_tokens
+    # data.seq_len tokens a sequence, as the job line says (the row's extra token is the last target)
+    assert f"packed into {packed.n_train + packed.n_val} sequences of {ROW - 1} tokens (" in logs[0], logs[0]
     assert flat.train_positions is None and packed.train_positions.shape == packed.train.shape
     assert packed.n_train < flat.n_train / 2  # several samples per sequence
 

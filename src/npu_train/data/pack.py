@@ -271,7 +271,7 @@ def write_sft(job: SftJob, splits: list[SplitStream], tmp: Path, lock: Optional[
         plans = [_plan(spool, a, b, job.row, job.pack, job.pad_id) for a, b in (train, val)]
         n_rows = plans[0].rows + plans[1].rows
         if job.pack:
-            msg += (f", packed into {n_rows} sequences of {job.row} tokens "
+            msg += (f", packed into {n_rows} sequences of {job.seq_len} tokens "  # as the job line counts them
                     f"({st.n_tokens / (n_rows * job.row):.0%} filled; with data.pack=false each would take a sequence)")
         else:
             msg += f" (one per sequence of {job.seq_len} tokens, padded; {st.n_tokens / (n_rows * job.row):.0%} filled)"
