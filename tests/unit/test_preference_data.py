@@ -227,13 +227,23 @@ def test_implicit_prompt_bad_rows(smol, tmp_path):
 
 
 def test_template_that_breaks_the_prefix(smol, tmp_path):
-    """A template rendering the prompt differently once an answer follows: an error naming the row."""
+    """A template rendering the prompt differently once an answer follows: as TRL 1.16's DPOTrainer, the answer
+    starts where the prompt's tokens and the whole conversation's diverge, that end of the prompt is left out,
+    and the summary says so (issue 40; this was an error before)."""
+    from transformers import PreTrainedTokenizerFast
+
+    du = pytest.importorskip("trl.data_utils")
     tpl = ("{% for m in messages %}{% if loop.last and m['role'] == 'assistant' %}<final>{% endif %}"
            "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     r = ChatRenderer(smol["tok"], tpl, eos_id=smol["cfg"].eos_token_id, **smol["specials"])
-    with pytest.raises(DataError, match=r"d.jsonl:1: the chat template renders the prompt differently"):
-        build_preference_data(_write(tmp_path, CONV), r, 64, 0.0, log=lambda m: None)
+    hf = PreTrainedTokenizerFast(tokenizer_object=smol["tok"], **smol["specials"])
+    hf.chat_template = tpl
+    logs = []
+    d = build_preference_data(_write(tmp_path, CONV), r, 64, 0.0, log=logs.append)
+    assert _pairs(d) == [_trl_ids(du, hf, row) for row in CONV]
+    assert smol["tok"].decode(_pairs(d)[0][1], skip_special_tokens=False).startswith("<final><|im_start|>assistant")
+    assert "2 kept pair(s) have a prompt whose last token(s) merge into the answer" in logs[-1]
 
 
 # ------------------------------------------------------------------------------- cache, built-in set, prepare
@@ -315,7 +325,8 @@ def test_parquet_and_save_to_disk_sources(smol, tmp_path):
 
 
 def test_standard_rows_get_the_tokenizers_bos(smol, tmp_path):
-    """A tokenizer whose post-processor adds a BOS: the prompt starts with it, the completions do not."""
+    """A tokenizer whose post-processor adds a BOS: the prompt starts with it, the completions do not (the
+    text is tokenized whole, as TRL does, so the completions carry the space that separates them)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
     vocab = {"<s>": 0, "</s>": 1, "<pad>": 2, "a": 3, "b": 4, "c": 5, "d": 6}
@@ -324,7 +335,7 @@ def test_standard_rows_get_the_tokenizers_bos(smol, tmp_path):
     tok.add_special_tokens(["<s>", "</s>", "<pad>"])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
     r = ChatRenderer(tok, None, eos_id=1)
-    rows = [{"prompt": "a b", "chosen": "c", "rejected": "d"}, {"prompt": "b", "chosen": "c c", "rejected": "d"}]
+    rows = [{"prompt": "a b", "chosen": " c", "rejected": " d"}, {"prompt": "b", "chosen": " c c", "rejected": " d"}]
     d = build_preference_data(_write(tmp_path, rows), r, 8, 0.0, pad_id=2, log=lambda m: None)
     assert _pairs(d, pad=2) == [([0, 3, 4], [5, 1], [6, 1]), ([0, 4], [5, 5, 1], [6, 1])]
     conv = _write(tmp_path, CONV, "c.jsonl")

@@ -77,7 +77,8 @@ def sft_fingerprint(src_key: str, fmt: str, renderer, seq_len: int, val_fraction
     return h.hexdigest()
 
 
-_PREF_FORMAT = "npu-train-pref-v1"
+#: v2: pairs tokenized as TRL 1.16 does (prompt + completion whole, cut where they diverge)
+_PREF_FORMAT = "npu-train-pref-v2"
 #: how preference rows are truncated (part of the cache key)
 _PREF_TRUNCATION = "keep-prompt-cut-completion"
 

@@ -473,6 +473,7 @@ class _PairStats:
     first_bad: str = ""
     n_cut: int = 0
     n_drop: int = 0
+    n_left: int = 0
     n_tokens: int = 0
     rows: list = field(default_factory=list)
     kept: list = field(default_factory=list)
@@ -480,7 +481,7 @@ class _PairStats:
     def losses(self) -> dict:
         """The counts a relaunch repeats (stored in the packed file, :func:`~npu_train.data.packfile.losses_meta`)."""
         return {"rows": sum(self.rows), "kept": sum(self.kept), "bad": self.n_bad, "first_bad": self.first_bad,
-                "cut": self.n_cut, "drop": self.n_drop}
+                "cut": self.n_cut, "drop": self.n_drop, "left": self.n_left}
 
 
 def write_pairs(job: BuildJob, splits: list[SplitStream], tmp: Path, lock: Optional[Path], log: Callable[[str], None],
@@ -551,6 +552,7 @@ def _add_pair(p: PairTokens, row: int, vocab_size: Optional[int], spool: SampleS
         raise DataError(f"{p.where}: tokenizer produced id {top} but the model's vocabulary has {vocab_size} "
                         "entries: the tokenizer does not match the model")
     st.n_tokens += 2 * len(p.prompt) + len(chosen) + len(rejected)
+    st.n_left += p.left_out > 0
     spool.add(p.prompt + chosen + rejected, (len(p.prompt), len(chosen), len(rejected), top))
     return 1
 
@@ -572,11 +574,16 @@ def _pair_ranges(job: BuildJob, st: _PairStats, log: Callable[[str], None]) -> t
 
 def pairs_kept_note(job: BuildJob, c: dict) -> tuple[str, str]:
     """The summary's parts from the counts ``c`` (:meth:`_PairStats.losses`): ``"k of n preference pairs kept
-    (b bad row(s) skipped)"`` and the ``"; ..."`` clauses on completions cut and pairs dropped."""
+    (b bad row(s) skipped)"`` and the ``"; ..."`` clauses on completions cut, pairs dropped and prompts whose
+    end is left out (:attr:`~npu_train.data.render.PairTokens.left_out`)."""
     head = f"{c['kept']} of {c['rows']} preference pairs kept" + (f" ({c['bad']} bad row(s) skipped)"
                                                                  if c.get("bad") else "")
     tail = (f"; {c.get('cut', 0)} completions truncated to fit seq_len+1={job.row} tokens (the prompt is kept)"
             f"; {c.get('drop', 0)} pair(s) dropped (the prompt alone fills the {job.row} tokens)")
+    if c.get("left"):
+        tail += (f"; {c['left']} kept pair(s) have a prompt whose last token(s) merge into the answer or are rendered "
+                 "differently before it: the answer starts where the two tokenizations diverge and that end of the "
+                 "prompt is left out, as TRL 1.16's DPOTrainer does (end the prompts on a token boundary to avoid it)")
     return head, tail
 
 

@@ -32,7 +32,7 @@ from .cache import (build_cached, cached_pairs, cached_sft, cached_text, prefere
 from .pack import (PROGRESS_S, SftJob, SplitStream, TextJob, free_check, pairs_kept_note, sft_kept_note,
                    write_pairs, write_sft, write_text)
 from .packfile import PackedData, read_losses, token_dtype
-from .render import ChatRenderer, chunk_safe, lead_ids, pair_tokens, rendered, token_batches
+from .render import ChatRenderer, chunk_safe, pair_tokens, rendered, token_batches
 from .rows import FIELDS, FORMATS, iter_pairs, iter_rows
 from .sources import BAD_ROWS, BadRows, Source, resolve_source, source_key, text_pieces
 from .spool import BuildJob, when_built
@@ -239,18 +239,15 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
                    pad_id=int(pad_id), vocab_size=vocab_size, fields=fields, bad_rows=bad_rows, split=split,
                    val_split=val_split, fingerprint=fp, where=space_hint(cache_dir))
 
-    def write(tmp, lock) -> None:
-        lead = lead_ids(renderer.tok)
+    def pairs(name: str) -> SplitStream:  # rows -> render
+        bad = BadRows()
+        rows = iter_pairs(spec, fields, bad_rows, name, log, bad)
+        return SplitStream(name, rendered(rows, lambda p: pair_tokens(renderer, p)), bad)
 
-        def pairs(name: str) -> SplitStream:  # rows -> render
-            bad = BadRows()
-            rows = iter_pairs(spec, fields, bad_rows, name, log, bad)
-            return SplitStream(name, rendered(rows, lambda p: pair_tokens(renderer, p, lead)), bad)
-
-        write_pairs(job, [pairs(n) for n in (split, val_split) if n], tmp, lock, log, progress_s)
-
-    data, hit = build_cached(cache_dir, fp, lambda path: cached_pairs(path, fp), write, log, job.where)
+    data, hit = build_cached(cache_dir, fp, lambda path: cached_pairs(path, fp),
+                             lambda tmp, lock: write_pairs(job, [pairs(n) for n in (split, val_split) if n], tmp,
+                                                           lock, log, progress_s), log, job.where)
     if hit:
         log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)"
-            + when_built(read_losses(data.path), ("cut", "drop"), lambda c: pairs_kept_note(job, c)))
+            + when_built(read_losses(data.path), ("cut", "drop", "left"), lambda c: pairs_kept_note(job, c)))
     return data

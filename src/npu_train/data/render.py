@@ -9,13 +9,19 @@
   them (as given, leading / trailing whitespace included and trained, as transformers' assistant mask;
   stripped only when the template trims it); a row where that fails is an error naming it. Without a
   template, prompt_completion is plain text + EOS.
-- ``preference``: :func:`pair_tokens` gives a pair's prompt and completion ids (:class:`PairTokens`).
-  Standard rows (strings): prompt ids = the special tokens the tokenizer puts before a text (a BOS, if its
-  post-processor adds one) + ``tokenize(prompt)``; completion ids = ``tokenize(chosen) + [eos]`` (likewise
-  rejected), each text tokenized on its own. Conversational rows: ``P = render(prompt,
-  add_generation_prompt=True)`` with the chat template; the completion is the text of ``render(prompt +
-  chosen)`` after ``P`` (a template where ``P`` is not a prefix of that is an error naming the row); prompt
-  ids = ``tokenize(P)``, completion ids = ``tokenize(suffix)``.
+- ``preference``: :func:`pair_tokens` gives a pair's prompt and completion ids (:class:`PairTokens`) as TRL
+  1.16's ``DPOTrainer`` does (``_prepare_dataset``): the prompt alone, prompt + chosen and prompt + rejected
+  are each tokenized whole, and the completions start where the prompt's ids and each whole sequence's ids
+  diverge (the shorter of the two common prefixes, TRL's ``common_prefix_length``); so a completion's first
+  token is the one the model sees after the prompt at inference (a SentencePiece ``Metaspace`` tokenizer
+  gives ``'The'``, not the ``'▁The'`` of the completion tokenized on its own; a byte-level BPE prompt
+  ending in a space gives ``'ĠP'``, not ``'Ġ'`` + ``'P'``), and the end of a prompt that merges
+  into the completion is left out (:attr:`PairTokens.left_out`; TRL warns of it). String rows: the text
+  is tokenized with the tokenizer's special tokens (its BOS, if its post-processor adds one), the
+  completions with the tokenizer's EOS text appended unless they end with it. Conversational rows: the
+  prompt rendered with the chat template with ``add_generation_prompt=True``, the whole conversation
+  without, each tokenized by transformers' ``apply_chat_template(tokenize=True)``. (Older TRL
+  releases tokenized each completion on its own; TRL 1.16, the version the test extra installs, does not.)
 
 :func:`rendered` renders a stream of rows one at a time; the first row that fails to render is raised once
 every row has been read, so a bad row found by reading (stage 1) comes first."""
@@ -35,8 +41,8 @@ from .rows import PairText
 from .sources import split_pieces
 from .text import DataError, botchan_text
 
-__all__ = ["BATCH_CHARS", "ChatRenderer", "PairTokens", "Sample", "chunk_safe", "lead_ids", "pair_tokens",
-           "rendered", "token_batches", "tokenize_documents"]
+__all__ = ["BATCH_CHARS", "ChatRenderer", "PairTokens", "Sample", "chunk_safe", "common_prefix_length",
+           "pair_tokens", "rendered", "token_batches", "tokenize_documents"]
 
 R = TypeVar("R")
 S = TypeVar("S")
@@ -220,6 +226,8 @@ class ChatRenderer:
         self.tok = tokenizer
         self.template = template
         self.eos_id = eos_id
+        #: the EOS text TRL appends to string completions (the tokenizer's ``eos_token``; else ``eos_id``'s)
+        self.eos_text = eos_token or (tokenizer.id_to_token(int(eos_id)) if eos_id is not None else None)
         self.special_ids = {i for i, a in tokenizer.get_added_tokens_decoder().items() if a.special}
         self._hf = None
         if template is not None:
@@ -233,6 +241,13 @@ class ChatRenderer:
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         """The template's text for ``messages`` (no tokenization)."""
         return self._hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = False) -> list[int]:
+        """``messages`` rendered and tokenized by transformers' ``apply_chat_template(tokenize=True)`` (the
+        template's own special tokens only), as TRL's trainers tokenize conversations."""
+        out = self._hf.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                           add_generation_prompt=add_generation_prompt)
+        return list(out["input_ids"])
 
     def sample(self, messages: list[dict], where: str, fmt: str) -> Sample:
         """Tokenize one row and label it (see the module doc). Raises :class:`DataError` naming ``where``."""
@@ -336,60 +351,62 @@ class ChatRenderer:
 # ----------------------------------------------------------------------------- preference
 @dataclass
 class PairTokens:
-    """Token ids (unpadded, untruncated) of one pair: the shared ``prompt`` and the two completions."""
+    """Token ids (unpadded, untruncated) of one pair: the shared ``prompt`` and the two completions;
+    ``left_out``: tokens of the prompt tokenized alone that are not in the training sequence (the prompt and
+    prompt + completion diverge before the prompt's end: a token merged across the boundary, or a template
+    that renders the prompt differently when an answer follows; TRL 1.16 warns and does the same)."""
 
     prompt: list[int]
     chosen: list[int]
     rejected: list[int]
     where: str
+    left_out: int = 0
 
 
-def lead_ids(tokenizer) -> list[int]:
-    """The special tokens ``tokenizer`` puts before a text when asked to add them (a BOS), else []."""
-    probe = "a"
-    plain = tokenizer.encode(probe, add_special_tokens=False).ids
-    full = tokenizer.encode(probe, add_special_tokens=True).ids
-    for k in range(len(full) - len(plain) + 1):
-        if full[k:k + len(plain)] == plain:
-            return list(full[:k])
-    return []
+def common_prefix_length(a: list[int], b: list[int]) -> int:
+    """Number of leading ids ``a`` and ``b`` share (TRL's ``common_prefix_length``)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
-def _render(renderer: ChatRenderer, msgs: list[dict], where: str, gen: bool) -> str:
+def _chat_ids(renderer: ChatRenderer, msgs: list[dict], where: str, gen: bool) -> list[int]:
+    """``msgs`` rendered with the chat template and tokenized by transformers, as TRL's DPOTrainer does."""
     try:
-        return renderer.render(msgs, add_generation_prompt=gen)
+        return list(renderer.chat_ids(msgs, add_generation_prompt=gen))
     except Exception as e:  # noqa: BLE001 - template errors (raise_exception, bad roles)
         raise DataError(f"{where}: the chat template could not render this row "
                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0]})") from None
 
 
-def _chat_tokens(renderer: ChatRenderer, p: PairText) -> PairTokens:
-    if renderer.template is None:
-        raise DataError(f"{p.where}: the model has no chat template, so conversational preference rows cannot be "
-                        "rendered; use a chat model or string rows {\"prompt\", \"chosen\", \"rejected\"}")
-    head = _render(renderer, p.prompt, p.where, True)
-    comps = []
-    for name, c in (("chosen", p.chosen), ("rejected", p.rejected)):
-        full = _render(renderer, p.prompt + c, p.where, False)
-        if not full.startswith(head):
-            raise DataError(f"{p.where}: the chat template renders the prompt differently when the {name} answer "
-                            "follows (the prompt rendered with add_generation_prompt=True is not a prefix of "
-                            "prompt + answer), so prompt and completion cannot be split; use string rows or a "
-                            "template without that")
-        comps.append(renderer.tok.encode(full[len(head):], add_special_tokens=False).ids)
-    return PairTokens(list(renderer.tok.encode(head, add_special_tokens=False).ids), comps[0], comps[1], p.where)
+def _with_eos(text: str, eos: str) -> str:
+    return text if text.endswith(eos) else text + eos
 
 
-def pair_tokens(renderer: ChatRenderer, p: PairText, lead: Optional[list[int]] = None) -> PairTokens:
-    """Token ids of one validated pair (see the module doc); ``lead``: :func:`lead_ids` of the tokenizer
-    (computed when None). Raises :class:`DataError` naming the row (no template / EOS, template errors)."""
+def _joint_ids(renderer: ChatRenderer, p: PairText) -> tuple[list[int], list[int], list[int]]:
+    """The ids of the prompt alone, prompt + chosen and prompt + rejected, each tokenized whole."""
     if p.chat:
-        return _chat_tokens(renderer, p)
-    if renderer.eos_id is None:
+        if renderer.template is None:
+            raise DataError(f"{p.where}: the model has no chat template, so conversational preference rows cannot "
+                            "be rendered; use a chat model or string rows {\"prompt\", \"chosen\", \"rejected\"}")
+        return (_chat_ids(renderer, p.prompt, p.where, True), _chat_ids(renderer, p.prompt + p.chosen, p.where, False),
+                _chat_ids(renderer, p.prompt + p.rejected, p.where, False))
+    eos = renderer.eos_text
+    if eos is None:
         raise DataError(f"{p.where}: the model has no EOS token to end string completions; use conversational rows")
-    tok = renderer.tok
-    lead = lead_ids(tok) if lead is None else lead
-    eos = [int(renderer.eos_id)]
-    return PairTokens(list(lead) + tok.encode(p.prompt, add_special_tokens=False).ids,
-                      tok.encode(p.chosen, add_special_tokens=False).ids + eos,
-                      tok.encode(p.rejected, add_special_tokens=False).ids + eos, p.where)
+    enc = renderer.tok.encode  # with the tokenizer's special tokens (a BOS), as transformers' tokenizer(text)
+    return (enc(p.prompt, add_special_tokens=True).ids,
+            enc(p.prompt + _with_eos(p.chosen, eos), add_special_tokens=True).ids,
+            enc(p.prompt + _with_eos(p.rejected, eos), add_special_tokens=True).ids)
+
+
+def pair_tokens(renderer: ChatRenderer, p: PairText) -> PairTokens:
+    """Token ids of one validated pair as TRL 1.16's ``DPOTrainer`` makes them (see the module doc): the prompt
+    and prompt + completion tokenized whole, the completion starting where they diverge. Raises
+    :class:`DataError` naming the row (no template / EOS, template errors)."""
+    prompt, chosen, rejected = _joint_ids(renderer, p)
+    n = min(common_prefix_length(prompt, chosen), common_prefix_length(prompt, rejected))
+    return PairTokens(prompt[:n], chosen[n:], rejected[n:], p.where, len(prompt) - n)
