@@ -1,0 +1,67 @@
+#!/usr/bin/env python
+"""Write a randomly initialised mixture of experts in Qwen3-30B-A3B's shape with N layers as an HF directory
+(issue 37's memory runs: as many layers as fit on this machine).
+
+``python experiments/bench/make_random_moe.py --layers 4 --out /tmp/moe4``
+``python experiments/bench/make_random_moe.py --layers 4 --moe-intermediate 192 --out /tmp/moe4s`` (smaller experts)
+
+Shape (Qwen/Qwen3-30B-A3B config.json): hidden 2048, 128 experts, top-8, norm_topk_prob, moe_intermediate 768,
+32 query / 4 key-value heads of head_dim 128, vocabulary 151936, untied, rms_norm_eps 1e-6, rope_theta 1e6;
+every layer sparse. Made with transformers' ``Qwen3MoeForCausalLM`` ``from_config`` (its init: N(0, 0.02), norms 1;
+a router still all zero is drawn N(0, 0.02) too, so tokens spread over the experts) and written with
+``save_pretrained`` in bf16 (one tensor per expert, as transformers 5 writes Qwen3-MoE; shards of 2 GB).
+
+Tokenizer: the embedded SmolLM2-135M's (``model.path=embedded``), saved as ``tokenizer.json``; its 49152 ids
+stay below the model's 151936, so every matrix, the LM head included, has the real shape (rows of the
+embedding above 49151 are never looked up; the head still scores all 151936). The loss is not meaningful.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, required=True, help="decoder layers (all sparse)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--moe-intermediate", type=int, default=768, help="one expert's width (Qwen3-30B-A3B: 768)")
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from npu_train.model.files import embedded_model_path
+    from npu_train.model.tokenizer import load_tokenizer
+
+    t0 = time.time()
+    torch.manual_seed(a.seed)
+    tok = load_tokenizer(embedded_model_path())
+    cfg = Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=a.layers,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=a.experts,
+        num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_intermediate, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    torch.set_default_dtype(torch.bfloat16)  # built in bf16: 2 B/param in memory, never an fp32 copy
+    model = Qwen3MoeForCausalLM(cfg)
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight") and not p.any():
+                p.normal_(0.0, 0.02)
+    os.makedirs(a.out, exist_ok=True)
+    model.save_pretrained(a.out, max_shard_size="2GB")
+    tok.save(os.path.join(a.out, "tokenizer.json"))
+    n = sum(p.numel() for p in model.parameters())
+    print(f"wrote a random Qwen3-MoE of {a.layers} layers x {a.experts} experts of {a.moe_intermediate} "
+          f"(top-{a.top_k}), {n / 1e9:.3f} B params, bf16, to {a.out} in {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
