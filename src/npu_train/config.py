@@ -173,6 +173,10 @@ class TrainConf:
     #: host update of step t runs during step t+1, its weights are used from step t+2: offloaded
     #: layers train one step stale, ZeRO-Offload's DPU; needs offload_overlap; does not resume)
     offload_update: str = "sync"
+    #: mixtures of experts: weight of the router load-balancing loss (transformers' load_balancing_loss_func
+    #: over all layers, combined across pipeline stages). null = the model's config.json (router_aux_loss_coef
+    #: when output_router_logits is true, else off); 0 = off; > 0 = on with this weight.
+    moe_aux_loss: Optional[float] = None
 
 
 @dataclass
@@ -486,6 +490,9 @@ def _check_modes(t) -> None:
                           "use train.schedule=1f1b for activation recompute")
     if t.resume_mismatch not in ("refuse", "allow"):
         raise ConfigError(f"train.resume_mismatch={t.resume_mismatch!r}: use refuse or allow")
+    if t.moe_aux_loss is not None and not float(t.moe_aux_loss) >= 0:
+        raise ConfigError(f"train.moe_aux_loss={t.moe_aux_loss!r}: use null (the model's setting), 0 (off) or a "
+                          "weight > 0 such as 0.001")
     if t.grad_accum not in ("fp32", "compute"):
         raise ConfigError(f"train.grad_accum={t.grad_accum!r}: use fp32 or compute")
     if t.offload_update not in ("sync", "delayed"):

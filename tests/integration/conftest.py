@@ -22,13 +22,19 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_atte
 
 #: per family: config.json keys beside TINY (Qwen3: head_dim 24 != 64 / 4; Mistral: a window = data.seq_len)
 FAMILY_KEYS = {"llama": {}, "qwen2": {"use_sliding_window": False}, "qwen3": {"head_dim": 24},
-               "mistral": {"sliding_window": 32}}
+               "mistral": {"sliding_window": 32},
+               # mixture of experts: 8 experts, top-2, renormalised, layer 1 dense (config.json and LlamaConfig names)
+               "qwen3_moe": {"head_dim": 24, "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+                             "norm_topk_prob": True, "mlp_only_layers": [1]}}
+#: FAMILY_KEYS that are config.json keys but not LlamaConfig fields
+_JSON_ONLY = ("use_sliding_window",)
 
 
 def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: int = 6, seed: int = 0,
-                    family: str = "llama") -> str:
+                    family: str = "llama", **extra) -> str:
     """Write a tiny random model of ``family`` (config.json, model.safetensors, tokenizer.json trained on
-    Botchan); biases ~ N(0, 0.1), norm gains ~ 1 + N(0, 0.1)."""
+    Botchan); biases ~ N(0, 0.1), norm gains ~ 1 + N(0, 0.1), routers ~ N(0, 0.5) (far from uniform).
+    ``extra``: more config.json keys that are also LlamaConfig fields (``output_router_logits=True``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from npu_train.data.text import botchan_text
@@ -46,12 +52,12 @@ def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: i
     fam = FAMILIES[family]
     hf = dict(TINY, num_hidden_layers=layers, architectures=[fam.architecture], model_type=fam.model_type,
               vocab_size=v, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, hidden_act="silu",
-              **FAMILY_KEYS[family])
+              **FAMILY_KEYS[family], **extra)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
+    fields = {k: v for k, v in {**FAMILY_KEYS[family], **extra}.items() if k not in _JSON_ONLY}
     cfg = LlamaConfig(vocab_size=v, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=tied, family=family,
-                      head_dim=FAMILY_KEYS[family].get("head_dim"))
+                      num_kv_heads=2, tie_word_embeddings=tied, family=family, **fields)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     shapes = dict(cfg.param_shapes(None))
@@ -60,6 +66,8 @@ def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: i
     for n, s in shapes.items():
         if n.endswith(".bias"):
             tensors[n] = 0.1 * torch.randn(s, generator=g)
+        elif n.endswith(".gate.weight"):  # a mixture-of-experts router
+            tensors[n] = 0.5 * torch.randn(s, generator=g)
         else:
             tensors[n] = (torch.ones(s) + 0.1 * torch.randn(s, generator=g)) if len(s) == 1 else 0.08 * torch.randn(s, generator=g)
     save_file(tensors, os.path.join(path, "model.safetensors"))
@@ -141,8 +149,9 @@ def launch_to_end(tmp_path, model: str, *overrides: str, expect_rc: int = 0, tim
     return job
 
 
-def reference_for(model_path: str, *overrides: str):
-    """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``."""
+def reference_for(model_path: str, *overrides: str, aux_weight: float = 0.0):
+    """Single-process reference with the same config (data, seed, schedule of LR) as ``make_cfg``
+    (``aux_weight``: a mixture of experts' load-balancing loss weight)."""
     from npu_train.data.prepare import prepare_data
     from npu_train.model import load_config
     from reference import reference_run
@@ -152,7 +161,7 @@ def reference_for(model_path: str, *overrides: str):
     data = prepare_data(cfg, model_path, load_config(model_path))
     return reference_run(model_path, data, steps=t.steps, micro_batch=t.micro_batch, accum=t.accum, lr=t.lr,
                          warmup_steps=t.warmup_steps, min_lr_ratio=t.min_lr_ratio, weight_decay=t.weight_decay,
-                         clip=t.clip, seed=t.seed, betas=(t.beta1, t.beta2), eps=t.eps)
+                         clip=t.clip, seed=t.seed, betas=(t.beta1, t.beta2), eps=t.eps, aux_weight=aux_weight)
 
 
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -30,12 +30,32 @@ class RefDecoder:
     (``+ b`` when the checkpoint has biases), per-head ``rms`` of q and k (when it has ``q_norm``), RoPE by
     rotate-half at angles ``pos * theta^(-2i/d)``, each query head ``j`` reading kv head ``j // (heads/kv)``,
     causal ``softmax(q k^T / sqrt(d))`` (explicit mask), ``v``. Logits ``rms(h) @ lm_head^T`` (tied: the
-    embedding). ``rope_scaling`` is not modelled (the fixtures use plain RoPE)."""
+    embedding). ``rope_scaling`` is not modelled (the fixtures use plain RoPE).
+
+    A sparse layer (Qwen3-MoE naming) replaces the MLP by ``sum_e W[t, e] * expert_e(x)`` over *every* expert
+    on every token (dense, no grouping): ``W[t, e]`` is the fp32 softmax of ``x @ gate^T`` at the token's top-k
+    experts (renormalised over them when ``norm_topk_prob``), 0 elsewhere; each layer's router logits are kept in
+    :attr:`router_logits` for :func:`ref_aux`."""
 
     def __init__(self, cfg, w: dict):
         if cfg.rope_scaling:
             raise NotImplementedError("the reference models plain RoPE only")
         self.cfg, self.w = cfg, w
+        self.router_logits: list = []
+
+    def _swiglu(self, x, p):
+        return self._lin(F.silu(self._lin(x, p + "gate_proj")) * self._lin(x, p + "up_proj"), p + "down_proj")
+
+    def _moe(self, x, p):
+        c = self.cfg
+        logits = self._lin(x, p + "gate")
+        self.router_logits.append(logits.reshape(-1, c.num_experts))
+        probs = torch.softmax(logits.float(), dim=-1)
+        top, idx = torch.topk(probs, c.num_experts_per_tok, dim=-1)
+        if c.norm_topk_prob:
+            top = top / top.sum(-1, keepdim=True)
+        W = torch.zeros_like(probs).scatter(-1, idx, top).to(x.dtype)
+        return sum(W[..., e:e + 1] * self._swiglu(x, f"{p}experts.{e}.") for e in range(c.num_experts))
 
     def _rms(self, x, g):
         xf = x.float()
@@ -80,10 +100,20 @@ class RefDecoder:
             p = f"model.layers.{i}."
             h = h + self._attn(self._rms(h, w[p + "input_layernorm.weight"]), p + "self_attn.")
             x = self._rms(h, w[p + "post_attention_layernorm.weight"])
-            h = h + self._lin(F.silu(self._lin(x, p + "mlp.gate_proj")) * self._lin(x, p + "mlp.up_proj"),
-                              p + "mlp.down_proj")
+            h = h + (self._moe(x, p + "mlp.") if p + "mlp.gate.weight" in w else self._swiglu(x, p + "mlp."))
         head = w.get("lm_head.weight", w["model.embed_tokens.weight"])
         return (self._rms(h, w["model.norm.weight"]) @ head.t()).float()
+
+
+def ref_aux(router_logits: list, E: int, k: int) -> torch.Tensor:
+    """transformers' load-balancing loss (``load_balancing_loss_func``) over all layers' router logits ``[N, E]``:
+    ``E * sum_e (T_e / R) * (P_e / R)``, ``T_e`` one-hot top-k counts and ``P_e`` softmax probabilities summed
+    over tokens and layers, ``R`` tokens times layers."""
+    probs = [torch.softmax(lg, dim=-1) for lg in router_logits]
+    T = sum(F.one_hot(torch.topk(p, k, dim=-1).indices, E).sum(dim=(0, 1)).float() for p in probs)
+    P = sum(p.float().sum(0) for p in probs)
+    R = sum(p.shape[0] for p in probs)
+    return E * torch.sum((T / R) * (P / R))
 
 
 def ref_loss_sum(logits, labels):
@@ -133,11 +163,12 @@ def ref_segments(data, indices) -> list:
     return out
 
 
-def ref_backward(model, data, sampler, step: int) -> float:
+def ref_backward(model, data, sampler, step: int, aux_weight: float = 0.0) -> float:
     """Forward + backward of every micro-batch of optimizer step ``step`` (the sampler's order),
     each micro-batch's summed token cross-entropy divided by the target tokens of the whole step, so
     the accumulated ``.grad`` is the step's gradient; returns the step's loss (nats per target token).
-    Packed rows: every sample of the step alone (:func:`ref_segments`)."""
+    Packed rows: every sample of the step alone (:func:`ref_segments`). ``aux_weight`` > 0 (mixtures of experts):
+    plus ``aux_weight / micro-batches`` times each micro-batch's :func:`ref_aux`."""
     if getattr(data, "train_positions", None) is not None:
         mbs = [s for i in sampler.micro_batches_for_step(step) for s in ref_segments(data, i)]
     else:
@@ -145,16 +176,22 @@ def ref_backward(model, data, sampler, step: int) -> float:
     n_tok = sum(int((y != -100).sum()) for _, y in mbs)
     tot = 0.0
     for x, y in mbs:
+        model.router_logits = []
         ls, _ = ref_loss_sum(model(x), y)
-        (ls / n_tok).backward()
+        loss = ls / n_tok
+        if aux_weight:
+            c = model.cfg
+            loss = loss + aux_weight / len(mbs) * ref_aux(model.router_logits, c.num_experts, c.num_experts_per_tok)
+        loss.backward()
         tot += float(ls.detach())
     return tot / n_tok
 
 
 def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum: int, lr: float,
                   warmup_steps: int, min_lr_ratio: float, weight_decay: float, clip: float, seed: int,
-                  betas=(0.9, 0.95), eps=1e-8, dtype=torch.float32):
-    """Train ``steps`` optimizer steps; returns (per-step losses, {hf_name: fp32 weight})."""
+                  betas=(0.9, 0.95), eps=1e-8, dtype=torch.float32, aux_weight: float = 0.0):
+    """Train ``steps`` optimizer steps; returns (per-step losses, {hf_name: fp32 weight}). ``aux_weight``: the
+    load-balancing loss weight of a mixture of experts (:func:`ref_backward`)."""
     torch.manual_seed(seed)
     cfg = load_config(model_path)
     names = list(cfg.param_shapes(None))
@@ -171,7 +208,7 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
     losses = []
     for step in range(steps):
         opt.zero_grad()
-        loss = ref_backward(model, data, sampler, step)
+        loss = ref_backward(model, data, sampler, step, aux_weight)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         for g in opt.param_groups:

@@ -153,6 +153,7 @@ def merged_record(reports: list[dict]) -> dict:
         # the objective's per-step metrics (DPO: rewards/chosen, rewards/rejected, rewards/accuracies,
         # rewards/margins, logps/chosen, logps/rejected, named as TRL's DPOTrainer names them)
         **(r0.get("objective") or {}),
+        **moe_fields(reports),
         "time": time.time(),
     }
 
@@ -167,6 +168,25 @@ def phase_peaks(per_card: list) -> dict:
     fams = sorted({f for m in cards for f in m})
     return {"mem_run_peak_bytes": [int(max(m.values(), default=0)) for m in cards],
             "mem_phase_peak_bytes": {f: [int(m.get(f, 0)) for m in cards] for f in fams}}
+
+
+def moe_fields(reports: list[dict]) -> dict:
+    """Mixtures of experts: ``aux_loss`` (the load-balancing loss, mean over the step's micro-batches, as
+    transformers' ``aux_loss``; unweighted; None when the loss is off) and ``expert_load_cards`` (per card: over its sparse layers, the
+    largest max / mean of the top-k assignments per expert in the step; 1.0 = balanced, None = no sparse layer)."""
+    moe = [r.get("moe") for r in reports]
+    if not any(moe):
+        return {}
+    return {"aux_loss": next(m["aux_loss"] for m in moe if m),
+            "expert_load_cards": [m.get("expert_load") if m else None for m in moe]}
+
+
+def moe_text(rec: dict) -> list:
+    """The step line's mixture-of-experts parts: ``aux <loss>`` (when on) and ``expert load <per card>``."""
+    out = [f"aux {rec['aux_loss']:.4f}"] if rec.get("aux_loss") is not None else []
+    if "expert_load_cards" in rec:
+        out.append("expert load " + "/".join("-" if x is None else f"{x:.2f}" for x in rec["expert_load_cards"]))
+    return out
 
 
 def device_fields(reports: list[dict]) -> dict:
@@ -413,6 +433,7 @@ class Reporter:
                 f"{rec['tokens_per_s']:,.0f} tok/s"] + ([mfu_text(rec)[3:]] if mfu_text(rec) else [])
         if "rewards/accuracies" in rec:
             head.append(f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}")
+        head += moe_text(rec)
         head.append(f"{wall:.2f} s{plan_s}")
         tail = [f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
                 f"idle {rec['idle_s']:.2f}]", f"mem GiB {mem}{pred}", f"ETA {fmt_duration(rec['eta_s'])}"]

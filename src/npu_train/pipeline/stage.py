@@ -22,12 +22,15 @@ REF_MICRO_BASE = 1 << 22
 
 
 class BoundaryComm(Protocol):
-    """Stage-boundary transport: ``[micro_batch, seq_len, hidden]`` compute-dtype tensors, received on the card."""
+    """Stage-boundary transport: ``[micro_batch, seq_len, hidden]`` compute-dtype tensors, received on the card.
+    Mixtures of experts with the load-balancing loss (:mod:`npu_train.pipeline.moeaux`) also pass ``meta`` (a
+    small msgpack-able dict) with a tensor and receive it with ``with_meta=True`` as ``(tensor, meta or None)``;
+    a transport used only for dense models may omit both."""
 
-    def recv_act(self, step: int, micro: int) -> torch.Tensor: ...
-    def send_act(self, step: int, micro: int, t: torch.Tensor) -> None: ...
-    def recv_grad(self, step: int, micro: int) -> torch.Tensor: ...
-    def send_grad(self, step: int, micro: int, t: torch.Tensor) -> None: ...
+    def recv_act(self, step: int, micro: int, with_meta: bool = False) -> torch.Tensor: ...
+    def send_act(self, step: int, micro: int, t: torch.Tensor, meta: Optional[dict] = None) -> None: ...
+    def recv_grad(self, step: int, micro: int, with_meta: bool = False) -> torch.Tensor: ...
+    def send_grad(self, step: int, micro: int, t: torch.Tensor, meta: Optional[dict] = None) -> None: ...
 
 
 class _Chunk:
@@ -48,13 +51,19 @@ class StageRunner:
     (``perf_counter`` s, device synchronized; :mod:`npu_train.metrics.trace`). Raises ConfigError for a
     split-backward schedule with ``recompute=True``. ``objective``: the last stage's loss
     (:mod:`npu_train.pipeline.objective`; default next-token cross-entropy); its targets are what ``labels``
-    holds per micro-batch."""
+    holds per micro-batch. ``moe``: a mixture-of-experts stage's
+    :class:`~npu_train.pipeline.moeaux.StageRouting` (router statistics, the load-balancing loss), or None."""
 
     def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm],
-                 hooks=None, objective=None):
+                 hooks=None, objective=None, moe=None):
         if schedule in SPLIT_BACKWARD and getattr(module, "recompute", False):
             raise ConfigError(f"train.schedule={schedule} does not combine with train.recompute=true: "
                               "use train.schedule=1f1b for activation recompute")
+        if moe is not None:
+            from npu_train.pipeline.moeaux import check_aux_schedule
+
+            check_aux_schedule(moe.weight, schedule)
+        self.moe = moe
         self.module = module
         self.backend = backend
         self.P = num_stages
@@ -168,6 +177,8 @@ class StageRunner:
                 total_tokens = local_units
             if total_tokens == 0:
                 raise ValueError(f"step {step}: no target tokens in the step's micro-batches")
+        if self.moe is not None:
+            self.moe.begin_step()
         run = _StepRun(self, step, M, inputs, labels, total_tokens, early, positions)
         for a in build_schedule(self.schedule, self.P, M, self.s):
             if a.kind == "F":
@@ -210,26 +221,29 @@ class _StepRun:
         r, clock = self.r, self.clock
         ch = r.chunks[c]
         t0 = clock()
-        if ch.first:
-            x = r.backend.upload(self.inputs[m])
-        else:
-            x = ch.comm.recv_act(self.step, m)
-            x.requires_grad_(True)
+        x, up = (r.backend.upload(self.inputs[m]), None) if ch.first else self._recv_act(ch, m)
         t1 = clock()
         # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
         cuts = [] if self.split and not ch.first else None
         kw = r.module_kwargs(self.positions, m, ch)
+        if r.moe is not None:
+            r.moe.start()
         out = r.module(x, **kw) if cuts is None else r.module(x, cuts=cuts, **kw)
+        meta = r.moe.finish(m, up) if r.moe is not None else None
         if ch.last:
             ls, st = r.objective.loss_sum(out, self.labels[m], r.backend, getattr(r.module, "fused_head", False))
             self.loss_sum += float(ls.detach())
             self.stats = [a + b for a, b in zip(self.stats, st)]
-            self.saved[(m, c)] = (x, ls / self.total_tokens, cuts)
+            aux = r.moe.loss_term(m) if r.moe is not None else None  # this stage's routers' share of the aux loss
+            self.saved[(m, c)] = (x, ls / self.total_tokens if aux is None else ls / self.total_tokens + aux, cuts)
             t2 = t3 = clock()
         else:
             self.saved[(m, c)] = (x, out, cuts)
             t2 = clock()
-            ch.comm.send_act(self.step, m, out.detach())
+            if meta is None:
+                ch.comm.send_act(self.step, m, out.detach())
+            else:
+                ch.comm.send_act(self.step, m, out.detach(), meta=meta)
             t3 = clock()
         self._account("F", m, t0, t1, t2, t3)
         hooks = r.hooks
@@ -242,23 +256,49 @@ class _StepRun:
             if self.tr is not None:
                 self.tr.append(("U", -1, u0, u0, u1, u1))
 
+    def _recv_act(self, ch, m: int) -> tuple:
+        """``(activation requiring grad, the header's router statistics or None)`` of micro-batch ``m``."""
+        moe = self.r.moe
+        if moe is not None and moe.on:
+            x, up = ch.comm.recv_act(self.step, m, with_meta=True)
+        else:
+            x, up = ch.comm.recv_act(self.step, m), None
+        return x.requires_grad_(True), up
+
+    def _recv_grad(self, ch, m: int) -> tuple:
+        """``(output gradient, this stage's aux-loss root or None)`` of micro-batch ``m`` (last stage: None)."""
+        moe = self.r.moe
+        if ch.last:
+            return None, None
+        if moe is None or not moe.on:
+            return ch.comm.recv_grad(self.step, m), None
+        g, meta = ch.comm.recv_grad(self.step, m, with_meta=True)
+        return g, moe.backward_root(m, meta)
+
     def backward(self, m: int, c: int = 0) -> None:
         r, clock = self.r, self.clock
         ch = r.chunks[c]
         x, out, cuts = self.saved.pop((m, c)) if not self.split else self.saved[(m, c)]
         t0 = clock()
-        g = None if ch.last else ch.comm.recv_grad(self.step, m)
+        g, root = self._recv_grad(ch, m)
         t1 = clock()
         if self.split and not ch.first:
             dx, self.pending[(m, c)] = backward_input(out, g, x, self.params, cuts=cuts)
         else:  # full backward (first stage of zb: nothing waits for an input gradient)
-            out.backward(g)
+            if root is None:
+                out.backward(g)
+            else:  # the routers' share of the load-balancing loss joins the output gradient
+                torch.autograd.backward([out, root], [g, torch.ones_like(root)])
             dx = x.grad if not ch.first else None
             if self.split:
                 self.pending[(m, c)] = None
         t2 = clock()
         if not ch.first:
-            ch.comm.send_grad(self.step, m, dx)
+            meta = r.moe.grad_meta(m) if r.moe is not None and r.moe.on else None
+            if meta is None:
+                ch.comm.send_grad(self.step, m, dx)
+            else:
+                ch.comm.send_grad(self.step, m, dx, meta=meta)
         t3 = clock()
         self._account("B", m, t0, t1, t2, t3)
         del x, out, g, dx, cuts
@@ -300,6 +340,9 @@ class _StepRun:
         if self.early is not None:
             self.early[1]()
         self.r.backend.synchronize()
+        moe = self.r.moe
+        extra = {} if moe is None else {"moe_aux_sum": moe.aux_sum, "expert_load": moe.expert_load()}
         return {"loss_sum": self.loss_sum, "n_tokens": local_tokens, "n_units": local_units, "stats": self.stats,
+                **extra,
                 "compute_s": self.compute,
                 "wait_s": self.wait, "send_s": self.send, "deferred_opt_s": self.deferred}

@@ -170,15 +170,16 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
 
 
 def check_moe(cfg, mcfg) -> None:
-    """Refuse what a mixture-of-experts model does not train with yet (ConfigError naming the fix)."""
+    """Refuse what a mixture-of-experts model does not train with (ConfigError naming the fix): LoRA (not yet), the
+    load-balancing loss with a split-backward schedule."""
     if not mcfg.is_moe or cfg.plan:
         return
+    from npu_train.pipeline.moeaux import aux_loss_weight, check_aux_schedule
+
     if cfg.train.mode == "lora":
         raise ConfigError(f"train.mode=lora on the mixture-of-experts model {mcfg.name!r} is not supported yet: "
                           "use train.mode=full")
-    if mcfg.output_router_logits and mcfg.router_aux_loss_coef:
-        raise ConfigError(f"{mcfg.name!r} turns on the router load-balancing loss (output_router_logits=true), which "
-                          "npu-train does not compute yet: set output_router_logits=false in its config.json")
+    check_aux_schedule(aux_loss_weight(cfg.train.moe_aux_loss, mcfg), cfg.train.schedule)
 
 
 def _card_threads(cfg, reqs, nodes) -> tuple[int, bool]:
@@ -245,6 +246,12 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
                            multinode=multinode, host_cores=host_cores)
         choice = choose_schedule(req)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
+    from npu_train.pipeline.moeaux import aux_loss_weight
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
+
+    if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0:
+        schedule, why = "1f1b", why + ("; 1f1b instead: the mixture-of-experts load-balancing loss needs a full "
+                                       "backward on one chunk per card")
     with open_dict(cfg):
         cfg.train.schedule = schedule
         cfg.train.recompute = recompute
@@ -480,8 +487,11 @@ def packed_rows(d) -> bool:
     return bool(getattr(d, "doc_mask", False)) if fmt == "text" else bool(getattr(d, "pack", True))
 
 
-def train_spec(cfg, dtype: str) -> TrainSpec:
-    """The :class:`~npu_train.runtime.spec.TrainSpec` of ``cfg`` with the resolved compute ``dtype``."""
+def train_spec(cfg, dtype: str, mcfg=None) -> TrainSpec:
+    """The :class:`~npu_train.runtime.spec.TrainSpec` of ``cfg`` with the resolved compute ``dtype`` (and, for the
+    model ``mcfg``, the load-balancing loss weight)."""
+    from npu_train.pipeline.moeaux import aux_loss_weight
+
     tr = cfg.train
     return TrainSpec(steps=tr.steps, micro_batch=tr.micro_batch, accum=tr.accum, lr=tr.lr,
                      min_lr_ratio=tr.min_lr_ratio, warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay,
@@ -493,7 +503,8 @@ def train_spec(cfg, dtype: str) -> TrainSpec:
                      lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
                      grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
                      offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save),
-                     objective=str(getattr(tr, "objective", "sft")), **_dpo_fields(cfg))
+                     objective=str(getattr(tr, "objective", "sft")), **_dpo_fields(cfg),
+                     moe_aux_loss=aux_loss_weight(tr.moe_aux_loss, mcfg) if mcfg is not None else 0.0)
 
 
 def _dpo_fields(cfg) -> dict:
@@ -1002,7 +1013,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     else:
         save_packed(data, data_file,
                     where="set TMPDIR to a directory on a larger disk (the job's private dir is made there)")
-    plan, rt, train = prep.plan, cfg.runtime, train_spec(cfg, prep.dtype)
+    plan, rt, train = prep.plan, cfg.runtime, train_spec(cfg, prep.dtype, prep.model_cfg)
     # no fixed receive / collective timeout: liveness is the coordinator's heartbeat check (issue 12)
     runtime = RuntimeSpec(heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport,
                           threads=prep.threads,  # the figure the plan used (planner.threads_per_card)

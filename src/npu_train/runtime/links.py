@@ -64,17 +64,17 @@ class LinkComm:
         return self.views[c]
 
     # one chunk per card: this object is the BoundaryComm
-    def recv_act(self, step, micro):
-        return self.views[0].recv_act(step, micro)
+    def recv_act(self, step, micro, with_meta=False):
+        return self.views[0].recv_act(step, micro, with_meta)
 
-    def send_act(self, step, micro, t):
-        self.views[0].send_act(step, micro, t)
+    def send_act(self, step, micro, t, meta=None):
+        self.views[0].send_act(step, micro, t, meta)
 
-    def recv_grad(self, step, micro):
-        return self.views[0].recv_grad(step, micro)
+    def recv_grad(self, step, micro, with_meta=False):
+        return self.views[0].recv_grad(step, micro, with_meta)
 
-    def send_grad(self, step, micro, t):
-        self.views[0].send_grad(step, micro, t)
+    def send_grad(self, step, micro, t, meta=None):
+        self.views[0].send_grad(step, micro, t, meta)
 
     def close(self) -> None:
         for l in self.links:
@@ -124,30 +124,42 @@ class ChunkLinks:
     def links(self) -> list:
         return [l for l in (self.act_out, self.grad_out, self.act_in, self.grad_in) if l is not None]
 
-    def recv_act(self, step, micro):
+    # ``meta`` (mixtures of experts: the router statistics, npu_train.pipeline.moeaux) rides in the header's
+    # ``moe`` field and ``with_meta=True`` returns ``(tensor, meta or None)``; a hand-over between two chunks of
+    # this card carries none (the load-balancing loss refuses two-chunk schedules)
+    def recv_act(self, step, micro, with_meta=False):
         if self.local_prev:
-            return self.comm.handover.acts.pop((step, micro))
+            t = self.comm.handover.acts.pop((step, micro))
+            return (t, None) if with_meta else t
         c = self.comm
-        return self.act_in.recv(self.kinds[0], step, micro, c.mailbox, c.out[self.prev_rank], c.timeout,
-                                device=c.backend.device())
+        return _split(self.act_in.recv(self.kinds[0], step, micro, c.mailbox, c.out[self.prev_rank], c.timeout,
+                                       device=c.backend.device(), return_header=with_meta), with_meta)
 
-    def send_act(self, step, micro, t):
+    def send_act(self, step, micro, t, meta=None):
         if self.local_next:
             self.comm.handover.acts[(step, micro)] = t
             return
         c = self.comm
-        self.act_out.send(t, self.kinds[1], step, micro, c.out[self.next_rank], c.mailbox, c.timeout)
+        self.act_out.send(t, self.kinds[1], step, micro, c.out[self.next_rank], c.mailbox, c.timeout,
+                          extra=None if meta is None else {"moe": meta})
 
-    def recv_grad(self, step, micro):
+    def recv_grad(self, step, micro, with_meta=False):
         if self.local_next:
-            return self.comm.handover.grads.pop((step, micro))
+            t = self.comm.handover.grads.pop((step, micro))
+            return (t, None) if with_meta else t
         c = self.comm
-        return self.grad_in.recv(self.kinds[2], step, micro, c.mailbox, c.out[self.next_rank], c.timeout,
-                                 device=c.backend.device())
+        return _split(self.grad_in.recv(self.kinds[2], step, micro, c.mailbox, c.out[self.next_rank], c.timeout,
+                                        device=c.backend.device(), return_header=with_meta), with_meta)
 
-    def send_grad(self, step, micro, t):
+    def send_grad(self, step, micro, t, meta=None):
         if self.local_prev:
             self.comm.handover.grads[(step, micro)] = t
             return
         c = self.comm
-        self.grad_out.send(t, self.kinds[3], step, micro, c.out[self.prev_rank], c.mailbox, c.timeout)
+        self.grad_out.send(t, self.kinds[3], step, micro, c.out[self.prev_rank], c.mailbox, c.timeout,
+                           extra=None if meta is None else {"moe": meta})
+
+
+def _split(got, with_meta: bool):
+    """``TensorLink.recv``'s result as ``(tensor, header's moe field)`` when ``with_meta``, else the tensor."""
+    return (got[0], got[1].get("moe")) if with_meta else got

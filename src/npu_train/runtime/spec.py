@@ -61,6 +61,8 @@ class TrainSpec:
     offload_update: str = "sync"
     #: ``full`` or ``lora`` (then the ``lora_*`` fields give rank, alpha, dropout and target modules)
     mode: str = "full"
+    #: weight of the mixture-of-experts load-balancing loss, resolved (0: off; :mod:`npu_train.pipeline.moeaux`)
+    moe_aux_loss: float = 0.0
     lora_rank: int = 8
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0

@@ -41,6 +41,8 @@ class StepTotals:
     #: the objective's divisor units (SFT: target tokens, DPO: pairs) and per-step metrics (DPO rewards)
     units: int = 0
     objective_metrics: Optional[dict] = None
+    #: mixtures of experts: the load-balancing loss, mean over the step's micro-batches (None: off or dense)
+    aux_loss: Optional[float] = None
 
     @property
     def finite(self) -> bool:
@@ -269,8 +271,19 @@ class StageTrainer:
                                       dp_rank=k, dp_size=self.dp, pairs=self.pairs) for k in range(self.dp)]
         self.sampler = self.samplers[self.replica]
         self.runner = StageRunner(self.module, self.backend, self.P, self.stage, tr.schedule, self.comm,
-                                  hooks=self.hooks, objective=self.objective)
+                                  hooks=self.hooks, objective=self.objective, moe=self._moe_routing())
         self._held_out(tr)
+
+    def _moe_routing(self):
+        """A mixture-of-experts stage's :class:`~npu_train.pipeline.moeaux.StageRouting` (router statistics over
+        the step's ``accum x dp`` micro-batches, the load-balancing loss weight ``train.moe_aux_loss``), else None."""
+        rec = getattr(self.module, "router_recorder", None)
+        if rec is None:
+            return None
+        from npu_train.pipeline.moeaux import StageRouting
+
+        return StageRouting(rec, self.module.cfg.num_experts, self.tr.moe_aux_loss, self.tr.accum * self.dp,
+                            self.last)
 
     def _held_out(self, tr) -> None:
         """The held-out micro-batches (:func:`~npu_train.runtime.spec.eval_micro_batches`): the first
@@ -338,6 +351,8 @@ class StageTrainer:
                 ("optimizer", -1, t2, t2, t3, t3)]
         self.ctrl.send("step", step=step + 1, loss=tot.loss, lr=lr, grad_norm=tot.grad_norm, tokens=tot.tokens,
                        skipped=not tot.finite, objective=tot.objective_metrics,
+                       moe=None if self.runner.moe is None else {"aux_loss": tot.aux_loss,
+                                                                 "expert_load": res.get("expert_load")},
                        time_s=t3 - t0, compute_s=res["compute_s"], wait_s=res["wait_s"] + (t2 - t1),
                        # wait_s split: waits for a neighbour's activation / gradient inside the
                        # schedule (pipeline bubble) and the end-of-step collectives (tied / replica
@@ -417,7 +432,7 @@ class StageTrainer:
         flags[self.rank] = 0.0 if math.isfinite(sq) and math.isfinite(res["loss_sum"]) else 1.0
         stats = list(res.get("stats") or [0.0] * len(self.objective.stats))
         head = [sq, res["loss_sum"], float(res["n_tokens"]), stop_req, float(res.get("n_units", 0))] + stats
-        red = torch.tensor(head + flags, dtype=torch.float64)
+        red = torch.tensor(head + flags + [float(res.get("moe_aux_sum", 0.0))], dtype=torch.float64)
         dist.all_reduce(red)
         if self.tied is not None:  # the first stage's rows left without a wait (the last stage has them now)
             self.tied.settle()
@@ -426,7 +441,12 @@ class StageTrainer:
         return StepTotals(grad_norm=float(red[0]) ** 0.5, loss=float(red[1] / max(units, 1.0)), tokens=int(red[2]),
                           interrupted=bool(red[3] > 0), bad_ranks=[r for r in range(len(flags)) if red[k + r] > 0],
                           tied_s=t_tied, tied_start=ta_tied, units=int(units),
+                          aux_loss=self._mean_aux(float(red[-1])),
                           objective_metrics=self.objective.metrics([float(v) for v in red[5:k]], units) or None)
+
+    def _mean_aux(self, aux_sum: float) -> Optional[float]:
+        """The load-balancing loss of the step from its sum over every micro-batch of all replicas (None: off)."""
+        return aux_sum / (self.tr.accum * self.dp) if self.tr.moe_aux_loss > 0 else None
 
     def _update(self, step: int, tot: "StepTotals", lr: float) -> dict:
         """AdamW with the clip coefficient (ZeRO-1: then broadcast), or :meth:`nonfinite` and the gradients
