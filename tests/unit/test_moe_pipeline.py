@@ -272,3 +272,14 @@ def test_aux_loss_weight_resolution():
     assert aux_loss_weight(None, on) == 0.001 and aux_loss_weight(0.0, on) == 0.0 and aux_loss_weight(0.5, cfg) == 0.5
     dense = LlamaConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=1, num_heads=1, num_kv_heads=1)
     assert aux_loss_weight(0.5, dense) == 0.0
+
+
+def test_step_record_and_line_show_aux_and_load():
+    from npu_train.metrics.report import moe_fields, moe_text
+
+    reps = [{"moe": {"aux_loss": 2.5, "expert_load": None}}, {"moe": {"aux_loss": 2.5, "expert_load": 1.75}}]
+    rec = moe_fields(reps)
+    assert rec == {"aux_loss": 2.5, "expert_load_cards": [None, 1.75]}
+    assert moe_text(rec) == ["aux 2.5000", "expert load -/1.75"]
+    assert moe_text(moe_fields([{"moe": {"aux_loss": None, "expert_load": 1.5}}])) == ["expert load 1.50"]
+    assert moe_fields([{}, {}]) == {} and moe_text({}) == []
