@@ -167,3 +167,43 @@ def test_figures_are_kept_and_used_per_model_shape(tmp_path):
     base = DEFAULT_RATES["cpu"].resolve(threads=1)
     other = apply_fitted(base, "cpu", 1, root=tmp_path, model_shape="h1-i1-L1-a1/1-d1-v1-t1")
     assert "fp32" not in other.flops_by_dtype or other.resolve("fp32", 1).source("device_flops").startswith("assumed")
+
+
+def test_the_head_card_fits_its_own_baseline_to_its_peak_over_0_95(tmp_path):
+    """One fitted baseline for every card raised the head card's plan by another card's shortfall (a 0.63 B
+    run: 10.57 GiB planned against an 8.61 GiB peak, 0.81). The last stage fits its own: the baseline under which
+    its plan is its measured peak (every phase, the load's included) / 0.95, lower than the default too; the
+    other cards keep the larger-only rule."""
+    doc = plan_doc()
+    B1 = 1.6 * GIB  # the run planned its head with a baseline fitted earlier, raised by card 0's shortfall
+    doc["stages"][1]["mem"].update(total=10.57 * GIB, baseline=B1)
+    recs = records()
+    for r in recs[1:]:
+        r["mem_peak_bytes"] = [int(TOTAL[0] + PEAK_OVER[0]), int(8.50 * GIB)]
+        r["mem_run_peak_bytes"] = [int(TOTAL[0] + PEAK_OVER[0]), int(8.61 * GIB)]  # the load peaked higher
+    (fig,) = run_figures(doc, recs, used_rates())
+    assert fig.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)  # card 0's, as before
+    head = B1 + 8.61 * GIB / 0.95 - 10.57 * GIB
+    assert head > 0 and fig.head_baseline_bytes == pytest.approx(head, abs=1)
+    record_run(fig, root=tmp_path)
+    resolved = DEFAULT_RATES["cpu"].resolve(threads=1)
+    on_head = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path, head=True)
+    other = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path)
+    assert other.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)
+    assert on_head.process_baseline_bytes == pytest.approx(head, abs=1) and head < resolved.process_baseline_bytes
+    assert on_head.source("process_baseline_bytes") == "fitted from 1 run (head card)"
+    # the head's next plan (same terms, its baseline swapped): peak / plan = 0.95, never above 1
+    plan_next = 10.57 * GIB - B1 + on_head.process_baseline_bytes
+    assert 8.61 * GIB / plan_next == pytest.approx(0.95, rel=1e-6)
+    # a head planned higher than its baseline can take back: baseline 0, the plan still above the peak / 0.95
+    doc["stages"][1]["mem"]["baseline"] = BASE
+    (fig,) = run_figures(doc, recs, used_rates())
+    assert fig.head_baseline_bytes == 0.0 and 10.57 * GIB - BASE > 8.61 * GIB / 0.95
+
+
+def test_load_rates_gives_the_head_card_its_own_fitted_baseline():
+    """``load_rates(head=True)`` (the last card of ``runtime/job.py::plan_request``) reads the head's figure from
+    ``$NPT_CACHE/fitted``; the other cards the general one."""
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.6 * GIB, head_baseline_bytes=0.2 * GIB))
+    assert load_rates("cpu", threads=1, head=True).process_baseline_bytes == 0.2 * GIB
+    assert load_rates("cpu", threads=1).process_baseline_bytes == 0.6 * GIB

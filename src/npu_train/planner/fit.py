@@ -20,6 +20,8 @@ __all__ = ["RunFigures", "Fitted", "KEEP_RUNS", "run_figures", "fitted_path", "r
 
 #: runs a fitted figure is taken over (the newest ones)
 KEEP_RUNS = 8
+#: the head card's fitted plan is its measured peak / HEAD_FIT (a margin under 1.0 for the next run's spread)
+HEAD_FIT = 0.95
 FORMAT_VERSION = 1
 #: model shapes (:func:`shape_key`) a kind's file keeps runs of (the newest runs' shapes)
 MAX_SHAPES = 8
@@ -41,8 +43,13 @@ class RunFigures:
     #: the plan's optimizer params per step / measured optimizer seconds of the slowest card, before the cpu
     #: core share (CostModel multiplies by it)
     adamw_params_per_s: Optional[float] = None
-    #: cpu: the baseline under which every stage's plan would have covered its measured peak
+    #: cpu: the baseline under which every stage's plan would have covered its measured peak (the last stage,
+    #: which holds the head, apart when there are several: :attr:`head_baseline_bytes`)
     process_baseline_bytes: Optional[float] = None
+    #: cpu: the baseline under which the last stage (the head) would have planned its measured peak /
+    #: :data:`HEAD_FIT` (>= 0). One figure for every card raised the head card's plan by another card's shortfall:
+    #: a 0.63 B run's head card then planned 10.57 GiB against an 8.61 GiB peak (0.81)
+    head_baseline_bytes: Optional[float] = None
     run_dir: str = ""
     time: float = 0.0
 
@@ -58,6 +65,8 @@ class Fitted:
     adamw_runs: int = 0
     process_baseline_bytes: Optional[float] = None
     baseline_runs: int = 0
+    head_baseline_bytes: Optional[float] = None  # maximum over the runs
+    head_runs: int = 0
 
 
 def shape_key(model, tokens_per_micro_batch: int) -> str:
@@ -123,12 +132,19 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
             if params:
                 shared = share if _kind(st["card"]) == "cpu" else 1.0
                 adamw.setdefault(_kind(st["card"]), []).append(params / rec["optimizer_s"] / shared)
+    head: dict = {}
     for rec in recs:
+        run_peaks = rec.get("mem_run_peak_bytes") or []  # every phase so far: the model load's included
         for rank, peak in enumerate(rec.get("mem_peak_bytes") or []):
             st = stages[rank % P]
             if _kind(st["card"]) == "cpu":
-                need = st["mem"]["baseline"] + int(peak) - st["mem"]["total"]
-                base[_kind(st["card"])] = max(base.get(_kind(st["card"]), need), need)
+                k, need = _kind(st["card"]), st["mem"]["baseline"] + int(peak) - st["mem"]["total"]
+                if rank % P == P - 1:  # the head's own figure (with one stage, the general one too)
+                    top = max(int(peak), int(run_peaks[rank]) if rank < len(run_peaks) else 0)
+                    h = max(0.0, st["mem"]["baseline"] + top / HEAD_FIT - st["mem"]["total"])
+                    head[k] = max(head.get(k, h), h)
+                if rank % P != P - 1 or P == 1:
+                    base[k] = max(base.get(k, need), need)
     kinds = dict.fromkeys(_kind(st["card"]) for st in stages)
     out = []
     for k in kinds:
@@ -137,7 +153,7 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
                               model=str(plan_doc.get("model", "")), steps=len(steady),
                               model_shape=str(plan_doc.get("model_shape", "")),
                               device_flops=median(f) if f else None, adamw_params_per_s=median(a) if a else None,
-                              process_baseline_bytes=base.get(k)))
+                              process_baseline_bytes=base.get(k), head_baseline_bytes=head.get(k)))
     return out
 
 
@@ -193,9 +209,12 @@ def fitted_figures(runs: Sequence[dict]) -> Fitted:
     """Combine run entries over the newest :data:`KEEP_RUNS`."""
     runs = sorted(runs, key=lambda r: float(r.get("time", 0.0)))[-KEEP_RUNS:]
     f, a, b = (_positive(runs, k) for k in ("device_flops", "adamw_params_per_s", "process_baseline_bytes"))
+    h = [float(r["head_baseline_bytes"]) for r in runs if isinstance(r.get("head_baseline_bytes"), (int, float))
+         and math.isfinite(r["head_baseline_bytes"]) and r["head_baseline_bytes"] >= 0]
     return Fitted(device_flops=median(f) if f else None, flops_runs=len(f),
                   adamw_params_per_s=median(a) if a else None, adamw_runs=len(a),
-                  process_baseline_bytes=max(b) if b else None, baseline_runs=len(b))
+                  process_baseline_bytes=max(b) if b else None, baseline_runs=len(b),
+                  head_baseline_bytes=max(h) if h else None, head_runs=len(h))
 
 
 def refit_from_run(run_dir: str, rates: Sequence, timing: bool = True) -> None:

@@ -235,12 +235,13 @@ def _thread_entry(path: Path, t, entry) -> dict:
 
 
 def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
-               threads: Optional[int] = None, model_shape: Optional[str] = None) -> Rates:
+               threads: Optional[int] = None, model_shape: Optional[str] = None, head: bool = False) -> Rates:
     """Rates for ``kind``: :data:`DEFAULT_RATES` overridden by the profile at ``profile_path`` (``None``:
     :func:`calibration_path`; a missing file gives the defaults) and, without an explicit profile, by the
     figures fitted from finished runs (of ``model_shape`` only, when given: :func:`~npu_train.planner.fit.shape_key`).
     ``threads``: resolved for that many torch threads per card
-    process (``None``: the whole profile, unresolved). The profile is a JSON object of :class:`Rates` fields
+    process (``None``: the whole profile, unresolved); ``head``: for the card holding the lm_head (its own fitted
+    process baseline, :func:`apply_fitted`). The profile is a JSON object of :class:`Rates` fields
     (top level or under ``"rates"``), as :func:`npu_train.calibrate.save_profile` writes it.
 
     Raises:
@@ -276,7 +277,8 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
     if threads is None:
         return rates
     rates = rates.resolve(threads=threads)
-    return rates if profile_path is not None else apply_fitted(rates, kind, int(threads), model_shape=model_shape)
+    return rates if profile_path is not None else apply_fitted(rates, kind, int(threads), model_shape=model_shape,
+                                                               head=head)
 
 
 def _runs_label(n: int) -> str:
@@ -284,10 +286,12 @@ def _runs_label(n: int) -> str:
 
 
 def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = None,
-                 model_shape: Optional[str] = None) -> Rates:
+                 model_shape: Optional[str] = None, head: bool = False) -> Rates:
     """``rates`` (flat, for ``threads``) with the figures fitted from finished runs of ``kind``
     (:mod:`npu_train.planner.fit`): per-dtype FLOP/s, the AdamW rate, and a cpu process baseline only where it
-    is larger (the plan stays an upper bound). ``model_shape``: only runs of that
+    is larger (the plan stays an upper bound); ``head``: the card holding the lm_head takes the baseline fitted
+    on head cards when runs recorded one, which puts its plan at its measured peak / ``planner.fit.HEAD_FIT``
+    (lower than the default too; the other cards' shortfall says nothing of it). ``model_shape``: only runs of that
     :func:`~npu_train.planner.fit.shape_key` count (None: every run). A broken file is one warning line."""
     from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
 
@@ -314,7 +318,11 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
         rates.sources["host_adamw_params_per_s"] = _runs_label(fit.adamw_runs)
         if kind == "cpu":
             rates.device_adamw_params_per_s = 0.0  # the card's AdamW is the host's
-    if kind == "cpu" and fit.process_baseline_bytes and fit.process_baseline_bytes > rates.process_baseline_bytes:
+    if kind == "cpu" and head and fit.head_baseline_bytes is not None:
+        # the head card's own: its plan at its measured peak / planner.fit.HEAD_FIT, lower than the default too
+        rates.process_baseline_bytes = fit.head_baseline_bytes
+        rates.sources["process_baseline_bytes"] = _runs_label(fit.head_runs) + " (head card)"
+    elif kind == "cpu" and fit.process_baseline_bytes and fit.process_baseline_bytes > rates.process_baseline_bytes:
         rates.process_baseline_bytes = fit.process_baseline_bytes
         rates.sources["process_baseline_bytes"] = _runs_label(fit.baseline_runs)
     return rates

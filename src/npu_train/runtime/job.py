@@ -421,7 +421,8 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
     from npu_train.planner.fit import shape_key
 
     key = shape_key(mcfg, shape.tokens_per_micro_batch)  # figures fitted from runs of this model and shape only
-    rates = [load_rates(c.kind, cfg.placement.profile, threads=threads, model_shape=key) for c in cards]
+    rates = [load_rates(c.kind, cfg.placement.profile, threads=threads, model_shape=key, head=i == len(cards) - 1)
+             for i, c in enumerate(cards)]
     if cfg.placement.profile is None and not multinode:  # nodes must plan alike: no figure of one node's own
         from npu_train.runtime.flops import measured_compute_rate
 
