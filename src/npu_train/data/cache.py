@@ -4,11 +4,12 @@ A prepared data set is one packed file (:mod:`npu_train.data.packfile`) under ``
 key: :func:`text_fingerprint` / :func:`sft_fingerprint` / :func:`preference_fingerprint` hash the source's
 cheap key (:func:`~npu_train.data.sources.source_key`: file sizes, mtimes and a sample hash; the split
 names), the tokenizer's serialization, the chat template and the knobs that change the file. The key is the
-run's *data fingerprint* that a resume checks. :func:`build_cached` maps the file when it is there and valid,
-else builds it through the caller's ``write`` into a temporary file and renames it into place, one builder
-at a time under ``<file>.lock`` (:func:`build_lock`: another node on a shared cache waits and maps the file
-built; a lock untouched for :data:`LOCK_STALE_S` seconds, or held by a dead process of this host, is taken
-over). The cache stage imports no earlier stage's code: the build is the caller's ``write``."""
+run's *data fingerprint* that a resume checks. :func:`cache_slot` maps the file when it is there and valid,
+else lets the caller's ``with`` block (the rows, render and pack stages) write it into a temporary file and
+renames it into place, one builder at a time under ``<file>.lock`` (:func:`build_lock`: another node on a
+shared cache waits and maps the file built; a lock untouched for :data:`LOCK_STALE_S` seconds, or held by a
+dead process of this host, is taken over). The cache stage imports no earlier stage: the build is the
+caller's."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import os
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
@@ -26,9 +28,9 @@ from .packfile import (PACKED_FORMAT, PackedData, check_vocab, disk_full, file_s
                        read_header)
 from .text import DataError
 
-__all__ = ["LOCK_STALE_S", "build_cached", "build_lock", "cached_pairs", "cached_sft", "cached_text", "lock_path",
-           "packed_cache_path", "preference_fingerprint", "sft_fingerprint", "space_hint", "text_fingerprint",
-           "tokenizer_hash"]
+__all__ = ["LOCK_STALE_S", "CacheSlot", "build_cached", "build_lock", "cache_slot", "cached_pairs", "cached_sft",
+           "cached_text", "lock_path", "packed_cache_path", "preference_fingerprint", "sft_fingerprint", "space_hint",
+           "text_fingerprint", "tokenizer_hash"]
 
 #: a build lock not touched for this long is taken over (its builder died), seconds
 LOCK_STALE_S = 120.0
@@ -187,52 +189,91 @@ def _remove_leftovers(directory: Path, fingerprint: str) -> None:
             p.unlink()
 
 
-def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
-                 cached: Callable[[Path], Optional[PackedData]], write: Callable[[Path, Optional[Path]], None],
-                 log: Callable[[str], None], where: str = "") -> tuple[PackedData, bool]:
-    """``(data, from_cache)``: the packed file for ``fingerprint`` under ``cache_dir`` when ``cached(path)``
-    accepts it, else built by ``write(tmp, lock)`` into a temporary file there (``lock``: the build lock to
-    touch while working, None without a cache) and renamed into place, one builder at a time
-    (:func:`build_lock`: another node sharing the cache waits and maps the file built). Without
-    ``cache_dir`` the file is built in the temporary directory, mapped and unlinked (``data.path`` None).
-    The temporary file is removed when ``write`` raises; a full disk is a :class:`DataError` naming the fix
-    (``where``: the setting that moves the directory)."""
-    from npu_train.errors import out_of_space
+@dataclass
+class CacheSlot:
+    """What :func:`cache_slot` gives the builder: ``data`` the cached file's data (``hit``: it was there, or
+    another process built it meanwhile) or None: then write the packed file into ``tmp`` (``lock``: the build
+    lock to touch while working, None without a cache); after the ``with`` block ``data`` is the file built."""
 
+    data: Optional[PackedData] = None
+    hit: bool = False
+    tmp: Optional[Path] = None
+    lock: Optional[Path] = None
+
+
+def _cache_dir(cache_dir: str | os.PathLike | None) -> Path:
     directory = Path(cache_dir) if cache_dir is not None else Path(tempfile.gettempdir())
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise _unwritable(directory, cache_dir, e) from e
+    return directory
+
+
+def _failed_write(e: BaseException, tmp: Path, where: str) -> None:
+    """Remove the partial file of a failed build; a full disk becomes a :class:`DataError` naming the fix."""
+    from npu_train.errors import out_of_space
+
+    note_full_disk(e, tmp.parent, file_size(tmp))  # what was free with the partial file still there
+    tmp.unlink(missing_ok=True)
+    if isinstance(e, Exception) and out_of_space(e):  # OSError, or a library's error naming ENOSPC
+        raise disk_full(tmp, where, free=getattr(e, "npt_free_bytes", None),
+                        written=getattr(e, "npt_written_bytes", 0)) from e
+
+
+@contextlib.contextmanager
+def cache_slot(cache_dir: str | os.PathLike | None, fingerprint: str,
+               cached: Callable[[Path], Optional[PackedData]], log: Callable[[str], None],
+               where: str = "") -> Iterator[CacheSlot]:
+    """The packed file for ``fingerprint`` under ``cache_dir``: a :class:`CacheSlot` holding it when
+    ``cached(path)`` accepts it, else one whose ``tmp`` the ``with`` block writes (the earlier stages run
+    there), renamed into place and mapped when the block ends; one builder at a time (:func:`build_lock`:
+    another node sharing the cache waits and maps the file built). Without ``cache_dir`` the file is built in
+    the temporary directory, mapped and unlinked (``data.path`` None). The temporary file is removed when the
+    block raises; a full disk is a :class:`DataError` naming the fix (``where``: the setting that moves the
+    directory)."""
+    directory = _cache_dir(cache_dir)
     target = packed_cache_path(directory, fingerprint) if cache_dir is not None else None
-    hit = cached(target) if target is not None and target.is_file() else None
-    if hit is not None:
-        return hit, True
+    slot = CacheSlot(data=cached(target) if target is not None and target.is_file() else None)
+    if slot.data is not None:
+        slot.hit = True
+        yield slot
+        return
     if not os.access(directory, os.W_OK | os.X_OK):  # a read-only mount, another user's directory
         raise _unwritable(directory, cache_dir, None)
     with contextlib.ExitStack() as stack:
         if target is not None:
             ready = lambda: target.is_file() and cached(target) is not None  # noqa: E731
             if not stack.enter_context(build_lock(target, log, ready)):
-                return cached(target) or load_packed(target), True
+                slot.data, slot.hit = cached(target) or load_packed(target), True
+                yield slot
+                return
             _remove_leftovers(directory, fingerprint)
-        tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
+        slot.tmp = directory / f".packed-{fingerprint[:16]}.{os.getpid()}.tmp"
+        slot.lock = lock_path(target) if target is not None else None
         try:
-            write(tmp, lock_path(target) if target is not None else None)
+            yield slot
         except BaseException as e:
-            note_full_disk(e, directory, file_size(tmp))  # what was free with the partial file still there
-            tmp.unlink(missing_ok=True)
-            if isinstance(e, Exception) and out_of_space(e):  # OSError, or a library's error naming ENOSPC
-                raise disk_full(tmp, where, free=getattr(e, "npt_free_bytes", None),
-                                written=getattr(e, "npt_written_bytes", 0)) from e
+            _failed_write(e, slot.tmp, where)
             raise
         if target is None:
-            data = load_packed(tmp)
-            tmp.unlink()  # the mapping stays valid
-            data.path = None
-            return data, False
-        os.replace(tmp, target)
-    return load_packed(target), False
+            slot.data = load_packed(slot.tmp)
+            slot.tmp.unlink()  # the mapping stays valid
+            slot.data.path = None
+            return
+        os.replace(slot.tmp, target)
+    slot.data = load_packed(target)
+
+
+def build_cached(cache_dir: str | os.PathLike | None, fingerprint: str,
+                 cached: Callable[[Path], Optional[PackedData]], write: Callable[[Path, Optional[Path]], None],
+                 log: Callable[[str], None], where: str = "") -> tuple[PackedData, bool]:
+    """:func:`cache_slot` with the build as a callable: ``(data, from_cache)``, the file built by
+    ``write(tmp, lock)`` when it is not cached."""
+    with cache_slot(cache_dir, fingerprint, cached, log, where) as slot:
+        if slot.data is None:
+            write(slot.tmp, slot.lock)
+    return slot.data, slot.hit
 
 
 def cached_text(target: Optional[Path], fingerprint: str, seq_len: int, vocab_size) -> Optional[PackedData]:

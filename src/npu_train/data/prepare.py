@@ -16,8 +16,10 @@ Every ``data.format`` goes down the same stages, each a module that imports no l
    reads them.
 
 :func:`build_packed_data` (text), :func:`build_sft_data` (chat / prompt_completion) and
-:func:`build_preference_data` compose the stages: the rows stage's iterator feeds the render stage's, which
-feeds the pack stage, inside the ``write`` that the cache stage calls when the file is not cached yet."""
+:func:`build_preference_data` compose the stages and read in their order: the rows stage's iterator feeds the
+render stage's, which feeds the pack stage, which writes the file the cache stage holds for it
+(:func:`~npu_train.data.cache.cache_slot`: the key, the lock, the rename into place); nothing returns to an
+earlier stage."""
 from __future__ import annotations
 
 import os
@@ -27,7 +29,7 @@ from typing import Callable, Optional
 from npu_train.config import TRUNCATION
 from npu_train.env import cache_dir as npt_cache_dir
 
-from .cache import (build_cached, cached_pairs, cached_sft, cached_text, preference_fingerprint, sft_fingerprint,
+from .cache import (cache_slot, cached_pairs, cached_sft, cached_text, preference_fingerprint, sft_fingerprint,
                     space_hint, text_fingerprint)
 from .pack import (PROGRESS_S, SftJob, SplitStream, TextJob, free_check, pairs_kept_note, sft_kept_note,
                    write_pairs, write_sft, write_text)
@@ -150,19 +152,19 @@ def build_packed_data(
     job = TextJob(src, spec.text_field, seq_len, val_fraction, token_dtype(limit), vocab_size, fingerprint,
                   doc_eos=int(eos_id) if doc_mask else None)
 
-    def write(tmp, lock) -> None:
-        free_check(tmp.parent, src, 2, where)
-        bad = BadRows()
-        whole = lambda: not chunk_safe(tokenizer)  # noqa: E731 - asked only if a document must be cut
+    bad = BadRows()
+    whole = lambda: not chunk_safe(tokenizer)  # noqa: E731 - asked only if a document must be cut
 
-        def split(name: str) -> SplitStream:  # rows -> render
-            pieces = text_pieces(src, spec.text_field, bad, spec.bad_rows, whole, name)
-            return SplitStream(name, token_batches(tokenizer, pieces, eos_id), bad)
+    def split(name: str) -> SplitStream:  # rows -> render
+        pieces = text_pieces(src, spec.text_field, bad, spec.bad_rows, whole, name)
+        return SplitStream(name, token_batches(tokenizer, pieces, eos_id), bad)
 
-        write_text(job, [split(n) for n in (src.split, src.val_split) if n], tmp, lock, log, progress_s)
-
-    data, hit = build_cached(cache_dir, fingerprint, lambda path: cached_text(path, fingerprint, seq_len, vocab_size),
-                             write, log, where)
+    with cache_slot(cache_dir, fingerprint, lambda path: cached_text(path, fingerprint, seq_len, vocab_size), log,
+                    where) as slot:
+        if slot.data is None:  # not cached: -> pack into the slot's file
+            free_check(slot.tmp.parent, src, 2, where)
+            write_text(job, [split(n) for n in (src.split, src.val_split) if n], slot.tmp, slot.lock, log, progress_s)
+    data, hit = slot.data, slot.hit
     losses = read_losses(data.path) if hit else {}
     if losses.get("bad"):  # what the first build reported, for a relaunch
         log(f"data: {data.n_train + data.n_val} packed sequences of {src.spec} (cached); when built: "
@@ -203,10 +205,11 @@ def build_sft_data(spec: str, fmt: str, renderer: ChatRenderer, seq_len: int, va
         rows = iter_rows(spec, fmt, fields, bad_rows, name, log, bad)
         return SplitStream(name, rendered(rows, lambda r: renderer.sample(r[0], r[1], fmt)), bad)
 
-    data, hit = build_cached(cache_dir, fp, lambda path: cached_sft(path, fp, bool(pack)),
-                             lambda tmp, lock: write_sft(job, [samples(n) for n in (split, val_split) if n], tmp,
-                                                         lock, log, progress_s), log, job.where)
-    if hit:
+    with cache_slot(cache_dir, fp, lambda path: cached_sft(path, fp, bool(pack)), log, job.where) as slot:
+        if slot.data is None:  # not cached: -> pack into the slot's file
+            write_sft(job, [samples(n) for n in (split, val_split) if n], slot.tmp, slot.lock, log, progress_s)
+    data = slot.data
+    if slot.hit:
         log(f"data: {data.n_train + data.n_val} {'packed rows of ' if pack else ''}{fmt} samples from {spec} (cached)"
             + when_built(read_losses(data.path), ("long", "empty"), lambda c: sft_kept_note(job, c)))
     return data
@@ -244,10 +247,11 @@ def build_preference_data(spec: str, renderer: ChatRenderer, seq_len: int, val_f
         rows = iter_pairs(spec, fields, bad_rows, name, log, bad)
         return SplitStream(name, rendered(rows, lambda p: pair_tokens(renderer, p)), bad)
 
-    data, hit = build_cached(cache_dir, fp, lambda path: cached_pairs(path, fp),
-                             lambda tmp, lock: write_pairs(job, [pairs(n) for n in (split, val_split) if n], tmp,
-                                                           lock, log, progress_s), log, job.where)
-    if hit:
+    with cache_slot(cache_dir, fp, lambda path: cached_pairs(path, fp), log, job.where) as slot:
+        if slot.data is None:  # not cached: -> pack into the slot's file
+            write_pairs(job, [pairs(n) for n in (split, val_split) if n], slot.tmp, slot.lock, log, progress_s)
+    data = slot.data
+    if slot.hit:
         log(f"data: {(data.n_train + data.n_val) // 2} preference pairs from {spec} (cached)"
             + when_built(read_losses(data.path), ("cut", "drop", "left"), lambda c: pairs_kept_note(job, c)))
     return data
