@@ -158,13 +158,19 @@ class _ErrorLineTee:
 class _LogTee:
     """Wraps stdout or stderr for one job: passes everything through to the console and appends it
     to the job's log file (``log``, a line-buffered text file), so the file holds the console output.
-    A failing log write (a full disk) stops the copy, never the console output."""
+    A failing log write (a full disk) stops the copy, never the console output; a failing console write (the
+    terminal closed: SIGHUP, then EIO) stops the console output, never the log or the job."""
 
     def __init__(self, inner, log) -> None:
         self.inner, self.log = inner, log
 
     def write(self, s: str) -> int:
-        n = self.inner.write(s)
+        n = len(s)
+        if self.inner is not None:
+            try:
+                n = self.inner.write(s)
+            except (OSError, ValueError):
+                self.inner = None
         if self.log is not None:
             try:
                 self.log.write(s)
@@ -173,7 +179,11 @@ class _LogTee:
         return n
 
     def flush(self) -> None:
-        self.inner.flush()
+        if self.inner is not None:
+            try:
+                self.inner.flush()
+            except (OSError, ValueError):
+                self.inner = None
         if self.log is not None:
             try:
                 self.log.flush()
@@ -269,7 +279,7 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
     rep = report or {}
     root = rep.get("checkpoint_dir")
     resume = resume_command([*run_dir_overrides, *overrides], root) if root else None
-    if code - 128 in (signal.SIGINT, signal.SIGTERM):
+    if code - 128 in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         ck = rep.get("checkpoint")
         rec.update(status="interrupted", checkpoint=ck, resume=resume if ck else None)
     elif code == 1 and "checkpoint" in rep:  # a card process failed: where the run can go on from
@@ -408,7 +418,7 @@ def _hold_signals() -> dict:
         print(f"note: {signal.Signals(signum).name} received while the launcher was writing its records: ignored",
               file=sys.stderr, flush=True)
 
-    return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
+    return {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
 
 
 def _release_signals(held: dict) -> None:
@@ -446,7 +456,7 @@ def _stop_before_the_run(signum, frame) -> None:
 def _main() -> None:
     import signal
 
-    for s in (signal.SIGINT, signal.SIGTERM):  # replaced by run_one's (_hold_signals) once the job starts
+    for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # replaced by run_one's (_hold_signals) once the job starts
         signal.signal(s, _stop_before_the_run)
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
     # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr

@@ -282,3 +282,57 @@ def test_address_space_check_from_the_plan():
     check_address_space(plan, 2 * g + O)  # exactly fits
     with pytest.raises(ConfigError, match="card cpu:1 is planned to use 2.00 GiB"):
         check_address_space(plan, 2 * g + O - 1)
+
+
+def _no_leftovers(job: Job, info: dict) -> None:
+    """No shm segment, IPC dir or checkpoint staging dir of the job stays."""
+    from launch_util import job_segments
+
+    assert job_segments(info["job_id"]) == []
+    assert not os.path.exists(info["ipc_dir"])
+    root = info["ckpt_root"]
+    assert not [n for n in os.listdir(root) if n.startswith(".tmp-")] if os.path.isdir(root) else True
+
+
+def test_sigterm_to_one_card_stops_the_job_with_a_checkpoint(tiny_model, tmp_path):
+    """Fault 8: SIGTERM to one card process (was ignored silently; the run went on): the job stops as for SIGTERM to
+    the launcher: a note naming the card, the current step finished and checkpointed, exit 143, status.json
+    ``interrupted`` with the checkpoint and the resume command, nothing left behind."""
+    import signal
+
+    job = Job(tmp_path, tiny_model, "train.steps=400")
+    try:
+        info = job.job_info()
+        job.wait_steps(1)
+        os.kill(job.card_pids(info)[1], signal.SIGTERM)
+        rc = job.wait(240)
+    finally:
+        job.kill_all()
+    assert rc == 143, job.tail()
+    assert "received SIGTERM: stopping the job as for a SIGTERM to the launcher" in job.stderr, job.tail()
+    st = _status(job)
+    assert st["status"] == "interrupted" and st["checkpoint"] and st["resume"], st
+    assert os.path.isfile(os.path.join(st["checkpoint"], "manifest.json"))
+    assert len(job.losses()) < 400
+    _no_leftovers(job, info)
+
+
+def test_sighup_to_the_process_group_is_handled_as_sigterm(tiny_model, tmp_path):
+    """Fault 9: SIGHUP to the launcher and every card at once (a terminal or ssh session closed without tmux) killed
+    every process with no message, no status.json, the step lost and shm segments and a staging dir left: now the
+    job finishes the step, checkpoints and exits 129 with status.json ``interrupted``, leaving nothing behind."""
+    import signal
+
+    job = Job(tmp_path, tiny_model, "train.steps=400")
+    try:
+        info = job.job_info()
+        job.wait_steps(1)
+        os.killpg(job.proc.pid, signal.SIGHUP)  # the launcher leads its own process group (start_new_session)
+        rc = job.wait(240)
+    finally:
+        job.kill_all()
+    assert rc == 129, job.tail()
+    assert "interrupted by SIGHUP" in job.stderr, job.tail()
+    st = _status(job)
+    assert st["status"] == "interrupted" and st["checkpoint"] and st["resume"], st
+    _no_leftovers(job, info)

@@ -231,7 +231,7 @@ def _outcome(job_dir: str, st: Optional[dict]) -> tuple[str, Optional[int], str]
     if stopped:
         error = (f"stopped at step {st['stopped_at']} of {st.get('steps', '?')} (train.stop_after); "
                  + ("resume: 'resume' in status.json" if st.get("resume") else "no checkpoint to resume from"))
-    status = ("stopped" if stopped else "ok") if ok else ("interrupted" if code in (130, 143) else "failed")
+    status = ("stopped" if stopped else "ok") if ok else ("interrupted" if code in (129, 130, 143) else "failed")
     return status, code, error
 
 
@@ -310,7 +310,7 @@ def exit_status(rows: list[dict]) -> int:
     """0 when every job finished or stopped as asked; else 130/143 for an interrupt; else 1 (also for no jobs)."""
     if rows and all(r["status"] in ("ok", "stopped") for r in rows):
         return 0
-    for sig in (130, 143):
+    for sig in (130, 143, 129):
         if any(r["exit_code"] == sig for r in rows):
             return sig
     return 1

@@ -85,7 +85,7 @@ class Coordinator:
     # ------------------------------------------------------------------ lifecycle
     def run(self) -> None:
         ctx = mp.get_context("spawn")
-        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for s in old:
             signal.signal(s, self._on_signal)
         try:
@@ -98,7 +98,7 @@ class Coordinator:
                 # dump, `kill -USR1`) too, until worker_main registers it: it must not kill a starting card
                 dump = faulthandler.unregister(signal.SIGUSR1)
                 prev = {sg: signal.signal(sg, signal.SIG_IGN)
-                        for sg in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
+                        for sg in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
                 try:
                     rs.proc.start()
                 finally:
@@ -317,6 +317,19 @@ class Coordinator:
             rs.phase = "shutdown"
         elif t == "error":
             self._on_error(rs, msg)
+        elif t == "sig":
+            self._card_signal(rs, int(msg.get("signum", signal.SIGTERM)), msg.get("pid"))
+
+    def _card_signal(self, rs: RankState, signum: int, pid) -> None:
+        """SIGTERM / SIGHUP received by one card process: the job stops as for that signal to the launcher (finish
+        the step, checkpoint, exit 128 + signum). The same signal to the whole process group reached the launcher
+        too: then it is already stopping and the card's report does not count as a second signal."""
+        if self.interrupted:
+            return
+        name = signal.Signals(signum).name
+        print(f"note: {self._describe(rs)} (pid {pid}) received {name}: stopping the job as for a {name} to the "
+              "launcher", file=sys.stderr, flush=True)
+        self._on_signal(signum, None)
 
     def _on_ckpt(self, rs: RankState, msg: dict) -> None:
         s = int(msg["step"])

@@ -578,7 +578,8 @@ def run_job(cfg, run_dir: str) -> dict:
         locks.release()
 
 
-_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+#: SIGHUP (a terminal or ssh session closed without tmux) is handled as SIGTERM: stop cleanly, status.json written
+_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 def _raise_interrupted(signum, frame) -> None:

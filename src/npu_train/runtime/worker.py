@@ -64,17 +64,32 @@ def _cleanup_orphaned_job(job_id: str, ipc_dir: str) -> None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
+#: SIGTERM / SIGHUP numbers this card process received, reported to the coordinator by the heartbeat thread
+SIGNALLED: list = []
+
+
+def _note_signal(signum, frame) -> None:
+    """SIGTERM / SIGHUP to this card process: noted here (a signal handler must not use the main thread's
+    sockets); the heartbeat thread tells the coordinator, which stops the whole job as for that signal to the
+    launcher (finish the step, checkpoint). Sent to the whole process group, the launcher already acts on it."""
+    SIGNALLED.append(int(signum))
+
+
 def _heartbeat_loop(ctx, addr, token, rank, interval, stop_evt, parent_pid, job_id, ipc_dir):
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.IDENTITY, f"hb{rank}".encode())
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(addr)
     payload = msgpack.packb({"tok": token, "rank": rank, "type": "hb"}, use_bin_type=True)
-    while not stop_evt.wait(interval):
+    while not stop_evt.wait(min(interval, 0.2) if SIGNALLED else interval):
         if os.getppid() != parent_pid:  # launcher died: do not linger as an orphan
             _cleanup_orphaned_job(job_id, ipc_dir)
             os._exit(3)
         try:
+            while SIGNALLED:
+                sock.send(msgpack.packb({"tok": token, "rank": rank, "type": "sig", "signum": SIGNALLED[0],
+                                         "pid": os.getpid()}, use_bin_type=True), zmq.NOBLOCK)
+                SIGNALLED.pop(0)
             sock.send(payload, zmq.NOBLOCK)
         except zmq.Again:
             pass
@@ -85,11 +100,13 @@ def worker_main(spec: WorkerSpec) -> None:
     """Entry point of a card process (``multiprocessing`` spawn target). Never returns normally on error."""
     rank = spec.rank
     logging.basicConfig(level=logging.INFO, format=f"[card {spec.card.name} {spec.layout.where(rank)}] %(message)s")
-    # The launcher decides what Ctrl-C / SIGTERM mean (finish the step, checkpoint, stop). A signal
-    # sent to the whole process group (timeout, Slurm, a terminal) must not kill the card processes
-    # first; the coordinator stops them with SIGKILL at teardown.
+    # The launcher decides what Ctrl-C / SIGTERM / SIGHUP mean (finish the step, checkpoint, stop). A signal
+    # sent to the whole process group (timeout, Slurm, a closed terminal) must not kill the card processes
+    # first; the coordinator stops them with SIGKILL at teardown. SIGTERM / SIGHUP sent to this card alone are
+    # reported to the coordinator (``_note_signal``), which stops the job the same way.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _note_signal)
+    signal.signal(signal.SIGHUP, _note_signal)
     install_stack_dump(f"card {spec.card.name} ({spec.layout.where(rank)}, layers {spec.stage.label})")  # kill -USR1
     threshold = card_mmap_threshold(spec.card.kind, keep=spec.runtime.keep_host_memory)
     if threshold is not None and not keep_freed_memory(mmap_threshold=threshold):  # before tensors exist
