@@ -52,7 +52,8 @@ def _output_dir_error(text: str) -> "str | None":
         return None
     # Hydra's own writes into the directory: its mkdir, the job's log file, multirun.yaml, .hydra/
     ours = re.search(r"[/'](run\.log|multirun\.yaml|\.hydra)(/[^']*)?'$", m[-1].strip())
-    return m[-1].strip() if "mkdir" in text or ours else None
+    full = "No space left on device" in m[-1]  # Hydra's writes of .hydra/*.yaml on a full disk name no file
+    return m[-1].strip() if "mkdir" in text or ours or full else None
 
 
 def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
@@ -67,10 +68,11 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     import logging
     import signal
 
-    from npu_train.errors import Interrupted, JobFailed, UserError, exit_code_for
+    from npu_train.errors import Interrupted, JobFailed, UserError, exit_code_for, out_of_space
     from npu_train.runtime.job import run_job
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    logging.raiseExceptions = False  # a log record run.log cannot take (a full disk): no "Logging error" traceback
     try:
         try:
             summ = run_job(cfg, run_dir)
@@ -101,6 +103,17 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         print(fold_words(head + (f"; {extra}" if extra else ""), terminal_width(sys.stderr)), file=sys.stderr,
               flush=True)
         return exit_code_for(e)
+    except OSError as e:
+        if not out_of_space(e) or isinstance(e, FileNotFoundError):
+            raise
+        ck, ck_dir, note = _latest_checkpoint(cfg, run_dir)
+        if report is not None:
+            report.update(checkpoint=ck, checkpoint_dir=ck_dir)
+        where = f"writing {e.filename} " if e.filename else ""
+        print(f"error: no space left on device {where}(hydra.run.dir={run_dir}): free disk space there or set "
+              f"hydra.run.dir to a directory on a larger disk" + (f"; {note}" if note else ""), file=sys.stderr,
+              flush=True)
+        return 1
     except (UserError, FileNotFoundError) as e:
         msg = str(e)
         if isinstance(e, FileNotFoundError) and e.filename and msg.startswith("[Errno"):
@@ -291,9 +304,14 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
         rec.update(already_complete=True, step=rep["complete_at"], steps=rep.get("steps"),
                    checkpoint=rep.get("checkpoint"))
     rec.update(overrides=list(overrides), started=started, finished=time.time(), pid=os.getpid())
-    with open(path + ".part", "w") as f:
-        json.dump(rec, f, indent=1)
-    os.replace(path + ".part", path)
+    try:
+        with open(path + ".part", "w") as f:
+            json.dump(rec, f, indent=1)
+        os.replace(path + ".part", path)
+    except OSError:
+        if os.path.exists(path + ".part"):  # no partial file stays
+            os.remove(path + ".part")
+        raise
 
 
 def _sweep_threads(cfg, n_jobs: int) -> None:
@@ -367,7 +385,10 @@ def run_one(cfg) -> int:
         _SIGNALS_HELD_FOR_JOB[0] = False
         sys.stdout, sys.stderr = real_out, real_err
         if log is not None:
-            log.close()
+            try:
+                log.close()
+            except OSError:  # its last flush on a full disk: the console had every line
+                pass
     if multirun or code != 2:
         # the resume command continues in this run's directory: the user's hydra.run.dir, or a sweep
         # job's own directory (resumed as a single run, it writes beside its earlier records)
@@ -385,10 +406,24 @@ def run_one(cfg) -> int:
         if moved:
             print(f"note: {run_dir} held the records of an earlier launch; moved them to {moved}", flush=True)
         if not (complete and os.path.exists(os.path.join(run_dir, "status.json"))):
-            write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)
+            try:
+                write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)
+            except OSError as e:  # a full run dir: say where the run stands instead (once: main may have said it)
+                if "no space left on device" not in tee.last:
+                    _status_lost(run_dir, code, e, report, [*here, *overrides])
     if multirun:  # the sweep goes on (its next job, its summary): Ctrl-C stops it again
         _release_signals(held)
     return code  # a single run exits now: a late signal cannot turn its exit status into a kill
+
+
+def _status_lost(run_dir: str, code: int, e: OSError, report: dict, overrides: list) -> None:
+    """``status.json`` could not be written (a full disk): one line naming the directory, the run's last
+    checkpoint and the resume command (what ``status.json`` would have held)."""
+    ck, root = report.get("checkpoint"), report.get("checkpoint_dir")
+    how = (f"; the run's last complete checkpoint is {ck}; resume with: {resume_command(overrides, root)}"
+           if ck and root else "")
+    print(f"{'error' if code else 'warning'}: cannot write {os.path.join(run_dir, 'status.json')} ({e.strerror or e}): "
+          f"free disk space there (hydra.run.dir){how}", file=sys.stderr, flush=True)
 
 
 #: ``[True]`` until :func:`main` has the job's outcome: a signal meanwhile is held for ``run_job``

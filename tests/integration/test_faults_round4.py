@@ -336,3 +336,100 @@ def test_sighup_to_the_process_group_is_handled_as_sigterm(tiny_model, tmp_path)
     st = _status(job)
     assert st["status"] == "interrupted" and st["checkpoint"] and st["resume"], st
     _no_leftovers(job, info)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (needs root's mount; skipped elsewhere) to fill; unmounted afterwards."""
+    import subprocess
+
+    d = tmp_path / "small_disk"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", "-l", str(d)], capture_output=True)
+
+
+def _fill(d) -> None:
+    """Write zeros into ``d`` until its file system is full."""
+    import errno
+
+    with open(os.path.join(d, "filler"), "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 16))
+                f.flush()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+
+
+def test_run_dir_full_mid_run_keeps_training_and_checkpointing(tiny_model, tmp_path, small_disk):
+    """Faults 10-11, mid-run: the disk under ``hydra.run.dir`` fills after the first step, checkpoints go elsewhere.
+    Training goes on to its last checkpoint with one warning for the records (it died with three chained
+    ``OSError: [Errno 28]`` tracebacks, no status.json, and a ``job.json.part`` left); the missing status.json is one
+    line naming the directory; no partial file stays."""
+    import subprocess
+    import sys
+    import time
+
+    from launch_util import BASE, LAUNCH, REPO
+    from npu_train.config import hydra_value
+
+    run_dir, ckpt = small_disk / "run", tmp_path / "ckpt"
+    out, err = tmp_path / "out.txt", tmp_path / "err.txt"
+    cmd = [sys.executable, LAUNCH, f"model.path={tiny_model}", "backend=cpu,cpu", *BASE, "train.steps=40",
+           "train.save_every=10", f"checkpoint.dir={ckpt}", f"hydra.run.dir={hydra_value(str(run_dir))}"]
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen(cmd, stdout=o, stderr=e, cwd=REPO, start_new_session=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None and not (metrics.exists() and metrics.read_text()):
+            time.sleep(0.05)
+        _fill(small_disk)
+        rc = proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    stderr = err.read_text()
+    assert rc == 0, stderr[-3000:]
+    assert "Traceback" not in stderr and "Logging error" not in stderr, stderr[-3000:]
+    stdout = out.read_text()
+    assert "warning: cannot write metrics.jsonl" in stdout and f"in {run_dir}" in stdout and \
+        "training and its checkpoints go on" in stdout, stdout[-3000:]
+    assert "figures not fitted" not in stderr, stderr[-3000:]  # metrics.jsonl holds whole lines only
+    assert (ckpt / "step_000040" / "manifest.json").exists()
+    assert f"cannot write {run_dir}/status.json" in stderr, stderr[-3000:]
+    assert not [n for n in os.listdir(run_dir) if n.endswith(".part")], os.listdir(run_dir)
+
+
+def test_run_dir_full_at_the_start_is_one_error_line(tiny_model, tmp_path, small_disk):
+    """Faults 10-11, at the start: the disk under ``hydra.run.dir`` has room for Hydra's own files but not for the
+    plan: one error line naming the directory and what to do (it gave Hydra's "Error executing job" and chained
+    ``OSError: [Errno 28]`` tracebacks with no path), exit 1, no partial file, no shm segment or IPC dir left."""
+    import glob
+    import subprocess
+    import sys
+
+    from launch_util import BASE, LAUNCH, REPO
+    from npu_train.config import hydra_value
+
+    _fill(small_disk)
+    os.remove(small_disk / "filler")
+    with open(small_disk / "filler", "wb") as f:  # leave 16 KiB: Hydra's .hydra/*.yaml fit, plan.txt does not
+        f.write(b"\0" * (4 * 2**20 - 16 * 2**10))
+    run_dir = small_disk / "run"
+    cmd = [sys.executable, LAUNCH, f"model.path={tiny_model}", "backend=cpu,cpu", *BASE, "train.steps=2",
+           f"checkpoint.dir={tmp_path / 'ckpt'}", f"hydra.run.dir={hydra_value(str(run_dir))}"]
+    before = set(glob.glob("/dev/shm/npt_*"))
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and "no space left on device" in lines[0] and f"hydra.run.dir={run_dir}" in lines[0] \
+        and "set hydra.run.dir to a directory on a larger disk" in lines[0], r.stderr[-3000:]
+    left = os.listdir(run_dir)
+    assert not [n for n in left if n.endswith(".part")] and "plan.txt" not in left and "job.json" not in left, left
+    assert set(glob.glob("/dev/shm/npt_*")) <= before

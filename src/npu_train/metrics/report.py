@@ -8,6 +8,8 @@ Times in seconds, memory in GiB (2**30 bytes); the fields of the progress line a
 """
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -259,7 +261,23 @@ class Reporter:
         self.trace = None  # npu_train.metrics.trace.TraceWriter, from the first step with actions (runtime.trace)
         self._n_ema = 0  # finite losses folded into the EMA
         self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
+        self.records_failed: Optional[str] = None  # the first failed write into the run dir (a full disk)
         self._resume_ema()
+
+    def _record(self, what: str, write) -> None:
+        """Run ``write()`` (a write of ``what`` into the run directory). A write that fails (a full disk under
+        ``hydra.run.dir``, a lost mount) must not stop training that checkpoints elsewhere: the first failure is
+        one warning, and the run's records (metrics, evals, trackers) stop being written from then on."""
+        if self.records_failed is not None:
+            return
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - OSError, or a tracker's own error wrapping it
+            self.records_failed = f"{what}: {type(e).__name__}: {e}"
+            self.note(f"warning: cannot write {what} in {self.run_dir} ({type(e).__name__}: {e}); the run's "
+                      f"records (metrics, evals, trackers) stop after step {self._n} here, training and its "
+                      "checkpoints go on: free space there (the run dir), the records of the remaining steps "
+                      "are lost")
 
     def _resume_ema(self) -> None:
         """Fold the carried-over losses into the EMA, so a resumed launch's average continues."""
@@ -304,9 +322,8 @@ class Reporter:
             rec["step_s_pred"] = self.pred_step
         self._mfu(rec, reports, wall)
         self._track(rec, step, wall)
-        self.jsonl.write(dumps(rec) + "\n")
-        self.jsonl.flush()
-        self._log_trackers(rec, step)
+        self._record("metrics.jsonl", lambda: self._write_metrics(rec))
+        self._record("the trackers' records", lambda: self._log_trackers(rec, step))
         line = self._line(rec, step, wall, skipped)
         if self.live is not None:
             self.live.step(rec)
@@ -453,11 +470,15 @@ class Reporter:
         if extra:  # a DPO loss: exp(loss) is no perplexity
             del rec["val_ppl"]
         self.evals.append(rec)
-        with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
-            f.write(dumps(rec) + "\n")
-        if math.isfinite(val_loss):
-            for t in self.trackers:
-                t.log({"eval/loss": val_loss, **{f"eval/{k}": float(v) for k, v in (extra or {}).items()}}, step)
+
+        def write() -> None:
+            with open(os.path.join(self.run_dir, "eval.jsonl"), "a") as f:
+                f.write(dumps(rec) + "\n")
+            if math.isfinite(val_loss):
+                for t in self.trackers:
+                    t.log({"eval/loss": val_loss, **{f"eval/{k}": float(v) for k, v in (extra or {}).items()}}, step)
+
+        self._record("eval.jsonl", write)
         if extra and "rewards/accuracies" in extra:
             self.note(f"eval after step {step}: val DPO loss {val_loss:.4f}, reward accuracy "
                       f"{extra['rewards/accuracies']:.2f}, margin {extra['rewards/margins']:+.3f} ({tokens:,} held-out "
@@ -488,17 +509,15 @@ class Reporter:
                 summ["mfu_bound"] = True  # a measured peak was below what a step did: mean_mfu is an upper bound
         if extra:
             summ.update(extra)
-        for t in self.trackers:
-            t.summary(summ)
+        self._record("the trackers' summary", lambda: [t.summary(summ) for t in self.trackers])
         if self.trace is not None:
             text = self.trace.summary()
             self.trace.close()
             summ["trace"] = self.trace.path
             if text:
                 self.note(text + f"\ntrace: {self.trace.path} (open in https://ui.perfetto.dev)")
-        with open(os.path.join(self.run_dir, "summary.json"), "w") as f:
-            f.write(dumps(summ, indent=1))
-        if losses:
+        self._record("summary.json", lambda: self._write_summary(summ))
+        if losses and self.records_failed is None:
             try:
                 import matplotlib
 
@@ -527,6 +546,27 @@ class Reporter:
         self.close()
         return summ
 
+    def _write_metrics(self, rec: dict) -> None:
+        """One line of ``metrics.jsonl``; a failed write leaves no partial line (cut back to the last whole one)."""
+        size = os.path.getsize(self.jsonl.name)
+        try:
+            self.jsonl.write(dumps(rec) + "\n")
+            self.jsonl.flush()
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.truncate(self.jsonl.name, size)
+            raise
+
+    def _write_summary(self, summ: dict) -> None:
+        path = os.path.join(self.run_dir, "summary.json")
+        try:
+            with open(path, "w") as f:
+                f.write(dumps(summ, indent=1))
+        except OSError:
+            with contextlib.suppress(OSError):  # no partial file
+                os.remove(path)
+            raise
+
     def run_name(self) -> str:
         """The run directory's :func:`dir_label` (a sweep job: ``<time>/<job number>``)."""
         return dir_label(self.run_dir)
@@ -548,11 +588,15 @@ class Reporter:
         if self.trace is not None:
             self.trace.close()
         if not self.jsonl.closed:
-            self.jsonl.close()
+            with contextlib.suppress(OSError):  # its last flush on a full disk: warned about already
+                self.jsonl.close()
         trackers, self.trackers = self.trackers, []  # closed once; each says where its run went
         for t in trackers:
             said = getattr(t, "on", True) and getattr(t, "where", None)
-            t.close()
+            try:
+                t.close()
+            except Exception:  # noqa: BLE001 - its files on a full disk
+                continue
             where = said() if said else None
             if where:
                 self.note(where)

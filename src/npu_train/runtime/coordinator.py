@@ -8,6 +8,8 @@ orphans, multi-node) are in docs/design.md §17. ``<run_dir>/job.json`` describe
 """
 from __future__ import annotations
 
+import contextlib
+
 import faulthandler
 import hmac
 import json
@@ -152,9 +154,14 @@ class Coordinator:
                       for rs, spec in zip(self.ranks, self.specs)],
         }
         path = os.path.join(self.run_dir, "job.json")
-        with open(path + ".part", "w") as f:
-            json.dump(info, f, indent=1)
-        os.replace(path + ".part", path)
+        try:
+            with open(path + ".part", "w") as f:
+                json.dump(info, f, indent=1)
+            os.replace(path + ".part", path)
+        except OSError as e:  # a full run dir: the job's record is lost, not the job (no partial file stays)
+            with contextlib.suppress(OSError):
+                os.remove(path + ".part")
+            print(f"warning: cannot write {path} ({e}); the job goes on without it", file=sys.stderr, flush=True)
 
     def _describe(self, rs: RankState) -> str:
         return f"card {rs.card} ({rs.where or f'stage {rs.rank}'}, layers {rs.layers})"

@@ -1129,6 +1129,18 @@ def _join_nodes(cfg, resume: ResumePoint, launch: LaunchIdentity, node: NodeCont
     return node_plan, link
 
 
+def write_whole(path: str, text: str) -> None:
+    """Write ``text`` to ``path``; a write that fails (a full disk) leaves no partial file and raises its OSError
+    with the file's name."""
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+        raise OSError(e.errno, e.strerror, path) from None
+
+
 def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, launch: LaunchIdentity,
               node: NodeContext, local_cards: int) -> None:
     """Print the plan table and the job line, write ``plan.json``."""
@@ -1137,8 +1149,7 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
     from npu_train.planner.table import plan_summary
 
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
-    with open(os.path.join(run_dir, "plan.txt"), "w") as f:
-        f.write(plan_table(plan) + "\n")
+    write_whole(os.path.join(run_dir, "plan.txt"), plan_table(plan) + "\n")
     if _sweep_group() is None:
         print(plan_table(plan, width=terminal_width()), flush=True)
     else:  # a sweep job: jobs print concurrently into one console; the table is in the job's plan.txt
@@ -1148,8 +1159,7 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
     line = predicted_mfu_line(prep)
     if line:
         print(line, flush=True)
-    with open(os.path.join(run_dir, "plan.json"), "w") as f:  # read by planner.fit at the run's end
-        json.dump(plan.to_dict(), f, indent=1)
+    write_whole(os.path.join(run_dir, "plan.json"), json.dumps(plan.to_dict(), indent=1))  # read by planner.fit
     where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""
     lora = f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else ""
     print(f"job {launch.job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), "
@@ -1309,7 +1319,8 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
     # user's own malloc settings, is not the default's speed: only its memory figure is kept
     from npu_train.hostmem import user_malloc_settings
 
-    refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
+    if job.reporter.records_failed is None:  # records cut short by a full run dir: nothing to fit from
+        refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
     at = resume.start_step + int(summ["steps_run"])
     print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir),
                      terminal_width()), flush=True)
