@@ -518,33 +518,40 @@ class Reporter:
                 self.note(text + f"\ntrace: {self.trace.path} (open in https://ui.perfetto.dev)")
         self._record("summary.json", lambda: self._write_summary(summ))
         if losses and self.records_failed is None:
-            try:
-                import matplotlib
-
-                matplotlib.use("Agg")
-                import matplotlib.pyplot as plt
-
-                train, evals = self._run_points()
-                fig, ax = plt.subplots(figsize=(6, 3.5))
-                ax.plot([a for a, _ in train], [b for _, b in train], marker="o" if len(train) <= 100 else None,
-                        label="train")
-                if evals:
-                    ax.plot([a for a, _ in evals], [b for _, b in evals], marker="s", label="held-out")
-                    ax.legend()
-                first = losses[0][0]
-                resumed = f" (this launch from step {first})" if train and train[0][0] < first else ""
-                ax.set_title(f"{self.run_name()}{resumed}", fontsize=9)
-                ax.set_xlabel("optimizer step")
-                ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
-                ax.set_ylabel("loss (nats/token)")
-                ax.grid(alpha=0.3)
-                fig.tight_layout()
-                fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
-                plt.close(fig)
-            except Exception:
-                pass
+            self._plot(losses)
         self.close()
         return summ
+
+    def _plot(self, losses: list) -> None:
+        """``loss.png``: the run's train and held-out losses (needs matplotlib; never raises)."""
+        try:
+            import matplotlib
+
+            matplotlib.use("Agg")
+            import matplotlib.pyplot as plt
+
+            train, evals = self._run_points()
+            fig, ax = plt.subplots(figsize=(6, 3.5))
+            ax.plot([a for a, _ in train], [b for _, b in train], marker="o" if len(train) <= 100 else None,
+                    label="train")
+            if evals:
+                ax.plot([a for a, _ in evals], [b for _, b in evals], marker="s", label="held-out")
+                ax.legend()
+            first = losses[0][0]
+            resumed = f" (this launch from step {first})" if train and train[0][0] < first else ""
+            ax.set_title(f"{self.run_name()}{resumed}", fontsize=9)
+            ax.set_xlabel("optimizer step")
+            ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
+            ax.set_ylabel("loss (nats/token)")
+            ax.grid(alpha=0.3)
+            fig.tight_layout()
+            fig.savefig(os.path.join(self.run_dir, "loss.png"), dpi=100)
+            plt.close(fig)
+        except OSError:  # a full disk: no partial plot stays
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.run_dir, "loss.png"))
+        except Exception:  # noqa: BLE001 - no plot (no matplotlib) is no error
+            pass
 
     def _write_metrics(self, rec: dict) -> None:
         """One line of ``metrics.jsonl``; a failed write leaves no partial line (cut back to the last whole one)."""
