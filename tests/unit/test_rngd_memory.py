@@ -211,8 +211,11 @@ def test_a_plan_dominated_by_one_term_names_it_and_the_settings_that_change_it()
     assert line == bound_line(p)
     st = max(p.stages, key=lambda s: s.time["total"])
     host = st.time["host_optimizer"] - st.time["host_hidden"]
-    assert host > 0.5 * st.time["total"]
+    others = ("compute", "bubble", "device_optimizer", "transfer", "dp_comm")
+    assert all(host > st.time[k] for k in others)  # the largest term (issue 39: no longer most of the step)
+    share = host / st.time["total"]
+    tail = "" if share >= 0.5 else ", the largest term"
     assert line.startswith(f"bound: host AdamW of offloaded layers {host:.3g} of {st.time['total']:.3g} s a step "
-                           f"on {st.card.name} ({100 * host / st.time['total']:.0f} %)")
+                           f"on {st.card.name} ({100 * share:.0f} %{tail})")
     for setting in ("train.accum", "train.resident_layers", "train.offload_update=delayed", "runtime.threads"):
         assert setting in line

@@ -162,6 +162,46 @@ def _adamw_rate(device, n_params: int, loop: LoopBounds, backend=None) -> float:
     return per * n_t / sec
 
 
+def _onepass_rate(n_params: int, loop: LoopBounds) -> float:
+    """params/s of one host thread running the accelerator cards' host update (:mod:`npu_train.optim.onepass`:
+    fp32 gradient in, clip 0.5, AdamW with decay, bf16 copy out; the torch fallback without a C compiler)."""
+    import torch
+
+    from npu_train.optim.onepass import adamw_onepass
+
+    n_t = 4
+    per = max(1, n_params // n_t)
+    ps = [torch.randn(per) for _ in range(n_t)]
+    gs = [torch.randn(per) * 1e-3 for _ in range(n_t)]
+    opt = torch.optim.AdamW(ps, lr=1e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        sec = timed(lambda: adamw_onepass(opt, ps, gs, 0.5, torch.bfloat16, threads=1), lambda: None, loop)
+    finally:
+        torch.set_num_threads(old)
+    return per * n_t / sec
+
+
+def host_memory_bandwidth(n_bytes: int, loop: LoopBounds) -> float:
+    """B/s of ``a.add_(b)`` on fp32 tensors of ``n_bytes / 2`` each with every usable core (12 B an element: two
+    streams read, one written in place, as the host update's are): the host memory bandwidth the card
+    processes share (``Rates.host_bytes_per_s``)."""
+    import torch
+
+    from npu_train.planner.threads import usable_cores
+
+    n = max(1, int(n_bytes) // 8)
+    a, b = torch.ones(n), torch.full((n,), 1e-9)
+    old = torch.get_num_threads()
+    torch.set_num_threads(usable_cores())
+    try:
+        sec = timed(lambda: a.add_(b), lambda: None, loop)
+    finally:
+        torch.set_num_threads(old)
+    return 12.0 * n / sec
+
+
 def _stage_optimizer_rate(backend, n_params: int, loop: LoopBounds) -> float:
     """params/s of ``StageOptimizer.step`` over resident parameters on the card (the trainer's device path)."""
     import torch
@@ -288,8 +328,15 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
     out["h2d_bytes_per_s"], out["d2h_bytes_per_s"] = _copy_bandwidth(backend, first, nbytes, loop)
     lap("copies", t0)
     t0 = time.perf_counter()
-    out["host_adamw_params_per_s"] = _adamw_rate(torch.device("cpu"), n_adamw, loop)
+    # a cpu card's optimizer is torch's fused AdamW at the card's threads; an accelerator's host update is the
+    # one-pass kernel, measured on one thread (the planner scales it by threads up to the bandwidth below)
+    out["host_adamw_params_per_s"] = (_adamw_rate(torch.device("cpu"), n_adamw, loop) if kind == "cpu"
+                                      else _onepass_rate(n_adamw, loop))
     lap("host_adamw", t0)
+    if kind != "cpu":
+        t0 = time.perf_counter()
+        out["host_bytes_per_s"] = host_memory_bandwidth(2 * nbytes, loop)
+        lap("host_bandwidth", t0)
     n_dev = n_adamw if kind != "furiosa" else max(1, n_adamw // 5)
     t0 = time.perf_counter()
     out["device_adamw_params_per_s"] = _stage_optimizer_rate(backend, n_dev, loop)
@@ -300,7 +347,7 @@ def measure_at(kind: str, backend, quick: bool, model_cfg=None, *, loop: Optiona
 def rate_fields(m: dict) -> dict:
     """A :func:`measure_at` result's Rates fields as a profile's ``by_threads`` entry."""
     keys = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
-            "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
+            "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio", "host_bytes_per_s")
     out = {k: float(m[k]) for k in keys if k in m}
     out["flops_by_dtype"] = {k: float(v) for k, v in m["flops_by_dtype"].items()}
     sig = (m.get("shapes") or {}).get("signature")

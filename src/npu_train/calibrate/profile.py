@@ -199,7 +199,7 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         by_threads = {t: rate_fields(v) for t, v in per.items() if t != top_t}
         details["by_threads"] = {str(t): v for t, v in per.items()}
     else:
-        top_t = 0
+        top_t = 1  # the card's figures do not depend on the host threads; its host AdamW is one thread's
         top = measure_at(kind, backend, quick, model_cfg)
         baseline = 0
         by_threads = {}
@@ -211,7 +211,8 @@ def calibrate(kind: str, index: Optional[int] = None, *, quick: bool = False,
         device_adamw_params_per_s=top["device_adamw_params_per_s"],
         head_flops_ratio=top["head_flops_ratio"],
         split_backward_ratio=float(top.get("split_backward_ratio", 1.0)),
-        process_baseline_bytes=float(baseline), threads=top_t,
+        process_baseline_bytes=float(baseline), threads=top_t, kind=kind,
+        host_bytes_per_s=float(top.get("host_bytes_per_s", DEFAULT_RATES[kind].host_bytes_per_s)),
         flops_by_dtype=dict(top["flops_by_dtype"]), by_threads=by_threads,
         shapes=str((top.get("shapes") or {}).get("signature", "")),
     )
@@ -241,6 +242,7 @@ def save_profile(kind: str, rates: Rates, path: Union[str, os.PathLike, None] = 
         "device_adamw_params_per_s": rates.device_adamw_params_per_s,
         "head_flops_ratio": rates.head_flops_ratio,
         "split_backward_ratio": rates.split_backward_ratio,
+        "host_bytes_per_s": rates.host_bytes_per_s,
         "process_baseline_bytes": int(rates.process_baseline_bytes),
         "threads": int(rates.threads),
         "concurrent": int(rates.concurrent),
@@ -290,9 +292,12 @@ def _fmt_rates(kind: str, r: Rates) -> list[str]:
         f"  {'split_backward_ratio':<26} {r.split_backward_ratio:10.2f} (zero-bubble F + B + W vs F + backward)",
         f"  {'h2d_bytes_per_s':<26} {r.h2d_bytes_per_s / 1e9:10.2f} GB/s",
         f"  {'d2h_bytes_per_s':<26} {r.d2h_bytes_per_s / 1e9:10.2f} GB/s",
-        f"  {'host_adamw_params_per_s':<26} {r.host_adamw_params_per_s / 1e6:10.1f} M params/s",
+        f"  {'host_adamw_params_per_s':<26} {r.host_adamw_params_per_s / 1e6:10.1f} M params/s"
+        + ("" if kind == "cpu" else " (one pass, one thread)"),
         f"  {'device_adamw_params_per_s':<26} {r.device_adamw / 1e6:10.1f} M params/s",
     ]
+    if kind != "cpu":
+        rows.append(f"  {'host_bytes_per_s':<26} {r.host_bytes_per_s / 1e9:10.2f} GB/s (host memory, every core)")
     if kind == "cpu":
         rows.append(f"  {'process_baseline_bytes':<26} {gib(r.process_baseline_bytes):10.3f} GiB")
         for t, e in sorted(r.by_threads.items(), key=lambda kv: int(kv[0])):

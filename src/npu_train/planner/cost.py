@@ -17,7 +17,28 @@ from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
 from npu_train.planner.spec import RunShape
 
-__all__ = ["StageCost", "CostModel"]
+__all__ = ["StageCost", "CostModel", "host_update_bytes", "capped_host_rate"]
+
+
+def host_update_bytes(shape: RunShape) -> int:
+    """Bytes of host memory traffic per parameter of the one-pass host update (``optim/host_adamw.c``): the
+    downloaded gradient (:attr:`RunShape.grad_bytes`), fp32 master and both moments read and written (24),
+    and the compute-dtype copy out (none in fp32: the master is the copy) - 30 for bf16 with fp32 gradients."""
+    return int(shape.grad_bytes) + 24 + (0 if shape.dtype == "fp32" else int(shape.dtype_bytes))
+
+
+def capped_host_rate(rt: Rates, card_processes: int, bytes_per_param: int) -> tuple[float, str]:
+    """(params/s, source) of one accelerator card process's host AdamW: ``rt``'s (threads x the per-thread
+    figure, already resolved) capped by the host memory bandwidth ``rt.host_bytes_per_s`` shared by
+    ``card_processes`` processes each moving ``bytes_per_param``; the source names the bounding figure."""
+    own = float(rt.host_adamw_params_per_s)
+    n = max(1, int(card_processes))
+    cap = float(rt.host_bytes_per_s) / n / max(1, int(bytes_per_param))
+    bw = (f"host memory {rt.host_bytes_per_s / 1e9:.3g} GB/s [{rt.source('host_bytes_per_s')}] / {n} card "
+          f"process{'es' if n != 1 else ''} / {int(bytes_per_param)} B/param = {cap / 1e6:.0f} M")
+    if cap < own:
+        return cap, f"capped: {bw}; {rt.threads or '?'} thread(s) {own / 1e6:.0f} M [{rt.source('host_adamw_params_per_s')}]"
+    return own, f"{rt.source('host_adamw_params_per_s')}; cap {bw}"
 
 
 @dataclass
@@ -70,13 +91,15 @@ class CostModel:
     """Per-plan constants of the memory and time model, so the split search evaluates stages cheaply.
 
     ``rates``: one :class:`Rates` per card (resolved here for ``threads`` and the dtype; cpu cards' AdamW
-    scaled by their share of ``host_cores``); ``headroom``: the fraction of capacity :meth:`max_resident`
-    keeps free; ``cards`` are one of ``dp`` replicas."""
+    scaled by their share of ``host_cores``; accelerator cards' host AdamW capped by the host memory bandwidth
+    shared by ``cards_per_host`` card processes, 0: every card of the job, :func:`capped_host_rate`);
+    ``headroom``: the fraction of capacity :meth:`max_resident` keeps free; ``cards`` are one of ``dp``
+    replicas."""
 
     def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[Card],
                  rates: Sequence[Rates], nonlayer_resident: Optional[bool], threads: int,
                  host_cores: int, terms: Optional[Sequence] = None, headroom: float = 0.0,
-                 dp: int = 1, zero: int = 0):
+                 dp: int = 1, zero: int = 0, cards_per_host: int = 0):
         self.model, self.shape, self.cards = model, shape, list(cards)
         self.P = len(self.cards)
         self.dp, self.zero = int(dp), int(zero)
@@ -88,12 +111,16 @@ class CostModel:
         n_cpu = self.dp * sum(1 for c in self.cards if c.kind == "cpu")
         # all cpu cards run their optimizers at the same time: each gets its share of the cores
         self.cpu_share = min(1.0, cores / (n_cpu * self.threads)) if n_cpu else 1.0
+        self.cards_per_host = int(cards_per_host) or self.dp * self.P
         self.rates = []
         for card, rt in zip(self.cards, rates):
             r = rt.resolve(shape.dtype, self.threads)
             if card.kind == "cpu":
                 r.host_adamw_params_per_s *= self.cpu_share
                 r.device_adamw_params_per_s *= self.cpu_share
+            else:
+                r.host_adamw_params_per_s, r.sources["host_adamw_params_per_s"] = capped_host_rate(
+                    r, self.cards_per_host, host_update_bytes(shape))
             self.rates.append(r)
         # stretch of the pipeline phase = slots / (M + P - 1). Slot j (0 .. M+P-2) of a wave has the stages
         # max(0, j-M+1) .. min(j, P-1) computing; when the cpu ones among them run more threads

@@ -16,17 +16,23 @@ from npu_train.env import cache_dir
 from npu_train.hardware import GIB, KINDS
 from npu_train.planner.spec import PlacementError
 
-__all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "CONCURRENT_FIELDS", "calibration_path",
+__all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "HOST_THREAD_SCALED", "CONCURRENT_FIELDS",
+           "calibration_path",
            "load_rates", "shapes_differ", "reference_shapes", "shape_signature", "job_shapes"]
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
 RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                 "device_adamw_params_per_s", "head_flops_ratio", "process_baseline_bytes",
-                "dp_bytes_per_s", "split_backward_ratio")
+                "dp_bytes_per_s", "split_backward_ratio", "host_bytes_per_s")
 #: Fields that may be 0 (0 has a meaning: "same as host" / "no baseline").
 RATE_MAY_BE_ZERO = ("device_adamw_params_per_s", "process_baseline_bytes")
-#: Compute-bound fields scaled linearly with the thread count (:meth:`Rates.resolve`).
+#: Compute-bound fields scaled linearly with the thread count (:meth:`Rates.resolve`) of a ``cpu`` card (or a
+#: :class:`Rates` of no known kind), whose compute and optimizer run on the host's cores.
 THREAD_SCALED = ("device_flops", "host_adamw_params_per_s", "device_adamw_params_per_s")
+#: What the host's thread count scales on an accelerator card: its host AdamW only (the card's own FLOP/s
+#: and AdamW do not depend on the host threads; the host rate is capped by the host's memory bandwidth in
+#: the cost model, ``CostModel.host_rates``).
+HOST_THREAD_SCALED = ("host_adamw_params_per_s",)
 #: Fields labelled with the processes that ran at once when measured (``concurrent`` > 1).
 CONCURRENT_FIELDS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
                      "device_adamw_params_per_s", "head_flops_ratio", "split_backward_ratio")
@@ -49,6 +55,9 @@ class Rates:
     dp_bytes_per_s: float = 1.25e9
     #: seconds of forward + B + W (the zero-bubble split) over forward + one backward; 1.0 = the FLOP view
     split_backward_ratio: float = 1.0
+    #: the host's memory bandwidth, B/s, shared by every card process on the host (caps the host AdamW of
+    #: accelerator cards, which moves ~28-30 B/param: ``CostModel.host_rates``)
+    host_bytes_per_s: float = 1e11
     threads: int = 0  # torch threads the figures are for (0 = unknown: no thread scaling)
     flops_by_dtype: dict = field(default_factory=dict)  # {"fp32": ..., "bf16": ...} FLOP/s per compute dtype
     by_threads: dict = field(default_factory=dict)  # {threads: {field: value}} measured at other counts
@@ -56,6 +65,7 @@ class Rates:
     origin: str = ""  # the profile the measured figures come from, "<path> (<date>)"
     concurrent: int = 1  # processes that ran the same work at once while the figures were measured
     shapes: str = ""  # the layer and head shapes the figures were measured on ("": unknown, fits any)
+    kind: str = ""  # the card kind ("": unknown: every THREAD_SCALED figure scales with the threads)
 
     def source(self, name: str) -> str:
         """Where field ``name``'s figure comes from (default ``"assumed"``)."""
@@ -73,6 +83,11 @@ class Rates:
     def flops(self, dtype: str) -> float:
         """Sustained FLOP/s for compute dtype ``dtype`` (``flops_by_dtype`` or ``device_flops``)."""
         return float(self.flops_by_dtype.get(dtype, self.device_flops))
+
+    def thread_scaled(self) -> tuple:
+        """The figures :meth:`resolve` scales with the thread count: :data:`THREAD_SCALED` on a ``cpu`` card
+        (or no known kind), :data:`HOST_THREAD_SCALED` on an accelerator card."""
+        return THREAD_SCALED if self.kind in ("", "cpu") else HOST_THREAD_SCALED
 
     def measured_threads(self) -> list[int]:
         """Thread counts with measured figures: ``threads`` (when known) and ``by_threads``'s keys."""
@@ -112,8 +127,9 @@ class Rates:
 
     def resolve(self, dtype: Optional[str] = None, threads: Optional[int] = None) -> "Rates":
         """Flat rates for one card process running ``threads`` torch threads, in ``dtype``: the figures
-        measured at that count, else the nearest measured count's with :data:`THREAD_SCALED` figures times
-        ``threads / count``, else (no count known) unchanged; ``by_threads`` empty in the result."""
+        measured at that count, else the nearest measured count's with :meth:`thread_scaled` figures times
+        ``threads / count`` (an accelerator card's own FLOP/s never), else (no count known) unchanged;
+        ``by_threads`` empty in the result."""
         t = int(threads) if threads else 0
         counts = self.measured_threads()
         sources = dict(self.sources)
@@ -122,10 +138,12 @@ class Rates:
             base, by_dtype = self._figures_at(c)
             if c != t:
                 f = t / c
-                for k in THREAD_SCALED:
+                scaled = self.thread_scaled()
+                for k in scaled:
                     base[k] *= f
                     sources[k] = f"{self.source(k)}, scaled from {c} thread(s)"
-                by_dtype = {d: v * f for d, v in by_dtype.items()}
+                if "device_flops" in scaled:
+                    by_dtype = {d: v * f for d, v in by_dtype.items()}
             out_t = t
             conc, shapes = self.concurrent_at(c), self.shapes_at(c)
         else:
@@ -145,7 +163,7 @@ class Rates:
         elif dtype is not None and by_dtype and sources.get("device_flops"):
             sources["device_flops"] += f" for {'/'.join(sorted(by_dtype))}, not {dtype}"
         return Rates(**base, threads=out_t, flops_by_dtype=by_dtype, sources=sources,
-                     origin=self.origin, concurrent=conc, shapes=shapes)
+                     origin=self.origin, concurrent=conc, shapes=shapes, kind=self.kind)
 
 
 #: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
@@ -158,22 +176,29 @@ class Rates:
 #: - cpu: 50 GFLOP/s per process; copies are memcpy (~10e9 B/s); process baseline 0.35 GiB
 #:   (python + torch + npu_train + gloo/ZeroMQ measured at ~0.25 GiB RSS, plus a model-file
 #:   reader); the card's optimizer is the host AdamW.
-#: - host AdamW 2e8 params/s per process for every kind (assumed, fp32, multi-threaded torch).
+#: - host AdamW of an accelerator card's offloaded layers (the one-pass update, npu_train.optim.onepass):
+#:   1e9 params/s per host thread, assumed: 1.56e9 measured on one core of a 2-core Xeon VM (issue 39),
+#:   rounded down for the lower clocks of a many-core server; scaled by the threads per card process
+#:   (``threads=1``) and capped by the host memory bandwidth shared by the host's card processes
+#:   (``host_bytes_per_s``, assumed 1e11 B/s: one server socket's DDR4/DDR5, well below its peak).
+#: - cpu cards: host AdamW 2e8 params/s per process (assumed, fp32, multi-threaded torch).
 _RNGD_H2D = "assumed: measured on an earlier RNGD deployment, not this machine"
 _HOST_ADAMW = "assumed: 2e8, multi-threaded torch"
+_HOST_ONEPASS = "assumed: 1e9 per thread, one-pass update (1.56e9 on a 2-core VM's core)"
+_HOST_BW = "assumed: one server socket"
 DEFAULT_RATES: dict[str, Rates] = {
     "furiosa": Rates(device_flops=256e12 * 0.4, h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9,
-                     host_adamw_params_per_s=2e8, device_adamw_params_per_s=1e10,
+                     host_adamw_params_per_s=1e9, device_adamw_params_per_s=1e10, threads=1, kind="furiosa",
                      sources={"device_flops": "assumed: spec 256 TFLOPS bf16 x 0.4",
                               "h2d_bytes_per_s": _RNGD_H2D, "d2h_bytes_per_s": "assumed: = h2d",
-                              "host_adamw_params_per_s": _HOST_ADAMW}),
+                              "host_adamw_params_per_s": _HOST_ONEPASS, "host_bytes_per_s": _HOST_BW}),
     "cuda": Rates(device_flops=989e12 * 0.4, h2d_bytes_per_s=25e9, d2h_bytes_per_s=25e9,
-                  host_adamw_params_per_s=2e8, device_adamw_params_per_s=5e10,
+                  host_adamw_params_per_s=1e9, device_adamw_params_per_s=5e10, threads=1, kind="cuda",
                   sources={"device_flops": "assumed: H100 989 TFLOPS bf16 x 0.4",
                            "h2d_bytes_per_s": "assumed: PCIe Gen5", "d2h_bytes_per_s": "assumed: PCIe Gen5",
-                           "host_adamw_params_per_s": _HOST_ADAMW}),
+                           "host_adamw_params_per_s": _HOST_ONEPASS, "host_bytes_per_s": _HOST_BW}),
     "cpu": Rates(device_flops=50e9, h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
-                 host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB),
+                 host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB, kind="cpu"),
 }
 
 
@@ -261,8 +286,8 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
             if k in data:
                 values[k] = _profile_number(path, k, data[k], k in RATE_MAY_BE_ZERO)
                 sources[k] = "assumed (profile)" if k in assumed else "measured"
-        if "threads" in data:
-            n_threads = int(_profile_number(path, "threads", data["threads"], True))
+        # a profile's figures are for its own thread count (none given: unknown, not the defaults' 1)
+        n_threads = int(_profile_number(path, "threads", data["threads"], True)) if "threads" in data else 0
         if "concurrent" in data:
             concurrent = max(1, int(_profile_number(path, "concurrent", data["concurrent"], False)))
         if isinstance(data.get("shapes"), str):
@@ -273,7 +298,7 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
         if isinstance(data.get("by_threads"), dict):
             by_threads = {int(t): _thread_entry(path, t, e) for t, e in data["by_threads"].items()}
     rates = Rates(**values, threads=n_threads, flops_by_dtype=by_dtype, by_threads=by_threads,
-                  sources=sources, origin=origin, concurrent=concurrent, shapes=shapes)
+                  sources=sources, origin=origin, concurrent=concurrent, shapes=shapes, kind=kind)
     if threads is None:
         return rates
     rates = rates.resolve(threads=threads)

@@ -40,3 +40,5 @@ class PlanRequest:
     memory_terms: Optional[Sequence[MemoryTerms]] = None  # one per card; None: the kinds' defaults
     dp: int = 1  # data-parallel replicas; cards are one replica's stages
     zero: int = 0  # 1 = ZeRO-1: each card keeps 1/dp of its stage's optimizer state
+    #: card processes on one host, sharing its memory bandwidth (host AdamW); 0: every card of the job
+    cards_per_host: int = 0

@@ -262,7 +262,8 @@ def _cost_model(req: PlanRequest) -> CostModel:
     cores = int(req.host_cores) if req.host_cores else usable_cores()
     threads = int(req.threads) if req.threads else threads_per_card(0, P * int(req.dp), cores)
     return CostModel(model, req.shape, cards, rates, req.nonlayer_resident, threads, cores,
-                     req.memory_terms, req.headroom, dp=int(req.dp), zero=int(req.zero))
+                     req.memory_terms, req.headroom, dp=int(req.dp), zero=int(req.zero),
+                     cards_per_host=int(req.cards_per_host))
 
 
 def _checked_split(req: PlanRequest) -> Optional[list[int]]:

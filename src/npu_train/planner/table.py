@@ -271,7 +271,7 @@ def plan_table(plan: Plan, width: int = 0) -> str:
     return "\n".join(line if line is tables or width <= 0 else _wrap(line, width) for line in lines)
 
 
-#: the share of the step one term must take for :func:`bound_line` to name it
+#: the share of the step from which :func:`bound_line` names a term without "the largest term"
 BOUND_SHARE = 0.5
 
 #: per term of the slowest stage's time: what it is called and the settings that change it
@@ -281,7 +281,8 @@ _BOUND_TERMS = (
      "(train.schedule=zb-h2), fewer pipeline stages"),
     ("host_optimizer", "host AdamW of offloaded layers", "train.accum (more tokens per update), "
      "train.resident_layers (fewer offloaded layers), train.offload_update=delayed (the update runs during the "
-     "next step), runtime.threads (host threads per card)"),
+     "next step), runtime.threads (host threads per card, up to the host memory bandwidth), a measured host "
+     "rate (calibrate=true)"),
     ("device_optimizer", "AdamW on the card", "train.accum (more tokens per update)"),
     ("transfer", "host<->device transfers", "train.resident_layers (fewer offloaded layers to upload), "
      "train.accum (more tokens per upload)"),
@@ -292,8 +293,9 @@ _BOUND_TERMS = (
 
 def bound_line(plan: Plan) -> Optional[str]:
     """``"bound: host AdamW of offloaded layers 13.5 of 16.0 s on furiosa:0 (84 %); it changes with ..."``: the
-    term taking at least :data:`BOUND_SHARE` of the slowest stage's step time, with the settings that change
-    it; None when no term dominates. Host AdamW counts only what the pipeline does not hide."""
+    largest term of the slowest stage's step time, with the settings that change it; when it takes less than
+    :data:`BOUND_SHARE` of the step, ``(43 %, the largest term)``. Host AdamW counts only what the pipeline does
+    not hide. None for a plan without stages or step time."""
     if not plan.stages or plan.step_time_s <= 0:
         return None
     st = max(plan.stages, key=lambda s: s.time["total"])
@@ -301,9 +303,11 @@ def bound_line(plan: Plan) -> Optional[str]:
     tm["host_optimizer"] = max(0.0, tm.get("host_optimizer", 0.0) - tm.get("host_hidden", 0.0))
     key, name, levers = max(_BOUND_TERMS, key=lambda t: tm.get(t[0], 0.0))
     total = st.time["total"]
-    if total <= 0 or tm.get(key, 0.0) < BOUND_SHARE * total:
+    if total <= 0 or tm.get(key, 0.0) <= 0:
         return None
-    return (f"bound: {name} {tm[key]:.3g} of {total:.3g} s a step on {st.card.name} ({100 * tm[key] / total:.0f} %); "
+    share = tm[key] / total
+    tail = "" if share >= BOUND_SHARE else ", the largest term"
+    return (f"bound: {name} {tm[key]:.3g} of {total:.3g} s a step on {st.card.name} ({100 * share:.0f} %{tail}); "
             f"it changes with {levers}")
 
 

@@ -146,7 +146,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
                        host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram,
-                       multinode=nodes is not None, host_cores=P * dp if elsewhere else None)
+                       multinode=nodes is not None, host_cores=P * dp if elsewhere else None,
+                       cards_per_host=max(node_counts))
     shape = req.shape
     resumed = None if req.split else _resumed_split(cfg, run_dir, P)
     try:
@@ -407,11 +408,12 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
 
 
 def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, zero: int,
-                 host_ram_bytes: Optional[int], multinode: bool = False, host_cores: Optional[int] = None):
+                 host_ram_bytes: Optional[int], multinode: bool = False, host_cores: Optional[int] = None,
+                 cards_per_host: int = 0):
     """The planner's :class:`~npu_train.planner.PlanRequest` of ``cfg`` (the only place one is built from the
     config): the model ``mcfg`` in compute ``dtype`` on one pipeline's ``cards`` (replica 0's; every replica
     has the same kinds) for ``dp`` replicas, with rates and memory terms of each card's kind for ``threads``
-    torch threads per card process. Raises :class:`~npu_train.errors.ConfigError` for a bad
+    torch threads per card process, ``cards_per_host`` of them on one host (0: every card). Raises :class:`~npu_train.errors.ConfigError` for a bad
     ``train.resident_layers``."""
     from npu_train.planner import PlanRequest, load_rates
     from npu_train.planner.memterms import load_memory_terms
@@ -445,7 +447,7 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
     return PlanRequest(model=mcfg, shape=shape, cards=list(cards), rates=rates,
                        split=as_list(tr.split) or None, resident_layers=resident, host_ram_bytes=host_ram_bytes,
                        threads=threads, headroom=float(cfg.placement.headroom), memory_terms=terms, dp=dp, zero=zero,
-                       host_cores=host_cores)
+                       host_cores=host_cores, cards_per_host=cards_per_host)
 
 
 def run_shape(cfg, mcfg, dtype: str):
