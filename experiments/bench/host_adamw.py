@@ -1,6 +1,23 @@
 #!/usr/bin/env python
-"""Host AdamW step on CPU: fused vs foreach vs for-loop, the cost of emitting a bf16 copy, the bf16
-emission fused into the step, and two processes stepping at once.
+"""Host AdamW on CPU: the project's update of an offloaded tensor against torch's fused AdamW and the
+memory-bandwidth limit measured in the same process (default); ``--variants``: fused vs foreach vs
+for-loop, the cost of emitting a bf16 copy, the bf16 emission fused into the step, two processes at once.
+
+Default (issue 39): the MLP matrices of one Llama-3.1-8B layer (3 x 14336 x 4096 fp32 masters, 176 M
+params; ``--params`` scales the three), at each ``--threads`` count, interleaved over ``--rounds``:
+
+- ``bandwidth limit``: ``a.add_(b)`` on two fp32 tensors of the same total size (read 8 B, write 4 B per
+  element, all in place as AdamW's streams are), bytes/s divided by AdamW's 28 B/param; ``copy limit``:
+  ``a.copy_(b)`` counted as 8 B per element (the hardware also reads ``a`` before writing it, so this
+  understates the bandwidth by up to a third; the ratio to it is the looser one);
+- ``project, bf16 grad``: :func:`npu_train.optim.onepass.adamw_onepass` as the host updater calls it
+  (bf16 gradient, clip 0.5, bf16 copy out; 28 B/param); ``project, fp32 grad`` (30 B/param);
+- ``old path, bf16 grad``: the same call with ``use_kernel=False`` (``.float()``, clip ``mul_``, fused
+  AdamW, ``.to(bf16)``: the update before the one-pass kernel and the fallback without a compiler;
+  52 B/param);
+- ``torch fused, fp32 grad``: ``torch.optim.AdamW(fused=True).step()`` alone (no clip, no copy; 28 B/param).
+
+Printed: M params/s (median over rounds, [min-max]), share of the bandwidth limit, ratio to torch fused.
 
 The host optimizer of offloaded layers (``npu_train.optim.adamw``) is
 ``torch.optim.AdamW(fused=True)`` over fp32 masters on the CPU; after the step the trainer casts
@@ -30,7 +47,8 @@ measured in the same round set at the same thread count.
 
 Usage::
 
-    .venv/bin/python experiments/bench/host_adamw.py [--params 50e6] [--threads 1 2] [--reps 7] [--rounds 5]
+    flock /tmp/bench.lock .venv/bin/python experiments/bench/host_adamw.py [--params 176e6] [--threads 1 2]
+    .venv/bin/python experiments/bench/host_adamw.py --variants [--params 50e6] [--threads 1 2] [--reps 7]
     .venv/bin/python experiments/bench/host_adamw.py --quick
 """
 from __future__ import annotations
@@ -261,9 +279,90 @@ def run_procs(n_procs: int, n_params, layout, threads, reps, cores, pin) -> list
     return [res[r] for r in range(n_procs)]
 
 
+# ----------------------------------------------------------------------------- one pass (default)
+#: bytes moved per parameter by each path (gradient in, master + moments read and written, copy out)
+ONEPASS_BYTES = {"bandwidth limit": 28, "copy limit": 28, "project, bf16 grad": 28, "project, fp32 grad": 30,
+                 "old path, bf16 grad": 52, "torch fused, fp32 grad": 28}
+
+
+def onepass_paths(n: int, threads: int):
+    """``[(name, fn)]``: each fn runs one update of the three tensors and returns the seconds it took."""
+    from npu_train.optim.onepass import adamw_onepass, kernel_status
+
+    if not kernel_status().ok:
+        print(f"note: no one-pass kernel ({kernel_status().reason}): 'project' is the torch fallback")
+    g = torch.Generator().manual_seed(0)
+    rows = max(1, n // 3 // 4096)
+    ps = [torch.randn(rows, 4096, generator=g) * 0.02 for _ in range(3)]
+    g32 = [torch.randn(rows, 4096, generator=g) * 1e-3 for _ in range(3)]
+    g16 = [x.to(torch.bfloat16) for x in g32]
+    opt = torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
+    half = sum(p.numel() for p in ps) // 2
+    a, b = torch.ones(half), torch.full((half,), 1e-9)
+
+    def clock(fn):
+        def run():
+            torch.set_num_threads(threads)
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        return run
+
+    def torch_fused():
+        for p, gr in zip(ps, g32):
+            p.grad = gr
+        opt.step()
+        for p in ps:
+            p.grad = None
+
+    return sum(p.numel() for p in ps), [
+        ("bandwidth limit", clock(lambda: a.add_(b))),
+        ("copy limit", clock(lambda: a.copy_(b))),
+        ("project, bf16 grad", clock(lambda: adamw_onepass(opt, ps, g16, 0.5, torch.bfloat16, threads=threads))),
+        ("project, fp32 grad", clock(lambda: adamw_onepass(opt, ps, g32, 0.5, torch.bfloat16, threads=threads))),
+        ("old path, bf16 grad", clock(lambda: adamw_onepass(opt, ps, g16, 0.5, torch.bfloat16, use_kernel=False))),
+        ("torch fused, fp32 grad", clock(torch_fused)),
+    ]
+
+
+def onepass_main(args) -> dict:
+    """The default comparison (module docstring); returns the JSON record."""
+    from npu_train.hostmem import keep_freed_memory
+
+    keep_freed_memory()  # as in a card process: the copies out reuse heap pages
+    out: dict = {"rows": []}
+    for t in args.threads:
+        n, paths = onepass_paths(int(args.params), t)
+        per: dict[str, list] = {name: [] for name, _ in paths}
+        for _ in range(2):  # warm-up: moments allocated, kernel loaded, pages touched
+            for _, fn in paths:
+                fn()
+        for rnd in range(args.rounds):
+            k = rnd % len(paths)
+            for name, fn in paths[k:] + paths[:k]:
+                # the probes move 12 B (add_) / 8 B (copy_, counted without the write-allocate read) per element
+                # of half the params: their times scaled to 28 B/param
+                s = fn()
+                per[name].append(s * 28 / (12 if name == "bandwidth limit" else 8) * 2 if name.endswith("limit") else s)
+        rate = {name: spread([n / x for x in xs]) for name, xs in per.items()}
+        lim, fused = rate["bandwidth limit"]["median"], rate["torch fused, fp32 grad"]["median"]
+        print(f"\nthreads {t} ({n / 1e6:.0f} M params, load {os.getloadavg()[0]:.2f}; bandwidth limit "
+              f"{lim * 28 / 1e9:.1f} GB/s = {lim / 1e6:.0f} M params/s at 28 B/param)")
+        print(f"  {'path':<24} {'B/param':>7} {'M params/s':>10} {'[min-max]':>13} {'of limit':>8} {'vs fused':>8}")
+        for name, _ in paths:
+            r = rate[name]
+            print(f"  {name:<24} {ONEPASS_BYTES[name]:7d} {r['median'] / 1e6:10.0f} "
+                  f"{r['min'] / 1e6:6.0f}-{r['max'] / 1e6:<6.0f} {r['median'] / lim:8.0%} {r['median'] / fused:7.2f}x")
+            out["rows"].append({"threads": t, "path": name, "bytes_per_param": ONEPASS_BYTES[name],
+                                "params_per_s": r, "of_limit": r["median"] / lim, "vs_fused": r["median"] / fused})
+        del paths
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=float, default=50e6)
+    ap.add_argument("--variants", action="store_true", help="the older comparison of torch variants (docstring)")
+    ap.add_argument("--params", type=float, default=None, help="default 176e6 (50e6 with --variants)")
     ap.add_argument("--threads", type=int, nargs="*", default=sorted({1, len(usable_cores())}))
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=5)
@@ -275,10 +374,17 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smoke run: 2M params, 1 round, 2 reps, 1 thread")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    if args.params is None:
+        args.params = 50e6 if args.variants else 176e6
     if args.quick:
         args.params, args.rounds, args.reps, args.threads = 2e6, 1, 2, [1]
     info = machine_info()
     print_machine(info)
+    if not args.variants:
+        print("(a shared machine gives figures that vary between runs: compare the ratios within one run)")
+        res = onepass_main(args)
+        write_json(args.json, {"machine": info, "args": vars(args), **res})
+        return 0
     cores = usable_cores()
     n = int(args.params)
     print(f"{args.params / 1e6:.0f}M fp32 params ({args.layout} layout), median of {args.reps} steps per round, "
