@@ -299,7 +299,9 @@ class PlanConf:
 class ParallelConf:
     #: data-parallel replicas of the pipeline: the cards of ``backend=`` (global-rank order) form
     #: ``dp`` pipelines of ``len(cards) / dp`` stages each (global rank = replica * P + stage).
-    dp: int = 1
+    #: auto: the planner picks dp, the pipeline depth, schedule, split and micro-batch size for the global
+    #: batch train.micro_batch x train.accum (planner/layout_choice.py); a resume keeps the checkpoint's.
+    dp: Any = 1
     #: ZeRO stage: 0 = every replica keeps the stage's whole fp32 master + AdamW moments; 1 = they
     #: are sharded across the stage's replicas (ZeRO-1, by parameter).
     zero: int = 0
@@ -563,7 +565,8 @@ def _check_runtime(cfg) -> None:
 
 
 def _check_parallel(par) -> None:
-    _positive("parallel.dp", par.dp, " (data-parallel replicas of the pipeline; 1 = none)")
+    if par.dp != "auto":
+        _positive("parallel.dp", par.dp, " (data-parallel replicas of the pipeline; 1 = none; or auto)")
     if par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "
                           "sharded across the replicas)")

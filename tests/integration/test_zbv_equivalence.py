@@ -143,3 +143,17 @@ def test_interleaved_refuses_accum_not_a_multiple(tiny_model, tmp_path):
     cfg = make_cfg(tiny_model, "backend=[cpu,cpu,cpu]", "train.schedule=interleaved", "train.accum=4")
     with pytest.raises(ConfigError, match=r"multiple of the 3 pipeline stage\(s\): set train.accum=6"):
         prepare(cfg, str(tmp_path), probe=False)
+
+
+def test_dp_auto_chooses_a_layout(tiny_model, tmp_path, capsys):
+    """parallel.dp=auto on 4 cards keeps the global batch (micro-batch x accum, here 2 x 4 = 8 sequences), picks
+    dp dividing the cards and says why with the alternatives; an explicit schedule is kept."""
+    from npu_train.runtime.job import prepare
+
+    cfg = make_cfg(tiny_model, "backend=[cpu,cpu,cpu,cpu]", "parallel.dp=auto", "train.schedule=1f1b", "plan=true")
+    prep = prepare(cfg, str(tmp_path), probe=False)
+    out = capsys.readouterr().out
+    assert "parallel.dp=auto: dp=" in out and "why:" in out and "alternative 1:" in out
+    assert prep.dp in (1, 2, 4) and len(prep.plan.stages) == 4 // prep.dp
+    assert prep.dp * cfg.train.micro_batch * cfg.train.accum == 8
+    assert cfg.train.schedule == "1f1b"

@@ -208,6 +208,31 @@ def in_flight_profile(actions: Sequence[Action]) -> list[int]:
     return out
 
 
+def peak_held_bytes(kind: str, stage: int, num_stages: int, num_micro: int, held: Sequence[float],
+                    pending: Sequence[float] = (0.0, 0.0)) -> float:
+    """Peak of ``sum_c held[c] * live_c + pending[c] * waiting_c`` over ``stage``'s actions: ``live_c`` the
+    micro-batches chunk ``c`` holds (``F`` to its last backward action), ``waiting_c`` those between ``B`` and
+    ``W`` (a split backward past the first virtual stage); ``held`` / ``pending`` bytes per micro-batch of each
+    chunk (one entry per chunk the card holds)."""
+    acts = build_schedule(kind, num_stages, num_micro, stage)
+    last = {}
+    for i, a in enumerate(acts):
+        if a.kind != "F":
+            last[(a.micro, a.chunk)] = i
+    split = kind in SPLIT_BACKWARD
+    total = peak = 0.0
+    for i, a in enumerate(acts):
+        c = a.chunk
+        if a.kind == "F":
+            total += held[c]
+        elif last.get((a.micro, c)) == i:
+            total -= held[c]
+        if split and virtual_stage(kind, num_stages, stage, c) > 0:
+            total += pending[c] if a.kind == "B" else -pending[c] if a.kind == "W" else 0.0
+        peak = max(peak, total)
+    return peak
+
+
 def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:
     """Most micro-batches held at once: ``min(M, P-stage)`` (1f1b, zb), ``min(M, P)`` (zb-h1), ``2P-1``
     (zb-h2), M (gpipe). Raises ValueError as :func:`build_schedule`."""

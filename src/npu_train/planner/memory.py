@@ -10,7 +10,8 @@ from typing import Optional, Sequence
 
 from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import card_of, chunks_per_card, peak_in_flight, peak_pending_weight_grads
+from npu_train.pipeline.schedule import (card_of, chunks_per_card, peak_held_bytes, peak_in_flight,
+                                         peak_pending_weight_grads)
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.moe import largest_layer_tensor, mlp_pending_bytes_per_token, mlp_saved_bytes_per_token
 from npu_train.planner.spec import RunShape
@@ -235,8 +236,8 @@ class MemoryModel:
         """Saved tensors of the micro-batches in flight (packed rows: with their attention mask), the last
         stage's log-probabilities and, with a split backward, the output gradients kept from B to W."""
         k, last = self.in_flight[i], i == self.head_stage
-        if self.chunks > 1:  # k chunk micro-batches, each of about half the card's layers (the larger chunk)
-            n = n - n // 2
+        if self.chunks > 1:
+            return self._chunked_activations(i, n)
         if self.shape.recompute:
             total = k * n * self.layer_input_bytes + (self._activations_per_layer(i) if n else 0)
         else:
@@ -244,10 +245,29 @@ class MemoryModel:
         if n:
             total += k * self.mask_bytes
         if last:
-            total += -(-k // self.chunks) * self.saved_logits
+            total += k * self.saved_logits
         if self.pending[i]:
             total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head_bytes if last else 0))
         return total
+
+    def _chunked_activations(self, i: int, n: int) -> int:
+        """:meth:`activations` of a card holding two chunks (``n`` layers, shared as
+        :func:`~npu_train.planner.cost.chunk_sizes`): the peak over its actions of what each chunk's micro-batches
+        hold (:func:`~npu_train.pipeline.schedule.peak_held_bytes`; the head's saved log-probabilities on the last
+        virtual stage's chunk)."""
+        sizes = (n - n // 2, n // 2)
+        V = self.chunks * self.num_stages
+        per = self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)
+        held, pend = [], []
+        for c, m in enumerate(sizes):
+            head = card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
+            h = m * per + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)
+            held.append(float(h))
+            pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if head else 0)))
+        total = peak_held_bytes(self.shape.schedule, i, self.num_stages, self.shape.micro_batches, held, pend)
+        if self.shape.recompute and n:
+            total += self._activations_per_layer(i)  # one layer's recomputed activations at a time
+        return int(total)
 
     def transients(self, i: int, n: int, p: StageParams, activations: int) -> int:
         """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step."""

@@ -1,8 +1,11 @@
 """``train.schedule=auto``: the fastest pipeline schedule whose plan fits (:func:`choose_schedule`).
 
-Every candidate (1F1B and the zero-bubble schedules ZB, ZB-H1, ZB-H2) is planned with the same request;
+Every candidate (1F1B, the zero-bubble schedules ZB, ZB-H1, ZB-H2, and the two-chunk ZB-V and interleaved
+1F1B, the latter when the micro-batches divide by the stages) is planned with the same request;
 the one with the shortest predicted step time among those that fit wins (ties: the earlier in
-:data:`CANDIDATES`, the one holding fewer micro-batches). When none fits, 1F1B with activation recompute is
+:data:`CANDIDATES`, the one holding fewer micro-batches). A two-chunk schedule must beat the best one-chunk
+schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its extra boundary transfers (each micro-batch
+crosses every card twice) and its second set of per-chunk calls. When none fits, 1F1B with activation recompute is
 tried (the zero-bubble schedules do not combine with recompute). With ``recompute`` asked for, only 1F1B and
 GPipe are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
 """
@@ -19,7 +22,9 @@ from npu_train.planner.spec import PlacementError
 __all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule"]
 
 #: in order of preference at equal predicted step time (fewest micro-batches held first)
-CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2")
+CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2", "zbv", "interleaved")
+#: how much shorter a two-chunk schedule's predicted step must be than the best one-chunk schedule's
+CHUNK_MARGIN = 0.05
 #: the candidates when activation recompute is asked for (split-backward schedules do not recompute)
 RECOMPUTE_CANDIDATES = ("1f1b", "gpipe")
 
@@ -40,6 +45,8 @@ def _try(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Pla
         plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
     except PlacementError as e:
         return None, str(e).split(";")[0]
+    except ValueError as e:  # interleaved: micro-batches not a multiple of the stages
+        return None, str(e).split(":")[0]
     return (plan, "") if plan.fits else (None, "does not fit")
 
 
@@ -53,7 +60,7 @@ def choose_schedule(req: PlanRequest) -> ScheduleChoice:
         tried.append((s, plan, why_not))
     fits = [(s, p) for s, p, _ in tried if p is not None]
     if fits:
-        best, plan = min(fits, key=lambda sp: sp[1].step_time_s)  # min keeps the first of equal times
+        best, plan = min(fits, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))  # keeps the first of equals
         others = ", ".join(f"{s} {p.step_time_s:.3g} s" if p is not None else f"{s} {w}"
                            for s, p, w in tried if s != best)
         return ScheduleChoice(best, recompute, plan,
@@ -66,3 +73,10 @@ def choose_schedule(req: PlanRequest) -> ScheduleChoice:
     # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
     return ScheduleChoice("1f1b", recompute, plan, "train.schedule=auto: no schedule fits, 1f1b shown")
+
+
+def _handicapped(schedule: str, step_s: float) -> float:
+    """The step time a schedule is compared by: a two-chunk schedule's divided by ``1 - CHUNK_MARGIN``."""
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+
+    return step_s / (1.0 - CHUNK_MARGIN) if schedule in CHUNKED_SCHEDULES else step_s

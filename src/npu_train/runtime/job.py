@@ -136,12 +136,9 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         if not cfg.plan:
             check_weights(model_path, mcfg)
     check_moe(cfg, mcfg)
-    P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
-    _check_interleaved(cfg, P)
-    if cfg.train.schedule == "auto":
-        _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], plan_threads, dp, zero,
-                         None if (cfg.plan or nodes is not None) else host_ram, multinode=nodes is not None,
-                         host_cores=P * dp if elsewhere else None)
+    P, dp, zero = _layout_and_schedule(cfg, run_dir, mcfg, dtype, cards, plan_threads,
+                                       None if (cfg.plan or nodes is not None) else host_ram,
+                                       multinode=nodes is not None, elsewhere=elsewhere)
     # A dry run plans for the target server, not this machine: its host RAM is not checked then
     # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
     req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
@@ -218,6 +215,62 @@ def check_address_space(plan, limit: Optional[int] = None) -> None:
                       "(more cards, train.recompute=true, a smaller train.micro_batch or data.seq_len)")
 
 
+def _layout_and_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int,
+                         host_ram: Optional[int], multinode: bool, elsewhere: bool) -> tuple[int, int, int]:
+    """``(P, dp, zero)`` after ``parallel.dp=auto`` and ``train.schedule=auto`` are resolved in ``cfg``
+    (``elsewhere``: a dry run for another machine, whose cores are one per card)."""
+    if cfg.parallel.dp == "auto":
+        _choose_layout(cfg, run_dir, mcfg, dtype, cards, threads, host_ram, multinode, elsewhere)
+    P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
+    _check_interleaved(cfg, P)
+    if cfg.train.schedule == "auto":
+        _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
+                         multinode=multinode, host_cores=P * dp if elsewhere else None)
+    return P, dp, zero
+
+
+def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
+                   multinode: bool = False, elsewhere: bool = False) -> None:
+    """``parallel.dp=auto``: set ``parallel.dp``, ``train.micro_batch``, ``train.accum`` (same global batch) and,
+    for ``train.schedule=auto``, the schedule (:func:`npu_train.planner.layout_choice.choose_layout`), and print
+    the choice, why and the next two; a resume keeps the checkpoint's layout. ``train.split`` fixes the depth."""
+    from omegaconf import OmegaConf, open_dict
+
+    from npu_train.planner.layout_choice import choose_layout, layouts
+
+    saved = _resumed_manifest(cfg, run_dir)
+    if saved and isinstance(saved.get("parallel"), dict) and saved.get("train"):
+        t = saved["train"]
+        with open_dict(cfg):
+            cfg.parallel.dp = int(saved["parallel"]["dp"])
+            cfg.train.micro_batch, cfg.train.accum = int(t["micro_batch"]), int(t["accum"])
+        print(f"parallel.dp=auto: dp={cfg.parallel.dp}, micro-batch {cfg.train.micro_batch} x accum "
+              f"{cfg.train.accum}, the resumed checkpoint's layout", flush=True)
+        return
+    split = as_list(cfg.train.split)
+    cands = layouts(len(cards), mcfg.num_layers, int(cfg.train.micro_batch) * int(cfg.train.accum),
+                    pp=len(split) if split else None)
+    sched = cfg.train.schedule
+
+    def request(lay):
+        c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
+            f"parallel.dp={lay.dp}", f"train.micro_batch={lay.micro_batch}", f"train.accum={lay.accum}",
+            f"train.schedule={'1f1b' if sched == 'auto' else sched}"]))
+        return plan_request(c, mcfg, dtype, cards[:lay.pp], threads=threads, dp=lay.dp,
+                            zero=int(cfg.parallel.zero) if lay.dp > 1 else 0, host_ram_bytes=host_ram,
+                            multinode=multinode, host_cores=len(cards) if elsewhere else None)
+
+    choice = choose_layout(cands, request, sched)
+    o = choice.chosen
+    with open_dict(cfg):
+        cfg.parallel.dp = o.layout.dp
+        if o.layout.dp == 1:
+            cfg.parallel.zero = 0
+        cfg.train.micro_batch, cfg.train.accum = o.layout.micro_batch, o.layout.accum
+        cfg.train.schedule, cfg.train.recompute = o.schedule, o.recompute
+    print("\n".join(choice.lines), flush=True)
+
+
 def _check_interleaved(cfg, P: int) -> None:
     """ConfigError for ``train.schedule=interleaved`` with ``train.accum`` not a multiple of the stages ``P``."""
     if cfg.train.schedule == "interleaved" and cfg.train.accum % P:
@@ -261,6 +314,12 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
 
 def _resumed_train(cfg, run_dir: str) -> Optional[dict]:
     """The ``train`` settings recorded in the checkpoint ``train.resume`` names, or None (no resume, none found)."""
+    saved = _resumed_manifest(cfg, run_dir)
+    return (saved.get("train") or None) if saved else None
+
+
+def _resumed_manifest(cfg, run_dir: str) -> Optional[dict]:
+    """The manifest of the checkpoint ``train.resume`` names, or None (no resume, none found)."""
     from npu_train.checkpoint.store import find_checkpoint
 
     if not cfg.train.resume or cfg.plan:
@@ -268,7 +327,8 @@ def _resumed_train(cfg, run_dir: str) -> Optional[dict]:
     try:
         found = find_checkpoint(cfg.train.resume, checkpoint_root(cfg, run_dir))
         with open(os.path.join(found, "manifest.json")) as f:
-            return json.load(f).get("train") or None
+            out = json.load(f)
+        return out if isinstance(out, dict) else None
     except (UserError, OSError, TypeError, ValueError):
         return None
 

@@ -1,0 +1,77 @@
+"""``parallel.dp=auto`` (issue 38): the layouts tried and the one chosen. Expected values are worked out here
+from each layout's own plan (make_plan with dp, micro-batch, accum and schedule named), not from the chooser."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from npu_train.hardware import make_cards
+from npu_train.model.presets import get_preset
+from npu_train.planner import PlanRequest, RunShape, load_rates, make_plan
+from npu_train.planner.layout_choice import Layout, choose_layout, layouts
+from npu_train.planner.spec import PlacementError
+
+GIB = 2 ** 30
+
+
+def test_layouts_divide_cards_and_batch():
+    got = layouts(8, 32, 32, micro_batches=(1, 2, 4))
+    for lay in got:
+        assert 8 % lay.dp == 0 and lay.pp == 8 // lay.dp
+        assert lay.dp * lay.micro_batch * lay.accum == 32  # the global batch is kept
+    assert Layout(2, 4, 2, 8) in got and Layout(8, 1, 4, 1) in got
+    assert all(lay.pp <= 3 for lay in layouts(8, 3, 32))  # no more stages than layers
+    assert {lay.pp for lay in layouts(8, 32, 32, pp=4)} == {4}  # train.split fixes the depth
+    assert not [l for l in layouts(6, 32, 4) if l.dp == 3]  # 3 replicas cannot share 4 sequences
+
+
+def _request(cap_gib: float, layers: int = 8):
+    m = replace(get_preset("llama-3.2-1b"), num_layers=layers)
+
+    def request(lay: Layout) -> PlanRequest:
+        shape = RunShape(seq_len=512, micro_batch=lay.micro_batch, micro_batches=lay.accum, schedule="1f1b",
+                         dtype="bf16")
+        return PlanRequest(m, shape, make_cards("furiosa", lay.pp, int(cap_gib * GIB)),
+                           [load_rates("furiosa")] * lay.pp, resident_layers="auto", host_ram_bytes=None,
+                           dp=lay.dp, zero=1 if lay.dp > 1 else 0)
+    return request
+
+
+def _step(req, schedule):
+    try:
+        p = make_plan(replace(req, shape=replace(req.shape, schedule=schedule)))
+    except (PlacementError, ValueError):
+        return float("inf")
+    return p.step_time_s if p.fits else float("inf")
+
+
+def test_chooses_the_fastest_layout_and_names_two_alternatives():
+    request = _request(47.5)
+    cands = layouts(4, 8, 8, micro_batches=(1, 2))
+    got = choose_layout(cands, request, "1f1b")
+    steps = {lay: _step(request(lay), "1f1b") for lay in cands}
+    best = min(steps.values())
+    assert got.chosen.plan.step_time_s == pytest.approx(best)
+    assert got.chosen.layout in [l for l, t in steps.items() if t == pytest.approx(best)]
+    lines = got.lines
+    assert lines[0].startswith("parallel.dp=auto: dp=") and "why" in lines[1]
+    assert sum(1 for l in lines if "alternative" in l) == min(2, sum(1 for t in steps.values() if t < float("inf")) - 1)
+    # alternatives are the next fastest, in order, each with its step time and memory
+    alts = [o for o in got.options if o.plan is not None][1:3]
+    assert [o.step_s for o in alts] == sorted(o.step_s for o in alts)
+    assert all("s, " in l and "GiB" in l for l in lines[2:])
+
+
+def test_memory_rules_layouts_out():
+    """A card too small for one replica per card with the whole model: only deeper pipelines fit."""
+    request = _request(8.0)
+    cands = layouts(4, 8, 8, micro_batches=(1, 2))
+    got = choose_layout(cands, request, "1f1b")
+    assert got.chosen.layout.pp > 1
+    assert all(o.plan is None for o in got.options if o.layout.pp == 1)
+
+
+def test_nothing_fits_is_one_error():
+    with pytest.raises(PlacementError, match="parallel.dp=auto: no layout fits"):
+        choose_layout(layouts(2, 8, 4), _request(0.2), "1f1b")
