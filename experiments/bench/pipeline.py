@@ -9,7 +9,7 @@ process, one process per stage pinned to its own core (round-robin when P > core
 
 - ``npu-train <schedule>``: the real launcher as a subprocess, ``launch/run.py backend=cpu,...
   data.seq_len=S train.micro_batch=1 train.accum=M train.steps=N runtime.threads=T train.dtype=fp32
-  train.schedule=<1f1b|gpipe|zb|zb-h1|zb-h2>``; tokens/s and the idle share (``idle_s / step_s``), split
+  train.schedule=<1f1b|gpipe|zb|zb-h1|zb-h2|zbv|interleaved>``; tokens/s and the idle share (``idle_s / step_s``), split
   into the pipeline bubble (``bubble_s / step_s``) and the end-of-step collectives (``collective_s /
   step_s``), per step come
   from the run dir's ``metrics.jsonl`` (fields of ``npu_train.metrics.report.Reporter.step``: the
@@ -80,7 +80,7 @@ sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(HERE))
 
 from _common import core_for, free_port, machine_info, pin_pid_tree, print_machine, spread, usable_cores, write_json  # noqa: E402
-from npu_train.pipeline.schedule import SCHEDULES  # noqa: E402  (torch-free)
+from npu_train.pipeline.schedule import ALL_SCHEDULES  # noqa: E402  (torch-free)
 
 from _torch_pipeline import LOOPED, SINGLE, VSHAPE, torch_refusal  # noqa: E402  (the torch worker side)
 
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--torch-pg", default=None, help="process group backend of the torch side (default gloo on "
                     "cpu, nccl on cuda)")
-    ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], choices=("auto", *SCHEDULES),
+    ap.add_argument("--project-schedules", nargs="+", default=["1f1b", "zb"], choices=("auto", *ALL_SCHEDULES),
                     help="train.schedule values ('auto', the default command's: the planner's choice, "
                          "printed per run)")
     ap.add_argument("--torch-schedules", nargs="*", default=["1F1B", *LOOPED, *VSHAPE],

@@ -75,3 +75,22 @@ def test_memory_rules_layouts_out():
 def test_nothing_fits_is_one_error():
     with pytest.raises(PlacementError, match="parallel.dp=auto: no layout fits"):
         choose_layout(layouts(2, 8, 4), _request(0.2), "1f1b")
+
+
+def test_more_replicas_win_when_their_communication_is_cheap():
+    """With a free all-reduce (dp_bytes_per_s and host links 1e15 B/s) replicas cost nothing and a pipeline
+    only adds its bubble: the expected winner is the layout with the shortest step of its own plan, here a
+    dp > 1 one."""
+    base = _request(47.5)
+
+    def request(lay):
+        req = base(lay)
+        fast = replace(req.rates[0], dp_bytes_per_s=1e15, h2d_bytes_per_s=1e15, d2h_bytes_per_s=1e15)
+        return replace(req, rates=[fast] * lay.pp)
+
+    cands = layouts(4, 8, 8, micro_batches=(1, 2))
+    steps = {lay: _step(request(lay), "1f1b") for lay in cands}
+    want = min(steps, key=lambda l: (steps[l], l.dp, -l.micro_batch))
+    assert want.dp > 1
+    got = choose_layout(cands, request, "1f1b")
+    assert got.chosen.layout == want
