@@ -157,3 +157,12 @@ def test_dp_auto_chooses_a_layout(tiny_model, tmp_path, capsys):
     assert prep.dp in (1, 2, 4) and len(prep.plan.stages) == 4 // prep.dp
     assert prep.dp * cfg.train.micro_batch * cfg.train.accum == 8
     assert cfg.train.schedule == "1f1b"
+
+
+def test_interleaved_with_recompute_matches_reference(tiny_model, tmp_path):
+    """Interleaved 1F1B with activation recompute (what auto picks for a model that fits only so): the
+    reference's losses and masters."""
+    ref_losses, ref_w = _ref(tiny_model)
+    losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=interleaved",
+                                  "train.recompute=true")
+    _check(losses, reader, ref_losses, ref_w)

@@ -6,8 +6,8 @@ the one with the shortest predicted step time among those that fit wins (ties: t
 :data:`CANDIDATES`, the one holding fewer micro-batches). A two-chunk schedule must beat the best one-chunk
 schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its extra boundary transfers (each micro-batch
 crosses every card twice) and its second set of per-chunk calls. When none fits, 1F1B with activation recompute is
-tried (the zero-bubble schedules do not combine with recompute). With ``recompute`` asked for, only 1F1B and
-GPipe are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
+tried, and interleaved 1F1B with recompute (the zero-bubble schedules do not combine with recompute). With
+``recompute`` asked for, only 1F1B, GPipe and interleaved 1F1B are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2", "zbv", "interleaved")
 #: how much shorter a two-chunk schedule's predicted step must be than the best one-chunk schedule's
 CHUNK_MARGIN = 0.05
 #: the candidates when activation recompute is asked for (split-backward schedules do not recompute)
-RECOMPUTE_CANDIDATES = ("1f1b", "gpipe")
+RECOMPUTE_CANDIDATES = ("1f1b", "gpipe", "interleaved")
 
 
 @dataclass
@@ -65,10 +65,14 @@ def choose_schedule(req: PlanRequest) -> ScheduleChoice:
                            for s, p, w in tried if s != best)
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {best} (predicted step {plan.step_time_s:.3g} s; {others})")
-    plan, why_not = _try(req, "1f1b", True)
-    if plan is not None:
-        return ScheduleChoice("1f1b", True, plan,
-                              "train.schedule=auto: 1f1b with activation recompute, the only one that fits ("
+    rec = [(s, _try(req, s, True)[0]) for s in ("1f1b", "interleaved")]
+    rec = [(s, p) for s, p in rec if p is not None]
+    if rec:
+        best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))
+        also = "".join(f"; {s} + recompute {p.step_time_s:.3g} s" for s, p in rec if s != best)
+        return ScheduleChoice(best, True, plan,
+                              f"train.schedule=auto: {best} with activation recompute (predicted step "
+                              f"{plan.step_time_s:.3g} s{also}), recompute being the only way to fit ("
                               + ", ".join(f"{s}: {w}" for s, _, w in tried) + ")")
     # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
