@@ -87,7 +87,8 @@ def test_glibc_tunables_for_malloc_count_as_the_users_setting():
 RETURN_PROG = r"""
 import json, sys, torch
 from npu_train.hostmem import card_mmap_threshold, keep_freed_memory
-applied = keep_freed_memory(mmap_threshold=card_mmap_threshold(sys.argv[1], keep=sys.argv[2] == "keep"))
+applied = keep_freed_memory(mmap_threshold=card_mmap_threshold(sys.argv[1], keep=sys.argv[2] != "return",
+                                                             recompute=sys.argv[2] == "recompute"))
 def anon():
     return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1]) * 1024
 xs = [torch.ones(1 << 20) for _ in range(64)]  # 64 tensors of 4 MiB, like a stage's activations
@@ -103,6 +104,10 @@ def test_card_mmap_threshold_policy():
     # [tokens, vocab] tensors were mapped afresh each micro-batch); a cpu card's plan counts the heap's holes
     assert card_mmap_threshold("cpu") == 1 << 30 and card_mmap_threshold("cpu", keep=False) == 256 * 1024
     assert card_mmap_threshold("furiosa") == 1 << 30 and card_mmap_threshold("cuda", keep=False) is None
+    # activation recompute (chosen when nothing else fits): a cpu card returns freed memory, whatever keep says
+    # (issue 43: the recomputed layers' freed temporaries stayed on the heap, a micro-batch's activations)
+    assert card_mmap_threshold("cpu", recompute=True) == card_mmap_threshold("cpu", keep=False, recompute=True) == 256 * 1024
+    assert card_mmap_threshold("furiosa", recompute=True) == 1 << 30
 
 
 @glibc
@@ -115,7 +120,9 @@ def test_cpu_card_returns_freed_tensors():
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     cpu, furiosa, cpu_keep = run("cpu", "return"), run("furiosa", "keep"), run("cpu", "keep")
+    cpu_rc = run("cpu", "recompute")
     assert cpu["applied"] is True and furiosa["applied"] is True and cpu_keep["applied"] is True
     assert cpu["freed"] >= 120 << 20, cpu  # the 32 remaining tensors' 128 MiB went back to the OS
+    assert cpu_rc["freed"] >= 120 << 20, cpu_rc  # likewise under recompute
     assert furiosa["freed"] < 8 << 20, furiosa  # kept on the heap for reuse (the accelerators' host side)
     assert cpu_keep["freed"] < 8 << 20, cpu_keep  # likewise on a cpu card by default

@@ -117,6 +117,11 @@ def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
     assert a["heap"] == a["activations"] > 0
     assert a["workspace"] == int(0.04 * body + a["activations"])
     assert a["total"] - b["total"] == a["workspace"] - b["workspace"] == a["heap"]
+    # activation recompute: the cpu card returns freed memory (hostmem.card_mmap_threshold), no heap term
+    rc = MemoryModel(get_preset("smollm2-135m"), RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32",
+                                                          lora_params_per_layer=34560, recompute=True),
+                     cards, None, [kept, kept]).stage(0, 15, 15, 0).mem
+    assert rc["heap"] == 0 and rc["workspace"] == int(0.04 * sum(rc[k] for k in TERMS[1:6]))
     # full fine-tuning: at least the activations, at most activations + transient (no held buffers, no
     # optimizer phase)
     full = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32")

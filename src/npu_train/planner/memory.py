@@ -176,10 +176,11 @@ class MemoryModel:
         load = self._load_excess(i, n, p, mem["weights"], body)  # the model load, where it is the peak
         mem["transient"] += load
         body += load
-        mem["workspace"] = self.workspace(i, body, churn)
+        # recompute: a cpu card returns freed memory (hostmem.card_mmap_threshold), so no heap holes
+        mem["workspace"] = self.workspace(i, body, 0 if self.shape.recompute else churn)
         mem["total"] = mem["baseline"] + body + mem["workspace"]
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
-        mem["heap"] = int(self.terms[i].heap_fraction * churn)  # part of workspace
+        mem["heap"] = 0 if self.shape.recompute else int(self.terms[i].heap_fraction * churn)  # part of workspace
         return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i])
 
     # ------------------------------------------------------------------ parameters

@@ -108,7 +108,7 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGTERM, _note_signal)
     signal.signal(signal.SIGHUP, _note_signal)
     install_stack_dump(f"card {spec.card.name} ({spec.layout.where(rank)}, layers {spec.stage.label})")  # kill -USR1
-    threshold = card_mmap_threshold(spec.card.kind, keep=spec.runtime.keep_host_memory)
+    threshold = card_mmap_threshold(spec.card.kind, keep=spec.runtime.keep_host_memory, recompute=spec.train.recompute)
     if threshold is not None and not keep_freed_memory(mmap_threshold=threshold):  # before tensors exist
         log.debug("host memory: malloc settings not changed (not glibc, or the user's MALLOC_* / GLIBC_TUNABLES)")
     torch.set_num_threads(max(1, int(spec.runtime.threads)))
