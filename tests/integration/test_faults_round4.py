@@ -433,3 +433,41 @@ def test_run_dir_full_at_the_start_is_one_error_line(tiny_model, tmp_path, small
     left = os.listdir(run_dir)
     assert not [n for n in left if n.endswith(".part")] and "plan.txt" not in left and "job.json" not in left, left
     assert set(glob.glob("/dev/shm/npt_*")) <= before
+
+
+def test_pausing_the_whole_job_does_not_kill_it(tiny_model, tmp_path):
+    """Fault 1: SIGSTOP of the launcher and every card (the whole process group: Ctrl-Z, docker pause, a suspended
+    VM) for twice ``runtime.heartbeat_timeout_s``, then SIGCONT: the job goes on to its last step (it failed 0.1 s
+    after SIGCONT with "no heartbeat for 90 s" though every process was healthy). The launcher tells "my peers are
+    silent" from "I was not running" by the gap in its own supervision loop."""
+    import signal
+    import time
+
+    job = Job(tmp_path, tiny_model, "train.steps=30", "runtime.heartbeat_timeout_s=4")
+    try:
+        job.job_info()
+        job.wait_steps(2)
+        os.killpg(job.proc.pid, signal.SIGSTOP)
+        time.sleep(9)
+        os.killpg(job.proc.pid, signal.SIGCONT)
+        rc = job.wait(240)
+    finally:
+        job.kill_all()
+    assert rc == 0, job.tail()
+    assert len(job.losses()) == 30 and "did not run for" in job.stdout, job.tail()
+
+
+def test_a_card_stopped_alone_is_still_reported(tiny_model, tmp_path):
+    """The pause rule forgives only the launcher's own gaps: one card SIGSTOPped while the launcher runs is still
+    reported after ``runtime.heartbeat_timeout_s`` (exit 1, "stopped responding")."""
+    import signal
+
+    job = Job(tmp_path, tiny_model, "train.steps=400", "runtime.heartbeat_timeout_s=4")
+    try:
+        info = job.job_info()
+        job.wait_steps(2)
+        os.kill(job.card_pids(info)[1], signal.SIGSTOP)
+        rc = job.wait(240)
+    finally:
+        job.kill_all()
+    assert rc == 1 and "stopped responding: no heartbeat for" in job.stderr, job.tail()

@@ -49,6 +49,12 @@ class NodeLink:
         self.failed = False
         self.last_ckpt: Optional[str] = None         # the last published checkpoint (from node 0's finish)
 
+    def forgive(self, gap: float, now: float) -> None:
+        """This launcher did not run for ``gap`` seconds (paused): the other nodes' silence meanwhile is not
+        theirs, so their heartbeat deadlines start again (at most from ``now``)."""
+        for p in self.peers:
+            self.last_seen[p] = min(self.last_seen[p] + gap, now)
+
     # ------------------------------------------------------------------ sending
     def _send(self, peer: int, msg: dict) -> None:
         data = msgpack.packb(dict(msg, tok=self.token, node=self.node), use_bin_type=True)

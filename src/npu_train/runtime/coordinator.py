@@ -81,6 +81,7 @@ class Coordinator:
         self.signum = int(signal.SIGINT)  # the last signal received (exit status 128 + signum)
         self.oom = OomWatch()  # the cgroup's OOM-kill count at start (a card's SIGKILL is then classified)
         self.stop_sent_at: Optional[float] = None
+        self.loop_at = time.monotonic()  # the supervision loop's last pass (a long gap: this launcher was paused)
         self.last_ckpt: Optional[str] = None
         self.rejected = 0
 
@@ -172,12 +173,14 @@ class Coordinator:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        self.loop_at = time.monotonic()
         while True:
             for _ in range(256):
                 if not poller.poll(0 if _ else 200):
                     break
                 self._handle(self.sock.recv_multipart())
             now = time.monotonic()
+            self._forgive_pause(now)
             if self.link is not None:
                 self.link.pump(now, lambda step: self._publish(step, self.ckpt_reports.pop(step)[min(self.by_rank)]))
             if all(rs.done for rs in self.ranks):
@@ -211,6 +214,27 @@ class Coordinator:
             return (f"stopped responding: no heartbeat for {now - rs.last_seen:.0f} s "
                     f"(runtime.heartbeat_timeout_s={self.hb_timeout:g}; process {rs.proc.pid} hung or stopped)")
         return None
+
+    #: a gap this long between two passes of the supervision loop (each waits at most 0.2 s for a message) means
+    #: that this launcher did not run: the whole job paused (Ctrl-Z / SIGSTOP, docker pause, a suspended VM or
+    #: laptop), or the loop was held up; the cards' silence meanwhile says nothing about them
+    PAUSE_GAP_S = 3.0
+
+    def _forgive_pause(self, now: float) -> None:
+        """Liveness tells "my peers are silent" from "I was not running": after a gap of :data:`PAUSE_GAP_S` or
+        more in this process's own progress, every card's (and node's) heartbeat and start-up deadline is moved on
+        by the gap (to ``now`` at most), so a paused and continued job goes on; a card that stays silent after it
+        is still reported after ``runtime.heartbeat_timeout_s``."""
+        gap, self.loop_at = now - self.loop_at, now
+        if gap < self.PAUSE_GAP_S:
+            return
+        for rs in self.ranks:
+            rs.last_seen = min(rs.last_seen + gap, now)
+            rs.started_at = min(rs.started_at + gap, now)
+        if self.link is not None:
+            self.link.forgive(gap, now)
+        self.reporter.note(f"note: the launcher did not run for {gap:.0f} s (the job was paused or suspended?): the "
+                           "card processes' heartbeat deadlines start again")
 
     def _check_failures(self, poller, now: float) -> None:
         """Raise :class:`JobFailed` naming the root cause if any card process failed."""
