@@ -478,6 +478,18 @@ def _needs(cfg):
                     accel_cards=[f"{c.kind}:{c.index}" for c in prep.cards if c.kind != "cpu"])
 
 
+def _lock_sweep_dir(sweep_dir: str):
+    """The sweep directory's lock (``runtime/dirlock.py``: ``<sweep dir>/.npt-sweep.lock``, an owner record), held
+    by the sweep's main process until its summary is written. Raises DirInUseError naming a live sweep."""
+    from npu_train.runtime.dirlock import lock_dir
+
+    os.makedirs(sweep_dir, exist_ok=True)
+    lock = lock_dir(sweep_dir, "sweep", "hydra.sweep.dir", "use another hydra.sweep.dir (the default is a new "
+                    "directory per sweep)")
+    lock.set_job("sweep")
+    return lock
+
+
 def _stop_before_the_run(signum, frame) -> None:
     """SIGINT/SIGTERM while Hydra composes the config (before :func:`run_one`): one line, exit ``128 + signum``,
     nothing written (no run directory of ours yet), instead of a KeyboardInterrupt traceback."""
@@ -507,6 +519,7 @@ def _main() -> None:
 
     register()
     sweep.needs_hook = _needs
+    sweep.lock_hook = _lock_sweep_dir
     # Bad overrides (train.accum=abc, unknown keys) fail while Hydra composes the config, before
     # our code runs; Hydra prints a multi-line message and exits 1. Capture stderr until the job
     # starts, so such errors follow the launcher's bad-input convention: one "error:" line, exit 2.

@@ -471,3 +471,66 @@ def test_a_card_stopped_alone_is_still_reported(tiny_model, tmp_path):
     finally:
         job.kill_all()
     assert rc == 1 and "stopped responding: no heartbeat for" in job.stderr, job.tail()
+
+
+def test_a_second_sweep_into_a_live_sweeps_dir_is_refused_before_it_writes(tiny_model, tmp_path):
+    """Fault 2: two sweeps into one ``hydra.sweep.dir``: the second is refused at once (exit 2, one line naming the
+    live sweep) and writes nothing, so the first's ``.hydra/overrides.yaml`` keep its ``lr`` and its summary says
+    what its jobs ran (the refused launches rewrote the other's overrides; summary.md / .csv showed the wrong lr
+    beside both runs, and the second sweep exited 0 though its job never ran)."""
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    from launch_util import BASE, LAUNCH, REPO
+
+    sweep_dir = str(tmp_path / "sweep")
+
+    def cmd(lrs):
+        return [sys.executable, LAUNCH, "-m", f"model.path={tiny_model}", *BASE, "train.steps=25",
+                f"train.lr={lrs}", "hydra.launcher.n_jobs=1", f"hydra.sweep.dir={sweep_dir}"]
+
+    a = subprocess.Popen(cmd("0.001,0.002"), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                         start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        metrics = os.path.join(sweep_dir, "0", "metrics.jsonl")
+        while time.monotonic() < deadline and a.poll() is None and not os.path.exists(metrics):
+            time.sleep(0.1)
+        assert a.poll() is None, a.communicate()
+        listing = sorted(os.listdir(sweep_dir))
+        b = subprocess.run(cmd("0.005,0.006"), capture_output=True, text=True, cwd=REPO, timeout=120)
+        assert sorted(os.listdir(sweep_dir)) == listing
+        out_a, err_a = a.communicate(timeout=400)
+    finally:
+        if a.poll() is None:
+            os.killpg(a.pid, 9)
+    assert b.returncode == 2, b.stderr[-3000:]
+    lines = [l for l in b.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and f"hydra.sweep.dir={sweep_dir} is in use by job sweep (pid {a.pid}" in lines[0], b.stderr
+    assert a.returncode == 0, err_a[-3000:]
+    for num, lr in ((0, "0.001"), (1, "0.002")):
+        with open(os.path.join(sweep_dir, str(num), ".hydra", "overrides.yaml")) as f:
+            assert f"train.lr={lr}" in yaml.safe_load(f)
+    with open(os.path.join(sweep_dir, "summary.csv")) as f:
+        text = f.read()
+    assert "train.lr=0.001" in text and "train.lr=0.002" in text and "0.005" not in text
+    assert not os.path.exists(os.path.join(sweep_dir, ".npt-sweep.lock"))
+
+
+def test_sweep_summary_takes_each_jobs_own_record(tmp_path):
+    """The summary's overrides come from each job's ``status.json`` (what it ran), not from ``.hydra/`` (which a
+    later launch into the job's directory rewrites)."""
+    import yaml
+
+    from npu_train.metrics.sweep import collect
+
+    d = tmp_path / "sweep" / "0"
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["train.lr=5e-3"]))  # rewritten by a refused launch
+    (d / "status.json").write_text(json.dumps({"exit_code": 0, "status": "ok", "error": "",
+                                               "overrides": ["train.lr=1e-3"]}))
+    (row,) = collect(str(tmp_path / "sweep"))
+    assert row["overrides"] == ["train.lr=1e-3"]

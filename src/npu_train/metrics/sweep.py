@@ -36,6 +36,10 @@ class JobNeeds:
 #: entry point (``launch/run.py``) so this module does not depend on the runtime layer.
 needs_hook: Optional[Callable[[Any], Optional[JobNeeds]]] = None
 
+#: ``sweep_dir -> lock`` (an object with ``release()``): takes the sweep directory for this sweep, raising a
+#: UserError naming the live sweep that holds it; installed by the entry point (``runtime/dirlock.py``'s lock)
+lock_hook: Optional[Callable[[str], Any]] = None
+
 #: rows of the last summarised sweep (set in the process that ran ``on_multirun_end``)
 last_rows: Optional[list[dict]] = None
 
@@ -183,6 +187,8 @@ def collect(sweep_dir: str) -> list[dict]:
     for d in _job_dirs(sweep_dir):
         overrides, num = _hydra_job(d)
         st = _read_json(os.path.join(d, STATUS_FILE))
+        if st and isinstance(st.get("overrides"), list):  # what the job recorded itself (.hydra/ is rewritten by
+            overrides = [str(o) for o in st["overrides"]]  # any later launch into its directory, refused or not)
         summ = _read_json(os.path.join(d, "summary.json")) or {}
         metrics = _read_jsonl(os.path.join(d, "metrics.jsonl"))
         evals = _read_jsonl(os.path.join(d, "eval.jsonl"))
@@ -331,6 +337,7 @@ class SweepCallback(_HydraCallback):
         from hydra.core.global_hydra import GlobalHydra
         from omegaconf import OmegaConf
 
+        self._lock_sweep_dir(str(config.hydra.sweep.dir))
         launcher = config.hydra.launcher
         jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         if "n_jobs" not in launcher:  # a sequential launcher (hydra/launcher=basic)
@@ -358,6 +365,21 @@ class SweepCallback(_HydraCallback):
         self._pin(config, fit)
         print(f"sweep: {len(jobs)} job(s), {fit} at a time", flush=True)
 
+    def _lock_sweep_dir(self, sweep_dir: str) -> None:
+        """One sweep per ``hydra.sweep.dir``: a second one into the directory of a live sweep is refused before it
+        writes anything (its jobs' refused launches rewrote the first's ``.hydra/overrides.yaml``, and its summary
+        counted the first's jobs). Exit 2 with one line naming the live sweep."""
+        import sys
+
+        self.lock = None
+        if lock_hook is None:
+            return
+        try:
+            self.lock = lock_hook(sweep_dir)
+        except UserError as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
+
     @staticmethod
     def _pin(config, fit: int) -> None:
         """The launcher runs ``fit`` jobs at a time, and every job's config says so (``n_jobs``)."""
@@ -368,6 +390,14 @@ class SweepCallback(_HydraCallback):
             config.hydra.overrides.hydra = pin_concurrency(list(config.hydra.overrides.hydra), fit)
 
     def on_multirun_end(self, config, **kwargs: Any) -> None:
+        try:
+            self._summarise(config)
+        finally:
+            if getattr(self, "lock", None) is not None:
+                self.lock.release()
+                self.lock = None
+
+    def _summarise(self, config) -> None:
         global last_rows
         sweep_dir = str(config.hydra.sweep.dir)
         rows = collect(sweep_dir) if os.path.isdir(sweep_dir) else []
