@@ -332,12 +332,21 @@ class SweepCallback(_HydraCallback):
     """Hydra callback (``hydra.callbacks.sweep`` in conf/config.yaml): concurrency check, then summary."""
 
     def on_multirun_start(self, config, **kwargs: Any) -> None:
+        self._lock_sweep_dir(str(config.hydra.sweep.dir))
+        try:
+            self._start(config)
+        except BaseException:  # refused (SystemExit 2): no lock file stays
+            if self.lock is not None:
+                self.lock.release()
+                self.lock = None
+            raise
+
+    def _start(self, config) -> None:
         import sys
 
         from hydra.core.global_hydra import GlobalHydra
         from omegaconf import OmegaConf
 
-        self._lock_sweep_dir(str(config.hydra.sweep.dir))
         launcher = config.hydra.launcher
         jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
         if "n_jobs" not in launcher:  # a sequential launcher (hydra/launcher=basic)
