@@ -117,24 +117,27 @@ class HostUpdater:
 
     # ------------------------------------------------------------------ update
     def _layer_task(self, key: str, names: list, lr: float, clip_coef: float, grads: dict) -> tuple:
+        """Update and upload layer ``key``'s tensors one by one (one compute-dtype copy alive at a time); returns
+        ``(key, start, start + seconds of AdamW, end)`` (perf_counter s)."""
         t0 = time.perf_counter()
         opt = self.optimizers[key]
         opt.set_lr(lr)
-        # one pass per tensor: gradient (fp32/bf16) x clip_coef, AdamW of master + moments, compute-dtype copy
-        host = {n: adamw_onepass(opt.opt, [opt.masters[n]], [grads[n]], clip_coef, self.params[n].dtype)[0]
-                for n in names} if opt.opt is not None else {}
-        t1 = time.perf_counter()
         lock = getattr(self.backend, "alloc_lock", None)  # RNGD: process-wide memory-type flag
-        with torch.no_grad(), (lock() if lock is not None else contextlib.nullcontext()):
-            for n, w in host.items():
-                if self.delayed:
-                    self._staged[n] = w
-                else:
-                    p = self.params[n]
-                    p.copy_(self.backend.upload(w))
+        adamw_s = 0.0
+        for n in names if opt.opt is not None else ():
+            ta = time.perf_counter()
+            # one pass: gradient (fp32/bf16) x clip_coef, AdamW of master + moments, the compute-dtype copy
+            w = adamw_onepass(opt.opt, [opt.masters[n]], [grads[n]], clip_coef, self.params[n].dtype)[0]
+            adamw_s += time.perf_counter() - ta
+            if self.delayed:
+                self._staged[n] = w
+                continue
+            with torch.no_grad(), (lock() if lock is not None else contextlib.nullcontext()):
+                self.params[n].copy_(self.backend.upload(w))
+            del w
         if not self.delayed:
             self.backend.synchronize()
-        return key, t0, t1, time.perf_counter()
+        return key, t0, t0 + adamw_s, time.perf_counter()
 
     def _apply_staged(self) -> None:
         """Delayed mode, main thread: upload the previous update's weights (its tasks are done)."""
