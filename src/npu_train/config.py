@@ -244,7 +244,8 @@ class RuntimeConf:
     #: micro-batch's tensors come without page faults (npu_train.hostmem: glibc mallopt, blocks up to
     #: 1 GiB from the heap). Accelerator cards: false = the C library's defaults. cpu cards: the plan
     #: counts the heap's holes (its workspace); false = every block from 256 KiB returned when freed
-    #: (a smaller plan, slower steps). The calibration measures with the default.
+    #: (a smaller plan, slower steps). Under train.recompute a cpu card returns freed memory either way (the
+    #: recomputed layers' temporaries would stay as holes). The calibration measures with the default.
     keep_host_memory: bool = True
     #: console progress: auto (a live rich progress bar when stdout is a terminal and this is not a sweep
     #: job: phase, step, ETA, loss, tokens/s, MFU, memory per card; the printed lines above it are folded to
