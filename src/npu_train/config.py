@@ -99,6 +99,9 @@ class LoraConf:
     alpha: float = 16.0
     dropout: float = 0.0
     targets: list = field(default_factory=lambda: list(LORA_TARGETS))
+    #: mixtures of experts: train the routers (``mlp.gate``, Qwen2-MoE's ``shared_expert_gate``) in full beside
+    #: the adapters (exported as PEFT ``modules_to_save``); false: frozen. The MLP targets adapt every expert.
+    train_router: bool = False
 
 
 @dataclass

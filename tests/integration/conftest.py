@@ -51,8 +51,9 @@ def make_tiny_model(path: str, *, tied: bool = True, vocab: int = 384, layers: i
     v = tok.get_vocab_size()
     fam = FAMILIES[family]
     hf = dict(TINY, num_hidden_layers=layers, architectures=[fam.architecture], model_type=fam.model_type,
-              vocab_size=v, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, hidden_act="silu",
-              **FAMILY_KEYS[family], **extra)
+              vocab_size=v, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0, hidden_act="silu")
+    hf.update(FAMILY_KEYS[family])
+    hf.update(extra)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f)
     fields = {k: v for k, v in {**FAMILY_KEYS[family], **extra}.items() if k not in _JSON_ONLY}

@@ -209,6 +209,9 @@ def reference_run(model_path: str, data, *, steps: int, micro_batch: int, accum:
     for step in range(steps):
         opt.zero_grad()
         loss = ref_backward(model, data, sampler, step, aux_weight)
+        for p in params.values():  # an expert no token reached: a zero gradient, as transformers' stacked experts get
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if clip > 0:
             torch.nn.utils.clip_grad_norm_(list(params.values()), clip)
         for g in opt.param_groups:

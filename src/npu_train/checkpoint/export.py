@@ -84,18 +84,19 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt, model_path:
     """Write ``<out_dir>/adapter`` (PEFT layout); return ``name -> W + (alpha / r) * B @ A`` on the base
     ``model_path`` (checked by :func:`base_model`)."""
     from npu_train.model import load_tensors
-    from npu_train.model.lora import LoraSpec, merge_adapters, peft_config, peft_state_dict
+    from npu_train.model.lora import LoraSpec, is_router, merge_adapters, peft_config, peft_state_dict
 
     spec = LoraSpec(r=int(train["lora_rank"]), alpha=float(train["lora_alpha"]),
-                    dropout=float(train["lora_dropout"]), targets=tuple(train["lora_targets"]))
+                    dropout=float(train["lora_dropout"]), targets=tuple(train["lora_targets"]),
+                    train_router=bool(train.get("lora_train_router", False)))
     adapters = {k[len("master."):]: reader.get(k) for k in reader.manifest["index"]
-                if k.startswith("master.") and ".lora_" in k}
+                if k.startswith("master.") and (".lora_" in k or (spec.train_router and is_router(k)))}
     adir = os.path.join(out_dir, "adapter")
     os.makedirs(adir, exist_ok=True)
     save_file({k: v.to(tdt).contiguous() for k, v in peft_state_dict(adapters).items()},
               os.path.join(adir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(adir, "adapter_config.json"), "w") as f:
-        json.dump(peft_config(spec, model_path), f, indent=1)
+        json.dump(peft_config(spec, model_path, cfg.family), f, indent=1)
     return lambda n: merge_adapters(load_tensors(model_path, cfg, [n]), adapters, spec, [n])[n].to(tdt).contiguous()
 
 

@@ -8,7 +8,7 @@ import contextlib
 import hashlib
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -20,12 +20,16 @@ from npu_train.config import LORA_TARGETS as ALL_TARGETS  # Llama's projections,
 @dataclass(frozen=True)
 class LoraSpec:
     """Adapter settings: rank ``r``, ``alpha`` (scaling = alpha / r), ``dropout`` probability on the
-    adapter input, and the ``targets`` (short module names, a subset of :data:`ALL_TARGETS`)."""
+    adapter input, and the ``targets`` (short module names, a subset of :data:`ALL_TARGETS`; on a sparse layer an
+    MLP target adapts every expert's projection, Mixtral's ``w1`` / ``w3`` / ``w2`` for ``gate_proj`` / ``up_proj`` /
+    ``down_proj``, and Qwen2-MoE's shared expert's)."""
 
     r: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: tuple = ALL_TARGETS
+    #: mixtures of experts: routers (``gate``, ``shared_expert_gate``) trained in full, not frozen
+    train_router: bool = False
 
     @property
     def scaling(self) -> float:
@@ -98,40 +102,84 @@ def init_adapter(name: str, shape_a: tuple, shape_b: tuple, seed: int) -> tuple[
     return a, torch.zeros(shape_b)
 
 
-def apply_lora(module: nn.Module, spec: LoraSpec, seed: int) -> dict[str, torch.Tensor]:
-    """Replace the target linears of every decoder layer of ``module`` by :class:`LoraLinear`, freeze the rest;
-    returns the fp32 initial adapters ``{hf_name: tensor}``. ``ValueError`` for an unknown target."""
+#: Mixtral's expert projection names -> the target names (PEFT's and the other families')
+_TARGET_OF = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+#: router weights (sparse layers) trained in full with ``LoraSpec.train_router``
+ROUTER_LEAVES = ("gate", "shared_expert_gate")
+
+
+def target_of(module_name: str) -> str:
+    """The LoRA target name of the linear ``module_name`` (its last component; Mixtral's ``w1`` -> ``gate_proj``)."""
+    leaf = module_name.rsplit(".", 1)[-1]
+    return _TARGET_OF.get(leaf, leaf)
+
+
+def is_router(name: str) -> bool:
+    """True for a sparse layer's router weight (``...mlp.gate.weight``, ``...shared_expert_gate.weight``)."""
+    return name.endswith(".weight") and name[: -len(".weight")].rsplit(".", 1)[-1] in ROUTER_LEAVES
+
+
+def apply_lora(module: nn.Module, spec: LoraSpec, seed: int, base: Optional[dict] = None) -> dict[str, torch.Tensor]:
+    """Replace the target linears of every decoder layer of ``module`` (every expert's, on a sparse layer) by
+    :class:`LoraLinear`, freeze the rest (the routers stay trainable with ``spec.train_router``); returns the fp32
+    initial values of what trains ``{hf_name: tensor}`` (adapters; routers: ``base[name]``, the fp32 weights, when
+    given, else the module's). ``ValueError`` for an unknown target."""
     bad = [t for t in spec.targets if t not in ALL_TARGETS]
     if bad:
         raise ValueError(f"unknown LoRA target(s) {bad}: use a subset of {list(ALL_TARGETS)}")
     for p in module.parameters():
         p.requires_grad_(False)
     init: dict[str, torch.Tensor] = {}
-    for idx, layer in module.model.layers.items():
-        for parent_name, parent in (("self_attn", layer.self_attn), (layer.mlp_name, layer.ffn)):
-            for t in spec.targets:
-                lin = getattr(parent, t, None)
-                if lin is None:
-                    continue
-                new = LoraLinear(lin, spec)
-                prefix = f"model.layers.{idx}.{parent_name}.{t}"
-                a, b = init_adapter(f"{prefix}.weight", tuple(new.lora_A.weight.shape), tuple(new.lora_B.weight.shape),
-                                    seed)
-                with torch.no_grad():
-                    new.lora_A.weight.copy_(a)
-                    new.lora_B.weight.copy_(b)
-                init[f"{prefix}.lora_A.weight"], init[f"{prefix}.lora_B.weight"] = a, b
-                setattr(parent, t, new)
+    linears = [(n, m) for n, m in module.named_modules() if isinstance(m, nn.Linear) and n.startswith("model.layers.")]
+    for prefix, lin in linears:
+        if target_of(prefix) not in spec.targets or is_router(prefix + ".weight"):
+            continue
+        new = LoraLinear(lin, spec)
+        a, b = init_adapter(f"{prefix}.weight", tuple(new.lora_A.weight.shape), tuple(new.lora_B.weight.shape), seed)
+        with torch.no_grad():
+            new.lora_A.weight.copy_(a)
+            new.lora_B.weight.copy_(b)
+        init[f"{prefix}.lora_A.weight"], init[f"{prefix}.lora_B.weight"] = a, b
+        parent_name, _, leaf = prefix.rpartition(".")
+        setattr(module.get_submodule(parent_name), leaf, new)
+    if spec.train_router:
+        for n, p in module.named_parameters():
+            if n.startswith("model.layers.") and is_router(n):
+                p.requires_grad_(True)
+                init[n] = base[n].float() if base is not None and n in base else p.detach().float().clone()
     return init
 
 
-def lora_param_names(layer: int, targets: Iterable[str]) -> list[str]:
-    """HF names of the adapter parameters of global decoder layer ``layer`` for ``targets``."""
-    out = []
-    for t in ALL_TARGETS:
-        if t in targets:
-            parent = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-            out += [f"model.layers.{layer}.{parent}.{t}.lora_A.weight", f"model.layers.{layer}.{parent}.{t}.lora_B.weight"]
+def lora_param_names(layer: int, targets: Iterable[str], cfg=None, train_router: bool = False) -> list[str]:
+    """HF names of what trains in global decoder layer ``layer`` for ``targets``: adapters (every expert's on a
+    sparse layer of ``cfg``; without ``cfg``, a dense layer's) and, with ``train_router``, the routers."""
+    if cfg is None:
+        out = []
+        for t in ALL_TARGETS:
+            if t in targets:
+                parent = "self_attn" if t in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                out += [f"model.layers.{layer}.{parent}.{t}.lora_A.weight",
+                        f"model.layers.{layer}.{parent}.{t}.lora_B.weight"]
+        return out
+    return list(adapter_shapes(cfg, layer, LoraSpec(targets=tuple(targets), train_router=train_router)))
+
+
+def adapter_shapes(cfg, layer: int, spec: LoraSpec) -> dict[str, tuple[int, ...]]:
+    """``{HF name: shape}`` of what trains in decoder layer ``layer`` of ``cfg``: ``lora_A`` ``[r, in]`` and
+    ``lora_B`` ``[out, r]`` of each target linear (in the layer's parameter order), the routers with
+    ``spec.train_router``."""
+    out: dict[str, tuple[int, ...]] = {}
+    for n, shape in cfg.param_shapes(layer).items():
+        if len(shape) != 2:
+            continue
+        if is_router(n):
+            if spec.train_router:
+                out[n] = tuple(shape)
+            continue
+        stem = n[: -len(".weight")]
+        if target_of(stem) in spec.targets:
+            out[f"{stem}.lora_A.weight"] = (spec.r, shape[1])
+            out[f"{stem}.lora_B.weight"] = (shape[0], spec.r)
     return out
 
 
@@ -141,23 +189,39 @@ def is_adapter(name: str) -> bool:
 
 
 def peft_state_dict(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Adapter tensors under PEFT's file keys (``base_model.model.`` + HF name)."""
-    return {f"base_model.model.{n}": t for n, t in adapters.items() if is_adapter(n)}
+    """Adapter tensors under PEFT's file keys (``base_model.model.`` + HF name; experts one adapter each, as
+    transformers 4 named them, which PEFT 0.21 fuses onto transformers 5's stacked experts when it loads them);
+    trained routers under their module names in transformers 5 (Mixtral's ``block_sparse_moe`` is ``mlp``), as
+    PEFT saves ``modules_to_save``."""
+    out = {f"base_model.model.{n}": t for n, t in adapters.items() if is_adapter(n)}
+    out.update({f"base_model.model.{n.replace('.block_sparse_moe.', '.mlp.')}": t
+                for n, t in adapters.items() if is_router(n)})
+    return out
 
 
-def peft_config(spec: LoraSpec, base_model: str) -> dict:
-    """``adapter_config.json`` contents for ``peft.PeftModel.from_pretrained``."""
+def peft_config(spec: LoraSpec, base_model: str, family: str = "llama") -> dict:
+    """``adapter_config.json`` contents for ``peft.PeftModel.from_pretrained`` (Mixtral's experts: target names
+    ``w1`` / ``w3`` / ``w2``; trained routers: ``modules_to_save``)."""
+    targets = list(spec.targets)
+    if family == "mixtral":
+        inv = {v: k for k, v in _TARGET_OF.items()}
+        targets = [inv.get(t, t) for t in targets]
+    save = list(ROUTER_LEAVES) if spec.train_router else None
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout, "target_modules": list(spec.targets), "bias": "none",
+            "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
             "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
-            "init_lora_weights": True, "modules_to_save": None, "use_rslora": False, "use_dora": False}
+            "init_lora_weights": True, "modules_to_save": save, "use_rslora": False, "use_dora": False}
 
 
 def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], spec: LoraSpec,
                    names: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Merged weights ``W + s * B @ A`` (fp32) for the HF weight ``names`` that have adapters; others as given."""
+    """Merged weights ``W + s * B @ A`` (fp32) for the HF weight ``names`` that have adapters, a trained router's
+    own weight where ``adapters`` holds it; others as given."""
     out = {}
     for n in names:
+        if n in adapters:
+            out[n] = adapters[n].float()
+            continue
         w = base[n].float()
         stem = n[: -len(".weight")]
         a, b = adapters.get(f"{stem}.lora_A.weight"), adapters.get(f"{stem}.lora_B.weight")

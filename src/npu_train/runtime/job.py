@@ -168,15 +168,12 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
 
 
 def check_moe(cfg, mcfg) -> None:
-    """Refuse what a mixture-of-experts model does not train with (ConfigError naming the fix): LoRA (not yet), the
-    load-balancing loss with a split-backward schedule."""
+    """Refuse what a mixture-of-experts model does not train with (ConfigError naming the fix): the load-balancing
+    loss with a split-backward or two-chunk schedule."""
     if not mcfg.is_moe or cfg.plan:
         return
     from npu_train.pipeline.moeaux import aux_loss_weight, check_aux_schedule
 
-    if cfg.train.mode == "lora":
-        raise ConfigError(f"train.mode=lora on the mixture-of-experts model {mcfg.name!r} is not supported yet: "
-                          "use train.mode=full")
     check_aux_schedule(aux_loss_weight(cfg.train.moe_aux_loss, mcfg), cfg.train.schedule)
 
 
@@ -373,7 +370,7 @@ def _shm_free_bytes() -> int:
     return int(override) if override else shm_free_bytes()
 
 
-def resident_param_names(model_cfg, stage, lora_targets=()) -> list[str]:
+def resident_param_names(model_cfg, stage, lora_targets=(), train_router: bool = False) -> list[str]:
     """HF names of a stage's resident parameters: layers as planned, non-layer weights per the plan's
     ``nonlayer_resident``; with LoRA also the resident layers' adapter names."""
     from npu_train.model.lora import lora_param_names
@@ -382,7 +379,7 @@ def resident_param_names(model_cfg, stage, lora_targets=()) -> list[str]:
     for i in stage.resident:
         names += model_cfg.layer_param_names(i)
         if lora_targets:
-            names += lora_param_names(i, lora_targets)
+            names += lora_param_names(i, lora_targets, model_cfg, train_router)
     if stage.nonlayer_resident:
         if stage.has_embed:
             names.append("model.embed_tokens.weight")
@@ -429,7 +426,7 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
             card=card, model_path=prep.model_path, model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label,
                             second=tuple(st.second) if st.second else None),
-            resident_names=tuple(resident_param_names(mcfg, st, lora_targets)), data_file=data_file, train=train,
+            resident_names=tuple(resident_param_names(mcfg, st, lora_targets, train.lora_train_router)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
             inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,
             boundary_transport=boundary, model_index=index, reference=reference))
@@ -563,7 +560,8 @@ def train_spec(cfg, dtype: str, mcfg=None) -> TrainSpec:
                      save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
                      eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),
-                     lora_targets=tuple(cfg.lora.targets), nonfinite=tr.nonfinite,
+                     lora_targets=tuple(cfg.lora.targets), lora_train_router=bool(cfg.lora.train_router),
+                     nonfinite=tr.nonfinite,
                      grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
                      offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save),
                      objective=str(getattr(tr, "objective", "sft")), **_dpo_fields(cfg),

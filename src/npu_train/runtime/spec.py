@@ -67,6 +67,8 @@ class TrainSpec:
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_targets: tuple = ()
+    #: mixtures of experts: routers trained in full beside the adapters (``lora.train_router``)
+    lora_train_router: bool = False
     #: ``train.objective``: sft (next-token cross-entropy) | dpo (then ``dpo_*`` = ``dpo.beta``, ``dpo.loss``,
     #: ``dpo.label_smoothing``; :mod:`npu_train.pipeline.objective`)
     objective: str = "sft"
@@ -81,7 +83,7 @@ class TrainSpec:
         from npu_train.model.lora import LoraSpec
 
         return LoraSpec(r=self.lora_rank, alpha=self.lora_alpha, dropout=self.lora_dropout,
-                        targets=tuple(self.lora_targets))
+                        targets=tuple(self.lora_targets), train_router=bool(self.lora_train_router))
 
     def to_dict(self) -> dict:
         """Plain dict (written into the checkpoint manifest's ``train`` entry)."""

@@ -158,11 +158,12 @@ class StageTrainer:
         self.module, masters = build_stage(spec, backend, compute_dtype(tr.dtype))
         lora = tr.lora_spec()
         if lora is not None:  # frozen base in the compute dtype; only the adapters have masters and moments
-            from npu_train.model.lora import apply_lora
+            from npu_train.model.lora import apply_lora, is_router
 
+            routers = {n: t for n, t in masters.items() if is_router(n)} if lora.train_router else None
             del masters
             with backend.alloc_lock():
-                masters = apply_lora(self.module, lora, tr.seed)
+                masters = apply_lora(self.module, lora, tr.seed, base=routers)
             track = getattr(backend, "track", None)
             for n, p in self.module.named_parameters():
                 if p.requires_grad and track is not None:

@@ -1,0 +1,122 @@
+"""One mixture-of-experts MLP block, forward + backward: npu-train's ``SparseMoe`` (tokens sorted by expert, one
+SwiGLU per expert, per-expert ``nn.Linear``) against transformers' own ``Qwen3MoeSparseMoeBlock`` with its default
+experts implementation (``grouped_mm``: stacked expert tensors, ``torch.nn.functional.grouped_mm``) and its
+``eager`` one (a loop over the experts hit), same weights, inputs, dtype and threads, interleaved rounds.
+
+Prints the machine, the median seconds per forward + backward of each, the spread, and the ratios
+``transformers / npu-train`` (> 1: npu-train faster). Checks the outputs agree first.
+
+    flock /tmp/bench.lock python experiments/bench/moe_layer.py [--quick] [--dtype bf16|fp32] [--threads N]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "src"))
+
+from npu_train.model.config import LlamaConfig  # noqa: E402
+from npu_train.model.moe import SparseMoe  # noqa: E402
+
+
+def _hf_block(H, E, k, Ie, impl, dtype):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=16, hidden_size=H, intermediate_size=Ie, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=E,
+                         num_experts_per_tok=k, moe_intermediate_size=Ie, norm_topk_prob=True)
+    model = Qwen3MoeForCausalLM._from_config(cfg, experts_implementation=impl, dtype=dtype)
+    return model.model.layers[0].mlp
+
+
+def _copy_weights(ours: SparseMoe, hf) -> None:
+    """transformers' stacked experts from ours (gate rows then up rows in ``gate_up_proj``)."""
+    with torch.no_grad():
+        hf.gate.weight.copy_(ours.gate.weight)
+        for e, ex in enumerate(ours.experts):
+            I = ex.gate_proj.weight.shape[0]
+            hf.experts.gate_up_proj[e, :I].copy_(ex.gate_proj.weight)
+            hf.experts.gate_up_proj[e, I:].copy_(ex.up_proj.weight)
+            hf.experts.down_proj[e].copy_(ex.down_proj.weight)
+
+
+def _fwd_bwd(block, x, g):
+    x = x.detach().requires_grad_(True)
+    for p in block.parameters():
+        p.grad = None
+    t0 = time.perf_counter()
+    y = block(x)
+    y.backward(g)
+    return time.perf_counter() - t0, y.detach()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, one round (a smoke run, not a result)")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--moe-intermediate", type=int, default=384)
+    ap.add_argument("--tokens", type=int, default=1024, help="tokens per forward (micro-batch x sequence)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    if a.quick:
+        a.hidden, a.experts, a.top_k, a.moe_intermediate, a.tokens, a.rounds = 128, 8, 2, 64, 128, 1
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
+    H, E, k, Ie, N = a.hidden, a.experts, a.top_k, a.moe_intermediate, a.tokens
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=Ie, num_layers=1, num_heads=4,
+                      num_kv_heads=4, family="qwen3_moe", num_experts=E, num_experts_per_tok=k,
+                      moe_intermediate_size=Ie, norm_topk_prob=True)
+    ours = SparseMoe(cfg, 0)
+    with torch.no_grad():
+        for p in ours.parameters():
+            p.normal_(0.0, 0.02)
+        ours.gate.weight.normal_(0.0, 0.5)
+    ours = ours.to(dtype)
+    blocks = {"npu-train": ours}
+    for impl in ("grouped_mm", "eager"):
+        hf = _hf_block(H, E, k, Ie, impl, dtype)
+        _copy_weights(ours, hf)
+        blocks[f"transformers {impl}"] = hf
+    x = torch.randn(1, N, H, dtype=dtype)
+    g = torch.randn(1, N, H, dtype=dtype)
+    outs = {n: _fwd_bwd(b, x, g)[1] for n, b in blocks.items()}  # warm-up + agreement
+    ref = outs["transformers grouped_mm"].float()
+    agree = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items()}
+    times: dict[str, list] = {n: [] for n in blocks}
+    names = list(blocks)
+    for r in range(a.rounds):
+        for n in names[r % len(names):] + names[: r % len(names)]:  # rotated order per round
+            times[n].append(_fwd_bwd(blocks[n], x, g)[0])
+    med = {n: statistics.median(t) for n, t in times.items()}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"machine: {torch.get_num_threads()} torch thread(s), {os.cpu_count()} logical CPUs, torch "
+          f"{torch.__version__}, load {load:.2f}")
+    print(f"MoE block: hidden {H}, {E} experts, top-{k}, expert width {Ie}, {N} tokens, {a.dtype}, "
+          f"{a.rounds} rounds")
+    for n in names:
+        t = times[n]
+        print(f"  {n:26s} {med[n] * 1e3:9.2f} ms  [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]  "
+              f"output rel diff vs grouped_mm {agree[n]:.1e}")
+    for n in names[1:]:
+        print(f"ratio {n} / npu-train: {med[n] / med['npu-train']:.2f}x")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "times_s": times, "median_s": med, "agree": agree}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,112 @@
+"""LoRA on mixture-of-experts models (issue 37): every expert's projections get their own adapters, the routers are
+frozen unless ``lora.train_router``; the adapter written in PEFT's layout loads with ``peft.PeftModel`` onto the
+model as transformers 5 builds it (stacked experts: PEFT 0.21 fuses the per-expert adapters, block-diagonally for
+gate/up) and gives the same logits (fp32, 1e-5 relative); the planner's adapter count is the module's.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from npu_train.model import load_config, load_tensors  # noqa: E402
+from npu_train.model.llama import full_model  # noqa: E402
+from npu_train.model.lora import (LoraSpec, adapter_shapes, apply_lora, lora_param_names, peft_config,  # noqa: E402
+                                  peft_state_dict)
+
+from test_moe_model import _ids, _rel, make_moe  # noqa: E402
+
+peft = pytest.importorskip("peft")
+
+TOL = 1e-5
+ATTN_AND_MLP = ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _ours(path, spec, seed=0):
+    cfg = load_config(path)
+    m = full_model(cfg)
+    m.load_named_tensors(load_tensors(path, cfg, m.param_names()))
+    init = apply_lora(m, spec, seed)
+    return cfg, m.eval(), init
+
+
+def _perturb(m, seed=1):
+    """Non-zero B (and routers, when trained): the adapters change the logits."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("train_router", [False, True])
+def test_adapter_loads_in_peft_with_equal_logits(tmp_path, case, train_router):
+    path, ref = make_moe(tmp_path, case)
+    spec = LoraSpec(r=4, alpha=8.0, targets=ATTN_AND_MLP, train_router=train_router)
+    # Qwen3-MoE's case has a dense layer 1 (mlp_only_layers): PEFT 0.21 moves gate/up/down to the stacked experts
+    # and drops them from the dense layers, so the adapters here stay on the sparse layers' experts
+    cfg, m, init = _ours(path, spec)
+    trainable = {n for n, p in m.named_parameters() if p.requires_grad}
+    want = set()
+    for i in range(cfg.num_layers):
+        want |= set(lora_param_names(i, spec.targets, cfg, train_router))
+    assert trainable == want == set(init)
+    assert any(".experts.7." in n and ".lora_A." in n for n in trainable)  # every expert has its adapters
+    assert any(n.endswith(".gate.weight") for n in trainable) is train_router
+    ids = _ids()
+    with torch.no_grad():
+        base = m(ids)
+        assert _rel(base, ref(ids).logits) < TOL  # B = 0: the base model
+    _perturb(m)
+    if case == "qwen3_moe":  # no adapters on the dense layer (see above): PEFT would not load them
+        with torch.no_grad():
+            for n, p in m.named_parameters():
+                if p.requires_grad and ".layers.1.mlp." in n:
+                    p.zero_()
+    trained = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
+    out = tmp_path / "adapter"
+    out.mkdir()
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in peft_state_dict(trained).items()
+               if not (case == "qwen3_moe" and ".layers.1.mlp." in k)}, str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps(peft_config(spec, path, cfg.family)))
+    pm = peft.PeftModel.from_pretrained(ref, str(out)).eval()
+    with torch.no_grad():
+        got, mine = pm(ids).logits, m(ids)
+        assert _rel(mine, base) > 1e-3  # the adapters matter
+        assert _rel(mine, got) < TOL, _rel(mine, got)
+
+
+def test_adapter_shapes_are_the_modules_and_the_planners(tmp_path):
+    from npu_train.planner.moe import lora_layer_params
+
+    path, _ = make_moe(tmp_path, "qwen2_moe")
+    spec = LoraSpec(r=4, targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+                    train_router=True)
+    cfg, m, _ = _ours(path, spec)
+    params = dict(m.named_parameters())
+    for i in range(cfg.num_layers):
+        shapes = adapter_shapes(cfg, i, spec)
+        assert all(tuple(params[n].shape) == s for n, s in shapes.items())
+        n = sum(torch.Size(s).numel() for s in shapes.values())
+        assert n == lora_layer_params(cfg, i, spec.r, spec.targets, True).total
+    assert "model.layers.0.mlp.shared_expert.gate_proj.lora_A.weight" in params
+    assert params["model.layers.0.mlp.shared_expert_gate.weight"].requires_grad
+
+
+def test_routers_frozen_by_default_and_their_gradient_flows_when_trained(tmp_path):
+    path, _ = make_moe(tmp_path, "mixtral")
+    for train_router in (False, True):
+        cfg, m, _ = _ours(path, LoraSpec(r=2, targets=("gate_proj",), train_router=train_router))
+        m.train()
+        m(_ids()).float().pow(2).mean().backward()
+        gate = dict(m.named_parameters())["model.layers.0.block_sparse_moe.gate.weight"]
+        assert gate.requires_grad is train_router
+        assert (gate.grad is not None and bool(gate.grad.abs().sum() > 0)) is train_router
