@@ -50,8 +50,12 @@ class ProcPeak:
 class MemWatch:
     """Poll ``root`` and its descendants until :meth:`stop`; ``peaks`` maps pid -> :class:`ProcPeak`."""
 
-    def __init__(self, root: int, run_dir: Optional[str] = None, interval: float = 0.2):
+    def __init__(self, root: int, run_dir: Optional[str] = None, interval: float = 0.2,
+                 load_interval: Optional[float] = None):
+        """``interval`` s between samples; ``load_interval`` s while the phase is ``load`` (the model load's
+        peak is short-lived: a tensor read in fp32 beside the weights), None: ``interval``."""
         self.root, self.run_dir, self.interval = root, run_dir, interval
+        self.load_interval = load_interval
         self.peaks: dict[int, ProcPeak] = {}
         self.phase = "load"
         self._log_pos = 0
@@ -124,7 +128,8 @@ class MemWatch:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.sample()
-            self._stop.wait(self.interval)
+            fast = self.load_interval is not None and self.phase == "load"
+            self._stop.wait(self.load_interval if fast else self.interval)
         self.sample()
 
     def card_peaks(self) -> dict[str, ProcPeak]:

@@ -3,7 +3,8 @@
 (issue 37's memory runs: as many layers as fit on this machine).
 
 ``python experiments/bench/make_random_moe.py --layers 4 --out /tmp/moe4``
-``python experiments/bench/make_random_moe.py --layers 4 --moe-intermediate 192 --out /tmp/moe4s`` (smaller experts)
+``python experiments/bench/make_random_moe.py --layers 4 --moe-intermediate 96 --vocab 49152 --out /tmp/moe4s``
+(the smaller-expert variant for full fine-tuning, with the tokenizer's vocabulary)
 
 Shape (Qwen/Qwen3-30B-A3B config.json): hidden 2048, 128 experts, top-8, norm_topk_prob, moe_intermediate 768,
 32 query / 4 key-value heads of head_dim 128, vocabulary 151936, untied, rms_norm_eps 1e-6, rope_theta 1e6;
@@ -29,8 +30,11 @@ def main() -> None:
     ap.add_argument("--moe-intermediate", type=int, default=768, help="one expert's width (Qwen3-30B-A3B: 768)")
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=151936, help="vocabulary (>= the tokenizer's 49152)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
+    if a.vocab < 49152:
+        ap.error(f"--vocab {a.vocab}: the SmolLM2 tokenizer's ids go up to 49151; use >= 49152")
 
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -42,7 +46,7 @@ def main() -> None:
     torch.manual_seed(a.seed)
     tok = load_tokenizer(embedded_model_path())
     cfg = Qwen3MoeConfig(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=a.layers,
+        vocab_size=a.vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=a.layers,
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=a.experts,
         num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_intermediate, norm_topk_prob=True,
@@ -60,7 +64,8 @@ def main() -> None:
     tok.save(os.path.join(a.out, "tokenizer.json"))
     n = sum(p.numel() for p in model.parameters())
     print(f"wrote a random Qwen3-MoE of {a.layers} layers x {a.experts} experts of {a.moe_intermediate} "
-          f"(top-{a.top_k}), {n / 1e9:.3f} B params, bf16, to {a.out} in {time.time() - t0:.0f} s")
+          f"(top-{a.top_k}), vocabulary {a.vocab}, {n / 1e9:.3f} B params, bf16, to {a.out} in "
+          f"{time.time() - t0:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Run a command and print per-process peak memory sampled from outside (tests/memwatch.py).
 
-``python experiments/bench/memwatch.py [--run-dir DIR] [--interval S] -- <command...>``: a table
+``python experiments/bench/memwatch.py [--run-dir DIR] [--interval S] [--load-interval S] -- <command...>``: a table
 (pid, card, peak RssAnon+RssShmem, VmHWM, peak per phase, GiB) and one JSON line. ``--run-dir``
 (the job's Hydra run dir) tags card processes (job.json) and phases (run.log).
 """
@@ -22,13 +22,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--run-dir", default=None)
     ap.add_argument("--interval", type=float, default=0.2)
+    ap.add_argument("--load-interval", type=float, default=None, help="seconds between samples while loading")
     ap.add_argument("command", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     cmd = a.command[1:] if a.command[:1] == ["--"] else a.command
     if not cmd:
         ap.error("give the command after --")
     proc = subprocess.Popen(cmd)
-    w = MemWatch(proc.pid, a.run_dir, a.interval).start()
+    w = MemWatch(proc.pid, a.run_dir, a.interval, a.load_interval).start()
     rc = proc.wait()
     peaks = w.stop()
     print(f"{'pid':>8} {'card':>8} {'anon+shm':>9} {'VmHWM':>7}  per phase (anon+shm GiB)  command")

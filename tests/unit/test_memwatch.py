@@ -20,3 +20,25 @@ def test_child_peak_and_card_tag(tmp_path):
     cp = w.card_peaks()["cpu:0"]
     assert cp.anon_shared >= n and cp.hwm >= n, peaks
     assert cp.by_phase.get("after step 1", 0) >= n
+
+
+def test_load_interval_while_loading_then_interval():
+    """``load_interval`` paces the samples while the phase is ``load``, ``interval`` after it."""
+    import os
+
+    w = MemWatch(os.getpid(), None, 0.5, load_interval=0.1)
+    waits = []
+
+    class Stop:
+        def is_set(self):
+            return len(waits) >= 4
+
+        def wait(self, s):
+            waits.append(s)
+            if len(waits) == 2:
+                w.set_phase("after step 1")
+
+    w._stop = Stop()
+    w._run()
+    assert waits == [0.1, 0.1, 0.5, 0.5]
+    assert MemWatch(os.getpid(), None, 0.5).load_interval is None
