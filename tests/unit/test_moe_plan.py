@@ -140,19 +140,36 @@ def test_mixed_layers_plan_the_larger_kind():
     assert lora_params_per_layer(m, 2, ALL_TARGETS) == (448, max(280, dense_lora))
 
 
-def test_lora_counts_per_expert_shared_expert_router_and_mixtral_names():
+def test_lora_counts_per_expert_shared_expert_and_router():
     m = _tiny()
     assert lora_layer_params(m, 0, 2, ("q_proj", "v_proj")) == (56, 56)  # attention only: no expert adapters
     assert lora_layer_params(m, 0, 2, ("down_proj",)) == (4 * 28, 2 * 28)
     assert lora_layer_params(m, 0, 2, ("down_proj",), train_router=True) == (4 * 28 + 32, 2 * 28 + 32)
-    mix = _tiny(family="mixtral")
-    assert lora_layer_params(mix, 0, 2, ("w1", "w3", "w2")) == lora_layer_params(mix, 0, 2, ALL_TARGETS[4:])
+    mix = _tiny(family="mixtral")  # gate_proj/up_proj/down_proj name its experts' w1/w3/w2
+    assert lora_layer_params(mix, 0, 2, ALL_TARGETS[4:]) == (4 * 84, 2 * 84)
     q2 = _tiny(family="qwen2_moe", shared_expert_intermediate_size=10)
     shared = 3 * 2 * (8 + 10)  # the shared expert's gate, up, down adapters, active for every token
     assert lora_layer_params(q2, 0, 2, ALL_TARGETS[4:]) == (4 * 84 + shared, 2 * 84 + shared)
     assert lora_layer_params(q2, 0, 2, (), train_router=True) == (32 + 8, 32 + 8)  # router + shared gate [1, h]
-    with pytest.raises(ValueError, match="unknown LoRA target 'mlp'"):
-        lora_layer_params(m, 0, 2, ("mlp",))
+    with pytest.raises(ValueError, match="unknown LoRA target 'w1'"):
+        lora_layer_params(mix, 0, 2, ("w1",))
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("targets", [ALL_TARGETS, ("q_proj", "down_proj"), ("up_proj",)])
+@pytest.mark.parametrize("train_router", [False, True])
+def test_lora_counts_equal_what_the_model_trains(family, targets, train_router):
+    """The planner's adapter count per layer is what model/lora.py makes train (its names and shapes), on a
+    sparse and on a dense (mlp_only_layers) layer."""
+    import math
+
+    from npu_train.model.lora import LoraSpec, adapter_shapes
+
+    m = _tiny(family=family, mlp_only_layers=(1,), shared_expert_intermediate_size=10 if family == "qwen2_moe" else 0)
+    spec = LoraSpec(r=2, targets=targets, train_router=train_router)
+    for layer in (0, 1):
+        trained = sum(math.prod(s) for s in adapter_shapes(m, layer, spec).values())
+        assert lora_layer_params(m, layer, 2, targets, train_router).total == trained
 
 
 def _saved_bytes(block: torch.nn.Module, x: torch.Tensor) -> int:

@@ -19,9 +19,9 @@ __all__ = ["LoraCounts", "mlp_saved_bytes_per_token", "routed_saved_bytes_per_to
            "shared_saved_bytes_per_token", "mlp_pending_bytes_per_token", "largest_layer_tensor",
            "lora_layer_params", "lora_params_per_layer", "EXPERT_TARGETS"]
 
-#: LoRA target names of the three projections of an MLP (dense or one expert) -> which one; Mixtral's
-#: checkpoint names (w1 gate, w3 up, w2 down) are accepted for its experts
-EXPERT_TARGETS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+#: LoRA target names (``lora.targets``, PEFT's) of the three projections of an MLP (dense, one expert or the shared
+#: expert) -> which one; they name Mixtral's experts' w1 (gate), w3 (up), w2 (down) too, as ``model/lora.py`` does
+EXPERT_TARGETS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -127,7 +127,7 @@ def _mlp_dims(model: LlamaConfig, width: int) -> dict[str, tuple[int, int]]:
 def lora_layer_params(model: LlamaConfig, i: int, r: int, targets: Iterable[str],
                       train_router: bool = False) -> LoraCounts:
     """:class:`LoraCounts` of layer ``i`` with rank-``r`` adapters on ``targets`` (short module names: the
-    attention projections and ``gate_proj``/``up_proj``/``down_proj``, Mixtral's ``w1``/``w3``/``w2``): each
+    attention projections and ``gate_proj``/``up_proj``/``down_proj``, which also name Mixtral's ``w1``/``w3``/``w2``): each
     adapted linear of shape (in, out) has ``r*(in + out)`` parameters (PEFT's ``lora_A`` [r, in] and ``lora_B``
     [out, r]). On a sparse layer an MLP target adapts *each* expert's projection (E adapters, k of them active
     per token) and the shared expert's; ``train_router``: the router (``[E, h]``, and Qwen2-MoE's shared-expert
