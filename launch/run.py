@@ -103,8 +103,14 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         print(fold_words(head + (f"; {extra}" if extra else ""), terminal_width(sys.stderr)), file=sys.stderr,
               flush=True)
         return exit_code_for(e)
+    except (UserError, FileNotFoundError) as e:
+        msg = str(e)
+        if isinstance(e, FileNotFoundError) and e.filename and msg.startswith("[Errno"):
+            msg = f"file not found: {e.filename}"
+        print(f"error: {msg}", file=sys.stderr, flush=True)
+        return exit_code_for(e)
     except OSError as e:
-        if not out_of_space(e) or isinstance(e, FileNotFoundError):
+        if not out_of_space(e):
             raise
         ck, ck_dir, note = _latest_checkpoint(cfg, run_dir)
         if report is not None:
@@ -114,12 +120,6 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
               f"hydra.run.dir to a directory on a larger disk" + (f"; {note}" if note else ""), file=sys.stderr,
               flush=True)
         return 1
-    except (UserError, FileNotFoundError) as e:
-        msg = str(e)
-        if isinstance(e, FileNotFoundError) and e.filename and msg.startswith("[Errno"):
-            msg = f"file not found: {e.filename}"
-        print(f"error: {msg}", file=sys.stderr, flush=True)
-        return exit_code_for(e)
 
 
 class _StderrCapture:
