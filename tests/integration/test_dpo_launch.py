@@ -102,10 +102,10 @@ def _stored_reference(run_dir):
     return t["train"], t["val"]
 
 
-def _check_dpo(losses, reader, ref_losses, ref_w):
+def _check_dpo(losses, reader, ref_losses, ref_w, loss_tol=1e-5):
     assert len(losses) == len(ref_losses) and reader.step == len(ref_losses)
     for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
+        assert abs(a - b) / abs(b) < loss_tol, (losses, ref_losses)
     for name, w in ref_w.items():
         got = reader.get(f"master.{name}")
         assert rel_diff(got, w) < 3e-5, f"{name}: rel diff {rel_diff(got, w):.2e}"
@@ -121,7 +121,10 @@ def test_dpo_data_parallel_matches_reference(tiny_model, tmp_path, own_data_cach
     ov = _dpo_overrides(tmp_path, "data.eval_batches=1")
     ref_losses, ref_w = _reference(tiny_model, *ov, "train.accum=4")
     losses, reader = run_pipeline(tiny_model, str(tmp_path / "dp2"), "backend=[cpu,cpu]", "parallel.dp=2", *ov)
-    _check_dpo(losses, reader, ref_losses, ref_w)
+    # The losses are held to the masters' 3e-5: two replicas sum their halves of the batch before the all-reduce,
+    # the reference sums it in one order, and three AdamW steps carry the last bits (step 3 measured 1.05e-5 on
+    # an AVX-512 host, under 1e-5 on another). Replicas that skip the all-reduce move step 2's loss by 1.5e-2.
+    _check_dpo(losses, reader, ref_losses, ref_w, loss_tol=3e-5)
     assert reader.manifest["parallel"]["dp"] == 2
     first = json.loads(open(tmp_path / "dp2" / "metrics.jsonl").readline())  # policy = reference at step 1
     assert first["rewards/margins"] == 0.0 and first["rewards/accuracies"] == 0.0, first

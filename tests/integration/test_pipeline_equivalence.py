@@ -27,10 +27,19 @@ def _ref(model, *ov):
     return _REF[key]
 
 
+# The key bias's gradient is zero in exact arithmetic: softmax is unchanged by adding q . b_k to every score of
+# a query's row. What reaches AdamW is rounding noise near its eps (1e-8), so the update follows the noise of
+# each summation order: 1.52e-05 between the qwen2 reference and a P = 2 pipeline on an AVX-512 host, under
+# 1e-5 on another. It is held to NOISE_TOL; the q and v biases, which have real gradients, keep ``tol``.
+NOISE_TOL = 1e-4
+NOISE_GRADIENT = (".self_attn.k_proj.bias",)
+
+
 def _check_weights(reader, ref_w, tol):
     for name, w in ref_w.items():
         got = reader.get(f"master.{name}")
-        assert rel_diff(got, w) < tol, f"{name}: rel diff {rel_diff(got, w):.2e}"
+        bound = NOISE_TOL if name.endswith(NOISE_GRADIENT) else tol
+        assert rel_diff(got, w) < bound, f"{name}: rel diff {rel_diff(got, w):.2e}"
     if reader.has("master.lm_head.weight") and "lm_head.weight" not in ref_w:  # tied, P > 1
         got = reader.get("master.lm_head.weight")
         assert rel_diff(got, ref_w["model.embed_tokens.weight"]) < tol, f"tied lm_head: {rel_diff(got, ref_w['model.embed_tokens.weight']):.2e}"
