@@ -1274,7 +1274,7 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
             "parallel": {"dp": prep.dp, "pp": P, "zero": prep.zero},
             "sampler": resume.sampler.state_dict(),
             "data_fingerprint": data.fingerprint, "train": train.to_dict(),
-            "data_files": _data_files(cfg),
+            "data_source": str(cfg.data.source), "data_files": _data_files(cfg),
             "model_path": prep.model_path, "model_fingerprint": _model_fingerprint(prep.model_path),
             "tokenizer_path": _tokenizer_path(cfg, prep.model_path)}
 
@@ -1293,11 +1293,15 @@ def _data_files(cfg) -> Optional[dict]:
 
 def _data_files_change(cfg, manifest: dict) -> str:
     """The files of ``data.source`` added, removed or changed since the checkpoint ``manifest`` was written
-    (:func:`~npu_train.data.sources.files_change`); ``""`` when none, or when the manifest has no record."""
+    (:func:`~npu_train.data.sources.files_change`); ``""`` when none, when ``data.source`` names another source
+    than the checkpoint's run did, or when the manifest has no record."""
     from npu_train.data.sources import files_change
 
-    before, now = manifest.get("data_files"), _data_files(cfg)
-    if not isinstance(before, dict) or now is None:
+    before = manifest.get("data_files")
+    if not isinstance(before, dict) or manifest.get("data_source") != str(cfg.data.source):
+        return ""  # another data.source (or an older checkpoint): the fingerprint's message says it
+    now = _data_files(cfg)
+    if now is None:
         return ""
     return files_change(before, now)
 
