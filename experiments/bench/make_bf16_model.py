@@ -48,7 +48,7 @@ def make(shape: str, out: str, layers: int | None = None, seed: int = 0) -> str:
         kw["num_hidden_layers"] = int(layers)
     cfg = (LlamaConfig if family == "llama" else Qwen2Config)(**kw)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     os.makedirs(out, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     write_smollm2_tokenizer(out)
