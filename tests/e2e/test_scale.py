@@ -1,5 +1,6 @@
-"""A ~0.2 B Llama with the 128,256 vocabulary on two CPU cards: train, save, resume, export, with every card's
-peak anonymous + shared RSS (sampled from outside, tests/memwatch.py) within its plan (plan.json)."""
+"""A ~0.2 B Llama with the 128,256 vocabulary, saved in bf16 as the Hub holds checkpoints, full fine-tuning on two
+CPU cards: train, save, resume, export, with every card's peak anonymous + shared RSS (sampled from outside every
+0.1 s through every phase, the bf16 -> fp32 load included, tests/memwatch.py) within its plan (plan.json)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ def _model(path: str) -> str:
     mod.make_tiny_model(path)  # its tokenizer.json (ids < 384 < the model's vocabulary)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**SHAPE, bos_token_id=0, eos_token_id=0, max_position_embeddings=512))
-    model.save_pretrained(path, safe_serialization=True)
+    model.to(torch.bfloat16).save_pretrained(path, safe_serialization=True)  # bf16, as downloaded
     return path
 
 
@@ -40,7 +41,7 @@ def _watched(tmp_path, model, *overrides, name):
     from memwatch import MemWatch
 
     job = Job(tmp_path, model, *RUN, *overrides, name=name, env={"NPT_CALIBRATE": "never"})
-    w = MemWatch(job.proc.pid, job.run_dir).start()
+    w = MemWatch(job.proc.pid, job.run_dir, interval=0.1).start()
     try:
         rc = job.wait(600)
     finally:
@@ -48,7 +49,9 @@ def _watched(tmp_path, model, *overrides, name):
         job.kill_all()
     assert rc == 0, job.tail()
     with open(os.path.join(job.run_dir, "plan.json")) as f:
-        plan = {st["card"]: int(st["mem"]["total"]) for st in json.load(f)["stages"]}
+        doc = json.load(f)
+    assert doc["shape"]["checkpoint_dtype"] == "bf16"
+    plan = {st["card"]: int(st["mem"]["total"]) for st in doc["stages"]}
     return job, w.card_peaks(), plan
 
 
