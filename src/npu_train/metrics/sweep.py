@@ -100,6 +100,17 @@ def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, 
                      "(or -1 = as many as fit)")
 
 
+def _job_config(sweep_cfg):
+    """A job's config as Hydra hands it to the task: ``load_sweep_config`` also holds Hydra's own ``hydra`` node,
+    which the job's config validation refuses as an unknown key (so every job's needs read as invalid and a
+    shared card went unnoticed)."""
+    from omegaconf import open_dict
+
+    with open_dict(sweep_cfg):
+        sweep_cfg.pop("hydra", None)
+    return sweep_cfg
+
+
 def pin_concurrency(hydra_overrides: list[str], jobs_at_once: int) -> list[str]:
     """The overrides with ``hydra.launcher.n_jobs=<jobs_at_once>`` replacing the user's."""
     import re
@@ -362,7 +373,7 @@ class SweepCallback(_HydraCallback):
         needs = []
         for ov in jobs:
             try:
-                job_cfg = loader.load_sweep_config(config, ov)
+                job_cfg = _job_config(loader.load_sweep_config(config, ov))
                 needs.append(needs_hook(job_cfg) if needs_hook else None)
             except Exception:  # noqa: BLE001 - an invalid job fails (and is reported) by itself
                 needs.append(None)
