@@ -62,3 +62,16 @@ def test_zb_with_aux_loss_is_refused(moe_model, tmp_path):
     job = launch_to_end(tmp_path, moe_model, "train.schedule=zb", f"train.moe_aux_loss={W}", expect_rc=2,
                         backend="cpu,cpu")
     assert "does not combine with the mixture-of-experts load-balancing loss" in job.stderr + job.stdout
+
+
+def test_dp_auto_with_aux_loss_plans_1f1b(moe_model, tmp_path):
+    """parallel.dp=auto once chose zb for a model with the load-balancing loss on, which the card processes then
+    refused (found by the fresh-clone review): the layout search plans 1f1b there, as train.schedule=auto does."""
+    import re
+
+    from conftest import launch_to_end
+
+    job = launch_to_end(tmp_path, moe_model, "plan=true", "parallel.dp=auto", f"train.moe_aux_loss={W}",
+                        expect_rc=0, timeout=280, backend="cpu,cpu,cpu,cpu")
+    m = re.search(r"parallel\.dp=auto: dp=\d+ x pp=\d+, micro-batch \d+ x accum \d+, ([\w-]+)", job.stdout)
+    assert m and m.group(1) == "1f1b", job.stdout[-3000:]

@@ -248,6 +248,10 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
     cands = layouts(len(cards), mcfg.num_layers, int(cfg.train.micro_batch) * int(cfg.train.accum),
                     pp=len(split) if split else None)
     sched = cfg.train.schedule
+    from npu_train.pipeline.moeaux import aux_loss_weight
+
+    if sched == "auto" and aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0:
+        sched = "1f1b"  # what _choose_schedule falls back to: the load-balancing loss needs a full backward
 
     def request(lay):
         c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
