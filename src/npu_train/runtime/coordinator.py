@@ -219,6 +219,9 @@ class Coordinator:
     #: that this launcher did not run: the whole job paused (Ctrl-Z / SIGSTOP, docker pause, a suspended VM or
     #: laptop), or the loop was held up; the cards' silence meanwhile says nothing about them
     PAUSE_GAP_S = 3.0
+    #: the note is printed only from this gap on: a loop held up 3-8 s is what a host loaded 8x over its cores
+    #: does (seen four times in a row on a 2-core VM at load 17), and a note each time is noise
+    NOTE_GAP_S = 8.0
 
     def _forgive_pause(self, now: float) -> None:
         """Liveness tells "my peers are silent" from "I was not running": after a gap of :data:`PAUSE_GAP_S` or
@@ -233,8 +236,9 @@ class Coordinator:
             rs.started_at = min(rs.started_at + gap, now)
         if self.link is not None:
             self.link.forgive(gap, now)
-        self.reporter.note(f"note: the launcher did not run for {gap:.0f} s (the job was paused or suspended?): the "
-                           "card processes' heartbeat deadlines start again")
+        if gap >= self.NOTE_GAP_S:
+            self.reporter.note(f"note: the launcher did not run for {gap:.0f} s (the job was paused or "
+                               "suspended?): the card processes' heartbeat deadlines start again")
 
     def _check_failures(self, poller, now: float) -> None:
         """Raise :class:`JobFailed` naming the root cause if any card process failed."""
