@@ -38,9 +38,10 @@ def _check(losses, reader, ref_losses, ref_w):
     for name, w in ref_w.items():
         got = reader.get(f"master.{name}")
         assert rel_diff(got, w) < 1e-5, f"{name}: rel diff {rel_diff(got, w):.2e}"
-    # tied: the last stage's lm_head copy equals the embedding
-    torch.testing.assert_close(reader.get("master.lm_head.weight"), ref_w["model.embed_tokens.weight"],
-                               rtol=1e-5, atol=1e-6)
+    # tied: the last stage's lm_head copy equals the first stage's embedding to the bit (both take the same summed
+    # gradient and update); the embedding against the reference is the rel_diff above. An element-wise 1e-6
+    # against the reference failed on one element near zero (1.18e-6) on an AVX-512 host: rounding, not the tie.
+    assert torch.equal(reader.get("master.lm_head.weight"), reader.get("master.model.embed_tokens.weight"))
 
 
 def test_dp2_matches_single_process_reference(tiny_model, tmp_path):
