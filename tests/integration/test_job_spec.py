@@ -49,7 +49,8 @@ def test_worker_threads_equal_planned_threads(monkeypatch, tmp_path, tiny_model,
 
 
 def test_worker_spec_is_frozen_and_typed(monkeypatch, tmp_path, tiny_model):
-    specs, plan = _specs_and_plan(monkeypatch, tmp_path, tiny_model, "backend=[cpu,cpu,cpu]")
+    # one chunk per card (train.schedule=auto may choose the two-chunk zbv here, whose head is on card 0)
+    specs, plan = _specs_and_plan(monkeypatch, tmp_path, tiny_model, "backend=[cpu,cpu,cpu]", "train.schedule=1f1b")
     assert [s.rank for s in specs] == [0, 1, 2] and all(s.world_size == 3 for s in specs)
     assert [(s.stage.first, s.stage.last) for s in specs] == [(st.first_layer, st.last_layer) for st in plan.stages]
     assert specs[0].stage.has_embed and specs[-1].stage.has_head

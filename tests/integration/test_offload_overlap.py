@@ -38,7 +38,7 @@ def _metrics(run_dir):
 def test_overlap_on_off_identical(tiny_model, tmp_path):
     """Two runs, ~40 s on the shared 2-core machine (the in-process unit test
     tests/unit/test_host_overlap_unit.py covers the same bit-identity fast). Mutation check (run, seen failing): the background task scaling by ``clip_coef * (1 + 1e-7)``."""
-    ov = ("backend=[cpu,cpu]", "train.resident_layers=[1,2]")
+    ov = ("backend=[cpu,cpu]", "train.resident_layers=[1,2]", "train.schedule=1f1b")  # one chunk per card
     on = run_pipeline(tiny_model, str(tmp_path / "on"), *ov)
     off = run_pipeline(tiny_model, str(tmp_path / "off"), *ov, "train.offload_overlap=false")
     _same(on, off)
