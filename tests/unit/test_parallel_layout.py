@@ -74,7 +74,11 @@ def test_planner_dp_terms():
         # ring all-reduce of the fp32 gradient over gloo + the gradient's d2h and h2d on the card
         want = 2 * 3 / 4 * 4 * params / rt.dp_bytes_per_s + 2 * params * (1 / rt.d2h_bytes_per_s + 1 / rt.h2d_bytes_per_s)
         assert b.time["dp_comm"] == pytest.approx(want, rel=1e-12)
-        assert b.time["total"] == pytest.approx(a.time["total"] + want, rel=1e-12)
+        # four replicas put 4x the card processes on the host, sharing its memory bandwidth: the host update is
+        # slower there (planner/rates.py), and the step grows by that and by the all-reduce
+        assert b.time["host_optimizer"] > a.time["host_optimizer"]
+        grow = want + b.time["host_optimizer"] - a.time["host_optimizer"]
+        assert b.time["total"] == pytest.approx(a.time["total"] + grow, rel=1e-12)
     assert four.host_bytes_all == 4 * four.host_bytes
     text = plan_table(four)
     assert "dp=4 x pp=2 (8 cards)" in text and "dp-comm" in text
