@@ -147,21 +147,12 @@ def _gguf_chunks(path: str, cfg: LlamaConfig, wanted: dict, index: Optional[dict
     import numpy as np
     import torch
 
-    from .files import ModelFormatError, check_finite, shape_error
-    from .gguf import _index_tensors, gguf_reader, gguf_unpermute, hf_to_gguf_name
+    from .files import ModelFormatError, check_finite
+    from .gguf import gguf_unpermute, gguf_wanted_tensors
 
     unpermute = cfg.family in ("llama", "mistral")  # Qwen GGUFs keep HF row order
-    by_name = _index_tensors(path, index)
-    if by_name is None:
-        by_name = {t.name: t for t in gguf_reader(path).tensors}
-    for name, (src, shape) in wanted.items():
-        gname = hf_to_gguf_name(src)
-        t = by_name.get(gname)
-        if t is None:
-            raise ModelFormatError(f"tensor {src!r} (GGUF {gname!r}) not found in {path}")
-        found = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (innermost) first
-        if found != tuple(shape):
-            raise shape_error(name, src, path, shape, found)
+    for name, _, gname, t in gguf_wanted_tensors(path, wanted, index):
+        shape = tuple(wanted[name][1])
         heads = {".attn_q.weight": cfg.num_heads, ".attn_k.weight": cfg.num_kv_heads}
         n_head = next((h for k, h in heads.items() if unpermute and gname.endswith(k)), 0)
         head_rows = shape[0] // n_head if n_head else 1

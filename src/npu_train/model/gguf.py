@@ -16,7 +16,7 @@ from .config import FAMILIES, MOE_FAMILIES, LlamaConfig
 from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
 from .hf import first_id
 
-__all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "iter_gguf_tensors", "gguf_unpermute",
+__all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "iter_gguf_tensors", "gguf_wanted_tensors", "gguf_unpermute",
            "hf_to_gguf_name", "clear_gguf_cache", "file_key", "gguf_tensor_index"]
 
 
@@ -319,15 +319,10 @@ def gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
     return dict(iter_gguf_tensors(path, cfg, wanted, unpermute, index))
 
 
-def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
-                      index: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file one tensor at a time as fp32:
-    yields ``(name, tensor)`` (q/k weights un-permuted when ``unpermute`` and the file is a ``llama`` one; ``index``: read at its offsets unless
-    stale). Raises :class:`ModelFormatError` for a missing tensor, wrong shape, unsupported GGML type or
-    non-finite value."""
-    import gguf
-
-    unpermute = unpermute and cfg.family in ("llama", "mistral")  # Qwen GGUFs keep HF row order
+def gguf_wanted_tensors(path: str, wanted: dict, index: Optional[dict] = None) -> Iterator[tuple]:
+    """``(name, stored_name, gguf_name, ReaderTensor)`` for each ``wanted = {name: (stored_name, HF shape)}``
+    of the GGUF file (``index``: read at its offsets unless stale), its shape checked. Raises
+    :class:`ModelFormatError` for a missing tensor or a wrong shape."""
     by_name = _index_tensors(path, index)
     if by_name is None:
         by_name = {t.name: t for t in gguf_reader(path).tensors}
@@ -339,6 +334,20 @@ def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool
         found = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (innermost) first
         if found != tuple(shape):
             raise shape_error(name, src, path, shape, found)
+        yield name, src, gname, t
+
+
+def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
+                      index: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read ``wanted = {name: (stored_name, HF shape)}`` from a GGUF file one tensor at a time as fp32:
+    yields ``(name, tensor)`` (q/k weights un-permuted when ``unpermute`` and the file is a ``llama`` one; ``index``: read at its offsets unless
+    stale). Raises :class:`ModelFormatError` for a missing tensor, wrong shape, unsupported GGML type or
+    non-finite value."""
+    import gguf
+
+    unpermute = unpermute and cfg.family in ("llama", "mistral")  # Qwen GGUFs keep HF row order
+    for name, _, gname, t in gguf_wanted_tensors(path, wanted, index):
+        shape = tuple(wanted[name][1])
         try:
             arr = gguf.quants.dequantize(t.data, t.tensor_type)
         except NotImplementedError as e:
