@@ -248,10 +248,8 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
     cands = layouts(len(cards), mcfg.num_layers, int(cfg.train.micro_batch) * int(cfg.train.accum),
                     pp=len(split) if split else None)
     sched = cfg.train.schedule
-    from npu_train.pipeline.moeaux import aux_loss_weight
-
-    if sched == "auto" and aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0:
-        sched = "1f1b"  # what _choose_schedule falls back to: the load-balancing loss needs a full backward
+    if sched == "auto" and _aux_needs_1f1b(cfg, mcfg):
+        sched = "1f1b"  # what _choose_schedule falls back to
 
     def request(lay):
         c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
@@ -301,16 +299,23 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
                            multinode=multinode, host_cores=host_cores)
         choice = choose_schedule(req)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
-    from npu_train.pipeline.moeaux import aux_loss_weight
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
 
-    if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0:
+    if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and _aux_needs_1f1b(cfg, mcfg):
         schedule, why = "1f1b", why + ("; 1f1b instead: the mixture-of-experts load-balancing loss needs a full "
                                        "backward on one chunk per card")
     with open_dict(cfg):
         cfg.train.schedule = schedule
         cfg.train.recompute = recompute
     print(why, flush=True)
+
+
+def _aux_needs_1f1b(cfg, mcfg) -> bool:
+    """Whether the mixture-of-experts load-balancing loss is on, so ``train.schedule=auto`` (alone or under
+    ``parallel.dp=auto``) must plan 1f1b: the loss needs a full backward on one chunk per card."""
+    from npu_train.pipeline.moeaux import aux_loss_weight
+
+    return aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0
 
 
 def _resumed_train(cfg, run_dir: str) -> Optional[dict]:
