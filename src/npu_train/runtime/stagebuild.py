@@ -68,7 +68,10 @@ def load_stage_weights(spec: WorkerSpec, cfg, params: dict, backend, dtype: torc
                 out[c.name] = p.detach() if c.name in own else torch.empty(c.shape, dtype=torch.float32)
             if masters and c.name not in own:
                 out[c.name][c.rows].copy_(c.part)
-            p[c.rows].copy_(backend.upload(c.part.to(dtype)))
+            if p.device.type == "cpu":  # the cast happens inside copy_: no fp32 temporary, no upload clone
+                p[c.rows].copy_(c.part)
+            else:
+                p[c.rows].copy_(backend.upload(c.part.to(dtype)))
             backend.memory_allocated()  # a sample with the chunk's buffers alive (cpu: the load's peak)
             del c
     return out
