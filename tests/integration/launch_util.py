@@ -64,6 +64,13 @@ class Job:
             self.t_exit = time.monotonic()
         return rc
 
+    def finish(self, timeout: float = 240.0) -> int:
+        """:meth:`wait`, then :meth:`kill_all` whatever happened (no card process outlives the test)."""
+        try:
+            return self.wait(timeout)
+        finally:
+            self.kill_all()
+
     def poll_exit(self) -> Optional[int]:
         rc = self.proc.poll()
         if rc is not None and self.t_exit is None:
@@ -194,3 +201,25 @@ def job_segments(job_id: str) -> list[str]:
     from npu_train.transport.shm import segment_names_for_job
 
     return segment_names_for_job(job_id)
+
+
+def edit_model_copy(src: str, dst: str, edit_cfg=None, edit_tensors=None) -> str:
+    """Copy the HF model directory ``src`` to ``dst``, then apply ``edit_cfg(config dict)`` to config.json and
+    ``edit_tensors(name -> tensor dict)`` to model.safetensors (each in place, either optional); returns ``dst``."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    if edit_cfg:
+        with open(os.path.join(dst, "config.json")) as f:
+            c = json.load(f)
+        edit_cfg(c)
+        with open(os.path.join(dst, "config.json"), "w") as f:
+            json.dump(c, f)
+    if edit_tensors:
+        p = os.path.join(dst, "model.safetensors")
+        t = load_file(p)
+        edit_tensors(t)
+        save_file(t, p)
+    return dst

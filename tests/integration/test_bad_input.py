@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 from types import SimpleNamespace
 
 import pytest
 
-from launch_util import Job
+from launch_util import Job, edit_model_copy
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -23,7 +22,6 @@ pytestmark = pytest.mark.timeout(120)
 def bad(tiny_model, tmp_path_factory):
     """Broken inputs derived from the tiny model; a TCP port held open for the module's duration."""
     import torch
-    from safetensors.torch import load_file, save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     from npu_train.data.text import botchan_text
@@ -33,20 +31,7 @@ def bad(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
 
     def model_copy(name, edit_cfg=None, edit_tensors=None):
-        d = str(root / name)
-        shutil.copytree(tiny_model, d)
-        if edit_cfg:
-            with open(os.path.join(d, "config.json")) as f:
-                c = json.load(f)
-            edit_cfg(c)
-            with open(os.path.join(d, "config.json"), "w") as f:
-                json.dump(c, f)
-        if edit_tensors:
-            p = os.path.join(d, "model.safetensors")
-            t = load_file(p)
-            edit_tensors(t)
-            save_file(t, p)
-        return d
+        return edit_model_copy(tiny_model, str(root / name), edit_cfg, edit_tensors)
 
     b = SimpleNamespace()
     b.no_keys = model_copy("no_keys", edit_cfg=lambda c: c.pop("hidden_size"))
@@ -103,25 +88,21 @@ def bad(tiny_model, tmp_path_factory):
         f.write("".join(json.dumps({"text": k}) + "\n" for k in range(5)))
     b.dsdict = str(root / "dsdict")
     datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": words})}).save_to_disk(b.dsdict)
-    # a (complete) checkpoint of another model: 4 layers instead of 6
-    b.other_ckpt = str(root / "other_ckpt")
-    step = os.path.join(b.other_ckpt, "step_000002")
-    os.makedirs(step)
-    other = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4,
-                        num_kv_heads=2, tie_word_embeddings=True)
-    with open(os.path.join(step, "manifest.json"), "w") as f:
-        json.dump({"step": 2, "format": 1, "model": other.to_dict(), "index": {}}, f)
-    # a DPO run's checkpoint of the tiny model (manifest only: refused before any shard is read)
-    b.dpo_ckpt = str(root / "dpo_ckpt")
-    step = os.path.join(b.dpo_ckpt, "step_000002")
-    os.makedirs(step)
-    same = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4,
-                       num_kv_heads=2, tie_word_embeddings=True)
-    with open(os.path.join(step, "manifest.json"), "w") as f:
-        json.dump({"step": 2, "format": 1, "model": same.to_dict(), "index": {},
-                   "train": {"mode": "full", "objective": "dpo", "micro_batch": 4},
-                   "sampler": {"seed": 1234, "n_sequences": 40, "micro_batch": 2, "micro_batches": 4, "dp_size": 1,
-                               "pairs": True}}, f)
+    def manifest_only(name, layers, **extra):
+        """A complete-looking checkpoint root holding step_000002's manifest (the tiny model's shape with
+        ``layers`` layers, ``extra`` keys added) and no shard: refused before any shard is read."""
+        step = os.path.join(str(root / name), "step_000002")
+        os.makedirs(step)
+        cfg = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=layers, num_heads=4,
+                          num_kv_heads=2, tie_word_embeddings=True)
+        with open(os.path.join(step, "manifest.json"), "w") as f:
+            json.dump({"step": 2, "format": 1, "model": cfg.to_dict(), "index": {}, **extra}, f)
+        return str(root / name)
+
+    b.other_ckpt = manifest_only("other_ckpt", 4)  # another model: 4 layers instead of 6
+    b.dpo_ckpt = manifest_only(  # a DPO run's checkpoint of the tiny model
+        "dpo_ckpt", 6, train={"mode": "full", "objective": "dpo", "micro_batch": 4},
+        sampler={"seed": 1234, "n_sequences": 40, "micro_batch": 2, "micro_batches": 4, "dp_size": 1, "pairs": True})
     b.a_file = str(root / "a_file")  # NPT_CACHE under a file: cannot be created, like a read-only mount
     open(b.a_file, "w").close()
     sock = socket.socket()
@@ -223,10 +204,7 @@ def test_bad_input(tiny_model, tmp_path, bad, case):
     other_before = sorted(os.listdir(bad.other_ckpt))
     env = env(bad) if callable(env) else env
     job = Job(tmp_path, tiny_model, "train.steps=2", *args, env=env)
-    try:
-        rc = job.wait(90)
-    finally:
-        job.kill_all()
+    rc = job.finish(90)
     err = job.stderr
     assert rc == 2, job.tail()
     assert "Traceback" not in err, err

@@ -8,7 +8,7 @@ import shlex
 
 import pytest
 
-from launch_util import Job
+from launch_util import Job, edit_model_copy
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -24,17 +24,11 @@ def test_resume_command_runs_as_printed_from_a_dir_with_a_space_and_an_apostroph
     ``LexerNoViableAltException``)."""
     name = "Bob's run"
     first = Job(tmp_path, tiny_model, "train.steps=2", "train.stop_after=1", name=name)
-    try:
-        assert first.wait(240) == 0, first.tail()
-    finally:
-        first.kill_all()
+    assert first.finish(240) == 0, first.tail()
     resume = _status(first)["resume"]
     assert resume and f"{name}/out/checkpoints" in shlex.split(resume)[-1], resume
     again = Job(tmp_path, tiny_model, name=name, argv=shlex.split(resume))
-    try:
-        rc = again.wait(240)
-    finally:
-        again.kill_all()
+    rc = again.finish(240)
     assert rc == 0, again.tail()
     assert "resuming from" in again.stdout and "step_000001" in again.stdout, again.tail()
     assert _status(again)["status"] == "ok"
@@ -59,19 +53,13 @@ def test_lora_base_relative_replaced_and_moved(tmp_path):
     rel = os.path.relpath(base, REPO)  # the launcher runs in REPO
     lora = ["train.mode=lora", "lora.rank=4", "lora.alpha=8", "train.steps=2", "train.stop_after=1"]
     first = Job(tmp_path, rel, *lora, name="lora")
-    try:
-        assert first.wait(240) == 0, first.tail()
-    finally:
-        first.kill_all()
+    assert first.finish(240) == 0, first.tail()
     ck = complete_checkpoints(os.path.join(first.run_dir, "checkpoints"))[-1]
     assert CheckpointReader(ck).manifest["model_path"] == base  # fault 4: absolute
 
     make_tiny_model(base, seed=1)  # fault 3: same shapes, other weights
     again = Job(tmp_path, rel, *lora, "train.resume=latest", name="lora")
-    try:
-        rc = again.wait(240)
-    finally:
-        again.kill_all()
+    rc = again.finish(240)
     assert rc == 2, again.tail()
     (line,) = again.error_lines()
     assert "differ from those the checkpoint's LoRA adapters were trained on" in line \
@@ -109,25 +97,6 @@ def test_lora_base_moved_message(tmp_path, capsys):
     assert "--base" in err and not (tmp_path / "out").exists()
 
 
-def _edit_model(src: str, dst: str, edit_cfg=None, edit_tensors=None) -> str:
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(src, dst)
-    if edit_cfg:
-        with open(os.path.join(dst, "config.json")) as f:
-            c = json.load(f)
-        edit_cfg(c)
-        with open(os.path.join(dst, "config.json"), "w") as f:
-            json.dump(c, f)
-    if edit_tensors:
-        t = load_file(os.path.join(dst, "model.safetensors"))
-        edit_tensors(t)
-        save_file(t, os.path.join(dst, "model.safetensors"))
-    return dst
-
-
 def test_tied_config_with_a_distinct_head_in_the_file_keeps_the_files_head(tiny_model, tmp_path, capsys):
     """Fault 5: ``tie_word_embeddings=true`` beside an ``lm_head.weight`` with other values than the embedding:
     as transformers 5.25 does (it keeps the file's head, untied, and warns), the model is untied and reads the file's
@@ -147,7 +116,7 @@ def test_tied_config_with_a_distinct_head_in_the_file_keeps_the_files_head(tiny_
             0.05 * torch.randn(t["model.embed_tokens.weight"].shape, generator=g)
         t["lm_head.weight"] = head["w"]
 
-    d = _edit_model(tiny_model, str(tmp_path / "distinct"), edit_tensors=add_head)
+    d = edit_model_copy(tiny_model, str(tmp_path / "distinct"), edit_tensors=add_head)
     _NOTED.clear()
     cfg = load_config(d)
     assert cfg.tie_word_embeddings is False
@@ -156,7 +125,7 @@ def test_tied_config_with_a_distinct_head_in_the_file_keeps_the_files_head(tiny_
     err = capsys.readouterr().err
     assert "sets tie_word_embeddings=true, but the weights hold their own lm_head.weight" in err and \
         "as transformers does" in err
-    same = _edit_model(tiny_model, str(tmp_path / "same"), edit_tensors=lambda t: add_head(t, same=True))
+    same = edit_model_copy(tiny_model, str(tmp_path / "same"), edit_tensors=lambda t: add_head(t, same=True))
     assert load_config(same).tie_word_embeddings is True
     assert "tie_word_embeddings" not in capsys.readouterr().err
 
@@ -169,7 +138,7 @@ def test_config_with_fewer_layers_than_the_weights_warns(tiny_model, tmp_path, c
 
     _NOTED = getattr(weights, "_NOTED", set())  # notes printed once per process
 
-    d = _edit_model(tiny_model, str(tmp_path / "fewer"), edit_cfg=lambda c: c.update(num_hidden_layers=4))
+    d = edit_model_copy(tiny_model, str(tmp_path / "fewer"), edit_cfg=lambda c: c.update(num_hidden_layers=4))
     _NOTED.clear()
     check_weights(d, load_config(d))
     err = capsys.readouterr().err
@@ -191,25 +160,16 @@ def test_resume_after_a_file_was_added_to_the_data_dir(tiny_model, tmp_path):
     (data / "a.txt").write_text(text[:30000])
     args = [f"data.source={data}", "train.steps=3", "train.stop_after=1"]
     first = Job(tmp_path, tiny_model, *args, name="data")
-    try:
-        assert first.wait(240) == 0, first.tail()
-    finally:
-        first.kill_all()
+    assert first.finish(240) == 0, first.tail()
     (data / "extra.txt").write_text(text[30000:60000])
     refused = Job(tmp_path, tiny_model, *args, "train.resume=latest", name="data")
-    try:
-        rc = refused.wait(240)
-    finally:
-        refused.kill_all()
+    rc = refused.finish(240)
     assert rc == 2, refused.tail()
     (line,) = refused.error_lines()
     assert f"data.source={data} changed since" in line and "new file(s) extra.txt" in line, line
     assert "train.resume_mismatch=allow" in line, line
     allowed = Job(tmp_path, tiny_model, *args, "train.resume=latest", "train.resume_mismatch=allow", name="data")
-    try:
-        rc = allowed.wait(240)
-    finally:
-        allowed.kill_all()
+    rc = allowed.finish(240)
     assert rc == 0, allowed.tail()
     assert "resuming onto changed data" in allowed.stdout and "new file(s) extra.txt" in allowed.stdout
 
@@ -257,10 +217,7 @@ def test_address_space_limit_below_the_plan_is_refused(tiny_model, tmp_path):
     under 0.80 GiB they failed in their model load (exit 1), the launcher got as far as starting them."""
     limit = int(0.80 * 2**30)
     job = Job(tmp_path, tiny_model, "train.steps=2", prefix=["prlimit", f"--as={limit}"])
-    try:
-        rc = job.wait(240)
-    finally:
-        job.kill_all()
+    rc = job.finish(240)
     assert rc == 2, job.tail()
     (line,) = job.error_lines()
     assert "address-space limit of this shell (ulimit -v, RLIMIT_AS) is 0.80 GiB per process" in line, line
