@@ -1,12 +1,15 @@
-"""One mixture-of-experts MLP block, forward + backward: npu-train's ``SparseMoe`` (tokens sorted by expert, one
-SwiGLU per expert, per-expert ``nn.Linear``) against transformers' own ``Qwen3MoeSparseMoeBlock`` with its default
-experts implementation (``grouped_mm``: stacked expert tensors, ``torch.nn.functional.grouped_mm``) and its
-``eager`` one (a loop over the experts hit), same weights, inputs, dtype and threads, interleaved rounds.
+"""One mixture-of-experts MLP block, forward + backward: npu-train's ``SparseMoe`` (tokens sorted by expert; the
+experts' SwiGLUs in one ``GroupedSwiGlu`` node over the per-expert ``nn.Linear`` weights) against transformers'
+own ``Qwen3MoeSparseMoeBlock`` with its default experts implementation (``grouped_mm``: stacked expert tensors,
+``torch.nn.functional.grouped_mm``) and its ``eager`` one (a loop over the experts hit), same weights (ours are
+views of transformers' stacked tensors: one copy in memory), inputs, dtype and threads, interleaved rounds.
+Gradients are dropped after each timed call, so one block's are held at a time.
 
 Prints the machine, the median seconds per forward + backward of each, the spread, and the ratios
 ``transformers / npu-train`` (> 1: npu-train faster). Checks the outputs agree first.
 
     flock /tmp/bench.lock python experiments/bench/moe_layer.py [--quick] [--dtype bf16|fp32] [--threads N]
+        [--hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --tokens 1024] [--impls grouped_mm]
 """
 from __future__ import annotations
 
@@ -35,15 +38,23 @@ def _hf_block(H, E, k, Ie, impl, dtype):
     return model.model.layers[0].mlp
 
 
-def _copy_weights(ours: SparseMoe, hf) -> None:
-    """transformers' stacked experts from ours (gate rows then up rows in ``gate_up_proj``)."""
+def _share_weights(hf, ours: SparseMoe, others) -> None:
+    """Random weights in transformers' stacked experts (gate rows then up rows in ``gate_up_proj``); ours are
+    views of them (one copy of the weights in memory) and the other transformers blocks share its parameters."""
     with torch.no_grad():
-        hf.gate.weight.copy_(ours.gate.weight)
-        for e, ex in enumerate(ours.experts):
-            I = ex.gate_proj.weight.shape[0]
-            hf.experts.gate_up_proj[e, :I].copy_(ex.gate_proj.weight)
-            hf.experts.gate_up_proj[e, I:].copy_(ex.up_proj.weight)
-            hf.experts.down_proj[e].copy_(ex.down_proj.weight)
+        hf.gate.weight.normal_(0.0, 0.5)
+        hf.experts.gate_up_proj.normal_(0.0, 0.02)
+        hf.experts.down_proj.normal_(0.0, 0.02)
+    gu, down = hf.experts.gate_up_proj.data, hf.experts.down_proj.data
+    ours.gate.weight = torch.nn.Parameter(hf.gate.weight.data)
+    for e, ex in enumerate(ours.experts):
+        inter = gu.shape[1] // 2
+        ex.gate_proj.weight = torch.nn.Parameter(gu[e, :inter])
+        ex.up_proj.weight = torch.nn.Parameter(gu[e, inter:])
+        ex.down_proj.weight = torch.nn.Parameter(down[e])
+    for o in others:
+        o.gate.weight, o.experts.gate_up_proj, o.experts.down_proj = (hf.gate.weight, hf.experts.gate_up_proj,
+                                                                      hf.experts.down_proj)
 
 
 def _fwd_bwd(block, x, g):
@@ -53,7 +64,10 @@ def _fwd_bwd(block, x, g):
     t0 = time.perf_counter()
     y = block(x)
     y.backward(g)
-    return time.perf_counter() - t0, y.detach()
+    t = time.perf_counter() - t0
+    for p in block.parameters():
+        p.grad = None  # one block's gradients in memory at a time
+    return t, y.detach()
 
 
 def main(argv=None) -> int:
@@ -67,6 +81,8 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-intermediate", type=int, default=384)
     ap.add_argument("--tokens", type=int, default=1024, help="tokens per forward (micro-batch x sequence)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--impls", default="grouped_mm,eager",
+                    help="transformers experts implementations to time, comma-separated (eager is ~5x slower)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.quick:
@@ -79,21 +95,17 @@ def main(argv=None) -> int:
     cfg = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=Ie, num_layers=1, num_heads=4,
                       num_kv_heads=4, family="qwen3_moe", num_experts=E, num_experts_per_tok=k,
                       moe_intermediate_size=Ie, norm_topk_prob=True)
-    ours = SparseMoe(cfg, 0)
-    with torch.no_grad():
-        for p in ours.parameters():
-            p.normal_(0.0, 0.02)
-        ours.gate.weight.normal_(0.0, 0.5)
-    ours = ours.to(dtype)
-    blocks = {"npu-train": ours}
-    for impl in ("grouped_mm", "eager"):
-        hf = _hf_block(H, E, k, Ie, impl, dtype)
-        _copy_weights(ours, hf)
-        blocks[f"transformers {impl}"] = hf
+    with torch.device("meta"):
+        ours = SparseMoe(cfg, 0)
+    hf = {impl: _hf_block(H, E, k, Ie, impl, dtype) for impl in a.impls.split(",")}
+    first = next(iter(hf.values()))
+    _share_weights(first, ours, [b for b in hf.values() if b is not first])
+    blocks = {"npu-train": ours, **{f"transformers {impl}": b for impl, b in hf.items()}}
     x = torch.randn(1, N, H, dtype=dtype)
     g = torch.randn(1, N, H, dtype=dtype)
     outs = {n: _fwd_bwd(b, x, g)[1] for n, b in blocks.items()}  # warm-up + agreement
-    ref = outs["transformers grouped_mm"].float()
+    ref_name = f"transformers {next(iter(hf))}"
+    ref = outs[ref_name].float()
     agree = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items()}
     times: dict[str, list] = {n: [] for n in blocks}
     names = list(blocks)
@@ -109,7 +121,7 @@ def main(argv=None) -> int:
     for n in names:
         t = times[n]
         print(f"  {n:26s} {med[n] * 1e3:9.2f} ms  [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]  "
-              f"output rel diff vs grouped_mm {agree[n]:.1e}")
+              f"output rel diff vs {ref_name.split()[1]} {agree[n]:.1e}")
     for n in names[1:]:
         print(f"ratio {n} / npu-train: {med[n] / med['npu-train']:.2f}x")
     if a.json:

@@ -11,7 +11,10 @@ token over the ``k`` slots in one reduction, as transformers' default experts im
 ``integrations/moe.py::grouped_mm_experts_forward``) does.
 
 Compute: the ``N * k`` (token, expert) pairs are sorted by expert; every expert with tokens runs one SwiGLU on
-its contiguous block (three matmuls), never a loop over tokens.
+its contiguous block (three matmuls), never a loop over tokens. The experts' SwiGLUs are one autograd node
+(:class:`GroupedSwiGlu`: per-expert matmuls, elementwise steps once over all rows, no per-module autograd), and
+bf16 runs its matmuls in fp32 on a CPU without bf16 hardware (:func:`matmul_dtype`); experts with LoRA adapters
+run as modules. Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from torch import nn
 
 from .config import FAMILIES, LlamaConfig
 
-__all__ = ["Expert", "SparseMoe", "RouterRecorder", "LayerRouting"]
+__all__ = ["Expert", "GroupedSwiGlu", "SparseMoe", "RouterRecorder", "LayerRouting", "matmul_dtype"]
 
 
 class Expert(nn.Module):
@@ -43,6 +46,109 @@ class Expert(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         g, u, d = (getattr(self, n) for n in self.names)
         return d(F.silu(g(x)) * u(x))
+
+    def plain(self) -> bool:
+        """True when the three projections are plain ``nn.Linear`` without bias (no LoRA adapter)."""
+        return all(type(getattr(self, n)) is nn.Linear and getattr(self, n).bias is None for n in self.names)
+
+    def projections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The weights ``(gate [I, H], up [I, H], down [H, I])`` of a :meth:`plain` expert."""
+        return tuple(getattr(self, n).weight for n in self.names)
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the expert matmuls run in for tensors of ``dtype`` on ``device``: ``dtype`` itself, except bf16 /
+    fp16 on a CPU without hardware for them (no AVX512-BF16 / AMX; the x86 CPUs of this project's hosts), whose
+    matmuls are emulated and slower than fp32 ones (3-5x at the expert shapes, experiments/2026-12-06-moe.md):
+    fp32 there, on the half-precision values, with the products rounded to ``dtype`` once as the half-precision
+    kernels do (fp32 accumulation), so only the order of the sums differs."""
+    if device.type != "cpu":
+        return dtype
+    if dtype == torch.bfloat16 and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+        return torch.float32
+    if dtype == torch.float16 and not torch.cpu._is_amx_fp16_supported():
+        return torch.float32
+    return dtype
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b`` (``out`` a contiguous row block, rounded to its dtype when ``a``, ``b`` are wider)."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
+
+
+class GroupedSwiGlu(torch.autograd.Function):
+    """The SwiGLU of every expert hit, on rows sorted by expert, as one autograd node (the per-expert matmuls of
+    transformers' ``grouped_mm`` CPU kernel, which loops over the groups the same way; no per-module autograd).
+
+    ``apply(xs [S, H], counts (n_0, ...), *weights) -> [S, H]`` in ``xs.dtype``: ``counts`` the consecutive row
+    blocks (``sum = S``), ``weights`` ``(gate [I, H], up [I, H], down [H, I])`` of each block's expert in turn.
+    Row block ``j``: ``down_j(silu(x gate_j^T) * (x up_j^T))``; the elementwise steps run once over all rows,
+    rounded to ``xs.dtype`` between the matmuls as the module form is. Saves ``xs``, the gate and up products,
+    ``silu(gate)`` and their product (``2H + 4I`` elements per row, as the module form:
+    ``planner/moe.py::routed_saved_bytes_per_token``). Matmuls in :func:`matmul_dtype` (when wider than
+    ``xs.dtype``, each operand is widened once per call: a transient ``[S, H]`` or ``[S, I]`` and one expert's
+    weight at a time)."""
+
+    @staticmethod
+    def forward(ctx, xs: torch.Tensor, counts: tuple, *weights: torch.Tensor) -> torch.Tensor:
+        S, H = xs.shape
+        inter = weights[0].shape[0]
+        mm = matmul_dtype(xs.dtype, xs.device)
+        bounds = [0]
+        for c in counts:
+            bounds.append(bounds[-1] + int(c))
+        g, u, y = xs.new_empty(S, inter), xs.new_empty(S, inter), xs.new_empty(S, H)
+        xm = xs.to(mm)
+        for j in range(len(counts)):
+            a, b = bounds[j], bounds[j + 1]
+            _mm(xm[a:b], weights[3 * j].to(mm).t(), g[a:b])
+            _mm(xm[a:b], weights[3 * j + 1].to(mm).t(), u[a:b])
+        del xm
+        act = F.silu(g)
+        h = act * u
+        hm = h.to(mm)
+        for j in range(len(counts)):
+            a, b = bounds[j], bounds[j + 1]
+            _mm(hm[a:b], weights[3 * j + 2].to(mm).t(), y[a:b])
+        ctx.save_for_backward(xs, g, u, act, h, *weights)
+        ctx.bounds, ctx.mm = bounds, mm
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        xs, g, u, act, h, *weights = ctx.saved_tensors
+        bounds, mm, need = ctx.bounds, ctx.mm, ctx.needs_input_grad
+        n = len(bounds) - 1
+        grads: list = [None] * len(weights)
+        dym, hm = dy.contiguous().to(mm), h.to(mm)
+        dh = torch.empty_like(h)
+        for j in range(n):
+            a, b = bounds[j], bounds[j + 1]
+            wd = weights[3 * j + 2]
+            _mm(dym[a:b], wd.to(mm), dh[a:b])
+            if need[4 + 3 * j]:
+                grads[3 * j + 2] = torch.mm(dym[a:b].t(), hm[a:b]).to(wd.dtype)
+        del dym, hm
+        dum = (dh * act).to(mm)
+        dgm = torch.ops.aten.silu_backward(dh * u, g).to(mm)
+        xm = xs.to(mm)
+        dx = torch.empty_like(xs) if need[0] else None
+        for j in range(n):
+            a, b = bounds[j], bounds[j + 1]
+            wg, wu = weights[3 * j], weights[3 * j + 1]
+            if dx is not None:  # one rounding of the sum, as transformers' single gate_up matmul
+                r = torch.mm(dgm[a:b], wg.to(mm), out=dx[a:b]) if dx.dtype == mm else torch.mm(dgm[a:b], wg.to(mm))
+                r.addmm_(dum[a:b], wu.to(mm))
+                if r.dtype != dx.dtype:
+                    dx[a:b].copy_(r)
+            if need[2 + 3 * j]:
+                grads[3 * j] = torch.mm(dgm[a:b].t(), xm[a:b]).to(wg.dtype)
+            if need[3 + 3 * j]:
+                grads[3 * j + 1] = torch.mm(dum[a:b].t(), xm[a:b]).to(wu.dtype)
+        return (dx, None, *grads)
 
 
 @dataclass
@@ -128,14 +234,21 @@ class SparseMoe(nn.Module):
         """``sum_j w[t, j] * expert_{idx[t, j]}(x[t])`` per token ``t`` of ``xf [N, H]`` -> ``[N, H]`` in
         ``xf.dtype``: the ``N * k`` pairs sorted by expert, one SwiGLU per expert on its block, each product weighted,
         put back in (token, slot) order and summed over the ``k`` slots in one reduction (then cast) — the
-        arithmetic of transformers' default ``experts_implementation="grouped_mm"``."""
+        arithmetic of transformers' default ``experts_implementation="grouped_mm"``. Plain experts run in
+        :class:`GroupedSwiGlu` (one autograd node for all of them); experts with LoRA adapters run as modules."""
         N, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         xs = xf.index_select(0, order // k)
-        parts = [self.experts[e](blk) for e, blk in enumerate(xs.split(counts)) if counts[e]]
-        ys = torch.cat(parts) if len(parts) > 1 else parts[0]
+        hit = [e for e in range(self.num_experts) if counts[e]]
+        experts = [self.experts[e] for e in hit]
+        if all(ex.plain() for ex in experts):
+            weights = [t for ex in experts for t in ex.projections()]
+            ys = GroupedSwiGlu.apply(xs, tuple(counts[e] for e in hit), *weights)
+        else:
+            parts = [self.experts[e](blk) for e, blk in enumerate(xs.split(counts)) if counts[e]]
+            ys = torch.cat(parts) if len(parts) > 1 else parts[0]
         ys = ys * w.reshape(-1).index_select(0, order).unsqueeze(-1)  # Mixtral: fp32 weights promote
         inv = torch.empty_like(order)
         inv[order] = torch.arange(order.numel(), device=order.device)

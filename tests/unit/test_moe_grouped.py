@@ -1,0 +1,124 @@
+"""The experts' grouped SwiGLU (``model/moe.py::GroupedSwiGlu``, issue 37's speed item) against the formula.
+
+Reference written from the SwiGLU formula, row by row: row ``r`` of expert ``e`` gives
+``W_down[e] (silu(W_gate[e] x_r) * (W_up[e] x_r))``, every expert's weights gathered per row (``einsum``), autograd
+for the gradients; fp64 so the two agree to rounding (1e-12). Also: bf16 on a CPU without bf16 hardware runs the
+matmuls in fp32 and stays within bf16 rounding of the fp64 values; frozen weights get no gradient; a sparse block
+whose experts carry LoRA adapters runs them as modules, with the same output.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from npu_train.model.config import LlamaConfig
+from npu_train.model.lora import LoraLinear, LoraSpec
+from npu_train.model.moe import GroupedSwiGlu, SparseMoe, matmul_dtype
+
+H, INTER = 24, 20
+COUNTS = (5, 1, 0, 9, 3)  # an expert with one row; an empty block is allowed
+
+
+def _weights(n: int, dtype, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        for shape in ((INTER, H), (INTER, H), (H, INTER)):
+            out.append((torch.randn(shape, generator=g, dtype=torch.float64) * 0.3).to(dtype).requires_grad_())
+    return out
+
+
+def _formula(xs: torch.Tensor, counts, weights) -> torch.Tensor:
+    """Per row: the row's expert's ``down(silu(gate x) * (up x))``, the weights gathered per row."""
+    expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+    wg = torch.stack(weights[0::3])[expert]  # [S, I, H]
+    wu = torch.stack(weights[1::3])[expert]
+    wd = torch.stack(weights[2::3])[expert]  # [S, H, I]
+    gate = torch.einsum("sih,sh->si", wg, xs)
+    up = torch.einsum("sih,sh->si", wu, xs)
+    return torch.einsum("shi,si->sh", wd, gate * torch.sigmoid(gate) * up)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().double() - b.detach().double()).norm() / b.detach().double().norm())
+
+
+def test_output_and_gradients_equal_the_formula_fp64():
+    S = sum(COUNTS)
+    xs = torch.randn(S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
+    dy = torch.randn(S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ws = _weights(len(COUNTS), torch.float64)
+    y = GroupedSwiGlu.apply(xs, COUNTS, *ws)
+    got = torch.autograd.grad(y, [xs, *ws], dy)
+    want_y = _formula(xs, COUNTS, ws)
+    want = torch.autograd.grad(want_y, [xs, *ws], dy)
+    assert _rel(y, want_y) < 1e-12
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i > 0 and COUNTS[(i - 1) // 3] == 0:
+            assert a is None or float(a.abs().max()) == 0.0  # no rows: no gradient
+        else:
+            assert _rel(a, b) < 1e-12, i
+
+
+def test_frozen_weights_get_no_gradient():
+    xs = torch.randn(sum(COUNTS), H, dtype=torch.float64, requires_grad=True)
+    ws = [w.detach() for w in _weights(len(COUNTS), torch.float64)]
+    y = GroupedSwiGlu.apply(xs, COUNTS, *ws)
+    (gx,) = torch.autograd.grad(y.sum(), [xs])
+    (want,) = torch.autograd.grad(_formula(xs, COUNTS, ws).sum(), [xs])
+    assert _rel(gx, want) < 1e-12 and all(w.grad is None for w in ws)
+
+
+def test_half_precision_matmuls_widen_only_without_hardware(monkeypatch):
+    cpu = torch.device("cpu")
+    for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported", "_is_amx_fp16_supported"):
+        monkeypatch.setattr(torch.cpu, name, lambda: False)
+    assert matmul_dtype(torch.bfloat16, cpu) == torch.float32
+    assert matmul_dtype(torch.float16, cpu) == torch.float32
+    assert matmul_dtype(torch.float32, cpu) == torch.float32 and matmul_dtype(torch.float64, cpu) == torch.float64
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    assert matmul_dtype(torch.bfloat16, cpu) == torch.bfloat16
+
+
+@pytest.mark.parametrize("hardware", [False, True])
+def test_bf16_within_bf16_rounding_of_the_formula(monkeypatch, hardware):
+    """Both matmul dtypes (fp32 on bf16 values; bf16 kernels) give bf16-rounded results of the fp64 formula."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: hardware)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    S = sum(COUNTS)
+    x64 = torch.randn(S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ws = _weights(len(COUNTS), torch.bfloat16)
+    xs = x64.to(torch.bfloat16).requires_grad_()
+    y = GroupedSwiGlu.apply(xs, COUNTS, *ws)
+    assert y.dtype == torch.bfloat16
+    got = torch.autograd.grad(y.float().square().sum(), [xs, ws[0], ws[5]])
+    w64 = [w.detach().double().requires_grad_() for w in ws]
+    xr = xs.detach().double().requires_grad_()
+    want_y = _formula(xr, COUNTS, w64)
+    want = torch.autograd.grad(want_y.square().sum(), [xr, w64[0], w64[5]])
+    assert _rel(y, want_y) < 2e-2  # bf16: 8 significant bits, rounded between the matmuls
+    for a, b in zip(got, want):
+        assert a.dtype == torch.bfloat16 and _rel(a, b) < 3e-2
+
+
+def test_sparse_block_runs_one_node_and_lora_experts_as_modules():
+    cfg = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4, num_kv_heads=4,
+                      family="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=INTER,
+                      norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = SparseMoe(cfg, 0).double()
+    x = torch.randn(2, 7, H, dtype=torch.float64, requires_grad=True)
+    y = block(x)
+    nodes, todo = set(), [y.grad_fn]
+    while todo:
+        n = todo.pop()
+        if n is not None and n not in nodes:
+            nodes.add(n)
+            todo.extend(f for f, _ in n.next_functions)
+    assert any(type(n).__name__ == "GroupedSwiGluBackward" for n in nodes)
+    ex = block.experts[0]
+    ex.gate_proj = LoraLinear(ex.gate_proj, LoraSpec(r=2))  # B = 0: the same function
+    torch.testing.assert_close(block(x), y, rtol=0, atol=1e-12)
+    with torch.no_grad():
+        ex.gate_proj.lora_B.weight.fill_(0.1)
+    assert float((block(x) - y).abs().max()) > 1e-3  # the adapter is applied, so the module path runs
