@@ -171,17 +171,29 @@ class _ErrorLineTee:
 class _LogTee:
     """Wraps stdout or stderr for one job: passes everything through to the console and appends it
     to the job's log file (``log``, a line-buffered text file), so the file holds the console output.
+    ``fold`` (stdout): a line wider than 100 columns is folded at words on the way
+    (:class:`~npu_train.metrics.report.LineFolder`: a log or a pipe has no terminal to fold it; stderr's
+    ``error:`` / ``warning:`` lines stay whole, one line each, for status.json and grep).
     A failing log write (a full disk) stops the copy, never the console output; a failing console write (the
     terminal closed: SIGHUP, then EIO) stops the console output, never the log or the job."""
 
-    def __init__(self, inner, log) -> None:
+    def __init__(self, inner, log, fold: bool = False) -> None:
+        from npu_train.metrics.report import LineFolder
+
         self.inner, self.log = inner, log
+        self.folder = LineFolder() if fold else None
 
     def write(self, s: str) -> int:
         n = len(s)
+        self._put(self.folder.feed(s) if self.folder is not None else s)
+        return n
+
+    def _put(self, s: str) -> None:
+        if not s:
+            return
         if self.inner is not None:
             try:
-                n = self.inner.write(s)
+                self.inner.write(s)
             except (OSError, ValueError):
                 self.inner = None
         if self.log is not None:
@@ -189,9 +201,10 @@ class _LogTee:
                 self.log.write(s)
             except (OSError, ValueError):
                 self.log = None
-        return n
 
     def flush(self) -> None:
+        if self.folder is not None:
+            self._put(self.folder.drain())
         if self.inner is not None:
             try:
                 self.inner.flush()
@@ -358,7 +371,8 @@ def run_one(cfg) -> int:
     # the job's console output (plan table, step lines, evals, errors) also goes into its log file
     real_out, real_err = sys.stdout, sys.stderr
     log = open_job_log(run_dir, hc.job.name)
-    sys.stdout = _LogTee(real_out, log)
+    out_tee = _LogTee(real_out, log, fold=True)
+    sys.stdout = out_tee
     tee = _ErrorLineTee(_LogTee(real_err, log))
     sys.stderr = tee
     report: dict = {}
@@ -383,6 +397,7 @@ def run_one(cfg) -> int:
         print(tee.last, file=tee.inner, flush=True)
     finally:
         _SIGNALS_HELD_FOR_JOB[0] = False
+        out_tee.flush()  # a last line without its newline
         sys.stdout, sys.stderr = real_out, real_err
         if log is not None:
             try:

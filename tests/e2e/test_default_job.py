@@ -25,6 +25,13 @@ def test_default_command_runs_and_loss_falls(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "cpu:0" in out and "cpu:1" in out and "predicted:" in out, "plan table missing"
+    # every line at most 100 columns in redirected output too (a review saw rates/memory/job lines of up to 349);
+    # a single word wider than that (a long path) may stand alone on its line
+    with open(run_dir / "run.log") as f:
+        log = f.read()
+    for where, text in (("stdout", proc.stdout), ("stderr", proc.stderr), ("run.log", log)):
+        wide = [ln for ln in text.splitlines() if len(ln) > 100 and " " in ln.strip()]
+        assert not wide, f"{where}: lines over 100 columns: {wide}"
     steps = re.findall(r"^step\s+(\d+)/4 \| loss ([\d.]+) \(avg [\d.]+\) \| gnorm ([\d.]+) \| ([\d,]+) tok/s(?: \| MFU (?:<=)?[\d.]+%)? \| ([\d.]+) s",
                        out, re.M)
     assert [int(s[0]) for s in steps] == [1, 2, 3, 4], out[-3000:]

@@ -148,6 +148,24 @@ class Job:
         with open(self.out_path, errors="replace") as f:
             return f.read()
 
+    @property
+    def flat_stdout(self) -> str:
+        """:attr:`stdout` with every run of whitespace as one space: what the lines say wherever the launcher
+        folded them (lines over 100 columns are folded at words), for substring checks."""
+        return " ".join(self.stdout.split())
+
+    def stdout_line(self, head: str) -> str:
+        """The first stdout line starting with ``head``, with the lines the launcher folded it into (those after
+        it indented deeper) joined back by one space."""
+        lines = self.stdout.splitlines()
+        i = next(k for k, ln in enumerate(lines) if ln.startswith(head))
+        out = [lines[i]]
+        for ln in lines[i + 1:]:
+            if not ln.startswith("  "):
+                break
+            out.append(ln.strip())
+        return " ".join(out)
+
     def error_lines(self) -> list[str]:
         return [l for l in self.stderr.splitlines() if l.startswith("error:")]
 

@@ -34,5 +34,5 @@ def test_resume_after_kill_during_the_only_save(tiny_model, tmp_path):
     assert rc == 2 and len(lines) == 1 and "Traceback" not in b.stderr, b.tail()
     assert "the only save (step 2) was interrupted" in lines[0] and os.path.basename(staging) in lines[0], lines[0]
     assert "without train.resume" in lines[0] and "set checkpoint.dir" not in lines[0], lines[0]
-    assert f"removed {staging}: staging directory of a job that is no longer running" in b.stdout, b.tail()
+    assert f"removed {staging}: staging directory of a job that is no longer running" in b.flat_stdout, b.tail()
     assert not os.path.exists(staging) and not glob.glob(os.path.join(ck, ".tmp-*")), os.listdir(ck)

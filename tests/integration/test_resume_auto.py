@@ -38,10 +38,10 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
 
     first = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.stop_after=2", name="same")
     # the stopped launch says it is not complete and how to continue (console and status.json)
-    assert "stopped: 2 steps of this launch (train.stop_after=2), at step 2 of train.steps=4" in first.stdout
+    assert "stopped: 2 steps of this launch (train.stop_after=2), at step 2 of train.steps=4" in first.flat_stdout
     # (the suite's own NPT_CACHE makes it "resume with: env NPT_CACHE=... <the same command> ...")
-    assert "the same command" in first.stdout and " train.resume=latest checkpoint.dir=" in first.stdout
-    assert f"(the whole command: 'resume' in {os.path.join(first.run_dir, 'status.json')})" in first.stdout
+    assert "the same command" in first.flat_stdout and " train.resume=latest checkpoint.dir=" in first.flat_stdout
+    assert f"(the whole command: 'resume' in {os.path.join(first.run_dir, 'status.json')})" in first.flat_stdout
     with open(os.path.join(first.run_dir, "status.json")) as f:
         st = json.load(f)
     assert st["status"] == "ok" and st["stopped_at"] == 2 and st["steps"] == 4
@@ -53,7 +53,7 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     with open(os.path.join(prev, "status.json")) as f:
         assert json.load(f)["stopped_at"] == 2
     assert {"run.log", ".hydra", "checkpoints"} <= set(os.listdir(again.run_dir))  # these stay
-    assert again.run_dir == first.run_dir and "continue with the steps up to 2 of " in again.stdout
+    assert again.run_dir == first.run_dir and "continue with the steps up to 2 of " in again.flat_stdout
     assert "done: 2 steps" in again.stdout
     with open(os.path.join(again.run_dir, "status.json")) as f:
         assert "stopped_at" not in json.load(f)  # complete
@@ -70,8 +70,8 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     ck = os.path.join(done.run_dir, "checkpoints", "step_000004")
     assert done.run_dir == again.run_dir and not done.error_lines(), done.tail()
     assert (f"already complete: checkpoint {ck} is at step 4 of train.steps=4 (train.resume=auto)"
-            in done.stdout), done.tail()
-    assert "raise train.steps and set train.resume_mismatch=allow" in done.stdout
+            in done.flat_stdout), done.tail()
+    assert "raise train.steps and set train.resume_mismatch=allow" in done.flat_stdout
     assert "card process(es)" not in done.stdout and not os.path.exists(os.path.join(done.run_dir, "previous-2"))
     assert sorted(os.listdir(done.run_dir)) == before  # nothing moved aside or added
     with open(os.path.join(done.run_dir, "metrics.jsonl")) as f:

@@ -14,7 +14,7 @@ def test_dry_run_into_a_used_run_dir_keeps_the_earlier_status(tiny_model, tmp_pa
     again = launch_to_end(tmp_path, tiny_model, "plan=true", "train.lr=2e-4", name="same")
     prev = os.path.join(again.run_dir, "previous-1")
     assert again.run_dir == first.run_dir
-    assert f"held the records of an earlier launch; moved them to {prev}" in again.stdout, again.tail()
+    assert f"held the records of an earlier launch; moved them to {prev}" in again.flat_stdout, again.tail()
     with open(os.path.join(prev, "status.json")) as f:
         assert "train.lr=1e-4" in json.load(f)["overrides"]
     with open(os.path.join(again.run_dir, "status.json")) as f:

@@ -44,7 +44,7 @@ def test_trace_file_matches_the_schedule_and_the_step_metrics(tiny_model, tmp_pa
             assert [e["name"] for e in mine if e["cat"] == "phase"] == ["collectives", "tied", "optimizer"]
     log = open(os.path.join(job.run_dir, "run.log")).read()
     assert "trace: where each card's step goes (mean of steps 2-3" in log, log[-2000:]
-    assert "trace.json (open in https://ui.perfetto.dev)" in job.stdout
+    assert "trace.json (open in https://ui.perfetto.dev)" in job.flat_stdout
     with open(os.path.join(job.run_dir, "summary.json")) as f:
         assert json.load(f)["trace"].endswith("trace.json")
 

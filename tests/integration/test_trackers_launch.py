@@ -41,7 +41,7 @@ def test_launch_logs_to_wandb_and_mlflow_and_resume_continues(tiny_model, tmp_pa
     summary = json.load(open(os.path.join(second.run_dir, "summary.json")))
     assert run.data.metrics["summary.last_val_loss"] == pytest.approx(summary["last_val_loss"], rel=1e-12)
     assert run.data.metrics["summary.mean_step_s"] == pytest.approx(summary["mean_step_s"], rel=1e-12)
-    assert f"mlflow: run {ids['mlflow']}; look at it with: mlflow ui --backend-store-uri {uri}" in second.stdout
+    assert f"mlflow: run {ids['mlflow']}; look at it with: mlflow ui --backend-store-uri {uri}" in second.flat_stdout
     assert "INFO" not in first.stdout + first.stderr
     assert len(client.search_runs([run.info.experiment_id])) == 1  # the resume continued, no second run
 

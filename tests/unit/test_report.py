@@ -206,3 +206,49 @@ def test_plain_output_names_each_start_up_phase_once(tmp_path):
     quiet = io.StringIO()
     Reporter(str(tmp_path / "q"), 2, stream=quiet, tensorboard=False).phase(0, "model load")
     assert quiet.getvalue() == ""
+
+
+def test_average_after_a_resume_into_a_new_run_dir_says_since_resume(tmp_path):
+    """A resumed launch in a run dir with no earlier losses (a new ``hydra.run.dir``, the default) restarts the
+    loss average: the step line says ``avg since resume`` (it printed ``avg`` and the figure jumped with no word);
+    with the earlier records carried over (the same run dir) it is the run's ``avg``, continued."""
+    fresh, same = tmp_path / "fresh", tmp_path / "same"
+    fresh.mkdir()
+    same.mkdir()
+    (same / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 3.0}) + "\n" for s in (1, 2)))
+    lines = {}
+    for name, d in (("fresh", fresh), ("same", same)):
+        out = io.StringIO()
+        r = Reporter(str(d), 4, stream=out, tensorboard=False, start_step=2)
+        r.step([_rep(3, 2.0, 1.0, 10)])
+        lines[name] = out.getvalue().splitlines()[0]
+    # EMA (beta 0.9), bias-corrected: one loss of 2.0 alone; 3.0, 3.0, 2.0 continued
+    cont = (0.9 * (0.9 * 0.1 * 3.0 + 0.1 * 3.0) + 0.1 * 2.0) / (1 - 0.9 ** 3)
+    assert "loss 2.0000 (avg since resume 2.0000)" in lines["fresh"], lines["fresh"]
+    assert f"loss 2.0000 (avg {cont:.4f})" in lines["same"], lines["same"]
+    out = io.StringIO()
+    Reporter(str(tmp_path / "fresh"), 4, stream=out, tensorboard=False).step([_rep(1, 2.0, 1.0, 10)])
+    assert "(avg 2.0000)" in out.getvalue()  # a first launch: plain avg
+
+
+def test_every_launcher_line_fits_100_columns_folded_at_words():
+    """Redirected output (``run.log``, a pipe) had ``rates``/``memory``/``job`` lines up to 349 columns: the
+    launcher's tee folds each line wider than 100 columns at words; nothing is lost or reordered, indented
+    lines keep their indent, a word longer than a line (a path) stays whole, short lines are untouched."""
+    from npu_train.metrics.report import LineFolder, fold_long_line
+
+    words = [f"w{i}" + "x" * (i % 13) for i in range(120)]
+    long = "rates cpu: " + " ".join(words)
+    path = "/" + "p" * 130
+    text = f"short line\n{long}\n    {long}\nsee {path} there\n"
+    f = LineFolder()
+    got = f.feed(text[:50]) + f.feed(text[50:]) + f.drain()  # written in pieces, as print() does
+    lines = got.splitlines()
+    assert lines[0] == "short line"
+    assert all(len(ln) <= 100 for ln in lines if path not in ln), [len(ln) for ln in lines]
+    assert " ".join(ln.strip() for ln in lines) == " ".join(ln.strip() for ln in text.splitlines())
+    indented = [ln for ln in lines if ln.startswith("    ")]
+    assert indented[0].startswith("    rates cpu:") and all(ln.startswith("      ") for ln in indented[1:])
+    assert any(ln.strip() == path for ln in lines)
+    assert fold_long_line("x" * 100) == "x" * 100
+    assert f.feed("partial") == "" and f.drain() == "partial"

@@ -48,9 +48,12 @@ class _AboveBar:
         self.live, self.orig, self.style, self.buf = live, orig, style, ""
 
     def write(self, s: str) -> int:
+        from npu_train.metrics.report import fold_long_line
+
         self.buf += s
         while "\n" in self.buf:
             line, self.buf = self.buf.split("\n", 1)
+            line = fold_long_line(line)  # at words, as the plain output's (the terminal would break mid-word)
             self.live.print(line, line, style=self.style, log=getattr(self.orig, "log", None))
         return len(s)
 

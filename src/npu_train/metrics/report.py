@@ -221,12 +221,14 @@ class Reporter:
     cards' reported ``peak_flops`` each step gets ``mfu`` (job) and ``mfu_cards``; ``live``: the terminal's
     :class:`~npu_train.metrics.live.LiveProgress` (the step line then goes to the log whole and to the terminal
     without the time breakdown); ``plain_phases``: without ``live``, print each card start-up phase once
-    (:meth:`phase`; off in a sweep, whose jobs share one console)."""
+    (:meth:`phase`; off in a sweep, whose jobs share one console); ``start_step``: the step a resumed launch
+    starts after (the loss average continues over the losses ``metrics.jsonl`` carried over, and is printed
+    as ``avg since resume`` when there were none)."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
                  predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True,
                  trackers: Optional[list] = None, model_flops: Optional[list[float]] = None, live=None,
-                 plain_phases: bool = False):
+                 plain_phases: bool = False, start_step: int = 0):
         self.run_dir = run_dir
         self.total = total_steps
         self.pred_mem = predicted_mem
@@ -263,6 +265,9 @@ class Reporter:
         self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
         self.records_failed: Optional[str] = None  # the first failed write into the run dir (a full disk)
         self._resume_ema()
+        # a resumed launch whose run dir holds no earlier losses (a new hydra.run.dir) starts its average afresh:
+        # the step line says so, or the jump in "avg" reads as the loss jumping
+        self.avg_label = "avg since resume" if int(start_step) > 0 and self._n_ema == 0 else "avg"
 
     def _record(self, what: str, write) -> None:
         """Run ``write()`` (a write of ``what`` into the run directory). A write that fails (a full disk under
@@ -445,7 +450,7 @@ class Reporter:
         pred = f" ({', '.join(notes)})" if notes else ""
         plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
         w = len(str(self.total))
-        avg = f" (avg {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
+        avg = f" ({self.avg_label} {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
         head = [f"step {step:>{w}}/{self.total}", f"loss {rec['loss']:.4f}{avg}", f"gnorm {rec['grad_norm']:.3f}",
                 f"{rec['tokens_per_s']:,.0f} tok/s"] + ([mfu_text(rec)[3:]] if mfu_text(rec) else [])
         if "rewards/accuracies" in rec:
@@ -625,6 +630,39 @@ def fold_fields(fields: list[str], width: int = LINE_COLUMNS, first_indent: str 
             cur = cur + " | " + f if cur.strip() else cur + f
     lines.append(cur)
     return "\n".join(lines)
+
+
+def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
+    """``line`` (no newline) folded at words so that no piece is wider than ``width`` columns, the pieces after
+    the first indented two spaces deeper than the line's own indent; unchanged when it fits. A word wider
+    than a line (a long path) stays whole on a line of its own."""
+    import textwrap
+
+    if len(line) <= width:
+        return line
+    indent = line[:len(line) - len(line.lstrip(" "))]
+    return "\n".join(textwrap.wrap(line[len(indent):], width=width, initial_indent=indent,
+                                    subsequent_indent=indent + "  ", break_on_hyphens=False,
+                                    break_long_words=False)) or line
+
+
+class LineFolder:
+    """Folds written text line by line (:func:`fold_long_line`): :meth:`feed` returns the text of the complete
+    lines so far, folded; the unfinished last line waits for its newline or :meth:`drain`. Every line the
+    launcher prints to stdout goes through one (the console, ``run.log``: a redirected output has no terminal
+    that would fold it, and a line of 349 columns was unreadable)."""
+
+    def __init__(self, width: int = LINE_COLUMNS) -> None:
+        self.width, self.part = int(width), ""
+
+    def feed(self, s: str) -> str:
+        *lines, self.part = (self.part + s).split("\n")
+        return "".join(fold_long_line(ln, self.width) + "\n" for ln in lines)
+
+    def drain(self) -> str:
+        """The unfinished line as it is (a flush: the text must reach the console now)."""
+        out, self.part = self.part, ""
+        return out
 
 
 def mfu_text(rec: dict) -> str:
