@@ -10,12 +10,12 @@ from conftest import launch_to_end
 
 
 def _rates_line(job) -> str:
-    return next(ln for ln in job.stdout.splitlines() if ln.startswith("rates cpu"))
+    return job.stdout_line("rates cpu")
 
 
 def test_the_next_plan_uses_figures_fitted_from_a_finished_run(tiny_model, tmp_path):
     before = _rates_line(launch_to_end(tmp_path, tiny_model, "plan=true", name="before"))
-    assert "GFLOP/s [matmul measured here x 0.85, no run fitted yet]" in before, before
+    assert "GFLOP/s [one layer of this model, b=2 S=32, timed here; no run fitted yet]" in before, before
     assert "fitted from" not in before
     run = launch_to_end(tmp_path, tiny_model, "train.steps=3", "checkpoint.save=false", name="run")
     assert os.path.isfile(os.path.join(os.environ["NPT_CACHE"], "fitted", "cpu-1t-fp32.json")), run.tail()
@@ -37,7 +37,7 @@ def test_the_users_malloc_settings_keep_the_heap_term_and_fit_no_speed(tiny_mode
     mine = {"MALLOC_MMAP_THRESHOLD_": str(1 << 30), "MALLOC_TRIM_THRESHOLD_": str((1 << 31) - 1)}
 
     def memory_line(job) -> str:
-        return next(ln for ln in job.stdout.splitlines() if ln.startswith("memory cpu"))
+        return job.stdout_line("memory cpu")
 
     returned = memory_line(launch_to_end(tmp_path, tiny_model, "plan=true", "runtime.keep_host_memory=false",
                                          name="returned"))

@@ -159,9 +159,9 @@ def test_a_step_faster_than_the_measured_peak_prints_an_upper_bound(tmp_path):
 
 
 def test_the_first_plan_times_compute_with_the_matmul_measured_here():
-    """No fitted run and no profile: a cpu card's compute rate is the start-up's matmul peak (the MFU line's)
-    x 0.85 (a layer's share of a bare matmul's rate), not the assumed 50 GFLOP/s; a fitted figure and an
-    accelerator's data-sheet figure stay."""
+    """No fitted run, no profile and no model shape: a cpu card's compute rate is the start-up's matmul peak
+    (the MFU line's) x 0.85, not the assumed 50 GFLOP/s; a fitted figure and an accelerator's data-sheet
+    figure stay."""
     from npu_train.planner.rates import load_rates
     from npu_train.runtime.flops import measured_compute_rate, predicted_peak
 
@@ -175,3 +175,61 @@ def test_the_first_plan_times_compute_with_the_matmul_measured_here():
     assert measured_compute_rate(fitted, "cpu", "fp32", 1).resolve("fp32", 1).device_flops == 1.25e10
     cuda = load_rates("cuda", threads=1)
     assert measured_compute_rate(cuda, "cuda", "bf16", 1).resolve("bf16", 1).device_flops == 989e12 * 0.4
+
+
+def test_the_first_plan_times_one_layer_of_the_jobs_own_shape(monkeypatch):
+    """The default job's first plan predicted 3.83 s a step against 5-7 s measured: its layers (576 x 1536,
+    256 tokens a micro-batch) run at 62 % of a 1024^2 matmul's rate here, not the 85 % the plan assumed. With a
+    model shape the first plan times one layer of that shape at the job's micro-batch and sequence length;
+    a layer too large to time in the launcher (or an MoE layer) falls back to the matmul x 0.85."""
+    import npu_train.runtime.flops as fl
+    from npu_train.planner.rates import load_rates
+
+    seen = []
+    monkeypatch.setattr(fl, "_time_layer", lambda dtype, threads, dims: seen.append((dtype, threads, dims)) or 3.3e10)
+    monkeypatch.setattr(fl, "_FIRST_PLAN", {})
+    smol = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                       num_kv_heads=3, name="smol")
+    r = fl.measured_compute_rate(load_rates("cpu", threads=1), "cpu", "fp32", 1, smol, (2, 128)).resolve("fp32", 1)
+    assert seen == [("fp32", 1, (576, 1536, 9, 3, 2, 128))]
+    assert r.device_flops == 3.3e10 and r.source("device_flops").startswith("one layer of this model, b=2 S=128")
+    # 6 x tokens x layer params above FIRST_PLAN_LAYER_FLOPS: the tokens are halved until one repetition fits
+    big = LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=6, num_heads=32,
+                      num_kv_heads=8, name="1b")
+    toks = fl.FIRST_PLAN_LAYER_FLOPS / (6.0 * big.params_per_layer())
+    fl.measured_compute_rate(load_rates("cpu", threads=1), "cpu", "fp32", 1, big, (4, 256))
+    b, S = seen[-1][2][4:]
+    assert b * S <= toks < 2 * b * S and S == 256
+    huge = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,
+                       num_kv_heads=8, name="70b")  # 0.86 G params a layer: 6.9 GB with its gradients
+    r = fl.measured_compute_rate(load_rates("cpu", threads=1), "cpu", "fp32", 1, huge, (1, 512)).resolve("fp32", 1)
+    assert len(seen) == 2 and r.source("device_flops") == "matmul measured here x 0.85, no run fitted yet"
+
+
+def test_a_cpu_benchmark_at_one_thread_does_not_count_time_the_core_spent_elsewhere(monkeypatch):
+    """The first plan of a fresh clone predicted 35.8 s a step against 5-7 s measured: its start-up matmul met
+    a busy host, and a best of several wall-clock trials still held other processes' time slices. At one torch
+    thread the first plan's layer is timed in this thread's CPU time: a repetition that spends 0.2 s off the
+    core (here: asleep) counts only what it computed."""
+    import time
+
+    import torch
+
+    import npu_train.calibrate.measure as measure
+    import npu_train.runtime.flops as fl
+    from npu_train.metrics.mfu import cpu_clock
+
+    def off_core_step(backend, dtype, dims):
+        return (lambda: time.sleep(0.2)), 1e9
+
+    monkeypatch.setattr(measure, "layer_train_step", off_core_step)
+    flops = fl._time_layer("fp32", 1, (64, 128, 4, 2, 1, 16), min_reps=1, min_s=0.0, max_reps=1)
+    assert flops > 1e9 / 0.02, flops  # a wall clock: at most 1e9 / 0.2 s = 5e9
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # several threads: their work is not in this thread's CPU time, the wall clock
+        assert cpu_clock("cpu") is time.perf_counter and cpu_clock("cuda") is time.perf_counter
+        torch.set_num_threads(1)
+        assert cpu_clock("cpu") is time.thread_time
+    finally:
+        torch.set_num_threads(before)

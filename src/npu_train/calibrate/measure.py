@@ -13,7 +13,8 @@ from npu_train.calibrate.splitcost import split_backward_ratio
 from npu_train.calibrate.timing import FULL, QUICK, LoopBounds, planner_dtype, timed, timed_pairs, torch_dtype
 from npu_train.planner.rates import reference_shapes, shape_signature
 
-__all__ = ["COPY_BYTES", "RETRIES", "measure_at", "slower", "best_of", "note_load", "rate_fields", "head_vs_layer"]
+__all__ = ["COPY_BYTES", "RETRIES", "measure_at", "slower", "best_of", "note_load", "rate_fields", "head_vs_layer",
+           "layer_train_step"]
 
 #: bytes of the copy-bandwidth test tensor (the earlier RNGD reference measurement used 117 MB)
 COPY_BYTES = 117_000_000
@@ -30,6 +31,14 @@ def _layer_flops(backend, dtype_name: str, dims, loop: LoopBounds) -> float:
     """Sustained training FLOP/s of one DecoderLayer forward + backward on the card."""
     step, flops = _layer_step(backend, dtype_name, dims)
     return flops / timed(step, backend.synchronize, loop)
+
+
+def layer_train_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:
+    """``(step, flops)``: ``step()`` runs one DecoderLayer forward + backward of ``dims`` = (hidden,
+    intermediate, heads, kv heads, micro-batch, sequence length) in ``dtype_name`` (``fp32`` | ``bf16``) on
+    ``backend``'s device, gradients accumulating as the trainer's do; ``flops`` = its FLOPs as the planner
+    counts them (6 x tokens x layer parameters + attention)."""
+    return _layer_step(backend, dtype_name, dims)
 
 
 def _layer_step(backend, dtype_name: str, dims) -> tuple[Callable[[], None], float]:

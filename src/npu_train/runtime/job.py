@@ -494,7 +494,8 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
     if cfg.placement.profile is None and not multinode:  # nodes must plan alike: no figure of one node's own
         from npu_train.runtime.flops import measured_compute_rate
 
-        rates = [measured_compute_rate(r, c.kind, dtype, threads) for r, c in zip(rates, cards)]
+        batch_seq = (shape.micro_batch, shape.seq_len)
+        rates = [measured_compute_rate(r, c.kind, dtype, threads, mcfg, batch_seq) for r, c in zip(rates, cards)]
     from npu_train.hostmem import user_malloc_settings
 
     # the user's own MALLOC_* settings win in the card processes (hostmem): whether they return freed
