@@ -6,8 +6,13 @@ for-loop, the cost of emitting a bf16 copy, the bf16 emission fused into the ste
 Default (issue 39): the MLP matrices of one Llama-3.1-8B layer (3 x 14336 x 4096 fp32 masters, 176 M
 params; ``--params`` scales the three), at each ``--threads`` count, interleaved over ``--rounds``:
 
-- ``bandwidth limit``: ``a.add_(b)`` on two fp32 tensors of the same total size (read 8 B, write 4 B per
-  element, all in place as AdamW's streams are), bytes/s divided by AdamW's 28 B/param; ``copy limit``:
+- ``same-traffic limit`` (the limit the ratios are taken against): :func:`npu_train.optim.onepass.stream_probe`,
+  the one-pass kernel's own loads and stores with one add each instead of AdamW's arithmetic (bf16 gradient
+  read; master and both moments read and written in place; a fresh bf16 copy written, as the project's path
+  allocates it; 28 B/param, the same five streams and threads);
+- ``add_ limit``: ``a.add_(b)`` on two fp32 tensors of the same total size (read 8 B, write 4 B per
+  element, all in place; two streams), bytes/s divided by AdamW's 28 B/param (the limit before: the
+  one-pass update read 104-122 % of it, a probe that under-reads the five-stream traffic); ``copy limit``:
   ``a.copy_(b)`` counted as 8 B per element (the hardware also reads ``a`` before writing it, so this
   understates the bandwidth by up to a third; the ratio to it is the looser one);
 - ``project, bf16 grad``: :func:`npu_train.optim.onepass.adamw_onepass` as the host updater calls it
@@ -17,7 +22,7 @@ params; ``--params`` scales the three), at each ``--threads`` count, interleaved
   52 B/param);
 - ``torch fused, fp32 grad``: ``torch.optim.AdamW(fused=True).step()`` alone (no clip, no copy; 28 B/param).
 
-Printed: M params/s (median over rounds, [min-max]), share of the bandwidth limit, ratio to torch fused.
+Printed: M params/s (median over rounds, [min-max]), share of the same-traffic limit, ratio to torch fused.
 
 The host optimizer of offloaded layers (``npu_train.optim.adamw``) is
 ``torch.optim.AdamW(fused=True)`` over fp32 masters on the CPU; after the step the trainer casts
@@ -281,13 +286,15 @@ def run_procs(n_procs: int, n_params, layout, threads, reps, cores, pin) -> list
 
 # ----------------------------------------------------------------------------- one pass (default)
 #: bytes moved per parameter by each path (gradient in, master + moments read and written, copy out)
-ONEPASS_BYTES = {"bandwidth limit": 28, "copy limit": 28, "project, bf16 grad": 28, "project, fp32 grad": 30,
-                 "old path, bf16 grad": 52, "torch fused, fp32 grad": 28}
+ONEPASS_BYTES = {"same-traffic limit": 28, "add_ limit": 28, "copy limit": 28, "project, bf16 grad": 28,
+                 "project, fp32 grad": 30, "old path, bf16 grad": 52, "torch fused, fp32 grad": 28}
+#: the limit the "of limit" column divides by
+LIMIT = "same-traffic limit"
 
 
 def onepass_paths(n: int, threads: int):
     """``[(name, fn)]``: each fn runs one update of the three tensors and returns the seconds it took."""
-    from npu_train.optim.onepass import adamw_onepass, kernel_status
+    from npu_train.optim.onepass import adamw_onepass, kernel_status, stream_probe
 
     if not kernel_status().ok:
         print(f"note: no one-pass kernel ({kernel_status().reason}): 'project' is the torch fallback")
@@ -299,6 +306,15 @@ def onepass_paths(n: int, threads: int):
     opt = torch.optim.AdamW(ps, lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, fused=True)
     half = sum(p.numel() for p in ps) // 2
     a, b = torch.ones(half), torch.full((half,), 1e-9)
+    # the probe's own master and moments (it adds to them): the same sizes as the update's
+    probe_p = [torch.zeros_like(p) for p in ps]
+    probe_m = [torch.zeros_like(p) for p in ps]
+    probe_v = [torch.zeros_like(p) for p in ps]
+    g_tiny = [torch.full_like(x, 1e-30) for x in g16]
+
+    def same_traffic():
+        for p, m, v, gr in zip(probe_p, probe_m, probe_v, g_tiny):
+            stream_probe(p, m, v, gr, torch.empty(p.shape, dtype=torch.bfloat16), threads=threads)
 
     def clock(fn):
         def run():
@@ -316,7 +332,8 @@ def onepass_paths(n: int, threads: int):
             p.grad = None
 
     return sum(p.numel() for p in ps), [
-        ("bandwidth limit", clock(lambda: a.add_(b))),
+        ("same-traffic limit", clock(same_traffic)),
+        ("add_ limit", clock(lambda: a.add_(b))),
         ("copy limit", clock(lambda: a.copy_(b))),
         ("project, bf16 grad", clock(lambda: adamw_onepass(opt, ps, g16, 0.5, torch.bfloat16, threads=threads))),
         ("project, fp32 grad", clock(lambda: adamw_onepass(opt, ps, g32, 0.5, torch.bfloat16, threads=threads))),
@@ -340,19 +357,22 @@ def onepass_main(args) -> dict:
         for rnd in range(args.rounds):
             k = rnd % len(paths)
             for name, fn in paths[k:] + paths[:k]:
-                # the probes move 12 B (add_) / 8 B (copy_, counted without the write-allocate read) per element
-                # of half the params: their times scaled to 28 B/param
+                # add_ / copy_ move 12 B / 8 B (copy_ counted without the write-allocate read) per element of
+                # half the params: their times scaled to 28 B/param; the same-traffic probe moves 28 B/param
                 s = fn()
-                per[name].append(s * 28 / (12 if name == "bandwidth limit" else 8) * 2 if name.endswith("limit") else s)
+                scale = {"add_ limit": 28 / 12 * 2, "copy limit": 28 / 8 * 2}.get(name, 1.0)
+                per[name].append(s * scale)
         rate = {name: spread([n / x for x in xs]) for name, xs in per.items()}
-        lim, fused = rate["bandwidth limit"]["median"], rate["torch fused, fp32 grad"]["median"]
-        print(f"\nthreads {t} ({n / 1e6:.0f} M params, load {os.getloadavg()[0]:.2f}; bandwidth limit "
-              f"{lim * 28 / 1e9:.1f} GB/s = {lim / 1e6:.0f} M params/s at 28 B/param)")
+        lim, fused = rate[LIMIT]["median"], rate["torch fused, fp32 grad"]["median"]
+        load = os.getloadavg()
+        print(f"\nthreads {t} ({n / 1e6:.0f} M params, load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; "
+              f"{LIMIT} {lim * 28 / 1e9:.1f} GB/s = {lim / 1e6:.0f} M params/s at 28 B/param)")
         print(f"  {'path':<24} {'B/param':>7} {'M params/s':>10} {'[min-max]':>13} {'of limit':>8} {'vs fused':>8}")
         for name, _ in paths:
             r = rate[name]
             print(f"  {name:<24} {ONEPASS_BYTES[name]:7d} {r['median'] / 1e6:10.0f} "
                   f"{r['min'] / 1e6:6.0f}-{r['max'] / 1e6:<6.0f} {r['median'] / lim:8.0%} {r['median'] / fused:7.2f}x")
+            out.setdefault("load_average", {})[t] = list(load)
             out["rows"].append({"threads": t, "path": name, "bytes_per_param": ONEPASS_BYTES[name],
                                 "params_per_s": r, "of_limit": r["median"] / lim, "vs_fused": r["median"] / fused})
         del paths

@@ -156,3 +156,22 @@ def test_the_source_ships_as_package_data():
     src = ROOT / "src" / "npu_train" / "optim" / onepass.SOURCE
     assert src.is_file()
     assert any(src.relative_to(ROOT / "src" / "npu_train").match(pat) for pat in data), data
+
+
+@pytest.mark.parametrize("gdtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_stream_probe_moves_the_updates_streams(fresh_kernel, gdtype, threads):
+    """The benchmark's bandwidth limit (issue 39): the one-pass update's own loads and stores with one add each,
+    so its seconds are that update's memory traffic. Every element of every stream is read and written as the
+    update does: master, both moments += gradient in place, the copy out = the master's upper 16 bits."""
+    n = 16 * 1000 + 7  # a tail past the vector width, split across threads
+    g = (torch.arange(n, dtype=torch.float32) * 1e-3).to(gdtype)
+    p, m, v = torch.randn(n), torch.randn(n), torch.rand(n)
+    p0, m0, v0 = p.clone(), m.clone(), v.clone()
+    out = torch.empty(n, dtype=torch.bfloat16)
+    onepass.stream_probe(p, m, v, g, out, threads=threads)
+    gf = g.float()
+    assert torch.equal(p, p0 + gf) and torch.equal(m, m0 + gf) and torch.equal(v, v0 + gf)
+    assert torch.equal(out.view(torch.int16), (p.view(torch.int32) >> 16).to(torch.int16))
+    with pytest.raises(ValueError, match="contiguous fp32"):
+        onepass.stream_probe(p.double(), m, v, g, out)

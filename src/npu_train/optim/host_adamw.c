@@ -22,7 +22,7 @@ typedef struct {
     void *out;
     int64_t begin, end;
     int64_t tail_from;  /* elements from here on take torch's scalar-tail order */
-    int g_bf16, out_kind, do_clip, do_decay, small_w, fused;
+    int g_bf16, out_kind, do_clip, do_decay, small_w, fused, probe;
     float clip, decay, w, beta2, c2, bc2s, eps, neg_step;
 } npt_job;
 
@@ -85,7 +85,45 @@ static inline __attribute__((always_inline)) void sweep(const npt_job *j, int64_
         }                                                                     \
     } while (0)
 
+/* The bandwidth probe (npt_stream_probe): the loads and stores of sweep() -- gradient in, master and both
+ * moments read and written in place, the copy out -- with one add each instead of AdamW's arithmetic, so its
+ * time is the memory traffic of the update alone (the benchmark's "same traffic" limit). */
+static inline __attribute__((always_inline)) void probe_sweep(const npt_job *j, int64_t b, int64_t e,
+                                                              const int G_BF16, const int OUT) {
+    float *restrict p = j->p, *restrict m = j->m, *restrict v = j->v;
+    const float *restrict gf = (const float *)j->g;
+    const uint16_t *restrict gh = (const uint16_t *)j->g;
+    uint16_t *restrict oh = (uint16_t *)j->out;
+    float *restrict of = (float *)j->out;
+    for (int64_t i = b; i < e; i++) {
+        float g = G_BF16 ? bf16_to_f(gh[i]) : gf[i];
+        float pi = p[i] + g;
+        m[i] = m[i] + g;
+        v[i] = v[i] + g;
+        p[i] = pi;
+        uint32_t u;
+        memcpy(&u, &pi, 4);
+        if (OUT == 1) oh[i] = (uint16_t)(u >> 16);
+        if (OUT == 2) of[i] = pi;
+    }
+}
+
+static void run_probe(const npt_job *j) {
+    switch (j->g_bf16 * 3 + j->out_kind) {
+        case 0: probe_sweep(j, j->begin, j->end, 0, 0); break;
+        case 1: probe_sweep(j, j->begin, j->end, 0, 1); break;
+        case 2: probe_sweep(j, j->begin, j->end, 0, 2); break;
+        case 3: probe_sweep(j, j->begin, j->end, 1, 0); break;
+        case 4: probe_sweep(j, j->begin, j->end, 1, 1); break;
+        default: probe_sweep(j, j->begin, j->end, 1, 2); break;
+    }
+}
+
 static void run(const npt_job *j) {
+    if (j->probe) {
+        run_probe(j);
+        return;
+    }
     int64_t split = j->tail_from < j->begin ? j->begin : (j->tail_from > j->end ? j->end : j->tail_from);
     switch (j->g_bf16 * 3 + j->out_kind) {
         case 0: NPT_SWEEPS(0, 0); break;
@@ -102,10 +140,10 @@ static void *run_thread(void *arg) {
     return NULL;
 }
 
-/* Returns 0, or -1 when a thread could not be started (the work is then done on the calling thread). */
-int npt_adamw_onepass(float *p, float *m, float *v, const void *g, int g_bf16, void *out, int out_kind,
-                      int64_t n, float clip, int do_clip, float decay, int do_decay, float w, float beta2,
-                      float c2, float bc2s, float eps, float neg_step, int64_t tail_from, int fused, int threads) {
+static int run_all(float *p, float *m, float *v, const void *g, int g_bf16, void *out, int out_kind,
+                   int64_t n, float clip, int do_clip, float decay, int do_decay, float w, float beta2,
+                   float c2, float bc2s, float eps, float neg_step, int64_t tail_from, int fused, int threads,
+                   int probe) {
     enum { MAXT = 256 };
     npt_job jobs[MAXT];
     pthread_t tid[MAXT];
@@ -126,7 +164,7 @@ int npt_adamw_onepass(float *p, float *m, float *v, const void *g, int g_bf16, v
         j->small_w = fabsf(w) < 0.5f;
         j->tail_from = tail_from; j->fused = fused;
         j->clip = clip; j->decay = decay; j->w = w; j->beta2 = beta2; j->c2 = c2;
-        j->bc2s = bc2s; j->eps = eps; j->neg_step = neg_step;
+        j->bc2s = bc2s; j->eps = eps; j->neg_step = neg_step; j->probe = probe;
         started[t] = 0;
     }
     for (int t = 1; t < threads; t++) {
@@ -139,4 +177,20 @@ int npt_adamw_onepass(float *p, float *m, float *v, const void *g, int g_bf16, v
         else run(&jobs[t]);
     }
     return rc;
+}
+
+/* Returns 0, or -1 when a thread could not be started (the work is then done on the calling thread). */
+int npt_adamw_onepass(float *p, float *m, float *v, const void *g, int g_bf16, void *out, int out_kind,
+                      int64_t n, float clip, int do_clip, float decay, int do_decay, float w, float beta2,
+                      float c2, float bc2s, float eps, float neg_step, int64_t tail_from, int fused, int threads) {
+    return run_all(p, m, v, g, g_bf16, out, out_kind, n, clip, do_clip, decay, do_decay, w, beta2, c2, bc2s, eps,
+                   neg_step, tail_from, fused, threads, 0);
+}
+
+/* The memory traffic of npt_adamw_onepass with the same arrays and threads, without its arithmetic
+ * (probe_sweep: p, m, v each += g; the copy out is p's upper 16 bits). Changes p, m and v. */
+int npt_stream_probe(float *p, float *m, float *v, const void *g, int g_bf16, void *out, int out_kind, int64_t n,
+                     int threads) {
+    return run_all(p, m, v, g, g_bf16, out, out_kind, n, 1.0f, 0, 1.0f, 0, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f, 0.0f, n,
+                   0, threads, 1);
 }

@@ -29,7 +29,7 @@ import torch
 
 from npu_train.env import cache_dir
 
-__all__ = ["adamw_onepass", "kernel_status", "KernelStatus", "SOURCE", "CFLAGS", "OUT_KINDS"]
+__all__ = ["adamw_onepass", "stream_probe", "kernel_status", "KernelStatus", "SOURCE", "CFLAGS", "OUT_KINDS"]
 
 #: the kernel's source file, shipped as package data (pyproject ``[tool.setuptools.package-data]``)
 SOURCE = "host_adamw.c"
@@ -133,6 +133,9 @@ def _load() -> KernelStatus:
     fn = lib.npt_adamw_onepass
     fn.argtypes, fn.restype = _ARGTYPES, _I
     _loaded["fn"] = fn
+    probe = lib.npt_stream_probe
+    probe.argtypes, probe.restype = [_P, _P, _P, _P, _I, _P, _I, _L, _I], _I
+    _loaded["probe"] = probe
     return KernelStatus(path)
 
 
@@ -252,3 +255,25 @@ def adamw_onepass(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], gr
             _kernel_step(fn, grp, p, _state(opt, p), _grad_for_kernel(g, p), float(clip_coef), out, nthreads)
             outs.append(p if out is None else out)
     return outs
+
+
+def stream_probe(p: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, out: Optional[torch.Tensor],
+                 threads: int = 1) -> None:
+    """The memory traffic of one :func:`adamw_onepass` update of ``p`` without its arithmetic, through the same
+    kernel's threads: ``g`` (fp32 or bf16) read, ``p``, ``m``, ``v`` (fp32, contiguous, ``g``'s element count)
+    read and written in place (each ``+= g``), ``out`` (bf16 or fp32, or None) written. Its seconds are the
+    bandwidth limit of that update on this host: 28 B/param with a bf16 gradient and copy, as the update's.
+    Raises RuntimeError without the kernel (:func:`kernel_status`)."""
+    if not kernel_status().ok:
+        raise RuntimeError(f"stream_probe: the kernel is not available ({kernel_status().reason})")
+    n = p.numel()
+    for t in (p, m, v):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() != n or t.device.type != "cpu":
+            raise ValueError("stream_probe: p, m and v must be contiguous fp32 CPU tensors of one size")
+    if g.dtype not in (torch.float32, torch.bfloat16) or not g.is_contiguous() or g.numel() != n:
+        raise ValueError("stream_probe: g must be a contiguous fp32 or bf16 tensor of p's size")
+    if out is not None and (out.dtype not in OUT_KINDS or not out.is_contiguous() or out.numel() != n):
+        raise ValueError("stream_probe: out must be a contiguous bf16 or fp32 tensor of p's size")
+    kind = 0 if out is None else (1 if out.dtype == torch.bfloat16 else 2)
+    _loaded["probe"](p.data_ptr(), m.data_ptr(), v.data_ptr(), g.data_ptr(), int(g.dtype == torch.bfloat16),
+                     None if out is None else out.data_ptr(), kind, n, max(1, int(threads)))
