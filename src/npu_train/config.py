@@ -138,6 +138,11 @@ class TrainConf:
     #: layers per card: null = chosen by the placement model (balanced unless auto finds faster), or a list.
     split: Any = None
     recompute: bool = False
+    #: selective activation recompute: only every decoder layer's attention core (softmax(QK^T)V) is recomputed in
+    #: the backward, so a kernel that saves the [b, heads, S, S] probabilities (furiosa's) holds none; costs
+    #: the core's forward FLOPs again. auto: train.schedule=auto / parallel.dp=auto turn it on where the plan
+    #: is faster with it (only cards whose kernel keeps the probabilities); else off | true | false
+    recompute_attention: Any = "auto"
     #: full (every weight trained: fp32 masters + AdamW moments for all) | lora (frozen base in the
     #: compute dtype, fp32 LoRA adapters with AdamW; settings under ``lora.*``)
     mode: str = "full"
@@ -494,6 +499,8 @@ def _check_modes(t) -> None:
     if t.schedule in ("zb", "zb-h1", "zb-h2", "zbv") and t.recompute:
         raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
                           "use train.schedule=1f1b for activation recompute")
+    if t.recompute_attention not in ("auto", True, False):
+        raise ConfigError(f"train.recompute_attention={t.recompute_attention!r}: use auto, true or false")
     if t.resume_mismatch not in ("refuse", "allow"):
         raise ConfigError(f"train.resume_mismatch={t.resume_mismatch!r}: use refuse or allow")
     if t.moe_aux_loss is not None and not float(t.moe_aux_loss) >= 0:

@@ -166,3 +166,15 @@ def test_interleaved_with_recompute_matches_reference(tiny_model, tmp_path):
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=interleaved",
                                   "train.recompute=true")
     _check(losses, reader, ref_losses, ref_w)
+
+
+def test_zbv_with_the_attention_core_recomputed(tiny_model, tmp_path):
+    """ZB-V with ``train.recompute_attention=true`` (what auto picks on RNGD cards for a long sequence): every
+    layer's attention core is recomputed inside B (its W never reaches it), and losses and masters equal the
+    reference's."""
+    ref_losses, ref_w = _ref(tiny_model)
+    losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=zbv",
+                                  "train.recompute_attention=true")
+    _check(losses, reader, ref_losses, ref_w)
+    with open(tmp_path / "plan.json") as f:
+        assert json.load(f)["shape"]["recompute_attention"] is True

@@ -85,7 +85,9 @@ def test_recompute_when_only_that_fits():
     need_min = min(max(st.mem["total"] for st in p.stages) for p in _plans(req).values())
     assert need_rec < need_min
     cap = (need_rec + need_min) / 2 / GIB
-    got = choose_schedule(_req(cap))
+    # the attention core's own recompute is left out here (tests/unit/test_attention_recompute.py): with it a
+    # zero-bubble plan may fit at this capacity
+    got = choose_schedule(_req(cap), recompute_attention=False)
     # with recompute: 1F1B or interleaved 1F1B (held to CHUNK_MARGIN), the faster of their own plans that fit
     rec = {}
     for s in ("1f1b", "interleaved"):

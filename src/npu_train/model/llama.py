@@ -125,10 +125,14 @@ class Attention(nn.Module):
     [H, heads*D]; ``q_norm``/``k_norm`` RMSNorm [D] per head before RoPE when ``cfg.qk_norm``.
     ``forward(h [B,S,H], cos, sin [S,D] or [B,1,S,D], mask) -> [B,S,H]``: ``mask`` None (causal) or
     ``[B,1,S,S]``, additive in the compute dtype or bool (True = attend; :mod:`.masks`); ``S`` above
-    ``cfg.sliding_window`` is a ValueError."""
+    ``cfg.sliding_window`` is a ValueError. ``recompute_core``: the attention core (``softmax(QK^T)V``) runs under
+    a non-reentrant :func:`~torch.utils.checkpoint.checkpoint`, so what the kernel saves (the eager kernel's
+    ``[B, heads, S, S]`` probabilities) is dropped and recomputed from the held q, k, v in the backward
+    (selective activation recompute, Korthikanti et al. 2022 §5); the values are the same."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, recompute_core: bool = False) -> None:
         super().__init__()
+        self.recompute_core = bool(recompute_core)
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -163,12 +167,21 @@ class Attention(nn.Module):
         if rep > 1:  # HF repeat_kv: kv head j serves query heads j*rep .. j*rep+rep-1
             k = k[:, :, None].expand(B, self.num_kv_heads, rep, S, D).reshape(B, self.num_heads, S, D)
             v = v[:, :, None].expand(B, self.num_kv_heads, rep, S, D).reshape(B, self.num_heads, S, D)
-        if mask is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=D ** -0.5)
-        else:  # packed rows: block-diagonal causal (npu_train.model.masks)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=D ** -0.5)
+        if self.recompute_core and torch.is_grad_enabled():
+            o = checkpoint(_attention_core, q, k, v, mask, D ** -0.5, use_reentrant=False)
+        else:
+            o = _attention_core(q, k, v, mask, D ** -0.5)
         o = o.transpose(1, 2).reshape(B, S, self.num_heads * D)
         return self.o_proj(o)
+
+
+def _attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                    scale: float) -> torch.Tensor:
+    """``softmax(q k^T * scale + mask) v`` for ``[B, heads, S, D]`` inputs: causal when ``mask`` is None, else the
+    packed rows' block-diagonal causal mask (:mod:`npu_train.model.masks`)."""
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class MLP(nn.Module):
@@ -190,13 +203,13 @@ class DecoderLayer(nn.Module):
     the ``model.layers.{i}.`` prefix. ``forward(h [B,S,H], cos, sin [S,D] (or [B,1,S,D]), mask=None) -> [B,S,H]``.
     A sparse layer (``cfg.is_moe_layer(layer_idx)``) holds a :class:`~npu_train.model.moe.SparseMoe` under the
     family's checkpoint name (:attr:`mlp_name`: ``mlp``, Mixtral ``block_sparse_moe``) whose router statistics
-    go to ``recorder``."""
+    go to ``recorder``. ``recompute_core``: :class:`Attention`'s selective recompute of its core."""
 
-    def __init__(self, cfg: LlamaConfig, layer_idx: int, recorder=None) -> None:
+    def __init__(self, cfg: LlamaConfig, layer_idx: int, recorder=None, recompute_core: bool = False) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, recompute_core)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.is_moe_layer(layer_idx):
             from .moe import SparseMoe
@@ -256,7 +269,7 @@ def _check_range(cfg: LlamaConfig, first: int, last: int) -> None:
 class StageModule(nn.Module):
     """One pipeline stage: optional embedding, global layers ``[first_layer, last_layer)``, optional final
     norm + LM head; a tied embed + head on one stage share one Parameter. ``recompute=True`` checkpoints
-    every layer. Random init (std 0.02); load with :meth:`load_named_tensors`.
+    every layer; ``recompute_attention=True`` only every layer's attention core (:class:`Attention`). Random init (std 0.02); load with :meth:`load_named_tensors`.
 
     ``second=(a, b)``: a card of a two-chunk schedule (:data:`~npu_train.pipeline.schedule.CHUNKED_SCHEDULES`)
     also holds layers ``[a, b)``; ``forward(chunk=0)`` runs the embedding (if any) and the first range,
@@ -264,7 +277,8 @@ class StageModule(nn.Module):
     overlapping the first."""
 
     def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
-                 has_head: bool, recompute: bool = False, second: Optional[tuple] = None) -> None:
+                 has_head: bool, recompute: bool = False, second: Optional[tuple] = None,
+                 recompute_attention: bool = False) -> None:
         super().__init__()
         _check_range(cfg, first_layer, last_layer)
         self.cfg = cfg
@@ -273,6 +287,7 @@ class StageModule(nn.Module):
         self.has_embed = has_embed
         self.has_head = has_head
         self.recompute = recompute
+        self.recompute_attention = bool(recompute_attention)
         self.second = None if second is None else (int(second[0]), int(second[1]))
         ranges = [range(first_layer, last_layer)]
         if self.second is not None:
@@ -292,7 +307,7 @@ class StageModule(nn.Module):
         if has_embed:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.model.layers = nn.ModuleDict(
-            {str(i): DecoderLayer(cfg, i, self.router_recorder) for r in ranges for i in r}
+            {str(i): DecoderLayer(cfg, i, self.router_recorder, self.recompute_attention) for r in ranges for i in r}
         )
         if has_head:
             self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -419,7 +434,8 @@ class StageModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"layers=[{self.first_layer}, {self.last_layer})"
                 + (f" + [{self.second[0]}, {self.second[1]})" if self.second else "") + f", embed={self.has_embed}, "
-                f"head={self.has_head}, recompute={self.recompute}")
+                f"head={self.has_head}, recompute={self.recompute}"
+                + (", recompute_attention=True" if self.recompute_attention else ""))
 
 
 def _cut(h: torch.Tensor, cuts: list) -> torch.Tensor:

@@ -141,7 +141,9 @@ class CostModel:
         lin = 2.0 * (layer_params + adapter_params) * tok  # one pass over the linear layers (base + adapters)
         f = lin + 4.0 * attn
         #: FLOPs per micro-batch of one decoder layer: (forward, input gradient, weight gradient)
-        self.layer_fbw = (f, lin + 8.0 * attn + (f if shape.recompute else 0.0),
+        # selective recompute (recompute_attention): the attention core's forward, 4 attn, again in B
+        core = 4.0 * attn if shape.recompute_attention and not shape.recompute else 0.0
+        self.layer_fbw = (f, lin + 8.0 * attn + (f if shape.recompute else core),
                           2.0 * (adapter_params if adapter_params else layer_params) * tok)
         self.layer_flops = sum(self.layer_fbw)
         head_pass = 2.0 * tok * model.embedding_params()  # one pass of the lm_head (V x H) over the tokens

@@ -44,6 +44,7 @@ class Option:
     recompute: bool
     plan: Optional[Plan]
     why_not: str = ""
+    recompute_attention: bool = False
 
     @property
     def step_s(self) -> float:
@@ -54,7 +55,8 @@ class Option:
         if self.plan is None:
             return f"{self.layout.label()}: {self.why_not}"
         mem = max(st.mem["total"] for st in self.plan.stages)
-        return (f"{self.layout.label()}, {self.schedule}{' + recompute' if self.recompute else ''}: step "
+        extra = " + recompute" if self.recompute else " + attention recompute" if self.recompute_attention else ""
+        return (f"{self.layout.label()}, {self.schedule}{extra}: step "
                 f"{self.plan.step_time_s:.3g} s, {self.plan.tokens_per_s:,.0f} tokens/s, fullest card {gib(mem):.1f} GiB")
 
 
@@ -94,19 +96,21 @@ def layouts(n_cards: int, num_layers: int, global_batch: int, micro_batches=(1, 
 
 
 def choose_layout(candidates: list, request: Callable[[Layout], PlanRequest],
-                  schedule: str = "auto") -> LayoutChoice:
+                  schedule: str = "auto", recompute_attention="auto") -> LayoutChoice:
     """Plan every layout of ``candidates`` (``request(layout)`` builds its request) with ``schedule`` (``auto``:
-    the fastest that fits) and return them fastest first (module docstring). Raises PlacementError naming the
-    layouts tried when none fits."""
+    the fastest that fits, with ``recompute_attention`` as :func:`~npu_train.planner.schedule_choice.choose_schedule`
+    takes it) and return them fastest first (module docstring). Raises PlacementError naming the layouts tried
+    when none fits."""
     from npu_train.planner.schedule_choice import choose_schedule
 
     opts = []
     for lay in candidates:
         req = request(lay)
         if schedule == "auto":
-            ch = choose_schedule(replace(req, strict=False))
+            ch = choose_schedule(replace(req, strict=False), recompute_attention)
             ok = ch.plan is not None and ch.plan.fits
-            opts.append(Option(lay, ch.schedule, ch.recompute, ch.plan if ok else None, "" if ok else "does not fit"))
+            opts.append(Option(lay, ch.schedule, ch.recompute, ch.plan if ok else None, "" if ok else "does not fit",
+                               ch.recompute_attention))
             continue
         try:
             plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule)))

@@ -56,7 +56,11 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     mixture-of-experts layer's MLP saves :func:`~npu_train.planner.moe.mlp_saved_bytes_per_token` per token in
     place of ``4*e*i`` (routed experts bounded by ``k`` x tokens, router, shared expert); Qwen3's
     per-head q/k norms (``model.qk_norm``) also save their inputs and outputs and fp32 statistics,
-    ``+ 2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)`` (``a_kv`` key/value heads). Qwen2's q/k/v biases save nothing more. Raises ``ValueError`` for another ``attention``."""
+    ``+ 2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)`` (``a_kv`` key/value heads). Qwen2's q/k/v biases save nothing more.
+    ``attention="core"``: the attention core recomputed (``RunShape.recompute_attention``,
+    :class:`~npu_train.model.llama.Attention`), whatever the kernel: the checkpoint keeps the core's inputs q, k, v
+    and ``o_proj`` the output, nothing of the kernel's own: the ``sdpa`` figure less its log-sum-exp ``4*a*s*b``
+    (checked with ``saved_tensors_hooks``). Raises ``ValueError`` for another ``attention``."""
     s, b, e = shape.seq_len, shape.micro_batch, shape.dtype_bytes
     h = model.hidden_size
     mlp = mlp_saved_bytes_per_token(model, e)  # 4*e*i for a dense MLP
@@ -64,10 +68,11 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
     qk_norm = (2 * e * s * b * (q + kv) + 4 * s * b * (a + model.num_kv_heads)) if model.qk_norm else 0
-    if attention == "sdpa":
-        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + 4 * a + mlp) + qk_norm
+    if attention in ("sdpa", "core"):
+        lse = 4 * a if attention == "sdpa" else 0
+        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + lse + mlp) + qk_norm
     if attention != "eager":
-        raise ValueError(f"attention must be 'eager' or 'sdpa', got {attention!r}")
+        raise ValueError(f"attention must be 'eager', 'sdpa' or 'core', got {attention!r}")
     linear = e * s * b * (4 * h + 2 * q + 2 * kv) + s * b * mlp
     scores = a * b * s * s * (4 + (e if e != 4 else 0))
     return linear + scores + qk_norm
@@ -143,7 +148,11 @@ class MemoryModel:
         self.grad_bytes = shape.grad_bytes
         self.tied = bool(model.tie_word_embeddings)
         self.nonlayer_flag = nonlayer_resident
-        self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa")}
+        self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa", "core")}
+        #: the attention probabilities of one layer and micro-batch (``[b, a, S, S]``, fp32 softmax + its compute-dtype
+        #: copy), what an eager kernel recomputes at a time under ``recompute_attention``
+        self.scores_bytes = model.num_heads * shape.micro_batch * shape.seq_len ** 2 * (
+            4 + (self.dtype_bytes if self.dtype_bytes != 4 else 0))
         self.layer_input_bytes = shape.seq_len * shape.micro_batch * model.hidden_size * self.dtype_bytes
         self.saved_logits = saved_logits_bytes(model, shape)
         # packed rows: one [b, 1, S, S] additive mask in the compute dtype per micro-batch in flight
@@ -283,7 +292,16 @@ class MemoryModel:
 
     # ------------------------------------------------------------------ pieces of the transients
     def _activations_per_layer(self, i: int) -> int:
+        if self.shape.recompute_attention:
+            return self.activations_per_layer["core"]
         return self.activations_per_layer[ATTENTION[self.cards[i].kind]]
+
+    def _recomputed_core(self, i: int) -> int:
+        """Bytes the recomputed attention core of one layer holds while its backward runs: the eager kernel's
+        probabilities (:attr:`scores_bytes`); 0 without ``recompute_attention`` or with a fused kernel."""
+        if self.shape.recompute_attention and not self.shape.recompute and ATTENTION[self.cards[i].kind] == "eager":
+            return self.scores_bytes
+        return 0
 
     def _largest_param(self, i: int, n: int) -> int:
         """Elements of the stage's largest parameter tensor, trained or frozen (a layer's or the embedding's)."""
@@ -333,10 +351,11 @@ class MemoryModel:
 
     def _forward_backward_peak(self, i: int, n: int, activations: int) -> int:
         acc = self._accumulation_temporary(i, n)
+        core = self._recomputed_core(i) if n else 0
         if i == self.head_stage:
-            return activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc)
+            return activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core)
         one_micro_batch = n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i))
-        return activations + max(0, acc - one_micro_batch)
+        return activations + max(0, acc - one_micro_batch, core)
 
     def _host_gradient_copies(self, i: int, p: StageParams) -> int:
         """fp32 host copies of offloaded gradients on a host-memory card (none when the update takes the

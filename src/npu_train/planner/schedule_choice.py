@@ -8,6 +8,11 @@ schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its extra boundary t
 crosses every card twice) and its second set of per-chunk calls. When none fits, 1F1B with activation recompute is
 tried, and interleaved 1F1B with recompute (the zero-bubble schedules do not combine with recompute). With
 ``recompute`` asked for, only 1F1B, GPipe and interleaved 1F1B are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
+
+Where a card's attention kernel keeps the ``[b, a, S, S]`` probabilities (``memory.ATTENTION`` eager: furiosa),
+every candidate is also planned with the attention core recomputed (``RunShape.recompute_attention``: the
+probabilities dropped, the core's forward FLOPs again in B), and the faster of the two plans that fit is the
+candidate's.
 """
 from __future__ import annotations
 
@@ -37,9 +42,35 @@ class ScheduleChoice:
     recompute: bool
     plan: Plan
     why: str
+    recompute_attention: bool = False
 
 
-def _try(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Plan], str]:
+def _label(schedule: str, plan: Plan) -> str:
+    """``zbv`` or ``zbv + attention recompute`` (the plan's shape)."""
+    return schedule + (" + attention recompute" if plan is not None and plan.shape.recompute_attention else "")
+
+
+def core_recompute_helps(req: PlanRequest) -> bool:
+    """Whether recomputing the attention core can save memory on ``req``'s cards: some card's kernel keeps the
+    probabilities (``memory.ATTENTION`` eager) and ``recompute_attention`` is not already asked for."""
+    from npu_train.planner.memory import ATTENTION
+
+    return not req.shape.recompute_attention and any(ATTENTION[c.kind] == "eager" for c in req.cards)
+
+
+def _try(req: PlanRequest, schedule: str, recompute: bool, core: bool = True) -> tuple[Optional[Plan], str]:
+    """The plan of ``req`` with ``schedule`` / ``recompute``, or None and why not; with ``core`` where
+    :func:`core_recompute_helps`, the faster of it and the plan with the attention core recomputed."""
+    plan, why = _try_one(req, schedule, recompute)
+    if recompute or not core or not core_recompute_helps(req):
+        return plan, why
+    alt, _ = _try_one(replace(req, shape=replace(req.shape, recompute_attention=True)), schedule, recompute)
+    if alt is not None and (plan is None or alt.step_time_s < plan.step_time_s):
+        return alt, ""
+    return plan, why
+
+
+def _try_one(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Plan], str]:
     """The plan of ``req`` with ``schedule`` / ``recompute``, or None and why not."""
     try:
         plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
@@ -50,21 +81,24 @@ def _try(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Pla
     return (plan, "") if plan.fits else (None, "does not fit")
 
 
-def choose_schedule(req: PlanRequest) -> ScheduleChoice:
+def choose_schedule(req: PlanRequest, recompute_attention="auto") -> ScheduleChoice:
     """The fastest schedule whose plan fits (module docstring). When nothing fits, recompute included: the
-    1F1B plan (``req.strict``: its PlacementError)."""
+    1F1B plan (``req.strict``: its PlacementError). ``recompute_attention``: ``auto`` (``train.recompute_attention``)
+    also plans each candidate with the attention core recomputed; else only ``req.shape``'s."""
     recompute = bool(req.shape.recompute)
+    core = recompute_attention == "auto"
     tried = []
     for s in (RECOMPUTE_CANDIDATES if recompute else CANDIDATES):
-        plan, why_not = _try(req, s, recompute)
+        plan, why_not = _try(req, s, recompute, core)
         tried.append((s, plan, why_not))
     fits = [(s, p) for s, p, _ in tried if p is not None]
     if fits:
         best, plan = min(fits, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))  # keeps the first of equals
-        others = ", ".join(f"{s} {p.step_time_s:.3g} s" if p is not None else f"{s} {w}"
+        others = ", ".join(f"{_label(s, p)} {p.step_time_s:.3g} s" if p is not None else f"{s} {w}"
                            for s, p, w in tried if s != best)
         return ScheduleChoice(best, recompute, plan,
-                              f"train.schedule=auto: {best} (predicted step {plan.step_time_s:.3g} s; {others})")
+                              f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
+                              f"{others})", plan.shape.recompute_attention)
     rec = [(s, _try(req, s, True)[0]) for s in ("1f1b", "interleaved")]
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:

@@ -37,6 +37,9 @@ class RunShape:
     schedule: str = "1f1b"  # one of npu_train.pipeline.schedule.ALL_SCHEDULES
     dtype: str = "bf16"  # compute dtype: "bf16" or "fp32"
     recompute: bool = False  # activation recomputation per decoder layer
+    #: selective recompute: only every layer's attention core (npu_train.model.llama.Attention), whose kernel's
+    #: saved tensors (an eager kernel's [b, a, S, S] probabilities) are dropped; its forward FLOPs run again in B
+    recompute_attention: bool = False
     #: 0 = full fine-tuning; > 0 = LoRA with this many adapter parameters per layer (the base is frozen)
     lora_params_per_layer: int = 0
     #: LoRA adapter parameters one token passes through per layer (mixture of experts: its k experts'

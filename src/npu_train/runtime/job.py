@@ -259,7 +259,7 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
                             zero=int(cfg.parallel.zero) if lay.dp > 1 else 0, host_ram_bytes=host_ram,
                             multinode=multinode, host_cores=len(cards) if elsewhere else None)
 
-    choice = choose_layout(cands, request, sched)
+    choice = choose_layout(cands, request, sched, cfg.train.recompute_attention)
     o = choice.chosen
     with open_dict(cfg):
         cfg.parallel.dp = o.layout.dp
@@ -267,6 +267,7 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
             cfg.parallel.zero = 0
         cfg.train.micro_batch, cfg.train.accum = o.layout.micro_batch, o.layout.accum
         cfg.train.schedule, cfg.train.recompute = o.schedule, o.recompute
+        cfg.train.recompute_attention = bool(o.recompute_attention or cfg.train.recompute_attention is True)
     print("\n".join(choice.lines), flush=True)
 
 
@@ -291,14 +292,16 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     saved = _resumed_train(cfg, run_dir)
     if saved and saved.get("schedule") in ALL_SCHEDULES:
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
+        core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
         why = f"train.schedule=auto: {schedule}, the resumed checkpoint's"
     else:
         with open_dict(cfg):
             cfg.train.schedule = "1f1b"  # a valid RunShape; each candidate replaces it
         req = plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
                            multinode=multinode, host_cores=host_cores)
-        choice = choose_schedule(req)
+        choice = choose_schedule(req, cfg.train.recompute_attention)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
+        core = choice.recompute_attention or cfg.train.recompute_attention is True
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
 
     if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and _aux_needs_1f1b(cfg, mcfg):
@@ -307,6 +310,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     with open_dict(cfg):
         cfg.train.schedule = schedule
         cfg.train.recompute = recompute
+        cfg.train.recompute_attention = core
     print(why, flush=True)
 
 
@@ -528,7 +532,8 @@ def run_shape(cfg, mcfg, dtype: str):
         lora_pl, lora_active = lora_params_per_layer(mcfg, cfg.lora.rank, tuple(cfg.lora.targets),
                                                      bool(getattr(cfg.lora, "train_router", False)))
     return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
-                    schedule=tr.schedule, dtype=dtype, recompute=tr.recompute, lora_params_per_layer=lora_pl,
+                    schedule=tr.schedule, dtype=dtype, recompute=tr.recompute,
+                    recompute_attention=tr.recompute_attention is True, lora_params_per_layer=lora_pl,
                     lora_active_params_per_layer=lora_active,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
@@ -566,7 +571,8 @@ def train_spec(cfg, dtype: str, mcfg=None) -> TrainSpec:
     return TrainSpec(steps=tr.steps, micro_batch=tr.micro_batch, accum=tr.accum, lr=tr.lr,
                      min_lr_ratio=tr.min_lr_ratio, warmup_steps=tr.warmup_steps, weight_decay=tr.weight_decay,
                      beta1=tr.beta1, beta2=tr.beta2, eps=tr.eps, clip=tr.clip, schedule=tr.schedule,
-                     recompute=tr.recompute, seed=tr.seed, save_every=tr.save_every,
+                     recompute=tr.recompute, recompute_attention=tr.recompute_attention is True,
+                     seed=tr.seed, save_every=tr.save_every,
                      save_on_interrupt=tr.save_on_interrupt, stop_after=tr.stop_after, dtype=dtype,
                      eval_every=cfg.data.eval_every, eval_batches=cfg.data.eval_batches, mode=tr.mode,
                      lora_rank=cfg.lora.rank, lora_alpha=float(cfg.lora.alpha), lora_dropout=float(cfg.lora.dropout),

@@ -51,6 +51,8 @@ class TrainSpec:
     eval_every: int
     eval_batches: int
     nonfinite: str = "stop"
+    #: ``train.recompute_attention`` resolved: every layer's attention core recomputed in the backward
+    recompute_attention: bool = False
     #: ``checkpoint.save``: false = no checkpoint is ever written (not at ``save_every``, the end, an interrupt)
     save_checkpoints: bool = True
     #: ``fp32`` accumulators or ``compute`` (the compute dtype's ``.grad``), ``train.grad_accum``
