@@ -112,3 +112,19 @@ def test_errors():
         build_schedule("interleaved", 4, 6, 0)
     with pytest.raises(ValueError, match="unknown pipeline schedule"):
         build_schedule("zbx", 2, 2, 0)
+
+
+def test_an_empty_chunk_is_labelled_none():
+    """A two-chunk card whose second chunk holds no layer (ZB-V's card 0 with one layer) prints ``none`` for it,
+    not a backwards range such as ``32-31``."""
+    from npu_train.hardware import make_cards
+    from npu_train.planner.plan import StagePlan
+
+    card = make_cards("furiosa", 1)[0]
+
+    def label(first, last, second):
+        return StagePlan(card, first, last, True, True, [], [], {}, {}, 0, second=second).layers_label
+
+    assert label(0, 1, (32, 32)) == "0-0,none +emb +head"
+    assert label(0, 2, (30, 32)) == "0-1,30-31 +emb +head"
+    assert label(0, 16, None) == "0-15 +emb +head"

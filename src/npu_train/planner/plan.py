@@ -47,15 +47,21 @@ class StagePlan:
 
     @property
     def layers_label(self) -> str:
-        """E.g. ``"0-15 +emb"``, ``"16-31 +head"``."""
-        s = f"{self.first_layer}-{self.last_layer - 1}"
+        """E.g. ``"0-15 +emb"``, ``"16-31 +head"``; two chunks ``"0-1,30-31 +emb +head"``, an empty chunk
+        ``none`` (``"0-0,none +emb +head"``)."""
+        s = _range_label(self.first_layer, self.last_layer)
         if self.second:
-            s += f",{self.second[0]}-{self.second[1] - 1}"
+            s += "," + _range_label(*self.second)
         if self.has_embed:
             s += " +emb"
         if self.has_head:
             s += " +head"
         return s
+
+
+def _range_label(first: int, last: int) -> str:
+    """Layers ``[first, last)`` as ``"first-(last-1)"``, or ``"none"`` when the range is empty."""
+    return f"{first}-{last - 1}" if last > first else "none"
 
 
 @dataclass
