@@ -265,7 +265,7 @@ def write_sft(job: SftJob, splits: list[SplitStream], tmp: Path, lock: Optional[
     st = _SampleStats()
     with SampleSpool(tmp.parent, tmp.name, n_meta=2, with_mask=True) as spool:
         for split in splits:
-            _spool_split(job, split, spool, st, progress)
+            _spool_split(split, spool, st, progress, lambda s: _add_sample(job, s, spool, st))
         spool.close()
         (train, val), msg = _split_ranges(job, st, log)
         plans = [_plan(spool, a, b, job.row, job.pack, job.pad_id) for a, b in (train, val)]
@@ -292,29 +292,28 @@ def write_sft(job: SftJob, splits: list[SplitStream], tmp: Path, lock: Optional[
             out.close()
 
 
-def _spool_split(job: SftJob, split: SplitStream, spool: SampleSpool, st: _SampleStats,
-                 progress: BuildProgress) -> None:
-    """Spool the kept samples of ``split`` (counts into ``st``). The first sample with an id outside the
-    vocabulary is raised after the split's last row is read (and rendered), so an error of the rows or
-    render stage comes first."""
+def _spool_split(split: SplitStream, spool: SampleSpool, st, progress: BuildProgress, add) -> None:
+    """Spool the kept items of ``split`` (rendered samples or tokenized pairs) through ``add(item)`` (1 if kept,
+    else 0; it counts into ``st``, a :class:`_SampleStats` or :class:`_PairStats`), then count the split's rows,
+    kept items and bad rows into ``st``. The first item with an id outside the vocabulary is raised after the
+    split's last row is read (and rendered), so an error of the rows or render stage comes first."""
     failed: Optional[DataError] = None
     rows = kept = 0
-    bad = split.bad
-    for s in split.items:
+    for item in split.items:
         rows += 1
         if failed is not None:
             continue
         try:
-            kept += _add_sample(job, s, spool, st)
+            kept += add(item)
         except DataError as e:  # raised once the split is read (see the docstring)
             failed = e
         progress.step(sum(st.rows) + rows, spool.n_samples, st.n_tokens)
     if failed is not None:
         raise failed
-    st.rows.append(rows + bad.count)
+    st.rows.append(rows + split.bad.count)
     st.kept.append(kept)
-    st.n_bad += bad.count
-    st.first_bad = st.first_bad or bad.first
+    st.n_bad += split.bad.count
+    st.first_bad = st.first_bad or split.bad.first
 
 
 def _add_sample(job: SftJob, s: Sample, spool: SampleSpool, st: _SampleStats) -> int:
@@ -494,7 +493,8 @@ def write_pairs(job: BuildJob, splits: list[SplitStream], tmp: Path, lock: Optio
     st = _PairStats()
     with SampleSpool(tmp.parent, tmp.name, n_meta=4) as spool:
         for split in splits:
-            _spool_pairs(job, split, spool, st, progress)
+            _spool_split(split, spool, st, progress,
+                         lambda t: _add_pair(t, job.row, job.vocab_size, spool, st))
         spool.close()
         (train, val), msg = _pair_ranges(job, st, log)
         kept = sum(st.kept)
@@ -512,30 +512,6 @@ def write_pairs(job: BuildJob, splits: list[SplitStream], tmp: Path, lock: Optio
                 _lay_pairs(spool, out, split_name, a, b, job, progress)
         finally:
             out.close()
-
-
-def _spool_pairs(job: BuildJob, split: SplitStream, spool: SampleSpool, st: _PairStats,
-                 progress: BuildProgress) -> None:
-    """Spool the tokenized pairs of ``split`` (counts into ``st``). The first pair with an id outside the
-    vocabulary is raised after the split's last row is read (and tokenized), so an error of the rows or
-    render stage comes first."""
-    failed: Optional[DataError] = None
-    rows = kept = 0
-    for t in split.items:
-        rows += 1
-        if failed is not None:
-            continue
-        try:
-            kept += _add_pair(t, job.row, job.vocab_size, spool, st)
-        except DataError as e:  # raised once the split is read (see the docstring)
-            failed = e
-        progress.step(sum(st.rows) + rows, spool.n_samples, st.n_tokens)
-    if failed is not None:
-        raise failed
-    st.rows.append(rows + split.bad.count)
-    st.kept.append(kept)
-    st.n_bad += split.bad.count
-    st.first_bad = st.first_bad or split.bad.first
 
 
 def _add_pair(p: PairTokens, row: int, vocab_size: Optional[int], spool: SampleSpool, st: _PairStats) -> int:
