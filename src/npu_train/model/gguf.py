@@ -1,4 +1,5 @@
-"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, architectures ``llama``, ``qwen2``, ``qwen3``): tensors
+"""GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, architectures ``llama``, ``qwen2``, ``qwen3``,
+``qwen3moe``: one expert's projection is a row of the stacked ``ffn_*_exps`` tensors, :func:`gguf_source`): tensors
 dequantised to fp32; a ``llama`` file's q/k rows un-permuted from llama.cpp's interleaved RoPE to HF's rotate-half
 (:func:`gguf_unpermute`; Qwen files keep HF's row order: llama.cpp runs them with NEOX rotate-half RoPE).
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import re
 from typing import Any, Iterator, Optional
 
 import numpy as np
@@ -17,7 +19,7 @@ from .files import LAYER_RE, ModelFormatError, SUPPORTED_HINT, check_finite, sha
 from .hf import first_id
 
 __all__ = ["gguf_reader", "gguf_field", "gguf_config", "gguf_tensors", "iter_gguf_tensors", "gguf_wanted_tensors", "gguf_unpermute",
-           "hf_to_gguf_name", "clear_gguf_cache", "file_key", "gguf_tensor_index"]
+           "hf_to_gguf_name", "gguf_source", "clear_gguf_cache", "file_key", "gguf_tensor_index"]
 
 
 def file_key(path: str) -> tuple[str, int, int]:
@@ -80,7 +82,9 @@ def _gguf_model_name(reader, path: str) -> str:
 
 
 #: GGUF ``general.architecture`` -> family (a Mistral-7B GGUF is written as ``llama``)
-GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items() if f.gguf_arch and name not in MOE_FAMILIES}
+#: (Qwen2-MoE's ``qwen2moe`` files are not read: its shared expert's tensors are not mapped)
+GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items()
+                 if f.gguf_arch and (name not in MOE_FAMILIES or name == "qwen3_moe")}
 
 
 def gguf_config(path: str) -> LlamaConfig:
@@ -133,10 +137,12 @@ def gguf_config(path: str) -> LlamaConfig:
                                        f"tokenizer.ggml.tokens or token_embd.weight)")
             vocab = int(emb.shape[-1])
     theta = float(opt("rope.freq_base", 10000.0))
+    moe = _gguf_moe(req, opt, n_layers, tensor_names) if GGUF_FAMILIES[arch] in MOE_FAMILIES else {}
     cfg_kwargs = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(req("feed_forward_length")),
+        intermediate_size=int(opt("feed_forward_length", moe["moe_intermediate_size"])) if moe else
+        int(req("feed_forward_length")),
         num_layers=n_layers,
         num_heads=heads,
         num_kv_heads=int(kv),
@@ -151,7 +157,21 @@ def gguf_config(path: str) -> LlamaConfig:
         family=GGUF_FAMILIES[arch],
     )
     cfg_kwargs["rope_scaling"] = _gguf_rope_scaling(r, path, arch, theta, head_dim, tensor_names)
-    return LlamaConfig(**cfg_kwargs)
+    return LlamaConfig(**cfg_kwargs, **moe)
+
+
+def _gguf_moe(req, opt, n_layers: int, tensor_names: set) -> dict:
+    """The mixture-of-experts fields of a ``qwen3moe`` file (llama.cpp ``convert_hf_to_gguf.py``
+    ``Qwen3MoeModel``): ``<arch>.expert_count``, ``expert_used_count``, ``expert_feed_forward_length``;
+    ``norm_topk_prob`` from ``expert_weights_norm`` when written, else True (llama.cpp's ``qwen3moe`` graph always
+    renormalises the top-k weights); the layers without ``blk.<i>.ffn_gate_exps.weight`` keep a dense MLP
+    (``mlp_only_layers``). The load-balancing loss settings are not in GGUF files: off unless
+    ``train.moe_aux_loss`` sets them."""
+    return dict(num_experts=int(req("expert_count")), num_experts_per_tok=int(req("expert_used_count")),
+                moe_intermediate_size=int(req("expert_feed_forward_length")),
+                norm_topk_prob=bool(opt("expert_weights_norm", True)),
+                mlp_only_layers=tuple(i for i in range(n_layers)
+                                      if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names))
 
 
 def _gguf_rope_scaling(r, path: str, arch: str, theta: float, head_dim: int,
@@ -242,7 +262,12 @@ _GGUF_LAYER_SUFFIX = {
     "mlp.gate_proj.weight": "ffn_gate.weight",
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.gate.weight": "ffn_gate_inp.weight",  # a sparse layer's router [E, H]
 }
+#: one expert's projection (``mlp.experts.<e>.<proj>.weight``) -> the stacked GGUF tensor [E, out, in] it is row e of
+_EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_GGUF_EXPERTS = {"gate_proj": "ffn_gate_exps.weight", "up_proj": "ffn_up_exps.weight",
+                 "down_proj": "ffn_down_exps.weight"}
 _GGUF_GLOBAL = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -256,6 +281,28 @@ def hf_to_gguf_name(name: str) -> str:
     if m:
         return f"blk.{m.group(1)}.{_GGUF_LAYER_SUFFIX[m.group(2)]}"
     return _GGUF_GLOBAL[name]
+
+
+def gguf_source(name: str) -> tuple[str, Optional[int]]:
+    """``(GGUF tensor name, expert)`` holding HF parameter ``name``: an expert's projection is row ``expert`` of a
+    stacked ``blk.<i>.ffn_*_exps.weight`` (``mlp.experts.5.up_proj.weight`` -> ``("blk.<i>.ffn_up_exps.weight",
+    5)``); every other tensor is whole (expert None, :func:`hf_to_gguf_name`)."""
+    m = LAYER_RE.match(name)
+    e = _EXPERT_RE.match(m.group(2)) if m else None
+    if e:
+        return f"blk.{m.group(1)}.{_GGUF_EXPERTS[e.group(2)]}", int(e.group(1))
+    return hf_to_gguf_name(name), None
+
+
+class _ExpertSlice:
+    """Expert ``e`` of a stacked GGUF experts tensor (``ReaderTensor`` or :class:`_IndexedTensor`), with the
+    fields the readers use: ``name`` (``<gguf name>[e]``), ``tensor_type``, ``shape`` (innermost first, the
+    experts axis, outermost, dropped), ``data`` (row ``e`` of the memory-mapped numbers or quantised blocks)."""
+
+    def __init__(self, t, e: int):
+        self.name, self.tensor_type = f"{t.name}[{e}]", t.tensor_type
+        self.shape = [int(x) for x in t.shape[:-1]]
+        self.data = t.data[e]
 
 
 def gguf_unpermute(w: torch.Tensor | np.ndarray, n_head: int):
@@ -327,10 +374,16 @@ def gguf_wanted_tensors(path: str, wanted: dict, index: Optional[dict] = None) -
     if by_name is None:
         by_name = {t.name: t for t in gguf_reader(path).tensors}
     for name, (src, shape) in wanted.items():
-        gname = hf_to_gguf_name(src)
+        gname, expert = gguf_source(src)
         t = by_name.get(gname)
         if t is None:
             raise ModelFormatError(f"tensor {src!r} (GGUF {gname!r}) not found in {path}")
+        if expert is not None:
+            if len(t.shape) != 3 or expert >= int(t.shape[-1]):
+                raise ModelFormatError(f"{path}: GGUF {gname!r} has shape {list(reversed(t.shape))}, not "
+                                       f"[experts > {expert}, out, in]; re-convert with llama.cpp convert_hf_to_gguf.py")
+            t = _ExpertSlice(t, expert)
+            gname = t.name
         found = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (innermost) first
         if found != tuple(shape):
             raise shape_error(name, src, path, shape, found)
