@@ -78,6 +78,8 @@ def test_half_precision_matmuls_widen_only_without_hardware(monkeypatch):
     assert matmul_dtype(torch.float32, cpu) == torch.float32 and matmul_dtype(torch.float64, cpu) == torch.float64
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
     assert matmul_dtype(torch.bfloat16, cpu) == torch.bfloat16
+    monkeypatch.delattr(torch.cpu, "_is_avx512_bf16_supported")  # a torch without the private probe: widen
+    assert matmul_dtype(torch.bfloat16, cpu) == torch.float32
 
 
 @pytest.mark.parametrize("hardware", [False, True])

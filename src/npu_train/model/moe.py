@@ -64,11 +64,16 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     kernels do (fp32 accumulation), so only the order of the sums differs."""
     if device.type != "cpu":
         return dtype
-    if dtype == torch.bfloat16 and not (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
+    if dtype == torch.bfloat16 and not (_cpu_has("_is_avx512_bf16_supported") or _cpu_has("_is_amx_tile_supported")):
         return torch.float32
-    if dtype == torch.float16 and not torch.cpu._is_amx_fp16_supported():
+    if dtype == torch.float16 and not _cpu_has("_is_amx_fp16_supported"):
         return torch.float32
     return dtype
+
+
+def _cpu_has(probe: str) -> bool:
+    """``torch.cpu.<probe>()`` (torch's private CPU feature probes); False where this torch lacks the probe."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
