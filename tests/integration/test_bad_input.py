@@ -188,6 +188,8 @@ CASES = [
     ("resume-nothing", lambda b: ["train.resume=latest"], None, ["no complete checkpoint", "checkpoint.dir"]),
     ("checkpoint-dir-of-another-run", lambda b: [f"checkpoint.dir={b.other_ckpt}"], None,
      ["already holds 1 checkpoint(s) of an earlier run", "train.resume=auto", "checkpoint.existing=set_aside"]),
+    ("recompute-attention-value", lambda b: ["train.recompute_attention=maybe"], None,
+     ["train.recompute_attention='maybe'", "use auto, true or false"]),
     ("port-in-use", lambda b: [f"runtime.port={b.port}"], None, ["is in use", "runtime.port=0"]),
     ("shm-too-small", lambda b: [], {"NPT_SHM_FREE_BYTES": "65536"}, ["/dev/shm has only 65536 bytes", "--shm-size"]),
     ("npt-cache-unwritable", lambda b: [], lambda b: {"NPT_CACHE": os.path.join(b.a_file, "cache")},
