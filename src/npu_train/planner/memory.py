@@ -179,17 +179,14 @@ class MemoryModel:
                "grads": self.gradients(p), "optimizer": self.optimizer_state(i, p), "activations": activations,
                "transient": self.transients(i, n, p, activations)}
         body = sum(mem[k] for k in BODY_TERMS)
-        # freed and allocated again every micro-batch: activations and the forward/backward temporaries
-        # (not the optimizer phase's, which come after the activations are freed, nor held buffers)
-        churn = self._forward_backward_peak(i, n, activations)
+        churn = self.hole_churn(i, n, p)
         load = self._load_excess(i, n, p, mem["weights"], body)  # the model load, where it is the peak
         mem["transient"] += load
         body += load
-        # recompute: a cpu card returns freed memory (hostmem.card_mmap_threshold), so no heap holes
-        mem["workspace"] = self.workspace(i, body, 0 if self.shape.recompute else churn)
+        mem["workspace"] = self.workspace(i, body, churn)
         mem["total"] = mem["baseline"] + body + mem["workspace"]
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
-        mem["heap"] = 0 if self.shape.recompute else int(self.terms[i].heap_fraction * churn)  # part of workspace
+        mem["heap"] = int(self.terms[i].heap_fraction * churn)  # part of workspace
         return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i])
 
     # ------------------------------------------------------------------ parameters
@@ -242,12 +239,13 @@ class MemoryModel:
         shared_masters = p.resident if self.dtype_bytes == 4 and kind in SHARED_MASTER_KINDS else 0
         return 12 * on_card - 4 * shared_masters
 
-    def activations(self, i: int, n: int) -> int:
+    def activations(self, i: int, n: int, head: bool = True) -> int:
         """Saved tensors of the micro-batches in flight (packed rows: with their attention mask), the last
-        stage's log-probabilities and, with a split backward, the output gradients kept from B to W."""
-        k, last = self.in_flight[i], i == self.head_stage
+        stage's log-probabilities and, with a split backward, the output gradients kept from B to W;
+        ``head=False``: without the head's ``[tokens, vocab]`` tensors (the decoder layers' part)."""
+        k, last = self.in_flight[i], i == self.head_stage and head
         if self.chunks > 1:
-            return self._chunked_activations(i, n)
+            return self._chunked_activations(i, n, head)
         if self.shape.recompute:
             total = k * n * self.layer_input_bytes + (self._activations_per_layer(i) if n else 0)
         else:
@@ -260,7 +258,7 @@ class MemoryModel:
             total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head_bytes if last else 0))
         return total
 
-    def _chunked_activations(self, i: int, n: int) -> int:
+    def _chunked_activations(self, i: int, n: int, with_head: bool = True) -> int:
         """:meth:`activations` of a card holding two chunks (``n`` layers, shared as
         :func:`~npu_train.planner.cost.chunk_sizes`): the peak over its actions of what each chunk's micro-batches
         hold (:func:`~npu_train.pipeline.schedule.peak_held_bytes`; the head's saved log-probabilities on the last
@@ -270,7 +268,7 @@ class MemoryModel:
         per = self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)
         held, pend = [], []
         for c, m in enumerate(sizes):
-            head = card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
+            head = with_head and card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
             h = m * per + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)
             held.append(float(h))
             pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if head else 0)))
@@ -284,10 +282,48 @@ class MemoryModel:
         peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
         return peak - activations + self._held_through_the_step(i, p)
 
+    def hole_churn(self, i: int, n: int, p: StageParams) -> int:
+        """Bytes of stage ``i`` that can stand as holes in a cpu card's heap (``MemoryTerms.heap_fraction`` x this
+        is ``mem["heap"]``): the memory a backward frees in the middle of the heap and the next forward requests
+        again in other pieces, less what the step's gradients take back. 0 under ``train.recompute`` (the card
+        returns freed memory, ``hostmem.card_mmap_threshold``).
+
+        What glibc does with the card's settings (``hostmem``: blocks < 1 GiB from the heap, trimmed only past
+        2 GiB free at its top, so the card's RSS is the heap's high-water mark; ``man 3 mallopt``; best fit
+        from the free chunks, else the top grows):
+
+        - **freed and requested again** (counted): the decoder layers' saved activations of the micro-batches
+          in flight (:meth:`activations` with ``head=False``) and the gradient-accumulation temporary beyond one
+          micro-batch's activations. A backward frees them while blocks it allocates stay live among them
+          (the trainable parameters' fresh ``.grad`` of the step's first micro-batch, the input gradient sent
+          on, LoRA's many small adapter gradients), so the freed memory is cut into pieces smaller than the
+          next forward's largest tensors and the top grows instead: up to one copy of them. Measured in one
+          process (``mallinfo2``; SmolLM2-135M shape, 15 layers, S=256, b=2, fp32, LoRA, one micro-batch at a
+          time ``F B F B``): the heap grew 0.73 GiB for 0.34 GiB of activations, the holes 0.36-0.40 GiB.
+        - **requested again whole** (not counted): the head's ``[tokens, vocab]`` blocks (logits,
+          log-probabilities, their gradients, the saved log-probabilities of the micro-batches in flight):
+          each is one block freed and requested again at the same size, larger than every layer tensor, so
+          no layer tensor is placed in it while a larger free chunk fits and best fit returns it whole.
+        - **taken back** (subtracted): the gradients that the step's first backward allocates afresh
+          (``.grad`` is None at every step's start, ``runtime/trainer.py``) and keeps through the step, where
+          they are the accumulators themselves (``grad_bytes == dtype_bytes``: fp32 compute, or bf16
+          accumulation; the fp32 accumulators of bf16 compute are not subtracted, not measured): best fit places them
+          in the freed memory, which they then fill (they are counted in ``grads``). Full fine-tuning, same
+          process and shape: holes 0.16-0.26 GiB for 0.34-0.68 GiB of activations and 0.20 GiB of gradients.
+
+        Runs: ``experiments/2026-12-06-plan-bound.md``."""
+        if self.shape.recompute:
+            return 0
+        activations = self.activations(i, n, head=False)
+        one_micro_batch = n * self._activations_per_layer(i)
+        churn = activations + max(0, self._accumulation_temporary(i, n) - one_micro_batch)
+        fresh_grads = self.gradients(p) if self.grad_bytes == self.dtype_bytes else 0
+        return max(0, churn - fresh_grads)
+
     def workspace(self, i: int, body: int, churn: int = 0) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the
-        five terms between baseline and workspace) and ``churn`` (bytes: activations + forward/backward
-        temporaries, the memory freed and allocated again every micro-batch)."""
+        five terms between baseline and workspace) and ``churn`` (bytes that can stand as heap holes,
+        :meth:`hole_churn`)."""
         return self.terms[i].workspace(body, churn)
 
     # ------------------------------------------------------------------ pieces of the transients

@@ -25,16 +25,17 @@ MEMORY_FIELDS = ("workspace_bytes", "workspace_fraction", "module_bytes", "loade
 class MemoryTerms:
     """Per-kind constants of the memory model: ``workspace = workspace_bytes + workspace_fraction * body +
     heap_fraction * churn + loaded_modules * module_bytes`` (body = weights + grads + optimizer + activations
-    + transient; churn = activations + the forward/backward temporaries, the memory freed and allocated
-    again every micro-batch)."""
+    + transient; churn = ``MemoryModel.hole_churn``, the memory a backward frees and the next forward requests
+    again in other pieces)."""
 
     workspace_bytes: float  # runtime / library buffers per card, bytes
     workspace_fraction: float  # allocator slack and unmodelled temporaries, fraction of the body
     module_bytes: float = 0.0  # card memory of one loaded compiled module, bytes (furiosa eager cache)
     loaded_modules: int = 0  # loaded-module cache entries the card process keeps (0: no such cache)
     #: freed card memory the allocator keeps resident between reuses (holes in glibc's heap on a ``cpu``
-    #: card that reuses freed host memory, npu_train.hostmem), fraction of the churn (activations +
-    #: forward/backward temporaries)
+    #: card that reuses freed host memory, npu_train.hostmem), fraction of the churn
+    #: (``MemoryModel.hole_churn``: the decoder layers' activations in flight + the accumulation temporary,
+    #: less the gradients the step allocates afresh)
     heap_fraction: float = 0.0
     sources: dict = field(default_factory=dict)  # field -> "assumed" / "fitted: ..." / "measured: <profile>"
 
@@ -54,7 +55,8 @@ class MemoryTerms:
                  f"{self.workspace_fraction * 100:.0f}% of the rest "
                  f"({self.sources.get('workspace_fraction', 'assumed')})"]
         if self.heap_fraction:
-            parts.append(f"heap holes {self.heap_fraction:g} x (activations + fwd/bwd temporaries) "
+            parts.append(f"heap holes {self.heap_fraction:g} x (layers' activations + fwd/bwd temporaries "
+                         f"- fresh gradients) "
                          f"({self.sources.get('heap_fraction', 'assumed')})")
         elif "heap_fraction" in self.sources:  # say why a card that could keep holes plans none
             parts.append(f"no heap holes ({self.sources['heap_fraction']})")
@@ -70,7 +72,7 @@ DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": "none: process baseline instead",
                                 "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
-                                "heap_fraction": "measured: 4 jobs fit, <= 0.6 x in 2"}),
+                                "heap_fraction": "glibc best fit: one copy of what a backward frees"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,
