@@ -244,8 +244,8 @@ def test_moe_presets_match_published_totals(name, total, active):
 
 
 def _plan8(name: str, lora: bool):
-    """The plan on 8 RNGD cards at S=512, 8 micro-batches of 1, on the balanced split (the split search over 8
-    cards takes a minute; the CLI records in experiments/2026-12-06-moe-plan.md run it)."""
+    """The plan on 8 RNGD cards at S=512, 8 micro-batches of 1, on the balanced split (the split search is
+    test_split_search_cost.py's; the CLI records in experiments/2026-12-06-moe-plan.md run it)."""
     m = get_preset(name)
     counts = lora_params_per_layer(m, 8, ALL_TARGETS) if lora else (0, 0)
     s = RunShape(seq_len=512, micro_batch=1, micro_batches=8, dtype="bf16",
@@ -267,3 +267,38 @@ def test_qwen3_30b_a3b_plans_on_8_rngd_cards_full_and_lora():
 def test_qwen3_235b_refuses_on_8_rngd_cards_naming_the_weights():
     with pytest.raises(PlacementError, match=r"weights and gradients alone need .* > the 8 cards' .*at least \d+ "):
         _plan8("qwen3-235b-a22b", True)
+
+
+@pytest.mark.parametrize("aux", [False, True])
+def test_bound_line_advises_no_schedule_the_aux_loss_refuses(aux):
+    """A bubble-bound plan (8 cards, 1 micro-batch) names zb-h2 as a lever only where it runs: with the
+    load-balancing loss on (1f1b / gpipe only) it names train.moe_aux_loss=0 with it, and that pair is accepted."""
+    from npu_train.pipeline.moeaux import check_aux_schedule
+    from npu_train.planner.table import bound_line
+
+    m = get_preset("qwen3-30b-a3b")
+    counts = lora_params_per_layer(m, 8, ALL_TARGETS)
+    s = RunShape(seq_len=512, micro_batch=1, micro_batches=1, dtype="bf16", moe_aux_loss=aux,
+                 lora_params_per_layer=counts[0], lora_active_params_per_layer=counts[1])
+    cards = _cards(8)
+    plan = make_plan(PlanRequest(m, s, cards, [load_rates("furiosa") for _ in cards], threads=1, host_cores=2,
+                                 split=balanced_split(m.num_layers, 8)))
+    line = bound_line(plan)
+    assert line.startswith("bound: the pipeline bubble")
+    assert "train.schedule=zb-h2" in line
+    assert ("train.schedule=zb-h2) only with train.moe_aux_loss=0" in line) is aux
+    check_aux_schedule(0.0, "zb-h2")  # what it advises is not refused
+
+
+def test_run_shape_says_whether_the_aux_loss_is_on():
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config
+    from npu_train.runtime.job import run_shape
+
+    m = get_preset("qwen3-30b-a3b")  # router_aux_loss_coef 0.001, output_router_logits false: off by default
+    for override, on in ((None, False), (0.01, True), (0.0, False)):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(
+            ["model.path=qwen3-30b-a3b", "plan=true", "train.schedule=1f1b"] + ([] if override is None else [f"train.moe_aux_loss={override}"])))
+        assert run_shape(cfg, m, "bf16").moe_aux_loss is on
+    assert run_shape(cfg, get_preset("llama-3.2-1b"), "bf16").moe_aux_loss is False

@@ -339,22 +339,42 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
     """Earliest-start execution; returns per card ``(end, busy)``. ``t_f, t_b, t_w``: time per micro-batch
     (one value, or one per stage: per virtual stage, ``2P`` of them, for :data:`CHUNKED_SCHEDULES`); unsplit
     ``B`` takes ``t_b + t_w``, as does the first (virtual) stage's in a split schedule. Raises RuntimeError on
-    deadlock."""
+    deadlock.
+
+    The order the actions are placed in and what each waits for do not depend on the durations
+    (:func:`_timeline_program`, cached per schedule), so a call is one pass over the ``~3PM`` actions: the
+    planner's split search evaluates thousands of timelines."""
     P = num_stages
     V = P * chunks_per_card(kind)
     tf, tb, tw = (_per_stage(x, V, n) for x, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
     split = kind in SPLIT_BACKWARD
-    scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
+    # per action kind (F, B, W) and virtual stage: its duration
+    dur = (tf, [tb[v] if split and v > 0 else tb[v] + tw[v] for v in range(V)],
+           [tw[v] if v > 0 else 0.0 for v in range(V)])
+    end = []
+    free, busy = [0.0] * P, [0.0] * P
+    for s, v, k, deps in _timeline_program(kind, P, num_micro):
+        start = free[s]
+        for j in deps:
+            if end[j] > start:
+                start = end[j]
+        d = dur[k][v]
+        free[s] = start + d
+        end.append(free[s])
+        busy[s] += d
+    return free, busy
 
-    def dur(v: int, k: str) -> float:
-        if k == "F":
-            return tf[v]
-        if k == "B":
-            return tb[v] if split and v > 0 else tb[v] + tw[v]
-        return tw[v] if v > 0 else 0.0
 
-    end: dict[tuple[str, int, int], float] = {}
-    pos, free, busy = [0] * P, [0.0] * P, [0.0] * P
+@lru_cache(maxsize=256)
+def _timeline_program(kind: str, P: int, M: int) -> tuple:
+    """:func:`stage_timeline`'s actions in the order it places them, each ``(card, virtual stage, kind index
+    (0 F, 1 B, 2 W), indices of the earlier entries it waits for)``: each card takes its next action as soon as
+    the actions that action depends on are placed, cards visited in turn. Raises RuntimeError on deadlock."""
+    V = P * chunks_per_card(kind)
+    scheds = [build_schedule(kind, P, M, s) for s in range(P)]
+    index: dict[tuple[str, int, int], int] = {}
+    prog = []
+    pos = [0] * P
     progressed = True
     while progressed:
         progressed = False
@@ -363,17 +383,15 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
                 a = scheds[s][pos[s]]
                 v = virtual_stage(kind, P, s, a.chunk)
                 deps = _deps(a, v, V)
-                if any(d not in end for d in deps):
+                if any(d not in index for d in deps):
                     break
-                start = max([free[s]] + [end[d] for d in deps])
-                d = dur(v, a.kind)
-                end[(a.kind, v, a.micro)] = free[s] = start + d
-                busy[s] += d
+                index[(a.kind, v, a.micro)] = len(prog)
+                prog.append((s, v, "FBW".index(a.kind), tuple(index[d] for d in deps)))
                 pos[s] += 1
                 progressed = True
     if any(pos[s] < len(scheds[s]) for s in range(P)):
-        raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}")
-    return free, busy
+        raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={M}")
+    return tuple(prog)
 
 
 def _deps(a: Action, v: int, V: int) -> list:

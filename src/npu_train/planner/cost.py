@@ -222,6 +222,16 @@ class CostModel:
                                     first_input_s=first_input, idle_s=bubble if cpu else phase, cpu_card=cpu)
         return work - exposed
 
+    def exposed_floor(self, i: int, n: int, c: StageCost, first_input: float) -> float:
+        """A lower bound of stage ``i``'s exposed host seconds (:meth:`hideable` less :meth:`host_hidden`) that
+        needs only the earlier stages' forwards (``first_input`` seconds), not the pipeline phase: exact for
+        ``serial`` and ``overlap`` (no idle time in their formula), 0 for ``delayed`` (it hides behind idle
+        time, which the phase bounds only from above)."""
+        if self.shape.offload == "delayed":
+            return 0.0
+        host = self.side_time(i, c)[0]
+        return self.hideable(i, c, host) - self.host_hidden(i, n, c, host, first_input, 0.0, 0.0)
+
     def dp_time(self, i: int, c: StageCost) -> float:
         """Seconds per step of the data-parallel communication: fp32 ring all-reduce, the card<->host copies
         on an accelerator, the ZeRO-1 weight broadcast; 0 for ``dp == 1``."""
@@ -272,6 +282,15 @@ class CostModel:
             for k, t in enumerate((c.t_f, c.t_b, c.t_w)):
                 out[k].append((t - c.t_head[k]) * frac + (c.t_head[k] if v == V - 1 else 0.0))
         return out
+
+    def first_chunk_forward(self, c: StageCost) -> float:
+        """Seconds of a micro-batch's forward through the card's first virtual stage (its chunk 0, never the
+        head): ``c.t_f`` with one chunk per card; the forwards of micro-batch 0 through the earlier cards' first
+        chunks all come before a card's first action (:meth:`stage_durations`)."""
+        if self.memory.chunks == 1:
+            return c.t_f
+        frac = chunk_sizes(c.layers)[0] / c.layers if c.layers else 0.5
+        return (c.t_f - c.t_head[0]) * frac
 
     def step_time(self, split: Sequence[int], resident: Sequence[int]) -> float:
         """Predicted seconds per step of ``split`` with ``resident`` layers per card."""

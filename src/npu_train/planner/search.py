@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 from bisect import bisect_right
+from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 from npu_train.hardware import KINDS
@@ -15,11 +16,25 @@ from npu_train.planner.spec import PlacementError, gib
 from npu_train.planner.table import card_label, over_capacity_message
 from npu_train.planner.threads import threads_per_card, usable_cores
 
-__all__ = ["balanced_split", "search_split", "fastest_split", "make_plan"]
+__all__ = ["SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan"]
 
-#: most schedule timelines :func:`fastest_split` evaluates (about 0.1 ms each for P = 4, M = 8)
+#: most schedule timelines :func:`fastest_split` evaluates (about 0.1 ms each for P = 8, M = 4)
 #: before it returns the best split found so far
 MAX_TIMELINES = 20000
+#: most partial splits (search-tree nodes, a few microseconds each) :func:`fastest_split` visits before it
+#: returns the best split found so far
+MAX_NODES = 400000
+
+
+@dataclass
+class SplitSearchStats:
+    """What one :func:`fastest_split` did: ``timelines`` evaluated (schedule timelines of whole splits),
+    ``nodes`` visited (partial splits), ``capped`` when it stopped at ``max_timelines`` or :data:`MAX_NODES`
+    (the best split found so far, not proven fastest)."""
+
+    timelines: int = 0
+    nodes: int = 0
+    capped: bool = False
 
 
 def balanced_split(num_layers: int, num_cards: int) -> list[int]:
@@ -133,26 +148,32 @@ def _resident_for(pm: CostModel, i: int, n: int, resident) -> int:
 
 
 def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "auto",
-                  max_timelines: int = MAX_TIMELINES) -> Optional[list[int]]:
+                  max_timelines: int = MAX_TIMELINES,
+                  stats: Optional[SplitSearchStats] = None) -> Optional[list[int]]:
     """Layers per card (``L`` in all, >= 1 each) with the lowest predicted step time among the splits that
     fit with ``resident`` layers per card (``"auto"`` or a list), or ``None``. Ties (relative 1e-9) go to the
     balanced split, else the lexicographically smallest.
 
-    Branch and bound in pipeline order: stage ``i`` cannot start before the forwards of the stages before it,
-    so ``(sum_{j<i} t_F,j + M t_i) * stretch + max side time`` bounds the step from below. Exact unless more
-    than ``max_timelines`` timelines would be evaluated (then the best found)."""
+    Branch and bound in pipeline order: stage ``i`` cannot start before micro-batch 0's forward through the
+    stages before it (their first chunks: :meth:`~CostModel.first_chunk_forward`), so
+    ``(sum_{j<i} t_F0,j + M t_i) * stretch`` bounds the phase from below; each stage's total is the phase plus
+    its side time less the hideable host work plus its exposed host time, which the earlier stages' forwards
+    already fix (:meth:`~CostModel.exposed_floor`); the stages not placed yet hold the rest, one of them at least
+    its share (:class:`_RestBound`). Exact unless more than ``max_timelines`` timelines or :data:`MAX_NODES`
+    partial splits would be visited (then the best found; ``stats`` says which)."""
     P, M = pm.P, pm.shape.micro_batches
     stretch = pm.slots / (M + P - 1)
     nmax = L - P + 1
-    opts = []  # per stage: [(n, r, cost, side seconds)]
+    opts = []  # per stage: [(n, r, cost, side seconds, first-chunk forward seconds)]
     for i in range(P):
         o = []
         for n in range(1, nmax + 1):
             r = _resident_for(pm, i, n, resident)
             if r >= 0:
                 c = pm.cost(i, n, r)
-                # a lower bound of the stage's side time: the host work the overlap may hide left out
-                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c)))
+                # the stage's side time less the host work the overlap may hide (+ what it cannot: dfs); its
+                # first virtual stage's forward
+                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c)))
         if not o:
             return None
         opts.append(o)
@@ -166,7 +187,8 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     tol = 1e-9
     best = [float("inf")]
     ties: list[tuple[float, list[int]]] = []
-    evals = [0]
+    evals = [0, 0]  # timelines, nodes
+    rest_bound = _RestBound(opts, nmax)
 
     def leaf(split: list[int], costs: list) -> None:
         evals[0] += 1
@@ -189,34 +211,70 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     split: list[int] = []
     costs: list = []
 
-    def dfs(i: int, left: int, f_before: float, lb_phase: float, side: float) -> None:
-        if evals[0] >= max_timelines:
-            return
+    def dfs(i: int, left: int, f_before: float, chain: float, lb_phase: float, side: float) -> None:
+        evals[1] += 1
         if i == P:
             if left == 0:
                 leaf(split, costs)
             return
-        for n, r, c, sd in opts[i]:
+        for n, r, c, sd, f0 in opts[i]:
+            if evals[0] >= max_timelines or evals[1] >= MAX_NODES:
+                return
             rest = left - n
             if rest < lo_rest[i + 1]:
                 break
             if rest > hi_rest[i + 1]:
                 continue
-            lb = max(lb_phase, (f_before + M * c.t_mb) * stretch)
-            sdm = max(side, sd)
-            if lb + sdm > best[0] * (1 + tol):
+            lb = max(lb_phase, (chain + M * c.t_mb) * stretch)
+            # the stage's total is phase + sd + its exposed host time, which the earlier stages' forwards fix
+            sdm = max(side, sd + pm.exposed_floor(i, n, c, f_before))
+            t_r, sd_r = rest_bound.at(i + 1, rest)
+            if (max(lb, (chain + f0 + M * t_r) * stretch) + max(sdm, sd_r)) * (1 - 1e-12) > best[0] * (1 + tol):
                 continue  # t and side time grow with n, but a larger n leaves fewer layers to the rest
             split.append(n)
             costs.append(c)
-            dfs(i + 1, rest, f_before + c.t_f, lb, sdm)
+            dfs(i + 1, rest, f_before + c.t_f, chain + f0, lb, sdm)
             split.pop()
             costs.pop()
 
-    dfs(0, L, 0.0, 0.0, 0.0)
+    dfs(0, L, 0.0, 0.0, 0.0, 0.0)
+    if stats is not None:
+        stats.timelines, stats.nodes = evals[0], evals[1]
+        stats.capped = evals[0] >= max_timelines or evals[1] >= MAX_NODES
     if not ties:
         return None
     cand = sorted(sp for obj, sp in ties if obj <= best[0] * (1 + tol))
     return bal if bal in cand else cand[0]
+
+
+class _RestBound:
+    """Lower bounds for the stages :func:`fastest_split` has not placed yet: ``rest`` layers over the ``K``
+    stages ``j >= i`` put at least ``k = ceil(rest / K)`` on one of them, whose time per micro-batch and side
+    time are then at least the least over ``j >= i`` and ``n >= k`` of its options' (no monotonicity in ``n``
+    assumed). That stage starts after the placed stages' first-chunk forwards and is busy ``M t`` after."""
+
+    def __init__(self, opts: list, nmax: int):
+        inf = float("inf")
+        P = len(opts)
+        self.P = P
+        # [stage j][k]: least t_mb / side seconds over stages >= j holding >= k layers
+        self.t = [[inf] * (nmax + 2) for _ in range(P + 1)]
+        self.sd = [[inf] * (nmax + 2) for _ in range(P + 1)]
+        for j in range(P - 1, -1, -1):
+            gt, gs = [inf] * (nmax + 2), [inf] * (nmax + 2)
+            for n, _r, c, sd, _f0 in opts[j]:
+                gt[n], gs[n] = min(gt[n], c.t_mb), min(gs[n], sd)
+            for k in range(nmax, -1, -1):
+                gt[k], gs[k] = min(gt[k], gt[k + 1]), min(gs[k], gs[k + 1])
+                self.t[j][k] = min(gt[k], self.t[j + 1][k])
+                self.sd[j][k] = min(gs[k], self.sd[j + 1][k])
+
+    def at(self, j: int, rest: int) -> tuple[float, float]:
+        """``(t_mb, side seconds)`` lower bounds for the stage of ``j..P-1`` with the most of ``rest`` layers;
+        ``(0, 0)`` when none is left (``j = P``)."""
+        if j >= self.P:
+            return 0.0, 0.0
+        return self.t[j][-(-rest // (self.P - j))], self.sd[j][-(-rest // (self.P - j))]
 
 
 def make_plan(req: PlanRequest) -> Plan:

@@ -56,6 +56,9 @@ class RunShape:
     #: the model file's dtype, which sizes the load's transients (npu_train.model.chunks.CHECKPOINT_DTYPES:
     #: safetensors "bf16" (the Hub's), "fp16", "fp32", or "gguf")
     checkpoint_dtype: str = "bf16"
+    #: the mixture-of-experts load-balancing loss is on: it runs with 1f1b and gpipe only
+    #: (npu_train.pipeline.moeaux.check_aux_schedule), so the plan advises no other schedule
+    moe_aux_loss: bool = False
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):

@@ -291,6 +291,12 @@ _BOUND_TERMS = (
 )
 
 
+#: the bubble's levers when the mixture-of-experts load-balancing loss is on (1f1b or gpipe only)
+_AUX_BUBBLE_LEVERS = ("more micro-batches (train.accum), fewer pipeline stages; a zero-bubble schedule "
+                      "(train.schedule=zb-h2) only with train.moe_aux_loss=0 (the load-balancing loss runs with "
+                      "1f1b and gpipe)")
+
+
 def bound_line(plan: Plan) -> Optional[str]:
     """``"bound: host AdamW of offloaded layers 13.5 of 16.0 s on furiosa:0 (84 %); it changes with ..."``: the
     largest term of the slowest stage's step time, with the settings that change it; when it takes less than
@@ -302,6 +308,8 @@ def bound_line(plan: Plan) -> Optional[str]:
     tm = dict(st.time)
     tm["host_optimizer"] = max(0.0, tm.get("host_optimizer", 0.0) - tm.get("host_hidden", 0.0))
     key, name, levers = max(_BOUND_TERMS, key=lambda t: tm.get(t[0], 0.0))
+    if key == "bubble" and plan.shape.moe_aux_loss:  # zb-h2 would be refused (pipeline/moeaux.py)
+        levers = _AUX_BUBBLE_LEVERS
     total = st.time["total"]
     if total <= 0 or tm.get(key, 0.0) <= 0:
         return None

@@ -537,7 +537,7 @@ def run_shape(cfg, mcfg, dtype: str):
                     lora_active_params_per_layer=lora_active,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
-                    checkpoint_dtype=model_file_dtype(cfg.model.path))
+                    checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg))
 
 
 def model_file_dtype(spec: str) -> str:
