@@ -233,3 +233,15 @@ def test_a_cpu_benchmark_at_one_thread_does_not_count_time_the_core_spent_elsewh
         assert cpu_clock("cpu") is time.thread_time
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_first_plans_layer_leaves_the_launchers_rng_alone():
+    """The first plan's layer has random weights and inputs; the launcher's torch RNG state is the same after
+    it (nothing the job draws may depend on whether a plan was timed)."""
+    import torch
+
+    import npu_train.runtime.flops as fl
+
+    before = torch.random.get_rng_state()
+    assert fl._time_layer("fp32", 1, (64, 128, 4, 2, 1, 16), min_reps=1, min_s=0.0, max_reps=1) > 0
+    assert torch.equal(torch.random.get_rng_state(), before)

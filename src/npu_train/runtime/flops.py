@@ -90,23 +90,32 @@ def _time_layer(dtype: str, threads: int, dims, min_reps: int = 2, min_s: float 
 
     from npu_train.backends.registry import make_backend
     from npu_train.calibrate.measure import layer_train_step
-    from npu_train.metrics.mfu import cpu_clock
 
     before = torch.get_num_threads()
     torch.set_num_threads(max(1, int(threads)))
-    try:
-        step, flops = layer_train_step(make_backend("cpu"), dtype, dims)
+    # the layer's random weights and inputs must not move the launcher's RNG (nothing the job draws may change)
+    with torch.random.fork_rng(devices=[]):
+        try:
+            return _fastest(layer_train_step(make_backend("cpu"), dtype, dims), min_reps, min_s, max_reps)
+        finally:
+            torch.set_num_threads(before)
+
+
+def _fastest(step_flops, min_reps: int, min_s: float, max_reps: int) -> float:
+    """FLOPs over the fastest repetition of ``step`` (``step_flops`` = (step, flops)) by
+    :func:`~npu_train.metrics.mfu.cpu_clock`, after one warm-up."""
+    from npu_train.metrics.mfu import cpu_clock
+
+    step, flops = step_flops
+    step()
+    clock = cpu_clock("cpu")
+    best, start = float("inf"), time.perf_counter()
+    for i in range(max_reps):
+        if i >= min_reps and time.perf_counter() - start >= min_s:
+            break
+        t0 = clock()
         step()
-        clock = cpu_clock("cpu")
-        best, start = float("inf"), time.perf_counter()
-        for i in range(max_reps):
-            if i >= min_reps and time.perf_counter() - start >= min_s:
-                break
-            t0 = clock()
-            step()
-            best = min(best, clock() - t0)
-    finally:
-        torch.set_num_threads(before)
+        best = min(best, clock() - t0)
     return flops / max(best, 1e-9)
 
 
