@@ -48,7 +48,7 @@ def test_output_and_gradients_equal_the_formula_fp64():
     xs = torch.randn(S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1), requires_grad=True)
     dy = torch.randn(S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     ws = _weights(len(COUNTS), torch.float64)
-    y = GroupedSwiGlu.apply(xs, COUNTS, *ws)
+    y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
     got = torch.autograd.grad(y, [xs, *ws], dy)
     want_y = _formula(xs, COUNTS, ws)
     want = torch.autograd.grad(want_y, [xs, *ws], dy)
@@ -63,7 +63,7 @@ def test_output_and_gradients_equal_the_formula_fp64():
 def test_frozen_weights_get_no_gradient():
     xs = torch.randn(sum(COUNTS), H, dtype=torch.float64, requires_grad=True)
     ws = [w.detach() for w in _weights(len(COUNTS), torch.float64)]
-    y = GroupedSwiGlu.apply(xs, COUNTS, *ws)
+    y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
     (gx,) = torch.autograd.grad(y.sum(), [xs])
     (want,) = torch.autograd.grad(_formula(xs, COUNTS, ws).sum(), [xs])
     assert _rel(gx, want) < 1e-12 and all(w.grad is None for w in ws)
@@ -91,7 +91,7 @@ def test_bf16_within_bf16_rounding_of_the_formula(monkeypatch, hardware):
     x64 = torch.randn(S, H, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     ws = _weights(len(COUNTS), torch.bfloat16)
     xs = x64.to(torch.bfloat16).requires_grad_()
-    y = GroupedSwiGlu.apply(xs, COUNTS, *ws)
+    y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
     assert y.dtype == torch.bfloat16
     got = torch.autograd.grad(y.float().square().sum(), [xs, ws[0], ws[5]])
     w64 = [w.detach().double().requires_grad_() for w in ws]
@@ -103,24 +103,72 @@ def test_bf16_within_bf16_rounding_of_the_formula(monkeypatch, hardware):
         assert a.dtype == torch.bfloat16 and _rel(a, b) < 3e-2
 
 
-def test_sparse_block_runs_one_node_and_lora_experts_as_modules():
-    cfg = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4, num_kv_heads=4,
-                      family="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=INTER,
-                      norm_topk_prob=True)
-    torch.manual_seed(0)
-    block = SparseMoe(cfg, 0).double()
-    x = torch.randn(2, 7, H, dtype=torch.float64, requires_grad=True)
-    y = block(x)
+def test_lora_output_and_gradients_equal_the_formula_fp64():
+    """LoRA projections ``x W^T + s (x A^T) B^T = x (W + s B A)^T``: output, and gradients of x, A, B (W frozen)."""
+    S, r, s = sum(COUNTS), 3, 0.75
+    gen = torch.Generator().manual_seed(4)
+    xs = torch.randn(S, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = torch.randn(S, H, dtype=torch.float64, generator=gen)
+    base = [w.detach() for w in _weights(len(COUNTS), torch.float64)]
+    ab = [(torch.randn(r, w.shape[1], dtype=torch.float64, generator=gen).requires_grad_(),
+           torch.randn(w.shape[0], r, dtype=torch.float64, generator=gen).requires_grad_()) for w in base]
+    tensors = [t for w, (a, b) in zip(base, ab) for t in (w, a, b)]
+    y = GroupedSwiGlu.apply(xs, COUNTS, s, *tensors)
+    trained = [xs] + [t for pair in ab for t in pair]
+    got = torch.autograd.grad(y, trained, dy)
+    want_y = _formula(xs, COUNTS, [w + s * b @ a for w, (a, b) in zip(base, ab)])
+    want = torch.autograd.grad(want_y, trained, dy)
+    assert _rel(y, want_y) < 1e-12
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i > 0 and COUNTS[(i - 1) // 6] == 0:
+            continue  # no rows: zero gradient either way
+        assert _rel(a, b) < 1e-12, i
+
+
+def _nodes(y: torch.Tensor) -> set:
     nodes, todo = set(), [y.grad_fn]
     while todo:
         n = todo.pop()
         if n is not None and n not in nodes:
             nodes.add(n)
             todo.extend(f for f, _ in n.next_functions)
-    assert any(type(n).__name__ == "GroupedSwiGluBackward" for n in nodes)
-    ex = block.experts[0]
-    ex.gate_proj = LoraLinear(ex.gate_proj, LoraSpec(r=2))  # B = 0: the same function
-    torch.testing.assert_close(block(x), y, rtol=0, atol=1e-12)
-    with torch.no_grad():
-        ex.gate_proj.lora_B.weight.fill_(0.1)
-    assert float((block(x) - y).abs().max()) > 1e-3  # the adapter is applied, so the module path runs
+    return {type(n).__name__ for n in nodes}
+
+
+def test_sparse_block_runs_one_node_with_and_without_lora(monkeypatch):
+    """Plain and LoRA experts run in the grouped node with the modules' values (fp64); adapter dropout falls
+    back to the modules."""
+    from npu_train.model.moe import Expert
+
+    cfg = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4, num_kv_heads=4,
+                      family="qwen3_moe", num_experts=6, num_experts_per_tok=2, moe_intermediate_size=INTER,
+                      norm_topk_prob=True)
+    torch.manual_seed(0)
+    block = SparseMoe(cfg, 0).double()
+    x = torch.randn(2, 7, H, dtype=torch.float64, requires_grad=True)
+
+    def both():
+        y = block(x)
+        with monkeypatch.context() as m:
+            m.setattr(Expert, "grouped_operands", lambda self: None)
+            ref = block(x)
+        return y, ref
+
+    y, ref = both()
+    assert "GroupedSwiGluBackward" in _nodes(y) and "GroupedSwiGluBackward" not in _nodes(ref)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    for ex in block.experts:
+        for n in ex.names:
+            setattr(ex, n, LoraLinear(getattr(ex, n), LoraSpec(r=2, alpha=3.0)))
+            with torch.no_grad():
+                getattr(ex, n).lora_B.weight.normal_(0, 0.3)
+    y, ref = both()
+    assert "GroupedSwiGluBackward" in _nodes(y)
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-12)
+    params = [p for p in block.parameters() if p.requires_grad]
+    g1 = torch.autograd.grad(y.square().sum(), params + [x])
+    g2 = torch.autograd.grad(ref.square().sum(), params + [x])
+    for a, b in zip(g1, g2):
+        assert _rel(a, b) < 1e-12
+    block.experts[0].up_proj.dropout = torch.nn.Dropout(0.1)
+    assert "GroupedSwiGluBackward" not in _nodes(block(x))

@@ -13,8 +13,8 @@ token over the ``k`` slots in one reduction, as transformers' default experts im
 Compute: the ``N * k`` (token, expert) pairs are sorted by expert; every expert with tokens runs one SwiGLU on
 its contiguous block (three matmuls), never a loop over tokens. The experts' SwiGLUs are one autograd node
 (:class:`GroupedSwiGlu`: per-expert matmuls, elementwise steps once over all rows, no per-module autograd), and
-bf16 runs its matmuls in fp32 on a CPU without bf16 hardware (:func:`matmul_dtype`); experts with LoRA adapters
-run as modules. Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
+bf16 runs its matmuls in fp32 on a CPU without bf16 hardware (:func:`matmul_dtype`); LoRA adapters on the experts
+run inside it too (adapter dropout or biases: as modules). Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
 """
 from __future__ import annotations
 
@@ -47,13 +47,21 @@ class Expert(nn.Module):
         g, u, d = (getattr(self, n) for n in self.names)
         return d(F.silu(g(x)) * u(x))
 
-    def plain(self) -> bool:
-        """True when the three projections are plain ``nn.Linear`` without bias (no LoRA adapter)."""
-        return all(type(getattr(self, n)) is nn.Linear and getattr(self, n).bias is None for n in self.names)
-
-    def projections(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The weights ``(gate [I, H], up [I, H], down [H, I])`` of a :meth:`plain` expert."""
-        return tuple(getattr(self, n).weight for n in self.names)
+    def grouped_operands(self) -> Optional[tuple[list, Optional[float]]]:
+        """``(tensors, scaling)`` for :class:`GroupedSwiGlu`: plain ``nn.Linear`` projections (or LoRA ones with
+        the adapters disabled) give their weights ``[gate, up, down]`` and scaling None; LoRA projections
+        (``model/lora.py::LoraLinear``: no bias, no dropout, one scaling) give ``(weight, lora_A, lora_B)`` of each
+        in turn and the scaling. None for anything else (biases, dropout): the expert runs as modules."""
+        mods = [getattr(self, n) for n in self.names]
+        if any(m.bias is not None for m in mods):
+            return None
+        lora = [hasattr(m, "lora_A") and m.adapter_enabled for m in mods]
+        if not any(lora) and all(type(m) is nn.Linear or hasattr(m, "lora_A") for m in mods):
+            return [m.weight for m in mods], None
+        if all(lora) and all(isinstance(m.dropout, nn.Identity) for m in mods) and \
+                len({m.scaling for m in mods}) == 1:
+            return [t for m in mods for t in (m.weight, m.lora_A.weight, m.lora_B.weight)], float(mods[0].scaling)
+        return None
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
@@ -84,76 +92,119 @@ def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(torch.mm(a, b))
 
 
+def _proj(x: torch.Tensor, ws: tuple, s: Optional[float], out: torch.Tensor,
+          t: Optional[torch.Tensor]) -> None:
+    """``out = x W^T`` (+ ``s (x A^T) B^T`` with ``ws = (W, A, B)``, ``x A^T`` written to ``t``); ``x`` in the
+    matmul dtype, ``out`` a row block rounded once to its dtype."""
+    mm = x.dtype
+    if len(ws) == 1:
+        return _mm(x, ws[0].to(mm).t(), out)
+    torch.mm(x, ws[1].to(mm).t(), out=t)
+    r = torch.mm(x, ws[0].to(mm).t()).addmm_(t, ws[2].to(mm).t(), alpha=s)
+    out.copy_(r)
+
+
+def _proj_back(dy: torch.Tensor, x: torch.Tensor, ws: tuple, s: Optional[float], t: Optional[torch.Tensor],
+               need: tuple, dx: Optional[torch.Tensor]) -> list:
+    """Gradients of :func:`_proj` for the upstream ``dy`` (matmul dtype): adds ``dy W (+ s (dy B) A)`` to ``dx``
+    (matmul dtype, or None) and returns ``[dW, (dA, dB)]`` in the weights' dtypes (None where ``need`` is False)."""
+    mm = dy.dtype
+    grads = [torch.mm(dy.t(), x).to(ws[0].dtype) if need[0] else None]
+    if dx is not None:
+        dx.addmm_(dy, ws[0].to(mm))
+    if len(ws) == 3:
+        q = torch.mm(dy, ws[2].to(mm))
+        if dx is not None:
+            dx.addmm_(q, ws[1].to(mm), alpha=s)
+        grads.append(torch.mm(q.t(), x).mul_(s).to(ws[1].dtype) if need[1] else None)
+        grads.append(torch.mm(dy.t(), t).mul_(s).to(ws[2].dtype) if need[2] else None)
+    return grads
+
+
 class GroupedSwiGlu(torch.autograd.Function):
     """The SwiGLU of every expert hit, on rows sorted by expert, as one autograd node (the per-expert matmuls of
     transformers' ``grouped_mm`` CPU kernel, which loops over the groups the same way; no per-module autograd).
 
-    ``apply(xs [S, H], counts (n_0, ...), *weights) -> [S, H]`` in ``xs.dtype``: ``counts`` the consecutive row
-    blocks (``sum = S``), ``weights`` ``(gate [I, H], up [I, H], down [H, I])`` of each block's expert in turn.
-    Row block ``j``: ``down_j(silu(x gate_j^T) * (x up_j^T))``; the elementwise steps run once over all rows,
-    rounded to ``xs.dtype`` between the matmuls as the module form is. Saves ``xs``, the gate and up products,
-    ``silu(gate)`` and their product (``2H + 4I`` elements per row, as the module form:
-    ``planner/moe.py::routed_saved_bytes_per_token``). Matmuls in :func:`matmul_dtype` (when wider than
-    ``xs.dtype``, each operand is widened once per call: a transient ``[S, H]`` or ``[S, I]`` and one expert's
-    weight at a time)."""
+    ``apply(xs [S, H], counts (n_0, ...), scaling, *tensors) -> [S, H]`` in ``xs.dtype``: ``counts`` the
+    consecutive row blocks (``sum = S``); ``tensors`` per block's expert in turn: ``(gate [I, H], up [I, H],
+    down [H, I])`` weights when ``scaling`` is None, else each projection's ``(weight, lora_A [r, in], lora_B
+    [out, r])`` (LoRA: ``x W^T + scaling (x A^T) B^T``, :meth:`Expert.grouped_operands`). Row block ``j``:
+    ``down_j(silu(gate_j(x)) * up_j(x))``; the elementwise steps run once over all rows, rounded to ``xs.dtype``
+    between the matmuls as the module form is. Saves ``xs``, the gate and up products, ``silu(gate)`` and their
+    product (``2H + 4I`` elements per row, as the module form: ``planner/moe.py::routed_saved_bytes_per_token``;
+    LoRA: and ``3r`` adapter inputs ``x A^T`` in the matmul dtype). Matmuls in :func:`matmul_dtype` (when wider
+    than ``xs.dtype``, each operand is widened once per call: a transient ``[S, H]`` or ``[S, I]`` and one
+    expert's weight at a time)."""
 
     @staticmethod
-    def forward(ctx, xs: torch.Tensor, counts: tuple, *weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, xs: torch.Tensor, counts: tuple, scaling: Optional[float], *tensors: torch.Tensor):
         S, H = xs.shape
-        inter = weights[0].shape[0]
+        step = 3 if scaling is None else 9
+        inter = tensors[0].shape[0]
         mm = matmul_dtype(xs.dtype, xs.device)
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + int(c))
         g, u, y = xs.new_empty(S, inter), xs.new_empty(S, inter), xs.new_empty(S, H)
+        rank = 0 if scaling is None else tensors[1].shape[0]
+        ts = [xs.new_empty(S, rank, dtype=mm) if rank else None for _ in range(3)]
         xm = xs.to(mm)
         for j in range(len(counts)):
             a, b = bounds[j], bounds[j + 1]
-            _mm(xm[a:b], weights[3 * j].to(mm).t(), g[a:b])
-            _mm(xm[a:b], weights[3 * j + 1].to(mm).t(), u[a:b])
+            gw, uw = GroupedSwiGlu._ws(tensors, step, j, 0), GroupedSwiGlu._ws(tensors, step, j, 1)
+            _proj(xm[a:b], gw, scaling, g[a:b], ts[0][a:b] if rank else None)
+            _proj(xm[a:b], uw, scaling, u[a:b], ts[1][a:b] if rank else None)
         del xm
         act = F.silu(g)
         h = act * u
         hm = h.to(mm)
         for j in range(len(counts)):
             a, b = bounds[j], bounds[j + 1]
-            _mm(hm[a:b], weights[3 * j + 2].to(mm).t(), y[a:b])
-        ctx.save_for_backward(xs, g, u, act, h, *weights)
-        ctx.bounds, ctx.mm = bounds, mm
+            _proj(hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), scaling, y[a:b], ts[2][a:b] if rank else None)
+        ctx.save_for_backward(xs, g, u, act, h, *(ts if rank else ()), *tensors)
+        ctx.bounds, ctx.mm, ctx.scaling, ctx.step, ctx.rank = bounds, mm, scaling, step, rank
         return y
 
     @staticmethod
+    def _ws(tensors: tuple, step: int, j: int, proj: int) -> tuple:
+        """The tensors of projection ``proj`` (0 gate, 1 up, 2 down) of block ``j``."""
+        k = step // 3
+        return tuple(tensors[j * step + proj * k: j * step + (proj + 1) * k])
+
+    @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        xs, g, u, act, h, *weights = ctx.saved_tensors
-        bounds, mm, need = ctx.bounds, ctx.mm, ctx.needs_input_grad
-        n = len(bounds) - 1
-        grads: list = [None] * len(weights)
+        saved = ctx.saved_tensors
+        xs, g, u, act, h = saved[:5]
+        ts = saved[5:8] if ctx.rank else (None, None, None)
+        tensors = saved[8:] if ctx.rank else saved[5:]
+        bounds, mm, s, step = ctx.bounds, ctx.mm, ctx.scaling, ctx.step
+        need = ctx.needs_input_grad[3:]
+        k = step // 3
+        grads: list = [None] * len(tensors)
         dym, hm = dy.contiguous().to(mm), h.to(mm)
         dh = torch.empty_like(h)
-        for j in range(n):
+        for j in range(len(bounds) - 1):
             a, b = bounds[j], bounds[j + 1]
-            wd = weights[3 * j + 2]
-            _mm(dym[a:b], wd.to(mm), dh[a:b])
-            if need[4 + 3 * j]:
-                grads[3 * j + 2] = torch.mm(dym[a:b].t(), hm[a:b]).to(wd.dtype)
+            acc = dym.new_zeros(b - a, h.shape[1])
+            o = j * step + 2 * k
+            grads[o:o + k] = _proj_back(dym[a:b], hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), s,
+                                        ts[2][a:b] if ctx.rank else None, need[o:o + k], acc)
+            dh[a:b].copy_(acc)
         del dym, hm
         dum = (dh * act).to(mm)
         dgm = torch.ops.aten.silu_backward(dh * u, g).to(mm)
         xm = xs.to(mm)
-        dx = torch.empty_like(xs) if need[0] else None
-        for j in range(n):
+        dx = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
+        for j in range(len(bounds) - 1):
             a, b = bounds[j], bounds[j + 1]
-            wg, wu = weights[3 * j], weights[3 * j + 1]
-            if dx is not None:  # one rounding of the sum, as transformers' single gate_up matmul
-                r = torch.mm(dgm[a:b], wg.to(mm), out=dx[a:b]) if dx.dtype == mm else torch.mm(dgm[a:b], wg.to(mm))
-                r.addmm_(dum[a:b], wu.to(mm))
-                if r.dtype != dx.dtype:
-                    dx[a:b].copy_(r)
-            if need[2 + 3 * j]:
-                grads[3 * j] = torch.mm(dgm[a:b].t(), xm[a:b]).to(wg.dtype)
-            if need[3 + 3 * j]:
-                grads[3 * j + 1] = torch.mm(dum[a:b].t(), xm[a:b]).to(wu.dtype)
-        return (dx, None, *grads)
+            acc = dgm.new_zeros(b - a, xs.shape[1]) if dx is not None else None  # one rounding, as gate_up's
+            for p, d in ((0, dgm), (1, dum)):
+                o = j * step + p * k
+                grads[o:o + k] = _proj_back(d[a:b], xm[a:b], GroupedSwiGlu._ws(tensors, step, j, p), s,
+                                            ts[p][a:b] if ctx.rank else None, need[o:o + k], acc)
+            if dx is not None:
+                dx[a:b].copy_(acc)
+        return (dx, None, None, *grads)
 
 
 @dataclass
@@ -240,7 +291,8 @@ class SparseMoe(nn.Module):
         ``xf.dtype``: the ``N * k`` pairs sorted by expert, one SwiGLU per expert on its block, each product weighted,
         put back in (token, slot) order and summed over the ``k`` slots in one reduction (then cast) — the
         arithmetic of transformers' default ``experts_implementation="grouped_mm"``. Plain experts run in
-        :class:`GroupedSwiGlu` (one autograd node for all of them); experts with LoRA adapters run as modules."""
+        :class:`GroupedSwiGlu` (one autograd node for all of them, LoRA adapters included); experts it does not take
+        (biases, adapter dropout) run as modules."""
         N, k = idx.shape
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)
@@ -248,9 +300,9 @@ class SparseMoe(nn.Module):
         xs = xf.index_select(0, order // k)
         hit = [e for e in range(self.num_experts) if counts[e]]
         experts = [self.experts[e] for e in hit]
-        if all(ex.plain() for ex in experts):
-            weights = [t for ex in experts for t in ex.projections()]
-            ys = GroupedSwiGlu.apply(xs, tuple(counts[e] for e in hit), *weights)
+        ops = [ex.grouped_operands() for ex in experts]
+        if all(o is not None for o in ops) and len({o[1] for o in ops}) == 1:
+            ys = GroupedSwiGlu.apply(xs, tuple(counts[e] for e in hit), ops[0][1], *[t for o in ops for t in o[0]])
         else:
             parts = [self.experts[e](blk) for e, blk in enumerate(xs.split(counts)) if counts[e]]
             ys = torch.cat(parts) if len(parts) > 1 else parts[0]
