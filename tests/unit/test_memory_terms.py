@@ -101,7 +101,7 @@ def test_packed_rows_add_one_mask_per_micro_batch_in_flight(dtype, e):
 
 def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
     """A cpu card keeping freed memory (the default) adds ``heap_fraction`` (1.0) x the churn (the layers'
-    activations + the accumulation temporary, less the fresh gradients: ``MemoryModel.hole_churn``) to its
+    activations + the accumulation temporary: ``MemoryModel.hole_churn``) to its
     workspace; with ``runtime.keep_host_memory=false`` it returns each freed block from 256 KiB to the OS and its
     workspace is 4 % of the body alone."""
     kept, returned = (load_memory_terms("cpu", tmp_path / "none.json", reuse_freed_memory=keep) for keep in (True, False))
@@ -109,39 +109,37 @@ def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
     assert "keep_host_memory=false" in returned.sources["heap_fraction"]
     cards = make_cards("cpu", 2, 1 << 40)
     # LoRA, stage 0: the adapters' accumulation temporary is far smaller than a micro-batch's activations, so
-    # the churn is the activations less the adapters' fresh fp32 gradients
+    # the churn is the activations alone
     lora = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32", lora_params_per_layer=34560)
     a, b = (MemoryModel(get_preset("smollm2-135m"), lora, cards, None, [t, t]).stage(0, 15, 15, 0).mem
             for t in (kept, returned))
     body = sum(b[k] for k in TERMS[1:6])
     assert b["workspace"] == int(0.04 * body) and b["heap"] == 0
-    assert a["heap"] == a["activations"] - a["grads"] > 0
-    assert a["workspace"] == int(0.04 * body + a["heap"])
+    assert a["heap"] == a["activations"] > 0
+    assert a["workspace"] == int(0.04 * body + a["activations"])
     assert a["total"] - b["total"] == a["workspace"] - b["workspace"] == a["heap"]
     # activation recompute: the cpu card returns freed memory (hostmem.card_mmap_threshold), no heap term
     rc = MemoryModel(get_preset("smollm2-135m"), RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32",
                                                           lora_params_per_layer=34560, recompute=True),
                      cards, None, [kept, kept]).stage(0, 15, 15, 0).mem
     assert rc["heap"] == 0 and rc["workspace"] == int(0.04 * sum(rc[k] for k in TERMS[1:6]))
-    # full fine-tuning: at most activations + transient (no held buffers, no optimizer phase) less the fresh
-    # gradients
+    # full fine-tuning, stage 0 (no head): at least the activations, at most activations + transient (no held
+    # buffers, no optimizer phase)
     full = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32")
-    for i in (0, 1):
-        m = MemoryModel(get_preset("smollm2-135m"), full, cards, None, [kept, kept]).stage(i, 15, 15, 0).mem
-        assert 0 <= m["heap"] <= max(0, m["activations"] + m["transient"] - m["grads"]), m
+    m = MemoryModel(get_preset("smollm2-135m"), full, cards, None, [kept, kept]).stage(0, 15, 15, 0).mem
+    assert m["activations"] <= m["heap"] <= m["activations"] + m["transient"], m
 
 
-def test_heap_holes_are_the_layers_freed_activations_less_fresh_gradients():
+def test_heap_holes_are_the_layers_freed_activations():
     """``mem["heap"]`` of a cpu card keeping freed memory, from the formula (``MemoryModel.hole_churn``):
-    ``k * n * a`` (k micro-batches in flight, n layers, ``a`` = :func:`activation_bytes_per_layer` with sdpa)
-    less the gradients the step allocates afresh (``grad_bytes * trainable`` where ``grad_bytes`` equals the
-    compute dtype's bytes), never below 0; the head's ``[tokens, vocab]`` blocks and its saved log-probabilities
-    are not holes; 0 under recompute. One micro-batch per step (M = 1: no accumulation temporary)."""
+    ``k * n * a`` (k micro-batches in flight, n layers, ``a`` = :func:`activation_bytes_per_layer` with sdpa), LoRA
+    or full, whatever the gradients; the head's ``[tokens, vocab]`` blocks and its saved log-probabilities are not
+    holes; 0 under recompute. One micro-batch per step (M = 1: no accumulation temporary)."""
     from npu_train.planner.memory import activation_bytes_per_layer
 
     cfg, cards = get_preset("smollm2-135m"), make_cards("cpu", 2, 1 << 40)
     terms = [DEFAULT_MEMORY_TERMS["cpu"]] * 2
-    n, lora = 15, 34560
+    n = 15
 
     def heap(i, **kw):
         shape = RunShape(seq_len=256, micro_batch=2, micro_batches=1, schedule="1f1b", **kw)
@@ -149,22 +147,12 @@ def test_heap_holes_are_the_layers_freed_activations_less_fresh_gradients():
         return mem["heap"], activation_bytes_per_layer(cfg, shape, "sdpa"), mem
 
     # 1F1B, P = 2, M = 1: one micro-batch in flight on each card
-    for i in (0, 1):  # card 1 holds the head: its saved log-probabilities (b*S*V*4 B) are not counted
-        h, a, mem = heap(i, dtype="fp32", lora_params_per_layer=lora)
-        assert h == n * a - 4 * n * lora, (i, h, n * a)
-        if i == 1:
-            assert mem["activations"] == n * a + 2 * 256 * cfg.vocab_size * 4
-    # bf16 compute, fp32 accumulators: nothing subtracted
-    h, a, _ = heap(0, dtype="bf16", lora_params_per_layer=lora)
-    assert h == n * a
-    # full fine-tuning, fp32: the fresh .grad of every parameter (layers + the embedding on card 0) taken back
-    h, a, _ = heap(0, dtype="fp32")
-    grads = 4 * (n * cfg.params_per_layer() + cfg.embedding_params())
-    assert h == max(0, n * a - grads)
-    h, a, _ = heap(1, dtype="fp32")  # the head card: its tied head copy's gradient too
-    assert h == max(0, n * a - 4 * (n * cfg.params_per_layer() + cfg.hidden_size + cfg.embedding_params()))
-    # bf16 accumulation in .grad (grad_accum=compute): 2 B/param taken back
-    h, a, _ = heap(0, dtype="bf16", grad_accum="compute")
-    assert h == max(0, n * a - 2 * (n * cfg.params_per_layer() + cfg.embedding_params()))
+    for kw in (dict(dtype="fp32", lora_params_per_layer=34560), dict(dtype="bf16", lora_params_per_layer=34560),
+               dict(dtype="fp32"), dict(dtype="bf16", grad_accum="compute")):
+        for i in (0, 1):  # card 1 holds the head: its saved log-probabilities (b*S*V*4 B) are not counted
+            h, a, mem = heap(i, **kw)
+            assert h == n * a, (kw, i, h, n * a)
+            if i == 1:
+                assert mem["activations"] == n * a + 2 * 256 * cfg.vocab_size * 4
     # recompute: the card returns freed memory
     assert heap(0, dtype="fp32", recompute=True)[0] == 0

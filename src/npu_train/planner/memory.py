@@ -179,7 +179,7 @@ class MemoryModel:
                "grads": self.gradients(p), "optimizer": self.optimizer_state(i, p), "activations": activations,
                "transient": self.transients(i, n, p, activations)}
         body = sum(mem[k] for k in BODY_TERMS)
-        churn = self.hole_churn(i, n, p)
+        churn = self.hole_churn(i, n)
         load = self._load_excess(i, n, p, mem["weights"], body)  # the model load, where it is the peak
         mem["transient"] += load
         body += load
@@ -282,11 +282,11 @@ class MemoryModel:
         peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
         return peak - activations + self._held_through_the_step(i, p)
 
-    def hole_churn(self, i: int, n: int, p: StageParams) -> int:
+    def hole_churn(self, i: int, n: int) -> int:
         """Bytes of stage ``i`` that can stand as holes in a cpu card's heap (``MemoryTerms.heap_fraction`` x this
         is ``mem["heap"]``): the memory a backward frees in the middle of the heap and the next forward requests
-        again in other pieces, less what the step's gradients take back. 0 under ``train.recompute`` (the card
-        returns freed memory, ``hostmem.card_mmap_threshold``).
+        again in other pieces. 0 under ``train.recompute`` (the card returns freed memory,
+        ``hostmem.card_mmap_threshold``).
 
         What glibc does with the card's settings (``hostmem``: blocks < 1 GiB from the heap, trimmed only past
         2 GiB free at its top, so the card's RSS is the heap's high-water mark; ``man 3 mallopt``; best fit
@@ -299,26 +299,26 @@ class MemoryModel:
           on, LoRA's many small adapter gradients), so the freed memory is cut into pieces smaller than the
           next forward's largest tensors and the top grows instead: up to one copy of them. Measured in one
           process (``mallinfo2``; SmolLM2-135M shape, 15 layers, S=256, b=2, fp32, LoRA, one micro-batch at a
-          time ``F B F B``): the heap grew 0.73 GiB for 0.34 GiB of activations, the holes 0.36-0.40 GiB.
+          time ``F B F B``, ``experiments/bench/heap_holes.py``): the heap kept 0.43-0.54 GiB of holes for 0.34
+          GiB of activations; full fine-tuning 0.16-0.23 GiB.
         - **requested again whole** (not counted): the head's ``[tokens, vocab]`` blocks (logits,
           log-probabilities, their gradients, the saved log-probabilities of the micro-batches in flight):
           each is one block freed and requested again at the same size, larger than every layer tensor, so
           no layer tensor is placed in it while a larger free chunk fits and best fit returns it whole.
-        - **taken back** (subtracted): the gradients that the step's first backward allocates afresh
-          (``.grad`` is None at every step's start, ``runtime/trainer.py``) and keeps through the step, where
-          they are the accumulators themselves (``grad_bytes == dtype_bytes``: fp32 compute, or bf16
-          accumulation; the fp32 accumulators of bf16 compute are not subtracted, not measured): best fit places them
-          in the freed memory, which they then fill (they are counted in ``grads``). Full fine-tuning, same
-          process and shape: holes 0.16-0.26 GiB for 0.34-0.68 GiB of activations and 0.20 GiB of gradients.
+        - not subtracted: the gradients the step's first backward allocates afresh (``.grad`` is None at every
+          step's start, ``runtime/trainer.py``), although best fit places them in freed memory: a 0.63 B full
+          fine-tuning card (fp32, ZB-V, 5 layers) peaked 0.25 GiB above the plan without holes, with 1.13 GiB of
+          gradients against 0.63 GiB of activations.
+        - not counted either, and measured: the forward's own temporaries freed among the saved tensors (one
+          process, same shape, one micro-batch at a time: the heap kept 0.43-0.54 GiB for 0.34 GiB of activations;
+          in the runs the other terms covered them).
 
         Runs: ``experiments/2026-12-06-plan-bound.md``."""
         if self.shape.recompute:
             return 0
         activations = self.activations(i, n, head=False)
         one_micro_batch = n * self._activations_per_layer(i)
-        churn = activations + max(0, self._accumulation_temporary(i, n) - one_micro_batch)
-        fresh_grads = self.gradients(p) if self.grad_bytes == self.dtype_bytes else 0
-        return max(0, churn - fresh_grads)
+        return activations + max(0, self._accumulation_temporary(i, n) - one_micro_batch)
 
     def workspace(self, i: int, body: int, churn: int = 0) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the
