@@ -101,7 +101,7 @@ def test_packed_rows_add_one_mask_per_micro_batch_in_flight(dtype, e):
 
 def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
     """A cpu card keeping freed memory (the default) adds ``heap_fraction`` (1.0) x the churn (the layers'
-    activations + the accumulation temporary: ``MemoryModel.hole_churn``) to its
+    activations in flight: ``MemoryModel.hole_churn``) to its
     workspace; with ``runtime.keep_host_memory=false`` it returns each freed block from 256 KiB to the OS and its
     workspace is 4 % of the body alone."""
     kept, returned = (load_memory_terms("cpu", tmp_path / "none.json", reuse_freed_memory=keep) for keep in (True, False))
@@ -156,3 +156,8 @@ def test_heap_holes_are_the_layers_freed_activations():
                 assert mem["activations"] == n * a + 2 * 256 * cfg.vocab_size * 4
     # recompute: the card returns freed memory
     assert heap(0, dtype="fp32", recompute=True)[0] == 0
+    # M = 4, full fine-tuning, fp32: two micro-batches in flight on card 0 (1F1B, P = 2), and the embedding's
+    # accumulation temporary (one block requested again whole) is not a hole
+    shape = RunShape(seq_len=256, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="fp32")
+    mem = MemoryModel(cfg, shape, cards, None, terms).stage(0, n, n, 0).mem
+    assert mem["heap"] == 2 * n * activation_bytes_per_layer(cfg, shape, "sdpa")

@@ -293,8 +293,7 @@ class MemoryModel:
         from the free chunks, else the top grows):
 
         - **freed and requested again** (counted): the decoder layers' saved activations of the micro-batches
-          in flight (:meth:`activations` with ``head=False``) and the gradient-accumulation temporary beyond one
-          micro-batch's activations. A backward frees them while blocks it allocates stay live among them
+          in flight (:meth:`activations` with ``head=False``). A backward frees them while blocks it allocates stay live among them
           (the trainable parameters' fresh ``.grad`` of the step's first micro-batch, the input gradient sent
           on, LoRA's many small adapter gradients), so the freed memory is cut into pieces smaller than the
           next forward's largest tensors and the top grows instead: up to one copy of them. Measured in one
@@ -302,9 +301,14 @@ class MemoryModel:
           time ``F B F B``, ``experiments/bench/heap_holes.py``): the heap kept 0.43-0.54 GiB of holes for 0.34
           GiB of activations; full fine-tuning 0.16-0.23 GiB.
         - **requested again whole** (not counted): the head's ``[tokens, vocab]`` blocks (logits,
-          log-probabilities, their gradients, the saved log-probabilities of the micro-batches in flight):
-          each is one block freed and requested again at the same size, larger than every layer tensor, so
-          no layer tensor is placed in it while a larger free chunk fits and best fit returns it whole.
+          log-probabilities, their gradients, the saved log-probabilities of the micro-batches in flight) and
+          the gradient-accumulation temporary (one fresh gradient of the largest trained tensor, added to
+          ``.grad`` and freed): each is one block freed and requested again at the same size, larger than
+          every layer tensor, so no layer tensor is placed in it while a larger free chunk fits and best fit
+          returns it whole (from 1 GiB, as a Llama-3.2-1B embedding's fp32 gradient, it is mapped on its own
+          and returned at once). A 0.63 B full fine-tuning card holding the embedding, the head and one layer
+          (fp32, ZB-V) peaked 0.48 GiB above its weights, gradients, optimizer state and baseline, against
+          1.05 GiB of such a temporary.
         - not subtracted: the gradients the step's first backward allocates afresh (``.grad`` is None at every
           step's start, ``runtime/trainer.py``), although best fit places them in freed memory: a 0.63 B full
           fine-tuning card (fp32, ZB-V, 5 layers) peaked 0.25 GiB above the plan without holes, with 1.13 GiB of
@@ -316,9 +320,7 @@ class MemoryModel:
         Runs: ``experiments/2026-12-06-plan-bound.md``."""
         if self.shape.recompute:
             return 0
-        activations = self.activations(i, n, head=False)
-        one_micro_batch = n * self._activations_per_layer(i)
-        return activations + max(0, self._accumulation_temporary(i, n) - one_micro_batch)
+        return self.activations(i, n, head=False)
 
     def workspace(self, i: int, body: int, churn: int = 0) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the

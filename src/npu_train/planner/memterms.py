@@ -34,7 +34,7 @@ class MemoryTerms:
     loaded_modules: int = 0  # loaded-module cache entries the card process keeps (0: no such cache)
     #: freed card memory the allocator keeps resident between reuses (holes in glibc's heap on a ``cpu``
     #: card that reuses freed host memory, npu_train.hostmem), fraction of the churn
-    #: (``MemoryModel.hole_churn``: the decoder layers' activations in flight + the accumulation temporary)
+    #: (``MemoryModel.hole_churn``: the decoder layers' activations in flight)
     heap_fraction: float = 0.0
     sources: dict = field(default_factory=dict)  # field -> "assumed" / "fitted: ..." / "measured: <profile>"
 
@@ -54,7 +54,7 @@ class MemoryTerms:
                  f"{self.workspace_fraction * 100:.0f}% of the rest "
                  f"({self.sources.get('workspace_fraction', 'assumed')})"]
         if self.heap_fraction:
-            parts.append(f"heap holes {self.heap_fraction:g} x (layers' activations + accumulation temporary) "
+            parts.append(f"heap holes {self.heap_fraction:g} x (the layers' activations in flight) "
                          f"({self.sources.get('heap_fraction', 'assumed')})")
         elif "heap_fraction" in self.sources:  # say why a card that could keep holes plans none
             parts.append(f"no heap holes ({self.sources['heap_fraction']})")
