@@ -125,6 +125,7 @@ def test_an_empty_chunk_is_labelled_none():
     def label(first, last, second):
         return StagePlan(card, first, last, True, True, [], [], {}, {}, 0, second=second).layers_label
 
-    assert label(0, 1, (32, 32)) == "0-0,none +emb +head"
+    assert label(0, 1, (32, 32)) == "0,none +emb +head"
+    assert label(4, 5, (5, 6)) == "4,5 +emb +head"  # one layer per chunk: its number, not "4-4"
     assert label(0, 2, (30, 32)) == "0-1,30-31 +emb +head"
     assert label(0, 16, None) == "0-15 +emb +head"

@@ -47,8 +47,8 @@ class StagePlan:
 
     @property
     def layers_label(self) -> str:
-        """E.g. ``"0-15 +emb"``, ``"16-31 +head"``; two chunks ``"0-1,30-31 +emb +head"``, an empty chunk
-        ``none`` (``"0-0,none +emb +head"``)."""
+        """E.g. ``"0-15 +emb"``, ``"16-31 +head"``; two chunks ``"0-1,30-31 +emb +head"``, a one-layer range
+        its number, an empty chunk ``none`` (``"0,none +emb +head"``)."""
         s = _range_label(self.first_layer, self.last_layer)
         if self.second:
             s += "," + _range_label(*self.second)
@@ -60,8 +60,10 @@ class StagePlan:
 
 
 def _range_label(first: int, last: int) -> str:
-    """Layers ``[first, last)`` as ``"first-(last-1)"``, or ``"none"`` when the range is empty."""
-    return f"{first}-{last - 1}" if last > first else "none"
+    """Layers ``[first, last)`` as ``"first-(last-1)"``, ``"first"`` for one layer, ``"none"`` when empty."""
+    if last <= first:
+        return "none"
+    return str(first) if last == first + 1 else f"{first}-{last - 1}"
 
 
 @dataclass
