@@ -148,3 +148,75 @@ def test_export_says_what_it_writes_and_how_far_it_is(tiny_ckpt, tmp_path, capsy
     marks = [int(m.group(1)) for l in lines if (m := re.match(rf"export: (\d+)/{n} tensors \(", l))]
     assert marks == sorted({max(1, round(f * n)) for f in (0.25, 0.5, 0.75)})
     assert re.match(rf"exported {re.escape(tiny_ckpt)} -> {re.escape(str(out))} in \d+ s$", lines[-1])
+
+
+# ------------------------------------------------------ LoRA merged into bf16 (issue 37)
+def _lora_ckpt(tmp_path, scale: float):
+    """A LoRA checkpoint (r 2, alpha 4 on q_proj/v_proj) of a 2-layer model whose base is written in bf16, with
+    ``B A`` of about ``scale``; returns (checkpoint, base tensors, adapters)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from npu_train.checkpoint.store import finalize, save_shard, tmp_dir
+    from npu_train.model.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                      num_kv_heads=1, tie_word_embeddings=True)
+    shapes = dict(cfg.param_shapes(None))
+    for i in range(cfg.num_layers):
+        shapes.update(cfg.param_shapes(i))
+    g = torch.Generator().manual_seed(0)
+    base = {n: (0.02 * torch.randn(s, generator=g)).bfloat16() for n, s in shapes.items()}
+    bdir = tmp_path / "base"
+    bdir.mkdir()
+    save_file(base, str(bdir / "model.safetensors"))
+    adapters = {}
+    for i in range(cfg.num_layers):
+        for t in ("q_proj", "v_proj"):
+            out_f, in_f = shapes[f"model.layers.{i}.self_attn.{t}.weight"]
+            stem = f"model.layers.{i}.self_attn.{t}"
+            adapters[f"{stem}.lora_A.weight"] = torch.randn(2, in_f, generator=g) / 4
+            adapters[f"{stem}.lora_B.weight"] = scale * torch.randn(out_f, 2, generator=g)
+    root = str(tmp_path / "ckpt")
+    os.makedirs(root)
+    st = tmp_dir(root, 1, "job1")
+    save_shard(st, 0, {f"master.{k}": v for k, v in adapters.items()}, {"rank": 0})
+    train = {"mode": "lora", "lora_rank": 2, "lora_alpha": 4.0, "lora_dropout": 0.0,
+             "lora_targets": ["q_proj", "v_proj"]}
+    ck = finalize(root, st, 1, {"model": cfg.to_dict(), "train": train, "model_path": str(bdir)})
+    return ck, base, adapters
+
+
+@pytest.mark.parametrize("scale", [1e-5, 1e-1])
+def test_lora_export_says_what_bf16_rounding_does_to_the_update(tmp_path, scale):
+    """The merged weights are W' = W + (alpha / r) B A in fp32, then cast: the export reports
+    ||bf16(W') - W'|| / ||W' - W|| over the merged tensors, written here from that formula; an update below half a
+    bf16 step of W (2**-9 relative; |W| ~ 0.02, (alpha / r) B A ~ 1e-5) is mostly rounded away (> 50 %), a large one
+    barely (< 1 %); in fp32 the rounding is that of fp32."""
+    import torch
+    from safetensors.torch import load_file
+
+    from npu_train.checkpoint.export import export_hf
+
+    ck, base, adapters = _lora_ckpt(tmp_path, scale)
+    err = upd = 0.0
+    for k in adapters:
+        if k.endswith(".lora_A.weight"):
+            n = k.replace(".lora_A.weight", ".weight")
+            w = base[n].double() + 2.0 * (adapters[k.replace("lora_A", "lora_B")].double() @ adapters[k].double())
+            w32 = w.float().double()  # the fp32 merge
+            upd += float((w32 - base[n].double()).pow(2).sum())
+            err += float((w32.float().bfloat16().double() - w32).pow(2).sum())
+    ratio = (err / upd) ** 0.5
+    assert (ratio > 0.5) if scale < 1e-3 else (ratio < 0.01)
+    lines = []
+    out = export_hf(ck, str(tmp_path / "hf"), "bf16", say=lines.append)
+    said = [l for l in lines if "rounding the merged weights to bf16" in l]
+    assert len(said) == 1 and f"changes the LoRA update W' - W by {100 * ratio:.1f} %" in said[0], lines
+    assert ("--dtype fp32" in said[0]) is (ratio > 0.01)
+    n = "model.layers.0.self_attn.q_proj.weight"
+    changed = float((load_file(f"{out}/model.safetensors")[n] != base[n]).float().mean())
+    assert (changed < 0.5) if scale < 1e-3 else (changed > 0.9)  # most entries rounded back to W / not
+    lines = []
+    export_hf(ck, str(tmp_path / "hf32"), "fp32", say=lines.append)
+    assert any("to fp32 changes the LoRA update W' - W by 0.0 %" in l for l in lines), lines

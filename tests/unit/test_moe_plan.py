@@ -4,6 +4,7 @@ each expert; the presets' totals; a plan on 8 RNGD cards or a clear refusal."""
 from __future__ import annotations
 
 import weakref
+from dataclasses import replace
 
 import pytest
 import torch
@@ -302,3 +303,25 @@ def test_run_shape_says_whether_the_aux_loss_is_on():
             ["model.path=qwen3-30b-a3b", "plan=true", "train.schedule=1f1b"] + ([] if override is None else [f"train.moe_aux_loss={override}"])))
         assert run_shape(cfg, m, "bf16").moe_aux_loss is on
     assert run_shape(cfg, get_preset("llama-3.2-1b"), "bf16").moe_aux_loss is False
+
+
+def test_too_few_cards_names_the_fewest_that_fit():
+    """Qwen3-30B-A3B full fine-tuning on 2 RNGD cards: its weights and gradients alone (170.6 GiB) need 4 cards
+    of 45.1 GiB, but 4 do not fit (activations, workspace): the fix names the count that does, checked here by
+    planning on it and on one card fewer."""
+    import re
+
+    m = get_preset("qwen3-30b-a3b")
+    s = RunShape(seq_len=512, micro_batch=1, micro_batches=8, dtype="bf16")
+
+    def req(n):
+        cards = _cards(n)
+        return PlanRequest(m, s, cards, [load_rates("furiosa") for _ in cards], threads=1, host_cores=2)
+
+    with pytest.raises(PlacementError) as e:
+        make_plan(req(2))
+    got = re.search(r"\(fix: (\d+) such cards, the fewest that fit\)", str(e.value))
+    assert got, str(e.value)
+    n = int(got.group(1))
+    assert n > 4 and make_plan(replace(req(n), strict=False)).fits
+    assert not make_plan(replace(req(n - 1), strict=False)).fits

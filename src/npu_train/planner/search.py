@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 from npu_train.hardware import KINDS
@@ -390,15 +390,37 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
     bad = [i for i, st in enumerate(plan.stages) if st.mem["total"] > pm.limit(i)] or [0]
     raise PlacementError(
         "no placement fits with any number of resident layers"
-        + ("" if split is not None else " on any split") + _floor_over_cards(pm, shown)
+        + ("" if split is not None else " on any split") + _floor_over_cards(pm, shown, req)
         + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad)
     )
 
 
-def _floor_over_cards(pm: CostModel, split: Sequence[int]) -> str:
-    """``", since the weights and gradients alone need X GiB > the cards' Y GiB (fix: ...)"`` when the terms no
-    placement can move off the cards (weights, and the gradient accumulators, at ``split`` with every layer
-    offloaded) exceed the sum of the cards' limits, e.g. a 235 B mixture of experts on 8 cards; else ``""``."""
+#: how many card counts from the weights' floor up :func:`_floor_over_cards` plans to name the fewest that fit
+FEWEST_CARDS_TRIED = 4
+
+
+def _fewest_cards(req: PlanRequest, start: int) -> Optional[int]:
+    """The fewest cards like ``req``'s (its first card's kind, capacity, rates and memory terms; the last card's
+    for the head) from ``start`` up, :data:`FEWEST_CARDS_TRIED` counts at most, on which ``req`` fits; None when
+    none of those does."""
+    c0 = req.cards[0]
+    for n in range(start, min(start + FEWEST_CARDS_TRIED, req.model.num_layers + 1)):
+        cards = [replace(c0, index=i if c0.index is not None else None, name=f"{c0.kind}:{i}") for i in range(n)]
+        rates = req.rates if isinstance(req.rates, Rates) else [req.rates[0]] * (n - 1) + [req.rates[-1]]
+        terms = None if req.memory_terms is None else [req.memory_terms[0]] * (n - 1) + [req.memory_terms[-1]]
+        plan = make_plan(replace(req, cards=cards, rates=rates, memory_terms=terms, split=None,
+                                 resident_layers="auto", strict=False))
+        if plan.fits:
+            return n
+    return None
+
+
+def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> str:
+    """``", since the weights and gradients alone need X GiB > the cards' Y GiB (fix: N such cards, the fewest
+    that fit)"`` when the terms no placement can move off the cards (weights, and the gradient accumulators, at
+    ``split`` with every layer offloaded) exceed the sum of the cards' limits, e.g. a 235 B mixture of experts on
+    8 cards; else ``""``. N is planned (:func:`_fewest_cards`): the floor alone would name too few (activations,
+    workspace); "at least" the first count not tried when none of those fits."""
     mm = pm.memory
     floor = 0
     for i, n in enumerate(split):
@@ -410,5 +432,7 @@ def _floor_over_cards(pm: CostModel, split: Sequence[int]) -> str:
     per_card = min(pm.limit(i) for i in range(pm.P))
     need = -(-floor // per_card)
     what = "weights and gradients" if mm.gradients(mm.parameters(0, split[0], 0)) else "weights"
-    return (f", since the {what} alone need {gib(floor):.2f} GiB > the {pm.P} cards' {gib(room):.2f} GiB (fix: at "
-            f"least {need} such cards)")
+    fewest = _fewest_cards(req, need)
+    fix = (f"{fewest} such cards, the fewest that fit" if fewest is not None
+           else f"at least {min(need + FEWEST_CARDS_TRIED, req.model.num_layers + 1)} such cards")
+    return f", since the {what} alone need {gib(floor):.2f} GiB > the {pm.P} cards' {gib(room):.2f} GiB (fix: {fix})"
