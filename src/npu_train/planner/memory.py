@@ -293,10 +293,11 @@ class MemoryModel:
         from the free chunks, else the top grows):
 
         - **freed and requested again** (counted): the decoder layers' saved activations of the micro-batches
-          in flight (:meth:`activations` with ``head=False``). A backward frees them while blocks it allocates stay live among them
-          (the trainable parameters' fresh ``.grad`` of the step's first micro-batch, the input gradient sent
-          on, LoRA's many small adapter gradients), so the freed memory is cut into pieces smaller than the
-          next forward's largest tensors and the top grows instead: up to one copy of them. Measured in one
+          in flight (:meth:`activations` with ``head=False``). A backward frees them while blocks it allocates
+          stay live among them (the trainable parameters' fresh ``.grad`` of the step's first micro-batch, the
+          input gradient sent on, LoRA's many small adapter gradients), so the freed memory is cut into pieces
+          smaller than the next forward's largest tensors and the top grows instead: up to one copy of them.
+          Measured in one
           process (``mallinfo2``; SmolLM2-135M shape, 15 layers, S=256, b=2, fp32, LoRA, one micro-batch at a
           time ``F B F B``, ``experiments/bench/heap_holes.py``): the heap kept 0.43-0.54 GiB of holes for 0.34
           GiB of activations; full fine-tuning 0.16-0.23 GiB.
