@@ -75,7 +75,9 @@ def test_two_chunk_schedules_are_candidates():
     got = choose_schedule(_req(47.5))
     assert "zbv" in got.why and "interleaved" in got.why
     odd = replace(_req(47.5), shape=replace(_req(47.5).shape, micro_batches=7))
-    assert "interleaved schedule interleaved needs" in choose_schedule(odd).why
+    why = choose_schedule(odd).why
+    assert "interleaved needs the micro-batches per step (M=7) to be a multiple" in why, why
+    assert "interleaved schedule interleaved" not in why, why  # named once, not twice
 
 
 def test_recompute_when_only_that_fits():

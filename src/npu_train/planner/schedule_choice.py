@@ -76,8 +76,8 @@ def _try_one(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional
         plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
     except PlacementError as e:
         return None, str(e).split(";")[0]
-    except ValueError as e:  # interleaved: micro-batches not a multiple of the stages
-        return None, str(e).split(":")[0]
+    except ValueError as e:  # interleaved: micro-batches not a multiple of the stages (the caller names it)
+        return None, str(e).split(":")[0].removeprefix(f"schedule {schedule} ")
     return (plan, "") if plan.fits else (None, "does not fit")
 
 
