@@ -27,12 +27,8 @@ def test_bad_checkpoint_argument_names_the_export_argument(tmp_path, capsys, mak
 
 
 # ------------------------------------------------------ export into a non-empty directory (issue 28)
-@pytest.fixture
-def tiny_ckpt(tmp_path):
-    """A complete full-fine-tuning checkpoint of a 2-layer model, written with the store's own writers."""
-    import torch
-
-    from npu_train.checkpoint.store import finalize, save_shard, tmp_dir
+def _two_layer_shapes():
+    """A 2-layer tied config (vocab 32, hidden 16) and its HF name -> shape of every parameter."""
     from npu_train.model.config import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
@@ -40,6 +36,17 @@ def tiny_ckpt(tmp_path):
     shapes = dict(cfg.param_shapes(None))
     for i in range(cfg.num_layers):
         shapes.update(cfg.param_shapes(i))
+    return cfg, shapes
+
+
+@pytest.fixture
+def tiny_ckpt(tmp_path):
+    """A complete full-fine-tuning checkpoint of a 2-layer model, written with the store's own writers."""
+    import torch
+
+    from npu_train.checkpoint.store import finalize, save_shard, tmp_dir
+
+    cfg, shapes = _two_layer_shapes()
     g = torch.Generator().manual_seed(0)
     tensors = {f"master.{n}": torch.randn(s, generator=g) for n, s in shapes.items()}
     root = str(tmp_path / "ckpt")
@@ -158,13 +165,8 @@ def _lora_ckpt(tmp_path, scale: float):
     from safetensors.torch import save_file
 
     from npu_train.checkpoint.store import finalize, save_shard, tmp_dir
-    from npu_train.model.config import LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
-                      num_kv_heads=1, tie_word_embeddings=True)
-    shapes = dict(cfg.param_shapes(None))
-    for i in range(cfg.num_layers):
-        shapes.update(cfg.param_shapes(i))
+    cfg, shapes = _two_layer_shapes()
     g = torch.Generator().manual_seed(0)
     base = {n: (0.02 * torch.randn(s, generator=g)).bfloat16() for n, s in shapes.items()}
     bdir = tmp_path / "base"
