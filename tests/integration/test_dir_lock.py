@@ -57,6 +57,7 @@ def test_second_launch_into_a_live_jobs_dirs_is_refused(tiny_model, tmp_path):
     assert os.path.exists(os.path.join(a.run_dir, ".npt-run.lock"))
     d = _launch(tiny_model, a.run_dir, f"checkpoint.dir={ck}")
     assert d.returncode == 0, d.stderr[-3000:]
-    assert f"took over {os.path.join(a.run_dir, '.npt-run.lock')} of job {info['job_id']} (pid {a.proc.pid}" in d.flat_stdout
+    flat = " ".join(d.stdout.split())  # the launcher folds stdout lines at 100 columns
+    assert f"took over {os.path.join(a.run_dir, '.npt-run.lock')} of job {info['job_id']} (pid {a.proc.pid}" in flat
     assert not os.path.exists(os.path.join(a.run_dir, ".npt-run.lock"))
     assert not os.path.exists(os.path.join(ck, ".npt-checkpoint.lock"))
