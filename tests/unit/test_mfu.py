@@ -112,11 +112,13 @@ def test_the_peak_is_the_best_of_trials_spread_over_half_a_second(monkeypatch):
 
     from npu_train.metrics import mfu as M
 
-    class Clock:
+    class Clock:  # both clocks the probe may time with (cpu_clock: thread CPU time at one torch thread)
         now = 0.0
 
         def perf_counter(self):
             return self.now
+
+        thread_time = perf_counter
 
     clock = Clock()
     monkeypatch.setattr(M, "time", clock)
