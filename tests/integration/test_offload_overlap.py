@@ -44,7 +44,10 @@ def test_overlap_on_off_identical(tiny_model, tmp_path):
     _same(on, off)
     recs = _metrics(str(tmp_path / "on"))
     assert all("host_overlap_s" in r and len(r["host"]) == 2 for r in recs[1:])  # from step 2: step 1's update
-    assert [t[0] for t in recs[1]["host"][0]["timeline"]] == ["embed", "layer1", "layer2"]  # forward order
+    # card 0's offloaded tensors in forward order: the embedding, then its offloaded layers from layer 1 (layer 0 is
+    # its one resident layer; how many layers card 0 holds is the planner's split)
+    names = [t[0] for t in recs[1]["host"][0]["timeline"]]
+    assert len(names) >= 3 and names == ["embed"] + [f"layer{i}" for i in range(1, len(names))], names
 
 
 @pytest.mark.heavy
