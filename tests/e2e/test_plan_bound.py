@@ -41,23 +41,15 @@ def qwen05b(tmp_path_factory):
 
 
 def _watched(tmp_path, model, *overrides, name):
-    from launch_util import Job
-    from memwatch import MemWatch
+    from launch_util import watched_job
 
-    job = Job(tmp_path, model, *RUN, *overrides, name=name, env={"NPT_CALIBRATE": "never",
-                                                                 "NPT_CACHE": str(tmp_path / "cache")})
-    w = MemWatch(job.proc.pid, job.run_dir, interval=0.1).start()
-    try:
-        rc = job.wait(1100)
-    finally:
-        w.stop()
-        job.kill_all()
-    assert rc == 0, job.tail()
+    job, peaks = watched_job(tmp_path, model, *RUN, *overrides, name=name, timeout=1100,
+                             env={"NPT_CALIBRATE": "never", "NPT_CACHE": str(tmp_path / "cache")})
     with open(os.path.join(job.run_dir, "plan.json")) as f:
         plan = json.load(f)
     with open(os.path.join(job.run_dir, "summary.json")) as f:
         summ = json.load(f)
-    return plan, w.card_peaks(), summ
+    return plan, peaks, summ
 
 
 def _check(plan, peaks, summ):

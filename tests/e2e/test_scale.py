@@ -37,22 +37,14 @@ def _model(path: str) -> str:
 
 
 def _watched(tmp_path, model, *overrides, name):
-    from launch_util import Job
-    from memwatch import MemWatch
+    from launch_util import watched_job
 
-    job = Job(tmp_path, model, *RUN, *overrides, name=name, env={"NPT_CALIBRATE": "never"})
-    w = MemWatch(job.proc.pid, job.run_dir, interval=0.1).start()
-    try:
-        rc = job.wait(600)
-    finally:
-        w.stop()
-        job.kill_all()
-    assert rc == 0, job.tail()
+    job, peaks = watched_job(tmp_path, model, *RUN, *overrides, name=name, env={"NPT_CALIBRATE": "never"})
     with open(os.path.join(job.run_dir, "plan.json")) as f:
         doc = json.load(f)
     assert doc["shape"]["checkpoint_dtype"] == "bf16"
     plan = {st["card"]: int(st["mem"]["total"]) for st in doc["stages"]}
-    return job, w.card_peaks(), plan
+    return job, peaks, plan
 
 
 def test_scale_train_save_resume_export(tmp_path):

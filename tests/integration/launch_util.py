@@ -221,6 +221,22 @@ def job_segments(job_id: str) -> list[str]:
     return segment_names_for_job(job_id)
 
 
+def watched_job(tmp_path, model: str, *overrides: str, name: str, env: Optional[dict] = None,
+                timeout: float = 600.0) -> tuple["Job", dict]:
+    """Run a :class:`Job` to its end with every card process's memory sampled from outside every 0.1 s
+    (``tests/memwatch.py``); asserts exit status 0. Returns the job and :meth:`MemWatch.card_peaks`."""
+    from memwatch import MemWatch
+
+    job = Job(tmp_path, model, *overrides, name=name, env=env)
+    w = MemWatch(job.proc.pid, job.run_dir, interval=0.1).start()
+    try:
+        rc = job.finish(timeout)
+    finally:
+        w.stop()
+    assert rc == 0, job.tail()
+    return job, w.card_peaks()
+
+
 def edit_model_copy(src: str, dst: str, edit_cfg=None, edit_tensors=None) -> str:
     """Copy the HF model directory ``src`` to ``dst``, then apply ``edit_cfg(config dict)`` to config.json and
     ``edit_tensors(name -> tensor dict)`` to model.safetensors (each in place, either optional); returns ``dst``."""
