@@ -207,3 +207,43 @@ def test_load_rates_gives_the_head_card_its_own_fitted_baseline():
     record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.6 * GIB, head_baseline_bytes=0.2 * GIB))
     assert load_rates("cpu", threads=1, head=True).process_baseline_bytes == 0.2 * GIB
     assert load_rates("cpu", threads=1).process_baseline_bytes == 0.6 * GIB
+
+
+def test_a_loaded_host_fits_the_cards_cpu_seconds_not_its_wall_clock(tmp_path):
+    """Cards report the CPU seconds of their compute (``compute_cpu_s_cards``). A host loaded by other
+    processes stretches the wall clock LOAD times; the CPU seconds of the same work do not change. The fit
+    takes min(wall, cpu / (threads x core share)): 2 cards of 1 thread on 1 core (share 0.5) take cpu / 0.5 on
+    an unloaded host, so the true rates come back, and the optimizer's seconds are scaled like the compute's."""
+    LOAD = 3.0
+    recs = records()
+    for r in recs[1:]:
+        jitter = r["compute_s_cards"][0] / (FLOPS[0] / R_TRUE)
+        r["compute_cpu_s_cards"] = [FLOPS[i] / R_TRUE * jitter * SHARE for i in range(2)]
+        r["compute_s_cards"] = [c * LOAD for c in r["compute_s_cards"]]
+        r["compute_s"] = r["compute_s_cards"][0]
+        r["optimizer_s"] *= LOAD
+    (fig,) = run_figures(plan_doc(), recs, used_rates())
+    assert fig.device_flops == pytest.approx(R_TRUE, rel=1e-9)
+    assert fig.adamw_params_per_s == pytest.approx(A_TRUE, rel=1e-9)
+    assert fig.clock == "cpu"
+    # the wall clock alone (older cards) learns the load: LOAD x slower
+    for r in recs:
+        r.pop("compute_cpu_s_cards", None)
+    (wall,) = run_figures(plan_doc(), recs, used_rates())
+    assert wall.device_flops == pytest.approx(R_TRUE / LOAD, rel=1e-9) and wall.clock == "wall"
+
+
+def test_cpu_clock_runs_replace_older_wall_clock_runs_in_the_fit():
+    """Runs fitted from the wall clock (older entries, ``clock`` absent) hold their host's load: once a run
+    fitted from CPU seconds is in the file, the FLOP/s and AdamW figures come from such runs alone; the
+    memory baseline still from every run."""
+    from npu_train.planner.fit import fitted_figures
+
+    old = [{"device_flops": 5e9, "adamw_params_per_s": 1e7, "process_baseline_bytes": 3.0, "time": t}
+           for t in (1, 2, 3)]
+    new = {"device_flops": 8e10, "adamw_params_per_s": 2e8, "process_baseline_bytes": 1.0, "time": 4,
+           "clock": "cpu"}
+    fit = fitted_figures(old + [new])
+    assert (fit.device_flops, fit.flops_runs, fit.adamw_params_per_s) == (8e10, 1, 2e8)
+    assert (fit.process_baseline_bytes, fit.baseline_runs) == (3.0, 4)
+    assert fitted_figures(old).device_flops == 5e9

@@ -248,3 +248,26 @@ def test_config_accepts_zb_and_refuses_it_with_recompute():
         validate(cfg("train.schedule=zbv", "train.recompute=true"))
     with pytest.raises(ConfigError, match="use auto, 1f1b, gpipe, zb, zb-h1, zb-h2, zbv or interleaved"):
         validate(cfg("train.schedule=zbx"))
+
+
+def test_compute_cpu_seconds_are_read_around_each_compute_action():
+    """``compute_cpu_s``: the CPU clock is read at the start and end of each F and B of a 1F1B step (2 x M
+    intervals); a scripted clock that advances 1 s a read gives 1 s an interval, 2 M in all, whatever the wall
+    clock. A backend that is not a cpu has no CPU clock (None)."""
+    from npu_train.pipeline.stage import work_clock
+
+    class _CpuKind(_Cpu):
+        kind = "cpu"
+
+    cfg, M = _cfg(tied=False), 3
+    mod = StageModule(cfg, 0, cfg.num_layers, True, True)
+    runner = StageRunner(mod, _CpuKind(), 1, 0, "1f1b", None)
+    assert runner.cpu_clock is work_clock("cpu")
+    ticks = iter(range(1000))
+    runner.cpu_clock = lambda: float(next(ticks))
+    inputs, labels = _data(M, seed=1)
+    res = runner.run_step(0, inputs, labels)
+    assert res["compute_cpu_s"] == 2 * M
+    assert StageRunner(mod, _Cpu(), 1, 0, "1f1b", None).run_step(0, inputs, labels)["compute_cpu_s"] is None
+    assert work_clock("cpu") is __import__("time").thread_time  # one torch thread (the fixture)
+    assert work_clock("cuda") is None

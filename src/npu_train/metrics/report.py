@@ -150,7 +150,7 @@ def merged_record(reports: list[dict]) -> dict:
         **{k: slow[k] for k in ("bubble_s", "collective_s", "tied_s") if k in slow},
         # every card's view (list indexed by rank): which stage computes longest, which waits
         **{f"{k}_cards": [r[k] for r in reports] for k in ("compute_s", "bubble_s", "collective_s", "tied_s",
-                                                          "cpu_s", "cpu_phases_s")
+                                                          "cpu_s", "cpu_phases_s", "compute_cpu_s")
            if all(k in r for r in reports)},
         # the objective's per-step metrics (DPO: rewards/chosen, rewards/rejected, rewards/accuracies,
         # rewards/margins, logps/chosen, logps/rejected, named as TRL's DPOTrainer names them)

@@ -41,6 +41,17 @@ class _Chunk:
         self.index, self.first, self.last, self.comm, self.arg = index, first, last, comm, arg
 
 
+def work_clock(kind: str):
+    """The CPU-time clock of a card's compute (seconds), or None where CPU time is not its work: on a cpu card
+    at one torch thread the calling thread's CPU time (``time.thread_time``; the whole computation runs in this
+    thread), at several the process's (``time.process_time``: the intra-op workers too, divided by the
+    threads where it is used, :mod:`npu_train.planner.fit`). Unlike the wall clock, it does not count the time
+    other processes of a loaded host held the cores; an accelerator's work is not the host's CPU time."""
+    if kind != "cpu":
+        return None
+    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+
+
 class StageRunner:
     """Executes a schedule for one card (two chunks for a two-chunk schedule: ``comm.chunk(c)`` gives each
     chunk's ``BoundaryComm``); split-backward ``W`` via :mod:`npu_train.pipeline.backward` (the
@@ -80,6 +91,8 @@ class StageRunner:
         self.first = any(ch.first for ch in self.chunks)  # takes the input ids
         self.last = any(ch.last for ch in self.chunks)  # computes the loss
         self.trace: Optional[list] = None
+        #: the clock ``compute_cpu_s`` is read with (None: not reported); :func:`work_clock`
+        self.cpu_clock = work_clock(getattr(backend, "kind", ""))
         self.hooks = hooks
         self.objective = objective if objective is not None else SftObjective()
 
@@ -96,8 +109,8 @@ class StageRunner:
         ``labels``). ``early=(params, done)``: after the last ``B``
         run the W groups of ``params``, call ``done()``, then the other ``W`` (the tied head gradient leaves
         early; same gradients). Returns ``{"loss_sum" (nats), "n_tokens", "n_units" (the objective's divisor
-        units here), "stats" (the objective's statistic sums), "compute_s", "wait_s", "send_s",
-        "deferred_opt_s"}``. Raises ValueError for a step without target tokens."""
+        units here), "stats" (the objective's statistic sums), "compute_s", "compute_cpu_s" (the compute's CPU
+        seconds by :func:`work_clock`, None on an accelerator), "wait_s", "send_s", "deferred_opt_s"}``. Raises ValueError for a step without target tokens."""
         M = len(inputs) if inputs is not None else len(labels) if labels is not None else None
         if M is None:
             raise ValueError("a middle stage needs the number of micro-batches: pass inputs=None, labels=None via run_middle")
@@ -204,6 +217,8 @@ class _StepRun:
         self.loss_sum = 0.0
         self.stats = [0.0] * len(runner.objective.stats)
         self.compute = self.wait = self.send = self.deferred = 0.0
+        self.cpu = runner.cpu_clock or (lambda: 0.0)
+        self.compute_cpu = 0.0  # CPU seconds of the compute intervals (0 without a cpu clock)
         self.backwards_left = M * len(runner.chunks)
         self.tr = runner.trace
         # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
@@ -223,6 +238,7 @@ class _StepRun:
         t0 = clock()
         x, up = (r.backend.upload(self.inputs[m]), None) if ch.first else self._recv_act(ch, m)
         t1 = clock()
+        k1 = self.cpu()
         # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
         cuts = [] if self.split and not ch.first else None
         kw = r.module_kwargs(self.positions, m, ch)
@@ -236,9 +252,11 @@ class _StepRun:
             self.stats = [a + b for a, b in zip(self.stats, st)]
             aux = r.moe.loss_term(m) if r.moe is not None else None  # this stage's routers' share of the aux loss
             self.saved[(m, c)] = (x, ls / self.total_tokens if aux is None else ls / self.total_tokens + aux, cuts)
+            self.compute_cpu += self.cpu() - k1
             t2 = t3 = clock()
         else:
             self.saved[(m, c)] = (x, out, cuts)
+            self.compute_cpu += self.cpu() - k1
             t2 = clock()
             if meta is None:
                 ch.comm.send_act(self.step, m, out.detach())
@@ -282,6 +300,7 @@ class _StepRun:
         t0 = clock()
         g, root = self._recv_grad(ch, m)
         t1 = clock()
+        k1 = self.cpu()
         if self.split and not ch.first:
             dx, self.pending[(m, c)] = backward_input(out, g, x, self.params, cuts=cuts)
         else:  # full backward (first stage of zb: nothing waits for an input gradient)
@@ -292,6 +311,7 @@ class _StepRun:
             dx = x.grad if not ch.first else None
             if self.split:
                 self.pending[(m, c)] = None
+        self.compute_cpu += self.cpu() - k1
         t2 = clock()
         if not ch.first:
             meta = r.moe.grad_meta(m) if r.moe is not None and r.moe.on else None
@@ -310,9 +330,11 @@ class _StepRun:
         """After the last ``B``: the W groups of the ``early`` parameters, then its ``done()``."""
         clock, (params, done) = self.clock, self.early
         t0 = clock()
+        k1 = self.cpu()
         for work in self.pending.values():
             if work is not None:
                 work.run(only=params)
+        self.compute_cpu += self.cpu() - k1
         t1 = clock()
         done()
         t2 = clock()
@@ -325,10 +347,12 @@ class _StepRun:
     def weight(self, m: int, c: int = 0) -> None:
         """``W``: the weight gradients deferred by micro-batch ``m``'s ``B`` on chunk ``c``."""
         t0 = self.clock()
+        k1 = self.cpu()
         work = self.pending.pop((m, c))
         del self.saved[(m, c)]
         if work is not None:
             work.run()
+        self.compute_cpu += self.cpu() - k1
         t1 = self.clock()
         self.compute += t1 - t0
         if self.tr is not None:
@@ -345,4 +369,6 @@ class _StepRun:
         return {"loss_sum": self.loss_sum, "n_tokens": local_tokens, "n_units": local_units, "stats": self.stats,
                 **extra,
                 "compute_s": self.compute,
+                # CPU seconds of the same intervals by StageRunner.cpu_clock; None without one
+                "compute_cpu_s": self.compute_cpu if self.r.cpu_clock is not None else None,
                 "wait_s": self.wait, "send_s": self.send, "deferred_opt_s": self.deferred}

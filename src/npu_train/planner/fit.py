@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 from npu_train.env import cache_dir
 
 __all__ = ["RunFigures", "Fitted", "KEEP_RUNS", "run_figures", "fitted_path", "record_run", "read_runs",
-           "fitted_figures", "refit_from_run", "shape_key"]
+           "fitted_figures", "refit_from_run", "shape_key", "work_seconds"]
 
 #: runs a fitted figure is taken over (the newest ones)
 KEEP_RUNS = 8
@@ -39,6 +39,7 @@ class RunFigures:
     #: :func:`shape_key` of the run (model and micro-batch tokens); only runs of the same key are combined
     model_shape: str = ""
     #: the plan's FLOPs per step of a stage / its measured compute seconds, median over stages and steady steps
+    #: (cpu cards: the compute's CPU seconds where the cards reported them, :func:`work_seconds`)
     device_flops: Optional[float] = None
     #: the plan's optimizer params per step / measured optimizer seconds of the slowest card, before the cpu
     #: core share (CostModel multiplies by it)
@@ -52,6 +53,9 @@ class RunFigures:
     head_baseline_bytes: Optional[float] = None
     run_dir: str = ""
     time: float = 0.0
+    #: what the timing figures were measured with: "cpu" (the cards' CPU seconds of their compute,
+    #: :func:`work_seconds`) or "wall" (older runs, accelerators); :func:`fitted_figures` prefers "cpu" runs
+    clock: str = "wall"
 
 
 @dataclass
@@ -94,6 +98,19 @@ def _cpu_share(plan_doc: dict) -> float:
     return min(1.0, cores / (n_cpu * threads)) if n_cpu else 1.0
 
 
+def work_seconds(wall: float, cpu: Optional[float], threads: int, share: float) -> float:
+    """A cpu card's compute seconds as an unloaded host would have taken them: ``min(wall, cpu / (threads x
+    share))``. ``cpu``: the CPU seconds of the same intervals (``compute_cpu_s``: the card's thread at one torch
+    thread, its process at several; None or <= 0: not measured, ``wall`` as it is); ``share``: the core share
+    the plan gives each cpu card (:func:`_cpu_share`; below 1 the job's own cards wait for each other's
+    cores, which an unloaded host has too). On a host loaded by other processes the wall clock holds their
+    time slices as well; fitted from it, the next plan would take the load for the card's speed (a fitted
+    ~/.cache of loaded runs planned 31.25 s a step against 12-23 s measured)."""
+    if cpu is None or not cpu > 0:
+        return wall
+    return min(wall, cpu / (max(1, threads) * min(1.0, share)))
+
+
 def _optimizer_params(st: dict, rt) -> Optional[float]:
     """Params per step behind a stage's planned optimizer seconds when its measured optimizer seconds
     are AdamW at one rate (cpu cards, or host updates only, never hidden by the overlap); else ``None``."""
@@ -114,15 +131,23 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
     stages, P = plan_doc["stages"], len(plan_doc["stages"])
     recs = _launch_records(plan_doc, records)
     steady = recs[1:]
-    share = _cpu_share(plan_doc)
+    share, threads = _cpu_share(plan_doc), int(plan_doc["threads"])
     flops: dict = {}
     adamw: dict = {}
     base: dict = {}
+    clock = "wall"
     for rec in steady:
         cards = rec.get("compute_s_cards") or []
+        cpus = rec.get("compute_cpu_s_cards") or []
+        # per card, the share of its compute's wall time that was its own work (1: an unloaded host)
+        busy = [1.0] * len(cards)
         for rank, sec in enumerate(cards):
             i = rank % P
             st, rt = stages[i], rates[i]
+            cpu = cpus[rank] if rank < len(cpus) and _kind(st["card"]) == "cpu" else None
+            if sec > 0 and isinstance(cpu, (int, float)) and cpu > 0:
+                work = work_seconds(sec, cpu, threads, share)
+                busy[rank], sec, clock = work / sec, work, "cpu"
             if sec > 0 and st["time"]["compute"] > 0:
                 flops.setdefault(_kind(st["card"]), []).append(st["time"]["compute"] * rt.device_flops / sec)
         slow = cards.index(rec["compute_s"]) if rec.get("compute_s") in cards else None
@@ -131,7 +156,8 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
             params = _optimizer_params(st, rt)
             if params:
                 shared = share if _kind(st["card"]) == "cpu" else 1.0
-                adamw.setdefault(_kind(st["card"]), []).append(params / rec["optimizer_s"] / shared)
+                # the optimizer phase ran on the same loaded host: its seconds scaled like the compute's
+                adamw.setdefault(_kind(st["card"]), []).append(params / (rec["optimizer_s"] * busy[slow]) / shared)
     head: dict = {}
     for rec in recs:
         run_peaks = rec.get("mem_run_peak_bytes") or []  # every phase so far: the model load's included
@@ -153,7 +179,8 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
                               model=str(plan_doc.get("model", "")), steps=len(steady),
                               model_shape=str(plan_doc.get("model_shape", "")),
                               device_flops=median(f) if f else None, adamw_params_per_s=median(a) if a else None,
-                              process_baseline_bytes=base.get(k), head_baseline_bytes=head.get(k)))
+                              process_baseline_bytes=base.get(k), head_baseline_bytes=head.get(k),
+                              clock=clock if k == "cpu" else "wall"))
     return out
 
 
@@ -208,7 +235,11 @@ def _positive(runs: list[dict], key: str) -> list[float]:
 def fitted_figures(runs: Sequence[dict]) -> Fitted:
     """Combine run entries over the newest :data:`KEEP_RUNS`."""
     runs = sorted(runs, key=lambda r: float(r.get("time", 0.0)))[-KEEP_RUNS:]
-    f, a, b = (_positive(runs, k) for k in ("device_flops", "adamw_params_per_s", "process_baseline_bytes"))
+    # timing figures from the cards' CPU seconds where there are any: the wall-clock ones of older runs
+    # hold the load of the host they ran on (RunFigures.clock)
+    timed = [r for r in runs if r.get("clock") == "cpu"] or runs
+    f, a = (_positive(timed, k) for k in ("device_flops", "adamw_params_per_s"))
+    b = _positive(runs, "process_baseline_bytes")
     h = [float(r["head_baseline_bytes"]) for r in runs if isinstance(r.get("head_baseline_bytes"), (int, float))
          and math.isfinite(r["head_baseline_bytes"]) and r["head_baseline_bytes"] >= 0]
     return Fitted(device_flops=median(f) if f else None, flops_runs=len(f),

@@ -369,7 +369,11 @@ class StageTrainer:
                        # CPU seconds of this process (all threads) in the step and in its three phases
                        # (schedule, collectives, optimizer): the work done, independent of waits and of
                        # other processes competing for the cores
-                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2], **trace, **self.backend.step_stats())
+                       cpu_s=c3 - c0, cpu_phases_s=[c1 - c0, c2 - c1, c3 - c2],
+                       # the compute's own CPU seconds (cpu cards; pipeline.stage.work_clock): what the
+                       # fitted figures learn the card's speed from, not the loaded host's wall clock
+                       **({} if res.get("compute_cpu_s") is None else {"compute_cpu_s": res["compute_cpu_s"]}),
+                       **trace, **self.backend.step_stats())
         return {"loss": tot.loss, "grad_norm": tot.grad_norm, "lr": lr, "tokens": tot.tokens,
                 "interrupted": tot.interrupted}
 
