@@ -74,6 +74,8 @@ def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend, schedule, extr
         # CPU seconds per card: the three phases (schedule, collectives, optimizer) make up the step's
         assert len(r["cpu_s_cards"]) == len(r["mem_peak_bytes"])
         assert all(min(ph) >= 0 and abs(sum(ph) - c) < 1e-6 for c, ph in zip(r["cpu_s_cards"], r["cpu_phases_s_cards"]))
+        # the compute's own CPU seconds (the fit's input): a part of the schedule phase's CPU seconds
+        assert all(0 < c <= ph[0] + 1e-6 for c, ph in zip(r["compute_cpu_s_cards"], r["cpu_phases_s_cards"]))
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
     _check_weights(reader, ref_w, 1e-5)
