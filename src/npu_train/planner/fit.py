@@ -125,16 +125,13 @@ def _optimizer_params(st: dict, rt) -> Optional[float]:
     return None
 
 
-def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> list[RunFigures]:
-    """Per card kind, the figures one run measured: ``plan_doc`` its ``plan.json``, ``records`` its
-    ``metrics.jsonl`` lines, ``rates`` the plan's per-stage :class:`~npu_train.planner.rates.Rates`."""
+def _timing(plan_doc: dict, steady: Sequence[dict], rates: Sequence) -> tuple[dict, dict, str]:
+    """``(FLOP/s per kind, AdamW params/s per kind, clock)`` of the steady steps' records: lists of per-card,
+    per-step figures; ``clock`` "cpu" where the cards' compute CPU seconds were used (:func:`work_seconds`)."""
     stages, P = plan_doc["stages"], len(plan_doc["stages"])
-    recs = _launch_records(plan_doc, records)
-    steady = recs[1:]
     share, threads = _cpu_share(plan_doc), int(plan_doc["threads"])
     flops: dict = {}
     adamw: dict = {}
-    base: dict = {}
     clock = "wall"
     for rec in steady:
         cards = rec.get("compute_s_cards") or []
@@ -158,6 +155,13 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
                 shared = share if _kind(st["card"]) == "cpu" else 1.0
                 # the optimizer phase ran on the same loaded host: its seconds scaled like the compute's
                 adamw.setdefault(_kind(st["card"]), []).append(params / (rec["optimizer_s"] * busy[slow]) / shared)
+    return flops, adamw, clock
+
+
+def _baselines(plan_doc: dict, recs: Sequence[dict]) -> tuple[dict, dict]:
+    """``(process baseline per kind, head card's baseline per kind)`` (cpu cards) from the records' peaks."""
+    stages, P = plan_doc["stages"], len(plan_doc["stages"])
+    base: dict = {}
     head: dict = {}
     for rec in recs:
         run_peaks = rec.get("mem_run_peak_bytes") or []  # every phase so far: the model load's included
@@ -171,7 +175,17 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
                     head[k] = max(head.get(k, h), h)
                 if rank % P != P - 1 or P == 1:
                     base[k] = max(base.get(k, need), need)
-    kinds = dict.fromkeys(_kind(st["card"]) for st in stages)
+    return base, head
+
+
+def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> list[RunFigures]:
+    """Per card kind, the figures one run measured: ``plan_doc`` its ``plan.json``, ``records`` its
+    ``metrics.jsonl`` lines, ``rates`` the plan's per-stage :class:`~npu_train.planner.rates.Rates`."""
+    recs = _launch_records(plan_doc, records)
+    steady = recs[1:]
+    flops, adamw, clock = _timing(plan_doc, steady, rates)
+    base, head = _baselines(plan_doc, recs)
+    kinds = dict.fromkeys(_kind(st["card"]) for st in plan_doc["stages"])
     out = []
     for k in kinds:
         f, a = flops.get(k), adamw.get(k)
