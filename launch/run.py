@@ -41,6 +41,18 @@ def _one_line_hydra_error(text: str) -> str:
     return "; ".join(lines) if lines else "invalid command line"
 
 
+def _unknown_key_line(text: str) -> "str | None":
+    """Hydra's refusal of an override whose key the config does not have (``trian.accum=4``: ``Could not
+    override 'trian.accum'`` ... ``Key 'trian' not in 'Config'``) as one line with the closest key
+    (:func:`npu_train.config.unknown_key_error`); None for any other error."""
+    m = re.search(r"Could not override '([^']+)'", text)
+    if not m or not re.search(r"Key '[^']*' not in '", text):
+        return None
+    from npu_train.config import unknown_key_error
+
+    return unknown_key_error(m.group(1))
+
+
 def _output_dir_error(text: str) -> "str | None":
     """The OS error of Hydra's ``mkdir`` of the run/sweep directory, or of its first write into it
     (``run.log``, ``multirun.yaml``, ``.hydra/``): a path through a file, no permission, a read-only
@@ -566,8 +578,9 @@ def _main() -> None:
             if not cap.started:
                 real_stderr.write(text)
             raise
-        print(f"error: {_one_line_hydra_error(text)} -- fix the key=value override (each key's type and "
-              "meaning: src/npu_train/config.py; list them with --cfg job)", file=real_stderr, flush=True)
+        line = _unknown_key_line(text) or (f"{_one_line_hydra_error(text)} -- fix the key=value override (each "
+                                           "key's type and meaning: src/npu_train/config.py; list them with --cfg job)")
+        print(f"error: {line}", file=real_stderr, flush=True)
         sys.exit(2)
     finally:
         if sys.stderr is captured:

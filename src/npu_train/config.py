@@ -394,16 +394,69 @@ def check_known_keys(cfg) -> None:
     _unknown_keys(cfg, OmegaConf.structured(Config), "")
 
 
-def _unknown_keys(node, schema, prefix: str) -> None:
+def _config_paths(node=None, prefix: str = "") -> list[str]:
+    """Every dotted key of :class:`Config` (sections and their keys: ``train``, ``train.accum``, ...)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    node = OmegaConf.structured(Config) if node is None else node
+    out = []
+    for key in node.keys():
+        path = f"{prefix}{key}"
+        out.append(path)
+        sub = node._get_node(key)
+        if isinstance(sub, DictConfig) and sub._is_typed():
+            out += _config_paths(sub, path + ".")
+    return out
+
+
+def suggest_key(path: str) -> Optional[str]:
+    """The config key closest to a misspelt dotted ``path`` (``trian.accum`` -> ``train.accum``, ``train.acum``
+    -> ``train.accum``, ``lr`` -> ``train.lr``), or None: each part corrected in turn (``difflib``, ratio >= 0.6)
+    where that gives a key; else the keys whose last part is closest to ``path``'s last part, when that is one
+    key (ratio >= 0.75). A key given without its section that one section
+    has is that key (``lr`` -> ``train.lr``)."""
     import difflib
 
+    paths = _config_paths()
+    parts, fixed = path.split("."), []
+    exact = [p for p in paths if p.rsplit(".", 1)[-1] == parts[-1] and p != path]
+    if len(parts) == 1 and path not in paths and len(exact) == 1:  # a key without its section: lr -> train.lr
+        return exact[0]
+    for part in parts:
+        level = {p.rsplit(".", 1)[-1] for p in paths if p.count(".") == len(fixed)
+                 and p.startswith("".join(f"{f}." for f in fixed))}
+        near = [part] if part in level else difflib.get_close_matches(part, sorted(level), n=1)
+        if not near:
+            break
+        fixed.append(near[0])
+    if len(fixed) == len(parts) and ".".join(fixed) != path:
+        return ".".join(fixed)
+    last = parts[-1]
+    leaves = difflib.get_close_matches(last, sorted({p.rsplit(".", 1)[-1] for p in paths}), n=1, cutoff=0.75)
+    by_leaf = [p for p in paths if leaves and p.rsplit(".", 1)[-1] == leaves[0]]
+    return by_leaf[0] if len(by_leaf) == 1 and by_leaf[0] != path else None
+
+
+def unknown_key_error(path: str) -> str:
+    """The one line of an override whose key :class:`Config` does not have (``trian.accum=4``), with the
+    closest key (:func:`suggest_key`)."""
+    near = suggest_key(path)
+    hint = f"did you mean {near}? " if near else ""
+    return (f"unknown key {path}: the config has no such key; {hint}fix its name (every key: "
+            "src/npu_train/config.py; list them with --cfg job)")
+
+
+def _unknown_keys(node, schema, prefix: str) -> None:
     from omegaconf import DictConfig
 
     for key in node.keys():
         path = f"{prefix}{key}"
         if key not in schema:
-            near = difflib.get_close_matches(str(key), [str(k) for k in schema.keys()], n=1)
-            hint = f"did you mean {prefix}{near[0]}? " if near else ""
+            sub = node._get_node(key)
+            # +trian.accum=4 appends a section trian holding accum: the suggestion is for the whole key
+            inner = next(iter(sub.keys()), None) if isinstance(sub, DictConfig) else None
+            near = suggest_key(path if inner is None else f"{path}.{inner}")
+            hint = f"did you mean {near}? " if near else ""
             raise ConfigError(f"unknown key {path} (as +{path}=... Hydra adds it instead of refusing it): the "
                               f"config has no '{key}' under '{prefix.rstrip('.') or 'the top level'}'; {hint}"
                               "drop it or fix its name (every key: src/npu_train/config.py; list them with --cfg job)")

@@ -1,0 +1,53 @@
+"""A misspelt override key (issue 40): one line naming the closest key of the config, from Hydra's own
+refusal text, before any work (``launch/run.py::_unknown_key_line``, ``npu_train.config.suggest_key``)."""
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+from npu_train.config import suggest_key
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _launcher():
+    spec = importlib.util.spec_from_file_location("npt_launch_run", os.path.join(ROOT, "launch", "run.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("typed,meant", [
+    ("trian.accum", "train.accum"),        # the section misspelt
+    ("train.acum", "train.accum"),         # the key misspelt
+    ("trian.acum", "train.accum"),         # both
+    ("data.sorce", "data.source"),
+    ("runtime.thread", "runtime.threads"),
+    ("lr", "train.lr"),                    # a key without its section
+    ("stepz", "train.steps"),
+    ("train.foo", None),                   # nothing close: no guess
+    ("x.y.z", None),
+])
+def test_the_closest_config_key_is_suggested(typed, meant):
+    assert suggest_key(typed) == meant
+
+
+# what Hydra 1.3 prints for `python launch/run.py trian.accum=4` (captured by the launcher)
+HYDRA_TEXT = """Could not override 'trian.accum'.
+To append to your config use +trian.accum=4
+Key 'trian' not in 'Config'
+    full_key: trian
+    object_type=Config
+Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
+"""
+
+
+def test_hydras_refusal_becomes_one_line_with_the_closest_key():
+    run = _launcher()
+    line = run._unknown_key_line(HYDRA_TEXT)
+    assert line.startswith("unknown key trian.accum:") and "did you mean train.accum?" in line
+    assert "\n" not in line and "full_key" not in line and "+trian" not in line
+    # another composition error keeps Hydra's own words
+    assert run._unknown_key_line("Error merging override train.accum=abc\nValue 'abc' could not be converted") is None
