@@ -2,7 +2,9 @@
 ``convert_hf_to_gguf.py`` lays it out (the experts of a layer stacked in ``blk.<i>.ffn_{gate,up,down}_exps.weight``
 ``[E, out, in]``, the router in ``ffn_gate_inp.weight``, a dense layer with ``ffn_gate`` / ``ffn_up`` / ``ffn_down``)
 reads back as the source arrays: every expert's projection is row ``e`` of its stacked tensor, through the whole
-reader, the launcher's tensor index and the chunked reader; the config carries the experts' metadata."""
+reader, the launcher's tensor index and the chunked reader; the config carries the experts' metadata. A ``qwen2moe``
+file (shared expert ``ffn_*_shexp``, its gate ``ffn_gate_inp_shexp``) of a tiny transformers ``Qwen2MoeForCausalLM``
+gives that model's logits."""
 from __future__ import annotations
 
 import numpy as np
@@ -115,3 +117,93 @@ def test_too_few_experts_is_a_clear_error(tmp_path):
     cfg = load_config(path)
     with pytest.raises(ModelFormatError, match="ffn_down_exps"):
         load_tensors(path, cfg, stage_param_names(cfg, 0, 1, True, False))
+
+
+# ---------------------------------------------------------------------------------------------------- qwen2moe
+#: HF (transformers ``save_pretrained``: one tensor per expert) -> GGUF names of a Qwen2-MoE layer, from llama.cpp
+#: ``gguf-py`` ``TENSOR_NAMES`` / ``MODEL_ARCH.QWEN2MOE`` (attention biases, a shared expert and its gate)
+_QWEN2MOE_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+                   "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+                   "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+                   "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                   "self_attn.v_proj.bias": "attn_v.bias", "mlp.gate.weight": "ffn_gate_inp.weight",
+                   "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+                   "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+                   "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+                   "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight"}
+
+
+def _write_qwen2moe(path: str, hf_dir: str, squeeze_gate: bool) -> None:
+    """A ``qwen2moe`` GGUF of the transformers checkpoint ``hf_dir`` laid out as llama.cpp's
+    ``convert_hf_to_gguf.py`` ``Qwen2MoeModel`` writes it: each layer's experts stacked ``[E, out, in]`` per
+    projection (``torch.stack`` over the expert index), every other tensor whole, F32; the shared expert's gate
+    ``[1, H]`` as is, or as ``[H]`` (``squeeze_gate``: converters that squeezed tensors wrote it so); metadata from
+    the config (``expert_shared_feed_forward_length`` for ``shared_expert_intermediate_size``)."""
+    import json
+    import os
+
+    from safetensors.numpy import load_file
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        c = json.load(f)
+    sd = load_file(os.path.join(hf_dir, "model.safetensors"))
+    L, E, H = c["num_hidden_layers"], c["num_experts"], c["hidden_size"]
+    t = {"token_embd.weight": sd["model.embed_tokens.weight"], "output_norm.weight": sd["model.norm.weight"],
+         "output.weight": sd["lm_head.weight"]}
+    for i in range(L):
+        pre, b = f"model.layers.{i}.", f"blk.{i}."
+        for hf, g in _QWEN2MOE_LAYER.items():
+            t[b + g] = sd[pre + hf]
+        if squeeze_gate:
+            t[b + "ffn_gate_inp_shexp.weight"] = t[b + "ffn_gate_inp_shexp.weight"].reshape(H)
+        for p in ("gate", "up", "down"):
+            t[f"{b}ffn_{p}_exps.weight"] = np.stack([sd[f"{pre}mlp.experts.{e}.{p}_proj.weight"] for e in range(E)])
+    w = gguf.GGUFWriter(path, "qwen2moe")
+    w.add_name("tiny-qwen2moe")
+    for fn, v in [(w.add_block_count, L), (w.add_context_length, c["max_position_embeddings"]),
+                  (w.add_embedding_length, H), (w.add_feed_forward_length, c["intermediate_size"]),
+                  (w.add_head_count, c["num_attention_heads"]), (w.add_head_count_kv, c["num_key_value_heads"]),
+                  (w.add_rope_freq_base, float(c["rope_parameters"]["rope_theta"])),
+                  (w.add_layer_norm_rms_eps, c["rms_norm_eps"]), (w.add_vocab_size, c["vocab_size"]),
+                  (w.add_expert_count, E), (w.add_expert_used_count, c["num_experts_per_tok"]),
+                  (w.add_expert_feed_forward_length, c["moe_intermediate_size"]),
+                  (w.add_expert_shared_feed_forward_length, c["shared_expert_intermediate_size"])]:
+        fn(v)
+    for name, a in t.items():
+        w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("squeeze_gate", [False, True])
+def test_qwen2moe_logits_equal_transformers(tmp_path, squeeze_gate):
+    """A ``qwen2moe`` file of a tiny random Qwen2-MoE (8 experts, top-2, no renormalisation, shared expert 96)
+    gives the logits of transformers' ``Qwen2MoeForCausalLM`` on the same weights (fp32, 1e-5 relative), through
+    the whole reader, the launcher's tensor index and the chunked reader."""
+    from test_moe_model import _ids, _rel, make_moe
+
+    from npu_train.model.llama import full_model
+
+    hf_dir, ref = make_moe(tmp_path, "qwen2_moe")
+    path = str(tmp_path / "tiny-qwen2moe.gguf")
+    _write_qwen2moe(path, hf_dir, squeeze_gate)
+    cfg, want = load_config(path), load_config(hf_dir)
+    assert (cfg.family, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
+            cfg.shared_expert_intermediate_size, cfg.mlp_only_layers) == ("qwen2_moe", 8, 2, 32, False, 96, ())
+    m = full_model(cfg)
+    names = m.param_names()
+    assert sorted(names) == sorted(full_model(want).param_names())
+    index = gguf_tensor_index(path)
+    direct, indexed = load_tensors(path, cfg, names), load_tensors(path, cfg, names, index=index)
+    parts: dict[str, list] = {}
+    for c in iter_chunks(path, cfg, names, index=index, max_elements=100):
+        parts.setdefault(c.name, []).append((c.start, c.part))
+    for n in names:
+        rows = torch.cat([p for _, p in sorted(parts[n], key=lambda x: x[0])])
+        assert torch.equal(indexed[n], direct[n]) and torch.equal(rows, direct[n]), n
+    m.load_named_tensors(direct)
+    ids = _ids()
+    with torch.no_grad():
+        assert _rel(m.eval()(ids), ref(ids).logits) < 1e-5

@@ -39,7 +39,7 @@ SUPPORTED_HINT = (
     "Qwen2-MoE and Mixtral: an HF directory whose config.json has architectures=[\"LlamaForCausalLM\"|"
     "\"Qwen2ForCausalLM\"|\"Qwen3ForCausalLM\"|\"MistralForCausalLM\"|\"Qwen3MoeForCausalLM\"|"
     "\"Qwen2MoeForCausalLM\"|\"MixtralForCausalLM\"] with *.safetensors weights, or a llama.cpp GGUF file with "
-    "general.architecture=llama|qwen2|qwen3 (Gemma, Phi, DeepSeek and gpt-oss are not supported)"
+    "general.architecture=llama|qwen2|qwen3|qwen3moe|qwen2moe (Gemma, Phi, DeepSeek and gpt-oss are not supported)"
 )
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 

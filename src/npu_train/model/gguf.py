@@ -1,5 +1,6 @@
 """GGUF files (llama.cpp ``convert_hf_to_gguf.py`` output, architectures ``llama``, ``qwen2``, ``qwen3``,
-``qwen3moe``: one expert's projection is a row of the stacked ``ffn_*_exps`` tensors, :func:`gguf_source`): tensors
+``qwen3moe``, ``qwen2moe``: one expert's projection is a row of the stacked ``ffn_*_exps`` tensors,
+:func:`gguf_source`; Qwen2-MoE's shared expert is ``ffn_*_shexp``, its gate ``ffn_gate_inp_shexp``): tensors
 dequantised to fp32; a ``llama`` file's q/k rows un-permuted from llama.cpp's interleaved RoPE to HF's rotate-half
 (:func:`gguf_unpermute`; Qwen files keep HF's row order: llama.cpp runs them with NEOX rotate-half RoPE).
 """
@@ -82,14 +83,13 @@ def _gguf_model_name(reader, path: str) -> str:
 
 
 #: GGUF ``general.architecture`` -> family (a Mistral-7B GGUF is written as ``llama``)
-#: (Qwen2-MoE's ``qwen2moe`` files are not read: its shared expert's tensors are not mapped)
-GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items()
-                 if f.gguf_arch and (name not in MOE_FAMILIES or name == "qwen3_moe")}
+GGUF_FAMILIES = {f.gguf_arch: name for name, f in FAMILIES.items() if f.gguf_arch}
 
 
 def gguf_config(path: str) -> LlamaConfig:
-    """The :class:`LlamaConfig` read from the ``<arch>.*`` metadata of a GGUF file (arch ``llama``, ``qwen2`` or
-    ``qwen3``); :class:`ModelFormatError` for another architecture or missing/inconsistent keys."""
+    """The :class:`LlamaConfig` read from the ``<arch>.*`` metadata of a GGUF file (arch ``llama``, ``qwen2``,
+    ``qwen3``, ``qwen3moe`` or ``qwen2moe``); :class:`ModelFormatError` for another architecture or
+    missing/inconsistent keys."""
     r = gguf_reader(path)
     arch = gguf_field(r, "general.architecture")
     if arch not in GGUF_FAMILIES:
@@ -137,7 +137,8 @@ def gguf_config(path: str) -> LlamaConfig:
                                        f"tokenizer.ggml.tokens or token_embd.weight)")
             vocab = int(emb.shape[-1])
     theta = float(opt("rope.freq_base", 10000.0))
-    moe = _gguf_moe(req, opt, n_layers, tensor_names) if GGUF_FAMILIES[arch] in MOE_FAMILIES else {}
+    moe = _gguf_moe(GGUF_FAMILIES[arch], req, opt, n_layers, tensor_names) if GGUF_FAMILIES[arch] in MOE_FAMILIES \
+        else {}
     cfg_kwargs = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
@@ -160,18 +161,23 @@ def gguf_config(path: str) -> LlamaConfig:
     return LlamaConfig(**cfg_kwargs, **moe)
 
 
-def _gguf_moe(req, opt, n_layers: int, tensor_names: set) -> dict:
-    """The mixture-of-experts fields of a ``qwen3moe`` file (llama.cpp ``convert_hf_to_gguf.py``
-    ``Qwen3MoeModel``): ``<arch>.expert_count``, ``expert_used_count``, ``expert_feed_forward_length``;
-    ``norm_topk_prob`` from ``expert_weights_norm`` when written, else True (llama.cpp's ``qwen3moe`` graph always
-    renormalises the top-k weights); the layers without ``blk.<i>.ffn_gate_exps.weight`` keep a dense MLP
-    (``mlp_only_layers``). The load-balancing loss settings are not in GGUF files: off unless
-    ``train.moe_aux_loss`` sets them."""
-    return dict(num_experts=int(req("expert_count")), num_experts_per_tok=int(req("expert_used_count")),
-                moe_intermediate_size=int(req("expert_feed_forward_length")),
-                norm_topk_prob=bool(opt("expert_weights_norm", True)),
-                mlp_only_layers=tuple(i for i in range(n_layers)
-                                      if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names))
+def _gguf_moe(family: str, req, opt, n_layers: int, tensor_names: set) -> dict:
+    """The mixture-of-experts fields of a ``qwen3moe`` or ``qwen2moe`` file (llama.cpp ``convert_hf_to_gguf.py``
+    ``Qwen3MoeModel`` / ``Qwen2MoeModel``): ``<arch>.expert_count``, ``expert_used_count``,
+    ``expert_feed_forward_length``; Qwen2-MoE's shared expert width from ``expert_shared_feed_forward_length``.
+    ``norm_topk_prob`` from ``expert_weights_norm`` when written, else what llama.cpp's graph does for the
+    architecture (``src/models/qwen3moe.cpp`` renormalises the top-k weights, ``qwen2moe.cpp`` does not, as
+    Qwen1.5-MoE-A2.7B's and Qwen2-57B-A14B's ``norm_topk_prob=false``); the layers without
+    ``blk.<i>.ffn_gate_exps.weight`` keep a dense MLP (``mlp_only_layers``). The load-balancing loss settings are
+    not in GGUF files: off unless ``train.moe_aux_loss`` sets them."""
+    out = dict(num_experts=int(req("expert_count")), num_experts_per_tok=int(req("expert_used_count")),
+               moe_intermediate_size=int(req("expert_feed_forward_length")),
+               norm_topk_prob=bool(opt("expert_weights_norm", family == "qwen3_moe")),
+               mlp_only_layers=tuple(i for i in range(n_layers)
+                                     if f"blk.{i}.ffn_gate_exps.weight" not in tensor_names))
+    if family == "qwen2_moe":
+        out["shared_expert_intermediate_size"] = int(req("expert_shared_feed_forward_length"))
+    return out
 
 
 def _gguf_rope_scaling(r, path: str, arch: str, theta: float, head_dim: int,
@@ -263,6 +269,11 @@ _GGUF_LAYER_SUFFIX = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.down_proj.weight": "ffn_down.weight",
     "mlp.gate.weight": "ffn_gate_inp.weight",  # a sparse layer's router [E, H]
+    # Qwen2-MoE's shared expert and its sigmoid gate [1, H] (written [H] by converters that squeezed it)
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 #: one expert's projection (``mlp.experts.<e>.<proj>.weight``) -> the stacked GGUF tensor [E, out, in] it is row e of
 _EXPERT_RE = re.compile(r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -385,9 +396,18 @@ def gguf_wanted_tensors(path: str, wanted: dict, index: Optional[dict] = None) -
             t = _ExpertSlice(t, expert)
             gname = t.name
         found = tuple(int(x) for x in reversed(t.shape))  # GGUF lists ne0 (innermost) first
-        if found != tuple(shape):
+        if found != tuple(shape) and found != _squeezed(shape):
             raise shape_error(name, src, path, shape, found)
         yield name, src, gname, t
+
+
+def _squeezed(shape) -> tuple:
+    """``shape`` without its leading 1s: how a converter that squeezed tensors wrote it (Qwen2-MoE's shared
+    expert gate ``[1, H]`` as ``[H]``); the numbers are the same in the same order."""
+    shape = tuple(shape)
+    while len(shape) > 1 and shape[0] == 1:
+        shape = shape[1:]
+    return shape
 
 
 def iter_gguf_tensors(path: str, cfg: LlamaConfig, wanted: dict, unpermute: bool,
