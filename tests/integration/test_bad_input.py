@@ -261,3 +261,13 @@ def _writable(d: str) -> bool:
         return False
     os.remove(os.path.join(d, ".npt-probe"))
     return True
+
+
+def test_a_missing_data_source_is_refused_before_the_plan(tiny_model, tmp_path):
+    """data.source naming no file: the one error line comes before anything is planned or timed (nothing on
+    stdout: no schedule choice, no plan table), naming the built-in sets and the paths it takes."""
+    job = Job(tmp_path, tiny_model, "train.steps=2", f"data.source={tmp_path / 'nowhere' / 'mine.jsonl'}")
+    assert job.finish(90) == 2, job.tail()
+    (line,) = job.error_lines()
+    assert "mine.jsonl'" in line and "no such file or directory" in line and "built-in sets" in line
+    assert job.stdout.strip() == "", job.stdout

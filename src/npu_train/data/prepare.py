@@ -40,7 +40,24 @@ from .sources import BAD_ROWS, BadRows, Source, resolve_source, source_key, text
 from .spool import BuildJob, when_built
 from .text import DataError
 
-__all__ = ["TextSpec", "build_packed_data", "build_preference_data", "build_sft_data", "prepare_data"]
+__all__ = ["TextSpec", "build_packed_data", "build_preference_data", "build_sft_data", "check_data_source",
+           "prepare_data"]
+
+
+def check_data_source(cfg) -> Source:
+    """Before the plan and the start-up's timings: ``data.format``, ``data.bad_rows`` and ``data.source`` name
+    something that exists (a built-in set of the format, a file, a glob matching files, a directory of them,
+    a save_to_disk directory with the splits asked for); nothing is read. Raises FileNotFoundError (a missing
+    path: one line naming the built-in sets and the accepted paths) or :class:`DataError`."""
+    d = cfg.data
+    fmt = str(getattr(d, "format", "text") or "text")
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r}: use one of {list(FORMATS)}")
+    bad_rows = str(getattr(d, "bad_rows", "refuse") or "refuse")
+    if bad_rows not in BAD_ROWS:
+        raise DataError(f"data.bad_rows={bad_rows!r}: use one of {list(BAD_ROWS)}")
+    split, val_split = str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
+    return resolve_source(d.source, fmt, split, val_split)
 
 
 def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print) -> PackedData:

@@ -728,6 +728,9 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
     """:func:`_train` with the terminal's live display ``live`` (None: plain lines) told each phase."""
     say = live.phase if live is not None else (lambda _text: None)
     say("preparing: cards, model header, placement plan")
+    from npu_train.data.prepare import check_data_source
+
+    check_data_source(cfg)  # a missing data.source: one line now, before the plan and its timings
     prep = prepare(cfg, run_dir, nodes=node.rdv)
     say("data: reading and tokenizing (cached after the first run)")
     data = _prepare_data(cfg, prep)
