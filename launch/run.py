@@ -110,10 +110,13 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"
+        from npu_train.metrics.report import LINE_COLUMNS
         from npu_train.runtime.job import fold_words, terminal_width
 
-        print(fold_words(head + (f"; {extra}" if extra else ""), terminal_width(sys.stderr)), file=sys.stderr,
-              flush=True)
+        # folded at words to the terminal, at most 100 columns (redirected too: a log has no terminal to fold
+        # it); status.json gets it whole (_ErrorLineTee joins the folded lines)
+        width = min(terminal_width(sys.stderr) or LINE_COLUMNS, LINE_COLUMNS)
+        print(fold_words(head + (f"; {extra}" if extra else ""), width), file=sys.stderr, flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
         msg = str(e)

