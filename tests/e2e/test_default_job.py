@@ -32,6 +32,8 @@ def test_default_command_runs_and_loss_falls(tmp_path):
     for where, text in (("stdout", proc.stdout), ("stderr", proc.stderr), ("run.log", log)):
         wide = [ln for ln in text.splitlines() if len(ln) > 100 and " " in ln.strip()]
         assert not wide, f"{where}: lines over 100 columns: {wide}"
+    # the default job ends saying what to try next (runtime/hints.py; its commands: tests/*/test_next_steps*)
+    assert any(ln.startswith("next: ") for ln in proc.stdout.splitlines()), proc.stdout[-2000:]
     steps = re.findall(r"^step\s+(\d+)/4 \| loss ([\d.]+) \(avg [\d.]+\) \| gnorm ([\d.]+) \| ([\d,]+) tok/s(?: \| MFU (?:<=)?[\d.]+%)? \| ([\d.]+) s",
                        out, re.M)
     assert [int(s[0]) for s in steps] == [1, 2, 3, 4], out[-3000:]

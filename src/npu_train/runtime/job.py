@@ -1410,4 +1410,9 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
                      terminal_width()), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
         summ.update(stopped_at=at, checkpoint_dir=resume.ckpt_root if coord.last_ckpt else None)
+    elif node.is_owner and _sweep_group() is None:  # the default job: what to try next (runtime/hints.py)
+        from npu_train.runtime.hints import next_steps
+
+        for line in next_steps(cfg, resume.ckpt_root if coord.last_ckpt else None):
+            print(line, flush=True)
     return summ
