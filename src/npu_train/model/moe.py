@@ -132,37 +132,45 @@ class GroupedSwiGlu(torch.autograd.Function):
     ``down_j(silu(gate_j(x)) * up_j(x))``; the elementwise steps run once over all rows, rounded to ``xs.dtype``
     between the matmuls as the module form is. Saves ``xs``, the gate and up products, ``silu(gate)`` and their
     product (``2H + 4I`` elements per row, as the module form: ``planner/moe.py::routed_saved_bytes_per_token``;
-    LoRA: and ``3r`` adapter inputs ``x A^T`` in the matmul dtype). Matmuls in :func:`matmul_dtype` (when wider
-    than ``xs.dtype``, each operand is widened once per call: a transient ``[S, H]`` or ``[S, I]`` and one
-    expert's weight at a time)."""
+    LoRA: and ``3r`` adapter inputs ``x A^T`` in the matmul dtype). Matmuls in :func:`matmul_dtype`; plain
+    experts in a wider matmul dtype (bf16 on a CPU without bf16 hardware) go through :class:`_WideSwiGlu`
+    (weights widened into two reused buffers, gate and up as one matmul, the products written in place and
+    rounded once over all rows), plain experts in their own dtype through :class:`_SameSwiGlu` (each product
+    written into its row block, no copies)."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, counts: tuple, scaling: Optional[float], *tensors: torch.Tensor):
-        S, H = xs.shape
-        step = 3 if scaling is None else 9
-        inter = tensors[0].shape[0]
         mm = matmul_dtype(xs.dtype, xs.device)
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + int(c))
+        if scaling is None:
+            kernel = _WideSwiGlu if mm != xs.dtype else _SameSwiGlu
+            y, saved = kernel.forward(xs, bounds, tensors, mm)
+            ctx.save_for_backward(*saved, *tensors)
+            ctx.bounds, ctx.mm, ctx.scaling, ctx.step, ctx.rank, ctx.kernel = bounds, mm, None, 3, 0, kernel
+            return y
+        S, H = xs.shape
+        step = 9
+        inter = tensors[0].shape[0]
         g, u, y = xs.new_empty(S, inter), xs.new_empty(S, inter), xs.new_empty(S, H)
-        rank = 0 if scaling is None else tensors[1].shape[0]
-        ts = [xs.new_empty(S, rank, dtype=mm) if rank else None for _ in range(3)]
+        rank = tensors[1].shape[0]
+        ts = [xs.new_empty(S, rank, dtype=mm) for _ in range(3)]
         xm = xs.to(mm)
         for j in range(len(counts)):
             a, b = bounds[j], bounds[j + 1]
             gw, uw = GroupedSwiGlu._ws(tensors, step, j, 0), GroupedSwiGlu._ws(tensors, step, j, 1)
-            _proj(xm[a:b], gw, scaling, g[a:b], ts[0][a:b] if rank else None)
-            _proj(xm[a:b], uw, scaling, u[a:b], ts[1][a:b] if rank else None)
+            _proj(xm[a:b], gw, scaling, g[a:b], ts[0][a:b])
+            _proj(xm[a:b], uw, scaling, u[a:b], ts[1][a:b])
         del xm
         act = F.silu(g)
         h = act * u
         hm = h.to(mm)
         for j in range(len(counts)):
             a, b = bounds[j], bounds[j + 1]
-            _proj(hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), scaling, y[a:b], ts[2][a:b] if rank else None)
-        ctx.save_for_backward(xs, g, u, act, h, *(ts if rank else ()), *tensors)
-        ctx.bounds, ctx.mm, ctx.scaling, ctx.step, ctx.rank = bounds, mm, scaling, step, rank
+            _proj(hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), scaling, y[a:b], ts[2][a:b])
+        ctx.save_for_backward(xs, g, u, act, h, *ts, *tensors)
+        ctx.bounds, ctx.mm, ctx.scaling, ctx.step, ctx.rank, ctx.kernel = bounds, mm, scaling, step, rank, None
         return y
 
     @staticmethod
@@ -173,10 +181,17 @@ class GroupedSwiGlu(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
+        if ctx.kernel is not None:
+            saved = ctx.saved_tensors
+            ws = saved[5:]
+            dx, grads = ctx.kernel.backward(dy.contiguous(), saved[:5], ws, ctx.bounds, ctx.mm, ctx.needs_input_grad)
+            grads = [torch.zeros_like(w) if n and d is None else d  # a block without rows
+                     for w, d, n in zip(ws, grads, ctx.needs_input_grad[3:])]
+            return (dx, None, None, *grads)
         saved = ctx.saved_tensors
         xs, g, u, act, h = saved[:5]
-        ts = saved[5:8] if ctx.rank else (None, None, None)
-        tensors = saved[8:] if ctx.rank else saved[5:]
+        ts = saved[5:8]
+        tensors = saved[8:]
         bounds, mm, s, step = ctx.bounds, ctx.mm, ctx.scaling, ctx.step
         need = ctx.needs_input_grad[3:]
         k = step // 3
@@ -188,7 +203,7 @@ class GroupedSwiGlu(torch.autograd.Function):
             acc = dym.new_zeros(b - a, h.shape[1])
             o = j * step + 2 * k
             grads[o:o + k] = _proj_back(dym[a:b], hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), s,
-                                        ts[2][a:b] if ctx.rank else None, need[o:o + k], acc)
+                                        ts[2][a:b], need[o:o + k], acc)
             dh[a:b].copy_(acc)
         del dym, hm
         dum = (dh * act).to(mm)
@@ -201,10 +216,132 @@ class GroupedSwiGlu(torch.autograd.Function):
             for p, d in ((0, dgm), (1, dum)):
                 o = j * step + p * k
                 grads[o:o + k] = _proj_back(d[a:b], xm[a:b], GroupedSwiGlu._ws(tensors, step, j, p), s,
-                                            ts[p][a:b] if ctx.rank else None, need[o:o + k], acc)
+                                            ts[p][a:b], need[o:o + k], acc)
             if dx is not None:
                 dx[a:b].copy_(acc)
         return (dx, None, None, *grads)
+
+
+def _blocks(bounds: list):
+    """``(j, a, b)`` of the non-empty row blocks ``[a, b)``."""
+    return [(j, bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1) if bounds[j + 1] > bounds[j]]
+
+
+class _SameSwiGlu:
+    """:class:`GroupedSwiGlu` for plain experts whose matmuls run in the tensors' dtype: every product goes
+    straight into its row block of a preallocated output (``torch.mm(out=)``), the weights used in place.
+    ``forward`` / ``backward`` as the node's, without the LoRA case."""
+
+    @staticmethod
+    def forward(xs: torch.Tensor, bounds: list, ws: tuple, mm: torch.dtype) -> tuple:
+        S, H = xs.shape
+        inter = ws[0].shape[0]
+        g, u, y = xs.new_empty(S, inter), xs.new_empty(S, inter), xs.new_empty(S, H)
+        for j, a, b in _blocks(bounds):
+            torch.mm(xs[a:b], ws[3 * j].t(), out=g[a:b])
+            torch.mm(xs[a:b], ws[3 * j + 1].t(), out=u[a:b])
+        act = F.silu(g)
+        h = act * u
+        for j, a, b in _blocks(bounds):
+            torch.mm(h[a:b], ws[3 * j + 2].t(), out=y[a:b])
+        return y, (xs, g, u, act, h)
+
+    @staticmethod
+    def backward(dy: torch.Tensor, saved: tuple, ws: tuple, bounds: list, mm: torch.dtype, needs: tuple):
+        xs, g, u, act, h = saved
+        need = needs[3:]
+        grads: list = [None] * len(ws)
+        dh = torch.empty_like(h)
+        for j, a, b in _blocks(bounds):
+            torch.mm(dy[a:b], ws[3 * j + 2], out=dh[a:b])
+            if need[3 * j + 2]:
+                grads[3 * j + 2] = torch.mm(dy[a:b].t(), h[a:b])
+        du = dh * act
+        dg = torch.ops.aten.silu_backward(dh * u, g)
+        del dh
+        dx = torch.empty_like(xs) if needs[0] else None
+        for j, a, b in _blocks(bounds):
+            if dx is not None:
+                torch.mm(dg[a:b], ws[3 * j], out=dx[a:b]).addmm_(du[a:b], ws[3 * j + 1])
+            if need[3 * j]:
+                grads[3 * j] = torch.mm(dg[a:b].t(), xs[a:b])
+            if need[3 * j + 1]:
+                grads[3 * j + 1] = torch.mm(du[a:b].t(), xs[a:b])
+        return dx, grads
+
+
+class _WideSwiGlu:
+    """:class:`GroupedSwiGlu` for plain half-precision experts whose matmuls run in a wider ``mm`` dtype (bf16 on
+    a CPU without bf16 hardware, :func:`matmul_dtype`). Each expert's gate and up weights are widened into the
+    two halves of one reused ``[2I, H]`` buffer and run as one matmul (``x [W_gate; W_up]^T``), the down weight
+    into a reused ``[H, I]`` one; products go into wide row blocks, rounded to the dtype once over all rows (as
+    the half-precision kernels round their fp32 accumulators). Transients besides the saved tensors: the two
+    weight buffers and the weight-gradient buffers (``3 I H`` wide elements each pass), and wide copies of the
+    rows (``[S, 2I]`` + ``[S, H]`` in the forward; ``[S, H]`` x 3 + ``[S, I]`` x 4 at most in the backward)."""
+
+    @staticmethod
+    def forward(xs: torch.Tensor, bounds: list, ws: tuple, mm: torch.dtype) -> tuple:
+        S, H = xs.shape
+        inter = ws[0].shape[0]
+        xm = xs.to(mm)
+        gu = xm.new_empty(S, 2 * inter)
+        wgu, wd = xm.new_empty(2 * inter, H), xm.new_empty(H, inter)
+        for j, a, b in _blocks(bounds):
+            wgu[:inter].copy_(ws[3 * j])
+            wgu[inter:].copy_(ws[3 * j + 1])
+            torch.mm(xm[a:b], wgu.t(), out=gu[a:b])
+        del xm, wgu
+        g, u = gu[:, :inter].to(xs.dtype), gu[:, inter:].to(xs.dtype)
+        del gu
+        act = F.silu(g)
+        h = act * u
+        hm, ym = h.to(mm), xs.new_empty(S, H, dtype=mm)
+        for j, a, b in _blocks(bounds):
+            torch.mm(hm[a:b], wd.copy_(ws[3 * j + 2]).t(), out=ym[a:b])
+        return ym.to(xs.dtype), (xs, g, u, act, h)
+
+    @staticmethod
+    def backward(dy: torch.Tensor, saved: tuple, ws: tuple, bounds: list, mm: torch.dtype, needs: tuple):
+        xs, g, u, act, h = saved
+        need = needs[3:]
+        grads: list = [None] * len(ws)
+        inter, H = h.shape[1], xs.shape[1]
+        dym, hm = dy.to(mm), h.to(mm)
+        dhm = hm.new_empty(h.shape)
+        wd, gd = dym.new_empty(H, inter), dym.new_empty(H, inter)
+        for j, a, b in _blocks(bounds):
+            torch.mm(dym[a:b], wd.copy_(ws[3 * j + 2]), out=dhm[a:b])
+            if need[3 * j + 2]:
+                grads[3 * j + 2] = torch.mm(dym[a:b].t(), hm[a:b], out=gd).to(h.dtype)
+        del dym, hm, wd, gd
+        dh = dhm.to(h.dtype)
+        del dhm
+        dgu = xs.new_empty(xs.shape[0], 2 * inter, dtype=mm)
+        dgu[:, :inter].copy_(torch.ops.aten.silu_backward(dh * u, g))
+        dgu[:, inter:].copy_(dh * act)
+        del dh
+        return _WideSwiGlu._gate_up_back(dgu, xs, ws, bounds, needs, grads)
+
+    @staticmethod
+    def _gate_up_back(dgu: torch.Tensor, xs: torch.Tensor, ws: tuple, bounds: list, needs: tuple, grads: list):
+        """Gate and up part of :meth:`backward`: ``dx = [dg | du] [W_gate; W_up]`` (one matmul, one rounding)
+        and ``[dW_gate; dW_up] = [dg | du]^T x`` per block."""
+        need = needs[3:]
+        inter, H = dgu.shape[1] // 2, xs.shape[1]
+        xm = xs.to(dgu.dtype)
+        dxm = xm.new_empty(xs.shape) if needs[0] else None
+        wgu, ggu = xm.new_empty(2 * inter, H), xm.new_empty(2 * inter, H)
+        for j, a, b in _blocks(bounds):
+            if dxm is not None:
+                wgu[:inter].copy_(ws[3 * j])
+                wgu[inter:].copy_(ws[3 * j + 1])
+                torch.mm(dgu[a:b], wgu, out=dxm[a:b])
+            if need[3 * j] or need[3 * j + 1]:
+                torch.mm(dgu[a:b].t(), xm[a:b], out=ggu)
+                for p in (0, 1):
+                    if need[3 * j + p]:
+                        grads[3 * j + p] = ggu[p * inter:(p + 1) * inter].to(xs.dtype)
+        return (dxm.to(xs.dtype) if dxm is not None else None), grads
 
 
 @dataclass
