@@ -161,3 +161,47 @@ def test_heap_holes_are_the_layers_freed_activations():
     shape = RunShape(seq_len=256, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="fp32")
     mem = MemoryModel(cfg, shape, cards, None, terms).stage(0, n, n, 0).mem
     assert mem["heap"] == 2 * n * activation_bytes_per_layer(cfg, shape, "sdpa")
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_embedding_gradient_add_counts_what_the_schedule_holds_then(tied):
+    """Full fine-tuning, one cpu card (GPipe, M = 4: ``F0 F1 F2 F3 B0 B1 B2 B3``), fp32: the embedding's fresh
+    ``[V, H]`` gradient (``4 V H`` bytes) exists at the end of each ``B``, when that micro-batch's saved tensors are
+    freed, so on top of what the later micro-batches hold, not of the activations' peak. Tied: the head (first in
+    each backward, adding ``dW`` in place) makes ``.grad`` first, so every ``B`` adds a fresh gradient: after ``B0``
+    3 micro-batches are held. Untied: ``B0``'s becomes ``.grad``, ``B1`` the first to add: 2 held. ``H`` = one
+    micro-batch's activations (the term / 4); S = 16 so the gradient outweighs a micro-batch."""
+    from dataclasses import replace
+
+    from npu_train.planner.memory import activation_bytes_per_layer, saved_logits_bytes
+
+    cfg = replace(get_preset("smollm2-135m"), tie_word_embeddings=tied)
+    shape = RunShape(seq_len=16, micro_batch=1, micro_batches=4, schedule="gpipe", dtype="fp32")
+    mm = MemoryModel(cfg, shape, make_cards("cpu", 1, 1 << 40), None, [load_memory_terms("cpu", "/none.json")])
+    n = cfg.num_layers
+    mem = mm.stage(0, n, n, 0).mem
+    H = n * activation_bytes_per_layer(cfg, shape, "sdpa") + saved_logits_bytes(cfg, shape)
+    assert mem["activations"] == 4 * H
+    fresh = 4 * cfg.vocab_size * cfg.hidden_size
+    held = 3 * H if tied else 2 * H
+    assert mm.nonlayer_accumulation_peak(0, n) == held + fresh
+    assert held + fresh > 4 * H + 4 * cfg.hidden_size * cfg.intermediate_size  # the largest layer gradient's add
+    assert mem["transient"] == held + fresh - 4 * H
+
+
+def test_zbv_embedding_gradient_add_after_the_first_chunks_backward():
+    """ZB-V, 2 cpu cards, M = 4, full fine-tuning, fp32, card 0 holding the tied embedding, layer 0 (its first chunk)
+    and the head (its second chunk): its actions ``F00 F10 F20 F01 B01 W01 F11 B11 W11 F30 B00 ...``. The head's
+    ``W01`` adds in place first, so each ``B`` of the first chunk adds a fresh ``4 V H`` gradient; ``B00`` comes
+    with all four micro-batches' layer-0 activations ``a`` in flight and frees its own, keeping only its output
+    (``S b h 4`` bytes) until the ``W``: ``3 a + S b h 4 + 4 V H``, not the activations' peak (which also holds the
+    head's saved log-probabilities and pending logits gradient) plus the gradient (the 0.63 B run's card 0)."""
+    from npu_train.planner.memory import activation_bytes_per_layer
+
+    cfg = get_preset("smollm2-135m")
+    shape = RunShape(seq_len=256, micro_batch=2, micro_batches=4, schedule="zbv", dtype="fp32")
+    mm = MemoryModel(cfg, shape, make_cards("cpu", 2, 1 << 40), None, [load_memory_terms("cpu", "/none.json")] * 2)
+    a = activation_bytes_per_layer(cfg, shape, "sdpa")
+    fresh = 4 * cfg.vocab_size * cfg.hidden_size
+    assert mm.nonlayer_accumulation_peak(0, 1) == 3 * a + 256 * 2 * cfg.hidden_size * 4 + fresh
+    assert mm.nonlayer_accumulation_peak(1, 29) == 0  # no embedding, no head on card 1

@@ -208,29 +208,37 @@ def in_flight_profile(actions: Sequence[Action]) -> list[int]:
     return out
 
 
-def peak_held_bytes(kind: str, stage: int, num_stages: int, num_micro: int, held: Sequence[float],
-                    pending: Sequence[float] = (0.0, 0.0)) -> float:
-    """Peak of ``sum_c held[c] * live_c + pending[c] * waiting_c`` over ``stage``'s actions: ``live_c`` the
-    micro-batches chunk ``c`` holds (``F`` to its last backward action), ``waiting_c`` those between ``B`` and
-    ``W`` (a split backward past the first virtual stage); ``held`` / ``pending`` bytes per micro-batch of each
-    chunk (one entry per chunk the card holds)."""
+def held_profile(kind: str, stage: int, num_stages: int, num_micro: int, held: Sequence[float],
+                 pending: Sequence[float] = (0.0, 0.0)) -> list[tuple[Action, float, float]]:
+    """``(action, before, after)`` for each of ``stage``'s actions: the bytes ``sum_c held[c] * live_c +
+    pending[c] * waiting_c`` just before and just after it; ``live_c`` the micro-batches chunk ``c`` holds (``F`` to
+    its last backward action), ``waiting_c`` those between ``B`` and ``W`` (a split backward past the first
+    virtual stage); ``held`` / ``pending`` bytes per micro-batch of each chunk (one entry per chunk the card
+    holds)."""
     acts = build_schedule(kind, num_stages, num_micro, stage)
     last = {}
     for i, a in enumerate(acts):
         if a.kind != "F":
             last[(a.micro, a.chunk)] = i
     split = kind in SPLIT_BACKWARD
-    total = peak = 0.0
+    total, out = 0.0, []
     for i, a in enumerate(acts):
-        c = a.chunk
+        c, before = a.chunk, total
         if a.kind == "F":
             total += held[c]
         elif last.get((a.micro, c)) == i:
             total -= held[c]
         if split and virtual_stage(kind, num_stages, stage, c) > 0:
             total += pending[c] if a.kind == "B" else -pending[c] if a.kind == "W" else 0.0
-        peak = max(peak, total)
-    return peak
+        out.append((a, before, total))
+    return out
+
+
+def peak_held_bytes(kind: str, stage: int, num_stages: int, num_micro: int, held: Sequence[float],
+                    pending: Sequence[float] = (0.0, 0.0)) -> float:
+    """Peak over ``stage``'s actions of the bytes :func:`held_profile` counts after each."""
+    return max([0.0] + [after for _a, _before, after in held_profile(kind, stage, num_stages, num_micro, held,
+                                                                      pending)])
 
 
 def peak_in_flight(kind: str, stage: int, num_stages: int, num_micro: int) -> int:

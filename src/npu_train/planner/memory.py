@@ -10,8 +10,8 @@ from typing import Optional, Sequence
 
 from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import (card_of, chunks_per_card, peak_held_bytes, peak_in_flight,
-                                         peak_pending_weight_grads)
+from npu_train.pipeline.schedule import (SPLIT_BACKWARD, card_of, chunks_per_card, held_profile, peak_held_bytes,
+                                         peak_in_flight, peak_pending_weight_grads, virtual_stage)
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.moe import largest_layer_tensor, mlp_pending_bytes_per_token, mlp_saved_bytes_per_token
 from npu_train.planner.spec import RunShape
@@ -263,19 +263,77 @@ class MemoryModel:
         :func:`~npu_train.planner.cost.chunk_sizes`): the peak over its actions of what each chunk's micro-batches
         hold (:func:`~npu_train.pipeline.schedule.peak_held_bytes`; the head's saved log-probabilities on the last
         virtual stage's chunk)."""
-        sizes = (n - n // 2, n // 2)
-        V = self.chunks * self.num_stages
-        per = self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)
-        held, pend = [], []
-        for c, m in enumerate(sizes):
-            head = with_head and card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
-            h = m * per + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)
-            held.append(float(h))
-            pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if head else 0)))
+        held, pend = self._held_per_chunk(i, n, with_head)
         total = peak_held_bytes(self.shape.schedule, i, self.num_stages, self.shape.micro_batches, held, pend)
         if self.shape.recompute and n:
             total += self._activations_per_layer(i)  # one layer's recomputed activations at a time
         return int(total)
+
+    def _chunk_sizes(self, n: int) -> tuple:
+        """Layers of each chunk of a card holding ``n`` (:func:`~npu_train.planner.cost.chunk_sizes`)."""
+        return (n - n // 2, n // 2) if self.chunks > 1 else (n,)
+
+    def _held_per_chunk(self, i: int, n: int, with_head: bool = True) -> tuple[list, list]:
+        """(bytes one micro-batch holds from its ``F`` to its last backward action, bytes it keeps from ``B`` to
+        ``W``) per chunk of card ``i`` with ``n`` layers: the layers' saved tensors (recompute: their inputs), the
+        packed rows' mask, and on the head's chunk the saved log-probabilities and the pending logits gradient."""
+        V = self.chunks * self.num_stages
+        per = self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)
+        held, pend = [], []
+        for c, m in enumerate(self._chunk_sizes(n)):
+            head = with_head and card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
+            held.append(float(m * per + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)))
+            pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if head else 0)))
+        return held, pend
+
+    def nonlayer_accumulation_peak(self, i: int, n: int) -> int:
+        """Bytes stage ``i`` holds besides the parameters' state while a gradient of the embedding or of the
+        head's weight (full fine-tuning) is added to an existing ``.grad``: the fresh ``[V, H]`` gradient (+ its
+        fp32 cast where the gradients are kept in another dtype) on top of what the schedule holds at that action
+        (:func:`~npu_train.pipeline.schedule.held_profile`), not on top of the activations' peak. 0 where no such
+        addition happens.
+
+        - the embedding: its gradient is the last thing the first virtual stage's ``B`` computes (a fresh
+          ``[V, H]`` tensor from ``embedding_dense_backward``), after that micro-batch's layers freed their saved
+          tensors: what the schedule holds *after* the action (+ one recomputed layer under ``train.recompute``).
+          Every ``B`` but the step's first adds it, every one where the head's tied weight (same tensor, same
+          card: ZB-V) may have made ``.grad`` first.
+        - the head's weight (untied, or the tied copy on a later card): computed at the start of the head
+          chunk's backward (``W`` when split: + the held bytes before and after, the larger; unsplit ``B``: before,
+          + the fp32 logits' gradient). None on a card whose head adds ``dW`` into an fp32 ``.grad`` in place
+          (``model/headops.py``, cpu and cuda, fp32 gradients and weights).
+
+        A 0.63 B full fine-tuning card holding the tied embedding, the head and one layer (ZB-V, fp32) peaked 0.99
+        GiB over its weights, gradients, optimizer state and baseline, the 0.98 GiB gradient with nothing held
+        (``experiments/2026-12-06-plan-bound.md``)."""
+        if self.adapter_params or self.cards[i].kind not in HOST_MEMORY_KINDS:
+            return 0
+        sched, P, M = self.shape.schedule, self.num_stages, self.shape.micro_batches
+        e, g = self.dtype_bytes, self.grad_bytes
+        fresh = (e if g == e else e + 4) * self.embedding_params
+        held, pend = self._held_per_chunk(i, n)
+        extra = self._activations_per_layer(i) if self.shape.recompute and n else 0
+        V = self.chunks * P
+        head_chunk = card_of(sched, P, V - 1)[1] if i == self.head_stage else None
+        head_in_place = self.cards[i].kind in FUSED_HEAD_KINDS and g == e == 4
+        same_tensor = self.tied and head_chunk is not None and i == 0
+        seen, peak = set(), 0
+        for a, before, after in held_profile(sched, i, P, M, held, pend):
+            vs = virtual_stage(sched, P, i, a.chunk)
+            split = sched in SPLIT_BACKWARD and vs > 0
+            events = []  # (tensor, bytes held when its fresh gradient exists; None: added in place)
+            if a.chunk == head_chunk and a.kind == ("W" if split else "B"):  # first in the backward
+                at = None if head_in_place else max(before, after) if split else before + self.saved_logits
+                events.append(("embedding" if same_tensor else "head", at))
+            if vs == 0 and a.kind == "B":  # the embedding's gradient, last; a split schedule's W of the first
+                # virtual stage follows with nothing to do: its B freed the saved tensors, the output stays
+                own = held[a.chunk] - self.layer_input_bytes if sched in SPLIT_BACKWARD else 0
+                events.append(("embedding", after - own + extra))
+            for key, at in events:
+                if key in seen and at is not None:
+                    peak = max(peak, int(at) + fresh)
+                seen.add(key)
+        return peak
 
     def transients(self, i: int, n: int, p: StageParams, activations: int) -> int:
         """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step."""
@@ -378,11 +436,16 @@ class MemoryModel:
         return i == self.head_stage and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
 
     def _accumulation_temporary(self, i: int, n: int) -> int:
-        """The fresh gradient autograd adds to ``.grad`` from the second micro-batch on (+ its fp32 cast)."""
+        """The fresh gradient autograd adds to ``.grad`` from the second micro-batch on (+ its fp32 cast): of the
+        stage's largest trained tensor; on a host-memory card of its largest layer tensor (LoRA: one layer's
+        adapters), the embedding's and the head's counted where the schedule adds them
+        (:meth:`nonlayer_accumulation_peak`)."""
         shape, e, g = self.shape, self.dtype_bytes, self.grad_bytes
         if not (shape.micro_batches > 1 or (self.head_stage == 0 and self.tied)):
             return 0
-        if self._fused_head(i) and g == e == 4 and i != 0:
+        if self.cards[i].kind in HOST_MEMORY_KINDS:
+            elements = (self.adapter_params or self.largest_layer_param) if n and shape.micro_batches > 1 else 0
+        elif self._fused_head(i) and g == e == 4 and i != 0:
             elements = self.largest_layer_param if n else 0
         else:
             elements = self._largest_trained_param(i, n)
@@ -392,9 +455,11 @@ class MemoryModel:
         acc = self._accumulation_temporary(i, n)
         core = self._recomputed_core(i) if n else 0
         if i == self.head_stage:
-            return activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core)
-        one_micro_batch = n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i))
-        return activations + max(0, acc - one_micro_batch, core)
+            peak = activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core)
+        else:
+            one_micro_batch = n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i))
+            peak = activations + max(0, acc - one_micro_batch, core)
+        return max(peak, self.nonlayer_accumulation_peak(i, n))
 
     def _host_gradient_copies(self, i: int, p: StageParams) -> int:
         """fp32 host copies of offloaded gradients on a host-memory card (none when the update takes the
