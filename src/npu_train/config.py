@@ -138,6 +138,11 @@ class TrainConf:
     #: layers per card: null = chosen by the placement model (balanced unless auto finds faster), or a list.
     split: Any = None
     recompute: bool = False
+    #: with train.recompute: all (every layer of every card is recomputed) | fewest (each card recomputes only
+    #: the fewest of its layers that fit, chosen by the planner per card; the others keep their activations,
+    #: their attention core recomputed under recompute_attention). train.schedule=auto picks fewest where it
+    #: falls back on recompute | [k0, k1, ...] (per card of a pipeline: its first k layers in execution order)
+    recompute_layers: Any = "all"
     #: selective activation recompute: only every decoder layer's attention core (softmax(QK^T)V) is recomputed in
     #: the backward, so a kernel that saves the [b, heads, S, S] probabilities (furiosa's) holds none; costs
     #: the core's forward FLOPs again. auto: train.schedule=auto / parallel.dp=auto turn it on where the plan
@@ -552,6 +557,10 @@ def _check_modes(t) -> None:
     if t.schedule in ("zb", "zb-h1", "zb-h2", "zbv") and t.recompute:
         raise ConfigError(f"train.schedule={t.schedule} does not combine with train.recompute=true: "
                           "use train.schedule=1f1b for activation recompute")
+    rl = t.recompute_layers
+    if not (isinstance(rl, str) and rl in ("all", "fewest")) and not (
+            not isinstance(rl, str) and hasattr(rl, "__len__") and len(rl) and all(isinstance(x, int) and x >= 0 for x in rl)):
+        raise ConfigError(f"train.recompute_layers={rl!r}: use all, fewest or a list of counts >= 0, one per card")
     if t.recompute_attention not in ("auto", True, False):
         raise ConfigError(f"train.recompute_attention={t.recompute_attention!r}: use auto, true or false")
     if t.resume_mismatch not in ("refuse", "allow"):

@@ -178,3 +178,21 @@ def test_zbv_with_the_attention_core_recomputed(tiny_model, tmp_path):
     _check(losses, reader, ref_losses, ref_w)
     with open(tmp_path / "plan.json") as f:
         assert json.load(f)["shape"]["recompute_attention"] is True
+
+
+@pytest.mark.parametrize("P,tied,schedule,counts", [(2, True, "interleaved", [1, 2]), (3, False, "1f1b", [1, 0, 1])])
+def test_some_layers_recomputed_per_card_match_reference(tiny_model, tiny_model_untied, tmp_path, P, tied, schedule,
+                                                         counts):
+    """``train.recompute_layers=[k0, ...]`` (what ``train.schedule=auto`` plans as the fewest that fit when only
+    recompute fits): each card recomputes its first k layers whole and keeps the others' activations; the plan
+    records the counts, and losses and masters equal the reference's."""
+    model = tiny_model if tied else tiny_model_untied
+    ref_losses, ref_w = _ref(model)
+    losses, reader = run_pipeline(model, str(tmp_path), "backend=[" + ",".join(["cpu"] * P) + "]",
+                                  f"train.schedule={schedule}", "train.recompute=true",
+                                  "train.recompute_layers=[" + ",".join(map(str, counts)) + "]")
+    _check(losses, reader, ref_losses, ref_w)
+    with open(tmp_path / "plan.json") as f:
+        plan = json.load(f)
+    assert [st["recompute_layers"] for st in plan["stages"]] == counts
+    assert plan["shape"]["recompute_fewest"] is True

@@ -274,11 +274,15 @@ class StageModule(nn.Module):
     ``second=(a, b)``: a card of a two-chunk schedule (:data:`~npu_train.pipeline.schedule.CHUNKED_SCHEDULES`)
     also holds layers ``[a, b)``; ``forward(chunk=0)`` runs the embedding (if any) and the first range,
     ``chunk=1`` the second range and the head (if any). Raises ValueError for a range outside the model or
-    overlapping the first."""
+    overlapping the first.
+
+    ``recompute_layers``: with ``recompute``, only the card's first that many layers in execution order (chunk 0's
+    first) are recomputed whole, the others keep their activations (``train.recompute_layers=fewest``: the
+    plan's per-card count); None: every layer. Raises ValueError for a negative count."""
 
     def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
                  has_head: bool, recompute: bool = False, second: Optional[tuple] = None,
-                 recompute_attention: bool = False) -> None:
+                 recompute_attention: bool = False, recompute_layers: Optional[int] = None) -> None:
         super().__init__()
         _check_range(cfg, first_layer, last_layer)
         self.cfg = cfg
@@ -296,6 +300,12 @@ class StageModule(nn.Module):
                 raise ValueError(f"layer ranges [{first_layer}, {last_layer}) and {list(self.second)} overlap")
             ranges.append(range(*self.second))
         self.chunk_layers = [[str(i) for i in r] for r in ranges]
+        order = [n for c in self.chunk_layers for n in c]
+        if recompute_layers is not None and int(recompute_layers) < 0:
+            raise ValueError(f"recompute_layers={recompute_layers}: use a count >= 0 (or None: every layer)")
+        #: the layers recomputed whole in the backward (under ``recompute``)
+        k = len(order) if recompute_layers is None else int(recompute_layers)
+        self.recomputed_layers = frozenset(order[:k]) if recompute else frozenset()
 
         self.model = nn.Module()
         #: router statistics of the sparse layers (mixtures of experts; :mod:`npu_train.model.moe`)
@@ -416,12 +426,13 @@ class StageModule(nn.Module):
         cos, sin, mask = self.attention_inputs(S, h, positions)
         extra = () if mask is None else (mask,)  # unpacked: the layers' (h, cos, sin) call as before
         use_ckpt = self.recompute and torch.is_grad_enabled()
+        whole = self.recomputed_layers
         names = [n for c in self.chunk_layers for n in c] if chunk is None else self.chunk_layers[chunk]
         for i, name in enumerate(names):
             layer = self.model.layers[name]
             if cuts is not None and (i > 0 or embed):
                 h = _cut(h, cuts)
-            if use_ckpt:
+            if use_ckpt and name in whole:
                 h = checkpoint(layer, h, cos, sin, *extra, use_reentrant=False)
             else:
                 h = layer(h, cos, sin, *extra)
@@ -435,6 +446,8 @@ class StageModule(nn.Module):
         return (f"layers=[{self.first_layer}, {self.last_layer})"
                 + (f" + [{self.second[0]}, {self.second[1]})" if self.second else "") + f", embed={self.has_embed}, "
                 f"head={self.has_head}, recompute={self.recompute}"
+                + (f" ({len(self.recomputed_layers)} layers)" if self.recompute and
+                   len(self.recomputed_layers) != sum(map(len, self.chunk_layers)) else "")
                 + (", recompute_attention=True" if self.recompute_attention else ""))
 
 

@@ -62,6 +62,7 @@ class StageCost:
     t_w: float = 0.0  # weight-gradient pass
     layers: int = 0  # decoder layers
     t_head: tuple = (0.0, 0.0, 0.0)  # the head's share of (t_f, t_b, t_w)
+    recomputed: Optional[int] = None  # layers recomputed whole (RunShape.recompute_fewest; None: the shape's)
 
     @property
     def host_bytes(self) -> int:
@@ -143,12 +144,18 @@ class CostModel:
         #: FLOPs per micro-batch of one decoder layer: (forward, input gradient, weight gradient)
         # selective recompute (recompute_attention): the attention core's forward, 4 attn, again in B
         core = 4.0 * attn if shape.recompute_attention and not shape.recompute else 0.0
-        self.layer_fbw = (f, lin + 8.0 * attn + (f if shape.recompute else core),
-                          2.0 * (adapter_params if adapter_params else layer_params) * tok)
+        w = 2.0 * (adapter_params if adapter_params else layer_params) * tok
+        self.layer_fbw = (f, lin + 8.0 * attn + (f if shape.recompute else core), w)
         self.layer_flops = sum(self.layer_fbw)
+        # recompute_fewest: a layer recomputed whole runs its forward again in B (and its core once more: the
+        # core's checkpoint nests in the layer's); a kept layer recomputes only its core (recompute_attention)
+        core_k = 4.0 * attn if shape.recompute_attention else 0.0
+        #: per-layer (forward, input gradient, weight gradient) FLOPs: (recomputed whole, kept) under recompute_fewest
+        self.layer_fbw_parts = ((f, lin + 8.0 * attn + f + core_k, w), (f, lin + 8.0 * attn + core_k, w))
         head_pass = 2.0 * tok * model.embedding_params()  # one pass of the lm_head (V x H) over the tokens
         #: FLOPs per micro-batch of the lm_head (+ loss): (forward, input gradient, weight gradient)
-        self.head_fbw = (head_pass, head_pass + (head_pass if shape.recompute else 0.0),
+        # (recompute_fewest: no head recompute, as the card runs it: StageModule checkpoints decoder layers only)
+        self.head_fbw = (head_pass, head_pass + (head_pass if shape.recompute and not shape.recompute_fewest else 0.0),
                          0.0 if adapter_params else head_pass)
         self.head_flops = sum(self.head_fbw)
         self._cache: dict = {}
@@ -161,13 +168,19 @@ class CostModel:
             return c
         mm = self.memory
         rt = self.rates[i]
-        sm = mm.stage(i, n, r, rt.process_baseline_bytes)
+        k, sm = self._fewest_recomputed(i, n, r) if self.shape.recompute_fewest else (None, None)
+        if sm is None:
+            sm = mm.stage(i, n, r, rt.process_baseline_bytes, k)
         first, last = i == 0, i == mm.head_stage
         lora = self.shape.lora_params_per_layer > 0
         # the tied gradient down and up (not when one card holds embedding and head)
         tied_copies = mm.tied and mm.head_stage != 0 and (first or last) and not lora
         xfer = sm.offloaded_params + (mm.embedding_params if tied_copies else 0)
-        fbw = [n * x / rt.device_flops for x in self.layer_fbw]
+        if k is None:
+            fbw = [n * x / rt.device_flops for x in self.layer_fbw]
+        else:
+            whole, kept = self.layer_fbw_parts
+            fbw = [(k * a + (n - k) * b) / rt.device_flops for a, b in zip(whole, kept)]
         if self.shape.schedule in SPLIT_BACKWARD and (not first or mm.chunks > 1) and n:
             # B + W of the zero-bubble split cost split_backward_ratio x (forward + backward) in
             # seconds, not FLOPs (measured per layer: Rates.split_backward_ratio); the first stage
@@ -179,7 +192,18 @@ class CostModel:
         head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if last else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
         t_mb = sum(fbw)
-        mem = dict(sm.mem)
+        mem, share = self._zero_cut(i, sm.mem)
+        c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
+                      xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
+                      params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
+                      recomputed=k)
+        self._cache[key] = c
+        return c
+
+    def _zero_cut(self, i: int, terms: dict) -> tuple[dict, float]:
+        """``(memory terms, optimizer-state share)`` of stage ``i``: with ZeRO-1 the card keeps ``1/dp`` of the
+        optimizer state (and its workspace share)."""
+        mem = dict(terms)
         share = 1.0
         if self.zero and self.dp > 1:  # ZeRO-1: this card keeps 1/dp of the stage's optimizer state
             share = 1.0 / self.dp
@@ -188,11 +212,20 @@ class CostModel:
             mem["optimizer"] -= cut
             mem["workspace"] -= ws_cut
             mem["total"] -= cut + ws_cut
-        c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
-                      xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
-                      params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head)
-        self._cache[key] = c
-        return c
+        return mem, share
+
+    def _fewest_recomputed(self, i: int, n: int, r: int) -> tuple:
+        """``(k, StageMemory)``: the fewest layers ``k`` of stage ``i`` (``n`` layers, ``r`` resident) recomputed
+        whole with which the card fits :meth:`limit` (``RunShape.recompute_fewest``); ``n`` when none does."""
+        mm, base = self.memory, self.rates[i].process_baseline_bytes
+        if self.shape.recompute_counts:  # given per card (train.recompute_layers=[...])
+            return mm.recomputed(n, self.shape.recompute_counts[i]), None
+        cap = self.limit(i)
+        for k in range(n + 1):
+            sm = mm.stage(i, n, r, base, k)
+            if self._zero_cut(i, sm.mem)[0]["total"] <= cap:
+                return k, sm
+        return n, sm
 
     def side_time(self, i: int, c: StageCost) -> tuple[float, float, float]:
         """(host optimizer, device optimizer, transfer + data-parallel communication) seconds per step."""
@@ -328,6 +361,7 @@ class CostModel:
                 resident=layers[:c.resident], offloaded=layers[c.resident:],
                 mem=dict(c.mem), time=time, host_bytes=c.host_bytes, in_flight=c.in_flight,
                 nonlayer_resident=c.nonlayer_resident, second=ranges[i][1] if len(ranges[i]) > 1 else None,
+                recompute_layers=c.recomputed,
             ))
         step = max(st.time["total"] for st in stages)
         fits = all(st.fits for st in stages)

@@ -170,16 +170,17 @@ class MemoryModel:
         self.pending_head_bytes = shape.seq_len * shape.micro_batch * self.dtype_bytes * model.vocab_size
 
     # ------------------------------------------------------------------ the sum
-    def stage(self, i: int, n: int, r: int, baseline_bytes: float) -> StageMemory:
+    def stage(self, i: int, n: int, r: int, baseline_bytes: float, k: Optional[int] = None) -> StageMemory:
         """Memory terms and ``total`` of stage ``i`` with ``n`` decoder layers, the first ``r`` resident;
-        ``baseline_bytes``: ``Rates.process_baseline_bytes``."""
+        ``baseline_bytes``: ``Rates.process_baseline_bytes``; ``k``: layers recomputed whole
+        (:meth:`recomputed`; None: the shape's all or none)."""
         p = self.parameters(i, n, r)
-        activations = self.activations(i, n)
+        activations = self.activations(i, n, k=k)
         mem = {"baseline": self.process_baseline(baseline_bytes), "weights": self.weights(p),
                "grads": self.gradients(p), "optimizer": self.optimizer_state(i, p), "activations": activations,
-               "transient": self.transients(i, n, p, activations)}
-        body = sum(mem[k] for k in BODY_TERMS)
-        churn = self.hole_churn(i, n)
+               "transient": self.transients(i, n, p, activations, k)}
+        body = sum(mem[t] for t in BODY_TERMS)
+        churn = self.hole_churn(i, n, k)
         load = self._load_excess(i, n, p, mem["weights"], body)  # the model load, where it is the peak
         mem["transient"] += load
         body += load
@@ -239,10 +240,27 @@ class MemoryModel:
         shared_masters = p.resident if self.dtype_bytes == 4 and kind in SHARED_MASTER_KINDS else 0
         return 12 * on_card - 4 * shared_masters
 
-    def activations(self, i: int, n: int, head: bool = True) -> int:
+    def recomputed(self, n: int, k: Optional[int] = None) -> int:
+        """Layers of a stage of ``n`` that are recomputed whole: ``k`` (``RunShape.recompute_fewest``: the card's
+        first ``k`` in execution order, clamped to ``0..n``), else ``n`` under ``recompute`` and 0 without."""
+        if k is not None:
+            return max(0, min(int(n), int(k)))
+        return n if self.shape.recompute else 0
+
+    def held_per_micro_batch(self, i: int, n: int, k: Optional[int]) -> int:
+        """Bytes one micro-batch leaves saved in ``n`` layers of stage ``i``, ``k`` of them recomputed whole
+        (:meth:`recomputed`): ``k`` layer inputs ``[b, S, H]`` + ``(n - k)`` layers' activations."""
+        kk = self.recomputed(n, k)
+        return kk * self.layer_input_bytes + (n - kk) * self._activations_per_layer(i)
+
+    def activations(self, i: int, n: int, head: bool = True, k: Optional[int] = None) -> int:
         """Saved tensors of the micro-batches in flight (packed rows: with their attention mask), the last
         stage's log-probabilities and, with a split backward, the output gradients kept from B to W;
-        ``head=False``: without the head's ``[tokens, vocab]`` tensors (the decoder layers' part)."""
+        ``head=False``: without the head's ``[tokens, vocab]`` tensors (the decoder layers' part); ``k``:
+        layers recomputed whole (:meth:`recomputed`), each holding its input and, one at a time in the
+        backward, its recomputed activations."""
+        if k is not None:
+            return self._partial_activations(i, n, head, k)
         k, last = self.in_flight[i], i == self.head_stage and head
         if self.chunks > 1:
             return self._chunked_activations(i, n, head)
@@ -257,6 +275,30 @@ class MemoryModel:
         if self.pending[i]:
             total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head_bytes if last else 0))
         return total
+
+    def _partial_activations(self, i: int, n: int, head: bool, k: int) -> int:
+        """:meth:`activations` with ``k`` of the ``n`` layers recomputed whole: the card's first ``k`` in execution
+        order (a two-chunk card: chunk 0's layers first, the chunk holding more micro-batches)."""
+        kk = self.recomputed(n, k)
+        last = i == self.head_stage and head
+        sizes = (n - n // 2, n // 2) if self.chunks > 1 else (n,)
+        held, pend = [], []
+        V = self.chunks * self.num_stages
+        left = kk
+        for c, m in enumerate(sizes):
+            kc = min(left, m)
+            left -= kc
+            hd = last and (self.chunks == 1 or card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c))
+            h = kc * self.layer_input_bytes + (m - kc) * self._activations_per_layer(i)
+            held.append(float(h + (self.mask_bytes if m else 0) + (self.saved_logits if hd else 0)))
+            pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if hd else 0)))
+        if self.chunks > 1:
+            total = peak_held_bytes(self.shape.schedule, i, self.num_stages, self.shape.micro_batches, held, pend)
+        else:
+            total = self.in_flight[i] * held[0] + self.pending[i] * pend[0]
+        if kk:
+            total += self._activations_per_layer(i)  # one layer's recomputed activations at a time
+        return int(total)
 
     def _chunked_activations(self, i: int, n: int, with_head: bool = True) -> int:
         """:meth:`activations` of a card holding two chunks (``n`` layers, shared as
@@ -335,12 +377,13 @@ class MemoryModel:
                 seen.add(key)
         return peak
 
-    def transients(self, i: int, n: int, p: StageParams, activations: int) -> int:
-        """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step."""
-        peak = max(self._forward_backward_peak(i, n, activations), self._optimizer_phase_peak(i, n, p))
+    def transients(self, i: int, n: int, p: StageParams, activations: int, k: Optional[int] = None) -> int:
+        """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step
+        (``k``: :meth:`recomputed`)."""
+        peak = max(self._forward_backward_peak(i, n, activations, k), self._optimizer_phase_peak(i, n, p))
         return peak - activations + self._held_through_the_step(i, p)
 
-    def hole_churn(self, i: int, n: int) -> int:
+    def hole_churn(self, i: int, n: int, k: Optional[int] = None) -> int:
         """Bytes of stage ``i`` that can stand as holes in a cpu card's heap (``MemoryTerms.heap_fraction`` x this
         is ``mem["heap"]``): the memory a backward frees in the middle of the heap and the next forward requests
         again in other pieces. 0 under ``train.recompute`` (the card returns freed memory,
@@ -377,9 +420,9 @@ class MemoryModel:
           in the runs the other terms covered them).
 
         Runs: ``experiments/2026-12-06-plan-bound.md``."""
-        if self.shape.recompute:
+        if self.shape.recompute:  # recompute_fewest too (``k``): train.recompute is on
             return 0
-        return self.activations(i, n, head=False)
+        return self.activations(i, n, head=False, k=k)
 
     def workspace(self, i: int, body: int, churn: int = 0) -> int:
         """:meth:`MemoryTerms.workspace <npu_train.planner.memterms.MemoryTerms.workspace>` of ``body`` (the
@@ -393,10 +436,12 @@ class MemoryModel:
             return self.activations_per_layer["core"]
         return self.activations_per_layer[ATTENTION[self.cards[i].kind]]
 
-    def _recomputed_core(self, i: int) -> int:
+    def _recomputed_core(self, i: int, partial: bool = False) -> int:
         """Bytes the recomputed attention core of one layer holds while its backward runs: the eager kernel's
-        probabilities (:attr:`scores_bytes`); 0 without ``recompute_attention`` or with a fused kernel."""
-        if self.shape.recompute_attention and not self.shape.recompute and ATTENTION[self.cards[i].kind] == "eager":
+        probabilities (:attr:`scores_bytes`); 0 without ``recompute_attention`` or with a fused kernel
+        (``partial``: some layers recomputed whole, the others with their core recomputed)."""
+        if (self.shape.recompute_attention and (partial or not self.shape.recompute)
+                and ATTENTION[self.cards[i].kind] == "eager"):
             return self.scores_bytes
         return 0
 
@@ -451,13 +496,14 @@ class MemoryModel:
             elements = self._largest_trained_param(i, n)
         return (e if g == e else e + 4) * elements
 
-    def _forward_backward_peak(self, i: int, n: int, activations: int) -> int:
+    def _forward_backward_peak(self, i: int, n: int, activations: int, k: Optional[int] = None) -> int:
         acc = self._accumulation_temporary(i, n)
-        core = self._recomputed_core(i) if n else 0
+        core = self._recomputed_core(i, k is not None) if n else 0
         if i == self.head_stage:
             peak = activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core)
         else:
-            one_micro_batch = n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i))
+            one_micro_batch = (self.held_per_micro_batch(i, n, k) if k is not None else
+                               n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)))
             peak = activations + max(0, acc - one_micro_batch, core)
         return max(peak, self.nonlayer_accumulation_peak(i, n))
 

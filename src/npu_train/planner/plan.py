@@ -36,6 +36,9 @@ class StagePlan:
     nonlayer_resident: bool = False
     #: a two-chunk schedule's second chunk ``(first, last)`` on this card (None: one chunk)
     second: Optional[tuple] = None
+    #: layers recomputed whole, the card's first in execution order (``RunShape.recompute_fewest``); None: the
+    #: shape's ``recompute`` (all or none)
+    recompute_layers: Optional[int] = None
 
     @property
     def num_layers(self) -> int:
@@ -132,6 +135,7 @@ class Plan:
                     "card": st.card.name, "capacity_bytes": st.card.capacity_bytes,
                     "first_layer": st.first_layer, "last_layer": st.last_layer,
                     **({"second": list(st.second)} if st.second else {}),
+                    **({"recompute_layers": st.recompute_layers} if st.recompute_layers is not None else {}),
                     "has_embed": st.has_embed, "has_head": st.has_head,
                     "resident": list(st.resident), "offloaded": list(st.offloaded),
                     "nonlayer_resident": st.nonlayer_resident, "in_flight": st.in_flight,

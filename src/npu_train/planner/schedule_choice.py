@@ -43,6 +43,8 @@ class ScheduleChoice:
     plan: Plan
     why: str
     recompute_attention: bool = False
+    #: recompute on each card only the fewest layers that fit (``RunShape.recompute_fewest``)
+    recompute_fewest: bool = False
 
 
 def _label(schedule: str, plan: Plan) -> str:
@@ -99,18 +101,41 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto") -> ScheduleCho
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
                               f"{others})", plan.shape.recompute_attention)
-    rec = [(s, _try(req, s, True)[0]) for s in ("1f1b", "interleaved")]
+    rec = [(s, _fewest_or_all(req, s)) for s in ("1f1b", "interleaved")]
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:
         best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))
-        also = "".join(f"; {s} + recompute {p.step_time_s:.3g} s" for s, p in rec if s != best)
+        also = "".join(f"; {s} + {_recompute_label(p)} {p.step_time_s:.3g} s" for s, p in rec if s != best)
         return ScheduleChoice(best, True, plan,
-                              f"train.schedule=auto: {best} with activation recompute (predicted step "
+                              f"train.schedule=auto: {best} with {_recompute_label(plan)} (predicted step "
                               f"{plan.step_time_s:.3g} s{also}), recompute being the only way to fit ("
-                              + ", ".join(f"{s}: {w}" for s, _, w in tried) + ")")
+                              + ", ".join(f"{s}: {w}" for s, _, w in tried) + ")",
+                              plan.shape.recompute_attention, plan.shape.recompute_fewest)
     # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
     return ScheduleChoice("1f1b", recompute, plan, "train.schedule=auto: no schedule fits, 1f1b shown")
+
+
+def _recompute_label(plan: Plan) -> str:
+    """``activation recompute`` or, with ``recompute_fewest``, how many layers each card recomputes."""
+    if not plan.shape.recompute_fewest:
+        return "activation recompute"
+    counts = "/".join(str(st.recompute_layers) for st in plan.stages)
+    core = ", the others' attention core" if plan.shape.recompute_attention else ""
+    return f"activation recompute of the fewest layers that fit ({counts} per card{core})"
+
+
+def _fewest_or_all(req: PlanRequest, schedule: str) -> Optional[Plan]:
+    """The faster plan of ``schedule`` with recompute that fits: every layer recomputed, or each card only the
+    fewest of its layers that fit (``RunShape.recompute_fewest``; the others' attention core recomputed where
+    :func:`core_recompute_helps`); None when neither fits."""
+    full = _try(req, schedule, True)[0]
+    shape = replace(req.shape, recompute_fewest=True,
+                    recompute_attention=req.shape.recompute_attention or core_recompute_helps(req))
+    few = _try_one(replace(req, shape=shape), schedule, True)[0]
+    if few is not None and (full is None or few.step_time_s < full.step_time_s):
+        return few
+    return full
 
 
 def _handicapped(schedule: str, step_s: float) -> float:

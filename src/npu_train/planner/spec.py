@@ -40,6 +40,13 @@ class RunShape:
     #: selective recompute: only every layer's attention core (npu_train.model.llama.Attention), whose kernel's
     #: saved tensors (an eager kernel's [b, a, S, S] probabilities) are dropped; its forward FLOPs run again in B
     recompute_attention: bool = False
+    #: with ``recompute``: each card recomputes whole only the fewest of its layers that fit (its first ``k`` in
+    #: execution order, chosen by the planner per card: ``StagePlan.recompute_layers``); the others keep their
+    #: activations (their attention core recomputed under ``recompute_attention``)
+    recompute_fewest: bool = False
+    #: with ``recompute_fewest``: the count per card given (``train.recompute_layers=[k0, k1, ...]``) instead of
+    #: the fewest that fit; () = the planner's
+    recompute_counts: tuple = ()
     #: 0 = full fine-tuning; > 0 = LoRA with this many adapter parameters per layer (the base is frozen)
     lora_params_per_layer: int = 0
     #: LoRA adapter parameters one token passes through per layer (mixture of experts: its k experts'

@@ -335,8 +335,14 @@ def schedule_line(plan: Plan) -> str:
     idle = max(0.0, sum(st.time["bubble"] for st in plan.stages) / (P * phase)) if phase > 0 else 0.0
     unit = bubble_fraction(s.schedule, P, s.micro_batches)
     held = "/".join(str(st.in_flight) for st in plan.stages)
-    return (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
+    line = (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
             f"(equal unit F/B/W times: {unit * 100:.1f} %); micro-batches held per card {held}")
+    if getattr(s, "recompute_fewest", False):
+        counts = "/".join(f"{st.recompute_layers}" for st in plan.stages)
+        line += (f"; layers recomputed whole per card {counts} (train.recompute_layers=fewest: the fewest that fit;"
+                 " the others keep their activations" + (", attention core recomputed" if s.recompute_attention
+                                                          else "") + ")")
+    return line
 
 
 def offload_lines(plan: Plan) -> list[str]:

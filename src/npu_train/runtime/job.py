@@ -267,6 +267,8 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
             cfg.parallel.zero = 0
         cfg.train.micro_batch, cfg.train.accum = o.layout.micro_batch, o.layout.accum
         cfg.train.schedule, cfg.train.recompute = o.schedule, o.recompute
+        if o.plan is not None and o.plan.shape.recompute_fewest:
+            cfg.train.recompute_layers = "fewest"
         cfg.train.recompute_attention = bool(o.recompute_attention or cfg.train.recompute_attention is True)
     print("\n".join(choice.lines), flush=True)
 
@@ -293,6 +295,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     if saved and saved.get("schedule") in ALL_SCHEDULES:
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
         core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
+        which = saved.get("recompute_layers", cfg.train.recompute_layers)
         why = f"train.schedule=auto: {schedule}, the resumed checkpoint's"
     else:
         with open_dict(cfg):
@@ -302,6 +305,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         choice = choose_schedule(req, cfg.train.recompute_attention)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
         core = choice.recompute_attention or cfg.train.recompute_attention is True
+        which = "fewest" if choice.recompute_fewest else cfg.train.recompute_layers
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
 
     if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and _aux_needs_1f1b(cfg, mcfg):
@@ -311,6 +315,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         cfg.train.schedule = schedule
         cfg.train.recompute = recompute
         cfg.train.recompute_attention = core
+        cfg.train.recompute_layers = which
     print(why, flush=True)
 
 
@@ -438,7 +443,7 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
             rank=r, world_size=layout.world, dp=dp, zero=zero, job_id=job_id, token=token, parent_pid=os.getpid(),
             card=card, model_path=prep.model_path, model_cfg=mcfg.to_dict(),
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label,
-                            second=tuple(st.second) if st.second else None),
+                            second=tuple(st.second) if st.second else None, recompute_layers=st.recompute_layers),
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets, train.lora_train_router)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
             inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,
@@ -490,6 +495,9 @@ def plan_request(cfg, mcfg, dtype: str, cards: list, *, threads: int, dp: int, z
 
     tr, fur = cfg.train, cfg.runtime.furiosa
     shape = run_shape(cfg, mcfg, dtype)
+    if shape.recompute_counts and len(shape.recompute_counts) != len(cards):
+        raise ConfigError(f"train.recompute_layers={list(shape.recompute_counts)} lists {len(shape.recompute_counts)} "
+                          f"count(s) for a pipeline of {len(cards)} card(s): give one per card, or fewest")
     from npu_train.planner.fit import shape_key
 
     key = shape_key(mcfg, shape.tokens_per_micro_batch)  # figures fitted from runs of this model and shape only
@@ -534,10 +542,18 @@ def run_shape(cfg, mcfg, dtype: str):
     return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute,
                     recompute_attention=tr.recompute_attention is True, lora_params_per_layer=lora_pl,
+                    recompute_fewest=bool(tr.recompute) and getattr(tr, "recompute_layers", "all") != "all",
+                    recompute_counts=_recompute_counts(tr),
                     lora_active_params_per_layer=lora_active,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
                     checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg))
+
+
+def _recompute_counts(tr) -> tuple:
+    """``train.recompute_layers=[k0, ...]`` as a tuple (() for all / fewest)."""
+    rl = getattr(tr, "recompute_layers", "all")
+    return () if isinstance(rl, str) else tuple(int(x) for x in rl)
 
 
 def model_file_dtype(spec: str) -> str:

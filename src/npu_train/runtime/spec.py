@@ -22,6 +22,9 @@ class StageInfo:
     has_head: bool
     label: str
     second: Optional[tuple] = None
+    #: layers recomputed whole under train.recompute, the card's first in execution order (the plan's
+    #: ``StagePlan.recompute_layers``, train.recompute_layers=fewest); None: all of them
+    recompute_layers: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     st = spec.stage
     with torch.device("meta"):
         module = StageModule(cfg, st.first, st.last, st.has_embed, st.has_head, recompute=spec.train.recompute,
-                             second=st.second, recompute_attention=spec.train.recompute_attention)
+                             second=st.second, recompute_attention=spec.train.recompute_attention,
+                             recompute_layers=getattr(st, "recompute_layers", None))
     module = module.to(dtype)
     with backend.alloc_lock():
         module = module.to_empty(device=backend.device())
