@@ -172,3 +172,41 @@ def test_sparse_block_runs_one_node_with_and_without_lora(monkeypatch):
         assert _rel(a, b) < 1e-12
     block.experts[0].up_proj.dropout = torch.nn.Dropout(0.1)
     assert "GroupedSwiGluBackward" not in _nodes(block(x))
+
+
+def test_wide_weight_copies_run_on_one_thread(monkeypatch):
+    """bf16 without bf16 hardware: each expert's weight widening runs with one intra-op thread (a parallel copy
+    waits for every thread: slow on a busy host), the thread count is restored after, and the result is the same
+    as with one thread throughout."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    before = torch.get_num_threads()
+    seen = []
+    real = torch.Tensor.copy_
+
+    def spy(self, src, *a, **k):
+        if src.dtype == torch.bfloat16 and self.dtype == torch.float32 and src.dim() == 2 and \
+                sorted(src.shape) == sorted((INTER, H)):
+            seen.append(torch.get_num_threads())
+        return real(self, src, *a, **k)
+
+    def run():
+        xs = torch.randn(sum(COUNTS), H, generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+        xs.requires_grad_()
+        ws = _weights(len(COUNTS), torch.bfloat16)
+        y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
+        return [y, *torch.autograd.grad(y.float().square().sum(), [xs, *ws])]
+
+    try:
+        torch.set_num_threads(1)
+        want = run()
+        torch.set_num_threads(2)
+        monkeypatch.setattr(torch.Tensor, "copy_", spy)
+        got = run()
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    hit = sum(1 for c in COUNTS if c)
+    assert len(seen) == 6 * hit and set(seen) == {1}  # gate, up, down widened forward and backward
+    for a, b in zip(got, want):  # 1 or 2 matmul threads may sum in another order; empty blocks: zeros
+        assert float((a.detach().double() - b.double()).norm()) <= 2e-2 * float(b.double().norm())

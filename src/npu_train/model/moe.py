@@ -227,6 +227,40 @@ def _blocks(bounds: list):
     return [(j, bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1) if bounds[j + 1] > bounds[j]]
 
 
+class _serial:
+    """Context: torch's intra-op threads set to 1 inside, restored after. For the per-expert weight copies and
+    gradient roundings of :class:`_WideSwiGlu` (a few MB each, memory-bound): as parallel regions each waits for
+    every OpenMP thread, which on a host busier than its cores costs a scheduler slice per copy (2 threads on
+    this 2-core VM at load 7: 16 ms per 768 x 2048 bf16 -> fp32 copy against 0.7 ms on one thread,
+    ``experiments/2026-12-06-moe.md``); the matmuls between them keep all threads."""
+
+    def __enter__(self):
+        self.threads = torch.get_num_threads()
+        if self.threads > 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        if self.threads > 1:
+            torch.set_num_threads(self.threads)
+
+
+def _widen(buf: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
+    """``buf`` (wide, ``[sum of rows, cols]``) holding the weights ``ws`` stacked by rows, copied on one thread."""
+    with _serial():
+        r = 0
+        for w in ws:
+            buf[r:r + w.shape[0]].copy_(w)
+            r += w.shape[0]
+    return buf
+
+
+def _narrow(*ts: Optional[torch.Tensor], dtype: torch.dtype) -> list:
+    """``ts`` rounded to ``dtype`` (new tensors: the gradients handed to autograd; None stays None), on one
+    thread."""
+    with _serial():
+        return [None if t is None else t.to(dtype) for t in ts]
+
+
 class _SameSwiGlu:
     """:class:`GroupedSwiGlu` for plain experts whose matmuls run in the tensors' dtype: every product goes
     straight into its row block of a preallocated output (``torch.mm(out=)``), the weights used in place.
@@ -275,7 +309,8 @@ class _WideSwiGlu:
     a CPU without bf16 hardware, :func:`matmul_dtype`). Each expert's gate and up weights are widened into the
     two halves of one reused ``[2I, H]`` buffer and run as one matmul (``x [W_gate; W_up]^T``), the down weight
     into a reused ``[H, I]`` one; products go into wide row blocks, rounded to the dtype once over all rows (as
-    the half-precision kernels round their fp32 accumulators). Transients besides the saved tensors: the two
+    the half-precision kernels round their fp32 accumulators). The per-expert copies (widening, gradient
+    rounding) run on one thread (:class:`_serial`), the matmuls on all. Transients besides the saved tensors: the two
     weight buffers and the weight-gradient buffers (``3 I H`` wide elements each pass), and wide copies of the
     rows (``[S, 2I]`` + ``[S, H]`` in the forward; ``[S, H]`` x 3 + ``[S, I]`` x 4 at most in the backward)."""
 
@@ -287,8 +322,7 @@ class _WideSwiGlu:
         gu = xm.new_empty(S, 2 * inter)
         wgu, wd = xm.new_empty(2 * inter, H), xm.new_empty(H, inter)
         for j, a, b in _blocks(bounds):
-            wgu[:inter].copy_(ws[3 * j])
-            wgu[inter:].copy_(ws[3 * j + 1])
+            _widen(wgu, ws[3 * j], ws[3 * j + 1])
             torch.mm(xm[a:b], wgu.t(), out=gu[a:b])
         del xm, wgu
         g, u = gu[:, :inter].to(xs.dtype), gu[:, inter:].to(xs.dtype)
@@ -297,7 +331,7 @@ class _WideSwiGlu:
         h = act * u
         hm, ym = h.to(mm), xs.new_empty(S, H, dtype=mm)
         for j, a, b in _blocks(bounds):
-            torch.mm(hm[a:b], wd.copy_(ws[3 * j + 2]).t(), out=ym[a:b])
+            torch.mm(hm[a:b], _widen(wd, ws[3 * j + 2]).t(), out=ym[a:b])
         return ym.to(xs.dtype), (xs, g, u, act, h)
 
     @staticmethod
@@ -310,9 +344,9 @@ class _WideSwiGlu:
         dhm = hm.new_empty(h.shape)
         wd, gd = dym.new_empty(H, inter), dym.new_empty(H, inter)
         for j, a, b in _blocks(bounds):
-            torch.mm(dym[a:b], wd.copy_(ws[3 * j + 2]), out=dhm[a:b])
+            torch.mm(dym[a:b], _widen(wd, ws[3 * j + 2]), out=dhm[a:b])
             if need[3 * j + 2]:
-                grads[3 * j + 2] = torch.mm(dym[a:b].t(), hm[a:b], out=gd).to(h.dtype)
+                grads[3 * j + 2] = _narrow(torch.mm(dym[a:b].t(), hm[a:b], out=gd), dtype=h.dtype)[0]
         del dym, hm, wd, gd
         dh = dhm.to(h.dtype)
         del dhm
@@ -333,14 +367,11 @@ class _WideSwiGlu:
         wgu, ggu = xm.new_empty(2 * inter, H), xm.new_empty(2 * inter, H)
         for j, a, b in _blocks(bounds):
             if dxm is not None:
-                wgu[:inter].copy_(ws[3 * j])
-                wgu[inter:].copy_(ws[3 * j + 1])
-                torch.mm(dgu[a:b], wgu, out=dxm[a:b])
+                torch.mm(dgu[a:b], _widen(wgu, ws[3 * j], ws[3 * j + 1]), out=dxm[a:b])
             if need[3 * j] or need[3 * j + 1]:
                 torch.mm(dgu[a:b].t(), xm[a:b], out=ggu)
-                for p in (0, 1):
-                    if need[3 * j + p]:
-                        grads[3 * j + p] = ggu[p * inter:(p + 1) * inter].to(xs.dtype)
+                parts = [ggu[p * inter:(p + 1) * inter] if need[3 * j + p] else None for p in (0, 1)]
+                grads[3 * j], grads[3 * j + 1] = _narrow(*parts, dtype=xs.dtype)
         return (dxm.to(xs.dtype) if dxm is not None else None), grads
 
 
