@@ -290,8 +290,8 @@ class _SameSwiGlu:
             torch.mm(dy[a:b], ws[3 * j + 2], out=dh[a:b])
             if need[3 * j + 2]:
                 grads[3 * j + 2] = torch.mm(dy[a:b].t(), h[a:b])
+        dg = torch.ops.aten.silu_backward(dh * u, g)  # before du: at most 3 [S, I] at once
         du = dh * act
-        dg = torch.ops.aten.silu_backward(dh * u, g)
         del dh
         dx = torch.empty_like(xs) if needs[0] else None
         for j, a, b in _blocks(bounds):
