@@ -210,3 +210,31 @@ def test_wide_weight_copies_run_on_one_thread(monkeypatch):
     assert len(seen) == 6 * hit and set(seen) == {1}  # gate, up, down widened forward and backward
     for a, b in zip(got, want):  # 1 or 2 matmul threads may sum in another order; empty blocks: zeros
         assert float((a.detach().double() - b.double()).norm()) <= 2e-2 * float(b.double().norm())
+
+
+def test_wide_lora_weights_are_widened_on_one_thread(monkeypatch):
+    """LoRA experts in bf16 without bf16 hardware: every base weight widened to fp32 is widened with one
+    intra-op thread, and the thread count is restored after."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    gen = torch.Generator().manual_seed(6)
+    base = [w.detach() for w in _weights(len(COUNTS), torch.bfloat16)]
+    tensors = [t for w in base for t in (w, torch.randn(2, w.shape[1], generator=gen).to(torch.bfloat16),
+                                         torch.randn(w.shape[0], 2, generator=gen).to(torch.bfloat16))]
+    xs = torch.randn(sum(COUNTS), H, generator=gen).to(torch.bfloat16).requires_grad_()
+    before, seen, real = torch.get_num_threads(), [], torch.Tensor.to
+
+    def spy(self, *a, **k):
+        if self.dtype == torch.bfloat16 and a and a[0] == torch.float32 and sorted(self.shape) == sorted((INTER, H)):
+            seen.append(torch.get_num_threads())
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    try:
+        torch.set_num_threads(2)
+        y = GroupedSwiGlu.apply(xs, COUNTS, 0.5, *tensors)
+        torch.autograd.grad(y.float().square().sum(), [xs])
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}

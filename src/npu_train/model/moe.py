@@ -84,40 +84,36 @@ def _cpu_has(probe: str) -> bool:
     return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b`` (``out`` a contiguous row block, rounded to its dtype when ``a``, ``b`` are wider)."""
-    if out.dtype == a.dtype:
-        torch.mm(a, b, out=out)
-    else:
-        out.copy_(torch.mm(a, b))
+def _wide(w: torch.Tensor, mm: torch.dtype) -> torch.Tensor:
+    """``w`` in the matmul dtype ``mm`` (itself when it is; else a copy made on one thread, :class:`_serial`)."""
+    if w.dtype == mm:
+        return w
+    with _serial():
+        return w.to(mm)
 
 
-def _proj(x: torch.Tensor, ws: tuple, s: Optional[float], out: torch.Tensor,
-          t: Optional[torch.Tensor]) -> None:
-    """``out = x W^T`` (+ ``s (x A^T) B^T`` with ``ws = (W, A, B)``, ``x A^T`` written to ``t``); ``x`` in the
-    matmul dtype, ``out`` a row block rounded once to its dtype."""
+def _proj(x: torch.Tensor, ws: tuple, s: Optional[float], out: torch.Tensor, t: torch.Tensor) -> None:
+    """``out = x W^T + s (x A^T) B^T`` with ``ws = (W, A, B)``, ``x A^T`` written to ``t``; ``x`` in the matmul
+    dtype, ``out`` a row block rounded once to its dtype."""
     mm = x.dtype
-    if len(ws) == 1:
-        return _mm(x, ws[0].to(mm).t(), out)
-    torch.mm(x, ws[1].to(mm).t(), out=t)
-    r = torch.mm(x, ws[0].to(mm).t()).addmm_(t, ws[2].to(mm).t(), alpha=s)
+    torch.mm(x, _wide(ws[1], mm).t(), out=t)
+    r = torch.mm(x, _wide(ws[0], mm).t()).addmm_(t, _wide(ws[2], mm).t(), alpha=s)
     out.copy_(r)
 
 
-def _proj_back(dy: torch.Tensor, x: torch.Tensor, ws: tuple, s: Optional[float], t: Optional[torch.Tensor],
+def _proj_back(dy: torch.Tensor, x: torch.Tensor, ws: tuple, s: Optional[float], t: torch.Tensor,
                need: tuple, dx: Optional[torch.Tensor]) -> list:
-    """Gradients of :func:`_proj` for the upstream ``dy`` (matmul dtype): adds ``dy W (+ s (dy B) A)`` to ``dx``
-    (matmul dtype, or None) and returns ``[dW, (dA, dB)]`` in the weights' dtypes (None where ``need`` is False)."""
+    """Gradients of :func:`_proj` for the upstream ``dy`` (matmul dtype): adds ``dy W + s (dy B) A`` to ``dx``
+    (matmul dtype, or None) and returns ``[dW, dA, dB]`` in the weights' dtypes (None where ``need`` is False)."""
     mm = dy.dtype
     grads = [torch.mm(dy.t(), x).to(ws[0].dtype) if need[0] else None]
     if dx is not None:
-        dx.addmm_(dy, ws[0].to(mm))
-    if len(ws) == 3:
-        q = torch.mm(dy, ws[2].to(mm))
-        if dx is not None:
-            dx.addmm_(q, ws[1].to(mm), alpha=s)
-        grads.append(torch.mm(q.t(), x).mul_(s).to(ws[1].dtype) if need[1] else None)
-        grads.append(torch.mm(dy.t(), t).mul_(s).to(ws[2].dtype) if need[2] else None)
+        dx.addmm_(dy, _wide(ws[0], mm))
+    q = torch.mm(dy, _wide(ws[2], mm))
+    if dx is not None:
+        dx.addmm_(q, _wide(ws[1], mm), alpha=s)
+    grads.append(torch.mm(q.t(), x).mul_(s).to(ws[1].dtype) if need[1] else None)
+    grads.append(torch.mm(dy.t(), t).mul_(s).to(ws[2].dtype) if need[2] else None)
     return grads
 
 
