@@ -141,3 +141,42 @@ def test_given_counts_win():
     """``train.recompute_layers=[k0, ...]``: the count given for each card, whatever fits."""
     cm, _ = _cost(counts=(3, 0, 8, 1))
     assert [cm.cost(i, 8, 8).recomputed for i in range(4)] == [3, 0, 8, 1]
+
+
+def _request(cap: float):
+    """Llama-3.2-1B with 8 layers, S = 512, micro-batch 2 x 8, on 2 furiosa cards of ``cap`` bytes (as
+    tests/unit/test_schedule_choice.py)."""
+    from npu_train.planner import PlanRequest
+
+    m = replace(get_preset("llama-3.2-1b"), num_layers=8)
+    shape = RunShape(seq_len=512, micro_batch=2, micro_batches=8, schedule="1f1b", dtype="bf16")
+    return PlanRequest(m, shape, make_cards("furiosa", 2, int(cap)), [load_rates("furiosa")] * 2,
+                       resident_layers=4, host_ram_bytes=None, strict=False)
+
+
+def test_auto_recomputes_the_fewest_where_only_recompute_fits():
+    """train.schedule=auto falling back on recompute (capacity between the full-recompute plan's need and the least
+    any schedule needs without it; train.recompute_attention=false, as test_schedule_choice) plans each card's
+    fewest recomputed layers: faster than every layer recomputed, fewer than all 8 recomputed, and the others keep
+    their attention core as asked."""
+    from npu_train.planner import make_plan
+    from npu_train.planner.schedule_choice import CANDIDATES, choose_schedule
+    from npu_train.planner.spec import PlacementError
+
+    big = _request(1000 * GIB)
+    need_rec = max(st.mem["total"] for st in make_plan(replace(big, shape=replace(big.shape, recompute=True))).stages)
+    needs = []
+    for s in CANDIDATES:
+        try:
+            needs.append(max(st.mem["total"] for st in make_plan(replace(big, shape=replace(big.shape,
+                                                                                             schedule=s))).stages))
+        except (PlacementError, ValueError):
+            pass
+    req = _request(need_rec + 0.9 * (min(needs) - need_rec))  # [3, 4] of [4, 4] layers recomputed
+    got = choose_schedule(req, recompute_attention=False)
+    assert got.recompute and got.recompute_fewest and got.plan.fits
+    assert not got.plan.shape.recompute_attention
+    full = make_plan(replace(req, shape=replace(req.shape, schedule=got.schedule, recompute=True)))
+    assert got.plan.step_time_s < full.step_time_s
+    assert all(0 <= st.recompute_layers <= st.num_layers for st in got.plan.stages)
+    assert sum(st.recompute_layers for st in got.plan.stages) < 8

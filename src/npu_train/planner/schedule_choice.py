@@ -101,7 +101,7 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto") -> ScheduleCho
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
                               f"{others})", plan.shape.recompute_attention)
-    rec = [(s, _fewest_or_all(req, s)) for s in ("1f1b", "interleaved")]
+    rec = [(s, _fewest_or_all(req, s, core)) for s in ("1f1b", "interleaved")]
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:
         best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))
@@ -125,13 +125,13 @@ def _recompute_label(plan: Plan) -> str:
     return f"activation recompute of the fewest layers that fit ({counts} per card{core})"
 
 
-def _fewest_or_all(req: PlanRequest, schedule: str) -> Optional[Plan]:
+def _fewest_or_all(req: PlanRequest, schedule: str, core: bool = True) -> Optional[Plan]:
     """The faster plan of ``schedule`` with recompute that fits: every layer recomputed, or each card only the
-    fewest of its layers that fit (``RunShape.recompute_fewest``; the others' attention core recomputed where
-    :func:`core_recompute_helps`); None when neither fits."""
+    fewest of its layers that fit (``RunShape.recompute_fewest``; with ``core``, the others' attention core
+    recomputed where :func:`core_recompute_helps`); None when neither fits."""
     full = _try(req, schedule, True)[0]
     shape = replace(req.shape, recompute_fewest=True,
-                    recompute_attention=req.shape.recompute_attention or core_recompute_helps(req))
+                    recompute_attention=req.shape.recompute_attention or (core and core_recompute_helps(req)))
     few = _try_one(replace(req, shape=shape), schedule, True)[0]
     if few is not None and (full is None or few.step_time_s < full.step_time_s):
         return few
