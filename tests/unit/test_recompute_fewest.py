@@ -135,6 +135,7 @@ def test_the_fewest_layers_that_fit_and_their_time():
     assert c.t_f == pytest.approx(c0.t_f)
     assert c.t_b - c0.t_b == pytest.approx(k * c0.t_f / 8, rel=1e-12)
     assert c.t_w == pytest.approx(c0.t_w)
+    assert c.t_rc == pytest.approx(k * c0.t_f / 8, rel=1e-12) and c0.t_rc == 0.0  # the plan's recompute column
 
 
 def test_given_counts_win():

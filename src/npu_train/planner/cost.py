@@ -63,6 +63,7 @@ class StageCost:
     layers: int = 0  # decoder layers
     t_head: tuple = (0.0, 0.0, 0.0)  # the head's share of (t_f, t_b, t_w)
     recomputed: Optional[int] = None  # layers recomputed whole (RunShape.recompute_fewest; None: the shape's)
+    t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
 
     @property
     def host_bytes(self) -> int:
@@ -152,6 +153,10 @@ class CostModel:
         core_k = 4.0 * attn if shape.recompute_attention else 0.0
         #: per-layer (forward, input gradient, weight gradient) FLOPs: (recomputed whole, kept) under recompute_fewest
         self.layer_fbw_parts = ((f, lin + 8.0 * attn + f + core_k, w), (f, lin + 8.0 * attn + core_k, w))
+        #: recomputed FLOPs per micro-batch and layer: (a layer recomputed whole, a kept layer) - the parts of B
+        #: above that run a forward again (for the time table's recompute column)
+        self.layer_recompute = ((f + core_k, core_k) if shape.recompute_fewest else (f, 0.0) if shape.recompute
+                                else (0.0, core))
         head_pass = 2.0 * tok * model.embedding_params()  # one pass of the lm_head (V x H) over the tokens
         #: FLOPs per micro-batch of the lm_head (+ loss): (forward, input gradient, weight gradient)
         # (recompute_fewest: no head recompute, as the card runs it: StageModule checkpoints decoder layers only)
@@ -192,11 +197,15 @@ class CostModel:
         head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if last else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
         t_mb = sum(fbw)
+        whole = n if k is None and self.shape.recompute else (k or 0)
+        rc = (whole * self.layer_recompute[0] + (n - whole) * self.layer_recompute[1]) / rt.device_flops
+        if last and self.shape.recompute and not self.shape.recompute_fewest:
+            rc += self.head_fbw[0] / (rt.device_flops * rt.head_flops_ratio)  # the head's forward again in B
         mem, share = self._zero_cut(i, sm.mem)
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
-                      recomputed=k)
+                      recomputed=k, t_rc=rc)
         self._cache[key] = c
         return c
 
@@ -343,7 +352,8 @@ class CostModel:
             compute = M * c.t_mb * self.slots / (M + self.P - 1)
             first_input = sum(costs[j].t_f for j in range(i))  # the earlier stages' forward of micro-batch 0
             hidden = self.host_hidden(i, n, c, host, first_input, phase, phase - compute)
-            out.append({"compute": compute, "bubble": phase - compute, "host_optimizer": host,
+            out.append({"compute": compute, "recompute": M * c.t_rc * self.slots / (M + self.P - 1),
+                        "bubble": phase - compute, "host_optimizer": host,
                         "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt, "host_hidden": hidden,
                         "total": phase + host + dev + xfer - hidden})
         return out

@@ -203,14 +203,15 @@ def memory_table(plan: Plan, gap: int = 2) -> list:
 
 
 def time_table(plan: Plan, gap: int = 2) -> list:
-    """Per card: the predicted seconds per step (compute, bubble, host and device optimizer, transfers,
-    data-parallel communication, the stage's total)."""
+    """Per card: the predicted seconds per step (compute and the part of it that recomputes forwards, bubble, host
+    and device optimizer, transfers, data-parallel communication, the stage's total)."""
     cols = [("card", "step"), ("layers", "")] + [(f"{k}\ns", "") for k in (
-        "compute", "bubble", "host-opt", "hidden", "dev-opt", "xfer", "dp-comm", "stage")]
+        "compute", "recomp", "bubble", "host-opt", "hidden", "dev-opt", "xfer", "dp-comm", "stage")]
     rows = []
     for st in plan.stages:
         tm = st.time
-        rows.append([st.card.name, st.layers_label, f"{tm['compute']:.2f}", f"{max(0.0, tm['bubble']):.2f}",
+        rows.append([st.card.name, st.layers_label, f"{tm['compute']:.2f}", f"{tm.get('recompute', 0.0):.2f}",
+                     f"{max(0.0, tm['bubble']):.2f}",
                      f"{tm['host_optimizer']:.2f}", f"{tm.get('host_hidden', 0.0):.2f}",
                      f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
                      f"{tm['total']:.2f}"])
