@@ -197,10 +197,7 @@ class CostModel:
         head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if last else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
         t_mb = sum(fbw)
-        whole = n if k is None and self.shape.recompute else (k or 0)
-        rc = (whole * self.layer_recompute[0] + (n - whole) * self.layer_recompute[1]) / rt.device_flops
-        if last and self.shape.recompute and not self.shape.recompute_fewest:
-            rc += self.head_fbw[0] / (rt.device_flops * rt.head_flops_ratio)  # the head's forward again in B
+        rc = self._recompute_seconds(i, n, k, last)
         mem, share = self._zero_cut(i, sm.mem)
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
@@ -208,6 +205,16 @@ class CostModel:
                       recomputed=k, t_rc=rc)
         self._cache[key] = c
         return c
+
+    def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:
+        """Seconds of stage ``i``'s B per micro-batch that run a forward again: ``k`` layers recomputed whole (None:
+        all ``n`` under ``recompute``), the other layers' attention cores, the head's forward under full recompute."""
+        rt = self.rates[i]
+        whole = n if k is None and self.shape.recompute else (k or 0)
+        rc = (whole * self.layer_recompute[0] + (n - whole) * self.layer_recompute[1]) / rt.device_flops
+        if last and self.shape.recompute and not self.shape.recompute_fewest:
+            rc += self.head_fbw[0] / (rt.device_flops * rt.head_flops_ratio)  # the head's forward again in B
+        return rc
 
     def _zero_cut(self, i: int, terms: dict) -> tuple[dict, float]:
         """``(memory terms, optimizer-state share)`` of stage ``i``: with ZeRO-1 the card keeps ``1/dp`` of the
