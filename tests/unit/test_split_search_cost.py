@@ -51,15 +51,61 @@ def test_eight_card_searches_are_exact_choose_as_before_and_stay_small(preset, s
     assert not st.capped and st.timelines <= most and st.nodes <= MAX_NODES
 
 
-def test_a_capped_search_keeps_its_choice_and_stops_at_the_caps(monkeypatch):
-    """Qwen3-30B-A3B LoRA at the default shape (S 128): many splits within a few % of the fastest, the search stops
-    at the timeline cap with the split it chose before; with a node cap of 2,000 it stops there instead."""
-    pm, L = _cost_model("qwen3-30b-a3b", "1f1b", "train.mode=lora")
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_default_qwen3_moe_lora_search_is_proven(schedule):
+    """Qwen3-30B-A3B LoRA at the default shape (S 128, 4 micro-batches): many splits within a few % of the fastest.
+    The search stopped at the 20,000-timeline cap with [7, 7, 7, 7, 7, 6, 6, 1] (best found, not proven); with the
+    drain bounds (the last micro-batch's ``B`` passes through the earlier stages, the last stage's wait for all
+    of them) it finishes, same split, in a few dozen timelines."""
+    pm, L = _cost_model("qwen3-30b-a3b", schedule, "train.mode=lora")
     st = SplitSearchStats()
     assert fastest_split(pm, L, "auto", stats=st) == [7, 7, 7, 7, 7, 6, 6, 1]
-    assert st.capped and st.timelines == MAX_TIMELINES and st.nodes <= MAX_NODES
+    assert not st.capped and st.timelines <= 100
+
+
+def test_a_capped_search_stops_at_the_caps(monkeypatch):
+    """Llama-3.1-70B LoRA (1F1B, 8 cards) is not proven within the caps; a search stops at ``max_timelines`` or, with
+    a node cap of 2,000, there, and returns a split of all the layers."""
+    pm, L = _cost_model("llama-3.1-70b", "1f1b", "train.mode=lora")
+    st = SplitSearchStats()
+    split = fastest_split(pm, L, "auto", max_timelines=300, stats=st)
+    assert st.capped and st.timelines == 300 and sum(split) == L
     monkeypatch.setattr(search, "MAX_NODES", 2000)
     st = SplitSearchStats()
     split = fastest_split(pm, L, "auto", stats=st)
     assert st.capped and st.nodes == 2000 and st.timelines < MAX_TIMELINES
     assert split is not None and sum(split) == L
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb", "zb-h1", "zb-h2"])
+def test_the_drain_bound_is_below_every_timeline(schedule):
+    """The search's per-stage phase bound, from the schedule's rules (not from the search): stage ``i`` starts
+    after micro-batch 0's forward through stages ``< i``; its last ``B`` comes after its ``M`` forwards and
+    ``M`` ``B`` passes; the stages before it then run the last micro-batch's ``B`` one after another. ``B`` is
+    ``t_b + t_w`` unless the schedule splits the backward (stage 0's whole either way); its first ``B`` comes after
+    micro-batch 0's forward and ``B`` through the later stages, and its ``M`` ``B`` passes after that. Random per-stage
+    durations, P 2-5, M 1-8: the timeline's end is never below it, and it is reached (within 1 %) somewhere."""
+    import random
+
+    from npu_train.pipeline.schedule import stage_timeline
+
+    rng = random.Random(5)
+    split = schedule in ("zb", "zb-h1", "zb-h2")
+    tight = 0
+    for _ in range(300):
+        P, M = rng.randint(2, 5), rng.randint(1, 8)
+        tf, tb, tw = ([rng.uniform(0.1, 3.0) for _ in range(P)] for _ in range(3))
+        end = max(stage_timeline(schedule, P, M, tf, tb, tw)[0])
+        dB = [tb[j] + (tw[j] if not split or j == 0 else 0.0) for j in range(P)]
+        best = 0.0
+        for i in range(P):
+            bound = sum(tf[:i]) + max(M * (tf[i] + tb[i] + tw[i]), M * (tf[i] + dB[i]) + sum(dB[:i]))
+            assert bound <= end * (1 + 1e-12), (schedule, P, M, i, bound, end)
+            # its B of micro-batch 0 waits for that one's forward and B through the later stages
+            trip = sum(tf[:i + 1]) + sum(tf[j] + dB[j] for j in range(i + 1, P)) + M * dB[i] + sum(dB[:i])
+            assert trip <= end * (1 + 1e-12), (schedule, P, M, i, trip, end)
+            assert search._drain_bound(M, tf[i] + tb[i] + tw[i], tf[i], dB[i], sum(dB[:i])) == pytest.approx(
+                bound - sum(tf[:i]), rel=1e-12)
+            best = max(best, bound)
+        tight += best >= 0.99 * end
+    assert tight > 0

@@ -8,7 +8,8 @@ from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
 from npu_train.hardware import KINDS
-from npu_train.planner.cost import CostModel
+from npu_train.pipeline.schedule import SPLIT_BACKWARD
+from npu_train.planner.cost import CostModel, StageCost
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
 from npu_train.planner.request import PlanRequest
@@ -156,10 +157,14 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
 
     Branch and bound in pipeline order: stage ``i`` cannot start before micro-batch 0's forward through the
     stages before it (their first chunks: :meth:`~CostModel.first_chunk_forward`), so
-    ``(sum_{j<i} t_F0,j + M t_i) * stretch`` bounds the phase from below; each stage's total is the phase plus
+    ``(sum_{j<i} t_F0,j + M t_i) * stretch`` bounds the phase from below; with one chunk per card, the last
+    micro-batch's backward still runs through the stages before it after stage ``i`` has done its ``M`` forwards
+    and input-gradient passes (:func:`_drain_bound`); each stage's total is the phase plus
     its side time less the hideable host work plus its exposed host time, which the earlier stages' forwards
     already fix (:meth:`~CostModel.exposed_floor`); the stages not placed yet hold the rest, one of them at least
-    its share (:class:`_RestBound`). Exact unless more than ``max_timelines`` timelines or :data:`MAX_NODES`
+    its share (:class:`_RestBound`); with one chunk per card a stage's first ``B`` waits for micro-batch 0's
+    round trip through the later stages, and the last stage for the forwards and ``B`` passes of all the stages
+    before it (:class:`_TailBound`). Exact unless more than ``max_timelines`` timelines or :data:`MAX_NODES`
     partial splits would be visited (then the best found; ``stats`` says which)."""
     P, M = pm.P, pm.shape.micro_batches
     stretch = pm.slots / (M + P - 1)
@@ -173,7 +178,8 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
                 c = pm.cost(i, n, r)
                 # the stage's side time less the host work the overlap may hide (+ what it cannot: dfs); its
                 # first virtual stage's forward
-                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c)))
+                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c),
+                          _backward_pass(pm, i, c)))
         if not o:
             return None
         opts.append(o)
@@ -189,6 +195,7 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     ties: list[tuple[float, list[int]]] = []
     evals = [0, 0]  # timelines, nodes
     rest_bound = _RestBound(opts, nmax)
+    tail = _TailBound(opts, M, L)
 
     def leaf(split: list[int], costs: list) -> None:
         evals[0] += 1
@@ -211,13 +218,13 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     split: list[int] = []
     costs: list = []
 
-    def dfs(i: int, left: int, f_before: float, chain: float, lb_phase: float, side: float) -> None:
+    def dfs(i: int, left: int, f_before: float, chain: float, lb_phase: float, side: float, drain: float) -> None:
         evals[1] += 1
         if i == P:
             if left == 0:
                 leaf(split, costs)
             return
-        for n, r, c, sd, f0 in opts[i]:
+        for n, r, c, sd, f0, db in opts[i]:
             if evals[0] >= max_timelines or evals[1] >= MAX_NODES:
                 return
             rest = left - n
@@ -225,19 +232,23 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
                 break
             if rest > hi_rest[i + 1]:
                 continue
-            lb = max(lb_phase, (chain + M * c.t_mb) * stretch)
+            lb = max(lb_phase, (chain + _drain_bound(M, c.t_mb, c.t_f, db, drain)) * stretch)
+            if db is not None:  # its B of micro-batch 0 waits for that one's round trip through the later stages
+                lb = max(lb, (chain + f0 + tail.round_trip(i + 1, rest) + M * db + drain) * stretch)
             # the stage's total is phase + sd + its exposed host time, which the earlier stages' forwards fix
             sdm = max(side, sd + pm.exposed_floor(i, n, c, f_before))
             t_r, sd_r = rest_bound.at(i + 1, rest)
-            if (max(lb, (chain + f0 + M * t_r) * stretch) + max(sdm, sd_r)) * (1 - 1e-12) > best[0] * (1 + tol):
+            busy, drained = tail.last(i + 1, rest)
+            lb_rest = chain + f0 + max(M * t_r, busy, drain + (db or 0.0) + drained)
+            if (max(lb, lb_rest * stretch) + max(sdm, sd_r)) * (1 - 1e-12) > best[0] * (1 + tol):
                 continue  # t and side time grow with n, but a larger n leaves fewer layers to the rest
             split.append(n)
             costs.append(c)
-            dfs(i + 1, rest, f_before + c.t_f, chain + f0, lb, sdm)
+            dfs(i + 1, rest, f_before + c.t_f, chain + f0, lb, sdm, drain + (db or 0.0))
             split.pop()
             costs.pop()
 
-    dfs(0, L, 0.0, 0.0, 0.0, 0.0)
+    dfs(0, L, 0.0, 0.0, 0.0, 0.0, 0.0)
     if stats is not None:
         stats.timelines, stats.nodes = evals[0], evals[1]
         stats.capped = evals[0] >= max_timelines or evals[1] >= MAX_NODES
@@ -245,6 +256,84 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
         return None
     cand = sorted(sp for obj, sp in ties if obj <= best[0] * (1 + tol))
     return bal if bal in cand else cand[0]
+
+
+def _backward_pass(pm: CostModel, i: int, c: StageCost):
+    """Seconds of stage ``i``'s backward action ``B`` per micro-batch as the schedule's timeline runs it
+    (:func:`~npu_train.pipeline.schedule.stage_timeline`): ``t_b + t_w`` unless the schedule splits the backward
+    (the first stage's still whole); ``None`` with two chunks per card (no drain bound there)."""
+    if pm.memory.chunks != 1:
+        return None
+    split = pm.shape.schedule in SPLIT_BACKWARD and i > 0
+    return c.t_b if split else c.t_b + c.t_w
+
+
+def _drain_bound(M: int, t_mb: float, t_f: float, db, drain: float) -> float:
+    """Seconds of the pipeline phase from stage ``i``'s first action on, at least (before the stretch): its ``M``
+    micro-batches' work ``M t_mb``; and, with one chunk per card (``db``: its ``B`` seconds, not None), its
+    ``M`` forwards and ``B`` passes, the last of which precedes the last micro-batch's ``B`` on every stage
+    before it (``drain``: the sum of theirs); its ``W`` passes may run meanwhile. Each card runs one action
+    at a time, a micro-batch's ``B`` runs after its ``F`` on the same card and after its ``B`` on the next
+    stage, and a card's ``B`` passes run in micro-batch order."""
+    if db is None:
+        return M * t_mb
+    return max(M * t_mb, M * (t_f + db) + drain)
+
+
+class _TailBound:
+    """Lower bounds, with one chunk per card, for the stages :func:`fastest_split` has not placed yet, from the
+    options of each (``t_f`` and ``B`` seconds per micro-batch, ``B`` as :func:`_backward_pass`) over the ways to
+    put ``rest`` layers on stages ``j..P-1`` (each term minimised on its own):
+
+    - :meth:`last`: the last stage's two :func:`_drain_bound` terms: it waits for micro-batch 0's forwards through
+      all stages before it, then works ``M t_mb``; or, after its ``M`` forwards and ``B`` passes, the last
+      micro-batch's ``B`` passes run through all stages before it;
+    - :meth:`round_trip`: micro-batch 0's forward and ``B`` through stages ``j..P-1``, which come between a stage's
+      forward of it and its ``B`` of it.
+
+    All 0 with two chunks per card (no such bounds)."""
+
+    def __init__(self, opts: list, M: int, L: int):
+        inf = float("inf")
+        P = len(opts)
+        self.P, self.on = P, all(o[5] is not None for stage in opts for o in stage)
+
+        def sums(last: int, f: float, b: float) -> list:
+            """[j][k]: least sum of f t_f + b B over stages j..last holding k layers in all (one option each)"""
+            out = [[inf] * (L + 1) for _ in range(P + 1)]
+            out[last + 1][0] = 0.0
+            for j in range(last, -1, -1) if self.on else ():
+                for k in range(L + 1):
+                    out[j][k] = min((f * c.t_f + b * db + out[j + 1][k - n]
+                                     for n, _r, c, _sd, _f0, db in opts[j] if n <= k), default=inf)
+            return out
+
+        def with_last(mid: list, own) -> list:
+            """[j][k]: least of mid[j][k - n] + own(option n of the last stage)"""
+            out = [[inf] * (L + 1) for _ in range(P + 1)]
+            for j in range(P - 1, -1, -1) if self.on else ():
+                for k in range(L + 1):
+                    out[j][k] = min((mid[j][k - o[0]] + own(o) for o in opts[P - 1] if o[0] <= k), default=inf)
+            return out
+
+        self.down = sums(P - 1, 1.0, 1.0)
+        self.busy = with_last(sums(P - 2, 1.0, 0.0), lambda o: M * o[2].t_mb)
+        self.drained = with_last(sums(P - 2, 1.0, 1.0), lambda o: M * (o[2].t_f + o[5]))
+
+    def last(self, j: int, rest: int) -> tuple[float, float]:
+        """``(busy, drained)`` seconds before the stretch: the last stage's end is at least the forwards of micro-batch
+        0 through the stages before ``j`` + ``busy``, and at least their forwards and ``B`` passes + ``drained``,
+        when stages ``j..P-1`` hold ``rest`` layers; ``(0, 0)`` when none is left or no bound applies."""
+        if j >= self.P or not self.on:
+            return 0.0, 0.0
+        return self.busy[j][rest], self.drained[j][rest]
+
+    def round_trip(self, j: int, rest: int) -> float:
+        """Seconds of micro-batch 0's forward and ``B`` through stages ``j..P-1`` holding ``rest`` layers, at
+        least; 0 when none is left or no bound applies."""
+        if j >= self.P or not self.on:
+            return 0.0
+        return self.down[j][rest]
 
 
 class _RestBound:
@@ -262,7 +351,7 @@ class _RestBound:
         self.sd = [[inf] * (nmax + 2) for _ in range(P + 1)]
         for j in range(P - 1, -1, -1):
             gt, gs = [inf] * (nmax + 2), [inf] * (nmax + 2)
-            for n, _r, c, sd, _f0 in opts[j]:
+            for n, _r, c, sd, _f0, _db in opts[j]:
                 gt[n], gs[n] = min(gt[n], c.t_mb), min(gs[n], sd)
             for k in range(nmax, -1, -1):
                 gt[k], gs[k] = min(gt[k], gt[k + 1]), min(gs[k], gs[k + 1])
