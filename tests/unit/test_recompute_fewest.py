@@ -181,3 +181,17 @@ def test_auto_recomputes_the_fewest_where_only_recompute_fits():
     assert got.plan.step_time_s < full.step_time_s
     assert all(0 <= st.recompute_layers <= st.num_layers for st in got.plan.stages)
     assert sum(st.recompute_layers for st in got.plan.stages) < 8
+
+
+def test_zero_bubble_card_recomputes_only_its_attention_cores():
+    """zb with the attention core recomputed (8B, S = 2048, micro-batch 2): no layer recomputed whole (the count is
+    None, whatever the split backward's own scaling), and the recompute column is the cores' forward,
+    n x 4 x S x tokens x heads x head_dim FLOPs (Korthikanti et al. 2022 §5) at the card's rate."""
+    model = get_preset("llama-3.1-8b")
+    shape = RunShape(seq_len=2048, micro_batch=2, micro_batches=16, schedule="zb", recompute_attention=True)
+    cards = make_cards("furiosa", 8)
+    cm = CostModel(model, shape, cards, [load_rates("furiosa") for _ in cards], None, threads=1, host_cores=8)
+    c = cm.cost(1, 4, 4)
+    assert c.recomputed is None
+    core = 4 * 2048 * (2 * 2048) * model.num_heads * model.head_dim
+    assert c.t_rc == pytest.approx(4 * core / cm.rates[1].device_flops, rel=1e-12)

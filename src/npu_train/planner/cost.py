@@ -173,19 +173,20 @@ class CostModel:
             return c
         mm = self.memory
         rt = self.rates[i]
-        k, sm = self._fewest_recomputed(i, n, r) if self.shape.recompute_fewest else (None, None)
+        # layers recomputed whole (None: the shape's all or none); not `k`, which the split backward uses below
+        whole, sm = self._fewest_recomputed(i, n, r) if self.shape.recompute_fewest else (None, None)
         if sm is None:
-            sm = mm.stage(i, n, r, rt.process_baseline_bytes, k)
+            sm = mm.stage(i, n, r, rt.process_baseline_bytes, whole)
         first, last = i == 0, i == mm.head_stage
         lora = self.shape.lora_params_per_layer > 0
         # the tied gradient down and up (not when one card holds embedding and head)
         tied_copies = mm.tied and mm.head_stage != 0 and (first or last) and not lora
         xfer = sm.offloaded_params + (mm.embedding_params if tied_copies else 0)
-        if k is None:
+        if whole is None:
             fbw = [n * x / rt.device_flops for x in self.layer_fbw]
         else:
-            whole, kept = self.layer_fbw_parts
-            fbw = [(k * a + (n - k) * b) / rt.device_flops for a, b in zip(whole, kept)]
+            redo, kept = self.layer_fbw_parts
+            fbw = [(whole * a + (n - whole) * b) / rt.device_flops for a, b in zip(redo, kept)]
         if self.shape.schedule in SPLIT_BACKWARD and (not first or mm.chunks > 1) and n:
             # B + W of the zero-bubble split cost split_backward_ratio x (forward + backward) in
             # seconds, not FLOPs (measured per layer: Rates.split_backward_ratio); the first stage
@@ -197,12 +198,12 @@ class CostModel:
         head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if last else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
         t_mb = sum(fbw)
-        rc = self._recompute_seconds(i, n, k, last)
+        rc = self._recompute_seconds(i, n, whole, last)
         mem, share = self._zero_cut(i, sm.mem)
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
-                      recomputed=k, t_rc=rc)
+                      recomputed=whole, t_rc=rc)
         self._cache[key] = c
         return c
 
