@@ -31,7 +31,10 @@ RECORDED = [
     ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=8, dtype='bf16', schedule='zb-h1', lora_params_per_layer=34560),
      2, None, (0, 15, 15), (375809638, 163862784, 2073600, 6220800, 200878080, 0, 44764231, 793609133, 0)),
     ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=8, dtype='bf16', schedule='zb-h1', lora_params_per_layer=34560),
-     2, None, (1, 15, 5), (375809638, 163863936, 2073600, 6220800, 431499264, 100663296, 84518507, 1164649041, 0)),
+     # activations: recorded 431499264 less the head's logits gradient kept from B to W, 2 x 128*2*2*49152 B, which
+     # LoRA does not keep (frozen head: MemoryModel.pending_head)
+     2, None, (1, 15, 5), (375809638, 163863936, 2073600, 6220800, 431499264 - 2 * 128 * 2 * 2 * 49152, 100663296,
+                           84518507, 1164649041, 0)),
     ('llama-3.1-8b', 'cuda', dict(seq_len=1024, micro_batch=1, micro_batches=8, dtype='fp32', schedule='gpipe', recompute=True),
      1, None, (0, 32, 8), (0, 32121044992, 32121044992, 13959168000, 8900452352, 2101346304, 5533894656, 94736951296, 0)),
     ('smollm2-135m', 'cpu', dict(seq_len=128, micro_batch=2, micro_batches=4, dtype='bf16', grad_accum='compute', offload='serial'),
@@ -187,6 +190,28 @@ def test_embedding_gradient_add_counts_what_the_schedule_holds_then(tied):
     assert mm.nonlayer_accumulation_peak(0, n) == held + fresh
     assert held + fresh > 4 * H + 4 * cfg.hidden_size * cfg.intermediate_size  # the largest layer gradient's add
     assert mem["transient"] == held + fresh - 4 * H
+
+
+@pytest.mark.parametrize("mode,dtype,kept", [("full", "fp32", False), ("full", "bf16", True), ("lora", "fp32", False),
+                                             ("lora", "bf16", False)])
+def test_head_logits_gradient_kept_to_w(mode, dtype, kept):
+    """ZB-H1, 2 cpu cards, M = 4: the head's card holds ``min(M, 2)`` = 2 micro-batches between ``B`` and ``W``. Each
+    keeps the logits' gradient ``s*b*e*V`` for the head's weight gradient only where it is a tensor of its own:
+    full fine-tuning with bf16 compute (the bf16 cast of the fp32 gradient); not with fp32 compute on a cpu card
+    (the loss's in-place backward writes it into the saved log-probabilities, held until ``W`` anyway), nor with
+    LoRA (the head is frozen: no ``W`` needs it). The rest of the activations is the same whatever ``kept``."""
+    from npu_train.planner.memory import activation_bytes_per_layer, pending_grad_bytes_per_layer, saved_logits_bytes
+
+    cfg = get_preset("smollm2-135m")
+    kw = dict(lora_params_per_layer=34560) if mode == "lora" else {}
+    shape = RunShape(seq_len=128, micro_batch=2, micro_batches=4, schedule="zb-h1", dtype=dtype, **kw)
+    mm = MemoryModel(cfg, shape, make_cards("cpu", 2, 1 << 40), None, [load_memory_terms("cpu", "/none.json")] * 2)
+    e = 4 if dtype == "fp32" else 2
+    n = 15
+    layers = 2 * n * activation_bytes_per_layer(cfg, shape, "sdpa") + 2 * saved_logits_bytes(cfg, shape)
+    pending = 2 * n * pending_grad_bytes_per_layer(cfg, shape)
+    head = 2 * 128 * 2 * e * cfg.vocab_size
+    assert mm.stage(1, n, n, 0).mem["activations"] == layers + pending + (head if kept else 0)
 
 
 def test_zbv_embedding_gradient_add_after_the_first_chunks_backward():

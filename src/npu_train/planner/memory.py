@@ -273,7 +273,7 @@ class MemoryModel:
         if last:
             total += k * self.saved_logits
         if self.pending[i]:
-            total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head_bytes if last else 0))
+            total += self.pending[i] * (n * self.pending_layer_bytes + (self.pending_head(i) if last else 0))
         return total
 
     def _partial_activations(self, i: int, n: int, head: bool, k: int) -> int:
@@ -291,7 +291,7 @@ class MemoryModel:
             hd = last and (self.chunks == 1 or card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c))
             h = kc * self.layer_input_bytes + (m - kc) * self._activations_per_layer(i)
             held.append(float(h + (self.mask_bytes if m else 0) + (self.saved_logits if hd else 0)))
-            pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if hd else 0)))
+            pend.append(float(m * self.pending_layer_bytes + (self.pending_head(i) if hd else 0)))
         if self.chunks > 1:
             total = peak_held_bytes(self.shape.schedule, i, self.num_stages, self.shape.micro_batches, held, pend)
         else:
@@ -325,7 +325,7 @@ class MemoryModel:
         for c, m in enumerate(self._chunk_sizes(n)):
             head = with_head and card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
             held.append(float(m * per + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)))
-            pend.append(float(m * self.pending_layer_bytes + (self.pending_head_bytes if head else 0)))
+            pend.append(float(m * self.pending_layer_bytes + (self.pending_head(i) if head else 0)))
         return held, pend
 
     def nonlayer_accumulation_peak(self, i: int, n: int) -> int:
@@ -376,6 +376,15 @@ class MemoryModel:
                     peak = max(peak, int(at) + fresh)
                 seen.add(key)
         return peak
+
+    def pending_head(self, i: int) -> int:
+        """Bytes the head's chunk keeps per micro-batch from its ``B`` to its ``W`` besides its saved tensors (which
+        :meth:`activations` holds until the ``W``): the logits' gradient ``s*b*e*V`` for the head's weight gradient.
+        0 with LoRA (the head is frozen: no ``W`` uses it) and on a card whose loss's backward works in place
+        (``FUSED_HEAD_KINDS``, :func:`~npu_train.model.headops.cross_entropy_sum`) with fp32 compute: the gradient
+        is then the saved log-probabilities' own storage (bf16 compute keeps its bf16 cast)."""
+        in_place = self.cards[i].kind in FUSED_HEAD_KINDS and self.dtype_bytes == 4
+        return 0 if self.adapter_params or in_place else self.pending_head_bytes
 
     def transients(self, i: int, n: int, p: StageParams, activations: int, k: Optional[int] = None) -> int:
         """``max(forward/backward peak, optimizer-phase peak) - activations`` + buffers held through the step
