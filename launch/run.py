@@ -36,8 +36,9 @@ def _one_line_hydra_error(text: str) -> str:
     skip = ("Set the environment variable HYDRA_FULL_ERROR", "reference_type=", "object_type=",
             "To append to your config use")
     lines = [l.strip() for l in text.splitlines() if l.strip() and not l.strip().startswith(skip)]
-    if "placement.calibrate" in text:  # removed key: name what replaced it
-        lines.append("placement.calibrate was removed: a finished run fits the rates; calibrate=true measures them")
+    from npu_train.config import REMOVED_KEYS
+
+    lines += [f"{k} was removed: {why}" for k, why in REMOVED_KEYS.items() if k in text]  # name what replaced it
     return "; ".join(lines) if lines else "invalid command line"
 
 

@@ -442,9 +442,15 @@ def suggest_key(path: str) -> Optional[str]:
     return by_leaf[0] if len(by_leaf) == 1 and by_leaf[0] != path else None
 
 
+#: keys that were removed, with what replaced them (named instead of a guess)
+REMOVED_KEYS = {"placement.calibrate": "a finished run fits the rates; calibrate=true measures them"}
+
+
 def unknown_key_error(path: str) -> str:
     """The one line of an override whose key :class:`Config` does not have (``trian.accum=4``), with the
-    closest key (:func:`suggest_key`)."""
+    closest key (:func:`suggest_key`), or what replaced a removed key (:data:`REMOVED_KEYS`)."""
+    if path in REMOVED_KEYS:
+        return f"{path} was removed: {REMOVED_KEYS[path]}"
     near = suggest_key(path)
     hint = f"did you mean {near}? " if near else ""
     return (f"unknown key {path}: the config has no such key; {hint}fix its name (every key: "

@@ -51,3 +51,10 @@ def test_hydras_refusal_becomes_one_line_with_the_closest_key():
     assert "\n" not in line and "full_key" not in line and "+trian" not in line
     # another composition error keeps Hydra's own words
     assert run._unknown_key_line("Error merging override train.accum=abc\nValue 'abc' could not be converted") is None
+
+
+def test_a_removed_key_names_what_replaced_it():
+    run = _launcher()
+    text = HYDRA_TEXT.replace("trian.accum", "placement.calibrate").replace("'trian'", "'calibrate'")
+    assert run._unknown_key_line(text) == ("placement.calibrate was removed: a finished run fits the rates; "
+                                           "calibrate=true measures them")
