@@ -567,6 +567,9 @@ def _check_modes(t) -> None:
     if not (isinstance(rl, str) and rl in ("all", "fewest")) and not (
             not isinstance(rl, str) and hasattr(rl, "__len__") and len(rl) and all(isinstance(x, int) and x >= 0 for x in rl)):
         raise ConfigError(f"train.recompute_layers={rl!r}: use all, fewest or a list of counts >= 0, one per card")
+    if not isinstance(rl, str) and not t.recompute:
+        raise ConfigError(f"train.recompute_layers={list(rl)} counts the layers each card recomputes under "
+                          "train.recompute: add train.recompute=true, or drop train.recompute_layers")
     if t.recompute_attention not in ("auto", True, False):
         raise ConfigError(f"train.recompute_attention={t.recompute_attention!r}: use auto, true or false")
     if t.resume_mismatch not in ("refuse", "allow"):
