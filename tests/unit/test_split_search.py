@@ -150,23 +150,28 @@ def test_plan_table_shows_the_schedules_bubble():
         assert f"equal unit F/B/W times: {unit * 100:.1f} %" in line
 
 
-def test_split_backward_memory_counts_pending_weight_gradients():
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_split_backward_memory_counts_pending_weight_gradients(dtype):
     """zb-h2 keeps, per micro-batch between B and W, the output gradients of the linear layers
     (s b e (q + 2 kv + 2 h + 2 i) per layer, + s b e V of the lm_head on the last stage), for
-    2s+1 micro-batches on stage s (M >= 2P-1), on top of the activations of 2P-1 micro-batches."""
+    2s+1 micro-batches on stage s (M >= 2P-1), on top of the activations of 2P-1 micro-batches.
+    The lm_head's s b e V is a tensor of its own only with bf16 compute: with fp32 compute a cpu
+    card's loss backward writes it into the saved log-probabilities, already held until W."""
     m = LlamaConfig(vocab_size=4096, hidden_size=64, intermediate_size=176, num_layers=6, num_heads=4,
                     num_kv_heads=2, tie_word_embeddings=False, name="tiny")
     S, M, P = 64, 8, 3
     cards = make_cards("cpu", P, 2**40)
-    h2 = make_plan(PlanRequest(m, RunShape(seq_len=S, micro_batches=M, schedule="zb-h2", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
+    h2 = make_plan(PlanRequest(m, RunShape(seq_len=S, micro_batches=M, schedule="zb-h2", dtype=dtype), cards, DEFAULT_RATES["cpu"],
                                split=[2, 2, 2], resident_layers=0))
-    gp = make_plan(PlanRequest(m, RunShape(seq_len=S, micro_batches=M, schedule="gpipe", dtype="fp32"), cards, DEFAULT_RATES["cpu"],
+    gp = make_plan(PlanRequest(m, RunShape(seq_len=S, micro_batches=M, schedule="gpipe", dtype=dtype), cards, DEFAULT_RATES["cpu"],
                                split=[2, 2, 2], resident_layers=0))  # gpipe holds all M = 8 micro-batches, no B/W split
     q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
-    per_layer = S * 4 * (q + 2 * kv + 2 * m.hidden_size + 2 * m.intermediate_size)  # fp32
+    e = 4 if dtype == "fp32" else 2
+    per_layer = S * e * (q + 2 * kv + 2 * m.hidden_size + 2 * m.intermediate_size)
+    head = S * e * m.vocab_size if dtype == "bf16" else 0
     for s, (a, g) in enumerate(zip(h2.stages, gp.stages)):
         assert a.in_flight == 2 * P - 1 and g.in_flight == M
-        pend = (2 * s + 1) * (2 * per_layer + (S * 4 * m.vocab_size if s == P - 1 else 0)) if s else 0
+        pend = (2 * s + 1) * (2 * per_layer + (head if s == P - 1 else 0)) if s else 0
         # activations scale with the micro-batches held; the pending gradients come on top
         assert a.mem["activations"] - pend == pytest.approx(g.mem["activations"] * (2 * P - 1) / M, rel=1e-12)
 
