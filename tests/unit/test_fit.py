@@ -169,18 +169,25 @@ def test_figures_are_kept_and_used_per_model_shape(tmp_path):
     assert "fp32" not in other.flops_by_dtype or other.resolve("fp32", 1).source("device_flops").startswith("assumed")
 
 
+def _head_run(head_peak: float, head_run_peak: float, b1: float) -> tuple[dict, list[dict]]:
+    """The two-card run with the head card (stage 1) planned at 10.57 GiB with baseline ``b1``: its step peak and
+    its every-phase peak (the load's included), bytes."""
+    doc = plan_doc()
+    doc["stages"][1]["mem"].update(total=10.57 * GIB, baseline=b1)
+    recs = records()
+    for r in recs[1:]:
+        r["mem_peak_bytes"] = [int(TOTAL[0] + PEAK_OVER[0]), int(head_peak)]
+        r["mem_run_peak_bytes"] = [int(TOTAL[0] + PEAK_OVER[0]), int(head_run_peak)]
+    return doc, recs
+
+
 def test_the_head_card_fits_its_own_baseline_to_its_peak_over_0_95(tmp_path):
     """One fitted baseline for every card raised the head card's plan by another card's shortfall (a 0.63 B
     run: 10.57 GiB planned against an 8.61 GiB peak, 0.81). The last stage fits its own: the baseline under which
-    its plan is its measured peak (every phase, the load's included) / 0.95, lower than the default too; the
-    other cards keep the larger-only rule."""
-    doc = plan_doc()
+    its plan is its measured peak (every phase, the load's included) / 0.95; applied, like every card's, only
+    where it is larger than the unfitted baseline; the other cards keep their own figure."""
     B1 = 1.6 * GIB  # the run planned its head with a baseline fitted earlier, raised by card 0's shortfall
-    doc["stages"][1]["mem"].update(total=10.57 * GIB, baseline=B1)
-    recs = records()
-    for r in recs[1:]:
-        r["mem_peak_bytes"] = [int(TOTAL[0] + PEAK_OVER[0]), int(8.50 * GIB)]
-        r["mem_run_peak_bytes"] = [int(TOTAL[0] + PEAK_OVER[0]), int(8.61 * GIB)]  # the load peaked higher
+    doc, recs = _head_run(8.50 * GIB, 8.61 * GIB, B1)  # the load peaked higher than the steps
     (fig,) = run_figures(doc, recs, used_rates())
     assert fig.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)  # card 0's, as before
     head = B1 + 8.61 * GIB / 0.95 - 10.57 * GIB
@@ -190,23 +197,52 @@ def test_the_head_card_fits_its_own_baseline_to_its_peak_over_0_95(tmp_path):
     on_head = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path, head=True)
     other = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path)
     assert other.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0], abs=1)
-    assert on_head.process_baseline_bytes == pytest.approx(head, abs=1) and head < resolved.process_baseline_bytes
-    assert on_head.source("process_baseline_bytes") == "fitted from 1 run (head card)"
-    # the head's next plan (same terms, its baseline swapped): peak / plan = 0.95, never above 1
-    plan_next = 10.57 * GIB - B1 + on_head.process_baseline_bytes
-    assert 8.61 * GIB / plan_next == pytest.approx(0.95, rel=1e-6)
-    # a head planned higher than its baseline can take back: baseline 0, the plan still above the peak / 0.95
-    doc["stages"][1]["mem"]["baseline"] = BASE
+    # below the unfitted baseline: not applied (the head keeps it, not card 0's raised one)
+    assert head < resolved.process_baseline_bytes == on_head.process_baseline_bytes
+    assert on_head.source("process_baseline_bytes") == "assumed"
+    # a head that peaked at 9.9 GiB: its figure is above the unfitted one, applied; the next plan (same terms,
+    # its baseline swapped) has peak / plan = 0.95, never above 1
+    doc, recs = _head_run(9.9 * GIB, 9.9 * GIB, B1)
     (fig,) = run_figures(doc, recs, used_rates())
-    assert fig.head_baseline_bytes == 0.0 and 10.57 * GIB - BASE > 8.61 * GIB / 0.95
+    record_run(fig, root=tmp_path / "b")
+    on_head = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path / "b", head=True)
+    assert on_head.process_baseline_bytes == pytest.approx(B1 + 9.9 * GIB / 0.95 - 10.57 * GIB, abs=1)
+    assert on_head.source("process_baseline_bytes") == "fitted from 1 run (head card)"
+    plan_next = 10.57 * GIB - B1 + on_head.process_baseline_bytes
+    assert 9.9 * GIB / plan_next == pytest.approx(0.95, rel=1e-6)
+
+
+def test_an_over_counted_run_never_plans_below_the_unfitted_baseline(tmp_path):
+    """The MoE done-when run (experiments/2026-12-06-moe.md): both cards planned with the default 0.35 GiB
+    baseline, cpu:0 at 10.32 GiB and the head card cpu:1 at 10.58, peaked at 9.59 and 9.63 GiB (the load at 8.76
+    and 8.72): the other terms over-counted by 0.73 and 0.95 GiB. The baselines under which the plans would have
+    held the peaks are 0.35 + 9.59 - 10.32 = -0.38 GiB and 0.35 + 9.63 / 0.95 - 10.58 = -0.09 GiB: no process
+    holds negative memory, so the figures are 0, and the next plan of either card keeps the unfitted 0.35 GiB
+    (the resumed run had planned cpu:1 with 0, at 10.23 GiB)."""
+    doc = plan_doc()
+    for i, total in enumerate((10.32, 10.58)):
+        doc["stages"][i]["mem"].update(total=total * GIB, baseline=BASE)
+    recs = records()
+    for r in recs[1:]:
+        r["mem_peak_bytes"] = [int(9.59 * GIB), int(9.63 * GIB)]
+        r["mem_run_peak_bytes"] = [int(9.59 * GIB), int(9.63 * GIB)]
+    (fig,) = run_figures(doc, recs, used_rates())
+    assert fig.process_baseline_bytes == 0.0 and fig.head_baseline_bytes == 0.0
+    record_run(fig, root=tmp_path)
+    for head in (False, True):
+        out = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path, head=head)
+        assert out.process_baseline_bytes == BASE
+        assert out.source("process_baseline_bytes") == "assumed"
 
 
 def test_load_rates_gives_the_head_card_its_own_fitted_baseline():
     """``load_rates(head=True)`` (the last card of ``runtime/job.py::plan_request``) reads the head's figure from
-    ``$NPT_CACHE/fitted``; the other cards the general one."""
-    record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.6 * GIB, head_baseline_bytes=0.2 * GIB))
-    assert load_rates("cpu", threads=1, head=True).process_baseline_bytes == 0.2 * GIB
+    ``$NPT_CACHE/fitted``; the other cards the general one; each only above the unfitted 0.35 GiB."""
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.6 * GIB, head_baseline_bytes=0.5 * GIB))
+    assert load_rates("cpu", threads=1, head=True).process_baseline_bytes == 0.5 * GIB
     assert load_rates("cpu", threads=1).process_baseline_bytes == 0.6 * GIB
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.6 * GIB, head_baseline_bytes=0.0))
+    assert load_rates("cpu", threads=1, head=True).process_baseline_bytes == 0.5 * GIB  # the maximum over runs
 
 
 def test_a_loaded_host_fits_the_cards_cpu_seconds_not_its_wall_clock(tmp_path):

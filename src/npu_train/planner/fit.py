@@ -44,12 +44,15 @@ class RunFigures:
     #: the plan's optimizer params per step / measured optimizer seconds of the slowest card, before the cpu
     #: core share (CostModel multiplies by it)
     adamw_params_per_s: Optional[float] = None
-    #: cpu: the baseline under which every stage's plan would have covered its measured peak (the last stage,
-    #: which holds the head, apart when there are several: :attr:`head_baseline_bytes`)
+    #: cpu: the baseline under which every stage's plan would have covered its measured peak, >= 0 (the last
+    #: stage, which holds the head, apart when there are several: :attr:`head_baseline_bytes`). Below the
+    #: plan's own baseline it says the other terms over-counted; ``rates.apply_fitted`` applies it only where
+    #: it is larger than the unfitted baseline
     process_baseline_bytes: Optional[float] = None
     #: cpu: the baseline under which the last stage (the head) would have planned its measured peak /
-    #: :data:`HEAD_FIT` (>= 0). One figure for every card raised the head card's plan by another card's shortfall:
-    #: a 0.63 B run's head card then planned 10.57 GiB against an 8.61 GiB peak (0.81)
+    #: :data:`HEAD_FIT` (>= 0; applied, like the other, only above the unfitted baseline). One figure for every
+    #: card raised the head card's plan by another card's shortfall: a 0.63 B run's head card then planned
+    #: 10.57 GiB against an 8.61 GiB peak (0.81)
     head_baseline_bytes: Optional[float] = None
     run_dir: str = ""
     time: float = 0.0
@@ -168,7 +171,9 @@ def _baselines(plan_doc: dict, recs: Sequence[dict]) -> tuple[dict, dict]:
         for rank, peak in enumerate(rec.get("mem_peak_bytes") or []):
             st = stages[rank % P]
             if _kind(st["card"]) == "cpu":
-                k, need = _kind(st["card"]), st["mem"]["baseline"] + int(peak) - st["mem"]["total"]
+                # the baseline the plan's other terms leave for the peak; >= 0: an over-count elsewhere (the
+                # peak under the plan) is no process memory (apply_fitted only raises the unfitted baseline)
+                k, need = _kind(st["card"]), max(0.0, st["mem"]["baseline"] + int(peak) - st["mem"]["total"])
                 if rank % P == P - 1:  # the head's own figure (with one stage, the general one too)
                     top = max(int(peak), int(run_peaks[rank]) if rank < len(run_peaks) else 0)
                     h = max(0.0, st["mem"]["baseline"] + top / HEAD_FIT - st["mem"]["total"])

@@ -315,8 +315,9 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
     """``rates`` (flat, for ``threads``) with the figures fitted from finished runs of ``kind``
     (:mod:`npu_train.planner.fit`): per-dtype FLOP/s, the AdamW rate, and a cpu process baseline only where it
     is larger (the plan stays an upper bound); ``head``: the card holding the lm_head takes the baseline fitted
-    on head cards when runs recorded one, which puts its plan at its measured peak / ``planner.fit.HEAD_FIT``
-    (lower than the default too; the other cards' shortfall says nothing of it). ``model_shape``: only runs of that
+    on head cards instead (its plan at its measured peak / ``planner.fit.HEAD_FIT``; the other cards' shortfall
+    says nothing of it), also only where it is larger than the unfitted baseline (``rates``' own): a fitted
+    baseline never plans a card below what the process holds before the model arrives. ``model_shape``: only runs of that
     :func:`~npu_train.planner.fit.shape_key` count (None: every run). A broken file is one warning line."""
     from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
 
@@ -343,10 +344,13 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
         rates.sources["host_adamw_params_per_s"] = _runs_label(fit.adamw_runs)
         if kind == "cpu":
             rates.device_adamw_params_per_s = 0.0  # the card's AdamW is the host's
-    if kind == "cpu" and head and fit.head_baseline_bytes is not None:
-        # the head card's own: its plan at its measured peak / planner.fit.HEAD_FIT, lower than the default too
-        rates.process_baseline_bytes = fit.head_baseline_bytes
-        rates.sources["process_baseline_bytes"] = _runs_label(fit.head_runs) + " (head card)"
+    if kind == "cpu" and head:
+        # the head card's own figure (never another card's shortfall), and like every card's only where it is
+        # larger: a run whose other terms over-counted fits a baseline below the process's RSS before the model
+        # arrives (0 in the MoE done-when run, experiments/2026-12-06-moe.md), which the unfitted one bounds
+        if fit.head_baseline_bytes is not None and fit.head_baseline_bytes > rates.process_baseline_bytes:
+            rates.process_baseline_bytes = fit.head_baseline_bytes
+            rates.sources["process_baseline_bytes"] = _runs_label(fit.head_runs) + " (head card)"
     elif kind == "cpu" and fit.process_baseline_bytes and fit.process_baseline_bytes > rates.process_baseline_bytes:
         rates.process_baseline_bytes = fit.process_baseline_bytes
         rates.sources["process_baseline_bytes"] = _runs_label(fit.baseline_runs)
