@@ -59,12 +59,15 @@ def test_terms_sum_to_the_recorded_totals(name, kind, shape, cards, nonlayer_res
 
 @pytest.mark.parametrize("ckpt,read", [("bf16", 2 + 1), ("fp16", 2 + 1), ("fp32", 4 + 1), ("gguf", 9 + 1)])
 def test_lora_load_peak_is_covered(ckpt, read):
-    """A LoRA stage keeps no masters, so its peak can be the model load: the weights in the compute dtype plus one
-    chunk of rows being read (2**22 elements: as stored + the finite check's bool mask, or GGUF's dequantisation
-    temporaries; the fp32 cast and the cpu upload's copy), per checkpoint dtype (issue 43), the tied embedding's
-    copy on the last stage of Llama-3.2-1B included; no whole fp32 tensor (the load reads chunks)."""
+    """A LoRA stage's load holds (issue 43; ``Trainer.setup`` makes the optimizer before the load ends): the
+    weights in the compute dtype, the tied embedding's copy on the last stage of Llama-3.2-1B included; the
+    optimizer's state (fp32 adapters on a cpu card are their own masters: the two AdamW moments, 8 B/param); the
+    fp32 initial values ``apply_lora`` returns (4 B/param); one chunk of rows being read (2**22 elements: as
+    stored + the finite check's bool mask, or GGUF's dequantisation temporaries; the fp32 cast and the cpu upload's
+    copy) and the upload copy of one layer's adapters (4 B/param); no whole fp32 tensor (the load reads chunks)."""
     cfg = get_preset("llama-3.2-1b")
-    shape = RunShape(seq_len=256, micro_batch=1, micro_batches=4, dtype="fp32", lora_params_per_layer=1000,
+    A = 1000  # adapter params per layer
+    shape = RunShape(seq_len=256, micro_batch=1, micro_batches=4, dtype="fp32", lora_params_per_layer=A,
                      checkpoint_dtype=ckpt)
     mm = MemoryModel(cfg, shape, make_cards("cpu", 2, 1 << 40), None)
     st = mm.stage(1, 6, 6, 0)
@@ -72,16 +75,39 @@ def test_lora_load_peak_is_covered(ckpt, read):
     H, I, V = 2048, 8192, 128256
     q, kv = 32 * 64, 8 * 64
     layer = 2 * H * q + 2 * H * kv + 3 * H * I + 2 * H  # q, o; k, v; gate, up, down; two norms
-    weights = 4 * (6 * (layer + 1000) + H + V * H)  # 6 layers (+ adapters), final norm, tied head copy
+    weights = 4 * (6 * (layer + A) + H + V * H)  # 6 layers (+ adapters), final norm, tied head copy
     assert mem["weights"] == weights
-    load_peak = weights + (1 << 22) * (read + 4 + 4)
+    load_peak = weights + 8 * 6 * A + 4 * 6 * A + (1 << 22) * (read + 4 + 4) + 4 * A
     body = sum(mem[k] for k in ("weights", "grads", "optimizer", "activations", "transient"))
     assert body >= load_peak
     assert mm.load_peak(1, 6, mm.parameters(1, 6, 6), weights) == load_peak
-    full = MemoryModel(cfg, RunShape(seq_len=256, micro_batch=1, micro_batches=4, dtype="fp32"),
-                       make_cards("cpu", 2, 1 << 40), None).stage(1, 6, 6, 0).mem
-    # full fine-tuning: 4 B master + 8 B moments + 4 B gradient per parameter already exceed the load
-    assert full["grads"] + full["optimizer"] >= 4 * V * H
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_full_load_peak_holds_the_optimizer_state(dtype):
+    """Full fine-tuning on a cpu card, from the formula: the load ends with the weights (e B/param), the optimizer's
+    state made at construction (fp32: resident parameters are their own masters, 8 B of moments; offloaded ones
+    12 B with their host master; bf16: 12 B each), the fp32 masters read from the file (bf16 only: fp32
+    parameters in host memory are their own, 0), one fp32 checkpoint chunk (2**22 x (4 + 1 + 4 x 2) B with fp32
+    compute, x (4 + 1 + 2 x 2) with bf16) and the upload copy of the largest tensor (4 B/element: the 49152 x 576
+    embedding of SmolLM2-135M on stage 0)."""
+    cfg = get_preset("smollm2-135m")
+    e = 4 if dtype == "fp32" else 2
+    mm = MemoryModel(cfg, RunShape(seq_len=128, micro_batch=1, micro_batches=2, dtype=dtype, schedule="1f1b",
+                                   checkpoint_dtype="fp32"), make_cards("cpu", 2, 1 << 40), True)
+    n, r = 15, 10
+    p = mm.parameters(0, n, r)
+    # q, o 576 x 576; k, v 192 x 576 (3 kv heads of 64); gate, up, down 576 x 1536; two norms
+    layer = 2 * 576 * 576 + 2 * 192 * 576 + 3 * 576 * 1536 + 2 * 576
+    total = n * layer + 49152 * 576
+    assert p.trainable == total and p.offloaded == (n - r) * layer
+    weights = e * total
+    if dtype == "fp32":
+        expected = weights + 8 * (total - p.offloaded) + 12 * p.offloaded + 0
+    else:
+        expected = weights + 12 * total + 4 * total
+    expected += (1 << 22) * (4 + 1 + 2 * e) + 4 * 49152 * 576
+    assert mm.load_peak(0, n, p, weights) == expected
 
 
 def test_checkpoint_dtype_is_checked():

@@ -473,18 +473,31 @@ class MemoryModel:
         return max(0, self.load_peak(i, n, p, weights) - body)
 
     def load_peak(self, i: int, n: int, p: StageParams, weights: int) -> int:
-        """Bytes the model load holds at its peak besides the baseline (``runtime/stagebuild.py``, a chunk of rows
-        at a time, :mod:`npu_train.model.chunks`): the ``weights``; with full fine-tuning the fp32 masters that
-        are not the weights themselves (compute dtype not fp32: all, plus the optimizer's copy of the largest
-        tensor as it places them; fp32: the offloaded ones' copies); and one chunk's transients for the
-        checkpoint's dtype (``RunShape.checkpoint_dtype``: the slice read, its finite check, the cast and the
-        upload's copy). The freed chunks leave the process after the load (``hostmem.release_freed_memory``)."""
+        """Bytes the card holds at the end of its load phase besides the baseline (``runtime/trainer.py``
+        ``Trainer.setup``: the stage built a chunk of rows at a time, ``runtime/stagebuild.py``, LoRA applied, then
+        the optimizer made, all before ``del masters``), an upper bound:
+
+        - the ``weights``;
+        - the optimizer's state as :meth:`optimizer_state` counts it: ``StageOptimizer`` makes its masters and
+          both AdamW moments at construction (``eager_state``), so they exist from the load on;
+        - the initial fp32 values the optimizer is made from, alive until the load ends: LoRA's
+          ``apply_lora`` returns a fresh fp32 copy of every adapter (4 B per trainable parameter, whatever the
+          compute dtype); full fine-tuning reads fresh fp32 masters (4 B per parameter) unless the parameters are
+          fp32 in host memory, their own masters (``load_stage_weights``: 0);
+        - the transients, each counted in full (freed blocks stay resident in a cpu card's heap): one chunk's for
+          the checkpoint's dtype (``RunShape.checkpoint_dtype``: the slice read, its finite check, the cast and the
+          upload's copy) and the upload copy of the largest trained tensor as the optimizer places its masters
+          (4 B/element).
+
+        Measured from outside (``experiments/2026-12-06-plan-bound.md``, "The load term"): the LoRA cards peaked
+        0.18 / 0.35 GiB above the term without the optimizer's state and the initial copies."""
         from npu_train.model.chunks import chunk_transient_bytes
 
-        masters = 0
-        if not self.adapter_params:
-            masters = 4 * p.offloaded if self.dtype_bytes == 4 else 4 * (p.trainable + self._largest_param(i, n))
-        return weights + masters + chunk_transient_bytes(self.shape.checkpoint_dtype, self.dtype_bytes)
+        own_masters = not self.adapter_params and self.dtype_bytes == 4 and self.cards[i].kind in HOST_MEMORY_KINDS
+        initial = 0 if own_masters else 4 * p.trainable
+        transients = chunk_transient_bytes(self.shape.checkpoint_dtype, self.dtype_bytes) \
+            + 4 * self._largest_trained_param(i, n)
+        return weights + self.optimizer_state(i, p) + initial + transients
 
     def _fused_head(self, i: int) -> bool:
         return i == self.head_stage and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
