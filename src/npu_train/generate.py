@@ -33,9 +33,10 @@ def _not_a_model(path: str) -> str:
         if os.path.isfile(os.path.join(parent, "config.json")):
             return f"{path} is one file of the model directory {parent}: pass the directory {parent}"
         return f"{path} is not a model file (only .gguf files are loaded as such): {EXPECTED}"
-    if os.path.isdir(os.path.join(path, "checkpoints")):
-        return (f"{path} is a run directory, not a model: pass {os.path.join(path, 'checkpoints')} (its newest "
-                "checkpoint) or one of the step_N directories in it")
+    from npu_train.checkpoint.store import run_dir_error
+
+    if run_dir_error(path, "model"):
+        return run_dir_error(path, "model")
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         if os.path.isfile(os.path.join(parent, "config.json")):
             return (f"{path} holds LoRA adapters only, not a model: pass the export directory {parent}, "
@@ -58,7 +59,7 @@ def resolve_for_generation(model: str) -> tuple[str, str]:
     if os.path.isdir(path) and _is_checkpoint(path):
         return "checkpoint", path
     path = resolve_model_path(model)
-    check_exists(path)
+    check_exists(path, presets=False)
     if is_gguf_path(path):
         return "gguf", path
     if os.path.isfile(path) and os.path.basename(path) == "config.json":

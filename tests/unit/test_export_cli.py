@@ -26,6 +26,31 @@ def test_bad_checkpoint_argument_names_the_export_argument(tmp_path, capsys, mak
     assert not os.path.exists(out)  # nothing written
 
 
+def test_run_directory_names_its_checkpoints_like_generate(tmp_path, capsys):
+    """A run directory (one holding checkpoints/) is named as such, with <run dir>/checkpoints to pass,
+    in the same words as ``generate`` (issue 40), not "holds no complete checkpoint"."""
+    from npu_train.errors import UserError
+    from npu_train.generate import resolve_for_generation
+
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    assert main([str(run), str(tmp_path / "hf")]) == 2
+    err = capsys.readouterr().err.strip()
+    want = f"is a run directory, not a checkpoint: pass {run / 'checkpoints'}"
+    assert want in err and "no manifest.json" not in err, err
+    with pytest.raises(UserError, match="is a run directory, not a model: pass "):
+        resolve_for_generation(str(run))
+
+
+def test_generate_missing_model_does_not_offer_shape_presets():
+    """``generate`` takes no shape preset: its missing-path error leaves out plan=true's preset tail."""
+    from npu_train.generate import resolve_for_generation
+
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_for_generation("/tmp/polish-nope/checkpoints")
+    assert "does not exist" in str(e.value) and "shape preset" not in str(e.value) and "plan=true" not in str(e.value)
+
+
 # ------------------------------------------------------ export into a non-empty directory (issue 28)
 def _two_layer_shapes():
     """A 2-layer tied config (vocab 32, hidden 16) and its HF name -> shape of every parameter."""

@@ -347,6 +347,16 @@ def interrupted_note(root: str, interrupted=()) -> str:
             f"directory {', '.join(sorted(names))}{gone}")
 
 
+def run_dir_error(path: str, what: str = "checkpoint") -> Optional[str]:
+    """The error for a run directory (one holding ``checkpoints/``) passed where a checkpoint or ``what`` is
+    expected, naming ``<path>/checkpoints`` to pass instead; None when ``path`` is no run directory.
+    Shared by ``export`` and ``generate`` so both say the same."""
+    if not os.path.isdir(os.path.join(path, "checkpoints")):
+        return None
+    return (f"{path} is a run directory, not a {what}: pass {os.path.join(path, 'checkpoints')} (its newest "
+            "checkpoint) or one of the step_N directories in it")
+
+
 def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, interrupted=()) -> Optional[str]:
     """Resolve ``train.resume``: ``latest``/``auto`` (newest complete under ``root``), a checkpoint dir or a
     root. ``auto`` returns None when there is none (a fresh start); ``arg`` names the setting in errors;
@@ -374,6 +384,8 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, i
         return cands[-1]
     fix = ("give a step_XXXXXX directory with a manifest.json, or a checkpoint root holding one "
            "(the run's checkpoint.dir, default <run dir>/checkpoints)")
+    if run_dir_error(path):
+        raise CheckpointError(f"{arg}: {run_dir_error(path)}")
     if os.path.isdir(path):
         raise CheckpointError(f"{arg}: {path} holds no complete checkpoint (no manifest.json); {fix}")
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")

@@ -87,15 +87,16 @@ def _has_gguf_magic(path: str) -> bool:
         return False
 
 
-def check_exists(path: str) -> None:
-    """Raise ``FileNotFoundError`` (naming the accepted forms) if ``path`` does not exist."""
+def check_exists(path: str, presets: bool = True) -> None:
+    """Raise ``FileNotFoundError`` (naming the accepted forms) if ``path`` does not exist; ``presets=False``
+    leaves out the shape presets (which only ``plan=true`` takes: not for ``generate``)."""
     if not os.path.exists(path):
         from .presets import preset_names
 
+        tail = f" (plan=true also takes a shape preset: {', '.join(preset_names())})" if presets else ""
         raise FileNotFoundError(
             f"model path {path!r} does not exist; pass an HF model directory (config.json + "
-            f"*.safetensors), a .gguf file, or 'embedded' for the bundled SmolLM2-135M (plan=true also takes a "
-            f"shape preset: {', '.join(preset_names())})"
+            f"*.safetensors), a .gguf file, or 'embedded' for the bundled SmolLM2-135M{tail}"
         )
 
 
