@@ -30,6 +30,26 @@ def rewrite_backend_args(argv: list[str]) -> list[str]:
     return out
 
 
+def spaced_list_error(argv: list[str]) -> "str | None":
+    """The error for a list override split by the shell at a space after a comma (``backend=cpu, cpu`` arrives
+    as ``backend=cpu,`` and ``cpu``; ``backend=cpu ,cpu`` as ``backend=cpu`` and ``,cpu``), which Hydra would
+    refuse as ``no viable alternative at input '[cpu,]'``; None when there is no such argument."""
+    def bare(x: str) -> bool:  # a piece of a value, not an override or an option
+        return "=" not in x and not x.startswith("-")
+
+    for i, a in enumerate(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else ""
+        if "=" in a and a.endswith(","):
+            parts = [a] + ([nxt] if bare(nxt) else [])
+        elif "=" in a and nxt.startswith(",") and bare(nxt):
+            parts = [a, nxt]
+        else:
+            continue
+        joined = "".join(parts).rstrip(",")
+        return f"{' '.join(parts)!r}: no spaces inside a list: write {joined}"
+    return None
+
+
 def _one_line_hydra_error(text: str) -> str:
     """Hydra's multi-line composition error (e.g. ``Value 'abc' could not be converted to Integer``) as one line."""
     # (Hydra's "+key=value to append" hint is wrong for our structured config: unknown keys are errors)
@@ -536,6 +556,10 @@ def _main() -> None:
 
     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # replaced by run_one's (_hold_signals) once the job starts
         signal.signal(s, _stop_before_the_run)
+    spaced = spaced_list_error(sys.argv[1:])
+    if spaced:  # before Hydra's "no viable alternative at input '[cpu,]'"
+        print(f"error: {spaced}", file=sys.stderr)
+        raise SystemExit(2)
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
     # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr
     # (card processes do the same, runtime/worker.py) and the job goes on
