@@ -859,12 +859,30 @@ def _calibrate_only(cfg) -> dict:
     return {"calibrate": saved}
 
 
+def dry_run_data_warning(cfg) -> Optional[str]:
+    """``plan=true``'s one ``warning:`` line (printed before it plans) when ``data.source`` cannot be found on
+    this machine: a real run here refuses it (:func:`~npu_train.data.prepare.check_data_source`), but a dry
+    run may plan for another machine that has the data; None when it is found."""
+    from npu_train.data.prepare import check_data_source
+
+    try:
+        check_data_source(cfg)
+    except FileNotFoundError as e:
+        return (f"warning: {e}; a real run here refuses it before planning (plan=true plans anyway: the data "
+                "may be on the training server)")
+    return None
+
+
 def _dry_run(cfg, run_dir: str) -> dict:
-    """``plan=true``: print the plan table for the target server; nothing is measured or started."""
+    """``plan=true``: print the plan table for the target server; nothing is measured or started. A
+    ``data.source`` missing here is one ``warning:`` line first (:func:`dry_run_data_warning`)."""
     from npu_train.planner import plan_table
 
     from npu_train.runtime.flops import predicted_mfu_line
 
+    warn = dry_run_data_warning(cfg)
+    if warn:
+        print(warn, file=sys.stderr, flush=True)
     prep = prepare(cfg, run_dir, probe=False)
     print(plan_table(prep.plan, width=terminal_width()))
     line = predicted_mfu_line(prep)
