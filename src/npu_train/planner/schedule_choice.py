@@ -100,7 +100,7 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto") -> ScheduleCho
                            for s, p, w in tried if s != best)
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
-                              f"{others})", plan.shape.recompute_attention)
+                              f"{others}{_margin_note(fits, plan)})", plan.shape.recompute_attention)
     rec = [(s, _fewest_or_all(req, s, core)) for s in ("1f1b", "interleaved")]
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:
@@ -114,6 +114,18 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto") -> ScheduleCho
     # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
     return ScheduleChoice("1f1b", recompute, plan, "train.schedule=auto: no schedule fits, 1f1b shown")
+
+
+def _margin_note(fits: list, chosen: Plan) -> str:
+    """``"; zbv is within the 5 % two-chunk margin"``: the two-chunk schedules predicted faster than the chosen
+    one but passed over for :data:`CHUNK_MARGIN`; ``""`` when there are none."""
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+
+    passed = [s for s, p in fits if s in CHUNKED_SCHEDULES and p.step_time_s < chosen.step_time_s]
+    if not passed:
+        return ""
+    verb = "is" if len(passed) == 1 else "are"
+    return f"; {' and '.join(passed)} {verb} within the {CHUNK_MARGIN * 100:.0f} % two-chunk margin"
 
 
 def _recompute_label(plan: Plan) -> str:
