@@ -1,0 +1,33 @@
+"""The docs describe the step line as it is printed (issue 40): a step is folded at 100 columns and can take
+more than two lines (a mixture-of-experts ``expert load``, ``(avg since resume ...)``), and ``expert load``
+is explained where the step line is."""
+from __future__ import annotations
+
+import os
+import re
+
+from npu_train.metrics.report import fold_fields
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def _read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+        return " ".join(f.read().split())
+
+
+def test_a_moe_step_after_a_resume_folds_past_two_lines():
+    """The progress fields of a 2-card MoE step after a resume (widths as the step line prints them) are
+    wider than 100 columns, so with the details the step is three lines: "two lines" cannot be the rule."""
+    head = ["step  3/20", "loss 3.7435 (avg since resume 3.8979)", "gnorm 3.058", "182 tok/s", "MFU 76.3%",
+            "aux 0.0123", "expert load 1.42/1.37", "5.62 s (plan 6.27)"]
+    assert len(" | ".join(head)) > 100
+    assert fold_fields(head).count("\n") == 1
+
+
+def test_docs_say_when_a_step_takes_more_than_two_lines_and_explain_expert_load():
+    readme, job = _read("README.md"), _read("docs/default-job.md")
+    assert not re.search(r"one step in two lines", readme), "README: a step is not always two lines"
+    assert "three" in readme and "expert load" in readme and "avg since resume" in readme
+    assert "three" in job and "avg since resume" in job
+    assert re.search(r"`expert load` is one number per card: .*max/mean.*1\.00", job)
