@@ -498,7 +498,7 @@ def test_truncated_or_bogus_gguf(tmp_path):
 def test_gguf_wrong_arch_and_missing_tensor(tmp_path):
     path, ref = _make_hf(tmp_path, False, False)
     g = _write_gguf(tmp_path / "gpt.gguf", ref, ref.config, arch="gpt2")
-    with pytest.raises(ModelFormatError, match="not one of .*'llama', 'qwen2', 'qwen3'"):
+    with pytest.raises(ModelFormatError, match="'gpt2', not one of .*'llama', 'qwen2', 'qwen2moe', 'qwen3', 'qwen3moe'"):
         load_config(g)
     g2 = _write_gguf(tmp_path / "miss.gguf", ref, ref.config, omit=("blk.1.ffn_up.weight",))
     cfg = load_config(g2)
