@@ -271,7 +271,7 @@ def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
     unfolded = p.stdout.replace("\n  ", " ")  # lines are folded at 100 columns, continuations indented by 2
     assert len(re.findall(r"^plan: split \[\d+, \d+\], .* GiB per card, step .* s, fits \(table: .*plan\.txt\)$",
                           unfolded, flags=re.M)) == 2, p.stdout[-4000:]
-    header = re.compile(r"compute +bubble +host-opt")  # the time table's header, whatever its column gap
+    header = re.compile(r"compute +recomp +bubble +host-opt")  # the time table's header, whatever its column gap
     assert "weights\nGiB" not in p.stdout and not header.search(p.stdout)
     for i in (0, 1):
         assert header.search(open(os.path.join(sd, str(i), "plan.txt")).read())
