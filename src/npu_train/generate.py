@@ -35,8 +35,9 @@ def _not_a_model(path: str) -> str:
         return f"{path} is not a model file (only .gguf files are loaded as such): {EXPECTED}"
     from npu_train.checkpoint.store import run_dir_error
 
-    if run_dir_error(path, "model"):
-        return run_dir_error(path, "model")
+    run_dir = run_dir_error(path, "model")
+    if run_dir:
+        return run_dir
     if os.path.isfile(os.path.join(path, "adapter_config.json")):
         if os.path.isfile(os.path.join(parent, "config.json")):
             return (f"{path} holds LoRA adapters only, not a model: pass the export directory {parent}, "

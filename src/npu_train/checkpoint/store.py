@@ -384,8 +384,9 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, i
         return cands[-1]
     fix = ("give a step_XXXXXX directory with a manifest.json, or a checkpoint root holding one "
            "(the run's checkpoint.dir, default <run dir>/checkpoints)")
-    if run_dir_error(path):
-        raise CheckpointError(f"{arg}: {run_dir_error(path)}")
+    run_dir = run_dir_error(path)
+    if run_dir:
+        raise CheckpointError(f"{arg}: {run_dir}")
     if os.path.isdir(path):
         raise CheckpointError(f"{arg}: {path} holds no complete checkpoint (no manifest.json); {fix}")
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")

@@ -44,20 +44,25 @@ __all__ = ["TextSpec", "build_packed_data", "build_preference_data", "build_sft_
            "prepare_data"]
 
 
-def check_data_source(cfg) -> Source:
-    """Before the plan and the start-up's timings: ``data.format``, ``data.bad_rows`` and ``data.source`` name
-    something that exists (a built-in set of the format, a file, a glob matching files, a directory of them,
-    a save_to_disk directory with the splits asked for); nothing is read. Raises FileNotFoundError (a missing
-    path: one line naming the built-in sets and the accepted paths) or :class:`DataError`."""
-    d = cfg.data
+def _data_settings(d) -> tuple[str, str, str, Optional[str]]:
+    """``(format, bad_rows, split, val_split)`` of the ``cfg.data`` section ``d``, with their defaults. Raises
+    :class:`DataError` for an unknown ``data.format`` or ``data.bad_rows``."""
     fmt = str(getattr(d, "format", "text") or "text")
     if fmt not in FORMATS:
         raise DataError(f"data.format={fmt!r}: use one of {list(FORMATS)}")
     bad_rows = str(getattr(d, "bad_rows", "refuse") or "refuse")
     if bad_rows not in BAD_ROWS:
         raise DataError(f"data.bad_rows={bad_rows!r}: use one of {list(BAD_ROWS)}")
-    split, val_split = str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
-    return resolve_source(d.source, fmt, split, val_split)
+    return fmt, bad_rows, str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
+
+
+def check_data_source(cfg) -> Source:
+    """Before the plan and the start-up's timings: ``data.format``, ``data.bad_rows`` and ``data.source`` name
+    something that exists (a built-in set of the format, a file, a glob matching files, a directory of them,
+    a save_to_disk directory with the splits asked for); nothing is read. Raises FileNotFoundError (a missing
+    path: one line naming the built-in sets and the accepted paths) or :class:`DataError`."""
+    fmt, _, split, val_split = _data_settings(cfg.data)
+    return resolve_source(cfg.data.source, fmt, split, val_split)
 
 
 def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print) -> PackedData:
@@ -70,16 +75,10 @@ def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = p
     from npu_train.model import chat_template, load_tokenizer, resolve_model_path, special_tokens
 
     d = cfg.data
-    fmt = str(getattr(d, "format", "text") or "text")
-    if fmt not in FORMATS:
-        raise DataError(f"data.format={fmt!r}: use one of {list(FORMATS)}")
+    fmt, bad_rows, split, val_split = _data_settings(d)
     tok_path = resolve_model_path(cfg.model.tokenizer) if cfg.model.tokenizer else model_path
     tok = load_tokenizer(tok_path)
     cache = str(npt_cache_dir("data"))
-    bad_rows = str(getattr(d, "bad_rows", "refuse") or "refuse")
-    if bad_rows not in BAD_ROWS:
-        raise DataError(f"data.bad_rows={bad_rows!r}: use one of {list(BAD_ROWS)}")
-    split, val_split = str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
     if fmt == "text":
         spec = TextSpec(resolve_source(d.source, "text", split, val_split),
                         str(getattr(d, "text_field", None) or "text"), bad_rows)

@@ -14,6 +14,8 @@ import shutil
 import sys
 from typing import Optional
 
+from npu_train.metrics.report import LINE_COLUMNS
+
 __all__ = ["next_steps", "interpreter", "launcher_path"]
 
 #: the prompt of the generate hint (short: the line must fit 100 columns with a default run directory)
@@ -50,7 +52,7 @@ def _is_default_job(cfg) -> bool:
             and str(getattr(cfg.train, "mode", "full")) == "full" and str(getattr(cfg.train, "objective", "sft")) == "sft")
 
 
-def next_steps(cfg, ckpt_root: Optional[str], width: int = 100) -> list[str]:
+def next_steps(cfg, ckpt_root: Optional[str], width: int = LINE_COLUMNS) -> list[str]:
     """The lines to print after the default job ``cfg`` ended with a checkpoint under ``ckpt_root`` (None: no
     checkpoint): ``[]`` after any other job. Each command line is at most ``width`` columns; where none fits, one
     line naming the docs instead."""
