@@ -100,6 +100,11 @@ class Plan:
         return [len(st.resident) for st in self.stages]
 
     @property
+    def recompute_counts_label(self) -> str:
+        """Each card's count of layers recomputed whole, ``"6/5/4/0"`` (``train.recompute_layers=fewest``)."""
+        return "/".join(str(st.recompute_layers) for st in self.stages)
+
+    @property
     def tokens_per_s(self) -> float:
         return self.tokens_per_step / self.step_time_s if self.step_time_s > 0 else float("inf")
 

@@ -132,9 +132,8 @@ def _recompute_label(plan: Plan) -> str:
     """``activation recompute`` or, with ``recompute_fewest``, how many layers each card recomputes."""
     if not plan.shape.recompute_fewest:
         return "activation recompute"
-    counts = "/".join(str(st.recompute_layers) for st in plan.stages)
     core = ", the others' attention core" if plan.shape.recompute_attention else ""
-    return f"activation recompute of the fewest layers that fit ({counts} per card{core})"
+    return f"activation recompute of the fewest layers that fit ({plan.recompute_counts_label} per card{core})"
 
 
 def _fewest_or_all(req: PlanRequest, schedule: str, core: bool = True) -> Optional[Plan]:

@@ -339,8 +339,7 @@ def schedule_line(plan: Plan) -> str:
     line = (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
             f"(equal unit F/B/W times: {unit * 100:.1f} %); micro-batches held per card {held}")
     if getattr(s, "recompute_fewest", False):
-        counts = "/".join(f"{st.recompute_layers}" for st in plan.stages)
-        line += (f"; layers recomputed whole per card {counts} (train.recompute_layers=fewest: the fewest that fit;"
+        line += (f"; layers recomputed whole per card {plan.recompute_counts_label} (train.recompute_layers=fewest: the fewest that fit;"
                  " the others keep their activations" + (", attention core recomputed" if s.recompute_attention
                                                           else "") + ")")
     return line
