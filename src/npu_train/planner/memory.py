@@ -280,18 +280,7 @@ class MemoryModel:
         """:meth:`activations` with ``k`` of the ``n`` layers recomputed whole: the card's first ``k`` in execution
         order (a two-chunk card: chunk 0's layers first, the chunk holding more micro-batches)."""
         kk = self.recomputed(n, k)
-        last = i == self.head_stage and head
-        sizes = (n - n // 2, n // 2) if self.chunks > 1 else (n,)
-        held, pend = [], []
-        V = self.chunks * self.num_stages
-        left = kk
-        for c, m in enumerate(sizes):
-            kc = min(left, m)
-            left -= kc
-            hd = last and (self.chunks == 1 or card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c))
-            h = kc * self.layer_input_bytes + (m - kc) * self._activations_per_layer(i)
-            held.append(float(h + (self.mask_bytes if m else 0) + (self.saved_logits if hd else 0)))
-            pend.append(float(m * self.pending_layer_bytes + (self.pending_head(i) if hd else 0)))
+        held, pend = self._held_per_chunk(i, n, head, kk)
         if self.chunks > 1:
             total = peak_held_bytes(self.shape.schedule, i, self.num_stages, self.shape.micro_batches, held, pend)
         else:
@@ -315,16 +304,23 @@ class MemoryModel:
         """Layers of each chunk of a card holding ``n`` (:func:`~npu_train.planner.cost.chunk_sizes`)."""
         return (n - n // 2, n // 2) if self.chunks > 1 else (n,)
 
-    def _held_per_chunk(self, i: int, n: int, with_head: bool = True) -> tuple[list, list]:
+    def _held_per_chunk(self, i: int, n: int, with_head: bool = True,
+                        recomputed: Optional[int] = None) -> tuple[list, list]:
         """(bytes one micro-batch holds from its ``F`` to its last backward action, bytes it keeps from ``B`` to
-        ``W``) per chunk of card ``i`` with ``n`` layers: the layers' saved tensors (recompute: their inputs), the
-        packed rows' mask, and on the head's chunk the saved log-probabilities and the pending logits gradient."""
+        ``W``) per chunk of card ``i`` with ``n`` layers: the layers' saved tensors (a layer recomputed whole: its
+        input), the packed rows' mask, and on the head's chunk the saved log-probabilities and the pending logits
+        gradient. ``recomputed``: how many layers are recomputed whole, the card's first in execution order
+        (chunk 0's first); None: all of them under ``train.recompute``, else none."""
         V = self.chunks * self.num_stages
-        per = self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)
+        left = (n if self.shape.recompute else 0) if recomputed is None else recomputed
+        act = self._activations_per_layer(i)
         held, pend = [], []
         for c, m in enumerate(self._chunk_sizes(n)):
+            kc = min(left, m)
+            left -= kc
             head = with_head and card_of(self.shape.schedule, self.num_stages, V - 1) == (i, c)
-            held.append(float(m * per + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)))
+            saved = kc * self.layer_input_bytes + (m - kc) * act
+            held.append(float(saved + (self.mask_bytes if m else 0) + (self.saved_logits if head else 0)))
             pend.append(float(m * self.pending_layer_bytes + (self.pending_head(i) if head else 0)))
         return held, pend
 
