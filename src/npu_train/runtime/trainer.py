@@ -120,16 +120,13 @@ class StageTrainer:
         self.backend = make_backend(card, **spec.runtime.backend_kwargs(card.kind))
         self.backend.setup()
         self.enter("model load")
-        masters = self._load_model()
-        self._make_optimizer(masters)
-        del masters
-        from npu_train.hostmem import release_freed_memory
-
-        release_freed_memory()  # what the load freed leaves the process (no step reuses it)
+        self._load()
         self.enter("rendezvous")
         self._rendezvous()
         self.start = int(spec.start_step)
         if spec.resume_dir:
+            from npu_train.hostmem import release_freed_memory
+
             self._resume()
             release_freed_memory()
         else:
@@ -137,6 +134,20 @@ class StageTrainer:
         self._load_data()
         self.peak = self._peak_flops()
         self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
+
+    def _load(self) -> None:
+        """The stage's module and its optimizer, then what the load freed returned to the OS (no step reuses it).
+        The load's peak (:meth:`~npu_train.planner.memory.MemoryModel.load_peak`: the weights, the optimizer's state
+        and the initial values it was made from, at once) lasts milliseconds, from the optimizer's moments to ``del
+        masters``: it is sampled into the backend's peak there (a cpu card's peak is sampled at backend calls; a
+        sampler from outside every 0.1 s misses it)."""
+        from npu_train.hostmem import release_freed_memory
+
+        masters = self._load_model()
+        self._make_optimizer(masters)
+        self.backend.memory_allocated()  # the load's peak, into max_memory_allocated
+        del masters
+        release_freed_memory()
 
     def _peak_flops(self):
         """This card's peak FLOP/s in the compute dtype (:class:`~npu_train.metrics.mfu.Peak`): the data sheet's
