@@ -114,6 +114,9 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None and isinstance(summ, dict) and summ.get("stopped_at") is not None:
             report.update(stopped_at=summ["stopped_at"], steps=int(cfg.train.steps),
                           checkpoint_dir=summ.get("checkpoint_dir"))
+        if report is not None and isinstance(summ, dict) and summ.get("earlier_run_dir"):
+            report.update(resumed_from=summ.get("resumed_from"), resumed_at_step=summ.get("resumed_at_step"),
+                          earlier_run_dir=summ["earlier_run_dir"])
         if report is not None and isinstance(summ, dict) and summ.get("complete_at") is not None:
             report.update(complete_at=summ["complete_at"], steps=int(cfg.train.steps),
                           checkpoint=summ.get("checkpoint"))
@@ -363,6 +366,47 @@ def write_status(run_dir: str, code: int, error: str, overrides: list, started: 
         raise
 
 
+#: the statuses of a launch that a later one can continue (``ok`` with ``stopped_at``: ``train.stop_after``)
+CONTINUABLE = ("interrupted", "failed", "resumed")
+
+
+def mark_resumed(earlier_dir: str, run_dir: str, checkpoint, step) -> "str | None":
+    """After a resumed launch in ``run_dir`` completed: the ``status.json`` of the launch it continued, in
+    ``earlier_dir``, gets ``status`` ``resumed`` with ``resumed_in`` (``run_dir``), ``resumed_from`` (the
+    checkpoint), ``resumed_at_step`` and ``resumed_finished`` (Unix time, s); its first status stays in
+    ``status_before`` and every other field as it was. Only a status this launcher wrote (``exit_code`` and a
+    :data:`CONTINUABLE` status, or ``ok`` with ``stopped_at``) in another directory is changed, atomically;
+    returns its path, or None when nothing was changed (no such file, the same directory, unreadable)."""
+    import json
+    import time
+
+    if os.path.realpath(earlier_dir) == os.path.realpath(run_dir):
+        return None  # resumed in place: the earlier launch's records were moved to previous-<k>/
+    path = os.path.join(earlier_dir, "status.json")
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(rec, dict) or "exit_code" not in rec:
+        return None
+    was = rec.get("status")
+    if was not in CONTINUABLE and not (was == "ok" and rec.get("stopped_at") is not None):
+        return None
+    rec.setdefault("status_before", was)
+    rec.update(status="resumed", resumed_in=os.path.abspath(run_dir), resumed_from=checkpoint,
+               resumed_at_step=step, resumed_finished=time.time())
+    try:
+        with open(path + ".part", "w") as f:
+            json.dump(rec, f, indent=1)
+        os.replace(path + ".part", path)
+    except OSError:
+        if os.path.exists(path + ".part"):
+            os.remove(path + ".part")
+        return None
+    return path
+
+
 def _sweep_threads(cfg, n_jobs: int) -> None:
     """Concurrent sweep jobs share the host: ``runtime.threads=null`` becomes cores // (jobs x cpu cards)
     (:func:`npu_train.metrics.sweep.job_threads`); ``n_jobs``: the jobs at a time the sweep worked
@@ -462,6 +506,14 @@ def run_one(cfg) -> int:
             except OSError as e:  # a full run dir: say where the run stands instead (once: main may have said it)
                 if "no space left on device" not in tee.last:
                     _status_lost(run_dir, code, e, report, [*here, *overrides])
+        if code == 0 and report.get("earlier_run_dir"):
+            marked = mark_resumed(report["earlier_run_dir"], run_dir, report.get("resumed_from"),
+                                  report.get("resumed_at_step"))
+            if marked:
+                from npu_train.metrics.report import fold_long_line
+
+                print(fold_long_line(f"note: {marked} now says status resumed, continued in "
+                                     f"{os.path.abspath(run_dir)}"), flush=True)
     if multirun:  # the sweep goes on (its next job, its summary): Ctrl-C stops it again
         _release_signals(held)
     return code  # a single run exits now: a late signal cannot turn its exit status into a kill

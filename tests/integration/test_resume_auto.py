@@ -118,3 +118,36 @@ def test_interrupt_while_a_resume_prepares_names_the_checkpoint(tiny_model, tmp_
     assert st["status"] == "interrupted" and st["checkpoint"], st
     assert os.path.basename(st["checkpoint"]).startswith("step_") and "train.resume=latest" in st["resume"], st
     assert os.path.isfile(os.path.join(st["checkpoint"], "manifest.json")), st  # a complete one
+
+
+def test_a_resume_into_a_new_run_dir_marks_the_launch_it_continued(tiny_model, tmp_path):
+    """The recorded resume command run with another hydra.run.dir (the default: a new timestamped directory):
+    once it completes, the first launch's ``status.json`` says ``resumed`` and where (``resumed_in``), keeping
+    its own fields (``status_before``, ``stopped_at``, ``resume``); the new launch's ``summary.json`` names the
+    checkpoint it continued from. Without the mark the first directory said it was unfinished forever."""
+    import json
+    import shlex
+
+    from conftest import launch_to_end
+    from launch_util import Job
+
+    first = launch_to_end(tmp_path, tiny_model, "train.steps=3", "train.stop_after=1", name="a")
+    with open(os.path.join(first.run_dir, "status.json")) as f:
+        before = json.load(f)
+    argv = [a for a in shlex.split(before["resume"]) if not a.startswith("hydra.run.dir=")]
+    again = Job(tmp_path, tiny_model, name="b", argv=argv)
+    assert again.finish(240) == 0, again.tail()
+    ck = os.path.join(first.run_dir, "checkpoints", "step_000001")
+    with open(os.path.join(again.run_dir, "summary.json")) as f:
+        summ = json.load(f)
+    assert summ["resumed_from"] == ck and summ["resumed_at_step"] == 1, summ
+    assert summ["earlier_run_dir"] == first.run_dir, summ
+    with open(os.path.join(first.run_dir, "status.json")) as f:
+        after = json.load(f)
+    assert after["status"] == "resumed" and after["status_before"] == "ok", after
+    assert after["resumed_in"] == again.run_dir and after["resumed_from"] == ck and after["resumed_at_step"] == 1
+    assert {k: v for k, v in after.items() if k in before and k != "status"} == {
+        k: v for k, v in before.items() if k != "status"}  # nothing else rewritten
+    assert f"note: {os.path.join(first.run_dir, 'status.json')} now says status resumed" in again.flat_stdout
+    with open(os.path.join(again.run_dir, "status.json")) as f:
+        assert json.load(f)["status"] == "ok"

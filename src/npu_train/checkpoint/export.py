@@ -1,9 +1,10 @@
 """Export a checkpoint to a merged Hugging Face directory that ``transformers`` loads (:func:`export_hf`).
 
-``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype bf16|fp32] [--overwrite] [--base DIR]``
+``python -m npu_train.checkpoint.export <checkpoint dir> <out dir> [--dtype auto|bf16|fp32] [--overwrite] [--base DIR]``
 writes
 ``model.safetensors`` (fp32 masters cast to ``--dtype``; LoRA merged as ``W + (alpha/r) B A``, the
-adapters also in PEFT's layout under ``adapter/``), ``config.json``, the run's tokenizer files and
+adapters also in PEFT's layout under ``adapter/``; ``auto``, the default: bf16, and fp32 for a LoRA merge, whose
+update bf16 mostly rounds away: :func:`export_dtype`), ``config.json``, the run's tokenizer files and
 :data:`RECORD` (the files written). A non-empty ``<out dir>`` is refused unless ``--overwrite``, which first
 removes only the files an export writes (:func:`clear_earlier_export`), never another file.
 """
@@ -103,14 +104,39 @@ class MergeRounding:
         """``||cast(W') - W'|| / ||W' - W||`` over the merged tensors (0 without an update)."""
         return math.sqrt(self.error_sq / self.update_sq) if self.update_sq > 0 else 0.0
 
-    def line(self, dtype: str) -> str:
-        """The export's line on it, with the fix when the rounding changes more than 1 % of the update."""
-        text = (f"export: rounding the merged weights to {dtype} changes the LoRA update W' - W by "
-                f"{100 * self.ratio:.1f} % (norm of the rounding error / norm of the update)")
+    def line(self, dtype: str, auto: bool = False) -> str:
+        """The export's line on it: ``dtype`` the merged weights' (bf16: what its rounding did, with the fix when it
+        changes more than 1 % of the update; fp32: what bf16 would have done, ``auto``: fp32 chosen for that)."""
+        share = f"{100 * self.ratio:.1f} % (norm of the rounding error / norm of the update)"
+        if dtype == "fp32":
+            text = f"export: LoRA merged in fp32, the update W' - W kept; bf16 would change it by {share}"
+            if auto:
+                text += ("; fp32 is the default of a LoRA merge for that reason (peft's merge_and_unload on a "
+                         "bf16 base rounds the same way); --dtype bf16 writes half the bytes")
+            return text
+        text = f"export: rounding the merged weights to {dtype} changes the LoRA update W' - W by {share}"
         if self.ratio > 0.01:
             text += ("; the adapter (adapter/, on the base with peft) keeps the update, and so does --dtype fp32 "
-                     "for the merged weights")
+                     "(the default) for the merged weights")
         return text
+
+
+def export_dtype(dtype: str, lora: bool) -> str:
+    """The dtype an export writes for ``--dtype`` ``dtype``: ``auto`` is fp32 for a LoRA merge and bf16 for full
+    fine-tuning; ``bf16`` / ``fp32`` as given.
+
+    Why fp32 for LoRA: the merge ``W' = W + (alpha / r) B A`` adds an update that, after a fine-tuning run of
+    ordinary length, is mostly below half a bf16 step of ``W`` (2**-9 relative), so a bf16 ``W'`` is ``W`` again
+    in most entries: the default job's LoRA variant kept none of it (the rounding error was 3.2 x the update,
+    experiments/2026-12-06-first-impressions.md), and the exported model computed like the base. peft does the
+    same on a bf16 base (``LoraLayer.merge``: ``base_layer.weight.data += delta_weight`` in the base's dtype;
+    huggingface/peft#1388), which is why its merged models are usually saved from an fp32 base. Full fine-tuning
+    keeps bf16: its masters are the model (no separate update to lose), as a bf16 run computes with them."""
+    if dtype not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"dtype={dtype!r}: use auto, bf16 or fp32")
+    if dtype == "auto":
+        return "fp32" if lora else "bf16"
+    return dtype
 
 
 def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt, model_path: str, rounding: MergeRounding):
@@ -136,7 +162,8 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt, model_path:
         merged = merge_adapters(base, adapters, spec, [n])[n]
         out = merged.to(tdt).contiguous()
         if n in adapters or f"{n[: -len('.weight')]}.lora_A.weight" in adapters:
-            rounding.add(base[n], merged, out)
+            # bf16: what the cast did; fp32: what a bf16 cast would have done (the line says which)
+            rounding.add(base[n], merged, merged.to(torch.bfloat16))
         return out
 
     return get
@@ -276,7 +303,7 @@ def _counted(entries: list, say: Callable[[str], None]) -> list:
 
 
 def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: str, dtype: str, tdt, model_path,
-                  tok_src, say: Callable[[str], None]) -> None:
+                  tok_src, say: Callable[[str], None], auto: bool = False) -> None:
     """The files of :func:`export_hf` into ``out_dir`` (weights, config, tokenizer, record); ``say``: progress."""
     lora = train.get("mode") == "lora"
     rounding = MergeRounding()
@@ -292,7 +319,7 @@ def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: s
         f"{sum(e.nbytes for e in entries) / 2**30:.2f} GiB {dtype}" + (", LoRA merged into the base" if lora else ""))
     write_stream(os.path.join(out_dir, "model.safetensors"), _counted(entries, say), {"format": "pt"})
     if lora:
-        say(rounding.line(dtype))
+        say(rounding.line(dtype, auto))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config_dict(cfg, dtype), f, indent=1)
     src = tok_src
@@ -315,7 +342,7 @@ def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: s
     _write_record(out_dir, reader.path)
 
 
-def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[str] = None,
+def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "auto", arg: Optional[str] = None,
               overwrite: bool = False, base: Optional[str] = None,
               say: Callable[[str], None] = lambda _text: None) -> str:
     """Merge the shards of ``ckpt_dir`` into the HF directory ``out_dir`` tensor by tensor; returns ``out_dir``.
@@ -323,19 +350,20 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
     (:func:`clear_earlier_export`); ``say``: progress lines (the CLI prints them: an 8B export takes minutes). Raises CheckpointError (incomplete checkpoint or missing tensor),
     ExportDirError (non-empty ``out_dir`` without ``overwrite``), BaseModelError (a LoRA checkpoint's base cannot
     be found or has other weights: ``base`` names its new place; :func:`base_model`), MemoryCheckError (less host memory than
-    :func:`export_bound`), ValueError (unknown ``dtype``)."""
-    if dtype not in ("bf16", "fp32"):
-        raise ValueError(f"dtype={dtype!r}: use bf16 or fp32")
+    :func:`export_bound`), ValueError (unknown ``dtype``). ``dtype``: ``auto`` (fp32 for a LoRA merge, else
+    bf16: :func:`export_dtype`), ``bf16`` or ``fp32``."""
+    export_dtype(dtype, False)  # an unknown dtype: before anything is read
     from npu_train.checkpoint.store import find_checkpoint
 
     # a step_XXXXXX dir or a checkpoint root (never the trainer's keywords latest/auto)
     arg = arg or f"python -m npu_train.checkpoint.export <checkpoint>={ckpt_dir!r}"
     reader = CheckpointReader(find_checkpoint(os.path.abspath(ckpt_dir), None, arg=arg))
     cfg = LlamaConfig.from_dict(reader.manifest["model"])
-    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     names = stage_param_names(cfg, 0, cfg.num_layers, True, True)
     train = reader.manifest.get("train") or {}
     lora = train.get("mode") == "lora"
+    auto, dtype = dtype == "auto", export_dtype(dtype, lora)
+    tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
     model_path = base_model(reader, base, lora)  # before anything is written
     tok_src = _tokenizer_source(reader, base, model_path)
@@ -345,7 +373,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "bf16", arg: Optional[st
     created = not os.path.exists(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        _write_export(reader, cfg, names, train, out_dir, dtype, tdt, model_path, tok_src, say)
+        _write_export(reader, cfg, names, train, out_dir, dtype, tdt, model_path, tok_src, say, auto)
     except BaseException:  # a checkpoint rotated away mid-read, a full disk, Ctrl-C: no partial export stays
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -369,8 +397,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
     ap.add_argument("checkpoint", help="a step_XXXXXX checkpoint directory, or a checkpoint root (newest is used)")
     ap.add_argument("out", help="output directory")
-    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"],
-                    help="tensor dtype written (default bf16; fp32 keeps the master weights exactly)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="tensor dtype written: auto (the default) is bf16 for full fine-tuning and fp32 for a LoRA "
+                         "merge (bf16 rounds most of a LoRA update away); fp32 keeps the master weights exactly")
     ap.add_argument("--overwrite", action="store_true",
                     help="export into a non-empty directory: first remove an earlier export's files there "
                          "(model.safetensors, config.json, tokenizer*.json, adapter/), never other files")

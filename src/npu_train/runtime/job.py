@@ -820,6 +820,8 @@ class ResumePoint:
     reference: Optional[ReferenceSpec] = None
     #: ``train.resume=auto`` found a checkpoint at ``train.steps`` (or beyond): the run is already complete
     complete: bool = False
+    #: the run directory of the launch that wrote the resumed checkpoint (:func:`saved_by_run_dir`; None: fresh)
+    earlier_run_dir: Optional[str] = None
 
 
 @dataclass
@@ -993,6 +995,7 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
                           "train.offload_update=sync, or start fresh without train.resume")
     reader = open_resume_checkpoint(found, point.ckpt_root, auto=tr.resume == "auto")
     point.resume_dir = reader.path
+    point.earlier_run_dir = saved_by_run_dir(reader.manifest, point.ckpt_root)
     reader.check_model(prep.model_cfg.to_dict())
     reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
     reader.check_objective(str(getattr(tr, "objective", "sft")))  # before the sampler speaks of n_sequences
@@ -1148,7 +1151,8 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,
                         ckpt_keep=cfg.checkpoint.keep,
-                        manifest_base=_manifest_base(cfg, prep, data, resume, launch, train),
+                        manifest_base={**_manifest_base(cfg, prep, data, resume, launch, train),
+                                       "run_dir": os.path.abspath(run_dir)},
                         save_on_interrupt=cfg.train.save_on_interrupt and resume.saving,
                         reporter=reporter, coord_addr=specs[0].coord_addr, node_link=link,
                         node=node.node_rank, nnodes=node.nnodes)
@@ -1333,6 +1337,20 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
             "tokenizer_path": _tokenizer_path(cfg, prep.model_path)}
 
 
+def saved_by_run_dir(manifest: dict, ckpt_root: str) -> Optional[str]:
+    """The run directory of the launch that wrote a checkpoint: its manifest's ``run_dir``; for a checkpoint
+    written before that was recorded, the root's parent when the root is ``<run dir>/checkpoints`` (the default
+    ``checkpoint.dir``) and that directory holds a ``status.json``; else None."""
+    recorded = manifest.get("run_dir")
+    if isinstance(recorded, str) and recorded:
+        return recorded
+    root = os.path.abspath(ckpt_root)
+    parent = os.path.dirname(root)
+    if os.path.basename(root) == "checkpoints" and os.path.isfile(os.path.join(parent, "status.json")):
+        return parent
+    return None
+
+
 def _data_files(cfg) -> Optional[dict]:
     """:func:`~npu_train.data.sources.source_files` of ``data.source`` (None when it cannot be listed)."""
     from npu_train.data.sources import resolve_source, source_files
@@ -1424,6 +1442,9 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
                                 "cards": [c.name for c in prep.cards], "node": node.node_rank, "nnodes": node.nnodes,
                                 "predicted_step_s": plan.step_time_s,
                                 "predicted_mem_bytes": [s.mem["total"] for s in plan.stages] * prep.dp,
+                                # where a resumed launch continued from (launch/run.py marks that launch's dir)
+                                **({"resumed_from": resume.resume_dir, "resumed_at_step": resume.start_step,
+                                    "earlier_run_dir": resume.earlier_run_dir} if resume.resume_dir else {}),
                                 **({"run_peak_mem_bytes": final["mem_run_peak_bytes"],
                                     "phase_peak_mem_bytes": final["mem_phase_peak_bytes"]} if final else {})})
     if coord.rejected:
