@@ -66,9 +66,14 @@ class StageCost:
     t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
 
     @property
+    def offloaded_state_bytes(self) -> int:
+        """The offloaded layers' fp32 master + AdamW m, v: 12 B/param, wherever they are held."""
+        return int(12 * self.host_params * self.state_share)
+
+    @property
     def host_bytes(self) -> int:
         """Host RAM of the offloaded fp32 master + AdamW m, v: 12 B/param (0 on a cpu card)."""
-        return 0 if self.host_state_on_card else int(12 * self.host_params * self.state_share)
+        return 0 if self.host_state_on_card else self.offloaded_state_bytes
 
 
 def exposed_host_time(mode: str, host_s: float, *, offloaded_layers: int, resident_layers: int,
@@ -378,6 +383,7 @@ class CostModel:
                 has_embed=(i == 0), has_head=(i == self.memory.head_stage),
                 resident=layers[:c.resident], offloaded=layers[c.resident:],
                 mem=dict(c.mem), time=time, host_bytes=c.host_bytes, in_flight=c.in_flight,
+                offloaded_state_bytes=c.offloaded_state_bytes,
                 nonlayer_resident=c.nonlayer_resident, second=ranges[i][1] if len(ranges[i]) > 1 else None,
                 recompute_layers=c.recomputed,
             ))

@@ -39,6 +39,9 @@ class StagePlan:
     #: layers recomputed whole, the card's first in execution order (``RunShape.recompute_fewest``); None: the
     #: shape's ``recompute`` (all or none)
     recompute_layers: Optional[int] = None
+    #: the offloaded layers' fp32 master + AdamW moments (bytes) wherever they are: ``host_bytes`` on a card with
+    #: its own memory, part of ``mem`` (optimizer) on a cpu card, whose memory is the host's
+    offloaded_state_bytes: int = 0
 
     @property
     def num_layers(self) -> int:

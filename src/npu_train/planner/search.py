@@ -7,14 +7,14 @@ from bisect import bisect_right
 from dataclasses import dataclass, replace
 from typing import Optional, Sequence, Union
 
-from npu_train.hardware import KINDS
+from npu_train.hardware import HOST_MEMORY_KINDS, KINDS, LAUNCHER_RESERVE_BYTES
 from npu_train.pipeline.schedule import SPLIT_BACKWARD
 from npu_train.planner.cost import CostModel, StageCost
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
 from npu_train.planner.request import PlanRequest
 from npu_train.planner.spec import PlacementError, gib
-from npu_train.planner.table import card_label, over_capacity_message
+from npu_train.planner.table import card_label, over_capacity_message, state_bytes
 from npu_train.planner.threads import threads_per_card, usable_cores
 
 __all__ = ["SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan"]
@@ -480,7 +480,7 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
     raise PlacementError(
         "no placement fits with any number of resident layers"
         + ("" if split is not None else " on any split") + _floor_over_cards(pm, shown, req)
-        + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad)
+        + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad) + _what_fits(pm, plan, req)
     )
 
 
@@ -509,7 +509,8 @@ def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> 
     that fit)"`` when the terms no placement can move off the cards (weights, and the gradient accumulators, at
     ``split`` with every layer offloaded) exceed the sum of the cards' limits, e.g. a 235 B mixture of experts on
     8 cards; else ``""``. N is planned (:func:`_fewest_cards`): the floor alone would name too few (activations,
-    workspace); "at least" the first count not tried when none of those fits."""
+    workspace); "at least" the first count not tried when none of those does. On cpu cards more cards split the
+    same host RAM, so no count is named: :func:`_what_fits` names what does fit."""
     mm = pm.memory
     floor = 0
     for i, n in enumerate(split):
@@ -518,10 +519,77 @@ def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> 
     room = sum(pm.limit(i) for i in range(pm.P))
     if floor <= room:
         return ""
+    what = "weights and gradients" if mm.gradients(mm.parameters(0, split[0], 0)) else "weights"
+    head = f", since the {what} alone need {gib(floor):.2f} GiB > the {pm.P} cards' {gib(room):.2f} GiB"
+    if all(c.kind in HOST_MEMORY_KINDS for c in pm.cards):
+        return head + " (more cpu cards split the same host RAM)"
     per_card = min(pm.limit(i) for i in range(pm.P))
     need = -(-floor // per_card)
-    what = "weights and gradients" if mm.gradients(mm.parameters(0, split[0], 0)) else "weights"
     fewest = _fewest_cards(req, need)
     fix = (f"{fewest} such cards, the fewest that fit" if fewest is not None
            else f"at least {min(need + FEWEST_CARDS_TRIED, req.model.num_layers + 1)} such cards")
-    return f", since the {what} alone need {gib(floor):.2f} GiB > the {pm.P} cards' {gib(room):.2f} GiB (fix: {fix})"
+    return head + f" (fix: {fix})"
+
+
+def _what_fits(pm: CostModel, plan: Plan, req: PlanRequest) -> str:
+    """``"; what fits instead: ..."`` when no card-level setting can (``plan``: the least-memory placement, whose
+    cards' weights, gradients and optimizer state alone are over their limits, :func:`_state_over`): LoRA (rank
+    8 on the default targets; with ``train.dtype=bf16`` from fp32) when it plans to fit on the same split, a host
+    with the RAM that fits (cpu cards: :func:`_host_ram_that_fits`), a model under the parameter count whose
+    state fits; ``""`` when some card's activations or resident layers could still be changed to fit."""
+    if not any(_state_over(pm, plan, i) for i in range(pm.P)):
+        return ""
+    out = []
+    s = req.shape
+    variants = []
+    if not s.lora_params_per_layer:
+        from npu_train.config import LORA_TARGETS, LoraConf
+        from npu_train.planner.moe import lora_params_per_layer
+
+        total, active = lora_params_per_layer(req.model, LoraConf().rank, LORA_TARGETS)
+        lora = replace(s, lora_params_per_layer=total, lora_active_params_per_layer=active)
+        variants.append((f"train.mode=lora (rank {LoraConf().rank})", lora))
+        if s.dtype == "fp32":
+            variants.append((f"train.mode=lora (rank {LoraConf().rank}) with train.dtype=bf16", replace(lora, dtype="bf16")))
+    for text, shape in variants:
+        alt = make_plan(replace(req, shape=shape, split=list(plan.split), resident_layers="auto", strict=False))
+        if alt.fits:
+            per_card = "/".join(f"{gib(st.mem['total']):.2f}" for st in alt.stages)
+            out.append(f"{text}, planned at {per_card} GiB per card")
+            break
+    if all(c.kind in HOST_MEMORY_KINDS for c in pm.cards):
+        out.append(_host_ram_that_fits(pm, plan))
+    smaller = _largest_model_that_fits(req)
+    if smaller:
+        out.append(smaller)
+    return "; what fits instead: " + ", or ".join(out) if out else ""
+
+
+def _state_over(pm: CostModel, plan: Plan, i: int) -> bool:
+    return state_bytes(plan.stages[i]) > pm.limit(i)
+
+
+def _host_ram_that_fits(pm: CostModel, plan: Plan) -> str:
+    """``"a host with about X GiB of RAM for the cpu cards (they have Y GiB now)"``: cpu cards split the host RAM (less the launcher's reserve)
+    evenly, so the busiest card's total over ``1 - headroom``, times the cpu card processes, plus the reserve."""
+    n_cpu = pm.dp * len(plan.stages)
+    need = max(st.mem["total"] for st in plan.stages) / (1.0 - pm.headroom) * n_cpu + LAUNCHER_RESERVE_BYTES
+    now = sum(st.card.capacity_bytes for st in plan.stages) * pm.dp + LAUNCHER_RESERVE_BYTES
+    return f"a host with about {gib(need):.0f} GiB of RAM for the cpu cards (they have {gib(now):.0f} GiB now)"
+
+
+def _largest_model_that_fits(req: PlanRequest) -> str:
+    """``"a smaller model, e.g. llama-3.2-1b (1.24 B params) plans to fit"``: the largest dense shape preset
+    (:mod:`npu_train.model.presets`) under the model's parameter count that fits these cards at the same run
+    shape, planned on a balanced split; ``""`` when none does."""
+    from npu_train.model.presets import PRESETS
+
+    n = req.model.total_params()
+    smaller = sorted(((m.total_params(), name, m) for name, m in PRESETS.items()
+                      if not m.is_moe and m.total_params() < n and m.num_layers >= len(req.cards)), reverse=True)
+    for params, name, m in smaller:
+        plan = make_plan(replace(req, model=m, split=balanced_split(m.num_layers, len(req.cards)),
+                                 resident_layers="auto", strict=False))
+        if plan.fits:
+            return f"a smaller model, e.g. {name} ({params / 1e9:.2f} B params) plans to fit"
+    return ""

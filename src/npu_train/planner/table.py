@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import Optional
 
-from npu_train.hardware import Card
+from npu_train.hardware import HOST_MEMORY_KINDS, Card
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
@@ -20,28 +20,46 @@ def card_label(i: int, card: Card) -> str:
     return f"card {i} ({card.name})"
 
 
+def state_bytes(st) -> int:
+    """What no activation, heap or recompute setting changes on a card (bytes): the process baseline, weights,
+    gradient accumulators and, on a cpu card (whose memory holds every layer's state, resident or offloaded), the
+    optimizer state; an accelerator's optimizer state is left out (fewer resident layers move it to the host)."""
+    m = st.mem
+    own = m["baseline"] + m["weights"] + m["grads"]
+    return own + (m["optimizer"] if st.card.kind in HOST_MEMORY_KINDS else 0)
+
+
 def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
                           limit_bytes: Optional[int] = None) -> str:
     """One line: the card over capacity, every memory term in GiB, the limit (``limit_bytes``: the auto
-    limit with ``placement.headroom``, else the capacity) and the fixes; ``max_resident``: most resident
-    layers that fit (-1: none)."""
+    limit with ``placement.headroom``, else the capacity) and the fixes that can make it fit: the
+    activation, recompute and heap settings only when the card's :func:`state_bytes` are within the limit (they
+    cannot lower those); ``max_resident``: most resident layers that fit (-1: none)."""
     st = plan.stages[st_index]
     m = st.mem
     r = len(st.resident)
+    limit = limit_bytes if limit_bytes is not None else st.card.capacity_bytes
+    state_over = state_bytes(st) > limit
     fixes = []
     if 0 <= max_resident < r:
         fixes.append(f"fewer resident layers on this card (now {r}; at most {max_resident} fit)")
     sh = plan.shape
     # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
-    fixes += ["more RAM per cpu card (a larger host, or placement.capacity_gib if it was set below the card's "
-              "share of the RAM; more cpu cards split the same RAM)" if st.card.kind == "cpu" else "more cards",
-              None if sh.recompute else "train.recompute=true" + (
-                  " (with train.schedule=1f1b: not with the zero-bubble schedules)"
-                  if sh.schedule in SPLIT_BACKWARD else ""),
-              f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})"]
-    if m.get("heap"):  # a cpu card keeping freed host memory: the heap's holes are in its workspace
-        fixes.append(f"runtime.keep_host_memory=false (the card returns freed memory: {gib(m['heap']):.2f} GiB "
-                     f"less, slower steps)")
+    if st.card.kind == "cpu":
+        need = (f"at least {gib(state_bytes(st)):.2f} GiB for its weights, gradients and optimizer state alone: "
+                if state_over else "")
+        fixes.append(f"more RAM per cpu card ({need}a larger host, or placement.capacity_gib if it was set below the "
+                     "card's share of the RAM; more cpu cards split the same RAM)")
+    else:
+        fixes.append("more cards")
+    if not state_over:
+        fixes += [None if sh.recompute else "train.recompute=true" + (
+                      " (with train.schedule=1f1b: not with the zero-bubble schedules)"
+                      if sh.schedule in SPLIT_BACKWARD else ""),
+                  f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})"]
+        if m.get("heap"):  # a cpu card keeping freed host memory: the heap's holes are in its workspace
+            fixes.append(f"runtime.keep_host_memory=false (the card returns freed memory: {gib(m['heap']):.2f} GiB "
+                         f"less, slower steps)")
     return (
         f"{card_label(st_index, st.card)} holding layers {st.layers_label}: predicted "
         f"{gib(m['total']):.2f} GiB ("
@@ -198,8 +216,34 @@ def memory_table(plan: Plan, gap: int = 2) -> list:
         rows.append([st.card.name, st.layers_label, str(len(st.resident)), str(len(st.offloaded))]
                     + [f"{gib(m[k]):.2f}" for k in MEM_KEYS[:-1]]
                     + [f"{gib(m['total']):.2f}" + ("" if st.fits else " !"), f"{gib(st.card.capacity_bytes):.1f}",
-                       f"{gib(st.host_bytes):.2f}"])
+                       _host_cell(st)])
     return [_table(cols, footers, rows, gap)]
+
+
+def _state_on_card(st) -> bool:
+    """A card whose memory is the host's (cpu) holding offloaded layers: their state is in its own columns."""
+    return st.card.kind in HOST_MEMORY_KINDS and bool(st.offloaded)
+
+
+def _host_cell(st) -> str:
+    """The ``host GiB`` cell: host RAM beyond the card's own memory; on a cpu card with offloaded layers their
+    state in parentheses, the same memory as its ``optim`` and ``total`` (:func:`host_legend`)."""
+    if _state_on_card(st):
+        return f"({gib(st.offloaded_state_bytes):.2f})"
+    return f"{gib(st.host_bytes):.2f}"
+
+
+def host_legend(plan: Plan) -> Optional[str]:
+    """The line under the tables when a cpu card holds offloaded layers (its memory is the host's: the
+    ``host GiB`` column would otherwise say 0.00 while its ``optim`` and ``total`` rise); None otherwise."""
+    on_card = [st for st in plan.stages if _state_on_card(st)]
+    if not on_card:
+        return None
+    extra = (" (fp32: +4 B/param for a master of its own)"
+             if plan.shape.dtype_bytes == 4 else "")
+    return ("host GiB (x.xx): on a cpu card, whose memory is the host's, the offloaded fp32 masters + AdamW "
+            "moments, already in its optim and total (not in the host total); offloading there frees no "
+            f"memory{extra} and adds host AdamW time (train.resident_layers=auto keeps them resident)")
 
 
 def time_table(plan: Plan, gap: int = 2) -> list:
@@ -249,6 +293,9 @@ def plan_table(plan: Plan, width: int = 0) -> str:
                      + f"; one replica shown, every replica's cards alike; host GiB all replicas "
                      f"{gib(plan.host_bytes_all):.2f}")
     lines.append(tables)
+    legend = host_legend(plan)
+    if legend:
+        lines.append(legend)
     lines += rate_sources(plan)
     lines += memory_sources(plan)
     verdict = "fits" if plan.fits else "DOES NOT FIT"
