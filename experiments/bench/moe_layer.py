@@ -57,6 +57,61 @@ def _share_weights(hf, ours: SparseMoe, others) -> None:
                                                                       hf.experts.down_proj)
 
 
+class _Frozen(torch.nn.Module):
+    """``block`` with its LoRA adapters disabled: the frozen experts alone (what LoRA adds is the difference)."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        from npu_train.model.lora import adapters_disabled
+
+        with adapters_disabled(self.block):
+            return self.block(x)
+
+
+def _add_lora(ours: SparseMoe, hf, r: int, alpha: float) -> None:
+    """Random rank-``r`` adapters (alpha ``alpha``) on every expert projection of ``ours`` (npu-train's per-expert
+    ``LoraLinear``, base frozen), and the same adapters through peft 0.21 on transformers' stacked experts
+    (``target_parameters``: ``ParamWrapper`` folds ``W + s B A`` per expert into the weight each forward), as peft
+    converts npu-train's per-expert adapters: gate and up fused at rank ``2r``, alpha ``2 alpha`` (A stacked, B
+    block-diagonal); down at rank ``2r`` too with the second half zero (one rank per peft config)."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    from npu_train.model.lora import LoraLinear, LoraSpec
+
+    spec = LoraSpec(r=r, alpha=alpha)
+    gen = torch.Generator().manual_seed(1)
+    for p in list(ours.parameters()) + list(hf.parameters()):
+        p.requires_grad_(False)
+    for ex in ours.experts:
+        for n in ex.names:
+            lin = LoraLinear(getattr(ex, n), spec)
+            with torch.no_grad():
+                lin.lora_A.weight.copy_(torch.randn(lin.lora_A.weight.shape, generator=gen) * 0.02)
+                lin.lora_B.weight.copy_(torch.randn(lin.lora_B.weight.shape, generator=gen) * 0.02)
+            setattr(ex, n, lin)
+    cfg = LoraConfig(r=2 * r, lora_alpha=2 * alpha, target_modules=[],
+                     target_parameters=["experts.gate_up_proj", "experts.down_proj"])
+    inject_adapter_in_model(cfg, hf)
+    E, inter = len(ours.experts), ours.experts[0].gate_proj.weight.shape[0]
+    wraps = {m.parameter_name: m for m in hf.modules() if type(m).__name__ == "ParamWrapper"}
+    with torch.no_grad():
+        for name, projs in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+            w = wraps[name]
+            A, B = w.lora_A["default"].weight, w.lora_B["default"].weight  # [2r E, in], [out, 2r E]
+            A.zero_()
+            B.zero_()
+            for e, ex in enumerate(ours.experts):
+                for q, pn in enumerate(projs):
+                    lin = getattr(ex, pn)
+                    rows = slice(q * inter, (q + 1) * inter) if len(projs) == 2 else slice(None)
+                    A[e * 2 * r + q * r: e * 2 * r + (q + 1) * r] = lin.lora_A.weight  # expert e's ranks
+                    for c in range(r):  # B's column of (rank c', expert e) is c' * E + e
+                        B[rows, (q * r + c) * E + e] = lin.lora_B.weight[:, c]
+
+
 def _fwd_bwd(block, x, g):
     x = x.detach().requires_grad_(True)
     for p in block.parameters():
@@ -83,6 +138,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--impls", default="grouped_mm,eager",
                     help="transformers experts implementations to time, comma-separated (eager is ~5x slower)")
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="rank-R adapters on every expert projection (base frozen): npu-train's against peft on "
+                         "transformers' block, and npu-train's frozen path")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     if a.quick:
@@ -101,10 +159,16 @@ def main(argv=None) -> int:
     first = next(iter(hf.values()))
     _share_weights(first, ours, [b for b in hf.values() if b is not first])
     blocks = {"npu-train": ours, **{f"transformers {impl}": b for impl, b in hf.items()}}
+    if a.lora:
+        _add_lora(ours, first, a.lora, 2.0 * a.lora)
+        for b in hf.values():
+            if b is not first:
+                raise SystemExit("--lora: one transformers implementation (--impls grouped_mm)")
+        blocks = {"npu-train": ours, f"transformers {next(iter(hf))} + peft": first, "npu-train frozen": _Frozen(ours)}
     x = torch.randn(1, N, H, dtype=dtype)
     g = torch.randn(1, N, H, dtype=dtype)
     outs = {n: _fwd_bwd(b, x, g)[1] for n, b in blocks.items()}  # warm-up + agreement
-    ref_name = f"transformers {next(iter(hf))}"
+    ref_name = [n for n in blocks if n.startswith("transformers")][0]
     ref = outs[ref_name].float()
     agree = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items()}
     times: dict[str, list] = {n: [] for n in blocks}
@@ -117,11 +181,11 @@ def main(argv=None) -> int:
     print(f"machine: {torch.get_num_threads()} torch thread(s), {os.cpu_count()} logical CPUs, torch "
           f"{torch.__version__}, load {load:.2f}")
     print(f"MoE block: hidden {H}, {E} experts, top-{k}, expert width {Ie}, {N} tokens, {a.dtype}, "
-          f"{a.rounds} rounds")
+          f"{a.rounds} rounds" + (f", LoRA r {a.lora} on every expert projection" if a.lora else ""))
     for n in names:
         t = times[n]
-        print(f"  {n:26s} {med[n] * 1e3:9.2f} ms  [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]  "
-              f"output rel diff vs {ref_name.split()[1]} {agree[n]:.1e}")
+        print(f"  {n:32s} {med[n] * 1e3:9.2f} ms  [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]  "
+              f"output rel diff vs {ref_name} {agree[n]:.1e}")
     for n in names[1:]:
         print(f"ratio {n} / npu-train: {med[n] / med['npu-train']:.2f}x")
     if a.json:

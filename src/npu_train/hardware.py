@@ -4,6 +4,7 @@ imports no torch).
 RNGD: 48 GB HBM3 per card, 47.5 GiB usable by a process (``furiosa-smi``'s total; experiments/rngd-runbook.md)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -51,6 +52,23 @@ def host_ram_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().total)
+
+
+@functools.lru_cache(maxsize=None)
+def host_bf16_matmul() -> bool:
+    """Whether this host's CPU multiplies bf16 in hardware: ``/proc/cpuinfo`` lists ``avx512_bf16`` or
+    ``amx_tile``, the features torch's ``torch.cpu._is_avx512_bf16_supported`` / ``_is_amx_tile_supported`` probe
+    (``model/moe.py::matmul_dtype`` asks those; without them a cpu card's bf16 expert matmuls run in fp32).
+    False where the file is unreadable (no such host then widens: the planner counts the fp32 copies)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return "avx512_bf16" in flags or "amx_tile" in flags
+    except OSError:
+        pass
+    return False
 
 
 def address_space_limit() -> "int | None":

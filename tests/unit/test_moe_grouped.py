@@ -222,14 +222,14 @@ def test_wide_lora_weights_are_widened_on_one_thread(monkeypatch):
     tensors = [t for w in base for t in (w, torch.randn(2, w.shape[1], generator=gen).to(torch.bfloat16),
                                          torch.randn(w.shape[0], 2, generator=gen).to(torch.bfloat16))]
     xs = torch.randn(sum(COUNTS), H, generator=gen).to(torch.bfloat16).requires_grad_()
-    before, seen, real = torch.get_num_threads(), [], torch.Tensor.to
+    before, seen, real = torch.get_num_threads(), [], torch.Tensor.copy_
 
-    def spy(self, *a, **k):
-        if self.dtype == torch.bfloat16 and a and a[0] == torch.float32 and sorted(self.shape) == sorted((INTER, H)):
+    def spy(self, src, *a, **k):
+        if src.dtype == torch.bfloat16 and self.dtype == torch.float32 and sorted(src.shape) == sorted((INTER, H)):
             seen.append(torch.get_num_threads())
-        return real(self, *a, **k)
+        return real(self, src, *a, **k)
 
-    monkeypatch.setattr(torch.Tensor, "to", spy)
+    monkeypatch.setattr(torch.Tensor, "copy_", spy)
     try:
         torch.set_num_threads(2)
         y = GroupedSwiGlu.apply(xs, COUNTS, 0.5, *tensors)
@@ -238,3 +238,88 @@ def test_wide_lora_weights_are_widened_on_one_thread(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert seen and set(seen) == {1}
+
+
+def _stacked(n: int, dtype, seed: int = 0) -> list[torch.Tensor]:
+    """:func:`_weights`' values laid out as ``SparseMoe.stack_experts`` does: gate and up of expert ``e`` as rows
+    of one ``[n, 2I, H]`` tensor, down of one ``[n, H, I]``; leaves that are views of them."""
+    ws = [w.detach() for w in _weights(n, dtype, seed)]
+    gu = torch.stack([torch.cat([ws[3 * e], ws[3 * e + 1]]) for e in range(n)])
+    down = torch.stack(ws[2::3])
+    out = []
+    for e in range(n):
+        out += [gu[e, :INTER], gu[e, INTER:], down[e]]
+    return [torch.nn.Parameter(t) for t in out]
+
+
+class _MatmulCount:
+    """Counts ``torch.mm`` calls and ``Tensor.addmm_`` calls while installed (monkeypatch)."""
+
+    def __init__(self, monkeypatch):
+        self.n = 0
+        mm, addmm_ = torch.mm, torch.Tensor.addmm_
+
+        def count_mm(*a, **k):
+            self.n += 1
+            return mm(*a, **k)
+
+        def count_addmm(t, *a, **k):
+            self.n += 1
+            return addmm_(t, *a, **k)
+
+        monkeypatch.setattr(torch, "mm", count_mm)
+        monkeypatch.setattr(torch.Tensor, "addmm_", count_addmm)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "separate"])
+def test_stacked_gate_and_up_run_as_one_matmul(monkeypatch, layout):
+    """Gate and up adjacent in memory (``SparseMoe.stack_experts``, transformers' ``gate_up_proj[e]``): 6 matmuls
+    per expert and forward + backward (``grouped_mm``'s count), else 8; both equal the formula (fp64)."""
+    S, hit = sum(COUNTS), sum(1 for c in COUNTS if c)
+    gen = torch.Generator().manual_seed(7)
+    xs = torch.randn(S, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = torch.randn(S, H, dtype=torch.float64, generator=gen)
+    ws = _stacked(len(COUNTS), torch.float64) if layout == "stacked" else _weights(len(COUNTS), torch.float64)
+    count = _MatmulCount(monkeypatch)
+    y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
+    got = torch.autograd.grad(y, [xs, *ws], dy, allow_unused=True)
+    assert count.n == (6 if layout == "stacked" else 8) * hit
+    monkeypatch.undo()
+    want_y = _formula(xs, COUNTS, ws)
+    want = torch.autograd.grad(want_y, [xs, *ws], dy)
+    assert _rel(y, want_y) < 1e-12
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i == 0 or COUNTS[(i - 1) // 3]:
+            assert _rel(a, b) < 1e-12, i
+
+
+def test_sparse_block_stacks_its_experts():
+    """A new block holds its experts as transformers does (gate rows then up rows of one ``[E, 2I, H]``, down
+    ``[E, H, I]``), the same values as before stacking; ``.double()`` separates them, ``stack_experts`` joins them
+    again with the values kept and the same parameter objects."""
+    cfg = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4,
+                      num_kv_heads=4, family="mixtral", num_experts=3, num_experts_per_tok=2,
+                      moe_intermediate_size=INTER)
+    torch.manual_seed(0)
+    block = SparseMoe(cfg, 0)
+
+    def layout_ok(b):
+        base = b.experts[0].w1.weight
+        st = base.untyped_storage()
+        for e, ex in enumerate(b.experts):
+            for w, off in ((ex.w1.weight, 2 * e * INTER * H), (ex.w3.weight, (2 * e + 1) * INTER * H)):
+                if w.untyped_storage().data_ptr() != st.data_ptr() or w.storage_offset() != off:
+                    return False
+        downs = [ex.w2.weight for ex in b.experts]
+        return all(d.untyped_storage().data_ptr() == downs[0].untyped_storage().data_ptr() and
+                   d.storage_offset() == e * H * INTER for e, d in enumerate(downs))
+
+    assert layout_ok(block)
+    block = block.double()
+    before = {n: p.detach().clone() for n, p in block.named_parameters()}
+    params = dict(block.named_parameters())
+    assert not layout_ok(block)
+    block.stack_experts()
+    assert layout_ok(block)
+    for n, p in block.named_parameters():
+        assert p is params[n] and torch.equal(p, before[n])

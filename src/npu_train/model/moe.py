@@ -14,7 +14,9 @@ Compute: the ``N * k`` (token, expert) pairs are sorted by expert; every expert 
 its contiguous block (three matmuls), never a loop over tokens. The experts' SwiGLUs are one autograd node
 (:class:`GroupedSwiGlu`: per-expert matmuls, elementwise steps once over all rows, no per-module autograd), and
 bf16 runs its matmuls in fp32 on a CPU without bf16 hardware (:func:`matmul_dtype`); LoRA adapters on the experts
-run inside it too (adapter dropout or biases: as modules). Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
+run inside it too (adapter dropout or biases: as modules). The experts' weights are held stacked as transformers
+holds them (:meth:`SparseMoe.stack_experts`; each expert's parameter is its rows), so gate and up run as one
+matmul. Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from torch import nn
 
 from .config import FAMILIES, LlamaConfig
 
-__all__ = ["Expert", "GroupedSwiGlu", "SparseMoe", "RouterRecorder", "LayerRouting", "matmul_dtype"]
+__all__ = ["Expert", "GroupedSwiGlu", "SparseMoe", "stack_experts", "RouterRecorder", "LayerRouting", "matmul_dtype"]
 
 
 class Expert(nn.Module):
@@ -92,29 +94,90 @@ def _wide(w: torch.Tensor, mm: torch.dtype) -> torch.Tensor:
         return w.to(mm)
 
 
-def _proj(x: torch.Tensor, ws: tuple, s: Optional[float], out: torch.Tensor, t: torch.Tensor) -> None:
-    """``out = x W^T + s (x A^T) B^T`` with ``ws = (W, A, B)``, ``x A^T`` written to ``t``; ``x`` in the matmul
-    dtype, ``out`` a row block rounded once to its dtype."""
-    mm = x.dtype
-    torch.mm(x, _wide(ws[1], mm).t(), out=t)
-    r = torch.mm(x, _wide(ws[0], mm).t()).addmm_(t, _wide(ws[2], mm).t(), alpha=s)
-    out.copy_(r)
+def _adjacent(g: torch.Tensor, u: torch.Tensor) -> Optional[torch.Tensor]:
+    """``[g; u]`` ``[2I, H]`` as one view of their storage when ``u`` follows ``g`` in it (the stacked layout of
+    :meth:`SparseMoe.stack_experts`, transformers' ``gate_up_proj[e]``); None otherwise."""
+    if g.shape != u.shape or g.dtype != u.dtype or not (g.is_contiguous() and u.is_contiguous()):
+        return None
+    if g.untyped_storage().data_ptr() != u.untyped_storage().data_ptr() or \
+            u.storage_offset() != g.storage_offset() + g.numel():
+        return None
+    return g.as_strided((2 * g.shape[0], g.shape[1]), (g.shape[1], 1))
 
 
-def _proj_back(dy: torch.Tensor, x: torch.Tensor, ws: tuple, s: Optional[float], t: torch.Tensor,
-               need: tuple, dx: Optional[torch.Tensor]) -> list:
-    """Gradients of :func:`_proj` for the upstream ``dy`` (matmul dtype): adds ``dy W + s (dy B) A`` to ``dx``
-    (matmul dtype, or None) and returns ``[dW, dA, dB]`` in the weights' dtypes (None where ``need`` is False)."""
-    mm = dy.dtype
-    grads = [torch.mm(dy.t(), x).to(ws[0].dtype) if need[0] else None]
-    if dx is not None:
-        dx.addmm_(dy, _wide(ws[0], mm))
-    q = torch.mm(dy, _wide(ws[2], mm))
-    if dx is not None:
-        dx.addmm_(q, _wide(ws[1], mm), alpha=s)
-    grads.append(torch.mm(q.t(), x).mul_(s).to(ws[1].dtype) if need[1] else None)
-    grads.append(torch.mm(dy.t(), t).mul_(s).to(ws[2].dtype) if need[2] else None)
-    return grads
+class _Operands:
+    """The per-expert tensors of :class:`GroupedSwiGlu` as its matmuls take them. ``tensors`` per block's expert
+    in turn: ``(gate [I, H], up [I, H], down [H, I])`` weights (``lora`` False), else each projection's ``(weight,
+    lora_A [r, in], lora_B [out, r])``; ``mm`` the matmul dtype (:func:`matmul_dtype`). Weights of another dtype
+    (``wide``) are copied into reused ``mm`` buffers on one thread (:class:`_serial`): gate and up into the two
+    halves of one ``[2I, H]``, down into one ``[H, I]``; weight gradients go through reused ``[2I, H]`` /
+    ``[H, I]`` buffers, rounded to the weights' dtype on one thread. Same dtype: the weights in place, gate and
+    up as one ``[2I, H]`` view where they are adjacent in memory (:func:`_adjacent`), else two matmuls."""
+
+    def __init__(self, tensors: tuple, lora: bool, mm: torch.dtype):
+        self.t, self.lora, self.mm = tensors, lora, mm
+        self.step = 9 if lora else 3
+        self.inter, self.hidden = tensors[0].shape
+        self.rank = tensors[1].shape[0] if lora else 0
+        self.dtype = tensors[0].dtype
+        self.wide = self.dtype != mm
+        self._bufs: dict = {}
+
+    def index(self, j: int, proj: int, part: int = 0) -> int:
+        """Position in ``tensors`` of ``part`` (0 weight, 1 ``lora_A``, 2 ``lora_B``) of projection ``proj`` (0 gate,
+        1 up, 2 down) of block ``j``."""
+        return j * self.step + proj * (self.step // 3) + part
+
+    def weight(self, j: int, proj: int) -> torch.Tensor:
+        return self.t[self.index(j, proj)]
+
+    def buffer(self, key: str, rows: int, cols: int) -> torch.Tensor:
+        """The reused ``[rows, cols]`` matmul-dtype buffer ``key`` (made on first use)."""
+        b = self._bufs.get(key)
+        if b is None:
+            b = self._bufs[key] = torch.empty(rows, cols, dtype=self.mm, device=self.t[0].device)
+        return b
+
+    def release(self, *keys: str) -> None:
+        for k in keys:
+            self._bufs.pop(k, None)
+
+    def gate_up(self, j: int) -> Optional[torch.Tensor]:
+        """``[W_gate; W_up]`` ``[2I, H]`` of block ``j`` in the matmul dtype, or None (same dtype, not adjacent)."""
+        g, u = self.weight(j, 0), self.weight(j, 1)
+        both = _adjacent(g, u)
+        if not self.wide:
+            return both
+        buf, inter = self.buffer("gate_up", 2 * self.inter, self.hidden), self.inter
+        with _serial():
+            if both is not None:
+                buf.copy_(both)
+            else:
+                buf[:inter].copy_(g)
+                buf[inter:].copy_(u)
+        return buf
+
+    def down(self, j: int) -> torch.Tensor:
+        """``W_down`` ``[H, I]`` of block ``j`` in the matmul dtype."""
+        d = self.weight(j, 2)
+        if not self.wide:
+            return d
+        with _serial():
+            return self.buffer("down", self.hidden, self.inter).copy_(d)
+
+    def adapter(self, j: int, proj: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(lora_A, lora_B)`` of projection ``proj`` of block ``j`` in the matmul dtype."""
+        return _wide(self.t[self.index(j, proj, 1)], self.mm), _wide(self.t[self.index(j, proj, 2)], self.mm)
+
+    def weight_grads(self, dy: torch.Tensor, x: torch.Tensor, key: str, needs: tuple) -> list:
+        """``dy^T x`` split by rows into ``len(needs)`` equal parts in the weights' dtype (None where ``needs`` is
+        False): views of one fresh product (same dtype), else rounded copies of a reused buffer ``key``."""
+        n = dy.shape[1] // len(needs)
+        if not self.wide:
+            full = torch.mm(dy.t(), x)
+            return [full[i * n:(i + 1) * n] if need else None for i, need in enumerate(needs)]
+        buf = torch.mm(dy.t(), x, out=self.buffer(key, dy.shape[1], x.shape[1]))
+        return _narrow(*[buf[i * n:(i + 1) * n] if need else None for i, need in enumerate(needs)], dtype=self.dtype)
 
 
 class GroupedSwiGlu(torch.autograd.Function):
@@ -128,93 +191,37 @@ class GroupedSwiGlu(torch.autograd.Function):
     ``down_j(silu(gate_j(x)) * up_j(x))``; the elementwise steps run once over all rows, rounded to ``xs.dtype``
     between the matmuls as the module form is. Saves ``xs``, the gate and up products, ``silu(gate)`` and their
     product (``2H + 4I`` elements per row, as the module form: ``planner/moe.py::routed_saved_bytes_per_token``;
-    LoRA: and ``3r`` adapter inputs ``x A^T`` in the matmul dtype). Matmuls in :func:`matmul_dtype`; plain
-    experts in a wider matmul dtype (bf16 on a CPU without bf16 hardware) go through :class:`_WideSwiGlu`
-    (weights widened into two reused buffers, gate and up as one matmul, the products written in place and
-    rounded once over all rows), plain experts in their own dtype through :class:`_SameSwiGlu` (each product
-    written into its row block, no copies)."""
+    LoRA: and ``3r`` adapter inputs ``x A^T`` in the matmul dtype).
+
+    Matmuls in :func:`matmul_dtype` (:class:`_Operands`): per expert ``x [W_gate; W_up]^T`` and ``h W_down^T``
+    forward, ``dy W_down``, ``dy^T h``, ``[dg | du] [W_gate; W_up]`` and ``[dg | du]^T x`` backward (6, as
+    ``grouped_mm``'s two grouped calls and their gradients) where gate and up are one operand: adjacent in
+    memory (:meth:`SparseMoe.stack_experts`) or widened into one buffer; else 8 (gate and up forward, ``dx``
+    as ``mm`` + ``addmm_``). Products go straight into
+    row blocks of preallocated outputs, rounded once over all rows when the matmul dtype is wider. LoRA adds per
+    projection ``x A^T`` (saved) and ``+= s (x A^T) B^T`` forward, ``dy B``, ``dx += s (dy B) A`` and the two
+    adapter gradients backward. Transients: ``planner/moe.py::expert_kernel_bytes``."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, counts: tuple, scaling: Optional[float], *tensors: torch.Tensor):
-        mm = matmul_dtype(xs.dtype, xs.device)
         bounds = [0]
         for c in counts:
             bounds.append(bounds[-1] + int(c))
-        if scaling is None:
-            kernel = _WideSwiGlu if mm != xs.dtype else _SameSwiGlu
-            y, saved = kernel.forward(xs, bounds, tensors, mm)
-            ctx.save_for_backward(*saved, *tensors)
-            ctx.bounds, ctx.mm, ctx.scaling, ctx.step, ctx.rank, ctx.kernel = bounds, mm, None, 3, 0, kernel
-            return y
-        S, H = xs.shape
-        step = 9
-        inter = tensors[0].shape[0]
-        g, u, y = xs.new_empty(S, inter), xs.new_empty(S, inter), xs.new_empty(S, H)
-        rank = tensors[1].shape[0]
-        ts = [xs.new_empty(S, rank, dtype=mm) for _ in range(3)]
-        xm = xs.to(mm)
-        for j in range(len(counts)):
-            a, b = bounds[j], bounds[j + 1]
-            gw, uw = GroupedSwiGlu._ws(tensors, step, j, 0), GroupedSwiGlu._ws(tensors, step, j, 1)
-            _proj(xm[a:b], gw, scaling, g[a:b], ts[0][a:b])
-            _proj(xm[a:b], uw, scaling, u[a:b], ts[1][a:b])
-        del xm
-        act = F.silu(g)
-        h = act * u
-        hm = h.to(mm)
-        for j in range(len(counts)):
-            a, b = bounds[j], bounds[j + 1]
-            _proj(hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), scaling, y[a:b], ts[2][a:b])
-        ctx.save_for_backward(xs, g, u, act, h, *ts, *tensors)
-        ctx.bounds, ctx.mm, ctx.scaling, ctx.step, ctx.rank, ctx.kernel = bounds, mm, scaling, step, rank, None
+        ops = _Operands(tensors, scaling is not None, matmul_dtype(xs.dtype, xs.device))
+        y, saved = _swiglu_forward(xs, bounds, ops, scaling)
+        ctx.save_for_backward(*saved, *tensors)
+        ctx.bounds, ctx.scaling, ctx.nsaved = bounds, scaling, len(saved)
         return y
 
     @staticmethod
-    def _ws(tensors: tuple, step: int, j: int, proj: int) -> tuple:
-        """The tensors of projection ``proj`` (0 gate, 1 up, 2 down) of block ``j``."""
-        k = step // 3
-        return tuple(tensors[j * step + proj * k: j * step + (proj + 1) * k])
-
-    @staticmethod
     def backward(ctx, dy: torch.Tensor):
-        if ctx.kernel is not None:
-            saved = ctx.saved_tensors
-            ws = saved[5:]
-            dx, grads = ctx.kernel.backward(dy.contiguous(), saved[:5], ws, ctx.bounds, ctx.mm, ctx.needs_input_grad)
-            grads = [torch.zeros_like(w) if n and d is None else d  # a block without rows
-                     for w, d, n in zip(ws, grads, ctx.needs_input_grad[3:])]
-            return (dx, None, None, *grads)
         saved = ctx.saved_tensors
-        xs, g, u, act, h = saved[:5]
-        ts = saved[5:8]
-        tensors = saved[8:]
-        bounds, mm, s, step = ctx.bounds, ctx.mm, ctx.scaling, ctx.step
-        need = ctx.needs_input_grad[3:]
-        k = step // 3
-        grads: list = [None] * len(tensors)
-        dym, hm = dy.contiguous().to(mm), h.to(mm)
-        dh = torch.empty_like(h)
-        for j in range(len(bounds) - 1):
-            a, b = bounds[j], bounds[j + 1]
-            acc = dym.new_zeros(b - a, h.shape[1])
-            o = j * step + 2 * k
-            grads[o:o + k] = _proj_back(dym[a:b], hm[a:b], GroupedSwiGlu._ws(tensors, step, j, 2), s,
-                                        ts[2][a:b], need[o:o + k], acc)
-            dh[a:b].copy_(acc)
-        del dym, hm
-        dum = (dh * act).to(mm)
-        dgm = torch.ops.aten.silu_backward(dh * u, g).to(mm)
-        xm = xs.to(mm)
-        dx = torch.empty_like(xs) if ctx.needs_input_grad[0] else None
-        for j in range(len(bounds) - 1):
-            a, b = bounds[j], bounds[j + 1]
-            acc = dgm.new_zeros(b - a, xs.shape[1]) if dx is not None else None  # one rounding, as gate_up's
-            for p, d in ((0, dgm), (1, dum)):
-                o = j * step + p * k
-                grads[o:o + k] = _proj_back(d[a:b], xm[a:b], GroupedSwiGlu._ws(tensors, step, j, p), s,
-                                            ts[p][a:b], need[o:o + k], acc)
-            if dx is not None:
-                dx[a:b].copy_(acc)
+        ws = saved[ctx.nsaved:]
+        ops = _Operands(ws, ctx.scaling is not None, matmul_dtype(dy.dtype, dy.device))
+        dx, grads = _swiglu_backward(dy.contiguous(), saved[:ctx.nsaved], ops, ctx.bounds, ctx.scaling,
+                                     ctx.needs_input_grad)
+        grads = [torch.zeros_like(w) if n and d is None else d  # a block without rows
+                 for w, d, n in zip(ws, grads, ctx.needs_input_grad[3:])]
         return (dx, None, None, *grads)
 
 
@@ -223,9 +230,137 @@ def _blocks(bounds: list):
     return [(j, bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1) if bounds[j + 1] > bounds[j]]
 
 
+def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[float]) -> tuple:
+    """:meth:`GroupedSwiGlu.forward`: ``(y [S, H] xs.dtype, saved tensors)``."""
+    S, H = xs.shape
+    inter = ops.inter
+    xm = xs.to(ops.mm)
+    gu = xm.new_empty(S, 2 * inter)
+    ts = [xm.new_empty(S, ops.rank) for _ in range(3)] if ops.lora else []
+    for j, a, b in _blocks(bounds):
+        _gate_up_forward(xm[a:b], ops, j, s, gu[a:b], [t[a:b] for t in ts])
+    ops.release("gate_up")
+    del xm
+    if ops.wide:
+        g, u = gu[:, :inter].to(xs.dtype), gu[:, inter:].to(xs.dtype)
+        del gu
+    else:
+        g, u = gu[:, :inter], gu[:, inter:]
+    act = F.silu(g)
+    h = act * u
+    hm = h.to(ops.mm)
+    ym = hm.new_empty(S, H)
+    for j, a, b in _blocks(bounds):
+        torch.mm(hm[a:b], ops.down(j).t(), out=ym[a:b])
+        if ops.lora:
+            _adapter_forward(hm[a:b], ops, j, 2, s, ym[a:b], ts[2][a:b])
+    ops.release("down")
+    del hm
+    return ym.to(xs.dtype), (xs, g, u, act, h, *ts)
+
+
+def _gate_up_forward(x: torch.Tensor, ops: _Operands, j: int, s: Optional[float], out: torch.Tensor,
+                     ts: list) -> None:
+    """``out [n, 2I] = x [W_gate; W_up]^T`` of block ``j`` (LoRA: ``+ s (x A^T) B^T`` per half, ``x A^T`` into
+    ``ts``)."""
+    inter = ops.inter
+    w = ops.gate_up(j)
+    if w is not None:
+        torch.mm(x, w.t(), out=out)
+    else:
+        torch.mm(x, ops.weight(j, 0).t(), out=out[:, :inter])
+        torch.mm(x, ops.weight(j, 1).t(), out=out[:, inter:])
+    if ops.lora:
+        for p in (0, 1):
+            _adapter_forward(x, ops, j, p, s, out[:, p * inter:(p + 1) * inter], ts[p])
+
+
+def _adapter_forward(x: torch.Tensor, ops: _Operands, j: int, p: int, s: float, out: torch.Tensor,
+                     t: torch.Tensor) -> None:
+    """``t = x A^T``, ``out += s t B^T`` for projection ``p`` of block ``j``."""
+    a, b = ops.adapter(j, p)
+    torch.mm(x, a.t(), out=t)
+    out.addmm_(t, b.t(), alpha=s)
+
+
+def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
+                     needs: tuple) -> tuple:
+    """:meth:`GroupedSwiGlu.backward`: ``(dx or None, gradients per tensor, None where not needed)``."""
+    xs, g, u, act, h = saved[:5]
+    ts = saved[5:]
+    need = needs[3:]
+    grads: list = [None] * len(ops.t)
+    inter, mm = ops.inter, ops.mm
+    dym, hm = dy.to(mm), h.to(mm)
+    dhm = hm.new_empty(h.shape)
+    for j, a, b in _blocks(bounds):
+        _down_backward(dym[a:b], hm[a:b], ops, j, s, dhm[a:b], ts[2][a:b] if ts else None, need, grads)
+    ops.release("down", "grad_down")
+    del dym, hm
+    dh = dhm.to(h.dtype)
+    del dhm
+    dgu = xs.new_empty(xs.shape[0], 2 * inter, dtype=mm)
+    dgu[:, :inter].copy_(torch.ops.aten.silu_backward(dh * u, g))
+    dgu[:, inter:].copy_(dh * act)
+    del dh
+    xm = xs.to(mm)
+    dxm = xm.new_empty(xs.shape) if needs[0] else None
+    for j, a, b in _blocks(bounds):
+        _gate_up_backward(dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b],
+                          [t[a:b] for t in ts[:2]], need, grads)
+    ops.release("gate_up", "grad_gate_up")
+    del dgu, xm
+    return (None if dxm is None else dxm.to(xs.dtype)), grads
+
+
+def _down_backward(dy: torch.Tensor, h: torch.Tensor, ops: _Operands, j: int, s: Optional[float],
+                   dh: torch.Tensor, t: Optional[torch.Tensor], need: tuple, grads: list) -> None:
+    """``dh = dy W_down`` (LoRA ``+ s (dy B) A``) of block ``j``; the down projection's gradients into ``grads``."""
+    torch.mm(dy, ops.down(j), out=dh)
+    k = ops.index(j, 2)
+    if need[k]:
+        grads[k] = ops.weight_grads(dy, h, "grad_down", (True,))[0]
+    if ops.lora:
+        _adapter_backward(dy, h, ops, j, 2, s, dh, t, need, grads)
+
+
+def _gate_up_backward(dgu: torch.Tensor, x: torch.Tensor, ops: _Operands, j: int, s: Optional[float],
+                      dx: Optional[torch.Tensor], ts: list, need: tuple, grads: list) -> None:
+    """``dx = [dg | du] [W_gate; W_up]`` (LoRA ``+ s (d B) A`` per half) of block ``j``;
+    ``[dW_gate; dW_up] = [dg | du]^T x`` and the adapters' gradients into ``grads``."""
+    inter = ops.inter
+    kg, ku = ops.index(j, 0), ops.index(j, 1)
+    if dx is not None:
+        w = ops.gate_up(j)
+        if w is not None:
+            torch.mm(dgu, w, out=dx)
+        else:
+            torch.mm(dgu[:, :inter], ops.weight(j, 0), out=dx).addmm_(dgu[:, inter:], ops.weight(j, 1))
+    if need[kg] or need[ku]:
+        grads[kg], grads[ku] = ops.weight_grads(dgu, x, "grad_gate_up", (need[kg], need[ku]))
+    if ops.lora:
+        for p in (0, 1):
+            _adapter_backward(dgu[:, p * inter:(p + 1) * inter], x, ops, j, p, s, dx, ts[p], need, grads)
+
+
+def _adapter_backward(dy: torch.Tensor, x: torch.Tensor, ops: _Operands, j: int, p: int, s: float,
+                      dx: Optional[torch.Tensor], t: torch.Tensor, need: tuple, grads: list) -> None:
+    """LoRA part of projection ``p``'s backward: ``dx += s (dy B) A``, ``dA = s (dy B)^T x``, ``dB = s dy^T t``
+    (``t = x A^T`` saved), the gradients in the adapters' dtype."""
+    a, b = ops.adapter(j, p)
+    ka, kb = ops.index(j, p, 1), ops.index(j, p, 2)
+    q = torch.mm(dy, b)
+    if dx is not None:
+        dx.addmm_(q, a, alpha=s)
+    if need[ka]:
+        grads[ka] = torch.mm(q.t(), x).mul_(s).to(ops.t[ka].dtype)
+    if need[kb]:
+        grads[kb] = torch.mm(dy.t(), t).mul_(s).to(ops.t[kb].dtype)
+
+
 class _serial:
     """Context: torch's intra-op threads set to 1 inside, restored after. For the per-expert weight copies and
-    gradient roundings of :class:`_WideSwiGlu` (a few MB each, memory-bound): as parallel regions each waits for
+    gradient roundings of :class:`_Operands` (a few MB each, memory-bound): as parallel regions each waits for
     every OpenMP thread, which on a host busier than its cores costs a scheduler slice per copy (2 threads on
     this 2-core VM at load 7: 16 ms per 768 x 2048 bf16 -> fp32 copy against 0.7 ms on one thread,
     ``experiments/2026-12-06-moe.md``); the matmuls between them keep all threads."""
@@ -240,135 +375,11 @@ class _serial:
             torch.set_num_threads(self.threads)
 
 
-def _widen(buf: torch.Tensor, *ws: torch.Tensor) -> torch.Tensor:
-    """``buf`` (wide, ``[sum of rows, cols]``) holding the weights ``ws`` stacked by rows, copied on one thread."""
-    with _serial():
-        r = 0
-        for w in ws:
-            buf[r:r + w.shape[0]].copy_(w)
-            r += w.shape[0]
-    return buf
-
-
 def _narrow(*ts: Optional[torch.Tensor], dtype: torch.dtype) -> list:
     """``ts`` rounded to ``dtype`` (new tensors: the gradients handed to autograd; None stays None), on one
     thread."""
     with _serial():
         return [None if t is None else t.to(dtype) for t in ts]
-
-
-class _SameSwiGlu:
-    """:class:`GroupedSwiGlu` for plain experts whose matmuls run in the tensors' dtype: every product goes
-    straight into its row block of a preallocated output (``torch.mm(out=)``), the weights used in place.
-    ``forward`` / ``backward`` as the node's, without the LoRA case."""
-
-    @staticmethod
-    def forward(xs: torch.Tensor, bounds: list, ws: tuple, mm: torch.dtype) -> tuple:
-        S, H = xs.shape
-        inter = ws[0].shape[0]
-        g, u, y = xs.new_empty(S, inter), xs.new_empty(S, inter), xs.new_empty(S, H)
-        for j, a, b in _blocks(bounds):
-            torch.mm(xs[a:b], ws[3 * j].t(), out=g[a:b])
-            torch.mm(xs[a:b], ws[3 * j + 1].t(), out=u[a:b])
-        act = F.silu(g)
-        h = act * u
-        for j, a, b in _blocks(bounds):
-            torch.mm(h[a:b], ws[3 * j + 2].t(), out=y[a:b])
-        return y, (xs, g, u, act, h)
-
-    @staticmethod
-    def backward(dy: torch.Tensor, saved: tuple, ws: tuple, bounds: list, mm: torch.dtype, needs: tuple):
-        xs, g, u, act, h = saved
-        need = needs[3:]
-        grads: list = [None] * len(ws)
-        dh = torch.empty_like(h)
-        for j, a, b in _blocks(bounds):
-            torch.mm(dy[a:b], ws[3 * j + 2], out=dh[a:b])
-            if need[3 * j + 2]:
-                grads[3 * j + 2] = torch.mm(dy[a:b].t(), h[a:b])
-        dg = torch.ops.aten.silu_backward(dh * u, g)  # before du: at most 3 [S, I] at once
-        du = dh * act
-        del dh
-        dx = torch.empty_like(xs) if needs[0] else None
-        for j, a, b in _blocks(bounds):
-            if dx is not None:
-                torch.mm(dg[a:b], ws[3 * j], out=dx[a:b]).addmm_(du[a:b], ws[3 * j + 1])
-            if need[3 * j]:
-                grads[3 * j] = torch.mm(dg[a:b].t(), xs[a:b])
-            if need[3 * j + 1]:
-                grads[3 * j + 1] = torch.mm(du[a:b].t(), xs[a:b])
-        return dx, grads
-
-
-class _WideSwiGlu:
-    """:class:`GroupedSwiGlu` for plain half-precision experts whose matmuls run in a wider ``mm`` dtype (bf16 on
-    a CPU without bf16 hardware, :func:`matmul_dtype`). Each expert's gate and up weights are widened into the
-    two halves of one reused ``[2I, H]`` buffer and run as one matmul (``x [W_gate; W_up]^T``), the down weight
-    into a reused ``[H, I]`` one; products go into wide row blocks, rounded to the dtype once over all rows (as
-    the half-precision kernels round their fp32 accumulators). The per-expert copies (widening, gradient
-    rounding) run on one thread (:class:`_serial`), the matmuls on all. Transients besides the saved tensors: the two
-    weight buffers and the weight-gradient buffers (``3 I H`` wide elements each pass), and wide copies of the
-    rows (``[S, 2I]`` + ``[S, H]`` in the forward; ``[S, H]`` x 3 + ``[S, I]`` x 4 at most in the backward)."""
-
-    @staticmethod
-    def forward(xs: torch.Tensor, bounds: list, ws: tuple, mm: torch.dtype) -> tuple:
-        S, H = xs.shape
-        inter = ws[0].shape[0]
-        xm = xs.to(mm)
-        gu = xm.new_empty(S, 2 * inter)
-        wgu, wd = xm.new_empty(2 * inter, H), xm.new_empty(H, inter)
-        for j, a, b in _blocks(bounds):
-            _widen(wgu, ws[3 * j], ws[3 * j + 1])
-            torch.mm(xm[a:b], wgu.t(), out=gu[a:b])
-        del xm, wgu
-        g, u = gu[:, :inter].to(xs.dtype), gu[:, inter:].to(xs.dtype)
-        del gu
-        act = F.silu(g)
-        h = act * u
-        hm, ym = h.to(mm), xs.new_empty(S, H, dtype=mm)
-        for j, a, b in _blocks(bounds):
-            torch.mm(hm[a:b], _widen(wd, ws[3 * j + 2]).t(), out=ym[a:b])
-        return ym.to(xs.dtype), (xs, g, u, act, h)
-
-    @staticmethod
-    def backward(dy: torch.Tensor, saved: tuple, ws: tuple, bounds: list, mm: torch.dtype, needs: tuple):
-        xs, g, u, act, h = saved
-        need = needs[3:]
-        grads: list = [None] * len(ws)
-        inter, H = h.shape[1], xs.shape[1]
-        dym, hm = dy.to(mm), h.to(mm)
-        dhm = hm.new_empty(h.shape)
-        wd, gd = dym.new_empty(H, inter), dym.new_empty(H, inter)
-        for j, a, b in _blocks(bounds):
-            torch.mm(dym[a:b], _widen(wd, ws[3 * j + 2]), out=dhm[a:b])
-            if need[3 * j + 2]:
-                grads[3 * j + 2] = _narrow(torch.mm(dym[a:b].t(), hm[a:b], out=gd), dtype=h.dtype)[0]
-        del dym, hm, wd, gd
-        dh = dhm.to(h.dtype)
-        del dhm
-        dgu = xs.new_empty(xs.shape[0], 2 * inter, dtype=mm)
-        dgu[:, :inter].copy_(torch.ops.aten.silu_backward(dh * u, g))
-        dgu[:, inter:].copy_(dh * act)
-        del dh
-        return _WideSwiGlu._gate_up_back(dgu, xs, ws, bounds, needs, grads)
-
-    @staticmethod
-    def _gate_up_back(dgu: torch.Tensor, xs: torch.Tensor, ws: tuple, bounds: list, needs: tuple, grads: list):
-        """Gate and up part of :meth:`backward`: ``dx = [dg | du] [W_gate; W_up]`` (one matmul, one rounding)
-        and ``[dW_gate; dW_up] = [dg | du]^T x`` per block."""
-        need = needs[3:]
-        inter, H = dgu.shape[1] // 2, xs.shape[1]
-        xm = xs.to(dgu.dtype)
-        dxm = xm.new_empty(xs.shape) if needs[0] else None
-        wgu, ggu = xm.new_empty(2 * inter, H), xm.new_empty(2 * inter, H)
-        for j, a, b in _blocks(bounds):
-            if dxm is not None:
-                torch.mm(dgu[a:b], _widen(wgu, ws[3 * j], ws[3 * j + 1]), out=dxm[a:b])
-            if need[3 * j] or need[3 * j + 1]:
-                torch.mm(dgu[a:b].t(), xm[a:b], out=ggu)
-                parts = [ggu[p * inter:(p + 1) * inter] if need[3 * j + p] else None for p in (0, 1)]
-                grads[3 * j], grads[3 * j + 1] = _narrow(*parts, dtype=xs.dtype)
-        return (dxm.to(xs.dtype) if dxm is not None else None), grads
 
 
 @dataclass
@@ -425,6 +436,27 @@ class SparseMoe(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self.recorder = recorder
+        self.stack_experts()
+
+    def stack_experts(self, copy: bool = True) -> None:
+        """Lay the experts' weights out as transformers 5 holds them: every expert's gate rows then up rows in one
+        ``[E, 2I, H]`` tensor, the down weights in one ``[E, H, I]``; each expert's parameter (an ``nn.Linear``'s or
+        a LoRA base's ``weight``) is set to its rows of them, the same ``Parameter`` object (names, checkpoints,
+        the optimizer and LoRA see no difference). :class:`GroupedSwiGlu` then multiplies gate and up as one
+        operand (6 matmuls per expert and pass, as ``grouped_mm``, against 8). ``copy``: keep the values (False:
+        the new storage is left uninitialised, for a module just made by ``to_empty``). A later ``.to()`` or
+        ``to_empty`` makes separate tensors again: still exact, with 8 matmuls (call this again after it)."""
+        projs = [[getattr(ex, n) for n in ex.names] for ex in self.experts]
+        w = projs[0][0].weight
+        inter, hidden = w.shape
+        gu = torch.empty(len(projs), 2 * inter, hidden, dtype=w.dtype, device=w.device)
+        down = torch.empty(len(projs), hidden, inter, dtype=w.dtype, device=w.device)
+        with torch.no_grad():
+            for e, (g, u, d) in enumerate(projs):
+                for lin, rows in ((g, gu[e, :inter]), (u, gu[e, inter:]), (d, down[e])):
+                    if copy:
+                        rows.copy_(lin.weight)
+                    lin.weight.data = rows
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logits [N, E] x.dtype, fp32 probabilities [N, E], weights [N, k], experts int64 [N, k])`` of
@@ -486,3 +518,11 @@ class SparseMoe(nn.Module):
         counts = torch.bincount(idx.reshape(-1).detach(), minlength=self.num_experts).to(torch.float32)
         prob_sum = probs.float().sum(dim=0) if with_probs else None
         return LayerRouting(self.layer_idx, counts, prob_sum, int(logits.shape[0]))
+
+
+def stack_experts(module: nn.Module, copy: bool = True) -> int:
+    """:meth:`SparseMoe.stack_experts` on every sparse block of ``module`` (``copy`` as there); returns how many."""
+    blocks = [m for m in module.modules() if isinstance(m, SparseMoe)]
+    for m in blocks:
+        m.stack_experts(copy=copy)
+    return len(blocks)

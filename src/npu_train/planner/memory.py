@@ -8,12 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card
+from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card, host_bf16_matmul
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import (SPLIT_BACKWARD, card_of, chunks_per_card, held_profile, peak_held_bytes,
                                          peak_in_flight, peak_pending_weight_grads, virtual_stage)
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
-from npu_train.planner.moe import largest_layer_tensor, mlp_pending_bytes_per_token, mlp_saved_bytes_per_token
+from npu_train.planner.moe import (expert_kernel_bytes, largest_layer_tensor, mlp_pending_bytes_per_token,
+                                  mlp_saved_bytes_per_token)
 from npu_train.planner.spec import RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "logits_bytes",
@@ -520,13 +521,27 @@ class MemoryModel:
     def _forward_backward_peak(self, i: int, n: int, activations: int, k: Optional[int] = None) -> int:
         acc = self._accumulation_temporary(i, n)
         core = self._recomputed_core(i, k is not None) if n else 0
+        kernel = self.expert_kernel(i, n)
         if i == self.head_stage:
-            peak = activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core)
+            peak = activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core, kernel)
         else:
             one_micro_batch = (self.held_per_micro_batch(i, n, k) if k is not None else
                                n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)))
-            peak = activations + max(0, acc - one_micro_batch, core)
+            peak = activations + max(0, acc - one_micro_batch, core, kernel)
         return max(peak, self.nonlayer_accumulation_peak(i, n))
+
+    def expert_kernel(self, i: int, n: int) -> int:
+        """Bytes the experts' kernel of one sparse layer of stage ``i`` (``n`` layers) allocates and frees while it
+        runs (:func:`~npu_train.planner.moe.expert_kernel_bytes`, one layer at a time): its matmuls in fp32 for
+        the 2-byte dtype on a cpu card whose host multiplies no bf16 in hardware
+        (:func:`~npu_train.hardware.host_bf16_matmul`), the experts' weights trained unless LoRA; 0 for a dense
+        model or a stage without layers."""
+        if not n or not self.model.is_moe:
+            return 0
+        e = self.dtype_bytes
+        wide = e == 2 and self.cards[i].kind in HOST_MEMORY_KINDS and not host_bf16_matmul()
+        rows = self.model.num_experts_per_tok * self.shape.seq_len * self.shape.micro_batch
+        return expert_kernel_bytes(self.model, rows, e, 4 if wide else e, trained=not self.adapter_params)
 
     def _host_gradient_copies(self, i: int, p: StageParams) -> int:
         """fp32 host copies of offloaded gradients on a host-memory card (none when the update takes the

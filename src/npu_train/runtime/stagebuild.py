@@ -21,6 +21,7 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     resuming; empty for ``train.mode=lora``, whose frozen base has no masters)."""
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import StageModule
+    from npu_train.model.moe import stack_experts
 
     cfg = LlamaConfig.from_dict(spec.model_cfg)
     st = spec.stage
@@ -31,6 +32,7 @@ def build_stage(spec: WorkerSpec, backend, dtype: torch.dtype):
     module = module.to(dtype)
     with backend.alloc_lock():
         module = module.to_empty(device=backend.device())
+        stack_experts(module, copy=False)  # to_empty gave each expert weight its own storage: stack them again
     if st.has_embed and st.has_head and cfg.tie_word_embeddings:
         module.lm_head.weight = module.model.embed_tokens.weight  # to_empty breaks parameter sharing
     track = getattr(backend, "track", None)  # furiosa: no allocator stats, count our own tensors

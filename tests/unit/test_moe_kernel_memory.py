@@ -1,0 +1,174 @@
+"""What the experts' kernel (``model/moe.py::GroupedSwiGlu``) allocates and frees while it runs, against the
+planner's term (``planner/moe.py::expert_kernel_bytes``, issue 37's placement model).
+
+Measured: every new storage an aten op returns inside the kernel's forward or backward is counted from its
+allocation until it is freed (a ``TorchDispatchMode`` that logs allocations, ``weakref.finalize`` the frees); what
+outlives the kernel (its saved tensors, its output, the gradients it returns: not freed when it returns) is left
+out; the peak of the rest must equal the formula, written here from the kernel's description (``_phases``), not from the planner's code.
+"""
+from __future__ import annotations
+
+import weakref
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from npu_train.model.config import LlamaConfig
+from npu_train.model.moe import GroupedSwiGlu
+from npu_train.planner.moe import expert_kernel_bytes
+
+H, INTER = 40, 24
+COUNTS = (5, 1, 0, 9, 3)
+ROWS = sum(COUNTS)
+
+
+class _Allocations(TorchDispatchMode):
+    """Logs ``(+bytes, id)`` for each new storage an op returns while installed and ``(-bytes, id)`` when it is
+    freed; :meth:`peak` counts the allocations freed before the mode was left (the temporaries: what outlives
+    the call, saved tensors, output and returned gradients, is still alive then)."""
+
+    def __init__(self, known: set):
+        super().__init__()
+        self.known, self.log, self.end = set(known), [], None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                st = t.untyped_storage()
+                key = st.data_ptr()
+                if key and key not in self.known:
+                    self.known.add(key)
+                    ident = len(self.log)
+                    self.log.append((st.nbytes(), ident))
+                    weakref.finalize(st, self._freed, st.nbytes(), key, ident)
+        return out
+
+    def _freed(self, n: int, key: int, ident: int) -> None:
+        self.log.append((-n, ident))
+        self.known.discard(key)
+
+    def __exit__(self, *exc):
+        self.end = len(self.log)
+        return super().__exit__(*exc)
+
+    def peak(self) -> int:
+        """Peak of the live bytes of the allocations freed before the mode was left."""
+        log = self.log[:self.end]
+        freed = {ident for n, ident in log if n < 0}
+        now = best = 0
+        for n, ident in log:
+            if ident in freed:
+                now += n
+                best = max(best, now)
+        return best
+
+
+def _keys(ts) -> set:
+    return {t.untyped_storage().data_ptr() for t in ts if isinstance(t, torch.Tensor)}
+
+
+def _phases(e: int, m: int, trained: bool) -> int:
+    """The kernel's peak from its description (``GroupedSwiGlu`` and ``_Operands`` docstrings), ``R`` rows."""
+    R, w = ROWS, INTER * H
+    if m == e:  # backward: dh, [dg | du], silu_backward's input product and output
+        return e * R * (INTER + 2 * INTER + INTER + INTER)
+    g = 2 if trained else 1
+    forward_gate_up = m * R * (H + 2 * INTER) + m * 2 * w
+    forward_down = m * R * (INTER + H) + m * w
+    backward_down = m * R * (H + INTER + INTER) + g * m * w
+    rounding = R * (m * INTER + e * INTER)
+    silu = R * (e * INTER * 3 + m * 2 * INTER)
+    backward_gate_up = m * R * (2 * INTER + H + H) + g * m * 2 * w
+    return max(forward_gate_up, forward_down, backward_down, rounding, silu, backward_gate_up)
+
+
+def _model() -> LlamaConfig:
+    return LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4,
+                       num_kv_heads=4, family="qwen3_moe", num_experts=len(COUNTS), num_experts_per_tok=2,
+                       moe_intermediate_size=INTER)
+
+
+def _weights(dtype, trained: bool, stacked: bool) -> list:
+    g = torch.Generator().manual_seed(0)
+    n = len(COUNTS)
+    gu = (torch.randn(n, 2 * INTER, H, generator=g) * 0.2).to(dtype)
+    down = (torch.randn(n, H, INTER, generator=g) * 0.2).to(dtype)
+    out = []
+    for e in range(n):
+        parts = [gu[e, :INTER], gu[e, INTER:], down[e]]
+        out += [p if stacked else p.clone() for p in parts]
+    return [p.requires_grad_(trained) if p.is_leaf else p.detach().requires_grad_(trained) for p in out]
+
+
+@pytest.mark.parametrize("dtype,wide", [(torch.float32, False), (torch.bfloat16, True)])
+@pytest.mark.parametrize("trained", [True, False])
+@pytest.mark.parametrize("stacked", [True, False])
+def test_kernel_allocations_equal_the_planner_term(monkeypatch, dtype, wide, trained, stacked):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    e, m = dtype.itemsize, (4 if wide else dtype.itemsize)
+    ws = _weights(dtype, trained, stacked)
+    xs = torch.randn(ROWS, H, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
+    dy = torch.randn(ROWS, H, generator=torch.Generator().manual_seed(2)).to(dtype)
+    with _Allocations(_keys([xs, dy, *ws])) as fwd:
+        y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
+    saved = y.grad_fn.saved_tensors
+    forward_peak = fwd.peak()
+    inputs = [xs] + [w for w in ws if w.requires_grad]
+    with _Allocations(_keys([xs, dy, y, *saved, *ws])) as bwd:
+        _grads = torch.autograd.grad(y, inputs, dy)
+    backward_peak = bwd.peak()
+    want = _phases(e, m, trained)
+    assert max(forward_peak, backward_peak) == want
+    assert expert_kernel_bytes(_model(), ROWS, e, m, trained) == want
+
+
+def test_the_qwen3_30b_a3b_figures():
+    """h 2048, I 768, 256 tokens x top-8 = 2048 rows: bf16 widened and trained 71.3 MB (the backward's gate/up
+    phase: 2048 x (8 x 768 + 8 x 2048) + 16 x 768 x 2048), frozen (LoRA) 58.7 MB, fp32 31.5 MB (5 x 4 x 768 per
+    row)."""
+    m = LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=1, num_heads=32,
+                    num_kv_heads=4, head_dim=128, family="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                    moe_intermediate_size=768)
+    assert expert_kernel_bytes(m, 2048, 2, 4, True) == 2048 * (8 * 768 + 8 * 2048) + 16 * 768 * 2048
+    assert expert_kernel_bytes(m, 2048, 2, 4, False) == 2048 * (8 * 768 + 8 * 2048) + 8 * 768 * 2048
+    assert expert_kernel_bytes(m, 2048, 4, 4, True) == 5 * 4 * 768 * 2048
+
+
+def test_host_probe_agrees_with_torch():
+    """The planner's torch-free probe reads the CPU flags torch's probes read (``matmul_dtype`` asks torch)."""
+    from npu_train.hardware import host_bf16_matmul
+
+    assert host_bf16_matmul() == bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+@pytest.mark.parametrize("kind", ["cpu", "furiosa"])
+@pytest.mark.parametrize("hardware", [False, True])
+def test_the_memory_model_counts_the_kernel(monkeypatch, kind, hardware):
+    """``MemoryModel.expert_kernel``: fp32 matmuls for bf16 only on a cpu card whose host lacks bf16 hardware;
+    weights trained in full fine-tuning, frozen under LoRA; k * s * b routed rows; 0 for a dense model. The stage's
+    forward/backward peak holds the activations plus at least that."""
+    import npu_train.planner.memory as memory
+    from npu_train.hardware import FURIOSA_CAPACITY_BYTES, Card
+    from npu_train.planner.memory import MemoryModel
+    from npu_train.planner.spec import RunShape
+
+    monkeypatch.setattr(memory, "host_bf16_matmul", lambda: hardware)
+    cards = [Card(kind=kind, index=None if kind == "cpu" else i, capacity_bytes=FURIOSA_CAPACITY_BYTES,
+                  name=f"{kind}:{i}") for i in range(2)]
+    m = _model()
+    rows = 2 * 16 * 3  # top-2 x seq_len x micro_batch
+    for dtype, lora in (("bf16", 0), ("bf16", 500), ("fp32", 0)):
+        e = 2 if dtype == "bf16" else 4
+        mm = MemoryModel(m, RunShape(seq_len=16, micro_batch=3, dtype=dtype, lora_params_per_layer=lora), cards, None)
+        wide = dtype == "bf16" and kind == "cpu" and not hardware
+        want = expert_kernel_bytes(m, rows, e, 4 if wide else e, trained=not lora)
+        assert mm.expert_kernel(0, 1) == want > 0 and mm.expert_kernel(0, 0) == 0
+        acts = mm.activations(0, 1)
+        assert mm._forward_backward_peak(0, 1, acts) >= acts + want
+    dense = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4,
+                        num_kv_heads=4)
+    assert MemoryModel(dense, RunShape(seq_len=16), cards, None).expert_kernel(0, 1) == 0
