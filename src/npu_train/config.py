@@ -319,6 +319,10 @@ class ParallelConf:
     #: ZeRO stage: 0 = every replica keeps the stage's whole fp32 master + AdamW moments; 1 = they
     #: are sharded across the stage's replicas (ZeRO-1, by parameter).
     zero: int = 0
+    #: vocabulary parallelism (Yeung et al. 2024): the output layer sharded by vocabulary over the pipeline's
+    #: cards (pipeline/vocab.py; planner/spec.py RunShape.vocab_parallel); untied heads only
+    #: (docs/data-parallel.md).
+    vocab: bool = False
 
 
 @dataclass
@@ -652,6 +656,9 @@ def _check_parallel(par) -> None:
     if par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "
                           "sharded across the replicas)")
+    if par.vocab not in (True, False):
+        raise ConfigError(f"parallel.vocab={par.vocab!r}: use true (the output layer sharded by vocabulary over the "
+                          "pipeline's cards) or false")
     if par.zero == 1 and par.dp == 1:
         raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across "
                           "replicas): raise parallel.dp or use parallel.zero=0")

@@ -278,11 +278,16 @@ class StageModule(nn.Module):
 
     ``recompute_layers``: with ``recompute``, only the card's first that many layers in execution order (chunk 0's
     first) are recomputed whole, the others keep their activations (``train.recompute_layers=fewest``: the
-    plan's per-card count); None: every layer. Raises ValueError for a negative count."""
+    plan's per-card count); None: every layer. Raises ValueError for a negative count.
+
+    ``vocab=(a, b)``: vocabulary parallelism (:mod:`npu_train.pipeline.vocab`): ``lm_head`` holds only rows
+    ``[a, b)`` (``[b - a, H]``, any card), and a ``has_head`` stage's forward ends at the final norm (its output
+    goes to the joint ``V(m)``); :meth:`vocab_weight` is the slice. Untied heads only (ValueError)."""
 
     def __init__(self, cfg: LlamaConfig, first_layer: int, last_layer: int, has_embed: bool,
                  has_head: bool, recompute: bool = False, second: Optional[tuple] = None,
-                 recompute_attention: bool = False, recompute_layers: Optional[int] = None) -> None:
+                 recompute_attention: bool = False, recompute_layers: Optional[int] = None,
+                 vocab: Optional[tuple] = None) -> None:
         super().__init__()
         _check_range(cfg, first_layer, last_layer)
         self.cfg = cfg
@@ -292,6 +297,7 @@ class StageModule(nn.Module):
         self.has_head = has_head
         self.recompute = recompute
         self.recompute_attention = bool(recompute_attention)
+        self.vocab = _vocab_rows(cfg, vocab)
         self.second = None if second is None else (int(second[0]), int(second[1]))
         ranges = [range(first_layer, last_layer)]
         if self.second is not None:
@@ -319,13 +325,20 @@ class StageModule(nn.Module):
         self.model.layers = nn.ModuleDict(
             {str(i): DecoderLayer(cfg, i, self.router_recorder, self.recompute_attention) for r in ranges for i in r}
         )
-        if has_head:
-            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-            self.lm_head = HeadLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self._make_head()
         self.reset_parameters()
         if has_head and has_embed and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _make_head(self) -> None:
+        """The final norm (a head stage) and ``lm_head`` (a head stage, or this card's rows under ``vocab``)."""
+        cfg = self.cfg
+        if self.has_head:
+            self.model.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.has_head or self.vocab is not None:
+            rows = cfg.vocab_size if self.vocab is None else self.vocab[1] - self.vocab[0]
+            self.lm_head = HeadLinear(cfg.hidden_size, rows, bias=False)
 
     @property
     def sparse_embed_grad(self) -> bool:
@@ -341,12 +354,16 @@ class StageModule(nn.Module):
     @property
     def fused_head(self) -> bool:
         """Whether the head and loss use :mod:`npu_train.model.headops` (same values to rounding)."""
-        return bool(self.has_head and self.lm_head.fused_grad)
+        return bool(self.has_head and self.vocab is None and self.lm_head.fused_grad)
 
     @fused_head.setter
     def fused_head(self, on: bool) -> None:
-        if self.has_head:
+        if self.has_head and self.vocab is None:
             self.lm_head.fused_grad = bool(on)
+
+    def vocab_weight(self) -> torch.nn.Parameter:
+        """This card's rows of the output layer (``vocab``), ``[b - a, H]``."""
+        return self.lm_head.weight
 
     # -- init / bookkeeping ------------------------------------------------------------------
     @torch.no_grad()
@@ -440,6 +457,8 @@ class StageModule(nn.Module):
             return h
         if cuts is not None and (names or embed):
             h = _cut(h, cuts)
+        if self.vocab is not None:  # the logits are the joint V(m)'s (npu_train.pipeline.vocab)
+            return self.model.norm(h)
         return self.lm_head(self.model.norm(h)).float()
 
     def extra_repr(self) -> str:
@@ -448,7 +467,18 @@ class StageModule(nn.Module):
                 f"head={self.has_head}, recompute={self.recompute}"
                 + (f" ({len(self.recomputed_layers)} layers)" if self.recompute and
                    len(self.recomputed_layers) != sum(map(len, self.chunk_layers)) else "")
-                + (", recompute_attention=True" if self.recompute_attention else ""))
+                + (", recompute_attention=True" if self.recompute_attention else "")
+                + (f", vocab rows [{self.vocab[0]}, {self.vocab[1]})" if self.vocab is not None else ""))
+
+
+def _vocab_rows(cfg: LlamaConfig, vocab: Optional[tuple]) -> Optional[tuple]:
+    """``StageModule``'s ``vocab`` rows as ints; ValueError for a tied head or rows outside the vocabulary."""
+    if vocab is None:
+        return None
+    a, b = int(vocab[0]), int(vocab[1])
+    if cfg.tie_word_embeddings or not 0 <= a < b <= cfg.vocab_size:
+        raise ValueError(f"vocab rows {vocab}: need an untied head and 0 <= a < b <= {cfg.vocab_size}")
+    return a, b
 
 
 def _cut(h: torch.Tensor, cuts: list) -> torch.Tensor:

@@ -8,6 +8,12 @@ zero-bubble schedule (Qi et al. 2024, "Pipeline Parallelism with Controllable Me
 ``r`` and ``2P-1-r``), and ``interleaved`` 1F1B (Narayanan et al. 2021 §2.2: card ``r`` holds chunks ``r`` and
 ``P+r``); an action's ``chunk`` (0 or 1) names which. Start at :func:`build_schedule`; :func:`simulate` checks
 deadlock freedom.
+
+Vocabulary parallelism (``vocab=True``; Yeung et al. 2024, "Balancing Pipeline Parallelism with Vocabulary
+Parallelism"): the output layer is sharded by vocabulary over the ``P`` cards, and every card's list gains one
+joint action ``V(m)`` per micro-batch (:func:`vocab_positions`): all cards run it together (the last stage's
+final hidden state to every card, each card's logits slice and softmax statistics combined, the partial input
+gradients summed back), after the head stage's ``F(m)`` and before its ``B(m)``.
 """
 from __future__ import annotations
 
@@ -25,9 +31,14 @@ SPLIT_BACKWARD = ("zb", "zb-h1", "zb-h2", "zbv")
 Durations = Union[float, Sequence[float]]
 
 
+#: the joint vocabulary-parallel action of a micro-batch (every card of the pipeline at once)
+VOCAB = "V"
+
+
 class Action(NamedTuple):
-    """``kind`` F (forward), B (backward; input gradient only if split) or W (weight gradient) of ``micro`` on
-    the card's chunk ``chunk`` (0, or 1 for :data:`CHUNKED_SCHEDULES`)."""
+    """``kind`` F (forward), B (backward; input gradient only if split), W (weight gradient) of ``micro`` on
+    the card's chunk ``chunk`` (0, or 1 for :data:`CHUNKED_SCHEDULES`), or V (:data:`VOCAB`: the output layer's
+    vocabulary slice of ``micro``, joint with every other card; ``chunk`` 0)."""
 
     kind: str
     micro: int
@@ -68,12 +79,20 @@ def _check(kind: str, num_stages: int, num_micro: int) -> None:
                          f"of the pipeline stages (P={num_stages}): change train.accum or use zbv")
 
 
-def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> list[Action]:
-    """The actions of ``stage`` for one step of ``num_micro`` (M) micro-batches on ``num_stages`` (P) stages.
-    Raises ValueError for an unknown ``kind`` or out-of-range arguments."""
+def build_schedule(kind: str, num_stages: int, num_micro: int, stage: int, vocab: bool = False) -> list[Action]:
+    """The actions of ``stage`` for one step of ``num_micro`` (M) micro-batches on ``num_stages`` (P) stages;
+    ``vocab``: with the joint ``V(m)`` actions of vocabulary parallelism (:func:`vocab_positions`). Raises
+    ValueError for an unknown ``kind`` or out-of-range arguments."""
     _check(kind, num_stages, num_micro)
     if not 0 <= stage < num_stages:
         raise ValueError(f"bad schedule arguments: P={num_stages}, M={num_micro}, stage={stage}")
+    if vocab:
+        return list(_with_vocab(kind, num_stages, num_micro)[stage])
+    return _base_schedule(kind, num_stages, num_micro, stage)
+
+
+def _base_schedule(kind: str, num_stages: int, num_micro: int, stage: int) -> list[Action]:
+    """:func:`build_schedule` without vocabulary actions."""
     M = num_micro
     if kind in CHUNKED_SCHEDULES:
         return list(_chunked_orders(kind, num_stages, M)[stage])
@@ -191,12 +210,77 @@ def _zbv_card(P: int, N: int, r: int) -> list[Action]:
     return acts
 
 
+def head_position(kind: str, num_stages: int) -> tuple[int, int]:
+    """``(card, chunk)`` of the last virtual stage (the final norm, and the head unless vocabulary-parallel)."""
+    return card_of(kind, num_stages, num_stages * chunks_per_card(kind) - 1)
+
+
+def vocab_positions(kind: str, num_stages: int, num_micro: int) -> list[list[int]]:
+    """Where each card's ``V(m)`` goes (per card, per micro-batch ``m``: how many of the card's other actions come
+    before it). The head card: right after its last-stage ``F(m)``. Another card: after every action of its own
+    that ends by then in the unit-time timeline without ``V`` actions (F = B = W = 1; an unsplit B 2), so the
+    cards reach the joint action about together. ``V(m)`` thereby comes after everything it waits for on every card
+    and before everything that waits for it (the last stage's ``B(m)`` and what follows from it): an order of the
+    unit-time timeline, so no card waits in a cycle (:func:`simulate` checks it with bounded links too)."""
+    P, M = num_stages, num_micro
+    ends = _unit_ends(kind, P, M)
+    h, hc = head_position(kind, P)
+    base_h = _base_schedule(kind, P, M, h)
+    f_at = {a.micro: i for i, a in enumerate(base_h) if a.kind == "F" and a.chunk == hc}
+    out = []
+    for s in range(P):
+        if s == h:
+            out.append([f_at[m] + 1 for m in range(M)])
+            continue
+        row, k = [], 0
+        for m in range(M):
+            t = ends[h][f_at[m]]
+            while k < len(ends[s]) and ends[s][k] <= t:
+                k += 1
+            row.append(k)
+        out.append(row)
+    return out
+
+
+def _unit_ends(kind: str, P: int, M: int) -> list[list[float]]:
+    """Per card, the end of each of its actions (schedule order, no ``V``) in the unit-time timeline."""
+    V = P * chunks_per_card(kind)
+    split = kind in SPLIT_BACKWARD
+    end, free = [], [0.0] * P
+    ends: list[list[float]] = [[] for _ in range(P)]
+    for s, v, k, deps in _timeline_program(kind, P, M):
+        start = max([free[s]] + [end[j] for j in deps])
+        d = 1.0 if k == 0 else (1.0 if split and v > 0 else 2.0) if k == 1 else (1.0 if v > 0 else 0.0)
+        free[s] = start + d
+        end.append(free[s])
+        ends[s].append(free[s])
+    return ends
+
+
+@lru_cache(maxsize=256)
+def _with_vocab(kind: str, P: int, M: int) -> tuple:
+    """Every card's actions with ``V(m)`` inserted at :func:`vocab_positions` (tuples)."""
+    pos = vocab_positions(kind, P, M)
+    out = []
+    for s in range(P):
+        base = _base_schedule(kind, P, M, s)
+        acts: list[Action] = []
+        k = 0
+        for m in range(M):
+            acts.extend(base[k:pos[s][m]])
+            k = max(k, pos[s][m])
+            acts.append(Action(VOCAB, m))
+        acts.extend(base[k:])
+        out.append(tuple(acts))
+    return tuple(out)
+
+
 def in_flight_profile(actions: Sequence[Action]) -> list[int]:
     """Micro-batches held (from ``F`` to their last backward action) after each action; with two chunks per
     card, chunk micro-batches (each holds one chunk's activations)."""
     last = {}
     for i, a in enumerate(actions):
-        if a.kind != "F":
+        if a.kind in "BW":
             last[(a.micro, a.chunk)] = i
     live, out = 0, []
     for i, a in enumerate(actions):
@@ -218,7 +302,7 @@ def held_profile(kind: str, stage: int, num_stages: int, num_micro: int, held: S
     acts = build_schedule(kind, num_stages, num_micro, stage)
     last = {}
     for i, a in enumerate(acts):
-        if a.kind != "F":
+        if a.kind in "BW":
             last[(a.micro, a.chunk)] = i
     split = kind in SPLIT_BACKWARD
     total, out = 0.0, []
@@ -263,15 +347,18 @@ def peak_pending_weight_grads(kind: str, stage: int, num_stages: int, num_micro:
     return peak
 
 
-def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = None) -> int:
+def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = None, vocab: bool = False) -> int:
     """Run all cards' schedules against each other in unit ticks; returns the ticks. ``slots``: tensors in
     flight per link and direction between two cards (None: unbounded; a hand-over between two chunks of one
-    card is in-process and unbounded). Raises RuntimeError on deadlock."""
+    card is in-process and unbounded). ``vocab``: with the joint ``V(m)`` actions (:func:`build_schedule`), each
+    run in one tick by every card once all have reached it and the last stage's ``F(m)`` is done, the last stage's
+    ``B(m)`` after it. Raises RuntimeError on deadlock."""
     P = num_stages
-    scheds = [build_schedule(kind, P, num_micro, s) for s in range(P)]
+    scheds = [build_schedule(kind, P, num_micro, s, vocab) for s in range(P)]
     V = P * chunks_per_card(kind)
     pos = [0] * P
     done = {k: [set() for _ in range(V)] for k in "FBW"}
+    done[VOCAB] = set() if vocab else None
     # per boundary b (virtual stages b and b+1): tensors sent, not yet received; None: same card
     local = [card_of(kind, P, b)[0] == card_of(kind, P, b + 1)[0] for b in range(V - 1)]
     links = _Links([0] * V, [0] * V, local, float("inf") if slots is None else int(slots))
@@ -284,16 +371,29 @@ def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = 
             if pos[s] < len(scheds[s]):
                 a = scheds[s][pos[s]]
                 v = virtual_stage(kind, P, s, a.chunk)
-                if _can_start(a, v, V, done, links):
+                if a.kind != VOCAB and _can_start(a, v, V, done, links):
                     ready.append((s, v, a))
-        if not ready:
-            raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}, slots={slots} at {pos}")
+        nxt = [scheds[s][pos[s]] if pos[s] < len(scheds[s]) else None for s in range(P)]
+        joint = _joint_ready(nxt, done["F"][V - 1])
+        if not ready and not joint:
+            raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={num_micro}, slots={slots}"
+                               f"{', vocab' if vocab else ''} at {pos}")
         for s, v, a in ready:
             done[a.kind][v].add(a.micro)
             pos[s] += 1
             _move_tensors(a, v, V, links)
+        if joint:
+            done[VOCAB].add(nxt[0].micro)
+            pos = [p + 1 for p in pos]
         ticks += 1
     return ticks
+
+
+def _joint_ready(nxt: list, head_done: set) -> bool:
+    """Whether a joint ``V(m)`` can run: every card's next action is it (``nxt``), and the last stage's ``F(m)`` is
+    done (in ``head_done``: its final hidden state exists)."""
+    a = nxt[0]
+    return a is not None and a.kind == VOCAB and all(b == a for b in nxt) and a.micro in head_done
 
 
 class _Links(NamedTuple):
@@ -314,8 +414,9 @@ def _can_start(a: Action, v: int, V: int, done: dict, links: _Links) -> bool:
     if a.kind == "F":
         return (v == 0 or a.micro in done["F"][v - 1]) and (v == V - 1 or links.free(links.act, v))
     if a.kind == "B":
-        return (a.micro in done["F"][v] and (v == V - 1 or a.micro in done["B"][v + 1])
-                and (v == 0 or links.free(links.grad, v - 1)))
+        # the last stage's output gradient: from V(m) with vocabulary actions (done[VOCAB] a set), else its loss
+        after = a.micro in done["B"][v + 1] if v < V - 1 else done[VOCAB] is None or a.micro in done[VOCAB]
+        return a.micro in done["F"][v] and after and (v == 0 or links.free(links.grad, v - 1))
     return a.micro in done["B"][v]
 
 
@@ -343,11 +444,12 @@ def _per_stage(v: Durations, n: int, name: str) -> list[float]:
 
 
 def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
-                   t_w: Durations = 1.0) -> tuple[list[float], list[float]]:
+                   t_w: Durations = 1.0, t_v: Optional[Durations] = None) -> tuple[list[float], list[float]]:
     """Earliest-start execution; returns per card ``(end, busy)``. ``t_f, t_b, t_w``: time per micro-batch
     (one value, or one per stage: per virtual stage, ``2P`` of them, for :data:`CHUNKED_SCHEDULES`); unsplit
-    ``B`` takes ``t_b + t_w``, as does the first (virtual) stage's in a split schedule. Raises RuntimeError on
-    deadlock.
+    ``B`` takes ``t_b + t_w``, as does the first (virtual) stage's in a split schedule. ``t_v`` (one value or one
+    per card; None: no vocabulary actions): each card's share of a joint ``V(m)``, which starts when every card
+    has reached it and ends on all of them after the largest share. Raises RuntimeError on deadlock.
 
     The order the actions are placed in and what each waits for do not depend on the durations
     (:func:`_timeline_program`, cached per schedule), so a call is one pass over the ``~3PM`` actions: the
@@ -355,13 +457,21 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
     P = num_stages
     V = P * chunks_per_card(kind)
     tf, tb, tw = (_per_stage(x, V, n) for x, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
+    tv = None if t_v is None else _per_stage(t_v, P, "t_v")
     split = kind in SPLIT_BACKWARD
     # per action kind (F, B, W) and virtual stage: its duration
     dur = (tf, [tb[v] if split and v > 0 else tb[v] + tw[v] for v in range(V)],
            [tw[v] if v > 0 else 0.0 for v in range(V)])
     end = []
     free, busy = [0.0] * P, [0.0] * P
-    for s, v, k, deps in _timeline_program(kind, P, num_micro):
+    for s, v, k, deps in _timeline_program(kind, P, num_micro, tv is not None):
+        if s < 0:  # a joint V(m): every card at once
+            start = max(free)
+            d = max(tv)
+            free = [start + d] * P
+            busy = [b + x for b, x in zip(busy, tv)]
+            end.append(start + d)
+            continue
         start = free[s]
         for j in deps:
             if end[j] > start:
@@ -374,12 +484,13 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
 
 
 @lru_cache(maxsize=256)
-def _timeline_program(kind: str, P: int, M: int) -> tuple:
+def _timeline_program(kind: str, P: int, M: int, vocab: bool = False) -> tuple:
     """:func:`stage_timeline`'s actions in the order it places them, each ``(card, virtual stage, kind index
     (0 F, 1 B, 2 W), indices of the earlier entries it waits for)``: each card takes its next action as soon as
-    the actions that action depends on are placed, cards visited in turn. Raises RuntimeError on deadlock."""
+    the actions that action depends on are placed, cards visited in turn; a joint ``V(m)`` (``vocab``) is one
+    entry ``(-1, -1, 3, ())`` placed once every card has reached it. Raises RuntimeError on deadlock."""
     V = P * chunks_per_card(kind)
-    scheds = [build_schedule(kind, P, M, s) for s in range(P)]
+    scheds = [build_schedule(kind, P, M, s, vocab) for s in range(P)]
     index: dict[tuple[str, int, int], int] = {}
     prog = []
     pos = [0] * P
@@ -389,38 +500,49 @@ def _timeline_program(kind: str, P: int, M: int) -> tuple:
         for s in range(P):
             while pos[s] < len(scheds[s]):
                 a = scheds[s][pos[s]]
+                if a.kind == VOCAB:
+                    break
                 v = virtual_stage(kind, P, s, a.chunk)
-                deps = _deps(a, v, V)
+                deps = _deps(a, v, V, vocab)
                 if any(d not in index for d in deps):
                     break
                 index[(a.kind, v, a.micro)] = len(prog)
                 prog.append((s, v, "FBW".index(a.kind), tuple(index[d] for d in deps)))
                 pos[s] += 1
                 progressed = True
+        nxt = {scheds[s][pos[s]] if pos[s] < len(scheds[s]) else None for s in range(P)}
+        if (len(nxt) == 1 and None not in nxt and next(iter(nxt)).kind == VOCAB
+                and ("F", V - 1, next(iter(nxt)).micro) in index):
+            index[(VOCAB, -1, next(iter(nxt)).micro)] = len(prog)
+            prog.append((-1, -1, 3, ()))
+            pos = [p + 1 for p in pos]
+            progressed = True
     if any(pos[s] < len(scheds[s]) for s in range(P)):
-        raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={M}")
+        raise RuntimeError(f"schedule {kind} deadlocks for P={P}, M={M}{', vocab' if vocab else ''}")
     return tuple(prog)
 
 
-def _deps(a: Action, v: int, V: int) -> list:
-    """The actions ``a`` on virtual stage ``v`` waits for, as ``(kind, v, micro)``."""
+def _deps(a: Action, v: int, V: int, vocab: bool = False) -> list:
+    """The actions ``a`` on virtual stage ``v`` waits for, as ``(kind, v, micro)`` (``vocab``: the last stage's
+    ``B(m)`` waits for ``V(m)``)."""
     if a.kind == "F":
         return [("F", v - 1, a.micro)] if v > 0 else []
     if a.kind == "B":
-        return [("F", v, a.micro)] + ([("B", v + 1, a.micro)] if v < V - 1 else [])
+        nxt = [("B", v + 1, a.micro)] if v < V - 1 else [(VOCAB, -1, a.micro)] if vocab else []
+        return [("F", v, a.micro)] + nxt
     return [("B", v, a.micro)]
 
 
 def step_time(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
-              t_w: Durations = 1.0) -> float:
+              t_w: Durations = 1.0, t_v: Optional[Durations] = None) -> float:
     """One step's forward/backward time (unit of ``t_*``), from :func:`stage_timeline`."""
-    return max(stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)[0])
+    return max(stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w, t_v)[0])
 
 
 def bubble_fraction(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
-                    t_w: Durations = 1.0) -> float:
+                    t_w: Durations = 1.0, t_v: Optional[Durations] = None) -> float:
     """Idle share ``1 - sum(busy) / (P * step_time)``. Unit times: ``(P-1)/(M+P-1)`` (1f1b, gpipe),
     ``2(P-1)/(3M+2(P-1))`` (zb), ``(P-1)/(3M+P-1)`` (zb-h1 for M >= P, zb-h2 for M >= 2P-1)."""
-    end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w)
+    end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w, t_v)
     T = max(end)
     return 1.0 - sum(busy) / (num_stages * T) if T > 0 else 0.0

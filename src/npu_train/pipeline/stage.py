@@ -63,10 +63,13 @@ class StageRunner:
     split-backward schedule with ``recompute=True``. ``objective``: the last stage's loss
     (:mod:`npu_train.pipeline.objective`; default next-token cross-entropy); its targets are what ``labels``
     holds per micro-batch. ``moe``: a mixture-of-experts stage's
-    :class:`~npu_train.pipeline.moeaux.StageRouting` (router statistics, the load-balancing loss), or None."""
+    :class:`~npu_train.pipeline.moeaux.StageRouting` (router statistics, the load-balancing loss), or None.
+    ``vocab``: vocabulary parallelism's :class:`~npu_train.pipeline.vocab.VocabWork` (every card runs the
+    schedule's joint ``V(m)``; the head card's last chunk ends at the final norm, its backward starts from the
+    summed input gradient ``V(m)`` returns; every card needs the step's targets), or None."""
 
     def __init__(self, module, backend, num_stages: int, stage: int, schedule: str, comm: Optional[BoundaryComm],
-                 hooks=None, objective=None, moe=None):
+                 hooks=None, objective=None, moe=None, vocab=None):
         if schedule in SPLIT_BACKWARD and getattr(module, "recompute", False):
             raise ConfigError(f"train.schedule={schedule} does not combine with train.recompute=true: "
                               "use train.schedule=1f1b for activation recompute")
@@ -75,6 +78,7 @@ class StageRunner:
 
             check_aux_schedule(moe.weight, schedule)
         self.moe = moe
+        self.vocab = vocab
         self.module = module
         self.backend = backend
         self.P = num_stages
@@ -137,6 +141,17 @@ class StageRunner:
         obj = self.objective
         fused = getattr(self.module, "fused_head", False)  # training's head arithmetic: DPO values equal the pass's
         loss_sum, n_tok, n_units, stats = 0.0, 0, 0, [0.0] * len(obj.stats)
+        if self.vocab is not None:  # each micro-batch through the card's chunks, then the joint V(m)
+            for m in range(num_micro):
+                outs = [self._forward_only_step(step, EVAL_MICRO_BASE + m, ch, inputs, positions, m)
+                        for ch in self.chunks]
+                x = next((o for o in outs if o is not None), None)
+                res = self.vocab.run(x, labels[m], 1.0, train=False)
+                if self.last:
+                    loss_sum += res.loss_sum
+                    n_tok += obj.tokens(labels[m])
+                    n_units += obj.units(labels[m])
+            return {"loss_sum": loss_sum, "n_tokens": n_tok, "n_units": n_units, "stats": stats}
         for m, ch in self._forward_only(num_micro):  # the last chunk's outputs: the loss
             out = self._forward_only_step(step, EVAL_MICRO_BASE + m, ch, inputs, positions, m)
             if out is not None:
@@ -193,13 +208,15 @@ class StageRunner:
         if self.moe is not None:
             self.moe.begin_step()
         run = _StepRun(self, step, M, inputs, labels, total_tokens, early, positions)
-        for a in build_schedule(self.schedule, self.P, M, self.s):
+        for a in build_schedule(self.schedule, self.P, M, self.s, vocab=self.vocab is not None):
             if a.kind == "F":
                 run.forward(a.micro, a.chunk)
             elif a.kind == "B":
                 run.backward(a.micro, a.chunk)
-            else:
+            elif a.kind == "W":
                 run.weight(a.micro, a.chunk)
+            else:
+                run.vocab(a.micro)
         return run.end(local_tokens, local_units)
 
 
@@ -211,6 +228,9 @@ class _StepRun:
         self.positions = positions
         self.early = early
         self.saved: dict[int, tuple] = {}
+        # vocabulary parallelism: the head card's final hidden states waiting for V(m), V(m)'s input gradients
+        self.vocab_x: dict = {}
+        self.vocab_dx: dict = {}
         self.split = runner.schedule in SPLIT_BACKWARD
         self.pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
         self.params = [p for p in runner.module.parameters() if p.requires_grad] if self.split else []
@@ -246,7 +266,12 @@ class _StepRun:
             r.moe.start()
         out = r.module(x, **kw) if cuts is None else r.module(x, cuts=cuts, **kw)
         meta = r.moe.finish(m, up) if r.moe is not None else None
-        if ch.last:
+        if ch.last and r.vocab is not None:  # the final norm's output waits for V(m) (every card's)
+            self.saved[(m, c)] = (x, out, cuts)
+            self.vocab_x[m] = out.detach()
+            self.compute_cpu += self.cpu() - k1
+            t2 = t3 = clock()
+        elif ch.last:
             ls, st = r.objective.loss_sum(out, self.labels[m], r.backend, getattr(r.module, "fused_head", False))
             self.loss_sum += float(ls.detach())
             self.stats = [a + b for a, b in zip(self.stats, st)]
@@ -283,9 +308,26 @@ class _StepRun:
             x, up = ch.comm.recv_act(self.step, m), None
         return x.requires_grad_(True), up
 
+    def vocab(self, m: int) -> None:
+        """``V(m)``: this card's share of the output layer for micro-batch ``m`` (:mod:`npu_train.pipeline.vocab`);
+        the head card keeps the summed input gradient for its ``B(m)`` and the micro-batch's loss."""
+        r, clock = self.r, self.clock
+        t0 = clock()
+        k1 = self.cpu()
+        res = r.vocab.run(self.vocab_x.pop(m, None), self.labels[m], self.total_tokens)
+        if r.last:
+            self.vocab_dx[m] = res.dx
+            self.loss_sum += res.loss_sum
+        self.compute_cpu += self.cpu() - k1
+        t1 = clock()
+        self._account("V", m, t0, t0, t1, t1)
+
     def _recv_grad(self, ch, m: int) -> tuple:
-        """``(output gradient, this stage's aux-loss root or None)`` of micro-batch ``m`` (last stage: None)."""
+        """``(output gradient, this stage's aux-loss root or None)`` of micro-batch ``m`` (last stage: None;
+        vocabulary-parallel: ``V(m)``'s summed input gradient, fp32 host)."""
         moe = self.r.moe
+        if ch.last and self.r.vocab is not None:
+            return self.vocab_dx.pop(m), None
         if ch.last:
             return None, None
         if moe is None or not moe.on:
@@ -299,6 +341,8 @@ class _StepRun:
         x, out, cuts = self.saved.pop((m, c)) if not self.split else self.saved[(m, c)]
         t0 = clock()
         g, root = self._recv_grad(ch, m)
+        if ch.last and g is not None:  # V(m)'s gradient: onto the card in the output's dtype
+            g = r.backend.upload(g.to(out.dtype))
         t1 = clock()
         k1 = self.cpu()
         if self.split and not ch.first:
@@ -359,7 +403,7 @@ class _StepRun:
             self.tr.append(("W", m, t0, t0, t1, t1))
 
     def end(self, local_tokens: int, local_units: int) -> dict:
-        assert not self.saved and not self.pending, \
+        assert not self.saved and not self.pending and not self.vocab_x and not self.vocab_dx, \
             f"schedule left micro-batches without backward: {sorted(self.saved)} {sorted(self.pending)}"
         if self.early is not None:
             self.early[1]()

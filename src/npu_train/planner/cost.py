@@ -64,6 +64,7 @@ class StageCost:
     t_head: tuple = (0.0, 0.0, 0.0)  # the head's share of (t_f, t_b, t_w)
     recomputed: Optional[int] = None  # layers recomputed whole (RunShape.recompute_fewest; None: the shape's)
     t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
+    t_v: float = 0.0  # the card's share of a joint V(m) per micro-batch (vocabulary parallelism), part of t_mb
 
     @property
     def offloaded_state_bytes(self) -> int:
@@ -200,17 +201,38 @@ class CostModel:
             # (a ratio below f / (f + b + w) would mean a negative backward: k floored at 0)
             k = max(0.0, (rt.split_backward_ratio * (f + b + w) - f) / (b + w)) if b + w > 0 else 1.0
             fbw = [f, b * k, w * k]
-        head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if last else (0.0,) * 3
+        on_card = last and not self.shape.vocab_parallel  # vocabulary-parallel: the head runs in V(m)
+        head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if on_card else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
-        t_mb = sum(fbw)
+        t_v = self.vocab_time(i)
+        t_mb = sum(fbw) + t_v
         rc = self._recompute_seconds(i, n, whole, last)
         mem, share = self._zero_cut(i, sm.mem)
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
-                      recomputed=whole, t_rc=rc)
+                      recomputed=whole, t_rc=rc, t_v=t_v)
         self._cache[key] = c
         return c
+
+    def vocab_time(self, i: int) -> float:
+        """Seconds of card ``i``'s share of one joint ``V(m)`` (vocabulary parallelism; 0 without it): its slice of
+        the head's FLOPs (:meth:`~npu_train.planner.memory.MemoryModel.vocab_rows` of the vocabulary) at the head's
+        rate, and the exchange on the critical path, as gloo moves it (``dp_bytes_per_s``; ``pipeline/vocab.py``
+        sends fp32): the final hidden state in (``[b S, H]``), the partial input gradient out, the softmax
+        statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token); on an
+        accelerator also the card<->host copies of the first two (``h2d`` / ``d2h``). The head card sends the
+        hidden state and receives the summed gradient: the same bytes."""
+        if not self.shape.vocab_parallel:
+            return 0.0
+        rt, mm = self.rates[i], self.memory
+        share = mm.vocab_rows(i) / self.model.vocab_size
+        compute = share * self.head_flops / (rt.device_flops * rt.head_flops_ratio)
+        tok, h = self.shape.tokens_per_micro_batch, self.model.hidden_size
+        t = (2 * 4 * tok * h + 12 * tok) / rt.dp_bytes_per_s
+        if self.cards[i].kind != "cpu":
+            t += 4 * tok * h / rt.h2d_bytes_per_s + 4 * tok * h / rt.d2h_bytes_per_s
+        return compute + t
 
     def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:
         """Seconds of stage ``i``'s B per micro-batch that run a forward again: ``k`` layers recomputed whole (None:
@@ -273,7 +295,7 @@ class CostModel:
         fwd = 1.0 / (4.0 if self.shape.recompute else 3.0)
         cpu = self.cards[i].kind == "cpu"
         exposed = exposed_host_time(self.shape.offload, work, offloaded_layers=n - c.resident,
-                                    resident_layers=c.resident, fwd_layer_s=fwd * c.t_mb / max(1, n),
+                                    resident_layers=c.resident, fwd_layer_s=fwd * (c.t_mb - c.t_v) / max(1, n),
                                     first_input_s=first_input, idle_s=bubble if cpu else phase, cpu_card=cpu)
         return work - exposed
 
@@ -319,7 +341,8 @@ class CostModel:
         """Seconds of the pipeline phase: the end of the schedule's timeline with the stages' ``t_f, t_b, t_w``,
         times the average slot stretch of oversubscribed cpu cores."""
         M = self.shape.micro_batches
-        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs))
+        t_v = [c.t_v for c in costs] if self.shape.vocab_parallel else None
+        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs), t_v=t_v)
         return max(end) * self.slots / (M + self.P - 1)
 
     def stage_durations(self, costs: Sequence[StageCost]) -> tuple[list, list, list]:
@@ -353,7 +376,8 @@ class CostModel:
         return max(t["total"] for t in self.stage_times(split, costs))
 
     def stage_times(self, split: Sequence[int], costs: Sequence[StageCost]) -> list[dict]:
-        """Per stage, seconds per step: ``compute``, ``bubble``, ``host_optimizer``, ``device_optimizer``,
+        """Per stage, seconds per step: ``compute`` (with ``recompute`` and ``vocab``, its parts that run a forward
+        again and the card's share of the joint vocabulary actions), ``bubble``, ``host_optimizer``, ``device_optimizer``,
         ``transfer``, ``dp_comm``, ``host_hidden`` and ``total``; the step is the largest ``total``."""
         M = self.shape.micro_batches
         phase = self.phase(costs)
@@ -366,6 +390,7 @@ class CostModel:
             first_input = sum(costs[j].t_f for j in range(i))  # the earlier stages' forward of micro-batch 0
             hidden = self.host_hidden(i, n, c, host, first_input, phase, phase - compute)
             out.append({"compute": compute, "recompute": M * c.t_rc * self.slots / (M + self.P - 1),
+                        "vocab": M * c.t_v * self.slots / (M + self.P - 1),
                         "bubble": phase - compute, "host_optimizer": host,
                         "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt, "host_hidden": hidden,
                         "total": phase + host + dev + xfer - hidden})

@@ -148,6 +148,13 @@ class MemoryModel:
         self.dtype_bytes = shape.dtype_bytes
         self.grad_bytes = shape.grad_bytes
         self.tied = bool(model.tie_word_embeddings)
+        #: vocabulary parallelism (RunShape.vocab_parallel): every card holds a slice of the head's rows
+        self.vocab = bool(getattr(shape, "vocab_parallel", False))
+        if self.vocab and self.tied:
+            from npu_train.planner.spec import PlacementError
+
+            raise PlacementError("parallel.vocab=true shards an untied output layer over the cards; this model ties "
+                                 "its embedding and head (tie_word_embeddings): use parallel.vocab=false")
         self.nonlayer_flag = nonlayer_resident
         self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa", "core")}
         #: the attention probabilities of one layer and micro-batch (``[b, a, S, S]``, fp32 softmax + its compute-dtype
@@ -193,17 +200,41 @@ class MemoryModel:
 
     # ------------------------------------------------------------------ parameters
     def nonlayer(self, i: int) -> tuple[int, int]:
-        """(owned non-layer params, tied ``lm_head`` copy params) of stage ``i``."""
+        """(owned non-layer params, tied ``lm_head`` copy params) of stage ``i`` (vocabulary-parallel: every card
+        owns its slice of the head's rows, :meth:`vocab_rows`)."""
         owned, copy = 0, 0
         if i == 0:
             owned += self.embedding_params
         if i == self.head_stage:
             owned += self.model.hidden_size
-            if not self.tied:
+            if self.vocab:
+                pass
+            elif not self.tied:
                 owned += self.embedding_params
             elif self.head_stage != 0:
                 copy += self.embedding_params
+        if self.vocab:
+            owned += self.vocab_rows(i) * self.model.hidden_size
         return owned, copy
+
+    def vocab_rows(self, i: int) -> int:
+        """Vocabulary rows of the head card ``i`` holds under vocabulary parallelism: ``V // P``, one more on the
+        first ``V % P`` cards (``torch.tensor_split``'s cut, as the cards load it); 0 without it."""
+        if not self.vocab:
+            return 0
+        V, P = self.model.vocab_size, self.num_stages
+        return V // P + (1 if i < V % P else 0)
+
+    def vocab_transient(self, i: int) -> int:
+        """Bytes card ``i``'s ``V(m)`` holds while it runs (vocabulary parallelism): its fp32 logits slice
+        ``[b S, rows]`` and their softmax / gradient (2 x 4 B), the received fp32 final hidden state and the
+        fp32 partial input gradient ``[b S, H]``, and (full fine-tuning) the slice's fresh fp32 weight gradient
+        before it is added to ``.grad``."""
+        if not self.vocab:
+            return 0
+        tok, h, rows = self.shape.tokens_per_micro_batch, self.model.hidden_size, self.vocab_rows(i)
+        fresh = 0 if self.adapter_params else 4 * rows * h
+        return 8 * tok * rows + 8 * tok * h + fresh
 
     def parameters(self, i: int, n: int, r: int) -> StageParams:
         """:class:`StageParams` of stage ``i`` with ``n`` layers, the first ``r`` resident; non-layer parameters
@@ -260,6 +291,7 @@ class MemoryModel:
         ``head=False``: without the head's ``[tokens, vocab]`` tensors (the decoder layers' part); ``k``:
         layers recomputed whole (:meth:`recomputed`), each holding its input and, one at a time in the
         backward, its recomputed activations."""
+        head = head and not self.vocab  # vocabulary-parallel: the logits live only inside V(m)
         if k is not None:
             return self._partial_activations(i, n, head, k)
         k, last = self.in_flight[i], i == self.head_stage and head
@@ -313,6 +345,7 @@ class MemoryModel:
         gradient. ``recomputed``: how many layers are recomputed whole, the card's first in execution order
         (chunk 0's first); None: all of them under ``train.recompute``, else none."""
         V = self.chunks * self.num_stages
+        with_head = with_head and not self.vocab
         left = (n if self.shape.recompute else 0) if recomputed is None else recomputed
         act = self._activations_per_layer(i)
         held, pend = [], []
@@ -353,7 +386,7 @@ class MemoryModel:
         held, pend = self._held_per_chunk(i, n)
         extra = self._activations_per_layer(i) if self.shape.recompute and n else 0
         V = self.chunks * P
-        head_chunk = card_of(sched, P, V - 1)[1] if i == self.head_stage else None
+        head_chunk = card_of(sched, P, V - 1)[1] if i == self.head_stage and not self.vocab else None
         head_in_place = self.cards[i].kind in FUSED_HEAD_KINDS and g == e == 4
         same_tensor = self.tied and head_chunk is not None and i == 0
         seen, peak = set(), 0
@@ -453,8 +486,9 @@ class MemoryModel:
 
     def _largest_param(self, i: int, n: int) -> int:
         """Elements of the stage's largest parameter tensor, trained or frozen (a layer's or the embedding's)."""
-        ends = i == 0 or i == self.head_stage
-        return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0)
+        ends = i == 0 or (i == self.head_stage and not self.vocab)
+        return max(self.largest_layer_param if n else 0, self.embedding_params if ends else 0,
+                   self.vocab_rows(i) * self.model.hidden_size)
 
     def _largest_trained_param(self, i: int, n: int) -> int:
         """Elements of the stage's largest trainable tensor (LoRA: one layer's adapters)."""
@@ -500,7 +534,7 @@ class MemoryModel:
         return weights + self.optimizer_state(i, p) + initial + transients
 
     def _fused_head(self, i: int) -> bool:
-        return i == self.head_stage and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
+        return i == self.head_stage and not self.vocab and self.cards[i].kind in FUSED_HEAD_KINDS and not self.adapter_params
 
     def _accumulation_temporary(self, i: int, n: int) -> int:
         """The fresh gradient autograd adds to ``.grad`` from the second micro-batch on (+ its fp32 cast): of the
@@ -522,12 +556,13 @@ class MemoryModel:
         acc = self._accumulation_temporary(i, n)
         core = self._recomputed_core(i, k is not None) if n else 0
         kernel = self.expert_kernel(i, n)
-        if i == self.head_stage:
+        if i == self.head_stage and not self.vocab:
             peak = activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core, kernel)
         else:
             one_micro_batch = (self.held_per_micro_batch(i, n, k) if k is not None else
                                n * (self.layer_input_bytes if self.shape.recompute else self._activations_per_layer(i)))
             peak = activations + max(0, acc - one_micro_batch, core, kernel)
+        peak = max(peak, activations + self.vocab_transient(i))  # an upper bound: V(m) at the activations' peak
         return max(peak, self.nonlayer_accumulation_peak(i, n))
 
     def expert_kernel(self, i: int, n: int) -> int:

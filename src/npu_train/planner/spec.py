@@ -66,6 +66,10 @@ class RunShape:
     #: the mixture-of-experts load-balancing loss is on: it runs with 1f1b and gpipe only
     #: (npu_train.pipeline.moeaux.check_aux_schedule), so the plan advises no other schedule
     moe_aux_loss: bool = False
+    #: vocabulary parallelism (``parallel.vocab``; Yeung et al. 2024): the output layer sharded by vocabulary over
+    #: the pipeline's cards, each computing its logits slice in a joint ``V(m)`` per micro-batch
+    #: (npu_train.pipeline.schedule.vocab_positions); the head card keeps the final norm. Untied heads only
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):

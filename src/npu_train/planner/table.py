@@ -385,6 +385,10 @@ def schedule_line(plan: Plan) -> str:
     held = "/".join(str(st.in_flight) for st in plan.stages)
     line = (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
             f"(equal unit F/B/W times: {unit * 100:.1f} %); micro-batches held per card {held}")
+    if s.vocab_parallel:
+        per = "/".join(f"{st.time.get('vocab', 0.0):.2f}" for st in plan.stages)
+        line += (f"; vocabulary-parallel output layer (parallel.vocab): each card's share of the head + the exchange "
+                 f"{per} s a step")
     if getattr(s, "recompute_fewest", False):
         line += (f"; layers recomputed whole per card {plan.recompute_counts_label} (train.recompute_layers=fewest: the fewest that fit;"
                  " the others keep their activations" + (", attention core recomputed" if s.recompute_attention

@@ -136,6 +136,7 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         if not cfg.plan:
             check_weights(model_path, mcfg)
     check_moe(cfg, mcfg)
+    check_vocab(cfg, mcfg)
     P, dp, zero = _layout_and_schedule(cfg, run_dir, mcfg, dtype, cards, plan_threads,
                                        None if (cfg.plan or nodes is not None) else host_ram,
                                        multinode=nodes is not None, elsewhere=elsewhere)
@@ -165,6 +166,31 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         check_node_host_ram(plan, node_counts, node_ram)
     return Prepared(cards=cards, requests=reqs, model_cfg=mcfg, plan=plan, shape=shape, dtype=dtype,
                     model_path=model_path, threads=threads, node_counts=node_counts, dp=dp, zero=zero)
+
+
+def check_vocab(cfg, mcfg) -> None:
+    """Refuse ``parallel.vocab=true`` where it is not built (ConfigError naming the fix): a tied embedding and head
+    (its gradient slices would have to be summed with the embedding's), the DPO objective, the mixture-of-experts
+    load-balancing loss, ZeRO-1, and one-slot boundary rings (``simulate`` finds deadlocks there)."""
+    if not getattr(cfg.parallel, "vocab", False):
+        return
+    if mcfg.tie_word_embeddings:
+        raise ConfigError("parallel.vocab=true shards an untied output layer over the cards; this model ties its "
+                          "embedding and head (tie_word_embeddings): use parallel.vocab=false")
+    if str(getattr(cfg.train, "objective", "sft")) == "dpo":
+        raise ConfigError("parallel.vocab=true computes the next-token cross-entropy only: use parallel.vocab=false "
+                          "with train.objective=dpo")
+    from npu_train.pipeline.moeaux import aux_loss_weight
+
+    if mcfg.is_moe and aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0:
+        raise ConfigError("parallel.vocab=true does not run with the mixture-of-experts load-balancing loss: use "
+                          "parallel.vocab=false or train.moe_aux_loss=0")
+    if int(cfg.parallel.zero) == 1:
+        raise ConfigError("parallel.vocab=true does not combine with parallel.zero=1 yet: use parallel.zero=0")
+    if cfg.runtime.slots is not None and int(cfg.runtime.slots) < 2:
+        raise ConfigError("parallel.vocab=true needs runtime.slots >= 2 (with one slot per boundary ring a card can "
+                          "wait for a slot that frees only after the next joint vocabulary action): raise "
+                          "runtime.slots or leave it unset")
 
 
 def check_moe(cfg, mcfg) -> None:
@@ -547,7 +573,8 @@ def run_shape(cfg, mcfg, dtype: str):
                     lora_active_params_per_layer=lora_active,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
-                    checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg))
+                    checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg),
+                    vocab_parallel=bool(getattr(cfg.parallel, "vocab", False)))
 
 
 def _recompute_counts(tr) -> tuple:
@@ -597,7 +624,8 @@ def train_spec(cfg, dtype: str, mcfg=None) -> TrainSpec:
                      grad_accum=tr.grad_accum, offload_overlap=bool(tr.offload_overlap),
                      offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save),
                      objective=str(getattr(tr, "objective", "sft")), **_dpo_fields(cfg),
-                     moe_aux_loss=aux_loss_weight(tr.moe_aux_loss, mcfg) if mcfg is not None else 0.0)
+                     moe_aux_loss=aux_loss_weight(tr.moe_aux_loss, mcfg) if mcfg is not None else 0.0,
+                     vocab=bool(getattr(cfg.parallel, "vocab", False)))
 
 
 def _dpo_fields(cfg) -> dict:

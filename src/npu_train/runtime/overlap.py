@@ -35,6 +35,8 @@ def layer_modules(module) -> dict:
         mods["embed"] = module.model.embed_tokens
     if getattr(module, "has_head", False):
         mods["head"] = module.model.norm
+    elif getattr(module, "vocab", None) is not None:  # vocabulary-parallel: the V(m) waits itself (VocabWork)
+        mods["head"] = module.lm_head
     return mods
 
 

@@ -80,6 +80,9 @@ class TrainSpec:
     dpo_beta: float = 0.1
     dpo_loss: str = "sigmoid"
     dpo_label_smoothing: float = 0.0
+    #: ``parallel.vocab``: the output layer cut by vocabulary rows over the pipeline's cards
+    #: (:mod:`npu_train.pipeline.vocab`; each card's rows: :func:`~npu_train.pipeline.vocab.vocab_rows`)
+    vocab: bool = False
 
     def lora_spec(self):
         """The :class:`~npu_train.model.lora.LoraSpec` of a ``lora`` run (None for ``full``)."""

@@ -22,6 +22,11 @@ from npu_train.runtime.tied import TiedGradExchange, looked_up_rows
 log = logging.getLogger("npu_train.worker")
 
 
+#: gloo point-to-point tags of the output layer's rows sent to the head card at a save (vocabulary parallelism;
+#: runtime/tied.py uses 71 and 72)
+VOCAB_SAVE_TAG = 80
+
+
 class NonFiniteError(RuntimeError):
     """A nan/inf loss or grad norm with ``train.nonfinite=stop``, naming the step, stages and fix."""
 
@@ -82,6 +87,9 @@ class StageTrainer:
         self.tied = None  # TiedGradExchange on the first and last stage of a tied pair
         self.tied_name = "model.embed_tokens.weight" if self.first else "lm_head.weight"
         self.stage_group = None
+        #: vocabulary parallelism (train.vocab): the pipeline's exchange (pipeline/vocab.py) and this card's rows
+        self.vocab = bool(getattr(self.tr, "vocab", False))
+        self.vocab_ex = None
         #: phase family -> this card's peak memory in it, bytes (the backend's measure: cpu RssAnon + RssShmem)
         self.mem_phases: dict[str, int] = {}
 
@@ -250,6 +258,14 @@ class StageTrainer:
                         shape = tuple(self.params[self.tied_name].shape)
                         self.tied = TiedGradExchange(self.first, ranks[-1] if self.first else ranks[0], g, shape,
                                                      self.backend)
+        if self.vocab:  # one group per replica: its pipeline's cards (pipeline/vocab.py's collectives)
+            from npu_train.pipeline.vocab import GlooExchange
+
+            for k in range(self.dp):
+                ranks = [lay.rank(k, s) for s in range(self.P)]
+                g = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card))
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, self.backend)
             dist.barrier()  # every ring exists before anyone receives
@@ -259,8 +275,10 @@ class StageTrainer:
         from npu_train.checkpoint.store import CheckpointReader
 
         self.enter("resume")
+        from npu_train.runtime.stagebuild import vocab_rows_of
+
         resume_stage(CheckpointReader(self.spec.resume_dir), self.opt, self.params, self.owned, self.backend,
-                     self.stage)
+                     self.stage, rows=vocab_rows_of(self.spec), vocab_size=int(self.spec.model_cfg["vocab_size"]))
 
     def _load_data(self) -> None:
         """The packed data, the samplers (all replicas', for the loss divisor), the runner, the evaluation batches."""
@@ -283,8 +301,20 @@ class StageTrainer:
                                       dp_rank=k, dp_size=self.dp, pairs=self.pairs) for k in range(self.dp)]
         self.sampler = self.samplers[self.replica]
         self.runner = StageRunner(self.module, self.backend, self.P, self.stage, tr.schedule, self.comm,
-                                  hooks=self.hooks, objective=self.objective, moe=self._moe_routing())
+                                  hooks=self.hooks, objective=self.objective, moe=self._moe_routing(),
+                                  vocab=self._vocab_work())
         self._held_out(tr)
+
+    def _vocab_work(self):
+        """This card's :class:`~npu_train.pipeline.vocab.VocabWork` under vocabulary parallelism, else None."""
+        if not self.vocab:
+            return None
+        from npu_train.pipeline.vocab import VocabWork
+        from npu_train.runtime.stagebuild import vocab_rows_of
+
+        wait = (lambda: self.opt.wait_layer("head")) if "head" in self.opt.host_groups else None
+        return VocabWork(self.module.vocab_weight(), vocab_rows_of(self.spec)[0], self.vocab_ex,
+                         self.stage == self.head_card, before=wait)
 
     def _moe_routing(self):
         """A mixture-of-experts stage's :class:`~npu_train.pipeline.moeaux.StageRouting` (router statistics over
@@ -407,10 +437,11 @@ class StageTrainer:
             # the lm_head gradient leaves as soon as it is final, before the deferred layer W passes
             early = ([self.params[self.tied_name]], lambda: self.tied.send_dense(self.grad_buf(self.tied_name)))
         self.runner.trace = [] if self.spec.runtime.trace else None  # per-action timeline (runtime.trace)
-        if self.first or self.last:
+        targets = self.last or self.vocab  # vocabulary-parallel: every card takes its share of the loss
+        if self.first or targets:
             return self.runner.run_step(step, [x for x, _ in mbs] if self.first else None,
-                                        [y for _, y in mbs] if self.last else None,
-                                        total_tokens=self.global_tokens(step) if self.last else None, early=early,
+                                        [y for _, y in mbs] if targets else None,
+                                        total_tokens=self.global_tokens(step) if targets else None, early=early,
                                         positions=positions)
         return self.runner.run_middle(step, tr.accum, positions=positions)
 
@@ -528,7 +559,7 @@ class StageTrainer:
             self.module.eval()
             er = self.runner.run_eval(after_step, self.n_eval,
                                       [x for x, _ in self.eval_batches] if self.first else None,
-                                      self.eval_targets() if self.last else None,
+                                      self.eval_targets() if self.last or self.vocab else None,
                                       positions=self.eval_positions)
             self.module.train()
         red = torch.tensor([er["loss_sum"], float(er["n_tokens"]), float(er["n_units"])] + list(er["stats"]),
@@ -652,6 +683,8 @@ class StageTrainer:
                                              self.owners, self.replica, self.stage_ranks)
         else:
             tensors = self.opt.state_entries() if self.replica == 0 else []
+            if self.vocab and tensors:  # the head's rows of every card into one lm_head entry (the usual files)
+                tensors = self._vocab_gathered(tensors)
             check_memory(max((e.nbytes for e in tensors), default=0), f"checkpoint save of step {done}", fix)
         staging = tmp_dir(spec.ckpt_root, done, spec.job_id, owner_pid=spec.parent_pid)
         if self.replica != 0:
@@ -669,6 +702,42 @@ class StageTrainer:
             self.fault("checkpoint")
         self.ctrl.send("ckpt", step=done, staging=staging)
         return staging
+
+    def _vocab_gathered(self, tensors: list) -> list:
+        """Vocabulary parallelism's checkpoint: each card's rows of ``lm_head.weight`` (master, both moments) go to
+        the head card, which writes them as the one ``[V, H]`` entry a run without it writes; the other cards send
+        theirs (blocking, in that order) and write none. Returns the card's entries to write."""
+        import torch.distributed as dist
+
+        from npu_train.optim.entry import Entry
+        from npu_train.pipeline.vocab import vocab_rows
+
+        keys = [f"{k}.lm_head.weight" for k in ("master", "exp_avg", "exp_avg_sq")]
+        mine = {e.name: e for e in tensors if e.name in keys}
+        if not mine:  # LoRA: the frozen output layer has no state
+            return tensors
+        rest = [e for e in tensors if e.name not in keys]
+        lay = self.spec.layout
+        head = lay.rank(self.replica, self.head_card)
+        if self.stage != self.head_card:
+            for i, k in enumerate(keys):
+                dist.send(mine[k].get().float().contiguous(), dst=head, tag=VOCAB_SAVE_TAG + i)
+            return rest
+        V, H = int(self.spec.model_cfg["vocab_size"]), int(mine[keys[0]].shape[1])
+
+        def gather(i: int, k: str) -> torch.Tensor:
+            parts = []
+            for s in range(self.P):
+                a, b = vocab_rows(V, self.P, s)
+                if s == self.stage:
+                    parts.append(mine[k].get().float())
+                    continue
+                t = torch.empty((b - a, H), dtype=torch.float32)
+                dist.recv(t, src=lay.rank(self.replica, s), tag=VOCAB_SAVE_TAG + i)
+                parts.append(t)
+            return torch.cat(parts)
+
+        return rest + [Entry(k, torch.float32, (V, H), lambda i=i, k=k: gather(i, k)) for i, k in enumerate(keys)]
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> None:

@@ -1,0 +1,132 @@
+"""Vocabulary parallelism's joint action (pipeline/vocab.py) against the formulas: the output layer cut by rows
+over P cards (threads here, with an in-memory exchange), each computing its logits slice; the combined loss equals
+the summed next-token cross-entropy of the whole output layer, each card's weight gradient equals its rows of
+``dL/dW = dz^T x``, and the head's summed input gradient equals ``dz W``, at fp32 to 1e-6, with ignored targets."""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from npu_train.pipeline.vocab import vocab_rows, vocab_step
+
+
+class ThreadExchange:
+    """P threads' collectives in memory (each call: everyone posts, then everyone reads the combination)."""
+
+    def __init__(self, P: int, head: int, broken: bool = False):
+        self.P, self.head, self.broken = P, head, broken
+        self.bar = threading.Barrier(P)
+        self.slots = [None] * P
+        self.rank = threading.local()
+
+    def _combine(self, t: torch.Tensor, how) -> None:
+        r = self.rank.r
+        self.slots[r] = t.clone()
+        self.bar.wait()
+        out = how([s for s in self.slots])
+        self.bar.wait()
+        t.copy_(out)
+
+    def broadcast(self, t):
+        self._combine(t, lambda ts: ts[self.head])
+
+    def all_reduce_max(self, t):
+        self._combine(t, lambda ts: torch.stack(ts).amax(0))
+
+    def all_reduce_sum(self, t):
+        # broken on purpose: the first card's statistics left out of the sum
+        self._combine(t, lambda ts: torch.stack(ts[1:] if self.broken else ts).sum(0))
+
+    def reduce_sum(self, t):
+        r = self.rank.r
+        self._combine(t, lambda ts: torch.stack(ts).sum(0) if r == self.head else ts[r])
+
+
+def _reference(x, W, labels, divisor):
+    """Whole-vocabulary cross-entropy from its definition: ``sum_n (logsumexp(z_n) - z_{n, y_n}) / divisor`` over
+    the counted targets, and its gradients ``dz = (softmax(z) - onehot(y)) valid / divisor``."""
+    x = x.detach().double().reshape(-1, x.shape[-1])
+    z = x @ W.double().t()
+    y = labels.reshape(-1)
+    valid = y != -100
+    lse = torch.logsumexp(z, dim=1)
+    ys = torch.where(valid, y, torch.zeros_like(y))
+    loss = ((lse - z[torch.arange(len(y)), ys]) * valid).sum()
+    p = torch.softmax(z, dim=1)
+    p[torch.arange(len(y)), ys] -= 1.0
+    dz = p * valid.unsqueeze(1) / divisor
+    return loss, dz.t() @ x, dz @ W.double()
+
+
+def _run(P, head, x, W, labels, divisor, broken=False, frozen=False):
+    ex = ThreadExchange(P, head, broken)
+    b, S, H = x.shape
+    out, grads = [None] * P, [None] * P
+
+    def card(r):
+        ex.rank.r = r
+        a, e = vocab_rows(W.shape[0], P, r)
+        w = torch.nn.Parameter(W[a:e].clone(), requires_grad=not frozen)
+        out[r] = vocab_step(x if r == head else None, labels, w, a, divisor, ex, r == head, (b, S, H))
+        grads[r] = w.grad
+
+    th = [threading.Thread(target=card, args=(r,)) for r in range(P)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    return out, grads
+
+
+@pytest.mark.parametrize("P,head", [(2, 1), (3, 2), (3, 0)])
+def test_vocab_step_equals_the_whole_output_layer(P, head):
+    torch.manual_seed(0)
+    b, S, H, V = 2, 5, 8, 23  # V % P != 0: uneven slices
+    x = torch.randn(b, S, H)
+    W = torch.randn(V, H) * 0.5
+    labels = torch.randint(0, V, (b, S))
+    labels[0, :2] = -100
+    divisor = 17.0
+    loss, dW, dx = _reference(x, W, labels, divisor)
+    out, grads = _run(P, head, x, W, labels, divisor)
+    for r in range(P):
+        assert out[r].loss_sum == pytest.approx(float(loss), rel=1e-6)
+        a, e = vocab_rows(V, P, r)
+        torch.testing.assert_close(grads[r].double(), dW[a:e], rtol=1e-6, atol=1e-7)
+        assert (out[r].dx is None) == (r != head)
+    torch.testing.assert_close(out[head].dx.double().reshape(-1, H), dx, rtol=1e-6, atol=1e-7)
+
+
+def test_a_broken_reduction_fails():
+    """Broken on purpose: one card's sum of exponentials and target logit left out of the all-reduce."""
+    torch.manual_seed(1)
+    x, W = torch.randn(1, 4, 8), torch.randn(11, 8)
+    labels = torch.randint(0, 11, (1, 4))
+    loss, _, _ = _reference(x, W, labels, 4.0)
+    out, _ = _run(2, 1, x, W, labels, 4.0, broken=True)
+    assert abs(out[1].loss_sum - float(loss)) > 1e-3
+
+
+def test_frozen_output_layer_gets_no_weight_gradient():
+    """LoRA: the output layer is frozen; the cards still give the head its input gradient."""
+    torch.manual_seed(2)
+    x, W = torch.randn(1, 3, 4), torch.randn(9, 4)
+    labels = torch.randint(0, 9, (1, 3))
+    _, _, dx = _reference(x, W, labels, 3.0)
+    out, grads = _run(3, 2, x, W, labels, 3.0, frozen=True)
+    assert all(g is None for g in grads)
+    torch.testing.assert_close(out[2].dx.double().reshape(-1, 4), dx, rtol=1e-6, atol=1e-7)
+
+
+def test_vocab_rows_cut():
+    """V // P rows each, one more on the first V % P cards, covering 0..V-1 in order."""
+    for V in (7, 8, 23, 128256):
+        for P in range(1, 8):
+            cuts = [vocab_rows(V, P, r) for r in range(P)]
+            assert cuts[0][0] == 0 and cuts[-1][1] == V
+            assert all(cuts[r][1] == cuts[r + 1][0] for r in range(P - 1))
+            assert [e - a for a, e in cuts] == [V // P + (r < V % P) for r in range(P)]
+    with pytest.raises(ValueError):
+        vocab_rows(3, 4, 0)
