@@ -9,7 +9,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 
 #: the forms ``<model>`` takes, for the errors about a path that is none of them
@@ -111,10 +111,11 @@ def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet, 
     if kind == "checkpoint":
         from npu_train.checkpoint.export import export_hf
 
-        note("merging the checkpoint's shards into a temporary Hugging Face directory ...")
+        note("merging the checkpoint's shards into a temporary Hugging Face directory (fp32) ...")
         path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
-                         arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True, base=base)
+                         arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True, base=base, say=note)
     if kind == "gguf":
+        note(f"reading the weights of {path} into transformers (dequantised to fp32, CPU) and its tokenizer ...")
         m = _gguf_model(path)
         tok = PreTrainedTokenizerFast(tokenizer_object=load_tokenizer(path), **special_tokens(path))
     else:
@@ -135,10 +136,56 @@ def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet, 
     return m, tok
 
 
+class WordStreamer:
+    """transformers' ``streamer`` for :func:`generate`: the completion handed to ``on_text`` in pieces while it is
+    generated, a word at a time (a 135 M model on a loaded 2-core host writes a few tokens a second; the whole
+    reply used to come after a minute of silence).
+
+    Each new token re-decodes the completion so far (``skip_special_tokens``, as the returned text) and passes on
+    the text before its last whitespace that extends what was passed on: the last word can still change (a token
+    that continues it, an incomplete UTF-8 character as ``\ufffd``, a tokenizer's clean-up of a space before
+    punctuation). :meth:`finish` passes on the rest of the final text, so the pieces join to exactly the text
+    :func:`generate` returns. The first :meth:`put` (the prompt's ids) is skipped."""
+
+    def __init__(self, tok, on_text: Callable[[str], None]):
+        self.tok, self.on_text = tok, on_text
+        self.ids: list[int] = []
+        self.sent = ""  # the text passed on so far, a prefix of every later decode
+        self._prompt = True
+
+    def put(self, value) -> None:
+        """``value``: token ids, ``[1, n]`` (the prompt) or ``[1]`` / ``[1, 1]`` (one new token)."""
+        if self._prompt:
+            self._prompt = False
+            return
+        self.ids.extend(int(t) for t in value.reshape(-1).tolist())
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        cut = max(text.rfind(c) for c in " \n\t")
+        self._send(text[:cut] if cut > 0 else "")
+
+    def end(self) -> None:
+        """transformers' end of generation: nothing here (:meth:`finish` gets the final text)."""
+
+    def finish(self, text: str) -> bool:
+        """Pass on what ``text`` (the returned completion) adds to the pieces; False when the pieces are not a
+        prefix of it (not seen: each piece was a prefix of a later decode of the same ids)."""
+        if not text.startswith(self.sent):
+            return False
+        self._send(text)
+        return True
+
+    def _send(self, text: str) -> None:
+        if len(text) > len(self.sent) and text.startswith(self.sent):
+            piece, self.sent = text[len(self.sent):], text
+            self.on_text(piece)
+
+
 def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str] = None, max_new_tokens: int = 64,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0) -> str:
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+             on_text: Optional[Callable[[str], None]] = None) -> str:
     """The completion of ``prompt`` (decoded, prompt excluded). ``chat`` needs a chat template (ValueError);
-    ``temperature`` 0: greedy, else top-p sampling; stops at eos or ``max_new_tokens``."""
+    ``temperature`` 0: greedy, else top-p sampling; stops at eos or ``max_new_tokens``. ``on_text``: gets the
+    completion in pieces (words) while it is generated, which join to the returned text (:class:`WordStreamer`)."""
     import torch
 
     if chat:
@@ -159,9 +206,15 @@ def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str
         kw.update(do_sample=True, temperature=temperature, top_p=top_p)
     else:
         kw.update(do_sample=False)
+    streamer = WordStreamer(tok, on_text) if on_text is not None else None
+    if streamer is not None:
+        kw["streamer"] = streamer
     with torch.no_grad():
         out = model.generate(**ids, **kw)
-    return tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    text = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    if streamer is not None and not streamer.finish(text):
+        on_text("\n" + text)  # the pieces went astray: the whole text again on its own line
+    return text
 
 
 def main(argv=None) -> int:
@@ -197,16 +250,27 @@ def main(argv=None) -> int:
     def note(text: str) -> None:  # progress on stderr, folded at words to 100 columns; stdout: the completion
         print(fold_long_line(f"generate: [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr, flush=True)
 
+    shown = []  # the completion's pieces on stdout so far: it is written while it is generated
+
+    def show(piece: str) -> None:
+        shown.append(piece)
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
     try:
         with tempfile.TemporaryDirectory(prefix="npt-gen-") as wd:
             m, tok = load_for_generation(a.model, wd, note=note, base=a.base)
-            note(f"loaded; generating up to {a.max_new_tokens} tokens ...")
-            print(generate(m, tok, a.prompt, chat=not a.no_chat, system=a.system, max_new_tokens=a.max_new_tokens,
-                           temperature=a.temperature, top_p=a.top_p, seed=a.seed))
+            note(f"loaded; generating up to {a.max_new_tokens} tokens (the reply follows on stdout as it is "
+                 "written) ...")
+            generate(m, tok, a.prompt, chat=not a.no_chat, system=a.system, max_new_tokens=a.max_new_tokens,
+                     temperature=a.temperature, top_p=a.top_p, seed=a.seed, on_text=show)
+            print(flush=True)  # the completion's end of line: stdout holds the text and one newline, as before
     except (UserError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading or generating: one line, the temporary dir is gone
+        if shown:  # the partial reply's line ends first
+            print(flush=True)
         print("generate: interrupted", file=sys.stderr, flush=True)
         return 130
     return 0
