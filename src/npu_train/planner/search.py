@@ -5,7 +5,7 @@ from __future__ import annotations
 import numbers
 from bisect import bisect_right
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from npu_train.hardware import HOST_MEMORY_KINDS, KINDS, LAUNCHER_RESERVE_BYTES
 from npu_train.pipeline.schedule import SPLIT_BACKWARD
@@ -17,7 +17,7 @@ from npu_train.planner.spec import PlacementError, gib
 from npu_train.planner.table import card_label, over_capacity_message, state_bytes
 from npu_train.planner.threads import threads_per_card, usable_cores
 
-__all__ = ["SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan"]
+__all__ = ["PROGRESS", "SearchProgress", "SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan"]
 
 #: most schedule timelines :func:`fastest_split` evaluates (about 0.1 ms each for P = 8, M = 4)
 #: before it returns the best split found so far
@@ -25,6 +25,38 @@ MAX_TIMELINES = 20000
 #: most partial splits (search-tree nodes, a few microseconds each) :func:`fastest_split` visits before it
 #: returns the best split found so far
 MAX_NODES = 400000
+
+
+class SearchProgress:
+    """What the placement search is doing, for a caller that says so while it runs (an 8-card
+    ``train.schedule=auto`` plan makes dozens of plans and simulates tens of thousands of timelines: tens of
+    seconds on a loaded host). :func:`make_plan` counts each plan and names what it plans (:attr:`current`),
+    :func:`fastest_split` its timelines; each calls :attr:`listener` (no arguments), when set, at a new plan
+    and every :data:`TICK_TIMELINES` timelines. One writer (the search) and a listener in the same thread."""
+
+    def __init__(self) -> None:
+        self.plans, self.timelines, self.current = 0, 0, ""
+        self.listener: Optional[Callable[[], None]] = None
+
+    def tick(self) -> None:
+        if self.listener is not None:
+            self.listener()
+
+
+#: timelines between two :meth:`SearchProgress.tick` calls of :func:`fastest_split` (~0.1 ms each)
+TICK_TIMELINES = 256
+#: the placement search's progress (module-level: the search is reached through several callers)
+PROGRESS = SearchProgress()
+
+
+def shape_label(shape, dp: int = 1) -> str:
+    """What one plan is of, for :class:`SearchProgress`: ``zb-h2 + attention recompute, micro-batch 1 x 4``."""
+    what = shape.schedule
+    if shape.recompute:
+        what += " + recompute" + (" (fewest layers)" if shape.recompute_fewest else "")
+    if shape.recompute_attention:
+        what += " + attention recompute"
+    return what + (f", dp {dp}" if dp > 1 else "") + f", micro-batch {shape.micro_batch} x {shape.micro_batches}"
 
 
 @dataclass
@@ -199,6 +231,9 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
 
     def leaf(split: list[int], costs: list) -> None:
         evals[0] += 1
+        if not evals[0] % TICK_TIMELINES:
+            PROGRESS.timelines += TICK_TIMELINES
+            PROGRESS.tick()
         obj = max(t["total"] for t in pm.stage_times(split, costs))  # = CostModel.step_time
         if obj <= best[0] * (1 + tol):
             best[0] = min(best[0], obj)
@@ -374,6 +409,9 @@ def make_plan(req: PlanRequest) -> Plan:
             layers, a resident count above a card's layers, a bad ``split``.
         ValueError: an unknown card kind, ``dp < 1`` or ``zero`` not 0/1, a ``rates`` or ``memory_terms`` list
             of the wrong length, ``headroom`` outside [0, 1), an unknown ``resident_layers`` string."""
+    PROGRESS.plans += 1
+    PROGRESS.current = shape_label(req.shape, int(req.dp))
+    PROGRESS.tick()
     pm = _cost_model(req)
     split = _checked_split(req)
     if not isinstance(req.resident_layers, str):

@@ -17,7 +17,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Callable, Optional
 
 from npu_train.env import cache_dir, getenv, writable_cache_dir
 from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, raise_pending_signal
@@ -137,23 +137,24 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
             check_weights(model_path, mcfg)
     check_moe(cfg, mcfg)
     check_vocab(cfg, mcfg)
-    P, dp, zero = _layout_and_schedule(cfg, run_dir, mcfg, dtype, cards, plan_threads,
-                                       None if (cfg.plan or nodes is not None) else host_ram,
-                                       multinode=nodes is not None, elsewhere=elsewhere)
-    # A dry run plans for the target server, not this machine: its host RAM is not checked then
-    # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
-    req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
-                       host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram,
-                       multinode=nodes is not None, host_cores=P * dp if elsewhere else None,
-                       cards_per_host=max(node_counts))
-    shape = req.shape
-    resumed = None if req.split else _resumed_split(cfg, run_dir, P)
-    try:
-        plan = make_plan(replace(req, split=req.split or resumed))
-    except PlacementError:
-        if resumed is None:
-            raise
-        plan = make_plan(req)  # the checkpoint's split no longer fits
+    with search_heartbeat():
+        P, dp, zero = _layout_and_schedule(cfg, run_dir, mcfg, dtype, cards, plan_threads,
+                                           None if (cfg.plan or nodes is not None) else host_ram,
+                                           multinode=nodes is not None, elsewhere=elsewhere)
+        # A dry run plans for the target server, not this machine: its host RAM is not checked then
+        # (the table shows the host GiB the offloaded state needs). Multi-node: checked per node below.
+        req = plan_request(cfg, mcfg, dtype, cards[:P], threads=plan_threads, dp=dp, zero=zero,
+                           host_ram_bytes=None if (cfg.plan or nodes is not None) else host_ram,
+                           multinode=nodes is not None, host_cores=P * dp if elsewhere else None,
+                           cards_per_host=max(node_counts))
+        shape = req.shape
+        resumed = None if req.split else _resumed_split(cfg, run_dir, P)
+        try:
+            plan = make_plan(replace(req, split=req.split or resumed))
+        except PlacementError:
+            if resumed is None:
+                raise
+            plan = make_plan(req)  # the checkpoint's split no longer fits
     if not cfg.plan:  # a dry run plans for the target server, not this shell's limits
         check_address_space(plan)
     if any(c.kind == "furiosa" for c in cards):
@@ -191,6 +192,42 @@ def check_vocab(cfg, mcfg) -> None:
         raise ConfigError("parallel.vocab=true needs runtime.slots >= 2 (with one slot per boundary ring a card can "
                           "wait for a slot that frees only after the next joint vocabulary action): raise "
                           "runtime.slots or leave it unset")
+
+
+#: seconds between two ``plan: searching ...`` lines while the placement search runs (:func:`search_heartbeat`)
+SEARCH_HEARTBEAT_S = 10.0
+
+
+@contextlib.contextmanager
+def search_heartbeat(every: Optional[float] = None, out: Optional[Callable[[str], None]] = None):
+    """While the placement search runs, a line every ``every`` seconds (default :data:`SEARCH_HEARTBEAT_S`; 0:
+    at every plan and every :data:`~npu_train.planner.search.TICK_TIMELINES` timelines) to ``out`` (default:
+    stdout), folded at words to 100 columns: the seconds so far, the plans made and timelines simulated, what is
+    planned now (:data:`npu_train.planner.search.PROGRESS`). An 8-card ``train.schedule=auto`` plan took 21-138 s
+    on a loaded 2-core host with no line before its table."""
+    import time
+
+    from npu_train.metrics.report import fold_long_line
+    from npu_train.planner.search import PROGRESS
+
+    every = SEARCH_HEARTBEAT_S if every is None else float(every)
+    out = out or (lambda text: print(text, flush=True))
+    t0 = time.monotonic()
+    last, plans0, timelines0 = [t0], PROGRESS.plans, PROGRESS.timelines
+
+    def listen() -> None:
+        now = time.monotonic()
+        if now - last[0] < every:
+            return
+        last[0] = now
+        out(fold_long_line(f"plan: searching ({now - t0:.0f} s, {PROGRESS.plans - plans0} plan(s), "
+                           f"{PROGRESS.timelines - timelines0:,} timelines so far): {PROGRESS.current}"))
+
+    prev, PROGRESS.listener = PROGRESS.listener, listen
+    try:
+        yield
+    finally:
+        PROGRESS.listener = prev
 
 
 def check_moe(cfg, mcfg) -> None:
