@@ -19,7 +19,35 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 took
-pipi() { "$VENV/bin/python" -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "is ignored" || true; }
+# pip's own output (its progress bar is off in a pipe) becomes short lines, each at most 100 columns: what it
+# works on after each $NPT_SETUP_PROGRESS_S seconds (default 10; 0: every package), and every further
+# $NPT_SETUP_PROGRESS_S s of one long step (a download) "still ..." with the seconds; WARNING / ERROR lines whole
+progress() {
+  local every=${NPT_SETUP_PROGRESS_S:-10} last=$SECONDS line what="" n=0 rc
+  while true; do
+    if [ "$every" -gt 0 ]; then IFS= read -r -t "$every" line; rc=$?; else IFS= read -r line; rc=$?; fi
+    if [ $rc -gt 128 ]; then  # no line for $every s: one long step (a download, a build, unpacking)
+      [ -n "$what" ] && say "still $what"
+      continue
+    fi
+    [ $rc -eq 0 ] || [ -n "$line" ] || break
+    case "$line" in
+      *"is ignored"*) ;;
+      ERROR*|WARNING*|error:*) echo "$line" ;;
+      Collecting\ *) n=$((n + 1)); what="collecting ${line#Collecting }"; news ;;
+      *Downloading\ *) what="downloading ${line##*Downloading }"; news ;;
+      Building\ *|"Installing collected packages"*)
+        what="installing $n package(s)"; [ "${line%% *}" = Building ] && what="${line%% (*}"; news ;;
+    esac
+    [ $rc -eq 0 ] || break
+  done
+}
+# one line "setup:       <seconds in this phase> s: <text>" cut to 100 columns
+say() { local l; l=$(printf 'setup:       %3d s: %s' $((SECONDS - t)) "$1"); echo "${l:0:100}"; last=$SECONDS; }
+news() { [ $((SECONDS - last)) -ge "$every" ] && say "$what"; return 0; }
+pipi() {
+  "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 | progress || true
+}
 phase 2 "upgrading pip"
 pipi --upgrade pip
 took

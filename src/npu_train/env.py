@@ -1,7 +1,7 @@
 """Environment variables (prefix ``NPT_``) and the cache root: ``NPT_CACHE`` (default ``~/.cache/npu-train``;
 checked writable at launch: :func:`writable_cache_dir`),
-``NPT_FURIOSA_FUSION``; tests only: ``NPT_SHM_FREE_BYTES``, ``NPT_FAULT``; ``NPT_TORCH_SPEC`` for
-``scripts/setup.sh``. :data:`RUN_VARIABLES` are repeated before printed resume commands.
+``NPT_FURIOSA_FUSION``; tests only: ``NPT_SHM_FREE_BYTES``, ``NPT_FAULT``; ``NPT_TORCH_SPEC``,
+``NPT_VENV`` and ``NPT_SETUP_PROGRESS_S`` (seconds between its pip progress lines) for ``scripts/setup.sh``. :data:`RUN_VARIABLES` are repeated before printed resume commands.
 """
 from __future__ import annotations
 
