@@ -26,9 +26,15 @@ def test_row_ranges_cover_rows_within_the_limit():
 
 
 def test_chunk_transient_bytes_per_checkpoint_dtype():
-    # slice as stored + bool mask, + the fp32 cast and the upload's copy
-    assert chunk_transient_bytes("bf16", 4, max_elements=10) == 10 * (2 + 1 + 4 + 4)
-    assert chunk_transient_bytes("fp32", 2, upload_copy=False, max_elements=10) == 10 * (4 + 1 + 2)
+    # the slice as stored (s) + torch.isfinite's (x == x) * (x.abs() != inf): two bool masks, |x|, their product
+    s_bf16, s_fp32 = 2, 4
+    assert chunk_transient_bytes("bf16", 0, max_elements=10) == 10 * (s_bf16 + s_bf16 + 3)  # a cpu card: no cast
+    assert chunk_transient_bytes("fp16", 0, max_elements=10) == 10 * (2 + 2 + 3)
+    assert chunk_transient_bytes("fp32", 0, max_elements=10) == 10 * (s_fp32 + s_fp32 + 3)
+    assert chunk_transient_bytes("gguf", 0, max_elements=10) == 10 * 20  # measured, see _READ_BYTES
+    # a card outside host memory: + the cast to the compute dtype and the upload's copy
+    assert chunk_transient_bytes("bf16", 4, max_elements=10) == 10 * (7 + 4 + 4)
+    assert chunk_transient_bytes("fp32", 2, upload_copy=False, max_elements=10) == 10 * (11 + 2)
     with pytest.raises(ValueError, match="checkpoint dtype"):
         chunk_transient_bytes("int4", 4)
 

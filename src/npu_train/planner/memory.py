@@ -516,8 +516,8 @@ class MemoryModel:
           compute dtype); full fine-tuning reads fresh fp32 masters (4 B per parameter) unless the parameters are
           fp32 in host memory, their own masters (``load_stage_weights``: 0);
         - the transients, each counted in full (freed blocks stay resident in a cpu card's heap): one chunk's for
-          the checkpoint's dtype (``RunShape.checkpoint_dtype``: the slice read, its finite check, the cast and the
-          upload's copy) and, where the optimizer's masters are not the parameters the load filled, the upload copy
+          the checkpoint's dtype (``RunShape.checkpoint_dtype``: the slice read and its finite check; a cpu card
+          casts inside ``copy_`` and makes no upload copy, ``chunk_transient_bytes(..., 0)``) and, where the optimizer's masters are not the parameters the load filled, the upload copy
           of the largest trained tensor as it places them (4 B/element: ``StageOptimizer._place_masters`` uploads
           each initial value, a cpu upload a clone, then keeps a clone of it or copies it into the parameter).
           Full fine-tuning of fp32 parameters in host memory has none: the load filled the parameters, which are
@@ -529,7 +529,7 @@ class MemoryModel:
 
         own_masters = not self.adapter_params and self.dtype_bytes == 4 and self.cards[i].kind in HOST_MEMORY_KINDS
         initial = 0 if own_masters else 4 * p.trainable
-        transients = chunk_transient_bytes(self.shape.checkpoint_dtype, self.dtype_bytes) \
+        transients = chunk_transient_bytes(self.shape.checkpoint_dtype, 0) \
             + (0 if own_masters else 4 * self._largest_trained_param(i, n))
         return weights + self.optimizer_state(i, p) + initial + transients
 
