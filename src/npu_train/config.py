@@ -321,8 +321,9 @@ class ParallelConf:
     zero: int = 0
     #: vocabulary parallelism (Yeung et al. 2024): the output layer sharded by vocabulary over the pipeline's
     #: cards (pipeline/vocab.py; planner/spec.py RunShape.vocab_parallel); untied heads only
-    #: (docs/data-parallel.md).
-    vocab: bool = False
+    #: (docs/data-parallel.md). auto: planned with and without wherever the planner chooses (train.schedule=auto,
+    #: parallel.dp=auto, else the schedule given), kept when predicted 5 % faster; a resume keeps the checkpoint's.
+    vocab: Any = False
 
 
 @dataclass
@@ -656,9 +657,9 @@ def _check_parallel(par) -> None:
     if par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "
                           "sharded across the replicas)")
-    if par.vocab not in (True, False):
+    if par.vocab not in (True, False, "auto"):
         raise ConfigError(f"parallel.vocab={par.vocab!r}: use true (the output layer sharded by vocabulary over the "
-                          "pipeline's cards) or false")
+                          "pipeline's cards), false or auto")
     if par.zero == 1 and par.dp == 1:
         raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across "
                           "replicas): raise parallel.dp or use parallel.zero=0")

@@ -108,3 +108,29 @@ def test_vocab_parallel_refuses_a_tied_head(tiny_model, tmp_path):
     cfg = make_cfg(tiny_model, "backend=[cpu,cpu]", "parallel.vocab=true")
     with pytest.raises(ConfigError, match="ties its embedding and head"):
         prepare(cfg, str(tmp_path), probe=False)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "auto"])
+def test_vocab_auto_is_resolved_by_the_plan(tiny_model_untied, tmp_path, capsys, schedule):
+    """parallel.vocab=auto becomes true or false before any card process, as the plan chose, and says so."""
+    from npu_train.runtime.job import prepare
+
+    cfg = make_cfg(tiny_model_untied, "backend=[cpu,cpu]", "parallel.vocab=auto", f"train.schedule={schedule}",
+                   "plan=true")
+    prep = prepare(cfg, str(tmp_path), probe=False)
+    out = capsys.readouterr().out
+    assert cfg.parallel.vocab in (True, False)
+    assert prep.plan.shape.vocab_parallel == cfg.parallel.vocab
+    if schedule == "1f1b":
+        assert f"parallel.vocab=auto: {'true' if cfg.parallel.vocab else 'false'} (predicted step" in out
+    else:
+        assert ("vocabulary parallel" in out.split("\n")[0]) == cfg.parallel.vocab
+
+
+def test_vocab_auto_on_a_tied_head_is_false(tiny_model, tmp_path):
+    """parallel.vocab=auto where vocabulary parallelism is refused (a tied head) plans without it, no error."""
+    from npu_train.runtime.job import prepare
+
+    cfg = make_cfg(tiny_model, "backend=[cpu,cpu]", "parallel.vocab=auto", "train.schedule=1f1b", "plan=true")
+    prep = prepare(cfg, str(tmp_path), probe=False)
+    assert cfg.parallel.vocab is False and not prep.plan.shape.vocab_parallel

@@ -123,7 +123,7 @@ def test_a_faster_two_chunk_schedule_passed_over_is_named(monkeypatch, zbv_s, ma
     times = {"1f1b": 6.0, "zb": 5.0, "zb-h1": 4.86, "zb-h2": 5.2, "zbv": zbv_s, "interleaved": 4.95}
 
     def fake(req, s, recompute, core=True):
-        return SimpleNamespace(step_time_s=times[s], shape=SimpleNamespace(recompute_attention=False)), ""
+        return SimpleNamespace(step_time_s=times[s], shape=SimpleNamespace(recompute_attention=False, vocab_parallel=False)), ""
 
     monkeypatch.setattr(schedule_choice, "_try", fake)
     got = choose_schedule(_req(47.5))

@@ -56,8 +56,18 @@ class Option:
             return f"{self.layout.label()}: {self.why_not}"
         mem = max(st.mem["total"] for st in self.plan.stages)
         extra = " + recompute" if self.recompute else " + attention recompute" if self.recompute_attention else ""
+        extra += " + vocabulary parallel" if self.plan.shape.vocab_parallel else ""
         return (f"{self.layout.label()}, {self.schedule}{extra}: step "
                 f"{self.plan.step_time_s:.3g} s, {self.plan.tokens_per_s:,.0f} tokens/s, fullest card {gib(mem):.1f} GiB")
+
+
+def _plan_given(req: PlanRequest) -> tuple[Optional[Plan], str]:
+    """``(plan that fits, "")`` of ``req``, or ``(None, why not)``."""
+    try:
+        plan = make_plan(req)
+    except (PlacementError, ValueError) as e:
+        return None, str(e).split(";")[0]
+    return (plan, "") if plan.fits else (None, "does not fit")
 
 
 @dataclass
@@ -96,28 +106,28 @@ def layouts(n_cards: int, num_layers: int, global_batch: int, micro_batches=(1, 
 
 
 def choose_layout(candidates: list, request: Callable[[Layout], PlanRequest],
-                  schedule: str = "auto", recompute_attention="auto") -> LayoutChoice:
+                  schedule: str = "auto", recompute_attention="auto", vocab: bool = False) -> LayoutChoice:
     """Plan every layout of ``candidates`` (``request(layout)`` builds its request) with ``schedule`` (``auto``:
-    the fastest that fits, with ``recompute_attention`` as :func:`~npu_train.planner.schedule_choice.choose_schedule`
-    takes it) and return them fastest first (module docstring). Raises PlacementError naming the layouts tried
-    when none fits."""
-    from npu_train.planner.schedule_choice import choose_schedule
+    the fastest that fits, with ``recompute_attention`` and ``vocab`` as
+    :func:`~npu_train.planner.schedule_choice.choose_schedule` takes them; a given schedule: with ``vocab``, also
+    with vocabulary parallelism, :func:`~npu_train.planner.schedule_choice.with_vocab`) and return them fastest
+    first (module docstring). Raises PlacementError naming the layouts tried when none fits."""
+    from npu_train.planner.schedule_choice import choose_schedule, with_vocab
 
     opts = []
     for lay in candidates:
         req = request(lay)
         if schedule == "auto":
-            ch = choose_schedule(replace(req, strict=False), recompute_attention)
+            ch = choose_schedule(replace(req, strict=False), recompute_attention, vocab)
             ok = ch.plan is not None and ch.plan.fits
             opts.append(Option(lay, ch.schedule, ch.recompute, ch.plan if ok else None, "" if ok else "does not fit",
                                ch.recompute_attention))
             continue
-        try:
-            plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule)))
-            opts.append(Option(lay, schedule, bool(req.shape.recompute), plan if plan.fits else None,
-                               "" if plan.fits else "does not fit"))
-        except (PlacementError, ValueError) as e:
-            opts.append(Option(lay, schedule, bool(req.shape.recompute), None, str(e).split(";")[0]))
+        given = replace(req, shape=replace(req.shape, schedule=schedule))
+        plan, why = _plan_given(given)
+        if vocab:
+            plan, why = with_vocab(given, plan, why, _plan_given)
+        opts.append(Option(lay, schedule, bool(req.shape.recompute), plan, why))
     opts.sort(key=lambda o: (o.step_s, o.layout.dp, -o.layout.micro_batch))
     if not opts or opts[0].plan is None:
         raise PlacementError("parallel.dp=auto: no layout fits: " + "; ".join(o.summary() for o in opts[:6])

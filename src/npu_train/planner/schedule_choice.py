@@ -12,7 +12,9 @@ tried, and interleaved 1F1B with recompute (the zero-bubble schedules do not com
 Where a card's attention kernel keeps the ``[b, a, S, S]`` probabilities (``memory.ATTENTION`` eager: furiosa),
 every candidate is also planned with the attention core recomputed (``RunShape.recompute_attention``: the
 probabilities dropped, the core's forward FLOPs again in B), and the faster of the two plans that fit is the
-candidate's.
+candidate's. With ``vocab`` (``parallel.vocab=auto``) every candidate is also planned with vocabulary parallelism
+(``RunShape.vocab_parallel``), kept when it is predicted :data:`VOCAB_MARGIN` faster: the blocking exchange and the
+cards' synchronisation at each joint action are modelled from assumed rates, not measured on a card.
 """
 from __future__ import annotations
 
@@ -30,6 +32,8 @@ __all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule"]
 CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2", "zbv", "interleaved")
 #: how much shorter a two-chunk schedule's predicted step must be than the best one-chunk schedule's
 CHUNK_MARGIN = 0.05
+#: how much shorter a vocabulary-parallel plan's predicted step must be than the same schedule's without it
+VOCAB_MARGIN = 0.05
 #: the candidates when activation recompute is asked for (split-backward schedules do not recompute)
 RECOMPUTE_CANDIDATES = ("1f1b", "gpipe", "interleaved")
 
@@ -48,8 +52,20 @@ class ScheduleChoice:
 
 
 def _label(schedule: str, plan: Plan) -> str:
-    """``zbv`` or ``zbv + attention recompute`` (the plan's shape)."""
-    return schedule + (" + attention recompute" if plan is not None and plan.shape.recompute_attention else "")
+    """``zbv``, ``zbv + attention recompute``, ``+ vocabulary parallel`` (the plan's shape)."""
+    if plan is None:
+        return schedule
+    return (schedule + (" + attention recompute" if plan.shape.recompute_attention else "")
+            + (" + vocabulary parallel" if plan.shape.vocab_parallel else ""))
+
+
+def with_vocab(req: PlanRequest, plan: Optional[Plan], why: str, plan_fn) -> tuple[Optional[Plan], str]:
+    """``(plan, why)``, or the plan of ``req`` with vocabulary parallelism (``plan_fn(request)`` makes it: ``(plan or
+    None, why not)``) where that is predicted :data:`VOCAB_MARGIN` faster (or only it fits)."""
+    alt, _ = plan_fn(replace(req, shape=replace(req.shape, vocab_parallel=True)))
+    if alt is not None and (plan is None or alt.step_time_s < plan.step_time_s * (1.0 - VOCAB_MARGIN)):
+        return alt, ""
+    return plan, why
 
 
 def core_recompute_helps(req: PlanRequest) -> bool:
@@ -83,15 +99,18 @@ def _try_one(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional
     return (plan, "") if plan.fits else (None, "does not fit")
 
 
-def choose_schedule(req: PlanRequest, recompute_attention="auto") -> ScheduleChoice:
+def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = False) -> ScheduleChoice:
     """The fastest schedule whose plan fits (module docstring). When nothing fits, recompute included: the
     1F1B plan (``req.strict``: its PlacementError). ``recompute_attention``: ``auto`` (``train.recompute_attention``)
-    also plans each candidate with the attention core recomputed; else only ``req.shape``'s."""
+    also plans each candidate with the attention core recomputed; else only ``req.shape``'s. ``vocab``
+    (``parallel.vocab=auto``): each candidate also with vocabulary parallelism (:func:`with_vocab`)."""
     recompute = bool(req.shape.recompute)
     core = recompute_attention == "auto"
     tried = []
     for s in (RECOMPUTE_CANDIDATES if recompute else CANDIDATES):
         plan, why_not = _try(req, s, recompute, core)
+        if vocab:
+            plan, why_not = with_vocab(req, plan, why_not, lambda r, s=s: _try(r, s, recompute, core))
         tried.append((s, plan, why_not))
     fits = [(s, p) for s, p, _ in tried if p is not None]
     if fits:

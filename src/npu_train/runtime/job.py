@@ -170,28 +170,43 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
 
 
 def check_vocab(cfg, mcfg) -> None:
-    """Refuse ``parallel.vocab=true`` where it is not built (ConfigError naming the fix): a tied embedding and head
-    (its gradient slices would have to be summed with the embedding's), the DPO objective, the mixture-of-experts
-    load-balancing loss, ZeRO-1, and one-slot boundary rings (``simulate`` finds deadlocks there)."""
+    """Refuse ``parallel.vocab=true`` where it is not built (ConfigError naming the fix, :func:`vocab_refusal`);
+    ``parallel.vocab=auto`` there becomes false."""
+    from omegaconf import open_dict
+
     if not getattr(cfg.parallel, "vocab", False):
         return
-    if mcfg.tie_word_embeddings:
-        raise ConfigError("parallel.vocab=true shards an untied output layer over the cards; this model ties its "
-                          "embedding and head (tie_word_embeddings): use parallel.vocab=false")
-    if str(getattr(cfg.train, "objective", "sft")) == "dpo":
-        raise ConfigError("parallel.vocab=true computes the next-token cross-entropy only: use parallel.vocab=false "
-                          "with train.objective=dpo")
+    why = vocab_refusal(cfg, mcfg)
+    if why is None:
+        return
+    if cfg.parallel.vocab == "auto":
+        with open_dict(cfg):
+            cfg.parallel.vocab = False
+        return
+    raise ConfigError(why)
+
+
+def vocab_refusal(cfg, mcfg) -> Optional[str]:
+    """Why ``parallel.vocab=true`` cannot run ``cfg`` (the message, naming the fix), or None: a tied embedding and
+    head (its gradient slices would have to be summed with the embedding's), the DPO objective, the
+    mixture-of-experts load-balancing loss, ZeRO-1, and one-slot boundary rings (``simulate`` finds deadlocks)."""
     from npu_train.pipeline.moeaux import aux_loss_weight
 
+    if mcfg.tie_word_embeddings:
+        return ("parallel.vocab=true shards an untied output layer over the cards; this model ties its embedding and "
+                "head (tie_word_embeddings): use parallel.vocab=false")
+    if str(getattr(cfg.train, "objective", "sft")) == "dpo":
+        return ("parallel.vocab=true computes the next-token cross-entropy only: use parallel.vocab=false with "
+                "train.objective=dpo")
     if mcfg.is_moe and aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0:
-        raise ConfigError("parallel.vocab=true does not run with the mixture-of-experts load-balancing loss: use "
-                          "parallel.vocab=false or train.moe_aux_loss=0")
+        return ("parallel.vocab=true does not run with the mixture-of-experts load-balancing loss: use "
+                "parallel.vocab=false or train.moe_aux_loss=0")
     if int(cfg.parallel.zero) == 1:
-        raise ConfigError("parallel.vocab=true does not combine with parallel.zero=1 yet: use parallel.zero=0")
+        return "parallel.vocab=true does not combine with parallel.zero=1 yet: use parallel.zero=0"
     if cfg.runtime.slots is not None and int(cfg.runtime.slots) < 2:
-        raise ConfigError("parallel.vocab=true needs runtime.slots >= 2 (with one slot per boundary ring a card can "
-                          "wait for a slot that frees only after the next joint vocabulary action): raise "
-                          "runtime.slots or leave it unset")
+        return ("parallel.vocab=true needs runtime.slots >= 2 (with one slot per boundary ring a card can wait for a "
+                "slot that frees only after the next joint vocabulary action): raise runtime.slots or leave it unset")
+    return None
 
 
 #: seconds between two ``plan: searching ...`` lines while the placement search runs (:func:`search_heartbeat`)
@@ -286,7 +301,36 @@ def _layout_and_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threa
     if cfg.train.schedule == "auto":
         _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
                          multinode=multinode, host_cores=P * dp if elsewhere else None)
+    if cfg.parallel.vocab == "auto":  # the schedule given: planned with and without
+        _choose_vocab(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
+                      multinode=multinode, host_cores=P * dp if elsewhere else None)
     return P, dp, zero
+
+
+def _choose_vocab(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
+                  host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None) -> None:
+    """``parallel.vocab=auto`` with a given schedule: set ``parallel.vocab`` to whether the plan with vocabulary
+    parallelism is predicted :data:`~npu_train.planner.schedule_choice.VOCAB_MARGIN` faster, and say so; a resume
+    keeps the checkpoint's."""
+    from omegaconf import open_dict
+
+    from npu_train.planner.schedule_choice import VOCAB_MARGIN
+
+    saved = _resumed_train(cfg, run_dir)
+    if saved:
+        on, why = bool(saved.get("vocab", False)), "the resumed checkpoint's"
+    else:
+        from npu_train.planner import make_plan
+
+        req = replace(plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
+                                   multinode=multinode, host_cores=host_cores), strict=False)
+        off, with_v = (make_plan(replace(req, shape=replace(req.shape, vocab_parallel=v))) for v in (False, True))
+        on = with_v.fits and (not off.fits or with_v.step_time_s < off.step_time_s * (1.0 - VOCAB_MARGIN))
+        why = (f"predicted step {with_v.step_time_s:.3g} s with it, {off.step_time_s:.3g} s without; kept when "
+               f"{VOCAB_MARGIN * 100:.0f} % faster")
+    with open_dict(cfg):
+        cfg.parallel.vocab = on
+    print(f"parallel.vocab=auto: {'true' if on else 'false'} ({why})", flush=True)
 
 
 def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
@@ -304,6 +348,8 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
         with open_dict(cfg):
             cfg.parallel.dp = int(saved["parallel"]["dp"])
             cfg.train.micro_batch, cfg.train.accum = int(t["micro_batch"]), int(t["accum"])
+            if cfg.parallel.vocab == "auto":
+                cfg.parallel.vocab = bool(t.get("vocab", False))
         print(f"parallel.dp=auto: dp={cfg.parallel.dp}, micro-batch {cfg.train.micro_batch} x accum "
               f"{cfg.train.accum}, the resumed checkpoint's layout", flush=True)
         return
@@ -322,9 +368,11 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
                             zero=int(cfg.parallel.zero) if lay.dp > 1 else 0, host_ram_bytes=host_ram,
                             multinode=multinode, host_cores=len(cards) if elsewhere else None)
 
-    choice = choose_layout(cands, request, sched, cfg.train.recompute_attention)
+    choice = choose_layout(cands, request, sched, cfg.train.recompute_attention, cfg.parallel.vocab == "auto")
     o = choice.chosen
     with open_dict(cfg):
+        if cfg.parallel.vocab == "auto":
+            cfg.parallel.vocab = bool(o.plan is not None and o.plan.shape.vocab_parallel)
         cfg.parallel.dp = o.layout.dp
         if o.layout.dp == 1:
             cfg.parallel.zero = 0
@@ -360,13 +408,20 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
         which = saved.get("recompute_layers", cfg.train.recompute_layers)
         why = f"train.schedule=auto: {schedule}, the resumed checkpoint's"
+        if cfg.parallel.vocab == "auto":
+            with open_dict(cfg):
+                cfg.parallel.vocab = bool(saved.get("vocab", False))
     else:
         with open_dict(cfg):
             cfg.train.schedule = "1f1b"  # a valid RunShape; each candidate replaces it
         req = plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
                            multinode=multinode, host_cores=host_cores)
-        choice = choose_schedule(req, cfg.train.recompute_attention)
+        vocab = cfg.parallel.vocab == "auto"  # (the request's RunShape plans without it; choose_schedule both)
+        choice = choose_schedule(req, cfg.train.recompute_attention, vocab)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
+        if vocab:
+            with open_dict(cfg):
+                cfg.parallel.vocab = bool(choice.plan is not None and choice.plan.shape.vocab_parallel)
         core = choice.recompute_attention or cfg.train.recompute_attention is True
         which = "fewest" if choice.recompute_fewest else cfg.train.recompute_layers
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
@@ -611,7 +666,7 @@ def run_shape(cfg, mcfg, dtype: str):
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
                     checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg),
-                    vocab_parallel=bool(getattr(cfg.parallel, "vocab", False)))
+                    vocab_parallel=getattr(cfg.parallel, "vocab", False) is True)
 
 
 def _recompute_counts(tr) -> tuple:
@@ -662,7 +717,7 @@ def train_spec(cfg, dtype: str, mcfg=None) -> TrainSpec:
                      offload_update=tr.offload_update, save_checkpoints=bool(cfg.checkpoint.save),
                      objective=str(getattr(tr, "objective", "sft")), **_dpo_fields(cfg),
                      moe_aux_loss=aux_loss_weight(tr.moe_aux_loss, mcfg) if mcfg is not None else 0.0,
-                     vocab=bool(getattr(cfg.parallel, "vocab", False)))
+                     vocab=getattr(cfg.parallel, "vocab", False) is True)
 
 
 def _dpo_fields(cfg) -> dict:
