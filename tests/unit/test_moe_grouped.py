@@ -323,3 +323,33 @@ def test_sparse_block_stacks_its_experts():
     assert layout_ok(block)
     for n, p in block.named_parameters():
         assert p is params[n] and torch.equal(p, before[n])
+
+
+@pytest.mark.parametrize("dtype,limit,want", [(torch.bfloat16, None, {1}), (torch.bfloat16, 0, {2}),
+                                              (torch.float32, None, {2})])
+def test_small_widened_blocks_run_on_one_thread(monkeypatch, dtype, limit, want):
+    """bf16 widened to fp32: a block whose gate/up matmul is under ``SERIAL_FLOP`` runs its matmuls on one thread
+    (all blocks here), over it on all; fp32 matmuls always on all threads; the count is restored after."""
+    import npu_train.model.moe as moe
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    if limit is not None:
+        monkeypatch.setattr(moe, "SERIAL_FLOP", limit)
+    seen, mm, before = [], torch.mm, torch.get_num_threads()
+
+    def spy(*a, **k):
+        seen.append(torch.get_num_threads())
+        return mm(*a, **k)
+
+    xs = torch.randn(sum(COUNTS), H).to(dtype).requires_grad_()
+    ws = _stacked(len(COUNTS), dtype)
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(torch, "mm", spy)
+        y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
+        torch.autograd.grad(y.float().square().sum(), [xs, *ws], allow_unused=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert len(seen) == 6 * sum(1 for c in COUNTS if c) and set(seen) == want

@@ -20,6 +20,7 @@ matmul. Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -105,6 +106,13 @@ def _adjacent(g: torch.Tensor, u: torch.Tensor) -> Optional[torch.Tensor]:
     return g.as_strided((2 * g.shape[0], g.shape[1]), (g.shape[1], 1))
 
 
+#: FLOP of a widened block's gate/up matmul (``2 * rows * 2I * H``) under which the block runs on one thread
+#: (:meth:`_Operands.threads`): 2^29, 85 rows at Qwen3-30B-A3B's experts (H 2048, I 768), 2 at Mixtral-8x7B's.
+#: Qwen3-30B-A3B-shaped slice (32 experts, 16 rows each, bf16, 2 threads, load 6-7): 1.41 s per forward +
+#: backward against 3.42 s with every matmul on both threads (experiments/2026-12-06-moe.md)
+SERIAL_FLOP = 1 << 29
+
+
 class _Operands:
     """The per-expert tensors of :class:`GroupedSwiGlu` as its matmuls take them. ``tensors`` per block's expert
     in turn: ``(gate [I, H], up [I, H], down [H, I])`` weights (``lora`` False), else each projection's ``(weight,
@@ -122,6 +130,15 @@ class _Operands:
         self.dtype = tensors[0].dtype
         self.wide = self.dtype != mm
         self._bufs: dict = {}
+
+    def threads(self, rows: int):
+        """Context for one block of ``rows`` rows: one intra-op thread (:class:`_serial`) for a widened block whose
+        gate/up matmul is under :data:`SERIAL_FLOP` (its copies and matmuls as one serial run: a small matmul gains
+        little from a second thread and, on a host busier than its cores, waits a scheduler slice for it at every
+        call), else all threads."""
+        if self.wide and 4 * rows * self.inter * self.hidden < SERIAL_FLOP:
+            return _serial()
+        return contextlib.nullcontext()
 
     def index(self, j: int, proj: int, part: int = 0) -> int:
         """Position in ``tensors`` of ``part`` (0 weight, 1 ``lora_A``, 2 ``lora_B``) of projection ``proj`` (0 gate,
@@ -238,7 +255,8 @@ def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[
     gu = xm.new_empty(S, 2 * inter)
     ts = [xm.new_empty(S, ops.rank) for _ in range(3)] if ops.lora else []
     for j, a, b in _blocks(bounds):
-        _gate_up_forward(xm[a:b], ops, j, s, gu[a:b], [t[a:b] for t in ts])
+        with ops.threads(b - a):
+            _gate_up_forward(xm[a:b], ops, j, s, gu[a:b], [t[a:b] for t in ts])
     ops.release("gate_up")
     del xm
     if ops.wide:
@@ -251,9 +269,10 @@ def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[
     hm = h.to(ops.mm)
     ym = hm.new_empty(S, H)
     for j, a, b in _blocks(bounds):
-        torch.mm(hm[a:b], ops.down(j).t(), out=ym[a:b])
-        if ops.lora:
-            _adapter_forward(hm[a:b], ops, j, 2, s, ym[a:b], ts[2][a:b])
+        with ops.threads(b - a):
+            torch.mm(hm[a:b], ops.down(j).t(), out=ym[a:b])
+            if ops.lora:
+                _adapter_forward(hm[a:b], ops, j, 2, s, ym[a:b], ts[2][a:b])
     ops.release("down")
     del hm
     return ym.to(xs.dtype), (xs, g, u, act, h, *ts)
@@ -294,7 +313,8 @@ def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: lis
     dym, hm = dy.to(mm), h.to(mm)
     dhm = hm.new_empty(h.shape)
     for j, a, b in _blocks(bounds):
-        _down_backward(dym[a:b], hm[a:b], ops, j, s, dhm[a:b], ts[2][a:b] if ts else None, need, grads)
+        with ops.threads(b - a):
+            _down_backward(dym[a:b], hm[a:b], ops, j, s, dhm[a:b], ts[2][a:b] if ts else None, need, grads)
     ops.release("down", "grad_down")
     del dym, hm
     dh = dhm.to(h.dtype)
@@ -306,8 +326,9 @@ def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: lis
     xm = xs.to(mm)
     dxm = xm.new_empty(xs.shape) if needs[0] else None
     for j, a, b in _blocks(bounds):
-        _gate_up_backward(dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b],
-                          [t[a:b] for t in ts[:2]], need, grads)
+        with ops.threads(b - a):
+            _gate_up_backward(dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b],
+                              [t[a:b] for t in ts[:2]], need, grads)
     ops.release("gate_up", "grad_gate_up")
     del dgu, xm
     return (None if dxm is None else dxm.to(xs.dtype)), grads
