@@ -260,16 +260,38 @@ class CostModel:
 
     def _fewest_recomputed(self, i: int, n: int, r: int) -> tuple:
         """``(k, StageMemory)``: the fewest layers ``k`` of stage ``i`` (``n`` layers, ``r`` resident) recomputed
-        whole with which the card fits :meth:`limit` (``RunShape.recompute_fewest``); ``n`` when none does."""
+        whole with which the card fits :meth:`limit` (``RunShape.recompute_fewest``); ``n`` when none does.
+
+        By bisection over ``1..n``: from one recomputed layer on, each more replaces one layer's activations by its
+        input in every held micro-batch, so the card's memory does not grow with ``k`` (``k = 0`` holds no recomputed
+        layer's activations at a time, so it is tried first); should the count below the one found also fit, the
+        counts are tried one by one from 0, as before."""
         mm, base = self.memory, self.rates[i].process_baseline_bytes
         if self.shape.recompute_counts:  # given per card (train.recompute_layers=[...])
             return mm.recomputed(n, self.shape.recompute_counts[i]), None
         cap = self.limit(i)
-        for k in range(n + 1):
+
+        def fit(k: int) -> tuple:
             sm = mm.stage(i, n, r, base, k)
-            if self._zero_cut(i, sm.mem)[0]["total"] <= cap:
-                return k, sm
-        return n, sm
+            return self._zero_cut(i, sm.mem)[0]["total"] <= cap, sm
+
+        ok, sm = fit(0)
+        if ok or n == 0:
+            return (0, sm) if ok else (n, sm)
+        ok, sm = fit(n)
+        if not ok:
+            return n, sm
+        lo, hi, found = 1, n, sm
+        while lo < hi:
+            mid = (lo + hi) // 2
+            ok, got = fit(mid)
+            if ok:
+                hi, found = mid, got
+            else:
+                lo = mid + 1
+        if hi > 1 and fit(hi - 1)[0]:  # not monotone here: the first count that fits
+            return next((k, got) for k in range(1, hi) for ok, got in [fit(k)] if ok)
+        return hi, found
 
     def side_time(self, i: int, c: StageCost) -> tuple[float, float, float]:
         """(host optimizer, device optimizer, transfer + data-parallel communication) seconds per step."""

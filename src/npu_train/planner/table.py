@@ -389,7 +389,7 @@ def schedule_line(plan: Plan) -> str:
         per = "/".join(f"{st.time.get('vocab', 0.0):.2f}" for st in plan.stages)
         line += (f"; vocabulary-parallel output layer (parallel.vocab): each card's share of the head + the exchange "
                  f"{per} s a step")
-    if getattr(s, "recompute_fewest", False):
+    if s.recompute_fewest:
         line += (f"; layers recomputed whole per card {plan.recompute_counts_label} (train.recompute_layers=fewest: the fewest that fit;"
                  " the others keep their activations" + (", attention core recomputed" if s.recompute_attention
                                                           else "") + ")")
