@@ -79,7 +79,7 @@ def test_vocab_parallel_lora_matches_peft(tiny_model_untied, tmp_path):
 def test_vocab_parallel_eval_resume_and_checkpoint_files(tiny_model_untied, tmp_path):
     """The held-out loss equals the one without vocabulary parallelism; a run stopped after 2 steps and resumed
     (each card reading its rows of the whole output layer) equals the straight reference; the checkpoint holds the
-    same entries with the same shapes as a run without it."""
+    same entries with the same shapes as a run without it, and so does its export (files, tensors, shapes)."""
     ref_losses, ref_w = _ref(tiny_model_untied)
     ov = ("backend=[cpu,cpu]", "data.eval_batches=2", "train.schedule=1f1b")
     _, plain = run_pipeline(tiny_model_untied, str(tmp_path / "p"), *ov)
@@ -98,6 +98,27 @@ def test_vocab_parallel_eval_resume_and_checkpoint_files(tiny_model_untied, tmp_
     assert keys == sorted(plain.index)
     for k in keys:
         assert tuple(reader.get(k).shape) == tuple(plain.get(k).shape), k
+    # the exports: the same files, tensors and shapes; the weights the run's masters
+    import os
+
+    from safetensors import safe_open
+
+    from npu_train.checkpoint.export import export_hf
+
+    outs = [export_hf(r.path, str(tmp_path / f"export_{n}"), "fp32") for n, r in (("v", reader), ("p", plain))]
+    assert sorted(os.listdir(outs[0])) == sorted(os.listdir(outs[1]))
+    shapes = []
+    for out in outs:
+        got = {}
+        for fn in sorted(f for f in os.listdir(out) if f.endswith(".safetensors")):
+            with safe_open(os.path.join(out, fn), "pt") as f:
+                got.update({k: tuple(f.get_tensor(k).shape) for k in f.keys()})
+        shapes.append(got)
+    assert shapes[0] == shapes[1] and "lm_head.weight" in shapes[0]
+    for fn in (f for f in os.listdir(outs[0]) if f.endswith(".safetensors")):  # the gathered rows, exported whole
+        with safe_open(os.path.join(outs[0], fn), "pt") as f:
+            if "lm_head.weight" in f.keys():
+                assert rel_diff(f.get_tensor("lm_head.weight"), reader.get("master.lm_head.weight")) == 0.0
 
 
 def test_vocab_parallel_refuses_a_tied_head(tiny_model, tmp_path):
