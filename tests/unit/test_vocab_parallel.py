@@ -130,3 +130,28 @@ def test_vocab_rows_cut():
             assert [e - a for a, e in cuts] == [V // P + (r < V % P) for r in range(P)]
     with pytest.raises(ValueError):
         vocab_rows(3, 4, 0)
+
+
+def test_reported_model_flops_share_the_head_by_rows():
+    """The reporter's per-card model FLOPs: vocabulary-parallel, the head's 6 V H FLOPs per token are spread over
+    the cards by their rows (V // P, +1 on the first V % P); the job's total is unchanged."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from npu_train.model.presets import get_preset
+    from npu_train.planner import RunShape
+    from npu_train.runtime.flops import model_flops_per_rank
+
+    cfg = replace(get_preset("llama-3.2-1b"), num_layers=4, tie_word_embeddings=False, vocab_size=1003)
+    stages = [SimpleNamespace(num_layers=2, has_head=False), SimpleNamespace(num_layers=2, has_head=True)]
+    prep = SimpleNamespace(model_cfg=cfg, plan=SimpleNamespace(stages=stages), dp=2,
+                           shape=RunShape(seq_len=64, micro_batch=2, micro_batches=4))
+    plain = model_flops_per_rank(prep)
+    prep.shape = replace(prep.shape, vocab_parallel=True)
+    vp = model_flops_per_rank(prep)
+    tokens = 64 * 2 * 4
+    head = 6.0 * 1003 * cfg.hidden_size * tokens
+    assert sum(vp) == pytest.approx(sum(plain))
+    assert vp[0] - plain[0] == pytest.approx(head * 502 / 1003)
+    assert plain[1] - vp[1] == pytest.approx(head * (1 - 501 / 1003))
+    assert vp[2:] == vp[:2]  # the second replica

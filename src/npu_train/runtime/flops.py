@@ -15,11 +15,17 @@ __all__ = ["model_flops_per_rank", "predicted_peak", "predicted_mfu_line", "meas
 
 def model_flops_per_rank(prep) -> list[float]:
     """Model FLOPs of one optimizer step of every card of the job (global rank order: replica x stages),
-    from the plan's split and the run shape (``prep``: the launcher's ``Prepared``)."""
+    from the plan's split and the run shape (``prep``: the launcher's ``Prepared``); vocabulary-parallel, the
+    head's FLOPs shared by the cards in proportion to their rows of it."""
     sh = prep.shape
     tokens = sh.tokens_per_micro_batch * sh.micro_batches
-    per_stage = [stage_flops_per_step(prep.model_cfg, s.num_layers, s.has_head, sh.seq_len, tokens,
+    vocab = sh.vocab_parallel  # the head's FLOPs on every card, by its rows (pipeline/vocab.py::vocab_rows)
+    per_stage = [stage_flops_per_step(prep.model_cfg, s.num_layers, s.has_head and not vocab, sh.seq_len, tokens,
                                       sh.active_adapter_params) for s in prep.plan.stages]
+    if vocab:
+        V, P = prep.model_cfg.vocab_size, len(per_stage)
+        head = stage_flops_per_step(prep.model_cfg, 0, True, sh.seq_len, tokens, sh.active_adapter_params)
+        per_stage = [f + head * (V // P + (1 if i < V % P else 0)) / V for i, f in enumerate(per_stage)]
     return per_stage * int(prep.dp)
 
 
