@@ -353,3 +353,38 @@ def test_small_widened_blocks_run_on_one_thread(monkeypatch, dtype, limit, want)
     finally:
         torch.set_num_threads(before)
     assert len(seen) == 6 * sum(1 for c in COUNTS if c) and set(seen) == want
+
+
+def test_lora_adapter_products_run_on_one_thread(monkeypatch):
+    """fp32 LoRA experts with 2 threads: every product with a rank-``r`` operand (``x A^T``, ``t B^T``, ``dy B``,
+    ``q A`` and the adapter gradients) runs on one thread, the base weights' matmuls on both."""
+    r, seen, mm, addmm_, before = 7, [], torch.mm, torch.Tensor.addmm_, torch.get_num_threads()
+
+    def note(ts):
+        seen.append((any(r in t.shape for t in ts if isinstance(t, torch.Tensor)), torch.get_num_threads()))
+
+    def spy_mm(*a, **k):
+        note(a)
+        return mm(*a, **k)
+
+    def spy_addmm(t, *a, **k):
+        note(a)
+        return addmm_(t, *a, **k)
+
+    gen = torch.Generator().manual_seed(8)
+    base = [w.detach() for w in _stacked(len(COUNTS), torch.float32)]
+    tensors = [t for w in base for t in (w, torch.randn(r, w.shape[1], generator=gen).requires_grad_(),
+                                         torch.randn(w.shape[0], r, generator=gen).requires_grad_())]
+    xs = torch.randn(sum(COUNTS), H, generator=gen).requires_grad_()
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(torch, "mm", spy_mm)
+        monkeypatch.setattr(torch.Tensor, "addmm_", spy_addmm)
+        y = GroupedSwiGlu.apply(xs, COUNTS, 0.5, *tensors)
+        torch.autograd.grad(y.square().sum(), [xs] + [t for t in tensors if t.requires_grad], allow_unused=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    hit = sum(1 for c in COUNTS if c)
+    assert sorted(t for a, t in seen if a) == [1] * 18 * hit  # 2 forward + 4 backward per projection
+    assert set(t for a, t in seen if not a) == {2} and len([a for a, _ in seen if not a]) == 4 * hit  # W frozen

@@ -296,10 +296,11 @@ def _gate_up_forward(x: torch.Tensor, ops: _Operands, j: int, s: Optional[float]
 
 def _adapter_forward(x: torch.Tensor, ops: _Operands, j: int, p: int, s: float, out: torch.Tensor,
                      t: torch.Tensor) -> None:
-    """``t = x A^T``, ``out += s t B^T`` for projection ``p`` of block ``j``."""
-    a, b = ops.adapter(j, p)
-    torch.mm(x, a.t(), out=t)
-    out.addmm_(t, b.t(), alpha=s)
+    """``t = x A^T``, ``out += s t B^T`` for projection ``p`` of block ``j``, on one thread (as :func:`_adapter_backward`)."""
+    with _serial():
+        a, b = ops.adapter(j, p)
+        torch.mm(x, a.t(), out=t)
+        out.addmm_(t, b.t(), alpha=s)
 
 
 def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
@@ -367,16 +368,19 @@ def _gate_up_backward(dgu: torch.Tensor, x: torch.Tensor, ops: _Operands, j: int
 def _adapter_backward(dy: torch.Tensor, x: torch.Tensor, ops: _Operands, j: int, p: int, s: float,
                       dx: Optional[torch.Tensor], t: torch.Tensor, need: tuple, grads: list) -> None:
     """LoRA part of projection ``p``'s backward: ``dx += s (dy B) A``, ``dA = s (dy B)^T x``, ``dB = s dy^T t``
-    (``t = x A^T`` saved), the gradients in the adapters' dtype."""
-    a, b = ops.adapter(j, p)
-    ka, kb = ops.index(j, p, 1), ops.index(j, p, 2)
-    q = torch.mm(dy, b)
-    if dx is not None:
-        dx.addmm_(q, a, alpha=s)
-    if need[ka]:
-        grads[ka] = torch.mm(q.t(), x).mul_(s).to(ops.t[ka].dtype)
-    if need[kb]:
-        grads[kb] = torch.mm(dy.t(), t).mul_(s).to(ops.t[kb].dtype)
+    (``t = x A^T`` saved), the gradients in the adapters' dtype. On one thread: rank-``r`` products (``r`` of 8-64
+    against widths of hundreds to thousands) gain nothing from a second thread and, as parallel regions, wait a
+    scheduler slice each on a host busier than its cores (6 per expert and projection)."""
+    with _serial():
+        a, b = ops.adapter(j, p)
+        ka, kb = ops.index(j, p, 1), ops.index(j, p, 2)
+        q = torch.mm(dy, b)
+        if dx is not None:
+            dx.addmm_(q, a, alpha=s)
+        if need[ka]:
+            grads[ka] = torch.mm(q.t(), x).mul_(s).to(ops.t[ka].dtype)
+        if need[kb]:
+            grads[kb] = torch.mm(dy.t(), t).mul_(s).to(ops.t[kb].dtype)
 
 
 class _serial:
