@@ -46,6 +46,16 @@ def test_vocab_parallel_matches_reference(tiny_model_untied, tmp_path, P, schedu
         assert json.load(f)["shape"]["vocab_parallel"] is True
 
 
+@pytest.mark.parametrize("extra", [("train.schedule=interleaved", "train.resident_layers=0"),
+                                   ("train.schedule=1f1b", "train.recompute=true")])
+def test_vocab_parallel_offloaded_interleaved_and_recompute(tiny_model_untied, tmp_path, extra):
+    """Interleaved 1F1B (the head on the last card's second chunk) with every layer offloaded, so each card's rows of
+    the output layer are updated on the host (its V(m) waits for that update), and 1F1B with activation recompute."""
+    ref_losses, ref_w = _ref(tiny_model_untied)
+    losses, reader = run_pipeline(tiny_model_untied, str(tmp_path), "backend=[cpu,cpu]", "parallel.vocab=true", *extra)
+    _check(losses, reader, ref_losses, ref_w)
+
+
 def test_vocab_parallel_dp2(tiny_model_untied, tmp_path):
     """dp = 2 replicas of a 2-card pipeline, each cutting its output layer over its own cards: the reference of
     the global batch (accumulation 8)."""
