@@ -16,6 +16,11 @@ for every micro-batch's activations and gradients; returning it bounds the proce
 After the model load a card process calls :func:`release_freed_memory` (glibc ``malloc_trim(0)``): what the load
 freed (the read chunks, a resume's tensors) leaves the process instead of staying in the heap's holes for the
 whole run, which no step reuses (issue 43: 2.2-2.5 GiB stayed on a LoRA card that loaded a bf16 checkpoint).
+
+During the steps a ``cpu`` card that keeps freed memory runs a :class:`HeapGuard`: at every decoder layer's forward
+and backward it reads its heap's holes (anonymous RSS - glibc's live bytes, ``mallinfo2``) and returns the free
+pages (``malloc_trim``) when they exceed the plan's cap (``MemoryModel.heap_cap``), so the heap term is a bound
+the card keeps, not a guess of how glibc's best fit cuts the freed activations (issue 43).
 """
 from __future__ import annotations
 
@@ -23,10 +28,11 @@ import ctypes
 import logging
 import os
 import sys
+import time
 from typing import Optional
 
 __all__ = ["keep_freed_memory", "release_freed_memory", "card_mmap_threshold", "user_malloc_settings", "MMAP_THRESHOLD", "CPU_CARD_MMAP_THRESHOLD",
-           "TRIM_THRESHOLD", "USER_ENV"]
+           "TRIM_THRESHOLD", "USER_ENV", "HeapGuard", "heap_guard_available"]
 
 log = logging.getLogger("npu_train.hostmem")
 
@@ -116,3 +122,115 @@ def release_freed_memory() -> bool:
     trim.argtypes = (ctypes.c_size_t,)
     trim.restype = ctypes.c_int
     return trim(0) == 1
+
+
+class _MallInfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc >= 2.33, ``man 3 mallinfo``): ``size_t`` fields, all arenas summed."""
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                                                "uordblks", "fordblks", "keepcost")]
+
+
+def _mallinfo2():
+    """glibc's ``mallinfo2`` with its return type set, or None (off glibc, or glibc < 2.33)."""
+    libc = _glibc()
+    if libc is None:
+        return None
+    try:
+        fn = libc.mallinfo2
+        libc.malloc_trim  # noqa: B018 (AttributeError without it)
+    except AttributeError:
+        return None
+    fn.restype = _MallInfo2
+    return fn
+
+
+def heap_guard_available() -> bool:
+    """Whether a card process here can run a :class:`HeapGuard` (glibc >= 2.33: ``mallinfo2`` and
+    ``malloc_trim``); where not, the plan counts the heap's holes unguarded (``MemoryModel.hole_churn``)."""
+    return _mallinfo2() is not None
+
+
+class HeapGuard:
+    """Keeps a cpu card's heap holes (freed memory the heap keeps resident) at most ``cap_bytes`` at each full
+    :meth:`check`: past it, the free pages go back to the OS (``malloc_trim(0)``: every free chunk's whole
+    pages, in every arena; they fault in again when reused). A check reads the anonymous RSS (0.02 ms) and is full
+    only when the RSS grew by ``slack_bytes`` or more since the last full one (``mallinfo2`` walks every free
+    chunk: 0.3 ms with 4,400 of them); so at every check the RSS is at most live + ``cap_bytes`` + ``slack_bytes``,
+    the live bytes those of the last full check or more.
+
+    Holes = anonymous RSS (``/proc/self/statm``: resident - shared pages) - live malloc bytes (``mallinfo2``:
+    ``uordblks + hblkhd``) - the same difference when :meth:`arm` was called (memory outside malloc: the
+    interpreter's own arenas, thread stacks; measured right after a trim, so about no holes then). Live blocks
+    whose pages were never written count as holes the other way (less RSS): allocated after :meth:`arm` and not
+    yet written, they hide that many bytes of holes until written.
+
+    Between two checks the holes grow by at most the bytes freed in between (a freed block can only be resident
+    if it was written; allocating from a free chunk only shrinks the holes), so with a check before each decoder
+    layer's forward and backward the card's RSS stays within live + ``cap_bytes`` + ``slack_bytes`` + one layer's
+    freed bytes (``MemoryModel.heap_cap`` and ``hole_churn``). ``checks``, ``full``, ``trims``, ``released`` (bytes of
+    holes at the trims)
+    and ``seconds`` (spent in :meth:`check`) say what it cost. Raises RuntimeError from :meth:`create` off glibc
+    >= 2.33 (use :func:`heap_guard_available`)."""
+
+    def __init__(self, cap_bytes: int, mallinfo2, trim, slack_bytes: int = 0) -> None:
+        self.cap, self.slack = int(cap_bytes), int(slack_bytes)
+        self._full_at = 0  # the anonymous RSS at the last full check
+        self._mallinfo2, self._trim = mallinfo2, trim
+        self._page = os.sysconf("SC_PAGE_SIZE")
+        self.offset = 0
+        self.checks = self.full = self.trims = self.released = 0
+        self.seconds = 0.0
+
+    @classmethod
+    def create(cls, cap_bytes: int, slack_bytes: int = 0) -> "HeapGuard":
+        """A guard with cap ``cap_bytes`` and slack ``slack_bytes`` (both >= 0), armed (:meth:`arm`)."""
+        if cap_bytes < 0 or slack_bytes < 0:
+            raise ValueError(f"cap_bytes={cap_bytes}, slack_bytes={slack_bytes}: use byte counts >= 0")
+        fn = _mallinfo2()
+        if fn is None:
+            raise RuntimeError("HeapGuard needs glibc >= 2.33 (mallinfo2, malloc_trim): check heap_guard_available()")
+        g = cls(cap_bytes, fn, release_freed_memory, slack_bytes)
+        g.arm()
+        return g
+
+    def _anon(self) -> int:
+        with open("/proc/self/statm", "rb") as f:
+            v = f.read().split()
+        return (int(v[1]) - int(v[2])) * self._page
+
+    def _live(self) -> int:
+        m = self._mallinfo2()
+        return int(m.uordblks + m.hblkhd)
+
+    def arm(self) -> None:
+        """Return the free pages now and take what stays outside malloc's live bytes as no holes."""
+        self._trim()
+        self._full_at = self._anon()
+        self.offset = self._full_at - self._live()
+
+    def holes(self) -> int:
+        """Bytes of holes now (see the class docstring), may be slightly negative."""
+        return self._anon() - self._live() - self.offset
+
+    def check(self, *_args) -> None:
+        """Where the RSS grew by the slack or more since the last full check: trim when :meth:`holes` exceed the
+        cap. The arguments are ignored (a tensor hook's gradient)."""
+        t0 = time.perf_counter()
+        self.checks += 1
+        anon = self._anon()
+        if anon - self._full_at >= self.slack:
+            self.full += 1
+            h = anon - self._live() - self.offset
+            if h > self.cap:
+                self._trim()
+                self.trims += 1
+                self.released += h
+                anon = self._anon()
+            self._full_at = anon
+        self.seconds += time.perf_counter() - t0
+
+    def summary(self) -> str:
+        """``heap guard: cap X GiB, N checks (F full) in T s, K trims (holes at the trims Y GiB)``."""
+        return (f"heap guard: cap {self.cap / 2**30:.2f} GiB, {self.checks} checks ({self.full} full) in "
+                f"{self.seconds:.2f} s, "
+                f"{self.trims} trims (holes at the trims {self.released / 2**30:.2f} GiB)")

@@ -126,3 +126,59 @@ def test_cpu_card_returns_freed_tensors():
     assert cpu_rc["freed"] >= 120 << 20, cpu_rc  # likewise under recompute
     assert furiosa["freed"] < 8 << 20, furiosa  # kept on the heap for reuse (the accelerators' host side)
     assert cpu_keep["freed"] < 8 << 20, cpu_keep  # likewise on a cpu card by default
+
+
+#: a stage's pattern: 4 MiB "activations" with a 4 KiB live block ("a gradient") after each; the big ones freed
+#: stay as 128 MiB of holes (the live blocks keep them from the heap's top). Then 16 of them allocated again, written
+#: and freed: 64 MiB freed after the guard's check.
+GUARD_PROG = r"""
+import json, sys, torch
+from npu_train.hostmem import HeapGuard, keep_freed_memory
+keep_freed_memory()
+guard = HeapGuard.create(int(sys.argv[1]))
+xs = []
+for _ in range(32):
+    xs.append(torch.ones(1 << 20))
+    xs.append(torch.ones(1024))
+small = xs[1::2]
+del xs
+before = guard.holes()
+guard.check()
+after = guard.holes()
+ys = [torch.ones(1 << 20) for _ in range(16)]
+del ys
+print(json.dumps({"before": before, "after": after, "refreed": guard.holes(), "trims": guard.trims,
+                  "checks": guard.checks}))
+"""
+
+
+def _guard(cap: int) -> dict:
+    e = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
+    out = subprocess.run([sys.executable, "-c", GUARD_PROG, str(cap)], env=e, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@glibc
+def test_heap_guard_returns_holes_past_its_cap():
+    """``HeapGuard.check`` trims when the holes (anonymous RSS - live malloc bytes, from its arming) exceed the cap:
+    128 MiB of freed 4 MiB blocks pinned by live 4 KiB ones are holes; cap 0 returns them (a page per free chunk may
+    stay), a 1 GiB cap keeps them. After the trim, holes grow by at most the bytes freed since (64 MiB)."""
+    from npu_train.hostmem import heap_guard_available
+
+    assert heap_guard_available()
+    MiB = 1 << 20
+    trimmed, kept = _guard(0), _guard(1 << 30)
+    for g in (trimmed, kept):
+        assert 120 * MiB <= g["before"] <= 136 * MiB, g
+        assert g["checks"] == 1
+    assert trimmed["trims"] == 1 and trimmed["after"] < 4 * MiB, trimmed
+    assert kept["trims"] == 0 and kept["after"] >= 120 * MiB, kept
+    assert trimmed["refreed"] - trimmed["after"] <= 64 * MiB + 2 * MiB, trimmed
+
+
+def test_heap_guard_cap_is_checked():
+    from npu_train.hostmem import HeapGuard
+
+    with pytest.raises(ValueError, match="cap_bytes=-1"):
+        HeapGuard.create(-1)

@@ -131,67 +131,105 @@ def test_packed_rows_add_one_mask_per_micro_batch_in_flight(dtype, e):
 
 
 def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
-    """A cpu card keeping freed memory (the default) adds ``heap_fraction`` (1.0) x the churn (the layers'
-    activations in flight: ``MemoryModel.hole_churn``) to its
+    """A cpu card keeping freed memory (the default) adds ``heap_fraction`` (1.0) x the churn
+    (``MemoryModel.hole_churn``: with its heap guard, one micro-batch's layer activations + 2.5 layers' + 32 MiB) to its
     workspace; with ``runtime.keep_host_memory=false`` it returns each freed block from 256 KiB to the OS and its
     workspace is 4 % of the body alone."""
+    from npu_train.planner.memory import activation_bytes_per_layer
+
     kept, returned = (load_memory_terms("cpu", tmp_path / "none.json", reuse_freed_memory=keep) for keep in (True, False))
     assert kept.heap_fraction == DEFAULT_MEMORY_TERMS["cpu"].heap_fraction == 1.0 and returned.heap_fraction == 0.0
     assert "keep_host_memory=false" in returned.sources["heap_fraction"]
     cards = make_cards("cpu", 2, 1 << 40)
-    # LoRA, stage 0: the adapters' accumulation temporary is far smaller than a micro-batch's activations, so
-    # the churn is the activations alone
     lora = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32", lora_params_per_layer=34560)
     a, b = (MemoryModel(get_preset("smollm2-135m"), lora, cards, None, [t, t]).stage(0, 15, 15, 0).mem
             for t in (kept, returned))
     body = sum(b[k] for k in TERMS[1:6])
+    per_layer = activation_bytes_per_layer(get_preset("smollm2-135m"), lora, "sdpa")
     assert b["workspace"] == int(0.04 * body) and b["heap"] == 0
-    assert a["heap"] == a["activations"] > 0
-    assert a["workspace"] == int(0.04 * body + a["activations"])
+    assert a["heap"] == 15 * per_layer + per_layer // 2 + 2 * per_layer + 32 * 2**20
+    assert a["workspace"] == int(0.04 * body + a["heap"])
     assert a["total"] - b["total"] == a["workspace"] - b["workspace"] == a["heap"]
     # activation recompute: the cpu card returns freed memory (hostmem.card_mmap_threshold), no heap term
     rc = MemoryModel(get_preset("smollm2-135m"), RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32",
                                                           lora_params_per_layer=34560, recompute=True),
                      cards, None, [kept, kept]).stage(0, 15, 15, 0).mem
     assert rc["heap"] == 0 and rc["workspace"] == int(0.04 * sum(rc[k] for k in TERMS[1:6]))
-    # full fine-tuning, stage 0 (no head): at least the activations, at most activations + transient (no held
-    # buffers, no optimizer phase)
-    full = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32")
-    m = MemoryModel(get_preset("smollm2-135m"), full, cards, None, [kept, kept]).stage(0, 15, 15, 0).mem
-    assert m["activations"] <= m["heap"] <= m["activations"] + m["transient"], m
 
 
-def test_heap_holes_are_the_layers_freed_activations():
-    """``mem["heap"]`` of a cpu card keeping freed memory, from the formula (``MemoryModel.hole_churn``):
-    ``k * n * a`` (k micro-batches in flight, n layers, ``a`` = :func:`activation_bytes_per_layer` with sdpa), LoRA
-    or full, whatever the gradients; the head's ``[tokens, vocab]`` blocks and its saved log-probabilities are not
-    holes; 0 under recompute. One micro-batch per step (M = 1: no accumulation temporary)."""
+def _heap(cfg, i, n, terms=None, **kw):
+    """``(mem["heap"], StageMemory.heap_cap, one layer's activations (sdpa), mem)`` of cpu card ``i`` of 2 with ``n``
+    layers, S = 256, b = 2."""
     from npu_train.planner.memory import activation_bytes_per_layer
 
-    cfg, cards = get_preset("smollm2-135m"), make_cards("cpu", 2, 1 << 40)
-    terms = [DEFAULT_MEMORY_TERMS["cpu"]] * 2
-    n = 15
+    shape = RunShape(seq_len=256, micro_batch=2, **kw)
+    terms = terms or [DEFAULT_MEMORY_TERMS["cpu"]] * 2
+    sm = MemoryModel(cfg, shape, make_cards("cpu", 2, 1 << 40), None, terms).stage(i, n, n, 0)
+    return sm.mem["heap"], sm.heap_cap, activation_bytes_per_layer(cfg, shape, "sdpa"), sm.mem
 
-    def heap(i, **kw):
-        shape = RunShape(seq_len=256, micro_batch=2, micro_batches=1, schedule="1f1b", **kw)
-        mem = MemoryModel(cfg, shape, cards, None, terms).stage(i, n, n, 0).mem
-        return mem["heap"], activation_bytes_per_layer(cfg, shape, "sdpa"), mem
 
-    # 1F1B, P = 2, M = 1: one micro-batch in flight on each card
+@pytest.mark.parametrize("schedule,M", [("1f1b", 1), ("1f1b", 8), ("zb-h2", 8), ("gpipe", 8), ("zbv", 8)])
+def test_guarded_heap_holes_are_one_micro_batch_and_a_few_layers(schedule, M):
+    """With the heap guard (the default on Linux) a cpu card's holes are at most its cap, one micro-batch's saved
+    activations of its ``n`` layers (``n a``, ``a`` = :func:`activation_bytes_per_layer` with sdpa), + the guard's
+    slack ``a / 2`` (RSS growth between two reads of the live bytes) + what one layer frees between two checks,
+    ``2 a`` + 32 MiB + with full fine-tuning one fresh gradient of the largest layer tensor (SmolLM2: the MLP's
+    ``576 x 1536``, in the larger of the compute and gradient dtypes); the same whatever the schedule keeps in
+    flight, LoRA or full, fp32 or bf16; the head's ``[tokens, vocab]`` blocks are not holes; no guard and no heap
+    under recompute."""
+    cfg, n, MiB = get_preset("smollm2-135m"), 15, 2**20
+    for kw, fresh in ((dict(dtype="fp32", lora_params_per_layer=34560), 0),
+                      (dict(dtype="bf16", lora_params_per_layer=34560), 0),
+                      (dict(dtype="fp32"), 4 * 576 * 1536),
+                      (dict(dtype="bf16", grad_accum="compute"), 2 * 576 * 1536),
+                      (dict(dtype="bf16"), 4 * 576 * 1536)):
+        for i in (0, 1):
+            h, cap, a, mem = _heap(cfg, i, n, schedule=schedule, micro_batches=M, **kw)
+            assert h == n * a + a // 2 + 2 * a + fresh + 32 * MiB, (kw, i, h, a)
+            assert cap == n * a, (kw, i, cap, a)
+            assert mem["workspace"] >= h
+    h, cap, _, _ = _heap(cfg, 0, n, schedule="1f1b", micro_batches=M, dtype="fp32", recompute=True)
+    assert h == 0 and cap is None
+
+
+def test_heap_cap_follows_a_fitted_heap_fraction():
+    """``heap_fraction`` f other than 1: the planned holes are ``f`` x the churn (``n a + a/2 + 2 a + 32 MiB``,
+    LoRA) and the guard's cap that much less the slack and what one layer frees between checks (0 when that is
+    negative)."""
+    from dataclasses import replace
+
+    cfg, n, MiB = get_preset("smollm2-135m"), 15, 2**20
+    for f in (0.5, 0.1):
+        terms = [replace(DEFAULT_MEMORY_TERMS["cpu"], heap_fraction=f)] * 2
+        h, cap, a, _ = _heap(cfg, 0, n, terms, schedule="1f1b", micro_batches=8, dtype="fp32",
+                             lora_params_per_layer=34560)
+        churn = n * a + a // 2 + 2 * a + 32 * MiB
+        assert h == int(f * churn)
+        assert cap == max(0, int(f * churn) - a // 2 - 2 * a - 32 * MiB)
+    assert cap == 0  # f = 0.1
+
+
+def test_unguarded_heap_holes_are_the_layers_freed_activations(monkeypatch):
+    """Where a card cannot guard its heap (no glibc ``mallinfo2``/``malloc_trim``), ``mem["heap"]`` is one copy of
+    the layers' activations in flight: ``k * n * a`` (k micro-batches in flight), LoRA or full, whatever the
+    gradients; the head's ``[tokens, vocab]`` blocks and its saved log-probabilities are not holes; 0 under
+    recompute. One micro-batch per step (M = 1: no accumulation temporary)."""
+    import npu_train.planner.memory as memory
+
+    monkeypatch.setattr(memory, "heap_guard_available", lambda: False)
+    cfg, n = get_preset("smollm2-135m"), 15
     for kw in (dict(dtype="fp32", lora_params_per_layer=34560), dict(dtype="bf16", lora_params_per_layer=34560),
                dict(dtype="fp32"), dict(dtype="bf16", grad_accum="compute")):
-        for i in (0, 1):  # card 1 holds the head: its saved log-probabilities (b*S*V*4 B) are not counted
-            h, a, mem = heap(i, **kw)
-            assert h == n * a, (kw, i, h, n * a)
-            if i == 1:
+        for i in (0, 1):  # 1F1B, P = 2, M = 1: one micro-batch in flight on each card
+            h, cap, a, mem = _heap(cfg, i, n, schedule="1f1b", micro_batches=1, **kw)
+            assert h == n * a and cap is None, (kw, i, h, n * a)
+            if i == 1:  # card 1 holds the head: its saved log-probabilities (b*S*V*4 B) are not counted
                 assert mem["activations"] == n * a + 2 * 256 * cfg.vocab_size * 4
-    # recompute: the card returns freed memory
-    assert heap(0, dtype="fp32", recompute=True)[0] == 0
+    assert _heap(cfg, 0, n, schedule="1f1b", micro_batches=1, dtype="fp32", recompute=True)[0] == 0
     # M = 4, full fine-tuning, fp32: two micro-batches in flight on card 0 (1F1B, P = 2), and the embedding's
     # accumulation temporary (one block requested again whole) is not a hole
-    shape = RunShape(seq_len=256, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="fp32")
-    mem = MemoryModel(cfg, shape, cards, None, terms).stage(0, n, n, 0).mem
-    assert mem["heap"] == 2 * n * activation_bytes_per_layer(cfg, shape, "sdpa")
+    h, _, a, _ = _heap(cfg, 0, n, schedule="1f1b", micro_batches=4, dtype="fp32")
+    assert h == 2 * n * a
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -271,3 +271,31 @@ def test_compute_cpu_seconds_are_read_around_each_compute_action():
     assert StageRunner(mod, _Cpu(), 1, 0, "1f1b", None).run_step(0, inputs, labels)["compute_cpu_s"] is None
     assert work_clock("cpu") is __import__("time").thread_time  # one torch thread (the fixture)
     assert work_clock("cuda") is None
+
+
+def test_layer_check_runs_before_each_layer_and_after_its_backward():
+    """``StageModule.layer_check`` (a cpu card's heap-guard check) runs before each decoder layer's forward and,
+    through a hook on the layer's input, once its backward made that input's gradient: 2 per layer and
+    micro-batch in training, 1 in a forward without gradients; the graph cuts of a split backward keep it."""
+    cfg = _cfg(False)
+    m = StageModule(cfg, 0, 3, True, False)
+    calls = []
+    m.layer_check = lambda *g: calls.append("B" if g else "F")
+    x = torch.randint(0, VOCAB, (2, 8))
+    y = m(x)
+    assert calls == ["F"] * 3
+    y.sum().backward()
+    assert calls == ["F"] * 3 + ["B"] * 3
+    with torch.no_grad():
+        m(x)
+    assert calls == ["F"] * 3 + ["B"] * 3 + ["F"] * 3
+    calls.clear()
+    h = torch.randn(2, 8, cfg.hidden_size, requires_grad=True)
+    mid = StageModule(cfg, 1, 4, False, False)
+    mid.layer_check = m.layer_check
+    cuts = []
+    out = mid(h, cuts=cuts)
+    from npu_train.pipeline.backward import backward_input
+
+    backward_input(out, torch.ones_like(out), h, [p for p in mid.parameters()], cuts=cuts)
+    assert calls == ["F"] * 3 + ["B"] * 3, calls

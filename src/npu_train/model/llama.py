@@ -330,6 +330,9 @@ class StageModule(nn.Module):
         if has_head and has_embed and cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: called with no argument before each decoder layer's forward and (through a hook on the layer's input)
+        #: after its backward: a cpu card's :class:`~npu_train.hostmem.HeapGuard` check; None: nothing
+        self.layer_check = None
 
     def _make_head(self) -> None:
         """The final norm (a head stage) and ``lm_head`` (a head stage, or this card's rows under ``vocab``)."""
@@ -445,10 +448,15 @@ class StageModule(nn.Module):
         use_ckpt = self.recompute and torch.is_grad_enabled()
         whole = self.recomputed_layers
         names = [n for c in self.chunk_layers for n in c] if chunk is None else self.chunk_layers[chunk]
+        check = self.layer_check
         for i, name in enumerate(names):
             layer = self.model.layers[name]
             if cuts is not None and (i > 0 or embed):
                 h = _cut(h, cuts)
+            if check is not None:
+                check()
+                if h.requires_grad:  # fires once the layer's backward has made h's gradient
+                    h.register_hook(check)
             if use_ckpt and name in whole:
                 h = checkpoint(layer, h, cos, sin, *extra, use_reentrant=False)
             else:

@@ -244,6 +244,8 @@ class _StepRun:
         # tracing on an accelerator: the device is synchronized at every timestamp, so an action's
         # interval holds its kernels, not only their launch (CPU: synchronize() is a no-op)
         self.clock = time.perf_counter if self.tr is None else runner._synced_clock
+        #: the module's heap-guard check (``StageModule.layer_check``), also run at every action's start
+        self.check = getattr(runner.module, "layer_check", None) or (lambda: None)
 
     def _account(self, kind: str, m: int, t0: float, t1: float, t2: float, t3: float) -> None:
         self.wait += t1 - t0
@@ -254,6 +256,7 @@ class _StepRun:
 
     def forward(self, m: int, c: int = 0) -> None:
         r, clock = self.r, self.clock
+        self.check()
         ch = r.chunks[c]
         t0 = clock()
         x, up = (r.backend.upload(self.inputs[m]), None) if ch.first else self._recv_act(ch, m)
@@ -337,6 +340,7 @@ class _StepRun:
 
     def backward(self, m: int, c: int = 0) -> None:
         r, clock = self.r, self.clock
+        self.check()
         ch = r.chunks[c]
         x, out, cuts = self.saved.pop((m, c)) if not self.split else self.saved[(m, c)]
         t0 = clock()
@@ -390,6 +394,7 @@ class _StepRun:
 
     def weight(self, m: int, c: int = 0) -> None:
         """``W``: the weight gradients deferred by micro-batch ``m``'s ``B`` on chunk ``c``."""
+        self.check()
         t0 = self.clock()
         k1 = self.cpu()
         work = self.pending.pop((m, c))

@@ -63,6 +63,8 @@ class StageCost:
     layers: int = 0  # decoder layers
     t_head: tuple = (0.0, 0.0, 0.0)  # the head's share of (t_f, t_b, t_w)
     recomputed: Optional[int] = None  # layers recomputed whole (RunShape.recompute_fewest; None: the shape's)
+    heap_cap: Optional[int] = None  # bytes of holes the card's heap guard lets stand (MemoryModel.heap_cap)
+    heap_slack: Optional[int] = None  # RSS growth between the guard's reads of its live bytes
     t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
     t_v: float = 0.0  # the card's share of a joint V(m) per micro-batch (vocabulary parallelism), part of t_mb
 
@@ -211,7 +213,8 @@ class CostModel:
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
-                      recomputed=whole, t_rc=rc, t_v=t_v)
+                      recomputed=whole, t_rc=rc, t_v=t_v, heap_cap=sm.heap_cap,
+                      heap_slack=sm.heap_slack)
         self._cache[key] = c
         return c
 
@@ -432,7 +435,7 @@ class CostModel:
                 mem=dict(c.mem), time=time, host_bytes=c.host_bytes, in_flight=c.in_flight,
                 offloaded_state_bytes=c.offloaded_state_bytes,
                 nonlayer_resident=c.nonlayer_resident, second=ranges[i][1] if len(ranges[i]) > 1 else None,
-                recompute_layers=c.recomputed,
+                recompute_layers=c.recomputed, heap_cap=c.heap_cap, heap_slack=c.heap_slack,
             ))
         step = max(st.time["total"] for st in stages)
         fits = all(st.fits for st in stages)

@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from npu_train.hostmem import heap_guard_available
 from npu_train.hardware import FUSED_HEAD_KINDS, HOST_MEMORY_KINDS, SHARED_MASTER_KINDS, Card, host_bf16_matmul
 from npu_train.model.config import LlamaConfig
 from npu_train.pipeline.schedule import (SPLIT_BACKWARD, card_of, chunks_per_card, held_profile, peak_held_bytes,
@@ -19,12 +20,23 @@ from npu_train.planner.spec import RunShape
 
 __all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "logits_bytes",
            "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageParams",
-           "StageMemory", "MemoryModel"]
+           "StageMemory", "MemoryModel", "LAYER_FREED_FACTOR", "HEAP_RESIDUE"]
 
 #: the memory terms of one card, in the order the plan prints them; ``total`` is their sum
 MEMORY_TERMS = ("baseline", "weights", "grads", "optimizer", "activations", "transient", "workspace")
 #: the terms the workspace fraction applies to
 BODY_TERMS = ("weights", "grads", "optimizer", "activations", "transient")
+
+#: Bytes one decoder layer frees between two heap-guard checks (its forward's temporaries; its backward's
+#: allocations), in units of the layer's saved activations of one micro-batch (:func:`activation_bytes_per_layer`,
+#: ``sdpa``), plus one fresh gradient of its largest trained tensor (full fine-tuning) and :data:`HEAP_RESIDUE`
+#: bytes: what a card's RSS can pass live + the guard's cap + slack by before the next check
+#: (:meth:`MemoryModel.hole_churn`; measured with ``experiments/bench/heap_holes.py --guard-cap 0``: at most 1.3
+#: layers' activations beyond the other two parts, in ``experiments/2026-12-06-plan-bound.md``)
+LAYER_FREED_FACTOR = 2.0
+#: Bytes a trim leaves resident regardless of the layer size (the first page of every free chunk, the small-block
+#: bins ``malloc_trim`` does not touch)
+HEAP_RESIDUE = 32 * 2**20
 
 #: Per-kind workspace defaults: (constant bytes, fraction of
 #: weights+grads+optimizer+activations+transient), from
@@ -125,6 +137,10 @@ class StageMemory:
     offloaded_params: int
     nonlayer_resident: bool
     in_flight: int
+    #: bytes of holes the card's heap guard lets stand (:meth:`MemoryModel.heap_cap`); None: no guard
+    heap_cap: Optional[int] = None
+    #: RSS growth past which the guard reads its live bytes again (:meth:`MemoryModel.heap_slack`); None: no guard
+    heap_slack: Optional[int] = None
 
 
 class MemoryModel:
@@ -156,6 +172,8 @@ class MemoryModel:
             raise PlacementError("parallel.vocab=true shards an untied output layer over the cards; this model ties "
                                  "its embedding and head (tie_word_embeddings): use parallel.vocab=false")
         self.nonlayer_flag = nonlayer_resident
+        #: a cpu card keeping freed memory can guard its heap here (:class:`~npu_train.hostmem.HeapGuard`)
+        self.heap_guard = heap_guard_available()
         self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa", "core")}
         #: the attention probabilities of one layer and micro-batch (``[b, a, S, S]``, fp32 softmax + its compute-dtype
         #: copy), what an eager kernel recomputes at a time under ``recompute_attention``
@@ -196,7 +214,8 @@ class MemoryModel:
         mem["total"] = mem["baseline"] + body + mem["workspace"]
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
         mem["heap"] = int(self.terms[i].heap_fraction * churn)  # part of workspace
-        return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i])
+        return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i],
+                           self.heap_cap(i, n), self.heap_slack(i) if self.guarded(i) else None)
 
     # ------------------------------------------------------------------ parameters
     def nonlayer(self, i: int) -> tuple[int, int]:
@@ -422,45 +441,85 @@ class MemoryModel:
         peak = max(self._forward_backward_peak(i, n, activations, k), self._optimizer_phase_peak(i, n, p))
         return peak - activations + self._held_through_the_step(i, p)
 
+    def guarded(self, i: int) -> bool:
+        """Whether card ``i`` runs a heap guard (:class:`~npu_train.hostmem.HeapGuard`): a cpu card that keeps freed
+        memory (``heap_fraction > 0``: ``runtime.keep_host_memory=true``) without ``train.recompute`` (which returns
+        freed memory, ``hostmem.card_mmap_threshold``), where glibc offers ``mallinfo2`` and ``malloc_trim``."""
+        return (self.cards[i].kind == "cpu" and self.terms[i].heap_fraction > 0 and not self.shape.recompute
+                and self.heap_guard)
+
+    def layer_freed(self, i: int) -> int:
+        """Bytes the RSS of card ``i`` can pass live + the guard's cap + slack by between two checks (one layer's
+        frees): :data:`LAYER_FREED_FACTOR` x one layer's saved activations of one micro-batch, + with full
+        fine-tuning one fresh gradient of the largest layer tensor (each parameter's accumulation is checked after
+        it, ``register_post_accumulate_grad_hook``; the ones before it in the layer's backward are freed), +
+        :data:`HEAP_RESIDUE`."""
+        fresh = 0 if self.adapter_params else max(self.dtype_bytes, self.grad_bytes) * self.largest_layer_param
+        return int(LAYER_FREED_FACTOR * self._activations_per_layer(i)) + fresh + HEAP_RESIDUE
+
+    def heap_slack(self, i: int) -> int:
+        """RSS growth (bytes) past which card ``i``'s guard reads its live bytes again (``mallinfo2``, 0.3 ms with a
+        few thousand free chunks; the RSS alone costs 0.02 ms): half a layer's saved activations of one
+        micro-batch."""
+        return int(self._activations_per_layer(i) // 2)
+
+    def heap_cap(self, i: int, n: int) -> Optional[int]:
+        """Bytes of heap holes the guard of card ``i`` (``n`` decoder layers) lets stand before it returns them
+        (``StagePlan.heap_cap``): ``max(0, heap_fraction x churn - slack - d)`` with churn = :meth:`hole_churn`,
+        slack = :meth:`heap_slack` and ``d`` = :meth:`layer_freed`; so ``mem["heap"]`` = cap + slack + d. At
+        ``heap_fraction`` 1 the cap is one micro-batch's saved activations of the ``n`` layers (+ a packed row's
+        mask): what one backward frees. None where the card runs no guard (:meth:`guarded`)."""
+        if not self.guarded(i):
+            return None
+        f = self.terms[i].heap_fraction
+        return max(0, int(f * self._guarded_churn(i, n)) - self.heap_slack(i) - self.layer_freed(i))
+
+    def _guarded_churn(self, i: int, n: int) -> int:
+        """One micro-batch's saved activations of ``n`` layers (+ a packed row's mask) + :meth:`heap_slack` +
+        :meth:`layer_freed`."""
+        return (n * self._activations_per_layer(i) + (self.mask_bytes if n else 0) + self.heap_slack(i)
+                + self.layer_freed(i))
+
     def hole_churn(self, i: int, n: int, k: Optional[int] = None) -> int:
         """Bytes of stage ``i`` that can stand as holes in a cpu card's heap (``MemoryTerms.heap_fraction`` x this
-        is ``mem["heap"]``): the memory a backward frees in the middle of the heap and the next forward requests
-        again in other pieces. 0 under ``train.recompute`` (the card returns freed memory,
-        ``hostmem.card_mmap_threshold``).
+        is ``mem["heap"]``): freed memory the heap keeps resident. 0 under ``train.recompute`` (the card returns
+        freed memory, ``hostmem.card_mmap_threshold``).
 
         What glibc does with the card's settings (``hostmem``: blocks < 1 GiB from the heap, trimmed only past
-        2 GiB free at its top, so the card's RSS is the heap's high-water mark; ``man 3 mallopt``; best fit
-        from the free chunks, else the top grows):
+        2 GiB free at its top, so without a guard the card's RSS is the heap's high-water mark; ``man 3 mallopt``;
+        best fit from the free chunks, else the top grows): a backward frees a micro-batch's saved activations while
+        blocks it allocates stay live among them (fresh ``.grad``, the input gradient, LoRA's adapter gradients), and
+        a forward frees its own temporaries (RoPE, the repeated key/value heads, the norms) among the tensors it
+        saves; the next forward's large tensors do not fit the pieces and the top grows. How much stays depends on
+        the order of every allocation: measured (``experiments/bench/heap_holes.py``, ``mallinfo2``) 0.2-0.89 of the
+        layers' activations in flight, falling as more micro-batches are in flight; no formula here bounds it.
 
-        - **freed and requested again** (counted): the decoder layers' saved activations of the micro-batches
-          in flight (:meth:`activations` with ``head=False``). A backward frees them while blocks it allocates
-          stay live among them (the trainable parameters' fresh ``.grad`` of the step's first micro-batch, the
-          input gradient sent on, LoRA's many small adapter gradients), so the freed memory is cut into pieces
-          smaller than the next forward's largest tensors and the top grows instead: up to one copy of them.
-          Measured in one
-          process (``mallinfo2``; SmolLM2-135M shape, 15 layers, S=256, b=2, fp32, LoRA, one micro-batch at a
-          time ``F B F B``, ``experiments/bench/heap_holes.py``): the heap kept 0.43-0.54 GiB of holes for 0.34
-          GiB of activations; full fine-tuning 0.16-0.23 GiB.
-        - **requested again whole** (not counted): the head's ``[tokens, vocab]`` blocks (logits,
-          log-probabilities, their gradients, the saved log-probabilities of the micro-batches in flight) and
-          the gradient-accumulation temporary (one fresh gradient of the largest trained tensor, added to
-          ``.grad`` and freed): each is one block freed and requested again at the same size, larger than
-          every layer tensor, so no layer tensor is placed in it while a larger free chunk fits and best fit
-          returns it whole (from 1 GiB, as a Llama-3.2-1B embedding's fp32 gradient, it is mapped on its own
-          and returned at once). A 0.63 B full fine-tuning card holding the embedding, the head and one layer
-          (fp32, ZB-V) peaked 0.48 GiB above its weights, gradients, optimizer state and baseline, against
-          1.05 GiB of such a temporary.
-        - not subtracted: the gradients the step's first backward allocates afresh (``.grad`` is None at every
-          step's start, ``runtime/trainer.py``), although best fit places them in freed memory: a 0.63 B full
-          fine-tuning card (fp32, ZB-V, 5 layers) peaked 0.25 GiB above the plan without holes, with 1.13 GiB of
-          gradients against 0.63 GiB of activations.
-        - not counted either, and measured: the forward's own temporaries freed among the saved tensors (one
-          process, same shape, one micro-batch at a time: the heap kept 0.43-0.54 GiB for 0.34 GiB of activations;
-          in the runs the other terms covered them).
+        **Guarded** (:meth:`guarded`, the default on Linux): the card's :class:`~npu_train.hostmem.HeapGuard` checks
+        before each decoder layer's forward, after each layer's backward and each trained parameter's gradient
+        accumulation, at each action and before the update.
+        A check reads the RSS (anonymous pages); where it grew by :meth:`heap_slack` or more since the last full
+        check, it reads the live bytes too (``mallinfo2``) and returns the free pages (``malloc_trim``) when the
+        holes (RSS - live) exceed :meth:`heap_cap`. So at each check the RSS is at most live + cap + slack, the live
+        bytes of a moment the plan's other terms hold. Between two checks the holes grow by at most the bytes
+        freed in between (a freed block is resident only if written; an allocation from a free chunk shrinks the
+        holes or faults live pages in): one layer's forward temporaries, or in its backward its saved tensors and
+        temporaries, whose freeing lowers the live bytes as much, so the RSS passes live + cap + slack by at most
+        the layer's backward allocations; both bounded by :meth:`layer_freed` (measured). So the holes are at
+        most cap + slack + :meth:`layer_freed`: one micro-batch's activations of the stage + 2.5 layers' (+ one
+        gradient of the largest layer tensor with full fine-tuning) + 32 MiB, whatever the schedule keeps in
+        flight. Not counted: the head's ``[tokens, vocab]`` blocks (logits,
+        log-probabilities, their gradients) and the gradient-accumulation temporary, each freed and requested
+        again at its own size, larger than every layer tensor (best fit returns them whole; from 1 GiB mapped on
+        its own), and held in the transient term.
+
+        **Unguarded** (no ``mallinfo2``/``malloc_trim``): one copy of the decoder layers' activations in flight
+        (:meth:`activations` with ``head=False``), the largest the measurements reached (0.89 of it).
 
         Runs: ``experiments/2026-12-06-plan-bound.md``."""
         if self.shape.recompute:  # recompute_fewest too (``k``): train.recompute is on
             return 0
+        if self.guarded(i):
+            return self._guarded_churn(i, n)
         return self.activations(i, n, head=False, k=k)
 
     def workspace(self, i: int, body: int, churn: int = 0) -> int:

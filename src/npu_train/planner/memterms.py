@@ -34,7 +34,8 @@ class MemoryTerms:
     loaded_modules: int = 0  # loaded-module cache entries the card process keeps (0: no such cache)
     #: freed card memory the allocator keeps resident between reuses (holes in glibc's heap on a ``cpu``
     #: card that reuses freed host memory, npu_train.hostmem), fraction of the churn
-    #: (``MemoryModel.hole_churn``: the decoder layers' activations in flight)
+    #: (``MemoryModel.hole_churn``: with the card's heap guard, one micro-batch's decoder-layer activations + 2
+    #: layers'; without, the layers' activations in flight)
     heap_fraction: float = 0.0
     sources: dict = field(default_factory=dict)  # field -> "assumed" / "fitted: ..." / "measured: <profile>"
 
@@ -54,7 +55,8 @@ class MemoryTerms:
                  f"{self.workspace_fraction * 100:.0f}% of the rest "
                  f"({self.sources.get('workspace_fraction', 'assumed')})"]
         if self.heap_fraction:
-            parts.append(f"heap holes {self.heap_fraction:g} x (the layers' activations in flight) "
+            parts.append(f"heap holes {self.heap_fraction:g} x (a micro-batch's layer activations + 2.5 layers' "
+                         f"+ 32 MiB, guarded) "
                          f"({self.sources.get('heap_fraction', 'assumed')})")
         elif "heap_fraction" in self.sources:  # say why a card that could keep holes plans none
             parts.append(f"no heap holes ({self.sources['heap_fraction']})")
@@ -70,7 +72,7 @@ DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": "none: process baseline instead",
                                 "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
-                                "heap_fraction": "glibc best fit: one copy of what a backward frees"}),
+                                "heap_fraction": "a guard returns holes past one backward's frees"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,

@@ -42,6 +42,11 @@ class StagePlan:
     #: the offloaded layers' fp32 master + AdamW moments (bytes) wherever they are: ``host_bytes`` on a card with
     #: its own memory, part of ``mem`` (optimizer) on a cpu card, whose memory is the host's
     offloaded_state_bytes: int = 0
+    #: bytes of heap holes the card's :class:`~npu_train.hostmem.HeapGuard` lets stand
+    #: (``MemoryModel.heap_cap``); None: no guard (the card returns freed memory, or cannot guard)
+    heap_cap: Optional[int] = None
+    #: RSS growth past which the guard reads its live bytes again (``MemoryModel.heap_slack``)
+    heap_slack: Optional[int] = None
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +149,7 @@ class Plan:
                     "first_layer": st.first_layer, "last_layer": st.last_layer,
                     **({"second": list(st.second)} if st.second else {}),
                     **({"recompute_layers": st.recompute_layers} if st.recompute_layers is not None else {}),
+                    **({"heap_cap": st.heap_cap, "heap_slack": st.heap_slack} if st.heap_cap is not None else {}),
                     "has_embed": st.has_embed, "has_head": st.has_head,
                     "resident": list(st.resident), "offloaded": list(st.offloaded),
                     "nonlayer_resident": st.nonlayer_resident, "in_flight": st.in_flight,

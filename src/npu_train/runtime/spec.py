@@ -25,6 +25,11 @@ class StageInfo:
     #: layers recomputed whole under train.recompute, the card's first in execution order (the plan's
     #: ``StagePlan.recompute_layers``, train.recompute_layers=fewest); None: all of them
     recompute_layers: Optional[int] = None
+    #: bytes of heap holes a cpu card keeping freed memory lets stand before it returns them
+    #: (:class:`~npu_train.hostmem.HeapGuard`; the plan's ``StagePlan.heap_cap``); None: no guard
+    heap_cap_bytes: Optional[int] = None
+    #: RSS growth (bytes) past which the guard reads its live bytes again (``StagePlan.heap_slack``)
+    heap_slack_bytes: int = 0
 
 
 @dataclass(frozen=True)

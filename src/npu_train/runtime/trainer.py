@@ -92,6 +92,7 @@ class StageTrainer:
         self.vocab_ex = None
         #: phase family -> this card's peak memory in it, bytes (the backend's measure: cpu RssAnon + RssShmem)
         self.mem_phases: dict[str, int] = {}
+        self.heap_guard = None  # a cpu card's HeapGuard (setup)
 
     def grad_buf(self, name: str) -> torch.Tensor:
         """Parameter ``name``'s step gradient buffer, to change in place."""
@@ -140,6 +141,7 @@ class StageTrainer:
         else:
             torch.manual_seed(self.tr.seed + self.stage)
         self._load_data()
+        self.heap_guard = self._heap_guard()
         self.peak = self._peak_flops()
         self.ctrl.send("ready", params=sum(p.numel() for p in self.params.values()))
 
@@ -156,6 +158,24 @@ class StageTrainer:
         self.backend.memory_allocated()  # the load's peak, into max_memory_allocated
         del masters
         release_freed_memory()
+
+    def _heap_guard(self):
+        """A cpu card keeping freed memory with a planned heap cap (``StageInfo.heap_cap_bytes``): its
+        :class:`~npu_train.hostmem.HeapGuard`, armed and checked at every decoder layer; else None."""
+        spec = self.spec
+        cap = spec.stage.heap_cap_bytes
+        if cap is None or spec.card.kind != "cpu" or not spec.runtime.keep_host_memory or self.tr.recompute:
+            return None
+        from npu_train.hostmem import HeapGuard, heap_guard_available
+
+        if not heap_guard_available():
+            log.warning("heap guard: not available here (glibc >= 2.33 needed); the plan's heap cap is not kept")
+            return None
+        guard = HeapGuard.create(cap, spec.stage.heap_slack_bytes)
+        self.module.layer_check = guard.check
+        for p in self.params.values():  # the fresh gradients added into .grad and freed, one tensor at a time
+            p.register_post_accumulate_grad_hook(guard.check)
+        return guard
 
     def _peak_flops(self):
         """This card's peak FLOP/s in the compute dtype (:class:`~npu_train.metrics.mfu.Peak`): the data sheet's
@@ -382,6 +402,8 @@ class StageTrainer:
         tot = self._reduce(res, mbs)
         t2, c2 = time.perf_counter(), time.process_time()
         lr = lr_at(step, lr=tr.lr, warmup_steps=tr.warmup_steps, total_steps=tr.steps, min_lr_ratio=tr.min_lr_ratio)
+        if self.heap_guard is not None:  # the update's temporaries start from at most the cap's holes
+            self.heap_guard.check()
         ot = self._update(step, tot, lr)
         t3, c3 = time.perf_counter(), time.process_time()
         step_peak = self.fold_peak(reset=False)  # this step's peak, also in the run's "steps" peak
@@ -766,6 +788,8 @@ class StageTrainer:
         import torch.distributed as dist
 
         self.enter("shutdown")
+        if self.heap_guard is not None:
+            log.info(self.heap_guard.summary())
         self.opt.close()
         dist.barrier()
         if self.comm is not None:
