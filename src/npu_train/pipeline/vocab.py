@@ -94,9 +94,12 @@ def vocab_step(x: Optional[torch.Tensor], labels: torch.Tensor, weight: torch.Te
     the loss only (evaluation). Arithmetic in fp32 on the weight's device; collectives on host copies."""
     b, S, H = shape
     dev = weight.device
-    host = torch.empty((b, S, H), dtype=torch.float32) if x is None else x.detach().float().cpu().contiguous()
+    # the hidden state travels in the compute dtype (the weight's; it is the head's norm output in that dtype: no
+    # rounding), the partial input gradients in fp32 (summed over the cards without rounding in between)
+    wire = weight.dtype
+    host = torch.empty((b, S, H), dtype=wire) if x is None else x.detach().to(wire).cpu().contiguous()
     ex.broadcast(host)
-    xf = host.to(dev).reshape(-1, H)
+    xf = host.to(dev).float().reshape(-1, H)
     y = labels.reshape(-1).to(dev)
     valid = y != IGNORE_INDEX
     local = y - int(start)

@@ -221,9 +221,9 @@ class CostModel:
     def vocab_time(self, i: int) -> float:
         """Seconds of card ``i``'s share of one joint ``V(m)`` (vocabulary parallelism; 0 without it): its slice of
         the head's FLOPs (:meth:`~npu_train.planner.memory.MemoryModel.vocab_rows` of the vocabulary) at the head's
-        rate, and the exchange on the critical path, as gloo moves it (``dp_bytes_per_s``; ``pipeline/vocab.py``
-        sends fp32): the final hidden state in (``[b S, H]``), the partial input gradient out, the softmax
-        statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token); on an
+        rate, and the exchange on the critical path, as gloo moves it (``dp_bytes_per_s``; as ``pipeline/vocab.py``
+        sends it): the final hidden state in (``[b S, H]``, compute dtype), the fp32 partial input gradient out, the
+        softmax statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token); on an
         accelerator also the card<->host copies of the first two (``h2d`` / ``d2h``). The head card sends the
         hidden state and receives the summed gradient: the same bytes."""
         if not self.shape.vocab_parallel:
@@ -231,10 +231,10 @@ class CostModel:
         rt, mm = self.rates[i], self.memory
         share = mm.vocab_rows(i) / self.model.vocab_size
         compute = share * self.head_flops / (rt.device_flops * rt.head_flops_ratio)
-        tok, h = self.shape.tokens_per_micro_batch, self.model.hidden_size
-        t = (2 * 4 * tok * h + 12 * tok) / rt.dp_bytes_per_s
+        tok, h, e = self.shape.tokens_per_micro_batch, self.model.hidden_size, mm.dtype_bytes
+        t = ((e + 4) * tok * h + 12 * tok) / rt.dp_bytes_per_s
         if self.cards[i].kind != "cpu":
-            t += 4 * tok * h / rt.h2d_bytes_per_s + 4 * tok * h / rt.d2h_bytes_per_s
+            t += e * tok * h / rt.h2d_bytes_per_s + 4 * tok * h / rt.d2h_bytes_per_s
         return compute + t
 
     def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:

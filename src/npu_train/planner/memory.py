@@ -246,14 +246,14 @@ class MemoryModel:
 
     def vocab_transient(self, i: int) -> int:
         """Bytes card ``i``'s ``V(m)`` holds while it runs (vocabulary parallelism): its fp32 logits slice
-        ``[b S, rows]`` and their softmax / gradient (2 x 4 B), the received fp32 final hidden state and the
-        fp32 partial input gradient ``[b S, H]``, and (full fine-tuning) the slice's fresh fp32 weight gradient
+        ``[b S, rows]`` and their softmax / gradient (2 x 4 B), the received final hidden state ``[b S, H]`` (compute
+        dtype) and its fp32 copy, the fp32 partial input gradient, and (full fine-tuning) the slice's fresh fp32 weight gradient
         before it is added to ``.grad``."""
         if not self.vocab:
             return 0
         tok, h, rows = self.shape.tokens_per_micro_batch, self.model.hidden_size, self.vocab_rows(i)
         fresh = 0 if self.adapter_params else 4 * rows * h
-        return 8 * tok * rows + 8 * tok * h + fresh
+        return 8 * tok * rows + (self.dtype_bytes + 8) * tok * h + fresh
 
     def parameters(self, i: int, n: int, r: int) -> StageParams:
         """:class:`StageParams` of stage ``i`` with ``n`` layers, the first ``r`` resident; non-layer parameters
