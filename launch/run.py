@@ -12,6 +12,11 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+# OpenMP threads that sleep when idle, in the launcher and (inherited) its card processes, unless the user chose
+# (npu_train.hostmem.USER_WAIT_SETTINGS; card_wait_env says why): read once, when torch loads, so here
+if not any(k in os.environ for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")):
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
 _SWEEP_FUNCS = ("choice(", "range(", "glob(", "interval(", "sort(", "shuffle(", "tag(")
 
 

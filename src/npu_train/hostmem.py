@@ -21,6 +21,9 @@ During the steps a ``cpu`` card that keeps freed memory runs a :class:`HeapGuard
 and backward it reads its heap's holes (anonymous RSS - glibc's live bytes, ``mallinfo2``) and returns the free
 pages (``malloc_trim``) when they exceed the plan's cap (``MemoryModel.heap_cap``), so the heap term is a bound
 the card keeps, not a guess of how glibc's best fit cuts the freed activations (issue 43).
+
+How its OpenMP threads wait (:func:`card_wait_env`, :func:`passive_waits`): a cpu card at several torch threads
+sleeps instead of spinning, so a loaded host's descheduled thread does not cost its peer's CPU time.
 """
 from __future__ import annotations
 
@@ -234,3 +237,34 @@ class HeapGuard:
         return (f"heap guard: cap {self.cap / 2**30:.2f} GiB, {self.checks} checks ({self.full} full) in "
                 f"{self.seconds:.2f} s, "
                 f"{self.trims} trims (holes at the trims {self.released / 2**30:.2f} GiB)")
+
+
+#: OpenMP's wait policy variable (libgomp, the OpenMP of PyPI's torch, and MKL's GNU threading layer read it once,
+#: when the library loads) and the setting that makes idle threads sleep instead of spinning
+WAIT_POLICY = "OMP_WAIT_POLICY"
+#: the user's own OpenMP wait settings, which :func:`card_wait_env` leaves alone
+USER_WAIT_SETTINGS = (WAIT_POLICY, "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def passive_waits(environ=None) -> bool:
+    """Whether this process's OpenMP threads sleep when idle (``OMP_WAIT_POLICY=PASSIVE``): then the process's
+    threads spend CPU time only on work, and the calling thread's CPU time is its serial part plus its share of
+    the parallel regions (what an unloaded host's wall clock takes); spinning threads (the default) burn CPU
+    time while they wait for a descheduled peer, so on a loaded host neither clock measures the work."""
+    env = os.environ if environ is None else environ
+    return str(env.get(WAIT_POLICY, "")).strip().upper() == "PASSIVE"
+
+
+def card_wait_env(kind: str, threads: int, environ=None) -> dict:
+    """The environment a card process of ``kind`` at ``threads`` torch threads starts with, beyond the
+    launcher's: ``{"OMP_WAIT_POLICY": "PASSIVE"}`` for a cpu card at several threads unless the user set an
+    OpenMP wait setting (:data:`USER_WAIT_SETTINGS`); else ``{}``.
+
+    Why: with spinning threads a cpu card at 2 threads on a loaded 2-core host took 20-35 s a step against 4.6-7.0
+    s with passive waits (the same job, the same load), and its process spent 11-17 s of CPU time a step against
+    3.1-3.4 s: the fit divided that spinning by the threads and planned 2 threads slower than one
+    (experiments/2026-12-06-first-impressions.md, "several threads per card")."""
+    env = os.environ if environ is None else environ
+    if kind != "cpu" or int(threads) <= 1 or any(k in env for k in USER_WAIT_SETTINGS):
+        return {}
+    return {WAIT_POLICY: "PASSIVE"}

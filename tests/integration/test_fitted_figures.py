@@ -50,3 +50,19 @@ def test_the_users_malloc_settings_keep_the_heap_term_and_fit_no_speed(tiny_mode
         (entry,) = json.load(f)["runs"]
     assert entry["device_flops"] is None and entry["adamw_params_per_s"] is None, run.tail()
     assert entry["process_baseline_bytes"], entry
+
+
+def test_a_card_at_two_threads_reports_its_computing_threads_cpu_seconds(tiny_model, tmp_path):
+    """A cpu card at runtime.threads=2 runs with passive OpenMP waits (hostmem.card_wait_env) and reports
+    the CPU seconds of the thread that computes (pipeline.stage.work_clock), which the fit takes undivided: at
+    most the compute's wall seconds. With spinning waits it reported none (nothing to fit from but the wall)."""
+    from conftest import run_pipeline
+
+    run = str(tmp_path / "t2")
+    run_pipeline(tiny_model, run, "backend=[cpu]", "runtime.threads=2", "train.steps=2", "checkpoint.save=false")
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    assert len(recs) == 2
+    for r in recs:
+        (cpu,), (wall,) = r["compute_cpu_s_cards"], r["compute_s_cards"]
+        assert 0 < cpu <= wall + 1e-3, r

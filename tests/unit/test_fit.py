@@ -248,7 +248,7 @@ def test_load_rates_gives_the_head_card_its_own_fitted_baseline():
 def test_a_loaded_host_fits_the_cards_cpu_seconds_not_its_wall_clock(tmp_path):
     """Cards report the CPU seconds of their compute (``compute_cpu_s_cards``). A host loaded by other
     processes stretches the wall clock LOAD times; the CPU seconds of the same work do not change. The fit
-    takes min(wall, cpu / (threads x core share)): 2 cards of 1 thread on 1 core (share 0.5) take cpu / 0.5 on
+    takes min(wall, cpu / core share): 2 cards of 1 thread on 1 core (share 0.5) take cpu / 0.5 on
     an unloaded host, so the true rates come back, and the optimizer's seconds are scaled like the compute's."""
     LOAD = 3.0
     recs = records()
@@ -267,6 +267,24 @@ def test_a_loaded_host_fits_the_cards_cpu_seconds_not_its_wall_clock(tmp_path):
         r.pop("compute_cpu_s_cards", None)
     (wall,) = run_figures(plan_doc(), recs, used_rates())
     assert wall.device_flops == pytest.approx(R_TRUE / LOAD, rel=1e-9) and wall.clock == "wall"
+
+
+def test_several_threads_fit_the_computing_threads_cpu_seconds_undivided():
+    """At 2 torch threads per card (2 cards on 4 cores: share 1) with passive OpenMP waits, a card reports its
+    computing thread's CPU seconds: its serial part and its half of each parallel region, the seconds an
+    unloaded host's wall clock takes. On a host loaded LOAD x the fit gives the true rate back; dividing them
+    by the threads (the process's CPU time, before) fitted twice the rate."""
+    LOAD = 3.0
+    doc = plan_doc()
+    doc.update(threads=2, host_cores=4)
+    recs = records()
+    for r in recs[1:]:
+        r["compute_cpu_s_cards"] = list(r["compute_s_cards"])  # the unloaded wall: the thread's own seconds
+        r["compute_s_cards"] = [c * LOAD for c in r["compute_s_cards"]]
+        r["compute_s"] = r["compute_s_cards"][0]
+    (fig,) = run_figures(doc, recs, used_rates())
+    assert fig.device_flops == pytest.approx(R_TRUE, rel=1e-9) and fig.clock == "cpu"
+    assert fig.threads == 2
 
 
 def test_cpu_clock_runs_replace_older_wall_clock_runs_in_the_fit():

@@ -229,8 +229,11 @@ def test_a_cpu_benchmark_at_one_thread_does_not_count_time_the_core_spent_elsewh
     assert flops > 1e9 / 0.02, flops  # a wall clock: at most 1e9 / 0.2 s = 5e9
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)  # several threads: their work is not in this thread's CPU time, the wall clock
+        torch.set_num_threads(2)  # several spinning threads: this thread's CPU time holds spins, the wall clock
+        monkeypatch.setenv("OMP_WAIT_POLICY", "active")
         assert cpu_clock("cpu") is time.perf_counter and cpu_clock("cuda") is time.perf_counter
+        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")  # sleeping threads: its serial part and its share
+        assert cpu_clock("cpu") is time.thread_time and cpu_clock("cuda") is time.perf_counter
         torch.set_num_threads(1)
         assert cpu_clock("cpu") is time.thread_time
     finally:

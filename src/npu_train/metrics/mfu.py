@@ -123,12 +123,16 @@ def measure_matmul_flops(device, dtype, sync: Callable[[], None] = lambda: None,
 
 def cpu_clock(device) -> Callable[[], float]:
     """The clock a benchmark on ``device`` times with: the calling thread's CPU time (``time.thread_time``, in
-    seconds) on a cpu at one torch thread, where all the work runs in this thread: the time the host's other
-    processes held the core is not counted, so a busy host does not read as a slow core; else the wall clock
-    (``time.perf_counter``: several threads, or a device that works while the host waits)."""
+    seconds) on a cpu at one torch thread, where all the work runs in this thread, and at several with passive
+    OpenMP waits (its serial part and its share of each parallel region:
+    :func:`~npu_train.hostmem.passive_waits`): the time the host's other processes held the core is not
+    counted, so a busy host does not read as a slow core; else the wall clock (``time.perf_counter``: spinning
+    threads, or a device that works while the host waits)."""
     import torch
 
-    if str(device) == "cpu" and torch.get_num_threads() == 1:
+    from npu_train.hostmem import passive_waits
+
+    if str(device) == "cpu" and (torch.get_num_threads() == 1 or passive_waits()):
         return time.thread_time
     return time.perf_counter
 

@@ -43,13 +43,18 @@ class _Chunk:
 
 def work_clock(kind: str):
     """The CPU-time clock of a card's compute (seconds), or None where CPU time is not its work: on a cpu card
-    at one torch thread the calling thread's CPU time (``time.thread_time``; the whole computation runs in this
-    thread), at several the process's (``time.process_time``: the intra-op workers too, divided by the
-    threads where it is used, :mod:`npu_train.planner.fit`). Unlike the wall clock, it does not count the time
-    other processes of a loaded host held the cores; an accelerator's work is not the host's CPU time."""
+    the calling thread's CPU time (``time.thread_time``): at one torch thread the whole computation runs in this
+    thread; at several, with passive OpenMP waits (``OMP_WAIT_POLICY=PASSIVE``, what the launcher starts cpu cards
+    at several threads with, :func:`~npu_train.hostmem.card_wait_env`), its serial part and its share of
+    each parallel region, what an unloaded host's wall clock takes. With spinning waits (the user's own
+    ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT``) at several threads there is none: a thread spinning for a
+    descheduled peer counts CPU time that is no work. Unlike the wall clock, it does not count the time other
+    processes of a loaded host held the cores; an accelerator's work is not the host's CPU time."""
+    from npu_train.hostmem import passive_waits
+
     if kind != "cpu":
         return None
-    return time.thread_time if torch.get_num_threads() == 1 else time.process_time
+    return time.thread_time if torch.get_num_threads() == 1 or passive_waits() else None
 
 
 class StageRunner:

@@ -101,17 +101,20 @@ def _cpu_share(plan_doc: dict) -> float:
     return min(1.0, cores / (n_cpu * threads)) if n_cpu else 1.0
 
 
-def work_seconds(wall: float, cpu: Optional[float], threads: int, share: float) -> float:
-    """A cpu card's compute seconds as an unloaded host would have taken them: ``min(wall, cpu / (threads x
-    share))``. ``cpu``: the CPU seconds of the same intervals (``compute_cpu_s``: the card's thread at one torch
-    thread, its process at several; None or <= 0: not measured, ``wall`` as it is); ``share``: the core share
-    the plan gives each cpu card (:func:`_cpu_share`; below 1 the job's own cards wait for each other's
-    cores, which an unloaded host has too). On a host loaded by other processes the wall clock holds their
-    time slices as well; fitted from it, the next plan would take the load for the card's speed (a fitted
-    ~/.cache of loaded runs planned 31.25 s a step against 12-23 s measured)."""
+def work_seconds(wall: float, cpu: Optional[float], share: float) -> float:
+    """A cpu card's compute seconds as an unloaded host would have taken them: ``min(wall, cpu / share)``.
+    ``cpu``: the CPU seconds of the same intervals of the thread that ran them (``compute_cpu_s``,
+    :func:`~npu_train.pipeline.stage.work_clock`: at several torch threads, with passive OpenMP waits, its serial
+    part and its share of the parallel regions, so it is not divided by the threads; None or <= 0: not
+    measured, ``wall`` as it is); ``share``: the core share the plan gives each cpu card (:func:`_cpu_share`;
+    below 1 the job's own cards wait for each other's cores, which an unloaded host has too). On a host loaded
+    by other processes the wall clock holds their time slices as well; fitted from it, the next plan would take
+    the load for the card's speed (a fitted ~/.cache of loaded runs planned 31.25 s a step against 12-23 s
+    measured). The process's CPU time over the threads (before) counted spinning threads as work: at 2 threads
+    on a loaded host it fitted 47 GFLOP/s where one thread fits about 90."""
     if cpu is None or not cpu > 0:
         return wall
-    return min(wall, cpu / (max(1, threads) * min(1.0, share)))
+    return min(wall, cpu / min(1.0, share))
 
 
 def _optimizer_params(st: dict, rt) -> Optional[float]:
@@ -132,7 +135,7 @@ def _timing(plan_doc: dict, steady: Sequence[dict], rates: Sequence) -> tuple[di
     """``(FLOP/s per kind, AdamW params/s per kind, clock)`` of the steady steps' records: lists of per-card,
     per-step figures; ``clock`` "cpu" where the cards' compute CPU seconds were used (:func:`work_seconds`)."""
     stages, P = plan_doc["stages"], len(plan_doc["stages"])
-    share, threads = _cpu_share(plan_doc), int(plan_doc["threads"])
+    share = _cpu_share(plan_doc)
     flops: dict = {}
     adamw: dict = {}
     clock = "wall"
@@ -146,7 +149,7 @@ def _timing(plan_doc: dict, steady: Sequence[dict], rates: Sequence) -> tuple[di
             st, rt = stages[i], rates[i]
             cpu = cpus[rank] if rank < len(cpus) and _kind(st["card"]) == "cpu" else None
             if sec > 0 and isinstance(cpu, (int, float)) and cpu > 0:
-                work = work_seconds(sec, cpu, threads, share)
+                work = work_seconds(sec, cpu, share)
                 busy[rank], sec, clock = work / sec, work, "cpu"
             if sec > 0 and st["time"]["compute"] > 0:
                 flops.setdefault(_kind(st["card"]), []).append(st["time"]["compute"] * rt.device_flops / sec)

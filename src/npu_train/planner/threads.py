@@ -8,6 +8,7 @@ from typing import Optional
 
 __all__ = ["threads_per_card", "usable_cores", "cgroup_cpu_quota", "read_sys_file"]
 
+
 #: cgroup v2 file, then the cgroup v1 (quota, period) pairs in their usual mount points
 CGROUP_V2_CPU_MAX = "/sys/fs/cgroup/cpu.max"
 CGROUP_V1_DIRS = ("/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct")

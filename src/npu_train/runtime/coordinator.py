@@ -27,6 +27,7 @@ import msgpack
 import zmq
 
 from npu_train.errors import Interrupted, JobFailed
+from npu_train.hostmem import card_wait_env
 from npu_train.runtime.oom import OomWatch
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.stackdump import install_stack_dump
@@ -102,9 +103,17 @@ class Coordinator:
                 dump = faulthandler.unregister(signal.SIGUSR1)
                 prev = {sg: signal.signal(sg, signal.SIG_IGN)
                         for sg in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
+                extra = card_wait_env(spec.card.kind, spec.runtime.threads)  # read when the card loads torch
+                saved = {k: os.environ.get(k) for k in extra}
+                os.environ.update(extra)
                 try:
                     rs.proc.start()
                 finally:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
                     for sg, h in prev.items():
                         signal.signal(sg, h)
                     if dump:
