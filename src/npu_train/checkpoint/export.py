@@ -127,8 +127,9 @@ def export_dtype(dtype: str, lora: bool) -> str:
 
     Why fp32 for LoRA: the merge ``W' = W + (alpha / r) B A`` adds an update that, after a fine-tuning run of
     ordinary length, is mostly below half a bf16 step of ``W`` (2**-9 relative), so a bf16 ``W'`` is ``W`` again
-    in most entries: the default job's LoRA variant kept none of it (the rounding error was 3.2 x the update,
-    experiments/2026-12-06-first-impressions.md), and the exported model computed like the base. peft does the
+    in most entries: after the 20 LoRA steps on the shipped chat rows the default job suggests next, the bf16
+    rounding error was 3.2 x the update (its GGUF base is not bf16 either; experiments/2026-12-06-first-
+    impressions.md), and the exported model computed like the base. peft does the
     same on a bf16 base (``LoraLayer.merge``: ``base_layer.weight.data += delta_weight`` in the base's dtype;
     huggingface/peft#1388), which is why its merged models are usually saved from an fp32 base. Full fine-tuning
     keeps bf16: its masters are the model (no separate update to lose), as a bf16 run computes with them."""
