@@ -156,8 +156,10 @@ def heap_guard_available() -> bool:
 class HeapGuard:
     """Keeps a cpu card's heap holes (freed memory the heap keeps resident) at most ``cap_bytes`` at each full
     :meth:`check`: past it, the free pages go back to the OS (``malloc_trim(0)``: every free chunk's whole
-    pages, in every arena; they fault in again when reused). A check reads the anonymous RSS (0.02 ms) and is full
-    only when the RSS grew by ``slack_bytes`` or more since the last full one (``mallinfo2`` walks every free
+    pages, in every arena; they fault in again when reused), and with ``limit_bytes`` only while the RSS is above
+    that too (a card: its plan's total less the slack and one layer's frees, so trims, and the page faults after
+    them, happen only near the plan). A check reads the anonymous RSS (0.02 ms) and is full
+    only when the RSS is above the limit (if any) and grew by ``slack_bytes`` or more since the last full one (``mallinfo2`` walks every free
     chunk: 0.3 ms with 4,400 of them); so at every check the RSS is at most live + ``cap_bytes`` + ``slack_bytes``,
     the live bytes those of the last full check or more.
 
@@ -175,8 +177,10 @@ class HeapGuard:
     and ``seconds`` (spent in :meth:`check`) say what it cost. Raises RuntimeError from :meth:`create` off glibc
     >= 2.33 (use :func:`heap_guard_available`)."""
 
-    def __init__(self, cap_bytes: int, mallinfo2, trim, slack_bytes: int = 0) -> None:
+    def __init__(self, cap_bytes: int, mallinfo2, trim, slack_bytes: int = 0, limit_bytes: Optional[int] = None) -> None:
         self.cap, self.slack = int(cap_bytes), int(slack_bytes)
+        self.limit = None if limit_bytes is None else int(limit_bytes)
+        self._shmem = 0  # RssShmem at arm (the transport's rings), added to the anonymous RSS against the limit
         self._full_at = 0  # the anonymous RSS at the last full check
         self._mallinfo2, self._trim = mallinfo2, trim
         self._page = os.sysconf("SC_PAGE_SIZE")
@@ -185,14 +189,15 @@ class HeapGuard:
         self.seconds = 0.0
 
     @classmethod
-    def create(cls, cap_bytes: int, slack_bytes: int = 0) -> "HeapGuard":
-        """A guard with cap ``cap_bytes`` and slack ``slack_bytes`` (both >= 0), armed (:meth:`arm`)."""
+    def create(cls, cap_bytes: int, slack_bytes: int = 0, limit_bytes: Optional[int] = None) -> "HeapGuard":
+        """A guard with cap ``cap_bytes`` and slack ``slack_bytes`` (both >= 0), armed (:meth:`arm`); with
+        ``limit_bytes`` it trims only while the RSS (anonymous + shared at arming) is also above that."""
         if cap_bytes < 0 or slack_bytes < 0:
             raise ValueError(f"cap_bytes={cap_bytes}, slack_bytes={slack_bytes}: use byte counts >= 0")
         fn = _mallinfo2()
         if fn is None:
             raise RuntimeError("HeapGuard needs glibc >= 2.33 (mallinfo2, malloc_trim): check heap_guard_available()")
-        g = cls(cap_bytes, fn, release_freed_memory, slack_bytes)
+        g = cls(cap_bytes, fn, release_freed_memory, slack_bytes, limit_bytes)
         g.arm()
         return g
 
@@ -210,18 +215,24 @@ class HeapGuard:
         self._trim()
         self._full_at = self._anon()
         self.offset = self._full_at - self._live()
+        try:
+            with open("/proc/self/status", "rb") as f:
+                self._shmem = next((int(ln.split()[1]) * 1024 for ln in f if ln.startswith(b"RssShmem")), 0)
+        except (OSError, ValueError):
+            self._shmem = 0
 
     def holes(self) -> int:
         """Bytes of holes now (see the class docstring), may be slightly negative."""
         return self._anon() - self._live() - self.offset
 
     def check(self, *_args) -> None:
-        """Where the RSS grew by the slack or more since the last full check: trim when :meth:`holes` exceed the
-        cap. The arguments are ignored (a tensor hook's gradient)."""
+        """Where the RSS is above the limit (if any) and grew by the slack or more since the last full check: trim
+        when :meth:`holes` exceed the cap. The arguments are ignored (a tensor hook's gradient)."""
         t0 = time.perf_counter()
         self.checks += 1
         anon = self._anon()
-        if anon - self._full_at >= self.slack:
+        below = self.limit is not None and anon + self._shmem <= self.limit  # no trim there: no need of live bytes
+        if not below and anon - self._full_at >= self.slack:
             self.full += 1
             h = anon - self._live() - self.offset
             if h > self.cap:
@@ -233,8 +244,9 @@ class HeapGuard:
         self.seconds += time.perf_counter() - t0
 
     def summary(self) -> str:
-        """``heap guard: cap X GiB, N checks (F full) in T s, K trims (holes at the trims Y GiB)``."""
-        return (f"heap guard: cap {self.cap / 2**30:.2f} GiB, {self.checks} checks ({self.full} full) in "
+        """``heap guard: cap X GiB, limit L GiB, N checks (F full) in T s, K trims (holes at the trims Y GiB)``."""
+        lim = "" if self.limit is None else f"limit {self.limit / 2**30:.2f} GiB, "
+        return (f"heap guard: cap {self.cap / 2**30:.2f} GiB, {lim}{self.checks} checks ({self.full} full) in "
                 f"{self.seconds:.2f} s, "
                 f"{self.trims} trims (holes at the trims {self.released / 2**30:.2f} GiB)")
 

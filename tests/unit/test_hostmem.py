@@ -135,7 +135,7 @@ GUARD_PROG = r"""
 import json, sys, torch
 from npu_train.hostmem import HeapGuard, keep_freed_memory
 keep_freed_memory()
-guard = HeapGuard.create(int(sys.argv[1]))
+guard = HeapGuard.create(int(sys.argv[1]), 0, None if sys.argv[2] == "none" else int(sys.argv[2]))
 xs = []
 for _ in range(32):
     xs.append(torch.ones(1 << 20))
@@ -147,14 +147,15 @@ guard.check()
 after = guard.holes()
 ys = [torch.ones(1 << 20) for _ in range(16)]
 del ys
-print(json.dumps({"before": before, "after": after, "refreed": guard.holes(), "trims": guard.trims,
+print(json.dumps({"before": before, "after": after, "refreed": guard.holes(), "trims": guard.trims, "full": guard.full,
                   "checks": guard.checks}))
 """
 
 
-def _guard(cap: int) -> dict:
+def _guard(cap: int, limit=None) -> dict:
     e = {k: v for k, v in os.environ.items() if k not in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")}
-    out = subprocess.run([sys.executable, "-c", GUARD_PROG, str(cap)], env=e, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", GUARD_PROG, str(cap), str(limit).lower()], env=e, capture_output=True,
+                         text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -175,6 +176,11 @@ def test_heap_guard_returns_holes_past_its_cap():
     assert trimmed["trims"] == 1 and trimmed["after"] < 4 * MiB, trimmed
     assert kept["trims"] == 0 and kept["after"] >= 120 * MiB, kept
     assert trimmed["refreed"] - trimmed["after"] <= 64 * MiB + 2 * MiB, trimmed
+    # with a limit: no trim while the RSS is below it (a card: its plan's total less slack and one layer's frees)
+    below, above = _guard(0, 1 << 40), _guard(0, 0)
+    assert below["trims"] == 0 and below["after"] >= 120 * MiB, below
+    assert below["full"] == 0  # below the limit the live bytes (mallinfo2) are not even read
+    assert above["trims"] == 1 and above["after"] < 4 * MiB, above
 
 
 def test_heap_guard_cap_is_checked():

@@ -499,8 +499,9 @@ class MemoryModel:
         accumulation, at each action and before the update.
         A check reads the RSS (anonymous pages); where it grew by :meth:`heap_slack` or more since the last full
         check, it reads the live bytes too (``mallinfo2``) and returns the free pages (``malloc_trim``) when the
-        holes (RSS - live) exceed :meth:`heap_cap`. So at each check the RSS is at most live + cap + slack, the live
-        bytes of a moment the plan's other terms hold. Between two checks the holes grow by at most the bytes
+        holes (RSS - live) exceed :meth:`heap_cap` while the RSS is above the card's limit, the plan's other terms +
+        cap (so the trims, and the page faults after them, come only near the plan). So at each check the RSS is at
+        most the larger of that limit and live + cap, + slack, the live bytes of a moment the other terms hold. Between two checks the holes grow by at most the bytes
         freed in between (a freed block is resident only if written; an allocation from a free chunk shrinks the
         holes or faults live pages in): one layer's forward temporaries, or in its backward its saved tensors and
         temporaries, whose freeing lowers the live bytes as much, so the RSS passes live + cap + slack by at most

@@ -171,7 +171,7 @@ class StageTrainer:
         if not heap_guard_available():
             log.warning("heap guard: not available here (glibc >= 2.33 needed); the plan's heap cap is not kept")
             return None
-        guard = HeapGuard.create(cap, spec.stage.heap_slack_bytes)
+        guard = HeapGuard.create(cap, spec.stage.heap_slack_bytes, spec.stage.heap_limit_bytes)
         self.module.layer_check = guard.check
         for p in self.params.values():  # the fresh gradients added into .grad and freed, one tensor at a time
             p.register_post_accumulate_grad_hook(guard.check)
