@@ -215,14 +215,40 @@ def head_position(kind: str, num_stages: int) -> tuple[int, int]:
     return card_of(kind, num_stages, num_stages * chunks_per_card(kind) - 1)
 
 
+#: where the other cards' ``V(m)`` may go, in unit times after the head's ``F(m)`` ends (:func:`vocab_positions`;
+#: the first of equally fast)
+VOCAB_OFFSETS = (0.0, 1.0, -1.0)
+
+
 def vocab_positions(kind: str, num_stages: int, num_micro: int) -> list[list[int]]:
     """Where each card's ``V(m)`` goes (per card, per micro-batch ``m``: how many of the card's other actions come
     before it). The head card: right after its last-stage ``F(m)``. Another card: after every action of its own
-    that ends by then in the unit-time timeline without ``V`` actions (F = B = W = 1; an unsplit B 2), so the
-    cards reach the joint action about together. ``V(m)`` thereby comes after everything it waits for on every card
-    and before everything that waits for it (the last stage's ``B(m)`` and what follows from it): an order of the
-    unit-time timeline, so no card waits in a cycle (:func:`simulate` checks it with bounded links too)."""
+    that ends by then plus an offset (:data:`VOCAB_OFFSETS`) in the unit-time timeline without ``V`` actions (F = B
+    = W = 1; an unsplit B 2), never after its own ``B(m)``, so the cards reach the joint action about together.
+    Of the offsets, the one whose cards run free of deadlock with unbounded, 2-, 3- and min(M, P)+1-slot links
+    (:func:`simulate`) and whose unit-time step (``V`` taking no time) is the shortest: the offset 0 orders the
+    actions as the unit-time timeline does, so it always runs (``V(m)`` after everything it waits for, before
+    everything that waits for it); 1 suits zb-h1 (P = 8, M = 32: 111 units against 128), -1 zb-h2 (109 / 110)."""
     P, M = num_stages, num_micro
+    best = None
+    for d in VOCAB_OFFSETS:
+        pos = _offset_positions(kind, P, M, d)
+        scheds = _insert_vocab(kind, P, M, pos)
+        try:
+            for slots in (None, 2, 3, min(M, P) + 1):
+                _simulate(kind, P, M, scheds, slots, True)
+            t = max(_run_program(_program(kind, P, M, scheds, True), P, _unit_durations(kind, P), [0.0] * P)[0])
+        except RuntimeError:
+            continue
+        if best is None or t < best[0]:
+            best = (t, pos)
+    if best is None:
+        raise RuntimeError(f"schedule {kind}: no deadlock-free place for the vocabulary actions, P={P}, M={M}")
+    return best[1]
+
+
+def _offset_positions(kind: str, P: int, M: int, delta: float) -> list[list[int]]:
+    """:func:`vocab_positions` of one offset ``delta``."""
     ends = _unit_ends(kind, P, M)
     h, hc = head_position(kind, P)
     base_h = _base_schedule(kind, P, M, h)
@@ -232,26 +258,36 @@ def vocab_positions(kind: str, num_stages: int, num_micro: int) -> list[list[int
         if s == h:
             out.append([f_at[m] + 1 for m in range(M)])
             continue
+        base = _base_schedule(kind, P, M, s)
+        first_b = {}
+        for i, a in enumerate(base):
+            if a.kind == "B":
+                first_b.setdefault(a.micro, i)
         row, k = [], 0
         for m in range(M):
-            t = ends[h][f_at[m]]
+            t = ends[h][f_at[m]] + delta
             while k < len(ends[s]) and ends[s][k] <= t:
                 k += 1
-            row.append(k)
+            row.append(max(row[-1] if row else 0, min(k, first_b.get(m, len(base)))))
         out.append(row)
     return out
 
 
-def _unit_ends(kind: str, P: int, M: int) -> list[list[float]]:
-    """Per card, the end of each of its actions (schedule order, no ``V``) in the unit-time timeline."""
+def _unit_durations(kind: str, P: int) -> tuple:
+    """``(F, B, W)`` durations per virtual stage at unit times (:func:`stage_timeline`'s ``dur``)."""
     V = P * chunks_per_card(kind)
     split = kind in SPLIT_BACKWARD
+    return ([1.0] * V, [1.0 if split and v > 0 else 2.0 for v in range(V)], [1.0 if v > 0 else 0.0 for v in range(V)])
+
+
+def _unit_ends(kind: str, P: int, M: int) -> list[list[float]]:
+    """Per card, the end of each of its actions (schedule order, no ``V``) in the unit-time timeline."""
+    dur = _unit_durations(kind, P)
     end, free = [], [0.0] * P
     ends: list[list[float]] = [[] for _ in range(P)]
     for s, v, k, deps in _timeline_program(kind, P, M):
         start = max([free[s]] + [end[j] for j in deps])
-        d = 1.0 if k == 0 else (1.0 if split and v > 0 else 2.0) if k == 1 else (1.0 if v > 0 else 0.0)
-        free[s] = start + d
+        free[s] = start + dur[k][v]
         end.append(free[s])
         ends[s].append(free[s])
     return ends
@@ -260,7 +296,11 @@ def _unit_ends(kind: str, P: int, M: int) -> list[list[float]]:
 @lru_cache(maxsize=256)
 def _with_vocab(kind: str, P: int, M: int) -> tuple:
     """Every card's actions with ``V(m)`` inserted at :func:`vocab_positions` (tuples)."""
-    pos = vocab_positions(kind, P, M)
+    return _insert_vocab(kind, P, M, vocab_positions(kind, P, M))
+
+
+def _insert_vocab(kind: str, P: int, M: int, pos: list) -> tuple:
+    """Every card's actions with ``V(m)`` inserted at ``pos`` (:func:`vocab_positions`' form; tuples)."""
     out = []
     for s in range(P):
         base = _base_schedule(kind, P, M, s)
@@ -354,7 +394,11 @@ def simulate(kind: str, num_stages: int, num_micro: int, slots: Optional[int] = 
     run in one tick by every card once all have reached it and the last stage's ``F(m)`` is done, the last stage's
     ``B(m)`` after it. Raises RuntimeError on deadlock."""
     P = num_stages
-    scheds = [build_schedule(kind, P, num_micro, s, vocab) for s in range(P)]
+    return _simulate(kind, P, num_micro, [build_schedule(kind, P, num_micro, s, vocab) for s in range(P)], slots, vocab)
+
+
+def _simulate(kind: str, P: int, num_micro: int, scheds, slots: Optional[int], vocab: bool) -> int:
+    """:func:`simulate` of the cards' action lists ``scheds``."""
     V = P * chunks_per_card(kind)
     pos = [0] * P
     done = {k: [set() for _ in range(V)] for k in "FBW"}
@@ -462,9 +506,15 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
     # per action kind (F, B, W) and virtual stage: its duration
     dur = (tf, [tb[v] if split and v > 0 else tb[v] + tw[v] for v in range(V)],
            [tw[v] if v > 0 else 0.0 for v in range(V)])
+    return _run_program(_timeline_program(kind, P, num_micro, tv is not None), P, dur, tv)
+
+
+def _run_program(prog: tuple, P: int, dur: tuple, tv: Optional[list]) -> tuple[list[float], list[float]]:
+    """Per card ``(end, busy)`` of :func:`_timeline_program`'s ``prog`` with ``dur[kind index][virtual stage]`` and
+    each card's share ``tv`` of a joint ``V(m)``."""
     end = []
     free, busy = [0.0] * P, [0.0] * P
-    for s, v, k, deps in _timeline_program(kind, P, num_micro, tv is not None):
+    for s, v, k, deps in prog:
         if s < 0:  # a joint V(m): every card at once
             start = max(free)
             d = max(tv)
@@ -489,8 +539,12 @@ def _timeline_program(kind: str, P: int, M: int, vocab: bool = False) -> tuple:
     (0 F, 1 B, 2 W), indices of the earlier entries it waits for)``: each card takes its next action as soon as
     the actions that action depends on are placed, cards visited in turn; a joint ``V(m)`` (``vocab``) is one
     entry ``(-1, -1, 3, ())`` placed once every card has reached it. Raises RuntimeError on deadlock."""
+    return _program(kind, P, M, [build_schedule(kind, P, M, s, vocab) for s in range(P)], vocab)
+
+
+def _program(kind: str, P: int, M: int, scheds, vocab: bool) -> tuple:
+    """:func:`_timeline_program` of the cards' action lists ``scheds``."""
     V = P * chunks_per_card(kind)
-    scheds = [build_schedule(kind, P, M, s, vocab) for s in range(P)]
     index: dict[tuple[str, int, int], int] = {}
     prog = []
     pos = [0] * P
