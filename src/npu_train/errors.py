@@ -21,6 +21,16 @@ class ConfigError(UserError, ValueError):
     """A configuration value is invalid; the message names the key and the fix."""
 
 
+class BackendUnavailableError(UserError, RuntimeError):
+    """The device runtime a backend entry needs is missing on this machine (no driver / library /
+    device nodes / package), or the device cannot be used at all. The message says what to do.
+    (Here, not in ``backends/base.py``, so that the backend list is checked without importing torch.)"""
+
+
+class BackendSpecError(UserError, ValueError):
+    """A malformed or impossible ``backend`` list; the message names the entry and the fix."""
+
+
 class JobFailed(Exception):
     """The job was brought down by a failed card process; ``str(self)`` names card, stage, phase and cause.
     ``checkpoint``: the latest complete checkpoint of the run (saved by this launch or the one it resumed

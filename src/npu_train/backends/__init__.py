@@ -1,17 +1,26 @@
-"""Card backends (cpu, cuda, furiosa/RNGD), one per card process; importing it never imports furiosa-torch."""
+"""Card backends (cpu, cuda, furiosa/RNGD), one per card process; importing it never imports furiosa-torch,
+nor torch: its names are imported when first used, so that the launcher checks the ``backend`` list
+(:mod:`~npu_train.backends.spec`) before its seconds of imports."""
+from __future__ import annotations
 
-from npu_train.backends.base import AllocLock, Backend, BackendUnavailableError
-from npu_train.backends.registry import make_backend
-from npu_train.backends.spec import BackendSpecError, parse_backend_list, resolve_cards
-from npu_train.hardware import FURIOSA_CAPACITY_BYTES
+import importlib
 
-__all__ = [
-    "AllocLock",
-    "Backend",
-    "BackendSpecError",
-    "BackendUnavailableError",
-    "FURIOSA_CAPACITY_BYTES",
-    "make_backend",
-    "parse_backend_list",
-    "resolve_cards",
-]
+#: name -> the module that defines it
+_WHERE = {
+    "AllocLock": "npu_train.backends.base",
+    "Backend": "npu_train.backends.base",
+    "BackendUnavailableError": "npu_train.errors",
+    "BackendSpecError": "npu_train.errors",
+    "FURIOSA_CAPACITY_BYTES": "npu_train.hardware",
+    "make_backend": "npu_train.backends.registry",
+    "parse_backend_list": "npu_train.backends.spec",
+    "resolve_cards": "npu_train.backends.spec",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from typing import Iterable, Sequence
 
-from npu_train.backends.base import BackendSpecError, BackendUnavailableError
+from npu_train.errors import BackendSpecError, BackendUnavailableError
 from npu_train.hardware import KINDS, Card, nominal_capacity
 
 ALIASES = {"rngd": "furiosa", "gpu": None}  # None: recognised but refused with a hint
