@@ -260,6 +260,7 @@ class Reporter:
         self._peak_floor: list[float] = []
         self.mfu_bound = False
         self.t_start = time.time()
+        self._said_at = self.t_start  # the last line printed (quiet_startup counts from it)
         self.trace = None  # npu_train.metrics.trace.TraceWriter, from the first step with actions (runtime.trace)
         self._n_ema = 0  # finite losses folded into the EMA
         self._ema = 0.0  # loss EMA (beta LOSS_EMA_BETA), bias-corrected as in Adam: ema / (1 - beta^n)
@@ -309,7 +310,28 @@ class Reporter:
     LOSS_EMA_BETA = 0.9
 
     def note(self, text: str) -> None:
+        self._said_at = time.time()
         print(text, file=self.stream, flush=True)
+
+    #: how :meth:`quiet_startup` says a phase whose name alone does not
+    PHASE_WORDS = {"start": "process start (Python imports)", "rendezvous": "rendezvous (waits for the others)"}
+    #: seconds of start-up without a printed line before :meth:`quiet_startup` says what the cards are doing
+    STARTUP_QUIET_S = 10.0
+
+    def quiet_startup(self, cards: list[tuple[str, str]], now: Optional[float] = None) -> None:
+        """Plain output (:attr:`plain_phases`), before the first step line: when nothing was printed for
+        :data:`STARTUP_QUIET_S` seconds, one line with each card's phase, ``cards``: ``(card label, phase)``
+        in rank order, e.g. ``still: cpu:0 model load, cpu:1 rendezvous (waits for the others) (25 s)``
+        (the first time a phase begins gets its own line, :meth:`phase`; the default job's layers load for
+        10-25 s on a loaded 2-core host with no other line). ``now``: ``time.time()`` (tests pass their own)."""
+        if self._n or self.live is not None or not self.plain_phases:
+            return
+        now = time.time() if now is None else now
+        if now - self._said_at < self.STARTUP_QUIET_S:
+            return
+        what = ", ".join(f"{card} {self.PHASE_WORDS.get(phase, phase)}" for card, phase in cards)
+        self.note(fold_long_line(f"still: {what} ({now - self.t_start:.0f} s)"))
+        self._said_at = now
 
     def step(self, reports: list[dict]) -> dict:
         """Merge the reports of all cards for one step (list indexed by rank) and print the line."""

@@ -190,6 +190,8 @@ class Coordinator:
                 self._handle(self.sock.recv_multipart())
             now = time.monotonic()
             self._forgive_pause(now)
+            if self.reporter is not None:  # plain output: a line when the start-up is silent for long
+                self.reporter.quiet_startup([(rs.card, rs.phase) for rs in self.ranks])
             if self.link is not None:
                 self.link.pump(now, lambda step: self._publish(step, self.ckpt_reports.pop(step)[min(self.by_rank)]))
             if all(rs.done for rs in self.ranks):
