@@ -93,3 +93,18 @@ def test_timeline_adds_at_least_each_cards_vocab_share(kind):
     end, busy = stage_timeline(kind, P, M, t_v=0.25)
     assert busy == pytest.approx([b + M * 0.25 for b in base_busy])
     assert max(end) >= max(base_busy) + M * 0.25 - 1e-9
+
+
+@pytest.mark.parametrize("kind", ["zb", "zbv"])
+def test_a_free_vocab_action_costs_zb_and_zbv_nothing(kind):
+    """At unit times with ``V`` taking no time, ZB and ZB-V keep their step for P <= 8, M <= 4P: the joint actions sit
+    where the cards are aligned anyway (10.2 of experiments/2026-12-06-eight-cards.md)."""
+    for P, M in CASES:
+        assert step_time(kind, P, M, t_v=0.0) == step_time(kind, P, M), (P, M)
+
+
+def test_the_offsets_bring_zb_h1_close_to_its_step():
+    """ZB-H1, P = 8, M = 32 (the 8B layout): 103 units without ``V``; 128 with every card's ``V(m)`` at the head's
+    ``F(m)`` (offset 0), 111 with the +1 offset :func:`vocab_positions` picks."""
+    assert step_time("zb-h1", 8, 32) == 103.0
+    assert step_time("zb-h1", 8, 32, t_v=0.0) == 111.0
