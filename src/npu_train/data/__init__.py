@@ -1,35 +1,39 @@
 """Training data, in stages (:mod:`npu_train.data.prepare`): read rows (sources, rows) -> render samples (render)
--> pack (pack, spool, the packed file: packfile) -> cache file with lock (cache) -> batches (sampler, batches)."""
+-> pack (pack, spool, the packed file: packfile) -> cache file with lock (cache) -> batches (sampler, batches).
+Names are imported on first use (PEP 562): ``data.rows`` / ``data.sources`` (the launcher's check of
+``data.source``) import no torch."""
+from __future__ import annotations
 
-from .batches import micro_batch_tensors
-from .cache import packed_cache_path, text_fingerprint
-from .packfile import PackedData, load_packed, save_packed
-from .prepare import build_packed_data, build_preference_data, build_sft_data
-from .render import ChatRenderer, tokenize_documents
-from .rows import FORMATS
-from .sampler import StepSampler
-from .sources import Source, read_documents, read_text_source, resolve_source
-from .text import DataError, botchan_text, strip_gutenberg
+import importlib
 
-__all__ = [
-    "ChatRenderer",
-    "FORMATS",
-    "build_preference_data",
-    "build_sft_data",
-    "DataError",
-    "PackedData",
-    "Source",
-    "StepSampler",
-    "botchan_text",
-    "build_packed_data",
-    "load_packed",
-    "micro_batch_tensors",
-    "packed_cache_path",
-    "read_documents",
-    "read_text_source",
-    "resolve_source",
-    "save_packed",
-    "strip_gutenberg",
-    "text_fingerprint",
-    "tokenize_documents",
-]
+#: public name -> the submodule that defines it
+_WHERE = {
+    "micro_batch_tensors": "batches",
+    "packed_cache_path": "cache",
+    "text_fingerprint": "cache",
+    "PackedData": "packfile",
+    "load_packed": "packfile",
+    "save_packed": "packfile",
+    "build_packed_data": "prepare",
+    "build_preference_data": "prepare",
+    "build_sft_data": "prepare",
+    "ChatRenderer": "render",
+    "tokenize_documents": "render",
+    "FORMATS": "rows",
+    "StepSampler": "sampler",
+    "Source": "sources",
+    "read_documents": "sources",
+    "read_text_source": "sources",
+    "resolve_source": "sources",
+    "DataError": "text",
+    "botchan_text": "text",
+    "strip_gutenberg": "text",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -35,34 +35,14 @@ from .pack import (PROGRESS_S, SftJob, SplitStream, TextJob, free_check, pairs_k
                    write_pairs, write_sft, write_text)
 from .packfile import PackedData, read_losses, token_dtype
 from .render import ChatRenderer, chunk_safe, pair_tokens, rendered, token_batches
-from .rows import FIELDS, FORMATS, iter_pairs, iter_rows
+from .rows import FIELDS, FORMATS, check_data_source, iter_pairs, iter_rows
+from .rows import data_settings as _data_settings
 from .sources import BAD_ROWS, BadRows, Source, resolve_source, source_key, text_pieces
 from .spool import BuildJob, when_built
 from .text import DataError
 
 __all__ = ["TextSpec", "build_packed_data", "build_preference_data", "build_sft_data", "check_data_source",
            "prepare_data"]
-
-
-def _data_settings(d) -> tuple[str, str, str, Optional[str]]:
-    """``(format, bad_rows, split, val_split)`` of the ``cfg.data`` section ``d``, with their defaults. Raises
-    :class:`DataError` for an unknown ``data.format`` or ``data.bad_rows``."""
-    fmt = str(getattr(d, "format", "text") or "text")
-    if fmt not in FORMATS:
-        raise DataError(f"data.format={fmt!r}: use one of {list(FORMATS)}")
-    bad_rows = str(getattr(d, "bad_rows", "refuse") or "refuse")
-    if bad_rows not in BAD_ROWS:
-        raise DataError(f"data.bad_rows={bad_rows!r}: use one of {list(BAD_ROWS)}")
-    return fmt, bad_rows, str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
-
-
-def check_data_source(cfg) -> Source:
-    """Before the plan and the start-up's timings: ``data.format``, ``data.bad_rows`` and ``data.source`` name
-    something that exists (a built-in set of the format, a file, a glob matching files, a directory of them,
-    a save_to_disk directory with the splits asked for); nothing is read. Raises FileNotFoundError (a missing
-    path: one line naming the built-in sets and the accepted paths) or :class:`DataError`."""
-    fmt, _, split, val_split = _data_settings(cfg.data)
-    return resolve_source(cfg.data.source, fmt, split, val_split)
 
 
 def prepare_data(cfg, model_path: str, model_cfg, log: Callable[[str], None] = print) -> PackedData:

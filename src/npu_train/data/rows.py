@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional, Union
 
 from npu_train.config import DATA_FORMATS
 
-from .sources import BadRows, iter_converted, no_rows, resolve_source
+from .sources import BAD_ROWS, BadRows, Source, iter_converted, no_rows, resolve_source
 from .text import DataError
 
 __all__ = ["FIELDS", "FORMATS", "PAIR_FIELDS", "ROLES", "PairText", "iter_pairs", "iter_rows", "read_rows",
@@ -223,3 +223,24 @@ def iter_pairs(spec: str, fields: Optional[dict] = None, bad_rows: str = "refuse
         yield pair
     if not n:
         raise no_rows(spec, f" (split {split!r})" if src.kind == "saved" else "", bad, _SHAPES)
+
+
+def data_settings(d) -> tuple[str, str, str, Optional[str]]:
+    """``(format, bad_rows, split, val_split)`` of the ``cfg.data`` section ``d``, with their defaults. Raises
+    :class:`DataError` for an unknown ``data.format`` or ``data.bad_rows``."""
+    fmt = str(getattr(d, "format", "text") or "text")
+    if fmt not in FORMATS:
+        raise DataError(f"data.format={fmt!r}: use one of {list(FORMATS)}")
+    bad_rows = str(getattr(d, "bad_rows", "refuse") or "refuse")
+    if bad_rows not in BAD_ROWS:
+        raise DataError(f"data.bad_rows={bad_rows!r}: use one of {list(BAD_ROWS)}")
+    return fmt, bad_rows, str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None) or None
+
+
+def check_data_source(cfg) -> Source:
+    """Before the plan and the start-up's timings: ``data.format``, ``data.bad_rows`` and ``data.source`` name
+    something that exists (a built-in set of the format, a file, a glob matching files, a directory of them,
+    a save_to_disk directory with the splits asked for); nothing is read. Raises FileNotFoundError (a missing
+    path: one line naming the built-in sets and the accepted paths) or :class:`DataError`."""
+    fmt, _, split, val_split = data_settings(cfg.data)
+    return resolve_source(cfg.data.source, fmt, split, val_split)

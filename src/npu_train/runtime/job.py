@@ -21,12 +21,25 @@ from typing import Callable, Optional
 
 from npu_train.env import cache_dir, getenv, writable_cache_dir
 from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, raise_pending_signal
-from npu_train.runtime.coordinator import Coordinator
 from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
                                       last_checkpoint_note, prepare_checkpoint_root)
 from npu_train.runtime.spec import (ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec, eval_micro_batches,
                                    eval_note)
-from npu_train.transport.channel import Endpoint
+
+
+def __getattr__(name: str):
+    """``Coordinator`` on first use (PEP 562): the coordinator and the transport import torch, which a dry run
+    (``plan=true`` with a preset) and a refusal before the start never need."""
+    if name == "Coordinator":
+        from npu_train.runtime.coordinator import Coordinator
+
+        return Coordinator
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _coordinator_class():
+    """The coordinator class: a stand-in a test set as ``job.Coordinator``, else the real one."""
+    return globals().get("Coordinator") or __getattr__("Coordinator")
 
 
 def check_port(host: str, port: int) -> None:
@@ -104,7 +117,6 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
     smallest thread count, so they get the same plan. Raises UserError on bad input."""
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import compute_dtype, validate
-    from npu_train.model import check_weights, load_config, resolve_model_path
     from npu_train.planner import PlacementError, make_plan
 
     validate(cfg)
@@ -125,6 +137,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         cards, node_counts, plan_threads, node_ram = exchange_cards(nodes, cards, threads, host_ram)
     mcfg, model_path = _preset_config(cfg.model.path), None
     if mcfg is None:
+        from npu_train.model import resolve_model_path  # (torch: not for a preset's dry run)
+
         # absolute: the checkpoints record it (an export or resume from another directory finds the same model)
         model_path = os.path.abspath(resolve_model_path(cfg.model.path))
     elif not cfg.plan:
@@ -132,6 +146,8 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
                           "or point model.path at an HF directory or a GGUF file")
     dtype = compute_dtype(cfg.train.dtype, [c.kind for c in cards])
     if model_path is not None:
+        from npu_train.model import check_weights, load_config
+
         mcfg = load_config(model_path)
         if not cfg.plan:
             check_weights(model_path, mcfg)
@@ -440,6 +456,8 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
 def _aux_needs_1f1b(cfg, mcfg) -> bool:
     """Whether the mixture-of-experts load-balancing loss is on, so ``train.schedule=auto`` (alone or under
     ``parallel.dp=auto``) must plan 1f1b: the loss needs a full backward on one chunk per card."""
+    if not getattr(mcfg, "is_moe", False):  # (moeaux imports torch: not for a dense model's dry run)
+        return False
     from npu_train.pipeline.moeaux import aux_loss_weight
 
     return aux_loss_weight(cfg.train.moe_aux_loss, mcfg) > 0
@@ -453,10 +471,10 @@ def _resumed_train(cfg, run_dir: str) -> Optional[dict]:
 
 def _resumed_manifest(cfg, run_dir: str) -> Optional[dict]:
     """The manifest of the checkpoint ``train.resume`` names, or None (no resume, none found)."""
-    from npu_train.checkpoint.store import find_checkpoint
-
     if not cfg.train.resume or cfg.plan:
         return None
+    from npu_train.checkpoint.store import find_checkpoint
+
     try:
         found = find_checkpoint(cfg.train.resume, checkpoint_root(cfg, run_dir))
         with open(os.path.join(found, "manifest.json")) as f:
@@ -469,10 +487,10 @@ def _resumed_manifest(cfg, run_dir: str) -> Optional[dict]:
 def _resumed_split(cfg, run_dir: str, stages: int) -> Optional[list]:
     """Layers per stage of the checkpoint being resumed (if it has ``stages`` stages), else None: a resume keeps
     its split, since another split sums the grad norm in another order (not bit-exact)."""
-    from npu_train.checkpoint.store import checkpoint_split, find_checkpoint
-
     if not cfg.train.resume or cfg.plan:
         return None
+    from npu_train.checkpoint.store import checkpoint_split, find_checkpoint
+
     try:
         found = find_checkpoint(cfg.train.resume, checkpoint_root(cfg, run_dir))
     except UserError:
@@ -538,6 +556,8 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
     * P + stage`` runs stage ``r % P`` on ``prep.cards[r]``. Addresses: ipc sockets in ``ipc_dir`` (``shm``)
     or TCP ports on ``host`` (``inline``); multi-node (``nodes``): this node's cards only, with the job's
     mailboxes, per-boundary transports and gloo rendezvous."""
+    from npu_train.transport.channel import Endpoint
+
     from npu_train.runtime.layout import ParallelLayout
 
     P = len(plan.stages)
@@ -681,6 +701,8 @@ def _recompute_counts(tr) -> tuple:
 def model_file_dtype(spec: str) -> str:
     """The checkpoint dtype of model path ``spec`` (:func:`npu_train.model.chunks.checkpoint_dtype`), or ``"bf16"``
     (the Hub's) for a shape preset or a path that cannot be read (the loaders report that one)."""
+    if _preset_config(spec) is not None:  # no file (and no torch import for a preset's dry run)
+        return "bf16"
     from npu_train.model import resolve_model_path
     from npu_train.model.chunks import checkpoint_dtype
     from npu_train.model.files import ModelFormatError
@@ -867,7 +889,7 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
     """:func:`_train` with the terminal's live display ``live`` (None: plain lines) told each phase."""
     say = live.phase if live is not None else (lambda _text: None)
     say("preparing: cards, model header, placement plan")
-    from npu_train.data.prepare import check_data_source
+    from npu_train.data.rows import check_data_source
 
     check_data_source(cfg)  # a missing data.source: one line now, before the plan and its timings
     prep = prepare(cfg, run_dir, nodes=node.rdv)
@@ -986,9 +1008,9 @@ def _calibrate_only(cfg) -> dict:
 
 def dry_run_data_warning(cfg) -> Optional[str]:
     """``plan=true``'s one ``warning:`` line (printed before it plans) when ``data.source`` cannot be found on
-    this machine: a real run here refuses it (:func:`~npu_train.data.prepare.check_data_source`), but a dry
+    this machine: a real run here refuses it (:func:`~npu_train.data.rows.check_data_source`), but a dry
     run may plan for another machine that has the data; None when it is found."""
-    from npu_train.data.prepare import check_data_source
+    from npu_train.data.rows import check_data_source
 
     try:
         check_data_source(cfg)
@@ -1160,6 +1182,8 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
 
 def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeContext) -> LaunchIdentity:
     """Job id, token, ports and transports with the port and /dev/shm checks (dead jobs' leftovers freed first)."""
+    from npu_train.transport.channel import Endpoint
+
     from npu_train.runtime import nodes as N
     from npu_train.runtime.leftovers import sweep_dead_jobs
     from npu_train.transport.shm import ShmTooSmallError
@@ -1270,7 +1294,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
                         predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node),
                         model_flops=model_flops_per_rank(prep), live=live, plain_phases=_sweep_group() is None,
                         start_step=resume.start_step)
-    coord = Coordinator(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
+    coord = _coordinator_class()(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,
                         ckpt_keep=cfg.checkpoint.keep,
