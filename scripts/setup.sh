@@ -46,7 +46,9 @@ progress() {
 say() { local l; l=$(printf 'setup:       %3d s: %s' $((SECONDS - t)) "$1"); echo "${l:0:100}"; last=$SECONDS; }
 news() { [ $((SECONDS - last)) -ge "$every" ] && say "$what"; return 0; }
 pipi() {
-  "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 | progress || true
+  # unbuffered: pip's lines reach progress() as pip prints them, not a block at a time
+  PYTHONUNBUFFERED=1 "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 \
+    | progress || true
 }
 phase 2 "upgrading pip"
 pipi --upgrade pip
