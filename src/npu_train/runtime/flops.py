@@ -70,8 +70,9 @@ def first_plan_flops(dtype: str, threads: int, model_cfg=None, batch_seq=None) -
     calibrated: one decoder layer of the job's own shape (``model_cfg``: a LlamaConfig; ``batch_seq``: the
     job's (micro-batch, sequence length)) forward + backward in ``dtype`` at ``threads`` torch threads, its
     FLOPs over the fastest of a few repetitions, each timed by :func:`~npu_train.metrics.mfu.cpu_clock`
-    (one thread: CPU time, so a busy host does not read as a slow core). A bare 1024^2 matmul x
-    :data:`LAYER_OF_MATMUL` predicted the default job at 3.83 s a step against 5-7 s measured: its small
+    (one thread, or several with passive OpenMP waits: CPU time, so a busy host does not read as a slow
+    core; at 2 threads with spinning waits it planned 92.47 s a step against 3.8-8.4 s). A bare 1024^2
+    matmul x :data:`LAYER_OF_MATMUL` predicted the default job at 3.83 s a step against 5-7 s measured: its small
     matrices (576 x 1536, 256 tokens) run at 62 % of the big matmul's rate here, not 85 %. Falls back to the
     matmul (:func:`predicted_peak`) x :data:`LAYER_OF_MATMUL` without a shape, for a mixture of experts, or for a
     layer above :data:`FIRST_PLAN_LAYER_BYTES`."""
