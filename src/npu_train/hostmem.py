@@ -244,11 +244,11 @@ class HeapGuard:
         self.seconds += time.perf_counter() - t0
 
     def summary(self) -> str:
-        """``heap guard: cap X GiB, limit L GiB, N checks (F full) in T s, K trims (holes at the trims Y GiB)``."""
-        lim = "" if self.limit is None else f"limit {self.limit / 2**30:.2f} GiB, "
-        return (f"heap guard: cap {self.cap / 2**30:.2f} GiB, {lim}{self.checks} checks ({self.full} full) in "
-                f"{self.seconds:.2f} s, "
-                f"{self.trims} trims (holes at the trims {self.released / 2**30:.2f} GiB)")
+        """Two lines, each short enough that a card's log prefix keeps it within 100 columns:
+        ``heap guard: K trims (Y GiB of holes), N checks in T s`` and ``heap guard: cap X GiB, limit L GiB``."""
+        lim = "none" if self.limit is None else f"{self.limit / 2**30:.2f} GiB"
+        return (f"heap guard: {self.trims} trims ({self.released / 2**30:.2f} GiB of holes), {self.checks} checks in "
+                f"{self.seconds:.1f} s\nheap guard: cap {self.cap / 2**30:.2f} GiB, limit {lim}")
 
 
 #: OpenMP's wait policy variable (libgomp, the OpenMP of PyPI's torch, and MKL's GNU threading layer read it once,

@@ -134,7 +134,7 @@ m = m.to_empty(device="cpu")
 params = dict(m.named_parameters())
 backend = CPUBackend()
 print("before", flush=True); sys.stdin.readline()
-spec = types.SimpleNamespace(model_path=path, model_index=None)
+spec = types.SimpleNamespace(model_path=path, model_index=None, train=types.SimpleNamespace(vocab=False))
 if whole:  # the whole-tensor path this replaced: read, fp32, finite check, upload's copy
     from npu_train.model import iter_tensors
     with torch.no_grad():

@@ -169,7 +169,7 @@ class StageTrainer:
         from npu_train.hostmem import HeapGuard, heap_guard_available
 
         if not heap_guard_available():
-            log.warning("heap guard: not available here (glibc >= 2.33 needed); the plan's heap cap is not kept")
+            log.warning("heap guard: not available (needs glibc >= 2.33); the plan's heap cap is not kept")
             return None
         guard = HeapGuard.create(cap, spec.stage.heap_slack_bytes, spec.stage.heap_limit_bytes)
         self.module.layer_check = guard.check
@@ -789,7 +789,8 @@ class StageTrainer:
 
         self.enter("shutdown")
         if self.heap_guard is not None:
-            log.info(self.heap_guard.summary())
+            for line in self.heap_guard.summary().splitlines():
+                log.info(line)
         self.opt.close()
         dist.barrier()
         if self.comm is not None:
