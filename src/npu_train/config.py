@@ -487,6 +487,8 @@ def validate(cfg) -> None:
     _check_shape(cfg.train, cfg.data)
     if cfg.train.mode == "lora":
         _check_lora(cfg.lora)
+    else:
+        _check_lora_unused(cfg.get("lora") if hasattr(cfg, "get") else getattr(cfg, "lora", None))
     _check_modes(cfg.train)
     _check_objective(cfg)
     _check_optimizer(cfg.train)
@@ -550,6 +552,32 @@ def _check_objective(cfg) -> None:
     if dpo.label_smoothing and dpo.loss != "sigmoid":
         raise ConfigError(f"dpo.label_smoothing={dpo.label_smoothing} (cDPO) applies to dpo.loss=sigmoid only: drop "
                           f"it or use dpo.loss=sigmoid (now {dpo.loss})")
+
+
+def _check_lora_unused(lo) -> None:
+    """``train.mode=full`` with a ``lora.*`` setting other than its default (``lora.rank=16`` alone): the
+    full fine-tune trains every weight and has no adapters, so the setting would be dropped in silence and a
+    run the user meant as LoRA would train (and checkpoint) in full. Raises :class:`ConfigError` naming
+    ``train.mode=lora``."""
+    if lo is None:
+        return
+    default = LoraConf()
+    changed = [f"lora.{k}={_fmt_value(getattr(lo, k))}" for k in ("rank", "alpha", "dropout", "targets", "train_router")
+               if _plain(getattr(lo, k)) != _plain(getattr(default, k))]
+    if changed:
+        raise ConfigError(f"{' '.join(changed)} set, but train.mode=full trains every weight and has no LoRA "
+                          "adapters: add train.mode=lora to train adapters, or drop the lora.* setting(s)")
+
+
+def _plain(v):
+    """``v`` as a plain Python value (an OmegaConf ListConfig as a list) for comparison with a default."""
+    return list(v) if not isinstance(v, (str, bytes)) and hasattr(v, "__iter__") else v
+
+
+def _fmt_value(v) -> str:
+    """``v`` as written on a command line (``[q_proj,v_proj]``, ``16``, ``0.1``)."""
+    v = _plain(v)
+    return f"[{','.join(map(str, v))}]" if isinstance(v, list) else f"{v:g}" if isinstance(v, float) else str(v)
 
 
 def _check_lora(lo) -> None:

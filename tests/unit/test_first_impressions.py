@@ -1,0 +1,29 @@
+"""Issue 40 (first impressions): settings that contradict each other are refused before work, and the
+launcher's messages say one thing one way."""
+from __future__ import annotations
+
+import pytest
+from omegaconf import OmegaConf
+
+from npu_train.config import Config, validate
+from npu_train.errors import ConfigError
+
+
+def test_lora_setting_without_lora_mode_is_refused():
+    """``lora.rank=16`` alone (train.mode=full) used to run a full fine-tune in silence: one error naming
+    train.mode=lora; the same settings with train.mode=lora, and the defaults with full, are fine."""
+    cfg = OmegaConf.structured(Config)
+    validate(cfg)  # the defaults: full, lora.* untouched
+    cfg.lora.rank = 16
+    with pytest.raises(ConfigError, match=r"lora\.rank=16 set, but train\.mode=full .*add train\.mode=lora"):
+        validate(cfg)
+    cfg.train.mode = "lora"
+    validate(cfg)
+    cfg = OmegaConf.structured(Config)
+    cfg.lora.targets = ["q_proj", "v_proj"]
+    with pytest.raises(ConfigError, match=r"lora\.targets=\[q_proj,v_proj\] set"):
+        validate(cfg)
+    cfg = OmegaConf.structured(Config)
+    cfg.lora.alpha = 16  # the default's value written as an integer is no change
+    validate(cfg)
+
