@@ -27,3 +27,19 @@ def test_lora_setting_without_lora_mode_is_refused():
     cfg.lora.alpha = 16  # the default's value written as an integer is no change
     validate(cfg)
 
+
+def test_resumed_schedule_line_is_a_whole_phrase(monkeypatch, capsys):
+    """A resumed ``train.schedule=auto`` run printed ``train.schedule=auto: zb-h2, the resumed checkpoint's``,
+    which reads cut off: the line names what it keeps (the schedule) and why."""
+    from types import SimpleNamespace
+
+    from npu_train.runtime import job
+
+    monkeypatch.setattr(job, "_resumed_train", lambda cfg, run_dir: {"schedule": "zb-h2", "recompute": False})
+    cfg = OmegaConf.structured(Config)
+    cfg.train.schedule = "auto"
+    job._choose_schedule(cfg, "/nonexistent", SimpleNamespace(is_moe=False), "fp32", [], 1, 1, 0, None)
+    line = capsys.readouterr().out.strip()
+    assert cfg.train.schedule == "zb-h2"
+    assert line.startswith("train.schedule=auto: zb-h2, the resumed checkpoint's schedule (a resume keeps it"), line
+    assert not line.endswith("checkpoint's"), line

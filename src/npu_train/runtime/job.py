@@ -423,7 +423,8 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
         core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
         which = saved.get("recompute_layers", cfg.train.recompute_layers)
-        why = f"train.schedule=auto: {schedule}, the resumed checkpoint's"
+        why = (f"train.schedule=auto: {schedule}, the resumed checkpoint's schedule (a resume keeps it: another "
+               "schedule sums the micro-batches' gradients in another order)")
         if cfg.parallel.vocab == "auto":
             with open_dict(cfg):
                 cfg.parallel.vocab = bool(saved.get("vocab", False))
