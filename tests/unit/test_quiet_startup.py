@@ -51,3 +51,16 @@ def test_many_cards_fold_at_100_columns(tmp_path):
     rep.quiet_startup([(f"cpu:{k}", "model load") for k in range(8)], now=rep.t_start + 60)
     lines = out.getvalue().splitlines()
     assert len(lines) > 1 and all(len(l) <= 100 for l in lines), lines
+
+
+def test_a_checkpoint_save_before_the_first_step_line_is_not_called_start_up(tmp_path):
+    """A Ctrl-C in step 1 saves step 1 before any step line: that phase printed
+    ``start-up: checkpoint save of step 1 (card 1, 44 s)``; a save, the shutdown or an evaluation after a step
+    are not the start-up, the evaluation before step 1 (after step 0) is."""
+    rep, out = _reporter(tmp_path)
+    for text in ("model load", "evaluation after step 0", "checkpoint save of step 1", "evaluation after step 1",
+                 "shutdown"):
+        rep.phase(1, text)
+    lines = [l.rsplit(" (card", 1)[0] for l in out.getvalue().splitlines()]
+    assert lines == ["start-up: model load", "start-up: evaluation after step 0", "checkpoint save of step 1",
+                     "evaluation after step 1", "shutdown"], lines

@@ -13,6 +13,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import sys
 import time
 from typing import Optional
@@ -360,17 +361,20 @@ class Reporter:
         return rec
 
     def phase(self, rank: Optional[int], text: str) -> None:
-        """A card's start-up phase (model load, rendezvous, compilation, the evaluation before step 1...): the
-        live display's; in plain output (:attr:`plain_phases`) one ``start-up:`` line the first time any card
+        """A card's phase before the first step line (model load, rendezvous, compilation, the evaluation before
+        step 1...): the live display's; in plain output (:attr:`plain_phases`) one line the first time any card
         enters it, with the seconds since the reporter started (the job line), so the tens of seconds before
-        the first eval or step line are not silent."""
+        the first eval or step line are not silent. A start-up phase (:func:`is_startup_phase`) is labelled
+        ``start-up:``; one of a step already run (``checkpoint save of step 1`` after a Ctrl-C in step 1, before
+        its step line) is printed without that label."""
         if self._n:
             return
         if self.live is not None:
             self.live.phase(text, rank)
         elif self.plain_phases and not text.startswith("step ") and text not in self._phases_said:
             self._phases_said.add(text)
-            self.note(f"start-up: {text} (card {rank}, {time.time() - self.t_start:.0f} s)")
+            head = "start-up: " if is_startup_phase(text) else ""
+            self.note(f"{head}{text} (card {rank}, {time.time() - self.t_start:.0f} s)")
 
     def _mfu(self, rec: dict, reports: list[dict], wall: float) -> None:
         """``mfu`` = all cards' model FLOPs / (step wall time x the sum of their peaks); ``mfu_cards`` per card
@@ -652,6 +656,15 @@ def fold_fields(fields: list[str], width: int = LINE_COLUMNS, first_indent: str 
             cur = cur + " | " + f if cur.strip() else cur + f
     lines.append(cur)
     return "\n".join(lines)
+
+
+def is_startup_phase(text: str) -> bool:
+    """Whether a card's phase ``text`` (``Trainer.enter``) belongs to the start-up, before step 1: not a step's
+    own phases, a checkpoint save, the shutdown, or an evaluation after step N >= 1."""
+    if text.startswith(("step ", "checkpoint save", "shutdown")):
+        return False
+    m = re.match(r"evaluation after step (\d+)", text)
+    return not (m and int(m.group(1)) > 0)
 
 
 def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
