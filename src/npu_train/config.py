@@ -288,7 +288,7 @@ class CheckpointConf:
     #: keep this many most recent checkpoints (0 = all).
     keep: int = 2
     #: a new run whose checkpoint dir already holds another run's checkpoints (a fresh start, no
-    #: train.resume; or a resume from a checkpoint elsewhere): refuse (exit 2, naming train.resume=auto
+    #: train.resume; or a resume from a checkpoint elsewhere): refuse (exit 2, naming train.resume=latest
     #: to continue that run) | set_aside (move them and ``latest`` to <dir>/previous-<k>/; deletes nothing).
     existing: str = "refuse"
     #: the launch checks that checkpoint.dir has room for this run's checkpoints (about 12 bytes per trained

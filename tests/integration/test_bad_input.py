@@ -189,7 +189,7 @@ CASES = [
       "python -m npu_train.checkpoint.export"]),
     ("resume-nothing", lambda b: ["train.resume=latest"], None, ["no complete checkpoint", "checkpoint.dir"]),
     ("checkpoint-dir-of-another-run", lambda b: [f"checkpoint.dir={b.other_ckpt}"], None,
-     ["already holds 1 checkpoint(s) of an earlier run", "train.resume=auto", "checkpoint.existing=set_aside"]),
+     ["already holds 1 checkpoint(s) of an earlier run", "train.resume=latest", "checkpoint.existing=set_aside"]),
     ("recompute-counts", lambda b: ["train.recompute=true", "train.recompute_layers=[1,2,3]"], None,
      ["train.recompute_layers=[1, 2, 3] lists 3 count(s) for a pipeline of 2 card(s)", "give one per card"]),
     ("recompute-counts-without-recompute", lambda b: ["train.recompute_layers=[1,1]"], None,

@@ -284,7 +284,8 @@ def test_reused_checkpoint_dir_is_refused_or_set_aside(tmp_path):
         check_reused_root(root, None, "refuse")
     msg = str(e.value)
     assert "\n" not in msg and root in msg and "step_000004" in msg, msg
-    assert "train.resume=auto" in msg and "checkpoint.existing=set_aside" in msg, msg
+    # the resume hint is spelt as the interrupt line and status.json spell it (issue 40)
+    assert "continue that run with train.resume=latest," in msg and "checkpoint.existing=set_aside" in msg, msg
     elsewhere = _save(str(tmp_path / "other"), 6)
     with pytest.raises(CheckpointError, match="checkpoint.existing=set_aside"):
         check_reused_root(root, elsewhere, "refuse")

@@ -429,7 +429,7 @@ def check_reused_root(root: str, resume_dir: Optional[str], existing: str = "ref
         raise CheckpointError(
             f"{root} (checkpoint.dir) already holds {len(cks)} checkpoint(s) of an earlier run (newest "
             f"{os.path.basename(cks[-1])}), which {start} would mix with its own: continue that run with "
-            "train.resume=auto, or start anew with checkpoint.existing=set_aside (moves them to "
+            "train.resume=latest, or start anew with checkpoint.existing=set_aside (moves them to "
             f"{os.path.join(root, 'previous-<k>')}/, deletes nothing) or another checkpoint.dir / hydra.run.dir")
     return cks
 
