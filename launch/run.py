@@ -275,6 +275,61 @@ class _LogTee:
         return getattr(self.inner, name)
 
 
+class _HeldLog:
+    """The job's log file (``f``) while the run directory holds an earlier launch's ``run.log`` (a reused
+    ``hydra.run.dir``): this launch's lines wait in memory until it is past its refusals (:meth:`release`, via
+    ``npu_train.metrics.report.launch_accepted`` when it begins writing its records), then go to the file in
+    order and later ones straight after. A launch refused before that (exit 2: bad input, another run's
+    checkpoints in the checkpoint dir) drops them (:meth:`drop`): nothing it printed is mixed into the earlier run's
+    log (the console had every line). Issue 40: a refused launch appended its plan and ``error:`` lines."""
+
+    def __init__(self, f) -> None:
+        self.f, self.parts = f, []
+
+    def write(self, s: str) -> int:
+        if self.parts is None:
+            return self.f.write(s)
+        self.parts.append(s)
+        return len(s)
+
+    def flush(self) -> None:
+        if self.parts is None:
+            self.f.flush()
+
+    def release(self) -> None:
+        """Write the held lines and stop holding."""
+        if self.parts is not None:
+            held, self.parts = "".join(self.parts), None
+            self.f.write(held)
+
+    def drop(self) -> None:
+        """Forget the held lines of a launch refused before :meth:`release` (after it, nothing changes)."""
+        if self.parts is not None:
+            self.parts = []
+
+    def close(self) -> None:
+        self.release()
+        self.f.close()
+
+
+def hold_if_reused(log):
+    """``log`` (the job's log file, or None) as a :class:`_HeldLog` when the file already holds an earlier
+    launch's lines, registered to be released once the launch is accepted; else ``log`` itself."""
+    if log is None:
+        return None
+    try:
+        reused = os.path.getsize(log.name) > 0
+    except (OSError, AttributeError, TypeError):
+        reused = False
+    if not reused:
+        return log
+    from npu_train.metrics.report import LAUNCH_ACCEPTED
+
+    held = _HeldLog(log)
+    LAUNCH_ACCEPTED.append(held.release)
+    return held
+
+
 def open_job_log(run_dir: str, job_name: str):
     """The job's log file for appending (line-buffered): the file of Hydra's file logger in ``run_dir``
     (``hydra/job_logging`` default: ``<run dir>/<job name>.log``, i.e. ``run.log``), so log records and
@@ -466,12 +521,13 @@ def run_one(cfg) -> int:
     overrides = list(hc.overrides.task)
     # the job's console output (plan table, step lines, evals, errors) also goes into its log file
     real_out, real_err = sys.stdout, sys.stderr
-    log = open_job_log(run_dir, hc.job.name)
+    log = hold_if_reused(open_job_log(run_dir, hc.job.name))
     out_tee = _LogTee(real_out, log, fold=True)
     sys.stdout = out_tee
     tee = _ErrorLineTee(_LogTee(real_err, log))
     sys.stderr = tee
     report: dict = {}
+    code = None
     # a signal outside run_job's own handlers must not kill the launcher before status.json is written: one
     # before run_job installed them is held for it (it stops at once), a later one only noted
     held = _hold_signals()
@@ -495,6 +551,11 @@ def run_one(cfg) -> int:
         _SIGNALS_HELD_FOR_JOB[0] = False
         out_tee.flush()  # a last line without its newline
         sys.stdout, sys.stderr = real_out, real_err
+        from npu_train.metrics.report import LAUNCH_ACCEPTED
+
+        LAUNCH_ACCEPTED.clear()  # (a sweep's next job in this process registers its own)
+        if isinstance(log, _HeldLog) and code == 2:  # refused: the earlier launch's run.log stays as it was
+            log.drop()
         if log is not None:
             try:
                 log.close()

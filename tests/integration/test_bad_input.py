@@ -276,3 +276,21 @@ def test_a_missing_data_source_is_refused_before_the_plan(tiny_model, tmp_path):
     (line,) = job.error_lines()
     assert "mine.jsonl'" in line and "no such file or directory" in line and "built-in sets" in line
     assert job.stdout.strip() == "", job.stdout
+
+
+def test_a_refused_launch_adds_nothing_to_the_earlier_runs_log(tiny_model, tmp_path, bad):
+    """``hydra.run.dir=<an earlier run's dir>`` is refused (its checkpoints would be mixed: exit 2), and the
+    earlier run's ``run.log`` used to gain the refused launch's plan line and its ``error:`` line (issue 40):
+    the run dir's files stay byte for byte as the earlier run left them; the console has the error."""
+    import shutil
+
+    run_dir = tmp_path / "run" / "out"
+    shutil.copytree(bad.other_ckpt, run_dir / "checkpoints")
+    earlier = {"run.log": "job: the earlier run\nstep 2/2 | loss 5.1\n", "status.json": '{"status": "ok"}\n'}
+    for fn, text in earlier.items():
+        (run_dir / fn).write_text(text)
+    job = Job(tmp_path, tiny_model, "train.steps=2")
+    assert job.finish(90) == 2, job.tail()
+    assert "already holds 1 checkpoint(s) of an earlier run" in job.stderr, job.tail()
+    for fn, text in earlier.items():
+        assert (run_dir / fn).read_text() == text, fn

@@ -55,6 +55,11 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     assert {"run.log", ".hydra", "checkpoints"} <= set(os.listdir(again.run_dir))  # these stay
     assert again.run_dir == first.run_dir and "continue with the steps up to 2 of " in again.flat_stdout
     assert "done: 2 steps" in again.stdout
+    # run.log: the first launch's lines, then the resumed launch's (held back until it was accepted, issue 40)
+    with open(os.path.join(again.run_dir, "run.log")) as f:
+        log = " ".join(f.read().split())  # (lines folded at words, as in flat_stdout)
+    assert 0 <= log.find("stopped: 2 steps of this launch") < log.find("continue with the steps up to 2 of ") \
+        < log.find("done: 2 steps"), log[-2000:]
     with open(os.path.join(again.run_dir, "status.json")) as f:
         assert "stopped_at" not in json.load(f)  # complete
     with open(os.path.join(again.run_dir, "metrics.jsonl")) as f:

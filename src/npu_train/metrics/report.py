@@ -52,6 +52,19 @@ def _is_run_output(fn: str) -> bool:
     return fn in RUN_OUTPUTS or (fn.startswith("card") and fn.endswith(".traceback.txt"))
 
 
+#: what runs once this launch is past its refusals and begins writing its records into the run directory
+#: (:func:`launch_accepted`): the launcher's run.log lines held back while the run dir holds an earlier launch's
+#: ``run.log`` (launch/run.py ``_HeldLog``), so a refused launch adds nothing to another run's log
+LAUNCH_ACCEPTED: list = []
+
+
+def launch_accepted() -> None:
+    """Run (and forget) the :data:`LAUNCH_ACCEPTED` callbacks; called by :func:`rotate_previous_run`'s caller
+    in ``runtime/job.py`` before this launch writes its first record."""
+    while LAUNCH_ACCEPTED:
+        LAUNCH_ACCEPTED.pop(0)()
+
+
 def rotate_previous_run(run_dir: str) -> Optional[str]:
     """Move an earlier launch's outputs in ``run_dir`` (:func:`_is_run_output`) into ``previous-<k>/``;
     returns it, or None when there was nothing. Call it before this launch writes any of them."""
