@@ -790,7 +790,7 @@ class StageTrainer:
         self.enter("shutdown")
         if self.heap_guard is not None:
             for line in self.heap_guard.summary().splitlines():
-                log.info(line)
+                log.debug(line)  # diagnostics: a console line would cut the live progress bar
         self.opt.close()
         dist.barrier()
         if self.comm is not None:
