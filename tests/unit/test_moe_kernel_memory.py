@@ -22,6 +22,8 @@ from npu_train.planner.moe import expert_kernel_bytes
 H, INTER = 40, 24
 COUNTS = (5, 1, 0, 9, 3)
 ROWS = sum(COUNTS)
+TOP_K = 2  # the model's: ROWS / TOP_K = 9 tokens, the most rows one expert can get (COUNTS[3] has them)
+RANK = 4
 
 
 class _Allocations(TorchDispatchMode):
@@ -70,24 +72,29 @@ def _keys(ts) -> set:
     return {t.untyped_storage().data_ptr() for t in ts if isinstance(t, torch.Tensor)}
 
 
-def _phases(e: int, m: int, trained: bool) -> int:
-    """The kernel's peak from its description (``GroupedSwiGlu`` and ``_Operands`` docstrings), ``R`` rows."""
-    R, w = ROWS, INTER * H
-    if m == e:  # backward: dh, [dg | du], silu_backward's input product and output
-        return e * R * (INTER + 2 * INTER + INTER + INTER)
+def _phases(e: int, m: int, trained: bool, r: int = 0) -> int:
+    """The kernel's peak from its description (``GroupedSwiGlu`` and ``_Operands`` docstrings), ``R`` rows;
+    ``r``: rank-``r`` adapters on every projection (``lora_A [r, in]``, ``lora_B [out, r]``, in the weights' dtype),
+    one projection's at a time: widened to the matmul dtype for each use, and backward ``q = dy B`` ``[rows of the
+    block, r]`` and each adapter gradient's product in the matmul dtype before it is rounded."""
+    R, w, n = ROWS, INTER * H, max(COUNTS)
+    if m == e:  # backward: dh, [dg | du], silu_backward's input product and output; adapters: q beside [dg | du]
+        return max(e * R * (INTER + 2 * INTER + INTER + INTER), e * R * 2 * INTER + e * n * r)
     g = 2 if trained else 1
-    forward_gate_up = m * R * (H + 2 * INTER) + m * 2 * w
-    forward_down = m * R * (INTER + H) + m * w
-    backward_down = m * R * (H + INTER + INTER) + g * m * w
+    adapters = m * r * (H + INTER)  # A and B widened: [r, H] + [INTER, r] (gate, up) or [r, INTER] + [H, r] (down)
+    adapter_backward = adapters + m * n * r + m * r * max(H, INTER)  # q, the larger gradient product
+    forward_gate_up = m * R * (H + 2 * INTER) + m * 2 * w + adapters
+    forward_down = m * R * (INTER + H) + m * w + adapters
+    backward_down = m * R * (H + INTER + INTER) + g * m * w + adapter_backward
     rounding = R * (m * INTER + e * INTER)
     silu = R * (e * INTER * 3 + m * 2 * INTER)
-    backward_gate_up = m * R * (2 * INTER + H + H) + g * m * 2 * w
+    backward_gate_up = m * R * (2 * INTER + H + H) + g * m * 2 * w + adapter_backward
     return max(forward_gate_up, forward_down, backward_down, rounding, silu, backward_gate_up)
 
 
 def _model() -> LlamaConfig:
     return LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4,
-                       num_kv_heads=4, family="qwen3_moe", num_experts=len(COUNTS), num_experts_per_tok=2,
+                       num_kv_heads=4, family="qwen3_moe", num_experts=len(COUNTS), num_experts_per_tok=TOP_K,
                        moe_intermediate_size=INTER)
 
 
@@ -103,39 +110,61 @@ def _weights(dtype, trained: bool, stacked: bool) -> list:
     return [p.requires_grad_(trained) if p.is_leaf else p.detach().requires_grad_(trained) for p in out]
 
 
+def _with_adapters(ws: list, dtype) -> list:
+    """``ws`` (gate, up, down per expert) as the kernel's LoRA operands: each weight followed by its rank-``RANK``
+    ``lora_A [RANK, in]`` and ``lora_B [out, RANK]`` (random, trained)."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for w in ws:
+        a = (torch.randn(RANK, w.shape[1], generator=g) * 0.2).to(dtype).requires_grad_()
+        b = (torch.randn(w.shape[0], RANK, generator=g) * 0.2).to(dtype).requires_grad_()
+        out += [w, a, b]
+    return out
+
+
 @pytest.mark.parametrize("dtype,wide", [(torch.float32, False), (torch.bfloat16, True)])
-@pytest.mark.parametrize("trained", [True, False])
+@pytest.mark.parametrize("trained,lora", [(True, False), (False, False), (False, True)])
 @pytest.mark.parametrize("stacked", [True, False])
-def test_kernel_allocations_equal_the_planner_term(monkeypatch, dtype, wide, trained, stacked):
+def test_kernel_allocations_equal_the_planner_term(monkeypatch, dtype, wide, trained, lora, stacked):
+    """Full fine-tuning (weights trained), frozen experts, and LoRA (frozen weights with rank-4 adapters on
+    every projection, which the kernel runs)."""
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
     e, m = dtype.itemsize, (4 if wide else dtype.itemsize)
     ws = _weights(dtype, trained, stacked)
+    if lora:
+        ws = _with_adapters(ws, dtype)
     xs = torch.randn(ROWS, H, generator=torch.Generator().manual_seed(1)).to(dtype).requires_grad_()
     dy = torch.randn(ROWS, H, generator=torch.Generator().manual_seed(2)).to(dtype)
     with _Allocations(_keys([xs, dy, *ws])) as fwd:
-        y = GroupedSwiGlu.apply(xs, COUNTS, None, *ws)
+        y = GroupedSwiGlu.apply(xs, COUNTS, 0.5 if lora else None, *ws)
     saved = y.grad_fn.saved_tensors
     forward_peak = fwd.peak()
     inputs = [xs] + [w for w in ws if w.requires_grad]
     with _Allocations(_keys([xs, dy, y, *saved, *ws])) as bwd:
         _grads = torch.autograd.grad(y, inputs, dy)
     backward_peak = bwd.peak()
-    want = _phases(e, m, trained)
+    r = RANK if lora else 0
+    want = _phases(e, m, trained, r)
     assert max(forward_peak, backward_peak) == want
-    assert expert_kernel_bytes(_model(), ROWS, e, m, trained) == want
+    assert expert_kernel_bytes(_model(), ROWS, e, m, trained, rank=r) == want
 
 
 def test_the_qwen3_30b_a3b_figures():
     """h 2048, I 768, 256 tokens x top-8 = 2048 rows: bf16 widened and trained 71.3 MB (the backward's gate/up
-    phase: 2048 x (8 x 768 + 8 x 2048) + 16 x 768 x 2048), frozen (LoRA) 58.7 MB, fp32 31.5 MB (5 x 4 x 768 per
-    row)."""
+    phase: 2048 x (8 x 768 + 8 x 2048) + 16 x 768 x 2048), frozen 58.7 MB, frozen with rank-8 adapters (LoRA)
+    58.9 MB, fp32 31.5 MB (5 x 4 x 768 per row)."""
     m = LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=1, num_heads=32,
                     num_kv_heads=4, head_dim=128, family="qwen3_moe", num_experts=128, num_experts_per_tok=8,
                     moe_intermediate_size=768)
     assert expert_kernel_bytes(m, 2048, 2, 4, True) == 2048 * (8 * 768 + 8 * 2048) + 16 * 768 * 2048
     assert expert_kernel_bytes(m, 2048, 2, 4, False) == 2048 * (8 * 768 + 8 * 2048) + 8 * 768 * 2048
     assert expert_kernel_bytes(m, 2048, 4, 4, True) == 5 * 4 * 768 * 2048
+    # rank-8 adapters widened (8 x (2048 + 768)), dy B over one expert's most rows (256 tokens), the [8, 2048]
+    # gradient product: 58.9 MB; in fp32 under the silu phase
+    assert expert_kernel_bytes(m, 2048, 2, 4, False, rank=8) == \
+        2048 * (8 * 768 + 8 * 2048) + 8 * 768 * 2048 + 4 * 8 * (2048 + 768) + 4 * 256 * 8 + 4 * 8 * 2048
+    assert expert_kernel_bytes(m, 2048, 4, 4, False, rank=8) == 5 * 4 * 768 * 2048
 
 
 def test_host_probe_agrees_with_torch():
@@ -161,14 +190,38 @@ def test_the_memory_model_counts_the_kernel(monkeypatch, kind, hardware):
                   name=f"{kind}:{i}") for i in range(2)]
     m = _model()
     rows = 2 * 16 * 3  # top-2 x seq_len x micro_batch
-    for dtype, lora in (("bf16", 0), ("bf16", 500), ("fp32", 0)):
+    for dtype, lora, rank in (("bf16", 0, 0), ("bf16", 500, 0), ("bf16", 500, RANK), ("fp32", 0, 0), ("fp32", 500, RANK)):
         e = 2 if dtype == "bf16" else 4
-        mm = MemoryModel(m, RunShape(seq_len=16, micro_batch=3, dtype=dtype, lora_params_per_layer=lora), cards, None)
+        mm = MemoryModel(m, RunShape(seq_len=16, micro_batch=3, dtype=dtype, lora_params_per_layer=lora,
+                                     lora_expert_rank=rank), cards, None)
         wide = dtype == "bf16" and kind == "cpu" and not hardware
-        want = expert_kernel_bytes(m, rows, e, 4 if wide else e, trained=not lora)
+        want = expert_kernel_bytes(m, rows, e, 4 if wide else e, trained=not lora, rank=rank)
         assert mm.expert_kernel(0, 1) == want > 0 and mm.expert_kernel(0, 0) == 0
         acts = mm.activations(0, 1)
         assert mm._forward_backward_peak(0, 1, acts) >= acts + want
     dense = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4,
                         num_kv_heads=4)
     assert MemoryModel(dense, RunShape(seq_len=16), cards, None).expert_kernel(0, 1) == 0
+
+
+def test_the_launch_plans_the_adapters_the_kernel_runs():
+    """``RunShape.lora_expert_rank`` is the rank where the kernel runs adapters (all three expert projections
+    targeted, no dropout: ``Expert.grouped_operands``), 0 otherwise; the launcher's ``run_shape`` sets it."""
+    from omegaconf import OmegaConf
+
+    from npu_train.config import LORA_TARGETS, Config
+    from npu_train.planner.moe import lora_expert_rank
+    from npu_train.runtime.job import run_shape
+
+    m = _model()
+    assert lora_expert_rank(m, 8, LORA_TARGETS) == 8
+    assert lora_expert_rank(m, 8, ("q_proj", "gate_proj", "up_proj")) == 0  # down not adapted: modules
+    assert lora_expert_rank(m, 8, LORA_TARGETS, dropout=0.1) == 0
+    dense = LlamaConfig(vocab_size=16, hidden_size=H, intermediate_size=INTER, num_layers=1, num_heads=4,
+                        num_kv_heads=4)
+    assert lora_expert_rank(dense, 8, LORA_TARGETS) == 0
+    for overrides, rank in ((["train.mode=lora", "lora.rank=6"], 6), (["train.mode=lora", "lora.dropout=0.1"], 0),
+                            (["train.mode=full"], 0)):
+        cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist(
+            ["model.path=qwen3-30b-a3b", "plan=true", "train.schedule=1f1b"] + overrides))
+        assert run_shape(cfg, m, "bf16").lora_expert_rank == rank

@@ -629,14 +629,15 @@ class MemoryModel:
         """Bytes the experts' kernel of one sparse layer of stage ``i`` (``n`` layers) allocates and frees while it
         runs (:func:`~npu_train.planner.moe.expert_kernel_bytes`, one layer at a time): its matmuls in fp32 for
         the 2-byte dtype on a cpu card whose host multiplies no bf16 in hardware
-        (:func:`~npu_train.hardware.host_bf16_matmul`), the experts' weights trained unless LoRA; 0 for a dense
-        model or a stage without layers."""
+        (:func:`~npu_train.hardware.host_bf16_matmul`), the experts' weights trained unless LoRA, their adapters'
+        temporaries at ``RunShape.lora_expert_rank``; 0 for a dense model or a stage without layers."""
         if not n or not self.model.is_moe:
             return 0
         e = self.dtype_bytes
         wide = e == 2 and self.cards[i].kind in HOST_MEMORY_KINDS and not host_bf16_matmul()
         rows = self.model.num_experts_per_tok * self.shape.seq_len * self.shape.micro_batch
-        return expert_kernel_bytes(self.model, rows, e, 4 if wide else e, trained=not self.adapter_params)
+        return expert_kernel_bytes(self.model, rows, e, 4 if wide else e, trained=not self.adapter_params,
+                                   rank=self.shape.lora_expert_rank if self.adapter_params else 0)
 
     def _host_gradient_copies(self, i: int, p: StageParams) -> int:
         """fp32 host copies of offloaded gradients on a host-memory card (none when the update takes the

@@ -15,7 +15,7 @@ from typing import Iterable, NamedTuple
 
 from npu_train.model.config import LlamaConfig
 
-__all__ = ["LoraCounts", "expert_kernel_bytes", "mlp_saved_bytes_per_token", "routed_saved_bytes_per_token", "router_saved_bytes_per_token",
+__all__ = ["LoraCounts", "expert_kernel_bytes", "lora_expert_rank", "mlp_saved_bytes_per_token", "routed_saved_bytes_per_token", "router_saved_bytes_per_token",
            "shared_saved_bytes_per_token", "mlp_pending_bytes_per_token", "largest_layer_tensor",
            "lora_layer_params", "lora_params_per_layer", "EXPERT_TARGETS"]
 
@@ -48,41 +48,59 @@ def routed_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
     return k * (e * (2 * h + 4 * ie) + 4 + 24)
 
 
-def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: bool) -> int:
+def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: bool, rank: int = 0) -> int:
     """Peak bytes the experts' kernel of one sparse layer (``model/moe.py::GroupedSwiGlu``) allocates and frees
     while it runs, for ``rows`` routed rows (``k`` x the micro-batch's tokens, whatever the balance), ``e`` bytes
     of the compute dtype, ``m`` of the matmul dtype (``e``, or 4 where bf16 matmuls run in fp32 on a CPU without
-    bf16 hardware) and the experts' weights ``trained`` (full fine-tuning) or frozen (LoRA). Not counted: what
+    bf16 hardware), the experts' weights ``trained`` (full fine-tuning) or frozen (LoRA) and ``rank`` the LoRA
+    rank of adapters on all three expert projections (which the kernel runs; 0: none). Not counted: what
     outlives the kernel (the tensors it saves, its output, the input and weight gradients it returns). The
-    largest of its phases, ``w = I*h`` elements per weight:
+    largest of its phases, ``w = I*h`` elements per weight, ``n = rows / k`` the most rows one expert can get
+    (one per token):
 
     - same dtype (``m == e``): nothing forward (the products are the saved tensors); backward ``dh`` ``[I]``, the
       gate/up output gradient ``[dg | du]`` ``[2I]`` and the two temporaries of ``silu``'s backward ``[I]`` each:
-      ``5*e*I`` per row;
+      ``5*e*I`` per row; with adapters the backward loops also hold ``dy B`` ``[n, r]`` of one projection
+      (under the ``silu`` phase at any ``r <= I``);
     - wider matmuls (``m > e``), per row and in buffers reused over the experts (one expert's weights at a time):
       forward gate/up: ``x`` widened ``[h]``, the products ``[2I]``, the gate/up weight buffer ``2w``;
       forward down: ``h`` widened ``[I]``, the products ``[h]``, the down buffer ``w``;
       backward down: ``dy`` and ``h`` widened, ``dh`` ``[I]``, the down buffer (and its gradient buffer if trained);
       ``silu``'s backward: ``dh`` in both dtypes, then ``[dg | du]`` ``[2I]`` wide and the two temporaries;
       backward gate/up: ``[dg | du]``, ``x`` widened, ``dx`` ``[h]``, the gate/up buffer (and its gradient buffer
-      if trained).
+      if trained). Adapters (one projection's at a time, ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``,
+      ``in + out = h + I`` for each projection): widened, ``m*r*(h + I)``, in each of the four matmul phases;
+      backward also ``dy B`` ``[n, r]`` and one adapter gradient's wide product before its rounding, at most
+      ``[r, max(h, I)]``.
 
-    Qwen3-30B-A3B (h 2048, I 768), 256 tokens x top-8, bf16 widened, trained: 71.3 MB; fp32: 31.5 MB. Checked
-    against the kernel's allocations (``tests/unit/test_moe_kernel_memory.py``). Adapters (LoRA) add
-    ``O(r*(h + I))`` per expert, not counted."""
+    Qwen3-30B-A3B (h 2048, I 768), 256 tokens x top-8, bf16 widened, trained: 71.3 MB; frozen with rank-8
+    adapters: 58.9 MB; fp32: 31.5 MB. Checked against the kernel's allocations
+    (``tests/unit/test_moe_kernel_memory.py``)."""
     if not model.is_moe or rows <= 0:
         return 0
     h, i = model.hidden_size, model.moe_intermediate_size
     w = i * h
+    n = -(-rows // model.num_experts_per_tok)
     if m == e:
-        return 5 * e * i * rows
+        return max(5 * e * i * rows, 2 * e * i * rows + e * n * rank)
     grad = 2 if trained else 1
-    return max(rows * (m * h + 2 * m * i) + 2 * m * w,       # forward gate/up
-               rows * (m * i + m * h) + m * w,               # forward down
-               rows * (m * h + 2 * m * i) + grad * m * w,    # backward down
-               rows * (m * i + e * i),                       # dh rounded
-               rows * (3 * e * i + 2 * m * i),               # silu's backward
-               rows * (2 * m * i + 2 * m * h) + 2 * grad * m * w)  # backward gate/up
+    fwd = m * rank * (h + i)                                 # one projection's adapters, widened
+    bwd = fwd + m * rank * n + m * rank * max(h, i)          # + dy B, + one adapter gradient before rounding
+    return max(rows * (m * h + 2 * m * i) + 2 * m * w + fwd,       # forward gate/up
+               rows * (m * i + m * h) + m * w + fwd,               # forward down
+               rows * (m * h + 2 * m * i) + grad * m * w + bwd,    # backward down
+               rows * (m * i + e * i),                             # dh rounded
+               rows * (3 * e * i + 2 * m * i),                     # silu's backward
+               rows * (2 * m * i + 2 * m * h) + 2 * grad * m * w + bwd)  # backward gate/up
+
+
+def lora_expert_rank(model: LlamaConfig, r: int, targets: Iterable[str], dropout: float = 0.0) -> int:
+    """``RunShape.lora_expert_rank``: ``r`` when the experts' kernel (``model/moe.py::GroupedSwiGlu``) runs
+    adapters, i.e. a mixture of experts with all three expert projections among ``targets`` and no adapter
+    dropout (``Expert.grouped_operands``); else 0 (a dense model, some expert projections not adapted, or
+    dropout: the experts then run as modules)."""
+    targets = set(targets)
+    return int(r) if model.is_moe and set(EXPERT_TARGETS) <= targets and not dropout else 0
 
 
 def router_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:

@@ -582,10 +582,11 @@ def _what_fits(pm: CostModel, plan: Plan, req: PlanRequest) -> str:
     variants = []
     if not s.lora_params_per_layer:
         from npu_train.config import LORA_TARGETS, LoraConf
-        from npu_train.planner.moe import lora_params_per_layer
+        from npu_train.planner.moe import lora_expert_rank, lora_params_per_layer
 
         total, active = lora_params_per_layer(req.model, LoraConf().rank, LORA_TARGETS)
-        lora = replace(s, lora_params_per_layer=total, lora_active_params_per_layer=active)
+        lora = replace(s, lora_params_per_layer=total, lora_active_params_per_layer=active,
+                       lora_expert_rank=lora_expert_rank(req.model, LoraConf().rank, LORA_TARGETS))
         variants.append((f"train.mode=lora (rank {LoraConf().rank})", lora))
         if s.dtype == "fp32":
             variants.append((f"train.mode=lora (rank {LoraConf().rank}) with train.dtype=bf16", replace(lora, dtype="bf16")))

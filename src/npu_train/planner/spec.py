@@ -52,6 +52,10 @@ class RunShape:
     #: LoRA adapter parameters one token passes through per layer (mixture of experts: its k experts'
     #: adapters of the E counted above, npu_train.planner.moe.lora_params_per_layer); 0 = all of them
     lora_active_params_per_layer: int = 0
+    #: mixture of experts under LoRA: the rank of the adapters on every expert's three projections, which run
+    #: inside the experts' kernel (npu_train.planner.moe.expert_kernel_bytes); 0 = none (full fine-tuning, the
+    #: experts not all adapted, or adapter dropout: the experts then run as modules)
+    lora_expert_rank: int = 0
     #: gradient accumulators: "fp32" (4 B/param) or "compute" (the .grad in the compute dtype, as on the
     #: predecessor system on RNGD, the field record's condition)
     grad_accum: str = "fp32"

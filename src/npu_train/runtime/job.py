@@ -675,18 +675,19 @@ def run_shape(cfg, mcfg, dtype: str):
     """The planner's RunShape of ``cfg`` for ``mcfg`` in ``dtype`` (LoRA: adapter parameters per layer)."""
     from npu_train.planner import RunShape
 
-    tr, lora_pl, lora_active = cfg.train, 0, 0
+    tr, lora_pl, lora_active, expert_rank = cfg.train, 0, 0, 0
     if tr.mode == "lora":  # every expert's adapters for memory, the k a token passes through for compute
-        from npu_train.planner.moe import lora_params_per_layer
+        from npu_train.planner.moe import lora_expert_rank, lora_params_per_layer
 
         lora_pl, lora_active = lora_params_per_layer(mcfg, cfg.lora.rank, tuple(cfg.lora.targets),
                                                      bool(getattr(cfg.lora, "train_router", False)))
+        expert_rank = lora_expert_rank(mcfg, cfg.lora.rank, cfg.lora.targets, cfg.lora.dropout)
     return RunShape(seq_len=cfg.data.seq_len, micro_batch=tr.micro_batch, micro_batches=tr.accum,
                     schedule=tr.schedule, dtype=dtype, recompute=tr.recompute,
                     recompute_attention=tr.recompute_attention is True, lora_params_per_layer=lora_pl,
                     recompute_fewest=bool(tr.recompute) and getattr(tr, "recompute_layers", "all") != "all",
                     recompute_counts=_recompute_counts(tr),
-                    lora_active_params_per_layer=lora_active,
+                    lora_active_params_per_layer=lora_active, lora_expert_rank=expert_rank,
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
                     checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg),
