@@ -535,6 +535,11 @@ def run_one(cfg) -> int:
         if multirun:
             _sweep_threads(cfg, int(hc.launcher.get("n_jobs", 1) or 1))
             _plain_start_method()
+            from npu_train.config import lora_for_a_mode_sweep
+
+            ignored = lora_for_a_mode_sweep(cfg)  # a full job of a sweep over train.mode: lora.* are its LoRA jobs'
+            if ignored:
+                print(ignored, flush=True)
         code = main(cfg, run_dir, report)
     except BaseException as e:  # noqa: BLE001 - multirun: any job error is this job's status
         if not multirun:

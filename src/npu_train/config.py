@@ -554,16 +554,48 @@ def _check_objective(cfg) -> None:
                           f"it or use dpo.loss=sigmoid (now {dpo.loss})")
 
 
+def _lora_changed(lo) -> list[str]:
+    """The ``lora.*`` settings of ``lo`` that differ from their defaults, as ``lora.rank=16`` (none: [])."""
+    if lo is None:
+        return []
+    default = LoraConf()
+    return [f"lora.{k}={_fmt_value(getattr(lo, k))}" for k in ("rank", "alpha", "dropout", "targets", "train_router")
+            if _plain(getattr(lo, k)) != _plain(getattr(default, k))]
+
+
+#: environment variable the sweep callback sets (``npu_train.metrics.sweep``) when a sweep's jobs differ in
+#: ``train.mode``: its modes, comma-separated (``full,lora``); read by :func:`lora_for_a_mode_sweep`
+SWEEP_MODES_ENV = "NPT_SWEEP_MODES"
+
+
+def lora_for_a_mode_sweep(cfg, modes: "str | None" = None) -> "str | None":
+    """A sweep over ``train.mode`` (``-m train.mode=full,lora lora.rank=16``): its ``full`` job ignores the
+    ``lora.*`` settings meant for its LoRA jobs (reset to their defaults in ``cfg``, so
+    :func:`_check_lora_unused` passes) instead of being refused. ``modes``: the sweep's modes, comma-separated
+    (default: :data:`SWEEP_MODES_ENV` from the environment; unset outside such a sweep). Returns the one info
+    line saying what was ignored, or None when nothing was (not such a sweep, ``train.mode=lora``, no
+    ``lora.*`` set). A single launch with ``train.mode=full lora.rank=16`` is still refused."""
+    import os
+
+    from omegaconf import OmegaConf
+
+    swept = (os.environ.get(SWEEP_MODES_ENV, "") if modes is None else modes).split(",")
+    if cfg.train.mode != "full" or "lora" not in swept:
+        return None
+    changed = _lora_changed(cfg.get("lora") if hasattr(cfg, "get") else getattr(cfg, "lora", None))
+    if not changed:
+        return None
+    cfg.lora = OmegaConf.structured(LoraConf) if OmegaConf.is_config(cfg) else LoraConf()
+    return (f"note: train.mode=full in a sweep over train.mode: ignoring {' '.join(changed)} for this job "
+            "(its train.mode=lora jobs use them)")
+
+
 def _check_lora_unused(lo) -> None:
     """``train.mode=full`` with a ``lora.*`` setting other than its default (``lora.rank=16`` alone): the
     full fine-tune trains every weight and has no adapters, so the setting would be dropped in silence and a
     run the user meant as LoRA would train (and checkpoint) in full. Raises :class:`ConfigError` naming
-    ``train.mode=lora``."""
-    if lo is None:
-        return
-    default = LoraConf()
-    changed = [f"lora.{k}={_fmt_value(getattr(lo, k))}" for k in ("rank", "alpha", "dropout", "targets", "train_router")
-               if _plain(getattr(lo, k)) != _plain(getattr(default, k))]
+    ``train.mode=lora`` (in a sweep over ``train.mode`` the full job ignores them: :func:`lora_for_a_mode_sweep`)."""
+    changed = _lora_changed(lo)
     if changed:
         raise ConfigError(f"{' '.join(changed)} set, but train.mode=full trains every weight and has no LoRA "
                           "adapters: add train.mode=lora to train adapters, or drop the lora.* setting(s)")

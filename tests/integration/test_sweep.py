@@ -310,3 +310,54 @@ def test_sweep_sharing_a_card_is_rejected_before_any_job(tmp_path, tiny_model):
                       "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
                       "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)"], p.stderr
     assert not os.path.exists(sd) or not [n for n in os.listdir(sd) if n.isdigit()]
+
+
+@pytest.mark.parametrize("swept,modes", [(["train.mode=full,lora", "lora.rank=16"], "full,lora"),
+                                          (["train.lr=1e-4,3e-4", "lora.rank=16"], None),
+                                          (["train.mode=lora", "train.lr=1e-4,3e-4"], None)])
+def test_a_sweep_over_modes_tells_its_jobs(monkeypatch, capsys, swept, modes):
+    """Issue 40: ``-m train.mode=full,lora lora.rank=16`` refused its full job (the lora.* check compares with
+    the defaults). The callback puts the sweep's modes into the environment only when the jobs differ in
+    train.mode; the full job's config then drops lora.* with one note, while a sweep that is not over modes
+    (``train.lr=...`` with ``lora.rank=16``, train.mode=full) keeps refusing its jobs."""
+    from npu_train.config import SWEEP_MODES_ENV, lora_for_a_mode_sweep, validate
+    from npu_train.errors import ConfigError
+
+    monkeypatch.setenv(SWEEP_MODES_ENV, "stale")  # a value from before: replaced or removed
+    monkeypatch.setattr(sweep, "needs_hook", lambda cfg: validate(cfg) or JobNeeds(card_procs=1))
+    monkeypatch.setattr(sweep, "host_cores", lambda: 2)
+    monkeypatch.setattr(sweep, "host_available_ram", lambda: 64 * GIB)
+    ctx, loader, cfg = _compose_sweep("backend=[cpu]", *swept)
+    try:
+        sweep.SweepCallback().on_multirun_start(cfg)
+        assert os.environ.get(SWEEP_MODES_ENV) == modes
+        for job in sweep.sweep_job_overrides(list(cfg.hydra.overrides.task)):
+            job_cfg = sweep._job_config(loader.load_sweep_config(cfg, job))
+            note = lora_for_a_mode_sweep(job_cfg)
+            if job_cfg.train.mode == "full" and modes:
+                assert note == ("note: train.mode=full in a sweep over train.mode: ignoring lora.rank=16 for this "
+                                "job (its train.mode=lora jobs use them)")
+                assert job_cfg.lora.rank == 8
+                validate(job_cfg)
+            elif job_cfg.train.mode == "full":  # not a sweep over modes: still refused as a single launch is
+                assert note is None
+                with pytest.raises(ConfigError, match=r"lora\.rank=16 set, but train\.mode=full"):
+                    validate(job_cfg)
+            else:
+                assert note is None and job_cfg.lora.rank == (16 if "lora.rank=16" in swept else 8)
+    finally:
+        ctx.__exit__(None, None, None)
+
+
+@pytest.mark.heavy
+def test_a_sweep_over_modes_runs_its_full_job(tmp_path, tiny_model):
+    """The sweep of the fresh-clone review, tiny: its full job runs (the lora.* ignored, one note), its LoRA job
+    uses lora.rank=16."""
+    p, sd, leaked = _run_sweep(tmp_path, tiny_model, "backend=cpu", "train.mode=full,lora", "lora.rank=16",
+                               "train.steps=1", "hydra.launcher.n_jobs=1")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    jobs = _jobs(sd)
+    assert [jobs[i][0]["status"] for i in (0, 1)] == ["ok", "ok"], out[-4000:]
+    assert out.count("ignoring lora.rank=16 for this job") == 1, out[-4000:]
+    assert not leaked, leaked

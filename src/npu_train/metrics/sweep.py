@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -339,6 +340,28 @@ except ImportError:  # pragma: no cover - hydra is a dependency
     _HydraCallback = object
 
 
+def _announce_modes(config, jobs: list[list[str]]) -> str:
+    """The ``train.mode`` values of a sweep's jobs, comma-separated, when they differ (``full,lora``), else "";
+    put into the environment as :data:`~npu_train.config.SWEEP_MODES_ENV` (jobs run in this process or in
+    worker processes started after this, which inherit it), so a ``full`` job ignores the ``lora.*`` settings
+    meant for the LoRA jobs (:func:`~npu_train.config.lora_for_a_mode_sweep`) instead of being refused."""
+    import os
+
+    from npu_train.config import SWEEP_MODES_ENV
+
+    modes: list[str] = []
+    for ov in jobs:
+        set_here = [str(o).split("=", 1)[1] for o in ov if re.match(r"^[+]{0,2}train\.mode=", str(o))]
+        mode = set_here[-1] if set_here else str(config.train.mode)
+        if mode not in modes:
+            modes.append(mode)
+    if len(modes) > 1:
+        os.environ[SWEEP_MODES_ENV] = ",".join(modes)
+        return os.environ[SWEEP_MODES_ENV]
+    os.environ.pop(SWEEP_MODES_ENV, None)
+    return ""
+
+
 class SweepCallback(_HydraCallback):
     """Hydra callback (``hydra.callbacks.sweep`` in conf/config.yaml): concurrency check, then summary."""
 
@@ -358,8 +381,11 @@ class SweepCallback(_HydraCallback):
         from hydra.core.global_hydra import GlobalHydra
         from omegaconf import OmegaConf
 
+        from npu_train.config import lora_for_a_mode_sweep
+
         launcher = config.hydra.launcher
         jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
+        modes = _announce_modes(config, jobs)
         if "n_jobs" not in launcher:  # a sequential launcher (hydra/launcher=basic)
             print(f"sweep: {len(jobs)} job(s), 1 at a time", flush=True)
             return
@@ -374,6 +400,7 @@ class SweepCallback(_HydraCallback):
         for ov in jobs:
             try:
                 job_cfg = _job_config(loader.load_sweep_config(config, ov))
+                lora_for_a_mode_sweep(job_cfg, modes)
                 needs.append(needs_hook(job_cfg) if needs_hook else None)
             except Exception:  # noqa: BLE001 - an invalid job fails (and is reported) by itself
                 needs.append(None)
