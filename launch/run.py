@@ -130,9 +130,6 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None and isinstance(summ, dict) and summ.get("stopped_at") is not None:
             report.update(stopped_at=summ["stopped_at"], steps=int(cfg.train.steps),
                           checkpoint_dir=summ.get("checkpoint_dir"))
-        if report is not None and isinstance(summ, dict) and summ.get("earlier_run_dir"):
-            report.update(resumed_from=summ.get("resumed_from"), resumed_at_step=summ.get("resumed_at_step"),
-                          earlier_run_dir=summ["earlier_run_dir"])
         if report is not None and isinstance(summ, dict) and summ.get("complete_at") is not None:
             report.update(complete_at=summ["complete_at"], steps=int(cfg.train.steps),
                           checkpoint=summ.get("checkpoint"))
@@ -442,7 +439,9 @@ CONTINUABLE = ("interrupted", "failed", "resumed")
 
 
 def mark_resumed(earlier_dir: str, run_dir: str, checkpoint, step) -> "str | None":
-    """After a resumed launch in ``run_dir`` completed: the ``status.json`` of the launch it continued, in
+    """After a resumed launch in ``run_dir`` ended past its refusals (done, interrupted or a card failed: the
+    launch it continued is now continued there, as a resume into the same directory rewrites its records;
+    issue 40: the interrupted first launch kept saying ``interrupted`` at its step): the ``status.json`` of the launch it continued, in
     ``earlier_dir``, gets ``status`` ``resumed`` with ``resumed_in`` (``run_dir``), ``resumed_from`` (the
     checkpoint), ``resumed_at_step`` and ``resumed_finished`` (Unix time, s); its first status stays in
     ``status_before`` and every other field as it was. Only a status this launcher wrote (``exit_code`` and a
@@ -528,6 +527,7 @@ def run_one(cfg) -> int:
     sys.stderr = tee
     report: dict = {}
     code = None
+    continued: list = []
     # a signal outside run_job's own handlers must not kill the launcher before status.json is written: one
     # before run_job installed them is held for it (it stops at once), a later one only noted
     held = _hold_signals()
@@ -556,9 +556,10 @@ def run_one(cfg) -> int:
         _SIGNALS_HELD_FOR_JOB[0] = False
         out_tee.flush()  # a last line without its newline
         sys.stdout, sys.stderr = real_out, real_err
-        from npu_train.metrics.report import LAUNCH_ACCEPTED
+        from npu_train.metrics.report import CONTINUED, LAUNCH_ACCEPTED
 
         LAUNCH_ACCEPTED.clear()  # (a sweep's next job in this process registers its own)
+        continued, CONTINUED[:] = CONTINUED[:], []  # the launch this one resumed, once it was accepted
         if isinstance(log, _HeldLog) and code == 2:  # refused: the earlier launch's run.log stays as it was
             log.drop()
         if log is not None:
@@ -588,9 +589,8 @@ def run_one(cfg) -> int:
             except OSError as e:  # a full run dir: say where the run stands instead (once: main may have said it)
                 if "no space left on device" not in tee.last:
                     _status_lost(run_dir, code, e, report, [*here, *overrides])
-        if code == 0 and report.get("earlier_run_dir"):
-            marked = mark_resumed(report["earlier_run_dir"], run_dir, report.get("resumed_from"),
-                                  report.get("resumed_at_step"))
+        if continued and code != 2:  # done, interrupted or failed: it continued that launch, which says where
+            marked = mark_resumed(continued[0].run_dir, run_dir, continued[0].checkpoint, continued[0].step)
             if marked:
                 from npu_train.metrics.report import fold_long_line
 

@@ -156,3 +156,44 @@ def test_a_resume_into_a_new_run_dir_marks_the_launch_it_continued(tiny_model, t
     assert f"note: {os.path.join(first.run_dir, 'status.json')} now says status resumed" in again.flat_stdout
     with open(os.path.join(again.run_dir, "status.json")) as f:
         assert json.load(f)["status"] == "ok"
+
+
+def test_an_interrupted_resume_from_another_run_dir_still_marks_the_first(tiny_model, tmp_path):
+    """Issue 40, fresh-clone review: the first launch interrupted at step 1, then ``train.resume=latest
+    checkpoint.dir=<first run>/checkpoints`` from a new run dir, itself interrupted after a step: the first
+    launch's ``status.json`` said ``interrupted`` at step 1 (only a resume that completed marked it), though
+    its checkpoints had moved on under another launch. It now says ``resumed`` and where, as a resume that
+    completes does, and the second launch's own status says where it stands."""
+    import json
+    import signal
+
+    from launch_util import Job
+
+    first = Job(tmp_path, tiny_model, "train.steps=6", name="a")
+    try:
+        first.wait_steps(1, 180)
+        os.killpg(first.proc.pid, signal.SIGINT)
+        assert first.wait(120) == 130, first.tail()
+    finally:
+        first.kill_all()
+    with open(os.path.join(first.run_dir, "status.json")) as f:
+        before = json.load(f)
+    assert before["status"] == "interrupted" and before["checkpoint"], before
+    again = Job(tmp_path, tiny_model, "train.steps=6", "train.resume=latest",
+                f"checkpoint.dir={os.path.join(first.run_dir, 'checkpoints')}", name="b")
+    try:
+        again.wait_steps(1, 180)
+        os.killpg(again.proc.pid, signal.SIGINT)
+        assert again.wait(120) == 130, again.tail()
+    finally:
+        again.kill_all()
+    with open(os.path.join(first.run_dir, "status.json")) as f:
+        after = json.load(f)
+    assert after["status"] == "resumed" and after["status_before"] == "interrupted", after
+    assert after["resumed_in"] == again.run_dir and after["resumed_from"] == before["checkpoint"], after
+    assert {k: v for k, v in after.items() if k in before and k != "status"} == {
+        k: v for k, v in before.items() if k != "status"}  # nothing else rewritten
+    with open(os.path.join(again.run_dir, "status.json")) as f:
+        mine = json.load(f)
+    assert mine["status"] == "interrupted" and mine["resume"], mine
+    assert f"note: {os.path.join(first.run_dir, 'status.json')} now says status resumed" in again.flat_stdout

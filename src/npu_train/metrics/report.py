@@ -58,6 +58,23 @@ def _is_run_output(fn: str) -> bool:
 LAUNCH_ACCEPTED: list = []
 
 
+class ContinuedLaunch:
+    """The earlier launch a resumed launch continues: its run directory (``run_dir``), the checkpoint
+    (``checkpoint``, a path) and its step (``step``)."""
+
+    __slots__ = ("run_dir", "checkpoint", "step")
+
+    def __init__(self, run_dir: str, checkpoint: str, step: int) -> None:
+        self.run_dir, self.checkpoint, self.step = run_dir, checkpoint, int(step)
+
+
+#: this launch's :class:`ContinuedLaunch` (at most one), set by ``runtime/job.py`` once a resumed launch is past
+#: its refusals: launch/run.py then marks that launch's ``status.json`` ``resumed`` however this one ends (done,
+#: interrupted, a card failed), as the resume command into the same run directory rewrites its records; a
+#: refused launch (exit 2) marks nothing
+CONTINUED: list = []
+
+
 def launch_accepted() -> None:
     """Run (and forget) the :data:`LAUNCH_ACCEPTED` callbacks; called by :func:`rotate_previous_run`'s caller
     in ``runtime/job.py`` before this launch writes its first record."""

@@ -1371,9 +1371,12 @@ def fold_words(line: str, width: int) -> str:
 
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
     """Move an earlier launch's outputs aside (a resumed run's metrics continue from them)."""
-    from npu_train.metrics.report import carry_over, launch_accepted, newest_records, rotate_previous_run
+    from npu_train.metrics.report import (CONTINUED, ContinuedLaunch, carry_over, launch_accepted, newest_records,
+                                          rotate_previous_run)
 
     launch_accepted()  # past every run-dir refusal: this launch's held-back run.log lines go to the file now
+    if resume.resume_dir and resume.earlier_run_dir:  # the launch it continues: marked however this one ends
+        CONTINUED[:] = [ContinuedLaunch(resume.earlier_run_dir, resume.resume_dir, resume.start_step)]
     with contextlib.suppress(OSError):  # packed data a killed launch of an older version left in the run dir
         os.remove(os.path.join(run_dir, "data.safetensors"))
     moved = rotate_previous_run(run_dir)
