@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from conftest import run_pipeline
 
 
@@ -197,3 +199,24 @@ def test_an_interrupted_resume_from_another_run_dir_still_marks_the_first(tiny_m
         mine = json.load(f)
     assert mine["status"] == "interrupted" and mine["resume"], mine
     assert f"note: {os.path.join(first.run_dir, 'status.json')} now says status resumed" in again.flat_stdout
+
+
+@pytest.mark.timeout(600)
+def test_resumed_auto_schedule_keeps_the_recomputed_layers(tiny_model, tmp_path):
+    """A launch that recomputes only some layers per card (what ``train.schedule=auto`` plans as the fewest that
+    fit, issue 43 (b)/(c)), resumed with ``train.schedule=auto``: the resume keeps the checkpoint's schedule and
+    the same count per card, so the same plan (it used to recompute every layer: another plan than the one the
+    first launch was measured against)."""
+    import json
+
+    ck = f"checkpoint.dir={tmp_path / 'ckpt'}"
+    some = ("backend=[cpu,cpu]", "train.schedule=1f1b", "train.recompute=true", "train.recompute_layers=[1,0]")
+    _, r1 = run_pipeline(tiny_model, str(tmp_path / "a"), *some, ck, "train.steps=2", "train.stop_after=1")
+    assert r1.manifest["recompute_layers"] == [1, 0]
+    _, r2 = run_pipeline(tiny_model, str(tmp_path / "b"), "backend=[cpu,cpu]", ck, "train.schedule=auto",
+                         "train.steps=2", "train.resume=latest")
+    with open(tmp_path / "b" / "plan.json") as f:
+        plan = json.load(f)
+    assert plan["shape"]["schedule"] == "1f1b" and plan["shape"]["recompute"] is True
+    assert [st.get("recompute_layers") for st in plan["stages"]] == [1, 0]
+    assert r2.step == 2

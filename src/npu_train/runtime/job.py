@@ -422,9 +422,12 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     if saved and saved.get("schedule") in ALL_SCHEDULES:
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
         core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
-        which = saved.get("recompute_layers", cfg.train.recompute_layers)
+        which = (_resumed_recompute_layers(cfg, _resumed_manifest(cfg, run_dir) or {}, len(cards)) if recompute
+                 else cfg.train.recompute_layers)
         why = (f"train.schedule=auto: {schedule}, the resumed checkpoint's schedule (a resume keeps it: another "
                "schedule sums the micro-batches' gradients in another order)")
+        if recompute and not isinstance(which, str):
+            why += f"; layers recomputed whole per card {'/'.join(map(str, which))}, as the checkpoint's launch"
         if cfg.parallel.vocab == "auto":
             with open_dict(cfg):
                 cfg.parallel.vocab = bool(saved.get("vocab", False))
@@ -452,6 +455,22 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         cfg.train.recompute_attention = core
         cfg.train.recompute_layers = which
     print(why, flush=True)
+
+
+def _resumed_recompute_layers(cfg, manifest: dict, stages: int):
+    """``train.recompute_layers`` for a resumed ``train.schedule=auto`` launch under recompute: the user's, when
+    given (not ``all``); else the per-card counts the checkpoint's launch planned (its manifest's
+    ``recompute_layers``, one int per stage: the fewest that fit), so the resume recomputes the same layers and
+    keeps the first launch's plan; ``all`` for a checkpoint written before the counts were recorded, or whose
+    launch recomputed every layer."""
+    given = cfg.train.recompute_layers
+    if not (isinstance(given, str) and given == "all"):
+        return given
+    counts = manifest.get("recompute_layers")
+    if (isinstance(counts, list) and len(counts) == stages and counts
+            and all(isinstance(k, int) and not isinstance(k, bool) and k >= 0 for k in counts)):
+        return list(counts)
+    return "all"
 
 
 def _aux_needs_1f1b(cfg, mcfg) -> bool:
@@ -1482,6 +1501,9 @@ def _manifest_base(cfg, prep: Prepared, data, resume: ResumePoint, launch: Launc
     plan, P = prep.plan, len(prep.plan.stages)
     return {"model": prep.model_cfg.to_dict(), "world_size": P, "job_id": launch.job_id,
             "split": [[s.first_layer, s.last_layer] + (list(s.second) if s.second else []) for s in plan.stages],
+            # layers each card recomputes whole (None: every layer, or no recompute): a resumed
+            # train.schedule=auto launch keeps them (_resumed_recompute_layers)
+            "recompute_layers": [s.recompute_layers for s in plan.stages],
             "parallel": {"dp": prep.dp, "pp": P, "zero": prep.zero},
             "sampler": resume.sampler.state_dict(),
             "data_fingerprint": data.fingerprint, "train": train.to_dict(),
