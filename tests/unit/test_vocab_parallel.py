@@ -155,3 +155,35 @@ def test_reported_model_flops_share_the_head_by_rows():
     assert vp[0] - plain[0] == pytest.approx(head * 502 / 1003)
     assert plain[1] - vp[1] == pytest.approx(head * (1 - 501 / 1003))
     assert vp[2:] == vp[:2]  # the second replica
+
+
+def test_partial_input_gradients_travel_in_the_compute_dtype():
+    """The partial input gradients ``dz_p W_p`` are sent (reduce SUM onto the head) in the weight's dtype: bf16 on a
+    bf16 run (half the bytes of fp32 over gloo and the card<->host copies), fp32 on an fp32 run (exact, as the
+    equivalence tests hold). bf16: the head's summed gradient within bf16 rounding of each of the P partials and of
+    the sums (relative 2^-8 each) of ``dz W`` from the formulas in fp64."""
+    torch.manual_seed(3)
+    b, S, H, V, P = 1, 6, 16, 29, 3
+    x = torch.randn(b, S, H)
+    W = torch.randn(V, H) * 0.5
+    labels = torch.randint(0, V, (b, S))
+    for dtype in (torch.float32, torch.bfloat16):
+        ex_dtypes = []
+        real = ThreadExchange.reduce_sum
+
+        def spy(self, t, real=real):
+            ex_dtypes.append(t.dtype)
+            real(self, t)
+
+        ThreadExchange.reduce_sum = spy
+        try:
+            Wd = W.to(dtype)
+            _, _, dx = _reference(x.to(dtype).float(), Wd.float(), labels, 6.0)
+            out, _ = _run(P, 2, x.to(dtype), Wd, labels, 6.0)
+        finally:
+            ThreadExchange.reduce_sum = real
+        assert ex_dtypes == [dtype] * P
+        assert out[2].dx.dtype == dtype
+        tol = 1e-6 if dtype == torch.float32 else P * 2.0 ** -8
+        scale = dx.abs().max()
+        assert (out[2].dx.double().reshape(-1, H) - dx).abs().max() <= tol * scale, dtype

@@ -332,7 +332,7 @@ class _StepRun:
 
     def _recv_grad(self, ch, m: int) -> tuple:
         """``(output gradient, this stage's aux-loss root or None)`` of micro-batch ``m`` (last stage: None;
-        vocabulary-parallel: ``V(m)``'s summed input gradient, fp32 host)."""
+        vocabulary-parallel: ``V(m)``'s summed input gradient, host, in the compute dtype)."""
         moe = self.r.moe
         if ch.last and self.r.vocab is not None:
             return self.vocab_dx.pop(m), None

@@ -8,8 +8,8 @@ softmax's statistics, so each forms its own slice of the logits' gradient withou
   ``t = z_{y}`` from the card holding ``y`` (one all-reduce SUM of ``[N, 2]``);
 - loss per token ``log Z + M - t`` (next-token cross-entropy in nats; ``IGNORE_INDEX`` targets count nothing);
 - ``dz_p = (exp(z_p - M) / Z - onehot_p(y)) * valid / divisor``; the slice's weight gradient ``dz_p^T x`` is
-  added to ``W_p``'s ``.grad``; the partial input gradients ``dz_p W_p`` ``[N, H]`` (fp32) are summed on the head
-  stage (reduce SUM), whose backward goes on from there.
+  added to ``W_p``'s ``.grad``; the partial input gradients ``dz_p W_p`` ``[N, H]`` (in the compute dtype: fp32 on
+  fp32 runs, bf16 on bf16 ones) are summed on the head stage (reduce SUM), whose backward goes on from there.
 
 :func:`vocab_rows` is the row cut, :func:`vocab_step` one card's share of ``V(m)`` over an :class:`Exchange`
 (:class:`GlooExchange` in card processes). No autograd graph is kept: ``V(m)`` is forward and backward at once.
@@ -78,7 +78,8 @@ class GlooExchange:
 
 class VocabResult:
     """One card's outcome of ``V(m)``: ``loss_sum`` (nats, the micro-batch's summed cross-entropy: the same on
-    every card), ``dx`` (the head stage: ``[b, S, H]`` fp32 host, the summed input gradient; None elsewhere)."""
+    every card), ``dx`` (the head stage: ``[b, S, H]`` host, in the weight's dtype, the summed input gradient; None
+    elsewhere)."""
 
     def __init__(self, loss_sum: float, dx: Optional[torch.Tensor]):
         self.loss_sum, self.dx = loss_sum, dx
@@ -94,8 +95,10 @@ def vocab_step(x: Optional[torch.Tensor], labels: torch.Tensor, weight: torch.Te
     the loss only (evaluation). Arithmetic in fp32 on the weight's device; collectives on host copies."""
     b, S, H = shape
     dev = weight.device
-    # the hidden state travels in the compute dtype (the weight's; it is the head's norm output in that dtype: no
-    # rounding), the partial input gradients in fp32 (summed over the cards without rounding in between)
+    # both travel in the compute dtype (the weight's): the hidden state is the head's norm output in that dtype (no
+    # rounding); the partial input gradients are rounded to it on each card and summed in it (fp32 runs: exact as
+    # before; bf16: half the bytes of fp32 over gloo and the card<->host copies, and the head's backward takes its
+    # output gradient in bf16 anyway)
     wire = weight.dtype
     host = torch.empty((b, S, H), dtype=wire) if x is None else x.detach().to(wire).cpu().contiguous()
     ex.broadcast(host)
@@ -124,7 +127,7 @@ def vocab_step(x: Optional[torch.Tensor], labels: torch.Tensor, weight: torch.Te
         dz[rows[mine], local[mine]] -= 1.0
         dz.mul_((valid.to(dz.dtype) / float(divisor)).unsqueeze(1))
         dw = dz.t() @ xf if weight.requires_grad else None
-        dx = (dz @ w).cpu().reshape(b, S, H).contiguous()
+        dx = (dz @ w).to(wire).cpu().reshape(b, S, H).contiguous()
     if dw is not None:  # through the weight's own accumulator: its hooks run as under backward()
         torch.autograd.backward([weight], [dw.to(weight.dtype)])
     ex.reduce_sum(dx)

@@ -222,7 +222,7 @@ class CostModel:
         """Seconds of card ``i``'s share of one joint ``V(m)`` (vocabulary parallelism; 0 without it): its slice of
         the head's FLOPs (:meth:`~npu_train.planner.memory.MemoryModel.vocab_rows` of the vocabulary) at the head's
         rate, and the exchange on the critical path, as gloo moves it (``dp_bytes_per_s``; as ``pipeline/vocab.py``
-        sends it): the final hidden state in (``[b S, H]``, compute dtype), the fp32 partial input gradient out, the
+        sends it): the final hidden state in and the partial input gradient out (``[b S, H]`` each, compute dtype), the
         softmax statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token); on an
         accelerator also the card<->host copies of the first two (``h2d`` / ``d2h``). The head card sends the
         hidden state and receives the summed gradient: the same bytes."""
@@ -232,9 +232,9 @@ class CostModel:
         share = mm.vocab_rows(i) / self.model.vocab_size
         compute = share * self.head_flops / (rt.device_flops * rt.head_flops_ratio)
         tok, h, e = self.shape.tokens_per_micro_batch, self.model.hidden_size, mm.dtype_bytes
-        t = ((e + 4) * tok * h + 12 * tok) / rt.dp_bytes_per_s
+        t = (2 * e * tok * h + 12 * tok) / rt.dp_bytes_per_s
         if self.cards[i].kind != "cpu":
-            t += e * tok * h / rt.h2d_bytes_per_s + 4 * tok * h / rt.d2h_bytes_per_s
+            t += e * tok * h / rt.h2d_bytes_per_s + e * tok * h / rt.d2h_bytes_per_s
         return compute + t
 
     def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:
