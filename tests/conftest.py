@@ -75,3 +75,100 @@ def _own_cache(request):
     """A fresh ``NPT_CACHE`` per test (module docstring)."""
     with _private_cache() as root:
         yield root
+
+
+# ---- Ctrl-C: stop the suite, leave nothing running (issue 40: pytest kept launching jobs after a SIGINT to the
+# process group, because a launcher run in-process (tests/integration/conftest.py::run_pipeline) handles SIGINT
+# itself: the job stops, exit 130, that test fails, and the next test started). Every delivered SIGINT also
+# writes its number to a wakeup pipe, whichever handler the code under test installed; after the test that
+# got it the session stops (exit status 2, "Interrupted"), and at the session's end the processes this run
+# started that are still alive (their NPT_CACHE lies under this session's caches) are stopped and the
+# shared-memory segments of dead jobs removed.
+import signal  # noqa: E402
+import threading  # noqa: E402
+
+_WAKEUP: list = []  # [read fd, write fd] of the wakeup pipe
+_SIGINT_SEEN: list = []
+
+
+def _arm_sigint_pipe() -> None:
+    """(Re)install the wakeup pipe (code under test may have replaced it; main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    if not _WAKEUP:
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        _WAKEUP.extend((r, w))
+    try:
+        signal.set_wakeup_fd(_WAKEUP[1], warn_on_full_buffer=False)
+    except ValueError:
+        pass
+
+
+def sigint_seen() -> bool:
+    """True once a SIGINT reached this process (read from the wakeup pipe)."""
+    if _WAKEUP and not _SIGINT_SEEN:
+        try:
+            while True:
+                got = os.read(_WAKEUP[0], 4096)
+                if not got:
+                    break
+                if signal.SIGINT in got:
+                    _SIGINT_SEEN.append(True)
+        except (BlockingIOError, OSError):
+            pass
+    return bool(_SIGINT_SEEN)
+
+
+def pytest_configure(config):
+    _arm_sigint_pipe()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _arm_sigint_pipe()
+    try:
+        return (yield)
+    finally:
+        if sigint_seen():
+            item.session.shouldstop = "interrupted by SIGINT (Ctrl-C)"
+
+
+def _own_leftover_processes() -> list:
+    """Processes still alive whose ``NPT_CACHE`` lies under this session's caches (launchers and card
+    processes the tests started, orphaned or not), other than this one."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter():
+        if p.pid == os.getpid():
+            continue
+        try:
+            if p.environ().get("NPT_CACHE", "").startswith(_CACHES + os.sep):
+                out.append(p)
+        except (psutil.Error, OSError):
+            pass
+    return out
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Stop what the tests left running (SIGTERM, then SIGKILL after 10 s) and remove the shared-memory
+    segments of jobs whose launcher is gone (``runtime/leftovers.py``, as the next launch would)."""
+    import psutil
+
+    left = _own_leftover_processes()
+    if left:
+        print(f"\nstopping {len(left)} process(es) the tests left running: "
+              f"{', '.join(str(p.pid) for p in left)}", flush=True)
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        _, alive = psutil.wait_procs(left, timeout=10)
+        for p in alive:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        psutil.wait_procs(alive, timeout=10)
+    from npu_train.runtime.leftovers import sweep_dead_jobs
+
+    sweep_dead_jobs()
