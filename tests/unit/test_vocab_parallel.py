@@ -20,6 +20,7 @@ class ThreadExchange:
         self.bar = threading.Barrier(P)
         self.slots = [None] * P
         self.rank = threading.local()
+        self.events: list = []  # ("reduce" | "dW", card) in the order they happened
 
     def _combine(self, t: torch.Tensor, how) -> None:
         r = self.rank.r
@@ -42,6 +43,21 @@ class ThreadExchange:
     def reduce_sum(self, t):
         r = self.rank.r
         self._combine(t, lambda ts: torch.stack(ts).sum(0) if r == self.head else ts[r])
+
+    # the asynchronous forms: combined when posted (every thread posts in the same order), a handle that is done
+    def broadcast_async(self, t):
+        self.broadcast(t)
+        return _Done()
+
+    def reduce_sum_async(self, t):
+        self.events.append(("reduce", self.rank.r))
+        self.reduce_sum(t)
+        return _Done()
+
+
+class _Done:
+    def wait(self):
+        return None
 
 
 def _reference(x, W, labels, divisor):
@@ -169,21 +185,62 @@ def test_partial_input_gradients_travel_in_the_compute_dtype():
     labels = torch.randint(0, V, (b, S))
     for dtype in (torch.float32, torch.bfloat16):
         ex_dtypes = []
-        real = ThreadExchange.reduce_sum
+        real = ThreadExchange.reduce_sum_async
 
         def spy(self, t, real=real):
             ex_dtypes.append(t.dtype)
-            real(self, t)
+            return real(self, t)
 
-        ThreadExchange.reduce_sum = spy
+        ThreadExchange.reduce_sum_async = spy
         try:
             Wd = W.to(dtype)
             _, _, dx = _reference(x.to(dtype).float(), Wd.float(), labels, 6.0)
             out, _ = _run(P, 2, x.to(dtype), Wd, labels, 6.0)
         finally:
-            ThreadExchange.reduce_sum = real
+            ThreadExchange.reduce_sum_async = real
         assert ex_dtypes == [dtype] * P
         assert out[2].dx.dtype == dtype
         tol = 1e-6 if dtype == torch.float32 else P * 2.0 ** -8
         scale = dx.abs().max()
         assert (out[2].dx.double().reshape(-1, H) - dx).abs().max() <= tol * scale, dtype
+
+
+def test_the_input_gradients_travel_while_the_weight_gradient_is_computed():
+    """The overlap pipeline/vocab.py promises (Yeung et al. 2024 §4): every card starts the sum of its partial input
+    gradient onto the head before it computes its slice's weight gradient (which then runs while the sum travels);
+    the head's gradient and every card's weight gradient still equal the formulas'. Through :class:`VocabWork`:
+    the head posts its hidden state (post_x) and the others receive it; the head's summed gradient from take_dx."""
+    from npu_train.pipeline.vocab import VocabWork
+
+    torch.manual_seed(4)
+    b, S, H, V, P, head = 1, 4, 8, 13, 2, 1
+    x = torch.randn(b, S, H)
+    W = torch.randn(V, H) * 0.5
+    labels = torch.randint(0, V, (b, S))
+    loss, dW, dx = _reference(x, W, labels, 4.0)
+    ex = ThreadExchange(P, head)
+    outs, grads = [None] * P, [None] * P
+
+    def card(r):
+        ex.rank.r = r
+        a, e = vocab_rows(V, P, r)
+        w = torch.nn.Parameter(W[a:e].clone())
+        w.register_hook(lambda g, r=r: ex.events.append(("dW", r)) or g)
+        work = VocabWork(w, a, ex, r == head)
+        work.post_x(0, x if r == head else None, (b, S))
+        ls = work.run(0, labels, 4.0)
+        outs[r] = (ls, work.take_dx(0) if r == head else None)
+        work.finish()
+        grads[r] = w.grad
+
+    th = [threading.Thread(target=card, args=(r,)) for r in range(P)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+    for r in range(P):
+        assert ex.events.index(("reduce", r)) < ex.events.index(("dW", r)), ex.events
+        assert outs[r][0] == pytest.approx(float(loss), rel=1e-6)
+        a, e = vocab_rows(V, P, r)
+        torch.testing.assert_close(grads[r].double(), dW[a:e], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(outs[head][1].double().reshape(-1, H), dx, rtol=1e-6, atol=1e-7)

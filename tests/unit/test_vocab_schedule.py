@@ -108,3 +108,17 @@ def test_the_offsets_bring_zb_h1_close_to_its_step():
     ``F(m)`` (offset 0), 111 with the +1 offset :func:`vocab_positions` picks."""
     assert step_time("zb-h1", 8, 32) == 103.0
     assert step_time("zb-h1", 8, 32, t_v=0.0) == 111.0
+
+
+def test_the_exchange_overlaps_where_nothing_waits_for_it():
+    """The joint V(m) with pipeline/vocab.py's overlap, by hand (1f1b, P = 2, M = 1; F 1, B 1; per card s 0.5,
+    g 0.25, w 0.25; the hidden state 0.5 to card 0, the statistics 0.1, the sum 0.4 back): card 0's F ends at 1,
+    the head's (card 1) at 2; card 0 starts its logits slice when the hidden state arrives (2.5), the head at 2; they
+    meet at max(3.0, 2.5) + 0.1 = 3.1; both go on at 3.1 + 0.5 = 3.6, but the head's B waits for the sum:
+    3.1 + 0.25 + 0.4 = 3.75, ends 4.75; card 0's B 5.75. Busy 1 + 1 + 1 on each card: the exchange is no card's work."""
+    end, busy = stage_timeline("1f1b", 2, 1, t_f=1.0, t_b=1.0, t_w=0.0, t_v=[(0.5, 0.25, 0.25)] * 2,
+                               lat=(0.5, 0.1, 0.4))
+    assert end == pytest.approx([5.75, 4.75])
+    assert busy == pytest.approx([3.0, 3.0])
+    # a card's whole share before the cards meet (the joint action as one block of 2): V ends at 2 + 2, B 5, 6
+    assert step_time("1f1b", 2, 1, t_f=1.0, t_b=1.0, t_w=0.0, t_v=2.0) == pytest.approx(5.0 + 1.0 + 0.0)

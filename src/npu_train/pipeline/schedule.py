@@ -13,7 +13,8 @@ Vocabulary parallelism (``vocab=True``; Yeung et al. 2024, "Balancing Pipeline P
 Parallelism"): the output layer is sharded by vocabulary over the ``P`` cards, and every card's list gains one
 joint action ``V(m)`` per micro-batch (:func:`vocab_positions`): all cards run it together (the last stage's
 final hidden state to every card, each card's logits slice and softmax statistics combined, the partial input
-gradients summed back), after the head stage's ``F(m)`` and before its ``B(m)``.
+gradients summed back), after the head stage's ``F(m)`` and before its ``B(m)``; the exchange runs in the
+background where nothing waits for it (:func:`stage_timeline`'s ``lat``).
 """
 from __future__ import annotations
 
@@ -237,7 +238,8 @@ def vocab_positions(kind: str, num_stages: int, num_micro: int) -> list[list[int
         try:
             for slots in (None, 2, 3, min(M, P) + 1):
                 _simulate(kind, P, M, scheds, slots, True)
-            t = max(_run_program(_program(kind, P, M, scheds, True), P, _unit_durations(kind, P), [0.0] * P)[0])
+            t = max(_run_program(_program(kind, P, M, scheds, True), P, _unit_durations(kind, P),
+                                 _vocab_parts(0.0, P, (0.0, 0.0, 0.0), head_position(kind, P)[0]))[0])
         except RuntimeError:
             continue
         if best is None or t < best[0]:
@@ -488,12 +490,19 @@ def _per_stage(v: Durations, n: int, name: str) -> list[float]:
 
 
 def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
-                   t_w: Durations = 1.0, t_v: Optional[Durations] = None) -> tuple[list[float], list[float]]:
+                   t_w: Durations = 1.0, t_v=None, lat: Sequence[float] = (0.0, 0.0, 0.0)
+                   ) -> tuple[list[float], list[float]]:
     """Earliest-start execution; returns per card ``(end, busy)``. ``t_f, t_b, t_w``: time per micro-batch
     (one value, or one per stage: per virtual stage, ``2P`` of them, for :data:`CHUNKED_SCHEDULES`); unsplit
-    ``B`` takes ``t_b + t_w``, as does the first (virtual) stage's in a split schedule. ``t_v`` (one value or one
-    per card; None: no vocabulary actions): each card's share of a joint ``V(m)``, which starts when every card
-    has reached it and ends on all of them after the largest share. Raises RuntimeError on deadlock.
+    ``B`` takes ``t_b + t_w``, as does the first (virtual) stage's in a split schedule. ``t_v`` (None: no
+    vocabulary actions): each card's share of a joint ``V(m)``, one value or one per card (all of it before the
+    cards meet), or per card ``(s, g, w)``: its logits slice, its partial input gradient, its weight gradient
+    (pipeline/vocab.py's order). ``lat``: the exchange's seconds, in the background (pipeline/vocab.py's
+    ``VocabWork``): the hidden state from the head card (sent as its ``F(m)`` ends), the softmax statistics, the
+    partial input gradients' sum onto the head. A card starts its ``s`` once it reached ``V(m)`` and the hidden
+    state arrived; the cards meet when the last has done its ``s`` (plus the statistics' time), then each does ``g``
+    and ``w`` and goes on; the head's ``B(m)`` waits for the last ``g`` plus the sum's time. Raises RuntimeError
+    on deadlock.
 
     The order the actions are placed in and what each waits for do not depend on the durations
     (:func:`_timeline_program`, cached per schedule), so a call is one pass over the ``~3PM`` actions: the
@@ -501,7 +510,7 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
     P = num_stages
     V = P * chunks_per_card(kind)
     tf, tb, tw = (_per_stage(x, V, n) for x, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
-    tv = None if t_v is None else _per_stage(t_v, P, "t_v")
+    tv = None if t_v is None else _vocab_parts(t_v, P, tuple(lat), head_position(kind, P)[0])
     split = kind in SPLIT_BACKWARD
     # per action kind (F, B, W) and virtual stage: its duration
     dur = (tf, [tb[v] if split and v > 0 else tb[v] + tw[v] for v in range(V)],
@@ -509,18 +518,33 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
     return _run_program(_timeline_program(kind, P, num_micro, tv is not None), P, dur, tv)
 
 
-def _run_program(prog: tuple, P: int, dur: tuple, tv: Optional[list]) -> tuple[list[float], list[float]]:
+def _vocab_parts(t_v, P: int, lat: tuple, head: int) -> tuple:
+    """``(s, g, w per card, (hidden state, statistics, sum) seconds, head card)`` of :func:`stage_timeline`'s
+    ``t_v`` and ``lat``."""
+    if isinstance(t_v, (int, float)):
+        parts = [(float(t_v), 0.0, 0.0)] * P
+    else:
+        parts = [(float(x), 0.0, 0.0) if isinstance(x, (int, float)) else tuple(float(y) for y in x) for x in t_v]
+    if len(parts) != P:
+        raise ValueError(f"t_v: need one value per card ({P}), got {len(parts)}")
+    if len(lat) != 3:
+        raise ValueError(f"lat: need (hidden state, statistics, sum) seconds, got {lat}")
+    return tuple(zip(*parts)) + (lat, head)
+
+
+def _run_program(prog: tuple, P: int, dur: tuple, tv: Optional[tuple]) -> tuple[list[float], list[float]]:
     """Per card ``(end, busy)`` of :func:`_timeline_program`'s ``prog`` with ``dur[kind index][virtual stage]`` and
-    each card's share ``tv`` of a joint ``V(m)``."""
+    the joint ``V(m)``'s parts ``tv`` (:func:`_vocab_parts`)."""
     end = []
     free, busy = [0.0] * P, [0.0] * P
     for s, v, k, deps in prog:
-        if s < 0:  # a joint V(m): every card at once
-            start = max(free)
-            d = max(tv)
-            free = [start + d] * P
-            busy = [b + x for b, x in zip(busy, tv)]
-            end.append(start + d)
+        if s < 0:  # a joint V(m): each card's logits slice once the hidden state is there, then they meet
+            ts, tg, tw, (lx, lst, ldx), h = tv
+            sent = end[deps[0]]  # the head's F(m)
+            met = max(max(free[p], sent + (0.0 if p == h else lx)) + ts[p] for p in range(P)) + lst
+            free = [met + tg[p] + tw[p] for p in range(P)]
+            busy = [b + ts[p] + tg[p] + tw[p] for p, b in enumerate(busy)]
+            end.append(max(met + g for g in tg) + ldx)  # the summed input gradient at the head
             continue
         start = free[s]
         for j in deps:
@@ -538,7 +562,8 @@ def _timeline_program(kind: str, P: int, M: int, vocab: bool = False) -> tuple:
     """:func:`stage_timeline`'s actions in the order it places them, each ``(card, virtual stage, kind index
     (0 F, 1 B, 2 W), indices of the earlier entries it waits for)``: each card takes its next action as soon as
     the actions that action depends on are placed, cards visited in turn; a joint ``V(m)`` (``vocab``) is one
-    entry ``(-1, -1, 3, ())`` placed once every card has reached it. Raises RuntimeError on deadlock."""
+    entry ``(-1, -1, 3, (index of the last stage's F(m),))`` placed once every card has reached it. Raises
+    RuntimeError on deadlock."""
     return _program(kind, P, M, [build_schedule(kind, P, M, s, vocab) for s in range(P)], vocab)
 
 
@@ -568,7 +593,7 @@ def _program(kind: str, P: int, M: int, scheds, vocab: bool) -> tuple:
         if (len(nxt) == 1 and None not in nxt and next(iter(nxt)).kind == VOCAB
                 and ("F", V - 1, next(iter(nxt)).micro) in index):
             index[(VOCAB, -1, next(iter(nxt)).micro)] = len(prog)
-            prog.append((-1, -1, 3, ()))
+            prog.append((-1, -1, 3, (index[("F", V - 1, next(iter(nxt)).micro)],)))
             pos = [p + 1 for p in pos]
             progressed = True
     if any(pos[s] < len(scheds[s]) for s in range(P)):
@@ -588,15 +613,15 @@ def _deps(a: Action, v: int, V: int, vocab: bool = False) -> list:
 
 
 def step_time(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
-              t_w: Durations = 1.0, t_v: Optional[Durations] = None) -> float:
+              t_w: Durations = 1.0, t_v=None, lat: Sequence[float] = (0.0, 0.0, 0.0)) -> float:
     """One step's forward/backward time (unit of ``t_*``), from :func:`stage_timeline`."""
-    return max(stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w, t_v)[0])
+    return max(stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w, t_v, lat)[0])
 
 
 def bubble_fraction(kind: str, num_stages: int, num_micro: int, t_f: Durations = 1.0, t_b: Durations = 1.0,
-                    t_w: Durations = 1.0, t_v: Optional[Durations] = None) -> float:
+                    t_w: Durations = 1.0, t_v=None, lat: Sequence[float] = (0.0, 0.0, 0.0)) -> float:
     """Idle share ``1 - sum(busy) / (P * step_time)``. Unit times: ``(P-1)/(M+P-1)`` (1f1b, gpipe),
     ``2(P-1)/(3M+2(P-1))`` (zb), ``(P-1)/(3M+P-1)`` (zb-h1 for M >= P, zb-h2 for M >= 2P-1)."""
-    end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w, t_v)
+    end, busy = stage_timeline(kind, num_stages, num_micro, t_f, t_b, t_w, t_v, lat)
     T = max(end)
     return 1.0 - sum(busy) / (num_stages * T) if T > 0 else 0.0

@@ -151,11 +151,13 @@ class StageRunner:
                 outs = [self._forward_only_step(step, EVAL_MICRO_BASE + m, ch, inputs, positions, m)
                         for ch in self.chunks]
                 x = next((o for o in outs if o is not None), None)
-                res = self.vocab.run(x, labels[m], 1.0, train=False)
+                self.vocab.post_x(m, x, tuple(labels[m].shape))
+                ls = self.vocab.run(m, labels[m], 1.0, train=False)
                 if self.last:
-                    loss_sum += res.loss_sum
+                    loss_sum += ls
                     n_tok += obj.tokens(labels[m])
                     n_units += obj.units(labels[m])
+            self.vocab.finish()
             return {"loss_sum": loss_sum, "n_tokens": n_tok, "n_units": n_units, "stats": stats}
         for m, ch in self._forward_only(num_micro):  # the last chunk's outputs: the loss
             out = self._forward_only_step(step, EVAL_MICRO_BASE + m, ch, inputs, positions, m)
@@ -233,9 +235,9 @@ class _StepRun:
         self.positions = positions
         self.early = early
         self.saved: dict[int, tuple] = {}
-        # vocabulary parallelism: the head card's final hidden states waiting for V(m), V(m)'s input gradients
-        self.vocab_x: dict = {}
-        self.vocab_dx: dict = {}
+        self.M = M
+        if runner.vocab is not None and not runner.last:  # the first hidden state's receive, posted ahead
+            runner.vocab.post_x(0, None, tuple(labels[0].shape))
         self.split = runner.schedule in SPLIT_BACKWARD
         self.pending: dict = {}  # micro -> WeightGradWork (zb: between B and W)
         self.params = [p for p in runner.module.parameters() if p.requires_grad] if self.split else []
@@ -274,9 +276,9 @@ class _StepRun:
             r.moe.start()
         out = r.module(x, **kw) if cuts is None else r.module(x, cuts=cuts, **kw)
         meta = r.moe.finish(m, up) if r.moe is not None else None
-        if ch.last and r.vocab is not None:  # the final norm's output waits for V(m) (every card's)
+        if ch.last and r.vocab is not None:  # the final norm's output: its broadcast to every card starts now
             self.saved[(m, c)] = (x, out, cuts)
-            self.vocab_x[m] = out.detach()
+            r.vocab.post_x(m, out.detach(), tuple(out.shape[:2]))
             self.compute_cpu += self.cpu() - k1
             t2 = t3 = clock()
         elif ch.last:
@@ -322,20 +324,22 @@ class _StepRun:
         r, clock = self.r, self.clock
         t0 = clock()
         k1 = self.cpu()
-        res = r.vocab.run(self.vocab_x.pop(m, None), self.labels[m], self.total_tokens)
+        ls = r.vocab.run(m, self.labels[m], self.total_tokens)
         if r.last:
-            self.vocab_dx[m] = res.dx
-            self.loss_sum += res.loss_sum
+            self.loss_sum += ls
+        elif m + 1 < self.M:  # the next hidden state's receive, posted ahead: it travels while this card works
+            r.vocab.post_x(m + 1, None, tuple(self.labels[m + 1].shape))
         self.compute_cpu += self.cpu() - k1
         t1 = clock()
-        self._account("V", m, t0, t0, t1, t1)
+        # its waits (the hidden state, the statistics' collectives) first: idle, as a neighbour's wait is
+        self._account("V", m, t0, min(t1, t0 + r.vocab.last_wait), t1, t1)
 
     def _recv_grad(self, ch, m: int) -> tuple:
         """``(output gradient, this stage's aux-loss root or None)`` of micro-batch ``m`` (last stage: None;
         vocabulary-parallel: ``V(m)``'s summed input gradient, host, in the compute dtype)."""
         moe = self.r.moe
         if ch.last and self.r.vocab is not None:
-            return self.vocab_dx.pop(m), None
+            return self.r.vocab.take_dx(m), None
         if ch.last:
             return None, None
         if moe is None or not moe.on:
@@ -413,8 +417,10 @@ class _StepRun:
             self.tr.append(("W", m, t0, t0, t1, t1))
 
     def end(self, local_tokens: int, local_units: int) -> dict:
-        assert not self.saved and not self.pending and not self.vocab_x and not self.vocab_dx, \
+        assert not self.saved and not self.pending, \
             f"schedule left micro-batches without backward: {sorted(self.saved)} {sorted(self.pending)}"
+        if self.r.vocab is not None:
+            self.r.vocab.finish()
         if self.early is not None:
             self.early[1]()
         self.r.backend.synchronize()

@@ -22,7 +22,7 @@ import torch
 
 from npu_train.model.headops import IGNORE_INDEX
 
-__all__ = ["Exchange", "GlooExchange", "VocabResult", "VocabWork", "vocab_rows", "vocab_step"]
+__all__ = ["Exchange", "GlooExchange", "VocabResult", "VocabWork", "vocab_core", "vocab_rows", "vocab_step"]
 
 
 def vocab_rows(vocab_size: int, num_cards: int, card: int) -> tuple[int, int]:
@@ -39,26 +39,34 @@ def vocab_rows(vocab_size: int, num_cards: int, card: int) -> tuple[int, int]:
 
 class Exchange(Protocol):
     """The collectives of one pipeline's cards (``rank`` 0..P-1 in the group; the head stage is ``head``), on
-    host fp32 tensors, in place, every card calling them in the same order."""
+    host tensors, in place, every card calling them in the same order. The ``*_async`` ones return a handle whose
+    ``wait()`` returns once the tensor holds the result (the broadcasts keep an order of their own: another group)."""
 
     head: int
 
     def broadcast(self, t: torch.Tensor) -> None: ...  # from ``head``
+    def broadcast_async(self, t: torch.Tensor): ...  # from ``head``
     def all_reduce_max(self, t: torch.Tensor) -> None: ...
     def all_reduce_sum(self, t: torch.Tensor) -> None: ...
     def reduce_sum(self, t: torch.Tensor) -> None: ...  # onto ``head``
+    def reduce_sum_async(self, t: torch.Tensor): ...  # onto ``head``
 
 
 class GlooExchange:
-    """:class:`Exchange` over a torch.distributed (gloo) ``group``; ``head``: the head stage's global rank."""
+    """:class:`Exchange` over a torch.distributed (gloo) ``group``; ``head``: the head stage's global rank;
+    ``xgroup``: the same cards' group the hidden states are broadcast over (None: ``group``)."""
 
-    def __init__(self, group, head: int):
+    def __init__(self, group, head: int, xgroup=None):
         self.group, self.head = group, int(head)
+        self.xgroup = group if xgroup is None else xgroup
 
     def broadcast(self, t: torch.Tensor) -> None:
+        self.broadcast_async(t).wait()
+
+    def broadcast_async(self, t: torch.Tensor):
         import torch.distributed as dist
 
-        dist.broadcast(t, src=self.head, group=self.group)
+        return dist.broadcast(t, src=self.head, group=self.xgroup, async_op=True)
 
     def all_reduce_max(self, t: torch.Tensor) -> None:
         import torch.distributed as dist
@@ -71,9 +79,12 @@ class GlooExchange:
         dist.all_reduce(t, group=self.group)
 
     def reduce_sum(self, t: torch.Tensor) -> None:
+        self.reduce_sum_async(t).wait()
+
+    def reduce_sum_async(self, t: torch.Tensor):
         import torch.distributed as dist
 
-        dist.reduce(t, dst=self.head, group=self.group)
+        return dist.reduce(t, dst=self.head, group=self.group, async_op=True)
 
 
 class VocabResult:
@@ -87,21 +98,41 @@ class VocabResult:
 
 def vocab_step(x: Optional[torch.Tensor], labels: torch.Tensor, weight: torch.Tensor, start: int, divisor: float,
                ex: Exchange, is_head: bool, shape: tuple, train: bool = True) -> VocabResult:
-    """One card's share of ``V(m)`` (module docstring). ``x``: the head stage's final hidden state ``[b, S, H]`` on
-    the head card (None elsewhere: received); ``shape``: ``(b, S, H)``; ``labels``: shifted int64 ``[b, S]``
-    (``IGNORE_INDEX`` not counted), the same on every card; ``weight``: this card's rows ``[start, start + V_p)``
-    of the output layer, ``[V_p, H]`` (a Parameter: with ``requires_grad`` and ``train``, ``dz_p^T x`` is added to
-    its ``.grad`` through autograd, cast to the weight's dtype); ``divisor``: the step's target tokens (the loss's divisor). ``train=False``:
-    the loss only (evaluation). Arithmetic in fp32 on the weight's device; collectives on host copies."""
-    b, S, H = shape
-    dev = weight.device
-    # both travel in the compute dtype (the weight's): the hidden state is the head's norm output in that dtype (no
-    # rounding); the partial input gradients are rounded to it on each card and summed in it (fp32 runs: exact as
-    # before; bf16: half the bytes of fp32 over gloo and the card<->host copies, and the head's backward takes its
-    # output gradient in bf16 anyway)
-    wire = weight.dtype
-    host = torch.empty((b, S, H), dtype=wire) if x is None else x.detach().to(wire).cpu().contiguous()
+    """One card's share of ``V(m)`` (module docstring), its collectives awaited. ``x``: the head stage's final
+    hidden state ``[b, S, H]`` on the head card (None elsewhere: received); ``shape``: ``(b, S, H)``; ``labels``:
+    shifted int64 ``[b, S]`` (``IGNORE_INDEX`` not counted), the same on every card; ``weight``: this card's rows
+    ``[start, start + V_p)`` of the output layer, ``[V_p, H]`` (a Parameter: with ``requires_grad`` and ``train``,
+    ``dz_p^T x`` is added to its ``.grad`` through autograd, cast to the weight's dtype); ``divisor``: the step's
+    target tokens (the loss's divisor). ``train=False``: the loss only (evaluation). Arithmetic in fp32 on the
+    weight's device; collectives on host copies."""
+    host = _wire_x(x, weight, shape)
     ex.broadcast(host)
+    res, handle = vocab_core(host, labels, weight, start, divisor, ex, train)
+    if handle is not None:
+        handle.wait()
+    return VocabResult(res.loss_sum, res.dx if is_head else None)
+
+
+def _wire_x(x: Optional[torch.Tensor], weight: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """The host tensor the hidden state travels in: ``x`` in the compute dtype (the weight's; it is the head's norm
+    output in that dtype: no rounding), or an empty one of ``shape`` to receive into."""
+    if x is None:
+        return torch.empty(shape, dtype=weight.dtype)
+    return x.detach().to(weight.dtype).cpu().contiguous()
+
+
+def vocab_core(host: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, start: int, divisor: float,
+               ex: Exchange, train: bool = True) -> tuple:
+    """:func:`vocab_step` from the received hidden state ``host`` (``[b, S, H]``, compute dtype): ``(VocabResult
+    with the loss and this card's partial input gradient ``dx`` (host, ``[b, S, H]``, compute dtype; summed onto the
+    head card once the handle's ``wait()`` returns), the reduce's handle (None with ``train=False``))``. The partial
+    input gradients are computed and their sum started before the weight gradient, which runs while they travel."""
+    b, S, H = host.shape
+    dev = weight.device
+    # both travel in the compute dtype: the partial input gradients are rounded to it on each card and summed in it
+    # (fp32 runs: exact; bf16: half the bytes of fp32 over gloo and the card<->host copies, and the head's backward
+    # takes its output gradient in bf16 anyway)
+    wire = weight.dtype
     xf = host.to(dev).float().reshape(-1, H)
     y = labels.reshape(-1).to(dev)
     valid = y != IGNORE_INDEX
@@ -122,30 +153,104 @@ def vocab_step(x: Optional[torch.Tensor], labels: torch.Tensor, weight: torch.Te
         tok = torch.log(Z) + m - t
         loss_sum = float(torch.where(valid, tok, torch.zeros_like(tok)).sum())
         if not train:
-            return VocabResult(loss_sum, None)
+            return VocabResult(loss_sum, None), None
         dz = e.div_(Z.unsqueeze(1))
         dz[rows[mine], local[mine]] -= 1.0
         dz.mul_((valid.to(dz.dtype) / float(divisor)).unsqueeze(1))
-        dw = dz.t() @ xf if weight.requires_grad else None
         dx = (dz @ w).to(wire).cpu().reshape(b, S, H).contiguous()
-    if dw is not None:  # through the weight's own accumulator: its hooks run as under backward()
-        torch.autograd.backward([weight], [dw.to(weight.dtype)])
-    ex.reduce_sum(dx)
-    return VocabResult(loss_sum, dx if is_head else None)
+    handle = ex.reduce_sum_async(dx)  # travels while the weight gradient is computed
+    if weight.requires_grad:
+        with torch.no_grad():
+            dw = dz.t() @ xf
+        torch.autograd.backward([weight], [dw.to(weight.dtype)])  # the weight's accumulator: its hooks run
+    return VocabResult(loss_sum, dx), handle
 
 
 class VocabWork:
     """A card's share of every ``V(m)`` of a run: ``weight`` (its rows ``[start, start + V_p)`` of the output
     layer), the pipeline's :class:`Exchange`, whether this card is the head stage, and ``before`` (None or a
-    callable run first: the wait for a pending host update of the weight)."""
+    callable run first: the wait for a pending host update of the weight).
+
+    The exchange runs in the background where nothing waits for it (Yeung et al. 2024 §4 overlap the output
+    layer's communication with computation): the head card starts broadcasting its final hidden state as its
+    ``F(m)`` ends (:meth:`post_x`), another card posts its receive ahead (for ``m + 1`` as ``V(m)`` ends), so the
+    hidden state travels while the cards finish what they are doing; the cards meet at the softmax statistics;
+    each starts the sum of its partial input gradient onto the head and goes on (the weight gradient meanwhile);
+    only the head's ``B(m)`` waits for it (:meth:`take_dx`). :meth:`finish` waits for whatever is in flight."""
 
     def __init__(self, weight: torch.Tensor, start: int, ex: Exchange, is_head: bool, before=None):
         self.weight, self.start, self.ex, self.is_head, self.before = weight, int(start), ex, bool(is_head), before
+        self.x: dict = {}  # micro-batch -> (host hidden state, broadcast handle)
+        self.dx: dict = {}  # head: micro-batch -> (summed input gradient, reduce handle)
+        self.inflight: list = []  # handles nobody waits for until finish()
+        self.last_wait = 0.0  # seconds the last run() waited for the hidden state and the statistics
 
-    def run(self, x: Optional[torch.Tensor], labels: torch.Tensor, divisor: float, train: bool = True) -> VocabResult:
-        """:func:`vocab_step` of one micro-batch (``labels`` ``[b, S]``; ``x`` on the head card)."""
+    def post_x(self, m: int, x: Optional[torch.Tensor], shape: tuple) -> None:
+        """Start micro-batch ``m``'s hidden-state broadcast: the head card sends ``x`` (``[b, S, H]``), another card
+        posts its receive (``x`` None; ``shape`` ``(b, S)``)."""
+        host = _wire_x(x, self.weight, tuple(shape)[:2] + (self.weight.shape[1],))
+        handle = self.ex.broadcast_async(host)
+        self.x[m] = (host, handle)
+        if self.is_head:  # the head has its own copy: only the send is in flight
+            self.inflight.append((host, handle))
+
+    def run(self, m: int, labels: torch.Tensor, divisor: float, train: bool = True) -> float:
+        """``V(m)`` (``labels`` ``[b, S]``; :meth:`post_x` of ``m`` first, else posted here): returns the
+        micro-batch's summed loss (nats); the head keeps the summed input gradient for :meth:`take_dx`."""
         if self.before is not None:
             self.before()
-        b, S = labels.shape
-        return vocab_step(x, labels, self.weight, self.start, divisor, self.ex, self.is_head,
-                          (b, S, self.weight.shape[1]), train)
+        if m not in self.x:
+            self.post_x(m, None, tuple(labels.shape))
+        host, handle = self.x.pop(m)
+        timed = _TimedExchange(self.ex)
+        if not self.is_head:
+            timed.wait(handle)
+        res, red = vocab_core(host, labels, self.weight, self.start, divisor, timed, train)
+        self.last_wait = timed.waited
+        if red is not None:
+            if self.is_head:
+                self.dx[m] = (res.dx, red)
+            else:
+                self.inflight.append((res.dx, red))
+        return res.loss_sum
+
+    def take_dx(self, m: int) -> torch.Tensor:
+        """The head card: ``V(m)``'s summed input gradient (``[b, S, H]`` host, compute dtype), once it arrived."""
+        dx, handle = self.dx.pop(m)
+        handle.wait()
+        return dx
+
+    def finish(self) -> None:
+        """Wait for every collective still in flight (the step's end); raises AssertionError if a micro-batch's
+        hidden state or summed gradient was left unused."""
+        for _t, h in self.inflight:
+            h.wait()
+        self.inflight = []
+        assert not self.x and not self.dx, f"vocabulary actions left: {sorted(self.x)} {sorted(self.dx)}"
+
+
+class _TimedExchange:
+    """An :class:`Exchange` that adds the seconds its blocking calls (and :meth:`wait`) take to ``waited``."""
+
+    def __init__(self, ex: Exchange):
+        self.ex, self.head, self.waited = ex, ex.head, 0.0
+
+    def _timed(self, fn, *a):
+        import time
+
+        t0 = time.perf_counter()
+        out = fn(*a)
+        self.waited += time.perf_counter() - t0
+        return out
+
+    def wait(self, handle) -> None:
+        self._timed(handle.wait)
+
+    def all_reduce_max(self, t: torch.Tensor) -> None:
+        self._timed(self.ex.all_reduce_max, t)
+
+    def all_reduce_sum(self, t: torch.Tensor) -> None:
+        self._timed(self.ex.all_reduce_sum, t)
+
+    def reduce_sum_async(self, t: torch.Tensor):
+        return self.ex.reduce_sum_async(t)

@@ -67,6 +67,7 @@ class StageCost:
     heap_slack: Optional[int] = None  # RSS growth between the guard's reads of its live bytes
     t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
     t_v: float = 0.0  # the card's share of a joint V(m) per micro-batch (vocabulary parallelism), part of t_mb
+    t_vparts: tuple = (0.0, 0.0, 0.0)  # of which: logits slice, partial input gradient, weight gradient
 
     @property
     def offloaded_state_bytes(self) -> int:
@@ -206,36 +207,48 @@ class CostModel:
         on_card = last and not self.shape.vocab_parallel  # vocabulary-parallel: the head runs in V(m)
         head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if on_card else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
-        t_v = self.vocab_time(i)
+        t_vparts = self.vocab_time(i)
+        t_v = sum(t_vparts)
         t_mb = sum(fbw) + t_v
         rc = self._recompute_seconds(i, n, whole, last)
         mem, share = self._zero_cut(i, sm.mem)
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
-                      recomputed=whole, t_rc=rc, t_v=t_v, heap_cap=sm.heap_cap,
+                      recomputed=whole, t_rc=rc, t_v=t_v, t_vparts=t_vparts, heap_cap=sm.heap_cap,
                       heap_slack=sm.heap_slack)
         self._cache[key] = c
         return c
 
-    def vocab_time(self, i: int) -> float:
-        """Seconds of card ``i``'s share of one joint ``V(m)`` (vocabulary parallelism; 0 without it): its slice of
-        the head's FLOPs (:meth:`~npu_train.planner.memory.MemoryModel.vocab_rows` of the vocabulary) at the head's
-        rate, and the exchange on the critical path, as gloo moves it (``dp_bytes_per_s``; as ``pipeline/vocab.py``
-        sends it): the final hidden state in and the partial input gradient out (``[b S, H]`` each, compute dtype), the
-        softmax statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token); on an
-        accelerator also the card<->host copies of the first two (``h2d`` / ``d2h``). The head card sends the
-        hidden state and receives the summed gradient: the same bytes."""
+    def vocab_time(self, i: int) -> tuple[float, float, float]:
+        """Seconds of card ``i``'s work in one joint ``V(m)`` (vocabulary parallelism; zeros without it), in
+        pipeline/vocab.py's order: its logits slice, its partial input gradient, its weight gradient: its slice
+        (:meth:`~npu_train.planner.memory.MemoryModel.vocab_rows` of the vocabulary) of the head's forward,
+        input-gradient and weight-gradient FLOPs at the head's rate; on an accelerator the first two also copy
+        ``[b S, H]`` in the compute dtype card<->host (the hidden state ``h2d``, the partial gradient ``d2h``; the
+        head card the same bytes the other way). The exchange is not the card's work (:meth:`vocab_latency`)."""
         if not self.shape.vocab_parallel:
-            return 0.0
+            return 0.0, 0.0, 0.0
         rt, mm = self.rates[i], self.memory
-        share = mm.vocab_rows(i) / self.model.vocab_size
-        compute = share * self.head_flops / (rt.device_flops * rt.head_flops_ratio)
-        tok, h, e = self.shape.tokens_per_micro_batch, self.model.hidden_size, mm.dtype_bytes
-        t = (2 * e * tok * h + 12 * tok) / rt.dp_bytes_per_s
+        rate = rt.device_flops * rt.head_flops_ratio
+        share = mm.vocab_rows(i) / self.model.vocab_size / rate
+        f, _b, w = self.head_fbw  # V(m) recomputes nothing: its input gradient is one pass
+        parts = [share * f, share * f, share * w]
         if self.cards[i].kind != "cpu":
-            t += e * tok * h / rt.h2d_bytes_per_s + e * tok * h / rt.d2h_bytes_per_s
-        return compute + t
+            xh = mm.dtype_bytes * self.shape.tokens_per_micro_batch * self.model.hidden_size
+            parts[0] += xh / rt.h2d_bytes_per_s
+            parts[1] += xh / rt.d2h_bytes_per_s
+        return parts[0], parts[1], parts[2]
+
+    def vocab_latency(self) -> tuple[float, float, float]:
+        """Seconds of the vocabulary exchange, gloo at the slowest card's ``dp_bytes_per_s`` (pipeline/vocab.py:
+        in the background where nothing waits for it): the final hidden state from the head card, the softmax
+        statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token), the partial
+        input gradients summed onto the head card (``[b S, H]`` each in the compute dtype)."""
+        rate = min(rt.dp_bytes_per_s for rt in self.rates)
+        tok = self.shape.tokens_per_micro_batch
+        xh = self.memory.dtype_bytes * tok * self.model.hidden_size
+        return xh / rate, 12 * tok / rate, xh / rate
 
     def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:
         """Seconds of stage ``i``'s B per micro-batch that run a forward again: ``k`` layers recomputed whole (None:
@@ -366,8 +379,9 @@ class CostModel:
         """Seconds of the pipeline phase: the end of the schedule's timeline with the stages' ``t_f, t_b, t_w``,
         times the average slot stretch of oversubscribed cpu cores."""
         M = self.shape.micro_batches
-        t_v = [c.t_v for c in costs] if self.shape.vocab_parallel else None
-        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs), t_v=t_v)
+        t_v = [c.t_vparts for c in costs] if self.shape.vocab_parallel else None
+        lat = self.vocab_latency() if self.shape.vocab_parallel else (0.0, 0.0, 0.0)
+        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs), t_v=t_v, lat=lat)
         return max(end) * self.slots / (M + self.P - 1)
 
     def stage_durations(self, costs: Sequence[StageCost]) -> tuple[list, list, list]:

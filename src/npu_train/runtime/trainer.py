@@ -283,9 +283,9 @@ class StageTrainer:
 
             for k in range(self.dp):
                 ranks = [lay.rank(k, s) for s in range(self.P)]
-                g = dist.new_group(ranks)
+                g, gx = dist.new_group(ranks), dist.new_group(ranks)  # gx: the hidden states' broadcasts
                 if self.rank in ranks:
-                    self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card))
+                    self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card), xgroup=gx)
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, self.backend)
             dist.barrier()  # every ring exists before anyone receives
