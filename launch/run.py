@@ -94,6 +94,14 @@ def _output_dir_error(text: str) -> "str | None":
     return m[-1].strip() if "mkdir" in text or ours or full else None
 
 
+def print_error(message: str, stream=None) -> None:
+    """The launcher's ``error:`` line for ``message``, folded at words within 100 columns, the message's own
+    lines indented under it (:func:`npu_train.errors.refusal_text`), to ``stream`` (stderr)."""
+    from npu_train.errors import refusal_text
+
+    print(refusal_text(message), file=stream or sys.stderr, flush=True)
+
+
 def check_before_imports(cfg) -> None:
     """Refuse a malformed ``backend`` list (an unknown kind, ``cpu:1``, a card named twice: BackendSpecError,
     torch-free) before ``run_job`` and its imports: torch alone is 1.4 s of CPU, and a fresh-clone review on a
@@ -137,7 +145,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     except JobFailed as e:  # the message names the last complete checkpoint and the resume command, if any
         if report is not None:
             report.update(checkpoint=e.checkpoint, checkpoint_dir=e.checkpoint_dir)
-        print(f"error: {e}", file=sys.stderr, flush=True)
+        print_error(str(e))
         return exit_code_for(e)
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143), see npu_train.errors.Interrupted
         extra = getattr(e, "message", "")
@@ -159,7 +167,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         msg = str(e)
         if isinstance(e, FileNotFoundError) and e.filename and msg.startswith("[Errno"):
             msg = f"file not found: {e.filename}"
-        print(f"error: {msg}", file=sys.stderr, flush=True)
+        print_error(msg)
         return exit_code_for(e)
     except OSError as e:
         if not out_of_space(e):
@@ -168,9 +176,8 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         where = f"writing {e.filename} " if e.filename else ""
-        print(f"error: no space left on device {where}(hydra.run.dir={run_dir}): free disk space there or set "
-              f"hydra.run.dir to a directory on a larger disk" + (f"; {note}" if note else ""), file=sys.stderr,
-              flush=True)
+        print_error(f"no space left on device {where}(hydra.run.dir={run_dir}): free disk space there or set "
+                    f"hydra.run.dir to a directory on a larger disk" + (f"; {note}" if note else ""))
         return 1
 
 
@@ -210,7 +217,7 @@ class _ErrorLineTee:
         for line in lines:
             if line.startswith(("error:", "interrupted")):
                 self.last, self._open = line, True
-            elif self._open and line.startswith("  "):  # the line folded at a terminal's width
+            elif self._open and line.startswith("  "):  # a folded line (refusal_text, fold_words)
                 self.last += " " + line.strip()
             else:
                 self._open = False
@@ -692,7 +699,7 @@ def _main() -> None:
         signal.signal(s, _stop_before_the_run)
     spaced = spaced_list_error(sys.argv[1:])
     if spaced:  # before Hydra's "no viable alternative at input '[cpu,]'"
-        print(f"error: {spaced}", file=sys.stderr)
+        print_error(spaced)
         raise SystemExit(2)
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
     # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr
@@ -733,8 +740,8 @@ def _main() -> None:
         sys.stderr, text = real_stderr, captured.getvalue()
         bad_dir = None if cap.started or e.code != 1 else _output_dir_error(text)
         if bad_dir:
-            print(f"error: cannot create or write the run directory: {bad_dir} -- set hydra.run.dir (hydra.sweep.dir "
-                  "with -m) to a directory you can write", file=real_stderr, flush=True)
+            print_error(f"cannot create or write the run directory: {bad_dir} -- set hydra.run.dir (hydra.sweep.dir "
+                        "with -m) to a directory you can write", real_stderr)
             sys.exit(2)
         if cap.started or e.code != 1 or "Traceback (most recent call last)" in text:
             if not cap.started:
@@ -742,7 +749,7 @@ def _main() -> None:
             raise
         line = _unknown_key_line(text) or (f"{_one_line_hydra_error(text)} -- fix the key=value override (each "
                                            "key's type and meaning: src/npu_train/config.py; list them with --cfg job)")
-        print(f"error: {line}", file=real_stderr, flush=True)
+        print_error(line, real_stderr)
         sys.exit(2)
     finally:
         if sys.stderr is captured:

@@ -1,5 +1,5 @@
 """The base of every user-facing error (:class:`UserError`: the user can fix it, the message names the fix,
-printed as one ``error:`` line) and the exit statuses (:func:`exit_code_for`): 0 finished, 1 a card
+printed as an ``error:`` line folded at words within 100 columns, :func:`refusal_text`) and the exit statuses (:func:`exit_code_for`): 0 finished, 1 a card
 process failed, 2 bad input, 130 / 143 SIGINT / SIGTERM.
 """
 from __future__ import annotations
@@ -13,8 +13,55 @@ EXIT_JOB_FAILED = 1
 EXIT_USER_ERROR = 2
 
 
+#: the widest line a refusal prints (columns), the step lines' and the plan's width
+REFUSAL_COLUMNS = 100
+
+
+def refusal_text(message: str, prefix: str = "error: ", width: int = REFUSAL_COLUMNS) -> str:
+    """``prefix + message`` as printed: each of the message's own lines folded at words within ``width`` columns,
+    the lines after the first indented two spaces and a folded line's continuation two more (a word wider than
+    a line, a long path, stays whole on a line of its own). Joining the lines that start with spaces back onto
+    the first with single spaces gives the message on one line (``status.json``, grep). A fresh-clone review
+    saw refusals of 142-451 columns on one line and an 8-cpu-card 8B refusal of ~5,000 characters (issue 40)."""
+    import textwrap
+
+    out = []
+    for k, line in enumerate(str(message).split("\n")):
+        indent = "" if k == 0 else "  "
+        text = (prefix if k == 0 else "") + line.strip()
+        out += textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
+                             break_on_hyphens=False, break_long_words=False) or [indent + text]
+    return "\n".join(out)
+
+
+def error_lines(text: str) -> list[str]:
+    """The ``error:`` refusals in printed ``text`` (stderr, ``run.log``), each with its folded lines (those after
+    it that start with spaces, :func:`refusal_text`) joined back with single spaces: one string a refusal."""
+    out: list[str] = []
+    open_ = False
+    for line in str(text).splitlines():
+        if line.startswith("error:"):
+            out.append(line.rstrip())
+            open_ = True
+        elif open_ and line.startswith("  "):
+            out[-1] += " " + line.strip()
+        else:
+            open_ = False
+    return out
+
+
+def one_refusal(text: str) -> Optional[str]:
+    """The refusal when printed ``text`` is exactly one ``error:`` refusal (its folded lines included) and nothing
+    else, on one line (:func:`error_lines`); None otherwise."""
+    lines = [ln for ln in str(text).splitlines() if ln.strip()]
+    if not lines or not lines[0].startswith("error: ") or not all(ln.startswith("  ") for ln in lines[1:]):
+        return None
+    return error_lines(text)[0]
+
+
 class UserError(Exception):
-    """Base of errors caused by the user's input; printed as one line, exit status 2."""
+    """Base of errors caused by the user's input; printed folded within 100 columns (:func:`refusal_text`),
+    exit status 2."""
 
 
 class ConfigError(UserError, ValueError):

@@ -231,14 +231,16 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--base", default=None, help="a LoRA checkpoint: where its run's base model is now, when it moved")
     a = ap.parse_args(argv)
+    from npu_train.errors import refusal_text
+
     if a.temperature < 0 or not 0 < a.top_p <= 1 or a.max_new_tokens < 1:
-        print("error: need --temperature >= 0 (0 = greedy), 0 < --top-p <= 1 and --max-new-tokens >= 1",
+        print(refusal_text("need --temperature >= 0 (0 = greedy), 0 < --top-p <= 1 and --max-new-tokens >= 1"),
               file=sys.stderr)
         return 2
     if a.no_chat and not a.prompt:  # nothing to continue from: refused before seconds of loading
-        print("error: --prompt '' with --no-chat gives the model no token to continue from: pass some text "
-              "(e.g. --prompt 'Once upon a time'), or drop --no-chat to send an empty user message through "
-              "the chat template", file=sys.stderr)
+        print(refusal_text("--prompt '' with --no-chat gives the model no token to continue from: pass some text "
+                           "(e.g. --prompt 'Once upon a time'), or drop --no-chat to send an empty user message "
+                           "through the chat template"), file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from npu_train.errors import UserError
@@ -266,7 +268,7 @@ def main(argv=None) -> int:
                      temperature=a.temperature, top_p=a.top_p, seed=a.seed, on_text=show)
             print(flush=True)  # the completion's end of line: stdout holds the text and one newline, as before
     except (UserError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(refusal_text(str(e)), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C while loading or generating: one line, the temporary dir is gone
         if shown:  # the partial reply's line ends first

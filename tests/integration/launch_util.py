@@ -172,7 +172,10 @@ class Job:
         return " ".join(out)
 
     def error_lines(self) -> list[str]:
-        return [l for l in self.stderr.splitlines() if l.startswith("error:")]
+        """The ``error:`` refusals of stderr, each with its folded lines joined back (one string a refusal)."""
+        from npu_train.errors import error_lines
+
+        return error_lines(self.stderr)
 
     def tail(self, n: int = 3000) -> str:
         return f"--- stdout ---\n{self.stdout[-n:]}\n--- stderr ---\n{self.stderr[-n:]}"

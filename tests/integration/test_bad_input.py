@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import pytest
 
 from launch_util import Job, edit_model_copy
+from npu_train.errors import error_lines
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -219,6 +220,7 @@ def test_bad_input(tiny_model, tmp_path, bad, case):
     assert "Traceback" not in err, err
     lines = job.error_lines()
     assert len(lines) == 1, err
+    assert max(len(ln) for ln in err.splitlines()) <= 100, err  # folded at words (issue 40)
     for w in words:
         assert w in lines[0], f"{w!r} not in {lines[0]!r}"
     # nothing written by us: only Hydra's own files (the run dir itself may not exist at all)
@@ -250,7 +252,7 @@ def test_unusable_run_dir_is_one_error_line(tiny_model, tmp_path, where, how):
     argv = [sys.executable, LAUNCH, *(["-m"] if where == "sweep" else []), f"model.path={tiny_model}",
             "plan=true", f"{key}={target}"]
     r = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
-    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    lines = error_lines(r.stderr)
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
     assert len(lines) == 1 and f"cannot create or write the run directory: {errno_text}" in lines[0] \
@@ -291,6 +293,6 @@ def test_a_refused_launch_adds_nothing_to_the_earlier_runs_log(tiny_model, tmp_p
         (run_dir / fn).write_text(text)
     job = Job(tmp_path, tiny_model, "train.steps=2")
     assert job.finish(90) == 2, job.tail()
-    assert "already holds 1 checkpoint(s) of an earlier run" in job.stderr, job.tail()
+    assert "already holds 1 checkpoint(s) of an earlier run" in " ".join(job.error_lines()), job.tail()
     for fn, text in earlier.items():
         assert (run_dir / fn).read_text() == text, fn

@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from launch_util import BASE, LAUNCH, REPO, Job
+from npu_train.errors import error_lines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -33,14 +34,14 @@ def test_second_launch_into_a_live_jobs_dirs_is_refused(tiny_model, tmp_path):
         lines_before = len(a.losses())
         # B: the same hydra.run.dir
         b = _launch(tiny_model, a.run_dir)
-        errs = [l for l in b.stderr.splitlines() if l.startswith("error:")]
+        errs = error_lines(b.stderr)
         assert b.returncode == 2 and len(errs) == 1 and "Traceback" not in b.stderr, b.stderr
         assert (f"hydra.run.dir={a.run_dir} is in use by job {info['job_id']} (pid {a.proc.pid} " in errs[0]
                 and f"kill {a.proc.pid}" in errs[0] and "another hydra.run.dir" in errs[0]), errs[0]
         # C: its own run dir, A's checkpoint.dir
         c_dir = str(tmp_path / "c")
         c = _launch(tiny_model, c_dir, f"checkpoint.dir={ck}")
-        errs = [l for l in c.stderr.splitlines() if l.startswith("error:")]
+        errs = error_lines(c.stderr)
         assert c.returncode == 2 and len(errs) == 1, c.stderr
         assert (f"checkpoint.dir={ck} is in use by job {info['job_id']} (pid {a.proc.pid} " in errs[0]
                 and "another checkpoint.dir" in errs[0]), errs[0]

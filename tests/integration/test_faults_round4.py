@@ -9,6 +9,7 @@ import shlex
 import pytest
 
 from launch_util import Job, edit_model_copy
+from npu_train.errors import error_lines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -385,7 +386,7 @@ def test_run_dir_full_at_the_start_is_one_error_line(tiny_model, tmp_path, small
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=300)
     assert r.returncode == 1, r.stderr[-3000:]
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
-    lines = [l for l in r.stderr.splitlines() if l.startswith("error:")]
+    lines = error_lines(r.stderr)
     assert len(lines) == 1 and "no space left on device" in lines[0] and f"hydra.run.dir={run_dir}" in lines[0] \
         and "set hydra.run.dir to a directory on a larger disk" in lines[0], r.stderr[-3000:]
     left = os.listdir(run_dir)
@@ -428,7 +429,7 @@ def test_a_card_stopped_alone_is_still_reported(tiny_model, tmp_path):
         rc = job.wait(240)
     finally:
         job.kill_all()
-    assert rc == 1 and "stopped responding: no heartbeat for" in job.stderr, job.tail()
+    assert rc == 1 and "stopped responding: no heartbeat for" in " ".join(job.error_lines()), job.tail()
 
 
 def test_a_second_sweep_into_a_live_sweeps_dir_is_refused_before_it_writes(tiny_model, tmp_path):
@@ -466,7 +467,7 @@ def test_a_second_sweep_into_a_live_sweeps_dir_is_refused_before_it_writes(tiny_
         if a.poll() is None:
             os.killpg(a.pid, 9)
     assert b.returncode == 2, b.stderr[-3000:]
-    lines = [l for l in b.stderr.splitlines() if l.startswith("error:")]
+    lines = error_lines(b.stderr)
     assert len(lines) == 1 and f"hydra.sweep.dir={sweep_dir} is in use by job sweep (pid {a.pid}" in lines[0], b.stderr
     assert a.returncode == 0, err_a[-3000:]
     for num, lr in ((0, "0.001"), (1, "0.002")):

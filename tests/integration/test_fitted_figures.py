@@ -7,6 +7,7 @@ import json
 import os
 
 from conftest import launch_to_end
+from npu_train.errors import error_lines
 
 
 def _rates_line(job) -> str:
@@ -26,7 +27,7 @@ def test_the_next_plan_uses_figures_fitted_from_a_finished_run(tiny_model, tmp_p
 
 def test_placement_calibrate_is_gone_with_a_pointer_to_calibrate_true(tiny_model, tmp_path):
     job = launch_to_end(tmp_path, tiny_model, "plan=true", "placement.calibrate=auto", name="old", expect_rc=2)
-    err = [ln for ln in job.stderr.splitlines() if ln.startswith("error:")]
+    err = error_lines(job.stderr)
     assert len(err) == 1 and "calibrate=true" in err[0], job.stderr
 
 

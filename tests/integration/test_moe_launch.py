@@ -61,7 +61,7 @@ def test_zb_with_aux_loss_is_refused(moe_model, tmp_path):
 
     job = launch_to_end(tmp_path, moe_model, "train.schedule=zb", f"train.moe_aux_loss={W}", expect_rc=2,
                         backend="cpu,cpu")
-    assert "does not combine with the mixture-of-experts load-balancing loss" in job.stderr + job.stdout
+    assert "does not combine with the mixture-of-experts load-balancing loss" in " ".join(job.error_lines())
 
 
 def test_dp_auto_with_aux_loss_plans_1f1b(moe_model, tmp_path):

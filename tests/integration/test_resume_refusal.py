@@ -8,6 +8,7 @@ import os
 import pytest
 
 from conftest import run_pipeline
+from npu_train.errors import error_lines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -21,7 +22,7 @@ def test_resume_refuses_changed_lr_or_data_unless_allowed(tiny_model, tmp_path, 
     capsys.readouterr()
 
     run_pipeline(tiny_model, str(tmp_path / "lr"), *common, "train.resume=latest", "train.lr=2e-3", expect_rc=2)
-    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and "train.lr: checkpoint 0.001, now 0.002" in err[0], err
     assert "train.resume_mismatch=allow" in err[0]
 
@@ -32,7 +33,7 @@ def test_resume_refuses_changed_lr_or_data_unless_allowed(tiny_model, tmp_path, 
     src.write_text(text[:i] + " thy " + text[i + 5:])
     run_pipeline(tiny_model, str(tmp_path / "data"), *common, "train.resume=latest", f"data.source={src}",
                  expect_rc=2)
-    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and "data fingerprint does not match" in err[0], err
     assert not os.path.exists(tmp_path / "data" / "metrics.jsonl")  # refused before anything ran
 
@@ -54,7 +55,7 @@ def test_resume_refuses_other_adapters_damaged_shards_and_other_data_order(tiny_
 
     def refused(name, *overrides):
         run_pipeline(tiny_model, str(tmp_path / name), *common, "train.resume=latest", *overrides, expect_rc=2)
-        err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+        err = error_lines(capsys.readouterr().err)
         assert len(err) == 1, err
         assert not os.path.exists(tmp_path / name / "metrics.jsonl")  # refused before anything ran
         return err[0]
@@ -86,7 +87,7 @@ def test_resume_from_truncated_manifest_is_one_line(tiny_model, tmp_path, capsys
     capsys.readouterr()
     run_pipeline(tiny_model, str(tmp_path / "again"), "backend=[cpu]", "train.steps=3",
                  f"checkpoint.dir={tmp_path / 'ckpt2'}", f"train.resume={reader.path}", expect_rc=2)
-    err = [l for l in capsys.readouterr().err.splitlines() if l.startswith("error:")]
+    err = error_lines(capsys.readouterr().err)
     assert len(err) == 1 and f"{mp}: not a readable checkpoint manifest" in err[0], err
     assert f"there is no other checkpoint in {ck}" in err[0], err
     assert not os.path.exists(tmp_path / "again" / "metrics.jsonl")  # refused before anything ran

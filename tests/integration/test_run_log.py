@@ -12,6 +12,7 @@ import pytest
 
 from conftest import launch_to_end
 from launch_util import BASE, LAUNCH, REPO
+from npu_train.errors import error_lines
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -29,9 +30,9 @@ def test_run_log_holds_the_console_output(tiny_model, tmp_path):
     assert len(PLAN_LINE.findall(ok.stdout)) == 1, ok.stdout  # printed once on the console
     assert ok.stdout.strip() and ok.stdout in log, (ok.stdout, log)
     bad = launch_to_end(tmp_path, tiny_model, "plan=true", "train.lr=-1", name="bad", expect_rc=2)
-    err = [l for l in bad.stderr.splitlines() if l.startswith("error:")]
+    err = error_lines(bad.stderr)
     assert len(err) == 1 and "train.lr=-1" in err[0], bad.stderr
-    assert err[0] in _log(bad.run_dir).splitlines()
+    assert err[0] in error_lines(_log(bad.run_dir))
 
 
 @pytest.mark.heavy

@@ -20,6 +20,7 @@ import sys
 import pytest
 
 from launch_util import BASE, LAUNCH, REPO
+from npu_train.errors import one_refusal
 from npu_train.metrics import sweep
 from npu_train.metrics.sweep import JobNeeds, SweepError, check_concurrency
 
@@ -305,7 +306,7 @@ def test_sweep_sharing_a_card_is_rejected_before_any_job(tmp_path, tiny_model):
                         "train.lr=1e-3,2e-3", "hydra.launcher.n_jobs=2", f"hydra.sweep.dir={sd}"],
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
-    errors = [l for l in p.stderr.splitlines() if l.strip()]
+    errors = [one_refusal(p.stderr)]
     assert errors == ["error: hydra.launcher.n_jobs=2: jobs #0 and #1 of the sweep both use card furiosa:0, and a "
                       "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
                       "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)"], p.stderr

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from npu_train.checkpoint.export import main
+from npu_train.errors import one_refusal
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir"])
@@ -17,8 +18,8 @@ def test_bad_checkpoint_argument_names_the_export_argument(tmp_path, capsys, mak
         ckpt.mkdir()
     out = tmp_path / "hf"
     assert main([str(ckpt), str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and err.startswith("error: "), err
+    err = one_refusal(capsys.readouterr().err)
+    assert err, err
     assert "train.resume" not in err, err
     assert "python -m npu_train.checkpoint.export" in err and "<checkpoint>" in err, err
     assert "step_XXXXXX" in err and "checkpoint.dir" in err, err  # the fix: which directory to give
@@ -35,7 +36,7 @@ def test_run_directory_names_its_checkpoints_like_generate(tmp_path, capsys):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     assert main([str(run), str(tmp_path / "hf")]) == 2
-    err = capsys.readouterr().err.strip()
+    err = one_refusal(capsys.readouterr().err)
     want = f"is a run directory, not a checkpoint: pass {run / 'checkpoints'}"
     assert want in err and "no manifest.json" not in err, err
     with pytest.raises(UserError, match="is a run directory, not a model: pass "):
@@ -91,8 +92,8 @@ def test_export_into_a_non_empty_dir_is_refused_without_overwrite(tiny_ckpt, tmp
     (out / "config.json").write_text('{"mine": 1}')
     (out / "notes.txt").write_text("my notes")
     assert main([tiny_ckpt, str(out)]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.count("\n") == 0 and f"error: {out} is not empty (config.json, notes.txt)" in err, err
+    err = one_refusal(capsys.readouterr().err)
+    assert err and f"error: {out} is not empty (config.json, notes.txt)" in err, err
     assert "--overwrite" in err
     assert (out / "config.json").read_text() == '{"mine": 1}' and _files(out) == ["config.json", "notes.txt"]
 

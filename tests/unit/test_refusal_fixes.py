@@ -33,8 +33,9 @@ def test_8b_on_two_cpu_cards_names_only_what_fits():
         assert useless not in msg, (useless, msg)
     assert "more cpu cards split the same host RAM" in msg
     state = 16 * get_preset("llama-3.1-8b").total_params() / GIB
-    said = [float(x) for x in re.findall(r"at least ([\d.]+) GiB for its weights, gradients and optimizer", msg)]
-    assert len(said) == 2 and sum(said) == pytest.approx(state, rel=0.02), (said, state)
+    # said once, for the card that needs most: here the two halves are the same size (untied embedding and head)
+    said = [float(x) for x in re.findall(r"at least ([\d.]+) GiB a card: card \d's weights, gradients and optimizer", msg)]
+    assert len(said) == 1 and said[0] == pytest.approx(state / 2, rel=0.02), (said, state)
     host = re.search(r"a host with about (\d+) GiB of RAM", msg)
     assert host, msg
     ram = int(host.group(1)) * GIB

@@ -416,8 +416,10 @@ def main(argv=None) -> int:
         t0 = time.monotonic()
         out = export_hf(a.checkpoint, a.out, a.dtype, overwrite=a.overwrite, base=a.base,
                         say=lambda text: print(fold_long_line(text), flush=True))
-    except Exception as e:  # user-facing CLI: one line (error: lines stay whole, docs/bad-input.md)
-        print(f"error: {e}", file=sys.stderr)
+    except Exception as e:  # user-facing CLI: one error, folded within 100 columns (docs/bad-input.md)
+        from npu_train.errors import refusal_text
+
+        print(refusal_text(str(e)), file=sys.stderr)
         return 2
     print(fold_long_line(f"exported {a.checkpoint} -> {out} in {time.monotonic() - t0:.0f} s"))
     return 0

@@ -407,7 +407,9 @@ class SweepCallback(_HydraCallback):
         try:
             fit = check_concurrency(needs, n_jobs, host_cores(), host_available_ram())
         except SweepError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            from npu_train.errors import refusal_text
+
+            print(refusal_text(str(e)), file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         self._pin(config, fit)
         print(f"sweep: {len(jobs)} job(s), {fit} at a time", flush=True)
@@ -424,7 +426,9 @@ class SweepCallback(_HydraCallback):
         try:
             self.lock = lock_hook(sweep_dir)
         except UserError as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            from npu_train.errors import refusal_text
+
+            print(refusal_text(str(e)), file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
     @staticmethod

@@ -79,10 +79,11 @@ def balanced_split(num_layers: int, num_cards: int) -> list[int]:
     return [q + (1 if k < r else 0) for k in range(num_cards)]
 
 
-def _over_capacity(pm: CostModel, plan: Plan, i: int, headroom: bool = False) -> str:
-    st = plan.stages[i]
-    return over_capacity_message(plan, i, pm.max_resident(i, st.num_layers, headroom),
-                                 pm.limit(i, headroom) if headroom else None)
+def _over_capacity(pm: CostModel, plan: Plan, cards: Sequence[int], headroom: bool = False,
+                   more_cards: Optional[str] = None) -> str:
+    """The refusal's lines for ``cards`` of ``plan`` (:func:`~npu_train.planner.table.over_capacity_message`)."""
+    return over_capacity_message(plan, [(i, pm.max_resident(i, plan.stages[i].num_layers, headroom),
+                                         pm.limit(i, headroom) if headroom else None) for i in cards], more_cards)
 
 
 def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan:
@@ -91,11 +92,11 @@ def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan
         return plan
     plan.fits = False
     if strict:
-        per = ", ".join(f"{card_label(i, st.card)} {gib(st.host_bytes):.2f} GiB"
+        per = ", ".join(f"{card_label(i, st.card)} {gib(st.host_bytes):.2f}"
                         for i, st in enumerate(plan.stages) if st.host_bytes)
         raise PlacementError(
-            f"host RAM too small for the offloaded optimizer state: predicted "
-            f"{gib(plan.host_bytes):.2f} GiB ({per}) > host RAM {gib(host_ram_bytes):.2f} GiB; "
+            f"host RAM too small for the offloaded optimizer state: plan {gib(plan.host_bytes):.2f} GiB of host "
+            f"RAM > the host's {gib(host_ram_bytes):.2f} GiB in total\nplan GiB: {per}\n"
             f"fix: more resident layers, more cards, or a host with more RAM"
         )
     return plan
@@ -492,9 +493,10 @@ def _plan_with_resident_counts(pm: CostModel, req: PlanRequest, split: Optional[
                 f"requested; fix: resident_layers <= {n} on this card (split {split})")
     plan = pm.build(split, res)
     if req.strict:
-        for i, st in enumerate(plan.stages):
-            if not st.fits:
-                raise PlacementError(_over_capacity(pm, plan, i))
+        bad = [i for i, st in enumerate(plan.stages) if not st.fits]
+        if bad:
+            raise PlacementError(f"the resident layers {res} do not fit on split {split}:\n"
+                                 + _over_capacity(pm, plan, bad))
     return _check_host(plan, req.host_ram_bytes, req.strict)
 
 
@@ -515,10 +517,12 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
     if not req.strict:
         return _check_host(plan, req.host_ram_bytes, strict=False)
     bad = [i for i, st in enumerate(plan.stages) if st.mem["total"] > pm.limit(i)] or [0]
+    floor, more_cards = _floor_over_cards(pm, shown, req)
     raise PlacementError(
-        "no placement fits with any number of resident layers"
-        + ("" if split is not None else " on any split") + _floor_over_cards(pm, shown, req)
-        + ": " + "; ".join(_over_capacity(pm, plan, i, headroom=True) for i in bad) + _what_fits(pm, plan, req)
+        f"no placement of {req.model.name} fits with any number of resident layers"
+        + ("" if split is not None else " on any split") + floor + "\n"
+        + _host_ram_line(pm) + _over_capacity(pm, plan, bad, headroom=True, more_cards=more_cards)
+        + _what_fits(pm, plan, req)
     )
 
 
@@ -542,13 +546,13 @@ def _fewest_cards(req: PlanRequest, start: int) -> Optional[int]:
     return None
 
 
-def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> str:
-    """``", since the weights and gradients alone need X GiB > the cards' Y GiB (fix: N such cards, the fewest
-    that fit)"`` when the terms no placement can move off the cards (weights, and the gradient accumulators, at
+def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> tuple[str, Optional[str]]:
+    """``(", since the weights and gradients alone need X GiB, more than the Y GiB usable on the P cards together",
+    "N such cards, the fewest that fit")`` when the terms no placement can move off the cards (weights, and the gradient accumulators, at
     ``split`` with every layer offloaded) exceed the sum of the cards' limits, e.g. a 235 B mixture of experts on
-    8 cards; else ``""``. N is planned (:func:`_fewest_cards`): the floor alone would name too few (activations,
+    8 cards; else ``("", None)``. N is planned (:func:`_fewest_cards`): the floor alone would name too few (activations,
     workspace); "at least" the first count not tried when none of those does. On cpu cards more cards split the
-    same host RAM, so no count is named: :func:`_what_fits` names what does fit."""
+    same host RAM, so no count is named (None): :func:`_what_fits` names what does fit."""
     mm = pm.memory
     floor = 0
     for i, n in enumerate(split):
@@ -556,21 +560,34 @@ def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> 
         floor += mm.weights(p) + mm.gradients(p)
     room = sum(pm.limit(i) for i in range(pm.P))
     if floor <= room:
-        return ""
+        return "", None
     what = "weights and gradients" if mm.gradients(mm.parameters(0, split[0], 0)) else "weights"
-    head = f", since the {what} alone need {gib(floor):.2f} GiB > the {pm.P} cards' {gib(room):.2f} GiB"
+    head = (f": the {what} alone need {gib(floor):.2f} GiB, more than the {gib(room):.2f} GiB usable on the "
+            f"{pm.P} cards together")
     if all(c.kind in HOST_MEMORY_KINDS for c in pm.cards):
-        return head + " (more cpu cards split the same host RAM)"
+        return head + " (more cpu cards split the same host RAM)", None
     per_card = min(pm.limit(i) for i in range(pm.P))
     need = -(-floor // per_card)
     fewest = _fewest_cards(req, need)
     fix = (f"{fewest} such cards, the fewest that fit" if fewest is not None
            else f"at least {min(need + FEWEST_CARDS_TRIED, req.model.num_layers + 1)} such cards")
-    return head + f" (fix: {fix})"
+    return head, fix
+
+
+def _host_ram_line(pm: CostModel) -> str:
+    """For cpu cards (whose memory is the host's): ``"host RAM 23.54 GiB in total: 8 cpu cards x 2.88 GiB +
+    0.50 GiB for the launcher\\n"``, the quantities the card lines' "usable" comes from; ``""`` otherwise."""
+    cpu = [c for c in pm.cards if c.kind in HOST_MEMORY_KINDS]
+    if not cpu or len(cpu) != len(pm.cards) or len({c.capacity_bytes for c in cpu}) != 1:
+        return ""
+    n = len(cpu) * pm.dp
+    total = n * cpu[0].capacity_bytes + LAUNCHER_RESERVE_BYTES
+    return (f"host RAM {gib(total):.2f} GiB in total: {n} cpu card(s) x {gib(cpu[0].capacity_bytes):.2f} GiB + "
+            f"{gib(LAUNCHER_RESERVE_BYTES):.2f} GiB for the launcher\n")
 
 
 def _what_fits(pm: CostModel, plan: Plan, req: PlanRequest) -> str:
-    """``"; what fits instead: ..."`` when no card-level setting can (``plan``: the least-memory placement, whose
+    """``"\\nwhat fits instead: ..."`` when no card-level setting can (``plan``: the least-memory placement, whose
     cards' weights, gradients and optimizer state alone are over their limits, :func:`_state_over`): LoRA (rank
     8 on the default targets; with ``train.dtype=bf16`` from fp32) when it plans to fit on the same split, a host
     with the RAM that fits (cpu cards: :func:`_host_ram_that_fits`), a model under the parameter count whose
@@ -601,7 +618,7 @@ def _what_fits(pm: CostModel, plan: Plan, req: PlanRequest) -> str:
     smaller = _largest_model_that_fits(req)
     if smaller:
         out.append(smaller)
-    return "; what fits instead: " + ", or ".join(out) if out else ""
+    return "\nwhat fits instead: " + ", or ".join(out) if out else ""
 
 
 def _state_over(pm: CostModel, plan: Plan, i: int) -> bool:
@@ -609,12 +626,12 @@ def _state_over(pm: CostModel, plan: Plan, i: int) -> bool:
 
 
 def _host_ram_that_fits(pm: CostModel, plan: Plan) -> str:
-    """``"a host with about X GiB of RAM for the cpu cards (they have Y GiB now)"``: cpu cards split the host RAM (less the launcher's reserve)
+    """``"a host with about X GiB of RAM in total (this one: Y GiB)"``: cpu cards split the host RAM (less the launcher's reserve)
     evenly, so the busiest card's total over ``1 - headroom``, times the cpu card processes, plus the reserve."""
     n_cpu = pm.dp * len(plan.stages)
     need = max(st.mem["total"] for st in plan.stages) / (1.0 - pm.headroom) * n_cpu + LAUNCHER_RESERVE_BYTES
     now = sum(st.card.capacity_bytes for st in plan.stages) * pm.dp + LAUNCHER_RESERVE_BYTES
-    return f"a host with about {gib(need):.0f} GiB of RAM for the cpu cards (they have {gib(now):.0f} GiB now)"
+    return f"a host with about {gib(need):.0f} GiB of RAM in total (this one: {gib(now):.2f} GiB)"
 
 
 def _largest_model_that_fits(req: PlanRequest) -> str:

@@ -11,8 +11,8 @@ from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import gb, gib
 
-__all__ = ["plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "memory_sources",
-           "rate_sources"]
+__all__ = ["plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "card_memory_line",
+           "memory_sources", "rate_sources"]
 
 
 def card_label(i: int, card: Card) -> str:
@@ -29,50 +29,98 @@ def state_bytes(st) -> int:
     return own + (m["optimizer"] if st.card.kind in HOST_MEMORY_KINDS else 0)
 
 
-def over_capacity_message(plan: Plan, st_index: int, max_resident: int,
-                          limit_bytes: Optional[int] = None) -> str:
-    """One line: the card over capacity, every memory term in GiB, the limit (``limit_bytes``: the auto
-    limit with ``placement.headroom``, else the capacity) and the fixes that can make it fit: the
-    activation, recompute and heap settings only when the card's :func:`state_bytes` are within the limit (they
-    cannot lower those); ``max_resident``: most resident layers that fit (-1: none)."""
+def card_memory_line(plan: Plan, st_index: int, limit_bytes: Optional[int] = None) -> str:
+    """One card over its limit: ``"card 0 (cpu:0), layers 0-3 +emb: plan 25.69 GiB > usable 2.74 GiB (baseline
+    0.35 + weights 5.21 + ...)"``; "usable" is ``limit_bytes`` (the capacity less ``placement.headroom``), else
+    "capacity" (the card's whole capacity, the limit of explicit resident counts). GiB = 2**30 B."""
+    st = plan.stages[st_index]
+    return f"{card_label(st_index, st.card)}, layers {st.layers_label}: " + _memory_figures(plan, st_index, limit_bytes)
+
+
+def _memory_figures(plan: Plan, st_index: int, limit_bytes: Optional[int]) -> str:
     st = plan.stages[st_index]
     m = st.mem
-    r = len(st.resident)
     limit = limit_bytes if limit_bytes is not None else st.card.capacity_bytes
-    state_over = state_bytes(st) > limit
+    terms = ([f"baseline {gib(m['baseline']):.2f}"] if m["baseline"] else []) + [
+        f"{k} {gib(m[k]):.2f}" for k in ("weights", "grads", "optimizer", "activations", "transient", "workspace")]
+    return (f"plan {gib(m['total']):.2f} GiB > {'usable' if limit_bytes is not None else 'capacity'} "
+            f"{gib(limit):.2f} GiB ({' + '.join(terms)})")
+
+
+def _card_lines(plan: Plan, cards: list) -> list[str]:
+    """:func:`card_memory_line` per card, neighbours with the same figures on one line (``"cards 1-4 (cpu:1 ..
+    cpu:4), layers 4-7, 8-11, 12-15, 16-19: each plan 16.29 GiB > ..."``): an 8-card refusal repeated one line
+    four times."""
+    groups: list[list] = []
+    for i, _, lim in cards:
+        fig = _memory_figures(plan, i, lim)
+        if groups and groups[-1][1] == fig and groups[-1][0][-1] == i - 1:
+            groups[-1][0].append(i)
+        else:
+            groups.append([[i], fig])
+    out = []
+    for idx, fig in groups:
+        if len(idx) == 1:
+            out.append(card_memory_line(plan, idx[0], cards[[c[0] for c in cards].index(idx[0])][2]))
+            continue
+        a, b = plan.stages[idx[0]], plan.stages[idx[-1]]
+        layers = ", ".join(plan.stages[i].layers_label for i in idx)
+        out.append(f"cards {idx[0]}-{idx[-1]} ({a.card.name} .. {b.card.name}), layers {layers}: each {fig}")
+    return out
+
+
+def over_capacity_message(plan: Plan, cards: list, more_cards: Optional[str] = None) -> str:
+    """The lines of a refusal for the cards over their limits, each fix said once for all of them.
+
+    ``cards``: ``(stage index, max_resident, limit_bytes)`` per card over its limit (``max_resident``: the most
+    resident layers that fit, -1 none; ``limit_bytes``: the auto limit with ``placement.headroom``, or None for
+    the capacity). Lines: one per card (:func:`card_memory_line`), what "usable" is, then one ``fix:`` line per
+    fix: fewer resident layers (per card), more RAM per cpu card (the most any card's weights, gradients and
+    optimizer state need alone) or more cards (``more_cards`` says how many where planned), and the activation,
+    recompute and heap settings only when some card's :func:`state_bytes` are within its limit (they cannot
+    lower those). Every figure in GiB (2**30 B)."""
+    lines = _card_lines(plan, cards)
+    limited = [(plan.stages[i].card.capacity_bytes, lim) for i, _, lim in cards if lim is not None]
+    if limited:
+        caps = sorted({gib(c) for c, _ in limited})
+        cap = f"{caps[0]:.2f} GiB" if len(caps) == 1 else "/".join(f"{c:.2f}" for c in caps) + " GiB"
+        lines.append(f"usable = a card's capacity ({cap}) less placement.headroom={plan.headroom:g}")
     fixes = []
-    if 0 <= max_resident < r:
-        fixes.append(f"fewer resident layers on this card (now {r}; at most {max_resident} fit)")
-    sh = plan.shape
-    # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
-    if st.card.kind == "cpu":
-        need = (f"at least {gib(state_bytes(st)):.2f} GiB for its weights, gradients and optimizer state alone: "
-                if state_over else "")
-        fixes.append(f"more RAM per cpu card ({need}a larger host, or placement.capacity_gib if it was set below the "
-                     "card's share of the RAM; more cpu cards split the same RAM)")
+    fewer = [f"card {i} at most {r} (now {len(plan.stages[i].resident)})" for i, r, _ in cards
+             if 0 <= r < len(plan.stages[i].resident)]
+    if fewer:
+        fixes.append("fewer resident layers: " + ", ".join(fewer))
+    limit_of = {i: (lim if lim is not None else plan.stages[i].card.capacity_bytes) for i, _, lim in cards}
+    over = [i for i in limit_of if state_bytes(plan.stages[i]) > limit_of[i]]
+    if any(plan.stages[i].card.kind == "cpu" for i in limit_of):
+        # a cpu card's capacity is its share of the host's RAM: more cpu cards split the same RAM
+        need = ""
+        if over:
+            big = max(over, key=lambda i: state_bytes(plan.stages[i]))
+            need = (f" (at least {gib(state_bytes(plan.stages[big])):.2f} GiB a card: card {big}'s weights, gradients "
+                    "and optimizer state alone)")
+        fixes.append(f"more RAM per cpu card{need}: a larger host, or placement.capacity_gib if it was set below "
+                     "the card's share of the RAM (more cpu cards split the same RAM)")
     else:
-        fixes.append("more cards")
-    if not state_over:
-        fixes += [None if sh.recompute else "train.recompute=true" + (
-                      " (with train.schedule=1f1b: not with the zero-bubble schedules)"
-                      if sh.schedule in SPLIT_BACKWARD else ""),
-                  f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})"]
-        if m.get("heap"):  # a cpu card keeping freed host memory: the heap's holes are in its workspace
-            fixes.append(f"runtime.keep_host_memory=false (the card returns freed memory: {gib(m['heap']):.2f} GiB "
-                         f"less, slower steps)")
-    return (
-        f"{card_label(st_index, st.card)} holding layers {st.layers_label}: predicted "
-        f"{gib(m['total']):.2f} GiB ("
-        + (f"baseline {gib(m['baseline']):.2f} + " if m["baseline"] else "")
-        + f"weights {gib(m['weights']):.2f} + grads {gib(m['grads']):.2f}"
-        f" + optimizer {gib(m['optimizer']):.2f} + activations {gib(m['activations']):.2f}"
-        f" + transient {gib(m['transient']):.2f}"
-        f" + workspace {gib(m['workspace']):.2f}) > "
-        + (f"{gib(limit_bytes):.2f} GiB = capacity {gib(st.card.capacity_bytes):.2f} GiB less "
-           f"placement.headroom={plan.headroom:g}" if limit_bytes is not None
-           else f"capacity {gib(st.card.capacity_bytes):.2f} GiB")
-        + "; fix: " + ", ".join(f for f in fixes if f)
-    )
+        fixes.append(f"more cards ({more_cards})" if more_cards else "more cards")
+    if len(over) < len(limit_of):
+        fixes += _activation_fixes(plan, [i for i in limit_of if i not in over])
+    return "\n".join(lines + [f"fix: {f}" for f in fixes])
+
+
+def _activation_fixes(plan: Plan, cards: list[int]) -> list[str]:
+    """The settings that lower a card's activations and heap (for ``cards``, whose state fits their limit)."""
+    sh = plan.shape
+    out = []
+    if not sh.recompute:
+        out.append("train.recompute=true" + (" (with train.schedule=1f1b: not with the zero-bubble schedules)"
+                                            if sh.schedule in SPLIT_BACKWARD else ""))
+    out.append(f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})")
+    heap = max((plan.stages[i].mem.get("heap") or 0) for i in cards)
+    if heap:  # a cpu card keeping freed host memory: the heap's holes are in its workspace
+        out.append(f"runtime.keep_host_memory=false (the card returns freed memory: up to {gib(heap):.2f} GiB "
+                   "less a card, slower steps)")
+    return out
 
 
 def _first_of_each_kind(plan: Plan, per_stage) -> list[tuple]:
