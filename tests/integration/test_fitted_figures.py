@@ -42,10 +42,10 @@ def test_the_users_malloc_settings_keep_the_heap_term_and_fit_no_speed(tiny_mode
 
     returned = memory_line(launch_to_end(tmp_path, tiny_model, "plan=true", "runtime.keep_host_memory=false",
                                          name="returned"))
-    assert "no heap holes (runtime.keep_host_memory=false" in returned, returned
+    assert "no freed memory kept (runtime.keep_host_memory=false" in returned, returned
     users = memory_line(launch_to_end(tmp_path, tiny_model, "plan=true", "runtime.keep_host_memory=false",
                                       name="users", env=mine))
-    assert "heap holes 1 x" in users and "no heap holes" not in users, users
+    assert "freed memory the heap keeps, at most" in users and "no freed memory" not in users, users
     run = launch_to_end(tmp_path, tiny_model, "train.steps=3", "checkpoint.save=false", name="run", env=mine)
     with open(os.path.join(os.environ["NPT_CACHE"], "fitted", "cpu-1t-fp32.json")) as f:
         (entry,) = json.load(f)["runs"]

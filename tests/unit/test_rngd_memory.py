@@ -98,7 +98,7 @@ def test_plan_names_headroom_and_every_assumed_term():
     text = plan_table(plan(2, "auto"))
     assert "headroom 5% of capacity kept free by auto (placement.headroom)" in text
     line = next(l for l in text.splitlines() if l.startswith("memory furiosa:"))
-    assert "const 0.50 GiB (assumed)" in line
+    assert "workspace: 0.50 GiB (assumed)" in line
     assert "2% of the rest (fitted to the field record" in line
     assert "loaded-module cache 512 x 1.0 MiB (assumed; assumed)" in line
     assert "eager attention" in line
@@ -119,7 +119,7 @@ def test_memory_profile_overrides_defaults_and_says_measured(tmp_path):
     body = sum(st.mem[k] for k in ("weights", "grads", "optimizer", "activations", "transient"))
     assert st.mem["workspace"] == 2 * GIB + 512 * 2**20                           # const + modules
     assert st.mem["total"] == body + st.mem["workspace"]
-    assert f"const 2.00 GiB (measured: {prof})" in plan_table(p)
+    assert f"workspace: 2.00 GiB (measured: {prof})" in plan_table(p)
 
 
 @pytest.mark.parametrize("bad", [{"workspace_fraction": 1.5}, {"module_bytes": -1},

@@ -50,16 +50,20 @@ class MemoryTerms:
                    + self.modules_bytes)
 
     def describe(self) -> str:
-        """One line: each figure with its source, for the plan."""
-        parts = [f"const {self.workspace_bytes / GIB:.2f} GiB ({self.sources.get('workspace_bytes', 'assumed')})",
-                 f"{self.workspace_fraction * 100:.0f}% of the rest "
-                 f"({self.sources.get('workspace_fraction', 'assumed')})"]
+        """One line: each figure with its source, for the plan; a constant of 0 whose source says why is left
+        out (a cpu card: the process baseline instead), and the heap's share says in plain words what it holds."""
+        parts = []
+        if self.workspace_bytes or not str(self.sources.get("workspace_bytes", "")).startswith("none"):
+            parts.append(f"{self.workspace_bytes / GIB:.2f} GiB ({self.sources.get('workspace_bytes', 'assumed')})")
+        parts.append(f"{self.workspace_fraction * 100:.0f}% of the rest "
+                     f"({self.sources.get('workspace_fraction', 'assumed')})")
         if self.heap_fraction:
-            parts.append(f"heap holes {self.heap_fraction:g} x (a micro-batch's layer activations + 2.5 layers' "
-                         f"+ 32 MiB, guarded) "
+            amount = "a micro-batch's layer activations + 2.5 layers' + 32 MiB"
+            amount = amount if self.heap_fraction == 1 else f"{self.heap_fraction:g} x ({amount})"
+            parts.append(f"freed memory the heap keeps, at most {amount} "
                          f"({self.sources.get('heap_fraction', 'assumed')})")
-        elif "heap_fraction" in self.sources:  # say why a card that could keep holes plans none
-            parts.append(f"no heap holes ({self.sources['heap_fraction']})")
+        elif "heap_fraction" in self.sources:  # say why a card that could keep freed memory plans none
+            parts.append(f"no freed memory kept ({self.sources['heap_fraction']})")
         if self.loaded_modules:
             parts.append(f"loaded-module cache {self.loaded_modules} x {self.module_bytes / MIB:.1f} MiB "
                          f"({self.sources.get('loaded_modules', 'assumed')}; "
@@ -72,7 +76,7 @@ DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": "none: process baseline instead",
                                 "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
-                                "heap_fraction": "a guard returns holes past one backward's frees"}),
+                                "heap_fraction": "a guard returns the rest after each backward"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
     "furiosa": MemoryTerms(0.5 * GIB, 0.02, 1 * MIB, 512,

@@ -138,9 +138,8 @@ def memory_sources(plan: Plan) -> list[str]:
     s = plan.shape
     out = []
     for k, terms in _first_of_each_kind(plan, plan.memory_terms):
-        out.append(f"memory {k}: weights/grads/optimizer exact by parameter count; activations "
-                   f"{ATTENTION[k]} attention (formula, assumed kernel); workspace "
-                   f"{terms.describe()}")
+        out.append(f"memory {k}: weights, gradients, optimizer state: exact; activations: a formula "
+                   f"({ATTENTION[k]} attention, kernel assumed); workspace: {terms.describe()}")
     out.append("gradients: " + ("fp32 accumulators, 4 B/param" if s.grad_accum == "fp32"
                                 else f"{s.dtype} .grad, {s.dtype_bytes} B/param"))
     if plan.model.is_moe:
