@@ -450,6 +450,7 @@ class CostModel:
                 offloaded_state_bytes=c.offloaded_state_bytes,
                 nonlayer_resident=c.nonlayer_resident, second=ranges[i][1] if len(ranges[i]) > 1 else None,
                 recompute_layers=c.recomputed, heap_cap=c.heap_cap, heap_slack=c.heap_slack,
+                head_shards=self.P if self.shape.vocab_parallel else 0,
             ))
         step = max(st.time["total"] for st in stages)
         fits = all(st.fits for st in stages)

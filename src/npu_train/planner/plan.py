@@ -47,6 +47,9 @@ class StagePlan:
     heap_cap: Optional[int] = None
     #: RSS growth past which the guard reads its live bytes again (``MemoryModel.heap_slack``)
     heap_slack: Optional[int] = None
+    #: cards the output layer is cut over by vocabulary rows (``RunShape.vocab_parallel``: every card holds
+    #: ``1/head_shards`` of it); 0: the head card holds it whole
+    head_shards: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -59,12 +62,16 @@ class StagePlan:
     @property
     def layers_label(self) -> str:
         """E.g. ``"0-15 +emb"``, ``"16-31 +head"``; two chunks ``"0-1,30-31 +emb +head"``, a one-layer range
-        its number, an empty chunk ``none`` (``"0,none +emb +head"``)."""
+        its number, an empty chunk ``none`` (``"0,none +emb +head"``); with the output layer cut by vocabulary
+        (:attr:`head_shards`) every card's ``+head 1/P`` (its rows), the head card's ``+norm`` (it keeps the final
+        norm): ``"0-15 +emb +head 1/2"``, ``"16-31 +norm +head 1/2"``."""
         s = _range_label(self.first_layer, self.last_layer)
         if self.second:
             s += "," + _range_label(*self.second)
         if self.has_embed:
             s += " +emb"
+        if self.head_shards:
+            return s + (" +norm" if self.has_head else "") + f" +head 1/{self.head_shards}"
         if self.has_head:
             s += " +head"
         return s

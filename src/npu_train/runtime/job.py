@@ -317,7 +317,7 @@ def _layout_and_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threa
     if cfg.train.schedule == "auto":
         _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
                          multinode=multinode, host_cores=P * dp if elsewhere else None)
-    if cfg.parallel.vocab == "auto":  # the schedule given: planned with and without
+    if cfg.parallel.vocab == "auto" or cfg.parallel.vocab is True:  # the schedule given: planned with and without
         _choose_vocab(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
                       multinode=multinode, host_cores=P * dp if elsewhere else None)
     return P, dp, zero
@@ -327,12 +327,14 @@ def _choose_vocab(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int
                   host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None) -> None:
     """``parallel.vocab=auto`` with a given schedule: set ``parallel.vocab`` to whether the plan with vocabulary
     parallelism is predicted :data:`~npu_train.planner.schedule_choice.VOCAB_MARGIN` faster, and say so; a resume
-    keeps the checkpoint's."""
+    keeps the checkpoint's. ``parallel.vocab=true``: say in one line how its predicted step compares with the
+    same plan without it (a fresh-clone review's vocab plan was slower and did not say so)."""
     from omegaconf import open_dict
 
     from npu_train.planner.schedule_choice import VOCAB_MARGIN
 
-    saved = _resumed_train(cfg, run_dir)
+    asked = cfg.parallel.vocab is True
+    saved = None if asked else _resumed_train(cfg, run_dir)
     if saved:
         on, why = bool(saved.get("vocab", False)), "the resumed checkpoint's"
     else:
@@ -341,12 +343,34 @@ def _choose_vocab(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int
         req = replace(plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
                                    multinode=multinode, host_cores=host_cores), strict=False)
         off, with_v = (make_plan(replace(req, shape=replace(req.shape, vocab_parallel=v))) for v in (False, True))
+        if asked:
+            print(vocab_comparison(with_v, off), flush=True)
+            return
         on = with_v.fits and (not off.fits or with_v.step_time_s < off.step_time_s * (1.0 - VOCAB_MARGIN))
         why = (f"predicted step {with_v.step_time_s:.3g} s with it, {off.step_time_s:.3g} s without; kept when "
                f"{VOCAB_MARGIN * 100:.0f} % faster")
     with open_dict(cfg):
         cfg.parallel.vocab = on
     print(f"parallel.vocab=auto: {'true' if on else 'false'} ({why})", flush=True)
+
+
+def vocab_comparison(with_v, off) -> str:
+    """One line: ``parallel.vocab=true``'s predicted step against the same plan without it (``with_v``, ``off``:
+    :class:`~npu_train.planner.Plan`), ``slower`` / ``faster`` by how much, and the setting that avoids a slower one."""
+    import math
+
+    a, b = with_v.step_time_s, off.step_time_s
+    d = max(0, 2 - math.floor(math.log10(max(min(a, b), 1e-9))))  # 3 significant digits of the shorter
+    head = f"parallel.vocab=true: predicted step {a:.{d}f} s, {b:.{d}f} s without it"
+    if not off.fits:
+        return head + " (which does not fit)"
+    if not with_v.fits:
+        return head + " (it does not fit; without it does)"
+    if abs(a / b - 1) < 0.005:
+        return head + " (about the same)"
+    if a > b:
+        return head + f" ({(a / b - 1) * 100:.0f} % slower with it: parallel.vocab=false or auto)"
+    return head + f" ({(1 - a / b) * 100:.0f} % faster with it)"
 
 
 def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
