@@ -104,11 +104,25 @@ def print_error(message: str, stream=None) -> None:
 
 def check_before_imports(cfg) -> None:
     """Refuse a malformed ``backend`` list (an unknown kind, ``cpu:1``, a card named twice: BackendSpecError,
-    torch-free) before ``run_job`` and its imports: torch alone is 1.4 s of CPU, and a fresh-clone review on a
-    loaded 2-core host waited 19 s for a bad backend's one line. Whether the cards exist is checked later."""
+    torch-free) and a ``data.seq_len`` over the model's limits (read from its config.json, GGUF header or preset:
+    :func:`npu_train.model.limits.check_seq_len_early`) before ``run_job`` and its imports: torch alone is 1.4 s
+    of CPU, and a fresh-clone review on a loaded 2-core host waited 19 s for a bad backend's one line and 14 s for
+    ``data.seq_len=100000``'s. Whether the cards exist is checked later."""
     from npu_train.backends.spec import parse_backend_list
+    from npu_train.model.limits import check_seq_len_early
 
     parse_backend_list(cfg.backend)
+    check_seq_len_early(int(cfg.data.seq_len), str(cfg.model.path))
+
+
+def starting_line(cfg) -> str:
+    """The launcher's first line, printed before the heavy imports (torch, the job modules: seconds on a loaded
+    host, where a fresh-clone review waited 13-14 s for a first line): what it runs and on which cards."""
+    backend = cfg.backend
+    cards = ",".join(str(c) for c in backend) if not isinstance(backend, str) else backend
+    what = ("plan=true (a dry run)" if cfg.plan else
+            "calibrate=true" if getattr(cfg, "calibrate", False) else "training")
+    return f"npu-train: {what}, model.path={cfg.model.path} on backend={cards}: loading the model, planning ..."
 
 
 def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
@@ -130,6 +144,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     try:
         try:
             check_before_imports(cfg)
+            print(starting_line(cfg), flush=True)
             from npu_train.runtime.job import run_job
 
             summ = run_job(cfg, run_dir)

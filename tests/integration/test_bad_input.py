@@ -126,7 +126,7 @@ CASES = [
     ("resident-count-per-card", lambda b: ["train.resident_layers=[1]"], None,
      ["resident_layers [1] has 1 entries for 2 cards", "one count per card (2)"]),
     ("placement-infeasible", lambda b: ["placement.capacity_gib=0.0001"], None,
-     ["no placement fits", "fix: more RAM per cpu card (at least", "placement.capacity_gib",
+     ["no placement of", "fix: more RAM per cpu card (at least", "placement.capacity_gib",
       "what fits instead: a host with about"]),
     ("capacity-over-host-share", lambda b: ["placement.capacity_gib=100000"], None,
      ["placement.capacity_gib=100000 is more than a cpu card's share of this host's RAM", "at most"]),

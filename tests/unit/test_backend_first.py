@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+
 from npu_train.errors import one_refusal
 
 REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from npu_train.errors import one_refusal
 
 RUN = os.path.join(os.path.dirname(__file__), "..", "..", "launch", "run.py")

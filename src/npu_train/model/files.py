@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
-
-import torch
+from typing import TYPE_CHECKING
 
 from npu_train.errors import UserError
 
 from .config import LlamaConfig
+
+if TYPE_CHECKING:  # torch only where a tensor is checked (check_finite): resolving a path needs none
+    import torch
 
 __all__ = [
     "ModelFormatError",
@@ -36,10 +38,10 @@ _EMBEDDED_INSTALL_HINT = (
 )
 SUPPORTED_HINT = (
     "npu-train supports the Llama, Qwen2/2.5, Qwen3 and Mistral families and the mixtures of experts Qwen3-MoE, "
-    "Qwen2-MoE and Mixtral: an HF directory whose config.json has architectures=[\"LlamaForCausalLM\"|"
-    "\"Qwen2ForCausalLM\"|\"Qwen3ForCausalLM\"|\"MistralForCausalLM\"|\"Qwen3MoeForCausalLM\"|"
-    "\"Qwen2MoeForCausalLM\"|\"MixtralForCausalLM\"] with *.safetensors weights, or a llama.cpp GGUF file with "
-    "general.architecture=llama|qwen2|qwen3|qwen3moe|qwen2moe (Gemma, Phi, DeepSeek and gpt-oss are not supported)"
+    "Qwen2-MoE and Mixtral: an HF directory whose config.json's architectures is one of LlamaForCausalLM, "
+    "Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM, Qwen3MoeForCausalLM, Qwen2MoeForCausalLM or "
+    "MixtralForCausalLM, with *.safetensors weights, or a llama.cpp GGUF file whose general.architecture is one of "
+    "llama, qwen2, qwen3, qwen3moe or qwen2moe (Gemma, Phi, DeepSeek and gpt-oss are not supported)"
 )
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -138,8 +140,10 @@ def shape_error(name: str, src: str, where: str, expected, found) -> ModelFormat
                             "(another model or a corrupt file); re-download the model or fix config.json")
 
 
-def check_finite(t: torch.Tensor, name: str, where: str) -> None:
+def check_finite(t: "torch.Tensor", name: str, where: str) -> None:
     """Raise :class:`ModelFormatError` if ``t`` holds an inf or NaN."""
+    import torch
+
     if not bool(torch.isfinite(t).all()):
         n_bad = int((~torch.isfinite(t)).sum())
         raise ModelFormatError(f"{where}: tensor {name!r} holds {n_bad} non-finite value(s) (inf/nan); "
