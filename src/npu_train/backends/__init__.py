@@ -3,7 +3,7 @@ nor torch: its names are imported when first used, so that the launcher checks t
 (:mod:`~npu_train.backends.spec`) before its seconds of imports."""
 from __future__ import annotations
 
-import importlib
+from npu_train import lazy_exports
 
 #: name -> the module that defines it
 _WHERE = {
@@ -20,7 +20,4 @@ _WHERE = {
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(_WHERE[name]), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _WHERE)

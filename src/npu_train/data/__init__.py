@@ -4,36 +4,33 @@ Names are imported on first use (PEP 562): ``data.rows`` / ``data.sources`` (the
 ``data.source``) import no torch."""
 from __future__ import annotations
 
-import importlib
+from npu_train import lazy_exports
 
 #: public name -> the submodule that defines it
 _WHERE = {
-    "micro_batch_tensors": "batches",
-    "packed_cache_path": "cache",
-    "text_fingerprint": "cache",
-    "PackedData": "packfile",
-    "load_packed": "packfile",
-    "save_packed": "packfile",
-    "build_packed_data": "prepare",
-    "build_preference_data": "prepare",
-    "build_sft_data": "prepare",
-    "ChatRenderer": "render",
-    "tokenize_documents": "render",
-    "FORMATS": "rows",
-    "StepSampler": "sampler",
-    "Source": "sources",
-    "read_documents": "sources",
-    "read_text_source": "sources",
-    "resolve_source": "sources",
-    "DataError": "text",
-    "botchan_text": "text",
-    "strip_gutenberg": "text",
+    "micro_batch_tensors": ".batches",
+    "packed_cache_path": ".cache",
+    "text_fingerprint": ".cache",
+    "PackedData": ".packfile",
+    "load_packed": ".packfile",
+    "save_packed": ".packfile",
+    "build_packed_data": ".prepare",
+    "build_preference_data": ".prepare",
+    "build_sft_data": ".prepare",
+    "ChatRenderer": ".render",
+    "tokenize_documents": ".render",
+    "FORMATS": ".rows",
+    "StepSampler": ".sampler",
+    "Source": ".sources",
+    "read_documents": ".sources",
+    "read_text_source": ".sources",
+    "resolve_source": ".sources",
+    "DataError": ".text",
+    "botchan_text": ".text",
+    "strip_gutenberg": ".text",
 }
 
 __all__ = sorted(_WHERE)
 
 
-def __getattr__(name: str):
-    if name in _WHERE:
-        return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _WHERE)

@@ -2,20 +2,17 @@
 modules, HF / GGUF weights and tokenizers. Start at ``llama.py``
 (``StageModule``) and ``weights.py`` (``load_config``, ``load_tensors``).
 """
-import importlib
+from npu_train import lazy_exports
 
 #: public name -> submodule. Loaded on first use (PEP 562), so ``import npu_train.model.config``
 #: (what the planner's dry run needs) does not import torch.
 _EXPORTS = {
-    "ModelFormatError": "files", "embedded_model_path": "files", "resolve_model_path": "files",
-    "clear_gguf_cache": "gguf", "gguf_unpermute": "gguf", "gguf_tensor_index": "gguf",
-    "chat_template": "tokenizer", "load_tokenizer": "tokenizer", "special_tokens": "tokenizer",
-    "check_weights": "weights", "load_config": "weights", "load_tensors": "weights", "iter_tensors": "weights",
+    "ModelFormatError": ".files", "embedded_model_path": ".files", "resolve_model_path": ".files",
+    "clear_gguf_cache": ".gguf", "gguf_unpermute": ".gguf", "gguf_tensor_index": ".gguf",
+    "chat_template": ".tokenizer", "load_tokenizer": ".tokenizer", "special_tokens": ".tokenizer",
+    "check_weights": ".weights", "load_config": ".weights", "load_tensors": ".weights", "iter_tensors": ".weights",
 }
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)
