@@ -78,8 +78,8 @@ def _phases(e: int, m: int, trained: bool, r: int = 0) -> int:
     one projection's at a time: widened to the matmul dtype for each use, and backward ``q = dy B`` ``[rows of the
     block, r]`` and each adapter gradient's product in the matmul dtype before it is rounded."""
     R, w, n = ROWS, INTER * H, max(COUNTS)
-    if m == e:  # backward: dh, [dg | du], silu_backward's input product and output; adapters: q beside [dg | du]
-        return max(e * R * (INTER + 2 * INTER + INTER + INTER), e * R * 2 * INTER + e * n * r)
+    if m == e:  # backward: [dg | du] (dh written into its du half, both halves made in place); adapters: q beside it
+        return e * R * 2 * INTER + e * n * r
     g = 2 if trained else 1
     adapters = m * r * (H + INTER)  # A and B widened: [r, H] + [INTER, r] (gate, up) or [r, INTER] + [H, r] (down)
     adapter_backward = adapters + m * n * r + m * r * max(H, INTER)  # q, the larger gradient product
@@ -153,18 +153,18 @@ def test_kernel_allocations_equal_the_planner_term(monkeypatch, dtype, wide, tra
 def test_the_qwen3_30b_a3b_figures():
     """h 2048, I 768, 256 tokens x top-8 = 2048 rows: bf16 widened and trained 71.3 MB (the backward's gate/up
     phase: 2048 x (8 x 768 + 8 x 2048) + 16 x 768 x 2048), frozen 58.7 MB, frozen with rank-8 adapters (LoRA)
-    58.9 MB, fp32 31.5 MB (5 x 4 x 768 per row)."""
+    58.9 MB, fp32 12.6 MB (2 x 4 x 768 per row)."""
     m = LlamaConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=1, num_heads=32,
                     num_kv_heads=4, head_dim=128, family="qwen3_moe", num_experts=128, num_experts_per_tok=8,
                     moe_intermediate_size=768)
     assert expert_kernel_bytes(m, 2048, 2, 4, True) == 2048 * (8 * 768 + 8 * 2048) + 16 * 768 * 2048
     assert expert_kernel_bytes(m, 2048, 2, 4, False) == 2048 * (8 * 768 + 8 * 2048) + 8 * 768 * 2048
-    assert expert_kernel_bytes(m, 2048, 4, 4, True) == 5 * 4 * 768 * 2048
+    assert expert_kernel_bytes(m, 2048, 4, 4, True) == 2 * 4 * 768 * 2048
     # rank-8 adapters widened (8 x (2048 + 768)), dy B over one expert's most rows (256 tokens), the [8, 2048]
-    # gradient product: 58.9 MB; in fp32 under the silu phase
+    # gradient product: 58.9 MB; in fp32 dy B beside [dg | du]
     assert expert_kernel_bytes(m, 2048, 2, 4, False, rank=8) == \
         2048 * (8 * 768 + 8 * 2048) + 8 * 768 * 2048 + 4 * 8 * (2048 + 768) + 4 * 256 * 8 + 4 * 8 * 2048
-    assert expert_kernel_bytes(m, 2048, 4, 4, False, rank=8) == 5 * 4 * 768 * 2048
+    assert expert_kernel_bytes(m, 2048, 4, 4, False, rank=8) == 2 * 4 * 768 * 2048 + 4 * 256 * 8
 
 
 def test_host_probe_agrees_with_torch():

@@ -247,6 +247,14 @@ def _blocks(bounds: list):
     return [(j, bounds[j], bounds[j + 1]) for j in range(len(bounds) - 1) if bounds[j + 1] > bounds[j]]
 
 
+def _each_block(bounds: list, ops: _Operands, fn) -> None:
+    """``fn(j, a, b)`` for every non-empty row block ``[a, b)`` of ``bounds``, each under
+    :meth:`_Operands.threads`."""
+    for j, a, b in _blocks(bounds):
+        with ops.threads(b - a):
+            fn(j, a, b)
+
+
 def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[float]) -> tuple:
     """:meth:`GroupedSwiGlu.forward`: ``(y [S, H] xs.dtype, saved tensors)``."""
     S, H = xs.shape
@@ -254,9 +262,7 @@ def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[
     xm = xs.to(ops.mm)
     gu = xm.new_empty(S, 2 * inter)
     ts = [xm.new_empty(S, ops.rank) for _ in range(3)] if ops.lora else []
-    for j, a, b in _blocks(bounds):
-        with ops.threads(b - a):
-            _gate_up_forward(xm[a:b], ops, j, s, gu[a:b], [t[a:b] for t in ts])
+    _each_block(bounds, ops, lambda j, a, b: _gate_up_forward(xm[a:b], ops, j, s, gu[a:b], [t[a:b] for t in ts]))
     ops.release("gate_up")
     del xm
     if ops.wide:
@@ -268,11 +274,13 @@ def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[
     h = act * u
     hm = h.to(ops.mm)
     ym = hm.new_empty(S, H)
-    for j, a, b in _blocks(bounds):
-        with ops.threads(b - a):
-            torch.mm(hm[a:b], ops.down(j).t(), out=ym[a:b])
-            if ops.lora:
-                _adapter_forward(hm[a:b], ops, j, 2, s, ym[a:b], ts[2][a:b])
+
+    def down(j: int, a: int, b: int) -> None:
+        torch.mm(hm[a:b], ops.down(j).t(), out=ym[a:b])
+        if ops.lora:
+            _adapter_forward(hm[a:b], ops, j, 2, s, ym[a:b], ts[2][a:b])
+
+    _each_block(bounds, ops, down)
     ops.release("down")
     del hm
     return ym.to(xs.dtype), (xs, g, u, act, h, *ts)
@@ -306,33 +314,48 @@ def _adapter_forward(x: torch.Tensor, ops: _Operands, j: int, p: int, s: float, 
 def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
                      needs: tuple) -> tuple:
     """:meth:`GroupedSwiGlu.backward`: ``(dx or None, gradients per tensor, None where not needed)``."""
-    xs, g, u, act, h = saved[:5]
+    xs = saved[0]
     ts = saved[5:]
     need = needs[3:]
     grads: list = [None] * len(ops.t)
-    inter, mm = ops.inter, ops.mm
-    dym, hm = dy.to(mm), h.to(mm)
-    dhm = hm.new_empty(h.shape)
-    for j, a, b in _blocks(bounds):
-        with ops.threads(b - a):
-            _down_backward(dym[a:b], hm[a:b], ops, j, s, dhm[a:b], ts[2][a:b] if ts else None, need, grads)
-    ops.release("down", "grad_down")
-    del dym, hm
-    dh = dhm.to(h.dtype)
-    del dhm
-    dgu = xs.new_empty(xs.shape[0], 2 * inter, dtype=mm)
-    dgu[:, :inter].copy_(torch.ops.aten.silu_backward(dh * u, g))
-    dgu[:, inter:].copy_(dh * act)
-    del dh
+    dgu = _swiglu_output_grad(dy, saved[1:5], ops, bounds, s, ts[2] if ts else None, need, grads)
+    mm = ops.mm
     xm = xs.to(mm)
     dxm = xm.new_empty(xs.shape) if needs[0] else None
-    for j, a, b in _blocks(bounds):
-        with ops.threads(b - a):
-            _gate_up_backward(dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b],
-                              [t[a:b] for t in ts[:2]], need, grads)
+    _each_block(bounds, ops, lambda j, a, b: _gate_up_backward(
+        dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b], [t[a:b] for t in ts[:2]], need, grads))
     ops.release("gate_up", "grad_gate_up")
     del dgu, xm
     return (None if dxm is None else dxm.to(xs.dtype)), grads
+
+
+def _swiglu_output_grad(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
+                        t: Optional[torch.Tensor], need: tuple, grads: list) -> torch.Tensor:
+    """The down projection's backward (its gradients into ``grads``) and the SwiGLU's: ``[dg | du]`` ``[S, 2I]`` in
+    the matmul dtype, ``dg = silu'(g) * dh * u``, ``du = dh * act`` for ``dh = dy W_down``. Same dtype: ``dh`` is
+    written into the ``du`` half and both halves are made in place (no other ``[S, I]`` temporary, the values of
+    ``silu_backward(dh * u, g)`` and ``dh * act``); wider matmuls: ``dh`` rounded to the compute dtype first (as
+    the module form) and the halves widened from it."""
+    g, u, act, h = saved
+    inter, mm = ops.inter, ops.mm
+    dym, hm = dy.to(mm), h.to(mm)
+    dgu = None if ops.wide else hm.new_empty(h.shape[0], 2 * inter)
+    dhm = hm.new_empty(h.shape) if dgu is None else dgu[:, inter:]
+    _each_block(bounds, ops, lambda j, a, b: _down_backward(
+        dym[a:b], hm[a:b], ops, j, s, dhm[a:b], None if t is None else t[a:b], need, grads))
+    ops.release("down", "grad_down")
+    del dym, hm
+    if not ops.wide:
+        dg = torch.mul(dhm, u, out=dgu[:, :inter])
+        torch.ops.aten.silu_backward.grad_input(dg, g, grad_input=dg)
+        dhm.mul_(act)
+        return dgu
+    dh = dhm.to(h.dtype)
+    del dhm
+    dgu = dh.new_empty(h.shape[0], 2 * inter, dtype=mm)
+    dgu[:, :inter].copy_(torch.ops.aten.silu_backward(dh * u, g))
+    dgu[:, inter:].copy_(dh * act)
+    return dgu
 
 
 def _down_backward(dy: torch.Tensor, h: torch.Tensor, ops: _Operands, j: int, s: Optional[float],
