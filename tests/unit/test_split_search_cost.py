@@ -18,7 +18,7 @@ B8 = ",".join(["furiosa:auto"] * 8)
 S2048 = ("data.seq_len=2048", "train.micro_batch=1", "train.accum=8")
 
 
-def _cost_model(preset: str, schedule: str, *overrides: str):
+def _request(preset: str, schedule: str, *overrides: str):
     from npu_train.backends.spec import parse_backend_list, resolve_cards
     from npu_train.config import Config, compute_dtype
     from npu_train.runtime.job import _preset_config, card_specs, plan_request
@@ -27,9 +27,13 @@ def _cost_model(preset: str, schedule: str, *overrides: str):
         [f"model.path={preset}", f"backend=[{B8}]", "plan=true", f"train.schedule={schedule}", *overrides]))
     cards = card_specs(resolve_cards(parse_backend_list(list(cfg.backend)), probe=False), cfg)
     mcfg = _preset_config(preset)
-    req = plan_request(cfg, mcfg, compute_dtype(cfg.train.dtype, [c.kind for c in cards]), cards, threads=1, dp=1,
-                       zero=0, host_ram_bytes=None, host_cores=8)
-    return search._cost_model(req), mcfg.num_layers
+    return plan_request(cfg, mcfg, compute_dtype(cfg.train.dtype, [c.kind for c in cards]), cards, threads=1, dp=1,
+                        zero=0, host_ram_bytes=None, host_cores=8)
+
+
+def _cost_model(preset: str, schedule: str, *overrides: str):
+    req = _request(preset, schedule, *overrides)
+    return search._cost_model(req), req.model.num_layers
 
 
 # (preset, schedule, overrides, the split chosen before, at most this many timelines now)
@@ -109,3 +113,24 @@ def test_the_drain_bound_is_below_every_timeline(schedule):
             best = max(best, bound)
         tight += best >= 0.99 * end
     assert tight > 0
+
+
+def test_a_capped_search_says_so(monkeypatch):
+    """Qwen3-30B-A3B LoRA at the default shape with ZB-V (two chunks per card, 4 micro-batches on 8 cards) stops at
+    the timeline cap (20,000 without the patch below): the plan's schedule line says its split is the best of the
+    timelines searched, not proven, and why; ``train.schedule=auto`` marks that schedule's figure among the others
+    (``_capped``). A proven search (1F1B here, 29 timelines) says nothing."""
+    from dataclasses import replace
+
+    from npu_train.planner.schedule_choice import _capped
+    from npu_train.planner.table import schedule_line
+
+    monkeypatch.setattr(search, "MAX_TIMELINES", 300)
+    req = _request("qwen3-30b-a3b", "zbv", "train.mode=lora")
+    plan = search.make_plan(req)
+    assert plan.search_capped_at == 300
+    line = schedule_line(plan)
+    assert f"split {plan.split}: the best of 300 timelines searched, not proven fastest (two chunks per card" in line
+    proven = search.make_plan(replace(req, shape=replace(req.shape, schedule="1f1b")))
+    assert proven.search_capped_at == 0 and "not proven" not in schedule_line(proven)
+    assert _capped(plan) == " (best of 300 timelines)" and _capped(proven) == ""  # the auto line's mark

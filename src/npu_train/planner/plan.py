@@ -105,6 +105,9 @@ class Plan:
     compiler_cache_dir: str = ""  # where RNGD card processes keep compiled graphs ("": not set)
     dp: int = 1
     zero: int = 0
+    #: the split search stopped at its cap (``search.MAX_TIMELINES`` timelines or ``MAX_NODES`` partial splits):
+    #: how many timelines it had evaluated, the split the best of them, not proven fastest; 0: proven, or given
+    search_capped_at: int = 0
 
     @property
     def split(self) -> list[int]:

@@ -59,6 +59,12 @@ def _label(schedule: str, plan: Plan) -> str:
             + (" + vocabulary parallel" if plan.shape.vocab_parallel else ""))
 
 
+def _capped(plan: Plan) -> str:
+    """`` (best of N timelines)`` for a plan whose split search stopped at its cap (``Plan.search_capped_at``)."""
+    n = getattr(plan, "search_capped_at", 0)  # a stand-in plan (tests) may lack it
+    return f" (best of {n:,} timelines)" if n else ""
+
+
 def with_vocab(req: PlanRequest, plan: Optional[Plan], why: str, plan_fn) -> tuple[Optional[Plan], str]:
     """``(plan, why)``, or the plan of ``req`` with vocabulary parallelism (``plan_fn(request)`` makes it: ``(plan or
     None, why not)``) where that is predicted :data:`VOCAB_MARGIN` faster (or only it fits)."""
@@ -115,7 +121,7 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
     fits = [(s, p) for s, p, _ in tried if p is not None]
     if fits:
         best, plan = min(fits, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))  # keeps the first of equals
-        others = ", ".join(f"{_label(s, p)} {p.step_time_s:.3g} s" if p is not None else f"{s} {w}"
+        others = ", ".join(f"{_label(s, p)} {p.step_time_s:.3g} s{_capped(p)}" if p is not None else f"{s} {w}"
                            for s, p, w in tried if s != best)
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "

@@ -504,11 +504,14 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
     """The plan with the most resident layers that fit on ``split`` (``None``: the fastest); nothing fits: a
     ``fits=False`` plan (not ``strict``) or a ``PlacementError`` at each stage's least-memory count."""
     L = req.model.num_layers
-    chosen = split if split is not None else fastest_split(pm, L, "auto")
+    st = SplitSearchStats()
+    chosen = split if split is not None else fastest_split(pm, L, "auto", max_timelines=MAX_TIMELINES, stats=st)
     if chosen is not None:
         res = [pm.max_resident(i, n) for i, n in enumerate(chosen)]
         if min(res) >= 0:
-            return _check_host(pm.build(chosen, res), req.host_ram_bytes, req.strict)
+            plan = pm.build(chosen, res)
+            plan.search_capped_at = st.timelines if st.capped else 0
+            return _check_host(plan, req.host_ram_bytes, req.strict)
     shown = chosen if chosen is not None else balanced_split(L, pm.P)
     least = [min(range(n + 1), key=lambda r, i=i, n=n: (pm.cost(i, n, r).mem["total"], r))
              for i, n in enumerate(shown)]

@@ -436,11 +436,28 @@ def schedule_line(plan: Plan) -> str:
         per = "/".join(f"{st.time.get('vocab', 0.0):.2f}" for st in plan.stages)
         line += (f"; vocabulary-parallel output layer (parallel.vocab): each card's share of the head + the exchange "
                  f"{per} s a step")
+    if plan.search_capped_at:
+        line += "; " + capped_note(plan)
     if s.recompute_fewest:
         line += (f"; layers recomputed whole per card {plan.recompute_counts_label} (train.recompute_layers=fewest: the fewest that fit;"
                  " the others keep their activations" + (", attention core recomputed" if s.recompute_attention
                                                           else "") + ")")
     return line
+
+
+def capped_note(plan: Plan) -> str:
+    """What a split search stopped at its cap (``Plan.search_capped_at``) chose: the best split of the timelines it
+    evaluated, not proven fastest; with two chunks per card (ZB-V, interleaved) why (the search's phase bounds see
+    one micro-batch's path through the cards, not how its actions wait behind the other micro-batches' on the
+    same card, so at ``M < P`` thousands of splits stay within a few % of each other); ``""`` when not capped."""
+    if not plan.search_capped_at:
+        return ""
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+
+    why = (" (two chunks per card: the bounds leave many splits within a few % of it)"
+           if plan.shape.schedule in CHUNKED_SCHEDULES else "")
+    return (f"split {plan.split}: the best of {plan.search_capped_at:,} timelines searched, not proven fastest"
+            f"{why}; train.split=[...] sets one")
 
 
 def offload_lines(plan: Plan) -> list[str]:
