@@ -346,7 +346,24 @@ def hold_if_reused(log):
 
     held = _HeldLog(log)
     LAUNCH_ACCEPTED.append(held.release)
+    _log_records_through(held, log.name)
     return held
+
+
+def _log_records_through(held: "_HeldLog", path: str) -> None:
+    """Hydra's file logger into ``path`` (log records: library warnings) replaced by one writing through
+    ``held``, so a refused launch's records stay out of the earlier run's ``run.log`` as its lines do."""
+    import logging
+
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler) and os.path.abspath(h.baseFilename) == os.path.abspath(path):
+            repl = logging.StreamHandler(held)
+            repl.setLevel(h.level)
+            repl.setFormatter(h.formatter)
+            root.removeHandler(h)
+            h.close()
+            root.addHandler(repl)
 
 
 def open_job_log(run_dir: str, job_name: str):
@@ -524,6 +541,96 @@ def _plain_start_method() -> None:
         mp.set_start_method(mp.get_all_start_methods()[0], force=True)
 
 
+#: directories that existed before Hydra made the run directory (:func:`note_dirs_before`, from ``_main``): a
+#: refused or plan-only launch removes only directories it created; None until noted (then nothing is removed)
+_DIRS_BEFORE: "set | None" = None
+
+
+def note_dirs_before(argv: list) -> None:
+    """Note which directories exist before Hydra creates the run directory: along ``hydra.run.dir`` when given,
+    else along the default ``outputs/<date>/<time>`` (``outputs/`` and its entries)."""
+    global _DIRS_BEFORE
+    given = [a.split("=", 1)[1].strip("'\"") for a in argv if re.match(r"^\+{0,2}hydra\.run\.dir=", a)]
+    found = set()
+    for start in [*given[-1:], os.path.join("outputs", "date", "time")]:
+        d = os.path.abspath(os.path.expanduser(start))
+        while True:
+            if os.path.isdir(d):
+                found.add(d)
+            if os.path.dirname(d) == d:
+                break
+            d = os.path.dirname(d)
+    if os.path.isdir("outputs"):
+        found.update(os.path.abspath(os.path.join("outputs", n)) for n in os.listdir("outputs"))
+    _DIRS_BEFORE = found
+
+
+def made_by_this_launch(run_dir: str) -> bool:
+    """True when ``run_dir`` did not exist before this launch (:data:`_DIRS_BEFORE`) and holds nothing but
+    Hydra's empty ``run.log``: a launch that is refused may remove it again."""
+    d = os.path.abspath(run_dir)
+    if _DIRS_BEFORE is None or d in _DIRS_BEFORE:
+        return False
+    try:
+        names = set(os.listdir(d))
+        return names <= {"run.log"} and all(os.path.getsize(os.path.join(d, n)) == 0 for n in names)
+    except OSError:
+        return False
+
+
+def remove_launch_dir(run_dir: str) -> None:
+    """Remove the run directory this launch created (refused, or ``plan=true`` in the default directory: nothing
+    a user would keep), with the parents it created that are empty now (``outputs/<date>/``); Hydra's file
+    logger into it is closed first. Never raises."""
+    import logging
+    import shutil
+
+    d = os.path.abspath(run_dir)
+    root = logging.getLogger()
+    for h in list(root.handlers):
+        if isinstance(h, logging.FileHandler) and os.path.dirname(h.baseFilename) == d:
+            root.removeHandler(h)
+            h.close()
+    shutil.rmtree(d, ignore_errors=True)
+    d = os.path.dirname(d)
+    while _DIRS_BEFORE is not None and d not in _DIRS_BEFORE and os.path.dirname(d) != d:
+        try:
+            os.rmdir(d)  # only an empty one
+        except OSError:
+            break
+        d = os.path.dirname(d)
+
+
+def write_hydra_files(cfg, run_dir: str) -> None:
+    """Hydra's record of the launch, ``<run dir>/.hydra/{config,hydra,overrides}.yaml``, written by the launcher
+    (``hydra.output_subdir: null`` in conf/config.yaml) once the launch is not refused, so a refused launch into
+    an earlier run's directory leaves that run's ``.hydra/`` as it was. A write that fails (a full disk) is
+    skipped: the run's own records say more."""
+    from pathlib import Path
+
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.core.utils import _save_config
+
+    out = Path(run_dir) / ".hydra"
+    try:
+        _save_config(cfg, "config.yaml", out)
+        _save_config(HydraConfig.instance().cfg, "hydra.yaml", out)
+        _save_config(HydraConfig.get().overrides.task, "overrides.yaml", out)
+    except OSError:
+        pass
+
+
+def _hydra_files_when_accepted(cfg, run_dir: str, multirun: bool) -> None:
+    """A sweep job writes ``.hydra/`` at once (the sweep summary finds its jobs by it); a single launch when it
+    is past its refusals (:data:`~npu_train.metrics.report.LAUNCH_ACCEPTED`), else at its end unless refused."""
+    if multirun:
+        write_hydra_files(cfg, run_dir)
+        return
+    from npu_train.metrics.report import LAUNCH_ACCEPTED
+
+    LAUNCH_ACCEPTED.append(lambda: write_hydra_files(cfg, run_dir))
+
+
 def run_one(cfg) -> int:
     """Hydra task: run one job, write its ``status.json`` (not for rejected input), return its exit status.
 
@@ -542,6 +649,9 @@ def run_one(cfg) -> int:
     overrides = list(hc.overrides.task)
     # the job's console output (plan table, step lines, evals, errors) also goes into its log file
     real_out, real_err = sys.stdout, sys.stderr
+    made = not multirun and made_by_this_launch(run_dir)  # removed again if refused (or plan=true, default dir)
+    explicit = any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra)
+    _hydra_files_when_accepted(cfg, run_dir, multirun)
     log = hold_if_reused(open_job_log(run_dir, hc.job.name))
     out_tee = _LogTee(real_out, log, fold=True)
     sys.stdout = out_tee
@@ -589,7 +699,10 @@ def run_one(cfg) -> int:
                 log.close()
             except OSError:  # its last flush on a full disk: the console had every line
                 pass
-    if multirun or code != 2:
+    if made and (code == 2 or (cfg.plan and not explicit)):  # nothing under outputs/: the dir goes again
+        remove_launch_dir(run_dir)
+    elif multirun or code != 2:
+        write_hydra_files(cfg, run_dir)
         # the resume command continues in this run's directory: the user's hydra.run.dir, or a sweep
         # job's own directory (resumed as a single run, it writes beside its earlier records)
         from npu_train.config import hydra_value
@@ -717,6 +830,7 @@ def _main() -> None:
         print_error(spaced)
         raise SystemExit(2)
     sys.argv = [sys.argv[0]] + rewrite_backend_args(sys.argv[1:])
+    note_dirs_before(sys.argv[1:])  # a refused launch removes only the directories it created
     # a launcher that seems stuck: `kill -USR1 <pid>` prints every thread's Python stack to stderr
     # (card processes do the same, runtime/worker.py) and the job goes on
     from npu_train.stackdump import install_stack_dump
