@@ -17,10 +17,15 @@ class ThreadExchange:
 
     def __init__(self, P: int, head: int, broken: bool = False):
         self.P, self.head, self.broken = P, head, broken
+        self.size = P
         self.bar = threading.Barrier(P)
         self.slots = [None] * P
         self.rank = threading.local()
         self.events: list = []  # ("reduce" | "dW", card) in the order they happened
+
+    @property
+    def index(self):  # this thread's card
+        return self.rank.r
 
     def _combine(self, t: torch.Tensor, how) -> None:
         r = self.rank.r
@@ -34,9 +39,11 @@ class ThreadExchange:
         self._combine(t, lambda ts: ts[self.head])
 
     def all_reduce_max(self, t):
+        self.events.append(("max", self.rank.r))
         self._combine(t, lambda ts: torch.stack(ts).amax(0))
 
     def all_reduce_sum(self, t):
+        self.events.append(("stats", self.rank.r))
         # broken on purpose: the first card's statistics left out of the sum
         self._combine(t, lambda ts: torch.stack(ts[1:] if self.broken else ts).sum(0))
 
@@ -206,8 +213,9 @@ def test_partial_input_gradients_travel_in_the_compute_dtype():
 
 
 def test_the_input_gradients_travel_while_the_weight_gradient_is_computed():
-    """The overlap pipeline/vocab.py promises (Yeung et al. 2024 §4): every card starts the sum of its partial input
-    gradient onto the head before it computes its slice's weight gradient (which then runs while the sum travels);
+    """The overlap pipeline/vocab.py promises (Yeung et al. 2024 §4): the cards meet once for the softmax statistics
+    (one all-reduce), and every card starts the sum of its partial input gradient onto the head before it computes
+    its slice's weight gradient (which then runs while the sum travels);
     the head's gradient and every card's weight gradient still equal the formulas'. Through :class:`VocabWork`:
     the head posts its hidden state (post_x) and the others receive it; the head's summed gradient from take_dx."""
     from npu_train.pipeline.vocab import VocabWork
@@ -238,6 +246,8 @@ def test_the_input_gradients_travel_while_the_weight_gradient_is_computed():
         t.start()
     for t in th:
         t.join()
+    # the cards meet once per micro-batch for the statistics (one all-reduce of every card's (m_p, s_p, t_p))
+    assert sorted(e for e in ex.events if e[0] in ("max", "stats")) == [("stats", r) for r in range(P)], ex.events
     for r in range(P):
         assert ex.events.index(("reduce", r)) < ex.events.index(("dW", r)), ex.events
         assert outs[r][0] == pytest.approx(float(loss), rel=1e-6)

@@ -4,8 +4,9 @@ cards of a pipeline; for one micro-batch every card takes the head stage's final
 (after the final norm), computes its logits slice ``z_p = x W_p^T`` ``[N, V_p]`` in fp32, and the cards combine the
 softmax's statistics, so each forms its own slice of the logits' gradient without the others' logits:
 
-- ``M = max_p max_j z_pj`` (all-reduce MAX), ``Z = sum_p sum_j exp(z_pj - M)`` and the target's logit
-  ``t = z_{y}`` from the card holding ``y`` (one all-reduce SUM of ``[N, 2]``);
+- ``M = max_p m_p`` with ``m_p = max_j z_pj``, ``Z = sum_p s_p exp(m_p - M)`` with ``s_p = sum_j exp(z_pj - m_p)``,
+  and the target's logit ``t = z_{y}`` from the card holding ``y`` (one all-reduce SUM of a ``[P, N, 3]`` block,
+  each card's ``(m_p, s_p, t_p)`` in its own row);
 - loss per token ``log Z + M - t`` (next-token cross-entropy in nats; ``IGNORE_INDEX`` targets count nothing);
 - ``dz_p = (exp(z_p - M) / Z - onehot_p(y)) * valid / divisor``; the slice's weight gradient ``dz_p^T x`` is
   added to ``W_p``'s ``.grad``; the partial input gradients ``dz_p W_p`` ``[N, H]`` (in the compute dtype: fp32 on
@@ -43,6 +44,8 @@ class Exchange(Protocol):
     ``wait()`` returns once the tensor holds the result (the broadcasts keep an order of their own: another group)."""
 
     head: int
+    size: int  # cards in the group
+    index: int  # this card's place in it (0..size-1)
 
     def broadcast(self, t: torch.Tensor) -> None: ...  # from ``head``
     def broadcast_async(self, t: torch.Tensor): ...  # from ``head``
@@ -57,8 +60,11 @@ class GlooExchange:
     ``xgroup``: the same cards' group the hidden states are broadcast over (None: ``group``)."""
 
     def __init__(self, group, head: int, xgroup=None):
+        import torch.distributed as dist
+
         self.group, self.head = group, int(head)
         self.xgroup = group if xgroup is None else xgroup
+        self.size, self.index = dist.get_world_size(group), dist.get_rank(group)
 
     def broadcast(self, t: torch.Tensor) -> None:
         self.broadcast_async(t).wait()
@@ -141,20 +147,26 @@ def vocab_core(host: torch.Tensor, labels: torch.Tensor, weight: torch.Tensor, s
     with torch.no_grad():
         w = weight.detach().float()
         z = xf @ w.t()  # [N, V_p]
-        mx = z.max(dim=1).values.cpu()
-        ex.all_reduce_max(mx)
-        m = mx.to(dev)
-        e = torch.exp(z - m.unsqueeze(1))
+        # one collective for the statistics: each card's row maximum m_p, its sum of exp(z - m_p) and the target
+        # logit (0 off the card holding it) in its own row p of a [P, N, 3] block, the others 0: summed, every card
+        # has all of them exactly (adding zeros rounds nothing); then M = max_p m_p, Z = sum_p s_p exp(m_p - M)
+        mp = z.max(dim=1).values
+        e = torch.exp(z - mp.unsqueeze(1))
         rows = torch.arange(z.shape[0], device=dev)
         safe = torch.where(mine, local, torch.zeros_like(local))
-        st = torch.stack([e.sum(dim=1), torch.where(mine, z[rows, safe], torch.zeros_like(m))], dim=1).cpu()
+        st = torch.zeros((ex.size, z.shape[0], 3), dtype=torch.float32)
+        st[ex.index] = torch.stack([mp, e.sum(dim=1), torch.where(mine, z[rows, safe], torch.zeros_like(mp))],
+                                   dim=1).cpu()
         ex.all_reduce_sum(st)
-        Z, t = st[:, 0].to(dev), st[:, 1].to(dev)
+        st = st.to(dev)
+        m = st[:, :, 0].max(dim=0).values
+        Z = (st[:, :, 1] * torch.exp(st[:, :, 0] - m.unsqueeze(0))).sum(dim=0)
+        t = st[:, :, 2].sum(dim=0)
         tok = torch.log(Z) + m - t
         loss_sum = float(torch.where(valid, tok, torch.zeros_like(tok)).sum())
         if not train:
             return VocabResult(loss_sum, None), None
-        dz = e.div_(Z.unsqueeze(1))
+        dz = e.mul_((torch.exp(mp - m) / Z).unsqueeze(1))  # softmax: exp(z - m_p) exp(m_p - M) / Z
         dz[rows[mine], local[mine]] -= 1.0
         dz.mul_((valid.to(dz.dtype) / float(divisor)).unsqueeze(1))
         dx = (dz @ w).to(wire).cpu().reshape(b, S, H).contiguous()
@@ -234,6 +246,7 @@ class _TimedExchange:
 
     def __init__(self, ex: Exchange):
         self.ex, self.head, self.waited = ex, ex.head, 0.0
+        self.size, self.index = ex.size, ex.index
 
     def _timed(self, fn, *a):
         import time

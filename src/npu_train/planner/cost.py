@@ -243,12 +243,12 @@ class CostModel:
     def vocab_latency(self) -> tuple[float, float, float]:
         """Seconds of the vocabulary exchange, gloo at the slowest card's ``dp_bytes_per_s`` (pipeline/vocab.py:
         in the background where nothing waits for it): the final hidden state from the head card, the softmax
-        statistics (the maximum, then the sum of exponentials and the target logit: 12 B per token), the partial
-        input gradients summed onto the head card (``[b S, H]`` each in the compute dtype)."""
+        statistics (every card's maximum, sum of exponentials and target logit in one all-reduce: ``12 P`` B per
+        token), the partial input gradients summed onto the head card (``[b S, H]`` each in the compute dtype)."""
         rate = min(rt.dp_bytes_per_s for rt in self.rates)
         tok = self.shape.tokens_per_micro_batch
         xh = self.memory.dtype_bytes * tok * self.model.hidden_size
-        return xh / rate, 12 * tok / rate, xh / rate
+        return xh / rate, 12 * self.P * tok / rate, xh / rate
 
     def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:
         """Seconds of stage ``i``'s B per micro-batch that run a forward again: ``k`` layers recomputed whole (None:
