@@ -16,7 +16,8 @@ PARAMS = (1.0e8, 0.6e8)        # parameters each stage's optimizer updates per s
 R_PLAN, R_TRUE = 50e9, 20e9    # FLOP/s the plan used / the cards ran at
 A_PLAN, A_TRUE = 2e8, 5e7      # AdamW params/s (one process, before the core share)
 SHARE = 0.5                    # 1 host core for 2 cpu cards of 1 thread: each gets half
-BASE, TOTAL = 0.35 * GIB, (2.5 * GIB, 1.6 * GIB)
+BASE, TOTAL = 0.35 * GIB, (2.5 * GIB, 1.6 * GIB)  # the baseline the plans below were made with
+UNFITTED = 0.15 * GIB  # the cpu default (planner/rates.py: a card process's RSS before its load)
 PEAK_OVER = (0.05 * GIB, -0.1 * GIB)  # measured peak - planned total per stage
 
 
@@ -217,7 +218,7 @@ def test_an_over_counted_run_never_plans_below_the_unfitted_baseline(tmp_path):
     baseline, cpu:0 at 10.32 GiB and the head card cpu:1 at 10.58, peaked at 9.59 and 9.63 GiB (the load at 8.76
     and 8.72): the other terms over-counted by 0.73 and 0.95 GiB. The baselines under which the plans would have
     held the peaks are 0.35 + 9.59 - 10.32 = -0.38 GiB and 0.35 + 9.63 / 0.95 - 10.58 = -0.09 GiB: no process
-    holds negative memory, so the figures are 0, and the next plan of either card keeps the unfitted 0.35 GiB
+    holds negative memory, so the figures are 0, and the next plan of either card keeps the unfitted baseline
     (the resumed run had planned cpu:1 with 0, at 10.23 GiB)."""
     doc = plan_doc()
     for i, total in enumerate((10.32, 10.58)):
@@ -231,13 +232,13 @@ def test_an_over_counted_run_never_plans_below_the_unfitted_baseline(tmp_path):
     record_run(fig, root=tmp_path)
     for head in (False, True):
         out = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path, head=head)
-        assert out.process_baseline_bytes == BASE
+        assert out.process_baseline_bytes == UNFITTED
         assert out.source("process_baseline_bytes") == "assumed"
 
 
 def test_load_rates_gives_the_head_card_its_own_fitted_baseline():
     """``load_rates(head=True)`` (the last card of ``runtime/job.py::plan_request``) reads the head's figure from
-    ``$NPT_CACHE/fitted``; the other cards the general one; each only above the unfitted 0.35 GiB."""
+    ``$NPT_CACHE/fitted``; the other cards the general one; each only above the unfitted baseline."""
     record_run(RunFigures("cpu", 1, "fp32", "m", 3, process_baseline_bytes=0.6 * GIB, head_baseline_bytes=0.5 * GIB))
     assert load_rates("cpu", threads=1, head=True).process_baseline_bytes == 0.5 * GIB
     assert load_rates("cpu", threads=1).process_baseline_bytes == 0.6 * GIB

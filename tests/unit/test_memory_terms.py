@@ -50,9 +50,10 @@ def test_terms_sum_to_the_recorded_totals(name, kind, shape, cards, nonlayer_res
     terms = [load_memory_terms(kind, "/nonexistent.json", reuse_freed_memory=False)] * cards
     mm = MemoryModel(get_preset(name), RunShape(**shape), make_cards(kind, cards, 1 << 40), nonlayer_resident, terms)
     mem = mm.stage(i, n, r, 0.35 * GIB if kind == "cpu" else 0).mem
-    if kind == "cpu":  # workspace = 4 % of the body (weights .. transient), written from docs/planner.md
-        body = sum(expected[1:6])
-        expected = expected[:6] + (int(0.04 * body), expected[0] + body + int(0.04 * body), expected[8])
+    if kind == "cpu":  # workspace = 0.10 GiB + 4 % of the body (weights .. transient), from docs/planner.md
+        body, const = sum(expected[1:6]), int(0.10 * GIB)
+        ws = const + int(0.04 * body)
+        expected = expected[:6] + (ws, expected[0] + body + ws, expected[8])
     assert tuple(mem[k] for k in KEYS) == expected
     assert mem["total"] == sum(mem[k] for k in TERMS)
 
@@ -134,7 +135,7 @@ def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
     """A cpu card keeping freed memory (the default) adds ``heap_fraction`` (1.0) x the churn
     (``MemoryModel.hole_churn``: with its heap guard, one micro-batch's layer activations + 2.5 layers' + 32 MiB) to its
     workspace; with ``runtime.keep_host_memory=false`` it returns each freed block from 256 KiB to the OS and its
-    workspace is 4 % of the body alone."""
+    workspace is the 0.10 GiB constant (the card process's runtime state) + 4 % of the body alone."""
     from npu_train.planner.memory import activation_bytes_per_layer
 
     kept, returned = (load_memory_terms("cpu", tmp_path / "none.json", reuse_freed_memory=keep) for keep in (True, False))
@@ -144,17 +145,17 @@ def test_cpu_card_returning_freed_memory_has_no_heap_term(tmp_path):
     lora = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32", lora_params_per_layer=34560)
     a, b = (MemoryModel(get_preset("smollm2-135m"), lora, cards, None, [t, t]).stage(0, 15, 15, 0).mem
             for t in (kept, returned))
-    body = sum(b[k] for k in TERMS[1:6])
+    body, const = sum(b[k] for k in TERMS[1:6]), int(0.10 * GIB)
     per_layer = activation_bytes_per_layer(get_preset("smollm2-135m"), lora, "sdpa")
-    assert b["workspace"] == int(0.04 * body) and b["heap"] == 0
+    assert b["workspace"] == const + int(0.04 * body) and b["heap"] == 0
     assert a["heap"] == 15 * per_layer + per_layer // 2 + 2 * per_layer + 32 * 2**20
-    assert a["workspace"] == int(0.04 * body + a["heap"])
+    assert a["workspace"] == const + int(0.04 * body + a["heap"])
     assert a["total"] - b["total"] == a["workspace"] - b["workspace"] == a["heap"]
     # activation recompute: the cpu card returns freed memory (hostmem.card_mmap_threshold), no heap term
     rc = MemoryModel(get_preset("smollm2-135m"), RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32",
                                                           lora_params_per_layer=34560, recompute=True),
                      cards, None, [kept, kept]).stage(0, 15, 15, 0).mem
-    assert rc["heap"] == 0 and rc["workspace"] == int(0.04 * sum(rc[k] for k in TERMS[1:6]))
+    assert rc["heap"] == 0 and rc["workspace"] == const + int(0.04 * sum(rc[k] for k in TERMS[1:6]))
 
 
 def _heap(cfg, i, n, terms=None, **kw):

@@ -51,7 +51,7 @@ class MemoryTerms:
 
     def describe(self) -> str:
         """One line: each figure with its source, for the plan; a constant of 0 whose source says why is left
-        out (a cpu card: the process baseline instead), and the heap's share says in plain words what it holds."""
+        out, and the heap's share says in plain words what it holds."""
         parts = []
         if self.workspace_bytes or not str(self.sources.get("workspace_bytes", "")).startswith("none"):
             parts.append(f"{self.workspace_bytes / GIB:.2f} GiB ({self.sources.get('workspace_bytes', 'assumed')})")
@@ -71,10 +71,19 @@ class MemoryTerms:
         return ", ".join(parts)
 
 
+#: a cpu card process's runtime state beyond its start and its model state (``MemoryTerms.workspace_bytes`` of
+#: ``cpu``): measured 0.093-0.101 GiB at rest after the first step (RssAnon + RssShmem less the pre-load RSS, the
+#: weights and the optimizer's state), the same on a 0.13 B LoRA and a 0.63 B full fine-tuning card; 0.066-0.075
+#: of it from the load on
+CPU_RUNTIME_BYTES = int(0.10 * GIB)
+CPU_RUNTIME_SOURCE = "the process's threads and objects, measured"
 _FIELD = "fitted to the field record: 1 card x 4 resident layers ran on an earlier RNGD deployment"
 DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
-    "cpu": MemoryTerms(0, 0.04, heap_fraction=1.0,
-                       sources={"workspace_bytes": "none: process baseline instead",
+    # const: what a card process holds beyond its start (the process baseline) and its model state once it has
+    # loaded and run a step: its threads' stacks and malloc arenas (gloo, ZeroMQ, torch), the built stage's
+    # Python objects, the first operations' state (experiments/2026-12-06-plan-bound.md, "The load term's baseline")
+    "cpu": MemoryTerms(CPU_RUNTIME_BYTES, 0.04, heap_fraction=1.0,
+                       sources={"workspace_bytes": CPU_RUNTIME_SOURCE,
                                 "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
                                 "heap_fraction": "a guard returns the rest after each backward"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",

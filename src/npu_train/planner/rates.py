@@ -173,9 +173,10 @@ class Rates:
 #:   Device AdamW (unfused, one tensor at a time) 1e10 params/s assumed.
 #: - cuda: H100/H200-class 989 TFLOPS dense BF16 * 0.4 assumed; 25e9 B/s PCIe Gen5 pinned copies;
 #:   fused device AdamW 5e10 params/s (HBM-bound, ~28 B moved per param).
-#: - cpu: 50 GFLOP/s per process; copies are memcpy (~10e9 B/s); process baseline 0.35 GiB
-#:   (python + torch + npu_train + gloo/ZeroMQ measured at ~0.25 GiB RSS, plus a model-file
-#:   reader); the card's optimizer is the host AdamW.
+#: - cpu: 50 GFLOP/s per process; copies are memcpy (~10e9 B/s); process baseline 0.15 GiB: a card process's
+#:   RssAnon + RssShmem before its load (python + torch + npu_train + gloo/ZeroMQ), measured 0.145 GiB in every
+#:   card of the issue-43 runs (what it gains with its load and first step is the cpu workspace constant,
+#:   ``memterms.CPU_RUNTIME_BYTES``); the card's optimizer is the host AdamW.
 #: - host AdamW of an accelerator card's offloaded layers (the one-pass update, npu_train.optim.onepass):
 #:   1e9 params/s per host thread, assumed: 1.56e9 measured on one core of a 2-core Xeon VM (issue 39),
 #:   rounded down for the lower clocks of a many-core server; scaled by the threads per card process
@@ -198,7 +199,7 @@ DEFAULT_RATES: dict[str, Rates] = {
                            "h2d_bytes_per_s": "assumed: PCIe Gen5", "d2h_bytes_per_s": "assumed: PCIe Gen5",
                            "host_adamw_params_per_s": _HOST_ONEPASS, "host_bytes_per_s": _HOST_BW}),
     "cpu": Rates(device_flops=50e9, h2d_bytes_per_s=10e9, d2h_bytes_per_s=10e9,
-                 host_adamw_params_per_s=2e8, process_baseline_bytes=0.35 * GIB, kind="cpu"),
+                 host_adamw_params_per_s=2e8, process_baseline_bytes=0.15 * GIB, kind="cpu"),
 }
 
 
