@@ -184,6 +184,8 @@ class HeapGuard:
         self._full_at = 0  # the anonymous RSS at the last full check
         self._mallinfo2, self._trim = mallinfo2, trim
         self._page = os.sysconf("SC_PAGE_SIZE")
+        self._statm: Optional[int] = None  # /proc/self/statm, kept open (_anon)
+        self._statm_pid = 0
         self.offset = 0
         self.checks = self.full = self.trims = self.released = 0
         self.seconds = 0.0
@@ -202,9 +204,16 @@ class HeapGuard:
         return g
 
     def _anon(self) -> int:
-        with open("/proc/self/statm", "rb") as f:
-            v = f.read().split()
+        """The anonymous RSS, bytes: ``/proc/self/statm`` read again through a descriptor kept open (``pread`` at
+        offset 0 regenerates the file: 1.2 us a read against 13 us to open, read and close it)."""
+        if self._statm is None or self._statm_pid != os.getpid():  # (a forked child reads its own)
+            self._statm, self._statm_pid = os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC), os.getpid()
+        v = os.pread(self._statm, 128, 0).split()
         return (int(v[1]) - int(v[2])) * self._page
+
+    def __del__(self) -> None:
+        if getattr(self, "_statm", None) is not None and self._statm_pid == os.getpid():
+            os.close(self._statm)
 
     def _live(self) -> int:
         m = self._mallinfo2()
