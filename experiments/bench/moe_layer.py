@@ -171,6 +171,7 @@ def main(argv=None) -> int:
     ref_name = [n for n in blocks if n.startswith("transformers")][0]
     ref = outs[ref_name].float()
     agree = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items()}
+    load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     times: dict[str, list] = {n: [] for n in blocks}
     names = list(blocks)
     for r in range(a.rounds):
@@ -179,7 +180,7 @@ def main(argv=None) -> int:
     med = {n: statistics.median(t) for n, t in times.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {torch.get_num_threads()} torch thread(s), {os.cpu_count()} logical CPUs, torch "
-          f"{torch.__version__}, load {load:.2f}")
+          f"{torch.__version__}, load average {load0:.2f} at the start of the timed rounds, {load:.2f} at the end")
     print(f"MoE block: hidden {H}, {E} experts, top-{k}, expert width {Ie}, {N} tokens, {a.dtype}, "
           f"{a.rounds} rounds" + (f", LoRA r {a.lora} on every expert projection" if a.lora else ""))
     for n in names:

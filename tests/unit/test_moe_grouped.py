@@ -388,3 +388,83 @@ def test_lora_adapter_products_run_on_one_thread(monkeypatch):
     hit = sum(1 for c in COUNTS if c)
     assert sorted(t for a, t in seen if a) == [1] * 18 * hit  # 2 forward + 4 backward per projection
     assert set(t for a, t in seen if not a) == {2} and len([a for a, _ in seen if not a]) == 4 * hit  # W frozen
+
+
+MANY = (4, 0, 7, 1, 3, 6, 2, 5, 1, 8, 3)  # 10 blocks: over BLOCKS_PER_THREAD x 2 threads
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_many_blocks_run_concurrently_one_thread_each(monkeypatch, lora):
+    """Same dtype (fp64 here, as fp32), 2 threads, 10 blocks: the blocks are spread over two OS threads, every
+    matmul single-threaded (LoRA: one block after another on the caller's thread, whose ``dy B`` the plan counts
+    once), and output and gradients equal the formula (1e-12; LoRA: ``W + s B A``); the caller's thread count is
+    restored after forward and backward."""
+    import threading
+
+    S, r, s = sum(MANY), 3, 0.5
+    gen = torch.Generator().manual_seed(9)
+    xs = torch.randn(S, H, dtype=torch.float64, generator=gen, requires_grad=True)
+    dy = torch.randn(S, H, dtype=torch.float64, generator=gen)
+    ws = _stacked(len(MANY), torch.float64)
+    if lora:
+        base = [w.detach() for w in ws]
+        ab = [(torch.randn(r, w.shape[1], dtype=torch.float64, generator=gen).requires_grad_(),
+               torch.randn(w.shape[0], r, dtype=torch.float64, generator=gen).requires_grad_()) for w in base]
+        tensors, trained = [t for w, p in zip(base, ab) for t in (w, *p)], [xs] + [t for p in ab for t in p]
+        eff = [w + s * b @ a for w, (a, b) in zip(base, ab)]
+    else:
+        tensors, trained, eff = ws, [xs, *ws], ws
+    seen, mm, before, main = [], torch.mm, torch.get_num_threads(), threading.get_ident()
+    worker_ran, waited = threading.Event(), []
+
+    def spy(*a, **k):
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        if threading.get_ident() != main:
+            worker_ran.set()
+        elif not waited and not lora:  # give a worker the chance to take a block however slowly it is scheduled
+            waited.append(worker_ran.wait(timeout=10))
+        return mm(*a, **k)
+
+    try:
+        torch.set_num_threads(2)
+        monkeypatch.setattr(torch, "mm", spy)
+        y = GroupedSwiGlu.apply(xs, MANY, s if lora else None, *tensors)
+        assert torch.get_num_threads() == 2
+        got = torch.autograd.grad(y, trained, dy, allow_unused=True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    if lora:
+        assert {i for i, _ in seen} == {threading.get_ident()}
+    else:
+        assert {t for _, t in seen} == {1} and len({i for i, _ in seen}) == 2
+    want_y = _formula(xs, MANY, eff)
+    want = torch.autograd.grad(want_y, trained, dy, allow_unused=True)
+    assert _rel(y, want_y) < 1e-12
+    per = 6 if lora else 3
+    for i, (a, b) in enumerate(zip(got, want)):
+        if i == 0 or MANY[(i - 1) // per]:
+            assert _rel(a, b) < 1e-12, i
+
+
+def test_an_error_in_a_concurrent_block_is_raised(monkeypatch):
+    """A block that fails on a worker thread fails the call (not a silently missing block); the thread count is
+    restored."""
+    import npu_train.model.moe as moe
+
+    calls, before = [], torch.get_num_threads()
+
+    def fn(j, a, b):
+        calls.append(j)
+        if j == 3:
+            raise RuntimeError("block 3")
+
+    try:
+        torch.set_num_threads(2)
+        with pytest.raises(RuntimeError, match="block 3"):
+            moe._parallel_blocks([(j, 10 * j, 10 * j + j + 1) for j in range(8)], fn)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert sorted(calls) == list(range(8))

@@ -16,11 +16,15 @@ its contiguous block (three matmuls), never a loop over tokens. The experts' Swi
 bf16 runs its matmuls in fp32 on a CPU without bf16 hardware (:func:`matmul_dtype`); LoRA adapters on the experts
 run inside it too (adapter dropout or biases: as modules). The experts' weights are held stacked as transformers
 holds them (:meth:`SparseMoe.stack_experts`; each expert's parameter is its rows), so gate and up run as one
-matmul. Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
+matmul. In fp32 with several threads the experts' blocks run concurrently, one thread each
+(:func:`_parallel_blocks`). Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import os
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -113,6 +117,15 @@ def _adjacent(g: torch.Tensor, u: torch.Tensor) -> Optional[torch.Tensor]:
 SERIAL_FLOP = 1 << 29
 
 
+#: Same-dtype kernels without adapters (fp32 on a CPU; weights used in place) run their experts' row blocks
+#: concurrently, one block per intra-op thread at a time with its matmuls on that thread (:func:`_parallel_blocks`),
+#: instead of one block after another with every matmul threaded; where there are at least ``BLOCKS_PER_THREAD``
+#: blocks per thread. Mixtral-like layer (8 experts of 3584, 1024 tokens, fp32, 2 threads):
+#: experiments/2026-12-06-moe.md
+PARALLEL_BLOCKS = True
+BLOCKS_PER_THREAD = 4
+
+
 class _Operands:
     """The per-expert tensors of :class:`GroupedSwiGlu` as its matmuls take them. ``tensors`` per block's expert
     in turn: ``(gate [I, H], up [I, H], down [H, I])`` weights (``lora`` False), else each projection's ``(weight,
@@ -139,6 +152,14 @@ class _Operands:
         if self.wide and 4 * rows * self.inter * self.hidden < SERIAL_FLOP:
             return _serial()
         return contextlib.nullcontext()
+
+    def parallel(self, blocks: int) -> bool:
+        """Whether :func:`_each_block` runs ``blocks`` blocks concurrently (:func:`_parallel_blocks`): weights used
+        in place (no shared widening buffers), no adapters (the plan counts one block's ``dy B`` at a time),
+        :data:`PARALLEL_BLOCKS`, more than one intra-op thread and at least :data:`BLOCKS_PER_THREAD` blocks per
+        thread (fewer, e.g. 8 experts on 16 cores: the matmuls threaded)."""
+        n = torch.get_num_threads()
+        return PARALLEL_BLOCKS and not (self.wide or self.lora) and n > 1 and blocks >= BLOCKS_PER_THREAD * n
 
     def index(self, j: int, proj: int, part: int = 0) -> int:
         """Position in ``tensors`` of ``part`` (0 weight, 1 ``lora_A``, 2 ``lora_B``) of projection ``proj`` (0 gate,
@@ -248,11 +269,58 @@ def _blocks(bounds: list):
 
 
 def _each_block(bounds: list, ops: _Operands, fn) -> None:
-    """``fn(j, a, b)`` for every non-empty row block ``[a, b)`` of ``bounds``, each under
-    :meth:`_Operands.threads`."""
-    for j, a, b in _blocks(bounds):
+    """``fn(j, a, b)`` for every non-empty row block ``[a, b)`` of ``bounds`` (each writes only its own rows and
+    its expert's gradients). Serially, each block under :meth:`_Operands.threads`; or, where
+    :meth:`_Operands.parallel`, the blocks spread over torch's intra-op threads, each block's matmuls on one thread
+    (:func:`_parallel_blocks`)."""
+    blocks = _blocks(bounds)
+    if ops.parallel(len(blocks)):
+        _parallel_blocks(blocks, fn)
+        return
+    for j, a, b in blocks:
         with ops.threads(b - a):
             fn(j, a, b)
+
+
+def _parallel_blocks(blocks: list, fn) -> None:
+    """``fn(j, a, b)`` for every block, spread over torch's ``n`` intra-op threads: the calling thread and ``n - 1``
+    workers of a process-wide pool (:func:`_pool`) each take the largest block left, one intra-op thread each
+    (their matmuls single-threaded: no thread waits for another inside a matmul, which on a host busier than its
+    cores costs a scheduler slice per call), with the caller's grad mode; the caller's thread count is restored
+    after, and a worker's error raised. The blocks write disjoint rows and gradients, so the result does not
+    depend on which thread ran which block."""
+    n = torch.get_num_threads()
+    todo = iter(sorted(blocks, key=lambda blk: blk[1] - blk[2]))
+    lock, grad = threading.Lock(), torch.is_grad_enabled()
+
+    def work() -> None:
+        torch.set_num_threads(1)
+        with torch.set_grad_enabled(grad):
+            while True:
+                with lock:
+                    nxt = next(todo, None)
+                if nxt is None:
+                    return
+                fn(*nxt)
+
+    futures = [_pool(n - 1).submit(work) for _ in range(n - 1)]
+    try:
+        work()
+    finally:
+        concurrent.futures.wait(futures)
+        torch.set_num_threads(n)
+    for f in futures:
+        f.result()
+
+
+_POOL: list = []  # [(pid, ThreadPoolExecutor)]: one per process (a forked child makes its own)
+
+
+def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """The process's worker pool for :func:`_parallel_blocks`, with at least ``workers`` threads."""
+    if not _POOL or _POOL[0][0] != os.getpid() or _POOL[0][1]._max_workers < workers:
+        _POOL[:] = [(os.getpid(), concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="moe-blocks"))]
+    return _POOL[0][1]
 
 
 def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[float]) -> tuple:
