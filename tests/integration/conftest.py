@@ -165,6 +165,34 @@ def reference_for(model_path: str, *overrides: str, aux_weight: float = 0.0):
                          clip=t.clip, seed=t.seed, betas=(t.beta1, t.beta2), eps=t.eps, aux_weight=aux_weight)
 
 
+#: :func:`cached_reference`'s runs, by (model path, overrides): one single-process reference per shape a session
+_REFERENCES: dict = {}
+
+
+def cached_reference(model_path: str, *overrides: str):
+    """:func:`reference_for` of ``model_path`` with ``overrides``, run once per session and argument list (the
+    equivalence tests compare many pipelines with the same reference). ``(losses, {hf_name: fp32 weight})``."""
+    key = (model_path,) + overrides
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_for(model_path, *overrides)
+    return _REFERENCES[key]
+
+
+def check_against_reference(losses, reader, ref_losses, ref_w, steps=3, loss_tol: float = 1e-6,
+                            master_tol: float = 1e-5) -> None:
+    """A pipeline run (``losses`` per step, checkpoint ``reader``) equals the reference: ``steps`` steps (None:
+    as many as the reference), each loss within ``loss_tol`` relative, every fp32 master of the same shape as the
+    reference's weight and within ``master_tol`` relative (:func:`rel_diff`)."""
+    steps = len(ref_losses) if steps is None else steps
+    assert len(losses) == steps and reader.step == steps, (len(losses), reader.step, steps)
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < loss_tol, (losses, ref_losses)
+    for name, w in ref_w.items():
+        got = reader.get(f"master.{name}")
+        assert tuple(got.shape) == tuple(w.shape), (name, tuple(got.shape), tuple(w.shape))
+        assert rel_diff(got, w) < master_tol, f"{name}: rel diff {rel_diff(got, w):.2e}"
+
+
 def rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in fp64."""
     a, b = a.double(), b.double()

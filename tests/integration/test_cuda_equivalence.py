@@ -14,35 +14,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import reference_for, rel_diff, run_pipeline
+from conftest import cached_reference, check_against_reference, run_pipeline
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")]
 
-_REF = {}
-
-
-def _ref(model):
-    if model not in _REF:
-        _REF[model] = reference_for(model)
-    return _REF[model]
-
-
 @pytest.mark.parametrize("backend", ["[cuda:0]", "[cuda:0,cpu]", "[cpu,cuda:0,cpu]"])
 def test_cuda_fp32_matches_reference(tiny_model, tmp_path, backend):
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}", "train.dtype=fp32")
-    assert len(losses) == 3 and reader.step == 3
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
-    for name, w in ref_w.items():
-        got = reader.get(f"master.{name}")
-        assert rel_diff(got, w) < 1e-5, f"{name}: rel diff {rel_diff(got, w):.2e}"
+    check_against_reference(losses, reader, ref_losses, ref_w, loss_tol=1e-5)
 
 
 @pytest.mark.parametrize("resident", ["0", "3"])
 def test_cuda_bf16_offloaded_and_resident(tiny_model, tmp_path, resident):
-    ref_losses, _ = _ref(tiny_model)
+    ref_losses, _ = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cuda:0,cpu]", "train.dtype=bf16",
                                   f"train.resident_layers={resident}")
     for a, b in zip(losses, ref_losses):

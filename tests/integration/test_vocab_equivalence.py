@@ -10,37 +10,17 @@ import json
 
 import pytest
 
-from conftest import make_cfg, reference_for, rel_diff, run_pipeline
+from conftest import cached_reference, check_against_reference, make_cfg, rel_diff, run_pipeline
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
-
-_REF: dict = {}
-
-
-def _ref(model, *ov):
-    key = (model,) + ov
-    if key not in _REF:
-        _REF[key] = reference_for(model, *ov)
-    return _REF[key]
-
-
-def _check(losses, reader, ref_losses, ref_w, steps=3):
-    assert len(losses) == steps and reader.step == steps
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 1e-6, (losses, ref_losses)
-    for name, w in ref_w.items():
-        got = reader.get(f"master.{name}")
-        assert tuple(got.shape) == tuple(w.shape), name
-        assert rel_diff(got, w) < 1e-5, f"{name}: rel diff {rel_diff(got, w):.2e}"
-
 
 @pytest.mark.parametrize("P,schedule", [(2, "1f1b"), (3, "zb-h1"), (2, "zbv")])
 def test_vocab_parallel_matches_reference(tiny_model_untied, tmp_path, P, schedule):
     """P = 2 and 3 cards, one- and two-chunk schedules (ZB-V: the head on card 0), split backward included."""
-    ref_losses, ref_w = _ref(tiny_model_untied)
+    ref_losses, ref_w = cached_reference(tiny_model_untied)
     losses, reader = run_pipeline(tiny_model_untied, str(tmp_path), "backend=[" + ",".join(["cpu"] * P) + "]",
                                   f"train.schedule={schedule}", "parallel.vocab=true")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     assert "lm_head.weight" in ref_w
     with open(tmp_path / "plan.json") as f:
         assert json.load(f)["shape"]["vocab_parallel"] is True
@@ -51,18 +31,18 @@ def test_vocab_parallel_matches_reference(tiny_model_untied, tmp_path, P, schedu
 def test_vocab_parallel_offloaded_interleaved_and_recompute(tiny_model_untied, tmp_path, extra):
     """Interleaved 1F1B (the head on the last card's second chunk) with every layer offloaded, so each card's rows of
     the output layer are updated on the host (its V(m) waits for that update), and 1F1B with activation recompute."""
-    ref_losses, ref_w = _ref(tiny_model_untied)
+    ref_losses, ref_w = cached_reference(tiny_model_untied)
     losses, reader = run_pipeline(tiny_model_untied, str(tmp_path), "backend=[cpu,cpu]", "parallel.vocab=true", *extra)
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
 
 
 def test_vocab_parallel_dp2(tiny_model_untied, tmp_path):
     """dp = 2 replicas of a 2-card pipeline, each cutting its output layer over its own cards: the reference of
     the global batch (accumulation 8)."""
-    ref_losses, ref_w = _ref(tiny_model_untied, "train.accum=8")
+    ref_losses, ref_w = cached_reference(tiny_model_untied, "train.accum=8")
     losses, reader = run_pipeline(tiny_model_untied, str(tmp_path), "backend=[cpu,cpu,cpu,cpu]", "parallel.dp=2",
                                   "train.accum=4", "train.schedule=1f1b", "parallel.vocab=true")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
 
 
 def test_vocab_parallel_lora_matches_peft(tiny_model_untied, tmp_path):
@@ -90,7 +70,7 @@ def test_vocab_parallel_eval_resume_and_checkpoint_files(tiny_model_untied, tmp_
     """The held-out loss equals the one without vocabulary parallelism; a run stopped after 2 steps and resumed
     (each card reading its rows of the whole output layer) equals the straight reference; the checkpoint holds the
     same entries with the same shapes as a run without it, and so does its export (files, tensors, shapes)."""
-    ref_losses, ref_w = _ref(tiny_model_untied)
+    ref_losses, ref_w = cached_reference(tiny_model_untied)
     ov = ("backend=[cpu,cpu]", "data.eval_batches=2", "train.schedule=1f1b")
     _, plain = run_pipeline(tiny_model_untied, str(tmp_path / "p"), *ov)
     l1, _ = run_pipeline(tiny_model_untied, str(tmp_path / "v"), *ov, "parallel.vocab=true", "train.stop_after=2")
@@ -103,7 +83,7 @@ def test_vocab_parallel_eval_resume_and_checkpoint_files(tiny_model_untied, tmp_
                               "train.resume=latest", keep_fitted=True)
     assert len(l1) == 2
     losses = l2 if len(l2) == 3 else l1 + l2
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     keys = sorted(reader.index)
     assert keys == sorted(plain.index)
     for k in keys:

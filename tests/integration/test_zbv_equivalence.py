@@ -12,28 +12,9 @@ import json
 import pytest
 import torch
 
-from conftest import make_cfg, reference_for, rel_diff, run_pipeline
+from conftest import cached_reference, check_against_reference, make_cfg, rel_diff, run_pipeline
 
 pytestmark = [pytest.mark.timeout(400), pytest.mark.heavy]
-
-_REF: dict = {}
-
-
-def _ref(model, *ov):
-    key = (model,) + ov
-    if key not in _REF:
-        _REF[key] = reference_for(model, *ov)
-    return _REF[key]
-
-
-def _check(losses, reader, ref_losses, ref_w, steps=3):
-    assert len(losses) == steps and reader.step == steps
-    for a, b in zip(losses, ref_losses):
-        assert abs(a - b) / abs(b) < 1e-6, (losses, ref_losses)
-    for name, w in ref_w.items():
-        got = reader.get(f"master.{name}")
-        assert rel_diff(got, w) < 1e-5, f"{name}: rel diff {rel_diff(got, w):.2e}"
-
 
 def _stages(reader) -> list:
     """The ``stage`` record of every shard of a checkpoint, card order."""
@@ -52,10 +33,10 @@ def test_zbv_matches_reference(tiny_model, tiny_model_untied, tmp_path, P, tied)
     """ZB-V on P cards: card 0 holds the embedding and the head (a tied embedding stays on one card: no
     lm_head copy in the checkpoint), and the losses and masters equal the reference's."""
     model = tiny_model if tied else tiny_model_untied
-    ref_losses, ref_w = _ref(model)
+    ref_losses, ref_w = cached_reference(model)
     losses, reader = run_pipeline(model, str(tmp_path), "backend=[" + ",".join(["cpu"] * P) + "]",
                                   "train.schedule=zbv")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     assert reader.has("master.lm_head.weight") == (not tied)
     with open(tmp_path / "plan.json") as f:
         plan = json.load(f)
@@ -73,28 +54,28 @@ def test_interleaved_matches_reference(tiny_model, tiny_model_untied, tmp_path, 
     """Interleaved 1F1B: card r holds chunks r and P+r (the head on the last card, a tied embedding summed
     across the first and last card as for one chunk)."""
     model = tiny_model if tied else tiny_model_untied
-    ref_losses, ref_w = _ref(model, f"train.accum={accum}")
+    ref_losses, ref_w = cached_reference(model, f"train.accum={accum}")
     losses, reader = run_pipeline(model, str(tmp_path), "backend=[" + ",".join(["cpu"] * P) + "]",
                                   "train.schedule=interleaved", f"train.accum={accum}")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
 
 
 @pytest.mark.parametrize("resident", ["train.resident_layers=0", "train.resident_layers=[1,2]"])
 def test_zbv_offloaded_layers(tiny_model, tmp_path, resident):
     """Offloaded layers (host AdamW overlapped with the next forward) in both chunks of a card."""
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=zbv", resident)
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
 
 
 def test_zbv_dp2_zero1(tiny_model, tmp_path):
     """dp = 2 replicas of a 2-card ZB-V pipeline with ZeRO-1 and mixed resident layers: the reference of the
     global batch (accumulation 8)."""
-    ref_losses, ref_w = _ref(tiny_model, "train.accum=8")
+    ref_losses, ref_w = cached_reference(tiny_model, "train.accum=8")
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu,cpu,cpu]", "parallel.dp=2",
                                   "parallel.zero=1", "train.accum=4", "train.schedule=zbv",
                                   "train.resident_layers=[1,2]")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     assert reader.manifest["parallel"] == {"dp": 2, "pp": 2, "zero": 1}
 
 
@@ -116,7 +97,7 @@ def test_zbv_lora_matches_peft(tiny_model, tmp_path):
 def test_zbv_eval_and_resume(tiny_model, tmp_path):
     """The held-out loss through the V equals 1F1B's (same weights at step 0: the same value), and a ZB-V run
     stopped after 2 steps and resumed for the third equals the straight reference."""
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     ov = ("backend=[cpu,cpu,cpu]", "data.eval_batches=3")
     run_pipeline(tiny_model, str(tmp_path / "f"), *ov, "train.schedule=1f1b", "train.steps=1",
                  "checkpoint.save=false")
@@ -130,7 +111,7 @@ def test_zbv_eval_and_resume(tiny_model, tmp_path):
     l2, reader = run_pipeline(tiny_model, str(tmp_path / "v"), *ov, "train.resume=latest", keep_fitted=True)
     assert len(l1) == 2
     losses = l2 if len(l2) == 3 else l1 + l2  # the resumed launch's metrics continue the first's
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     with open(tmp_path / "v" / "plan.json") as f:
         assert json.load(f)["shape"]["schedule"] == "zbv"
 
@@ -162,20 +143,20 @@ def test_dp_auto_chooses_a_layout(tiny_model, tmp_path, capsys):
 def test_interleaved_with_recompute_matches_reference(tiny_model, tmp_path):
     """Interleaved 1F1B with activation recompute (what auto picks for a model that fits only so): the
     reference's losses and masters."""
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=interleaved",
                                   "train.recompute=true")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
 
 
 def test_zbv_with_the_attention_core_recomputed(tiny_model, tmp_path):
     """ZB-V with ``train.recompute_attention=true`` (what auto picks on RNGD cards for a long sequence): every
     layer's attention core is recomputed inside B (its W never reaches it), and losses and masters equal the
     reference's."""
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=zbv",
                                   "train.recompute_attention=true")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     with open(tmp_path / "plan.json") as f:
         assert json.load(f)["shape"]["recompute_attention"] is True
 
@@ -187,11 +168,11 @@ def test_some_layers_recomputed_per_card_match_reference(tiny_model, tiny_model_
     recompute fits): each card recomputes its first k layers whole and keeps the others' activations; the plan
     records the counts, and losses and masters equal the reference's."""
     model = tiny_model if tied else tiny_model_untied
-    ref_losses, ref_w = _ref(model)
+    ref_losses, ref_w = cached_reference(model)
     losses, reader = run_pipeline(model, str(tmp_path), "backend=[" + ",".join(["cpu"] * P) + "]",
                                   f"train.schedule={schedule}", "train.recompute=true",
                                   "train.recompute_layers=[" + ",".join(map(str, counts)) + "]")
-    _check(losses, reader, ref_losses, ref_w)
+    check_against_reference(losses, reader, ref_losses, ref_w)
     with open(tmp_path / "plan.json") as f:
         plan = json.load(f)
     assert [st["recompute_layers"] for st in plan["stages"]] == counts
