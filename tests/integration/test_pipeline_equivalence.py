@@ -13,19 +13,9 @@ import json
 import pytest
 import torch
 
-from conftest import reference_for, rel_diff, run_pipeline
+from conftest import cached_reference, reference_for, rel_diff, run_pipeline
 
 pytestmark = pytest.mark.timeout(240)
-
-_REF = {}
-
-
-def _ref(model, *ov):
-    key = (model,) + ov
-    if key not in _REF:
-        _REF[key] = reference_for(model, *ov)
-    return _REF[key]
-
 
 # The key bias's gradient is zero in exact arithmetic: softmax is unchanged by adding q . b_k to every score of
 # a query's row. What reaches AdamW is rounding noise near its eps (1e-8), so the update follows the noise of
@@ -47,7 +37,7 @@ def _check_weights(reader, ref_w, tol):
 
 @pytest.mark.parametrize("backend", ["[cpu]", "[cpu,cpu]", "[cpu,cpu,cpu]"])
 def test_fp32_pipeline_matches_reference(tiny_model, tmp_path, backend):
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}")
     assert len(losses) == 3 and reader.step == 3
     for a, b in zip(losses, ref_losses):
@@ -62,7 +52,7 @@ def test_fp32_pipeline_matches_reference(tiny_model, tmp_path, backend):
 ])
 def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend, schedule, extra):
     """train.schedule=zb / zb-h2 (B/W split backward) reproduce the reference as 1F1B does."""
-    ref_losses, ref_w = _ref(tiny_model, *extra)
+    ref_losses, ref_w = cached_reference(tiny_model, *extra)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}",
                                   f"train.schedule={schedule}", *extra)
     assert len(losses) == 3 and reader.step == 3
@@ -82,7 +72,7 @@ def test_fp32_zb_matches_reference(tiny_model, tmp_path, backend, schedule, extr
 
 
 def test_untied_gpipe_three_stages(tiny_model_untied, tmp_path):
-    ref_losses, ref_w = _ref(tiny_model_untied)
+    ref_losses, ref_w = cached_reference(tiny_model_untied)
     losses, reader = run_pipeline(tiny_model_untied, str(tmp_path), "backend=[cpu,cpu,cpu]", "train.schedule=gpipe")
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5
@@ -106,7 +96,7 @@ def test_bf16_pipeline_loss_close_to_fp32_reference(tiny_model, tmp_path):
     (resident and offloaded)."""
     from npu_train.model import load_config, load_tensors
 
-    ref_losses, ref_w = _ref(tiny_model)
+    ref_losses, ref_w = cached_reference(tiny_model)
     losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.dtype=bf16")
     assert reader.get("master.model.norm.weight").dtype == torch.float32  # masters stay fp32
     init = load_tensors(tiny_model, load_config(tiny_model), list(ref_w))
@@ -141,7 +131,7 @@ def test_micro_batch_counts(tiny_model, tmp_path, backend, accum):
     alike): one element of layer 0's v_proj (2048) off by 4.2e-5 (rel diff 1.13e-5 of the tensor), every other
     element of every tensor within 1.1e-6. So M = 1 allows that tensor-level noise (2e-5) but checks the
     elements: at most one per tensor beyond 1e-5, none beyond the 3 steps' AdamW displacement (3 x lr)."""
-    ref_losses, ref_w = _ref(tiny_model, f"train.accum={accum}")
+    ref_losses, ref_w = cached_reference(tiny_model, f"train.accum={accum}")
     losses, reader = run_pipeline(tiny_model, str(tmp_path), f"backend={backend}", f"train.accum={accum}")
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5
@@ -164,7 +154,7 @@ def test_eval_loss_matches_reference(tiny_model, tmp_path):
     from npu_train.data.prepare import prepare_data
     from conftest import make_cfg
 
-    _, ref_w = _ref(tiny_model)
+    _, ref_w = cached_reference(tiny_model)
     run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu,cpu]", "data.eval_batches=3")
     with open(tmp_path / "eval.jsonl") as f:
         evals = [json.loads(l) for l in f]
@@ -243,7 +233,7 @@ def test_family_pipeline_matches_reference(tiny_family_model, tmp_path, backend)
     """Qwen2 (q/k/v biases), Qwen3 (q/k norms, head_dim 24 != 64 / 4, untied) and Mistral: P = 2 and 3 runs
     equal the reference, whose decoder is written from the formulas (reference.RefDecoder), 1e-5 relative.
     Mutations run (each seen failing here): q/k/v biases dropped from Attention.forward; q_norm skipped."""
-    ref_losses, ref_w = _ref(tiny_family_model)
+    ref_losses, ref_w = cached_reference(tiny_family_model)
     losses, reader = run_pipeline(tiny_family_model, str(tmp_path), f"backend={backend}")
     assert len(losses) == 3 and reader.step == 3
     for a, b in zip(losses, ref_losses):
@@ -255,7 +245,7 @@ def test_family_pipeline_matches_reference(tiny_family_model, tmp_path, backend)
 def test_family_offloaded_layers_match_reference(tiny_family_model, tmp_path):
     """Every layer offloaded (host AdamW over the 1-D biases and q/k norm gains too) at P = 2 equals the
     reference within 1e-5 relative, as the resident runs do."""
-    ref_losses, ref_w = _ref(tiny_family_model)
+    ref_losses, ref_w = cached_reference(tiny_family_model)
     losses, reader = run_pipeline(tiny_family_model, str(tmp_path), "backend=[cpu,cpu]", "train.resident_layers=0")
     for a, b in zip(losses, ref_losses):
         assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
