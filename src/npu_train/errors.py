@@ -20,7 +20,7 @@ REFUSAL_COLUMNS = 100
 def refusal_text(message: str, prefix: str = "error: ", width: int = REFUSAL_COLUMNS) -> str:
     """``prefix + message`` as printed: each of the message's own lines folded at words within ``width`` columns,
     the lines after the first indented two spaces and a folded line's continuation two more (a word wider than
-    a line, a long path, stays whole on a line of its own). Joining the lines that start with spaces back onto
+    a line, a long path, stays whole on a line of its own, after the prefix when it comes first). Joining the lines that start with spaces back onto
     the first with single spaces gives the message on one line (``status.json``, grep). A fresh-clone review
     saw refusals of 142-451 columns on one line and an 8-cpu-card 8B refusal of ~5,000 characters (issue 40)."""
     import textwrap
@@ -29,8 +29,12 @@ def refusal_text(message: str, prefix: str = "error: ", width: int = REFUSAL_COL
     for k, line in enumerate(str(message).split("\n")):
         indent = "" if k == 0 else "  "
         text = (prefix if k == 0 else "") + line.strip()
-        out += textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
-                             break_on_hyphens=False, break_long_words=False) or [indent + text]
+        folded = textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
+                               break_on_hyphens=False, break_long_words=False) or [indent + text]
+        if k == 0 and prefix.strip() and folded[0] == prefix.strip() and len(folded) > 1:
+            # a first word wider than the line (a long path) stays on the prefix's line, never "error:" alone
+            folded[:2] = [prefix + folded[1].strip()]
+        out += folded
     return "\n".join(out)
 
 
@@ -54,7 +58,7 @@ def one_refusal(text: str) -> Optional[str]:
     """The refusal when printed ``text`` is exactly one ``error:`` refusal (its folded lines included) and nothing
     else, on one line (:func:`error_lines`); None otherwise."""
     lines = [ln for ln in str(text).splitlines() if ln.strip()]
-    if not lines or not lines[0].startswith("error: ") or not all(ln.startswith("  ") for ln in lines[1:]):
+    if not lines or not lines[0].startswith("error:") or not all(ln.startswith("  ") for ln in lines[1:]):
         return None
     return error_lines(text)[0]
 

@@ -99,6 +99,15 @@ def test_refusal_text_folds_at_words_and_keeps_long_words_whole():
                                                      + ("word " * 40).strip())
 
 
+
+def test_a_long_first_word_stays_on_the_error_line():
+    """A message that starts with a path wider than the line: the path follows ``error:`` on its line (a fresh-clone
+    review saw ``error:`` alone, and tests that read the refusal from its ``error: `` missed it)."""
+    path = "/tmp/pytest-of-root/" + "y" * 110 + "/stage_000.safetensors:"
+    lines = refusal_text(f"{path} cannot read tensor 'w': the shard is truncated").splitlines()
+    assert lines[0] == "error: " + path, lines
+    assert all(ln.startswith("  ") for ln in lines[1:]) and len(lines) >= 2, lines
+
 def test_the_activation_fixes_are_said_once_for_both_cards():
     flat = " ".join(ln.strip() for ln in _refusal(CASES["activations-on-2-cpu-cards"]).splitlines())
     for fix in ("train.recompute=true", "a smaller train.micro_batch (now 8)"):
