@@ -117,12 +117,21 @@ def check_before_imports(cfg) -> None:
 
 def starting_line(cfg) -> str:
     """The launcher's first line, printed before the heavy imports (torch, the job modules: seconds on a loaded
-    host, where a fresh-clone review waited 13-14 s for a first line): what it runs and on which cards."""
+    host, where a fresh-clone review waited 13-14 s for a first line): what it runs and on which cards, folded at
+    words within 100 columns (a list of 8 cards, ``furiosa:auto,...`` as one word, was 114 columns: it is then
+    spelled with spaces after the commas so that it folds)."""
+    from npu_train.errors import REFUSAL_COLUMNS, refusal_text
+
     backend = cfg.backend
-    cards = ",".join(str(c) for c in backend) if not isinstance(backend, str) else backend
     what = ("plan=true (a dry run)" if cfg.plan else
             "calibrate=true" if getattr(cfg, "calibrate", False) else "training")
-    return f"npu-train: {what}, model.path={cfg.model.path} on backend={cards}: loading the model, planning ..."
+    for sep in (",", ", "):
+        cards = sep.join(str(c) for c in backend) if not isinstance(backend, str) else backend
+        text = refusal_text(f"{what}, model.path={cfg.model.path} on backend={cards}: loading the model, planning ...",
+                            prefix="npu-train: ")
+        if max(len(ln) for ln in text.splitlines()) <= REFUSAL_COLUMNS:
+            break
+    return text
 
 
 def main(cfg, run_dir: str, report: "dict | None" = None) -> int:

@@ -115,3 +115,25 @@ def test_the_gguf_header_is_read_key_by_key(tmp_path):
     assert gguf_context_length(_gguf(tmp_path / "d.gguf", [("general.architecture", 8, "llama")])) == 2048
     assert gguf_context_length(_gguf(tmp_path / "x.gguf", [("general.architecture", 8, "gpt2"),
                                                            ("gpt2.context_length", 4, 1024)])) is None
+
+
+def test_the_first_line_of_eight_cards_folds_within_100_columns(monkeypatch):
+    """``backend=furiosa:auto`` x 8 made one 104-character word and a 114-column first line (fresh-clone review,
+    issue 40): the list folds at its commas when it would not fit; a short list stays as typed."""
+    import importlib.util
+
+    from omegaconf import OmegaConf
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the launcher module sets it on import when unset
+    spec = importlib.util.spec_from_file_location("npt_launch_run", LAUNCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    eight = OmegaConf.create({"backend": ["furiosa:auto"] * 8, "plan": True, "model": {"path": "llama-3.1-8b"}})
+    text = mod.starting_line(eight)
+    assert all(len(ln) <= 100 for ln in text.splitlines()), text
+    flat = " ".join(ln.strip() for ln in text.splitlines())
+    assert flat.startswith("npu-train: plan=true (a dry run), model.path=llama-3.1-8b on backend=furiosa:auto,"), flat
+    assert flat.count("furiosa:auto") == 8, flat
+    two = OmegaConf.create({"backend": ["cpu", "cpu"], "plan": False, "model": {"path": "embedded"}})
+    assert mod.starting_line(two) == ("npu-train: training, model.path=embedded on backend=cpu,cpu: loading the "
+                                      "model, planning ...")

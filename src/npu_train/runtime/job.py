@@ -1052,7 +1052,7 @@ def _calibrate_only(cfg) -> dict:
 
 
 def dry_run_data_warning(cfg) -> Optional[str]:
-    """``plan=true``'s one ``warning:`` line (printed before it plans) when ``data.source`` cannot be found on
+    """``plan=true``'s one ``warning:`` (printed before it plans, folded within 100 columns) when ``data.source`` cannot be found on
     this machine: a real run here refuses it (:func:`~npu_train.data.rows.check_data_source`), but a dry
     run may plan for another machine that has the data; None when it is found."""
     from npu_train.data.rows import check_data_source
@@ -1073,8 +1073,10 @@ def _dry_run(cfg, run_dir: str) -> dict:
     from npu_train.runtime.flops import predicted_mfu_line
 
     warn = dry_run_data_warning(cfg)
-    if warn:
-        print(warn, file=sys.stderr, flush=True)
+    if warn:  # folded at words within 100 columns, as the refusals are
+        from npu_train.errors import refusal_text
+
+        print(refusal_text(warn.removeprefix("warning: "), prefix="warning: "), file=sys.stderr, flush=True)
     prep = prepare(cfg, run_dir, probe=False)
     print(plan_table(prep.plan, width=terminal_width()))
     line = predicted_mfu_line(prep)
