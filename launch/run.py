@@ -725,8 +725,11 @@ def run_one(cfg) -> int:
         # the status.json of the launch that finished the run (it writes one only into a directory without)
         complete = report.get("complete_at") is not None
         moved = None if complete else rotate_before_status(run_dir, t0)
-        if moved:
-            print(f"note: {run_dir} held the records of an earlier launch; moved them to {moved}", flush=True)
+        if moved:  # folded at words within 100 columns, as a training launch's console lines are
+            from npu_train.errors import refusal_text
+
+            print(refusal_text(f"{run_dir} held the records of an earlier launch; moved them to {moved}",
+                               prefix="note: "), flush=True)
         if not (complete and os.path.exists(os.path.join(run_dir, "status.json"))):
             try:
                 write_status(run_dir, code, tee.last, overrides, t0, report, run_dir_overrides=here)

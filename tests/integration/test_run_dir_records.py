@@ -15,6 +15,14 @@ def test_dry_run_into_a_used_run_dir_keeps_the_earlier_status(tiny_model, tmp_pa
     prev = os.path.join(again.run_dir, "previous-1")
     assert again.run_dir == first.run_dir
     assert f"held the records of an earlier launch; moved them to {prev}" in again.flat_stdout, again.tail()
+    lines = again.stdout.splitlines()  # the note folded within 100 columns (a review saw 139 under plan=true)
+    notes = []
+    for k, ln in enumerate(lines):
+        if ln.startswith("note: "):
+            rest = lines[k + 1:]
+            notes.append([ln] + rest[:next((i for i, r in enumerate(rest) if not r.startswith("  ")), len(rest))])
+    note = next(n for n in notes if "held the records" in " ".join(n))
+    assert all(len(ln) <= 100 for ln in note), note
     with open(os.path.join(prev, "status.json")) as f:
         assert "train.lr=1e-4" in json.load(f)["overrides"]
     with open(os.path.join(again.run_dir, "status.json")) as f:
