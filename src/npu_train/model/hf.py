@@ -10,6 +10,7 @@ import torch
 
 from .config import FAMILIES, MOE_FAMILIES, LlamaConfig
 from .files import ModelFormatError, SUPPORTED_HINT, check_finite, shape_error
+from .limits import WINDOW_TYPES
 
 __all__ = ["hf_config", "hf_family", "normalise_rope_scaling", "first_id", "safetensors_index", "safetensors_walk",
            "safetensors_tensors", "iter_safetensors_tensors"]
@@ -82,7 +83,7 @@ def hf_config(d: str) -> LlamaConfig:
     scaling_src = raw.get("rope_scaling") or rp
     rope_scaling = normalise_rope_scaling(scaling_src, cfg_path)
 
-    window = raw.get("sliding_window") if family in ("mistral", "mixtral") else None
+    window = raw.get("sliding_window") if family in WINDOW_TYPES else None
     return LlamaConfig(
         vocab_size=int(raw["vocab_size"]),
         hidden_size=int(raw["hidden_size"]),

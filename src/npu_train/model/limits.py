@@ -16,15 +16,17 @@ import struct
 from typing import Optional
 
 from npu_train.errors import ConfigError
+from npu_train.model.config import FAMILIES
 
-__all__ = ["SequenceLimits", "sequence_limits", "gguf_context_length", "check_seq_len_early"]
+__all__ = ["SequenceLimits", "sequence_limits", "gguf_context_length", "check_seq_len", "check_seq_len_early",
+           "WINDOW_TYPES"]
 
 #: GGUF value types: scalar type id -> struct format (8: string, 9: array)
 _GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-#: the GGUF architectures the loader takes (``gguf.GGUF_FAMILIES``' keys)
-_GGUF_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "qwen2moe")
-#: the ``config.json`` model types whose ``sliding_window`` the loader keeps (``hf.py``)
-_WINDOW_TYPES = ("mistral", "mixtral")
+#: the GGUF architectures the loader takes (``gguf.GGUF_FAMILIES``' keys, from the same table)
+_GGUF_ARCHS = frozenset(f.gguf_arch for f in FAMILIES.values() if f.gguf_arch)
+#: the ``config.json`` model types whose ``sliding_window`` the loader keeps (``hf.py`` reads this)
+WINDOW_TYPES = ("mistral", "mixtral")
 
 
 class SequenceLimits(tuple):
@@ -111,7 +113,7 @@ def sequence_limits(spec: str) -> Optional[SequenceLimits]:
         try:
             with open(os.path.join(path, "config.json")) as f:
                 raw = json.load(f)
-            window = raw.get("sliding_window") if raw.get("model_type") in _WINDOW_TYPES else None
+            window = raw.get("sliding_window") if raw.get("model_type") in WINDOW_TYPES else None
             return SequenceLimits((int(raw.get("max_position_embeddings", 2048)),
                                    int(window) if window is not None else None, "config.json"))
         except (OSError, ValueError, TypeError):
@@ -128,17 +130,24 @@ def sequence_limits(spec: str) -> Optional[SequenceLimits]:
     return SequenceLimits((int(m.max_position_embeddings), getattr(m, "sliding_window", None), "preset"))
 
 
-def check_seq_len_early(seq_len: int, spec: str) -> None:
-    """ConfigError, with the same wording as the check after the imports, when ``seq_len`` exceeds the limits of
-    ``model.path=spec`` (:func:`sequence_limits`); nothing when they fit or cannot be read here."""
-    lim = sequence_limits(spec)
-    if lim is None:
-        return
-    if seq_len > lim.max_positions:
+def check_seq_len(seq_len: int, max_positions: int, window: Optional[int], source: Optional[str] = None) -> None:
+    """ConfigError naming the fix when ``seq_len`` (tokens) exceeds ``max_positions`` (``max_position_embeddings``,
+    read from ``source`` when given) or the model's sliding ``window`` (below it sliding-window attention is full
+    attention). One wording for the early check (:func:`check_seq_len_early`) and the one after the imports
+    (``runtime.job.pipeline_stages``)."""
+    if seq_len > max_positions:
+        where = f"max_position_embeddings, {source}" if source else "max_position_embeddings"
         raise ConfigError(f"data.seq_len={seq_len} exceeds the model's maximum sequence length "
-                          f"{lim.max_positions} (max_position_embeddings, {lim[2]}): lower data.seq_len "
-                          f"to at most {lim.max_positions}")
-    if lim.window is not None and seq_len > lim.window:
-        raise ConfigError(f"data.seq_len={seq_len} exceeds the model's sliding_window={lim.window} "
+                          f"{max_positions} ({where}): lower data.seq_len to at most {max_positions}")
+    if window is not None and seq_len > window:
+        raise ConfigError(f"data.seq_len={seq_len} exceeds the model's sliding_window={window} "
                           f"(config.json), and sliding-window attention is not implemented yet: "
-                          f"use data.seq_len<={lim.window}")
+                          f"use data.seq_len<={window}")
+
+
+def check_seq_len_early(seq_len: int, spec: str) -> None:
+    """:func:`check_seq_len` against the limits of ``model.path=spec`` read torch-free (:func:`sequence_limits`);
+    nothing when they cannot be read here."""
+    lim = sequence_limits(spec)
+    if lim is not None:
+        check_seq_len(seq_len, lim.max_positions, lim.window, lim[2])

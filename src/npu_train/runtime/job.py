@@ -641,15 +641,9 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
     """``(P, dp, zero)`` for the cards of ``kinds`` and model ``mcfg``. Raises ConfigError when ``data.seq_len``
     exceeds the model's (or its ``sliding_window``), the cards do not form ``dp`` equal replicas, or P exceeds the layer count."""
     from npu_train.config import check_dp_cards
+    from npu_train.model.limits import check_seq_len
 
-    if cfg.data.seq_len > mcfg.max_position_embeddings:
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's maximum sequence length "
-                          f"{mcfg.max_position_embeddings} (max_position_embeddings): lower data.seq_len")
-    window = getattr(mcfg, "sliding_window", None)
-    if window is not None and cfg.data.seq_len > window:  # below it sliding-window attention is full attention
-        raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's sliding_window={window} "
-                          f"(config.json), and sliding-window attention is not implemented yet: "
-                          f"use data.seq_len<={window}")
+    check_seq_len(int(cfg.data.seq_len), int(mcfg.max_position_embeddings), getattr(mcfg, "sliding_window", None))
     # data parallelism: dp replicas of a P-stage pipeline, global rank = replica * P + stage (runtime/layout.py)
     dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
     P = check_dp_cards(len(kinds), dp)
