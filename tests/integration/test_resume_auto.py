@@ -171,24 +171,21 @@ def test_an_interrupted_resume_from_another_run_dir_still_marks_the_first(tiny_m
 
     from launch_util import Job
 
-    first = Job(tmp_path, tiny_model, "train.steps=6", name="a")
-    try:
-        first.wait_steps(1, 180)
-        os.killpg(first.proc.pid, signal.SIGINT)
-        assert first.wait(120) == 130, first.tail()
-    finally:
-        first.kill_all()
+    def interrupted_after_a_step(job: Job) -> Job:
+        try:
+            job.wait_steps(1, 180)
+            os.killpg(job.proc.pid, signal.SIGINT)
+            assert job.wait(120) == 130, job.tail()
+        finally:
+            job.kill_all()
+        return job
+
+    first = interrupted_after_a_step(Job(tmp_path, tiny_model, "train.steps=6", name="a"))
     with open(os.path.join(first.run_dir, "status.json")) as f:
         before = json.load(f)
     assert before["status"] == "interrupted" and before["checkpoint"], before
-    again = Job(tmp_path, tiny_model, "train.steps=6", "train.resume=latest",
-                f"checkpoint.dir={os.path.join(first.run_dir, 'checkpoints')}", name="b")
-    try:
-        again.wait_steps(1, 180)
-        os.killpg(again.proc.pid, signal.SIGINT)
-        assert again.wait(120) == 130, again.tail()
-    finally:
-        again.kill_all()
+    again = interrupted_after_a_step(Job(tmp_path, tiny_model, "train.steps=6", "train.resume=latest",
+                                         f"checkpoint.dir={os.path.join(first.run_dir, 'checkpoints')}", name="b"))
     with open(os.path.join(first.run_dir, "status.json")) as f:
         after = json.load(f)
     assert after["status"] == "resumed" and after["status_before"] == "interrupted", after

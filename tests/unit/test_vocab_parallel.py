@@ -67,6 +67,15 @@ class _Done:
         return None
 
 
+def _on_card_threads(P, card):
+    """``card(r)`` for each of ``P`` cards, each on its own thread (the exchange's collectives meet across them)."""
+    th = [threading.Thread(target=card, args=(r,)) for r in range(P)]
+    for t in th:
+        t.start()
+    for t in th:
+        t.join()
+
+
 def _reference(x, W, labels, divisor):
     """Whole-vocabulary cross-entropy from its definition: ``sum_n (logsumexp(z_n) - z_{n, y_n}) / divisor`` over
     the counted targets, and its gradients ``dz = (softmax(z) - onehot(y)) valid / divisor``."""
@@ -95,11 +104,7 @@ def _run(P, head, x, W, labels, divisor, broken=False, frozen=False):
         out[r] = vocab_step(x if r == head else None, labels, w, a, divisor, ex, r == head, (b, S, H))
         grads[r] = w.grad
 
-    th = [threading.Thread(target=card, args=(r,)) for r in range(P)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
+    _on_card_threads(P, card)
     return out, grads
 
 
@@ -241,11 +246,7 @@ def test_the_input_gradients_travel_while_the_weight_gradient_is_computed():
         work.finish()
         grads[r] = w.grad
 
-    th = [threading.Thread(target=card, args=(r,)) for r in range(P)]
-    for t in th:
-        t.start()
-    for t in th:
-        t.join()
+    _on_card_threads(P, card)
     # the cards meet once per micro-batch for the statistics (one all-reduce of every card's (m_p, s_p, t_p))
     assert sorted(e for e in ex.events if e[0] in ("max", "stats")) == [("stats", r) for r in range(P)], ex.events
     for r in range(P):
