@@ -371,25 +371,38 @@ BOUND_SHARE = 0.5
 
 #: per term of the slowest stage's time: what it is called and the settings that change it
 _BOUND_TERMS = (
-    ("compute", "compute", "more cards (backend=), a faster card kind, train.recompute=false where set"),
-    ("bubble", "the pipeline bubble", "more micro-batches (train.accum), a zero-bubble schedule "
-     "(train.schedule=zb-h2), fewer pipeline stages"),
-    ("host_optimizer", "host AdamW of offloaded layers", "train.accum (more tokens per update), "
-     "train.resident_layers (fewer offloaded layers), train.offload_update=delayed (the update runs during the "
-     "next step), runtime.threads (host threads per card, up to the host memory bandwidth), a measured host "
-     "rate (calibrate=true)"),
-    ("device_optimizer", "AdamW on the card", "train.accum (more tokens per update)"),
-    ("transfer", "host<->device transfers", "train.resident_layers (fewer offloaded layers to upload), "
-     "train.accum (more tokens per upload)"),
-    ("dp_comm", "the data-parallel gradient exchange", "train.accum (more tokens per exchange), fewer replicas "
-     "(parallel.dp)"),
+    ("compute", "compute", ("more cards (backend=)", "a faster card kind", "train.recompute=false where set")),
+    ("bubble", "the pipeline bubble", ("more micro-batches (train.accum)", "a zero-bubble schedule "
+                                       "(train.schedule=zb-h2)", "fewer pipeline stages")),
+    ("host_optimizer", "host AdamW of offloaded layers", (
+        "train.accum (more tokens per update)", "train.resident_layers (fewer offloaded layers)",
+        "train.offload_update=delayed (the update runs during the next step)",
+        "runtime.threads (host threads per card, up to the host memory bandwidth)",
+        "a measured host rate (calibrate=true)")),
+    ("device_optimizer", "AdamW on the card", ("train.accum (more tokens per update)",)),
+    ("transfer", "host<->device transfers", ("train.resident_layers (fewer offloaded layers to upload)",
+                                             "train.accum (more tokens per upload)")),
+    ("dp_comm", "the data-parallel gradient exchange", ("train.accum (more tokens per exchange)",
+                                                        "fewer replicas (parallel.dp)")),
 )
 
 
 #: the bubble's levers when the mixture-of-experts load-balancing loss is on (1f1b or gpipe only)
 _AUX_BUBBLE_LEVERS = ("more micro-batches (train.accum), fewer pipeline stages; a zero-bubble schedule "
                       "(train.schedule=zb-h2) only with train.moe_aux_loss=0 (the load-balancing loss runs with "
-                      "1f1b and gpipe)")
+                      "1f1b and gpipe)",)
+
+
+def _levers_not_chosen(levers: tuple, plan: Plan) -> str:
+    """``levers`` joined, less the settings the plan already has (advice never names what is chosen): the
+    zero-bubble schedule on a ``zb-h2`` or ``zbv`` plan (the schedules with the least bubble),
+    ``train.offload_update=delayed`` on a delayed plan, ``train.recompute=false`` where no card recomputes (its
+    ``recompute`` seconds are 0 on every card: nothing recomputed, or ``train.recompute`` off)."""
+    s = plan.shape
+    chosen = {"train.schedule=zb-h2": s.schedule in ("zb-h2", "zbv"),
+              "train.offload_update=delayed": s.offload == "delayed",
+              "train.recompute=false": not any(st.time.get("recompute", 0.0) > 0 for st in plan.stages)}
+    return ", ".join(lv for lv in levers if not any(on and key in lv for key, on in chosen.items()))
 
 
 def bound_line(plan: Plan) -> Optional[str]:
@@ -405,6 +418,7 @@ def bound_line(plan: Plan) -> Optional[str]:
     key, name, levers = max(_BOUND_TERMS, key=lambda t: tm.get(t[0], 0.0))
     if key == "bubble" and plan.shape.moe_aux_loss:  # zb-h2 would be refused (pipeline/moeaux.py)
         levers = _AUX_BUBBLE_LEVERS
+    levers = _levers_not_chosen(levers, plan)
     total = st.time["total"]
     if total <= 0 or tm.get(key, 0.0) <= 0:
         return None
