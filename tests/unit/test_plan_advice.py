@@ -51,3 +51,71 @@ def test_recompute_false_is_advised_only_where_a_card_recomputes():
     on = _dominated_by(_plan("1f1b", recompute=True), "compute")
     on.stages[0].time["recompute"] = 0.1
     assert "train.recompute=false where set" in bound_line(on), bound_line(on)
+
+
+# --- train.schedule=auto when only recompute fits: one short line ------------------------------------------------
+
+def _tiny_request(cap_gib: float):
+    """The tests' tiny Llama (6 layers, hidden 64) at micro-batch 16 x 256 tokens on two cpu cards of ``cap_gib``."""
+    from npu_train.model.config import LlamaConfig
+
+    m = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
+                    tie_word_embeddings=True)
+    shape = RunShape(seq_len=256, micro_batch=16, micro_batches=4, schedule="1f1b", dtype="fp32")
+    return PlanRequest(m, shape, make_cards("cpu", 2, int(cap_gib * GIB)), load_rates("cpu"), threads=1,
+                       host_cores=2)
+
+
+def _recompute_choices():
+    """``{counts: ScheduleChoice}`` of auto over capacities from 0.30 to 0.60 GiB where it fell back on recompute."""
+    from npu_train.planner.schedule_choice import choose_schedule
+
+    out = {}
+    for c in range(30, 61, 2):
+        ch = choose_schedule(_tiny_request(c / 100))
+        if ch.recompute:
+            out.setdefault(tuple(st.recompute_layers for st in ch.plan.stages), ch)
+    return out
+
+
+def test_auto_says_recompute_in_one_short_line_each_fix_once():
+    """A fresh-clone review's recompute-only plan pasted every schedule's whole refusal into the auto line (109
+    lines, ``fix: train.recompute=true`` 6 times) and said "the fewest layers (0/0 per card)". Now: one line, each
+    refused schedule named once, each other fix once, and what recompute does when no layer is recomputed."""
+    from npu_train.planner.schedule_choice import CANDIDATES
+
+    choices = _recompute_choices()
+    assert (0, 0) in choices and any(sum(k) for k in choices), sorted(choices)  # both cases at these capacities
+    for counts, ch in choices.items():
+        why = ch.why
+        assert "\n" not in why and len(why) < 600, why
+        assert "0/0" not in why and "recompute being" not in why, why
+        assert why.startswith(f"train.schedule=auto: {ch.schedule} with train.recompute=true"), why
+        assert why.count("train.recompute=true") == 1, why  # not offered as a fix of what it chose
+        refused = why.split("without recompute ")[1]
+        assert all(refused.count(s + ",") + refused.count(s + ":") == 1 for s in CANDIDATES), refused
+        fixes = refused.split("to fit without it: ")[1].split("; ")
+        assert len(fixes) == len(set(fixes)) and "a smaller train.micro_batch or data.seq_len" in fixes, fixes
+        if sum(counts):
+            said = " / ".join(f"{k} of {st.num_layers}" for k, st in zip(counts, ch.plan.stages))
+            assert f"the fewest layers that fit recomputed ({said} per card)" in why, why
+        else:
+            assert "no layer is recomputed whole: under it the cpu cards return freed memory" in why, why
+
+
+def test_the_schedule_line_of_a_recompute_plan_recomputing_no_layer():
+    from npu_train.planner.table import schedule_line
+
+    line = schedule_line(_recompute_choices()[(0, 0)].plan)
+    assert "0/0" not in line and "no layer recomputed whole (train.recompute=true" in line, line
+
+
+def test_refused_schedules_are_said_once_when_one_fits():
+    from npu_train.planner.schedule_choice import refusals_summary
+
+    long = ("no placement of tiny fits with any number of resident layers on any split\ncard 0 (cpu:0) ...\n"
+            "fix: train.recompute=true\nfix: a smaller train.micro_batch (now 16) or data.seq_len (now 256)")
+    assert refusals_summary([("zb-h1", long), ("zb-h2", long), ("zbv", "does not fit")]) == "zb-h1, zb-h2, zbv do not fit"
+    assert refusals_summary([("zb", long)], without="train.recompute=true") == (
+        "zb: no placement fits with any number of resident layers on any split; to fit without it: a smaller "
+        "train.micro_batch or data.seq_len")

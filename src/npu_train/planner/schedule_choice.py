@@ -26,7 +26,7 @@ from npu_train.planner.request import PlanRequest
 from npu_train.planner.search import make_plan
 from npu_train.planner.spec import PlacementError
 
-__all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule"]
+__all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule", "refusals_summary"]
 
 #: in order of preference at equal predicted step time (fewest micro-batches held first)
 CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2", "zbv", "interleaved")
@@ -99,7 +99,7 @@ def _try_one(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional
     try:
         plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
     except PlacementError as e:
-        return None, str(e).split(";")[0]
+        return None, str(e)  # the whole refusal: :func:`refusals_summary` says it short
     except ValueError as e:  # interleaved: micro-batches not a multiple of the stages (the caller names it)
         return None, str(e).split(":")[0].removeprefix(f"schedule {schedule} ")
     return (plan, "") if plan.fits else (None, "does not fit")
@@ -121,8 +121,9 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
     fits = [(s, p) for s, p, _ in tried if p is not None]
     if fits:
         best, plan = min(fits, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))  # keeps the first of equals
-        others = ", ".join(f"{_label(s, p)} {p.step_time_s:.3g} s{_capped(p)}" if p is not None else f"{s} {w}"
-                           for s, p, w in tried if s != best)
+        others = "; ".join(x for x in (", ".join(f"{_label(s, p)} {p.step_time_s:.3g} s{_capped(p)}"
+                                                 for s, p, _ in tried if s != best and p is not None),
+                                       refusals_summary([(s, w) for s, p, w in tried if p is None])) if x)
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
                               f"{others}{_margin_note(fits, plan)})", plan.shape.recompute_attention)
@@ -130,11 +131,12 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:
         best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))
-        also = "".join(f"; {s} + {_recompute_label(p)} {p.step_time_s:.3g} s" for s, p in rec if s != best)
+        also = "".join(f"; {s} {p.step_time_s:.3g} s" for s, p in rec if s != best)
         return ScheduleChoice(best, True, plan,
                               f"train.schedule=auto: {best} with {_recompute_label(plan)} (predicted step "
-                              f"{plan.step_time_s:.3g} s{also}), recompute being the only way to fit ("
-                              + ", ".join(f"{s}: {w}" for s, _, w in tried) + ")",
+                              f"{plan.step_time_s:.3g} s{also}), the only way to fit{_recompute_note(plan)}; "
+                              "without recompute "
+                              + refusals_summary([(s, w) for s, _, w in tried], without="train.recompute=true"),
                               plan.shape.recompute_attention, plan.shape.recompute_fewest)
     # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
@@ -153,12 +155,62 @@ def _margin_note(fits: list, chosen: Plan) -> str:
     return f"; {' and '.join(passed)} {verb} within the {CHUNK_MARGIN * 100:.0f} % two-chunk margin"
 
 
+def refusals_summary(refused: list, without: Optional[str] = None) -> str:
+    """The schedules ``refused`` (``(schedule, why not)``: a one-line reason, or a planner refusal of several
+    lines) in one short part of a line, the schedules with the same reason together: ``"zb-h1, zb-h2 do not
+    fit; interleaved needs ..."``. With ``without`` (the setting the caller takes to fit, e.g.
+    ``train.recompute=true``), the refusals' first line and then every other ``fix:`` of theirs once, shortened to
+    the setting: ``"1f1b, zb: no placement fits ...; to fit without it: more cards; a smaller train.micro_batch
+    or data.seq_len"``. ``""`` for none."""
+    import re
+
+    groups: dict = {}
+    fixes: list = []
+    for s, why in refused:
+        lines = why.splitlines() or [""]
+        head = re.sub(r"^no placement of .+? fits", "no placement fits", lines[0].split(";")[0]).strip()
+        if without is None and head.startswith(("no placement fits", "does not fit")):
+            head = "does not fit"
+        groups.setdefault(head, []).append(s)
+        for ln in lines[1:] if without is not None else []:
+            if ln.startswith("fix: "):  # the fix itself: without its parentheses and what follows its colon
+                fix = re.sub(r" \([^()]*\)", "", ln.removeprefix("fix: ")).split(": ")[0].strip()
+                if fix and fix not in fixes and not fix.startswith(without):
+                    fixes.append(fix)
+    parts = []
+    for head, ss in groups.items():
+        if head == "does not fit":
+            parts.append(f"{', '.join(ss)} {'does' if len(ss) == 1 else 'do'} not fit")
+        else:
+            parts.append(f"{', '.join(ss)}{': ' if head.startswith('no ') else ' '}{head}")
+    return "; ".join(parts) + ("; to fit without it: " + "; ".join(fixes) if fixes else "")
+
+
 def _recompute_label(plan: Plan) -> str:
-    """``activation recompute`` or, with ``recompute_fewest``, how many layers each card recomputes."""
+    """What recompute the plan uses: ``train.recompute=true`` (every layer recomputed whole), or with
+    ``recompute_fewest`` each card's fewest layers recomputed whole (``"8 of 17 / 0 of 11 per card"``) or none
+    (:func:`_recompute_note` says what fits then)."""
     if not plan.shape.recompute_fewest:
-        return "activation recompute"
+        return "train.recompute=true (every layer recomputed)"
     core = ", the others' attention core" if plan.shape.recompute_attention else ""
-    return f"activation recompute of the fewest layers that fit ({plan.recompute_counts_label} per card{core})"
+    if any(st.recompute_layers for st in plan.stages):
+        counts = " / ".join(f"{st.recompute_layers} of {st.num_layers}" for st in plan.stages)
+        return f"train.recompute=true, the fewest layers that fit recomputed ({counts} per card{core})"
+    return "train.recompute=true" + (" (every layer's attention core recomputed)" if core else "")
+
+
+def _recompute_note(plan: Plan) -> str:
+    """``"; no layer is recomputed whole: under train.recompute the cpu cards return freed memory ..."`` for a
+    recompute plan whose cards recompute no layer whole (``recompute_fewest``, every count 0): the recompute mode
+    itself fits (a cpu card returns freed memory to the OS, ``hostmem.card_mmap_threshold``; the attention cores
+    where planned); ``""`` otherwise."""
+    if not plan.shape.recompute_fewest or any(st.recompute_layers for st in plan.stages):
+        return ""
+    what = (["the cpu cards return freed memory to the OS (no heap holes)"]
+            if any(st.card.kind == "cpu" for st in plan.stages) else [])
+    if plan.shape.recompute_attention:
+        what.append("the attention cores are recomputed")
+    return "; no layer is recomputed whole" + (f": under it {' and '.join(what)}, which is what fits" if what else "")
 
 
 def _fewest_or_all(req: PlanRequest, schedule: str, core: bool = True) -> Optional[Plan]:

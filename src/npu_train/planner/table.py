@@ -452,7 +452,12 @@ def schedule_line(plan: Plan) -> str:
                  f"{per} s a step")
     if plan.search_capped_at:
         line += "; " + capped_note(plan)
-    if s.recompute_fewest:
+    if s.recompute_fewest and not any(st.recompute_layers for st in plan.stages):
+        what = (["the cpu cards return freed memory"] if any(st.card.kind == "cpu" for st in plan.stages) else []
+                ) + (["attention cores recomputed"] if s.recompute_attention else [])
+        line += ("; no layer recomputed whole (train.recompute=true, train.recompute_layers=fewest"
+                 + (": " + ", ".join(what) if what else "") + ")")
+    elif s.recompute_fewest:
         line += (f"; layers recomputed whole per card {plan.recompute_counts_label} (train.recompute_layers=fewest: the fewest that fit;"
                  " the others keep their activations" + (", attention core recomputed" if s.recompute_attention
                                                           else "") + ")")
