@@ -151,7 +151,7 @@ def test_generate_bad_model_is_one_error_line(trained, tiny_model, tmp_path, cap
 
     run, reader = trained
     model = make(run, reader, tiny_model, tmp_path)
-    rc = main([model, "--prompt", "hi", "--max-new-tokens", "2"])
+    rc = main([model, "--prompt", "hi", "--max-new-tokens", "2", "--no-chat"])  # the tiny model has no template
     err = capsys.readouterr().err
     assert rc == 2, err
     # progress lines ("generate: [  0.4 s] loading ...", folded at words: "  " on) may come first; the failure
@@ -162,6 +162,27 @@ def test_generate_bad_model_is_one_error_line(trained, tiny_model, tmp_path, cap
     assert msg, err
     for text in expect(run, reader, tmp_path):
         assert text in msg, (text, err)
+
+
+@pytest.mark.parametrize("what", ["hf", "checkpoint"])
+def test_generate_no_chat_template_is_refused_before_loading(trained, tiny_model, monkeypatch, capsys, what):
+    """Chat mode (the default) on a model without a chat template (the tiny model has none): the refusal comes
+    from the model's files before any weight is read; a checkpoint's shards are not merged (a fresh-clone try
+    waited ~17 s of merging and loading for the same line)."""
+    import npu_train.checkpoint.export as export
+    import transformers
+
+    from npu_train.generate import main
+
+    def loaded(*a, **k):
+        raise AssertionError("weights loaded before the chat template was checked")
+
+    monkeypatch.setattr(export, "export_hf", loaded)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", loaded)
+    model = tiny_model if what == "hf" else trained[1].path
+    assert main([model, "--prompt", "hi"]) == 2
+    msg = one_refusal(capsys.readouterr().err)
+    assert msg == "error: the model has no chat template: pass --no-chat to send the prompt as raw text", msg
 
 
 def test_generate_ctrl_c_is_one_line(monkeypatch, capsys):
@@ -200,7 +221,7 @@ def test_generate_progress_lines_fit_100_columns(monkeypatch, capsys, tmp_path):
 
     path = str(tmp_path / "a-long-run-directory-name" / "checkpoints" / "step_000020")
 
-    def loading(model, wd, note, base=None):
+    def loading(model, wd, note, base=None, chat=False):
         note(f"loading npu-train checkpoint {path} (imports first) ...")
         raise KeyboardInterrupt
 

@@ -264,7 +264,7 @@ def base_model(reader, base: Optional[str], lora: bool) -> Optional[str]:
     return path
 
 
-def _tokenizer_source(reader, base: Optional[str], model_path: Optional[str]) -> Optional[str]:
+def tokenizer_source(reader, base: Optional[str], model_path: Optional[str]) -> Optional[str]:
     """Where the export reads the tokenizer: the recorded ``tokenizer_path`` (the base's new place when it was
     the base's and ``--base`` moved it). Raises :class:`BaseModelError` when it does not exist."""
     src, recorded = reader.manifest.get("tokenizer_path"), reader.manifest.get("model_path")
@@ -369,7 +369,7 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "auto", arg: Optional[st
     tdt = torch.bfloat16 if dtype == "bf16" else torch.float32
     check_memory(export_bound(cfg, lora), f"export of {reader.path}", "free host memory (other processes) and retry")
     model_path = base_model(reader, base, lora)  # before anything is written
-    tok_src = _tokenizer_source(reader, base, model_path)
+    tok_src = tokenizer_source(reader, base, model_path)
     check_out_dir(out_dir, overwrite)
     if overwrite:
         clear_earlier_export(out_dir)
