@@ -62,11 +62,16 @@ def _private_cache():
         shutil.rmtree(root, ignore_errors=True)
 
 
+#: ``NPT_CACHE`` directory -> what ran with it (a test's node id), so a process left running names its test
+_CACHE_OWNER: dict = {}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache():
     """A fresh ``NPT_CACHE`` for what runs outside a test's own (module- and session-scoped fixtures),
     so nothing a test runs reads or writes the user's real cache."""
     with _private_cache() as root:
+        _CACHE_OWNER[root] = "a module- or session-scoped fixture"
         yield root
 
 
@@ -74,6 +79,7 @@ def _session_cache():
 def _own_cache(request):
     """A fresh ``NPT_CACHE`` per test (module docstring)."""
     with _private_cache() as root:
+        _CACHE_OWNER[root] = request.node.nodeid
         yield root
 
 
@@ -145,11 +151,42 @@ def _own_leftover_processes() -> list:
         if p.pid == os.getpid():
             continue
         try:
-            if p.environ().get("NPT_CACHE", "").startswith(_CACHES + os.sep):
+            if p.environ().get("NPT_CACHE", "").startswith(_CACHES + os.sep) and not _own_helper(p):
                 out.append(p)
         except (psutil.Error, OSError):
             pass
     return out
+
+
+def _own_helper(p) -> bool:
+    """True for this process's own ``multiprocessing`` resource tracker: the first spawned card process of an
+    in-process launch starts it as a child of pytest, and it exits when pytest does (its pipe closes); it is
+    no process a test left running, and stopping it early would make the shared-memory clean-up at exit warn."""
+    return p.ppid() == os.getpid() and "multiprocessing.resource_tracker" in " ".join(p.cmdline())
+
+
+def _leftover_line(p) -> str:
+    """``pid (test that started it): command line`` of a leftover process (its ``NPT_CACHE`` names the test)."""
+    import psutil
+
+    try:
+        cache, cmd = p.environ().get("NPT_CACHE", ""), " ".join(p.cmdline())
+    except (psutil.Error, OSError):
+        return f"{p.pid} (gone)"
+    owner = next((t for root, t in _CACHE_OWNER.items() if cache == root or cache.startswith(root + os.sep)),
+                 "unknown test")
+    return f"{p.pid} ({owner}): {cmd[:300]}"
+
+
+def _stop_wandb_service() -> None:
+    """Stop W&B's service (``wandb-core``, started in this process by the tests of ``metrics.logger=wandb``) as
+    wandb's own exit hook would, before the sweep below: the sweep stopped it as a process left running, and
+    wandb's exit hook then printed a ``ConnectionResetError: Connection lost`` traceback at the session's end."""
+    import sys
+
+    teardown = getattr(sys.modules.get("wandb"), "teardown", None)
+    if teardown is not None:
+        teardown()
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -157,10 +194,12 @@ def pytest_sessionfinish(session, exitstatus):
     segments of jobs whose launcher is gone (``runtime/leftovers.py``, as the next launch would)."""
     import psutil
 
+    _stop_wandb_service()
     left = _own_leftover_processes()
     if left:
-        print(f"\nstopping {len(left)} process(es) the tests left running: "
-              f"{', '.join(str(p.pid) for p in left)}", flush=True)
+        print(f"\nstopping {len(left)} process(es) the tests left running:", flush=True)
+        for p in left:
+            print(f"  {_leftover_line(p)}", flush=True)
         for p in left:
             with contextlib.suppress(psutil.Error):
                 p.terminate()
