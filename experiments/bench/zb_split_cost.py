@@ -16,13 +16,18 @@ Both a middle stage (layers only) and a last stage (layers + norm + LM head + lo
 Rounds interleave the modes; each figure is the median over ``--rounds`` rounds (after one warm-up
 round), at ``--threads`` torch threads. Gradients of ``split`` are checked against ``full``.
 
+``--moe E,K,I`` makes every layer's MLP a Qwen3-MoE sparse block of ``E`` experts, top-``K``, expert width ``I``
+(the experts' kernel, ``model/moe.py::GroupedSwiGlu``, runs its backward in both B and W there).
+
 Usage::
 
     PYTHONPATH=src .venv/bin/python experiments/bench/zb_split_cost.py [--layers 4] [--seq 256] [--rounds 7]
+        [--moe 32,4,128]
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import time
@@ -70,11 +75,17 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--moe", default=None, metavar="E,K,I", help="sparse MLPs: experts, top-k, expert width")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     cfg = get_preset("smollm2-135m")
+    if a.moe:
+        e, k, i = (int(v) for v in a.moe.split(","))
+        cfg = dataclasses.replace(cfg, family="qwen3_moe", num_experts=e, num_experts_per_tok=k,
+                                  moe_intermediate_size=i, norm_topk_prob=True)
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch "
-          f"{torch.__version__}, {a.threads} thread(s); SmolLM2-135M shape, {a.layers} layers, "
+          f"{torch.__version__}, {a.threads} thread(s); SmolLM2-135M shape{' MoE ' + a.moe if a.moe else ''}, "
+          f"{a.layers} layers, "
           f"micro-batch {a.micro_batch} x {a.seq} tokens, fp32, median of {a.rounds} rounds")
     torch.manual_seed(0)
     for head in (False, True):

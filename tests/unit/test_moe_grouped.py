@@ -468,3 +468,67 @@ def test_an_error_in_a_concurrent_block_is_raised(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert sorted(calls) == list(range(8))
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_split_backward_equals_the_whole(monkeypatch, lora, dtype):
+    """The zero-bubble split (``pipeline/backward.py``: B the input gradient, W the weights' later) gives the
+    plain backward's gradients, each pass making only its half (B: no weight gradient; W: no input gradient),
+    with and without adapters, and with bf16 weights widened to fp32 matmuls (the kept ``[dg | du]`` in bf16)."""
+    from npu_train.model import moe
+    from npu_train.pipeline.backward import backward_input
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    S, gen = sum(COUNTS), torch.Generator().manual_seed(9)
+    if lora:
+        base = [w.detach() for w in _weights(len(COUNTS), dtype)]
+        tensors = [t for w in base for t in (w, (0.3 * torch.randn(3, w.shape[1], generator=gen, dtype=torch.float64))
+                                             .to(dtype).requires_grad_(),
+                                             (0.3 * torch.randn(w.shape[0], 3, generator=gen, dtype=torch.float64))
+                                             .to(dtype).requires_grad_())]
+    else:
+        tensors = _weights(len(COUNTS), dtype)
+    params = [t for t in tensors if t.requires_grad]
+    x0 = torch.randn(S, H, generator=gen, dtype=torch.float64).to(dtype)
+    dy = torch.randn(S, H, generator=gen, dtype=torch.float64).to(dtype)
+    s = 0.75 if lora else None
+
+    def run(split: bool):
+        inp = x0.clone().requires_grad_()
+        y = GroupedSwiGlu.apply(inp * 2, COUNTS, s, *tensors)
+        for p in params:
+            p.grad = None
+        if not split:
+            y.backward(dy)
+            return inp.grad, [p.grad for p in params]
+        dx, work = backward_input(y, dy, inp, params)
+        assert all(p.grad is None for p in params) and inp.grad is None
+        parts.update(dx=0, dh=0)
+        work.run()
+        assert not parts["dx"] and not parts["dh"], parts  # W: weights only
+        return dx, [p.grad for p in params]
+
+    parts: dict = {"dx": 0, "dh": 0}
+    gate_up, down = moe._gate_up_backward, moe._down_backward
+
+    def gate_up_backward(dgu, x, ops, j, s_, dx, *a):
+        parts["dx"] += dx is not None
+        return gate_up(dgu, x, ops, j, s_, dx, *a)
+
+    def down_backward(dy_, h, ops, j, s_, dh, *a):
+        parts["dh"] += dh is not None
+        return down(dy_, h, ops, j, s_, dh, *a)
+
+    monkeypatch.setattr(moe, "_gate_up_backward", gate_up_backward)
+    monkeypatch.setattr(moe, "_down_backward", down_backward)
+    want_dx, want = run(split=False)
+    got_dx, got = run(split=True)
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    assert _rel(got_dx, want_dx) < tol
+    for i, (a, b) in enumerate(zip(got, want)):
+        if b is None or float(b.double().norm()) == 0.0:
+            assert a is None or float(a.double().abs().max()) == 0.0, i
+        else:
+            assert a is not None and _rel(a, b) < tol, i

@@ -283,3 +283,58 @@ def test_step_record_and_line_show_aux_and_load():
     assert moe_text(rec) == ["aux 2.5000", "expert load -/1.75"]
     assert moe_text(moe_fields([{"moe": {"aux_loss": None, "expert_load": 1.5}}])) == ["expert load 1.50"]
     assert moe_fields([{}, {}]) == {} and moe_text({}) == []
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("P", [2, 3])
+def test_zero_bubble_stage_gradients_match_the_formula(name, P):
+    """train.schedule=zb (the backward split into B and W, pipeline/backward.py; aux loss off: refused with it)."""
+    cfg = _cfg(name)
+    weights = _weights(cfg, seed=P + 10)
+    inputs, labels = _data(3, seed=P + 11)
+    ref_ce, ref_grads = reference(cfg, weights, inputs, labels, 0.0)
+    results = run_pipeline(cfg, weights, inputs, labels, P, 0.0, schedule="zb")
+    assert abs(results[-1][0]["loss_sum"] - ref_ce) / ref_ce < 1e-5
+    got = _grads(results)
+    for n, g in ref_grads.items():
+        mine = torch.zeros_like(g) if got[n] is None else got[n]
+        assert _rel(mine, g) < 1e-5, f"{n}: rel diff {_rel(mine, g):.2e}"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb"])
+def test_expert_backward_work_runs_once_per_micro_batch(monkeypatch, schedule):
+    """Each part of the experts' kernel's backward per expert block (``dh = dy W_down``, ``dW_down``, ``dx =
+    [dg | du] [W_gate; W_up]``, ``[dW_gate; dW_up]``) runs once per forward of the block, also where the
+    zero-bubble split runs the kernel's node in both B and W (it once ran it whole in each: twice the work)."""
+    from collections import Counter
+
+    from npu_train.model import moe
+
+    seen, lock = Counter(), threading.Lock()
+    fwd, down, gate_up = moe._gate_up_forward, moe._down_backward, moe._gate_up_backward
+
+    def count(**parts):
+        with lock:
+            seen.update({k: int(bool(v)) for k, v in parts.items()})
+
+    def gate_up_forward(x, ops, j, *a):
+        count(forward=True)
+        return fwd(x, ops, j, *a)
+
+    def down_backward(dy, h, ops, j, s, dh, t, need, grads):
+        count(dh=dh is not None, dw_down=need[ops.index(j, 2)])
+        return down(dy, h, ops, j, s, dh, t, need, grads)
+
+    def gate_up_backward(dgu, x, ops, j, s, dx, ts, need, grads):
+        count(dx=dx is not None, dw_gate_up=need[ops.index(j, 0)] or need[ops.index(j, 1)])
+        return gate_up(dgu, x, ops, j, s, dx, ts, need, grads)
+
+    monkeypatch.setattr(moe, "_gate_up_forward", gate_up_forward)
+    monkeypatch.setattr(moe, "_down_backward", down_backward)
+    monkeypatch.setattr(moe, "_gate_up_backward", gate_up_backward)
+    cfg = _cfg("qwen3_moe")
+    weights = _weights(cfg, seed=7)
+    inputs, labels = _data(3, seed=8)
+    run_pipeline(cfg, weights, inputs, labels, 2, 0.0, schedule=schedule)
+    assert seen["forward"] > 0
+    assert seen == Counter({k: seen["forward"] for k in ("forward", "dh", "dw_down", "dx", "dw_gate_up")}), seen

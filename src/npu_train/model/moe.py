@@ -238,7 +238,12 @@ class GroupedSwiGlu(torch.autograd.Function):
     as ``mm`` + ``addmm_``). Products go straight into
     row blocks of preallocated outputs, rounded once over all rows when the matmul dtype is wider. LoRA adds per
     projection ``x A^T`` (saved) and ``+= s (x A^T) B^T`` forward, ``dy B``, ``dx += s (dy B) A`` and the two
-    adapter gradients backward. Transients: ``planner/moe.py::expert_kernel_bytes``."""
+    adapter gradients backward. Transients: ``planner/moe.py::expert_kernel_bytes``.
+
+    Split backward (zero-bubble schedules, ``pipeline/backward.py``): autograd runs this node in the ``B`` (input
+    gradient) and again in the ``W`` (weights); each run makes only its half (:func:`_needed_now`): ``B`` the
+    ``dy W_down``, SwiGLU and ``dx`` steps, keeping ``[dg | du]`` (compute dtype) on the node; ``W`` the weight
+    and adapter gradients from it, then drops it. No step runs twice."""
 
     @staticmethod
     def forward(ctx, xs: torch.Tensor, counts: tuple, scaling: Optional[float], *tensors: torch.Tensor):
@@ -256,11 +261,42 @@ class GroupedSwiGlu(torch.autograd.Function):
         saved = ctx.saved_tensors
         ws = saved[ctx.nsaved:]
         ops = _Operands(ws, ctx.scaling is not None, matmul_dtype(dy.dtype, dy.device))
-        dx, grads = _swiglu_backward(dy.contiguous(), saved[:ctx.nsaved], ops, ctx.bounds, ctx.scaling,
-                                     ctx.needs_input_grad)
+        needs = _needed_now(ctx)
+        # the B of a split backward (pipeline/backward.py): the input gradient now, the weights' later from the
+        # same [dg | du] (kept in the compute dtype: the output gradients W needs, as a dense layer's recorded
+        # ones; planner/moe.py::mlp_pending_bytes_per_token)
+        keep = needs[0] and not any(needs[3:]) and any(ctx.needs_input_grad[3:])
+        dx, grads, dgu = _swiglu_backward(dy.contiguous(), saved[:ctx.nsaved], ops, ctx.bounds, ctx.scaling,
+                                          needs, getattr(ctx, "dgu", None), keep)
+        ctx.dgu = dgu
+        if any(needs[3:]):
+            ctx.dgu = None  # the W: its gradients are made, nothing is kept
         grads = [torch.zeros_like(w) if n and d is None else d  # a block without rows
-                 for w, d, n in zip(ws, grads, ctx.needs_input_grad[3:])]
+                 for w, d, n in zip(ws, grads, needs[3:])]
         return (dx, None, None, *grads)
+
+
+def _needed_now(ctx) -> tuple:
+    """Which of :class:`GroupedSwiGlu`'s inputs the running backward wants a gradient of: ``needs_input_grad``,
+    narrowed to the inputs whose gradient node autograd's engine will execute in *this* pass. A plain
+    ``backward()`` wants all; the zero-bubble split (``pipeline/backward.py``) runs this node twice, its ``B``
+    (``autograd.grad`` to the stage input: the input gradient only) and its ``W`` (``backward(inputs=weights)``:
+    the weights' only), so each pass makes only its half, as autograd's built-in ``mm`` does. Where the engine
+    cannot tell (a leaf input under ``autograd.grad``; a torch without ``_will_engine_execute_node``): wanted."""
+    will = getattr(torch._C, "_will_engine_execute_node", None)
+    edges = list(ctx.next_functions)  # one per tensor argument: xs, then the tensors (not counts, scaling)
+    nodes = [edges[0][0], None, None] + [n for n, _ in edges[1:]]
+    if len(nodes) != len(ctx.needs_input_grad):
+        return tuple(ctx.needs_input_grad)
+    out = []
+    for need, node in zip(ctx.needs_input_grad, nodes):
+        if need and node is not None and will is not None:
+            try:
+                need = bool(will(node))
+            except RuntimeError:
+                need = True
+        out.append(bool(need))
+    return tuple(out)
 
 
 def _blocks(bounds: list):
@@ -380,13 +416,21 @@ def _adapter_forward(x: torch.Tensor, ops: _Operands, j: int, p: int, s: float, 
 
 
 def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
-                     needs: tuple) -> tuple:
-    """:meth:`GroupedSwiGlu.backward`: ``(dx or None, gradients per tensor, None where not needed)``."""
+                     needs: tuple, kept: Optional[torch.Tensor] = None, keep: bool = False) -> tuple:
+    """:meth:`GroupedSwiGlu.backward`: ``(dx or None, gradients per tensor (None where not needed), [dg | du]
+    or None)``. ``kept``: the ``[dg | du]`` a previous input-gradient pass returned (``keep``), so this pass
+    (the weights' gradients) does not make it again; ``keep``: return it, in the compute dtype (its values are
+    of that dtype: :func:`_swiglu_output_grad`)."""
     xs = saved[0]
     ts = saved[5:]
     need = needs[3:]
     grads: list = [None] * len(ops.t)
-    dgu = _swiglu_output_grad(dy, saved[1:5], ops, bounds, s, ts[2] if ts else None, need, grads)
+    if kept is None:
+        dgu = _swiglu_output_grad(dy, saved[1:5], ops, bounds, s, ts[2] if ts else None, need, grads)
+    else:
+        _down_weight_grads(dy, saved[4], ops, bounds, s, ts[2] if ts else None, need, grads)
+        dgu = kept.to(ops.mm)
+    out = (dgu.to(xs.dtype) if ops.wide else dgu) if keep else None
     mm = ops.mm
     xm = xs.to(mm)
     dxm = xm.new_empty(xs.shape) if needs[0] else None
@@ -394,7 +438,17 @@ def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: lis
         dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b], [t[a:b] for t in ts[:2]], need, grads))
     ops.release("gate_up", "grad_gate_up")
     del dgu, xm
-    return (None if dxm is None else dxm.to(xs.dtype)), grads
+    return (None if dxm is None else dxm.to(xs.dtype)), grads, out
+
+
+def _down_weight_grads(dy: torch.Tensor, h: torch.Tensor, ops: _Operands, bounds: list, s: Optional[float],
+                       t: Optional[torch.Tensor], need: tuple, grads: list) -> None:
+    """The down projection's gradients into ``grads`` without ``dh`` (a weights-only pass with ``[dg | du]``
+    kept)."""
+    dym, hm = dy.to(ops.mm), h.to(ops.mm)
+    _each_block(bounds, ops, lambda j, a, b: _down_backward(
+        dym[a:b], hm[a:b], ops, j, s, None, None if t is None else t[a:b], need, grads))
+    ops.release("grad_down")
 
 
 def _swiglu_output_grad(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
@@ -403,7 +457,7 @@ def _swiglu_output_grad(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: 
     the matmul dtype, ``dg = silu'(g) * dh * u``, ``du = dh * act`` for ``dh = dy W_down``. Same dtype: ``dh`` is
     written into the ``du`` half and both halves are made in place (no other ``[S, I]`` temporary, the values of
     ``silu_backward(dh * u, g)`` and ``dh * act``); wider matmuls: ``dh`` rounded to the compute dtype first (as
-    the module form) and the halves widened from it."""
+    the module form) and the halves widened from it (so their values are of the compute dtype)."""
     g, u, act, h = saved
     inter, mm = ops.inter, ops.mm
     dym, hm = dy.to(mm), h.to(mm)
@@ -427,9 +481,11 @@ def _swiglu_output_grad(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: 
 
 
 def _down_backward(dy: torch.Tensor, h: torch.Tensor, ops: _Operands, j: int, s: Optional[float],
-                   dh: torch.Tensor, t: Optional[torch.Tensor], need: tuple, grads: list) -> None:
-    """``dh = dy W_down`` (LoRA ``+ s (dy B) A``) of block ``j``; the down projection's gradients into ``grads``."""
-    torch.mm(dy, ops.down(j), out=dh)
+                   dh: Optional[torch.Tensor], t: Optional[torch.Tensor], need: tuple, grads: list) -> None:
+    """``dh = dy W_down`` (LoRA ``+ s (dy B) A``) of block ``j`` (``dh`` None: not made); the down projection's
+    gradients into ``grads``."""
+    if dh is not None:
+        torch.mm(dy, ops.down(j), out=dh)
     k = ops.index(j, 2)
     if need[k]:
         grads[k] = ops.weight_grads(dy, h, "grad_down", (True,))[0]
