@@ -314,21 +314,25 @@ def _layout_and_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threa
         _choose_layout(cfg, run_dir, mcfg, dtype, cards, threads, host_ram, multinode, elsewhere)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
     _check_interleaved(cfg, P)
+    off = None  # parallel.vocab=true under train.schedule=auto: auto's choice without it
     if cfg.train.schedule == "auto":
-        _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
-                         multinode=multinode, host_cores=P * dp if elsewhere else None)
+        off = _choose_schedule(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
+                               multinode=multinode, host_cores=P * dp if elsewhere else None)
     if cfg.parallel.vocab == "auto" or cfg.parallel.vocab is True:  # the schedule given: planned with and without
         _choose_vocab(cfg, run_dir, mcfg, dtype, cards[:P], threads, dp, zero, host_ram,
-                      multinode=multinode, host_cores=P * dp if elsewhere else None)
+                      multinode=multinode, host_cores=P * dp if elsewhere else None, off=off)
     return P, dp, zero
 
 
 def _choose_vocab(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
-                  host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None) -> None:
+                  host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None,
+                  off=None) -> None:
     """``parallel.vocab=auto`` with a given schedule: set ``parallel.vocab`` to whether the plan with vocabulary
     parallelism is predicted :data:`~npu_train.planner.schedule_choice.VOCAB_MARGIN` faster, and say so; a resume
     keeps the checkpoint's. ``parallel.vocab=true``: say in one line how its predicted step compares with the
-    same plan without it (a fresh-clone review's vocab plan was slower and did not say so)."""
+    plan without it (a fresh-clone review's vocab plan was slower and did not say so): ``off``, the plan
+    ``train.schedule=auto`` chooses without it (what the same command without the flag prints), else the same
+    schedule's."""
     from omegaconf import open_dict
 
     from npu_train.planner.schedule_choice import VOCAB_MARGIN
@@ -342,7 +346,8 @@ def _choose_vocab(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int
 
         req = replace(plan_request(cfg, mcfg, dtype, cards, threads=threads, dp=dp, zero=zero, host_ram_bytes=host_ram,
                                    multinode=multinode, host_cores=host_cores), strict=False)
-        off, with_v = (make_plan(replace(req, shape=replace(req.shape, vocab_parallel=v))) for v in (False, True))
+        same, with_v = (make_plan(replace(req, shape=replace(req.shape, vocab_parallel=v))) for v in (False, True))
+        off = off if asked and off is not None else same
         if asked:
             print(vocab_comparison(with_v, off), flush=True)
             return
@@ -355,22 +360,27 @@ def _choose_vocab(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int
 
 
 def vocab_comparison(with_v, off) -> str:
-    """One line: ``parallel.vocab=true``'s predicted step against the same plan without it (``with_v``, ``off``:
-    :class:`~npu_train.planner.Plan`), ``slower`` / ``faster`` by how much, and the setting that avoids a slower one."""
+    """One line: ``parallel.vocab=true``'s predicted step against the plan without it (``with_v``, ``off``:
+    :class:`~npu_train.planner.Plan`; ``off`` of another schedule: the one ``train.schedule=auto`` takes without
+    it, named), ``slower`` / ``faster`` by how much, and the setting that avoids a slower one."""
     import math
 
     a, b = with_v.step_time_s, off.step_time_s
     d = max(0, 2 - math.floor(math.log10(max(min(a, b), 1e-9))))  # 3 significant digits of the shorter
     head = f"parallel.vocab=true: predicted step {a:.{d}f} s, {b:.{d}f} s without it"
+    other = ""
+    if off.shape.schedule != with_v.shape.schedule:  # train.schedule=auto chose another schedule without it
+        head = f"parallel.vocab=true: predicted step {a:.{d}f} s ({with_v.shape.schedule}), {b:.{d}f} s without it"
+        other = f"auto takes {off.shape.schedule} without it; "
     if not off.fits:
-        return head + " (which does not fit)"
+        return head + f" ({other}which does not fit)"
     if not with_v.fits:
-        return head + " (it does not fit; without it does)"
+        return head + f" ({other}it does not fit; without it does)"
     if abs(a / b - 1) < 0.005:
-        return head + " (about the same)"
+        return head + f" ({other}about the same)"
     if a > b:
-        return head + f" ({(a / b - 1) * 100:.0f} % slower with it: parallel.vocab=false or auto)"
-    return head + f" ({(1 - a / b) * 100:.0f} % faster with it)"
+        return head + f" ({other}{(a / b - 1) * 100:.0f} % slower with it: parallel.vocab=false or auto)"
+    return head + f" ({other}{(1 - a / b) * 100:.0f} % faster with it)"
 
 
 def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
@@ -433,16 +443,19 @@ def _check_interleaved(cfg, P: int) -> None:
 
 
 def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, dp: int, zero: int,
-                     host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None) -> None:
+                     host_ram: Optional[int], multinode: bool = False, host_cores: Optional[int] = None):
     """``train.schedule=auto``: set ``cfg.train.schedule`` (and ``recompute`` when only that fits) to the
     fastest schedule that fits (:func:`npu_train.planner.schedule_choice.choose_schedule`) and say why; a
-    resume keeps its checkpoint's schedule (another one sums the micro-batches' gradients in another order)."""
+    resume keeps its checkpoint's schedule (another one sums the micro-batches' gradients in another order).
+    Returns, under ``parallel.vocab=true``, the plan auto chooses without it (for :func:`vocab_comparison`), else
+    None."""
     from omegaconf import open_dict
 
     from npu_train.pipeline.schedule import ALL_SCHEDULES
     from npu_train.planner.schedule_choice import choose_schedule
 
     saved = _resumed_train(cfg, run_dir)
+    off = None
     if saved and saved.get("schedule") in ALL_SCHEDULES:
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
         core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
@@ -463,6 +476,9 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         vocab = cfg.parallel.vocab == "auto"  # (the request's RunShape plans without it; choose_schedule both)
         choice = choose_schedule(req, cfg.train.recompute_attention, vocab)
         schedule, recompute, why = choice.schedule, choice.recompute, choice.why
+        if req.shape.vocab_parallel:  # parallel.vocab=true: what auto chooses without it, for its comparison
+            off = choose_schedule(replace(req, strict=False, shape=replace(req.shape, vocab_parallel=False)),
+                                  cfg.train.recompute_attention).plan
         if vocab:
             with open_dict(cfg):
                 cfg.parallel.vocab = bool(choice.plan is not None and choice.plan.shape.vocab_parallel)
@@ -479,6 +495,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         cfg.train.recompute_attention = core
         cfg.train.recompute_layers = which
     print(why, flush=True)
+    return off
 
 
 def _resumed_recompute_layers(cfg, manifest: dict, stages: int):
