@@ -419,32 +419,80 @@ def _config_paths(node=None, prefix: str = "") -> list[str]:
     return out
 
 
+#: names other trainers (Hugging Face ``TrainingArguments``, PEFT's ``LoraConfig``) or a guess of the layout give
+#: a setting, typed path or its last part -> this config's key (suggested when nothing closer is a key)
+KEY_ALIASES = {
+    "checkpoint.every": "train.save_every", "checkpoint.save_steps": "train.save_every",
+    "save_steps": "train.save_every", "eval_steps": "data.eval_every", "learning_rate": "train.lr",
+    "max_steps": "train.steps", "num_steps": "train.steps", "gradient_accumulation_steps": "train.accum",
+    "batch_size": "train.micro_batch", "per_device_train_batch_size": "train.micro_batch",
+    "max_grad_norm": "train.clip", "max_seq_length": "data.seq_len", "max_length": "data.seq_len",
+    "output_dir": "checkpoint.dir", "save_total_limit": "checkpoint.keep", "lora_r": "lora.rank",
+    "lora_alpha": "lora.alpha", "lora_dropout": "lora.dropout", "target_modules": "lora.targets",
+    "model.name": "model.path", "model_name": "model.path", "model_name_or_path": "model.path",
+}
+
+
+def _leaf(path: str) -> str:
+    return path.rsplit(".", 1)[-1]
+
+
+def _correct_parts(parts: list[str], paths: list[str]) -> Optional[str]:
+    """``parts`` with each corrected in turn to the closest key at its level (``difflib``, ratio >= 0.6), or
+    None when a part has no close key."""
+    import difflib
+
+    fixed: list[str] = []
+    for part in parts:
+        level = {_leaf(p) for p in paths if p.count(".") == len(fixed) and p.startswith("".join(f"{f}." for f in fixed))}
+        near = [part] if part in level else difflib.get_close_matches(part, sorted(level), n=1)
+        if not near:
+            return None
+        fixed.append(near[0])
+    return ".".join(fixed)
+
+
+def _by_leaf_words(path: str, paths: list[str]) -> Optional[str]:
+    """The keys whose last part holds every ``_``-word of ``path``'s last part (``checkpoint.every`` ->
+    ``train.save_every``, ``data.eval_every``), closest first (``difflib`` ratio of the whole path), at most
+    two joined by `` or ``; None when there is none."""
+    import difflib
+
+    words = set(_leaf(path).split("_"))
+    hits = [p for p in paths if words <= set(_leaf(p).split("_")) and p != path]
+    hits.sort(key=lambda p: -difflib.SequenceMatcher(None, path, p).ratio())
+    return " or ".join(hits[:2]) or None
+
+
 def suggest_key(path: str) -> Optional[str]:
-    """The config key closest to a misspelt dotted ``path`` (``trian.accum`` -> ``train.accum``, ``train.acum``
-    -> ``train.accum``, ``lr`` -> ``train.lr``), or None: each part corrected in turn (``difflib``, ratio >= 0.6)
-    where that gives a key; else the keys whose last part is closest to ``path``'s last part, when that is one
-    key (ratio >= 0.75). A key given without its section that one section
-    has is that key (``lr`` -> ``train.lr``)."""
+    """The config key (or two, joined by `` or ``) a misspelt or misplaced dotted ``path`` most likely means, or
+    None, by the first rule that gives one: (1) the one key with ``path``'s last part in another section
+    (``lr`` -> ``train.lr``, ``checkpoint.save_every`` -> ``train.save_every``), and rule 3's key after it when
+    that differs (``train.warmup`` -> ``runtime.furiosa.warmup or train.warmup_steps``); (2) :data:`KEY_ALIASES` of the
+    path or its last part (``learning_rate`` -> ``train.lr``); (3) each part corrected in turn (``difflib``,
+    ratio >= 0.6: ``trian.acum`` -> ``train.accum``); (4) the one key whose last part is closest to ``path``'s
+    (ratio >= 0.75); (5) the keys whose last part holds each ``_``-word of ``path``'s
+    (:func:`_by_leaf_words`)."""
     import difflib
 
     paths = _config_paths()
-    parts, fixed = path.split("."), []
-    exact = [p for p in paths if p.rsplit(".", 1)[-1] == parts[-1] and p != path]
-    if len(parts) == 1 and path not in paths and len(exact) == 1:  # a key without its section: lr -> train.lr
-        return exact[0]
-    for part in parts:
-        level = {p.rsplit(".", 1)[-1] for p in paths if p.count(".") == len(fixed)
-                 and p.startswith("".join(f"{f}." for f in fixed))}
-        near = [part] if part in level else difflib.get_close_matches(part, sorted(level), n=1)
-        if not near:
-            break
-        fixed.append(near[0])
-    if len(fixed) == len(parts) and ".".join(fixed) != path:
-        return ".".join(fixed)
-    last = parts[-1]
-    leaves = difflib.get_close_matches(last, sorted({p.rsplit(".", 1)[-1] for p in paths}), n=1, cutoff=0.75)
-    by_leaf = [p for p in paths if leaves and p.rsplit(".", 1)[-1] == leaves[0]]
-    return by_leaf[0] if len(by_leaf) == 1 and by_leaf[0] != path else None
+    if path in paths:
+        return None
+    parts, last = path.split("."), _leaf(path)
+    exact = [p for p in paths if _leaf(p) == last]
+    fixed = _correct_parts(parts, paths)
+    if len(exact) == 1:  # and a close key where it was typed: both (train.warmup: furiosa's or warmup_steps)
+        return exact[0] + (f" or {fixed}" if fixed and fixed not in (path, exact[0]) and len(parts) > 1 else "")
+    alias = KEY_ALIASES.get(path) or KEY_ALIASES.get(last)
+    if alias:
+        return alias
+    if fixed and fixed != path:
+        return fixed
+    leaves = difflib.get_close_matches(last, sorted({_leaf(p) for p in paths}), n=1, cutoff=0.75)
+    by_leaf = [p for p in paths if leaves and _leaf(p) == leaves[0]]
+    if len(by_leaf) == 1:
+        return by_leaf[0]
+    return _by_leaf_words(path, paths)
 
 
 #: keys that were removed, with what replaced them (named instead of a guess)

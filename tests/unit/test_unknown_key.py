@@ -27,6 +27,14 @@ def _launcher():
     ("runtime.thread", "runtime.threads"),
     ("lr", "train.lr"),                    # a key without its section
     ("stepz", "train.steps"),
+    ("checkpoint.every", "train.save_every"),      # the setting lives in another section (issue 40)
+    ("checkpoint.save_every", "train.save_every"),  # the right name, another section
+    ("train.eval_every", "data.eval_every or train.save_every"),  # the exact name elsewhere, a close one here
+    ("train.warmup", "runtime.furiosa.warmup or train.warmup_steps"),
+    ("eval.every", "data.eval_every or train.save_every"),  # two keys hold the word
+    ("learning_rate", "train.lr"),         # Hugging Face TrainingArguments' names
+    ("train.max_steps", "train.steps"),
+    ("per_device_train_batch_size", "train.micro_batch"),
     ("train.foo", None),                   # nothing close: no guess
     ("x.y.z", None),
 ])
@@ -42,6 +50,15 @@ Key 'trian' not in 'Config'
     object_type=Config
 Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.
 """
+
+
+def test_a_key_of_another_section_is_suggested_in_the_refusal():
+    """``checkpoint.every=5`` (a fresh-clone try) got no suggestion: the save interval is ``train.save_every``."""
+    run = _launcher()
+    text = HYDRA_TEXT.replace("trian.accum", "checkpoint.every").replace("Key 'trian' not in 'Config'",
+                                                                        "Key 'every' not in 'CheckpointConf'")
+    line = run._unknown_key_line(text)
+    assert line.startswith("unknown key checkpoint.every:") and "did you mean train.save_every?" in line, line
 
 
 def test_hydras_refusal_becomes_one_line_with_the_closest_key():
