@@ -356,3 +356,17 @@ def test_data_choices_are_refused_by_config_validation(override, want):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert str(e.value) == want
+
+
+def test_a_missing_source_is_quoted_once(tmp_path, monkeypatch):
+    """A long absolute ``data.source`` that names nothing appears once in its refusal (it was quoted, then
+    quoted again as the resolved path); a relative one says the directory it was looked for in."""
+    long = str(tmp_path / ("a-long-directory-name-" * 5) / "corpus" / "train-data-file-with-a-long-name.jsonl")
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_source(long)
+    assert str(e.value).count("train-data-file-with-a-long-name") == 1, str(e.value)
+    assert str(e.value).startswith(f"data.source={long!r}: no such file or directory; use one of the built-in")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_source("mine.jsonl")
+    assert f"data.source='mine.jsonl': no such file or directory (relative to {tmp_path});" in str(e.value)

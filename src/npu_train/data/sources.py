@@ -140,9 +140,18 @@ def _supported(p: Path) -> bool:
 
 
 def _missing(spec: str, builtins) -> FileNotFoundError:
-    path = Path(spec).expanduser()
+    """The refusal of a ``data.source`` that names nothing. The path is quoted once: where it was looked for is
+    added only when that is not ``spec`` itself (a relative path: the directory; ``~`` or ``..``: the absolute
+    path); a ~150-character absolute path was quoted twice."""
+    path, resolved = Path(spec).expanduser(), str(Path(spec).expanduser().resolve())
+    if resolved == spec:
+        where = ""
+    elif not path.is_absolute():
+        where = f" (relative to {os.getcwd()})"
+    else:
+        where = f" ({resolved})"
     return FileNotFoundError(
-        f"data.source={spec!r}: no such file or directory ({path.resolve()}); use one of the built-in sets "
+        f"data.source={spec!r}: no such file or directory{where}; use one of the built-in sets "
         f"{list(builtins)}, or a path to a .parquet/.arrow/.jsonl/.json/.csv/.txt file, a glob of them, a "
         "directory of them or a directory written by Dataset.save_to_disk")
 
