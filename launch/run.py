@@ -677,8 +677,10 @@ def run_one(cfg) -> int:
             _sweep_threads(cfg, int(hc.launcher.get("n_jobs", 1) or 1))
             _plain_start_method()
             from npu_train.config import lora_for_a_mode_sweep
+            from npu_train.metrics.sweep import modes_of_this_sweep
 
-            ignored = lora_for_a_mode_sweep(cfg)  # a full job of a sweep over train.mode: lora.* are its LoRA jobs'
+            # a full job of a sweep over train.mode: lora.* are its LoRA jobs'
+            ignored = lora_for_a_mode_sweep(cfg, modes_of_this_sweep(str(hc.sweep.dir)))
             if ignored:
                 print(ignored, flush=True)
         code = main(cfg, run_dir, report)

@@ -392,6 +392,13 @@ def _positive(name: str, v, fix: str = "") -> None:
         raise ConfigError(f"{name}={v!r} must be a positive integer{fix}")
 
 
+def section(cfg, name: str):
+    """The section ``name`` (``lora``, ``dpo``, ``parallel``, ``metrics``) of ``cfg``, a :class:`Config` or an
+    OmegaConf config, or None when ``cfg`` has none (a config composed before the section existed, a test's
+    partial config)."""
+    return cfg.get(name) if hasattr(cfg, "get") else getattr(cfg, name, None)
+
+
 def check_known_keys(cfg) -> None:
     """Refuse keys the structured :class:`Config` does not have. Without ``+`` Hydra refuses them itself
     (``Key 'stepz' not in 'TrainConf'``); Hydra's append form (``+train.stepz=3``, ``++...``) adds them to the
@@ -536,16 +543,16 @@ def validate(cfg) -> None:
     if cfg.train.mode == "lora":
         _check_lora(cfg.lora)
     else:
-        _check_lora_unused(cfg.get("lora") if hasattr(cfg, "get") else getattr(cfg, "lora", None))
+        _check_lora_unused(section(cfg, "lora"))
     _check_modes(cfg.train)
     _check_objective(cfg)
     _check_optimizer(cfg.train)
     _check_checkpoint(cfg)
     _check_runtime(cfg)
-    par = cfg.get("parallel") if hasattr(cfg, "get") else getattr(cfg, "parallel", None)
+    par = section(cfg, "parallel")
     if par is not None:
         _check_parallel(par)
-    met = cfg.get("metrics") if hasattr(cfg, "get") else getattr(cfg, "metrics", None)
+    met = section(cfg, "metrics")
     if met is not None:
         _check_metrics(met)
 
@@ -581,7 +588,7 @@ def _check_objective(cfg) -> None:
             raise ConfigError("data.format=preference holds chosen/rejected pairs: train them with "
                               "train.objective=dpo, or use data.format=chat for supervised fine-tuning")
         return
-    dpo = cfg.get("dpo") if hasattr(cfg, "get") else getattr(cfg, "dpo", None)
+    dpo = section(cfg, "dpo")
     if dpo is None:
         dpo = DpoConf()
     if fmt != "preference":
@@ -611,26 +618,20 @@ def _lora_changed(lo) -> list[str]:
             if _plain(getattr(lo, k)) != _plain(getattr(default, k))]
 
 
-#: environment variable the sweep callback sets (``npu_train.metrics.sweep``) when a sweep's jobs differ in
-#: ``train.mode``: its modes, comma-separated (``full,lora``); read by :func:`lora_for_a_mode_sweep`
-SWEEP_MODES_ENV = "NPT_SWEEP_MODES"
-
-
-def lora_for_a_mode_sweep(cfg, modes: "str | None" = None) -> "str | None":
+def lora_for_a_mode_sweep(cfg, modes: str) -> "str | None":
     """A sweep over ``train.mode`` (``-m train.mode=full,lora lora.rank=16``): its ``full`` job ignores the
     ``lora.*`` settings meant for its LoRA jobs (reset to their defaults in ``cfg``, so
     :func:`_check_lora_unused` passes) instead of being refused. ``modes``: the sweep's modes, comma-separated
-    (default: :data:`SWEEP_MODES_ENV` from the environment; unset outside such a sweep). Returns the one info
-    line saying what was ignored, or None when nothing was (not such a sweep, ``train.mode=lora``, no
-    ``lora.*`` set). A single launch with ``train.mode=full lora.rank=16`` is still refused."""
-    import os
-
+    ("" when its jobs do not differ in ``train.mode``; :func:`npu_train.metrics.sweep.modes_of_this_sweep` reads
+    them from the sweep's ``multirun.yaml`` in a job). Returns the one info line saying what was ignored, or
+    None when nothing was (not such a sweep, ``train.mode=lora``, no ``lora.*`` set). A single launch with
+    ``train.mode=full lora.rank=16`` is still refused."""
     from omegaconf import OmegaConf
 
-    swept = (os.environ.get(SWEEP_MODES_ENV, "") if modes is None else modes).split(",")
+    swept = modes.split(",")
     if cfg.train.mode != "full" or "lora" not in swept:
         return None
-    changed = _lora_changed(cfg.get("lora") if hasattr(cfg, "get") else getattr(cfg, "lora", None))
+    changed = _lora_changed(section(cfg, "lora"))
     if not changed:
         return None
     cfg.lora = OmegaConf.structured(LoraConf) if OmegaConf.is_config(cfg) else LoraConf()

@@ -316,25 +316,32 @@ def test_sweep_sharing_a_card_is_rejected_before_any_job(tmp_path, tiny_model):
 @pytest.mark.parametrize("swept,modes", [(["train.mode=full,lora", "lora.rank=16"], "full,lora"),
                                           (["train.lr=1e-4,3e-4", "lora.rank=16"], None),
                                           (["train.mode=lora", "train.lr=1e-4,3e-4"], None)])
-def test_a_sweep_over_modes_tells_its_jobs(monkeypatch, capsys, swept, modes):
+def test_a_sweep_over_modes_tells_its_jobs(monkeypatch, capsys, tmp_path, swept, modes):
     """Issue 40: ``-m train.mode=full,lora lora.rank=16`` refused its full job (the lora.* check compares with
-    the defaults). The callback puts the sweep's modes into the environment only when the jobs differ in
-    train.mode; the full job's config then drops lora.* with one note, while a sweep that is not over modes
-    (``train.lr=...`` with ``lora.rank=16``, train.mode=full) keeps refusing its jobs."""
-    from npu_train.config import SWEEP_MODES_ENV, lora_for_a_mode_sweep, validate
+    the defaults). A job reads the sweep's modes from the sweep's own ``multirun.yaml`` (written by Hydra's
+    sweeper before any job; the job's config holds only its own overrides), which name modes only when the jobs
+    differ in train.mode; the full job's config then drops lora.* with one note, while a sweep that is not over
+    modes (``train.lr=...`` with ``lora.rank=16``, train.mode=full) keeps refusing its jobs. No environment
+    variable carries them (``NPT_SWEEP_MODES`` did; a stale value is ignored)."""
+    from omegaconf import OmegaConf
+
+    from npu_train.config import lora_for_a_mode_sweep, validate
     from npu_train.errors import ConfigError
 
-    monkeypatch.setenv(SWEEP_MODES_ENV, "stale")  # a value from before: replaced or removed
+    monkeypatch.setenv("NPT_SWEEP_MODES", "full,lora")  # the old channel's stale value: no longer read
     monkeypatch.setattr(sweep, "needs_hook", lambda cfg: validate(cfg) or JobNeeds(card_procs=1))
     monkeypatch.setattr(sweep, "host_cores", lambda: 2)
     monkeypatch.setattr(sweep, "host_available_ram", lambda: 64 * GIB)
-    ctx, loader, cfg = _compose_sweep("backend=[cpu]", *swept)
+    ctx, loader, cfg = _compose_sweep("backend=[cpu]", f"hydra.sweep.dir={tmp_path}", *swept)
     try:
         sweep.SweepCallback().on_multirun_start(cfg)
-        assert os.environ.get(SWEEP_MODES_ENV) == modes
+        OmegaConf.save(cfg, tmp_path / "multirun.yaml")  # as Hydra's BasicSweeper.sweep does before the jobs
+        assert sweep.modes_of_this_sweep(str(tmp_path)) == (modes or "")
         for job in sweep.sweep_job_overrides(list(cfg.hydra.overrides.task)):
-            job_cfg = sweep._job_config(loader.load_sweep_config(cfg, job))
-            note = lora_for_a_mode_sweep(job_cfg)
+            full = loader.load_sweep_config(cfg, job)
+            sweep_dir = str(full.hydra.sweep.dir)  # the job's sweep dir is the sweep's
+            job_cfg = sweep._job_config(full)
+            note = lora_for_a_mode_sweep(job_cfg, sweep.modes_of_this_sweep(sweep_dir))
             if job_cfg.train.mode == "full" and modes:
                 assert note == ("note: train.mode=full in a sweep over train.mode: ignoring lora.rank=16 for this "
                                 "job (its train.mode=lora jobs use them)")

@@ -340,26 +340,33 @@ except ImportError:  # pragma: no cover - hydra is a dependency
     _HydraCallback = object
 
 
-def _announce_modes(config, jobs: list[list[str]]) -> str:
-    """The ``train.mode`` values of a sweep's jobs, comma-separated, when they differ (``full,lora``), else "";
-    put into the environment as :data:`~npu_train.config.SWEEP_MODES_ENV` (jobs run in this process or in
-    worker processes started after this, which inherit it), so a ``full`` job ignores the ``lora.*`` settings
-    meant for the LoRA jobs (:func:`~npu_train.config.lora_for_a_mode_sweep`) instead of being refused."""
-    import os
-
-    from npu_train.config import SWEEP_MODES_ENV
-
+def swept_modes(config, jobs: list[list[str]]) -> str:
+    """The ``train.mode`` values of a sweep's jobs (``jobs``: :func:`sweep_job_overrides` of ``config``'s
+    ``hydra.overrides.task``), comma-separated, when they differ (``full,lora``), else "": a ``full`` job of
+    such a sweep ignores the ``lora.*`` settings meant for its LoRA jobs
+    (:func:`~npu_train.config.lora_for_a_mode_sweep`) instead of being refused."""
     modes: list[str] = []
     for ov in jobs:
         set_here = [str(o).split("=", 1)[1] for o in ov if re.match(r"^[+]{0,2}train\.mode=", str(o))]
         mode = set_here[-1] if set_here else str(config.train.mode)
         if mode not in modes:
             modes.append(mode)
-    if len(modes) > 1:
-        os.environ[SWEEP_MODES_ENV] = ",".join(modes)
-        return os.environ[SWEEP_MODES_ENV]
-    os.environ.pop(SWEEP_MODES_ENV, None)
-    return ""
+    return ",".join(modes) if len(modes) > 1 else ""
+
+
+def modes_of_this_sweep(sweep_dir: str) -> str:
+    """:func:`swept_modes` as a job of the sweep sees them: from ``<sweep_dir>/multirun.yaml``, the sweep's own
+    config that Hydra's sweeper writes before it launches any job (the job's own config holds only its
+    overrides, not the sweep's). "" when the file is missing or unreadable (then nothing is ignored and the
+    job's ``lora.*`` check refuses as a single launch does)."""
+    from omegaconf import OmegaConf
+
+    try:
+        master = OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml"))
+        task = OmegaConf.to_container(master.hydra.overrides.task, resolve=False)
+        return swept_modes(master, sweep_job_overrides(task))
+    except Exception:  # noqa: BLE001 - an unreadable record: no sweep over modes is assumed
+        return ""
 
 
 class SweepCallback(_HydraCallback):
@@ -385,7 +392,7 @@ class SweepCallback(_HydraCallback):
 
         launcher = config.hydra.launcher
         jobs = sweep_job_overrides(OmegaConf.to_container(config.hydra.overrides.task, resolve=False))
-        modes = _announce_modes(config, jobs)
+        modes = swept_modes(config, jobs)
         if "n_jobs" not in launcher:  # a sequential launcher (hydra/launcher=basic)
             print(f"sweep: {len(jobs)} job(s), 1 at a time", flush=True)
             return
