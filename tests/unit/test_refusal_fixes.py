@@ -70,18 +70,65 @@ def test_lora_is_named_when_it_fits():
     assert make_plan(replace(_req("llama-3.2-3b", shape=shape), strict=False)).fits
 
 
+def _fits(model: str, card_gib: float, shape: RunShape) -> bool:
+    return make_plan(replace(_req(model, card_gib, shape), strict=False)).fits
+
+
 def test_activation_fixes_are_named_where_they_can_help():
     """SmolLM2-135M at 8 x 2048 tokens a micro-batch on two 3 GiB cpu cards: its state (0.13 B x 16 B = 2 GiB
-    over two cards) fits, its activations do not; the refusal names recompute and a smaller micro-batch, and
-    the smaller micro-batch does fit."""
+    over two cards) fits, its activations do not. Neither recompute (the head's 8 x 2048 x 49152 fp32 logits alone
+    are 3 GiB) nor micro-batch 1 fits alone, so neither is named alone (issue 40: a refusal named fixes that did
+    not fit); recompute with the micro-batch named and the longest sequence named each plan to fit, one
+    micro-batch / 256 tokens more does not."""
     big = RunShape(seq_len=2048, micro_batch=8, micro_batches=4, schedule="1f1b", dtype="fp32")
     with pytest.raises(PlacementError) as e:
         make_plan(_req("smollm2-135m", 3.0, big))
     msg = str(e.value)
-    assert "train.recompute=true" in msg and "a smaller train.micro_batch (now 8)" in msg, msg
     assert "what fits instead" not in msg
-    small = replace(big, seq_len=256, micro_batch=1)
-    assert make_plan(replace(_req("smollm2-135m", 3.0, small), strict=False)).fits
+    assert not _fits("smollm2-135m", 3.0, replace(big, recompute=True))
+    assert not _fits("smollm2-135m", 3.0, replace(big, micro_batch=1))
+    assert "fix: train.recompute=true\n" not in msg and "train.micro_batch=1 (now 8)" not in msg, msg
+    rec = re.search(r"fix: train\.recompute=true with train\.micro_batch=(\d+) \(now 8; neither alone fits\)", msg)
+    assert rec, msg
+    b = int(rec.group(1))
+    assert _fits("smollm2-135m", 3.0, replace(big, recompute=True, micro_batch=b))
+    assert not _fits("smollm2-135m", 3.0, replace(big, recompute=True, micro_batch=b + 1))
+    seq = re.search(r"fix: the largest that fits: data\.seq_len=(\d+) \(now 2048, at train\.micro_batch=8\)", msg)
+    assert seq, msg
+    n = int(seq.group(1))
+    assert _fits("smollm2-135m", 3.0, replace(big, seq_len=n))
+    assert not _fits("smollm2-135m", 3.0, replace(big, seq_len=n + 64))  # named to 64 tokens below 1024
+    assert "keep_host_memory" not in msg or _fits_without_heap(big), msg
+
+
+def _fits_without_heap(shape: RunShape) -> bool:
+    from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS
+
+    terms = [replace(DEFAULT_MEMORY_TERMS["cpu"], heap_fraction=0.0)] * 2
+    return make_plan(replace(_req("smollm2-135m", 3.0, shape), strict=False, memory_terms=terms)).fits
+
+
+def test_a_sequence_too_long_for_any_card_count_names_the_longest_that_fits():
+    """Llama-3.1-8B at data.seq_len=100000 on 8 RNGD cards: the eager attention's [b, heads, S, S] probabilities
+    of one layer are far over a card, so neither recompute nor more cards fit (a fresh-clone review's refusal
+    named both); the refusal names the longest sequence that fits, planned here, and 256 tokens more does not."""
+    shape = RunShape(seq_len=100000, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="bf16")
+
+    def req(sh, n=8):
+        return PlanRequest(get_preset("llama-3.1-8b"), sh, make_cards("furiosa", n), DEFAULT_RATES["furiosa"],
+                           threads=1, host_cores=8)
+
+    with pytest.raises(PlacementError) as e:
+        make_plan(req(shape))
+    msg = str(e.value)
+    assert "more cards" not in msg and "train.recompute=true" not in msg, msg
+    assert not make_plan(replace(req(replace(shape, recompute=True)), strict=False)).fits
+    assert not make_plan(replace(req(shape, 12), strict=False)).fits  # 4 cards more, as the planner tries
+    seq = re.search(r"fix: the largest that fits: data\.seq_len=(\d+) \(now 100000, at train\.micro_batch=2\)", msg)
+    assert seq, msg
+    n = int(seq.group(1))
+    assert make_plan(replace(req(replace(shape, seq_len=n)), strict=False)).fits
+    assert not make_plan(replace(req(replace(shape, seq_len=n + 256)), strict=False)).fits
 
 
 # ------------------------------------------------------------------ offloaded layers on cpu cards (issue 40)

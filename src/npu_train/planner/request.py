@@ -42,3 +42,6 @@ class PlanRequest:
     zero: int = 0  # 1 = ZeRO-1: each card keeps 1/dp of its stage's optimizer state
     #: card processes on one host, sharing its memory bandwidth (host AdamW); 0: every card of the job
     cards_per_host: int = 0
+    #: a refusal plans its card-level fixes and names only those that fit (``search.checked_fixes``); False: names
+    #: them unchecked (``train.schedule=auto`` planning each candidate, whose refusals it only summarises)
+    check_fixes: bool = True

@@ -97,7 +97,7 @@ def _try(req: PlanRequest, schedule: str, recompute: bool, core: bool = True) ->
 def _try_one(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Plan], str]:
     """The plan of ``req`` with ``schedule`` / ``recompute``, or None and why not."""
     try:
-        plan = make_plan(replace(req, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
+        plan = make_plan(replace(req, check_fixes=False, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
     except PlacementError as e:
         return None, str(e)  # the whole refusal: :func:`refusals_summary` says it short
     except ValueError as e:  # interleaved: micro-batches not a multiple of the stages (the caller names it)

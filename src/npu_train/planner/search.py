@@ -80,10 +80,11 @@ def balanced_split(num_layers: int, num_cards: int) -> list[int]:
 
 
 def _over_capacity(pm: CostModel, plan: Plan, cards: Sequence[int], headroom: bool = False,
-                   more_cards: Optional[str] = None) -> str:
+                   more_cards: Optional[str] = None, checked=None) -> str:
     """The refusal's lines for ``cards`` of ``plan`` (:func:`~npu_train.planner.table.over_capacity_message`)."""
     return over_capacity_message(plan, [(i, pm.max_resident(i, plan.stages[i].num_layers, headroom),
-                                         pm.limit(i, headroom) if headroom else None) for i in cards], more_cards)
+                                         pm.limit(i, headroom) if headroom else None) for i in cards], more_cards,
+                                 checked)
 
 
 def _check_host(plan: Plan, host_ram_bytes: Optional[int], strict: bool) -> Plan:
@@ -521,12 +522,77 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
         return _check_host(plan, req.host_ram_bytes, strict=False)
     bad = [i for i, st in enumerate(plan.stages) if st.mem["total"] > pm.limit(i)] or [0]
     floor, more_cards = _floor_over_cards(pm, shown, req)
+    checked = checked_fixes(pm, req, more_cards) if req.check_fixes else None
     raise PlacementError(
         f"no placement of {req.model.name} fits with any number of resident layers"
         + ("" if split is not None else " on any split") + floor + "\n"
-        + _host_ram_line(pm) + _over_capacity(pm, plan, bad, headroom=True, more_cards=more_cards)
+        + _host_ram_line(pm) + _over_capacity(pm, plan, bad, headroom=True, more_cards=more_cards, checked=checked)
         + _what_fits(pm, plan, req)
     )
+
+
+def fits_somewhere(req: PlanRequest) -> bool:
+    """Whether ``req`` (``resident_layers="auto"``) has a placement that fits: some split (``req.split``: that one)
+    whose every card fits with its least-memory resident count (:meth:`CostModel.max_resident` >= 0), found by
+    :func:`search_split` without simulating a timeline; False for a request the planner refuses outright."""
+    try:
+        pm = _cost_model(req)
+        split = _checked_split(req)
+    except (PlacementError, ValueError):
+        return False
+    if split is not None:
+        return all(pm.max_resident(i, n) >= 0 for i, n in enumerate(split))
+    return search_split(pm, req.model.num_layers) is not None
+
+
+def _largest(fits, hi: int) -> int:
+    """The largest ``x`` in ``1..hi`` with ``fits(x)`` (monotone: true up to some ``x``), 0 when none."""
+    lo = 0  # fits(lo) holds (0: nothing yet)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _round_seq_len(s: int) -> int:
+    """A sequence length to name, at most ``s``: a multiple of 256 from 1024 tokens, of 64 from 128."""
+    step = 256 if s >= 1024 else 64 if s >= 128 else 1
+    return s - s % step
+
+
+def checked_fixes(pm: CostModel, req: PlanRequest, more_cards: Optional[str]) -> "CheckedFixes":
+    """The card-level fixes of ``req``'s refusal, each planned with everything else as asked
+    (:class:`~npu_train.planner.table.CheckedFixes`): whether ``train.recompute=true`` fits (on 1F1B where the
+    schedule splits its backward), the largest micro-batch and sequence length that fit (bisected: memory grows
+    with both), and on accelerator cards the fewest cards like these that fit (:func:`_fewest_cards`, unless the
+    weights' floor already named them, ``more_cards``)."""
+    from npu_train.planner.table import CheckedFixes
+
+    sh = req.shape
+    auto = replace(req, resident_layers="auto", strict=False, check_fixes=False)
+    out = CheckedFixes()
+    if not sh.recompute:
+        rs = replace(sh, recompute=True, schedule="1f1b" if sh.schedule in SPLIT_BACKWARD else sh.schedule)
+        out.recompute = fits_somewhere(replace(auto, shape=rs))
+        if not out.recompute:
+            out.recompute_micro_batch = _largest(
+                lambda b: fits_somewhere(replace(auto, shape=replace(rs, micro_batch=b))), sh.micro_batch - 1)
+    if any(c.kind in HOST_MEMORY_KINDS for c in pm.cards):
+        from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS
+
+        terms = req.memory_terms or [DEFAULT_MEMORY_TERMS[c.kind] for c in pm.cards]
+        out.keep_host = fits_somewhere(replace(auto, memory_terms=[replace(t, heap_fraction=0.0) for t in terms]))
+    out.micro_batch = _largest(lambda b: fits_somewhere(replace(auto, shape=replace(sh, micro_batch=b))),
+                               sh.micro_batch - 1)
+    out.seq_len = _round_seq_len(_largest(lambda n: fits_somewhere(replace(auto, shape=replace(sh, seq_len=n))),
+                                          sh.seq_len - 1))
+    if more_cards is None and not all(c.kind in HOST_MEMORY_KINDS for c in pm.cards):
+        n = _fewest_cards(auto, pm.P + 1) if pm.P < req.model.num_layers else None
+        out.more_cards = f"{n} such cards, the fewest that fit" if n else ""
+    return out
 
 
 #: how many card counts from the weights' floor up :func:`_floor_over_cards` plans to name the fewest that fit

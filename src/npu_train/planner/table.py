@@ -3,6 +3,7 @@ report (:func:`format_plan`) and the over-capacity message. Memory in GiB (2**30
 from __future__ import annotations
 
 import io
+from dataclasses import dataclass
 from typing import Optional
 
 from npu_train.hardware import HOST_MEMORY_KINDS, Card
@@ -11,7 +12,7 @@ from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
 from npu_train.planner.spec import gb, gib
 
-__all__ = ["plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "card_memory_line",
+__all__ = ["CheckedFixes", "plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "card_memory_line",
            "memory_sources", "rate_sources"]
 
 
@@ -69,7 +70,26 @@ def _card_lines(plan: Plan, cards: list) -> list[str]:
     return out
 
 
-def over_capacity_message(plan: Plan, cards: list, more_cards: Optional[str] = None) -> str:
+@dataclass
+class CheckedFixes:
+    """The card-level fixes of a refusal, each planned (``search.check_fixes``): None where not checked (the fix is
+    named as a setting that lowers memory). ``recompute``: whether ``train.recompute=true`` fits; ``more_cards``:
+    how many cards like these fit (``"6 such cards, the fewest that fit"``), ``""`` when none of the counts tried
+    does; ``micro_batch`` / ``seq_len``: the largest that fits with the other as it is, 0 when none does;
+    ``recompute_micro_batch``: where recompute alone does not fit, the largest micro-batch that fits with it (0:
+    none)."""
+
+    recompute: Optional[bool] = None
+    recompute_micro_batch: int = 0
+    #: whether ``runtime.keep_host_memory=false`` (no heap holes on a cpu card) fits
+    keep_host: Optional[bool] = None
+    more_cards: Optional[str] = None
+    micro_batch: Optional[int] = None
+    seq_len: Optional[int] = None
+
+
+def over_capacity_message(plan: Plan, cards: list, more_cards: Optional[str] = None,
+                          checked: Optional[CheckedFixes] = None) -> str:
     """The lines of a refusal for the cards over their limits, each fix said once for all of them.
 
     ``cards``: ``(stage index, max_resident, limit_bytes)`` per card over its limit (``max_resident``: the most
@@ -78,7 +98,10 @@ def over_capacity_message(plan: Plan, cards: list, more_cards: Optional[str] = N
     fix: fewer resident layers (per card), more RAM per cpu card (the most any card's weights, gradients and
     optimizer state need alone) or more cards (``more_cards`` says how many where planned), and the activation,
     recompute and heap settings only when some card's :func:`state_bytes` are within its limit (they cannot
-    lower those). Every figure in GiB (2**30 B)."""
+    lower those); with ``checked`` (:class:`CheckedFixes`) only the fixes planned to fit, with the figures that do.
+    Every figure in GiB (2**30 B)."""
+    checked = checked or CheckedFixes()
+    more_cards = more_cards if more_cards is not None else checked.more_cards
     lines = _card_lines(plan, cards)
     limited = [(plan.stages[i].card.capacity_bytes, lim) for i, _, lim in cards if lim is not None]
     if limited:
@@ -101,23 +124,46 @@ def over_capacity_message(plan: Plan, cards: list, more_cards: Optional[str] = N
                     "and optimizer state alone)")
         fixes.append(f"more RAM per cpu card{need}: a larger host, or placement.capacity_gib if it was set below "
                      "the card's share of the RAM (more cpu cards split the same RAM)")
-    else:
+    elif more_cards != "":  # "": none of the counts planned fits
         fixes.append(f"more cards ({more_cards})" if more_cards else "more cards")
     if len(over) < len(limit_of):
-        fixes += _activation_fixes(plan, [i for i in limit_of if i not in over])
+        fixes += _activation_fixes(plan, [i for i in limit_of if i not in over], checked)
     return "\n".join(lines + [f"fix: {f}" for f in fixes])
 
 
-def _activation_fixes(plan: Plan, cards: list[int]) -> list[str]:
-    """The settings that lower a card's activations and heap (for ``cards``, whose state fits their limit)."""
+def _smaller_batch_fix(sh, checked: CheckedFixes) -> Optional[str]:
+    """The micro-batch / sequence-length fix: the largest of each that fits (:class:`CheckedFixes`), or the
+    settings unchecked; None when neither fits."""
+    if checked.micro_batch is None and checked.seq_len is None:
+        return f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})"
+    parts = []
+    if checked.micro_batch:
+        parts.append(f"train.micro_batch={checked.micro_batch} (now {sh.micro_batch})")
+    if checked.seq_len:
+        parts.append(f"data.seq_len={checked.seq_len}" + (f" (now {sh.seq_len}" + (
+            f", at train.micro_batch={sh.micro_batch})" if sh.micro_batch > 1 else ")")))
+    if not parts:
+        return None
+    return "the largest that fit" + ("" if len(parts) > 1 else "s") + ": " + " or ".join(parts)
+
+
+def _activation_fixes(plan: Plan, cards: list[int], checked: Optional[CheckedFixes] = None) -> list[str]:
+    """The settings that lower a card's activations and heap (for ``cards``, whose state fits their limit); with
+    ``checked``, those planned to fit."""
     sh = plan.shape
+    checked = checked or CheckedFixes()
     out = []
-    if not sh.recompute:
-        out.append("train.recompute=true" + (" (with train.schedule=1f1b: not with the zero-bubble schedules)"
-                                            if sh.schedule in SPLIT_BACKWARD else ""))
-    out.append(f"a smaller train.micro_batch (now {sh.micro_batch}) or data.seq_len (now {sh.seq_len})")
+    one_f = " (with train.schedule=1f1b: not with the zero-bubble schedules)" if sh.schedule in SPLIT_BACKWARD else ""
+    if not sh.recompute and checked.recompute is not False:
+        out.append("train.recompute=true" + one_f)
+    elif not sh.recompute and checked.recompute_micro_batch:
+        out.append(f"train.recompute=true with train.micro_batch={checked.recompute_micro_batch} (now "
+                   f"{sh.micro_batch}; neither alone fits)" + one_f)
+    smaller = _smaller_batch_fix(sh, checked)
+    if smaller:
+        out.append(smaller)
     heap = max((plan.stages[i].mem.get("heap") or 0) for i in cards)
-    if heap:  # a cpu card keeping freed host memory: the heap's holes are in its workspace
+    if heap and checked.keep_host is not False:  # a cpu card keeping freed memory: its heap's holes in its workspace
         out.append(f"runtime.keep_host_memory=false (the card returns freed memory: up to {gib(heap):.2f} GiB "
                    "less a card, slower steps)")
     return out
