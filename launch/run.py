@@ -798,12 +798,18 @@ def _release_signals(held: dict) -> None:
 
 
 def _needs(cfg):
-    """Sweep concurrency check: what one job takes from the host, from the placement plan (or None)."""
+    """Sweep concurrency check: what one job takes from the host, from the placement plan (or None). The
+    planning's own lines (``train.schedule=auto: ...``) are not printed: each job prints them when it plans
+    (they came once per job here, then again from each job)."""
+    import contextlib
+    import io
+
     from npu_train.metrics.sweep import JobNeeds
     from npu_train.runtime.job import prepare
 
     try:
-        prep = prepare(cfg, "", probe=False)
+        with contextlib.redirect_stdout(io.StringIO()):
+            prep = prepare(cfg, "", probe=False)
     except Exception:  # noqa: BLE001 - an invalid job fails (and is reported) by itself
         return None
     stages = prep.plan.stages

@@ -276,6 +276,11 @@ def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
     assert "weights\nGiB" not in p.stdout and not header.search(p.stdout)
     for i in (0, 1):
         assert header.search(open(os.path.join(sd, str(i), "plan.txt")).read())
+    # each plan line once per job (the concurrency check's planning printed each job's schedule line too), and
+    # each job says what its cards do before its first step, as a single run does (20-28 s of silence)
+    assert len(re.findall(r"^train\.schedule=auto: ", unfolded, flags=re.M)) == 2, p.stdout[-4000:]
+    for job in unfolded.split("npu-train: training")[1:]:
+        assert re.search(r"^start-up: model load \(card \d, \d+ s\)$", job, flags=re.M), job
 
 
 @pytest.mark.heavy

@@ -190,7 +190,7 @@ def test_done_and_interrupt_lines_fold_at_words_on_a_terminal():
 def test_plain_output_names_each_start_up_phase_once(tmp_path):
     """Plain output was silent for ~39 s between the job line and the first eval line (the cards loading,
     meeting, measuring, evaluating): each start-up phase prints once, from whichever card enters it first;
-    nothing once steps run, nothing per step phase, nothing in a sweep (``plain_phases=False``)."""
+    nothing once steps run, nothing per step phase, nothing with ``plain_phases=False`` (the live display's)."""
     out = io.StringIO()
     r = Reporter(str(tmp_path), 2, stream=out, tensorboard=False, plain_phases=True)
     for rank, text in [(0, "model load"), (1, "model load"), (1, "rendezvous"), (0, "rendezvous"),

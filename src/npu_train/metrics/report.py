@@ -252,7 +252,7 @@ class Reporter:
     cards' reported ``peak_flops`` each step gets ``mfu`` (job) and ``mfu_cards``; ``live``: the terminal's
     :class:`~npu_train.metrics.live.LiveProgress` (the step line then goes to the log whole and to the terminal
     without the time breakdown); ``plain_phases``: without ``live``, print each card start-up phase once
-    (:meth:`phase`; off in a sweep, whose jobs share one console); ``start_step``: the step a resumed launch
+    (:meth:`phase`; also in a sweep: its jobs were silent for 20-28 s before their first step); ``start_step``: the step a resumed launch
     starts after (the loss average continues over the losses ``metrics.jsonl`` carried over, and is printed
     as ``avg since resume`` when there were none)."""
 
