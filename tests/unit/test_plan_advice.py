@@ -119,3 +119,57 @@ def test_refused_schedules_are_said_once_when_one_fits():
     assert refusals_summary([("zb", long)], without="train.recompute=true") == (
         "zb: no placement fits with any number of resident layers on any split; to fit without it: a smaller "
         "train.micro_batch or data.seq_len")
+
+
+# --- small times and the cap column: no 0.00 s for a tiny model, capacity to the others' precision ----------------
+
+@pytest.mark.parametrize("s, text", [(0.56, "0.56 s"), (4.861, "4.86 s"), (0.1, "0.10 s"), (0.0203, "20.3 ms"),
+                                     (0.00412, "4.12 ms"), (0.000412, "0.412 ms"), (0.0, "0 s")])
+def test_a_duration_is_milliseconds_below_a_tenth_of_a_second(s, text):
+    from npu_train.planner.spec import duration
+
+    assert duration(s) == text
+
+
+def test_a_tiny_models_plan_says_milliseconds_and_its_cap_to_two_decimals():
+    """The tests' tiny Llama at 2 x 32 tokens on two 0.45 GiB cpu cards: a step of a few ms (it read 0.00 and 0.02 s
+    in the time table, the MFU line and the schedule line) and a cap column that read 0.4 beside 0.43."""
+    from npu_train.model.config import LlamaConfig
+    from npu_train.planner import plan_table
+
+    m = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
+                    tie_word_embeddings=True)
+    shape = RunShape(seq_len=32, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="fp32")
+    p = make_plan(PlanRequest(m, shape, make_cards("cpu", 2, int(0.45 * GIB)), load_rates("cpu"), threads=1,
+                              host_cores=2, strict=False))
+    assert p.step_time_s < 0.1, p.step_time_s
+    text = plan_table(p)
+    ms = p.step_time_s * 1e3
+    d = 1 if ms >= 10 else 2 if ms >= 1 else 3
+    step_row = [ln for ln in text.splitlines() if ln.startswith("step ")]
+    assert step_row and step_row[0].split()[-1] == f"{ms:.{d}f}", step_row
+    assert any(ln.split()[-1] == "ms" for ln in text.splitlines() if ln.startswith("card ")), text
+    for st in p.stages:
+        row = next(ln for ln in text.splitlines() if ln.startswith(st.card.name) and ln.split()[-1] == f"{st.time['total'] * 1e3:.{d}f}")
+        assert f" {st.time['compute'] * 1e3:.{d}f} " in row, row
+    assert f"predicted: step {ms:.3g} ms," in text, text
+    assert "pipeline phase " in text and " 0.00 s" not in text and "0.0 s" not in text, text
+    mem_rows = [ln for ln in text.splitlines() if ln.startswith("cpu:")][:2]
+    assert all(" 0.45 " in ln for ln in mem_rows) and " 0.4 " not in " ".join(mem_rows), mem_rows
+    total = next(ln for ln in text.splitlines() if ln.startswith("total"))
+    assert " 0.90 " in total, total
+
+
+def test_the_predicted_mfu_line_of_a_tiny_step_says_milliseconds():
+    from types import SimpleNamespace
+
+    from npu_train.model.config import LlamaConfig
+    from npu_train.runtime.flops import predicted_mfu_line
+
+    m = LlamaConfig(vocab_size=384, hidden_size=64, intermediate_size=128, num_layers=6, num_heads=4, num_kv_heads=2,
+                    tie_word_embeddings=False)
+    shape = RunShape(seq_len=32, micro_batch=2, micro_batches=4, schedule="1f1b", dtype="bf16")
+    p = make_plan(PlanRequest(m, shape, make_cards("furiosa", 2), load_rates("furiosa"), threads=1, host_cores=2))
+    assert p.step_time_s < 0.1, p.step_time_s
+    line = predicted_mfu_line(SimpleNamespace(shape=shape, plan=p, model_cfg=m, dtype="bf16", threads=1, dp=1))
+    assert f"per step in {p.step_time_s * 1e3:.3g} ms;" in line, line

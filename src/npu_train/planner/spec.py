@@ -21,6 +21,16 @@ def gib(x: float) -> float:
     return x / GIB
 
 
+def duration(seconds: float) -> str:
+    """A predicted time as the plan prints it: ``"0.56 s"`` (two decimals) from 0.1 s, else milliseconds to three
+    significant digits, ``"20.3 ms"``, ``"0.412 ms"`` (a tiny model's step read ``0.00 s``); 0 is ``"0 s"``."""
+    if seconds >= 0.1:
+        return f"{seconds:.2f} s"
+    if seconds <= 0:
+        return "0 s"
+    return f"{seconds * 1e3:.3g} ms"
+
+
 class PlacementError(UserError, ValueError):
     """A placement that cannot work (over capacity, too little host RAM, an impossible layout); the
     message names the card, the predicted and available GiB and the fixes."""

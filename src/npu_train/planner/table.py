@@ -10,7 +10,7 @@ from npu_train.hardware import HOST_MEMORY_KINDS, Card
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
-from npu_train.planner.spec import gb, gib
+from npu_train.planner.spec import duration, gb, gib
 
 __all__ = ["CheckedFixes", "plan_table", "format_plan", "offload_lines", "card_label", "over_capacity_message", "card_memory_line",
            "memory_sources", "rate_sources"]
@@ -299,7 +299,7 @@ def memory_table(plan: Plan, gap: int = 2) -> list:
         ("cap\nGiB", ""), ("host\nGiB", "")]
     footers = {"res": str(sum(len(st.resident) for st in plan.stages)),
                "off": str(sum(len(st.offloaded) for st in plan.stages)),
-               "cap\nGiB": f"{gib(sum(st.card.capacity_bytes for st in plan.stages)):.1f}",
+               "cap\nGiB": f"{gib(sum(st.card.capacity_bytes for st in plan.stages)):.2f}",
                "host\nGiB": f"{gib(plan.host_bytes):.2f}"}
     for key, mk in zip(("base", "weights", "grads", "optim", "act", "trans", "ws", "total"), MEM_KEYS):
         footers[f"{key}\nGiB"] = f"{gib(tot_mem[mk]):.2f}"
@@ -308,7 +308,7 @@ def memory_table(plan: Plan, gap: int = 2) -> list:
         m = st.mem
         rows.append([st.card.name, st.layers_label, str(len(st.resident)), str(len(st.offloaded))]
                     + [f"{gib(m[k]):.2f}" for k in MEM_KEYS[:-1]]
-                    + [f"{gib(m['total']):.2f}" + ("" if st.fits else " !"), f"{gib(st.card.capacity_bytes):.1f}",
+                    + [f"{gib(m['total']):.2f}" + ("" if st.fits else " !"), f"{gib(st.card.capacity_bytes):.2f}",
                        _host_cell(st)])
     return [_table(cols, footers, rows, gap)]
 
@@ -339,20 +339,28 @@ def host_legend(plan: Plan) -> Optional[str]:
             f"memory{extra} and adds host AdamW time (train.resident_layers=auto keeps them resident)")
 
 
+def time_unit(step_s: float) -> tuple[str, float, int]:
+    """``(unit, scale, decimals)`` of the time table for a step of ``step_s`` seconds: seconds with two decimals
+    from 0.1 s, else milliseconds with the step to three significant digits (a tiny model's table read 0.00 and
+    0.02 s throughout)."""
+    if step_s >= 0.1 or step_s <= 0:
+        return "s", 1.0, 2
+    ms = step_s * 1e3
+    return "ms", 1e3, 1 if ms >= 10 else 2 if ms >= 1 else 3
+
+
 def time_table(plan: Plan, gap: int = 2) -> list:
     """Per card: the predicted seconds per step (compute and the part of it that recomputes forwards, bubble, host
-    and device optimizer, transfers, data-parallel communication, the stage's total)."""
-    cols = [("card", "step"), ("layers", "")] + [(f"{k}\ns", "") for k in (
+    and device optimizer, transfers, data-parallel communication, the stage's total); milliseconds for a step
+    under 0.1 s (:func:`time_unit`)."""
+    unit, scale, d = time_unit(plan.step_time_s)
+    cols = [("card", "step"), ("layers", "")] + [(f"{k}\n{unit}", "") for k in (
         "compute", "recomp", "bubble", "host-opt", "hidden", "dev-opt", "xfer", "dp-comm", "stage")]
-    rows = []
-    for st in plan.stages:
-        tm = st.time
-        rows.append([st.card.name, st.layers_label, f"{tm['compute']:.2f}", f"{tm.get('recompute', 0.0):.2f}",
-                     f"{max(0.0, tm['bubble']):.2f}",
-                     f"{tm['host_optimizer']:.2f}", f"{tm.get('host_hidden', 0.0):.2f}",
-                     f"{tm['device_optimizer']:.2f}", f"{tm['transfer']:.2f}", f"{tm.get('dp_comm', 0.0):.2f}",
-                     f"{tm['total']:.2f}"])
-    return [_table(cols, {"stage\ns": f"{plan.step_time_s:.2f}"}, rows, gap)]
+    keys = ("compute", "recompute", "bubble", "host_optimizer", "host_hidden", "device_optimizer", "transfer",
+            "dp_comm", "total")
+    rows = [[st.card.name, st.layers_label] + [f"{max(0.0, st.time.get(k, 0.0)) * scale:.{d}f}" for k in keys]
+            for st in plan.stages]
+    return [_table(cols, {f"stage\n{unit}": f"{plan.step_time_s * scale:.{d}f}"}, rows, gap)]
 
 
 def _wrap(line: str, width: int) -> str:
@@ -400,9 +408,8 @@ def plan_table(plan: Plan, width: int = 0) -> str:
                     f"{gib(plan.host_ram_bytes):.2f} GiB)")
     lines.append(schedule_line(plan))
     lines += offload_lines(plan)
-    step = f"{plan.step_time_s:.2f}" if plan.step_time_s >= 0.1 else f"{plan.step_time_s:.3g}"
     lines.append(
-        f"predicted: step {step} s, {plan.tokens_per_step} tokens/step"
+        f"predicted: step {duration(plan.step_time_s)}, {plan.tokens_per_step} tokens/step"
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )
@@ -470,7 +477,9 @@ def bound_line(plan: Plan) -> Optional[str]:
         return None
     share = tm[key] / total
     tail = "" if share >= BOUND_SHARE else ", the largest term"
-    return (f"bound: {name} {tm[key]:.3g} of {total:.3g} s a step on {st.card.name} ({100 * share:.0f} %{tail}); "
+    unit, scale = ("s", 1.0) if total >= 0.1 else ("ms", 1e3)  # a tiny model's step: milliseconds
+    return (f"bound: {name} {tm[key] * scale:.3g} of {total * scale:.3g} {unit} a step on {st.card.name} "
+            f"({100 * share:.0f} %{tail}); "
             f"it changes with {levers}")
 
 
@@ -479,7 +488,7 @@ def plan_summary(plan: Plan) -> str:
     step 11.19 s, fits"``."""
     mem = "/".join(f"{gib(st.mem['total']):.2f}" for st in plan.stages)
     return (f"split {plan.split}, resident {'/'.join(str(len(st.resident)) for st in plan.stages)}, {mem} GiB per "
-            f"card, step {plan.step_time_s:.2f} s, {'fits' if plan.fits else 'DOES NOT FIT'}")
+            f"card, step {duration(plan.step_time_s)}, {'fits' if plan.fits else 'DOES NOT FIT'}")
 
 
 def schedule_line(plan: Plan) -> str:
@@ -490,7 +499,7 @@ def schedule_line(plan: Plan) -> str:
     idle = max(0.0, sum(st.time["bubble"] for st in plan.stages) / (P * phase)) if phase > 0 else 0.0
     unit = bubble_fraction(s.schedule, P, s.micro_batches)
     held = "/".join(str(st.in_flight) for st in plan.stages)
-    line = (f"schedule {s.schedule}: pipeline phase {phase:.2f} s, bubble {idle * 100:.1f} % of it "
+    line = (f"schedule {s.schedule}: pipeline phase {duration(phase)}, bubble {idle * 100:.1f} % of it "
             f"(equal unit F/B/W times: {unit * 100:.1f} %); micro-batches held per card {held}")
     if s.vocab_parallel:
         per = "/".join(f"{st.time.get('vocab', 0.0):.2f}" for st in plan.stages)

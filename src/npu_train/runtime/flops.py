@@ -9,6 +9,7 @@ import time
 from typing import Optional
 
 from npu_train.metrics.mfu import Peak, measure_matmul_flops, mfu, spec_peak_flops, stage_flops_per_step
+from npu_train.planner.spec import duration
 
 __all__ = ["model_flops_per_rank", "predicted_peak", "predicted_mfu_line", "measured_compute_rate", "first_plan_flops"]
 
@@ -168,5 +169,5 @@ def predicted_mfu_line(prep) -> Optional[str]:
     if m is None:
         return None
     sources = sorted({p.source for p in peaks})
-    return (f"predicted MFU {100 * m:.1f}% (model FLOPs {sum(flops):.3g} per step in {prep.plan.step_time_s:.2f} s; "
+    return (f"predicted MFU {100 * m:.1f}% (model FLOPs {sum(flops):.3g} per step in {duration(prep.plan.step_time_s)}; "
             f"peak: {'; '.join(sources)})")
