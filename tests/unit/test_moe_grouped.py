@@ -532,3 +532,49 @@ def test_split_backward_equals_the_whole(monkeypatch, lora, dtype):
             assert a is None or float(a.double().abs().max()) == 0.0, i
         else:
             assert a is not None and _rel(a, b) < tol, i
+
+
+def test_concurrent_blocks_leave_other_threads_their_count():
+    """The blocks' one-thread setting is their threads' own: a thread that starts its torch work while they run
+    (the host optimizer's, ``train.offload_update=delayed``; an exchange thread) gets the process's count, and one
+    already running keeps its own. ``torch.set_num_threads(1)`` in the blocks once made the process's count 1
+    meanwhile, which a new thread's first parallel op copies for good (the running one kept its own: OpenMP's
+    count is per thread)."""
+    import threading
+
+    import npu_train.model.moe as moe
+
+    if moe._setters() is None:
+        pytest.skip("no per-thread thread count in this torch build")
+    seen, before = {}, torch.get_num_threads()
+    running_ready, running_go = threading.Event(), threading.Event()
+
+    def running():
+        torch.get_num_threads()  # this thread's count is set (its first parallel op would do the same)
+        running_ready.set()
+        running_go.wait(timeout=30)
+        seen["running"] = torch.get_num_threads()
+
+    def fresh():
+        seen["fresh"] = torch.get_num_threads()  # its first: copies the process's count
+
+    def fn(j, a, b):
+        seen.setdefault("block", set()).add(torch.get_num_threads())
+        if j == 0:
+            t = threading.Thread(target=fresh)
+            t.start()
+            t.join(timeout=30)
+            running_go.set()
+            other.join(timeout=30)
+
+    try:
+        torch.set_num_threads(3)
+        other = threading.Thread(target=running)
+        other.start()
+        running_ready.wait(timeout=30)
+        moe._parallel_blocks([(j, 10 * j, 10 * j + j + 1) for j in range(8)], fn)
+        assert torch.get_num_threads() == 3
+    finally:
+        running_go.set()
+        torch.set_num_threads(before)
+    assert seen == {"block": {1}, "fresh": 3, "running": 3}, seen

@@ -157,9 +157,11 @@ class _Operands:
         """Whether :func:`_each_block` runs ``blocks`` blocks concurrently (:func:`_parallel_blocks`): weights used
         in place (no shared widening buffers), no adapters (the plan counts one block's ``dy B`` at a time),
         :data:`PARALLEL_BLOCKS`, more than one intra-op thread and at least :data:`BLOCKS_PER_THREAD` blocks per
-        thread (fewer, e.g. 8 experts on 16 cores: the matmuls threaded)."""
+        thread (fewer, e.g. 8 experts on 16 cores: the matmuls threaded); and the thread count can be set per
+        thread (:func:`_setters`)."""
         n = torch.get_num_threads()
-        return PARALLEL_BLOCKS and not (self.wide or self.lora) and n > 1 and blocks >= BLOCKS_PER_THREAD * n
+        return PARALLEL_BLOCKS and not (self.wide or self.lora) and n > 1 and blocks >= BLOCKS_PER_THREAD * n \
+            and _setters() is not None
 
     def index(self, j: int, proj: int, part: int = 0) -> int:
         """Position in ``tensors`` of ``part`` (0 weight, 1 ``lora_A``, 2 ``lora_B``) of projection ``proj`` (0 gate,
@@ -321,17 +323,17 @@ def _each_block(bounds: list, ops: _Operands, fn) -> None:
 def _parallel_blocks(blocks: list, fn) -> None:
     """``fn(j, a, b)`` for every block, spread over torch's ``n`` intra-op threads: the calling thread and ``n - 1``
     workers of a process-wide pool (:func:`_pool`) each take the largest block left, one intra-op thread each
-    (their matmuls single-threaded: no thread waits for another inside a matmul, which on a host busier than its
-    cores costs a scheduler slice per call), with the caller's grad mode; the caller's thread count is restored
-    after, and a worker's error raised. The blocks write disjoint rows and gradients, so the result does not
-    depend on which thread ran which block."""
+    (:class:`_serial`: their matmuls single-threaded, no thread waits for another inside a matmul, which on a host
+    busier than its cores costs a scheduler slice per call; only these threads' own counts change, not torch's
+    process-wide one), with the caller's grad mode; the caller's count is restored after, and a worker's error
+    raised. The blocks write disjoint rows and gradients, so the result does not depend on which thread ran which
+    block."""
     n = torch.get_num_threads()
     todo = iter(sorted(blocks, key=lambda blk: blk[1] - blk[2]))
     lock, grad = threading.Lock(), torch.is_grad_enabled()
 
     def work() -> None:
-        torch.set_num_threads(1)
-        with torch.set_grad_enabled(grad):
+        with _serial(), torch.set_grad_enabled(grad):
             while True:
                 with lock:
                     nxt = next(todo, None)
@@ -344,7 +346,6 @@ def _parallel_blocks(blocks: list, fn) -> None:
         work()
     finally:
         concurrent.futures.wait(futures)
-        torch.set_num_threads(n)
     for f in futures:
         f.result()
 
@@ -531,20 +532,67 @@ def _adapter_backward(dy: torch.Tensor, x: torch.Tensor, ops: _Operands, j: int,
 
 
 class _serial:
-    """Context: torch's intra-op threads set to 1 inside, restored after. For the per-expert weight copies and
-    gradient roundings of :class:`_Operands` (a few MB each, memory-bound): as parallel regions each waits for
-    every OpenMP thread, which on a host busier than its cores costs a scheduler slice per copy (2 threads on
-    this 2-core VM at load 7: 16 ms per 768 x 2048 bf16 -> fp32 copy against 0.7 ms on one thread,
-    ``experiments/2026-12-06-moe.md``); the matmuls between them keep all threads."""
+    """Context: the calling thread's intra-op threads set to 1 inside, restored after (:func:`_thread_local_threads`:
+    this thread only; torch's process-wide default, which a thread's first parallel op starts from, is left
+    alone). For the per-expert weight copies and gradient roundings of :class:`_Operands` (a few MB each,
+    memory-bound): as parallel regions each waits for every OpenMP thread, which on a host busier than its cores
+    costs a scheduler slice per copy (2 threads on this 2-core VM at load 7: 16 ms per 768 x 2048 bf16 -> fp32
+    copy against 0.7 ms on one thread, ``experiments/2026-12-06-moe.md``); the matmuls between them keep all
+    threads. Where the thread count cannot be set per thread: nothing changes (all threads)."""
 
     def __enter__(self):
-        self.threads = torch.get_num_threads()
-        if self.threads > 1:
-            torch.set_num_threads(1)
+        self.prev = _thread_local_threads(1)
 
     def __exit__(self, *exc):
-        if self.threads > 1:
-            torch.set_num_threads(self.threads)
+        if self.prev is not None:
+            _thread_local_threads(*self.prev)
+
+
+_SETTERS: list = []  # [(omp_set_num_threads, MKL_Set_Num_Threads_Local or None) or None], resolved once
+
+
+def _setters():
+    """``(omp_set_num_threads, MKL_Set_Num_Threads_Local or None)`` of the OpenMP runtime and MKL this torch's
+    intra-op work runs on (ctypes functions), or None where they cannot be found (no OpenMP backend; MKL in use
+    but its per-thread setter not exported)."""
+    if _SETTERS:
+        return _SETTERS[0]
+    found = None
+    try:
+        import ctypes
+
+        if "parallel backend: OpenMP" in torch.__config__.parallel_info():
+            omp = ctypes.CDLL(None).omp_set_num_threads
+            omp.argtypes, omp.restype = [ctypes.c_int], None
+            mkl = None
+            if torch.backends.mkl.is_available():
+                lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+                mkl = lib.MKL_Set_Num_Threads_Local  # the C entry (lowercase is Fortran's: a pointer)
+                mkl.argtypes, mkl.restype = [ctypes.c_int], ctypes.c_int
+            found = (omp, mkl)
+    except (OSError, AttributeError):
+        found = None
+    _SETTERS.append(found)
+    return found
+
+
+def _thread_local_threads(n: int, mkl_prev: Optional[int] = None) -> Optional[tuple]:
+    """Set the *calling thread's* intra-op thread count to ``n`` (the OpenMP ``nthreads-var`` of this thread and
+    MKL's thread-local count; ``mkl_prev``: the MKL value to put back, else ``n``) and return what restores it,
+    ``(threads, mkl)`` for a second call, or None when nothing changed (already ``n``; no per-thread setters).
+
+    Not ``torch.set_num_threads``: besides this thread's settings it stores ``n`` as the process's default, which
+    every thread's first parallel op (``at::internal::lazy_init_num_threads``) copies, so a thread starting its
+    torch work meanwhile (the host optimizer's, an exchange thread) would keep one thread for good; and it clears
+    oneDNN's primitive cache and resizes the process's pthreadpool (``ATen/ParallelOpenMP.cpp``)."""
+    cur = torch.get_num_threads()  # first: this thread's lazy initialisation, which would overwrite ours later
+    found = _setters()
+    if found is None or (cur == n and mkl_prev is None):
+        return None
+    omp, mkl = found
+    omp(n)
+    old = mkl(n if mkl_prev is None else mkl_prev) if mkl is not None else None
+    return cur, old
 
 
 def _narrow(*ts: Optional[torch.Tensor], dtype: torch.dtype) -> list:
