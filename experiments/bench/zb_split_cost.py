@@ -41,30 +41,34 @@ from npu_train.model.presets import get_preset
 from npu_train.pipeline.backward import backward_input
 
 
+CLOCK = time.perf_counter  # --clock cpu: time.process_time (CPU seconds of the process; a busy shared host
+#: stretches wall times by whatever else runs, not the CPU time of a 1-thread run)
+
+
 def one(mode: str, mod: StageModule, x0: torch.Tensor, labels, g) -> tuple[float, float, float]:
     """(forward s, backward-part-1 s, backward-part-2 s) of one micro-batch; grads left in p.grad."""
     x = x0.detach().clone().requires_grad_(True)
     params = list(mod.parameters())
-    t0 = time.perf_counter()
+    t0 = CLOCK()
     out = mod(x)
     if labels is not None:
         out = F.cross_entropy(out.reshape(-1, out.shape[-1]), labels.reshape(-1), reduction="sum") / labels.numel()
-    t1 = time.perf_counter()
+    t1 = CLOCK()
     if mode == "full":
         out.backward(g)
-        t2 = t3 = time.perf_counter()
+        t2 = t3 = CLOCK()
     elif mode == "split":
         dx, work = backward_input(out, g, x, params)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         work.run()
-        t3 = time.perf_counter()
+        t3 = CLOCK()
     else:
         (dx,) = torch.autograd.grad(out, [x], g, retain_graph=True)
-        t2 = time.perf_counter()
+        t2 = CLOCK()
         dws = torch.autograd.grad(out, params, g)
         for p, dw in zip(params, dws):
             p.grad = dw if p.grad is None else p.grad + dw
-        t3 = time.perf_counter()
+        t3 = CLOCK()
     return t1 - t0, t2 - t1, t3 - t2
 
 
@@ -75,8 +79,13 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", default="wall", choices=("wall", "cpu"), help="cpu: process CPU seconds")
+    ap.add_argument("--modes", default="full,split,naive")
+    ap.add_argument("--stages", default="middle,last", help="which stages to time")
     ap.add_argument("--moe", default=None, metavar="E,K,I", help="sparse MLPs: experts, top-k, expert width")
     a = ap.parse_args()
+    global CLOCK
+    CLOCK = time.process_time if a.clock == "cpu" else time.perf_counter
     torch.set_num_threads(a.threads)
     cfg = get_preset("smollm2-135m")
     if a.moe:
@@ -86,14 +95,14 @@ def main() -> None:
     print(f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, torch "
           f"{torch.__version__}, {a.threads} thread(s); SmolLM2-135M shape{' MoE ' + a.moe if a.moe else ''}, "
           f"{a.layers} layers, "
-          f"micro-batch {a.micro_batch} x {a.seq} tokens, fp32, median of {a.rounds} rounds")
+          f"micro-batch {a.micro_batch} x {a.seq} tokens, fp32, median of {a.rounds} rounds, {a.clock} clock")
     torch.manual_seed(0)
-    for head in (False, True):
+    for head in [h for h, name in ((False, "middle"), (True, "last")) if name in a.stages.split(",")]:
         mod = StageModule(cfg, 0, a.layers, False, head)
         x0 = torch.randn(a.micro_batch, a.seq, cfg.hidden_size)
         labels = torch.randint(0, cfg.vocab_size, (a.micro_batch, a.seq)) if head else None
         g = None if head else torch.randn(a.micro_batch, a.seq, cfg.hidden_size)
-        times: dict[str, list] = {m: [] for m in ("full", "split", "naive")}
+        times: dict[str, list] = {m: [] for m in a.modes.split(",")}
         grads = {}
         for r in range(a.rounds + 1):
             for m in times:
