@@ -86,6 +86,7 @@ def test_auto_says_recompute_in_one_short_line_each_fix_once():
 
     choices = _recompute_choices()
     assert (0, 0) in choices and any(sum(k) for k in choices), sorted(choices)  # both cases at these capacities
+    assert any("train.micro_batch=" in ch.why for ch in choices.values()), choices  # a figure named and planned
     for counts, ch in choices.items():
         why = ch.why
         assert "\n" not in why and len(why) < 600, why
@@ -93,14 +94,40 @@ def test_auto_says_recompute_in_one_short_line_each_fix_once():
         assert why.startswith(f"train.schedule=auto: {ch.schedule} with train.recompute=true"), why
         assert why.count("train.recompute=true") == 1, why  # not offered as a fix of what it chose
         refused = why.split("without recompute ")[1]
-        assert all(refused.count(s + ",") + refused.count(s + ":") == 1 for s in CANDIDATES), refused
-        fixes = refused.split("to fit without it: ")[1].split("; ")
-        assert len(fixes) == len(set(fixes)) and "a smaller train.micro_batch or data.seq_len" in fixes, fixes
+        head = refused.split("; to fit")[0]
+        assert all(head.count(s + ",") + head.count(s + ":") == 1 for s in CANDIDATES), refused
+        fixes = refused.split("to fit without it on 1f1b: ")[1].split("; ")
+        assert len(fixes) == len(set(fixes)), fixes
+        _each_fix_fits(counts, fixes)
         if sum(counts):
             said = " / ".join(f"{k} of {st.num_layers}" for k, st in zip(counts, ch.plan.stages))
             assert f"the fewest layers that fit recomputed ({said} per card)" in why, why
         else:
             assert "no layer is recomputed whole: under it the cpu cards return freed memory" in why, why
+
+
+def _each_fix_fits(counts, fixes: list) -> None:
+    """Every figure the auto line names to fit without recompute plans to fit on 1F1B without it (at the capacity
+    that gave ``counts``), one more does not."""
+    import re
+
+    from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS
+
+    cap = {c: ch for c, ch in _recompute_choices().items()}[counts].plan.stages[0].card.capacity_bytes / GIB
+    base = _tiny_request(cap)
+
+    def fits(**kw) -> bool:
+        return make_plan(replace(base, strict=False, shape=replace(base.shape, **kw))).fits
+
+    named = re.findall(r"(train\.micro_batch|data\.seq_len)=(\d+)", " ".join(fixes))
+    for key, v in named:
+        field = "micro_batch" if key == "train.micro_batch" else "seq_len"
+        assert fits(**{field: int(v)}), (key, v)
+        if field == "micro_batch":
+            assert not fits(micro_batch=int(v) + 1), (key, v)
+    if "runtime.keep_host_memory=false" in fixes:
+        terms = [replace(DEFAULT_MEMORY_TERMS["cpu"], heap_fraction=0.0)] * 2
+        assert make_plan(replace(base, strict=False, memory_terms=terms)).fits
 
 
 def test_the_schedule_line_of_a_recompute_plan_recomputing_no_layer():

@@ -136,7 +136,8 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
                               f"train.schedule=auto: {best} with {_recompute_label(plan)} (predicted step "
                               f"{plan.step_time_s:.3g} s{also}), the only way to fit{_recompute_note(plan)}; "
                               "without recompute "
-                              + refusals_summary([(s, w) for s, _, w in tried], without="train.recompute=true"),
+                              + refusals_summary([(s, w) for s, _, w in tried], without="train.recompute=true",
+                                                 fixes_from=_checked_refusal(req)),
                               plan.shape.recompute_attention, plan.shape.recompute_fewest)
     # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
@@ -155,13 +156,24 @@ def _margin_note(fits: list, chosen: Plan) -> str:
     return f"; {' and '.join(passed)} {verb} within the {CHUNK_MARGIN * 100:.0f} % two-chunk margin"
 
 
-def refusals_summary(refused: list, without: Optional[str] = None) -> str:
+def _checked_refusal(req: PlanRequest) -> str:
+    """The refusal of ``req`` on 1F1B without recompute (the least memory of the schedules without it), its fixes
+    planned to fit (``PlanRequest.check_fixes``); ``""`` if that plan fits after all."""
+    try:
+        make_plan(replace(req, check_fixes=True, shape=replace(req.shape, schedule="1f1b", recompute=False)))
+    except (PlacementError, ValueError) as e:
+        return str(e)
+    return ""
+
+
+def refusals_summary(refused: list, without: Optional[str] = None, fixes_from: Optional[str] = None) -> str:
     """The schedules ``refused`` (``(schedule, why not)``: a one-line reason, or a planner refusal of several
     lines) in one short part of a line, the schedules with the same reason together: ``"zb-h1, zb-h2 do not
     fit; interleaved needs ..."``. With ``without`` (the setting the caller takes to fit, e.g.
     ``train.recompute=true``), the refusals' first line and then every other ``fix:`` of theirs once, shortened to
     the setting: ``"1f1b, zb: no placement fits ...; to fit without it: more cards; a smaller train.micro_batch
-    or data.seq_len"``. ``""`` for none."""
+    or data.seq_len"``; ``fixes_from``: the refusal to take the fixes from instead (one whose fixes were planned to
+    fit, :func:`_checked_refusal`), ``"; to fit without it on 1f1b: ..."``. ``""`` for none."""
     import re
 
     groups: dict = {}
@@ -172,18 +184,21 @@ def refusals_summary(refused: list, without: Optional[str] = None) -> str:
         if without is None and head.startswith(("no placement fits", "does not fit")):
             head = "does not fit"
         groups.setdefault(head, []).append(s)
-        for ln in lines[1:] if without is not None else []:
-            if ln.startswith("fix: "):  # the fix itself: without its parentheses and what follows its colon
-                fix = re.sub(r" \([^()]*\)", "", ln.removeprefix("fix: ")).split(": ")[0].strip()
-                if fix and fix not in fixes and not fix.startswith(without):
-                    fixes.append(fix)
+    sources = [fixes_from] if fixes_from is not None else [w for _, w in refused]
+    for ln in "\n".join(sources).splitlines() if without is not None else []:
+        if ln.startswith("fix: "):  # the fix itself: without its parentheses and what follows its colon
+            fix = re.sub(r"^the largest that fits?: ", "", re.sub(r" \([^()]*\)", "", ln.removeprefix("fix: ")))
+            fix = fix.split(": ")[0].strip()
+            if fix and fix not in fixes and not fix.startswith(without):
+                fixes.append(fix)
     parts = []
     for head, ss in groups.items():
         if head == "does not fit":
             parts.append(f"{', '.join(ss)} {'does' if len(ss) == 1 else 'do'} not fit")
         else:
             parts.append(f"{', '.join(ss)}{': ' if head.startswith('no ') else ' '}{head}")
-    return "; ".join(parts) + ("; to fit without it: " + "; ".join(fixes) if fixes else "")
+    on = " on 1f1b" if fixes_from is not None else ""
+    return "; ".join(parts) + (f"; to fit without it{on}: " + "; ".join(fixes) if fixes else "")
 
 
 def _recompute_label(plan: Plan) -> str:
