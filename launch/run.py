@@ -107,11 +107,15 @@ def check_before_imports(cfg) -> None:
     torch-free) and a ``data.seq_len`` over the model's limits (read from its config.json, GGUF header or preset:
     :func:`npu_train.model.limits.check_seq_len_early`) before ``run_job`` and its imports: torch alone is 1.4 s
     of CPU, and a fresh-clone review on a loaded 2-core host waited 19 s for a bad backend's one line and 14 s for
-    ``data.seq_len=100000``'s. Whether the cards exist is checked later."""
-    from npu_train.backends.spec import parse_backend_list
+    ``data.seq_len=100000``'s. CUDA cards that certainly do not exist here (a CPU-only torch, no NVIDIA driver,
+    an index past the driver's GPUs: :func:`npu_train.backends.spec.check_cuda_early`; not for ``plan=true``,
+    which may plan for another machine) are refused here too; the others are checked when the job starts."""
+    from npu_train.backends.spec import check_cuda_early, parse_backend_list
     from npu_train.model.limits import check_seq_len_early
 
-    parse_backend_list(cfg.backend)
+    cards = parse_backend_list(cfg.backend)
+    if not cfg.plan:
+        check_cuda_early(cards)
     check_seq_len_early(int(cfg.data.seq_len), str(cfg.model.path))
 
 

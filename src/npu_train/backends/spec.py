@@ -90,22 +90,76 @@ def parse_backend_list(value) -> list[Card]:
 
 
 # ---------------------------------------------------------------------------- probing
+def _no_cuda_build(entry: str, version: str) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"backend entry {entry!r} names a device that does not exist: this machine has 0 CUDA "
+        f"devices (this PyTorch build, {version}, has no CUDA support): use cpu or "
+        f"furiosa:N, or install a CUDA build of torch")
+
+
+def _no_cuda_device(entry: str) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"backend entry {entry!r} names a device that does not exist: this machine has 0 CUDA "
+        f"devices (torch.cuda.is_available() is False: no NVIDIA GPU/driver visible; check "
+        f"nvidia-smi and CUDA_VISIBLE_DEVICES), or use cpu / furiosa:N")
+
+
+def _no_such_card(entry: str, kind: str, n: int) -> BackendSpecError:
+    valid = f" (valid: {kind}:0..{kind}:{n - 1})" if n else ""
+    return BackendSpecError(f"backend entry {entry!r} names a device that does not exist: this machine has "
+                            f"{n} {_LABEL[kind]} device{'s' if n != 1 else ''}{valid}")
+
+
 def _cuda_device_count(entry: str) -> int:
     """Number of visible CUDA devices; BackendUnavailableError when this torch has no CUDA."""
     import torch
 
     if not torch.backends.cuda.is_built():
-        raise BackendUnavailableError(
-            f"backend entry {entry!r} names a device that does not exist: this machine has 0 CUDA "
-            f"devices (this PyTorch build, {torch.__version__}, has no CUDA support): use cpu or "
-            f"furiosa:N, or install a CUDA build of torch")
+        raise _no_cuda_build(entry, torch.__version__)
     n = int(torch.cuda.device_count())
     if n == 0:
-        raise BackendUnavailableError(
-            f"backend entry {entry!r} names a device that does not exist: this machine has 0 CUDA "
-            f"devices (torch.cuda.is_available() is False: no NVIDIA GPU/driver visible; check "
-            f"nvidia-smi and CUDA_VISIBLE_DEVICES), or use cpu / furiosa:N")
+        raise _no_cuda_device(entry)
     return n
+
+
+def _torch_version() -> "str | None":
+    """The installed torch's version from its package metadata (``2.13.0+cpu``), without importing it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def check_cuda_early(requests: Sequence[Card], proc: str = "/proc", dev: str = "/dev") -> None:
+    """Refuse the ``cuda`` entries of ``requests`` (:func:`parse_backend_list`) where the machine certainly
+    has no such device, before torch is imported (the launcher's :func:`resolve_cards` probe comes after seconds
+    of imports: a fresh-clone review waited ~12 s for ``backend=cuda:7,cpu``'s line). Certain: a torch build
+    without CUDA (its version ``+cpu``); no NVIDIA driver at all (no ``/proc/driver/nvidia``, no
+    ``/dev/nvidia*``, no WSL ``/dev/dxg``); an index at or past the GPUs the driver lists
+    (``/proc/driver/nvidia/gpus``; not checked under ``CUDA_VISIBLE_DEVICES``, which renumbers them). Raises
+    the probe's own BackendUnavailableError / BackendSpecError; otherwise the probe decides later."""
+    import glob
+    import os
+
+    cuda = [r for r in requests if r.kind == "cuda"]
+    if not cuda:
+        return
+    version = _torch_version()
+    if version and version.endswith("+cpu"):
+        raise _no_cuda_build(cuda[0].text, version)
+    driver = os.path.join(proc, "driver", "nvidia")
+    if not (os.path.exists(driver) or glob.glob(os.path.join(dev, "nvidia[0-9]*"))
+            or os.path.exists(os.path.join(dev, "dxg"))):
+        raise _no_cuda_device(cuda[0].text)
+    gpus = os.path.join(driver, "gpus")
+    if "CUDA_VISIBLE_DEVICES" in os.environ or not os.path.isdir(gpus):
+        return
+    n = len(os.listdir(gpus))
+    for r in cuda:
+        if r.index is not None and r.index >= n:
+            raise _no_such_card(r.text, "cuda", n)
 
 
 def _furiosa_device_count(entry: str) -> int:
@@ -167,11 +221,7 @@ def resolve_cards(requests: Sequence[Card], *, probe: bool = True) -> list[Card]
             out.append(Card(r.kind, idx, r.capacity_bytes, text=r.text))  # named after its index
         else:
             if probe and r.index >= counts[r.kind]:
-                n = counts[r.kind]
-                valid = f" (valid: {r.kind}:0..{r.kind}:{n - 1})" if n else ""
-                raise BackendSpecError(
-                    f"backend entry {r.text!r} names a device that does not exist: this machine has "
-                    f"{n} {label} device{'s' if n != 1 else ''}{valid}")
+                raise _no_such_card(r.text, r.kind, counts[r.kind])
             out.append(r)
     return out
 
