@@ -68,6 +68,8 @@ class StageCost:
     t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
     t_v: float = 0.0  # the card's share of a joint V(m) per micro-batch (vocabulary parallelism), part of t_mb
     t_vparts: tuple = (0.0, 0.0, 0.0)  # of which: logits slice, partial input gradient, weight gradient
+    #: the card's stage-boundary copies per micro-batch in its F and its B (CostModel.card_copies), in t_f / t_b
+    t_copy: tuple = (0.0, 0.0)
 
     @property
     def offloaded_state_bytes(self) -> int:
@@ -207,6 +209,8 @@ class CostModel:
         on_card = last and not self.shape.vocab_parallel  # vocabulary-parallel: the head runs in V(m)
         head = tuple(x / (rt.device_flops * rt.head_flops_ratio) for x in self.head_fbw) if on_card else (0.0,) * 3
         fbw = [t + x for t, x in zip(fbw, head)]
+        t_copy = self.card_copies(i)
+        fbw = [fbw[0] + t_copy[0], fbw[1] + t_copy[1], fbw[2]]
         t_vparts = self.vocab_time(i)
         t_v = sum(t_vparts)
         t_mb = sum(fbw) + t_v
@@ -215,7 +219,7 @@ class CostModel:
         c = StageCost(r, sm.nonlayer_resident, mem, sm.offloaded_params, sm.resident_params,
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
-                      recomputed=whole, t_rc=rc, t_v=t_v, t_vparts=t_vparts, heap_cap=sm.heap_cap,
+                      recomputed=whole, t_rc=rc, t_v=t_v, t_vparts=t_vparts, t_copy=t_copy, heap_cap=sm.heap_cap,
                       heap_slack=sm.heap_slack)
         self._cache[key] = c
         return c
@@ -333,7 +337,7 @@ class CostModel:
         fwd = 1.0 / (4.0 if self.shape.recompute else 3.0)
         cpu = self.cards[i].kind == "cpu"
         exposed = exposed_host_time(self.shape.offload, work, offloaded_layers=n - c.resident,
-                                    resident_layers=c.resident, fwd_layer_s=fwd * (c.t_mb - c.t_v) / max(1, n),
+                                    resident_layers=c.resident, fwd_layer_s=fwd * (c.t_mb - c.t_v - sum(c.t_copy)) / max(1, n),
                                     first_input_s=first_input, idle_s=bubble if cpu else phase, cpu_card=cpu)
         return work - exposed
 
@@ -384,11 +388,39 @@ class CostModel:
         end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs), t_v=t_v, lat=lat)
         return max(end) * self.slots / (M + self.P - 1)
 
+    def boundary_copies(self, v: int) -> tuple[float, float]:
+        """Seconds of virtual stage ``v``'s stage-boundary copies per micro-batch, ``(in its F, in its B)``: a
+        neighbour on another card sends or receives one ``[b, S, H]`` tensor in the compute dtype (activation in
+        F, its gradient in B) through the host: the sender copies it card -> host (``d2h``, into the shared-memory
+        slot: ``TensorLink.send``), the receiver host -> card (``h2d``, out of the slot: ``TensorLink.recv``), both
+        in the card process's own thread between its actions (``runtime/links.py``), so on its critical path. F
+        receives the activation from ``v - 1`` and sends its own to ``v + 1``; B receives the gradient from
+        ``v + 1`` and sends it to ``v - 1``; ZB-V's turn on the last card is an in-process hand-over (no copy).
+        0 on a cpu card, whose copies are memory copies inside its fitted compute rate."""
+        sched, P = self.shape.schedule, self.P
+        i, _ = card_of(sched, P, v)
+        if self.cards[i].kind == "cpu":
+            return 0.0, 0.0
+        rt = self.rates[i]
+        x = self.memory.dtype_bytes * self.shape.tokens_per_micro_batch * self.model.hidden_size
+        V = self.memory.chunks * P
+        prev = v > 0 and card_of(sched, P, v - 1)[0] != i
+        nxt = v < V - 1 and card_of(sched, P, v + 1)[0] != i
+        down, up = x / rt.d2h_bytes_per_s, x / rt.h2d_bytes_per_s
+        return (up if prev else 0.0) + (down if nxt else 0.0), (up if nxt else 0.0) + (down if prev else 0.0)
+
+    def card_copies(self, i: int) -> tuple[float, float]:
+        """Seconds of card ``i``'s stage-boundary copies per micro-batch, ``(in its F passes, in its B passes)``: the
+        :meth:`boundary_copies` of its chunks (part of :attr:`StageCost.t_f` / ``t_b``)."""
+        V = self.memory.chunks * self.P
+        mine = [self.boundary_copies(v) for v in range(V) if card_of(self.shape.schedule, self.P, v)[0] == i]
+        return sum(f for f, _ in mine), sum(b for _, b in mine)
+
     def stage_durations(self, costs: Sequence[StageCost]) -> tuple[list, list, list]:
         """``(t_f, t_b, t_w)`` per stage for :func:`~npu_train.pipeline.schedule.stage_timeline`; with two chunks
         per card, per virtual stage: a card's layer time shared by its chunks' layers (:func:`chunk_sizes`),
-        the head's on the last virtual stage."""
-        if self.memory.chunks == 1:
+        the head's on the last virtual stage; each virtual stage with its own :meth:`boundary_copies`."""
+        if self.memory.chunks == 1:  # the stage's copies are in its t_f, t_b
             return [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs]
         V = self.memory.chunks * self.P
         out: tuple = ([], [], [])
@@ -396,18 +428,20 @@ class CostModel:
             i, ch = card_of(self.shape.schedule, self.P, v)
             c = costs[i]
             frac = chunk_sizes(c.layers)[ch] / c.layers if c.layers else 0.5
-            for k, t in enumerate((c.t_f, c.t_b, c.t_w)):
-                out[k].append((t - c.t_head[k]) * frac + (c.t_head[k] if v == V - 1 else 0.0))
+            own = (*self.boundary_copies(v), 0.0)
+            for k, (t, cp) in enumerate(zip((c.t_f, c.t_b, c.t_w), (*c.t_copy, 0.0))):
+                out[k].append((t - cp - c.t_head[k]) * frac + (c.t_head[k] if v == V - 1 else 0.0) + own[k])
         return out
 
-    def first_chunk_forward(self, c: StageCost) -> float:
-        """Seconds of a micro-batch's forward through the card's first virtual stage (its chunk 0, never the
-        head): ``c.t_f`` with one chunk per card; the forwards of micro-batch 0 through the earlier cards' first
+    def first_chunk_forward(self, c: StageCost, i: int) -> float:
+        """Seconds of a micro-batch's forward through card ``i``'s first virtual stage (its chunk 0, never the
+        head), with that virtual stage's own boundary copies: ``c.t_f`` with one chunk per card; the forwards of micro-batch 0 through the earlier cards' first
         chunks all come before a card's first action (:meth:`stage_durations`)."""
         if self.memory.chunks == 1:
             return c.t_f
         frac = chunk_sizes(c.layers)[0] / c.layers if c.layers else 0.5
-        return (c.t_f - c.t_head[0]) * frac
+        own = self.boundary_copies(i)[0]  # chunk 0 is virtual stage i on both two-chunk schedules
+        return (c.t_f - c.t_copy[0] - c.t_head[0]) * frac + own
 
     def step_time(self, split: Sequence[int], resident: Sequence[int]) -> float:
         """Predicted seconds per step of ``split`` with ``resident`` layers per card."""
@@ -416,7 +450,8 @@ class CostModel:
 
     def stage_times(self, split: Sequence[int], costs: Sequence[StageCost]) -> list[dict]:
         """Per stage, seconds per step: ``compute`` (with ``recompute`` and ``vocab``, its parts that run a forward
-        again and the card's share of the joint vocabulary actions), ``bubble``, ``host_optimizer``, ``device_optimizer``,
+        again and the card's share of the joint vocabulary actions), ``boundary`` (its :meth:`card_copies`, inside
+        the phase), ``bubble`` (the rest of the phase), ``host_optimizer``, ``device_optimizer``,
         ``transfer``, ``dp_comm``, ``host_hidden`` and ``total``; the step is the largest ``total``."""
         M = self.shape.micro_batches
         phase = self.phase(costs)
@@ -425,12 +460,13 @@ class CostModel:
             host, dev, xfer = self.side_time(i, c)
             dpt = self.dp_time(i, c)
             # with cpu cards sharing cores: including the phase's average slowdown
-            compute = M * c.t_mb * self.slots / (M + self.P - 1)
+            boundary = M * sum(c.t_copy) * self.slots / (M + self.P - 1)
+            compute = M * c.t_mb * self.slots / (M + self.P - 1) - boundary
             first_input = sum(costs[j].t_f for j in range(i))  # the earlier stages' forward of micro-batch 0
-            hidden = self.host_hidden(i, n, c, host, first_input, phase, phase - compute)
+            hidden = self.host_hidden(i, n, c, host, first_input, phase, phase - compute - boundary)
             out.append({"compute": compute, "recompute": M * c.t_rc * self.slots / (M + self.P - 1),
                         "vocab": M * c.t_v * self.slots / (M + self.P - 1),
-                        "bubble": phase - compute, "host_optimizer": host,
+                        "boundary": boundary, "bubble": phase - compute - boundary, "host_optimizer": host,
                         "device_optimizer": dev, "transfer": xfer - dpt, "dp_comm": dpt, "host_hidden": hidden,
                         "total": phase + host + dev + xfer - hidden})
         return out

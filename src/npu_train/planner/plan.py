@@ -15,7 +15,7 @@ from npu_train.planner.spec import RunShape
 __all__ = ["MEM_KEYS", "TIME_KEYS", "StagePlan", "Plan"]
 
 MEM_KEYS = MEMORY_TERMS + ("total",)
-TIME_KEYS = ("compute", "bubble", "host_optimizer", "device_optimizer", "transfer", "dp_comm", "total")
+TIME_KEYS = ("compute", "boundary", "bubble", "host_optimizer", "device_optimizer", "transfer", "dp_comm", "total")
 
 
 @dataclass

@@ -169,7 +169,16 @@ class Rates:
 #: Uncalibrated defaults (``calibrate`` writes measured ones, see :func:`load_rates`).
 #:
 #: - furiosa: RNGD spec sheet 512 TFLOPS FP8 / 256 TFLOPS BF16; 0.4 assumed utilization.
-#:   h2d 6e9 B/s as measured on an earlier RNGD deployment (one 117 MB tensor); d2h assumed equal.
+#:   h2d 6e9 B/s as measured on an earlier RNGD deployment (one 117 MB upload: ``shared/DESIGN.md`` section 4);
+#:   d2h assumed equal. The link's ceiling is far above it: RNGD's host interface is PCIe Gen5 x16
+#:   (FuriosaAI, developer.furiosa.ai "FuriosaAI RNGD" overview), 32 GT/s x 16 lanes x 128/130 / 8 = 63.0 GB/s
+#:   per direction (PCI-SIG PCIe 5.0); 6 GB/s is kept as the only figure measured through a card's runtime
+#:   (these copies are pageable and synchronous: ``transport/channel.py``), so the stage-boundary and vocabulary
+#:   copies it prices (``CostModel.boundary_copies``) are not under-counted; ``calibrate=true`` measures it.
+#:   ``dp_bytes_per_s`` (gloo) stays at the 10 GbE floor, 1.25e9: gloo between two card processes of one host
+#:   goes over TCP loopback, measured 0.65 GB/s (16 MiB, ``experiments/bench/transport.py``, this project's
+#:   shared 2-core VM, 2026-12-06) to 1.73 GB/s (2026-11-30 record) with a one-process copy at 4.9 GB/s in the
+#:   same run, so no faster same-host figure is measured (``experiments/2026-12-06-eight-cards.md`` section 12).
 #:   Device AdamW (unfused, one tensor at a time) 1e10 params/s assumed.
 #: - cuda: H100/H200-class 989 TFLOPS dense BF16 * 0.4 assumed; 25e9 B/s PCIe Gen5 pinned copies;
 #:   fused device AdamW 5e10 params/s (HBM-bound, ~28 B moved per param).

@@ -4,8 +4,9 @@ Every candidate (1F1B, the zero-bubble schedules ZB, ZB-H1, ZB-H2, and the two-c
 1F1B, the latter when the micro-batches divide by the stages) is planned with the same request;
 the one with the shortest predicted step time among those that fit wins (ties: the earlier in
 :data:`CANDIDATES`, the one holding fewer micro-batches). A two-chunk schedule must beat the best one-chunk
-schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its extra boundary transfers (each micro-batch
-crosses every card twice) and its second set of per-chunk calls. When none fits, 1F1B with activation recompute is
+schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its second set of per-chunk calls and, on cpu cards, its extra
+boundary copies (each micro-batch crosses every card twice; on an accelerator they are in the step time:
+``CostModel.boundary_copies``). When none fits, 1F1B with activation recompute is
 tried, and interleaved 1F1B with recompute (the zero-bubble schedules do not combine with recompute). With
 ``recompute`` asked for, only 1F1B, GPipe and interleaved 1F1B are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
 

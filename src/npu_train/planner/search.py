@@ -212,7 +212,7 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
                 c = pm.cost(i, n, r)
                 # the stage's side time less the host work the overlap may hide (+ what it cannot: dfs); its
                 # first virtual stage's forward
-                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c),
+                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c, i),
                           _backward_pass(pm, i, c)))
         if not o:
             return None

@@ -351,15 +351,17 @@ def time_unit(step_s: float) -> tuple[str, float, int]:
 
 def time_table(plan: Plan, gap: int = 2) -> list:
     """Per card: the predicted seconds per step (compute and the part of it that recomputes forwards, bubble, host
-    and device optimizer, transfers, data-parallel communication, the stage's total); milliseconds for a step
-    under 0.1 s (:func:`time_unit`)."""
+    and device optimizer, card<->host transfers: the offloaded layers' and the stage-boundary copies, data-parallel
+    communication, the stage's total); milliseconds for a step under 0.1 s (:func:`time_unit`)."""
     unit, scale, d = time_unit(plan.step_time_s)
     cols = [("card", "step"), ("layers", "")] + [(f"{k}\n{unit}", "") for k in (
         "compute", "recomp", "bubble", "host-opt", "hidden", "dev-opt", "xfer", "dp-comm", "stage")]
     keys = ("compute", "recompute", "bubble", "host_optimizer", "host_hidden", "device_optimizer", "transfer",
             "dp_comm", "total")
-    rows = [[st.card.name, st.layers_label] + [f"{max(0.0, st.time.get(k, 0.0)) * scale:.{d}f}" for k in keys]
-            for st in plan.stages]
+    shown = [{**st.time, "transfer": st.time.get("transfer", 0.0) + st.time.get("boundary", 0.0)}
+             for st in plan.stages]  # the xfer column: offload transfers + boundary copies
+    rows = [[st.card.name, st.layers_label] + [f"{max(0.0, tm.get(k, 0.0)) * scale:.{d}f}" for k in keys]
+            for st, tm in zip(plan.stages, shown)]
     return [_table(cols, {f"stage\n{unit}": f"{plan.step_time_s * scale:.{d}f}"}, rows, gap)]
 
 
@@ -425,6 +427,8 @@ BOUND_SHARE = 0.5
 #: per term of the slowest stage's time: what it is called and the settings that change it
 _BOUND_TERMS = (
     ("compute", "compute", ("more cards (backend=)", "a faster card kind", "train.recompute=false where set")),
+    ("boundary", "the stage-boundary copies card<->host", ("fewer pipeline stages (parallel.dp)",
+                                                           "a measured h2d/d2h rate (calibrate=true)")),
     ("bubble", "the pipeline bubble", ("more micro-batches (train.accum)", "a zero-bubble schedule "
                                        "(train.schedule=zb-h2)", "fewer pipeline stages")),
     ("host_optimizer", "host AdamW of offloaded layers", (
@@ -495,7 +499,8 @@ def schedule_line(plan: Plan) -> str:
     """The schedule's pipeline phase (s) and bubble share next to the same schedule's bubble with equal
     unit times (:func:`npu_train.pipeline.schedule.bubble_fraction`) and the micro-batches held per card."""
     s, P = plan.shape, len(plan.stages)
-    phase = plan.stages[0].time["compute"] + plan.stages[0].time["bubble"]
+    tm0 = plan.stages[0].time
+    phase = tm0["compute"] + tm0.get("boundary", 0.0) + tm0["bubble"]
     idle = max(0.0, sum(st.time["bubble"] for st in plan.stages) / (P * phase)) if phase > 0 else 0.0
     unit = bubble_fraction(s.schedule, P, s.micro_batches)
     held = "/".join(str(st.in_flight) for st in plan.stages)
