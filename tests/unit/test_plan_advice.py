@@ -51,6 +51,11 @@ def test_recompute_false_is_advised_only_where_a_card_recomputes():
     on = _dominated_by(_plan("1f1b", recompute=True), "compute")
     on.stages[0].time["recompute"] = 0.1
     assert "train.recompute=false where set" in bound_line(on), bound_line(on)
+    # the attention core alone recomputed (an 8-card Qwen3-30B-A3B LoRA plan): train.recompute is off already
+    core = _dominated_by(_plan("1f1b"), "compute")
+    core.shape = replace(core.shape, recompute_attention=True)
+    core.stages[0].time["recompute"] = 0.1
+    assert "train.recompute=false" not in bound_line(core), bound_line(core)
 
 
 # --- train.schedule=auto when only recompute fits: one short line ------------------------------------------------

@@ -252,3 +252,16 @@ def test_every_launcher_line_fits_100_columns_folded_at_words():
     assert any(ln.strip() == path for ln in lines)
     assert fold_long_line("x" * 100) == "x" * 100
     assert f.feed("partial") == "" and f.drain() == "partial"
+
+
+def test_a_tiny_step_line_says_milliseconds(tmp_path):
+    """A tiny model's step of 20.9 ms against a plan of 18.4 ms (it read ``0.02 s (plan 0.02)`` and ``[fwd/bwd
+    0.02 opt 0.00 ...]``, issue 40): the step, the plan and the breakdown in ms, one decimal from 10 ms."""
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 2, predicted_mem=[2 ** 30], predicted_step_s=0.0184, stream=out, tensorboard=False)
+    rec = dict(_rep(1, 2.0, 0.0209, 10), compute_s=0.0172, optimizer_s=0.0009, transfer_s=0.0001)
+    r.step([rec])
+    text = out.getvalue()
+    assert "| 20.9 ms (plan 18.4)" in text, text
+    assert "[fwd/bwd 17.2 opt 0.9 xfer 0.1 idle " in text and " ms] |" in text, text
+    assert " 0.02 " not in text and "0.00" not in text.split("mem GiB")[0], text

@@ -504,7 +504,8 @@ class Reporter:
         if self.pred_mem:
             notes.append("plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem))
         pred = f" ({', '.join(notes)})" if notes else ""
-        plan_s = f" (plan {self.pred_step:.2f})" if self.pred_step else ""
+        scale, d, unit = step_time_unit(wall)
+        plan_s = f" (plan {self.pred_step * scale:.{d}f})" if self.pred_step else ""
         w = len(str(self.total))
         avg = f" ({self.avg_label} {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
         head = [f"step {step:>{w}}/{self.total}", f"loss {rec['loss']:.4f}{avg}", f"gnorm {rec['grad_norm']:.3f}",
@@ -512,9 +513,10 @@ class Reporter:
         if "rewards/accuracies" in rec:
             head.append(f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}")
         head += moe_text(rec)
-        head.append(f"{wall:.2f} s{plan_s}")
-        tail = [f"[fwd/bwd {rec['compute_s']:.2f} opt {rec['optimizer_s']:.2f} xfer {rec['transfer_s']:.2f} "
-                f"idle {rec['idle_s']:.2f}]", f"mem GiB {mem}{pred}", f"ETA {fmt_duration(rec['eta_s'])}"]
+        head.append(f"{wall * scale:.{d}f} {unit}{plan_s}")
+        parts = " ".join(f"{k} {rec[f] * scale:.{d}f}" for k, f in (("fwd/bwd", "compute_s"), ("opt", "optimizer_s"),
+                                                                    ("xfer", "transfer_s"), ("idle", "idle_s")))
+        tail = [f"[{parts}{' ms' if unit == 'ms' else ''}]", f"mem GiB {mem}{pred}", f"ETA {fmt_duration(rec['eta_s'])}"]
         if rec.get("compile_s"):
             tail.append(f"compiled before the step in {rec['compile_s']:.1f} s")
         if rec.get("cpu_fallbacks"):
@@ -759,6 +761,15 @@ def _jsonl(path: str) -> list[dict]:
     except OSError:
         pass
     return out
+
+
+def step_time_unit(step_s: float) -> tuple[float, int, str]:
+    """``(scale, decimals, unit)`` of a step line's times for a step of ``step_s`` seconds: seconds with two
+    decimals from 0.1 s, else milliseconds, one decimal from 10 ms and two below (a tiny model's step read
+    ``0.02 s (plan 0.02)`` and ``[fwd/bwd 0.02 opt 0.00 ...]``)."""
+    if step_s >= 0.1 or step_s <= 0:
+        return 1.0, 2, "s"
+    return 1e3, 1 if step_s >= 0.01 else 2, "ms"
 
 
 def fmt_duration(seconds: float) -> str:

@@ -453,12 +453,14 @@ _AUX_BUBBLE_LEVERS = ("more micro-batches (train.accum), fewer pipeline stages; 
 def _levers_not_chosen(levers: tuple, plan: Plan) -> str:
     """``levers`` joined, less the settings the plan already has (advice never names what is chosen): the
     zero-bubble schedule on a ``zb-h2`` or ``zbv`` plan (the schedules with the least bubble),
-    ``train.offload_update=delayed`` on a delayed plan, ``train.recompute=false`` where no card recomputes (its
-    ``recompute`` seconds are 0 on every card: nothing recomputed, or ``train.recompute`` off)."""
+    ``train.offload_update=delayed`` on a delayed plan, ``train.recompute=false`` where no card recomputes a whole
+    layer (``train.recompute`` off, the attention core alone recomputed, or its ``recompute`` seconds 0 on every
+    card)."""
     s = plan.shape
     chosen = {"train.schedule=zb-h2": s.schedule in ("zb-h2", "zbv"),
               "train.offload_update=delayed": s.offload == "delayed",
-              "train.recompute=false": not any(st.time.get("recompute", 0.0) > 0 for st in plan.stages)}
+              "train.recompute=false": not s.recompute or not any(st.time.get("recompute", 0.0) > 0
+                                                                     for st in plan.stages)}
     return ", ".join(lv for lv in levers if not any(on and key in lv for key, on in chosen.items()))
 
 
