@@ -89,7 +89,9 @@ def test_every_job_sees_the_concurrency_the_sweep_worked_out(monkeypatch, capsys
     ctx, loader, cfg = _compose_sweep("backend=[cpu]", "train.lr=1e-4,3e-4", *given)
     try:
         sweep.SweepCallback().on_multirun_start(cfg)
-        assert "sweep: 2 job(s), 2 at a time" in capsys.readouterr().out
+        # the seconds of planning every job are announced first (5-6 s without a line before the sweep's first)
+        assert capsys.readouterr().out.splitlines() == [
+            "sweep: 2 job(s): planning each to see how many can run at a time ...", "sweep: 2 job(s), 2 at a time"]
         for job in sweep.sweep_job_overrides(list(cfg.hydra.overrides.task)):
             assert loader.load_sweep_config(cfg, job).hydra.launcher.n_jobs == 2
         assert [o for o in cfg.hydra.overrides.hydra if "n_jobs" in o] == ["hydra.launcher.n_jobs=2"]

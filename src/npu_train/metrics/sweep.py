@@ -402,6 +402,8 @@ class SweepCallback(_HydraCallback):
                 self._pin(config, 1)
             print(f"sweep: {len(jobs)} job(s), 1 at a time", flush=True)
             return
+        # planning every job takes seconds (the first imports torch): say so before the concurrency line
+        print(f"sweep: {len(jobs)} job(s): planning each to see how many can run at a time ...", flush=True)
         loader = GlobalHydra.instance().config_loader()
         needs = []
         for ov in jobs:
