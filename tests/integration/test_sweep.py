@@ -272,7 +272,7 @@ def test_sweep_keeps_card_lists_as_one_job(tmp_path, tiny_model):
     # a readable console: no raw joblib line, each job's plan in one line (the table in its plan.txt)
     assert "Joblib.Parallel" not in p.stdout + p.stderr
     unfolded = p.stdout.replace("\n  ", " ")  # lines are folded at 100 columns, continuations indented by 2
-    assert len(re.findall(r"^plan: split \[\d+, \d+\], .* GiB per card, step .* s, fits \(table: .*plan\.txt\)$",
+    assert len(re.findall(r"^plan: split \[\d+, \d+\], .* GiB per card, step [\d.]+ m?s, fits \(table: .*plan\.txt\)$",
                           unfolded, flags=re.M)) == 2, p.stdout[-4000:]
     header = re.compile(r"compute +recomp +bubble +host-opt")  # the time table's header, whatever its column gap
     assert "weights\nGiB" not in p.stdout and not header.search(p.stdout)
