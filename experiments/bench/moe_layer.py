@@ -6,7 +6,8 @@ views of transformers' stacked tensors: one copy in memory), inputs, dtype and t
 Gradients are dropped after each timed call, so one block's are held at a time.
 
 Prints the machine, the median seconds per forward + backward of each, the spread, and the ratios
-``transformers / npu-train`` (> 1: npu-train faster). Checks the outputs agree first.
+``transformers / npu-train`` (> 1: npu-train faster); also of the process's CPU seconds, the run's own work on
+a shared host at 1 thread (with more, OpenMP's spinning threads count too). Checks the outputs agree first.
 
     flock /tmp/bench.lock python experiments/bench/moe_layer.py [--quick] [--dtype bf16|fp32] [--threads N]
         [--hidden 2048 --experts 128 --top-k 8 --moe-intermediate 768 --tokens 1024] [--impls grouped_mm]
@@ -116,13 +117,13 @@ def _fwd_bwd(block, x, g):
     x = x.detach().requires_grad_(True)
     for p in block.parameters():
         p.grad = None
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     y = block(x)
     y.backward(g)
-    t = time.perf_counter() - t0
+    t, c = time.perf_counter() - t0, time.process_time() - c0
     for p in block.parameters():
         p.grad = None  # one block's gradients in memory at a time
-    return t, y.detach()
+    return (t, c), y.detach()
 
 
 def main(argv=None) -> int:
@@ -173,11 +174,15 @@ def main(argv=None) -> int:
     agree = {n: float((o.float() - ref).abs().max() / ref.abs().max()) for n, o in outs.items()}
     load0 = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     times: dict[str, list] = {n: [] for n in blocks}
+    cpu: dict[str, list] = {n: [] for n in blocks}  # process CPU seconds (the run's own work at 1 thread)
     names = list(blocks)
     for r in range(a.rounds):
         for n in names[r % len(names):] + names[: r % len(names)]:  # rotated order per round
-            times[n].append(_fwd_bwd(blocks[n], x, g)[0])
+            (t, c), _ = _fwd_bwd(blocks[n], x, g)
+            times[n].append(t)
+            cpu[n].append(c)
     med = {n: statistics.median(t) for n, t in times.items()}
+    med_cpu = {n: statistics.median(t) for n, t in cpu.items()}
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"machine: {torch.get_num_threads()} torch thread(s), {os.cpu_count()} logical CPUs, torch "
           f"{torch.__version__}, load average {load0:.2f} at the start of the timed rounds, {load:.2f} at the end")
@@ -186,12 +191,14 @@ def main(argv=None) -> int:
     for n in names:
         t = times[n]
         print(f"  {n:32s} {med[n] * 1e3:9.2f} ms  [{min(t) * 1e3:.2f}-{max(t) * 1e3:.2f}]  "
-              f"output rel diff vs {ref_name} {agree[n]:.1e}")
+              f"CPU {med_cpu[n] * 1e3:9.2f} ms  output rel diff vs {ref_name} {agree[n]:.1e}")
     for n in names[1:]:
-        print(f"ratio {n} / npu-train: {med[n] / med['npu-train']:.2f}x")
+        print(f"ratio {n} / npu-train: {med[n] / med['npu-train']:.2f}x  (CPU seconds: "
+              f"{med_cpu[n] / med_cpu['npu-train']:.2f}x)")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"args": vars(a), "times_s": times, "median_s": med, "agree": agree}, f, indent=1)
+            json.dump({"args": vars(a), "times_s": times, "median_s": med, "cpu_s": cpu, "median_cpu_s": med_cpu,
+                       "agree": agree}, f, indent=1)
     return 0
 
 
