@@ -1,0 +1,128 @@
+#!/usr/bin/env python
+"""Saved activations of a stack of decoder layers, measured from outside, against the planner's per-layer figure
+(``planner/memory.py::activation_bytes_per_layer``).
+
+A child process (1 torch thread, ``MALLOC_MMAP_THRESHOLD_=65536`` so every tensor above 64 KiB is its own mapping,
+returned on free, and RSS follows the live tensors) builds ``--layers`` decoder layers of a small Llama shape,
+runs one forward and backward to warm up, then a forward whose graph it keeps. The parent reads the child's
+``RssAnon`` from ``/proc/<pid>/status`` before that forward and after it (the child waits at each point), and
+prints the growth less the stack's output (``b*S*H*e``) per layer, next to the planner's ``sdpa`` (fused kernel),
+``eager`` (probabilities saved) and ``core`` figures. ``--kernel math`` runs attention through PyTorch's math
+kernel (``sdpa_kernel(SDPBackend.MATH)``, which saves the probabilities, as an unfused kernel would); ``fused``
+lets PyTorch choose (flash attention on CPU). ``--core`` checkpoints the attention core
+(``train.recompute_attention``).
+
+Usage::
+
+    .venv/bin/python experiments/bench/activation_rss.py --kernel fused --dtype fp32
+    .venv/bin/python experiments/bench/activation_rss.py --kernel math --dtype bf16 --seq 1024
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+
+SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=1376, num_layers=4, num_heads=8, num_kv_heads=4,
+             head_dim=64)
+
+
+def rss_anon(pid: int) -> int:
+    """``RssAnon`` of process ``pid`` in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon")
+
+
+def child(args) -> None:
+    import torch
+
+    from npu_train.model.config import LlamaConfig
+    from npu_train.model.llama import DecoderLayer, rope_cos_sin
+
+    torch.set_num_threads(1)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers})
+    layers = [DecoderLayer(cfg, i, recompute_core=args.core).to(dtype) for i in range(args.layers)]
+    cos, sin = rope_cos_sin(cfg, args.seq, dtype=dtype)
+    x = torch.randn(args.batch, args.seq, cfg.hidden_size, dtype=dtype)
+
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def kernel():  # the backward too (a checkpointed core recomputes with it)
+        return sdpa_kernel(SDPBackend.MATH) if args.kernel == "math" else nullcontext()
+
+    def run():
+        h = x.detach().requires_grad_(True)
+        with kernel():
+            for layer in layers:
+                h = layer(h, cos, sin)
+        return h
+
+    with kernel():
+        run().float().sum().backward()  # warm-up: lazily built state, the kernels' first calls
+    for layer in layers:
+        layer.zero_grad(set_to_none=True)
+    sys.stdout.write("base\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    out = run()
+    sys.stdout.write("held\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
+    del out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--kernel", choices=("fused", "math"), default="fused")
+    ap.add_argument("--core", action="store_true", help="the attention core checkpointed (recompute_attention)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args)
+        return 0
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, __file__, "--child", *sys.argv[1:]]
+    p = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    assert p.stdout.readline().strip() == "base"
+    time.sleep(0.2)
+    base = rss_anon(p.pid)
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "held"
+    time.sleep(0.2)
+    held = rss_anon(p.pid)
+    p.stdin.write("\n")
+    p.stdin.flush()
+    p.wait()
+
+    from npu_train.model.config import LlamaConfig
+    from npu_train.planner import RunShape
+    from npu_train.planner.memory import activation_bytes_per_layer
+
+    cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers})
+    shape = RunShape(seq_len=args.seq, micro_batch=args.batch, micro_batches=1, schedule="1f1b", dtype=args.dtype)
+    e = 4 if args.dtype == "fp32" else 2
+    out = args.batch * args.seq * cfg.hidden_size * e
+    per = (held - base - out) / args.layers
+    figs = {a: activation_bytes_per_layer(cfg, shape, a) for a in ("sdpa", "eager", "core")}
+    print(f"layers {args.layers}, S {args.seq}, b {args.batch}, {args.dtype}, kernel {args.kernel}"
+          f"{', core checkpointed' if args.core else ''}: RssAnon +{(held - base) / 2**20:.1f} MiB, less the output "
+          f"{out / 2**20:.1f} MiB: {per / 2**20:.2f} MiB per layer; planner: "
+          + ", ".join(f"{a} {v / 2**20:.2f} MiB ({per / v:.3f}x)" for a, v in figs.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
