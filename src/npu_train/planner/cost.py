@@ -336,8 +336,9 @@ class CostModel:
         work = self.hideable(i, c, host)
         fwd = 1.0 / (4.0 if self.shape.recompute else 3.0)
         cpu = self.cards[i].kind == "cpu"
+        layers_s = c.t_mb - c.t_v - sum(c.t_copy)  # the card's layer work per micro-batch
         exposed = exposed_host_time(self.shape.offload, work, offloaded_layers=n - c.resident,
-                                    resident_layers=c.resident, fwd_layer_s=fwd * (c.t_mb - c.t_v - sum(c.t_copy)) / max(1, n),
+                                    resident_layers=c.resident, fwd_layer_s=fwd * layers_s / max(1, n),
                                     first_input_s=first_input, idle_s=bubble if cpu else phase, cpu_card=cpu)
         return work - exposed
 
@@ -435,8 +436,9 @@ class CostModel:
 
     def first_chunk_forward(self, c: StageCost, i: int) -> float:
         """Seconds of a micro-batch's forward through card ``i``'s first virtual stage (its chunk 0, never the
-        head), with that virtual stage's own boundary copies: ``c.t_f`` with one chunk per card; the forwards of micro-batch 0 through the earlier cards' first
-        chunks all come before a card's first action (:meth:`stage_durations`)."""
+        head), with that virtual stage's own boundary copies: ``c.t_f`` with one chunk per card; the forwards of
+        micro-batch 0 through the earlier cards' first chunks all come before a card's first action
+        (:meth:`stage_durations`)."""
         if self.memory.chunks == 1:
             return c.t_f
         frac = chunk_sizes(c.layers)[0] / c.layers if c.layers else 0.5
