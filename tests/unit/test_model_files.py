@@ -144,3 +144,22 @@ def test_check_and_load_walk_shards_with_one_message(tmp_path, case):
     want = {"missing": drop, "shape": "has shape (3, 3), expected (16,)", "shard-gone": "shard listed in the index is missing",
             "not-in-shard": "'model.norm.weight' not found in"}[case]
     assert want in msg, msg
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_is_the_entrywise_check(dtype):
+    """``all_finite`` (a sum first, the entry-wise check only when the sum is not finite) says what
+    ``isfinite(t).all()`` says: an inf, a -inf, a NaN, inf and -inf together (their sum NaN) anywhere are found;
+    finite entries whose sum overflows (2 x the dtype's largest) are finite; empty and integer tensors are."""
+    from npu_train.model.files import all_finite
+
+    big = torch.finfo(dtype).max
+    t = torch.linspace(-1.0, 1.0, 1000).to(dtype)
+    assert all_finite(t) and all_finite(torch.empty(0, dtype=dtype)) and all_finite(torch.arange(5))
+    for bad in ([float("inf")], [float("-inf")], [float("nan")], [float("inf"), float("-inf")]):
+        u = t.clone()
+        u[torch.arange(len(bad)) * 7 + 500] = torch.tensor(bad, dtype=dtype)
+        assert not all_finite(u), bad
+        assert not all_finite(u.reshape(10, 100).t())  # not contiguous
+    over = torch.full((4,), big, dtype=dtype)
+    assert not bool(torch.isfinite(over.sum())) and all_finite(over)

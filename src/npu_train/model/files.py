@@ -26,6 +26,7 @@ __all__ = [
     "hf_dir",
     "expected_shape",
     "shape_error",
+    "all_finite",
     "check_finite",
     "LAYER_RE",
 ]
@@ -140,11 +141,24 @@ def shape_error(name: str, src: str, where: str, expected, found) -> ModelFormat
                             "(another model or a corrupt file); re-download the model or fix config.json")
 
 
-def check_finite(t: "torch.Tensor", name: str, where: str) -> None:
-    """Raise :class:`ModelFormatError` if ``t`` holds an inf or NaN."""
+def all_finite(t: "torch.Tensor") -> bool:
+    """True when no entry of ``t`` is an inf or NaN. One sum first: an inf or NaN entry makes every partial sum
+    from it on inf or NaN (IEEE: inf + finite = inf, inf - inf = NaN, NaN + x = NaN), so a finite sum proves them
+    all finite, without the bool tensor of ``isfinite`` (20x faster on a 768 x 2048 fp32 expert,
+    experiments/2026-12-06-moe.md); a sum that is not finite (a bad entry, or finite entries that overflow it)
+    falls back to the entry-wise check."""
     import torch
 
-    if not bool(torch.isfinite(t).all()):
+    if not t.is_floating_point() or bool(torch.isfinite(t.sum())):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def check_finite(t: "torch.Tensor", name: str, where: str) -> None:
+    """Raise :class:`ModelFormatError` if ``t`` holds an inf or NaN (:func:`all_finite`)."""
+    import torch
+
+    if not all_finite(t):
         n_bad = int((~torch.isfinite(t)).sum())
         raise ModelFormatError(f"{where}: tensor {name!r} holds {n_bad} non-finite value(s) (inf/nan); "
                                "the weights file is corrupt: re-download or re-convert the model")

@@ -232,7 +232,7 @@ def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tens
         w = base[n].float()
         stem = n[: -len(".weight")]
         a, b = adapters.get(f"{stem}.lora_A.weight"), adapters.get(f"{stem}.lora_B.weight")
-        if a is not None and b is not None:
-            w = w + spec.scaling * (b.float() @ a.float())
+        if a is not None and b is not None:  # one pass over W (w + s * (b @ a) made 3 W-sized tensors)
+            w = torch.addmm(w, b.float(), a.float(), alpha=spec.scaling)
         out[n] = w
     return out
