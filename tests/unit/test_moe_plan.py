@@ -326,3 +326,43 @@ def test_too_few_cards_names_the_fewest_that_fit():
     n = int(got.group(1))
     assert n > 4 and make_plan(replace(req(n), strict=False)).fits
     assert not make_plan(replace(req(n - 1), strict=False)).fits
+
+
+def test_weights_over_the_cards_refuse_without_planning_each_schedule(monkeypatch):
+    """Qwen3-235B-A22B full fine-tuning on 8 RNGD cards: bf16 weights + fp32 gradient accumulators, 6 B/param x
+    235.1 B params = 1313.7 GiB, exceed the 8 cards' 8 x 47.5 x 0.95 = 361 GiB together, on every split and under
+    every schedule and recompute (they move activations only). ``train.schedule=auto`` then plans once, 1F1B's
+    refusal naming the weights and a card count, and searches no split on the 8 cards (it planned every candidate,
+    54 plans and 89 CPU s, before); Qwen3-30B-A3B (183.2 GiB) is not ruled out by the bound."""
+    import npu_train.planner.schedule_choice as sc
+    import npu_train.planner.search as search
+
+    def req(name: str) -> PlanRequest:
+        s = RunShape(seq_len=2048, micro_batch=1, micro_batches=8, dtype="bf16")
+        cards = _cards(8)
+        return PlanRequest(get_preset(name), s, cards, [load_rates("furiosa") for _ in cards], threads=1,
+                           host_cores=8)
+
+    room = 8 * FURIOSA_CAPACITY_BYTES * (1 - 0.05)
+    assert 6 * get_preset("qwen3-235b-a22b").total_params() > room > 6 * get_preset("qwen3-30b-a3b").total_params()
+    assert search.state_floor_over_cards(req("qwen3-235b-a22b"))
+    assert not search.state_floor_over_cards(req("qwen3-30b-a3b"))
+    searched, planned = [], []
+    real_search, real_plan = search.fastest_split, sc.make_plan
+
+    def count_search(pm, *a, **k):
+        searched.append(pm.P)
+        return real_search(pm, *a, **k)
+
+    def count_plan(r):
+        planned.append(r.shape.schedule)
+        assert len(planned) == 1, planned  # a second candidate: fail now, not after 54 plans
+        return real_plan(r)
+
+    monkeypatch.setattr(search, "fastest_split", count_search)
+    monkeypatch.setattr(sc, "make_plan", count_plan)
+    with pytest.raises(PlacementError, match=r"(?s)on any split: the weights and gradients alone need 1313\.69 GiB, "
+                       r"more than the 361\.00 GiB usable on the 8 cards together.*fix: more cards \(at least \d+ "):
+        sc.choose_schedule(req("qwen3-235b-a22b"), "auto", True)
+    assert planned == ["1f1b"]
+    assert 8 not in searched  # (the fix's card counts, 30 and more, are planned)

@@ -24,7 +24,7 @@ from typing import Optional
 
 from npu_train.planner.plan import Plan
 from npu_train.planner.request import PlanRequest
-from npu_train.planner.search import make_plan
+from npu_train.planner.search import make_plan, state_floor_over_cards
 from npu_train.planner.spec import PlacementError
 
 __all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule", "refusals_summary"]
@@ -112,6 +112,8 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
     also plans each candidate with the attention core recomputed; else only ``req.shape``'s. ``vocab``
     (``parallel.vocab=auto``): each candidate also with vocabulary parallelism (:func:`with_vocab`)."""
     recompute = bool(req.shape.recompute)
+    if state_floor_over_cards(req):  # the weights alone are over the cards: no candidate fits, refuse at once
+        return _none_fits(req, recompute)
     core = recompute_attention == "auto"
     tried = []
     for s in (RECOMPUTE_CANDIDATES if recompute else CANDIDATES):
@@ -140,7 +142,11 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
                               + refusals_summary([(s, w) for s, _, w in tried], without="train.recompute=true",
                                                  fixes_from=_checked_refusal(req)),
                               plan.shape.recompute_attention, plan.shape.recompute_fewest)
-    # nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)
+    return _none_fits(req, recompute)
+
+
+def _none_fits(req: PlanRequest, recompute: bool) -> ScheduleChoice:
+    """Nothing fits: 1F1B's own plan (a strict request raises its PlacementError, naming card and GiB)."""
     plan = make_plan(replace(req, shape=replace(req.shape, schedule="1f1b", recompute=recompute)))
     return ScheduleChoice("1f1b", recompute, plan, "train.schedule=auto: no schedule fits, 1f1b shown")
 

@@ -17,7 +17,8 @@ from npu_train.planner.spec import PlacementError, gib
 from npu_train.planner.table import card_label, over_capacity_message, state_bytes
 from npu_train.planner.threads import threads_per_card, usable_cores
 
-__all__ = ["PROGRESS", "SearchProgress", "SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan"]
+__all__ = ["PROGRESS", "SearchProgress", "SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan",
+           "state_floor_over_cards"]
 
 #: most schedule timelines :func:`fastest_split` evaluates (about 0.1 ms each for P = 8, M = 4)
 #: before it returns the best split found so far
@@ -506,7 +507,10 @@ def _plan_auto(pm: CostModel, req: PlanRequest, split: Optional[list[int]]) -> P
     ``fits=False`` plan (not ``strict``) or a ``PlacementError`` at each stage's least-memory count."""
     L = req.model.num_layers
     st = SplitSearchStats()
-    chosen = split if split is not None else fastest_split(pm, L, "auto", max_timelines=MAX_TIMELINES, stats=st)
+    if split is None and _over_floor(pm):  # no split fits (its least-memory plan below says why): no search
+        chosen = None
+    else:
+        chosen = split if split is not None else fastest_split(pm, L, "auto", max_timelines=MAX_TIMELINES, stats=st)
     if chosen is not None:
         res = [pm.max_resident(i, n) for i, n in enumerate(chosen)]
         if min(res) >= 0:
@@ -623,11 +627,7 @@ def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> 
     workspace); "at least" the first count not tried when none of those does. On cpu cards more cards split the
     same host RAM, so no count is named (None): :func:`_what_fits` names what does fit."""
     mm = pm.memory
-    floor = 0
-    for i, n in enumerate(split):
-        p = mm.parameters(i, n, 0)
-        floor += mm.weights(p) + mm.gradients(p)
-    room = sum(pm.limit(i) for i in range(pm.P))
+    floor, room = _state_floor(pm, split)
     if floor <= room:
         return "", None
     what = "weights and gradients" if mm.gradients(mm.parameters(0, split[0], 0)) else "weights"
@@ -641,6 +641,38 @@ def _floor_over_cards(pm: CostModel, split: Sequence[int], req: PlanRequest) -> 
     fix = (f"{fewest} such cards, the fewest that fit" if fewest is not None
            else f"at least {min(need + FEWEST_CARDS_TRIED, req.model.num_layers + 1)} such cards")
     return head, fix
+
+
+def _state_floor(pm: CostModel, split: Optional[Sequence[int]] = None) -> tuple[int, int]:
+    """``(floor, room)``, bytes: the terms no placement can move off the cards, each card's weights and gradient
+    accumulators with every layer offloaded, summed over the cards at ``split`` (None: balanced), and the sum of
+    the cards' limits. The floor is the same on every split (the memory model gives every layer the same
+    parameter count; the embedding and head go with the first and last card) and under every schedule and
+    recompute (they change activations only), so ``floor > room`` rules out every placement of the request."""
+    mm = pm.memory
+    floor = 0
+    for i, n in enumerate(split if split is not None else balanced_split(pm.model.num_layers, pm.P)):
+        p = mm.parameters(i, n, 0)
+        floor += mm.weights(p) + mm.gradients(p)
+    return floor, sum(pm.limit(i) for i in range(pm.P))
+
+
+def _over_floor(pm: CostModel) -> bool:
+    floor, room = _state_floor(pm)
+    return floor > room
+
+
+def state_floor_over_cards(req: PlanRequest) -> bool:
+    """True when ``req``'s weights and gradients alone (:func:`_state_floor`) exceed its cards' usable memory
+    together: then nothing fits, whatever the split, resident layers, schedule, recompute or vocabulary
+    parallelism, and a caller that would plan each of those (``train.schedule=auto``) plans once to refuse (a
+    235 B mixture of experts on 8 RNGD cards: 54 plans, 89 CPU s, before). False for a request whose cost model
+    cannot be built (the plan names that error)."""
+    try:
+        pm = _cost_model(req)
+    except (PlacementError, ValueError):
+        return False
+    return _over_floor(pm)
 
 
 def _host_ram_line(pm: CostModel) -> str:
