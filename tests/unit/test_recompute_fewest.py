@@ -198,3 +198,31 @@ def test_zero_bubble_card_recomputes_only_its_attention_cores():
     assert c.recomputed is None
     core = 4 * 2048 * (2 * 2048) * model.num_heads * model.head_dim
     assert c.t_rc == pytest.approx(4 * core / cm.rates[1].device_flops, rel=1e-12)
+
+
+def test_two_chunk_timeline_puts_the_recompute_on_chunk_zero():
+    """Interleaved, 2 cards x 6 layers (chunks of 3 and 3), card 0 recomputing 3 layers whole: the runtime recomputes
+    the card's first layers in execution order, chunk 0's (``test_two_chunks_recompute_chunk_zero_first``), so in the
+    schedule's timeline virtual stage 0's backward carries all three layer forwards again and virtual stage 2 (card 0's
+    chunk 1) none: ``B_0 = 3 (b + f)``, ``B_2 = 3 b`` with ``b``, ``f`` one kept layer's backward and forward (from
+    card 0 with nothing recomputed), each plus its own boundary copies. Spreading the recompute by layers (1.5 ``f``
+    each) would misplace it against the memory model and the runtime."""
+    model = replace(get_preset("llama-3.1-8b"), num_layers=12)
+
+    def cm(counts):
+        shape = RunShape(seq_len=2048, micro_batch=1, micro_batches=4, schedule="interleaved", recompute=True,
+                         recompute_fewest=True, recompute_counts=counts)
+        cards = make_cards("furiosa", 2)
+        return CostModel(model, shape, cards, [load_rates("furiosa") for _ in cards], None, threads=1, host_cores=8)
+
+    c3, c0 = cm((3, 0)), cm((0, 0))
+    k0 = c0.cost(0, 6, 6)
+    f = (k0.t_f - k0.t_copy[0]) / 6  # one layer's forward
+    b = (k0.t_b - k0.t_copy[1]) / 6  # one kept layer's backward
+    costs = [c3.cost(i, 6, 6) for i in range(2)]
+    assert costs[0].recomputed == 3
+    _, t_b, _ = c3.stage_durations(costs)
+    assert t_b[0] - c3.boundary_copies(0)[1] == pytest.approx(3 * (b + f), rel=1e-12)
+    assert t_b[2] - c3.boundary_copies(2)[1] == pytest.approx(3 * b, rel=1e-12)
+    assert t_b[1] - c3.boundary_copies(1)[1] == pytest.approx(3 * b, rel=1e-12)  # card 1: nothing recomputed
+    assert sum(t_b[v] - c3.boundary_copies(v)[1] for v in (0, 2)) == pytest.approx(costs[0].t_b - costs[0].t_copy[1])

@@ -419,7 +419,8 @@ class CostModel:
 
     def stage_durations(self, costs: Sequence[StageCost]) -> tuple[list, list, list]:
         """``(t_f, t_b, t_w)`` per stage for :func:`~npu_train.pipeline.schedule.stage_timeline`; with two chunks
-        per card, per virtual stage: a card's layer time shared by its chunks' layers (:func:`chunk_sizes`),
+        per card, per virtual stage: a card's layer time shared by its chunks (:meth:`chunk_fractions`: by their
+        layers, the backward by where the layers recomputed whole are),
         the head's on the last virtual stage; each virtual stage with its own :meth:`boundary_copies`."""
         if self.memory.chunks == 1:  # the stage's copies are in its t_f, t_b
             return [c.t_f for c in costs], [c.t_b for c in costs], [c.t_w for c in costs]
@@ -428,11 +429,31 @@ class CostModel:
         for v in range(V):
             i, ch = card_of(self.shape.schedule, self.P, v)
             c = costs[i]
-            frac = chunk_sizes(c.layers)[ch] / c.layers if c.layers else 0.5
+            fracs = self.chunk_fractions(c, ch)
             own = (*self.boundary_copies(v), 0.0)
             for k, (t, cp) in enumerate(zip((c.t_f, c.t_b, c.t_w), (*c.t_copy, 0.0))):
-                out[k].append((t - cp - c.t_head[k]) * frac + (c.t_head[k] if v == V - 1 else 0.0) + own[k])
+                out[k].append((t - cp - c.t_head[k]) * fracs[k] + (c.t_head[k] if v == V - 1 else 0.0) + own[k])
         return out
+
+    def chunk_fractions(self, c: StageCost, ch: int) -> tuple[float, float, float]:
+        """Shares of a two-chunk card's layer time ``(F, B, W)`` that its chunk ``ch`` runs: its layers' share
+        (:func:`chunk_sizes`), except B under ``recompute_fewest``, whose layers recomputed whole are the card's first
+        in execution order, chunk 0's first (``model/llama.py``'s ``recompute_layers``, as
+        :meth:`~npu_train.planner.memory.MemoryModel.activations` holds them): chunk ``ch``'s
+        ``k_c = min(k left, m_c)`` of them run the forward again, so its share of B is its layers' B FLOPs
+        (:attr:`layer_fbw_parts`) over the card's."""
+        n = c.layers
+        if not n:
+            return 0.5, 0.5, 0.5
+        sizes = chunk_sizes(n)
+        frac = sizes[ch] / n
+        k = c.recomputed
+        if k is None or not 0 < k < n:
+            return frac, frac, frac
+        (_, redo, _), (_, kept, _) = self.layer_fbw_parts
+        kc = [min(k, sizes[0]), k - min(k, sizes[0])]
+        b = [kc[j] * redo + (sizes[j] - kc[j]) * kept for j in range(2)]
+        return frac, b[ch] / (b[0] + b[1]), frac
 
     def first_chunk_forward(self, c: StageCost, i: int) -> float:
         """Seconds of a micro-batch's forward through card ``i``'s first virtual stage (its chunk 0, never the
