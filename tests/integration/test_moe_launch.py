@@ -56,6 +56,20 @@ def test_moe_pipeline_matches_reference(moe_model, tmp_path, backend, aux):
         assert (1.0 < r["aux_loss"] < 8.0) if aux else r["aux_loss"] is None
 
 
+@pytest.mark.parametrize("backend", ["[cpu,cpu]", "[cpu,cpu,cpu]"])
+def test_moe_zero_bubble_pipeline_matches_reference(moe_model, tmp_path, backend):
+    """train.schedule=zb (B and W split; the experts' kernel makes each half once, model/moe.py), aux loss off."""
+    ref_losses, ref_w = reference_for(moe_model, *STEPS, aux_weight=0.0)
+    losses, reader = run_pipeline(moe_model, str(tmp_path), f"backend={backend}", "train.schedule=zb",
+                                  "train.moe_aux_loss=0", *STEPS)
+    assert len(losses) == 5 and reader.step == 5
+    for a, b in zip(losses, ref_losses):
+        assert abs(a - b) / abs(b) < 1e-5, (losses, ref_losses)
+    diffs = {name: rel_diff(reader.get(f"master.{name}"), w) for name, w in ref_w.items()}
+    worst = max(diffs, key=diffs.get)
+    assert diffs[worst] < TOL[False], f"{worst}: rel diff {diffs[worst]:.2e}"
+
+
 def test_zb_with_aux_loss_is_refused(moe_model, tmp_path):
     from conftest import launch_to_end
 
