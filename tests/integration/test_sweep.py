@@ -174,6 +174,25 @@ def test_summary_of_a_sweep_dir(tmp_path):
     assert sweep.exit_status(rows) == 143
 
 
+def test_console_summary_fits_100_columns_and_the_file_keeps_every_override(tmp_path):
+    """A one-job sweep on a model under a long path: the console's summary has no line over 100 columns and
+    still names every override and the error (folded at words); summary.md keeps the full table (a file)."""
+    sd = str(tmp_path)
+    path = "model.path=/tmp/" + "d" * 40 + "/qwen3"
+    _fake_job(os.path.join(sd, "0"), 0, [path, "train.steps=2", "train.lr=0.0001"], 1, [6.945],
+              error="error: card cpu:0 (stage 0, layers 0-1 +head) failed during step 2: process killed by signal "
+                    "SIGKILL")
+    rows = sweep.collect(sd)
+    md = sweep.write_summary(sd, rows)
+    assert max(len(ln) for ln in md.splitlines()) > 100  # the file's table as it was
+    text = sweep.console_summary(md, rows)
+    assert max(len(ln) for ln in text.splitlines()) <= 100
+    assert text.startswith("# Sweep summary: 0 ok, 1 failed")
+    joined = " ".join(ln.strip() for ln in text.splitlines())
+    assert f"{path} train.steps=2 train.lr=0.0001" in joined and "process killed by signal SIGKILL" in joined
+    assert "| 0 | 6.9450 |" in text
+
+
 def test_summary_names_a_job_stop_after_ended(tmp_path):
     """A job that train.stop_after ended before train.steps exits 0 but is not done: status "stopped", the
     error column says where it stands and where its resume command is; the sweep still exits 0."""

@@ -278,6 +278,26 @@ def table_rows(rows: list[dict], plain: bool = False) -> list[list[str]]:
     return out
 
 
+def console_summary(md: str, rows: list[dict], width: int = 100) -> str:
+    """The summary as the console prints it: the Markdown of :func:`write_summary` when every line fits ``width``
+    columns, else its title, the table without the overrides and error columns and, under it, each job's
+    overrides and error on lines of their own folded at words (``summary.md`` keeps the wide table: a file).
+    A one-job sweep on a model under /tmp printed a 114-column row (issue 40)."""
+    from npu_train.metrics.report import fold_long_line
+
+    if max(len(ln) for ln in md.splitlines()) <= width:
+        return md
+    keep = [k for k, h in enumerate(HEADER) if h not in ("overrides", "error")]
+    body = table_rows(rows)
+    out = ["| " + " | ".join(HEADER[k] for k in keep) + " |", "|" + "---|" * len(keep)]
+    out += ["| " + " | ".join(row[k] for k in keep) + " |" for row in body]
+    for row in body:
+        out.append(fold_long_line(f"job {row[0]}: {row[1]}", width))
+        if row[7]:
+            out.append(fold_long_line(f"job {row[0]} error: {row[7]}", width))
+    return md.split("\n", 1)[0] + "\n\n" + "\n".join(out) + "\n"
+
+
 def write_summary(sweep_dir: str, rows: list[dict]) -> str:
     """Write ``summary.md``, ``summary.csv`` and ``loss_curves.png`` into ``sweep_dir``; return the Markdown."""
     body = table_rows(rows)
@@ -464,5 +484,5 @@ class SweepCallback(_HydraCallback):
         last_rows = rows
         if os.path.isdir(sweep_dir):
             md = write_summary(sweep_dir, rows)
-            print("\n" + md + f"\nsummary: {os.path.join(sweep_dir, 'summary.md')} (and summary.csv, loss_curves.png)",
-                  flush=True)
+            print("\n" + console_summary(md, rows) + f"\nsummary: {os.path.join(sweep_dir, 'summary.md')} (and "
+                  "summary.csv, loss_curves.png)", flush=True)
