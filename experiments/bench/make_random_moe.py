@@ -38,10 +38,12 @@ def main() -> None:
 
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from npu_train.model.files import embedded_model_path
     from npu_train.model.tokenizer import load_tokenizer
 
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bars: the one summary line below
     t0 = time.time()
     torch.manual_seed(a.seed)
     tok = load_tokenizer(embedded_model_path())

@@ -1,7 +1,7 @@
 """Tiny random Qwen2 / Qwen3 / Mistral models, as an HF directory and as a GGUF file, for the model-families record
 (experiments/2026-12-03-model-families.md) and for trying the families without downloading a checkpoint.
 
-``python experiments/scripts/model_families.py <out dir>`` writes, per family, ``<out>/<family>/`` (config.json,
+``python experiments/scripts/model_families.py [out dir]`` (default ``tiny-families``) writes, per family, ``<out>/<family>/`` (config.json,
 model.safetensors, tokenizer.json + tokenizer_config.json with a ChatML template: what ``save_pretrained`` and a
 Hub download hold) and ``<out>/<family>.gguf`` (llama.cpp ``convert_hf_to_gguf.py`` layout: ``qwen2`` / ``qwen3``
 arch keys and HF row order; Mistral as arch ``llama`` with llama.cpp's q/k permutation, as llama.cpp writes it;
@@ -11,9 +11,9 @@ a ``gpt2`` BPE tokenizer with ``tokenizer.ggml.pre=qwen2`` for Qwen). The weight
 """
 from __future__ import annotations
 
+import argparse
 import json
 import os
-import sys
 
 import numpy as np
 import torch
@@ -111,7 +111,9 @@ def write_gguf(path: str, model, tok, family: str) -> None:
 
 def main(out: str) -> None:
     import transformers
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bars: one line per family instead
     os.makedirs(out, exist_ok=True)
     tok = _tokenizer(out)
     for family, (cfg_cls, model_cls, extra, tied) in FAMILIES.items():
@@ -137,5 +139,13 @@ def main(out: str) -> None:
         print(f"{family}: {d} and {d}.gguf ({sum(p.numel() for p in model.parameters()):,} params)")
 
 
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="Write tiny random Qwen2, Qwen3 and Mistral models (an HF directory "
+                                 "and a GGUF file per family) to try the families on CPU cards.")
+    ap.add_argument("out", nargs="?", default="tiny-families",
+                    help="output folder (default: tiny-families); gets <family>/ and <family>.gguf per family")
+    return ap.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "tiny-families")
+    main(parse_args().out)
