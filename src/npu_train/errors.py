@@ -5,6 +5,7 @@ process failed, 2 bad input, 130 / 143 SIGINT / SIGTERM.
 from __future__ import annotations
 
 import errno
+import re
 import signal
 from typing import Optional
 
@@ -17,20 +18,38 @@ EXIT_USER_ERROR = 2
 REFUSAL_COLUMNS = 100
 
 
+#: a number and the unit (or ``x <number>``) after it, and a count's name and its number (micro-batch, dp,
+#: pp, step, accum): joined when a line is folded ("0.0 s", "micro-batch 2 x 4", "12 GiB")
+_NUMBER_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|us|min|h|x|GiB|MiB|KiB|GB|MB|B|%|tok/s|tokens?|steps?|"
+                          r"layers?|cards?|cores?|threads?)(?![\w/.]))|(?<=\d x) (?=\d)|"
+                          r"(?:(?<=micro-batch)|(?<=\bdp)|(?<=\bpp)|(?<=\bstep)|(?<=\baccum)|(?<=accumulation)) (?=\d)")
+_GLUE = "\ue000"  # a private-use character textwrap does not split at, put back to a space after folding
+
+
+def wrap_words(text: str, width: int, initial_indent: str = "", subsequent_indent: str = "  ") -> list[str]:
+    """``text`` folded at words within ``width`` columns (:func:`textwrap.wrap`: no break at hyphens, a word
+    wider than a line stays whole on a line of its own), never between a number and its unit ("0.0 s",
+    "2 x 4": a fresh-clone review saw ``(0.0`` end one line and ``s to publish)`` start the next, issue 40).
+    The lines, ``[]`` for an empty ``text``."""
+    import textwrap
+
+    glued = _NUMBER_UNIT.sub(_GLUE, text)
+    return [ln.replace(_GLUE, " ") for ln in textwrap.wrap(
+        glued, width=width, initial_indent=initial_indent, subsequent_indent=subsequent_indent,
+        break_on_hyphens=False, break_long_words=False)]
+
+
 def refusal_text(message: str, prefix: str = "error: ", width: int = REFUSAL_COLUMNS) -> str:
     """``prefix + message`` as printed: each of the message's own lines folded at words within ``width`` columns,
     the lines after the first indented two spaces and a folded line's continuation two more (a word wider than
     a line, a long path, stays whole on a line of its own, after the prefix when it comes first). Joining the lines that start with spaces back onto
     the first with single spaces gives the message on one line (``status.json``, grep). A fresh-clone review
     saw refusals of 142-451 columns on one line and an 8-cpu-card 8B refusal of ~5,000 characters (issue 40)."""
-    import textwrap
-
     out = []
     for k, line in enumerate(str(message).split("\n")):
         indent = "" if k == 0 else "  "
         text = (prefix if k == 0 else "") + line.strip()
-        folded = textwrap.wrap(text, width=width, initial_indent=indent, subsequent_indent=indent + "  ",
-                               break_on_hyphens=False, break_long_words=False) or [indent + text]
+        folded = wrap_words(text, width, initial_indent=indent, subsequent_indent=indent + "  ") or [indent + text]
         if k == 0 and prefix.strip() and folded[0] == prefix.strip() and len(folded) > 1:
             # a first word wider than the line (a long path) stays on the prefix's line, never "error:" alone
             folded[:2] = [prefix + folded[1].strip()]

@@ -112,3 +112,23 @@ def test_the_activation_fixes_are_said_once_for_both_cards():
     flat = " ".join(ln.strip() for ln in _refusal(CASES["activations-on-2-cpu-cards"]).splitlines())
     for fix in ("train.recompute=true", "data.seq_len="):
         assert flat.count(fix) == 1, flat
+
+
+@pytest.mark.parametrize("width", range(40, 101))
+def test_folds_keep_a_number_with_its_unit(width):
+    """At every width, the shared fold (refusals, :func:`fold_long_line`, the plan's prose, the end-of-run line)
+    never ends a line with a number whose unit or count starts the next: a fresh-clone review saw
+    ``... step_000003 (0.0`` / ``  s to publish)`` and ``micro-batch`` / ``  2 x 4`` (issue 40)."""
+    from npu_train.metrics.report import fold_long_line
+    from npu_train.planner.table import _wrap
+    from npu_train.runtime.job import fold_words
+
+    line = ("checkpoint step 3 saved to /tmp/h/run/ckpt/step_000003 (0.0 s to publish); plan: searching (12 s, "
+            "3 plan(s)): zb-h2 on 2 cards, dp 2, micro-batch 2 x 4, peak 1.25 GiB, 40 % of 6,940 tok/s")
+    for folded in (fold_long_line(line, width), _wrap(line, width), fold_words(line, width),
+                   refusal_text(line, width=width)):
+        text = " ".join(ln.strip() for ln in folded.splitlines())
+        assert text.endswith(line), folded  # nothing lost or changed but the folds
+        for pair in ("0.0 s", "12 s", "step 3", "2 cards", "dp 2", "micro-batch 2 x 4", "1.25 GiB", "40 %",
+                     "6,940 tok/s"):
+            assert any(pair in ln for ln in folded.splitlines()), (pair, folded)

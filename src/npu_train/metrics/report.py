@@ -703,14 +703,12 @@ def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
     """``line`` (no newline) folded at words so that no piece is wider than ``width`` columns, the pieces after
     the first indented two spaces deeper than the line's own indent; unchanged when it fits. A word wider
     than a line (a long path) stays whole on a line of its own."""
-    import textwrap
+    from npu_train.errors import wrap_words  # never between a number and its unit
 
     if len(line) <= width:
         return line
     indent = line[:len(line) - len(line.lstrip(" "))]
-    return "\n".join(textwrap.wrap(line[len(indent):], width=width, initial_indent=indent,
-                                    subsequent_indent=indent + "  ", break_on_hyphens=False,
-                                    break_long_words=False)) or line
+    return "\n".join(wrap_words(line[len(indent):], width, initial_indent=indent, subsequent_indent=indent + "  ")) or line
 
 
 class LineFolder:

@@ -367,9 +367,9 @@ def time_table(plan: Plan, gap: int = 2) -> list:
 
 def _wrap(line: str, width: int) -> str:
     """A long prose line folded at ``width`` columns, continuation lines indented by two spaces."""
-    import textwrap
+    from npu_train.errors import wrap_words  # never between a number and its unit
 
-    return "\n".join(textwrap.wrap(line, width=width, subsequent_indent="  ", break_on_hyphens=False)) or line
+    return "\n".join(wrap_words(line, width)) or line
 
 
 def plan_table(plan: Plan, width: int = 0) -> str:

@@ -1417,12 +1417,11 @@ def terminal_width(stream=None) -> int:
 def fold_words(line: str, width: int) -> str:
     """``line`` folded at words to ``width`` columns (continuation lines indented by two spaces; a terminal
     otherwise breaks a long line mid-word); unchanged when ``width`` is 0."""
-    import textwrap
+    from npu_train.errors import wrap_words  # never between a number and its unit
 
     if width <= 0:
         return line
-    return "\n".join(textwrap.wrap(line, width=width, subsequent_indent="  ", break_on_hyphens=False,
-                                    break_long_words=False)) or line
+    return "\n".join(wrap_words(line, width)) or line
 
 
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
