@@ -545,6 +545,7 @@ def validate(cfg) -> None:
     else:
         _check_lora_unused(section(cfg, "lora"))
     _check_modes(cfg.train)
+    _check_resume(cfg.train)
     _check_objective(cfg)
     _check_optimizer(cfg.train)
     _check_checkpoint(cfg)
@@ -704,6 +705,19 @@ def _check_modes(t) -> None:
                           "train.offload_update=sync with train.resume=auto")
     if t.nonfinite not in ("stop", "skip"):
         raise ConfigError(f"train.nonfinite={t.nonfinite!r}: use stop or skip")
+
+
+def _check_resume(t) -> None:
+    """``train.resume=true`` / ``false``: Hydra reads them as booleans, which the ``Optional[str]`` field keeps
+    as ``'True'`` / ``'False'``; refused here (naming the accepted values) instead of as a missing path."""
+    word = str(t.resume).lower() if t.resume is not None else None
+    if word == "true":
+        raise ConfigError("train.resume takes latest or a path (got true): use train.resume=latest (the newest "
+                          "checkpoint under checkpoint.dir), train.resume=auto (that, or a fresh start when there "
+                          "is none) or train.resume=<checkpoint dir>")
+    if word == "false":
+        raise ConfigError("train.resume takes latest or a path (got false): to start fresh drop train.resume "
+                          "(or train.resume=null)")
 
 
 def _check_optimizer(t) -> None:

@@ -67,3 +67,14 @@ def test_resume_command_starts_with_the_runs_npt_variables(monkeypatch, tmp_path
         monkeypatch.delenv(k)
     assert _launcher().resume_command([], "/ck").startswith(shlex.quote(sys.executable))
     assert "resume by rerunning the same command with train.resume=latest" in interrupt_note("/ck/s", "/ck", "sync")
+
+
+@pytest.mark.parametrize("flag,fix", [("true", "use train.resume=latest"), ("false", "to start fresh drop train.resume")])
+def test_boolean_resume_is_refused_naming_the_values(flag, fix):
+    """Hydra turns train.resume=true into a boolean (kept as 'True' by the string field): one line naming the
+    accepted values, not 'True does not exist'."""
+    cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([f"train.resume={flag}"]))
+    with pytest.raises(ConfigError, match=f"train.resume takes latest or a path \\(got {flag}\\): {fix}"):
+        validate(cfg)
+    cfg.train.resume = "latest"
+    validate(cfg)
