@@ -265,3 +265,34 @@ def test_a_tiny_step_line_says_milliseconds(tmp_path):
     assert "| 20.9 ms (plan 18.4)" in text, text
     assert "[fwd/bwd 17.2 opt 0.9 xfer 0.1 idle " in text and " ms] |" in text, text
     assert " 0.02 " not in text and "0.00" not in text.split("mem GiB")[0], text
+
+
+def test_a_resumed_step_is_two_lines_with_its_time_on_the_first(tmp_path):
+    """After a resume ``(avg since resume ...)`` widened the progress past 100 columns and the step time took a
+    line of its own between the progress and the breakdown (three lines, issue 40): the grad norm moves to the
+    details' line instead, and where the progress is still too wide the time joins its breakdown."""
+    from npu_train.metrics.report import fit_progress
+
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 300, predicted_mem=[2 ** 30], predicted_step_s=0.10, stream=out, tensorboard=False,
+                 start_step=80)
+    r.step([dict(_rep(81, 6.2576, 0.15, 2 ** 29), compute_s=0.12, optimizer_s=0.0)])
+    lines = out.getvalue().rstrip("\n").splitlines()
+    assert len(lines) == 2 and max(len(ln) for ln in lines) <= 100, lines
+    assert lines[0] == "step  81/300 | loss 6.2576 (avg since resume 6.2576) | 6,667 tok/s | 0.15 s (plan 0.10)"
+    assert lines[1].startswith("  gnorm 0.500 | [fwd/bwd 0.12 opt 0.00 "), lines
+    head = ["step 3/20", "loss 3.7435 (avg since resume 3.8979)", "gnorm 3.058", "182 tok/s", "MFU 76.3%",
+            "aux 0.0123", "expert load 1.42/1.37", "5.62 s (plan 6.27)"]
+    new_head, tail = fit_progress(head, ["[fwd/bwd 5.00 opt 0.10 xfer 0.00 idle 0.52]", "ETA 1m"])
+    assert new_head == head[:-1] and tail[0] == "5.62 s (plan 6.27) [fwd/bwd 5.00 opt 0.10 xfer 0.00 idle 0.52]"
+
+
+def test_a_step_and_its_plan_share_a_unit(tmp_path):
+    """A tiny model's step of 0.21 s against a plan the plan table prints as ``step 75.1 ms`` read ``0.21 s
+    (plan 0.08)`` (issue 40): when either is below 0.1 s both (and the breakdown) are in ms."""
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 2, predicted_mem=[2 ** 30], predicted_step_s=0.0751, stream=out, tensorboard=False)
+    r.step([dict(_rep(1, 2.0, 0.21, 10), compute_s=0.18, optimizer_s=0.01, transfer_s=0.0)])
+    text = out.getvalue()
+    assert "| 210.0 ms (plan 75.1)" in text, text
+    assert "[fwd/bwd 180.0 opt 10.0 xfer 0.0 idle " in text and " ms] |" in text, text

@@ -488,6 +488,7 @@ class Reporter:
         tokens/s, MFU, step time against the plan), then, indented, the time breakdown, memory per card against
         the plan, the ETA and any flags (:func:`fold_fields`; the learning rate is in ``metrics.jsonl``)."""
         head, tail = self._fields(rec, step, wall, skipped)
+        head, tail = fit_progress(head, tail)
         return fold_fields(head) + "\n" + fold_fields(tail, first_indent="  ")
 
     def _short(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
@@ -504,7 +505,7 @@ class Reporter:
         if self.pred_mem:
             notes.append("plan " + "/".join(f"{m / GIB:.2f}" for m in self.pred_mem))
         pred = f" ({', '.join(notes)})" if notes else ""
-        scale, d, unit = step_time_unit(wall)
+        scale, d, unit = step_time_unit(min(wall, self.pred_step) if self.pred_step else wall)  # both in one unit
         plan_s = f" (plan {self.pred_step * scale:.{d}f})" if self.pred_step else ""
         w = len(str(self.total))
         avg = f" ({self.avg_label} {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
@@ -688,6 +689,22 @@ def fold_fields(fields: list[str], width: int = LINE_COLUMNS, first_indent: str 
             cur = cur + " | " + f if cur.strip() else cur + f
     lines.append(cur)
     return "\n".join(lines)
+
+
+def fit_progress(head: list[str], tail: list[str], width: int = LINE_COLUMNS) -> tuple[list[str], list[str]]:
+    """A step line's ``(progress, details)`` fields (:meth:`Reporter._fields`: the step time last in the progress,
+    the ``[fwd/bwd ...]`` breakdown first in the details) rearranged so the progress is one line of ``width``
+    columns where it can be: the grad norm moves to the details' front, and if the progress is still too wide
+    the step time joins its breakdown. A resumed run's ``(avg since resume ...)`` otherwise put the step time
+    alone on a line between the two (issue 40)."""
+    if len(" | ".join(head)) <= width:
+        return head, tail
+    rest = [f for f in head if not f.startswith("gnorm ")]
+    if len(rest) < len(head) and len(" | ".join(rest)) <= width:
+        return rest, [f for f in head if f.startswith("gnorm ")] + tail
+    if tail and tail[0].startswith("["):
+        return head[:-1], [head[-1] + " " + tail[0]] + tail[1:]
+    return head, tail
 
 
 def is_startup_phase(text: str) -> bool:
