@@ -79,6 +79,38 @@ def _unknown_key_line(text: str) -> "str | None":
     return unknown_key_error(m.group(1))
 
 
+_EXPECTED = {"Float": "a number (float)", "Integer": "a whole number (integer)"}
+
+
+def _override_value_line(text: str) -> "str | None":
+    """Hydra's refusal of an override's value as one line in the project's words: a value of the wrong type
+    (``train.lr=abc`` -> ``train.lr=abc: expected a number (float)``, with the default as an example) or an
+    override Hydra's grammar cannot parse (``backend=cpu;cpu``: cards are separated by commas); None for any
+    other error."""
+    m = re.search(r"LexerNoViableAltException: (\S+)", text)
+    if m:
+        ov = m.group(1)
+        key, _, val = ov.partition("=")
+        if key.lstrip("+~") == "backend" and ";" in val:
+            return f"{ov}: cannot be parsed; separate cards with commas: backend={val.replace(';', ',')}"
+        return (f"{ov}: cannot be parsed (Hydra's override grammar); quote a value that holds special "
+                f"characters: \"{key}='{val}'\"")
+    m = re.search(r"Error merging override (\S+)\n.*?(?:could not be converted to (\w+)|(is not a valid bool))",
+                  text, flags=re.S)
+    if not m or not (m.group(3) or m.group(2) in _EXPECTED):
+        return None
+    ov = m.group(1)
+    key = ov.partition("=")[0].lstrip("+~")
+    from omegaconf import OmegaConf
+
+    from npu_train.config import Config
+
+    default = OmegaConf.select(OmegaConf.structured(Config), key, default=None)
+    shown = str(default).lower() if isinstance(default, bool) else default
+    example = f", e.g. {key}={shown}" if default is not None else ""
+    return f"{ov}: expected {'true or false (boolean)' if m.group(3) else _EXPECTED[m.group(2)]}{example}"
+
+
 def _output_dir_error(text: str) -> "str | None":
     """The OS error of Hydra's ``mkdir`` of the run/sweep directory, or of its first write into it
     (``run.log``, ``multirun.yaml``, ``.hydra/``): a path through a file, no permission, a read-only
@@ -900,7 +932,7 @@ def _main() -> None:
             if not cap.started:
                 real_stderr.write(text)
             raise
-        line = _unknown_key_line(text) or (f"{_one_line_hydra_error(text)} -- fix the key=value override (each "
+        line = _unknown_key_line(text) or _override_value_line(text) or (f"{_one_line_hydra_error(text)} -- fix the key=value override (each "
                                            "key's type and meaning: src/npu_train/config.py; list them with --cfg job)")
         print_error(line, real_stderr)
         sys.exit(2)

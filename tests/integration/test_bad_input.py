@@ -170,7 +170,7 @@ CASES = [
     ("data-bad-rows-value", lambda b: ["data.bad_rows=maybe"], None, ["data.bad_rows='maybe'", "refuse", "skip"]),
     ("accum-zero", lambda b: ["train.accum=0"], None, ["train.accum=0 must be a positive integer", "train.accum=1"]),
     ("accum-not-a-number", lambda b: ["train.accum=abc"], None,
-     ["'abc'", "could not be converted to Integer", "train.accum", "fix the key=value override"]),
+     ["train.accum=abc: expected a whole number (integer), e.g. train.accum="]),
     ("unknown-key", lambda b: ["train.foo=1"], None, ["unknown key train.foo", "fix its name", "--cfg job"]),
     ("unknown-key-misspelt", lambda b: ["trian.accum=4"], None,
      ["unknown key trian.accum", "did you mean train.accum?"]),

@@ -75,3 +75,33 @@ def test_a_removed_key_names_what_replaced_it():
     text = HYDRA_TEXT.replace("trian.accum", "placement.calibrate").replace("'trian'", "'calibrate'")
     assert run._unknown_key_line(text) == ("placement.calibrate was removed: a finished run fits the rates; "
                                            "calibrate=true measures them")
+
+
+# Hydra's texts for a value of the wrong type and an unparsable override (captured from Hydra 1.3)
+WRONG_TYPE = ("Error merging override train.lr=abc\nValue 'abc' of type 'str' could not be converted to Float\n"
+              "    full_key: train.lr\n    reference_type=TrainConf\n    object_type=TrainConf\n\n"
+              "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+NOT_PARSED = ("LexerNoViableAltException: backend=cpu;cpu\n                                      ^\n"
+              "See https://hydra.cc/docs/1.2/advanced/override_grammar/basic for details\n\n"
+              "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace.\n")
+
+
+def test_a_value_of_the_wrong_type_is_said_in_our_words():
+    run = _launcher()
+    line = run._override_value_line(WRONG_TYPE)
+    assert line.startswith("train.lr=abc: expected a number (float)"), line
+    assert "Error merging" not in line and "full_key" not in line and "\n" not in line
+    acc = run._override_value_line(WRONG_TYPE.replace("train.lr", "train.accum").replace("Float", "Integer"))
+    assert acc.startswith("train.accum=abc: expected a whole number (integer)"), acc
+    flag = run._override_value_line("Error merging override train.recompute=maybe\n"
+                                    "Value 'maybe' is not a valid bool (type str)\n    full_key: train.recompute\n")
+    assert flag.startswith("train.recompute=maybe: expected true or false"), flag
+
+
+def test_semicolons_in_backend_name_the_comma_form():
+    run = _launcher()
+    assert run._override_value_line(NOT_PARSED) == ("backend=cpu;cpu: cannot be parsed; separate cards with "
+                                                    "commas: backend=cpu,cpu")
+    other = run._override_value_line(NOT_PARSED.replace("backend=cpu;cpu", "data.source=a;b"))
+    assert other.startswith("data.source=a;b: cannot be parsed") and "LexerNoViable" not in other, other
+    assert run._override_value_line("Primary config module 'conf' not found.\n") is None
