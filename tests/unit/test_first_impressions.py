@@ -43,3 +43,28 @@ def test_resumed_schedule_line_is_a_whole_phrase(monkeypatch, capsys):
     assert cfg.train.schedule == "zb-h2"
     assert line.startswith("train.schedule=auto: zb-h2, the resumed checkpoint's schedule (a resume keeps it"), line
     assert not line.endswith("checkpoint's"), line
+
+
+def test_moe_auto_schedule_line_leads_with_the_schedule_used(monkeypatch, capsys):
+    """With the load-balancing loss on, ``train.schedule=auto`` printed ``train.schedule=auto: zb-h2 (predicted
+    ...); 1f1b instead: ...`` and ran 1f1b (issue 40): the line starts with the schedule used and says why."""
+    from types import SimpleNamespace
+
+    from npu_train.planner import schedule_choice
+    from npu_train.runtime import job
+
+    why = "train.schedule=auto: zb-h2 (predicted step 3.84 s; 1f1b 4.10 s)"
+    monkeypatch.setattr(job, "_resumed_train", lambda cfg, run_dir: None)
+    request = SimpleNamespace(shape=SimpleNamespace(vocab_parallel=False))
+    monkeypatch.setattr(job, "plan_request", lambda *a, **k: request)
+    monkeypatch.setattr(schedule_choice, "choose_schedule", lambda *a, **k: SimpleNamespace(
+        schedule="zb-h2", recompute=False, why=why, plan=None, recompute_attention=False, recompute_fewest=False))
+    monkeypatch.setattr(job, "_aux_needs_1f1b", lambda cfg, mcfg: True)
+    cfg = OmegaConf.structured(Config)
+    cfg.train.schedule = "auto"
+    job._choose_schedule(cfg, "/nonexistent", SimpleNamespace(is_moe=True), "fp32", [], 1, 1, 0, None)
+    line = capsys.readouterr().out.strip()
+    assert cfg.train.schedule == "1f1b"
+    assert line.startswith("train.schedule=auto: 1f1b, as the mixture-of-experts load-balancing loss "
+                           "(train.moe_aux_loss) needs a full backward"), line
+    assert line.endswith("without the loss: zb-h2 (predicted step 3.84 s; 1f1b 4.10 s)"), line

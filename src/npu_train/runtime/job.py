@@ -487,8 +487,7 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
 
     if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and _aux_needs_1f1b(cfg, mcfg):
-        schedule, why = "1f1b", why + ("; 1f1b instead: the mixture-of-experts load-balancing loss needs a full "
-                                       "backward on one chunk per card")
+        schedule, why = "1f1b", aux_schedule_line(why)
     with open_dict(cfg):
         cfg.train.schedule = schedule
         cfg.train.recompute = recompute
@@ -496,6 +495,16 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
         cfg.train.recompute_layers = which
     print(why, flush=True)
     return off
+
+
+def aux_schedule_line(why: str) -> str:
+    """The ``train.schedule=auto`` line when the mixture-of-experts load-balancing loss overrides the choice
+    ``why`` names: it leads with the schedule used (1f1b) and the reason, then what auto would choose without
+    the loss. It named zb-h2 first and ran 1f1b (issue 40)."""
+    head = "train.schedule=auto: "
+    rest = why[len(head):] if why.startswith(head) else why
+    return (f"{head}1f1b, as the mixture-of-experts load-balancing loss (train.moe_aux_loss) needs a full backward "
+            f"on one chunk per card; without the loss: {rest}")
 
 
 def _resumed_recompute_layers(cfg, manifest: dict, stages: int):
