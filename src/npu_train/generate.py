@@ -1,6 +1,7 @@
 """See what a model says: ``python -m npu_train.generate <model> --prompt "..."``. ``<model>``: a checkpoint
-(or root), an HF Llama directory, ``embedded`` or a ``.gguf``; chat template unless ``--no-chat``;
-transformers' ``generate``. Errors: one ``error:`` line, exit 2.
+(or root), a Hugging Face model directory of any family npu-train trains (docs/models.md), ``embedded`` or a
+``.gguf``; chat template unless ``--no-chat``; transformers' ``generate``. A bad argument is refused with a
+one-line error that names the fix (exit status 2).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 #: the forms ``<model>`` takes, for the errors about a path that is none of them
 EXPECTED = ("pass a checkpoint directory (<run>/checkpoints for its newest checkpoint, or "
             "<run>/checkpoints/step_N), an export directory (python -m npu_train.checkpoint.export), a Hugging Face "
-            "Llama directory with config.json, a .gguf file, or 'embedded'")
+            "model directory with config.json, a .gguf file, or 'embedded'")
 
 
 def _is_checkpoint(path: str) -> bool:
@@ -257,7 +258,8 @@ def main(argv=None) -> int:
     about = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")
     ap = argparse.ArgumentParser(prog="python -m npu_train.generate", description=about)
     ap.add_argument("model", help="checkpoint dir or root, HF/export dir, .gguf file, or 'embedded'")
-    ap.add_argument("--prompt", required=True)
+    ap.add_argument("--prompt", required=True,
+                    help="the user message the model answers (with --no-chat: the text it continues)")
     ap.add_argument("--system", default=None, help="system message (chat mode)")
     ap.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
     ap.add_argument("--max-new-tokens", type=int, default=64)

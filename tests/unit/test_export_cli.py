@@ -3,6 +3,7 @@ names the export tool's own argument and the fix (not the trainer's ``train.resu
 and nothing is written."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -302,3 +303,34 @@ def test_the_default_lora_export_computes_like_the_trained_model(tmp_path):
     assert float((got - want).norm()) < 0.05 * effect, (float((got - want).norm()), effect)
     said = [l for l in lines if l.startswith("export: LoRA merged in fp32")]
     assert len(said) == 1 and "fp32 is the default of a LoRA merge" in said[0] and "--dtype bf16" in said[0], lines
+
+
+def test_generate_help_speaks_to_a_user(capsys):
+    """``generate --help`` said "an HF Llama directory" (it loads every family), "Errors: one error: line,
+    exit 2." and gave ``--prompt`` no help text."""
+    from npu_train.generate import main as generate_main
+
+    with pytest.raises(SystemExit):
+        generate_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Llama directory" not in text and "Hugging Face model directory of any family" in text, text
+    assert "Errors:" not in text and "one-line error that names the fix (exit status 2)" in text, text
+    assert "--prompt PROMPT the user message the model answers" in text, text
+
+
+def test_gguf_tokenizer_line_makes_no_duration_promise(tiny_ckpt, tmp_path, capsys):
+    """The export's tokenizer line promised "tens of seconds" for a GGUF's tokenizer, which takes under 1 s."""
+    from npu_train.checkpoint.store import CheckpointReader
+    from npu_train.model import resolve_model_path
+
+    gguf = resolve_model_path("embedded")
+    man = os.path.join(tiny_ckpt, "manifest.json")
+    with open(man) as f:
+        m = json.load(f)
+    m["tokenizer_path"] = gguf
+    with open(man, "w") as f:
+        json.dump(m, f)
+    assert CheckpointReader(tiny_ckpt).manifest["tokenizer_path"] == gguf
+    assert main([tiny_ckpt, str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(built from the GGUF's embedded vocabulary and merges)" in text and "seconds" not in text, text

@@ -335,7 +335,7 @@ def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: s
         from npu_train.model import chat_template, load_tokenizer, special_tokens
         from npu_train.model.files import is_gguf_path
 
-        say(f"export: tokenizer from {src}" + (" (built from the GGUF's vocabulary: tens of seconds)"
+        say(f"export: tokenizer from {src}" + (" (built from the GGUF's embedded vocabulary and merges)"
                                               if is_gguf_path(src) else ""))
 
         load_tokenizer(src).save(os.path.join(out_dir, "tokenizer.json"))
