@@ -3,6 +3,7 @@ report (:func:`format_plan`) and the over-capacity message. Memory in GiB (2**30
 from __future__ import annotations
 
 import io
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -237,6 +238,17 @@ def _rate_shown(name: str, kind: str, plan: Plan) -> bool:
     return True
 
 
+def plain_number(x: float) -> str:
+    """``x`` to 3 significant digits without an exponent, thousands separated: ``1000`` -> ``"1,000"``,
+    ``13456`` -> ``"13,500"``, ``2.345`` -> ``"2.35"`` (``.3g`` printed ``1e+03`` and ``1.35e+04``)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    if abs(x) >= 100:
+        digits = 3 - 1 - int(math.floor(math.log10(abs(x))))  # <= 0: round to tens, hundreds, ...
+        return f"{int(round(x, digits)):,}"
+    return f"{x:.3g}" if abs(x) >= 1e-3 else f"{x:.2e}"
+
+
 def _rate_text(rt, row: tuple) -> str:
     """``"<label> <value> <unit> [<source>]"`` of one :data:`_RATE_ROWS` row."""
     name, label, scale, unit = row
@@ -245,7 +257,7 @@ def _rate_text(rt, row: tuple) -> str:
     src = rt.source("host_adamw_params_per_s" if device_adamw and not rt.device_adamw_params_per_s else name)
     if unit == "GFLOP/s" and v >= 1e12:
         scale, unit = 1e12, "TFLOP/s"
-    return f"{label}{'' if label.endswith('x') else ' '}{v / scale:.3g}{' ' + unit if unit else ''} [{src}]"
+    return f"{label}{'' if label.endswith('x') else ' '}{plain_number(v / scale)}{' ' + unit if unit else ''} [{src}]"
 
 
 def _rates_origin(kind: str, rt, plan: Plan) -> str:
@@ -598,10 +610,10 @@ def format_plan(plan: Plan, width: int = 0) -> str:
             continue
         seen.add(st.card.kind)
         head.append(
-            f"rates {st.card.kind}: {rt.device_flops / 1e12:.3g} TFLOP/s, h2d "
+            f"rates {st.card.kind}: {plain_number(rt.device_flops / 1e12)} TFLOP/s, h2d "
             f"{rt.h2d_bytes_per_s / 1e9:.1f} GB/s, d2h {rt.d2h_bytes_per_s / 1e9:.1f} GB/s, "
-            f"host AdamW {rt.host_adamw_params_per_s / 1e6:.0f} M params/s, device AdamW "
-            f"{rt.device_adamw / 1e6:.0f} M params/s"
+            f"host AdamW {plain_number(rt.host_adamw_params_per_s / 1e6)} M params/s, device AdamW "
+            f"{plain_number(rt.device_adamw / 1e6)} M params/s"
             + (f", baseline {gib(rt.process_baseline_bytes):.2f} GiB"
                if rt.process_baseline_bytes else "")
             + (f", at {rt.threads} thread(s)" if rt.threads else "")
