@@ -691,6 +691,38 @@ def fold_fields(fields: list[str], width: int = LINE_COLUMNS, first_indent: str 
     return "\n".join(lines)
 
 
+#: seconds a launcher phase runs without a line before :func:`still_saying` says what it does, and between its lines
+STILL_EVERY_S = 5.0
+
+
+@contextlib.contextmanager
+def still_saying(what: str, every: Optional[float] = None, out=None):
+    """While the block runs, a ``still: <what> (N s)`` line every ``every`` seconds (none for a block that ends
+    sooner; default :data:`STILL_EVERY_S`), folded at words; ``out`` writes one line (default: stdout in one write, flushed). The launcher's
+    quiet phases before the card processes start (the GGUF header with its tokenizer vocabulary, tokenising the
+    data, importing a tracker) left a fresh-clone review 11-13 s without a line on a loaded host (issue 40)."""
+    import threading
+
+    def write(text: str) -> None:
+        sys.stdout.write(text + "\n")  # one write: the main thread may print meanwhile
+        sys.stdout.flush()
+
+    out, every = out or write, STILL_EVERY_S if every is None else float(every)
+    done, t0 = threading.Event(), time.monotonic()
+
+    def run() -> None:
+        while not done.wait(every):
+            out(fold_long_line(f"still: {what} ({time.monotonic() - t0:.0f} s)"))
+
+    th = threading.Thread(target=run, name="still-saying", daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        done.set()
+        th.join()
+
+
 def fit_progress(head: list[str], tail: list[str], width: int = LINE_COLUMNS) -> tuple[list[str], list[str]]:
     """A step line's ``(progress, details)`` fields (:meth:`Reporter._fields`: the step time last in the progress,
     the ``[fwd/bwd ...]`` breakdown first in the details) rearranged so the progress is one line of ``width``

@@ -135,22 +135,11 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         from npu_train.runtime.nodes import exchange_cards
 
         cards, node_counts, plan_threads, node_ram = exchange_cards(nodes, cards, threads, host_ram)
-    mcfg, model_path = _preset_config(cfg.model.path), None
-    if mcfg is None:
-        from npu_train.model import resolve_model_path  # (torch: not for a preset's dry run)
-
-        # absolute: the checkpoints record it (an export or resume from another directory finds the same model)
-        model_path = os.path.abspath(resolve_model_path(cfg.model.path))
-    elif not cfg.plan:
-        raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
-                          "or point model.path at an HF directory or a GGUF file")
     dtype = compute_dtype(cfg.train.dtype, [c.kind for c in cards])
-    if model_path is not None:
-        from npu_train.model import check_weights, load_config
+    from npu_train.metrics.report import still_saying
 
-        mcfg = load_config(model_path)
-        if not cfg.plan:
-            check_weights(model_path, mcfg)
+    with still_saying("reading the model's header (the torch import, a GGUF's tokenizer vocabulary)"):
+        mcfg, model_path = _model_header(cfg)
     check_moe(cfg, mcfg)
     check_vocab(cfg, mcfg)
     with search_heartbeat():
@@ -183,6 +172,27 @@ def prepare(cfg, run_dir: str, *, probe: bool = True, nodes=None) -> "Prepared":
         check_node_host_ram(plan, node_counts, node_ram)
     return Prepared(cards=cards, requests=reqs, model_cfg=mcfg, plan=plan, shape=shape, dtype=dtype,
                     model_path=model_path, threads=threads, node_counts=node_counts, dp=dp, zero=zero)
+
+
+def _model_header(cfg) -> tuple:
+    """``(model config, absolute model path or None)`` of ``model.path``: a shape preset (plan=true only), an HF
+    directory or a GGUF file, whose weights a training launch checks against the config. Raises ConfigError."""
+    mcfg, model_path = _preset_config(cfg.model.path), None
+    if mcfg is None:
+        from npu_train.model import resolve_model_path  # (torch: not for a preset's dry run)
+
+        # absolute: the checkpoints record it (an export or resume from another directory finds the same model)
+        model_path = os.path.abspath(resolve_model_path(cfg.model.path))
+    elif not cfg.plan:
+        raise ConfigError(f"model.path={cfg.model.path} is a shape preset without weights: use it with plan=true, "
+                          "or point model.path at an HF directory or a GGUF file")
+    if model_path is not None:
+        from npu_train.model import check_weights, load_config
+
+        mcfg = load_config(model_path)
+        if not cfg.plan:
+            check_weights(model_path, mcfg)
+    return mcfg, model_path
 
 
 def check_vocab(cfg, mcfg) -> None:
@@ -959,7 +969,10 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
     check_data_source(cfg)  # a missing data.source: one line now, before the plan and its timings
     prep = prepare(cfg, run_dir, nodes=node.rdv)
     say("data: reading and tokenizing (cached after the first run)")
-    data = _prepare_data(cfg, prep)
+    from npu_train.metrics.report import still_saying
+
+    with still_saying("data: reading and tokenizing (cached after the first run)"):
+        data = _prepare_data(cfg, prep)
     resume = _resume_point(cfg, prep, data, run_dir, owner=node.is_owner)
     if resume.complete:
         if live is not None:
@@ -1391,7 +1404,10 @@ def _open_trackers(cfg, run_dir: str, plan, resume: ResumePoint, node: NodeConte
     setup = TrackerSetup(run_dir=run_dir, config=conf, plan=plan.to_dict(), project=str(met.project), run_name=name,
                          group=_sweep_group(), ckpt_root=resume.ckpt_root if resume.saving else None,
                          resuming=resume.resume_dir is not None, mlflow_uri=met.mlflow_uri)
-    return open_trackers(names, setup)
+    from npu_train.metrics.report import still_saying
+
+    with still_saying(f"opening the tracker(s) {', '.join(map(str, names))} (their imports take seconds)"):
+        return open_trackers(names, setup)
 
 
 def _sweep_group():
