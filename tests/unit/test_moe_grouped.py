@@ -448,6 +448,61 @@ def test_many_blocks_run_concurrently_one_thread_each(monkeypatch, lora):
             assert _rel(a, b) < 1e-12, i
 
 
+def test_many_widened_blocks_run_concurrently_with_their_own_buffers(monkeypatch):
+    """bf16 widened to fp32 (no bf16 hardware), 2 threads, 10 blocks: the blocks run on two OS threads, every
+    matmul single-threaded, each thread widening into its own buffers (no buffer shared by two threads); output
+    and gradients bitwise those of the serial run (each small block's matmuls on one thread there too:
+    ``SERIAL_FLOP``), so the thread a block ran on changes nothing."""
+    import threading
+
+    import npu_train.model.moe as moe
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    gen = torch.Generator().manual_seed(10)
+    S = sum(MANY)
+    xs = torch.randn(S, H, generator=gen).to(torch.bfloat16).requires_grad_()
+    dy = torch.randn(S, H, generator=gen).to(torch.bfloat16)
+    ws = _stacked(len(MANY), torch.bfloat16)
+    mm, buffer, before, main = torch.mm, moe._Operands.buffer, torch.get_num_threads(), threading.get_ident()
+    seen, bufs, ran = [], {}, {True: threading.Event(), False: threading.Event()}
+
+    def spy_mm(*a, **k):  # each thread's first matmul waits for the other's, however slowly either is scheduled
+        me = threading.get_ident() == main
+        seen.append((threading.get_ident(), torch.get_num_threads()))
+        ran[me].set()
+        ran[not me].wait(timeout=10)
+        return mm(*a, **k)
+
+    def spy_buffer(self, key, rows, cols):
+        b = buffer(self, key, rows, cols)  # per kernel call (its _Operands, kept alive here) and key:
+        bufs.setdefault((self, key), {}).setdefault(threading.get_ident(), set()).add(b.data_ptr())
+        return b
+
+    def run(parallel: bool):
+        monkeypatch.setattr(moe, "PARALLEL_BLOCKS", parallel)
+        y = GroupedSwiGlu.apply(xs, MANY, None, *ws)
+        return (y, *torch.autograd.grad(y, [xs, *ws], dy, allow_unused=True))
+
+    try:
+        torch.set_num_threads(2)
+        want = run(False)
+        monkeypatch.setattr(torch, "mm", spy_mm)
+        monkeypatch.setattr(moe._Operands, "buffer", spy_buffer)
+        got = run(True)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.undo()
+    assert {t for _, t in seen} == {1} and len({i for i, _ in seen}) == 2
+    assert bufs and any(len(per) == 2 for per in bufs.values())  # each thread made its own, used only there
+    for per in bufs.values():
+        ptrs = [p for ps in per.values() for p in ps]
+        assert len(ptrs) == len(set(ptrs)) == len(per)
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert (a is None and b is None) or torch.equal(a, b), i
+
+
 def test_an_error_in_a_concurrent_block_is_raised(monkeypatch):
     """A block that fails on a worker thread fails the call (not a silently missing block); the thread count is
     restored."""

@@ -72,12 +72,15 @@ def _keys(ts) -> set:
     return {t.untyped_storage().data_ptr() for t in ts if isinstance(t, torch.Tensor)}
 
 
-def _phases(e: int, m: int, trained: bool, r: int = 0) -> int:
+def _phases(e: int, m: int, trained: bool, r: int = 0, threads: int = 1) -> int:
     """The kernel's peak from its description (``GroupedSwiGlu`` and ``_Operands`` docstrings), ``R`` rows;
     ``r``: rank-``r`` adapters on every projection (``lora_A [r, in]``, ``lora_B [out, r]``, in the weights' dtype),
     one projection's at a time: widened to the matmul dtype for each use, and backward ``q = dy B`` ``[rows of the
-    block, r]`` and each adapter gradient's product in the matmul dtype before it is rounded."""
+    block, r]`` and each adapter gradient's product in the matmul dtype before it is rounded; ``threads``: without
+    adapters, the blocks run concurrently, each thread widening into its own weight (and gradient) buffers."""
     R, w, n = ROWS, INTER * H, max(COUNTS)
+    if r == 0:
+        w *= threads
     if m == e:  # backward: [dg | du] (dh written into its du half, both halves made in place); adapters: q beside it
         return e * R * 2 * INTER + e * n * r
     g = 2 if trained else 1
@@ -150,6 +153,67 @@ def test_kernel_allocations_equal_the_planner_term(monkeypatch, dtype, wide, tra
     assert expert_kernel_bytes(_model(), ROWS, e, m, trained, rank=r) == want
 
 
+@pytest.mark.parametrize("trained", [True, False])
+def test_concurrent_blocks_widen_into_one_buffer_set_per_thread(monkeypatch, trained):
+    """bf16 widened, 2 threads, 10 blocks (concurrent: ``model/moe.py::_parallel_blocks``): the widening buffers
+    alive at once (``_Operands.buffer`` until ``release``) peak at two sets, ``2 x`` the gate/up weight buffer (and
+    its gradient buffer, trained) of ``2 * INTER * H`` fp32 each; the serial run at one thread holds one set. The
+    planner's term counts the buffers once per thread (``threads``), the per-row tensors once."""
+    import collections
+    import threading
+
+    import npu_train.model.moe as moe
+
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    many = (4, 0, 7, 1, 3, 6, 2, 5, 1, 8, 3)
+    buffer, release, live, peak = moe._Operands.buffer, moe._Operands.release, {}, []
+    main, made, concurrent, kept = threading.get_ident(), collections.defaultdict(threading.Event), [], []
+    waited: set = set()
+
+    def spy_buffer(self, key, rows, cols):
+        b = buffer(self, key, rows, cols)
+        live[(id(self), b.data_ptr())] = (self, key, b.untyped_storage().nbytes())
+        peak.append(sum(n for _, _, n in live.values()))
+        me = threading.get_ident() == main
+        kept.append(self)  # no id reused by a later call's _Operands
+        made[(id(self), key, me)].set()
+        if concurrent and (id(self), key, me) not in waited:  # each thread's first block of a phase waits for
+            waited.add((id(self), key, me))                    # the other's: both threads' buffers alive at once
+            made[(id(self), key, not me)].wait(timeout=10)
+        return b
+
+    def spy_release(self, *keys):
+        for k in [k for k, v in live.items() if v[0] is self and v[1] in keys]:
+            del live[k]
+        return release(self, *keys)
+
+    monkeypatch.setattr(moe._Operands, "buffer", spy_buffer)
+    monkeypatch.setattr(moe._Operands, "release", spy_release)
+    gen = torch.Generator().manual_seed(4)
+    ws = [w.detach().requires_grad_(trained) for w in _weights(torch.bfloat16, trained, True)[:3]] * len(many)
+    xs = torch.randn(sum(many), H, generator=gen).to(torch.bfloat16).requires_grad_()
+    before, got = torch.get_num_threads(), {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            concurrent[:] = [True] if threads > 1 else []
+            live.clear()
+            peak.clear()
+            y = GroupedSwiGlu.apply(xs, many, None, *ws)
+            torch.autograd.grad(y.float().sum(), [xs] + [w for w in ws[:3] if w.requires_grad])
+            got[threads] = max(peak)
+    finally:
+        torch.set_num_threads(before)
+    g = 2 if trained else 1
+    assert got == {t: t * g * 4 * 2 * INTER * H for t in (1, 2)}
+    m = _model()
+    assert expert_kernel_bytes(m, ROWS, 2, 4, trained, threads=2) == _phases(2, 4, trained, threads=2) > \
+        expert_kernel_bytes(m, ROWS, 2, 4, trained)
+    assert expert_kernel_bytes(m, ROWS, 2, 4, False, rank=RANK, threads=2) == _phases(2, 4, False, RANK)
+    assert expert_kernel_bytes(m, ROWS, 4, 4, trained, threads=2) == _phases(4, 4, trained)
+
+
 def test_the_qwen3_30b_a3b_figures():
     """h 2048, I 768, 256 tokens x top-8 = 2048 rows: bf16 widened and trained 71.3 MB (the backward's gate/up
     phase: 2048 x (8 x 768 + 8 x 2048) + 16 x 768 x 2048), frozen 58.7 MB, frozen with rank-8 adapters (LoRA)
@@ -160,6 +224,9 @@ def test_the_qwen3_30b_a3b_figures():
     assert expert_kernel_bytes(m, 2048, 2, 4, True) == 2048 * (8 * 768 + 8 * 2048) + 16 * 768 * 2048
     assert expert_kernel_bytes(m, 2048, 2, 4, False) == 2048 * (8 * 768 + 8 * 2048) + 8 * 768 * 2048
     assert expert_kernel_bytes(m, 2048, 4, 4, True) == 2 * 4 * 768 * 2048
+    # 2 threads, concurrent widened blocks: a second gate/up weight + gradient buffer pair, 25.2 MB more
+    assert expert_kernel_bytes(m, 2048, 2, 4, True, threads=2) == \
+        2048 * (8 * 768 + 8 * 2048) + 2 * 16 * 768 * 2048
     # rank-8 adapters widened (8 x (2048 + 768)), dy B over one expert's most rows (256 tokens), the [8, 2048]
     # gradient product: 58.9 MB; in fp32 dy B beside [dg | du]
     assert expert_kernel_bytes(m, 2048, 2, 4, False, rank=8) == \

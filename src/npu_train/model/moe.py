@@ -16,8 +16,8 @@ its contiguous block (three matmuls), never a loop over tokens. The experts' Swi
 bf16 runs its matmuls in fp32 on a CPU without bf16 hardware (:func:`matmul_dtype`); LoRA adapters on the experts
 run inside it too (adapter dropout or biases: as modules). The experts' weights are held stacked as transformers
 holds them (:meth:`SparseMoe.stack_experts`; each expert's parameter is its rows), so gate and up run as one
-matmul. In fp32 with several threads the experts' blocks run concurrently, one thread each
-(:func:`_parallel_blocks`). Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
+matmul. With several threads the experts' blocks run concurrently, one thread each (:func:`_parallel_blocks`;
+bf16 widened to fp32: each thread widens into its own buffers), except under LoRA. Speed against transformers' ``grouped_mm``: ``experiments/2026-12-06-moe.md``.
 """
 from __future__ import annotations
 
@@ -117,11 +117,12 @@ def _adjacent(g: torch.Tensor, u: torch.Tensor) -> Optional[torch.Tensor]:
 SERIAL_FLOP = 1 << 29
 
 
-#: Same-dtype kernels without adapters (fp32 on a CPU; weights used in place) run their experts' row blocks
+#: Kernels without adapters (fp32 on a CPU, weights used in place; or bf16 widened to fp32, each thread into its own
+#: buffers) run their experts' row blocks
 #: concurrently, one block per intra-op thread at a time with its matmuls on that thread (:func:`_parallel_blocks`),
 #: instead of one block after another with every matmul threaded; where there are at least ``BLOCKS_PER_THREAD``
-#: blocks per thread. Mixtral-like layer (8 experts of 3584, 1024 tokens, fp32, 2 threads):
-#: experiments/2026-12-06-moe.md
+#: blocks per thread. Mixtral-like layer (8 experts of 3584, 1024 tokens, fp32, 2 threads); Qwen3-30B-A3B layer
+#: (bf16 widened, 2 threads: 0.74-1.22x transformers serial, 1.59-2.28x concurrent): experiments/2026-12-06-moe.md
 PARALLEL_BLOCKS = True
 BLOCKS_PER_THREAD = 4
 
@@ -130,9 +131,10 @@ class _Operands:
     """The per-expert tensors of :class:`GroupedSwiGlu` as its matmuls take them. ``tensors`` per block's expert
     in turn: ``(gate [I, H], up [I, H], down [H, I])`` weights (``lora`` False), else each projection's ``(weight,
     lora_A [r, in], lora_B [out, r])``; ``mm`` the matmul dtype (:func:`matmul_dtype`). Weights of another dtype
-    (``wide``) are copied into reused ``mm`` buffers on one thread (:class:`_serial`): gate and up into the two
-    halves of one ``[2I, H]``, down into one ``[H, I]``; weight gradients go through reused ``[2I, H]`` /
-    ``[H, I]`` buffers, rounded to the weights' dtype on one thread. Same dtype: the weights in place, gate and
+    (``wide``) are copied into reused ``mm`` buffers on one thread (:class:`_serial`), one set per thread that
+    runs blocks (:meth:`buffer`): gate and up into the two halves of one ``[2I, H]``, down into one ``[H, I]``;
+    weight gradients go through reused ``[2I, H]`` / ``[H, I]`` buffers, rounded to the weights' dtype on one
+    thread. Same dtype: the weights in place, gate and
     up as one ``[2I, H]`` view where they are adjacent in memory (:func:`_adjacent`), else two matmuls."""
 
     def __init__(self, tensors: tuple, lora: bool, mm: torch.dtype):
@@ -154,13 +156,13 @@ class _Operands:
         return contextlib.nullcontext()
 
     def parallel(self, blocks: int) -> bool:
-        """Whether :func:`_each_block` runs ``blocks`` blocks concurrently (:func:`_parallel_blocks`): weights used
-        in place (no shared widening buffers), no adapters (the plan counts one block's ``dy B`` at a time),
+        """Whether :func:`_each_block` runs ``blocks`` blocks concurrently (:func:`_parallel_blocks`; widened
+        weights: each thread into its own buffers, :meth:`buffer`), no adapters (the plan counts one block's ``dy B`` at a time),
         :data:`PARALLEL_BLOCKS`, more than one intra-op thread and at least :data:`BLOCKS_PER_THREAD` blocks per
         thread (fewer, e.g. 8 experts on 16 cores: the matmuls threaded); and the thread count can be set per
         thread (:func:`_setters`)."""
         n = torch.get_num_threads()
-        return PARALLEL_BLOCKS and not (self.wide or self.lora) and n > 1 and blocks >= BLOCKS_PER_THREAD * n \
+        return PARALLEL_BLOCKS and not self.lora and n > 1 and blocks >= BLOCKS_PER_THREAD * n \
             and _setters() is not None
 
     def index(self, j: int, proj: int, part: int = 0) -> int:
@@ -172,15 +174,18 @@ class _Operands:
         return self.t[self.index(j, proj)]
 
     def buffer(self, key: str, rows: int, cols: int) -> torch.Tensor:
-        """The reused ``[rows, cols]`` matmul-dtype buffer ``key`` (made on first use)."""
-        b = self._bufs.get(key)
+        """The calling thread's reused ``[rows, cols]`` matmul-dtype buffer ``key`` (made on its first use there:
+        concurrent blocks, :func:`_parallel_blocks`, each widen into their own thread's buffers)."""
+        ident = (key, threading.get_ident())
+        b = self._bufs.get(ident)
         if b is None:
-            b = self._bufs[key] = torch.empty(rows, cols, dtype=self.mm, device=self.t[0].device)
+            b = self._bufs[ident] = torch.empty(rows, cols, dtype=self.mm, device=self.t[0].device)
         return b
 
     def release(self, *keys: str) -> None:
-        for k in keys:
-            self._bufs.pop(k, None)
+        """Drop the buffers ``keys`` of every thread."""
+        for ident in [i for i in self._bufs if i[0] in keys]:
+            del self._bufs[ident]
 
     def gate_up(self, j: int) -> Optional[torch.Tensor]:
         """``[W_gate; W_up]`` ``[2I, H]`` of block ``j`` in the matmul dtype, or None (same dtype, not adjacent)."""

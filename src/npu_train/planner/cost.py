@@ -116,7 +116,7 @@ class CostModel:
         self.model, self.shape, self.cards = model, shape, list(cards)
         self.P = len(self.cards)
         self.dp, self.zero = int(dp), int(zero)
-        self.memory = MemoryModel(model, shape, self.cards, nonlayer_resident, terms)
+        self.memory = MemoryModel(model, shape, self.cards, nonlayer_resident, terms, threads=int(threads))
         self.headroom = float(headroom)
         self.threads, self.host_cores = int(threads), int(host_cores)
         cores = self.host_cores

@@ -145,12 +145,14 @@ class StageMemory:
 
 class MemoryModel:
     """Per-plan constants of the memory model and one method per term (bytes of one card);
-    ``terms``: one :class:`~npu_train.planner.memterms.MemoryTerms` per card (``None``: the kinds' defaults)."""
+    ``terms``: one :class:`~npu_train.planner.memterms.MemoryTerms` per card (``None``: the kinds' defaults);
+    ``threads``: torch threads of each card process (the experts' kernel widens per thread: :meth:`expert_kernel`)."""
 
     def __init__(self, model: LlamaConfig, shape: RunShape, cards: Sequence[Card],
                  nonlayer_resident: Optional[bool],
-                 terms: Optional[Sequence[MemoryTerms]] = None):
+                 terms: Optional[Sequence[MemoryTerms]] = None, threads: int = 1):
         self.model, self.shape, self.cards = model, shape, list(cards)
+        self.threads = max(1, int(threads))
         self.terms = list(terms) if terms is not None else [DEFAULT_MEMORY_TERMS[c.kind]
                                                            for c in self.cards]
         self.num_stages = len(self.cards)
@@ -630,14 +632,16 @@ class MemoryModel:
         runs (:func:`~npu_train.planner.moe.expert_kernel_bytes`, one layer at a time): its matmuls in fp32 for
         the 2-byte dtype on a cpu card whose host multiplies no bf16 in hardware
         (:func:`~npu_train.hardware.host_bf16_matmul`), the experts' weights trained unless LoRA, their adapters'
-        temporaries at ``RunShape.lora_expert_rank``; 0 for a dense model or a stage without layers."""
+        temporaries at ``RunShape.lora_expert_rank``, the widening buffers once per torch thread of the card
+        process (:attr:`threads`: its concurrent blocks); 0 for a dense model or a stage without layers."""
         if not n or not self.model.is_moe:
             return 0
         e = self.dtype_bytes
         wide = e == 2 and self.cards[i].kind in HOST_MEMORY_KINDS and not host_bf16_matmul()
         rows = self.model.num_experts_per_tok * self.shape.seq_len * self.shape.micro_batch
         return expert_kernel_bytes(self.model, rows, e, 4 if wide else e, trained=not self.adapter_params,
-                                   rank=self.shape.lora_expert_rank if self.adapter_params else 0)
+                                   rank=self.shape.lora_expert_rank if self.adapter_params else 0,
+                                   threads=self.threads)
 
     def _host_gradient_copies(self, i: int, p: StageParams) -> int:
         """fp32 host copies of offloaded gradients on a host-memory card (none when the update takes the

@@ -48,7 +48,8 @@ def routed_saved_bytes_per_token(model: LlamaConfig, e: int) -> int:
     return k * (e * (2 * h + 4 * ie) + 4 + 24)
 
 
-def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: bool, rank: int = 0) -> int:
+def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: bool, rank: int = 0,
+                        threads: int = 1) -> int:
     """Peak bytes the experts' kernel of one sparse layer (``model/moe.py::GroupedSwiGlu``) allocates and frees
     while it runs, for ``rows`` routed rows (``k`` x the micro-batch's tokens, whatever the balance), ``e`` bytes
     of the compute dtype, ``m`` of the matmul dtype (``e``, or 4 where bf16 matmuls run in fp32 on a CPU without
@@ -72,6 +73,13 @@ def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: 
       backward also ``dy B`` ``[n, r]`` and one adapter gradient's wide product before its rounding, at most
       ``[r, max(h, I)]``.
 
+    ``threads``: the card process's torch threads. Wider matmuls without adapters run the experts' blocks
+    concurrently, one per thread (``model/moe.py::_parallel_blocks``), each thread widening into its own weight
+    (and weight-gradient) buffers, so the buffer terms ``w`` count once per thread there (an upper bound: with
+    fewer than ``BLOCKS_PER_THREAD`` blocks per thread they run one after another, one buffer set); the per-row
+    tensors are shared. Qwen3-30B-A3B (below), bf16 widened, 2 threads: 25.2 MB more than 1 thread trained (a
+    second ``[2I, h]`` weight and gradient buffer pair, ``16 * w``), 12.6 MB frozen.
+
     Qwen3-30B-A3B (h 2048, I 768), 256 tokens x top-8, bf16 widened, trained: 71.3 MB; frozen with rank-8
     adapters: 58.9 MB; fp32: 12.6 MB. Checked against the kernel's allocations
     (``tests/unit/test_moe_kernel_memory.py``)."""
@@ -83,6 +91,7 @@ def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: 
     if m == e:
         return 2 * e * i * rows + e * n * rank
     grad = 2 if trained else 1
+    w *= max(1, int(threads)) if rank == 0 else 1  # one buffer set per concurrent block's thread
     fwd = m * rank * (h + i)                                 # one projection's adapters, widened
     bwd = fwd + m * rank * n + m * rank * max(h, i)          # + dy B, + one adapter gradient before rounding
     return max(rows * (m * h + 2 * m * i) + 2 * m * w + fwd,       # forward gate/up
