@@ -20,9 +20,13 @@ REFUSAL_COLUMNS = 100
 
 #: a number and the unit (or ``x <number>``) after it, and a count's name and its number (micro-batch, dp,
 #: pp, step, accum): joined when a line is folded ("0.0 s", "micro-batch 2 x 4", "12 GiB")
-_NUMBER_UNIT = re.compile(r"(?<=\d) (?=(?:s|ms|us|min|h|x|GiB|MiB|KiB|GB|MB|B|%|tok/s|tokens?|steps?|"
-                          r"layers?|cards?|cores?|threads?)(?![\w/.]))|(?<=\d x) (?=\d)|"
-                          r"(?:(?<=micro-batch)|(?<=\bdp)|(?<=\bpp)|(?<=\bstep)|(?<=\baccum)|(?<=accumulation)) (?=\d)")
+_UNIT = (r"(?:[GTMK]?FLOPS?|[GMK]i?B|B|M(?: params)?|s|ms|us|min|h|x|%|tok|tokens?|steps?|layers?|cards?|"
+         r"cores?|threads?|stages?|replicas?|sequences?|params?|rows?|pairs?|samples?|plans?|jobs?|experts?)")
+# a number and its unit ("153.8 GFLOP/s", "30 B/param", "1,000 M params/s", "2 thread(s)"), a "2 x 4" product, a
+# count after its word ("micro-batch 2", "dp 2"), and a trailing "..." kept with the word before it
+_NUMBER_UNIT = re.compile(r"(?<=\d) " + _UNIT + r"(?:\(s\))?(?:/[A-Za-z]+)*(?![\w/(]|\.\w)|(?<=\d x) (?=\d)|"
+                          r"(?:(?<=micro-batch)|(?<=\bdp)|(?<=\bpp)|(?<=\bstep)|(?<=\baccum)|(?<=accumulation)) (?=\d)|"
+                          r"(?<=\S) (?=(?:\.\.\.|\u2026)(?:\s|$))")
 _GLUE = "\ue000"  # a private-use character textwrap does not split at, put back to a space after folding
 
 
@@ -33,7 +37,7 @@ def wrap_words(text: str, width: int, initial_indent: str = "", subsequent_inden
     The lines, ``[]`` for an empty ``text``."""
     import textwrap
 
-    glued = _NUMBER_UNIT.sub(_GLUE, text)
+    glued = _NUMBER_UNIT.sub(lambda m: m.group(0).replace(" ", _GLUE), text)
     return [ln.replace(_GLUE, " ") for ln in textwrap.wrap(
         glued, width=width, initial_indent=initial_indent, subsequent_indent=subsequent_indent,
         break_on_hyphens=False, break_long_words=False)]

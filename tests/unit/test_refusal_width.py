@@ -124,11 +124,17 @@ def test_folds_keep_a_number_with_its_unit(width):
     from npu_train.runtime.job import fold_words
 
     line = ("checkpoint step 3 saved to /tmp/h/run/ckpt/step_000003 (0.0 s to publish); plan: searching (12 s, "
-            "3 plan(s)): zb-h2 on 2 cards, dp 2, micro-batch 2 x 4, peak 1.25 GiB, 40 % of 6,940 tok/s")
+            "3 plan(s)): zb-h2 on 2 cards, dp 2, micro-batch 2 x 4, peak 1.25 GiB, 40 % of 6,940 tok/s; peak: matmul "
+            "measured here 153.8 GFLOP/s fp32 at 1 thread(s), 2.5 TFLOP/s, 989 TFLOPS, 3.35 GB/s, 800 MB/s; "
+            "16 GiB / 30 B/param = 417 M; host AdamW 1,000 M params/s, 1,234 tokens/s, 8,192 tokens/step, "
+            "2 stage(s), 4 replica(s), 15 sequences, 7 layers; loading the model, planning ...")
     for folded in (fold_long_line(line, width), _wrap(line, width), fold_words(line, width),
                    refusal_text(line, width=width)):
         text = " ".join(ln.strip() for ln in folded.splitlines())
         assert text.endswith(line), folded  # nothing lost or changed but the folds
         for pair in ("0.0 s", "12 s", "step 3", "2 cards", "dp 2", "micro-batch 2 x 4", "1.25 GiB", "40 %",
-                     "6,940 tok/s"):
+                     "6,940 tok/s",
+                     "153.8 GFLOP/s", "1 thread(s)", "2.5 TFLOP/s", "989 TFLOPS", "3.35 GB/s", "800 MB/s",
+                     "30 B/param", "417 M;", "1,000 M params/s", "1,234 tokens/s", "8,192 tokens/step",
+                     "2 stage(s)", "4 replica(s)", "15 sequences", "planning ..."):
             assert any(pair in ln for ln in folded.splitlines()), (pair, folded)
