@@ -1,6 +1,6 @@
-"""The docs describe the step line as it is printed (issue 40): a step is folded at 100 columns and can take
-more than two lines (a mixture-of-experts ``expert load``, ``(avg since resume ...)``), and ``expert load``
-is explained where the step line is."""
+"""The docs describe the step line as it is printed (issue 40): a step is folded at 100 columns into two lines,
+fresh or resumed, three for a mixture of experts (``tests/unit/test_report.py`` checks the printing), and
+``expert load`` is explained where the step line is."""
 from __future__ import annotations
 
 import os
@@ -28,6 +28,7 @@ def test_a_moe_step_after_a_resume_folds_past_two_lines():
 def test_docs_say_when_a_step_takes_more_than_two_lines_and_explain_expert_load():
     readme, job = _read("README.md"), _read("docs/default-job.md")
     assert not re.search(r"one step in two lines", readme), "README: a step is not always two lines"
-    assert "three" in readme and "expert load" in readme and "avg since resume" in readme
-    assert "three" in job and "avg since resume" in job
+    assert "two lines, fresh or resumed (three for a mixture of experts" in readme and "expert load" in readme
+    assert "A step is two lines, fresh or resumed; a mixture of experts' is three" in job
+    assert "avg since resume" in job and "`mem GiB max 2.70 (run 3.10, plan 3.39)`" in job
     assert re.search(r"`expert load` is one number per card: .*max/mean.*1\.00", job)

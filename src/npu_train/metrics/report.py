@@ -484,17 +484,17 @@ class Reporter:
             t.log(scalars, step)
 
     def _line(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
-        """The progress text of one step, at most :data:`LINE_COLUMNS` wide: the progress (step, loss, grad norm,
-        tokens/s, MFU, step time against the plan), then, indented, the time breakdown, memory per card against
-        the plan, the ETA and any flags (:func:`fold_fields`; the learning rate is in ``metrics.jsonl``)."""
+        """The progress text of one step, each line at most :data:`LINE_COLUMNS` wide: the progress (step, loss,
+        grad norm, tokens/s, MFU, step time against the plan) on the first line, then, indented, the time
+        breakdown (a mixture of experts': with ``aux`` and ``expert load``), memory per card against the plan
+        with the ETA, and any flags (:func:`fit_step_lines`; the learning rate is in ``metrics.jsonl``)."""
         head, tail = self._fields(rec, step, wall, skipped)
-        head, tail = fit_progress(head, tail)
-        return fold_fields(head) + "\n" + fold_fields(tail, first_indent="  ")
+        return "\n".join(fit_step_lines(head, tail, moe=bool(moe_text(rec))))
 
     def _short(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
         """The step for a terminal under the live bar (which shows the ETA): the progress and the memory."""
         head, tail = self._fields(rec, step, wall, skipped)
-        return fold_fields(head + [f for f in tail if f.startswith(("mem ", "SKIPPED"))])
+        return fold_fields(head + moe_text(rec) + [f for f in tail if f.startswith(("mem ", "SKIPPED"))])
 
     def _fields(self, rec: dict, step: int, wall: float, skipped: bool) -> tuple[list[str], list[str]]:
         """The step's fields: ``(progress, details)``."""
@@ -513,11 +513,11 @@ class Reporter:
                 f"{rec['tokens_per_s']:,.0f} tok/s"] + ([mfu_text(rec)[3:]] if mfu_text(rec) else [])
         if "rewards/accuracies" in rec:
             head.append(f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}")
-        head += moe_text(rec)
         head.append(f"{wall * scale:.{d}f} {unit}{plan_s}")
         parts = " ".join(f"{k} {rec[f] * scale:.{d}f}" for k, f in (("fwd/bwd", "compute_s"), ("opt", "optimizer_s"),
                                                                     ("xfer", "transfer_s"), ("idle", "idle_s")))
-        tail = [f"[{parts}{' ms' if unit == 'ms' else ''}]", f"mem GiB {mem}{pred}", f"ETA {fmt_duration(rec['eta_s'])}"]
+        tail = [f"[{parts}{' ms' if unit == 'ms' else ''}]", *moe_text(rec), f"mem GiB {mem}{pred}",
+                f"ETA {fmt_duration(rec['eta_s'])}"]
         if rec.get("compile_s"):
             tail.append(f"compiled before the step in {rec['compile_s']:.1f} s")
         if rec.get("cpu_fallbacks"):
@@ -723,20 +723,71 @@ def still_saying(what: str, every: Optional[float] = None, out=None):
         th.join()
 
 
+#: progress fields that move to the details' front, in this order, while the progress is wider than a line
+MOVABLE_PROGRESS = ("gnorm ", "reward acc ", "MFU ", "")
+
+
 def fit_progress(head: list[str], tail: list[str], width: int = LINE_COLUMNS) -> tuple[list[str], list[str]]:
     """A step line's ``(progress, details)`` fields (:meth:`Reporter._fields`: the step time last in the progress,
     the ``[fwd/bwd ...]`` breakdown first in the details) rearranged so the progress is one line of ``width``
-    columns where it can be: the grad norm moves to the details' front, and if the progress is still too wide
-    the step time joins its breakdown. A resumed run's ``(avg since resume ...)`` otherwise put the step time
-    alone on a line between the two (issue 40)."""
-    if len(" | ".join(head)) <= width:
-        return head, tail
-    rest = [f for f in head if not f.startswith("gnorm ")]
-    if len(rest) < len(head) and len(" | ".join(rest)) <= width:
-        return rest, [f for f in head if f.startswith("gnorm ")] + tail
-    if tail and tail[0].startswith("["):
-        return head[:-1], [head[-1] + " " + tail[0]] + tail[1:]
-    return head, tail
+    columns where it can be: the grad norm, then a DPO run's reward, the MFU and the tokens/s move to the
+    details' front; the step and its loss stay first and the step time last. A resumed run's ``(avg since
+    resume ...)`` otherwise put the step time alone on a line between the two (issue 40)."""
+    head, moved = list(head), []
+    for prefix in MOVABLE_PROGRESS:
+        if len(" | ".join(head)) <= width:
+            break
+        hit = [f for f in head[2:-1] if (f.startswith(prefix) if prefix else f.endswith(" tok/s"))]
+        head = [f for f in head if f not in hit]
+        moved += hit
+    return head, moved + list(tail)
+
+
+def _max_of_cards(field: str) -> str:
+    """``mem GiB 2.70/2.06 (run 3.10/2.20, plan 3.39/2.92)`` as ``mem GiB max 2.70 (run 3.10, plan 3.39)``,
+    ``expert load 1.73/-/1.90`` as ``expert load max 1.90``: the per-card lists of a step's memory and expert
+    load cut to their largest, for a step line that must stay short; other fields as they are."""
+    if not field.startswith(("mem GiB ", "expert load ")):
+        return field
+    cut = re.sub(r"[\d.-]+(?:/[\d.-]+)+", lambda m: max((x for x in m.group(0).split("/") if x != "-"), key=float,
+                                                           default="-"), field)
+    return re.sub(r"^(mem GiB|expert load) ", r"\1 max ", cut) if cut != field else field
+
+
+def fit_step_lines(head: list[str], tail: list[str], moe: bool = False, width: int = LINE_COLUMNS) -> list[str]:
+    """A step's printed lines, each at most ``width`` columns: the progress (:func:`fit_progress`, the step time
+    on it), then the details indented two spaces, the ETA kept with the memory: two lines in all for a dense
+    step, three for a mixture of experts' (``moe``: its ``aux`` and ``expert load`` with the breakdown), flags
+    (a compilation, CPU fallbacks, a skipped step) adding their own. When the details would take more, the
+    memory's and the expert load's per-card lists are cut to their largest (``metrics.jsonl`` keeps each card's). A fresh-clone review
+    saw a resumed dense step end with a line of ``  ETA 0s`` alone and an MoE step of four lines (issue 40)."""
+    head, tail = fit_progress(head, tail, width)
+    flags = [f for f in tail if f.startswith(("compiled ", "SKIPPED")) or f.endswith("fell back to the CPU")]
+    details = [f for f in tail if f not in flags]
+
+    def joined(fields: list[str]) -> list[str]:
+        out = []
+        for f in fields:  # the ETA joins the memory: never a line of its own
+            if f.startswith("ETA ") and out and out[-1].startswith("mem GiB "):
+                out[-1] += " | " + f
+            else:
+                out.append(f)
+        return out
+
+    def fold(fields: list[str]) -> list[str]:
+        fields = joined(fields)
+        if not moe:
+            return fold_fields(fields, width, first_indent="  ").split("\n")
+        k = next((i for i, f in enumerate(fields) if f.startswith("mem GiB ")), len(fields))  # its own line
+        return [ln for part in (fields[:k], fields[k:]) if part
+                for ln in fold_fields(part, width, first_indent="  ").split("\n")]
+
+    lines = fold(details)
+    if len(lines) > (2 if moe else 1):
+        lines = fold([_max_of_cards(f) for f in details])
+    if flags:
+        lines += fold_fields(flags, width, first_indent="  ").split("\n")
+    return [fold_fields(head, width)] + lines
 
 
 def is_startup_phase(text: str) -> bool:
