@@ -712,12 +712,12 @@ def _check_resume(t) -> None:
     as ``'True'`` / ``'False'``; refused here (naming the accepted values) instead of as a missing path."""
     word = str(t.resume).lower() if t.resume is not None else None
     if word == "true":
-        raise ConfigError("train.resume takes latest or a path (got true): use train.resume=latest (the newest "
+        raise ConfigError("train.resume takes latest, auto or a path (got true): use train.resume=latest (the newest "
                           "checkpoint under checkpoint.dir), train.resume=auto (that, or a fresh start when there "
                           "is none) or train.resume=<checkpoint dir>")
     if word == "false":
-        raise ConfigError("train.resume takes latest or a path (got false): to start fresh drop train.resume "
-                          "(or train.resume=null)")
+        raise ConfigError("train.resume takes latest, auto or a path (got false): to start fresh drop train.resume "
+                          "(or train.resume=null); train.resume=auto resumes the newest checkpoint when there is one")
 
 
 def _check_optimizer(t) -> None:

@@ -69,12 +69,13 @@ def test_resume_command_starts_with_the_runs_npt_variables(monkeypatch, tmp_path
     assert "resume by rerunning the same command with train.resume=latest" in interrupt_note("/ck/s", "/ck", "sync")
 
 
-@pytest.mark.parametrize("flag,fix", [("true", "use train.resume=latest"), ("false", "to start fresh drop train.resume")])
+@pytest.mark.parametrize("flag,fix", [("true", "use train.resume=latest .*train.resume=auto"),
+                                      ("false", "to start fresh drop train.resume .*train.resume=auto")])
 def test_boolean_resume_is_refused_naming_the_values(flag, fix):
     """Hydra turns train.resume=true into a boolean (kept as 'True' by the string field): one line naming the
     accepted values, not 'True does not exist'."""
     cfg = OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.from_dotlist([f"train.resume={flag}"]))
-    with pytest.raises(ConfigError, match=f"train.resume takes latest or a path \\(got {flag}\\): {fix}"):
+    with pytest.raises(ConfigError, match=f"train.resume takes latest, auto or a path \\(got {flag}\\): {fix}"):
         validate(cfg)
     cfg.train.resume = "latest"
     validate(cfg)
