@@ -1,7 +1,8 @@
-"""See what a model says: ``python -m npu_train.generate <model> --prompt "..."``. ``<model>``: a checkpoint
-(or root), a Hugging Face model directory of any family npu-train trains (docs/models.md), ``embedded`` or a
-``.gguf``; chat template unless ``--no-chat``; transformers' ``generate``. A bad argument is refused with a
-one-line error that names the fix (exit status 2).
+"""See what a model says: ``python -m npu_train.generate <model> --prompt "..."``. The model is a checkpoint
+directory (or the checkpoints root, for its newest), a Hugging Face model directory of any family npu-train
+trains (docs/models.md), ``embedded`` (the default job's model) or a ``.gguf`` file. The prompt goes through
+the model's chat template unless ``--no-chat`` is given, and transformers' ``generate`` writes the answer.
+A bad argument is refused with a one-line error that names the fix (exit status 2).
 """
 from __future__ import annotations
 
@@ -253,20 +254,53 @@ def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str
     return text
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its own errors (a missing ``--prompt``, ``--max-new-tokens abc``) as one ``error: ...`` line
+    that names the fix, exit status 2, in place of the usage block (a fresh-clone review, issue 40)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        from npu_train.errors import refusal_text
+
+        import re
+
+        opt = re.match(r"argument (\S+?)(?:/\S+)?: ", message)
+        if "required" in message:
+            fix = ("pass it, e.g. --prompt 'Hello'" if message.endswith(": --prompt") else
+                   "e.g. embedded --prompt 'Hello'")
+        elif "invalid" in message and opt:
+            action = self._option_string_actions.get(opt.group(1))
+            fix = f"give a number, e.g. {action.default} (the default)" if action else "give a number"
+        elif "unrecognized" in message:
+            fix = "drop them (--help lists the options)"
+        else:
+            fix = "see --help for the options and their values"
+        print(refusal_text(f"{message}: {fix}"), file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None) -> int:
     # the module docstring's whole first paragraph (its first line alone stopped mid-sentence), without markup
     about = " ".join(__doc__.split("\n\n")[0].split()).replace("``", "")
-    ap = argparse.ArgumentParser(prog="python -m npu_train.generate", description=about)
-    ap.add_argument("model", help="checkpoint dir or root, HF/export dir, .gguf file, or 'embedded'")
+    ap = _Parser(prog="python -m npu_train.generate", description=about)
+    ap.add_argument("model", help="A checkpoint directory or the checkpoints root (its newest checkpoint), an "
+                    "export or Hugging Face model directory, a .gguf file, or 'embedded' (the default job's model).")
     ap.add_argument("--prompt", required=True,
-                    help="the user message the model answers (with --no-chat: the text it continues)")
-    ap.add_argument("--system", default=None, help="system message (chat mode)")
-    ap.add_argument("--no-chat", action="store_true", help="send the prompt raw, without the chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--base", default=None, help="a LoRA checkpoint: where its run's base model is now, when it moved")
+                    help="The user message the model answers (with --no-chat: the text it continues). Required.")
+    ap.add_argument("--system", default=None, help="A system message, in chat mode (default: none).")
+    ap.add_argument("--no-chat", action="store_true",
+                    help="Send the prompt raw, without the chat template (default: the chat template).")
+    ap.add_argument("--max-new-tokens", type=int, default=64,
+                    help="The most tokens to generate, at least 1 (default: %(default)s).")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="The sampling temperature, 0 for greedy decoding (default: %(default)s).")
+    ap.add_argument("--top-p", type=float, default=1.0,
+                    help="Nucleus sampling: keep the likeliest tokens up to this probability, in (0, 1] "
+                    "(default: %(default)s, all tokens).")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="The random seed of the sampling (default: %(default)s).")
+    ap.add_argument("--base", default=None,
+                    help="For a LoRA checkpoint whose base model moved: where the base model is now "
+                    "(default: the path its run recorded).")
     a = ap.parse_args(argv)
     from npu_train.errors import refusal_text
 

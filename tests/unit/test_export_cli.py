@@ -315,7 +315,52 @@ def test_generate_help_speaks_to_a_user(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "Llama directory" not in text and "Hugging Face model directory of any family" in text, text
     assert "Errors:" not in text and "one-line error that names the fix (exit status 2)" in text, text
-    assert "--prompt PROMPT the user message the model answers" in text, text
+    assert "--prompt PROMPT The user message the model answers" in text, text
+
+
+def test_generate_help_gives_sentences_and_defaults(capsys):
+    """A fresh-clone review (issue 40): ``<model>``'s help was a list of fragments and ``--max-new-tokens``,
+    ``--top-p`` and ``--seed`` had no help: each argument's help is sentences, with its default."""
+    import re
+
+    from npu_train.generate import main as generate_main
+
+    with pytest.raises(SystemExit):
+        generate_main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    labels = ["model", "options:", "--prompt PROMPT", "--system SYSTEM", "--no-chat", "--max-new-tokens MAX_NEW_TOKENS",
+              "--temperature TEMPERATURE", "--top-p TOP_P", "--seed SEED", "--base BASE"]
+    rest, helps, at = text.split("positional arguments: ")[1] + " ", {}, 0
+    for k, arg in enumerate(labels):  # the help of each, in the order argparse prints them
+        start = rest.index(arg + " ", at) + len(arg)
+        at = rest.index(labels[k + 1] + " ", start) if k + 1 < len(labels) else len(rest)
+        helps[arg] = rest[start:at].split(" -h, --help ")[0].strip()
+    for arg in labels[:1] + labels[2:]:
+        assert re.fullmatch(r"[A-Z].*\.", helps[arg]), (arg, helps[arg])  # a sentence, capital to full stop
+    assert "(default: 64)" in helps["--max-new-tokens MAX_NEW_TOKENS"]
+    assert "(default: 1.0" in helps["--top-p TOP_P"] and "(default: 0)" in helps["--seed SEED"]
+    assert "(default: 0.0)" in helps["--temperature TEMPERATURE"]
+
+
+@pytest.mark.parametrize("argv,fix", [
+    (["embedded", "--prompt", "x", "--max-new-tokens", "abc"], "give a number, e.g. 64 (the default)"),
+    (["embedded", "--prompt", "x", "--top-p", "high"], "give a number, e.g. 1.0 (the default)"),
+    (["embedded"], "pass it, e.g. --prompt 'Hello'"),
+    ([], "e.g. embedded --prompt 'Hello'"),
+    (["embedded", "--prompt", "x", "--bogus"], "drop them"),
+    (["embedded", "--prompt"], "see --help")])
+def test_generate_argument_errors_are_one_line(argv, fix, capsys):
+    """argparse's own errors printed a 7-line usage block though the help promises a one-line error naming
+    the fix (issue 40): one ``error:`` line within 100 columns, exit status 2."""
+    from npu_train.generate import main as generate_main
+
+    with pytest.raises(SystemExit) as e:
+        generate_main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    lines = err.rstrip("\n").splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and len(lines[0]) <= 100, err
+    assert fix in lines[0] and "usage" not in err, err
 
 
 def test_gguf_tokenizer_line_makes_no_duration_promise(tiny_ckpt, tmp_path, capsys):
