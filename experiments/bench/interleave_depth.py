@@ -53,19 +53,7 @@ def interleaved_order(P: int, M: int, v: int, r: int) -> list[Action]:
     warm-up forwards (capped at ``v M``), then one forward and one backward. ``v = 1``: the module's 1F1B."""
     if v == 1:
         return S.build_schedule("1f1b", P, M, r)
-    total = v * M
-
-    def order(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k % (v * P)) // P
-        return (k // (v * P)) * P + k % P, chunk if forward else v - 1 - chunk
-
-    warmup = min(2 * (P - r - 1) + (v - 1) * P, total)
-    acts = [Action("F", *order(k, True)) for k in range(warmup)]
-    for i in range(total - warmup):
-        acts.append(Action("F", *order(warmup + i, True)))
-        acts.append(Action("B", *order(i, False)))
-    acts.extend(Action("B", *order(i, False)) for i in range(max(total - warmup, 0), total))
-    return acts
+    return S._interleaved(P, M, r, v)
 
 
 @contextlib.contextmanager

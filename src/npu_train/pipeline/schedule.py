@@ -146,17 +146,18 @@ def _chunked_orders(kind: str, P: int, M: int) -> tuple:
     return _zbv(P, M)
 
 
-def _interleaved(P: int, M: int, r: int) -> list[Action]:
-    """Interleaved 1F1B, two chunks (Narayanan et al. 2021 §2.2, Megatron-LM's order; ``M % P == 0``): the
-    ``k``-th forward of card ``r`` is micro-batch ``(k // 2P) P + k % P`` on chunk ``(k % 2P) // P``, backwards
-    take the chunks in reverse; ``2(P-r-1) + P`` warm-up forwards, then one forward and one backward."""
-    total = 2 * M
+def _interleaved(P: int, M: int, r: int, v: int = 2) -> list[Action]:
+    """Interleaved 1F1B with ``v`` chunks a card (Narayanan et al. 2021 §2.2, Megatron-LM's order; ``M % P == 0``;
+    the runtime uses ``v = 2``, ``experiments/bench/interleave_depth.py`` studies more): the ``k``-th forward of card
+    ``r`` is micro-batch ``(k // vP) P + k % P`` on chunk ``(k % vP) // P``, backwards take the chunks in reverse;
+    ``2(P-r-1) + (v-1)P`` warm-up forwards (at most ``vM``), then one forward and one backward."""
+    total = v * M
 
     def order(k: int, forward: bool) -> tuple[int, int]:
-        chunk = (k % (2 * P)) // P
-        return (k // (2 * P)) * P + k % P, chunk if forward else 1 - chunk
+        chunk = (k % (v * P)) // P
+        return (k // (v * P)) * P + k % P, chunk if forward else v - 1 - chunk
 
-    warmup = min(2 * (P - r - 1) + P, total)
+    warmup = min(2 * (P - r - 1) + (v - 1) * P, total)
     acts = [Action("F", *order(k, True)) for k in range(warmup)]
     for i in range(total - warmup):
         acts.append(Action("F", *order(warmup + i, True)))
