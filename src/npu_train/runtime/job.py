@@ -822,7 +822,9 @@ def train_spec(cfg, dtype: str, mcfg=None) -> TrainSpec:
 
 def _dpo_fields(cfg) -> dict:
     """``dpo.*`` as TrainSpec fields (defaults when the config has no ``dpo`` group)."""
-    d = cfg.get("dpo") if hasattr(cfg, "get") else getattr(cfg, "dpo", None)
+    from npu_train.config import section
+
+    d = section(cfg, "dpo")
     if d is None:
         return {}
     return {"dpo_beta": float(d.beta), "dpo_loss": str(d.loss), "dpo_label_smoothing": float(d.label_smoothing)}
