@@ -863,9 +863,11 @@ def _jsonl(path: str) -> list[dict]:
 
 def step_time_unit(step_s: float) -> tuple[float, int, str]:
     """``(scale, decimals, unit)`` of a step line's times for a step of ``step_s`` seconds: seconds with two
-    decimals from 0.1 s, else milliseconds, one decimal from 10 ms and two below (a tiny model's step read
-    ``0.02 s (plan 0.02)`` and ``[fwd/bwd 0.02 opt 0.00 ...]``)."""
-    if step_s >= 0.1 or step_s <= 0:
+    decimals from :data:`~npu_train.planner.spec.MS_BELOW_S` (the plan's switch), else milliseconds, one decimal
+    from 10 ms and two below (a tiny model's step read ``0.02 s (plan 0.02)`` and ``[fwd/bwd 0.02 opt 0.00 ...]``)."""
+    from npu_train.planner.spec import MS_BELOW_S
+
+    if step_s >= MS_BELOW_S or step_s <= 0:
         return 1.0, 2, "s"
     return 1e3, 1 if step_s >= 0.01 else 2, "ms"
 

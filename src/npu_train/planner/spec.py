@@ -21,10 +21,15 @@ def gib(x: float) -> float:
     return x / GIB
 
 
+#: times below this many seconds print in milliseconds, in the plan (:func:`duration`) and the step line
+#: (:func:`npu_train.metrics.report.step_time_unit`)
+MS_BELOW_S = 0.1
+
+
 def duration(seconds: float) -> str:
-    """A predicted time as the plan prints it: ``"0.56 s"`` (two decimals) from 0.1 s, else milliseconds to three
-    significant digits, ``"20.3 ms"``, ``"0.412 ms"`` (a tiny model's step read ``0.00 s``); 0 is ``"0 s"``."""
-    if seconds >= 0.1:
+    """A predicted time as the plan prints it: ``"0.56 s"`` (two decimals) from :data:`MS_BELOW_S`, else milliseconds
+    to three significant digits, ``"20.3 ms"``, ``"0.412 ms"`` (a tiny model's step read ``0.00 s``); 0 is ``"0 s"``."""
+    if seconds >= MS_BELOW_S:
         return f"{seconds:.2f} s"
     if seconds <= 0:
         return "0 s"
