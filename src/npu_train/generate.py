@@ -118,11 +118,13 @@ def template_source(kind: str, path: str, base: Optional[str] = None) -> Optiona
 
 def check_chat_template(kind: str, path: str, base: Optional[str] = None) -> None:
     """Raise ValueError (:data:`NO_TEMPLATE`) when the model has no chat template: checked from its files before
-    the weights load (a checkpoint's merge and load took ~17 s before the same refusal came)."""
+    the weights load (a checkpoint's merge and load took ~17 s before the same refusal came), the one place it
+    is raised: a checkpoint that recorded no tokenizer has none either (its export writes no tokenizer files).
+    A tokenizer that is gone raises :class:`~npu_train.errors.UserError` or ``FileNotFoundError``."""
     from npu_train.model import chat_template
 
     src = template_source(kind, path, base)
-    if src and os.path.exists(src) and not chat_template(src):
+    if not src or not chat_template(src):
         raise ValueError(NO_TEMPLATE)
 
 
@@ -220,14 +222,14 @@ class WordStreamer:
 def generate(model, tok, prompt: str, *, chat: bool = True, system: Optional[str] = None, max_new_tokens: int = 64,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
              on_text: Optional[Callable[[str], None]] = None) -> str:
-    """The completion of ``prompt`` (decoded, prompt excluded). ``chat`` needs a chat template (ValueError);
+    """The completion of ``prompt`` (decoded, prompt excluded). ``chat`` needs a tokenizer with a chat template
+    (:func:`load_for_generation` with ``chat=True`` refuses a model without one before loading it; transformers
+    raises ValueError for ``tok`` without one);
     ``temperature`` 0: greedy, else top-p sampling; stops at eos or ``max_new_tokens``. ``on_text``: gets the
     completion in pieces (words) while it is generated, which join to the returned text (:class:`WordStreamer`)."""
     import torch
 
     if chat:
-        if not tok.chat_template:
-            raise ValueError(NO_TEMPLATE)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
         text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     else:
@@ -268,8 +270,10 @@ class _Parser(argparse.ArgumentParser):
             fix = ("pass it, e.g. --prompt 'Hello'" if message.endswith(": --prompt") else
                    "e.g. embedded --prompt 'Hello'")
         elif "invalid" in message and opt:
-            action = self._option_string_actions.get(opt.group(1))
-            fix = f"give a number, e.g. {action.default} (the default)" if action else "give a number"
+            # the option's destination as argparse derives it ("--max-new-tokens" -> "max_new_tokens"), its
+            # default through the public get_default (None for an unknown one)
+            default = self.get_default(opt.group(1).lstrip(self.prefix_chars).replace("-", "_"))
+            fix = f"give a number, e.g. {default} (the default)" if default is not None else "give a number"
         elif "unrecognized" in message:
             fix = "drop them (--help lists the options)"
         else:

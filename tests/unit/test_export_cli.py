@@ -363,6 +363,42 @@ def test_generate_argument_errors_are_one_line(argv, fix, capsys):
     assert fix in lines[0] and "usage" not in err, err
 
 
+def test_generate_argument_error_reads_the_default_through_public_argparse(capsys):
+    """The ``--max-new-tokens abc`` error names the option's default through argparse's public ``get_default``:
+    it read the private ``_option_string_actions`` before, which a parser without it (a Python whose argparse
+    keeps it elsewhere; here deleted) turned into an AttributeError in place of the one-line error."""
+    from npu_train.generate import _Parser
+
+    ap = _Parser(prog="generate")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    del ap._option_string_actions  # nothing private left to read
+    with pytest.raises(SystemExit) as e:
+        ap.error("argument --max-new-tokens: invalid int value: 'abc'")
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err == ("error: argument --max-new-tokens: invalid int value: 'abc': give a number, e.g. 64 "
+                   "(the default)\n"), err
+
+
+def test_generate_checkpoint_without_a_tokenizer_is_refused_once_before_loading(tiny_ckpt, monkeypatch, capsys):
+    """Chat mode on a checkpoint that recorded no tokenizer (no chat template either): the one refusal comes before
+    its shards are merged and loaded. The check before the load let it through (nothing to read a template from)
+    and ``generate`` raised the same refusal again after the load."""
+    import npu_train.checkpoint.export as export
+    import npu_train.generate as gen
+    from npu_train.checkpoint.store import CheckpointReader
+
+    def loaded(*a, **k):
+        raise AssertionError("the checkpoint was merged before the chat template was checked")
+
+    monkeypatch.setattr(export, "export_hf", loaded)
+    assert "tokenizer_path" not in CheckpointReader(tiny_ckpt).manifest
+    assert gen.main([tiny_ckpt, "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert one_refusal(err) == f"error: {gen.NO_TEMPLATE}", err
+    assert err.count("chat template") == 1, err
+
+
 def test_gguf_tokenizer_line_makes_no_duration_promise(tiny_ckpt, tmp_path, capsys):
     """The export's tokenizer line promised "tens of seconds" for a GGUF's tokenizer, which takes under 1 s."""
     from npu_train.checkpoint.store import CheckpointReader
