@@ -246,6 +246,10 @@ class RuntimeConf:
     slots: Optional[int] = None
     #: shm (one node) or inline (ZeroMQ tcp frames; what multi-node uses).
     transport: str = "shm"
+    #: the stage-boundary copies card<->host in a copy thread, overlapped with compute (npu_train.runtime.copies):
+    #: null = on for RNGD cards, false = off, true = also on cpu / cuda cards. Only where the card's memory-type
+    #: flag is thread-local (probed at setup; else the synchronous copies); the plan prices what it assumes.
+    overlap_copies: Optional[bool] = None
     #: torch intra-op threads per card process (null = host cores / local cards).
     threads: Optional[int] = None
     #: address this node's sockets listen on (boundary mailboxes, gloo); null = 127.0.0.1 on one node,

@@ -113,6 +113,10 @@ class Backend(abc.ABC):
         self._setup_guard = threading.Lock()
         self._alloc_lock = AllocLock() if needed else None
 
+    def thread_init(self) -> None:
+        """Run first in a helper thread that copies to / from this card (``runtime/copies.py``): the
+        thread's device context and memory accounting; default: nothing."""
+
     # ------------------------------------------------------------------ device
     @abc.abstractmethod
     def device(self) -> torch.device:

@@ -390,6 +390,17 @@ class FuriosaBackend(Backend):
             acct.install(self._ledger)
 
 
+    def thread_init(self) -> None:
+        """A copy thread's context: this card as its current device and, with ``dispatch`` accounting, its device
+        tensors counted in the card's ledger (both are per thread)."""
+        self._ensure_setup()
+        try:
+            self._ft.exchange_device(self.device())
+        except Exception:  # noqa: BLE001
+            pass
+        if self.accounting == "dispatch":
+            acct.install(self._ledger)
+
     def alloc_lock(self):
         if self.memory_flag_thread_local is None:  # not probed yet: be safe
             if self._alloc_lock is None:

@@ -158,6 +158,7 @@ class StageRunner:
                     n_tok += obj.tokens(labels[m])
                     n_units += obj.units(labels[m])
             self.vocab.finish()
+            _flush(self)
             return {"loss_sum": loss_sum, "n_tokens": n_tok, "n_units": n_units, "stats": stats}
         for m, ch in self._forward_only(num_micro):  # the last chunk's outputs: the loss
             out = self._forward_only_step(step, EVAL_MICRO_BASE + m, ch, inputs, positions, m)
@@ -167,6 +168,7 @@ class StageRunner:
                 n_tok += obj.tokens(labels[m])
                 n_units += obj.units(labels[m])
                 stats = [a + b for a, b in zip(stats, st)]
+        _flush(self)
         return {"loss_sum": loss_sum, "n_tokens": n_tok, "n_units": n_units, "stats": stats}
 
     @torch.no_grad()
@@ -182,6 +184,7 @@ class StageRunner:
             out = self._forward_only_step(0, REF_MICRO_BASE + m, ch, inputs, positions, m)
             if out is not None:
                 out_rows.append(self.objective.logps(out, labels[m], self.backend, fused).double().cpu())
+        _flush(self)
         return out_rows
 
     def _forward_only(self, num_micro: int):
@@ -215,7 +218,9 @@ class StageRunner:
         if self.moe is not None:
             self.moe.begin_step()
         run = _StepRun(self, step, M, inputs, labels, total_tokens, early, positions)
-        for a in build_schedule(self.schedule, self.P, M, self.s, vocab=self.vocab is not None):
+        actions = build_schedule(self.schedule, self.P, M, self.s, vocab=self.vocab is not None)
+        for i, a in enumerate(actions):
+            run.next = actions[i + 1] if i + 1 < len(actions) else None
             if a.kind == "F":
                 run.forward(a.micro, a.chunk)
             elif a.kind == "B":
@@ -227,6 +232,14 @@ class StageRunner:
         return run.end(local_tokens, local_units)
 
 
+def _flush(runner: "StageRunner") -> None:
+    """The end of a pass: every chunk's comm's overlapped copies done (``flush``, where the comm has one)."""
+    for ch in runner.chunks:
+        flush = getattr(ch.comm, "flush", None)
+        if flush is not None:
+            flush()
+
+
 class _StepRun:
     """One step's actions on the saved micro-batch graphs, with their seconds."""
 
@@ -234,6 +247,7 @@ class _StepRun:
         self.r, self.step, self.inputs, self.labels, self.total_tokens = runner, step, inputs, labels, total_tokens
         self.positions = positions
         self.early = early
+        self.next = None  # the action after the current one (fetch_next)
         self.saved: dict[int, tuple] = {}
         self.M = M
         if runner.vocab is not None and not runner.last:  # the first hidden state's receive, posted ahead
@@ -254,6 +268,23 @@ class _StepRun:
         #: the module's heap-guard check (``StageModule.layer_check``), also run at every action's start
         self.check = getattr(runner.module, "layer_check", None) or (lambda: None)
 
+    def fetch_next(self) -> None:
+        """Before this action computes: the next action's input from another card, copied onto the card ahead if
+        it has arrived (a comm with ``fetch_act`` / ``fetch_grad``: the copy thread of
+        :mod:`npu_train.runtime.copies`; anything else: nothing)."""
+        a, r = self.next, self.r
+        if a is None or a.kind not in ("F", "B"):
+            return
+        ch = r.chunks[a.chunk]
+        if a.kind == "F" and not ch.first:
+            fetch = getattr(ch.comm, "fetch_act", None)
+        elif a.kind == "B" and not ch.last:
+            fetch = getattr(ch.comm, "fetch_grad", None)
+        else:
+            return
+        if fetch is not None:
+            fetch(self.step, a.micro)
+
     def _account(self, kind: str, m: int, t0: float, t1: float, t2: float, t3: float) -> None:
         self.wait += t1 - t0
         self.compute += t2 - t1
@@ -267,6 +298,7 @@ class _StepRun:
         ch = r.chunks[c]
         t0 = clock()
         x, up = (r.backend.upload(self.inputs[m]), None) if ch.first else self._recv_act(ch, m)
+        self.fetch_next()
         t1 = clock()
         k1 = self.cpu()
         # split backward past the first stage: the graph cut per layer (StageModule.forward cuts=)
@@ -356,6 +388,7 @@ class _StepRun:
         g, root = self._recv_grad(ch, m)
         if ch.last and g is not None:  # V(m)'s gradient: onto the card in the output's dtype
             g = r.backend.upload(g.to(out.dtype))
+        self.fetch_next()
         t1 = clock()
         k1 = self.cpu()
         if self.split and not ch.first:
@@ -404,6 +437,7 @@ class _StepRun:
     def weight(self, m: int, c: int = 0) -> None:
         """``W``: the weight gradients deferred by micro-batch ``m``'s ``B`` on chunk ``c``."""
         self.check()
+        self.fetch_next()
         t0 = self.clock()
         k1 = self.cpu()
         work = self.pending.pop((m, c))
@@ -423,6 +457,7 @@ class _StepRun:
             self.r.vocab.finish()
         if self.early is not None:
             self.early[1]()
+        _flush(self.r)
         self.r.backend.synchronize()
         moe = self.r.moe
         extra = {} if moe is None else {"moe_aux_sum": moe.aux_sum, "expert_load": moe.expert_load()}

@@ -1365,7 +1365,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     runtime = RuntimeSpec(heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport,
                           threads=prep.threads,  # the figure the plan used (planner.threads_per_card)
                           keep_host_memory=bool(rt.keep_host_memory), trace=bool(rt.trace),
-                          **furiosa_runtime_fields(cfg, plan))
+                          overlap_copies=rt.overlap_copies, **furiosa_runtime_fields(cfg, plan))
     specs = build_worker_specs(plan, prep, train=train, runtime=runtime, job_id=launch.job_id, token=launch.token,
                                data_file=data_file, start_step=resume.start_step, resume_dir=resume.resume_dir,
                                ckpt_root=resume.ckpt_root, ipc_dir=ipc_dir, host=node.host, port=launch.port,

@@ -7,6 +7,7 @@ from typing import Optional
 import zmq
 
 from npu_train.pipeline.schedule import card_of, chunks_per_card, virtual_stage
+from npu_train.runtime.copies import BoundaryCopies, overlap_decision
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.transport import Mailbox, Outbox, TensorLink
 
@@ -21,9 +22,13 @@ class LinkComm:
     A card of a two-chunk schedule (``zbv``, ``interleaved``) has one :class:`ChunkLinks` per chunk
     (:meth:`chunk`), named by the virtual stages' boundaries (``act<v>`` from virtual stage ``v`` to ``v+1``,
     ``grad<v+1>`` back); a boundary whose two virtual stages sit on this card (ZB-V's turn on the last card)
-    is an in-process hand-over."""
+    is an in-process hand-over.
 
-    def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend):
+    ``overlap`` (``runtime.overlap_copies``; :func:`~npu_train.runtime.copies.overlap_decision` decides with the
+    backend's memory-type flag): the copies run in a :class:`~npu_train.runtime.copies.BoundaryCopies` thread
+    (:attr:`copies`, None when synchronous); :meth:`flush` at the end of each step."""
+
+    def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend, overlap: Optional[bool] = None):
         lay = spec.layout
         r, s, k, P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
         self.rank, self.prev, self.next = r, lay.prev(r), lay.next(r)
@@ -49,6 +54,12 @@ class LinkComm:
         self.handover = _Handover()
         self.views = [ChunkLinks(self, kind, c) for c in range(C)]
         self.links = [l for view in self.views for l in view.links()]
+        on, self.overlap_why = overlap_decision(overlap, backend)
+        log.info("stage-boundary copies: %s", self.overlap_why)
+        self.copies = None
+        if on and peers:
+            self.copies = BoundaryCopies(ctx, {lay.rank(k, p): spec.inbox[lay.rank(k, p)] for p in peers},
+                                         spec.token, r, self.timeout, getattr(backend, "thread_init", None))
 
     def _mode(self, a: int, b: int) -> str:
         """Transport between cards ``a`` and ``b`` of this replica: the boundary's, or for cards that are not
@@ -76,7 +87,20 @@ class LinkComm:
     def send_grad(self, step, micro, t, meta=None):
         self.views[0].send_grad(step, micro, t, meta)
 
+    def fetch_act(self, step, micro):
+        self.views[0].fetch_act(step, micro)
+
+    def fetch_grad(self, step, micro):
+        self.views[0].fetch_grad(step, micro)
+
+    def flush(self) -> None:
+        """End of a step: the copy thread's last send is out (no-op when synchronous)."""
+        if self.copies is not None:
+            self.copies.flush()
+
     def close(self) -> None:
+        if self.copies is not None:
+            self.copies.close()
         for l in self.links:
             l.close()
         self.mailbox.close()
@@ -121,6 +145,9 @@ class ChunkLinks:
         self.kinds = (("act", "act", "grad", "grad") if not chunked else
                       (f"act{v - 1}", f"act{v}", f"grad{v + 1}", f"grad{v}"))
 
+    def flush(self) -> None:
+        self.comm.flush()
+
     def links(self) -> list:
         return [l for l in (self.act_out, self.grad_out, self.act_in, self.grad_in) if l is not None]
 
@@ -131,33 +158,55 @@ class ChunkLinks:
         if self.local_prev:
             t = self.comm.handover.acts.pop((step, micro))
             return (t, None) if with_meta else t
-        c = self.comm
-        return _split(self.act_in.recv(self.kinds[0], step, micro, c.mailbox, c.out[self.prev_rank], c.timeout,
-                                       device=c.backend.device(), return_header=with_meta), with_meta)
+        return self._recv(self.act_in, self.kinds[0], step, micro, self.prev_rank, with_meta)
 
     def send_act(self, step, micro, t, meta=None):
         if self.local_next:
             self.comm.handover.acts[(step, micro)] = t
             return
-        c = self.comm
-        self.act_out.send(t, self.kinds[1], step, micro, c.out[self.next_rank], c.mailbox, c.timeout,
-                          extra=None if meta is None else {"moe": meta})
+        self._send(self.act_out, t, self.kinds[1], step, micro, self.next_rank, meta)
 
     def recv_grad(self, step, micro, with_meta=False):
         if self.local_next:
             t = self.comm.handover.grads.pop((step, micro))
             return (t, None) if with_meta else t
-        c = self.comm
-        return _split(self.grad_in.recv(self.kinds[2], step, micro, c.mailbox, c.out[self.next_rank], c.timeout,
-                                        device=c.backend.device(), return_header=with_meta), with_meta)
+        return self._recv(self.grad_in, self.kinds[2], step, micro, self.next_rank, with_meta)
 
     def send_grad(self, step, micro, t, meta=None):
         if self.local_prev:
             self.comm.handover.grads[(step, micro)] = t
             return
+        self._send(self.grad_out, t, self.kinds[3], step, micro, self.prev_rank, meta)
+
+    # the next action's input, copied onto the card ahead while this action computes (copy thread only;
+    # nothing for a hand-over or when the message has not arrived yet)
+    def fetch_act(self, step, micro):
         c = self.comm
-        self.grad_out.send(t, self.kinds[3], step, micro, c.out[self.prev_rank], c.mailbox, c.timeout,
-                           extra=None if meta is None else {"moe": meta})
+        if c.copies is not None and not self.local_prev and self.act_in is not None:
+            c.copies.fetch_ahead(self.act_in, self.kinds[0], step, micro, self.prev_rank, c.mailbox,
+                                 c.backend.device())
+
+    def fetch_grad(self, step, micro):
+        c = self.comm
+        if c.copies is not None and not self.local_next and self.grad_in is not None:
+            c.copies.fetch_ahead(self.grad_in, self.kinds[2], step, micro, self.next_rank, c.mailbox,
+                                 c.backend.device())
+
+    def _recv(self, link, kind, step, micro, peer, with_meta):
+        c = self.comm
+        if c.copies is not None:
+            got = c.copies.recv(link, kind, step, micro, peer, c.mailbox, c.out[peer], c.backend.device())
+            return _split(got, True) if with_meta else got[0]
+        return _split(link.recv(kind, step, micro, c.mailbox, c.out[peer], c.timeout,
+                                device=c.backend.device(), return_header=with_meta), with_meta)
+
+    def _send(self, link, t, kind, step, micro, peer, meta):
+        c = self.comm
+        extra = None if meta is None else {"moe": meta}
+        if c.copies is not None:
+            c.copies.send(link, t, kind, step, micro, peer, c.mailbox, extra=extra)
+            return
+        link.send(t, kind, step, micro, c.out[peer], c.mailbox, c.timeout, extra=extra)
 
 
 def _split(got, with_meta: bool):

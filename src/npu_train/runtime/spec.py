@@ -164,6 +164,8 @@ class RuntimeSpec:
     keep_host_memory: bool = True
     #: ``runtime.trace``: record each step's per-action timeline (:mod:`npu_train.metrics.trace`)
     trace: bool = False
+    #: ``runtime.overlap_copies``: the boundary copies in a copy thread (:mod:`npu_train.runtime.copies`)
+    overlap_copies: Optional[bool] = None
 
     def backend_kwargs(self, kind: str) -> dict:
         """Keyword arguments of :func:`~npu_train.backends.make_backend` for ``kind`` (furiosa only)."""

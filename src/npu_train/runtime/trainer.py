@@ -287,7 +287,7 @@ class StageTrainer:
                 if self.rank in ranks:
                     self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card), xgroup=gx)
         if self.P > 1:
-            self.comm = LinkComm(spec, self.ctx, self.backend)
+            self.comm = LinkComm(spec, self.ctx, self.backend, overlap=spec.runtime.overlap_copies)
             dist.barrier()  # every ring exists before anyone receives
 
     def _resume(self) -> None:

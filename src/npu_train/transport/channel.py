@@ -418,6 +418,7 @@ class TensorLink:
         self._free: Deque[int] = deque(range(n_slots))
         self._busy: Set[int] = set()
         self._seq = 0
+        self._slot_seq: Dict[int, int] = {}  # the sequence number reserve() gave each slot's tensor
         self._closed = False
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -498,7 +499,23 @@ class TensorLink:
     ) -> int:
         """Send ``tensor`` (any shape and device, a :data:`~npu_train.transport.shm.DTYPES` dtype, at most
         ``slot_bytes``) as ``(kind, step, micro)`` through ``out``; returns the slot used. Blocks while all K slots
-        are in flight, collecting credits from ``mailbox``. Raises ``ValueError``, :class:`TransportTimeout`."""
+        are in flight, collecting credits from ``mailbox``. Raises ``ValueError``, :class:`TransportTimeout`.
+        :meth:`reserve` + :meth:`post` in one call."""
+        slot = self.reserve(tensor, mailbox, timeout_s, abort_check=abort_check, extra=extra)
+        try:
+            self.post(slot, tensor, kind, step, micro, out, extra=extra)
+        except BaseException:
+            self.unreserve(slot)  # nothing was sent: the slot is still ours
+            raise
+        return slot
+
+    def reserve(self, tensor: torch.Tensor, mailbox: Mailbox, timeout_s: Optional[float] = 60.0, *,
+                abort_check: AbortCheck = None, extra: Optional[Dict[str, Any]] = None) -> int:
+        """The first half of :meth:`send`, in the thread that owns ``mailbox``: check ``tensor`` against the slot
+        size and ``extra``, take a free slot (blocking for a credit while all K are in flight) and count it in
+        flight. Returns the slot for :meth:`post` (which may run in another thread with its own
+        :class:`Outbox`), or :meth:`unreserve` if nothing will be sent. Raises ``ValueError``,
+        :class:`TransportTimeout`."""
         self.open_sender()
         t = tensor.detach()
         dtype_name = dtype_to_str(t.dtype)
@@ -514,23 +531,32 @@ class TensorLink:
             if bad:
                 raise ValueError(f"extra header fields may not override {sorted(bad)}")
         slot = self._acquire_slot(mailbox, timeout_s, abort_check)
-        try:
-            payload = None
-            if self.mode == "shm":
-                self._ring.write(slot, t)
-            else:
-                payload = _tensor_bytes(t)
-            header = out.header(
-                kind, step, micro, link=self.name, slot=slot, shape=list(t.shape),
-                dtype=dtype_name, nbytes=nbytes, seq=self._seq, **(extra or {}),
-            )
-            out.send_header(header, payload)
-        except BaseException:
-            self._free.appendleft(slot)  # nothing was sent: the slot is still ours
-            raise
         self._busy.add(slot)
+        self._slot_seq[slot] = self._seq
         self._seq += 1
         return slot
+
+    def unreserve(self, slot: int) -> None:
+        """Give back a slot :meth:`reserve` took when its :meth:`post` failed (nothing was sent)."""
+        self._busy.discard(slot)
+        self._free.appendleft(slot)
+
+    def post(self, slot: int, tensor: torch.Tensor, kind: str, step: int, micro: int, out: Outbox, *,
+             extra: Optional[Dict[str, Any]] = None) -> None:
+        """The second half of :meth:`send`: copy ``tensor`` into ``slot`` (shm: card -> shared memory; inline: to a
+        host payload) and send its header through ``out``. Touches no mailbox and no slot bookkeeping, so it may
+        run in a copy thread that owns ``out`` (:mod:`npu_train.runtime.copies`)."""
+        t = tensor.detach()
+        payload = None
+        if self.mode == "shm":
+            self._ring.write(slot, t)
+        else:
+            payload = _tensor_bytes(t)
+        header = out.header(
+            kind, step, micro, link=self.name, slot=slot, shape=list(t.shape),
+            dtype=dtype_to_str(t.dtype), nbytes=t.numel() * t.element_size(), seq=self._slot_seq.get(slot, 0), **(extra or {}),
+        )
+        out.send_header(header, payload)
 
     def wait_released(self, mailbox: Mailbox, timeout_s: Optional[float] = 60.0,
                       *, abort_check: AbortCheck = None) -> None:
@@ -557,9 +583,24 @@ class TensorLink:
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, Header]]:
         """Receive the tensor sent as ``(kind, step, micro)`` as a fresh copy on ``device`` (None = CPU); the
         slot credit goes back through ``reply`` first; ``return_header=True`` returns ``(tensor, header)``.
-        Raises :class:`TransportTimeout`, :class:`TransportError`."""
+        Raises :class:`TransportTimeout`, :class:`TransportError`. :meth:`take` + :meth:`finish` in one call."""
+        h, payload = self.take(kind, step, micro, mailbox, timeout_s, abort_check=abort_check)
+        return self.finish(h, payload, reply, device, return_header=return_header)
+
+    def take(self, kind: str, step: int, micro: int, mailbox: Mailbox, timeout_s: Optional[float] = 60.0, *,
+             abort_check: AbortCheck = None, wait: bool = True) -> Optional[Tuple[Header, Payload]]:
+        """The first half of :meth:`recv`, in the thread that owns ``mailbox``: the message ``(kind, step, micro)``
+        as ``(header, payload)``; ``wait=False``: None unless it is already here (:meth:`Mailbox.poll`)."""
         self._set_role("receiver")
-        h, payload = mailbox.recv(kind, step, micro, timeout_s, abort_check=abort_check)
+        if not wait:
+            return mailbox.poll(kind, step, micro)
+        return mailbox.recv(kind, step, micro, timeout_s, abort_check=abort_check)
+
+    def finish(self, h: Header, payload: Payload, reply: Outbox, device: Optional[Union[str, torch.device]] = None,
+               *, return_header: bool = False) -> Union[torch.Tensor, Tuple[torch.Tensor, Header]]:
+        """The second half of :meth:`recv`: check the header, copy the tensor out (shm: slot -> ``device``) and
+        return the slot's credit through ``reply``. Touches no mailbox, so it may run in a copy thread that owns
+        ``reply`` (:mod:`npu_train.runtime.copies`). Raises :class:`TransportError`."""
         slot = h.get("slot")
         slot_ok = _is_int(slot) and 0 <= slot < self.n_slots
         try:
