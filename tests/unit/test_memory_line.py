@@ -38,3 +38,13 @@ def test_returned_freed_memory_is_said_plainly():
                                  heap_fraction="runtime.keep_host_memory=false: freed blocks returned"))
     line = _memory_line(terms)
     assert "no freed memory kept (runtime.keep_host_memory=false" in line and "holes" not in line, line
+
+
+def test_the_measured_workspace_names_its_unit():
+    """A fresh-clone review read "(measured: 4 jobs, 0.14-1.24 B)" and could not tell billions of parameters from
+    bytes: every count of ``B`` in the paragraph is ``B params`` (model sizes) or ``B/param`` (bytes each)."""
+    import re
+
+    line = _memory_line(DEFAULT_MEMORY_TERMS["cpu"])
+    assert "0.14-1.24 B params" in line, line
+    assert not re.findall(r"\d B\b(?! params|/param)", line), line

@@ -84,7 +84,7 @@ DEFAULT_MEMORY_TERMS: dict[str, MemoryTerms] = {
     # Python objects, the first operations' state (experiments/2026-12-06-plan-bound.md, "The load term's baseline")
     "cpu": MemoryTerms(CPU_RUNTIME_BYTES, 0.04, heap_fraction=1.0,
                        sources={"workspace_bytes": CPU_RUNTIME_SOURCE,
-                                "workspace_fraction": "measured: 4 jobs, 0.14-1.24 B",
+                                "workspace_fraction": "measured: 4 jobs of 0.14-1.24 B params",
                                 "heap_fraction": "a guard returns the rest after each backward"}),
     "cuda": MemoryTerms(1 * GIB, 0.05, sources={"workspace_bytes": "assumed",
                                                 "workspace_fraction": "assumed"}),
