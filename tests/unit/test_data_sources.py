@@ -239,6 +239,23 @@ def test_progress_lines(tmp_path, tok):
     assert logs[-1].startswith("data: tokenized botchan: ")
 
 
+def test_progress_lines_count_tokens_as_the_other_lines_do(tmp_path, tok):
+    """Token counts in whole tokens with thousands separators, as the eval and step lines print them
+    (``12,345 held-out tokens``); a fresh-clone review read ``0.07M tokens`` in these lines. The final count is
+    every token written: at least the packed rows' (the cut tail aside)."""
+    import re
+
+    logs = []
+    data = build_packed_data("botchan", tok, 32, 0.05, EOS, cache_dir=str(tmp_path), log=logs.append, progress_s=0.0)
+    count = r"(\d{1,3}(?:,\d{3})*) tokens"
+    for m in logs:
+        if m.startswith(("data: tokenizing ", "data: tokenized ")):
+            assert re.search(r"\d+\.\d+M tokens", m) is None and re.search(count, m), m
+    n = int(re.search("into " + count, logs[-1]).group(1).replace(",", ""))
+    rows = data.train.shape[0] + data.val.shape[0]
+    assert n >= 1000 and rows * (data.train.shape[1] - 1) <= n < (rows + 2) * data.train.shape[1], (n, logs[-1])
+
+
 def test_waits_for_another_builder(tmp_path, tok):
     """A lock held by another node / launch: wait, then use its file (the tokenizer is never called)."""
     want = build_packed_data("botchan", tok, 32, 0.05, EOS, cache_dir=str(tmp_path / "other"))

@@ -442,6 +442,8 @@ def test_progress_lines_touch_the_lock(smol, tmp_path):
     build_preference_data(_write(tmp_path, _pref_rows("standard", 6)[0], "p.jsonl"), smol["renderer"], 47,
                           cache_dir=tmp_path / "c", log=logs.append, progress_s=0.0)
     assert any(m.startswith("data: rendering ") and "rows read" in m for m in logs), logs
+    # whole tokens, as the other lines count them (not "0.00M tokens")
+    assert all(re.search(r", \d[\d,]* kept, \d[\d,]* tokens, ", m) for m in logs if m.startswith("data: rendering ")), logs
     logs = []
     build_sft_data(src, "chat", smol["renderer"], 63, truncation="truncate", cache_dir=tmp_path / "c", log=logs.append,
                    progress_s=0.0)

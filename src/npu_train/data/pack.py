@@ -121,12 +121,12 @@ class _Progress:
                     os.utime(self.lock)
             rate = self.chars / 1e6 / max(now - self.t0, 1e-9)
             self.log(f"data: tokenizing {self.spec}: {self.chars / 1e6:.1f} of ~{self.total / 1e6:.1f} MB "
-                     f"({min(100.0, 100 * self.chars / self.total):.0f}%), {self.tokens / 1e6:.2f}M tokens, "
+                     f"({min(100.0, 100 * self.chars / self.total):.0f}%), {self.tokens:,} tokens, "
                      f"{rate:.2f} MB/s, {now - self.t0:.0f} s")
 
     def done(self) -> None:
         dt = time.monotonic() - self.t0
-        self.log(f"data: tokenized {self.spec}: {self.chars / 1e6:.1f} MB into {self.tokens / 1e6:.2f}M tokens "
+        self.log(f"data: tokenized {self.spec}: {self.chars / 1e6:.1f} MB into {self.tokens:,} tokens "
                  f"in {dt:.1f} s ({self.chars / 1e6 / max(dt, 1e-9):.2f} MB/s)")
 
 
@@ -148,7 +148,7 @@ def _stream_split(out: TokenStreamFile, batches: Iterator, vocab_size, progress:
 
 
 def _too_short(n_tokens: int, row: int, seq_len: int, what: str = "dataset") -> DataError:
-    return DataError(f"{what} too short: {n_tokens} tokens, need at least {2 * row if what == 'dataset' else row} "
+    return DataError(f"{what} too short: {n_tokens:,} tokens, need at least {2 * row if what == 'dataset' else row} "
                      f"({'2 sequences' if what == 'dataset' else '1 sequence'} of seq_len+1) for seq_len={seq_len}; "
                      "lower data.seq_len or add text")
 
@@ -271,7 +271,7 @@ def write_sft(job: SftJob, splits: list[SplitStream], tmp: Path, lock: Optional[
         plans = [_plan(spool, a, b, job.row, job.pack, job.pad_id) for a, b in (train, val)]
         n_rows = plans[0].rows + plans[1].rows
         if job.pack:
-            msg += (f", packed into {n_rows} sequences of {job.seq_len} tokens "  # as the job line counts them
+            msg += (f", packed into {n_rows:,} sequences of {job.seq_len} tokens "  # as the job line counts them
                     f"({st.n_tokens / (n_rows * job.row):.0%} filled; with data.pack=false each would take a sequence)")
         else:
             msg += f" (one per sequence of {job.seq_len} tokens, padded; {st.n_tokens / (n_rows * job.row):.0%} filled)"

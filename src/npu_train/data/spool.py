@@ -172,7 +172,7 @@ class BuildProgress:
             return
         self.last = now
         self.touch()
-        self.log(f"data: rendering {self.what}: {rows} rows read, {kept} kept, {tokens / 1e6:.2f}M tokens, "
+        self.log(f"data: rendering {self.what}: {rows:,} rows read, {kept:,} kept, {tokens:,} tokens, "
                  f"{now - self.t0:.0f} s")
 
     def touch(self) -> None:

@@ -423,7 +423,7 @@ def plan_table(plan: Plan, width: int = 0) -> str:
     lines.append(schedule_line(plan))
     lines += offload_lines(plan)
     lines.append(
-        f"predicted: step {duration(plan.step_time_s)}, {plan.tokens_per_step} tokens/step"
+        f"predicted: step {duration(plan.step_time_s)}, {plan.tokens_per_step:,} tokens/step"
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
         f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
     )

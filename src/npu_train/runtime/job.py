@@ -1516,7 +1516,7 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
     where = f"node {node.node_rank}/{node.nnodes} ({local_cards} local card(s), host {node.host}), " if node.layout else ""
     lora = f"LoRA r={cfg.lora.rank} alpha={cfg.lora.alpha:g} on {','.join(cfg.lora.targets)}, " if tr.mode == "lora" else ""
     print(f"job {launch.job_id}: {where}{P * dp} card process(es) ({dp} replica(s) x {P} stage(s)), "
-          f"{prep.model_cfg.name}, {data.train.shape[0]} train / {data.val.shape[0]} "
+          f"{prep.model_cfg.name}, {data.train.shape[0]:,} train / {data.val.shape[0]:,} "
           f"val sequences of {cfg.data.seq_len} tokens, dtype {prep.dtype}, schedule {tr.schedule}, "
           f"{lora}micro-batch {tr.micro_batch} x accumulation {tr.accum}; run dir {run_dir}", flush=True)
     if resume.resume_dir:
