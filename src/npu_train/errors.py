@@ -23,8 +23,8 @@ REFUSAL_COLUMNS = 100
 _UNIT = (r"(?:[GTMK]?FLOPS?|[GMK]i?B|B|M(?: params)?|s|ms|us|min|h|x|%|tok|tokens?|steps?|layers?|cards?|"
          r"cores?|threads?|stages?|replicas?|sequences?|params?|rows?|pairs?|samples?|plans?|jobs?|experts?)")
 # a number and its unit ("153.8 GFLOP/s", "30 B/param", "1,000 M params/s", "2 thread(s)"), a "2 x 4" product, a
-# count after its word ("micro-batch 2", "dp 2"), and a trailing "..." kept with the word before it
-_NUMBER_UNIT = re.compile(r"(?<=\d) " + _UNIT + r"(?:\(s\))?(?:/[A-Za-z]+)*(?![\w/(]|\.\w)|(?<=\d x) (?=\d)|"
+# result after its " = " ("= 417 M"), a count after its word ("micro-batch 2", "dp 2"), and a trailing "..." kept with the word before it
+_NUMBER_UNIT = re.compile(r"(?<=\d) " + _UNIT + r"(?:\(s\))?(?:/[A-Za-z]+)*(?![\w/(]|\.\w)|(?<=\d x) (?=\d)|(?<= =) (?=\d)|"
                           r"(?:(?<=micro-batch)|(?<=\bdp)|(?<=\bpp)|(?<=\bstep)|(?<=\baccum)|(?<=accumulation)) (?=\d)|"
                           r"(?<=\S) (?=(?:\.\.\.|\u2026)(?:\s|$))")
 _GLUE = "\ue000"  # a private-use character textwrap does not split at, put back to a space after folding

@@ -55,7 +55,7 @@ def test_capped_rate_names_the_bounding_figure():
     r = DEFAULT_RATES["furiosa"].resolve("bf16", 8)
     rate, src = capped_host_rate(r, 4, 30)
     assert rate == pytest.approx(min(8 * 1e9, 1e11 / 4 / 30))
-    assert src.startswith("capped: host memory 100 GB/s") and "8 thread(s) 8000 M" in src
+    assert src.startswith("capped: host memory 100 GB/s") and "8 thread(s) alone: 8,000 M" in src
 
 
 def _profile(tmp_path, kind: str):

@@ -18,3 +18,48 @@ def test_tokens_per_step_has_thousands_separators():
                               threads=1, host_cores=2))
     line = next(ln for ln in plan_table(p).splitlines() if ln.startswith("predicted:"))
     assert f", {2 * 128 * 4:,} tokens/step, " in line and "1,024 tokens/step" in line, line
+
+
+def _depth(text: str) -> int:
+    """The deepest nesting of brackets of any kind ("[a (b)]": 2, "[a [b]]": 2)."""
+    depth = most = 0
+    for c in text:
+        if c in "[(":
+            depth += 1
+            most = max(most, depth)
+        elif c in "])":
+            depth -= 1
+    return most
+
+
+def _eight_card_plan(cards: int = 8):
+    shape = RunShape(micro_batch=1, seq_len=2048, micro_batches=16, dtype="bf16")
+    return make_plan(PlanRequest(get_preset("llama-3.1-8b"), shape, make_cards("furiosa", cards),
+                                 load_rates("furiosa"), threads=1, strict=False))
+
+
+def test_eight_card_rates_line_has_no_bracket_in_a_bracket():
+    """The host AdamW figure of 8 cards is capped by the shared host memory: its source said
+    ``[capped: host memory 100 GB/s [assumed: ...] / 8 card processes / 30 B/param = 417 M; 1 thread(s) 1000 M
+    [assumed: ... (1.56e9 ...)]]``. Now each figure's source is one level inside the bracket, the bounding figure
+    first; the cap is 100 GB/s / 8 processes / 30 B/param = 417 M, under 1 thread's 1,000 M."""
+    p = _eight_card_plan()
+    line = next(ln for ln in rate_sources(p) if ln.startswith("rates furiosa"))
+    assert "[[" not in line.replace(" ", "") and _depth(line) <= 2, line
+    for chunk in re.findall(r"\[[^\]]*\]", line):  # inside a [...]: no second [ and parentheses one deep
+        assert "[" not in chunk[1:] and _depth(chunk[1:-1]) <= 1, chunk
+    cap = 100e9 / 8 / 30 / 1e6
+    assert f"host AdamW {cap:,.0f} M params/s [capped: host memory 100 GB/s (assumed: one server socket) / 8 card " \
+           f"processes / 30 B/param = {cap:,.0f} M; 1 thread(s) alone: 1,000 M (assumed: " in line, line
+
+
+def test_the_uncapped_host_rate_names_its_cap_with_separators():
+    """2 card processes: the cap 100 GB/s / 2 / 30 B/param = 1,667 M is above 1 thread's 1,000 M: the per-thread
+    figure leads, the cap follows with a thousands separator (it printed ``= 1667 M``)."""
+    p = _eight_card_plan(2)
+    line = next(ln for ln in rate_sources(p) if ln.startswith("rates furiosa"))
+    cap = 100e9 / 2 / 30 / 1e6
+    assert f"host AdamW 1,000 M params/s [assumed: 1e9 per thread" in line, line
+    assert f"; cap: host memory 100 GB/s (assumed: one server socket) / 2 card processes / 30 B/param = {cap:,.0f} M]" \
+        in line and "= 1,667 M]" in line, line
+    assert _depth(line) <= 2, line

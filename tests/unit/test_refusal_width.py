@@ -135,6 +135,6 @@ def test_folds_keep_a_number_with_its_unit(width):
         for pair in ("0.0 s", "12 s", "step 3", "2 cards", "dp 2", "micro-batch 2 x 4", "1.25 GiB", "40 %",
                      "6,940 tok/s",
                      "153.8 GFLOP/s", "1 thread(s)", "2.5 TFLOP/s", "989 TFLOPS", "3.35 GB/s", "800 MB/s",
-                     "30 B/param", "417 M;", "1,000 M params/s", "1,234 tokens/s", "8,192 tokens/step",
+                     "30 B/param", "= 417 M;", "1,000 M params/s", "1,234 tokens/s", "8,192 tokens/step",
                      "2 stage(s)", "4 replica(s)", "15 sequences", "planning ..."):
             assert any(pair in ln for ln in folded.splitlines()), (pair, folded)

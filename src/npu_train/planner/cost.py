@@ -6,6 +6,7 @@ resident layers); :meth:`CostModel.build` makes the :class:`~npu_train.planner.p
 its sources: ``docs/planner.md``, section 2."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -30,15 +31,25 @@ def host_update_bytes(shape: RunShape) -> int:
 def capped_host_rate(rt: Rates, card_processes: int, bytes_per_param: int) -> tuple[float, str]:
     """(params/s, source) of one accelerator card process's host AdamW: ``rt``'s (threads x the per-thread
     figure, already resolved) capped by the host memory bandwidth ``rt.host_bytes_per_s`` shared by
-    ``card_processes`` processes each moving ``bytes_per_param``; the source names the bounding figure."""
+    ``card_processes`` processes each moving ``bytes_per_param``; the source names the bounding figure first
+    (``capped: host memory ...`` or the per-thread figure's source) and the other after ``;``, each figure's own
+    source in parentheses: one level of brackets inside the plan's ``[...]`` (the 8-card ``rates`` line nested
+    ``[...]`` three deep, a fresh-clone review). Rates in M params/s with thousands separators."""
     own = float(rt.host_adamw_params_per_s)
     n = max(1, int(card_processes))
     cap = float(rt.host_bytes_per_s) / n / max(1, int(bytes_per_param))
-    bw = (f"host memory {rt.host_bytes_per_s / 1e9:.3g} GB/s [{rt.source('host_bytes_per_s')}] / {n} card "
-          f"process{'es' if n != 1 else ''} / {int(bytes_per_param)} B/param = {cap / 1e6:.0f} M")
+    bw = (f"host memory {rt.host_bytes_per_s / 1e9:.3g} GB/s ({_flat(rt.source('host_bytes_per_s'))}) / {n} card "
+          f"process{'es' if n != 1 else ''} / {int(bytes_per_param)} B/param = {cap / 1e6:,.0f} M")
     if cap < own:
-        return cap, f"capped: {bw}; {rt.threads or '?'} thread(s) {own / 1e6:.0f} M [{rt.source('host_adamw_params_per_s')}]"
-    return own, f"{rt.source('host_adamw_params_per_s')}; cap {bw}"
+        return cap, (f"capped: {bw}; {rt.threads or '?'} thread(s) alone: {own / 1e6:,.0f} M "
+                     f"({_flat(rt.source('host_adamw_params_per_s'))})")
+    return own, f"{_flat(rt.source('host_adamw_params_per_s'))}; cap: {bw}"
+
+
+def _flat(source: str) -> str:
+    """``source`` with its parenthesised asides as comma clauses (``assumed (profile)`` -> ``assumed, profile``;
+    ``thread(s)`` stays), to go inside parentheses itself."""
+    return re.sub(r" \(([^()]*)\)", r", \1", source)
 
 
 @dataclass

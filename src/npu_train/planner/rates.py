@@ -194,7 +194,7 @@ class Rates:
 #: - cpu cards: host AdamW 2e8 params/s per process (assumed, fp32, multi-threaded torch).
 _RNGD_H2D = "assumed: measured on an earlier RNGD deployment, not this machine"
 _HOST_ADAMW = "assumed: 2e8, multi-threaded torch"
-_HOST_ONEPASS = "assumed: 1e9 per thread, one-pass update (1.56e9 on a 2-core VM's core)"
+_HOST_ONEPASS = "assumed: 1e9 per thread for the one-pass update, 1.56e9 measured on one core of a 2-core VM"
 _HOST_BW = "assumed: one server socket"
 DEFAULT_RATES: dict[str, Rates] = {
     "furiosa": Rates(device_flops=256e12 * 0.4, h2d_bytes_per_s=6e9, d2h_bytes_per_s=6e9,
