@@ -8,7 +8,9 @@ plan bounds) and ``VmHWM`` (the kernel's own peak RSS, file pages included). A s
 the next ``run.log`` line ends: ``cards ready`` (the load), ``DPO reference pass`` (reference), ``eval after
 step K`` (eval), ``step K/`` (steps), ``checkpoint step K saved`` (save); after the last line: ``exit``.
 Prints per card: plan (``DIR/plan.json``), the peak of each phase, the run's peak and peak / plan; and
-the cards' own report (``summary.json``'s ``phase_peak_mem_bytes``).
+the cards' own report (``summary.json``'s ``phase_peak_mem_bytes``). ``--thread-name NAME`` (e.g. ``moe-blocks``,
+the pool of the experts' concurrent blocks, ``npu_train.model.moe._pool``) also prints, per card, how many threads of
+that name it ran and their CPU seconds (``/proc/<pid>/task/<tid>/stat`` utime + stime, read every second).
 """
 from __future__ import annotations
 
@@ -36,8 +38,9 @@ class Sampler:
     """Samples the card processes of ``run_dir`` every ``interval`` s in a thread; remembers when each run.log
     line arrived."""
 
-    def __init__(self, run_dir: str, interval: float):
-        self.run_dir, self.interval = run_dir, interval
+    def __init__(self, run_dir: str, interval: float, thread_name: str = ""):
+        self.run_dir, self.interval, self.thread_name = run_dir, interval, thread_name
+        self.named: dict = {}  # {card: {tid: CPU seconds}} of the threads named thread_name
         self.samples: list[tuple[float, dict]] = []  # (time, {card: (anon+shm, VmHWM)})
         self.lines: list[tuple[float, str]] = []
         self._pos = 0
@@ -62,11 +65,32 @@ class Sampler:
         self._pos += len(text[:cut].encode())
         self.lines += [(now, ln.strip()) for ln in text[:cut].splitlines() if ln.strip()]
 
+    def _read_threads(self, cards: dict) -> None:
+        tick = os.sysconf("SC_CLK_TCK")
+        for pid, card in cards.items():
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                continue
+            for tid in tids:
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        stat = f.read()
+                except OSError:
+                    continue
+                name, rest = stat[stat.index("(") + 1: stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+                if name == self.thread_name:  # rest[11], rest[12]: utime, stime (fields 14, 15)
+                    self.named.setdefault(card, {})[tid] = (int(rest[11]) + int(rest[12])) / tick
+
     def _run(self) -> None:
         cards: dict = {}
+        last = 0.0
         while not self._stop.is_set():
             now = time.monotonic()
             cards = cards or self._cards()
+            if self.thread_name and now - last >= 1.0:
+                self._read_threads(cards)
+                last = now
             snap = {}
             for pid, card in cards.items():
                 st = proc_status(pid)
@@ -105,6 +129,7 @@ def main(argv=None) -> int:
     ap.add_argument("--run-dir", required=True)
     ap.add_argument("--interval", type=float, default=0.1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--thread-name", default="", help="also count the CPU seconds of the cards' threads of this name")
     ap.add_argument("overrides", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     ov = a.overrides[1:] if a.overrides[:1] == ["--"] else a.overrides
@@ -112,7 +137,7 @@ def main(argv=None) -> int:
     print(" ".join(cmd), flush=True)
     t0 = time.time()
     proc = subprocess.Popen(cmd)
-    s = Sampler(a.run_dir, a.interval).start()
+    s = Sampler(a.run_dir, a.interval, a.thread_name).start()
     rc = proc.wait()
     s.stop()
     with open(os.path.join(a.run_dir, "plan.json")) as f:
@@ -135,10 +160,15 @@ def main(argv=None) -> int:
     if own:
         print("cards' own report (summary.json phase_peak_mem_bytes, GiB): " + "; ".join(
             f"{ph} " + "/".join(f"{v / G:.2f}" for v in vals) for ph, vals in own.items()))
+    if a.thread_name:
+        print(f"threads named {a.thread_name!r}: " + ("; ".join(
+            f"{card} {len(t)} thread(s), {sum(t.values()):.1f} CPU s" for card, t in sorted(s.named.items()))
+            or "none seen"))
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"command": cmd, "exit_code": rc, "plan": plan, "outside": got, "cards_own": own,
-                       "interval_s": a.interval, "samples": len(s.samples)}, f, indent=1)
+                       "interval_s": a.interval, "samples": len(s.samples),
+                       "named_threads_cpu_s": s.named}, f, indent=1)
     return rc
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -46,7 +47,9 @@ def test_lora_with_router_exports_peft_and_merged(moe_model, tmp_path):
     base = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32)
     with torch.no_grad():
         c = base(input_ids=x).logits
-        a = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter"))(input_ids=x).logits
+        with warnings.catch_warnings():  # PEFT's RuntimeWarnings: part of the adapter's config matched nothing
+            warnings.simplefilter("error", RuntimeWarning)
+            a = peft.PeftModel.from_pretrained(base, os.path.join(out, "adapter"))(input_ids=x).logits
         merged = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
         assert type(merged).__name__ == "Qwen3MoeForCausalLM"
         b = merged(input_ids=x).logits

@@ -8,6 +8,8 @@ whose experts carry LoRA adapters runs them as modules, with the same output.
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -466,10 +468,14 @@ def test_many_widened_blocks_run_concurrently_with_their_own_buffers(monkeypatch
     ws = _stacked(len(MANY), torch.bfloat16)
     mm, buffer, before, main = torch.mm, moe._Operands.buffer, torch.get_num_threads(), threading.get_ident()
     seen, bufs, ran = [], {}, {True: threading.Event(), False: threading.Event()}
+    names = set()  # OS names of the worker threads (seen from outside: /proc/<pid>/task/<tid>/comm)
 
     def spy_mm(*a, **k):  # each thread's first matmul waits for the other's, however slowly either is scheduled
         me = threading.get_ident() == main
         seen.append((threading.get_ident(), torch.get_num_threads()))
+        if not me and os.path.exists("/proc/thread-self/comm"):
+            with open("/proc/thread-self/comm") as f:
+                names.add(f.read().strip())
         ran[me].set()
         ran[not me].wait(timeout=10)
         return mm(*a, **k)
@@ -495,6 +501,7 @@ def test_many_widened_blocks_run_concurrently_with_their_own_buffers(monkeypatch
         torch.set_num_threads(before)
     monkeypatch.undo()
     assert {t for _, t in seen} == {1} and len({i for i, _ in seen}) == 2
+    assert names <= {moe.POOL_THREAD_NAME} and (names or not os.path.exists("/proc/thread-self/comm"))
     assert bufs and any(len(per) == 2 for per in bufs.values())  # each thread made its own, used only there
     for per in bufs.values():
         ptrs = [p for ps in per.values() for p in ps]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -35,6 +36,14 @@ def _ours(path, spec, seed=0):
     return cfg, m.eval(), init
 
 
+def load_peft(base, adapter_dir):
+    """``peft.PeftModel.from_pretrained`` with any ``RuntimeWarning`` an error: PEFT warns that way when part of an
+    adapter's config matched nothing in the model (e.g. a ``rank_pattern`` key), which a user would see."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        return peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
 def _perturb(m, seed=1):
     """Non-zero B (and routers, when trained): the adapters change the logits."""
     g = torch.Generator().manual_seed(seed)
@@ -44,11 +53,15 @@ def _perturb(m, seed=1):
                 p.add_(0.05 * torch.randn(p.shape, generator=g))
 
 
-@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral"])
-@pytest.mark.parametrize("train_router", [False, True])
-def test_adapter_loads_in_peft_with_equal_logits(tmp_path, case, train_router):
+@pytest.mark.parametrize("case", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("train_router,targets", [(False, ATTN_AND_MLP), (True, ATTN_AND_MLP),
+                                                  (False, ("v_proj", "up_proj")), (False, ("gate_proj",))])
+def test_adapter_loads_in_peft_with_equal_logits(tmp_path, case, train_router, targets):
+    """Also one of the experts' fused pair (gate / up) alone: the export adds the partner's zero adapter, without
+    which PEFT 0.21 refuses to fuse them, and a zero ``down_proj`` one, without which PEFT loads none ("missing
+    adapter keys"); ``gate_proj`` alone: no attention target, no rank pattern. Qwen2-MoE (shared expert) too."""
     path, ref = make_moe(tmp_path, case)
-    spec = LoraSpec(r=4, alpha=8.0, targets=ATTN_AND_MLP, train_router=train_router)
+    spec = LoraSpec(r=4, alpha=8.0, targets=targets, train_router=train_router)
     # Qwen3-MoE's case has a dense layer 1 (mlp_only_layers): PEFT 0.21 moves gate/up/down to the stacked experts
     # and drops them from the dense layers, so the adapters here stay on the sparse layers' experts
     cfg, m, init = _ours(path, spec)
@@ -64,20 +77,21 @@ def test_adapter_loads_in_peft_with_equal_logits(tmp_path, case, train_router):
         base = m(ids)
         assert _rel(base, ref(ids).logits) < TOL  # B = 0: the base model
     _perturb(m)
-    if case == "qwen3_moe":  # no adapters on the dense layer (see above): PEFT would not load them
-        with torch.no_grad():
-            for n, p in m.named_parameters():
-                if p.requires_grad and ".layers.1.mlp." in n:
-                    p.zero_()
+    # none on Qwen3-MoE's dense layer (see above) nor on Qwen2-MoE's shared expert: PEFT 0.21 would not load them
+    dropped = {"qwen3_moe": ".layers.1.mlp.", "qwen2_moe": ".shared_expert."}.get(case, "-")
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if p.requires_grad and dropped in n:
+                p.zero_()
     trained = {n: p.detach().clone() for n, p in m.named_parameters() if p.requires_grad}
     out = tmp_path / "adapter"
     out.mkdir()
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in peft_state_dict(trained).items()
-               if not (case == "qwen3_moe" and ".layers.1.mlp." in k)}, str(out / "adapter_model.safetensors"))
+    save_file({k: v.contiguous() for k, v in peft_state_dict(trained, spec, cfg.family).items()
+               if dropped not in k}, str(out / "adapter_model.safetensors"))
     (out / "adapter_config.json").write_text(json.dumps(peft_config(spec, path, cfg.family)))
-    pm = peft.PeftModel.from_pretrained(ref, str(out)).eval()
+    pm = load_peft(ref, out)
     with torch.no_grad():
         got, mine = pm(ids).logits, m(ids)
         assert _rel(mine, base) > 1e-3  # the adapters matter
@@ -147,7 +161,7 @@ def test_exported_lora_checkpoint_loads_in_peft_and_transformers_with_equal_logi
                                                             output_loading_info=True)
         assert type(merged) is type(ref) and not any(info.values()), info
         got_merged = merged.eval()(input_ids=ids).logits
-        got_peft = peft.PeftModel.from_pretrained(ref, os.path.join(out, "adapter")).eval()(input_ids=ids).logits
+        got_peft = load_peft(ref, os.path.join(out, "adapter"))(input_ids=ids).logits
     assert _rel(want, base) > 1e-3  # the adapters (and routers) matter
     assert _rel(got_peft, want) < TOL, _rel(got_peft, want)
     assert _rel(got_merged, want) < TOL, _rel(got_merged, want)

@@ -160,7 +160,7 @@ def _lora_getter(reader, cfg, names, train: dict, out_dir: str, tdt, model_path:
                 if k.startswith("master.") and (".lora_" in k or (spec.train_router and is_router(k)))}
     adir = os.path.join(out_dir, "adapter")
     os.makedirs(adir, exist_ok=True)
-    save_file({k: v.to(tdt).contiguous() for k, v in peft_state_dict(adapters).items()},
+    save_file({k: v.to(tdt).contiguous() for k, v in peft_state_dict(adapters, spec, cfg.family).items()},
               os.path.join(adir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(adir, "adapter_config.json"), "w") as f:
         json.dump(peft_config(spec, model_path, cfg.family), f, indent=1)

@@ -195,12 +195,62 @@ def is_adapter(name: str) -> bool:
     return ".lora_A." in name or ".lora_B." in name
 
 
-def peft_state_dict(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def fuses_experts(spec: LoraSpec, family: str) -> bool:
+    """True where PEFT 0.21 fuses the experts' gate and up adapters when it loads them onto transformers 5's
+    stacked experts (a mixture-of-experts ``family`` with ``gate_proj`` or ``up_proj`` targeted): one LoRA of rank
+    ``2 r`` on ``gate_up_proj`` (``A = [A_gate; A_up]``, ``B`` block-diagonal), wrapped inside the one on
+    ``down_proj``."""
+    from npu_train.model.config import MOE_FAMILIES
+
+    return family in MOE_FAMILIES and bool({"gate_proj", "up_proj"} & set(spec.targets))
+
+
+def _expert_adapters(adapters: dict[str, torch.Tensor], r: int, family: str) -> dict[str, torch.Tensor]:
+    """Every expert's gate, up and down adapters as PEFT 0.21 fuses them (see :func:`peft_state_dict`): the ones in
+    ``adapters`` (names ``<prefix>.experts.<e>.<proj>.lora_{A,B}.weight``; A [r, in], B [out, r]), a missing gate
+    or up one zero (shapes of its partner's), ``down_proj``'s padded with zeros to rank ``2 r`` (A [2 r, I],
+    B [h, 2 r]; ``B @ A`` unchanged), zero where missing."""
+    experts: dict[str, dict[tuple, torch.Tensor]] = {}
+    for n, t in adapters.items():
+        module, part = n.split(".lora_", 1)
+        prefix, leaf = module.rsplit(".", 1)
+        experts.setdefault(prefix, {})[(target_of(leaf), part[0])] = t
+    inv = {v: k for k, v in _TARGET_OF.items()}
+    leaves = {t: inv[t] if family == "mixtral" else t for t in ("gate_proj", "up_proj", "down_proj")}
+    out = {}
+    for prefix, got in experts.items():
+        a = got.get(("gate_proj", "A"), got.get(("up_proj", "A")))  # [r, h]
+        b = got.get(("gate_proj", "B"), got.get(("up_proj", "B")))  # [I, r]
+        (h, inter), z = (a.shape[1], b.shape[0]), a.new_zeros
+        for t in ("gate_proj", "up_proj"):
+            out[f"{prefix}.{leaves[t]}.lora_A.weight"] = got.get((t, "A"), z(r, h))
+            out[f"{prefix}.{leaves[t]}.lora_B.weight"] = got.get((t, "B"), z(inter, r))
+        down = leaves["down_proj"]
+        out[f"{prefix}.{down}.lora_A.weight"] = torch.cat([got.get(("down_proj", "A"), z(r, inter)), z(r, inter)])
+        out[f"{prefix}.{down}.lora_B.weight"] = torch.cat([got.get(("down_proj", "B"), z(h, r)), z(h, r)], 1)
+    return out
+
+
+def peft_state_dict(adapters: dict[str, torch.Tensor], spec: LoraSpec, family: str = "llama"
+                    ) -> dict[str, torch.Tensor]:
     """Adapter tensors under PEFT's file keys (``base_model.model.`` + HF name; experts one adapter each, as
     transformers 4 named them, which PEFT 0.21 fuses onto transformers 5's stacked experts when it loads them);
     trained routers under their module names in transformers 5 (Mixtral's ``block_sparse_moe`` is ``mlp``), as
-    PEFT saves ``modules_to_save``."""
-    out = {f"base_model.model.{n}": t for n, t in adapters.items() if is_adapter(n)}
+    PEFT saves ``modules_to_save``.
+
+    Where :func:`fuses_experts`, the experts' adapters are written as PEFT 0.21 can load them
+    (:func:`_expert_adapters`): its fused ``gate_up_proj`` adapter has rank ``2 r``, and :func:`peft_config`
+    declares every expert parameter at that rank (no ``rank_pattern`` on parameters: PEFT 0.21 warns that such keys
+    "did not match any targeted module", though it uses them), so ``down_proj``'s adapter is padded to rank
+    ``2 r`` with zeros; PEFT fuses gate and up only both together (it refuses one alone) and loads them only inside
+    a ``down_proj`` adapter (alone, they are "missing adapter keys", silently no effect), so a projection not
+    targeted gets a zero adapter."""
+    experts = {}
+    if fuses_experts(spec, family):
+        experts = _expert_adapters({n: t for n, t in adapters.items() if is_adapter(n) and ".experts." in n}, spec.r,
+                                   family)
+    out = {f"base_model.model.{n}": t for n, t in adapters.items() if is_adapter(n) and n not in experts}
+    out.update({f"base_model.model.{n}": t for n, t in experts.items()})
     out.update({f"base_model.model.{n.replace('.block_sparse_moe.', '.mlp.')}": t
                 for n, t in adapters.items() if is_router(n)})
     return out
@@ -208,16 +258,29 @@ def peft_state_dict(adapters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def peft_config(spec: LoraSpec, base_model: str, family: str = "llama") -> dict:
     """``adapter_config.json`` contents for ``peft.PeftModel.from_pretrained`` (Mixtral's experts: target names
-    ``w1`` / ``w3`` / ``w2``; trained routers: ``modules_to_save``)."""
+    ``w1`` / ``w3`` / ``w2``; trained routers: ``modules_to_save``).
+
+    Where :func:`fuses_experts`, in transformers 5's terms, which PEFT 0.21 loads without converting the config:
+    ``target_parameters`` ``gate_up_proj`` and ``down_proj`` at rank ``2 r`` and alpha ``2 alpha`` (the same
+    scaling), the attention targets in ``target_modules`` with ``rank_pattern`` / ``alpha_pattern`` ``r`` /
+    ``alpha``. The transformers 4 form (``gate_proj`` ... in ``target_modules``) makes PEFT add a ``rank_pattern``
+    key ``.*\\.gate_up_proj`` that its own check then reports as matching no module (a ``RuntimeWarning`` on every
+    load). The per-expert tensors keep transformers 4's names in both forms (:func:`peft_state_dict`)."""
     targets = list(spec.targets)
     if family == "mixtral":
         inv = {v: k for k, v in _TARGET_OF.items()}
         targets = [inv.get(t, t) for t in targets]
     save = list(ROUTER_LEAVES) if spec.train_router else None
-    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
-            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
-            "init_lora_weights": True, "modules_to_save": save, "use_rslora": False, "use_dora": False}
+    out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
+           "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
+           "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
+           "init_lora_weights": True, "modules_to_save": save, "use_rslora": False, "use_dora": False}
+    if fuses_experts(spec, family):
+        attn = [t for t in targets if target_of(t) not in ("gate_proj", "up_proj", "down_proj")]
+        out.update(r=2 * spec.r, lora_alpha=2 * spec.alpha, target_modules=attn,
+                   target_parameters=["gate_up_proj", "down_proj"],
+                   rank_pattern={t: spec.r for t in attn}, alpha_pattern={t: spec.alpha for t in attn})
+    return out
 
 
 def merge_adapters(base: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor], spec: LoraSpec,

@@ -358,10 +358,28 @@ def _parallel_blocks(blocks: list, fn) -> None:
 _POOL: list = []  # [(pid, ThreadPoolExecutor)]: one per process (a forked child makes its own)
 
 
+#: the OS name of :func:`_pool`'s threads (``/proc/<pid>/task/<tid>/comm``, ``top -H``): a run's concurrent blocks
+#: are seen from outside (experiments/bench/plan_bound.py ``--thread-name``)
+POOL_THREAD_NAME = "moe-blocks"
+
+
+def _name_thread() -> None:
+    """Give the calling OS thread the name :data:`POOL_THREAD_NAME` (Linux ``prctl(PR_SET_NAME)``; elsewhere
+    nothing: Python's thread names are its own)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, POOL_THREAD_NAME.encode(), 0, 0, 0)  # 15: PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 def _pool(workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """The process's worker pool for :func:`_parallel_blocks`, with at least ``workers`` threads."""
+    """The process's worker pool for :func:`_parallel_blocks`, with at least ``workers`` threads (OS name
+    :data:`POOL_THREAD_NAME`)."""
     if not _POOL or _POOL[0][0] != os.getpid() or _POOL[0][1]._max_workers < workers:
-        _POOL[:] = [(os.getpid(), concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="moe-blocks"))]
+        _POOL[:] = [(os.getpid(), concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix=POOL_THREAD_NAME, initializer=_name_thread))]
     return _POOL[0][1]
 
 
