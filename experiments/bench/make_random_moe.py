@@ -23,7 +23,14 @@ import os
 import time
 
 
-def main() -> None:
+def _say(text: str, t0: float) -> None:
+    """One progress line on stdout, ``make_random_moe: [  12 s] <text>``, folded at words within 100 columns."""
+    from npu_train.metrics.report import fold_long_line
+
+    print(fold_long_line(f"make_random_moe: [{time.time() - t0:4.0f} s] {text}"), flush=True)
+
+
+def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, required=True, help="decoder layers (all sparse)")
     ap.add_argument("--out", required=True)
@@ -32,9 +39,13 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary (>= the tokenizer's 49152)")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     if a.vocab < 49152:
         ap.error(f"--vocab {a.vocab}: the SmolLM2 tokenizer's ids go up to 49151; use >= 49152")
+    t0 = time.time()
+    what = (f"a random Qwen3-MoE of {a.layers} layer(s) x {a.experts} experts of {a.moe_intermediate} "
+            f"(top-{a.top_k}), vocabulary {a.vocab}")
+    _say("importing torch and transformers ...", t0)
 
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
@@ -43,8 +54,7 @@ def main() -> None:
     from npu_train.model.files import embedded_model_path
     from npu_train.model.tokenizer import load_tokenizer
 
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bars: the one summary line below
-    t0 = time.time()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bars: the lines below say what happens
     torch.manual_seed(a.seed)
     tok = load_tokenizer(embedded_model_path())
     cfg = Qwen3MoeConfig(
@@ -54,6 +64,7 @@ def main() -> None:
         num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_intermediate, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False,
         bos_token_id=0, eos_token_id=0, pad_token_id=None)
+    _say(f"building {what} in bf16 and drawing its weights (transformers' init) ...", t0)
     torch.set_default_dtype(torch.bfloat16)  # built in bf16: 2 B/param in memory, never an fp32 copy
     model = Qwen3MoeForCausalLM(cfg)
     torch.set_default_dtype(torch.float32)
@@ -61,13 +72,13 @@ def main() -> None:
         for name, p in model.named_parameters():
             if name.endswith("mlp.gate.weight") and not p.any():
                 p.normal_(0.0, 0.02)
+    n = sum(p.numel() for p in model.parameters())
+    _say(f"writing {n / 1e9:.3f} B params ({2 * n / 2**30:.2f} GiB bf16, shards of 2 GB) and the tokenizer "
+         f"to {a.out} ...", t0)
     os.makedirs(a.out, exist_ok=True)
     model.save_pretrained(a.out, max_shard_size="2GB")
     tok.save(os.path.join(a.out, "tokenizer.json"))
-    n = sum(p.numel() for p in model.parameters())
-    print(f"wrote a random Qwen3-MoE of {a.layers} layers x {a.experts} experts of {a.moe_intermediate} "
-          f"(top-{a.top_k}), vocabulary {a.vocab}, {n / 1e9:.3f} B params, bf16, to {a.out} in "
-          f"{time.time() - t0:.0f} s")
+    _say(f"wrote {what}, {n / 1e9:.3f} B params, bf16, to {a.out}", t0)
 
 
 if __name__ == "__main__":
