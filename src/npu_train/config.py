@@ -255,7 +255,8 @@ class RuntimeConf:
     #: address this node's sockets listen on (boundary mailboxes, gloo); null = 127.0.0.1 on one node,
     #: and on a multi-node job (NNODES > 1) the IP of the interface that routes to MASTER_ADDR.
     host: Optional[str] = None
-    #: base TCP port for gloo; 0 = pick a free one.
+    #: TCP port of the job's rendezvous store (gloo), which the launcher (node 0's) hosts while the job runs;
+    #: 0 = a port the kernel picks when the store binds it (other jobs on the host cannot take it first).
     port: int = 0
     #: card processes keep freed host memory for reuse instead of returning it to the OS, so each
     #: micro-batch's tensors come without page faults (npu_train.hostmem: glibc mallopt, blocks up to

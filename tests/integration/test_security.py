@@ -83,10 +83,14 @@ def test_strangers_are_ignored(tiny_model, tmp_path, transport):
     job = Job(tmp_path, tiny_model, "train.steps=3", f"runtime.transport={transport}",
               env={"NPT_FAULT": "rank=0,phase=forward,step=1,action=sleep:4"})
     try:
-        info = job.job_info()
+        job.job_info()
         job.wait_for(lambda: "NPT_FAULT: sleep" in job.stderr, 90, "card 0 to pause")
-        # what the stranger can see while the job runs
-        raw = open(os.path.join(job.run_dir, "job.json")).read()
+        # what the stranger can see while the job runs: TCP mailboxes bind ports the kernel picks, and job.json
+        # names them once every card reported its own
+        path = os.path.join(job.run_dir, "job.json")
+        job.wait_for(lambda: ":*" not in open(path).read(), 30, "job.json to name the bound addresses")
+        raw = open(path).read()
+        info = json.loads(raw)
         assert "token" not in raw and not re.search(r"\b[0-9a-f]{32}\b", raw)
         if transport == "shm":
             st = os.stat(info["ipc_dir"])

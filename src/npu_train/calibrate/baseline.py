@@ -29,7 +29,7 @@ CARD_PROCESS_MODULES: tuple[str, ...] = (
 #: cached reader maps it (same RSS).
 PROCESS_BASELINE_SOURCE = r'''
 def process_baseline(argv):
-    import gc, importlib, os, socket
+    import gc, importlib, os
     import psutil
     import torch
     torch.set_num_threads(int(argv[0]))
@@ -41,9 +41,8 @@ def process_baseline(argv):
     be = make_backend("cpu"); be.setup()
     x = torch.ones(64, 64); (x @ x).sum()             # first op: thread pools, kernels
     ctx = zmq.Context(); s = ctx.socket(zmq.DEALER)
-    with socket.socket() as so:
-        so.bind(("127.0.0.1", 0)); port = so.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    store = dist.TCPStore("127.0.0.1", 0, world_size=1, is_master=True)  # a port picked at the bind: no race
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     t = torch.ones(4); dist.all_reduce(t)
     path = argv[2] if len(argv) > 2 else ""
     touched = 0

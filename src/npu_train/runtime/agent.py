@@ -15,7 +15,8 @@ from npu_train.errors import JobFailed
 
 
 class NodeLink:
-    """One node's end of the launchers' channel. ``addr``: node 0's ``tcp://host:port``; ``token``: the job
+    """One node's end of the launchers' channel. ``addr``: node 0's ``tcp://host:port`` (node 0 may bind
+    ``tcp://host:*``: the port the kernel picked is then in :attr:`addr`); ``token``: the job
     token (other messages are dropped); ``interval_s``/``timeout_s``/``startup_timeout_s``: heartbeat
     period and allowed silence after / before first contact (s). :meth:`pump` raises JobFailed when another
     node fails or goes silent."""
@@ -29,7 +30,8 @@ class NodeLink:
         if node == 0:
             self.sock = self.ctx.socket(zmq.ROUTER)
             self.sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            self.sock.bind(addr)
+            self.sock.bind(addr)  # tcp://host:* : a port picked at the bind, read back as self.addr
+            self.addr = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
             self.peers = list(range(1, nnodes))
         else:
             self.sock = self.ctx.socket(zmq.DEALER)

@@ -9,7 +9,7 @@ orphans, multi-node) are in docs/design.md §17. ``<run_dir>/job.json`` describe
 from __future__ import annotations
 
 import contextlib
-
+import dataclasses
 import faulthandler
 import hmac
 import json
@@ -28,6 +28,7 @@ import zmq
 
 from npu_train.errors import Interrupted, JobFailed
 from npu_train.hostmem import card_wait_env
+from npu_train.runtime.jobstore import picks_port
 from npu_train.runtime.oom import OomWatch
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.stackdump import install_stack_dump
@@ -52,6 +53,7 @@ class RankState:
     heard: bool = False               # any authenticated message received (the process is up)
     started_at: float = 0.0           # spawn time (monotonic)
     mem_phases: dict = field(default_factory=dict)  # phase family -> peak bytes, from the "done" message
+    inbox: Optional[str] = None       # the mailbox's bound address, reported when its port was picked at the bind
 
 
 class Coordinator:
@@ -73,7 +75,10 @@ class Coordinator:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(coord_addr)
+        self.sock.bind(coord_addr)  # tcp://host:* : a port picked at the bind, handed to the card processes
+        bound = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+        if bound != coord_addr and coord_addr.startswith("tcp://"):
+            self.specs = specs = [dataclasses.replace(s, coord_addr=bound) for s in specs]
         self.ranks = [RankState(s.rank, s.card.name, s.stage.label, s.layout.where(s.rank)) for s in specs]
         self.by_rank = {rs.rank: rs for rs in self.ranks}
         self.ckpt_reports: dict[int, dict[int, str]] = {}
@@ -152,7 +157,8 @@ class Coordinator:
         self.signum = int(signum)
 
     def _write_job_file(self) -> None:
-        """``<run_dir>/job.json``: ids, pids and addresses of this job (no token), written atomically."""
+        """``<run_dir>/job.json``: ids, pids and addresses of this job (no token), written atomically; a TCP
+        mailbox is ``tcp://host:*`` until every card reported the port its bind picked (then written again)."""
         info = {
             "job_id": self.job_id, "launcher_pid": os.getpid(), "run_dir": self.run_dir,
             "ipc_dir": self.ipc_dir, "coord_addr": self.specs[0].coord_addr,
@@ -160,7 +166,7 @@ class Coordinator:
             "ckpt_root": self.ckpt_root, "node": self.node, "nnodes": self.nnodes,
             "boundaries": [self.specs[0].boundary_mode(b) for b in range(self.P - 1)],
             "cards": [{"rank": rs.rank, "card": rs.card, "layers": rs.layers, "where": rs.where, "pid": rs.proc.pid,
-                       "inbox": spec.inbox[rs.rank] if self.P > 1 else None}
+                       "inbox": (rs.inbox or spec.inbox[rs.rank]) if self.P > 1 else None}
                       for rs, spec in zip(self.ranks, self.specs)],
         }
         path = os.path.join(self.run_dir, "job.json")
@@ -355,6 +361,8 @@ class Coordinator:
             self.reporter.eval(int(msg["step"]), float(msg["val_loss"]), int(msg["tokens"]), msg.get("objective"))
         elif t == "note":
             self.reporter.note(str(msg.get("text", "")))
+        elif t == "inbox":  # a mailbox bound on a port picked at the bind: job.json names it once all are known
+            self._on_inbox(rs, str(msg.get("addr", "")))
         elif t == "ckpt":
             self._on_ckpt(rs, msg)
         elif t in ("done", "stopped"):
@@ -376,6 +384,11 @@ class Coordinator:
         print(f"note: {self._describe(rs)} (pid {pid}) received {name}: stopping the job as for a {name} to the "
               "launcher", file=sys.stderr, flush=True)
         self._on_signal(signum, None)
+
+    def _on_inbox(self, rs: RankState, addr: str) -> None:
+        rs.inbox = addr
+        if all(r.inbox or not picks_port(s.inbox[r.rank]) for r, s in zip(self.ranks, self.specs)):
+            self._write_job_file()
 
     def _on_ckpt(self, rs: RankState, msg: dict) -> None:
         s = int(msg["step"])

@@ -634,7 +634,8 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
                        reference: Optional[ReferenceSpec] = None) -> list[WorkerSpec]:
     """The one place :class:`~npu_train.runtime.spec.WorkerSpec` objects are built: global rank ``r = replica
     * P + stage`` runs stage ``r % P`` on ``prep.cards[r]``. Addresses: ipc sockets in ``ipc_dir`` (``shm``)
-    or TCP ports on ``host`` (``inline``); multi-node (``nodes``): this node's cards only, with the job's
+    or ``tcp://host:*`` (``inline``: ports picked at the bind, :mod:`npu_train.runtime.jobstore`); gloo at the
+    store the launcher hosts on ``host:port``; multi-node (``nodes``): this node's cards only, with the job's
     mailboxes, per-boundary transports and gloo rendezvous."""
     from npu_train.transport.channel import Endpoint
 
@@ -648,9 +649,9 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
         inbox = tuple(f"ipc://{ipc_dir}/r{r}.sock" for r in range(layout.world))
         coord_addr = f"ipc://{ipc_dir}/coord.sock"
     else:
-        inbox = tuple(f"tcp://{host}:{Endpoint.free_tcp_port(host)}" for _ in range(layout.world))
-        coord_addr = f"tcp://{host}:{Endpoint.free_tcp_port(host)}"
-    ranks, boundary, dist_init = range(layout.world), (), f"tcp://{host}:{port}"
+        inbox = (Endpoint.tcp(host, "*"),) * layout.world
+        coord_addr = Endpoint.tcp(host, "*")
+    ranks, boundary, dist_init = range(layout.world), (), Endpoint.tcp(host, port)
     if nodes is not None:
         ranks, inbox, boundary, dist_init = nodes.local_ranks, nodes.inbox, nodes.boundary_transport, nodes.dist_init
     lora_targets = train.lora_targets if train.mode == "lora" else ()
@@ -988,9 +989,12 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
                             owner=node.is_owner, lock=locks.checkpoint_root, start_step=resume.start_step,
                             lora_params_per_layer=prep.shape.lora_params_per_layer)
     say("starting the card processes")
-    with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
-        job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir, live=live)
-    _supervise(job, cfg, resume)
+    try:
+        with _private_ipc_dir(launch.job_id, node) as ipc_dir:  # removed unless the coordinator took it over
+            job = _start_job(cfg, run_dir, prep, data, resume, launch, node, ipc_dir, live=live)
+        _supervise(job, cfg, resume)
+    finally:
+        launch.store = None  # the card processes are gone: the job's store stops listening
     if live is not None:
         live.stop()  # the end-of-run lines below go to the console as plain lines
     return _finish(job, cfg, run_dir, prep, resume, node)
@@ -1052,7 +1056,8 @@ class ResumePoint:
 @dataclass
 class LaunchIdentity:
     """Job id, token and gloo port (node 0's everywhere), boundary transports and slot sizes; ``shared``: node
-    0's answer."""
+    0's answer; ``store``: the job's ``TCPStore`` on ``port`` that this launcher hosts (single node, node 0;
+    else None) until the job ends (:mod:`npu_train.runtime.jobstore`)."""
 
     job_id: str
     token: str
@@ -1062,6 +1067,7 @@ class LaunchIdentity:
     slot_bytes: int
     slots: int
     shared: dict
+    store: object = None
 
 
 @dataclass
@@ -1263,18 +1269,21 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
 
 
 def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeContext) -> LaunchIdentity:
-    """Job id, token, ports and transports with the port and /dev/shm checks (dead jobs' leftovers freed first)."""
-    from npu_train.transport.channel import Endpoint
-
+    """Job id, token, the job's store (hosted here on a single node and node 0) and its port, transports, with
+    the port and /dev/shm checks (dead jobs' leftovers freed first)."""
     from npu_train.runtime import nodes as N
+    from npu_train.runtime.jobstore import host_store
     from npu_train.runtime.leftovers import sweep_dead_jobs
     from npu_train.transport.shm import ShmTooSmallError
 
     rt, tr = cfg.runtime, cfg.train
     job_id, token = secrets.token_hex(6), secrets.token_hex(16)
-    if rt.port and node.is_owner:
-        check_port(node.host, rt.port)
-    port = rt.port or Endpoint.free_tcp_port(node.host)
+    store, port = None, rt.port  # other nodes: node 0's port comes with its job id (shared["gloo_port"])
+    if node.is_owner:  # gloo's rendezvous; held until the job ends: no port picked now and bound later
+        if rt.port:
+            check_port(node.host, rt.port)
+        store = host_store(node.host, rt.port, rt.startup_timeout_s)
+        port = store.port
     node_of_rank = [n for n, c in enumerate(prep.node_counts) for _ in range(c)]
     boundary = N.boundary_transports(node_of_rank, rt.transport)
     # shared-memory boundaries of this node (both stages here; the ring pair of boundary b is counted at stage b)
@@ -1299,7 +1308,7 @@ def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeC
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
     return LaunchIdentity(job_id=job_id, token=token, port=port, node_of_rank=node_of_rank, boundary=boundary,
-                          slot_bytes=slot_bytes, slots=slots, shared=shared)
+                          slot_bytes=slot_bytes, slots=slots, shared=shared, store=store)
 
 
 def _agree_between_nodes(prep: Prepared, data, resume: ResumePoint, node: NodeContext, job_id: str, token: str,
@@ -1314,7 +1323,7 @@ def _agree_between_nodes(prep: Prepared, data, resume: ResumePoint, node: NodeCo
     if node.layout.is_master:  # the checkpoint root must be one directory seen by every node
         os.makedirs(resume.ckpt_root, exist_ok=True)
         open(marker, "w").close()
-    shared = N.share_job(node.rdv, job_id=job_id, token=token, gloo_port=port, host=node.host)
+    shared = N.share_job(node.rdv, job_id=job_id, token=token, gloo_port=port)
     if not node.layout.is_master:
         N.check_shared_root(resume.ckpt_root, shared["job_id"])
     return shared

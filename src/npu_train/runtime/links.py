@@ -8,6 +8,7 @@ import zmq
 
 from npu_train.pipeline.schedule import card_of, chunks_per_card, virtual_stage
 from npu_train.runtime.copies import BoundaryCopies, overlap_decision
+from npu_train.runtime.jobstore import peer_address, picks_port, publish_address
 from npu_train.runtime.spec import WorkerSpec
 from npu_train.transport import Mailbox, Outbox, TensorLink
 
@@ -26,9 +27,11 @@ class LinkComm:
 
     ``overlap`` (``runtime.overlap_copies``; :func:`~npu_train.runtime.copies.overlap_decision` decides with the
     backend's memory-type flag): the copies run in a :class:`~npu_train.runtime.copies.BoundaryCopies` thread
-    (:attr:`copies`, None when synchronous); :meth:`flush` at the end of each step."""
+    (:attr:`copies`, None when synchronous); :meth:`flush` at the end of each step. ``store``: the job's store
+    (:mod:`npu_train.runtime.jobstore`), through which mailboxes bound on kernel-picked ports (``tcp://host:*``)
+    tell their peers their addresses (:attr:`peer_addr`: the peers' mailbox addresses as connected to)."""
 
-    def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend, overlap: Optional[bool] = None):
+    def __init__(self, spec: WorkerSpec, ctx: zmq.Context, backend, overlap: Optional[bool] = None, store=None):
         lay = spec.layout
         r, s, k, P = spec.rank, spec.stage_index, spec.replica, spec.num_stages
         self.rank, self.prev, self.next = r, lay.prev(r), lay.next(r)
@@ -49,8 +52,13 @@ class LinkComm:
         modes = {self._mode(s, p) for p in peers}
         self.mailbox = Mailbox(ctx, spec.inbox[r], spec.token, logger=log,
                                max_msg_bytes=spec.slot_bytes + 65536 if "inline" in modes else None)
-        self.out = {lay.rank(k, p): Outbox(ctx, spec.inbox[lay.rank(k, p)], spec.token, r,
-                                           send_timeout_s=self.timeout) for p in sorted(peers)}
+        # a mailbox on a port picked at its bind (``tcp://host:*``): its address goes through the job's store
+        if store is not None and picks_port(spec.inbox[r]):
+            publish_address(store, r, self.mailbox.addr)
+        self.peer_addr = {}
+        for q in (lay.rank(k, p) for p in sorted(peers)):
+            self.peer_addr[q] = spec.inbox[q] if store is None else peer_address(store, q, spec.inbox[q])
+        self.out = {q: Outbox(ctx, a, spec.token, r, send_timeout_s=self.timeout) for q, a in self.peer_addr.items()}
         self.handover = _Handover()
         self.views = [ChunkLinks(self, kind, c) for c in range(C)]
         self.links = [l for view in self.views for l in view.links()]
@@ -58,8 +66,8 @@ class LinkComm:
         log.info("stage-boundary copies: %s", self.overlap_why)
         self.copies = None
         if on and peers:
-            self.copies = BoundaryCopies(ctx, {lay.rank(k, p): spec.inbox[lay.rank(k, p)] for p in peers},
-                                         spec.token, r, self.timeout, getattr(backend, "thread_init", None))
+            self.copies = BoundaryCopies(ctx, self.peer_addr, spec.token, r, self.timeout,
+                                         getattr(backend, "thread_init", None))
 
     def _mode(self, a: int, b: int) -> str:
         """Transport between cards ``a`` and ``b`` of this replica: the boundary's, or for cards that are not

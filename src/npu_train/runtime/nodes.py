@@ -309,20 +309,20 @@ def check_shared_root(ckpt_root: str, job_id: str, wait_s: float = 10.0) -> None
         time.sleep(0.2)
 
 
-def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int, host: str) -> dict:
-    """Node 0's ``{"job_id", "token", "gloo_port", "link"}`` for every node (node 0 publishes its own)."""
-    from npu_train.transport.channel import Endpoint
-
+def share_job(rdv: Rendezvous, *, job_id: str, token: str, gloo_port: int) -> dict:
+    """Node 0's ``{"job_id", "token", "gloo_port"}`` for every node (node 0 publishes its own; ``gloo_port``:
+    the port of the job's store it hosts, :mod:`npu_train.runtime.jobstore`)."""
     if rdv.layout.is_master:
-        rdv.publish("job", {"job_id": job_id, "token": token, "gloo_port": gloo_port,
-                            "link": Endpoint.tcp(host, Endpoint.free_tcp_port(host))})
+        rdv.publish("job", {"job_id": job_id, "token": token, "gloo_port": gloo_port})
     return rdv.collect("job", [0])[0]
 
 
 def join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: str, host: str, job: dict, rt):
     """Publish this node's mailboxes, collect everyone's and open the launchers' channel: ``(NodePlan,
-    NodeLink)``. Sets ``GLOO_SOCKET_IFNAME`` to ``host``'s interface when unset (other nodes may not reach
-    the host name's address)."""
+    NodeLink)``. TCP mailboxes are ``tcp://host:*`` (the card process binds a port the kernel picks and tells
+    its peers through the job's store, :mod:`npu_train.runtime.jobstore`); node 0's channel is bound (same way)
+    before its address goes out with node 0's mailboxes. Sets ``GLOO_SOCKET_IFNAME`` to ``host``'s interface
+    when unset (other nodes may not reach the host name's address)."""
     from npu_train.runtime.agent import NodeLink
     from npu_train.transport.channel import Endpoint
 
@@ -332,18 +332,29 @@ def join_nodes(rdv, layout, node_of_rank: list[int], boundary: tuple, ipc_dir: s
         if node_of_rank[r] != layout.node_rank:
             continue
         remote = any(boundary[b] == "inline" for b in (r - 1, r) if 0 <= b < P - 1)
-        mine[str(r)] = (Endpoint.tcp(host, Endpoint.free_tcp_port(host)) if remote or rt.transport != "shm"
-                        else f"ipc://{ipc_dir}/r{r}.sock")
+        mine[str(r)] = (Endpoint.tcp(host, "*") if remote or rt.transport != "shm" else f"ipc://{ipc_dir}/r{r}.sock")
+    kw = dict(interval_s=rt.heartbeat_interval_s, timeout_s=rt.heartbeat_timeout_s,
+              startup_timeout_s=rt.startup_timeout_s)
+    link = NodeLink(0, layout.nnodes, Endpoint.tcp(host, "*"), job["token"], **kw) if layout.is_master else None
+    t0 = time.monotonic()
+    try:
+        everyone = rdv.exchange("inbox", {"host": host, "inbox": mine, "link": link.addr if link else None})
+    except BaseException:
+        if link is not None:
+            link.close()
+        raise
     inbox = {}
-    for d in rdv.exchange("inbox", {"host": host, "inbox": mine}):
+    for d in everyone:
         inbox.update(d["inbox"])
+    if link is not None:  # the other nodes' start-up allowance counts from here, as theirs does
+        link.forgive(time.monotonic() - t0, time.monotonic())
+    else:
+        link = NodeLink(layout.node_rank, layout.nnodes, everyone[0]["link"], job["token"], **kw)
     if "GLOO_SOCKET_IFNAME" not in os.environ:
         ifname = interface_of(host)
         if ifname:
             os.environ["GLOO_SOCKET_IFNAME"] = ifname  # inherited by the spawned card processes
     plan = NodePlan(node=layout.node_rank, nnodes=layout.nnodes, node_of_rank=tuple(node_of_rank),
                     inbox=tuple(inbox[str(r)] for r in range(P)), boundary_transport=boundary,
-                    dist_init=Endpoint.tcp(layout.master_addr, job["gloo_port"]), link_addr=job["link"])
-    link = NodeLink(layout.node_rank, layout.nnodes, job["link"], job["token"], interval_s=rt.heartbeat_interval_s,
-                    timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s)
+                    dist_init=Endpoint.tcp(layout.master_addr, job["gloo_port"]), link_addr=link.addr)
     return plan, link

@@ -257,9 +257,14 @@ class StageTrainer:
 
         from npu_train.runtime.links import LinkComm
 
+        from npu_train.runtime.jobstore import join_store
+
         spec, lay = self.spec, self.spec.layout
-        dist.init_process_group("gloo", init_method=spec.dist_init, rank=self.rank, world_size=lay.world,
-                                timeout=timedelta(seconds=float(spec.runtime.collective_timeout_s)))
+        # the launcher hosts the store on a port it holds (runtime/jobstore.py): no port race with other jobs
+        timeout = float(spec.runtime.collective_timeout_s)
+        self.store = join_store(spec.dist_init, timeout)
+        dist.init_process_group("gloo", store=self.store, rank=self.rank, world_size=lay.world,
+                                timeout=timedelta(seconds=timeout))
         # every rank creates every subgroup, in the same order (a torch.distributed requirement)
         self.stage_ranks = lay.stage_group(self.stage)
         if self.dp > 1:
@@ -287,7 +292,9 @@ class StageTrainer:
                 if self.rank in ranks:
                     self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card), xgroup=gx)
         if self.P > 1:
-            self.comm = LinkComm(spec, self.ctx, self.backend, overlap=spec.runtime.overlap_copies)
+            self.comm = LinkComm(spec, self.ctx, self.backend, overlap=spec.runtime.overlap_copies, store=self.store)
+            if self.comm.mailbox.addr != spec.inbox[self.rank]:  # a port picked at the bind: for job.json
+                self.ctrl.send("inbox", addr=self.comm.mailbox.addr)
             dist.barrier()  # every ring exists before anyone receives
 
     def _resume(self) -> None:

@@ -123,7 +123,9 @@ class Endpoint:
 
     @staticmethod
     def free_tcp_port(host: str = "127.0.0.1") -> int:
-        """A TCP port that was free a moment ago (racy; prefer binding to ``port="*"``)."""
+        """A TCP port that was free a moment ago: racy (another process may bind it before the caller does), so
+        the job never uses it; bind ``port="*"`` and read the bound address back (``zmq.LAST_ENDPOINT``), or host
+        a store on port 0 (:mod:`npu_train.runtime.jobstore`)."""
         fam = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(fam, socket.SOCK_STREAM) as s:
             s.bind((host, 0))
@@ -142,7 +144,8 @@ def _matches(h: Header, kind: Optional[str], step: Optional[int], micro: Optiona
 
 
 class Mailbox:
-    """A worker's single inbox (ZeroMQ ROUTER, bound to ``bind_addr``: ``ipc://...`` or ``tcp://host:port``).
+    """A worker's single inbox (ZeroMQ ROUTER, bound to ``bind_addr``: ``ipc://...``, ``tcp://host:port`` or
+    ``tcp://host:*``, a port the kernel picks; :attr:`addr` is the bound address).
 
     Messages with another ``token`` are dropped and counted in :attr:`rejected`. ``max_msg_bytes``: ZeroMQ
     drops peers sending a larger frame (use ``slot_bytes + 64 KiB`` or more)."""
