@@ -7,15 +7,18 @@ returned on free, and RSS follows the live tensors) builds ``--layers`` decoder 
 runs one forward and backward to warm up, then a forward whose graph it keeps. The parent reads the child's
 ``RssAnon`` from ``/proc/<pid>/status`` before that forward and after it (the child waits at each point), and
 prints the growth less the stack's output (``b*S*H*e``) per layer, next to the planner's ``sdpa`` (fused kernel),
-``eager`` (probabilities saved) and ``core`` figures. ``--kernel math`` runs attention through PyTorch's math
-kernel (``sdpa_kernel(SDPBackend.MATH)``, which saves the probabilities, as an unfused kernel would); ``fused``
-lets PyTorch choose (flash attention on CPU). ``--core`` checkpoints the attention core
-(``train.recompute_attention``).
+``eager`` (probabilities saved) and ``core`` figures; then the peak RSS the backward adds on top of the held
+graph (``VmHWM`` after a reset through ``/proc/<pid>/clear_refs``), against one layer's fp32 probabilities.
+``--kernel math`` runs attention through PyTorch's math kernel (``sdpa_kernel(SDPBackend.MATH)``, which saves the
+probabilities, as an unfused kernel would); ``fused`` lets PyTorch choose (flash attention on CPU). ``--core`` checkpoints the attention core
+(``train.recompute_attention``). ``--kv-heads`` sets the key/value heads (4 of 8: grouped-query attention, the
+default; 8: none).
 
 Usage::
 
     .venv/bin/python experiments/bench/activation_rss.py --kernel fused --dtype fp32
     .venv/bin/python experiments/bench/activation_rss.py --kernel math --dtype bf16 --seq 1024
+    .venv/bin/python experiments/bench/activation_rss.py --kernel math --dtype fp32 --kv-heads 8
 """
 from __future__ import annotations
 
@@ -29,13 +32,13 @@ SHAPE = dict(vocab_size=256, hidden_size=512, intermediate_size=1376, num_layers
              head_dim=64)
 
 
-def rss_anon(pid: int) -> int:
-    """``RssAnon`` of process ``pid`` in bytes."""
+def rss_anon(pid: int, field: str = "RssAnon") -> int:
+    """``field`` (``RssAnon``, ``VmRSS``, ``VmHWM``) of process ``pid``'s ``/proc/<pid>/status``, bytes."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no RssAnon")
+    raise RuntimeError(f"no {field}")
 
 
 def child(args) -> None:
@@ -46,7 +49,7 @@ def child(args) -> None:
 
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
-    cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers})
+    cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers, "num_kv_heads": args.kv_heads})
     layers = [DecoderLayer(cfg, i, recompute_core=args.core).to(dtype) for i in range(args.layers)]
     cos, sin = rope_cos_sin(cfg, args.seq, dtype=dtype)
     x = torch.randn(args.batch, args.seq, cfg.hidden_size, dtype=dtype)
@@ -76,6 +79,11 @@ def child(args) -> None:
     sys.stdout.write("held\n")
     sys.stdout.flush()
     sys.stdin.readline()
+    with kernel():  # the parent reset the peak RSS: what the backward allocates on top of the held graph
+        out.float().sum().backward()
+    sys.stdout.write("backward\n")
+    sys.stdout.flush()
+    sys.stdin.readline()
     del out
 
 
@@ -86,6 +94,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--kernel", choices=("fused", "math"), default="fused")
+    ap.add_argument("--kv-heads", type=int, default=SHAPE["num_kv_heads"],
+                    help=f"key/value heads of the {SHAPE['num_heads']} (equal: no grouped-query attention)")
     ap.add_argument("--core", action="store_true", help="the attention core checkpointed (recompute_attention)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -103,6 +113,13 @@ def main() -> int:
     assert p.stdout.readline().strip() == "held"
     time.sleep(0.2)
     held = rss_anon(p.pid)
+    held_rss = rss_anon(p.pid, "VmRSS")
+    with open(f"/proc/{p.pid}/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS (Linux >= 4.0)
+    p.stdin.write("\n")
+    p.stdin.flush()
+    assert p.stdout.readline().strip() == "backward"
+    peak = rss_anon(p.pid, "VmHWM") - held_rss
     p.stdin.write("\n")
     p.stdin.flush()
     p.wait()
@@ -111,16 +128,20 @@ def main() -> int:
     from npu_train.planner import RunShape
     from npu_train.planner.memory import activation_bytes_per_layer
 
-    cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers})
+    cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers, "num_kv_heads": args.kv_heads})
     shape = RunShape(seq_len=args.seq, micro_batch=args.batch, micro_batches=1, schedule="1f1b", dtype=args.dtype)
     e = 4 if args.dtype == "fp32" else 2
     out = args.batch * args.seq * cfg.hidden_size * e
     per = (held - base - out) / args.layers
     figs = {a: activation_bytes_per_layer(cfg, shape, a) for a in ("sdpa", "eager", "core")}
-    print(f"layers {args.layers}, S {args.seq}, b {args.batch}, {args.dtype}, kernel {args.kernel}"
+    print(f"layers {args.layers}, S {args.seq}, b {args.batch}, {args.dtype}, kv heads {args.kv_heads} of "
+          f"{cfg.num_heads}, kernel {args.kernel}"
           f"{', core checkpointed' if args.core else ''}: RssAnon +{(held - base) / 2**20:.1f} MiB, less the output "
           f"{out / 2**20:.1f} MiB: {per / 2**20:.2f} MiB per layer; planner: "
           + ", ".join(f"{a} {v / 2**20:.2f} MiB ({per / v:.3f}x)" for a, v in figs.items()))
+    probs = 4 * cfg.num_heads * args.batch * args.seq ** 2
+    print(f"backward: peak RSS {peak / 2**20:.1f} MiB above the held graph (weight gradients included) = "
+          f"{peak / probs:.2f}x one layer's fp32 probabilities [b, a, S, S] ({probs / 2**20:.1f} MiB)")
     return 0
 
 

@@ -328,16 +328,19 @@ def test_export_config_loads_as_same_class(tmp_path, family, kw):
         assert _rel(hf.eval()(ids).logits, ref(ids).logits) < TOL
 
 
-def test_planner_activation_terms_follow_the_family():
+@pytest.mark.parametrize("dtype,name,e", [(torch.float32, "fp32", 4), (torch.bfloat16, "bf16", 2)])
+def test_planner_activation_terms_follow_the_family(dtype, name, e):
     """Saved activations of one decoder layer, measured with autograd's saved-tensor hooks: Qwen3's q/k norms
-    add exactly the planner's term (2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)); Qwen2's biases add nothing."""
+    add exactly the planner's term, s*b*((4 + e)*(q + kv) + 4*(a + a_kv)) (their fp32 input, normalized value in
+    the compute dtype, fp32 statistic per head; at fp32 the input is the projection's own output); Qwen2's biases
+    add nothing."""
     from npu_train.model.config import LlamaConfig
     from npu_train.model.llama import DecoderLayer, rope_cos_sin
     from npu_train.planner.memory import activation_bytes_per_layer
     from npu_train.planner.spec import RunShape
 
     def measured(cfg, S=64, B=2):
-        layer = DecoderLayer(cfg, 0)
+        layer = DecoderLayer(cfg, 0).to(dtype)
         params = {p.untyped_storage()._cdata for p in layer.parameters()}
         seen: dict = {}
 
@@ -346,16 +349,18 @@ def test_planner_activation_terms_follow_the_family():
                 seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
             return t
 
-        cos, sin = rope_cos_sin(cfg, S)
+        cos, sin = rope_cos_sin(cfg, S, dtype=dtype)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(torch.randn(B, S, cfg.hidden_size, requires_grad=True), cos, sin)
+            layer(torch.randn(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True), cos, sin)
         return sum(seen.values())
 
     base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
                 head_dim=24)
-    shape = RunShape(seq_len=64, micro_batch=2, micro_batches=1, schedule="1f1b", dtype="fp32")
+    shape = RunShape(seq_len=64, micro_batch=2, micro_batches=1, schedule="1f1b", dtype=name)
     llama, qwen2, qwen3 = (LlamaConfig(**base, family=f) for f in ("llama", "qwen2", "qwen3"))
     assert measured(qwen2) == measured(llama)
+    q, kv = 4 * 24, 2 * 24
+    assert measured(qwen3) - measured(llama) == 64 * 2 * ((4 + e) * (q + kv) + 4 * (4 + 2))
     for att in ("sdpa", "eager"):
         assert activation_bytes_per_layer(qwen2, shape, att) == activation_bytes_per_layer(llama, shape, att)
         assert (activation_bytes_per_layer(qwen3, shape, att) - activation_bytes_per_layer(llama, shape, att)

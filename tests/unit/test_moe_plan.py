@@ -100,16 +100,16 @@ def test_compute_counts_active_parameters():
 
 def test_activation_bytes_of_a_sparse_layer_by_hand():
     """sdpa, bf16, S=16, b=1, per token: norms 2(4+2e)h + 8, attention 4eq + 4a, routed experts
-    k(e(2h + 4I_e) + 4 + 24), router E(e + 4) + 12k + 4; plus Qwen3's q/k norms 2e(q + kv) + 4(a + a_kv)."""
+    k(e(2h + 4I_e) + 4 + 24), router E(e + 4) + 12k + 4; plus Qwen3's q/k norms (4 + e)(q + kv) + 4(a + a_kv)."""
     m, shape = _tiny(), RunShape(seq_len=16, dtype="bf16")
     routed = 2 * (2 * (16 + 24) + 4 + 24)
     router = 4 * (2 + 4) + 12 * 2 + 4
     assert (routed, router) == (216, 52)
     assert (routed_saved_bytes_per_token(m, 2), router_saved_bytes_per_token(m, 2)) == (routed, router)
-    qk = 16 * (2 * 2 * (8 + 4) + 4 * (2 + 1))
+    qk = 16 * ((4 + 2) * (8 + 4) + 4 * (2 + 1))
     assert activation_bytes_per_layer(m, shape, "sdpa") == 16 * (2 * 8 * 8 + 8 + 4 * 2 * 8 + 4 * 2 + 216 + 52) + qk
-    # eager: e*s*b*(4h + 2q + 2kv) + s*b*(MLP) + probabilities a*b*s*s*(4 + e)
-    assert activation_bytes_per_layer(m, shape, "eager") == 2 * 16 * (32 + 16 + 8) + 16 * 268 + 2 * 16 * 16 * 6 + qk
+    # eager (math kernel): norms as sdpa, attention (12 + e)q, no log-sum-exp, fp32 probabilities 4*a*b*s*s
+    assert activation_bytes_per_layer(m, shape, "eager") == 16 * (2 * 8 * 8 + 8 + 14 * 8 + 216 + 52) + 4 * 2 * 16 * 16 + qk
     # B->W output gradients: q + 2kv + o's h, + router logits E + k copies of (down h + gate/up 2 I_e)
     assert pending_grad_bytes_per_layer(m, shape) == 16 * 2 * (8 + 8 + 8 + 4 + 2 * (8 + 12))
     # top-k 4 of 4: twice the routed rows, the router's top-k arrays too

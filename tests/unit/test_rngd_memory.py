@@ -39,8 +39,9 @@ def test_field_one_card_four_resident_fits():
     # static state by hand: bf16 weights + bf16 grads of every param, 12 B for 4 resident layers
     assert st.mem["weights"] == 2 * TOTAL and st.mem["grads"] == 2 * TOTAL
     assert st.mem["optimizer"] == 12 * 4 * PL
-    # the earlier model predicted 48.2 GiB here; the layout ran, so the peak was <= 47.5 GiB
-    assert st.mem["total"] / GIB == pytest.approx(46.85, abs=0.01)
+    # the earlier model predicted 48.2 GiB here; the layout ran, so the peak was <= 47.5 GiB (46.85 GiB before the
+    # eager figure counted the math kernel's fp32 q, k, v and the norms' fp32 copies, 2026-12-07)
+    assert st.mem["total"] / GIB == pytest.approx(47.42, abs=0.01)
 
 
 def test_field_one_card_eight_resident_does_not_fit():

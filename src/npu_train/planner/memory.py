@@ -47,8 +47,9 @@ WORKSPACE: dict[str, tuple[int, float]] = {
 
 #: Attention implementation assumed for the activation memory of each kind (see
 #: :func:`activation_bytes_per_layer`): the model calls ``scaled_dot_product_attention``, whose CPU
-#: and CUDA kernels are fused (flash / memory-efficient: only the log-sum-exp is saved); for
-#: furiosa the compiled kernel is not known, so the eager (probabilities saved) figure is kept.
+#: and CUDA kernels are fused (flash / memory-efficient: only the log-sum-exp is saved; on CPU checked for the
+#: causal, packed-row and GQA cases, fp32 and bf16); furiosa-torch runs it as ATen's math kernel
+#: (``_scaled_dot_product_attention_math``, op by op), which keeps the probabilities: the ``eager`` figure.
 ATTENTION: dict[str, str] = {"cpu": "sdpa", "cuda": "sdpa", "furiosa": "eager"}
 
 
@@ -62,14 +63,38 @@ def in_flight_micro_batches(stage: int, num_stages: int, micro_batches: int, sch
 def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: str = "eager") -> int:
     """Saved activations of one decoder layer for one micro-batch without recompute, bytes.
 
-    ``attention="eager"`` (probabilities saved; Korthikanti et al. 2022 adapted to Llama):
-    ``e*s*b*(4h + 2q + 2kv + 4i) + a*b*s*s*(4 + e)`` (``4*a*b*s*s`` at fp32); ``"sdpa"`` (fused kernel, as
-    checked with ``saved_tensors_hooks``): ``s*b*(2*(4 + 2e)*h + 8 + 4*e*q + 4*a + 4*e*i)``; ``e`` bytes of the
-    compute dtype, ``q``/``kv`` the query/key widths, ``i`` the intermediate size (``docs/planner.md``); a
-    mixture-of-experts layer's MLP saves :func:`~npu_train.planner.moe.mlp_saved_bytes_per_token` per token in
-    place of ``4*e*i`` (routed experts bounded by ``k`` x tokens, router, shared expert); Qwen3's
-    per-head q/k norms (``model.qk_norm``) also save their inputs and outputs and fp32 statistics,
-    ``+ 2*e*s*b*(q + kv) + 4*s*b*(a + a_kv)`` (``a_kv`` key/value heads). Qwen2's q/k/v biases save nothing more.
+    ``e`` bytes of the compute dtype, ``h`` the hidden size, ``q``/``kv`` the query/key widths (heads x head_dim),
+    ``a`` query heads, ``i`` the intermediate size; per token ``mlp`` = ``4*e*i`` for a dense SwiGLU MLP, a
+    mixture-of-experts layer's :func:`~npu_train.planner.moe.mlp_saved_bytes_per_token` (routed experts bounded by
+    ``k`` x tokens, router, shared expert); ``docs/planner.md``, "Activations per layer".
+
+    ``attention="sdpa"`` (fused kernel, as checked with ``saved_tensors_hooks``):
+    ``s*b*(2*(4 + 2e)*h + 8 + 4*e*q + 4*a + mlp)``: each RMSNorm its fp32 input, normalized value and output plus
+    a 4 B statistic; q, k, v as fed to the kernel (:class:`~npu_train.model.llama.Attention` expands k and v to
+    ``q`` width, HF ``repeat_kv``) and its output; the fp32 log-sum-exp per head.
+
+    ``attention="eager"`` (the kernel keeps the probabilities: RNGD, where furiosa-torch runs
+    ``scaled_dot_product_attention`` as ATen's composite ``_scaled_dot_product_attention_math``; a cpu/cuda run
+    forced onto that kernel): ``s*b*(2*(4 + 2e)*h + 8 + (12 + e)*q + mlp) + 4*a*b*s*s``. From the math kernel
+    (``aten/src/ATen/native/transformers/attention.cpp``, checked on torch 2.13; furiosa-torch pins 2.10, not checked
+    here): it takes bf16/fp16 q, k, v ``.to(float)`` ("keep query, key, value in high precision"), scales q and
+    ``k^T`` by ``sqrt(scale)`` each (new tensors), ``matmul`` saves both (fp32, ``4*q`` each per token, k at q width),
+    ``_safe_softmax`` saves its fp32 output, the probabilities ``[b, a, s, s]``, 4 B each, the second ``matmul``
+    saves them again by reference and the fp32 v (``4*q``); its output goes back ``.to`` the compute dtype and
+    ``o_proj`` saves it (``e*q``). Nothing of it is kept in the compute dtype beside that output: the
+    probabilities' ``.to(origin_dtype)`` copy is a returned output SDPA drops. So ``(12 + e)*q`` per token where
+    the fused kernel keeps ``4*e*q + 4*a``: equal at fp32, ``6*q`` more at bf16, plus the probabilities; GQA or
+    not, the kernel sees k and v at ``q`` width. Checked tensor by tensor with ``saved_tensors_hooks`` under
+    ``sdpa_kernel(SDPBackend.MATH)``, fp32/bf16, with and without GQA (``tests/unit/test_eager_activations.py``);
+    RSS from outside: ``experiments/2026-12-06-eight-cards.md`` §12.4.1. (transformers' ``eager_attention_forward``
+    would keep a compute-dtype copy of the probabilities as well, ``e*a*b*s*s`` more at bf16; the project's model
+    never calls it.)
+
+    Qwen3's per-head q/k norms (``model.qk_norm``) also save their fp32 input (the projection's output ``.float()``:
+    a copy at bf16, the same tensor at fp32), the normalized value in the compute dtype and a 4 B statistic per
+    head, ``+ s*b*((4 + e)*(q + kv) + 4*(a + a_kv))`` (``a_kv`` key/value heads; their output goes to RoPE, which
+    keeps only its tables; ``2*e`` a value at fp32 as before, ``6`` at bf16 where ``2*e`` under-counted by
+    ``2*(q + kv)``: ``tests/unit/test_model_families.py``). Qwen2's q/k/v biases save nothing more.
     ``attention="core"``: the attention core recomputed (``RunShape.recompute_attention``,
     :class:`~npu_train.model.llama.Attention`), whatever the kernel: the checkpoint keeps the core's inputs q, k, v
     and ``o_proj`` the output, nothing of the kernel's own: the ``sdpa`` figure less its log-sum-exp ``4*a*s*b``
@@ -80,15 +105,15 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     a = model.num_heads
     q = model.num_heads * model.head_dim
     kv = model.num_kv_heads * model.head_dim
-    qk_norm = (2 * e * s * b * (q + kv) + 4 * s * b * (a + model.num_kv_heads)) if model.qk_norm else 0
+    qk_norm = s * b * ((4 + e) * (q + kv) + 4 * (a + model.num_kv_heads)) if model.qk_norm else 0
+    norms = 2 * (4 + 2 * e) * h + 8  # two RMSNorms, per token
     if attention in ("sdpa", "core"):
         lse = 4 * a if attention == "sdpa" else 0
-        return s * b * (2 * (4 + 2 * e) * h + 8 + 4 * e * q + lse + mlp) + qk_norm
+        return s * b * (norms + 4 * e * q + lse + mlp) + qk_norm
     if attention != "eager":
         raise ValueError(f"attention must be 'eager', 'sdpa' or 'core', got {attention!r}")
-    linear = e * s * b * (4 * h + 2 * q + 2 * kv) + s * b * mlp
-    scores = a * b * s * s * (4 + (e if e != 4 else 0))
-    return linear + scores + qk_norm
+    probabilities = 4 * a * b * s * s  # fp32 softmax output, whatever the compute dtype
+    return s * b * (norms + (12 + e) * q + mlp) + probabilities + qk_norm
 
 
 def pending_grad_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:

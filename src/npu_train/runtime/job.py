@@ -381,7 +381,8 @@ def vocab_comparison(with_v, off) -> str:
     other = ""
     if off.shape.schedule != with_v.shape.schedule:  # train.schedule=auto chose another schedule without it
         head = f"parallel.vocab=true: predicted step {a:.{d}f} s ({with_v.shape.schedule}), {b:.{d}f} s without it"
-        other = f"auto takes {off.shape.schedule} without it; "
+        core = " + attention recompute" if off.shape.recompute_attention else ""
+        other = f"auto takes {off.shape.schedule}{core} without it; "
     if not off.fits:
         return head + f" ({other}which does not fit)"
     if not with_v.fits:
