@@ -519,6 +519,88 @@ def stage_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations = 
     return _run_program(_timeline_program(kind, P, num_micro, tv is not None), P, dur, tv)
 
 
+def copy_timeline(kind: str, num_stages: int, num_micro: int, t_f: Durations, t_b: Durations, t_w: Durations,
+                  copies: Sequence[tuple], t_v=None, lat: Sequence[float] = (0.0, 0.0, 0.0)
+                  ) -> tuple[list[float], list[float], list[float]]:
+    """:func:`stage_timeline` with the stage-boundary copies in a copy thread per card (``runtime/copies.py``);
+    returns per card ``(end, busy, exposed)``, ``exposed`` the copy seconds its own thread waited for.
+
+    ``copies``: per virtual stage ``(F in, F out, B in, B out)`` seconds (its ``F`` receives the activation and sends
+    its own, its ``B`` the gradients), outside ``t_f, t_b``. What the runtime does: a send is handed to the card's
+    send thread as the action's compute ends, once the card's previous send is out, and reaches the other card
+    when its copy ends. Before an action computes, the card looks for the next action's input: if it had arrived
+    by then, the fetch thread copies it onto the card meanwhile (one at a time, so that thread is always free
+    then; the next action starts when the copy ends), else the card copies it itself when it gets there
+    (``exposed``). After a joint ``V(m)`` the card does not look ahead. A card ends when its compute and its last
+    send are done. Raises RuntimeError on deadlock."""
+    P = num_stages
+    V = P * chunks_per_card(kind)
+    tf, tb, tw = (_per_stage(x, V, n) for x, n in ((t_f, "t_f"), (t_b, "t_b"), (t_w, "t_w")))
+    if len(copies) != V:
+        raise ValueError(f"copies: need one (F in, F out, B in, B out) per virtual stage ({V}), got {len(copies)}")
+    tv = None if t_v is None else _vocab_parts(t_v, P, tuple(lat), head_position(kind, P)[0])
+    split = kind in SPLIT_BACKWARD
+    dur = (tf, [tb[v] if split and v > 0 else tb[v] + tw[v] for v in range(V)],
+           [tw[v] if v > 0 else 0.0 for v in range(V)])
+    return _run_copies(_timeline_program(kind, P, num_micro, tv is not None), P, dur, tv, copies)
+
+
+class _Card:
+    """One card's clocks in :func:`_run_copies`: ``free`` (its thread), ``sent`` (its last send out), ``look`` (when
+    it last looked ahead; None: not since a ``V(m)``), ``busy``, ``exposed``."""
+
+    __slots__ = ("free", "sent", "look", "busy", "exposed")
+
+    def __init__(self):
+        self.free = self.sent = self.busy = self.exposed = 0.0
+        self.look: Optional[float] = None
+
+
+def _run_copies(prog: tuple, P: int, dur: tuple, tv: Optional[tuple], copies: Sequence[tuple]):
+    """:func:`copy_timeline` over :func:`_timeline_program`'s ``prog``."""
+    cards = [_Card() for _ in range(P)]
+    end: list = []  # when each entry's compute ended
+    out: list = []  # when its output reached another card (its send's copy done)
+    for s, v, k, deps in prog:
+        if s < 0:  # a joint V(m), as in _run_program; no look-ahead after it
+            ts, tg, tw, (lx, lst, ldx), h = tv
+            sent = end[deps[0]]
+            met = max(max(cards[p].free, sent + (0.0 if p == h else lx)) + ts[p] for p in range(P)) + lst
+            for p, c in enumerate(cards):
+                c.free, c.look = met + tg[p] + tw[p], None
+                c.busy += ts[p] + tg[p] + tw[p]
+            end.append(max(met + g for g in tg) + ldx)
+            out.append(end[-1])
+            continue
+        c = cards[s]
+        start, arrive = c.free, None
+        for j in deps:
+            if 0 <= prog[j][0] != s:
+                arrive = out[j]
+            elif end[j] > start:
+                start = end[j]
+        cin, cout = (copies[v][2 * k], copies[v][2 * k + 1]) if k < 2 else (0.0, 0.0)
+        if arrive is not None:
+            if c.look is not None and arrive <= c.look:  # there when the card looked: fetched ahead
+                start = max(start, c.look + cin)
+            else:  # copied by the card itself when it got there
+                start = max(start, arrive) + cin
+                c.exposed += cin
+        c.look = start
+        d = dur[k][v]
+        c.busy += d
+        t = start + d
+        end.append(t)
+        if cout > 0.0:
+            t = max(t, c.sent)  # the previous send is out first
+            c.sent = t + cout
+            out.append(c.sent)
+        else:
+            out.append(t)
+        c.free = t
+    return [max(c.free, c.sent) for c in cards], [c.busy for c in cards], [c.exposed for c in cards]
+
+
 def _vocab_parts(t_v, P: int, lat: tuple, head: int) -> tuple:
     """``(s, g, w per card, (hidden state, statistics, sum) seconds, head card)`` of :func:`stage_timeline`'s
     ``t_v`` and ``lat``."""

@@ -12,11 +12,11 @@ from typing import Optional, Sequence
 
 from npu_train.hardware import Card
 from npu_train.model.config import LlamaConfig
-from npu_train.pipeline.schedule import SPLIT_BACKWARD, card_of, stage_timeline
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, card_of, copy_timeline, stage_timeline
 from npu_train.planner.memory import MemoryModel
 from npu_train.planner.plan import Plan, StagePlan
 from npu_train.planner.rates import Rates
-from npu_train.planner.spec import RunShape
+from npu_train.planner.spec import RunShape, copies_overlapped
 
 __all__ = ["StageCost", "CostModel", "host_update_bytes", "capped_host_rate"]
 
@@ -185,6 +185,9 @@ class CostModel:
         self.head_fbw = (head_pass, head_pass + (head_pass if shape.recompute and not shape.recompute_fewest else 0.0),
                          0.0 if adapter_params else head_pass)
         self.head_flops = sum(self.head_fbw)
+        #: per card: its stage-boundary copies in a copy thread (RunShape.overlap_copies), priced by
+        #: copy_timeline instead of inside t_f / t_b
+        self.overlapped = [copies_overlapped(shape, c.kind) and self.P > 1 for c in self.cards]
         self._cache: dict = {}
 
     def cost(self, i: int, n: int, r: int) -> StageCost:
@@ -394,11 +397,48 @@ class CostModel:
     def phase(self, costs: Sequence[StageCost]) -> float:
         """Seconds of the pipeline phase: the end of the schedule's timeline with the stages' ``t_f, t_b, t_w``,
         times the average slot stretch of oversubscribed cpu cores."""
+        return self.timeline(costs)[0]
+
+    def timeline(self, costs: Sequence[StageCost]) -> tuple[float, list[float]]:
+        """``(phase seconds, per card the boundary-copy seconds its own thread spends)``: the schedule's timeline with
+        the stages' ``t_f, t_b, t_w``, the copies of cards in :attr:`overlapped` in their copy threads
+        (:func:`~npu_train.pipeline.schedule.copy_timeline`), the others' inside ``t_f, t_b`` (all of
+        :meth:`card_copies` in the card's thread); times the average slot stretch of oversubscribed cpu cores."""
         M = self.shape.micro_batches
         t_v = [c.t_vparts for c in costs] if self.shape.vocab_parallel else None
         lat = self.vocab_latency() if self.shape.vocab_parallel else (0.0, 0.0, 0.0)
-        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs), t_v=t_v, lat=lat)
-        return max(end) * self.slots / (M + self.P - 1)
+        stretch = self.slots / (M + self.P - 1)
+        dur = self.stage_durations(costs)
+        if not any(self.overlapped):
+            end, _ = stage_timeline(self.shape.schedule, self.P, M, *dur, t_v=t_v, lat=lat)
+            exposed = [M * sum(c.t_copy) for c in costs]
+        else:
+            end, _, exposed = copy_timeline(self.shape.schedule, self.P, M, *dur, self.copy_parts(), t_v=t_v, lat=lat)
+            exposed = [e + M * sum(c.t_copy) for e, c in zip(exposed, costs)]
+        return max(end) * stretch, [e * stretch for e in exposed]
+
+    def copy_parts(self) -> list[tuple]:
+        """Per virtual stage ``(F in, F out, B in, B out)`` seconds of its boundary copies (:meth:`boundary_parts`)
+        where its card runs them in a copy thread (:attr:`overlapped`), zeros elsewhere (there they are in
+        ``t_f, t_b``)."""
+        V = self.memory.chunks * self.P
+        return [self.boundary_parts(v) if self.overlapped[card_of(self.shape.schedule, self.P, v)[0]]
+                else (0.0, 0.0, 0.0, 0.0) for v in range(V)]
+
+    def boundary_parts(self, v: int) -> tuple[float, float, float, float]:
+        """:meth:`boundary_copies` of virtual stage ``v`` by direction: ``(F receives, F sends, B receives,
+        B sends)`` seconds per micro-batch."""
+        sched, P = self.shape.schedule, self.P
+        i, _ = card_of(sched, P, v)
+        if self.cards[i].kind == "cpu":
+            return 0.0, 0.0, 0.0, 0.0
+        rt = self.rates[i]
+        x = self.shape.boundary_bytes(self.model.hidden_size)
+        V = self.memory.chunks * P
+        prev = v > 0 and card_of(sched, P, v - 1)[0] != i
+        nxt = v < V - 1 and card_of(sched, P, v + 1)[0] != i
+        down, up = x / rt.d2h_bytes_per_s, x / rt.h2d_bytes_per_s
+        return (up if prev else 0.0), (down if nxt else 0.0), (up if nxt else 0.0), (down if prev else 0.0)
 
     def boundary_copies(self, v: int) -> tuple[float, float]:
         """Seconds of virtual stage ``v``'s stage-boundary copies per micro-batch, ``(in its F, in its B)``: a
@@ -408,25 +448,25 @@ class CostModel:
         in the card process's own thread between its actions (``runtime/links.py``), so on its critical path. F
         receives the activation from ``v - 1`` and sends its own to ``v + 1``; B receives the gradient from
         ``v + 1`` and sends it to ``v - 1``; ZB-V's turn on the last card is an in-process hand-over (no copy).
-        0 on a cpu card, whose copies are memory copies inside its fitted compute rate."""
-        sched, P = self.shape.schedule, self.P
-        i, _ = card_of(sched, P, v)
-        if self.cards[i].kind == "cpu":
-            return 0.0, 0.0
-        rt = self.rates[i]
-        x = self.memory.dtype_bytes * self.shape.tokens_per_micro_batch * self.model.hidden_size
-        V = self.memory.chunks * P
-        prev = v > 0 and card_of(sched, P, v - 1)[0] != i
-        nxt = v < V - 1 and card_of(sched, P, v + 1)[0] != i
-        down, up = x / rt.d2h_bytes_per_s, x / rt.h2d_bytes_per_s
-        return (up if prev else 0.0) + (down if nxt else 0.0), (up if nxt else 0.0) + (down if prev else 0.0)
+        0 on a cpu card, whose copies are memory copies inside its fitted compute rate. With a copy thread
+        (:attr:`overlapped`) the same seconds run there instead: :meth:`timeline`."""
+        f_in, f_out, b_in, b_out = self.boundary_parts(v)
+        return f_in + f_out, b_in + b_out
 
     def card_copies(self, i: int) -> tuple[float, float]:
         """Seconds of card ``i``'s stage-boundary copies per micro-batch, ``(in its F passes, in its B passes)``: the
-        :meth:`boundary_copies` of its chunks (part of :attr:`StageCost.t_f` / ``t_b``)."""
+        :meth:`boundary_copies` of its chunks (part of :attr:`StageCost.t_f` / ``t_b``); zeros on a card of
+        :attr:`overlapped` (its copy thread's, priced by :meth:`timeline`)."""
+        if self.overlapped[i]:
+            return 0.0, 0.0
         V = self.memory.chunks * self.P
         mine = [self.boundary_copies(v) for v in range(V) if card_of(self.shape.schedule, self.P, v)[0] == i]
         return sum(f for f, _ in mine), sum(b for _, b in mine)
+
+    def path_copies(self, i: int) -> tuple[float, float]:
+        """Seconds of card ``i``'s boundary copies per micro-batch ``(F, B)`` that are on a micro-batch's path but not
+        in its ``t_f, t_b``: its :meth:`boundary_copies` (chunk 0) on a card of :attr:`overlapped`, else zeros."""
+        return self.boundary_copies(i) if self.overlapped[i] else (0.0, 0.0)
 
     def stage_durations(self, costs: Sequence[StageCost]) -> tuple[list, list, list]:
         """``(t_f, t_b, t_w)`` per stage for :func:`~npu_train.pipeline.schedule.stage_timeline`; with two chunks
@@ -441,7 +481,7 @@ class CostModel:
             i, ch = card_of(self.shape.schedule, self.P, v)
             c = costs[i]
             fracs = self.chunk_fractions(c, ch)
-            own = (*self.boundary_copies(v), 0.0)
+            own = (*self.boundary_copies(v), 0.0) if not self.overlapped[i] else (0.0, 0.0, 0.0)  # copy thread's
             for k, (t, cp) in enumerate(zip((c.t_f, c.t_b, c.t_w), (*c.t_copy, 0.0))):
                 out[k].append((t - cp - c.t_head[k]) * fracs[k] + (c.t_head[k] if v == V - 1 else 0.0) + own[k])
         return out
@@ -470,11 +510,13 @@ class CostModel:
         """Seconds of a micro-batch's forward through card ``i``'s first virtual stage (its chunk 0, never the
         head), with that virtual stage's own boundary copies: ``c.t_f`` with one chunk per card; the forwards of
         micro-batch 0 through the earlier cards' first chunks all come before a card's first action
-        (:meth:`stage_durations`)."""
-        if self.memory.chunks == 1:
-            return c.t_f
-        frac = chunk_sizes(c.layers)[0] / c.layers if c.layers else 0.5
+        (:meth:`stage_durations`). With a copy thread (:attr:`overlapped`) the copies are not in ``c.t_f`` but still
+        on micro-batch 0's path (a crossing adds its send and its receive, whichever thread makes them:
+        :func:`~npu_train.pipeline.schedule.copy_timeline`)."""
         own = self.boundary_copies(i)[0]  # chunk 0 is virtual stage i on both two-chunk schedules
+        if self.memory.chunks == 1:
+            return c.t_f - c.t_copy[0] + own
+        frac = chunk_sizes(c.layers)[0] / c.layers if c.layers else 0.5
         return (c.t_f - c.t_copy[0] - c.t_head[0]) * frac + own
 
     def step_time(self, split: Sequence[int], resident: Sequence[int]) -> float:
@@ -488,14 +530,15 @@ class CostModel:
         the phase), ``bubble`` (the rest of the phase), ``host_optimizer``, ``device_optimizer``,
         ``transfer``, ``dp_comm``, ``host_hidden`` and ``total``; the step is the largest ``total``."""
         M = self.shape.micro_batches
-        phase = self.phase(costs)
+        phase, copies = self.timeline(costs)
         out = []
         for i, (n, c) in enumerate(zip(split, costs)):
             host, dev, xfer = self.side_time(i, c)
             dpt = self.dp_time(i, c)
-            # with cpu cards sharing cores: including the phase's average slowdown
-            boundary = M * sum(c.t_copy) * self.slots / (M + self.P - 1)
-            compute = M * c.t_mb * self.slots / (M + self.P - 1) - boundary
+            # with cpu cards sharing cores: including the phase's average slowdown; the copies the card's own
+            # thread makes (with a copy thread: only the inputs not fetched ahead)
+            boundary = copies[i]
+            compute = M * (c.t_mb - sum(c.t_copy)) * self.slots / (M + self.P - 1)
             first_input = sum(costs[j].t_f for j in range(i))  # the earlier stages' forward of micro-batch 0
             hidden = self.host_hidden(i, n, c, host, first_input, phase, phase - compute - boundary)
             out.append({"compute": compute, "recompute": M * c.t_rc * self.slots / (M + self.P - 1),

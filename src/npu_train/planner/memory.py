@@ -16,7 +16,7 @@ from npu_train.pipeline.schedule import (SPLIT_BACKWARD, card_of, chunks_per_car
 from npu_train.planner.memterms import DEFAULT_MEMORY_TERMS, MemoryTerms
 from npu_train.planner.moe import (expert_kernel_bytes, largest_layer_tensor, mlp_pending_bytes_per_token,
                                   mlp_saved_bytes_per_token)
-from npu_train.planner.spec import RunShape
+from npu_train.planner.spec import RunShape, copies_overlapped
 
 __all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "logits_bytes",
            "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageParams",
@@ -235,14 +235,24 @@ class MemoryModel:
         body = sum(mem[t] for t in BODY_TERMS)
         churn = self.hole_churn(i, n, k)
         load = self._load_excess(i, n, p, mem["weights"], body)  # the model load, where it is the peak
-        mem["transient"] += load
-        body += load
+        mem["transient"] += load + self.overlap_bytes(i)
+        body += load + self.overlap_bytes(i)
         mem["workspace"] = self.workspace(i, body, churn)
         mem["total"] = mem["baseline"] + body + mem["workspace"]
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
         mem["heap"] = int(self.terms[i].heap_fraction * churn)  # part of workspace
         return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i],
                            self.heap_cap(i, n), self.heap_slack(i) if self.guarded(i) else None)
+
+    def overlap_bytes(self, i: int) -> int:
+        """Card bytes the copy thread of overlapped boundary copies holds beyond the synchronous path (part of
+        ``transient``): two ``[b, S, H]`` boundary tensors in the compute dtype (:meth:`RunShape.boundary_bytes`), the
+        next action's input fetched onto the card one action early and a gradient kept alive by its send in flight
+        (``runtime/copies.py`` allows one of each); 0 without a neighbour on another card or with the copies in
+        the card's own thread (:func:`~npu_train.planner.spec.copies_overlapped`)."""
+        if self.num_stages < 2 or not copies_overlapped(self.shape, self.cards[i].kind):
+            return 0
+        return 2 * self.shape.boundary_bytes(self.model.hidden_size)
 
     # ------------------------------------------------------------------ parameters
     def nonlayer(self, i: int) -> tuple[int, int]:

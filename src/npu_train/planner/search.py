@@ -230,7 +230,7 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     ties: list[tuple[float, list[int]]] = []
     evals = [0, 0]  # timelines, nodes
     rest_bound = _RestBound(opts, nmax)
-    tail = _TailBound(opts, M, L)
+    tail = _TailBound(opts, M, L, [pm.path_copies(i) for i in range(P)])
 
     def leaf(split: list[int], costs: list) -> None:
         evals[0] += 1
@@ -282,7 +282,8 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
                 continue  # t and side time grow with n, but a larger n leaves fewer layers to the rest
             split.append(n)
             costs.append(c)
-            dfs(i + 1, rest, f_before + c.t_f, chain + f0, lb, sdm, drain + (db or 0.0))
+            # (the last micro-batch's B path: with a copy thread its crossings' copies too, pm.first_chunk_forward)
+            dfs(i + 1, rest, f_before + c.t_f, chain + f0, lb, sdm, drain + (0.0 if db is None else db + pm.path_copies(i)[1]))
             split.pop()
             costs.pop()
 
@@ -329,9 +330,11 @@ class _TailBound:
     - :meth:`round_trip`: micro-batch 0's forward and ``B`` through stages ``j..P-1``, which come between a stage's
       forward of it and its ``B`` of it.
 
+    ``paths``: per stage, ``(F, B)`` seconds of its boundary copies on a micro-batch's path outside its ``t_f`` /
+    ``B`` (:meth:`~npu_train.planner.cost.CostModel.path_copies`: a copy thread's), added along the paths.
     All 0 with two chunks per card (no such bounds)."""
 
-    def __init__(self, opts: list, M: int, L: int):
+    def __init__(self, opts: list, M: int, L: int, paths: Optional[list] = None):
         inf = float("inf")
         P = len(opts)
         self.P, self.on = P, all(o[5] is not None for stage in opts for o in stage)
@@ -342,7 +345,8 @@ class _TailBound:
             out[last + 1][0] = 0.0
             for j in range(last, -1, -1) if self.on else ():
                 for k in range(L + 1):
-                    out[j][k] = min((f * c.t_f + b * db + out[j + 1][k - n]
+                    pf, pb = paths[j] if paths else (0.0, 0.0)
+                    out[j][k] = min((f * (c.t_f + pf) + b * (db + pb) + out[j + 1][k - n]
                                      for n, _r, c, _sd, _f0, db in opts[j] if n <= k), default=inf)
             return out
 

@@ -3,12 +3,13 @@ and the units: :func:`gb` is decimal (1e9 B), :func:`gib` binary (2**30 B, what 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from npu_train.errors import UserError
 from npu_train.hardware import GB, GIB
 from npu_train.pipeline.schedule import ALL_SCHEDULES
 
-__all__ = ["PlacementError", "RunShape", "gb", "gib"]
+__all__ = ["PlacementError", "RunShape", "copies_overlapped", "gb", "gib"]
 
 
 def gb(x: float) -> float:
@@ -89,6 +90,10 @@ class RunShape:
     #: the pipeline's cards, each computing its logits slice in a joint ``V(m)`` per micro-batch
     #: (npu_train.pipeline.schedule.vocab_positions); the head card keeps the final norm. Untied heads only
     vocab_parallel: bool = False
+    #: ``runtime.overlap_copies``: the stage-boundary copies in a copy thread (npu_train.runtime.copies): True,
+    #: False, or None (auto: on RNGD cards; offline the planner assumes furiosa-torch 2026.4's thread-local
+    #: memory-type flag, which the card re-checks at setup); :func:`copies_overlapped` per card
+    overlap_copies: Optional[bool] = False
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):
@@ -106,6 +111,10 @@ class RunShape:
             raise ValueError(f"RunShape.checkpoint_dtype must be one of {CHECKPOINT_DTYPES}, got {self.checkpoint_dtype!r}")
         if self.grad_accum not in ("fp32", "compute"):
             raise ValueError(f"RunShape.grad_accum must be 'fp32' or 'compute', got {self.grad_accum!r}")
+
+    def boundary_bytes(self, hidden_size: int) -> int:
+        """Bytes of one stage-boundary tensor (an activation or its gradient): ``b * S * H`` in the compute dtype."""
+        return self.dtype_bytes * self.tokens_per_micro_batch * int(hidden_size)
 
     @property
     def dtype_bytes(self) -> int:
@@ -130,3 +139,10 @@ class RunShape:
     @property
     def tokens_per_step(self) -> int:
         return self.seq_len * self.micro_batch * self.micro_batches
+
+
+def copies_overlapped(shape: RunShape, kind: str) -> bool:
+    """Whether a card of ``kind`` runs its stage-boundary copies in a copy thread under ``shape.overlap_copies``
+    (``npu_train.runtime.copies.overlap_decision`` without the setup probe: True on, None on ``furiosa`` only)."""
+    s = shape.overlap_copies
+    return s is True or (s is None and kind == "furiosa")

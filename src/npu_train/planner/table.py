@@ -191,9 +191,32 @@ def memory_sources(plan: Plan) -> list[str]:
                                 else f"{s.dtype} .grad, {s.dtype_bytes} B/param"))
     if plan.model.is_moe:
         out.append(_moe_note(plan.model, s)[2:])
+    note = copies_note(plan)
+    if note:
+        out.append(note)
     if plan.compiler_cache_dir:
         out.append(f"compiler cache (runtime.furiosa.compiler_cache_dir): {plan.compiler_cache_dir}")
     return out
+
+
+def copies_note(plan: Plan) -> Optional[str]:
+    """The plan's line on the stage-boundary copies in copy threads (``runtime.overlap_copies``), or None when
+    every card copies in its own thread: what the xfer column then holds, the memory they take, and on RNGD
+    the assumption the runtime checks."""
+    from npu_train.planner.spec import copies_overlapped
+
+    kinds = sorted({st.card.kind for st in plan.stages if copies_overlapped(plan.shape, st.card.kind)})
+    if len(plan.stages) < 2 or not kinds:
+        return None
+    x = plan.shape.boundary_bytes(plan.model.hidden_size)
+    line = (f"boundary copies: in copy threads on {', '.join(kinds)} cards (runtime.overlap_copies), overlapped "
+            f"with compute; xfer holds the inputs not there when the card looked ahead; +{2 * x / 2 ** 20:.0f} MiB "
+            f"a card (trans: an input fetched ahead, a gradient in flight)")
+    if "furiosa" in kinds:
+        line += ("; RNGD: assumes furiosa-torch 2026.4's thread-local memory-type flag, probed at setup (if "
+                 "process-wide the card copies in its own thread: slower than planned, runtime.overlap_copies=false "
+                 "plans that)")
+    return line
 
 
 #: (field, label, unit scale, unit) of the rates the plan prints with their sources

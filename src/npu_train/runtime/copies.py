@@ -1,21 +1,23 @@
-"""Stage-boundary copies overlapped with compute: :class:`BoundaryCopies`, one copy thread per card process.
+"""Stage-boundary copies overlapped with compute: :class:`BoundaryCopies`, two copy threads per card process.
 
 Without it every boundary copy runs in the card process's own thread between its actions: ``TensorLink.send``
 copies card -> shared-memory slot before the next action starts, ``TensorLink.recv`` slot -> card after the
-previous one ended (the planner's ``CostModel.boundary_copies``). With it, a send is handed to the copy thread
+previous one ended (the planner's ``CostModel.boundary_copies``). With it, a send is handed to the send thread
 (the card thread only reserves the slot, so every mailbox read stays in the card thread) and the card goes on;
 before an action computes, the card thread looks whether the *next* action's input has already arrived and, if
-so, has the copy thread copy it onto the card while this action computes. Bounds (what the plan counts,
+so, has the fetch thread copy it onto the card while this action computes (card -> host and host -> card in
+separate threads, as PCIe moves both directions at once; ``pipeline/schedule.py``'s ``copy_timeline`` is
+this, step by step). Bounds (what the plan counts,
 ``planner/memory.py``'s ``overlap`` term): at most one send in flight (a send first waits for the previous
 one) and one input fetched ahead, so a card holds at most two ``[b, S, H]`` boundary tensors more than the
 synchronous path (a gradient kept alive by its pending send, the next action's input on the card one action
-early). The copy thread runs copies only: FIFO, one at a time; it never waits for a peer (a send's slot was
-reserved, a fetched input's header had arrived), so it adds no wait cycle to a schedule. Values are bytes
+early). The copy threads run copies only, one at a time each; they never wait for a peer (a send's slot was
+reserved, a fetched input's header had arrived), so they add no wait cycle to a schedule. Values are bytes
 moved, so the training is bitwise the same with and without it.
 
 Safe only where a second thread may allocate on the card: :func:`overlap_decision` (furiosa-torch 2026.2 kept
 the device-memory-type flag process-wide, so an upload from another thread could land in a 0-byte pool;
-``backends/furiosa.py`` probes it at setup). ZeroMQ sockets are per thread: the copy thread has its own
+``backends/furiosa.py`` probes it at setup). ZeroMQ sockets are per thread: each copy thread has its own
 :class:`~npu_train.transport.Outbox` per peer, made and closed in that thread."""
 from __future__ import annotations
 
@@ -45,45 +47,47 @@ def overlap_decision(setting: Optional[bool], backend) -> tuple[bool, str]:
 
 
 class BoundaryCopies:
-    """The copy thread of one card process and its bookkeeping (one card thread uses it).
+    """The copy threads of one card process (``send``: card -> slot and the header; ``fetch``: slot -> card and the
+    credit) and their bookkeeping (one card thread uses it).
 
     ``ctx``: the process's ZeroMQ context; ``addrs``: peer rank -> its inbox address; ``token``/``rank``: as the
     card's :class:`~npu_train.transport.Outbox`; ``timeout``: the send timeout (None: forever); ``thread_init``:
-    run first in the copy thread (``Backend.thread_init``: the device context, memory accounting). Counters:
+    run first in each copy thread (``Backend.thread_init``: the device context, memory accounting). Counters:
     ``sends`` (handed to the thread), ``fetched`` (inputs copied ahead), ``direct`` (inputs copied in the card
     thread: not there when looked for)."""
 
     def __init__(self, ctx, addrs: dict, token: str, rank: int, timeout: Optional[float],
                  thread_init: Optional[Callable[[], None]] = None):
         self.ctx, self.addrs, self.token, self.rank, self.timeout = ctx, dict(addrs), token, rank, timeout
-        self._outs: dict = {}  # peer rank -> Outbox, touched only in the copy thread
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-train-copies",
-                                        initializer=thread_init)
+        # per thread: peer rank -> Outbox, touched only in that thread
+        self._outs: dict = {"send": {}, "fetch": {}}
+        self._pools = {w: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"npu-train-{w}",
+                                             initializer=thread_init) for w in ("send", "fetch")}
         self._send: Optional[Future] = None
         self._ahead: Optional[tuple] = None  # (key, Future of (tensor, header))
         self.sends = self.fetched = self.direct = 0
 
-    def _out(self, peer: int):
-        """The copy thread's own outbox to ``peer`` (made on first use, in the copy thread)."""
-        o = self._outs.get(peer)
+    def _out(self, which: str, peer: int):
+        """Copy thread ``which``'s own outbox to ``peer`` (made on first use, in that thread)."""
+        o = self._outs[which].get(peer)
         if o is None:
             from npu_train.transport import Outbox
 
-            o = self._outs[peer] = Outbox(self.ctx, self.addrs[peer], self.token, self.rank,
+            o = self._outs[which][peer] = Outbox(self.ctx, self.addrs[peer], self.token, self.rank,
                                           send_timeout_s=self.timeout)
         return o
 
     # ------------------------------------------------------------------ sends
     def send(self, link, t, kind: str, step: int, micro: int, peer: int, mailbox, extra=None) -> None:
         """Send ``t`` on ``link`` to ``peer``: wait for the previous send, reserve a slot here (credits come to
-        ``mailbox``, read in this thread), then the copy and the header in the copy thread."""
+        ``mailbox``, read in this thread), then the copy and the header in the send thread."""
         self.wait_send()
         slot = link.reserve(t, mailbox, self.timeout, extra=extra)
-        self._send = self._pool.submit(self._post, link, slot, t, kind, step, micro, peer, extra)
+        self._send = self._pools["send"].submit(self._post, link, slot, t, kind, step, micro, peer, extra)
         self.sends += 1
 
     def _post(self, link, slot, t, kind, step, micro, peer, extra) -> None:
-        link.post(slot, t, kind, step, micro, self._out(peer), extra=extra)
+        link.post(slot, t, kind, step, micro, self._out("send", peer), extra=extra)
 
     def wait_send(self) -> None:
         """Block until the send in flight (if any) is out; re-raises its error."""
@@ -94,19 +98,19 @@ class BoundaryCopies:
     # ------------------------------------------------------------------ receives
     def fetch_ahead(self, link, kind: str, step: int, micro: int, peer: int, mailbox, device) -> bool:
         """If the message ``(kind, step, micro)`` of ``link`` is already in ``mailbox`` and nothing else is fetched
-        ahead, have the copy thread copy it onto ``device`` (and return its credit); True when it does."""
+        ahead, have the fetch thread copy it onto ``device`` (and return its credit); True when it does."""
         if self._ahead is not None:
             return False
         got = link.take(kind, step, micro, mailbox, wait=False)
         if got is None:
             return False
         h, payload = got
-        fut = self._pool.submit(self._finish, link, h, payload, peer, device)
+        fut = self._pools["fetch"].submit(self._finish, link, h, payload, peer, device)
         self._ahead = ((link.name, kind, step, micro), fut)
         return True
 
     def _finish(self, link, h, payload, peer, device):
-        return link.finish(h, payload, self._out(peer), device, return_header=True)
+        return link.finish(h, payload, self._out("fetch", peer), device, return_header=True)
 
     def recv(self, link, kind: str, step: int, micro: int, peer: int, mailbox, reply, device):
         """``(tensor on device, header)`` of ``(kind, step, micro)``: the copy fetched ahead, else a receive in
@@ -128,18 +132,25 @@ class BoundaryCopies:
             raise RuntimeError(f"boundary input {key} was fetched ahead but no action took it")
 
     def close(self) -> None:
-        """Wait for the copies, close the copy thread's sockets (in it) and end it. Idempotent."""
-        if self._pool is None:
+        """Wait for the copies, close each copy thread's sockets (in it) and end it. Idempotent."""
+        if self._pools is None:
             return
         try:
             self.wait_send()
         except Exception as e:  # noqa: BLE001  (closing after a failure: the error was reported)
             log.debug("boundary copy failed before close: %r", e)
-        self._pool.submit(self._close_outs).result()
-        self._pool.shutdown(wait=True)
-        self._pool = None
+        if self._ahead is not None:  # a fetch no action took (an error ended the step): let it finish
+            fut, self._ahead = self._ahead[1], None
+            try:
+                fut.result()
+            except Exception as e:  # noqa: BLE001
+                log.debug("boundary fetch failed before close: %r", e)
+        for which, pool in self._pools.items():
+            pool.submit(self._close_outs, which).result()
+            pool.shutdown(wait=True)
+        self._pools = None
 
-    def _close_outs(self) -> None:
-        for o in self._outs.values():
+    def _close_outs(self, which: str) -> None:
+        for o in self._outs[which].values():
             o.close()
-        self._outs.clear()
+        self._outs[which].clear()

@@ -766,7 +766,8 @@ def run_shape(cfg, mcfg, dtype: str):
                     grad_accum=tr.grad_accum, offload="serial" if not tr.offload_overlap else
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
                     checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg),
-                    vocab_parallel=getattr(cfg.parallel, "vocab", False) is True)
+                    vocab_parallel=getattr(cfg.parallel, "vocab", False) is True,
+                    overlap_copies=getattr(cfg.runtime, "overlap_copies", None))
 
 
 def _recompute_counts(tr) -> tuple:
