@@ -210,7 +210,7 @@ def copies_note(plan: Plan) -> Optional[str]:
         return None
     x = plan.shape.boundary_bytes(plan.model.hidden_size)
     line = (f"boundary copies: in copy threads on {', '.join(kinds)} cards (runtime.overlap_copies), overlapped "
-            f"with compute; xfer holds the inputs not there when the card looked ahead; +{2 * x / 2 ** 20:.0f} MiB "
+            f"with compute; xfer holds the inputs not there when the card looked ahead; +{2 * x / 2 ** 20:.3g} MiB "
             f"a card (trans: an input fetched ahead, a gradient in flight)")
     if "furiosa" in kinds:
         line += ("; RNGD: assumes furiosa-torch 2026.4's thread-local memory-type flag, probed at setup (if "

@@ -63,7 +63,8 @@ class LinkComm:
         self.views = [ChunkLinks(self, kind, c) for c in range(C)]
         self.links = [l for view in self.views for l in view.links()]
         on, self.overlap_why = overlap_decision(overlap, backend)
-        log.info("stage-boundary copies: %s", self.overlap_why)
+        # said when on, warned when asked for and unsafe here; the default off (cpu, cuda) is not news
+        (log.info if on else log.warning if overlap else log.debug)("stage-boundary copies: %s", self.overlap_why)
         self.copies = None
         if on and peers:
             self.copies = BoundaryCopies(ctx, self.peer_addr, spec.token, r, self.timeout,
