@@ -8,7 +8,9 @@ runs one forward and backward to warm up, then a forward whose graph it keeps. T
 ``RssAnon`` from ``/proc/<pid>/status`` before that forward and after it (the child waits at each point), and
 prints the growth less the stack's output (``b*S*H*e``) per layer, next to the planner's ``sdpa`` (fused kernel),
 ``eager`` (probabilities saved) and ``core`` figures; then the peak RSS the backward adds on top of the held
-graph (``VmHWM`` after a reset through ``/proc/<pid>/clear_refs``), against one layer's fp32 probabilities.
+graph (``VmHWM`` after a reset through ``/proc/<pid>/clear_refs``), against one layer's fp32 probabilities and the
+planner's transient for the kernel (``attention_transient_bytes``: the math kernel's backward; ``--frozen`` leaves
+the weight gradients out of the peak, as the plan counts them in its own term).
 ``--kernel math`` runs attention through PyTorch's math kernel (``sdpa_kernel(SDPBackend.MATH)``, which saves the
 probabilities, as an unfused kernel would); ``fused`` lets PyTorch choose (flash attention on CPU). ``--core`` checkpoints the attention core
 (``train.recompute_attention``). ``--kv-heads`` sets the key/value heads (4 of 8: grouped-query attention, the
@@ -19,6 +21,7 @@ Usage::
     .venv/bin/python experiments/bench/activation_rss.py --kernel fused --dtype fp32
     .venv/bin/python experiments/bench/activation_rss.py --kernel math --dtype bf16 --seq 1024
     .venv/bin/python experiments/bench/activation_rss.py --kernel math --dtype fp32 --kv-heads 8
+    .venv/bin/python experiments/bench/activation_rss.py --kernel math --dtype bf16 --frozen [--core]
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ def child(args) -> None:
     torch.set_num_threads(1)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers, "num_kv_heads": args.kv_heads})
-    layers = [DecoderLayer(cfg, i, recompute_core=args.core).to(dtype) for i in range(args.layers)]
+    layers = [DecoderLayer(cfg, i, recompute_core=args.core).to(dtype).requires_grad_(not args.frozen)
+              for i in range(args.layers)]
     cos, sin = rope_cos_sin(cfg, args.seq, dtype=dtype)
     x = torch.randn(args.batch, args.seq, cfg.hidden_size, dtype=dtype)
 
@@ -97,6 +101,7 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=SHAPE["num_kv_heads"],
                     help=f"key/value heads of the {SHAPE['num_heads']} (equal: no grouped-query attention)")
     ap.add_argument("--core", action="store_true", help="the attention core checkpointed (recompute_attention)")
+    ap.add_argument("--frozen", action="store_true", help="parameters frozen: no weight gradients in the backward")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -126,7 +131,7 @@ def main() -> int:
 
     from npu_train.model.config import LlamaConfig
     from npu_train.planner import RunShape
-    from npu_train.planner.memory import activation_bytes_per_layer
+    from npu_train.planner.memory import activation_bytes_per_layer, attention_transient_bytes
 
     cfg = LlamaConfig(**{**SHAPE, "num_layers": args.layers, "num_kv_heads": args.kv_heads})
     shape = RunShape(seq_len=args.seq, micro_batch=args.batch, micro_batches=1, schedule="1f1b", dtype=args.dtype)
@@ -140,8 +145,11 @@ def main() -> int:
           f"{out / 2**20:.1f} MiB: {per / 2**20:.2f} MiB per layer; planner: "
           + ", ".join(f"{a} {v / 2**20:.2f} MiB ({per / v:.3f}x)" for a, v in figs.items()))
     probs = 4 * cfg.num_heads * args.batch * args.seq ** 2
-    print(f"backward: peak RSS {peak / 2**20:.1f} MiB above the held graph (weight gradients included) = "
-          f"{peak / probs:.2f}x one layer's fp32 probabilities [b, a, S, S] ({probs / 2**20:.1f} MiB)")
+    planned = attention_transient_bytes(cfg, shape, args.core) if args.kernel == "math" else 0
+    grads = "no weight gradients" if args.frozen else "weight gradients included"
+    print(f"backward: peak RSS {peak / 2**20:.1f} MiB above the held graph ({grads}) = "
+          f"{peak / probs:.2f}x one layer's fp32 probabilities [b, a, S, S] ({probs / 2**20:.1f} MiB); planner's "
+          f"attention transient {planned / 2**20:.1f} MiB ({planned / max(peak, 1):.3f}x the peak)")
     return 0
 
 

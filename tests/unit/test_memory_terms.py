@@ -6,7 +6,9 @@ since it reuses freed host memory (experiments/2026-12-04-cpu-heap.md) are teste
 recorded rows with cards that return freed memory (``runtime.keep_host_memory=false``). The furiosa rows' eager
 activation figure went from 136314880 B to :data:`EAGER_8B_S512` a layer (the math kernel's saved tensors,
 ``tests/unit/test_eager_activations.py``): their activations are written with it, workspace 0.5 GiB + 2 % of the
-body + the 512 MiB module cache, the second row's peak (total) unchanged."""
+body + the 512 MiB module cache, the second row's peak (total) unchanged. The first furiosa row's transient went from 0
+to :data:`MATH_BACKWARD_8B_S512` (the math kernel's backward, ``2*P + 4*q*s*b``,
+``tests/unit/test_attention_transient.py``); the second row's accumulation temporary is larger."""
 from __future__ import annotations
 
 import pytest
@@ -21,13 +23,16 @@ TERMS = ("baseline", "weights", "grads", "optimizer", "activations", "transient"
 KEYS = TERMS + ("total", "modules")
 #: Llama-3.1-8B, bf16, S = 512, b = 1, eager (math kernel): 512 x (2(4 + 2e)h + 8 + (12 + e)q + 4ei) + 4*a*s*s
 EAGER_8B_S512 = 512 * (2 * 8 * 4096 + 8 + 14 * 4096 + 8 * 14336) + 4 * 32 * 512 * 512
+#: what one layer's math-kernel backward allocates on top of the held graph: 2 x the fp32 probabilities + fp32 grad_v
+MATH_BACKWARD_8B_S512 = 2 * 4 * 32 * 512 * 512 + 4 * 4096 * 512
 #: (preset, kind, RunShape fields, cards, nonlayer_resident, (stage, layers, resident), bytes of KEYS)
 RECORDED = [
     ('llama-3.1-8b', 'furiosa', dict(seq_len=512, micro_batch=1, micro_batches=4, dtype='bf16', grad_accum='compute'),
-     2, None, (0, 16, 0), (0, 8030257152, 8030257152, 0, 2 * 16 * EAGER_8B_S512, 0,
-                           2**30 + int(0.02 * (2 * 8030257152 + 2 * 16 * EAGER_8B_S512)),
-                           2 * 8030257152 + 2 * 16 * EAGER_8B_S512 + 2**30
-                           + int(0.02 * (2 * 8030257152 + 2 * 16 * EAGER_8B_S512)), 536870912)),
+     2, None, (0, 16, 0), (0, 8030257152, 8030257152, 0, 2 * 16 * EAGER_8B_S512, MATH_BACKWARD_8B_S512,
+                           2**30 + int(0.02 * (2 * 8030257152 + 2 * 16 * EAGER_8B_S512 + MATH_BACKWARD_8B_S512)),
+                           2 * 8030257152 + 2 * 16 * EAGER_8B_S512 + MATH_BACKWARD_8B_S512 + 2**30
+                           + int(0.02 * (2 * 8030257152 + 2 * 16 * EAGER_8B_S512 + MATH_BACKWARD_8B_S512)),
+                           536870912)),
     ('llama-3.1-8b', 'furiosa', dict(seq_len=512, micro_batch=1, micro_batches=4, dtype='bf16', grad_accum='compute'),
      # activations: 16 layers + the fp32 log-probabilities; the peak is the same: transient = peak - activations
      2, None, (1, 16, 6), (0, 8030265344, 8030265344, 15704064000, 16 * EAGER_8B_S512 + 512 * 128256 * 4,

@@ -18,7 +18,8 @@ from npu_train.planner.moe import (expert_kernel_bytes, largest_layer_tensor, ml
                                   mlp_saved_bytes_per_token)
 from npu_train.planner.spec import RunShape, copies_overlapped
 
-__all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "logits_bytes",
+__all__ = ["ATTENTION", "WORKSPACE", "MEMORY_TERMS", "activation_bytes_per_layer", "attention_transient_bytes",
+           "logits_bytes",
            "saved_logits_bytes", "in_flight_micro_batches", "pending_grad_bytes_per_layer", "StageParams",
            "StageMemory", "MemoryModel", "LAYER_FREED_FACTOR", "HEAP_RESIDUE"]
 
@@ -116,6 +117,46 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
     return s * b * (norms + (12 + e) * q + mlp) + probabilities + qk_norm
 
 
+def attention_transient_bytes(model: LlamaConfig, shape: RunShape, core: bool) -> int:
+    """Bytes the math attention kernel (``eager``, :data:`ATTENTION`) allocates on top of the held graph while one
+    layer's attention runs its backward, one micro-batch; ``core``: the core recomputed in that backward
+    (``RunShape.recompute_attention``).
+
+    ``P = 4*a*b*s*s`` (one layer's fp32 probabilities ``[b, a, s, s]``, 4 B whatever the compute dtype), ``q`` the
+    query width (heads x head_dim), ``s*b`` tokens. From autograd's formulas for the kernel's ops
+    (``tools/autograd/derivatives.yaml``; ``_scaled_dot_product_attention_math`` in
+    ``aten/src/ATen/native/transformers/attention.cpp``, torch 2.13), in the order the engine runs them (checked
+    allocation by allocation with ``torch.profiler(profile_memory=True)``, fp32/bf16, GQA or not):
+
+    - the output's ``.to`` backward: its gradient in fp32 (``4*q`` per token);
+    - the second matmul (``attn @ v``, a ``bmm``): ``grad_v = attn^T @ grad`` (fp32, ``4*q``) and
+      ``grad_attn = grad @ v^T``, ``[b, a, s, s]`` fp32, ``P``; the output's fp32 gradient and the node's saved v
+      (a copy at bf16) are freed after it;
+    - ``_safe_softmax``: ``_softmax_backward_data(grad_attn, attn)``, a new ``P``, while ``grad_attn`` and the
+      saved probabilities live: the peak, ``2*P + 4*q*s*b`` (``grad_v`` still waits for its ``.to`` backward);
+      then ``grad_attn`` and the probabilities go;
+    - the first matmul: ``grad_q`` and ``grad_k^T`` (fp32, ``8*q``) beside the softmax's input gradient ``P``,
+      whose saved q and ``k^T`` are freed after it; the casts back, ``repeat_kv``'s sum over the group (k and v at
+      ``q`` width before it, GQA or not) and the projections' backward are at most ``12*q`` per token more
+      than the peak above leaves, below it once ``s >= head_dim``.
+
+    Without ``core``: ``2*P + 4*q*s*b``. With ``core`` the checkpoint first runs the kernel again and keeps what it
+    saves (``P`` and fp32 q, ``k^T``, v: ``12*q`` per token at bf16, ``8*q`` at fp32 where v is the checkpoint's
+    input; counted at ``12*q``), then runs the backward above: ``3*P + 16*q*s*b``; the recomputing forward's own peak
+    (scores ``P``, softmax ``P``, its ``-inf`` test ``P/4``, the causal mask ``6*s*s`` with the fp32 copies,
+    ``2.25*P + 12*q*s*b + 6*s*s``) stays below that for ``a*b >= 2``. Measured per layer (hidden 64, 4 heads of 16,
+    MLP freed before the attention's backward): 1.62-1.89 P without core, 2.81-2.98 P with it at s = 256, 512
+    (``tests/unit/test_attention_transient.py``); from outside, ``experiments/2026-12-06-eight-cards.md`` §12.4.2.
+    Not counted: a layer's other backward temporaries (norms, MLP, projections: hidden- or intermediate-wide,
+    what the fused kernel's backward also has), which exceed these only at short sequences (s of a few head_dims).
+    """
+    s, b = shape.seq_len, shape.micro_batch
+    probabilities = 4 * model.num_heads * b * s * s
+    q = model.num_heads * model.head_dim
+    backward = 2 * probabilities + 4 * q * s * b
+    return backward + (probabilities + 12 * q * s * b if core else 0)
+
+
 def pending_grad_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
     """Bytes one micro-batch keeps per decoder layer between its ``B`` and ``W`` passes (the output
     gradients of the q, k, v, o, gate, up, down projections): ``s*b*e*(q + 2*kv + 2*h + 2*i)`` (Qi et al. 2024,
@@ -202,10 +243,9 @@ class MemoryModel:
         #: a cpu card keeping freed memory can guard its heap here (:class:`~npu_train.hostmem.HeapGuard`)
         self.heap_guard = heap_guard_available()
         self.activations_per_layer = {a: activation_bytes_per_layer(model, shape, a) for a in ("eager", "sdpa", "core")}
-        #: the attention probabilities of one layer and micro-batch (``[b, a, S, S]``, fp32 softmax + its compute-dtype
-        #: copy), what an eager kernel recomputes at a time under ``recompute_attention``
-        self.scores_bytes = model.num_heads * shape.micro_batch * shape.seq_len ** 2 * (
-            4 + (self.dtype_bytes if self.dtype_bytes != 4 else 0))
+        #: what the math attention kernel (``eager``) allocates in one layer's backward on top of the held graph,
+        #: with the core recomputed there (``recompute_attention``) or not: :func:`attention_transient_bytes`
+        self.attention_transient = {core: attention_transient_bytes(model, shape, core) for core in (False, True)}
         self.layer_input_bytes = shape.seq_len * shape.micro_batch * model.hidden_size * self.dtype_bytes
         self.saved_logits = saved_logits_bytes(model, shape)
         # packed rows: one [b, 1, S, S] additive mask in the compute dtype per micro-batch in flight
@@ -572,14 +612,16 @@ class MemoryModel:
             return self.activations_per_layer["core"]
         return self.activations_per_layer[ATTENTION[self.cards[i].kind]]
 
-    def _recomputed_core(self, i: int, partial: bool = False) -> int:
-        """Bytes the recomputed attention core of one layer holds while its backward runs: the eager kernel's
-        probabilities (:attr:`scores_bytes`); 0 without ``recompute_attention`` or with a fused kernel
-        (``partial``: some layers recomputed whole, the others with their core recomputed)."""
-        if (self.shape.recompute_attention and (partial or not self.shape.recompute)
-                and ATTENTION[self.cards[i].kind] == "eager"):
-            return self.scores_bytes
-        return 0
+    def _attention_transient(self, i: int) -> int:
+        """Bytes one layer's attention allocates in its backward on top of the held graph on card ``i``: on a card
+        whose kernel keeps the probabilities (``eager``) :func:`attention_transient_bytes`, with the core recomputed
+        under ``recompute_attention`` (whole-layer recompute, ``train.recompute`` or some layers of it, then runs
+        the core checkpoint again inside the layer's) or not (a layer recomputed whole holds its activations as
+        :meth:`activations` counts them, then runs the same backward); 0 with a fused kernel, whose backward
+        allocates no ``[s, s]`` tensor."""
+        if ATTENTION[self.cards[i].kind] != "eager":
+            return 0
+        return self.attention_transient[bool(self.shape.recompute_attention)]
 
     def _largest_param(self, i: int, n: int) -> int:
         """Elements of the stage's largest parameter tensor, trained or frozen (a layer's or the embedding's)."""
@@ -651,7 +693,7 @@ class MemoryModel:
 
     def _forward_backward_peak(self, i: int, n: int, activations: int, k: Optional[int] = None) -> int:
         acc = self._accumulation_temporary(i, n)
-        core = self._recomputed_core(i, k is not None) if n else 0
+        core = self._attention_transient(i) if n else 0
         kernel = self.expert_kernel(i, n)
         if i == self.head_stage and not self.vocab:
             peak = activations + max(0 if self._fused_head(i) else 2 * self.saved_logits, acc, core, kernel)
