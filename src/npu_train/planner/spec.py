@@ -90,7 +90,7 @@ class RunShape:
     #: the pipeline's cards, each computing its logits slice in a joint ``V(m)`` per micro-batch
     #: (npu_train.pipeline.schedule.vocab_positions); the head card keeps the final norm. Untied heads only
     vocab_parallel: bool = False
-    #: ``runtime.overlap_copies``: the stage-boundary copies in a copy thread (npu_train.runtime.copies): True,
+    #: ``runtime.overlap_copies``: the stage-boundary copies in a copy thread (runtime/copies.py): True,
     #: False, or None (auto: on RNGD cards; offline the planner assumes furiosa-torch 2026.4's thread-local
     #: memory-type flag, which the card re-checks at setup); :func:`copies_overlapped` per card
     overlap_copies: Optional[bool] = False
@@ -143,6 +143,6 @@ class RunShape:
 
 def copies_overlapped(shape: RunShape, kind: str) -> bool:
     """Whether a card of ``kind`` runs its stage-boundary copies in a copy thread under ``shape.overlap_copies``
-    (``npu_train.runtime.copies.overlap_decision`` without the setup probe: True on, None on ``furiosa`` only)."""
+    (``overlap_decision`` of runtime/copies.py without the setup probe: True on, None on ``furiosa`` only)."""
     s = shape.overlap_copies
     return s is True or (s is None and kind == "furiosa")
