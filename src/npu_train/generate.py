@@ -56,13 +56,14 @@ def resolve_for_generation(model: str) -> tuple[str, str]:
     """``(kind, path)`` of the ``<model>`` argument: ``"checkpoint"``, ``"gguf"`` or ``"hf"``, from file
     names only. Raises ``FileNotFoundError`` or :class:`~npu_train.errors.UserError` naming what to pass instead."""
     from npu_train.errors import UserError
-    from npu_train.model.files import check_exists, is_gguf_path, resolve_model_path
+    from npu_train.model.files import is_gguf_path, resolve_model_path
 
     path = os.path.expanduser(model)
     if os.path.isdir(path) and _is_checkpoint(path):
         return "checkpoint", path
     path = resolve_model_path(model)
-    check_exists(path, presets=False)
+    if not os.path.exists(path):  # generate's own forms (checkpoints, exports), not model.path's
+        raise FileNotFoundError(f"model path {model!r} does not exist; {EXPECTED}")
     if is_gguf_path(path):
         return "gguf", path
     if os.path.isfile(path) and os.path.basename(path) == "config.json":

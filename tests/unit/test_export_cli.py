@@ -53,6 +53,19 @@ def test_generate_missing_model_does_not_offer_shape_presets():
     assert "does not exist" in str(e.value) and "shape preset" not in str(e.value) and "plan=true" not in str(e.value)
 
 
+def test_generate_missing_model_lists_the_checkpoint_forms_generate_takes(tmp_path):
+    """A missing ``<model>`` gets generate's own list (the README sends users there with ``<run>/checkpoints``,
+    ``step_N`` and export directories), not the trainer's ``model.path`` one."""
+    from npu_train.generate import resolve_for_generation
+
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_for_generation(str(tmp_path / "nope"))
+    msg = str(e.value)
+    assert "does not exist" in msg and "nope" in msg
+    for form in ("<run>/checkpoints", "step_N", "export directory", ".gguf", "'embedded'"):
+        assert form in msg, (form, msg)
+
+
 # ------------------------------------------------------ export into a non-empty directory (issue 28)
 def _two_layer_shapes():
     """A 2-layer tied config (vocab 32, hidden 16) and its HF name -> shape of every parameter."""
