@@ -162,6 +162,17 @@ def test_builtin_sets_need_no_network(monkeypatch):
         resolve_source("botchan-chat", "text")
 
 
+@pytest.mark.parametrize("fmt", ["text", "chat", "preference"])
+def test_a_missing_source_names_every_built_in_set_with_its_format(tmp_path, fmt):
+    """The README uses botchan-chat and botchan-prefs too: a path that names nothing lists all three built-in
+    sets, each with the data.format it is for, whatever the format asked."""
+    with pytest.raises(FileNotFoundError) as e:
+        resolve_source(str(tmp_path / "no" / "such.jsonl"), fmt)
+    msg = str(e.value)
+    for name, form in (("botchan", "text"), ("botchan-chat", "chat"), ("botchan-prefs", "preference")):
+        assert f"{name} (data.format={form})" in msg, msg
+
+
 def test_source_key_changes_with_the_file(tmp_path):
     p = tmp_path / "t.jsonl"
     p.write_text(json.dumps({"text": "alpha beta"}) + "\n")

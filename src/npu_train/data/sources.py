@@ -139,7 +139,15 @@ def _supported(p: Path) -> bool:
     return p.is_file() and p.suffix.lower() in BUILDERS
 
 
-def _missing(spec: str, builtins) -> FileNotFoundError:
+def builtin_sets() -> str:
+    """Every built-in set with the ``data.format`` it is for: ``botchan (data.format=text), botchan-chat
+    (data.format=chat), botchan-prefs (data.format=preference)``."""
+    forms = [(n, "text") for n in BUILTIN_TEXT] + [(n, "chat") for n in BUILTIN_CHAT] + \
+        [(n, "preference") for n in BUILTIN_PREFS]
+    return ", ".join(f"{n} (data.format={f})" for n, f in forms)
+
+
+def _missing(spec: str) -> FileNotFoundError:
     """The refusal of a ``data.source`` that names nothing. The path is quoted once: where it was looked for is
     added only when that is not ``spec`` itself (a relative path: the directory; ``~`` or ``..``: the absolute
     path); a ~150-character absolute path was quoted twice."""
@@ -152,7 +160,7 @@ def _missing(spec: str, builtins) -> FileNotFoundError:
         where = f" ({resolved})"
     return FileNotFoundError(
         f"data.source={spec!r}: no such file or directory{where}; use one of the built-in sets "
-        f"{list(builtins)}, or a path to a .parquet/.arrow/.jsonl/.json/.csv/.txt file, a glob of them, a "
+        f"{builtin_sets()}, or a path to a .parquet/.arrow/.jsonl/.json/.csv/.txt file, a glob of them, a "
         "directory of them or a directory written by Dataset.save_to_disk")
 
 
@@ -204,7 +212,7 @@ def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split
                             "file; check the pattern (quote it so the shell does not expand it)")
         return Source(spec, "files", files, path.parent, split, val_split)
     if not path.exists():
-        raise _missing(spec, builtins)
+        raise _missing(spec)
     if _is_saved_dir(path):
         _check_splits(path, split, val_split)
         files = tuple(sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.as_posix()))
@@ -217,7 +225,7 @@ def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split
     else:
         if path.suffix.lower() not in BUILDERS:
             raise DataError(f"{path}: unsupported file type {path.suffix!r}; data.source must be a built-in set "
-                            f"{list(builtins)}, a .parquet/.arrow/.jsonl/.json/.csv/.txt file, a glob or a "
+                            f"({builtin_sets()}), a .parquet/.arrow/.jsonl/.json/.csv/.txt file, a glob or a "
                             "directory of them, or a directory written by Dataset.save_to_disk")
         files = (path,)
     if val_split is not None:
