@@ -32,3 +32,14 @@ def test_docs_say_when_a_step_takes_more_than_two_lines_and_explain_expert_load(
     assert "A step is two lines, fresh or resumed; a mixture of experts' is three" in job
     assert "avg since resume" in job and "`mem GiB max 2.70 (run 3.10, plan 3.39)`" in job
     assert re.search(r"`expert load` is one number per card: .*max/mean.*1\.00", job)
+
+
+def test_readme_says_its_example_step_is_the_full_form_and_what_a_terminal_shows():
+    """The README's example step carries the ``[fwd/bwd ...]`` breakdown and the ETA, which only ``run.log`` and
+    plain output print: a terminal (live bar) shows a shorter step, and the README says so next to it."""
+    readme = _read("README.md")
+    example = readme[readme.index("step 3/20 | loss 3.7435"):]
+    assert "[fwd/bwd" in example[:300] and "ETA" in example[:300]
+    after = example[:700]
+    assert "`run.log`" in after and "runtime.progress=plain" in after and "terminal" in after, after
+    assert "`mem GiB` field only" in after, after  # the terminal's step: Reporter._short
