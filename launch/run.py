@@ -710,6 +710,9 @@ def run_one(cfg) -> int:
     held = _hold_signals()
     try:
         if multirun:
+            from npu_train.metrics.sweep import job_header
+
+            print(job_header(str(hc.sweep.dir), int(hc.job.num), overrides), flush=True)
             _sweep_threads(cfg, int(hc.launcher.get("n_jobs", 1) or 1))
             _plain_start_method()
             from npu_train.config import lora_for_a_mode_sweep

@@ -207,6 +207,18 @@ def test_summary_names_a_job_stop_after_ended(tmp_path):
     assert sweep.exit_status(rows) == 0
 
 
+def test_each_job_begins_with_its_number_and_swept_overrides(tmp_path):
+    """A sweep's jobs print one after another (or at once): each begins with a line naming it, its number out
+    of the sweep's jobs and the overrides that differ between them (the plan=true shared by both left out)."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.save({"hydra": {"overrides": {"task": ["plan=true", "train.lr=1e-4,3e-4"]}}}, tmp_path / "multirun.yaml")
+    assert sweep.job_header(str(tmp_path), 0, ["plan=true", "train.lr=1e-4"]) == "sweep job 1/2: train.lr=1e-4"
+    assert sweep.job_header(str(tmp_path), 1, ["plan=true", "train.lr=3e-4"]) == "sweep job 2/2: train.lr=3e-4"
+    # no record of the sweep: the job's own overrides, no count
+    assert sweep.job_header(str(tmp_path / "gone"), 1, ["train.lr=3e-4"]) == "sweep job 2: train.lr=3e-4"
+
+
 # ============================================================================ heavy (real launcher)
 def _run_sweep(tmp_path, model, *overrides, timeout=600):
     sweep_dir = os.path.join(str(tmp_path), "sweep")
@@ -395,4 +407,5 @@ def test_a_sweep_over_modes_runs_its_full_job(tmp_path, tiny_model):
     jobs = _jobs(sd)
     assert [jobs[i][0]["status"] for i in (0, 1)] == ["ok", "ok"], out[-4000:]
     assert out.count("ignoring lora.rank=16 for this job") == 1, out[-4000:]
+    assert "sweep job 1/2: train.mode=full\n" in p.stdout and "sweep job 2/2: train.mode=lora\n" in p.stdout, out[-4000:]
     assert not leaked, leaked

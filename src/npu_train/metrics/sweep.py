@@ -261,6 +261,24 @@ def swept_overrides(rows: list[dict]) -> list[list[str]]:
     return [[o for o in r["overrides"] if o not in common] or r["overrides"] for r in rows]
 
 
+def job_header(sweep_dir: str, num: int, overrides: list[str]) -> str:
+    """The line that begins job ``num`` (Hydra's 0-based ``hydra.job.num``) of the sweep in ``sweep_dir``:
+    ``sweep job 2/2: train.lr=3e-4``, with only the overrides that differ between the sweep's jobs (all of the
+    job's when it is alone). The jobs come from the sweep's ``multirun.yaml`` (written before any job); without
+    it the count is left out (``sweep job 2: ...``)."""
+    from omegaconf import OmegaConf
+
+    try:
+        master = OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml"))
+        jobs = sweep_job_overrides(OmegaConf.to_container(master.hydra.overrides.task, resolve=False))
+    except Exception:  # noqa: BLE001 - an unreadable record: the job's own overrides, no count
+        jobs = []
+    swept = {o.split("=", 1)[0] for j in swept_overrides([{"overrides": j} for j in jobs]) for o in j}
+    shown = [o for o in overrides if o.split("=", 1)[0] in swept] if len(jobs) > 1 else list(overrides)
+    count = f"/{len(jobs)}" if jobs else ""
+    return f"sweep job {num + 1}{count}: {' '.join(shown) or '(no overrides)'}"
+
+
 def _fmt(x: Optional[float], spec: str = ".4f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
