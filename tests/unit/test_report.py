@@ -333,3 +333,46 @@ def test_a_step_and_its_plan_share_a_unit(tmp_path):
     text = out.getvalue()
     assert "| 210.0 ms (plan 75.1)" in text, text
     assert "[fwd/bwd 180.0 opt 10.0 xfer 0.0 idle " in text and " ms] |" in text, text
+
+
+def _slow_run(tmp_path, monkeypatch, walls, load):
+    """A 2-card run with a 5 s plan whose steps took ``walls`` seconds on a host of 2 cores at 1-minute load
+    average ``load``: the printed text."""
+    monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), len(walls), predicted_step_s=5.0, stream=out, tensorboard=False)
+    for i, t in enumerate(walls, start=1):
+        r.step([_rep(i, 3.0, t, 10), _rep(i, 3.0, t, 10)])
+    r.close()
+    return out.getvalue()
+
+
+def test_steps_well_over_the_plan_on_a_busy_host_say_so_once(tmp_path, monkeypatch):
+    """Issue (fresh-clone review): steps of 25-38 s against a 5.08 s plan on a 2-core host at load 8-12 printed
+    no reason. Three steps over 1.5x the plan (the first step, start-up, not counted) print one note after the
+    third's line: the mean of the slow steps over the plan, (26 + 30 + 38) / 3 / 5 = 6.27x, and the load average
+    against the cores (9.0 >= 1.5 x 2: busy)."""
+    text = _slow_run(tmp_path, monkeypatch, [60.0, 26.0, 30.0, 38.0, 25.0], 9.0)
+    notes = [l for l in text.splitlines() if l.startswith("note: ")]
+    assert len(notes) == 1, text
+    flat = " ".join(text[text.index("note: "):].split())
+    assert flat.startswith("note: 3 steps took 6.3x the plan on average (31.33 s against 5.00 s): the host is "
+                           "busy, load average 9.0 on 2 cores"), flat
+    assert "`top`" in flat
+    lines = text.splitlines()
+    assert lines[lines.index(notes[0]) - 2].startswith("step 4/5"), text  # after step 4's two lines
+
+
+def test_slow_steps_on_a_quiet_host_do_not_blame_the_host(tmp_path, monkeypatch):
+    """Load average 1.2 on 2 cores is below 1.5 per core: the note says the host is not busy, never "busy"."""
+    text = _slow_run(tmp_path, monkeypatch, [9.0, 8.0, 8.0, 8.0], 1.2)
+    flat = " ".join(text[text.index("note: "):].split())
+    assert "the host is not busy (load average 1.2 on 2 cores)" in flat and "host is busy" not in flat, flat
+    assert "calibrate=true" in flat
+
+
+@pytest.mark.parametrize("walls", [[60.0, 7.4, 7.4, 7.4, 7.4],  # 1.48x the plan: not slow
+                                   [60.0, 9.0, 9.0, 5.0, 5.0]])  # two slow steps only
+def test_steps_near_the_plan_print_no_note(tmp_path, monkeypatch, walls):
+    assert "note: " not in _slow_run(tmp_path, monkeypatch, walls, 9.0)

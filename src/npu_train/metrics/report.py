@@ -243,6 +243,50 @@ def device_fields(reports: list[dict]) -> dict:
     return rec
 
 
+#: a measured step over this multiple of the plan's step time is slow; :data:`SLOW_STEPS` slow steps (the first
+#: step, with start-up and compilation, not counted) print :func:`slow_steps_note` once
+SLOW_RATIO = 1.5
+SLOW_STEPS = 3
+#: a 1-minute load average at or above this many runnable threads per core is a busy host (this job alone keeps
+#: about one per core busy: its cards' threads split the cores)
+BUSY_LOAD_PER_CORE = 1.5
+
+
+def host_load() -> Optional[tuple[float, int]]:
+    """``(1-minute load average, cores this process may run on)``, or None where the OS keeps no load
+    average (``os.getloadavg`` raises)."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return load, cores
+
+
+def slow_steps_note(step_s: float, plan_s: float, n: int, load: Optional[tuple[float, int]]) -> str:
+    """The one line for steps that run well over the plan: ``step_s`` the mean of the ``n`` slow steps and
+    ``plan_s`` the plan's step (seconds), ``load`` :func:`host_load`'s figure. It names the host as busy only
+    when the load says so (at least :data:`BUSY_LOAD_PER_CORE` per core); otherwise it says the load is not the
+    cause and points at the plan's rates. A reviewer's default job ran 25-38 s steps against a 5.08 s plan
+    (load average 8-12 on 2 cores from other jobs) and nothing said why."""
+    head = (f"note: {n} steps took {step_s / plan_s:.1f}x the plan on average ({step_s:.2f} s against "
+            f"{plan_s:.2f} s)")
+    if load is None:
+        return (f"{head}; this OS gives no load average: check with `top` whether other processes use the "
+                "CPU (the plan assumes the cores are this job's)")
+    avg, cores = load
+    figure = f"load average {avg:.1f} on {cores} core{'s' if cores != 1 else ''}"
+    if avg >= BUSY_LOAD_PER_CORE * cores:
+        return (f"{head}: the host is busy, {figure} (this job alone keeps about {cores} busy); other processes "
+                "use the CPU (see `top`): stop them or run when the host is quieter, and the job will take about "
+                "as much longer as its steps do")
+    return (f"{head}, and the host is not busy ({figure}), so its load is not the cause: the plan's rates may "
+            "not fit this host; `calibrate=true` measures them again (docs/calibration.md)")
+
+
 class Reporter:
     """Collects the cards' per-step reports; writes ``metrics.jsonl``, the trackers and the summary.
     ``predicted_mem``: per-card predicted peak bytes; ``predicted_step_s``: the plan's step time (s);
@@ -273,6 +317,8 @@ class Reporter:
         self._peak: list[int] = []
         self._phases: dict = {}  # the last step's run and per-phase peaks (summary.json)
         self.skipped = 0  # steps whose update was skipped (non-finite loss or grad norm)
+        self._slow_s: list[float] = []  # steps (after the first) over SLOW_RATIO x the plan, seconds
+        self._slow_said, self._slow_pending = False, ""  # slow_steps_note printed / to print after the step line
         self.evals: list[dict] = []
         self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
         if trackers is None:
@@ -380,6 +426,7 @@ class Reporter:
             rec["step_s_pred"] = self.pred_step
         self._mfu(rec, reports, wall)
         self._track(rec, step, wall)
+        self._slow(wall)
         self._record("metrics.jsonl", lambda: self._write_metrics(rec))
         self._record("the trackers' records", lambda: self._log_trackers(rec, step))
         line = self._line(rec, step, wall, skipped)
@@ -388,7 +435,21 @@ class Reporter:
             self.live.print(self._short(rec, step, wall, skipped), line)
         else:
             self.note(line)
+        if self._slow_pending:
+            self.note(self._slow_pending)
+            self._slow_pending = ""
         return rec
+
+    def _slow(self, wall: float) -> None:
+        """Count a step after the first over :data:`SLOW_RATIO` x the plan; at :data:`SLOW_STEPS` of them print
+        :func:`slow_steps_note` (once a run), after the step's line."""
+        if self._n <= 1 or not self.pred_step or wall <= SLOW_RATIO * self.pred_step or self._slow_said:
+            return
+        self._slow_s.append(wall)
+        if len(self._slow_s) >= SLOW_STEPS:
+            self._slow_said = True
+            self._slow_pending = fold_long_line(slow_steps_note(sum(self._slow_s) / len(self._slow_s),
+                                                                self.pred_step, len(self._slow_s), host_load()))
 
     def phase(self, rank: Optional[int], text: str) -> None:
         """A card's phase before the first step line (model load, rendezvous, compilation, the evaluation before
