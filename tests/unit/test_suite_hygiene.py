@@ -65,3 +65,56 @@ def test_the_sessions_own_resource_tracker_is_not_a_leftover(tmp_path):
     out = r.stdout + r.stderr
     assert r.returncode == 0 and "passed" in out, out
     assert "left running" not in out, out
+
+
+def _test_script(tmp_path, *args: str) -> subprocess.CompletedProcess:
+    """``bash scripts/test.sh ARGS`` without its setup run, on this interpreter's venv."""
+    env = dict(os.environ, NPT_SETUP="0", NPT_VENV=os.path.dirname(os.path.dirname(sys.executable)))
+    return subprocess.run(["bash", "scripts/test.sh", *args, "-p", "no:cacheprovider"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+
+
+def _two_tests(tmp_path) -> str:
+    (tmp_path / "test_two.py").write_text("def test_passes():\n    pass\n\n\ndef test_fails():\n    assert False\n")
+    return str(tmp_path / "test_two.py")
+
+
+def test_a_phase_that_selects_nothing_does_not_stop_the_script(tmp_path):
+    """``bash scripts/test.sh -k "doc_links or refusal_width"`` passed its fast phase, then stopped with exit 5
+    (``set -e``) because the heavy phase selected nothing: a phase with no test goes on, and nothing failed is
+    exit 0."""
+    r = _test_script(tmp_path, _two_tests(tmp_path), "-k", "passes")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out
+    assert "== heavy tests" in out and "== furiosa-torch contract tests" in out, out
+
+
+def test_a_failure_or_a_usage_error_stops_the_script_with_its_code(tmp_path):
+    """A failed test (pytest exit 1) or a usage error (4) stops the script at that phase with that code."""
+    path = _two_tests(tmp_path)
+    r = _test_script(tmp_path, path)
+    out = r.stdout + r.stderr
+    assert r.returncode == 1 and "1 failed, 1 passed" in out and "== heavy tests" not in out, out
+    r = _test_script(tmp_path, path, "--no-such-option")
+    out = r.stdout + r.stderr
+    assert r.returncode == 4 and "== heavy tests" not in out, out
+
+
+def test_no_test_selected_in_any_phase_is_exit_5(tmp_path):
+    """A ``-k`` that matches nothing anywhere (a typo) is not a pass: each phase goes on, the script exits 5."""
+    r = _test_script(tmp_path, _two_tests(tmp_path), "-k", "no_such_test_name")
+    out = r.stdout + r.stderr
+    assert r.returncode == 5 and "== furiosa-torch contract tests" in out, out
+    assert "no phase selected a test" in out, out
+
+
+def test_ci_runs_exactly_the_readmes_test_command():
+    """``.ci/run`` runs the command the README gives for the whole suite (and nothing else)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    after = readme.split("what `.ci/run` runs", 1)[1]
+    command = after.split("```bash\n", 1)[1].split("\n```", 1)[0].strip()
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        lines = [l.strip() for l in f if l.strip() and not l.lstrip().startswith("#")]
+    assert lines[-1] == command == "bash scripts/test.sh", (lines, command)
+    assert all(l.startswith(("set ", "cd ")) for l in lines[:-1]), lines
