@@ -18,6 +18,8 @@ def test_tokens_per_step_has_thousands_separators():
                               threads=1, host_cores=2))
     line = next(ln for ln in plan_table(p).splitlines() if ln.startswith("predicted:"))
     assert f", {2 * 128 * 4:,} tokens/step, " in line and "1,024 tokens/step" in line, line
+    # every position of the step's sequences: a chat step's line names its trained tokens apart (issue: fresh review)
+    assert f"{p.tokens_per_s:,.0f} tokens/s (all positions); " in line, line
 
 
 def _depth(text: str) -> int:

@@ -376,3 +376,35 @@ def test_slow_steps_on_a_quiet_host_do_not_blame_the_host(tmp_path, monkeypatch)
                                    [60.0, 9.0, 9.0, 5.0, 5.0]])  # two slow steps only
 def test_steps_near_the_plan_print_no_note(tmp_path, monkeypatch, walls):
     assert "note: " not in _slow_run(tmp_path, monkeypatch, walls, 9.0)
+
+
+def test_a_chat_step_says_its_trained_and_all_tokens_a_second(tmp_path):
+    """Chat LoRA (fresh-clone review): 162 assistant tokens trained of 1,024 positions in an 11.80 s step printed
+    ``14 tok/s`` next to a plan of ``277 tokens/s`` (every position). The step now names both: 162 / 11.80 =
+    13.7 trained tokens a second, 1,024 / 11.80 = 86.8 over every position; metrics.jsonl keeps ``tokens`` and
+    ``tokens_per_s`` (trained) and adds ``all_tokens`` / ``all_tokens_per_s``, summary.json
+    ``mean_all_tokens_per_s`` (steps after the first)."""
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 3, predicted_step_s=3.70, stream=out, tensorboard=False, positions_per_step=1024)
+    for i, t in enumerate([20.0, 11.80, 8.0], start=1):
+        r.step([dict(_rep(i, 3.0, t, 10), tokens=162)])
+    summ = r.finish()
+    lines = out.getvalue().splitlines()
+    assert "| 14 trained tok/s (87 all) |" in lines[2], lines
+    rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+    assert rows[1]["tokens"] == 162 and rows[1]["tokens_per_s"] == pytest.approx(162 / 11.80)
+    assert rows[1]["all_tokens"] == 1024 and rows[1]["all_tokens_per_s"] == pytest.approx(1024 / 11.80)
+    assert summ["mean_tokens_per_s"] == pytest.approx((162 / 11.80 + 162 / 8.0) / 2)
+    assert summ["mean_all_tokens_per_s"] == pytest.approx((1024 / 11.80 + 1024 / 8.0) / 2)
+
+
+def test_a_text_step_trains_every_position_and_keeps_one_tok_s(tmp_path):
+    """Text trains every position: one ``tok/s`` figure, no ``all_*`` keys."""
+    out = io.StringIO()
+    r = Reporter(str(tmp_path), 2, stream=out, tensorboard=False, positions_per_step=1000)
+    for i in (1, 2):
+        r.step([_rep(i, 3.0, 2.0, 10)])
+    summ = r.finish()
+    assert "| 500 tok/s |" in out.getvalue() and "trained" not in out.getvalue()
+    assert "all_tokens_per_s" not in json.loads(open(tmp_path / "metrics.jsonl").readline())
+    assert "mean_all_tokens_per_s" not in summ

@@ -133,10 +133,10 @@ class LiveProgress:
         if self.progress is None:
             return
         mem = "/".join(f"{m / GIB:.2f}" for m in rec.get("mem_peak_bytes", []))
-        from npu_train.metrics.report import fmt_duration, mfu_text
+        from npu_train.metrics.report import fmt_duration, mfu_text, tok_text
 
         mfu = mfu_text(rec)
-        info = f"loss {rec['loss']:.4f} | {rec['tokens_per_s']:,.0f} tok/s{mfu} | mem {mem} GiB"
+        info = f"loss {rec['loss']:.4f} | {tok_text(rec)}{mfu} | mem {mem} GiB"
         self._card_phase.clear()
         eta = f"ETA {fmt_duration(rec['eta_s'])}" if rec.get("eta_s") is not None else ""
         self.progress.update(self.task, completed=int(rec["step"]), description="training", info=info, eta=eta)

@@ -298,13 +298,16 @@ class Reporter:
     without the time breakdown); ``plain_phases``: without ``live``, print each card start-up phase once
     (:meth:`phase`; also in a sweep: its jobs were silent for 20-28 s before their first step); ``start_step``: the step a resumed launch
     starts after (the loss average continues over the losses ``metrics.jsonl`` carried over, and is printed
-    as ``avg since resume`` when there were none)."""
+    as ``avg since resume`` when there were none); ``positions_per_step``: every position of a step's sequences
+    (all replicas; the plan's ``tokens_per_step``): a step whose trained (target) tokens are fewer (chat data's
+    assistant tokens, DPO's completions) also gets ``all_tokens`` and ``all_tokens_per_s``."""
 
     def __init__(self, run_dir: str, total_steps: int, predicted_mem: Optional[list[int]] = None,
                  predicted_step_s: Optional[float] = None, stream=None, tensorboard: bool = True,
                  trackers: Optional[list] = None, model_flops: Optional[list[float]] = None, live=None,
-                 plain_phases: bool = False, start_step: int = 0):
+                 plain_phases: bool = False, start_step: int = 0, positions_per_step: Optional[int] = None):
         self.run_dir = run_dir
+        self.positions = positions_per_step
         self.total = total_steps
         self.pred_mem = predicted_mem
         self.pred_step = predicted_step_s
@@ -313,6 +316,7 @@ class Reporter:
         self.losses: list[tuple[int, float]] = []
         self._n = 0
         self._sum_step_s = self._sum_tps = 0.0  # over steps after the first (start-up excluded)
+        self._sum_all_tps, self._n_all = 0.0, 0  # all_tokens_per_s, over steps after the first that have it
         self._first_step_s: Optional[float] = None
         self._peak: list[int] = []
         self._phases: dict = {}  # the last step's run and per-phase peaks (summary.json)
@@ -414,6 +418,9 @@ class Reporter:
         """Merge the reports of all cards for one step (list indexed by rank) and print the line."""
         rec = merged_record(reports)
         step, wall = rec["step"], rec["step_s"]
+        if self.positions and rec["tokens"] != self.positions:  # not every position trained (chat, DPO)
+            rec["all_tokens"] = int(self.positions)
+            rec["all_tokens_per_s"] = self.positions / wall if wall > 0 else 0.0
         self._trace_step(step, reports)
         skipped = any(bool(r.get("skipped")) for r in reports)
         if skipped:
@@ -519,6 +526,9 @@ class Reporter:
         else:
             self._sum_step_s += wall
             self._sum_tps += rec["tokens_per_s"]
+            if "all_tokens_per_s" in rec:
+                self._sum_all_tps += rec["all_tokens_per_s"]
+                self._n_all += 1
         self._n += 1
         # ETA: remaining steps x mean step time (the first step, with start-up and compilation, excluded
         # once another step was measured)
@@ -571,7 +581,7 @@ class Reporter:
         w = len(str(self.total))
         avg = f" ({self.avg_label} {rec['loss_smoothed']:.4f})" if rec.get("loss_smoothed") is not None else ""
         head = [f"step {step:>{w}}/{self.total}", f"loss {rec['loss']:.4f}{avg}", f"gnorm {rec['grad_norm']:.3f}",
-                f"{rec['tokens_per_s']:,.0f} tok/s"] + ([mfu_text(rec)[3:]] if mfu_text(rec) else [])
+                tok_text(rec)] + ([mfu_text(rec)[3:]] if mfu_text(rec) else [])
         if "rewards/accuracies" in rec:
             head.append(f"reward acc {rec['rewards/accuracies']:.2f} margin {rec['rewards/margins']:+.3f}")
         head.append(f"{wall * scale:.{d}f} {unit}{plan_s}")
@@ -620,6 +630,7 @@ class Reporter:
             "last_loss": losses[-1][1] if losses else None,
             "mean_step_s": self._sum_step_s / (n - 1) if n > 1 else self._first_step_s,
             "mean_tokens_per_s": self._sum_tps / (n - 1) if n > 1 else None,
+            **({"mean_all_tokens_per_s": self._sum_all_tps / self._n_all} if self._n_all else {}),
             "peak_mem_bytes": self._peak,
             **self._phases,
             "wall_s": time.time() - self.t_start,
@@ -798,7 +809,7 @@ def fit_progress(head: list[str], tail: list[str], width: int = LINE_COLUMNS) ->
     for prefix in MOVABLE_PROGRESS:
         if len(" | ".join(head)) <= width:
             break
-        hit = [f for f in head[2:-1] if (f.startswith(prefix) if prefix else f.endswith(" tok/s"))]
+        hit = [f for f in head[2:-1] if (f.startswith(prefix) if prefix else " tok/s" in f)]
         head = [f for f in head if f not in hit]
         moved += hit
     return head, moved + list(tail)
@@ -889,6 +900,16 @@ class LineFolder:
         """The unfinished line as it is (a flush: the text must reach the console now)."""
         out, self.part = self.part, ""
         return out
+
+
+def tok_text(rec: dict) -> str:
+    """A step's throughput: ``182 tok/s`` where every position of its sequences is trained (text), else the
+    trained (target) tokens a second and every position's, ``14 trained tok/s (87 all)`` (chat data trains its
+    assistant tokens only; the plan's tokens/s and the MFU count every position)."""
+    trained = f"{rec['tokens_per_s']:,.0f}"
+    if rec.get("all_tokens_per_s") is None:
+        return f"{trained} tok/s"
+    return f"{trained} trained tok/s ({rec['all_tokens_per_s']:,.0f} all)"
 
 
 def mfu_text(rec: dict) -> str:

@@ -448,7 +448,7 @@ def plan_table(plan: Plan, width: int = 0) -> str:
     lines.append(
         f"predicted: step {duration(plan.step_time_s)}, {plan.tokens_per_step:,} tokens/step"
         + (f" ({plan.dp} replicas)" if plan.dp > 1 else "") + ", "
-        f"{plan.tokens_per_s:,.0f} tokens/s; {verdict}"
+        f"{plan.tokens_per_s:,.0f} tokens/s (all positions); {verdict}"
     )
     bound = bound_line(plan)
     if bound:

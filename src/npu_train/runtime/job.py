@@ -1386,7 +1386,7 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     reporter = Reporter(run_dir, cfg.train.steps, predicted_mem=[s.mem["total"] for s in plan.stages] * prep.dp,
                         predicted_step_s=plan.step_time_s, trackers=_open_trackers(cfg, run_dir, plan, resume, node),
                         model_flops=model_flops_per_rank(prep), live=live, plain_phases=True,
-                        start_step=resume.start_step)
+                        start_step=resume.start_step, positions_per_step=plan.tokens_per_step)
     coord = _coordinator_class()(specs, run_dir=run_dir, ipc_dir=ipc_dir, job_id=launch.job_id, token=launch.token,
                         heartbeat_timeout_s=rt.heartbeat_timeout_s, startup_timeout_s=rt.startup_timeout_s,
                         steps=cfg.train.steps, start_step=resume.start_step, ckpt_root=resume.ckpt_root,
