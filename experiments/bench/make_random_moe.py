@@ -5,6 +5,8 @@
 ``python experiments/bench/make_random_moe.py --layers 4 --out /tmp/moe4``
 ``python experiments/bench/make_random_moe.py --layers 4 --moe-intermediate 96 --vocab 49152 --out /tmp/moe4s``
 (the smaller-expert variant for full fine-tuning, with the tokenizer's vocabulary)
+``python experiments/bench/make_random_moe.py --layers 2 --hidden 4096 --kv-heads 8 --experts 8 --top-k 2
+--moe-intermediate 14336 --vocab 49152 --out /tmp/mix2`` (Mixtral-8x7B's layer shape on the Qwen3-MoE class)
 
 Shape (Qwen/Qwen3-30B-A3B config.json): hidden 2048, 128 experts, top-8, norm_topk_prob, moe_intermediate 768,
 32 query / 4 key-value heads of head_dim 128, vocabulary 151936, untied, rms_norm_eps 1e-6, rope_theta 1e6;
@@ -38,6 +40,8 @@ def main(argv=None) -> None:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary (>= the tokenizer's 49152)")
+    ap.add_argument("--hidden", type=int, default=2048, help="hidden size (Qwen3-30B-A3B: 2048; Mixtral-8x7B: 4096)")
+    ap.add_argument("--kv-heads", type=int, default=4, help="key-value heads of 128 (32 query heads; Mixtral: 8)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
     if a.vocab < 49152:
@@ -58,8 +62,8 @@ def main(argv=None) -> None:
     torch.manual_seed(a.seed)
     tok = load_tokenizer(embedded_model_path())
     cfg = Qwen3MoeConfig(
-        vocab_size=a.vocab, hidden_size=2048, intermediate_size=6144, num_hidden_layers=a.layers,
-        num_attention_heads=32, num_key_value_heads=4, head_dim=128, max_position_embeddings=40960,
+        vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=6144, num_hidden_layers=a.layers,
+        num_attention_heads=32, num_key_value_heads=a.kv_heads, head_dim=128, max_position_embeddings=40960,
         rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, num_experts=a.experts,
         num_experts_per_tok=a.top_k, moe_intermediate_size=a.moe_intermediate, norm_topk_prob=True,
         decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001, output_router_logits=False,
