@@ -372,6 +372,14 @@ def test_slow_steps_on_a_quiet_host_do_not_blame_the_host(tmp_path, monkeypatch)
     assert "calibrate=true" in flat
 
 
+def test_a_slow_steps_note_under_a_tenth_of_a_second_is_in_ms():
+    """As the step line: a 49.1 ms plan and 92.6 ms steps read in ms (92.6 / 49.1 = 1.9x), not ``0.09 s``."""
+    from npu_train.metrics.report import slow_steps_note
+
+    assert slow_steps_note(0.0926, 0.0491, 3, (6.6, 2)).startswith(
+        "note: 3 steps took 1.9x the plan on average (92.6 ms against 49.1 ms): the host is busy")
+
+
 @pytest.mark.parametrize("walls", [[60.0, 7.4, 7.4, 7.4, 7.4],  # 1.48x the plan: not slow
                                    [60.0, 9.0, 9.0, 5.0, 5.0]])  # two slow steps only
 def test_steps_near_the_plan_print_no_note(tmp_path, monkeypatch, walls):

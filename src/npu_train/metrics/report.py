@@ -272,8 +272,9 @@ def slow_steps_note(step_s: float, plan_s: float, n: int, load: Optional[tuple[f
     when the load says so (at least :data:`BUSY_LOAD_PER_CORE` per core); otherwise it says the load is not the
     cause and points at the plan's rates. A reviewer's default job ran 25-38 s steps against a 5.08 s plan
     (load average 8-12 on 2 cores from other jobs) and nothing said why."""
-    head = (f"note: {n} steps took {step_s / plan_s:.1f}x the plan on average ({step_s:.2f} s against "
-            f"{plan_s:.2f} s)")
+    scale, d, unit = step_time_unit(min(step_s, plan_s))  # the step line's unit (ms under 0.1 s)
+    head = (f"note: {n} steps took {step_s / plan_s:.1f}x the plan on average ({step_s * scale:.{d}f} {unit} "
+            f"against {plan_s * scale:.{d}f} {unit})")
     if load is None:
         return (f"{head}; this OS gives no load average: check with `top` whether other processes use the "
                 "CPU (the plan assumes the cores are this job's)")
