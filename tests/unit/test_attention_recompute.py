@@ -18,6 +18,7 @@ from npu_train.planner.cost import CostModel
 from npu_train.planner.memory import MemoryModel, activation_bytes_per_layer
 from npu_train.planner.schedule_choice import choose_schedule
 from npu_train.planner.spec import PlacementError
+from saved_bytes import saved_layer_bytes
 
 GIB = 2 ** 30
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4, num_kv_heads=2,
@@ -29,18 +30,7 @@ def _saved_bytes(cfg: LlamaConfig, core: bool, dtype, S: int = 64, B: int = 2) -
     the planner's figures do)."""
     layer = DecoderLayer(cfg, 0, recompute_core=core).to(dtype)
     cos, sin = rope_cos_sin(cfg, S, dtype=dtype)
-    skip = {p.untyped_storage()._cdata for p in layer.parameters()} | {cos.untyped_storage()._cdata,
-                                                                       sin.untyped_storage()._cdata}
-    seen: dict = {}
-
-    def pack(t):
-        if t.untyped_storage()._cdata not in skip:
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(torch.randn(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True), cos, sin)
-    return sum(seen.values())
+    return saved_layer_bytes(layer, torch.randn(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True), cos, sin)
 
 
 @pytest.mark.parametrize("dtype,name", [(torch.float32, "fp32"), (torch.bfloat16, "bf16")])

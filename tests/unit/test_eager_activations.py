@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import DecoderLayer, rope_cos_sin
 from npu_train.planner import RunShape
 from npu_train.planner.memory import activation_bytes_per_layer
+from saved_bytes import saved_layer_bytes
 
 S, B = 64, 2
 DTYPES = [(torch.float32, "fp32", 4), (torch.bfloat16, "bf16", 2)]
@@ -33,20 +34,8 @@ def _saved_bytes(cfg: LlamaConfig, dtype, math: bool) -> int:
     torch.manual_seed(0)
     layer = DecoderLayer(cfg, 0).to(dtype)
     cos, sin = rope_cos_sin(cfg, S, dtype=dtype)
-    skip = {p.untyped_storage()._cdata for p in layer.parameters()} | {cos.untyped_storage()._cdata,
-                                                                       sin.untyped_storage()._cdata}
-    seen: dict = {}
-
-    def pack(t):
-        if t.untyped_storage()._cdata not in skip:
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return t
-
     x = torch.randn(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True)
-    with sdpa_kernel(SDPBackend.MATH if math else SDPBackend.FLASH_ATTENTION):
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            layer(x, cos, sin)
-    return sum(seen.values())
+    return saved_layer_bytes(layer, x, cos, sin, kernel=SDPBackend.MATH if math else SDPBackend.FLASH_ATTENTION)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
@@ -101,16 +90,7 @@ def test_cpu_cards_run_the_fused_kernel(dtype, name, e, kv_heads, packed):
     if packed:
         positions = torch.cat([torch.arange(S // 2), torch.arange(S - S // 2)]).repeat(B, 1)
         mask = additive_mask(packed_causal_mask(positions), dtype)
-    skip = {p.untyped_storage()._cdata for p in layer.parameters()} | {cos.untyped_storage()._cdata,
-                                                                       sin.untyped_storage()._cdata}
-    seen: dict = {}
-
-    def pack(t):
-        if t.untyped_storage()._cdata not in skip:
-            seen[t.untyped_storage()._cdata] = t.untyped_storage().nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        layer(torch.randn(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True), cos, sin, mask)
+    x = torch.randn(B, S, cfg.hidden_size, dtype=dtype, requires_grad=True)
+    held = saved_layer_bytes(layer, x, cos, sin, mask)
     shape = RunShape(seq_len=S, micro_batch=B, micro_batches=1, schedule="1f1b", dtype=name)
-    assert sum(seen.values()) == activation_bytes_per_layer(cfg, shape, "sdpa") + (B * S * S * e if packed else 0)
+    assert held == activation_bytes_per_layer(cfg, shape, "sdpa") + (B * S * S * e if packed else 0)
