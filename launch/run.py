@@ -154,18 +154,19 @@ def check_before_imports(cfg) -> None:
 def starting_line(cfg) -> str:
     """The launcher's first line, printed before the heavy imports (torch, the job modules: seconds on a loaded
     host, where a fresh-clone review waited 13-14 s for a first line): what it runs and on which cards, folded at
-    words within 100 columns (a list of 8 cards, ``furiosa:auto,...`` as one word, was 114 columns: it is then
-    spelled with spaces after the commas so that it folds)."""
-    from npu_train.errors import REFUSAL_COLUMNS, refusal_text
+    words within the console's width (``min(terminal columns, 100)``; a list of 8 cards, ``furiosa:auto,...`` as
+    one word, was 114 columns: it is then spelled with spaces after the commas so that it folds)."""
+    from npu_train.errors import console_columns, refusal_text
 
     backend = cfg.backend
     what = ("plan=true (a dry run)" if cfg.plan else
             "calibrate=true" if getattr(cfg, "calibrate", False) else "training")
     for sep in (",", ", "):
         cards = sep.join(str(c) for c in backend) if not isinstance(backend, str) else backend
+        width = console_columns(sys.stdout)
         text = refusal_text(f"{what}, model.path={cfg.model.path} on backend={cards}: loading the model, planning ...",
-                            prefix="npu-train: ")
-        if max(len(ln) for ln in text.splitlines()) <= REFUSAL_COLUMNS:
+                            prefix="npu-train: ", width=width)
+        if max(len(ln) for ln in text.splitlines()) <= width:
             break
     return text
 
@@ -215,13 +216,12 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"
-        from npu_train.metrics.report import LINE_COLUMNS
         from npu_train.runtime.job import fold_words, terminal_width
 
         # folded at words to the terminal, at most 100 columns (redirected too: a log has no terminal to fold
         # it); status.json gets it whole (_ErrorLineTee joins the folded lines)
-        width = min(terminal_width(sys.stderr) or LINE_COLUMNS, LINE_COLUMNS)
-        print(fold_words(head + (f"; {extra}" if extra else ""), width), file=sys.stderr, flush=True)
+        print(fold_words(head + (f"; {extra}" if extra else ""), terminal_width(sys.stderr)), file=sys.stderr,
+              flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
         msg = str(e)
@@ -290,17 +290,18 @@ class _ErrorLineTee:
 class _LogTee:
     """Wraps stdout or stderr for one job: passes everything through to the console and appends it
     to the job's log file (``log``, a line-buffered text file), so the file holds the console output.
-    ``fold`` (stdout): a line wider than 100 columns is folded at words on the way
+    ``fold`` (stdout): a line wider than the console (``min(terminal columns, 100)``; 100 redirected) is folded at words on the way
     (:class:`~npu_train.metrics.report.LineFolder`: a log or a pipe has no terminal to fold it; stderr's
     ``error:`` / ``warning:`` lines stay whole, one line each, for status.json and grep).
     A failing log write (a full disk) stops the copy, never the console output; a failing console write (the
     terminal closed: SIGHUP, then EIO) stops the console output, never the log or the job."""
 
     def __init__(self, inner, log, fold: bool = False) -> None:
-        from npu_train.metrics.report import LineFolder
+        from npu_train.metrics.report import LineFolder, console_columns
 
         self.inner, self.log = inner, log
-        self.folder = LineFolder() if fold else None
+        # the terminal's width, at most 100 (a file or a pipe: 100): the width the job folds its own text to
+        self.folder = LineFolder(console_columns(inner)) if fold else None
 
     def write(self, s: str) -> int:
         n = len(s)

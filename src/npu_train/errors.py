@@ -5,8 +5,10 @@ process failed, 2 bad input, 130 / 143 SIGINT / SIGTERM.
 from __future__ import annotations
 
 import errno
+import os
 import re
 import signal
+import sys
 from typing import Optional
 
 EXIT_OK = 0
@@ -16,6 +18,35 @@ EXIT_USER_ERROR = 2
 
 #: the widest line a refusal prints (columns), the step lines' and the plan's width
 REFUSAL_COLUMNS = 100
+
+#: the narrowest width :func:`console_columns` folds to (a smaller terminal still gets lines of this width)
+MIN_COLUMNS = 40
+
+
+def console_columns(stream=None) -> int:
+    """The one width every console line is folded to: ``min(terminal columns, REFUSAL_COLUMNS)`` when ``stream``
+    (default stdout; the launcher's tees and the live bar's streams are looked through to the stream they
+    wrap) is a terminal that reports its size (``COLUMNS`` when it reports none), else :data:`REFUSAL_COLUMNS`
+    (a file, a pipe, a terminal of unknown size), never below :data:`MIN_COLUMNS`. A fresh-clone review saw
+    text folded at the terminal's 120 columns and again at 100, and at 80 re-wrapped by the console library
+    mid-phrase (issue 40)."""
+    stream = sys.stdout if stream is None else stream
+    for _ in range(8):  # launch/run.py's _LogTee / _ErrorLineTee (.inner), live._AboveBar (.orig)
+        inner = stream.__dict__.get("inner", stream.__dict__.get("orig")) if hasattr(stream, "__dict__") else None
+        if inner is None:
+            break
+        stream = inner
+    try:
+        fd = stream.fileno()
+        if not os.isatty(fd):
+            return REFUSAL_COLUMNS
+        cols = os.get_terminal_size(fd).columns
+    except (AttributeError, ValueError, OSError):  # no file descriptor (a test's capture), a closed stream
+        return REFUSAL_COLUMNS
+    if cols <= 0:
+        env = os.environ.get("COLUMNS", "")
+        cols = int(env) if env.isdigit() and int(env) > 0 else REFUSAL_COLUMNS
+    return max(MIN_COLUMNS, min(int(cols), REFUSAL_COLUMNS))
 
 
 #: a number and the unit (or ``x <number>``) after it, and a count's name and its number (micro-batch, dp,
@@ -43,12 +74,14 @@ def wrap_words(text: str, width: int, initial_indent: str = "", subsequent_inden
         break_on_hyphens=False, break_long_words=False)]
 
 
-def refusal_text(message: str, prefix: str = "error: ", width: int = REFUSAL_COLUMNS) -> str:
-    """``prefix + message`` as printed: each of the message's own lines folded at words within ``width`` columns,
+def refusal_text(message: str, prefix: str = "error: ", width: Optional[int] = None) -> str:
+    """``prefix + message`` as printed: each of the message's own lines folded at words within ``width`` columns
+    (default: :func:`console_columns` of stderr, where refusals go),
     the lines after the first indented two spaces and a folded line's continuation two more (a word wider than
     a line, a long path, stays whole on a line of its own, after the prefix when it comes first). Joining the lines that start with spaces back onto
     the first with single spaces gives the message on one line (``status.json``, grep). A fresh-clone review
     saw refusals of 142-451 columns on one line and an 8-cpu-card 8B refusal of ~5,000 characters (issue 40)."""
+    width = console_columns(sys.stderr) if width is None else int(width)
     out = []
     for k, line in enumerate(str(message).split("\n")):
         indent = "" if k == 0 else "  "

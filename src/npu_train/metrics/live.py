@@ -53,7 +53,8 @@ class _AboveBar:
         self.buf += s
         while "\n" in self.buf:
             line, self.buf = self.buf.split("\n", 1)
-            line = fold_long_line(line)  # at words, as the plain output's (the terminal would break mid-word)
+            # at words, at the console's one width (the terminal, or rich, would break mid-word)
+            line = fold_long_line(line, self.live.width)
             self.live.print(line, line, style=self.style, log=getattr(self.orig, "log", None))
         return len(s)
 
@@ -78,8 +79,13 @@ class LiveProgress:
     def __init__(self, total_steps: int, start_step: int, stream):
         from rich.console import Console
 
+        from npu_train.metrics.report import console_columns
+
         terminal = getattr(stream, "inner", stream)
-        self.console = Console(file=terminal, highlight=False, emoji=False, markup=False)
+        # one width for the bar and the lines above it: the terminal's, at most 100 (rich's own guess was 80 on
+        # a terminal that reports no size, which cut the bar's step count and re-wrapped lines mid-phrase)
+        self.width = console_columns(terminal)
+        self.console = Console(file=terminal, width=self.width, highlight=False, emoji=False, markup=False)
         self.total, self.start_step = int(total_steps), int(start_step)
         self.progress = None
         self.task = None
@@ -88,12 +94,17 @@ class LiveProgress:
 
     def start(self) -> "LiveProgress":
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
+        from rich.table import Column
 
         # the ETA is the reporter's (steps left x mean step time after the start-up step): rich's own
         # TimeRemainingColumn showed -:--:-- whenever a step took longer than its 30 s speed window
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(bar_width=24),
-                                 MofNCompleteColumn(), TextColumn("{task.fields[eta]}"),
-                                 TextColumn("{task.fields[info]}"), console=self.console, transient=True,
+        # the phase and the step's figures may wrap within their cells where the line is too narrow; the step
+        # count and the ETA never (rich cut every column alike: the step count showed as "1…")
+        wraps = Column(no_wrap=False, overflow="fold")
+        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", table_column=wraps),
+                                 BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[eta]}"),
+                                 TextColumn("{task.fields[info]}", table_column=Column(no_wrap=False, overflow="fold")),
+                                 console=self.console, transient=True,
                                  redirect_stdout=False, redirect_stderr=False, refresh_per_second=4)
         self.task = self.progress.add_task("preparing", total=self.total, completed=self.start_step, info="", eta="")
         self.progress.start()
@@ -112,7 +123,8 @@ class LiveProgress:
                 log.write(log_text + "\n")
             except (OSError, ValueError):
                 pass
-        self.console.print(terminal_text, style=style, soft_wrap=False, overflow="fold", crop=False)
+        # folded already (at words, to self.width): rich must not wrap it again
+        self.console.print(terminal_text, style=style, soft_wrap=True, crop=False)
 
     def phase(self, text: str, rank: Optional[int] = None) -> None:
         """The current start-up phase (``rank``: a card's, shown as ``card r: ...``)."""

@@ -18,6 +18,8 @@ import sys
 import time
 from typing import Optional
 
+from npu_train.errors import MIN_COLUMNS, console_columns  # noqa: F401  (the one console width; re-exported)
+
 GIB = 2 ** 30
 
 
@@ -556,12 +558,12 @@ class Reporter:
             t.log(scalars, step)
 
     def _line(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
-        """The progress text of one step, each line at most :data:`LINE_COLUMNS` wide: the progress (step, loss,
+        """The progress text of one step, each line at most :func:`console_columns` wide: the progress (step, loss,
         grad norm, tokens/s, MFU, step time against the plan) on the first line, then, indented, the time
         breakdown (a mixture of experts': with ``aux`` and ``expert load``), memory per card against the plan
         with the ETA, and any flags (:func:`fit_step_lines`; the learning rate is in ``metrics.jsonl``)."""
         head, tail = self._fields(rec, step, wall, skipped)
-        return "\n".join(fit_step_lines(head, tail, moe=bool(moe_text(rec))))
+        return "\n".join(fit_step_lines(head, tail, moe=bool(moe_text(rec)), width=console_columns()))
 
     def _short(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
         """The step for a terminal under the live bar (which shows the ETA): the progress and the memory."""
@@ -746,9 +748,9 @@ class Reporter:
                 self.note(where)
 
 
-#: the widest a printed step line may be (a terminal's usual 100 columns)
+#: the widest a printed line may be (a terminal's usual 100 columns; narrower on a narrower terminal,
+#: :func:`console_columns`)
 LINE_COLUMNS = 100
-
 
 def fold_fields(fields: list[str], width: int = LINE_COLUMNS, first_indent: str = "", indent: str = "  ") -> str:
     """``fields`` joined by `` | ``, folded between fields so no line is wider than ``width`` (a field wider

@@ -407,13 +407,59 @@ def _wrap(line: str, width: int) -> str:
     return "\n".join(wrap_words(line, width)) or line
 
 
+def _columns_of(t, keep: list[int]):
+    """A copy of the rich table ``t`` (:func:`_table`) with only its columns ``keep``."""
+    from rich.table import Table
+
+    sub = Table(show_footer=t.show_footer, box=None, pad_edge=t.pad_edge, padding=t.padding)
+    for i in keep:
+        c = t.columns[i]
+        sub.add_column(c.header, footer=c.footer, justify=c.justify, no_wrap=c.no_wrap)
+    for r in range(t.row_count):
+        sub.add_row(*[t.columns[i]._cells[r] for i in keep])
+    return sub
+
+
+def split_columns(t, width: int, keys: int = 2) -> str:
+    """The rich table ``t`` (:func:`_table`) as plain text; wider than ``width`` columns, as blocks of its columns
+    one under the other, each starting with the first ``keys`` columns (card, layers) and adding columns while
+    the block fits (a column wider than that on its own still gets a block). An 80-column terminal had each
+    96-column row folded at words onto a second line (issue 40)."""
+    text = _render(t, 200)
+    n = len(t.columns)
+    if max(len(ln) for ln in text.splitlines()) <= width or n <= keys + 1:
+        return text
+    blocks, cur = [], []
+    for i in range(keys, n):
+        wide = max(len(ln) for ln in _render(_columns_of(t, [*range(keys), *cur, i]), 200).splitlines())
+        if cur and wide > width:
+            blocks.append(cur)
+            cur = []
+        cur.append(i)
+    blocks.append(cur)
+    return "\n".join(_render(_columns_of(t, [*range(keys), *b]), 200) for b in blocks)
+
+
+def tables_text(plan: Plan, width: int = 0) -> str:
+    """The memory and time tables as text: two spaces between columns, one where that is wider than
+    :data:`TABLE_COLUMNS` or ``width``; ``width`` > 0 (the console) splits a table still wider into blocks of
+    columns (:func:`split_columns`)."""
+    limit = min(width, TABLE_COLUMNS) if width > 0 else TABLE_COLUMNS
+    tables = "\n".join(_render(t, 200) for t in memory_table(plan) + time_table(plan))
+    gap = 2 if max(len(ln) for ln in tables.splitlines()) <= limit else 1
+    if gap == 1:
+        tables = "\n".join(_render(t, 200) for t in memory_table(plan, gap=1) + time_table(plan, gap=1))
+    if width > 0:
+        tables = "\n".join(split_columns(t, width) for t in memory_table(plan, gap=gap) + time_table(plan, gap=gap))
+    return tables
+
+
 def plan_table(plan: Plan, width: int = 0) -> str:
     """Header (threads, cores, headroom), the per-card memory table (GiB) and time table (seconds) with
     totals, the rate and memory sources, the schedule line and the prediction. ``width`` > 0 folds the prose
-    lines at that many columns (a terminal); 0 keeps one line each (logs, grep)."""
-    tables = "\n".join(_render(t, 200) for t in memory_table(plan) + time_table(plan))
-    if max(len(ln) for ln in tables.splitlines()) > TABLE_COLUMNS:
-        tables = "\n".join(_render(t, 200) for t in memory_table(plan, gap=1) + time_table(plan, gap=1))
+    lines at that many columns and splits a table wider into blocks of columns (:func:`split_columns`; the
+    console); 0 keeps one line each (``plan.txt``, grep)."""
+    tables = tables_text(plan, width)
     cores = (f", {plan.host_cores} usable host core(s)" if plan.host_cores else
              " (a dry run for another machine: runtime.threads=<its cores per card> plans its host terms)")
     lines = [f"threads: {plan.threads} torch thread(s) per card process{cores}; headroom {plan.headroom * 100:g}% "

@@ -1441,15 +1441,12 @@ def _sweep_group():
 
 
 def terminal_width(stream=None) -> int:
-    """The terminal's columns when ``stream`` (default stdout) is one (prose folded to fit), else 0 (one line
-    each: logs, grep)."""
-    stream = sys.stdout if stream is None else stream
-    try:
-        if not stream.isatty():
-            return 0
-    except (AttributeError, ValueError):
-        return 0
-    return max(60, shutil.get_terminal_size((120, 40)).columns)
+    """The columns the console's lines are folded to (:func:`~npu_train.metrics.report.console_columns`:
+    ``min(terminal columns, 100)``, 100 for a file, a pipe or a terminal of unknown size): the same width as
+    launch/run.py's folding of every stdout line, so that nothing folded here is folded again there."""
+    from npu_train.metrics.report import console_columns
+
+    return console_columns(sys.stdout if stream is None else stream)
 
 
 def fold_words(line: str, width: int) -> str:
