@@ -87,3 +87,21 @@ def test_plan_is_folded_once_at_the_consoles_width(tiny_model, tmp_path, cols, w
             assert re.match(r"^(cpu:\d+|total)\s+\S+", ln), ln
     rows = [ln for ln in lines if ln.startswith("cpu:0 ")]
     assert rows and all(re.search(r"\d$", r) for r in rows), rows  # each row ends with a figure
+
+
+def test_a_step_line_fits_an_80_column_terminal(tiny_model, tmp_path):
+    """The step line's fields are fitted to the console's width (80 here), not to 100 and then folded at words
+    by the launcher's stdout fold (or wrapped by the terminal)."""
+    run_dir = str(tmp_path / "run")
+    rc, lines = _on_pty([f"model.path={tiny_model}", *BASE, "train.steps=1", "data.eval_batches=0",
+                         "runtime.progress=plain", f"hydra.run.dir={run_dir}"], 80)
+    text = "\n".join(lines)
+    assert rc == 0, text[-4000:]
+    wide = [(len(ln), ln) for ln in lines if len(ln) > 80 and len(ln.split()) > 1]  # a long path: a line of its own
+    assert not wide, wide
+    k = next(i for i, ln in enumerate(lines) if re.match(r"step 1/1 \| loss ", ln))
+    step = [lines[k]] + [ln for ln in lines[k + 1:k + 4] if ln.startswith("  ")]
+    # folded between its fields: each line a run of " | "-joined fields, none cut inside (a field's words stay
+    # together: the step time with its plan, the memory with its unit)
+    assert re.search(r"\d+(\.\d+)? (ms|s) \(plan [\d.]+\)$", lines[k]) or "(plan" not in text, step
+    assert any(ln.lstrip().startswith("mem GiB ") or " | mem GiB " in ln for ln in step), step
