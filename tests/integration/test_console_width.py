@@ -89,12 +89,15 @@ def test_plan_is_folded_once_at_the_consoles_width(tiny_model, tmp_path, cols, w
     assert rows and all(re.search(r"\d$", r) for r in rows), rows  # each row ends with a figure
 
 
-def test_a_step_line_fits_an_80_column_terminal(tiny_model, tmp_path):
+@pytest.mark.parametrize("progress", ["plain", "rich"])
+def test_a_step_line_fits_an_80_column_terminal(tiny_model, tmp_path, progress):
     """The step line's fields are fitted to the console's width (80 here), not to 100 and then folded at words
-    by the launcher's stdout fold (or wrapped by the terminal)."""
+    by the launcher's stdout fold (or wrapped by the terminal); under the live bar (``rich``, a terminal's
+    default) too, where a fresh-clone review saw the short step line fitted to 100 columns, and the bar itself
+    on one line of at most 80 columns."""
     run_dir = str(tmp_path / "run")
     rc, lines = _on_pty([f"model.path={tiny_model}", *BASE, "train.steps=1", "data.eval_batches=0",
-                         "runtime.progress=plain", f"hydra.run.dir={run_dir}"], 80)
+                         f"runtime.progress={progress}", f"hydra.run.dir={run_dir}"], 80)
     text = "\n".join(lines)
     assert rc == 0, text[-4000:]
     wide = [(len(ln), ln) for ln in lines if len(ln) > 80 and len(ln.split()) > 1]  # a long path: a line of its own

@@ -89,25 +89,66 @@ def test_the_bar_console_does_not_wrap_a_folded_line_again(monkeypatch):
         os.close(master)
 
 
-def test_the_bar_keeps_the_step_count_on_a_narrow_terminal():
-    """At 80 columns a long phase and step figures wrap in their own cells; the step count ``1/10`` stays whole
-    (rich cut every column alike, down to ``1…``)."""
+def _bar_lines(width: int, total: int, phases: list[tuple[int, str]], rec=None) -> list[str]:
+    """The live bar's rendered lines at ``width`` columns after ``phases`` (``(card, text)``) and step ``rec``."""
     from rich.console import Console
 
     from npu_train.metrics.live import LiveProgress
 
     buf = io.StringIO()
-    live = LiveProgress(10, 0, buf)
-    live.console = Console(file=buf, width=80, color_system=None, highlight=False, emoji=False, markup=False)
+    live = LiveProgress(total, 0, buf)
+    live.width = width
+    live.console = Console(file=buf, width=width, color_system=None, highlight=False, emoji=False, markup=False)
     live.start()
     try:
-        live.step({"step": 1, "loss": 2.3456, "tokens_per_s": 1234.0, "mfu": 0.121, "mem_peak_bytes": [2 ** 30] * 8,
-                   "eta_s": 100})
-        live.progress.update(live.task, description="card 0: loading the model; card 1: loading the model")
+        for rank, text in phases:
+            live.phase(text, rank)
+        if rec is not None:
+            live.step(rec)
         out = io.StringIO()
-        Console(file=out, width=80, color_system=None).print(live.progress.make_tasks_table(live.progress.tasks))
+        Console(file=out, width=width, color_system=None).print(live.progress.make_tasks_table(live.progress.tasks))
     finally:
         live.stop()
-    text = out.getvalue()
-    assert "1/10" in text and "…" not in text, text
-    assert max(len(ln) for ln in text.splitlines()) <= 80, text
+    return [ln.rstrip() for ln in out.getvalue().splitlines() if ln.strip()]
+
+
+#: the fresh-clone review's step (issue 40): at 80 and 120 columns the bar took two lines, "MFU" / "28.0%"
+REVIEW_STEP = {"step": 1, "loss": 4.0859, "tokens_per_s": 99.0, "mfu": 0.28, "mem_peak_bytes": [2.67 * 2 ** 30,
+                                                                                                  2.01 * 2 ** 30],
+               "eta_s": 21}
+STEP_FIELDS = ["loss 4.0859", "99 tok/s", "MFU 28.0%", "mem 2.67/2.01 GiB"]
+
+
+@pytest.mark.parametrize("width,total,fields", [(100, 20, 4), (80, 3, 3), (60, 20, 2), (40, 1000, 0)])
+def test_the_bar_is_one_line_and_drops_whole_fields_from_the_end(width, total, fields):
+    """The bar with a step's figures is one line within the width; where they do not all fit, the last ones
+    (memory, then MFU, tokens/s, loss) are left out whole, never a label without its value, and the step count
+    stays whole. Room for the description, bar and figures: width - 1 (spinner) - 5 (spaces between six
+    columns) - len(" 1/20") - len("ETA 21s"); the figures take 11 + 3 + 8 + 3 + 9 + 3 + 17 = 54 columns, the
+    first three 34, two 22, the loss 11; with "training" (8) and a bar of at least 10: 100 -> 82 >= 72 (all
+    four), 80 ("1/3") -> 64 < 72 but >= 52 (three), 60 -> 42 (two), 40 ("   1/1000") -> 18 < 29 (none)."""
+    got = _bar_lines(width, total, [(0, "loading the model")], dict(REVIEW_STEP))
+    assert len(got) == 1 and len(got[0]) <= width, got
+    line = got[0]
+    assert f"{1:{len(str(total))}d}/{total}" in line and "training" in line and "ETA 21s" in line, line
+    info = line.split("ETA 21s", 1)[1].strip()
+    assert info == " | ".join(STEP_FIELDS[:fields]), line
+
+
+def test_a_long_phase_is_shortened_at_a_clause_or_word_on_one_line():
+    """Two cards' phases that do not fit keep the first whole clause and ``; …`` (a review saw ``text[:60]``:
+    ``card 1: peak FLOP/s (a matmu``); one that does not fit is cut after a word, with ``…``."""
+    from npu_train.metrics.live import shorten_label
+
+    two = [(0, "peak FLOP/s (a matmul)"), (1, "peak FLOP/s (a matmul)")]
+    both = "card 0: peak FLOP/s (a matmul); card 1: peak FLOP/s (a matmul)"
+    wide = _bar_lines(100, 3, two)
+    assert len(wide) == 1 and both in wide[0], wide
+    narrow = _bar_lines(80, 3, two)
+    assert len(narrow) == 1 and len(narrow[0]) <= 80, narrow
+    assert "card 0: peak FLOP/s (a matmul); …" in narrow[0] and "card 1" not in narrow[0], narrow
+    assert "0/3" in narrow[0], narrow
+    assert shorten_label("loading the model weights", 20) == "loading the model…"
+    assert shorten_label("loading", 20) == "loading"
+    assert shorten_label("supercalifragilistic", 5) == "…"
+    assert shorten_label("a b; c d; e f", 9) == "a b; …"  # "a b; c d; …" is 11

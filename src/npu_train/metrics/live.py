@@ -19,6 +19,50 @@ PROGRESS = ("auto", "rich", "plain")
 
 GIB = 2 ** 30
 
+#: the bar's width (columns) where the line has room, and the least it shrinks to before the step's fields go
+BAR_MAX, BAR_MIN = 24, 10
+
+
+def shorten_label(text: str, width: int) -> str:
+    """``text`` within ``width`` columns, never cut inside a word: whole when it fits, else its leading
+    ``; ``-separated clauses that fit (``card 0: ...; card 1: ...``) and ``; …``, else its leading words and
+    ``…`` (``…`` alone when not even the first word fits; ``""`` for ``width`` < 1). A fresh-clone review saw
+    the phase cut at 60 characters mid-word: ``card 1: peak FLOP/s (a matmu`` (issue 40)."""
+    if len(text) <= width:
+        return text
+    if width < 1:
+        return ""
+    clauses = text.split("; ")
+    kept = 0
+    while kept < len(clauses) - 1 and len("; ".join(clauses[:kept + 1]) + "; …") <= width:
+        kept += 1
+    if kept:
+        return "; ".join(clauses[:kept]) + "; …"
+    words, out = text.split(" "), ""
+    for w in words:
+        if len(f"{out} {w}".strip() + "…") > width:
+            break
+        out = f"{out} {w}".strip()
+    return out.rstrip(";:,") + "…" if out else "…"
+
+
+def bar_layout(width: int, description: str, count: str, eta: str, fields: list[str]) -> tuple[str, int, str]:
+    """The bar's line fitted to ``width`` columns: ``(description, bar width, info)``. The line is the spinner
+    (1 column), the description, the bar, ``count`` (``k/N``), ``eta`` and the info (``fields`` joined by
+    `` | ``), one space between columns. Where it does not fit, the fields go from the last (least important:
+    memory, MFU, tokens/s, loss), then the description is shortened (:func:`shorten_label`), the bar keeping
+    :data:`BAR_MIN` columns (4 on a line too narrow for that and a 12-column description); a field never splits from its value. A fresh-clone review saw the bar take two
+    lines with ``MFU`` on one and ``28.0%`` on the next (issue 40)."""
+    rest = width - 1 - 5 - len(count) - len(eta)  # the spinner, the five spaces between six columns
+    fields = list(fields)
+    while fields and len(description) + len(" | ".join(fields)) + BAR_MIN > rest:
+        fields.pop()
+    info = " | ".join(fields)
+    room = rest - len(info)
+    floor = BAR_MIN if room - BAR_MIN >= 12 else 4  # a narrow line: a shorter bar before a cut description
+    description = shorten_label(description, room - floor)
+    return description, max(1, min(BAR_MAX, rest - len(description) - len(info))), info
+
 
 def live_progress(mode: str, total_steps: int, start_step: int = 0, sweep: bool = False,
                   stream=None) -> Optional["LiveProgress"]:
@@ -91,6 +135,9 @@ class LiveProgress:
         self.task = None
         self._saved = None
         self._card_phase: dict[int, str] = {}
+        self._bar = None
+        self._desc, self._eta, self._fields = "preparing", "", []
+        self._done = self.start_step
 
     def start(self) -> "LiveProgress":
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
@@ -98,15 +145,21 @@ class LiveProgress:
 
         # the ETA is the reporter's (steps left x mean step time after the start-up step): rich's own
         # TimeRemainingColumn showed -:--:-- whenever a step took longer than its 30 s speed window
-        # the phase and the step's figures may wrap within their cells where the line is too narrow; the step
-        # count and the ETA never (rich cut every column alike: the step count showed as "1…")
-        wraps = Column(no_wrap=False, overflow="fold")
-        self.progress = Progress(SpinnerColumn(), TextColumn("{task.description}", table_column=wraps),
-                                 BarColumn(bar_width=24), MofNCompleteColumn(), TextColumn("{task.fields[eta]}"),
-                                 TextColumn("{task.fields[info]}", table_column=Column(no_wrap=False, overflow="fold")),
+        # one line, fitted by _show (bar_layout): no cell wraps (the step's figures folded "MFU" from "28.0%") and
+        # none is cut by rich (it cut every column alike: the step count showed as "1…")
+        def cell() -> Column:
+            return Column(no_wrap=True, overflow="ignore")
+
+        self._bar = BarColumn(bar_width=BAR_MAX, table_column=cell())
+        self.progress = Progress(SpinnerColumn(table_column=cell()),
+                                 TextColumn("{task.description}", table_column=cell()), self._bar,
+                                 MofNCompleteColumn(table_column=cell()),
+                                 TextColumn("{task.fields[eta]}", table_column=cell()),
+                                 TextColumn("{task.fields[info]}", table_column=cell()),
                                  console=self.console, transient=True,
                                  redirect_stdout=False, redirect_stderr=False, refresh_per_second=4)
         self.task = self.progress.add_task("preparing", total=self.total, completed=self.start_step, info="", eta="")
+        self._show()
         self.progress.start()
         self._saved = (sys.stdout, sys.stderr)
         sys.stdout = _AboveBar(self, sys.stdout)
@@ -133,12 +186,22 @@ class LiveProgress:
         if rank is not None:
             self._card_phase[rank] = text
             text = "; ".join(f"card {r}: {p}" for r, p in sorted(self._card_phase.items()))
-        self.progress.update(self.task, description=text[:60])
+        self._desc = text
+        self._show()
+
+    def _show(self) -> None:
+        """Put the phase, step count, ETA and figures on the bar, fitted to one line of ``self.width``."""
+        w = len(str(self.total))
+        count = f"{self._done:{w}d}/{self.total}"
+        desc, bar, info = bar_layout(self.width, self._desc, count, self._eta, self._fields)
+        self._bar.bar_width = bar
+        self.progress.update(self.task, completed=self._done, description=desc, info=info, eta=self._eta)
 
     def at_step(self, step: int) -> None:
         """A resumed run starts the bar at ``step``."""
         if self.progress is not None:
-            self.progress.update(self.task, completed=int(step))
+            self._done = int(step)
+            self._show()
 
     def step(self, rec: dict) -> None:
         """Move the bar to ``rec["step"]`` with its loss, tokens/s, MFU and memory per card."""
@@ -147,11 +210,13 @@ class LiveProgress:
         mem = "/".join(f"{m / GIB:.2f}" for m in rec.get("mem_peak_bytes", []))
         from npu_train.metrics.report import fmt_duration, mfu_text, tok_text
 
-        mfu = mfu_text(rec)
-        info = f"loss {rec['loss']:.4f} | {tok_text(rec)}{mfu} | mem {mem} GiB"
+        mfu = mfu_text(rec)[3:]
+        # most important first: bar_layout drops from the end where the line is too narrow
+        self._fields = [f"loss {rec['loss']:.4f}", tok_text(rec)] + ([mfu] if mfu else []) + [f"mem {mem} GiB"]
         self._card_phase.clear()
-        eta = f"ETA {fmt_duration(rec['eta_s'])}" if rec.get("eta_s") is not None else ""
-        self.progress.update(self.task, completed=int(rec["step"]), description="training", info=info, eta=eta)
+        self._eta = f"ETA {fmt_duration(rec['eta_s'])}" if rec.get("eta_s") is not None else ""
+        self._done, self._desc = int(rec["step"]), "training"
+        self._show()
 
     def stop(self) -> None:
         """Remove the bar and give stdout / stderr back (idempotent)."""

@@ -566,9 +566,17 @@ class Reporter:
         return "\n".join(fit_step_lines(head, tail, moe=bool(moe_text(rec)), width=console_columns()))
 
     def _short(self, rec: dict, step: int, wall: float, skipped: bool) -> str:
-        """The step for a terminal under the live bar (which shows the ETA): the progress and the memory."""
+        """The step for a terminal under the live bar (which shows the ETA): the progress and the memory, folded
+        between fields at the bar's width (``self.live.width``, :func:`console_columns`): a fresh-clone review saw
+        it fitted to 100 columns on an 80-column terminal, which wrapped it mid-word (issue 40). One line where it
+        fits, else the progress with the step time on the first (:func:`fit_progress`) and the rest indented."""
         head, tail = self._fields(rec, step, wall, skipped)
-        return fold_fields(head + moe_text(rec) + [f for f in tail if f.startswith(("mem ", "SKIPPED"))])
+        width = getattr(self.live, "width", None) or console_columns()
+        rest = moe_text(rec) + [f for f in tail if f.startswith(("mem ", "SKIPPED"))]
+        if len(" | ".join(head + rest)) <= width:
+            return " | ".join(head + rest)
+        head, rest = fit_progress(head, rest, width)
+        return fold_fields(head, width) + "\n" + fold_fields(rest, width, first_indent="  ")
 
     def _fields(self, rec: dict, step: int, wall: float, skipped: bool) -> tuple[list[str], list[str]]:
         """The step's fields: ``(progress, details)``."""
