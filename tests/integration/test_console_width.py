@@ -100,7 +100,9 @@ def test_a_step_line_fits_an_80_column_terminal(tiny_model, tmp_path, progress):
                          f"runtime.progress={progress}", f"hydra.run.dir={run_dir}"], 80)
     text = "\n".join(lines)
     assert rc == 0, text[-4000:]
-    wide = [(len(ln), ln) for ln in lines if len(ln) > 80 and len(ln.split()) > 1]  # a long path: a line of its own
+    # a long path: a line of its own, or with its label ("  checkpoint: <path>"), run past the width, never folded
+    wide = [(len(ln), ln) for ln in lines if len(ln) > 80 and len(ln.split()) > 1
+            and not re.match(r"^ *[A-Za-z][\w-]*: \S+$", ln)]
     assert not wide, wide
     k = next(i for i, ln in enumerate(lines) if re.match(r"step 1/1 \| loss ", ln))
     step = [lines[k]] + [ln for ln in lines[k + 1:k + 4] if ln.startswith("  ")]
@@ -108,3 +110,8 @@ def test_a_step_line_fits_an_80_column_terminal(tiny_model, tmp_path, progress):
     # together: the step time with its plan, the memory with its unit)
     assert re.search(r"\d+(\.\d+)? (ms|s) \(plan [\d.]+\)$", lines[k]) or "(plan" not in text, step
     assert any(ln.lstrip().startswith("mem GiB ") or " | mem GiB " in ln for ln in step), step
+    # the done: summary: each label on a line with its path (a review saw "checkpoint" end a folded line, its path
+    # on the next)
+    assert any(re.match(r"^done: 1 step, loss \S+ -> \S+$", ln) for ln in lines), text[-2000:]
+    assert any(re.match(r"^  checkpoint: /\S+/checkpoints/step_000001$", ln) for ln in lines), text[-2000:]
+    assert any(re.match(r"^  metrics: /\S+/metrics\.jsonl$", ln) for ln in lines), text[-2000:]

@@ -68,4 +68,4 @@ def test_end_of_run_messages_offer_no_resume_without_checkpoints():
     assert "checkpoint.save=false" in note and "cannot be resumed" in note and "train.resume" not in note
     assert "train.resume=latest checkpoint.dir=/ck" in saving.interrupt_note("/ck/step_000002", "/ck", "sync")
     assert saving.done_checkpoint(None, save=False) == "no checkpoint (checkpoint.save=false)"
-    assert saving.done_checkpoint("/ck/step_000002") == "checkpoint /ck/step_000002"
+    assert saving.done_checkpoint("/ck/step_000002") == "checkpoint: /ck/step_000002"

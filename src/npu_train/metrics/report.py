@@ -882,13 +882,19 @@ def is_startup_phase(text: str) -> bool:
     return not (m and int(m.group(1)) > 0)
 
 
+#: a line of a label and one value: ``  checkpoint: /a/long/path``
+_LABELLED = re.compile(r"^ *[A-Za-z][\w-]*: \S+$")
+
+
 def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
     """``line`` (no newline) folded at words so that no piece is wider than ``width`` columns, the pieces after
     the first indented two spaces deeper than the line's own indent; unchanged when it fits. A word wider
-    than a line (a long path) stays whole on a line of its own."""
+    than a line (a long path) stays whole on a line of its own; a ``label: <value>`` line (one word each,
+    ``checkpoint: <path>``) stays whole, running past ``width``: folding it would only cut the label from
+    its value (issue 40)."""
     from npu_train.errors import wrap_words  # never between a number and its unit
 
-    if len(line) <= width:
+    if len(line) <= width or _LABELLED.match(line):
         return line
     indent = line[:len(line) - len(line.lstrip(" "))]
     return "\n".join(wrap_words(line[len(indent):], width, initial_indent=indent, subsequent_indent=indent + "  ")) or line

@@ -1451,12 +1451,16 @@ def terminal_width(stream=None) -> int:
 
 def fold_words(line: str, width: int) -> str:
     """``line`` folded at words to ``width`` columns (continuation lines indented by two spaces; a terminal
-    otherwise breaks a long line mid-word); unchanged when ``width`` is 0."""
+    otherwise breaks a long line mid-word), each of its own lines (``\\n``) apart, those indented keeping their
+    indent (:func:`~npu_train.metrics.report.fold_long_line`: a ``label: <path>`` line stays whole); unchanged
+    when ``width`` is 0."""
     from npu_train.errors import wrap_words  # never between a number and its unit
+    from npu_train.metrics.report import fold_long_line
 
     if width <= 0:
         return line
-    return "\n".join(wrap_words(line, width)) or line
+    return "\n".join(("\n".join(wrap_words(ln, width)) or ln) if k == 0 or not ln.startswith(" ")
+                     else fold_long_line(ln, width) for k, ln in enumerate(line.split("\n")))
 
 
 def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:

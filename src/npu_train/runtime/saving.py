@@ -145,14 +145,16 @@ def last_checkpoint_note(ckpt_root: str, offload_update: str, run_dir: str) -> t
 
 
 def done_checkpoint(last_ckpt: Optional[str], save: bool = True) -> str:
-    """The ``done:`` line's checkpoint part: ``checkpoint <dir>``, or ``no checkpoint (checkpoint.save=false)``."""
-    return f"checkpoint {last_ckpt}" if save else "no checkpoint (checkpoint.save=false)"
+    """The ``done:`` summary's checkpoint line: ``checkpoint: <dir>``, or ``no checkpoint (checkpoint.save=false)``."""
+    return f"checkpoint: {last_ckpt}" if save else "no checkpoint (checkpoint.save=false)"
 
 
 def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
                     run_dir: str) -> str:
-    """The launcher's last line (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``); ``summ``: the
-    reporter's summary (losses in nats/token)."""
+    """The launcher's last lines (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``): the steps and
+    losses, then, each on its own line indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label
+    with its path: a fresh-clone review saw one ``;``-joined line fold with ``checkpoint`` cut off from its path,
+    issue 40) and a stopped run's resume command; ``summ``: the reporter's summary (losses in nats/token)."""
     from npu_train.metrics.report import fmt_loss
 
     n = int(summ["steps_run"])
@@ -161,7 +163,7 @@ def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_r
     return (f"{'stopped' if early else 'done'}: {n} step{'' if n == 1 else 's'}{skipped}"
             + (f" of this launch (train.stop_after={train.stop_after}), at step {at} of train.steps={train.steps}"
                if early else "")
-            + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}; "
-            f"{done_checkpoint(last_ckpt, save)}; metrics {os.path.join(run_dir, 'metrics.jsonl')}"
-            + (f"; {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
+            + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}\n"
+            f"  {done_checkpoint(last_ckpt, save)}\n  metrics: {os.path.join(run_dir, 'metrics.jsonl')}"
+            + (f"\n  {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
                f"{os.path.join(run_dir, 'status.json')})" if early and last_ckpt else ""))
