@@ -216,11 +216,12 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         head = e.headline() if isinstance(e, Interrupted) else f"interrupted by {signal.Signals(exit_code_for(e) - 128).name}"
-        from npu_train.runtime.job import fold_words, terminal_width
+        from npu_train.errors import console_columns
+        from npu_train.runtime.job import fold_words
 
         # folded at words to the terminal, at most 100 columns (redirected too: a log has no terminal to fold
         # it); status.json gets it whole (_ErrorLineTee joins the folded lines)
-        print(fold_words(head + (f"; {extra}" if extra else ""), terminal_width(sys.stderr)), file=sys.stderr,
+        print(fold_words(head + (f"; {extra}" if extra else ""), console_columns(sys.stderr)), file=sys.stderr,
               flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
@@ -297,7 +298,8 @@ class _LogTee:
     terminal closed: SIGHUP, then EIO) stops the console output, never the log or the job."""
 
     def __init__(self, inner, log, fold: bool = False) -> None:
-        from npu_train.metrics.report import LineFolder, console_columns
+        from npu_train.errors import console_columns
+        from npu_train.metrics.report import LineFolder
 
         self.inner, self.log = inner, log
         # the terminal's width, at most 100 (a file or a pipe: 100): the width the job folds its own text to

@@ -123,7 +123,7 @@ class LiveProgress:
     def __init__(self, total_steps: int, start_step: int, stream):
         from rich.console import Console
 
-        from npu_train.metrics.report import console_columns
+        from npu_train.errors import console_columns
 
         terminal = getattr(stream, "inner", stream)
         # one width for the bar and the lines above it: the terminal's, at most 100 (rich's own guess was 80 on

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Optional
 
-from npu_train.errors import MIN_COLUMNS, console_columns  # noqa: F401  (the one console width; re-exported)
+from npu_train.errors import console_columns
 
 GIB = 2 ** 30
 

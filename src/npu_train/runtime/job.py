@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
 from npu_train.env import cache_dir, getenv, writable_cache_dir
-from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, raise_pending_signal
+from npu_train.errors import ConfigError, Interrupted, JobFailed, UserError, console_columns, raise_pending_signal
 from npu_train.runtime.saving import (check_checkpoint_dir_writable, end_of_run_line, interrupt_note,
                                       last_checkpoint_note, prepare_checkpoint_root)
 from npu_train.runtime.spec import (ReferenceSpec, RuntimeSpec, StageInfo, TrainSpec, WorkerSpec, eval_micro_batches,
@@ -1121,7 +1121,7 @@ def _dry_run(cfg, run_dir: str) -> dict:
 
         print(refusal_text(warn.removeprefix("warning: "), prefix="warning: "), file=sys.stderr, flush=True)
     prep = prepare(cfg, run_dir, probe=False)
-    print(plan_table(prep.plan, width=terminal_width()))
+    print(plan_table(prep.plan, width=console_columns()))
     line = predicted_mfu_line(prep)
     if line:
         print(line)
@@ -1440,15 +1440,6 @@ def _sweep_group():
     return None
 
 
-def terminal_width(stream=None) -> int:
-    """The columns the console's lines are folded to (:func:`~npu_train.metrics.report.console_columns`:
-    ``min(terminal columns, 100)``, 100 for a file, a pipe or a terminal of unknown size): the same width as
-    launch/run.py's folding of every stdout line, so that nothing folded here is folded again there."""
-    from npu_train.metrics.report import console_columns
-
-    return console_columns(sys.stdout if stream is None else stream)
-
-
 def fold_words(line: str, width: int) -> str:
     """``line`` folded at words to ``width`` columns (continuation lines indented by two spaces; a terminal
     otherwise breaks a long line mid-word), each of its own lines (``\\n``) apart, those indented keeping their
@@ -1516,7 +1507,7 @@ def _announce(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, laun
     plan, tr, P, dp = prep.plan, cfg.train, len(prep.plan.stages), prep.dp
     write_whole(os.path.join(run_dir, "plan.txt"), plan_table(plan) + "\n")
     if _sweep_group() is None:
-        print(plan_table(plan, width=terminal_width()), flush=True)
+        print(plan_table(plan, width=console_columns()), flush=True)
     else:  # a sweep job: jobs print concurrently into one console; the table is in the job's plan.txt
         print(f"plan: {plan_summary(plan)} (table: {os.path.join(run_dir, 'plan.txt')})", flush=True)
     from npu_train.runtime.flops import predicted_mfu_line
@@ -1712,7 +1703,7 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
         refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
     at = resume.start_step + int(summ["steps_run"])
     print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir),
-                     terminal_width()), flush=True)
+                     console_columns()), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
         summ.update(stopped_at=at, checkpoint_dir=resume.ckpt_root if coord.last_ckpt else None)
     elif node.is_owner and _sweep_group() is None:  # the default job: what to try next (runtime/hints.py)
