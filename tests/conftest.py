@@ -211,3 +211,15 @@ def pytest_sessionfinish(session, exitstatus):
     from npu_train.runtime.leftovers import sweep_dead_jobs
 
     sweep_dead_jobs()
+
+
+@pytest.fixture
+def one_torch_thread():
+    """torch's intra-op threads set to 1 for the test, restored after (tests that run several card threads in
+    one process: ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -35,12 +35,7 @@ CFGS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the card threads share one process
 
 
 def _cfg(name: str) -> LlamaConfig:

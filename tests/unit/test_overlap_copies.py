@@ -38,12 +38,7 @@ WAIT_S = 10.0  # a copy thread's write waits at most this long for its card to m
 _where = threading.local()  # .stage: the card a thread belongs to; .copy: a copy thread
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the card threads share one process
 
 
 class _Backend:

@@ -23,12 +23,7 @@ SPLITS = {1: [5], 2: [3, 2], 3: [2, 1, 2]}  # layers per stage (uneven on purpos
 TIMEOUT_S = 20.0
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # the card threads share one process
 
 
 class QueueComm:
