@@ -250,6 +250,10 @@ class RuntimeConf:
     #: null = on for RNGD cards, false = off, true = also on cpu / cuda cards. Only where the card's memory-type
     #: flag is thread-local (probed at setup; else the synchronous copies); the plan prices what it assumes.
     overlap_copies: Optional[bool] = None
+    #: vocabulary parallelism's exchange (parallel.vocab): gloo (TCP) | shm (the hidden state and the partial input
+    #: gradients through /dev/shm where every card of the pipeline is on this host, gloo across nodes;
+    #: pipeline/vocabshm.py). gloo by default until checked on RNGD cards (experiments/rngd-runbook.md).
+    vocab_exchange: str = "gloo"
     #: torch intra-op threads per card process (null = host cores / local cards).
     threads: Optional[int] = None
     #: address this node's sockets listen on (boundary mailboxes, gloo); null = 127.0.0.1 on one node,
@@ -764,6 +768,9 @@ def _check_runtime(cfg) -> None:
         raise ConfigError(f"runtime.progress={cfg.runtime.progress!r}: use auto, rich or plain")
     if cfg.runtime.transport not in ("shm", "inline"):
         raise ConfigError(f"runtime.transport={cfg.runtime.transport!r}: use shm or inline")
+    if getattr(cfg.runtime, "vocab_exchange", "gloo") not in ("gloo", "shm"):
+        raise ConfigError(f"runtime.vocab_exchange={cfg.runtime.vocab_exchange!r}: use gloo (TCP) or shm (shared "
+                          "memory where the pipeline's cards share a host)")
     if cfg.runtime.heartbeat_timeout_s <= cfg.runtime.heartbeat_interval_s:
         raise ConfigError("runtime.heartbeat_timeout_s must exceed runtime.heartbeat_interval_s")
     if cfg.runtime.slots is not None and cfg.runtime.slots < 1:

@@ -26,6 +26,22 @@ def test_vocab_parallel_matches_reference(tiny_model_untied, tmp_path, P, schedu
         assert json.load(f)["shape"]["vocab_parallel"] is True
 
 
+@pytest.mark.parametrize("P,schedule", [(2, "1f1b"), (3, "zb-h1")])
+def test_vocab_parallel_through_shared_memory_matches_reference(tiny_model_untied, tmp_path, capfd, P, schedule):
+    """``runtime.vocab_exchange=shm`` (pipeline/vocabshm.py: the hidden state and the partial input gradients
+    through /dev/shm, one host): the same reference and tolerances; each card says which exchange it used; no
+    exchange segment is left afterwards."""
+    import glob
+
+    ref_losses, ref_w = cached_reference(tiny_model_untied)
+    losses, reader = run_pipeline(tiny_model_untied, str(tmp_path), "backend=[" + ",".join(["cpu"] * P) + "]",
+                                  f"train.schedule={schedule}", "parallel.vocab=true", "runtime.vocab_exchange=shm")
+    check_against_reference(losses, reader, ref_losses, ref_w)
+    out, err = capfd.readouterr()
+    assert (out + err).count("vocabulary exchange: shared memory") == P  # each card's log line
+    assert not glob.glob("/dev/shm/npt_*_vx0-c*")
+
+
 @pytest.mark.parametrize("extra", [("train.schedule=interleaved", "train.resident_layers=0"),
                                    ("train.schedule=1f1b", "train.recompute=true")])
 def test_vocab_parallel_offloaded_interleaved_and_recompute(tiny_model_untied, tmp_path, extra):

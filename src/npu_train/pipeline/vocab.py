@@ -216,7 +216,11 @@ class VocabWork:
         host, handle = self.x.pop(m)
         timed = _TimedExchange(self.ex)
         if not self.is_head:
-            timed.wait(handle)
+            view = getattr(handle, "view", None)  # the shared-memory exchange: the head's slot itself, no copy
+            if view is not None:
+                host = timed._timed(view)
+            else:
+                timed.wait(handle)
         res, red = vocab_core(host, labels, self.weight, self.start, divisor, timed, train)
         self.last_wait = timed.waited
         if red is not None:

@@ -1301,11 +1301,17 @@ def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeC
     swept = sweep_dead_jobs()
     if swept:
         print(f"removed shared memory and IPC directories of {len(swept)} dead job(s): {', '.join(swept)}", flush=True)
-    if n_shm:
+    vocab_shm = (getattr(cfg.parallel, "vocab", False) is True and getattr(rt, "vocab_exchange", "gloo") == "shm"
+                 and node.rdv is None and all(m == "shm" for m in boundary))
+    if n_shm or vocab_shm:
         from npu_train.pipeline.schedule import chunks_per_card
 
         # per boundary a ring each way; two chunks per card: two pairs (ZB-V's way down and back up)
         need = 2 * chunks_per_card(tr.schedule) * n_shm * slots * (slot_bytes + 64)
+        if vocab_shm:  # the vocabulary exchange's segments (pipeline/vocabshm.py), every replica
+            from npu_train.pipeline.vocabshm import exchange_bytes
+
+            need += prep.dp * exchange_bytes(tr.schedule, len(prep.plan.stages), tr.accum, slot_bytes)
         avail = _shm_free_bytes()
         if avail < need:
             raise ShmTooSmallError(f"npt_{job_id}_*", need, avail)
@@ -1376,7 +1382,8 @@ def _start_job(cfg, run_dir: str, prep: Prepared, data, resume: ResumePoint, lau
     runtime = RuntimeSpec(heartbeat_interval_s=float(rt.heartbeat_interval_s), transport=rt.transport,
                           threads=prep.threads,  # the figure the plan used (planner.threads_per_card)
                           keep_host_memory=bool(rt.keep_host_memory), trace=bool(rt.trace),
-                          overlap_copies=rt.overlap_copies, **furiosa_runtime_fields(cfg, plan))
+                          overlap_copies=rt.overlap_copies, vocab_exchange=getattr(rt, "vocab_exchange", "gloo"),
+                          **furiosa_runtime_fields(cfg, plan))
     specs = build_worker_specs(plan, prep, train=train, runtime=runtime, job_id=launch.job_id, token=launch.token,
                                data_file=data_file, start_step=resume.start_step, resume_dir=resume.resume_dir,
                                ckpt_root=resume.ckpt_root, ipc_dir=ipc_dir, host=node.host, port=launch.port,

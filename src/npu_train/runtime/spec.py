@@ -166,6 +166,8 @@ class RuntimeSpec:
     trace: bool = False
     #: ``runtime.overlap_copies``: the boundary copies in a copy thread (:mod:`npu_train.runtime.copies`)
     overlap_copies: Optional[bool] = None
+    #: ``runtime.vocab_exchange``: gloo | shm (:mod:`npu_train.pipeline.vocabshm`, where the pipeline is on one host)
+    vocab_exchange: str = "gloo"
 
     def backend_kwargs(self, kind: str) -> dict:
         """Keyword arguments of :func:`~npu_train.backends.make_backend` for ``kind`` (furiosa only)."""

@@ -286,16 +286,35 @@ class StageTrainer:
         if self.vocab:  # one group per replica: its pipeline's cards (pipeline/vocab.py's collectives)
             from npu_train.pipeline.vocab import GlooExchange
 
+            shm = self._vocab_shm()
             for k in range(self.dp):
                 ranks = [lay.rank(k, s) for s in range(self.P)]
                 g, gx = dist.new_group(ranks), dist.new_group(ranks)  # gx: the hidden states' broadcasts
                 if self.rank in ranks:
-                    self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card), xgroup=gx)
+                    if shm:  # the tensors through /dev/shm, the notifications and statistics through g / gx
+                        from npu_train.pipeline.vocabshm import ShmExchange, reduce_slots
+
+                        self.vocab_ex = ShmExchange(g, lay.rank(k, self.head_card), gx, spec.job_id, f"vx{k}",
+                                                    spec.slot_bytes, reduce_slots(self.tr.schedule, self.P,
+                                                                                  self.tr.accum, self.head_card))
+                    else:
+                        self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card), xgroup=gx)
+            log.info("vocabulary exchange: %s", "shared memory (runtime.vocab_exchange=shm)" if shm else
+                     "gloo" + (" (runtime.vocab_exchange=shm: the pipeline spans nodes)"
+                               if getattr(spec.runtime, "vocab_exchange", "gloo") == "shm" else ""))
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, self.backend, overlap=spec.runtime.overlap_copies, store=self.store)
             if self.comm.mailbox.addr != spec.inbox[self.rank]:  # a port picked at the bind: for job.json
                 self.ctrl.send("inbox", addr=self.comm.mailbox.addr)
             dist.barrier()  # every ring exists before anyone receives
+
+    def _vocab_shm(self) -> bool:
+        """Whether the vocabulary exchange goes through shared memory: ``runtime.vocab_exchange=shm`` and every
+        boundary of the pipeline is a shared-memory one (its cards on this host; across nodes: gloo)."""
+        spec = self.spec
+        if getattr(spec.runtime, "vocab_exchange", "gloo") != "shm":
+            return False
+        return all(spec.boundary_mode(b) == "shm" for b in range(self.P - 1))
 
     def _resume(self) -> None:
         """Masters, moments, weights and RNG from ``spec.resume_dir``, one tensor at a time."""
@@ -802,4 +821,7 @@ class StageTrainer:
         dist.barrier()
         if self.comm is not None:
             self.comm.close()
+        close = getattr(self.vocab_ex, "close", None)  # the shared-memory exchange: its segments
+        if close is not None:
+            close()
         dist.destroy_process_group()
