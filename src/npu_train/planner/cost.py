@@ -258,15 +258,30 @@ class CostModel:
             parts[1] += xh / rt.d2h_bytes_per_s
         return parts[0], parts[1], parts[2]
 
+    @property
+    def vocab_shm(self) -> bool:
+        """Whether the vocabulary exchange's two ``[b S, H]`` tensors go through shared memory: ``runtime.
+        vocab_exchange=shm`` and every card of the job on one host (the runtime also needs the pipeline's
+        boundaries on one node; across nodes it keeps gloo, and so does this price)."""
+        return self.shape.vocab_exchange == "shm" and self.cards_per_host >= self.dp * self.P
+
     def vocab_latency(self) -> tuple[float, float, float]:
-        """Seconds of the vocabulary exchange, gloo at the slowest card's ``dp_bytes_per_s`` (pipeline/vocab.py:
-        in the background where nothing waits for it): the final hidden state from the head card, the softmax
-        statistics (every card's maximum, sum of exponentials and target logit in one all-reduce: ``12 P`` B per
-        token), the partial input gradients summed onto the head card (``[b S, H]`` each in the compute dtype)."""
+        """Seconds of the vocabulary exchange (pipeline/vocab.py: in the background where nothing waits for it):
+        the final hidden state from the head card, the softmax statistics (every card's maximum, sum of
+        exponentials and target logit in one all-reduce: ``12 P`` B per token, gloo at the slowest card's
+        ``dp_bytes_per_s``), the partial input gradients summed onto the head card (``[b S, H]`` each in the
+        compute dtype): gloo at ``dp_bytes_per_s``, or with :attr:`vocab_shm` the hidden state at
+        ``VOCAB_SHM_X_BYTES_PER_S`` and the sum at ``VOCAB_SHM_SUM_BYTES_PER_S`` times ``P / 2`` (the head reads
+        every card's partial; the rate is measured at P = 2: :mod:`npu_train.planner.rates`)."""
+        from npu_train.planner.rates import VOCAB_SHM_SUM_BYTES_PER_S, VOCAB_SHM_X_BYTES_PER_S
+
         rate = min(rt.dp_bytes_per_s for rt in self.rates)
         tok = self.shape.tokens_per_micro_batch
         xh = self.memory.dtype_bytes * tok * self.model.hidden_size
-        return xh / rate, 12 * self.P * tok / rate, xh / rate
+        stats = 12 * self.P * tok / rate
+        if self.vocab_shm:
+            return xh / VOCAB_SHM_X_BYTES_PER_S, stats, xh * self.P / 2 / VOCAB_SHM_SUM_BYTES_PER_S
+        return xh / rate, stats, xh / rate
 
     def _recompute_seconds(self, i: int, n: int, k: Optional[int], last: bool) -> float:
         """Seconds of stage ``i``'s B per micro-batch that run a forward again: ``k`` layers recomputed whole (None:

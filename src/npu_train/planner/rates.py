@@ -17,7 +17,7 @@ from npu_train.hardware import GIB, KINDS
 from npu_train.planner.spec import PlacementError
 
 __all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "HOST_THREAD_SCALED", "CONCURRENT_FIELDS",
-           "calibration_path",
+           "calibration_path", "VOCAB_SHM_X_BYTES_PER_S", "VOCAB_SHM_SUM_BYTES_PER_S",
            "load_rates", "shapes_differ", "reference_shapes", "shape_signature", "job_shapes"]
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
@@ -192,6 +192,17 @@ class Rates:
 #:   (``threads=1``) and capped by the host memory bandwidth shared by the host's card processes
 #:   (``host_bytes_per_s``, assumed 1e11 B/s: one server socket's DDR4/DDR5, well below its peak).
 #: - cpu cards: host AdamW 2e8 params/s per process (assumed, fp32, multi-threaded torch).
+#: Vocabulary parallelism's exchange through shared memory (``runtime.vocab_exchange=shm``,
+#: ``pipeline/vocabshm.py``), B/s for one ``[b S, H]`` tensor, every card kind (host memory copies):
+#: ``VOCAB_SHM_X_BYTES_PER_S``, the hidden state from the head until every card can compute on it (written once
+#: into /dev/shm, read in place; independent of P), and ``VOCAB_SHM_SUM_BYTES_PER_S``, the partial input gradients
+#: written into the cards' slots and summed on the head, at P = 2 (the head reads P partials: the planner takes
+#: ``P / 2`` times as long). Measured, medians of 3 rounds: ``experiments/bench/vocab_exchange.py --P 2 4 --mib 16``
+#: on this project's shared 2-vCPU VM, load average 9.6-10.8 (2026-12-07, ``experiments/bench/results/
+#: 2026-12-07-vocab-exchange-p2-p4.txt``; gloo over TCP loopback 0.96 / 0.40 GB/s in the same run): a floor, not
+#: an RNGD server's figure (``experiments/rngd-runbook.md`` step 5c measures one there).
+VOCAB_SHM_X_BYTES_PER_S = 3.47e9
+VOCAB_SHM_SUM_BYTES_PER_S = 1.32e9
 _RNGD_H2D = "assumed: measured on an earlier RNGD deployment, not this machine"
 _HOST_ADAMW = "assumed: 2e8, multi-threaded torch"
 _HOST_ONEPASS = "assumed: 1e9 per thread for the one-pass update, 1.56e9 measured on one core of a 2-core VM"

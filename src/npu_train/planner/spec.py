@@ -94,6 +94,9 @@ class RunShape:
     #: False, or None (auto: on RNGD cards; offline the planner assumes furiosa-torch 2026.4's thread-local
     #: memory-type flag, which the card re-checks at setup); :func:`copies_overlapped` per card
     overlap_copies: Optional[bool] = False
+    #: ``runtime.vocab_exchange``: the vocabulary exchange through gloo (TCP) or shm (pipeline/vocabshm.py, where
+    #: every card of the job is on one host; ``CostModel.vocab_latency`` prices the path the runtime takes)
+    vocab_exchange: str = "gloo"
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):

@@ -593,6 +593,12 @@ def schedule_line(plan: Plan) -> str:
         per = "/".join(f"{st.time.get('vocab', 0.0):.2f}" for st in plan.stages)
         line += (f"; vocabulary-parallel output layer (parallel.vocab): each card's share of the head + the exchange "
                  f"{per} s a step")
+        if getattr(s, "vocab_exchange", "gloo") == "shm":
+            from npu_train.planner.rates import VOCAB_SHM_SUM_BYTES_PER_S, VOCAB_SHM_X_BYTES_PER_S
+
+            line += (f"; exchange through shared memory (runtime.vocab_exchange=shm) where every card is on one "
+                     f"host, else gloo: hidden state {VOCAB_SHM_X_BYTES_PER_S / 1e9:.2f} GB/s, gradient sum "
+                     f"{VOCAB_SHM_SUM_BYTES_PER_S / 1e9:.2f} GB/s x 2/P (measured on a 2-core VM)")
     if plan.search_capped_at:
         line += "; " + capped_note(plan)
     if s.recompute_fewest and not any(st.recompute_layers for st in plan.stages):

@@ -767,7 +767,8 @@ def run_shape(cfg, mcfg, dtype: str):
                     "delayed" if tr.offload_update == "delayed" else "overlap", packed=packed_rows(cfg.data),
                     checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg),
                     vocab_parallel=getattr(cfg.parallel, "vocab", False) is True,
-                    overlap_copies=getattr(cfg.runtime, "overlap_copies", None))
+                    overlap_copies=getattr(cfg.runtime, "overlap_copies", None),
+                    vocab_exchange=getattr(cfg.runtime, "vocab_exchange", "gloo"))
 
 
 def _recompute_counts(tr) -> tuple:
