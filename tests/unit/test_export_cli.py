@@ -428,3 +428,30 @@ def test_gguf_tokenizer_line_makes_no_duration_promise(tiny_ckpt, tmp_path, caps
     assert main([tiny_ckpt, str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "(built from the GGUF's embedded vocabulary and merges)" in text and "seconds" not in text, text
+
+
+def test_a_checkpoint_copied_under_another_name_is_read_everywhere(tiny_ckpt, tmp_path, capsys):
+    """``cp -r <run>/checkpoints/step_000001 best``: export, generate and train.resume said "holds no complete
+    checkpoint (no manifest.json)" of ``best`` (the name had to be ``step_N``); the step is in the manifest, so any
+    name is read, and ``best`` is left as it was. A staging directory holding a manifest is still refused."""
+    import shutil
+
+    from npu_train.checkpoint.store import CheckpointError, CheckpointReader, find_checkpoint
+    from npu_train.generate import resolve_for_generation, template_source
+
+    best = tmp_path / "copies" / "best"
+    shutil.copytree(tiny_ckpt, best)
+    before = _files(best)
+    assert find_checkpoint(str(best), str(tmp_path / "run" / "checkpoints")) == str(best)  # train.resume=<best>
+    r = CheckpointReader(str(best))
+    r.verify()
+    assert r.step == 1
+    assert resolve_for_generation(str(best)) == ("checkpoint", str(best))
+    assert template_source("checkpoint", str(best)) is None  # read the manifest: no tokenizer recorded
+    out = tmp_path / "hf"
+    assert main([str(best), str(out)]) == 0, capsys.readouterr().err
+    assert (out / "model.safetensors").is_file() and _files(best) == before  # nothing written into best
+    staging = tmp_path / "ckpt" / ".tmp-step_000002-job1"
+    shutil.copytree(tiny_ckpt, staging)
+    with pytest.raises(CheckpointError, match="staging directory of a save that did not complete"):
+        find_checkpoint(str(staging), None)

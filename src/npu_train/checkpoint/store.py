@@ -293,9 +293,17 @@ def checkpoint_split(path: str) -> Optional[list]:
         return None
 
 
+#: names of a save in progress or being replaced (:func:`tmp_dir`, :func:`finalize`): never a checkpoint to read,
+#: even once the manifest is in them
+_STAGING_RE = re.compile(r"^\.(tmp|new)-|\.old-\d+$")
+
+
 def is_complete(path: str) -> bool:
-    """A directory is a checkpoint iff it is named ``step_N`` and holds ``manifest.json``."""
-    return bool(STEP_RE.match(os.path.basename(os.path.normpath(path)))) and os.path.isfile(os.path.join(path, MANIFEST))
+    """A directory is a checkpoint iff it holds ``manifest.json`` (written last, when every shard is in) and is no
+    staging directory. Any name: a ``step_N`` copied to ``best/`` is read as well (its step is in the manifest);
+    only a checkpoint root's own ``step_N`` directories are listed, kept or rotated (:func:`complete_checkpoints`)."""
+    name = os.path.basename(os.path.normpath(path))
+    return not _STAGING_RE.search(name) and os.path.isfile(os.path.join(path, MANIFEST))
 
 
 def complete_checkpoints(root: str) -> list[str]:
@@ -382,11 +390,15 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, i
     cands = complete_checkpoints(path)
     if cands:
         return cands[-1]
-    fix = ("give a step_XXXXXX directory with a manifest.json, or a checkpoint root holding one "
+    fix = ("give a checkpoint directory (step_XXXXXX, or a copy under any name) with a manifest.json, or a "
+           "checkpoint root holding one "
            "(the run's checkpoint.dir, default <run dir>/checkpoints)")
     run_dir = run_dir_error(path)
     if run_dir:
         raise CheckpointError(f"{arg}: {run_dir}")
+    if os.path.isdir(path) and _STAGING_RE.search(os.path.basename(os.path.normpath(path))):
+        raise CheckpointError(f"{arg}: {path} is the staging directory of a save that did not complete (or is "
+                              f"still under way), not a checkpoint; {fix}")
     if os.path.isdir(path):
         raise CheckpointError(f"{arg}: {path} holds no complete checkpoint (no manifest.json); {fix}")
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")
