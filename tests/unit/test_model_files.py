@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -163,3 +164,20 @@ def test_all_finite_is_the_entrywise_check(dtype):
         assert not all_finite(u.reshape(10, 100).t())  # not contiguous
     over = torch.full((4,), big, dtype=dtype)
     assert not bool(torch.isfinite(over.sum())) and all_finite(over)
+
+
+@pytest.mark.parametrize("typed, preset", [("qwen3-30b-a3", "qwen3-30b-a3b"), ("Llama-3.1-8", "llama-3.1-8b"),
+                                           ("Qwen/Qwen3-8", "qwen3-8b")])
+def test_a_misspelt_preset_is_named(tmp_path, typed, preset):
+    """A missing model path that reads like a misspelt shape preset or HF id (made absolute by the launcher) gets
+    "did you mean the preset <name>?", as a misspelt key gets its key; an unrelated path gets no guess."""
+    from npu_train.model.files import check_exists
+
+    with pytest.raises(FileNotFoundError, match=rf"did you mean the preset {re.escape(preset)}\? otherwise pass"):
+        check_exists(str(tmp_path / typed))
+    with pytest.raises(FileNotFoundError) as e:
+        check_exists(str(tmp_path / "my-finetune"))
+    assert "did you mean" not in str(e.value) and "shape preset: " in str(e.value)
+    with pytest.raises(FileNotFoundError) as e:  # generate takes no preset: no guess either
+        check_exists(str(tmp_path / typed), presets=False)
+    assert "did you mean" not in str(e.value)

@@ -97,10 +97,29 @@ def check_exists(path: str, presets: bool = True) -> None:
         from .presets import preset_names
 
         tail = f" (plan=true also takes a shape preset: {', '.join(preset_names())})" if presets else ""
+        near = _near_preset(path) if presets else None
+        # a misspelt preset (qwen3-30b-a3) is named first, as a misspelt key is (config.suggest_key)
+        hint = f"did you mean the preset {near}? otherwise " if near else ""
         raise FileNotFoundError(
-            f"model path {path!r} does not exist; pass an HF model directory (config.json + "
+            f"model path {path!r} does not exist; {hint}pass an HF model directory (config.json + "
             f"*.safetensors), a .gguf file, or 'embedded' for the bundled SmolLM2-135M{tail}"
         )
+
+
+def _near_preset(path: str) -> str | None:
+    """The shape preset closest to a missing ``path`` that reads like a misspelt preset name or HF id
+    (``qwen3-30b-a3`` -> ``qwen3-30b-a3b``), else None. Same matcher as a misspelt key's suggestion."""
+    import difflib
+
+    from .presets import ALIASES, preset_names
+
+    # the launcher has made the path absolute (<cwd>/qwen3-30b-a3): match its last one and two parts
+    parts = os.path.normpath(str(path).strip().lower()).split(os.sep)
+    for typed in (parts[-1], "/".join(parts[-2:])):
+        near = difflib.get_close_matches(typed, preset_names() + sorted(ALIASES), n=1, cutoff=0.75)
+        if near:
+            return ALIASES.get(near[0], near[0])
+    return None
 
 
 def hf_dir(path: str) -> str:
