@@ -164,3 +164,20 @@ def test_a_cpu_cards_offloaded_state_is_shown_as_its_own_memory():
         assert a.mem["total"] >= b.mem["total"]
     assert "host GiB (x.xx)" not in plan_table(res)
     assert max(len(ln) for ln in plan_table(off, width=TABLE_COLUMNS).splitlines()) <= TABLE_COLUMNS
+
+
+def test_a_mixture_of_experts_is_offered_a_mixture_of_experts():
+    """Qwen3-235B-A22B on eight RNGD cards does not fit (its weights and gradients alone are 3.5 x the cards); the
+    smaller model named instead is a mixture of experts that plans to fit (qwen3-30b-a3b or mixtral-8x7b), not a
+    dense model, while a dense model is still offered a dense one (Llama-3.1-8B above)."""
+    from npu_train.planner.search import _largest_model_that_fits
+
+    req = PlanRequest(get_preset("qwen3-235b-a22b"), replace(SHAPE, seq_len=512, micro_batch=1, dtype="bf16"),
+                      make_cards("furiosa", 8), DEFAULT_RATES["furiosa"], threads=1, host_cores=2)
+    said = re.search(r"a smaller model, e\.g\. (\S+) \(", _largest_model_that_fits(req))
+    assert said and said.group(1) in ("qwen3-30b-a3b", "mixtral-8x7b"), said
+    model = get_preset(said.group(1))
+    assert model.is_moe
+    assert make_plan(replace(req, model=model, split=None, resident_layers="auto", strict=False)).fits
+    dense = _largest_model_that_fits(_req("llama-3.2-3b"))
+    assert dense and not get_preset(re.search(r"e\.g\. (\S+) \(", dense).group(1)).is_moe, dense

@@ -740,15 +740,17 @@ def _host_ram_that_fits(pm: CostModel, plan: Plan) -> str:
 
 
 def _largest_model_that_fits(req: PlanRequest) -> str:
-    """``"a smaller model, e.g. llama-3.2-1b (1.24 B params) plans to fit"``: the largest dense shape preset
+    """``"a smaller model, e.g. llama-3.2-1b (1.24 B params) plans to fit"``: the largest shape preset
     (:mod:`npu_train.model.presets`) under the model's parameter count that fits these cards at the same run
-    shape, planned on a balanced split; ``""`` when none does."""
+    shape, planned on a balanced split, presets of the model's kind first (a mixture of experts is offered
+    ``qwen3-30b-a3b`` or ``mixtral-8x7b`` before a dense model, a dense model a dense one); ``""`` when none does."""
     from npu_train.model.presets import PRESETS
 
-    n = req.model.total_params()
-    smaller = sorted(((m.total_params(), name, m) for name, m in PRESETS.items()
-                      if not m.is_moe and m.total_params() < n and m.num_layers >= len(req.cards)), reverse=True)
-    for params, name, m in smaller:
+    n, moe = req.model.total_params(), req.model.is_moe
+    smaller = sorted(((m.is_moe == moe, m.total_params(), name, m) for name, m in PRESETS.items()
+                      if (moe or not m.is_moe) and m.total_params() < n and m.num_layers >= len(req.cards)),
+                     reverse=True)
+    for _, params, name, m in smaller:
         plan = make_plan(replace(req, model=m, split=balanced_split(m.num_layers, len(req.cards)),
                                  resident_layers="auto", strict=False))
         if plan.fits:
