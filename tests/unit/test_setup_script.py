@@ -105,3 +105,18 @@ def test_a_long_silent_pip_step_gets_still_lines(tmp_path):
     still = [l for l in lines if re.match(r"setup: +\d+ s: still downloading a_very_long", l)]
     assert still, lines
     assert all(len(l) <= 100 for l in lines)
+
+
+def test_docs_name_an_extra_that_installs_peft():
+    """docs/lora.md tells users to load adapters with ``peft`` and how to install it; setup.sh leaves peft out
+    (only ``--test`` has it), so the extra the docs name exists, holds peft, and pins it as the test extra does."""
+    import tomllib
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        extras = tomllib.load(f)["project"]["optional-dependencies"]
+    with open(os.path.join(REPO, "docs", "lora.md")) as f:
+        doc = f.read()
+    named = re.findall(r"\.venv/bin/pip install -e '\.\[(\w+)\]'", doc)
+    assert named and "peft.PeftModel.from_pretrained" in doc, named
+    pins = {extra: [r for r in extras[extra] if re.match(r"peft\b", r)] for extra in (named[0], "test")}
+    assert pins[named[0]] and pins[named[0]] == pins["test"], pins
