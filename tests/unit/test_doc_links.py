@@ -73,3 +73,14 @@ def test_the_checker_sees_a_broken_file_and_anchor(tmp_path):
                    "[gone](c.md) [no anchor](b.md#nope) [web](https://example.com/x)\n"
                    "```\n[in code](nowhere.md)\n```\n")
     assert _broken(doc) == ["c.md: no such file", "b.md#nope: no heading #nope in b.md"]
+
+
+def test_the_plan_doc_names_every_shape_preset():
+    """docs/plan.md's list of the presets ``plan=true`` takes is every one the code has (it had lost the three
+    mixtures of experts while the launcher's error listed them), and only those."""
+    from npu_train.model.presets import preset_names
+
+    text = (REPO / "docs" / "plan.md").read_text()
+    listed = re.search(r"\(presets:\s*(.*?); any HF dir", text, flags=re.S)
+    assert listed, "docs/plan.md lost its '(presets: ...; any HF dir' list"
+    assert sorted(set(re.findall(r"`([\w.\-]+)`", listed.group(1)))) == preset_names()

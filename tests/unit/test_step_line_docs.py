@@ -42,4 +42,18 @@ def test_readme_says_its_example_step_is_the_full_form_and_what_a_terminal_shows
     assert "[fwd/bwd" in example[:300] and "ETA" in example[:300]
     after = example[:700]
     assert "`run.log`" in after and "runtime.progress=plain" in after and "terminal" in after, after
-    assert "`mem GiB` field only" in after, after  # the terminal's step: Reporter._short
+    assert "leave out the `[fwd/bwd ...]` breakdown and the ETA" in after, after  # the terminal's step
+
+
+def test_readme_shows_the_terminal_step_as_reporter_short_prints_it():
+    """The README's 80-column terminal step is what the terminal's step line (``Reporter._short``: the progress,
+    then the memory, folded by ``fit_progress`` and ``fold_fields``) prints for its example's fields."""
+    from npu_train.metrics.report import fit_progress
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    shown = re.search(r"on 80 columns:\n\n```\n(.*?)\n```", readme, flags=re.S)
+    assert shown, "README lost its 80-column terminal step"
+    head = ["step  3/20", "loss 3.7435 (avg 3.8979)", "gnorm 3.058", "182 tok/s", "MFU 76.3%", "5.62 s (plan 6.27)"]
+    head, rest = fit_progress(head, ["mem GiB 2.70/2.06 (plan 3.39/2.92)"], 80)
+    assert shown.group(1) == fold_fields(head, 80) + "\n" + fold_fields(rest, 80, first_indent="  ")
