@@ -171,6 +171,19 @@ def starting_line(cfg) -> str:
     return text
 
 
+def quiet_torch_logs() -> None:
+    """torch's loggers at WARNING unless set otherwise: torch sets that itself at the end of its import, but a
+    Ctrl-C during the import (``interrupted by SIGINT while preparing``) skips it, and Hydra's root logger is at
+    INFO, so torch's atexit hook printed ``FakeTensor cache stats:`` / ``cache_hits: 0`` lines after the
+    interrupted line, on the console and in run.log. Warnings still show; ``TORCH_LOGS`` still applies (torch's
+    import sets the levels it names)."""
+    import logging
+
+    log = logging.getLogger("torch")
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.WARNING)
+
+
 def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     """Run one job and map how it ended to the exit status (``npu_train.errors``: 0 ok, 1 a card
     process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2.
@@ -187,6 +200,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
 
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     logging.raiseExceptions = False  # a log record run.log cannot take (a full disk): no "Logging error" traceback
+    quiet_torch_logs()
     try:
         try:
             check_before_imports(cfg)
