@@ -455,3 +455,50 @@ def test_a_checkpoint_copied_under_another_name_is_read_everywhere(tiny_ckpt, tm
     shutil.copytree(tiny_ckpt, staging)
     with pytest.raises(CheckpointError, match="staging directory of a save that did not complete"):
         find_checkpoint(str(staging), None)
+
+
+def test_export_refuses_what_it_cannot_write_before_writing_and_names_the_fix(tiny_ckpt, tmp_path, capsys,
+                                                                               monkeypatch):
+    """A full disk, an unwritable place and a file in the output path were ``[Errno 28] No space left on device``
+    (after the header), ``[Errno 1] Operation not permitted: '/sys/out'`` and ``/tmp/afile/out is a file``:
+    export knows its size up front, so each is one refusal naming the culprit and the fix, nothing written."""
+    import collections
+
+    import npu_train.checkpoint.export as ex
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main([tiny_ckpt, str(afile / "out")]) == 2
+    err = one_refusal(capsys.readouterr().err)
+    assert err.startswith(f"error: {afile} is a file, not a directory") and "out is a file" not in err, err
+    if os.path.isdir("/sys"):
+        assert main([tiny_ckpt, "/sys/npt-export-test"]) == 2
+        err = one_refusal(capsys.readouterr().err)
+        assert "cannot write /sys/npt-export-test" in err and "choose a directory you can write" in err, err
+    usage = collections.namedtuple("usage", "total used free")
+    real = ex.shutil.disk_usage
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (5 << 20), 5 << 20))
+    out = tmp_path / "new" / "hf"
+    assert main([tiny_ckpt, str(out)]) == 2
+    captured = capsys.readouterr()
+    err = one_refusal(captured.err)
+    assert f"error: export needs 32 MiB at {out}, 5 MiB free: free space there or give another output " \
+           "directory" in " ".join(err.split()), err
+    assert "export:" not in captured.out and not os.path.exists(tmp_path / "new")  # refused before the header
+    monkeypatch.setattr(ex.shutil, "disk_usage", real)
+    assert main([tiny_ckpt, str(out)]) == 0  # with the space there: written
+
+
+def test_a_disk_filled_during_the_export_is_named_with_the_fix(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """Another process fills the disk after the free-space check: the refusal names the fix, nothing is kept."""
+    import npu_train.checkpoint.export as ex
+
+    def full(*_a, **_k):
+        raise RuntimeError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(ex, "write_stream", full)
+    out = tmp_path / "hf"
+    assert main([tiny_ckpt, str(out)]) == 2
+    err = " ".join(one_refusal(capsys.readouterr().err).split())
+    assert f"the disk of {out} filled up during the export" in err and "give another output directory" in err, err
+    assert not out.exists()

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from npu_train.checkpoint.store import CheckpointReader
-from npu_train.errors import UserError
+from npu_train.errors import UserError, out_of_space
 from npu_train.checkpoint.stream import Entry, check_memory, write_stream
 from npu_train.model.config import FAMILIES, LlamaConfig
 from npu_train.model.llama import stage_param_names
@@ -195,12 +195,67 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
     except FileNotFoundError:
         return
     except NotADirectoryError:
-        raise ExportDirError(f"{out_dir} is a file, not a directory: give a new or empty output directory") from None
+        culprit = _existing_ancestor(out_dir)
+        if culprit == os.path.abspath(out_dir):
+            raise ExportDirError(f"{out_dir} is a file, not a directory: give a new or empty output "
+                                 "directory") from None
+        raise ExportDirError(f"{culprit} is a file, not a directory, so {out_dir} cannot be made in it: give an "
+                             "output directory under a directory") from None
     if names and not overwrite:
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         raise ExportDirError(f"{out_dir} is not empty ({shown}): give a new or empty output directory, or --overwrite "
                              "to replace an earlier export there (removes only the files an export writes: "
                              "model.safetensors, config.json, tokenizer*.json, adapter/; other files stay)")
+
+
+def _existing_ancestor(path: str) -> str:
+    """``path`` (absolute) or its nearest parent that exists (a file, when a parent of ``path`` is one)."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
+def _first_missing(path: str) -> Optional[str]:
+    """The outermost of ``path`` and its parents that does not exist yet (None when ``path`` exists)."""
+    p, top = os.path.abspath(path), None
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p, top = os.path.dirname(p), p
+    return top
+
+
+#: room kept beyond the weights for config.json, the tokenizer files and the record (bytes)
+EXPORT_MARGIN_BYTES = 32 << 20
+
+
+def _gib_or_mib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
+
+
+def check_export_space(out_dir: str, weight_bytes: int, overwrite: bool) -> None:
+    """Refuse (:class:`ExportDirError`) an export that does not fit the free space at ``out_dir`` (its nearest
+    existing parent when it is new), before anything is written: ``weight_bytes`` of ``model.safetensors`` plus
+    :data:`EXPORT_MARGIN_BYTES`; with ``overwrite`` the earlier ``model.safetensors`` there counts as free."""
+    at = _existing_ancestor(out_dir)
+    free = shutil.disk_usage(at).free
+    old = os.path.join(out_dir, "model.safetensors")
+    if overwrite and os.path.isfile(old):
+        free += os.path.getsize(old)
+    need = weight_bytes + EXPORT_MARGIN_BYTES
+    if free < need:
+        raise ExportDirError(f"export needs {_gib_or_mib(need)} at {at}, {_gib_or_mib(free)} free: free space "
+                             "there or give another output directory")
+
+
+def make_out_dir(out_dir: str) -> None:
+    """``os.makedirs(out_dir)``, a refusal naming the fix (:class:`ExportDirError`) when it cannot be made."""
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except (PermissionError, OSError) as e:
+        if isinstance(e, (FileExistsError, NotADirectoryError)):
+            raise ExportDirError(f"{_existing_ancestor(out_dir)} is a file, not a directory: give an output "
+                                 "directory under a directory") from None
+        raise ExportDirError(f"cannot write {out_dir} ({e.strerror or e}): choose a directory you can write") from None
 
 
 def clear_earlier_export(out_dir: str) -> list[str]:
@@ -376,17 +431,30 @@ def export_hf(ckpt_dir: str, out_dir: str, dtype: str = "auto", arg: Optional[st
     model_path = base_model(reader, base, lora)  # before anything is written
     tok_src = tokenizer_source(reader, base, model_path)
     check_out_dir(out_dir, overwrite)
+    shapes = dict(cfg.param_shapes(None))
+    for i in range(cfg.num_layers):
+        shapes.update(cfg.param_shapes(i))
+    created = not os.path.exists(out_dir)
+    top = _first_missing(out_dir)  # the outermost directory makedirs creates (removed again on a refusal)
+    make_out_dir(out_dir)
+    try:
+        check_export_space(out_dir, sum(math.prod(shapes[n]) for n in names) * tdt.itemsize, overwrite)
+    except ExportDirError:
+        if top:
+            shutil.rmtree(top, ignore_errors=True)
+        raise
     if overwrite:
         clear_earlier_export(out_dir)
-    created = not os.path.exists(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
     try:
         _write_export(reader, cfg, names, train, out_dir, dtype, tdt, model_path, tok_src, say, auto)
-    except BaseException:  # a checkpoint rotated away mid-read, a full disk, Ctrl-C: no partial export stays
+    except BaseException as e:  # a checkpoint rotated away mid-read, a full disk, Ctrl-C: no partial export stays
         if created:
             shutil.rmtree(out_dir, ignore_errors=True)
         else:
             clear_earlier_export(out_dir)
+        if out_of_space(e):  # filled by another process meanwhile (write_stream's errors included)
+            raise ExportDirError(f"the disk of {out_dir} filled up during the export (nothing of it is kept): free "
+                                 "space there or give another output directory") from None
         raise
     return out_dir
 
