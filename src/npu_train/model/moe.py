@@ -131,10 +131,14 @@ class _Operands:
     """The per-expert tensors of :class:`GroupedSwiGlu` as its matmuls take them. ``tensors`` per block's expert
     in turn: ``(gate [I, H], up [I, H], down [H, I])`` weights (``lora`` False), else each projection's ``(weight,
     lora_A [r, in], lora_B [out, r])``; ``mm`` the matmul dtype (:func:`matmul_dtype`). Weights of another dtype
-    (``wide``) are copied into reused ``mm`` buffers on one thread (:class:`_serial`), one set per thread that
-    runs blocks (:meth:`buffer`): gate and up into the two halves of one ``[2I, H]``, down into one ``[H, I]``;
-    weight gradients go through reused ``[2I, H]`` / ``[H, I]`` buffers, rounded to the weights' dtype on one
-    thread. Same dtype: the weights in place, gate and
+    (``wide``) are copied on one thread (:class:`_serial`) into one workspace per thread that runs blocks
+    (:meth:`buffer`), ``2*I*H`` elements of ``mm`` made once per kernel call at the largest size used (the calling
+    thread's before the per-row tensors, :meth:`reserve`): gate and up
+    into its two halves as one ``[2I, H]``, down into its first ``I*H`` as ``[H, I]``; weight gradients go through a
+    second such workspace, ``[2I, H]`` / ``[H, I]`` views, rounded to the weights' dtype on one thread. Both live
+    until the call ends (:meth:`release`): no phase frees a buffer that a larger one of a later phase does not fit
+    (the down phase's ``[H, I]`` block left a hole under the gate/up phase's ``[2I, H]``, issue 37's Mixtral-shaped
+    runs; experiments/2026-12-06-moe.md). Same dtype: the weights in place, gate and
     up as one ``[2I, H]`` view where they are adjacent in memory (:func:`_adjacent`), else two matmuls."""
 
     def __init__(self, tensors: tuple, lora: bool, mm: torch.dtype):
@@ -173,17 +177,29 @@ class _Operands:
     def weight(self, j: int, proj: int) -> torch.Tensor:
         return self.t[self.index(j, proj)]
 
+    def reserve(self, key: str) -> None:
+        """Make the calling thread's workspace ``key`` (:meth:`buffer`) now, if it has none: a kernel call's own
+        thread reserves what it will use before its per-row tensors, so those stack above it and their holes are
+        reused by the later phases' per-row tensors, not left under a later buffer. (A worker's, made in its
+        block, comes from its own glibc arena, or from 64 MiB on is mapped on its own and unmapped when freed: no
+        hole. Made here instead, in the main heap, the workers' blocks left holes of their own there:
+        experiments/2026-12-06-moe.md, h37mem.)"""
+        ident = (key, getattr(_SLOT, "k", 0))
+        if ident not in self._bufs:
+            self._bufs[ident] = torch.empty(2 * self.inter * self.hidden, dtype=self.mm, device=self.t[0].device)
+
     def buffer(self, key: str, rows: int, cols: int) -> torch.Tensor:
-        """The calling thread's reused ``[rows, cols]`` matmul-dtype buffer ``key`` (made on its first use there:
-        concurrent blocks, :func:`_parallel_blocks`, each widen into their own thread's buffers)."""
-        ident = (key, threading.get_ident())
-        b = self._bufs.get(ident)
-        if b is None:
-            b = self._bufs[ident] = torch.empty(rows, cols, dtype=self.mm, device=self.t[0].device)
-        return b
+        """``[rows, cols]`` (``rows * cols <= 2*I*H``) view of the calling thread's workspace ``key`` (per slot of
+        :func:`_parallel_blocks`: at most one per intra-op thread, whichever pool thread runs a slot) (``"weights"``:
+        the widened weights; ``"grads"``: the weight gradients' products), ``2*I*H`` matmul-dtype elements made on
+        its first use there (:meth:`reserve`; concurrent blocks, :func:`_parallel_blocks`, each widen into their
+        own thread's) and kept until :meth:`release`: the down ``[H, I]`` and gate/up ``[2I, H]`` phases, forward
+        or backward, reuse the one block."""
+        self.reserve(key)
+        return self._bufs[(key, getattr(_SLOT, "k", 0))][:rows * cols].view(rows, cols)
 
     def release(self, *keys: str) -> None:
-        """Drop the buffers ``keys`` of every thread."""
+        """Drop the workspaces ``keys`` of every thread."""
         for ident in [i for i in self._bufs if i[0] in keys]:
             del self._bufs[ident]
 
@@ -193,7 +209,7 @@ class _Operands:
         both = _adjacent(g, u)
         if not self.wide:
             return both
-        buf, inter = self.buffer("gate_up", 2 * self.inter, self.hidden), self.inter
+        buf, inter = self.buffer("weights", 2 * self.inter, self.hidden), self.inter
         with _serial():
             if both is not None:
                 buf.copy_(both)
@@ -208,20 +224,21 @@ class _Operands:
         if not self.wide:
             return d
         with _serial():
-            return self.buffer("down", self.hidden, self.inter).copy_(d)
+            return self.buffer("weights", self.hidden, self.inter).copy_(d)
 
     def adapter(self, j: int, proj: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(lora_A, lora_B)`` of projection ``proj`` of block ``j`` in the matmul dtype."""
         return _wide(self.t[self.index(j, proj, 1)], self.mm), _wide(self.t[self.index(j, proj, 2)], self.mm)
 
-    def weight_grads(self, dy: torch.Tensor, x: torch.Tensor, key: str, needs: tuple) -> list:
+    def weight_grads(self, dy: torch.Tensor, x: torch.Tensor, needs: tuple) -> list:
         """``dy^T x`` split by rows into ``len(needs)`` equal parts in the weights' dtype (None where ``needs`` is
-        False): views of one fresh product (same dtype), else rounded copies of a reused buffer ``key``."""
+        False): views of one fresh product (same dtype), else rounded copies of the thread's ``"grads"`` workspace
+        (:meth:`buffer`)."""
         n = dy.shape[1] // len(needs)
         if not self.wide:
             full = torch.mm(dy.t(), x)
             return [full[i * n:(i + 1) * n] if need else None for i, need in enumerate(needs)]
-        buf = torch.mm(dy.t(), x, out=self.buffer(key, dy.shape[1], x.shape[1]))
+        buf = torch.mm(dy.t(), x, out=self.buffer("grads", dy.shape[1], x.shape[1]))
         return _narrow(*[buf[i * n:(i + 1) * n] if need else None for i, need in enumerate(needs)], dtype=self.dtype)
 
 
@@ -337,24 +354,29 @@ def _parallel_blocks(blocks: list, fn) -> None:
     todo = iter(sorted(blocks, key=lambda blk: blk[1] - blk[2]))
     lock, grad = threading.Lock(), torch.is_grad_enabled()
 
-    def work() -> None:
-        with _serial(), torch.set_grad_enabled(grad):
-            while True:
-                with lock:
-                    nxt = next(todo, None)
-                if nxt is None:
-                    return
-                fn(*nxt)
+    def work(slot: int) -> None:
+        _SLOT.k = slot  # the workspaces this thread widens into (_Operands.buffer): slot, not thread (the pool
+        try:            # may hold more threads than n - 1, and a phase's work may run on any of them)
+            with _serial(), torch.set_grad_enabled(grad):
+                while True:
+                    with lock:
+                        nxt = next(todo, None)
+                    if nxt is None:
+                        return
+                    fn(*nxt)
+        finally:
+            _SLOT.k = 0
 
-    futures = [_pool(n - 1).submit(work) for _ in range(n - 1)]
+    futures = [_pool(n - 1).submit(work, k) for k in range(1, n)]
     try:
-        work()
+        work(0)
     finally:
         concurrent.futures.wait(futures)
     for f in futures:
         f.result()
 
 
+_SLOT = threading.local()  # .k: the slot of _parallel_blocks the thread runs now (0: the caller, or none)
 _POOL: list = []  # [(pid, ThreadPoolExecutor)]: one per process (a forked child makes its own)
 
 
@@ -387,11 +409,12 @@ def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[
     """:meth:`GroupedSwiGlu.forward`: ``(y [S, H] xs.dtype, saved tensors)``."""
     S, H = xs.shape
     inter = ops.inter
+    if ops.wide:
+        ops.reserve("weights")
     xm = xs.to(ops.mm)
     gu = xm.new_empty(S, 2 * inter)
     ts = [xm.new_empty(S, ops.rank) for _ in range(3)] if ops.lora else []
     _each_block(bounds, ops, lambda j, a, b: _gate_up_forward(xm[a:b], ops, j, s, gu[a:b], [t[a:b] for t in ts]))
-    ops.release("gate_up")
     del xm
     if ops.wide:
         g, u = gu[:, :inter].to(xs.dtype), gu[:, inter:].to(xs.dtype)
@@ -409,7 +432,7 @@ def _swiglu_forward(xs: torch.Tensor, bounds: list, ops: _Operands, s: Optional[
             _adapter_forward(hm[a:b], ops, j, 2, s, ym[a:b], ts[2][a:b])
 
     _each_block(bounds, ops, down)
-    ops.release("down")
+    ops.release("weights")
     del hm
     return ym.to(xs.dtype), (xs, g, u, act, h, *ts)
 
@@ -449,6 +472,11 @@ def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: lis
     ts = saved[5:]
     need = needs[3:]
     grads: list = [None] * len(ops.t)
+    if ops.wide:  # this thread's workspaces first (Operands.reserve): widened weights for dh or dx, and the
+        if kept is None or needs[0]:  # weight gradients' products where any weight gradient is made
+            ops.reserve("weights")
+        if any(need[ops.index(j, p)] for j in range(len(bounds) - 1) for p in range(3)):
+            ops.reserve("grads")
     if kept is None:
         dgu = _swiglu_output_grad(dy, saved[1:5], ops, bounds, s, ts[2] if ts else None, need, grads)
     else:
@@ -460,7 +488,7 @@ def _swiglu_backward(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: lis
     dxm = xm.new_empty(xs.shape) if needs[0] else None
     _each_block(bounds, ops, lambda j, a, b: _gate_up_backward(
         dgu[a:b], xm[a:b], ops, j, s, None if dxm is None else dxm[a:b], [t[a:b] for t in ts[:2]], need, grads))
-    ops.release("gate_up", "grad_gate_up")
+    ops.release("weights", "grads")
     del dgu, xm
     return (None if dxm is None else dxm.to(xs.dtype)), grads, out
 
@@ -472,24 +500,23 @@ def _down_weight_grads(dy: torch.Tensor, h: torch.Tensor, ops: _Operands, bounds
     dym, hm = dy.to(ops.mm), h.to(ops.mm)
     _each_block(bounds, ops, lambda j, a, b: _down_backward(
         dym[a:b], hm[a:b], ops, j, s, None, None if t is None else t[a:b], need, grads))
-    ops.release("grad_down")
 
 
 def _swiglu_output_grad(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: list, s: Optional[float],
                         t: Optional[torch.Tensor], need: tuple, grads: list) -> torch.Tensor:
     """The down projection's backward (its gradients into ``grads``) and the SwiGLU's: ``[dg | du]`` ``[S, 2I]`` in
-    the matmul dtype, ``dg = silu'(g) * dh * u``, ``du = dh * act`` for ``dh = dy W_down``. Same dtype: ``dh`` is
-    written into the ``du`` half and both halves are made in place (no other ``[S, I]`` temporary, the values of
-    ``silu_backward(dh * u, g)`` and ``dh * act``); wider matmuls: ``dh`` rounded to the compute dtype first (as
-    the module form) and the halves widened from it (so their values are of the compute dtype)."""
+    the matmul dtype, ``dg = silu'(g) * dh * u``, ``du = dh * act`` for ``dh = dy W_down``, ``dh`` written into the
+    ``du`` half (``[dg | du]`` made first, below ``dy`` and ``h`` widened, which are freed after the down phase).
+    Same dtype: both halves made in place (no other ``[S, I]`` temporary, the values of ``silu_backward(dh * u,
+    g)`` and ``dh * act``); wider matmuls: ``dh`` rounded to the compute dtype first (as the module form) and the
+    halves widened from it through one compute-dtype temporary (so their values are of the compute dtype)."""
     g, u, act, h = saved
     inter, mm = ops.inter, ops.mm
+    dgu = h.new_empty(h.shape[0], 2 * inter, dtype=mm)
+    dhm = dgu[:, inter:]
     dym, hm = dy.to(mm), h.to(mm)
-    dgu = None if ops.wide else hm.new_empty(h.shape[0], 2 * inter)
-    dhm = hm.new_empty(h.shape) if dgu is None else dgu[:, inter:]
     _each_block(bounds, ops, lambda j, a, b: _down_backward(
         dym[a:b], hm[a:b], ops, j, s, dhm[a:b], None if t is None else t[a:b], need, grads))
-    ops.release("down", "grad_down")
     del dym, hm
     if not ops.wide:
         dg = torch.mul(dhm, u, out=dgu[:, :inter])
@@ -497,10 +524,10 @@ def _swiglu_output_grad(dy: torch.Tensor, saved: tuple, ops: _Operands, bounds: 
         dhm.mul_(act)
         return dgu
     dh = dhm.to(h.dtype)
-    del dhm
-    dgu = dh.new_empty(h.shape[0], 2 * inter, dtype=mm)
-    dgu[:, :inter].copy_(torch.ops.aten.silu_backward(dh * u, g))
-    dgu[:, inter:].copy_(dh * act)
+    q = dh * u
+    torch.ops.aten.silu_backward.grad_input(q, g, grad_input=q)
+    dgu[:, :inter].copy_(q)
+    dgu[:, inter:].copy_(torch.mul(dh, act, out=q))
     return dgu
 
 
@@ -512,7 +539,7 @@ def _down_backward(dy: torch.Tensor, h: torch.Tensor, ops: _Operands, j: int, s:
         torch.mm(dy, ops.down(j), out=dh)
     k = ops.index(j, 2)
     if need[k]:
-        grads[k] = ops.weight_grads(dy, h, "grad_down", (True,))[0]
+        grads[k] = ops.weight_grads(dy, h, (True,))[0]
     if ops.lora:
         _adapter_backward(dy, h, ops, j, 2, s, dh, t, need, grads)
 
@@ -530,7 +557,7 @@ def _gate_up_backward(dgu: torch.Tensor, x: torch.Tensor, ops: _Operands, j: int
         else:
             torch.mm(dgu[:, :inter], ops.weight(j, 0), out=dx).addmm_(dgu[:, inter:], ops.weight(j, 1))
     if need[kg] or need[ku]:
-        grads[kg], grads[ku] = ops.weight_grads(dgu, x, "grad_gate_up", (need[kg], need[ku]))
+        grads[kg], grads[ku] = ops.weight_grads(dgu, x, (need[kg], need[ku]))
     if ops.lora:
         for p in (0, 1):
             _adapter_backward(dgu[:, p * inter:(p + 1) * inter], x, ops, j, p, s, dx, ts[p], need, grads)

@@ -62,21 +62,23 @@ def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: 
     - same dtype (``m == e``): nothing forward (the products are the saved tensors); backward the gate/up output
       gradient ``[dg | du]`` ``[2I]`` (``dh`` is written into its ``du`` half, both halves made in place):
       ``2*e*I`` per row; with adapters the backward loops also hold ``dy B`` ``[n, r]`` of one projection;
-    - wider matmuls (``m > e``), per row and in buffers reused over the experts (one expert's weights at a time):
-      forward gate/up: ``x`` widened ``[h]``, the products ``[2I]``, the gate/up weight buffer ``2w``;
-      forward down: ``h`` widened ``[I]``, the products ``[h]``, the down buffer ``w``;
-      backward down: ``dy`` and ``h`` widened, ``dh`` ``[I]``, the down buffer (and its gradient buffer if trained);
-      ``silu``'s backward: ``dh`` in both dtypes, then ``[dg | du]`` ``[2I]`` wide and the two temporaries;
-      backward gate/up: ``[dg | du]``, ``x`` widened, ``dx`` ``[h]``, the gate/up buffer (and its gradient buffer
-      if trained). Adapters (one projection's at a time, ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``,
-      ``in + out = h + I`` for each projection): widened, ``m*r*(h + I)``, in each of the four matmul phases;
-      backward also ``dy B`` ``[n, r]`` and one adapter gradient's wide product before its rounding, at most
-      ``[r, max(h, I)]``.
+    - wider matmuls (``m > e``), per row, and one workspace of ``2w`` elements for the widened weights (one
+      expert's at a time: gate/up ``[2I, h]``, down ``[h, I]`` in its first ``w``), made at the start of the
+      forward and of the backward and kept through every phase of the call, so no phase leaves a hole a later
+      phase's buffer does not fit; with trained weights, in the backward, a second one for their gradients:
+      forward gate/up: ``x`` widened ``[h]``, the products ``[2I]``;
+      forward down: ``h`` widened ``[I]``, the products ``[h]``;
+      backward down: ``[dg | du]`` ``[2I]`` (``dh`` ``[I]`` is written into its ``du`` half), ``dy`` and ``h`` widened;
+      ``silu``'s backward: ``[dg | du]``, ``dh`` rounded and one temporary ``[I]`` in the compute dtype;
+      backward gate/up: ``[dg | du]``, ``x`` widened, ``dx`` ``[h]``. Adapters (one projection's at a time,
+      ``lora_A`` ``[r, in]`` and ``lora_B`` ``[out, r]``, ``in + out = h + I`` for each projection): widened,
+      ``m*r*(h + I)``, in each of the four matmul phases; backward also ``dy B`` ``[n, r]`` and one adapter
+      gradient's wide product before its rounding, at most ``[r, max(h, I)]``.
 
     ``threads``: the card process's torch threads. Wider matmuls without adapters run the experts' blocks
     concurrently, one per thread (``model/moe.py::_parallel_blocks``), each thread widening into its own weight
-    (and weight-gradient) buffers, so the buffer terms ``w`` count once per thread there (an upper bound: with
-    fewer than ``BLOCKS_PER_THREAD`` blocks per thread they run one after another, one buffer set); the per-row
+    (and weight-gradient) workspace, so the workspace terms count once per thread there (an upper bound: with
+    fewer than ``BLOCKS_PER_THREAD`` blocks per thread they run one after another, one workspace set); the per-row
     tensors are shared. Qwen3-30B-A3B (below), bf16 widened, 2 threads: 25.2 MB more than 1 thread trained (a
     second ``[2I, h]`` weight and gradient buffer pair, ``16 * w``), 12.6 MB frozen.
 
@@ -91,15 +93,14 @@ def expert_kernel_bytes(model: LlamaConfig, rows: int, e: int, m: int, trained: 
     if m == e:
         return 2 * e * i * rows + e * n * rank
     grad = 2 if trained else 1
-    w *= max(1, int(threads)) if rank == 0 else 1  # one buffer set per concurrent block's thread
+    ws = 2 * m * w * (max(1, int(threads)) if rank == 0 else 1)  # one workspace per concurrent block's thread
     fwd = m * rank * (h + i)                                 # one projection's adapters, widened
     bwd = fwd + m * rank * n + m * rank * max(h, i)          # + dy B, + one adapter gradient before rounding
-    return max(rows * (m * h + 2 * m * i) + 2 * m * w + fwd,       # forward gate/up
-               rows * (m * i + m * h) + m * w + fwd,               # forward down
-               rows * (m * h + 2 * m * i) + grad * m * w + bwd,    # backward down
-               rows * (m * i + e * i),                             # dh rounded
-               rows * (3 * e * i + 2 * m * i),                     # silu's backward
-               rows * (2 * m * i + 2 * m * h) + 2 * grad * m * w + bwd)  # backward gate/up
+    return max(rows * (m * h + 2 * m * i) + ws + fwd,            # forward gate/up
+               rows * (m * i + m * h) + ws + fwd,                # forward down
+               rows * (3 * m * i + m * h) + grad * ws + bwd,     # backward down
+               rows * (2 * m * i + 2 * e * i) + grad * ws,       # silu's backward
+               rows * (2 * m * i + 2 * m * h) + grad * ws + bwd)  # backward gate/up
 
 
 def lora_expert_rank(model: LlamaConfig, r: int, targets: Iterable[str], dropout: float = 0.0) -> int:
