@@ -246,3 +246,24 @@ def test_launcher_killed_card_processes_exit(tiny_model, tmp_path):
         assert re.search(r"^step +1/5000 \| loss", log, re.M) and "card process(es)" in log, log
     finally:
         job.kill_all()
+
+
+def test_ctrl_c_during_a_step_saves_that_step(tiny_model, tmp_path):
+    """The documented rule (docs/troubleshooting.md): the cards finish the step in progress when the stop reaches
+    them and save it. Card 0 is held in step 3's forward (NPT_FAULT sleep) when SIGINT reaches the launcher:
+    the stop arrives before step 3's stop check, so step 3 is the one saved, not step 4."""
+    from npu_train.checkpoint.store import CheckpointReader, complete_checkpoints
+
+    ck = str(tmp_path / "ckpt")
+    job = Job(tmp_path, tiny_model, "train.steps=5000", f"checkpoint.dir={ck}",
+              env={"NPT_FAULT": "rank=0,phase=forward,step=3,action=sleep:4"})
+    try:
+        job.wait_for(lambda: "NPT_FAULT: sleep:4 at step 3 forward" in job.stderr, 120, "card 0 held in step 3")
+        os.kill(job.proc.pid, signal.SIGINT)
+        rc = job.wait(60)
+    finally:
+        job.kill_all()
+    assert rc == 130, job.tail()
+    assert "finishing the step in progress, then saving a checkpoint" in job.stderr, job.tail()
+    cks = complete_checkpoints(ck)
+    assert [CheckpointReader(c).step for c in cks] == [3], job.tail()

@@ -56,6 +56,57 @@ class RankState:
     inbox: Optional[str] = None       # the mailbox's bound address, reported when its port was picked at the bind
 
 
+
+class SignalWake:
+    """Wakes the supervision loop's poll when a signal arrives (``signal.set_wakeup_fd`` on a socket pair): pyzmq
+    runs the Python handler on EINTR and then polls again for the rest of the timeout, so a Ctrl-C reached the
+    cards up to one poll timeout (200 ms) late, and with short steps they had passed that step's stop check
+    (fresh-clone review: the line after step 18, steps 19 and 20 ran, step 20 was saved). Main thread only;
+    elsewhere it does nothing. ``fd``: the read end to register in a poller (None when inactive)."""
+
+    def __init__(self):
+        import socket
+        import threading
+
+        self.fd: Optional[int] = None
+        self._pair = None
+        self._old = -1
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._pair = socket.socketpair()
+        for sk in self._pair:
+            sk.setblocking(False)
+        self._old = signal.set_wakeup_fd(self._pair[1].fileno(), warn_on_full_buffer=False)
+        self.fd = self._pair[0].fileno()
+
+    def drain(self) -> None:
+        """Empty the read end (the signal numbers; the handlers have run already), passing them on to the wakeup
+        fd set before (a test harness watching for Ctrl-C)."""
+        if self._pair is None:
+            return
+        try:
+            while True:
+                got = self._pair[0].recv(4096)
+                if not got:
+                    break
+                if self._old >= 0:
+                    try:
+                        os.write(self._old, got)
+                    except OSError:
+                        pass
+        except OSError:  # BlockingIOError: empty
+            pass
+
+    def close(self) -> None:
+        if self._pair is None:
+            return
+        self.drain()
+        signal.set_wakeup_fd(self._old, warn_on_full_buffer=False)
+        for sk in self._pair:
+            sk.close()
+        self._pair, self.fd = None, None
+
+
 class Coordinator:
     """Spawns the card processes for ``specs`` and supervises them until done or failed."""
 
@@ -186,12 +237,26 @@ class Coordinator:
         raise JobFailed(f"{self._describe(rs)} failed during {rs.phase}: {cause}")
 
     def _loop(self) -> None:
+        wake = SignalWake()  # a signal ends the poll at once: the stop reaches the cards within the step
+        try:
+            self._supervise(wake)
+        finally:
+            wake.close()
+
+    def _supervise(self, wake: SignalWake) -> None:
         poller = zmq.Poller()
         poller.register(self.sock, zmq.POLLIN)
+        if wake.fd is not None:
+            poller.register(wake.fd, zmq.POLLIN)
         self.loop_at = time.monotonic()
         while True:
             for _ in range(256):
-                if not poller.poll(0 if _ else 200):
+                events = dict(poller.poll(0 if _ else 200))
+                if wake.fd is not None and wake.fd in events:
+                    wake.drain()
+                    if self.sock not in events:
+                        break
+                if self.sock not in events:
                     break
                 self._handle(self.sock.recv_multipart())
             now = time.monotonic()
@@ -286,7 +351,7 @@ class Coordinator:
             raise Interrupted(self.signum)
         if self.stop_sent_at is None:
             again = "Ctrl-C" if self.signum == signal.SIGINT else "the signal"
-            print(f"\ninterrupt ({signal.Signals(self.signum).name}): finishing the current step and saving a "
+            print(f"\ninterrupt ({signal.Signals(self.signum).name}): finishing the step in progress, then saving a "
                   f"checkpoint ({again} again to abort)", file=sys.stderr, flush=True)
             for rs in self.ranks:
                 self._send(rs.rank, {"type": "stop"})
