@@ -335,3 +335,28 @@ def test_records_a_resume_continues_are_the_newest_that_trained(tmp_path):
                 f.write("{}\n")
     os.makedirs(os.path.join(d, "previous-x"))  # not a launch's directory
     assert newest_records(d) == os.path.join(d, "previous-2")  # 10 and 3 hold no metrics; 2 > 1 numerically
+
+
+def test_another_models_checkpoint_names_its_family_and_experts(tmp_path):
+    """The wrong-model refusal listed ``intermediate_size: checkpoint 6144 vs model 384`` only; a Qwen3-MoE
+    checkpoint resumed on a Mixtral model also differs in family and expert count, and says so."""
+    from npu_train.model.config import LlamaConfig
+
+    def cfg(**kw):
+        base = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2, num_kv_heads=1)
+        return LlamaConfig(**dict(base, **kw)).to_dict()
+
+    moe = cfg(family="qwen3_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=8, head_dim=8)
+    r = CheckpointReader(_save(str(tmp_path), 4, base={"model": moe}))
+    r.check_model(moe)
+    with pytest.raises(CheckpointError) as e:
+        r.check_model(cfg(family="mixtral", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8))
+    msg = str(e.value)
+    assert "family (model_type): checkpoint qwen3_moe vs model mixtral" in msg, msg
+    assert "num_experts: checkpoint 8 vs model 4" in msg, msg
+    dense = cfg()
+    r2 = CheckpointReader(_save(str(tmp_path / "d"), 4, base={"model": {k: v for k, v in dense.items()
+                                                                         if k not in ("family", "num_experts",
+                                                                                      "moe_intermediate_size")}}))
+    r2.check_model(dense)  # a manifest from before these keys: the same dense model still resumes
+    r2.check_model(dict(dense, family="mistral"))  # same tensors, another family name: not refused

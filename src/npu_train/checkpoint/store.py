@@ -648,9 +648,13 @@ class CheckpointReader:
         """Raise :class:`CheckpointError` if the checkpoint was saved for a different model shape."""
         saved = self.manifest.get("model", {})
         keys = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                "tie_word_embeddings")
-        diff = [f"{k}: checkpoint {saved.get(k)!r} vs model {model_cfg.get(k)!r}" for k in keys
-                if saved.get(k) != model_cfg.get(k)]
+                "tie_word_embeddings", "num_experts", "moe_intermediate_size")
+        dense = {"num_experts": 0, "moe_intermediate_size": 0}  # a manifest from before mixtures of experts
+        diff = [f"{k}: checkpoint {saved.get(k, dense.get(k))!r} vs model {model_cfg.get(k, dense.get(k))!r}"
+                for k in keys if saved.get(k, dense.get(k)) != model_cfg.get(k, dense.get(k))]
+        fam = saved.get("family", "llama"), model_cfg.get("family", "llama")
+        if diff and fam[0] != fam[1]:  # named with the shapes (a llama checkpoint resumes on mistral alone)
+            diff.insert(0, f"family (model_type): checkpoint {fam[0]} vs model {fam[1]}")
         if diff:
             raise CheckpointError(f"checkpoint {self.path} is from another model ({'; '.join(diff)}); "
                                   "resume with the same model.path or start without train.resume")
