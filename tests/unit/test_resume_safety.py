@@ -360,3 +360,17 @@ def test_another_models_checkpoint_names_its_family_and_experts(tmp_path):
                                                                                       "moe_intermediate_size")}}))
     r2.check_model(dense)  # a manifest from before these keys: the same dense model still resumes
     r2.check_model(dict(dense, family="mistral"))  # same tensors, another family name: not refused
+
+
+def test_a_rotated_away_checkpoint_lists_the_ones_there(tmp_path):
+    """train.resume=<root>/step_000002 after checkpoint.keep=2 removed it said only "does not exist"."""
+    root = str(tmp_path)
+    for s in (2, 4, 6):
+        st = tmp_dir(root, s, "j1")
+        save_shard(st, 0, {"master.w": torch.zeros(2)}, {"rank": 0})
+        finalize(root, st, s, {}, keep=2)
+    with pytest.raises(CheckpointError) as e:
+        find_checkpoint(os.path.join(root, "step_000002"), root)
+    msg = str(e.value)
+    assert "step_000002 does not exist" in msg and f"{root} holds step_000004, step_000006" in msg, msg
+    assert f"train.resume={root} for the newest" in msg, msg

@@ -401,6 +401,13 @@ def find_checkpoint(spec: str, root: Optional[str], arg: Optional[str] = None, i
                               f"still under way), not a checkpoint; {fix}")
     if os.path.isdir(path):
         raise CheckpointError(f"{arg}: {path} holds no complete checkpoint (no manifest.json); {fix}")
+    beside = complete_checkpoints(os.path.dirname(path))
+    if beside:  # e.g. a step that checkpoint.keep rotated away: the ones there, to pick from
+        names = [os.path.basename(c) for c in beside]
+        shown = ", ".join(names[-6:]) if len(names) <= 6 else f"{len(names)} of them, the newest {', '.join(names[-6:])}"
+        raise CheckpointError(f"{arg}: {path} does not exist (checkpoint.keep may have rotated it away); "
+                              f"{os.path.dirname(path)} holds {shown}: give one of them, or "
+                              f"train.resume={os.path.dirname(path)} for the newest")
     raise CheckpointError(f"{arg}: {path} does not exist; {fix}")
 
 
