@@ -184,7 +184,7 @@ def quiet_torch_logs() -> None:
         log.setLevel(logging.WARNING)
 
 
-def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
+def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> int:
     """Run one job and map how it ended to the exit status (``npu_train.errors``: 0 ok, 1 a card
     process failed, 2 bad input, 130/143 SIGINT/SIGTERM), printing one ``error:`` line for 1 and 2.
     An interrupted job puts ``checkpoint`` (saved by this launch, or None) and ``checkpoint_dir``
@@ -192,7 +192,10 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
     ``train.stop_after`` ended early puts ``stopped_at`` (its last step), ``steps`` and
     ``checkpoint_dir`` (None without a checkpoint); a failed card process, ``checkpoint`` (the run's
     latest complete checkpoint, or None) and ``checkpoint_dir``; ``train.resume=auto`` on a finished
-    run, ``complete_at`` (its checkpoint's step), ``steps`` and ``checkpoint``."""
+    run, ``complete_at`` (its checkpoint's step), ``steps`` and ``checkpoint``. ``resume_with``: the words of
+    the command that resumes from a checkpoint root (:func:`resume_words`), printed whole after an interrupt
+    that left a checkpoint, one word-boundary ``\\`` continuation per line where it is wider than the console
+    (a folded command pastes only its first line: a fresh-clone review ran it without its checkpoint path)."""
     import logging
     import signal
 
@@ -235,8 +238,16 @@ def main(cfg, run_dir: str, report: "dict | None" = None) -> int:
 
         # folded at words to the terminal, at most 100 columns (redirected too: a log has no terminal to fold
         # it); status.json gets it whole (_ErrorLineTee joins the folded lines)
-        print(fold_words(head + (f"; {extra}" if extra else ""), console_columns(sys.stderr)), file=sys.stderr,
-              flush=True)
+        width = console_columns(sys.stderr)
+        cmd = resume_with(ck_dir) if ck and ck_dir and resume_with is not None else None
+        if cmd:  # the whole command, pasteable, in place of "rerun the same command with ..."
+            extra = f"{'checkpoint' if getattr(e, 'checkpoint', None) else 'last complete checkpoint'} {ck}" + (
+                " saved" if getattr(e, "checkpoint", None) else "") + "; resume with:"
+        print(fold_words(head + (f"; {extra}" if extra else ""), width), file=sys.stderr, flush=True)
+        if cmd:
+            from npu_train.metrics.report import shell_lines
+
+            print("\n".join(shell_lines(cmd, width, indent="  ")), file=sys.stderr, flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
         msg = str(e)
@@ -292,8 +303,8 @@ class _ErrorLineTee:
         for line in lines:
             if line.startswith(("error:", "interrupted")):
                 self.last, self._open = line, True
-            elif self._open and line.startswith("  "):  # a folded line (refusal_text, fold_words)
-                self.last += " " + line.strip()
+            elif self._open and line.startswith("  "):  # a folded line (refusal_text, fold_words, shell_lines)
+                self.last += " " + line.strip().removesuffix(" \\")
             else:
                 self._open = False
         return self.inner.write(s)
@@ -447,15 +458,15 @@ def open_job_log(run_dir: str, job_name: str):
         return None
 
 
-def resume_command(overrides: list, checkpoint_dir: str) -> str:
-    """The shell command that continues an interrupted job: this launcher with the job's overrides,
-    ``train.resume=latest`` and ``checkpoint.dir=<checkpoint_dir>`` (replacing any given before);
-    ``train.offload_update=delayed`` becomes ``sync`` (a delayed-update run does not resume exactly).
-    It starts with this run's ``NPT_`` variables that change a run (``NPT_CACHE=...``,
+def resume_words(overrides: list, checkpoint_dir: str) -> list:
+    """The shell command that continues an interrupted job, as its words (each quoted for the shell): this
+    launcher with the job's overrides, ``train.resume=latest`` and ``checkpoint.dir=<checkpoint_dir>``
+    (replacing any given before); ``train.offload_update=delayed`` becomes ``sync`` (a delayed-update run does
+    not resume exactly). It starts with this run's ``NPT_`` variables that change a run (``env NPT_CACHE=...``,
     :func:`npu_train.env.resume_env_prefix`), so the resumed run uses the same cache and plan."""
     import shlex
 
-    from npu_train.env import resume_env_prefix
+    from npu_train.env import run_environment
 
     keep = [o for o in overrides if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
     # a delayed-update run cannot resume exactly (refused by the job): it continues with the synchronous update
@@ -465,7 +476,22 @@ def resume_command(overrides: list, checkpoint_dir: str) -> str:
     # Hydra's quoting first (a path with a space or an apostrophe), then the shell's
     argv = [sys.executable, os.path.abspath(__file__), *keep, "train.resume=latest",
             f"checkpoint.dir={hydra_value(checkpoint_dir)}"]
-    return resume_env_prefix() + " ".join(shlex.quote(a) for a in argv)
+    env = run_environment()
+    return ((["env"] + [f"{k}={shlex.quote(v)}" for k, v in env.items()]) if env else []) + [shlex.quote(a) for a in argv]
+
+
+def resume_command(overrides: list, checkpoint_dir: str) -> str:
+    """:func:`resume_words` as one line (``status.json``'s ``resume``)."""
+    return " ".join(resume_words(overrides, checkpoint_dir))
+
+
+def _resume_dir_overrides(run_dir: str, multirun: bool, hc) -> list:
+    """The ``hydra.run.dir=`` a resume command keeps: the user's, or a sweep job's own directory (resumed as a
+    single run, it writes beside its earlier records); ``[]`` for a run in its default directory."""
+    from npu_train.config import hydra_value
+
+    return ([f"hydra.run.dir={hydra_value(os.path.abspath(run_dir))}"] if multirun else
+            [o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
 
 
 def _latest_checkpoint(cfg, run_dir: str) -> tuple:
@@ -739,7 +765,8 @@ def run_one(cfg) -> int:
             ignored = lora_for_a_mode_sweep(cfg, modes_of_this_sweep(str(hc.sweep.dir)))
             if ignored:
                 print(ignored, flush=True)
-        code = main(cfg, run_dir, report)
+        code = main(cfg, run_dir, report, resume_with=lambda root: resume_words([*_resume_dir_overrides(
+            run_dir, multirun, hc), *overrides], root))
     except BaseException as e:  # noqa: BLE001 - multirun: any job error is this job's status
         if not multirun:
             if log is not None:  # Hydra prints the traceback on the console after this returns
@@ -772,10 +799,7 @@ def run_one(cfg) -> int:
         write_hydra_files(cfg, run_dir)
         # the resume command continues in this run's directory: the user's hydra.run.dir, or a sweep
         # job's own directory (resumed as a single run, it writes beside its earlier records)
-        from npu_train.config import hydra_value
-
-        here = ([f"hydra.run.dir={hydra_value(os.path.abspath(run_dir))}"] if multirun else
-                [o for o in hc.overrides.hydra if o.startswith("hydra.run.dir=")])
+        here = _resume_dir_overrides(run_dir, multirun, hc)
         from npu_train.metrics.report import rotate_before_status
 
         # plan=true, or a launch stopped before it trained: the earlier launch's records go to previous-<k>

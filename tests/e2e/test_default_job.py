@@ -27,11 +27,11 @@ def test_default_command_runs_and_loss_falls(tmp_path):
     assert "cpu:0" in out and "cpu:1" in out and "predicted:" in out, "plan table missing"
     # every line at most 100 columns in redirected output too (a review saw rates/memory/job lines of up to 349);
     # a single word wider than that (a long path) may stand alone on its line, or with its label
-    # (`  checkpoint: <path>`: fold_long_line keeps such a line whole)
+    # (`  checkpoint: <path>`: fold_long_line keeps such a line whole) or a shell continuation (` \`)
     with open(run_dir / "run.log") as f:
         log = f.read()
     for where, text in (("stdout", proc.stdout), ("stderr", proc.stderr), ("run.log", log)):
-        wide = [ln for ln in text.splitlines() if len(ln) > 100 and " " in ln.strip()
+        wide = [ln for ln in text.splitlines() if len(ln) > 100 and " " in ln.strip().removesuffix(" \\")
                 and not re.match(r"^ *[A-Za-z][\w-]*: \S+$", ln)]
         assert not wide, f"{where}: lines over 100 columns: {wide}"
     # the default job ends saying what to try next (runtime/hints.py; its commands: tests/*/test_next_steps*)

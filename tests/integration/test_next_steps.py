@@ -40,12 +40,13 @@ def test_the_default_job_ends_with_four_lines_of_at_most_100_columns(monkeypatch
     assert lines[1] == "python -m npu_train.generate outputs/2026-12-06/12-13-25.123456/checkpoints --prompt Hi"
     assert lines[2] == "python launch/run.py train.mode=lora data.format=chat data.source=botchan-chat"
     assert lines[3].startswith("python launch/run.py plan=true model.path=llama-3.1-8b backend=furiosa:")
-    # another job, or no checkpoint: nothing; a checkpoint path too long to paste on one line: its command left out
+    # another job, or no checkpoint: nothing; a checkpoint path too long for one line: the generate command
+    # continued on the next lines (` \`), the path alone on its own (tests/unit/test_pasteable_commands.py)
     assert _lines(monkeypatch, "ck", **{"model.path": "/models/x"}) == []
     assert _lines(monkeypatch, "ck", **{"train.mode": "lora"}) == []
     assert _lines(monkeypatch, None) == []
     long = _lines(monkeypatch, "/" + "d" * 90 + "/checkpoints")
-    assert len(long) == 3 and "generate" not in " ".join(long) and all(len(l) <= 100 for l in long)
+    assert long[1:4] == ["python -m npu_train.generate \\", "  /" + "d" * 90 + "/checkpoints \\", "  --prompt Hi"]
 
 
 def test_the_printed_generate_and_plan_commands_work_as_printed(monkeypatch, tmp_path):
@@ -58,8 +59,10 @@ def test_the_printed_generate_and_plan_commands_work_as_printed(monkeypatch, tmp
                    "eos_token": "<|endoftext|>"}, f)
     run = tmp_path / "run"
     run_pipeline(model, str(run), "backend=[cpu]", "train.steps=1")
-    lines = _lines(monkeypatch, str(run / "checkpoints"), width=1000)  # (a tmp path: longer than 100 columns)
-    gen, plan = lines[1], lines[3]
+    lines = _lines(monkeypatch, str(run / "checkpoints"))  # a tmp path: its command continued with ` \`
+    k = next(i for i, ln in enumerate(lines) if "-m npu_train.generate" in ln)
+    gen = "\n".join(lines[k:next(i for i in range(k, len(lines)) if not lines[i].endswith(" \\")) + 1])
+    plan = next(ln for ln in lines if "plan=true" in ln)
     for cmd in (gen, plan):
         r = subprocess.run(cmd, shell=True, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=200)
         assert r.returncode == 0, (cmd, r.stdout[-2000:], r.stderr[-2000:])

@@ -886,15 +886,34 @@ def is_startup_phase(text: str) -> bool:
 _LABELLED = re.compile(r"^ *[A-Za-z][\w-]*: \S+$")
 
 
+def shell_lines(words: list[str], width: int = LINE_COLUMNS, indent: str = "") -> list[str]:
+    """A shell command as printed lines that paste: ``words`` (each already quoted for the shell,
+    :func:`shlex.quote`) joined by spaces, broken only between words, each line but the last ending in a line
+    continuation `` \\`` and the lines after the first indented two spaces deeper than ``indent``; every line at
+    most ``width`` columns, except a word wider than that (a long path), which stands whole on a line of its
+    own. Pasted, all its lines run the command; :func:`fold_long_line` never folds a line ending in `` \\``.
+    A fresh-clone review copied the first line of a generate command the console had folded, and ran it
+    without its checkpoint path."""
+    lines, cur = [], indent + words[0]
+    for w in words[1:]:
+        if len(cur) + 1 + len(w) + 2 > width:  # 2: the " \\" a line that goes on ends with
+            lines.append(cur + " \\")
+            cur = indent + "  " + w
+        else:
+            cur += " " + w
+    return lines + [cur]
+
+
 def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
     """``line`` (no newline) folded at words so that no piece is wider than ``width`` columns, the pieces after
     the first indented two spaces deeper than the line's own indent; unchanged when it fits. A word wider
     than a line (a long path) stays whole on a line of its own; a ``label: <value>`` line (one word each,
     ``checkpoint: <path>``) stays whole, running past ``width``: folding it would only cut the label from
-    its value (issue 40)."""
+    its value (issue 40); so does a shell line that goes on on the next (:func:`shell_lines`: ending in
+    `` \\``; folded, the command would end there)."""
     from npu_train.errors import wrap_words  # never between a number and its unit
 
-    if len(line) <= width or _LABELLED.match(line):
+    if len(line) <= width or _LABELLED.match(line) or line.endswith(" \\"):
         return line
     indent = line[:len(line) - len(line.lstrip(" "))]
     return "\n".join(wrap_words(line[len(indent):], width, initial_indent=indent, subsequent_indent=indent + "  ")) or line

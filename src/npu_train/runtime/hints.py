@@ -5,16 +5,14 @@ Printed only after the default job (the embedded model on the shipped text, full
 last step and saved a checkpoint: a header naming what each command shows, then each command on its own line,
 pasteable as it is: this interpreter as it is reached from here (``python`` where that is it: an activated
 virtual environment; else its path, relative under the working directory), the launcher's path from here, the
-run's checkpoint root. A command wider than :data:`~npu_train.metrics.report.LINE_COLUMNS` is left out (the
-console would fold it, and a folded command does not paste)."""
+run's checkpoint root. A command wider than the console is broken between its words with shell line
+continuations (:func:`~npu_train.metrics.report.shell_lines`): a folded command does not paste."""
 from __future__ import annotations
 
 import os
 import shutil
 import sys
 from typing import Optional
-
-from npu_train.metrics.report import LINE_COLUMNS
 
 __all__ = ["next_steps", "interpreter", "launcher_path"]
 
@@ -52,20 +50,37 @@ def _is_default_job(cfg) -> bool:
             and str(getattr(cfg.train, "mode", "full")) == "full" and str(getattr(cfg.train, "objective", "sft")) == "sft")
 
 
-def next_steps(cfg, ckpt_root: Optional[str], width: int = LINE_COLUMNS) -> list[str]:
+def next_steps(cfg, ckpt_root: Optional[str], width: Optional[int] = None) -> list[str]:
     """The lines to print after the default job ``cfg`` ended with a checkpoint under ``ckpt_root`` (None: no
-    checkpoint): ``[]`` after any other job. Each command line is at most ``width`` columns; where none fits, one
-    line naming the docs instead."""
+    checkpoint): ``[]`` after any other job. A header, then each command as :func:`~npu_train.metrics.report.
+    shell_lines` prints it within ``width`` columns (default :func:`~npu_train.errors.console_columns`): whole
+    on one line where it fits, else broken between its words with `` \\`` line continuations, so that pasting
+    its lines runs it (a fresh-clone review at 80 columns copied the first line of a folded generate command
+    and ran it without its checkpoint path)."""
+    import shlex
+
+    from npu_train.errors import console_columns
+    from npu_train.metrics.report import shell_lines
+
     if not _is_default_job(cfg) or not ckpt_root:
         return []
+    width = console_columns() if width is None else int(width)
     py, run = interpreter(), launcher_path()
-    cmds = [f"{py} -m npu_train.generate {_here(ckpt_root)} --prompt {PROMPT}"]
+    cmds = [[py, "-m", "npu_train.generate", _here(ckpt_root), "--prompt", PROMPT]]
     if run is not None:
-        cmds += [f"{py} {run} train.mode=lora data.format=chat data.source=botchan-chat",
-                 f"{py} {run} plan=true model.path=llama-3.1-8b backend=furiosa:auto,furiosa:auto"]
-    whats = ["see what it says", "LoRA on chat rows", "an 8B plan for 2 RNGD cards"]
-    kept = [(w, c) for w, c in zip(whats, cmds) if len(c) <= width]
-    if not kept:  # paths too long for a command line that pastes: where the same is written down
-        return ["next: what to try (your data, a real model, LoRA, export, a plan for your cards): docs/usage.md"]
-    head = f"next: {', '.join(w for w, _ in kept)}; your own data: docs/data.md"
-    return [head, *(c for _, c in kept)]
+        cmds += [[py, run, "train.mode=lora", "data.format=chat", "data.source=botchan-chat"],
+                 [py, run, "plan=true", "model.path=llama-3.1-8b", "backend=furiosa:auto,furiosa:auto"]]
+    whats = ["see what it says", "LoRA on chat rows", "an 8B plan for 2 RNGD cards"][:len(cmds)]
+    from npu_train.errors import wrap_words
+
+    head = wrap_words(f"next: {', '.join(whats)}; your own data: docs/data.md", width)
+    def units(argv: list[str]) -> list[str]:  # shell-quoted; an option stays on the line of its value
+        out = []
+        for a in argv:
+            if out and out[-1].startswith("--") and " " not in out[-1]:
+                out[-1] += " " + shlex.quote(a)
+            else:
+                out.append(shlex.quote(a))
+        return out
+
+    return [*head, *(ln for argv in cmds for ln in shell_lines(units(argv), width))]
