@@ -158,8 +158,10 @@ def test_summary_of_a_sweep_dir(tmp_path):
     with open(os.path.join(sd, "summary.csv")) as f:
         table = list(csv.reader(f))
     assert table[0] == sweep.HEADER
-    assert table[1] == ["0", "train.lr=0.001", "4.0000", "4.5000", "200", "1.00/0.50", "ok", ""]
-    assert table[2][:3] == ["1", "train.lr=0.002", "5.0000"] and table[2][6] == "failed"
+    # jobs counted from 1, as the "sweep job i/n:" lines count them; Hydra's directories from 0, and said so
+    assert table[1] == ["1", "train.lr=0.001", "4.0000", "4.5000", "200", "1.00/0.50", "ok", ""]
+    assert table[2][:3] == ["2", "train.lr=0.002", "5.0000"] and table[2][6] == "failed"
+    assert sweep.job_dirs_note(sd, rows) == f"job k's directory: {sd}/<k-1> (Hydra numbers its job directories from 0)"
     assert table[2][7] == "card cpu:1 (stage 1, layers 3-5 +head) failed during step 2: process killed by signal SIGKILL"
     assert table[3][6] == "failed" and "no status.json" in table[3][7]
     assert os.path.getsize(os.path.join(sd, "loss_curves.png")) > 0
@@ -190,7 +192,7 @@ def test_console_summary_fits_100_columns_and_the_file_keeps_every_override(tmp_
     assert text.startswith("# Sweep summary: 0 ok, 1 failed")
     joined = " ".join(ln.strip() for ln in text.splitlines())
     assert f"{path} train.steps=2 train.lr=0.0001" in joined and "process killed by signal SIGKILL" in joined
-    assert "| 0 | 6.9450 |" in text
+    assert "| 1 | 6.9450 |" in text and "job 1: model.path=" in text
 
 
 def test_summary_names_a_job_stop_after_ended(tmp_path):
@@ -271,7 +273,7 @@ def test_concurrent_sweep_with_a_failing_job(tmp_path, tiny_model):
     assert bad_st["started"] < ok_st["finished"] and ok_st["started"] < bad_st["finished"]
     with open(os.path.join(sd, "summary.csv")) as f:
         rows = list(csv.DictReader(f))
-    assert [(r["job"], r["status"]) for r in rows] == [("0", "ok"), ("1", "failed")]
+    assert [(r["job"], r["status"]) for r in rows] == [("1", "ok"), ("2", "failed")]
     assert rows[0]["overrides"] == "data.source=botchan" and float(rows[0]["train loss"]) > 0
     assert float(rows[0]["val loss"]) > 0 and float(rows[0]["tokens/s"]) > 0 and rows[0]["peak mem GiB per card"]
     assert "no-such-corpus.txt" in rows[1]["error"] and rows[1]["train loss"] == "n/a"
@@ -346,7 +348,7 @@ def test_sweep_sharing_a_card_is_rejected_before_any_job(tmp_path, tiny_model):
                        capture_output=True, text=True, cwd=REPO, timeout=300)
     assert p.returncode == 2, p.stdout + p.stderr
     errors = [one_refusal(p.stderr)]
-    assert errors == ["error: hydra.launcher.n_jobs=2: jobs #0 and #1 of the sweep both use card furiosa:0, and a "
+    assert errors == ["error: hydra.launcher.n_jobs=2: jobs 1 and 2 of the sweep both use card furiosa:0, and a "
                       "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
                       "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)"], p.stderr
     assert not os.path.exists(sd) or not [n for n in os.listdir(sd) if n.isdigit()]
@@ -409,3 +411,13 @@ def test_a_sweep_over_modes_runs_its_full_job(tmp_path, tiny_model):
     assert out.count("ignoring lora.rank=16 for this job") == 1, out[-4000:]
     assert "sweep job 1/2: train.mode=full\n" in p.stdout and "sweep job 2/2: train.mode=lora\n" in p.stdout, out[-4000:]
     assert not leaked, leaked
+
+
+def test_the_job_dirs_note_names_each_directory_of_another_subdir(tmp_path):
+    """With ``hydra.sweep.subdir`` other than the job number, the note names each job's directory."""
+    sd = str(tmp_path)
+    _fake_job(os.path.join(sd, "lr-a"), 0, ["train.lr=0.001"], 0, [5.0])
+    _fake_job(os.path.join(sd, "lr-b"), 1, ["train.lr=0.002"], 0, [5.0])
+    rows = sweep.collect(sd)
+    assert sweep.job_dirs_note(sd, rows) == f"job directories: job 1 in {sd}/lr-a, job 2 in {sd}/lr-b"
+    assert sweep.job_dirs_note(sd, []) == ""

@@ -89,7 +89,7 @@ def check_concurrency(needs: list[Optional[JobNeeds]], n_jobs: int, cores: int, 
         return want
     if shared and want > 1:
         c, a, b = shared
-        raise SweepError(f"hydra.launcher.n_jobs={n_jobs}: jobs #{a} and #{b} of the sweep both use card {c}, and a "
+        raise SweepError(f"hydra.launcher.n_jobs={n_jobs}: jobs {a + 1} and {b + 1} of the sweep both use card {c}, and a "
                          "card cannot be shared by two concurrent jobs; use hydra.launcher.n_jobs=1, or give each job "
                          "its own cards (explicit indices, e.g. backend=furiosa:0 / backend=furiosa:1)")
     why = []
@@ -287,10 +287,12 @@ HEADER = ["job", "overrides", "train loss", "val loss", "tokens/s", "peak mem Gi
 
 
 def table_rows(rows: list[dict], plain: bool = False) -> list[list[str]]:
-    """The summary table as strings, one list per job, columns :data:`HEADER` (``plain``: no thousands separators)."""
+    """The summary table as strings, one list per job, columns :data:`HEADER` (``plain``: no thousands separators);
+    jobs numbered from 1, as the ``sweep job i/n:`` lines count them (Hydra's ``num`` + 1; its job directories
+    keep Hydra's names: :func:`job_dirs_note`)."""
     out = []
     for r, ov in zip(rows, swept_overrides(rows)):
-        out.append([str(r["num"]), " ".join(ov), _fmt(r["train_loss"]), _fmt(r["val_loss"]),
+        out.append([str(r["num"] + 1), " ".join(ov), _fmt(r["train_loss"]), _fmt(r["val_loss"]),
                     _fmt(r["tokens_per_s"], ".0f" if plain else ",.0f"), "/".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "n/a",
                     r["status"], r["error"]])
     return out
@@ -314,6 +316,18 @@ def console_summary(md: str, rows: list[dict], width: int = 100) -> str:
         if row[7]:
             out.append(fold_long_line(f"job {row[0]} error: {row[7]}", width))
     return md.split("\n", 1)[0] + "\n\n" + "\n".join(out) + "\n"
+
+
+def job_dirs_note(sweep_dir: str, rows: list[dict]) -> str:
+    """Which directory holds which job: the table counts jobs from 1, Hydra names their directories from 0
+    (``hydra.sweep.subdir=${hydra.job.num}``): ``job k's directory: <sweep_dir>/<k-1>``, else (another subdir)
+    each job's directory. ``""`` without rows."""
+    if not rows:
+        return ""
+    names = [os.path.relpath(r["dir"], sweep_dir) for r in rows]
+    if all(n == str(r["num"]) for n, r in zip(names, rows)):
+        return f"job k's directory: {os.path.join(sweep_dir, '<k-1>')} (Hydra numbers its job directories from 0)"
+    return "job directories: " + ", ".join(f"job {r['num'] + 1} in {os.path.join(sweep_dir, n)}" for n, r in zip(names, rows))
 
 
 def write_summary(sweep_dir: str, rows: list[dict]) -> str:
@@ -348,7 +362,7 @@ def plot_losses(path: str, rows: list[dict]) -> None:
     for r, ov in zip(rows, swept_overrides(rows)):
         if r["losses"]:
             ax.plot([a for a, _ in r["losses"]], [b for _, b in r["losses"]], marker="o" if len(r["losses"]) <= 50 else None,
-                    label=f"#{r['num']} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else f" ({r['status']})"))
+                    label=f"#{r['num'] + 1} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else f" ({r['status']})"))
     ax.set_xlabel("optimizer step")
     ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     ax.set_ylabel("train loss (nats/token)")
@@ -501,6 +515,12 @@ class SweepCallback(_HydraCallback):
         rows = collect(sweep_dir) if os.path.isdir(sweep_dir) else []
         last_rows = rows
         if os.path.isdir(sweep_dir):
-            md = write_summary(sweep_dir, rows)
-            print("\n" + console_summary(md, rows) + f"\nsummary: {os.path.join(sweep_dir, 'summary.md')} (and "
-                  "summary.csv, loss_curves.png)", flush=True)
+            from npu_train.errors import console_columns
+            from npu_train.metrics.report import fold_long_line
+
+            md, width = write_summary(sweep_dir, rows), console_columns()
+            print("\n" + console_summary(md, rows, width) + "\n" + fold_long_line(
+                f"summary: {os.path.join(sweep_dir, 'summary.md')} (and summary.csv, loss_curves.png)", width),
+                flush=True)
+            if rows:
+                print(fold_long_line(job_dirs_note(sweep_dir, rows), width), flush=True)
