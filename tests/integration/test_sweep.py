@@ -421,3 +421,20 @@ def test_the_job_dirs_note_names_each_directory_of_another_subdir(tmp_path):
     rows = sweep.collect(sd)
     assert sweep.job_dirs_note(sd, rows) == f"job directories: job 1 in {sd}/lr-a, job 2 in {sd}/lr-b"
     assert sweep.job_dirs_note(sd, []) == ""
+
+
+def test_a_sweep_that_trained_no_step_draws_no_loss_curves(tmp_path):
+    """A plan-only sweep (``-m plan=true ...``) trains nothing: no empty ``loss_curves.png``, and the console's
+    summary line does not name one (issue 40); a sweep with a step draws it and names it."""
+    sd = str(tmp_path)
+    for n in (0, 1):
+        _fake_job(os.path.join(sd, str(n)), n, ["plan=true", f"train.lr={n + 1}e-4"], 0, [])
+    rows = sweep.collect(sd)
+    sweep.write_summary(sd, rows)
+    assert os.path.isfile(os.path.join(sd, "summary.md")) and not os.path.exists(os.path.join(sd, "loss_curves.png"))
+    assert sweep.summary_files_line(sd, rows) == f"summary: {sd}/summary.md (and summary.csv)"
+    _fake_job(os.path.join(sd, "2"), 2, ["train.lr=3e-4"], 0, [5.0])
+    rows = sweep.collect(sd)
+    sweep.write_summary(sd, rows)
+    assert os.path.getsize(os.path.join(sd, "loss_curves.png")) > 0
+    assert sweep.summary_files_line(sd, rows).endswith("(and summary.csv, loss_curves.png)")

@@ -331,7 +331,8 @@ def job_dirs_note(sweep_dir: str, rows: list[dict]) -> str:
 
 
 def write_summary(sweep_dir: str, rows: list[dict]) -> str:
-    """Write ``summary.md``, ``summary.csv`` and ``loss_curves.png`` into ``sweep_dir``; return the Markdown."""
+    """Write ``summary.md``, ``summary.csv`` and, when a job trained a step, ``loss_curves.png`` into
+    ``sweep_dir``; return the Markdown."""
     body = table_rows(rows)
     esc = [[c.replace("|", "\\|") for c in row] for row in body]
     md = "| " + " | ".join(HEADER) + " |\n|" + "---|" * len(HEADER) + "\n"
@@ -347,12 +348,21 @@ def write_summary(sweep_dir: str, rows: list[dict]) -> str:
     w.writerows(table_rows(rows, plain=True))
     with open(os.path.join(sweep_dir, "summary.csv"), "w", newline="") as f:
         f.write(buf.getvalue())
-    plot_losses(os.path.join(sweep_dir, "loss_curves.png"), rows)
+    if any(r["losses"] for r in rows):  # a plan-only sweep (plan=true) trains nothing: no empty figure
+        plot_losses(os.path.join(sweep_dir, "loss_curves.png"), rows)
     return md
 
 
+def summary_files_line(sweep_dir: str, rows: list[dict]) -> str:
+    """The console's line naming the summary's files: ``loss_curves.png`` only where a job trained a step
+    (:func:`write_summary` draws it then; a plan-only sweep drew an empty figure and named it, issue 40)."""
+    plot = ", loss_curves.png" if any(r["losses"] for r in rows) else ""
+    return f"summary: {os.path.join(sweep_dir, 'summary.md')} (and summary.csv{plot})"
+
+
 def plot_losses(path: str, rows: list[dict]) -> None:
-    """One figure with every job's per-step train loss (nats/token), labelled by its swept overrides."""
+    """One figure with every job's per-step train loss (nats/token), labelled by its swept overrides (the caller
+    draws it only when a job recorded a step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,10 +377,7 @@ def plot_losses(path: str, rows: list[dict]) -> None:
     ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     ax.set_ylabel("train loss (nats/token)")
     ax.grid(alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7)
-    else:
-        ax.text(0.5, 0.5, "no job recorded a step", ha="center", va="center", transform=ax.transAxes)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -519,8 +526,7 @@ class SweepCallback(_HydraCallback):
             from npu_train.metrics.report import fold_long_line
 
             md, width = write_summary(sweep_dir, rows), console_columns()
-            print("\n" + console_summary(md, rows, width) + "\n" + fold_long_line(
-                f"summary: {os.path.join(sweep_dir, 'summary.md')} (and summary.csv, loss_curves.png)", width),
-                flush=True)
+            print("\n" + console_summary(md, rows, width) + "\n"
+                  + fold_long_line(summary_files_line(sweep_dir, rows), width), flush=True)
             if rows:
                 print(fold_long_line(job_dirs_note(sweep_dir, rows), width), flush=True)
