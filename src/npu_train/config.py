@@ -731,8 +731,10 @@ def _check_resume(t) -> None:
 
 def _check_optimizer(t) -> None:
     """Learning rate, its schedule, clipping and AdamW (``train``)."""
+    from npu_train.metrics.report import fmt_number
+
     if t.lr <= 0:
-        raise ConfigError(f"train.lr={t.lr}: the learning rate must be > 0 (e.g. train.lr=1e-4)")
+        raise ConfigError(f"train.lr={fmt_number(t.lr)}: the learning rate must be > 0 (e.g. train.lr=1e-4)")
     for key in ("clip", "warmup_steps", "save_every"):
         if getattr(t, key) < 0:
             raise ConfigError(f"train.{key}={getattr(t, key)}: must be >= 0 (0 turns it off)")

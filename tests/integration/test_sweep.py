@@ -191,7 +191,7 @@ def test_console_summary_fits_100_columns_and_the_file_keeps_every_override(tmp_
     assert max(len(ln) for ln in text.splitlines()) <= 100
     assert text.startswith("# Sweep summary: 0 ok, 1 failed")
     joined = " ".join(ln.strip() for ln in text.splitlines())
-    assert f"{path} train.steps=2 train.lr=0.0001" in joined and "process killed by signal SIGKILL" in joined
+    assert f"{path} train.steps=2 train.lr=1e-4" in joined and "process killed by signal SIGKILL" in joined
     assert "| 1 | 6.9450 |" in text and "job 1: model.path=" in text
 
 
@@ -438,3 +438,18 @@ def test_a_sweep_that_trained_no_step_draws_no_loss_curves(tmp_path):
     sweep.write_summary(sd, rows)
     assert os.path.getsize(os.path.join(sd, "loss_curves.png")) > 0
     assert sweep.summary_files_line(sd, rows).endswith("(and summary.csv, loss_curves.png)")
+
+
+def test_the_sweep_prints_a_learning_rate_as_written(tmp_path):
+    """``-m train.lr=1e-4,3e-5``: Hydra hands the jobs ``train.lr=0.0001`` and ``train.lr=3e-05``; the job lines
+    and the summary say ``1e-4`` and ``3e-5`` (issue 40); ``0.001`` stays."""
+    from omegaconf import OmegaConf
+
+    OmegaConf.save({"hydra": {"overrides": {"task": ["train.lr=1e-4,3e-5,1e-3"]}}}, tmp_path / "multirun.yaml")
+    assert sweep.job_header(str(tmp_path), 0, ["train.lr=0.0001"]) == "sweep job 1/3: train.lr=1e-4"
+    assert sweep.job_header(str(tmp_path), 1, ["train.lr=3e-05"]) == "sweep job 2/3: train.lr=3e-5"
+    assert sweep.job_header(str(tmp_path), 2, ["train.lr=0.001"]) == "sweep job 3/3: train.lr=0.001"
+    sd = str(tmp_path / "sw")
+    for n, lr in enumerate(["0.0001", "3e-05"]):
+        _fake_job(os.path.join(sd, str(n)), n, ["train.steps=2", f"train.lr={lr}"], 0, [5.0])
+    assert [r[1] for r in sweep.table_rows(sweep.collect(sd))] == ["train.lr=1e-4", "train.lr=3e-5"]

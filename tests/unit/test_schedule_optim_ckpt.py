@@ -279,6 +279,6 @@ def test_warmup_longer_than_the_run_is_noted():
 
     # steps 0..1 of a 10-step ramp: lr * 2/10 at most (written from the ramp's formula)
     note = warmup_note(lr=1e-3, warmup_steps=10, total_steps=2)
-    assert note.startswith("note: train.warmup_steps=10 > train.steps=2") and "peaks at 0.0002 (20% of train.lr=0.001)" in note
+    assert note.startswith("note: train.warmup_steps=10 > train.steps=2") and "peaks at 2e-4 (20% of train.lr=0.001)" in note
     assert warmup_note(lr=1e-3, warmup_steps=2, total_steps=2) is None
     assert warmup_note(lr=1e-3, warmup_steps=0, total_steps=20) is None

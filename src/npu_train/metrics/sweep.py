@@ -264,7 +264,7 @@ def swept_overrides(rows: list[dict]) -> list[list[str]]:
 def job_header(sweep_dir: str, num: int, overrides: list[str]) -> str:
     """The line that begins job ``num`` (Hydra's 0-based ``hydra.job.num``) of the sweep in ``sweep_dir``:
     ``sweep job 2/2: train.lr=3e-4``, with only the overrides that differ between the sweep's jobs (all of the
-    job's when it is alone). The jobs come from the sweep's ``multirun.yaml`` (written before any job); without
+    job's when it is alone), floats as written (:func:`~npu_train.metrics.report.fmt_override`). The jobs come from the sweep's ``multirun.yaml`` (written before any job); without
     it the count is left out (``sweep job 2: ...``)."""
     from omegaconf import OmegaConf
 
@@ -276,7 +276,9 @@ def job_header(sweep_dir: str, num: int, overrides: list[str]) -> str:
     swept = {o.split("=", 1)[0] for j in swept_overrides([{"overrides": j} for j in jobs]) for o in j}
     shown = [o for o in overrides if o.split("=", 1)[0] in swept] if len(jobs) > 1 else list(overrides)
     count = f"/{len(jobs)}" if jobs else ""
-    return f"sweep job {num + 1}{count}: {' '.join(shown) or '(no overrides)'}"
+    from npu_train.metrics.report import fmt_override  # train.lr=1e-4, as written (Hydra gives 0.0001)
+
+    return f"sweep job {num + 1}{count}: {' '.join(fmt_override(o) for o in shown) or '(no overrides)'}"
 
 
 def _fmt(x: Optional[float], spec: str = ".4f") -> str:
@@ -290,9 +292,11 @@ def table_rows(rows: list[dict], plain: bool = False) -> list[list[str]]:
     """The summary table as strings, one list per job, columns :data:`HEADER` (``plain``: no thousands separators);
     jobs numbered from 1, as the ``sweep job i/n:`` lines count them (Hydra's ``num`` + 1; its job directories
     keep Hydra's names: :func:`job_dirs_note`)."""
+    from npu_train.metrics.report import fmt_override  # train.lr=1e-4, as written (Hydra gives 0.0001)
+
     out = []
     for r, ov in zip(rows, swept_overrides(rows)):
-        out.append([str(r["num"] + 1), " ".join(ov), _fmt(r["train_loss"]), _fmt(r["val_loss"]),
+        out.append([str(r["num"] + 1), " ".join(fmt_override(o) for o in ov), _fmt(r["train_loss"]), _fmt(r["val_loss"]),
                     _fmt(r["tokens_per_s"], ".0f" if plain else ",.0f"), "/".join(f"{m:.2f}" for m in r["peak_mem_gib"]) or "n/a",
                     r["status"], r["error"]])
     return out
@@ -365,6 +369,8 @@ def plot_losses(path: str, rows: list[dict]) -> None:
     draws it only when a job recorded a step)."""
     import matplotlib
 
+    from npu_train.metrics.report import fmt_override
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -372,7 +378,7 @@ def plot_losses(path: str, rows: list[dict]) -> None:
     for r, ov in zip(rows, swept_overrides(rows)):
         if r["losses"]:
             ax.plot([a for a, _ in r["losses"]], [b for _, b in r["losses"]], marker="o" if len(r["losses"]) <= 50 else None,
-                    label=f"#{r['num'] + 1} {' '.join(ov)}"[:60] + ("" if r["status"] == "ok" else f" ({r['status']})"))
+                    label=f"#{r['num'] + 1} {' '.join(fmt_override(o) for o in ov)}"[:60] + ("" if r["status"] == "ok" else f" ({r['status']})"))
     ax.set_xlabel("optimizer step")
     ax.xaxis.get_major_locator().set_params(integer=True)  # steps are whole numbers
     ax.set_ylabel("train loss (nats/token)")

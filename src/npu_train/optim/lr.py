@@ -18,8 +18,10 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
 
 def warmup_note(*, lr: float, warmup_steps: int, total_steps: int) -> "str | None":
     """A console note when the warm-up outlasts the run (``warmup_steps > total_steps``), else None."""
+    from npu_train.metrics.report import fmt_number
+
     if warmup_steps <= total_steps:
         return None
     top = lr_at(total_steps - 1, lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
     return (f"note: train.warmup_steps={warmup_steps} > train.steps={total_steps}: the warm-up never ends, the "
-            f"learning rate peaks at {top:.3g} ({top / lr:.0%} of train.lr={lr:g}); lower train.warmup_steps or raise train.steps")
+            f"learning rate peaks at {fmt_number(float(f'{top:.3g}'))} ({top / lr:.0%} of train.lr={fmt_number(lr)}); lower train.warmup_steps or raise train.steps")
