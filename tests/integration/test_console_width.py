@@ -112,6 +112,6 @@ def test_a_step_line_fits_an_80_column_terminal(tiny_model, tmp_path, progress):
     assert any(ln.lstrip().startswith("mem GiB ") or " | mem GiB " in ln for ln in step), step
     # the done: summary: each label on a line with its path (a review saw "checkpoint" end a folded line, its path
     # on the next)
-    assert any(re.match(r"^done: 1 step, loss \S+ -> \S+$", ln) for ln in lines), text[-2000:]
+    assert any(re.match(r"^done: 1 step, loss \S+ -> \S+, wall \d+:\d\d:\d\d$", ln) for ln in lines), text[-2000:]
     assert any(re.match(r"^  checkpoint: /\S+/checkpoints/step_000001$", ln) for ln in lines), text[-2000:]
     assert any(re.match(r"^  metrics: /\S+/metrics\.jsonl$", ln) for ln in lines), text[-2000:]

@@ -149,10 +149,28 @@ def done_checkpoint(last_ckpt: Optional[str], save: bool = True) -> str:
     return f"checkpoint: {last_ckpt}" if save else "no checkpoint (checkpoint.save=false)"
 
 
+def fmt_wall(seconds: float) -> str:
+    """``h:mm:ss`` of a wall time in seconds (``75.3`` -> ``0:01:15``, ``90061`` -> ``25:01:01``)."""
+    s = int(round(max(0.0, float(seconds))))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
+
+
+def _pace(summ: dict) -> str:
+    """The ``done:`` line's pace from the summary: ``, 84 tok/s, wall 0:01:15`` (``summary.json``'s
+    ``mean_tokens_per_s``, the mean over the steps after the first, of trained tokens: ``trained tok/s`` where
+    not every position trains, chat data; left out after one step) and this launch's ``wall_s``."""
+    tps, out = summ.get("mean_tokens_per_s"), ""
+    if tps is not None:
+        out += f", {tps:,.0f} {'trained ' if summ.get('mean_all_tokens_per_s') is not None else ''}tok/s"
+    if summ.get("wall_s") is not None:
+        out += f", wall {fmt_wall(summ['wall_s'])}"
+    return out
+
+
 def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
                     run_dir: str) -> str:
     """The launcher's last lines (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``): the steps and
-    losses, then, each on its own line indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label
+    losses, the mean trained tokens/s and this launch's wall time (:func:`_pace`), then, each on its own line indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label
     with its path: a fresh-clone review saw one ``;``-joined line fold with ``checkpoint`` cut off from its path,
     issue 40) and a stopped run's resume command; ``summ``: the reporter's summary (losses in nats/token)."""
     from npu_train.metrics.report import fmt_loss
@@ -163,7 +181,7 @@ def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_r
     return (f"{'stopped' if early else 'done'}: {n} step{'' if n == 1 else 's'}{skipped}"
             + (f" of this launch (train.stop_after={train.stop_after}), at step {at} of train.steps={train.steps}"
                if early else "")
-            + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}\n"
+            + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}{_pace(summ)}\n"
             f"  {done_checkpoint(last_ckpt, save)}\n  metrics: {os.path.join(run_dir, 'metrics.jsonl')}"
             + (f"\n  {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
                f"{os.path.join(run_dir, 'status.json')})" if early and last_ckpt else ""))
