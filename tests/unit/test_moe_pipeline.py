@@ -20,6 +20,7 @@ from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import StageModule
 from npu_train.pipeline.moeaux import StageRouting, aux_loss_weight
 from npu_train.pipeline.stage import StageRunner
+from stage_threads import run_stage_threads, wake_links
 
 VOCAB, SEQ, MB = 96, 8, 2
 SPLITS = {1: [4], 2: [2, 2], 3: [1, 2, 1]}
@@ -153,33 +154,20 @@ def run_pipeline(cfg, weights, inputs, labels, P, w, schedule="1f1b", recompute=
         bounds.append((first, first + n))
         first += n
     links = {(k, s): (threading.Condition(), {}) for k in ("act", "grad") for s in range(P)}
-    results, errors, abort = [None] * P, [], threading.Event()
+    results, abort = [None] * P, threading.Event()
 
     def work(s):
-        try:
-            mod = StageModule(cfg, *bounds[s], s == 0, s == P - 1, recompute=recompute)
-            mod.load_named_tensors({n: weights[n] for n in mod.param_names()})
-            moe = StageRouting(mod.router_recorder, cfg.num_experts, w, len(inputs), s == P - 1)
-            runner = StageRunner(mod, _Cpu(), P, s, schedule, MetaQueueComm(links, s, abort), moe=moe)
-            if s in (0, P - 1):
-                res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None)
-            else:
-                res = runner.run_middle(0, len(inputs))
-            results[s] = (res, {n: p.grad for n, p in mod.named_parameters()})
-        except BaseException as e:
-            errors.append(e)
-            abort.set()
-            for cv, _ in links.values():
-                with cv:
-                    cv.notify_all()
+        mod = StageModule(cfg, *bounds[s], s == 0, s == P - 1, recompute=recompute)
+        mod.load_named_tensors({n: weights[n] for n in mod.param_names()})
+        moe = StageRouting(mod.router_recorder, cfg.num_experts, w, len(inputs), s == P - 1)
+        runner = StageRunner(mod, _Cpu(), P, s, schedule, MetaQueueComm(links, s, abort), moe=moe)
+        if s in (0, P - 1):
+            res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None)
+        else:
+            res = runner.run_middle(0, len(inputs))
+        results[s] = (res, {n: p.grad for n, p in mod.named_parameters()})
 
-    threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * TIMEOUT_S)
-    if errors:
-        raise errors[0]
+    run_stage_threads(P, work, wake_links(abort, links), 2 * TIMEOUT_S)
     return results
 
 

@@ -30,6 +30,7 @@ from npu_train.runtime.layout import ParallelLayout
 from npu_train.runtime.links import LinkComm
 from npu_train.transport import Endpoint, Mailbox, Outbox, TensorLink
 from npu_train.transport import shm as shm_mod
+from stage_threads import run_stage_threads
 
 VOCAB, SEQ, MB, LAYERS = 64, 8, 2, 6
 TIMEOUT_S = 30.0
@@ -185,7 +186,7 @@ def run_cards(cfg, weights, inputs, labels, P, schedule, overlap, thread_local=T
     ctx = zmq.Context()
     nbytes = MB * SEQ * cfg.hidden_size * 4
     barrier = threading.Barrier(P)
-    results, errors, comms = [None] * P, [], [None] * P
+    results, comms = [None] * P, [None] * P
 
     def card(s):
         _where.stage, _where.copy = s, False
@@ -205,24 +206,19 @@ def run_cards(cfg, weights, inputs, labels, P, schedule, overlap, thread_local=T
             else:
                 res = runner.run_middle(0, len(inputs))
             results[s] = (res, {n: p.grad for n, p in mod.named_parameters()})
-        except BaseException as e:  # noqa: BLE001
-            errors.append(e)
-            barrier.abort()
+        except BaseException:
+            barrier.abort()  # before the close: the other cards stop waiting at once (then raised by the helper)
+            raise
         finally:
             if comm is not None:
                 comm.stats = (comm.copies.sends, comm.copies.fetched, comm.copies.direct) if comm.copies else None
                 comm.close()
 
-    threads = [threading.Thread(target=card, args=(s,), daemon=True) for s in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(4 * TIMEOUT_S)
-    ctx.term()
-    shutil.rmtree(run_dir, ignore_errors=True)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a card thread hangs"
+    def cleanup():
+        ctx.term()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+    run_stage_threads(P, card, barrier.abort, 4 * TIMEOUT_S, cleanup=cleanup, what="a card thread")
     loss = next(res["loss_sum"] for res, _ in results if res["n_tokens"])
     grads = {n: g for _, gs in results for n, g in gs.items()}
     return loss, grads, [c.stats for c in comms]

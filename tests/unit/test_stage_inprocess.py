@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from npu_train.model.config import LlamaConfig
 from npu_train.model.llama import StageModule, checkpoint_source_name
 from npu_train.pipeline.stage import StageRunner
+from stage_threads import run_stage_threads, wake_links
 
 VOCAB, SEQ, MB = 96, 8, 2
 SPLITS = {1: [5], 2: [3, 2], 3: [2, 1, 2]}  # layers per stage (uneven on purpose)
@@ -105,35 +106,21 @@ def run_pipeline(cfg, weights, inputs, labels, P, schedule, slots=1, early_last=
         bounds.append((first, first + n))
         first += n
     links = {(k, s): (threading.Condition(), {}) for k in ("act", "grad") for s in range(P)}
-    results, errors, abort = [None] * P, [], threading.Event()
+    results, abort = [None] * P, threading.Event()
 
     def work(s):
-        try:
-            mod = StageModule(cfg, *bounds[s], s == 0, s == P - 1)
-            mod.load_named_tensors({n: weights[checkpoint_source_name(cfg, n)] for n in mod.param_names()})
-            runner = StageRunner(mod, _Cpu(), P, s, schedule, QueueComm(links, s, slots, abort), objective=objective)
-            runner.trace = traces[s] if traces is not None else None
-            if s in (0, P - 1):
-                early = early_last(mod) if early_last is not None and s == P - 1 else None
-                res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None, early=early)
-            else:
-                res = runner.run_middle(0, len(inputs))
-            results[s] = (res, {n: p.grad for n, p in mod.named_parameters()})
-        except BaseException as e:  # re-raised in the main thread; the other stages stop waiting
-            errors.append(e)
-            abort.set()
-            for cv, _ in links.values():
-                with cv:
-                    cv.notify_all()
+        mod = StageModule(cfg, *bounds[s], s == 0, s == P - 1)
+        mod.load_named_tensors({n: weights[checkpoint_source_name(cfg, n)] for n in mod.param_names()})
+        runner = StageRunner(mod, _Cpu(), P, s, schedule, QueueComm(links, s, slots, abort), objective=objective)
+        runner.trace = traces[s] if traces is not None else None
+        if s in (0, P - 1):
+            early = early_last(mod) if early_last is not None and s == P - 1 else None
+            res = runner.run_step(0, inputs if s == 0 else None, labels if s == P - 1 else None, early=early)
+        else:
+            res = runner.run_middle(0, len(inputs))
+        results[s] = (res, {n: p.grad for n, p in mod.named_parameters()})
 
-    threads = [threading.Thread(target=work, args=(s,), daemon=True) for s in range(P)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(2 * TIMEOUT_S)
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a stage thread hangs"
+    run_stage_threads(P, work, wake_links(abort, links), 2 * TIMEOUT_S)
     return results[-1][0]["loss_sum"], [g for _, g in results]
 
 
