@@ -141,13 +141,18 @@ def check_before_imports(cfg) -> None:
     of CPU, and a fresh-clone review on a loaded 2-core host waited 19 s for a bad backend's one line and 14 s for
     ``data.seq_len=100000``'s. CUDA cards that certainly do not exist here (a CPU-only torch, no NVIDIA driver,
     an index past the driver's GPUs: :func:`npu_train.backends.spec.check_cuda_early`; not for ``plan=true``,
-    which may plan for another machine) are refused here too; the others are checked when the job starts."""
+    which may plan for another machine) are refused here too; the others are checked when the job starts. A
+    training run's ``model.path`` that does not exist is refused here as well (it waited for the torch import)."""
     from npu_train.backends.spec import check_cuda_early, parse_backend_list
     from npu_train.model.limits import check_seq_len_early
 
     cards = parse_backend_list(cfg.backend)
     if not cfg.plan:
         check_cuda_early(cards)
+    if not cfg.plan and not getattr(cfg, "calibrate", False):  # training reads it: a missing one is refused
+        from npu_train.model.files import check_exists, resolve_model_path  # before 'still: ... torch import'
+
+        check_exists(os.path.abspath(resolve_model_path(str(cfg.model.path))))
     check_seq_len_early(int(cfg.data.seq_len), str(cfg.model.path))
 
 

@@ -141,3 +141,13 @@ def test_the_first_line_of_eight_cards_folds_within_100_columns(monkeypatch):
     two = OmegaConf.create({"backend": ["cpu", "cpu"], "plan": False, "model": {"path": "embedded"}})
     assert mod.starting_line(two) == ("npu-train: training, model.path=embedded on backend=cpu,cpu: loading the "
                                       "model, planning ...")
+
+
+def test_a_missing_model_path_is_refused_before_the_imports(tmp_path):
+    """A training run with a bad model.path printed 'still: reading the model's header (the torch import...)'
+    and only then its error: the path is checked before torch and the job modules are imported."""
+    r, seen = _launch(tmp_path, f"model.path={tmp_path / 'no-such-model'}", "train.steps=2")
+    assert r.returncode == 2, r.stderr[-2000:]
+    msg = one_refusal(r.stderr)
+    assert msg and "no-such-model' does not exist" in msg and "pass an HF model directory" in msg, r.stderr
+    assert seen["exit"] == [], seen  # no heavy import
