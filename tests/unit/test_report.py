@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import re
@@ -362,6 +363,25 @@ def test_steps_well_over_the_plan_on_a_busy_host_say_so_once(tmp_path, monkeypat
     assert "`top`" in flat
     lines = text.splitlines()
     assert lines[lines.index(notes[0]) - 2].startswith("step 4/5"), text  # after step 4's two lines
+
+
+@pytest.mark.parametrize("columns", [80, 100])
+def test_the_busy_host_note_is_folded_once_at_the_consoles_width(tmp_path, monkeypatch, columns):
+    """At 80 columns the note was folded at 100 by the reporter and again at 80 by the launcher's folder: lines of
+    60, 20 and 80 columns, indented 2 and 4, two paragraphs interleaved. Folded once at the console's width, the
+    launcher's folder (launch/run.py's _LogTee) leaves it as it is, every line fits, and it reads as one paragraph:
+    the first line unindented, the others indented two spaces."""
+    from npu_train.metrics import report
+
+    monkeypatch.setattr(report, "console_columns", lambda stream=None: columns)
+    text = _slow_run(tmp_path, monkeypatch, [60.0, 26.0, 30.0, 38.0, 25.0], 7.6)
+    folder = report.LineFolder(columns)
+    assert folder.feed(text) + folder.drain() == text  # nothing left for the launcher to fold again
+    lines = text[text.index("note: "):].splitlines()
+    note = lines[:1] + list(itertools.takewhile(lambda ln: ln.startswith("  ") and not ln.startswith("   "), lines[1:]))
+    assert len(note) >= 2 and all(len(ln) <= columns for ln in note), note
+    flat = " ".join(ln.strip() for ln in note)
+    assert flat == report.slow_steps_note(31.333333333333332, 5.0, 3, (7.6, 2)), (flat, note)
 
 
 def test_slow_steps_on_a_quiet_host_do_not_blame_the_host(tmp_path, monkeypatch):

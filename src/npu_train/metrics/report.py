@@ -904,8 +904,10 @@ def shell_lines(words: list[str], width: int = LINE_COLUMNS, indent: str = "") -
     return lines + [cur]
 
 
-def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
-    """``line`` (no newline) folded at words so that no piece is wider than ``width`` columns, the pieces after
+def fold_long_line(line: str, width: Optional[int] = None) -> str:
+    """``line`` (no newline) folded at words so that no piece is wider than ``width`` columns (default: the
+    console's, :func:`console_columns`: folded at 100 and again by the launcher's 80-column
+    :class:`LineFolder`, a note read as two interleaved paragraphs, issue 40), the pieces after
     the first indented two spaces deeper than the line's own indent; unchanged when it fits. A word wider
     than a line (a long path) stays whole on a line of its own; a ``label: <value>`` line (one word each,
     ``checkpoint: <path>``) stays whole, running past ``width``: folding it would only cut the label from
@@ -913,6 +915,7 @@ def fold_long_line(line: str, width: int = LINE_COLUMNS) -> str:
     `` \\``; folded, the command would end there)."""
     from npu_train.errors import wrap_words  # never between a number and its unit
 
+    width = console_columns() if width is None else int(width)
     if len(line) <= width or _LABELLED.match(line) or line.endswith(" \\"):
         return line
     indent = line[:len(line) - len(line.lstrip(" "))]
