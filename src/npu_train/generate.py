@@ -323,10 +323,13 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
 
+    from npu_train.errors import console_columns
     from npu_train.metrics.report import fold_long_line
 
-    def note(text: str) -> None:  # progress on stderr, folded at words to 100 columns; stdout: the completion
-        print(fold_long_line(f"generate: [{time.perf_counter() - t0:5.1f} s] {text}"), file=sys.stderr, flush=True)
+    def note(text: str) -> None:  # progress on stderr, folded at words; stdout: the completion
+        # folded at stderr's console width (stdout, the completion, may be a pipe while stderr is the terminal)
+        print(fold_long_line(f"generate: [{time.perf_counter() - t0:5.1f} s] {text}", console_columns(sys.stderr)),
+              file=sys.stderr, flush=True)
 
     shown = []  # the completion's pieces on stdout so far: it is written while it is generated
 

@@ -205,6 +205,28 @@ def test_export_says_what_it_writes_and_how_far_it_is(tiny_ckpt, tmp_path, capsy
     assert re.match(rf"exported {re.escape(tiny_ckpt)} -> {re.escape(str(out))} in \d+ s$", lines[-1])
 
 
+def test_export_and_generate_fold_at_an_80_column_console(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """In an 80-column terminal export's lines ran to ~100 columns (folded at 100 whatever the console) while the
+    launcher folds to 80: they fold at the console's width (:func:`npu_train.errors.console_columns`), generate's
+    progress lines at stderr's; ``--help`` names each command in the module form the README runs."""
+    from npu_train import errors, generate
+    from npu_train.metrics import report
+
+    monkeypatch.setattr(report, "console_columns", lambda stream=None: 80)
+    assert main([tiny_ckpt, str(tmp_path / "hf"), "--dtype", "fp32"]) == 0
+    text = capsys.readouterr().out
+    assert "export: " in text and all(len(l) <= 80 or " " not in l.strip() for l in text.splitlines()), text
+    assert max(len(l) for l in text.splitlines() if " " in l.strip()) > 60  # folded at 80, not narrower
+    monkeypatch.setattr(errors, "console_columns", lambda stream=None: 80)
+    generate.main([str(tmp_path / "hf"), "--prompt", "hello " * 30, "--max-new-tokens", "2", "--no-chat"])
+    err = capsys.readouterr().err
+    assert "generate: [" in err and all(len(l) <= 80 or " " not in l.strip() for l in err.splitlines()), err
+    for cmd in ("npu_train.checkpoint.export", "npu_train.generate"):
+        with pytest.raises(SystemExit):
+            __import__("importlib").import_module(cmd).main(["--help"])
+        assert capsys.readouterr().out.startswith(f"usage: python -m {cmd} "), cmd
+
+
 # ------------------------------------------------------ LoRA merged into bf16 (issue 37)
 def _lora_ckpt(tmp_path, scale: float):
     """A LoRA checkpoint (r 2, alpha 4 on q_proj/v_proj) of a 2-layer model whose base is written in bf16, with

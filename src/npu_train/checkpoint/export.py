@@ -470,7 +470,8 @@ def _copy_generation_config(model_path, out_dir: str) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
+    ap = argparse.ArgumentParser(prog="python -m npu_train.checkpoint.export",  # as the README runs it
+                                 description=__doc__.splitlines()[0].replace("``", ""))
     ap.add_argument("checkpoint", help="a step_XXXXXX checkpoint directory, or a checkpoint root (newest is used)")
     ap.add_argument("out", help="output directory")
     ap.add_argument("--dtype", default="auto", choices=["auto", "bf16", "fp32"],
