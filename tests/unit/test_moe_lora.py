@@ -98,6 +98,16 @@ def test_adapter_loads_in_peft_with_equal_logits(tmp_path, case, train_router, t
         assert _rel(mine, got) < TOL, _rel(mine, got)
 
 
+def test_modules_to_save_lists_only_the_routers_the_family_has():
+    """A Mixtral adapter's ``modules_to_save`` listed ``shared_expert_gate``, which only Qwen2-MoE has (PEFT loads
+    it with equal logits either way: test_adapter_loads_in_peft_with_equal_logits); without trained routers, none."""
+    spec = LoraSpec(r=4, alpha=8.0, targets=ATTN_AND_MLP, train_router=True)
+    assert peft_config(spec, "m", "mixtral")["modules_to_save"] == ["gate"]
+    assert peft_config(spec, "m", "qwen3_moe")["modules_to_save"] == ["gate"]
+    assert peft_config(spec, "m", "qwen2_moe")["modules_to_save"] == ["gate", "shared_expert_gate"]
+    assert peft_config(LoraSpec(r=4, alpha=8.0, targets=ATTN_AND_MLP), "m", "mixtral")["modules_to_save"] is None
+
+
 def test_adapter_shapes_are_the_modules_and_the_planners(tmp_path):
     from npu_train.planner.moe import lora_layer_params
 

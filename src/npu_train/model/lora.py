@@ -270,7 +270,8 @@ def peft_config(spec: LoraSpec, base_model: str, family: str = "llama") -> dict:
     if family == "mixtral":
         inv = {v: k for k, v in _TARGET_OF.items()}
         targets = [inv.get(t, t) for t in targets]
-    save = list(ROUTER_LEAVES) if spec.train_router else None
+    # only the routers the family has (Qwen2-MoE alone has a shared expert's gate)
+    save = [r for r in ROUTER_LEAVES if r != "shared_expert_gate" or family == "qwen2_moe"] if spec.train_router else None
     out = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.r, "lora_alpha": spec.alpha,
            "lora_dropout": spec.dropout, "target_modules": targets, "bias": "none",
            "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": base_model,
