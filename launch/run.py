@@ -327,25 +327,37 @@ class _LogTee:
     A failing log write (a full disk) stops the copy, never the console output; a failing console write (the
     terminal closed: SIGHUP, then EIO) stops the console output, never the log or the job."""
 
-    def __init__(self, inner, log, fold: bool = False) -> None:
+    def __init__(self, inner, log, fold: bool = False, tag: str = "") -> None:
         from npu_train.errors import console_columns
         from npu_train.metrics.report import LineFolder
 
         self.inner, self.log = inner, log
-        # the terminal's width, at most 100 (a file or a pipe: 100): the width the job folds its own text to
+        # the terminal's width, at most 100 (a file or a pipe: 100), less the tag's columns (reserved by the
+        # caller, errors.reserve_console_columns): the width the job folds its own text to
         self.folder = LineFolder(console_columns(inner)) if fold else None
+        # ``tag``: put before every console line (a concurrent sweep job's ``[job 1/2] ``), not in the log
+        self.tag, self._line_start = tag, True
 
     def write(self, s: str) -> int:
         n = len(s)
         self._put(self.folder.feed(s) if self.folder is not None else s)
         return n
 
+    def _tagged(self, s: str) -> str:
+        if not self.tag:
+            return s
+        out = []
+        for piece in re.findall(r"[^\n]*\n|[^\n]+", s):
+            out.append(self.tag + piece if self._line_start else piece)
+            self._line_start = piece.endswith("\n")
+        return "".join(out)
+
     def _put(self, s: str) -> None:
         if not s:
             return
         if self.inner is not None:
             try:
-                self.inner.write(s)
+                self.inner.write(self._tagged(s))
             except (OSError, ValueError):
                 self.inner = None
         if self.log is not None:
@@ -746,9 +758,16 @@ def run_one(cfg) -> int:
     explicit = any(o.startswith("hydra.run.dir=") for o in hc.overrides.hydra)
     _hydra_files_when_accepted(cfg, run_dir, multirun)
     log = hold_if_reused(open_job_log(run_dir, hc.job.name))
-    out_tee = _LogTee(real_out, log, fold=True)
+    tag = ""
+    if multirun:  # jobs at a time share the console: each of this job's lines says whose it is
+        from npu_train.errors import reserve_console_columns
+        from npu_train.metrics.sweep import job_tag
+
+        tag = job_tag(str(hc.sweep.dir), int(hc.job.num), int(hc.launcher.get("n_jobs", 1) or 1))
+        reserve_console_columns(len(tag))  # the job folds its text so that the tag and a line fit the console
+    out_tee = _LogTee(real_out, log, fold=True, tag=tag)
     sys.stdout = out_tee
-    tee = _ErrorLineTee(_LogTee(real_err, log))
+    tee = _ErrorLineTee(_LogTee(real_err, log, tag=tag))
     sys.stderr = tee
     report: dict = {}
     code = None
@@ -787,6 +806,10 @@ def run_one(cfg) -> int:
         _SIGNALS_HELD_FOR_JOB[0] = False
         out_tee.flush()  # a last line without its newline
         sys.stdout, sys.stderr = real_out, real_err
+        if tag:  # a loky worker runs the sweep's next job too: it reserves its own
+            from npu_train.errors import reserve_console_columns
+
+            reserve_console_columns(0)
         from npu_train.metrics.report import CONTINUED, LAUNCH_ACCEPTED
 
         LAUNCH_ACCEPTED.clear()  # (a sweep's next job in this process registers its own)

@@ -24,7 +24,8 @@ MIN_COLUMNS = 40
 
 
 def console_columns(stream=None) -> int:
-    """The one width every console line is folded to: ``min(terminal columns, REFUSAL_COLUMNS)`` when ``stream``
+    """The one width every console line is folded to: ``min(terminal columns, REFUSAL_COLUMNS)`` (less the
+    columns of a line prefix, :func:`reserve_console_columns`) when ``stream``
     (default stdout; the launcher's tees and the live bar's streams are looked through to the stream they
     wrap) is a terminal that reports its size (``COLUMNS`` when it reports none), else :data:`REFUSAL_COLUMNS`
     (a file, a pipe, a terminal of unknown size), never below :data:`MIN_COLUMNS`. A fresh-clone review saw
@@ -38,15 +39,23 @@ def console_columns(stream=None) -> int:
         stream = inner
     try:
         fd = stream.fileno()
-        if not os.isatty(fd):
-            return REFUSAL_COLUMNS
-        cols = os.get_terminal_size(fd).columns
+        cols = os.get_terminal_size(fd).columns if os.isatty(fd) else REFUSAL_COLUMNS
     except (AttributeError, ValueError, OSError):  # no file descriptor (a test's capture), a closed stream
-        return REFUSAL_COLUMNS
+        cols = REFUSAL_COLUMNS
     if cols <= 0:
         env = os.environ.get("COLUMNS", "")
         cols = int(env) if env.isdigit() and int(env) > 0 else REFUSAL_COLUMNS
-    return max(MIN_COLUMNS, min(int(cols), REFUSAL_COLUMNS))
+    return max(MIN_COLUMNS, min(int(cols), REFUSAL_COLUMNS) - _RESERVED_COLUMNS[0])
+
+
+#: columns taken off :func:`console_columns` for a prefix put before every console line (a concurrent sweep
+#: job's ``[job 1/2] ``: launch/run.py), so that a line and its prefix together fit the console
+_RESERVED_COLUMNS = [0]
+
+
+def reserve_console_columns(n: int) -> None:
+    """Make :func:`console_columns` ``n`` columns narrower (0: the whole width again) in this process."""
+    _RESERVED_COLUMNS[0] = max(0, int(n))
 
 
 #: a number and the unit (or ``x <number>``) after it, and a count's name and its number (micro-batch, dp,

@@ -221,6 +221,41 @@ def test_each_job_begins_with_its_number_and_swept_overrides(tmp_path):
     assert sweep.job_header(str(tmp_path / "gone"), 1, ["train.lr=3e-4"]) == "sweep job 2: train.lr=3e-4"
 
 
+def test_concurrent_jobs_tag_every_console_line_within_the_width(tmp_path):
+    """Jobs at a time share one console: each job's lines begin ``[job i/n] `` (1-based, as its ``sweep job
+    i/n:`` line), on the console only (its run.log is its own), and the job folds its text that much narrower,
+    so a tag and a line fit the console; one job at a time, or a one-job sweep, gets no tag."""
+    import io
+
+    from omegaconf import OmegaConf
+
+    from npu_train.errors import console_columns, reserve_console_columns
+
+    OmegaConf.save({"hydra": {"overrides": {"task": ["train.lr=1e-4,3e-4"]}}}, tmp_path / "multirun.yaml")
+    assert sweep.job_tag(str(tmp_path), 1, 2) == "[job 2/2] "
+    assert sweep.job_tag(str(tmp_path), 1, 1) == "" and sweep.job_tag(str(tmp_path / "gone"), 1, 2) == ""
+    OmegaConf.save({"hydra": {"overrides": {"task": ["train.lr=1e-4"]}}}, tmp_path / "multirun.yaml")
+    assert sweep.job_tag(str(tmp_path), 0, 2) == ""
+    run = _load_run()
+    console, log = io.StringIO(), io.StringIO()
+    reserve_console_columns(len("[job 2/2] "))
+    try:
+        assert console_columns(console) == 100 - len("[job 2/2] ")
+        tee = run._LogTee(console, log, fold=True, tag="[job 2/2] ")
+        words = " ".join(f"word{i}" for i in range(40))
+        tee.write("step 4/4 | loss 10.4826\ndone: " + words + "\npart")
+        tee.write("ial line")
+        tee.flush()
+    finally:
+        reserve_console_columns(0)
+    assert console_columns(console) == 100
+    lines = console.getvalue().split("\n")
+    assert lines[0] == "[job 2/2] step 4/4 | loss 10.4826" and lines[-1] == "[job 2/2] partial line", lines
+    assert all(ln.startswith("[job 2/2] ") and len(ln) <= 100 for ln in lines), lines
+    assert " ".join(ln[len("[job 2/2] "):].strip() for ln in lines[1:-1]) == "done: " + words
+    assert "[job" not in log.getvalue() and log.getvalue().startswith("step 4/4 | loss 10.4826\ndone: ")
+
+
 # ============================================================================ heavy (real launcher)
 def _run_sweep(tmp_path, model, *overrides, timeout=600):
     sweep_dir = os.path.join(str(tmp_path), "sweep")
@@ -284,6 +319,33 @@ def test_concurrent_sweep_with_a_failing_job(tmp_path, tiny_model):
     assert "| 1 | data.source=" in p.stdout or ("\n| 1 | " in p.stdout and "job 1: data.source=" in p.stdout)
     assert not leaked, leaked
     assert not [f for f in os.listdir("/dev/shm") if f.startswith(ok_info["shm_prefix"])]
+
+
+@pytest.mark.heavy
+def test_two_concurrent_jobs_say_whose_each_line_is(tmp_path, tiny_model):
+    """Two jobs at a time printed two ``step 3/3 | loss ...`` and two ``done:`` lines with nothing saying whose:
+    every line of a job begins ``[job i/2] ``, each job's step and done lines are there once, within 100
+    columns, and its run.log has its lines untagged."""
+    if sweep.host_cores() < 2:
+        pytest.skip("two concurrent one-card jobs need 2 cores")
+    p, sd, leaked = _run_sweep(tmp_path, tiny_model, "backend=cpu", "train.lr=1e-3,2e-3", "hydra.launcher.n_jobs=2")
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "sweep: 2 job(s), 2 at a time" in p.stdout
+    for i in (1, 2):
+        assert len(re.findall(rf"^\[job {i}/2\] sweep job {i}/2: train\.lr=", p.stdout, flags=re.M)) == 1, out[-4000:]
+        assert len(re.findall(rf"^\[job {i}/2\] step 3/3 \| loss ", p.stdout, flags=re.M)) == 1, out[-4000:]
+        assert len(re.findall(rf"^\[job {i}/2\] done: ", p.stdout, flags=re.M)) == 1, out[-4000:]
+    assert not re.search(r"^(step \d|done: )", p.stdout, flags=re.M), out[-4000:]
+    # a word wider than a line (a long path) or a ``label: <path>`` line stays whole (report.fold_long_line)
+    wide = [ln for ln in p.stdout.splitlines()
+            if len(ln) > 100 and not re.match(r"(\[job \d/2\] )?\s*([\w .-]+: )?\S+$", ln)]
+    assert not wide, wide
+    for n in ("0", "1"):
+        with open(os.path.join(sd, n, "run.log")) as f:
+            text = f.read()
+        assert "[job " not in text and re.search(r"^step 3/3 \| loss ", text, flags=re.M), text[-2000:]
+    assert not leaked, leaked
 
 
 @pytest.mark.heavy

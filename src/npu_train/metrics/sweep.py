@@ -281,6 +281,24 @@ def job_header(sweep_dir: str, num: int, overrides: list[str]) -> str:
     return f"sweep job {num + 1}{count}: {' '.join(fmt_override(o) for o in shown) or '(no overrides)'}"
 
 
+def job_tag(sweep_dir: str, num: int, at_a_time: int) -> str:
+    """``"[job 2/3] "``, the prefix of every console line of job ``num`` (0-based ``hydra.job.num``; shown 1-based
+    as :func:`job_header`'s) when ``at_a_time`` > 1 jobs of a sweep of more than one job share the console: a
+    fresh-clone review saw two ``step 4/4 | loss ...`` and two ``done:`` lines with nothing saying whose. ``""``
+    when the jobs run one after another (each begins with its ``sweep job i/n:`` line) or the sweep's
+    ``multirun.yaml`` cannot be read."""
+    from omegaconf import OmegaConf
+
+    if at_a_time <= 1:
+        return ""
+    try:
+        master = OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml"))
+        jobs = sweep_job_overrides(OmegaConf.to_container(master.hydra.overrides.task, resolve=False))
+    except Exception:  # noqa: BLE001 - an unreadable record: no tag (job_header leaves its count out too)
+        return ""
+    return f"[job {num + 1}/{len(jobs)}] " if len(jobs) > 1 else ""
+
+
 def _fmt(x: Optional[float], spec: str = ".4f") -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
