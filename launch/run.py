@@ -10,7 +10,7 @@ import os
 import re
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
+sys.path.insert(0, os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src")))
 
 # OpenMP threads that sleep when idle, in the launcher and (inherited) its card processes, unless the user chose
 # (npu_train.hostmem.USER_WAIT_SETTINGS; card_wait_env says why): read once, when torch loads, so here

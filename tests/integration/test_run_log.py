@@ -64,3 +64,16 @@ def test_every_line_of_a_job_fits_100_columns(tiny_model, tmp_path):
         assert not wide, f"{where}: {wide}"
     for head in ("rates cpu:", "memory cpu:", "job ", "done: 2 steps"):
         assert any(ln.startswith(head) for ln in job.stdout.splitlines()), (head, job.stdout)
+
+
+def test_the_launcher_imports_the_package_from_a_normalised_path(tmp_path):
+    """A data path printed as ``.../launch/../src/npu_train/data/assets/...``: the launcher put ``launch/../src`` on
+    ``sys.path``, so every path built from a module's ``__file__`` carried the ``..``. It is normalised."""
+    code = ("import importlib.util, sys; s = importlib.util.spec_from_file_location('npt_launch', sys.argv[1]); "
+            "s.loader.exec_module(importlib.util.module_from_spec(s)); import npu_train; print(npu_train.__file__)")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run([sys.executable, "-c", code, LAUNCH], capture_output=True, text=True, cwd=str(tmp_path),
+                       env=env, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    path = p.stdout.strip()
+    assert path == os.path.normpath(path) and "/../" not in path and path.endswith("npu_train/__init__.py"), path
