@@ -68,10 +68,11 @@ def _shape(**kw) -> RunShape:
 
 def test_planner_terms_of_the_recomputed_core():
     """Memory: every held layer at the ``core`` figure, plus as a transient what one layer's recomputed core keeps
-    (fp32 probabilities ``P = 4*a*b*S*S`` and fp32 q, k^T, v) and its backward allocates on top (the probabilities'
-    and the softmax input's gradients, fp32 ``grad_v``): ``3*P + 16*q*S*b`` (without the core recomputed the
-    backward's ``2*P + 4*q*S*b``; ``tests/unit/test_attention_transient.py``); time: the core's forward, 4 * S * tokens * a * d FLOPs, again
-    in B."""
+    (fp32 probabilities ``P = 4*a*b*S*S`` and fp32 q, k^T, v: ``P + 12*q*S*b``) and its backward's softmax
+    allocates on top (``2*P``), less what the layer's MLP, second norm and ``o_proj`` freed before
+    (``(4*e*i + (4 + e)*h + 4 + e*q)*S*b``): ``3*P + 12*q*S*b - freed`` (without the core recomputed
+    ``2*P - freed``; ``tests/unit/test_attention_transient.py``); time: the core's forward,
+    4 * S * tokens * a * d FLOPs, again in B."""
     m = get_preset("llama-3.1-8b")
     cards = make_cards("furiosa", 8, int(47.5 * GIB))
     rates = [load_rates("furiosa")] * 8
@@ -79,7 +80,8 @@ def test_planner_terms_of_the_recomputed_core():
     mm_off, mm_on = MemoryModel(m, off, cards, None), MemoryModel(m, on, cards, None)
     S, a, d = 2048, m.num_heads, m.head_dim
     P = 4 * a * S * S
-    assert mm_on.attention_transient == {True: 3 * P + 16 * a * d * S, False: 2 * P + 4 * a * d * S}
+    freed = (4 * 2 * m.intermediate_size + 6 * m.hidden_size + 4 + 2 * a * d) * S
+    assert mm_on.attention_transient == {True: 3 * P + 12 * a * d * S - freed, False: 2 * P - freed}
     per_core = activation_bytes_per_layer(m, on, "core")
     per_eager = activation_bytes_per_layer(m, off, "eager")
     # what the core checkpoint drops of the math kernel's: fp32 probabilities, and q, k^T, v in fp32 + the output

@@ -7,8 +7,9 @@ recorded rows with cards that return freed memory (``runtime.keep_host_memory=fa
 activation figure went from 136314880 B to :data:`EAGER_8B_S512` a layer (the math kernel's saved tensors,
 ``tests/unit/test_eager_activations.py``): their activations are written with it, workspace 0.5 GiB + 2 % of the
 body + the 512 MiB module cache, the second row's peak (total) unchanged. The first furiosa row's transient went from 0
-to :data:`MATH_BACKWARD_8B_S512` (the math kernel's backward, ``2*P + 4*q*s*b``,
-``tests/unit/test_attention_transient.py``); the second row's accumulation temporary is larger."""
+to ``2*P + 4*q*s*b`` (the math kernel's backward), then (2026-12-07) to :data:`MATH_BACKWARD_8B_S512`, the layer's
+MLP phase, larger at S = 512 than its attention's less what the MLP freed (``tests/unit/test_attention_transient.py``);
+the second row's accumulation temporary is larger."""
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ TERMS = ("baseline", "weights", "grads", "optimizer", "activations", "transient"
 KEYS = TERMS + ("total", "modules")
 #: Llama-3.1-8B, bf16, S = 512, b = 1, eager (math kernel): 512 x (2(4 + 2e)h + 8 + (12 + e)q + 4ei) + 4*a*s*s
 EAGER_8B_S512 = 512 * (2 * 8 * 4096 + 8 + 14 * 4096 + 8 * 14336) + 4 * 32 * 512 * 512
-#: what one layer's math-kernel backward allocates on top of the held graph: 2 x the fp32 probabilities + fp32 grad_v
-MATH_BACKWARD_8B_S512 = 2 * 4 * 32 * 512 * 512 + 4 * 4096 * 512
+#: what one layer's backward allocates on top of the held graph on an eager card at S = 512: the MLP's phase,
+#: down_proj's input gradient and the SwiGLU product's two gradients less the product freed, 2*e*i per token
+MATH_BACKWARD_8B_S512 = 2 * 2 * 14336 * 512
 #: (preset, kind, RunShape fields, cards, nonlayer_resident, (stage, layers, resident), bytes of KEYS)
 RECORDED = [
     ('llama-3.1-8b', 'furiosa', dict(seq_len=512, micro_batch=1, micro_batches=4, dtype='bf16', grad_accum='compute'),

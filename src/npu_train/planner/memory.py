@@ -39,6 +39,11 @@ LAYER_FREED_FACTOR = 2.0
 #: bins ``malloc_trim`` does not touch)
 HEAP_RESIDUE = 32 * 2**20
 
+#: Bytes the attention core's checkpoint (``recompute_attention``) keeps of the CPU generator's state while it
+#: recomputes (``torch.utils.checkpoint`` preserves the RNG state: ``torch.get_rng_state()``, a 5056-byte uint8
+#: tensor), a part of :func:`attention_transient_bytes`
+CHECKPOINT_RNG_STATE = 5056
+
 #: Per-kind workspace defaults: (constant bytes, fraction of
 #: weights+grads+optimizer+activations+transient), from
 #: :data:`~npu_train.planner.memterms.DEFAULT_MEMORY_TERMS` (which also holds the furiosa
@@ -118,43 +123,69 @@ def activation_bytes_per_layer(model: LlamaConfig, shape: RunShape, attention: s
 
 
 def attention_transient_bytes(model: LlamaConfig, shape: RunShape, core: bool) -> int:
-    """Bytes the math attention kernel (``eager``, :data:`ATTENTION`) allocates on top of the held graph while one
-    layer's attention runs its backward, one micro-batch; ``core``: the core recomputed in that backward
-    (``RunShape.recompute_attention``).
+    """Bytes one decoder layer's backward allocates on top of its held graph (as :func:`activation_bytes_per_layer`
+    counts it) on a card whose attention runs the math kernel (``eager``, :data:`ATTENTION`), one micro-batch;
+    weight gradients not included (the ``grads`` term and the accumulation temporary count them); ``core``: the
+    attention core recomputed in that backward (``RunShape.recompute_attention``). An upper bound at every
+    sequence length: the larger of the layer's two backward phases.
 
-    ``P = 4*a*b*s*s`` (one layer's fp32 probabilities ``[b, a, s, s]``, 4 B whatever the compute dtype), ``q`` the
-    query width (heads x head_dim), ``s*b`` tokens. From autograd's formulas for the kernel's ops
-    (``tools/autograd/derivatives.yaml``; ``_scaled_dot_product_attention_math`` in
-    ``aten/src/ATen/native/transformers/attention.cpp``, torch 2.13), in the order the engine runs them (checked
-    allocation by allocation with ``torch.profiler(profile_memory=True)``, fp32/bf16, GQA or not):
+    ``t = s*b`` tokens, ``P = 4*a*b*s*s`` (one layer's fp32 probabilities ``[b, a, s, s]``, 4 B whatever the
+    compute dtype), ``q`` the query width (heads x head_dim), ``e`` bytes of the compute dtype, ``h`` the hidden
+    size, ``i`` the dense MLP's width. From autograd's formulas for the ops (``tools/autograd/derivatives.yaml``;
+    ``_scaled_dot_product_attention_math`` in ``aten/src/ATen/native/transformers/attention.cpp``, torch 2.13), in
+    the order the engine runs them, checked allocation by allocation with ``torch.profiler(profile_memory=True)``
+    (fp32/bf16, GQA or not, head_dim 64/128, s 16-1024: ``tests/unit/test_attention_transient.py``):
 
-    - the output's ``.to`` backward: its gradient in fp32 (``4*q`` per token);
-    - the second matmul (``attn @ v``, a ``bmm``): ``grad_v = attn^T @ grad`` (fp32, ``4*q``) and
-      ``grad_attn = grad @ v^T``, ``[b, a, s, s]`` fp32, ``P``; the output's fp32 gradient and the node's saved v
-      (a copy at bf16) are freed after it;
-    - ``_safe_softmax``: ``_softmax_backward_data(grad_attn, attn)``, a new ``P``, while ``grad_attn`` and the
-      saved probabilities live: the peak, ``2*P + 4*q*s*b`` (``grad_v`` still waits for its ``.to`` backward);
-      then ``grad_attn`` and the probabilities go;
-    - the first matmul: ``grad_q`` and ``grad_k^T`` (fp32, ``8*q``) beside the softmax's input gradient ``P``,
-      whose saved q and ``k^T`` are freed after it; the casts back, ``repeat_kv``'s sum over the group (k and v at
-      ``q`` width before it, GQA or not) and the projections' backward are at most ``12*q`` per token more
-      than the peak above leaves, below it once ``s >= head_dim``.
+    1. the MLP's backward, nothing of the layer freed yet: ``down_proj``'s input gradient ``[t, i]`` (``e*i`` per
+       token; its node then frees the SwiGLU product it saved, ``e*i``), then the product's two gradients
+       (``grad * silu(gate)``, ``grad * up``) beside it: ``2*e*i*t``. The peak of the layer up to about
+       ``s = 3*e*i / (4*a)`` tokens, where phase 2's ``2*P`` passes it and the credit below (Llama-3.1-8B bf16
+       ~ 670, fp32 ~ 1340; Llama-3.2-1B bf16 ~ 380). (With ``down_proj`` frozen and no adapter on it, it saves
+       no product: the layer holds ``e*i`` less than the figure and this phase is ``3*e*i*t``, the same sum. A
+       sparse layer's MLP is :func:`~npu_train.planner.moe.expert_kernel_bytes`, its own candidate of the
+       stage's transient; counted here for the model's dense layers.)
+    2. the attention's backward, after the MLP and the second norm freed what the activation figure counts for
+       them (the dense MLP's ``4*e*i``, the norm's ``(4 + 2e)*h + 4``) less the residual stream's gradient
+       ``e*h`` they leave, and ``o_proj``'s backward freed its saved input (``e*q``): a credit
+       ``c = (4*e*i + (4 + e)*h + 4 + e*q)*t`` (no MLP part for a model with sparse layers, whose figure is an
+       upper estimate). On top of the layer's start, ``A - c``, ``A`` the largest of:
 
-    Without ``core``: ``2*P + 4*q*s*b``. With ``core`` the checkpoint first runs the kernel again and keeps what it
-    saves (``P`` and fp32 q, ``k^T``, v: ``12*q`` per token at bf16, ``8*q`` at fp32 where v is the checkpoint's
-    input; counted at ``12*q``), then runs the backward above: ``3*P + 16*q*s*b``; the recomputing forward's own peak
-    (scores ``P``, softmax ``P``, its ``-inf`` test ``P/4``, the causal mask ``6*s*s`` with the fp32 copies,
-    ``2.25*P + 12*q*s*b + 6*s*s``) stays below that for ``a*b >= 2``. Measured per layer (hidden 64, 4 heads of 16,
-    MLP freed before the attention's backward): 1.62-1.89 P without core, 2.81-2.98 P with it at s = 256, 512
-    (``tests/unit/test_attention_transient.py``); from outside, ``experiments/2026-12-06-eight-cards.md`` §12.4.2.
-    Not counted: a layer's other backward temporaries (norms, MLP, projections: hidden- or intermediate-wide,
-    what the fused kernel's backward also has), which exceed these only at short sequences (s of a few head_dims).
+       - ``o_proj``'s gradient in fp32 (``4*q``: the ``.to`` backward's cast; the compute-dtype one freed), then
+         the second matmul's (``attn @ v``, a ``bmm``) ``grad_v = attn^T @ grad`` (fp32, ``4*q``) and
+         ``grad_attn = grad @ v^T`` (``P``): ``P + 8*q*t``, the attention's peak at ``s < head_dim``;
+       - ``_safe_softmax``'s ``_softmax_backward_data(grad_attn, attn)``, a new ``P`` beside ``grad_attn`` and
+         ``grad_v``, the fp32 v the matmul saved (``4*q``) and the fp32 ``o`` gradient freed by then: ``2*P``;
+       - the first matmul's ``grad_q``, ``grad_k^T`` and ``grad_v`` (fp32, ``12*q*t``), then the casts back,
+         ``repeat_kv``'s sum over the group (k and v at ``q`` width, GQA or not), RoPE's and the projections'
+         backward, the probabilities and their gradients freed (measured 8-10 ``q*t``).
+
+       With ``core`` the checkpoint first runs the kernel again beside the fp32 ``o`` gradient (``4*q``): its
+       forward's peak holds fp32 copies of q, k, v at a 2-byte dtype (``12*q``; the inputs themselves at fp32),
+       the scaled q and ``k^T`` (``8*q``), the causal mask (fp32 ``where``, ``4*s*s``), the scores and the
+       softmax output (``2*P``), the softmax's ``-inf`` test (``P/4``, bool), its row test (``a*b*s``, bool) and
+       0-d zero (4 B), and the checkpoint's saved CPU RNG state (5056 B, ``torch.get_rng_state()``):
+       ``2.25*P + (12 + 12*[e < 4])*q*t + 4*s*s + a*b*s + 4 + 5056``; then it keeps ``P``, the scaled q and ``k^T``
+       and the fp32 v (``12*q*t``) through the backward above: ``P + 12*q*t`` more than each candidate.
+
+    Not counted: Qwen3's per-head q/k norms' backward (``q``- and ``kv``-wide fp32 temporaries after the kernel's;
+    not measured); a packed-row mask's conversion; the host's bf16 matmul scratch (oneDNN packs the weight of a
+    small bf16 ``mm`` in fp32-sized buffers: ~34 ``P`` at hidden 256, s = 16; none at hidden 2048), a cpu card's,
+    not the math kernel's. Measured from outside: ``experiments/2026-12-06-plan-bound.md`` (2026-12-07) and
+    ``experiments/2026-12-06-eight-cards.md`` §12.4.2.
     """
-    s, b = shape.seq_len, shape.micro_batch
+    s, b, e, h = shape.seq_len, shape.micro_batch, shape.dtype_bytes, model.hidden_size
+    t = s * b
     probabilities = 4 * model.num_heads * b * s * s
-    q = model.num_heads * model.head_dim
-    backward = 2 * probabilities + 4 * q * s * b
-    return backward + (probabilities + 12 * q * s * b if core else 0)
+    q = model.num_heads * model.head_dim * t
+    dense = any(not model.is_moe_layer(j) for j in range(model.num_layers))
+    mlp = 2 * e * model.intermediate_size * t if dense else 0
+    credit = ((4 * e * model.intermediate_size if not model.is_moe else 0) + (4 + e) * h + 4) * t + e * q
+    backward = max(probabilities + 8 * q, 2 * probabilities, 12 * q)
+    if core:
+        recompute = (9 * probabilities // 4 + (24 if e < 4 else 12) * q + 4 * s * s + model.num_heads * b * s + 4
+                     + CHECKPOINT_RNG_STATE)
+        backward = max(recompute, probabilities + 12 * q + backward)
+    return max(mlp, backward - credit)
 
 
 def pending_grad_bytes_per_layer(model: LlamaConfig, shape: RunShape) -> int:
@@ -613,12 +644,13 @@ class MemoryModel:
         return self.activations_per_layer[ATTENTION[self.cards[i].kind]]
 
     def _attention_transient(self, i: int) -> int:
-        """Bytes one layer's attention allocates in its backward on top of the held graph on card ``i``: on a card
-        whose kernel keeps the probabilities (``eager``) :func:`attention_transient_bytes`, with the core recomputed
+        """Bytes one layer's backward allocates on top of the held graph on card ``i``: on a card whose attention
+        kernel keeps the probabilities (``eager``) :func:`attention_transient_bytes` (its MLP's or its attention's
+        phase), with the core recomputed
         under ``recompute_attention`` (whole-layer recompute, ``train.recompute`` or some layers of it, then runs
         the core checkpoint again inside the layer's) or not (a layer recomputed whole holds its activations as
         :meth:`activations` counts them, then runs the same backward); 0 with a fused kernel, whose backward
-        allocates no ``[s, s]`` tensor."""
+        allocates no ``[s, s]`` tensor (its MLP phase is not planned: ``docs/planner.md``)."""
         if ATTENTION[self.cards[i].kind] != "eager":
             return 0
         return self.attention_transient[bool(self.shape.recompute_attention)]
