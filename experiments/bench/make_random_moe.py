@@ -17,10 +17,13 @@ a router still all zero is drawn N(0, 0.02) too, so tokens spread over the exper
 Tokenizer: the embedded SmolLM2-135M's (``model.path=embedded``), saved as ``tokenizer.json``; its 49152 ids
 stay below the model's 151936, so every matrix, the LM head included, has the real shape (rows of the
 embedding above 49151 are never looked up; the head still scores all 151936). The loss is not meaningful.
+Its chat template (the embedded model's ChatML one) is saved as ``chat_template.jinja`` and its special tokens
+in ``tokenizer_config.json``, so ``data.format=chat`` takes the output (it refused it for want of a template).
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 
@@ -56,7 +59,7 @@ def main(argv=None) -> None:
     from transformers.utils import logging as hf_logging
 
     from npu_train.model.files import embedded_model_path
-    from npu_train.model.tokenizer import load_tokenizer
+    from npu_train.model.tokenizer import chat_template, load_tokenizer, special_tokens
 
     hf_logging.disable_progress_bar()  # no "Writing model shards" bars: the lines below say what happens
     torch.manual_seed(a.seed)
@@ -82,6 +85,10 @@ def main(argv=None) -> None:
     os.makedirs(a.out, exist_ok=True)
     model.save_pretrained(a.out, max_shard_size="2GB")
     tok.save(os.path.join(a.out, "tokenizer.json"))
+    with open(os.path.join(a.out, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write(chat_template(embedded_model_path()))  # data.format=chat renders rows with it
+    with open(os.path.join(a.out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump({k: v for k, v in special_tokens(embedded_model_path()).items() if v}, f, indent=1)
     _say(f"wrote {what}, {n / 1e9:.3f} B params, bf16, to {a.out}", t0)
 
 

@@ -63,3 +63,10 @@ def test_each_phase_is_announced_before_it_runs_within_100_columns(script, monke
     for line in text.splitlines():
         assert len(line) <= 100 or " " not in line.strip().removesuffix(" ..."), line  # or a long path alone
         assert line.startswith(("make_random_moe: [", "  ")), line
+    # data.format=chat takes the output: it refused it ("the model has no chat template") before the script wrote
+    # the embedded SmolLM2's ChatML template and special tokens beside its tokenizer
+    from npu_train.model import chat_template, embedded_model_path, special_tokens
+
+    want = chat_template(embedded_model_path())
+    assert want and "<|im_start|>" in want and chat_template(str(out)) == want
+    assert special_tokens(str(out)) == special_tokens(embedded_model_path())
