@@ -113,7 +113,8 @@ def launcher_main():
 
 
 def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int = 0, keep_fitted: bool = False):
-    """Run the real launcher in-process (card processes spawned); returns (losses, CheckpointReader|None).
+    """Run the real launcher in-process (card processes spawned); returns (losses, CheckpointReader|None):
+    the losses of the steps this launch ran (a resumed launch's records also hold the run's earlier steps).
 
     Every run plans from the assumed figures: the figures an earlier run of the same test fitted
     (``$NPT_CACHE/fitted``) are dropped first unless ``keep_fitted``, since they may move the split
@@ -126,9 +127,14 @@ def run_pipeline(model_path: str, run_dir: str, *overrides: str, expect_rc: int 
     assert rc == expect_rc, f"launcher exit status {rc}, expected {expect_rc}"
     losses = []
     mpath = os.path.join(run_dir, "metrics.jsonl")
+    try:  # a resumed launch's records start with the run's earlier steps (carried over): this launch's from here
+        with open(os.path.join(run_dir, "summary.json")) as f:
+            after = int(json.load(f).get("resumed_at_step") or 0)
+    except (OSError, ValueError):
+        after = 0
     if os.path.exists(mpath):
         with open(mpath) as f:
-            losses = [json.loads(l)["loss"] for l in f if l.strip()]
+            losses = [r["loss"] for r in map(json.loads, filter(str.strip, f)) if int(r["step"]) > after]
     root = cfg.checkpoint.dir or os.path.join(run_dir, "checkpoints")
     ck = complete_checkpoints(root)
     return losses, (CheckpointReader(ck[-1]) if ck else None)

@@ -195,7 +195,9 @@ def test_two_nodes_match_one_node_and_reshard(two_nodes, tiny_model, tmp_path):
     res = Job(tmp_path, tiny_model, *steps, f"train.resume={os.path.join(root, 'step_000002')}",
               f"checkpoint.dir={tmp_path / 'resumed_ckpt'}", name="resume", backend="cpu,cpu")
     assert _wait_both([res], 300) == [0], res.tail()
-    _assert_close(res.losses(), ref_losses[2:], "one node resumed from the two-node checkpoint")
+    got = res.losses()  # steps 1-2 carried from node 0's run dir (the checkpoint's), where it still holds them
+    assert len(got) in (2, 4), got
+    _assert_close(got[-2:], ref_losses[2:], "one node resumed from the two-node checkpoint")
 
 
 # kill -9 (dead: seen at once) and SIGSTOP (hung: seen after runtime.heartbeat_timeout_s)

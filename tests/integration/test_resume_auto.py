@@ -171,9 +171,9 @@ def test_an_interrupted_resume_from_another_run_dir_still_marks_the_first(tiny_m
 
     from launch_util import Job
 
-    def interrupted_after_a_step(job: Job) -> Job:
+    def interrupted_after_a_step(job: Job, lines: int = 1) -> Job:
         try:
-            job.wait_steps(1, 180)
+            job.wait_steps(lines, 180)
             os.killpg(job.proc.pid, signal.SIGINT)
             assert job.wait(120) == 130, job.tail()
         finally:
@@ -184,8 +184,10 @@ def test_an_interrupted_resume_from_another_run_dir_still_marks_the_first(tiny_m
     with open(os.path.join(first.run_dir, "status.json")) as f:
         before = json.load(f)
     assert before["status"] == "interrupted" and before["checkpoint"], before
-    again = interrupted_after_a_step(Job(tmp_path, tiny_model, "train.steps=6", "train.resume=latest",
-                                         f"checkpoint.dir={os.path.join(first.run_dir, 'checkpoints')}", name="b"))
+    k = int(os.path.basename(before["checkpoint"]).split("_")[-1])  # its metrics.jsonl starts with the k steps
+    again = interrupted_after_a_step(Job(tmp_path, tiny_model, "train.steps=6", "train.resume=latest",  # of a
+                                         f"checkpoint.dir={os.path.join(first.run_dir, 'checkpoints')}", name="b"),
+                                     k + 1)
     with open(os.path.join(first.run_dir, "status.json")) as f:
         after = json.load(f)
     assert after["status"] == "resumed" and after["status_before"] == "interrupted", after
@@ -217,3 +219,30 @@ def test_resumed_auto_schedule_keeps_the_recomputed_layers(tiny_model, tmp_path)
     assert plan["shape"]["schedule"] == "1f1b" and plan["shape"]["recompute"] is True
     assert [st.get("recompute_layers") for st in plan["stages"]] == [1, 0]
     assert r2.step == 2
+
+
+def test_resume_into_another_run_dir_carries_the_whole_runs_records(tiny_model, tmp_path):
+    """A launch resumed without the first one's hydra.run.dir (the default ``outputs/<date>/<time>`` of a new
+    launch) writes its own run dir; its metrics.jsonl / eval.jsonl start with the saving launch's records up to
+    the resumed step, so they and loss.png cover the whole run (a fresh-clone review saw a resumed run's records
+    start at the resumed step in a new folder, issue 40). The first run dir is only read."""
+    import json
+
+    from conftest import launch_to_end
+
+    first = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.stop_after=2", name="a")
+    with open(os.path.join(first.run_dir, "metrics.jsonl")) as f:
+        before = f.read()
+    root = os.path.join(first.run_dir, "checkpoints")
+    again = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=latest", f"checkpoint.dir={root}",
+                          name="b")
+    assert again.run_dir != first.run_dir
+    assert f"continue with the steps up to 2 of {first.run_dir}" in again.flat_stdout, again.tail()
+    with open(os.path.join(again.run_dir, "metrics.jsonl")) as f:
+        got = [json.loads(l) for l in f]
+    assert [m["step"] for m in got] == [1, 2, 3, 4]
+    assert "".join(json.dumps(m) + "\n" for m in got[:2]) == "".join(json.dumps(json.loads(l)) + "\n"
+                                                                     for l in before.splitlines())
+    with open(os.path.join(first.run_dir, "metrics.jsonl")) as f:
+        assert f.read() == before  # not touched
+    assert "(avg since resume" not in again.stdout  # the average goes on from the carried steps

@@ -27,9 +27,9 @@ def test_launch_logs_to_wandb_and_mlflow_and_resume_continues(tiny_model, tmp_pa
     assert "warning:" not in first.stderr + second.stderr, second.stderr[-2000:]
     ids = json.load(open(tmp_path / "ckpt" / "trackers.json"))
     metrics = [json.loads(l) for l in open(os.path.join(second.run_dir, "metrics.jsonl"))]
-    assert [m["step"] for m in metrics] == [2, 3]
-    losses = {1: json.loads(open(os.path.join(first.run_dir, "metrics.jsonl")).readline())["loss"]}
-    losses.update({m["step"]: m["loss"] for m in metrics})
+    assert [m["step"] for m in metrics] == [1, 2, 3]  # step 1 carried from the launch that saved the checkpoint
+    assert metrics[0]["loss"] == json.loads(open(os.path.join(first.run_dir, "metrics.jsonl")).readline())["loss"]
+    losses = {m["step"]: m["loss"] for m in metrics}
 
     client = MlflowClient(tracking_uri=uri)
     hist = {m.step: m.value for m in client.get_metric_history(ids["mlflow"], "train/loss")}

@@ -1054,6 +1054,8 @@ class ResumePoint:
     complete: bool = False
     #: the run directory of the launch that wrote the resumed checkpoint (:func:`saved_by_run_dir`; None: fresh)
     earlier_run_dir: Optional[str] = None
+    #: the job id the resumed checkpoint's manifest records (the launch that wrote it; None: fresh)
+    earlier_job_id: Optional[str] = None
 
 
 @dataclass
@@ -1232,6 +1234,7 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
     reader = open_resume_checkpoint(found, point.ckpt_root, auto=tr.resume == "auto")
     point.resume_dir = reader.path
     point.earlier_run_dir = saved_by_run_dir(reader.manifest, point.ckpt_root)
+    point.earlier_job_id = reader.manifest.get("job_id")
     reader.check_model(prep.model_cfg.to_dict())
     reader.check_mode(tr.mode, cfg.lora.rank, list(cfg.lora.targets))
     reader.check_objective(str(getattr(tr, "objective", "sft")))  # before the sampler speaks of n_sequences
@@ -1476,9 +1479,29 @@ def _rotate_run_dir(run_dir: str, resume: ResumePoint) -> None:
     if moved:
         print(f"note: {run_dir} held the records of an earlier launch; moved them to {moved}", flush=True)
     records = newest_records(run_dir) if resume.resume_dir else None  # a plan=true launch may sit in between
+    if records is None and resume.resume_dir:  # resumed into another run dir: the saving launch's records
+        records = _saving_launch_records(run_dir, resume)
     if records and carry_over(records, run_dir, resume.start_step):
         print(f"note: metrics.jsonl and eval.jsonl continue with the steps up to {resume.start_step} of {records}",
               flush=True)
+
+
+def _saving_launch_records(run_dir: str, resume: ResumePoint) -> Optional[str]:
+    """A launch resumed into a run dir other than the one that saved its checkpoint (the default
+    ``outputs/<date>/<time>`` of a new launch): that earlier run dir, whose ``metrics.jsonl`` / ``eval.jsonl``
+    :func:`~npu_train.metrics.report.carry_over` copies up to the resumed step, so that this launch's files
+    and ``loss.png`` cover the whole run, as a resume into the same run dir does; the earlier dir is only read.
+    None unless that dir still holds the saving launch's records (its ``job.json`` names the checkpoint's
+    job id: a later launch into it wrote other records) and is not ``run_dir``."""
+    earlier = resume.earlier_run_dir
+    if not earlier or not resume.earlier_job_id or os.path.abspath(earlier) == os.path.abspath(run_dir):
+        return None
+    try:
+        with open(os.path.join(earlier, "job.json")) as f:
+            same = json.load(f).get("job_id") == resume.earlier_job_id
+    except (OSError, ValueError, AttributeError):
+        return None
+    return earlier if same and os.path.isfile(os.path.join(earlier, "metrics.jsonl")) else None
 
 
 def _join_nodes(cfg, resume: ResumePoint, launch: LaunchIdentity, node: NodeContext, ipc_dir: str):
