@@ -731,7 +731,7 @@ def _check_resume(t) -> None:
 
 def _check_optimizer(t) -> None:
     """Learning rate, its schedule, clipping and AdamW (``train``)."""
-    from npu_train.metrics.report import fmt_number
+    from npu_train.errors import fmt_number
 
     if t.lr <= 0:
         raise ConfigError(f"train.lr={fmt_number(t.lr)}: the learning rate must be > 0 (e.g. train.lr=1e-4)")

@@ -5,6 +5,7 @@ process failed, 2 bad input, 130 / 143 SIGINT / SIGTERM.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import re
 import signal
@@ -206,3 +207,22 @@ def exit_code_for(exc: BaseException) -> int:
 def out_of_space(e: BaseException) -> bool:
     """Whether ``e`` reports a full disk (``ENOSPC``, or a library error saying "No space left on device")."""
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
+
+
+def fmt_number(x: float) -> str:
+    """A float as a user writes it: plain where that reads well (``0.001``, ``0.05``, ``2.5``, ``100000``: from
+    1e-3 to below 1e6, :func:`format` ``g`` where it is exact, else ``repr``), else scientific with the
+    shortest exact mantissa and a bare exponent (``1e-4``, ``3e-5``, ``2.5e-5``, ``1e6``). Hydra and Python
+    print ``train.lr=1e-4`` back as ``0.0001`` and ``3e-5`` as ``3e-05`` (issue 40)."""
+    x = float(x)
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    if 1e-3 <= abs(x) < 1e6:
+        g = f"{x:g}"
+        return g if float(g) == x else repr(x)
+    for digits in range(17):
+        mant, exp = f"{x:.{digits}e}".split("e")
+        if float(f"{mant}e{exp}") == x:
+            break
+    mant = mant.rstrip("0").rstrip(".") if "." in mant else mant
+    return f"{mant}e{int(exp)}"

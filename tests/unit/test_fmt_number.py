@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from npu_train.metrics.report import fmt_number, fmt_override
+from npu_train.errors import fmt_number
+from npu_train.metrics.report import fmt_override
 
 
 @pytest.mark.parametrize("x,text", [(1e-4, "1e-4"), (3e-5, "3e-5"), (2.5e-5, "2.5e-5"), (3e-4, "3e-4"),

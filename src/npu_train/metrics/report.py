@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Optional
 
-from npu_train.errors import console_columns
+from npu_train.errors import console_columns, fmt_number
 
 GIB = 2 ** 30
 
@@ -1005,25 +1005,6 @@ def fmt_duration(seconds: float) -> str:
 
 def fmt_loss(x: Optional[float]) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.4f}"
-
-
-def fmt_number(x: float) -> str:
-    """A float as a user writes it: plain where that reads well (``0.001``, ``0.05``, ``2.5``, ``100000``: from
-    1e-3 to below 1e6, :func:`format` ``g`` where it is exact, else ``repr``), else scientific with the
-    shortest exact mantissa and a bare exponent (``1e-4``, ``3e-5``, ``2.5e-5``, ``1e6``). Hydra and Python
-    print ``train.lr=1e-4`` back as ``0.0001`` and ``3e-5`` as ``3e-05`` (issue 40)."""
-    x = float(x)
-    if x == 0 or not math.isfinite(x):
-        return f"{x:g}"
-    if 1e-3 <= abs(x) < 1e6:
-        g = f"{x:g}"
-        return g if float(g) == x else repr(x)
-    for digits in range(17):
-        mant, exp = f"{x:.{digits}e}".split("e")
-        if float(f"{mant}e{exp}") == x:
-            break
-    mant = mant.rstrip("0").rstrip(".") if "." in mant else mant
-    return f"{mant}e{int(exp)}"
 
 
 #: a float literal as Hydra writes an override's value back (``0.0001``, ``3e-05``, ``1.5``): not an int

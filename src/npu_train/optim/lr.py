@@ -18,7 +18,7 @@ def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_r
 
 def warmup_note(*, lr: float, warmup_steps: int, total_steps: int) -> "str | None":
     """A console note when the warm-up outlasts the run (``warmup_steps > total_steps``), else None."""
-    from npu_train.metrics.report import fmt_number
+    from npu_train.errors import fmt_number
 
     if warmup_steps <= total_steps:
         return None
