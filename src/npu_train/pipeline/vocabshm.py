@@ -36,6 +36,7 @@ from typing import Optional
 
 import torch
 
+from npu_train.pipeline.vocab import GlooExchange
 from npu_train.transport.shm import SLOT_ALIGN, ShmSegment, segment_name
 
 __all__ = ["ShmExchange", "exchange_bytes", "reduce_slots", "X_SLOTS"]
@@ -198,8 +199,10 @@ class _Sum:
         self.done = True
 
 
-class ShmExchange:
-    """:class:`~npu_train.pipeline.vocab.Exchange` of one pipeline's cards on one host (module docstring).
+class ShmExchange(GlooExchange):
+    """:class:`~npu_train.pipeline.vocab.Exchange` of one pipeline's cards on one host (module docstring); the
+    statistics all-reduces (and ``broadcast`` / ``reduce_sum``, through the async halves below) are
+    :class:`~npu_train.pipeline.vocab.GlooExchange`'s.
 
     ``group`` / ``xgroup``: the pipeline's gloo groups (statistics and partial-gradient notifications /
     hidden-state notifications), ``head``: the head stage's global rank; ``job_id`` and ``name`` (e.g. ``vx0``: the
@@ -245,9 +248,6 @@ class ShmExchange:
                                "memory path")
 
     # -- the hidden state -----------------------------------------------------------------------------------
-    def broadcast(self, t: torch.Tensor) -> None:
-        self.broadcast_async(t).wait()
-
     def broadcast_async(self, t: torch.Tensor):
         import torch.distributed as dist
 
@@ -265,21 +265,7 @@ class ShmExchange:
         h = dist.broadcast(note, src=self.head, group=self.xgroup, async_op=True)
         return _XRecv(self, h, note, t, c)
 
-    # -- the statistics: gloo --------------------------------------------------------------------------------
-    def all_reduce_max(self, t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-
-    def all_reduce_sum(self, t: torch.Tensor) -> None:
-        import torch.distributed as dist
-
-        dist.all_reduce(t, group=self.group)
-
     # -- the partial input gradients -------------------------------------------------------------------------
-    def reduce_sum(self, t: torch.Tensor) -> None:
-        self.reduce_sum_async(t).wait()
-
     def reduce_sum_async(self, t: torch.Tensor):
         import torch.distributed as dist
 
