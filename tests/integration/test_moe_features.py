@@ -85,7 +85,10 @@ def test_dpo_matches_reference(moe_model, tmp_path):
     ov = _dpo_overrides(tmp_path)
     ref_losses, ref_w = _reference(moe_model, *ov)
     losses, reader = run_pipeline(moe_model, str(tmp_path / "run"), "backend=[cpu,cpu]", *ov)
-    _same(losses, ref_losses, reader, ref_w, wtol=1e-5)
+    # the dense DPO test's weight tolerance (test_dpo_launch: 3e-5): two models' forward passes a step, and AdamW
+    # magnifies fp32 rounding in near-zero gradients: on an AMD EPYC host (avx512_bf16) o_proj's master differs by
+    # 1.18e-5, at 0ee995b as now. An aux loss of 0.001 turned on in the pipeline alone still fails the losses' 1e-5
+    _same(losses, ref_losses, reader, ref_w, wtol=3e-5)
 
 
 def test_packed_sft_matches_reference(moe_model, tmp_path):
