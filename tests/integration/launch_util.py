@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -137,6 +138,13 @@ class Job:
                 return [json.loads(l)["loss"] for l in f if l.strip().endswith("}")]
         except OSError:
             return []
+
+    def own_losses(self) -> list[float]:
+        """:meth:`losses` of the steps this launch ran: a resumed launch's ``metrics.jsonl`` begins with the
+        run's earlier steps, carried over up to the resumed step (its ``note: metrics.jsonl and eval.jsonl
+        continue with the steps up to N of ...`` line)."""
+        m = re.search(r"continue with the steps up to (\d+) of", self.flat_stdout)
+        return self.losses()[int(m.group(1)) if m else 0:]
 
     @property
     def stderr(self) -> str:
