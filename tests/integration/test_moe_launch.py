@@ -18,8 +18,10 @@ pytestmark = pytest.mark.timeout(300)
 W = 0.3
 #: final weights' tolerance (aux off, on): AdamW divides each gradient by its own RMS, so the aux term's rounding
 #: (fp32 softmax derivatives, the coefficients in float64 here and in fp32 autograd there) grows over 5 steps to
-#: 1.9e-5 on layer 0's o_proj with one card (measured; experiments/2026-12-06-moe.md)
-TOL = {False: 1e-5, True: 5e-5}
+#: 1.9e-5 on layer 0's o_proj with one card (measured; experiments/2026-12-06-moe.md). Aux off, the same
+#: magnification of fp32 rounding gives 1.17e-5 on layer 0's q_proj on an AMD EPYC host (avx512_bf16), one card
+#: as three, at 0ee995b as now, against < 1e-5 on the hosts of earlier runs: 3e-5, as the dense DPO test
+TOL = {False: 3e-5, True: 5e-5}
 STEPS = ("train.steps=5",)
 
 
