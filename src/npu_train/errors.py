@@ -204,6 +204,15 @@ def exit_code_for(exc: BaseException) -> int:
     raise TypeError(f"not a job-ending error: {type(exc).__name__}")
 
 
+def nearest_existing(path: str) -> str:
+    """``path`` made absolute, or its nearest parent that exists (a file, when a parent of ``path`` is one): where
+    a free-space check or a write probe for a path still to be made looks, and what an error names."""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p) and os.path.dirname(p) != p:
+        p = os.path.dirname(p)
+    return p
+
+
 def out_of_space(e: BaseException) -> bool:
     """Whether ``e`` reports a full disk (``ENOSPC``, or a library error saying "No space left on device")."""
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)

@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from npu_train.checkpoint.store import CheckpointReader
-from npu_train.errors import UserError, out_of_space
+from npu_train.errors import UserError, nearest_existing, out_of_space
 from npu_train.checkpoint.stream import Entry, check_memory, write_stream
 from npu_train.model.config import FAMILIES, LlamaConfig
 from npu_train.model.llama import stage_param_names
@@ -195,7 +195,7 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
     except FileNotFoundError:
         return
     except NotADirectoryError:
-        culprit = _existing_ancestor(out_dir)
+        culprit = nearest_existing(out_dir)
         if culprit == os.path.abspath(out_dir):
             raise ExportDirError(f"{out_dir} is a file, not a directory: give a new or empty output "
                                  "directory") from None
@@ -208,20 +208,11 @@ def check_out_dir(out_dir: str, overwrite: bool) -> None:
                              "model.safetensors, config.json, tokenizer*.json, adapter/; other files stay)")
 
 
-def _existing_ancestor(path: str) -> str:
-    """``path`` (absolute) or its nearest parent that exists (a file, when a parent of ``path`` is one)."""
-    p = os.path.abspath(path)
-    while not os.path.lexists(p) and os.path.dirname(p) != p:
-        p = os.path.dirname(p)
-    return p
-
-
 def _first_missing(path: str) -> Optional[str]:
-    """The outermost of ``path`` and its parents that does not exist yet (None when ``path`` exists)."""
-    p, top = os.path.abspath(path), None
-    while not os.path.lexists(p) and os.path.dirname(p) != p:
-        p, top = os.path.dirname(p), p
-    return top
+    """The outermost of ``path`` and its parents that does not exist yet (None when ``path`` exists): the child
+    of :func:`~npu_train.errors.nearest_existing` on the way to ``path``."""
+    p, at = os.path.abspath(path), nearest_existing(path)
+    return None if at == p else os.path.join(at, os.path.relpath(p, at).split(os.sep)[0])
 
 
 #: room kept beyond the weights for config.json, the tokenizer files and the record (bytes)
@@ -236,7 +227,7 @@ def check_export_space(out_dir: str, weight_bytes: int, overwrite: bool) -> None
     """Refuse (:class:`ExportDirError`) an export that does not fit the free space at ``out_dir`` (its nearest
     existing parent when it is new), before anything is written: ``weight_bytes`` of ``model.safetensors`` plus
     :data:`EXPORT_MARGIN_BYTES`; with ``overwrite`` the earlier ``model.safetensors`` there counts as free."""
-    at = _existing_ancestor(out_dir)
+    at = nearest_existing(out_dir)
     free = shutil.disk_usage(at).free
     old = os.path.join(out_dir, "model.safetensors")
     if overwrite and os.path.isfile(old):
@@ -251,9 +242,9 @@ def make_out_dir(out_dir: str) -> None:
     """``os.makedirs(out_dir)``, a refusal naming the fix (:class:`ExportDirError`) when it cannot be made."""
     try:
         os.makedirs(out_dir, exist_ok=True)
-    except (PermissionError, OSError) as e:
+    except OSError as e:
         if isinstance(e, (FileExistsError, NotADirectoryError)):
-            raise ExportDirError(f"{_existing_ancestor(out_dir)} is a file, not a directory: give an output "
+            raise ExportDirError(f"{nearest_existing(out_dir)} is a file, not a directory: give an output "
                                  "directory under a directory") from None
         raise ExportDirError(f"cannot write {out_dir} ({e.strerror or e}): choose a directory you can write") from None
 

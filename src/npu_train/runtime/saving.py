@@ -9,7 +9,7 @@ import shutil
 from typing import Optional
 
 from npu_train.env import resume_env_prefix
-from npu_train.errors import UserError
+from npu_train.errors import UserError, nearest_existing
 
 #: printed at launch by a ``checkpoint.save=false`` run
 NO_SAVE_NOTE = ("note: checkpoint.save=false: no checkpoint will be written (not at train.save_every, the end or an "
@@ -20,19 +20,11 @@ class CheckpointDirError(UserError):
     """``checkpoint.dir`` cannot be written, or has too little room for this run's checkpoints (exit 2)."""
 
 
-def _existing_dir(path: str) -> str:
-    """``path`` or its nearest existing ancestor."""
-    path = os.path.abspath(path)
-    while not os.path.lexists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
 def check_checkpoint_dir_writable(ckpt_root: str) -> None:
     """Create and remove a probe file in ``ckpt_root`` (a new root: in its nearest existing ancestor, creating
     nothing). Raises :class:`CheckpointDirError` naming the OS error: a read-only mount, no permission, a path
     through a file."""
-    where = _existing_dir(ckpt_root)
+    where = nearest_existing(ckpt_root)
     probe = os.path.join(where, f".npt-probe-{os.getpid()}")
     try:
         if not os.path.isdir(where):
@@ -66,7 +58,7 @@ def check_checkpoint_space(ckpt_root: str, cfg, model_cfg, stages: int, start_st
     size = checkpoint_bytes(model_cfg, stages, cfg.train.mode, lora_params_per_layer)
     count = checkpoints_needed_at_once(int(cfg.checkpoint.keep), len(complete_checkpoints(ckpt_root)),
                                        saves_of_launch(cfg.train, start_step))
-    free = shutil.disk_usage(_existing_dir(ckpt_root)).free
+    free = shutil.disk_usage(nearest_existing(ckpt_root)).free
     msg = launch_space_message(ckpt_root, size, count, free, int(cfg.checkpoint.keep))
     if not msg:
         return
