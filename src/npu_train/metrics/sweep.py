@@ -261,18 +261,25 @@ def swept_overrides(rows: list[dict]) -> list[list[str]]:
     return [[o for o in r["overrides"] if o not in common] or r["overrides"] for r in rows]
 
 
-def job_header(sweep_dir: str, num: int, overrides: list[str]) -> str:
-    """The line that begins job ``num`` (Hydra's 0-based ``hydra.job.num``) of the sweep in ``sweep_dir``:
-    ``sweep job 2/2: train.lr=3e-4``, with only the overrides that differ between the sweep's jobs (all of the
-    job's when it is alone), floats as written (:func:`~npu_train.metrics.report.fmt_override`). The jobs come from the sweep's ``multirun.yaml`` (written before any job); without
-    it the count is left out (``sweep job 2: ...``)."""
+def _sweep_jobs(sweep_dir: str) -> list[list[str]]:
+    """Each job's overrides of the sweep in ``sweep_dir``, from its ``multirun.yaml`` (Hydra's sweeper writes it
+    before any job starts); ``[]`` when the file is missing or unreadable."""
     from omegaconf import OmegaConf
 
     try:
         master = OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml"))
-        jobs = sweep_job_overrides(OmegaConf.to_container(master.hydra.overrides.task, resolve=False))
-    except Exception:  # noqa: BLE001 - an unreadable record: the job's own overrides, no count
-        jobs = []
+        return sweep_job_overrides(OmegaConf.to_container(master.hydra.overrides.task, resolve=False))
+    except Exception:  # noqa: BLE001 - an unreadable record
+        return []
+
+
+def job_header(sweep_dir: str, num: int, overrides: list[str]) -> str:
+    """The line that begins job ``num`` (Hydra's 0-based ``hydra.job.num``) of the sweep in ``sweep_dir``:
+    ``sweep job 2/2: train.lr=3e-4``, with only the overrides that differ between the sweep's jobs (all of the
+    job's when it is alone), floats as written (:func:`~npu_train.metrics.report.fmt_override`). The jobs
+    come from the sweep's ``multirun.yaml`` (:func:`_sweep_jobs`); without it the count is left out
+    (``sweep job 2: ...``)."""
+    jobs = _sweep_jobs(sweep_dir)  # [] unreadable: the job's own overrides, no count
     swept = {o.split("=", 1)[0] for j in swept_overrides([{"overrides": j} for j in jobs]) for o in j}
     shown = [o for o in overrides if o.split("=", 1)[0] in swept] if len(jobs) > 1 else list(overrides)
     count = f"/{len(jobs)}" if jobs else ""
@@ -287,15 +294,9 @@ def job_tag(sweep_dir: str, num: int, at_a_time: int) -> str:
     fresh-clone review saw two ``step 4/4 | loss ...`` and two ``done:`` lines with nothing saying whose. ``""``
     when the jobs run one after another (each begins with its ``sweep job i/n:`` line) or the sweep's
     ``multirun.yaml`` cannot be read."""
-    from omegaconf import OmegaConf
-
     if at_a_time <= 1:
         return ""
-    try:
-        master = OmegaConf.load(os.path.join(sweep_dir, "multirun.yaml"))
-        jobs = sweep_job_overrides(OmegaConf.to_container(master.hydra.overrides.task, resolve=False))
-    except Exception:  # noqa: BLE001 - an unreadable record: no tag (job_header leaves its count out too)
-        return ""
+    jobs = _sweep_jobs(sweep_dir)  # [] unreadable: no tag (job_header leaves its count out too)
     return f"[job {num + 1}/{len(jobs)}] " if len(jobs) > 1 else ""
 
 
