@@ -59,7 +59,7 @@ def next_steps(cfg, ckpt_root: Optional[str], width: Optional[int] = None) -> li
     and ran it without its checkpoint path)."""
     import shlex
 
-    from npu_train.errors import console_columns
+    from npu_train.errors import console_columns, wrap_words
     from npu_train.metrics.report import shell_lines
 
     if not _is_default_job(cfg) or not ckpt_root:
@@ -71,9 +71,8 @@ def next_steps(cfg, ckpt_root: Optional[str], width: Optional[int] = None) -> li
         cmds += [[py, run, "train.mode=lora", "data.format=chat", "data.source=botchan-chat"],
                  [py, run, "plan=true", "model.path=llama-3.1-8b", "backend=furiosa:auto,furiosa:auto"]]
     whats = ["see what it says", "LoRA on chat rows", "an 8B plan for 2 RNGD cards"][:len(cmds)]
-    from npu_train.errors import wrap_words
-
     head = wrap_words(f"next: {', '.join(whats)}; your own data: docs/data.md", width)
+
     def units(argv: list[str]) -> list[str]:  # shell-quoted; an option stays on the line of its value
         out = []
         for a in argv:

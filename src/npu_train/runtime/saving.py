@@ -162,8 +162,8 @@ def _pace(summ: dict) -> str:
 def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
                     run_dir: str) -> str:
     """The launcher's last lines (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``): the steps and
-    losses, the mean trained tokens/s and this launch's wall time (:func:`_pace`), then, each on its own line indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label
-    with its path: a fresh-clone review saw one ``;``-joined line fold with ``checkpoint`` cut off from its path,
+    losses, the mean trained tokens/s and this launch's wall time (:func:`_pace`), then, each on its own line
+    indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label with its path: a fresh-clone review saw one ``;``-joined line fold with ``checkpoint`` cut off from its path,
     issue 40) and a stopped run's resume command; ``summ``: the reporter's summary (losses in nats/token)."""
     from npu_train.metrics.report import fmt_loss
 
