@@ -1,7 +1,8 @@
 """``kill -USR1 <pid>`` (docs/troubleshooting.md): the launcher and every card process print
 every thread's Python stack to the launcher's stderr and the job goes on, also when the signal reaches
 a card process still starting (importing torch, before its handler exists: it starts with SIGUSR1
-ignored, an inherited disposition, instead of being killed by it)."""
+blocked, a mask inherited from the launcher, and dumps once its handler is registered, instead of being killed
+by it)."""
 from __future__ import annotations
 
 import os

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import faulthandler
 import hmac
 import json
 import logging
@@ -31,7 +30,6 @@ from npu_train.hostmem import card_wait_env
 from npu_train.runtime.jobstore import picks_port
 from npu_train.runtime.oom import OomWatch
 from npu_train.runtime.spec import WorkerSpec
-from npu_train.stackdump import install_stack_dump
 
 log = logging.getLogger("npu_train")
 
@@ -143,40 +141,18 @@ class Coordinator:
         self.rejected = 0
 
     # ------------------------------------------------------------------ lifecycle
+    #: blocked in the launcher while it starts a card process (:meth:`_spawn`); the card inherits the mask and
+    #: unblocks them in ``worker_main`` once its own dispositions are set (:data:`CARD_SIGNALS` there too)
+    SPAWN_BLOCKED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
     def run(self) -> None:
-        ctx = mp.get_context("spawn")
         old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         for s in old:
             signal.signal(s, self._on_signal)
         try:
-            now = time.monotonic()
-            for spec, rs in zip(self.specs, self.ranks):
-                rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
-                # a Ctrl-C during start-up belongs to the launcher: the card process starts with SIGINT/SIGTERM
-                # ignored (an ignored disposition survives exec, and Python then installs no handler), so
-                # its imports are not interrupted with a KeyboardInterrupt traceback; SIGUSR1 (the stack
-                # dump, `kill -USR1`) too, until worker_main registers it: it must not kill a starting card
-                dump = faulthandler.unregister(signal.SIGUSR1)
-                prev = {sg: signal.signal(sg, signal.SIG_IGN)
-                        for sg in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)}
-                extra = card_wait_env(spec.card.kind, spec.runtime.threads)  # read when the card loads torch
-                saved = {k: os.environ.get(k) for k in extra}
-                os.environ.update(extra)
-                try:
-                    rs.proc.start()
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
-                    for sg, h in prev.items():
-                        signal.signal(sg, h)
-                    if dump:
-                        install_stack_dump("the launcher")
-                rs.last_seen = rs.started_at = now
-            self._write_job_file()
             try:
+                self._spawn()
+                self._write_job_file()
                 self._loop()
             except BaseException as e:
                 if self.link is not None:  # every other node goes down with the same message
@@ -189,6 +165,38 @@ class Coordinator:
             finally:
                 for s, h in old.items():
                     signal.signal(s, h)
+
+    def _spawn(self) -> None:
+        """Start one card process per spec (``spawn``: fork and exec of a fresh interpreter). A Ctrl-C during
+        start-up belongs to the launcher: SIGINT/SIGTERM/SIGHUP (and SIGUSR1, the stack dump, which would kill a
+        starting card) are blocked around each ``start()``, and the card inherits the blocked mask through the
+        exec, so its imports are not interrupted with a KeyboardInterrupt traceback; ``worker_main`` unblocks
+        them after setting its own dispositions. Blocked, not ignored: a signal to the launcher in that window
+        stays pending and is handled (:meth:`_on_signal`) when the mask is restored; set to SIG_IGN it was
+        discarded, and a Ctrl-C while 8 cards started did nothing. Once a signal was counted no further card
+        is started: :class:`Interrupted` (the job then stops as for a Ctrl-C during start-up)."""
+        ctx = mp.get_context("spawn")
+        now = time.monotonic()
+        for spec, rs in zip(self.specs, self.ranks):
+            if self.interrupted:
+                raise Interrupted(self.signum)
+            rs.proc = ctx.Process(target=_worker_entry, args=(spec,), name=f"npu-train-{rs.card}", daemon=False)
+            extra = card_wait_env(spec.card.kind, spec.runtime.threads)  # read when the card loads torch
+            saved = {k: os.environ.get(k) for k in extra}
+            os.environ.update(extra)
+            mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.SPAWN_BLOCKED)
+            try:
+                rs.proc.start()
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a pending signal runs _on_signal now
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            rs.last_seen = rs.started_at = now
+        if self.interrupted:
+            raise Interrupted(self.signum)
 
     #: after the first error report, wait this long for a peer's death to show (root cause)
     ERROR_GRACE_S = 0.5

@@ -64,6 +64,9 @@ def _cleanup_orphaned_job(job_id: str, ipc_dir: str) -> None:
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
+#: the signals a card process starts with blocked (the launcher's mask while it starts the card, inherited)
+CARD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
 #: SIGTERM / SIGHUP numbers this card process received, reported to the coordinator by the heartbeat thread
 SIGNALLED: list = []
 
@@ -108,6 +111,9 @@ def worker_main(spec: WorkerSpec) -> None:
     signal.signal(signal.SIGTERM, _note_signal)
     signal.signal(signal.SIGHUP, _note_signal)
     install_stack_dump(f"card {spec.card.name} ({spec.layout.where(rank)}, layers {spec.stage.label})")  # kill -USR1
+    # started with them blocked (Coordinator._spawn: a Ctrl-C during the start-up and imports is the launcher's):
+    # a SIGINT pending meanwhile was discarded by SIG_IGN above, a SIGTERM / SIGHUP / SIGUSR1 is handled now
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, CARD_SIGNALS)
     threshold = card_mmap_threshold(spec.card.kind, keep=spec.runtime.keep_host_memory, recompute=spec.train.recompute)
     if threshold is not None and not keep_freed_memory(mmap_threshold=threshold):  # before tensors exist
         log.debug("host memory: malloc settings not changed (not glibc, or the user's MALLOC_* / GLIBC_TUNABLES)")
