@@ -215,7 +215,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> i
             print(starting_line(cfg), flush=True)
             from npu_train.runtime.job import run_job
 
-            summ = run_job(cfg, run_dir)
+            summ = run_job(cfg, run_dir, resume_with=resume_with)
         finally:  # the outcome is decided: a signal from now on is only noted (_hold_signals)
             _SIGNALS_HELD_FOR_JOB[0] = False
         if report is not None and isinstance(summ, dict) and summ.get("stopped_at") is not None:
@@ -228,7 +228,12 @@ def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> i
     except JobFailed as e:  # the message names the last complete checkpoint and the resume command, if any
         if report is not None:
             report.update(checkpoint=e.checkpoint, checkpoint_dir=e.checkpoint_dir)
-        print_error(str(e))
+        cmd = _resume_lines(resume_with, e.checkpoint_dir if e.checkpoint else None)
+        if cmd:  # the whole command, pasteable, in place of "rerun the same command with ..."
+            print_error(f"{e.failure}; last complete checkpoint {e.checkpoint};")
+            print("\n".join(cmd), file=sys.stderr, flush=True)
+        else:
+            print_error(str(e))
         return exit_code_for(e)
     except KeyboardInterrupt as e:  # Ctrl-C (130) or SIGTERM (143), see npu_train.errors.Interrupted
         extra = getattr(e, "message", "")
@@ -243,16 +248,14 @@ def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> i
 
         # folded at words to the terminal, at most 100 columns (redirected too: a log has no terminal to fold
         # it); status.json gets it whole (_ErrorLineTee joins the folded lines)
-        width = console_columns(sys.stderr)
-        cmd = resume_with(ck_dir) if ck and ck_dir and resume_with is not None else None
+        cmd = _resume_lines(resume_with, ck_dir if ck else None)
         if cmd:  # the whole command, pasteable, in place of "rerun the same command with ..."
             extra = f"{'checkpoint' if getattr(e, 'checkpoint', None) else 'last complete checkpoint'} {ck}" + (
-                " saved" if getattr(e, "checkpoint", None) else "") + "; resume with:"
-        print(fold_words(head + (f"; {extra}" if extra else ""), width), file=sys.stderr, flush=True)
+                " saved" if getattr(e, "checkpoint", None) else "") + ";"
+        print(fold_words(head + (f"; {extra}" if extra else ""), console_columns(sys.stderr)), file=sys.stderr,
+              flush=True)
         if cmd:
-            from npu_train.metrics.report import shell_lines
-
-            print("\n".join(shell_lines(cmd, width, indent="  ")), file=sys.stderr, flush=True)
+            print("\n".join(cmd), file=sys.stderr, flush=True)
         return exit_code_for(e)
     except (UserError, FileNotFoundError) as e:
         msg = str(e)
@@ -267,9 +270,29 @@ def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> i
         if report is not None:
             report.update(checkpoint=ck, checkpoint_dir=ck_dir)
         where = f"writing {e.filename} " if e.filename else ""
+        cmd = _resume_lines(resume_with, ck_dir if ck else None)
+        if cmd:  # the whole command (status.json, which names it too, may not be written on a full disk)
+            note = f"last complete checkpoint {ck};"
         print_error(f"no space left on device {where}(hydra.run.dir={run_dir}): free disk space there or set "
                     f"hydra.run.dir to a directory on a larger disk" + (f"; {note}" if note else ""))
+        if cmd:
+            print("\n".join(cmd), file=sys.stderr, flush=True)
         return 1
+
+
+def _resume_lines(resume_with, checkpoint_dir: "str | None") -> "list[str] | None":
+    """The lines printed on stderr after an ``error:`` / ``interrupted`` line that ends naming a checkpoint:
+    ``  resume with:`` on a line of its own (never folded between its words), then the command that resumes
+    from ``checkpoint_dir`` (``resume_with``: :func:`main`'s) indented four spaces
+    (:func:`~npu_train.metrics.report.shell_lines`: each line within the console's width but a word wider
+    alone, every line but the last ending in a `` \\`` continuation); None without a checkpoint or a command.
+    Joined by :class:`_ErrorLineTee`, the message ends ``...; resume with: <the command>`` (``status.json``)."""
+    if not checkpoint_dir or resume_with is None:
+        return None
+    from npu_train.errors import console_columns
+    from npu_train.metrics.report import shell_lines
+
+    return ["  resume with:", *shell_lines(resume_with(checkpoint_dir), console_columns(sys.stderr), indent="    ")]
 
 
 class _StderrCapture:

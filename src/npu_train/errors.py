@@ -151,12 +151,15 @@ class BackendSpecError(UserError, ValueError):
 class JobFailed(Exception):
     """The job was brought down by a failed card process; ``str(self)`` names card, stage, phase and cause.
     ``checkpoint``: the latest complete checkpoint of the run (saved by this launch or the one it resumed
-    from), or None; ``checkpoint_dir``: its root (what the resume command names)."""
+    from), or None; ``checkpoint_dir``: its root (what the resume command names); ``failure``: the message without
+    the part that names the checkpoint and how to resume (launch/run.py prints the whole resume command after it)."""
 
-    def __init__(self, message: str = "", checkpoint: Optional[str] = None, checkpoint_dir: Optional[str] = None):
+    def __init__(self, message: str = "", checkpoint: Optional[str] = None, checkpoint_dir: Optional[str] = None,
+                 failure: Optional[str] = None):
         super().__init__(message)
         self.checkpoint = checkpoint
         self.checkpoint_dir = checkpoint_dir
+        self.failure = message if failure is None else failure
 
 
 class Interrupted(KeyboardInterrupt):

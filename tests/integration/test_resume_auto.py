@@ -5,6 +5,7 @@ directory holds no complete checkpoint, else an exact continuation from the newe
 from __future__ import annotations
 
 import os
+import shlex
 
 import pytest
 
@@ -41,13 +42,17 @@ def test_resume_into_the_same_run_dir_continues_its_records(tiny_model, tmp_path
     first = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.stop_after=2", name="same")
     # the stopped launch says it is not complete and how to continue (console and status.json)
     assert "stopped: 2 steps of this launch (train.stop_after=2), at step 2 of train.steps=4" in first.flat_stdout
-    # (the suite's own NPT_CACHE makes it "resume with: env NPT_CACHE=... <the same command> ...")
-    assert "the same command" in first.flat_stdout and " train.resume=latest checkpoint.dir=" in first.flat_stdout
-    assert f"(the whole command: 'resume' in {os.path.join(first.run_dir, 'status.json')})" in first.flat_stdout
     with open(os.path.join(first.run_dir, "status.json")) as f:
         st = json.load(f)
     assert st["status"] == "ok" and st["stopped_at"] == 2 and st["steps"] == 4
     assert "train.resume=latest" in st["resume"] and "checkpoint.dir=" in st["resume"]
+    # the whole command to paste (the suite's own NPT_CACHE too: "env NPT_CACHE=... python launch/run.py ..."),
+    # not "rerun the same command with ...": its `\`-continued lines are status.json's resume command
+    out = first.stdout.splitlines()
+    cmd = out[out.index("  resume with:") + 1:]
+    cmd = cmd[:next(i for i, ln in enumerate(cmd) if not ln.endswith(" \\")) + 1]
+    assert shlex.split("\n".join(cmd).replace("\\\n", "")) == shlex.split(st["resume"]), (cmd, st["resume"])
+    assert "the same command" not in first.stdout
     again = launch_to_end(tmp_path, tiny_model, "train.steps=4", "train.resume=latest", name="same")
     # previous-1 is the whole first launch: its plan, job and status records too (they used to be overwritten)
     prev = os.path.join(again.run_dir, "previous-1")

@@ -90,7 +90,7 @@ def test_the_interrupt_prints_the_whole_resume_command(monkeypatch, capsys, widt
     monkeypatch.setattr(run, "starting_line", lambda cfg: "starting")
     ck = LONG + "/step_000002"
 
-    def interrupted(cfg, run_dir):
+    def interrupted(cfg, run_dir, resume_with=None):
         raise errors.Interrupted(signal.SIGINT, "checkpoint ... saved; resume by rerunning the same command with "
                                  "...", checkpoint=ck, checkpoint_dir=LONG)
 
@@ -112,3 +112,113 @@ def test_the_interrupt_prints_the_whole_resume_command(monkeypatch, capsys, widt
     tee = run._ErrorLineTee(open(os.devnull, "w"))
     tee.write("\n".join(err) + "\n")
     assert tee.last.endswith("resume with: " + run.resume_command(overrides, LONG)), tee.last
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_a_failed_card_prints_the_whole_resume_command(monkeypatch, capsys, width):
+    """A card process failed after a checkpoint: the ``error:`` line names the failure and the last complete
+    checkpoint, then the whole command that resumes from it (not "rerun the same command with ...")."""
+    run = load_script(LAUNCH_RUN, "_npt_launcher_for_paste_test")
+    import npu_train.errors as errors
+    import npu_train.runtime.job as job
+
+    monkeypatch.delenv("NPT_CACHE", raising=False)
+    monkeypatch.setattr(errors, "console_columns", lambda stream=None: width)
+    monkeypatch.setattr(run, "check_before_imports", lambda cfg: None)
+    monkeypatch.setattr(run, "starting_line", lambda cfg: "starting")
+    ck = LONG + "/step_000002"
+    failure = "card cpu1 (stage 1, layers 2-3) failed during step 3: process killed by signal SIGKILL"
+
+    def failed(cfg, run_dir, resume_with=None):
+        raise errors.JobFailed(f"{failure}; last complete checkpoint {ck}; resume by rerunning the same command "
+                               "with ...", checkpoint=ck, checkpoint_dir=LONG, failure=failure)
+
+    monkeypatch.setattr(job, "run_job", failed)
+    overrides = ["hydra.run.dir=/tmp/a b/run", "train.steps=50", "data.seq_len=256"]
+    report: dict = {}
+    code = run.main(OmegaConf.structured(Config), "/tmp/x", report,
+                    resume_with=lambda root: run.resume_words(overrides, root))
+    assert code == 1 and report["checkpoint"] == ck and report["checkpoint_dir"] == LONG
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("error: card cpu1 (stage 1, layers 2-3) failed during step 3"), err
+    assert not any("the same command" in ln for ln in err), err
+    head = [i for i, ln in enumerate(err) if ln.endswith("resume with:")]
+    assert head, err
+    cmd = err[head[0] + 1:]
+    assert pasted(cmd) == [sys.executable, os.path.abspath(LAUNCH_RUN), *overrides, "train.resume=latest",
+                           f"checkpoint.dir={LONG}"], cmd
+    assert all(len(ln) <= width or ln.strip().removesuffix(" \\").count(" ") == 0 for ln in err), err
+    # status.json's error: one line, the failure, the checkpoint and the command
+    tee = run._ErrorLineTee(open(os.devnull, "w"))
+    tee.write("\n".join(err) + "\n")
+    assert tee.last == (f"error: {failure}; last complete checkpoint {ck}; resume with: "
+                        + run.resume_command(overrides, LONG)), tee.last
+
+
+def test_a_failed_card_without_a_checkpoint_says_a_rerun_starts_again(monkeypatch, capsys):
+    run = load_script(LAUNCH_RUN, "_npt_launcher_for_paste_test")
+    import npu_train.errors as errors
+    import npu_train.runtime.job as job
+    from npu_train.runtime.saving import NO_CHECKPOINT_YET
+
+    monkeypatch.setattr(run, "check_before_imports", lambda cfg: None)
+    monkeypatch.setattr(run, "starting_line", lambda cfg: "starting")
+
+    def failed(cfg, run_dir, resume_with=None):
+        raise errors.JobFailed(f"card cpu0 failed during start: boom; {NO_CHECKPOINT_YET}", failure="boom")
+
+    monkeypatch.setattr(job, "run_job", failed)
+    code = run.main(OmegaConf.structured(Config), "/tmp/x", {}, resume_with=lambda root: ["python", "x"])
+    err = " ".join(capsys.readouterr().err.split())
+    assert code == 1 and f"error: card cpu0 failed during start: boom; {NO_CHECKPOINT_YET}" in err, err
+    assert "resume with" not in err
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_stopped_line_prints_the_whole_resume_command(monkeypatch, width):
+    """``train.stop_after`` ended the launch early: the ``stopped:`` lines end with the whole command that goes on
+    (launch/run.py's, handed to ``run_job``), each line within the width, pasting as that command."""
+    from types import SimpleNamespace
+
+    from npu_train.runtime.job import fold_words
+    from npu_train.runtime.saving import end_of_run_line
+
+    run = load_script(LAUNCH_RUN, "_npt_launcher_for_paste_test")
+    monkeypatch.delenv("NPT_CACHE", raising=False)
+    overrides = ["hydra.run.dir=/tmp/a b/run", "train.steps=50", "train.stop_after=2", "data.seq_len=256"]
+    words = run.resume_words(overrides, LONG)
+    summ = {"steps_run": 2, "first_loss": 4.0, "last_loss": 3.5, "mean_tokens_per_s": 100.0, "wall_s": 12.0}
+    train = SimpleNamespace(steps=50, stop_after=2, offload_update="sync")
+    text = end_of_run_line(summ, 2, train, LONG + "/step_000002", LONG, True, "/tmp/a b/run", resume_words=words,
+                           width=width)
+    lines = fold_words(text, width).splitlines()
+    assert LineFolder(width).feed("\n".join(lines) + "\n") == "\n".join(lines) + "\n"  # the console's folding
+    assert " ".join(text.split()).startswith("stopped: 2 steps of this launch (train.stop_after=2), at step 2 of "
+                                             "train.steps=50"), text
+    at = lines.index("  resume with:")
+    assert pasted(lines[at + 1:]) == [sys.executable, os.path.abspath(LAUNCH_RUN), *overrides,
+                                      "train.resume=latest", f"checkpoint.dir={LONG}"], lines
+    assert not any("the same command" in ln for ln in lines), lines
+    assert all(len(ln) <= width or ln.strip().removesuffix(" \\").count(" ") == 0 or ln.startswith("  checkpoint: ")
+               for ln in lines), lines
+    # without the launcher's command (a library caller): what to add to "the same command"
+    plain = end_of_run_line(summ, 2, train, LONG + "/step_000002", LONG, True, "/r")
+    assert "resume by rerunning the same command with train.resume=latest" in plain, plain
+
+
+def test_the_launcher_hands_its_resume_command_to_the_job(monkeypatch):
+    """launch/run.py's ``main`` gives ``run_job`` the command it prints (the ``stopped:`` line's)."""
+    run = load_script(LAUNCH_RUN, "_npt_launcher_for_paste_test")
+    import npu_train.runtime.job as job
+
+    monkeypatch.setattr(run, "check_before_imports", lambda cfg: None)
+    monkeypatch.setattr(run, "starting_line", lambda cfg: "starting")
+    seen = []
+
+    def fake(cfg, run_dir, resume_with=None):
+        seen.append(resume_with("/ck"))
+        return {}
+
+    monkeypatch.setattr(job, "run_job", fake)
+    assert run.main(OmegaConf.structured(Config), "/tmp/x", {}, resume_with=lambda root: ["cmd", root]) == 0
+    assert seen == [["cmd", "/ck"]]

@@ -865,8 +865,10 @@ def model_index(model_path: Optional[str]) -> Optional[dict]:
     return gguf_tensor_index(os.path.expanduser(model_path))
 
 
-def run_job(cfg, run_dir: str) -> dict:
+def run_job(cfg, run_dir: str, resume_with=None) -> dict:
     """Run the training job ``cfg`` (an OmegaConf ``Config``) in ``run_dir``; returns the run summary dict.
+    ``resume_with``: the words of the shell command that resumes the run from a checkpoint root (launch/run.py's
+    ``resume_words``; None: the ``stopped:`` line says "the same command" with the overrides to add).
 
     Raises UserError (exit 2) for bad input, JobFailed (exit 1) when a card process fails, Interrupted
     (130/143) on SIGINT/SIGTERM. Multi-node when ``NNODES`` > 1 (:mod:`npu_train.runtime.nodes`)."""
@@ -887,7 +889,7 @@ def run_job(cfg, run_dir: str) -> dict:
     node, locks = _this_node(cfg), JobLocks()
     try:
         with launch_signals():
-            return _train(cfg, run_dir, node, locks)
+            return _train(cfg, run_dir, node, locks, resume_with)
     except UserError as e:  # the other nodes stop waiting and name this node's error
         if node.rdv is not None:
             node.rdv.abort(str(e))
@@ -940,9 +942,10 @@ def defer_signals() -> None:
             signal.signal(s, _record_late_signal)
 
 
-def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
+def _train(cfg, run_dir: str, node: "NodeContext", locks, resume_with=None) -> dict:
     """The phases of a training job (module docstring); ``locks``: the launch's
-    :class:`~npu_train.runtime.dirlock.JobLocks`, taken first (a live job's directories are refused)."""
+    :class:`~npu_train.runtime.dirlock.JobLocks`, taken first (a live job's directories are refused);
+    ``resume_with``: as for :func:`run_job`."""
     from npu_train.runtime import nodes as N
 
     locks.run_dir(run_dir, node.node_rank)
@@ -960,13 +963,13 @@ def _train(cfg, run_dir: str, node: "NodeContext", locks) -> dict:
     live = live_progress(str(getattr(cfg.runtime, "progress", "auto")), int(cfg.train.steps),
                          sweep=_sweep_group() is not None)
     try:
-        return _train_phases(cfg, run_dir, node, locks, live)
+        return _train_phases(cfg, run_dir, node, locks, live, resume_with)
     finally:
         if live is not None:
             live.stop()
 
 
-def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
+def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live, resume_with=None) -> dict:
     """:func:`_train` with the terminal's live display ``live`` (None: plain lines) told each phase."""
     say = live.phase if live is not None else (lambda _text: None)
     say("preparing: cards, model header, placement plan")
@@ -1000,7 +1003,7 @@ def _train_phases(cfg, run_dir: str, node: "NodeContext", locks, live) -> dict:
         launch.store = None  # the card processes are gone: the job's store stops listening
     if live is not None:
         live.stop()  # the end-of-run lines below go to the console as plain lines
-    return _finish(job, cfg, run_dir, prep, resume, node)
+    return _finish(job, cfg, run_dir, prep, resume, node, resume_with)
 
 
 def _already_complete(cfg, resume: ResumePoint) -> dict:
@@ -1697,12 +1700,14 @@ def _run_coordinator(job: StartedJob, cfg, resume: ResumePoint) -> None:
                                                    save=False)) from None
     except JobFailed as e:  # name the checkpoint the run can go on from (status.json: checkpoint, resume)
         ck, note = last_checkpoint_note(resume.ckpt_root, cfg.train.offload_update, job.coord.run_dir)
-        raise JobFailed(f"{e}; {note}", checkpoint=ck,
-                        checkpoint_dir=resume.ckpt_root if ck else None) from None
+        raise JobFailed(f"{e}; {note}", checkpoint=ck, checkpoint_dir=resume.ckpt_root if ck else None,
+                        failure=str(e)) from None
 
 
-def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePoint, node: NodeContext) -> dict:
-    """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal."""
+def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePoint, node: NodeContext,
+            resume_with=None) -> dict:
+    """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal.
+    ``resume_with``: as for :func:`run_job` (the ``stopped:`` line's command)."""
     from npu_train.planner.fit import refit_from_run
 
     from npu_train.metrics.report import phase_peaks
@@ -1733,8 +1738,10 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
     if job.reporter.records_failed is None:  # records cut short by a full run dir: nothing to fit from
         refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
     at = resume.start_step + int(summ["steps_run"])
-    print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir),
-                     console_columns()), flush=True)
+    width = console_columns()
+    words = resume_with(resume.ckpt_root) if resume_with is not None and at < tr.steps and coord.last_ckpt else None
+    print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir,
+                                     resume_words=words, width=width), width), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
         summ.update(stopped_at=at, checkpoint_dir=resume.ckpt_root if coord.last_ckpt else None)
     elif node.is_owner and _sweep_group() is None:  # the default job: what to try next (runtime/hints.py)

@@ -9,7 +9,7 @@ import shutil
 from typing import Optional
 
 from npu_train.env import resume_env_prefix
-from npu_train.errors import UserError, nearest_existing
+from npu_train.errors import UserError, console_columns, nearest_existing
 
 #: printed at launch by a ``checkpoint.save=false`` run
 NO_SAVE_NOTE = ("note: checkpoint.save=false: no checkpoint will be written (not at train.save_every, the end or an "
@@ -160,20 +160,28 @@ def _pace(summ: dict) -> str:
 
 
 def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
-                    run_dir: str) -> str:
+                    run_dir: str, resume_words: Optional[list] = None, width: Optional[int] = None) -> str:
     """The launcher's last lines (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``): the steps and
     losses, the mean trained tokens/s and this launch's wall time (:func:`_pace`), then, each on its own line
     indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label with its path: a fresh-clone review saw one ``;``-joined line fold with ``checkpoint`` cut off from its path,
-    issue 40) and a stopped run's resume command; ``summ``: the reporter's summary (losses in nats/token)."""
-    from npu_train.metrics.report import fmt_loss
+    issue 40) and a stopped run's resume command. With ``resume_words`` (its words, each quoted for the shell:
+    launch/run.py's ``resume_words``) that is ``resume with:`` and the whole command to paste, broken into
+    `` \\``-continued lines of at most ``width`` columns (default: the console's) by
+    :func:`~npu_train.metrics.report.shell_lines`; without, "the same command" and what to add to it.
+    ``summ``: the reporter's summary (losses in nats/token)."""
+    from npu_train.metrics.report import fmt_loss, shell_lines
 
     n = int(summ["steps_run"])
     early = at < train.steps
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
+    resume = ""
+    if early and last_ckpt:
+        cmd = shell_lines(resume_words, width or console_columns(), indent="    ") if resume_words else None
+        resume = ("\n  resume with:\n" + "\n".join(cmd) if cmd else
+                  f"\n  {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
+                  f"{os.path.join(run_dir, 'status.json')})")
     return (f"{'stopped' if early else 'done'}: {n} step{'' if n == 1 else 's'}{skipped}"
             + (f" of this launch (train.stop_after={train.stop_after}), at step {at} of train.steps={train.steps}"
                if early else "")
             + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}{_pace(summ)}\n"
-            f"  {done_checkpoint(last_ckpt, save)}\n  metrics: {os.path.join(run_dir, 'metrics.jsonl')}"
-            + (f"\n  {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
-               f"{os.path.join(run_dir, 'status.json')})" if early and last_ckpt else ""))
+            f"  {done_checkpoint(last_ckpt, save)}\n  metrics: {os.path.join(run_dir, 'metrics.jsonl')}" + resume)
