@@ -157,8 +157,8 @@ class HeapGuard:
     """Keeps a cpu card's heap holes (freed memory the heap keeps resident) at most ``cap_bytes`` at each full
     :meth:`check`: past it, the free pages go back to the OS (``malloc_trim(0)``: every free chunk's whole
     pages, in every arena; they fault in again when reused), and with ``limit_bytes`` only while the RSS is above
-    that too (a card: its plan's total less the slack and one layer's frees, so trims, and the page faults after
-    them, happen only near the plan). A check reads the anonymous RSS (0.02 ms) and is full
+    that too (a card: its plan's total less the slack and one layer's frees and less the experts' kernel's
+    workspaces, ``StagePlan.heap_limit``, so trims, and the page faults after them, happen only near the plan). A check reads the anonymous RSS (0.02 ms) and is full
     only when the RSS is above the limit (if any) and grew by ``slack_bytes`` or more since the last full one (``mallinfo2`` walks every free
     chunk: 0.3 ms with 4,400 of them); so at every check the RSS is at most live + ``cap_bytes`` + ``slack_bytes``,
     the live bytes those of the last full check or more.

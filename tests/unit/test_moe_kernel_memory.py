@@ -366,3 +366,149 @@ def test_backward_rss_holds_the_term_after_a_trim(threads):
     rows = n * E_
     bound = expert_kernel_bytes(m, rows, 2, 4, False, threads=threads) + rows * 4 * (H_ + I_) + (4 << 20)
     assert min(got) <= bound, (got, bound)
+
+
+def _mixtral_layer(layers: int = 2) -> LlamaConfig:
+    """Mixtral-8x7B's decoder layer (h 4096, 8 experts of 14336, top-2, 32 / 8 heads of 128) on a 49152 vocabulary,
+    as ``experiments/bench/make_random_moe.py`` builds it for issue 37's memory runs."""
+    return LlamaConfig(vocab_size=49152, hidden_size=4096, intermediate_size=14336, num_layers=layers, num_heads=32,
+                       num_kv_heads=8, head_dim=128, family="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=14336)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_heap_guards_limit_leaves_the_kernel_its_workspaces(monkeypatch, threads):
+    """``StagePlan.heap_limit``, the RSS below which a cpu card's ``HeapGuard`` never trims: the plan's total less
+    the heap term's slack and one layer's frees (``mem["heap"] - heap_cap``) and less the experts' kernel's term
+    (``heap_reserve``), so the RSS a check lets stand (limit + the guard's slack) plus the kernel's fresh fp32
+    workspaces stays within the total. Mixtral's layer, bf16 widened (a host without bf16 matmul hardware), LoRA on
+    the attention, ``backend=cpu,cpu`` at 1 and 2 threads per card: 0.55 / 1.0 GB of workspaces. Without the
+    reserve (the limit at ``total - heap + cap``) the kernel's term passes the total by up to itself less the
+    heap's slack and one layer's frees: the 1.11-1.15 of the plan issue 37's runs saw. A dense model reserves
+    nothing."""
+    import npu_train.planner.memory as memory
+    from npu_train.hardware import make_cards
+    from npu_train.planner import PlanRequest, RunShape, load_rates, make_plan
+    from npu_train.planner.moe import lora_params_per_layer
+
+    monkeypatch.setattr(memory, "host_bf16_matmul", lambda: False)
+    monkeypatch.setattr(memory, "heap_guard_available", lambda: True)
+    cards = make_cards("cpu", 2, 1 << 40)
+
+    def plan(m, lora):
+        counts = lora_params_per_layer(m, 8, ("q_proj", "k_proj", "v_proj", "o_proj")) if lora else (0, 0)
+        s = RunShape(seq_len=256, micro_batch=1, micro_batches=4, dtype="bf16", schedule="zb-h2",
+                     lora_params_per_layer=counts[0], lora_active_params_per_layer=counts[1])
+        return make_plan(PlanRequest(m, s, cards, [load_rates("cpu") for _ in cards], threads=threads,
+                                     host_cores=2, split=[1, 1]))
+
+    m = _mixtral_layer()
+    rows = 2 * 256  # top-2 x seq_len x micro_batch
+    kernel = expert_kernel_bytes(m, rows, 2, 4, trained=False, threads=threads)
+    assert kernel > threads * 4 * 2 * 14336 * 4096  # a [2I, h] fp32 workspace (470 MB) per thread, and more
+    for st in plan(m, True).stages:
+        assert st.heap_cap is not None and st.heap_reserve == kernel
+        assert st.heap_limit + st.heap_slack + kernel <= st.mem["total"], (st.layers_label, st.heap_limit, st.mem)
+        assert st.heap_limit == st.mem["total"] - st.mem["heap"] + st.heap_cap - kernel
+    dense = LlamaConfig(vocab_size=49152, hidden_size=2048, intermediate_size=8192, num_layers=2, num_heads=32,
+                        num_kv_heads=8, head_dim=64)
+    for st in plan(dense, True).stages:
+        assert st.heap_reserve == 0 and st.heap_limit == st.mem["total"] - st.mem["heap"] + st.heap_cap
+    monkeypatch.setattr(memory, "heap_guard_available", lambda: False)  # no guard: no limit, nothing reserved
+    assert all(st.heap_limit is None and st.heap_reserve == 0 for st in plan(m, True).stages)
+
+
+_GUARD_PROBE = r"""
+import json, sys
+import torch
+from npu_train import hostmem
+assert hostmem.keep_freed_memory()  # a card's settings: blocks up to 1 GiB from the heap, no automatic trim
+torch.cpu._is_avx512_bf16_supported = lambda: False  # bf16 widened to fp32, as on a host without bf16 hardware
+torch.cpu._is_amx_tile_supported = lambda: False
+from npu_train.hardware import Card
+from npu_train.hostmem import HeapGuard
+from npu_train.model.moe import GroupedSwiGlu
+from npu_train.planner.plan import StagePlan
+threads, H, I, E, n, reserve = (int(a) for a in sys.argv[1:7])
+torch.set_num_threads(threads)
+MiB = 1 << 20
+
+def status():
+    with open("/proc/self/status") as f:
+        d = dict(line.split(":", 1) for line in f)
+    return {k: int(d[k].split()[0]) * 1024 for k in ("VmHWM", "RssFile")}
+
+g = torch.Generator().manual_seed(0)
+gu = (torch.randn(E, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
+down = (torch.randn(E, H, I, generator=g) * 0.02).to(torch.bfloat16)
+ws = [t for e in range(E) for t in (gu[e, :I], gu[e, I:], down[e])]
+xs = torch.randn(n * E, H, generator=g).to(torch.bfloat16).requires_grad_()
+dy = torch.randn(n * E, H, generator=g).to(torch.bfloat16)
+y = GroupedSwiGlu.apply(xs, (n,) * E, None, *ws)  # a first call: its one-time allocations (the worker pool)
+dx, = torch.autograd.grad(y, [xs], dy)
+del y, dx
+cap, slack, freed = 4 * MiB, 4 * MiB, 4 * MiB  # the guard's cap and slack, one layer's frees: mem["heap"]
+guard = HeapGuard.create(cap, slack)  # armed: the free pages returned
+pieces = [torch.ones(1 << 20) for _ in range(96)]  # 4 MiB blocks, one after another
+pins = pieces[1::2]
+del pieces  # 192 MiB of holes: every other block freed, each between two live ones (they do not coalesce)
+rss = guard._anon() + guard._shmem
+# a plan whose total this RSS reaches as the guard's old limit (total - heap + cap) allows, + 4 MiB
+total = rss + slack + freed + 4 * MiB
+st = StagePlan(Card(kind="cpu", index=None, capacity_bytes=1 << 40, name="cpu:0"), 0, 1, True, True, [], [],
+               {"total": total, "heap": cap + slack + freed}, {}, 0, heap_cap=cap, heap_slack=slack,
+               heap_reserve=reserve)
+guard.limit = st.heap_limit
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM reset to the RSS now
+file = status()["RssFile"]
+guard.check()  # the layer's checks: before its forward and after ... its backward
+y = GroupedSwiGlu.apply(xs, (n,) * E, None, *ws)
+guard.check()
+dx, = torch.autograd.grad(y, [xs], dy)
+s = status()
+print(json.dumps({"peak": s["VmHWM"] - file, "total": total, "rss": rss, "trims": guard.trims,
+                  "holes": 48 * 4 * MiB}))
+"""
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_card_at_its_guards_limit_runs_the_kernel_within_its_total(threads):
+    """The card's heap guard (``hostmem.HeapGuard``) with ``StagePlan.heap_limit`` as its limit, in a child process
+    with a cpu card's malloc settings, bf16 experts widened to fp32: the heap holds 192 MiB of holes (every other
+    one of 96 blocks of 4 MiB freed) and the RSS stands where a plan's total less its heap term's slack and
+    one layer's frees would let it (the old limit, ``total - heap + cap``); then the checks of a sparse layer and
+    its kernel's forward and backward. With ``heap_reserve`` the kernel's term the check before the layer trims
+    and the peak (anonymous + shared) stays within the total; without it (reserve 0: the old limit) the check sees
+    the RSS at its limit and trims nothing, and the kernel's fresh fp32 workspaces (``[2I, h]`` per thread, larger
+    than every hole; a worker's from its own arena) pass the total, as issue 37's Mixtral-shaped cards passed
+    their plans."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.path.exists("/proc/self/clear_refs"):
+        pytest.skip("needs Linux's /proc/self/clear_refs (resets VmHWM)")
+    from npu_train.hostmem import heap_guard_available
+
+    if not heap_guard_available():
+        pytest.skip("needs glibc's malloc_trim and mallinfo2")
+    H_, I_, E_, n = 1024, 3584, 8, 64
+    m = LlamaConfig(vocab_size=16, hidden_size=H_, intermediate_size=I_, num_layers=1, num_heads=4, num_kv_heads=4,
+                    family="qwen3_moe", num_experts=E_, num_experts_per_tok=2, moe_intermediate_size=I_)
+    kernel = expert_kernel_bytes(m, n * E_, 2, 4, False, threads=threads)
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = dict(os.environ, PYTHONPATH=os.path.abspath(src))
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "GLIBC_TUNABLES"):
+        env.pop(k, None)
+
+    def probe(reserve: int) -> dict:
+        out = subprocess.run([sys.executable, "-c", _GUARD_PROBE, str(threads), str(H_), str(I_), str(E_), str(n),
+                              str(reserve)], env=env, capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    new, old = probe(kernel), probe(0)
+    assert new["trims"] >= 1 and new["peak"] <= new["total"], new
+    assert old["peak"] > old["total"], old  # the old limit: over the total in the forward, before a check trims

@@ -76,6 +76,7 @@ class StageCost:
     recomputed: Optional[int] = None  # layers recomputed whole (RunShape.recompute_fewest; None: the shape's)
     heap_cap: Optional[int] = None  # bytes of holes the card's heap guard lets stand (MemoryModel.heap_cap)
     heap_slack: Optional[int] = None  # RSS growth between the guard's reads of its live bytes
+    heap_reserve: int = 0  # bytes the guard's limit keeps free below the total (MemoryModel.heap_reserve)
     t_rc: float = 0.0  # seconds of t_b per micro-batch that recompute a forward (whole layers, attention cores)
     t_v: float = 0.0  # the card's share of a joint V(m) per micro-batch (vocabulary parallelism), part of t_mb
     t_vparts: tuple = (0.0, 0.0, 0.0)  # of which: logits slice, partial input gradient, weight gradient
@@ -234,7 +235,7 @@ class CostModel:
                       xfer, t_mb, sm.in_flight, host_state_on_card=self.cards[i].kind == "cpu",
                       params=sm.params, state_share=share, t_f=fbw[0], t_b=fbw[1], t_w=fbw[2], layers=n, t_head=head,
                       recomputed=whole, t_rc=rc, t_v=t_v, t_vparts=t_vparts, t_copy=t_copy, heap_cap=sm.heap_cap,
-                      heap_slack=sm.heap_slack)
+                      heap_slack=sm.heap_slack, heap_reserve=sm.heap_reserve)
         self._cache[key] = c
         return c
 
@@ -578,6 +579,7 @@ class CostModel:
                 offloaded_state_bytes=c.offloaded_state_bytes,
                 nonlayer_resident=c.nonlayer_resident, second=ranges[i][1] if len(ranges[i]) > 1 else None,
                 recompute_layers=c.recomputed, heap_cap=c.heap_cap, heap_slack=c.heap_slack,
+                heap_reserve=c.heap_reserve,
                 head_shards=self.P if self.shape.vocab_parallel else 0,
             ))
         step = max(st.time["total"] for st in stages)

@@ -238,6 +238,9 @@ class StageMemory:
     heap_cap: Optional[int] = None
     #: RSS growth past which the guard reads its live bytes again (:meth:`MemoryModel.heap_slack`); None: no guard
     heap_slack: Optional[int] = None
+    #: bytes the guard's limit keeps free below the total for fresh pages the holes cannot serve
+    #: (:meth:`MemoryModel.heap_reserve`); 0 without a guard
+    heap_reserve: int = 0
 
 
 class MemoryModel:
@@ -313,7 +316,8 @@ class MemoryModel:
         mem["modules"] = self.terms[i].modules_bytes  # part of workspace
         mem["heap"] = int(self.terms[i].heap_fraction * churn)  # part of workspace
         return StageMemory(mem, p.computed, p.resident, p.offloaded, p.nonlayer_resident, self.in_flight[i],
-                           self.heap_cap(i, n), self.heap_slack(i) if self.guarded(i) else None)
+                           self.heap_cap(i, n), self.heap_slack(i) if self.guarded(i) else None,
+                           self.heap_reserve(i, n))
 
     def overlap_bytes(self, i: int) -> int:
         """Card bytes the copy thread of overlapped boundary copies holds beyond the synchronous path (part of
@@ -582,6 +586,22 @@ class MemoryModel:
         f = self.terms[i].heap_fraction
         return max(0, int(f * self._guarded_churn(i, n)) - self.heap_slack(i) - self.layer_freed(i))
 
+    def heap_reserve(self, i: int, n: int) -> int:
+        """Bytes the heap guard's limit of card ``i`` (``n`` decoder layers) keeps free below the plan's total
+        (``StagePlan.heap_limit``): the experts' kernel's term (:meth:`expert_kernel`), whose fp32 workspaces are
+        made afresh in every sparse layer's forward and backward and need not come from the heap's holes (a worker
+        thread's come from its own arena or are mapped on their own; the calling thread's ``2*I*h`` block is larger
+        than the pieces freed activations leave); 0 for a dense model and where the card runs no guard.
+
+        Why: the guard trims only while the RSS is above its limit, so holes may fill the heap up to it, the
+        transient term's share included; a check before the layer then sees the RSS at the limit and trims
+        nothing, and the kernel's workspaces land on top. With the limit at the other terms + cap (no reserve) a
+        Mixtral-8x7B-shaped LoRA card at 2 threads, bf16 widened, peaked at 1.11-1.15 of its plan, the main heap
+        holding the excess (``experiments/2026-12-06-moe.md``, h37mem and h37guard)."""
+        if not self.guarded(i):
+            return 0
+        return self.expert_kernel(i, n)
+
     def _guarded_churn(self, i: int, n: int) -> int:
         """One micro-batch's saved activations of ``n`` layers (+ a packed row's mask) + :meth:`heap_slack` +
         :meth:`layer_freed`."""
@@ -608,7 +628,8 @@ class MemoryModel:
         A check reads the RSS (anonymous pages); where it grew by :meth:`heap_slack` or more since the last full
         check, it reads the live bytes too (``mallinfo2``) and returns the free pages (``malloc_trim``) when the
         holes (RSS - live) exceed :meth:`heap_cap` while the RSS is above the card's limit, the plan's other terms +
-        cap (so the trims, and the page faults after them, come only near the plan). So at each check the RSS is at
+        cap - :meth:`heap_reserve` (so the trims, and the page faults after them, come only near the plan; the
+        reserve keeps room for the experts' kernel's fresh workspaces). So at each check the RSS is at
         most the larger of that limit and live + cap, + slack, the live bytes of a moment the other terms hold. Between two checks the holes grow by at most the bytes
         freed in between (a freed block is resident only if written; an allocation from a free chunk shrinks the
         holes or faults live pages in): one layer's forward temporaries, or in its backward its saved tensors and

@@ -47,6 +47,9 @@ class StagePlan:
     heap_cap: Optional[int] = None
     #: RSS growth past which the guard reads its live bytes again (``MemoryModel.heap_slack``)
     heap_slack: Optional[int] = None
+    #: bytes the guard's limit keeps free below ``mem["total"]`` for allocations the heap's holes cannot serve
+    #: (``MemoryModel.heap_reserve``: the experts' kernel's workspaces; 0 for a dense model)
+    heap_reserve: int = 0
     #: cards the output layer is cut over by vocabulary rows (``RunShape.vocab_parallel``: every card holds
     #: ``1/head_shards`` of it); 0: the head card holds it whole
     head_shards: int = 0
@@ -54,6 +57,16 @@ class StagePlan:
     @property
     def num_layers(self) -> int:
         return self.last_layer - self.first_layer + (self.second[1] - self.second[0] if self.second else 0)
+
+    @property
+    def heap_limit(self) -> Optional[int]:
+        """RSS (bytes, anonymous + shared) below which the card's heap guard never trims: the plan's total less the
+        heap term's slack and one layer's frees (``mem["heap"] - heap_cap``) and less :attr:`heap_reserve`, so
+        the RSS a check lets stand leaves room for the experts' kernel's fresh workspaces under the total; None
+        without a guard (no :attr:`heap_cap`)."""
+        if self.heap_cap is None:
+            return None
+        return self.mem["total"] - self.mem["heap"] + self.heap_cap - self.heap_reserve
 
     @property
     def fits(self) -> bool:
@@ -159,7 +172,8 @@ class Plan:
                     "first_layer": st.first_layer, "last_layer": st.last_layer,
                     **({"second": list(st.second)} if st.second else {}),
                     **({"recompute_layers": st.recompute_layers} if st.recompute_layers is not None else {}),
-                    **({"heap_cap": st.heap_cap, "heap_slack": st.heap_slack} if st.heap_cap is not None else {}),
+                    **({"heap_cap": st.heap_cap, "heap_slack": st.heap_slack, "heap_reserve": st.heap_reserve,
+                        "heap_limit": st.heap_limit} if st.heap_cap is not None else {}),
                     "has_embed": st.has_embed, "has_head": st.has_head,
                     "resident": list(st.resident), "offloaded": list(st.offloaded),
                     "nonlayer_resident": st.nonlayer_resident, "in_flight": st.in_flight,

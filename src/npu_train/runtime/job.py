@@ -665,8 +665,7 @@ def build_worker_specs(plan, prep: Prepared, *, train: TrainSpec, runtime: Runti
             stage=StageInfo(st.first_layer, st.last_layer, st.has_embed, st.has_head, st.layers_label,
                             second=tuple(st.second) if st.second else None, recompute_layers=st.recompute_layers,
                             heap_cap_bytes=st.heap_cap, heap_slack_bytes=st.heap_slack or 0,
-                            heap_limit_bytes=None if st.heap_cap is None
-                            else st.mem["total"] - st.mem["heap"] + st.heap_cap),
+                            heap_limit_bytes=st.heap_limit),
             resident_names=tuple(resident_param_names(mcfg, st, lora_targets, train.lora_train_router)), data_file=data_file, train=train,
             runtime=runtime, start_step=start_step, resume_dir=resume_dir, ckpt_root=ckpt_root, coord_addr=coord_addr,
             inbox=inbox, ipc_dir=ipc_dir, slot_bytes=slot_bytes, slots=slots, dist_init=dist_init,

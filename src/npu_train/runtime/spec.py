@@ -31,7 +31,7 @@ class StageInfo:
     #: RSS growth (bytes) past which the guard reads its live bytes again (``StagePlan.heap_slack``)
     heap_slack_bytes: int = 0
     #: RSS (bytes) below which the guard never trims: the plan's total less its heap term's slack and one layer's
-    #: frees (``mem["total"] - mem["heap"] + heap_cap``); None: trim at the cap alone
+    #: frees and less the experts' kernel's workspaces (``StagePlan.heap_limit``); None: trim at the cap alone
     heap_limit_bytes: Optional[int] = None
 
 
