@@ -5,6 +5,7 @@ RNGD: 48 GB HBM3 per card, 47.5 GiB usable by a process (``furiosa-smi``'s total
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -87,6 +88,36 @@ ADDRESS_SPACE_OVERHEAD_BYTES = int(0.5 * 2**30)
 #: host RAM (bytes) kept for the launcher before cpu cards split the rest: its peak anon + shared RSS
 #: was 0.20-0.49 GiB in the default, LoRA and 0.63 B jobs (experiments/2026-12-03-lora-memory.md)
 LAUNCHER_RESERVE_BYTES = 512 * 2**20
+
+
+#: a 1-minute load average at or above this many runnable threads per core is a busy host (a job whose threads
+#: fit the cores keeps about one per core busy itself): the slow-steps note (``metrics.report``) says so and a
+#: finished run on such a host fits no speed (``planner.fit``)
+BUSY_LOAD_PER_CORE = 1.5
+
+
+def host_load() -> "tuple[float, int] | None":
+    """``(1-minute load average, cores this process may run on)``, or None where the OS keeps no load
+    average (``os.getloadavg`` raises). Cheap (a read of /proc/loadavg): sampled once a step."""
+    try:
+        load = os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return load, cores
+
+
+def host_busy(load: float, cores: int, own_threads: int = 0) -> bool:
+    """Whether a host at 1-minute load average ``load`` on ``cores`` cores is busy with other work: the load
+    past the job's own runnable threads (``own_threads``, at least one per core: 0 = unknown, as
+    :func:`host_load`'s reader of a slow step assumes) reaches ``BUSY_LOAD_PER_CORE - 1`` per core. With the
+    job's threads within the cores that is ``load >= 1.5 x cores``; a job of 4 one-thread cpu cards on 2
+    cores (4 runnable threads of its own) is busy from 5. The one rule of the slow-steps note and the fit."""
+    cores = max(1, int(cores))
+    return load - max(cores, int(own_threads)) >= (BUSY_LOAD_PER_CORE - 1.0) * cores
 
 
 def nominal_capacity(kind: str) -> int:

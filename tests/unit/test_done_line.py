@@ -38,3 +38,16 @@ def test_the_done_line_has_the_wall_time_and_tokens_per_second(width):
     one = end_of_run_line(_summ(steps_run=1, mean_tokens_per_s=None, wall_s=20.2), 1,
                           SimpleNamespace(steps=1, stop_after=None, offload_update="sync"), None, CK, False, "/r")
     assert one.startswith("done: 1 step, loss 4.0859 -> 3.2410, wall 0:00:20\n"), one
+
+
+def test_the_done_line_says_a_busy_runs_speed_was_not_fitted():
+    """planner.fit.refit_from_run's note for a run on a busy host is its own indented line after metrics:."""
+    from npu_train.planner.fit import busy_note
+
+    note = busy_note(6.04, 2, 2)
+    text = end_of_run_line(_summ(), 200, TRAIN, None, CK, False, "/r", fit_note=note)
+    lines = text.splitlines()
+    assert lines[-1] == ("  fitted: not this run's speed, the host was busy with other work (load average 6.0 on 2 "
+                         "cores, this job keeps about 2 busy); later plans keep their rates"), text
+    assert lines[-2] == "  metrics: /r/metrics.jsonl"
+    assert "fitted:" not in end_of_run_line(_summ(), 200, TRAIN, None, CK, False, "/r")

@@ -302,3 +302,133 @@ def test_cpu_clock_runs_replace_older_wall_clock_runs_in_the_fit():
     assert (fit.device_flops, fit.flops_runs, fit.adamw_params_per_s) == (8e10, 1, 2e8)
     assert (fit.process_baseline_bytes, fit.baseline_runs) == (3.0, 4)
     assert fitted_figures(old).device_flops == 5e9
+
+
+def _loaded(recs: list[dict], load: float, cores: int = 2) -> list[dict]:
+    """``recs`` with every step's ``host_load`` sample at ``load`` on ``cores`` (Reporter.step's field)."""
+    for r in recs:
+        r["host_load"] = [load, cores]
+    return recs
+
+
+@pytest.mark.parametrize("load,cores,own,busy", [
+    (2.9, 2, 2, False), (3.0, 2, 2, True),    # threads within the cores: busy from 1.5 per core, 3.0
+    (2.9, 2, 0, False), (3.0, 2, 0, True),    # own threads unknown: one per core, the slow-steps note's rule
+    (4.9, 2, 4, False), (5.0, 2, 4, True),    # 4 threads of its own on 2 cores: 4 + 0.5 x 2 = 5.0
+    (0.0, 1, 1, False), (1.5, 1, 1, True)])
+def test_a_host_is_busy_from_half_a_core_of_other_work_per_core(load, cores, own, busy):
+    """busy when load - max(cores, own threads) >= (1.5 - 1) x cores (hardware.host_busy)."""
+    from npu_train.hardware import host_busy
+
+    assert host_busy(load, cores, own) is busy
+
+
+def test_a_run_records_its_load_and_whether_the_host_was_busy():
+    """The median of the steady steps' samples (steps 2-4), the first step's left out; 2 cpu cards of 1 thread
+    (own 2) on 2 cores: 3.2 is busy (3.2 - 2 >= 1), 2.8 is not."""
+    recs = _loaded(records(), 2.8)
+    for r, load in zip(recs[1:], (9.0, 3.4, 3.2, 3.0)):  # step 1 (start-up) at 9.0
+        r["host_load"] = [load, 2]
+    (fig,) = run_figures(plan_doc(), recs, used_rates())
+    assert (fig.load_avg, fig.host_cores, fig.busy) == (3.2, 2, True)
+    (quiet,) = run_figures(plan_doc(), _loaded(records(), 2.8), used_rates())
+    assert (quiet.load_avg, quiet.busy) == (2.8, False)
+    # no samples (an OS without a load average): not known
+    (unknown,) = run_figures(plan_doc(), records(), used_rates())
+    assert (unknown.load_avg, unknown.host_cores, unknown.busy) == (None, None, None)
+
+
+def test_a_busy_run_is_recorded_but_its_speed_is_not_fitted(tmp_path, monkeypatch, capsys):
+    """A quiet run at the true rates, then one on a host at load 6 on 2 cores whose cards ran 3x slower (the wall
+    clock only: no CPU seconds). The plan keeps the quiet run's rates and says the busy one was skipped; the busy
+    run's entry is in the file with its load, its memory baseline counts (0.2 GiB higher, the fitted maximum);
+    the end-of-run note says why its speed was not used."""
+    monkeypatch.setenv("NPT_CACHE", str(tmp_path / "cache"))
+    assert refit_from_run(str(write_run(tmp_path / "quiet", recs=_loaded(records(), 1.0))), used_rates()) == ""
+    slow = _loaded(records(), 6.0)
+    for r in slow[1:]:
+        r["compute_s_cards"] = [c * 3 for c in r["compute_s_cards"]]
+        r["compute_s"], r["optimizer_s"] = r["compute_s_cards"][0], r["optimizer_s"] * 3
+        r["mem_peak_bytes"][0] += int(0.2 * GIB)
+    note = refit_from_run(str(write_run(tmp_path / "busy", recs=slow)), used_rates())
+    assert note == ("fitted: not this run's speed, the host was busy with other work (load average 6.0 on 2 cores, "
+                    "this job keeps about 2 busy); later plans keep their rates"), note
+    with open(tmp_path / "cache" / "fitted" / "cpu-1t-fp32.json") as f:
+        entries = json.load(f)["runs"]
+    assert [(e["busy"], e["load_avg"], e["host_cores"]) for e in entries] == [(False, 1.0, 2), (True, 6.0, 2)]
+    assert entries[1]["device_flops"] == pytest.approx(R_TRUE / 3)  # recorded as measured
+    r = load_rates("cpu", threads=1)
+    flat = r.resolve("fp32", 1)
+    assert flat.device_flops == pytest.approx(R_TRUE)
+    assert flat.source("device_flops") == "fitted from 1 run; 1 busy run skipped"
+    assert r.host_adamw_params_per_s == pytest.approx(A_TRUE)
+    assert r.source("host_adamw_params_per_s") == "fitted from 1 run; 1 busy run skipped"
+    assert r.process_baseline_bytes == pytest.approx(BASE + PEAK_OVER[0] + 0.2 * GIB, abs=1)
+    assert capsys.readouterr().err == ""
+
+
+def test_only_busy_runs_fit_no_speed_and_the_rates_line_says_so(tmp_path):
+    """Two busy runs and nothing else: the speed stays the unfitted one and the plan's rates line says that two
+    busy runs were skipped; with a quiet run besides, the fitted figure's label counts them."""
+    from npu_train.planner.table import rate_sources
+
+    for t in (1.0, 2.0):
+        record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=5e9, adamw_params_per_s=1e7, time=t,
+                              clock="cpu", load_avg=7.0, host_cores=2, busy=True), root=tmp_path)
+    base = DEFAULT_RATES["cpu"].resolve(threads=1)
+    out = apply_fitted(base, "cpu", 1, root=tmp_path)
+    assert out.flops_by_dtype == {} and out.source("host_adamw_params_per_s") == "assumed"
+    plan = _cpu_plan(out)
+    (line,) = [ln for ln in rate_sources(plan) if ln.startswith("rates cpu")]
+    assert "speed not fitted: 2 busy runs skipped" in line and "busy = run at a load average of 1.5/core" in line
+    assert "fitted from" not in line, line
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=8e10, adamw_params_per_s=2e8, time=3.0,
+                          clock="cpu", load_avg=1.0, host_cores=2, busy=False), root=tmp_path)
+    out = apply_fitted(DEFAULT_RATES["cpu"].resolve(threads=1), "cpu", 1, root=tmp_path)
+    (line,) = [ln for ln in rate_sources(_cpu_plan(out)) if ln.startswith("rates cpu")]
+    assert "80 GFLOP/s [fitted from 1 run; 2 busy runs skipped]" in line, line
+    assert "speed not fitted" not in line and "fitted = from this job's finished runs" in line, line
+
+
+def _cpu_plan(rates):
+    from npu_train.hardware import make_cards
+    from npu_train.model.presets import get_preset
+    from npu_train.planner import PlanRequest, RunShape, make_plan
+
+    shape = RunShape(seq_len=128, micro_batch=2, micro_batches=4, dtype="fp32")
+    return make_plan(PlanRequest(get_preset("smollm2-135m"), shape, make_cards("cpu", 1, 11 * GIB), rates,
+                                 threads=1, host_cores=2))
+
+
+def test_entries_from_before_the_load_samples_count_as_not_busy(tmp_path):
+    """An entry without ``busy`` / ``load_avg`` (written before them) is not known to be busy and counts, as it
+    did; a file of such entries takes a new busy entry without losing them."""
+    from npu_train.planner.fit import fitted_figures
+
+    old = {"kind": "cpu", "threads": 1, "dtype": "fp32", "model": "m", "steps": 3, "device_flops": 3e10,
+           "adamw_params_per_s": 1e8, "time": 1.0, "clock": "cpu"}
+    path = tmp_path / "cpu-1t-fp32.json"
+    path.write_text(json.dumps({"version": 1, "kind": "cpu", "threads": 1, "dtype": "fp32", "runs": [old]}))
+    record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=5e9, time=2.0, clock="cpu", load_avg=8.0,
+                          host_cores=2, busy=True), root=tmp_path)
+    runs = json.loads(path.read_text())["runs"]
+    assert len(runs) == 2 and "busy" not in runs[0]
+    fit = fitted_figures(runs)
+    assert (fit.device_flops, fit.flops_runs, fit.busy_runs) == (3e10, 1, 1)
+
+
+def test_busy_runs_never_push_the_quiet_ones_out_of_the_file(tmp_path):
+    """KEEP_RUNS + 2 busy runs after KEEP_RUNS quiet ones: the file keeps both groups' newest KEEP_RUNS, so the
+    fit still has the quiet runs' median."""
+    from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
+
+    for k in range(KEEP_RUNS):
+        record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=4e10, time=float(k), clock="cpu",
+                              busy=False), root=tmp_path)
+    for k in range(KEEP_RUNS + 2):
+        record_run(RunFigures("cpu", 1, "fp32", "m", 3, device_flops=1e10, time=100.0 + k, clock="cpu",
+                              busy=True), root=tmp_path)
+    runs = read_runs(fitted_path("cpu", 1, "fp32", tmp_path))
+    assert len(runs) == 2 * KEEP_RUNS
+    fit = fitted_figures(runs)
+    assert (fit.device_flops, fit.flops_runs, fit.busy_runs) == (4e10, KEEP_RUNS, KEEP_RUNS)

@@ -436,3 +436,22 @@ def test_a_text_step_trains_every_position_and_keeps_one_tok_s(tmp_path):
     assert "| 500 tok/s |" in out.getvalue() and "trained" not in out.getvalue()
     assert "all_tokens_per_s" not in json.loads(open(tmp_path / "metrics.jsonl").readline())
     assert "mean_all_tokens_per_s" not in summ
+
+
+def test_every_step_record_samples_the_hosts_load(tmp_path, monkeypatch):
+    """``metrics.jsonl`` holds ``host_load`` = [1-minute load average, cores] at each step (what planner.fit
+    decides a busy run from); an OS without a load average writes none."""
+    _slow_run(tmp_path, monkeypatch, [5.0, 5.0], 2.345)
+    with open(tmp_path / "metrics.jsonl") as f:
+        recs = [json.loads(line) for line in f if line.strip()]
+    assert [r["host_load"] for r in recs] == [[2.35, 2], [2.35, 2]], recs
+
+    def no_load():
+        raise OSError("no load average")
+
+    monkeypatch.setattr(os, "getloadavg", no_load)
+    out = io.StringIO()
+    (tmp_path / "n").mkdir()
+    r = Reporter(str(tmp_path / "n"), 1, predicted_step_s=5.0, stream=out, tensorboard=False)
+    assert "host_load" not in r.step([_rep(1, 3.0, 5.0, 10), _rep(1, 3.0, 5.0, 10)])
+    r.close()

@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from npu_train.errors import console_columns, fmt_number
+from npu_train.hardware import BUSY_LOAD_PER_CORE, host_busy, host_load  # noqa: F401 - re-exported
 
 GIB = 2 ** 30
 
@@ -249,25 +250,6 @@ def device_fields(reports: list[dict]) -> dict:
 #: step, with start-up and compilation, not counted) print :func:`slow_steps_note` once
 SLOW_RATIO = 1.5
 SLOW_STEPS = 3
-#: a 1-minute load average at or above this many runnable threads per core is a busy host (this job alone keeps
-#: about one per core busy: its cards' threads split the cores)
-BUSY_LOAD_PER_CORE = 1.5
-
-
-def host_load() -> Optional[tuple[float, int]]:
-    """``(1-minute load average, cores this process may run on)``, or None where the OS keeps no load
-    average (``os.getloadavg`` raises)."""
-    try:
-        load = os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:
-        cores = os.cpu_count() or 1
-    return load, cores
-
-
 def slow_steps_note(step_s: float, plan_s: float, n: int, load: Optional[tuple[float, int]]) -> str:
     """The one line for steps that run well over the plan: ``step_s`` the mean of the ``n`` slow steps and
     ``plan_s`` the plan's step (seconds), ``load`` :func:`host_load`'s figure. It names the host as busy only
@@ -282,7 +264,7 @@ def slow_steps_note(step_s: float, plan_s: float, n: int, load: Optional[tuple[f
                 "CPU (the plan assumes the cores are this job's)")
     avg, cores = load
     figure = f"load average {avg:.1f} on {cores} core{'s' if cores != 1 else ''}"
-    if avg >= BUSY_LOAD_PER_CORE * cores:
+    if host_busy(avg, cores):
         return (f"{head}: the host is busy, {figure} (this job alone keeps about {cores} busy); other processes "
                 "use the CPU (see `top`): stop them or run when the host is quieter, and the job will take about "
                 "as much longer as its steps do")
@@ -434,9 +416,12 @@ class Reporter:
         rec.update(device_fields(reports))
         if self.pred_step:
             rec["step_s_pred"] = self.pred_step
+        load = host_load()  # sampled every step: planner.fit skips the speed of a run on a busy host
+        if load is not None:
+            rec["host_load"] = [round(load[0], 2), int(load[1])]
         self._mfu(rec, reports, wall)
         self._track(rec, step, wall)
-        self._slow(wall)
+        self._slow(wall, load)
         self._record("metrics.jsonl", lambda: self._write_metrics(rec))
         self._record("the trackers' records", lambda: self._log_trackers(rec, step))
         line = self._line(rec, step, wall, skipped)
@@ -450,16 +435,17 @@ class Reporter:
             self._slow_pending = ""
         return rec
 
-    def _slow(self, wall: float) -> None:
+    def _slow(self, wall: float, load: Optional[tuple[float, int]]) -> None:
         """Count a step after the first over :data:`SLOW_RATIO` x the plan; at :data:`SLOW_STEPS` of them print
-        :func:`slow_steps_note` (once a run), after the step's line."""
+        :func:`slow_steps_note` (once a run, with the step's :func:`host_load` sample ``load``), after the step's
+        line."""
         if self._n <= 1 or not self.pred_step or wall <= SLOW_RATIO * self.pred_step or self._slow_said:
             return
         self._slow_s.append(wall)
         if len(self._slow_s) >= SLOW_STEPS:
             self._slow_said = True
             self._slow_pending = fold_long_line(slow_steps_note(sum(self._slow_s) / len(self._slow_s),
-                                                                self.pred_step, len(self._slow_s), host_load()))
+                                                                self.pred_step, len(self._slow_s), load))
 
     def phase(self, rank: Optional[int], text: str) -> None:
         """A card's phase before the first step line (model load, rendezvous, compilation, the evaluation before

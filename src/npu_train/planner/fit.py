@@ -1,6 +1,7 @@
 """Figures fitted from the job's own finished runs (``plan.json`` + ``metrics.jsonl``): per card kind a
 training FLOP/s, an AdamW rate and a cpu process baseline (:func:`run_figures`), kept in
-``$NPT_CACHE/fitted/`` (:func:`record_run`) and combined by :func:`fitted_figures`; start at :func:`refit_from_run`."""
+``$NPT_CACHE/fitted/`` (:func:`record_run`) and combined by :func:`fitted_figures`; start at :func:`refit_from_run`.
+A run on a busy host (:func:`run_load`) is recorded with its load but its speed is not fitted."""
 from __future__ import annotations
 
 import json
@@ -14,9 +15,10 @@ from statistics import median
 from typing import Optional, Sequence
 
 from npu_train.env import cache_dir
+from npu_train.hardware import host_busy
 
 __all__ = ["RunFigures", "Fitted", "KEEP_RUNS", "run_figures", "fitted_path", "record_run", "read_runs",
-           "fitted_figures", "refit_from_run", "shape_key", "work_seconds"]
+           "fitted_figures", "refit_from_run", "shape_key", "work_seconds", "run_load", "own_threads"]
 
 #: runs a fitted figure is taken over (the newest ones)
 KEEP_RUNS = 8
@@ -59,6 +61,15 @@ class RunFigures:
     #: what the timing figures were measured with: "cpu" (the cards' CPU seconds of their compute,
     #: :func:`work_seconds`) or "wall" (older runs, accelerators); :func:`fitted_figures` prefers "cpu" runs
     clock: str = "wall"
+    #: the host's 1-minute load average over the run (median of the steady steps' ``host_load`` samples) and
+    #: its cores; None: not sampled (this OS keeps no load average, or an entry from before the samples)
+    load_avg: Optional[float] = None
+    host_cores: Optional[int] = None
+    #: :func:`~npu_train.hardware.host_busy` of that load against the job's own threads: True keeps the run's
+    #: FLOP/s and AdamW rate out of :func:`fitted_figures` (they hold the other work's time slices and its
+    #: contention for caches and memory bandwidth); None (not known, older entries) counts as not busy, as those
+    #: entries always did: dropping them would send every plan after the upgrade back to assumed figures
+    busy: Optional[bool] = None
 
 
 @dataclass
@@ -74,6 +85,8 @@ class Fitted:
     baseline_runs: int = 0
     head_baseline_bytes: Optional[float] = None  # maximum over the runs
     head_runs: int = 0
+    #: runs on a busy host (``busy`` True) whose timing figures were left out
+    busy_runs: int = 0
 
 
 def shape_key(model, tokens_per_micro_batch: int) -> str:
@@ -186,6 +199,28 @@ def _baselines(plan_doc: dict, recs: Sequence[dict]) -> tuple[dict, dict]:
     return base, head
 
 
+def own_threads(plan_doc: dict) -> int:
+    """Runnable threads the job of ``plan_doc`` keeps busy itself: ``threads`` per cpu card, one per other card
+    process (its host side), times the replicas (``dp``)."""
+    threads = max(1, int(plan_doc.get("threads", 1)))
+    per = sum(threads if _kind(st["card"]) == "cpu" else 1 for st in plan_doc["stages"])
+    return int(plan_doc.get("dp", 1)) * per
+
+
+def run_load(plan_doc: dict, steady: Sequence[dict]) -> tuple[Optional[float], Optional[int], Optional[bool]]:
+    """``(load average, cores, busy)`` over the run: the median of the records' ``host_load`` samples
+    (``[1-minute load average, cores]``, one a step, ``metrics.report.Reporter.step``), its cores, and
+    :func:`~npu_train.hardware.host_busy` of it with the job's :func:`own_threads`; ``(None, None, None)``
+    without samples. The median: a load average lags a minute, so the first steady steps still hold the
+    start-up (several processes loading the model at once)."""
+    samples = [r["host_load"] for r in steady if isinstance(r.get("host_load"), list) and len(r["host_load"]) == 2]
+    if not samples:
+        return None, None, None
+    avg = median(float(s[0]) for s in samples)
+    cores = max(1, int(samples[-1][1]))
+    return avg, cores, host_busy(avg, cores, own_threads(plan_doc))
+
+
 def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> list[RunFigures]:
     """Per card kind, the figures one run measured: ``plan_doc`` its ``plan.json``, ``records`` its
     ``metrics.jsonl`` lines, ``rates`` the plan's per-stage :class:`~npu_train.planner.rates.Rates`."""
@@ -193,6 +228,7 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
     steady = recs[1:]
     flops, adamw, clock = _timing(plan_doc, steady, rates)
     base, head = _baselines(plan_doc, recs)
+    load, cores, busy = run_load(plan_doc, steady)
     kinds = dict.fromkeys(_kind(st["card"]) for st in plan_doc["stages"])
     out = []
     for k in kinds:
@@ -202,7 +238,7 @@ def run_figures(plan_doc: dict, records: Sequence[dict], rates: Sequence) -> lis
                               model_shape=str(plan_doc.get("model_shape", "")),
                               device_flops=median(f) if f else None, adamw_params_per_s=median(a) if a else None,
                               process_baseline_bytes=base.get(k), head_baseline_bytes=head.get(k),
-                              clock=clock if k == "cpu" else "wall"))
+                              clock=clock if k == "cpu" else "wall", load_avg=load, host_cores=cores, busy=busy))
     return out
 
 
@@ -222,8 +258,9 @@ def read_runs(path: Path) -> list[dict]:
 
 
 def record_run(fig: RunFigures, root: Optional[Path] = None) -> Path:
-    """Append ``fig`` to its kind's file, keeping the newest :data:`KEEP_RUNS` of every model shape; atomic; a
-    broken file is replaced (one warning line)."""
+    """Append ``fig`` to its kind's file, keeping the newest :data:`KEEP_RUNS` of every model shape (busy runs
+    apart from the others: a busy afternoon never pushes the runs the figures come from out); atomic; a broken
+    file is replaced (one warning line)."""
     path = fitted_path(fig.kind, fig.threads, fig.dtype, root)
     try:
         runs = read_runs(path)
@@ -234,7 +271,7 @@ def record_run(fig: RunFigures, root: Optional[Path] = None) -> Path:
     # the newest KEEP_RUNS of every model shape, at most MAX_SHAPES shapes' worth in the file
     per_shape: dict = {}
     for r in reversed(runs):
-        per_shape.setdefault(str(r.get("model_shape", "")), []).append(r)
+        per_shape.setdefault((str(r.get("model_shape", "")), r.get("busy") is True), []).append(r)
     keep = {id(r) for group in per_shape.values() for r in group[:KEEP_RUNS]}
     runs = [r for r in runs if id(r) in keep][-KEEP_RUNS * MAX_SHAPES:]
     doc = {"version": FORMAT_VERSION, "kind": fig.kind, "threads": fig.threads, "dtype": fig.dtype, "runs": runs}
@@ -255,11 +292,18 @@ def _positive(runs: list[dict], key: str) -> list[float]:
 
 
 def fitted_figures(runs: Sequence[dict]) -> Fitted:
-    """Combine run entries over the newest :data:`KEEP_RUNS`."""
-    runs = sorted(runs, key=lambda r: float(r.get("time", 0.0)))[-KEEP_RUNS:]
+    """Combine run entries: the FLOP/s and AdamW rate over the newest :data:`KEEP_RUNS` runs not on a busy host
+    (``busy`` True: counted in ``busy_runs``, the newest :data:`KEEP_RUNS` of them), the baselines over the
+    newest :data:`KEEP_RUNS` of all (a busy host does not change a card's memory)."""
+    runs = sorted(runs, key=lambda r: float(r.get("time", 0.0)))
+    # busy runs with a timing figure to leave out (one of keep_host_memory=false has none to skip)
+    busy = [r for r in runs if r.get("busy") is True and (_positive([r], "device_flops")
+                                                          or _positive([r], "adamw_params_per_s"))]
+    quiet = [r for r in runs if r.get("busy") is not True][-KEEP_RUNS:]
+    runs = runs[-KEEP_RUNS:]
     # timing figures from the cards' CPU seconds where there are any: the wall-clock ones of older runs
     # hold the load of the host they ran on (RunFigures.clock)
-    timed = [r for r in runs if r.get("clock") == "cpu"] or runs
+    timed = [r for r in quiet if r.get("clock") == "cpu"] or quiet
     f, a = (_positive(timed, k) for k in ("device_flops", "adamw_params_per_s"))
     b = _positive(runs, "process_baseline_bytes")
     h = [float(r["head_baseline_bytes"]) for r in runs if isinstance(r.get("head_baseline_bytes"), (int, float))
@@ -267,14 +311,25 @@ def fitted_figures(runs: Sequence[dict]) -> Fitted:
     return Fitted(device_flops=median(f) if f else None, flops_runs=len(f),
                   adamw_params_per_s=median(a) if a else None, adamw_runs=len(a),
                   process_baseline_bytes=max(b) if b else None, baseline_runs=len(b),
-                  head_baseline_bytes=max(h) if h else None, head_runs=len(h))
+                  head_baseline_bytes=max(h) if h else None, head_runs=len(h), busy_runs=len(busy[-KEEP_RUNS:]))
 
 
-def refit_from_run(run_dir: str, rates: Sequence, timing: bool = True) -> None:
+def busy_note(load: float, cores: int, own: int) -> str:
+    """The end-of-run line's words for a run on a busy host (:func:`refit_from_run`): ``load`` the run's load
+    average, ``cores`` the host's, ``own`` the job's :func:`own_threads`."""
+    return (f"fitted: not this run's speed, the host was busy with other work (load average {load:.1f} on {cores} "
+            f"core{'s' if cores != 1 else ''}, this job keeps about {own} busy); later plans keep "
+            "their rates")
+
+
+def refit_from_run(run_dir: str, rates: Sequence, timing: bool = True) -> str:
     """At the end of a run: record the figures of ``run_dir`` (``rates``: ``Plan.rates``). ``timing=False``
     records the process baseline alone: the run's speed is not the default's (``runtime.keep_host_memory=false``
     page-faults every micro-batch's tensors, experiments/2026-12-04-cpu-heap.md), so its FLOP/s and AdamW
-    rate would slow the plans of default runs. Never raises: a problem is one warning line."""
+    rate would slow the plans of default runs. A run on a busy host (:func:`run_load`) is recorded, marked
+    ``busy``, and :func:`fitted_figures` leaves its speed out. Returns the end-of-run line's note for such a run
+    (:func:`busy_note`), else ``""``. Never raises: a problem is one warning line."""
+    note = ""
     try:
         with open(os.path.join(run_dir, "plan.json")) as f:
             plan_doc = json.load(f)
@@ -286,5 +341,8 @@ def refit_from_run(run_dir: str, rates: Sequence, timing: bool = True) -> None:
                     fig.device_flops = fig.adamw_params_per_s = None
                 fig.run_dir, fig.time = os.path.abspath(run_dir), time.time()
                 record_run(fig)
+                if fig.busy and (fig.device_flops or fig.adamw_params_per_s):
+                    note = busy_note(float(fig.load_avg), int(fig.host_cores), own_threads(plan_doc))
     except Exception as exc:  # noqa: BLE001 - fitting must not fail a finished run
         print(f"warning: figures not fitted from {run_dir}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+    return note

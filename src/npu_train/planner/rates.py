@@ -18,7 +18,7 @@ from npu_train.planner.spec import PlacementError
 
 __all__ = ["Rates", "DEFAULT_RATES", "RATE_NUMBERS", "THREAD_SCALED", "HOST_THREAD_SCALED", "CONCURRENT_FIELDS",
            "calibration_path", "VOCAB_SHM_X_BYTES_PER_S", "VOCAB_SHM_SUM_BYTES_PER_S",
-           "load_rates", "shapes_differ", "reference_shapes", "shape_signature", "job_shapes"]
+           "load_rates", "shapes_differ", "BUSY_SKIPPED", "reference_shapes", "shape_signature", "job_shapes"]
 
 #: The plain numeric fields of :class:`Rates` (what a profile may set and ``by_threads`` override).
 RATE_NUMBERS = ("device_flops", "h2d_bytes_per_s", "d2h_bytes_per_s", "host_adamw_params_per_s",
@@ -327,8 +327,18 @@ def load_rates(kind: str, profile_path: Union[str, os.PathLike, None] = None, *,
                                                                head=head)
 
 
-def _runs_label(n: int) -> str:
-    return f"fitted from {n} run{'s' if n != 1 else ''}"
+#: ``Rates.sources`` key (no field of its own) saying how many finished runs on a busy host were left out of the
+#: fitted speed when none of it was fitted (where a figure was, its own label says it: :func:`_runs_label`)
+BUSY_SKIPPED = "busy runs"
+
+
+def _busy_text(busy: int) -> str:
+    return f"{busy} busy run{'s' if busy != 1 else ''} skipped"
+
+
+def _runs_label(n: int, busy: int = 0) -> str:
+    """``"fitted from 3 runs"``, with ``"; 2 busy runs skipped"`` for runs on a busy host left out."""
+    return f"fitted from {n} run{'s' if n != 1 else ''}" + (f"; {_busy_text(busy)}" if busy else "")
 
 
 def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = None,
@@ -339,7 +349,10 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
     on head cards instead (its plan at its measured peak / ``planner.fit.HEAD_FIT``; the other cards' shortfall
     says nothing of it), also only where it is larger than the unfitted baseline (``rates``' own): a fitted
     baseline never plans a card below what the process holds before the model arrives. ``model_shape``: only runs of that
-    :func:`~npu_train.planner.fit.shape_key` count (None: every run). A broken file is one warning line."""
+    :func:`~npu_train.planner.fit.shape_key` count (None: every run). Runs on a busy host give no speed
+    (:func:`~npu_train.planner.fit.fitted_figures`); the label of a fitted speed counts them
+    (``"fitted from 3 runs; 2 busy runs skipped"``), and where they were the only ones ``sources[BUSY_SKIPPED]``
+    does. A broken file is one warning line."""
     from npu_train.planner.fit import fitted_figures, fitted_path, read_runs
 
     folder = fitted_path(kind, threads, "x", root).parent
@@ -358,13 +371,15 @@ def apply_fitted(rates: Rates, kind: str, threads: int, root: Optional[Path] = N
         if fit.device_flops:
             dtype = path.stem.rsplit("-", 1)[-1]
             rates.flops_by_dtype[dtype] = fit.device_flops
-            rates.sources[f"device_flops[{dtype}]"] = _runs_label(fit.flops_runs)
+            rates.sources[f"device_flops[{dtype}]"] = _runs_label(fit.flops_runs, fit.busy_runs)
     fit = fitted_figures(every)
     if fit.adamw_params_per_s:
         rates.host_adamw_params_per_s = fit.adamw_params_per_s
-        rates.sources["host_adamw_params_per_s"] = _runs_label(fit.adamw_runs)
+        rates.sources["host_adamw_params_per_s"] = _runs_label(fit.adamw_runs, fit.busy_runs)
         if kind == "cpu":
             rates.device_adamw_params_per_s = 0.0  # the card's AdamW is the host's
+    elif fit.busy_runs:  # every run with a speed was busy: the plan's speed is not fitted, and says why
+        rates.sources[BUSY_SKIPPED] = _busy_text(fit.busy_runs)
     if kind == "cpu" and head:
         # the head card's own figure (never another card's shortfall), and like every card's only where it is
         # larger: a run whose other terms over-counted fits a baseline below the process's RSS before the model

@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from npu_train.hardware import HOST_MEMORY_KINDS, Card
+from npu_train.hardware import BUSY_LOAD_PER_CORE, HOST_MEMORY_KINDS, Card
 from npu_train.pipeline.schedule import SPLIT_BACKWARD, bubble_fraction
 from npu_train.planner.memory import ATTENTION, activation_bytes_per_layer
 from npu_train.planner.plan import MEM_KEYS, Plan
@@ -284,6 +284,8 @@ def _rate_text(rt, row: tuple) -> str:
 
 
 def _rates_origin(kind: str, rt, plan: Plan) -> str:
+    from npu_train.planner.rates import BUSY_SKIPPED
+
     measured = any(rt.source(n).startswith("measured") for n, *_ in _RATE_ROWS)
     on = f", on {rt.shapes}" if rt.shapes else ""  # the model shapes its figures were timed on
     other = _other_shapes(kind, rt.shapes, plan) if measured else None
@@ -295,6 +297,11 @@ def _rates_origin(kind: str, rt, plan: Plan) -> str:
              else "no calibration profile (calibrate=true measures one)")
     if any(v.startswith("fitted from") for v in rt.sources.values()):
         where += "; fitted = from this job's finished runs ($NPT_CACHE/fitted)"
+    if BUSY_SKIPPED in rt.sources:  # every finished run with a speed ran on a busy host
+        where += f"; speed not fitted: {rt.sources[BUSY_SKIPPED]}"
+    if any("busy run" in v for v in rt.sources.values()):
+        where += (f"; busy = run at a load average of {BUSY_LOAD_PER_CORE:g}/core or more past the job's own threads "
+                  "(planner.fit: its speed is not fitted)")
     return where
 
 

@@ -1734,13 +1734,15 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
     # user's own malloc settings, is not the default's speed: only its memory figure is kept
     from npu_train.hostmem import user_malloc_settings
 
+    fit_note = ""  # the run's speed not fitted: its host was busy with other work
     if job.reporter.records_failed is None:  # records cut short by a full run dir: nothing to fit from
-        refit_from_run(run_dir, plan.rates, timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
+        fit_note = refit_from_run(run_dir, plan.rates,
+                                  timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
     at = resume.start_step + int(summ["steps_run"])
     width = console_columns()
     words = resume_with(resume.ckpt_root) if resume_with is not None and at < tr.steps and coord.last_ckpt else None
     print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir,
-                                     resume_words=words, width=width), width), flush=True)
+                                     resume_words=words, width=width, fit_note=fit_note), width), flush=True)
     if at < tr.steps:  # train.stop_after ended this launch early; status.json: where the run stands
         summ.update(stopped_at=at, checkpoint_dir=resume.ckpt_root if coord.last_ckpt else None)
     elif node.is_owner and _sweep_group() is None:  # the default job: what to try next (runtime/hints.py)

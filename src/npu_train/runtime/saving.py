@@ -160,11 +160,13 @@ def _pace(summ: dict) -> str:
 
 
 def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_root: str, save: bool,
-                    run_dir: str, resume_words: Optional[list] = None, width: Optional[int] = None) -> str:
+                    run_dir: str, resume_words: Optional[list] = None, width: Optional[int] = None,
+                    fit_note: str = "") -> str:
     """The launcher's last lines (``done: ...`` or, after ``train.stop_after``, ``stopped: ...``): the steps and
     losses, the mean trained tokens/s and this launch's wall time (:func:`_pace`), then, each on its own line
     indented two spaces, ``checkpoint: <dir>`` and ``metrics: <file>`` (a label with its path: a fresh-clone review saw one ``;``-joined line fold with ``checkpoint`` cut off from its path,
-    issue 40) and a stopped run's resume command. With ``resume_words`` (its words, each quoted for the shell:
+    issue 40), ``fit_note`` when given (``planner.fit.refit_from_run``'s: the run's speed not fitted, its host was
+    busy) and a stopped run's resume command. With ``resume_words`` (its words, each quoted for the shell:
     launch/run.py's ``resume_words``) that is ``resume with:`` and the whole command to paste, broken into
     `` \\``-continued lines of at most ``width`` columns (default: the console's) by
     :func:`~npu_train.metrics.report.shell_lines`; without, "the same command" and what to add to it.
@@ -184,4 +186,5 @@ def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_r
             + (f" of this launch (train.stop_after={train.stop_after}), at step {at} of train.steps={train.steps}"
                if early else "")
             + f", loss {fmt_loss(summ['first_loss'])} -> {fmt_loss(summ['last_loss'])}{_pace(summ)}\n"
-            f"  {done_checkpoint(last_ckpt, save)}\n  metrics: {os.path.join(run_dir, 'metrics.jsonl')}" + resume)
+            f"  {done_checkpoint(last_ckpt, save)}\n  metrics: {os.path.join(run_dir, 'metrics.jsonl')}"
+            + (f"\n  {fit_note}" if fit_note else "") + resume)
