@@ -251,8 +251,8 @@ class RuntimeConf:
     #: flag is thread-local (probed at setup; else the synchronous copies); the plan prices what it assumes.
     overlap_copies: Optional[bool] = None
     #: vocabulary parallelism's exchange (parallel.vocab): gloo (TCP) | shm (the hidden state and the partial input
-    #: gradients through /dev/shm where every card of the pipeline is on this host, gloo across nodes;
-    #: pipeline/vocabshm.py). gloo by default until checked on RNGD cards (experiments/rngd-runbook.md).
+    #: gradients through /dev/shm where every card of the job is on this host and runtime.transport=shm, else gloo;
+    #: pipeline/vocabshm.py, the rule in pipeline/hosts.py). gloo by default until checked on RNGD cards (experiments/rngd-runbook.md).
     vocab_exchange: str = "gloo"
     #: torch intra-op threads per card process (null = host cores / local cards).
     threads: Optional[int] = None

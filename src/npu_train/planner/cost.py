@@ -261,10 +261,15 @@ class CostModel:
 
     @property
     def vocab_shm(self) -> bool:
-        """Whether the vocabulary exchange's two ``[b S, H]`` tensors go through shared memory: ``runtime.
-        vocab_exchange=shm`` and every card of the job on one host (the runtime also needs the pipeline's
-        boundaries on one node; across nodes it keeps gloo, and so does this price)."""
-        return self.shape.vocab_exchange == "shm" and self.cards_per_host >= self.dp * self.P
+        """Whether the vocabulary exchange's two ``[b S, H]`` tensors go through shared memory: the runtime's rule
+        (:func:`~npu_train.pipeline.hosts.vocab_exchange_shm`: ``runtime.vocab_exchange=shm`` and every boundary of
+        the job ``shm``, i.e. every card on one host and ``runtime.transport=shm``) on the boundaries of
+        ``cards_per_host`` cards a host (:func:`~npu_train.pipeline.hosts.even_nodes`)."""
+        from npu_train.pipeline.hosts import boundary_transports, even_nodes, vocab_exchange_shm
+
+        world = self.dp * self.P
+        return vocab_exchange_shm(self.shape.vocab_exchange,
+                                  boundary_transports(even_nodes(world, self.cards_per_host), self.shape.transport))
 
     def vocab_latency(self) -> tuple[float, float, float]:
         """Seconds of the vocabulary exchange (pipeline/vocab.py: in the background where nothing waits for it):

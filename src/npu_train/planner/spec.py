@@ -97,6 +97,9 @@ class RunShape:
     #: ``runtime.vocab_exchange``: the vocabulary exchange through gloo (TCP) or shm (pipeline/vocabshm.py, where
     #: every card of the job is on one host; ``CostModel.vocab_latency`` prices the path the runtime takes)
     vocab_exchange: str = "gloo"
+    #: ``runtime.transport``: the stage boundaries within a host through shared memory (``shm``) or ZeroMQ TCP
+    #: (``inline``); the vocabulary exchange takes shared memory only over ``shm`` boundaries (pipeline/hosts.py)
+    transport: str = "shm"
 
     def __post_init__(self) -> None:
         for k in ("seq_len", "micro_batch", "micro_batches"):
@@ -112,6 +115,8 @@ class RunShape:
 
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
             raise ValueError(f"RunShape.checkpoint_dtype must be one of {CHECKPOINT_DTYPES}, got {self.checkpoint_dtype!r}")
+        if self.transport not in ("shm", "inline"):
+            raise ValueError(f"RunShape.transport must be 'shm' or 'inline', got {self.transport!r}")
         if self.grad_accum not in ("fp32", "compute"):
             raise ValueError(f"RunShape.grad_accum must be 'fp32' or 'compute', got {self.grad_accum!r}")
 

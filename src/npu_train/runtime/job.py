@@ -767,7 +767,8 @@ def run_shape(cfg, mcfg, dtype: str):
                     checkpoint_dtype=model_file_dtype(cfg.model.path), moe_aux_loss=_aux_needs_1f1b(cfg, mcfg),
                     vocab_parallel=getattr(cfg.parallel, "vocab", False) is True,
                     overlap_copies=getattr(cfg.runtime, "overlap_copies", None),
-                    vocab_exchange=getattr(cfg.runtime, "vocab_exchange", "gloo"))
+                    vocab_exchange=getattr(cfg.runtime, "vocab_exchange", "gloo"),
+                    transport=getattr(cfg.runtime, "transport", "shm"))
 
 
 def _recompute_counts(tr) -> tuple:
@@ -1276,10 +1277,21 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
                           "the run is complete; to train further raise train.steps and set train.resume_mismatch=allow")
 
 
+def vocab_on_shm(cfg, boundary: tuple) -> bool:
+    """Whether the job's vocabulary exchange takes /dev/shm (its segments then count in the launcher's /dev/shm
+    check): ``parallel.vocab`` on and :func:`~npu_train.pipeline.hosts.vocab_exchange_shm` of
+    ``runtime.vocab_exchange`` over the job's ``boundary`` transports, the rule the cards
+    (``StageTrainer._vocab_shm``) and the plan (``CostModel.vocab_shm``) apply."""
+    from npu_train.pipeline.hosts import vocab_exchange_shm
+
+    return (getattr(cfg.parallel, "vocab", False) is True
+            and vocab_exchange_shm(getattr(cfg.runtime, "vocab_exchange", "gloo"), boundary))
+
+
 def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeContext) -> LaunchIdentity:
     """Job id, token, the job's store (hosted here on a single node and node 0) and its port, transports, with
     the port and /dev/shm checks (dead jobs' leftovers freed first)."""
-    from npu_train.runtime import nodes as N
+    from npu_train.pipeline import hosts as H
     from npu_train.runtime.jobstore import host_store
     from npu_train.runtime.leftovers import sweep_dead_jobs
     from npu_train.transport.shm import ShmTooSmallError
@@ -1292,8 +1304,8 @@ def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeC
             check_port(node.host, rt.port)
         store = host_store(node.host, rt.port, rt.startup_timeout_s)
         port = store.port
-    node_of_rank = [n for n, c in enumerate(prep.node_counts) for _ in range(c)]
-    boundary = N.boundary_transports(node_of_rank, rt.transport)
+    node_of_rank = H.node_of_rank(prep.node_counts)
+    boundary = H.boundary_transports(node_of_rank, rt.transport)
     # shared-memory boundaries of this node (both stages here; the ring pair of boundary b is counted at stage b)
     n_shm = sum(1 for b, m in enumerate(boundary) if m == "shm" and (node.rdv is None or node_of_rank[b] == node.node_rank))
     shared = {}
@@ -1307,8 +1319,7 @@ def _launch_identity(cfg, prep: Prepared, data, resume: ResumePoint, node: NodeC
     swept = sweep_dead_jobs()
     if swept:
         print(f"removed shared memory and IPC directories of {len(swept)} dead job(s): {', '.join(swept)}", flush=True)
-    vocab_shm = (getattr(cfg.parallel, "vocab", False) is True and getattr(rt, "vocab_exchange", "gloo") == "shm"
-                 and node.rdv is None and all(m == "shm" for m in boundary))
+    vocab_shm = vocab_on_shm(cfg, boundary)
     if n_shm or vocab_shm:
         from npu_train.pipeline.schedule import chunks_per_card
 

@@ -14,6 +14,7 @@ from datetime import timedelta
 from typing import Any, Mapping, Optional
 
 from npu_train.errors import ConfigError, UserError
+from npu_train.pipeline.hosts import boundary_transports  # noqa: F401 - one home (pipeline/hosts.py), named here too
 
 
 class RendezvousError(UserError):
@@ -260,12 +261,6 @@ def plan_digest(plan, data_fingerprint: str, start_step: int, resume_dir: Option
     out["resume.step"] = json.dumps(start_step)
     out["resume.dir"] = json.dumps(resume_dir)
     return out
-
-
-def boundary_transports(node_of_rank: list[int], local_mode: str) -> tuple:
-    """Transport per boundary ``b``: ``inline`` (ZeroMQ TCP) across nodes, ``local_mode`` within one."""
-    return tuple("inline" if node_of_rank[b] != node_of_rank[b + 1] else local_mode
-                 for b in range(len(node_of_rank) - 1))
 
 
 @dataclass(frozen=True)

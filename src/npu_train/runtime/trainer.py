@@ -300,7 +300,7 @@ class StageTrainer:
                     else:
                         self.vocab_ex = GlooExchange(g, lay.rank(k, self.head_card), xgroup=gx)
             log.info("vocabulary exchange: %s", "shared memory (runtime.vocab_exchange=shm)" if shm else
-                     "gloo" + (" (runtime.vocab_exchange=shm: the pipeline spans nodes)"
+                     "gloo" + (" (runtime.vocab_exchange=shm: not every card on one host with runtime.transport=shm)"
                                if getattr(spec.runtime, "vocab_exchange", "gloo") == "shm" else ""))
         if self.P > 1:
             self.comm = LinkComm(spec, self.ctx, self.backend, overlap=spec.runtime.overlap_copies, store=self.store)
@@ -309,12 +309,14 @@ class StageTrainer:
             dist.barrier()  # every ring exists before anyone receives
 
     def _vocab_shm(self) -> bool:
-        """Whether the vocabulary exchange goes through shared memory: ``runtime.vocab_exchange=shm`` and every
-        boundary of the pipeline is a shared-memory one (its cards on this host; across nodes: gloo)."""
+        """Whether the vocabulary exchange goes through shared memory: :func:`~npu_train.pipeline.hosts.
+        vocab_exchange_shm` of ``runtime.vocab_exchange`` and every boundary of the job (every card on this host
+        with ``runtime.transport=shm``; else gloo), the launcher's and the plan's rule too."""
+        from npu_train.pipeline.hosts import vocab_exchange_shm
+
         spec = self.spec
-        if getattr(spec.runtime, "vocab_exchange", "gloo") != "shm":
-            return False
-        return all(spec.boundary_mode(b) == "shm" for b in range(self.P - 1))
+        return vocab_exchange_shm(getattr(spec.runtime, "vocab_exchange", "gloo"),
+                                  [spec.boundary_mode(b) for b in range(spec.world_size - 1)])
 
     def _resume(self) -> None:
         """Masters, moments, weights and RNG from ``spec.resume_dir``, one tensor at a time."""
