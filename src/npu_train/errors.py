@@ -221,6 +221,13 @@ def out_of_space(e: BaseException) -> bool:
     return (isinstance(e, OSError) and e.errno == errno.ENOSPC) or "No space left on device" in str(e)
 
 
+def fmt_disk_bytes(n: float) -> str:
+    """A size on disk (a checkpoint, an export's ``model.safetensors``, the free space for them) in decimal units,
+    as disks are sold and ``df -H`` prints them: GB (10**9 bytes) from 0.1 GB on (``"1.95 GB"``), else MB (10**6
+    bytes, ``"33.6 MB"``). Memory figures are GiB (2**30 bytes, ``hardware.GIB``) and say so."""
+    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
+
+
 def fmt_number(x: float) -> str:
     """A float as a user writes it: plain where that reads well (``0.001``, ``0.05``, ``2.5``, ``100000``: from
     1e-3 to below 1e6, :func:`format` ``g`` where it is exact, else ``repr``), else scientific with the

@@ -9,7 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-#: 2**30 bytes. Memory figures printed by npu-train are GiB unless they say GB.
+#: 2**30 bytes. Memory figures printed by npu-train are GiB unless they say GB; sizes on disk (checkpoints, exports,
+#: free space) are decimal GB / MB (``errors.fmt_disk_bytes``).
 GIB = 1 << 30
 #: 10**9 bytes (vendor capacities and the design notes' "2.62 GB per layer").
 GB = 10**9

@@ -30,3 +30,12 @@ def test_the_warmup_note_prints_its_rates_as_written():
 
     note = warmup_note(lr=1e-4, warmup_steps=10, total_steps=2)
     assert "of train.lr=1e-4)" in note and "peaks at 2e-5 " in note, note
+
+
+@pytest.mark.parametrize("n,text", [(1.95e9, "1.95 GB"), (10**8, "0.10 GB"), (10**8 - 1, "100.0 MB"),
+                                    (5 << 20, "5.2 MB"), (0, "0.0 MB")])
+def test_sizes_on_disk_are_decimal(n, text):
+    """Checkpoint and export sizes and free space: GB = 1e9 bytes from 0.1 GB on, else MB = 1e6 (memory is GiB)."""
+    from npu_train.errors import fmt_disk_bytes
+
+    assert fmt_disk_bytes(n) == text

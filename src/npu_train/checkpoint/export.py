@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from npu_train.checkpoint.store import CheckpointReader
-from npu_train.errors import UserError, nearest_existing, out_of_space
+from npu_train.errors import UserError, fmt_disk_bytes, nearest_existing, out_of_space
 from npu_train.checkpoint.stream import Entry, check_memory, write_stream
 from npu_train.model.config import FAMILIES, LlamaConfig
 from npu_train.model.llama import stage_param_names
@@ -219,10 +219,6 @@ def _first_missing(path: str) -> Optional[str]:
 EXPORT_MARGIN_BYTES = 32 << 20
 
 
-def _gib_or_mib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
-
-
 def check_export_space(out_dir: str, weight_bytes: int, overwrite: bool) -> None:
     """Refuse (:class:`ExportDirError`) an export that does not fit the free space at ``out_dir`` (its nearest
     existing parent when it is new), before anything is written: ``weight_bytes`` of ``model.safetensors`` plus
@@ -234,7 +230,7 @@ def check_export_space(out_dir: str, weight_bytes: int, overwrite: bool) -> None
         free += os.path.getsize(old)
     need = weight_bytes + EXPORT_MARGIN_BYTES
     if free < need:
-        raise ExportDirError(f"export needs {_gib_or_mib(need)} at {at}, {_gib_or_mib(free)} free: free space "
+        raise ExportDirError(f"export needs {fmt_disk_bytes(need)} at {at}, {fmt_disk_bytes(free)} free: free space "
                              "there or give another output directory")
 
 
@@ -349,7 +345,7 @@ def _counted(entries: list, say: Callable[[str], None]) -> list:
             done["k"] += 1
             done["bytes"] += e.nbytes
             if done["k"] in marks and done["k"] < n:
-                say(f"export: {done['k']}/{n} tensors ({done['bytes'] / 2**30:.2f} of {total / 2**30:.2f} GiB)")
+                say(f"export: {done['k']}/{n} tensors ({fmt_disk_bytes(done['bytes'])} of {fmt_disk_bytes(total)})")
             return t
         return Entry(e.name, e.dtype, e.shape, fetch)
 
@@ -370,7 +366,7 @@ def _write_export(reader, cfg: LlamaConfig, names: list, train: dict, out_dir: s
         shapes.update(cfg.param_shapes(i))
     entries = [Entry(n, tdt, tuple(shapes[n]), lambda n=n: get(n)) for n in names]
     say(f"export: {reader.path} -> {os.path.join(out_dir, 'model.safetensors')}: {len(entries)} tensors, "
-        f"{sum(e.nbytes for e in entries) / 2**30:.2f} GiB {dtype}" + (", LoRA merged into the base" if lora else ""))
+        f"{fmt_disk_bytes(sum(e.nbytes for e in entries))} {dtype}" + (", LoRA merged into the base" if lora else ""))
     write_stream(os.path.join(out_dir, "model.safetensors"), _counted(entries, say), {"format": "pt"})
     if lora:
         say(rounding.line(dtype, auto))

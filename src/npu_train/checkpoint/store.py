@@ -20,7 +20,7 @@ from safetensors import safe_open
 
 from npu_train.checkpoint.stream import Entry, write_stream
 from npu_train.config import UserError
-from npu_train.errors import out_of_space
+from npu_train.errors import fmt_disk_bytes, out_of_space
 from npu_train.ownership import owner_alive, process_identity
 
 STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -92,18 +92,13 @@ def entries_of(tensors: dict[str, torch.Tensor]) -> list[Entry]:
     return [Entry(k, t.dtype, tuple(t.shape), (lambda t=t: t)) for k, t in tensors.items()]
 
 
-def _size(n: int) -> str:
-    """``n`` bytes as GB (1e9) from 0.1 GB on, else MB (1e6)."""
-    return f"{n / 1e9:.2f} GB" if n >= 10**8 else f"{n / 1e6:.1f} MB"
-
-
 def space_message(directory: str, need: int, free: int, what: str) -> str:
     """The error text for a checkpoint that does not fit in ``directory`` (a staging dir is named by its root)."""
     if os.path.basename(directory).startswith(".tmp-"):
         directory = os.path.dirname(directory)
-    return (f"{what} needs {_size(need)} in {directory} but only {_size(free)} are free (the other stages' "
-            "shards need room too): free disk space there (older step_* checkpoints can go: the file 'latest' "
-            "names the newest) or point checkpoint.dir at a larger disk; an earlier complete checkpoint there "
+    return (f"{what} needs {fmt_disk_bytes(need)} in {directory} but only {fmt_disk_bytes(free)} are free "
+            "(the other stages' shards need room too): free disk space there (older step_* checkpoints can go: "
+            "the file 'latest' names the newest) or point checkpoint.dir at a larger disk; an earlier complete checkpoint there "
             "is untouched")
 
 
@@ -120,7 +115,7 @@ def space_warning(root: str, final: str) -> Optional[str]:
     free = shutil.disk_usage(root).free
     if free >= size:
         return None
-    return (f"warning: {_size(free)} free in {root}, less than one checkpoint ({_size(size)}): "
+    return (f"warning: {fmt_disk_bytes(free)} free in {root}, less than one checkpoint ({fmt_disk_bytes(size)}): "
             "the next save will fail; free disk space there or point checkpoint.dir at a larger disk")
 
 
@@ -149,11 +144,11 @@ def launch_space_message(root: str, size: int, count: int, free: int, keep: int)
     if count <= 0 or free >= count * size:
         return None
     if count == 1:
-        return (f"a checkpoint of this run takes about {_size(size)} but only {_size(free)} are free in {root}: "
-                "the first save will fail")
-    return (f"this run holds up to {count} checkpoints of about {_size(size)} at once (checkpoint.keep={keep} "
-            f"beside the one being written) = {_size(count * size)}, but only {_size(free)} are free in {root}: "
-            "a later save will fail (lower checkpoint.keep or raise train.save_every)")
+        return (f"a checkpoint of this run takes about {fmt_disk_bytes(size)} but only {fmt_disk_bytes(free)} "
+                f"are free in {root}: the first save will fail")
+    return (f"this run holds up to {count} checkpoints of about {fmt_disk_bytes(size)} at once (checkpoint.keep={keep} "
+            f"beside the one being written) = {fmt_disk_bytes(count * size)}, but only {fmt_disk_bytes(free)} are "
+            f"free in {root}: a later save will fail (lower checkpoint.keep or raise train.save_every)")
 
 
 def launch_space_warning(root: str, model_cfg, stages: int, mode: str) -> Optional[str]:
