@@ -68,3 +68,42 @@ def test_moe_auto_schedule_line_leads_with_the_schedule_used(monkeypatch, capsys
     assert line.startswith("train.schedule=auto: 1f1b, as the mixture-of-experts load-balancing loss "
                            "(train.moe_aux_loss) needs a full backward"), line
     assert line.endswith("without the loss: zb-h2 (predicted step 3.84 s; 1f1b 4.10 s)"), line
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "interleaved"])
+def test_two_chunk_schedule_on_one_stage_is_refused_before_start(schedule):
+    """rev4 BUG 1: ``train.schedule=zbv`` (or interleaved) on one card started every process and then crashed in
+    the card (chunk 0 has no next card to send to): one ConfigError at launch naming the fix; 2 stages are fine."""
+    from npu_train.runtime import job
+
+    cfg = OmegaConf.structured(Config)
+    cfg.train.schedule, cfg.train.accum = schedule, 2
+    with pytest.raises(ConfigError, match=rf"train\.schedule={schedule} needs at least 2 pipeline stages.*this "
+                                          r"launch has 1: use train\.schedule=1f1b"):
+        job._check_interleaved(cfg, 1)
+    job._check_interleaved(cfg, 2)
+
+
+def test_resumed_two_chunk_schedule_onto_one_card_is_chosen_anew(monkeypatch, capsys):
+    """rev4 BUG 1: a 2-card zbv checkpoint resumed onto one card kept zbv (a resume keeps its schedule) and
+    crashed in the card; the schedule cannot run there, so auto says so and chooses as a fresh launch would
+    (as a resume onto another card count already replans the recompute layers); on 2 cards zbv is kept."""
+    from types import SimpleNamespace
+
+    from npu_train.planner import schedule_choice
+    from npu_train.runtime import job
+
+    monkeypatch.setattr(job, "_resumed_train", lambda cfg, run_dir: {"schedule": "zbv", "recompute": False})
+    request = SimpleNamespace(shape=SimpleNamespace(vocab_parallel=False))
+    monkeypatch.setattr(job, "plan_request", lambda *a, **k: request)
+    monkeypatch.setattr(schedule_choice, "choose_schedule", lambda *a, **k: SimpleNamespace(
+        schedule="1f1b", recompute=False, why="train.schedule=auto: 1f1b (predicted step 1 s)", plan=None,
+        recompute_attention=False, recompute_fewest=False))
+    for cards, want in ((["c0"], "1f1b"), (["c0", "c1"], "zbv")):
+        cfg = OmegaConf.structured(Config)
+        cfg.train.schedule = "auto"
+        job._choose_schedule(cfg, "/nonexistent", SimpleNamespace(is_moe=False), "fp32", cards, 1, 1, 0, None)
+        out = capsys.readouterr().out
+        assert cfg.train.schedule == want, out
+        said = "the resumed checkpoint's schedule zbv needs at least 2 pipeline stages and this launch has 1"
+        assert (said in out) == (len(cards) == 1), out

@@ -130,3 +130,21 @@ def test_a_faster_two_chunk_schedule_passed_over_is_named(monkeypatch, zbv_s, ma
     assert got.schedule == ("zb-h1" if margin_said else "zbv")
     assert ("zbv is within the 5 % two-chunk margin" in got.why) == margin_said, got.why
     assert "interleaved is within" not in got.why and "are within" not in got.why, got.why
+
+
+def _one_card(req: PlanRequest) -> PlanRequest:
+    return replace(req, cards=list(req.cards)[:1], rates=[load_rates("furiosa")])
+
+
+def test_one_card_keeps_two_chunk_schedules_out():
+    """rev4 BUG 1: on one pipeline stage a two-chunk schedule's chunk 0 has no next card to hand its activations
+    to (the card crashed in ``ch.comm.send_act``): auto neither tries nor names zbv / interleaved there, with or
+    without recompute, and make_plan refuses them by name; on 2 cards they stay candidates."""
+    for recompute in (False, True):
+        got = choose_schedule(_one_card(_req(47.5, recompute=recompute)))
+        assert got.schedule not in CHUNKED_SCHEDULES, got.why
+        assert not any(s in got.why for s in CHUNKED_SCHEDULES), got.why
+    for s in CHUNKED_SCHEDULES:
+        with pytest.raises(ValueError, match=rf"schedule {s} needs at least 2 pipeline stages \(P=1\): use 1f1b"):
+            make_plan(replace(_one_card(_req(47.5)), shape=replace(_req(47.5).shape, schedule=s)))
+    assert all(s in choose_schedule(_req(47.5)).why for s in CHUNKED_SCHEDULES)

@@ -8,7 +8,9 @@ schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its second set of pe
 boundary copies (each micro-batch crosses every card twice; on an accelerator they are in the step time:
 ``CostModel.boundary_copies``). When none fits, 1F1B with activation recompute is
 tried, and interleaved 1F1B with recompute (the zero-bubble schedules do not combine with recompute). With
-``recompute`` asked for, only 1F1B, GPipe and interleaved 1F1B are candidates. The choice and the runners-up are said in one line (:attr:`ScheduleChoice.why`).
+``recompute`` asked for, only 1F1B, GPipe and interleaved 1F1B are candidates. On one pipeline stage the two-chunk
+schedules are not (their chunks hand activations between cards). The choice and the runners-up are said in one
+line (:attr:`ScheduleChoice.why`).
 
 Where a card's attention kernel keeps the ``[b, a, S, S]`` probabilities (``memory.ATTENTION`` eager: furiosa),
 every candidate is also planned with the attention core recomputed (``RunShape.recompute_attention``: the
@@ -116,7 +118,7 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
         return _none_fits(req, recompute)
     core = recompute_attention == "auto"
     tried = []
-    for s in (RECOMPUTE_CANDIDATES if recompute else CANDIDATES):
+    for s in _for_stages(RECOMPUTE_CANDIDATES if recompute else CANDIDATES, len(req.cards)):
         plan, why_not = _try(req, s, recompute, core)
         if vocab:
             plan, why_not = with_vocab(req, plan, why_not, lambda r, s=s: _try(r, s, recompute, core))
@@ -130,7 +132,7 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
                               f"{others}{_margin_note(fits, plan)})", plan.shape.recompute_attention)
-    rec = [(s, _fewest_or_all(req, s, core)) for s in ("1f1b", "interleaved")]
+    rec = [(s, _fewest_or_all(req, s, core)) for s in _for_stages(("1f1b", "interleaved"), len(req.cards))]
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:
         best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))
@@ -143,6 +145,13 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
                                                  fixes_from=_checked_refusal(req)),
                               plan.shape.recompute_attention, plan.shape.recompute_fewest)
     return _none_fits(req, recompute)
+
+
+def _for_stages(schedules: tuple, stages: int) -> tuple:
+    """``schedules`` that run on ``stages`` pipeline stages: the two-chunk ones need at least 2."""
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+
+    return tuple(s for s in schedules if stages >= 2 or s not in CHUNKED_SCHEDULES)
 
 
 def _none_fits(req: PlanRequest, recompute: bool) -> ScheduleChoice:

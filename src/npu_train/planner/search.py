@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 from npu_train.hardware import HOST_MEMORY_KINDS, KINDS, LAUNCHER_RESERVE_BYTES
-from npu_train.pipeline.schedule import SPLIT_BACKWARD
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, chunks_per_card
 from npu_train.planner.cost import CostModel, StageCost
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
@@ -473,7 +473,8 @@ def make_plan(req: PlanRequest) -> Plan:
         PlacementError: a card over capacity, nothing fits in auto mode, host RAM too small, more cards than
             layers, a resident count above a card's layers, a bad ``split``.
         ValueError: an unknown card kind, ``dp < 1`` or ``zero`` not 0/1, a ``rates`` or ``memory_terms`` list
-            of the wrong length, ``headroom`` outside [0, 1), an unknown ``resident_layers`` string."""
+            of the wrong length, ``headroom`` outside [0, 1), an unknown ``resident_layers`` string, a two-chunk
+            schedule (zbv, interleaved) on one card."""
     PROGRESS.plans += 1
     PROGRESS.current = shape_label(req.shape, int(req.dp))
     PROGRESS.tick()
@@ -494,6 +495,8 @@ def _cost_model(req: PlanRequest) -> CostModel:
         raise PlacementError("no cards given")
     if int(req.dp) < 1 or int(req.zero) not in (0, 1):
         raise ValueError(f"make_plan needs dp >= 1 and zero in (0, 1), got dp={req.dp}, zero={req.zero}")
+    if P < 2 and chunks_per_card(req.shape.schedule) > 1:  # the runtime hands chunk 0 to chunk 1 across cards
+        raise ValueError(f"schedule {req.shape.schedule} needs at least 2 pipeline stages (P={P}): use 1f1b")
     if P > L:
         raise PlacementError(
             f"more cards ({P}) than decoder layers ({L}) of {model.name}: every card needs at "

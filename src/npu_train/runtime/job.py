@@ -446,7 +446,15 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
 
 
 def _check_interleaved(cfg, P: int) -> None:
-    """ConfigError for ``train.schedule=interleaved`` with ``train.accum`` not a multiple of the stages ``P``."""
+    """ConfigError for a two-chunk ``train.schedule`` (zbv, interleaved) on one pipeline stage (chunk 0 hands its
+    activations to chunk 1 over the link to another card: there is none), and for ``interleaved`` with
+    ``train.accum`` not a multiple of the stages ``P``."""
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+
+    if cfg.train.schedule in CHUNKED_SCHEDULES and P < 2:
+        raise ConfigError(f"train.schedule={cfg.train.schedule} needs at least 2 pipeline stages (its two layer "
+                          f"chunks per card pass activations between cards); this launch has {P}: use "
+                          "train.schedule=1f1b (or auto), or give more cards (backend=[...])")
     if cfg.train.schedule == "interleaved" and cfg.train.accum % P:
         raise ConfigError(f"train.schedule=interleaved needs train.accum ({cfg.train.accum}) to be a multiple of the "
                           f"{P} pipeline stage(s): set train.accum={P * max(1, -(-cfg.train.accum // P))} or use "
@@ -465,8 +473,15 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     from npu_train.pipeline.schedule import ALL_SCHEDULES
     from npu_train.planner.schedule_choice import choose_schedule
 
+    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
+
     saved = _resumed_train(cfg, run_dir)
     off = None
+    if saved and saved.get("schedule") in CHUNKED_SCHEDULES and len(cards) < 2:  # a resume onto one stage
+        print(f"train.schedule=auto: the resumed checkpoint's schedule {saved['schedule']} needs at least 2 pipeline "
+              f"stages and this launch has {len(cards)}: choosing anew (the micro-batches' gradients are summed in "
+              "another order)", flush=True)
+        saved = None
     if saved and saved.get("schedule") in ALL_SCHEDULES:
         schedule, recompute = saved["schedule"], bool(saved.get("recompute", cfg.train.recompute))
         core = bool(saved.get("recompute_attention", cfg.train.recompute_attention is True))
@@ -495,8 +510,6 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
                 cfg.parallel.vocab = bool(choice.plan is not None and choice.plan.shape.vocab_parallel)
         core = choice.recompute_attention or cfg.train.recompute_attention is True
         which = "fewest" if choice.recompute_fewest else cfg.train.recompute_layers
-    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
-
     if schedule in SPLIT_BACKWARD + CHUNKED_SCHEDULES and _aux_needs_1f1b(cfg, mcfg):
         schedule, why = "1f1b", aux_schedule_line(why)
     with open_dict(cfg):
