@@ -1729,7 +1729,10 @@ def _run_coordinator(job: StartedJob, cfg, resume: ResumePoint) -> None:
 
 def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePoint, node: NodeContext,
             resume_with=None) -> dict:
-    """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal.
+    """The run summary and the last line; :class:`Interrupted` when the run was stopped by a signal before
+    its last step. A signal after it (during the final evaluation or save) stops nothing: the run is complete
+    with its final checkpoint, so it ends as done (exit 0, ``status.json`` ``ok``; a Kubernetes Job or Slurm
+    job that did all its work succeeds), with a note, and no resume command that would be refused.
     ``resume_with``: as for :func:`run_job` (the ``stopped:`` line's command)."""
     from npu_train.planner.fit import refit_from_run
 
@@ -1750,10 +1753,14 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
     if coord.rejected:
         print(f"note: ignored {coord.rejected} unauthenticated message(s) on the coordinator socket "
               "(wrong or missing job token)", file=sys.stderr, flush=True)
-    if coord.interrupted:
+    at = resume.start_step + int(summ["steps_run"])
+    if coord.interrupted and not (at >= tr.steps and coord.last_ckpt):
         raise Interrupted(coord.signum, interrupt_note(coord.last_ckpt, resume.ckpt_root, tr.offload_update,
                                                        resume.saving),
                           checkpoint=coord.last_ckpt, checkpoint_dir=resume.ckpt_root)
+    if coord.interrupted:  # after the last step (during the final eval or save): the run's work is done, exit 0
+        print(f"note: {signal.Signals(coord.signum).name} came after the last step: the run is complete (its final "
+              f"checkpoint {coord.last_ckpt} is saved), nothing to resume", flush=True)
     # figures fitted from this run (planner.fit), never raises; a run returning freed memory, or under the
     # user's own malloc settings, is not the default's speed: only its memory figure is kept
     from npu_train.hostmem import user_malloc_settings
@@ -1762,7 +1769,6 @@ def _finish(job: StartedJob, cfg, run_dir: str, prep: Prepared, resume: ResumePo
     if job.reporter.records_failed is None:  # records cut short by a full run dir: nothing to fit from
         fit_note = refit_from_run(run_dir, plan.rates,
                                   timing=bool(cfg.runtime.keep_host_memory) and not user_malloc_settings())
-    at = resume.start_step + int(summ["steps_run"])
     width = console_columns()
     words = resume_with(resume.ckpt_root) if resume_with is not None and at < tr.steps and coord.last_ckpt else None
     print(fold_words(end_of_run_line(summ, at, tr, coord.last_ckpt, resume.ckpt_root, resume.saving, run_dir,
