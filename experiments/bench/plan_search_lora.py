@@ -19,6 +19,17 @@ from npu_train.planner.schedule_choice import choose_schedule  # noqa: E402
 from test_split_search_cost import _request  # noqa: E402
 
 
+def _with_beat(fs):
+    """An earlier ``fastest_split`` (no ``beat``: 2026-12-07, ``search.plan_beats``) taking ``beat`` as a full
+    search whose split is then kept only when its step is under ``beat``."""
+    def split(pm, L, resident="auto", max_timelines=search.MAX_TIMELINES, stats=None, beat=None):
+        sp = fs(pm, L, resident, max_timelines, stats)
+        if beat is None or sp is None:
+            return sp
+        return sp if pm.step_time(sp, [pm.max_resident(i, n) for i, n in enumerate(sp)]) < beat else None
+    return split
+
+
 def main() -> None:
     before_path, preset, extra = sys.argv[1], sys.argv[2], sys.argv[3:]
     spec = importlib.util.spec_from_file_location("search_before", before_path)
@@ -27,7 +38,7 @@ def main() -> None:
     spec.loader.exec_module(before)
     req = replace(_request(preset, "1f1b", *extra), host_cores=2, strict=False)
     out, cpu = {}, {}
-    for name, fs in (("after", search.fastest_split), ("before", before.fastest_split)):
+    for name, fs in (("after", search.fastest_split), ("before", _with_beat(before.fastest_split))):
         search.fastest_split = fs
         t = time.process_time()
         ch = choose_schedule(req, "auto")

@@ -438,13 +438,30 @@ class CostModel:
             exposed = [e + M * sum(c.t_copy) for e, c in zip(exposed, costs)]
         return max(end) * stretch, [e * stretch for e in exposed]
 
+    def phase_floor(self, costs: Sequence[StageCost]) -> float:
+        """A lower bound of :meth:`timeline`'s phase (seconds), cheaper where the cards copy in copy threads
+        (:attr:`overlapped`; the timeline itself otherwise): the schedule's timeline with the same durations and
+        no copies (:func:`~npu_train.pipeline.schedule.stage_timeline`). In
+        :func:`~npu_train.pipeline.schedule.copy_timeline` every action is placed in the same order, starts no
+        earlier than its card's previous action ends and its inputs' actions end, and lasts as long, so each
+        ends no earlier there (each sum and max rounds monotonically, so in floating point too)."""
+        M = self.shape.micro_batches
+        t_v = [c.t_vparts for c in costs] if self.shape.vocab_parallel else None
+        lat = self.vocab_latency() if self.shape.vocab_parallel else (0.0, 0.0, 0.0)
+        end, _ = stage_timeline(self.shape.schedule, self.P, M, *self.stage_durations(costs), t_v=t_v, lat=lat)
+        return max(end) * (self.slots / (M + self.P - 1))
+
     def copy_parts(self) -> list[tuple]:
         """Per virtual stage ``(F in, F out, B in, B out)`` seconds of its boundary copies (:meth:`boundary_parts`)
         where its card runs them in a copy thread (:attr:`overlapped`), zeros elsewhere (there they are in
-        ``t_f, t_b``)."""
-        V = self.memory.chunks * self.P
-        return [self.boundary_parts(v) if self.overlapped[card_of(self.shape.schedule, self.P, v)[0]]
-                else (0.0, 0.0, 0.0, 0.0) for v in range(V)]
+        ``t_f, t_b``). The same for every split: made once (the split search's timelines each need it)."""
+        parts = self._cache.get("copy_parts")
+        if parts is None:
+            V = self.memory.chunks * self.P
+            parts = [self.boundary_parts(v) if self.overlapped[card_of(self.shape.schedule, self.P, v)[0]]
+                     else (0.0, 0.0, 0.0, 0.0) for v in range(V)]
+            self._cache["copy_parts"] = parts
+        return list(parts)
 
     def boundary_parts(self, v: int) -> tuple[float, float, float, float]:
         """:meth:`boundary_copies` of virtual stage ``v`` by direction: ``(F receives, F sends, B receives,

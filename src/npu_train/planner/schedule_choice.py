@@ -26,7 +26,7 @@ from typing import Optional
 
 from npu_train.planner.plan import Plan
 from npu_train.planner.request import PlanRequest
-from npu_train.planner.search import make_plan, state_floor_over_cards
+from npu_train.planner.search import make_plan, plan_beats, state_floor_over_cards
 from npu_train.planner.spec import PlacementError
 
 __all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule", "refusals_summary"]
@@ -87,20 +87,30 @@ def core_recompute_helps(req: PlanRequest) -> bool:
 
 def _try(req: PlanRequest, schedule: str, recompute: bool, core: bool = True) -> tuple[Optional[Plan], str]:
     """The plan of ``req`` with ``schedule`` / ``recompute``, or None and why not; with ``core`` where
-    :func:`core_recompute_helps`, the faster of it and the plan with the attention core recomputed."""
+    :func:`core_recompute_helps`, the faster of it and the plan with the attention core recomputed (searched
+    only where its split search finds a split faster than the plan without, :func:`plan_beats`: the same
+    choice; an 8-card LoRA plan, whose recomputed core only adds time, skips most of that second search)."""
     plan, why = _try_one(req, schedule, recompute)
     if recompute or not core or not core_recompute_helps(req):
         return plan, why
-    alt, _ = _try_one(replace(req, shape=replace(req.shape, recompute_attention=True)), schedule, recompute)
+    core_req = replace(req, shape=replace(req.shape, recompute_attention=True))
+    if plan is not None and not plan_beats(_shaped(core_req, schedule, recompute), plan.step_time_s):
+        return plan, why
+    alt, _ = _try_one(core_req, schedule, recompute)
     if alt is not None and (plan is None or alt.step_time_s < plan.step_time_s):
         return alt, ""
     return plan, why
 
 
+def _shaped(req: PlanRequest, schedule: str, recompute: bool) -> PlanRequest:
+    """``req`` with ``schedule`` / ``recompute``, as :func:`_try_one` plans it."""
+    return replace(req, check_fixes=False, shape=replace(req.shape, schedule=schedule, recompute=recompute))
+
+
 def _try_one(req: PlanRequest, schedule: str, recompute: bool) -> tuple[Optional[Plan], str]:
     """The plan of ``req`` with ``schedule`` / ``recompute``, or None and why not."""
     try:
-        plan = make_plan(replace(req, check_fixes=False, shape=replace(req.shape, schedule=schedule, recompute=recompute)))
+        plan = make_plan(_shaped(req, schedule, recompute))
     except PlacementError as e:
         return None, str(e)  # the whole refusal: :func:`refusals_summary` says it short
     except ValueError as e:  # interleaved: micro-batches not a multiple of the stages (the caller names it)

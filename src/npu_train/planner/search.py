@@ -3,7 +3,7 @@ card (resident) or the host (offloaded). Start at :func:`make_plan`."""
 from __future__ import annotations
 
 import numbers
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
@@ -18,7 +18,7 @@ from npu_train.planner.table import card_label, over_capacity_message, state_byt
 from npu_train.planner.threads import threads_per_card, usable_cores
 
 __all__ = ["PROGRESS", "SearchProgress", "SplitSearchStats", "balanced_split", "search_split", "fastest_split", "make_plan",
-           "state_floor_over_cards"]
+           "plan_beats", "state_floor_over_cards"]
 
 #: most schedule timelines :func:`fastest_split` evaluates (about 0.1 ms each for P = 8, M = 4)
 #: before it returns the best split found so far
@@ -185,10 +185,13 @@ def _resident_for(pm: CostModel, i: int, n: int, resident) -> int:
 
 def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "auto",
                   max_timelines: int = MAX_TIMELINES,
-                  stats: Optional[SplitSearchStats] = None) -> Optional[list[int]]:
+                  stats: Optional[SplitSearchStats] = None, beat: Optional[float] = None) -> Optional[list[int]]:
     """Layers per card (``L`` in all, >= 1 each) with the lowest predicted step time among the splits that
     fit with ``resident`` layers per card (``"auto"`` or a list), or ``None``. Ties (relative 1e-9) go to the
-    balanced split, else the lexicographically smallest.
+    balanced split, else the lexicographically smallest. With ``beat`` (seconds): the first split found whose
+    predicted step is under it, or ``None`` (the search starts with ``beat`` as its best, so it cuts more and
+    visits a subset of the nodes in the same order: every split under ``beat`` the search without it evaluates
+    before its caps, this one evaluates too; :func:`plan_beats`).
 
     Branch and bound in pipeline order: stage ``i`` cannot start before micro-batch 0's forward through the
     stages before it (their first chunks: :meth:`~CostModel.first_chunk_forward`), so
@@ -204,20 +207,9 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     P, M = pm.P, pm.shape.micro_batches
     stretch = pm.slots / (M + P - 1)
     nmax = L - P + 1
-    opts = []  # per stage: [(n, r, cost, side seconds, first-chunk forward seconds)]
-    for i in range(P):
-        o = []
-        for n in range(1, nmax + 1):
-            r = _resident_for(pm, i, n, resident)
-            if r >= 0:
-                c = pm.cost(i, n, r)
-                # the stage's side time less the host work the overlap may hide (+ what it cannot: dfs); its
-                # first virtual stage's forward
-                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c, i),
-                          _backward_pass(pm, i, c)))
-        if not o:
-            return None
-        opts.append(o)
+    opts = _stage_options(pm, nmax, resident)
+    if opts is None:
+        return None
     lo_rest = [0] * (P + 1)
     hi_rest = [0] * (P + 1)
     for i in range(P - 1, -1, -1):
@@ -226,18 +218,29 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     if lo_rest[0] > L or hi_rest[0] < L:
         return None
     tol = 1e-9
-    best = [float("inf")]
+    best = [float("inf") if beat is None else beat]
     ties: list[tuple[float, list[int]]] = []
     evals = [0, 0]  # timelines, nodes
     rest_bound = _RestBound(opts, nmax)
     tail = _TailBound(opts, M, L, [pm.path_copies(i) for i in range(P)])
 
-    def leaf(split: list[int], costs: list) -> None:
+    # two chunks per card with copy threads: the timeline without copies first (CostModel.phase_floor, a third of
+    # the time): every stage's total is at least the phase plus its side time less its hideable host work (and
+    # its exposed host floor), what the search's ``side`` holds, so a split whose floor is over the best is cut
+    # without its timeline (still counted as one: the same caps, nodes and split). It spares 70-89 % of the ZB-V
+    # timelines of an 8-card LoRA plan; with one chunk per card the bounds above already leave few (1 %) it cuts
+    floor_first = any(pm.overlapped) and not pm.shape.vocab_parallel and pm.memory.chunks != 1
+
+    def leaf(split: list[int], costs: list, side: Optional[float] = None) -> None:
         evals[0] += 1
         if not evals[0] % TICK_TIMELINES:
             PROGRESS.timelines += TICK_TIMELINES
             PROGRESS.tick()
+        if floor_first and side is not None and (pm.phase_floor(costs) + side) * (1 - 1e-12) > best[0] * (1 + tol):
+            return
         obj = max(t["total"] for t in pm.stage_times(split, costs))  # = CostModel.step_time
+        if beat is not None and obj < beat:
+            raise _Beaten(list(split))
         if obj <= best[0] * (1 + tol):
             best[0] = min(best[0], obj)
             ties.append((obj, list(split)))
@@ -250,9 +253,6 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
             leaf(split, [pm.cost(i, n, r) for i, (n, r) in enumerate(zip(split, rs))])
 
     bal = balanced_split(L, P)
-    evaluate(bal)  # seeds: a good first bound cuts most branches
-    if resident == "auto":
-        evaluate(search_split(pm, L))
     split: list[int] = []
     costs: list = []
 
@@ -265,34 +265,30 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
     rb_t, rb_sd = rest_bound.t, rest_bound.sd
     busy_t, drained_t, down_t = tail.busy, tail.drained, tail.down
     copies_b = [pm.path_copies(i)[1] for i in range(P)]
-    # per stage and option k, the least t_mb and side seconds of options k.. (no monotonicity in n assumed): once
-    # the chain before a stage plus the least M t_mb of its remaining options, with their least side time, is over
-    # the best, every larger n is cut by the bound below too, so the loop stops there (the same cuts, fewer tries)
-    suf_t, suf_sd = [], []
-    # each option with M t_mb, M (t_f + B) and M B (B: _backward_pass; None with two chunks per card)
-    fast = [[(*o, M * o[2].t_mb, None if o[5] is None else M * (o[2].t_f + o[5]), None if o[5] is None else M * o[5])
-             for o in stage] for stage in opts]
-    for o in opts:
-        ts, sds = [0.0] * len(o), [0.0] * len(o)
-        t_min = sd_min = float("inf")
-        for k in range(len(o) - 1, -1, -1):
-            t_min, sd_min = min(t_min, o[k][2].t_mb), min(sd_min, o[k][3])
-            ts[k], sds[k] = t_min, sd_min
-        suf_t.append(ts)
-        suf_sd.append(sds)
+    fast, suf_t, suf_sd, suf_fd, ns = _loop_tables(opts, M, on_tail)
+    rest_lb = _RestFloor(rest_bound, tail, M, L)
 
     def dfs(i: int, left: int, f_before: float, chain: float, lb_phase: float, side: float, drain: float) -> None:
         evals[1] += 1
         if i == P:
             if left == 0:
-                leaf(split, costs)
+                leaf(split, costs, side)
             return
         j = i + 1
         lo_next, hi_next = lo_rest[j], hi_rest[j]
         later = j < P
         per = P - j
         tail_on = later and on_tail
-        for k, (n, r, c, sd, f0, db, mt, mfd, mdb) in enumerate(fast[i]):
+        stage, ns_i, fd_i = fast[i], ns[i], suf_fd[i]
+        # the options this loop would pass over without a side effect: too few layers (the rest is over what the
+        # later stages hold), and those whose rest alone is cut (_RestFloor.first_kept: rest = left - n falls as
+        # n grows); the same nodes, timelines and split, fewer tries
+        k0 = bisect_left(ns_i, left - hi_next)
+        if later:
+            k0 = rest_lb.first_kept(j, ns_i, k0, bisect_right(ns_i, left - lo_next), left, chain, drain, stretch,
+                                    best[0] * (1 + tol))
+        for k in range(k0, len(stage)):
+            n, r, c, sd, f0, db, mt, mfd, mdb = stage[k]
             if evals[0] >= max_timelines or evals[1] >= MAX_NODES:
                 return
             rest = left - n
@@ -303,8 +299,11 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
             cut = best[0] * (1 + tol)
             # (max() written out: this loop runs tens of millions of times; the same values as max gives)
             x = side if side > suf_sd[i][k] else suf_sd[i][k]
-            if ((chain + M * suf_t[i][k]) * stretch + x) * (1 - 1e-12) > cut:
-                break  # this n and every larger one: their own M t_mb alone is over the best
+            y = M * suf_t[i][k]
+            if fd_i is not None and fd_i[k] + drain > y:
+                y = fd_i[k] + drain
+            if ((chain + y) * stretch + x) * (1 - 1e-12) > cut:
+                break  # this n and every larger one: their own M t_mb (or drain bound) alone is over the best
             if later:  # (_RestBound.at, _TailBound.last)
                 q = -(-rest // per)
                 t_r, sd_r = rb_t[j][q], rb_sd[j][q]
@@ -345,14 +344,60 @@ def fastest_split(pm: CostModel, L: int, resident: Union[str, Sequence[int]] = "
             split.pop()
             costs.pop()
 
-    dfs(0, L, 0.0, 0.0, 0.0, 0.0, 0.0)
+    beaten = None
+    try:
+        evaluate(bal)  # seeds: a good first bound cuts most branches
+        if resident == "auto":
+            evaluate(search_split(pm, L))
+        dfs(0, L, 0.0, 0.0, 0.0, 0.0, 0.0)
+    except _Beaten as b:  # ``beat``: a split under it
+        beaten = b.split
     if stats is not None:
         stats.timelines, stats.nodes = evals[0], evals[1]
         stats.capped = evals[0] >= max_timelines or evals[1] >= MAX_NODES
+    if beat is not None:
+        return beaten
     if not ties:
         return None
     cand = sorted(sp for obj, sp in ties if obj <= best[0] * (1 + tol))
     return bal if bal in cand else cand[0]
+
+
+def _stage_options(pm: CostModel, nmax: int, resident) -> Optional[list]:
+    """Per stage of :func:`fastest_split`, its options ``(n, r, cost, side seconds, first-chunk forward seconds,
+    B seconds)`` for ``n`` in ``1..nmax`` layers that fit with ``resident`` (:func:`_resident_for`), ``n``
+    ascending; None when some stage has none."""
+    opts = []
+    for i in range(pm.P):
+        o = []
+        for n in range(1, nmax + 1):
+            r = _resident_for(pm, i, n, resident)
+            if r >= 0:
+                c = pm.cost(i, n, r)
+                # the stage's side time less the host work the overlap may hide (+ what it cannot: dfs); its
+                # first virtual stage's forward
+                o.append((n, r, c, sum(pm.side_time(i, c)) - pm.hideable(i, c), pm.first_chunk_forward(c, i),
+                          _backward_pass(pm, i, c)))
+        if not o:
+            return None
+        opts.append(o)
+    return opts
+
+
+def _loop_tables(opts: list, M: int, on_tail: bool) -> tuple:
+    """:func:`fastest_split`'s loop's tables, per stage: each option with ``M t_mb``, ``M (t_f + B)`` and ``M B``
+    appended (B: :func:`_backward_pass`; None with two chunks per card); per option ``k`` the least ``t_mb`` and
+    side seconds of options ``k..`` (no monotonicity in ``n`` assumed: once the chain before a stage plus the
+    least ``M t_mb`` of its remaining options, with their least side time, is over the best, every larger ``n``
+    is cut by the bound too, so the loop stops there: the same cuts, fewer tries), and with one chunk per card
+    (``on_tail``) the least ``M (t_f + B)`` of options ``k..`` (the stage's drain bound stops the loop too), else
+    None; the options' layer counts."""
+    fast = [[(*o, M * o[2].t_mb, None if o[5] is None else M * (o[2].t_f + o[5]), None if o[5] is None else M * o[5])
+             for o in stage] for stage in opts]
+    suf_t = [_suffix_min([o[2].t_mb for o in stage]) for stage in opts]
+    suf_sd = [_suffix_min([o[3] for o in stage]) for stage in opts]
+    suf_fd = [_suffix_min([o[-2] for o in stage]) if on_tail else None for stage in fast]
+    return fast, suf_t, suf_sd, suf_fd, [[o[0] for o in stage] for stage in opts]
 
 
 def _backward_pass(pm: CostModel, i: int, c: StageCost):
@@ -436,6 +481,65 @@ class _TailBound:
         return self.down[j][rest]
 
 
+class _Beaten(Exception):
+    """:func:`fastest_split` with ``beat``: ``split`` is under it (ends the search)."""
+
+    def __init__(self, split: list[int]):
+        super().__init__(split)
+        self.split = split
+
+
+def _suffix_min(xs: Sequence[float]) -> list[float]:
+    """``[min(xs[k:]) for k in range(len(xs))]``."""
+    out, m = [0.0] * len(xs), float("inf")
+    for k in range(len(xs) - 1, -1, -1):
+        m = xs[k] if xs[k] < m else m
+        out[k] = m
+    return out
+
+
+class _RestFloor:
+    """The part of :func:`fastest_split`'s bound that only the stages not placed yet fix, as a function of the
+    layers ``x`` they hold, made non-decreasing in ``x``: per start stage ``j`` and ``x`` in ``0..L``,
+    ``M t_mb`` and the side seconds of :class:`_RestBound` (already non-decreasing) and the least of
+    :class:`_TailBound`'s ``busy`` and ``drained`` over ``x' >= x`` (0 without those bounds). Each is at most the
+    term the search's bound uses at ``x`` and the bound's sums and products round monotonically, so where
+    :meth:`first_kept` says the rest alone is over the best the search's own bound cuts too."""
+
+    def __init__(self, rest: "_RestBound", tail: "_TailBound", M: int, L: int):
+        P = rest.P
+        self.t, self.sd, self.busy, self.drained = [None] * P, [None] * P, [None] * P, [None] * P
+        for j in range(1, P):
+            per, top = P - j, len(rest.t[j]) - 1
+            q = [min(-(-x // per), top) for x in range(L + 1)]
+            self.t[j] = [M * rest.t[j][k] for k in q]
+            self.sd[j] = [rest.sd[j][k] for k in q]
+            self.busy[j] = _suffix_min(tail.busy[j]) if tail.on else [0.0] * (L + 1)
+            self.drained[j] = _suffix_min(tail.drained[j]) if tail.on else [0.0] * (L + 1)
+
+    def first_kept(self, j: int, ns: Sequence[int], lo: int, hi: int, left: int, chain: float, drain: float,
+                   stretch: float, cut: float) -> int:
+        """The first option index ``k`` in ``lo..hi`` (layer counts ``ns``, ascending, each ``left - ns[k]`` in
+        ``0..L``) whose rest ``left - ns[k]`` on stages ``j..`` is not cut by the rest's terms alone,
+        ``((chain + max(M t, busy, drain + drained)) * stretch + sd) (1 - 1e-12) > cut``; ``hi`` when all are
+        (bisected: the test holds for every rest from some value up)."""
+        t, sd, busy, drained = self.t[j], self.sd[j], self.busy[j], self.drained[j]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            x = left - ns[mid]
+            y = t[x]
+            if busy[x] > y:
+                y = busy[x]
+            z = drain + drained[x]
+            if z > y:
+                y = z
+            if ((chain + y) * stretch + sd[x]) * (1 - 1e-12) > cut:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+
 class _RestBound:
     """Lower bounds for the stages :func:`fastest_split` has not placed yet: ``rest`` layers over the ``K``
     stages ``j >= i`` put at least ``k = ceil(rest / K)`` on one of them, whose time per micro-batch and side
@@ -485,6 +589,28 @@ def make_plan(req: PlanRequest) -> Plan:
     if req.resident_layers != "auto":
         raise ValueError(f"resident_layers must be 'auto', an int or a list, got {req.resident_layers!r}")
     return _plan_auto(pm, req, split)
+
+
+def plan_beats(req: PlanRequest, step_s: float) -> bool:
+    """Whether :func:`make_plan` of ``req`` may plan a step under ``step_s`` seconds: False only where that is
+    proven not to be (its split search with ``beat``, :func:`fastest_split`, finds no split under it: the
+    searched plan's split is one the search without ``beat`` evaluated, and every such split under ``step_s``
+    this one evaluates too, caps included); True where it may, or where no such search applies (a given split or
+    resident counts, a request the planner refuses). Cheaper than the plan where the answer is False: the search
+    cuts at ``step_s`` from its start (``train.schedule=auto`` keeps a candidate's plan with the attention core
+    recomputed only where it is faster than the one without, :mod:`~npu_train.planner.schedule_choice`)."""
+    if req.split is not None or req.resident_layers != "auto":
+        return True
+    PROGRESS.plans += 1
+    PROGRESS.current = shape_label(req.shape, int(req.dp))
+    PROGRESS.tick()
+    try:
+        pm = _cost_model(req)
+        if _over_floor(pm):
+            return True
+        return fastest_split(pm, req.model.num_layers, "auto", max_timelines=MAX_TIMELINES, beat=step_s) is not None
+    except (PlacementError, ValueError):
+        return True
 
 
 def _cost_model(req: PlanRequest) -> CostModel:
