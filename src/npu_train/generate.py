@@ -129,6 +129,16 @@ def check_chat_template(kind: str, path: str, base: Optional[str] = None) -> Non
         raise ValueError(NO_TEMPLATE)
 
 
+def _temp_space(refusal: str, ckpt: str) -> str:
+    """An export refusal for want of disk space (``... MB free: free space there or give another output
+    directory``) in generate's words: its export goes to a temporary directory under $TMPDIR, so the fix is
+    another TMPDIR, or a one-time export to generate from."""
+    head = refusal.split(": free space there or give another output directory")[0]
+    return (f"{head}: generate merges the checkpoint into a temporary directory under $TMPDIR "
+            f"({tempfile.gettempdir()}); set TMPDIR to a directory on a disk with room for it, or export the "
+            f"checkpoint once (python -m npu_train.checkpoint.export {ckpt} <out dir>) and generate from <out dir>")
+
+
 def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet, base: Optional[str] = None,
                         chat: bool = False):
     """``(transformers model, tokenizer)`` for ``model`` on the CPU in fp32; ``note(text)`` gets one line per
@@ -149,11 +159,15 @@ def load_for_generation(model: str, workdir: Optional[str] = None, note=_quiet, 
     from npu_train.model import chat_template, check_weights, load_config, load_tokenizer, special_tokens
 
     if kind == "checkpoint":
-        from npu_train.checkpoint.export import export_hf
+        from npu_train.checkpoint.export import ExportDirError, export_hf
 
         note("merging the checkpoint's shards into a temporary Hugging Face directory (fp32) ...")
-        path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
-                         arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True, base=base, say=note)
+        try:
+            path = export_hf(path, os.path.join(workdir or tempfile.mkdtemp(prefix="npt-gen-"), "hf"), "fp32",
+                             arg=f"python -m npu_train.generate <model>={model!r}", overwrite=True, base=base,
+                             say=note)
+        except ExportDirError as e:  # generate has no output directory to give: name TMPDIR and the export
+            raise ExportDirError(_temp_space(str(e), path)) from None
     if kind == "gguf":
         note(f"reading the weights of {path} into transformers (dequantised to fp32, CPU) and its tokenizer ...")
         m = _gguf_model(path)

@@ -530,3 +530,26 @@ def test_a_disk_filled_during_the_export_is_named_with_the_fix(tiny_ckpt, tmp_pa
     err = " ".join(one_refusal(capsys.readouterr().err).split())
     assert f"the disk of {out} filled up during the export" in err and "give another output directory" in err, err
     assert not out.exists()
+
+
+def test_generate_short_of_temporary_space_names_tmpdir(tiny_ckpt, tmp_path, capsys, monkeypatch):
+    """rev4 CONFUSING 1: generate, short of space for its temporary merge, said "give another output
+    directory", which generate has none of: it names $TMPDIR and a one-time export instead; nothing stays."""
+    import collections
+
+    import npu_train.checkpoint.export as ex
+    from npu_train import generate as G
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: usage(1 << 30, (1 << 30) - (5 << 20), 5 << 20))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(G.tempfile, "tempdir", str(tmp))
+    assert G.main([tiny_ckpt, "--prompt", "Hi", "--no-chat"]) == 2
+    err = capsys.readouterr().err  # the progress notes, then the refusal
+    flat = " ".join(one_refusal(err[err.index("error:"):]).split())
+    assert re.search(r"error: export needs \d+\.\d MB at .*, 5\.2 MB free: generate merges the checkpoint into a "
+                     rf"temporary directory under \$TMPDIR \({re.escape(str(tmp))}\); set TMPDIR to a directory on a "
+                     "disk with room for it, or export the checkpoint once \\(python -m npu_train.checkpoint."
+                     rf"export {re.escape(tiny_ckpt)} <out dir>\) and generate from <out dir>$", flat), flat
+    assert "give another output directory" not in flat and os.listdir(tmp) == []
