@@ -398,3 +398,24 @@ def test_a_missing_source_is_quoted_once(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError) as e:
         resolve_source("mine.jsonl")
     assert f"data.source='mine.jsonl': no such file or directory (relative to {tmp_path});" in str(e.value)
+
+
+def test_a_model_given_as_data_source_names_model_path(tmp_path):
+    """rev4 CONFUSING 2: a model directory as data.source had its config.json read as rows ("no column 'text'
+    ... set data.text_field=architectures"): it is named a model with model.path as the fix; a .gguf too. A data
+    directory that happens to hold a config.json but no weights is still data."""
+    model = tmp_path / "moe4"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
+    (model / "model.safetensors").write_bytes(b"\0" * 8)
+    with pytest.raises(DataError, match=rf"data\.source={model} is a model directory \(config\.json, "
+                                        rf"model\.safetensors\), not data: did you mean model\.path={model}\?"):
+        resolve_source(str(model))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(DataError, match=r"is a model file \(\.gguf\), not data: did you mean model\.path="):
+        resolve_source(str(gguf))
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "config.json").write_text(json.dumps({"text": "a config as a row"}))
+    assert resolve_source(str(data)).kind == "files"

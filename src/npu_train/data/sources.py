@@ -195,6 +195,24 @@ def _refuse_other_builtin(spec: str, fmt: str) -> None:
         raise DataError(f"data.source={spec} is the shipped text: use data.format=text, or data.source=botchan-chat")
 
 
+def _refuse_model(spec: str, path: Path) -> None:
+    """DataError for a model given as ``data.source``: a directory holding ``config.json`` and weights
+    (``*.safetensors`` / ``*.bin``; its config.json was read as rows of data), or a ``.gguf`` /
+    ``.safetensors`` file: names ``model.path``."""
+    if path.is_dir():
+        weights = sorted(p.name for p in path.iterdir() if p.suffix in (".safetensors", ".bin") and p.is_file())
+        if not ((path / "config.json").is_file() and weights):
+            return
+        what = f"a model directory (config.json, {weights[0]}{', ...' if len(weights) > 1 else ''})"
+    elif path.suffix.lower() in (".gguf", ".safetensors"):
+        what = f"a model file ({path.suffix.lower()})"
+    else:
+        return
+    raise DataError(f"data.source={spec} is {what}, not data: did you mean model.path={spec}? data.source takes a "
+                    f"built-in set ({builtin_sets()}), a .parquet/.arrow/.jsonl/.json/.csv/.txt file, a glob or a "
+                    "directory of them, or a directory written by Dataset.save_to_disk")
+
+
 def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split: Optional[str] = None) -> Source:
     """The :class:`Source` named by ``spec`` for ``data.format=fmt``; FileNotFoundError / DataError."""
     spec = str(spec)
@@ -217,6 +235,7 @@ def resolve_source(spec: str, fmt: str = "text", split: str = "train", val_split
         _check_splits(path, split, val_split)
         files = tuple(sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.as_posix()))
         return Source(spec, "saved", files, path, split, val_split)
+    _refuse_model(spec, path)
     if path.is_dir():
         files = tuple(sorted((p for p in path.rglob("*") if _supported(p)),
                              key=lambda p: p.relative_to(path).as_posix()))
