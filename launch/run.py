@@ -498,6 +498,31 @@ def open_job_log(run_dir: str, job_name: str):
         return None
 
 
+def _override_key(o: str) -> "str | None":
+    """The key an override ``[+|++]key=value`` sets, or None (``~key``, a bare word)."""
+    m = re.match(r"^\+{0,2}([^=~+][^=]*)=", o)
+    return m.group(1) if m else None
+
+
+def last_of_each_key(overrides: list) -> list:
+    """``overrides`` with each key once: its last value (Hydra's, which takes the last), at its last place."""
+    last = {k: i for i, k in enumerate(map(_override_key, overrides)) if k is not None}
+    return [o for i, o in enumerate(overrides) if _override_key(o) is None or last[_override_key(o)] == i]
+
+
+def repeated_keys_note(overrides: list) -> "str | None":
+    """``note: train.steps given twice (0, then 2): using 2`` for each key given more than once (a copy-paste
+    slip when appending to a long command: Hydra takes the last value in silence), or None."""
+    seen: dict = {}
+    for o in overrides:
+        k = _override_key(o)
+        if k is not None:
+            seen.setdefault(k, []).append(o.split("=", 1)[1])
+    said = [f"{k} given {len(v)} times ({', then '.join(v)}): using {v[-1]}".replace(" 2 times", " twice")
+            for k, v in seen.items() if len(v) > 1]
+    return f"note: {'; '.join(said)}" if said else None
+
+
 def resume_words(overrides: list, checkpoint_dir: str) -> list:
     """The shell command that continues an interrupted job, as its words (each quoted for the shell): this
     launcher with the job's overrides, ``train.resume=latest`` and ``checkpoint.dir=<checkpoint_dir>``
@@ -508,7 +533,7 @@ def resume_words(overrides: list, checkpoint_dir: str) -> list:
 
     from npu_train.env import run_environment
 
-    keep = [o for o in overrides if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
+    keep = [o for o in last_of_each_key(overrides) if not re.match(r"^\+{0,2}(train\.resume|checkpoint\.dir)=", o)]
     # a delayed-update run cannot resume exactly (refused by the job): it continues with the synchronous update
     keep = ["train.offload_update=sync" if re.match(r"^\+{0,2}train\.offload_update=delayed$", o) else o for o in keep]
     from npu_train.config import hydra_value
@@ -812,6 +837,9 @@ def run_one(cfg) -> int:
             ignored = lora_for_a_mode_sweep(cfg, modes_of_this_sweep(str(hc.sweep.dir)))
             if ignored:
                 print(ignored, flush=True)
+        twice = repeated_keys_note(overrides)
+        if twice:
+            print(twice, flush=True)
         code = main(cfg, run_dir, report, resume_with=lambda root: resume_words([*_resume_dir_overrides(
             run_dir, multirun, hc), *overrides], root))
     except BaseException as e:  # noqa: BLE001 - multirun: any job error is this job's status
