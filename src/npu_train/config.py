@@ -323,8 +323,10 @@ class ParallelConf:
     #: data-parallel replicas of the pipeline: the cards of ``backend=`` (global-rank order) form
     #: ``dp`` pipelines of ``len(cards) / dp`` stages each (global rank = replica * P + stage).
     #: auto: the planner picks dp, the pipeline depth, schedule, split and micro-batch size for the global
-    #: batch train.micro_batch x train.accum (planner/layout_choice.py); a resume keeps the checkpoint's.
-    dp: Any = 1
+    #: batch train.micro_batch x train.accum (planner/layout_choice.py), keeping the layout as written unless
+    #: another is predicted 5 % faster; a resume keeps the checkpoint's. null (the default): auto where every
+    #: card is an accelerator (cuda, furiosa), 1 where any is a cpu card (runtime/job.py default_dp).
+    dp: Any = None
     #: ZeRO stage: 0 = every replica keeps the stage's whole fp32 master + AdamW moments; 1 = they
     #: are sharded across the stage's replicas (ZeRO-1, by parameter).
     zero: int = 0
@@ -789,7 +791,7 @@ def _check_runtime(cfg) -> None:
 
 
 def _check_parallel(par) -> None:
-    if par.dp != "auto":
+    if par.dp not in ("auto", None):
         _positive("parallel.dp", par.dp, " (data-parallel replicas of the pipeline; 1 = none; or auto)")
     if par.zero not in (0, 1):
         raise ConfigError(f"parallel.zero={par.zero!r}: use 0 (no sharding) or 1 (ZeRO-1: optimizer state "

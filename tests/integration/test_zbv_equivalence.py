@@ -140,6 +140,26 @@ def test_dp_auto_chooses_a_layout(tiny_model, tmp_path, capsys):
     assert cfg.train.schedule == "1f1b"
 
 
+@pytest.mark.parametrize("kind", ["furiosa:auto", "cpu"])
+def test_dp_unset_chooses_on_accelerators_only(tiny_model, tmp_path, capsys, kind):
+    """parallel.dp left unset: on 4 accelerator cards the planner chooses the layout (the same lines as
+    parallel.dp=auto, global batch 2 x 4 kept); on cpu cards one pipeline of 4 stages with the micro-batch as
+    written, and no layout line."""
+    from npu_train.runtime.job import prepare
+
+    cfg = make_cfg(tiny_model, f"backend=[{kind},{kind},{kind},{kind}]", "plan=true")
+    assert cfg.parallel.dp is None
+    prep = prepare(cfg, str(tmp_path), probe=False)
+    out = capsys.readouterr().out
+    if kind == "cpu":
+        assert "parallel.dp=auto" not in out
+        assert (prep.dp, len(prep.plan.stages), cfg.train.micro_batch, cfg.train.accum) == (1, 4, 2, 4)
+    else:
+        assert "parallel.dp=auto: dp=" in out and "why:" in out and "alternative 1:" in out, out
+        assert prep.dp in (1, 2, 4) and len(prep.plan.stages) == 4 // prep.dp
+        assert prep.dp * cfg.train.micro_batch * cfg.train.accum == 8
+
+
 def test_interleaved_with_recompute_matches_reference(tiny_model, tmp_path):
     """Interleaved 1F1B with activation recompute (what auto picks for a model that fits only so): the
     reference's losses and masters."""

@@ -94,3 +94,50 @@ def test_more_replicas_win_when_their_communication_is_cheap():
     assert want.dp > 1
     got = choose_layout(cands, request, "1f1b")
     assert got.chosen.layout == want
+
+
+def _fake_plans(monkeypatch, steps: dict):
+    """``choose_layout`` with a named schedule plans each layout through ``_plan_given``: here a plan whose step
+    time is ``steps[(dp, micro_batch)]`` (the margin rule is about the step times only)."""
+    from types import SimpleNamespace
+
+    from npu_train.planner import layout_choice
+
+    def fake(req):
+        t = steps[(req.dp, req.shape.micro_batch)]
+        return SimpleNamespace(step_time_s=t, tokens_per_s=1000 / t, stages=[SimpleNamespace(mem={"total": GIB})],
+                               shape=SimpleNamespace(vocab_parallel=False)), ""
+
+    monkeypatch.setattr(layout_choice, "_plan_given", fake)
+
+
+@pytest.mark.parametrize("best_s, resplit", [(5.75, False), (5.6, True)])
+def test_the_layout_as_written_stays_unless_5_percent_slower(monkeypatch, best_s, resplit):
+    """As written: dp=1, micro-batch 2 x accum 4 at 6.0 s. Another layout is taken only when its predicted step is
+    under 0.95 x 6.0 = 5.7 s: 5.75 s is not (kept, and the line says by how much it was faster), 5.6 s is (taken,
+    and the line names the re-split and how to keep the layout as written)."""
+    from npu_train.planner.layout_choice import LAYOUT_MARGIN
+
+    assert LAYOUT_MARGIN == 0.05
+    _fake_plans(monkeypatch, {(1, 1): 6.3, (1, 2): 6.0, (2, 1): best_s, (2, 2): 6.5})
+    cands = layouts(2, 8, 8, micro_batches=(1, 2))
+    given = Layout(1, 2, 2, 4)
+    got = choose_layout(cands, _request(47.5), "1f1b", given=given)
+    assert got.chosen.layout == (Layout(2, 1, 1, 4) if resplit else given)
+    text = "\n".join(got.lines)
+    assert ("re-split from the layout as written (dp=1 x pp=2, micro-batch 2 x accum 4, step 6 s)" in text) == resplit
+    assert ("parallel.dp=1 keeps it as written" in text) == resplit
+    assert ("why: the layout as written; the fastest of 4 that fit (4 tried), dp=2 x pp=1, micro-batch 1 x accum 4, "
+            "is predicted 4.2 % faster, within the 5 % a re-split must win by" in text) == (not resplit), text
+    # the alternatives are the next two fastest other than the chosen one
+    alts = [l for l in got.lines if "alternative" in l]
+    want = [(1, 2), (1, 1)] if resplit else [(2, 1), (1, 1)]
+    assert [(int(l.split("dp=")[1][0]), int(l.split("micro-batch ")[1][0])) for l in alts] == want
+
+
+def test_without_a_layout_as_written_the_fastest_wins(monkeypatch):
+    """``given=None`` (the cards do not form one pipeline as written, e.g. ``train.split`` names fewer stages):
+    the shortest predicted step, however small the gain."""
+    _fake_plans(monkeypatch, {(1, 1): 6.3, (1, 2): 6.0, (2, 1): 5.99, (2, 2): 6.5})
+    got = choose_layout(layouts(2, 8, 8, micro_batches=(1, 2)), _request(47.5), "1f1b")
+    assert got.chosen.layout == Layout(2, 1, 1, 4) and not any("re-split" in l for l in got.lines)

@@ -11,7 +11,7 @@ from npu_train.hardware import make_cards
 from npu_train.model.presets import get_preset
 from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
 from npu_train.planner import PlanRequest, RunShape, load_rates, make_plan
-from npu_train.planner.schedule_choice import CANDIDATES, CHUNK_MARGIN, VOCAB_MARGIN, choose_schedule
+from npu_train.planner.schedule_choice import CANDIDATES, VOCAB_MARGIN, choose_schedule, chunk_margin
 from npu_train.planner.spec import PlacementError
 
 GIB = 2 ** 30
@@ -27,7 +27,7 @@ def _req(kind: str, layers: int, vocab: int, tied: bool = False) -> PlanRequest:
 
 def _expected(req):
     """(schedule, vocab) the rule picks: per schedule the vocabulary-parallel plan when VOCAB_MARGIN faster, then the
-    fastest schedule with CHUNK_MARGIN against two-chunk ones (first of equals)."""
+    fastest schedule with the cards' two-chunk margin against two-chunk ones (first of equals)."""
     best = {}
     for s in CANDIDATES:
         try:
@@ -36,7 +36,8 @@ def _expected(req):
         except (PlacementError, ValueError):
             continue
         best[s] = (on, True) if on.step_time_s < off.step_time_s * (1 - VOCAB_MARGIN) else (off, False)
-    cost = {s: p.step_time_s / ((1 - CHUNK_MARGIN) if s in CHUNKED_SCHEDULES else 1.0) for s, (p, _) in best.items()}
+    m = chunk_margin(req.cards)
+    cost = {s: p.step_time_s / ((1 - m) if s in CHUNKED_SCHEDULES else 1.0) for s, (p, _) in best.items()}
     s = min(best, key=lambda k: (cost[k], CANDIDATES.index(k)))
     return s, best[s][1], best[s][0].step_time_s
 

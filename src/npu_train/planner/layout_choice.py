@@ -6,7 +6,12 @@ size ``b`` dividing the global batch's share of a replica (``accum = G / (dp b)`
 the schedule asked for (``auto``: :func:`~npu_train.planner.schedule_choice.choose_schedule`, the fastest that
 fits; its split is the planner's own :func:`~npu_train.planner.search.fastest_split`). Every layout processes
 the same tokens per step, so the highest tokens/s is the shortest predicted step; ties go to fewer replicas,
-then to larger micro-batches. The chosen layout, why, and the next two are said in :attr:`LayoutChoice.lines`.
+then to larger micro-batches. With the layout as written (``given``: one pipeline, the command's micro-batch x
+accum) among the candidates, another one is taken only when predicted :data:`LAYOUT_MARGIN` faster: a re-split
+takes the same sequences per step and divides the summed loss by the same target tokens
+(``runtime/trainer.py``), so it is the same training up to the order of the gradient sums (float rounding), and
+within the cost model's own error the command as written stays. The chosen layout, why, and the next two are
+said in :attr:`LayoutChoice.lines`.
 """
 from __future__ import annotations
 
@@ -18,7 +23,10 @@ from npu_train.planner.request import PlanRequest
 from npu_train.planner.search import make_plan
 from npu_train.planner.spec import PlacementError, gib
 
-__all__ = ["Layout", "LayoutChoice", "choose_layout", "layouts"]
+__all__ = ["LAYOUT_MARGIN", "Layout", "LayoutChoice", "choose_layout", "layouts"]
+
+#: how much shorter another layout's predicted step must be than the layout as written (``given``)'s to be taken
+LAYOUT_MARGIN = 0.05
 
 
 @dataclass(frozen=True)
@@ -76,15 +84,28 @@ class LayoutChoice:
 
     chosen: Option
     options: list = field(default_factory=list)
+    #: the layout as written (:func:`choose_layout`'s ``given``) when it was planned, else None
+    given: Optional[Option] = None
 
     @property
     def lines(self) -> list[str]:
         """What the plan prints: the choice, why, and the next two alternatives."""
         fits = [o for o in self.options if o.plan is not None]
-        out = [f"parallel.dp=auto: {self.chosen.summary()}",
-               f"  why: the shortest predicted step of {len(fits)} layout(s) that fit, of {len(self.options)} tried "
-               "(same global batch, so the most tokens/s)"]
-        for k, o in enumerate(fits[1:3], 1):
+        out = [f"parallel.dp=auto: {self.chosen.summary()}"]
+        g, c = self.given, self.chosen
+        if g is not None and g.plan is not None and c is g and fits[0] is not g:
+            out.append(f"  why: the layout as written; the fastest of {len(fits)} that fit ({len(self.options)} tried), "
+                       f"{fits[0].layout.label()}, is predicted {(1 - fits[0].step_s / g.step_s) * 100:.1f} % faster, "
+                       f"within the {LAYOUT_MARGIN * 100:.0f} % a re-split must win by")
+        else:
+            out.append(f"  why: the shortest predicted step of {len(fits)} layout(s) that fit, of {len(self.options)} "
+                       "tried (same global batch, so the most tokens/s)")
+        if g is not None and c is not g:
+            was = f"step {g.step_s:.3g} s" if g.plan is not None else g.why_not
+            out.append(f"  re-split from the layout as written ({g.layout.label()}, {was}): the same sequences per "
+                       "step and the same loss divisor, gradients summed in another order (equal up to float "
+                       "rounding); parallel.dp=1 keeps it as written")
+        for k, o in enumerate([o for o in fits if o is not c][:2], 1):
             out.append(f"  alternative {k}: {o.summary()}")
         return out
 
@@ -106,12 +127,14 @@ def layouts(n_cards: int, num_layers: int, global_batch: int, micro_batches=(1, 
 
 
 def choose_layout(candidates: list, request: Callable[[Layout], PlanRequest],
-                  schedule: str = "auto", recompute_attention="auto", vocab: bool = False) -> LayoutChoice:
+                  schedule: str = "auto", recompute_attention="auto", vocab: bool = False,
+                  given: Optional[Layout] = None) -> LayoutChoice:
     """Plan every layout of ``candidates`` (``request(layout)`` builds its request) with ``schedule`` (``auto``:
     the fastest that fits, with ``recompute_attention`` and ``vocab`` as
     :func:`~npu_train.planner.schedule_choice.choose_schedule` takes them; a given schedule: with ``vocab``, also
     with vocabulary parallelism, :func:`~npu_train.planner.schedule_choice.with_vocab`) and return them fastest
-    first (module docstring). Raises PlacementError naming the layouts tried when none fits."""
+    first (module docstring); ``given`` (one of ``candidates``, the layout as written) is kept unless another is
+    predicted :data:`LAYOUT_MARGIN` faster. Raises PlacementError naming the layouts tried when none fits."""
     from npu_train.planner.schedule_choice import choose_schedule, with_vocab
 
     opts = []
@@ -123,13 +146,15 @@ def choose_layout(candidates: list, request: Callable[[Layout], PlanRequest],
             opts.append(Option(lay, ch.schedule, ch.recompute, ch.plan if ok else None, "" if ok else "does not fit",
                                ch.recompute_attention))
             continue
-        given = replace(req, shape=replace(req.shape, schedule=schedule))
-        plan, why = _plan_given(given)
+        named = replace(req, shape=replace(req.shape, schedule=schedule))
+        plan, why = _plan_given(named)
         if vocab:
-            plan, why = with_vocab(given, plan, why, _plan_given)
+            plan, why = with_vocab(named, plan, why, _plan_given)
         opts.append(Option(lay, schedule, bool(req.shape.recompute), plan, why))
     opts.sort(key=lambda o: (o.step_s, o.layout.dp, -o.layout.micro_batch))
     if not opts or opts[0].plan is None:
         raise PlacementError("parallel.dp=auto: no layout fits: " + "; ".join(o.summary() for o in opts[:6])
                              + "; fix: more cards, train.recompute=true, a smaller data.seq_len or global batch")
-    return LayoutChoice(opts[0], opts)
+    g = next((o for o in opts if o.layout == given), None)
+    keep = g is not None and g.plan is not None and opts[0].step_s > g.step_s * (1.0 - LAYOUT_MARGIN)
+    return LayoutChoice(g if keep else opts[0], opts, g)

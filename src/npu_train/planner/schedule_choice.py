@@ -4,9 +4,11 @@ Every candidate (1F1B, the zero-bubble schedules ZB, ZB-H1, ZB-H2, and the two-c
 1F1B, the latter when the micro-batches divide by the stages) is planned with the same request;
 the one with the shortest predicted step time among those that fit wins (ties: the earlier in
 :data:`CANDIDATES`, the one holding fewer micro-batches). A two-chunk schedule must beat the best one-chunk
-schedule by :data:`CHUNK_MARGIN`: the cost model leaves out its second set of per-chunk calls and, on cpu cards, its extra
-boundary copies (each micro-batch crosses every card twice; on an accelerator they are in the step time:
-``CostModel.boundary_copies``). When none fits, 1F1B with activation recompute is
+schedule by a margin (:func:`chunk_margin`): on cpu cards :data:`CHUNK_MARGIN`, for the extra boundary copies
+the cost model leaves out there (each micro-batch crosses every card twice) and the second set of per-chunk
+actions; on accelerator cards, whose copies are in the step time (``CostModel.boundary_copies``, copy threads),
+:data:`ACCEL_CHUNK_MARGIN`, for those actions' host-side overhead alone (measured on this project's CPU hosts:
+experiments/2026-12-06-eight-cards.md §16). When none fits, 1F1B with activation recompute is
 tried, and interleaved 1F1B with recompute (the zero-bubble schedules do not combine with recompute). With
 ``recompute`` asked for, only 1F1B, GPipe and interleaved 1F1B are candidates. On one pipeline stage the two-chunk
 schedules are not (their chunks hand activations between cards). The choice and the runners-up are said in one
@@ -29,12 +31,17 @@ from npu_train.planner.request import PlanRequest
 from npu_train.planner.search import make_plan, plan_beats, state_floor_over_cards
 from npu_train.planner.spec import PlacementError
 
-__all__ = ["CANDIDATES", "ScheduleChoice", "choose_schedule", "refusals_summary"]
+__all__ = ["ACCEL_CHUNK_MARGIN", "CANDIDATES", "CHUNK_MARGIN", "ScheduleChoice", "choose_schedule", "chunk_margin",
+           "refusals_summary"]
 
 #: in order of preference at equal predicted step time (fewest micro-batches held first)
 CANDIDATES = ("1f1b", "zb", "zb-h1", "zb-h2", "zbv", "interleaved")
-#: how much shorter a two-chunk schedule's predicted step must be than the best one-chunk schedule's
+#: how much shorter a two-chunk schedule's predicted step must be than the best one-chunk schedule's where any card
+#: is a cpu card (their boundary copies are not in the step time)
 CHUNK_MARGIN = 0.05
+#: the same where every card is an accelerator (copies modelled; the margin stands for the second set of
+#: per-chunk actions' host overhead: experiments/2026-12-06-eight-cards.md §16)
+ACCEL_CHUNK_MARGIN = 0.02
 #: how much shorter a vocabulary-parallel plan's predicted step must be than the same schedule's without it
 VOCAB_MARGIN = 0.05
 #: the candidates when activation recompute is asked for (split-backward schedules do not recompute)
@@ -134,18 +141,19 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
             plan, why_not = with_vocab(req, plan, why_not, lambda r, s=s: _try(r, s, recompute, core))
         tried.append((s, plan, why_not))
     fits = [(s, p) for s, p, _ in tried if p is not None]
+    margin = chunk_margin(req.cards)
     if fits:
-        best, plan = min(fits, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))  # keeps the first of equals
+        best, plan = min(fits, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s, margin))  # first of equals
         others = "; ".join(x for x in (", ".join(f"{_label(s, p)} {p.step_time_s:.3g} s{_capped(p)}"
                                                  for s, p, _ in tried if s != best and p is not None),
                                        refusals_summary([(s, w) for s, p, w in tried if p is None])) if x)
         return ScheduleChoice(best, recompute, plan,
                               f"train.schedule=auto: {_label(best, plan)} (predicted step {plan.step_time_s:.3g} s; "
-                              f"{others}{_margin_note(fits, plan)})", plan.shape.recompute_attention)
+                              f"{others}{_margin_note(fits, plan, margin)})", plan.shape.recompute_attention)
     rec = [(s, _fewest_or_all(req, s, core)) for s in _for_stages(("1f1b", "interleaved"), len(req.cards))]
     rec = [(s, p) for s, p in rec if p is not None]
     if rec:
-        best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s))
+        best, plan = min(rec, key=lambda sp: _handicapped(sp[0], sp[1].step_time_s, margin))
         also = "".join(f"; {s} {p.step_time_s:.3g} s" for s, p in rec if s != best)
         return ScheduleChoice(best, True, plan,
                               f"train.schedule=auto: {best} with {_recompute_label(plan)} (predicted step "
@@ -170,16 +178,22 @@ def _none_fits(req: PlanRequest, recompute: bool) -> ScheduleChoice:
     return ScheduleChoice("1f1b", recompute, plan, "train.schedule=auto: no schedule fits, 1f1b shown")
 
 
-def _margin_note(fits: list, chosen: Plan) -> str:
+def chunk_margin(cards) -> float:
+    """The two-chunk margin for ``cards`` (:class:`~npu_train.planner.spec.Card`): :data:`CHUNK_MARGIN` where any
+    is a cpu card, :data:`ACCEL_CHUNK_MARGIN` where all are accelerators (module docstring)."""
+    return CHUNK_MARGIN if any(c.kind == "cpu" for c in cards) else ACCEL_CHUNK_MARGIN
+
+
+def _margin_note(fits: list, chosen: Plan, margin: float) -> str:
     """``"; zbv is within the 5 % two-chunk margin"``: the two-chunk schedules predicted faster than the chosen
-    one but passed over for :data:`CHUNK_MARGIN`; ``""`` when there are none."""
+    one but passed over for the two-chunk ``margin``; ``""`` when there are none."""
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
 
     passed = [s for s, p in fits if s in CHUNKED_SCHEDULES and p.step_time_s < chosen.step_time_s]
     if not passed:
         return ""
     verb = "is" if len(passed) == 1 else "are"
-    return f"; {' and '.join(passed)} {verb} within the {CHUNK_MARGIN * 100:.0f} % two-chunk margin"
+    return f"; {' and '.join(passed)} {verb} within the {margin * 100:.0f} % two-chunk margin"
 
 
 def _checked_refusal(req: PlanRequest) -> str:
@@ -267,8 +281,8 @@ def _fewest_or_all(req: PlanRequest, schedule: str, core: bool = True) -> Option
     return full
 
 
-def _handicapped(schedule: str, step_s: float) -> float:
-    """The step time a schedule is compared by: a two-chunk schedule's divided by ``1 - CHUNK_MARGIN``."""
+def _handicapped(schedule: str, step_s: float, margin: float) -> float:
+    """The step time a schedule is compared by: a two-chunk schedule's divided by ``1 - margin``."""
     from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
 
-    return step_s / (1.0 - CHUNK_MARGIN) if schedule in CHUNKED_SCHEDULES else step_s
+    return step_s / (1.0 - margin) if schedule in CHUNKED_SCHEDULES else step_s

@@ -320,6 +320,7 @@ def _layout_and_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threa
                          host_ram: Optional[int], multinode: bool, elsewhere: bool) -> tuple[int, int, int]:
     """``(P, dp, zero)`` after ``parallel.dp=auto`` and ``train.schedule=auto`` are resolved in ``cfg``
     (``elsewhere``: a dry run for another machine, whose cores are one per card)."""
+    default_dp(cfg, [c.kind for c in cards])
     if cfg.parallel.dp == "auto":
         _choose_layout(cfg, run_dir, mcfg, dtype, cards, threads, host_ram, multinode, elsewhere)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
@@ -394,6 +395,42 @@ def vocab_comparison(with_v, off) -> str:
     return head + f" ({other}{(1 - a / b) * 100:.0f} % faster with it)"
 
 
+def default_dp(cfg, kinds: list) -> None:
+    """``parallel.dp`` unset (null, the default): ``auto`` where every card of ``kinds`` is an accelerator (the
+    planner chooses the layout, :func:`_choose_layout`), 1 where any is a cpu card (their card processes share
+    this host's cores, and a re-split the plan put 1-4 % ahead was not measured faster here:
+    experiments/2026-12-06-eight-cards.md §16). ConfigError for ``parallel.zero=1`` left with one replica."""
+    from omegaconf import open_dict
+
+    if cfg.parallel.dp is not None:
+        return
+    dp = "auto" if kinds and all(k != "cpu" for k in kinds) else 1
+    if dp == 1 and int(cfg.parallel.zero) == 1:
+        raise ConfigError("parallel.zero=1 needs parallel.dp >= 2 (it shards the optimizer state across replicas; "
+                          "with cpu cards parallel.dp defaults to 1): set parallel.dp=2 (or auto) or use "
+                          "parallel.zero=0")
+    with open_dict(cfg):
+        cfg.parallel.dp = dp
+
+
+def _eval_rows_kept(cfg, written_mb: int) -> str:
+    """After a re-split from micro-batch ``written_mb``: set ``data.eval_batches`` so that the held-out evaluation
+    reads the same ``eval_batches x written_mb`` first validation rows (:func:`~npu_train.runtime.spec.eval_micro_batches`)
+    in the new micro-batches; returns a note when they cannot be the same rows (not a multiple), else ``""``."""
+    from omegaconf import open_dict
+
+    mb, eb = int(cfg.train.micro_batch), int(cfg.data.eval_batches or 0)
+    if mb == written_mb or eb <= 0:
+        return ""
+    rows = eb * written_mb
+    with open_dict(cfg):
+        cfg.data.eval_batches = max(1, -(-rows // mb))
+    if rows % mb:
+        return (f"  held-out evaluation: data.eval_batches={cfg.data.eval_batches} of micro-batch {mb}, "
+                f"{cfg.data.eval_batches * mb} rows instead of the {rows} as written")
+    return ""
+
+
 def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
                    multinode: bool = False, elsewhere: bool = False) -> None:
     """``parallel.dp=auto``: set ``parallel.dp``, ``train.micro_batch``, ``train.accum`` (same global batch) and,
@@ -401,8 +438,9 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
     the choice, why and the next two; a resume keeps the checkpoint's layout. ``train.split`` fixes the depth."""
     from omegaconf import OmegaConf, open_dict
 
-    from npu_train.planner.layout_choice import choose_layout, layouts
+    from npu_train.planner.layout_choice import Layout, choose_layout, layouts
 
+    written_mb = int(cfg.train.micro_batch)
     saved = _resumed_manifest(cfg, run_dir)
     if saved and isinstance(saved.get("parallel"), dict) and saved.get("train"):
         t = saved["train"]
@@ -411,15 +449,22 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
             cfg.train.micro_batch, cfg.train.accum = int(t["micro_batch"]), int(t["accum"])
             if cfg.parallel.vocab == "auto":
                 cfg.parallel.vocab = bool(t.get("vocab", False))
+        note = _eval_rows_kept(cfg, written_mb)
         print(f"parallel.dp=auto: dp={cfg.parallel.dp}, micro-batch {cfg.train.micro_batch} x accum "
-              f"{cfg.train.accum}, the resumed checkpoint's layout", flush=True)
+              f"{cfg.train.accum}, the resumed checkpoint's layout" + ("\n" + note if note else ""), flush=True)
         return
     split = as_list(cfg.train.split)
-    cands = layouts(len(cards), mcfg.num_layers, int(cfg.train.micro_batch) * int(cfg.train.accum),
-                    pp=len(split) if split else None)
+    aux = _aux_needs_1f1b(cfg, mcfg)
+    # the load-balancing loss is a mean over micro-batches of a per-micro-batch statistic, so only dp may change
+    # there (the same micro-batches, shared out); DPO micro-batches hold whole pairs (even rows)
+    sizes = ((written_mb,) if aux else tuple(b for b in (1, 2, 4, 8) if b % 2 == 0 or cfg.train.objective != "dpo"))
+    cands = layouts(len(cards), mcfg.num_layers, written_mb * int(cfg.train.accum),
+                    micro_batches=sizes, pp=len(split) if split else None)
     sched = cfg.train.schedule
-    if sched == "auto" and _aux_needs_1f1b(cfg, mcfg):
+    if sched == "auto" and aux:
         sched = "1f1b"  # what _choose_schedule falls back to
+    P0 = len(split) if split else len(cards)
+    given = Layout(1, P0, written_mb, int(cfg.train.accum)) if len(cards) == P0 else None  # as written: dp=1
 
     def request(lay):
         c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
@@ -429,7 +474,8 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
                             zero=int(cfg.parallel.zero) if lay.dp > 1 else 0, host_ram_bytes=host_ram,
                             multinode=multinode, host_cores=len(cards) if elsewhere else None)
 
-    choice = choose_layout(cands, request, sched, cfg.train.recompute_attention, cfg.parallel.vocab == "auto")
+    choice = choose_layout(cands, request, sched, cfg.train.recompute_attention, cfg.parallel.vocab == "auto",
+                           given=given if given in cands else None)
     o = choice.chosen
     with open_dict(cfg):
         if cfg.parallel.vocab == "auto":
@@ -442,7 +488,8 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
         if o.plan is not None and o.plan.shape.recompute_fewest:
             cfg.train.recompute_layers = "fewest"
         cfg.train.recompute_attention = bool(o.recompute_attention or cfg.train.recompute_attention is True)
-    print("\n".join(choice.lines), flush=True)
+    note = _eval_rows_kept(cfg, written_mb)
+    print("\n".join(choice.lines + ([note] if note else [])), flush=True)
 
 
 def _check_interleaved(cfg, P: int) -> None:
@@ -695,7 +742,7 @@ def pipeline_stages(cfg, mcfg, kinds: list) -> tuple[int, int, int]:
 
     check_seq_len(int(cfg.data.seq_len), int(mcfg.max_position_embeddings), getattr(mcfg, "sliding_window", None))
     # data parallelism: dp replicas of a P-stage pipeline, global rank = replica * P + stage (runtime/layout.py)
-    dp, zero = int(cfg.parallel.dp), int(cfg.parallel.zero)
+    dp, zero = 1 if cfg.parallel.dp is None else int(cfg.parallel.dp), int(cfg.parallel.zero)  # null: default_dp
     P = check_dp_cards(len(kinds), dp)
     for k in range(1, dp):
         if kinds[k * P:(k + 1) * P] != kinds[:P]:
