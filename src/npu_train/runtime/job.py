@@ -320,9 +320,10 @@ def _layout_and_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threa
                          host_ram: Optional[int], multinode: bool, elsewhere: bool) -> tuple[int, int, int]:
     """``(P, dp, zero)`` after ``parallel.dp=auto`` and ``train.schedule=auto`` are resolved in ``cfg``
     (``elsewhere``: a dry run for another machine, whose cores are one per card)."""
+    unset = cfg.parallel.dp is None
     default_dp(cfg, [c.kind for c in cards])
     if cfg.parallel.dp == "auto":
-        _choose_layout(cfg, run_dir, mcfg, dtype, cards, threads, host_ram, multinode, elsewhere)
+        _choose_layout(cfg, run_dir, mcfg, dtype, cards, threads, host_ram, multinode, elsewhere, unset=unset)
     P, dp, zero = pipeline_stages(cfg, mcfg, [c.kind for c in cards])
     _check_interleaved(cfg, P)
     off = None  # parallel.vocab=true under train.schedule=auto: auto's choice without it
@@ -397,9 +398,10 @@ def vocab_comparison(with_v, off) -> str:
 
 def default_dp(cfg, kinds: list) -> None:
     """``parallel.dp`` unset (null, the default): ``auto`` where every card of ``kinds`` is an accelerator (the
-    planner chooses the layout, :func:`_choose_layout`), 1 where any is a cpu card (their card processes share
-    this host's cores, and a re-split the plan put 1-4 % ahead was not measured faster here:
-    experiments/2026-12-06-eight-cards.md §16). ConfigError for ``parallel.zero=1`` left with one replica."""
+    planner chooses the layout, :func:`_choose_layout`), 1 where any is a cpu card (there auto keeps the default
+    job's and the pipeline bench's layouts anyway, and re-splits small models on predictions that per-action
+    costs the plan leaves out dominate: experiments/2026-12-06-eight-cards.md §16.4). ConfigError for
+    ``parallel.zero=1`` left with one replica."""
     from omegaconf import open_dict
 
     if cfg.parallel.dp is not None:
@@ -432,13 +434,16 @@ def _eval_rows_kept(cfg, written_mb: int) -> str:
 
 
 def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
-                   multinode: bool = False, elsewhere: bool = False) -> None:
+                   multinode: bool = False, elsewhere: bool = False, unset: bool = False) -> None:
     """``parallel.dp=auto``: set ``parallel.dp``, ``train.micro_batch``, ``train.accum`` (same global batch) and,
     for ``train.schedule=auto``, the schedule (:func:`npu_train.planner.layout_choice.choose_layout`), and print
-    the choice, why and the next two; a resume keeps the checkpoint's layout. ``train.split`` fixes the depth."""
+    the choice, why and the next two; a resume keeps the checkpoint's layout. ``train.split`` fixes the depth.
+    When no layout fits and ``parallel.dp`` was left unset (``unset``), the layout as written is planned as
+    before the default was auto, so its refusal names the card, the GiB and the fixes."""
     from omegaconf import OmegaConf, open_dict
 
     from npu_train.planner.layout_choice import Layout, choose_layout, layouts
+    from npu_train.planner.spec import PlacementError
 
     written_mb = int(cfg.train.micro_batch)
     saved = _resumed_manifest(cfg, run_dir)
@@ -474,8 +479,17 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
                             zero=int(cfg.parallel.zero) if lay.dp > 1 else 0, host_ram_bytes=host_ram,
                             multinode=multinode, host_cores=len(cards) if elsewhere else None)
 
-    choice = choose_layout(cands, request, sched, cfg.train.recompute_attention, cfg.parallel.vocab == "auto",
-                           given=given if given in cands else None)
+    try:
+        choice = choose_layout(cands, request, sched, cfg.train.recompute_attention, cfg.parallel.vocab == "auto",
+                               given=given if given in cands else None)
+    except PlacementError:
+        if not unset:
+            raise
+        with open_dict(cfg):
+            cfg.parallel.dp, cfg.parallel.zero = 1, 0
+        print("parallel.dp (unset, auto on these cards): no layout of the global batch fits; the layout as written "
+              "is planned", flush=True)
+        return
     o = choice.chosen
     with open_dict(cfg):
         if cfg.parallel.vocab == "auto":
