@@ -160,6 +160,16 @@ def test_dp_unset_chooses_on_accelerators_only(tiny_model, tmp_path, capsys, kin
         assert prep.dp * cfg.train.micro_batch * cfg.train.accum == 8
 
 
+@pytest.mark.parametrize("resplit", [("train.micro_batch=1", "train.accum=8"), ("train.micro_batch=4", "train.accum=2")])
+def test_a_re_split_trains_what_was_written(tiny_model, tmp_path, resplit):
+    """What parallel.dp=auto may do to the written micro-batch 2 x accum 4 (runtime/job.py _choose_layout): 1 x 8
+    or 4 x 2 on the same cards. The same sequences per step and the same loss divisor, so the single-process
+    reference of the layout as written (2 x 4), losses to 1e-6 and masters to 1e-5."""
+    ref_losses, ref_w = cached_reference(tiny_model)
+    losses, reader = run_pipeline(tiny_model, str(tmp_path), "backend=[cpu,cpu]", "train.schedule=1f1b", *resplit)
+    check_against_reference(losses, reader, ref_losses, ref_w)
+
+
 def test_interleaved_with_recompute_matches_reference(tiny_model, tmp_path):
     """Interleaved 1F1B with activation recompute (what auto picks for a model that fits only so): the
     reference's losses and masters."""
