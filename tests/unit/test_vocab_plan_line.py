@@ -61,7 +61,9 @@ def _dry_run(tmp_path, name: str, *overrides: str) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]),
                NPT_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, str(ROOT / "launch" / "run.py"), "plan=true", "model.path=llama-3.1-8b",
-                        "backend=" + ",".join(f"furiosa:{i}" for i in range(2)), "runtime.threads=1", *overrides,
+                        "backend=" + ",".join(f"furiosa:{i}" for i in range(2)), "runtime.threads=1",
+                        "parallel.dp=1",  # one layout's line (unset, dp is auto on furiosa cards: another path)
+                        *overrides,
                         f"hydra.run.dir={tmp_path / name}"], capture_output=True, text=True, timeout=300, env=env,
                        cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -502,8 +502,10 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
         if o.plan is not None and o.plan.shape.recompute_fewest:
             cfg.train.recompute_layers = "fewest"
         cfg.train.recompute_attention = bool(o.recompute_attention or cfg.train.recompute_attention is True)
+    from npu_train.metrics.report import fold_long_line
+
     note = _eval_rows_kept(cfg, written_mb)
-    print("\n".join(choice.lines + ([note] if note else [])), flush=True)
+    print("\n".join(fold_long_line(l) for l in choice.lines + ([note] if note else [])), flush=True)
 
 
 def _check_interleaved(cfg, P: int) -> None:
