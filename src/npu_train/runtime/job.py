@@ -433,6 +433,22 @@ def _eval_rows_kept(cfg, written_mb: int) -> str:
     return ""
 
 
+def _layout_candidates(cfg, mcfg, n_cards: int) -> tuple[list, Optional["Layout"], str]:
+    """``(layouts, the layout as written or None, schedule to plan each with)`` for ``parallel.dp=auto`` on
+    ``n_cards`` cards: the global batch ``train.micro_batch x train.accum``, ``train.split`` fixing the depth; with
+    the MoE load-balancing loss (a mean over micro-batches of a per-micro-batch statistic) only dp may change
+    (the same micro-batches, shared out) and the schedule is 1f1b; DPO micro-batches hold whole pairs (even)."""
+    from npu_train.planner.layout_choice import Layout, layouts
+
+    split, mb, accum = as_list(cfg.train.split), int(cfg.train.micro_batch), int(cfg.train.accum)
+    aux = _aux_needs_1f1b(cfg, mcfg)
+    sizes = (mb,) if aux else tuple(b for b in (1, 2, 4, 8) if b % 2 == 0 or cfg.train.objective != "dpo")
+    cands = layouts(n_cards, mcfg.num_layers, mb * accum, micro_batches=sizes, pp=len(split) if split else None)
+    sched = "1f1b" if cfg.train.schedule == "auto" and aux else cfg.train.schedule  # _choose_schedule's fallback
+    given = Layout(1, len(split) if split else n_cards, mb, accum)  # as written: one pipeline
+    return cands, (given if given in cands else None), sched
+
+
 def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: int, host_ram: Optional[int],
                    multinode: bool = False, elsewhere: bool = False, unset: bool = False) -> None:
     """``parallel.dp=auto``: set ``parallel.dp``, ``train.micro_batch``, ``train.accum`` (same global batch) and,
@@ -442,7 +458,7 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
     before the default was auto, so its refusal names the card, the GiB and the fixes."""
     from omegaconf import OmegaConf, open_dict
 
-    from npu_train.planner.layout_choice import Layout, choose_layout, layouts
+    from npu_train.planner.layout_choice import choose_layout
     from npu_train.planner.spec import PlacementError
 
     written_mb = int(cfg.train.micro_batch)
@@ -458,18 +474,7 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
         print(f"parallel.dp=auto: dp={cfg.parallel.dp}, micro-batch {cfg.train.micro_batch} x accum "
               f"{cfg.train.accum}, the resumed checkpoint's layout" + ("\n" + note if note else ""), flush=True)
         return
-    split = as_list(cfg.train.split)
-    aux = _aux_needs_1f1b(cfg, mcfg)
-    # the load-balancing loss is a mean over micro-batches of a per-micro-batch statistic, so only dp may change
-    # there (the same micro-batches, shared out); DPO micro-batches hold whole pairs (even rows)
-    sizes = ((written_mb,) if aux else tuple(b for b in (1, 2, 4, 8) if b % 2 == 0 or cfg.train.objective != "dpo"))
-    cands = layouts(len(cards), mcfg.num_layers, written_mb * int(cfg.train.accum),
-                    micro_batches=sizes, pp=len(split) if split else None)
-    sched = cfg.train.schedule
-    if sched == "auto" and aux:
-        sched = "1f1b"  # what _choose_schedule falls back to
-    P0 = len(split) if split else len(cards)
-    given = Layout(1, P0, written_mb, int(cfg.train.accum)) if len(cards) == P0 else None  # as written: dp=1
+    cands, given, sched = _layout_candidates(cfg, mcfg, len(cards))
 
     def request(lay):
         c = OmegaConf.merge(cfg, OmegaConf.from_dotlist([
@@ -481,7 +486,7 @@ def _choose_layout(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: in
 
     try:
         choice = choose_layout(cands, request, sched, cfg.train.recompute_attention, cfg.parallel.vocab == "auto",
-                               given=given if given in cands else None)
+                               given=given)
     except PlacementError:
         if not unset:
             raise
