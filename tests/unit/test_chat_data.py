@@ -445,3 +445,22 @@ def test_assistant_mask_equals_hand_built(smol, style):
                                                                              for i, w in zip(ids, want)]))
     if style == "qwen":  # the whitespace is there and trained
         assert _trained_spans(tok, s.labels)[0] == "Answer.\n" + EOT
+
+
+@pytest.mark.parametrize("fmt, example", [
+    ("chat", '{"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]}'),
+    ("prompt_completion", '{"prompt": "...", "completion": "..."}'),
+    ("preference", '{"prompt": "...", "chosen": "...", "rejected": "..."}'),
+])
+def test_a_malformed_line_shows_a_row_of_the_format(tmp_path, fmt, example):
+    """rev4 POLISH 1: a malformed line of a chat source was answered with the text format's example
+    (``{"text": "..."}``): the example row has the columns the format reads."""
+    from npu_train.data.rows import iter_pairs, read_rows
+
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}\n'
+                 '{"messages": [}\n')
+    with pytest.raises(DataError) as ei:
+        list(iter_pairs(str(p))) if fmt == "preference" else read_rows(str(p), fmt)
+    msg = str(ei.value)
+    assert msg.startswith(f"{p}:2: malformed JSON line") and msg.endswith(f"e.g. {example}"), msg

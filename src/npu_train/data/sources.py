@@ -428,8 +428,17 @@ def _join_rest(pieces: list[str], rest: str) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------ tabular rows
-def _json_diagnosis(path: Path, exc: Exception) -> DataError:
-    """The first line of the JSON(L) file ``path`` that is not UTF-8 / one JSON object (read on failure only)."""
+def _row_example(want: list[str]) -> str:
+    """One JSON row with the columns ``want`` (``prompt`` first; a chat source's ``messages`` as a list of turns),
+    the example of the refusals' messages."""
+    msgs = '[{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]'
+    return "{" + ", ".join(f'"{c}": {msgs if c == "messages" else chr(34) + "..." + chr(34)}'
+                           for c in sorted(want or ["text"], key=lambda c: c != "prompt")) + "}"
+
+
+def _json_diagnosis(path: Path, exc: Exception, want: Optional[list] = None) -> DataError:
+    """The first line of the JSON(L) file ``path`` that is not UTF-8 / one JSON object (read on failure only);
+    ``want``: the columns the format reads, for the example row."""
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
             try:
@@ -442,7 +451,7 @@ def _json_diagnosis(path: Path, exc: Exception) -> DataError:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 return DataError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno}); each "
-                                 "line must be one JSON object, e.g. {\"text\": \"...\"}")
+                                 f"line must be one JSON object, e.g. {_row_example(want)}")
             if not isinstance(obj, dict):
                 return DataError(f"{path}:{lineno}: expected a JSON object with a \"text\" field (or the columns "
                                  f"data.*_field name), got {type(obj).__name__}; each line must be one JSON object")
@@ -615,7 +624,7 @@ def _file_batches(p: Path, want: list[str], optional=()) -> Iterator[ColumnBatch
         if row == 1 and p.suffix.lower() != ".parquet" and _blank(p):
             return
         if p.suffix.lower() in (".jsonl", ".json"):
-            raise _json_diagnosis(p, e) from None
+            raise _json_diagnosis(p, e, want) from None
         first = (str(e).splitlines() or [""])[0]
         raise DataError(f"{p}: datasets could not read it ({type(e).__name__}: {first}); fix or re-export the "
                         "file") from None
