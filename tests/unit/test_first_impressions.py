@@ -107,3 +107,21 @@ def test_resumed_two_chunk_schedule_onto_one_card_is_chosen_anew(monkeypatch, ca
         assert cfg.train.schedule == want, out
         said = "the resumed checkpoint's schedule zbv needs at least 2 pipeline stages and this launch has 1"
         assert (said in out) == (len(cards) == 1), out
+
+
+def test_a_resume_with_another_batch_layout_names_the_setting():
+    """rev4 POLISH 2: a resume with another train.accum was refused naming the sampler's internal
+    ``micro_batches x dp_size`` and six settings to repeat; it names the one that differs and its value."""
+    from npu_train.runtime import job
+
+    manifest = {"train": {"micro_batch": 1, "accum": 2, "seed": 1234}, "parallel": {"dp": 1}}
+    cfg = OmegaConf.structured(Config)
+    cfg.train.micro_batch, cfg.train.accum, cfg.train.seed, cfg.parallel.dp = 1, 4, 1234, 1
+    assert job._layout_fix(cfg, manifest) == ("train.accum: checkpoint 2, now 4 (the data order of each step "
+                                              "depends on it): resume with train.accum=2")
+    cfg.train.micro_batch = 2
+    assert job._layout_fix(cfg, manifest) == (
+        "train.micro_batch: checkpoint 1, now 2; train.accum: checkpoint 2, now 4 (the data order of each step "
+        "depends on them): resume with train.micro_batch=1 train.accum=2")
+    cfg.train.micro_batch, cfg.train.accum = 1, 2
+    assert job._layout_fix(cfg, manifest) is None  # the data or data.seq_len changed: the general message

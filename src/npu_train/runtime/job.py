@@ -1340,6 +1340,9 @@ def _open_resume(cfg, prep: Prepared, data, point: ResumePoint, found: str) -> N
                               "restore the data as it was to resume exactly, or set train.resume_mismatch=allow to "
                               f"continue on the data as it is now (its order from step {reader.step} on)") from None
         else:
+            fix = _layout_fix(cfg, reader.manifest)
+            if fix:
+                raise ConfigError(f"cannot resume: {fix}, or start a fresh run without train.resume") from None
             raise ConfigError(f"{e}. The checkpoint's run settings are in {point.resume_dir}/manifest.json ('train'); "
                               "repeat the original run's overrides (data.source, data.seq_len, data.val_fraction, "
                               "train.seed, train.micro_batch, and train.accum x parallel.dp) together with train.resume") from None
@@ -1727,6 +1730,24 @@ def _data_files(cfg) -> Optional[dict]:
                                            str(getattr(d, "split", None) or "train"), getattr(d, "val_split", None)))
     except (UserError, OSError, ValueError):
         return None
+
+
+def _layout_fix(cfg, manifest: dict) -> Optional[str]:
+    """For a resume whose data order differs from the checkpoint's: the batch settings that differ from the
+    checkpoint's manifest (``train.micro_batch``, ``train.accum``, ``parallel.dp``, ``train.seed``), as
+    ``train.accum: checkpoint 2, now 4 (the data order of each step depends on it): resume with train.accum=2``;
+    None when none of them differs (the data itself, data.seq_len or data.val_fraction changed)."""
+    t, par = manifest.get("train") or {}, manifest.get("parallel") or {}
+    saved = {"train.micro_batch": t.get("micro_batch"), "train.accum": t.get("accum"), "parallel.dp": par.get("dp"),
+             "train.seed": t.get("seed")}
+    now = {"train.micro_batch": cfg.train.micro_batch, "train.accum": cfg.train.accum, "parallel.dp": cfg.parallel.dp,
+           "train.seed": cfg.train.seed}
+    diff = [k for k, v in saved.items() if v is not None and str(v) != str(now[k])]
+    if not diff:
+        return None
+    which = "; ".join(f"{k}: checkpoint {saved[k]}, now {now[k]}" for k in diff)
+    return (f"{which} (the data order of each step depends on {'it' if len(diff) == 1 else 'them'}): resume with "
+            + " ".join(f"{k}={saved[k]}" for k in diff))
 
 
 def _data_files_change(cfg, manifest: dict) -> str:
