@@ -156,6 +156,35 @@ def check_before_imports(cfg) -> None:
     check_seq_len_early(int(cfg.data.seq_len), str(cfg.model.path))
 
 
+def check_resume_early(cfg, run_dir: str) -> None:
+    """Refuse ``train.resume=latest`` without ``checkpoint.dir`` when this launch's run directory holds no
+    checkpoints directory at all (a new default directory: the user forgot checkpoint.dir), before the plan
+    search, naming the newest run directories beside it that hold complete checkpoints (torch-free: a
+    checkpoint is complete once its ``manifest.json`` is written). A ``checkpoints`` directory with only
+    interrupted saves is left to the job, whose refusal names them."""
+    import glob
+
+    from npu_train.errors import ConfigError
+
+    if cfg.plan or str(cfg.train.resume) != "latest" or cfg.checkpoint.dir:
+        return
+    ck = os.path.join(os.path.abspath(run_dir), "checkpoints")
+    if os.path.isdir(ck) and os.listdir(ck):
+        return
+    base = os.path.dirname(os.path.dirname(os.path.abspath(run_dir)))  # outputs/ of outputs/<date>/<time>
+    runs: dict = {}
+    for m in glob.glob(os.path.join(glob.escape(base), "*", "*", "checkpoints", "*", "manifest.json")):
+        root = os.path.dirname(os.path.dirname(m))
+        runs[root] = max(runs.get(root, 0.0), os.path.getmtime(m))
+    newest = sorted(runs, key=runs.get, reverse=True)[:3]
+    where = (f"; the newest with checkpoints under {base}: {', '.join(newest)}" if newest else
+             f"; no run under {base} holds one")
+    raise ConfigError(f"train.resume=latest without checkpoint.dir resumes from this launch's run directory, "
+                      f"{os.path.abspath(run_dir)}, which holds no checkpoint: set checkpoint.dir=<the run's "
+                      f"checkpoints directory>{where}; or drop train.resume (train.resume=auto starts fresh when "
+                      "there is none)")
+
+
 def starting_line(cfg) -> str:
     """The launcher's first line, printed before the heavy imports (torch, the job modules: seconds on a loaded
     host, where a fresh-clone review waited 13-14 s for a first line): what it runs and on which cards, folded at
@@ -212,6 +241,7 @@ def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> i
     try:
         try:
             check_before_imports(cfg)
+            check_resume_early(cfg, run_dir)
             print(starting_line(cfg), flush=True)
             from npu_train.runtime.job import run_job
 

@@ -44,3 +44,4 @@ def test_a_launch_with_a_key_given_twice_says_so_first():
     assert p.returncode == 2, p.stderr
     assert p.stdout.startswith("note: train.steps given twice (5, then 0): using 0\n"), p.stdout
     assert "train.steps=0 must be a positive integer" in p.stderr, p.stderr
+
