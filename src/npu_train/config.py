@@ -679,7 +679,11 @@ def _check_lora(lo) -> None:
                           f"lora.dropout={lo.dropout}): need rank >= 1, alpha > 0, 0 <= dropout < 1")
     bad = [x for x in lo.targets if x not in LORA_TARGETS]
     if bad or not lo.targets:
-        raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}")
+        import difflib
+
+        near = [m for x in bad for m in difflib.get_close_matches(str(x), LORA_TARGETS, n=1, cutoff=0.6)]
+        hint = f" (did you mean {', '.join(near)}?)" if near else ""
+        raise ConfigError(f"lora.targets={list(lo.targets)}: use a non-empty subset of {list(LORA_TARGETS)}{hint}")
 
 
 def _check_modes(t) -> None:

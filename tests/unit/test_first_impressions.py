@@ -125,3 +125,18 @@ def test_a_resume_with_another_batch_layout_names_the_setting():
         "depends on them): resume with train.micro_batch=1 train.accum=2")
     cfg.train.micro_batch, cfg.train.accum = 1, 2
     assert job._layout_fix(cfg, manifest) is None  # the data or data.seq_len changed: the general message
+
+
+def test_a_misspelt_lora_target_gets_a_suggestion():
+    """rev4 POLISH 4: ``lora.targets=[q_prj]`` listed the valid names without the one meant (unknown keys get
+    ``did you mean train.steps?``): the nearest target is named; a name like none of them gets no guess."""
+    cfg = OmegaConf.structured(Config)
+    cfg.train.mode = "lora"
+    cfg.lora.targets = ["q_prj", "v_proj"]
+    with pytest.raises(ConfigError, match=r"lora\.targets=\['q_prj', 'v_proj'\]: use a non-empty subset of "
+                                          r"\[.*\] \(did you mean q_proj\?\)$"):
+        validate(cfg)
+    cfg.lora.targets = ["zzz"]
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert "did you mean" not in str(e.value)
