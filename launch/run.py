@@ -86,7 +86,15 @@ def _override_value_line(text: str) -> "str | None":
     """Hydra's refusal of an override's value as one line in the project's words: a value of the wrong type
     (``train.lr=abc`` -> ``train.lr=abc: expected a number (float)``, with the default as an example) or an
     override Hydra's grammar cannot parse (``backend=cpu;cpu``: cards are separated by commas); None for any
-    other error."""
+    other error. A comma-separated value without ``-m`` (``train.lr=1e-4,3e-4``) is named as the sweep it most
+    likely meant."""
+    m = re.search(r"Ambiguous value for argument '([^']+)'", text)
+    if m:
+        ov = m.group(1)
+        key, _, val = ov.partition("=")
+        return (f"{ov}: values separated by commas are a sweep: add -m to run one job per value (python "
+                f"launch/run.py -m {ov}); one value holding a comma: {key}=[{val}] for a list, \"{key}='{val}'\" "
+                "for a string")
     m = re.search(r"LexerNoViableAltException: (\S+)", text)
     if m:
         ov = m.group(1)

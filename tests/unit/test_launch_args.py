@@ -36,3 +36,17 @@ def test_lists_without_spaces_pass_the_check():
         sys.path.pop(0)
     assert spaced_list_error(["backend=cpu,cpu", "-m", "train.lr=1e-4,3e-4", "plan=true"]) is None
     assert spaced_list_error(["backend=[cpu,cpu]", "hydra.run.dir=/tmp/x"]) is None
+
+
+def test_a_comma_list_without_m_names_the_sweep(tmp_path):
+    """rev4 POLISH 5: ``train.lr=1e-4,3e-4`` without ``-m`` passed Hydra's three-way message through, its quotes
+    escaped (``key=\\'value1,value2\\'``): one line that leads with the sweep (``-m``), then the list and string
+    forms for this key, each pasteable; nothing is written."""
+    p = subprocess.run([sys.executable, RUN, "train.lr=1e-4,3e-4"], capture_output=True, text=True, cwd=tmp_path,
+                       timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    err = " ".join(one_refusal(p.stderr).split())
+    assert err == ("error: train.lr=1e-4,3e-4: values separated by commas are a sweep: add -m to run one job per "
+                   "value (python launch/run.py -m train.lr=1e-4,3e-4); one value holding a comma: "
+                   "train.lr=[1e-4,3e-4] for a list, \"train.lr='1e-4,3e-4'\" for a string"), err
+    assert os.listdir(tmp_path) == []
