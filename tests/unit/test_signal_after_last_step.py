@@ -56,3 +56,18 @@ def test_a_signal_before_the_last_step_still_interrupts(tmp_path, monkeypatch, c
     with pytest.raises(Interrupted) as e:
         _finish(tmp_path, monkeypatch, 1, ckpt)
     assert e.value.signum == signal.SIGTERM and "after the last step" not in capsys.readouterr().out
+
+
+def test_an_aborted_interrupt_save_without_a_checkpoint_says_a_rerun_starts_again(tmp_path):
+    """rev4 POLISH 6: a second Ctrl-C during the interrupt save ended with "no checkpoint saved", without the
+    usual tail every other no-checkpoint end has (``saving.NO_CHECKPOINT_YET``); with a checkpoint it names it."""
+    from npu_train.runtime.coordinator import Coordinator
+    from npu_train.runtime.saving import NO_CHECKPOINT_YET
+
+    me = SimpleNamespace(ckpt_root=str(tmp_path / "checkpoints"), last_ckpt=None, signum=signal.SIGINT,
+                         specs=[SimpleNamespace(train=SimpleNamespace(offload_update="sync"))])
+    e = Coordinator._aborted(me)
+    assert str(e).endswith(f"the interrupt save was aborted; {NO_CHECKPOINT_YET}") and e.checkpoint is None, str(e)
+    me.last_ckpt = str(tmp_path / "checkpoints" / "step_000003")
+    e = Coordinator._aborted(me)
+    assert f"last complete checkpoint {me.last_ckpt}; " in str(e) and e.checkpoint == me.last_ckpt, str(e)

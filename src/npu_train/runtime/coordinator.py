@@ -370,13 +370,13 @@ class Coordinator:
     def _aborted(self) -> Interrupted:
         """A second signal aborted the interrupt save: name the last complete checkpoint and how to resume."""
         from npu_train.checkpoint.store import complete_checkpoints
-        from npu_train.runtime.saving import continue_note
+        from npu_train.runtime.saving import NO_CHECKPOINT_YET, continue_note
 
         done = complete_checkpoints(self.ckpt_root) if self.ckpt_root else []
         ck = self.last_ckpt or (done[-1] if done else None)
         msg = "the interrupt save was aborted; " + (
             f"last complete checkpoint {ck}; {continue_note(self.ckpt_root, self.specs[0].train.offload_update)}"
-            if ck else "no checkpoint saved")
+            if ck else NO_CHECKPOINT_YET)
         return Interrupted(self.signum, msg, checkpoint=ck, checkpoint_dir=self.ckpt_root)
 
     def _send(self, rank: int, msg: dict) -> None:
