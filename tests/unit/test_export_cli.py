@@ -553,3 +553,22 @@ def test_generate_short_of_temporary_space_names_tmpdir(tiny_ckpt, tmp_path, cap
                      "disk with room for it, or export the checkpoint once \\(python -m npu_train.checkpoint."
                      rf"export {re.escape(tiny_ckpt)} <out dir>\) and generate from <out dir>$", flat), flat
     assert "give another output directory" not in flat and os.listdir(tmp) == []
+
+
+def test_a_lora_export_says_how_to_load_its_adapter(tmp_path, monkeypatch):
+    """rev4 POLISH 8: a LoRA export's ``adapter/`` needs ``peft``, which scripts/setup.sh does not install; the
+    export's end says how to load it and, where peft is missing, how to install it. A full export: nothing."""
+    import importlib.util
+
+    import npu_train.checkpoint.export as ex
+
+    assert ex.adapter_note(str(tmp_path)) is None
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))
+    note = ex.adapter_note(str(tmp_path))
+    assert note.startswith(f"  adapter: {tmp_path / 'adapter'}, the LoRA adapters in PEFT's layout") and \
+        "peft is not installed here: .venv/bin/pip install -e '.[peft]'" in note, note
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "peft" else real(name, *a))
+    assert "not installed" not in ex.adapter_note(str(tmp_path))

@@ -483,7 +483,24 @@ def main(argv=None) -> int:
         print(refusal_text(str(e)), file=sys.stderr)
         return 2
     print(fold_long_line(f"exported {a.checkpoint} -> {out} in {time.monotonic() - t0:.0f} s"))
+    note = adapter_note(out)
+    if note:
+        print(fold_long_line(note))
     return 0
+
+
+def adapter_note(out_dir: str) -> Optional[str]:
+    """For a LoRA export (``adapter/`` written): how to load the adapters, and the install line when ``peft``
+    is not importable here (``scripts/setup.sh`` leaves it out; docs/lora.md); None for a full export."""
+    adir = os.path.join(out_dir, "adapter")
+    if not os.path.isfile(os.path.join(adir, "adapter_config.json")):
+        return None
+    import importlib.util
+
+    tail = "" if importlib.util.find_spec("peft") else (
+        "; peft is not installed here: .venv/bin/pip install -e '.[peft]'")
+    return (f"  adapter: {adir}, the LoRA adapters in PEFT's layout (peft.PeftModel.from_pretrained(base, "
+            f"\"{adir}\")){tail}; model.safetensors is the merged model, loadable without peft")
 
 
 if __name__ == "__main__":
