@@ -9,6 +9,7 @@ segments are gone after ``close()`` and, after a card dies without it, after the
 (``unlink_job_segments``: what teardown, an orphaned card and the next launch's sweep call)."""
 from __future__ import annotations
 
+import io
 import multiprocessing as mp
 import os
 import secrets
@@ -63,7 +64,11 @@ def _card(rank, P, head, init, q, job, hows, slots, order, dtype, die):
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=P)
     try:
         res = {how: _one(rank, P, head, q, job, how, slots, order, dtype, die) for how in hows}
-        q.put((rank, res))
+        # by value: a tensor put on the queue as is travels as a handle to this process's shared memory, which is
+        # gone once this process has exited (FileNotFoundError / ConnectionResetError in the parent's get())
+        buf = io.BytesIO()
+        torch.save(res, buf)
+        q.put((rank, buf.getvalue()))
     finally:
         dist.destroy_process_group()
 
@@ -127,6 +132,7 @@ def _spawn(tmp_path, P, head, how=("shm",), slots=1, order="1f1b", dtype=torch.f
         p.start()
     try:
         out = dict(q.get(timeout=120) for _ in (ps if want is None else want))
+        out = {r: torch.load(io.BytesIO(v)) if isinstance(v, bytes) else v for r, v in out.items()}
     finally:
         for p in ps:
             p.join(timeout=30 if want is None else 5)
