@@ -1,6 +1,6 @@
 """``launch/run.py`` (its arguments as given) in which starting the first card process sends SIGINT to the launcher
 from inside ``Process.start()``, after the child exists: the window in which the coordinator used to ignore
-SIGINT (tests/integration/test_signal_during_spawn.py). Each card process started is recorded in
+SIGINT (tests/integration/test_signal_during_spawn_launch.py). Each card process started is recorded in
 ``$NPT_TEST_SPAWN_LOG`` as a JSON line ``{"pid", "job_id"}``."""
 import json
 import multiprocessing.context as mpc

@@ -5,7 +5,8 @@ optim, backends, data) -> config -> (errors, hardware, env, hostmem). A module m
 lower one, never a higher one; neither packages nor files import each other in a circle; nothing
 reaches into another module's private (``_underscore``) names; no function is above cyclomatic
 complexity ``MAX_COMPLEXITY`` unless ``COMPLEX`` gives the reason. Checked statically (AST, radon), so
-lazy imports inside functions and imports inside code strings count too.
+lazy imports inside functions and imports inside code strings count too. Test modules have names unique across
+``tests/`` (no ``__init__.py`` there: pytest's default import mode refuses two of one name in one session).
 """
 from __future__ import annotations
 
@@ -243,3 +244,14 @@ def test_user_errors_share_one_base():
 
     for cls in (BackendSpecError, BackendUnavailableError, CheckpointError, ConfigError, ShmTooSmallError):
         assert issubclass(cls, UserError), cls
+
+
+def test_test_module_names_are_unique():
+    """Two ``test_x.py`` under different folders of ``tests/`` stop the whole suite at collection ("import file
+    mismatch") though each folder alone runs: the CI command collects them together."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(SRC.parents[1].joinpath("tests").rglob("*.py")):
+        if "__pycache__" not in path.parts:
+            seen.setdefault(path.name, []).append(str(path.relative_to(SRC.parents[1])))
+    clashes = {name: where for name, where in seen.items() if len(where) > 1 and name != "conftest.py"}
+    assert not clashes, f"rename one of each: {clashes}"

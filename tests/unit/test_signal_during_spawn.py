@@ -5,7 +5,7 @@ signals are now blocked around ``start()`` (pending, then handled when the mask 
 unblocks them itself (``worker_main``). Here a test double of the card process sends the signal from inside
 ``start()``; the job must stop at once (no further card started, the started one killed by the teardown) with
 :class:`Interrupted` for that signal. SIGTERM, not SIGINT: a SIGINT to the test process stops the suite
-(tests/conftest.py); the real-process test with SIGINT is tests/integration/test_signal_during_spawn.py."""
+(tests/conftest.py); the real-process test with SIGINT is tests/integration/test_signal_during_spawn_launch.py."""
 from __future__ import annotations
 
 import os
