@@ -148,7 +148,9 @@ def test_kill9_during_checkpoint_keeps_previous(tiny_model, tmp_path):
     assert [os.path.basename(p) for p in complete_checkpoints(ck)] == ["step_000002"]
     # the error line and status.json name the last complete checkpoint (not the partial step 4) and the resume
     last = os.path.join(ck, "step_000002")
-    assert f"last complete checkpoint {last};" in err and f"train.resume=latest checkpoint.dir={ck}" in err, err
+    # the resume command follows in ` \\`-continued lines (error_lines joins them back with their backslashes)
+    assert f"last complete checkpoint {last};" in err and "train.resume=latest" in err, err
+    assert f"checkpoint.dir={ck}" in err.replace(" \\ ", " "), err
     with open(os.path.join(job.run_dir, "status.json")) as f:
         status = json.load(f)
     assert status["status"] == "failed" and status["exit_code"] == 1 and status["checkpoint"] == last, status
