@@ -78,8 +78,9 @@ def test_shell_lines_break_only_between_words():
     assert fold_long_line("  " + "x" * 90 + " \\", 80) == "  " + "x" * 90 + " \\"
 
 
-@pytest.mark.parametrize("width", [80, 100])
-def test_the_interrupt_prints_the_whole_resume_command(monkeypatch, capsys, width):
+def _quiet_launcher(monkeypatch, width):
+    """launch/run.py loaded as a module with a console ``width`` columns wide, no pre-import checks and a fixed
+    starting line; with npu_train.runtime.job (whose ``run_job`` the tests replace) and npu_train.errors."""
     run = load_script(LAUNCH_RUN, "_npt_launcher_for_paste_test")
     import npu_train.errors as errors
     import npu_train.runtime.job as job
@@ -88,6 +89,12 @@ def test_the_interrupt_prints_the_whole_resume_command(monkeypatch, capsys, widt
     monkeypatch.setattr(errors, "console_columns", lambda stream=None: width)
     monkeypatch.setattr(run, "check_before_imports", lambda cfg: None)
     monkeypatch.setattr(run, "starting_line", lambda cfg: "starting")
+    return run, job, errors
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_the_interrupt_prints_the_whole_resume_command(monkeypatch, capsys, width):
+    run, job, errors = _quiet_launcher(monkeypatch, width)
     ck = LONG + "/step_000002"
 
     def interrupted(cfg, run_dir, resume_with=None):
@@ -118,14 +125,7 @@ def test_the_interrupt_prints_the_whole_resume_command(monkeypatch, capsys, widt
 def test_a_failed_card_prints_the_whole_resume_command(monkeypatch, capsys, width):
     """A card process failed after a checkpoint: the ``error:`` line names the failure and the last complete
     checkpoint, then the whole command that resumes from it (not "rerun the same command with ...")."""
-    run = load_script(LAUNCH_RUN, "_npt_launcher_for_paste_test")
-    import npu_train.errors as errors
-    import npu_train.runtime.job as job
-
-    monkeypatch.delenv("NPT_CACHE", raising=False)
-    monkeypatch.setattr(errors, "console_columns", lambda stream=None: width)
-    monkeypatch.setattr(run, "check_before_imports", lambda cfg: None)
-    monkeypatch.setattr(run, "starting_line", lambda cfg: "starting")
+    run, job, errors = _quiet_launcher(monkeypatch, width)
     ck = LONG + "/step_000002"
     failure = "card cpu1 (stage 1, layers 2-3) failed during step 3: process killed by signal SIGKILL"
 
