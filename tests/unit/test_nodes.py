@@ -127,6 +127,46 @@ def test_rendezvous_names_the_differing_keys_on_every_node():
         assert "data.seq_len" not in str(e)
 
 
+def test_rendezvous_node0_waits_for_a_slow_node_before_leaving_on_a_difference():
+    """Node 0 hosts the store and exits on the refusal it computed; a node that reads the values later must
+    still find them (it names the same keys), not a closed connection (a heavy-suite run on a loaded host:
+    node 1's launcher died with DistNetworkError). Node 0's store is dropped as soon as it raises."""
+    import gc
+
+    r0, r1 = _two_rendezvous()
+    d0, d1 = config_digest(_cfg("train.lr=1e-3")), config_digest(_cfg("train.lr=2e-3"))
+    slow_collect = r1.collect
+
+    def late(topic, nodes=None):
+        time.sleep(1.0)  # node 1 reaches its read after node 0 has compared and raised
+        return slow_collect(topic, nodes)
+
+    r1.collect = late
+
+    def node0():
+        try:
+            r0.check_same("config", d0, "settings", "fix it")
+        finally:
+            r0.store = None  # the launcher exits: its store goes with it
+            gc.collect()
+
+    e0, e1 = _both(node0, lambda: r1.check_same("config", d1, "settings", "fix it"))
+    for e in (e0, e1):
+        assert isinstance(e, RendezvousError), repr(e)
+        assert "node 1 differs from node 0 in train.lr (node 0: 0.001, node 1: 0.002)" in str(e)
+
+
+def test_rendezvous_names_node0_when_its_store_is_gone():
+    r0, r1 = _two_rendezvous()
+    r1.publish("cards", [])
+    r0.store = None
+    import gc
+
+    gc.collect()
+    with pytest.raises(RendezvousError, match="node 0's rendezvous store closed while this node waited for 'cards'"):
+        r1.collect("cards")
+
+
 def test_rendezvous_abort_stops_the_others_waiting():
     r0, r1 = _two_rendezvous(timeout=60.0)
     r1.abort("error: backend entry 'cuda:7' names a device that does not exist")

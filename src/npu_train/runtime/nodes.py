@@ -179,9 +179,9 @@ class Rendezvous:
         except Exception:  # noqa: BLE001 - best effort: node 0's store may be gone
             pass
 
-    def _check_aborts(self) -> None:
+    def _check_aborts(self, topic: str = "") -> None:
         for n in range(self.layout.nnodes):
-            if n != self.layout.node_rank and self.store.check([f"abort/{n}"]):
+            if n != self.layout.node_rank and self._check([f"abort/{n}"], topic):
                 msg = self.store.get(f"abort/{n}").decode(errors="replace")
                 raise RendezvousError(f"node {n} failed while preparing the job: {msg}")
 
@@ -192,8 +192,8 @@ class Rendezvous:
         keys = [f"{topic}/{n}" for n in nodes]
         deadline = time.monotonic() + self.timeout_s
         while True:
-            self._check_aborts()
-            if self.store.check(keys):
+            self._check_aborts(topic)
+            if self._check(keys, topic):
                 break
             if time.monotonic() > deadline:
                 missing = [n for n, k in zip(nodes, keys) if not self.store.check([k])]
@@ -202,12 +202,40 @@ class Rendezvous:
                     f"runtime.startup_timeout_s={self.timeout_s:g} s: start one launcher per node with "
                     f"NNODES={self.layout.nnodes} and NODE_RANK=0..{self.layout.nnodes - 1}")
             time.sleep(self.POLL_S)
-        return [json.loads(self.store.get(k)) for k in keys]
+        try:
+            return [json.loads(self.store.get(k)) for k in keys]
+        except Exception as e:  # noqa: BLE001 - DistNetworkError / RuntimeError: node 0's store is gone
+            raise self._store_gone(topic, e) from None
+
+    def _check(self, keys: list, topic: str) -> bool:
+        """``store.check(keys)``; node 0's store closing under a waiting node raises RendezvousError."""
+        try:
+            return self.store.check(keys)
+        except Exception as e:  # noqa: BLE001 - DistNetworkError / RuntimeError
+            raise self._store_gone(topic, e) from None
+
+    def _store_gone(self, topic: str, e: Exception) -> RendezvousError:
+        return RendezvousError(
+            f"node {self.layout.node_rank}: node 0's rendezvous store closed while this node waited for {topic!r} "
+            f"({str(e).splitlines()[0][:160]}): node 0's launcher stopped; its own error says why")
 
     def exchange(self, topic: str, value: Any) -> list[Any]:
-        """Publish ``value`` and return every node's (index = node rank)."""
+        """Publish ``value`` and return every node's (index = node rank). Each node other than 0 then marks
+        ``<topic>/read/<node>``, so that node 0, which hosts the store, can wait for every node to have read
+        before it exits on what it read (:meth:`check_same`)."""
         self.publish(topic, value)
-        return self.collect(topic)
+        out = self.collect(topic)
+        if not self.layout.is_master:
+            self.store.set(f"{topic}/read/{self.layout.node_rank}", "1")
+        return out
+
+    def _wait_read(self, topic: str, limit_s: float = 10.0) -> None:
+        """Node 0, about to exit: wait up to ``limit_s`` (at most the rendezvous timeout) for every other node
+        to have read ``topic``, so that each names the same refusal instead of finding the store gone."""
+        keys = [f"{topic}/read/{n}" for n in range(1, self.layout.nnodes)]
+        deadline = time.monotonic() + min(limit_s, self.timeout_s)
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            time.sleep(self.POLL_S)
 
     def check_same(self, topic: str, flat: dict, what: str, fix: str) -> None:
         """Publish ``flat``, compare with node 0's. Raises RendezvousError naming nodes, keys, values and ``fix``."""
@@ -221,6 +249,8 @@ class Rendezvous:
                 more = f" and {len(keys) - 8} more" if len(keys) > 8 else ""
                 diffs.append(f"node {n} differs from node 0 in {shown}{more}")
         if diffs:
+            if self.layout.is_master:  # the store goes with this process: let the others read first
+                self._wait_read(topic)
             raise RendezvousError(f"{what} differ between nodes: {' | '.join(diffs)}: {fix}")
 
 
