@@ -38,7 +38,7 @@ def test_resumed_schedule_line_is_a_whole_phrase(monkeypatch, capsys):
     monkeypatch.setattr(job, "_resumed_train", lambda cfg, run_dir: {"schedule": "zb-h2", "recompute": False})
     cfg = OmegaConf.structured(Config)
     cfg.train.schedule = "auto"
-    job._choose_schedule(cfg, "/nonexistent", SimpleNamespace(is_moe=False), "fp32", [], 1, 1, 0, None)
+    job._choose_schedule(cfg, "/nonexistent", SimpleNamespace(is_moe=False), "fp32", [None], 1, 1, 0, None)
     line = capsys.readouterr().out.strip()
     assert cfg.train.schedule == "zb-h2"
     assert line.startswith("train.schedule=auto: zb-h2, the resumed checkpoint's schedule (a resume keeps it"), line

@@ -54,6 +54,14 @@ def chunks_per_card(kind: str) -> int:
     return 2 if kind in CHUNKED_SCHEDULES else 1
 
 
+def stages_needed(kind: str) -> int:
+    """Pipeline stages (cards of one pipeline) schedule ``kind`` runs on at the least: 2 for
+    :data:`CHUNKED_SCHEDULES` (chunk 0 hands its activations to chunk 1 over the link to another card, which one
+    card has not), else 1. The one rule of the launcher's refusal, auto's candidates, a resume's kept schedule and
+    the planner."""
+    return 2 if kind in CHUNKED_SCHEDULES else 1
+
+
 def virtual_stage(kind: str, num_stages: int, card: int, chunk: int) -> int:
     """The position in the whole pipeline (``0..cP-1``, ``c`` = :func:`chunks_per_card`) of ``card``'s
     ``chunk``: ``zbv`` the V (chunk 1 of card ``r`` is ``2P-1-r``), ``interleaved`` ``chunk * P + card``."""

@@ -166,10 +166,11 @@ def choose_schedule(req: PlanRequest, recompute_attention="auto", vocab: bool = 
 
 
 def _for_stages(schedules: tuple, stages: int) -> tuple:
-    """``schedules`` that run on ``stages`` pipeline stages: the two-chunk ones need at least 2."""
-    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+    """``schedules`` that run on ``stages`` pipeline stages (:func:`~npu_train.pipeline.schedule.stages_needed`:
+    the two-chunk ones need at least 2)."""
+    from npu_train.pipeline.schedule import stages_needed
 
-    return tuple(s for s in schedules if stages >= 2 or s not in CHUNKED_SCHEDULES)
+    return tuple(s for s in schedules if stages >= stages_needed(s))
 
 
 def _none_fits(req: PlanRequest, recompute: bool) -> ScheduleChoice:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence, Union
 
 from npu_train.hardware import HOST_MEMORY_KINDS, KINDS, LAUNCHER_RESERVE_BYTES
-from npu_train.pipeline.schedule import SPLIT_BACKWARD, chunks_per_card
+from npu_train.pipeline.schedule import SPLIT_BACKWARD, stages_needed
 from npu_train.planner.cost import CostModel, StageCost
 from npu_train.planner.plan import Plan
 from npu_train.planner.rates import Rates
@@ -621,7 +621,7 @@ def _cost_model(req: PlanRequest) -> CostModel:
         raise PlacementError("no cards given")
     if int(req.dp) < 1 or int(req.zero) not in (0, 1):
         raise ValueError(f"make_plan needs dp >= 1 and zero in (0, 1), got dp={req.dp}, zero={req.zero}")
-    if P < 2 and chunks_per_card(req.shape.schedule) > 1:  # the runtime hands chunk 0 to chunk 1 across cards
+    if P < stages_needed(req.shape.schedule):  # the runtime hands chunk 0 to chunk 1 across cards
         raise ValueError(f"schedule {req.shape.schedule} needs at least 2 pipeline stages (P={P}): use 1f1b")
     if P > L:
         raise PlacementError(

@@ -517,9 +517,9 @@ def _check_interleaved(cfg, P: int) -> None:
     """ConfigError for a two-chunk ``train.schedule`` (zbv, interleaved) on one pipeline stage (chunk 0 hands its
     activations to chunk 1 over the link to another card: there is none), and for ``interleaved`` with
     ``train.accum`` not a multiple of the stages ``P``."""
-    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES
+    from npu_train.pipeline.schedule import stages_needed
 
-    if cfg.train.schedule in CHUNKED_SCHEDULES and P < 2:
+    if P < stages_needed(cfg.train.schedule):
         raise ConfigError(f"train.schedule={cfg.train.schedule} needs at least 2 pipeline stages (its two layer "
                           f"chunks per card pass activations between cards); this launch has {P}: use "
                           "train.schedule=1f1b (or auto), or give more cards (backend=[...])")
@@ -538,14 +538,12 @@ def _choose_schedule(cfg, run_dir: str, mcfg, dtype: str, cards: list, threads: 
     None."""
     from omegaconf import open_dict
 
-    from npu_train.pipeline.schedule import ALL_SCHEDULES
+    from npu_train.pipeline.schedule import ALL_SCHEDULES, CHUNKED_SCHEDULES, SPLIT_BACKWARD, stages_needed
     from npu_train.planner.schedule_choice import choose_schedule
-
-    from npu_train.pipeline.schedule import CHUNKED_SCHEDULES, SPLIT_BACKWARD
 
     saved = _resumed_train(cfg, run_dir)
     off = None
-    if saved and saved.get("schedule") in CHUNKED_SCHEDULES and len(cards) < 2:  # a resume onto one stage
+    if saved and len(cards) < stages_needed(str(saved.get("schedule"))):  # a resume onto one stage
         print(f"train.schedule=auto: the resumed checkpoint's schedule {saved['schedule']} needs at least 2 pipeline "
               f"stages and this launch has {len(cards)}: choosing anew (the micro-batches' gradients are summed in "
               "another order)", flush=True)
