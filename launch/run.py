@@ -320,17 +320,15 @@ def main(cfg, run_dir: str, report: "dict | None" = None, resume_with=None) -> i
 
 def _resume_lines(resume_with, checkpoint_dir: "str | None") -> "list[str] | None":
     """The lines printed on stderr after an ``error:`` / ``interrupted`` line that ends naming a checkpoint:
-    ``  resume with:`` on a line of its own (never folded between its words), then the command that resumes
-    from ``checkpoint_dir`` (``resume_with``: :func:`main`'s) indented four spaces
-    (:func:`~npu_train.metrics.report.shell_lines`: each line within the console's width but a word wider
-    alone, every line but the last ending in a `` \\`` continuation); None without a checkpoint or a command.
+    :func:`~npu_train.metrics.report.resume_lines` of the command that resumes from ``checkpoint_dir``
+    (``resume_with``: :func:`main`'s) at the console's width; None without a checkpoint or a command.
     Joined by :class:`_ErrorLineTee`, the message ends ``...; resume with: <the command>`` (``status.json``)."""
     if not checkpoint_dir or resume_with is None:
         return None
     from npu_train.errors import console_columns
-    from npu_train.metrics.report import shell_lines
+    from npu_train.metrics.report import resume_lines
 
-    return ["  resume with:", *shell_lines(resume_with(checkpoint_dir), console_columns(sys.stderr), indent="    ")]
+    return resume_lines(resume_with(checkpoint_dir), console_columns(sys.stderr))
 
 
 class _StderrCapture:

@@ -14,8 +14,9 @@ from npu_train.config import Config
 from npu_train.errors import ConfigError, JobFailed
 from npu_train.hardware import Card
 from npu_train.runtime.agent import NodeLink
-from npu_train.runtime.nodes import (NodeLayout, NodePlan, Rendezvous, RendezvousError, boundary_transports,
-                                     config_digest, route_address)
+from npu_train.pipeline.hosts import boundary_transports
+from npu_train.runtime.nodes import (NodeLayout, NodePlan, Rendezvous, RendezvousError, config_digest,
+                                     route_address)
 
 
 def _free_port() -> int:

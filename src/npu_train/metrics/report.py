@@ -19,7 +19,7 @@ import time
 from typing import Optional
 
 from npu_train.errors import console_columns, fmt_number
-from npu_train.hardware import BUSY_LOAD_PER_CORE, host_busy, host_load  # noqa: F401 - re-exported
+from npu_train.hardware import host_busy, host_load
 
 GIB = 2 ** 30
 
@@ -250,10 +250,12 @@ def device_fields(reports: list[dict]) -> dict:
 #: step, with start-up and compilation, not counted) print :func:`slow_steps_note` once
 SLOW_RATIO = 1.5
 SLOW_STEPS = 3
+
+
 def slow_steps_note(step_s: float, plan_s: float, n: int, load: Optional[tuple[float, int]]) -> str:
     """The one line for steps that run well over the plan: ``step_s`` the mean of the ``n`` slow steps and
     ``plan_s`` the plan's step (seconds), ``load`` :func:`host_load`'s figure. It names the host as busy only
-    when the load says so (at least :data:`BUSY_LOAD_PER_CORE` per core); otherwise it says the load is not the
+    when the load says so (:func:`~npu_train.hardware.host_busy`); otherwise it says the load is not the
     cause and points at the plan's rates. A reviewer's default job ran 25-38 s steps against a 5.08 s plan
     (load average 8-12 on 2 cores from other jobs) and nothing said why."""
     scale, d, unit = step_time_unit(min(step_s, plan_s))  # the step line's unit (ms under 0.1 s)
@@ -888,6 +890,13 @@ def shell_lines(words: list[str], width: int = LINE_COLUMNS, indent: str = "") -
         else:
             cur += " " + w
     return lines + [cur]
+
+
+def resume_lines(words: list[str], width: int) -> list[str]:
+    """A resume command's lines after the line that names its checkpoint (the ``stopped:`` block, the
+    launcher's ``error:`` and ``interrupted`` lines): ``  resume with:`` on a line of its own, then ``words``
+    (:func:`shell_lines`) indented four spaces, each line within ``width`` columns but a word wider alone."""
+    return ["  resume with:", *shell_lines(words, width, indent="    ")]
 
 
 def fold_long_line(line: str, width: Optional[int] = None) -> str:

@@ -300,8 +300,9 @@ def _rates_origin(kind: str, rt, plan: Plan) -> str:
     if BUSY_SKIPPED in rt.sources:  # every finished run with a speed ran on a busy host
         where += f"; speed not fitted: {rt.sources[BUSY_SKIPPED]}"
     if any("busy run" in v for v in rt.sources.values()):
-        where += (f"; busy = run at a load average of {BUSY_LOAD_PER_CORE:g}/core or more past the job's own threads "
-                  "(planner.fit: its speed is not fitted)")
+        where += (f"; busy = run at a load average of {BUSY_LOAD_PER_CORE:g}/core or more, "
+                  f"{BUSY_LOAD_PER_CORE - 1:g}/core past the job's own threads where they outnumber the cores "
+                  "(hardware.host_busy; planner.fit: its speed is not fitted)")
     return where
 
 

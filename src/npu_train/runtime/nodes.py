@@ -14,7 +14,6 @@ from datetime import timedelta
 from typing import Any, Mapping, Optional
 
 from npu_train.errors import ConfigError, UserError
-from npu_train.pipeline.hosts import boundary_transports  # noqa: F401 - one home (pipeline/hosts.py), named here too
 
 
 class RendezvousError(UserError):

@@ -169,17 +169,17 @@ def end_of_run_line(summ: dict, at: int, train, last_ckpt: Optional[str], ckpt_r
     busy) and a stopped run's resume command. With ``resume_words`` (its words, each quoted for the shell:
     launch/run.py's ``resume_words``) that is ``resume with:`` and the whole command to paste, broken into
     `` \\``-continued lines of at most ``width`` columns (default: the console's) by
-    :func:`~npu_train.metrics.report.shell_lines`; without, "the same command" and what to add to it.
+    :func:`~npu_train.metrics.report.resume_lines`; without, "the same command" and what to add to it.
     ``summ``: the reporter's summary (losses in nats/token)."""
-    from npu_train.metrics.report import fmt_loss, shell_lines
+    from npu_train.metrics.report import fmt_loss, resume_lines
 
     n = int(summ["steps_run"])
     early = at < train.steps
     skipped = f" ({summ['skipped_steps']} skipped: non-finite)" if summ.get("skipped_steps") else ""
     resume = ""
     if early and last_ckpt:
-        cmd = shell_lines(resume_words, width or console_columns(), indent="    ") if resume_words else None
-        resume = ("\n  resume with:\n" + "\n".join(cmd) if cmd else
+        cmd = resume_lines(resume_words, width or console_columns()) if resume_words else None
+        resume = ("\n" + "\n".join(cmd) if cmd else
                   f"\n  {continue_note(ckpt_root, train.offload_update)} (the whole command: 'resume' in "
                   f"{os.path.join(run_dir, 'status.json')})")
     return (f"{'stopped' if early else 'done'}: {n} step{'' if n == 1 else 's'}{skipped}"
