@@ -292,7 +292,10 @@ def test_the_launch_plans_the_adapters_the_kernel_runs():
         assert run_shape(cfg, m, "bf16").lora_expert_rank == rank
 
 
-_RSS_PROBE = r"""
+#: the start of both child processes below: a card's malloc settings, bf16 widened to fp32 (as on a host without
+#: bf16 hardware), ``threads H I E n`` from argv, and ``n`` routed rows for each of ``E`` experts' stacked bf16
+#: weights (gate/up ``[2I, H]``, down ``[H, I]``: ``ws``, the kernel's operands) with their input ``xs`` and ``dy``
+_WIDENED_KERNEL_SETUP = r"""
 import json, sys
 import torch
 from npu_train import hostmem
@@ -302,6 +305,16 @@ torch.cpu._is_amx_tile_supported = lambda: False
 from npu_train.model.moe import GroupedSwiGlu
 threads, H, I, E, n = (int(a) for a in sys.argv[1:6])
 torch.set_num_threads(threads)
+g = torch.Generator().manual_seed(0)
+gu = (torch.randn(E, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
+down = (torch.randn(E, H, I, generator=g) * 0.02).to(torch.bfloat16)
+ws = [t for e in range(E) for t in (gu[e, :I], gu[e, I:], down[e])]
+xs = torch.randn(n * E, H, generator=g).to(torch.bfloat16).requires_grad_()
+dy = torch.randn(n * E, H, generator=g).to(torch.bfloat16)
+"""
+
+
+_RSS_PROBE = _WIDENED_KERNEL_SETUP + r"""
 
 def status():
     with open("/proc/self/status") as f:
@@ -314,12 +327,6 @@ def trimmed():  # the heap's free pages returned (a card's HeapGuard near its pl
         f.write("5")
     return status()[1]
 
-g = torch.Generator().manual_seed(0)
-gu = (torch.randn(E, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
-down = (torch.randn(E, H, I, generator=g) * 0.02).to(torch.bfloat16)
-ws = [t for e in range(E) for t in (gu[e, :I], gu[e, I:], down[e])]
-xs = torch.randn(n * E, H, generator=g).to(torch.bfloat16).requires_grad_()
-dy = torch.randn(n * E, H, generator=g).to(torch.bfloat16)
 out = []
 for rep in range(4):
     y = GroupedSwiGlu.apply(xs, (n,) * E, None, *ws)
@@ -418,19 +425,11 @@ def test_the_heap_guards_limit_leaves_the_kernel_its_workspaces(monkeypatch, thr
     assert all(st.heap_limit is None and st.heap_reserve == 0 for st in plan(m, True).stages)
 
 
-_GUARD_PROBE = r"""
-import json, sys
-import torch
-from npu_train import hostmem
-assert hostmem.keep_freed_memory()  # a card's settings: blocks up to 1 GiB from the heap, no automatic trim
-torch.cpu._is_avx512_bf16_supported = lambda: False  # bf16 widened to fp32, as on a host without bf16 hardware
-torch.cpu._is_amx_tile_supported = lambda: False
+_GUARD_PROBE = _WIDENED_KERNEL_SETUP + r"""
 from npu_train.hardware import Card
 from npu_train.hostmem import HeapGuard
-from npu_train.model.moe import GroupedSwiGlu
 from npu_train.planner.plan import StagePlan
-threads, H, I, E, n, reserve = (int(a) for a in sys.argv[1:7])
-torch.set_num_threads(threads)
+reserve = int(sys.argv[6])
 MiB = 1 << 20
 
 def status():
@@ -438,12 +437,6 @@ def status():
         d = dict(line.split(":", 1) for line in f)
     return {k: int(d[k].split()[0]) * 1024 for k in ("VmHWM", "RssFile")}
 
-g = torch.Generator().manual_seed(0)
-gu = (torch.randn(E, 2 * I, H, generator=g) * 0.02).to(torch.bfloat16)
-down = (torch.randn(E, H, I, generator=g) * 0.02).to(torch.bfloat16)
-ws = [t for e in range(E) for t in (gu[e, :I], gu[e, I:], down[e])]
-xs = torch.randn(n * E, H, generator=g).to(torch.bfloat16).requires_grad_()
-dy = torch.randn(n * E, H, generator=g).to(torch.bfloat16)
 y = GroupedSwiGlu.apply(xs, (n,) * E, None, *ws)  # a first call: its one-time allocations (the worker pool)
 dx, = torch.autograd.grad(y, [xs], dy)
 del y, dx
